@@ -1,0 +1,327 @@
+"""numpy kernels: the single numeric truth of every op.
+
+The Top interpreter, the Tpu interpreter, constant folding and the reference machine all
+call these functions; no other module re-implements an op's math.
+
+Conventions: inputs are numpy arrays (float32, float16, ml_dtypes.bfloat16, ints);
+floating-point math is done in float32 (f32 accumulation, as the chip does) and the
+result is rounded to `out_dtype` (default: the dtype of the first input).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def f32(x: np.ndarray) -> np.ndarray:
+    """View/convert any float array as float32 for computing."""
+    x = np.asarray(x)
+    if x.dtype == np.float32:
+        return x
+    return x.astype(np.float32)
+
+
+def _out(x: np.ndarray, out_dtype: np.dtype | type | None, like: np.ndarray) -> np.ndarray:
+    dt = np.dtype(out_dtype) if out_dtype is not None else np.asarray(like).dtype
+    return x.astype(dt, copy=False) if x.dtype != dt else x
+
+
+def is_float_dtype(dt: np.dtype) -> bool:
+    return np.issubdtype(dt, np.floating) or np.dtype(dt) == np.dtype(ml_dtypes.bfloat16)
+
+
+# --------------------------------------------------------------------------- elementwise
+
+
+def binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
+    fa, fb = (f32(a), f32(b)) if is_float_dtype(np.asarray(a).dtype) else (a, b)
+    if kind == "add":
+        r = fa + fb
+    elif kind == "sub":
+        r = fa - fb
+    elif kind == "mul":
+        r = fa * fb
+    elif kind == "div":
+        r = fa / fb if is_float_dtype(np.asarray(a).dtype) else np.floor_divide(fa, fb)
+    elif kind == "max":
+        r = np.maximum(fa, fb)
+    elif kind == "min":
+        r = np.minimum(fa, fb)
+    else:
+        raise ValueError(f"unknown binary kernel {kind}")
+    return _out(np.asarray(r), out_dtype, a)
+
+
+def binary_const(kind: str, x: np.ndarray, value: float, reverse: bool = False,
+                 out_dtype=None) -> np.ndarray:
+    fx = f32(x) if is_float_dtype(np.asarray(x).dtype) else x
+    c = np.float32(value) if is_float_dtype(np.asarray(x).dtype) else value
+    a, b = (c, fx) if reverse else (fx, c)
+    if kind == "add":
+        r = a + b
+    elif kind == "sub":
+        r = a - b
+    elif kind == "mul":
+        r = a * b
+    elif kind == "div":
+        r = a / b
+    else:
+        raise ValueError(f"unknown const kernel {kind}")
+    return _out(np.asarray(r), out_dtype, x)
+
+
+def compare(pred: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    ops = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+           "gt": np.greater, "ge": np.greater_equal}
+    return ops[pred](a, b)
+
+
+def where(c: np.ndarray, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
+    return _out(np.where(c.astype(bool), a, b), out_dtype, a)
+
+
+def cast(x: np.ndarray, dtype) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if np.issubdtype(dt, np.integer) and is_float_dtype(x.dtype):
+        return np.trunc(f32(x)).astype(dt)
+    return np.asarray(x).astype(dt)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # float64 vectorised erf (math.erf is exact to double precision)
+    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
+
+
+def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
+    fx = f32(x)
+    if kind == "rsqrt":
+        r = 1.0 / np.sqrt(fx)
+    elif kind == "sqrt":
+        r = np.sqrt(fx)
+    elif kind == "exp":
+        r = np.exp(fx)
+    elif kind == "cos":
+        r = np.cos(fx)
+    elif kind == "sin":
+        r = np.sin(fx)
+    elif kind == "tanh":
+        r = np.tanh(fx)
+    elif kind == "sigmoid":
+        r = 1.0 / (1.0 + np.exp(-fx))
+    elif kind == "silu":
+        r = fx / (1.0 + np.exp(-fx))
+    elif kind == "gelu":
+        if kw.get("approximate", "none") == "tanh":
+            c = np.float32(math.sqrt(2.0 / math.pi))
+            r = 0.5 * fx * (1.0 + np.tanh(c * (fx + np.float32(0.044715) * fx * fx * fx)))
+        else:
+            r = (0.5 * fx.astype(np.float64) * (1.0 + _erf(fx / math.sqrt(2.0)))).astype(
+                np.float32
+            )
+    elif kind == "pow":
+        e = float(kw["exponent"])
+        r = fx * fx if e == 2.0 else np.power(fx, np.float32(e))
+    else:
+        raise ValueError(f"unknown unary kernel {kind}")
+    return _out(np.asarray(r, dtype=np.float32), out_dtype, x)
+
+
+# --------------------------------------------------------------------------- reductions, norms
+
+
+def softmax(x: np.ndarray, axis: int, out_dtype=None) -> np.ndarray:
+    fx = f32(x)
+    m = np.max(fx, axis=axis, keepdims=True)
+    e = np.exp(fx - m)
+    return _out(e / np.sum(e, axis=axis, keepdims=True), out_dtype, x)
+
+
+def reduce(x: np.ndarray, mode: str, axes: Sequence[int], keepdims: bool,
+           out_dtype=None) -> np.ndarray:
+    fx = f32(x) if is_float_dtype(x.dtype) else x
+    ax = tuple(axes)
+    fn = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}[mode]
+    return _out(np.asarray(fn(fx, axis=ax, keepdims=keepdims)), out_dtype, x)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float,
+             out_dtype=None) -> np.ndarray:
+    fx = f32(x)
+    var = np.mean(fx * fx, axis=-1, keepdims=True)
+    y = fx * (1.0 / np.sqrt(var + np.float32(eps)))
+    if weight is not None:
+        y = y * f32(weight)
+    return _out(y, out_dtype, x)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None,
+               eps: float, axis: int, out_dtype=None) -> np.ndarray:
+    fx = f32(x)
+    axes = tuple(range(axis % fx.ndim, fx.ndim))
+    mean = np.mean(fx, axis=axes, keepdims=True)
+    var = np.mean((fx - mean) ** 2, axis=axes, keepdims=True)
+    y = (fx - mean) / np.sqrt(var + np.float32(eps))
+    if weight is not None:
+        y = y * f32(weight)
+    if bias is not None:
+        y = y + f32(bias)
+    return _out(y, out_dtype, x)
+
+
+# --------------------------------------------------------------------------- LLM ops
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str,
+         out_dtype=None) -> np.ndarray:
+    fx, c, s = f32(x), f32(cos), f32(sin)
+    d = fx.shape[-1]
+    if mode == "half":
+        rot = np.concatenate([-fx[..., d // 2 :], fx[..., : d // 2]], axis=-1)
+    else:
+        rot = np.empty_like(fx)
+        rot[..., 0::2] = -fx[..., 1::2]
+        rot[..., 1::2] = fx[..., 0::2]
+    return _out(fx * c + rot * s, out_dtype, x)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+              scale: float, history_k: np.ndarray | None = None,
+              history_v: np.ndarray | None = None, causal: bool = False,
+              out_dtype=None) -> np.ndarray:
+    """Sequence-major GQA attention: q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> [B,Sq,Hq,Dv].
+
+    History keys (if any) come first; they are scored and weighted separately and never
+    concatenated with k/v (reload-free concatenation). Scores, softmax and the weighted
+    sum are computed in f32.
+    """
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    rep = hq // hkv
+    # [B, Hkv, rep, Sq, D]
+    fq = f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d)
+    parts_k = [k] if history_k is None else [history_k, k]
+    parts_v = [v] if history_v is None else [history_v, v]
+    scores = []
+    for kk in parts_k:
+        fk = f32(kk).transpose(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, Sk]
+        scores.append(np.matmul(fq, fk) * np.float32(scale))  # [B, Hkv, rep, Sq, Sk]
+    s = np.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    sk = s.shape[-1]
+    if mask is not None:
+        m = np.broadcast_to(f32(mask), (b, hq, sq, sk))
+        s = s + m.reshape(b, hkv, rep, sq, sk)
+    if causal:
+        off = sk - sq
+        tri = np.triu(np.ones((sq, sk), dtype=bool), k=1 + off)
+        s = np.where(tri, np.float32(-np.inf), s)
+    mx = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - mx)
+    p = p / np.sum(p, axis=-1, keepdims=True)
+    out = None
+    start = 0
+    for vv in parts_v:
+        n = vv.shape[1]
+        fv = f32(vv).transpose(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, Sk, Dv]
+        o = np.matmul(p[..., start : start + n], fv)
+        out = o if out is None else out + o
+        start += n
+    assert out is not None
+    dv = out.shape[-1]
+    res = out.reshape(b, hq, sq, dv).transpose(0, 2, 1, 3)
+    return _out(np.ascontiguousarray(res), out_dtype, q)
+
+
+def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
+           transpose_a: bool = False, transpose_b: bool = False,
+           out_dtype=None) -> np.ndarray:
+    fa = f32(a) if is_float_dtype(a.dtype) else a
+    fb = f32(b) if is_float_dtype(b.dtype) else b
+    if transpose_a:
+        fa = np.swapaxes(fa, -1, -2)
+    if transpose_b:
+        fb = np.swapaxes(fb, -1, -2)
+    r = np.matmul(fa, fb)
+    if bias is not None:
+        r = r + f32(bias).reshape(-1)
+    return _out(r, out_dtype, a)
+
+
+def gather(table: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray:
+    idx = np.asarray(indices).astype(np.int64)
+    n = table.shape[axis]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        bad = int(idx[(idx < 0) | (idx >= n)].flat[0])
+        raise IndexError(f"gather index {bad} is out of range for axis of size {n}")
+    return np.take(table, idx, axis=axis)
+
+
+def topk(x: np.ndarray, k: int, axis: int, largest: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted top-k; ties keep the lower index first (like argmax)."""
+    fx = f32(x) if is_float_dtype(x.dtype) else x
+    key = -fx if largest else fx
+    idx = np.argsort(key, axis=axis, kind="stable")
+    idx = np.take(idx, np.arange(k), axis=axis)
+    vals = np.take_along_axis(np.asarray(x), idx, axis=axis)
+    return vals, idx.astype(np.int32)
+
+
+def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Sequence[int],
+           pads: Sequence[int], dilations: Sequence[int], groups: int,
+           out_dtype=None) -> np.ndarray:
+    fx, fw = f32(x), f32(w)
+    pt, pl, pb, pr = pads
+    fx = np.pad(fx, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    n, c, h, wd = fx.shape
+    o, cg, kh, kw = fw.shape
+    sh, sw = strides
+    dh, dw = dilations
+    oh = (h - dh * (kh - 1) - 1) // sh + 1
+    ow = (wd - dw * (kw - 1) - 1) // sw + 1
+    og = o // groups
+    out = np.zeros((n, o, oh, ow), dtype=np.float32)
+    for g in range(groups):
+        xg = fx[:, g * cg : (g + 1) * cg]
+        wg = fw[g * og : (g + 1) * og]  # [og, cg, kh, kw]
+        # im2col: [n, cg, kh, kw, oh, ow]
+        cols = np.empty((n, cg, kh, kw, oh, ow), dtype=np.float32)
+        for i in range(kh):
+            for j in range(kw):
+                cols[:, :, i, j] = xg[:, :, i * dh : i * dh + sh * (oh - 1) + 1 : sh,
+                                      j * dw : j * dw + sw * (ow - 1) + 1 : sw]
+        out[:, g * og : (g + 1) * og] = np.einsum(
+            "nckl...,ockl->no...", cols, wg, optimize=True
+        )
+    if bias is not None:
+        out = out + f32(bias).reshape(1, -1, 1, 1)
+    return _out(out, out_dtype, x)
+
+
+# --------------------------------------------------------------------------- data movement
+
+
+def reshape(x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    return np.reshape(x, tuple(shape))
+
+
+def permute(x: np.ndarray, order: Sequence[int]) -> np.ndarray:
+    return np.ascontiguousarray(np.transpose(x, tuple(order)))
+
+
+def expand(x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    return np.ascontiguousarray(np.broadcast_to(x, tuple(shape)))
+
+
+def concat(xs: Sequence[np.ndarray], axis: int) -> np.ndarray:
+    return np.concatenate(list(xs), axis=axis)
+
+
+def slice_(x: np.ndarray, axis: int, start: int, end: int, step: int) -> np.ndarray:
+    sl = [slice(None)] * x.ndim
+    sl[axis] = slice(start, end, step)
+    return np.ascontiguousarray(x[tuple(sl)])

@@ -1,0 +1,24 @@
+"""toptpu.dialects: the Top and Tpu dialects and what they share."""
+
+from __future__ import annotations
+
+from xdsl.context import Context
+
+
+def all_dialects() -> list:  # noqa: ANN201 - list[Dialect]
+    """The dialects toptpu works with: builtin, func, arith and its own."""
+    from xdsl.dialects.arith import Arith
+    from xdsl.dialects.builtin import Builtin
+    from xdsl.dialects.func import Func
+
+    from toptpu.dialects.top import Top
+
+    return [Builtin, Func, Arith, Top]
+
+
+def context() -> Context:
+    """An xDSL context with builtin, func and toptpu's dialects loaded."""
+    ctx = Context()
+    for d in all_dialects():
+        ctx.load_dialect(d)
+    return ctx

@@ -1,0 +1,340 @@
+"""Helpers shared by the Top and Tpu dialects: attribute constructors/readers, element
+types, broadcasting and the `ShapedOp` protocol (shape inference, FLOP count, verifier).
+
+Every op attribute is an MLIR *attribute* (never a property) so that the generic form
+printed by xDSL is accepted by MLIR's IRDL-loaded dialects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from xdsl.dialects.builtin import (
+    AnyFloat,
+    BFloat16Type,
+    DenseArrayBase,
+    DenseIntOrFPElementsAttr,
+    Float16Type,
+    Float32Type,
+    Float64Type,
+    FloatAttr,
+    IntegerAttr,
+    IntegerType,
+    Signedness,
+    StringAttr,
+    TensorType,
+    bf16,
+    f16,
+    f32,
+    f64,
+    i1,
+    i8,
+    i32,
+    i64,
+)
+from xdsl.ir import Attribute, SSAValue
+from xdsl.irdl import IRDLOperation
+from xdsl.utils.exceptions import VerifyException
+
+# --------------------------------------------------------------------------- attributes
+
+
+def i64_attr(value: int) -> IntegerAttr:
+    return IntegerAttr(int(value), i64)
+
+
+def f64_attr(value: float) -> FloatAttr:
+    return FloatAttr(float(value), f64)
+
+
+def bool_attr(value: bool) -> IntegerAttr:
+    return IntegerAttr(1 if value else 0, i1)
+
+
+def i64_array(values: Sequence[int]) -> DenseArrayBase:
+    return DenseArrayBase.from_list(i64, [int(v) for v in values])
+
+
+def str_attr(value: str) -> StringAttr:
+    return StringAttr(value)
+
+
+def read_int(attr: Attribute | None, default: int | None = None) -> int:
+    if attr is None:
+        if default is None:
+            raise VerifyException("missing integer attribute")
+        return default
+    assert isinstance(attr, IntegerAttr), attr
+    return int(attr.value.data)
+
+
+def read_float(attr: Attribute | None, default: float | None = None) -> float:
+    if attr is None:
+        if default is None:
+            raise VerifyException("missing float attribute")
+        return default
+    if isinstance(attr, IntegerAttr):
+        return float(attr.value.data)
+    assert isinstance(attr, FloatAttr), attr
+    return float(attr.value.data)
+
+
+def read_bool(attr: Attribute | None, default: bool = False) -> bool:
+    if attr is None:
+        return default
+    assert isinstance(attr, IntegerAttr), attr
+    return bool(attr.value.data)
+
+
+def read_ints(attr: Attribute | None) -> list[int]:
+    if attr is None:
+        return []
+    assert isinstance(attr, DenseArrayBase), attr
+    return [int(v) for v in attr.get_values()]
+
+
+def read_str(attr: Attribute | None, default: str = "") -> str:
+    if attr is None:
+        return default
+    assert isinstance(attr, StringAttr), attr
+    return attr.data
+
+
+# --------------------------------------------------------------------------- element types
+
+ui8 = IntegerType(8, Signedness.UNSIGNED)
+
+DTYPE_BY_NAME: dict[str, Attribute] = {
+    "f32": f32,
+    "f16": f16,
+    "bf16": bf16,
+    "f64": f64,
+    "i1": i1,
+    "i8": i8,
+    "ui8": ui8,
+    "i32": i32,
+    "i64": i64,
+}
+
+
+def dtype_name(t: Attribute) -> str:
+    """The short name of an element type: f32, f16, bf16, i32, ..."""
+    if isinstance(t, Float32Type):
+        return "f32"
+    if isinstance(t, Float16Type):
+        return "f16"
+    if isinstance(t, BFloat16Type):
+        return "bf16"
+    if isinstance(t, Float64Type):
+        return "f64"
+    if isinstance(t, IntegerType):
+        prefix = "ui" if t.signedness.data == Signedness.UNSIGNED else "i"
+        return f"{prefix}{t.width.data}"
+    raise ValueError(f"unsupported element type {t}")
+
+
+def dtype_from_name(name: str) -> Attribute:
+    try:
+        return DTYPE_BY_NAME[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown element type '{name}'; expected one of {', '.join(DTYPE_BY_NAME)}"
+        ) from None
+
+
+def is_float(t: Attribute) -> bool:
+    return isinstance(t, AnyFloat)
+
+
+def dtype_bytes(t: Attribute) -> int:
+    name = dtype_name(t)
+    return {"f32": 4, "f16": 2, "bf16": 2, "f64": 8, "i1": 1, "i8": 1, "ui8": 1, "i32": 4,
+            "i64": 8}[name]
+
+
+def tensor(shape: Sequence[int], element: Attribute) -> TensorType:
+    return TensorType(element, [int(d) for d in shape])
+
+
+def shape_of(value: SSAValue | Attribute) -> tuple[int, ...]:
+    t = value.type if isinstance(value, SSAValue) else value
+    if not isinstance(t, TensorType):
+        raise VerifyException(f"expected a ranked tensor, got {t}")
+    return tuple(int(d) for d in t.get_shape())
+
+
+def elem_of(value: SSAValue | Attribute) -> Attribute:
+    t = value.type if isinstance(value, SSAValue) else value
+    if not isinstance(t, TensorType):
+        raise VerifyException(f"expected a ranked tensor, got {t}")
+    return t.element_type
+
+
+def numel(shape: Sequence[int]) -> int:
+    return int(math.prod(shape))
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    a = axis + rank if axis < 0 else axis
+    if not 0 <= a < max(rank, 1):
+        raise VerifyException(f"axis {axis} is out of range for rank {rank}")
+    return a
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """numpy broadcasting of static shapes; raises VerifyException when incompatible."""
+    rank = max(len(s) for s in shapes)
+    out: list[int] = []
+    for i in range(rank):
+        dims = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0}
+        dims.discard(1)
+        if len(dims) > 1:
+            raise VerifyException(
+                f"shapes {', '.join(str(list(s)) for s in shapes)} do not broadcast"
+            )
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- op protocol
+
+
+class ShapedOp(IRDLOperation):
+    """Base of every Top/Tpu compute op.
+
+    Subclasses implement `infer(operand_types, attributes)` (a classmethod, so builders can
+    compute result types before the op exists) and `flops()`. The verifier checks that
+    the op's result types equal the inferred ones.
+    """
+
+    # operand groups as declared (optional operands may be absent)
+    CHECK_INFERRED: ClassVar[bool] = True
+
+    @classmethod
+    def infer(
+        cls, operands: Sequence[SSAValue | None], attrs: Mapping[str, Attribute]
+    ) -> list[TensorType]:
+        raise NotImplementedError(f"{cls.name} has no shape inference")
+
+    def operand_groups(self) -> list[SSAValue | None]:
+        """Operands by declaration order; None where an optional operand is absent."""
+        groups: list[SSAValue | None] = []
+        for fname, _ in type(self).get_irdl_definition().operands:
+            val = getattr(self, fname)
+            if val is None or isinstance(val, SSAValue):
+                groups.append(val)
+            else:
+                groups.extend(val)
+        return groups
+
+    def inferred_types(self) -> list[TensorType]:
+        return type(self).infer(self.operand_groups(), self.attributes)
+
+    def flops(self) -> int:
+        return 0
+
+    def verify_(self) -> None:
+        if not self.CHECK_INFERRED:
+            return
+        try:
+            expected = self.inferred_types()
+        except (VerifyException, ValueError, AssertionError, IndexError) as e:
+            raise VerifyException(f"'{self.name}': {e}") from e
+        got = [r.type for r in self.results]
+        if len(expected) != len(got) or any(
+            shape_of(a) != shape_of(b) or elem_of(a) != elem_of(b)
+            for a, b in zip(expected, got, strict=False)
+        ):
+            raise VerifyException(
+                f"'{self.name}' result types {[str(t) for t in got]} differ from the "
+                f"inferred {[str(t) for t in expected]}"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        operands: Sequence[SSAValue | Sequence[SSAValue] | None],
+        attrs: Mapping[str, Attribute] | None = None,
+        result_types: Sequence[Attribute] | None = None,
+    ):
+        """Create the op, inferring result types unless given."""
+        attrs = {k: v for k, v in (attrs or {}).items() if v is not None}
+        flat: list[SSAValue | None] = []
+        for o in operands:
+            if o is None or isinstance(o, SSAValue):
+                flat.append(o)
+            else:
+                flat.extend(o)
+        if result_types is None:
+            result_types = cls.infer(flat, attrs)
+        opdef = cls.get_irdl_definition()
+        n_opt = sum(1 for _, d in opdef.operands if type(d).__name__ != "OperandDef")
+        if n_opt > 1:
+            sizes = []
+            for o in operands:
+                if o is None:
+                    sizes.append(0)
+                elif isinstance(o, SSAValue):
+                    sizes.append(1)
+                else:
+                    sizes.append(len(o))
+            attrs = {**attrs, "operandSegmentSizes": DenseArrayBase.from_list(i32, sizes)}
+        ops = [o if o is not None else [] for o in operands]
+        return cls(operands=ops, attributes=attrs, result_types=list(result_types))
+
+
+# --------------------------------------------------------------------------- names
+
+
+def numpy_dtype(t: Attribute):  # noqa: ANN201 - returns a numpy dtype
+    import ml_dtypes
+    import numpy as np
+
+    name = dtype_name(t)
+    return {
+        "f32": np.dtype(np.float32),
+        "f16": np.dtype(np.float16),
+        "bf16": np.dtype(ml_dtypes.bfloat16),
+        "f64": np.dtype(np.float64),
+        "i1": np.dtype(np.bool_),
+        "i8": np.dtype(np.int8),
+        "ui8": np.dtype(np.uint8),
+        "i32": np.dtype(np.int32),
+        "i64": np.dtype(np.int64),
+    }[name]
+
+
+def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
+    import ml_dtypes
+    import numpy as np
+
+    dt = np.dtype(dt)
+    table = {
+        np.dtype(np.float32): f32,
+        np.dtype(np.float16): f16,
+        np.dtype(ml_dtypes.bfloat16): bf16,
+        np.dtype(np.float64): f64,
+        np.dtype(np.bool_): i1,
+        np.dtype(np.int8): i8,
+        np.dtype(np.uint8): ui8,
+        np.dtype(np.int32): i32,
+        np.dtype(np.int64): i64,
+    }
+    if dt not in table:
+        raise ValueError(f"numpy dtype {dt} has no element type")
+    return table[dt]
+
+
+def dense_attr(arr) -> DenseIntOrFPElementsAttr:  # noqa: ANN001 - a numpy array
+    import numpy as np
+
+    elem = element_type_of_numpy(arr.dtype)
+    t = tensor(arr.shape, elem)
+    data = arr.reshape(-1)
+    if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
+        return DenseIntOrFPElementsAttr.from_list(t, [float(x) for x in data.astype(np.float64)])
+    return DenseIntOrFPElementsAttr.from_list(t, [int(x) for x in data.astype(np.int64)])
+
+

@@ -1,0 +1,827 @@
+"""The Top dialect: what the model computes, independent of framework and chip.
+
+Every op has a verifier (its result types must equal the inferred ones), shape inference
+(`infer`, a classmethod usable before the op exists), a FLOP count (`flops`) and a numpy
+reference in `toptpu.backend.kernels`. Weights are named references into a weight store
+(`top.weight`), never dense attributes; only small constants are `top.constant`.
+
+Layout conventions:
+- `top.attention` is sequence-major: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], result
+  [B, Sq, Hq, Dv]; the optional history_k/history_v [B, Sh, Hkv, D] are attended before
+  k/v without being concatenated (reload-free KV concatenation); the additive mask
+  broadcasts to [B, Hq, Sq, Sh + Sk].
+- `top.matmul` computes a @ b (+ bias) with numpy batch broadcasting; `transpose_b` reads
+  b as [..., N, K] (the layout of `nn.Linear.weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from toptpu.dialects.common import (
+    ShapedOp,
+    broadcast_shapes,
+    elem_of,
+    is_float,
+    norm_axis,
+    numel,
+    read_bool,
+    read_int,
+    read_ints,
+    read_str,
+    shape_of,
+    tensor,
+)
+from xdsl.dialects.builtin import (
+    DenseArrayBase,
+    DenseIntOrFPElementsAttr,
+    FloatAttr,
+    IntegerAttr,
+    StringAttr,
+    TensorType,
+    i1,
+    i32,
+)
+from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
+from xdsl.irdl import (
+    AttrSizedOperandSegments,
+    attr_def,
+    irdl_op_definition,
+    operand_def,
+    opt_attr_def,
+    opt_operand_def,
+    result_def,
+    traits_def,
+    var_operand_def,
+)
+from xdsl.traits import Pure
+from xdsl.utils.exceptions import VerifyException
+
+Operands = Sequence[SSAValue | None]
+Attrs = Mapping[str, Attribute]
+
+
+class TopOp(ShapedOp):
+    """Base class of Top compute ops (all pure)."""
+
+    traits = traits_def(Pure())
+
+
+# =========================================================================== sources
+
+
+@irdl_op_definition
+class WeightOp(TopOp):
+    """A named tensor of the weight store (module attribute `top.weight_store`)."""
+
+    name = "top.weight"
+    weight_name = attr_def(StringAttr, attr_name="name")
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        raise VerifyException("top.weight takes its type from the weight store")
+
+    CHECK_INFERRED: ClassVar[bool] = False
+
+    @property
+    def tensor_name(self) -> str:
+        return self.weight_name.data
+
+
+@irdl_op_definition
+class ConstantOp(TopOp):
+    """A small constant held in the IR (scalars, masks of a few elements)."""
+
+    name = "top.constant"
+    value = attr_def(DenseIntOrFPElementsAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        v = attrs["value"]
+        assert isinstance(v, DenseIntOrFPElementsAttr)
+        t = v.get_type()
+        assert isinstance(t, TensorType)
+        return [t]
+
+
+# =========================================================================== elementwise
+
+
+class UnaryOp(TopOp):
+    input = operand_def(TensorType)
+    output = result_def(TensorType)
+    FLOPS_PER_ELEMENT: ClassVar[int] = 1
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        return [tensor(shape_of(x), elem_of(x))]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.output)) * self.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class RsqrtOp(UnaryOp):
+    name = "top.rsqrt"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 2
+
+
+@irdl_op_definition
+class SqrtOp(UnaryOp):
+    name = "top.sqrt"
+
+
+@irdl_op_definition
+class ExpOp(UnaryOp):
+    name = "top.exp"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+
+@irdl_op_definition
+class CosOp(UnaryOp):
+    name = "top.cos"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+
+@irdl_op_definition
+class SinOp(UnaryOp):
+    name = "top.sin"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+
+@irdl_op_definition
+class TanhOp(UnaryOp):
+    name = "top.tanh"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+
+@irdl_op_definition
+class SigmoidOp(UnaryOp):
+    name = "top.sigmoid"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+
+@irdl_op_definition
+class SiluOp(UnaryOp):
+    name = "top.silu"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 5
+
+
+@irdl_op_definition
+class GeluOp(UnaryOp):
+    """GELU; `approximate` is "none" (erf) or "tanh"."""
+
+    name = "top.gelu"
+    approximate = opt_attr_def(StringAttr)
+    FLOPS_PER_ELEMENT: ClassVar[int] = 8
+
+    def verify_(self) -> None:
+        if read_str(self.approximate, "none") not in ("none", "tanh"):
+            raise VerifyException("top.gelu approximate must be 'none' or 'tanh'")
+        super().verify_()
+
+
+@irdl_op_definition
+class PowOp(UnaryOp):
+    """x ** exponent (scalar exponent)."""
+
+    name = "top.pow"
+    exponent = attr_def(FloatAttr)
+    FLOPS_PER_ELEMENT: ClassVar[int] = 2
+
+
+class ConstBinaryOp(UnaryOp):
+    """x (op) value, a scalar; `reverse` puts the scalar on the left (value - x)."""
+
+    value = attr_def(FloatAttr)
+    reverse = opt_attr_def(IntegerAttr)
+
+
+@irdl_op_definition
+class AddConstOp(ConstBinaryOp):
+    name = "top.add_const"
+
+
+@irdl_op_definition
+class SubConstOp(ConstBinaryOp):
+    name = "top.sub_const"
+
+
+@irdl_op_definition
+class MulConstOp(ConstBinaryOp):
+    name = "top.mul_const"
+
+
+@irdl_op_definition
+class DivConstOp(ConstBinaryOp):
+    name = "top.div_const"
+
+
+class BinaryOp(TopOp):
+    """Elementwise with numpy broadcasting; both operands share the element type."""
+
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        a, b = operands[0], operands[1]
+        assert a is not None and b is not None
+        if elem_of(a) != elem_of(b):
+            raise VerifyException(
+                f"operand element types differ: {elem_of(a)} vs {elem_of(b)}"
+            )
+        return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), elem_of(a))]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.output))
+
+
+@irdl_op_definition
+class AddOp(BinaryOp):
+    name = "top.add"
+
+
+@irdl_op_definition
+class SubOp(BinaryOp):
+    name = "top.sub"
+
+
+@irdl_op_definition
+class MulOp(BinaryOp):
+    name = "top.mul"
+
+
+@irdl_op_definition
+class DivOp(BinaryOp):
+    name = "top.div"
+
+
+@irdl_op_definition
+class MaxOp(BinaryOp):
+    name = "top.max"
+
+
+@irdl_op_definition
+class MinOp(BinaryOp):
+    name = "top.min"
+
+
+@irdl_op_definition
+class CompareOp(TopOp):
+    """Elementwise comparison; `predicate` is eq, ne, lt, le, gt or ge; result i1."""
+
+    name = "top.compare"
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    predicate = attr_def(StringAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        a, b = operands[0], operands[1]
+        assert a is not None and b is not None
+        if read_str(attrs.get("predicate")) not in ("eq", "ne", "lt", "le", "gt", "ge"):
+            raise VerifyException("predicate must be one of eq, ne, lt, le, gt, ge")
+        return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), i1)]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.output))
+
+
+@irdl_op_definition
+class WhereOp(TopOp):
+    """cond ? x : y with broadcasting (cond is i1 or nonzero-is-true)."""
+
+    name = "top.where"
+    cond = operand_def(TensorType)
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        c, a, b = operands[0], operands[1], operands[2]
+        assert c is not None and a is not None and b is not None
+        if elem_of(a) != elem_of(b):
+            raise VerifyException("top.where branches must share the element type")
+        return [tensor(broadcast_shapes(shape_of(c), shape_of(a), shape_of(b)), elem_of(a))]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.output))
+
+
+@irdl_op_definition
+class CastOp(TopOp):
+    """Element type conversion; the result type names the target."""
+
+    name = "top.cast"
+    input = operand_def(TensorType)
+    dtype = attr_def(TypeAttribute)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        return [tensor(shape_of(x), attrs["dtype"])]
+
+
+# =========================================================================== reductions, norms
+
+
+@irdl_op_definition
+class SoftmaxOp(UnaryOp):
+    name = "top.softmax"
+    axis = attr_def(IntegerAttr)
+    FLOPS_PER_ELEMENT: ClassVar[int] = 5
+
+    def verify_(self) -> None:
+        norm_axis(read_int(self.axis), len(shape_of(self.input)))
+        super().verify_()
+
+
+@irdl_op_definition
+class ReduceOp(TopOp):
+    """Reduce over `axes` with `mode` mean, sum, max or min."""
+
+    name = "top.reduce"
+    input = operand_def(TensorType)
+    mode = attr_def(StringAttr)
+    axes = attr_def(DenseArrayBase)
+    keepdims = attr_def(IntegerAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = shape_of(x)
+        if read_str(attrs.get("mode")) not in ("mean", "sum", "max", "min"):
+            raise VerifyException("reduce mode must be mean, sum, max or min")
+        axes = {norm_axis(a, len(shape)) for a in read_ints(attrs.get("axes"))}
+        keep = read_bool(attrs.get("keepdims"))
+        out = [1 if i in axes else d for i, d in enumerate(shape) if keep or i not in axes]
+        return [tensor(out, elem_of(x))]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.input))
+
+
+@irdl_op_definition
+class RmsNormOp(TopOp):
+    """x * rsqrt(mean(x^2, last axis) + eps) * weight, accumulated in f32."""
+
+    name = "top.rms_norm"
+    input = operand_def(TensorType)
+    weight = opt_operand_def(TensorType)
+    eps = attr_def(FloatAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, w = operands[0], operands[1] if len(operands) > 1 else None
+        assert x is not None
+        if w is not None and shape_of(w)[-1:] != shape_of(x)[-1:]:
+            raise VerifyException(
+                f"rms_norm weight {list(shape_of(w))} does not match the last axis of "
+                f"{list(shape_of(x))}"
+            )
+        return [tensor(shape_of(x), elem_of(x))]
+
+    def flops(self) -> int:
+        return 4 * numel(shape_of(self.input))
+
+
+@irdl_op_definition
+class LayerNormOp(TopOp):
+    """Normalize over the axes from `axis` to the end; optional affine weight and bias."""
+
+    name = "top.layer_norm"
+    input = operand_def(TensorType)
+    weight = opt_operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    eps = attr_def(FloatAttr)
+    axis = attr_def(IntegerAttr)
+    output = result_def(TensorType)
+    irdl_options = (AttrSizedOperandSegments(),)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = shape_of(x)
+        axis = norm_axis(read_int(attrs.get("axis")), len(shape))
+        for w in operands[1:]:
+            if w is not None and shape_of(w) != shape[axis:]:
+                raise VerifyException(
+                    f"layer_norm affine shape {list(shape_of(w))} must be {list(shape[axis:])}"
+                )
+        return [tensor(shape, elem_of(x))]
+
+    def flops(self) -> int:
+        return 6 * numel(shape_of(self.input))
+
+
+# =========================================================================== LLM ops
+
+
+@irdl_op_definition
+class RopeOp(TopOp):
+    """Rotary position embedding: x * cos + rotate(x) * sin.
+
+    `mode` "half": rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (HF rotate_half);
+    "interleaved": pairs (x0, x1) -> (-x1, x0). cos/sin broadcast to x.
+    """
+
+    name = "top.rope"
+    input = operand_def(TensorType)
+    cos = operand_def(TensorType)
+    sin = operand_def(TensorType)
+    mode = attr_def(StringAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, c, s = operands[0], operands[1], operands[2]
+        assert x is not None and c is not None and s is not None
+        if read_str(attrs.get("mode")) not in ("half", "interleaved"):
+            raise VerifyException("rope mode must be 'half' or 'interleaved'")
+        shape = shape_of(x)
+        if shape[-1] % 2:
+            raise VerifyException("rope needs an even last dimension")
+        if broadcast_shapes(shape, shape_of(c), shape_of(s)) != shape:
+            raise VerifyException(
+                f"rope cos/sin {list(shape_of(c))} do not broadcast to x {list(shape)}"
+            )
+        return [tensor(shape, elem_of(x))]
+
+    def flops(self) -> int:
+        return 3 * numel(shape_of(self.input))
+
+
+@irdl_op_definition
+class AttentionOp(TopOp):
+    """Scaled dot-product attention, GQA-native and sequence-major (see module doc)."""
+
+    name = "top.attention"
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    mask = opt_operand_def(TensorType)
+    history_k = opt_operand_def(TensorType)
+    history_v = opt_operand_def(TensorType)
+    scale = attr_def(FloatAttr)
+    q_heads = attr_def(IntegerAttr)
+    kv_heads = attr_def(IntegerAttr)
+    head_dim = attr_def(IntegerAttr)
+    causal = opt_attr_def(IntegerAttr)
+    output = result_def(TensorType)
+    irdl_options = (AttrSizedOperandSegments(),)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        q, k, v = operands[0], operands[1], operands[2]
+        mask = operands[3] if len(operands) > 3 else None
+        hk = operands[4] if len(operands) > 4 else None
+        hv = operands[5] if len(operands) > 5 else None
+        assert q is not None and k is not None and v is not None
+        qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+        if not len(qs) == len(ks) == len(vs) == 4:
+            raise VerifyException("attention q/k/v must be rank 4 [B, S, H, D]")
+        b, sq, hq, d = qs
+        nq, nkv, hd = (read_int(attrs.get(n)) for n in ("q_heads", "kv_heads", "head_dim"))
+        if (hq, d) != (nq, hd) or ks[2] != nkv or vs[2] != nkv or ks[3] != d:
+            raise VerifyException(
+                f"attention shapes q{list(qs)} k{list(ks)} v{list(vs)} disagree with "
+                f"q_heads={nq} kv_heads={nkv} head_dim={hd}"
+            )
+        if nq % nkv:
+            raise VerifyException(f"q_heads {nq} is not a multiple of kv_heads {nkv}")
+        if ks[:2] != vs[:2] or ks[0] != b:
+            raise VerifyException("attention k and v must share batch and sequence")
+        sk = ks[1]
+        if (hk is None) != (hv is None):
+            raise VerifyException("history_k and history_v come together")
+        if hk is not None and hv is not None:
+            hks, hvs = shape_of(hk), shape_of(hv)
+            if hks[0] != b or hks[2:] != ks[2:] or hvs[2:] != vs[2:] or hks[1] != hvs[1]:
+                raise VerifyException(
+                    f"history shapes {list(hks)}/{list(hvs)} do not match k/v"
+                )
+            sk += hks[1]
+        if mask is not None:
+            ms = shape_of(mask)
+            if broadcast_shapes(ms, (b, hq, sq, sk)) != (b, hq, sq, sk):
+                raise VerifyException(
+                    f"attention mask {list(ms)} does not broadcast to {[b, hq, sq, sk]}"
+                )
+        return [tensor((b, sq, hq, vs[3]), elem_of(q))]
+
+    def total_keys(self) -> int:
+        n = shape_of(self.k)[1]
+        if self.history_k is not None:
+            n += shape_of(self.history_k)[1]
+        return n
+
+    def flops(self) -> int:
+        b, sq, hq, d = shape_of(self.q)
+        dv = shape_of(self.v)[3]
+        sk = self.total_keys()
+        return b * hq * sq * sk * (2 * d + 2 * dv + 5)
+
+
+@irdl_op_definition
+class MatMulOp(TopOp):
+    """a @ b (+ bias); `transpose_a`/`transpose_b` swap the last two axes first."""
+
+    name = "top.matmul"
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    transpose_a = opt_attr_def(IntegerAttr)
+    transpose_b = opt_attr_def(IntegerAttr)
+    output = result_def(TensorType)
+
+    @staticmethod
+    def mkn(
+        a_shape: Sequence[int], b_shape: Sequence[int], ta: bool, tb: bool
+    ) -> tuple[tuple[int, ...], int, int, int]:
+        if len(a_shape) < 2 or len(b_shape) < 2:
+            raise VerifyException("matmul operands must have rank >= 2")
+        m, k = (a_shape[-1], a_shape[-2]) if ta else (a_shape[-2], a_shape[-1])
+        k2, n = (b_shape[-1], b_shape[-2]) if tb else (b_shape[-2], b_shape[-1])
+        if k != k2:
+            raise VerifyException(
+                f"matmul contraction mismatch: {list(a_shape)} @ {list(b_shape)} "
+                f"(transpose_a={ta}, transpose_b={tb})"
+            )
+        batch = broadcast_shapes(a_shape[:-2], b_shape[:-2])
+        return batch, m, k, n
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        a, b = operands[0], operands[1]
+        bias = operands[2] if len(operands) > 2 else None
+        assert a is not None and b is not None
+        ta, tb = read_bool(attrs.get("transpose_a")), read_bool(attrs.get("transpose_b"))
+        batch, m, _, n = cls.mkn(shape_of(a), shape_of(b), ta, tb)
+        if bias is not None and shape_of(bias) not in ((n,), (1, n)):
+            raise VerifyException(f"matmul bias {list(shape_of(bias))} must be [{n}]")
+        return [tensor((*batch, m, n), elem_of(a))]
+
+    def flops(self) -> int:
+        ta, tb = read_bool(self.transpose_a), read_bool(self.transpose_b)
+        batch, m, k, n = self.mkn(shape_of(self.lhs), shape_of(self.rhs), ta, tb)
+        return 2 * numel(batch) * m * k * n
+
+
+@irdl_op_definition
+class GatherOp(TopOp):
+    """table.take(indices, axis): embedding lookup is axis 0."""
+
+    name = "top.gather"
+    table = operand_def(TensorType)
+    indices = operand_def(TensorType)
+    axis = attr_def(IntegerAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        t, idx = operands[0], operands[1]
+        assert t is not None and idx is not None
+        ts = shape_of(t)
+        axis = norm_axis(read_int(attrs.get("axis")), len(ts))
+        if is_float(elem_of(idx)):
+            raise VerifyException("gather indices must be integers")
+        return [tensor((*ts[:axis], *shape_of(idx), *ts[axis + 1 :]), elem_of(t))]
+
+
+@irdl_op_definition
+class TopKOp(TopOp):
+    """The k largest (or smallest) values along `axis` and their i32 indices, sorted."""
+
+    name = "top.topk"
+    input = operand_def(TensorType)
+    k = attr_def(IntegerAttr)
+    axis = attr_def(IntegerAttr)
+    largest = opt_attr_def(IntegerAttr)
+    values = result_def(TensorType)
+    indices = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = list(shape_of(x))
+        axis = norm_axis(read_int(attrs.get("axis")), len(shape))
+        k = read_int(attrs.get("k"))
+        if not 1 <= k <= shape[axis]:
+            raise VerifyException(f"topk k={k} out of range for axis size {shape[axis]}")
+        shape[axis] = k
+        return [tensor(shape, elem_of(x)), tensor(shape, i32)]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.input)) * 2
+
+
+@irdl_op_definition
+class Conv2dOp(TopOp):
+    """NCHW 2-D convolution; weight [O, C/groups, kh, kw]; pads [top, left, bottom, right]."""
+
+    name = "top.conv2d"
+    input = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    strides = attr_def(DenseArrayBase)
+    pads = attr_def(DenseArrayBase)
+    dilations = attr_def(DenseArrayBase)
+    groups = attr_def(IntegerAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, w = operands[0], operands[1]
+        assert x is not None and w is not None
+        n, c, h, wd = shape_of(x)
+        o, cg, kh, kw = shape_of(w)
+        sh, sw = read_ints(attrs.get("strides"))
+        pt, pl, pb, pr = read_ints(attrs.get("pads"))
+        dh, dw = read_ints(attrs.get("dilations"))
+        g = read_int(attrs.get("groups"))
+        if c != cg * g or o % g:
+            raise VerifyException(f"conv2d channels {c} do not match weight {o}x{cg}, groups {g}")
+        oh = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
+        ow = (wd + pl + pr - dw * (kw - 1) - 1) // sw + 1
+        if oh <= 0 or ow <= 0:
+            raise VerifyException("conv2d output would be empty")
+        return [tensor((n, o, oh, ow), elem_of(x))]
+
+    def flops(self) -> int:
+        n, o, oh, ow = shape_of(self.output)
+        _, cg, kh, kw = shape_of(self.weight)
+        return 2 * n * o * oh * ow * cg * kh * kw
+
+
+# =========================================================================== data movement
+
+
+@irdl_op_definition
+class ReshapeOp(TopOp):
+    name = "top.reshape"
+    input = operand_def(TensorType)
+    shape = attr_def(DenseArrayBase)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = read_ints(attrs.get("shape"))
+        if any(d < 0 for d in shape) or numel(shape) != numel(shape_of(x)):
+            raise VerifyException(f"cannot reshape {list(shape_of(x))} to {shape}")
+        return [tensor(shape, elem_of(x))]
+
+
+@irdl_op_definition
+class PermuteOp(TopOp):
+    name = "top.permute"
+    input = operand_def(TensorType)
+    order = attr_def(DenseArrayBase)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = shape_of(x)
+        order = read_ints(attrs.get("order"))
+        if sorted(order) != list(range(len(shape))):
+            raise VerifyException(f"permute order {order} is not a permutation of rank {len(shape)}")
+        return [tensor([shape[i] for i in order], elem_of(x))]
+
+
+@irdl_op_definition
+class ExpandOp(TopOp):
+    """Broadcast to `shape` (numpy rules)."""
+
+    name = "top.expand"
+    input = operand_def(TensorType)
+    shape = attr_def(DenseArrayBase)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = tuple(read_ints(attrs.get("shape")))
+        if broadcast_shapes(shape_of(x), shape) != shape:
+            raise VerifyException(f"cannot expand {list(shape_of(x))} to {list(shape)}")
+        return [tensor(shape, elem_of(x))]
+
+
+@irdl_op_definition
+class ConcatOp(TopOp):
+    name = "top.concat"
+    inputs = var_operand_def(TensorType)
+    axis = attr_def(IntegerAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        xs = [o for o in operands if o is not None]
+        if not xs:
+            raise VerifyException("concat needs at least one input")
+        shapes = [shape_of(x) for x in xs]
+        axis = norm_axis(read_int(attrs.get("axis")), len(shapes[0]))
+        for s in shapes:
+            if len(s) != len(shapes[0]) or any(
+                a != b for i, (a, b) in enumerate(zip(s, shapes[0], strict=True)) if i != axis
+            ):
+                raise VerifyException(f"concat shapes {[list(s) for s in shapes]} disagree")
+        if len({elem_of(x) for x in xs}) != 1:
+            raise VerifyException("concat inputs must share the element type")
+        out = list(shapes[0])
+        out[axis] = sum(s[axis] for s in shapes)
+        return [tensor(out, elem_of(xs[0]))]
+
+
+@irdl_op_definition
+class SliceOp(TopOp):
+    """x[start:end:step] along `axis` (static, in range: nothing is clipped)."""
+
+    name = "top.slice"
+    input = operand_def(TensorType)
+    axis = attr_def(IntegerAttr)
+    start = attr_def(IntegerAttr)
+    end = attr_def(IntegerAttr)
+    step = attr_def(IntegerAttr)
+    output = result_def(TensorType)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        shape = list(shape_of(x))
+        axis = norm_axis(read_int(attrs.get("axis")), len(shape))
+        start, end, step = (read_int(attrs.get(n)) for n in ("start", "end", "step"))
+        if not (0 <= start <= end <= shape[axis]) or step < 1:
+            raise VerifyException(
+                f"slice [{start}:{end}:{step}] out of range for axis {axis} of size {shape[axis]}"
+            )
+        shape[axis] = (end - start + step - 1) // step
+        return [tensor(shape, elem_of(x))]
+
+
+Top = Dialect(
+    "top",
+    [
+        WeightOp,
+        ConstantOp,
+        RsqrtOp,
+        SqrtOp,
+        ExpOp,
+        CosOp,
+        SinOp,
+        TanhOp,
+        SigmoidOp,
+        SiluOp,
+        GeluOp,
+        PowOp,
+        AddConstOp,
+        SubConstOp,
+        MulConstOp,
+        DivConstOp,
+        AddOp,
+        SubOp,
+        MulOp,
+        DivOp,
+        MaxOp,
+        MinOp,
+        CompareOp,
+        WhereOp,
+        CastOp,
+        SoftmaxOp,
+        ReduceOp,
+        RmsNormOp,
+        LayerNormOp,
+        RopeOp,
+        AttentionOp,
+        MatMulOp,
+        GatherOp,
+        TopKOp,
+        Conv2dOp,
+        ReshapeOp,
+        PermuteOp,
+        ExpandOp,
+        ConcatOp,
+        SliceOp,
+    ],
+    [],
+)

@@ -1,0 +1,909 @@
+"""torch.export (FX) importer: `nn.Module` -> Top IR + weight store.
+
+As torch-mlir's FX importer does, one builder per aten op in a table (`ATEN_BUILDERS`).
+Parameters and buffers become `top.weight` ops naming tensors of a weight store; user
+inputs become function arguments. Subgraphs that depend on no input and no weight
+(aten.arange, aten.full, ...) are evaluated by torch at import time and become small
+`top.constant`s. Any other aten op stops the import with `UnsupportedOpError`, naming the
+op and the model source line it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from toptpu.dialects import top
+from toptpu.dialects.common import (
+    bool_attr,
+    dense_attr,
+    element_type_of_numpy,
+    f64_attr,
+    i64_array,
+    i64_attr,
+    shape_of,
+    str_attr,
+    tensor,
+)
+from toptpu.dialects.naming import make_loc, name_dicts
+from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
+from xdsl.dialects import func
+from xdsl.dialects.builtin import (
+    ModuleOp,
+    TensorType,
+)
+from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
+
+aten = torch.ops.aten
+
+#: constants larger than this many elements go to the weight store, not the IR
+MAX_INLINE_CONSTANT = 1024
+
+
+class ImportError_(Exception):
+    """Base class of import errors (named so it does not shadow the builtin)."""
+
+
+class UnsupportedOpError(ImportError_):
+    pass
+
+
+TORCH_TO_ELEM = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "ui8",
+    torch.bool: "i1",
+}
+
+
+def elem_of_torch(dtype: torch.dtype) -> Attribute:
+    from toptpu.dialects.common import dtype_from_name
+
+    if dtype not in TORCH_TO_ELEM:
+        raise ImportError_(f"tensors of dtype {dtype} are not supported")
+    return dtype_from_name(TORCH_TO_ELEM[dtype])
+
+
+def source_line(node: torch.fx.Node) -> tuple[str | None, int, str]:
+    """(file, line, code) of the innermost model frame that produced `node`."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return None, 0, ""
+    model_frames = [f for f in frames if "/torch/" not in f[0]] or frames
+    file, line, code = model_frames[-1]
+    return file, int(line), code.strip()
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path)
+
+
+@dataclass
+class Importer:
+    """State of one import; builders call `emit` to append ops to the function."""
+
+    store: WeightStore
+    weight_prefix: str = ""
+    block: Block = field(default_factory=Block)
+    env: dict[torch.fx.Node, Any] = field(default_factory=dict)
+    node: torch.fx.Node | None = None
+    _loc_counter: int = 0
+
+    # ------------------------------------------------------------------ helpers for builders
+    def loc_name(self, suffix: str = "") -> str:
+        assert self.node is not None
+        path = _module_path(self.node)
+        base = f"{path}.{self.node.name}" if path else self.node.name
+        return f"{base}.{suffix}" if suffix else base
+
+    def emit(self, op: Operation, suffix: str = "") -> Operation:
+        assert self.node is not None
+        file, line, _ = source_line(self.node)
+        op.location = make_loc(self.loc_name(suffix), file, line)
+        for r in op.results:
+            r.name_hint = _sanitize(self.node.name if not suffix else f"{self.node.name}_{suffix}")
+        self.block.add_op(op)
+        return op
+
+    def value(self, arg: Any) -> SSAValue:
+        v = self.env[arg] if isinstance(arg, torch.fx.Node) else arg
+        if isinstance(v, ConstValue):
+            return self.materialize(v)
+        if not isinstance(v, SSAValue):
+            raise ImportError_(f"expected a tensor for argument {arg!r}, got {type(v).__name__}")
+        return v
+
+    def is_const(self, arg: Any) -> bool:
+        return isinstance(arg, torch.fx.Node) and isinstance(self.env.get(arg), ConstValue)
+
+    def materialize(self, c: ConstValue) -> SSAValue:
+        if c.ssa is None:
+            arr = c.array
+            if arr.size <= MAX_INLINE_CONSTANT:
+                op = top.ConstantOp.build([], {"value": dense_attr(arr)})
+            else:
+                name = self.store.unique_name(f"{self.weight_prefix}const.{c.name}")
+                self.store[name] = arr
+                op = top.WeightOp(
+                    attributes={"name": str_attr(name)},
+                    result_types=[tensor(arr.shape, element_type_of_numpy(arr.dtype))],
+                )
+            self.emit(op, "const")
+            c.ssa = op.results[0]
+        return c.ssa
+
+    def out_type(self, i: int | None = None) -> TensorType:
+        assert self.node is not None
+        val = self.node.meta["val"]
+        if i is not None:
+            val = val[i]
+        return tensor(tuple(int(d) for d in val.shape), elem_of_torch(val.dtype))
+
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.out_type().get_shape())
+
+    def cast_to(self, v: SSAValue, elem: Attribute, suffix: str = "cast") -> SSAValue:
+        t = v.type
+        assert isinstance(t, TensorType)
+        if t.element_type == elem:
+            return v
+        op = top.CastOp.build([v], {"dtype": elem})
+        return self.emit(op, suffix).results[0]
+
+    def reshape(self, v: SSAValue, shape: Sequence[int], suffix: str = "reshape") -> SSAValue:
+        if shape_of(v) == tuple(shape):
+            return v
+        return self.emit(top.ReshapeOp.build([v], {"shape": i64_array(shape)}), suffix).results[0]
+
+    def permute(self, v: SSAValue, order: Sequence[int], suffix: str = "permute") -> SSAValue:
+        if list(order) == list(range(len(order))):
+            return v
+        return self.emit(top.PermuteOp.build([v], {"order": i64_array(order)}), suffix).results[0]
+
+
+@dataclass
+class ConstValue:
+    """A value known at import time (no input or weight feeds it)."""
+
+    array: np.ndarray
+    name: str
+    ssa: SSAValue | None = None
+
+
+def _sanitize(name: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    return s if re.match(r"[A-Za-z_]", s) else f"v{s}"
+
+
+# =========================================================================== builders
+
+Builder = Callable[[Importer, torch.fx.Node], Any]
+ATEN_BUILDERS: dict[Any, Builder] = {}
+
+
+def builds(*targets: Any) -> Callable[[Builder], Builder]:
+    def deco(fn: Builder) -> Builder:
+        for t in targets:
+            ATEN_BUILDERS[t] = fn
+        return fn
+
+    return deco
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+@builds(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+        aten.sym_constrain_range_for_size.default)
+def _skip(im: Importer, node: torch.fx.Node) -> Any:
+    return None
+
+
+@builds(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+        aten.dropout.default, aten.lift_fresh_copy.default, aten.to.device,
+        aten.feature_dropout.default)
+def _identity(im: Importer, node: torch.fx.Node) -> Any:
+    return im.env[node.args[0]]
+
+
+@builds(aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default)
+def _to(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    return im.cast_to(x, im.out_type().element_type, "")
+
+
+def _elementwise_operands(im: Importer, node: torch.fx.Node, args: Sequence[Any]) -> list[SSAValue]:
+    elem = im.out_type().element_type
+    return [im.cast_to(im.value(a), elem, f"cast{i}") for i, a in enumerate(args)]
+
+
+def _scalar(a: Any) -> float | None:
+    if isinstance(a, bool):
+        return float(a)
+    if isinstance(a, int | float):
+        return float(a)
+    return None
+
+
+def _binary(kind: str, tensor_op: type[top.BinaryOp], const_op: type[top.ConstBinaryOp]) -> Builder:
+    def build(im: Importer, node: torch.fx.Node) -> Any:
+        a, b = node.args[0], node.args[1]
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha != 1:
+            if _scalar(b) is not None:
+                b = _scalar(b) * alpha  # type: ignore[operator]
+            else:
+                raise UnsupportedOpError(f"aten.{kind} with alpha={alpha}")
+        sa, sb = _scalar(a), _scalar(b)
+        if sb is not None:
+            (x,) = _elementwise_operands(im, node, [a])
+            return im.emit(const_op.build([x], {"value": f64_attr(sb)})).results[0]
+        if sa is not None:
+            (x,) = _elementwise_operands(im, node, [b])
+            if kind in ("add", "mul"):
+                return im.emit(const_op.build([x], {"value": f64_attr(sa)})).results[0]
+            attrs = {"value": f64_attr(sa), "reverse": bool_attr(True)}
+            return im.emit(const_op.build([x], attrs)).results[0]
+        x, y = _elementwise_operands(im, node, [a, b])
+        return im.emit(tensor_op.build([x, y])).results[0]
+
+    return build
+
+
+for _kind, _top, _const in (
+    ("add", top.AddOp, top.AddConstOp),
+    ("sub", top.SubOp, top.SubConstOp),
+    ("mul", top.MulOp, top.MulConstOp),
+    ("div", top.DivOp, top.DivConstOp),
+):
+    _b = _binary(_kind, _top, _const)
+    for _suffix in ("Tensor", "Scalar"):
+        ATEN_BUILDERS[getattr(getattr(aten, _kind), _suffix)] = _b
+
+
+@builds(aten.rsub.Scalar)
+def _rsub(im: Importer, node: torch.fx.Node) -> Any:
+    (x,) = _elementwise_operands(im, node, [node.args[0]])
+    c = _scalar(node.args[1])
+    assert c is not None
+    return im.emit(top.SubConstOp.build([x], {"value": f64_attr(c), "reverse": bool_attr(True)})
+                   ).results[0]
+
+
+@builds(aten.neg.default)
+def _neg(im: Importer, node: torch.fx.Node) -> Any:
+    (x,) = _elementwise_operands(im, node, [node.args[0]])
+    return im.emit(top.MulConstOp.build([x], {"value": f64_attr(-1.0)})).results[0]
+
+
+@builds(aten.maximum.default, aten.minimum.default)
+def _maxmin(im: Importer, node: torch.fx.Node) -> Any:
+    x, y = _elementwise_operands(im, node, node.args[:2])
+    cls = top.MaxOp if node.target == aten.maximum.default else top.MinOp
+    return im.emit(cls.build([x, y])).results[0]
+
+
+_UNARY: dict[Any, type[top.UnaryOp]] = {
+    aten.rsqrt.default: top.RsqrtOp,
+    aten.sqrt.default: top.SqrtOp,
+    aten.exp.default: top.ExpOp,
+    aten.cos.default: top.CosOp,
+    aten.sin.default: top.SinOp,
+    aten.tanh.default: top.TanhOp,
+    aten.sigmoid.default: top.SigmoidOp,
+    aten.silu.default: top.SiluOp,
+}
+
+
+@builds(*_UNARY)
+def _unary(im: Importer, node: torch.fx.Node) -> Any:
+    (x,) = _elementwise_operands(im, node, [node.args[0]])
+    return im.emit(_UNARY[node.target].build([x])).results[0]
+
+
+@builds(aten.gelu.default)
+def _gelu(im: Importer, node: torch.fx.Node) -> Any:
+    (x,) = _elementwise_operands(im, node, [node.args[0]])
+    approx = node.kwargs.get("approximate", "none")
+    return im.emit(top.GeluOp.build([x], {"approximate": str_attr(approx)})).results[0]
+
+
+@builds(aten.pow.Tensor_Scalar)
+def _pow(im: Importer, node: torch.fx.Node) -> Any:
+    (x,) = _elementwise_operands(im, node, [node.args[0]])
+    e = _scalar(node.args[1])
+    assert e is not None
+    return im.emit(top.PowOp.build([x], {"exponent": f64_attr(e)})).results[0]
+
+
+_PREDICATES = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
+
+
+def _compare(pred: str) -> Builder:
+    def build(im: Importer, node: torch.fx.Node) -> Any:
+        a, b = node.args[0], node.args[1]
+        x = im.value(a)
+        if _scalar(b) is not None:
+            arr = np.array(_scalar(b)).astype(
+                np.float32 if "f" in str(x.type) else np.int64
+            )
+            from toptpu.dialects.common import numpy_dtype
+
+            t = x.type
+            assert isinstance(t, TensorType)
+            c = im.emit(top.ConstantOp.build([], {"value": dense_attr(
+                arr.astype(numpy_dtype(t.element_type)).reshape(()))}), "rhs")
+            y = c.results[0]
+        else:
+            y = im.value(b)
+        return im.emit(top.CompareOp.build([x, y], {"predicate": str_attr(pred)})).results[0]
+
+    return build
+
+
+for _p in _PREDICATES:
+    for _suffix in ("Tensor", "Scalar"):
+        ATEN_BUILDERS[getattr(getattr(aten, _p), _suffix)] = _compare(_p)
+
+
+@builds(aten.where.self)
+def _where(im: Importer, node: torch.fx.Node) -> Any:
+    c = im.value(node.args[0])
+    x, y = _elementwise_operands(im, node, node.args[1:3])
+    return im.emit(top.WhereOp.build([c, x, y])).results[0]
+
+
+@builds(aten.masked_fill.Scalar)
+def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    m = im.value(node.args[1])
+    v = _scalar(node.args[2])
+    assert v is not None
+    from toptpu.dialects.common import numpy_dtype
+
+    t = x.type
+    assert isinstance(t, TensorType)
+    c = im.emit(top.ConstantOp.build([], {"value": dense_attr(
+        np.array(v).astype(numpy_dtype(t.element_type)).reshape(()))}), "fill")
+    return im.emit(top.WhereOp.build([m, c.results[0], x])).results[0]
+
+
+@builds(aten.linear.default)
+def _linear(im: Importer, node: torch.fx.Node) -> Any:
+    x, w = im.value(node.args[0]), im.value(node.args[1])
+    b = im.value(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+    op = top.MatMulOp.build([x, w, b], {"transpose_b": bool_attr(True)})
+    return im.emit(op).results[0]
+
+
+@builds(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def _mm(im: Importer, node: torch.fx.Node) -> Any:
+    a, b = im.value(node.args[0]), im.value(node.args[1])
+    if len(shape_of(a)) == 1 or len(shape_of(b)) == 1:
+        raise UnsupportedOpError("matmul with a rank-1 operand")
+    return im.emit(top.MatMulOp.build([a, b, None])).results[0]
+
+
+@builds(aten.addmm.default)
+def _addmm(im: Importer, node: torch.fx.Node) -> Any:
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        raise UnsupportedOpError("aten.addmm with beta/alpha != 1")
+    bias, a, b = (im.value(x) for x in node.args[:3])
+    if len(shape_of(bias)) != 1:
+        mm = im.emit(top.MatMulOp.build([a, b, None]), "mm").results[0]
+        return im.emit(top.AddOp.build([mm, bias])).results[0]
+    return im.emit(top.MatMulOp.build([a, b, bias])).results[0]
+
+
+@builds(aten.t.default)
+def _t(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    if len(shape_of(x)) < 2:
+        return x
+    return im.permute(x, [1, 0], "")
+
+
+@builds(aten.transpose.int)
+def _transpose(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    r = len(shape_of(x))
+    d0, d1 = node.args[1] % r, node.args[2] % r
+    order = list(range(r))
+    order[d0], order[d1] = order[d1], order[d0]
+    return im.permute(x, order, "")
+
+
+@builds(aten.permute.default)
+def _permute(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    r = len(shape_of(x))
+    return im.permute(x, [d % r for d in node.args[1]], "")
+
+
+@builds(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+        aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+        aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default)
+def _reshape(im: Importer, node: torch.fx.Node) -> Any:
+    return im.reshape(im.value(node.args[0]), im.out_shape(), "")
+
+
+@builds(aten.expand.default, aten.expand_as.default)
+def _expand(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    shape = im.out_shape()
+    if shape_of(x) == shape:
+        return x
+    return im.emit(top.ExpandOp.build([x], {"shape": i64_array(shape)})).results[0]
+
+
+@builds(aten.cat.default, aten.concat.default)
+def _cat(im: Importer, node: torch.fx.Node) -> Any:
+    xs = _elementwise_operands(im, node, list(node.args[0]))
+    xs = [x for x in xs if 0 not in shape_of(x)]
+    dim = _arg(node, 1, "dim", 0)
+    if len(xs) == 1:
+        return xs[0]
+    return im.emit(top.ConcatOp.build([xs], {"axis": i64_attr(dim % len(shape_of(xs[0])))})
+                   ).results[0]
+
+
+def _norm_slice(size: int, start: Any, end: Any, step: Any) -> tuple[int, int, int]:
+    start = 0 if start is None else int(start)
+    end = size if end is None else int(end)
+    step = 1 if step is None else int(step)
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    # torch slicing semantics: bounds beyond the axis mean "to the edge"
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return start, end, step
+
+
+def _slice_value(im: Importer, x: SSAValue, dim: int, start: int, end: int, step: int,
+                 suffix: str = "") -> SSAValue:
+    shape = shape_of(x)
+    if start == 0 and end == shape[dim] and step == 1:
+        return x
+    attrs = {"axis": i64_attr(dim), "start": i64_attr(start), "end": i64_attr(end),
+             "step": i64_attr(step)}
+    return im.emit(top.SliceOp.build([x], attrs), suffix).results[0]
+
+
+@builds(aten.slice.Tensor)
+def _slice(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    shape = shape_of(x)
+    dim = _arg(node, 1, "dim", 0) % len(shape)
+    s, e, st = _norm_slice(shape[dim], _arg(node, 2, "start"), _arg(node, 3, "end"),
+                           _arg(node, 4, "step", 1))
+    return _slice_value(im, x, dim, s, e, st)
+
+
+@builds(aten.select.int)
+def _select(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    shape = shape_of(x)
+    dim = node.args[1] % len(shape)
+    idx = node.args[2] % shape[dim]
+    y = _slice_value(im, x, dim, idx, idx + 1, 1, "slice")
+    return im.reshape(y, im.out_shape(), "")
+
+
+def _split_sizes(size: int, split: Any) -> list[int]:
+    if isinstance(split, int):
+        return [min(split, size - i) for i in range(0, size, split)]
+    return [int(s) for s in split]
+
+
+@builds(aten.split.Tensor, aten.split_with_sizes.default, aten.split.sizes)
+def _split(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    shape = shape_of(x)
+    dim = _arg(node, 2, "dim", 0) % len(shape)
+    outs, start = [], 0
+    for i, n in enumerate(_split_sizes(shape[dim], node.args[1])):
+        outs.append(_slice_value(im, x, dim, start, start + n, 1, f"part{i}"))
+        start += n
+    return tuple(outs)
+
+
+@builds(aten.chunk.default)
+def _chunk(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    shape = shape_of(x)
+    dim = _arg(node, 2, "dim", 0) % len(shape)
+    per = math.ceil(shape[dim] / node.args[1])
+    outs, start = [], 0
+    for i, n in enumerate(_split_sizes(shape[dim], per)):
+        outs.append(_slice_value(im, x, dim, start, start + n, 1, f"part{i}"))
+        start += n
+    return tuple(outs)
+
+
+@builds(aten.unbind.int)
+def _unbind(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    shape = shape_of(x)
+    dim = _arg(node, 1, "dim", 0) % len(shape)
+    rest = [d for i, d in enumerate(shape) if i != dim]
+    return tuple(
+        im.reshape(_slice_value(im, x, dim, i, i + 1, 1, f"part{i}"), rest, f"part{i}.reshape")
+        for i in range(shape[dim])
+    )
+
+
+def _reduce(mode: str) -> Builder:
+    def build(im: Importer, node: torch.fx.Node) -> Any:
+        x = im.value(node.args[0])
+        r = len(shape_of(x))
+        dims = _arg(node, 1, "dim", None)
+        if dims is None or dims == []:
+            dims = list(range(r))
+        elif isinstance(dims, int):
+            dims = [dims]
+        keep = bool(_arg(node, 2, "keepdim", False))
+        x = im.cast_to(x, im.out_type().element_type)
+        attrs = {"mode": str_attr(mode), "axes": i64_array([d % r for d in dims]),
+                 "keepdims": bool_attr(keep)}
+        return im.emit(top.ReduceOp.build([x], attrs)).results[0]
+
+    return build
+
+
+ATEN_BUILDERS[aten.mean.dim] = _reduce("mean")
+ATEN_BUILDERS[aten.sum.dim_IntList] = _reduce("sum")
+ATEN_BUILDERS[aten.amax.default] = _reduce("max")
+ATEN_BUILDERS[aten.amin.default] = _reduce("min")
+
+
+@builds(aten.mean.default, aten.sum.default)
+def _reduce_all(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    mode = "mean" if node.target == aten.mean.default else "sum"
+    attrs = {"mode": str_attr(mode), "axes": i64_array(range(len(shape_of(x)))),
+             "keepdims": bool_attr(False)}
+    return im.emit(top.ReduceOp.build([x], attrs)).results[0]
+
+
+@builds(aten.softmax.int, aten._softmax.default)
+def _softmax(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    x = im.cast_to(x, im.out_type().element_type)
+    dim = node.args[1] % len(shape_of(x))
+    return im.emit(top.SoftmaxOp.build([x], {"axis": i64_attr(dim)})).results[0]
+
+
+@builds(aten.layer_norm.default)
+def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    nshape = node.args[1]
+    w = _arg(node, 2, "weight")
+    b = _arg(node, 3, "bias")
+    eps = _arg(node, 4, "eps", 1e-5)
+    attrs = {"eps": f64_attr(eps), "axis": i64_attr(len(shape_of(x)) - len(nshape))}
+    ops = [x, im.value(w) if w is not None else None, im.value(b) if b is not None else None]
+    return im.emit(top.LayerNormOp.build(ops, attrs)).results[0]
+
+
+@builds(aten.rms_norm.default)
+def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    if len(node.args[1]) != 1:
+        raise UnsupportedOpError("aten.rms_norm over more than the last axis")
+    w = _arg(node, 2, "weight")
+    eps = _arg(node, 3, "eps")
+    if eps is None:
+        eps = float(torch.finfo(node.meta["val"].dtype).eps)
+    ops = [x, im.value(w) if w is not None else None]
+    return im.emit(top.RmsNormOp.build(ops, {"eps": f64_attr(eps)})).results[0]
+
+
+@builds(aten.embedding.default)
+def _embedding(im: Importer, node: torch.fx.Node) -> Any:
+    w, idx = im.value(node.args[0]), im.value(node.args[1])
+    return im.emit(top.GatherOp.build([w, idx], {"axis": i64_attr(0)})).results[0]
+
+
+@builds(aten.index_select.default)
+def _index_select(im: Importer, node: torch.fx.Node) -> Any:
+    x, dim, idx = im.value(node.args[0]), node.args[1], im.value(node.args[2])
+    dim %= len(shape_of(x))
+    return im.emit(top.GatherOp.build([x, idx], {"axis": i64_attr(dim)})).results[0]
+
+
+@builds(aten.topk.default)
+def _topk(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    k = node.args[1]
+    dim = _arg(node, 2, "dim", -1) % len(shape_of(x))
+    largest = _arg(node, 3, "largest", True)
+    attrs = {"k": i64_attr(k), "axis": i64_attr(dim), "largest": bool_attr(largest)}
+    op = im.emit(top.TopKOp.build([x], attrs))
+    idx = im.cast_to(op.results[1], elem_of_torch(node.meta["val"][1].dtype), "indices")
+    return (op.results[0], idx)
+
+
+@builds(aten.argmax.default)
+def _argmax(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    dim = _arg(node, 1, "dim")
+    if dim is None:
+        x = im.reshape(x, [math.prod(shape_of(x))], "flat")
+        dim = 0
+    dim %= len(shape_of(x))
+    attrs = {"k": i64_attr(1), "axis": i64_attr(dim), "largest": bool_attr(True)}
+    op = im.emit(top.TopKOp.build([x], attrs), "topk")
+    idx = im.cast_to(op.results[1], im.out_type().element_type, "indices")
+    return im.reshape(idx, im.out_shape(), "")
+
+
+@builds(aten.conv2d.default, aten.convolution.default)
+def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
+    x, w = im.value(node.args[0]), im.value(node.args[1])
+    b = _arg(node, 2, "bias")
+    stride = list(_arg(node, 3, "stride", [1, 1]))
+    padding = _arg(node, 4, "padding", [0, 0])
+    dilation = list(_arg(node, 5, "dilation", [1, 1]))
+    if node.target == aten.convolution.default:
+        if node.args[6]:
+            raise UnsupportedOpError("transposed convolution")
+        groups = node.args[8]
+    else:
+        groups = _arg(node, 6, "groups", 1)
+    if isinstance(padding, str):
+        raise UnsupportedOpError(f"conv2d padding='{padding}'")
+    if len(shape_of(x)) != 4:
+        raise UnsupportedOpError("only 2-D convolution is supported")
+    stride = stride * 2 if len(stride) == 1 else stride
+    dilation = dilation * 2 if len(dilation) == 1 else dilation
+    padding = list(padding) * 2 if len(padding) == 1 else list(padding)
+    pads = [padding[0], padding[1], padding[0], padding[1]]
+    attrs = {"strides": i64_array(stride), "pads": i64_array(pads),
+             "dilations": i64_array(dilation), "groups": i64_attr(groups)}
+    ops = [x, w, im.value(b) if b is not None else None]
+    return im.emit(top.Conv2dOp.build(ops, attrs)).results[0]
+
+
+@builds(aten.scaled_dot_product_attention.default)
+def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
+    """torch layout [B, H, S, D] -> sequence-major top.attention between permutes.
+
+    A GQA repeat (k expanded to the query heads) is left in place here; the fuse pass
+    folds it into kv_heads.
+    """
+    q, k, v = (im.value(a) for a in node.args[:3])
+    mask_arg = _arg(node, 3, "attn_mask")
+    if _arg(node, 4, "dropout_p", 0.0):
+        raise UnsupportedOpError("scaled_dot_product_attention with dropout")
+    causal = bool(_arg(node, 5, "is_causal", False))
+    scale = _arg(node, 6, "scale")
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    if len(qs) != 4:
+        raise UnsupportedOpError("scaled_dot_product_attention on tensors of rank != 4")
+    b, hq, sq, d = qs
+    hkv = ks[1]
+    if hkv != hq and not gqa:
+        raise UnsupportedOpError("sdpa with different q/k head counts needs enable_gqa")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    mask = None
+    if mask_arg is not None:
+        mask = im.value(mask_arg)
+        mt = mask.type
+        assert isinstance(mt, TensorType)
+        if mt.element_type == elem_of_torch(torch.bool):
+            from toptpu.dialects.common import numpy_dtype
+
+            dt = numpy_dtype(elem_of_torch(node.meta["val"].dtype))
+            zero = im.emit(top.ConstantOp.build([], {"value": dense_attr(
+                np.zeros((), dt))}), "mask_zero").results[0]
+            neg = im.emit(top.ConstantOp.build([], {"value": dense_attr(
+                np.array(np.finfo(np.float32).min).astype(dt))}), "mask_neg").results[0]
+            mask = im.emit(top.WhereOp.build([mask, zero, neg]), "mask").results[0]
+        ms = shape_of(mask)
+        if len(ms) < 4:
+            mask = im.reshape(mask, (1,) * (4 - len(ms)) + ms, "mask4d")
+        mask = im.cast_to(mask, elem_of_torch(node.meta["val"].dtype), "mask_cast")
+    qt = im.permute(q, [0, 2, 1, 3], "q")
+    kt = im.permute(k, [0, 2, 1, 3], "k")
+    vt = im.permute(v, [0, 2, 1, 3], "v")
+    attrs = {"scale": f64_attr(scale), "q_heads": i64_attr(hq), "kv_heads": i64_attr(hkv),
+             "head_dim": i64_attr(d), "causal": bool_attr(causal) if causal else None}
+    att = im.emit(top.AttentionOp.build([qt, kt, vt, mask, None, None], attrs)).results[0]
+    del vs
+    return im.permute(att, [0, 2, 1, 3], "out")
+
+
+# =========================================================================== driver
+
+_CONST_FACTORIES = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+    aten.zeros.default, aten.ones.default, aten.scalar_tensor.default, aten.empty.memory_format,
+    aten.new_ones.default, aten.new_zeros.default, aten.full_like.default,
+    aten.zeros_like.default, aten.ones_like.default,
+}
+
+
+def _fold_with_torch(im: Importer, node: torch.fx.Node) -> ConstValue | None:
+    """Evaluate `node` with torch when every tensor it reads is an import-time constant."""
+    tensors = [a for a in node.all_input_nodes]
+    like_ops = {aten.new_ones.default, aten.new_zeros.default, aten.full_like.default,
+                aten.zeros_like.default, aten.ones_like.default}
+    if node.target in like_ops:
+        tensors = []  # only the shape/dtype of the source matter
+    elif not all(im.is_const(t) for t in tensors):
+        return None
+    if not tensors and node.target not in _CONST_FACTORIES:
+        return None
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            c = im.env.get(a)
+            if isinstance(c, ConstValue):
+                return torch.from_numpy(np.array(c.array))
+            val = a.meta["val"]
+            return torch.zeros(tuple(val.shape), dtype=val.dtype)
+        if isinstance(a, list | tuple):
+            return type(a)(conv(x) for x in a)
+        return a
+
+    args = conv(node.args)
+    kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+    if "device" in kwargs:
+        kwargs["device"] = "cpu"
+    with torch.no_grad():
+        res = node.target(*args, **kwargs)
+    if not isinstance(res, torch.Tensor):
+        return None
+    return ConstValue(_torch_to_numpy(res), node.name)
+
+
+def import_exported(
+    ep: torch.export.ExportedProgram,
+    *,
+    module: torch.nn.Module | None = None,
+    store: WeightStore | None = None,
+    weight_prefix: str = "",
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    func_name: str = "main",
+) -> tuple[ModuleOp, WeightStore]:
+    """Translate an ExportedProgram into a Top module; weights go to `store`."""
+    store = store if store is not None else WeightStore()
+    sig = ep.graph_signature
+    kinds = {spec.arg.name: spec for spec in sig.input_specs}
+    buffers = dict(module.named_buffers()) if module is not None else {}
+    state = ep.state_dict
+    user_inputs: list[torch.fx.Node] = []
+    im = Importer(store=store, weight_prefix=weight_prefix)
+    arg_types: list[Attribute] = []
+    nodes = list(ep.graph.nodes)
+    for node in nodes:
+        if node.op == "placeholder" and kinds[node.name].kind.name == "USER_INPUT":
+            user_inputs.append(node)
+            val = node.meta["val"]
+            arg_types.append(tensor(tuple(val.shape), elem_of_torch(val.dtype)))
+    im.block = Block(arg_types=arg_types)
+    names = list(input_names) if input_names else [n.name for n in user_inputs]
+    if len(names) != len(user_inputs):
+        raise ImportError_(f"{len(user_inputs)} inputs but {len(names)} input names")
+    for node, arg, name in zip(user_inputs, im.block.args, names, strict=True):
+        arg.name_hint = _sanitize(name)
+        im.env[node] = arg
+    results: list[SSAValue] = []
+    for node in nodes:
+        im.node = node
+        if node.op == "placeholder":
+            spec = kinds[node.name]
+            if spec.kind.name == "USER_INPUT":
+                continue
+            target = spec.target
+            assert target is not None
+            if target in state:
+                t = state[target]
+            elif target in ep.constants:
+                t = ep.constants[target]
+            elif target in buffers:
+                t = buffers[target]
+            else:
+                raise ImportError_(f"cannot find the tensor for '{target}' ({spec.kind.name})")
+            if not isinstance(t, torch.Tensor):
+                raise ImportError_(f"'{target}' is not a tensor ({type(t).__name__})")
+            wname = f"{weight_prefix}{target}"
+            if wname not in store:
+                store[wname] = _torch_to_numpy(t)
+            op = top.WeightOp(
+                attributes={"name": str_attr(wname)},
+                result_types=[tensor(tuple(t.shape), elem_of_torch(t.dtype))],
+            )
+            im.emit(op)
+            op.location = make_loc(wname)
+            op.results[0].name_hint = _sanitize(target.split(".")[-2] + "_" + target.split(".")[-1]
+                                                if "." in target else target)
+            im.env[node] = op.results[0]
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                src = im.env[node.args[0]]
+                im.env[node] = src[node.args[1]]
+                continue
+            folded = _fold_with_torch(im, node)
+            if folded is not None:
+                im.env[node] = folded
+                continue
+            builder = ATEN_BUILDERS.get(node.target)
+            if builder is None:
+                file, line, code = source_line(node)
+                where = f" at {file}:{line}: `{code}`" if file else ""
+                raise UnsupportedOpError(
+                    f"unsupported aten op '{node.target}' (FX node '{node.name}'){where}. "
+                    "Add a builder for it to toptpu.frontends.fx_importer.ATEN_BUILDERS."
+                )
+            try:
+                im.env[node] = builder(im, node)
+            except UnsupportedOpError as e:
+                file, line, code = source_line(node)
+                where = f" at {file}:{line}: `{code}`" if file else ""
+                raise UnsupportedOpError(f"unsupported use of '{node.target}': {e}{where}") from e
+        elif node.op == "output":
+            outs = node.args[0]
+            flat = list(outs) if isinstance(outs, list | tuple) else [outs]
+            for o in flat:
+                results.append(im.value(o))
+        else:
+            raise ImportError_(f"unexpected FX node kind '{node.op}' ({node.name})")
+    onames = list(output_names) if output_names else [f"output{i}" for i in range(len(results))]
+    if len(onames) != len(results):
+        raise ImportError_(f"{len(results)} outputs but {len(onames)} output names")
+    im.block.add_op(func.ReturnOp(*results))
+    fn = func.FuncOp(
+        func_name,
+        ([a.type for a in im.block.args], [r.type for r in results]),
+        Region(im.block),
+        arg_attrs=name_dicts(names),
+        res_attrs=name_dicts(onames),
+    )
+    mod = ModuleOp([fn])
+    attach_store(mod, store)
+    return mod, store
+
+
+def import_module(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    *,
+    kwargs: dict[str, Any] | None = None,
+    store: WeightStore | None = None,
+    weight_prefix: str = "",
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    func_name: str = "main",
+) -> tuple[ModuleOp, WeightStore]:
+    """torch.export `model` at the static shapes of `args` and import it into Top."""
+    model = model.eval()
+    with torch.no_grad():
+        ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+    return import_exported(ep, module=model, store=store, weight_prefix=weight_prefix,
+                           input_names=input_names, output_names=output_names,
+                           func_name=func_name)

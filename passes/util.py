@@ -1,0 +1,35 @@
+"""Small helpers for writing rewrite patterns over Top/Tpu IR."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from toptpu.dialects.naming import op_name, set_name
+from xdsl.ir import Operation, OpResult, SSAValue
+
+OpT = TypeVar("OpT", bound=Operation)
+
+
+def producer(value: SSAValue | None, cls: type[OpT]) -> OpT | None:
+    """The op of type `cls` that defines `value`, or None."""
+    if isinstance(value, OpResult) and isinstance(value.op, cls):
+        return value.op
+    return None
+
+
+def has_one_use(value: SSAValue) -> bool:
+    return value.has_one_use()
+
+
+def named_like(new: OpT, root: Operation, suffix: str = "") -> OpT:
+    """Give `new` the name (and source position) of the op it replaces."""
+    base = op_name(root) or root.name
+    set_name(new, f"{base}{suffix}", like=root)
+    return new
+
+
+def inverse_permutation(order: list[int]) -> list[int]:
+    inv = [0] * len(order)
+    for i, o in enumerate(order):
+        inv[o] = i
+    return inv
