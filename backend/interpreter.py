@@ -12,6 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import DenseIntOrFPElementsAttr, ModuleOp, TensorType
+from xdsl.ir import Operation, SSAValue
+
 from toptpu.backend import kernels as K
 from toptpu.dialects import top
 from toptpu.dialects.common import (
@@ -26,9 +30,6 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
 from toptpu.dialects.weight_store import WeightStore, store_of
-from xdsl.dialects import func
-from xdsl.dialects.builtin import DenseIntOrFPElementsAttr, ModuleOp, TensorType
-from xdsl.ir import Operation, SSAValue
 
 Arrays = list[np.ndarray | None]
 

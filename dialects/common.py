@@ -25,6 +25,7 @@ from xdsl.dialects.builtin import (
     Signedness,
     StringAttr,
     TensorType,
+    UnrankedTensorType,
     bf16,
     f16,
     f32,
@@ -35,8 +36,17 @@ from xdsl.dialects.builtin import (
     i64,
 )
 from xdsl.ir import Attribute, SSAValue
-from xdsl.irdl import IRDLOperation
+from xdsl.irdl import AnyOf, BaseAttr, IRDLOperation
 from xdsl.utils.exceptions import VerifyException
+
+#: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
+AnyTensor = AnyOf([BaseAttr(TensorType), BaseAttr(UnrankedTensorType)])
+
+
+def is_ranked(value: SSAValue | Attribute) -> bool:
+    t = value.type if isinstance(value, SSAValue) else value
+    return isinstance(t, TensorType)
+
 
 # --------------------------------------------------------------------------- attributes
 
@@ -238,6 +248,8 @@ class ShapedOp(IRDLOperation):
     def verify_(self) -> None:
         if not self.CHECK_INFERRED:
             return
+        if not all(is_ranked(v) for v in (*self.operands, *self.results)):
+            return  # shape-infer has not run yet
         try:
             expected = self.inferred_types()
         except (VerifyException, ValueError, AssertionError, IndexError) as e:

@@ -19,20 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from toptpu.dialects.common import (
-    ShapedOp,
-    broadcast_shapes,
-    elem_of,
-    is_float,
-    norm_axis,
-    numel,
-    read_bool,
-    read_int,
-    read_ints,
-    read_str,
-    shape_of,
-    tensor,
-)
 from xdsl.dialects.builtin import (
     DenseArrayBase,
     DenseIntOrFPElementsAttr,
@@ -58,6 +44,22 @@ from xdsl.irdl import (
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from toptpu.dialects.common import (
+    AnyTensor,
+    ShapedOp,
+    broadcast_shapes,
+    elem_of,
+    is_float,
+    norm_axis,
+    numel,
+    read_bool,
+    read_int,
+    read_ints,
+    read_str,
+    shape_of,
+    tensor,
+)
+
 Operands = Sequence[SSAValue | None]
 Attrs = Mapping[str, Attribute]
 
@@ -77,7 +79,7 @@ class WeightOp(TopOp):
 
     name = "top.weight"
     weight_name = attr_def(StringAttr, attr_name="name")
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -96,7 +98,7 @@ class ConstantOp(TopOp):
 
     name = "top.constant"
     value = attr_def(DenseIntOrFPElementsAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -111,8 +113,8 @@ class ConstantOp(TopOp):
 
 
 class UnaryOp(TopOp):
-    input = operand_def(TensorType)
-    output = result_def(TensorType)
+    input = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
     FLOPS_PER_ELEMENT: ClassVar[int] = 1
 
     @classmethod
@@ -225,9 +227,9 @@ class DivConstOp(ConstBinaryOp):
 class BinaryOp(TopOp):
     """Elementwise with numpy broadcasting; both operands share the element type."""
 
-    lhs = operand_def(TensorType)
-    rhs = operand_def(TensorType)
-    output = result_def(TensorType)
+    lhs = operand_def(AnyTensor)
+    rhs = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -278,10 +280,10 @@ class CompareOp(TopOp):
     """Elementwise comparison; `predicate` is eq, ne, lt, le, gt or ge; result i1."""
 
     name = "top.compare"
-    lhs = operand_def(TensorType)
-    rhs = operand_def(TensorType)
+    lhs = operand_def(AnyTensor)
+    rhs = operand_def(AnyTensor)
     predicate = attr_def(StringAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -300,10 +302,10 @@ class WhereOp(TopOp):
     """cond ? x : y with broadcasting (cond is i1 or nonzero-is-true)."""
 
     name = "top.where"
-    cond = operand_def(TensorType)
-    lhs = operand_def(TensorType)
-    rhs = operand_def(TensorType)
-    output = result_def(TensorType)
+    cond = operand_def(AnyTensor)
+    lhs = operand_def(AnyTensor)
+    rhs = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -322,9 +324,9 @@ class CastOp(TopOp):
     """Element type conversion; the result type names the target."""
 
     name = "top.cast"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     dtype = attr_def(TypeAttribute)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -352,11 +354,11 @@ class ReduceOp(TopOp):
     """Reduce over `axes` with `mode` mean, sum, max or min."""
 
     name = "top.reduce"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     mode = attr_def(StringAttr)
     axes = attr_def(DenseArrayBase)
     keepdims = attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -379,10 +381,10 @@ class RmsNormOp(TopOp):
     """x * rsqrt(mean(x^2, last axis) + eps) * weight, accumulated in f32."""
 
     name = "top.rms_norm"
-    input = operand_def(TensorType)
-    weight = opt_operand_def(TensorType)
+    input = operand_def(AnyTensor)
+    weight = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -404,12 +406,12 @@ class LayerNormOp(TopOp):
     """Normalize over the axes from `axis` to the end; optional affine weight and bias."""
 
     name = "top.layer_norm"
-    input = operand_def(TensorType)
-    weight = opt_operand_def(TensorType)
-    bias = opt_operand_def(TensorType)
+    input = operand_def(AnyTensor)
+    weight = opt_operand_def(AnyTensor)
+    bias = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
     axis = attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
 
     @classmethod
@@ -441,11 +443,11 @@ class RopeOp(TopOp):
     """
 
     name = "top.rope"
-    input = operand_def(TensorType)
-    cos = operand_def(TensorType)
-    sin = operand_def(TensorType)
+    input = operand_def(AnyTensor)
+    cos = operand_def(AnyTensor)
+    sin = operand_def(AnyTensor)
     mode = attr_def(StringAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -471,18 +473,18 @@ class AttentionOp(TopOp):
     """Scaled dot-product attention, GQA-native and sequence-major (see module doc)."""
 
     name = "top.attention"
-    q = operand_def(TensorType)
-    k = operand_def(TensorType)
-    v = operand_def(TensorType)
-    mask = opt_operand_def(TensorType)
-    history_k = opt_operand_def(TensorType)
-    history_v = opt_operand_def(TensorType)
+    q = operand_def(AnyTensor)
+    k = operand_def(AnyTensor)
+    v = operand_def(AnyTensor)
+    mask = opt_operand_def(AnyTensor)
+    history_k = opt_operand_def(AnyTensor)
+    history_v = opt_operand_def(AnyTensor)
     scale = attr_def(FloatAttr)
     q_heads = attr_def(IntegerAttr)
     kv_heads = attr_def(IntegerAttr)
     head_dim = attr_def(IntegerAttr)
     causal = opt_attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
 
     @classmethod
@@ -518,7 +520,11 @@ class AttentionOp(TopOp):
             sk += hks[1]
         if mask is not None:
             ms = shape_of(mask)
-            if broadcast_shapes(ms, (b, hq, sq, sk)) != (b, hq, sq, sk):
+            try:
+                ok = broadcast_shapes(ms, (b, hq, sq, sk)) == (b, hq, sq, sk)
+            except VerifyException:
+                ok = False
+            if not ok:
                 raise VerifyException(
                     f"attention mask {list(ms)} does not broadcast to {[b, hq, sq, sk]}"
                 )
@@ -542,12 +548,12 @@ class MatMulOp(TopOp):
     """a @ b (+ bias); `transpose_a`/`transpose_b` swap the last two axes first."""
 
     name = "top.matmul"
-    lhs = operand_def(TensorType)
-    rhs = operand_def(TensorType)
-    bias = opt_operand_def(TensorType)
+    lhs = operand_def(AnyTensor)
+    rhs = operand_def(AnyTensor)
+    bias = opt_operand_def(AnyTensor)
     transpose_a = opt_attr_def(IntegerAttr)
     transpose_b = opt_attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @staticmethod
     def mkn(
@@ -587,10 +593,10 @@ class GatherOp(TopOp):
     """table.take(indices, axis): embedding lookup is axis 0."""
 
     name = "top.gather"
-    table = operand_def(TensorType)
-    indices = operand_def(TensorType)
+    table = operand_def(AnyTensor)
+    indices = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -608,12 +614,12 @@ class TopKOp(TopOp):
     """The k largest (or smallest) values along `axis` and their i32 indices, sorted."""
 
     name = "top.topk"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     k = attr_def(IntegerAttr)
     axis = attr_def(IntegerAttr)
     largest = opt_attr_def(IntegerAttr)
-    values = result_def(TensorType)
-    indices = result_def(TensorType)
+    values = result_def(AnyTensor)
+    indices = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -636,14 +642,14 @@ class Conv2dOp(TopOp):
     """NCHW 2-D convolution; weight [O, C/groups, kh, kw]; pads [top, left, bottom, right]."""
 
     name = "top.conv2d"
-    input = operand_def(TensorType)
-    weight = operand_def(TensorType)
-    bias = opt_operand_def(TensorType)
+    input = operand_def(AnyTensor)
+    weight = operand_def(AnyTensor)
+    bias = opt_operand_def(AnyTensor)
     strides = attr_def(DenseArrayBase)
     pads = attr_def(DenseArrayBase)
     dilations = attr_def(DenseArrayBase)
     groups = attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -675,9 +681,9 @@ class Conv2dOp(TopOp):
 @irdl_op_definition
 class ReshapeOp(TopOp):
     name = "top.reshape"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -692,9 +698,9 @@ class ReshapeOp(TopOp):
 @irdl_op_definition
 class PermuteOp(TopOp):
     name = "top.permute"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     order = attr_def(DenseArrayBase)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -703,7 +709,9 @@ class PermuteOp(TopOp):
         shape = shape_of(x)
         order = read_ints(attrs.get("order"))
         if sorted(order) != list(range(len(shape))):
-            raise VerifyException(f"permute order {order} is not a permutation of rank {len(shape)}")
+            raise VerifyException(
+                f"permute order {order} is not a permutation of rank {len(shape)}"
+            )
         return [tensor([shape[i] for i in order], elem_of(x))]
 
 
@@ -712,9 +720,9 @@ class ExpandOp(TopOp):
     """Broadcast to `shape` (numpy rules)."""
 
     name = "top.expand"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -729,9 +737,9 @@ class ExpandOp(TopOp):
 @irdl_op_definition
 class ConcatOp(TopOp):
     name = "top.concat"
-    inputs = var_operand_def(TensorType)
+    inputs = var_operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -757,12 +765,12 @@ class SliceOp(TopOp):
     """x[start:end:step] along `axis` (static, in range: nothing is clipped)."""
 
     name = "top.slice"
-    input = operand_def(TensorType)
+    input = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     start = attr_def(IntegerAttr)
     end = attr_def(IntegerAttr)
     step = attr_def(IntegerAttr)
-    output = result_def(TensorType)
+    output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:

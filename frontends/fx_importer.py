@@ -19,6 +19,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from xdsl.dialects import func
+from xdsl.dialects.builtin import (
+    ModuleOp,
+    TensorType,
+)
+from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
+
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     bool_attr,
@@ -33,12 +40,6 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
-from xdsl.dialects import func
-from xdsl.dialects.builtin import (
-    ModuleOp,
-    TensorType,
-)
-from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
 aten = torch.ops.aten
 

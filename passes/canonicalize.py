@@ -13,6 +13,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
+from xdsl.passes import ModulePass
+from xdsl.pattern_rewriter import (
+    GreedyRewritePatternApplier,
+    PatternRewriter,
+    PatternRewriteWalker,
+    RewritePattern,
+    op_type_rewrite_pattern,
+)
+from xdsl.transforms.canonicalize import CanonicalizationRewritePattern
+from xdsl.transforms.common_subexpression_elimination import cse
+from xdsl.transforms.dead_code_elimination import region_dce
+
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     ShapedOp,
@@ -27,19 +42,6 @@ from toptpu.dialects.common import (
     shape_of,
 )
 from toptpu.passes.util import named_like, producer
-from xdsl.context import Context
-from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import Operation
-from xdsl.passes import ModulePass
-from xdsl.pattern_rewriter import (
-    GreedyRewritePatternApplier,
-    PatternRewriter,
-    PatternRewriteWalker,
-    RewritePattern,
-    op_type_rewrite_pattern,
-)
-from xdsl.transforms.canonicalize import CanonicalizationRewritePattern
-from xdsl.transforms.dead_code_elimination import region_dce
 
 #: results with at most this many elements are constant-folded
 FOLD_LIMIT = 4096
@@ -180,13 +182,15 @@ def canonicalization_patterns() -> list[RewritePattern]:
 
 def apply_patterns(module: ModuleOp, patterns: list[RewritePattern], ctx: Context | None = None
                    ) -> None:
+    """Apply `patterns` greedily to a fixpoint, then merge common subexpressions."""
     applier = GreedyRewritePatternApplier(patterns, ctx=ctx)
     PatternRewriteWalker(applier, post_walk_func=region_dce).rewrite_module(module)
+    cse(module)
 
 
 @dataclass(frozen=True)
 class CanonicalizePass(ModulePass):
-    """Top/Tpu canonicalization plus xDSL's canonicalization patterns and DCE."""
+    """Fold no-op shape ops and identities, small constants, dead code; then CSE."""
 
     name = "canonicalize"
 

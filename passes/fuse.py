@@ -339,6 +339,8 @@ def fusion_patterns() -> list[RewritePattern]:
 
 @dataclass(frozen=True)
 class FusePass(ModulePass):
+    """Fuse rms_norm, rope, GQA attention, KV history and linear from decomposed forms."""
+
     name = "fuse"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:

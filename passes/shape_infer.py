@@ -8,19 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toptpu.dialects import top
-from toptpu.dialects.common import ShapedOp, shape_of
-from toptpu.dialects.naming import op_name
-from toptpu.dialects.weight_store import STORE_ATTR, store_of
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import FunctionType, ModuleOp
 from xdsl.passes import ModulePass
 from xdsl.utils.exceptions import VerifyException
 
+from toptpu.dialects import top
+from toptpu.dialects.common import ShapedOp, shape_of
+from toptpu.dialects.naming import op_name
+from toptpu.dialects.weight_store import STORE_ATTR, store_of
+
 
 @dataclass(frozen=True)
 class ShapeInferPass(ModulePass):
+    """Recompute result types from operands; check weights against the store."""
+
     name = "shape-infer"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from toptpu.dialects.naming import op_name, set_name
 from xdsl.ir import Operation, OpResult, SSAValue
+
+from toptpu.dialects.naming import op_name, set_name
 
 OpT = TypeVar("OpT", bound=Operation)
 
@@ -25,6 +26,11 @@ def named_like(new: OpT, root: Operation, suffix: str = "") -> OpT:
     """Give `new` the name (and source position) of the op it replaces."""
     base = op_name(root) or root.name
     set_name(new, f"{base}{suffix}", like=root)
+    hint = root.results[0].name_hint if root.results else None
+    if hint:
+        tag = "".join(c if c.isalnum() else "_" for c in suffix)
+        for r in new.results:
+            r.name_hint = f"{hint}{tag}"
     return new
 
 

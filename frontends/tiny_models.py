@@ -1,0 +1,135 @@
+"""The built-in default model and other tiny models with seeded random weights.
+
+Nothing is downloaded: configs are real `transformers` config classes at tiny sizes, the
+weights are drawn from a seeded generator, and the tokenizer is a byte-level BPE trained
+with the `tokenizers` library on a small built-in text. `save_tiny_model` writes a normal
+Hugging Face directory (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json), exactly what a user's checkpoint looks like.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+CORPUS = """\
+The tensor processor runs the compiled model. Each layer is compiled once and bound to
+its own weights. Prefill reads the whole prompt; decode adds one token at a time and
+writes its keys and values straight into the cache. A compiler lowers the model from Top
+to Tpu, groups layers into local memory, assigns addresses and emits command streams.
+Hello world! How are you today? I am fine, thank you. What is the capital of France?
+Paris is the capital of France. One two three four five six seven eight nine ten.
+The quick brown fox jumps over the lazy dog. 0123456789 +-*/=()[]{}<>,.;:!?'"
+Quantization stores weights in four or eight bits with a scale and a zero point per group.
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on CORPUS (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, **overrides: Any
+                ) -> Any:
+    """A tiny config of a supported family: qwen2, qwen3, llama2, llama3."""
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+        pad_token_id=0,
+    )
+    if family == "qwen2":
+        cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**{**common, "head_dim": 16, "tie_word_embeddings": True,
+                                **overrides})
+    elif family == "llama2":
+        cfg = tf.LlamaConfig(**{**common, "num_key_value_heads": 4, **overrides})
+    elif family == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0}
+        cfg = tf.LlamaConfig(**{**common, "rope_scaling": rope, "tie_word_embeddings": True,
+                                **overrides})
+    else:
+        raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, llama2, llama3)")
+    return cfg
+
+
+def tiny_model(family: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Any:
+    """A `transformers` causal LM with seeded random weights (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    # random weights with a scale that keeps activations in a healthy range
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5))
+    return model.eval()
+
+
+def save_tiny_model(path: str, family: str = "qwen2", seed: int = 0,
+                    **config_overrides: Any) -> str:
+    """Write a tiny model directory (weights, config, tokenizer, generation config)."""
+    from transformers import GenerationConfig
+
+    os.makedirs(path, exist_ok=True)
+    model = tiny_model(family, seed, **config_overrides)
+    tok = build_tokenizer(model.config.vocab_size)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"),
+                      tok.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=tok.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,0 +1,56 @@
+// RUN: toptpu-opt %s -p canonicalize --split-input-file | filecheck %s
+
+// No-op reshapes and permutes disappear; chains compose; dead ops are erased.
+builtin.module {
+  func.func @shapes(%x: tensor<2x3x4xf32>) -> (tensor<2x3x4xf32>, tensor<4x3x2xf32>, tensor<24xf32>) {
+    %0 = "top.reshape"(%x) {shape = array<i64: 2, 3, 4>} : (tensor<2x3x4xf32>) -> tensor<2x3x4xf32>
+    %1 = "top.permute"(%0) {order = array<i64: 1, 0, 2>} : (tensor<2x3x4xf32>) -> tensor<3x2x4xf32>
+    %2 = "top.permute"(%1) {order = array<i64: 1, 0, 2>} : (tensor<3x2x4xf32>) -> tensor<2x3x4xf32>
+    %3 = "top.permute"(%x) {order = array<i64: 1, 0, 2>} : (tensor<2x3x4xf32>) -> tensor<3x2x4xf32>
+    %4 = "top.permute"(%3) {order = array<i64: 2, 0, 1>} : (tensor<3x2x4xf32>) -> tensor<4x3x2xf32>
+    %5 = "top.reshape"(%x) {shape = array<i64: 6, 4>} : (tensor<2x3x4xf32>) -> tensor<6x4xf32>
+    %6 = "top.reshape"(%5) {shape = array<i64: 24>} : (tensor<6x4xf32>) -> tensor<24xf32>
+    %dead = "top.exp"(%x) : (tensor<2x3x4xf32>) -> tensor<2x3x4xf32>
+    func.return %2, %4, %6 : tensor<2x3x4xf32>, tensor<4x3x2xf32>, tensor<24xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @shapes
+// CHECK-NEXT:    %0 = "top.permute"(%x) {order = array<i64: 2, 1, 0>} : (tensor<2x3x4xf32>) -> tensor<4x3x2xf32>
+// CHECK-NEXT:    %1 = "top.reshape"(%x) {shape = array<i64: 24>} : (tensor<2x3x4xf32>) -> tensor<24xf32>
+// CHECK-NEXT:    func.return %x, %0, %1
+
+// -----
+
+// A permute that only moves unit axes is a reshape; x*1 and x+0 fold away.
+builtin.module {
+  func.func @units(%x: tensor<1x8x1x16xf32>) -> tensor<1x1x8x16xf32> {
+    %0 = "top.mul_const"(%x) {value = 1.0 : f64} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %1 = "top.add_const"(%0) {value = 0.0 : f64} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %2 = "top.permute"(%1) {order = array<i64: 0, 2, 1, 3>} : (tensor<1x8x1x16xf32>) -> tensor<1x1x8x16xf32>
+    func.return %2 : tensor<1x1x8x16xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @units
+// CHECK-NEXT:    %0 = "top.reshape"(%x) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    func.return %0
+
+// -----
+
+// Small constants fold through the backend kernels; identical ops merge (CSE).
+builtin.module {
+  func.func @consts(%x: tensor<2xf32>) -> (tensor<2xf32>, tensor<2xf32>) {
+    %c = "top.constant"() {value = dense<[1.0, 4.0]> : tensor<2xf32>} : () -> tensor<2xf32>
+    %s = "top.sqrt"(%c) : (tensor<2xf32>) -> tensor<2xf32>
+    %m = "top.mul_const"(%s) {value = 3.0 : f64} : (tensor<2xf32>) -> tensor<2xf32>
+    %a = "top.add"(%x, %m) : (tensor<2xf32>, tensor<2xf32>) -> tensor<2xf32>
+    %b = "top.add"(%x, %m) : (tensor<2xf32>, tensor<2xf32>) -> tensor<2xf32>
+    func.return %a, %b : tensor<2xf32>, tensor<2xf32>
+  }
+}
+
+// CHECK-LABEL: func.func @consts
+// CHECK-NEXT:    [[C:%.*]] = "top.constant"() {value = dense<[3.000000e+00, 6.000000e+00]> : tensor<2xf32>}
+// CHECK-NEXT:    [[A:%.*]] = "top.add"(%x, [[C]])
+// CHECK-NEXT:    func.return [[A]], [[A]]

@@ -1,0 +1,120 @@
+"""The backend kernels (the single numeric truth) against torch's implementations."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toptpu.backend import kernels as K
+
+rng = np.random.default_rng(0)
+
+
+def _r(*shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _close(a: np.ndarray, b: torch.Tensor | np.ndarray, tol: float = 1e-5) -> None:
+    np.testing.assert_allclose(a, np.asarray(b), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("history", [0, 5])
+def test_attention_matches_sdpa(hq: int, hkv: int, history: int) -> None:
+    b, sq, sk, d = 1, 3, 4, 8
+    q, k, v = _r(b, sq, hq, d), _r(b, sk, hkv, d), _r(b, sk, hkv, d)
+    hk, hv = (_r(b, history, hkv, d), _r(b, history, hkv, d)) if history else (None, None)
+    mask = np.where(rng.random((1, 1, sq, history + sk)) < 0.3, -1e9, 0.0).astype(np.float32)
+    mask[..., -1] = 0.0  # every row sees at least one key
+    out = K.attention(q, k, v, mask, 0.3, hk, hv)
+    kk = np.concatenate([hk, k], 1) if history else k
+    vv = np.concatenate([hv, v], 1) if history else v
+    t = lambda x: torch.from_numpy(x).transpose(1, 2)  # noqa: E731
+    ref = F.scaled_dot_product_attention(t(q), t(kk), t(vv), torch.from_numpy(mask), scale=0.3,
+                                         enable_gqa=True).transpose(1, 2)
+    _close(out, ref)
+
+
+def test_causal_attention() -> None:
+    q, k, v = _r(1, 5, 2, 4), _r(1, 5, 2, 4), _r(1, 5, 2, 4)
+    out = K.attention(q, k, v, None, 0.5, causal=True)
+    t = lambda x: torch.from_numpy(x).transpose(1, 2)  # noqa: E731
+    ref = F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True, scale=0.5)
+    _close(out, ref.transpose(1, 2))
+
+
+def test_rope_half_and_interleaved() -> None:
+    x, ang = _r(1, 6, 2, 8), _r(1, 6, 1, 8)
+    c, s = np.cos(ang), np.sin(ang)
+    tx = torch.from_numpy(x)
+    rot = torch.cat([-tx[..., 4:], tx[..., :4]], -1)
+    _close(K.rope(x, c, s, "half"), tx * torch.from_numpy(c) + rot * torch.from_numpy(s))
+    pairs = torch.stack([-tx[..., 1::2], tx[..., 0::2]], -1).flatten(-2)
+    _close(K.rope(x, c, s, "interleaved"), tx * torch.from_numpy(c) + pairs * torch.from_numpy(s))
+
+
+def test_norms() -> None:
+    x, w, b = _r(2, 5, 16), _r(16), _r(16)
+    ref = torch.nn.functional.rms_norm(torch.from_numpy(x), (16,), torch.from_numpy(w), 1e-6)
+    _close(K.rms_norm(x, w, 1e-6), ref)
+    ref = F.layer_norm(torch.from_numpy(x), (16,), torch.from_numpy(w), torch.from_numpy(b), 1e-5)
+    _close(K.layer_norm(x, w, b, 1e-5, -1), ref, 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["silu", "sigmoid", "exp", "tanh", "rsqrt", "sqrt"])
+def test_unary(kind: str) -> None:
+    x = np.abs(_r(4, 7)) + 0.1 if kind in ("rsqrt", "sqrt") else _r(4, 7)
+    fn = {"silu": F.silu, "sigmoid": torch.sigmoid, "exp": torch.exp, "tanh": torch.tanh,
+          "rsqrt": torch.rsqrt, "sqrt": torch.sqrt}[kind]
+    _close(K.unary(kind, x), fn(torch.from_numpy(x)))
+
+
+@pytest.mark.parametrize("approx", ["none", "tanh"])
+def test_gelu(approx: str) -> None:
+    x = _r(64)
+    _close(K.unary("gelu", x, approximate=approx), F.gelu(torch.from_numpy(x), approximate=approx))
+
+
+def test_softmax_reduce_matmul() -> None:
+    x = _r(3, 4, 5)
+    _close(K.softmax(x, -1), torch.softmax(torch.from_numpy(x), -1))
+    _close(K.reduce(x, "mean", [1, 2], True), torch.from_numpy(x).mean((1, 2), keepdim=True))
+    _close(K.reduce(x, "max", [0], False), torch.from_numpy(x).amax(0))
+    a, w, bias = _r(2, 3, 8), _r(6, 8), _r(6)
+    _close(K.matmul(a, w, bias, transpose_b=True),
+           F.linear(torch.from_numpy(a), torch.from_numpy(w), torch.from_numpy(bias)))
+    bb = _r(2, 8, 4)
+    _close(K.matmul(a, bb), torch.from_numpy(a) @ torch.from_numpy(bb))
+
+
+@pytest.mark.parametrize("groups,stride,pad", [(1, 1, 0), (1, 2, 1), (2, 14, 0)])
+def test_conv2d(groups: int, stride: int, pad: int) -> None:
+    x, w, b = _r(1, 4, 28, 28), _r(6, 4 // groups, 3, 3), _r(6)
+    ref = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), stride, pad,
+                   1, groups)
+    _close(K.conv2d(x, w, b, [stride] * 2, [pad] * 4, [1, 1], groups), ref, 1e-4)
+
+
+def test_topk_and_gather() -> None:
+    x = _r(2, 10)
+    vals, idx = K.topk(x, 3, 1)
+    tv, ti = torch.topk(torch.from_numpy(x), 3, 1)
+    _close(vals, tv)
+    assert np.array_equal(idx, ti.numpy())
+    table = _r(10, 4)
+    ids = np.array([[1, 9, 0]], np.int32)
+    assert np.array_equal(K.gather(table, ids, 0), table[ids])
+    with pytest.raises(IndexError, match="out of range"):
+        K.gather(table, np.array([10]), 0)
+
+
+def test_half_precision_computes_in_f32_and_rounds_once() -> None:
+    a = _r(4, 64).astype(ml_dtypes.bfloat16)
+    w = _r(32, 64).astype(ml_dtypes.bfloat16)
+    out = K.matmul(a, w, transpose_b=True)
+    assert out.dtype == ml_dtypes.bfloat16
+    ref = (a.astype(np.float32) @ w.astype(np.float32).T).astype(ml_dtypes.bfloat16)
+    assert np.array_equal(out, ref)
