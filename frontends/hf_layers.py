@@ -43,3 +43,28 @@ def layer_inputs(hidden_size: int, length: int, seed: int = 0) -> tuple[torch.Te
     hidden = torch.randn(1, length, hidden_size, generator=g)
     pos = torch.arange(length, dtype=torch.int64)[None]
     return hidden, pos, causal_mask(length)
+
+
+class DecoderStack(torch.nn.Module):
+    """A whole causal LM at static shapes without a KV cache: ids -> logits.
+
+    Uses the model's own embedding, layers, rotary embedding, final norm and lm_head; the
+    causal mask is an input (additive), so nothing in the graph depends on cache classes.
+    """
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        model.config._attn_implementation = "sdpa"
+        self.embed = model.model.embed_tokens
+        self.layers = torch.nn.ModuleList(
+            DecoderLayerWithRope(layer, model.model.rotary_emb) for layer in model.model.layers
+        )
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, position_ids, attention_mask)
+        return self.lm_head(self.norm(h))

@@ -102,7 +102,7 @@ def tiny_model(family: str = "qwen2", seed: int = 0, **config_overrides: Any) ->
 
     cfg = tiny_config(family, **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # random weights with a scale that keeps activations in a healthy range
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
