@@ -62,9 +62,9 @@ def _out_dtype(op: Operation, i: int = 0) -> np.dtype:
 # --------------------------------------------------------------------------- Top evaluators
 
 
-@evaluates("top.weight")
+@evaluates("top.weight", "tpu.weight")
 def _weight(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.WeightOp)
+    assert isinstance(op, top.WeightBase)
     if ctx.store is None:
         raise ValueError("the module uses weights but no weight store was given")
     arr = ctx.store[op.tensor_name]
@@ -91,7 +91,7 @@ def constant_value(attr: DenseIntOrFPElementsAttr) -> np.ndarray:
 
 @evaluates("top.constant")
 def _constant(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.ConstantOp)
+    assert isinstance(op, top.ConstantBase)
     return [constant_value(op.value)]
 
 
@@ -256,6 +256,22 @@ def _slice(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     axis = read_int(a["axis"]) % args[0].ndim
     return [K.slice_(args[0], axis, read_int(a["start"]), read_int(a["end"]),
                      read_int(a["step"]))]
+
+
+# --------------------------------------------------------------------------- Tpu evaluators
+
+# Tpu ops share Top's operands and attributes; the result type carries the storage dtype
+# the shared evaluators round to.
+for _name in [n for n in EVALUATORS if n.startswith("top.")]:
+    EVALUATORS["tpu." + _name[4:]] = EVALUATORS[_name]
+
+
+@evaluates("tpu.a16_matmul")
+def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    x, q, s, z, b = args
+    assert x is not None and q is not None and s is not None
+    return [K.a16_matmul(x, q, s, z, b, read_int(op.attributes["weight_bits"]),
+                         read_int(op.attributes["group_size"]), _out_dtype(op))]
 
 
 # --------------------------------------------------------------------------- driver

@@ -325,3 +325,43 @@ def slice_(x: np.ndarray, axis: int, start: int, end: int, step: int) -> np.ndar
     sl = [slice(None)] * x.ndim
     sl[axis] = slice(start, end, step)
     return np.ascontiguousarray(x[tuple(sl)])
+
+
+# --------------------------------------------------------------------------- quantized weights
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """ui8 [N, K/2] -> ui8 [N, K]: byte j holds k=2j (low nibble) and k=2j+1 (high)."""
+    p = np.asarray(packed, dtype=np.uint8)
+    out = np.empty((*p.shape[:-1], p.shape[-1] * 2), dtype=np.uint8)
+    out[..., 0::2] = p & 0x0F
+    out[..., 1::2] = p >> 4
+    return out
+
+
+def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int,
+               group_size: int) -> np.ndarray:
+    """The weights `tpu.a16_matmul` multiplies by: (q - z) * s per group, in f32."""
+    q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
+    qf = q.astype(np.float32)
+    n, k = qf.shape
+    g = k // group_size
+    if zeros is not None:
+        z = np.asarray(zeros).astype(np.float32)
+    elif bits == 4:
+        z = np.full((n, g), 8.0, np.float32)
+    else:
+        z = np.zeros((n, g), np.float32)
+    s = f32(scales)
+    w = (qf.reshape(n, g, group_size) - z[:, :, None]) * s[:, :, None]
+    return w.reshape(n, k)
+
+
+def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
+               zeros: np.ndarray | None, bias: np.ndarray | None, bits: int, group_size: int,
+               out_dtype=None) -> np.ndarray:
+    w = dequantize(qweight, scales, zeros, bits, group_size)
+    r = np.matmul(f32(x), w.T)
+    if bias is not None:
+        r = r + f32(bias)
+    return _out(r, out_dtype, x)

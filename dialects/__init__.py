@@ -12,8 +12,9 @@ def all_dialects() -> list:  # noqa: ANN201 - list[Dialect]
     from xdsl.dialects.func import Func
 
     from toptpu.dialects.top import Top
+    from toptpu.dialects.tpu import Tpu
 
-    return [Builtin, Func, Arith, Top]
+    return [Builtin, Func, Arith, Top, Tpu]
 
 
 def context() -> Context:

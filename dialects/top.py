@@ -73,17 +73,15 @@ class TopOp(ShapedOp):
 # =========================================================================== sources
 
 
-@irdl_op_definition
-class WeightOp(TopOp):
+class WeightBase(ShapedOp):
     """A named tensor of the weight store (module attribute `top.weight_store`)."""
 
-    name = "top.weight"
     weight_name = attr_def(StringAttr, attr_name="name")
     output = result_def(AnyTensor)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
-        raise VerifyException("top.weight takes its type from the weight store")
+        raise VerifyException("a weight takes its type from the weight store")
 
     CHECK_INFERRED: ClassVar[bool] = False
 
@@ -93,10 +91,13 @@ class WeightOp(TopOp):
 
 
 @irdl_op_definition
-class ConstantOp(TopOp):
+class WeightOp(WeightBase, TopOp):
+    name = "top.weight"
+
+
+class ConstantBase(ShapedOp):
     """A small constant held in the IR (scalars, masks of a few elements)."""
 
-    name = "top.constant"
     value = attr_def(DenseIntOrFPElementsAttr)
     output = result_def(AnyTensor)
 
@@ -109,10 +110,15 @@ class ConstantOp(TopOp):
         return [t]
 
 
+@irdl_op_definition
+class ConstantOp(ConstantBase, TopOp):
+    name = "top.constant"
+
+
 # =========================================================================== elementwise
 
 
-class UnaryOp(TopOp):
+class UnaryOp(ShapedOp):
     input = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     FLOPS_PER_ELEMENT: ClassVar[int] = 1
@@ -128,57 +134,55 @@ class UnaryOp(TopOp):
 
 
 @irdl_op_definition
-class RsqrtOp(UnaryOp):
+class RsqrtOp(UnaryOp, TopOp):
     name = "top.rsqrt"
     FLOPS_PER_ELEMENT: ClassVar[int] = 2
 
 
 @irdl_op_definition
-class SqrtOp(UnaryOp):
+class SqrtOp(UnaryOp, TopOp):
     name = "top.sqrt"
 
 
 @irdl_op_definition
-class ExpOp(UnaryOp):
+class ExpOp(UnaryOp, TopOp):
     name = "top.exp"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
 
 @irdl_op_definition
-class CosOp(UnaryOp):
+class CosOp(UnaryOp, TopOp):
     name = "top.cos"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
 
 @irdl_op_definition
-class SinOp(UnaryOp):
+class SinOp(UnaryOp, TopOp):
     name = "top.sin"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
 
 @irdl_op_definition
-class TanhOp(UnaryOp):
+class TanhOp(UnaryOp, TopOp):
     name = "top.tanh"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
 
 @irdl_op_definition
-class SigmoidOp(UnaryOp):
+class SigmoidOp(UnaryOp, TopOp):
     name = "top.sigmoid"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
 
 @irdl_op_definition
-class SiluOp(UnaryOp):
+class SiluOp(UnaryOp, TopOp):
     name = "top.silu"
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
 
 
-@irdl_op_definition
-class GeluOp(UnaryOp):
+class GeluBase(UnaryOp):
     """GELU; `approximate` is "none" (erf) or "tanh"."""
 
-    name = "top.gelu"
     approximate = opt_attr_def(StringAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 8
 
@@ -189,12 +193,20 @@ class GeluOp(UnaryOp):
 
 
 @irdl_op_definition
-class PowOp(UnaryOp):
+class GeluOp(GeluBase, TopOp):
+    name = "top.gelu"
+
+
+class PowBase(UnaryOp):
     """x ** exponent (scalar exponent)."""
 
-    name = "top.pow"
     exponent = attr_def(FloatAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 2
+
+
+@irdl_op_definition
+class PowOp(PowBase, TopOp):
+    name = "top.pow"
 
 
 class ConstBinaryOp(UnaryOp):
@@ -205,26 +217,26 @@ class ConstBinaryOp(UnaryOp):
 
 
 @irdl_op_definition
-class AddConstOp(ConstBinaryOp):
+class AddConstOp(ConstBinaryOp, TopOp):
     name = "top.add_const"
 
 
 @irdl_op_definition
-class SubConstOp(ConstBinaryOp):
+class SubConstOp(ConstBinaryOp, TopOp):
     name = "top.sub_const"
 
 
 @irdl_op_definition
-class MulConstOp(ConstBinaryOp):
+class MulConstOp(ConstBinaryOp, TopOp):
     name = "top.mul_const"
 
 
 @irdl_op_definition
-class DivConstOp(ConstBinaryOp):
+class DivConstOp(ConstBinaryOp, TopOp):
     name = "top.div_const"
 
 
-class BinaryOp(TopOp):
+class BinaryOp(ShapedOp):
     """Elementwise with numpy broadcasting; both operands share the element type."""
 
     lhs = operand_def(AnyTensor)
@@ -246,40 +258,38 @@ class BinaryOp(TopOp):
 
 
 @irdl_op_definition
-class AddOp(BinaryOp):
+class AddOp(BinaryOp, TopOp):
     name = "top.add"
 
 
 @irdl_op_definition
-class SubOp(BinaryOp):
+class SubOp(BinaryOp, TopOp):
     name = "top.sub"
 
 
 @irdl_op_definition
-class MulOp(BinaryOp):
+class MulOp(BinaryOp, TopOp):
     name = "top.mul"
 
 
 @irdl_op_definition
-class DivOp(BinaryOp):
+class DivOp(BinaryOp, TopOp):
     name = "top.div"
 
 
 @irdl_op_definition
-class MaxOp(BinaryOp):
+class MaxOp(BinaryOp, TopOp):
     name = "top.max"
 
 
 @irdl_op_definition
-class MinOp(BinaryOp):
+class MinOp(BinaryOp, TopOp):
     name = "top.min"
 
 
-@irdl_op_definition
-class CompareOp(TopOp):
+class CompareBase(ShapedOp):
     """Elementwise comparison; `predicate` is eq, ne, lt, le, gt or ge; result i1."""
 
-    name = "top.compare"
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     predicate = attr_def(StringAttr)
@@ -298,10 +308,13 @@ class CompareOp(TopOp):
 
 
 @irdl_op_definition
-class WhereOp(TopOp):
+class CompareOp(CompareBase, TopOp):
+    name = "top.compare"
+
+
+class WhereBase(ShapedOp):
     """cond ? x : y with broadcasting (cond is i1 or nonzero-is-true)."""
 
-    name = "top.where"
     cond = operand_def(AnyTensor)
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
@@ -320,10 +333,13 @@ class WhereOp(TopOp):
 
 
 @irdl_op_definition
-class CastOp(TopOp):
+class WhereOp(WhereBase, TopOp):
+    name = "top.where"
+
+
+class CastBase(ShapedOp):
     """Element type conversion; the result type names the target."""
 
-    name = "top.cast"
     input = operand_def(AnyTensor)
     dtype = attr_def(TypeAttribute)
     output = result_def(AnyTensor)
@@ -335,12 +351,15 @@ class CastOp(TopOp):
         return [tensor(shape_of(x), attrs["dtype"])]
 
 
+@irdl_op_definition
+class CastOp(CastBase, TopOp):
+    name = "top.cast"
+
+
 # =========================================================================== reductions, norms
 
 
-@irdl_op_definition
-class SoftmaxOp(UnaryOp):
-    name = "top.softmax"
+class SoftmaxBase(UnaryOp):
     axis = attr_def(IntegerAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
 
@@ -350,10 +369,13 @@ class SoftmaxOp(UnaryOp):
 
 
 @irdl_op_definition
-class ReduceOp(TopOp):
+class SoftmaxOp(SoftmaxBase, TopOp):
+    name = "top.softmax"
+
+
+class ReduceBase(ShapedOp):
     """Reduce over `axes` with `mode` mean, sum, max or min."""
 
-    name = "top.reduce"
     input = operand_def(AnyTensor)
     mode = attr_def(StringAttr)
     axes = attr_def(DenseArrayBase)
@@ -377,10 +399,13 @@ class ReduceOp(TopOp):
 
 
 @irdl_op_definition
-class RmsNormOp(TopOp):
+class ReduceOp(ReduceBase, TopOp):
+    name = "top.reduce"
+
+
+class RmsNormBase(ShapedOp):
     """x * rsqrt(mean(x^2, last axis) + eps) * weight, accumulated in f32."""
 
-    name = "top.rms_norm"
     input = operand_def(AnyTensor)
     weight = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
@@ -402,10 +427,13 @@ class RmsNormOp(TopOp):
 
 
 @irdl_op_definition
-class LayerNormOp(TopOp):
+class RmsNormOp(RmsNormBase, TopOp):
+    name = "top.rms_norm"
+
+
+class LayerNormBase(ShapedOp):
     """Normalize over the axes from `axis` to the end; optional affine weight and bias."""
 
-    name = "top.layer_norm"
     input = operand_def(AnyTensor)
     weight = opt_operand_def(AnyTensor)
     bias = opt_operand_def(AnyTensor)
@@ -431,18 +459,21 @@ class LayerNormOp(TopOp):
         return 6 * numel(shape_of(self.input))
 
 
+@irdl_op_definition
+class LayerNormOp(LayerNormBase, TopOp):
+    name = "top.layer_norm"
+
+
 # =========================================================================== LLM ops
 
 
-@irdl_op_definition
-class RopeOp(TopOp):
+class RopeBase(ShapedOp):
     """Rotary position embedding: x * cos + rotate(x) * sin.
 
     `mode` "half": rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (HF rotate_half);
     "interleaved": pairs (x0, x1) -> (-x1, x0). cos/sin broadcast to x.
     """
 
-    name = "top.rope"
     input = operand_def(AnyTensor)
     cos = operand_def(AnyTensor)
     sin = operand_def(AnyTensor)
@@ -469,10 +500,13 @@ class RopeOp(TopOp):
 
 
 @irdl_op_definition
-class AttentionOp(TopOp):
+class RopeOp(RopeBase, TopOp):
+    name = "top.rope"
+
+
+class AttentionBase(ShapedOp):
     """Scaled dot-product attention, GQA-native and sequence-major (see module doc)."""
 
-    name = "top.attention"
     q = operand_def(AnyTensor)
     k = operand_def(AnyTensor)
     v = operand_def(AnyTensor)
@@ -544,10 +578,13 @@ class AttentionOp(TopOp):
 
 
 @irdl_op_definition
-class MatMulOp(TopOp):
+class AttentionOp(AttentionBase, TopOp):
+    name = "top.attention"
+
+
+class MatMulBase(ShapedOp):
     """a @ b (+ bias); `transpose_a`/`transpose_b` swap the last two axes first."""
 
-    name = "top.matmul"
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     bias = opt_operand_def(AnyTensor)
@@ -589,10 +626,13 @@ class MatMulOp(TopOp):
 
 
 @irdl_op_definition
-class GatherOp(TopOp):
+class MatMulOp(MatMulBase, TopOp):
+    name = "top.matmul"
+
+
+class GatherBase(ShapedOp):
     """table.take(indices, axis): embedding lookup is axis 0."""
 
-    name = "top.gather"
     table = operand_def(AnyTensor)
     indices = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
@@ -610,10 +650,13 @@ class GatherOp(TopOp):
 
 
 @irdl_op_definition
-class TopKOp(TopOp):
+class GatherOp(GatherBase, TopOp):
+    name = "top.gather"
+
+
+class TopKBase(ShapedOp):
     """The k largest (or smallest) values along `axis` and their i32 indices, sorted."""
 
-    name = "top.topk"
     input = operand_def(AnyTensor)
     k = attr_def(IntegerAttr)
     axis = attr_def(IntegerAttr)
@@ -638,10 +681,13 @@ class TopKOp(TopOp):
 
 
 @irdl_op_definition
-class Conv2dOp(TopOp):
+class TopKOp(TopKBase, TopOp):
+    name = "top.topk"
+
+
+class Conv2dBase(ShapedOp):
     """NCHW 2-D convolution; weight [O, C/groups, kh, kw]; pads [top, left, bottom, right]."""
 
-    name = "top.conv2d"
     input = operand_def(AnyTensor)
     weight = operand_def(AnyTensor)
     bias = opt_operand_def(AnyTensor)
@@ -675,12 +721,15 @@ class Conv2dOp(TopOp):
         return 2 * n * o * oh * ow * cg * kh * kw
 
 
+@irdl_op_definition
+class Conv2dOp(Conv2dBase, TopOp):
+    name = "top.conv2d"
+
+
 # =========================================================================== data movement
 
 
-@irdl_op_definition
-class ReshapeOp(TopOp):
-    name = "top.reshape"
+class ReshapeBase(ShapedOp):
     input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
@@ -696,8 +745,11 @@ class ReshapeOp(TopOp):
 
 
 @irdl_op_definition
-class PermuteOp(TopOp):
-    name = "top.permute"
+class ReshapeOp(ReshapeBase, TopOp):
+    name = "top.reshape"
+
+
+class PermuteBase(ShapedOp):
     input = operand_def(AnyTensor)
     order = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
@@ -716,10 +768,13 @@ class PermuteOp(TopOp):
 
 
 @irdl_op_definition
-class ExpandOp(TopOp):
+class PermuteOp(PermuteBase, TopOp):
+    name = "top.permute"
+
+
+class ExpandBase(ShapedOp):
     """Broadcast to `shape` (numpy rules)."""
 
-    name = "top.expand"
     input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
@@ -735,8 +790,11 @@ class ExpandOp(TopOp):
 
 
 @irdl_op_definition
-class ConcatOp(TopOp):
-    name = "top.concat"
+class ExpandOp(ExpandBase, TopOp):
+    name = "top.expand"
+
+
+class ConcatBase(ShapedOp):
     inputs = var_operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
@@ -761,10 +819,13 @@ class ConcatOp(TopOp):
 
 
 @irdl_op_definition
-class SliceOp(TopOp):
+class ConcatOp(ConcatBase, TopOp):
+    name = "top.concat"
+
+
+class SliceBase(ShapedOp):
     """x[start:end:step] along `axis` (static, in range: nothing is clipped)."""
 
-    name = "top.slice"
     input = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     start = attr_def(IntegerAttr)
@@ -785,6 +846,11 @@ class SliceOp(TopOp):
             )
         shape[axis] = (end - start + step - 1) // step
         return [tensor(shape, elem_of(x))]
+
+
+@irdl_op_definition
+class SliceOp(SliceBase, TopOp):
+    name = "top.slice"
 
 
 Top = Dialect(

@@ -68,7 +68,7 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
-        intermediate_size=160,
+        intermediate_size=192,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -28,7 +28,7 @@ from xdsl.transforms.canonicalize import CanonicalizationRewritePattern
 from xdsl.transforms.common_subexpression_elimination import cse
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from toptpu.dialects import top
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     ShapedOp,
     dense_attr,
@@ -47,24 +47,28 @@ from toptpu.passes.util import named_like, producer
 FOLD_LIMIT = 4096
 
 
+def _attrs(op: Operation) -> dict:
+    return {k: v for k, v in op.attributes.items() if k != "operandSegmentSizes"}
+
+
 class FoldNoOpReshape(RewritePattern):
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: top.ReshapeOp, rewriter: PatternRewriter) -> None:
+    def match_and_rewrite(self, op: top.ReshapeBase, rewriter: PatternRewriter) -> None:
         if shape_of(op.input) == shape_of(op.output):
             rewriter.replace(op, [], [op.input])
 
 
 class ComposeReshapes(RewritePattern):
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: top.ReshapeOp, rewriter: PatternRewriter) -> None:
-        if (inner := producer(op.input, top.ReshapeOp)) is not None:
-            new = top.ReshapeOp.build([inner.input], {"shape": op.shape})
+    def match_and_rewrite(self, op: top.ReshapeBase, rewriter: PatternRewriter) -> None:
+        if (inner := producer(op.input, type(op))) is not None:
+            new = type(op).build([inner.input], _attrs(op))
             rewriter.replace(op, named_like(new, op))
 
 
 class FoldNoOpPermute(RewritePattern):
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: top.PermuteOp, rewriter: PatternRewriter) -> None:
+    def match_and_rewrite(self, op: top.PermuteBase, rewriter: PatternRewriter) -> None:
         order = read_ints(op.order)
         if order == list(range(len(order))):
             rewriter.replace(op, [], [op.input])
@@ -72,15 +76,15 @@ class FoldNoOpPermute(RewritePattern):
 
 class ComposePermutes(RewritePattern):
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: top.PermuteOp, rewriter: PatternRewriter) -> None:
-        if (inner := producer(op.input, top.PermuteOp)) is None:
+    def match_and_rewrite(self, op: top.PermuteBase, rewriter: PatternRewriter) -> None:
+        if (inner := producer(op.input, type(op))) is None:
             return
         p1, p2 = read_ints(inner.order), read_ints(op.order)
         order = [p1[i] for i in p2]
         if order == list(range(len(order))):
             rewriter.replace(op, [], [inner.input])
             return
-        new = top.PermuteOp.build([inner.input], {"order": i64_array(order)})
+        new = type(op).build([inner.input], {**_attrs(op), "order": i64_array(order)})
         rewriter.replace(op, named_like(new, op))
 
 
@@ -88,12 +92,15 @@ class PermuteOfUnitAxesIsReshape(RewritePattern):
     """A permute that keeps the order of all non-unit axes moves no data: a reshape."""
 
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: top.PermuteOp, rewriter: PatternRewriter) -> None:
+    def match_and_rewrite(self, op: top.PermuteBase, rewriter: PatternRewriter) -> None:
         shape = shape_of(op.input)
         order = read_ints(op.order)
         moved = [i for i in order if shape[i] != 1]
         if moved == sorted(moved) and order != list(range(len(order))):
-            new = top.ReshapeOp.build([op.input], {"shape": i64_array(shape_of(op.output))})
+            reshape = top.ReshapeOp if isinstance(op, top.TopOp) else tpu.ReshapeOp
+            attrs = {**_attrs(op), "shape": i64_array(shape_of(op.output))}
+            attrs.pop("order")
+            new = reshape.build([op.input], attrs)
             rewriter.replace(op, named_like(new, op))
 
 
@@ -101,10 +108,10 @@ class FoldNoOpShapeOps(RewritePattern):
     """expand/slice/cast/concat that do nothing."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if isinstance(op, top.ExpandOp | top.SliceOp | top.CastOp):
+        if isinstance(op, top.ExpandBase | top.SliceBase | top.CastBase):
             if op.input.type == op.output.type:
                 rewriter.replace(op, [], [op.input])
-        elif isinstance(op, top.ConcatOp) and len(op.inputs) == 1:
+        elif isinstance(op, top.ConcatBase) and len(op.inputs) == 1:
             rewriter.replace(op, [], [op.inputs[0]])
 
 
@@ -113,11 +120,12 @@ class FoldIdentityScalarOps(RewritePattern):
     def match_and_rewrite(self, op: top.ConstBinaryOp, rewriter: PatternRewriter) -> None:
         v = read_float(op.value)
         rev = read_bool(op.reverse)
+        kind = op.name.split(".", 1)[1]
         identity = (
-            (isinstance(op, top.MulConstOp) and v == 1.0)
-            or (isinstance(op, top.AddConstOp) and v == 0.0)
-            or (isinstance(op, top.SubConstOp) and v == 0.0 and not rev)
-            or (isinstance(op, top.DivConstOp) and v == 1.0 and not rev)
+            (kind == "mul_const" and v == 1.0)
+            or (kind == "add_const" and v == 0.0)
+            or (kind == "sub_const" and v == 0.0 and not rev)
+            or (kind == "div_const" and v == 1.0 and not rev)
         )
         if identity:
             rewriter.replace(op, [], [op.input])
@@ -127,14 +135,16 @@ class ComposeScalarMuls(RewritePattern):
     """(x * a) * b -> x * (a*b)."""
 
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: top.MulConstOp, rewriter: PatternRewriter) -> None:
-        inner = producer(op.input, top.MulConstOp)
+    def match_and_rewrite(self, op: top.ConstBinaryOp, rewriter: PatternRewriter) -> None:
+        if not op.name.endswith(".mul_const"):
+            return
+        inner = producer(op.input, type(op))
         if inner is None or not inner.output.has_one_use():
             return
         from toptpu.dialects.common import f64_attr
 
         v = read_float(inner.value) * read_float(op.value)
-        new = top.MulConstOp.build([inner.input], {"value": f64_attr(v)})
+        new = type(op).build([inner.input], {**_attrs(op), "value": f64_attr(v)})
         rewriter.replace(op, named_like(new, op))
 
 
@@ -142,11 +152,11 @@ class FoldConstants(RewritePattern):
     """Evaluate ops whose operands are all small constants."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, ShapedOp) or isinstance(op, top.ConstantOp | top.WeightOp):
+        if not isinstance(op, ShapedOp) or isinstance(op, top.ConstantBase | top.WeightBase):
             return
-        if not op.name.startswith("top.") or not op.operands:
+        if not op.operands:
             return
-        if not all(producer(v, top.ConstantOp) is not None for v in op.operands):
+        if not all(producer(v, top.ConstantBase) is not None for v in op.operands):
             return
         if any(numel(shape_of(r)) > FOLD_LIMIT for r in op.results):
             return
@@ -155,10 +165,11 @@ class FoldConstants(RewritePattern):
 
         args = []
         for v in op.operand_groups():
-            c = producer(v, top.ConstantOp) if v is not None else None
+            c = producer(v, top.ConstantBase) if v is not None else None
             args.append(constant_value(c.value) if c is not None else None)
         results = evaluate_op(op, args, EvalContext(None))
-        new_ops = [named_like(top.ConstantOp.build([], {"value": dense_attr(r)}), op, f".{i}")
+        const = top.ConstantOp if isinstance(op, top.TopOp) else tpu.ConstantOp
+        new_ops = [named_like(const.build([], {"value": dense_attr(r)}), op, f".{i}")
                    for i, r in enumerate(results)]
         for n, r in zip(new_ops, op.results, strict=True):
             assert elem_of(n.output) == elem_of(r)

@@ -10,6 +10,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
 from toptpu.passes.canonicalize import CanonicalizePass
+from toptpu.passes.convert_top_to_tpu import ConvertTopToTpuPass
 from toptpu.passes.fuse import FusePass
 from toptpu.passes.shape_infer import ShapeInferPass
 
@@ -44,7 +45,30 @@ class TopPipeline(ModulePass):
         run_passes(op, top_pipeline_passes(), ctx)
 
 
+def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
+                        symmetric: bool | None = None, keep_float: str = "lm_head"
+                        ) -> list[ModulePass]:
+    return [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float), CanonicalizePass()]
+
+
+@dataclass(frozen=True)
+class TpuPipeline(ModulePass):
+    """convert-top-to-tpu{mode,group-size,symmetric}, canonicalize (more with the machine)."""
+
+    name = "tpu-pipeline"
+
+    mode: str = "f32"
+    group_size: int = 64
+    symmetric: bool | None = None
+    keep_float: str = "lm_head"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        run_passes(op, tpu_pipeline_passes(self.mode, self.group_size, self.symmetric,
+                                           self.keep_float), ctx)
+
+
 def all_passes() -> dict[str, type[ModulePass]]:
     """Every pass toptpu registers, by name."""
-    passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline]
+    passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
+                                      ConvertTopToTpuPass, TpuPipeline]
     return {p.name: p for p in passes}

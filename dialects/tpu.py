@@ -1,0 +1,413 @@
+"""The Tpu dialect: how this chip computes the model.
+
+Tpu ops are the chip-level counterparts of the Top ops: they share Top's operands,
+attributes, shape inference and FLOP counts (the `*Base` classes of `toptpu.dialects.top`)
+and add the chip's decisions:
+
+- storage element types in the result types (f32, f16, bf16; i8/ui8 for packed weights);
+- `compute`: the element type the op computes in (f32 for norms, softmax, attention and rope
+  whatever the storage type; matmuls accumulate in f32 on this chip);
+- `tpu.a16_matmul`: activations f16/bf16/f32 times 4- or 8-bit weights with per-group or
+  per-channel scales and zero points (`weight_bits`, `group_size`);
+- layer-group information and addresses, filled by `layer-group` / `address-assign`.
+
+`tpu.a16_matmul` semantics (the kernel implements exactly this): with G = K / group_size,
+``w[n, k] = (q[n, k] - z[n, k // group_size]) * s[n, k // group_size]`` computed in f32
+(s upcast from its storage type), ``y = x @ w.T + bias`` accumulated in f32 and rounded to
+the result type. 4-bit q is packed two per byte along K: byte j of row n holds k = 2j in
+its low nibble and k = 2j + 1 in its high nibble (qweight ui8 [N, K/2]). 8-bit q is i8
+[N, K] when there is no zero point (symmetric) and ui8 [N, K] otherwise. Without a zero
+point operand z = 0 (8-bit signed) or z = 8 (4-bit symmetric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from xdsl.dialects.builtin import IntegerAttr, StringAttr, TensorType
+from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
+from xdsl.irdl import (
+    AttrSizedOperandSegments,
+    attr_def,
+    irdl_op_definition,
+    operand_def,
+    opt_attr_def,
+    opt_operand_def,
+    result_def,
+    traits_def,
+)
+from xdsl.traits import Pure
+from xdsl.utils.exceptions import VerifyException
+
+from toptpu.dialects import top
+from toptpu.dialects.common import (
+    AnyTensor,
+    ShapedOp,
+    dtype_name,
+    elem_of,
+    is_float,
+    numel,
+    read_int,
+    shape_of,
+    tensor,
+)
+
+Operands = Sequence[SSAValue | None]
+Attrs = Mapping[str, Attribute]
+
+
+class TpuOp(ShapedOp):
+    """Base class of Tpu ops: pure, with the element type they compute in."""
+
+    traits = traits_def(Pure())
+    compute = opt_attr_def(TypeAttribute)
+
+
+# =========================================================================== sources
+
+
+@irdl_op_definition
+class WeightOp(top.WeightBase, TpuOp):
+    """A weight in the chip's storage format.
+
+    `source` names the Top (float) weight it was derived from and `part` says how: "data"
+    (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the consuming
+    `tpu.a16_matmul`'s parameters), or "checkpoint" (taken as is from a pre-quantized
+    checkpoint). This recipe lets every layer derive its own weights for the same net.
+    """
+
+    name = "tpu.weight"
+    source = opt_attr_def(StringAttr)
+    part = opt_attr_def(StringAttr)
+
+
+@irdl_op_definition
+class ConstantOp(top.ConstantBase, TpuOp):
+    name = "tpu.constant"
+
+
+# =========================================================================== elementwise
+
+
+@irdl_op_definition
+class RsqrtOp(top.UnaryOp, TpuOp):
+    name = "tpu.rsqrt"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.RsqrtOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class SqrtOp(top.UnaryOp, TpuOp):
+    name = "tpu.sqrt"
+
+
+@irdl_op_definition
+class ExpOp(top.UnaryOp, TpuOp):
+    name = "tpu.exp"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.ExpOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class CosOp(top.UnaryOp, TpuOp):
+    name = "tpu.cos"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.CosOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class SinOp(top.UnaryOp, TpuOp):
+    name = "tpu.sin"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.SinOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class TanhOp(top.UnaryOp, TpuOp):
+    name = "tpu.tanh"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.TanhOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class SigmoidOp(top.UnaryOp, TpuOp):
+    name = "tpu.sigmoid"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.SigmoidOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class SiluOp(top.UnaryOp, TpuOp):
+    name = "tpu.silu"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.SiluOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class GeluOp(top.GeluBase, TpuOp):
+    name = "tpu.gelu"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.GeluOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class PowOp(top.PowBase, TpuOp):
+    name = "tpu.pow"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.PowOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class AddConstOp(top.ConstBinaryOp, TpuOp):
+    name = "tpu.add_const"
+
+
+@irdl_op_definition
+class SubConstOp(top.ConstBinaryOp, TpuOp):
+    name = "tpu.sub_const"
+
+
+@irdl_op_definition
+class MulConstOp(top.ConstBinaryOp, TpuOp):
+    name = "tpu.mul_const"
+
+
+@irdl_op_definition
+class DivConstOp(top.ConstBinaryOp, TpuOp):
+    name = "tpu.div_const"
+
+
+@irdl_op_definition
+class AddOp(top.BinaryOp, TpuOp):
+    name = "tpu.add"
+
+
+@irdl_op_definition
+class SubOp(top.BinaryOp, TpuOp):
+    name = "tpu.sub"
+
+
+@irdl_op_definition
+class MulOp(top.BinaryOp, TpuOp):
+    name = "tpu.mul"
+
+
+@irdl_op_definition
+class DivOp(top.BinaryOp, TpuOp):
+    name = "tpu.div"
+
+
+@irdl_op_definition
+class MaxOp(top.BinaryOp, TpuOp):
+    name = "tpu.max"
+
+
+@irdl_op_definition
+class MinOp(top.BinaryOp, TpuOp):
+    name = "tpu.min"
+
+
+@irdl_op_definition
+class CompareOp(top.CompareBase, TpuOp):
+    name = "tpu.compare"
+
+
+@irdl_op_definition
+class WhereOp(top.WhereBase, TpuOp):
+    name = "tpu.where"
+
+
+@irdl_op_definition
+class CastOp(top.CastBase, TpuOp):
+    """Element type conversion (round to nearest even; float -> int truncates)."""
+
+    name = "tpu.cast"
+
+
+# =========================================================================== reductions, norms
+
+
+@irdl_op_definition
+class SoftmaxOp(top.SoftmaxBase, TpuOp):
+    name = "tpu.softmax"
+    FLOPS_PER_ELEMENT: ClassVar[int] = top.SoftmaxOp.FLOPS_PER_ELEMENT
+
+
+@irdl_op_definition
+class ReduceOp(top.ReduceBase, TpuOp):
+    name = "tpu.reduce"
+
+
+@irdl_op_definition
+class RmsNormOp(top.RmsNormBase, TpuOp):
+    name = "tpu.rms_norm"
+
+
+@irdl_op_definition
+class LayerNormOp(top.LayerNormBase, TpuOp):
+    name = "tpu.layer_norm"
+
+
+# =========================================================================== LLM ops
+
+
+@irdl_op_definition
+class RopeOp(top.RopeBase, TpuOp):
+    name = "tpu.rope"
+
+
+@irdl_op_definition
+class AttentionOp(top.AttentionBase, TpuOp):
+    name = "tpu.attention"
+
+
+@irdl_op_definition
+class MatMulOp(top.MatMulBase, TpuOp):
+    name = "tpu.matmul"
+
+
+@irdl_op_definition
+class A16MatMulOp(TpuOp):
+    """Activations (f16/bf16/f32) times 4/8-bit weights; see the module doc for the math."""
+
+    name = "tpu.a16_matmul"
+    input = operand_def(AnyTensor)
+    qweight = operand_def(AnyTensor)
+    scales = operand_def(AnyTensor)
+    zeros = opt_operand_def(AnyTensor)
+    bias = opt_operand_def(AnyTensor)
+    weight_bits = attr_def(IntegerAttr)
+    group_size = attr_def(IntegerAttr)
+    output = result_def(AnyTensor)
+    irdl_options = (AttrSizedOperandSegments(),)
+
+    @staticmethod
+    def unpacked_k(qweight_shape: Sequence[int], bits: int) -> int:
+        return qweight_shape[-1] * (2 if bits == 4 else 1)
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, q, s = operands[0], operands[1], operands[2]
+        z = operands[3] if len(operands) > 3 else None
+        b = operands[4] if len(operands) > 4 else None
+        assert x is not None and q is not None and s is not None
+        bits, gs = read_int(attrs.get("weight_bits")), read_int(attrs.get("group_size"))
+        if bits not in (4, 8):
+            raise VerifyException(f"weight_bits must be 4 or 8, got {bits}")
+        qs = shape_of(q)
+        if len(qs) != 2:
+            raise VerifyException("a16_matmul qweight must be [N, K] (8 bit) or [N, K/2] (4 bit)")
+        n, k = qs[0], cls.unpacked_k(qs, bits)
+        qname = dtype_name(elem_of(q))
+        if bits == 4 and qname != "ui8":
+            raise VerifyException("4-bit qweight must be ui8 (two nibbles per byte)")
+        if bits == 8 and qname not in ("i8", "ui8"):
+            raise VerifyException("8-bit qweight must be i8 or ui8")
+        if bits == 8 and (qname == "ui8") != (z is not None):
+            raise VerifyException("8-bit weights are i8 without zero points, ui8 with them")
+        if gs <= 0 or k % gs:
+            raise VerifyException(f"group_size {gs} does not divide K={k}")
+        xs = shape_of(x)
+        if xs[-1] != k:
+            raise VerifyException(f"a16_matmul input K={xs[-1]} but weights have K={k}")
+        if shape_of(s) != (n, k // gs):
+            raise VerifyException(f"scales {list(shape_of(s))} must be {[n, k // gs]}")
+        if z is not None and (shape_of(z) != (n, k // gs) or dtype_name(elem_of(z)) != "ui8"):
+            raise VerifyException(f"zeros must be ui8 {[n, k // gs]}")
+        if not is_float(elem_of(s)):
+            raise VerifyException("scales must be floating point")
+        if b is not None and shape_of(b) != (n,):
+            raise VerifyException(f"bias must be [{n}]")
+        return [tensor((*xs[:-1], n), elem_of(x))]
+
+    def flops(self) -> int:
+        xs, qs = shape_of(self.input), shape_of(self.qweight)
+        k = self.unpacked_k(qs, read_int(self.weight_bits))
+        return 2 * numel(xs[:-1]) * k * qs[0]
+
+
+@irdl_op_definition
+class GatherOp(top.GatherBase, TpuOp):
+    name = "tpu.gather"
+
+
+@irdl_op_definition
+class TopKOp(top.TopKBase, TpuOp):
+    name = "tpu.topk"
+
+
+@irdl_op_definition
+class Conv2dOp(top.Conv2dBase, TpuOp):
+    name = "tpu.conv2d"
+
+
+# =========================================================================== data movement
+
+
+@irdl_op_definition
+class ReshapeOp(top.ReshapeBase, TpuOp):
+    name = "tpu.reshape"
+
+
+@irdl_op_definition
+class PermuteOp(top.PermuteBase, TpuOp):
+    name = "tpu.permute"
+
+
+@irdl_op_definition
+class ExpandOp(top.ExpandBase, TpuOp):
+    name = "tpu.expand"
+
+
+@irdl_op_definition
+class ConcatOp(top.ConcatBase, TpuOp):
+    name = "tpu.concat"
+
+
+@irdl_op_definition
+class SliceOp(top.SliceBase, TpuOp):
+    name = "tpu.slice"
+
+
+#: Top op class -> its Tpu counterpart (same operands, attributes and shape semantics)
+TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
+    top.WeightOp: WeightOp,
+    top.ConstantOp: ConstantOp,
+    top.RsqrtOp: RsqrtOp,
+    top.SqrtOp: SqrtOp,
+    top.ExpOp: ExpOp,
+    top.CosOp: CosOp,
+    top.SinOp: SinOp,
+    top.TanhOp: TanhOp,
+    top.SigmoidOp: SigmoidOp,
+    top.SiluOp: SiluOp,
+    top.GeluOp: GeluOp,
+    top.PowOp: PowOp,
+    top.AddConstOp: AddConstOp,
+    top.SubConstOp: SubConstOp,
+    top.MulConstOp: MulConstOp,
+    top.DivConstOp: DivConstOp,
+    top.AddOp: AddOp,
+    top.SubOp: SubOp,
+    top.MulOp: MulOp,
+    top.DivOp: DivOp,
+    top.MaxOp: MaxOp,
+    top.MinOp: MinOp,
+    top.CompareOp: CompareOp,
+    top.WhereOp: WhereOp,
+    top.CastOp: CastOp,
+    top.SoftmaxOp: SoftmaxOp,
+    top.ReduceOp: ReduceOp,
+    top.RmsNormOp: RmsNormOp,
+    top.LayerNormOp: LayerNormOp,
+    top.RopeOp: RopeOp,
+    top.AttentionOp: AttentionOp,
+    top.MatMulOp: MatMulOp,
+    top.GatherOp: GatherOp,
+    top.TopKOp: TopKOp,
+    top.Conv2dOp: Conv2dOp,
+    top.ReshapeOp: ReshapeOp,
+    top.PermuteOp: PermuteOp,
+    top.ExpandOp: ExpandOp,
+    top.ConcatOp: ConcatOp,
+    top.SliceOp: SliceOp,
+}
+
+
+Tpu = Dialect(
+    "tpu",
+    [*TPU_OF_TOP.values(), A16MatMulOp],
+    [],
+)

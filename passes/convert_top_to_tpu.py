@@ -1,0 +1,491 @@
+"""convert-top-to-tpu{mode=..., group-size=..., symmetric=..., keep-float=...}
+
+Lowers Top to Tpu, making the chip's type decisions:
+
+- `mode` f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32: the activation
+  (storage) type and, for the w* modes, the weight bits of matmuls with a weight operand.
+- float function inputs/outputs take the activation type; integer ones keep theirs.
+- matmul weights are quantized round-to-nearest into `tpu.a16_matmul` (w8 symmetric per
+  channel; w4 asymmetric per group of `group-size`, or symmetric with `symmetric=true`);
+  matmuls whose weight also feeds a gather (tied embeddings) or whose weight name contains
+  one of `keep-float` (default "lm_head") stay in the activation type.
+- norms, softmax, attention and rope compute in f32 (`compute = f32`); norm weights and
+  matmul biases are stored in f32.
+- the position subgraph (float ops computed only from integer inputs and weights, e.g. the
+  rotary angles) stays in f32: rope reads its cos/sin in f32.
+- casts are inserted only where an operand's type differs from what its consumer needs;
+  redundant casts fold away.
+
+One rewrite pattern per op family; they share a `Lowering` (mode, weight store, caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import FunctionType, ModuleOp, TensorType, f32
+from xdsl.ir import Attribute, Operation, SSAValue
+from xdsl.passes import ModulePass
+from xdsl.pattern_rewriter import (
+    GreedyRewritePatternApplier,
+    PatternRewriter,
+    PatternRewriteWalker,
+    RewritePattern,
+)
+from xdsl.rewriter import InsertPoint
+from xdsl.transforms.dead_code_elimination import region_dce
+
+from toptpu.dialects import top, tpu
+from toptpu.dialects.common import (
+    ShapedOp,
+    dense_attr,
+    dtype_from_name,
+    dtype_name,
+    elem_of,
+    i64_attr,
+    is_float,
+    numpy_dtype,
+    read_bool,
+    shape_of,
+    str_attr,
+    tensor,
+)
+from toptpu.dialects.naming import op_name, set_name
+from toptpu.dialects.weight_store import WeightStore, store_of
+from toptpu.passes.quantize import QuantizationError, quantize_rtn, resolve_group_size
+from toptpu.passes.util import named_like, producer
+
+#: mode -> (activation type, weight bits or None)
+MODES: dict[str, tuple[str, int | None]] = {
+    "f32": ("f32", None),
+    "f16": ("f16", None),
+    "bf16": ("bf16", None),
+    "w8f16": ("f16", 8),
+    "w8bf16": ("bf16", 8),
+    "w4f16": ("f16", 4),
+    "w4bf16": ("bf16", 4),
+    "w8f32": ("f32", 8),
+    "w4f32": ("f32", 4),
+}
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def parse_mode(mode: str) -> tuple[Attribute, int | None]:
+    if mode not in MODES:
+        raise ConversionError(
+            f"unknown quantization mode '{mode}'; choose one of {', '.join(MODES)}"
+        )
+    act, bits = MODES[mode]
+    return dtype_from_name(act), bits
+
+
+def _index_derived_ops(fn: func.FuncOp) -> set[Operation]:
+    """Float ops computed only from integer values, weights and constants (position math)."""
+    derived: set[SSAValue] = set()
+    ops: set[Operation] = set()
+    for arg in fn.body.block.args:
+        if not is_float(elem_of(arg)):
+            derived.add(arg)
+    for op in fn.body.block.ops:
+        if isinstance(op, top.WeightOp | top.ConstantOp | top.GatherOp) or not op.results:
+            continue  # a gather reads data by index: its result is not position math
+        inputs = list(op.operands)
+        sources = [v for v in inputs if not (producer(v, top.WeightOp) or
+                                            producer(v, top.ConstantOp))]
+        if sources and all(v in derived for v in sources):
+            for r in op.results:
+                derived.add(r)
+            if any(is_float(elem_of(r)) for r in op.results):
+                ops.add(op)
+    return ops
+
+
+@dataclass
+class Lowering:
+    """Shared state of the conversion patterns."""
+
+    act: Attribute
+    bits: int | None
+    group_size: int
+    symmetric: bool | None
+    keep_float: tuple[str, ...]
+    store: WeightStore
+    index_ops: set[Operation] = field(default_factory=set)
+    _weights: dict[tuple[str, str], SSAValue] = field(default_factory=dict)
+    _quantized: dict[tuple[str, str], tuple[SSAValue, SSAValue, SSAValue | None, int, int]] = (
+        field(default_factory=dict))
+
+    # ------------------------------------------------------------------ types
+    def result_elem(self, op: Operation, t: Attribute) -> Attribute:
+        if not is_float(t):
+            return t
+        return f32 if op in self.index_ops else self.act
+
+    def wants(self, op: Operation) -> Attribute:
+        """The float type `op`'s float operands must have."""
+        return f32 if op in self.index_ops else self.act
+
+    # ------------------------------------------------------------------ operands
+    def weight(self, top_weight: top.WeightOp, elem: Attribute, rewriter: PatternRewriter
+               ) -> SSAValue:
+        """A tpu.weight holding `top_weight`'s tensor converted to `elem` (cached)."""
+        src = top_weight.tensor_name
+        key = (src, dtype_name(elem))
+        if key in self._weights:
+            return self._weights[key]
+        arr = self.store[src]
+        want = numpy_dtype(elem)
+        name = src if arr.dtype == want else f"{src}:{dtype_name(elem)}"
+        if name not in self.store:
+            self.store[name] = arr.astype(want)
+        op = tpu.WeightOp(
+            attributes={"name": str_attr(name), "source": str_attr(src), "part": str_attr("data")},
+            result_types=[tensor(arr.shape, elem)],
+        )
+        set_name(op, name)
+        op.results[0].name_hint = top_weight.results[0].name_hint
+        rewriter.insert_op(op, InsertPoint.after(top_weight))
+        self._weights[key] = op.results[0]
+        return op.results[0]
+
+    def quantized_weight(self, top_weight: top.WeightOp, rewriter: PatternRewriter
+                         ) -> tuple[SSAValue, SSAValue, SSAValue | None, int, int]:
+        assert self.bits is not None
+        src = top_weight.tensor_name
+        w = self.store[src]
+        k = w.shape[1]
+        sym = self.symmetric if self.symmetric is not None else (self.bits == 8)
+        gs = resolve_group_size(k, self.group_size, self.bits)
+        tag = f"q{self.bits}g{gs}{'s' if sym else 'a'}:{dtype_name(self.act)}"
+        key = (src, tag)
+        if key in self._quantized:
+            return self._quantized[key]
+        qw = quantize_rtn(w, self.bits, gs, sym, numpy_dtype(self.act))
+        parts = {"qweight": qw.qweight, "scales": qw.scales}
+        if qw.zeros is not None:
+            parts["zeros"] = qw.zeros
+        values: dict[str, SSAValue] = {}
+        anchor: Operation = top_weight
+        for part, arr in parts.items():
+            name = f"{src}:{tag}.{part}"
+            self.store[name] = arr
+            elem = tpu_elem_of_numpy(arr.dtype)
+            op = tpu.WeightOp(
+                attributes={"name": str_attr(name), "source": str_attr(src),
+                            "part": str_attr(part)},
+                result_types=[tensor(arr.shape, elem)],
+            )
+            set_name(op, name)
+            rewriter.insert_op(op, InsertPoint.after(anchor))
+            anchor = op
+            values[part] = op.results[0]
+        result = (values["qweight"], values["scales"], values.get("zeros"), self.bits, gs)
+        self._quantized[key] = result
+        return result
+
+    def operand(self, v: SSAValue, elem: Attribute | None, user: Operation,
+                rewriter: PatternRewriter, tag: str = "") -> SSAValue:
+        """`v` as a Tpu value of element type `elem` (None: keep the type)."""
+        if (w := producer(v, top.WeightOp)) is not None:
+            target = elem if elem is not None else elem_of(v)
+            return self.weight(w, target, rewriter)
+        if (c := producer(v, top.ConstantOp)) is not None:
+            from toptpu.backend.interpreter import constant_value
+
+            arr = constant_value(c.value)
+            target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
+            new = tpu.ConstantOp.build([], {"value": dense_attr(arr.astype(numpy_dtype(target)))})
+            named_like(new, c)
+            rewriter.insert_op(new, InsertPoint.before(user))
+            return new.output
+        if elem is None or elem_of(v) == elem or not is_float(elem_of(v)):
+            return v
+        cast = tpu.CastOp.build([v], {"dtype": elem, "compute": elem})
+        named_like(cast, user, f".{tag or 'in'}_cast")
+        rewriter.insert_op(cast, InsertPoint.before(user))
+        return cast.output
+
+    def keep_matmul_float(self, w: top.WeightOp) -> bool:
+        if any(k and k in w.tensor_name for k in self.keep_float):
+            return True
+        return any(isinstance(u.operation, top.GatherOp) for u in w.output.uses)
+
+
+def tpu_elem_of_numpy(dt: np.dtype) -> Attribute:
+    from toptpu.dialects.common import element_type_of_numpy
+
+    return element_type_of_numpy(dt)
+
+
+def _attrs(op: Operation) -> dict[str, Attribute]:
+    return {k: v for k, v in op.attributes.items() if k != "operandSegmentSizes"}
+
+
+def _result_types(lw: Lowering, op: Operation) -> list[Attribute]:
+    out = []
+    for r in op.results:
+        t = r.type
+        assert isinstance(t, TensorType)
+        out.append(tensor(shape_of(t), lw.result_elem(op, t.element_type)))
+    return out
+
+
+class LoweringPattern(RewritePattern):
+    def __init__(self, lw: Lowering) -> None:
+        self.lw = lw
+
+    def emit(self, op: ShapedOp, operands: list[SSAValue | list[SSAValue] | None],
+             rewriter: PatternRewriter, compute: Attribute | None = None,
+             attrs: dict[str, Attribute] | None = None,
+             cls: type[tpu.TpuOp] | None = None) -> None:
+        cls = cls or tpu.TPU_OF_TOP[type(op)]
+        a = _attrs(op) if attrs is None else attrs
+        types = _result_types(self.lw, op)
+        a["compute"] = compute or elem_of(types[0])
+        new = cls.build(operands, a, types)
+        named_like(new, op)
+        rewriter.replace(op, new)
+
+
+class LowerElementwise(LoweringPattern):
+    """Unary, binary, scalar, compare and where ops: float operands in the op's type."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp):
+            return
+        if isinstance(op, top.SoftmaxOp):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        ops: list[SSAValue | list[SSAValue] | None] = []
+        for i, v in enumerate(op.operands):
+            if isinstance(op, top.WhereOp) and i == 0:
+                ops.append(lw.operand(v, None, op, rewriter, "cond"))
+            else:
+                ops.append(lw.operand(v, want, op, rewriter, f"in{i}"))
+        if isinstance(op, top.CompareOp) and not is_float(elem_of(op.lhs)):
+            ops = [lw.operand(v, None, op, rewriter) for v in op.operands]
+        self.emit(op, ops, rewriter)
+
+
+class LowerCast(LoweringPattern):
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.CastOp):
+            return
+        lw = self.lw
+        x = lw.operand(op.input, None, op, rewriter)
+        target = lw.result_elem(op, elem_of(op.output))
+        if elem_of(x) == target:
+            rewriter.replace(op, [], [x])
+            return
+        attrs = {"dtype": target}
+        self.emit(op, [x], rewriter, compute=target, attrs=attrs)
+
+
+class LowerNorms(LoweringPattern):
+    """rms_norm / layer_norm: activations in, f32 weights, f32 compute."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.RmsNormOp | top.LayerNormOp):
+            return
+        lw = self.lw
+        groups = op.operand_groups()
+        ops: list[SSAValue | list[SSAValue] | None] = [
+            lw.operand(groups[0], lw.wants(op), op, rewriter)
+        ]
+        for v in groups[1:]:
+            ops.append(lw.operand(v, f32, op, rewriter, "w") if v is not None else None)
+        self.emit(op, ops, rewriter, compute=f32)
+
+
+class LowerSoftmaxReduce(LoweringPattern):
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.SoftmaxOp | top.ReduceOp):
+            return
+        x = self.lw.operand(op.operands[0], self.lw.wants(op), op, rewriter)
+        self.emit(op, [x], rewriter, compute=f32)
+
+
+class LowerRope(LoweringPattern):
+    """rope: x in the activation type; cos/sin as they come (f32 position math)."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.RopeOp):
+            return
+        lw = self.lw
+        x = lw.operand(op.input, lw.wants(op), op, rewriter)
+        cs = [lw.operand(v, None, op, rewriter) for v in (op.cos, op.sin)]
+        self.emit(op, [x, *cs], rewriter, compute=f32)
+
+
+class LowerAttention(LoweringPattern):
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.AttentionOp):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        ops: list[SSAValue | list[SSAValue] | None] = [
+            lw.operand(v, want, op, rewriter, f"in{i}") if v is not None else None
+            for i, v in enumerate(op.operand_groups())
+        ]
+        self.emit(op, ops, rewriter, compute=f32)
+
+
+class LowerMatMul(LoweringPattern):
+    """matmul with a 2-D weight: quantized (a16_matmul) or in the activation type;
+    activation x activation matmuls stay matmuls. Biases are f32."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.MatMulOp):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        x = lw.operand(op.lhs, want, op, rewriter, "x")
+        bias = lw.operand(op.bias, f32, op, rewriter, "bias") if op.bias is not None else None
+        w = producer(op.rhs, top.WeightOp)
+        quantize = (
+            w is not None and lw.bits is not None and op not in lw.index_ops
+            and len(shape_of(op.rhs)) == 2 and read_bool(op.transpose_b)
+            and not read_bool(op.transpose_a) and not lw.keep_matmul_float(w)
+        )
+        if quantize:
+            assert w is not None
+            try:
+                q, s, z, bits, gs = lw.quantized_weight(w, rewriter)
+            except QuantizationError as e:
+                raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
+            attrs = {"weight_bits": i64_attr(bits), "group_size": i64_attr(gs),
+                     "compute": f32}
+            new = tpu.A16MatMulOp.build([x, q, s, z, bias], attrs, _result_types(lw, op))
+            named_like(new, op)
+            rewriter.replace(op, new)
+            return
+        rhs = lw.operand(op.rhs, want, op, rewriter, "w")
+        self.emit(op, [x, rhs, bias], rewriter, compute=f32)
+
+
+class LowerGather(LoweringPattern):
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.GatherOp):
+            return
+        lw = self.lw
+        t = lw.operand(op.table, lw.wants(op) if is_float(elem_of(op.table)) else None, op,
+                       rewriter)
+        idx = lw.operand(op.indices, None, op, rewriter)
+        self.emit(op, [t, idx], rewriter)
+
+
+class LowerDataMovement(LoweringPattern):
+    """reshape, permute, expand, concat, slice, topk: move data in its type."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        kinds = (top.ReshapeOp, top.PermuteOp, top.ExpandOp, top.ConcatOp, top.SliceOp,
+                 top.TopKOp)
+        if not isinstance(op, kinds):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        if isinstance(op, top.ConcatOp):
+            xs = [lw.operand(v, want, op, rewriter, f"in{i}") for i, v in enumerate(op.inputs)]
+            self.emit(op, [xs], rewriter)
+            return
+        x = lw.operand(op.operands[0], want, op, rewriter)
+        self.emit(op, [x], rewriter)
+
+
+class LowerConv2d(LoweringPattern):
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.Conv2dOp):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        x = lw.operand(op.input, want, op, rewriter)
+        w = lw.operand(op.weight, want, op, rewriter, "w")
+        b = lw.operand(op.bias, f32, op, rewriter, "bias") if op.bias is not None else None
+        self.emit(op, [x, w, b], rewriter, compute=f32)
+
+
+class FoldRedundantCasts(RewritePattern):
+    """cast to the same type; cast(cast(x)) through a wider float back to x's type."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, tpu.CastOp):
+            return
+        if op.input.type == op.output.type:
+            rewriter.replace(op, [], [op.input])
+            return
+        inner = producer(op.input, tpu.CastOp)
+        if inner is None:
+            return
+        src, mid, dst = elem_of(inner.input), elem_of(inner.output), elem_of(op.output)
+        if src == dst and dtype_name(mid) == "f32" and is_float(src):
+            rewriter.replace(op, [], [inner.input])
+
+
+def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
+    return [
+        LowerMatMul(lw),
+        LowerAttention(lw),
+        LowerRope(lw),
+        LowerNorms(lw),
+        LowerSoftmaxReduce(lw),
+        LowerCast(lw),
+        LowerGather(lw),
+        LowerConv2d(lw),
+        LowerDataMovement(lw),
+        LowerElementwise(lw),
+    ]
+
+
+@dataclass(frozen=True)
+class ConvertTopToTpuPass(ModulePass):
+    """Lower Top to Tpu in a quantization mode (f32, f16, bf16, w8*/w4*)."""
+
+    name = "convert-top-to-tpu"
+
+    mode: str = "f32"
+    group_size: int = 64
+    symmetric: bool | None = None
+    keep_float: str = "lm_head"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        act, bits = parse_mode(self.mode)
+        store = store_of(op)
+        for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
+            lw = Lowering(act, bits, self.group_size, self.symmetric,
+                          tuple(k.strip() for k in self.keep_float.split(",")), store,
+                          _index_derived_ops(fn))
+            for arg in fn.body.block.args:
+                t = arg.type
+                if isinstance(t, TensorType) and is_float(t.element_type):
+                    arg._type = tensor(shape_of(t), act)  # noqa: SLF001 - signature change
+            walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
+                                          apply_recursively=False)
+            walker.rewrite_module(op)
+            ret = fn.body.block.last_op
+            assert isinstance(ret, func.ReturnOp)
+            rewriter_ops = list(ret.operands)
+            for i, v in enumerate(rewriter_ops):
+                if (w := producer(v, top.WeightOp)) is not None or producer(v, top.ConstantOp):
+                    raise ConversionError(
+                        f"output {i} of @{fn.sym_name.data} is a weight/constant "
+                        f"({op_name(w) if w else 'constant'}); return a computed value"
+                    )
+            leftover = [o.name for o in fn.body.walk() if o.name.startswith("top.")
+                        and not isinstance(o, top.WeightOp | top.ConstantOp)]
+            if leftover:
+                raise ConversionError(f"no Tpu lowering for {sorted(set(leftover))}")
+            fn.function_type = FunctionType.from_lists(
+                [a.type for a in fn.body.block.args], [v.type for v in ret.operands])
+        PatternRewriteWalker(GreedyRewritePatternApplier([FoldRedundantCasts()]),
+                             post_walk_func=region_dce).rewrite_module(op)
+        for o in list(op.walk()):
+            if isinstance(o, top.WeightOp | top.ConstantOp) and not o.results[0].uses:
+                o.detach()
+                o.erase()

@@ -1,0 +1,89 @@
+"""Round-to-nearest weight quantization into the `tpu.a16_matmul` format.
+
+- 8 bit, symmetric (default): per output channel, s = max|w| / 127, q = round(w / s) in
+  [-127, 127] stored i8, no zero point.
+- 8 bit, asymmetric: per channel, s = (max - min) / 255, z = round(-min / s), q ui8.
+- 4 bit, asymmetric (default): per group of `group_size` input channels,
+  s = (max - min) / 15, z = clamp(round(-min / s), 0, 15), q = clamp(round(w / s) + z, 0, 15).
+- 4 bit, symmetric: s = max|w| / 7, z = 8 (implicit), q = clamp(round(w / s) + 8, 0, 15).
+
+Scales are rounded to their storage type (the activation type: f32, f16 or bf16) *before*
+q is computed, so q is the best integer for the scale the kernel will really use.
+Dequantization (the kernel's math) lives in `toptpu.backend.kernels.dequantize`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """ui8 [N, K] with values < 16 -> ui8 [N, K/2] (inverse of `unpack_int4`)."""
+    q = np.asarray(q, dtype=np.uint8)
+    if q.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd K={q.shape[-1]} into nibbles")
+    if q.size and q.max() > 15:
+        raise ValueError("4-bit values must be < 16")
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+class QuantizationError(ValueError):
+    pass
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: np.ndarray  # ui8 [N, K/2] (4 bit) | i8 [N, K] (8 bit sym) | ui8 [N, K]
+    scales: np.ndarray  # [N, K / group_size], storage dtype
+    zeros: np.ndarray | None  # ui8 [N, K / group_size] or None
+    bits: int
+    group_size: int
+
+
+def resolve_group_size(k: int, group_size: int, bits: int) -> int:
+    """-1 means per channel (group = K); 8-bit weights are always per channel."""
+    gs = k if group_size == -1 or bits == 8 else group_size
+    if gs <= 0 or k % gs:
+        raise QuantizationError(
+            f"group size {group_size} does not divide the input dimension K={k}; "
+            "use a divisor of K or -1 for per-channel scales"
+        )
+    return gs
+
+
+def quantize_rtn(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
+                 scale_dtype: np.dtype) -> QuantizedWeight:
+    """Quantize a float weight [N, K] (nn.Linear layout) round-to-nearest."""
+    if bits not in (4, 8):
+        raise QuantizationError(f"weight bits must be 4 or 8, got {bits}")
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise QuantizationError(f"only 2-D weights can be quantized, got {list(w.shape)}")
+    n, k = w.shape
+    gs = resolve_group_size(k, group_size, bits)
+    g = w.reshape(n, k // gs, gs)
+    qmax = (1 << bits) - 1
+    if symmetric:
+        half = 127 if bits == 8 else 7
+        s = np.max(np.abs(g), axis=-1) / half
+        s = np.where(s == 0, 1.0, s).astype(np.float32)
+        s = s.astype(scale_dtype).astype(np.float32)
+        s = np.where(s == 0, np.float32(np.finfo(np.float16).tiny), s)
+        if bits == 8:
+            q = np.clip(np.rint(g / s[..., None]), -127, 127).astype(np.int8)
+            return QuantizedWeight(q.reshape(n, k), s.astype(scale_dtype), None, 8, gs)
+        q = np.clip(np.rint(g / s[..., None]) + 8, 0, 15).astype(np.uint8)
+        return QuantizedWeight(pack_int4(q.reshape(n, k)), s.astype(scale_dtype), None, 4, gs)
+    lo = np.minimum(np.min(g, axis=-1), 0.0)
+    hi = np.maximum(np.max(g, axis=-1), 0.0)
+    s = (hi - lo) / qmax
+    s = np.where(s == 0, 1.0, s).astype(np.float32)
+    s = s.astype(scale_dtype).astype(np.float32)
+    s = np.where(s == 0, np.float32(np.finfo(np.float16).tiny), s)
+    z = np.clip(np.rint(-lo / s), 0, qmax).astype(np.uint8)
+    q = np.clip(np.rint(g / s[..., None]) + z[..., None], 0, qmax).astype(np.uint8)
+    q = q.reshape(n, k)
+    packed = pack_int4(q) if bits == 4 else q
+    return QuantizedWeight(packed, s.astype(scale_dtype), z, bits, gs)
