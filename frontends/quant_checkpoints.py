@@ -355,6 +355,7 @@ class _LayerScheme:
     bits: int
     group_size: int
     sym: bool
+    source: str = "quantization_config"
 
 
 def _normalize_quant_method(model_dir: Path, qc: Mapping[str, Any]) -> str:
@@ -459,6 +460,7 @@ class _SchemeResolver:
             bits,
             int(override.get("group_size", self.default.group_size)),
             bool(override.get("sym", self.default.sym)),
+            source,
         )
 
     def resolve(self, layer: str, known_layers: Iterable[str]) -> tuple[_LayerScheme | None, str]:
@@ -468,9 +470,8 @@ class _SchemeResolver:
                 if pattern.match(layer):
                     if sign == "-":
                         return None, f"dynamic '-:{pattern.pattern}'"
-                    return self._scheme(
-                        override, layer, "dynamic"
-                    ), f"dynamic '+:{pattern.pattern}'"
+                    where = f"dynamic '+:{pattern.pattern}'"
+                    return self._scheme(override, layer, where), where
             if layer.split(".")[-1] == "lm_head":
                 if not self.qc.get("lm_head", False):
                     return None, "lm_head: false"
@@ -608,7 +609,7 @@ class _LayerReader:
         if bits not in SUPPORTED_BITS:
             raise self.error(
                 "bits",
-                f"{bits}-bit weights are not supported (supported: "
+                f"{bits}-bit weights (from {scheme.source}) are not supported (supported: "
                 f"{', '.join(map(str, SUPPORTED_BITS))})",
                 "re-quantize the model to 4 or 8 bits",
             )
