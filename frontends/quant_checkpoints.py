@@ -269,26 +269,36 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensor(handle: Any, path: Path, key: str) -> np.ndarray:
-    dtype = handle.get_slice(key).get_dtype()
-    if dtype == "BF16":
-        import torch  # numpy has no bfloat16: read through torch, view as ml_dtypes.bfloat16
-        from safetensors import safe_open
+def _read_file(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file as numpy arrays (bfloat16 as ml_dtypes.bfloat16)."""
+    from safetensors import safe_open
+
+    out: dict[str, np.ndarray] = {}
+    bf16: list[str] = []
+    with safe_open(str(path), framework="numpy") as f:
+        for key in f.keys():
+            dtype = f.get_slice(key).get_dtype()
+            if dtype == "BF16":
+                bf16.append(key)
+                continue
+            try:
+                out[key] = f.get_tensor(key)
+            except TypeError as e:
+                raise QuantizedCheckpointError(
+                    f"{path}: tensor '{key}' has dtype {dtype}, which the quantized-checkpoint "
+                    "reader does not support"
+                ) from e
+    if bf16:  # numpy has no bfloat16: read through torch, view the bits as ml_dtypes.bfloat16
+        import torch
 
         with safe_open(str(path), framework="pt") as f:
-            t = f.get_tensor(key)
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    try:
-        return handle.get_tensor(key)
-    except TypeError as e:
-        raise QuantizedCheckpointError(
-            f"{path}: tensor '{key}' has dtype {dtype}, which the quantized-checkpoint reader "
-            "does not support"
-        ) from e
+            for key in bf16:
+                out[key] = f.get_tensor(key).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return out
 
 
 def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     index_path = model_dir / "model.safetensors.index.json"
     expected: dict[str, str] | None = None
@@ -298,20 +308,20 @@ def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     where: dict[str, str] = {}
     for path in _safetensors_files(model_dir):
         try:
-            with safe_open(str(path), framework="numpy") as f:
-                for key in f.keys():
-                    if key in tensors:
-                        raise QuantizedCheckpointError(
-                            f"{model_dir}: tensor '{key}' is stored twice ({where[key]} and "
-                            f"{path.name}); remove the stale file"
-                        )
-                    tensors[key] = _read_tensor(f, path, key)
-                    where[key] = path.name
+            part = _read_file(path)
         except SafetensorError as e:
             raise QuantizedCheckpointError(
                 f"{path}: not a readable safetensors file ({e}); the file is corrupt or "
                 "truncated, re-download or re-export it"
             ) from e
+        for key, t in part.items():
+            if key in tensors:
+                raise QuantizedCheckpointError(
+                    f"{model_dir}: tensor '{key}' is stored twice ({where[key]} and "
+                    f"{path.name}); remove the stale file"
+                )
+            tensors[key] = t
+            where[key] = path.name
     if expected is not None:
         missing = sorted(k for k in expected if k not in tensors)
         if missing:
@@ -491,14 +501,14 @@ class _SchemeResolver:
         # auto-round: exact names first, then regex keys (re.search, as auto-round does)
         known = set(known_layers)
         if layer in self.extra:
-            return self._scheme(
-                self.extra[layer], layer, f"extra_config['{layer}']"
-            ), "extra_config"
+            where = f"extra_config['{layer}']"
+            return self._scheme(self.extra[layer], layer, where), where
         for key, override in self.extra.items():
             if key in known:
                 continue
             if self._compile(key, "extra_config").search(layer):
-                return self._scheme(override, layer, f"extra_config['{key}']"), "extra_config"
+                where = f"extra_config['{key}']"
+                return self._scheme(override, layer, where), where
         for m in self.not_convert:
             if m in layer:
                 return None, f"modules_to_not_convert '{m}'"

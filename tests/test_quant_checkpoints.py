@@ -36,6 +36,8 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEARS = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ATTN] + [
     f"model.layers.{i}.mlp.{p}" for i in range(2) for p in MLP
 ]
+#: the layer the bad-input tests damage
+LAYER = "model.layers.0.self_attn.q_proj"
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,37 @@ def test_quantization_config_beside_config_json(
         read_quantized_checkpoint(d)
 
 
+def test_bfloat16_tensors_keep_their_dtype(
+    quant_checkpoints: QuantCheckpoints,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Checkpoints of bf16 models store float tensors (and possibly scales) in bfloat16, which
+    numpy lacks: they come back as ml_dtypes.bfloat16, and dequantize casts the scales' stored
+    values to float32. (Derived from a real export by converting tensors with torch.)"""
+    import ml_dtypes
+    import torch
+    from safetensors.torch import load_file as load_pt
+    from safetensors.torch import save_file as save_pt
+
+    src = quant_checkpoints.path("llama_sym_g64", "auto_round")
+    d = _copy(src, tmp_path / "bf16")
+    t = load_pt(str(d / "model.safetensors"))
+    t["model.norm.weight"] = t["model.norm.weight"].to(torch.bfloat16)
+    t[f"{LAYER}.scales"] = t[f"{LAYER}.scales"].to(torch.bfloat16)
+    save_pt(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    ck = read_quantized_checkpoint(d)
+    norm = ck.float_tensors["model.norm.weight"]
+    assert norm.dtype == ml_dtypes.bfloat16
+    assert np.array_equal(norm.astype(np.float32), t["model.norm.weight"].float().numpy())
+    lin = ck.linears[LAYER]
+    assert lin.scales.dtype == ml_dtypes.bfloat16
+    s32 = t[f"{LAYER}.scales"].float().numpy().T  # [N, G]
+    expected = (
+        lin.qweight.astype(np.float32) - lin.zeros.astype(np.float32)[:, lin.group_index()]
+    ) * s32[:, lin.group_index()]
+    assert np.array_equal(lin.dequantize(), expected)
+
+
 def test_unpack_helpers_layouts() -> None:
     # GPTQ: value i of a word is row/column i of its group of 32 // bits
     words = np.array([[0x76543210]], dtype=np.uint32).view(np.int32)
@@ -373,9 +406,6 @@ def test_unpack_helpers_layouts() -> None:
 
 # ----------------------------------------------------------------------------------------------
 # bad input: a clear QuantizedCheckpointError naming the layer and the field
-
-
-LAYER = "model.layers.0.self_attn.q_proj"
 
 
 def _del(key: str) -> Callable[[dict[str, np.ndarray]], None]:
