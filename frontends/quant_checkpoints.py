@@ -24,7 +24,9 @@ GPTQ layout (AutoGPTQ / GPTQModel / optimum; AutoRound ``auto_round:auto_gptq``,
     contiguous ranges of K; the weights stay stored in the original channel order.
     Zero-point offset: GPTQ "v1" (``checkpoint_format`` ``gptq``, the default, AutoGPTQ and
     ``auto_round:auto_gptq``) stores ``zero - 1``; ``gptq_v2`` (GPTQModel), plain
-    ``auto_round`` and ``auto_round:gptqmodel`` store the zero itself.
+    ``auto_round`` and ``auto_round:gptqmodel`` store the zero itself. (v1 cannot hold a
+    zero of 0; auto-round's packer clamps the stored value to 0, i.e. zero 1. The reader
+    decodes what is stored, as every GPTQ kernel does.)
 
 AWQ GEMM layout (AutoAWQ ``version: gemm``; AutoRound ``auto_round:auto_awq``), 4-bit only
     ``qweight`` int32 ``[K, N / 8]`` and ``qzeros`` int32 ``[G, N / 8]``: both packed along N,

@@ -7,10 +7,11 @@ dataset=[texts], device_map="cpu", seqlen=..., nsamples=...)`` and
 ``quantize_and_save(dir, format="<packed formats>,fake")``. The ``fake`` export of the same
 run is the float reference: the fake-quantized weights in float32.
 
-Generation runs in ONE child process for all recipes (auto-round flips process-global torch
-state such as ``torch.use_deterministic_algorithms`` and patches modules; the child keeps the
-test process clean), and only once per session even under pytest-xdist: workers share a
-directory next to their base temp dirs and take a file lock, the first one generates.
+Generation runs in ONE child process for all recipes (auto-round sets process-wide state --
+environment variables such as CUBLAS_WORKSPACE_CONFIG, torch thread counts and module patches
+on some paths -- and the child keeps the test process clean), and only once per session even
+under pytest-xdist: workers share a directory next to their base temp dirs and take a file
+lock; the first one generates, the others reuse its manifest.
 
 Run ``python tests/quant_fixtures.py OUT_DIR`` to make the checkpoints by hand.
 """
@@ -156,7 +157,8 @@ def generate(out_root: Path) -> dict[str, Any]:
     tokenizer = build_tokenizer()
     texts = calibration_texts()
     manifest: dict[str, Any] = {"auto_round": __version__, "runs": {}, "seconds": {}}
-    gc.freeze()  # auto-round calls gc.collect() per block: skip the imported heap (~5x faster)
+    # auto-round calls gc.collect() often; freezing the imported heap makes a run ~3x faster
+    gc.freeze()
     for name, recipe in RECIPES.items():
         t0 = time.perf_counter()
         ar = AutoRound(
