@@ -95,6 +95,13 @@ def _module_path(node: torch.fx.Node) -> str:
     return str(path)
 
 
+def tensor_name(node: torch.fx.Node, suffix: str = "") -> str:
+    """The location name of the Top op built for `node`: module path + FX node name."""
+    path = _module_path(node)
+    base = f"{path}.{node.name}" if path else node.name
+    return f"{base}.{suffix}" if suffix else base
+
+
 @dataclass
 class Importer:
     """State of one import; builders call `emit` to append ops to the function."""
@@ -109,9 +116,7 @@ class Importer:
     # ------------------------------------------------------------------ helpers for builders
     def loc_name(self, suffix: str = "") -> str:
         assert self.node is not None
-        path = _module_path(self.node)
-        base = f"{path}.{self.node.name}" if path else self.node.name
-        return f"{base}.{suffix}" if suffix else base
+        return tensor_name(self.node, suffix)
 
     def emit(self, op: Operation, suffix: str = "") -> Operation:
         assert self.node is not None

@@ -150,7 +150,7 @@ class Lowering:
         )
         set_name(op, name)
         op.results[0].name_hint = top_weight.results[0].name_hint
-        rewriter.insert_op(op, InsertPoint.after(top_weight))
+        rewriter.insert(op, InsertPoint.after(top_weight))
         self._weights[key] = op.results[0]
         return op.results[0]
 
@@ -182,7 +182,7 @@ class Lowering:
                 result_types=[tensor(arr.shape, elem)],
             )
             set_name(op, name)
-            rewriter.insert_op(op, InsertPoint.after(anchor))
+            rewriter.insert(op, InsertPoint.after(anchor))
             anchor = op
             values[part] = op.results[0]
         result = (values["qweight"], values["scales"], values.get("zeros"), self.bits, gs)
@@ -202,13 +202,13 @@ class Lowering:
             target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
             new = tpu.ConstantOp.build([], {"value": dense_attr(arr.astype(numpy_dtype(target)))})
             named_like(new, c)
-            rewriter.insert_op(new, InsertPoint.before(user))
+            rewriter.insert(new, InsertPoint.before(user))
             return new.output
         if elem is None or elem_of(v) == elem or not is_float(elem_of(v)):
             return v
         cast = tpu.CastOp.build([v], {"dtype": elem, "compute": elem})
         named_like(cast, user, f".{tag or 'in'}_cast")
-        rewriter.insert_op(cast, InsertPoint.before(user))
+        rewriter.insert(cast, InsertPoint.before(user))
         return cast.output
 
     def keep_matmul_float(self, w: top.WeightOp) -> bool:

@@ -86,7 +86,7 @@ class FuseRmsNormWeight(RewritePattern):
             if len(shape_of(w)) != 1 or shape_of(w)[0] != shape_of(n)[-1]:
                 continue
             new = top.RmsNormOp.build([norm.input, w], {"eps": norm.eps})
-            rewriter.replace(op, named_like(new, norm))
+            rewriter.replace(op, named_like(new, op))
             return
 
 

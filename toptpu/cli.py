@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
@@ -69,6 +70,70 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok and same else 1
 
 
+def _load_causal_lm(path: str | None):  # noqa: ANN202
+    import torch
+
+    from toptpu.frontends.tiny_models import tiny_model
+
+    if path is None:
+        return tiny_model("qwen2")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Compare stages (torch, top, tpu) of a decoder layer or whole model on one input."""
+    import torch
+
+    from toptpu.compare import THRESHOLDS, IRStage, TorchStage, compare_stages, tpu_threshold
+    from toptpu.frontends.fx_importer import import_exported
+    from toptpu.frontends.hf_layers import DecoderStack, decoder_layer, layer_inputs
+    from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+
+    model = _load_causal_lm(args.model)
+    cfg = model.config
+    if args.what == "layer":
+        net = decoder_layer(model, args.layer)
+        hidden, pos, mask = layer_inputs(cfg.hidden_size, args.seq)
+        mask = torch.where(mask < 0, -10000.0, 0.0)
+        feeds = {"hidden": hidden, "position_ids": pos, "attention_mask": mask}
+        outs = ["hidden_out"]
+    else:
+        net = DecoderStack(model)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g)
+        pos = torch.arange(args.seq)[None]
+        mask = torch.triu(torch.full((args.seq, args.seq), -10000.0), 1)[None, None]
+        feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+        outs = ["logits"]
+    names = list(feeds)
+    with torch.no_grad():
+        ep = torch.export.export(net.eval(), tuple(feeds.values()), strict=False)
+    module, _ = import_exported(ep, module=net, input_names=names, output_names=outs)
+    top_module = module.clone()
+    run_passes(top_module, top_pipeline_passes())
+    stages = {"torch": TorchStage("torch", ep, names, outs, net),
+              "top": IRStage("top", top_module)}
+    if "tpu" in args.stages:
+        tpu_module = top_module.clone()
+        run_passes(tpu_module, tpu_pipeline_passes(args.mode, args.group_size, args.symmetric))
+        stages["tpu"] = IRStage(f"tpu-{args.mode}", tpu_module)
+    order = [s.strip() for s in args.stages.split(",")]
+    for s in order:
+        if s not in stages:
+            raise SystemExit(f"toptpu compare: unknown stage '{s}' (torch, top, tpu)")
+    arrays = {k: v.numpy() for k, v in feeds.items()}
+    ok = True
+    for a, b in zip(order, order[1:], strict=False):
+        thr = THRESHOLDS["top-vs-torch"] if b == "top" else tpu_threshold(args.mode)
+        dump = os.path.join(args.dump, f"{a}-vs-{b}") if args.dump else None
+        rep = compare_stages(stages[a], stages[b], arrays, thr, args.compare_all, dump)
+        print(rep.table())
+        ok &= rep.ok
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="toptpu", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -76,6 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default="Hello world! The tensor processor runs the model.")
     d.add_argument("--print-ir", action="store_true", help="print the Top IR after the pipeline")
     d.set_defaults(fn=cmd_demo)
+
+    c = sub.add_parser("compare", help=cmd_compare.__doc__)
+    c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")
+    c.add_argument("--stages", default="torch,top,tpu",
+                   help="comma-separated stages compared pairwise in order")
+    c.add_argument("--what", choices=["layer", "model"], default="layer",
+                   help="one decoder layer (with rope) or the whole model to logits")
+    c.add_argument("--layer", type=int, default=0)
+    c.add_argument("--seq", type=int, default=16, help="static sequence length")
+    c.add_argument("-q", "--mode", default="bf16", help="quantization mode of the tpu stage")
+    c.add_argument("--group-size", type=int, default=64)
+    c.add_argument("--symmetric", action="store_true", default=None)
+    c.add_argument("--compare-all", action="store_true",
+                   help="compare every intermediate tensor and name the first that drops")
+    c.add_argument("--dump", metavar="DIR", help="write inputs, each stage's tensors (.npz) "
+                   "and report.json")
+    c.set_defaults(fn=cmd_compare)
     return ap
 
 

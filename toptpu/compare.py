@@ -1,0 +1,207 @@
+"""Stage comparison: run two stages (torch / Top / Tpu) on the same inputs and compare.
+
+Each stage yields its outputs and, with `compare_all`, every intermediate tensor by name
+(location names: the FX node a Top op came from; Tpu ops keep the names of the Top ops they
+lower). Tensors present in both stages are compared with cosine, euclidean similarity and
+SQNR; the report names the first tensor (in the second stage's execution order) whose
+cosine drops below the threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from toptpu.metrics import Similarity, similarity
+
+#: DESIGN.md section 9
+THRESHOLDS = {
+    "top-vs-torch": 0.99999,
+    "tpu-f32": 0.99999,
+    "tpu-f16": 0.99,
+    "tpu-bf16": 0.99,
+    "tpu-w8": 0.99,
+    "tpu-w4": 0.98,
+}
+
+
+def tpu_threshold(mode: str) -> float:
+    """Cosine a Tpu stage in `mode` must reach against Top."""
+    if mode in ("f32",):
+        return THRESHOLDS["tpu-f32"]
+    if mode.startswith("w4"):
+        return THRESHOLDS["tpu-w4"]
+    if mode.startswith("w8"):
+        return THRESHOLDS["tpu-w8"]
+    return THRESHOLDS[f"tpu-{mode}"]
+
+
+@dataclass
+class StageResult:
+    outputs: dict[str, np.ndarray]
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # execution order
+
+
+class Stage(Protocol):
+    name: str
+
+    def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult: ...
+
+
+@dataclass
+class IRStage:
+    """A Top or Tpu module run by the numpy interpreter."""
+
+    name: str
+    module: Any  # ModuleOp
+    func_name: str | None = None
+
+    def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
+        from toptpu.backend.interpreter import Interpreter
+
+        res = Interpreter(self.module).run(inputs, self.func_name, keep_all=keep_all)
+        return StageResult(res.outputs, res.values)
+
+
+@dataclass
+class TorchStage:
+    """The exported torch program, run node by node (intermediates by Top's names)."""
+
+    name: str
+    exported: Any  # torch.export.ExportedProgram
+    input_names: list[str]
+    output_names: list[str]
+    module: Any = None  # the nn.Module, for non-persistent buffers
+
+    def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
+        import torch
+
+        from toptpu.frontends.fx_importer import tensor_name
+
+        ep = self.exported
+        buffers = dict(self.module.named_buffers()) if self.module is not None else {}
+        args: list[Any] = []
+        user = iter(self.input_names)
+        for spec in ep.graph_signature.input_specs:
+            if spec.kind.name == "USER_INPUT":
+                args.append(torch.from_numpy(np.asarray(inputs[next(user)])))
+            elif spec.target in ep.state_dict:
+                args.append(ep.state_dict[spec.target])
+            elif spec.target in ep.constants:
+                args.append(ep.constants[spec.target])
+            else:
+                args.append(buffers[spec.target])
+        values: dict[str, np.ndarray] = {}
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, n: torch.fx.Node) -> Any:
+                out = super().run_node(n)
+                if keep_all and n.op == "call_function" and isinstance(out, torch.Tensor):
+                    values[tensor_name(n)] = out.detach().float().numpy()
+                return out
+
+        with torch.no_grad():
+            outs = Recorder(ep.graph_module).run(*args)
+        if isinstance(outs, torch.Tensor):
+            outs = (outs,)
+        outputs = {n: o.detach().float().numpy() for n, o in zip(self.output_names, outs,
+                                                                  strict=True)}
+        return StageResult(outputs, values)
+
+
+@dataclass
+class TensorReport:
+    name: str
+    shape: list[int]
+    cosine: float
+    euclidean: float
+    sqnr_db: float
+    ok: bool
+
+
+@dataclass
+class CompareReport:
+    stage_a: str
+    stage_b: str
+    threshold: float
+    outputs: list[TensorReport]
+    tensors: list[TensorReport]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.outputs)
+
+    @property
+    def first_drop(self) -> TensorReport | None:
+        return next((r for r in self.tensors if not r.ok), None)
+
+    def table(self) -> str:
+        lines = [f"{self.stage_b} vs {self.stage_a} (cosine threshold {self.threshold})",
+                 f"{'tensor':<52} {'shape':<18} {'cosine':>9} {'euclid':>9} {'sqnr dB':>8}"]
+        for title, rows in (("outputs", self.outputs), ("intermediates", self.tensors)):
+            if not rows:
+                continue
+            lines.append(f"-- {title}")
+            for r in rows:
+                mark = "" if r.ok else "   <-- below threshold"
+                lines.append(f"{r.name[-52:]:<52} {str(r.shape):<18} {r.cosine:9.6f} "
+                             f"{r.euclidean:9.6f} {r.sqnr_db:8.1f}{mark}")
+        drop = self.first_drop
+        if self.tensors:
+            lines.append(f"first tensor below threshold: {drop.name if drop else 'none'}")
+        lines.append("PASS" if self.ok else "FAIL")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        drop = self.first_drop
+        d["first_drop"] = drop.name if drop else None
+        return d
+
+
+def _row(name: str, x: np.ndarray, ref: np.ndarray, threshold: float) -> TensorReport:
+    s: Similarity = similarity(x, ref)
+    return TensorReport(name, list(np.shape(ref)), s.cosine, s.euclidean, s.sqnr_db,
+                        s.cosine >= threshold)
+
+
+def compare_stages(a: Stage, b: Stage, inputs: Mapping[str, np.ndarray], threshold: float,
+                   compare_all: bool = False, dump_dir: str | None = None) -> CompareReport:
+    """Run `a` (the reference) and `b` on `inputs` and compare them tensor by tensor."""
+    ra, rb = a.run(inputs, compare_all), b.run(inputs, compare_all)
+    outputs = []
+    for name, ref in ra.outputs.items():
+        if name not in rb.outputs:
+            raise KeyError(f"stage {b.name} has no output '{name}' ({list(rb.outputs)})")
+        outputs.append(_row(name, rb.outputs[name], ref, threshold))
+    tensors = []
+    if compare_all:
+        for name, x in rb.values.items():
+            ref = ra.values.get(name)
+            if ref is None or np.shape(ref) != np.shape(x) or name in inputs:
+                continue
+            tensors.append(_row(name, np.asarray(x, dtype=np.float32),
+                                np.asarray(ref, dtype=np.float32), threshold))
+    report = CompareReport(a.name, b.name, threshold, outputs, tensors)
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        np.savez(os.path.join(dump_dir, "inputs.npz"), **{k: np.asarray(v)
+                                                         for k, v in inputs.items()})
+        for stage, res in ((a.name, ra), (b.name, rb)):
+            arrays = {**{f"output:{k}": v for k, v in res.outputs.items()}, **res.values}
+            np.savez(os.path.join(dump_dir, f"{stage}.npz"),
+                     **{k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
+                        for k, v in arrays.items()})
+        with open(os.path.join(dump_dir, "report.json"), "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return report
+
+
+def _is_halfish(v: np.ndarray) -> bool:
+    return np.asarray(v).dtype.name in ("bfloat16", "float16")
