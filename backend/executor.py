@@ -1,0 +1,80 @@
+"""The interface between the LLM runtime and whatever runs the compiled nets.
+
+The runtime (prefill, decode, chat, sampling) is written once against `Executor`; two
+executors implement it:
+
+- the Tpu interpreter (numpy, op by op over the Tpu IR carried in the model file), and
+- the reference machine (command streams, local/global memory, timeline).
+
+Memory is explicit: the runtime allocates device buffers (`alloc`), writes/reads them
+(`write`/`read`), takes sub-views (`Buffer.slot`, e.g. one token's slot of a KV cache), and
+runs a net with every input and output *bound* to a buffer. That is how decode writes the
+new token's k/v straight into its cache slot (no concatenated copy) and how each layer runs
+the one compiled `block` net with its own weights (`layer=`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A net input or output: name, static shape, numpy dtype name (e.g. 'bfloat16')."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+class Buffer(Protocol):
+    """A region of device memory holding one tensor (shape, dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def slot(self, axis: int, start: int, length: int) -> Buffer:
+        """A view of `length` entries along `axis` from `start` (axis 1 of [1, SEQ, ...] is
+        contiguous per slot when all leading axes have size 1)."""
+        ...
+
+
+@dataclass(frozen=True)
+class NetInfo:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    per_layer: bool  # True when every layer binds its own weights to this net
+
+
+class Executor(Protocol):
+    """Runs the nets of one compiled model."""
+
+    header: dict  # the model file header: config, static shapes, generation config, ...
+
+    def nets(self) -> Mapping[str, NetInfo]: ...
+
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> Buffer: ...
+
+    def write(self, buf: Buffer, value: np.ndarray) -> None: ...
+
+    def read(self, buf: Buffer) -> np.ndarray: ...
+
+    def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
+        """Run `net` with each input/output name bound to a buffer; `layer` selects the
+        weights of a per-layer net."""
+        ...
+
+    def modelled_seconds(self) -> float:
+        """Chip time modelled so far (0.0 for executors without a cost model)."""
+        ...
