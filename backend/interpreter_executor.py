@@ -1,0 +1,242 @@
+"""The interpreter executor: runs a model file's nets with the Tpu interpreter's kernels.
+
+It implements `toptpu.backend.executor.Executor` over a model file written by
+`toptpu.compiler.compile` (layout documented in `toptpu.backend.llm_file`):
+
+- each net's Tpu IR (section `ir:<net>`, generic form) is parsed once, on first use, into
+  a flat plan of kernel calls (the evaluators of `toptpu.backend.interpreter`, i.e. the
+  backend kernels: one numeric truth);
+- weights are zero-copy numpy views of the memory-mapped weight blob; a per-layer net
+  reads layer i's weights at `layer_base + i * layer_stride` plus each tensor's offset
+  inside the (identically laid out) layer chunk;
+- buffers are numpy arrays; `Buffer.slot` returns a view, so binding a net's output to a
+  KV-cache slot writes the new keys/values straight into the cache.
+
+A net reads all its inputs before it writes any output, so an output bound to a slot of a
+buffer that is also an input (decode writes present_k into the cache it reads as
+history_k) is safe: the slot being written is masked in that very run.
+
+There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+import numpy as np
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation, SSAValue
+
+from toptpu.backend.executor import NetInfo, TensorSpec
+from toptpu.backend.interpreter import (
+    EVALUATORS,
+    EvalContext,
+    Evaluator,
+    constant_value,
+    find_func,
+)
+from toptpu.backend.llm_file import LlmFile
+from toptpu.backend.model_file import ModelFileError
+from toptpu.dialects import top
+from toptpu.dialects.common import ShapedOp, shape_of
+from toptpu.dialects.naming import input_names, output_names
+
+
+class ExecutorError(RuntimeError):
+    """A net run that cannot proceed (bad binding, unknown net, ...); the message says why."""
+
+
+@dataclass
+class ArrayBuffer:
+    """A device buffer of the interpreter executor: a numpy array (or a view of one)."""
+
+    array: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def slot(self, axis: int, start: int, length: int) -> ArrayBuffer:
+        n = self.array.shape[axis]
+        if not (0 <= start and length >= 0 and start + length <= n):
+            raise ExecutorError(
+                f"slot [{start}:{start + length}] along axis {axis} is outside a buffer of "
+                f"shape {list(self.shape)}")
+        index: list[slice] = [slice(None)] * self.array.ndim
+        index[axis] = slice(start, start + length)
+        return ArrayBuffer(self.array[tuple(index)])
+
+
+def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` without its size-1 axes: bindings must agree on this (see Executor.run)."""
+    return tuple(d for d in shape if d != 1)
+
+
+@dataclass
+class _Step:
+    op: Operation
+    fn: Evaluator
+    args: list[int | None]  # value ids of the operands (None: absent optional operand)
+    results: list[int]
+
+
+class _Plan:
+    """A net's function flattened into kernel calls over numbered values."""
+
+    def __init__(self, module: ModuleOp) -> None:
+        fn: func.FuncOp = find_func(module)
+        ids: dict[SSAValue, int] = {}
+
+        def vid(v: SSAValue) -> int:
+            if v not in ids:
+                ids[v] = len(ids)
+            return ids[v]
+
+        self.inputs = [vid(a) for a in fn.body.block.args]
+        self.input_names = input_names(fn)
+        self.output_names = output_names(fn)
+        self.weights: list[tuple[str, int, tuple[int, ...]]] = []
+        self.constants: list[tuple[int, np.ndarray]] = []
+        self.steps: list[_Step] = []
+        self.outputs: list[int] = []
+        for op in fn.body.block.ops:
+            if isinstance(op, func.ReturnOp):
+                self.outputs = [vid(v) for v in op.operands]
+                break
+            if isinstance(op, top.WeightBase):
+                self.weights.append((op.tensor_name, vid(op.results[0]),
+                                     shape_of(op.results[0])))
+                continue
+            if isinstance(op, top.ConstantBase):
+                self.constants.append((vid(op.results[0]), constant_value(op.value)))
+                continue
+            fn_ = EVALUATORS.get(op.name)
+            if fn_ is None:
+                raise ExecutorError(f"the interpreter has no evaluator for '{op.name}'")
+            groups = op.operand_groups() if isinstance(op, ShapedOp) else list(op.operands)
+            self.steps.append(_Step(op, fn_, [vid(v) if v is not None else None
+                                              for v in groups],
+                                    [vid(r) for r in op.results]))
+        self.size = len(ids)
+
+
+class InterpreterExecutor:
+    """Runs the nets of a model file with the numpy interpreter (see the module doc)."""
+
+    def __init__(self, model: str | LlmFile, verify_checksums: bool = True) -> None:
+        self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
+        self.header: dict[str, Any] = self.file.header
+        self._nets = self.file.net_infos()
+        self._plans: dict[str, _Plan] = {}
+        self._shared = self.file.shared_weights()
+        self._layers: dict[int, dict[str, np.ndarray]] = {}
+        self._ctx = EvalContext(None)
+
+    # ------------------------------------------------------------------ Executor
+    def nets(self) -> Mapping[str, NetInfo]:
+        return self._nets
+
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> ArrayBuffer:
+        return ArrayBuffer(np.zeros(tuple(int(d) for d in shape), np.dtype(dtype)))
+
+    def write(self, buf: ArrayBuffer, value: np.ndarray) -> None:  # type: ignore[override]
+        value = np.asarray(value)
+        if squeezed(value.shape) != squeezed(buf.shape):
+            raise ExecutorError(f"cannot write a {list(value.shape)} array into a buffer of "
+                                f"shape {list(buf.shape)}")
+        if value.dtype != buf.dtype:
+            if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
+                raise ExecutorError(f"cannot write {value.dtype} into a {buf.dtype} buffer")
+            value = value.astype(buf.dtype)
+        np.copyto(buf.array, value.reshape(buf.shape))
+
+    def read(self, buf: ArrayBuffer) -> np.ndarray:  # type: ignore[override]
+        return np.array(buf.array, copy=True)
+
+    def modelled_seconds(self) -> float:
+        return 0.0
+
+    def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
+        info = self._nets.get(net)
+        if info is None:
+            raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
+        weights = self._weights_for(info, layer)
+        plan = self._plan(net)
+        names = [s.name for s in (*info.inputs, *info.outputs)]
+        missing = [n for n in names if n not in bindings]
+        extra = [n for n in bindings if n not in names]
+        if missing or extra:
+            raise ExecutorError(f"net '{net}' needs bindings for {names}: missing {missing}, "
+                                f"unexpected {extra}")
+        for spec in (*info.inputs, *info.outputs):
+            self._check_binding(net, spec, bindings[spec.name])
+        vals: list[Any] = [None] * plan.size
+        for spec, i in zip(info.inputs, plan.inputs, strict=True):
+            vals[i] = bindings[spec.name].array.reshape(spec.shape)
+        for name, i, shape in plan.weights:
+            arr = weights.get(name)
+            if arr is None:
+                raise ExecutorError(f"net '{net}' reads weight '{name}', which is not in the "
+                                    "model file's weight table (corrupt or mismatched file)")
+            if arr.shape != shape:
+                raise ExecutorError(f"weight '{name}' is {list(arr.shape)} in the blob but "
+                                    f"{list(shape)} in net '{net}'")
+            vals[i] = arr
+        for i, arr in plan.constants:
+            vals[i] = arr
+        ctx = self._ctx
+        for step in plan.steps:
+            res = step.fn(step.op, [vals[a] if a is not None else None for a in step.args], ctx)
+            for r, arr in zip(step.results, res, strict=True):
+                vals[r] = arr
+        results = [vals[i] for i in plan.outputs]  # all computed before any write
+        for spec, arr in zip(info.outputs, results, strict=True):
+            buf = bindings[spec.name]
+            np.copyto(buf.array, np.asarray(arr).reshape(buf.shape))
+
+    # ------------------------------------------------------------------ internals
+    def _check_binding(self, net: str, spec: TensorSpec, buf: Any) -> None:
+        if not isinstance(buf, ArrayBuffer):
+            raise ExecutorError(f"'{spec.name}' of net '{net}' is bound to a "
+                                f"{type(buf).__name__}, not a buffer of this executor")
+        if buf.dtype != np.dtype(spec.dtype) or squeezed(buf.shape) != squeezed(spec.shape):
+            raise ExecutorError(
+                f"'{spec.name}' of net '{net}' is {spec.dtype} {list(spec.shape)} but is bound "
+                f"to a {buf.dtype} buffer of shape {list(buf.shape)}")
+
+    def _plan(self, net: str) -> _Plan:
+        if net not in self._plans:
+            try:
+                self._plans[net] = _Plan(self.file.net_module(net))
+            except ModelFileError:
+                raise
+            except Exception as e:  # noqa: BLE001 - parse/verify errors of a bad section
+                raise ModelFileError(f"'{self.file.path}': the IR of net '{net}' is unusable: "
+                                     f"{e}") from e
+            info, plan = self._nets[net], self._plans[net]
+            if (plan.input_names != [s.name for s in info.inputs]
+                    or plan.output_names != [s.name for s in info.outputs]):
+                raise ModelFileError(f"'{self.file.path}': the IR of net '{net}' does not "
+                                     "match the net's IO in the header")
+        return self._plans[net]
+
+    def _weights_for(self, info: NetInfo, layer: int | None) -> Mapping[str, np.ndarray]:
+        if not info.per_layer:
+            if layer is not None:
+                raise ExecutorError(f"net '{info.name}' is shared by all layers; run it "
+                                    "without layer=")
+            return self._shared
+        n = self.file.num_layers
+        if layer is None or not 0 <= layer < n:
+            raise ExecutorError(f"net '{info.name}' is per layer: pass layer= in 0..{n - 1}")
+        if layer not in self._layers:
+            self._layers[layer] = {**self._shared, **self.file.layer_weights(layer)}
+        return self._layers[layer]

@@ -1,0 +1,531 @@
+"""The LLM runtime: KV caches, chunked prefill, decode, chat and sampling over an `Executor`.
+
+Written once against `toptpu.backend.executor.Executor`, so the interpreter executor and
+the reference machine run the same generation loop:
+
+- one K and one V buffer `[1, SEQ, kvH, D]` per layer, allocated on the executor;
+- prefill in chunks of `max_input_length` L: the first chunk of a conversation runs `block`,
+  later chunks run `block_kv` over the history so far (the first Hh cache slots, bound in
+  place). Each chunk's `present_k`/`present_v` output is bound straight to its cache slots
+  (through a scratch buffer only when the padded chunk would run past SEQ). When the
+  history is longer than `max_history` the remaining prompt tokens go through the decode
+  net one by one (exact, slower); nothing is clipped;
+- decode runs `block_cache` per layer with the whole cache as history and the output
+  `present_k`/`present_v` bound to `cache.slot(1, pos, 1)`: the new k/v land in their
+  slot, no concatenated copy exists;
+- greedy decoding uses the fused top-1 `lm_head` net; sampling (temperature, top-k, top-p,
+  repetition penalty over a recent window) reads the `lm_head_logits` logits and samples
+  on the host (`sample_token`, numpy) — there is no `sample_head` net yet;
+- stopping: EOS ids and stop strings of the generation config, `max_new_tokens`, or a full
+  KV cache; text streams UTF-8-safely (`Utf8Streamer`);
+- a multi-turn chat keeps the cache: a new turn feeds only its new tokens (plus the last
+  generated token, whose k/v are not cached yet) through `block_kv`.
+
+Static shapes are read back from the nets' IO shapes (nothing is configured twice).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from toptpu.backend.executor import Buffer, Executor, NetInfo, TensorSpec
+from toptpu.frontends.llm import decode_mask, prefill_mask
+
+
+class GenerationError(Exception):
+    """Generation cannot proceed as asked; the message says why and what to do."""
+
+
+class PromptTooLongError(GenerationError):
+    pass
+
+
+# =========================================================================== sampling
+
+
+@dataclass
+class SamplingConfig:
+    """How the next token is chosen. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1: no nucleus filter
+    repetition_penalty: float = 1.0  # 1: off
+    penalty_window: int = 64  # how many recent tokens the penalty looks at
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise GenerationError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.penalty_window < 0:
+            raise GenerationError(f"penalty_window must be >= 0, got {self.penalty_window}")
+
+    @property
+    def fused_greedy(self) -> bool:
+        """Plain argmax without penalty: the fused top-1 lm_head net suffices."""
+        return self.temperature == 0 and self.repetition_penalty == 1.0
+
+
+def sample_token(logits: np.ndarray, recent: Sequence[int], cfg: SamplingConfig,
+                 rng: np.random.Generator) -> int:
+    """Choose the next token from logits [V] (host-side sampling, numpy).
+
+    Order as in transformers: repetition penalty (logit / p if positive, * p if negative,
+    for each distinct id of the recent window), temperature, top-k, top-p, then a draw.
+    """
+    x = np.asarray(logits, dtype=np.float32).reshape(-1).copy()
+    if cfg.repetition_penalty != 1.0 and recent and cfg.penalty_window:
+        ids = np.unique(np.asarray(recent[-cfg.penalty_window:], dtype=np.int64))
+        v = x[ids]
+        x[ids] = np.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
+    if cfg.temperature == 0:
+        return int(np.argmax(x))
+    x = x / np.float32(cfg.temperature)
+    if cfg.top_k and cfg.top_k < x.size:
+        kth = np.partition(x, -cfg.top_k)[-cfg.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - np.max(x))
+    p /= p.sum()
+    if cfg.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = int(np.searchsorted(cum, cfg.top_p) + 1)  # the smallest set reaching top_p
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+# =========================================================================== streaming
+
+
+class Utf8Streamer:
+    """Turns generated token ids into printable text without ever emitting half a
+    multi-byte character: text is held back while its decoding ends in U+FFFD (an
+    incomplete UTF-8 sequence) and released once the character completes."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        new = text[len(self.emitted):]
+        self.emitted = text
+        return new
+
+    def flush(self) -> str:
+        """Whatever is left at the end (an invalid tail stays U+FFFD)."""
+        text = self.decode(self.ids)
+        new = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return new
+
+
+# =========================================================================== results
+
+
+@dataclass
+class GenerationResult:
+    """One generation request: ids, text, why it stopped, and timings."""
+
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    text: str
+    stop_reason: str  # eos | stop_string | max_new_tokens | kv_cache_full
+    prefill_tokens: int
+    ttft_s: float  # host wall time to the first token
+    decode_tokens_per_s: float | None  # host wall, over tokens after the first
+    modelled_ttft_s: float | None  # modelled chip time (None: executor has no cost model)
+    modelled_tokens_per_s: float | None
+    position: int  # tokens in the conversation after this request
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# =========================================================================== tokenizer
+
+
+def load_tokenizer(files: dict[str, bytes]) -> Any:
+    """A transformers fast tokenizer from the files carried by a model file."""
+    if "tokenizer.json" not in files:
+        raise GenerationError("the model file carries no tokenizer; pass token ids instead")
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+
+
+# =========================================================================== runtime
+
+
+def _spec(info: NetInfo, name: str) -> TensorSpec:
+    for s in (*info.inputs, *info.outputs):
+        if s.name == name:
+            return s
+    raise GenerationError(f"net '{info.name}' has no tensor '{name}'")
+
+
+REQUIRED_NETS = ("embedding", "embedding_cache", "block", "block_kv", "block_cache",
+                 "lm_head", "lm_head_logits")
+
+
+class Runtime:
+    """Generation over an executor (see the module doc). Not thread-safe."""
+
+    def __init__(self, executor: Executor, tokenizer: Any | None = None) -> None:
+        self.ex = executor
+        self.header = executor.header
+        nets = dict(executor.nets())
+        missing = [n for n in REQUIRED_NETS if n not in nets]
+        if missing:
+            raise GenerationError(f"the model file lacks the nets {missing}; recompile it")
+        self.nets = nets
+        self.num_layers = int(self.header["model"]["num_layers"])
+        self.L = _spec(nets["block"], "hidden").shape[1]
+        self.seq = _spec(nets["block_cache"], "history_k").shape[1]
+        self.Hh = _spec(nets["block_kv"], "history_k").shape[1]
+        gen = self.header.get("generation", {})
+        self.eos_ids = {int(e) for e in gen.get("eos_token_ids", [])}
+        self.stop_strings = [s for s in gen.get("stop_strings", []) if s]
+        pad = gen.get("pad_token_id")
+        self.pad_id = int(pad) if pad is not None else 0
+        self._tokenizer = tokenizer
+        self._tokenizer_files: dict[str, bytes] | None = None
+
+        def alloc(net: str, name: str) -> Buffer:
+            s = _spec(nets[net], name)
+            return executor.alloc(s.shape, s.dtype)
+
+        kv = _spec(nets["block_cache"], "history_k")
+        self.cache_k = [executor.alloc(kv.shape, kv.dtype) for _ in range(self.num_layers)]
+        self.cache_v = [executor.alloc(kv.shape, kv.dtype) for _ in range(self.num_layers)]
+        self.b = {
+            "ids_L": alloc("embedding", "input_ids"),
+            "ids_1": alloc("embedding_cache", "input_ids"),
+            "h_L": [alloc("embedding", "hidden"), alloc("block", "hidden_out")],
+            "h_1": [alloc("embedding_cache", "hidden"), alloc("block_cache", "hidden_out")],
+            "pos_L": alloc("block", "position_ids"),
+            "pos_1": alloc("block_cache", "position_ids"),
+            "mask_L": alloc("block", "attention_mask"),
+            "mask_kv": alloc("block_kv", "attention_mask"),
+            "mask_1": alloc("block_cache", "attention_mask"),
+            "scratch_k": alloc("block", "present_k"),
+            "scratch_v": alloc("block", "present_v"),
+            "token": alloc("lm_head", "token"),
+            "logits": alloc("lm_head_logits", "logits"),
+        }
+        self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
+        self.pending: int | None = None  # the last generated token, not yet in the cache
+        self.messages: list[dict[str, str]] = []
+        self._last_reply_closed = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def open(cls, path: str, verify_checksums: bool = True) -> Runtime:
+        """Load a model file with the interpreter executor."""
+        from toptpu.backend.interpreter_executor import InterpreterExecutor
+
+        ex = InterpreterExecutor(path, verify_checksums)
+        rt = cls(ex)
+        rt._tokenizer_files = ex.file.tokenizer_files()
+        return rt
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._tokenizer_files is None:
+                raise GenerationError("no tokenizer: pass one to Runtime(...) or token ids")
+            self._tokenizer = load_tokenizer(self._tokenizer_files)
+        return self._tokenizer
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False))
+
+    def reset(self) -> None:
+        """Forget the conversation (the cache contents become unreachable)."""
+        self.tokens, self.pending, self.messages = [], None, []
+        self._last_reply_closed = False
+
+    @property
+    def position(self) -> int:
+        """Tokens in the conversation so far (cached plus the pending one)."""
+        return len(self.tokens) + (self.pending is not None)
+
+    # ------------------------------------------------------------------ nets
+    def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]]
+                    ) -> Buffer:
+        """Run a per-layer net over all layers, ping-ponging the hidden buffers."""
+        src, dst = h[0], h[1]
+        for layer in range(self.num_layers):
+            self.ex.run(net, {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
+            src, dst = dst, src
+        return src
+
+    def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
+        """Run one chunk (≤ L tokens) at the current position; returns the final hidden
+        [1, L, H] buffer (row i belongs to ids[i])."""
+        n, start, L = len(ids), len(self.tokens), self.L
+        assert 0 < n <= L and start + n <= self.seq
+        padded = np.full((1, L), self.pad_id, np.int32)
+        padded[0, :n] = ids
+        ex, b = self.ex, self.b
+        ex.write(b["ids_L"], padded)
+        ex.run("embedding", {"input_ids": b["ids_L"], "hidden": b["h_L"][0]})
+        ex.write(b["pos_L"], np.arange(start, start + L, dtype=np.int32)[None])
+        direct = start + L <= self.seq
+
+        def present(layer: int) -> dict[str, Buffer]:
+            if direct:
+                return {"present_k": self.cache_k[layer].slot(1, start, L),
+                        "present_v": self.cache_v[layer].slot(1, start, L)}
+            return {"present_k": b["scratch_k"], "present_v": b["scratch_v"]}
+
+        if start == 0:
+            ex.write(b["mask_L"], prefill_mask(n, L))
+            net = "block"
+
+            def extra(layer: int) -> dict[str, Buffer]:
+                return {"position_ids": b["pos_L"], "attention_mask": b["mask_L"],
+                        **present(layer)}
+        else:
+            ex.write(b["mask_kv"], prefill_mask(n, L, start, self.Hh))
+            net = "block_kv"
+
+            def extra(layer: int) -> dict[str, Buffer]:
+                return {"position_ids": b["pos_L"], "attention_mask": b["mask_kv"],
+                        "history_k": self.cache_k[layer].slot(1, 0, self.Hh),
+                        "history_v": self.cache_v[layer].slot(1, 0, self.Hh),
+                        **present(layer)}
+
+        if direct:
+            out = self._run_layers(net, b["h_L"], extra)
+        else:  # the padded chunk runs past SEQ: copy the n real rows into the cache
+            src, dst = b["h_L"]
+            for layer in range(self.num_layers):
+                ex.run(net, {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
+                for cache, scratch in ((self.cache_k, b["scratch_k"]),
+                                       (self.cache_v, b["scratch_v"])):
+                    ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
+                src, dst = dst, src
+            out = src
+        self.tokens.extend(int(i) for i in ids)
+        return out
+
+    def _decode_step(self, token: int) -> Buffer:
+        """Feed one token at the next position; returns the final hidden [1, 1, H]."""
+        pos = len(self.tokens)
+        if pos >= self.seq:
+            raise GenerationError(f"the KV cache is full ({self.seq} tokens)")
+        ex, b = self.ex, self.b
+        ex.write(b["ids_1"], np.array([[token]], np.int32))
+        ex.run("embedding_cache", {"input_ids": b["ids_1"], "hidden": b["h_1"][0]})
+        ex.write(b["pos_1"], np.array([[pos]], np.int32))
+        ex.write(b["mask_1"], decode_mask(pos, self.seq))
+
+        def extra(layer: int) -> dict[str, Buffer]:
+            return {"position_ids": b["pos_1"], "attention_mask": b["mask_1"],
+                    "history_k": self.cache_k[layer], "history_v": self.cache_v[layer],
+                    "present_k": self.cache_k[layer].slot(1, pos, 1),
+                    "present_v": self.cache_v[layer].slot(1, pos, 1)}
+
+        out = self._run_layers("block_cache", b["h_1"], extra)
+        self.tokens.append(int(token))
+        return out
+
+    def _next_token(self, hidden_row: Buffer, cfg: SamplingConfig, rng: np.random.Generator,
+                    recent: Sequence[int]) -> int:
+        ex, b = self.ex, self.b
+        if cfg.fused_greedy:
+            ex.run("lm_head", {"hidden": hidden_row, "token": b["token"]})
+            return int(ex.read(b["token"]).reshape(-1)[0])
+        ex.run("lm_head_logits", {"hidden": hidden_row, "logits": b["logits"]})
+        return sample_token(ex.read(b["logits"]), recent, cfg, rng)
+
+    def _prefill(self, ids: Sequence[int]) -> Buffer:
+        """Feed `ids` after the cached tokens; returns the hidden row of the last one."""
+        last: Buffer | None = None
+        i = 0
+        while i < len(ids):
+            start = len(self.tokens)
+            if start == 0 or start <= self.Hh:
+                chunk = ids[i:i + self.L]
+                h = self._prefill_chunk(chunk)
+                last = h.slot(1, len(chunk) - 1, 1)
+                i += len(chunk)
+            else:  # history beyond max_history: the decode net takes the rest one by one
+                last = self._decode_step(ids[i])
+                i += 1
+        assert last is not None
+        return last
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, ids: Sequence[int], max_new_tokens: int = 64,
+                 sampling: SamplingConfig | None = None, *,
+                 on_text: Callable[[str], None] | None = None, stop_on_eos: bool = True,
+                 keep_history: bool = False, reset_if_full: bool = False) -> GenerationResult:
+        """Generate after `ids`.
+
+        With `keep_history` the ids continue the conversation held in the KV cache (only
+        the new ids, plus the pending last generated token, are prefilled); otherwise the
+        conversation is reset first. A request that does not fit the KV cache raises
+        PromptTooLongError unless `reset_if_full`, which resets and runs `ids` alone.
+        """
+        cfg = sampling or SamplingConfig()
+        cfg.validate()
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = [int(i) for i in ids]
+        if not ids and not (keep_history and self.pending is not None):
+            raise GenerationError("the prompt is empty")
+        vocab = int(self.header["model"]["vocab_size"])
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary of {vocab}")
+        if not keep_history:
+            self.reset()
+        feed = ([self.pending] if self.pending is not None else []) + ids
+        if len(self.tokens) + len(feed) > self.seq:
+            if reset_if_full and len(ids) <= self.seq:
+                self.reset()
+                feed = ids
+            else:
+                where = (f"{len(self.tokens)} tokens of history + {len(feed)} new"
+                         if self.tokens else f"{len(feed)} tokens")
+                raise PromptTooLongError(
+                    f"the prompt does not fit the KV cache: {where} > seq_length {self.seq}. "
+                    "Start a new conversation (/reset), shorten the prompt, or recompile with "
+                    "a larger --seq-length")
+        self.pending = None
+        rng = np.random.default_rng(cfg.seed)
+        streamer = Utf8Streamer(self.decode) if (on_text or self.stop_strings) else None
+        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
+        hidden = self._prefill(feed)
+        recent = list(self.tokens)
+        token = self._next_token(hidden, cfg, rng, recent)
+        t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
+        generated = [token]
+        reason = ""
+        text = ""
+        while True:
+            if streamer is not None:
+                piece = streamer.push(token)
+                text += piece
+                if on_text and piece:
+                    on_text(piece)
+            if stop_on_eos and token in self.eos_ids:
+                reason = "eos"
+            elif self.stop_strings and any(s in text for s in self.stop_strings):
+                reason = "stop_string"
+            elif len(generated) >= max_new_tokens:
+                reason = "max_new_tokens"
+            elif len(self.tokens) >= self.seq:
+                reason = "kv_cache_full"
+            if reason:
+                break
+            recent.append(token)
+            hidden = self._decode_step(token)
+            token = self._next_token(hidden, cfg, rng, recent)
+            generated.append(token)
+        t2, m2 = time.perf_counter(), self.ex.modelled_seconds()
+        if streamer is not None:
+            tail = streamer.flush()
+            if on_text and tail:
+                on_text(tail)
+        self.pending = token
+        n_dec = len(generated) - 1
+        has_model = m2 > 0.0
+        full_text = self.decode(generated) if self._has_tokenizer() else ""
+        return GenerationResult(
+            prompt_ids=ids, generated_ids=generated, text=full_text, stop_reason=reason,
+            prefill_tokens=len(feed), ttft_s=t1 - t0,
+            decode_tokens_per_s=(n_dec / (t2 - t1)) if n_dec and t2 > t1 else None,
+            modelled_ttft_s=(m1 - m0) if has_model else None,
+            modelled_tokens_per_s=(n_dec / (m2 - m1)) if has_model and n_dec and m2 > m1
+            else None,
+            position=self.position,
+            timings={"prefill_s": t1 - t0, "decode_s": t2 - t1},
+        )
+
+    def _has_tokenizer(self) -> bool:
+        return self._tokenizer is not None or bool(self._tokenizer_files and
+                                                   "tokenizer.json" in self._tokenizer_files)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+    # ------------------------------------------------------------------ chat
+    def chat(self, message: str, max_new_tokens: int = 256,
+             sampling: SamplingConfig | None = None, *,
+             on_text: Callable[[str], None] | None = None, system: str | None = None,
+             reset_if_full: bool = False) -> GenerationResult:
+        """One chat turn: the user `message` is appended to the conversation in the KV cache
+        (rendered with the tokenizer's chat template) and the reply generated."""
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise GenerationError("this model's tokenizer has no chat template; use "
+                                  "`toptpu run --prompt` (plain completion) instead")
+        ids: list[int] = []
+        keep = bool(self.messages)
+        if keep:
+            ids = self.encode(self._turn_text(message), add_special_tokens=False)
+            if self.position + len(ids) > self.seq and reset_if_full:
+                self.reset()
+                keep = False
+        if not keep:
+            first = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": message}]
+            text = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+            ids = self.encode(text, add_special_tokens=False)
+            self.messages = first[:-1]
+        res = self.generate(ids, max_new_tokens, sampling, on_text=on_text, keep_history=keep)
+        reply = res.generated_ids[:-1] if res.stop_reason == "eos" else res.generated_ids
+        self.messages = [*self.messages, {"role": "user", "content": message},
+                         {"role": "assistant", "content": self.decode(reply)}]
+        self._last_reply_closed = res.stop_reason == "eos"
+        return res
+
+    def _turn_text(self, message: str) -> str:
+        """The text after the last reply that closes it and opens the next user turn,
+        found by rendering a probe conversation with the chat template."""
+        tok = self.tokenizer
+        probe_a = "\x00A\x00"
+        base = [{"role": "user", "content": "\x00U\x00"}, {"role": "assistant",
+                                                           "content": probe_a}]
+        t1 = tok.apply_chat_template(base, tokenize=False)
+        t2 = tok.apply_chat_template([*base, {"role": "user", "content": message}],
+                                     add_generation_prompt=True, tokenize=False)
+        if not t2.startswith(t1) or probe_a not in t1:
+            raise GenerationError("the chat template does not render turns incrementally; "
+                                  "use /reset between questions")
+        closing = t1[t1.rindex(probe_a) + len(probe_a):]
+        if self._last_reply_closed and self.pending is not None:
+            eos_text = self.decode([self.pending])
+            if closing.startswith(eos_text):
+                closing = closing[len(eos_text):]
+        return closing + t2[len(t1):]

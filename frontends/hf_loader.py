@@ -1,0 +1,314 @@
+"""Loading a causal LM for compilation: a local Hugging Face directory or an in-memory
+`transformers` model, in float32, with its tokenizer files and generation config.
+
+A directory must hold `config.json`, the weights as `*.safetensors` (one file, or shards
+listed by `model.safetensors.index.json`), `tokenizer.json` (a fast tokenizer) with its
+`tokenizer_config.json`, and optionally `generation_config.json`. Before anything is
+loaded, the checkpoint's tensor names and shapes are checked against the parameters the
+model expects (transformers only warns about missing or unexpected tensors; a compiler
+must not silently run random weights), and the config is checked for what the compiler
+cannot honour. Every problem is a `ModelLoadError` naming the thing and what to do.
+
+Supported families (`model_type`): qwen2 (Qwen2, Qwen2.5), qwen3 (with q/k norm),
+llama (Llama 2 and Llama 3, including llama3 rope scaling and tied embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: model_type -> the family name used in model files
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
+
+#: rope types whose frequencies are fixed at load time (static shapes can honour them)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+#: tokenizer files carried into the model file when present
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+#: checkpoint tensors the models recompute and that may be present without being used
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_MAX_LISTED = 8
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded or compiled as given; the message says what and why."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for the splitter, with what the model file needs besides weights."""
+
+    model: Any  # transformers PreTrainedModel, float32, eval mode
+    family: str
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+    generation: dict[str, Any] = field(default_factory=dict)
+    source: str = "<memory>"
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    more = len(names) - _MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _unknown_model_type(model_type: object, where: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"unknown model_type '{model_type}' in {where}: toptpu compiles "
+        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Llama 2/3) models")
+
+
+def check_config(config: Any, where: str = "the model") -> str:
+    """Raise ModelLoadError for a config the compiler cannot honour; return the family."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise _unknown_model_type(mt, where)
+    if getattr(config, "quantization_config", None):
+        qc = config.quantization_config
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(
+            qc, "quant_method", "?")
+        raise ModelLoadError(
+            f"{where} is a pre-quantized ({method}) checkpoint: `toptpu compile` takes float "
+            "checkpoints and quantizes them itself (-q w4bf16 ...); pass the float model")
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    if heads % kv:
+        raise ModelLoadError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv}; fix config.json")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
+        else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{where} uses rope_type '{rope_type}', which recomputes its frequencies from the "
+            f"sequence length at run time; toptpu compiles static shapes and honours "
+            f"{', '.join(STATIC_ROPE_TYPES)}")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (
+            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",
+                                                                     None)):
+        raise ModelLoadError(
+            f"{where} uses sliding-window attention (layer_types {sorted(set(layer_types))}); "
+            "toptpu's nets attend to the whole KV cache: set use_sliding_window=false or use "
+            "a full-attention checkpoint")
+    if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
+        raise ModelLoadError(f"{where}: pretraining_tp={config.pretraining_tp} is not supported;"
+                             " set it to 1 (it only changes the order of a training-time split)")
+    return SUPPORTED_MODEL_TYPES[mt]
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"'{index}' is not a valid safetensors index: {e}") from e
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
+        if missing:
+            raise ModelLoadError(
+                f"shard(s) {_listing(missing)} listed in '{index}' are missing from {path}: "
+                "copy the complete checkpoint")
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if found:
+        return [os.path.join(path, f) for f in found]
+    bins = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+    hint = (f" (found {_listing(bins)}: convert them to safetensors, e.g. load with "
+            "transformers and save_pretrained(safe_serialization=True))") if bins else ""
+    raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over every safetensors file of a checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _checkpoint_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if name in shapes:
+                        raise ModelLoadError(
+                            f"tensor '{name}' appears in more than one shard ({file})")
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except ModelLoadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types
+            raise ModelLoadError(f"cannot read '{file}': {e}") from e
+    return shapes
+
+
+def expected_shapes(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(parameter name -> shape, names that may be absent because they are tied)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    tied: set[str] = set()
+    if getattr(config, "tie_word_embeddings", False):
+        out = model.get_output_embeddings()
+        for k in shapes:
+            if out is not None and k.startswith("lm_head."):
+                tied.add(k)
+    return shapes, tied
+
+
+def check_checkpoint(config: Any, path: str) -> None:
+    """Compare the checkpoint's tensors with the model's parameters; raise on any mismatch."""
+    have = checkpoint_shapes(path)
+    want, optional = expected_shapes(config)
+    missing = sorted(k for k in want if k not in have and k not in optional)
+    extra = sorted(k for k in have if k not in want and not k.endswith(_IGNORABLE_SUFFIXES))
+    bad = sorted(k for k in want if k in have and have[k] != want[k])
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_listing(extra)}")
+    if bad:
+        problems.append("mis-shaped tensors: " + _listing(
+            [f"{k} is {list(have[k])}, expected {list(want[k])}" for k in bad]))
+    if problems:
+        raise ModelLoadError(
+            f"the checkpoint in {path} does not match its config.json "
+            f"({config.model_type}, {config.num_hidden_layers} layers, hidden "
+            f"{config.hidden_size}): " + "; ".join(problems)
+            + ". Use the config.json that belongs to these weights.")
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def generation_settings(gen: Any, config: Any) -> dict[str, Any]:
+    """The generation config as the runtime uses it (JSON-serializable)."""
+
+    def get(name: str, default: Any = None) -> Any:
+        v = getattr(gen, name, None) if gen is not None else None
+        return default if v is None else v
+
+    eos = get("eos_token_id", getattr(config, "eos_token_id", None))
+    eos_ids = [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])
+               if e is not None]
+    stops = get("stop_strings", [])
+    stops = [stops] if isinstance(stops, str) else [str(s) for s in stops]
+    return {
+        "eos_token_ids": eos_ids,
+        "stop_strings": stops,
+        "pad_token_id": get("pad_token_id", getattr(config, "pad_token_id", None)),
+        "bos_token_id": get("bos_token_id", getattr(config, "bos_token_id", None)),
+        "do_sample": bool(get("do_sample", False)),
+        "temperature": float(get("temperature", 1.0)),
+        "top_k": int(get("top_k", 50)),
+        "top_p": float(get("top_p", 1.0)),
+        "repetition_penalty": float(get("repetition_penalty", 1.0)),
+    }
+
+
+def _tokenizer_files_of(tokenizer: Any) -> dict[str, bytes]:
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return _read_tokenizer_files(tmp, required=True, what="the tokenizer")
+
+
+def _read_tokenizer_files(path: str, required: bool, what: str) -> dict[str, bytes]:
+    files = {}
+    for name in TOKENIZER_FILES:
+        p = os.path.join(path, name)
+        if os.path.exists(p):
+            with open(p, "rb") as f:
+                files[name] = f.read()
+    if required and "tokenizer.json" not in files:
+        raise ModelLoadError(
+            f"{what} has no tokenizer.json: toptpu carries a fast tokenizer in the model file; "
+            "load the tokenizer with transformers (AutoTokenizer, use_fast=True) and "
+            "save_pretrained it next to the weights")
+    return files
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def load_model(source: str | os.PathLike[str] | Any, tokenizer: Any = None,
+               generation_config: Any = None) -> LoadedModel:
+    """Load a model for compilation.
+
+    `source` is a local Hugging Face directory or an in-memory `transformers` causal LM
+    (then `tokenizer` optionally gives its tokenizer, `generation_config` its generation
+    config; default: the model's own).
+    """
+    if isinstance(source, str | os.PathLike):
+        return _load_dir(os.fspath(source))
+    model = source
+    if not hasattr(model, "config") or not hasattr(model, "model"):
+        raise ModelLoadError(
+            f"expected a transformers causal LM (e.g. Qwen2ForCausalLM) or a model directory, "
+            f"got {type(model).__name__}")
+    family = check_config(model.config, f"the {type(model).__name__}")
+    model = model.float().eval()
+    gen = generation_config if generation_config is not None else getattr(
+        model, "generation_config", None)
+    files = _tokenizer_files_of(tokenizer) if tokenizer is not None else {}
+    return LoadedModel(model, family, files, generation_settings(gen, model.config))
+
+
+def _load_dir(path: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model directory '{path}' does not exist")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ModelLoadError(f"{path} has no config.json: is it a Hugging Face model directory?")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise _unknown_model_type(raw.get("model_type"), cfg_path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+    family = check_config(config, cfg_path)
+    check_checkpoint(config, path)
+    files = _read_tokenizer_files(path, required=True, what=path)
+    gen = None
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        try:
+            gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                     local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"transformers could not load the weights in {path}: {e}") from e
+    return LoadedModel(model.eval(), family, files, generation_settings(gen, config), path)

@@ -1,0 +1,335 @@
+"""The LLM splitter: a causal LM cut into the static nets of DESIGN.md section 5.
+
+Each net is a small `nn.Module` wrapper around the Hugging Face model's *own* submodules —
+its embedding, norms, q/k/v/o projections, q/k norms (Qwen3), MLP, rotary embedding (with
+its scaling, e.g. Llama 3's) and the `apply_rotary_pos_emb` of the model's modeling
+module. The wrappers only make the KV plumbing explicit: history tensors in, present
+tensors out. Each is exported with `torch.export` at static shapes:
+
+- `embedding`: `input_ids` i32 [1, L] -> `hidden` [1, L, H]
+- `embedding_cache`: `input_ids` i32 [1, 1] -> `hidden` [1, 1, H]
+- `block` (prefill): `hidden` [1, L, H], `position_ids` i32 [1, L], `attention_mask`
+  [1, 1, L, L] -> `hidden_out` [1, L, H], `present_k`/`present_v` [1, L, kvH, D]
+- `block_kv` (prefill_kv): as `block` plus `history_k`/`history_v` [1, Hh, kvH, D], with
+  mask [1, 1, L, Hh + L] -> the same outputs
+- `block_cache` (decode): `hidden` [1, 1, H], `position_ids` [1, 1], mask
+  [1, 1, 1, SEQ + 1], `history_k`/`history_v` [1, SEQ, kvH, D] -> `hidden_out` [1, 1, H],
+  `present_k`/`present_v` [1, 1, kvH, D]
+- `lm_head`: `hidden` [1, H] -> `token` i32 [1, 1] (final norm, lm_head, fused top-1)
+- `lm_head_logits`: `hidden` [1, H] -> `logits` [1, V] (final norm, lm_head)
+
+(The block output is named `hidden_out` so that a net's IO names are unique: the runtime
+binds buffers by name.) KV layout is `[1, SEQ, kvH, D]`, sequence-major. Attention is
+written as `sdpa(q, cat(history, present).transpose(1, 2), ...)`, the concatenation in the
+cache layout; the Top `fuse` pass turns that into `top.attention` with
+`history_k`/`history_v` operands, so the caches are read where they lie and never
+concatenated into a fresh buffer (reload-free decode; the compiler checks it).
+
+Masks are additive: 0 where visible, `MASK_VALUE` (-10000) elsewhere — not -inf (a fully
+masked padded row would be NaN) and not finfo.min (overflows in f16). Helpers here build
+them so the runtime and the tests agree.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+#: the additive mask value of hidden positions
+MASK_VALUE = -10000.0
+
+
+class SplitError(ValueError):
+    """The model cannot be split into nets as asked (shapes, structure); the message says why."""
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    """The compiled static shapes: KV capacity SEQ, prefill chunk L, prefill history Hh."""
+
+    seq_length: int
+    max_input_length: int
+    max_history: int
+
+    @classmethod
+    def make(cls, seq_length: int, max_input_length: int | None = None,
+             max_history: int | None = None) -> StaticShapes:
+        """Fill the defaults (L = min(SEQ, 128), Hh = SEQ) and validate."""
+        if seq_length < 2:
+            raise SplitError(f"--seq-length must be at least 2, got {seq_length}")
+        L = min(seq_length, 128) if max_input_length is None else max_input_length
+        Hh = seq_length if max_history is None else max_history
+        if not 1 <= L <= seq_length:
+            raise SplitError(
+                f"--max-input-length {L} must be between 1 and --seq-length {seq_length}")
+        if not 1 <= Hh <= seq_length:
+            raise SplitError(
+                f"--max-history {Hh} must be between 1 and --seq-length {seq_length}")
+        return cls(seq_length, L, Hh)
+
+
+@dataclass(frozen=True)
+class LlmArch:
+    """What the wrappers and the runtime need to know of the model's shape."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    qk_norm: bool
+    tied_embeddings: bool
+
+    @classmethod
+    def of(cls, model: Any) -> LlmArch:
+        cfg = model.config
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        attn = model.model.layers[0].self_attn
+        return cls(
+            family=str(cfg.model_type),
+            num_layers=int(cfg.num_hidden_layers),
+            hidden_size=int(cfg.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            vocab_size=int(cfg.vocab_size),
+            qk_norm=hasattr(attn, "q_norm"),
+            tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+# =========================================================================== wrappers
+
+
+def model_apply_rotary(model: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`apply_rotary_pos_emb` of the model's own modeling module."""
+    mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    fn = getattr(mod, "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise SplitError(
+            f"{mod.__name__} has no apply_rotary_pos_emb; toptpu cannot split this model")
+    return fn
+
+
+class Embedding(torch.nn.Module):
+    """input_ids i32 [1, S] -> hidden [1, S, H] (the model's embed_tokens)."""
+
+    def __init__(self, embed_tokens: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class Block(torch.nn.Module):
+    """One decoder layer with explicit KV plumbing: (hidden, position_ids, mask) ->
+    (hidden, present_k, present_v), present in the cache layout [1, S, kvH, D].
+
+    The parameter names (`layer.*`) are those of `model.model.layers[i]` after the
+    `layer.` prefix: that is how every other layer's weights are found for the same net.
+    """
+
+    def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module,
+                 apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 arch: LlmArch) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.apply_rotary = apply_rotary
+        self.head_dim = arch.head_dim
+        self.scaling = float(layer.self_attn.scaling)
+
+    def attend(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor, history_k: torch.Tensor | None,
+               history_v: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        layer, attn = self.layer, self.layer.self_attn
+        b, s, _ = hidden.shape
+        residual = hidden
+        h = layer.input_layernorm(hidden)
+        shape = (b, s, -1, self.head_dim)
+        q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        v = attn.v_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = self.rotary(hidden, position_ids)
+        q, k = self.apply_rotary(q, k, cos, sin)
+        present_k, present_v = k.transpose(1, 2), v.transpose(1, 2)
+        if history_k is not None and history_v is not None:
+            # in the cache layout: fuse turns this into attention history operands
+            k = torch.cat([history_k, present_k], dim=1).transpose(1, 2)
+            v = torch.cat([history_v, present_v], dim=1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                           scale=self.scaling, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(b, s, -1)
+        h = residual + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, present_k, present_v
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attend(hidden, position_ids, attention_mask, None, None)
+
+
+class BlockWithHistory(Block):
+    """`Block` attending to a history KV cache first: prefill_kv and decode."""
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,  # type: ignore[override]
+                attention_mask: torch.Tensor, history_k: torch.Tensor,
+                history_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attend(hidden, position_ids, attention_mask, history_k, history_v)
+
+
+class LmHead(torch.nn.Module):
+    """hidden [1, H] -> final norm -> lm_head -> logits [1, V] or the top-1 id i32 [1, 1]."""
+
+    def __init__(self, norm: torch.nn.Module, lm_head: torch.nn.Module, greedy: bool) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.greedy = greedy
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(hidden))
+        if self.greedy:
+            return torch.argmax(logits, dim=-1, keepdim=True).to(torch.int32)
+        return logits
+
+
+# =========================================================================== masks
+
+
+def prefill_mask(n: int, length: int, start: int = 0, history: int = 0) -> np.ndarray:
+    """Additive mask [1, 1, L, history + L] of a prefill chunk of `n` real tokens at
+    positions start..start+n-1, padded to `length`, over `history` cached slots of which
+    the first `start` are valid. Padded rows and columns are fully masked."""
+    if not 0 <= n <= length or (history and start > history):
+        raise ValueError(f"bad prefill mask request n={n} length={length} start={start} "
+                         f"history={history}")
+    m = np.full((length, history + length), MASK_VALUE, np.float32)
+    if history:
+        m[:n, :start] = 0.0
+    tri = np.tril(np.ones((n, n), bool))
+    m[:n, history:history + n][tri] = 0.0
+    return m[None, None]
+
+
+def decode_mask(pos: int, seq_length: int) -> np.ndarray:
+    """Additive mask [1, 1, 1, SEQ + 1] of the token at `pos`: cache slots 0..pos-1 and the
+    token itself (the last column) are visible."""
+    if not 0 <= pos < seq_length:
+        raise ValueError(f"decode position {pos} outside the KV cache of {seq_length}")
+    m = np.full((1, seq_length + 1), MASK_VALUE, np.float32)
+    m[0, :pos] = 0.0
+    m[0, seq_length] = 0.0
+    return m[None, None]
+
+
+# =========================================================================== nets
+
+
+@dataclass
+class NetSpec:
+    """One net to export: its module, example inputs at the static shapes, IO names."""
+
+    name: str
+    module: torch.nn.Module
+    args: tuple[torch.Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+    per_layer: bool
+
+
+#: the nets a causal LM is split into, in compile order
+NET_NAMES = ("embedding", "embedding_cache", "block", "block_kv", "block_cache", "lm_head",
+             "lm_head_logits")
+
+#: the prefix of a per-layer net's parameters (`Block.layer`)
+LAYER_PREFIX = "layer."
+
+
+def split_model(model: Any, shapes: StaticShapes) -> list[NetSpec]:
+    """The nets of `model` (a transformers causal LM, float32, eval) at `shapes`.
+
+    Per-layer nets wrap layer 0; every layer binds its own weights to the same nets.
+    """
+    arch = LlmArch.of(model)
+    inner = model.model
+    seq, L, Hh = shapes.seq_length, shapes.max_input_length, shapes.max_history
+    H, kvh, D = arch.hidden_size, arch.num_kv_heads, arch.head_dim
+    apply_rotary = model_apply_rotary(model)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    def pos(n: int, start: int = 0) -> torch.Tensor:
+        return torch.arange(start, start + n, dtype=torch.int32)[None]
+
+    def ids(n: int) -> torch.Tensor:
+        return torch.randint(0, arch.vocab_size, (1, n), generator=g, dtype=torch.int32)
+
+    block = Block(inner.layers[0], inner.rotary_emb, apply_rotary, arch).eval()
+    block_h = BlockWithHistory(inner.layers[0], inner.rotary_emb, apply_rotary, arch).eval()
+    io_block = ["hidden", "position_ids", "attention_mask"]
+    io_hist = [*io_block, "history_k", "history_v"]
+    outs = ["hidden_out", "present_k", "present_v"]
+    lm_head = model.get_output_embeddings()
+    return [
+        NetSpec("embedding", Embedding(inner.embed_tokens), (ids(L),), ["input_ids"],
+                ["hidden"], False),
+        NetSpec("embedding_cache", Embedding(inner.embed_tokens), (ids(1),), ["input_ids"],
+                ["hidden"], False),
+        NetSpec("block", block,
+                (rand(1, L, H), pos(L), torch.from_numpy(prefill_mask(L, L))),
+                io_block, outs, True),
+        NetSpec("block_kv", block_h,
+                (rand(1, L, H), pos(L, Hh), torch.from_numpy(prefill_mask(L, L, Hh, Hh)),
+                 rand(1, Hh, kvh, D), rand(1, Hh, kvh, D)),
+                io_hist, outs, True),
+        NetSpec("block_cache", block_h,
+                (rand(1, 1, H), pos(1, seq - 1), torch.from_numpy(decode_mask(seq - 1, seq)),
+                 rand(1, seq, kvh, D), rand(1, seq, kvh, D)),
+                io_hist, outs, True),
+        NetSpec("lm_head", LmHead(inner.norm, lm_head, greedy=True), (rand(1, H),),
+                ["hidden"], ["token"], False),
+        NetSpec("lm_head_logits", LmHead(inner.norm, lm_head, greedy=False), (rand(1, H),),
+                ["hidden"], ["logits"], False),
+    ]
+
+
+def check_block_matches_model(model: Any, spec: NetSpec, atol: float = 1e-4) -> None:
+    """The `block` wrapper must compute what the model's own decoder layer computes
+    (catches a family whose layer structure the wrapper does not follow)."""
+    layer = model.model.layers[0]
+    hidden, position_ids, mask = spec.args
+    prev = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.no_grad():
+            pe = model.model.rotary_emb(hidden, position_ids.long())
+            ref = layer(hidden, attention_mask=mask, position_ids=position_ids.long(),
+                        position_embeddings=pe)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            ours = spec.module(*spec.args)[0]
+    finally:
+        model.config._attn_implementation = prev
+    err = float((ours - ref).abs().max())
+    if not err <= atol * max(1.0, float(ref.abs().max())):
+        raise SplitError(
+            f"the block wrapper differs from {type(layer).__name__} by {err:.3g}: this "
+            f"{model.config.model_type} layer does not have the structure toptpu's splitter "
+            "expects (pre-norm attention + MLP with q/k/v/o projections)")

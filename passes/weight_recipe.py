@@ -1,0 +1,111 @@
+"""Weight recipes: how each `tpu.weight` of a compiled net is derived from float weights.
+
+`convert-top-to-tpu` records on every `tpu.weight` the Top weight it came from (`source`)
+and how (`part`: data | qweight | scales | zeros). Together with the consuming
+`tpu.a16_matmul` (weight_bits, group_size, whether it has zero points, the scale storage
+type) that is a complete recipe: given *another* layer's float tensor for the same source,
+`derive_weights` produces that layer's tensors for the very same compiled net. This is how
+every layer binds its own weights to a net compiled once.
+
+Quantization is `toptpu.passes.quantize.quantize_rtn`, the same function the lowering
+calls, so layer 0 derived here is bit-identical to what the compiler stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from xdsl.dialects.builtin import ModuleOp
+
+from toptpu.dialects import tpu
+from toptpu.dialects.common import elem_of, numpy_dtype, read_int, read_str, shape_of
+from toptpu.passes.quantize import quantize_rtn
+
+
+class RecipeError(ValueError):
+    """A tpu.weight whose recipe cannot be followed; the message names it."""
+
+
+@dataclass(frozen=True)
+class WeightRecipe:
+    """How to make the tensor of one `tpu.weight` from its source float tensor."""
+
+    name: str  # the tpu.weight name
+    source: str  # the Top weight name it derives from
+    part: str  # data | qweight | scales | zeros
+    shape: tuple[int, ...]
+    dtype: np.dtype  # storage dtype of the tensor
+    bits: int | None = None  # quantized parts: the consuming a16_matmul's parameters
+    group_size: int | None = None
+    symmetric: bool | None = None
+    scale_dtype: np.dtype | None = None
+
+    @property
+    def quant_key(self) -> tuple[str, int | None, int | None, bool | None, str]:
+        return (self.source, self.bits, self.group_size, self.symmetric, str(self.scale_dtype))
+
+
+def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
+    """The recipe of every `tpu.weight` in `module`, in program order."""
+    quant: dict[tpu.WeightOp, tuple[int, int, bool, np.dtype]] = {}
+    for op in module.walk():
+        if isinstance(op, tpu.A16MatMulOp):
+            params = (read_int(op.weight_bits), read_int(op.group_size), op.zeros is None,
+                      numpy_dtype(elem_of(op.scales)))
+            for v in (op.qweight, op.scales, op.zeros):
+                if v is not None and isinstance(v.owner, tpu.WeightOp):
+                    quant[v.owner] = params
+    out = []
+    for op in module.walk():
+        if not isinstance(op, tpu.WeightOp):
+            continue
+        name = op.tensor_name
+        source, part = read_str(op.source), read_str(op.part)
+        if not source or not part:
+            raise RecipeError(f"tpu.weight '{name}' has no source/part: it cannot be derived "
+                              "for other layers (was it made by convert-top-to-tpu?)")
+        dt = numpy_dtype(elem_of(op.output))
+        if part == "data":
+            out.append(WeightRecipe(name, source, part, shape_of(op.output), dt))
+        elif part in ("qweight", "scales", "zeros"):
+            if op not in quant:
+                raise RecipeError(f"quantized weight '{name}' ({part}) feeds no tpu.a16_matmul")
+            bits, gs, sym, sdt = quant[op]
+            out.append(WeightRecipe(name, source, part, shape_of(op.output), dt, bits, gs, sym,
+                                    sdt))
+        else:
+            raise RecipeError(
+                f"tpu.weight '{name}' has part '{part}': only data/qweight/scales/zeros can be "
+                "re-derived per layer (pre-quantized checkpoint weights are not supported by "
+                "the per-layer binder yet)")
+    return out
+
+
+def derive_weights(recipes: Iterable[WeightRecipe],
+                   float_of: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """Tensors for `recipes` from the float tensors `float_of(source)` (one layer's)."""
+    out: dict[str, np.ndarray] = {}
+    quantized: dict[tuple, dict[str, np.ndarray | None]] = {}
+    for r in recipes:
+        w = float_of(r.source)
+        if r.part == "data":
+            arr = np.asarray(w).astype(r.dtype)
+        else:
+            assert r.bits is not None and r.group_size is not None and r.scale_dtype is not None
+            key = r.quant_key
+            if key not in quantized:
+                qw = quantize_rtn(w, r.bits, r.group_size, bool(r.symmetric), r.scale_dtype)
+                quantized[key] = {"qweight": qw.qweight, "scales": qw.scales, "zeros": qw.zeros}
+            arr_or_none = quantized[key][r.part]
+            if arr_or_none is None:
+                raise RecipeError(f"'{r.name}' asks for zeros of a symmetric quantization")
+            arr = arr_or_none
+        if tuple(arr.shape) != r.shape or arr.dtype != r.dtype:
+            raise RecipeError(
+                f"'{r.name}' derived from '{r.source}' {list(np.shape(w))} is "
+                f"{list(arr.shape)} {arr.dtype}, but the compiled net expects {list(r.shape)} "
+                f"{r.dtype}")
+        out[r.name] = np.ascontiguousarray(arr)
+    return out

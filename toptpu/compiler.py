@@ -1,0 +1,463 @@
+"""The compile driver: a causal LM in, one model file out (`toptpu.compile`).
+
+1. load the model (`toptpu.frontends.hf_loader`: a HF directory or an in-memory model);
+2. split it into the nets of DESIGN.md section 5 (`toptpu.frontends.llm`), per-layer nets
+   wrapping layer 0;
+3. import each net ONCE into Top (torch.export), run `top-pipeline`, check that the
+   history nets attend to their caches in place (reload-free), run
+   `tpu-pipeline{mode, group_size, symmetric}`;
+4. for every layer, derive its tensors for the same compiled per-layer nets from that
+   layer's float weights with the tpu.weight recipes (`toptpu.passes.weight_recipe`);
+5. write the model file (`toptpu.backend.llm_file`): header, each net's Tpu IR, the
+   tokenizer files, and one weight blob [shared][layer 0]...[layer N-1].
+
+Compile time and IR size do not grow with the layer count: only step 4 runs per layer, and
+it only quantizes/converts that layer's weights.
+
+Progress goes to stderr; `dump_ir=DIR` writes every net's IR after every pass to
+`DIR/<net>/NN-<pass>.mlir`, all pointing (`top.weight_store`) at one
+`DIR/weights.safetensors` saved at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import numpy as np
+from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.passes import ModulePass
+from xdsl.printer import Printer
+
+from toptpu.backend.executor import TensorSpec
+from toptpu.backend.llm_file import KIND, LLM_FORMAT, WeightLayout, ir_section, write_llm_file
+from toptpu.dialects import top
+from toptpu.dialects.common import numpy_dtype
+from toptpu.dialects.naming import input_names, output_names
+from toptpu.dialects.weight_store import STORE_ATTR, WeightStore, _torch_to_numpy
+from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
+from toptpu.frontends.llm import (
+    LAYER_PREFIX,
+    LlmArch,
+    NetSpec,
+    StaticShapes,
+    check_block_matches_model,
+    split_model,
+)
+from toptpu.passes.convert_top_to_tpu import parse_mode
+from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
+
+
+class CompileError(Exception):
+    """The model cannot be compiled as asked; the message names the problem and the fix."""
+
+
+def known_chips() -> tuple[str, ...]:
+    """Chip names `--chip` accepts: the presets of `toptpu.backend.chips`."""
+    from toptpu.backend.chips import chip_names
+
+    return tuple(chip_names())
+
+
+@dataclass
+class CompiledNet:
+    name: str
+    per_layer: bool
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    tpu: ModuleOp
+    top: ModuleOp | None = None  # the Top module after top-pipeline, when kept
+    ir_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CompileResult:
+    """What `compile` produced (the model file is at `path`)."""
+
+    path: str
+    header: dict[str, Any]
+    nets: dict[str, CompiledNet]
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+    store: WeightStore | None = None  # the compile-time weight store (layer 0), when kept
+    loaded: LoadedModel | None = None
+
+
+class Progress:
+    """Progress over nets and passes on a stream (stderr): a live bar on a terminal, one
+    line per net otherwise."""
+
+    def __init__(self, total: int, stream: IO[str] | None) -> None:
+        self.total, self.stream, self.done = total, stream, 0
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.parts: list[str] = []
+        self.net = ""
+
+    def start(self, net: str) -> None:
+        self.net, self.parts = net, []
+        self._live("import")
+
+    def step(self, what: str, seconds: float) -> None:
+        self.parts.append(f"{what} {seconds:.2f}s")
+        self._live(what)
+
+    def _bar(self) -> str:
+        width = 20
+        filled = width * self.done // max(self.total, 1)
+        return f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+
+    def _live(self, what: str) -> None:
+        if self.tty and self.stream is not None:
+            self.stream.write(f"\r\x1b[2K{self._bar()} {self.net}: {what}")
+            self.stream.flush()
+
+    def finish(self, seconds: float) -> None:
+        self.done += 1
+        if self.stream is None:
+            return
+        line = f"{self._bar()} {self.net} ({seconds:.2f}s): " + ", ".join(self.parts)
+        self.stream.write(("\r\x1b[2K" if self.tty else "") + line + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+
+def print_ir(module: ModuleOp, generic: bool) -> str:
+    out = io.StringIO()
+    Printer(stream=out, print_generic_format=generic, print_debuginfo=True).print_op(module)
+    out.write("\n")
+    return out.getvalue()
+
+
+def _io_specs(module: ModuleOp) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    from xdsl.dialects import func
+    from xdsl.dialects.builtin import TensorType
+
+    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
+
+    def spec(name: str, t: Any) -> TensorSpec:
+        assert isinstance(t, TensorType)
+        return TensorSpec(name, tuple(int(d) for d in t.get_shape()),
+                          numpy_dtype(t.element_type).name)
+
+    ins = [spec(n, t) for n, t in zip(input_names(fn), fn.function_type.inputs.data,
+                                      strict=True)]
+    outs = [spec(n, t) for n, t in zip(output_names(fn), fn.function_type.outputs.data,
+                                       strict=True)]
+    return ins, outs
+
+
+def check_reload_free(module: ModuleOp, net: str) -> None:
+    """A history net must attend to `history_k`/`history_v` as they are (function
+    arguments as attention history operands), never through a concatenated copy."""
+    from xdsl.dialects import func
+    from xdsl.ir import BlockArgument
+
+    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
+    names = input_names(fn)
+    args = {names[a.index]: a for a in fn.body.block.args}
+    atts = [op for op in module.walk() if isinstance(op, top.AttentionOp)]
+    ok = len(atts) == 1 and atts[0].history_k is args.get("history_k") and \
+        atts[0].history_v is args.get("history_v")
+    concat_of_cache = [op for op in module.walk() if isinstance(op, top.ConcatOp) and any(
+        isinstance(v, BlockArgument) and names[v.index].startswith("history")
+        for v in op.operands)]
+    if not ok or concat_of_cache:
+        raise CompileError(
+            f"net '{net}': the fuse pass did not turn attention over concat(history, new) into "
+            "top.attention with history operands, so decode would copy and reload the KV "
+            "cache. The model's attention does not have the form the splitter expects.")
+
+
+def _float_of_layer(model: Any, layer: int) -> Callable[[str], np.ndarray]:
+    """Top weight name ('layer.…') -> layer `layer`'s float tensor (zero-copy)."""
+    mod = model.model.layers[layer]
+    state = dict(mod.named_parameters())
+    state.update(dict(mod.named_buffers()))
+
+    def get(source: str) -> np.ndarray:
+        if not source.startswith(LAYER_PREFIX):
+            raise CompileError(f"'{source}' is not a per-layer weight")
+        key = source[len(LAYER_PREFIX):]
+        if key not in state:
+            raise CompileError(f"layer {layer} has no tensor '{key}' (the net reads "
+                               f"'{source}'); its layers are not all alike")
+        return _torch_to_numpy(state[key])
+
+    return get
+
+
+def compile(  # noqa: A001 - the public API is toptpu.compile
+    model: Any,
+    output: str,
+    *,
+    mode: str = "f32",
+    chip: str = "bm1684x",
+    seq_length: int = 512,
+    max_input_length: int | None = None,
+    max_history: int | None = None,
+    group_size: int = 64,
+    symmetric: bool | None = None,
+    dump_ir: str | None = None,
+    tokenizer: Any = None,
+    progress: IO[str] | None = sys.stderr,
+    keep_modules: bool = False,
+) -> CompileResult:
+    """Compile a causal LM to a model file at `output`.
+
+    `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
+    `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
+    w4bf16 | w8f32 | w4f32. Static shapes: `seq_length` (KV capacity), `max_input_length`
+    (prefill chunk, default min(SEQ, 128)), `max_history` (history of prefill_kv, default
+    SEQ). `keep_modules` keeps each net's Top and Tpu modules and the weight store in the
+    result (for stage comparisons).
+    """
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    try:
+        parse_mode(mode)
+    except ValueError as e:
+        raise CompileError(str(e)) from e
+    chips = known_chips()
+    if chip not in chips:
+        raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
+    if group_size != -1 and group_size <= 0:
+        raise CompileError(f"--group-size must be positive or -1 (per channel), not {group_size}")
+    try:
+        shapes = StaticShapes.make(seq_length, max_input_length, max_history)
+    except ValueError as e:
+        raise CompileError(str(e)) from e
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(out_dir):
+        raise CompileError(f"the output directory '{out_dir}' does not exist")
+
+    t = time.perf_counter()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, tokenizer)
+    timings["load"] = time.perf_counter() - t
+    hf = loaded.model
+    arch = LlmArch.of(hf)
+    if progress is not None:
+        progress.write(f"toptpu compile: {loaded.source} ({arch.family}, {arch.num_layers} "
+                       f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, {chip}, "
+                       f"seq {shapes.seq_length}, input {shapes.max_input_length}, history "
+                       f"{shapes.max_history}]\n")
+    specs = split_model(hf, shapes)
+    check_block_matches_model(hf, next(s for s in specs if s.name == "block"))
+
+    store = WeightStore()
+    weights_path = None
+    if dump_ir is not None:
+        os.makedirs(dump_ir, exist_ok=True)
+        weights_path = os.path.abspath(os.path.join(dump_ir, "weights.safetensors"))
+    bar = Progress(len(specs), progress)
+    nets: dict[str, CompiledNet] = {}
+    for spec in specs:
+        nets[spec.name] = _compile_net(spec, store, mode, group_size, symmetric, bar,
+                                       dump_ir, weights_path, keep_modules)
+        timings[f"net:{spec.name}"] = nets[spec.name].seconds
+
+    t = time.perf_counter()
+    layout, blob, net_weights = _build_weights(hf, arch.num_layers, nets, store)
+    timings["weights"] = time.perf_counter() - t
+    bar.note(f"weights: {len(layout.shared)} shared tensors ({layout.layer_base / 1e6:.1f} MB) "
+             f"+ {arch.num_layers} layers x {len(layout.layer)} tensors "
+             f"({layout.layer_stride / 1e6:.2f} MB each) in {timings['weights']:.2f}s")
+
+    irs: dict[str, str] = {}
+    for name, net in nets.items():
+        m = net.tpu.clone()
+        m.attributes.pop(STORE_ATTR, None)
+        irs[name] = print_ir(m, generic=True)
+        net.ir_bytes = len(irs[name].encode())
+    header = _header(loaded, arch, shapes, mode, chip, group_size, symmetric, nets,
+                     net_weights, layout)
+    header["compile"]["seconds"] = round(time.perf_counter() - t0, 3)
+    t = time.perf_counter()
+    write_llm_file(output, header, irs, loaded.tokenizer_files, blob)
+    timings["write"] = time.perf_counter() - t
+    if weights_path is not None:
+        store.save(weights_path)
+    total = time.perf_counter() - t0
+    timings["total"] = total
+    bar.note(f"wrote {output} ({os.path.getsize(output) / 1e6:.1f} MB) in {total:.1f}s")
+    if not keep_modules:
+        for net in nets.values():
+            net.top = None
+    return CompileResult(output, header, nets, total, timings,
+                         store if keep_modules else None, loaded)
+
+
+def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
+                 symmetric: bool | None, bar: Progress, dump_ir: str | None,
+                 weights_path: str | None, keep_top: bool) -> CompiledNet:
+    from toptpu.frontends.fx_importer import ImportError_, import_module
+    from toptpu.passes.convert_top_to_tpu import ConversionError
+    from toptpu.passes.quantize import QuantizationError
+
+    t0 = time.perf_counter()
+    bar.start(spec.name)
+    step = [0]
+    last = [time.perf_counter()]
+
+    def dump(module: ModuleOp, what: str) -> None:
+        if dump_ir is None:
+            return
+        d = os.path.join(dump_ir, spec.name)
+        os.makedirs(d, exist_ok=True)
+        old = module.attributes.get(STORE_ATTR)
+        module.attributes[STORE_ATTR] = StringAttr(str(weights_path))
+        try:
+            text = print_ir(module, generic=False)
+        finally:
+            if old is not None:
+                module.attributes[STORE_ATTR] = old
+        with open(os.path.join(d, f"{step[0]:02d}-{what}.mlir"), "w") as f:
+            f.write(text)
+        step[0] += 1
+
+    def after(p: ModulePass, module: ModuleOp) -> None:
+        now = time.perf_counter()
+        bar.step(p.name, now - last[0])
+        last[0] = now
+        dump(module, p.name)
+
+    try:
+        module, _ = import_module(spec.module, spec.args, store=store,
+                                  input_names=spec.input_names,
+                                  output_names=spec.output_names)
+    except ImportError_ as e:
+        raise CompileError(f"net '{spec.name}': {e}") from e
+    now = time.perf_counter()
+    bar.step("import", now - last[0])
+    last[0] = now
+    dump(module, "import")
+    run_passes(module, top_pipeline_passes(), after=after)
+    if spec.name in ("block_kv", "block_cache"):
+        check_reload_free(module, spec.name)
+    top_module = module.clone() if keep_top else None
+    try:
+        run_passes(module, tpu_pipeline_passes(mode, group_size, symmetric), after=after)
+    except (ConversionError, QuantizationError) as e:
+        raise CompileError(f"net '{spec.name}': {e}") from e
+    ins, outs = _io_specs(module)
+    seconds = time.perf_counter() - t0
+    bar.finish(seconds)
+    return CompiledNet(spec.name, spec.per_layer, ins, outs, module, top_module, 0, seconds)
+
+
+def _digest(arr: np.ndarray) -> str:
+    a = np.ascontiguousarray(arr)
+    h = hashlib.sha1(a.view(np.uint8).reshape(-1).data)  # noqa: S324 - dedup, not security
+    return f"{a.dtype.name}{list(a.shape)}{h.hexdigest()}"
+
+
+def _build_weights(hf: Any, num_layers: int, nets: dict[str, CompiledNet], store: WeightStore
+                   ) -> tuple[WeightLayout, np.ndarray, dict[str, list[str]]]:
+    """Lay out and fill the weight blob: shared tensors once (identical tensors, e.g. tied
+    embedding and lm_head, share one copy), then every layer's chunk derived from its own
+    float weights with the recipes of the per-layer nets."""
+    shared: dict[str, np.ndarray] = {}
+    layer_recipes: dict[str, WeightRecipe] = {}
+    net_weights: dict[str, list[str]] = {}
+    for net in nets.values():
+        names = []
+        for r in weight_recipes(net.tpu):
+            names.append(r.name)
+            if net.per_layer and r.source.startswith(LAYER_PREFIX):
+                prev = layer_recipes.setdefault(r.name, r)
+                if prev != r:
+                    raise CompileError(f"per-layer weight '{r.name}' has two recipes: {prev} "
+                                       f"and {r}")
+            else:
+                arr = store[r.name]
+                if r.name in shared and not np.array_equal(shared[r.name], arr):
+                    raise CompileError(f"shared weight '{r.name}' differs between nets")
+                shared[r.name] = arr
+        net_weights[net.name] = list(dict.fromkeys(names))
+    # layer 0 from the recipes must be exactly what the compiler stored
+    layer0 = derive_weights(layer_recipes.values(), _float_of_layer(hf, 0))
+    for name, arr in layer0.items():
+        ref = store[name]
+        if arr.dtype != ref.dtype or not np.array_equal(arr.view(np.uint8), np.ascontiguousarray(
+                ref).view(np.uint8)):
+            raise CompileError(f"the recipe of '{name}' does not reproduce the compiled tensor; "
+                               "convert-top-to-tpu and passes/weight_recipe.py disagree")
+    # identical shared tensors are stored once
+    unique: dict[str, str] = {}
+    alias: dict[str, str] = {}
+    for name, arr in shared.items():
+        alias[name] = unique.setdefault(_digest(arr), name)
+    layout = WeightLayout.plan(
+        {n: (tuple(a.shape), a.dtype.name) for n, a in shared.items() if alias[n] == n},
+        {n: (r.shape, r.dtype.name) for n, r in layer_recipes.items()}, num_layers)
+    for name, target in alias.items():
+        layout.shared[name] = layout.shared[target]
+    blob = np.zeros(layout.size, np.uint8)
+
+    def put(offset: int, arr: np.ndarray) -> None:
+        a = np.ascontiguousarray(arr)
+        blob[offset:offset + a.nbytes] = a.view(np.uint8).reshape(-1)
+
+    for name, arr in shared.items():
+        if alias[name] == name:
+            put(layout.shared[name].offset, arr)
+    for i in range(num_layers):
+        tensors = layer0 if i == 0 else derive_weights(layer_recipes.values(),
+                                                       _float_of_layer(hf, i))
+        for name, arr in tensors.items():
+            put(layout.layer_offset(i, name), arr)
+    return layout, blob, net_weights
+
+
+def _json_config(config: Any) -> dict[str, Any]:
+    import json
+
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str, chip: str,
+            group_size: int, symmetric: bool | None, nets: dict[str, CompiledNet],
+            net_weights: dict[str, list[str]], layout: WeightLayout) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        toptpu_version = version("toptpu")
+    except PackageNotFoundError:
+        toptpu_version = "unknown"
+
+    def specs(xs: list[TensorSpec]) -> list[dict[str, Any]]:
+        return [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in xs]
+
+    return {
+        "kind": KIND,
+        "llm_format": LLM_FORMAT,
+        "chip": chip,
+        "mode": mode,
+        "group_size": group_size,
+        "symmetric": symmetric,
+        "shapes": asdict(shapes),
+        "model": {**asdict(arch), "config": _json_config(loaded.config)},
+        "generation": loaded.generation,
+        "tokenizer": {"files": sorted(loaded.tokenizer_files)},
+        "nets": {name: {"inputs": specs(n.inputs), "outputs": specs(n.outputs),
+                        "per_layer": n.per_layer, "ir": ir_section(name),
+                        "weights": net_weights[name], "streams": None}
+                 for name, n in nets.items()},
+        "weights": layout.to_json(),
+        "compile": {"source": loaded.source, "toptpu_version": toptpu_version},
+    }
+
+
+__all__ = ["CompileError", "CompileResult", "CompiledNet", "ModelLoadError", "compile",
+           "known_chips"]
