@@ -83,3 +83,13 @@ def get_chip(name: str) -> Chip:
 
 def chip_from_json(d: dict) -> Chip:
     return Chip(**d)
+
+
+def dma_cycles(chip: Chip, nbytes: int) -> float:
+    """Cycles one DMA transfer takes: latency plus bytes over DDR bandwidth."""
+    return chip.dma_latency_cycles + nbytes / chip.bytes_per_cycle
+
+
+def compute_cycles(chip: Chip, flops: int, dtype: str) -> float:
+    """Cycles one compute command takes: issue latency plus work over peak throughput."""
+    return chip.compute_latency_cycles + flops / chip.flops_per_cycle(dtype)

@@ -25,19 +25,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from xdsl.dialects.builtin import IntegerAttr, StringAttr, TensorType
+from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType
 from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
 from xdsl.irdl import (
     AttrSizedOperandSegments,
+    IRDLOperation,
     attr_def,
     irdl_op_definition,
     operand_def,
     opt_attr_def,
     opt_operand_def,
+    region_def,
     result_def,
     traits_def,
+    var_operand_def,
+    var_result_def,
 )
-from xdsl.traits import Pure
+from xdsl.traits import HasParent, IsolatedFromAbove, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects import top
@@ -58,10 +62,17 @@ Attrs = Mapping[str, Attribute]
 
 
 class TpuOp(ShapedOp):
-    """Base class of Tpu ops: pure, with the element type they compute in."""
+    """Base class of Tpu ops: pure, with the element type they compute in.
+
+    Inside a `tpu.group`, `lmem` holds the local-memory address (per lane) of the result
+    for each buffer copy (two for double-buffered slices, one otherwise) and `ts` the
+    pipeline stage the op runs in (loads 0, compute 1, stores 2, relative to its slice).
+    """
 
     traits = traits_def(Pure())
     compute = opt_attr_def(TypeAttribute)
+    lmem = opt_attr_def(DenseArrayBase)
+    ts = opt_attr_def(IntegerAttr)
 
 
 # =========================================================================== sources
@@ -361,6 +372,101 @@ class SliceOp(top.SliceBase, TpuOp):
     name = "tpu.slice"
 
 
+# =========================================================================== layer groups
+
+
+@irdl_op_definition
+class GroupOp(IRDLOperation):
+    """A layer group: ops that run out of local memory, slice by slice.
+
+    The body's block arguments are the group's global inputs; `tpu.load` brings (a slice of)
+    one into local memory, compute ops work on slice-shaped local tensors, `tpu.store` writes
+    a slice back into a global result, and `tpu.yield` returns the stored results. The
+    slices form a software pipeline: the load of slice i+1 and the store of slice i-1
+    overlap the compute of slice i. `slices` is the number of slices (all the same size);
+    `cost` the modelled cycles the layer-group cost model chose this group for; `gaddrs`
+    (filled by address-assign) the activation-region offsets of the results.
+    """
+
+    name = "tpu.group"
+    inputs = var_operand_def(AnyTensor)
+    outputs = var_result_def(AnyTensor)
+    body = region_def("single_block")
+    slices = attr_def(IntegerAttr)
+    cost = opt_attr_def(IntegerAttr)
+    gaddrs = opt_attr_def(DenseArrayBase)
+    traits = traits_def(IsolatedFromAbove())
+
+    def verify_(self) -> None:
+        block = self.body.block
+        if len(block.args) != len(self.inputs):
+            raise VerifyException("tpu.group needs one block argument per input")
+        for a, v in zip(block.args, self.inputs, strict=True):
+            if a.type != v.type:
+                raise VerifyException("tpu.group block argument types must match the inputs")
+        term = block.last_op
+        if not isinstance(term, YieldOp):
+            raise VerifyException("tpu.group must end with tpu.yield")
+        if [v.type for v in term.operands] != [r.type for r in self.outputs]:
+            raise VerifyException("tpu.yield types must match the group results")
+        if read_int(self.slices) < 1:
+            raise VerifyException("tpu.group needs at least one slice")
+
+
+@irdl_op_definition
+class YieldOp(IRDLOperation):
+    name = "tpu.yield"
+    values = var_operand_def(AnyTensor)
+    traits = traits_def(IsTerminator(), HasParent(GroupOp), Pure())
+
+
+@irdl_op_definition
+class LoadOp(TpuOp):
+    """DMA global -> local: slice `s` of the global tensor along `slice_axis` (the whole
+    tensor, loaded once and kept resident, when `slice_axis` is -1)."""
+
+    name = "tpu.load"
+    input = operand_def(AnyTensor)
+    slice_axis = attr_def(IntegerAttr)
+    output = result_def(AnyTensor)
+    CHECK_INFERRED: ClassVar[bool] = False
+
+    def verify_(self) -> None:
+        verify_slice(self.input, self.output, read_int(self.slice_axis), self)
+
+
+@irdl_op_definition
+class StoreOp(TpuOp):
+    """DMA local -> global: the slice computed in local memory into its place in the
+    global result (the whole result when `slice_axis` is -1)."""
+
+    name = "tpu.store"
+    input = operand_def(AnyTensor)
+    slice_axis = attr_def(IntegerAttr)
+    output = result_def(AnyTensor)
+    CHECK_INFERRED: ClassVar[bool] = False
+
+    def verify_(self) -> None:
+        verify_slice(self.output, self.input, read_int(self.slice_axis), self)
+
+
+def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation) -> None:
+    fs, ps = shape_of(full), shape_of(part)
+    if elem_of(full) != elem_of(part):
+        raise VerifyException(f"{op.name} cannot change the element type")
+    if axis == -1:
+        if fs != ps:
+            raise VerifyException(f"{op.name} of a whole tensor must keep its shape")
+        return
+    if not 0 <= axis < len(fs) or len(fs) != len(ps):
+        raise VerifyException(f"{op.name} slice_axis {axis} is out of range")
+    if any(a != b for i, (a, b) in enumerate(zip(fs, ps, strict=True)) if i != axis):
+        raise VerifyException(f"{op.name} may only slice along axis {axis}")
+    if ps[axis] < 1 or fs[axis] % ps[axis]:
+        raise VerifyException(
+            f"{op.name} slice of {ps[axis]} does not divide the axis of size {fs[axis]}")
+
+
 #: Top op class -> its Tpu counterpart (same operands, attributes and shape semantics)
 TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
     top.WeightOp: WeightOp,
@@ -408,6 +514,6 @@ TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
 
 Tpu = Dialect(
     "tpu",
-    [*TPU_OF_TOP.values(), A16MatMulOp],
+    [*TPU_OF_TOP.values(), A16MatMulOp, GroupOp, YieldOp, LoadOp, StoreOp],
     [],
 )

@@ -188,34 +188,41 @@ class HoistPermuteOutOfConcat(RewritePattern):
         rewriter.replace(op, [cat, out])
 
 
-def _gqa_source(v: SSAValue) -> tuple[SSAValue, int] | None:
-    """v = permute(reshape(expand(reshape(x [B,H,S,D] -> [B,H,1,S,D]) -> n), [B,Hn,S,D]),
-    (0,2,1,3)): return (permute(x), n) in sequence-major layout."""
-    perm = producer(v, top.PermuteOp)
-    if perm is None or read_ints(perm.order) != [0, 2, 1, 3]:
-        return None
-    r2 = producer(perm.input, top.ReshapeOp)
-    if r2 is None:
-        return None
-    ex = producer(r2.input, top.ExpandOp)
-    if ex is None:
+def _gqa_source(v: SSAValue) -> tuple[SSAValue, int, tuple[int, ...]] | None:
+    """Recognize k/v repeated from kv heads to query heads in front of an attention:
+    v = permute(reshape(expand(reshape(x [B,H,S,D] -> [B,H,1,S,D]) -> n) -> [B,Hn,S,D]),
+    (0,2,1,3)). With S = 1 the permutes are reshapes and canonicalization may have merged
+    them: v = reshape(expand(reshape(x -> [B,H,1,1,D]) -> n) -> [B,1,Hn,D]) for any x of
+    B*H*D elements. Returns (x, n, [B,S,H,D]): x re-laid sequence-major is the un-repeated
+    operand."""
+    outer = producer(v, top.PermuteOp)
+    if outer is not None:
+        if read_ints(outer.order) != [0, 2, 1, 3]:
+            return None
+        r2 = producer(outer.input, top.ReshapeOp)
+        if r2 is None:
+            return None
+        ex = producer(r2.input, top.ExpandOp)
+    else:
+        r2 = producer(v, top.ReshapeOp)
+        ex = producer(r2.input, top.ExpandOp) if r2 is not None else None
+    if r2 is None or ex is None:
         return None
     r1 = producer(ex.input, top.ReshapeOp)
     if r1 is None:
         return None
-    xs = shape_of(r1.input)
-    if len(xs) != 4:
-        return None
-    b, h, s, d = xs
-    if shape_of(r1.output) != (b, h, 1, s, d):
-        return None
+    us = shape_of(r1.output)
     es = shape_of(ex.output)
-    if len(es) != 5 or es[:2] != (b, h) or es[3:] != (s, d):
+    if len(us) != 5 or len(es) != 5 or us[2] != 1 or us[:2] != es[:2] or us[3:] != es[3:]:
         return None
+    b, h, _, s, d = us
     n = es[2]
-    if shape_of(r2.output) != (b, h * n, s, d):
+    if outer is not None:
+        if shape_of(r2.output) != (b, h * n, s, d) or shape_of(r1.input) != (b, h, s, d):
+            return None
+    elif s != 1 or shape_of(v) != (b, 1, h * n, d):
         return None
-    return r1.input, n
+    return r1.input, n, (b, s, h, d)
 
 
 class FoldGqaRepeat(RewritePattern):
@@ -228,11 +235,15 @@ class FoldGqaRepeat(RewritePattern):
         ks, vs = _gqa_source(op.k), _gqa_source(op.v)
         if ks is None or vs is None or ks[1] != vs[1] or ks[1] == 1:
             return
-        (k, n), (v, _) = ks, vs
+        (k, n, k_shape), (v, _, v_shape) = ks, vs
         new_ops = []
         kv = []
-        for x, tag in ((k, ".k"), (v, ".v")):
-            p = named_like(top.PermuteOp.build([x], {"order": i64_array([0, 2, 1, 3])}), op, tag)
+        for x, shape, tag in ((k, k_shape, ".k"), (v, v_shape, ".v")):
+            if len(shape_of(x)) == 4 and shape_of(x)[1] == shape[2]:
+                p = top.PermuteOp.build([x], {"order": i64_array([0, 2, 1, 3])})
+            else:  # one token: [B, H, 1, D] and [B, 1, H, D] share memory order
+                p = top.ReshapeOp.build([x], {"shape": i64_array(shape)})
+            named_like(p, op, tag)
             new_ops.append(p)
             kv.append(p.output)
         attrs = dict(op.attributes)

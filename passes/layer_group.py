@@ -1,0 +1,430 @@
+"""layer-group{chip=..., max-ops=...}: partition each function's Tpu ops into layer groups.
+
+A layer group runs a contiguous span of ops out of local memory, slice by slice, as a
+load / compute / store software pipeline (see `tpu.GroupOp` and passes/lmem.py). For each
+span the planner picks how to slice it (token rows for the whole span, or output channels
+of a single weight matmul; see passes/slicing.py) and how many slices, by a cost model of
+the chip: DMA = latency + bytes / bandwidth, compute = latency + FLOPs / peak, combined as
+the pipeline overlaps them. Group boundaries come from dynamic programming over spans
+(the cheapest partition of the op sequence), as TPU-MLIR's layer group does, not greedily.
+
+Each chosen group is built as IR and its local memory allocated (passes/lmem.py); when the
+allocation does not fit, the group is sliced further, and failing that, split; an op that
+cannot fit alone is an error naming it. `max-ops=1` makes one op per group (the baseline
+the benchmark compares DDR traffic against).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.ir import Block, Operation, OpResult, Region, SSAValue
+from xdsl.passes import ModulePass
+from xdsl.rewriter import Rewriter
+
+from toptpu.backend.chips import Chip, compute_cycles, dma_cycles, get_chip
+from toptpu.dialects import top, tpu
+from toptpu.dialects.common import (
+    ShapedOp,
+    dtype_name,
+    elem_of,
+    i64_array,
+    i64_attr,
+    read_ints,
+    shape_of,
+    tensor,
+)
+from toptpu.dialects.naming import op_name, set_name
+from toptpu.passes.lmem import LocalMemoryError, allocate_group, nbytes
+from toptpu.passes.slicing import (
+    col_count,
+    col_operand_axes,
+    col_result_axis,
+    col_sliceable,
+    row_rule,
+)
+
+
+class LayerGroupError(Exception):
+    pass
+
+
+def cost_dtype(op: Operation) -> str:
+    """The element type whose throughput an op runs at: MAC ops run at their input type
+    (accumulating in f32), others at their compute type."""
+    if isinstance(op, top.MatMulBase | tpu.A16MatMulOp | top.AttentionBase | top.Conv2dBase):
+        return dtype_name(elem_of(op.operands[0]))
+    c = op.attributes.get("compute")
+    if c is not None:
+        return dtype_name(c)
+    return dtype_name(elem_of(op.results[0])) if op.results else "f32"
+
+
+def op_flops(op: Operation) -> int:
+    return op.flops() if isinstance(op, ShapedOp) else 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Plan:
+    ops: list[Operation]
+    kind: str  # "rows" | "cols"
+    slices: int
+    cost: float = 0.0
+    inputs: list[SSAValue] = field(default_factory=list)
+    input_axes: dict[SSAValue, int | None] = field(default_factory=dict)
+    gather_tables: set[SSAValue] = field(default_factory=set)
+    result_axes: dict[SSAValue, int | None] = field(default_factory=dict)
+    outputs: list[SSAValue] = field(default_factory=list)
+
+
+def _external_uses(v: SSAValue, inside: set[Operation]) -> bool:
+    return any(u.operation not in inside for u in v.uses)
+
+
+def plan_span(ops: list[Operation], chip: Chip, slices: int | None = None,
+              kinds: tuple[str, ...] = ("rows", "cols")) -> Plan | None:
+    """The cheapest feasible plan for running `ops` as one group (None if none fits)."""
+    best: Plan | None = None
+    for kind in kinds:
+        for p in _candidates(ops, kind, chip, slices):
+            if best is None or p.cost < best.cost:
+                best = p
+    return best
+
+
+def _candidates(ops: list[Operation], kind: str, chip: Chip, only: int | None
+                ) -> list[Plan]:
+    inside = set(ops)
+    plans = []
+    if kind == "cols":
+        if len(ops) != 1 or not col_sliceable(ops[0]):
+            return []
+        counts = divisors(col_count(ops[0]))
+    else:
+        rows = _row_count(ops)
+        counts = [1] if rows is None else divisors(rows)
+    for s in counts:
+        if only is not None and s != only:
+            continue
+        p = _make_plan(ops, kind, s, inside)
+        if p is None:
+            continue
+        need = _lane_bytes_bound(p, chip)
+        if need > chip.lane_bytes:
+            continue
+        p.cost = _pipeline_cost(p, chip)
+        plans.append(p)
+    return plans
+
+
+def _row_count(ops: list[Operation]) -> int | None:
+    """The common row count of a span, or None when the span cannot be row-sliced."""
+    rows = None
+    for op in ops:
+        rule = row_rule(op)
+        if rule is None or rule.result_axes[0] is None:
+            return None
+        n = shape_of(op.results[0])[rule.result_axes[0]]
+        if rows is None:
+            rows = n
+        elif rows != n:
+            return None
+    return rows
+
+
+def _make_plan(ops: list[Operation], kind: str, s: int, inside: set[Operation]
+               ) -> Plan | None:
+    p = Plan(ops, kind, s)
+    produced: dict[SSAValue, int | None] = {}
+    for op in ops:
+        if kind == "cols":
+            in_axes: tuple[int | None, ...] = col_operand_axes(op)
+            out_axes: tuple[int | None, ...] = (col_result_axis(op),)
+        elif s == 1:
+            in_axes = tuple(None for _ in op.operands)
+            out_axes = tuple(None for _ in op.results)
+        else:
+            rule = row_rule(op)
+            if rule is None:
+                return None
+            in_axes, out_axes = rule.operand_axes, rule.result_axes
+        for i, v in enumerate(op.operands):
+            ax = in_axes[i]
+            if isinstance(op, top.GatherBase) and i == 0 and v not in produced:
+                p.gather_tables.add(v)  # read row by row from global memory
+                if v not in p.inputs:
+                    p.inputs.append(v)
+                continue
+            if v in produced:
+                if produced[v] != ax:
+                    return None  # produced sliced, needed whole (or another axis)
+                continue
+            if v in p.input_axes:
+                if p.input_axes[v] != ax:
+                    return None
+                continue
+            p.inputs.append(v)
+            p.input_axes[v] = ax
+        for r, ax in zip(op.results, out_axes, strict=True):
+            produced[r] = ax
+            p.result_axes[r] = ax
+    for op in ops:
+        for r in op.results:
+            if _external_uses(r, inside):
+                if s > 1 and p.result_axes[r] is None:
+                    return None
+                p.outputs.append(r)
+    if s > 1:
+        for v, ax in p.input_axes.items():
+            if ax is not None and shape_of(v)[ax] % s:
+                return None
+    return p
+
+
+def _slice_bytes(v: SSAValue, ax: int | None, s: int) -> int:
+    return nbytes(v) // s if ax is not None else nbytes(v)
+
+
+def _lane_bytes_bound(p: Plan, chip: Chip) -> int:
+    """A safe upper bound of the per-lane bytes the group needs (no reuse assumed)."""
+    total = 0
+    copies = 2 if p.slices > 1 else 1
+    for v in p.inputs:
+        if v in p.gather_tables:
+            continue
+        ax = p.input_axes[v]
+        total += chip.per_lane(_slice_bytes(v, ax, p.slices)) * (copies if ax is not None else 1)
+    outs = set(p.outputs)
+    for op in p.ops:
+        for r in op.results:
+            ax = p.result_axes[r]
+            b = chip.per_lane(_slice_bytes(r, ax, p.slices))
+            total += b * (copies if r in outs else 1)
+    return total
+
+
+def _pipeline_cost(p: Plan, chip: Chip) -> float:
+    """Modelled cycles: resident loads, then slices with load(i+1)+store(i-1) overlapping
+    compute(i) (one DMA engine, one compute engine)."""
+    s = p.slices
+    resident = sum(dma_cycles(chip, nbytes(v)) for v in p.inputs
+                   if v not in p.gather_tables and p.input_axes[v] is None)
+    load = sum(dma_cycles(chip, _slice_bytes(v, p.input_axes[v], s)) for v in p.inputs
+               if v not in p.gather_tables and p.input_axes[v] is not None)
+    gathers = 0.0
+    for op in p.ops:
+        if isinstance(op, top.GatherBase) and op.table in p.gather_tables:
+            gathers += dma_cycles(chip, nbytes(op.output) // s)
+    load += gathers
+    comp = sum(compute_cycles(chip, op_flops(op) // s, cost_dtype(op)) for op in p.ops)
+    store = sum(dma_cycles(chip, _slice_bytes(r, p.result_axes[r], s)) for r in p.outputs)
+    if s == 1:
+        return resident + load + comp + store
+    return resident + load + (s - 1) * max(comp, load + store) + comp + store
+
+
+# ------------------------------------------------------------------------------ IR building
+
+
+def _slice_type(v: SSAValue, ax: int | None, s: int) -> TensorType:
+    shape = list(shape_of(v))
+    if ax is not None and s > 1:
+        shape[ax] //= s
+    return tensor(shape, elem_of(v))
+
+
+def build_group(p: Plan) -> tpu.GroupOp:
+    """Replace the plan's ops by a tpu.group (not yet allocated)."""
+    s = p.slices
+    block = Block(arg_types=[v.type for v in p.inputs])
+    local: dict[SSAValue, SSAValue] = {}
+    for v, arg in zip(p.inputs, block.args, strict=True):
+        arg.name_hint = v.name_hint
+        if v in p.gather_tables:
+            local[v] = arg
+            continue
+        ax = p.input_axes[v] if s > 1 else None
+        ld = tpu.LoadOp(operands=[arg], result_types=[_slice_type(v, ax, s)],
+                        attributes={"slice_axis": i64_attr(-1 if ax is None else ax),
+                                    "ts": i64_attr(0)})
+        owner = v.owner
+        set_name(ld, f"{op_name(owner) if isinstance(owner, Operation) else v.name_hint}.load")
+        ld.output.name_hint = v.name_hint
+        block.add_op(ld)
+        local[v] = ld.output
+    for op in p.ops:
+        attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
+        result_types = [_slice_type(r, p.result_axes[r], s) for r in op.results]
+        if s > 1 and isinstance(op, top.ReshapeBase | top.ExpandBase):
+            attrs["shape"] = i64_array(shape_of(result_types[0]))
+        attrs["ts"] = i64_attr(1)
+        operands = [local[v] for v in op.operands]
+        new = type(op).create(operands=operands, result_types=result_types, attributes=attrs)
+        new.location = op.location
+        for r, nr in zip(op.results, new.results, strict=True):
+            nr.name_hint = r.name_hint
+            local[r] = nr
+        block.add_op(new)
+    stored = []
+    for r in p.outputs:
+        ax = p.result_axes[r] if s > 1 else None
+        st = tpu.StoreOp(operands=[local[r]], result_types=[r.type],
+                         attributes={"slice_axis": i64_attr(-1 if ax is None else ax),
+                                     "ts": i64_attr(2)})
+        owner = r.owner
+        assert isinstance(owner, Operation)
+        set_name(st, f"{op_name(owner) or owner.name}.store")
+        block.add_op(st)
+        stored.append(st.output)
+    block.add_op(tpu.YieldOp(operands=[stored]))
+    group = tpu.GroupOp(operands=[p.inputs], result_types=[[r.type for r in p.outputs]],
+                        regions=[Region(block)],
+                        attributes={"slices": i64_attr(s), "cost": i64_attr(int(p.cost))})
+    first = p.ops[0]
+    set_name(group, f"group.{op_name(first) or first.name}")
+    return group
+
+
+def _install(group: tpu.GroupOp, p: Plan) -> None:
+    Rewriter.insert_op(group, _insert_point(p.ops[0]))
+    for r, gr in zip(p.outputs, group.outputs, strict=True):
+        gr.name_hint = r.name_hint
+        r.replace_all_uses_with(gr)
+    for op in reversed(p.ops):
+        op.detach()
+        op.erase()
+
+
+def _insert_point(op: Operation):  # noqa: ANN202
+    from xdsl.rewriter import InsertPoint
+
+    return InsertPoint.before(op)
+
+
+# ------------------------------------------------------------------------------ the pass
+
+
+def compute_ops(fn: func.FuncOp) -> list[Operation]:
+    return [op for op in fn.body.block.ops
+            if not isinstance(op, tpu.WeightOp | tpu.ConstantOp | func.ReturnOp | tpu.GroupOp)]
+
+
+def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
+    """Dynamic programming over contiguous spans: the cheapest partition into groups."""
+    n = len(ops)
+    best: list[float] = [math.inf] * (n + 1)
+    choice: list[Plan | None] = [None] * (n + 1)
+    best[0] = 0.0
+    for j in range(1, n + 1):
+        for i in range(max(0, j - max_ops), j):
+            if best[i] == math.inf:
+                continue
+            plan = plan_span(ops[i:j], chip)
+            if plan is None:
+                continue
+            c = best[i] + plan.cost
+            if c < best[j]:
+                best[j], choice[j] = c, plan
+        if best[j] == math.inf:
+            op = ops[j - 1]
+            raise LayerGroupError(
+                f"'{op.name}' ({op_name(op)}) cannot run from local memory on {chip.name}: "
+                f"even one slice of it needs more than {chip.lane_bytes} B per lane")
+    plans: list[Plan] = []
+    j = n
+    while j > 0:
+        plan = choice[j]
+        assert plan is not None
+        plans.append(plan)
+        j -= len(plan.ops)
+    return plans[::-1]
+
+
+def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
+    """Build and allocate `plan`; slice further or split when the allocation fails."""
+    tries = [plan]
+    for kind in ("rows", "cols"):
+        tries += sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
+    for p in tries:
+        if p.slices < plan.slices and p.kind == plan.kind:
+            continue
+        group = build_group(p)
+        try:
+            allocate_group(group, chip)
+        except LocalMemoryError:
+            group.erase()
+            continue
+        return [(group, p)]
+    if len(plan.ops) == 1:
+        op = plan.ops[0]
+        raise LayerGroupError(
+            f"'{op.name}' ({op_name(op)}) does not fit local memory on {chip.name} with any "
+            "slicing; use a chip with more local memory or smaller static shapes")
+    out = []
+    for op in plan.ops:
+        single = plan_span([op], chip)
+        if single is None:
+            raise LayerGroupError(f"'{op.name}' ({op_name(op)}) cannot be grouped")
+        out += _realize(single, chip)
+    return out
+
+
+def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12) -> list[tpu.GroupOp]:
+    ops = compute_ops(fn)
+    if not ops:
+        return []
+    plans = partition(ops, chip, max_ops)
+    groups = []
+    for stale in plans:
+        # earlier groups replaced some of this span's inputs: plan it again, same choice
+        plan = plan_span(stale.ops, chip, stale.slices, (stale.kind,)) or stale
+        for group, p in _realize(plan, chip):
+            _install(group, p)
+            groups.append(group)
+    return groups
+
+
+@dataclass(frozen=True)
+class LayerGroupPass(ModulePass):
+    """Partition Tpu ops into local-memory layer groups (DP over spans) and allocate them."""
+
+    name = "layer-group"
+
+    chip: str = "bm1684x"
+    max_ops: int = 12
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        chip = get_chip(self.chip)
+        for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
+            layer_group_function(fn, chip, self.max_ops)
+
+
+@dataclass(frozen=True)
+class LmemVerifyPass(ModulePass):
+    """Re-check every group's local-memory allocation (alignment, capacity, overlap, banks)."""
+
+    name = "lmem-verify"
+
+    chip: str = "bm1684x"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        from toptpu.passes.lmem import verify_group
+
+        chip = get_chip(self.chip)
+        for g in op.walk():
+            if isinstance(g, tpu.GroupOp):
+                try:
+                    verify_group(g, chip)
+                except LocalMemoryError as e:
+                    raise LocalMemoryError(f"{op_name(g)}: {e}") from e
+
+
+__all__ = ["LayerGroupPass", "LmemVerifyPass", "OpResult", "read_ints"]

@@ -1,0 +1,243 @@
+"""Local-memory buffers of a layer group: their lifetimes, allocation and verification.
+
+A group's template has loads, m compute ops and stores. Slice i runs its loads in pipeline
+stage i, its compute in stage i+1 and its stores in stage i+2, so with P = m + 2 time
+units per stage:
+
+- a sliced load of slice i lives from i*P until its last use by compute op k_last:
+  (i+1)*P + 1 + k_last;
+- the result of compute op k of slice i lives from (i+1)*P + 1 + k until its last use in
+  the same slice, or, when it is stored, until the store: (i+2)*P + m + 1;
+- a resident load (a whole tensor, e.g. weights of a row-sliced group) lives for the whole
+  group.
+
+Sliced loads and stored results of slice i overlap those of slice i+1 (that is the point of
+the pipeline), so they get two copies (ping-pong by slice parity); slice i+2 reuses slice
+i's copy. Every buffer occupies the same per-lane address range in all lanes
+(`Chip.per_lane` bytes: the tensor is split evenly across lanes).
+
+Rules (checked by `verify_group`, honoured by `allocate_group`):
+- addresses are multiples of the chip's alignment and buffers end within a lane;
+- two buffers live at the same time never share bytes;
+- a compute op's result never shares a bank with any of its local inputs (the engine
+  reads and writes different banks in the same cycle).
+The pattern repeats every two slices, so checking a window of four slices checks them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.ir import Operation, SSAValue
+
+from toptpu.backend.chips import Chip
+from toptpu.dialects import tpu
+from toptpu.dialects.common import dtype_bytes, elem_of, i64_array, numel, read_int, read_ints
+from toptpu.dialects.common import shape_of as _shape
+from toptpu.dialects.naming import op_name
+
+BIG = 1 << 60
+
+
+class LocalMemoryError(Exception):
+    pass
+
+
+def nbytes(v: SSAValue) -> int:
+    return numel(_shape(v)) * dtype_bytes(elem_of(v))
+
+
+@dataclass
+class LocalBuffer:
+    value: SSAValue
+    op: Operation
+    kind: str  # "resident" | "sliced" | "intermediate" | "stored"
+    copies: int
+    per_lane: int
+    start: int  # time of slice 0
+    end: int  # time of slice 0 (inclusive)
+    period: int  # time shift per slice (P), 0 for resident
+
+    def interval(self, i: int) -> tuple[int, int]:
+        if self.kind == "resident":
+            return (-1, BIG)
+        return (self.start + i * self.period, self.end + i * self.period)
+
+    def name(self) -> str:
+        return op_name(self.op) or self.op.name
+
+
+def group_template(group: tpu.GroupOp) -> tuple[list[tpu.LoadOp], list[Operation],
+                                                  list[tpu.StoreOp]]:
+    loads, computes, stores = [], [], []
+    for op in group.body.block.ops:
+        if isinstance(op, tpu.LoadOp):
+            loads.append(op)
+        elif isinstance(op, tpu.StoreOp):
+            stores.append(op)
+        elif isinstance(op, tpu.YieldOp):
+            continue
+        else:
+            computes.append(op)
+    return loads, computes, stores
+
+
+def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
+    """Every local buffer of the group with its lifetime (see the module doc)."""
+    loads, computes, stores = group_template(group)
+    m = len(computes)
+    period = m + 2
+    index = {op: k for k, op in enumerate(computes)}
+    stored = {s.input for s in stores}
+    sliced = read_int(group.slices) > 1
+
+    def last_use(v: SSAValue) -> int:
+        ks = [index[u.operation] for u in v.uses if u.operation in index]
+        return max(ks) if ks else -1
+
+    bufs: list[LocalBuffer] = []
+    for ld in loads:
+        resident = read_int(ld.slice_axis) == -1
+        kind = "resident" if resident else "sliced"
+        copies = 2 if (sliced and not resident) else 1
+        bufs.append(LocalBuffer(ld.output, ld, kind, copies, chip.per_lane(nbytes(ld.output)),
+                                0, period + 1 + max(last_use(ld.output), 0), period))
+    for k, op in enumerate(computes):
+        for r in op.results:
+            start = period + 1 + k
+            if r in stored:
+                kind, end = "stored", 2 * period + m + 1
+                copies = 2 if sliced else 1
+            else:
+                kind, end, copies = "intermediate", period + 1 + max(last_use(r), k), 1
+            bufs.append(LocalBuffer(r, op, kind, copies, chip.per_lane(nbytes(r)), start, end,
+                                    period))
+    return bufs
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def _banks(addr: int, size: int, chip: Chip) -> range:
+    return range(addr // chip.bank_bytes, (addr + max(size, 1) - 1) // chip.bank_bytes + 1)
+
+
+def _time_conflict(a: LocalBuffer, ca: int, b: LocalBuffer, cb: int, slices: int) -> bool:
+    window = range(min(slices, 4))
+    for i in window:
+        if i % a.copies != ca:
+            continue
+        for j in window:
+            if j % b.copies != cb:
+                continue
+            if _overlap(a.interval(i), b.interval(j)):
+                return True
+    return False
+
+
+def _bank_pairs(group: tpu.GroupOp, bufs: list[LocalBuffer]) -> set[tuple[int, int]]:
+    """Index pairs (output buffer, input buffer) of compute ops: must not share banks."""
+    by_value = {b.value: i for i, b in enumerate(bufs)}
+    pairs: set[tuple[int, int]] = set()
+    _, computes, _ = group_template(group)
+    for op in computes:
+        for r in op.results:
+            for v in op.operands:
+                if v in by_value and r in by_value:
+                    pairs.add((by_value[r], by_value[v]))
+    return pairs
+
+
+def allocate_group(group: tpu.GroupOp, chip: Chip) -> None:
+    """First-fit allocation of every buffer copy; writes the `lmem` attributes.
+
+    Raises LocalMemoryError when the buffers cannot fit (the caller slices further)."""
+    bufs = group_buffers(group, chip)
+    slices = read_int(group.slices)
+    pairs = _bank_pairs(group, bufs)
+    bank_partners: dict[int, set[int]] = {}
+    for a, b in pairs:
+        bank_partners.setdefault(a, set()).add(b)
+        bank_partners.setdefault(b, set()).add(a)
+    items = [(i, c) for i, b in enumerate(bufs) for c in range(b.copies)]
+    items.sort(key=lambda ic: (-bufs[ic[0]].per_lane, ic[0], ic[1]))
+    placed: dict[tuple[int, int], int] = {}
+    for i, c in items:
+        b = bufs[i]
+        size = b.per_lane
+        blockers = []  # (start, end) byte ranges this copy must avoid
+        for (j, cj), addr in placed.items():
+            o = bufs[j]
+            if _time_conflict(b, c, o, cj, slices):
+                blockers.append((addr, addr + o.per_lane))
+            if j in bank_partners.get(i, ()):
+                if b.copies == 1 or o.copies == 1 or c == cj:
+                    lo = addr // chip.bank_bytes * chip.bank_bytes
+                    hi = -(-(addr + max(o.per_lane, 1)) // chip.bank_bytes) * chip.bank_bytes
+                    blockers.append((lo, hi))
+        candidates = sorted({0, *(e for _, e in blockers)})
+        addr = None
+        for cand in candidates:
+            cand = -(-cand // chip.align) * chip.align
+            if cand + size > chip.lane_bytes:
+                continue
+            if all(cand + size <= s or cand >= e for s, e in blockers):
+                addr = cand
+                break
+        if addr is None:
+            need = sum(bb.per_lane * bb.copies for bb in bufs)
+            raise LocalMemoryError(
+                f"local memory is full: buffer of {b.name()} ({size} B/lane) does not fit; "
+                f"the group's buffers total {need} B/lane, a lane has {chip.lane_bytes}"
+            )
+        placed[(i, c)] = addr
+    for i, b in enumerate(bufs):
+        b.op.attributes["lmem"] = i64_array([placed[(i, c)] for c in range(b.copies)])
+
+
+def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
+    """Re-check the allocation written in the IR; raise LocalMemoryError naming the
+    buffers on any violation."""
+    bufs = group_buffers(group, chip)
+    slices = read_int(group.slices)
+    addrs: list[list[int]] = []
+    for b in bufs:
+        attr = b.op.attributes.get("lmem")
+        if attr is None:
+            raise LocalMemoryError(f"{b.name()} has no local address")
+        a = read_ints(attr)
+        if len(a) != b.copies:
+            raise LocalMemoryError(f"{b.name()} needs {b.copies} address(es), has {len(a)}")
+        for x in a:
+            if x % chip.align:
+                raise LocalMemoryError(f"{b.name()} at {x} is not {chip.align}-byte aligned")
+            if x < 0 or x + b.per_lane > chip.lane_bytes:
+                raise LocalMemoryError(
+                    f"{b.name()} at [{x}, {x + b.per_lane}) is outside the lane "
+                    f"({chip.lane_bytes} B)")
+        addrs.append(a)
+    n = len(bufs)
+    for i in range(n):
+        for j in range(i + 1, n):
+            for ci in range(bufs[i].copies):
+                for cj in range(bufs[j].copies):
+                    ai, aj = addrs[i][ci], addrs[j][cj]
+                    if ai + bufs[i].per_lane <= aj or aj + bufs[j].per_lane <= ai:
+                        continue
+                    if _time_conflict(bufs[i], ci, bufs[j], cj, slices):
+                        raise LocalMemoryError(
+                            f"live buffers overlap: {bufs[i].name()} [{ai}, "
+                            f"{ai + bufs[i].per_lane}) and {bufs[j].name()} [{aj}, "
+                            f"{aj + bufs[j].per_lane})")
+    for o, iv in _bank_pairs(group, bufs):
+        for co in range(bufs[o].copies):
+            for ci in range(bufs[iv].copies):
+                if bufs[o].copies == 2 and bufs[iv].copies == 2 and co != ci:
+                    continue
+                bo = set(_banks(addrs[o][co], bufs[o].per_lane, chip))
+                bi = set(_banks(addrs[iv][ci], bufs[iv].per_lane, chip))
+                if bo & bi:
+                    raise LocalMemoryError(
+                        f"bank conflict: {bufs[o].name()} writes bank(s) {sorted(bo & bi)} "
+                        f"that its input {bufs[iv].name()} occupies")

@@ -1,0 +1,164 @@
+"""How each Tpu op can be sliced for a layer group.
+
+Two slicing kinds exist:
+
+- **rows**: every op in the group computes the same range of token rows. For each op the
+  rule names the axis of the result that holds the rows and, per operand, the axis the
+  rows come from, or None when the op needs that operand whole (weights, the keys/values
+  of attention, a broadcast operand).
+- **cols**: one matmul with a weight operand computes a range of output channels at a
+  time: its weight (and scales, zeros, bias) tiles stream in while the activation stays
+  resident. This is what decode (one token row) needs to overlap weight loading with
+  compute.
+
+A group with a single slice needs no rule: every tensor is whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.ir import Operation, SSAValue
+
+from toptpu.dialects import top, tpu
+from toptpu.dialects.common import read_bool, read_int, read_ints, shape_of
+
+
+@dataclass(frozen=True)
+class RowRule:
+    operand_axes: tuple[int | None, ...]  # per operand (flat order); None = whole
+    result_axes: tuple[int | None, ...]  # per result; None = whole (not sliceable)
+
+
+def token_axis(shape: tuple[int, ...]) -> int | None:
+    """The axis holding token rows: the first non-unit axis before the feature axis."""
+    for i, d in enumerate(shape[:-1]):
+        if d > 1:
+            return i
+    return None
+
+
+def _aligned_axis(operand_shape: tuple[int, ...], result_shape: tuple[int, ...],
+                  r: int) -> int | None | str:
+    """The operand axis broadcast-aligned with result axis r: an int when the operand holds
+    those rows, None when it is broadcast along them, "bad" otherwise."""
+    off = len(result_shape) - len(operand_shape)
+    a = r - off
+    if a < 0 or operand_shape[a] == 1:
+        return None
+    if operand_shape[a] == result_shape[r]:
+        return a
+    return "bad"
+
+
+def row_rule(op: Operation) -> RowRule | None:
+    """How `op` slices along token rows, or None when it cannot."""
+    if not op.results:
+        return None
+    out = shape_of(op.results[0])
+    r = token_axis(out)
+    if r is None:
+        return None
+    if isinstance(op, top.UnaryOp | top.BinaryOp | top.WhereBase | top.CompareBase |
+                  top.CastBase | top.RopeBase | top.RmsNormBase | top.LayerNormBase):
+        if isinstance(op, top.SoftmaxBase) and read_int(op.axis) % len(out) == r:
+            return None
+        if isinstance(op, top.LayerNormBase) and read_int(op.axis) % len(out) <= r:
+            return None
+        axes: list[int | None] = []
+        for v in op.operands:
+            a = _aligned_axis(shape_of(v), out, r)
+            if a == "bad":
+                return None
+            axes.append(a)  # type: ignore[arg-type]
+        return RowRule(tuple(axes), (r,))
+    if isinstance(op, top.MatMulBase | tpu.A16MatMulOp):
+        x = op.operands[0]
+        xs = shape_of(x)
+        if isinstance(op, top.MatMulBase):
+            if read_bool(op.transpose_a) or len(shape_of(op.rhs)) != 2:
+                return None
+        if r >= len(out) - 1 or len(xs) != len(out):
+            return None
+        return RowRule((r, *([None] * (len(op.operands) - 1))), (r,))
+    if isinstance(op, top.AttentionBase):
+        if r != 1:
+            return None
+        axes = [1]
+        for i, v in enumerate(op.operands[1:], start=1):
+            if op.mask is not None and v is op.mask and i == 3:
+                ms = shape_of(v)
+                axes.append(2 if ms[2] == out[1] and ms[2] > 1 else None)
+            else:
+                axes.append(None)
+        return RowRule(tuple(axes), (1,))
+    if isinstance(op, top.GatherBase):
+        ax = read_int(op.axis)
+        idx = shape_of(op.indices)
+        if ax != 0 or r >= len(idx):
+            return None
+        return RowRule((None, r), (r,))
+    if isinstance(op, top.ReshapeBase):
+        ins = shape_of(op.input)
+        a = token_axis(ins)
+        if a is None:
+            return None
+        import math
+
+        if ins[a] == out[r] and math.prod(ins[:a]) == math.prod(out[:r]):
+            return RowRule((a,), (r,))
+        return None
+    if isinstance(op, top.PermuteBase):
+        order = read_ints(op.order)
+        return RowRule((order[r],), (r,))
+    if isinstance(op, top.ExpandBase):
+        a = _aligned_axis(shape_of(op.input), out, r)
+        if a is None or a == "bad":
+            return None
+        return RowRule((a,), (r,))  # type: ignore[arg-type]
+    if isinstance(op, top.ReduceBase):
+        axes_ = {x % len(shape_of(op.input)) for x in read_ints(op.axes)}
+        if r in axes_ or not read_bool(op.keepdims):
+            return None
+        return RowRule((r,), (r,))
+    if isinstance(op, top.SoftmaxBase):
+        if read_int(op.axis) % len(out) == r:
+            return None
+        return RowRule((r,), (r,))
+    if isinstance(op, top.ConcatBase | top.SliceBase):
+        if read_int(op.axis) % len(out) == r:
+            return None
+        return RowRule(tuple(r for _ in op.operands), (r,))
+    if isinstance(op, top.TopKBase):
+        if read_int(op.axis) % len(out) == r:
+            return None
+        return RowRule((r,), (r, r))
+    return None
+
+
+def col_sliceable(op: Operation) -> bool:
+    """A matmul whose right operand is a 2-D weight [N, K] (transpose_b) or an a16_matmul."""
+    if isinstance(op, tpu.A16MatMulOp):
+        return True
+    if isinstance(op, tpu.MatMulOp):
+        w = op.rhs.owner
+        return (isinstance(w, tpu.WeightOp) and read_bool(op.transpose_b)
+                and not read_bool(op.transpose_a) and len(shape_of(op.rhs)) == 2)
+    return False
+
+
+def col_operand_axes(op: Operation) -> tuple[int | None, ...]:
+    """For a cols slice: activation whole, weight-like operands along their N axis (0)."""
+    return (None, *(0 for _ in op.operands[1:]))
+
+
+def col_result_axis(op: Operation) -> int:
+    return len(shape_of(op.results[0])) - 1
+
+
+def col_count(op: Operation) -> int:
+    return shape_of(op.results[0])[-1]
+
+
+def is_global_source(v: SSAValue) -> bool:
+    return isinstance(v.owner, tpu.WeightOp | tpu.ConstantOp)
