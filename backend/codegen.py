@@ -68,6 +68,14 @@ class Program:
     ir: str = ""  # the grouped Tpu IR (generic form): compute commands index its ops
     flops: int = 0
 
+    def inherent_bytes(self) -> int:
+        """Bytes the net cannot avoid moving: its weights, inputs and outputs."""
+        def size(spec: dict[str, Any]) -> int:
+            return int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
+
+        return (sum(w["nbytes"] for w in self.weights.values())
+                + sum(size(t) for t in (*self.inputs, *self.outputs)))
+
     def to_json(self) -> bytes:
         return json.dumps(self.__dict__, separators=(",", ":")).encode()
 

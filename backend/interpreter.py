@@ -274,6 +274,60 @@ def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.nd
                          read_int(op.attributes["group_size"]), _out_dtype(op))]
 
 
+@evaluates("tpu.group")
+def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    """Run a layer group slice by slice, as the machine does (without its memories)."""
+    from toptpu.dialects import tpu
+
+    assert isinstance(op, tpu.GroupOp)
+    block = op.body.block
+    s = read_int(op.slices)
+    env: dict[SSAValue, np.ndarray] = {}
+    for a, v in zip(block.args, args, strict=True):
+        assert v is not None
+        env[a] = v
+    outs: dict[SSAValue, np.ndarray] = {}
+    for i in range(s):
+        local: dict[SSAValue, np.ndarray] = dict(env)
+        for inner in block.ops:
+            if isinstance(inner, tpu.LoadOp):
+                full = env[inner.input]
+                ax = read_int(inner.slice_axis)
+                local[inner.output] = full if ax == -1 else _take_slice(full, ax, i, s)
+            elif isinstance(inner, tpu.StoreOp):
+                ax = read_int(inner.slice_axis)
+                if inner.output not in outs:
+                    t = inner.output.type
+                    assert isinstance(t, TensorType)
+                    outs[inner.output] = np.zeros(tuple(t.get_shape()),
+                                                  numpy_dtype(t.element_type))
+                dst = outs[inner.output]
+                part = local[inner.input]
+                if ax == -1:
+                    dst[...] = part
+                else:
+                    n = dst.shape[ax] // s
+                    index = [slice(None)] * dst.ndim
+                    index[ax] = slice(i * n, (i + 1) * n)
+                    dst[tuple(index)] = part
+            elif isinstance(inner, tpu.YieldOp):
+                pass
+            else:
+                res = evaluate_op(inner, operand_arrays(inner, local), ctx)
+                for r, arr in zip(inner.results, res, strict=True):
+                    local[r] = arr
+    term = block.last_op
+    assert term is not None
+    return [outs[v] for v in term.operands]
+
+
+def _take_slice(x: np.ndarray, axis: int, i: int, s: int) -> np.ndarray:
+    n = x.shape[axis] // s
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(i * n, (i + 1) * n)
+    return x[tuple(index)]
+
+
 # --------------------------------------------------------------------------- driver
 
 

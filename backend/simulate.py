@@ -22,13 +22,16 @@ from toptpu.dialects.weight_store import WeightStore
 
 def compile_for_machine(module: ModuleOp, chip: Chip, max_ops: int = 12) -> Program:
     """layer-group + lmem-verify + address-assign + codegen for the module's function."""
-    from toptpu.passes.address_assign import AddressAssignPass
-    from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
-    from toptpu.passes.pipelines import run_passes
+    from toptpu.passes.address_assign import assign_function
+    from toptpu.passes.layer_group import layer_group_function
+    from toptpu.passes.lmem import verify_group
 
-    run_passes(module, [LayerGroupPass(chip.name, max_ops), LmemVerifyPass(chip.name),
-                        AddressAssignPass()])
     fns = [f for f in module.ops if isinstance(f, func.FuncOp)]
+    for fn in fns:
+        for g in layer_group_function(fn, chip, max_ops):
+            verify_group(g, chip)
+        assign_function(fn)
+    module.verify()
     if len(fns) != 1:
         raise ValueError("simulate runs modules with exactly one function")
     return generate(module, fns[0], chip)
@@ -98,3 +101,86 @@ def _fill_constants(m: Machine, program: Program, base: int) -> None:
     if pool:
         r, off = m.gmem.find(base, len(pool), "constants")
         r.data[off:off + len(pool)] = np.frombuffer(pool, np.uint8)
+
+
+# ------------------------------------------------------------------ programs in a model file
+
+NETS_KIND = "toptpu-nets"
+
+
+def write_program_file(path: str, programs: Mapping[str, Program], store: WeightStore,
+                       chip: Chip) -> None:
+    """One model file holding compiled nets: their programs, constant pools and one aligned
+    weight blob (every weight the programs read, 64-byte aligned)."""
+    from toptpu.backend.model_file import write_model_file
+
+    table: dict[str, dict] = {}
+    chunks: list[bytes] = []
+    off = 0
+    for prog in programs.values():
+        for name in prog.weights:
+            if name in table:
+                continue
+            arr = np.ascontiguousarray(store[name])
+            table[name] = {"offset": off, "shape": list(arr.shape), "dtype": str(arr.dtype),
+                           "nbytes": int(arr.nbytes)}
+            pad = (-arr.nbytes) % 64
+            chunks.append(arr.view(np.uint8).tobytes() + b"\0" * pad)
+            off += arr.nbytes + pad
+    sections: dict[str, bytes] = {"weights": b"".join(chunks)}
+    for name, prog in programs.items():
+        sections[f"program:{name}"] = prog.to_json()
+        sections[f"const:{name}"] = constant_pool(prog)
+    header = {"kind": NETS_KIND, "chip": chip.to_json(), "nets": list(programs),
+              "weights": table}
+    write_model_file(path, header, sections)
+
+
+class ProgramFile:
+    """A model file of compiled nets, run on one machine (weights mapped once)."""
+
+    def __init__(self, path: str, checked: bool = False) -> None:
+        from toptpu.backend.chips import chip_from_json
+        from toptpu.backend.model_file import ModelFile, ModelFileError
+
+        self.file = ModelFile(path)
+        h = self.file.header
+        if h.get("kind") != NETS_KIND:
+            raise ModelFileError(f"'{path}' holds '{h.get('kind')}', not compiled nets")
+        self.chip = chip_from_json(h["chip"])
+        self.machine = Machine(self.chip, checked)
+        blob = np.frombuffer(self.file.view("weights"), np.uint8)
+        region = self.machine.gmem.map("weights", blob, writable=False)
+        self.weights = {n: region.base + w["offset"] for n, w in h["weights"].items()}
+        self.programs = {n: Program.from_json(self.file.view(f"program:{n}"))
+                         for n in h["nets"]}
+        self.nets = {n: LoadedNet(p) for n, p in self.programs.items()}
+        self.const = {}
+        for n in self.programs:
+            pool = self.file.read(f"const:{n}")
+            r = self.machine.gmem.alloc(f"const:{n}", len(pool))
+            r.data[:len(pool)] = np.frombuffer(pool, np.uint8)
+            self.const[n] = r.base
+
+    def run(self, net: str, inputs: Mapping[str, np.ndarray]) -> SimResult:
+        prog = self.programs[net]
+        m = self.machine
+        io: dict[str, int] = {}
+        mark = m.gmem._next  # noqa: SLF001 - per-run regions are released afterwards
+        nregions = len(m.gmem.regions)
+        for spec in prog.inputs:
+            arr = np.ascontiguousarray(np.asarray(inputs[spec["name"]]).astype(spec["dtype"]))
+            io[spec["name"]] = m.gmem.map(f"io:{spec['name']}", arr.copy()).base
+        outs = {}
+        for spec in prog.outputs:
+            nb = int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
+            outs[spec["name"]] = r = m.gmem.alloc(f"io:{spec['name']}", nb)
+            io[spec["name"]] = r.base
+        act = m.gmem.alloc("act", prog.regions["activations"]).base
+        tl = m.run(self.nets[net], Binding(io, self.weights, act, self.const[net]))
+        outputs = {s["name"]: m.gmem.tensor(outs[s["name"]].base, tuple(s["shape"]),
+                                            np.dtype(s["dtype"]), "read").copy()
+                   for s in prog.outputs}
+        del m.gmem.regions[nregions:]
+        m.gmem._next = mark  # noqa: SLF001
+        return SimResult(outputs, tl)

@@ -46,29 +46,53 @@ class TopPipeline(ModulePass):
 
 
 def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
-                        symmetric: bool | None = None, keep_float: str = "lm_head"
-                        ) -> list[ModulePass]:
-    return [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float), CanonicalizePass()]
+                        symmetric: bool | None = None, keep_float: str = "lm_head",
+                        chip: str | None = None, max_ops: int = 12) -> list[ModulePass]:
+    """convert-top-to-tpu, canonicalize, weight-reorder; with a `chip`, also the machine
+    passes: layer-group, lmem-verify, address-assign."""
+    from toptpu.passes.weight_reorder import WeightReorderPass
+
+    passes: list[ModulePass] = [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float),
+                                CanonicalizePass(), WeightReorderPass()]
+    if chip is not None:
+        passes += machine_passes(chip, max_ops)
+    return passes
+
+
+def machine_passes(chip: str = "bm1684x", max_ops: int = 12) -> list[ModulePass]:
+    """layer-group, lmem-verify, address-assign: the chip's memory decisions."""
+    from toptpu.passes.address_assign import AddressAssignPass
+    from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
+
+    return [LayerGroupPass(chip, max_ops), LmemVerifyPass(chip), AddressAssignPass()]
 
 
 @dataclass(frozen=True)
 class TpuPipeline(ModulePass):
-    """convert-top-to-tpu{mode,group-size,symmetric}, canonicalize (more with the machine)."""
+    """convert-top-to-tpu, canonicalize, weight-reorder, layer-group, lmem-verify,
+    address-assign (the machine passes are skipped with chip=none)."""
 
     name = "tpu-pipeline"
 
     mode: str = "f32"
+    chip: str = "bm1684x"
     group_size: int = 64
     symmetric: bool | None = None
     keep_float: str = "lm_head"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        chip = None if self.chip == "none" else self.chip
         run_passes(op, tpu_pipeline_passes(self.mode, self.group_size, self.symmetric,
-                                           self.keep_float), ctx)
+                                           self.keep_float, chip), ctx)
 
 
 def all_passes() -> dict[str, type[ModulePass]]:
     """Every pass toptpu registers, by name."""
+    from toptpu.passes.address_assign import AddressAssignPass
+    from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
+    from toptpu.passes.weight_reorder import WeightReorderPass
+
     passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
-                                      ConvertTopToTpuPass, TpuPipeline]
+                                      ConvertTopToTpuPass, WeightReorderPass, LayerGroupPass,
+                                      LmemVerifyPass, AddressAssignPass, TpuPipeline]
     return {p.name: p for p in passes}

@@ -1,0 +1,234 @@
+"""The reference machine: compiled nets against the Tpu interpreter, traps on corrupted
+allocations, rejected model files, and modelled time that respects physics."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from toptpu.backend.chips import get_chip
+from toptpu.backend.codegen import generate
+from toptpu.backend.interpreter import Interpreter
+from toptpu.backend.machine import Machine, MachineTrap
+from toptpu.backend.model_file import ModelFile, ModelFileError
+from toptpu.backend.simulate import ProgramFile, compile_for_machine, simulate, write_program_file
+from toptpu.dialects import tpu
+from toptpu.dialects.common import i64_array, read_ints
+from toptpu.dialects.weight_store import store_of
+from toptpu.frontends.fx_importer import import_module
+from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
+from toptpu.metrics import similarity
+from toptpu.passes.convert_top_to_tpu import MODES
+from toptpu.passes.layer_group import LayerGroupError, LayerGroupPass
+from toptpu.passes.lmem import LocalMemoryError, verify_group
+from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+
+CHIP = get_chip("bm1684x")
+_TOP: dict[int, tuple] = {}
+
+
+def _top(tiny_models, length: int):
+    if length not in _TOP:
+        model = tiny_models("qwen2")
+        hidden, pos, mask = layer_inputs(model.config.hidden_size, length)
+        mask = torch.where(mask < 0, -10000.0, 0.0)
+        module, _ = import_module(decoder_layer(model), (hidden, pos, mask),
+                                  input_names=["hidden", "position_ids", "attention_mask"],
+                                  output_names=["out"])
+        run_passes(module, top_pipeline_passes())
+        feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
+                 "attention_mask": mask.numpy()}
+        _TOP[length] = (module, feeds)
+    return _TOP[length]
+
+
+def _tpu(tiny_models, mode: str, length: int = 16):
+    module, feeds = _top(tiny_models, length)
+    m = module.clone()
+    run_passes(m, tpu_pipeline_passes(mode))
+    return m, feeds
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mode: str) -> None:
+    module, feeds = _tpu(tiny_models, mode)
+    ref = Interpreter(module).run(feeds).outputs["out"]
+    store = store_of(module)
+    prog = compile_for_machine(module, CHIP)
+    path = os.path.join(tmp_path, "layer.toptpu")
+    write_program_file(path, {"layer": prog}, store, CHIP)
+    res = ProgramFile(path, checked=True).run("layer", feeds)
+    out = res.outputs["out"]
+    assert out.dtype == ref.dtype
+    assert similarity(out.astype(np.float32), ref.astype(np.float32)).cosine >= 0.99999
+    assert np.array_equal(out, ref)  # one slice per group here: the same reduction order
+
+
+def test_sliced_groups_pipeline_and_match(tiny_models) -> None:
+    # 64 tokens on a chip with little local memory and cheap DMAs: slicing pays off
+    from dataclasses import replace
+
+    module, feeds = _tpu(tiny_models, "bf16", 64)
+    ref = Interpreter(module).run(feeds).outputs["out"]
+    small = replace(CHIP, lanes=4, lane_bytes=32768, dma_latency_cycles=8,
+                    compute_latency_cycles=4)
+    prog = compile_for_machine(module, small)
+    groups = [op for op in module.walk() if isinstance(op, tpu.GroupOp)]
+    assert any(g.slices.value.data > 1 for g in groups)
+    res = simulate(prog, store_of(module), feeds, small, checked=True)
+    assert similarity(res.outputs["out"].astype(np.float32),
+                      ref.astype(np.float32)).cosine >= 0.99999
+    tl = res.timeline
+    # the DMA engine works while the compute engine works: loads of slice i+1 overlap
+    dma = [(e.start, e.end) for e in tl.events if e.engine == "dma"]
+    cmp_ = [(e.start, e.end) for e in tl.events if e.engine == "cmp"]
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in dma for b0, b1 in cmp_)
+
+
+def _grouped(tiny_models):
+    module, feeds = _tpu(tiny_models, "f32")
+    run_passes(module, [LayerGroupPass("bm1684x")])
+    return module, feeds
+
+
+def _overlap_two_live_buffers(module) -> str:
+    """Give one buffer the address of another that is live at the same time."""
+    for g in module.walk():
+        if not isinstance(g, tpu.GroupOp):
+            continue
+        loads = [op for op in g.body.block.ops if isinstance(op, tpu.LoadOp)]
+        if len(loads) >= 2:
+            a, b = loads[0], loads[1]
+            b.attributes["lmem"] = i64_array(read_ints(a.attributes["lmem"]))
+            return g.name
+    raise AssertionError("no group with two loads")
+
+
+def test_verifier_rejects_overlapping_live_buffers(tiny_models) -> None:
+    module, _ = _grouped(tiny_models)
+    for g in module.walk():
+        if isinstance(g, tpu.GroupOp):
+            verify_group(g, CHIP)  # the compiler's allocation is valid
+    _overlap_two_live_buffers(module)
+    with pytest.raises(LocalMemoryError, match="live buffers overlap"):
+        for g in module.walk():
+            if isinstance(g, tpu.GroupOp):
+                verify_group(g, CHIP)
+
+
+def test_machine_traps_on_overlapping_live_buffers(tiny_models) -> None:
+    from toptpu.passes.address_assign import AddressAssignPass
+
+    module, feeds = _grouped(tiny_models)
+    _overlap_two_live_buffers(module)
+    run_passes(module, [AddressAssignPass()])  # no lmem-verify: the machine must notice
+    fn = next(op for op in module.ops)
+    prog = generate(module, fn, CHIP)  # type: ignore[arg-type]
+    with pytest.raises(MachineTrap, match="over the live buffer"):
+        simulate(prog, store_of(module), feeds, CHIP, checked=True)
+
+
+def test_shrunken_local_memory_traps_or_is_rejected(tiny_models) -> None:
+    from dataclasses import replace
+
+    module, feeds = _tpu(tiny_models, "f32")
+    prog = compile_for_machine(module, CHIP)
+    need = max(c["out"]["l"] + CHIP.per_lane(c["out"]["bytes"]) for c in prog.commands
+               if c.get("dir") == "load")
+    small = replace(CHIP, lane_bytes=max(CHIP.align, need // 2 // CHIP.align * CHIP.align))
+    with pytest.raises(MachineTrap, match="outside the lane"):
+        simulate(prog, store_of(module), feeds, small, checked=True)
+    # and the compiler refuses a chip that cannot hold even one slice of an op
+    tiny = replace(CHIP, lane_bytes=256)
+    module2, _ = _tpu(tiny_models, "f32")
+    from toptpu.passes.layer_group import layer_group_function
+
+    fn = next(op for op in module2.ops)
+    with pytest.raises(LayerGroupError, match="cannot run from local memory|does not fit"):
+        layer_group_function(fn, tiny)  # type: ignore[arg-type]
+
+
+def test_checked_mode_traps_reads_of_unwritten_local_memory(tiny_models) -> None:
+    module, feeds = _tpu(tiny_models, "f32")
+    prog = compile_for_machine(module, CHIP)
+    # drop the first load: its consumer reads local memory nothing wrote
+    first = next(c for c in prog.commands if c.get("dir") == "load")
+    prog.commands = [c for c in prog.commands if c is not first]
+    for i, c in enumerate(prog.commands):
+        c["deps"] = [d - (d > first["id"]) for d in c["deps"] if d != first["id"]]
+        c["id"] = i
+    with pytest.raises(MachineTrap, match="nothing wrote|not live"):
+        simulate(prog, store_of(module), feeds, CHIP, checked=True)
+
+
+def _model_file(tiny_models, tmp_path) -> str:
+    module, _ = _tpu(tiny_models, "w4bf16")
+    prog = compile_for_machine(module, CHIP)
+    path = os.path.join(tmp_path, "m.toptpu")
+    write_program_file(path, {"layer": prog}, store_of(module), CHIP)
+    return path
+
+
+def test_corrupt_truncated_and_newer_model_files_are_rejected(tiny_models, tmp_path) -> None:
+    path = _model_file(tiny_models, tmp_path)
+    with ModelFile(path) as f:
+        info = f.sections["weights"]
+    data = bytearray(open(path, "rb").read())
+    # a flipped byte in the weight blob
+    bad = bytearray(data)
+    bad[info.offset + 5] ^= 0xFF
+    p1 = os.path.join(tmp_path, "corrupt.toptpu")
+    open(p1, "wb").write(bad)
+    with pytest.raises(ModelFileError, match="checksum mismatch in section 'weights'"):
+        ModelFile(p1)
+    p2 = os.path.join(tmp_path, "short.toptpu")
+    open(p2, "wb").write(data[: info.offset + 10])
+    with pytest.raises(ModelFileError, match="truncated"):
+        ModelFile(p2)
+    newer = bytearray(data)
+    newer[8:12] = (99).to_bytes(4, "little")
+    p3 = os.path.join(tmp_path, "newer.toptpu")
+    open(p3, "wb").write(newer)
+    with pytest.raises(ModelFileError, match="version 99, newer"):
+        ModelFile(p3)
+    p4 = os.path.join(tmp_path, "magic.toptpu")
+    open(p4, "wb").write(b"GGUF" + data[4:])
+    with pytest.raises(ModelFileError, match="not a toptpu model file"):
+        ModelFile(p4)
+    # the good file still loads and no temporary file was left behind
+    ModelFile(path).close()
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+@pytest.mark.parametrize("length", [1, 16])
+@pytest.mark.parametrize("mode", ["bf16", "w4bf16", "f32"])
+def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> None:
+    module, feeds = _tpu(tiny_models, mode, length)
+    prog = compile_for_machine(module, CHIP)
+    machine, net, binding = _loaded(prog, module, feeds)
+    tl = machine.run(net, binding)
+    bw = CHIP.bytes_per_cycle
+    assert tl.cycles >= prog.inherent_bytes() / bw
+    assert tl.cycles >= prog.flops / CHIP.peak_flops_per_cycle
+    assert tl.cycles >= tl.dma_bytes / bw  # moved bytes too (>= the inherent ones)
+
+
+def _loaded(prog, module, feeds):  # noqa: ANN202
+    """A machine with the net's weights and IO mapped, the LoadedNet and its Binding."""
+    from toptpu.backend.machine import Binding, LoadedNet
+
+    m = Machine(CHIP)
+    st = store_of(module)
+    w = {n: m.gmem.map(n, np.ascontiguousarray(st[n])).base for n in prog.weights}
+    io = {}
+    for spec in prog.inputs:
+        io[spec["name"]] = m.gmem.map(spec["name"], np.asarray(feeds[spec["name"]]).astype(
+            spec["dtype"])).base
+    for spec in prog.outputs:
+        io[spec["name"]] = m.gmem.alloc(spec["name"], int(np.prod(spec["shape"])) * 4).base
+    act = m.gmem.alloc("act", prog.regions["activations"]).base
+    const = m.gmem.alloc("const", prog.regions["constants"]).base
+    return m, LoadedNet(prog), Binding(io, w, act, const)
