@@ -36,7 +36,7 @@ from xdsl.dialects.builtin import (
     i64,
 )
 from xdsl.ir import Attribute, SSAValue
-from xdsl.irdl import AnyOf, BaseAttr, IRDLOperation
+from xdsl.irdl import AnyOf, AttrSetConstraint, BaseAttr, IRDLOperation
 from xdsl.utils.exceptions import VerifyException
 
 #: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
@@ -127,6 +127,11 @@ DTYPE_BY_NAME: dict[str, Attribute] = {
     "i32": i32,
     "i64": i64,
 }
+
+
+#: an element type toptpu knows (an attribute constraint: `top.cast`'s `dtype`); written as a
+#: set of exact types so that its IRDL export (`irdl.any_of(irdl.is f32, ...)`) says the same
+ElementType = AttrSetConstraint.get(*DTYPE_BY_NAME.values())
 
 
 def dtype_name(t: Attribute) -> str:

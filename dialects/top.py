@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import (
     i1,
     i32,
 )
-from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
+from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (
     AttrSizedOperandSegments,
     attr_def,
@@ -46,6 +46,7 @@ from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.common import (
     AnyTensor,
+    ElementType,
     ShapedOp,
     broadcast_shapes,
     elem_of,
@@ -341,7 +342,7 @@ class CastBase(ShapedOp):
     """Element type conversion; the result type names the target."""
 
     input = operand_def(AnyTensor)
-    dtype = attr_def(TypeAttribute)
+    dtype = attr_def(ElementType)
     output = result_def(AnyTensor)
 
     @classmethod

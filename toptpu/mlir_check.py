@@ -1,17 +1,24 @@
 """Check what xDSL prints against real MLIR (the `mlir` python bindings, MLIR 22).
 
 `roundtrip_through_mlir(module)` prints the module in generic form, parses and verifies it
-with MLIR (unregistered dialects allowed: Top/Tpu are checked structurally here; the IRDL
-check loads their definitions), prints MLIR's generic form and parses that back into
-xDSL. It returns the module xDSL read back; `check_roundtrip` also asserts that it is
-structurally identical to the original.
+with MLIR (unregistered dialects allowed: Top/Tpu are checked structurally here), prints
+MLIR's generic form and parses that back into xDSL. It returns the module xDSL read back;
+`check_roundtrip` also asserts that it is structurally identical to the original.
+
+`verify_with_irdl(module)` is the strict check: the `top` and `tpu` dialects are loaded
+into MLIR from IRDL generated from their xDSL definitions (`toptpu.irdl_export`), and the
+module must parse and verify with unregistered dialects *not* allowed. An error names the
+op MLIR rejected. `mlir_context()` gives such a context for other uses (running MLIR
+passes on toptpu modules).
 """
 
 from __future__ import annotations
 
 import io
+import re
+from typing import Any
 
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, UnrankedTensorType
 from xdsl.parser import Parser
 from xdsl.printer import Printer
 
@@ -60,3 +67,94 @@ def check_roundtrip(module: ModuleOp) -> ModuleOp:
                                                    "xdsl", "mlir", lineterm=""))[:40])
         raise MlirCheckError(f"the module changed through MLIR:\n{diff}")
     return back
+
+
+# --------------------------------------------------------------------------- IRDL
+
+
+_IRDL_TEXT: dict[bool, str] = {}
+
+
+def irdl_text(unranked: bool = False) -> str:
+    """The IRDL of the top and tpu dialects (cached per process)."""
+    if unranked not in _IRDL_TEXT:
+        from toptpu.irdl_export import export_irdl
+
+        _IRDL_TEXT[unranked] = export_irdl(unranked=unranked).text
+    return _IRDL_TEXT[unranked]
+
+
+def mlir_context(unranked: bool = False) -> Any:  # mlir.ir.Context
+    """A fresh MLIR context with top and tpu loaded from their IRDL; unregistered dialects
+    are not allowed. Use it as `with ctx: ...`."""
+    import mlir.ir as ir
+    from mlir.dialects import irdl
+
+    ctx = ir.Context()
+    ctx.allow_unregistered_dialects = False
+    with ctx:
+        try:
+            irdl.load_dialects(ir.Module.parse(irdl_text(unranked)))
+        except (ir.MLIRError, RuntimeError) as e:
+            raise MlirCheckError(f"MLIR could not load the IRDL of top/tpu: {e}") from e
+    return ctx
+
+
+_CONTEXTS: dict[bool, Any] = {}
+
+
+def _shared_context(unranked: bool) -> Any:
+    """One IRDL-loaded context per process for verification (parsing does not change it)."""
+    if unranked not in _CONTEXTS:
+        _CONTEXTS[unranked] = mlir_context(unranked)
+    return _CONTEXTS[unranked]
+
+
+def has_unranked_tensors(module: ModuleOp) -> bool:
+    for op in module.walk():
+        for v in (*op.results, *op.operands):
+            if isinstance(v.type, UnrankedTensorType):
+                return True
+        for region in op.regions:
+            for block in region.blocks:
+                if any(isinstance(a.type, UnrankedTensorType) for a in block.args):
+                    return True
+    return False
+
+
+_OP_IN_NOTE = re.compile(r'see current operation: (?:%\S+ = )?"([\w.]+)"')
+
+
+def describe_mlir_error(e: Any) -> str:
+    """One line per MLIR diagnostic: `'op' at loc: message`, op from the attached note."""
+    lines = []
+    for d in getattr(e, "error_diagnostics", []) or []:
+        op = None
+        for n in d.notes:
+            m = _OP_IN_NOTE.search(str(n.message))
+            if m:
+                op = m.group(1)
+        where = str(d.location)
+        lines.append(f"'{op or '?'}' at {where}: {d.message}")
+    return "\n".join(lines) or str(e)
+
+
+def verify_with_irdl(module: ModuleOp | str) -> None:
+    """Parse and verify `module` (or its generic text) in MLIR with top/tpu loaded from
+    IRDL and no unregistered dialects. Raises MlirCheckError naming the rejected op."""
+    import mlir.ir as ir
+
+    if isinstance(module, str):
+        text, unranked = module, "tensor<*x" in module
+    else:
+        text, unranked = print_generic(module), has_unranked_tensors(module)
+    ctx = _shared_context(unranked)
+    with ctx:
+        try:
+            m = ir.Module.parse(text)
+        except ir.MLIRError as e:
+            raise MlirCheckError(
+                f"MLIR (top/tpu from IRDL) rejected the module:\n{describe_mlir_error(e)}"
+            ) from e
+        if not m.operation.verify():
+            raise MlirCheckError("MLIR (top/tpu from IRDL): verification failed")

@@ -1,0 +1,359 @@
+"""Export the Top and Tpu dialects as IRDL, generated from their xDSL definitions.
+
+`export_irdl()` walks `get_irdl_definition()` of every op of the given dialects (default:
+`top` and `tpu`) and builds an xDSL module of `irdl.dialect` / `irdl.operation` ops:
+
+- operands and results with their names and variadicity (single / optional / variadic);
+- their constraints: `AnyTensor` -> `irdl.base "!builtin.tensor"`, exact types ->
+  `irdl.is`, unions of exact types -> `irdl.any_of`, xDSL constraint variables -> one
+  shared IRDL constraint value (IRDL's own notion of a variable);
+- required attributes with their kinds: IntegerAttr -> `irdl.base "#builtin.integer"`,
+  FloatAttr, StringAttr, DenseArrayBase, DenseIntOrFPElementsAttr, element-type sets
+  (`irdl.any_of(irdl.is f32, ...)`) and `operandSegmentSizes`;
+- single regions (`irdl.region`, `with size 1` for single-block regions).
+
+The printed module (custom IRDL syntax, which MLIR 22 parses) is what
+`toptpu.mlir_check.verify_with_irdl` loads with `mlir.dialects.irdl.load_dialects`.
+
+What IRDL in MLIR 22 cannot say is recorded as an `IrdlGap` (printed as comments by
+`python -m toptpu.irdl_export`), never silently dropped:
+
+- optional attributes (`irdl.attributes` has no optionality; upstream PR #110981 is open):
+  MLIR checks neither their presence nor their kind;
+- a variadic group binds ONE constraint variable, so MLIR requires every value of the group
+  to have the same type (xDSL does not): e.g. `top.concat` of differently shaped tensors;
+- `irdl.any_of` over `irdl.base` constraints aborts MLIR 22's loader (IRDLLoading.cpp
+  `getBases` reaches `llvm_unreachable`; fixed upstream later), so "ranked or unranked
+  tensor" cannot be written: the export says `!builtin.tensor` (every module the pipeline
+  emits is ranked) or, with `unranked=True`, `irdl.any` (IR before `shape-infer`);
+- builtin types cannot be taken apart (`irdl.parametric` needs an IRDL-defined base), so
+  an element-type constraint on a builtin tensor stays a base constraint;
+- "any type" as an attribute value has no IRDL constraint (`irdl.any` accepts any
+  attribute); Top uses explicit element-type sets for that reason;
+- traits with a verifier (HasParent, IsTerminator, IsolatedFromAbove, ...) are not
+  checked by MLIR (IRDL has no traits).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from xdsl.builder import Builder, InsertPoint
+from xdsl.dialects import irdl
+from xdsl.dialects.builtin import (
+    AffineMapAttr,
+    ArrayAttr,
+    BFloat16Type,
+    ComplexType,
+    DenseArrayBase,
+    DenseIntOrFPElementsAttr,
+    DictionaryAttr,
+    Float16Type,
+    Float32Type,
+    Float64Type,
+    FloatAttr,
+    FunctionType,
+    IndexType,
+    IntegerAttr,
+    IntegerType,
+    MemRefType,
+    ModuleOp,
+    NoneType,
+    StringAttr,
+    SymbolRefAttr,
+    TensorType,
+    UnitAttr,
+    UnrankedTensorType,
+    VectorType,
+    i32,
+)
+from xdsl.ir import Attribute, Block, Dialect, OpTrait, Region, SSAValue
+from xdsl.irdl import (
+    AllOf,
+    AnyAttr,
+    AnyOf,
+    AttrConstraint,
+    AttrSetConstraint,
+    BaseAttr,
+    EqAttrConstraint,
+    IRDLOperation,
+    MessageConstraint,
+    OptionalDef,
+    ParamAttrConstraint,
+    RangeConstraint,
+    RangeLengthConstraint,
+    RangeOf,
+    VarConstraint,
+    VariadicDef,
+)
+from xdsl.irdl.operations import (
+    OptAttributeDef,
+    OptRegionDef,
+    OptSingleBlockRegionDef,
+    SingleBlockRegionDef,
+    VarRegionDef,
+    VarSingleBlockRegionDef,
+)
+
+#: xDSL attribute/type class -> MLIR's name of that builtin base (checked against MLIR by
+#: tests/test_irdl.py: each name is verified with a sample value)
+BUILTIN_BASES: dict[type[Attribute], str] = {
+    TensorType: "!builtin.tensor",
+    UnrankedTensorType: "!builtin.unranked_tensor",
+    VectorType: "!builtin.vector",
+    MemRefType: "!builtin.memref",
+    IntegerType: "!builtin.integer",
+    IndexType: "!builtin.index",
+    Float16Type: "!builtin.f16",
+    BFloat16Type: "!builtin.bf16",
+    Float32Type: "!builtin.f32",
+    Float64Type: "!builtin.f64",
+    ComplexType: "!builtin.complex",
+    FunctionType: "!builtin.function",
+    NoneType: "!builtin.none",
+    IntegerAttr: "#builtin.integer",
+    FloatAttr: "#builtin.float",
+    StringAttr: "#builtin.string",
+    DenseArrayBase: "#builtin.dense_array",
+    DenseIntOrFPElementsAttr: "#builtin.dense_int_or_fp_elements",
+    ArrayAttr: "#builtin.array",
+    DictionaryAttr: "#builtin.dictionary",
+    UnitAttr: "#builtin.unit",
+    SymbolRefAttr: "#builtin.symbol_ref",
+    AffineMapAttr: "#builtin.affine_map",
+}
+
+
+@dataclass(frozen=True)
+class IrdlGap:
+    """Something an xDSL definition says that the exported IRDL cannot (MLIR is looser or
+    stricter there)."""
+
+    op: str
+    where: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.where}: {self.detail}"
+
+
+@dataclass
+class IrdlExport:
+    module: ModuleOp
+    gaps: list[IrdlGap] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The IRDL module in the custom syntax MLIR parses."""
+        return str(self.module)
+
+    def annotated(self) -> str:
+        lines = [f"// {g}" for g in self.gaps]
+        head = "// IRDL of toptpu's dialects, generated from the xDSL definitions.\n"
+        if lines:
+            head += "// Not expressible in IRDL (MLIR 22), see toptpu/irdl_export.py:\n"
+        return head + "\n".join(lines) + ("\n" if lines else "") + self.text + "\n"
+
+
+class _OpExporter:
+    """Builds the body of one `irdl.operation`."""
+
+    def __init__(self, op_name: str, unranked: bool, gaps: list[IrdlGap]) -> None:
+        self.op_name = op_name
+        self.unranked = unranked
+        self.gaps = gaps
+        self.block = Block()
+        self.builder = Builder(InsertPoint.at_end(self.block))
+        self.variables: dict[str, SSAValue] = {}
+
+    def gap(self, where: str, detail: str) -> None:
+        self.gaps.append(IrdlGap(self.op_name, where, detail))
+
+    # ------------------------------------------------------------------ constraints
+    def constraint(self, c: AttrConstraint, where: str) -> SSAValue:
+        """A fresh IRDL constraint value for `c` (fresh: IRDL unifies uses of one value)."""
+        if isinstance(c, VarConstraint):
+            if c.name not in self.variables:
+                self.variables[c.name] = self.constraint(c.constraint, where)
+            return self.variables[c.name]
+        if isinstance(c, MessageConstraint):
+            return self.constraint(c.constr, where)
+        if isinstance(c, AnyAttr):
+            return self._any()
+        if isinstance(c, EqAttrConstraint):
+            return self.builder.insert(irdl.IsOp(c.attr)).output
+        if isinstance(c, AttrSetConstraint):
+            args = [self.builder.insert(irdl.IsOp(a)).output
+                    for a in sorted(c.values, key=str)]
+            return self.builder.insert(irdl.AnyOfOp(args)).output
+        if isinstance(c, BaseAttr):
+            return self._base(c.attr, where)
+        if isinstance(c, ParamAttrConstraint):
+            self.gap(where, f"parameters of {c.base_attr.__name__} are not checked (IRDL "
+                     "cannot take builtin types apart)")
+            return self._base(c.base_attr, where)
+        if isinstance(c, AllOf):
+            args = [self.constraint(a, where) for a in c.attr_constrs]
+            return self.builder.insert(irdl.AllOfOp(args)).output
+        if isinstance(c, AnyOf):
+            return self._any_of(c, where)
+        self.gap(where, f"constraint {type(c).__name__} is not translated (irdl.any)")
+        return self._any()
+
+    def _any(self) -> SSAValue:
+        return self.builder.insert(irdl.AnyOp()).output
+
+    def _base(self, base: type[Attribute], where: str) -> SSAValue:
+        name = BUILTIN_BASES.get(base)
+        if name is None:
+            self.gap(where, f"{base.__name__} has no builtin IRDL base name (irdl.any)")
+            return self._any()
+        return self.builder.insert(irdl.BaseOp(name)).output
+
+    def _any_of(self, c: AnyOf, where: str) -> SSAValue:
+        members = list(c.attr_constrs)
+        if all(isinstance(m, EqAttrConstraint) for m in members):
+            args = [self.constraint(m, where) for m in members]
+            return self.builder.insert(irdl.AnyOfOp(args)).output
+        bases = {m.attr for m in members if isinstance(m, BaseAttr)}
+        if len(bases) == len(members) and bases == {TensorType, UnrankedTensorType}:
+            if self.unranked:
+                return self._any()
+            return self._base(TensorType, where)
+        # irdl.any_of over irdl.base aborts MLIR 22's loader: never emit it
+        self.gap(where, "a union of base constraints is not expressible in MLIR 22 "
+                 "(irdl.any)")
+        return self._any()
+
+    def range_constraint(self, c: RangeConstraint, where: str) -> SSAValue:
+        if isinstance(c, RangeLengthConstraint):
+            return self.range_constraint(c.constraint, where)
+        if isinstance(c, RangeOf):
+            return self.constraint(c.constr, where)
+        self.gap(where, f"range constraint {type(c).__name__} is not translated (irdl.any)")
+        return self._any()
+
+    # ------------------------------------------------------------------ op parts
+    @staticmethod
+    def _variadicity(d: object) -> irdl.VariadicityAttr:
+        if isinstance(d, OptionalDef):
+            return irdl.VariadicityAttr(irdl.VariadicityEnum.OPTIONAL)
+        if isinstance(d, VariadicDef):
+            return irdl.VariadicityAttr(irdl.VariadicityEnum.VARIADIC)
+        return irdl.VariadicityAttr(irdl.VariadicityEnum.SINGLE)
+
+    def values(self, kind: str, defs: Sequence[tuple[str, object]]) -> None:
+        if not defs:
+            return
+        args, var, names = [], [], []
+        for name, d in defs:
+            where = f"{kind[:-1]} '{name}'"
+            args.append(self.range_constraint(d.constr, where))  # type: ignore[attr-defined]
+            v = self._variadicity(d)
+            var.append(v)
+            names.append(StringAttr(name))
+            if v.data == irdl.VariadicityEnum.VARIADIC:
+                self.gap(where, "MLIR requires all values of a variadic group to have "
+                         "the same type (one IRDL constraint variable per group)")
+        op = irdl.OperandsOp if kind == "operands" else irdl.ResultsOp
+        self.builder.insert(op(args, irdl.VariadicityArrayAttr(ArrayAttr(var)),
+                               ArrayAttr(names)))
+
+    def attributes(self, defs: dict[str, object]) -> None:
+        required: dict[str, SSAValue] = {}
+        for name, d in defs.items():
+            if isinstance(d, OptAttributeDef):
+                self.gap(f"attribute '{name}'", "optional: MLIR checks neither presence "
+                         "nor kind (IRDL has no optional attributes)")
+                continue
+            required[name] = self.constraint(d.constr, f"attribute '{name}'")  # type: ignore[attr-defined]
+        if required:
+            self.builder.insert(irdl.AttributesOp.get(required))
+
+    def regions(self, defs: Sequence[tuple[str, object]]) -> None:
+        if not defs:
+            return
+        vals, names = [], []
+        for name, d in defs:
+            if isinstance(d, VarRegionDef | OptRegionDef | VarSingleBlockRegionDef
+                          | OptSingleBlockRegionDef):
+                self.gap(f"region '{name}'", "variadic/optional regions are exported as one "
+                         "region")
+            props: dict[str, Attribute] = {}
+            if isinstance(d, SingleBlockRegionDef | VarSingleBlockRegionDef
+                          | OptSingleBlockRegionDef):
+                props["number_of_blocks"] = IntegerAttr(1, i32)
+            vals.append(self.builder.insert(irdl.RegionOp.create(
+                properties=props, result_types=[irdl.RegionType()])).output)
+            names.append(StringAttr(name))
+        self.builder.insert(irdl.RegionsOp(vals, ArrayAttr(names)))
+
+
+def op_to_irdl(op: type[IRDLOperation], unranked: bool = False,
+               gaps: list[IrdlGap] | None = None) -> irdl.OperationOp:
+    """The `irdl.operation` of one xDSL op definition."""
+    opdef = op.get_irdl_definition()
+    gaps = gaps if gaps is not None else []
+    short = Dialect.split_name(opdef.name)[1]
+    if short != short.lower():
+        raise ValueError(f"IRDL-loaded MLIR dialects need lower-case op names: {opdef.name}")
+    ex = _OpExporter(opdef.name, unranked, gaps)
+    ex.values("operands", opdef.operands)
+    ex.values("results", opdef.results)
+    ex.attributes(dict(opdef.attributes))
+    ex.regions(opdef.regions)
+    checked = [type(t).__name__ for t in opdef.traits
+               if type(t).verify is not OpTrait.verify]
+    if checked:
+        ex.gap("traits", f"{', '.join(sorted(checked))} not checked (IRDL has no traits)")
+    for name in opdef.properties:
+        ex.gap(f"property '{name}'", "IRDL-loaded ops take attributes, not properties")
+    if opdef.successors:
+        ex.gap("successors", "not exported")
+    return irdl.OperationOp(short, Region([ex.block]))
+
+
+def dialect_to_irdl(dialect: Dialect, unranked: bool = False,
+                    gaps: list[IrdlGap] | None = None) -> irdl.DialectOp:
+    ops = []
+    for op in dialect.operations:
+        if not issubclass(op, IRDLOperation):
+            raise ValueError(f"{op} is not an IRDL operation")
+        ops.append(op_to_irdl(op, unranked, gaps))
+    return irdl.DialectOp(dialect.name, Region([Block(ops)]))
+
+
+def default_dialects() -> list[Dialect]:
+    from toptpu.dialects.top import Top
+    from toptpu.dialects.tpu import Tpu
+
+    return [Top, Tpu]
+
+
+def export_irdl(dialects: Sequence[Dialect] | None = None, unranked: bool = False
+                ) -> IrdlExport:
+    """IRDL of `dialects` (default: top and tpu). `unranked=True` lets tensor operands and
+    results be unranked too (then MLIR no longer checks that they are tensors)."""
+    gaps: list[IrdlGap] = []
+    ds = [dialect_to_irdl(d, unranked, gaps) for d in (dialects or default_dialects())]
+    return IrdlExport(ModuleOp(ds), gaps)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m toptpu.irdl_export",
+        description="print the IRDL of the top and tpu dialects (load it with "
+                    "mlir-opt --irdl-file=...)")
+    ap.add_argument("--unranked", action="store_true",
+                    help="accept unranked tensors (IR before shape-infer)")
+    args = ap.parse_args(argv)
+    sys.stdout.write(export_irdl(unranked=args.unranked).annotated())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
