@@ -360,7 +360,14 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None
 def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                zeros: np.ndarray | None, bias: np.ndarray | None, bits: int, group_size: int,
                out_dtype=None) -> np.ndarray:
-    w = dequantize(qweight, scales, zeros, bits, group_size)
+    return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size), bias,
+                              out_dtype)
+
+
+def matmul_dequantized(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None,
+                       out_dtype=None) -> np.ndarray:
+    """The second half of `a16_matmul`: x @ w.T (+ bias) in f32 with `w` = `dequantize(...)`
+    (callers that hold the same weights for many calls dequantize once)."""
     r = np.matmul(f32(x), w.T)
     if bias is not None:
         r = r + f32(bias)

@@ -99,6 +99,7 @@ class Event:
     name: str
     bytes: int = 0
     flops: int = 0
+    dtype: str = ""
 
 
 @dataclass
@@ -163,6 +164,7 @@ class Machine:
         self.local = np.zeros((chip.lanes, chip.lane_bytes), np.uint8)
         self._written = np.zeros(chip.lane_bytes, bool)
         self._live: dict[int, tuple[int, int, str]] = {}  # buf id -> (lo, hi, name)
+        self._dequantized: dict[tuple, np.ndarray] = {}
 
     # ------------------------------------------------------------------ local memory
     def _check_range(self, addr: int, nbytes: int, who: str) -> int:
@@ -224,6 +226,23 @@ class Machine:
             return b.const + ref["off"]
         raise MachineTrap(f"{who}: unknown global space '{sp}'")
 
+    def _a16_matmul(self, op: Operation, c: dict[str, Any], args: list) -> np.ndarray:
+        """The a16_matmul kernel, dequantizing each weight buffer instance once: a buffer
+        instance is written once, so its id names its contents (row slices of a group reuse
+        the resident weights)."""
+        from toptpu.backend import kernels as K
+        from toptpu.dialects.common import read_int
+
+        x, q, s, z, bias = args
+        key = tuple(ref["buf"] if ref else None for ref in c["ins"][1:4])
+        w = self._dequantized.get(key)
+        if w is None:
+            w = K.dequantize(q, s, z, read_int(op.attributes["weight_bits"]),
+                             read_int(op.attributes["group_size"]))
+            self._dequantized[key] = w
+        out = c["outs"][0]
+        return K.matmul_dequantized(x, w, bias, np.dtype(out["dtype"]))
+
     # ------------------------------------------------------------------ execution
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
         """Run a net's commands on the two engines; return the timeline."""
@@ -245,9 +264,10 @@ class Machine:
             timed.append((start, c["id"]))
             events[c["id"]] = Event(c["id"], eng, start, start + dur, c["name"],
                                     c.get("bytes", 0) if eng == "dma" else 0,
-                                    c.get("flops", 0))
+                                    c.get("flops", 0), c.get("dtype", ""))
         heapq.heapify(timed)
         self._live.clear()
+        self._dequantized: dict[tuple, np.ndarray] = {}
         if self.checked:
             self._written[:] = False
         while timed:
@@ -292,7 +312,10 @@ class Machine:
                                              np.dtype(ref["dtype"]), who))
             else:
                 args.append(self.read_local(ref, who))
-        results = evaluate_op(op, args, EvalContext(None))
+        if op.name == "tpu.a16_matmul":
+            results = [self._a16_matmul(op, c, args)]
+        else:
+            results = evaluate_op(op, args, EvalContext(None))
         self.free(c.get("free", []))
         for ref, value in zip(c["outs"], results, strict=True):
             self.write_local(ref, value, who)

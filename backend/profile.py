@@ -48,11 +48,15 @@ HEADER = (f"{'net':<14} {'runs':>5} {'ms/run':>10} {'dma':>6} {'cmp':>6} {'MB mo
 
 def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int | None = None
                      ) -> NetProfile:
+    """Numbers of one run. The roofline's compute side counts every command's FLOPs at the
+    peak of the type it computes in (a bf16 matmul at the bf16 peak, an f32 norm at f32)."""
     cycles = tl.cycles
     f = tl.flops if flops is None else flops
     bw = chip.bytes_per_cycle
     peak = chip.peak_flops_per_cycle
-    roof = max(inherent_bytes / bw, f / peak)
+    compute_bound = sum(e.flops / chip.flops_per_cycle(e.dtype) for e in tl.events
+                        if e.engine == "cmp")
+    roof = max(inherent_bytes / bw, compute_bound)
     return NetProfile(
         net=tl.net,
         cycles=cycles,
