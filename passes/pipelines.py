@@ -89,10 +89,13 @@ class TpuPipeline(ModulePass):
 def all_passes() -> dict[str, type[ModulePass]]:
     """Every pass toptpu registers, by name."""
     from toptpu.passes.address_assign import AddressAssignPass
+    from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
     from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
+    from toptpu.passes.mlir_pipeline import MLIRPipelinePass
     from toptpu.passes.weight_reorder import WeightReorderPass
 
     passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
                                       ConvertTopToTpuPass, WeightReorderPass, LayerGroupPass,
-                                      LmemVerifyPass, AddressAssignPass, TpuPipeline]
+                                      LmemVerifyPass, AddressAssignPass, TpuPipeline,
+                                      ConvertTopToLinalgPass, MLIRPipelinePass]
     return {p.name: p for p in passes}

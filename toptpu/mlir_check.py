@@ -5,6 +5,10 @@ with MLIR (unregistered dialects allowed: Top/Tpu are checked structurally here)
 MLIR's generic form and parses that back into xDSL. It returns the module xDSL read back;
 `check_roundtrip` also asserts that it is structurally identical to the original.
 
+`run_mlir_pipeline(module, "canonicalize,cse")` runs an MLIR pass pipeline on a module in
+real MLIR (top/tpu loaded from IRDL) and parses the result back into xDSL (the
+`mlir{pipeline="..."}` pass of toptpu-opt).
+
 `verify_with_irdl(module)` is the strict check: the `top` and `tpu` dialects are loaded
 into MLIR from IRDL generated from their xDSL definitions (`toptpu.irdl_export`), and the
 module must parse and verify with unregistered dialects *not* allowed. An error names the
@@ -122,7 +126,7 @@ def has_unranked_tensors(module: ModuleOp) -> bool:
     return False
 
 
-_OP_IN_NOTE = re.compile(r'see current operation: (?:%\S+ = )?"([\w.]+)"')
+_OP_IN_NOTE = re.compile(r'see current operation:\s*(?:%\S+ = )?"([\w.]+)"')
 
 
 def describe_mlir_error(e: Any) -> str:
@@ -153,8 +157,76 @@ def verify_with_irdl(module: ModuleOp | str) -> None:
         try:
             m = ir.Module.parse(text)
         except ir.MLIRError as e:
-            raise MlirCheckError(
-                f"MLIR (top/tpu from IRDL) rejected the module:\n{describe_mlir_error(e)}"
-            ) from e
+            msg = describe_mlir_error(e)
+            raise MlirCheckError(f"MLIR (top/tpu from IRDL) rejected the module:\n{msg}"
+                                 f"{_known_gaps_hint(msg)}") from e
         if not m.operation.verify():
             raise MlirCheckError("MLIR (top/tpu from IRDL): verification failed")
+
+
+def _known_gaps_hint(message: str) -> str:
+    """Name the documented IRDL gaps of the ops an MLIR error mentions."""
+    from toptpu.irdl_export import export_irdl
+
+    named = set(re.findall(r"'((?:top|tpu)\.\w+)'", message))
+    hints = [f"  known IRDL gap: {g}" for g in export_irdl().gaps
+             if g.op in named and "variadic" in g.detail]
+    return ("\n" + "\n".join(hints)) if hints else ""
+
+
+# --------------------------------------------------------------------------- MLIR passes
+
+
+def xdsl_context_for_mlir() -> Any:  # xdsl.context.Context
+    """An xDSL context that reads what MLIR prints: toptpu's dialects and every dialect
+    xDSL knows (loaded lazily)."""
+    from xdsl.context import Context
+    from xdsl.universe import Universe
+
+    from toptpu.dialects import all_dialects
+
+    ctx = Context()
+    ours = {d.name for d in all_dialects()}
+    for d in all_dialects():
+        ctx.register_dialect(d.name, lambda d=d: d)
+    for name, factory in Universe.get_multiverse().all_dialects.items():
+        if name not in ours:
+            ctx.register_dialect(name, factory)
+    return ctx
+
+
+def run_mlir_pipeline(module: ModuleOp, pipeline: str) -> ModuleOp:
+    """Run `pipeline` (MLIR pass-pipeline syntax, e.g. "canonicalize,cse" or
+    "builtin.module(func.func(cse))") on `module` in real MLIR with top/tpu loaded from
+    IRDL, and return MLIR's result parsed back into xDSL."""
+    import mlir.ir as ir
+    from mlir.passmanager import PassManager
+
+    if not pipeline.strip():
+        raise MlirCheckError("mlir: empty pass pipeline; use mlir{pipeline=\"canonicalize\"}")
+    spec = pipeline if pipeline.lstrip().startswith("builtin.module(") else \
+        f"builtin.module({pipeline})"
+    ctx = mlir_context(has_unranked_tensors(module))
+    with ctx:
+        try:
+            pm = PassManager.parse(spec)
+        except (ValueError, ir.MLIRError) as e:
+            raise MlirCheckError(f"MLIR does not understand the pipeline '{pipeline}': "
+                                 f"{e}") from e
+        try:
+            m = ir.Module.parse(print_generic(module))
+        except ir.MLIRError as e:
+            raise MlirCheckError(f"MLIR (top/tpu from IRDL) rejected the module:\n"
+                                 f"{describe_mlir_error(e)}") from e
+        try:
+            pm.run(m.operation)
+        except ir.MLIRError as e:
+            raise MlirCheckError(f"MLIR pipeline '{pipeline}' failed:\n"
+                                 f"{describe_mlir_error(e)}") from e
+        text = m.operation.get_asm(print_generic_op_form=True, enable_debug_info=True,
+                                   use_local_scope=True)
+    try:
+        return Parser(xdsl_context_for_mlir(), text, "mlir-pipeline").parse_module()
+    except Exception as e:  # noqa: BLE001 - xDSL's parse errors have several types
+        raise MlirCheckError(f"xDSL cannot read back what MLIR's '{pipeline}' produced "
+                             f"(an op or attribute xDSL does not define?): {e}") from e
