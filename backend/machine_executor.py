@@ -1,0 +1,211 @@
+"""The machine executor: runs a model file's command streams on the reference machine.
+
+It implements `toptpu.backend.executor.Executor` over an LLM model file
+(`toptpu.backend.llm_file`) whose nets carry command streams (section `stream:<net>`,
+a `toptpu.backend.codegen.Program`, and `const:<net>`, its constant pool):
+
+- the weight blob is mapped read-only into global memory once; a per-layer net binds layer
+  i's weights at `layer_base + i * layer_stride` + each tensor's offset in the chunk, a
+  shared net the shared region — the command streams name weights, never addresses;
+- each net gets its activation region and constant pool once;
+- `alloc` maps buffers into global memory (KV caches among them); `Buffer.slot` is an
+  address inside one, so binding decode's `present_k` to `cache.slot(1, pos, 1)` makes the
+  store command write the new keys straight into the cache;
+- every run's timeline is kept per net: `modelled_seconds()` is the chip time so far and
+  `profiles()` summarizes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+import numpy as np
+
+from toptpu.backend.chips import Chip, get_chip
+from toptpu.backend.codegen import Program
+from toptpu.backend.executor import NetInfo, TensorSpec
+from toptpu.backend.llm_file import LlmFile
+from toptpu.backend.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.model_file import ModelFileError
+
+
+class MachineExecutorError(RuntimeError):
+    pass
+
+
+def stream_section(net: str) -> str:
+    return f"stream:{net}"
+
+
+def const_section(net: str) -> str:
+    return f"const:{net}"
+
+
+@dataclass
+class MachineBuffer:
+    """A tensor in the machine's global memory."""
+
+    machine: Machine
+    addr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def slot(self, axis: int, start: int, length: int) -> MachineBuffer:
+        if any(d != 1 for d in self.shape[:axis]):
+            raise MachineExecutorError(
+                f"slot along axis {axis} of a {list(self.shape)} buffer is not contiguous")
+        n = self.shape[axis]
+        if not (0 <= start and length >= 0 and start + length <= n):
+            raise MachineExecutorError(f"slot [{start}:{start + length}] along axis {axis} is "
+                                       f"outside a buffer of shape {list(self.shape)}")
+        inner = int(np.prod(self.shape[axis + 1:], dtype=np.int64)) * self.dtype.itemsize
+        shape = list(self.shape)
+        shape[axis] = length
+        return MachineBuffer(self.machine, self.addr + start * inner, tuple(shape), self.dtype)
+
+    def array(self, write: bool = False) -> np.ndarray:
+        return self.machine.gmem.tensor(self.addr, self.shape, self.dtype, "buffer", write)
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+@dataclass
+class NetStats:
+    runs: int = 0
+    cycles: float = 0.0
+    timelines: list[Timeline] = field(default_factory=list)
+
+
+class MachineExecutor:
+    """Runs the nets of a model file on the reference machine (see the module doc)."""
+
+    def __init__(self, model: str | LlmFile, checked: bool = False,
+                 chip: Chip | None = None, keep_timelines: int = 4) -> None:
+        self.file = model if isinstance(model, LlmFile) else LlmFile(model)
+        self.header: dict[str, Any] = self.file.header
+        self.chip = chip or get_chip(self.header["chip"])
+        self.machine = Machine(self.chip, checked)
+        self.keep_timelines = keep_timelines
+        nets = self.header["nets"]
+        missing = [n for n, d in nets.items() if not d.get("streams")]
+        if missing:
+            raise ModelFileError(f"'{self.file.path}' has no command streams for {missing}; "
+                                 "recompile it with this toptpu (or run it with the "
+                                 "interpreter executor)")
+        self._nets = self.file.net_infos()
+        blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
+        self._blob = self.machine.gmem.map("weights", blob, writable=False).base
+        self._programs: dict[str, Program] = {}
+        self._loaded: dict[str, LoadedNet] = {}
+        self._act: dict[str, int] = {}
+        self._const: dict[str, int] = {}
+        self.stats: dict[str, NetStats] = {}
+        self._seconds = 0.0
+
+    # ------------------------------------------------------------------ Executor
+    def nets(self) -> Mapping[str, NetInfo]:
+        return self._nets
+
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> MachineBuffer:
+        dt = np.dtype(dtype)
+        nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        region = self.machine.gmem.alloc(f"buffer{len(self.machine.gmem.regions)}", nb)
+        return MachineBuffer(self.machine, region.base, tuple(int(d) for d in shape), dt)
+
+    def write(self, buf: MachineBuffer, value: np.ndarray) -> None:  # type: ignore[override]
+        value = np.asarray(value)
+        if _squeezed(value.shape) != _squeezed(buf.shape):
+            raise MachineExecutorError(f"cannot write a {list(value.shape)} array into a "
+                                       f"buffer of shape {list(buf.shape)}")
+        if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
+            raise MachineExecutorError(f"cannot write {value.dtype} into a {buf.dtype} buffer")
+        buf.array(write=True)[...] = value.astype(buf.dtype).reshape(buf.shape)
+
+    def read(self, buf: MachineBuffer) -> np.ndarray:  # type: ignore[override]
+        return buf.array().copy()
+
+    def modelled_seconds(self) -> float:
+        return self._seconds
+
+    def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
+        info = self._nets.get(net)
+        if info is None:
+            raise MachineExecutorError(f"the model has no net '{net}' (it has "
+                                       f"{sorted(self._nets)})")
+        loaded = self._load(net)
+        prog = loaded.program
+        io: dict[str, int] = {}
+        for spec in (*info.inputs, *info.outputs):
+            buf = bindings.get(spec.name)
+            self._check(net, spec, buf)
+            io[spec.name] = buf.addr
+        extra = [n for n in bindings if n not in io]
+        if extra:
+            raise MachineExecutorError(f"net '{net}' has no inputs/outputs named {extra}")
+        weights = self._weight_addresses(info, prog, layer)
+        tl = self.machine.run(loaded, Binding(io, weights, self._act[net], self._const[net]))
+        st = self.stats.setdefault(net, NetStats())
+        st.runs += 1
+        st.cycles += tl.cycles
+        st.timelines.append(tl)
+        del st.timelines[:-self.keep_timelines]
+        self._seconds += tl.cycles / (self.chip.freq_ghz * 1e9)
+
+    # ------------------------------------------------------------------ internals
+    def program(self, net: str) -> Program:
+        return self._load(net).program
+
+    def _load(self, net: str) -> LoadedNet:
+        if net not in self._loaded:
+            d = self.header["nets"][net]
+            try:
+                prog = Program.from_json(self.file.file.view(d["streams"]))
+                loaded = LoadedNet(prog)
+            except ModelFileError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a corrupt stream section
+                raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
+                                     f"is unusable: {e}") from e
+            gmem = self.machine.gmem
+            self._act[net] = gmem.alloc(f"act:{net}", prog.regions["activations"]).base
+            pool = self.file.file.read(d["consts"]) if d.get("consts") else b""
+            r = gmem.alloc(f"const:{net}", len(pool))
+            r.data[:len(pool)] = np.frombuffer(pool, np.uint8)
+            self._const[net] = r.base
+            self._loaded[net] = loaded
+        return self._loaded[net]
+
+    def _weight_addresses(self, info: NetInfo, prog: Program, layer: int | None
+                          ) -> dict[str, int]:
+        layout = self.file.layout
+        out = {}
+        if info.per_layer:
+            if layer is None or not 0 <= layer < layout.num_layers:
+                raise MachineExecutorError(f"net '{info.name}' is per layer: pass layer= in "
+                                           f"0..{layout.num_layers - 1}")
+        elif layer is not None:
+            raise MachineExecutorError(f"net '{info.name}' is shared by all layers; run it "
+                                       "without layer=")
+        for name in prog.weights:
+            if info.per_layer and name in layout.layer:
+                out[name] = self._blob + layout.layer_offset(layer, name)  # type: ignore[arg-type]
+            elif name in layout.shared:
+                out[name] = self._blob + layout.shared[name].offset
+            else:
+                raise ModelFileError(f"'{self.file.path}': net '{info.name}' reads weight "
+                                     f"'{name}', which the weight table does not have")
+        return out
+
+    def _check(self, net: str, spec: TensorSpec, buf: Any) -> None:
+        if not isinstance(buf, MachineBuffer) or buf.machine is not self.machine:
+            raise MachineExecutorError(f"'{spec.name}' of net '{net}' must be bound to a buffer "
+                                       "of this executor")
+        if buf.dtype != np.dtype(spec.dtype) or _squeezed(buf.shape) != _squeezed(spec.shape):
+            raise MachineExecutorError(
+                f"'{spec.name}' of net '{net}' is {spec.dtype} {list(spec.shape)} but is bound "
+                f"to a {buf.dtype} buffer of shape {list(buf.shape)}")
