@@ -1,0 +1,93 @@
+"""`toptpu profile MODEL_FILE`: the machine's view of a compiled model.
+
+Runs every net once on the reference machine (per-layer nets with layer 0's weights;
+inputs are valid placeholders: token 0, positions 0.., masks that see everything) and
+prints per net: modelled time, engine busy fractions, bytes moved, FLOPs, achieved DDR and
+peak fractions and the roofline ratio. `--trace` writes a Chrome trace (open it in
+Perfetto), `--png DIR` one timeline/roofline picture per net, `--json` the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from toptpu.backend.machine_executor import MachineExecutor
+from toptpu.backend.profile import (
+    NetProfile,
+    profile_timeline,
+    profiles_json,
+    summary_table,
+    write_chrome_trace,
+    write_timeline_png,
+)
+
+
+def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    if name == "position_ids":
+        n = shape[-1]
+        return np.arange(n, dtype=dtype).reshape(shape)
+    return np.zeros(shape, dtype)
+
+
+def profile_model(path: str, nets: list[str] | None = None
+                  ) -> tuple[MachineExecutor, list[NetProfile]]:
+    ex = MachineExecutor(path)
+    profiles = []
+    for name, info in ex.nets().items():
+        if nets and name not in nets:
+            continue
+        bindings = {}
+        for spec in info.inputs:
+            buf = ex.alloc(spec.shape, spec.dtype)
+            ex.write(buf, _placeholder(spec.name, spec.shape, spec.dtype))
+            bindings[spec.name] = buf
+        for spec in info.outputs:
+            bindings[spec.name] = ex.alloc(spec.shape, spec.dtype)
+        ex.run(name, bindings, 0 if info.per_layer else None)
+        prog = ex.program(name)
+        tl = ex.stats[name].timelines[-1]
+        profiles.append(profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops))
+    return ex, profiles
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Run each net of a model file once on the machine and print the profile."""
+    nets = [n.strip() for n in args.nets.split(",")] if args.nets else None
+    ex, profiles = profile_model(args.model_file, nets)
+    layers = ex.file.num_layers
+    if args.json:
+        print(json.dumps({"chip": ex.chip.name, "layers": layers,
+                          "nets": profiles_json(profiles)}, indent=1))
+    else:
+        print(summary_table(profiles, ex.chip))
+        per = {p.net: p.seconds for p in profiles}
+        if "block_cache" in per:
+            decode = layers * per["block_cache"] + per.get("embedding_cache", 0.0) + per.get(
+                "lm_head", 0.0)
+            print(f"one decode step ({layers} layers + embedding + lm_head): "
+                  f"{decode * 1e3:.3f} ms modelled, {1 / decode:.1f} tokens/s")
+    timelines = [ex.stats[p.net].timelines[-1] for p in profiles]
+    if args.trace:
+        write_chrome_trace(args.trace, timelines, ex.chip)
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
+    if args.png:
+        os.makedirs(args.png, exist_ok=True)
+        for p, tl in zip(profiles, timelines, strict=True):
+            out = os.path.join(args.png, f"{p.net}.png")
+            write_timeline_png(out, tl, ex.chip, p)
+        print(f"wrote {len(profiles)} timelines to {args.png}/")
+    return 0
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help=cmd_profile.__doc__)
+    p.add_argument("model_file")
+    p.add_argument("--nets", help="comma-separated nets (default: all)")
+    p.add_argument("--trace", metavar="JSON", help="write a Chrome trace of the runs")
+    p.add_argument("--png", metavar="DIR", help="write a timeline/roofline PNG per net")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.set_defaults(fn=cmd_profile)
