@@ -254,4 +254,9 @@ class LlmFile:
         return {n: self.file.read(tokenizer_section(n)) for n in self.header["tokenizer"]["files"]}
 
     def close(self) -> None:
-        self.file.close()
+        """Unmap the file; while zero-copy weight views are alive the mapping stays until
+        they are garbage collected."""
+        try:
+            self.file.close()
+        except BufferError:
+            pass

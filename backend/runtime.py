@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from toptpu.backend.executor import Buffer, Executor, NetInfo, TensorSpec
-from toptpu.frontends.llm import decode_mask, prefill_mask
+from toptpu.frontends.masks import decode_mask, prefill_mask
 
 
 class GenerationError(Exception):
@@ -167,17 +167,51 @@ class GenerationResult:
 # =========================================================================== tokenizer
 
 
-def load_tokenizer(files: dict[str, bytes]) -> Any:
-    """A transformers fast tokenizer from the files carried by a model file."""
-    if "tokenizer.json" not in files:
-        raise GenerationError("the model file carries no tokenizer; pass token ids instead")
-    from transformers import AutoTokenizer
+class Tokenizer:
+    """The model file's tokenizer: encode/decode with the `tokenizers` library (what a
+    transformers fast tokenizer runs underneath, without importing transformers); chat
+    templates are rendered by transformers, loaded only when a template is needed."""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, data in files.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(data)
-        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+    def __init__(self, files: dict[str, bytes]) -> None:
+        if "tokenizer.json" not in files:
+            raise GenerationError("the model file carries no tokenizer; pass token ids")
+        from tokenizers import Tokenizer as _Backend
+
+        self.files = files
+        self.backend = _Backend.from_str(files["tokenizer.json"].decode())
+        self._hf: Any = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer built from the same files (for chat templates)."""
+        if self._hf is None:
+            from transformers import AutoTokenizer
+
+            with tempfile.TemporaryDirectory() as tmp:
+                for name, data in self.files.items():
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.write(data)
+                self._hf = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        return self._hf
+
+    @property
+    def has_chat_template(self) -> bool:
+        return "chat_template.jinja" in self.files or "chat_template.json" in self.files or \
+            b'"chat_template"' in self.files.get("tokenizer_config.json", b"")
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = False) -> str:
+        if not self.has_chat_template:
+            raise GenerationError("this model's tokenizer has no chat template; use "
+                                  "`toptpu run --prompt` (plain completion) instead")
+        return str(self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False))
 
 
 # =========================================================================== runtime
@@ -197,7 +231,7 @@ REQUIRED_NETS = ("embedding", "embedding_cache", "block", "block_kv", "block_cac
 class Runtime:
     """Generation over an executor (see the module doc). Not thread-safe."""
 
-    def __init__(self, executor: Executor, tokenizer: Any | None = None) -> None:
+    def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None) -> None:
         self.ex = executor
         self.header = executor.header
         nets = dict(executor.nets())
@@ -256,16 +290,15 @@ class Runtime:
         return rt
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             if self._tokenizer_files is None:
                 raise GenerationError("no tokenizer: pass one to Runtime(...) or token ids")
-            self._tokenizer = load_tokenizer(self._tokenizer_files)
+            self._tokenizer = Tokenizer(self._tokenizer_files)
         return self._tokenizer
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False))
+        return str(self.tokenizer.decode(list(ids)))
 
     def reset(self) -> None:
         """Forget the conversation (the cache contents become unreachable)."""
@@ -477,7 +510,7 @@ class Runtime:
                                                    "tokenizer.json" in self._tokenizer_files)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # ------------------------------------------------------------------ chat
     def chat(self, message: str, max_new_tokens: int = 256,
@@ -487,9 +520,6 @@ class Runtime:
         """One chat turn: the user `message` is appended to the conversation in the KV cache
         (rendered with the tokenizer's chat template) and the reply generated."""
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise GenerationError("this model's tokenizer has no chat template; use "
-                                  "`toptpu run --prompt` (plain completion) instead")
         ids: list[int] = []
         keep = bool(self.messages)
         if keep:
@@ -500,7 +530,7 @@ class Runtime:
         if not keep:
             first = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": message}]
-            text = tok.apply_chat_template(first, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(first, add_generation_prompt=True)
             ids = self.encode(text, add_special_tokens=False)
             self.messages = first[:-1]
         res = self.generate(ids, max_new_tokens, sampling, on_text=on_text, keep_history=keep)
@@ -517,9 +547,9 @@ class Runtime:
         probe_a = "\x00A\x00"
         base = [{"role": "user", "content": "\x00U\x00"}, {"role": "assistant",
                                                            "content": probe_a}]
-        t1 = tok.apply_chat_template(base, tokenize=False)
+        t1 = tok.apply_chat_template(base)
         t2 = tok.apply_chat_template([*base, {"role": "user", "content": message}],
-                                     add_generation_prompt=True, tokenize=False)
+                                     add_generation_prompt=True)
         if not t2.startswith(t1) or probe_a not in t1:
             raise GenerationError("the chat template does not render turns incrementally; "
                                   "use /reset between questions")

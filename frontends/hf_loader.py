@@ -15,9 +15,11 @@ llama (Llama 2 and Llama 3, including llama3 rope scaling and tied embeddings).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,20 @@ class LoadedModel:
     @property
     def config(self) -> Any:
         return self.model.config
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' progress bars (loading/saving shards) for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _listing(names: list[str]) -> str:
@@ -307,8 +323,10 @@ def _load_dir(path: str) -> LoadedModel:
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                     local_files_only=True)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, config=config,
+                                                         dtype=torch.float32,
+                                                         local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"transformers could not load the weights in {path}: {e}") from e
     return LoadedModel(model.eval(), family, files, generation_settings(gen, config), path)

@@ -25,9 +25,8 @@ cache layout; the Top `fuse` pass turns that into `top.attention` with
 `history_k`/`history_v` operands, so the caches are read where they lie and never
 concatenated into a fresh buffer (reload-free decode; the compiler checks it).
 
-Masks are additive: 0 where visible, `MASK_VALUE` (-10000) elsewhere — not -inf (a fully
-masked padded row would be NaN) and not finfo.min (overflows in f16). Helpers here build
-them so the runtime and the tests agree.
+Masks are additive: 0 where visible, -10000 elsewhere (`toptpu.frontends.masks` builds
+them for the splitter's example inputs, the runtime and the tests alike).
 """
 
 from __future__ import annotations
@@ -37,12 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-#: the additive mask value of hidden positions
-MASK_VALUE = -10000.0
+from toptpu.frontends.masks import decode_mask, prefill_mask
 
 
 class SplitError(ValueError):
@@ -207,35 +204,6 @@ class LmHead(torch.nn.Module):
         if self.greedy:
             return torch.argmax(logits, dim=-1, keepdim=True).to(torch.int32)
         return logits
-
-
-# =========================================================================== masks
-
-
-def prefill_mask(n: int, length: int, start: int = 0, history: int = 0) -> np.ndarray:
-    """Additive mask [1, 1, L, history + L] of a prefill chunk of `n` real tokens at
-    positions start..start+n-1, padded to `length`, over `history` cached slots of which
-    the first `start` are valid. Padded rows and columns are fully masked."""
-    if not 0 <= n <= length or (history and start > history):
-        raise ValueError(f"bad prefill mask request n={n} length={length} start={start} "
-                         f"history={history}")
-    m = np.full((length, history + length), MASK_VALUE, np.float32)
-    if history:
-        m[:n, :start] = 0.0
-    tri = np.tril(np.ones((n, n), bool))
-    m[:n, history:history + n][tri] = 0.0
-    return m[None, None]
-
-
-def decode_mask(pos: int, seq_length: int) -> np.ndarray:
-    """Additive mask [1, 1, 1, SEQ + 1] of the token at `pos`: cache slots 0..pos-1 and the
-    token itself (the last column) are visible."""
-    if not 0 <= pos < seq_length:
-        raise ValueError(f"decode position {pos} outside the KV cache of {seq_length}")
-    m = np.full((1, seq_length + 1), MASK_VALUE, np.float32)
-    m[0, :pos] = 0.0
-    m[0, seq_length] = 0.0
-    return m[None, None]
 
 
 # =========================================================================== nets

@@ -1,7 +1,8 @@
 """Weight recipes: how each `tpu.weight` of a compiled net is derived from float weights.
 
 `convert-top-to-tpu` records on every `tpu.weight` the Top weight it came from (`source`)
-and how (`part`: data | qweight | scales | zeros). Together with the consuming
+and how (`part`: data | qweight | scales | zeros; later passes append transforms, e.g.
+weight-reorder's ".t" = transposed, so "data.t"). Together with the consuming
 `tpu.a16_matmul` (weight_bits, group_size, whether it has zero points, the scale storage
 type) that is a complete recipe: given *another* layer's float tensor for the same source,
 `derive_weights` produces that layer's tensors for the very same compiled net. This is how
@@ -34,13 +35,21 @@ class WeightRecipe:
 
     name: str  # the tpu.weight name
     source: str  # the Top weight name it derives from
-    part: str  # data | qweight | scales | zeros
+    part: str  # data | qweight | scales | zeros, then ".t" transforms
     shape: tuple[int, ...]
     dtype: np.dtype  # storage dtype of the tensor
     bits: int | None = None  # quantized parts: the consuming a16_matmul's parameters
     group_size: int | None = None
     symmetric: bool | None = None
     scale_dtype: np.dtype | None = None
+
+    @property
+    def base_part(self) -> str:
+        return self.part.split(".", 1)[0]
+
+    @property
+    def transforms(self) -> list[str]:
+        return self.part.split(".")[1:]
 
     @property
     def quant_key(self) -> tuple[str, int | None, int | None, bool | None, str]:
@@ -67,9 +76,13 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
             raise RecipeError(f"tpu.weight '{name}' has no source/part: it cannot be derived "
                               "for other layers (was it made by convert-top-to-tpu?)")
         dt = numpy_dtype(elem_of(op.output))
-        if part == "data":
+        base, *transforms = part.split(".")
+        if any(t != "t" for t in transforms):
+            raise RecipeError(f"tpu.weight '{name}' has part '{part}': the only transform "
+                              "after the base part is '.t' (transpose)")
+        if base == "data":
             out.append(WeightRecipe(name, source, part, shape_of(op.output), dt))
-        elif part in ("qweight", "scales", "zeros"):
+        elif base in ("qweight", "scales", "zeros"):
             if op not in quant:
                 raise RecipeError(f"quantized weight '{name}' ({part}) feeds no tpu.a16_matmul")
             bits, gs, sym, sdt = quant[op]
@@ -90,7 +103,7 @@ def derive_weights(recipes: Iterable[WeightRecipe],
     quantized: dict[tuple, dict[str, np.ndarray | None]] = {}
     for r in recipes:
         w = float_of(r.source)
-        if r.part == "data":
+        if r.base_part == "data":
             arr = np.asarray(w).astype(r.dtype)
         else:
             assert r.bits is not None and r.group_size is not None and r.scale_dtype is not None
@@ -98,10 +111,13 @@ def derive_weights(recipes: Iterable[WeightRecipe],
             if key not in quantized:
                 qw = quantize_rtn(w, r.bits, r.group_size, bool(r.symmetric), r.scale_dtype)
                 quantized[key] = {"qweight": qw.qweight, "scales": qw.scales, "zeros": qw.zeros}
-            arr_or_none = quantized[key][r.part]
+            arr_or_none = quantized[key][r.base_part]
             if arr_or_none is None:
                 raise RecipeError(f"'{r.name}' asks for zeros of a symmetric quantization")
             arr = arr_or_none
+        for t in r.transforms:
+            assert t == "t"
+            arr = arr.T
         if tuple(arr.shape) != r.shape or arr.dtype != r.dtype:
             raise RecipeError(
                 f"'{r.name}' derived from '{r.source}' {list(np.shape(w))} is "

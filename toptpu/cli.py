@@ -16,7 +16,8 @@ def _op_histogram(module) -> str:  # noqa: ANN001
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Import the built-in tiny Qwen2 model, run the Top pipeline, check against torch."""
+    """The built-in tiny Qwen2 end to end: Top pipeline checked against torch, then compiled
+    to a model file (f32 and w4bf16) and generated from, checked against transformers."""
     import torch
 
     from toptpu.backend.interpreter import Interpreter
@@ -67,7 +68,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"{stage:<26} vs torch: {s}  {'OK' if good else 'BELOW 0.99999'}")
     same = (after[0].argmax(-1) == ref[0].argmax(-1)).all()
     print(f"next-token argmax identical at all {n} positions: {bool(same)}")
-    return 0 if ok and same else 1
+    from toptpu.llm_cli import demo_generation
+
+    print("\n-- compile to a model file and generate")
+    generated_ok = demo_generation(args.prompt, args.max_new_tokens)
+    return 0 if ok and same and generated_ok else 1
 
 
 def _load_causal_lm(path: str | None):  # noqa: ANN202
@@ -140,7 +145,35 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help=cmd_demo.__doc__)
     d.add_argument("--prompt", default="Hello world! The tensor processor runs the model.")
     d.add_argument("--print-ir", action="store_true", help="print the Top IR after the pipeline")
+    d.add_argument("--max-new-tokens", type=int, default=32)
     d.set_defaults(fn=cmd_demo)
+
+    from toptpu import llm_cli
+
+    p = sub.add_parser("compile", help=llm_cli.cmd_compile.__doc__)
+    llm_cli.add_compile_args(p)
+    p.set_defaults(fn=llm_cli.cmd_compile)
+
+    r = sub.add_parser("run", help=llm_cli.cmd_run.__doc__)
+    r.add_argument("model_file")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text to continue")
+    src.add_argument("--ids", help="prompt token ids, comma or space separated")
+    r.add_argument("--chat-template", action="store_true",
+                   help="wrap the prompt as a user message with the chat template")
+    r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
+    r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
+                   "time to first token and tokens/s, host and modelled)")
+    llm_cli.add_sampling_args(r)
+    r.set_defaults(fn=llm_cli.cmd_run)
+
+    h = sub.add_parser("chat", help=llm_cli.cmd_chat.__doc__)
+    h.add_argument("model_file")
+    h.add_argument("--system", help="system prompt of the conversation")
+    h.add_argument("--reset-if-full", action="store_true",
+                   help="start over when a turn no longer fits the KV cache (default: say so)")
+    llm_cli.add_sampling_args(h)
+    h.set_defaults(fn=llm_cli.cmd_chat)
 
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
     c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")

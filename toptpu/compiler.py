@@ -287,7 +287,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     write_llm_file(output, header, irs, loaded.tokenizer_files, blob)
     timings["write"] = time.perf_counter() - t
     if weights_path is not None:
-        store.save(weights_path)
+        _save_store(store, weights_path)
     total = time.perf_counter() - t0
     timings["total"] = total
     bar.note(f"wrote {output} ({os.path.getsize(output) / 1e6:.1f} MB) in {total:.1f}s")
@@ -354,6 +354,18 @@ def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
     seconds = time.perf_counter() - t0
     bar.finish(seconds)
     return CompiledNet(spec.name, spec.per_layer, ins, outs, module, top_module, 0, seconds)
+
+
+def _save_store(store: WeightStore, path: str) -> None:
+    """Save the weight store for the IR dumps; tensors that share memory (tied embeddings)
+    are copied, as safetensors stores no aliases."""
+    arrays: dict[str, np.ndarray] = {}
+    for name in store.names():
+        arr = store[name]
+        if any(np.may_share_memory(arr, seen) for seen in arrays.values()):
+            arr = arr.copy()
+        arrays[name] = arr
+    WeightStore.from_arrays(arrays).save(path)
 
 
 def _digest(arr: np.ndarray) -> str:
