@@ -17,6 +17,9 @@ kernels (`backend/kernels.py`) and of torch.
   rounded once at the end of an op; matmul, norms, softmax and attention accumulate in
   f32; softmax and attention subtract the row maximum; attention reads history keys and
   values separately (no concatenation) with one softmax over both.
+- Booleans (i1 tensors) are stored as i8 (MLIR 22's memref-to-LLVM lowering asserts on
+  sub-byte stores); function arguments and results of i1 tensors become i8 (same bytes as
+  numpy bools).
 - Not lowered (clear error): `top.topk` (sorting has no linalg form), unsigned integer
   element types (arith is signless).
 """
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 from xdsl.builder import Builder, InsertPoint
 from xdsl.context import Context
-from xdsl.dialects import arith, func, linalg
+from xdsl.dialects import arith, func
 from xdsl.dialects import math as mathd
 from xdsl.dialects import tensor as tensord
 from xdsl.dialects.builtin import (
@@ -54,8 +57,11 @@ from xdsl.dialects.builtin import (
     f32,
     f64,
     i1,
+    i8,
     i64,
 )
+from xdsl.dialects.linalg import attrs as linalg_attrs
+from xdsl.dialects.linalg import ops as linalg
 from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 from xdsl.ir.affine import AffineExpr, AffineMap
 from xdsl.passes import ModulePass
@@ -114,6 +120,18 @@ _FLOAT_BITS: dict[type[Attribute], int] = {Float16Type: 16, BFloat16Type: 16, Fl
 def compute_type(t: Attribute) -> Attribute:
     """The scalar type an op computes in: f32 for f16/bf16 storage, else the type."""
     return f32 if _is_half(t) else t
+
+
+def storage_type(t: Attribute) -> Attribute:
+    """How a tensor element is stored in the lowered IR: booleans as i8 (MLIR 22's
+    memref-to-LLVM lowering refuses sub-byte stores; numpy bools are bytes too)."""
+    return i8 if t == i1 else t
+
+
+def _storage_tensor(t: Attribute) -> Attribute:
+    if isinstance(t, TensorType) and t.element_type == i1:
+        return TensorType(i8, t.get_shape())
+    return t
 
 
 def _check_type(t: Attribute, op: Operation) -> None:
@@ -300,7 +318,8 @@ class Emitter:
         return op
 
     def empty(self, shape: Shape, elem: Attribute) -> SSAValue:
-        return self.add(tensord.EmptyOp([], TensorType(elem, list(shape)))).results[0]
+        return self.add(tensord.EmptyOp([], TensorType(storage_type(elem), list(shape)))
+                        ).results[0]
 
     def generic(self, ins: Sequence[tuple[SSAValue, AffineMapAttr]], init: SSAValue,
                 out_map: AffineMapAttr, iterators: Sequence[str], body: BodyFn) -> SSAValue:
@@ -309,8 +328,8 @@ class Emitter:
         arg_types = [_elem(v) for v, _ in ins] + [out_t.element_type]
         block = Block(arg_types=arg_types)
         bb = Body(block)
-        bb.b.insert(linalg.YieldOp(body(bb)))
-        its = [linalg.IteratorTypeAttr(linalg.IteratorType(k)) for k in iterators]
+        bb.b.insert(linalg.YieldOp(bb.convert(body(bb), out_t.element_type)))
+        its = [linalg_attrs.IteratorTypeAttr(linalg_attrs.IteratorType(k)) for k in iterators]
         op = linalg.GenericOp([v for v, _ in ins], [init], Region(block),
                               [m for _, m in ins] + [out_map], its, [out_t])
         return self.add(op).results[0]
@@ -859,6 +878,10 @@ def lower_conv2d(e: Emitter, op: top.Conv2dBase) -> SSAValue:
 def lower_constant(e: Emitter, op: top.ConstantBase) -> SSAValue:
     value = op.value
     assert isinstance(value, DenseIntOrFPElementsAttr)
+    t = value.get_type()
+    if isinstance(t, TensorType) and t.element_type == i1:
+        value = DenseIntOrFPElementsAttr.from_list(
+            TensorType(i8, t.get_shape()), [int(bool(v)) for v in value.get_values()])
     return e.add(arith.ConstantOp(value)).results[0]
 
 
@@ -906,7 +929,7 @@ def _rewrite(op: Operation, rewriter: PatternRewriter) -> None:
         _check_type(v.type.element_type, op)
     e = Emitter(op)
     result = fn(e, op)
-    rewriter.replace_op(op, e.ops, [result])
+    rewriter.replace(op, e.ops, [result])
 
 
 # =========================================================================== patterns
@@ -992,14 +1015,22 @@ class ConvertTopToLinalgPass(ModulePass):
     name = "convert-top-to-linalg"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        for fn in op.ops:
-            if isinstance(fn, func.FuncOp):
-                weights_to_arguments(fn)
+        funcs = [fn for fn in op.ops if isinstance(fn, func.FuncOp)]
+        for fn in funcs:
+            weights_to_arguments(fn)
+            for arg in fn.body.block.args:
+                arg._type = _storage_tensor(arg.type)  # noqa: SLF001 - i1 -> i8 storage
         PatternRewriteWalker(
             GreedyRewritePatternApplier([LowerElementwise(), LowerReductions(),
                                          LowerContractions(), LowerDataMovement()]),
             apply_recursively=False,
         ).rewrite_module(op)
+        for fn in funcs:
+            ret = fn.body.block.last_op
+            outs = [v.type for v in ret.operands] if isinstance(ret, func.ReturnOp) else \
+                list(fn.function_type.outputs.data)
+            fn.function_type = FunctionType.from_lists(
+                [a.type for a in fn.body.block.args], outs)
         left = [o for o in op.walk() if o.name.startswith(("top.", "tpu."))]
         if left:
             o = left[0]

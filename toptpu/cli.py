@@ -88,10 +88,17 @@ def _load_causal_lm(path: str | None):  # noqa: ANN202
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Compare stages (torch, top, tpu) of a decoder layer or whole model on one input."""
+    """Compare stages (torch, mlir, top, tpu) of a decoder layer or whole model on one input."""
     import torch
 
-    from toptpu.compare import THRESHOLDS, IRStage, TorchStage, compare_stages, tpu_threshold
+    from toptpu.compare import (
+        THRESHOLDS,
+        IRStage,
+        MLIRStage,
+        TorchStage,
+        compare_stages,
+        tpu_threshold,
+    )
     from toptpu.frontends.fx_importer import import_exported
     from toptpu.frontends.hf_layers import DecoderStack, decoder_layer, layer_inputs
     from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
@@ -119,7 +126,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     top_module = module.clone()
     run_passes(top_module, top_pipeline_passes())
     stages = {"torch": TorchStage("torch", ep, names, outs, net),
-              "top": IRStage("top", top_module)}
+              "top": IRStage("top", top_module),
+              "mlir": MLIRStage("mlir", top_module)}
     if "tpu" in args.stages:
         tpu_module = top_module.clone()
         run_passes(tpu_module, tpu_pipeline_passes(args.mode, args.group_size, args.symmetric))
@@ -127,11 +135,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     order = [s.strip() for s in args.stages.split(",")]
     for s in order:
         if s not in stages:
-            raise SystemExit(f"toptpu compare: unknown stage '{s}' (torch, top, tpu)")
+            raise SystemExit(f"toptpu compare: unknown stage '{s}' (torch, mlir, top, tpu)")
+    if args.oracle == "mlir" and "mlir" not in order:
+        # the MLIR-JIT oracle checks torch and becomes the reference of the next stage
+        at = order.index("torch") + 1 if "torch" in order else 0
+        order.insert(at, "mlir")
     arrays = {k: v.numpy() for k, v in feeds.items()}
     ok = True
     for a, b in zip(order, order[1:], strict=False):
-        thr = THRESHOLDS["top-vs-torch"] if b == "top" else tpu_threshold(args.mode)
+        thr = THRESHOLDS["top-vs-torch"] if b in ("top", "mlir") else tpu_threshold(args.mode)
         dump = os.path.join(args.dump, f"{a}-vs-{b}") if args.dump else None
         rep = compare_stages(stages[a], stages[b], arrays, thr, args.compare_all, dump)
         print(rep.table())
@@ -178,7 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
     c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")
     c.add_argument("--stages", default="torch,top,tpu",
-                   help="comma-separated stages compared pairwise in order")
+                   help="comma-separated stages compared pairwise in order (torch, mlir, top, "
+                   "tpu)")
+    c.add_argument("--oracle", choices=["torch", "mlir"], default="torch",
+                   help="mlir: also run the Top module compiled by real MLIR (linalg, LLVM "
+                   "JIT) after torch, as the reference of the numpy interpreter")
     c.add_argument("--what", choices=["layer", "model"], default="layer",
                    help="one decoder layer (with rope) or the whole model to logits")
     c.add_argument("--layer", type=int, default=0)

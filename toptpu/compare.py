@@ -69,6 +69,25 @@ class IRStage:
 
 
 @dataclass
+class MLIRStage:
+    """A Top module lowered to linalg and compiled by real MLIR (`toptpu.mlir_jit`): the
+    numerical oracle independent of the numpy kernels. It yields the outputs only (the
+    compiled code keeps no intermediate tensors), compiled once on first use."""
+
+    name: str
+    module: Any  # ModuleOp (Top)
+    func_name: str | None = None
+    jit: Any = None  # toptpu.mlir_jit.MLIRJit, built lazily
+
+    def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
+        from toptpu.mlir_jit import MLIRJit
+
+        if self.jit is None:
+            self.jit = MLIRJit(self.module, func_name=self.func_name)
+        return StageResult(self.jit.run(inputs).outputs)
+
+
+@dataclass
 class TorchStage:
     """The exported torch program, run node by node (intermediates by Top's names)."""
 

@@ -48,6 +48,7 @@ LOWERING_PIPELINE = ",".join([
     "finalize-memref-to-llvm",
     "convert-math-to-llvm",
     "convert-math-to-libm",
+    "arith-expand{include-bf16}",
     "convert-arith-to-llvm",
     "convert-index-to-llvm",
     "convert-cf-to-llvm",
@@ -135,9 +136,12 @@ class MLIRJit:
             raise MLIRJitError(f"no function @{func_name}")
         self.func_name = fn.sym_name.data
         self.linalg_module = lowered
-        self.args = self._signature(fn)
+        orig = next(f for f in module.ops
+                    if isinstance(f, func.FuncOp) and f.sym_name.data == self.func_name)
+        self.args = self._signature(fn, orig)
+        # dtypes as the Top function declares them (booleans travel as bytes)
         self.outputs = [(n, tuple(t.get_shape()), numpy_dtype(t.element_type))
-                        for n, t in zip(output_names(fn), fn.function_type.outputs.data,
+                        for n, t in zip(output_names(orig), orig.function_type.outputs.data,
                                         strict=True) if isinstance(t, TensorType)]
         self.lower_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -148,13 +152,16 @@ class MLIRJit:
 
     # ------------------------------------------------------------------ compile
     @staticmethod
-    def _signature(fn: func.FuncOp) -> list[_Arg]:
+    def _signature(fn: func.FuncOp, orig: func.FuncOp) -> list[_Arg]:
         from toptpu.passes.convert_top_to_linalg import WEIGHT_ARG_ATTR
 
         attrs = fn.arg_attrs.data if isinstance(fn.arg_attrs, ArrayAttr) else []
         names = input_names(fn)
+        declared = list(orig.function_type.inputs.data)
         out = []
         for i, t in enumerate(fn.function_type.inputs.data):
+            if i < len(declared):
+                t = declared[i]
             assert isinstance(t, TensorType)
             d = attrs[i] if i < len(attrs) else None
             weight = isinstance(d, DictionaryAttr) and isinstance(
