@@ -11,6 +11,27 @@ Memory is explicit: the runtime allocates device buffers (`alloc`), writes/reads
 runs a net with every input and output *bound* to a buffer. That is how decode writes the
 new token's k/v straight into its cache slot (no concatenated copy) and how each layer runs
 the one compiled `block` net with its own weights (`layer=`).
+
+Binding rules every executor follows (the runtime in `toptpu.backend.runtime` relies on
+them; `toptpu.backend.interpreter_executor` is the reference implementation):
+
+- `run` gets exactly the net's input and output names (IO names of a net are unique:
+  the block nets' hidden output is `hidden_out`); anything missing or extra is an error.
+- A bound buffer has the spec's dtype and the spec's shape up to size-1 axes (shapes
+  equal after dropping 1s): `hidden[0, n-1:n]` ([1, 1, H]) binds the lm_head's [1, H].
+- `Buffer.slot(1, start, n)` of a [1, S, ...] buffer is the contiguous rows start..start+n
+  (all leading axes have size 1), an alias of the same memory, not a copy.
+- A net reads its inputs as they are before the run and its outputs land in their buffers
+  by the end of it. An output may alias an input: decode binds `history_k` to the whole
+  cache and `present_k` to `cache.slot(1, pos, 1)`; prefill_kv binds `history_k` to
+  `cache.slot(1, 0, Hh)` and `present_k` to `cache.slot(1, start, L)`. The aliased rows are
+  masked in that very run, so they may be read before or after the write, as long as every
+  value stays finite (caches start zeroed; padded rows compute finite values).
+- `layer=` is required for a per-layer net (`NetInfo.per_layer`) and forbidden otherwise;
+  layer i's weights are the i-th chunk of the model file's weight blob
+  (`toptpu.backend.llm_file`).
+- `modelled_seconds()` only grows; an executor without a cost model returns 0.0 and the
+  runtime reports modelled times as "n/a".
 """
 
 from __future__ import annotations

@@ -16,6 +16,14 @@ A net reads all its inputs before it writes any output, so an output bound to a 
 buffer that is also an input (decode writes present_k into the cache it reads as
 history_k) is safe: the slot being written is masked in that very run.
 
+`tpu.a16_matmul` runs as the kernel's two halves, `kernels.dequantize` then
+`kernels.matmul_dequantized`, and the dequantized weights of each (layer, weight) are kept
+for later runs; likewise a f16/bf16 weight of `tpu.matmul` (e.g. the lm_head) is upcast to
+f32 once (`kernels.f32`, exact) instead of at every call. Both caches share a budget of
+`weight_cache_bytes` (default 4 GiB; beyond it weights are converted per call). A decode
+step then costs its matmuls, not a conversion of every weight; the numbers are the
+kernels' own.
+
 There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 """
 
@@ -31,6 +39,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
+from toptpu.backend import kernels as K
 from toptpu.backend.executor import NetInfo, TensorSpec
 from toptpu.backend.interpreter import (
     EVALUATORS,
@@ -41,8 +50,8 @@ from toptpu.backend.interpreter import (
 )
 from toptpu.backend.llm_file import LlmFile
 from toptpu.backend.model_file import ModelFileError
-from toptpu.dialects import top
-from toptpu.dialects.common import ShapedOp, shape_of
+from toptpu.dialects import top, tpu
+from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
 from toptpu.dialects.naming import input_names, output_names
 
 
@@ -86,6 +95,11 @@ class _Step:
     fn: Evaluator
     args: list[int | None]  # value ids of the operands (None: absent optional operand)
     results: list[int]
+    qweight: str | None = None  # a16_matmul: the name of its packed weight (cache key)
+    float_weight: str | None = None  # matmul with a f16/bf16 weight operand: its name
+    bits: int = 0
+    group_size: int = 0
+    out_dtype: np.dtype | None = None
 
 
 class _Plan:
@@ -122,17 +136,28 @@ class _Plan:
             if fn_ is None:
                 raise ExecutorError(f"the interpreter has no evaluator for '{op.name}'")
             groups = op.operand_groups() if isinstance(op, ShapedOp) else list(op.operands)
-            self.steps.append(_Step(op, fn_, [vid(v) if v is not None else None
-                                              for v in groups],
-                                    [vid(r) for r in op.results]))
+            step = _Step(op, fn_, [vid(v) if v is not None else None for v in groups],
+                         [vid(r) for r in op.results])
+            if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp):
+                step.qweight = op.qweight.owner.tensor_name
+                step.bits, step.group_size = read_int(op.weight_bits), read_int(op.group_size)
+                step.out_dtype = numpy_dtype(elem_of(op.output))
+            if (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
+                    and numpy_dtype(elem_of(op.rhs)).name in ("float16", "bfloat16")):
+                step.float_weight = op.rhs.owner.tensor_name
+            self.steps.append(step)
         self.size = len(ids)
 
 
 class InterpreterExecutor:
     """Runs the nets of a model file with the numpy interpreter (see the module doc)."""
 
-    def __init__(self, model: str | LlmFile, verify_checksums: bool = True) -> None:
+    def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
+                 weight_cache_bytes: int = 4 << 30) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
+        self.weight_cache_bytes = weight_cache_bytes
+        self._converted: dict[tuple[int | None, str], np.ndarray] = {}
+        self._converted_bytes = 0
         self.header: dict[str, Any] = self.file.header
         self._nets = self.file.net_infos()
         self._plans: dict[str, _Plan] = {}
@@ -194,7 +219,13 @@ class InterpreterExecutor:
             vals[i] = arr
         ctx = self._ctx
         for step in plan.steps:
-            res = step.fn(step.op, [vals[a] if a is not None else None for a in step.args], ctx)
+            args = [vals[a] if a is not None else None for a in step.args]
+            if step.qweight is not None:
+                vals[step.results[0]] = self._a16_matmul(step, args, layer)
+                continue
+            if step.float_weight is not None:
+                args[1] = self._cached((layer, step.float_weight), lambda w=args[1]: K.f32(w))
+            res = step.fn(step.op, args, ctx)
             for r, arr in zip(step.results, res, strict=True):
                 vals[r] = arr
         results = [vals[i] for i in plan.outputs]  # all computed before any write
@@ -203,6 +234,24 @@ class InterpreterExecutor:
             np.copyto(buf.array, np.asarray(arr).reshape(buf.shape))
 
     # ------------------------------------------------------------------ internals
+    def _a16_matmul(self, step: _Step, args: list[Any], layer: int | None) -> np.ndarray:
+        """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
+        x, q, s, z, bias = args
+        assert step.qweight is not None
+        w = self._cached((layer, step.qweight),
+                         lambda: K.dequantize(q, s, z, step.bits, step.group_size))
+        return K.matmul_dequantized(x, w, bias, step.out_dtype)
+
+    def _cached(self, key: tuple[int | None, str], make: Any) -> np.ndarray:
+        """A converted weight, kept while the cache budget allows."""
+        w = self._converted.get(key)
+        if w is None:
+            w = make()
+            if self._converted_bytes + w.nbytes <= self.weight_cache_bytes:
+                self._converted[key] = w
+                self._converted_bytes += w.nbytes
+        return w
+
     def _check_binding(self, net: str, spec: TensorSpec, buf: Any) -> None:
         if not isinstance(buf, ArrayBuffer):
             raise ExecutorError(f"'{spec.name}' of net '{net}' is bound to a "
