@@ -182,8 +182,9 @@ def broadcast_map(src: Shape, full: Shape) -> AffineMapAttr:
 class Body:
     """Builds the scalar region of a `linalg.generic` (arith/math on its block args)."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, block: Block, fast_math: bool = False) -> None:
         self.block = block
+        self.flags = arith.FastMathFlagsAttr(("reassoc", "contract")) if fast_math else None
         self.b = Builder(InsertPoint.at_end(block))
 
     @property
@@ -251,6 +252,8 @@ class Body:
                    "div": arith.FloorDivSIOp, "max": arith.MaxSIOp, "min": arith.MinSIOp}[kind]
         else:
             raise LinalgLoweringError(f"no arithmetic on {t}")
+        if self.flags is not None and _is_float(t):
+            return self._ins(cls(a, b, self.flags))
         return self._ins(cls(a, b))
 
     def add(self, a: SSAValue, b: SSAValue) -> SSAValue:
@@ -308,7 +311,8 @@ BodyFn = Callable[[Body], SSAValue]
 class Emitter:
     """Collects the ops that replace one Top op (all named like it)."""
 
-    def __init__(self, root: Operation) -> None:
+    def __init__(self, root: Operation, fast_math: bool = False) -> None:
+        self.fast_math = fast_math
         self.root = root
         self.ops: list[Operation] = []
 
@@ -327,7 +331,7 @@ class Emitter:
         assert isinstance(out_t, TensorType)
         arg_types = [_elem(v) for v, _ in ins] + [out_t.element_type]
         block = Block(arg_types=arg_types)
-        bb = Body(block)
+        bb = Body(block, self.fast_math)
         bb.b.insert(linalg.YieldOp(bb.convert(body(bb), out_t.element_type)))
         its = [linalg_attrs.IteratorTypeAttr(linalg_attrs.IteratorType(k)) for k in iterators]
         op = linalg.GenericOp([v for v, _ in ins], [init], Region(block),
@@ -921,13 +925,13 @@ LOWERINGS: dict[type[Operation], Lowering] = {
 }  # type: ignore[dict-item]
 
 
-def _rewrite(op: Operation, rewriter: PatternRewriter) -> None:
+def _rewrite(op: Operation, rewriter: PatternRewriter, fast_math: bool) -> None:
     fn = LOWERINGS[type(op)]
     for v in (*op.operands, *op.results):
         if not isinstance(v.type, TensorType):
             raise LinalgLoweringError(f"{_where(op)}: needs ranked tensors (run shape-infer)")
         _check_type(v.type.element_type, op)
-    e = Emitter(op)
+    e = Emitter(op, fast_math)
     result = fn(e, op)
     rewriter.replace(op, e.ops, [result])
 
@@ -935,8 +939,11 @@ def _rewrite(op: Operation, rewriter: PatternRewriter) -> None:
 # =========================================================================== patterns
 
 
+@dataclass(frozen=True)
 class LowerElementwise(RewritePattern):
     """Unary, scalar, binary, compare, where and cast ops: one broadcasting generic."""
+
+    fast_math: bool = False
 
     @op_type_rewrite_pattern
     def match_and_rewrite(
@@ -945,36 +952,45 @@ class LowerElementwise(RewritePattern):
         | top.SubConstOp | top.MulConstOp | top.DivConstOp | top.AddOp | top.SubOp
         | top.MulOp | top.DivOp | top.MaxOp | top.MinOp | top.CompareOp | top.WhereOp
         | top.CastOp, rewriter: PatternRewriter) -> None:
-        _rewrite(op, rewriter)
+        _rewrite(op, rewriter, self.fast_math)
 
 
+@dataclass(frozen=True)
 class LowerReductions(RewritePattern):
     """softmax, reduce, rms_norm, layer_norm: reductions with f32 accumulation."""
+
+    fast_math: bool = False
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.SoftmaxOp | top.ReduceOp | top.RmsNormOp
                           | top.LayerNormOp, rewriter: PatternRewriter) -> None:
-        _rewrite(op, rewriter)
+        _rewrite(op, rewriter, self.fast_math)
 
 
+@dataclass(frozen=True)
 class LowerContractions(RewritePattern):
     """matmul (+bias, transposes, batch broadcast), attention (GQA, history, mask, causal),
     conv2d."""
 
+    fast_math: bool = False
+
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.MatMulOp | top.AttentionOp | top.Conv2dOp,
                           rewriter: PatternRewriter) -> None:
-        _rewrite(op, rewriter)
+        _rewrite(op, rewriter, self.fast_math)
 
 
+@dataclass(frozen=True)
 class LowerDataMovement(RewritePattern):
     """reshape, permute, expand, slice, concat, gather, rope, constant."""
+
+    fast_math: bool = False
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.ReshapeOp | top.PermuteOp | top.ExpandOp
                           | top.SliceOp | top.ConcatOp | top.GatherOp | top.RopeOp
                           | top.ConstantOp, rewriter: PatternRewriter) -> None:
-        _rewrite(op, rewriter)
+        _rewrite(op, rewriter, self.fast_math)
 
 
 # =========================================================================== the pass
@@ -1014,6 +1030,11 @@ class ConvertTopToLinalgPass(ModulePass):
 
     name = "convert-top-to-linalg"
 
+    #: `arith.fastmath<reassoc,contract>` on float arithmetic: LLVM may vectorize the
+    #: reductions (sums in another order, fused multiply-adds); never nnan/ninf (masks
+    #: are -inf)
+    fast_math: bool = False
+
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         funcs = [fn for fn in op.ops if isinstance(fn, func.FuncOp)]
         for fn in funcs:
@@ -1021,8 +1042,10 @@ class ConvertTopToLinalgPass(ModulePass):
             for arg in fn.body.block.args:
                 arg._type = _storage_tensor(arg.type)  # noqa: SLF001 - i1 -> i8 storage
         PatternRewriteWalker(
-            GreedyRewritePatternApplier([LowerElementwise(), LowerReductions(),
-                                         LowerContractions(), LowerDataMovement()]),
+            GreedyRewritePatternApplier([LowerElementwise(self.fast_math),
+                                         LowerReductions(self.fast_math),
+                                         LowerContractions(self.fast_math),
+                                         LowerDataMovement(self.fast_math)]),
             apply_recursively=False,
         ).rewrite_module(op)
         for fn in funcs:

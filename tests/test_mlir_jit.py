@@ -223,6 +223,9 @@ def test_jit_decoder_layer_matches_torch(tiny_models, family: str) -> None:
     assert similarity(got, numpy_out).cosine >= 0.99999
     # a second call reuses the compiled code and the fed weights
     assert np.array_equal(jit.run(feeds)["out"], got)
+    if family == "qwen2":  # reassociated sums (vectorized reductions) stay within the bar
+        fast = MLIRJit(module, fast_math=True).run(feeds)["out"]
+        assert similarity(fast, ref).cosine >= 0.99999
 
 
 # --------------------------------------------------------------------------- bad input
