@@ -280,11 +280,21 @@ class Runtime:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def open(cls, path: str, verify_checksums: bool = True) -> Runtime:
-        """Load a model file with the interpreter executor."""
-        from toptpu.backend.interpreter_executor import InterpreterExecutor
+    def open(cls, path: str, executor: str = "interpreter",
+             verify_checksums: bool = True) -> Runtime:
+        """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
+        `machine` executor (the file's command streams on the reference machine)."""
+        ex: Any
+        if executor == "interpreter":
+            from toptpu.backend.interpreter_executor import InterpreterExecutor
 
-        ex = InterpreterExecutor(path, verify_checksums)
+            ex = InterpreterExecutor(path, verify_checksums)
+        elif executor == "machine":
+            from toptpu.backend.machine_executor import MachineExecutor
+
+            ex = MachineExecutor(path)
+        else:
+            raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)
         rt._tokenizer_files = ex.file.tokenizer_files()
         return rt

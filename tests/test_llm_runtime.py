@@ -107,3 +107,42 @@ def test_chat_keeps_the_cache_between_turns(tmp_path_factory) -> None:
     assert [m["role"] for m in rt.messages] == ["user", "assistant", "user", "assistant"]
     rt.reset()
     assert rt.position == 0 and rt.messages == []
+
+
+def test_stopping_and_the_sampling_path(tmp_path_factory) -> None:
+    rt = Runtime.open(compiled(tmp_path_factory, "qwen2").model_file)
+    ids = rt.encode("Hello world! The tensor processor")
+    ref = rt.generate(ids, 20, stop_on_eos=False).generated_ids
+    # greedy through the logits net and the host sampler (top-1) equals the fused top-1 net
+    assert rt.generate(ids, 20, SamplingConfig(temperature=1.0, top_k=1),
+                       stop_on_eos=False).generated_ids == ref
+    # a seeded sampling run is reproducible
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.3, seed=7)
+    a = rt.generate(ids, 12, cfg, stop_on_eos=False).generated_ids
+    assert rt.generate(ids, 12, cfg, stop_on_eos=False).generated_ids == a
+    # EOS ids of the generation config stop after the EOS token
+    rt.eos_ids = {ref[6]}
+    res = rt.generate(ids, 20)
+    first = ref.index(ref[6])
+    assert res.stop_reason == "eos" and res.generated_ids == ref[:first + 1]
+    rt.eos_ids = set()
+    # stop strings stop at the token that completes one
+    text = rt.decode(ref)
+    stop = text[len(rt.decode(ref[:8])):][:3]
+    assert stop
+    rt.stop_strings = [stop]
+    res = rt.generate(ids, 20)
+    assert res.stop_reason == "stop_string" and stop in res.text
+    assert stop not in rt.decode(res.generated_ids[:-1])
+
+
+def test_chat_command(tmp_path_factory, monkeypatch, capsys) -> None:
+    from toptpu.cli import main
+
+    lines = iter(["Hello!", "/reset", "What is the capital of France?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    path = compiled(tmp_path_factory, "qwen2").model_file
+    assert main(["chat", path, "--max-new-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("6 tokens, stop: max_new_tokens") == 2 and "[conversation reset]" in err
+    assert "tokens in the cache" in err and "n/a modelled" in err

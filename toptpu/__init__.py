@@ -1,1 +1,24 @@
-"""toptpu."""
+"""toptpu: an MLIR-style LLM compiler on xDSL and a numpy reference tensor processor.
+
+The public API, imported lazily (so `import toptpu` does not pull in torch):
+`toptpu.compile(model, output, mode=..., seq_length=...)` (see `toptpu.compiler`) and
+`toptpu.Runtime.open(model_file)` (see `toptpu.backend.runtime`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Runtime", "compile"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "compile":
+        from toptpu.compiler import compile as compile_model
+
+        return compile_model
+    if name == "Runtime":
+        from toptpu.backend.runtime import Runtime
+
+        return Runtime
+    raise AttributeError(f"module 'toptpu' has no attribute '{name}'")

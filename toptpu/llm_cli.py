@@ -25,8 +25,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from toptpu.frontends.hf_loader import ModelLoadError
     from toptpu.frontends.llm import SplitError
 
-    return (ModelLoadError, CompileError, ModelFileError, GenerationError, ExecutorError,
-            SplitError)
+    errors: tuple[type[BaseException], ...] = (ModelLoadError, CompileError, ModelFileError,
+                                               GenerationError, ExecutorError, SplitError)
+    try:  # the machine executor's errors, where it is installed
+        from toptpu.backend.machine import MachineTrap
+        from toptpu.backend.machine_executor import MachineExecutorError
+
+        errors += (MachineTrap, MachineExecutorError)
+    except ImportError:
+        pass
+    return errors
 
 
 def _fail(cmd: str, e: BaseException) -> int:
@@ -58,6 +66,8 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", choices=["interpreter", "machine"], default="interpreter",
+                   help="run the nets with the Tpu interpreter or on the reference machine")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy (default: the generation config's, greedy unless it "
@@ -120,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from toptpu.backend.runtime import Runtime
 
     try:
-        rt = Runtime.open(args.model_file)
+        rt = Runtime.open(args.model_file, args.executor)
         sampling = sampling_from_args(args, rt.header.get("generation", {}))
         if args.ids is not None:
             ids = [int(x) for x in args.ids.replace(",", " ").split()]
@@ -149,7 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "ttft_s": res.ttft_s, "tokens_per_s": res.decode_tokens_per_s,
             "modelled_ttft_s": res.modelled_ttft_s,
             "modelled_tokens_per_s": res.modelled_tokens_per_s,
-            "executor": "interpreter",
+            "executor": args.executor,
         }))
     else:
         print()
@@ -163,7 +173,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from toptpu.backend.runtime import PromptTooLongError, Runtime
 
     try:
-        rt = Runtime.open(args.model_file)
+        rt = Runtime.open(args.model_file, args.executor)
         sampling = sampling_from_args(args, rt.header.get("generation", {}))
         _ = rt.tokenizer
     except _user_errors() as e:
