@@ -140,13 +140,17 @@ class WeightLayout:
 
 
 def write_llm_file(path: str, header: Mapping[str, Any], irs: Mapping[str, str],
-                   tokenizer_files: Mapping[str, bytes], blob: np.ndarray) -> None:
-    """Write the model file atomically (see the module doc for the layout)."""
+                   tokenizer_files: Mapping[str, bytes], blob: np.ndarray,
+                   extra_sections: Mapping[str, bytes] | None = None) -> None:
+    """Write the model file atomically (see the module doc for the layout).
+    `extra_sections` adds more named sections (e.g. a net's command streams, named by its
+    header entry `nets.<net>.streams`)."""
     sections: dict[str, bytes | memoryview] = {}
     for net, text in irs.items():
         sections[ir_section(net)] = text.encode()
     for name, data in tokenizer_files.items():
         sections[tokenizer_section(name)] = data
+    sections.update(extra_sections or {})
     sections[WEIGHTS_SECTION] = memoryview(np.ascontiguousarray(blob, dtype=np.uint8))
     write_model_file(path, header, sections)
 
