@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from filelock import FileLock
@@ -63,10 +64,10 @@ def compiled(tmp_path_factory: pytest.TempPathFactory, family: str, mode: str = 
     return Built(model_dir, path)
 
 
-_HF: dict[str, object] = {}
+_HF: dict[str, Any] = {}
 
 
-def hf_model(model_dir: str):  # noqa: ANN201 - a transformers model
+def hf_model(model_dir: str) -> Any:
     """The saved model loaded back by transformers (the reference for generate)."""
     if model_dir not in _HF:
         import torch

@@ -4,10 +4,14 @@ and the edge paths (history beyond max_history, a chunk that runs past SEQ, a fu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import pytest
 from llm_fixtures import LONG_PROMPT, compiled, hf_generate
 
+from toptpu.backend.executor import Buffer, Executor
 from toptpu.backend.llm_file import LlmFile
 from toptpu.backend.runtime import PromptTooLongError, Runtime
 from toptpu.dialects import tpu
@@ -23,13 +27,13 @@ N = 40
 class _Spy:
     """Wraps an executor and records which nets run."""
 
-    def __init__(self, ex) -> None:  # noqa: ANN001
-        self.ex, self.calls = ex, []
+    def __init__(self, ex: Executor) -> None:
+        self.ex, self.calls = ex, list[str]()
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.ex, name)
 
-    def run(self, net, bindings, layer=None) -> None:  # noqa: ANN001
+    def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
         self.calls.append(net)
         self.ex.run(net, bindings, layer)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _edit_config(path: str, **changes: object) -> None:
         json.dump(cfg, f)
 
 
-def _edit_weights(path: str, fn) -> None:  # noqa: ANN001
+def _edit_weights(path: str, fn: Callable[[dict[str, torch.Tensor]], object]) -> None:
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     fn(tensors)
