@@ -54,6 +54,7 @@ from xdsl.dialects.builtin import (
     Signedness,
     StringAttr,
     TensorType,
+    UnitAttr,
     f32,
     f64,
     i1,
@@ -85,7 +86,7 @@ from toptpu.dialects.common import (
     read_str,
     shape_of,
 )
-from toptpu.dialects.naming import NAME_ATTR, op_name
+from toptpu.dialects.naming import NAME_ATTR, op_name, output_names, value_name
 
 #: arg attribute naming the weight a function argument carries
 WEIGHT_ARG_ATTR = "top.weight"
@@ -1024,6 +1025,60 @@ def weights_to_arguments(fn: func.FuncOp) -> list[str]:
     return names
 
 
+def own_buffers(ret: func.ReturnOp) -> None:
+    """Give every returned tensor a buffer of its own: a value returned twice, a function
+    argument, a reshaped view or a constant is copied by an identity generic first (MLIR
+    22's buffer-results-to-out-params crashes on returned views of arguments)."""
+    seen: set[SSAValue] = set()
+    operands = []
+    for v in ret.operands:
+        if not isinstance(v.owner, linalg.GenericOp) or v in seen:
+            e = Emitter(ret)
+            v = e.map([(v, identity(len(shape_of(v))))], shape_of(v), _elem(v),
+                      lambda b: b.args[0])
+            for o in e.ops:
+                o.location = ret.location
+                ret.parent_block().insert_op_before(o, ret)  # type: ignore[union-attr]
+        seen.add(v)
+        operands.append(v)
+    ret.operands = operands
+
+
+#: result attribute marking a function result added by `expose-values` (an intermediate)
+VALUE_RES_ATTR = "top.value"
+
+
+def expose_values(fn: func.FuncOp) -> list[str]:
+    """Return every named intermediate of `fn` (each Top op result with a location name,
+    except weights and constants) as an extra function result (result attributes
+    `top.name = name`, `top.value`), so a JIT run yields the tensors stage comparison
+    matches by name. Returns the names in result order."""
+    ret = fn.body.block.last_op
+    if not isinstance(ret, func.ReturnOp):
+        return []
+    seen = set(output_names(fn))
+    names: list[str] = []
+    values: list[SSAValue] = []
+    for op in fn.body.block.ops:
+        if not op.name.startswith("top.") or isinstance(op, top.WeightOp | top.ConstantOp):
+            continue
+        for r in op.results:
+            n = value_name(r)
+            if n is not None and n not in seen:
+                seen.add(n)
+                names.append(n)
+                values.append(r)
+    if values:
+        n_out = len(ret.operands)
+        old = list(fn.res_attrs.data) if fn.res_attrs is not None else [
+            DictionaryAttr({}) for _ in range(n_out)]
+        ret.operands = [*ret.operands, *values]
+        fn.res_attrs = ArrayAttr(old + [DictionaryAttr({NAME_ATTR: StringAttr(n),
+                                                        VALUE_RES_ATTR: UnitAttr()})
+                                        for n in names])
+    return names
+
+
 @dataclass(frozen=True)
 class ConvertTopToLinalgPass(ModulePass):
     """Lower Top to linalg/tensor/arith/math (weights become function arguments)."""
@@ -1035,9 +1090,15 @@ class ConvertTopToLinalgPass(ModulePass):
     #: are -inf)
     fast_math: bool = False
 
+    #: also return every named intermediate tensor (result attribute `top.value`): what
+    #: `toptpu compare --compare-all` compares against the numpy interpreter's tensors
+    expose_values: bool = False
+
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         funcs = [fn for fn in op.ops if isinstance(fn, func.FuncOp)]
         for fn in funcs:
+            if self.expose_values:
+                expose_values(fn)
             weights_to_arguments(fn)
             for arg in fn.body.block.args:
                 arg._type = _storage_tensor(arg.type)  # noqa: SLF001 - i1 -> i8 storage
@@ -1050,6 +1111,8 @@ class ConvertTopToLinalgPass(ModulePass):
         ).rewrite_module(op)
         for fn in funcs:
             ret = fn.body.block.last_op
+            if isinstance(ret, func.ReturnOp):
+                own_buffers(ret)
             outs = [v.type for v in ret.operands] if isinstance(ret, func.ReturnOp) else \
                 list(fn.function_type.outputs.data)
             fn.function_type = FunctionType.from_lists(

@@ -228,6 +228,31 @@ def test_jit_decoder_layer_matches_torch(tiny_models, family: str) -> None:
         assert similarity(fast, ref).cosine >= 0.99999
 
 
+def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> None:
+    """Compare every intermediate tensor of the numpy interpreter with the MLIR-compiled
+    ones: a kernel that goes wrong (here rope, off by 0.5) is the first tensor named."""
+    from toptpu.backend import interpreter
+    from toptpu.compare import IRStage, MLIRStage, compare_stages
+
+    model = tiny_models("qwen2")
+    hidden, pos, mask = layer_inputs(model.config.hidden_size, 8)
+    module, _ = import_module(decoder_layer(model), (hidden, pos, mask),
+                              input_names=["hidden", "position_ids", "attention_mask"],
+                              output_names=["out"])
+    run_passes(module, top_pipeline_passes())
+    feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
+             "attention_mask": mask.numpy()}
+    good = interpreter.EVALUATORS["top.rope"]
+    monkeypatch.setitem(interpreter.EVALUATORS, "top.rope",
+                        lambda op, args, ctx: [good(op, args, ctx)[0] + 0.5])
+    rep = compare_stages(MLIRStage("mlir", module), IRStage("top", module), feeds, 0.99999,
+                         compare_all=True)
+    drop = rep.first_drop
+    assert drop is not None and drop.name == "layer.self_attn.add_1", rep.table()
+    assert {r.name for r in rep.tensors} >= {"layer.self_attn.scaled_dot_product_attention",
+                                              "layer.mlp.act_fn.silu"}
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -272,7 +297,10 @@ def test_gather_out_of_range_reads_nan_not_a_neighbour() -> None:
 
 def test_compare_with_the_mlir_oracle_from_the_shell() -> None:
     res = run_tool("toptpu", "compare", "--oracle", "mlir", "--stages", "torch,top",
-                   "--seq", "8")
+                   "--seq", "8", "--compare-all")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "mlir vs torch" in res.stdout and "top vs mlir" in res.stdout
     assert res.stdout.count("PASS") == 2
+    top_vs_mlir = res.stdout.split("top vs mlir")[1]
+    assert "layer.self_attn.scaled_dot_product_attention" in top_vs_mlir
+    assert "first tensor below threshold: none" in top_vs_mlir

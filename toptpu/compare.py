@@ -71,20 +71,22 @@ class IRStage:
 @dataclass
 class MLIRStage:
     """A Top module lowered to linalg and compiled by real MLIR (`toptpu.mlir_jit`): the
-    numerical oracle independent of the numpy kernels. It yields the outputs only (the
-    compiled code keeps no intermediate tensors), compiled once on first use."""
+    numerical oracle independent of the numpy kernels. With `keep_all` it is compiled to
+    also return every named intermediate tensor (compiled once per variant)."""
 
     name: str
     module: Any  # ModuleOp (Top)
     func_name: str | None = None
-    jit: Any = None  # toptpu.mlir_jit.MLIRJit, built lazily
+    jits: dict[bool, Any] = field(default_factory=dict)  # keep_all -> MLIRJit
 
     def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
         from toptpu.mlir_jit import MLIRJit
 
-        if self.jit is None:
-            self.jit = MLIRJit(self.module, func_name=self.func_name)
-        return StageResult(self.jit.run(inputs).outputs)
+        if keep_all not in self.jits:
+            self.jits[keep_all] = MLIRJit(self.module, func_name=self.func_name,
+                                          keep_all=keep_all)
+        res = self.jits[keep_all].run(inputs, keep_all=keep_all)
+        return StageResult(res.outputs, res.values)
 
 
 @dataclass

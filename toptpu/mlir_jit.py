@@ -78,13 +78,14 @@ class _Arg:
     weight: bool
 
 
-def lower_to_linalg(module: ModuleOp, fast_math: bool = False) -> ModuleOp:
+def lower_to_linalg(module: ModuleOp, fast_math: bool = False,
+                    expose_values: bool = False) -> ModuleOp:
     """A copy of a Top `module` lowered by convert-top-to-linalg."""
     from toptpu.dialects import context
     from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
 
     m = module.clone()
-    ConvertTopToLinalgPass(fast_math).apply(context(), m)
+    ConvertTopToLinalgPass(fast_math, expose_values).apply(context(), m)
     m.verify()
     return m
 
@@ -134,16 +135,18 @@ class MLIRJit:
 
     `fast_math=True` lets LLVM reassociate and contract float arithmetic (vectorized
     reductions, about 4x faster on a Qwen2.5-0.5B layer); the default keeps the order the
-    lowering writes, which is what the oracle uses."""
+    lowering writes, which is what the oracle uses. `keep_all=True` compiles the function
+    with every named intermediate tensor as an extra result (`run(...).values`, by the
+    names the interpreter uses)."""
 
     def __init__(self, module: ModuleOp, store: WeightStore | None = None,
                  func_name: str | None = None, opt_level: int = 3,
-                 fast_math: bool = False) -> None:
+                 fast_math: bool = False, keep_all: bool = False) -> None:
         t0 = time.perf_counter()
         if store is None and STORE_ATTR in module.attributes:
             store = store_of(module)
         self.store = store
-        lowered = lower_to_linalg(module, fast_math)
+        lowered = lower_to_linalg(module, fast_math, keep_all)
         fns = [op for op in lowered.ops if isinstance(op, func.FuncOp)]
         if not fns:
             raise MLIRJitError("the module has no func.func to run")
@@ -160,6 +163,11 @@ class MLIRJit:
         self.outputs = [(n, tuple(t.get_shape()), numpy_dtype(t.element_type))
                         for n, t in zip(output_names(orig), orig.function_type.outputs.data,
                                         strict=True) if isinstance(t, TensorType)]
+        n_out = len(self.outputs)
+        self.values = [(n, tuple(t.get_shape()), numpy_dtype(t.element_type))
+                       for n, t in list(zip(output_names(fn), fn.function_type.outputs.data,
+                                            strict=True))[n_out:]
+                       if isinstance(t, TensorType)]
         self.lower_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.engine, self.llvm_module = self._compile(print_generic(lowered, debuginfo=False),
@@ -235,9 +243,10 @@ class MLIRJit:
 
     def run(self, inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray],
             func_name: str | None = None, keep_all: bool = False) -> JitResult:
-        """Run the compiled function (`keep_all` is accepted for symmetry with the
-        interpreter; the JIT has no intermediate tensors to show)."""
-        del keep_all
+        """Run the compiled function; `values` holds the intermediate tensors when the JIT
+        was built with `keep_all=True` (asking for them otherwise is an error)."""
+        if keep_all and not self.values:
+            raise MLIRJitError("intermediate tensors need MLIRJit(..., keep_all=True)")
         if func_name is not None and func_name != self.func_name:
             raise MLIRJitError(f"compiled @{self.func_name}, not @{func_name}")
         names = self.input_names()
@@ -273,10 +282,14 @@ class MLIRJit:
             x = np.ascontiguousarray(x)
             arrays.append(x)  # keeps the buffer alive during the call
             ptrs.append(ctypes.pointer(ctypes.pointer(_descriptor(x))))
-        outs = [np.empty(shape, dtype=dt) for _, shape, dt in self.outputs]
+        outs = [np.empty(shape, dtype=dt) for _, shape, dt in (*self.outputs, *self.values)]
         ptrs += [ctypes.pointer(ctypes.pointer(_descriptor(o))) for o in outs]
         self.engine.invoke(self.func_name, *ptrs)
-        return JitResult({n: o for (n, _, _), o in zip(self.outputs, outs, strict=True)})
+        n = len(self.outputs)
+        return JitResult({name: o for (name, _, _), o in zip(self.outputs, outs[:n],
+                                                                strict=True)},
+                         {name: o for (name, _, _), o in zip(self.values, outs[n:],
+                                                                strict=True)})
 
 
 def mlir_jit(module: ModuleOp, **kw: Any) -> MLIRJit:
