@@ -163,7 +163,6 @@ class InterpreterExecutor:
         self._plans: dict[str, _Plan] = {}
         self._shared = self.file.shared_weights()
         self._layers: dict[int, dict[str, np.ndarray]] = {}
-        self._ctx = EvalContext(None)
 
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:
@@ -217,7 +216,8 @@ class InterpreterExecutor:
             vals[i] = arr
         for i, arr in plan.constants:
             vals[i] = arr
-        ctx = self._ctx
+        # ops nested in regions (e.g. tpu.group bodies) read weights through the context
+        ctx = EvalContext(weights)  # type: ignore[arg-type] - a name -> array mapping
         for step in plan.steps:
             args = [vals[a] if a is not None else None for a in step.args]
             if step.qweight is not None:
