@@ -202,20 +202,30 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
 
 # --------------------------------------------------------------------------- decoder layers
 
+_LAYERS: dict[str, tuple[ModuleOp, dict[str, np.ndarray], np.ndarray]] = {}
+
+
+def _layer(tiny_models, family: str) -> tuple[ModuleOp, dict[str, np.ndarray], np.ndarray]:
+    """A tiny decoder layer after top-pipeline, its inputs and torch's output."""
+    if family not in _LAYERS:
+        model = tiny_models(family)
+        hidden, pos, mask = layer_inputs(model.config.hidden_size, 8)
+        layer = decoder_layer(model)
+        with torch.no_grad():
+            ref = layer(hidden, pos, mask).numpy()
+        module, _ = import_module(layer, (hidden, pos, mask),
+                                  input_names=["hidden", "position_ids", "attention_mask"],
+                                  output_names=["out"])
+        run_passes(module, top_pipeline_passes())
+        feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
+                 "attention_mask": mask.numpy()}
+        _LAYERS[family] = (module, feeds, ref)
+    return _LAYERS[family]
+
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])
 def test_jit_decoder_layer_matches_torch(tiny_models, family: str) -> None:
-    model = tiny_models(family)
-    hidden, pos, mask = layer_inputs(model.config.hidden_size, 8)
-    layer = decoder_layer(model)
-    with torch.no_grad():
-        ref = layer(hidden, pos, mask).numpy()
-    module, _ = import_module(layer, (hidden, pos, mask),
-                              input_names=["hidden", "position_ids", "attention_mask"],
-                              output_names=["out"])
-    run_passes(module, top_pipeline_passes())
-    feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
-             "attention_mask": mask.numpy()}
+    module, feeds, ref = _layer(tiny_models, family)
     jit = MLIRJit(module)
     got = jit.run(feeds)["out"]
     assert similarity(got, ref).cosine >= 0.99999
@@ -234,14 +244,7 @@ def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> Non
     from toptpu.backend import interpreter
     from toptpu.compare import IRStage, MLIRStage, compare_stages
 
-    model = tiny_models("qwen2")
-    hidden, pos, mask = layer_inputs(model.config.hidden_size, 8)
-    module, _ = import_module(decoder_layer(model), (hidden, pos, mask),
-                              input_names=["hidden", "position_ids", "attention_mask"],
-                              output_names=["out"])
-    run_passes(module, top_pipeline_passes())
-    feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
-             "attention_mask": mask.numpy()}
+    module, feeds, _ = _layer(tiny_models, "qwen2")
     good = interpreter.EVALUATORS["top.rope"]
     monkeypatch.setitem(interpreter.EVALUATORS, "top.rope",
                         lambda op, args, ctx: [good(op, args, ctx)[0] + 0.5])

@@ -149,8 +149,17 @@ class IrdlExport:
         """The IRDL module in the custom syntax MLIR parses."""
         return str(self.module)
 
+    def grouped_gaps(self) -> list[str]:
+        """One line per (where, what), listing the ops it concerns."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for g in self.gaps:
+            groups.setdefault((g.where, g.detail), []).append(g.op)
+        return [f"{where} of {', '.join(ops)}: {detail}"
+                for (where, detail), ops in groups.items()]
+
     def annotated(self) -> str:
-        lines = [f"// {g}" for g in self.gaps]
+        """The IRDL text preceded by comments listing the gaps."""
+        lines = [f"// {line}" for line in self.grouped_gaps()]
         head = "// IRDL of toptpu's dialects, generated from the xDSL definitions.\n"
         if lines:
             head += "// Not expressible in IRDL (MLIR 22), see toptpu/irdl_export.py:\n"
