@@ -1,6 +1,7 @@
 // RUN: toptpu-opt %s -p convert-top-to-linalg --split-input-file | filecheck %s
 // RUN: toptpu-opt %s -p 'convert-top-to-linalg,mlir{pipeline="canonicalize,cse"}' --split-input-file | filecheck %s --check-prefix=MLIR
 // RUN: not toptpu-opt %S/Inputs/topk.mlir -p convert-top-to-linalg 2>&1 | filecheck %s --check-prefix=TOPK
+// RUN: not toptpu-opt %S/Inputs/topk.mlir -p 'mlir{pipeline="no-such-pass"}' 2>&1 | filecheck %s --check-prefix=BADPIPE
 
 // weights become trailing function arguments; linear = bias-initialised accumulator and a
 // reduction over k (transpose_b reads the weight as [N, K])
@@ -118,3 +119,7 @@ builtin.module {
 // TOPK: convert-top-to-linalg cannot lower 'top.topk' (topk)
 // TOPK-SAME: sorting has no linalg form
 // TOPK-NOT: Traceback
+
+// BADPIPE: MLIR does not understand the pipeline 'no-such-pass'
+// BADPIPE-SAME: 'no-such-pass' does not refer to a registered pass
+// BADPIPE-NOT: Traceback
