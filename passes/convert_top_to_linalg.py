@@ -11,8 +11,11 @@ kernels (`backend/kernels.py`) and of torch.
 - Every compute op becomes `linalg.generic`s over `tensor.empty`/filled init tensors with
   affine indexing maps (broadcasting = constant-0 results, GQA = `h floordiv rep`, slices =
   `d * step + start`); data-dependent reads (gather, rope's rotated partner, concat,
-  conv2d padding) are `tensor.extract`s in the body. Reshapes are
-  `tensor.collapse_shape` + `tensor.expand_shape`; small constants `arith.constant`.
+  conv2d padding, slices) are `tensor.extract`s in the body (an indexing map that reads
+  a larger operand with a pure loop dimension would redefine that loop's range). Reshapes
+  are `tensor.collapse_shape` + `tensor.expand_shape`; small constants `arith.constant`.
+- Options: `fast-math` (arith `reassoc,contract`: vectorizable reductions) and
+  `expose-values` (every named intermediate tensor also returned, for `--compare-all`).
 - Numerics follow the Top semantics (DESIGN.md): f16/bf16 values are computed in f32 and
   rounded once at the end of an op; matmul, norms, softmax and attention accumulate in
   f32; softmax and attention subtract the row maximum; attention reads history keys and
@@ -844,7 +847,7 @@ def lower_concat(e: Emitter, op: top.ConcatBase) -> SSAValue:
 
 def lower_conv2d(e: Emitter, op: top.Conv2dBase) -> SSAValue:
     x, w, bias = op.input, op.weight, op.bias
-    n, c, h, wd = shape_of(x)
+    _, _, h, wd = shape_of(x)
     o, cg, kh, kw = shape_of(w)
     sh, sw = read_ints(op.strides)
     pt, pl, _, _ = read_ints(op.pads)
@@ -876,7 +879,6 @@ def lower_conv2d(e: Emitter, op: top.Conv2dBase) -> SSAValue:
     acc = e.generic([(w, amap(7, [_d(1), _d(4), _d(5), _d(6)]))], init,
                     amap(7, [_d(0), _d(1), _d(2), _d(3)]),
                     ["parallel"] * 4 + ["reduction"] * 3, body)
-    del c
     return e.convert(acc, out)
 
 
