@@ -34,7 +34,7 @@ from toptpu.dialects import top, tpu
 from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.naming import input_names, op_name, output_names
 from toptpu.passes.layer_group import cost_dtype, op_flops
-from toptpu.passes.lmem import group_template, nbytes
+from toptpu.passes.lmem import group_template, nbytes, result_addresses
 
 
 class CodegenError(Exception):
@@ -194,11 +194,10 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
     store_target = dict(zip(g.body.block.last_op.operands, g.outputs, strict=True))  # type: ignore[union-attr]
     lmem = {}
     for op in [*loads, *computes]:
-        addrs = read_ints(op.attributes.get("lmem"))
-        if not addrs:
+        if not read_ints(op.attributes.get("lmem")):
             raise CodegenError(f"{op_name(op)} has no local address: run layer-group")
         for r in op.results:
-            lmem[r] = addrs
+            lmem[r] = result_addresses(op, r, chip, s > 1)
     per_lane = {v: chip.per_lane(nbytes(v)) for v in lmem}
     # buffer instance of (local value, slice): ids; and the command that reads it last
     inst: dict[tuple[SSAValue, int], int] = {}
@@ -278,6 +277,9 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
                "name": op_name(op) or op.name, "kind": op.name, "op": op_index[op],
                "ins": ins, "outs": outs, "flops": flops, "dtype": cost_dtype(op),
                "free": freed, "group": gi, "slice": i,
+               # results nothing reads die as soon as they are written
+               "free_after": [o["buf"] for r, o in zip(op.results, outs, strict=True)
+                              if uses_in_group[r] == 0],
                "bytes": sum(o["bytes"] for o in outs) if gather_table is not None else 0}
         em.add(cmd, reads, [lrange(r, i) for r in op.results])
 
@@ -319,12 +321,6 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
                 emit_store(st, i - 1)
     for st in stores:
         emit_store(st, s - 1)
-    dead = [(v, k) for (v, k), left in readers_left.items() if left > 0 and
-            uses_in_group[v] == 0]
-    if dead and em.commands:
-        # results nobody reads die with the command that made them
-        em.commands[-1].setdefault("free", [])
-        em.commands[-1]["free"] += [inst[k] for k in dead]
     return sum(op_flops(op) for op in computes)
 
 

@@ -31,7 +31,8 @@ Header keys (besides the container's own `format_version` and `sections`):
 - `tokenizer`: `files` (names; each in section `tokenizer:<name>`)
 - `nets`: name -> `inputs`/`outputs` (lists of {name, shape, dtype: numpy dtype name}),
   `per_layer`, `ir` (section name), `weights` (the tensor names the net reads), `streams`
-  (null here: reserved for the machine's command streams of this net)
+  (section `stream:<net>`: the machine's command streams, a backend.codegen.Program with
+  the grouped Tpu IR), `consts` (section `const:<net>`: its constant pool), `commands`
 - `weights`: `section`, `alignment`, `size`, `shared` / `layer` (name -> {offset, shape,
   dtype, nbytes}; `layer` offsets are relative to a chunk base), `layer_base`,
   `layer_stride`, `num_layers`

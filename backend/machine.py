@@ -319,3 +319,4 @@ class Machine:
         self.free(c.get("free", []))
         for ref, value in zip(c["outs"], results, strict=True):
             self.write_local(ref, value, who)
+        self.free(c.get("free_after", []))

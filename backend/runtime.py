@@ -280,7 +280,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def open(cls, path: str, executor: str = "interpreter",
+    def open(cls, path: str, executor: str = "machine",
              verify_checksums: bool = True) -> Runtime:
         """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
         `machine` executor (the file's command streams on the reference machine)."""

@@ -115,6 +115,26 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
     return bufs
 
 
+def result_addresses(op: Operation, value: SSAValue, chip: Chip, sliced: bool) -> list[int]:
+    """The local addresses (one per copy) of `value`, a result of `op`, from its `lmem`
+    attribute, which lists each result's copies in result order."""
+    del chip
+    addrs = read_ints(op.attributes.get("lmem"))
+    counts = []
+    for r in op.results:
+        stored = any(isinstance(u.operation, tpu.StoreOp) for u in r.uses)
+        loaded = isinstance(op, tpu.LoadOp) and read_int(op.slice_axis) != -1
+        counts.append(2 if sliced and (stored or loaded) else 1)
+    if sum(counts) != len(addrs):
+        return addrs if len(op.results) == 1 else []
+    start = 0
+    for r, n in zip(op.results, counts, strict=True):
+        if r is value:
+            return addrs[start:start + n]
+        start += n
+    return []
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
@@ -192,8 +212,11 @@ def allocate_group(group: tpu.GroupOp, chip: Chip) -> None:
                 f"the group's buffers total {need} B/lane, a lane has {chip.lane_bytes}"
             )
         placed[(i, c)] = addr
-    for i, b in enumerate(bufs):
-        b.op.attributes["lmem"] = i64_array([placed[(i, c)] for c in range(b.copies)])
+    per_op: dict[Operation, list[int]] = {}
+    for i, b in enumerate(bufs):  # results in order: lmem lists each result's copies
+        per_op.setdefault(b.op, []).extend(placed[(i, c)] for c in range(b.copies))
+    for op, addrs in per_op.items():
+        op.attributes["lmem"] = i64_array(addrs)
 
 
 def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
@@ -206,7 +229,7 @@ def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
         attr = b.op.attributes.get("lmem")
         if attr is None:
             raise LocalMemoryError(f"{b.name()} has no local address")
-        a = read_ints(attr)
+        a = result_addresses(b.op, b.value, chip, read_int(group.slices) > 1)
         if len(a) != b.copies:
             raise LocalMemoryError(f"{b.name()} needs {b.copies} address(es), has {len(a)}")
         for x in a:

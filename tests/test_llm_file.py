@@ -53,7 +53,9 @@ def test_header_carries_shapes_config_generation_and_tokenizer(tmp_path_factory)
     assert h["model"]["config"]["rope_parameters"]["rope_type"] == "llama3"
     assert h["generation"]["eos_token_ids"] == [2, 0]
     assert "tokenizer.json" in h["tokenizer"]["files"]
-    assert all(n["streams"] is None for n in h["nets"].values())
+    # every net carries its command streams and constant pool for the machine
+    assert all(n["streams"] == f"stream:{name}" and n["consts"] == f"const:{name}"
+               and n["commands"] > 0 for name, n in h["nets"].items())
     assert {n for n, d in h["nets"].items() if d["per_layer"]} == {"block", "block_kv",
                                                                     "block_cache"}
     # tied embeddings: the f32 embedding table and lm_head weight are stored once
@@ -105,7 +107,7 @@ def test_cli_compile_and_run_json(tmp_path_factory, tmp_path, capsys) -> None:
     assert code == 0, err
     assert "7/7 lm_head_logits" in err and "wrote" in err
     assert (dump / "weights.safetensors").exists()
-    passes = len(top_pipeline_passes()) + len(tpu_pipeline_passes("w4bf16"))
+    passes = len(top_pipeline_passes()) + len(tpu_pipeline_passes("w4bf16", chip="bm1684x"))
     dumps = sorted(p.name for p in (dump / "block_cache").iterdir())
     assert len(dumps) == 1 + passes and dumps[0] == "00-import.mlir"
     first = (dump / "block" / "00-import.mlir").read_text()
@@ -116,8 +118,9 @@ def test_cli_compile_and_run_json(tmp_path_factory, tmp_path, capsys) -> None:
     data = json.loads(res.stdout)
     assert set(data) >= {"prompt_ids", "generated_ids", "text", "ttft_s", "tokens_per_s",
                          "modelled_ttft_s", "modelled_tokens_per_s"}
-    assert data["modelled_tokens_per_s"] is None  # the interpreter has no cost model
-    rt = Runtime.open(out)
+    # the default executor is the machine: modelled chip time, which physics bounds below
+    assert data["executor"] == "machine" and data["modelled_tokens_per_s"] > 0
+    rt = Runtime.open(out, "interpreter")
     ours = rt.generate(rt.encode(LONG_PROMPT), 8)
     assert data["generated_ids"] == ours.generated_ids and data["prompt_ids"] == ours.prompt_ids
     assert data["text"] == ours.text

@@ -38,10 +38,13 @@ class _Spy:
         self.ex.run(net, bindings, layer)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_equals_transformers(tmp_path_factory, family: str) -> None:
+@pytest.mark.parametrize("family,executor", [*((f, "machine") for f in FAMILIES),
+                                             ("qwen2", "interpreter")])
+def test_greedy_generation_equals_transformers(tmp_path_factory, family: str,
+                                               executor: str) -> None:
+    """On the reference machine (the command streams) and on the Tpu interpreter."""
     built = compiled(tmp_path_factory, family)
-    rt = Runtime.open(built.model_file)
+    rt = Runtime.open(built.model_file, executor)
     spy = _Spy(rt.ex)
     rt.ex = spy
     ids = rt.encode(LONG_PROMPT)

@@ -145,4 +145,4 @@ def test_chat_command(tmp_path_factory, monkeypatch, capsys) -> None:
     assert main(["chat", path, "--max-new-tokens", "6"]) == 0
     err = capsys.readouterr().err
     assert err.count("6 tokens, stop: max_new_tokens") == 2 and "[conversation reset]" in err
-    assert "tokens in the cache" in err and "n/a modelled" in err
+    assert "tokens in the cache" in err and "tok/s modelled" in err  # on the machine

@@ -76,6 +76,8 @@ class CompiledNet:
     top: ModuleOp | None = None  # the Top module after top-pipeline, when kept
     ir_bytes: int = 0
     seconds: float = 0.0
+    program: Any = None  # the machine's command streams (backend.codegen.Program)
+    stream_bytes: int = 0
 
 
 @dataclass
@@ -264,7 +266,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     nets: dict[str, CompiledNet] = {}
     for spec in specs:
         nets[spec.name] = _compile_net(spec, store, mode, group_size, symmetric, bar,
-                                       dump_ir, weights_path, keep_modules)
+                                       dump_ir, weights_path, keep_modules, chip)
         timings[f"net:{spec.name}"] = nets[spec.name].seconds
 
     t = time.perf_counter()
@@ -282,9 +284,21 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         net.ir_bytes = len(irs[name].encode())
     header = _header(loaded, arch, shapes, mode, chip, group_size, symmetric, nets,
                      net_weights, layout)
+    streams: dict[str, bytes] = {}
+    for name, net in nets.items():
+        from toptpu.backend.machine_executor import const_section, stream_section
+        from toptpu.backend.simulate import constant_pool
+
+        data = net.program.to_json()
+        net.stream_bytes = len(data)
+        streams[stream_section(name)] = data
+        streams[const_section(name)] = constant_pool(net.program)
+        header["nets"][name]["streams"] = stream_section(name)
+        header["nets"][name]["consts"] = const_section(name)
+        header["nets"][name]["commands"] = len(net.program.commands)
     header["compile"]["seconds"] = round(time.perf_counter() - t0, 3)
     t = time.perf_counter()
-    write_llm_file(output, header, irs, loaded.tokenizer_files, blob)
+    write_llm_file(output, header, irs, loaded.tokenizer_files, blob, extra_sections=streams)
     timings["write"] = time.perf_counter() - t
     if weights_path is not None:
         _save_store(store, weights_path)
@@ -300,7 +314,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
 
 def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
                  symmetric: bool | None, bar: Progress, dump_ir: str | None,
-                 weights_path: str | None, keep_top: bool) -> CompiledNet:
+                 weights_path: str | None, keep_top: bool, chip: str = "bm1684x"
+                 ) -> CompiledNet:
     from toptpu.frontends.fx_importer import ImportError_, import_module
     from toptpu.passes.convert_top_to_tpu import ConversionError
     from toptpu.passes.quantize import QuantizationError
@@ -350,10 +365,35 @@ def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
         run_passes(module, tpu_pipeline_passes(mode, group_size, symmetric), after=after)
     except (ConversionError, QuantizationError) as e:
         raise CompileError(f"net '{spec.name}': {e}") from e
+    program = _machine_program(spec.name, module, chip, after)
     ins, outs = _io_specs(module)
     seconds = time.perf_counter() - t0
     bar.finish(seconds)
-    return CompiledNet(spec.name, spec.per_layer, ins, outs, module, top_module, 0, seconds)
+    return CompiledNet(spec.name, spec.per_layer, ins, outs, module, top_module, 0, seconds,
+                       program)
+
+
+def _machine_program(net: str, module: ModuleOp, chip: str,
+                     after: Callable[[ModulePass, ModuleOp], None]) -> Any:
+    """The machine passes (layer-group, lmem-verify, address-assign) on a copy of the Tpu
+    module, then codegen: the net's command streams."""
+    from xdsl.dialects import func
+
+    from toptpu.backend.chips import get_chip
+    from toptpu.backend.codegen import CodegenError, generate
+    from toptpu.passes.address_assign import AddressError
+    from toptpu.passes.layer_group import LayerGroupError
+    from toptpu.passes.lmem import LocalMemoryError
+    from toptpu.passes.pipelines import machine_passes
+
+    grouped = module.clone()
+    try:
+        run_passes(grouped, machine_passes(chip), after=after)
+        grouped.attributes.pop(STORE_ATTR, None)
+        fn = next(op for op in grouped.ops if isinstance(op, func.FuncOp))
+        return generate(grouped, fn, get_chip(chip))
+    except (LayerGroupError, LocalMemoryError, AddressError, CodegenError) as e:
+        raise CompileError(f"net '{net}' on {chip}: {e}") from e
 
 
 def _save_store(store: WeightStore, path: str) -> None:

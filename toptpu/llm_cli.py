@@ -66,7 +66,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", choices=["interpreter", "machine"], default="interpreter",
+    p.add_argument("--executor", choices=["interpreter", "machine"], default="machine",
                    help="run the nets with the Tpu interpreter or on the reference machine")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None,
