@@ -23,8 +23,9 @@ kernels (`backend/kernels.py`) and of torch.
 - Booleans (i1 tensors) are stored as i8 (MLIR 22's memref-to-LLVM lowering asserts on
   sub-byte stores); function arguments and results of i1 tensors become i8 (same bytes as
   numpy bools).
-- Not lowered (clear error): `top.topk` (sorting has no linalg form), unsigned integer
-  element types (arith is signless).
+- Not lowered (clear error): `top.topk` with k > 1 (a sort has no linalg form; k = 1, the
+  LLM's argmax head, is a reduction carrying value and index), unsigned integer element
+  types (arith is signless).
 """
 
 from __future__ import annotations
@@ -341,6 +342,21 @@ class Emitter:
         op = linalg.GenericOp([v for v, _ in ins], [init], Region(block),
                               [m for _, m in ins] + [out_map], its, [out_t])
         return self.add(op).results[0]
+
+    def generic_n(self, ins: Sequence[tuple[SSAValue, AffineMapAttr]],
+                  outs: Sequence[tuple[SSAValue, AffineMapAttr]], iterators: Sequence[str],
+                  body: Callable[[Body], Sequence[SSAValue]]) -> list[SSAValue]:
+        """A generic with several outputs (e.g. a value and its index)."""
+        out_types = [v.type for v, _ in outs]
+        elems = [_elem(v) for v, _ in outs]
+        block = Block(arg_types=[_elem(v) for v, _ in ins] + elems)
+        bb = Body(block, self.fast_math)
+        ys = body(bb)
+        bb.b.insert(linalg.YieldOp(*[bb.convert(y, t) for y, t in zip(ys, elems, strict=True)]))
+        its = [linalg_attrs.IteratorTypeAttr(linalg_attrs.IteratorType(k)) for k in iterators]
+        op = linalg.GenericOp([v for v, _ in ins], [v for v, _ in outs], Region(block),
+                              [m for _, m in (*ins, *outs)], its, out_types)
+        return list(self.add(op).results)
 
     def map(self, ins: Sequence[tuple[SSAValue, AffineMapAttr]], shape: Shape,
             elem: Attribute, body: BodyFn) -> SSAValue:
@@ -882,6 +898,41 @@ def lower_conv2d(e: Emitter, op: top.Conv2dBase) -> SSAValue:
     return e.convert(acc, out)
 
 
+def lower_topk(e: Emitter, op: top.TopKBase) -> list[SSAValue]:
+    """k = 1 (argmax / argmin): one reduction carrying the best value and its index; ties
+    keep the lowest index, like the interpreter. Larger k (a sort) is not lowered."""
+    k = read_int(op.k)
+    if k != 1:
+        raise LinalgLoweringError(f"{_where(op)}: only k = 1 (argmax/argmin) is lowered, "
+                                  f"not k = {k} (sorting has no linalg form)")
+    x = op.input
+    shape = shape_of(x)
+    r = len(shape)
+    axis = norm_axis(read_int(op.axis), r)
+    largest = read_bool(op.largest, True)
+    val_elem, idx_elem = elem_of(op.values), elem_of(op.indices)
+    ct = compute_type(val_elem)
+    out_shape = shape_of(op.values)
+    if _is_float(ct):
+        worst: float | int = -math.inf if largest else math.inf
+    else:
+        w = ct.width.data if isinstance(ct, IntegerType) else 64
+        worst = -(2 ** (w - 1)) if largest else 2 ** (w - 1) - 1
+    red = reduced_map(r, [axis], True)
+    init_v = e.fill(out_shape, ct, worst)
+    init_i = e.fill(out_shape, idx_elem, 0)
+
+    def body(b: Body) -> list[SSAValue]:
+        xv, best, best_i = b.compute(b.args[0]), b.args[1], b.args[2]
+        better = b.cmp("gt" if largest else "lt", xv, best)
+        i = b._ins(arith.IndexCastOp(b.index(axis), idx_elem))
+        return [b.select(better, xv, best), b.select(better, i, best_i)]
+
+    val, idx = e.generic_n([(x, identity(r))], [(init_v, red), (init_i, red)],
+                           ["reduction" if d == axis else "parallel" for d in range(r)], body)
+    return [e.convert(val, val_elem), idx]
+
+
 def lower_constant(e: Emitter, op: top.ConstantBase) -> SSAValue:
     value = op.value
     assert isinstance(value, DenseIntOrFPElementsAttr)
@@ -892,7 +943,7 @@ def lower_constant(e: Emitter, op: top.ConstantBase) -> SSAValue:
     return e.add(arith.ConstantOp(value)).results[0]
 
 
-Lowering = Callable[[Emitter, Operation], SSAValue]
+Lowering = Callable[[Emitter, Operation], SSAValue | list[SSAValue]]
 
 #: Top op class -> its lowering (the patterns below dispatch through this table)
 LOWERINGS: dict[type[Operation], Lowering] = {
@@ -925,6 +976,7 @@ LOWERINGS: dict[type[Operation], Lowering] = {
     top.ConcatOp: lower_concat,
     top.SliceOp: lower_slice,
     top.ConstantOp: lower_constant,
+    top.TopKOp: lower_topk,
 }  # type: ignore[dict-item]
 
 
@@ -936,7 +988,7 @@ def _rewrite(op: Operation, rewriter: PatternRewriter, fast_math: bool) -> None:
         _check_type(v.type.element_type, op)
     e = Emitter(op, fast_math)
     result = fn(e, op)
-    rewriter.replace(op, e.ops, [result])
+    rewriter.replace(op, e.ops, result if isinstance(result, list) else [result])
 
 
 # =========================================================================== patterns
@@ -960,13 +1012,14 @@ class LowerElementwise(RewritePattern):
 
 @dataclass(frozen=True)
 class LowerReductions(RewritePattern):
-    """softmax, reduce, rms_norm, layer_norm: reductions with f32 accumulation."""
+    """softmax, reduce, rms_norm, layer_norm: reductions with f32 accumulation; topk with
+    k = 1 (argmax)."""
 
     fast_math: bool = False
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.SoftmaxOp | top.ReduceOp | top.RmsNormOp
-                          | top.LayerNormOp, rewriter: PatternRewriter) -> None:
+                          | top.LayerNormOp | top.TopKOp, rewriter: PatternRewriter) -> None:
         _rewrite(op, rewriter, self.fast_math)
 
 
@@ -1122,8 +1175,6 @@ class ConvertTopToLinalgPass(ModulePass):
         left = [o for o in op.walk() if o.name.startswith(("top.", "tpu."))]
         if left:
             o = left[0]
-            why = " (sorting has no linalg form; use the interpreter)" if isinstance(
-                o, top.TopKOp) else ""
             raise LinalgLoweringError(
-                f"convert-top-to-linalg cannot lower {_where(o)}{why}"
+                f"convert-top-to-linalg cannot lower {_where(o)}"
                 + (f"; {len(left) - 1} more op(s) left" if len(left) > 1 else ""))

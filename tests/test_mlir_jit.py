@@ -189,6 +189,12 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     c = f.op(top.ConstantOp, [], {"value": dense_attr(np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
                                                                  7.0, 8.0]], np.float32))})
     out["constant_add"] = f.op(top.AddOp, [x, c])
+    for largest in (True, False):  # topk with k = 1: argmax / argmin, ties to the lowest
+        tk = top.TopKOp.build([f.op(top.MulConstOp, [x], {"value": f64_attr(3.0)})],
+                              {"k": i64_attr(1), "axis": i64_attr(1),
+                               "largest": bool_attr(largest)})
+        f.block.add_op(tk)
+        out[f"top1_{largest}_values"], out[f"top1_{largest}_indices"] = tk.results
     module = f.module(out)
     feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32),
              "y": rng.standard_normal((3, 8)).astype(np.float32),
@@ -197,7 +203,7 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
              "img": rng.standard_normal((1, 4, 6, 6)).astype(np.float32)}
     assert _check_against_interpreter(module, feeds) == len(out)
     names = {op.name for op in module.walk()}
-    assert names >= {cls.name for cls in top.Top.operations} - {"top.topk"}
+    assert names >= {cls.name for cls in top.Top.operations}
 
 
 # --------------------------------------------------------------------------- decoder layers
@@ -259,11 +265,11 @@ def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> Non
 # --------------------------------------------------------------------------- bad input
 
 
-def test_topk_is_refused_with_the_op_named() -> None:
+def test_topk_beyond_argmax_is_refused_with_the_op_named() -> None:
     f = Fn(x=((2, 8), f32))
     v = f.op(top.TopKOp, [f.args["x"]], {"k": i64_attr(2), "axis": i64_attr(1)})
     m = f.module({"v": v})
-    with pytest.raises(LinalgLoweringError, match=r"'top.topk' \(top.topk.0\).*sorting"):
+    with pytest.raises(LinalgLoweringError, match=r"'top.topk' \(top.topk.0\).*k = 2"):
         ConvertTopToLinalgPass().apply(None, m)  # type: ignore[arg-type]
 
 
