@@ -229,10 +229,11 @@ NET_NAMES = ("embedding", "embedding_cache", "block", "block_kv", "block_cache",
 LAYER_PREFIX = "layer."
 
 
-def split_model(model: Any, shapes: StaticShapes) -> list[NetSpec]:
+def split_model(model: Any, shapes: StaticShapes, layer: int = 0) -> list[NetSpec]:
     """The nets of `model` (a transformers causal LM, float32, eval) at `shapes`.
 
-    Per-layer nets wrap layer 0; every layer binds its own weights to the same nets.
+    Per-layer nets wrap layer `layer` (0 by default); every layer binds its own weights to
+    the same nets.
     """
     arch = LlmArch.of(model)
     inner = model.model
@@ -250,8 +251,8 @@ def split_model(model: Any, shapes: StaticShapes) -> list[NetSpec]:
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, arch.vocab_size, (1, n), generator=g, dtype=torch.int32)
 
-    block = Block(inner.layers[0], inner.rotary_emb, apply_rotary, arch).eval()
-    block_h = BlockWithHistory(inner.layers[0], inner.rotary_emb, apply_rotary, arch).eval()
+    block = Block(inner.layers[layer], inner.rotary_emb, apply_rotary, arch).eval()
+    block_h = BlockWithHistory(inner.layers[layer], inner.rotary_emb, apply_rotary, arch).eval()
     io_block = ["hidden", "position_ids", "attention_mask"]
     io_hist = [*io_block, "history_k", "history_v"]
     outs = ["hidden_out", "present_k", "present_v"]
