@@ -664,7 +664,7 @@ def _argmax(im: Importer, node: torch.fx.Node) -> Any:
     return im.reshape(idx, im.out_shape(), "")
 
 
-@builds(aten.conv2d.default, aten.convolution.default)
+@builds(aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)
 def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
     x, w = im.value(node.args[0]), im.value(node.args[1])
     b = _arg(node, 2, "bias")
@@ -677,12 +677,20 @@ def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
         groups = node.args[8]
     else:
         groups = _arg(node, 6, "groups", 1)
-    if isinstance(padding, str):
-        raise UnsupportedOpError(f"conv2d padding='{padding}'")
     if len(shape_of(x)) != 4:
         raise UnsupportedOpError("only 2-D convolution is supported")
     stride = stride * 2 if len(stride) == 1 else stride
     dilation = dilation * 2 if len(dilation) == 1 else dilation
+    if padding == "valid":
+        padding = [0, 0]
+    elif padding == "same":  # stride 1 (torch's rule): pad (k - 1) * dilation, symmetric
+        total = [(k - 1) * d for k, d in zip(shape_of(w)[2:], dilation, strict=True)]
+        if any(t % 2 for t in total):
+            raise UnsupportedOpError("conv2d padding='same' with an even kernel (asymmetric "
+                                     "padding)")
+        padding = [t // 2 for t in total]
+    elif isinstance(padding, str):
+        raise UnsupportedOpError(f"conv2d padding='{padding}'")
     padding = list(padding) * 2 if len(padding) == 1 else list(padding)
     pads = [padding[0], padding[1], padding[0], padding[1]]
     attrs = {"strides": i64_array(stride), "pads": i64_array(pads),
