@@ -159,6 +159,9 @@ class GenerationResult:
     modelled_tokens_per_s: float | None
     position: int  # tokens in the conversation after this request
     timings: dict[str, float] = field(default_factory=dict)
+    image_tokens: int = 0  # prompt positions whose embeddings came from the vision net
+    vision_s: float | None = None  # host wall time of the vision net runs (None: no image)
+    vision_modelled_s: float | None = None  # their modelled chip time
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -274,6 +277,9 @@ class Runtime:
             "logits": alloc("lm_head_logits", "logits"),
         }
         self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
+        self._image_rows: dict[int, np.ndarray] = {}  # position -> vision embedding row
+        self._vision: Any = None
+        self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
         self.pending: int | None = None  # the last generated token, not yet in the cache
         self.messages: list[dict[str, str]] = []
         self._last_reply_closed = False
@@ -313,6 +319,7 @@ class Runtime:
     def reset(self) -> None:
         """Forget the conversation (the cache contents become unreachable)."""
         self.tokens, self.pending, self.messages = [], None, []
+        self.images_seen = 0
         self._last_reply_closed = False
 
     @property
@@ -326,9 +333,16 @@ class Runtime:
         """Run a per-layer net over all layers, ping-ponging the hidden buffers."""
         src, dst = h[0], h[1]
         for layer in range(self.num_layers):
-            self.ex.run(net, {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
+            self.ex.run(self.layer_net(net, layer),
+                        {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
             src, dst = dst, src
         return src
+
+    def layer_net(self, net: str, layer: int) -> str:
+        """The net layer `layer` runs for `net`: layers of a pre-quantized checkpoint whose
+        quantization differs from layer 0's have their own (`block@3`, ...)."""
+        table = self.header.get("layer_nets") or {}
+        return table[net][layer] if net in table else net
 
     def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
         """Run one chunk (≤ L tokens) at the current position; returns the final hidden
@@ -340,6 +354,7 @@ class Runtime:
         ex, b = self.ex, self.b
         ex.write(b["ids_L"], padded)
         ex.run("embedding", {"input_ids": b["ids_L"], "hidden": b["h_L"][0]})
+        self._put_image_rows(b["h_L"][0], start, n)
         ex.write(b["pos_L"], np.arange(start, start + L, dtype=np.int32)[None])
         direct = start + L <= self.seq
 
@@ -371,7 +386,8 @@ class Runtime:
         else:  # the padded chunk runs past SEQ: copy the n real rows into the cache
             src, dst = b["h_L"]
             for layer in range(self.num_layers):
-                ex.run(net, {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
+                ex.run(self.layer_net(net, layer),
+                       {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
                 for cache, scratch in ((self.cache_k, b["scratch_k"]),
                                        (self.cache_v, b["scratch_v"])):
                     ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
@@ -388,6 +404,7 @@ class Runtime:
         ex, b = self.ex, self.b
         ex.write(b["ids_1"], np.array([[token]], np.int32))
         ex.run("embedding_cache", {"input_ids": b["ids_1"], "hidden": b["h_1"][0]})
+        self._put_image_rows(b["h_1"][0], pos, 1)
         ex.write(b["pos_1"], np.array([[pos]], np.int32))
         ex.write(b["mask_1"], decode_mask(pos, self.seq))
 
@@ -427,17 +444,117 @@ class Runtime:
         assert last is not None
         return last
 
+    def _put_image_rows(self, hidden: Buffer, start: int, n: int) -> None:
+        """Overwrite the embeddings of image placeholder positions start..start+n-1 in
+        `hidden` [1, n', H] with their vision rows (contiguous runs in one write each)."""
+        if not self._image_rows:
+            return
+        i = 0
+        while i < n:
+            if start + i not in self._image_rows:
+                i += 1
+                continue
+            j = i
+            while j < n and start + j in self._image_rows:
+                j += 1
+            rows = np.stack([self._image_rows[start + k] for k in range(i, j)])
+            self.ex.write(hidden.slot(1, i, j - i), rows[None])
+            i = j
+
+    # ------------------------------------------------------------------ images
+    @property
+    def is_vlm(self) -> bool:
+        """True for a model file with a vision net (InternVL, MiniCPM-V)."""
+        return "vision" in self.header
+
+    @property
+    def vision(self) -> Any:
+        """The model file's `toptpu.backend.vision.VisionEncoder` (GenerationError for a
+        text-only model)."""
+        if self._vision is None:
+            from toptpu.backend.vision import VisionEncoder
+
+            self._vision = VisionEncoder(self.ex, self.header)
+        return self._vision
+
+    def encode_image(self, image: Any) -> Any:
+        """Run the vision net on an image (a path or a PIL image): an `EncodedImage`."""
+        return self.vision.encode(image)
+
+    def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
+        from toptpu.backend.vision import EncodedImage
+
+        return [im if isinstance(im, EncodedImage) else self.encode_image(im)
+                for im in images or []]
+
+    def _with_markers(self, text: str, images: list[Any]) -> str:
+        """`text` with one image marker per image before it, unless it marks them itself."""
+        if not images or self.vision.marker in text:
+            return text
+        return "".join(self.vision.marker + "\n" for _ in images) + text
+
+    def image_prompt(self, text: str, images: Sequence[Any], chat_template: bool = False
+                     ) -> tuple[list[int], list[Any]]:
+        """Token ids of a prompt with images, and the encoded images for `generate`.
+
+        Each image is marked in `text` by the model's image token (`rt.vision.marker`); a
+        text without markers gets the images before it. With `chat_template` the text is
+        one user message rendered with the tokenizer's chat template. Each marker becomes
+        the placeholder text the model's processor lays out for that image."""
+        encoded = self._encoded(images)
+        text = self._with_markers(text, encoded)
+        if chat_template:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True)
+        if encoded:
+            text = self.vision.expand(text, encoded)
+        return self.encode(text, add_special_tokens=not chat_template), encoded
+
+    def _image_positions(self, ids: list[int], offset: int, images: Sequence[Any]
+                         ) -> dict[int, np.ndarray]:
+        """Conversation position -> vision row for the image tokens of `ids` (at `offset`)."""
+        token = int(self.header["vision"]["image_token_id"]) if self.is_vlm else None
+        where = [i for i, t in enumerate(ids) if t == token]
+        rows = sum(int(im.image_tokens) for im in images)
+        if images and not self.is_vlm:
+            raise GenerationError("this model file has no vision net: images need a "
+                                  "compiled InternVL or MiniCPM-V model")
+        if len(where) != rows:
+            raise GenerationError(
+                f"the prompt holds {len(where)} image tokens (id {token}) but the "
+                f"{len(images)} image(s) give {rows} embedding rows; build the prompt with "
+                "Runtime.image_prompt (or chat(images=...)), which lays out the tokens")
+        if not rows:
+            return {}
+        table = np.concatenate([im.embeds for im in images])
+        return {offset + i: table[k] for k, i in enumerate(where)}
+
+    def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """The next-token logits [V] after `ids` in a fresh conversation (f32)."""
+        ids = [int(i) for i in ids]
+        if not 0 < len(ids) <= self.seq:
+            raise PromptTooLongError(f"{len(ids)} tokens do not fit the KV cache of {self.seq}")
+        self.reset()
+        last = self._prefill(ids)
+        self.ex.run("lm_head_logits", {"hidden": last, "logits": self.b["logits"]})
+        out = self.ex.read(self.b["logits"]).reshape(-1).astype(np.float32)
+        self.reset()
+        return out
+
     # ------------------------------------------------------------------ generation
     def generate(self, ids: Sequence[int], max_new_tokens: int = 64,
                  sampling: SamplingConfig | None = None, *,
                  on_text: Callable[[str], None] | None = None, stop_on_eos: bool = True,
-                 keep_history: bool = False, reset_if_full: bool = False) -> GenerationResult:
+                 keep_history: bool = False, reset_if_full: bool = False,
+                 images: Sequence[Any] | None = None) -> GenerationResult:
         """Generate after `ids`.
 
         With `keep_history` the ids continue the conversation held in the KV cache (only
         the new ids, plus the pending last generated token, are prefilled); otherwise the
         conversation is reset first. A request that does not fit the KV cache raises
         PromptTooLongError unless `reset_if_full`, which resets and runs `ids` alone.
+        `images` (VLMs): the encoded images (or paths) whose rows replace the embeddings
+        of the image tokens in `ids`, in order (see `image_prompt`).
         """
         cfg = sampling or SamplingConfig()
         cfg.validate()
@@ -450,6 +567,8 @@ class Runtime:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary of {vocab}")
+        encoded = self._encoded(images)
+        self._image_positions(ids, 0, encoded)  # checks before the conversation changes
         if not keep_history:
             self.reset()
         feed = ([self.pending] if self.pending is not None else []) + ids
@@ -465,10 +584,16 @@ class Runtime:
                     "Start a new conversation (/reset), shorten the prompt, or recompile with "
                     "a larger --seq-length")
         self.pending = None
+        self._image_rows = self._image_positions(ids, len(self.tokens) + len(feed) - len(ids),
+                                                 encoded)
+        self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
         streamer = Utf8Streamer(self.decode) if (on_text or self.stop_strings) else None
         t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
-        hidden = self._prefill(feed)
+        try:
+            hidden = self._prefill(feed)
+        finally:
+            self._image_rows = {}
         recent = list(self.tokens)
         token = self._next_token(hidden, cfg, rng, recent)
         t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
@@ -513,6 +638,10 @@ class Runtime:
             else None,
             position=self.position,
             timings={"prefill_s": t1 - t0, "decode_s": t2 - t1},
+            image_tokens=sum(int(im.image_tokens) for im in encoded),
+            vision_s=sum(im.host_s for im in encoded) if encoded else None,
+            vision_modelled_s=sum(im.modelled_s for im in encoded)
+            if encoded and all(im.modelled_s is not None for im in encoded) else None,
         )
 
     def _has_tokenizer(self) -> bool:
@@ -526,14 +655,24 @@ class Runtime:
     def chat(self, message: str, max_new_tokens: int = 256,
              sampling: SamplingConfig | None = None, *,
              on_text: Callable[[str], None] | None = None, system: str | None = None,
-             reset_if_full: bool = False) -> GenerationResult:
+             reset_if_full: bool = False, images: Sequence[Any] | None = None
+             ) -> GenerationResult:
         """One chat turn: the user `message` is appended to the conversation in the KV cache
-        (rendered with the tokenizer's chat template) and the reply generated."""
+        (rendered with the tokenizer's chat template) and the reply generated. `images`
+        (VLMs: paths, PIL images or encoded images) go where the message marks them with
+        the model's image token, or before the message."""
         tok = self.tokenizer
         ids: list[int] = []
+        encoded = self._encoded(images)
+        message = self._with_markers(message, encoded)
+
+        def expand(text: str, first: int) -> str:
+            return self.vision.expand(text, encoded, first) if encoded else text
+
         keep = bool(self.messages)
         if keep:
-            ids = self.encode(self._turn_text(message), add_special_tokens=False)
+            ids = self.encode(expand(self._turn_text(message), self.images_seen),
+                              add_special_tokens=False)
             if self.position + len(ids) > self.seq and reset_if_full:
                 self.reset()
                 keep = False
@@ -541,9 +680,10 @@ class Runtime:
             first = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": message}]
             text = tok.apply_chat_template(first, add_generation_prompt=True)
-            ids = self.encode(text, add_special_tokens=False)
+            ids = self.encode(expand(text, 0), add_special_tokens=False)
             self.messages = first[:-1]
-        res = self.generate(ids, max_new_tokens, sampling, on_text=on_text, keep_history=keep)
+        res = self.generate(ids, max_new_tokens, sampling, on_text=on_text, keep_history=keep,
+                            images=encoded)
         reply = res.generated_ids[:-1] if res.stop_reason == "eos" else res.generated_ids
         self.messages = [*self.messages, {"role": "user", "content": message},
                          {"role": "assistant", "content": self.decode(reply)}]

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 #: model_type -> the family name used in model files
@@ -54,6 +55,10 @@ class LoadedModel:
     tokenizer_files: dict[str, bytes] = field(default_factory=dict)
     generation: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
+    #: a pre-quantized checkpoint (GPTQ/AWQ/AutoRound): its integers, scales and zeros by
+    #: linear module path; `model` then holds the dequantized float weights
+    checkpoint: Any = None  # frontends.quant_checkpoints.QuantizedCheckpoint
+    checkpoint_dtype: str | None = None  # the checkpoint's torch dtype ("float16", ...)
 
     @property
     def config(self) -> Any:
@@ -99,8 +104,9 @@ def check_config(config: Any, where: str = "the model") -> str:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(
             qc, "quant_method", "?")
         raise ModelLoadError(
-            f"{where} is a pre-quantized ({method}) checkpoint: `toptpu compile` takes float "
-            "checkpoints and quantizes them itself (-q w4bf16 ...); pass the float model")
+            f"{where} is a pre-quantized ({method}) model: toptpu reads the packed integers, "
+            "scales and zero points from the checkpoint directory; pass the directory the "
+            "quantizer wrote (GPTQ, AWQ and AutoRound are supported)")
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     if heads % kv:
@@ -313,6 +319,8 @@ def _load_dir(path: str) -> LoadedModel:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+    if _is_prequantized(path, raw):
+        return _load_prequantized(path, raw, config)
     family = check_config(config, cfg_path)
     check_checkpoint(config, path)
     files = _read_tokenizer_files(path, required=True, what=path)
@@ -330,3 +338,65 @@ def _load_dir(path: str) -> LoadedModel:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"transformers could not load the weights in {path}: {e}") from e
     return LoadedModel(model.eval(), family, files, generation_settings(gen, config), path)
+
+
+# --------------------------------------------------------------------------- pre-quantized
+
+
+def _is_prequantized(path: str, raw: dict[str, Any]) -> bool:
+    return bool(raw.get("quantization_config")) or any(
+        os.path.exists(os.path.join(path, n))
+        for n in ("quantize_config.json", "quantization_config.json"))
+
+
+def _load_prequantized(path: str, raw: dict[str, Any], config: Any) -> LoadedModel:
+    """A GPTQ / AWQ / AutoRound checkpoint: read its packed tensors (nothing re-quantized),
+    build the float model from the exactly dequantized weights (Top and the float reference
+    see those), and keep the checkpoint for the lowering to use its integers as they are."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from toptpu.frontends.quant_checkpoints import (
+        QuantizedCheckpointError,
+        read_quantized_checkpoint,
+    )
+
+    try:
+        ck = read_quantized_checkpoint(path)
+    except QuantizedCheckpointError as e:
+        raise ModelLoadError(str(e)) from e
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    family = check_config(config, os.path.join(path, "config.json"))
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = ck.dequantized_state_dict()
+    expected = dict(model.state_dict())
+    tied = set()
+    if getattr(config, "tie_word_embeddings", False):
+        tied.add("lm_head.weight")
+    missing = [k for k in expected if k not in state and k not in tied]
+    extra = [k for k in state if k not in expected]
+    bad = [f"{k} {list(state[k].shape)} (expected {list(expected[k].shape)})"
+           for k in state if k in expected and tuple(state[k].shape) != tuple(expected[k].shape)]
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {_listing(missing)}")
+        if extra:
+            parts.append(f"unexpected {_listing(extra)}")
+        if bad:
+            parts.append(f"mis-shaped {_listing(bad)}")
+        raise ModelLoadError(f"the {ck.quant_method} checkpoint in {path} does not match its "
+                             f"config: {'; '.join(parts)}")
+    with torch.no_grad():
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=np.float32))
+                               for k, v in state.items()}, strict=False)
+        if "lm_head.weight" in tied:
+            model.tie_weights()
+    files = _read_tokenizer_files(path, required=True, what=path)
+    gen = None
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+    dtype = raw.get("torch_dtype") or raw.get("dtype")
+    return LoadedModel(model.eval(), family, files, generation_settings(gen, config), path,
+                       checkpoint=ck, checkpoint_dtype=str(dtype) if dtype else None)

@@ -7,6 +7,9 @@ Lowers Top to Tpu, making the chip's type decisions:
 - float function inputs/outputs take the activation type; integer ones keep theirs.
 - matmul weights are quantized round-to-nearest into `tpu.a16_matmul` (w8 symmetric per
   channel; w4 asymmetric per group of `group-size`, or symmetric with `symmetric=true`);
+  a weight whose pre-quantized checkpoint tensors are in the store (see
+  `passes.quantize.checkpoint_key`) uses exactly those, and in a pre-quantized model the
+  weights the quantizer left at full precision stay float;
   matmuls whose weight also feeds a gather (tied embeddings) or whose weight name contains
   one of `keep-float` (default "lm_head") stay in the activation type.
 - norms, softmax, attention and rope compute in f32 (`compute = f32`); norm weights and
@@ -55,7 +58,13 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import op_name, set_name
 from toptpu.dialects.weight_store import WeightStore, store_of
-from toptpu.passes.quantize import QuantizationError, quantize_rtn, resolve_group_size
+from toptpu.passes.quantize import (
+    CHECKPOINT_MODEL,
+    QuantizationError,
+    checkpoint_parts_of_store,
+    quantize_rtn,
+    resolve_group_size,
+)
 from toptpu.passes.util import named_like, producer
 
 #: mode -> (activation type, weight bits or None)
@@ -70,6 +79,10 @@ MODES: dict[str, tuple[str, int | None]] = {
     "w8f32": ("f32", 8),
     "w4f32": ("f32", 4),
 }
+
+
+#: qweight, scales, zeros, the act-order permutation (or None), bits, group size
+CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]
 
 
 class ConversionError(ValueError):
@@ -187,6 +200,37 @@ class Lowering:
             values[part] = op.results[0]
         result = (values["qweight"], values["scales"], values.get("zeros"), self.bits, gs)
         self._quantized[key] = result
+        return result
+
+    def checkpoint_weight(self, top_weight: top.WeightOp, rewriter: PatternRewriter
+                          ) -> CheckpointWeights | None:
+        """The tpu.weights of a pre-quantized checkpoint layer (None when the store has no
+        checkpoint tensors for this weight): exactly its integers, scales and zeros."""
+        src = top_weight.tensor_name
+        key = (src, "checkpoint")
+        if key in self._quantized:
+            return self._quantized[key]  # type: ignore[return-value]
+        parts = checkpoint_parts_of_store(self.store, src)
+        if parts is None:
+            return None
+        bits, gs = (int(x) for x in parts.pop("meta"))
+        values: dict[str, SSAValue] = {}
+        anchor: Operation = top_weight
+        for part, arr in parts.items():
+            name = f"{src}:ckpt.{part}"
+            self.store[name] = arr
+            op = tpu.WeightOp(
+                attributes={"name": str_attr(name), "source": str_attr(src),
+                            "part": str_attr(f"checkpoint.{part}")},
+                result_types=[tensor(arr.shape, tpu_elem_of_numpy(arr.dtype))],
+            )
+            set_name(op, name)
+            rewriter.insert(op, InsertPoint.after(anchor))
+            anchor = op
+            values[part] = op.results[0]
+        result = (values["qweight"], values["scales"], values["zeros"], values.get("perm"),
+                  bits, gs)
+        self._quantized[key] = result  # type: ignore[assignment]
         return result
 
     def operand(self, v: SSAValue, elem: Attribute | None, user: Operation,
@@ -349,8 +393,35 @@ class LowerMatMul(LoweringPattern):
         x = lw.operand(op.lhs, want, op, rewriter, "x")
         bias = lw.operand(op.bias, f32, op, rewriter, "bias") if op.bias is not None else None
         w = producer(op.rhs, top.WeightOp)
+        if (w is not None and read_bool(op.transpose_b) and not read_bool(op.transpose_a)
+                and len(shape_of(op.rhs)) == 2):
+            try:
+                ckpt = lw.checkpoint_weight(w, rewriter)
+            except QuantizationError as e:
+                raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
+            if ckpt is not None:
+                if lw.bits is None:
+                    raise ConversionError(
+                        f"'{w.tensor_name}' comes pre-quantized from the checkpoint: use a "
+                        "weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
+                        "are used as they are")
+                q, s, z, perm, bits, gs = ckpt
+                if perm is not None:  # act-order: gather the input channels group by group
+                    rank = len(shape_of(x))
+                    g = tpu.GatherOp.build([x, perm], {"axis": i64_attr(rank - 1),
+                                                      "compute": elem_of(x)})
+                    named_like(g, op, ".act_order")
+                    rewriter.insert(g, InsertPoint.before(op))
+                    x = g.output
+                attrs = {"weight_bits": i64_attr(bits), "group_size": i64_attr(gs),
+                         "compute": f32}
+                new = tpu.A16MatMulOp.build([x, q, s, z, bias], attrs, _result_types(lw, op))
+                named_like(new, op)
+                rewriter.replace(op, new)
+                return
         quantize = (
             w is not None and lw.bits is not None and op not in lw.index_ops
+            and CHECKPOINT_MODEL not in lw.store
             and len(shape_of(op.rhs)) == 2 and read_bool(op.transpose_b)
             and not read_bool(op.transpose_a) and not lw.keep_matmul_float(w)
         )

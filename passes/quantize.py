@@ -87,3 +87,75 @@ def quantize_rtn(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
     q = q.reshape(n, k)
     packed = pack_int4(q) if bits == 4 else q
     return QuantizedWeight(packed, s.astype(scale_dtype), z, bits, gs)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+#: weight-store names of a pre-quantized checkpoint's tensors for the float weight `w`:
+#: f"{w}{CHECKPOINT_TAG}{field}" with field qweight (ui8 [N, K] unpacked), scales [N, G],
+#: zeros (ui8 [N, G]), g_idx (i32 [K], act-order only) and meta (i32 [bits, group_size])
+CHECKPOINT_TAG = "#checkpoint."
+#: present in a weight store whose model came pre-quantized: weights without checkpoint
+#: tensors were left at full precision by the quantizer and stay float (never re-quantized)
+CHECKPOINT_MODEL = "#checkpoint"
+
+
+def checkpoint_key(weight: str, field: str) -> str:
+    return f"{weight}{CHECKPOINT_TAG}{field}"
+
+
+def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
+                     g_idx: np.ndarray | None, bits: int, group_size: int,
+                     where: str = "a checkpoint layer") -> dict[str, np.ndarray]:
+    """A pre-quantized layer's integers, scales and zero points, as `tpu.a16_matmul` reads
+    them — nothing re-quantized, nothing rounded:
+
+    - qweight: packed two nibbles a byte (4 bit) or ui8 (8 bit);
+    - scales: in the checkpoint's own dtype (f16 scales stay f16 under bf16 activations);
+    - zeros: ui8, always explicit (so both GPTQ's symmetric 8 / 128 and asymmetric zeros are
+      exactly the checkpoint's);
+    - perm (act-order): the input-channel order that makes every group contiguous; the
+      compiled net gathers the activations in this order before the matmul.
+    """
+    if bits not in (4, 8):
+        raise QuantizationError(f"{where}: {bits}-bit weights are not supported (4 or 8)")
+    q = np.asarray(qweight)
+    n, k = q.shape
+    if q.size and int(q.max()) >= (1 << bits):
+        raise QuantizationError(f"{where}: qweight has values >= 2**{bits}")
+    z = np.asarray(zeros)
+    if z.size and (int(z.max()) > 255 or int(z.min()) < 0):
+        raise QuantizationError(f"{where}: a zero point of {int(z.max())} does not fit 8 bits")
+    if group_size <= 0 or k % group_size:
+        raise QuantizationError(f"{where}: group size {group_size} does not divide K={k}")
+    out: dict[str, np.ndarray] = {}
+    if g_idx is not None:
+        gi = np.asarray(g_idx).astype(np.int64)
+        perm = np.argsort(gi, kind="stable")
+        counts = np.bincount(gi, minlength=k // group_size)
+        if len(counts) != k // group_size or np.any(counts != group_size):
+            raise QuantizationError(
+                f"{where}: g_idx does not give every group exactly {group_size} channels; "
+                "this act-order layout cannot be made contiguous")
+        q = q[:, perm]
+        out["perm"] = perm.astype(np.int32)
+    q = np.ascontiguousarray(q.astype(np.uint8))
+    out["qweight"] = pack_int4(q) if bits == 4 else q
+    out["scales"] = np.ascontiguousarray(scales)
+    out["zeros"] = np.ascontiguousarray(z.astype(np.uint8))
+    return out
+
+
+def checkpoint_parts_of_store(store, weight: str) -> dict[str, np.ndarray] | None:  # noqa: ANN001
+    """The a16_matmul parts of `weight` when the store holds its checkpoint tensors."""
+    meta_key = checkpoint_key(weight, "meta")
+    if meta_key not in store:
+        return None
+    bits, gs = (int(x) for x in store[meta_key])
+    g_idx = store[checkpoint_key(weight, "g_idx")] if checkpoint_key(
+        weight, "g_idx") in store else None
+    parts = checkpoint_parts(store[checkpoint_key(weight, "qweight")],
+                             store[checkpoint_key(weight, "scales")],
+                             store[checkpoint_key(weight, "zeros")], g_idx, bits, gs, weight)
+    parts["meta"] = np.array([bits, gs], np.int32)
+    return parts

@@ -14,7 +14,7 @@ calls, so layer 0 derived here is bit-identical to what the compiler stored.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +48,13 @@ class WeightRecipe:
         return self.part.split(".", 1)[0]
 
     @property
+    def checkpoint_field(self) -> str | None:
+        """For checkpoint parts ("checkpoint.qweight" ...): the field; else None."""
+        return self.part.split(".")[1] if self.base_part == "checkpoint" else None
+
+    @property
     def transforms(self) -> list[str]:
-        return self.part.split(".")[1:]
+        return self.part.split(".")[2 if self.base_part == "checkpoint" else 1:]
 
     @property
     def quant_key(self) -> tuple[str, int | None, int | None, bool | None, str]:
@@ -77,10 +82,15 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
                               "for other layers (was it made by convert-top-to-tpu?)")
         dt = numpy_dtype(elem_of(op.output))
         base, *transforms = part.split(".")
+        if base == "checkpoint":
+            if not transforms or transforms[0] not in ("qweight", "scales", "zeros", "perm"):
+                raise RecipeError(f"tpu.weight '{name}' has part '{part}': checkpoint parts "
+                                  "are qweight, scales, zeros or perm")
+            transforms = transforms[1:]
         if any(t != "t" for t in transforms):
             raise RecipeError(f"tpu.weight '{name}' has part '{part}': the only transform "
                               "after the base part is '.t' (transpose)")
-        if base == "data":
+        if base in ("data", "checkpoint"):
             out.append(WeightRecipe(name, source, part, shape_of(op.output), dt))
         elif base in ("qweight", "scales", "zeros"):
             if op not in quant:
@@ -97,15 +107,28 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
 
 
 def derive_weights(recipes: Iterable[WeightRecipe],
-                   float_of: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
-    """Tensors for `recipes` from the float tensors `float_of(source)` (one layer's)."""
+                   float_of: Callable[[str], np.ndarray],
+                   checkpoint_of: Callable[[str], Mapping[str, np.ndarray] | None] | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Tensors for `recipes` from the float tensors `float_of(source)` (one layer's) and,
+    for weights taken from a pre-quantized checkpoint, its parts `checkpoint_of(source)`
+    (as `passes.quantize.checkpoint_parts` makes them)."""
     out: dict[str, np.ndarray] = {}
     quantized: dict[tuple, dict[str, np.ndarray | None]] = {}
     for r in recipes:
-        w = float_of(r.source)
-        if r.base_part == "data":
+        field = r.checkpoint_field
+        if field is not None:
+            parts = checkpoint_of(r.source) if checkpoint_of is not None else None
+            if parts is None or field not in parts:
+                raise RecipeError(f"'{r.name}' comes from the checkpoint, which has no "
+                                  f"'{field}' for '{r.source}' in this layer")
+            w = parts[field]
+            arr = np.asarray(w)
+        elif r.base_part == "data":
+            w = float_of(r.source)
             arr = np.asarray(w).astype(r.dtype)
         else:
+            w = float_of(r.source)
             assert r.bits is not None and r.group_size is not None and r.scale_dtype is not None
             key = r.quant_key
             if key not in quantized:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import IO, Any
 
 import numpy as np
@@ -50,7 +51,8 @@ from toptpu.frontends.llm import (
     check_block_matches_model,
     split_model,
 )
-from toptpu.passes.convert_top_to_tpu import parse_mode
+from toptpu.frontends.vlm import VIT_NET
+from toptpu.passes.convert_top_to_tpu import MODES, parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
 
@@ -182,6 +184,17 @@ def check_reload_free(module: ModuleOp, net: str) -> None:
             "cache. The model's attention does not have the form the splitter expects.")
 
 
+_VARIANT = re.compile(r"v\d+\.")
+
+
+def layer_key(source: str) -> str | None:
+    """'layer.self_attn.q_proj.weight' (or 'v3.layer.…' in a layer variant's nets) ->
+    'self_attn.q_proj.weight'; None for a weight that is not per layer."""
+    m = _VARIANT.match(source)
+    rest = source[m.end():] if m else source
+    return rest[len(LAYER_PREFIX):] if rest.startswith(LAYER_PREFIX) else None
+
+
 def _float_of_layer(model: Any, layer: int) -> Callable[[str], np.ndarray]:
     """Top weight name ('layer.…') -> layer `layer`'s float tensor (zero-copy)."""
     mod = model.model.layers[layer]
@@ -189,9 +202,9 @@ def _float_of_layer(model: Any, layer: int) -> Callable[[str], np.ndarray]:
     state.update(dict(mod.named_buffers()))
 
     def get(source: str) -> np.ndarray:
-        if not source.startswith(LAYER_PREFIX):
+        key = layer_key(source)
+        if key is None:
             raise CompileError(f"'{source}' is not a per-layer weight")
-        key = source[len(LAYER_PREFIX):]
         if key not in state:
             raise CompileError(f"layer {layer} has no tensor '{key}' (the net reads "
                                f"'{source}'); its layers are not all alike")
@@ -204,7 +217,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     model: Any,
     output: str,
     *,
-    mode: str = "f32",
+    mode: str | None = "f32",
     chip: str = "bm1684x",
     seq_length: int = 512,
     max_input_length: int | None = None,
@@ -215,22 +228,31 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     tokenizer: Any = None,
     progress: IO[str] | None = sys.stderr,
     keep_modules: bool = False,
+    image_size: int | None = None,
+    max_tiles: int | None = None,
+    max_patches: int | None = None,
+    vision_mode: str | None = None,
 ) -> CompileResult:
-    """Compile a causal LM to a model file at `output`.
+    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6) to a model file at `output`.
 
     `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
     w4bf16 | w8f32 | w4f32. Static shapes: `seq_length` (KV capacity), `max_input_length`
     (prefill chunk, default min(SEQ, 128)), `max_history` (history of prefill_kv, default
     SEQ). `keep_modules` keeps each net's Top and Tpu modules and the weight store in the
-    result (for stage comparisons).
+    result (for stage comparisons). VLMs (`toptpu.frontends.vlm`) add the `vit` net:
+    `image_size` (tile size; default the checkpoint's), `max_tiles` (InternVL tiles /
+    MiniCPM-V slices per image), `max_patches` (MiniCPM-V patch budget per slice),
+    `vision_mode` (default: `mode`'s activation type, e.g. bf16 for w4bf16 — weight-only
+    quantization is for the text model).
     """
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    try:
-        parse_mode(mode)
-    except ValueError as e:
-        raise CompileError(str(e)) from e
+    if mode not in (None, "auto"):
+        try:
+            parse_mode(mode)
+        except ValueError as e:
+            raise CompileError(f"{e}, or auto (a pre-quantized checkpoint's own)") from e
     chips = known_chips()
     if chip not in chips:
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
@@ -245,9 +267,11 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         raise CompileError(f"the output directory '{out_dir}' does not exist")
 
     t = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, tokenizer)
+    loaded = model if isinstance(model, LoadedModel) else _load(
+        model, tokenizer, image_size, max_tiles, max_patches, vision_mode)
     timings["load"] = time.perf_counter() - t
     hf = loaded.model
+    mode = resolve_mode(mode, loaded)
     arch = LlmArch.of(hf)
     if progress is not None:
         progress.write(f"toptpu compile: {loaded.source} ({arch.family}, {arch.num_layers} "
@@ -256,8 +280,19 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
                        f"{shapes.max_history}]\n")
     specs = split_model(hf, shapes)
     check_block_matches_model(hf, next(s for s in specs if s.name == "block"))
+    vision, vit_mode = _vision_net(loaded, specs, mode, vision_mode, shapes)
+    # layers whose checkpoint quantization differs get per-layer nets of their own
+    variants = layer_variants(hf, loaded.checkpoint)
+    prefixes = {spec.name: "" for spec in specs}
+    for rep in list(variants)[1:]:
+        for spec in split_model(hf, shapes, layer=rep):
+            if spec.per_layer:
+                specs.append(replace(spec, name=f"{spec.name}@{rep}"))
+                prefixes[f"{spec.name}@{rep}"] = f"v{rep}."
 
     store = WeightStore()
+    if loaded.checkpoint is not None:
+        add_checkpoint_tensors(store, specs, hf, loaded.checkpoint, prefixes)
     weights_path = None
     if dump_ir is not None:
         os.makedirs(dump_ir, exist_ok=True)
@@ -265,12 +300,15 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     bar = Progress(len(specs), progress)
     nets: dict[str, CompiledNet] = {}
     for spec in specs:
-        nets[spec.name] = _compile_net(spec, store, mode, group_size, symmetric, bar,
-                                       dump_ir, weights_path, keep_modules, chip)
+        net_mode = vit_mode if vision is not None and spec.name == VIT_NET else mode
+        nets[spec.name] = _compile_net(spec, store, net_mode, group_size, symmetric, bar,
+                                       dump_ir, weights_path, keep_modules, chip,
+                                       prefixes[spec.name])
         timings[f"net:{spec.name}"] = nets[spec.name].seconds
 
     t = time.perf_counter()
-    layout, blob, net_weights = _build_weights(hf, arch.num_layers, nets, store)
+    layout, blob, net_weights = _build_weights(hf, arch.num_layers, nets, store,
+                                               loaded.checkpoint, variants)
     timings["weights"] = time.perf_counter() - t
     bar.note(f"weights: {len(layout.shared)} shared tensors ({layout.layer_base / 1e6:.1f} MB) "
              f"+ {arch.num_layers} layers x {len(layout.layer)} tensors "
@@ -284,6 +322,12 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         net.ir_bytes = len(irs[name].encode())
     header = _header(loaded, arch, shapes, mode, chip, group_size, symmetric, nets,
                      net_weights, layout)
+    if vision is not None:
+        header["vision"] = {**vision.header(), "mode": vit_mode}
+    header["layer_nets"] = {
+        base: [base if rep == 0 else f"{base}@{rep}" for i in range(arch.num_layers)
+               for rep, layers in variants.items() if i in layers]
+        for base in (n for n, net in nets.items() if net.per_layer and "@" not in n)}
     streams: dict[str, bytes] = {}
     for name, net in nets.items():
         from toptpu.backend.machine_executor import const_section, stream_section
@@ -312,10 +356,51 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
                          store if keep_modules else None, loaded)
 
 
+def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
+          max_patches: int | None, vision_mode: str | None) -> LoadedModel:
+    """A VLM through `toptpu.frontends.vlm.load_vlm`, any other model through load_model."""
+    from toptpu.frontends.vlm import load_vlm, vlm_model_type
+
+    if vlm_model_type(model) is not None:
+        return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
+                        max_patches=max_patches)
+    given = [f for f, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
+                            ("--max-patches", max_patches), ("--vision-quantize",
+                                                             vision_mode)) if v is not None]
+    if given:
+        raise CompileError(f"{', '.join(given)} apply to vision-language models (InternVL, "
+                           "MiniCPM-V 4.6); this model has no vision tower")
+    return load_model(model, tokenizer)
+
+
+def _vision_net(loaded: LoadedModel, specs: list[NetSpec], mode: str, vision_mode: str | None,
+                shapes: StaticShapes) -> tuple[Any, str]:
+    """A VLM's `vit` net appended to `specs` (checked against the model's own image
+    features) and the mode it compiles in."""
+    vision = getattr(loaded, "vision", None)
+    if vision is None:
+        return None, mode
+    vit_mode = vision_mode or str(MODES[mode][0])
+    try:
+        parse_mode(vit_mode)
+    except ValueError as e:
+        raise CompileError(f"--vision-quantize: {e}") from e
+    need = vision.max_image_tokens() + 2
+    if need > shapes.seq_length:
+        raise CompileError(
+            f"an image of up to {vision.max_tiles} tiles needs about {need} tokens, more than "
+            f"--seq-length {shapes.seq_length}: raise --seq-length or lower --max-tiles "
+            f"(or --image-size)")
+    spec = vision.net_spec()
+    vision.check(spec)
+    specs.append(spec)
+    return vision, vit_mode
+
+
 def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
                  symmetric: bool | None, bar: Progress, dump_ir: str | None,
-                 weights_path: str | None, keep_top: bool, chip: str = "bm1684x"
-                 ) -> CompiledNet:
+                 weights_path: str | None, keep_top: bool, chip: str = "bm1684x",
+                 weight_prefix: str = "") -> CompiledNet:
     from toptpu.frontends.fx_importer import ImportError_, import_module
     from toptpu.passes.convert_top_to_tpu import ConversionError
     from toptpu.passes.quantize import QuantizationError
@@ -349,6 +434,7 @@ def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
 
     try:
         module, _ = import_module(spec.module, spec.args, store=store,
+                                  weight_prefix=weight_prefix,
                                   input_names=spec.input_names,
                                   output_names=spec.output_names)
     except ImportError_ as e:
@@ -414,37 +500,52 @@ def _digest(arr: np.ndarray) -> str:
     return f"{a.dtype.name}{list(a.shape)}{h.hexdigest()}"
 
 
-def _build_weights(hf: Any, num_layers: int, nets: dict[str, CompiledNet], store: WeightStore
+def _build_weights(hf: Any, num_layers: int, nets: dict[str, CompiledNet], store: WeightStore,
+                   checkpoint: Any = None, variants: dict[int, list[int]] | None = None
                    ) -> tuple[WeightLayout, np.ndarray, dict[str, list[str]]]:
     """Lay out and fill the weight blob: shared tensors once (identical tensors, e.g. tied
     embedding and lm_head, share one copy), then every layer's chunk derived from its own
-    float weights with the recipes of the per-layer nets."""
+    float weights (and checkpoint tensors) with the recipes of its per-layer nets. Layers of
+    different variants (see `layer_variants`) fill different names of the same chunk layout."""
+    variants = variants or {0: list(range(num_layers))}
     shared: dict[str, np.ndarray] = {}
     layer_recipes: dict[str, WeightRecipe] = {}
+    variant_recipes: dict[int, dict[str, WeightRecipe]] = {rep: {} for rep in variants}
     net_weights: dict[str, list[str]] = {}
     for net in nets.values():
         names = []
+        rep = int(net.name.split("@")[1]) if "@" in net.name else 0
         for r in weight_recipes(net.tpu):
             names.append(r.name)
-            if net.per_layer and r.source.startswith(LAYER_PREFIX):
+            if net.per_layer and layer_key(r.source) is not None:
                 prev = layer_recipes.setdefault(r.name, r)
                 if prev != r:
                     raise CompileError(f"per-layer weight '{r.name}' has two recipes: {prev} "
                                        f"and {r}")
+                variant_recipes[rep][r.name] = r
             else:
                 arr = store[r.name]
                 if r.name in shared and not np.array_equal(shared[r.name], arr):
                     raise CompileError(f"shared weight '{r.name}' differs between nets")
                 shared[r.name] = arr
         net_weights[net.name] = list(dict.fromkeys(names))
-    # layer 0 from the recipes must be exactly what the compiler stored
-    layer0 = derive_weights(layer_recipes.values(), _float_of_layer(hf, 0))
-    for name, arr in layer0.items():
-        ref = store[name]
-        if arr.dtype != ref.dtype or not np.array_equal(arr.view(np.uint8), np.ascontiguousarray(
-                ref).view(np.uint8)):
-            raise CompileError(f"the recipe of '{name}' does not reproduce the compiled tensor; "
-                               "convert-top-to-tpu and passes/weight_recipe.py disagree")
+
+    def derive(layer: int) -> dict[str, np.ndarray]:
+        rep = next(r for r, layers in variants.items() if layer in layers)
+        return derive_weights(variant_recipes[rep].values(), _float_of_layer(hf, layer),
+                              _checkpoint_of_layer(checkpoint, layer))
+
+    # each variant's own layer from the recipes must be exactly what the compiler stored
+    derived: dict[int, dict[str, np.ndarray]] = {}
+    for rep in variants:
+        derived[rep] = derive(rep)
+        for name, arr in derived[rep].items():
+            ref = store[name]
+            if arr.dtype != ref.dtype or not np.array_equal(
+                    arr.view(np.uint8), np.ascontiguousarray(ref).view(np.uint8)):
+                raise CompileError(f"the recipe of '{name}' does not reproduce the compiled "
+                                   "tensor; convert-top-to-tpu and passes/weight_recipe.py "
+                                   "disagree")
     # identical shared tensors are stored once
     unique: dict[str, str] = {}
     alias: dict[str, str] = {}
@@ -465,11 +566,126 @@ def _build_weights(hf: Any, num_layers: int, nets: dict[str, CompiledNet], store
         if alias[name] == name:
             put(layout.shared[name].offset, arr)
     for i in range(num_layers):
-        tensors = layer0 if i == 0 else derive_weights(layer_recipes.values(),
-                                                       _float_of_layer(hf, i))
+        tensors = derived[i] if i in derived else derive(i)
         for name, arr in tensors.items():
             put(layout.layer_offset(i, name), arr)
     return layout, blob, net_weights
+
+
+# ------------------------------------------------------------------ pre-quantized checkpoints
+
+#: checkpoint torch dtype -> the activation type `-q auto` picks
+AUTO_ACTIVATIONS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def checkpoint_bits(checkpoint: Any) -> int:
+    """The weight bits of most of the checkpoint's quantized layers."""
+    from collections import Counter
+
+    counts = Counter(ql.bits for ql in checkpoint.linears.values())
+    if not counts:
+        raise CompileError("the checkpoint has no quantized layers")
+    return counts.most_common(1)[0][0]
+
+
+def resolve_mode(mode: str | None, loaded: LoadedModel) -> str:
+    """`-q auto` -> the checkpoint's bits and dtype; and a mode contradicting a pre-quantized
+    checkpoint is an error (its integers are used as they are, never re-quantized)."""
+    ck = loaded.checkpoint
+    if mode is None:
+        mode = "f32" if ck is None else "auto"
+    if ck is None:
+        if mode == "auto":
+            raise CompileError(f"-q auto takes a pre-quantized (GPTQ/AWQ/AutoRound) checkpoint; "
+                               f"{loaded.source} is a float model: choose a mode such as "
+                               "w4bf16")
+        return mode
+    bits = checkpoint_bits(ck)
+    desc = f"{loaded.source} is a {bits}-bit {ck.quant_method} checkpoint"
+    if mode == "auto":
+        act = AUTO_ACTIVATIONS.get(str(loaded.checkpoint_dtype), "f16")
+        return f"w{bits}{act}"
+    _, mode_bits = parse_mode(mode)
+    if mode_bits != bits:
+        raise CompileError(f"-q {mode} contradicts the checkpoint: {desc}; use -q auto or "
+                           f"w{bits}f16 / w{bits}bf16 / w{bits}f32 (activation type of your "
+                           "choice)")
+    return mode
+
+
+def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,
+                           checkpoint: Any, prefixes: dict[str, str]) -> None:
+    """Put the checkpoint tensors of every quantized linear the nets read (layer 0 for
+    per-layer nets) into the weight store next to the float weight, under the names
+    `passes.quantize.checkpoint_key(weight, field)`: convert-top-to-tpu then uses them."""
+    from toptpu.passes.quantize import CHECKPOINT_MODEL, checkpoint_key
+
+    store[CHECKPOINT_MODEL] = np.ones(1, np.int8)
+    hf_names = {id(p): n for n, p in hf.named_parameters()}
+    for spec in specs:
+        for top_name, p in spec.module.named_parameters():
+            hf_name = hf_names.get(id(p), "")
+            ql = checkpoint.linears.get(hf_name.removesuffix(".weight"))
+            if ql is None or not hf_name.endswith(".weight"):
+                continue
+            for fld, arr in _checkpoint_fields(ql).items():
+                store[checkpoint_key(prefixes[spec.name] + top_name, fld)] = arr
+
+
+def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
+    """Representative layer -> the layers compiled with its nets. Without a checkpoint all
+    layers share layer 0's nets; with one, layers whose linears differ in quantization
+    (bits, group size, act-order, or left in float) get nets of their own."""
+    n = len(hf.model.layers)
+    if checkpoint is None:
+        return {0: list(range(n))}
+    linears = [name for name, m in hf.model.layers[0].named_modules()
+               if isinstance(m, __import__("torch").nn.Linear)]
+
+    def signature(i: int) -> tuple:
+        sig = []
+        for lin in linears:
+            ql = checkpoint.linears.get(f"model.layers.{i}.{lin}")
+            sig.append(None if ql is None else (ql.bits, ql.group_size, ql.g_idx is not None))
+        return tuple(sig)
+
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(signature(i), []).append(i)
+    return {layers[0]: layers for layers in groups.values()}
+
+
+def _checkpoint_fields(ql: Any) -> dict[str, np.ndarray]:
+    out = {"qweight": ql.qweight, "scales": ql.scales, "zeros": ql.zeros,
+           "meta": np.array([ql.bits, ql.group_size], np.int32)}
+    if ql.g_idx is not None:
+        out["g_idx"] = ql.g_idx
+    return out
+
+
+def _checkpoint_of_layer(checkpoint: Any, layer: int
+                         ) -> Callable[[str], dict[str, np.ndarray] | None] | None:
+    """Top weight name ('layer.…weight') -> that layer's checkpoint parts, as the lowering
+    packs them (`passes.quantize.checkpoint_parts`)."""
+    if checkpoint is None:
+        return None
+    from toptpu.passes.quantize import QuantizationError, checkpoint_parts
+
+    def get(source: str) -> dict[str, np.ndarray] | None:
+        key = layer_key(source)
+        if key is None:
+            return None
+        name = f"model.layers.{layer}.{key}".removesuffix(".weight")
+        ql = checkpoint.linears.get(name)
+        if ql is None:
+            return None
+        try:
+            return checkpoint_parts(ql.qweight, ql.scales, ql.zeros, ql.g_idx, ql.bits,
+                                    ql.group_size, name)
+        except QuantizationError as e:
+            raise CompileError(str(e)) from e
+
+    return get
 
 
 def _json_config(config: Any) -> dict[str, Any]:
@@ -508,6 +724,12 @@ def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str,
                  for name, n in nets.items()},
         "weights": layout.to_json(),
         "compile": {"source": loaded.source, "toptpu_version": toptpu_version},
+        "checkpoint": None if loaded.checkpoint is None else {
+            "quant_method": loaded.checkpoint.quant_method,
+            "packing_format": loaded.checkpoint.packing_format,
+            "bits": checkpoint_bits(loaded.checkpoint),
+            "quantized_layers": len(loaded.checkpoint.linears),
+            "dtype": loaded.checkpoint_dtype},
     }
 
 

@@ -49,8 +49,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory (config.json, *.safetensors, "
                    "tokenizer.json)")
     p.add_argument("-o", "--output", required=True, help="the model file to write")
-    p.add_argument("-q", "--quantize", dest="mode", default="f32",
-                   help="f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32")
+    p.add_argument("-q", "--quantize", dest="mode", default=None,
+                   help="f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32 | "
+                   "auto (a pre-quantized checkpoint's bits and dtype); default: auto for "
+                   "GPTQ/AWQ/AutoRound checkpoints, f32 otherwise")
     p.add_argument("--chip", default="bm1684x", help="target chip preset (bm1684x, bm1688)")
     p.add_argument("--seq-length", type=int, default=512, help="KV cache capacity SEQ")
     p.add_argument("--max-input-length", type=int, default=None,

@@ -13,3 +13,18 @@ save_file({
     "embed.weight": rng.standard_normal((16, 64)).astype(np.float32),
     "inv_freq": (1.0 / 10000 ** (np.arange(0, 16, 2) / 16)).astype(np.float32),
 }, os.path.join(os.path.dirname(__file__), "weights.safetensors"))
+
+# a pre-quantized layer (as the compiler stores a GPTQ/AWQ checkpoint's tensors): 4-bit,
+# group 32, act-order g_idx; the marker "#checkpoint" says the model came pre-quantized
+k, n = 64, 32
+g_idx = rng.permutation(np.repeat(np.arange(k // 32), 32)).astype(np.int32)
+save_file({
+    "fc.weight": rng.standard_normal((n, k)).astype(np.float32),
+    "fc.weight#checkpoint.qweight": rng.integers(0, 16, (n, k)).astype(np.uint8),
+    "fc.weight#checkpoint.scales": (rng.random((n, k // 32)) * 0.1).astype(np.float16),
+    "fc.weight#checkpoint.zeros": rng.integers(0, 16, (n, k // 32)).astype(np.uint8),
+    "fc.weight#checkpoint.g_idx": g_idx,
+    "fc.weight#checkpoint.meta": np.array([4, 32], np.int32),
+    "proj.weight": rng.standard_normal((n, n)).astype(np.float32),
+    "#checkpoint": np.ones(1, np.int8),
+}, os.path.join(os.path.dirname(__file__), "checkpoint.safetensors"))
