@@ -1,0 +1,232 @@
+"""Images for VLM model files: load with Pillow, preprocess with the model's own image
+processor, run the `vit` net per tile, and lay out the image placeholder tokens.
+
+The model file's `vision` header section (written by `toptpu.frontends.vlm`) names the
+family, the image processor class and its config, the image special tokens and the static
+shapes of the `vit` net. For one image:
+
+- InternVL: `GotOcr2ImageProcessorPil` tiles the image into up to `max_tiles` tiles of the
+  compiled size plus a thumbnail (`crop_to_patches`, as `InternVLProcessor` asks it to) and
+  normalizes them; each tile runs `vit` once and gives `tokens_per_tile` rows. The prompt
+  text for the image is the processor's own `replace_image_token`:
+  `<img>` + `<IMG_CONTEXT>` x rows + `</img>`.
+- MiniCPM-V 4.6: `MiniCPMV4_6ImageProcessorPil` makes the source image and its slices
+  (its slice scheme, `max_slice_nums`), each NaViT-packed with its own patch grid; each
+  runs `vit` once, reordered and padded to the net's patch budget
+  (`toptpu.frontends.vision_inputs.pack_slice`), and gives h*w/16 rows. The prompt text is
+  the processor's `replace_image_token` (image and slice start/end tokens, one row of
+  slices per line) with the `<image_id>i</image_id>` prefix of `use_image_id`.
+
+Nothing is resized or cropped beyond what the processor does: an image whose slice has
+more patches than the compiled budget is an `ImageError` naming both numbers.
+
+The processor objects and layouts come from `transformers` (Pillow backends: no
+torchvision), imported when the first image is encoded.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from toptpu.backend.executor import Buffer, Executor
+from toptpu.backend.runtime import GenerationError
+
+
+class ImageError(GenerationError):
+    """An image that cannot be read or that the compiled shapes cannot take."""
+
+
+def load_image(image: Any) -> Any:
+    """A PIL image from a path (or a PIL image as is), fully decoded: a missing file, a
+    file that is not an image, or a truncated one is an ImageError naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image
+    path = os.fspath(image)
+    if not os.path.exists(path):
+        raise ImageError(f"image '{path}' does not exist")
+    if os.path.isdir(path):
+        raise ImageError(f"image '{path}' is a directory, not an image file")
+    try:
+        img = Image.open(path)
+        img.load()  # decode now: a truncated file fails here, not in the processor
+    except UnidentifiedImageError as e:
+        raise ImageError(f"'{path}' is not an image Pillow can read (PNG, JPEG, WebP, ...): "
+                         f"{e}") from e
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ImageError(f"image '{path}' is corrupt or truncated: {e}") from e
+    if img.width < 1 or img.height < 1:
+        raise ImageError(f"image '{path}' is empty ({img.width}x{img.height})")
+    return img
+
+
+@dataclass
+class EncodedImage:
+    """One image through the vision net: the rows that replace its placeholder tokens."""
+
+    source: str
+    size: tuple[int, int]  # (width, height) of the input image
+    tiles: int  # vit runs (tiles + thumbnail, or source + slices)
+    placeholder: str  # the prompt text standing for the image (without an image id)
+    embeds: np.ndarray  # [image_tokens, H] f32, in placeholder order
+    host_s: float
+    modelled_s: float | None  # None: the executor has no cost model
+
+    @property
+    def image_tokens(self) -> int:
+        return int(self.embeds.shape[0])
+
+
+class VisionEncoder:
+    """Encodes images with a model file's `vit` net on an executor (see the module doc)."""
+
+    def __init__(self, executor: Executor, header: dict[str, Any]) -> None:
+        if "vision" not in header:
+            raise GenerationError("this model file has no vision net: images need a "
+                                  "compiled InternVL or MiniCPM-V model")
+        self.ex = executor
+        self.info: dict[str, Any] = header["vision"]
+        self.kind: str = self.info["kind"]
+        self.net: str = self.info["net"]
+        nets = executor.nets()
+        if self.net not in nets:
+            raise GenerationError(f"the model file names the vision net '{self.net}' but has "
+                                  f"no such net; recompile it")
+        self.net_info = nets[self.net]
+        self.image_token_id = int(self.info["image_token_id"])
+        self._buffers: dict[str, Buffer] | None = None
+        self._processor: Any = None
+
+    # ------------------------------------------------------------------ text layout
+    @property
+    def marker(self) -> str:
+        """The text that marks where an image goes in a prompt (the model's image token)."""
+        t = self.info["tokens"]
+        return t["context_image_token"] if self.kind == "internvl" else t["image_token"]
+
+    def expand(self, text: str, images: list[EncodedImage], first_index: int = 0) -> str:
+        """Replace the i-th marker of `text` by the i-th image's placeholder text (with its
+        image id for MiniCPM-V, counted from `first_index`). Markers and images must pair."""
+        parts = text.split(self.marker)
+        if len(parts) - 1 != len(images):
+            raise GenerationError(
+                f"the prompt marks {len(parts) - 1} image(s) with {self.marker!r} but "
+                f"{len(images)} image(s) were given; put one marker per image (or none: the "
+                "images then go before the text)")
+        out = [parts[0]]
+        for i, (img, rest) in enumerate(zip(images, parts[1:], strict=True)):
+            out += [self._image_id(first_index + i) + img.placeholder, rest]
+        return "".join(out)
+
+    def _image_id(self, index: int) -> str:
+        if self.kind != "minicpmv" or not self.info["processor"].get("use_image_id", True):
+            return ""
+        t = self.info["tokens"]
+        return f"{t['image_id_start_token']}{index}{t['image_id_end_token']}"
+
+    # ------------------------------------------------------------------ encoding
+    @property
+    def processor(self) -> Any:
+        if self._processor is None:
+            import transformers
+
+            cls = getattr(transformers, self.info["processor_class"])
+            cfg = {k: v for k, v in self.info["processor"].items()
+                   if k != "image_processor_type"}
+            self._processor = cls(**cfg)
+        return self._processor
+
+    def _bufs(self) -> dict[str, Buffer]:
+        if self._buffers is None:
+            self._buffers = {s.name: self.ex.alloc(s.shape, s.dtype)
+                             for s in (*self.net_info.inputs, *self.net_info.outputs)}
+        return self._buffers
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        b = self._bufs()
+        for name, arr in feeds.items():
+            self.ex.write(b[name], arr)
+        self.ex.run(self.net, b)
+        return self.ex.read(b["image_embeds"]).astype(np.float32)
+
+    def encode(self, image: Any) -> EncodedImage:
+        """Preprocess `image` (a path or a PIL image) and run the vision net on each tile."""
+        source = image if isinstance(image, str | os.PathLike) else "<image>"
+        img = load_image(image)
+        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
+        try:
+            if self.kind == "internvl":
+                tiles, placeholder, rows = self._internvl(img)
+            else:
+                tiles, placeholder, rows = self._minicpmv(img, str(source))
+        except ImageError:
+            raise
+        except (ValueError, TypeError, OSError) as e:
+            raise ImageError(f"the {self.info['processor_class']} cannot take image "
+                             f"'{source}' ({img.mode} {img.width}x{img.height}): {e}") from e
+        t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
+        return EncodedImage(str(source), (img.width, img.height), tiles, placeholder, rows,
+                            t1 - t0, (m1 - m0) if m1 > 0 else None)
+
+    def _internvl(self, img: Any) -> tuple[int, str, np.ndarray]:
+        from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+        v = self.info
+        out = self.processor(img, crop_to_patches=True, min_patches=1,
+                             max_patches=int(v["max_tiles"]), return_tensors=None)
+        tiles = [np.asarray(t, np.float32) for t in out["pixel_values"]]
+        rows = np.concatenate([self._run({"pixel_values": t[None]})[0] for t in tiles])
+        t = v["tokens"]
+        layout = SimpleNamespace(start_image_token=t["start_image_token"],
+                                 end_image_token=t["end_image_token"],
+                                 image_token=t["context_image_token"],
+                                 image_seq_length=int(v["tokens_per_tile"]))
+        placeholder = InternVLProcessor.replace_image_token(
+            layout, {"num_patches": [len(tiles)]}, 0)
+        return len(tiles), placeholder, rows
+
+    def _minicpmv(self, img: Any, source: str) -> tuple[int, str, np.ndarray]:
+        from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
+
+        from toptpu.frontends.vision_inputs import pack_slice
+
+        v = self.info
+        out = self.processor(img, return_tensors=None)
+        pv = np.asarray(out["pixel_values"], np.float32)[0]  # [C, P, total * P]
+        sizes = np.asarray(out["target_sizes"]).reshape(-1, 2)
+        p, budget, div = int(v["patch_size"]), int(v["max_patches"]), int(v["token_divisor"])
+        levels = [tuple(k) for k in v["merge_levels"]]
+        for h, w in sizes:
+            if h * w > budget:
+                raise ImageError(
+                    f"image '{source}' ({img.width}x{img.height}) becomes a slice of {h}x{w} = "
+                    f"{h * w} patches in the {v['processor_class']}, more than the vit net's "
+                    f"static budget of {budget} patches; recompile with --max-patches "
+                    f"{-(-int(h * w) // div) * div} or larger (or use an image of a less "
+                    "extreme aspect ratio)")
+        rows, start = [], 0
+        for h, w in sizes:
+            n = int(h * w)
+            feeds = pack_slice(pv[:, :, start * p:(start + n) * p], int(h), int(w), budget,
+                               levels, int(v["position_side"]))
+            out_rows = self._run(dict(zip(("pixel_values", "position_ids_vit",
+                                           "attention_mask"), feeds, strict=True)))
+            rows.append(out_rows[0, :n // div])
+            start += n
+        t = v["tokens"]
+        layout = SimpleNamespace(slice_mode=bool(v["processor"].get("slice_mode", True)),
+                                 **{k: t[k] for k in ("image_token", "image_start_token",
+                                                      "image_end_token", "slice_start_token",
+                                                      "slice_end_token")})
+        placeholder = MiniCPMV4_6Processor.replace_image_token(
+            layout, {"grids": out["grids"], "num_patches_per_image":
+                     out["num_patches_per_image"], "target_sizes": sizes}, 0,
+            image_token_divisor=div)
+        return len(sizes), placeholder, np.concatenate(rows)

@@ -1,0 +1,170 @@
+"""Tiny vision-language models with seeded random weights (InternVL, MiniCPM-V 4.6).
+
+Like `tiny_models`, nothing is downloaded: the configs are the real `transformers` config
+classes (`InternVLConfig`, `MiniCPMV4_6Config`) at tiny sizes (vision towers of 56 or 112
+pixel tiles with 14-pixel patches), the weights come from a seeded generator, and the
+tokenizer is the tiny byte-level BPE of `tiny_models` plus the model's image special tokens,
+saved as the real checkpoints save them (`tokenizer_config.json` names them:
+`context_image_token`, `image_start_token`, ...). `save_tiny_vlm` writes a Hugging Face
+directory with the image processor's `preprocessor_config.json`, as a user's checkpoint has.
+
+Sizes are multiples of 64 where a matmul contracts over them, so w4 quantization with the
+default group size 64 applies to every linear of the vision tower too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from toptpu.frontends.tiny_models import SPECIAL_TOKENS, build_tokenizer
+
+#: the image special tokens of each tiny VLM (tokenizer attribute -> token)
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                   "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+MINICPMV_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                   "image_start_token": "<image>", "image_end_token": "</image>",
+                   "slice_start_token": "<slice>", "slice_end_token": "</slice>",
+                   "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>"}
+
+#: the tiny families: internvl (Qwen2 text), minicpmv (Qwen3 text)
+TINY_VLM_FAMILIES = ("internvl", "minicpmv")
+
+_BPE_VOCAB = 384
+_TEXT_VOCAB = 400  # the BPE vocab plus the image tokens, rounded up
+
+
+def vlm_tokenizer(family: str) -> Any:
+    """The tiny BPE tokenizer with the image special tokens of `family` as attributes."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = _tokens(family)
+    base = build_tokenizer(_BPE_VOCAB)
+    base.add_tokens(list(tokens.values()), special_tokens=True)
+    tok = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer,
+                                  eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  bos_token=None, extra_special_tokens=tokens)
+    tok.chat_template = base.chat_template
+    if len(tok) > _TEXT_VOCAB:
+        raise AssertionError(f"tiny VLM vocabulary {len(tok)} exceeds {_TEXT_VOCAB}")
+    return tok
+
+
+def _tokens(family: str) -> dict[str, str]:
+    if family == "internvl":
+        return INTERNVL_TOKENS
+    if family == "minicpmv":
+        return MINICPMV_TOKENS
+    raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
+
+
+def _text_config(model_type: str, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = dict(
+        model_type=model_type, vocab_size=_TEXT_VOCAB, hidden_size=64, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"), pad_token_id=0,
+        tie_word_embeddings=False)
+    if model_type == "qwen3":
+        cfg["head_dim"] = 16
+    cfg.update(overrides)
+    return cfg
+
+
+def tiny_vlm_config(family: str = "internvl", **vision_overrides: Any) -> Any:
+    """A tiny config of `family`: internvl (InternViT 56 px tiles, pixel shuffle 0.5, MLP
+    projector, Qwen2 text) or minicpmv (SigLIP-style tower with the window-attention merger
+    after layer 1, 112 px slices, the downsample MLP merger, Qwen3 text)."""
+    from transformers import InternVLConfig, MiniCPMV4_6Config
+
+    tok = vlm_tokenizer(family)
+    if family == "internvl":
+        vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=128, image_size=56, patch_size=14,
+                      norm_type="layer_norm", layer_scale_init_value=0.5)
+        vision.update(vision_overrides)
+        return InternVLConfig(
+            vision_config=vision, text_config=_text_config("qwen2"),
+            image_token_id=tok.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
+            image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2 // 4,
+            downsample_ratio=0.5, tie_word_embeddings=False)
+    if family == "minicpmv":
+        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, image_size=112, patch_size=14, insert_layer_id=1)
+        vision.update(vision_overrides)
+        return MiniCPMV4_6Config(
+            vision_config=vision, text_config=_text_config("qwen3"),
+            insert_layer_id=vision["insert_layer_id"], image_size=vision["image_size"],
+            image_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["image_token"]),
+            video_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["video_token"]))
+    raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
+
+
+def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
+    """The model's own Pillow image processor at the tiny tile size."""
+    if family == "internvl":
+        from transformers import GotOcr2ImageProcessorPil
+
+        size = int(config.vision_config.image_size[0])
+        return GotOcr2ImageProcessorPil(size={"height": size, "width": size},
+                                        crop_to_patches=True, min_patches=1,
+                                        max_patches=max_tiles)
+    from transformers import MiniCPMV4_6ImageProcessorPil
+
+    return MiniCPMV4_6ImageProcessorPil(scale_resolution=int(config.vision_config.image_size),
+                                        patch_size=int(config.vision_config.patch_size),
+                                        max_slice_nums=max_tiles)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights with a scale that keeps activations in a healthy range."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or \
+                    "layernorm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif ".lambda_" in name:  # InternViT layer scale
+                p.copy_(0.5 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel() if p.dim() == 4 else p.shape[-1]  # conv: C*kh*kw
+                p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
+
+
+def tiny_vlm(family: str = "internvl", seed: int = 0, **vision_overrides: Any) -> Any:
+    """A transformers VLM of `family` with seeded random weights (float32, eval mode)."""
+    from transformers import InternVLForConditionalGeneration, MiniCPMV4_6ForConditionalGeneration
+
+    cfg = tiny_vlm_config(family, **vision_overrides)
+    torch.manual_seed(seed)
+    cls = InternVLForConditionalGeneration if family == "internvl" else \
+        MiniCPMV4_6ForConditionalGeneration
+    model = cls(cfg).to(torch.float32)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def save_tiny_vlm(path: str, family: str = "internvl", seed: int = 0, max_tiles: int = 4,
+                  **vision_overrides: Any) -> str:
+    """Write a tiny VLM directory: weights, config, tokenizer with the image tokens,
+    generation config and the image processor's preprocessor_config.json."""
+    from transformers import GenerationConfig
+
+    os.makedirs(path, exist_ok=True)
+    model = tiny_vlm(family, seed, **vision_overrides)
+    tok = vlm_tokenizer(family)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"),
+                      tok.convert_tokens_to_ids("<|endoftext|>")],
+        pad_token_id=tok.pad_token_id, do_sample=False)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    proc = tiny_image_processor(family, model.config, max_tiles)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        f.write(json.dumps(json.loads(proc.to_json_string()), indent=1))
+    return path

@@ -1,0 +1,626 @@
+"""Vision-language models: InternVL (HF-format InternVL2.5/3) and MiniCPM-V 4.6.
+
+A VLM is compiled as its text model — the existing LLM nets, through a causal-LM view
+that shares the VLM's own language model and lm_head (`text_causal_lm`) — plus one static
+`vit` net: the vision tower and projector for ONE tile (InternVL) or slice (MiniCPM-V),
+at the compiled image size. The runtime (`toptpu.backend.vision`) preprocesses an image
+with the model's own Pillow image processor, runs `vit` once per tile and writes the
+output rows over the embeddings of the image placeholder tokens, in order.
+
+`vit` nets (DESIGN.md section 5):
+
+- InternVL: `pixel_values` f32 [1, 3, S, S] -> `image_embeds` [1, T, H]; T = (S/p * r)^2
+  for patch p and downsample ratio r (256 for 448 px tiles). The wrapper calls the model's
+  own modules: patch-embedding conv, CLS token and position embeddings (interpolated once,
+  at compile time, when S differs from the checkpoint's size, with the model's own
+  `interpolate_pos_encoding`), every `InternVLVisionLayer` (layer or RMS norm, q/k norm,
+  layer scale), the final norm, the model's `pixel_shuffle` and the MLP projector.
+- MiniCPM-V 4.6: `pixel_values` f32 [1, 3, P, N*P] (a NaViT-packed slice in merge order,
+  see `toptpu.frontends.vision_inputs`), `position_ids_vit` i32 [1, N], `attention_mask`
+  [1, 1, 1, N] -> `image_embeds` [1, N/16, H]. N is a static patch budget (default
+  the largest slice the processor makes from any image of aspect ratio up to 10, found
+  with the processor's own sizing functions: slices are not square and hold up to ~1.2
+  (S/p)^2 patches after its rounding; a larger slice is a clear error at run time). The
+  encoder layers, the window-attention merger after `insert_layer_id` (windows of 4
+  consecutive tokens: batched attention, the mean residual and the model's MLP) and the
+  downsample MLP merger are the model's modules; attention is written out (`_attend`)
+  because the model's own splits its packed sequence at `cu_seqlens` on the host, which a
+  static net replaces by the key mask.
+
+Both wrappers are checked against the model's own `get_image_features` at compile time
+(`VisionModel.check`), as the block wrapper is checked against the decoder layer.
+
+What is not supported, and why: a MiniCPM-V whose text model is not Qwen2/Qwen3/Llama
+(MiniCPM-V 4.6 ships Qwen3.5, whose Gated DeltaNet linear-attention layers have no net
+here; the loader says so), InternVL `vision_feature_layer` other than -1, video inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from toptpu.frontends.hf_loader import (
+    LoadedModel,
+    ModelLoadError,
+    _read_tokenizer_files,
+    _tokenizer_files_of,
+    check_config,
+    generation_settings,
+    quiet_transformers,
+)
+from toptpu.frontends.llm import NetSpec, SplitError
+from toptpu.frontends.vision_inputs import pack_slice
+
+#: model_type -> the vision family name used in model files
+VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv"}
+
+#: the tokenizer attributes naming each family's image tokens (what its processor reads)
+REQUIRED_TOKENS = {
+    "internvl": ("start_image_token", "end_image_token", "context_image_token"),
+    "minicpmv": ("image_token", "image_start_token", "image_end_token", "slice_start_token",
+                 "slice_end_token", "image_id_start_token", "image_id_end_token"),
+}
+
+#: the name of the vision net
+VIT_NET = "vit"
+
+_PROCESSORS = {"internvl": "GotOcr2ImageProcessorPil",
+               "minicpmv": "MiniCPMV4_6ImageProcessorPil"}
+
+
+def image_processor_class(kind: str) -> Any:
+    """The model's own Pillow image processor class (the torchvision-based ones do not
+    install beside torch 2.13)."""
+    import transformers
+
+    return getattr(transformers, _PROCESSORS[kind])
+
+
+# =========================================================================== detection
+
+
+def vlm_model_type(source: Any) -> str | None:
+    """The VLM model_type of a model directory or in-memory model, None for other models."""
+    if isinstance(source, str | os.PathLike):
+        cfg = os.path.join(os.fspath(source), "config.json")
+        try:
+            with open(cfg) as f:
+                mt = json.load(f).get("model_type")
+        except (OSError, ValueError):
+            return None  # hf_loader reports a missing or broken config.json
+    else:
+        mt = getattr(getattr(source, "config", None), "model_type", None)
+    return mt if mt in VLM_MODEL_TYPES else None
+
+
+# =========================================================================== helpers
+
+
+@contextlib.contextmanager
+def attn_implementation(config: Any, impl: str) -> Iterator[None]:
+    """Run the model's attention through `impl` (sdpa: one scaled_dot_product_attention
+    the importer turns into top.attention) for the duration."""
+    prev = config._attn_implementation
+    config._attn_implementation = impl
+    try:
+        yield
+    finally:
+        config._attn_implementation = prev
+
+
+def text_causal_lm(vlm: Any) -> Any:
+    """A causal LM of the VLM's text config whose `model` is the VLM's own language model
+    and `lm_head` its lm_head (no copies): what the LLM splitter and compiler take."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(vlm.config.text_config)
+    shell.model = vlm.model.language_model
+    shell.lm_head = vlm.lm_head
+    left = [n for n, p in shell.named_parameters() if p.is_meta]
+    if left:
+        raise SplitError(f"the text model of this {vlm.config.model_type} has parameters "
+                         f"outside its language model and lm_head: {left[:4]}")
+    shell.generation_config = vlm.generation_config
+    return shell.eval()
+
+
+def _similar(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float = 1e-4) -> None:
+    err = float((ours - ref).abs().max())
+    if not err <= atol * max(1.0, float(ref.abs().max())):
+        raise SplitError(f"the {what} vit wrapper differs from the model's get_image_features "
+                         f"by {err:.3g}: this checkpoint's vision tower does not have the "
+                         "structure toptpu's wrapper expects")
+
+
+# =========================================================================== InternVL
+
+
+class InternVLVit(torch.nn.Module):
+    """One InternVL tile: pixel_values [1, 3, S, S] -> image_embeds [1, T, H]."""
+
+    def __init__(self, vlm: Any, image_size: int) -> None:
+        super().__init__()
+        inner = vlm.model
+        self.vision_tower = inner.vision_tower
+        self.multi_modal_projector = inner.multi_modal_projector
+        self.config = vlm.config
+        object.__setattr__(self, "_owner", inner)  # for its pixel_shuffle; not a submodule
+        emb = self.vision_tower.embeddings
+        self.own_positions = emb.position_embeddings is not None and tuple(
+            emb.image_size) != (image_size, image_size)
+        if self.own_positions:  # the model's own bicubic interpolation, once
+            with torch.no_grad():
+                probe = torch.zeros(1, (image_size // emb.patch_size[0]) ** 2 + 1, 1)
+                pos = emb.interpolate_pos_encoding(probe, image_size, image_size)
+            self.register_buffer("position_embeddings", pos.detach().clone())
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        vt, cfg = self.vision_tower, self.config
+        emb = vt.embeddings
+        with attn_implementation(vt.config, "sdpa"):
+            x = emb.patch_embeddings(pixel_values)
+            x = torch.cat((emb.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+            if emb.position_embeddings is not None:
+                x = x + (self.position_embeddings if self.own_positions
+                         else emb.position_embeddings)
+            for layer in vt.encoder.layer:
+                x = layer(x)
+            x = vt.layernorm(x)
+        x = x[:, 1:, :]  # vision_feature_select_strategy "default": drop CLS
+        side = int(math.isqrt(x.shape[1]))
+        x = x.reshape(x.shape[0], side, side, -1)
+        x = self._owner.pixel_shuffle(x, scale_factor=cfg.downsample_ratio)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        return self.multi_modal_projector(x)
+
+
+# =========================================================================== MiniCPM-V
+
+
+def _attend(attn: Any, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """MiniCPMV4_6VisionAttention over x [B, S, D] with an additive key mask (the model's
+    own projections; its per-chunk attention with the padding as the mask)."""
+    b, s, _ = x.shape
+    shape = (b, s, -1, attn.head_dim)
+    q = attn.q_proj(x).view(shape).transpose(1, 2)
+    k = attn.k_proj(x).view(shape).transpose(1, 2)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+    return attn.out_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class MiniCPMVVit(torch.nn.Module):
+    """One MiniCPM-V slice in merge order, padded to N patches -> image_embeds [1, N/16, H]
+    (the first h*w/16 rows are the slice's)."""
+
+    def __init__(self, vlm: Any, levels: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.vision_tower = vlm.model.vision_tower
+        self.merger = vlm.model.merger
+        self.use_vit_merger = vlm.config.downsample_mode != "4x"
+        self.insert_layer_id = int(vlm.config.vision_config.insert_layer_id)
+        self.levels = levels
+
+    def _layer(self, layer: Any, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """MiniCPMV4_6VisionEncoderLayer.forward with the key mask."""
+        h = h + _attend(layer.self_attn, layer.layer_norm1(h), mask)
+        return h + layer.mlp(layer.layer_norm2(h))
+
+    def _window_merge(self, m: Any, h: torch.Tensor) -> torch.Tensor:
+        """MiniCPMV4_6ViTWindowAttentionMerger.forward: windows are 4 consecutive tokens."""
+        win = int(np.prod(m.window_kernel_size))
+        d = h.shape[-1]
+        x = h.reshape(-1, win, d)  # [N/4, 4, D]: one attention batch per window
+        x = x + _attend(m.self_attn, m.layer_norm1(x), None)
+        flat = x.flatten(1)
+        residual = x.mean(dim=1)
+        y = m.linear_2(m.act(m.linear_1(m.pre_norm(flat))))
+        return (y + residual).unsqueeze(0)
+
+    def forward(self, pixel_values: torch.Tensor, position_ids_vit: torch.Tensor,
+                attention_mask: torch.Tensor) -> torch.Tensor:
+        vt = self.vision_tower
+        emb = vt.embeddings
+        h = emb.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+        h = h + emb.position_embedding(position_ids_vit)
+        mask = attention_mask
+        for i, layer in enumerate(vt.encoder.layers):
+            h = self._layer(layer, h, mask)
+            if self.use_vit_merger and i == self.insert_layer_id:
+                h = self._window_merge(vt.vit_merger, h)
+                step = int(np.prod(vt.vit_merger.window_kernel_size))
+                mask = mask[..., ::step]  # real tokens stay a prefix
+        h = vt.post_layernorm(h)
+        for mlp in self.merger.mlp:
+            group = int(np.prod(self.merger.merge_kernel_size))
+            h = mlp(h.reshape(-1, group * h.shape[-1]))
+        return h.unsqueeze(0)
+
+
+# =========================================================================== vision models
+
+
+@dataclass
+class VisionModel:
+    """The vision half of a loaded VLM: its `vit` net and what the runtime needs."""
+
+    kind: str  # internvl | minicpmv
+    vlm: Any
+    tokens: dict[str, str]
+    token_ids: dict[str, int]
+    processor: dict[str, Any]  # the image processor's config (JSON)
+    image_size: int
+    max_tiles: int
+    max_patches: int = 0  # MiniCPM-V: the static patch budget N
+
+    # ------------------------------------------------------------------ shape facts
+    @property
+    def patch_size(self) -> int:
+        p = self.vlm.config.vision_config.patch_size
+        return int(p[0] if isinstance(p, list | tuple) else p)
+
+    @property
+    def text_hidden(self) -> int:
+        return int(self.vlm.config.text_config.hidden_size)
+
+    @property
+    def levels(self) -> list[tuple[int, int]]:
+        """MiniCPM-V merge kernels, innermost first."""
+        cfg = self.vlm.config
+        out = []
+        if cfg.downsample_mode != "4x":
+            out.append(tuple(int(k) for k in cfg.vision_config.window_kernel_size))
+        out += [tuple(int(k) for k in cfg.merge_kernel_size)] * int(cfg.merger_times)
+        return out  # type: ignore[return-value]
+
+    @property
+    def token_divisor(self) -> int:
+        return int(np.prod([kh * kw for kh, kw in self.levels]))
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """InternVL: image tokens per tile; MiniCPM-V: rows of the vit output (the budget)."""
+        if self.kind == "internvl":
+            r = float(self.vlm.config.downsample_ratio)
+            return int(round(self.image_size // self.patch_size * r)) ** 2
+        return self.max_patches // self.token_divisor
+
+    def max_image_tokens(self) -> int:
+        """Placeholder tokens of an image at the most tiles (nominal slices for MiniCPM-V)."""
+        tiles = self.max_tiles + (1 if self.max_tiles > 1 else 0)
+        if self.kind == "internvl":
+            return tiles * self.tokens_per_tile
+        nominal = (self.image_size // self.patch_size) ** 2 // self.token_divisor
+        return tiles * nominal
+
+    # ------------------------------------------------------------------ the net
+    def net_spec(self) -> NetSpec:
+        g = torch.Generator().manual_seed(0)
+        if self.kind == "internvl":
+            s = self.image_size
+            module: torch.nn.Module = InternVLVit(self.vlm, s).eval()
+            args: tuple[torch.Tensor, ...] = (torch.randn(1, 3, s, s, generator=g),)
+            return NetSpec(VIT_NET, module, args, ["pixel_values"], ["image_embeds"], False)
+        h, w = self._probe_grid()
+        patches = torch.randn(3, self.patch_size, h * w * self.patch_size, generator=g)
+        args = tuple(torch.from_numpy(a) for a in self.pack(patches.numpy(), h, w))
+        return NetSpec(VIT_NET, MiniCPMVVit(self.vlm, self.levels).eval(), args,
+                       ["pixel_values", "position_ids_vit", "attention_mask"],
+                       ["image_embeds"], False)
+
+    def pack(self, patches: np.ndarray, h: int, w: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        vc = self.vlm.config.vision_config
+        return pack_slice(patches, h, w, self.max_patches, self.levels,
+                          int(vc.image_size) // self.patch_size)
+
+    def _probe_grid(self) -> tuple[int, int]:
+        """A slice grid with padding (h*w < N) for the example inputs and the check."""
+        kh = int(np.prod([k[0] for k in self.levels]))
+        kw = int(np.prod([k[1] for k in self.levels]))
+        side = self.image_size // self.patch_size
+        h = max(kh, side // kh * kh)
+        w = max(kw, (self.max_patches // h) // kw * kw)
+        if h * w == self.max_patches and w > kw:
+            w -= kw
+        return h, w
+
+    def check(self, spec: NetSpec) -> None:
+        """The wrapper computes what the model's own get_image_features computes."""
+        inner = self.vlm.model
+        with torch.no_grad():
+            ours = spec.module(*spec.args)
+            if self.kind == "internvl":
+                ref = inner.get_image_features(pixel_values=spec.args[0]).pooler_output
+                _similar(ours, ref, "InternVL")
+                return
+            h, w = self._probe_grid()
+            pixels, _, _ = spec.args
+            n, p = h * w, self.patch_size
+            order = np.argsort(np.asarray(self._order(h, w)))
+            packed = pixels.reshape(3, p, -1, p)[:, :, :n][:, :, torch.from_numpy(order)]
+            ref = inner.get_image_features(packed.reshape(1, 3, p, n * p),
+                                           torch.tensor([[h, w]], dtype=torch.int32))
+            ref_rows = torch.cat(list(ref.pooler_output), dim=0)
+            _similar(ours[0, :n // self.token_divisor], ref_rows, "MiniCPM-V")
+
+    def _order(self, h: int, w: int) -> np.ndarray:
+        from toptpu.frontends.vision_inputs import merge_order
+
+        return merge_order(h, w, self.levels)
+
+    # ------------------------------------------------------------------ model file
+    def header(self) -> dict[str, Any]:
+        """What the runtime needs (the `vision` section of the model file header)."""
+        cfg = self.vlm.config
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "model_type": cfg.model_type,
+            "net": VIT_NET,
+            "image_token_id": int(cfg.image_token_id),
+            "tokens": dict(self.tokens),
+            "token_ids": dict(self.token_ids),
+            "processor_class": _PROCESSORS[self.kind],
+            "processor": self.processor,
+            "image_size": self.image_size,
+            "patch_size": self.patch_size,
+            "max_tiles": self.max_tiles,
+            "tokens_per_tile": self.tokens_per_tile,
+            "config": json.loads(cfg.to_json_string(use_diff=False)),
+        }
+        if self.kind == "minicpmv":
+            out.update(max_patches=self.max_patches, merge_levels=[list(k) for k in
+                                                                   self.levels],
+                       token_divisor=self.token_divisor,
+                       position_side=int(cfg.vision_config.image_size) // self.patch_size)
+        return out
+
+
+@dataclass
+class LoadedVlm(LoadedModel):
+    """A loaded VLM: `model` is its text causal LM view, `vision` the vision half."""
+
+    vision: VisionModel | None = None
+
+
+# =========================================================================== loading
+
+
+def _check_text_config(config: Any, where: str) -> str:
+    tc = config.text_config
+    mt = getattr(tc, "model_type", None)
+    if mt in ("qwen3_5_text", "qwen3_5", "qwen3_next"):
+        raise ModelLoadError(
+            f"{where}: the text model is {mt} (Qwen3.5/Qwen3-Next), whose Gated DeltaNet "
+            "linear-attention layers keep a recurrent state instead of a KV cache; toptpu's "
+            "block/block_kv/block_cache nets are full attention over a KV cache, so this text "
+            "model cannot be compiled. The vision tower could be, but the model cannot run "
+            "without its text model: use a checkpoint whose text_config is qwen2, qwen3 or "
+            "llama")
+    try:
+        return check_config(tc, f"{where} (text_config)")
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{e}; the VLM's text model must be one of these") from e
+
+
+def _image_tokens(tok: Any, kind: str, config: Any, where: str
+                  ) -> tuple[dict[str, str], dict[str, int]]:
+    tokens: dict[str, str] = {}
+    for attr in REQUIRED_TOKENS[kind]:
+        value = getattr(tok, attr, None)
+        if not isinstance(value, str) or not value:
+            raise ModelLoadError(
+                f"the tokenizer of {where} does not name its '{attr}' (tokenizer_config.json "
+                f"keys {', '.join(REQUIRED_TOKENS[kind])}): the {config.model_type} processor "
+                "needs them to lay out image tokens; use the tokenizer files of the checkpoint")
+        tokens[attr] = value
+    ids: dict[str, int] = {}
+    unk = getattr(tok, "unk_token_id", None)
+    for attr, t in tokens.items():
+        i = tok.convert_tokens_to_ids(t)
+        if i is None or (unk is not None and i == unk and t != tok.unk_token):
+            raise ModelLoadError(f"the image token {t!r} ({attr}) of {where} is not in its "
+                                 "tokenizer's vocabulary")
+        ids[attr] = int(i)
+    image_attr = "context_image_token" if kind == "internvl" else "image_token"
+    if ids[image_attr] != int(config.image_token_id):
+        raise ModelLoadError(
+            f"{where}: config.image_token_id is {config.image_token_id} but the tokenizer's "
+            f"{image_attr} {tokens[image_attr]!r} is id {ids[image_attr]}; the config and the "
+            "tokenizer do not belong together")
+    return tokens, ids
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ModelLoadError(f"{name} must be positive, got {value}")
+
+
+def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where: str, *,
+                 image_size: int | None = None, max_tiles: int | None = None,
+                 max_patches: int | None = None) -> VisionModel:
+    """The vision half of `vlm` at the compiled image size and tile limits (defaults: the
+    checkpoint's image processor config)."""
+    cfg = vlm.config
+    kind = VLM_MODEL_TYPES[cfg.model_type]
+    for name, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
+                    ("--max-patches", max_patches)):
+        _positive(name, v)
+    tokens, ids = _image_tokens(tok, kind, cfg, where)
+    proc_cls = image_processor_class(kind)
+    pc = dict(processor_cfg or {})
+    vc = cfg.vision_config
+    patch = vc.patch_size[0] if isinstance(vc.patch_size, list | tuple) else vc.patch_size
+    if kind == "internvl":
+        if cfg.vision_feature_layer != -1 or cfg.vision_feature_select_strategy != "default":
+            raise ModelLoadError(
+                f"{where}: vision_feature_layer {cfg.vision_feature_layer} / strategy "
+                f"'{cfg.vision_feature_select_strategy}' is not supported; toptpu's vit net "
+                "takes the last layer without the CLS token (-1, 'default'), as InternVL2.5/3 do")
+        size = pc.get("size") or {}
+        default = int(size.get("height") or vc.image_size[0])
+        s = image_size or default
+        per_side = s // patch
+        r = float(cfg.downsample_ratio)
+        if s % patch or abs(per_side * r - round(per_side * r)) > 1e-9 or round(1 / r) != 1 / r:
+            raise ModelLoadError(
+                f"--image-size {s} does not fit the vision tower: it must be a multiple of the "
+                f"patch size {patch} whose patch grid {per_side} the pixel shuffle (ratio {r}) "
+                "divides")
+        pc.update(size={"height": s, "width": s}, crop_to_patches=True)
+        tiles = max_tiles or int(pc.get("max_patches", 12))
+        pc["max_patches"] = tiles
+        proc = proc_cls(**pc)
+        return VisionModel(kind, vlm, tokens, ids, json.loads(proc.to_json_string()), s, tiles)
+    # MiniCPM-V
+    if cfg.downsample_mode not in ("16x", "4x"):
+        raise ModelLoadError(f"{where}: unknown downsample_mode '{cfg.downsample_mode}'")
+    if tuple(vc.window_kernel_size) != (2, 2) or tuple(cfg.merge_kernel_size) != (2, 2):
+        raise ModelLoadError(
+            f"{where}: window_kernel_size {vc.window_kernel_size} / merge_kernel_size "
+            f"{cfg.merge_kernel_size}: the processor lays out tokens for 2x2 merges only")
+    levels = 1 + int(cfg.merger_times) if cfg.downsample_mode != "4x" else int(cfg.merger_times)
+    if levels != 2 and cfg.downsample_mode == "16x" or levels != 1 and cfg.downsample_mode == "4x":
+        raise ModelLoadError(f"{where}: merger_times {cfg.merger_times} does not give the "
+                             f"{cfg.downsample_mode} token reduction its processor assumes")
+    if cfg.downsample_mode != "4x" and not 0 <= int(vc.insert_layer_id) < vc.num_hidden_layers:
+        raise ModelLoadError(f"{where}: insert_layer_id {vc.insert_layer_id} is outside the "
+                             f"{vc.num_hidden_layers} vision layers")
+    s = image_size or int(pc.get("scale_resolution") or cfg.image_size)
+    pc.update(scale_resolution=s, patch_size=int(patch), downsample_mode=cfg.downsample_mode)
+    if "max_slice_nums" not in pc or max_tiles:
+        pc["max_slice_nums"] = max_tiles or 9
+    tiles = int(pc["max_slice_nums"])
+    div = 16 if cfg.downsample_mode != "4x" else 4
+    proc = proc_cls(**pc)
+    budget = max_patches or patch_budget(proc, s, int(patch), tiles, cfg.downsample_mode)
+    if budget % div:
+        raise ModelLoadError(f"--max-patches {budget} must be a multiple of {div} (the patches "
+                             "merged into one token)")
+    return VisionModel(kind, vlm, tokens, ids, json.loads(proc.to_json_string()), s, tiles,
+                       budget)
+
+
+#: the default MiniCPM-V patch budget takes every image up to this aspect ratio
+MAX_ASPECT = 10.0
+
+
+def patch_budget(proc: Any, size: int, patch: int, max_slices: int, downsample_mode: str,
+                 max_aspect: float = MAX_ASPECT) -> int:
+    """The most patches one slice gets from the MiniCPM-V processor (its own resize and
+    slice-grid functions) over images of aspect ratio up to `max_aspect`, scanned from an
+    eighth to eight times the slice size: the default static budget N of the vit net."""
+    worst = 0
+    sides = np.unique(np.geomspace(max(1, size // 8), size * 8, 96).astype(int))
+    for hgt in sides:
+        for wid in sides:
+            if max(hgt / wid, wid / hgt) > max_aspect:
+                continue
+            img = (int(hgt), int(wid))
+            grid = proc.get_sliced_grid(img, max_slices, size)
+            shapes = [proc.find_best_resize(img, size, patch, downsample_mode,
+                                            allow_upscale=grid is None)]
+            if grid is not None:
+                rh, rw = proc.get_refine_size(img, grid, size, patch, downsample_mode,
+                                              allow_upscale=True)
+                shapes.append((rh // grid[0], rw // grid[1]))
+            worst = max(worst, *((a // patch) * (b // patch) for a, b in shapes))
+    div = 16 if downsample_mode != "4x" else 4
+    return -(-worst // div) * div
+
+
+def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
+             image_size: int | None = None, max_tiles: int | None = None,
+             max_patches: int | None = None) -> LoadedVlm:
+    """Load an InternVL or MiniCPM-V 4.6 model (a Hugging Face directory, or an in-memory
+    model with its `tokenizer` and optionally its `image_processor`) for compilation."""
+    if isinstance(source, str | os.PathLike):
+        return _load_dir(os.fspath(source), image_size, max_tiles, max_patches)
+    vlm = source
+    mt = getattr(vlm.config, "model_type", None)
+    if mt not in VLM_MODEL_TYPES:
+        raise ModelLoadError(f"expected an InternVL or MiniCPM-V 4.6 model, got "
+                             f"{type(vlm).__name__} ({mt})")
+    where = f"the {type(vlm).__name__}"
+    family = _check_text_config(vlm.config, where)
+    if tokenizer is None:
+        raise ModelLoadError(f"{where} needs its tokenizer (tokenizer=...): the image tokens "
+                             "and the placeholder layout come from it")
+    vlm = vlm.float().eval()
+    pc = json.loads(image_processor.to_json_string()) if image_processor is not None else None
+    vision = vision_model(vlm, tokenizer, pc, where, image_size=image_size,
+                          max_tiles=max_tiles, max_patches=max_patches)
+    text = text_causal_lm(vlm)
+    gen = generation_settings(getattr(vlm, "generation_config", None), vlm.config.text_config)
+    return LoadedVlm(text, family, _tokenizer_files_of(tokenizer), gen, vision=vision)
+
+
+def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
+              max_patches: int | None) -> LoadedVlm:
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model directory '{path}' does not exist")
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+    family = _check_text_config(config, cfg_path)
+    files = _read_tokenizer_files(path, required=True, what=path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"transformers cannot load the tokenizer in {path}: {e}") from e
+    pc = None
+    pc_path = os.path.join(path, "preprocessor_config.json")
+    if os.path.exists(pc_path):
+        try:
+            with open(pc_path) as f:
+                pc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {pc_path}: {e}") from e
+    gen = None
+    if os.path.exists(os.path.join(path, "generation_config.json")):
+        try:
+            gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
+    cls = getattr(transformers, {"internvl": "InternVLForConditionalGeneration",
+                                 "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration"}[
+        config.model_type])
+    try:
+        with quiet_transformers():
+            vlm, info = cls.from_pretrained(path, config=config, dtype=torch.float32,
+                                            local_files_only=True, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"transformers could not load the weights in {path}: {e}") from e
+    problems = []
+    for key, what in (("missing_keys", "missing tensors"),
+                      ("unexpected_keys", "unexpected tensors"),
+                      ("mismatched_keys", "mis-shaped tensors")):
+        names = sorted(str(k) for k in info.get(key) or [])
+        if names:
+            problems.append(f"{what}: {', '.join(names[:8])}"
+                            + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    if problems:
+        raise ModelLoadError(f"the checkpoint in {path} does not match its config.json "
+                             f"({config.model_type}): " + "; ".join(problems)
+                             + ". Use the config.json that belongs to these weights.")
+    vlm = vlm.eval()
+    vision = vision_model(vlm, tok, pc, path, image_size=image_size, max_tiles=max_tiles,
+                          max_patches=max_patches)
+    return LoadedVlm(text_causal_lm(vlm), family, files,
+                     generation_settings(gen, config.text_config), path, vision=vision)
