@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", help="prompt token ids, comma or space separated")
     r.add_argument("--chat-template", action="store_true",
                    help="wrap the prompt as a user message with the chat template")
+    r.add_argument("--image", action="append", metavar="PATH",
+                   help="an image for a vision-language model file (repeatable); the prompt "
+                   "marks where it goes with the model's image token, else it goes first")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
     r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
                    "time to first token and tokens/s, host and modelled)")
@@ -186,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start over when a turn no longer fits the KV cache (default: say so)")
     llm_cli.add_sampling_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
+
+    from toptpu.profile_cli import add_profile_parser
+
+    add_profile_parser(sub)
 
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
     c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")

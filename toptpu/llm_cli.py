@@ -64,6 +64,19 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetric", action="store_true", default=None,
                    help="symmetric weight quantization (default: w8 symmetric, w4 asymmetric)")
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
+    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6)")
+    v.add_argument("--image-size", type=int, default=None,
+                   help="tile (InternVL) / slice (MiniCPM-V) size in pixels the vit net is "
+                   "compiled for (default: the checkpoint's, e.g. 448)")
+    v.add_argument("--max-tiles", type=int, default=None,
+                   help="most tiles per image, plus a thumbnail (InternVL; default 12) / most "
+                   "slices besides the source image (MiniCPM-V; default 9)")
+    v.add_argument("--max-patches", type=int, default=None,
+                   help="MiniCPM-V: static patch budget of one slice (default: the largest "
+                   "slice of any image up to aspect ratio 10)")
+    v.add_argument("--vision-quantize", default=None,
+                   help="mode of the vit net (default: the activation type of -q, e.g. bf16 "
+                   "for w4bf16: weight-only quantization is for the text model)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -102,7 +115,9 @@ def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
 
 
 def stats_line(res: Any) -> str:
-    return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; prefill "
+    vision = (f"vision {res.image_tokens} image tokens in {_fmt(res.vision_s, 's')} host, "
+              f"{_fmt(res.vision_modelled_s, 's', 6)} modelled; " if res.image_tokens else "")
+    return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; {vision}prefill "
             f"{res.prefill_tokens} tokens; time to first token {_fmt(res.ttft_s, 's')} host, "
             f"{_fmt(res.modelled_ttft_s, 's', 6)} modelled; decode "
             f"{_fmt(res.decode_tokens_per_s, ' tok/s', 1)} host, "
@@ -121,20 +136,29 @@ def cmd_compile(args: argparse.Namespace) -> int:
                       seq_length=args.seq_length, max_input_length=args.max_input_length,
                       max_history=args.max_history, group_size=args.group_size,
                       symmetric=args.symmetric, dump_ir=args.dump_ir,
-                      progress=None if args.quiet else sys.stderr)
+                      progress=None if args.quiet else sys.stderr, image_size=args.image_size,
+                      max_tiles=args.max_tiles, max_patches=args.max_patches,
+                      vision_mode=args.vision_quantize)
     except _user_errors() as e:
         return _fail("compile", e)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Generate from a prompt with a compiled model file (needs nothing else)."""
-    from toptpu.backend.runtime import Runtime
+    """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
+    --image PATH (repeatable)."""
+    from toptpu.backend.runtime import GenerationError, Runtime
 
     try:
         rt = Runtime.open(args.model_file, args.executor)
         sampling = sampling_from_args(args, rt.header.get("generation", {}))
-        if args.ids is not None:
+        images: list[Any] = []
+        if args.image:
+            if args.prompt is None:
+                raise GenerationError("--image needs --prompt (the image tokens are laid out "
+                                      "in the prompt text)")
+            ids, images = rt.image_prompt(args.prompt, args.image, args.chat_template)
+        elif args.ids is not None:
             ids = [int(x) for x in args.ids.replace(",", " ").split()]
         elif args.chat_template:
             text = rt.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -151,7 +175,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
 
         res = rt.generate(ids, args.max_new_tokens, sampling, on_text=stream,
-                          stop_on_eos=not args.ignore_eos)
+                          stop_on_eos=not args.ignore_eos, images=images)
     except _user_errors() as e:
         return _fail("run", e)
     if args.json:
@@ -161,6 +185,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "ttft_s": res.ttft_s, "tokens_per_s": res.decode_tokens_per_s,
             "modelled_ttft_s": res.modelled_ttft_s,
             "modelled_tokens_per_s": res.modelled_tokens_per_s,
+            "image_tokens": res.image_tokens, "vision_s": res.vision_s,
+            "vision_modelled_s": res.vision_modelled_s,
             "executor": args.executor,
         }))
     else:
@@ -171,7 +197,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat with a compiled model file; the KV cache keeps the conversation.
-    /reset starts over, /exit (or end of input) quits."""
+    /reset starts over, /exit (or end of input) quits; VLMs: /image PATH [message] attaches
+    an image to the message (or to the next one)."""
     from toptpu.backend.runtime import PromptTooLongError, Runtime
 
     try:
@@ -181,9 +208,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except _user_errors() as e:
         return _fail("chat", e)
     model = rt.header["model"]
+    vlm = " /image PATH [message] attaches an image." if rt.is_vlm else ""
     print(f"toptpu chat: {model['family']} ({model['num_layers']} layers), "
-          f"{rt.header['mode']}, KV cache {rt.seq} tokens. /reset starts over, /exit quits.",
-          file=sys.stderr)
+          f"{rt.header['mode']}, KV cache {rt.seq} tokens. /reset starts over, /exit quits."
+          f"{vlm}", file=sys.stderr)
+    images: list[Any] = []
     while True:
         try:
             line = input(">>> ")
@@ -197,8 +226,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if msg == "/reset":
             rt.reset()
+            images = []
             print("[conversation reset]", file=sys.stderr)
             continue
+        if msg == "/image" or msg.startswith("/image "):
+            try:
+                path, msg = _image_command(msg)
+                enc = rt.encode_image(path)
+            except (ValueError, *_user_errors()) as e:  # bad image, text-only model file
+                print(f"[{e}]", file=sys.stderr)
+                continue
+            images.append(enc)
+            print(f"[image {path}: {enc.size[0]}x{enc.size[1]}, {enc.tiles} tiles, "
+                  f"{enc.image_tokens} image tokens]", file=sys.stderr)
+            if not msg:
+                continue
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
@@ -206,15 +248,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
         try:
             res = rt.chat(msg, args.max_new_tokens, sampling, on_text=stream,
-                          system=args.system, reset_if_full=args.reset_if_full)
+                          system=args.system, reset_if_full=args.reset_if_full, images=images)
         except PromptTooLongError as e:
             print(f"[{e}]", file=sys.stderr)
+            images = []
             continue
         except _user_errors() as e:
             return _fail("chat", e)
+        images = []
         print()
         print(stats_line(res) + f" [{rt.position}/{rt.seq} tokens in the cache]",
               file=sys.stderr)
+
+
+def _image_command(line: str) -> tuple[str, str]:
+    """'/image PATH [message]' -> (PATH, message); a PATH with spaces is quoted."""
+    rest = line[len("/image"):].strip()
+    if not rest:
+        raise ValueError("usage: /image PATH [message]")
+    if rest[0] in "\"'":
+        end = rest.find(rest[0], 1)
+        if end < 0:
+            raise ValueError(f"unclosed quote in /image {rest}")
+        return rest[1:end], rest[end + 1:].strip()
+    path, _, msg = rest.partition(" ")
+    return path, msg.strip()
 
 
 def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:

@@ -50,6 +50,7 @@ def profile_model(path: str, nets: list[str] | None = None
         ex.run(name, bindings, 0 if info.per_layer else None)
         prog = ex.program(name)
         tl = ex.stats[name].timelines[-1]
+        tl.net = name  # the program is named after its function ("main")
         profiles.append(profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops))
     return ex, profiles
 
@@ -70,6 +71,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 "lm_head", 0.0)
             print(f"one decode step ({layers} layers + embedding + lm_head): "
                   f"{decode * 1e3:.3f} ms modelled, {1 / decode:.1f} tokens/s")
+        vision = ex.header.get("vision")
+        if vision and vision["net"] in per:
+            tile = per[vision["net"]]
+            n = vision["max_tiles"] + (1 if vision["max_tiles"] > 1 else 0)
+            what = "tile" if vision["kind"] == "internvl" else "slice"
+            print(f"vision ({vision['net']}, {vision['mode']}): one {vision['image_size']} px "
+                  f"{what} {tile * 1e3:.3f} ms modelled; an image of {n} {what}s "
+                  f"{n * tile * 1e3:.3f} ms")
     timelines = [ex.stats[p.net].timelines[-1] for p in profiles]
     if args.trace:
         write_chrome_trace(args.trace, timelines, ex.chip)
