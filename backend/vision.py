@@ -84,24 +84,26 @@ class EncodedImage:
         return int(self.embeds.shape[0])
 
 
-class VisionEncoder:
-    """Encodes images with a model file's `vit` net on an executor (see the module doc)."""
+@dataclass
+class PreparedImage:
+    """One image preprocessed for the vision net (before any run)."""
 
-    def __init__(self, executor: Executor, header: dict[str, Any]) -> None:
-        if "vision" not in header:
-            raise GenerationError("this model file has no vision net: images need a "
-                                  "compiled InternVL or MiniCPM-V model")
-        self.ex = executor
-        self.info: dict[str, Any] = header["vision"]
-        self.kind: str = self.info["kind"]
-        self.net: str = self.info["net"]
-        nets = executor.nets()
-        if self.net not in nets:
-            raise GenerationError(f"the model file names the vision net '{self.net}' but has "
-                                  f"no such net; recompile it")
-        self.net_info = nets[self.net]
-        self.image_token_id = int(self.info["image_token_id"])
-        self._buffers: dict[str, Buffer] | None = None
+    feeds: list[dict[str, np.ndarray]]  # the vit inputs of each tile / slice
+    rows: list[int]  # how many leading output rows of each run are image tokens
+    placeholder: str
+    source: str = ""
+    size: tuple[int, int] = (0, 0)
+
+
+class ImagePreprocessor:
+    """The host side of a model file's vision net: preprocessing and placeholder layout
+    from the header's `vision` section (no executor needed)."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.kind: str = info["kind"]
+        self.net: str = info["net"]
+        self.image_token_id = int(info["image_token_id"])
         self._processor: Any = None
 
     # ------------------------------------------------------------------ text layout
@@ -143,47 +145,31 @@ class VisionEncoder:
             self._processor = cls(**cfg)
         return self._processor
 
-    def _bufs(self) -> dict[str, Buffer]:
-        if self._buffers is None:
-            self._buffers = {s.name: self.ex.alloc(s.shape, s.dtype)
-                             for s in (*self.net_info.inputs, *self.net_info.outputs)}
-        return self._buffers
-
-    def _run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        b = self._bufs()
-        for name, arr in feeds.items():
-            self.ex.write(b[name], arr)
-        self.ex.run(self.net, b)
-        return self.ex.read(b["image_embeds"]).astype(np.float32)
-
-    def encode(self, image: Any) -> EncodedImage:
-        """Preprocess `image` (a path or a PIL image) and run the vision net on each tile."""
-        source = image if isinstance(image, str | os.PathLike) else "<image>"
+    def prepare(self, image: Any) -> PreparedImage:
+        """Preprocess `image` (a path or a PIL image) with the model's image processor: the
+        vit inputs of each tile and the image's placeholder text (no net runs)."""
+        source = str(image) if isinstance(image, str | os.PathLike) else "<image>"
         img = load_image(image)
-        _ = self.processor  # imports transformers once; not part of the image's time
-        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
         try:
             if self.kind == "internvl":
-                tiles, placeholder, rows = self._internvl(img)
+                prepared = self._internvl(img)
             else:
-                tiles, placeholder, rows = self._minicpmv(img, str(source))
+                prepared = self._minicpmv(img, source)
         except ImageError:
             raise
         except (ValueError, TypeError, OSError) as e:
             raise ImageError(f"the {self.info['processor_class']} cannot take image "
                              f"'{source}' ({img.mode} {img.width}x{img.height}): {e}") from e
-        t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
-        return EncodedImage(str(source), (img.width, img.height), tiles, placeholder, rows,
-                            t1 - t0, (m1 - m0) if m1 > 0 else None)
+        prepared.source, prepared.size = source, (img.width, img.height)
+        return prepared
 
-    def _internvl(self, img: Any) -> tuple[int, str, np.ndarray]:
+    def _internvl(self, img: Any) -> PreparedImage:
         from transformers.models.internvl.processing_internvl import InternVLProcessor
 
         v = self.info
-        out = self.processor(img, crop_to_patches=True, min_patches=1,
-                             max_patches=int(v["max_tiles"]), return_tensors=None)
+        out = self.processor(img, crop_to_patches=True, max_patches=int(v["max_tiles"]),
+                             return_tensors=None)  # crop_to_patches: as InternVLProcessor
         tiles = [np.asarray(t, np.float32) for t in out["pixel_values"]]
-        rows = np.concatenate([self._run({"pixel_values": t[None]})[0] for t in tiles])
         t = v["tokens"]
         layout = SimpleNamespace(start_image_token=t["start_image_token"],
                                  end_image_token=t["end_image_token"],
@@ -191,9 +177,10 @@ class VisionEncoder:
                                  image_seq_length=int(v["tokens_per_tile"]))
         placeholder = InternVLProcessor.replace_image_token(
             layout, {"num_patches": [len(tiles)]}, 0)
-        return len(tiles), placeholder, rows
+        return PreparedImage([{"pixel_values": x[None]} for x in tiles],
+                             [int(v["tokens_per_tile"])] * len(tiles), placeholder)
 
-    def _minicpmv(self, img: Any, source: str) -> tuple[int, str, np.ndarray]:
+    def _minicpmv(self, img: Any, source: str) -> PreparedImage:
         from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
 
         from toptpu.frontends.vision_inputs import pack_slice
@@ -212,14 +199,14 @@ class VisionEncoder:
                     f"static budget of {budget} patches; recompile with --max-patches "
                     f"{-(-int(h * w) // div) * div} or larger (or use an image of a less "
                     "extreme aspect ratio)")
-        rows, start = [], 0
+        feeds, rows, start = [], [], 0
         for h, w in sizes:
             n = int(h * w)
-            feeds = pack_slice(pv[:, :, start * p:(start + n) * p], int(h), int(w), budget,
-                               levels, int(v["position_side"]))
-            out_rows = self._run(dict(zip(("pixel_values", "position_ids_vit",
-                                           "attention_mask"), feeds, strict=True)))
-            rows.append(out_rows[0, :n // div])
+            packed = pack_slice(pv[:, :, start * p:(start + n) * p], int(h), int(w), budget,
+                                levels, int(v["position_side"]))
+            feeds.append(dict(zip(("pixel_values", "position_ids_vit", "attention_mask"),
+                                  packed, strict=True)))
+            rows.append(n // div)
             start += n
         t = v["tokens"]
         layout = SimpleNamespace(slice_mode=bool(v["processor"].get("slice_mode", True)),
@@ -230,4 +217,65 @@ class VisionEncoder:
             layout, {"grids": out["grids"], "num_patches_per_image":
                      out["num_patches_per_image"], "target_sizes": sizes}, 0,
             image_token_divisor=div)
-        return len(sizes), placeholder, np.concatenate(rows)
+        return PreparedImage(feeds, rows, placeholder)
+
+
+class VisionEncoder(ImagePreprocessor):
+    """Encodes images with a model file's `vit` net on an executor (see the module doc)."""
+
+    def __init__(self, executor: Executor, header: dict[str, Any]) -> None:
+        if "vision" not in header:
+            raise GenerationError("this model file has no vision net: images need a "
+                                  "compiled InternVL or MiniCPM-V model")
+        super().__init__(header["vision"])
+        self.ex = executor
+        nets = executor.nets()
+        if self.net not in nets:
+            raise GenerationError(f"the model file names the vision net '{self.net}' but has "
+                                  f"no such net; recompile it")
+        self.net_info = nets[self.net]
+        self._buffers: dict[str, Buffer] | None = None
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """The header's numbers must be the net's static shapes (they are read back from
+        the net; a file whose header disagrees is refused)."""
+        shapes = {s.name: s.shape for s in (*self.net_info.inputs, *self.net_info.outputs)}
+        v = self.info
+        if self.kind == "internvl":
+            want = {"pixel_values": (1, 3, v["image_size"], v["image_size"]),
+                    "image_embeds": (1, v["tokens_per_tile"], shapes["image_embeds"][-1])}
+        else:
+            n, p = int(v["max_patches"]), int(v["patch_size"])
+            want = {"pixel_values": (1, 3, p, n * p), "position_ids_vit": (1, n),
+                    "image_embeds": (1, n // int(v["token_divisor"]),
+                                     shapes["image_embeds"][-1])}
+        bad = [f"{k} is {list(shapes.get(k, ()))}, the header says {list(s)}"
+               for k, s in want.items() if tuple(shapes.get(k, ())) != tuple(s)]
+        if bad:
+            raise GenerationError(f"the vision net '{self.net}' does not match the model "
+                                  f"file's vision header ({'; '.join(bad)}); recompile it")
+
+    def _bufs(self) -> dict[str, Buffer]:
+        if self._buffers is None:
+            self._buffers = {s.name: self.ex.alloc(s.shape, s.dtype)
+                             for s in (*self.net_info.inputs, *self.net_info.outputs)}
+        return self._buffers
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        b = self._bufs()
+        for name, arr in feeds.items():
+            self.ex.write(b[name], arr)
+        self.ex.run(self.net, b)
+        return self.ex.read(b["image_embeds"]).astype(np.float32)
+
+    def encode(self, image: Any) -> EncodedImage:
+        """Preprocess `image` and run the vision net on each tile: its embedding rows."""
+        _ = self.processor  # imports transformers once; not part of the image's time
+        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
+        p = self.prepare(image)
+        rows = np.concatenate([self._run(f)[0, :n] for f, n in zip(p.feeds, p.rows,
+                                                                     strict=True)])
+        t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
+        return EncodedImage(p.source, p.size, len(p.feeds), p.placeholder, rows, t1 - t0,
+                            (m1 - m0) if m1 > 0 else None)

@@ -161,7 +161,8 @@ class InternVLVit(torch.nn.Module):
             emb.image_size) != (image_size, image_size)
         if self.own_positions:  # the model's own bicubic interpolation, once
             with torch.no_grad():
-                probe = torch.zeros(1, (image_size // emb.patch_size[0]) ** 2 + 1, 1)
+                probe = torch.zeros(1, (image_size // emb.patch_size[0]) ** 2 + 1,
+                                    emb.position_embeddings.shape[-1])
                 pos = emb.interpolate_pos_encoding(probe, image_size, image_size)
             self.register_buffer("position_embeddings", pos.detach().clone())
 
