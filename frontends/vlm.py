@@ -399,6 +399,12 @@ class LoadedVlm(LoadedModel):
 
 
 def _check_text_config(config: Any, where: str) -> str:
+    if getattr(config, "quantization_config", None) or getattr(
+            config.text_config, "quantization_config", None):
+        raise ModelLoadError(
+            f"{where} is a pre-quantized VLM checkpoint: toptpu reads GPTQ/AWQ/AutoRound "
+            "checkpoints of text models only; compile the float VLM (-q w4bf16 quantizes its "
+            "text model)")
     tc = config.text_config
     mt = getattr(tc, "model_type", None)
     if mt in ("qwen3_5_text", "qwen3_5", "qwen3_next"):
