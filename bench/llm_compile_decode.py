@@ -22,10 +22,11 @@ import time
 
 import numpy as np
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from toptpu.backend.runtime import Runtime
 from toptpu.compiler import compile as compile_model
+from toptpu.frontends.tiny_models import qwen25_05b_config
 
 
 def hf_decode_rate(model: Qwen2ForCausalLM, ids: list[int], n: int) -> tuple[float, float]:
@@ -59,10 +60,7 @@ def main() -> None:
     ap.add_argument("--executor", default="machine", choices=["machine", "interpreter"])
     a = ap.parse_args()
 
-    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=a.layers,
-                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                      max_position_embeddings=32768, rope_theta=1000000.0,
-                      tie_word_embeddings=True, rms_norm_eps=1e-6, eos_token_id=151645)
+    cfg = qwen25_05b_config(a.layers, eos_token_id=151645)
     torch.manual_seed(0)
     t = time.perf_counter()
     model = Qwen2ForCausalLM(cfg).eval()

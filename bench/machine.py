@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from toptpu.backend.chips import get_chip
 from toptpu.backend.interpreter import Interpreter
@@ -28,6 +28,7 @@ from toptpu.backend.simulate import compile_for_machine, simulate
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.llm import StaticShapes, split_model
+from toptpu.frontends.tiny_models import qwen25_05b_config
 from toptpu.metrics import similarity
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 
@@ -40,9 +41,7 @@ def main() -> None:
     ap.add_argument("--cached", type=int, default=1024)
     a = ap.parse_args()
     chip = get_chip(a.chip)
-    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=1,
-                      num_attention_heads=14, num_key_value_heads=2, vocab_size=1024,
-                      max_position_embeddings=32768, rope_theta=1000000.0)
+    cfg = qwen25_05b_config(1, vocab_size=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
     specs = {s.name: s for s in split_model(

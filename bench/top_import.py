@@ -11,10 +11,11 @@ import argparse
 import time
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.hf_layers import DecoderStack, causal_mask
+from toptpu.frontends.tiny_models import qwen25_05b_config
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 
 
@@ -23,10 +24,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--seq", type=int, default=64)
     a = ap.parse_args()
-    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=a.layers,
-                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                      max_position_embeddings=32768, rope_theta=1000000.0,
-                      tie_word_embeddings=True, rms_norm_eps=1e-6)
+    cfg = qwen25_05b_config(a.layers)
     torch.manual_seed(0)
     t = time.perf_counter()
     model = Qwen2ForCausalLM(cfg).eval()

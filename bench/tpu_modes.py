@@ -15,13 +15,14 @@ import time
 
 import numpy as np
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from toptpu.backend.interpreter import Interpreter
 from toptpu.dialects import tpu
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.hf_layers import DecoderStack
+from toptpu.frontends.tiny_models import qwen25_05b_config
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
@@ -33,10 +34,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args()
-    cfg = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=a.layers,
-                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                      max_position_embeddings=32768, rope_theta=1000000.0,
-                      tie_word_embeddings=True, rms_norm_eps=1e-6)
+    cfg = qwen25_05b_config(a.layers)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(0)

@@ -133,3 +133,15 @@ def save_tiny_model(path: str, family: str = "qwen2", seed: int = 0,
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def qwen25_05b_config(layers: int = 24, **overrides: Any) -> Any:
+    """Qwen2.5-0.5B's public shape (hidden 896, intermediate 4864, 14 heads, 2 KV heads,
+    vocab 151936, tied embeddings) for benchmarks with random weights."""
+    import transformers as tf
+
+    return tf.Qwen2Config(**{
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": layers,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-6, **overrides})
