@@ -321,7 +321,7 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
                 emit_store(st, i - 1)
     for st in stores:
         emit_store(st, s - 1)
-    return sum(op_flops(op) for op in computes)
+    return s * sum(op_flops(op) for op in computes)  # each slice runs the slice-shaped ops
 
 
 def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:
