@@ -272,10 +272,6 @@ class VisionModel:
         return int(p[0] if isinstance(p, list | tuple) else p)
 
     @property
-    def text_hidden(self) -> int:
-        return int(self.vlm.config.text_config.hidden_size)
-
-    @property
     def levels(self) -> list[tuple[int, int]]:
         """MiniCPM-V merge kernels, innermost first."""
         cfg = self.vlm.config
@@ -307,6 +303,7 @@ class VisionModel:
 
     # ------------------------------------------------------------------ the net
     def net_spec(self) -> NetSpec:
+        """The `vit` net: the wrapper and example inputs at the static shapes."""
         g = torch.Generator().manual_seed(0)
         if self.kind == "internvl":
             s = self.image_size
@@ -322,6 +319,7 @@ class VisionModel:
 
     def pack(self, patches: np.ndarray, h: int, w: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """MiniCPM-V: one slice's NaViT patches as the vit net's inputs (`pack_slice`)."""
         vc = self.vlm.config.vision_config
         return pack_slice(patches, h, w, self.max_patches, self.levels,
                           int(vc.image_size) // self.patch_size)
@@ -497,8 +495,9 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
         raise ModelLoadError(
             f"{where}: window_kernel_size {vc.window_kernel_size} / merge_kernel_size "
             f"{cfg.merge_kernel_size}: the processor lays out tokens for 2x2 merges only")
-    levels = 1 + int(cfg.merger_times) if cfg.downsample_mode != "4x" else int(cfg.merger_times)
-    if levels != 2 and cfg.downsample_mode == "16x" or levels != 1 and cfg.downsample_mode == "4x":
+    div = 16 if cfg.downsample_mode == "16x" else 4  # patches per token, as the processor
+    merges = (1 if cfg.downsample_mode == "16x" else 0) + int(cfg.merger_times)
+    if 4 ** merges != div:
         raise ModelLoadError(f"{where}: merger_times {cfg.merger_times} does not give the "
                              f"{cfg.downsample_mode} token reduction its processor assumes")
     if cfg.downsample_mode != "4x" and not 0 <= int(vc.insert_layer_id) < vc.num_hidden_layers:
@@ -509,7 +508,6 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
     if "max_slice_nums" not in pc or max_tiles:
         pc["max_slice_nums"] = max_tiles or 9
     tiles = int(pc["max_slice_nums"])
-    div = 16 if cfg.downsample_mode != "4x" else 4
     proc = proc_cls(**pc)
     budget = max_patches or patch_budget(proc, s, int(patch), tiles, cfg.downsample_mode)
     if budget % div:
