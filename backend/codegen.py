@@ -30,7 +30,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from toptpu.backend.chips import Chip
-from toptpu.dialects import top, tpu
+from toptpu.dialects import tpu
 from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.naming import input_names, op_name, output_names
 from toptpu.passes.layer_group import cost_dtype, op_flops
@@ -197,7 +197,7 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
         if not read_ints(op.attributes.get("lmem")):
             raise CodegenError(f"{op_name(op)} has no local address: run layer-group")
         for r in op.results:
-            lmem[r] = result_addresses(op, r, chip, s > 1)
+            lmem[r] = result_addresses(op, r, s > 1)
     per_lane = {v: chip.per_lane(nbytes(v)) for v in lmem}
     # buffer instance of (local value, slice): ids; and the command that reads it last
     inst: dict[tuple[SSAValue, int], int] = {}
@@ -328,5 +328,3 @@ def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:
     return {fn.sym_name.data: generate(module, fn, chip)
             for fn in module.ops if isinstance(fn, func.FuncOp)}
 
-
-__all__ = ["Program", "generate", "generate_module", "top"]

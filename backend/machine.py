@@ -83,11 +83,16 @@ class GlobalMemory:
 
     def tensor(self, addr: int, shape: tuple[int, ...], dtype: np.dtype, who: str,
                write: bool = False) -> np.ndarray:
+        return self.tensor_in(addr, shape, dtype, who, write)[0]
+
+    def tensor_in(self, addr: int, shape: tuple[int, ...], dtype: np.dtype, who: str,
+                  write: bool = False) -> tuple[np.ndarray, Region]:
+        """A view of the tensor at `addr` and the region holding it."""
         nb = int(np.prod(shape)) * np.dtype(dtype).itemsize
         r, off = self.find(addr, nb, who)
         if write and not r.writable:
             raise MachineTrap(f"{who}: write to read-only region '{r.name}'")
-        return r.data[off:off + nb].view(dtype).reshape(shape)
+        return r.data[off:off + nb].view(dtype).reshape(shape), r
 
 
 @dataclass
@@ -313,7 +318,7 @@ class Machine:
             dt = np.dtype(c["dtype"])
             addr = self._gaddr(g, b, who)
             store = c["dir"] == "store"
-            whole = self.gmem.tensor(addr, full, dt, who, write=store)
+            whole, region = self.gmem.tensor_in(addr, full, dt, who, write=store)
             if c["ax"] >= 0:
                 sl = [slice(None)] * len(full)
                 sl[c["ax"]] = slice(c["start"], c["start"] + c["len"])
@@ -325,7 +330,6 @@ class Machine:
                 self.free(c.get("free", []))
             else:
                 self.write_local(c["out"], part, who)
-                region, _ = self.gmem.find(addr, 1, who)
                 if not region.writable:
                     self._prov[c["out"]["buf"]] = (addr, full, c["dtype"], c["ax"],
                                                    c["start"], c["len"])

@@ -26,12 +26,10 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from toptpu.backend.interpreter import Interpreter  # noqa: E402
-from toptpu.frontends.fx_importer import import_module  # noqa: E402
-from toptpu.frontends.hf_layers import decoder_layer, layer_inputs  # noqa: E402
+from toptpu.frontends.hf_layers import import_decoder_layer  # noqa: E402
 from toptpu.frontends.tiny_models import tiny_model  # noqa: E402
 from toptpu.metrics import similarity  # noqa: E402
 from toptpu.mlir_jit import MLIRJit  # noqa: E402
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes  # noqa: E402
 
 CONFIGS = {
     "tiny qwen2": {},
@@ -44,16 +42,8 @@ CONFIGS = {
 def bench(label: str, overrides: dict, seq: int, calls: int, opt_level: int) -> None:
     """One line per JIT variant (strict IEEE order, then fast-math reassoc/contract)."""
     model = tiny_model("qwen2", layers=1, **overrides)
-    hidden, pos, mask = layer_inputs(model.config.hidden_size, seq)
-    layer = decoder_layer(model)
-    with torch.no_grad():
-        ref = layer(hidden, pos, mask).numpy()
-    module, _ = import_module(layer, (hidden, pos, mask),
-                              input_names=["hidden", "position_ids", "attention_mask"],
-                              output_names=["out"])
-    run_passes(module, top_pipeline_passes())
-    feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
-             "attention_mask": mask.numpy()}
+    imp = import_decoder_layer(model, seq)
+    module, feeds, ref = imp.module, imp.feeds, imp.reference
     interp = Interpreter(module)
     out_np = interp.run(feeds)["out"]
     for fast in (False, True):

@@ -6,8 +6,10 @@ hidden. Used by the Top-level checks and the demo; the LLM nets with KV plumbing
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -68,3 +70,40 @@ class DecoderStack(torch.nn.Module):
         for layer in self.layers:
             h = layer(h, position_ids, attention_mask)
         return self.lm_head(self.norm(h))
+
+
+LAYER_IO = (["hidden", "position_ids", "attention_mask"], ["out"])
+
+
+@dataclass
+class ImportedLayer:
+    """A decoder layer in Top, the inputs it was imported at and torch's output on them."""
+
+    module: Any  # xdsl ModuleOp
+    store: Any  # WeightStore
+    feeds: dict[str, np.ndarray]
+    reference: np.ndarray
+
+
+def import_decoder_layer(model: Any, length: int, *, index: int = 0,
+                         mask_value: float | None = None, top_pipeline: bool = True
+                         ) -> ImportedLayer:
+    """Layer `index` of `model` imported into Top at `length` tokens (after `top-pipeline`
+    unless told otherwise), with its causal-mask inputs and torch's output. `mask_value`
+    replaces the mask's large negative (-10000.0 keeps f16/bf16 nets finite)."""
+    from toptpu.frontends.fx_importer import import_module
+    from toptpu.passes.pipelines import run_passes, top_pipeline_passes
+
+    layer = decoder_layer(model, index)
+    hidden, pos, mask = layer_inputs(model.config.hidden_size, length)
+    if mask_value is not None:
+        mask = torch.where(mask < 0, mask_value, 0.0)
+    with torch.no_grad():
+        ref = layer(hidden, pos, mask).numpy()
+    module, store = import_module(layer, (hidden, pos, mask), input_names=LAYER_IO[0],
+                                  output_names=LAYER_IO[1])
+    if top_pipeline:
+        run_passes(module, top_pipeline_passes())
+    feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
+             "attention_mask": mask.numpy()}
+    return ImportedLayer(module, store, feeds, ref)

@@ -28,7 +28,7 @@ from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
 
 from toptpu.dialects import tpu
-from toptpu.dialects.common import i64_array, i64_attr, read_int, read_ints
+from toptpu.dialects.common import i64_array, i64_attr, read_int
 from toptpu.passes.lmem import nbytes
 
 ALIGN = 64
@@ -117,5 +117,3 @@ class AddressAssignPass(ModulePass):
             if isinstance(fn, func.FuncOp):
                 assign_function(fn)
 
-
-__all__ = ["AddressAssignPass", "address_report", "regions_of", "read_ints"]

@@ -37,7 +37,6 @@ from toptpu.dialects.common import (
     numel,
     read_bool,
     read_float,
-    read_int,
     read_ints,
     shape_of,
 )
@@ -208,5 +207,3 @@ class CanonicalizePass(ModulePass):
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         apply_patterns(op, canonicalization_patterns(), ctx)
 
-
-__all__ = ["CanonicalizePass", "canonicalization_patterns", "apply_patterns", "read_int"]

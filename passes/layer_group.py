@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Block, Operation, OpResult, Region, SSAValue
+from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
-from xdsl.rewriter import Rewriter
+from xdsl.rewriter import InsertPoint, Rewriter
 
 from toptpu.backend.chips import Chip, compute_cycles, dma_cycles, get_chip
 from toptpu.dialects import top, tpu
@@ -34,7 +34,6 @@ from toptpu.dialects.common import (
     elem_of,
     i64_array,
     i64_attr,
-    read_ints,
     shape_of,
     tensor,
 )
@@ -294,19 +293,13 @@ def build_group(p: Plan) -> tpu.GroupOp:
 
 
 def _install(group: tpu.GroupOp, p: Plan) -> None:
-    Rewriter.insert_op(group, _insert_point(p.ops[0]))
+    Rewriter.insert_op(group, InsertPoint.before(p.ops[0]))
     for r, gr in zip(p.outputs, group.outputs, strict=True):
         gr.name_hint = r.name_hint
         r.replace_all_uses_with(gr)
     for op in reversed(p.ops):
         op.detach()
         op.erase()
-
-
-def _insert_point(op: Operation):  # noqa: ANN202
-    from xdsl.rewriter import InsertPoint
-
-    return InsertPoint.before(op)
 
 
 # ------------------------------------------------------------------------------ the pass
@@ -426,5 +419,3 @@ class LmemVerifyPass(ModulePass):
                 except LocalMemoryError as e:
                     raise LocalMemoryError(f"{op_name(g)}: {e}") from e
 
-
-__all__ = ["LayerGroupPass", "LmemVerifyPass", "OpResult", "read_ints"]

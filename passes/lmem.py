@@ -115,10 +115,9 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
     return bufs
 
 
-def result_addresses(op: Operation, value: SSAValue, chip: Chip, sliced: bool) -> list[int]:
+def result_addresses(op: Operation, value: SSAValue, sliced: bool) -> list[int]:
     """The local addresses (one per copy) of `value`, a result of `op`, from its `lmem`
     attribute, which lists each result's copies in result order."""
-    del chip
     addrs = read_ints(op.attributes.get("lmem"))
     counts = []
     for r in op.results:
@@ -229,7 +228,7 @@ def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
         attr = b.op.attributes.get("lmem")
         if attr is None:
             raise LocalMemoryError(f"{b.name()} has no local address")
-        a = result_addresses(b.op, b.value, chip, read_int(group.slices) > 1)
+        a = result_addresses(b.op, b.value, read_int(group.slices) > 1)
         if len(a) != b.copies:
             raise LocalMemoryError(f"{b.name()} needs {b.copies} address(es), has {len(a)}")
         for x in a:

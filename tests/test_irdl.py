@@ -9,7 +9,6 @@ for the documented IRDL gaps, which are tested as such so that they stay known.
 from __future__ import annotations
 
 import pytest
-import torch
 from xdsl.dialects import func
 from xdsl.dialects.builtin import (
     FloatAttr,
@@ -25,8 +24,7 @@ from xdsl.utils.exceptions import DiagnosticException, VerifyException
 
 from helpers import run_tool
 from toptpu.dialects import top, tpu
-from toptpu.frontends.fx_importer import import_module
-from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
+from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.irdl_export import BUILTIN_BASES, export_irdl
 from toptpu.mlir_check import MlirCheckError, verify_with_irdl
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
@@ -39,12 +37,8 @@ def pipeline_stages(tiny_models, family: str) -> list[tuple[str, ModuleOp]]:
     """(stage, module) for: import, after each Top pass, after convert-top-to-tpu in
     f32/bf16/w4bf16 and after the canonicalize that follows it."""
     if family not in _STAGES:
-        model = tiny_models(family)
-        hidden, pos, mask = layer_inputs(model.config.hidden_size, 8)
-        mask = torch.where(mask < 0, -10000.0, 0.0)
-        module, _ = import_module(decoder_layer(model), (hidden, pos, mask),
-                                  input_names=["hidden", "position_ids", "attention_mask"],
-                                  output_names=["out"])
+        module = import_decoder_layer(tiny_models(family), 8, mask_value=-10000.0,
+                                      top_pipeline=False).module
         stages = [("import", module.clone())]
         run_passes(module, top_pipeline_passes(),
                    after=lambda p, m: stages.append((f"top:{p.name}", m.clone())))

@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from toptpu.backend.chips import get_chip
 from toptpu.backend.codegen import generate
@@ -18,13 +17,12 @@ from toptpu.backend.simulate import ProgramFile, compile_for_machine, simulate, 
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array, read_ints
 from toptpu.dialects.weight_store import store_of
-from toptpu.frontends.fx_importer import import_module
-from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
+from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.layer_group import LayerGroupError, LayerGroupPass
 from toptpu.passes.lmem import LocalMemoryError, verify_group
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
 
 CHIP = get_chip("bm1684x")
 _TOP: dict[int, tuple] = {}
@@ -32,16 +30,8 @@ _TOP: dict[int, tuple] = {}
 
 def _top(tiny_models, length: int):
     if length not in _TOP:
-        model = tiny_models("qwen2")
-        hidden, pos, mask = layer_inputs(model.config.hidden_size, length)
-        mask = torch.where(mask < 0, -10000.0, 0.0)
-        module, _ = import_module(decoder_layer(model), (hidden, pos, mask),
-                                  input_names=["hidden", "position_ids", "attention_mask"],
-                                  output_names=["out"])
-        run_passes(module, top_pipeline_passes())
-        feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
-                 "attention_mask": mask.numpy()}
-        _TOP[length] = (module, feeds)
+        imp = import_decoder_layer(tiny_models("qwen2"), length, mask_value=-10000.0)
+        _TOP[length] = (imp.module, imp.feeds)
     return _TOP[length]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr, bf16, f16, f32, i32, i64
 from xdsl.ir import Block, Region, SSAValue
@@ -26,12 +25,10 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, attach_store
-from toptpu.frontends.fx_importer import import_module
-from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
+from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.metrics import similarity
 from toptpu.mlir_jit import MLIRJit, MLIRJitError
 from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass, LinalgLoweringError
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 
 
 class Fn:
@@ -214,18 +211,8 @@ _LAYERS: dict[str, tuple[ModuleOp, dict[str, np.ndarray], np.ndarray]] = {}
 def _layer(tiny_models, family: str) -> tuple[ModuleOp, dict[str, np.ndarray], np.ndarray]:
     """A tiny decoder layer after top-pipeline, its inputs and torch's output."""
     if family not in _LAYERS:
-        model = tiny_models(family)
-        hidden, pos, mask = layer_inputs(model.config.hidden_size, 8)
-        layer = decoder_layer(model)
-        with torch.no_grad():
-            ref = layer(hidden, pos, mask).numpy()
-        module, _ = import_module(layer, (hidden, pos, mask),
-                                  input_names=["hidden", "position_ids", "attention_mask"],
-                                  output_names=["out"])
-        run_passes(module, top_pipeline_passes())
-        feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
-                 "attention_mask": mask.numpy()}
-        _LAYERS[family] = (module, feeds, ref)
+        imp = import_decoder_layer(tiny_models(family), 8)
+        _LAYERS[family] = (imp.module, imp.feeds, imp.reference)
     return _LAYERS[family]
 
 

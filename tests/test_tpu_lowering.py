@@ -14,11 +14,10 @@ from toptpu.backend.interpreter import Interpreter
 from toptpu.compare import IRStage, compare_stages, tpu_threshold
 from toptpu.dialects import top, tpu
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
-from toptpu.frontends.fx_importer import import_module
-from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
+from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import MODES, ConversionError
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
 from toptpu.passes.quantize import QuantizationError, quantize_rtn
 
 _CACHE: dict[str, tuple] = {}
@@ -26,16 +25,9 @@ _CACHE: dict[str, tuple] = {}
 
 def _top_layer(tiny_models, family: str):
     if family not in _CACHE:
-        model = tiny_models(family)
-        hidden, pos, mask = layer_inputs(model.config.hidden_size, 16)
-        mask = torch.where(mask < 0, -10000.0, 0.0)
-        module, store = import_module(decoder_layer(model), (hidden, pos, mask),
-                                      input_names=["hidden", "position_ids", "attention_mask"],
-                                      output_names=["out"])
-        run_passes(module, top_pipeline_passes())
-        feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
-                 "attention_mask": mask.numpy()}
-        _CACHE[family] = (module, store, feeds, Interpreter(module).run(feeds).outputs["out"])
+        imp = import_decoder_layer(tiny_models(family), 16, mask_value=-10000.0)
+        _CACHE[family] = (imp.module, imp.store, imp.feeds,
+                          Interpreter(imp.module).run(imp.feeds).outputs["out"])
     return _CACHE[family]
 
 
