@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import fuzz  # noqa: E402,F401 - registers the hypothesis profiles before the plugin loads one
+
 
 @pytest.fixture(scope="session")
 def tiny_models():
