@@ -3,15 +3,26 @@
 Each recipe quantizes a fresh tiny `transformers` model (real Qwen2 / Llama config classes,
 seeded random weights, a WordLevel tokenizer built with `tokenizers`; nothing downloaded)
 with ``AutoRound(model, tokenizer=..., scheme="W4A16", group_size=..., sym=..., iters=2,
-dataset=[texts], device_map="cpu", seqlen=..., nsamples=...)`` and
-``quantize_and_save(dir, format="<packed formats>,fake")``. The ``fake`` export of the same
-run is the float reference: the fake-quantized weights in float32.
+dataset=[texts], device_map="cpu", seqlen=..., nsamples=..., amp=False,
+enable_torch_compile=False)`` and ``quantize_and_save(dir, format="<packed formats>,fake")``.
+The ``fake`` export of the same run is the float reference: the fake-quantized weights in
+float32.
+
+The same on every CPU: by default auto-round tunes and exports in bfloat16 when the CPU has
+bf16 instructions (avx512_bf16 / AMX; ``amp=True`` casts the model to bf16 there, to float32
+elsewhere), so ``amp=False`` keeps the model, the tuning and every export in float32;
+``enable_torch_compile=False`` keeps inductor's ISA-specific kernels out (auto-round turns it
+off by itself below 10 iters, but that is a heuristic); torch's float32 matmuls stay at
+"highest" precision (no oneDNN bf16 path). Every float tensor of every reference is checked to
+be float32 when the fixture is made, so a CPU-dependent reference cannot come back unnoticed.
 
 Generation runs in ONE child process for all recipes (auto-round sets process-wide state --
 environment variables such as CUBLAS_WORKSPACE_CONFIG, torch thread counts and module patches
 on some paths -- and the child keeps the test process clean), and only once per session even
 under pytest-xdist: workers share a directory next to their base temp dirs and take a file
-lock; the first one generates, the others reuse its manifest.
+lock; the first one generates, the others reuse its manifest. A manifest is reused only if its
+``key`` (this file's hash and the versions of auto-round, torch and transformers) is the
+current one; any other is deleted with its checkpoints and made again.
 
 Run ``python tests/quant_fixtures.py OUT_DIR`` to make the checkpoints by hand.
 """
@@ -20,18 +31,22 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors import safe_open
 
 HIDDEN = 64
 INTERMEDIATE = 128
@@ -89,6 +104,38 @@ RECIPES: dict[str, Recipe] = {
 
 #: recipe whose fake export is the reference of another recipe (same deterministic run)
 REFERENCE_OF: dict[str, str] = {"qwen2_asym_g32_autoround": "qwen2_asym_g32"}
+
+#: the dtype of every float tensor of a reference (safetensors' name)
+REFERENCE_DTYPE = "F32"
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def cache_key() -> dict[str, str]:
+    """What the checkpoints depend on: this file (recipes, sizes, options) and the producers."""
+    return {
+        "fixtures_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        **{pkg: version(pkg) for pkg in ("auto-round", "torch", "transformers")},
+    }
+
+
+def check_reference_dtypes(manifest: dict[str, Any]) -> None:
+    """Every float tensor of every fake (reference) export is float32, else RuntimeError."""
+    for recipe, folders in manifest["runs"].items():
+        if "fake" not in folders:
+            continue
+        files = sorted(Path(folders["fake"]).glob("*.safetensors"))
+        if not files:
+            raise RuntimeError(f"reference of {recipe}: no .safetensors in {folders['fake']}")
+        for file in files:
+            with safe_open(str(file), framework="numpy") as f:
+                for key in f.keys():
+                    dtype = f.get_slice(key).get_dtype()
+                    if dtype in _FLOAT_DTYPES and dtype != REFERENCE_DTYPE:
+                        raise RuntimeError(
+                            f"reference of {recipe}: {key} in {file} is {dtype}, not "
+                            f"{REFERENCE_DTYPE}: auto-round tuned or exported in another dtype "
+                            "(amp on a bf16-capable CPU?); the fixture must be float32 everywhere"
+                        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,11 +199,13 @@ def _label(folder: Path) -> str:
 
 def generate(out_root: Path) -> dict[str, Any]:
     """Run every recipe into out_root; return (and write) the manifest."""
-    from auto_round import AutoRound, __version__
+    import torch
+    from auto_round import AutoRound
 
+    torch.set_float32_matmul_precision("highest")  # the default, stated: no bf16 matmuls
     tokenizer = build_tokenizer()
     texts = calibration_texts()
-    manifest: dict[str, Any] = {"auto_round": __version__, "runs": {}, "seconds": {}}
+    manifest: dict[str, Any] = {"key": cache_key(), "runs": {}, "seconds": {}}
     # auto-round calls gc.collect() often; freezing the imported heap makes a run ~3x faster
     gc.freeze()
     for name, recipe in RECIPES.items():
@@ -173,6 +222,8 @@ def generate(out_root: Path) -> dict[str, Any]:
             seqlen=SEQLEN,
             nsamples=NSAMPLES,
             layer_config=dict(recipe.layer_config) or None,
+            amp=False,  # float32 on every CPU (else bf16 where the CPU has bf16 instructions)
+            enable_torch_compile=False,
         )
         _, folders = ar.quantize_and_save(str(out_root / name), format=recipe.formats)
         folders = [folders] if isinstance(folders, str) else list(folders)
@@ -180,6 +231,7 @@ def generate(out_root: Path) -> dict[str, Any]:
         manifest["seconds"][name] = round(time.perf_counter() - t0, 2)
         del ar
     gc.unfreeze()
+    check_reference_dtypes(manifest)
     (out_root / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -231,13 +283,24 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def reusable_manifest(manifest_path: Path) -> dict[str, Any] | None:
+    """The manifest at manifest_path if it was made by this code and these producers."""
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    return manifest if manifest.get("key") == cache_key() else None
+
+
 def make_checkpoints(root: Path) -> QuantCheckpoints:
-    """Generate into root (in a child process) unless a complete manifest is already there."""
+    """Generate into root (in a child process) unless a current manifest is already there."""
     manifest_path = root / "manifest.json"
     with _locked(root.parent / (root.name + ".lock")):
-        if manifest_path.is_file():
-            return QuantCheckpoints(root, json.loads(manifest_path.read_text()), None)
-        root.mkdir(parents=True, exist_ok=True)
+        manifest = reusable_manifest(manifest_path)
+        if manifest is not None:
+            check_reference_dtypes(manifest)
+            return QuantCheckpoints(root, manifest, None)
+        shutil.rmtree(root, ignore_errors=True)  # stale or half-made: never mixed with new
+        root.mkdir(parents=True)
         log = root / "generate.log"
         t0 = time.perf_counter()
         with open(log, "w") as out:
@@ -257,7 +320,9 @@ def make_checkpoints(root: Path) -> QuantCheckpoints:
         if proc.returncode != 0 or not manifest_path.is_file():
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
             raise RuntimeError(f"auto-round checkpoint generation failed (see {log}):\n{tail}")
-        return QuantCheckpoints(root, json.loads(manifest_path.read_text()), seconds)
+        manifest = json.loads(manifest_path.read_text())
+        check_reference_dtypes(manifest)
+        return QuantCheckpoints(root, manifest, seconds)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from quant_fixtures import QuantCheckpoints, quant_checkpoints  # noqa: F401  (fixture)
+from quant_fixtures import (  # noqa: F401  (quant_checkpoints: the fixture)
+    QuantCheckpoints,
+    cache_key,
+    check_reference_dtypes,
+    quant_checkpoints,
+    reusable_manifest,
+)
 from safetensors.numpy import load_file, save_file
 
 from toptpu.frontends.quant_checkpoints import (
@@ -187,6 +193,47 @@ def test_autoround_rerun_is_bit_identical_to_the_reference_run(
         else:  # auto_awq writes float16, auto_round keeps float32 where it does not pack
             assert np.array_equal(a[key], b[key].astype(a[key].dtype)), key
 
+
+
+def test_references_are_float32_and_a_bf16_reference_is_refused(
+    quant_checkpoints: QuantCheckpoints,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The fixture's references are float32 on any CPU; one bf16 tensor in a reference (what
+    auto-round's amp wrote on bf16-capable CPUs) makes the fixture refuse it, naming it."""
+    import torch
+    from safetensors.torch import load_file as load_pt
+    from safetensors.torch import save_file as save_pt
+
+    check_reference_dtypes(quant_checkpoints.manifest)
+    ref = _copy(quant_checkpoints.reference("llama_sym_g64"), tmp_path / "fake")
+    t = load_pt(str(ref / "model.safetensors"))
+    assert {v.dtype for v in t.values()} == {torch.float32}
+    t["model.norm.weight"] = t["model.norm.weight"].to(torch.bfloat16)
+    save_pt(t, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    manifest = {"runs": {"llama_sym_g64": {"fake": str(ref)}}}
+    with pytest.raises(RuntimeError, match=r"llama_sym_g64: model\.norm\.weight .* is BF16"):
+        check_reference_dtypes(manifest)
+
+
+def test_a_manifest_of_other_code_or_producers_is_not_reused(
+    quant_checkpoints: QuantCheckpoints,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Only a manifest with the current key (fixture source hash, auto-round/torch/transformers
+    versions) is reused: one written before the key existed, or by another auto-round, is not."""
+    current = json.loads((quant_checkpoints.root / "manifest.json").read_text())
+    assert current["key"] == cache_key()
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(current))
+    assert reusable_manifest(path) == current
+    old = {k: v for k, v in current.items() if k != "key"} | {"auto_round": "0.16.1"}
+    path.write_text(json.dumps(old))
+    assert reusable_manifest(path) is None
+    path.write_text(json.dumps(current | {"key": current["key"] | {"auto-round": "0.16.0"}}))
+    assert reusable_manifest(path) is None
+    path.unlink()
+    assert reusable_manifest(path) is None
 
 # ----------------------------------------------------------------------------------------------
 # derived from real checkpoints: act-order, gptq_v2, shards, config file placement
