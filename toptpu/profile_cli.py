@@ -87,7 +87,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         os.makedirs(args.png, exist_ok=True)
         for p, tl in zip(profiles, timelines, strict=True):
             out = os.path.join(args.png, f"{p.net}.png")
-            write_timeline_png(out, tl, ex.chip, p)
+            write_timeline_png(out, tl, ex.chip, p, ex.program(p.net).commands)
         print(f"wrote {len(profiles)} timelines to {args.png}/")
     return 0
 

@@ -1,0 +1,134 @@
+"""Profiles of machine runs: the net's compute type and its peak, the timeline's legend and
+time ticks, the PNG (a real decoder layer of a tiny Qwen2, compiled for the machine)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+from fuzz import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
+from llm_fixtures import compiled
+from PIL import Image
+
+from toptpu.backend.chips import get_chip
+from toptpu.backend.profile import (
+    OTHER_COLOR,
+    TIME_UNITS,
+    command_category,
+    format_seconds,
+    legend,
+    profile_timeline,
+    time_ticks,
+    write_timeline_png,
+)
+from toptpu.backend.simulate import compile_for_machine, simulate
+from toptpu.dialects.weight_store import store_of
+from toptpu.frontends.hf_layers import import_decoder_layer
+from toptpu.passes.convert_top_to_tpu import MODES
+from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
+
+CHIP = get_chip("bm1684x")
+_RUNS: dict[str, tuple] = {}
+
+
+def _run(tiny_models, mode: str):  # noqa: ANN001, ANN202
+    """A tiny Qwen2 decoder layer (16 tokens) in `mode` run on the machine: (program,
+    timeline, profile)."""
+    if mode not in _RUNS:
+        imp = import_decoder_layer(tiny_models("qwen2"), 16, mask_value=-10000.0)
+        module = imp.module
+        run_passes(module, tpu_pipeline_passes(mode))
+        prog = compile_for_machine(module, CHIP)
+        tl = simulate(prog, store_of(module), imp.feeds, CHIP).timeline
+        _RUNS[mode] = (prog, tl, profile_timeline(tl, CHIP, prog.inherent_bytes(), prog.flops))
+    return _RUNS[mode]
+
+
+@pytest.mark.parametrize("mode", ["f32", "w4bf16", "w4f32"])
+def test_the_roofline_peak_is_that_of_the_nets_compute_type(tiny_models, mode: str) -> None:
+    """An f32 net (w4f32 too: f32 activations) is measured against the f32 peak (not int8's,
+    the chip's largest), a w4bf16 net against bf16's: the type most FLOPs are computed in."""
+    _, _, prof = _run(tiny_models, mode)
+    act = MODES[mode][0]
+    assert prof.compute_dtype == act
+    assert prof.peak_flops == CHIP.tflops[act] * 1e12
+    assert prof.compute_fraction == pytest.approx(prof.flops / (prof.seconds * prof.peak_flops))
+    if act == "f32":
+        assert prof.peak_flops < max(CHIP.tflops.values()) * 1e12
+
+
+@pytest.mark.parametrize("mode", ["f32", "w4bf16"])
+def test_legend_names_what_each_engine_spent_its_time_on(tiny_models, tmp_path, mode: str
+                                                          ) -> None:
+    prog, tl, prof = _run(tiny_models, mode)
+    for engine, must in (("dma", "load weights"), ("cmp", "matmul" if mode == "f32"
+                                                          else "a16_matmul")):
+        entries, colors = legend(tl, prog.commands, engine)
+        labels = [e.label for e in entries]
+        assert must in labels
+        assert sum(e.busy for e in entries) == pytest.approx(1.0)
+        assert [e.busy for e in entries] == sorted((e.busy for e in entries), reverse=True) \
+            or labels[-1].startswith("other")
+        events = [e for e in tl.events if e.engine == engine]
+        assert set(colors) == {e.cmd for e in events}
+        by_label = {e.label: e.color for e in entries}
+        for e in events:  # one colour per category, the legend's
+            cat = command_category(prog.commands[e.cmd])
+            assert colors[e.cmd] == by_label.get(cat, OTHER_COLOR)
+    path = tmp_path / f"{mode}.png"
+    write_timeline_png(str(path), tl, CHIP, prof, prog.commands)
+    img = np.asarray(Image.open(path).convert("RGB"))
+    assert img.shape[1] == 1400
+    drawn = {tuple(int(v) for v in px) for px in img.reshape(-1, 3)}
+    for engine in ("dma", "cmp"):
+        for entry in legend(tl, prog.commands, engine)[0]:
+            assert entry.color in drawn, (engine, entry.label)
+
+
+def test_cli_writes_a_png_per_net(tmp_path_factory, tmp_path, capsys) -> None:
+    from toptpu.cli import main
+
+    path = compiled(tmp_path_factory, "qwen2").model_file
+    out = tmp_path / "png"
+    assert main(["profile", path, "--nets", "block,embedding", "--png", str(out)]) == 0
+    assert "wrote 2 timelines" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["block.png", "embedding.png"]
+    for name in ("block.png", "embedding.png"):
+        with Image.open(out / name) as img:
+            assert img.format == "PNG" and img.width == 1400
+
+
+def test_time_ticks_of_short_and_long_spans() -> None:
+    # 1.33 us: tenths of a us, not "0us 0us 0us 1us ..."
+    assert [label for _, label in time_ticks(1.329e-6)] == [
+        f"{v / 10:.1f} us" for v in range(0, 14, 2)]
+    assert [label for _, label in time_ticks(17.3e-6)] == [f"{v} us" for v in range(0, 18, 2)]
+    assert [label for _, label in time_ticks(0.45e-6)][:3] == ["0 ns", "50 ns", "100 ns"]
+    assert [label for _, label in time_ticks(2.5e-3)][-2:] == ["2.0 ms", "2.5 ms"]
+    assert format_seconds(1.329e-6) == "1.33 us" and format_seconds(0.0123) == "12.3 ms"
+    for bad in (0.0, -1e-6, math.nan, math.inf):
+        with pytest.raises(ValueError, match="time span"):
+            time_ticks(bad)
+
+
+@fuzz_settings(200)
+@given(st.floats(min_value=1e-10, max_value=1e4, allow_nan=False, allow_infinity=False))
+def test_time_ticks_are_distinct_evenly_spaced_and_labelled_with_their_value(span: float
+                                                                           ) -> None:
+    ticks = time_ticks(span)
+    assert 5 <= len(ticks) <= 11
+    times = [t for t, _ in ticks]
+    labels = [label for _, label in ticks]
+    assert times[0] == 0.0 and times[-1] <= span * (1 + 1e-9)
+    step = times[1]
+    gaps = np.diff(times)
+    assert np.allclose(gaps, step, rtol=1e-6, atol=0)
+    assert len(set(labels)) == len(labels)
+    scale = {name: s for name, s, _ in TIME_UNITS}
+    for t, label in ticks:
+        value, unit = label.split(" ")
+        assert math.isclose(float(value) * scale[unit], t, rel_tol=1e-9, abs_tol=step * 1e-6)
