@@ -27,21 +27,13 @@ import numpy as np
 from toptpu.backend.chips import Chip, get_chip
 from toptpu.backend.codegen import Program
 from toptpu.backend.executor import NetInfo, TensorSpec
-from toptpu.backend.llm_file import LlmFile
+from toptpu.backend.llm_file import LlmFile, LlmHeader
 from toptpu.backend.machine import Binding, LoadedNet, Machine, Timeline
 from toptpu.backend.model_file import ModelFileError
 
 
 class MachineExecutorError(RuntimeError):
     pass
-
-
-def stream_section(net: str) -> str:
-    return f"stream:{net}"
-
-
-def const_section(net: str) -> str:
-    return f"const:{net}"
 
 
 @dataclass
@@ -87,16 +79,11 @@ class MachineExecutor:
     def __init__(self, model: str | LlmFile, checked: bool = False,
                  chip: Chip | None = None, keep_timelines: int = 4) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
-        self.header: dict[str, Any] = self.file.header
-        self.chip = chip or get_chip(self.header["chip"])
+        self.meta: LlmHeader = self.file.meta
+        self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
+        self.chip = chip or get_chip(self.meta.chip)
         self.machine = Machine(self.chip, checked)
         self.keep_timelines = keep_timelines
-        nets = self.header["nets"]
-        missing = [n for n, d in nets.items() if not d.get("streams")]
-        if missing:
-            raise ModelFileError(f"'{self.file.path}' has no command streams for {missing}; "
-                                 "recompile it with this toptpu (or run it with the "
-                                 "interpreter executor)")
         self._nets = self.file.net_infos()
         blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
         self._blob = self.machine.gmem.map("weights", blob, writable=False).base
@@ -162,9 +149,9 @@ class MachineExecutor:
 
     def _load(self, net: str) -> LoadedNet:
         if net not in self._loaded:
-            d = self.header["nets"][net]
+            entry = self.meta.nets[net]
             try:
-                prog = Program.from_json(self.file.file.view(d["streams"]))
+                prog = Program.from_json(self.file.file.view(entry.streams))
                 loaded = LoadedNet(prog)
             except ModelFileError:
                 raise
@@ -173,7 +160,7 @@ class MachineExecutor:
                                      f"is unusable: {e}") from e
             gmem = self.machine.gmem
             self._act[net] = gmem.alloc(f"act:{net}", prog.regions["activations"]).base
-            pool = self.file.file.read(d["consts"]) if d.get("consts") else b""
+            pool = self.file.file.read(entry.consts)
             r = gmem.alloc(f"const:{net}", len(pool))
             r.data[:len(pool)] = np.frombuffer(pool, np.uint8)
             self._const[net] = r.base
