@@ -55,6 +55,7 @@ names the field, e.g. `nets.block.inputs[2].shape`):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -151,7 +152,7 @@ class Range:
 
     def check(self, value: float, where: str) -> None:
         if not self.lo <= value <= self.hi:
-            raise HeaderError(where, f"is {value!r}, outside [{self.lo}, {self.hi}]")
+            raise HeaderError(where, f"is {_short(value)}, outside [{self.lo}, {self.hi}]")
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class OneOf:
 
     def check(self, value: Any, where: str) -> None:
         if value not in self.choices:
-            raise HeaderError(where, f"is {value!r}, not a known {self.what} "
+            raise HeaderError(where, f"is {_short(value)}, not a known {self.what} "
                                      f"({', '.join(map(str, self.choices))})")
 
 
@@ -176,7 +177,7 @@ class NamePattern:
 
     def check(self, value: str, where: str) -> None:
         if not _NAME_RE.fullmatch(value):
-            raise HeaderError(where, f"is {value!r}, not a name (letters, digits, _.:@+-; at "
+            raise HeaderError(where, f"is {_short(value)}, not a name (letters, digits, _.:@+-; at "
                                      "most 256 characters)")
 
 
@@ -189,9 +190,17 @@ JsonObject = dict[str, Any]  # free-form JSON (HF configs): only its type is che
 
 
 def _join(where: str, key: str | int) -> str:
+    """`where.key`, `where[3]`, or `where['odd key']` for a key that is not a name."""
     if isinstance(key, int):
         return f"{where}[{key}]"
+    if not _NAME_RE.fullmatch(key):
+        return f"{where}[{_short(key)}]"
     return f"{where}.{key}" if where else key
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls, include_extras=True)
 
 
 def decode(tp: Any, value: Any, where: str = "") -> Any:
@@ -217,11 +226,12 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
         return decode(args[0], value, where)
     if origin is Literal:
         if not any(type(value) is type(c) and value == c for c in get_args(tp)):
-            raise HeaderError(where, f"is {value!r}, not {' or '.join(map(repr, get_args(tp)))}")
+            raise HeaderError(where, f"is {_short(value)}, not "
+                                     f"{' or '.join(map(repr, get_args(tp)))}")
         return value
     if tp is bool:
         if type(value) is not bool:
-            raise HeaderError(where, f"is {value!r}, not true or false")
+            raise HeaderError(where, f"is {_short(value)}, not true or false")
         return value
     if tp is int:
         out = _decode_plain_int(value, where)
@@ -229,11 +239,11 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
         return out
     if tp is float:
         if type(value) not in (int, float) or not math.isfinite(value):
-            raise HeaderError(where, f"is {value!r}, not a finite number")
+            raise HeaderError(where, f"is {_short(value)}, not a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise HeaderError(where, f"is {value!r}, not a string")
+            raise HeaderError(where, f"is {_short(value)}, not a string")
         return value
     if origin is tuple:
         return _decode_tuple(get_args(tp), value, where)
@@ -246,7 +256,7 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
 
 def _decode_plain_int(value: Any, where: str) -> int:
     if type(value) is not int:
-        raise HeaderError(where, f"is {value!r}, not an integer")
+        raise HeaderError(where, f"is {_short(value)}, not an integer")
     if abs(value) > MAX_INT:
         raise HeaderError(where, f"is {value}, too large")
     return value
@@ -274,7 +284,7 @@ def _decode_dict(args: tuple[Any, ...], value: Any, where: str) -> dict[str, Any
 def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
     if not isinstance(value, dict):
         raise HeaderError(where, f"is {_short(value)}, not an object")
-    hints = get_type_hints(cls, include_extras=True)
+    hints = _hints(cls)
     known = [f.name for f in fields(cls)]
     unknown = [k for k in value if k not in known]
     if unknown:
@@ -334,8 +344,8 @@ class WeightLayout:
     layer_stride: int
     num_layers: int
     size: int
-    section: Literal["weights"] = WEIGHTS_SECTION
-    alignment: Literal[64] = WEIGHT_ALIGN
+    section: Literal["weights"]
+    alignment: Literal[64]
 
     @classmethod
     def plan(cls, shared: Mapping[str, tuple[tuple[int, ...], str]],
@@ -354,7 +364,8 @@ class WeightLayout:
         sh, sh_size = place(shared)
         ly, ly_size = place(layer)
         base, stride = align(sh_size), align(ly_size)
-        return cls(sh, ly, base, stride, num_layers, base + stride * num_layers)
+        return cls(sh, ly, base, stride, num_layers, base + stride * num_layers,
+                   WEIGHTS_SECTION, WEIGHT_ALIGN)
 
     def layer_offset(self, layer: int, name: str) -> int:
         return self.layer_base + layer * self.layer_stride + self.layer[name].offset
@@ -532,7 +543,7 @@ class LlmHeader:
         """Decode and check (HeaderError names the first field that is wrong)."""
         if not isinstance(data, dict) or data.get("kind") != KIND:
             kind = data.get("kind") if isinstance(data, dict) else None
-            raise HeaderError("kind", f"is {kind!r}: not an LLM model file")
+            raise HeaderError("kind", f"is {_short(kind)}: not an LLM model file")
         header = decode(cls, data)
         header.check()
         return header
@@ -758,7 +769,7 @@ class LlmFile:
     def _validate(self) -> LlmHeader:
         raw = self.file.header
         if raw.get("kind") != KIND:
-            raise self._err(f"not an LLM model file (kind {raw.get('kind')!r}); compile one "
+            raise self._err(f"not an LLM model file (kind {_short(raw.get('kind'))}); compile one "
                             "with `toptpu compile MODEL_DIR`")
         try:
             meta = LlmHeader.from_json(raw)

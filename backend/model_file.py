@@ -45,7 +45,8 @@ FORMAT_VERSION = 2
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sII")  # magic, format version, header length
 _DIGEST_SIZE = 32
-_START = _PREFIX.size + _DIGEST_SIZE  # where the header JSON starts
+#: where the header JSON starts (after magic, version, header length and header sha256)
+HEADER_OFFSET = _PREFIX.size + _DIGEST_SIZE
 #: the header key of the container's own section table
 SECTIONS_KEY = "sections"
 _ENTRY_KEYS = ("name", "offset", "size", "sha256")
@@ -74,7 +75,7 @@ def _header_digest(prefix: bytes, header: bytes) -> bytes:
 
 def _layout(header_length: int, sizes: list[int]) -> list[int]:
     """The offset of each section: each at the next ALIGN boundary after the previous."""
-    offsets, offset = [], _align(_START + header_length)
+    offsets, offset = [], _align(HEADER_OFFSET + header_length)
     for size in sizes:
         offsets.append(offset)
         offset = _align(offset + size)
@@ -162,12 +163,12 @@ def write_model_file(path: str, header: Mapping[str, Any],
             break
         hbytes = new
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes))
-    end = offsets[-1] + sizes[-1] if names else _START + len(hbytes)
+    end = offsets[-1] + sizes[-1] if names else HEADER_OFFSET + len(hbytes)
     remove_stale_temp_files(path)
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(bytes(_START))  # the prefix is written last: until then no magic
+            f.write(bytes(HEADER_OFFSET))  # the prefix is written last: until then no magic
             f.write(hbytes)
             for offset, name in zip(offsets, names, strict=True):
                 f.seek(offset)
@@ -231,6 +232,9 @@ class ModelFile:
 
     def _load(self, verify_checksums: bool) -> None:
         size = os.fstat(self._file.fileno()).st_size
+        if size == 0:
+            raise self._err("is empty, not a toptpu model file; compile one with "
+                            "`toptpu compile`")
         if size < _PREFIX.size:
             raise self._err(f"is not a toptpu model file (only {size} bytes)")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -245,11 +249,12 @@ class ModelFile:
         if version < FORMAT_VERSION:
             raise self._err(f"has the old format version {version} (this toptpu reads "
                             f"{FORMAT_VERSION}); recompile the model with `toptpu compile`")
-        if _START + hlen > size:
-            raise self._err(f"is truncated: the header needs bytes up to {_START + hlen}, the "
-                            f"file has {size}")
-        hbytes = bytes(self._map[_START:_START + hlen])
-        digest = bytes(self._map[_PREFIX.size:_START])
+        end = HEADER_OFFSET + hlen
+        if end > size:
+            raise self._err(f"is truncated: the header needs bytes up to {end}, the file has "
+                            f"{size}")
+        hbytes = bytes(self._map[HEADER_OFFSET:end])
+        digest = bytes(self._map[_PREFIX.size:HEADER_OFFSET])
         if _header_digest(bytes(self._map[:_PREFIX.size]), hbytes) != digest:
             raise self._err("is corrupt: checksum mismatch in the header")
         try:
@@ -301,14 +306,14 @@ class ModelFile:
         """The file ends where the last section ends; every gap byte is zero."""
         assert self._map is not None
         infos = list(self.sections.values())
-        end = infos[-1].offset + infos[-1].size if infos else _START + hlen
+        end = infos[-1].offset + infos[-1].size if infos else HEADER_OFFSET + hlen
         if size < end:
             last = infos[-1].name
             raise self._err(f"is truncated: section '{last}' needs bytes up to {end}, the "
                             f"file has {size}")
         if size > end:
             raise self._err(f"is corrupt: {size - end} bytes follow the last section")
-        start = _START + hlen
+        start = HEADER_OFFSET + hlen
         for info in infos:
             gap = self._map[start:info.offset]
             if gap.count(0) != len(gap):
