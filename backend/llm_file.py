@@ -618,6 +618,8 @@ class LlmHeader:
                 _check_specs(specs, f"{where}.{key}")
                 if base in contract:
                     _check_contract(specs, contract[base][key == "outputs"], f"{where}.{key}")
+            if len(set(net.weights)) != len(net.weights):
+                raise HeaderError(f"{where}.weights", "names a tensor twice")
             table = self.weights.layer if net.per_layer else {}
             for i, w in enumerate(net.weights):
                 if w not in self.weights.shared and w not in table:

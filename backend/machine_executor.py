@@ -158,6 +158,7 @@ class MachineExecutor:
             except Exception as e:  # noqa: BLE001 - a corrupt stream section
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
                                      f"is unusable: {e}") from e
+            self._check_program(net, prog)
             gmem = self.machine.gmem
             self._act[net] = gmem.alloc(f"act:{net}", prog.regions["activations"]).base
             pool = self.file.file.read(entry.consts)
@@ -166,6 +167,20 @@ class MachineExecutor:
             self._const[net] = r.base
             self._loaded[net] = loaded
         return self._loaded[net]
+
+    def _check_program(self, net: str, prog: Program) -> None:
+        """The header's account of a net's command stream: the weights it reads and its
+        command count."""
+        entry = self.meta.nets[net]
+        problem = ""
+        if set(prog.weights) != set(entry.weights):
+            differ = sorted(set(prog.weights) ^ set(entry.weights))
+            problem = f"the weights it reads ({differ[:3]} differ)"
+        elif len(prog.commands) != entry.commands:
+            problem = f"its commands ({len(prog.commands)}, the header says {entry.commands})"
+        if problem:
+            raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' and "
+                                 f"the header disagree on {problem}; recompile the model")
 
     def _weight_addresses(self, info: NetInfo, prog: Program, layer: int | None
                           ) -> dict[str, int]:
