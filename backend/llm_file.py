@@ -842,7 +842,4 @@ class LlmFile:
     def close(self) -> None:
         """Unmap the file; while zero-copy weight views are alive the mapping stays until
         they are garbage collected."""
-        try:
-            self.file.close()
-        except BufferError:
-            pass
+        self.file.close()

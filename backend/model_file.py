@@ -38,7 +38,7 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 MAGIC = b"TOPTPU\x00\x01"
 FORMAT_VERSION = 2
@@ -167,7 +167,7 @@ def write_model_file(path: str, header: Mapping[str, Any],
     remove_stale_temp_files(path)
     tmp = temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with _create(tmp) as f:
             f.write(bytes(HEADER_OFFSET))  # the prefix is written last: until then no magic
             f.write(hbytes)
             for offset, name in zip(offsets, names, strict=True):
@@ -184,6 +184,17 @@ def write_model_file(path: str, header: Mapping[str, Any],
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _create(path: str) -> BinaryIO:
+    """A new file at `path`, never through a symlink planted there: an earlier file of
+    that name (a stale temporary file of an earlier process with this PID) is removed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
 
 
 # ------------------------------------------------------------------ reading
@@ -333,8 +344,13 @@ class ModelFile:
         return bytes(self.view(name))
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
+        """Unmap and close; while zero-copy views of the map are alive the mapping stays
+        until they are garbage collected."""
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass
         self._file.close()
 
     def __enter__(self) -> ModelFile:

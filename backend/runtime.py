@@ -183,7 +183,6 @@ class Tokenizer:
             raise GenerationError("the model file carries no tokenizer; pass token ids")
         self.files = dict(files)
         self.backend = self._backend()
-        self.config = self._json("tokenizer_config.json")
         self._hf: Any = None
 
     def _backend(self) -> Any:
@@ -212,6 +211,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """`tokenizer_config.json` ({} when absent)."""
+        return self._json("tokenizer_config.json")
 
     @property
     def chat_template(self) -> str | dict[str, str] | None:

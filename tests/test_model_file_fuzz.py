@@ -282,7 +282,7 @@ EVIL_NAMES = ["../../PWNED", "sub/tokenizer.json", "..", "tokenizer.json\x00x",
 
 
 def test_crafted_tokenizer_names_are_refused_and_nothing_is_written(
-        parts, tmp_path, monkeypatch) -> None:
+        parts, tmp_path, monkeypatch, capsys) -> None:
     """A model file whose tokenizer entries carry path names (valid checksums, so the name
     check is what refuses it), and the tokenizer built from such entries directly: nothing
     is written anywhere (not outside, not in a temporary directory)."""
@@ -306,6 +306,10 @@ def test_crafted_tokenizer_names_are_refused_and_nothing_is_written(
         with pytest.raises(ModelFileError, match=rf"tokenizer.files\[{pos}\] is .*not a known "
                                                  r"tokenizer file name"):
             Runtime.open(path)
+    assert main(["run", path, "--chat-template", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("toptpu run: error: ") and "not a known tokenizer file name" in err
+    assert err.count("\n") == 1
     # the runtime's tokenizer never writes its files, whatever their names
     files = {n[len("tokenizer:"):]: d for n, d in sections.items() if n.startswith("tokenizer:")}
     tok = Tokenizer({**files, **{n: b"owned\n" for n in names}})
@@ -410,6 +414,17 @@ def test_stale_temp_files_of_dead_writers_are_removed(tmp_path) -> None:
         sleeper.kill()
         sleeper.wait()
     assert remove_stale_temp_files(target) == [live]
+
+
+def test_a_symlink_at_the_temporary_name_is_not_followed(tmp_path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    target = str(tmp_path / "m.toptpu")
+    os.symlink(victim, temp_path(target))  # planted at this process's temporary name
+    write_model_file(target, {"kind": "test"}, {"x": b"123"})
+    assert victim.read_bytes() == b"keep me"
+    ModelFile(target).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.toptpu", "victim"]
 
 
 KILLED_WRITER = """
