@@ -55,14 +55,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import re
-import types
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields, is_dataclass
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -70,6 +67,18 @@ from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.chips import chip_names
 from toptpu.backend.executor import NetInfo, TensorSpec
+from toptpu.backend.header_schema import (
+    Count,
+    HeaderError,
+    Name,
+    NamePattern,
+    OneOf,
+    Range,
+    decode,
+    encode,
+    join,
+    short,
+)
 from toptpu.backend.model_file import ModelFile, ModelFileError, write_model_file
 from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
 
@@ -102,8 +111,6 @@ VISION_KINDS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 #: numpy dtype names of the element types toptpu knows
 KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
-#: the largest integer a header field may hold (exact in every JSON reader)
-MAX_INT = 2**53 - 1
 #: the most elements one net input/output may have
 MAX_ELEMENTS = 2**40
 
@@ -132,189 +139,10 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-# =========================================================================== schema
-
-
-class HeaderError(ValueError):
-    """A header field that does not fit the schema: `field` is its path (`nets.block.ir`)."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field or 'the header'} {problem}")
-        self.field = field
-
-
-@dataclass(frozen=True)
-class Range:
-    """An annotation: the number lies in [lo, hi]."""
-
-    lo: float = 0
-    hi: float = MAX_INT
-
-    def check(self, value: float, where: str) -> None:
-        if not self.lo <= value <= self.hi:
-            raise HeaderError(where, f"is {_short(value)}, outside [{self.lo}, {self.hi}]")
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """An annotation: the value is one of `choices` (`what` names them in errors)."""
-
-    choices: tuple[Any, ...]
-    what: str
-
-    def check(self, value: Any, where: str) -> None:
-        if value not in self.choices:
-            raise HeaderError(where, f"is {_short(value)}, not a known {self.what} "
-                                     f"({', '.join(map(str, self.choices))})")
-
-
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]{0,255}")
-
-
-@dataclass(frozen=True)
-class NamePattern:
-    """An annotation: a name (tensor, net, family, ...): letters, digits and `_.:@+-`."""
-
-    def check(self, value: str, where: str) -> None:
-        if not _NAME_RE.fullmatch(value):
-            raise HeaderError(where, f"is {_short(value)}, not a name (letters, digits, _.:@+-; at "
-                                     "most 256 characters)")
-
-
-Name = Annotated[str, NamePattern()]
-Count = Annotated[int, Range(1)]
 DType = Annotated[str, OneOf(tuple(sorted(KNOWN_DTYPES)), "dtype")]
 Mode = Annotated[str, OneOf(tuple(MODES), "quantization mode")]
 TokenId = int  # checked against model.vocab_size in LlmHeader.check
 JsonObject = dict[str, Any]  # free-form JSON (HF configs): only its type is checked
-
-
-def _join(where: str, key: str | int) -> str:
-    """`where.key`, `where[3]`, or `where['odd key']` for a key that is not a name."""
-    if isinstance(key, int):
-        return f"{where}[{key}]"
-    if not _NAME_RE.fullmatch(key):
-        return f"{where}[{_short(key)}]"
-    return f"{where}.{key}" if where else key
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls, include_extras=True)
-
-
-def decode(tp: Any, value: Any, where: str = "") -> Any:
-    """`value` (parsed JSON) as an instance of the schema type `tp`: dataclasses (exactly
-    their fields; fields with a default may be absent), bool, int (non-negative unless
-    annotated), float (finite), str, `T | None`, Literal, `tuple[T, ...]`, `dict[str, T]`,
-    `Annotated[T, check...]` and `Any` (free-form JSON). HeaderError names the field."""
-    origin = get_origin(tp)
-    if origin is Annotated:
-        base, *checks = get_args(tp)
-        out = _decode_plain_int(value, where) if base is int else decode(base, value, where)
-        for check in checks:
-            check.check(out, where)
-        return out
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if value is None and len(args) < len(get_args(tp)):
-            return None
-        if len(args) != 1:
-            raise TypeError(f"unsupported schema union {tp}")
-        return decode(args[0], value, where)
-    if origin is Literal:
-        if not any(type(value) is type(c) and value == c for c in get_args(tp)):
-            raise HeaderError(where, f"is {_short(value)}, not "
-                                     f"{' or '.join(map(repr, get_args(tp)))}")
-        return value
-    if tp is bool:
-        if type(value) is not bool:
-            raise HeaderError(where, f"is {_short(value)}, not true or false")
-        return value
-    if tp is int:
-        out = _decode_plain_int(value, where)
-        Range().check(out, where)
-        return out
-    if tp is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise HeaderError(where, f"is {_short(value)}, not a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise HeaderError(where, f"is {_short(value)}, not a string")
-        return value
-    if origin is tuple:
-        return _decode_tuple(get_args(tp), value, where)
-    if origin is dict:
-        return _decode_dict(get_args(tp), value, where)
-    if is_dataclass(tp):
-        return _decode_dataclass(tp, value, where)
-    raise TypeError(f"unsupported schema type {tp}")
-
-
-def _decode_plain_int(value: Any, where: str) -> int:
-    if type(value) is not int:
-        raise HeaderError(where, f"is {_short(value)}, not an integer")
-    if abs(value) > MAX_INT:
-        raise HeaderError(where, f"is {value}, too large")
-    return value
-
-
-def _decode_tuple(args: tuple[Any, ...], value: Any, where: str) -> tuple[Any, ...]:
-    if not isinstance(value, list):
-        raise HeaderError(where, f"is {_short(value)}, not a list")
-    if len(args) == 2 and args[1] is Ellipsis:
-        return tuple(decode(args[0], v, _join(where, i)) for i, v in enumerate(value))
-    if len(value) != len(args):
-        raise HeaderError(where, f"has {len(value)} entries, not {len(args)}")
-    return tuple(decode(a, v, _join(where, i)) for i, (a, v) in enumerate(zip(args, value,
-                                                                                 strict=True)))
-
-
-def _decode_dict(args: tuple[Any, ...], value: Any, where: str) -> dict[str, Any]:
-    key_type, value_type = args
-    if not isinstance(value, dict):
-        raise HeaderError(where, f"is {_short(value)}, not an object")
-    return {decode(key_type, k, _join(where, k)): decode(value_type, v, _join(where, k))
-            for k, v in value.items()}
-
-
-def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise HeaderError(where, f"is {_short(value)}, not an object")
-    hints = _hints(cls)
-    known = [f.name for f in fields(cls)]
-    unknown = [k for k in value if k not in known]
-    if unknown:
-        raise HeaderError(_join(where, unknown[0]), "is not a field of this header")
-    kwargs = {}
-    for f in fields(cls):
-        if f.name not in value:
-            if f.default is MISSING:
-                raise HeaderError(_join(where, f.name), "is missing")
-            continue
-        kwargs[f.name] = decode(hints[f.name], value[f.name], _join(where, f.name))
-    return cls(**kwargs)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def encode(value: Any) -> Any:
-    """The JSON form of a schema value (fields whose default is None are left out when
-    None)."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in fields(value)
-                if not (f.default is None and getattr(value, f.name) is None)}
-    if isinstance(value, tuple | list):
-        return [encode(v) for v in value]
-    if isinstance(value, dict):
-        return {k: encode(v) for k, v in value.items()}
-    return value
 
 
 # =========================================================================== header types
@@ -388,7 +216,7 @@ class WeightLayout:
     def _check_region(entries: dict[str, WeightEntry], where: str) -> int:
         for name, e in entries.items():
             if e.nbytes != _nbytes(e.shape, e.dtype):
-                raise HeaderError(f"{_join(where, name)}.nbytes",
+                raise HeaderError(f"{join(where, name)}.nbytes",
                                   f"is {e.nbytes}, {e.dtype} {list(e.shape)} takes "
                                   f"{_nbytes(e.shape, e.dtype)}")
         end, placed = 0, None
@@ -396,7 +224,7 @@ class WeightLayout:
             if e == placed:
                 continue  # the same tensor under another name
             if e.offset != end:
-                raise HeaderError(f"{_join(where, name)}.offset",
+                raise HeaderError(f"{join(where, name)}.offset",
                                   f"is {e.offset}, the tensor before it ends at {end}")
             placed, end = e, align(e.offset + e.nbytes)
         return end
@@ -543,7 +371,7 @@ class LlmHeader:
         """Decode and check (HeaderError names the first field that is wrong)."""
         if not isinstance(data, dict) or data.get("kind") != KIND:
             kind = data.get("kind") if isinstance(data, dict) else None
-            raise HeaderError("kind", f"is {_short(kind)}: not an LLM model file")
+            raise HeaderError("kind", f"is {short(kind)}: not an LLM model file")
         header = decode(cls, data)
         header.check()
         return header
@@ -771,7 +599,7 @@ class LlmFile:
     def _validate(self) -> LlmHeader:
         raw = self.file.header
         if raw.get("kind") != KIND:
-            raise self._err(f"not an LLM model file (kind {_short(raw.get('kind'))}); compile one "
+            raise self._err(f"not an LLM model file (kind {short(raw.get('kind'))}); compile one "
                             "with `toptpu compile MODEL_DIR`")
         try:
             meta = LlmHeader.from_json(raw)

@@ -37,13 +37,13 @@ from xdsl.passes import ModulePass
 from xdsl.printer import Printer
 
 from toptpu.backend.executor import TensorSpec
+from toptpu.backend.header_schema import HeaderError, decode
 from toptpu.backend.llm_file import (
     KIND,
     LLM_FORMAT,
     CheckpointInfo,
     CompileInfo,
     Generation,
-    HeaderError,
     LlmHeader,
     ModelInfo,
     NetEntry,
@@ -52,7 +52,6 @@ from toptpu.backend.llm_file import (
     VisionInfo,
     WeightLayout,
     const_section,
-    decode,
     ir_section,
     stream_section,
     write_llm_file,
