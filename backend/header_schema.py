@@ -120,9 +120,11 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
         Range().check(out, where)
         return out
     if tp is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
+        if type(value) is int:
+            return float(_decode_plain_int(value, where))
+        if type(value) is not float or not math.isfinite(value):
             raise HeaderError(where, f"is {short(value)}, not a finite number")
-        return float(value)
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise HeaderError(where, f"is {short(value)}, not a string")
@@ -140,7 +142,7 @@ def _decode_plain_int(value: Any, where: str) -> int:
     if type(value) is not int:
         raise HeaderError(where, f"is {short(value)}, not an integer")
     if abs(value) > MAX_INT:
-        raise HeaderError(where, f"is {value}, too large")
+        raise HeaderError(where, f"is {short(value)}, too large")
     return value
 
 

@@ -213,13 +213,27 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: how deeply a header's JSON may nest (readers walk it recursively)
+MAX_DEPTH = 64
+
+
 def parse_json(data: bytes) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys (ValueError otherwise)."""
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, nested at most MAX_DEPTH
+    levels (ValueError otherwise)."""
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
-                          object_pairs_hook=_no_duplicates)
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                           object_pairs_hook=_no_duplicates)
     except RecursionError:
-        raise ValueError("nested too deeply") from None
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return value
 
 
 class ModelFile:
