@@ -218,7 +218,7 @@ def mutations(parts: tuple[dict[str, Json], dict[str, bytes]]) -> st.SearchStrat
     return _header_mutations(parts[0])
 
 
-@fuzz_settings(150)
+@fuzz_settings(120)
 @given(data=st.data())
 def test_header_field_mutations_are_refused_or_valid(parts, mutations, tmp_path_factory,
                                                      monkeypatch, data: st.DataObject) -> None:
