@@ -38,9 +38,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:  # llm_file builds on this module
+    from toptpu.backend.llm_file import LlmHeader
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,10 @@ class NetInfo:
 class Executor(Protocol):
     """Runs the nets of one compiled model."""
 
-    header: dict  # the model file header: config, static shapes, generation config, ...
+    #: the validated model file header (`toptpu.backend.llm_file.LlmHeader`): config,
+    #: static shapes, generation config, ...
+    meta: LlmHeader
+    header: dict  # its JSON form
 
     def nets(self) -> Mapping[str, NetInfo]: ...
 

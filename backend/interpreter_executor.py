@@ -48,7 +48,7 @@ from toptpu.backend.interpreter import (
     constant_value,
     find_func,
 )
-from toptpu.backend.llm_file import LlmFile
+from toptpu.backend.llm_file import LlmFile, LlmHeader
 from toptpu.backend.model_file import ModelFileError
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
@@ -158,7 +158,8 @@ class InterpreterExecutor:
         self.weight_cache_bytes = weight_cache_bytes
         self._converted: dict[tuple[int | None, str], np.ndarray] = {}
         self._converted_bytes = 0
-        self.header: dict[str, Any] = self.file.header
+        self.meta: LlmHeader = self.file.meta
+        self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
         self._nets = self.file.net_infos()
         self._plans: dict[str, _Plan] = {}
         self._shared = self.file.shared_weights()

@@ -1,65 +1,130 @@
 """The LLM model file: what `toptpu compile` writes and every executor reads.
 
-It is a `toptpu.backend.model_file` container (magic, version, JSON header, checksummed
-sections written atomically). This module fixes the LLM conventions on top of it.
+It is a `toptpu.backend.model_file` container (magic, version, checksummed JSON header,
+checksummed sections, zero padding, written atomically). This module fixes the LLM
+conventions on top of it: ONE typed schema for the header (`LlmHeader` and its nested
+dataclasses), which the compiler builds and writes and every reader gets back validated.
 
-Sections:
+Sections (every section is named by the header; a file with any other section is refused):
 
 - `ir:<net>`: the net's Tpu IR, xDSL generic form (with `loc("name")` debug info). The
   `top.weight_store` module attribute is removed: weights come from the blob below.
-- `tokenizer:<file>`: the tokenizer files (`tokenizer.json`, `tokenizer_config.json`,
-  `chat_template.jinja`, ...), byte for byte.
+- `stream:<net>` / `const:<net>`: the machine's command streams (a
+  `toptpu.backend.codegen.Program` with the grouped Tpu IR) and its constant pool.
+- `tokenizer:<file>`: the tokenizer files, byte for byte; `<file>` is one of
+  `TOKENIZER_FILES` (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, ...),
+  never a path.
 - `weights`: ONE weight blob, laid out as
 
       [shared tensors][layer 0 chunk][layer 1 chunk] ... [layer N-1 chunk]
 
-  Every tensor starts at a multiple of `alignment` (64) bytes. Every layer chunk has the
-  identical internal layout: the same tensor names at the same offsets relative to the
-  chunk base `layer_base + i * layer_stride`, so a per-layer net binds layer i's weights
+  Tensors follow each other in table order, each at the next multiple of `alignment` (64)
+  bytes (a shared tensor identical to an earlier one may reuse its entry). Every layer chunk
+  has the identical internal layout: the same tensor names at the same offsets relative to
+  the chunk base `layer_base + i * layer_stride`, so a per-layer net binds layer i's weights
   by one base address.
 
-Header keys (besides the container's own `format_version` and `sections`):
+Header fields (`LlmHeader`; every field is type- and range-checked on load, and an error
+names the field, e.g. `nets.block.inputs[2].shape`):
 
 - `kind`: "toptpu-llm", `llm_format`: 1
-- `chip`, `mode` (quantization mode), `group_size`, `symmetric`
-- `shapes`: `seq_length`, `max_input_length`, `max_history` (informational: runtimes read
-  the static shapes back from the nets' IO shapes)
+- `chip` (a known chip), `mode` (a quantization mode), `group_size` (-1: per channel),
+  `symmetric`
+- `shapes`: `seq_length`, `max_input_length`, `max_history`; the nets' IO shapes must be
+  exactly what these give (runtimes read the static shapes back from the nets)
 - `model`: `family`, `num_layers`, `hidden_size`, `num_heads`, `num_kv_heads`,
   `head_dim`, `vocab_size`, `qk_norm`, `tied_embeddings`, `config` (the HF config dict)
-- `generation`: `eos_token_ids`, `stop_strings`, `pad_token_id`, `bos_token_id`,
-  `do_sample`, `temperature`, `top_k`, `top_p`, `repetition_penalty`
-- `tokenizer`: `files` (names; each in section `tokenizer:<name>`)
-- `nets`: name -> `inputs`/`outputs` (lists of {name, shape, dtype: numpy dtype name}),
-  `per_layer`, `ir` (section name), `weights` (the tensor names the net reads), `streams`
-  (section `stream:<net>`: the machine's command streams, a backend.codegen.Program with
-  the grouped Tpu IR), `consts` (section `const:<net>`: its constant pool), `commands`
+- `generation`: `eos_token_ids`, `pad_token_id`, `bos_token_id` (ids within the
+  vocabulary), `stop_strings`, `do_sample`, `temperature`, `top_k`, `top_p`,
+  `repetition_penalty`
+- `tokenizer`: `files` (names from `TOKENIZER_FILES`; each in section `tokenizer:<name>`)
+- `nets`: name -> `inputs`/`outputs` (lists of {name, shape, dtype: numpy dtype name}; the
+  text nets' IO is the net contract of `net_contract`), `per_layer`, `ir`, `streams`,
+  `consts` (their section names), `weights` (the tensor names the net reads, all in the
+  weight table), `commands`. Net names: `TEXT_NETS`, `VISION_NET`, and `block@3`-style
+  variants of the per-layer nets for layers whose checkpoint quantization differs
+- `layer_nets`: per-layer net -> the net each layer runs (itself or a variant)
 - `weights`: `section`, `alignment`, `size`, `shared` / `layer` (name -> {offset, shape,
   dtype, nbytes}; `layer` offsets are relative to a chunk base), `layer_base`,
   `layer_stride`, `num_layers`
-- `compile`: provenance (source, seconds, toptpu version)
+- `compile`: provenance (source, seconds, toptpu version); `checkpoint`: the pre-quantized
+  checkpoint's method, packing, bits, layer count and dtype (or null)
+- `vision` (VLMs only): the `vit` net's family, image processor and its config, image
+  tokens and ids, tile/patch numbers, the HF config and the vit net's mode
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
+from toptpu.backend.chips import chip_names
 from toptpu.backend.executor import NetInfo, TensorSpec
+from toptpu.backend.header_schema import (
+    Count,
+    HeaderError,
+    Name,
+    NamePattern,
+    OneOf,
+    Range,
+    decode,
+    encode,
+    join,
+    short,
+)
 from toptpu.backend.model_file import ModelFile, ModelFileError, write_model_file
+from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
 
 KIND = "toptpu-llm"
 LLM_FORMAT = 1
 WEIGHTS_SECTION = "weights"
 WEIGHT_ALIGN = 64
 
+#: the tokenizer files a model file may carry (what `toptpu compile` copies from the model
+#: directory); their names are section names, never paths
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+#: the nets of every LLM model file, in the order the compiler emits them
+TEXT_NETS = ("embedding", "embedding_cache", "block", "block_kv", "block_cache", "lm_head",
+             "lm_head_logits")
+#: the nets that run once per layer (each layer binds its own weights)
+PER_LAYER_NETS = ("block", "block_kv", "block_cache")
+#: the vision net of a VLM model file
+VISION_NET = "vit"
+#: vision family -> (the Pillow image processor class in transformers, the tokenizer
+#: attributes naming its image tokens, the one that marks an image in a prompt)
+VISION_KINDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "internvl": ("GotOcr2ImageProcessorPil",
+                 ("start_image_token", "end_image_token", "context_image_token"),
+                 "context_image_token"),
+    "minicpmv": ("MiniCPMV4_6ImageProcessorPil",
+                 ("image_token", "image_start_token", "image_end_token", "slice_start_token",
+                  "slice_end_token", "image_id_start_token", "image_id_end_token"),
+                 "image_token"),
+}
+#: numpy dtype names of the element types toptpu knows
+KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
+#: the most elements one net input/output may have
+MAX_ELEMENTS = 2**40
+
 
 def ir_section(net: str) -> str:
     return f"ir:{net}"
+
+
+def stream_section(net: str) -> str:
+    return f"stream:{net}"
+
+
+def const_section(net: str) -> str:
+    return f"const:{net}"
 
 
 def tokenizer_section(name: str) -> str:
@@ -70,36 +135,45 @@ def align(n: int, a: int = WEIGHT_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+DType = Annotated[str, OneOf(tuple(sorted(KNOWN_DTYPES)), "dtype")]
+Mode = Annotated[str, OneOf(tuple(MODES), "quantization mode")]
+TokenId = int  # checked against model.vocab_size in LlmHeader.check
+JsonObject = dict[str, Any]  # free-form JSON (HF configs): only its type is checked
+
+
+# =========================================================================== header types
+
+
 @dataclass(frozen=True)
 class WeightEntry:
     """One tensor of the weight blob (offset relative to its region)."""
 
     offset: int
     shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        return {"offset": self.offset, "shape": list(self.shape), "dtype": self.dtype,
-                "nbytes": self.nbytes}
+    dtype: DType
+    nbytes: int
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> WeightEntry:
-        return cls(int(d["offset"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+    def make(cls, offset: int, shape: tuple[int, ...], dtype: str) -> WeightEntry:
+        return cls(offset, tuple(shape), dtype, _nbytes(tuple(shape), dtype))
 
 
 @dataclass
 class WeightLayout:
     """Offsets of every tensor in the blob: shared region, then N identical layer chunks."""
 
-    shared: dict[str, WeightEntry]
-    layer: dict[str, WeightEntry]
+    shared: dict[Name, WeightEntry]
+    layer: dict[Name, WeightEntry]
     layer_base: int
     layer_stride: int
     num_layers: int
+    size: int
+    section: Literal["weights"]
+    alignment: Literal[64]
 
     @classmethod
     def plan(cls, shared: Mapping[str, tuple[tuple[int, ...], str]],
@@ -110,42 +184,377 @@ class WeightLayout:
                   ) -> tuple[dict[str, WeightEntry], int]:
             out, off = {}, 0
             for name, (shape, dtype) in items.items():
-                e = WeightEntry(off, tuple(shape), dtype)
+                e = WeightEntry.make(off, shape, dtype)
                 out[name] = e
                 off = align(off + e.nbytes)
             return out, off
 
         sh, sh_size = place(shared)
         ly, ly_size = place(layer)
-        return cls(sh, ly, align(sh_size), align(ly_size), num_layers)
-
-    @property
-    def size(self) -> int:
-        return self.layer_base + self.layer_stride * self.num_layers
+        base, stride = align(sh_size), align(ly_size)
+        return cls(sh, ly, base, stride, num_layers, base + stride * num_layers,
+                   WEIGHTS_SECTION, WEIGHT_ALIGN)
 
     def layer_offset(self, layer: int, name: str) -> int:
         return self.layer_base + layer * self.layer_stride + self.layer[name].offset
 
-    def to_json(self) -> dict[str, Any]:
-        return {"section": WEIGHTS_SECTION, "alignment": WEIGHT_ALIGN, "size": self.size,
-                "shared": {k: e.to_json() for k, e in self.shared.items()},
-                "layer": {k: e.to_json() for k, e in self.layer.items()},
-                "layer_base": self.layer_base, "layer_stride": self.layer_stride,
-                "num_layers": self.num_layers}
+    def check(self, where: str = "weights") -> None:
+        """Entries sized by their shape and dtype and tiling their region: by offset, each
+        starts where the previous one ends (aligned), none overlaps another (a shared entry
+        may repeat another one: identical tensors are stored once); chunk sizes and the
+        total size as the entries give them."""
+        base = self._check_region(self.shared, f"{where}.shared")
+        stride = self._check_region(self.layer, f"{where}.layer")
+        for key, value, want in (("layer_base", self.layer_base, base),
+                                 ("layer_stride", self.layer_stride, stride),
+                                 ("size", self.size, base + stride * self.num_layers)):
+            if value != want:
+                raise HeaderError(f"{where}.{key}", f"is {value}, the weight table gives "
+                                                    f"{want}")
+
+    @staticmethod
+    def _check_region(entries: dict[str, WeightEntry], where: str) -> int:
+        for name, e in entries.items():
+            if e.nbytes != _nbytes(e.shape, e.dtype):
+                raise HeaderError(f"{join(where, name)}.nbytes",
+                                  f"is {e.nbytes}, {e.dtype} {list(e.shape)} takes "
+                                  f"{_nbytes(e.shape, e.dtype)}")
+        end, placed = 0, None
+        for name, e in sorted(entries.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+            if e == placed:
+                continue  # the same tensor under another name
+            if e.offset != end:
+                raise HeaderError(f"{join(where, name)}.offset",
+                                  f"is {e.offset}, the tensor before it ends at {end}")
+            placed, end = e, align(e.offset + e.nbytes)
+        return end
+
+
+@dataclass(frozen=True)
+class Shapes:
+    seq_length: Annotated[int, Range(2)]
+    max_input_length: Count
+    max_history: Count
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    family: Name
+    num_layers: Count
+    hidden_size: Count
+    num_heads: Count
+    num_kv_heads: Count
+    head_dim: Count
+    vocab_size: Count
+    qk_norm: bool
+    tied_embeddings: bool
+    config: JsonObject
+
+
+@dataclass(frozen=True)
+class Generation:
+    eos_token_ids: tuple[TokenId, ...]
+    stop_strings: tuple[str, ...]
+    pad_token_id: TokenId | None
+    bos_token_id: TokenId | None
+    do_sample: bool
+    temperature: Annotated[float, Range(0, math.inf)]
+    top_k: int
+    top_p: Annotated[float, Range(0, 1)]
+    repetition_penalty: Annotated[float, Range(0, math.inf)]
+
+
+TokenizerFile = Annotated[str, OneOf(TOKENIZER_FILES, "tokenizer file name")]
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    files: tuple[TokenizerFile, ...]
+
+
+@dataclass(frozen=True)
+class NetEntry:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    per_layer: bool
+    ir: Name
+    streams: Name
+    consts: Name
+    weights: tuple[Name, ...]
+    commands: int
+
+
+@dataclass(frozen=True)
+class CompileInfo:
+    source: str
+    seconds: Annotated[float, Range(0, math.inf)]
+    toptpu_version: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    quant_method: Name
+    packing_format: str
+    bits: Annotated[int, Range(1, 8)]
+    quantized_layers: int
+    dtype: str | None
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """What the runtime needs of a VLM's vision net (see `toptpu.backend.vision`)."""
+
+    kind: Annotated[str, OneOf(tuple(VISION_KINDS), "vision family")]
+    model_type: Name
+    net: Literal["vit"]
+    image_token_id: TokenId
+    tokens: dict[Name, str]
+    token_ids: dict[Name, TokenId]
+    processor_class: Name
+    processor: JsonObject
+    image_size: Count
+    patch_size: Count
+    max_tiles: Count
+    tokens_per_tile: Count
+    config: JsonObject
+    mode: Mode
+    # MiniCPM-V only
+    max_patches: Count | None = None
+    merge_levels: tuple[tuple[Count, Count], ...] | None = None
+    token_divisor: Count | None = None
+    position_side: Count | None = None
+
+    def check(self, vocab: int, where: str = "vision") -> None:
+        processor, required, marker = VISION_KINDS[self.kind]
+        if self.processor_class != processor:
+            raise HeaderError(f"{where}.processor_class", f"is {self.processor_class!r}; a "
+                                                          f"{self.kind} model uses {processor}")
+        for key, table in (("tokens", self.tokens), ("token_ids", self.token_ids)):
+            if sorted(table) != sorted(required):
+                raise HeaderError(f"{where}.{key}", f"names {sorted(table)}, a {self.kind} "
+                                                    f"model needs {sorted(required)}")
+        for name, token in self.token_ids.items():
+            _check_token(token, vocab, f"{where}.token_ids.{name}")
+        if self.image_token_id != self.token_ids[marker]:
+            raise HeaderError(f"{where}.image_token_id", f"is {self.image_token_id}, the "
+                                                         f"{marker} is {self.token_ids[marker]}")
+        minicpmv = ("max_patches", "merge_levels", "token_divisor", "position_side")
+        for key in minicpmv:
+            if (getattr(self, key) is None) == (self.kind == "minicpmv"):
+                raise HeaderError(f"{where}.{key}", "is missing" if self.kind == "minicpmv"
+                                  else f"does not apply to a {self.kind} model")
+
+
+@dataclass(frozen=True)
+class LlmHeader:
+    """The model file header of an LLM (see the module doc)."""
+
+    kind: Literal["toptpu-llm"]
+    llm_format: Literal[1]
+    chip: Name
+    mode: Mode
+    group_size: Annotated[int, Range(-1)]
+    symmetric: bool | None
+    shapes: Shapes
+    model: ModelInfo
+    generation: Generation
+    tokenizer: TokenizerInfo
+    nets: dict[Name, NetEntry]
+    layer_nets: dict[Name, tuple[Name, ...]]
+    weights: WeightLayout
+    compile: CompileInfo
+    checkpoint: CheckpointInfo | None
+    vision: VisionInfo | None = None
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> WeightLayout:
-        return cls({k: WeightEntry.from_json(v) for k, v in d["shared"].items()},
-                   {k: WeightEntry.from_json(v) for k, v in d["layer"].items()},
-                   int(d["layer_base"]), int(d["layer_stride"]), int(d["num_layers"]))
+    def from_json(cls, data: Any) -> LlmHeader:
+        """Decode and check (HeaderError names the first field that is wrong)."""
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            kind = data.get("kind") if isinstance(data, dict) else None
+            raise HeaderError("kind", f"is {short(kind)}: not an LLM model file")
+        header = decode(cls, data)
+        header.check()
+        return header
+
+    def to_json(self) -> dict[str, Any]:
+        return encode(self)
+
+    @property
+    def activation_dtype(self) -> str:
+        """The numpy dtype name of the text nets' float activations."""
+        return numpy_dtype(DTYPE_BY_NAME[MODES[self.mode][0]]).name
+
+    def check(self) -> None:
+        """The checks across fields (types and ranges are checked while decoding)."""
+        if self.chip not in chip_names():
+            raise HeaderError("chip", f"is {self.chip!r}, not a known chip "
+                                      f"({', '.join(chip_names())})")
+        if self.group_size == 0:
+            raise HeaderError("group_size", "is 0 (a positive group or -1 for per channel)")
+        s, m = self.shapes, self.model
+        for key in ("max_input_length", "max_history"):
+            if getattr(s, key) > s.seq_length:
+                raise HeaderError(f"shapes.{key}", f"is {getattr(s, key)}, more than "
+                                                   f"shapes.seq_length {s.seq_length}")
+        if m.num_heads % m.num_kv_heads:
+            raise HeaderError("model.num_kv_heads", f"is {m.num_kv_heads}, which does not "
+                                                    f"divide model.num_heads {m.num_heads}")
+        self._check_generation()
+        if len(set(self.tokenizer.files)) != len(self.tokenizer.files):
+            raise HeaderError("tokenizer.files", "names a file twice")
+        if self.weights.num_layers != m.num_layers:
+            raise HeaderError("weights.num_layers", f"is {self.weights.num_layers}, "
+                                                    f"model.num_layers is {m.num_layers}")
+        self.weights.check()
+        self._check_nets()
+        self._check_layer_nets()
+        if self.vision is not None:
+            self.vision.check(m.vocab_size)
+        if (self.vision is not None) != (VISION_NET in self.nets):
+            raise HeaderError("vision", "and the vision net come together (one is missing)")
+
+    def _check_generation(self) -> None:
+        g, vocab = self.generation, self.model.vocab_size
+        for i, token in enumerate(g.eos_token_ids):
+            _check_token(token, vocab, f"generation.eos_token_ids[{i}]")
+        for key in ("pad_token_id", "bos_token_id"):
+            if getattr(g, key) is not None:
+                _check_token(getattr(g, key), vocab, f"generation.{key}")
+        if g.top_p == 0:
+            raise HeaderError("generation.top_p", "is 0 (it must be in (0, 1])")
+        if g.repetition_penalty == 0:
+            raise HeaderError("generation.repetition_penalty", "is 0 (it must be > 0)")
+
+    def _check_nets(self) -> None:
+        contract = net_contract(self.shapes, self.model, self.activation_dtype)
+        missing = [n for n in TEXT_NETS if n not in self.nets]
+        if missing:
+            raise HeaderError("nets", f"lacks the nets {missing}")
+        for name, net in self.nets.items():
+            where = f"nets.{name}"
+            base = self._base_net(name, where)
+            if net.per_layer != (base in PER_LAYER_NETS):
+                raise HeaderError(f"{where}.per_layer", f"is {net.per_layer} for a "
+                                                        f"{base} net")
+            for key, want in (("ir", ir_section(name)), ("streams", stream_section(name)),
+                              ("consts", const_section(name))):
+                if getattr(net, key) != want:
+                    raise HeaderError(f"{where}.{key}", f"is {getattr(net, key)!r}, not "
+                                                        f"{want!r}")
+            for key in ("inputs", "outputs"):
+                specs = getattr(net, key)
+                _check_specs(specs, f"{where}.{key}")
+                if base in contract:
+                    _check_contract(specs, contract[base][key == "outputs"], f"{where}.{key}")
+            if len(set(net.weights)) != len(net.weights):
+                raise HeaderError(f"{where}.weights", "names a tensor twice")
+            table = self.weights.layer if net.per_layer else {}
+            for i, w in enumerate(net.weights):
+                if w not in self.weights.shared and w not in table:
+                    raise HeaderError(f"{where}.weights[{i}]", f"is {w!r}, which the weight "
+                                                               "table does not have")
+
+    def _base_net(self, name: str, where: str) -> str:
+        """The net whose role `name` plays (`block@3` is a `block`)."""
+        base, _, layer = name.partition("@")
+        known = (*TEXT_NETS, VISION_NET)
+        if not layer and base in known:
+            return base
+        if base in PER_LAYER_NETS and layer.isascii() and layer.isdigit() and \
+                str(int(layer)) == layer and 0 < int(layer) < self.model.num_layers:
+            return base
+        raise HeaderError(where, f"names an unknown net (nets: {', '.join(known)}, or "
+                                 f"<per-layer net>@<layer> for a layer of "
+                                 f"{self.model.num_layers})")
+
+    def _check_layer_nets(self) -> None:
+        if sorted(self.layer_nets) != sorted(PER_LAYER_NETS):
+            raise HeaderError("layer_nets", f"names {sorted(self.layer_nets)}, not the "
+                                            f"per-layer nets {sorted(PER_LAYER_NETS)}")
+        for base, names in self.layer_nets.items():
+            where = f"layer_nets.{base}"
+            if len(names) != self.model.num_layers:
+                raise HeaderError(where, f"has {len(names)} entries for "
+                                         f"{self.model.num_layers} layers")
+            for i, name in enumerate(names):
+                if name not in self.nets or name.partition("@")[0] != base:
+                    raise HeaderError(f"{where}[{i}]", f"is {name!r}, not a {base} net of "
+                                                       "this file")
 
 
-def write_llm_file(path: str, header: Mapping[str, Any], irs: Mapping[str, str],
+def _check_token(token: int, vocab: int, where: str) -> None:
+    if token >= vocab:
+        raise HeaderError(where, f"is {token}, outside the vocabulary of {vocab} "
+                                 "(model.vocab_size)")
+
+
+def _check_specs(specs: tuple[TensorSpec, ...], where: str) -> None:
+    """Net IO: names, known dtypes, positive dims, a bounded size, no name twice."""
+    for i, s in enumerate(specs):
+        at = f"{where}[{i}]"
+        NamePattern().check(s.name, f"{at}.name")
+        OneOf(tuple(sorted(KNOWN_DTYPES)), "dtype").check(s.dtype, f"{at}.dtype")
+        if not s.shape or any(d < 1 for d in s.shape) or math.prod(s.shape) > MAX_ELEMENTS:
+            raise HeaderError(f"{at}.shape", f"is {list(s.shape)}: dims must be >= 1, at "
+                                             f"most {MAX_ELEMENTS} elements")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise HeaderError(where, f"names a tensor twice ({names})")
+
+
+def _check_contract(specs: tuple[TensorSpec, ...], want: tuple[TensorSpec, ...],
+                    where: str) -> None:
+    if len(specs) != len(want):
+        raise HeaderError(where, f"has {len(specs)} tensors, the net contract "
+                                 f"{[w.name for w in want]}")
+    for i, (s, w) in enumerate(zip(specs, want, strict=True)):
+        if s != w:
+            raise HeaderError(f"{where}[{i}]", f"is {s.name} {s.dtype} {list(s.shape)}, the net "
+                                               f"contract (from shapes, model and mode) is "
+                                               f"{w.name} {w.dtype} {list(w.shape)}")
+
+
+def net_contract(shapes: Shapes, model: ModelInfo, act: str
+                 ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """The inputs and outputs of each text net (DESIGN section 5): static shapes L, SEQ and
+    Hh, the model's widths, float activations of dtype `act`, int32 ids and positions."""
+    L, S, Hh = shapes.max_input_length, shapes.seq_length, shapes.max_history
+    H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
+
+    def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
+        return TensorSpec(name, shape, dtype)
+
+    def block(n: int, mask: int, history: int | None) -> tuple[tuple[TensorSpec, ...], ...]:
+        inputs = [t("hidden", 1, n, H), t("position_ids", 1, n, dtype="int32"),
+                  t("attention_mask", 1, 1, n, mask)]
+        if history is not None:
+            inputs += [t("history_k", 1, history, kv, D), t("history_v", 1, history, kv, D)]
+        return tuple(inputs), (t("hidden_out", 1, n, H), t("present_k", 1, n, kv, D),
+                               t("present_v", 1, n, kv, D))
+
+    return {
+        "embedding": ((t("input_ids", 1, L, dtype="int32"),), (t("hidden", 1, L, H),)),
+        "embedding_cache": ((t("input_ids", 1, 1, dtype="int32"),), (t("hidden", 1, 1, H),)),
+        "block": block(L, L, None),
+        "block_kv": block(L, Hh + L, Hh),
+        "block_cache": block(1, S + 1, S),
+        "lm_head": ((t("hidden", 1, H),), (t("token", 1, 1, dtype="int32"),)),
+        "lm_head_logits": ((t("hidden", 1, H),), (t("logits", 1, model.vocab_size),)),
+    }
+
+
+# =========================================================================== the file
+
+
+def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
                    tokenizer_files: Mapping[str, bytes], blob: np.ndarray,
                    extra_sections: Mapping[str, bytes] | None = None) -> None:
     """Write the model file atomically (see the module doc for the layout).
-    `extra_sections` adds more named sections (e.g. a net's command streams, named by its
-    header entry `nets.<net>.streams`)."""
+    `extra_sections` adds the nets' command streams and constant pools (sections
+    `stream:<net>` and `const:<net>`)."""
+    header_json = header.to_json()
+    # what a reader will decode: the same schema checks before anything is written
+    LlmHeader.from_json(json.loads(json.dumps(header_json, sort_keys=True, allow_nan=False)))
     sections: dict[str, bytes | memoryview] = {}
     for net, text in irs.items():
         sections[ir_section(net)] = text.encode()
@@ -153,64 +562,62 @@ def write_llm_file(path: str, header: Mapping[str, Any], irs: Mapping[str, str],
         sections[tokenizer_section(name)] = data
     sections.update(extra_sections or {})
     sections[WEIGHTS_SECTION] = memoryview(np.ascontiguousarray(blob, dtype=np.uint8))
-    write_model_file(path, header, sections)
+    want = _referenced_sections(header)
+    if set(sections) != want:
+        raise ValueError(f"the sections {sorted(set(sections) ^ want)} do not match the "
+                         "header")
+    write_model_file(path, header_json, sections)
 
 
-def _spec(d: Mapping[str, Any]) -> TensorSpec:
-    return TensorSpec(str(d["name"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+def _referenced_sections(header: LlmHeader) -> set[str]:
+    names = {WEIGHTS_SECTION}
+    for net in header.nets.values():
+        names |= {net.ir, net.streams, net.consts}
+    return names | {tokenizer_section(n) for n in header.tokenizer.files}
 
 
 class LlmFile:
-    """A loaded, validated LLM model file (memory mapped)."""
+    """A loaded, validated LLM model file (memory mapped).
+
+    `meta` is the typed header (`LlmHeader`); `header` is its JSON form (a dict rebuilt from
+    the validated `meta`, for readers that index it)."""
 
     def __init__(self, path: str, verify_checksums: bool = True) -> None:
         self.path = path
         self.file = ModelFile(path, verify_checksums)
-        self.header: dict[str, Any] = self.file.header
         try:
-            self._validate()
-        except ModelFileError:
+            self.meta = self._validate()
+        except BaseException:
             self.file.close()
             raise
-        except (KeyError, TypeError, ValueError) as e:
-            self.file.close()
-            raise ModelFileError(f"'{path}' has an incomplete LLM header ({e!r}); recompile "
-                                 "it with `toptpu compile`") from e
+        self.header: dict[str, Any] = self.meta.to_json()
+        self.layout = self.meta.weights
 
     def _err(self, msg: str) -> ModelFileError:
         return ModelFileError(f"'{self.path}': {msg}")
 
-    def _validate(self) -> None:
-        h = self.header
-        if h.get("kind") != KIND:
-            raise self._err(f"not an LLM model file (kind {h.get('kind')!r}); compile one with "
-                            "`toptpu compile MODEL_DIR`")
-        if int(h.get("llm_format", 0)) != LLM_FORMAT:
-            raise self._err(f"LLM format {h.get('llm_format')} is not {LLM_FORMAT}; recompile")
-        self.layout = WeightLayout.from_json(h["weights"])
-        blob = self.file.sections.get(WEIGHTS_SECTION)
-        if blob is None:
-            raise self._err("has no weight blob section")
-        if self.layout.size > blob.size:
-            raise self._err(f"the weight table needs {self.layout.size} bytes, the blob has "
-                            f"{blob.size}")
-        for region, entries, limit in (("shared", self.layout.shared, self.layout.layer_base),
-                                       ("layer", self.layout.layer, self.layout.layer_stride)):
-            for name, e in entries.items():
-                if e.offset % WEIGHT_ALIGN or e.offset + e.nbytes > limit:
-                    raise self._err(f"{region} weight '{name}' at {e.offset} (+{e.nbytes}) is "
-                                    f"misaligned or outside its region of {limit} bytes")
-        for net, d in h["nets"].items():
-            if d["ir"] not in self.file.sections:
-                raise self._err(f"net '{net}' has no IR section '{d['ir']}'")
-            table = self.layout.layer if d["per_layer"] else {}
-            for w in d["weights"]:
-                if w not in self.layout.shared and w not in table:
-                    raise self._err(f"net '{net}' reads weight '{w}', which the weight table "
-                                    "does not have")
-        for name in h["tokenizer"]["files"]:
-            if tokenizer_section(name) not in self.file.sections:
-                raise self._err(f"tokenizer file '{name}' is missing")
+    def _validate(self) -> LlmHeader:
+        raw = self.file.header
+        if raw.get("kind") != KIND:
+            raise self._err(f"not an LLM model file (kind {short(raw.get('kind'))}); compile one "
+                            "with `toptpu compile MODEL_DIR`")
+        try:
+            meta = LlmHeader.from_json(raw)
+        except HeaderError as e:
+            raise self._err(f"invalid header: {e}; recompile the model with "
+                            "`toptpu compile`") from e
+        have, want = set(self.file.sections), _referenced_sections(meta)
+        if want - have:
+            raise self._err(f"has no section '{sorted(want - have)[0]}', which the header "
+                            "names")
+        if have - want:
+            raise self._err(f"has a section '{sorted(have - want)[0]}' that the header does "
+                            "not name")
+        blob = self.file.sections[WEIGHTS_SECTION].size
+        if meta.weights.size != blob:
+            raise self._err(f"the weight table needs {meta.weights.size} bytes, the blob has "
+                            f"{blob}")
+        return meta
 
     # ------------------------------------------------------------------ access
     @property
@@ -218,14 +625,16 @@ class LlmFile:
         return self.layout.num_layers
 
     def net_infos(self) -> dict[str, NetInfo]:
-        return {name: NetInfo(name, tuple(_spec(s) for s in d["inputs"]),
-                              tuple(_spec(s) for s in d["outputs"]), bool(d["per_layer"]))
-                for name, d in self.header["nets"].items()}
+        return {name: NetInfo(name, d.inputs, d.outputs, d.per_layer)
+                for name, d in self.meta.nets.items()}
 
     def net_ir(self, net: str) -> str:
-        if net not in self.header["nets"]:
+        if net not in self.meta.nets:
             raise self._err(f"has no net '{net}'")
-        return self.file.read(self.header["nets"][net]["ir"]).decode()
+        try:
+            return self.file.read(self.meta.nets[net].ir).decode()
+        except UnicodeDecodeError as e:
+            raise self._err(f"the IR of net '{net}' is not UTF-8 text: {e}") from e
 
     def net_module(self, net: str) -> ModuleOp:
         from xdsl.parser import Parser
@@ -256,12 +665,9 @@ class LlmFile:
         return {n: self._view(blob, base + e.offset, e) for n, e in self.layout.layer.items()}
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        return {n: self.file.read(tokenizer_section(n)) for n in self.header["tokenizer"]["files"]}
+        return {n: self.file.read(tokenizer_section(n)) for n in self.meta.tokenizer.files}
 
     def close(self) -> None:
         """Unmap the file; while zero-copy weight views are alive the mapping stays until
         they are garbage collected."""
-        try:
-            self.file.close()
-        except BufferError:
-            pass
+        self.file.close()

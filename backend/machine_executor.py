@@ -27,21 +27,13 @@ import numpy as np
 from toptpu.backend.chips import Chip, get_chip
 from toptpu.backend.codegen import Program
 from toptpu.backend.executor import NetInfo, TensorSpec
-from toptpu.backend.llm_file import LlmFile
+from toptpu.backend.llm_file import LlmFile, LlmHeader
 from toptpu.backend.machine import Binding, LoadedNet, Machine, Timeline
 from toptpu.backend.model_file import ModelFileError
 
 
 class MachineExecutorError(RuntimeError):
     pass
-
-
-def stream_section(net: str) -> str:
-    return f"stream:{net}"
-
-
-def const_section(net: str) -> str:
-    return f"const:{net}"
 
 
 @dataclass
@@ -87,16 +79,11 @@ class MachineExecutor:
     def __init__(self, model: str | LlmFile, checked: bool = False,
                  chip: Chip | None = None, keep_timelines: int = 4) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
-        self.header: dict[str, Any] = self.file.header
-        self.chip = chip or get_chip(self.header["chip"])
+        self.meta: LlmHeader = self.file.meta
+        self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
+        self.chip = chip or get_chip(self.meta.chip)
         self.machine = Machine(self.chip, checked)
         self.keep_timelines = keep_timelines
-        nets = self.header["nets"]
-        missing = [n for n, d in nets.items() if not d.get("streams")]
-        if missing:
-            raise ModelFileError(f"'{self.file.path}' has no command streams for {missing}; "
-                                 "recompile it with this toptpu (or run it with the "
-                                 "interpreter executor)")
         self._nets = self.file.net_infos()
         blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
         self._blob = self.machine.gmem.map("weights", blob, writable=False).base
@@ -162,23 +149,38 @@ class MachineExecutor:
 
     def _load(self, net: str) -> LoadedNet:
         if net not in self._loaded:
-            d = self.header["nets"][net]
+            entry = self.meta.nets[net]
             try:
-                prog = Program.from_json(self.file.file.view(d["streams"]))
+                prog = Program.from_json(self.file.file.view(entry.streams))
                 loaded = LoadedNet(prog)
             except ModelFileError:
                 raise
             except Exception as e:  # noqa: BLE001 - a corrupt stream section
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
                                      f"is unusable: {e}") from e
+            self._check_program(net, prog)
             gmem = self.machine.gmem
             self._act[net] = gmem.alloc(f"act:{net}", prog.regions["activations"]).base
-            pool = self.file.file.read(d["consts"]) if d.get("consts") else b""
+            pool = self.file.file.read(entry.consts)
             r = gmem.alloc(f"const:{net}", len(pool))
             r.data[:len(pool)] = np.frombuffer(pool, np.uint8)
             self._const[net] = r.base
             self._loaded[net] = loaded
         return self._loaded[net]
+
+    def _check_program(self, net: str, prog: Program) -> None:
+        """The header's account of a net's command stream: the weights it reads and its
+        command count."""
+        entry = self.meta.nets[net]
+        problem = ""
+        if set(prog.weights) != set(entry.weights):
+            differ = sorted(set(prog.weights) ^ set(entry.weights))
+            problem = f"the weights it reads ({differ[:3]} differ)"
+        elif len(prog.commands) != entry.commands:
+            problem = f"its commands ({len(prog.commands)}, the header says {entry.commands})"
+        if problem:
+            raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' and "
+                                 f"the header disagree on {problem}; recompile the model")
 
     def _weight_addresses(self, info: NetInfo, prog: Program, layer: int | None
                           ) -> dict[str, int]:

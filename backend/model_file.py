@@ -1,20 +1,32 @@
 """The model file: one file per compiled model.
 
-Layout (all integers little endian):
+Layout (all integers little endian), format version 2:
 
     offset 0   magic  b"TOPTPU\\x00\\x01" (8 bytes)
            8   format version (u32), header length H (u32)
-          16   header: H bytes of UTF-8 JSON
-      16 + H   sections, each starting at a multiple of ALIGN (4096) bytes
+          16   header sha256 (32 bytes): of bytes 0..16 and the H header bytes
+          48   header: H bytes of UTF-8 JSON (an object)
+      48 + H   sections, one after the other, each starting at the next multiple of ALIGN
+               (4096) bytes; the bytes between them are zero; the file ends where the
+               last section ends
 
 The header holds everything that describes the model (chip, nets with their IO names,
-shapes and dtypes, static shapes, model config, generation config, tokenizer) and a table
-of sections: name, offset, size, sha256. Sections hold bulk bytes: command streams,
-the weight blob (aligned, so it can be memory mapped), tokenizer files, IR text.
+shapes and dtypes, static shapes, model config, generation config, tokenizer) and, under
+`sections`, the table of sections: name, offset, size, sha256. Sections hold bulk bytes:
+command streams, the weight blob (aligned, so it can be memory mapped), tokenizer files,
+IR text.
 
-Writing goes to a temporary name in the same directory and is renamed into place, so a
-crash never leaves a half file under the real name. Loading checks magic, version, the
-header, every section's bounds and checksum, and names what is wrong.
+No byte of a file goes unchecked: the prefix and the header are covered by the header
+checksum, every section by its own, and every other byte is alignment padding that must
+be zero (the offsets are fixed by the section sizes, so a table that places a section
+anywhere else is refused too).
+
+Writing goes to a hidden temporary name in the same directory (`.NAME.tmp-PID`) and is
+renamed into place, so a crash never leaves a half file under the real name; the magic is
+written last, so a temporary file is never a model file. Temporary files of the same target
+left behind by processes that no longer run (a compile killed with SIGKILL) are removed by
+the next write. Loading checks magic, version, the header checksum, the section table,
+every section's checksum and the padding, and names what is wrong.
 """
 
 from __future__ import annotations
@@ -26,12 +38,19 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 MAGIC = b"TOPTPU\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALIGN = 4096
-_PREFIX = struct.Struct("<8sII")
+_PREFIX = struct.Struct("<8sII")  # magic, format version, header length
+_DIGEST_SIZE = 32
+#: where the header JSON starts (after magic, version, header length and header sha256)
+HEADER_OFFSET = _PREFIX.size + _DIGEST_SIZE
+#: the header key of the container's own section table
+SECTIONS_KEY = "sections"
+_ENTRY_KEYS = ("name", "offset", "size", "sha256")
+_TEMP_MARK = ".tmp-"
 
 
 class ModelFileError(Exception):
@@ -50,45 +69,171 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _header_digest(prefix: bytes, header: bytes) -> bytes:
+    return hashlib.sha256(prefix + header).digest()
+
+
+def _layout(header_length: int, sizes: list[int]) -> list[int]:
+    """The offset of each section: each at the next ALIGN boundary after the previous."""
+    offsets, offset = [], _align(HEADER_OFFSET + header_length)
+    for size in sizes:
+        offsets.append(offset)
+        offset = _align(offset + size)
+    return offsets
+
+
+# ------------------------------------------------------------------ temporary files
+
+
+def temp_path(path: str, pid: int | None = None) -> str:
+    """The hidden temporary name a write of `path` by process `pid` goes through."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{base}{_TEMP_MARK}{os.getpid() if pid is None else pid}")
+
+
+def _pid_of_temp(name: str, base: str) -> int | None:
+    """The PID in `name` if it is exactly a temporary name of target `base`."""
+    prefix = f".{base}{_TEMP_MARK}"
+    digits = name[len(prefix):]
+    if not name.startswith(prefix) or not digits.isascii() or not digits.isdigit():
+        return None
+    pid = int(digits)
+    return pid if 0 < pid < 2**31 else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists under another user; anything else: do not guess
+        return True
+    return True
+
+
+def remove_stale_temp_files(path: str) -> list[str]:
+    """Remove the temporary files of target `path` whose writer process no longer runs
+    (left by a write killed before its rename). Only regular files named exactly
+    `.NAME.tmp-PID` are touched; those of running processes are kept. Returns the paths
+    removed."""
+    directory, base = os.path.split(os.path.abspath(path))
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid = _pid_of_temp(entry.name, base)
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:  # another writer cleaned it first
+            continue
+        removed.append(entry.path)
+    return removed
+
+
+# ------------------------------------------------------------------ writing
+
+
 def write_model_file(path: str, header: Mapping[str, Any],
                      sections: Mapping[str, bytes | bytearray | memoryview]) -> None:
-    """Write `header` (JSON-serializable) and named byte sections to `path` atomically."""
+    """Write `header` (JSON-serializable, without a `sections` key) and named byte sections
+    to `path` atomically (see the module doc for the layout)."""
+    if SECTIONS_KEY in header:
+        raise ValueError(f"the header key '{SECTIONS_KEY}' is the container's own")
     names = list(sections)
     views = {n: memoryview(sections[n]).cast("B") for n in names}
     digests = {n: hashlib.sha256(views[n]).hexdigest() for n in names}
+    sizes = [len(views[n]) for n in names]
     # the section table lives in the header, whose length fixes where data starts: iterate
-    # until the start is stable (offsets only grow, so this converges in a few rounds)
-    start = _align(_PREFIX.size)
+    # until the header length is stable (offsets only grow, so this converges in a few rounds)
+    hbytes = b""
     while True:
-        table: list[dict[str, Any]] = []
-        offset = start
-        for name in names:
-            table.append({"name": name, "offset": offset, "size": len(views[name]),
-                          "sha256": digests[name]})
-            offset = _align(offset + len(views[name]))
-        full = {**header, "format_version": FORMAT_VERSION, "sections": table}
-        hbytes = json.dumps(full, sort_keys=True).encode()
-        need = _align(_PREFIX.size + len(hbytes))
-        if need <= start:
+        offsets = _layout(len(hbytes), sizes)
+        table = [{"name": n, "offset": o, "size": s, "sha256": digests[n]}
+                 for n, o, s in zip(names, offsets, sizes, strict=True)]
+        new = json.dumps({**header, SECTIONS_KEY: table}, sort_keys=True,
+                         allow_nan=False).encode()
+        if _layout(len(new), sizes) == offsets:
+            hbytes = new
             break
-        start = need
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+        hbytes = new
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes))
+    end = offsets[-1] + sizes[-1] if names else HEADER_OFFSET + len(hbytes)
+    remove_stale_temp_files(path)
+    tmp = temp_path(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes)))
+        with _create(tmp) as f:
+            f.write(bytes(HEADER_OFFSET))  # the prefix is written last: until then no magic
             f.write(hbytes)
-            for entry, name in zip(table, names, strict=True):
-                f.seek(entry["offset"])
+            for offset, name in zip(offsets, names, strict=True):
+                f.seek(offset)
                 f.write(views[name])
-            end = max((e["offset"] + e["size"] for e in table), default=f.tell())
             f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+            f.seek(0)
+            f.write(prefix + _header_digest(prefix, hbytes))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _create(path: str) -> BinaryIO:
+    """A new file at `path`, never through a symlink planted there: an earlier file of
+    that name (a stale temporary file of an earlier process with this PID) is removed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(path, flags, 0o666), "wb")
+
+
+# ------------------------------------------------------------------ reading
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+#: how deeply a header's JSON may nest (readers walk it recursively)
+MAX_DEPTH = 64
+
+
+def parse_json(data: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, nested at most MAX_DEPTH
+    levels (ValueError otherwise)."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
+                           object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return value
 
 
 class ModelFile:
@@ -100,57 +245,112 @@ class ModelFile:
             self._file = open(path, "rb")  # noqa: SIM115 - kept open for the mmap
         except OSError as e:
             raise ModelFileError(f"cannot open model file '{path}': {e.strerror}") from e
+        self._map: mmap.mmap | None = None
+        try:
+            self._load(verify_checksums)
+        except BaseException:
+            self.close()
+            raise
+
+    def _err(self, msg: str) -> ModelFileError:
+        return ModelFileError(f"'{self.path}' {msg}")
+
+    def _load(self, verify_checksums: bool) -> None:
         size = os.fstat(self._file.fileno()).st_size
+        if size == 0:
+            raise self._err("is empty, not a toptpu model file; compile one with "
+                            "`toptpu compile`")
         if size < _PREFIX.size:
-            raise ModelFileError(f"'{path}' is not a toptpu model file (only {size} bytes)")
+            raise self._err(f"is not a toptpu model file (only {size} bytes)")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         magic, version, hlen = _PREFIX.unpack_from(self._map, 0)
         if magic != MAGIC:
-            raise ModelFileError(
-                f"'{path}' is not a toptpu model file (bad magic {magic!r}); compile one with "
-                "`toptpu compile`"
-            )
+            raise self._err(f"is not a toptpu model file (bad magic {magic!r}); compile one "
+                            "with `toptpu compile`")
         if version > FORMAT_VERSION:
-            raise ModelFileError(
-                f"'{path}' has format version {version}, newer than this toptpu understands "
-                f"({FORMAT_VERSION}); upgrade toptpu or recompile the model"
-            )
+            raise self._err(f"has format version {version}, newer than this toptpu "
+                            f"understands ({FORMAT_VERSION}); upgrade toptpu or recompile the "
+                            "model")
         if version < FORMAT_VERSION:
-            raise ModelFileError(
-                f"'{path}' has the old format version {version} (this toptpu reads "
-                f"{FORMAT_VERSION}); recompile the model"
-            )
-        if _PREFIX.size + hlen > size:
-            raise ModelFileError(f"'{path}' is truncated: the header runs past the end")
+            raise self._err(f"has the old format version {version} (this toptpu reads "
+                            f"{FORMAT_VERSION}); recompile the model with `toptpu compile`")
+        end = HEADER_OFFSET + hlen
+        if end > size:
+            raise self._err(f"is truncated: the header needs bytes up to {end}, the file has "
+                            f"{size}")
+        hbytes = bytes(self._map[HEADER_OFFSET:end])
+        digest = bytes(self._map[_PREFIX.size:HEADER_OFFSET])
+        if _header_digest(bytes(self._map[:_PREFIX.size]), hbytes) != digest:
+            raise self._err("is corrupt: checksum mismatch in the header")
         try:
-            self.header: dict[str, Any] = json.loads(
-                bytes(self._map[_PREFIX.size:_PREFIX.size + hlen]).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFileError(f"'{path}' has a corrupt header: {e}") from e
-        self.sections: dict[str, SectionInfo] = {}
-        for entry in self.header.get("sections", []):
-            info = SectionInfo(entry["name"], int(entry["offset"]), int(entry["size"]),
-                               entry["sha256"])
-            if info.offset + info.size > size:
-                raise ModelFileError(
-                    f"'{path}' is truncated: section '{info.name}' needs bytes up to "
-                    f"{info.offset + info.size}, the file has {size}"
-                )
-            self.sections[info.name] = info
+            header = parse_json(hbytes)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise self._err(f"has a corrupt header: {e}") from e
+        if not isinstance(header, dict):
+            raise self._err(f"has a corrupt header: a JSON {type(header).__name__}, not an "
+                            "object")
+        table = header.pop(SECTIONS_KEY, None)
+        self.header: dict[str, Any] = header
+        self.sections = self._section_table(table, hlen)
+        self._check_extent(size, hlen)
         if verify_checksums:
             for info in self.sections.values():
-                digest = hashlib.sha256(self.view(info.name)).hexdigest()
-                if digest != info.sha256:
-                    raise ModelFileError(
-                        f"'{path}' is corrupt: checksum mismatch in section '{info.name}'"
-                    )
+                if hashlib.sha256(self.view(info.name)).hexdigest() != info.sha256:
+                    raise self._err(f"is corrupt: checksum mismatch in section '{info.name}'")
+
+    def _section_table(self, table: Any, hlen: int) -> dict[str, SectionInfo]:
+        where = f"header field '{SECTIONS_KEY}'"
+        if not isinstance(table, list):
+            raise self._err(f"has a corrupt header: {where} is missing or not a list")
+        sections: dict[str, SectionInfo] = {}
+        for i, entry in enumerate(table):
+            at = f"{where}[{i}]"
+            if not isinstance(entry, dict) or sorted(entry) != sorted(_ENTRY_KEYS):
+                raise self._err(f"has a corrupt header: {at} must have exactly the keys "
+                                f"{list(_ENTRY_KEYS)}")
+            name, offset, size, digest = (entry[k] for k in _ENTRY_KEYS)
+            if not isinstance(name, str) or not name or name in sections:
+                raise self._err(f"has a corrupt header: {at}.name {name!r} is not a new "
+                                "non-empty string")
+            for key, value in (("offset", offset), ("size", size)):
+                if type(value) is not int or value < 0:
+                    raise self._err(f"has a corrupt header: {at}.{key} is {value!r}, not a "
+                                    "non-negative integer")
+            if not (isinstance(digest, str) and len(digest) == 64
+                    and all(c in "0123456789abcdef" for c in digest)):
+                raise self._err(f"has a corrupt header: {at}.sha256 is not 64 hex digits")
+            sections[name] = SectionInfo(name, offset, size, digest)
+        infos = list(sections.values())
+        for info, offset in zip(infos, _layout(hlen, [s.size for s in infos]), strict=True):
+            if info.offset != offset:
+                raise self._err(f"has a corrupt header: section '{info.name}' is at offset "
+                                f"{info.offset}, the layout puts it at {offset}")
+        return sections
+
+    def _check_extent(self, size: int, hlen: int) -> None:
+        """The file ends where the last section ends; every gap byte is zero."""
+        assert self._map is not None
+        infos = list(self.sections.values())
+        end = infos[-1].offset + infos[-1].size if infos else HEADER_OFFSET + hlen
+        if size < end:
+            last = infos[-1].name
+            raise self._err(f"is truncated: section '{last}' needs bytes up to {end}, the "
+                            f"file has {size}")
+        if size > end:
+            raise self._err(f"is corrupt: {size - end} bytes follow the last section")
+        start = HEADER_OFFSET + hlen
+        for info in infos:
+            gap = self._map[start:info.offset]
+            if gap.count(0) != len(gap):
+                raise self._err(f"is corrupt: nonzero bytes in the padding before section "
+                                f"'{info.name}' (offsets {start}..{info.offset})")
+            start = info.offset + info.size
 
     def view(self, name: str) -> memoryview:
         """Zero-copy bytes of a section (backed by the memory map)."""
         if name not in self.sections:
-            raise ModelFileError(
-                f"'{self.path}' has no section '{name}' (it has {sorted(self.sections)})"
-            )
+            raise self._err(f"has no section '{name}' (it has {sorted(self.sections)})")
+        assert self._map is not None
         info = self.sections[name]
         return memoryview(self._map)[info.offset:info.offset + info.size]
 
@@ -158,7 +358,13 @@ class ModelFile:
         return bytes(self.view(name))
 
     def close(self) -> None:
-        self._map.close()
+        """Unmap and close; while zero-copy views of the map are alive the mapping stays
+        until they are garbage collected."""
+        try:
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass
         self._file.close()
 
     def __enter__(self) -> ModelFile:

@@ -26,16 +26,16 @@ Static shapes are read back from the nets' IO shapes (nothing is configured twic
 
 from __future__ import annotations
 
-import os
-import tempfile
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from toptpu.backend.executor import Buffer, Executor, NetInfo, TensorSpec
+from toptpu.backend.llm_file import TEXT_NETS, LlmHeader
 from toptpu.frontends.masks import decode_mask, prefill_mask
 
 
@@ -173,16 +173,38 @@ class GenerationResult:
 class Tokenizer:
     """The model file's tokenizer: encode/decode with the `tokenizers` library (what a
     transformers fast tokenizer runs underneath, without importing transformers); chat
-    templates are rendered by transformers, loaded only when a template is needed."""
+    templates are rendered by transformers, loaded only when a template is needed.
 
-    def __init__(self, files: dict[str, bytes]) -> None:
+    Everything is built from the files' bytes in memory: no file is written, so the names
+    of the files (untrusted, like every part of a model file) never become paths."""
+
+    def __init__(self, files: Mapping[str, bytes]) -> None:
         if "tokenizer.json" not in files:
             raise GenerationError("the model file carries no tokenizer; pass token ids")
+        self.files = dict(files)
+        self.backend = self._backend()
+        self._hf: Any = None
+
+    def _backend(self) -> Any:
         from tokenizers import Tokenizer as _Backend
 
-        self.files = files
-        self.backend = _Backend.from_str(files["tokenizer.json"].decode())
-        self._hf: Any = None
+        try:
+            return _Backend.from_str(self.files["tokenizer.json"].decode())
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise GenerationError(f"the model file's tokenizer.json cannot be loaded: {e}; "
+                                  "recompile the model") from e
+
+    def _json(self, name: str) -> dict[str, Any]:
+        """A JSON object file of the tokenizer ({} when absent)."""
+        if name not in self.files:
+            return {}
+        try:
+            data = json.loads(self.files[name].decode())
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise GenerationError(f"the model file's {name} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise GenerationError(f"the model file's {name} is not a JSON object")
+        return data
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -191,30 +213,83 @@ class Tokenizer:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     @property
-    def hf(self) -> Any:
-        """The transformers tokenizer built from the same files (for chat templates)."""
-        if self._hf is None:
-            from transformers import AutoTokenizer
+    def config(self) -> dict[str, Any]:
+        """`tokenizer_config.json` ({} when absent)."""
+        return self._json("tokenizer_config.json")
 
-            with tempfile.TemporaryDirectory() as tmp:
-                for name, data in self.files.items():
-                    with open(os.path.join(tmp, name), "wb") as f:
-                        f.write(data)
-                self._hf = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The chat template, where transformers would find it: `chat_template.jinja`, else
+        the processor's `chat_template.json`, else `tokenizer_config.json`."""
+        if "chat_template.jinja" in self.files:
+            try:
+                return self.files["chat_template.jinja"].decode()
+            except UnicodeDecodeError as e:
+                raise GenerationError(f"the model file's chat_template.jinja is not UTF-8: "
+                                      f"{e}") from e
+        template = self._json("chat_template.json").get("chat_template",
+                                                        self.config.get("chat_template"))
+        return template if isinstance(template, str | dict) else None
+
+    def special_tokens(self) -> dict[str, Any]:
+        """The special tokens transformers' `from_pretrained` gives this tokenizer (what a
+        chat template sees besides the messages): the named ones (`bos_token`, ...) and
+        the model's own `*_token` attributes of `tokenizer_config.json`, with the legacy
+        `special_tokens_map.json` on top when the config predates `added_tokens_decoder`."""
+        from transformers import PreTrainedTokenizerFast
+
+        named = PreTrainedTokenizerFast.SPECIAL_TOKENS_ATTRIBUTES
+        values = dict(self.config)
+        if "added_tokens_decoder" not in values:
+            values.update(self._json("special_tokens_map.json"))
+        tokens: dict[str, Any] = {k: _token_text(values[k]) for k in named
+                                  if _token_text(values.get(k)) is not None}
+        specific = {k: v for k, v in values.items()
+                    if k not in named and k.endswith("_token") and isinstance(v, str)}
+        extra = values.get("extra_special_tokens")
+        if isinstance(extra, dict):
+            specific.update({k: t for k, v in extra.items()
+                             if (t := _token_text(v)) is not None})
+        if specific:
+            tokens["model_specific_special_tokens"] = specific
+        return tokens
+
+    @property
+    def hf(self) -> Any:
+        """A transformers fast tokenizer over the same `tokenizer.json`, with the chat
+        template and special tokens of the files (for `apply_chat_template`)."""
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._hf = PreTrainedTokenizerFast(tokenizer_object=self._backend(),
+                                               chat_template=self.chat_template,
+                                               **self.special_tokens())
         return self._hf
 
     @property
     def has_chat_template(self) -> bool:
-        return "chat_template.jinja" in self.files or "chat_template.json" in self.files or \
-            b'"chat_template"' in self.files.get("tokenizer_config.json", b"")
+        return self.chat_template is not None
 
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = False) -> str:
         if not self.has_chat_template:
             raise GenerationError("this model's tokenizer has no chat template; use "
                                   "`toptpu run --prompt` (plain completion) instead")
-        return str(self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False))
+        from jinja2 import TemplateError
+
+        try:
+            return str(self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False))
+        except (TemplateError, ValueError) as e:
+            raise GenerationError(f"the model's chat template cannot render this "
+                                  f"conversation: {e}") from e
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token's text: a string, or the `content` of a serialized AddedToken."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 # =========================================================================== runtime
@@ -227,8 +302,7 @@ def _spec(info: NetInfo, name: str) -> TensorSpec:
     raise GenerationError(f"net '{info.name}' has no tensor '{name}'")
 
 
-REQUIRED_NETS = ("embedding", "embedding_cache", "block", "block_kv", "block_cache",
-                 "lm_head", "lm_head_logits")
+REQUIRED_NETS = TEXT_NETS
 
 
 class Runtime:
@@ -236,23 +310,43 @@ class Runtime:
 
     def __init__(self, executor: Executor, tokenizer: Tokenizer | None = None) -> None:
         self.ex = executor
-        self.header = executor.header
+        self.meta: LlmHeader = executor.meta
+        self.header = executor.header  # the JSON form of `meta`
         nets = dict(executor.nets())
         missing = [n for n in REQUIRED_NETS if n not in nets]
         if missing:
             raise GenerationError(f"the model file lacks the nets {missing}; recompile it")
         self.nets = nets
-        self.num_layers = int(self.header["model"]["num_layers"])
+        self.num_layers = self.meta.model.num_layers
         self.L = _spec(nets["block"], "hidden").shape[1]
         self.seq = _spec(nets["block_cache"], "history_k").shape[1]
         self.Hh = _spec(nets["block_kv"], "history_k").shape[1]
-        gen = self.header.get("generation", {})
-        self.eos_ids = {int(e) for e in gen.get("eos_token_ids", [])}
-        self.stop_strings = [s for s in gen.get("stop_strings", []) if s]
-        pad = gen.get("pad_token_id")
-        self.pad_id = int(pad) if pad is not None else 0
+        gen = self.meta.generation
+        self.eos_ids = set(gen.eos_token_ids)
+        self.stop_strings = [s for s in gen.stop_strings if s]
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else 0
         self._tokenizer = tokenizer
         self._tokenizer_files: dict[str, bytes] | None = None
+        try:
+            self._alloc_buffers()
+        except MemoryError as e:
+            kv = _spec(nets["block_cache"], "history_k")
+            need = 2 * self.num_layers * kv.nbytes
+            raise GenerationError(
+                f"this host cannot hold the KV cache of {self.num_layers} layers x "
+                f"{self.seq} tokens ({need / 2**30:.2f} GiB); recompile with a smaller "
+                "--seq-length") from e
+        self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
+        self._image_rows: dict[int, np.ndarray] = {}  # position -> vision embedding row
+        self._vision: Any = None
+        self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
+        self.pending: int | None = None  # the last generated token, not yet in the cache
+        self.messages: list[dict[str, str]] = []
+        self._last_reply_closed = False
+
+    def _alloc_buffers(self) -> None:
+        """The KV caches and the IO buffers of every net the generation loop binds."""
+        executor, nets = self.ex, self.nets
 
         def alloc(net: str, name: str) -> Buffer:
             s = _spec(nets[net], name)
@@ -276,13 +370,6 @@ class Runtime:
             "token": alloc("lm_head", "token"),
             "logits": alloc("lm_head_logits", "logits"),
         }
-        self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
-        self._image_rows: dict[int, np.ndarray] = {}  # position -> vision embedding row
-        self._vision: Any = None
-        self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
-        self.pending: int | None = None  # the last generated token, not yet in the cache
-        self.messages: list[dict[str, str]] = []
-        self._last_reply_closed = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -341,7 +428,7 @@ class Runtime:
     def layer_net(self, net: str, layer: int) -> str:
         """The net layer `layer` runs for `net`: layers of a pre-quantized checkpoint whose
         quantization differs from layer 0's have their own (`block@3`, ...)."""
-        table = self.header.get("layer_nets") or {}
+        table = self.meta.layer_nets
         return table[net][layer] if net in table else net
 
     def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
@@ -465,7 +552,7 @@ class Runtime:
     @property
     def is_vlm(self) -> bool:
         """True for a model file with a vision net (InternVL, MiniCPM-V)."""
-        return "vision" in self.header
+        return self.meta.vision is not None
 
     @property
     def vision(self) -> Any:
@@ -513,7 +600,7 @@ class Runtime:
     def _image_positions(self, ids: list[int], offset: int, images: Sequence[Any]
                          ) -> dict[int, np.ndarray]:
         """Conversation position -> vision row for the image tokens of `ids` (at `offset`)."""
-        token = int(self.header["vision"]["image_token_id"]) if self.is_vlm else None
+        token = self.meta.vision.image_token_id if self.meta.vision is not None else None
         where = [i for i, t in enumerate(ids) if t == token]
         rows = sum(int(im.image_tokens) for im in images)
         if images and not self.is_vlm:
@@ -563,7 +650,7 @@ class Runtime:
         ids = [int(i) for i in ids]
         if not ids and not (keep_history and self.pending is not None):
             raise GenerationError("the prompt is empty")
-        vocab = int(self.header["model"]["vocab_size"])
+        vocab = self.meta.model.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary of {vocab}")

@@ -142,7 +142,11 @@ class ImagePreprocessor:
             cls = getattr(transformers, self.info["processor_class"])
             cfg = {k: v for k, v in self.info["processor"].items()
                    if k != "image_processor_type"}
-            self._processor = cls(**cfg)
+            try:
+                self._processor = cls(**cfg)
+            except (TypeError, ValueError) as e:
+                raise GenerationError(f"the model file's image processor config does not "
+                                      f"make a {cls.__name__}: {e}; recompile it") from e
         return self._processor
 
     def prepare(self, image: Any) -> PreparedImage:

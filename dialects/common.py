@@ -129,6 +129,21 @@ DTYPE_BY_NAME: dict[str, Attribute] = {
 }
 
 
+#: quantization mode -> (activation type, weight bits or None): what `convert-top-to-tpu`
+#: accepts and a model file header names
+MODES: dict[str, tuple[str, int | None]] = {
+    "f32": ("f32", None),
+    "f16": ("f16", None),
+    "bf16": ("bf16", None),
+    "w8f16": ("f16", 8),
+    "w8bf16": ("bf16", 8),
+    "w4f16": ("f16", 4),
+    "w4bf16": ("bf16", 4),
+    "w8f32": ("f32", 8),
+    "w4f32": ("f32", 4),
+}
+
+
 #: an element type toptpu knows (an attribute constraint: `top.cast`'s `dtype`); written as a
 #: set of exact types so that its IRDL export (`irdl.any_of(irdl.is f32, ...)`) says the same
 ElementType = AttrSetConstraint.get(*DTYPE_BY_NAME.values())

@@ -26,15 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from toptpu.backend.llm_file import TOKENIZER_FILES  # the tokenizer files a model file carries
+
 #: model_type -> the family name used in model files
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
 
 #: rope types whose frequencies are fixed at load time (static shapes can honour them)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-#: tokenizer files carried into the model file when present
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 #: checkpoint tensors the models recompute and that may be present without being used
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from toptpu.backend.llm_file import VISION_KINDS, VISION_NET
 from toptpu.frontends.hf_loader import (
     LoadedModel,
     ModelLoadError,
@@ -65,17 +66,12 @@ from toptpu.frontends.vision_inputs import pack_slice
 VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv"}
 
 #: the tokenizer attributes naming each family's image tokens (what its processor reads)
-REQUIRED_TOKENS = {
-    "internvl": ("start_image_token", "end_image_token", "context_image_token"),
-    "minicpmv": ("image_token", "image_start_token", "image_end_token", "slice_start_token",
-                 "slice_end_token", "image_id_start_token", "image_id_end_token"),
-}
+REQUIRED_TOKENS = {kind: tokens for kind, (_, tokens, _) in VISION_KINDS.items()}
 
 #: the name of the vision net
-VIT_NET = "vit"
+VIT_NET = VISION_NET
 
-_PROCESSORS = {"internvl": "GotOcr2ImageProcessorPil",
-               "minicpmv": "MiniCPMV4_6ImageProcessorPil"}
+_PROCESSORS = {kind: processor for kind, (processor, _, _) in VISION_KINDS.items()}
 
 
 def image_processor_class(kind: str) -> Any:

@@ -43,6 +43,7 @@ from xdsl.transforms.dead_code_elimination import region_dce
 
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
+    MODES,
     ShapedOp,
     dense_attr,
     dtype_from_name,
@@ -66,20 +67,6 @@ from toptpu.passes.quantize import (
     resolve_group_size,
 )
 from toptpu.passes.util import named_like, producer
-
-#: mode -> (activation type, weight bits or None)
-MODES: dict[str, tuple[str, int | None]] = {
-    "f32": ("f32", None),
-    "f16": ("f16", None),
-    "bf16": ("bf16", None),
-    "w8f16": ("f16", 8),
-    "w8bf16": ("bf16", 8),
-    "w4f16": ("f16", 4),
-    "w4bf16": ("bf16", 4),
-    "w8f32": ("f32", 8),
-    "w4f32": ("f32", 4),
-}
-
 
 #: qweight, scales, zeros, the act-order permutation (or None), bits, group size
 CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]

@@ -37,7 +37,26 @@ from xdsl.passes import ModulePass
 from xdsl.printer import Printer
 
 from toptpu.backend.executor import TensorSpec
-from toptpu.backend.llm_file import KIND, LLM_FORMAT, WeightLayout, ir_section, write_llm_file
+from toptpu.backend.header_schema import HeaderError, decode
+from toptpu.backend.llm_file import (
+    KIND,
+    LLM_FORMAT,
+    CheckpointInfo,
+    CompileInfo,
+    Generation,
+    LlmHeader,
+    ModelInfo,
+    NetEntry,
+    Shapes,
+    TokenizerInfo,
+    VisionInfo,
+    WeightLayout,
+    const_section,
+    ir_section,
+    stream_section,
+    write_llm_file,
+)
+from toptpu.backend.simulate import constant_pool
 from toptpu.dialects import top
 from toptpu.dialects.common import numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
@@ -320,29 +339,26 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         m.attributes.pop(STORE_ATTR, None)
         irs[name] = print_ir(m, generic=True)
         net.ir_bytes = len(irs[name].encode())
-    header = _header(loaded, arch, shapes, mode, chip, group_size, symmetric, nets,
-                     net_weights, layout)
-    if vision is not None:
-        header["vision"] = {**vision.header(), "mode": vit_mode}
-    header["layer_nets"] = {
-        base: [base if rep == 0 else f"{base}@{rep}" for i in range(arch.num_layers)
-               for rep, layers in variants.items() if i in layers]
-        for base in (n for n, net in nets.items() if net.per_layer and "@" not in n)}
     streams: dict[str, bytes] = {}
     for name, net in nets.items():
-        from toptpu.backend.machine_executor import const_section, stream_section
-        from toptpu.backend.simulate import constant_pool
-
         data = net.program.to_json()
         net.stream_bytes = len(data)
         streams[stream_section(name)] = data
         streams[const_section(name)] = constant_pool(net.program)
-        header["nets"][name]["streams"] = stream_section(name)
-        header["nets"][name]["consts"] = const_section(name)
-        header["nets"][name]["commands"] = len(net.program.commands)
-    header["compile"]["seconds"] = round(time.perf_counter() - t0, 3)
+    layer_nets = {
+        base: [base if rep == 0 else f"{base}@{rep}" for i in range(arch.num_layers)
+               for rep, layers in variants.items() if i in layers]
+        for base in (n for n, net in nets.items() if net.per_layer and "@" not in n)}
+    vision_info = None if vision is None else {**vision.header(), "mode": vit_mode}
+    header = _header(loaded, arch, shapes, mode, chip, group_size, symmetric, nets,
+                     net_weights, layout, layer_nets, vision_info,
+                     round(time.perf_counter() - t0, 3))
     t = time.perf_counter()
-    write_llm_file(output, header, irs, loaded.tokenizer_files, blob, extra_sections=streams)
+    try:
+        write_llm_file(output, header, irs, loaded.tokenizer_files, blob,
+                       extra_sections=streams)
+    except HeaderError as e:
+        raise CompileError(f"the model file header would be invalid: {e}") from e
     timings["write"] = time.perf_counter() - t
     if weights_path is not None:
         _save_store(store, weights_path)
@@ -352,7 +368,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     if not keep_modules:
         for net in nets.values():
             net.top = None
-    return CompileResult(output, header, nets, total, timings,
+    return CompileResult(output, header.to_json(), nets, total, timings,
                          store if keep_modules else None, loaded)
 
 
@@ -696,41 +712,51 @@ def _json_config(config: Any) -> dict[str, Any]:
 
 def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str, chip: str,
             group_size: int, symmetric: bool | None, nets: dict[str, CompiledNet],
-            net_weights: dict[str, list[str]], layout: WeightLayout) -> dict[str, Any]:
+            net_weights: dict[str, list[str]], layout: WeightLayout,
+            layer_nets: dict[str, list[str]], vision: dict[str, Any] | None,
+            seconds: float) -> LlmHeader:
+    """The model file header (`toptpu.backend.llm_file.LlmHeader`). The parts the
+    frontends give as JSON (generation config, vision section) are decoded with the
+    schema, so a value the loader would refuse is a compile error naming the field."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         toptpu_version = version("toptpu")
     except PackageNotFoundError:
         toptpu_version = "unknown"
-
-    def specs(xs: list[TensorSpec]) -> list[dict[str, Any]]:
-        return [{"name": s.name, "shape": list(s.shape), "dtype": s.dtype} for s in xs]
-
-    return {
-        "kind": KIND,
-        "llm_format": LLM_FORMAT,
-        "chip": chip,
-        "mode": mode,
-        "group_size": group_size,
-        "symmetric": symmetric,
-        "shapes": asdict(shapes),
-        "model": {**asdict(arch), "config": _json_config(loaded.config)},
-        "generation": loaded.generation,
-        "tokenizer": {"files": sorted(loaded.tokenizer_files)},
-        "nets": {name: {"inputs": specs(n.inputs), "outputs": specs(n.outputs),
-                        "per_layer": n.per_layer, "ir": ir_section(name),
-                        "weights": net_weights[name], "streams": None}
-                 for name, n in nets.items()},
-        "weights": layout.to_json(),
-        "compile": {"source": loaded.source, "toptpu_version": toptpu_version},
-        "checkpoint": None if loaded.checkpoint is None else {
-            "quant_method": loaded.checkpoint.quant_method,
-            "packing_format": loaded.checkpoint.packing_format,
-            "bits": checkpoint_bits(loaded.checkpoint),
-            "quantized_layers": len(loaded.checkpoint.linears),
-            "dtype": loaded.checkpoint_dtype},
-    }
+    ck = loaded.checkpoint
+    try:
+        generation = decode(Generation, loaded.generation, "generation")
+        vision_info = None if vision is None else decode(VisionInfo, vision, "vision")
+    except HeaderError as e:
+        raise CompileError(f"the model file header would be invalid: {e}") from e
+    return LlmHeader(
+        kind=KIND,
+        llm_format=LLM_FORMAT,
+        chip=chip,
+        mode=mode,
+        group_size=group_size,
+        symmetric=symmetric,
+        shapes=Shapes(**asdict(shapes)),
+        model=ModelInfo(**asdict(arch), config=_json_config(loaded.config)),
+        generation=generation,
+        tokenizer=TokenizerInfo(tuple(sorted(loaded.tokenizer_files))),
+        nets={name: NetEntry(inputs=tuple(n.inputs), outputs=tuple(n.outputs),
+                             per_layer=n.per_layer, ir=ir_section(name),
+                             streams=stream_section(name), consts=const_section(name),
+                             weights=tuple(net_weights[name]),
+                             commands=len(n.program.commands))
+              for name, n in nets.items()},
+        layer_nets={base: tuple(names) for base, names in layer_nets.items()},
+        weights=layout,
+        compile=CompileInfo(source=loaded.source, seconds=seconds,
+                            toptpu_version=toptpu_version),
+        checkpoint=None if ck is None else CheckpointInfo(
+            quant_method=ck.quant_method, packing_format=ck.packing_format,
+            bits=checkpoint_bits(ck), quantized_layers=len(ck.linears),
+            dtype=loaded.checkpoint_dtype),
+        vision=vision_info,
+    )
 
 
 __all__ = ["CompileError", "CompileResult", "CompiledNet", "ModelLoadError", "compile",

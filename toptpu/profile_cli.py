@@ -24,6 +24,7 @@ from toptpu.backend.profile import (
     write_chrome_trace,
     write_timeline_png,
 )
+from toptpu.llm_cli import _fail, _user_errors
 
 
 def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -58,7 +59,10 @@ def profile_model(path: str, nets: list[str] | None = None
 def cmd_profile(args: argparse.Namespace) -> int:
     """Run each net of a model file once on the machine and print the profile."""
     nets = [n.strip() for n in args.nets.split(",")] if args.nets else None
-    ex, profiles = profile_model(args.model_file, nets)
+    try:
+        ex, profiles = profile_model(args.model_file, nets)
+    except _user_errors() as e:  # a missing, empty, truncated or corrupt model file, ...
+        return _fail("profile", e)
     layers = ex.file.num_layers
     if args.json:
         print(json.dumps({"chip": ex.chip.name, "layers": layers,
