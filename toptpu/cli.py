@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 from toptpu import llm_cli
-from toptpu.cli_args import UsageError, group_size, int_at_least, utf8_text
+from toptpu.cli_args import ArgumentParser, UsageError, group_size, int_at_least, utf8_text
 from toptpu.paths import check_not_inside, check_output_dir
 
 #: the stages `toptpu compare` knows
@@ -204,7 +204,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toptpu", description=__doc__)
+    ap = ArgumentParser(prog="toptpu", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help=cmd_demo.__doc__)
     d.add_argument("--prompt", type=utf8_text,

@@ -12,12 +12,47 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
 class UsageError(Exception):
     """Arguments that do not go together or name nothing; the message says what to do."""
+
+
+def _one_value(action: argparse.Action, parser: argparse.ArgumentParser, values: Any,
+               option_string: str | None) -> None:
+    """Refuse the empty list argparse hands over for `--x=--` (the value '--' is dropped as
+    the end-of-options marker and the argument's type is never called; no type here
+    returns an empty list)."""
+    if action.nargs is None and isinstance(values, list) and not values:
+        parser.error(f"argument {option_string or action.dest}: expected one value")
+
+
+class _StoreOne(argparse._StoreAction):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        _one_value(self, parser, values, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _AppendOne(argparse._AppendAction):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        _one_value(self, parser, values, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The command line's parser (its subcommands' too): every stored value went through
+    its type."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.register("action", None, _StoreOne)
+        self.register("action", "store", _StoreOne)
+        self.register("action", "append", _AppendOne)
 
 
 def _int(text: str) -> int | None:

@@ -266,7 +266,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     print(f"toptpu chat: {model['family']} ({model['num_layers']} layers), "
           f"{rt.header['mode']}, KV cache {rt.seq} tokens. {_chat_help(rt.is_vlm)}",
           file=sys.stderr)
-    _enable_line_editing()
+    _prepare_input()
     try:
         return _chat_loop(rt, args, sampling)
     except KeyboardInterrupt:
@@ -280,10 +280,15 @@ def _chat_help(vlm: bool) -> str:
             "message with // to send one that begins with '/'.")
 
 
-def _enable_line_editing() -> None:
-    """Line editing and an in-memory history (arrow keys) for `input()` on a terminal.
-    Importing the standard `readline` module is what turns them on (a local import for
-    that reason, and because some platforms lack it); no history file is read or written."""
+def _prepare_input() -> None:
+    """Line editing and an in-memory history (arrow keys) for `input()` on a terminal:
+    importing the standard `readline` module is what turns them on (a local import for
+    that reason, and because some platforms lack it); no history file is read or written.
+    A line that is not valid UTF-8 is read with its bad bytes as surrogates (and then
+    refused), so a decoding error never loses the lines after it."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:  # undecodable bytes arrive as surrogates, nothing is lost
+        reconfigure(errors="surrogateescape")
     if not sys.stdin.isatty():
         return
     try:
@@ -301,9 +306,6 @@ def _read_message() -> str | None:
         except EOFError:
             print(file=sys.stderr)
             return None
-        except UnicodeDecodeError as e:
-            print(f"[the line is not valid UTF-8 text ({e.reason}); not sent]", file=sys.stderr)
-            continue
         problem = utf8_problem(line)
         if problem:
             print(f"[the line {problem}; not sent]", file=sys.stderr)
