@@ -261,8 +261,8 @@ def check_quant_options(mode: str | None, group_size: int | None, symmetric: boo
 def check_compile_request(model: Any, output: str, *, mode: str | None, chip: str,
                           seq_length: int, max_input_length: int | None,
                           max_history: int | None, group_size: int | None,
-                          symmetric: bool | None, dump_ir: str | None
-                          ) -> tuple[StaticShapes, int]:
+                          symmetric: bool | None, dump_ir: str | None,
+                          vision_mode: str | None = None) -> tuple[StaticShapes, int]:
     """Check `compile`'s arguments and output paths before any work starts (the model's
     config.json is read, its weights are not); return the static shapes and the group
     size to use. Raises CompileError naming the problem."""
@@ -271,6 +271,11 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
             parse_mode(mode)
         except ValueError as e:
             raise CompileError(f"{e}, or auto (a pre-quantized checkpoint's own)") from e
+    if vision_mode is not None:
+        try:
+            parse_mode(vision_mode)
+        except ValueError as e:
+            raise CompileError(f"--vision-quantize: {e}") from e
     chips = known_chips()
     if chip not in chips:
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
@@ -439,7 +444,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     shapes, group_size = check_compile_request(
         model, output, mode=mode, chip=chip, seq_length=seq_length,
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
-        symmetric=symmetric, dump_ir=dump_ir)
+        symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode)
 
     t = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else _load(
