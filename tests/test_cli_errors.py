@@ -325,7 +325,8 @@ def test_full_kv_cache_counts_seq_tokens(model_file, capsys, monkeypatch) -> Non
 
     lines = iter(["Hello there", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert main(["chat", model_file, "--max-new-tokens", "200"]) == 0
+    assert main(["chat", model_file, "--max-new-tokens", "200", "--executor",
+                 "interpreter"]) == 0
     err = capsys.readouterr().err
     assert "stop: kv_cache_full" in err and "[64/64 tokens in the cache]" in err
 
@@ -368,7 +369,8 @@ def test_chat_line_editing_and_history_in_a_terminal(model_file) -> None:
     """On a terminal, readline gives input() history: Up + Enter repeats /help."""
     pytest.importorskip("readline")
     master, slave = pty.openpty()
-    proc = subprocess.Popen([os.path.join(BIN, "toptpu"), "chat", model_file], stdin=slave,
+    proc = subprocess.Popen([os.path.join(BIN, "toptpu"), "chat", model_file, "--executor",
+                             "interpreter"], stdin=slave,
                             stdout=slave, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TERM": "xterm"})
     os.close(slave)
@@ -455,8 +457,8 @@ def test_ctrl_c_mid_compile_and_in_chat(tmp_path_factory, tmp_path, model_file) 
     _interrupted(proc, err, "compile", signal.SIGINT)
     assert os.listdir(tmp_path) == []
 
-    proc = subprocess.Popen([os.path.join(BIN, "toptpu"), "chat", model_file],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([os.path.join(BIN, "toptpu"), "chat", model_file, "--executor",
+                             "interpreter"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     banner = proc.stderr.readline()

@@ -160,7 +160,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
                          f"layers (0..{cfg.num_hidden_layers - 1})")
     config, where = cfg.to_dict(), "the model's config"
     check_seq_length(config, where, args.seq, args.mode, "--seq", kv_cache=False)
-    check_group_size(config, where, args.mode, args.group_size)
+    if "tpu" in order:
+        check_group_size(config, where, args.mode, args.group_size)
     if args.what == "layer":
         net = decoder_layer(model, args.layer)
         hidden, pos, mask = layer_inputs(cfg.hidden_size, args.seq)
