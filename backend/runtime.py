@@ -27,6 +27,7 @@ Static shapes are read back from the nets' IO shapes (nothing is configured twic
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -62,22 +63,31 @@ class SamplingConfig:
     seed: int | None = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise GenerationError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.penalty_window < 0:
-            raise GenerationError(f"penalty_window must be >= 0, got {self.penalty_window}")
+        """Refuse values that have no meaning (NaN, infinities, out of range)."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise GenerationError(f"temperature must be a finite number >= 0 (0: greedy), got "
+                                  f"{self.temperature}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise GenerationError(f"top_k must be an integer >= 0 (0: off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # False for NaN
+            raise GenerationError(f"top_p must be in (0, 1] (1: off), got {self.top_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise GenerationError(f"repetition_penalty must be a finite number > 0 (1: off), "
+                                  f"got {self.repetition_penalty}")
+        if not _is_int(self.penalty_window) or self.penalty_window < 0:
+            raise GenerationError(f"penalty_window must be an integer >= 0, got "
+                                  f"{self.penalty_window}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise GenerationError(f"seed must be an integer >= 0, got {self.seed}")
 
     @property
     def fused_greedy(self) -> bool:
         """Plain argmax without penalty: the fused top-1 lm_head net suffices."""
         return self.temperature == 0 and self.repetition_penalty == 1.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
 def sample_token(logits: np.ndarray, recent: Sequence[int], cfg: SamplingConfig,
@@ -94,7 +104,13 @@ def sample_token(logits: np.ndarray, recent: Sequence[int], cfg: SamplingConfig,
         x[ids] = np.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
     if cfg.temperature == 0:
         return int(np.argmax(x))
-    x = x / np.float32(cfg.temperature)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = x / np.float32(cfg.temperature)
+    if not np.isfinite(np.max(scaled)):
+        # a temperature so low (or a penalty so strong) that the top logit overflows: all
+        # the probability is on the argmax, the limit of the distribution as T -> 0
+        return int(np.argmax(x))
+    x = scaled
     if cfg.top_k and cfg.top_k < x.size:
         kth = np.partition(x, -cfg.top_k)[-cfg.top_k]
         x = np.where(x < kth, -np.inf, x)
@@ -411,7 +427,8 @@ class Runtime:
 
     @property
     def position(self) -> int:
-        """Tokens in the conversation so far (cached plus the pending one)."""
+        """Tokens in the conversation so far (cached plus the pending one): the KV cache
+        slots it fills once the pending token is fed, at most `seq`."""
         return len(self.tokens) + (self.pending is not None)
 
     # ------------------------------------------------------------------ nets
@@ -712,7 +729,10 @@ class Runtime:
             tail = streamer.flush()
             if on_text and tail:
                 on_text(tail)
-        self.pending = token
+        # the last token's k/v would go to the next cache slot; a full cache has none, so
+        # the conversation ends with it (it stays in the reply, not in the conversation's
+        # position: SEQ tokens, never SEQ + 1)
+        self.pending = None if reason == "kv_cache_full" else token
         n_dec = len(generated) - 1
         has_model = m2 > 0.0
         full_text = self.decode(generated) if self._has_tokenizer() else ""

@@ -163,24 +163,35 @@ def _checkpoint_files(path: str) -> list[str]:
     raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
 
 
-def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over every safetensors file of a checkpoint (headers only)."""
+#: safetensors dtypes a float checkpoint's tensors may have (loaded as float32)
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, safetensors dtype such as 'F32') over every safetensors file
+    of a checkpoint (headers only)."""
     from safetensors import safe_open
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _checkpoint_files(path):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    if name in shapes:
+                    if name in tensors:
                         raise ModelLoadError(
                             f"tensor '{name}' appears in more than one shard ({file})")
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                    part = f.get_slice(name)
+                    tensors[name] = (tuple(part.get_shape()), str(part.get_dtype()))
         except ModelLoadError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors raises several types
             raise ModelLoadError(f"cannot read '{file}': {e}") from e
-    return shapes
+    return tensors
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over every safetensors file of a checkpoint (headers only)."""
+    return {name: shape for name, (shape, _) in checkpoint_tensors(path).items()}
 
 
 def expected_shapes(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
@@ -202,7 +213,8 @@ def expected_shapes(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
 
 def check_checkpoint(config: Any, path: str) -> None:
     """Compare the checkpoint's tensors with the model's parameters; raise on any mismatch."""
-    have = checkpoint_shapes(path)
+    tensors = checkpoint_tensors(path)
+    have = {name: shape for name, (shape, _) in tensors.items()}
     want, optional = expected_shapes(config)
     missing = sorted(k for k in want if k not in have and k not in optional)
     extra = sorted(k for k in have if k not in want and not k.endswith(_IGNORABLE_SUFFIXES))
@@ -221,6 +233,13 @@ def check_checkpoint(config: Any, path: str) -> None:
             f"({config.model_type}, {config.num_hidden_layers} layers, hidden "
             f"{config.hidden_size}): " + "; ".join(problems)
             + ". Use the config.json that belongs to these weights.")
+    not_float = sorted(k for k in want if k in tensors and tensors[k][1] not in FLOAT_DTYPES)
+    if not_float:
+        raise ModelLoadError(
+            f"the checkpoint in {path} holds weights that are not floating point: " + _listing(
+                [f"{k} is {tensors[k][1]}" for k in not_float]) + f". A float checkpoint "
+            f"holds {'/'.join(FLOAT_DTYPES)} tensors (nothing is cast); a quantized one "
+            "declares its quantization_config (GPTQ, AWQ, AutoRound)")
 
 
 # --------------------------------------------------------------------------- generation
@@ -276,15 +295,17 @@ def _read_tokenizer_files(path: str, required: bool, what: str) -> dict[str, byt
 
 
 def load_model(source: str | os.PathLike[str] | Any, tokenizer: Any = None,
-               generation_config: Any = None) -> LoadedModel:
+               generation_config: Any = None, *, need_tokenizer: bool = True) -> LoadedModel:
     """Load a model for compilation.
 
-    `source` is a local Hugging Face directory or an in-memory `transformers` causal LM
-    (then `tokenizer` optionally gives its tokenizer, `generation_config` its generation
-    config; default: the model's own).
+    `source` is a local Hugging Face directory (read with local files only; nothing is
+    downloaded) or an in-memory `transformers` causal LM (then `tokenizer` optionally gives
+    its tokenizer, `generation_config` its generation config; default: the model's own).
+    `need_tokenizer=False` loads a directory without tokenizer.json (stage comparisons
+    need no tokenizer; a model file does).
     """
     if isinstance(source, str | os.PathLike):
-        return _load_dir(os.fspath(source))
+        return _load_dir(os.fspath(source), need_tokenizer)
     model = source
     if not hasattr(model, "config") or not hasattr(model, "model"):
         raise ModelLoadError(
@@ -298,19 +319,29 @@ def load_model(source: str | os.PathLike[str] | Any, tokenizer: Any = None,
     return LoadedModel(model, family, files, generation_settings(gen, model.config))
 
 
-def _load_dir(path: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
+def check_model_dir(path: str) -> None:
+    """`path` is an existing directory (a file or a missing path is named as such)."""
+    if os.path.isfile(path):
+        raise ModelLoadError(f"'{path}' is a file, not a model directory: pass the Hugging "
+                             "Face directory that holds config.json and the weights")
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory '{path}' does not exist")
+
+
+def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    check_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelLoadError(f"{path} has no config.json: is it a Hugging Face model directory?")
     try:
-        with open(cfg_path) as f:
+        with open(cfg_path, "rb") as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{cfg_path} is not a JSON object: is it a Hugging Face config?")
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise _unknown_model_type(raw.get("model_type"), cfg_path)
     try:
@@ -318,10 +349,10 @@ def _load_dir(path: str) -> LoadedModel:
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
     if _is_prequantized(path, raw):
-        return _load_prequantized(path, raw, config)
+        return _load_prequantized(path, raw, config, need_tokenizer)
     family = check_config(config, cfg_path)
     check_checkpoint(config, path)
-    files = _read_tokenizer_files(path, required=True, what=path)
+    files = _read_tokenizer_files(path, required=need_tokenizer, what=path)
     gen = None
     if os.path.exists(os.path.join(path, "generation_config.json")):
         try:
@@ -347,7 +378,8 @@ def _is_prequantized(path: str, raw: dict[str, Any]) -> bool:
         for n in ("quantize_config.json", "quantization_config.json"))
 
 
-def _load_prequantized(path: str, raw: dict[str, Any], config: Any) -> LoadedModel:
+def _load_prequantized(path: str, raw: dict[str, Any], config: Any,
+                       need_tokenizer: bool = True) -> LoadedModel:
     """A GPTQ / AWQ / AutoRound checkpoint: read its packed tensors (nothing re-quantized),
     build the float model from the exactly dequantized weights (Top and the float reference
     see those), and keep the checkpoint for the lowering to use its integers as they are."""
@@ -391,7 +423,7 @@ def _load_prequantized(path: str, raw: dict[str, Any], config: Any) -> LoadedMod
                                for k, v in state.items()}, strict=False)
         if "lm_head.weight" in tied:
             model.tie_weights()
-    files = _read_tokenizer_files(path, required=True, what=path)
+    files = _read_tokenizer_files(path, required=need_tokenizer, what=path)
     gen = None
     if os.path.exists(os.path.join(path, "generation_config.json")):
         gen = GenerationConfig.from_pretrained(path, local_files_only=True)

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
+
+from toptpu import llm_cli
+from toptpu.cli_args import ArgumentParser, UsageError, group_size, int_at_least, utf8_text
+from toptpu.paths import check_not_inside, check_output_dir
+
+#: the stages `toptpu compare` knows
+COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
 
 
 def _op_histogram(module) -> str:  # noqa: ANN001
@@ -76,15 +87,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _load_causal_lm(path: str | None):  # noqa: ANN202
-    import torch
-
+    """The built-in tiny Qwen2, or a model directory's float model (local files only;
+    supported model types only; no tokenizer needed)."""
+    from toptpu.frontends.hf_loader import load_model
     from toptpu.frontends.tiny_models import tiny_model
 
     if path is None:
         return tiny_model("qwen2")
-    from transformers import AutoModelForCausalLM
+    return load_model(path, need_tokenizer=False).model
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+def _compare_stages(args: argparse.Namespace) -> list[str]:
+    """The stages in the order compared, checked before any work (with the MLIR-JIT
+    oracle inserted after torch)."""
+    order = [s.strip() for s in args.stages.split(",")]
+    for s in order:
+        if s not in COMPARE_STAGES:
+            raise UsageError(f"unknown stage '{s}' in --stages; choose from "
+                             f"{', '.join(COMPARE_STAGES)}")
+    if len(order) < 2:
+        raise UsageError(f"--stages '{args.stages}' names one stage; name two or more to "
+                         "compare")
+    if "tpu" in order:
+        from toptpu.compiler import check_quant_options
+        from toptpu.passes.convert_top_to_tpu import parse_mode
+
+        try:
+            parse_mode(args.mode)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        check_quant_options(args.mode, args.group_size, args.symmetric)
+    if args.oracle == "mlir" and "mlir" not in order:
+        # the MLIR-JIT oracle checks torch and becomes the reference of the next stage
+        at = order.index("torch") + 1 if "torch" in order else 0
+        order.insert(at, "mlir")
+    return order
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -99,12 +136,32 @@ def cmd_compare(args: argparse.Namespace) -> int:
         compare_stages,
         tpu_threshold,
     )
+    from toptpu.compiler import (
+        DEFAULT_GROUP_SIZE,
+        CompileError,
+        check_group_size,
+        check_seq_length,
+    )
     from toptpu.frontends.fx_importer import import_exported
     from toptpu.frontends.hf_layers import DecoderStack, decoder_layer, layer_inputs
+    from toptpu.passes.convert_top_to_tpu import ConversionError
     from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+    from toptpu.passes.quantize import QuantizationError
 
+    order = _compare_stages(args)
+    if args.dump:
+        check_output_dir(args.dump, "--dump")
+        if args.model is not None and os.path.isdir(args.model):
+            check_not_inside(args.dump, args.model, "--dump")
     model = _load_causal_lm(args.model)
     cfg = model.config
+    if args.what == "layer" and args.layer >= cfg.num_hidden_layers:
+        raise UsageError(f"--layer {args.layer}: the model has {cfg.num_hidden_layers} "
+                         f"layers (0..{cfg.num_hidden_layers - 1})")
+    config, where = cfg.to_dict(), "the model's config"
+    check_seq_length(config, where, args.seq, args.mode, "--seq", kv_cache=False)
+    if "tpu" in order:
+        check_group_size(config, where, args.mode, args.group_size)
     if args.what == "layer":
         net = decoder_layer(model, args.layer)
         hidden, pos, mask = layer_inputs(cfg.hidden_size, args.seq)
@@ -128,18 +185,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     stages = {"torch": TorchStage("torch", ep, names, outs, net),
               "top": IRStage("top", top_module),
               "mlir": MLIRStage("mlir", top_module)}
-    if "tpu" in args.stages:
+    if "tpu" in order:
         tpu_module = top_module.clone()
-        run_passes(tpu_module, tpu_pipeline_passes(args.mode, args.group_size, args.symmetric))
+        group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
+        try:
+            run_passes(tpu_module, tpu_pipeline_passes(args.mode, group_size, args.symmetric))
+        except (ConversionError, QuantizationError) as e:
+            raise CompileError(f"the tpu stage ({args.mode}): {e}") from e
         stages["tpu"] = IRStage(f"tpu-{args.mode}", tpu_module)
-    order = [s.strip() for s in args.stages.split(",")]
-    for s in order:
-        if s not in stages:
-            raise SystemExit(f"toptpu compare: unknown stage '{s}' (torch, mlir, top, tpu)")
-    if args.oracle == "mlir" and "mlir" not in order:
-        # the MLIR-JIT oracle checks torch and becomes the reference of the next stage
-        at = order.index("torch") + 1 if "torch" in order else 0
-        order.insert(at, "mlir")
     arrays = {k: v.numpy() for k, v in feeds.items()}
     ok = True
     for a, b in zip(order, order[1:], strict=False):
@@ -152,42 +205,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toptpu", description=__doc__)
+    ap = ArgumentParser(prog="toptpu", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help=cmd_demo.__doc__)
-    d.add_argument("--prompt", default="Hello world! The tensor processor runs the model.")
+    d.add_argument("--prompt", type=utf8_text,
+                   default="Hello world! The tensor processor runs the model.")
     d.add_argument("--print-ir", action="store_true", help="print the Top IR after the pipeline")
-    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     d.set_defaults(fn=cmd_demo)
-
-    from toptpu import llm_cli
 
     p = sub.add_parser("compile", help=llm_cli.cmd_compile.__doc__)
     llm_cli.add_compile_args(p)
     p.set_defaults(fn=llm_cli.cmd_compile)
 
     r = sub.add_parser("run", help=llm_cli.cmd_run.__doc__)
-    r.add_argument("model_file")
-    src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="text to continue")
-    src.add_argument("--ids", help="prompt token ids, comma or space separated")
-    r.add_argument("--chat-template", action="store_true",
-                   help="wrap the prompt as a user message with the chat template")
-    r.add_argument("--image", action="append", metavar="PATH",
-                   help="an image for a vision-language model file (repeatable); the prompt "
-                   "marks where it goes with the model's image token, else it goes first")
-    r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
-    r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
-                   "time to first token and tokens/s, host and modelled)")
-    llm_cli.add_sampling_args(r)
+    llm_cli.add_run_args(r)
     r.set_defaults(fn=llm_cli.cmd_run)
 
     h = sub.add_parser("chat", help=llm_cli.cmd_chat.__doc__)
-    h.add_argument("model_file")
-    h.add_argument("--system", help="system prompt of the conversation")
-    h.add_argument("--reset-if-full", action="store_true",
-                   help="start over when a turn no longer fits the KV cache (default: say so)")
-    llm_cli.add_sampling_args(h)
+    llm_cli.add_chat_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
 
     from toptpu.profile_cli import add_profile_parser
@@ -204,10 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "JIT) after torch, as the reference of the numpy interpreter")
     c.add_argument("--what", choices=["layer", "model"], default="layer",
                    help="one decoder layer (with rope) or the whole model to logits")
-    c.add_argument("--layer", type=int, default=0)
-    c.add_argument("--seq", type=int, default=16, help="static sequence length")
+    c.add_argument("--layer", type=int_at_least(0), default=0)
+    c.add_argument("--seq", type=int_at_least(1), default=16, help="static sequence length")
     c.add_argument("-q", "--mode", default="bf16", help="quantization mode of the tpu stage")
-    c.add_argument("--group-size", type=int, default=64)
+    c.add_argument("--group-size", type=group_size, default=None,
+                   help="w4 modes: quantization group size (default 64; -1: per channel)")
     c.add_argument("--symmetric", action="store_true", default=None)
     c.add_argument("--compare-all", action="store_true",
                    help="compare every intermediate tensor and name the first that drops")
@@ -217,9 +254,71 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived (a KeyboardInterrupt, so `except Exception` never
+    swallows it and every `finally` on the way out runs)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """While the command runs, SIGINT and SIGTERM raise `Interrupted` in the main thread:
+    cleanups run (the model file writer removes its temp file) instead of the process
+    dying where it stands. Later signals are ignored until the command is done, so a second
+    Ctrl-C cannot break a cleanup. Outside the main thread (no signals) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    watched = (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        for s in watched:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in watched}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command; what a user can cause ends in one line on stderr: status 1
+    for an error, 128 + the signal for SIGINT (130) or SIGTERM (143)."""
+    cmd = f"toptpu {args.command}"
+    with signals_interrupt():
+        try:
+            return int(args.fn(args))
+        except KeyboardInterrupt as e:
+            signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+            print(f"{cmd}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+            return 128 + signum
+        except llm_cli.user_errors() as e:
+            print(f"{cmd}: error: {e}", file=sys.stderr)
+            return 1
+        except MemoryError as e:
+            print(f"{cmd}: error: out of memory{f' ({e})' if str(e) else ''}; lower "
+                  "--seq-length (or the other sizes) or free memory", file=sys.stderr)
+            return 1
+        except BrokenPipeError:  # the reader went away (`toptpu run ... | head`)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes
+            return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    """The `toptpu` command; returns the exit status (argparse's 2 for a bad argument or 0
+    for --help instead of raising SystemExit)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return run_command(args)
 
 
 if __name__ == "__main__":

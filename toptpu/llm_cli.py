@@ -2,8 +2,9 @@
 part of `toptpu demo`). `toptpu.cli` registers them; they live here to keep that file small.
 
 Errors a user can cause (bad model directory, unknown mode or chip, corrupt model file,
-prompt longer than the compiled shapes, ...) print one `toptpu <cmd>: error: ...` line on
-stderr and exit with status 1; no traceback.
+prompt longer than the compiled shapes, ...) are raised as the exceptions `user_errors()`
+lists; `toptpu.cli.main` prints them as one `toptpu <cmd>: error: ...` line on stderr and
+exits with status 1; no traceback. Bad argument values are refused by argparse (status 2).
 """
 
 from __future__ import annotations
@@ -15,8 +16,22 @@ import tempfile
 import time
 from typing import Any
 
+from toptpu.cli_args import (
+    UsageError,
+    finite_float,
+    group_size,
+    int_at_least,
+    token_ids,
+    utf8_problem,
+    utf8_text,
+)
 
-def _user_errors() -> tuple[type[BaseException], ...]:
+#: version of the `toptpu run --json` object (README: "toptpu run --json"); bumped when a
+#: key changes meaning or goes away
+RUN_JSON_SCHEMA = 1
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions caused by the user's input, reported as one line."""
     from toptpu.backend.interpreter_executor import ExecutorError
     from toptpu.backend.model_file import ModelFileError
@@ -24,9 +39,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from toptpu.compiler import CompileError
     from toptpu.frontends.hf_loader import ModelLoadError
     from toptpu.frontends.llm import SplitError
+    from toptpu.paths import OutputPathError
 
     errors: tuple[type[BaseException], ...] = (ModelLoadError, CompileError, ModelFileError,
-                                               GenerationError, ExecutorError, SplitError)
+                                               GenerationError, ExecutorError, SplitError,
+                                               OutputPathError, UsageError)
     try:  # the machine executor's errors, where it is installed
         from toptpu.backend.machine import MachineTrap
         from toptpu.backend.machine_executor import MachineExecutorError
@@ -37,41 +54,39 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
-def _fail(cmd: str, e: BaseException) -> int:
-    print(f"toptpu {cmd}: error: {e}", file=sys.stderr)
-    return 1
-
-
 # --------------------------------------------------------------------------- arguments
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory (config.json, *.safetensors, "
                    "tokenizer.json)")
-    p.add_argument("-o", "--output", required=True, help="the model file to write")
+    p.add_argument("-o", "--output", required=True,
+                   help="the model file to write (not inside the model directory)")
     p.add_argument("-q", "--quantize", dest="mode", default=None,
                    help="f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32 | "
                    "auto (a pre-quantized checkpoint's bits and dtype); default: auto for "
                    "GPTQ/AWQ/AutoRound checkpoints, f32 otherwise")
     p.add_argument("--chip", default="bm1684x", help="target chip preset (bm1684x, bm1688)")
-    p.add_argument("--seq-length", type=int, default=512, help="KV cache capacity SEQ")
-    p.add_argument("--max-input-length", type=int, default=None,
+    p.add_argument("--seq-length", type=int_at_least(2), default=512,
+                   help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
+    p.add_argument("--max-input-length", type=int_at_least(1), default=None,
                    help="prefill chunk L (default min(SEQ, 128))")
-    p.add_argument("--max-history", type=int, default=None,
+    p.add_argument("--max-history", type=int_at_least(1), default=None,
                    help="history Hh the prefill_kv net attends to (default SEQ)")
-    p.add_argument("--group-size", type=int, default=64,
-                   help="w4 quantization group size (-1: per channel)")
+    p.add_argument("--group-size", type=group_size, default=None,
+                   help="w4 modes: quantization group size (default 64; -1: per channel)")
     p.add_argument("--symmetric", action="store_true", default=None,
-                   help="symmetric weight quantization (default: w8 symmetric, w4 asymmetric)")
+                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
+                   "w4 asymmetric)")
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
     v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6)")
-    v.add_argument("--image-size", type=int, default=None,
+    v.add_argument("--image-size", type=int_at_least(1), default=None,
                    help="tile (InternVL) / slice (MiniCPM-V) size in pixels the vit net is "
                    "compiled for (default: the checkpoint's, e.g. 448)")
-    v.add_argument("--max-tiles", type=int, default=None,
+    v.add_argument("--max-tiles", type=int_at_least(1), default=None,
                    help="most tiles per image, plus a thumbnail (InternVL; default 12) / most "
                    "slices besides the source image (MiniCPM-V; default 9)")
-    v.add_argument("--max-patches", type=int, default=None,
+    v.add_argument("--max-patches", type=int_at_least(1), default=None,
                    help="MiniCPM-V: static patch budget of one slice (default: the largest "
                    "slice of any image up to aspect ratio 10)")
     v.add_argument("--vision-quantize", default=None,
@@ -80,34 +95,73 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
+def add_run_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("model_file")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", type=utf8_text, help="text to continue")
+    src.add_argument("--ids", type=token_ids, help="prompt token ids, comma or space separated")
+    r.add_argument("--chat-template", action="store_true",
+                   help="wrap the prompt as a user message with the chat template")
+    r.add_argument("--image", action="append", metavar="PATH",
+                   help="an image for a vision-language model file (repeatable); the prompt "
+                   "marks where it goes with the model's image token, else it goes first")
+    r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
+    r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
+                   "time to first token and tokens/s, host and modelled; schema in the "
+                   "README)")
+    add_sampling_args(r)
+
+
+def add_chat_args(h: argparse.ArgumentParser) -> None:
+    h.add_argument("model_file")
+    h.add_argument("--system", type=utf8_text, help="system prompt of the conversation")
+    h.add_argument("--reset-if-full", action="store_true",
+                   help="start over when a turn no longer fits the KV cache (default: say so)")
+    add_sampling_args(h)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["interpreter", "machine"], default="machine",
                    help="run the nets with the Tpu interpreter or on the reference machine")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--temperature", type=finite_float(0.0, what=" (0: greedy)"), default=None,
                    help="0 = greedy (default: the generation config's, greedy unless it "
                    "samples)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--penalty-window", type=int, default=64,
+    p.add_argument("--top-k", type=int_at_least(0, " (0: off)"), default=None)
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True, what=" (1: off)"),
+                   default=None)
+    p.add_argument("--repetition-penalty", type=finite_float(0.0, lo_open=True,
+                                                             what=" (1: off)"), default=None)
+    p.add_argument("--penalty-window", type=int_at_least(0), default=64,
                    help="recent tokens the repetition penalty looks at")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    p.add_argument("--seed", type=int_at_least(0), default=None, help="seed of the sampler")
 
 
 def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
-    from toptpu.backend.runtime import SamplingConfig
+    """The sampling settings: the arguments given, else the model file's generation config
+    (greedy unless it samples)."""
+    from toptpu.backend.runtime import GenerationError, SamplingConfig
+
+    def stored(key: str, kind: type, default: float) -> Any:
+        v = generation.get(key)
+        try:
+            return default if v is None else kind(v)
+        except (TypeError, ValueError) as e:
+            raise GenerationError(f"the model file's generation config has {key} {v!r}, not "
+                                  "a number; pass --" + key.replace("_", "-")) from e
 
     samples = bool(generation.get("do_sample", False))
     temp = args.temperature if args.temperature is not None else (
-        float(generation.get("temperature", 1.0)) if samples else 0.0)
+        stored("temperature", float, 1.0) if samples else 0.0)
     top_k = args.top_k if args.top_k is not None else (
-        int(generation.get("top_k", 0) or 0) if samples else 0)
+        stored("top_k", int, 0) if samples else 0)
     top_p = args.top_p if args.top_p is not None else (
-        float(generation.get("top_p", 1.0)) if samples else 1.0)
-    pen = args.repetition_penalty if args.repetition_penalty is not None else float(
-        generation.get("repetition_penalty", 1.0))
-    return SamplingConfig(temp, top_k, top_p, pen, args.penalty_window, args.seed)
+        stored("top_p", float, 1.0) if samples else 1.0)
+    pen = args.repetition_penalty if args.repetition_penalty is not None else stored(
+        "repetition_penalty", float, 1.0)
+    cfg = SamplingConfig(temp, top_k, top_p, pen, args.penalty_window, args.seed)
+    cfg.validate()
+    return cfg
 
 
 def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
@@ -131,64 +185,67 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a Hugging Face model directory to a model file."""
     from toptpu.compiler import compile as compile_model
 
-    try:
-        compile_model(args.model, args.output, mode=args.mode, chip=args.chip,
-                      seq_length=args.seq_length, max_input_length=args.max_input_length,
-                      max_history=args.max_history, group_size=args.group_size,
-                      symmetric=args.symmetric, dump_ir=args.dump_ir,
-                      progress=None if args.quiet else sys.stderr, image_size=args.image_size,
-                      max_tiles=args.max_tiles, max_patches=args.max_patches,
-                      vision_mode=args.vision_quantize)
-    except _user_errors() as e:
-        return _fail("compile", e)
+    compile_model(args.model, args.output, mode=args.mode, chip=args.chip,
+                  seq_length=args.seq_length, max_input_length=args.max_input_length,
+                  max_history=args.max_history, group_size=args.group_size,
+                  symmetric=args.symmetric, dump_ir=args.dump_ir,
+                  progress=None if args.quiet else sys.stderr, image_size=args.image_size,
+                  max_tiles=args.max_tiles, max_patches=args.max_patches,
+                  vision_mode=args.vision_quantize)
     return 0
+
+
+def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
+    """The prompt's token ids (and encoded images) as the arguments give them."""
+    if args.ids is not None:
+        if args.chat_template or args.image:
+            raise UsageError("--chat-template and --image apply to --prompt text, not to "
+                             "--ids")
+        return args.ids, []
+    if args.image:
+        return rt.image_prompt(args.prompt, args.image, args.chat_template)
+    if args.chat_template:
+        text = rt.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                add_generation_prompt=True)
+        return rt.encode(text, add_special_tokens=False), []
+    return rt.encode(args.prompt), []
+
+
+def run_json(res: Any, executor: str) -> dict[str, Any]:
+    """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in the README)."""
+    return {
+        "schema": RUN_JSON_SCHEMA,
+        "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
+        "text": res.text, "stop_reason": res.stop_reason,
+        "ttft_s": res.ttft_s, "tokens_per_s": res.decode_tokens_per_s,
+        "modelled_ttft_s": res.modelled_ttft_s,
+        "modelled_tokens_per_s": res.modelled_tokens_per_s,
+        "image_tokens": res.image_tokens, "vision_s": res.vision_s,
+        "vision_modelled_s": res.vision_modelled_s,
+        "executor": executor,
+    }
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
     --image PATH (repeatable)."""
-    from toptpu.backend.runtime import GenerationError, Runtime
+    from toptpu.backend.runtime import Runtime
 
-    try:
-        rt = Runtime.open(args.model_file, args.executor)
-        sampling = sampling_from_args(args, rt.header.get("generation", {}))
-        images: list[Any] = []
-        if args.image:
-            if args.prompt is None:
-                raise GenerationError("--image needs --prompt (the image tokens are laid out "
-                                      "in the prompt text)")
-            ids, images = rt.image_prompt(args.prompt, args.image, args.chat_template)
-        elif args.ids is not None:
-            ids = [int(x) for x in args.ids.replace(",", " ").split()]
-        elif args.chat_template:
-            text = rt.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                    add_generation_prompt=True)
-            ids = rt.encode(text, add_special_tokens=False)
-        else:
-            ids = rt.encode(args.prompt)
-        stream = None
-        if not args.json:
-            sys.stdout.write(args.prompt if args.ids is None else "")
+    rt = Runtime.open(args.model_file, args.executor)
+    sampling = sampling_from_args(args, rt.header.get("generation", {}))
+    ids, images = _prompt_ids(rt, args)
+    stream = None
+    if not args.json:
+        sys.stdout.write(args.prompt if args.ids is None else "")
 
-            def stream(piece: str) -> None:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+        def stream(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
-        res = rt.generate(ids, args.max_new_tokens, sampling, on_text=stream,
-                          stop_on_eos=not args.ignore_eos, images=images)
-    except _user_errors() as e:
-        return _fail("run", e)
+    res = rt.generate(ids, args.max_new_tokens, sampling, on_text=stream,
+                      stop_on_eos=not args.ignore_eos, images=images)
     if args.json:
-        print(json.dumps({
-            "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
-            "text": res.text, "stop_reason": res.stop_reason,
-            "ttft_s": res.ttft_s, "tokens_per_s": res.decode_tokens_per_s,
-            "modelled_ttft_s": res.modelled_ttft_s,
-            "modelled_tokens_per_s": res.modelled_tokens_per_s,
-            "image_tokens": res.image_tokens, "vision_s": res.vision_s,
-            "vision_modelled_s": res.vision_modelled_s,
-            "executor": args.executor,
-        }))
+        print(json.dumps(run_json(res, args.executor)))
     else:
         print()
         print(stats_line(res), file=sys.stderr)
@@ -197,43 +254,89 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat with a compiled model file; the KV cache keeps the conversation.
-    /reset starts over, /exit (or end of input) quits; VLMs: /image PATH [message] attaches
-    an image to the message (or to the next one)."""
-    from toptpu.backend.runtime import PromptTooLongError, Runtime
+    /reset starts over, /exit (or end of input) quits, /help lists the commands, a message
+    that starts with '/' is typed as '//...'; VLMs: /image PATH [message] attaches an image
+    to the message (or to the next one). Ctrl-C quits (status 130)."""
+    from toptpu.backend.runtime import Runtime
 
-    try:
-        rt = Runtime.open(args.model_file, args.executor)
-        sampling = sampling_from_args(args, rt.header.get("generation", {}))
-        _ = rt.tokenizer
-    except _user_errors() as e:
-        return _fail("chat", e)
+    rt = Runtime.open(args.model_file, args.executor)
+    sampling = sampling_from_args(args, rt.header.get("generation", {}))
+    _ = rt.tokenizer
     model = rt.header["model"]
-    vlm = " /image PATH [message] attaches an image." if rt.is_vlm else ""
     print(f"toptpu chat: {model['family']} ({model['num_layers']} layers), "
-          f"{rt.header['mode']}, KV cache {rt.seq} tokens. /reset starts over, /exit quits."
-          f"{vlm}", file=sys.stderr)
-    images: list[Any] = []
+          f"{rt.header['mode']}, KV cache {rt.seq} tokens. {_chat_help(rt.is_vlm)}",
+          file=sys.stderr)
+    _prepare_input()
+    try:
+        return _chat_loop(rt, args, sampling)
+    except KeyboardInterrupt:
+        print()  # end the prompt or the reply's line; toptpu.cli prints why it stopped
+        raise
+
+
+def _chat_help(vlm: bool) -> str:
+    image = " /image PATH [message] attaches an image." if vlm else ""
+    return (f"/reset starts over, /exit quits, /help lists the commands.{image} Start a "
+            "message with // to send one that begins with '/'.")
+
+
+def _prepare_input() -> None:
+    """Line editing and an in-memory history (arrow keys) for `input()` on a terminal:
+    importing the standard `readline` module is what turns them on (a local import for
+    that reason, and because some platforms lack it); no history file is read or written.
+    A line that is not valid UTF-8 is read with its bad bytes as surrogates (and then
+    refused), so a decoding error never loses the lines after it."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:  # undecodable bytes arrive as surrogates, nothing is lost
+        reconfigure(errors="surrogateescape")
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _read_message() -> str | None:
+    """The next non-empty input line, stripped; None at the end of input. A line that is
+    not valid UTF-8 is refused (and not sent)."""
     while True:
         try:
             line = input(">>> ")
         except EOFError:
             print(file=sys.stderr)
-            return 0
-        msg = line.strip()
-        if not msg:
+            return None
+        problem = utf8_problem(line)
+        if problem:
+            print(f"[the line {problem}; not sent]", file=sys.stderr)
             continue
-        if msg == "/exit":
+        if line.strip():
+            return line.strip()
+
+
+def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
+    from toptpu.backend.runtime import PromptTooLongError
+
+    images: list[Any] = []
+    while True:
+        msg = _read_message()
+        if msg is None or msg == "/exit":
             return 0
-        if msg == "/reset":
+        if msg.startswith("//"):  # the escape of a message that starts with '/'
+            msg = msg[1:]
+        elif msg == "/reset":
             rt.reset()
             images = []
             print("[conversation reset]", file=sys.stderr)
             continue
-        if msg == "/image" or msg.startswith("/image "):
+        elif msg == "/help":
+            print(f"[{_chat_help(rt.is_vlm)}]", file=sys.stderr)
+            continue
+        elif msg == "/image" or msg.startswith("/image "):
             try:
                 path, msg = _image_command(msg)
                 enc = rt.encode_image(path)
-            except (ValueError, *_user_errors()) as e:  # bad image, text-only model file
+            except (ValueError, *user_errors()) as e:  # bad image, text-only model file
                 print(f"[{e}]", file=sys.stderr)
                 continue
             images.append(enc)
@@ -241,6 +344,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                   f"{enc.image_tokens} image tokens]", file=sys.stderr)
             if not msg:
                 continue
+        elif msg.startswith("/"):
+            name = msg.split()[0]
+            why = (f"{name} takes no argument" if name in ("/exit", "/reset", "/help") else
+                   f"unknown command {name!r}")
+            print(f"[{why}: {_chat_help(rt.is_vlm)}]", file=sys.stderr)
+            continue
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
@@ -253,8 +362,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"[{e}]", file=sys.stderr)
             images = []
             continue
-        except _user_errors() as e:
-            return _fail("chat", e)
         images = []
         print()
         print(stats_line(res) + f" [{rt.position}/{rt.seq} tokens in the cache]",

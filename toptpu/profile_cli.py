@@ -24,7 +24,8 @@ from toptpu.backend.profile import (
     write_chrome_trace,
     write_timeline_png,
 )
-from toptpu.llm_cli import _fail, _user_errors
+from toptpu.cli_args import UsageError
+from toptpu.paths import OutputPathError, check_output_dir, check_output_file
 
 
 def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -37,6 +38,10 @@ def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
 def profile_model(path: str, nets: list[str] | None = None
                   ) -> tuple[MachineExecutor, list[NetProfile]]:
     ex = MachineExecutor(path)
+    unknown = sorted(set(nets or []) - set(ex.nets()))
+    if unknown:
+        raise UsageError(f"--nets: the model file has no net {', '.join(unknown)}; it has "
+                         f"{', '.join(ex.nets())}")
     profiles = []
     for name, info in ex.nets().items():
         if nets and name not in nets:
@@ -56,13 +61,24 @@ def profile_model(path: str, nets: list[str] | None = None
     return ex, profiles
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """--trace (a file) and --png (a directory) can be written, and neither is the model
+    file: checked before any net runs."""
+    if args.trace:
+        check_output_file(args.trace, "--trace", "trace.json")
+        if os.path.exists(args.model_file) and os.path.exists(args.trace) and \
+                os.path.samefile(args.trace, args.model_file):
+            raise OutputPathError(f"--trace '{args.trace}' is the model file; name another "
+                                  "file")
+    if args.png:
+        check_output_dir(args.png, "--png")
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Run each net of a model file once on the machine and print the profile."""
+    check_outputs(args)
     nets = [n.strip() for n in args.nets.split(",")] if args.nets else None
-    try:
-        ex, profiles = profile_model(args.model_file, nets)
-    except _user_errors() as e:  # a missing, empty, truncated or corrupt model file, ...
-        return _fail("profile", e)
+    ex, profiles = profile_model(args.model_file, nets)
     layers = ex.file.num_layers
     if args.json:
         print(json.dumps({"chip": ex.chip.name, "layers": layers,
