@@ -154,6 +154,10 @@ def _line_col(data: bytes | str, offset: int) -> tuple[int, int]:
     return line, offset - start + 1
 
 
+#: the first character of a line that is neither blank nor a comment
+_CONTENT = re.compile(r"^[^\S\n]*+(?!//)\S", re.MULTILINE)
+
+
 def decode_ir(data: bytes | str, name: str) -> str:
     """`data` as IR text, or an IRTextError naming the file: empty, not UTF-8, binary."""
     if len(data) == 0:
@@ -171,7 +175,7 @@ def decode_ir(data: bytes | str, name: str) -> str:
     if nul >= 0:
         line, col = _line_col(text, nul)
         raise IRTextError(f"{name}:{line}:{col}: a NUL byte: this is a binary file, not IR text")
-    if all(not ln.strip() or ln.lstrip().startswith("//") for ln in text.splitlines()):
+    if _CONTENT.search(text) is None:
         raise IRTextError(f"{name} holds no operation, only whitespace and comments")
     return text
 
@@ -257,7 +261,7 @@ def verify_ir(module: ModuleOp, op_starts: OpStarts | None = None) -> None:
 
     for op in module.walk():
         for value in op.operands:
-            if (problem := _use_problem(op, value, position)) is not None:
+            if (problem := _use_problem(op, value, position, op_starts)) is not None:
                 raise _verify_error(op, problem, op_starts)
 
 
@@ -280,15 +284,24 @@ def _verify_error(op: Operation | None, msg: str, op_starts: OpStarts | None) ->
     return IRVerifyError(msg)
 
 
-def _value_name(value: SSAValue) -> str:
-    return f"%{value.name_hint}" if value.name_hint else f"a result of '{value.owner.name}'"
+def _value_name(value: SSAValue, op_starts: OpStarts | None) -> str:
+    """`%name` as in the text (xDSL keeps no numeric names: the defining op's first token)."""
+    if value.name_hint:
+        return f"%{value.name_hint}"
+    owner = value.owner
+    if op_starts is not None and isinstance(owner, Operation) and owner in op_starts:
+        token = op_starts[owner].text
+        if token.startswith("%"):
+            return token if len(owner.results) == 1 else f"{token}#{value.index}"
+    return "a value"
 
 
-def _use_problem(op: Operation, value: SSAValue,
-                 position: Callable[[Operation], int]) -> str | None:
+def _use_problem(op: Operation, value: SSAValue, position: Callable[[Operation], int],
+                 op_starts: OpStarts | None) -> str | None:
     """Why `op` may not use `value`, or None. A module's body is a graph region (order free);
     elsewhere a value is used in its own block after its definition, or in blocks nested in it
     (uses from another block of a multi-block region are not checked: that is CFG dominance)."""
+    name = _value_name(value, op_starts)
     if isinstance(value, BlockArgument):
         def_block, def_op = value.block, None
     else:
@@ -296,19 +309,22 @@ def _use_problem(op: Operation, value: SSAValue,
         assert isinstance(def_op, Operation)
         def_block = def_op.parent_block()
     if def_block is None:
-        return f"uses {_value_name(value)}, which is not in the IR"
+        return f"uses {name}, which is not in the IR"
     if isinstance(def_block.parent_op(), ModuleOp):
         return None
     user: Operation | None = op
     while user is not None:
         block = user.parent_block()
         if block is def_block:
-            if def_op is not None and position(def_op) >= position(user):
-                where = "by this op itself" if def_op is user else f"by '{def_op.name}' below"
-                return (f"uses {_value_name(value)} before it is defined ({where}): an op "
-                        "must come after the ops whose results it uses")
-            return None
+            if def_op is None or position(def_op) < position(user):
+                return None
+            if def_op is user:
+                return f"uses its own result {name}"
+            line = (f" at line {op_starts[def_op].get_location().line}"
+                    if op_starts is not None and def_op in op_starts else "")
+            return (f"uses {name} before the op that defines it ('{def_op.name}'{line}); an op "
+                    "must come after the ops whose results it uses")
         if block is not None and block.parent is def_block.parent:
             return None  # another block of the same region: CFG dominance, not checked here
         user = user.parent_op()
-    return f"uses {_value_name(value)} outside the region that defines it"
+    return f"uses {name} outside the region that defines it"

@@ -123,7 +123,7 @@ DIGITS = re.compile(r"\d+")
 DEF_LINE = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)? = ")
 VALUE = re.compile(r"%[\w.$-]+")
 OP_NAME = re.compile(r'"top\.\w+"')
-STRING = re.compile(r'(?<== )"([^"\\\n]*)"')  # attribute values: modes, weight names, the store
+STRING = re.compile(r'(?:\{|, )[\w.]+ = "([^"\\\n]*)"')  # modes, weight names, the store
 ATTRIBUTE = re.compile(r"(?:(?<=\{)|(?<=, ))\w+ = (?:array<[^>]*>|[^,{}<>]+)(?:, )?")
 
 
@@ -196,21 +196,39 @@ def _drop_attribute(draw: st.DrawFn, text: str) -> str:
     return text if m is None else text[:m.start()] + text[m.end():]
 
 
+def _value_types(lines: list[str]) -> dict[str, str]:
+    """The type of each value of the printed layer: block arguments, one-result ops."""
+    header = next((ln for ln in lines if "func.func" in ln), "")
+    types = dict(re.findall(r"(%[\w.$-]+): (tensor<[^>]*>)", header))
+    for ln in lines:
+        if (m := DEF_LINE.match(ln)) and (t := re.search(r"-> (tensor<[^>]*>) loc\(", ln)):
+            types[m.group(1)] = t.group(1)
+    return types
+
+
 def _swap_operand(draw: st.DrawFn, text: str) -> str:
-    """Replace an operand with another value defined above it (a type or shape mismatch)."""
+    """Replace an operand, and its type in the op's signature, with another value defined above
+    it: IR that parses, for the verifiers and the passes (a shape or element type mismatch)."""
     lines = text.split("\n")
+    types = _value_types(lines)
     users = [i for i, ln in enumerate(lines) if DEF_LINE.match(ln) and "(%" in ln]
     if not users:
         return text
     k = draw(st.sampled_from(users))
-    head, _, rest = lines[k].partition(" = ")
-    uses = [m for m in VALUE.finditer(rest) if m.start() < rest.find(")")]
-    defined = sorted({v for ln in lines[:k] for v in VALUE.findall(ln.partition(" = ")[0])}
-                     | set(VALUE.findall(lines[1])))
-    if not uses or not defined:
+    m = re.match(r'(.* = "[\w.]+"\()([^)]*)(\).* : \()([^)]*)(\) -> .*)', lines[k])
+    defined = [v for ln in lines[:k] if (d := DEF_LINE.match(ln)) and (v := d.group(1)) in types]
+    defined += [v for v in types if v not in defined and not any(
+        (d := DEF_LINE.match(ln)) and d.group(1) == v for ln in lines)]
+    if m is None or not defined:
         return text
-    m = draw(st.sampled_from(uses))
-    lines[k] = f"{head} = {rest[:m.start()]}{draw(st.sampled_from(defined))}{rest[m.end():]}"
+    operands, signature = m.group(2).split(", "), m.group(4).split(", ")
+    if len(operands) != len(signature):
+        return text
+    i = draw(st.integers(0, len(operands) - 1))
+    operands[i] = draw(st.sampled_from(defined))
+    signature[i] = types[operands[i]]
+    lines[k] = (m.group(1) + ", ".join(operands) + m.group(3) + ", ".join(signature)
+                + m.group(5))
     return "\n".join(lines)
 
 
@@ -271,6 +289,31 @@ def test_mutated_ir_gets_a_diagnostic_or_a_valid_result(layer_ir, data) -> None:
     check_answer(path, *run_opt(path, "-p", "top-pipeline"))
 
 
+@fuzz_settings(15)
+@given(data=st.data())
+def test_mutated_ir_through_the_tpu_pipeline(layer_ir, data) -> None:
+    """The same down to the chip (quantization, layer groups, local memory, addresses): fewer
+    examples, each runs longer when it parses."""
+    directory, text = layer_ir
+    path = os.path.join(directory, "mutated_tpu.mlir")
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(data.draw(mutated(text), label="ir"))
+    check_answer(path, *run_opt(path, "-p", "top-pipeline,tpu-pipeline{mode=w4f16}"))
+
+
+def test_a_weight_between_grouped_ops_moves_above_the_group(layer_ir, tmp_path) -> None:
+    """Found by the fuzzer: a matmul without transpose_b gets a transposed weight just above
+    it (weight-reorder); layer-group then put its group above that weight (use before
+    definition, exit 0, output that did not parse back)."""
+    _, text = layer_ir
+    path = tmp_path / "layer.mlir"
+    path.write_text(text.replace("{transpose_b = true}", "{}", 1))
+    rc, out, err, seconds = run_opt(str(path), "-p", "top-pipeline,tpu-pipeline{mode=w4f16}")
+    assert rc == 0, err
+    check_answer(str(path), rc, out, err, seconds)
+    assert ".t\"" in out and "tpu.group" in out
+
+
 def test_the_unmutated_layer_runs(layer_ir) -> None:
     directory, text = layer_ir
     path = os.path.join(directory, "layer.mlir")
@@ -280,6 +323,68 @@ def test_the_unmutated_layer_runs(layer_ir) -> None:
     assert rc == 0, err
     check_answer(path, rc, out, err, seconds)
     assert "top.attention" in out
+
+
+# -- inputs that are not IR, outputs that cannot be written --------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"  \n// only a comment\n\n", "holds no operation, only whitespace and comments"),
+    (b"builtin.module {\n} loc(\"caf\xe9\")\n", ":2:11: not UTF-8 text (byte 0xE9)"),
+    (bytes(range(256)) * 4, ":2:118: not UTF-8 text (byte 0x80)"),
+    (b"builtin.module {\0}", ":1:17: a NUL byte: this is a binary file"),
+], ids=["empty", "comments", "latin-1", "bytes", "nul"])
+def test_a_file_that_is_not_ir_is_named(tmp_path, content: bytes, message: str) -> None:
+    path = tmp_path / "input.mlir"
+    path.write_bytes(content)
+    rc, _, err, seconds = run_opt(str(path), "-p", "top-pipeline")
+    check_answer(str(path), rc, "", err, seconds)
+    assert rc == 1 and f"{path}" in err and message in err, err
+
+
+def test_random_bytes_are_named(tmp_path) -> None:
+    path = tmp_path / "noise.mlir"
+    path.write_bytes(os.urandom(4096))
+    rc, _, err, seconds = run_opt(str(path))
+    check_answer(str(path), rc, "", err, seconds)
+    assert rc == 1 and str(path) in err, err
+
+
+def test_paths_that_are_not_files(tmp_path) -> None:
+    assert run_opt(str(tmp_path / "missing.mlir"))[:3:2] == (
+        1, f"toptpu-opt: {tmp_path / 'missing.mlir'} does not exist\n")
+    assert run_opt(str(tmp_path))[:3:2] == (
+        1, f"toptpu-opt: {tmp_path} is a directory; give an IR file (.mlir)\n")
+
+
+def test_output_written_only_after_success(layer_ir, tmp_path) -> None:
+    """`-o` onto the input itself: on success the result replaces it; on failure the input
+    stays as it was (xDSL's opt main truncated it before parsing)."""
+    _, text = layer_ir
+    path = tmp_path / "layer.mlir"
+    path.write_text(text[:-200])  # truncated: does not parse
+    rc, _, err, _ = run_opt(str(path), "-p", "top-pipeline", "-o", str(path))
+    assert rc == 1 and path.read_text() == text[:-200], err
+    path.write_text(text)
+    rc, _, err, _ = run_opt(str(path), "-p", "top-pipeline", "-o", str(path))
+    assert rc == 0, err
+    assert "top.attention" in path.read_text() and "top.rsqrt" not in path.read_text()
+    assert sorted(os.listdir(tmp_path)) == ["layer.mlir"]
+    rc, _, err, _ = run_opt(str(path), "-o", str(tmp_path))
+    assert rc == 1 and "is a directory" in err
+
+
+@pytest.mark.parametrize("store", ["directory", "not_safetensors"])
+def test_a_weight_store_that_is_not_one_is_named(layer_ir, tmp_path, store: str) -> None:
+    directory, text = layer_ir
+    target = tmp_path if store == "directory" else tmp_path / "w.safetensors"
+    if store != "directory":
+        target.write_bytes(b"not a safetensors file")
+    path = tmp_path / "layer.mlir"
+    path.write_text(text.replace(os.path.join(directory, "weights.safetensors"), str(target)))
+    rc, _, err, seconds = run_opt(str(path), "-p", "top-pipeline")
+    check_answer(str(path), rc, "", err, seconds)
+    assert rc == 1 and f"weight store '{target}' is not a" in err, err
 
 
 # -- the blow-ups of xDSL 0.75.0's parser ------------------------------------------------------

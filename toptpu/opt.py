@@ -34,7 +34,8 @@ from xdsl.utils.arg_spec import parse_spec
 from xdsl.utils.exceptions import DiagnosticException, ParseError
 from xdsl.xdsl_opt_main import xDSLOptMain
 
-from toptpu.dialects.ir_text import IRTextError, parse_ir
+from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
+from toptpu.dialects.weight_store import WeightStoreError
 from toptpu.mlir_check import MlirCheckError
 from toptpu.passes.address_assign import AddressError
 from toptpu.passes.convert_top_to_linalg import LinalgLoweringError
@@ -45,10 +46,10 @@ from toptpu.passes.quantize import QuantizationError
 from toptpu.passes.weight_recipe import RecipeError
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug);
-#: OSError: the weight store the IR names is missing or unreadable
+#: WeightStoreError, OSError: the weight store the IR names is missing or unreadable
 PASS_ERRORS: tuple[type[Exception], ...] = (
     DiagnosticException, ConversionError, QuantizationError, RecipeError, LocalMemoryError,
-    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, OSError)
+    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, WeightStoreError, OSError)
 
 #: exit status of an internal error (sysexits' EX_SOFTWARE)
 EXIT_INTERNAL = 70
@@ -193,8 +194,10 @@ class ToptpuOptMain(xDSLOptMain):
 
         def callback(prev: ModulePass | None, module: ModuleOp, nxt: ModulePass | None) -> None:
             state["running"], state["verifying_after"] = None, prev
-            if pipeline.callback is not None:
+            if pipeline.callback is not None:  # xDSL's: verifies, times, prints between passes
                 pipeline.callback(prev, module, nxt)
+            if prev is not None and not self.args.disable_verify:
+                verify_ir(module)  # defined-before-use too, which xDSL's verifier skips
             state["running"], state["verifying_after"] = nxt, None
 
         try:
