@@ -17,6 +17,14 @@ not IR, and what `parse_ir` does instead:
   do). xDSL's own regex then runs only on literals that close, where it is linear. The guard
   is installed once, into `MLIRLexer`, and only over the exact 0.75.0 pattern; the tests fail
   if the pattern changes or the blow-up comes back.
+- **Strings with non-ASCII characters do not survive a print and parse**: xDSL's printer
+  writes every byte outside printable ASCII as an escape (`"é"` prints as `"\\C3\\A9"`), and its
+  lexer makes a literal whose escapes give non-ASCII bytes a bytes literal (its docstring says
+  "STRING_LIT when the payload can be decoded as UTF-8"; the code checks `isascii()`). So a
+  location with such a file path (`loc("/home/josé/x.py":3:0)`: "Unexpected location
+  syntax"), or an op's name attribute, printed by toptpu cannot be read back, and a module
+  attribute silently turns into a BytesAttr. The guard makes such a literal a string when its
+  bytes are UTF-8, as the docstring says; other byte strings stay bytes literals.
 - **Integer types wider than MLIR's 2^24-1 bits** (`i2147483648`, from a digit typed into
   `i32`): xDSL builds the type and computes its value range `1 << width` (256 MB and seconds
   for 2^31 bits, more than the memory for 2^34). Refused at the token, before xDSL builds it.
@@ -45,7 +53,7 @@ from xdsl.ir import Block, BlockArgument, Operation, SSAValue, TypeAttribute
 from xdsl.parser import AttrParser, Parser
 from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyException
 from xdsl.utils.lexer import Input, Span
-from xdsl.utils.mlir_lexer import MLIRLexer, MLIRToken, MLIRTokenKind
+from xdsl.utils.mlir_lexer import MLIRLexer, MLIRToken, MLIRTokenKind, StringLiteral
 
 
 class IRTextError(ValueError):
@@ -92,9 +100,18 @@ def check_string_literal(source: Input[str], start: int) -> None:
                      "\\\\, \\\" and two hex digits (\\0A)")
 
 
+def _is_utf8(literal: Span[str]) -> bool:
+    try:
+        StringLiteral.from_span(literal).bytes_contents.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _install_string_literal_guard() -> bool:
-    """Put `check_string_literal` in front of xDSL 0.75.0's string lexer (once). Returns
-    whether the guard is in place: not over a lexer whose pattern is not the one known."""
+    """Put `check_string_literal` in front of xDSL 0.75.0's string lexer, and let a literal
+    whose escapes spell UTF-8 text be a string (once). Returns whether the guard is in place:
+    not over a lexer whose pattern is not the one known."""
     original = MLIRLexer._lex_string_literal
     if getattr(original, "toptpu_guard", False):
         return True
@@ -104,7 +121,10 @@ def _install_string_literal_guard() -> bool:
     def guarded(self: MLIRLexer, start_pos: int) -> MLIRToken:
         if isinstance(self.input.content, str):
             check_string_literal(self.input, start_pos)
-        return original(self, start_pos)
+        token = original(self, start_pos)
+        if token.kind == MLIRTokenKind.BYTES_LIT and _is_utf8(token.span):
+            return MLIRToken(MLIRTokenKind.STRING_LIT, token.span)
+        return token
 
     guarded.toptpu_guard = True  # type: ignore[attr-defined]
     guarded.__doc__ = original.__doc__

@@ -35,6 +35,7 @@ from toptpu.compiler import print_ir
 from toptpu.dialects.ir_text import (
     GUARDS_INSTALLED,
     XDSL_STRING_PATTERN,
+    IRVerifyError,
     check_string_literal,
     parse_ir,
 )
@@ -449,6 +450,23 @@ def test_integer_types_wider_than_mlir_allows_are_refused_at_once(width: str) ->
     with deadline(HANG_SECONDS), pytest.raises(ParseError, match="wider than MLIR's limit"):
         Parser(Context(allow_unregistered=True), text, "x.mlir").parse_module()
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_non_ascii_strings_survive_print_and_parse() -> None:
+    """Found by the fuzzer: xDSL prints "é" as "\\C3\\A9" and read that back as bytes, so a
+    location with a non-ASCII path (or such a name) written by toptpu could not be read."""
+    text = ('builtin.module attributes {top.weight_store = "/tmp/josé/w.safetensors"} {\n'
+            '  %0 = "top.weight"() {name = "poids_é"} : () -> tensor<2xf32> '
+            'loc("layer.é"("/home/josé/modèle.py":3:0))\n}')
+    module = parse_ir(text, "in.mlir")
+    printed = print_ir(module, generic=True)
+    assert "\\C3\\A9" in printed  # xDSL's printer escapes every non-ASCII byte
+    back = parse_ir(printed, "out.mlir")
+    assert back.is_structurally_equivalent(module)
+    assert isinstance(back.attributes[STORE_ATTR], StringAttr)
+    assert back.attributes[STORE_ATTR].data == "/tmp/josé/w.safetensors"
+    with pytest.raises(IRVerifyError, match="should be of base attribute string"):
+        parse_ir('"top.weight"() {name = "w\\FF"} : () -> tensor<2xf32>', "x.mlir")
 
 
 def test_opt_on_the_reported_hang_answers_in_seconds(layer_ir, tmp_path) -> None:
