@@ -66,7 +66,7 @@ class WeightStore:
         if path in _REGISTRY:
             return _REGISTRY[path]
         if not os.path.exists(path):
-            raise FileNotFoundError(f"weight store '{path}' does not exist")
+            raise WeightStoreError(f"weight store '{path}' does not exist")
         if not os.path.isfile(path):
             raise WeightStoreError(f"weight store '{path}' is not a file")
         try:

@@ -358,6 +358,16 @@ def test_paths_that_are_not_files(tmp_path) -> None:
         1, f"toptpu-opt: {tmp_path} is a directory; give an IR file (.mlir)\n")
 
 
+def test_an_unknown_extension_is_read_with_f_mlir(layer_ir, tmp_path) -> None:
+    _, text = layer_ir
+    path = tmp_path / "layer.txt"
+    path.write_text(text)
+    rc, _, err, _ = run_opt(str(path))
+    assert rc == 1 and "extension 'txt'; to read it as MLIR text, add -f mlir" in err
+    rc, out, err, _ = run_opt(str(path), "-f", "mlir")
+    assert rc == 0 and "top.matmul" in out, err
+
+
 def test_output_written_only_after_success(layer_ir, tmp_path) -> None:
     """`-o` onto the input itself: on success the result replaces it; on failure the input
     stays as it was (xDSL's opt main truncated it before parsing)."""

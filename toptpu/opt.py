@@ -46,10 +46,10 @@ from toptpu.passes.quantize import QuantizationError
 from toptpu.passes.weight_recipe import RecipeError
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug);
-#: WeightStoreError, OSError: the weight store the IR names is missing or unreadable
+#: WeightStoreError: the weight store the IR names is missing or unreadable
 PASS_ERRORS: tuple[type[Exception], ...] = (
     DiagnosticException, ConversionError, QuantizationError, RecipeError, LocalMemoryError,
-    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, WeightStoreError, OSError)
+    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, WeightStoreError)
 
 #: exit status of an internal error (sysexits' EX_SOFTWARE)
 EXIT_INTERNAL = 70
@@ -155,7 +155,19 @@ class ToptpuOptMain(xDSLOptMain):
     def get_input_stream(self) -> tuple[IO[bytes], str]:
         if self.args.input_file is not None:
             _check_input_path(self.args.input_file)
-        return super().get_input_stream()
+        stream, extension = super().get_input_stream()
+        if self.args.frontend:  # -f names the format whatever the extension (xDSL checks both)
+            extension = parse_spec(self.args.frontend).name
+        return stream, extension
+
+    def prepare_input(self) -> tuple[list[tuple[IO[bytes], int]], str]:
+        try:
+            return super().prepare_input()
+        except OptInputError:
+            raise
+        except ValueError as e:  # xDSL's only check here: the file extension
+            raise OptInputError(f"{self.get_input_name()}: {e}; to read it as MLIR text, "
+                                "add -f mlir") from None
 
     def prepare_output(self) -> IO[str]:
         if self.args.output_file is None:
