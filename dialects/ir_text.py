@@ -31,9 +31,10 @@ not IR, and what `parse_ir` does instead:
 - **Bytes that are not UTF-8** (`Parser` decodes strictly: a `UnicodeDecodeError` traceback),
   NUL bytes (binary files), an empty file (xDSL: "Could not parse entire input!" at 1:1): an
   `IRTextError` naming the file.
-- **Other exceptions of the parser** on odd text (xDSL raises `VerifyException` from attribute
-  constructors, and a few `AssertionError`/`IndexError`-style crashes): a `ParseError` at the
-  token being parsed, naming the exception; deep nesting (`RecursionError`) likewise.
+- **Other exceptions of the parser** on odd text (`VerifyException` from attribute
+  constructors, as `300 : i8`; `RecursionError` from brackets nested a few hundred deep;
+  `MemoryError` from a splat `dense<1.0> : tensor<1000000000000xf32>`, which xDSL
+  materializes; any other crash): a `ParseError` at the token being parsed, naming it.
 - **A value used before the op that defines it** (an op moved above its operands): xDSL parses
   forward references and its verifier does not check dominance; `verify_ir` does, in the
   blocks of SSA regions (every region but a module's body).

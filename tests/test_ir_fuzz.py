@@ -462,6 +462,18 @@ def test_integer_types_wider_than_mlir_allows_are_refused_at_once(width: str) ->
     assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.parametrize("attribute, message", [
+    ("[" * 3000, "nesting too deep for xDSL's parser"),
+    ("300 : i8", "invalid here: Integer value 300 is out of range for type i8"),
+    ("dense<1.0> : tensor<1000000000000xf32>", "xDSL's parser raised MemoryError"),
+], ids=["nesting", "attribute constructor", "splat"])
+def test_odd_parser_exceptions_are_located(attribute: str, message: str) -> None:
+    text = f'"top.weight"() {{name = "w", extra = {attribute}}} : () -> tensor<2xf32>'
+    with deadline(HANG_SECONDS), pytest.raises(ParseError, match=message) as e:
+        parse_ir(text, "x.mlir")
+    assert "x.mlir:1:" in str(e.value)
+
+
 def test_non_ascii_strings_survive_print_and_parse() -> None:
     """Found by the fuzzer: xDSL prints "é" as "\\C3\\A9" and read that back as bytes, so a
     location with a non-ASCII path (or such a name) written by toptpu could not be read."""
