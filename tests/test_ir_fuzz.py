@@ -1,13 +1,15 @@
-"""Mutated IR through `toptpu-opt FILE -p top-pipeline`: a diagnostic or a valid result, never a
-traceback, never a hang.
+"""Mutated IR through `toptpu-opt FILE -p top-pipeline` (and down to the chip with
+`tpu-pipeline`): a diagnostic or a valid result, never a traceback, never a hang.
 
 The IR is a real one: a tiny Qwen2 decoder layer imported into Top and printed as `toptpu
 compile --dump-ir` prints it (custom form, with locations), its weights saved beside it. Each
-example mutates it (truncation, holes, inserted characters, type and shape edits, number edits,
-an op moved above its operands, duplicated or dropped lines) and runs the driver in-process.
-A hang is caught by an alarm (the real protection is the guard in `toptpu.dialects.ir_text`).
+example mutates it (truncation, holes, inserted characters, type and shape edits, number and
+string edits, op names swapped, attributes dropped, operands swapped, an op moved above its
+operands, lines duplicated, dropped or swapped) and runs the driver in-process. A hang is
+caught by an alarm (the real protection is the guards in `toptpu.dialects.ir_text`, tested
+below against xDSL 0.75.0's blow-ups). Also here: files that are not IR, paths that are not
+files, `-o`, and the defects the fuzzer found (each with its own test).
 """
-
 from __future__ import annotations
 
 import contextlib
