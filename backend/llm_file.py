@@ -637,13 +637,9 @@ class LlmFile:
             raise self._err(f"the IR of net '{net}' is not UTF-8 text: {e}") from e
 
     def net_module(self, net: str) -> ModuleOp:
-        from xdsl.parser import Parser
+        from toptpu.dialects.ir_text import parse_ir
 
-        from toptpu.dialects import context
-
-        module = Parser(context(), self.net_ir(net), f"{self.path}:{net}").parse_module()
-        module.verify()
-        return module
+        return parse_ir(self.net_ir(net), f"{self.path}:{net}")
 
     def _blob(self) -> np.ndarray:
         return np.frombuffer(self.file.view(WEIGHTS_SECTION), np.uint8)

@@ -142,12 +142,10 @@ class LoadedNet:
     """A Program with its template ops parsed, ready to run."""
 
     def __init__(self, program: Program) -> None:
-        from xdsl.parser import Parser
-
-        from toptpu.dialects import context
+        from toptpu.dialects.ir_text import parse_ir
 
         self.program = program
-        module = Parser(context(), program.ir, f"net:{program.name}").parse_module()
+        module = parse_ir(program.ir, f"net:{program.name}", verify=False)
         fns = [f for f in module.ops if isinstance(f, func.FuncOp)
                and f.sym_name.data == program.name]
         if not fns:

@@ -78,16 +78,15 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
 
 def constant_pool(program: Program) -> bytes:
     """The net's constants, at their address-assign offsets."""
-    from xdsl.parser import Parser
-
     from toptpu.backend.interpreter import constant_value
-    from toptpu.dialects import context, tpu
+    from toptpu.dialects import tpu
     from toptpu.dialects.common import read_int
+    from toptpu.dialects.ir_text import parse_ir
 
     buf = bytearray(program.regions["constants"])
     if not buf:
         return b""
-    module = Parser(context(), program.ir, "consts").parse_module()
+    module = parse_ir(program.ir, f"net:{program.name}", verify=False)
     for op in module.walk():
         if isinstance(op, tpu.ConstantOp) and "tpu.const_offset" in op.attributes:
             off = read_int(op.attributes["tpu.const_offset"])

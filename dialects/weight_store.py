@@ -20,6 +20,12 @@ from xdsl.dialects.builtin import ModuleOp, StringAttr
 STORE_ATTR = "top.weight_store"
 
 _REGISTRY: dict[str, WeightStore] = {}
+
+
+class WeightStoreError(ValueError):
+    """A weight store file (named by a module's `top.weight_store`) that cannot be read."""
+
+
 _COUNTER = itertools.count()
 
 
@@ -54,17 +60,23 @@ class WeightStore:
     @classmethod
     def open(cls, path: str) -> WeightStore:
         """Open a safetensors file (tensors are read on first use)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = os.path.abspath(path)
         if path in _REGISTRY:
             return _REGISTRY[path]
         if not os.path.exists(path):
-            raise FileNotFoundError(f"weight store '{path}' does not exist")
+            raise WeightStoreError(f"weight store '{path}' does not exist")
+        if not os.path.isfile(path):
+            raise WeightStoreError(f"weight store '{path}' is not a file")
+        try:
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise WeightStoreError(f"weight store '{path}' is not a readable .safetensors file "
+                                   f"({e})") from None
         store = cls(path)
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                store._lazy[name] = path
+        store._lazy = dict.fromkeys(names, path)
         return store
 
     @classmethod
@@ -133,7 +145,7 @@ def store_of(module: ModuleOp) -> WeightStore:
     """The weight store a module refers to; a file path is opened on first use."""
     attr = module.attributes.get(STORE_ATTR)
     if not isinstance(attr, StringAttr):
-        raise ValueError(
+        raise WeightStoreError(
             f"the module has no '{STORE_ATTR}' attribute naming its weight store; "
             "import the model with toptpu (or add the attribute with a .safetensors path)"
         )
@@ -141,9 +153,9 @@ def store_of(module: ModuleOp) -> WeightStore:
     if uri in _REGISTRY:
         return _REGISTRY[uri]
     if uri.startswith("memory:"):
-        raise ValueError(
+        raise WeightStoreError(
             f"weight store '{uri}' lived in another process; save the weights with "
-            "--dump-ir (or WeightStore.save) and point '{STORE_ATTR}' at the file"
+            f"--dump-ir (or WeightStore.save) and point '{STORE_ATTR}' at the file"
         )
     return WeightStore.open(uri)
 

@@ -293,7 +293,15 @@ def build_group(p: Plan) -> tpu.GroupOp:
 
 
 def _install(group: tpu.GroupOp, p: Plan) -> None:
-    Rewriter.insert_op(group, InsertPoint.before(p.ops[0]))
+    first = p.ops[0]
+    for v in p.inputs:  # weights and constants between the grouped ops (weight-reorder puts a
+        # transposed weight just before its matmul) move above the group that now uses them
+        w = v.owner
+        if (isinstance(w, tpu.WeightOp | tpu.ConstantOp)
+                and w.parent_block() is first.parent_block() and not w.is_before_in_block(first)):
+            w.detach()
+            Rewriter.insert_op(w, InsertPoint.before(first))
+    Rewriter.insert_op(group, InsertPoint.before(first))
     for r, gr in zip(p.outputs, group.outputs, strict=True):
         gr.name_hint = r.name_hint
         r.replace_all_uses_with(gr)

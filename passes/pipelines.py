@@ -8,11 +8,18 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
+from xdsl.utils.exceptions import DiagnosticException
 
 from toptpu.passes.canonicalize import CanonicalizePass
 from toptpu.passes.convert_top_to_tpu import ConvertTopToTpuPass
 from toptpu.passes.fuse import FusePass
 from toptpu.passes.shape_infer import ShapeInferPass
+
+
+class InvalidPassOutput(Exception):
+    """A pass turned IR that verified into IR that does not: a bug in the pass (not a
+    DiagnosticException, so that it is never reported as a mistake of the input)."""
+
 
 #: a callback run after each pass: (pass, module) -> None (dumps, progress, timing)
 AfterPass = Callable[[ModulePass, ModuleOp], None]
@@ -21,12 +28,17 @@ AfterPass = Callable[[ModulePass, ModuleOp], None]
 def run_passes(module: ModuleOp, passes: Sequence[ModulePass], ctx: Context | None = None,
                after: AfterPass | None = None, verify: bool = True) -> None:
     from toptpu.dialects import context
+    from toptpu.dialects.ir_text import verify_ir
 
     ctx = ctx or context()
     for p in passes:
         p.apply(ctx, module)
-        if verify:
-            module.verify()
+        if verify:  # xDSL's verifier and defined-before-use (xDSL does not check dominance)
+            try:
+                verify_ir(module)
+            except DiagnosticException as e:
+                raise InvalidPassOutput(f"pass '{p.name}' left IR that does not verify: "
+                                        f"{e}") from e
         if after is not None:
             after(p, module)
 

@@ -23,8 +23,9 @@ import re
 from typing import Any
 
 from xdsl.dialects.builtin import ModuleOp, UnrankedTensorType
-from xdsl.parser import Parser
 from xdsl.printer import Printer
+
+from toptpu.dialects.ir_text import parse_ir
 
 
 class MlirCheckError(Exception):
@@ -58,7 +59,7 @@ def roundtrip_through_mlir(module: ModuleOp) -> ModuleOp:
     from toptpu.dialects import context
 
     back = mlir_parse_and_verify(print_generic(module))
-    return Parser(context(), back, "mlir-roundtrip").parse_module()
+    return parse_ir(back, "mlir-roundtrip", context(), verify=False)
 
 
 def check_roundtrip(module: ModuleOp) -> ModuleOp:
@@ -226,7 +227,7 @@ def run_mlir_pipeline(module: ModuleOp, pipeline: str) -> ModuleOp:
         text = m.operation.get_asm(print_generic_op_form=True, enable_debug_info=True,
                                    use_local_scope=True)
     try:
-        return Parser(xdsl_context_for_mlir(), text, "mlir-pipeline").parse_module()
+        return parse_ir(text, "mlir-pipeline", xdsl_context_for_mlir(), verify=False)
     except Exception as e:  # noqa: BLE001 - xDSL's parse errors have several types
         raise MlirCheckError(f"xDSL cannot read back what MLIR's '{pipeline}' produced "
                              f"(an op or attribute xDSL does not define?): {e}") from e
