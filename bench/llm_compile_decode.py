@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
-from toptpu.backend.runtime import Runtime
+from toptpu.backend.runtime.runtime import Runtime
 from toptpu.compiler import compile as compile_model
 from toptpu.frontends.tiny_models import qwen25_05b_config
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
-from toptpu.backend.chips import get_chip
-from toptpu.backend.interpreter import Interpreter
-from toptpu.backend.profile import profile_timeline
-from toptpu.backend.simulate import compile_for_machine, simulate
+from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.backend.runtime.profile import profile_timeline
+from toptpu.backend.runtime.simulate import compile_for_machine, simulate
+from toptpu.backend.target.chips import get_chip
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.llm import StaticShapes, split_model

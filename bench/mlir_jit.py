@@ -25,7 +25,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from toptpu.backend.interpreter import Interpreter  # noqa: E402
+from toptpu.backend.reference.interpreter import Interpreter  # noqa: E402
 from toptpu.frontends.hf_layers import import_decoder_layer  # noqa: E402
 from toptpu.frontends.tiny_models import tiny_model  # noqa: E402
 from toptpu.metrics import similarity  # noqa: E402

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
-from toptpu.backend.interpreter import Interpreter
+from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.dialects import tpu
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module

@@ -2,7 +2,7 @@
 
 Every op has a verifier (its result types must equal the inferred ones), shape inference
 (`infer`, a classmethod usable before the op exists), a FLOP count (`flops`) and a numpy
-reference in `toptpu.backend.kernels`. Weights are named references into a weight store
+reference in `toptpu.backend.reference.kernels`. Weights are named references into a weight store
 (`top.weight`), never dense attributes; only small constants are `top.constant`.
 
 Layout conventions:

@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from toptpu.backend.llm_file import TOKENIZER_FILES  # the tokenizer files a model file carries
+from toptpu.backend.formats.llm_file import (
+    TOKENIZER_FILES,  # the tokenizer files a model file carries
+)
 
 #: model_type -> the family name used in model files
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}

@@ -3,7 +3,7 @@
 A VLM is compiled as its text model — the existing LLM nets, through a causal-LM view
 that shares the VLM's own language model and lm_head (`text_causal_lm`) — plus one static
 `vit` net: the vision tower and projector for ONE tile (InternVL) or slice (MiniCPM-V),
-at the compiled image size. The runtime (`toptpu.backend.vision`) preprocesses an image
+at the compiled image size. The runtime (`toptpu.backend.runtime.vision`) preprocesses an image
 with the model's own Pillow image processor, runs `vit` once per tile and writes the
 output rows over the embeddings of the image placeholder tokens, in order.
 
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from toptpu.backend.llm_file import VISION_KINDS, VISION_NET
+from toptpu.backend.formats.llm_file import VISION_KINDS, VISION_NET
 from toptpu.frontends.hf_loader import (
     LoadedModel,
     ModelLoadError,

@@ -160,7 +160,7 @@ class FoldConstants(RewritePattern):
         if any(numel(shape_of(r)) > FOLD_LIMIT for r in op.results):
             return
         # constant folding computes with the backend kernels: the one numeric truth
-        from toptpu.backend.interpreter import EvalContext, constant_value, evaluate_op
+        from toptpu.backend.reference.interpreter import EvalContext, constant_value, evaluate_op
 
         args = []
         for v in op.operand_groups():

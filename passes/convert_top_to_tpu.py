@@ -227,7 +227,7 @@ class Lowering:
             target = elem if elem is not None else elem_of(v)
             return self.weight(w, target, rewriter)
         if (c := producer(v, top.ConstantOp)) is not None:
-            from toptpu.backend.interpreter import constant_value
+            from toptpu.backend.reference.interpreter import constant_value
 
             arr = constant_value(c.value)
             target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)

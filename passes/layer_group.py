@@ -26,7 +26,7 @@ from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from toptpu.backend.chips import Chip, compute_cycles, dma_cycles, get_chip
+from toptpu.backend.target.chips import Chip, compute_cycles, dma_cycles, get_chip
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     ShapedOp,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from xdsl.ir import Operation, SSAValue
 
-from toptpu.backend.chips import Chip
+from toptpu.backend.target.chips import Chip
 from toptpu.dialects import tpu
 from toptpu.dialects.common import dtype_bytes, elem_of, i64_array, numel, read_int, read_ints
 from toptpu.dialects.common import shape_of as _shape

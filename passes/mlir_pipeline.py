@@ -1,7 +1,7 @@
 """mlir{pipeline="..."}: run a pass pipeline of real MLIR on the current module.
 
 The module is printed in generic form, parsed by MLIR 22 with the top and tpu dialects
-loaded from their IRDL (`toptpu.irdl_export`; no unregistered dialects), the pipeline runs
+loaded from their IRDL (`toptpu.dialects.irdl_export`; no unregistered dialects), the pipeline runs
 (MLIR's pass-pipeline syntax: "canonicalize,cse", "func.func(cse)", or a full
 "builtin.module(...)"), and MLIR's result is parsed back into xDSL and replaces the
 module's body. From the shell:
@@ -30,7 +30,7 @@ class MLIRPipelinePass(ModulePass):
     pipeline: str = ""
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        from toptpu.mlir_check import run_mlir_pipeline
+        from toptpu.dialects.mlir_check import run_mlir_pipeline
 
         result = run_mlir_pipeline(op, self.pipeline)
         old = op.body.detach_block(0)

@@ -9,7 +9,7 @@
 
 Scales are rounded to their storage type (the activation type: f32, f16 or bf16) *before*
 q is computed, so q is the best integer for the scale the kernel will really use.
-Dequantization (the kernel's math) lives in `toptpu.backend.kernels.dequantize`.
+Dequantization (the kernel's math) lives in `toptpu.backend.reference.kernels.dequantize`.
 """
 
 from __future__ import annotations

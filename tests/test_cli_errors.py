@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from llm_fixtures import compiled, tiny_dir
 
 from helpers import BIN
-from toptpu.backend.runtime import GenerationError, Runtime, SamplingConfig, sample_token
+from toptpu.backend.runtime.runtime import GenerationError, Runtime, SamplingConfig, sample_token
 from toptpu.cli import main
 from toptpu.compiler import CompileError, check_quant_options
 from toptpu.compiler import compile as compile_model

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from llm_fixtures import compiled, tiny_dir
 from test_cli_errors import SEQ64, assert_one_error, tree
 
-from toptpu.backend.runtime import Runtime, SamplingConfig
+from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.cli import main
 
 JUNK = ["", " ", "x", "nan", "-nan", "inf", "-inf", "1e999", "0x10", "1_0", "١٢", "+",

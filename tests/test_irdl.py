@@ -24,9 +24,9 @@ from xdsl.utils.exceptions import DiagnosticException, VerifyException
 
 from helpers import run_tool
 from toptpu.dialects import top, tpu
+from toptpu.dialects.irdl_export import BUILTIN_BASES, export_irdl
+from toptpu.dialects.mlir_check import MlirCheckError, verify_with_irdl
 from toptpu.frontends.hf_layers import import_decoder_layer
-from toptpu.irdl_export import BUILTIN_BASES, export_irdl
-from toptpu.mlir_check import MlirCheckError, verify_with_irdl
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 
 FAMILIES = ["qwen2", "llama3"]
@@ -109,7 +109,7 @@ def test_builtin_base_names_are_mlir_names() -> None:
 
 
 def test_irdl_export_prints_loadable_irdl_with_its_gaps() -> None:
-    res = run_tool("python", "-m", "toptpu.irdl_export")
+    res = run_tool("python", "-m", "toptpu.dialects.irdl_export")
     assert res.returncode == 0, res.stderr
     assert "irdl.dialect @top" in res.stdout and "irdl.dialect @tpu" in res.stdout
     gap = next(line for line in res.stdout.splitlines()

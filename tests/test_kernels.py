@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toptpu.backend import kernels as K
+from toptpu.backend.reference import kernels as K
 
 rng = np.random.default_rng(0)
 

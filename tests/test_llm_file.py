@@ -11,9 +11,9 @@ import pytest
 from llm_fixtures import LONG_PROMPT, compiled, tiny_dir
 
 from helpers import run_tool
-from toptpu.backend.llm_file import LlmFile
-from toptpu.backend.model_file import ModelFileError, write_model_file
-from toptpu.backend.runtime import Runtime
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.formats.model_file import ModelFileError, write_model_file
+from toptpu.backend.runtime.runtime import Runtime
 from toptpu.cli import main
 from toptpu.compiler import compile as compile_model
 from toptpu.passes.pipelines import top_pipeline_passes, tpu_pipeline_passes

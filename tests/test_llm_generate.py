@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from llm_fixtures import LONG_PROMPT, compiled, hf_generate
 
-from toptpu.backend.executor import Buffer, Executor
-from toptpu.backend.llm_file import LlmFile
-from toptpu.backend.runtime import PromptTooLongError, Runtime
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.runtime.executor import Buffer, Executor
+from toptpu.backend.runtime.runtime import PromptTooLongError, Runtime
 from toptpu.dialects import tpu
 from toptpu.dialects.naming import input_names
 

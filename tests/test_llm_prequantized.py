@@ -14,9 +14,9 @@ import pytest
 import torch
 from quant_fixtures import quant_checkpoints  # noqa: F401 - session fixture
 
-from toptpu.backend import kernels as K
-from toptpu.backend.llm_file import LlmFile
-from toptpu.backend.runtime import Runtime
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.reference import kernels as K
+from toptpu.backend.runtime.runtime import Runtime
 from toptpu.compiler import CompileError
 from toptpu.compiler import compile as compile_model
 from toptpu.metrics import similarity

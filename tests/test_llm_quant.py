@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from llm_fixtures import tiny_dir
 
-from toptpu.backend.interpreter import Interpreter
-from toptpu.backend.interpreter_executor import InterpreterExecutor
-from toptpu.backend.llm_file import LlmFile
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.compare import tpu_threshold
 from toptpu.compiler import CompileResult, _float_of_layer
 from toptpu.compiler import compile as compile_model

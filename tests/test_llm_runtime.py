@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from llm_fixtures import compiled, hf_generate
 
-from toptpu.backend.interpreter_executor import ExecutorError, InterpreterExecutor
-from toptpu.backend.runtime import (
+from toptpu.backend.runtime.interpreter_executor import ExecutorError, InterpreterExecutor
+from toptpu.backend.runtime.runtime import (
     GenerationError,
     Runtime,
     SamplingConfig,

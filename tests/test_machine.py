@@ -8,12 +8,17 @@ import os
 import numpy as np
 import pytest
 
-from toptpu.backend.chips import get_chip
-from toptpu.backend.codegen import generate
-from toptpu.backend.interpreter import Interpreter
-from toptpu.backend.machine import Machine, MachineTrap
-from toptpu.backend.model_file import ModelFile, ModelFileError
-from toptpu.backend.simulate import ProgramFile, compile_for_machine, simulate, write_program_file
+from toptpu.backend.codegen.streams import generate
+from toptpu.backend.formats.model_file import ModelFile, ModelFileError
+from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.backend.runtime.machine import Machine, MachineTrap
+from toptpu.backend.runtime.simulate import (
+    ProgramFile,
+    compile_for_machine,
+    simulate,
+    write_program_file,
+)
+from toptpu.backend.target.chips import get_chip
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array, read_ints
 from toptpu.dialects.weight_store import store_of
@@ -208,7 +213,7 @@ def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> 
 
 def _loaded(prog, module, feeds):  # noqa: ANN202
     """A machine with the net's weights and IO mapped, the LoadedNet and its Binding."""
-    from toptpu.backend.machine import Binding, LoadedNet
+    from toptpu.backend.runtime.machine import Binding, LoadedNet
 
     m = Machine(CHIP)
     st = store_of(module)

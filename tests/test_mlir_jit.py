@@ -12,7 +12,7 @@ from xdsl.dialects.builtin import ModuleOp, StringAttr, bf16, f16, f32, i32, i64
 from xdsl.ir import Block, Region, SSAValue
 
 from helpers import run_tool
-from toptpu.backend.interpreter import Interpreter
+from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     bool_attr,
@@ -234,7 +234,7 @@ def test_jit_decoder_layer_matches_torch(tiny_models, family: str) -> None:
 def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> None:
     """Compare every intermediate tensor of the numpy interpreter with the MLIR-compiled
     ones: a kernel that goes wrong (here rope, off by 0.5) is the first tensor named."""
-    from toptpu.backend import interpreter
+    from toptpu.backend.reference import interpreter
     from toptpu.compare import IRStage, MLIRStage, compare_stages
 
     module, feeds, _ = _layer(tiny_models, "qwen2")

@@ -30,9 +30,8 @@ from hypothesis import strategies as st
 from llm_fixtures import compiled, tiny_dir
 from vlm_fixtures import vlm_dir
 
-from toptpu.backend.llm_file import LlmFile
-from toptpu.backend.machine_executor import MachineExecutor
-from toptpu.backend.model_file import (
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.formats.model_file import (
     ALIGN,
     HEADER_OFFSET,
     ModelFile,
@@ -41,7 +40,8 @@ from toptpu.backend.model_file import (
     temp_path,
     write_model_file,
 )
-from toptpu.backend.runtime import Runtime, Tokenizer
+from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.runtime import Runtime, Tokenizer
 from toptpu.cli import main
 
 Json = Any
@@ -429,7 +429,7 @@ def test_a_symlink_at_the_temporary_name_is_not_followed(tmp_path) -> None:
 
 KILLED_WRITER = """
 import os, signal, sys
-from toptpu.backend import model_file
+from toptpu.backend.formats import model_file
 os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed before the rename
 model_file.write_model_file(sys.argv[1], {"kind": "test"}, {"x": b"123" * 5000})
 """

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from llm_fixtures import compiled
 from PIL import Image
 
-from toptpu.backend.chips import get_chip
-from toptpu.backend.profile import (
+from toptpu.backend.runtime.profile import (
     OTHER_COLOR,
     TIME_UNITS,
     command_category,
@@ -25,7 +24,8 @@ from toptpu.backend.profile import (
     time_ticks,
     write_timeline_png,
 )
-from toptpu.backend.simulate import compile_for_machine, simulate
+from toptpu.backend.runtime.simulate import compile_for_machine, simulate
+from toptpu.backend.target.chips import get_chip
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.passes.convert_top_to_tpu import MODES

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 from helpers import run_tool
+from toptpu.dialects.mlir_check import check_roundtrip
 from toptpu.dialects.weight_store import STORE_ATTR
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
-from toptpu.mlir_check import check_roundtrip
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from toptpu.backend.interpreter import Interpreter
+from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.frontends.fx_importer import UnsupportedOpError, import_module
 from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
 from toptpu.metrics import similarity

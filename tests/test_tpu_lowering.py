@@ -9,8 +9,8 @@ import pytest
 import torch
 from xdsl.dialects.builtin import StringAttr
 
-from toptpu.backend import kernels as K
-from toptpu.backend.interpreter import Interpreter
+from toptpu.backend.reference import kernels as K
+from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.compare import IRStage, compare_stages, tpu_threshold
 from toptpu.dialects import top, tpu
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore

@@ -24,10 +24,10 @@ from vlm_fixtures import (
     vlm_file,
 )
 
-from toptpu.backend.interpreter import Interpreter
-from toptpu.backend.interpreter_executor import InterpreterExecutor
-from toptpu.backend.runtime import GenerationError, Runtime
-from toptpu.backend.vision import ImageError, ImagePreprocessor, VisionEncoder
+from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
+from toptpu.backend.runtime.runtime import GenerationError, Runtime
+from toptpu.backend.runtime.vision import ImageError, ImagePreprocessor, VisionEncoder
 from toptpu.compare import tpu_threshold
 from toptpu.compiler import CompileError
 from toptpu.compiler import compile as compile_model

@@ -2,7 +2,7 @@
 
 The public API, imported lazily (so `import toptpu` does not pull in torch):
 `toptpu.compile(model, output, mode=..., seq_length=...)` (see `toptpu.compiler`) and
-`toptpu.Runtime.open(model_file)` (see `toptpu.backend.runtime`).
+`toptpu.Runtime.open(model_file)` (see `toptpu.backend.runtime.runtime`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return compile_model
     if name == "Runtime":
-        from toptpu.backend.runtime import Runtime
+        from toptpu.backend.runtime.runtime import Runtime
 
         return Runtime
     raise AttributeError(f"module 'toptpu' has no attribute '{name}'")

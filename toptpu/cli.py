@@ -31,7 +31,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     to a model file (f32 and w4bf16) and generated from, checked against transformers."""
     import torch
 
-    from toptpu.backend.interpreter import Interpreter
+    from toptpu.backend.reference.interpreter import Interpreter
     from toptpu.frontends.fx_importer import import_module
     from toptpu.frontends.hf_layers import DecoderStack, causal_mask
     from toptpu.frontends.tiny_models import build_tokenizer, tiny_model

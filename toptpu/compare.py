@@ -62,7 +62,7 @@ class IRStage:
     func_name: str | None = None
 
     def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
-        from toptpu.backend.interpreter import Interpreter
+        from toptpu.backend.reference.interpreter import Interpreter
 
         res = Interpreter(self.module).run(inputs, self.func_name, keep_all=keep_all)
         return StageResult(res.outputs, res.values)

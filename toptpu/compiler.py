@@ -8,7 +8,7 @@
    `tpu-pipeline{mode, group_size, symmetric}`;
 4. for every layer, derive its tensors for the same compiled per-layer nets from that
    layer's float weights with the tpu.weight recipes (`toptpu.passes.weight_recipe`);
-5. write the model file (`toptpu.backend.llm_file`): header, each net's Tpu IR, the
+5. write the model file (`toptpu.backend.formats.llm_file`): header, each net's Tpu IR, the
    tokenizer files, and one weight blob [shared][layer 0]...[layer N-1].
 
 Compile time and IR size do not grow with the layer count: only step 4 runs per layer, and
@@ -38,9 +38,8 @@ from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass
 from xdsl.printer import Printer
 
-from toptpu.backend.executor import TensorSpec
-from toptpu.backend.header_schema import HeaderError, decode
-from toptpu.backend.llm_file import (
+from toptpu.backend.formats.header_schema import HeaderError, decode
+from toptpu.backend.formats.llm_file import (
     KIND,
     LLM_FORMAT,
     CheckpointInfo,
@@ -58,7 +57,8 @@ from toptpu.backend.llm_file import (
     stream_section,
     write_llm_file,
 )
-from toptpu.backend.simulate import constant_pool
+from toptpu.backend.runtime.executor import TensorSpec
+from toptpu.backend.runtime.simulate import constant_pool
 from toptpu.dialects import top
 from toptpu.dialects.common import numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
@@ -90,8 +90,8 @@ class CompileError(Exception):
 
 
 def known_chips() -> tuple[str, ...]:
-    """Chip names `--chip` accepts: the presets of `toptpu.backend.chips`."""
-    from toptpu.backend.chips import chip_names
+    """Chip names `--chip` accepts: the presets of `toptpu.backend.target.chips`."""
+    from toptpu.backend.target.chips import chip_names
 
     return tuple(chip_names())
 
@@ -663,8 +663,8 @@ def _machine_program(net: str, module: ModuleOp, chip: str,
     module, then codegen: the net's command streams."""
     from xdsl.dialects import func
 
-    from toptpu.backend.chips import get_chip
-    from toptpu.backend.codegen import CodegenError, generate
+    from toptpu.backend.codegen.streams import CodegenError, generate
+    from toptpu.backend.target.chips import get_chip
     from toptpu.passes.address_assign import AddressError
     from toptpu.passes.layer_group import LayerGroupError
     from toptpu.passes.lmem import LocalMemoryError
@@ -897,7 +897,7 @@ def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str,
             net_weights: dict[str, list[str]], layout: WeightLayout,
             layer_nets: dict[str, list[str]], vision: dict[str, Any] | None,
             seconds: float) -> LlmHeader:
-    """The model file header (`toptpu.backend.llm_file.LlmHeader`). The parts the
+    """The model file header (`toptpu.backend.formats.llm_file.LlmHeader`). The parts the
     frontends give as JSON (generation config, vision section) are decoded with the
     schema, so a value the loader would refuse is a compile error naming the field."""
     from importlib.metadata import PackageNotFoundError, version

@@ -33,9 +33,9 @@ RUN_JSON_SCHEMA = 1
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions caused by the user's input, reported as one line."""
-    from toptpu.backend.interpreter_executor import ExecutorError
-    from toptpu.backend.model_file import ModelFileError
-    from toptpu.backend.runtime import GenerationError
+    from toptpu.backend.formats.model_file import ModelFileError
+    from toptpu.backend.runtime.interpreter_executor import ExecutorError
+    from toptpu.backend.runtime.runtime import GenerationError
     from toptpu.compiler import CompileError
     from toptpu.frontends.hf_loader import ModelLoadError
     from toptpu.frontends.llm import SplitError
@@ -45,8 +45,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
                                                GenerationError, ExecutorError, SplitError,
                                                OutputPathError, UsageError)
     try:  # the machine executor's errors, where it is installed
-        from toptpu.backend.machine import MachineTrap
-        from toptpu.backend.machine_executor import MachineExecutorError
+        from toptpu.backend.runtime.machine import MachineTrap
+        from toptpu.backend.runtime.machine_executor import MachineExecutorError
 
         errors += (MachineTrap, MachineExecutorError)
     except ImportError:
@@ -140,7 +140,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
     """The sampling settings: the arguments given, else the model file's generation config
     (greedy unless it samples)."""
-    from toptpu.backend.runtime import GenerationError, SamplingConfig
+    from toptpu.backend.runtime.runtime import GenerationError, SamplingConfig
 
     def stored(key: str, kind: type, default: float) -> Any:
         v = generation.get(key)
@@ -229,7 +229,7 @@ def run_json(res: Any, executor: str) -> dict[str, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
     --image PATH (repeatable)."""
-    from toptpu.backend.runtime import Runtime
+    from toptpu.backend.runtime.runtime import Runtime
 
     rt = Runtime.open(args.model_file, args.executor)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -257,7 +257,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     /reset starts over, /exit (or end of input) quits, /help lists the commands, a message
     that starts with '/' is typed as '//...'; VLMs: /image PATH [message] attaches an image
     to the message (or to the next one). Ctrl-C quits (status 130)."""
-    from toptpu.backend.runtime import Runtime
+    from toptpu.backend.runtime.runtime import Runtime
 
     rt = Runtime.open(args.model_file, args.executor)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -315,7 +315,7 @@ def _read_message() -> str | None:
 
 
 def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
-    from toptpu.backend.runtime import PromptTooLongError
+    from toptpu.backend.runtime.runtime import PromptTooLongError
 
     images: list[Any] = []
     while True:
@@ -388,7 +388,7 @@ def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
     transformers `generate`."""
     import torch
 
-    from toptpu.backend.runtime import Runtime
+    from toptpu.backend.runtime.runtime import Runtime
     from toptpu.compiler import compile as compile_model
     from toptpu.frontends.hf_loader import quiet_transformers
     from toptpu.frontends.tiny_models import save_tiny_model

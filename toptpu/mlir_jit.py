@@ -31,9 +31,9 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, ModuleOp, StringAttr, TensorType
 
 from toptpu.dialects.common import numpy_dtype
+from toptpu.dialects.mlir_check import MlirCheckError, describe_mlir_error, print_generic
 from toptpu.dialects.naming import NAME_ATTR, input_names, output_names
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore, store_of
-from toptpu.mlir_check import MlirCheckError, describe_mlir_error, print_generic
 
 #: MLIR 22 pass pipeline from linalg-on-tensors to the LLVM dialect
 LOWERING_PIPELINE = ",".join([

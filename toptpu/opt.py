@@ -35,8 +35,8 @@ from xdsl.utils.exceptions import DiagnosticException, ParseError
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
+from toptpu.dialects.mlir_check import MlirCheckError
 from toptpu.dialects.weight_store import WeightStoreError
-from toptpu.mlir_check import MlirCheckError
 from toptpu.passes.address_assign import AddressError
 from toptpu.passes.convert_top_to_linalg import LinalgLoweringError
 from toptpu.passes.convert_top_to_tpu import ConversionError

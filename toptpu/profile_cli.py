@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 
-from toptpu.backend.machine_executor import MachineExecutor
-from toptpu.backend.profile import (
+from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.profile import (
     NetProfile,
     profile_timeline,
     profiles_json,

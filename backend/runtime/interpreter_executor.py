@@ -1,10 +1,10 @@
 """The interpreter executor: runs a model file's nets with the Tpu interpreter's kernels.
 
-It implements `toptpu.backend.executor.Executor` over a model file written by
-`toptpu.compiler.compile` (layout documented in `toptpu.backend.llm_file`):
+It implements `toptpu.backend.runtime.executor.Executor` over a model file written by
+`toptpu.compiler.compile` (layout documented in `toptpu.backend.formats.llm_file`):
 
 - each net's Tpu IR (section `ir:<net>`, generic form) is parsed once, on first use, into
-  a flat plan of kernel calls (the evaluators of `toptpu.backend.interpreter`, i.e. the
+  a flat plan of kernel calls (the evaluators of `toptpu.backend.reference.interpreter`, i.e. the
   backend kernels: one numeric truth);
 - weights are zero-copy numpy views of the memory-mapped weight blob; a per-layer net
   reads layer i's weights at `layer_base + i * layer_stride` plus each tensor's offset
@@ -39,17 +39,17 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
-from toptpu.backend import kernels as K
-from toptpu.backend.executor import NetInfo, TensorSpec
-from toptpu.backend.interpreter import (
+from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
+from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.reference import kernels as K
+from toptpu.backend.reference.interpreter import (
     EVALUATORS,
     EvalContext,
     Evaluator,
     constant_value,
     find_func,
 )
-from toptpu.backend.llm_file import LlmFile, LlmHeader
-from toptpu.backend.model_file import ModelFileError
+from toptpu.backend.runtime.executor import NetInfo, TensorSpec
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
 from toptpu.dialects.naming import input_names, output_names

@@ -10,7 +10,7 @@ real MLIR (top/tpu loaded from IRDL) and parses the result back into xDSL (the
 `mlir{pipeline="..."}` pass of toptpu-opt).
 
 `verify_with_irdl(module)` is the strict check: the `top` and `tpu` dialects are loaded
-into MLIR from IRDL generated from their xDSL definitions (`toptpu.irdl_export`), and the
+into MLIR from IRDL generated from their xDSL definitions (`toptpu.dialects.irdl_export`), and the
 module must parse and verify with unregistered dialects *not* allowed. An error names the
 op MLIR rejected. `mlir_context()` gives such a context for other uses (running MLIR
 passes on toptpu modules).
@@ -83,7 +83,7 @@ _IRDL_TEXT: dict[bool, str] = {}
 def irdl_text(unranked: bool = False) -> str:
     """The IRDL of the top and tpu dialects (cached per process)."""
     if unranked not in _IRDL_TEXT:
-        from toptpu.irdl_export import export_irdl
+        from toptpu.dialects.irdl_export import export_irdl
 
         _IRDL_TEXT[unranked] = export_irdl(unranked=unranked).text
     return _IRDL_TEXT[unranked]
@@ -167,7 +167,7 @@ def verify_with_irdl(module: ModuleOp | str) -> None:
 
 def _known_gaps_hint(message: str) -> str:
     """Name the documented IRDL gaps of the ops an MLIR error mentions."""
-    from toptpu.irdl_export import export_irdl
+    from toptpu.dialects.irdl_export import export_irdl
 
     named = set(re.findall(r"'((?:top|tpu)\.\w+)'", message))
     hints = [f"  known IRDL gap: {g}" for g in export_irdl().gaps

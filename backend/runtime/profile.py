@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from toptpu.backend.chips import Chip
-from toptpu.backend.machine import Timeline
+from toptpu.backend.runtime.machine import Timeline
+from toptpu.backend.target.chips import Chip
 
 
 @dataclass

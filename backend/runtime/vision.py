@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from toptpu.backend.executor import Buffer, Executor
-from toptpu.backend.runtime import GenerationError
+from toptpu.backend.runtime.executor import Buffer, Executor
+from toptpu.backend.runtime.runtime import GenerationError
 
 
 class ImageError(GenerationError):

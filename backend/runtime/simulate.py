@@ -14,9 +14,9 @@ import numpy as np
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
-from toptpu.backend.chips import Chip
-from toptpu.backend.codegen import Program, generate
-from toptpu.backend.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.codegen.streams import Program, generate
+from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.target.chips import Chip
 from toptpu.dialects.weight_store import WeightStore
 
 
@@ -78,7 +78,7 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
 
 def constant_pool(program: Program) -> bytes:
     """The net's constants, at their address-assign offsets."""
-    from toptpu.backend.interpreter import constant_value
+    from toptpu.backend.reference.interpreter import constant_value
     from toptpu.dialects import tpu
     from toptpu.dialects.common import read_int
     from toptpu.dialects.ir_text import parse_ir
@@ -111,7 +111,7 @@ def write_program_file(path: str, programs: Mapping[str, Program], store: Weight
                        chip: Chip) -> None:
     """One model file holding compiled nets: their programs, constant pools and one aligned
     weight blob (every weight the programs read, 64-byte aligned)."""
-    from toptpu.backend.model_file import write_model_file
+    from toptpu.backend.formats.model_file import write_model_file
 
     table: dict[str, dict] = {}
     chunks: list[bytes] = []
@@ -139,8 +139,8 @@ class ProgramFile:
     """A model file of compiled nets, run on one machine (weights mapped once)."""
 
     def __init__(self, path: str, checked: bool = False) -> None:
-        from toptpu.backend.chips import chip_from_json
-        from toptpu.backend.model_file import ModelFile, ModelFileError
+        from toptpu.backend.formats.model_file import ModelFile, ModelFileError
+        from toptpu.backend.target.chips import chip_from_json
 
         self.file = ModelFile(path)
         h = self.file.header

@@ -1,6 +1,6 @@
 """The LLM runtime: KV caches, chunked prefill, decode, chat and sampling over an `Executor`.
 
-Written once against `toptpu.backend.executor.Executor`, so the interpreter executor and
+Written once against `toptpu.backend.runtime.executor.Executor`, so the interpreter executor and
 the reference machine run the same generation loop:
 
 - one K and one V buffer `[1, SEQ, kvH, D]` per layer, allocated on the executor;
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from toptpu.backend.executor import Buffer, Executor, NetInfo, TensorSpec
-from toptpu.backend.llm_file import TEXT_NETS, LlmHeader
+from toptpu.backend.formats.llm_file import TEXT_NETS, LlmHeader
+from toptpu.backend.runtime.executor import Buffer, Executor, NetInfo, TensorSpec
 from toptpu.frontends.masks import decode_mask, prefill_mask
 
 
@@ -395,11 +395,11 @@ class Runtime:
         `machine` executor (the file's command streams on the reference machine)."""
         ex: Any
         if executor == "interpreter":
-            from toptpu.backend.interpreter_executor import InterpreterExecutor
+            from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 
             ex = InterpreterExecutor(path, verify_checksums)
         elif executor == "machine":
-            from toptpu.backend.machine_executor import MachineExecutor
+            from toptpu.backend.runtime.machine_executor import MachineExecutor
 
             ex = MachineExecutor(path)
         else:
@@ -573,10 +573,10 @@ class Runtime:
 
     @property
     def vision(self) -> Any:
-        """The model file's `toptpu.backend.vision.VisionEncoder` (GenerationError for a
+        """The model file's `toptpu.backend.runtime.vision.VisionEncoder` (GenerationError for a
         text-only model)."""
         if self._vision is None:
-            from toptpu.backend.vision import VisionEncoder
+            from toptpu.backend.runtime.vision import VisionEncoder
 
             self._vision = VisionEncoder(self.ex, self.header)
         return self._vision
@@ -586,7 +586,7 @@ class Runtime:
         return self.vision.encode(image)
 
     def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
-        from toptpu.backend.vision import EncodedImage
+        from toptpu.backend.runtime.vision import EncodedImage
 
         return [im if isinstance(im, EncodedImage) else self.encode_image(im)
                 for im in images or []]

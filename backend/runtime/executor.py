@@ -12,8 +12,8 @@ runs a net with every input and output *bound* to a buffer. That is how decode w
 new token's k/v straight into its cache slot (no concatenated copy) and how each layer runs
 the one compiled `block` net with its own weights (`layer=`).
 
-Binding rules every executor follows (the runtime in `toptpu.backend.runtime` relies on
-them; `toptpu.backend.interpreter_executor` is the reference implementation):
+Binding rules every executor follows (the runtime in `toptpu.backend.runtime.runtime` relies on
+them; `toptpu.backend.runtime.interpreter_executor` is the reference implementation):
 
 - `run` gets exactly the net's input and output names (IO names of a net are unique:
   the block nets' hidden output is `hidden_out`); anything missing or extra is an error.
@@ -29,7 +29,7 @@ them; `toptpu.backend.interpreter_executor` is the reference implementation):
   value stays finite (caches start zeroed; padded rows compute finite values).
 - `layer=` is required for a per-layer net (`NetInfo.per_layer`) and forbidden otherwise;
   layer i's weights are the i-th chunk of the model file's weight blob
-  (`toptpu.backend.llm_file`).
+  (`toptpu.backend.formats.llm_file`).
 - `modelled_seconds()` only grows; an executor without a cost model returns 0.0 and the
   runtime reports modelled times as "n/a".
 """
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:  # llm_file builds on this module
-    from toptpu.backend.llm_file import LlmHeader
+    from toptpu.backend.formats.llm_file import LlmHeader
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class NetInfo:
 class Executor(Protocol):
     """Runs the nets of one compiled model."""
 
-    #: the validated model file header (`toptpu.backend.llm_file.LlmHeader`): config,
+    #: the validated model file header (`toptpu.backend.formats.llm_file.LlmHeader`): config,
     #: static shapes, generation config, ...
     meta: LlmHeader
     header: dict  # its JSON form

@@ -29,9 +29,9 @@ import numpy as np
 from xdsl.dialects import func
 from xdsl.ir import Operation
 
-from toptpu.backend.chips import Chip, compute_cycles, dma_cycles
-from toptpu.backend.codegen import Program
-from toptpu.backend.interpreter import EVALUATORS, EvalContext, evaluate_op
+from toptpu.backend.codegen.streams import Program
+from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, evaluate_op
+from toptpu.backend.target.chips import Chip, compute_cycles, dma_cycles
 
 
 class MachineTrap(Exception):
@@ -252,7 +252,7 @@ class Machine:
     def _a16_matmul(self, op: Operation, c: dict[str, Any], args: list) -> np.ndarray:
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance across runs."""
-        from toptpu.backend import kernels as K
+        from toptpu.backend.reference import kernels as K
         from toptpu.dialects.common import read_int
 
         x, q, s, z, bias = args
@@ -346,7 +346,7 @@ class Machine:
         if op.name == "tpu.a16_matmul":
             results = [self._a16_matmul(op, c, args)]
         elif op.name == "tpu.matmul" and c["ins"][1] and c["ins"][1]["buf"] in self._prov:
-            from toptpu.backend import kernels as K
+            from toptpu.backend.reference import kernels as K
 
             w = args[1]
             assert w is not None

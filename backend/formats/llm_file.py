@@ -1,6 +1,6 @@
 """The LLM model file: what `toptpu compile` writes and every executor reads.
 
-It is a `toptpu.backend.model_file` container (magic, version, checksummed JSON header,
+It is a `toptpu.backend.formats.model_file` container (magic, version, checksummed JSON header,
 checksummed sections, zero padding, written atomically). This module fixes the LLM
 conventions on top of it: ONE typed schema for the header (`LlmHeader` and its nested
 dataclasses), which the compiler builds and writes and every reader gets back validated.
@@ -10,7 +10,7 @@ Sections (every section is named by the header; a file with any other section is
 - `ir:<net>`: the net's Tpu IR, xDSL generic form (with `loc("name")` debug info). The
   `top.weight_store` module attribute is removed: weights come from the blob below.
 - `stream:<net>` / `const:<net>`: the machine's command streams (a
-  `toptpu.backend.codegen.Program` with the grouped Tpu IR) and its constant pool.
+  `toptpu.backend.codegen.streams.Program` with the grouped Tpu IR) and its constant pool.
 - `tokenizer:<file>`: the tokenizer files, byte for byte; `<file>` is one of
   `TOKENIZER_FILES` (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, ...),
   never a path.
@@ -65,9 +65,7 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
-from toptpu.backend.chips import chip_names
-from toptpu.backend.executor import NetInfo, TensorSpec
-from toptpu.backend.header_schema import (
+from toptpu.backend.formats.header_schema import (
     Count,
     HeaderError,
     Name,
@@ -79,7 +77,9 @@ from toptpu.backend.header_schema import (
     join,
     short,
 )
-from toptpu.backend.model_file import ModelFile, ModelFileError, write_model_file
+from toptpu.backend.formats.model_file import ModelFile, ModelFileError, write_model_file
+from toptpu.backend.runtime.executor import NetInfo, TensorSpec
+from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
 
 KIND = "toptpu-llm"
@@ -302,7 +302,7 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class VisionInfo:
-    """What the runtime needs of a VLM's vision net (see `toptpu.backend.vision`)."""
+    """What the runtime needs of a VLM's vision net (see `toptpu.backend.runtime.vision`)."""
 
     kind: Annotated[str, OneOf(tuple(VISION_KINDS), "vision family")]
     model_type: Name

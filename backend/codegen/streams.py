@@ -29,7 +29,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from toptpu.backend.chips import Chip
+from toptpu.backend.target.chips import Chip
 from toptpu.dialects import tpu
 from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.naming import input_names, op_name, output_names
@@ -137,7 +137,7 @@ def _gkey(ref: dict[str, Any]) -> tuple:
 
 def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     """Command streams for one grouped, allocated and addressed function."""
-    from toptpu.mlir_check import print_generic
+    from toptpu.dialects.mlir_check import print_generic
     from toptpu.passes.address_assign import regions_of
 
     block = fn.body.block

@@ -13,10 +13,10 @@
 - single regions (`irdl.region`, `with size 1` for single-block regions).
 
 The printed module (custom IRDL syntax, which MLIR 22 parses) is what
-`toptpu.mlir_check.verify_with_irdl` loads with `mlir.dialects.irdl.load_dialects`.
+`toptpu.dialects.mlir_check.verify_with_irdl` loads with `mlir.dialects.irdl.load_dialects`.
 
 What IRDL in MLIR 22 cannot say is recorded as an `IrdlGap` (printed as comments by
-`python -m toptpu.irdl_export`), never silently dropped:
+`python -m toptpu.dialects.irdl_export`), never silently dropped:
 
 - optional attributes (`irdl.attributes` has no optionality; upstream PR #110981 is open):
   MLIR checks neither their presence nor their kind;
@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m toptpu.irdl_export",
+        prog="python -m toptpu.dialects.irdl_export",
         description="print the IRDL of the top and tpu dialects (load it with "
                     "mlir-opt --irdl-file=...)")
     ap.add_argument("--unranked", action="store_true",

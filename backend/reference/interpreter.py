@@ -16,7 +16,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import DenseIntOrFPElementsAttr, ModuleOp, TensorType
 from xdsl.ir import Operation, SSAValue
 
-from toptpu.backend import kernels as K
+from toptpu.backend.reference import kernels as K
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     ShapedOp,
