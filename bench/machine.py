@@ -21,14 +21,16 @@ import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
+from toptpu.backend.contract import StaticShapes
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.profile import profile_timeline
-from toptpu.backend.runtime.simulate import compile_for_machine, simulate
+from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
-from toptpu.frontends.llm import StaticShapes, split_model
+from toptpu.frontends.llm import split_model
 from toptpu.frontends.tiny_models import qwen25_05b_config
+from toptpu.machine_pipeline import compile_for_machine
 from toptpu.metrics import similarity
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 

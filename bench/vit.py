@@ -26,12 +26,13 @@ import numpy as np
 
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.profile import profile_timeline
-from toptpu.backend.runtime.simulate import compile_for_machine, simulate
+from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.tiny_vlms import tiny_vlm, vlm_tokenizer
 from toptpu.frontends.vlm import load_vlm
+from toptpu.machine_pipeline import compile_for_machine
 from toptpu.metrics import similarity
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from xdsl.context import Context
+from xdsl.dialects.arith import Arith
+from xdsl.dialects.builtin import Builtin
+from xdsl.dialects.func import Func
+
+from toptpu.dialects.top import Top
+from toptpu.dialects.tpu import Tpu
 
 
 def all_dialects() -> list:  # noqa: ANN201 - list[Dialect]
     """The dialects toptpu works with: builtin, func, arith and its own."""
-    from xdsl.dialects.arith import Arith
-    from xdsl.dialects.builtin import Builtin
-    from xdsl.dialects.func import Func
-
-    from toptpu.dialects.top import Top
-    from toptpu.dialects.tpu import Tpu
-
     return [Builtin, Func, Arith, Top, Tpu]
 
 

@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+import ml_dtypes
+import numpy as np
 from xdsl.dialects.builtin import (
     AnyFloat,
     BFloat16Type,
@@ -320,10 +322,7 @@ class ShapedOp(IRDLOperation):
 # --------------------------------------------------------------------------- names
 
 
-def numpy_dtype(t: Attribute):  # noqa: ANN201 - returns a numpy dtype
-    import ml_dtypes
-    import numpy as np
-
+def numpy_dtype(t: Attribute) -> np.dtype:
     name = dtype_name(t)
     return {
         "f32": np.dtype(np.float32),
@@ -339,8 +338,6 @@ def numpy_dtype(t: Attribute):  # noqa: ANN201 - returns a numpy dtype
 
 
 def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
-    import ml_dtypes
-    import numpy as np
 
     dt = np.dtype(dt)
     table = {
@@ -360,7 +357,6 @@ def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
 
 
 def dense_attr(arr) -> DenseIntOrFPElementsAttr:  # noqa: ANN001 - a numpy array
-    import numpy as np
 
     elem = element_type_of_numpy(arr.dtype)
     t = tensor(arr.shape, elem)
@@ -370,3 +366,15 @@ def dense_attr(arr) -> DenseIntOrFPElementsAttr:  # noqa: ANN001 - a numpy array
     return DenseIntOrFPElementsAttr.from_list(t, [int(x) for x in data.astype(np.int64)])
 
 
+def constant_value(attr: DenseIntOrFPElementsAttr) -> np.ndarray:
+    """The value of a dense constant attribute as a numpy array of its element type (a
+    splat filled to its shape)."""
+    t = attr.get_type()
+    assert isinstance(t, TensorType)
+    dt = numpy_dtype(t.element_type)
+    vals = attr.get_values()
+    shape = tuple(t.get_shape())
+    arr = np.array(vals, dtype=np.float64 if np.issubdtype(dt, np.floating) else None)
+    if arr.size == 1 and int(np.prod(shape)) != 1:
+        arr = np.full(shape, arr.reshape(-1)[0])
+    return arr.reshape(shape).astype(dt)

@@ -45,6 +45,7 @@ not IR, and what `parse_ir` does instead:
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Callable, Mapping
 
@@ -52,9 +53,12 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Block, BlockArgument, Operation, SSAValue, TypeAttribute
 from xdsl.parser import AttrParser, Parser
+from xdsl.printer import Printer
 from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyException
 from xdsl.utils.lexer import Input, Span
 from xdsl.utils.mlir_lexer import MLIRLexer, MLIRToken, MLIRTokenKind, StringLiteral
+
+from toptpu.dialects import context
 
 
 class IRTextError(ValueError):
@@ -244,8 +248,6 @@ def parse_ir(data: bytes | str, name: str, ctx: Context | None = None, *,
 
 def _parse(text: str, name: str, ctx: Context | None,
            implicit_module: bool) -> tuple[ModuleOp, OpStarts]:
-    from toptpu.dialects import context
-
     parser = _LocatingParser(ctx if ctx is not None else context(), text, name)
     try:
         return parser.parse_module(implicit_module), parser.op_starts
@@ -349,3 +351,13 @@ def _use_problem(op: Operation, value: SSAValue, position: Callable[[Operation],
             return None  # another block of the same region: CFG dominance, not checked here
         user = user.parent_op()
     return f"uses {name} outside the region that defines it"
+
+
+# -- printing -----------------------------------------------------------------------------------
+
+
+def print_generic(module: ModuleOp, debuginfo: bool = True) -> str:
+    """The module in MLIR's generic form (what real MLIR parses; `loc(...)` kept)."""
+    out = io.StringIO()
+    Printer(stream=out, print_generic_format=True, print_debuginfo=debuginfo).print_op(module)
+    return out.getvalue()

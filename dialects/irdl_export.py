@@ -36,6 +36,7 @@ What IRDL in MLIR 22 cannot say is recorded as an `IrdlGap` (printed as comments
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ from xdsl.irdl.operations import (
     VarRegionDef,
     VarSingleBlockRegionDef,
 )
+
+from toptpu.dialects.top import Top
+from toptpu.dialects.tpu import Tpu
 
 #: xDSL attribute/type class -> MLIR's name of that builtin base (checked against MLIR by
 #: tests/test_irdl.py: each name is verified with a sample value)
@@ -335,9 +339,6 @@ def dialect_to_irdl(dialect: Dialect, unranked: bool = False,
 
 
 def default_dialects() -> list[Dialect]:
-    from toptpu.dialects.top import Top
-    from toptpu.dialects.tpu import Tpu
-
     return [Top, Tpu]
 
 
@@ -351,8 +352,6 @@ def export_irdl(dialects: Sequence[Dialect] | None = None, unranked: bool = Fals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(
         prog="python -m toptpu.dialects.irdl_export",
         description="print the IRDL of the top and tpu dialects (load it with "

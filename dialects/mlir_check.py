@@ -18,24 +18,21 @@ passes on toptpu modules).
 
 from __future__ import annotations
 
-import io
+import difflib
 import re
 from typing import Any
 
+from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, UnrankedTensorType
-from xdsl.printer import Printer
+from xdsl.universe import Universe
 
-from toptpu.dialects.ir_text import parse_ir
+from toptpu.dialects import all_dialects, context
+from toptpu.dialects.ir_text import parse_ir, print_generic
+from toptpu.dialects.irdl_export import export_irdl
 
 
 class MlirCheckError(Exception):
     pass
-
-
-def print_generic(module: ModuleOp, debuginfo: bool = True) -> str:
-    out = io.StringIO()
-    Printer(stream=out, print_generic_format=True, print_debuginfo=debuginfo).print_op(module)
-    return out.getvalue()
 
 
 def mlir_parse_and_verify(text: str, allow_unregistered: bool = True) -> str:
@@ -56,8 +53,6 @@ def mlir_parse_and_verify(text: str, allow_unregistered: bool = True) -> str:
 
 
 def roundtrip_through_mlir(module: ModuleOp) -> ModuleOp:
-    from toptpu.dialects import context
-
     back = mlir_parse_and_verify(print_generic(module))
     return parse_ir(back, "mlir-roundtrip", context(), verify=False)
 
@@ -66,7 +61,6 @@ def check_roundtrip(module: ModuleOp) -> ModuleOp:
     back = roundtrip_through_mlir(module)
     if not back.is_structurally_equivalent(module):
         a, b = print_generic(module), print_generic(back)
-        import difflib
 
         diff = "\n".join(list(difflib.unified_diff(a.splitlines(), b.splitlines(),
                                                    "xdsl", "mlir", lineterm=""))[:40])
@@ -83,8 +77,6 @@ _IRDL_TEXT: dict[bool, str] = {}
 def irdl_text(unranked: bool = False) -> str:
     """The IRDL of the top and tpu dialects (cached per process)."""
     if unranked not in _IRDL_TEXT:
-        from toptpu.dialects.irdl_export import export_irdl
-
         _IRDL_TEXT[unranked] = export_irdl(unranked=unranked).text
     return _IRDL_TEXT[unranked]
 
@@ -167,8 +159,6 @@ def verify_with_irdl(module: ModuleOp | str) -> None:
 
 def _known_gaps_hint(message: str) -> str:
     """Name the documented IRDL gaps of the ops an MLIR error mentions."""
-    from toptpu.dialects.irdl_export import export_irdl
-
     named = set(re.findall(r"'((?:top|tpu)\.\w+)'", message))
     hints = [f"  known IRDL gap: {g}" for g in export_irdl().gaps
              if g.op in named and "variadic" in g.detail]
@@ -181,11 +171,6 @@ def _known_gaps_hint(message: str) -> str:
 def xdsl_context_for_mlir() -> Any:  # xdsl.context.Context
     """An xDSL context that reads what MLIR prints: toptpu's dialects and every dialect
     xDSL knows (loaded lazily)."""
-    from xdsl.context import Context
-    from xdsl.universe import Universe
-
-    from toptpu.dialects import all_dialects
-
     ctx = Context()
     ours = {d.name for d in all_dialects()}
     for d in all_dialects():

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 
 STORE_ATTR = "top.weight_store"
@@ -60,8 +61,6 @@ class WeightStore:
     @classmethod
     def open(cls, path: str) -> WeightStore:
         """Open a safetensors file (tensors are read on first use)."""
-        from safetensors import SafetensorError, safe_open
-
         path = os.path.abspath(path)
         if path in _REGISTRY:
             return _REGISTRY[path]
@@ -94,8 +93,6 @@ class WeightStore:
         if name in self._arrays:
             return self._arrays[name]
         if name in self._lazy:
-            from safetensors import safe_open
-
             with safe_open(self._lazy[name], framework="pt") as f:
                 arr = _torch_to_numpy(f.get_tensor(name))
             self._arrays[name] = arr

@@ -30,10 +30,12 @@ from toptpu.dialects import top
 from toptpu.dialects.common import (
     bool_attr,
     dense_attr,
+    dtype_from_name,
     element_type_of_numpy,
     f64_attr,
     i64_array,
     i64_attr,
+    numpy_dtype,
     shape_of,
     str_attr,
     tensor,
@@ -69,8 +71,6 @@ TORCH_TO_ELEM = {
 
 
 def elem_of_torch(dtype: torch.dtype) -> Attribute:
-    from toptpu.dialects.common import dtype_from_name
-
     if dtype not in TORCH_TO_ELEM:
         raise ImportError_(f"tensors of dtype {dtype} are not supported")
     return dtype_from_name(TORCH_TO_ELEM[dtype])
@@ -352,7 +352,6 @@ def _compare(pred: str) -> Builder:
             arr = np.array(_scalar(b)).astype(
                 np.float32 if "f" in str(x.type) else np.int64
             )
-            from toptpu.dialects.common import numpy_dtype
 
             t = x.type
             assert isinstance(t, TensorType)
@@ -384,7 +383,6 @@ def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
     m = im.value(node.args[1])
     v = _scalar(node.args[2])
     assert v is not None
-    from toptpu.dialects.common import numpy_dtype
 
     t = x.type
     assert isinstance(t, TensorType)
@@ -728,8 +726,6 @@ def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
         mt = mask.type
         assert isinstance(mt, TensorType)
         if mt.element_type == elem_of_torch(torch.bool):
-            from toptpu.dialects.common import numpy_dtype
-
             dt = numpy_dtype(elem_of_torch(node.meta["val"].dtype))
             zero = im.emit(top.ConstantOp.build([], {"value": dense_attr(
                 np.zeros((), dt))}), "mask_zero").results[0]

@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from toptpu.frontends.fx_importer import import_module
+from toptpu.passes.pipelines import run_passes, top_pipeline_passes
+
 
 class DecoderLayerWithRope(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module) -> None:
@@ -91,9 +94,6 @@ def import_decoder_layer(model: Any, length: int, *, index: int = 0,
     """Layer `index` of `model` imported into Top at `length` tokens (after `top-pipeline`
     unless told otherwise), with its causal-mask inputs and torch's output. `mask_value`
     replaces the mask's large negative (-10000.0 keeps f16/bf16 nets finite)."""
-    from toptpu.frontends.fx_importer import import_module
-    from toptpu.passes.pipelines import run_passes, top_pipeline_passes
-
     layer = decoder_layer(model, index)
     hidden, pos, mask = layer_inputs(model.config.hidden_size, length)
     if mask_value is not None:

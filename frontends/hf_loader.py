@@ -25,9 +25,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
-from toptpu.backend.formats.llm_file import (
-    TOKENIZER_FILES,  # the tokenizer files a model file carries
+from toptpu.backend.contract import TOKENIZER_FILES  # the tokenizer files a model file carries
+from toptpu.frontends.quant_checkpoints import (
+    QuantizedCheckpointError,
+    read_quantized_checkpoint,
 )
 
 #: model_type -> the family name used in model files
@@ -172,8 +175,6 @@ FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
 def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, safetensors dtype such as 'F32') over every safetensors file
     of a checkpoint (headers only)."""
-    from safetensors import safe_open
-
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _checkpoint_files(path):
         try:
@@ -386,11 +387,6 @@ def _load_prequantized(path: str, raw: dict[str, Any], config: Any,
     build the float model from the exactly dequantized weights (Top and the float reference
     see those), and keep the checkpoint for the lowering to use its integers as they are."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from toptpu.frontends.quant_checkpoints import (
-        QuantizedCheckpointError,
-        read_quantized_checkpoint,
-    )
 
     try:
         ck = read_quantized_checkpoint(path)

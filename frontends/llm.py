@@ -25,8 +25,10 @@ cache layout; the Top `fuse` pass turns that into `top.attention` with
 `history_k`/`history_v` operands, so the caches are read where they lie and never
 concatenated into a fresh buffer (reload-free decode; the compiler checks it).
 
-Masks are additive: 0 where visible, -10000 elsewhere (`toptpu.frontends.masks` builds
-them for the splitter's example inputs, the runtime and the tests alike).
+Net and IO names, static shapes and masks are the net contract (`toptpu.backend.contract`,
+which the runtime reads too). Masks are additive: 0 where visible, -10000 elsewhere
+(`prefill_mask` and `decode_mask` build them for the splitter's example inputs, the runtime
+and the tests alike).
 """
 
 from __future__ import annotations
@@ -39,36 +41,29 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from toptpu.frontends.masks import decode_mask, prefill_mask
+from toptpu.backend.contract import (
+    BLOCK,
+    BLOCK_CACHE,
+    BLOCK_INPUTS,
+    BLOCK_KV,
+    BLOCK_OUTPUTS,
+    EMBEDDING,
+    EMBEDDING_CACHE,
+    HIDDEN,
+    HISTORY_INPUTS,
+    INPUT_IDS,
+    LM_HEAD,
+    LM_HEAD_LOGITS,
+    LOGITS,
+    TOKEN,
+    StaticShapes,
+    decode_mask,
+    prefill_mask,
+)
 
 
 class SplitError(ValueError):
     """The model cannot be split into nets as asked (shapes, structure); the message says why."""
-
-
-@dataclass(frozen=True)
-class StaticShapes:
-    """The compiled static shapes: KV capacity SEQ, prefill chunk L, prefill history Hh."""
-
-    seq_length: int
-    max_input_length: int
-    max_history: int
-
-    @classmethod
-    def make(cls, seq_length: int, max_input_length: int | None = None,
-             max_history: int | None = None) -> StaticShapes:
-        """Fill the defaults (L = min(SEQ, 128), Hh = SEQ) and validate."""
-        if seq_length < 2:
-            raise SplitError(f"--seq-length must be at least 2, got {seq_length}")
-        L = min(seq_length, 128) if max_input_length is None else max_input_length
-        Hh = seq_length if max_history is None else max_history
-        if not 1 <= L <= seq_length:
-            raise SplitError(
-                f"--max-input-length {L} must be between 1 and --seq-length {seq_length}")
-        if not 1 <= Hh <= seq_length:
-            raise SplitError(
-                f"--max-history {Hh} must be between 1 and --seq-length {seq_length}")
-        return cls(seq_length, L, Hh)
 
 
 @dataclass(frozen=True)
@@ -221,10 +216,6 @@ class NetSpec:
     per_layer: bool
 
 
-#: the nets a causal LM is split into, in compile order
-NET_NAMES = ("embedding", "embedding_cache", "block", "block_kv", "block_cache", "lm_head",
-             "lm_head_logits")
-
 #: the prefix of a per-layer net's parameters (`Block.layer`)
 LAYER_PREFIX = "layer."
 
@@ -253,30 +244,28 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0) -> list[NetSpe
 
     block = Block(inner.layers[layer], inner.rotary_emb, apply_rotary, arch).eval()
     block_h = BlockWithHistory(inner.layers[layer], inner.rotary_emb, apply_rotary, arch).eval()
-    io_block = ["hidden", "position_ids", "attention_mask"]
-    io_hist = [*io_block, "history_k", "history_v"]
-    outs = ["hidden_out", "present_k", "present_v"]
+    io_block, io_hist, outs = list(BLOCK_INPUTS), list(HISTORY_INPUTS), list(BLOCK_OUTPUTS)
     lm_head = model.get_output_embeddings()
     return [
-        NetSpec("embedding", Embedding(inner.embed_tokens), (ids(L),), ["input_ids"],
-                ["hidden"], False),
-        NetSpec("embedding_cache", Embedding(inner.embed_tokens), (ids(1),), ["input_ids"],
-                ["hidden"], False),
-        NetSpec("block", block,
+        NetSpec(EMBEDDING, Embedding(inner.embed_tokens), (ids(L),), [INPUT_IDS], [HIDDEN],
+                False),
+        NetSpec(EMBEDDING_CACHE, Embedding(inner.embed_tokens), (ids(1),), [INPUT_IDS],
+                [HIDDEN], False),
+        NetSpec(BLOCK, block,
                 (rand(1, L, H), pos(L), torch.from_numpy(prefill_mask(L, L))),
                 io_block, outs, True),
-        NetSpec("block_kv", block_h,
+        NetSpec(BLOCK_KV, block_h,
                 (rand(1, L, H), pos(L, Hh), torch.from_numpy(prefill_mask(L, L, Hh, Hh)),
                  rand(1, Hh, kvh, D), rand(1, Hh, kvh, D)),
                 io_hist, outs, True),
-        NetSpec("block_cache", block_h,
+        NetSpec(BLOCK_CACHE, block_h,
                 (rand(1, 1, H), pos(1, seq - 1), torch.from_numpy(decode_mask(seq - 1, seq)),
                  rand(1, seq, kvh, D), rand(1, seq, kvh, D)),
                 io_hist, outs, True),
-        NetSpec("lm_head", LmHead(inner.norm, lm_head, greedy=True), (rand(1, H),),
-                ["hidden"], ["token"], False),
-        NetSpec("lm_head_logits", LmHead(inner.norm, lm_head, greedy=False), (rand(1, H),),
-                ["hidden"], ["logits"], False),
+        NetSpec(LM_HEAD, LmHead(inner.norm, lm_head, greedy=True), (rand(1, H),), [HIDDEN],
+                [TOKEN], False),
+        NetSpec(LM_HEAD_LOGITS, LmHead(inner.norm, lm_head, greedy=False), (rand(1, H),),
+                [HIDDEN], [LOGITS], False),
     ]
 
 

@@ -56,6 +56,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 __all__ = [
     "AWQ_PACK_ORDER",
@@ -273,8 +274,6 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 def _read_file(path: Path) -> dict[str, np.ndarray]:
     """All tensors of one safetensors file as numpy arrays (bfloat16 as ml_dtypes.bfloat16)."""
-    from safetensors import safe_open
-
     out: dict[str, np.ndarray] = {}
     bf16: list[str] = []
     with safe_open(str(path), framework="numpy") as f:
@@ -300,8 +299,6 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
 
 
 def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-
     index_path = model_dir / "model.safetensors.index.json"
     expected: dict[str, str] | None = None
     if index_path.is_file():

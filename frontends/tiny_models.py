@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS = """\
 The tensor processor runs the compiled model. Each layer is compiled once and bound to
@@ -37,7 +38,6 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE `PreTrainedTokenizerFast` trained on CORPUS (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

@@ -16,7 +16,7 @@ output rows over the embeddings of the image placeholder tokens, in order.
   `interpolate_pos_encoding`), every `InternVLVisionLayer` (layer or RMS norm, q/k norm,
   layer scale), the final norm, the model's `pixel_shuffle` and the MLP projector.
 - MiniCPM-V 4.6: `pixel_values` f32 [1, 3, P, N*P] (a NaViT-packed slice in merge order,
-  see `toptpu.frontends.vision_inputs`), `position_ids_vit` i32 [1, N], `attention_mask`
+  see `toptpu.backend.contract.pack_slice`), `position_ids_vit` i32 [1, N], `attention_mask`
   [1, 1, 1, N] -> `image_embeds` [1, N/16, H]. N is a static patch budget (default
   the largest slice the processor makes from any image of aspect ratio up to 10, found
   with the processor's own sizing functions: slices are not square and hold up to ~1.2
@@ -49,7 +49,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from toptpu.backend.formats.llm_file import VISION_KINDS, VISION_NET
+from toptpu.backend.contract import (
+    ATTENTION_MASK,
+    IMAGE_EMBEDS,
+    PIXEL_VALUES,
+    POSITION_IDS_VIT,
+    VISION_KINDS,
+    VISION_NET,
+    merge_order,
+    pack_slice,
+)
 from toptpu.frontends.hf_loader import (
     LoadedModel,
     ModelLoadError,
@@ -60,16 +69,12 @@ from toptpu.frontends.hf_loader import (
     quiet_transformers,
 )
 from toptpu.frontends.llm import NetSpec, SplitError
-from toptpu.frontends.vision_inputs import pack_slice
 
 #: model_type -> the vision family name used in model files
 VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv"}
 
 #: the tokenizer attributes naming each family's image tokens (what its processor reads)
 REQUIRED_TOKENS = {kind: tokens for kind, (_, tokens, _) in VISION_KINDS.items()}
-
-#: the name of the vision net
-VIT_NET = VISION_NET
 
 _PROCESSORS = {kind: processor for kind, (processor, _, _) in VISION_KINDS.items()}
 
@@ -305,13 +310,12 @@ class VisionModel:
             s = self.image_size
             module: torch.nn.Module = InternVLVit(self.vlm, s).eval()
             args: tuple[torch.Tensor, ...] = (torch.randn(1, 3, s, s, generator=g),)
-            return NetSpec(VIT_NET, module, args, ["pixel_values"], ["image_embeds"], False)
+            return NetSpec(VISION_NET, module, args, [PIXEL_VALUES], [IMAGE_EMBEDS], False)
         h, w = self._probe_grid()
         patches = torch.randn(3, self.patch_size, h * w * self.patch_size, generator=g)
         args = tuple(torch.from_numpy(a) for a in self.pack(patches.numpy(), h, w))
-        return NetSpec(VIT_NET, MiniCPMVVit(self.vlm, self.levels).eval(), args,
-                       ["pixel_values", "position_ids_vit", "attention_mask"],
-                       ["image_embeds"], False)
+        return NetSpec(VISION_NET, MiniCPMVVit(self.vlm, self.levels).eval(), args,
+                       [PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK], [IMAGE_EMBEDS], False)
 
     def pack(self, patches: np.ndarray, h: int, w: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -351,8 +355,6 @@ class VisionModel:
             _similar(ours[0, :n // self.token_divisor], ref_rows, "MiniCPM-V")
 
     def _order(self, h: int, w: int) -> np.ndarray:
-        from toptpu.frontends.vision_inputs import merge_order
-
         return merge_order(h, w, self.levels)
 
     # ------------------------------------------------------------------ model file
@@ -362,7 +364,7 @@ class VisionModel:
         out: dict[str, Any] = {
             "kind": self.kind,
             "model_type": cfg.model_type,
-            "net": VIT_NET,
+            "net": VISION_NET,
             "image_token_id": int(cfg.image_token_id),
             "tokens": dict(self.tokens),
             "token_ids": dict(self.token_ids),

@@ -27,9 +27,9 @@ from xdsl.dialects.builtin import DictionaryAttr, IntegerAttr, ModuleOp, i64
 from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
 
+from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array, i64_attr, read_int
-from toptpu.passes.lmem import nbytes
 
 ALIGN = 64
 

@@ -28,11 +28,14 @@ from xdsl.transforms.canonicalize import CanonicalizationRewritePattern
 from xdsl.transforms.common_subexpression_elimination import cse
 from xdsl.transforms.dead_code_elimination import region_dce
 
+from toptpu.backend.reference.interpreter import EvalContext, evaluate_op
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     ShapedOp,
+    constant_value,
     dense_attr,
     elem_of,
+    f64_attr,
     i64_array,
     numel,
     read_bool,
@@ -140,7 +143,6 @@ class ComposeScalarMuls(RewritePattern):
         inner = producer(op.input, type(op))
         if inner is None or not inner.output.has_one_use():
             return
-        from toptpu.dialects.common import f64_attr
 
         v = read_float(inner.value) * read_float(op.value)
         new = type(op).build([inner.input], {**_attrs(op), "value": f64_attr(v)})
@@ -159,9 +161,7 @@ class FoldConstants(RewritePattern):
             return
         if any(numel(shape_of(r)) > FOLD_LIMIT for r in op.results):
             return
-        # constant folding computes with the backend kernels: the one numeric truth
-        from toptpu.backend.reference.interpreter import EvalContext, constant_value, evaluate_op
-
+        # constant folding computes with the reference kernels: the one numeric truth
         args = []
         for v in op.operand_groups():
             c = producer(v, top.ConstantBase) if v is not None else None

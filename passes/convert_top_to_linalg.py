@@ -3,7 +3,7 @@
 The result is plain upstream MLIR (printed in generic form it parses in MLIR 22 with no
 toptpu dialect loaded), which `toptpu.mlir_jit` bufferizes, lowers to LLVM with MLIR's own
 passes and JIT-compiles: a numerical implementation of Top independent of the numpy
-kernels (`backend/kernels.py`) and of torch.
+kernels (`toptpu.backend.reference.kernels`) and of torch.
 
 - `top.weight` ops become extra function arguments (after the real inputs, one per
   distinct weight, with the arg attribute `top.weight = "<name>"`): weights never become

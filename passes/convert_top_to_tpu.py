@@ -45,10 +45,12 @@ from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     MODES,
     ShapedOp,
+    constant_value,
     dense_attr,
     dtype_from_name,
     dtype_name,
     elem_of,
+    element_type_of_numpy,
     i64_attr,
     is_float,
     numpy_dtype,
@@ -227,8 +229,6 @@ class Lowering:
             target = elem if elem is not None else elem_of(v)
             return self.weight(w, target, rewriter)
         if (c := producer(v, top.ConstantOp)) is not None:
-            from toptpu.backend.reference.interpreter import constant_value
-
             arr = constant_value(c.value)
             target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
             new = tpu.ConstantOp.build([], {"value": dense_attr(arr.astype(numpy_dtype(target)))})
@@ -249,8 +249,6 @@ class Lowering:
 
 
 def tpu_elem_of_numpy(dt: np.dtype) -> Attribute:
-    from toptpu.dialects.common import element_type_of_numpy
-
     return element_type_of_numpy(dt)
 
 

@@ -26,11 +26,10 @@ from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from toptpu.backend.target.chips import Chip, compute_cycles, dma_cycles, get_chip
+from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.backend.target.cost import compute_cycles, cost_dtype, dma_cycles, nbytes, op_flops
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
-    ShapedOp,
-    dtype_name,
     elem_of,
     i64_array,
     i64_attr,
@@ -38,7 +37,7 @@ from toptpu.dialects.common import (
     tensor,
 )
 from toptpu.dialects.naming import op_name, set_name
-from toptpu.passes.lmem import LocalMemoryError, allocate_group, nbytes
+from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
     col_count,
     col_operand_axes,
@@ -50,21 +49,6 @@ from toptpu.passes.slicing import (
 
 class LayerGroupError(Exception):
     pass
-
-
-def cost_dtype(op: Operation) -> str:
-    """The element type whose throughput an op runs at: MAC ops run at their input type
-    (accumulating in f32), others at their compute type."""
-    if isinstance(op, top.MatMulBase | tpu.A16MatMulOp | top.AttentionBase | top.Conv2dBase):
-        return dtype_name(elem_of(op.operands[0]))
-    c = op.attributes.get("compute")
-    if c is not None:
-        return dtype_name(c)
-    return dtype_name(elem_of(op.results[0])) if op.results else "f32"
-
-
-def op_flops(op: Operation) -> int:
-    return op.flops() if isinstance(op, ShapedOp) else 0
 
 
 def divisors(n: int) -> list[int]:
@@ -417,8 +401,6 @@ class LmemVerifyPass(ModulePass):
     chip: str = "bm1684x"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        from toptpu.passes.lmem import verify_group
-
         chip = get_chip(self.chip)
         for g in op.walk():
             if isinstance(g, tpu.GroupOp):

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
-from toptpu.dialects.common import dtype_bytes, elem_of, i64_array, numel, read_int, read_ints
-from toptpu.dialects.common import shape_of as _shape
+from toptpu.dialects.common import i64_array, read_int, read_ints
 from toptpu.dialects.naming import op_name
 
 BIG = 1 << 60
@@ -41,10 +41,6 @@ BIG = 1 << 60
 
 class LocalMemoryError(Exception):
     pass
-
-
-def nbytes(v: SSAValue) -> int:
-    return numel(_shape(v)) * dtype_bytes(elem_of(v))
 
 
 @dataclass

@@ -20,6 +20,8 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
+from toptpu.dialects.mlir_check import run_mlir_pipeline
+
 
 @dataclass(frozen=True)
 class MLIRPipelinePass(ModulePass):
@@ -30,8 +32,6 @@ class MLIRPipelinePass(ModulePass):
     pipeline: str = ""
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        from toptpu.dialects.mlir_check import run_mlir_pipeline
-
         result = run_mlir_pipeline(op, self.pipeline)
         old = op.body.detach_block(0)
         old.drop_all_references()

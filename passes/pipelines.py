@@ -10,10 +10,17 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 from xdsl.utils.exceptions import DiagnosticException
 
+from toptpu.dialects import context
+from toptpu.dialects.ir_text import verify_ir
+from toptpu.passes.address_assign import AddressAssignPass
 from toptpu.passes.canonicalize import CanonicalizePass
+from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
 from toptpu.passes.convert_top_to_tpu import ConvertTopToTpuPass
 from toptpu.passes.fuse import FusePass
+from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
+from toptpu.passes.mlir_pipeline import MLIRPipelinePass
 from toptpu.passes.shape_infer import ShapeInferPass
+from toptpu.passes.weight_reorder import WeightReorderPass
 
 
 class InvalidPassOutput(Exception):
@@ -27,9 +34,6 @@ AfterPass = Callable[[ModulePass, ModuleOp], None]
 
 def run_passes(module: ModuleOp, passes: Sequence[ModulePass], ctx: Context | None = None,
                after: AfterPass | None = None, verify: bool = True) -> None:
-    from toptpu.dialects import context
-    from toptpu.dialects.ir_text import verify_ir
-
     ctx = ctx or context()
     for p in passes:
         p.apply(ctx, module)
@@ -62,8 +66,6 @@ def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
                         chip: str | None = None, max_ops: int = 12) -> list[ModulePass]:
     """convert-top-to-tpu, canonicalize, weight-reorder; with a `chip`, also the machine
     passes: layer-group, lmem-verify, address-assign."""
-    from toptpu.passes.weight_reorder import WeightReorderPass
-
     passes: list[ModulePass] = [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float),
                                 CanonicalizePass(), WeightReorderPass()]
     if chip is not None:
@@ -73,9 +75,6 @@ def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
 
 def machine_passes(chip: str = "bm1684x", max_ops: int = 12) -> list[ModulePass]:
     """layer-group, lmem-verify, address-assign: the chip's memory decisions."""
-    from toptpu.passes.address_assign import AddressAssignPass
-    from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
-
     return [LayerGroupPass(chip, max_ops), LmemVerifyPass(chip), AddressAssignPass()]
 
 
@@ -100,12 +99,6 @@ class TpuPipeline(ModulePass):
 
 def all_passes() -> dict[str, type[ModulePass]]:
     """Every pass toptpu registers, by name."""
-    from toptpu.passes.address_assign import AddressAssignPass
-    from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
-    from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
-    from toptpu.passes.mlir_pipeline import MLIRPipelinePass
-    from toptpu.passes.weight_reorder import WeightReorderPass
-
     passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
                                       ConvertTopToTpuPass, WeightReorderPass, LayerGroupPass,
                                       LmemVerifyPass, AddressAssignPass, TpuPipeline,

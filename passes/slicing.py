@@ -16,6 +16,7 @@ A group with a single slice needs no rule: every tensor is whole.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from xdsl.ir import Operation, SSAValue
@@ -103,7 +104,6 @@ def row_rule(op: Operation) -> RowRule | None:
         a = token_axis(ins)
         if a is None:
             return None
-        import math
 
         if ins[a] == out[r] and math.prod(ins[:a]) == math.prod(out[:r]):
             return RowRule((a,), (r,))

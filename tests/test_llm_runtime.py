@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from llm_fixtures import compiled, hf_generate
 
+from toptpu.backend.contract import MASK_VALUE, decode_mask, prefill_mask
 from toptpu.backend.runtime.interpreter_executor import ExecutorError, InterpreterExecutor
 from toptpu.backend.runtime.runtime import (
     GenerationError,
@@ -15,7 +16,6 @@ from toptpu.backend.runtime.runtime import (
     Utf8Streamer,
     sample_token,
 )
-from toptpu.frontends.masks import MASK_VALUE, decode_mask, prefill_mask
 
 
 def test_sampling_filters_and_penalty() -> None:

@@ -10,19 +10,16 @@ import pytest
 
 from toptpu.backend.codegen.streams import generate
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
+from toptpu.backend.formats.program import write_program_file
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.machine import Machine, MachineTrap
-from toptpu.backend.runtime.simulate import (
-    ProgramFile,
-    compile_for_machine,
-    simulate,
-    write_program_file,
-)
+from toptpu.backend.runtime.simulate import ProgramFile, simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array, read_ints
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.hf_layers import import_decoder_layer
+from toptpu.machine_pipeline import compile_for_machine
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.layer_group import LayerGroupError, LayerGroupPass

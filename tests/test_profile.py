@@ -24,10 +24,11 @@ from toptpu.backend.runtime.profile import (
     time_ticks,
     write_timeline_png,
 )
-from toptpu.backend.runtime.simulate import compile_for_machine, simulate
+from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.hf_layers import import_decoder_layer
+from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
 

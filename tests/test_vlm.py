@@ -24,6 +24,7 @@ from vlm_fixtures import (
     vlm_file,
 )
 
+from toptpu.backend.contract import decode_mask, merge_order, prefill_mask
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.backend.runtime.runtime import GenerationError, Runtime
@@ -33,8 +34,6 @@ from toptpu.compiler import CompileError
 from toptpu.compiler import compile as compile_model
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.hf_loader import ModelLoadError
-from toptpu.frontends.masks import decode_mask, prefill_mask
-from toptpu.frontends.vision_inputs import merge_order
 from toptpu.frontends.vlm import load_vlm
 from toptpu.metrics import similarity
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes

@@ -1,7 +1,9 @@
 """toptpu: an MLIR-style LLM compiler on xDSL and a numpy reference tensor processor.
 
-The public API, imported lazily (so `import toptpu` does not pull in torch):
-`toptpu.compile(model, output, mode=..., seq_length=...)` (see `toptpu.compiler`) and
+The public API, imported lazily on first use (PEP 562): this package runs before every
+`import toptpu.<anything>`, so an import here would load the compiler (and torch) or the
+runtime into every process that imports any part of toptpu, and make every module depend on
+them. `toptpu.compile(model, output, mode=..., seq_length=...)` (see `toptpu.compiler`),
 `toptpu.Runtime.open(model_file)` (see `toptpu.backend.runtime.runtime`).
 """
 

@@ -14,8 +14,23 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 from toptpu import llm_cli
+from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.cli_args import ArgumentParser, UsageError, group_size, int_at_least, utf8_text
+from toptpu.compare import (
+    THRESHOLDS,
+    IRStage,
+    MLIRStage,
+    TorchStage,
+    compare_stages,
+    tpu_threshold,
+)
+from toptpu.llm_cli import demo_generation
+from toptpu.metrics import similarity
+from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
+from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.quantize import QuantizationError
 from toptpu.paths import check_not_inside, check_output_dir
+from toptpu.profile_cli import add_profile_parser
 
 #: the stages `toptpu compare` knows
 COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
@@ -31,12 +46,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     to a model file (f32 and w4bf16) and generated from, checked against transformers."""
     import torch
 
-    from toptpu.backend.reference.interpreter import Interpreter
     from toptpu.frontends.fx_importer import import_module
     from toptpu.frontends.hf_layers import DecoderStack, causal_mask
     from toptpu.frontends.tiny_models import build_tokenizer, tiny_model
-    from toptpu.metrics import similarity
-    from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 
     model = tiny_model("qwen2")
     tok = build_tokenizer(model.config.vocab_size)
@@ -79,7 +91,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"{stage:<26} vs torch: {s}  {'OK' if good else 'BELOW 0.99999'}")
     same = (after[0].argmax(-1) == ref[0].argmax(-1)).all()
     print(f"next-token argmax identical at all {n} positions: {bool(same)}")
-    from toptpu.llm_cli import demo_generation
 
     print("\n-- compile to a model file and generate")
     generated_ok = demo_generation(args.prompt, args.max_new_tokens)
@@ -110,7 +121,6 @@ def _compare_stages(args: argparse.Namespace) -> list[str]:
                          "compare")
     if "tpu" in order:
         from toptpu.compiler import check_quant_options
-        from toptpu.passes.convert_top_to_tpu import parse_mode
 
         try:
             parse_mode(args.mode)
@@ -128,14 +138,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Compare stages (torch, mlir, top, tpu) of a decoder layer or whole model on one input."""
     import torch
 
-    from toptpu.compare import (
-        THRESHOLDS,
-        IRStage,
-        MLIRStage,
-        TorchStage,
-        compare_stages,
-        tpu_threshold,
-    )
     from toptpu.compiler import (
         DEFAULT_GROUP_SIZE,
         CompileError,
@@ -144,9 +146,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     from toptpu.frontends.fx_importer import import_exported
     from toptpu.frontends.hf_layers import DecoderStack, decoder_layer, layer_inputs
-    from toptpu.passes.convert_top_to_tpu import ConversionError
-    from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
-    from toptpu.passes.quantize import QuantizationError
 
     order = _compare_stages(args)
     if args.dump:
@@ -225,8 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("chat", help=llm_cli.cmd_chat.__doc__)
     llm_cli.add_chat_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
-
-    from toptpu.profile_cli import add_profile_parser
 
     add_profile_parser(sub)
 

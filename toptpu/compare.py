@@ -17,7 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.metrics import Similarity, similarity
+from toptpu.mlir_jit import MLIRJit
 
 #: DESIGN.md section 9
 THRESHOLDS = {
@@ -62,8 +64,6 @@ class IRStage:
     func_name: str | None = None
 
     def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
-        from toptpu.backend.reference.interpreter import Interpreter
-
         res = Interpreter(self.module).run(inputs, self.func_name, keep_all=keep_all)
         return StageResult(res.outputs, res.values)
 
@@ -80,8 +80,6 @@ class MLIRStage:
     jits: dict[bool, Any] = field(default_factory=dict)  # keep_all -> MLIRJit
 
     def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
-        from toptpu.mlir_jit import MLIRJit
-
         if keep_all not in self.jits:
             self.jits[keep_all] = MLIRJit(self.module, func_name=self.func_name,
                                           keep_all=keep_all)

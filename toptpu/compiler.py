@@ -29,15 +29,30 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
 
 import numpy as np
-from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType
+from xdsl.ir import BlockArgument
 from xdsl.passes import ModulePass
 from xdsl.printer import Printer
 
+from toptpu.backend.codegen.streams import CodegenError, generate
+from toptpu.backend.contract import (
+    BLOCK,
+    HISTORY_K,
+    HISTORY_NETS,
+    HISTORY_V,
+    VISION_NET,
+    NetName,
+    StaticShapes,
+    TensorSpec,
+)
 from toptpu.backend.formats.header_schema import HeaderError, decode
 from toptpu.backend.formats.llm_file import (
     KIND,
@@ -48,7 +63,6 @@ from toptpu.backend.formats.llm_file import (
     LlmHeader,
     ModelInfo,
     NetEntry,
-    Shapes,
     TokenizerInfo,
     VisionInfo,
     WeightLayout,
@@ -57,24 +71,38 @@ from toptpu.backend.formats.llm_file import (
     stream_section,
     write_llm_file,
 )
-from toptpu.backend.runtime.executor import TensorSpec
-from toptpu.backend.runtime.simulate import constant_pool
+from toptpu.backend.formats.program import constant_pool
+from toptpu.backend.target.chips import chip_names, get_chip
 from toptpu.dialects import top
 from toptpu.dialects.common import numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore, _torch_to_numpy
+from toptpu.frontends.fx_importer import ImportError_, import_module
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
 from toptpu.frontends.llm import (
     LAYER_PREFIX,
     LlmArch,
     NetSpec,
-    StaticShapes,
     check_block_matches_model,
     split_model,
 )
-from toptpu.frontends.vlm import VIT_NET
-from toptpu.passes.convert_top_to_tpu import MODES, parse_mode
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.frontends.vlm import load_vlm, vlm_model_type
+from toptpu.passes.address_assign import AddressError
+from toptpu.passes.convert_top_to_tpu import MODES, ConversionError, parse_mode
+from toptpu.passes.layer_group import LayerGroupError
+from toptpu.passes.lmem import LocalMemoryError
+from toptpu.passes.pipelines import (
+    machine_passes,
+    run_passes,
+    top_pipeline_passes,
+    tpu_pipeline_passes,
+)
+from toptpu.passes.quantize import (
+    CHECKPOINT_MODEL,
+    QuantizationError,
+    checkpoint_key,
+    checkpoint_parts,
+)
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
 from toptpu.paths import (
     OutputPathError,
@@ -91,8 +119,6 @@ class CompileError(Exception):
 
 def known_chips() -> tuple[str, ...]:
     """Chip names `--chip` accepts: the presets of `toptpu.backend.target.chips`."""
-    from toptpu.backend.target.chips import chip_names
-
     return tuple(chip_names())
 
 
@@ -106,7 +132,7 @@ class CompiledNet:
     top: ModuleOp | None = None  # the Top module after top-pipeline, when kept
     ir_bytes: int = 0
     seconds: float = 0.0
-    program: Any = None  # the machine's command streams (backend.codegen.Program)
+    program: Any = None  # the machine's command streams (backend.formats.program.Program)
     stream_bytes: int = 0
 
 
@@ -173,9 +199,6 @@ def print_ir(module: ModuleOp, generic: bool) -> str:
 
 
 def _io_specs(module: ModuleOp) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    from xdsl.dialects import func
-    from xdsl.dialects.builtin import TensorType
-
     fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
 
     def spec(name: str, t: Any) -> TensorSpec:
@@ -193,17 +216,14 @@ def _io_specs(module: ModuleOp) -> tuple[list[TensorSpec], list[TensorSpec]]:
 def check_reload_free(module: ModuleOp, net: str) -> None:
     """A history net must attend to `history_k`/`history_v` as they are (function
     arguments as attention history operands), never through a concatenated copy."""
-    from xdsl.dialects import func
-    from xdsl.ir import BlockArgument
-
     fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
     names = input_names(fn)
     args = {names[a.index]: a for a in fn.body.block.args}
     atts = [op for op in module.walk() if isinstance(op, top.AttentionOp)]
-    ok = len(atts) == 1 and atts[0].history_k is args.get("history_k") and \
-        atts[0].history_v is args.get("history_v")
+    ok = len(atts) == 1 and atts[0].history_k is args.get(HISTORY_K) and \
+        atts[0].history_v is args.get(HISTORY_V)
     concat_of_cache = [op for op in module.walk() if isinstance(op, top.ConcatOp) and any(
-        isinstance(v, BlockArgument) and names[v.index].startswith("history")
+        isinstance(v, BlockArgument) and names[v.index] in (HISTORY_K, HISTORY_V)
         for v in op.operands)]
     if not ok or concat_of_cache:
         raise CompileError(
@@ -480,7 +500,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
                        f"seq {shapes.seq_length}, input {shapes.max_input_length}, history "
                        f"{shapes.max_history}]\n")
     specs = split_model(hf, shapes)
-    check_block_matches_model(hf, next(s for s in specs if s.name == "block"))
+    check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     vision, vit_mode = _vision_net(loaded, specs, mode, vision_mode, shapes)
     # layers whose checkpoint quantization differs get per-layer nets of their own
     variants = layer_variants(hf, loaded.checkpoint)
@@ -488,8 +508,9 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     for rep in list(variants)[1:]:
         for spec in split_model(hf, shapes, layer=rep):
             if spec.per_layer:
-                specs.append(replace(spec, name=f"{spec.name}@{rep}"))
-                prefixes[f"{spec.name}@{rep}"] = f"v{rep}."
+                variant = str(NetName(spec.name, rep))
+                specs.append(replace(spec, name=variant))
+                prefixes[variant] = f"v{rep}."
 
     store = WeightStore()
     if loaded.checkpoint is not None:
@@ -501,7 +522,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     bar = Progress(len(specs), progress)
     nets: dict[str, CompiledNet] = {}
     for spec in specs:
-        net_mode = vit_mode if vision is not None and spec.name == VIT_NET else mode
+        net_mode = vit_mode if vision is not None and spec.name == VISION_NET else mode
         nets[spec.name] = _compile_net(spec, store, net_mode, group_size, symmetric, bar,
                                        dump_ir, weights_path, keep_modules, chip,
                                        prefixes[spec.name])
@@ -528,9 +549,10 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         streams[stream_section(name)] = data
         streams[const_section(name)] = constant_pool(net.program)
     layer_nets = {
-        base: [base if rep == 0 else f"{base}@{rep}" for i in range(arch.num_layers)
+        base: [str(NetName(base, rep)) for i in range(arch.num_layers)
                for rep, layers in variants.items() if i in layers]
-        for base in (n for n, net in nets.items() if net.per_layer and "@" not in n)}
+        for base in (n for n, net in nets.items()
+                     if net.per_layer and not NetName.parse(n).is_variant)}
     vision_info = None if vision is None else {**vision.header(), "mode": vit_mode}
     header = _header(loaded, arch, shapes, mode, chip, group_size, symmetric, nets,
                      net_weights, layout, layer_nets, vision_info,
@@ -557,8 +579,6 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
           max_patches: int | None, vision_mode: str | None) -> LoadedModel:
     """A VLM through `toptpu.frontends.vlm.load_vlm`, any other model through load_model."""
-    from toptpu.frontends.vlm import load_vlm, vlm_model_type
-
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
                         max_patches=max_patches)
@@ -599,10 +619,6 @@ def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
                  symmetric: bool | None, bar: Progress, dump_ir: str | None,
                  weights_path: str | None, keep_top: bool, chip: str = "bm1684x",
                  weight_prefix: str = "") -> CompiledNet:
-    from toptpu.frontends.fx_importer import ImportError_, import_module
-    from toptpu.passes.convert_top_to_tpu import ConversionError
-    from toptpu.passes.quantize import QuantizationError
-
     t0 = time.perf_counter()
     bar.start(spec.name)
     step = [0]
@@ -642,7 +658,7 @@ def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
     last[0] = now
     dump(module, "import")
     run_passes(module, top_pipeline_passes(), after=after)
-    if spec.name in ("block_kv", "block_cache"):
+    if spec.name in HISTORY_NETS:
         check_reload_free(module, spec.name)
     top_module = module.clone() if keep_top else None
     try:
@@ -661,15 +677,6 @@ def _machine_program(net: str, module: ModuleOp, chip: str,
                      after: Callable[[ModulePass, ModuleOp], None]) -> Any:
     """The machine passes (layer-group, lmem-verify, address-assign) on a copy of the Tpu
     module, then codegen: the net's command streams."""
-    from xdsl.dialects import func
-
-    from toptpu.backend.codegen.streams import CodegenError, generate
-    from toptpu.backend.target.chips import get_chip
-    from toptpu.passes.address_assign import AddressError
-    from toptpu.passes.layer_group import LayerGroupError
-    from toptpu.passes.lmem import LocalMemoryError
-    from toptpu.passes.pipelines import machine_passes
-
     grouped = module.clone()
     try:
         run_passes(grouped, machine_passes(chip), after=after)
@@ -712,7 +719,7 @@ def _build_weights(hf: Any, num_layers: int, nets: dict[str, CompiledNet], store
     net_weights: dict[str, list[str]] = {}
     for net in nets.values():
         names = []
-        rep = int(net.name.split("@")[1]) if "@" in net.name else 0
+        rep = NetName.parse(net.name).layer
         for r in weight_recipes(net.tpu):
             names.append(r.name)
             if net.per_layer and layer_key(r.source) is not None:
@@ -778,8 +785,6 @@ AUTO_ACTIVATIONS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 def checkpoint_bits(checkpoint: Any) -> int:
     """The weight bits of most of the checkpoint's quantized layers."""
-    from collections import Counter
-
     counts = Counter(ql.bits for ql in checkpoint.linears.values())
     if not counts:
         raise CompileError("the checkpoint has no quantized layers")
@@ -816,8 +821,6 @@ def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,
     """Put the checkpoint tensors of every quantized linear the nets read (layer 0 for
     per-layer nets) into the weight store next to the float weight, under the names
     `passes.quantize.checkpoint_key(weight, field)`: convert-top-to-tpu then uses them."""
-    from toptpu.passes.quantize import CHECKPOINT_MODEL, checkpoint_key
-
     store[CHECKPOINT_MODEL] = np.ones(1, np.int8)
     hf_names = {id(p): n for n, p in hf.named_parameters()}
     for spec in specs:
@@ -867,7 +870,6 @@ def _checkpoint_of_layer(checkpoint: Any, layer: int
     packs them (`passes.quantize.checkpoint_parts`)."""
     if checkpoint is None:
         return None
-    from toptpu.passes.quantize import QuantizationError, checkpoint_parts
 
     def get(source: str) -> dict[str, np.ndarray] | None:
         key = layer_key(source)
@@ -887,8 +889,6 @@ def _checkpoint_of_layer(checkpoint: Any, layer: int
 
 
 def _json_config(config: Any) -> dict[str, Any]:
-    import json
-
     return json.loads(config.to_json_string(use_diff=False))
 
 
@@ -900,8 +900,6 @@ def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str,
     """The model file header (`toptpu.backend.formats.llm_file.LlmHeader`). The parts the
     frontends give as JSON (generation config, vision section) are decoded with the
     schema, so a value the loader would refuse is a compile error naming the field."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         toptpu_version = version("toptpu")
     except PackageNotFoundError:
@@ -919,7 +917,7 @@ def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str,
         mode=mode,
         group_size=group_size,
         symmetric=symmetric,
-        shapes=Shapes(**asdict(shapes)),
+        shapes=shapes,
         model=ModelInfo(**asdict(arch), config=_json_config(loaded.config)),
         generation=generation,
         tokenizer=TokenizerInfo(tuple(sorted(loaded.tokenizer_files))),

@@ -16,6 +16,16 @@ import tempfile
 import time
 from typing import Any
 
+from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.runtime.interpreter_executor import ExecutorError
+from toptpu.backend.runtime.machine import MachineTrap
+from toptpu.backend.runtime.machine_executor import MachineExecutorError
+from toptpu.backend.runtime.runtime import (
+    GenerationError,
+    PromptTooLongError,
+    Runtime,
+    SamplingConfig,
+)
 from toptpu.cli_args import (
     UsageError,
     finite_float,
@@ -25,6 +35,7 @@ from toptpu.cli_args import (
     utf8_problem,
     utf8_text,
 )
+from toptpu.paths import OutputPathError
 
 #: version of the `toptpu run --json` object (README: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
@@ -32,26 +43,16 @@ RUN_JSON_SCHEMA = 1
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions caused by the user's input, reported as one line."""
-    from toptpu.backend.formats.model_file import ModelFileError
-    from toptpu.backend.runtime.interpreter_executor import ExecutorError
-    from toptpu.backend.runtime.runtime import GenerationError
+    """Exceptions caused by the user's input, reported as one line (called only when an
+    exception reaches `toptpu.cli.main`)."""
+    # torch: the compile-side errors live in modules that load it (`run` and `chat` load
+    # them only on the way out with an error)
     from toptpu.compiler import CompileError
     from toptpu.frontends.hf_loader import ModelLoadError
     from toptpu.frontends.llm import SplitError
-    from toptpu.paths import OutputPathError
 
-    errors: tuple[type[BaseException], ...] = (ModelLoadError, CompileError, ModelFileError,
-                                               GenerationError, ExecutorError, SplitError,
-                                               OutputPathError, UsageError)
-    try:  # the machine executor's errors, where it is installed
-        from toptpu.backend.runtime.machine import MachineTrap
-        from toptpu.backend.runtime.machine_executor import MachineExecutorError
-
-        errors += (MachineTrap, MachineExecutorError)
-    except ImportError:
-        pass
-    return errors
+    return (ModelLoadError, CompileError, ModelFileError, GenerationError, ExecutorError,
+            SplitError, OutputPathError, UsageError, MachineTrap, MachineExecutorError)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -140,8 +141,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
     """The sampling settings: the arguments given, else the model file's generation config
     (greedy unless it samples)."""
-    from toptpu.backend.runtime.runtime import GenerationError, SamplingConfig
-
     def stored(key: str, kind: type, default: float) -> Any:
         v = generation.get(key)
         try:
@@ -229,8 +228,6 @@ def run_json(res: Any, executor: str) -> dict[str, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
     --image PATH (repeatable)."""
-    from toptpu.backend.runtime.runtime import Runtime
-
     rt = Runtime.open(args.model_file, args.executor)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
     ids, images = _prompt_ids(rt, args)
@@ -257,8 +254,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     /reset starts over, /exit (or end of input) quits, /help lists the commands, a message
     that starts with '/' is typed as '//...'; VLMs: /image PATH [message] attaches an image
     to the message (or to the next one). Ctrl-C quits (status 130)."""
-    from toptpu.backend.runtime.runtime import Runtime
-
     rt = Runtime.open(args.model_file, args.executor)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
     _ = rt.tokenizer
@@ -315,8 +310,6 @@ def _read_message() -> str | None:
 
 
 def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
-    from toptpu.backend.runtime.runtime import PromptTooLongError
-
     images: list[Any] = []
     while True:
         msg = _read_message()
@@ -388,7 +381,6 @@ def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
     transformers `generate`."""
     import torch
 
-    from toptpu.backend.runtime.runtime import Runtime
     from toptpu.compiler import compile as compile_model
     from toptpu.frontends.hf_loader import quiet_transformers
     from toptpu.frontends.tiny_models import save_tiny_model

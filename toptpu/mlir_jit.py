@@ -2,7 +2,7 @@
 and lower it to LLVM with MLIR's own passes and JIT-compile it with `ExecutionEngine`.
 
 This is the third numerical implementation of Top beside torch and the numpy interpreter:
-nothing in it calls `backend/kernels.py`. `MLIRJit(module).run(inputs)` mirrors
+nothing in it calls `toptpu.backend.reference.kernels`. `MLIRJit(module).run(inputs)` mirrors
 `Interpreter.run` (inputs and outputs by name); weights come from the module's weight store
 and are fed as function arguments (`convert-top-to-linalg` turns each `top.weight` into one).
 
@@ -30,10 +30,13 @@ import numpy as np
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, ModuleOp, StringAttr, TensorType
 
+from toptpu.dialects import context
 from toptpu.dialects.common import numpy_dtype
-from toptpu.dialects.mlir_check import MlirCheckError, describe_mlir_error, print_generic
+from toptpu.dialects.ir_text import print_generic
+from toptpu.dialects.mlir_check import MlirCheckError, describe_mlir_error
 from toptpu.dialects.naming import NAME_ATTR, input_names, output_names
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore, store_of
+from toptpu.passes.convert_top_to_linalg import WEIGHT_ARG_ATTR, ConvertTopToLinalgPass
 
 #: MLIR 22 pass pipeline from linalg-on-tensors to the LLVM dialect
 LOWERING_PIPELINE = ",".join([
@@ -81,9 +84,6 @@ class _Arg:
 def lower_to_linalg(module: ModuleOp, fast_math: bool = False,
                     expose_values: bool = False) -> ModuleOp:
     """A copy of a Top `module` lowered by convert-top-to-linalg."""
-    from toptpu.dialects import context
-    from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
-
     m = module.clone()
     ConvertTopToLinalgPass(fast_math, expose_values).apply(context(), m)
     m.verify()
@@ -179,8 +179,6 @@ class MLIRJit:
     # ------------------------------------------------------------------ compile
     @staticmethod
     def _signature(fn: func.FuncOp, orig: func.FuncOp) -> list[_Arg]:
-        from toptpu.passes.convert_top_to_linalg import WEIGHT_ARG_ATTR
-
         attrs = fn.arg_attrs.data if isinstance(fn.arg_attrs, ArrayAttr) else []
         names = input_names(fn)
         declared = list(orig.function_type.inputs.data)

@@ -30,10 +30,12 @@ from typing import IO
 
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass, PassPipeline
+from xdsl.universe import Universe
 from xdsl.utils.arg_spec import parse_spec
 from xdsl.utils.exceptions import DiagnosticException, ParseError
 from xdsl.xdsl_opt_main import xDSLOptMain
 
+from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
 from toptpu.dialects.weight_store import WeightStoreError
@@ -42,6 +44,7 @@ from toptpu.passes.convert_top_to_linalg import LinalgLoweringError
 from toptpu.passes.convert_top_to_tpu import ConversionError
 from toptpu.passes.layer_group import LayerGroupError
 from toptpu.passes.lmem import LocalMemoryError
+from toptpu.passes.pipelines import all_passes
 from toptpu.passes.quantize import QuantizationError
 from toptpu.passes.weight_recipe import RecipeError
 
@@ -119,10 +122,6 @@ class ToptpuOptMain(xDSLOptMain):
     _kept_output: _KeptOutput | None = None
 
     def register_all_dialects(self) -> None:
-        from xdsl.universe import Universe
-
-        from toptpu.dialects import all_dialects
-
         ours = {d.name for d in all_dialects()}
         for d in all_dialects():
             self.ctx.register_dialect(d.name, lambda d=d: d)
@@ -131,8 +130,6 @@ class ToptpuOptMain(xDSLOptMain):
                 self.ctx.register_dialect(name, factory)
 
     def register_all_passes(self) -> None:
-        from toptpu.passes.pipelines import all_passes
-
         ours = all_passes()
         for name, cls in ours.items():
             self.register_pass(name, lambda cls=cls: cls)
@@ -142,7 +139,6 @@ class ToptpuOptMain(xDSLOptMain):
 
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)
-        from toptpu.passes.pipelines import all_passes
 
         lines = ["toptpu passes:"]
         for name, cls in all_passes().items():

@@ -20,8 +20,7 @@ the machine calls the same evaluators — the same kernels — as the interprete
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,12 +28,15 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
+from toptpu.backend.formats.program import Program
 from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.cost import cost_dtype, nbytes, op_flops
 from toptpu.dialects import tpu
 from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
+from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.naming import input_names, op_name, output_names
-from toptpu.passes.layer_group import cost_dtype, op_flops
-from toptpu.passes.lmem import group_template, nbytes, result_addresses
+from toptpu.passes.address_assign import regions_of
+from toptpu.passes.lmem import group_template, result_addresses
 
 
 class CodegenError(Exception):
@@ -53,35 +55,6 @@ class _Access:
     hi: int
     cmd: int
     write: bool
-
-
-@dataclass
-class Program:
-    """Everything the machine needs to run one net (JSON-serializable)."""
-
-    name: str
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    regions: dict[str, int]
-    weights: dict[str, dict[str, Any]]  # name -> shape, dtype, nbytes
-    commands: list[dict[str, Any]] = field(default_factory=list)
-    ir: str = ""  # the grouped Tpu IR (generic form): compute commands index its ops
-    flops: int = 0
-
-    def inherent_bytes(self) -> int:
-        """Bytes the net cannot avoid moving: its weights, inputs and outputs."""
-        def size(spec: dict[str, Any]) -> int:
-            return int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
-
-        return (sum(w["nbytes"] for w in self.weights.values())
-                + sum(size(t) for t in (*self.inputs, *self.outputs)))
-
-    def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes | memoryview) -> Program:
-        return cls(**json.loads(bytes(data)))
 
 
 class _Emitter:
@@ -137,9 +110,6 @@ def _gkey(ref: dict[str, Any]) -> tuple:
 
 def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     """Command streams for one grouped, allocated and addressed function."""
-    from toptpu.dialects.mlir_check import print_generic
-    from toptpu.passes.address_assign import regions_of
-
     block = fn.body.block
     ret = block.last_op
     assert isinstance(ret, func.ReturnOp)

@@ -10,10 +10,10 @@ Sections (every section is named by the header; a file with any other section is
 - `ir:<net>`: the net's Tpu IR, xDSL generic form (with `loc("name")` debug info). The
   `top.weight_store` module attribute is removed: weights come from the blob below.
 - `stream:<net>` / `const:<net>`: the machine's command streams (a
-  `toptpu.backend.codegen.streams.Program` with the grouped Tpu IR) and its constant pool.
+  `toptpu.backend.formats.program.Program` with the grouped Tpu IR) and its constant pool.
 - `tokenizer:<file>`: the tokenizer files, byte for byte; `<file>` is one of
-  `TOKENIZER_FILES` (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, ...),
-  never a path.
+  `TOKENIZER_FILES` of `toptpu.backend.contract` (`tokenizer.json`,
+  `tokenizer_config.json`, `chat_template.jinja`, ...), never a path.
 - `weights`: ONE weight blob, laid out as
 
       [shared tensors][layer 0 chunk][layer 1 chunk] ... [layer N-1 chunk]
@@ -39,10 +39,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
   `repetition_penalty`
 - `tokenizer`: `files` (names from `TOKENIZER_FILES`; each in section `tokenizer:<name>`)
 - `nets`: name -> `inputs`/`outputs` (lists of {name, shape, dtype: numpy dtype name}; the
-  text nets' IO is the net contract of `net_contract`), `per_layer`, `ir`, `streams`,
-  `consts` (their section names), `weights` (the tensor names the net reads, all in the
-  weight table), `commands`. Net names: `TEXT_NETS`, `VISION_NET`, and `block@3`-style
-  variants of the per-layer nets for layers whose checkpoint quantization differs
+  text nets' IO is the net contract, `toptpu.backend.contract.net_io`), `per_layer`, `ir`,
+  `streams`, `consts` (their section names), `weights` (the tensor names the net reads, all
+  in the weight table), `commands`. Net names (`toptpu.backend.contract`): `TEXT_NETS`,
+  `VISION_NET`, and `block@3`-style variants (`NetName`) of the per-layer nets for layers
+  whose checkpoint quantization differs
 - `layer_nets`: per-layer net -> the net each layer runs (itself or a variant)
 - `weights`: `section`, `alignment`, `size`, `shared` / `layer` (name -> {offset, shape,
   dtype, nbytes}; `layer` offsets are relative to a chunk base), `layer_base`,
@@ -65,6 +66,20 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
+from toptpu.backend.contract import (
+    KNOWN_NETS,
+    PER_LAYER_NETS,
+    TEXT_NETS,
+    TOKENIZER_FILES,
+    VISION_KINDS,
+    VISION_NET,
+    ContractError,
+    NetInfo,
+    NetName,
+    StaticShapes,
+    TensorSpec,
+    net_io,
+)
 from toptpu.backend.formats.header_schema import (
     Count,
     HeaderError,
@@ -78,37 +93,15 @@ from toptpu.backend.formats.header_schema import (
     short,
 )
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError, write_model_file
-from toptpu.backend.runtime.executor import NetInfo, TensorSpec
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
+from toptpu.dialects.ir_text import parse_ir
 
 KIND = "toptpu-llm"
 LLM_FORMAT = 1
 WEIGHTS_SECTION = "weights"
 WEIGHT_ALIGN = 64
 
-#: the tokenizer files a model file may carry (what `toptpu compile` copies from the model
-#: directory); their names are section names, never paths
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
-#: the nets of every LLM model file, in the order the compiler emits them
-TEXT_NETS = ("embedding", "embedding_cache", "block", "block_kv", "block_cache", "lm_head",
-             "lm_head_logits")
-#: the nets that run once per layer (each layer binds its own weights)
-PER_LAYER_NETS = ("block", "block_kv", "block_cache")
-#: the vision net of a VLM model file
-VISION_NET = "vit"
-#: vision family -> (the Pillow image processor class in transformers, the tokenizer
-#: attributes naming its image tokens, the one that marks an image in a prompt)
-VISION_KINDS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "internvl": ("GotOcr2ImageProcessorPil",
-                 ("start_image_token", "end_image_token", "context_image_token"),
-                 "context_image_token"),
-    "minicpmv": ("MiniCPMV4_6ImageProcessorPil",
-                 ("image_token", "image_start_token", "image_end_token", "slice_start_token",
-                  "slice_end_token", "image_id_start_token", "image_id_end_token"),
-                 "image_token"),
-}
 #: numpy dtype names of the element types toptpu knows
 KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
 #: the most elements one net input/output may have
@@ -230,11 +223,8 @@ class WeightLayout:
         return end
 
 
-@dataclass(frozen=True)
-class Shapes:
-    seq_length: Annotated[int, Range(2)]
-    max_input_length: Count
-    max_history: Count
+#: the ranges of the static shapes (`StaticShapes` has plain ints: checked in `check`)
+SHAPE_RANGES = {"seq_length": Range(2), "max_input_length": Range(1), "max_history": Range(1)}
 
 
 @dataclass(frozen=True)
@@ -355,7 +345,7 @@ class LlmHeader:
     mode: Mode
     group_size: Annotated[int, Range(-1)]
     symmetric: bool | None
-    shapes: Shapes
+    shapes: StaticShapes
     model: ModelInfo
     generation: Generation
     tokenizer: TokenizerInfo
@@ -385,7 +375,9 @@ class LlmHeader:
         return numpy_dtype(DTYPE_BY_NAME[MODES[self.mode][0]]).name
 
     def check(self) -> None:
-        """The checks across fields (types and ranges are checked while decoding)."""
+        """The checks across fields (types and most ranges are checked while decoding)."""
+        for key, bounds in SHAPE_RANGES.items():
+            bounds.check(getattr(self.shapes, key), f"shapes.{key}")
         if self.chip not in chip_names():
             raise HeaderError("chip", f"is {self.chip!r}, not a known chip "
                                       f"({', '.join(chip_names())})")
@@ -426,7 +418,7 @@ class LlmHeader:
             raise HeaderError("generation.repetition_penalty", "is 0 (it must be > 0)")
 
     def _check_nets(self) -> None:
-        contract = net_contract(self.shapes, self.model, self.activation_dtype)
+        contract = net_io(self.shapes, self.model, self.activation_dtype)
         missing = [n for n in TEXT_NETS if n not in self.nets]
         if missing:
             raise HeaderError("nets", f"lacks the nets {missing}")
@@ -456,16 +448,15 @@ class LlmHeader:
 
     def _base_net(self, name: str, where: str) -> str:
         """The net whose role `name` plays (`block@3` is a `block`)."""
-        base, _, layer = name.partition("@")
-        known = (*TEXT_NETS, VISION_NET)
-        if not layer and base in known:
-            return base
-        if base in PER_LAYER_NETS and layer.isascii() and layer.isdigit() and \
-                str(int(layer)) == layer and 0 < int(layer) < self.model.num_layers:
-            return base
-        raise HeaderError(where, f"names an unknown net (nets: {', '.join(known)}, or "
-                                 f"<per-layer net>@<layer> for a layer of "
-                                 f"{self.model.num_layers})")
+        try:
+            net = NetName.parse(name)
+        except ContractError:
+            net = None
+        if net is None or net.layer >= self.model.num_layers:
+            raise HeaderError(where, f"names an unknown net (nets: {', '.join(KNOWN_NETS)}, "
+                                     f"or <per-layer net>@<layer> for a layer of "
+                                     f"{self.model.num_layers})")
+        return net.base
 
     def _check_layer_nets(self) -> None:
         if sorted(self.layer_nets) != sorted(PER_LAYER_NETS):
@@ -477,7 +468,7 @@ class LlmHeader:
                 raise HeaderError(where, f"has {len(names)} entries for "
                                          f"{self.model.num_layers} layers")
             for i, name in enumerate(names):
-                if name not in self.nets or name.partition("@")[0] != base:
+                if name not in self.nets or NetName.parse(name).base != base:
                     raise HeaderError(f"{where}[{i}]", f"is {name!r}, not a {base} net of "
                                                        "this file")
 
@@ -512,35 +503,6 @@ def _check_contract(specs: tuple[TensorSpec, ...], want: tuple[TensorSpec, ...],
             raise HeaderError(f"{where}[{i}]", f"is {s.name} {s.dtype} {list(s.shape)}, the net "
                                                f"contract (from shapes, model and mode) is "
                                                f"{w.name} {w.dtype} {list(w.shape)}")
-
-
-def net_contract(shapes: Shapes, model: ModelInfo, act: str
-                 ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
-    """The inputs and outputs of each text net (DESIGN section 5): static shapes L, SEQ and
-    Hh, the model's widths, float activations of dtype `act`, int32 ids and positions."""
-    L, S, Hh = shapes.max_input_length, shapes.seq_length, shapes.max_history
-    H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
-
-    def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
-        return TensorSpec(name, shape, dtype)
-
-    def block(n: int, mask: int, history: int | None) -> tuple[tuple[TensorSpec, ...], ...]:
-        inputs = [t("hidden", 1, n, H), t("position_ids", 1, n, dtype="int32"),
-                  t("attention_mask", 1, 1, n, mask)]
-        if history is not None:
-            inputs += [t("history_k", 1, history, kv, D), t("history_v", 1, history, kv, D)]
-        return tuple(inputs), (t("hidden_out", 1, n, H), t("present_k", 1, n, kv, D),
-                               t("present_v", 1, n, kv, D))
-
-    return {
-        "embedding": ((t("input_ids", 1, L, dtype="int32"),), (t("hidden", 1, L, H),)),
-        "embedding_cache": ((t("input_ids", 1, 1, dtype="int32"),), (t("hidden", 1, 1, H),)),
-        "block": block(L, L, None),
-        "block_kv": block(L, Hh + L, Hh),
-        "block_cache": block(1, S + 1, S),
-        "lm_head": ((t("hidden", 1, H),), (t("token", 1, 1, dtype="int32"),)),
-        "lm_head_logits": ((t("hidden", 1, H),), (t("logits", 1, model.vocab_size),)),
-    }
 
 
 # =========================================================================== the file
@@ -637,8 +599,6 @@ class LlmFile:
             raise self._err(f"the IR of net '{net}' is not UTF-8 text: {e}") from e
 
     def net_module(self, net: str) -> ModuleOp:
-        from toptpu.dialects.ir_text import parse_ir
-
         return parse_ir(self.net_ir(net), f"{self.path}:{net}")
 
     def _blob(self) -> np.ndarray:

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import DenseIntOrFPElementsAttr, ModuleOp, TensorType
+from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.reference import kernels as K
-from toptpu.dialects import top
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     ShapedOp,
+    constant_value,
     numpy_dtype,
     read_bool,
     read_float,
@@ -75,18 +76,6 @@ def _weight(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarra
             f"{list(want)} in the IR"
         )
     return [arr]
-
-
-def constant_value(attr: DenseIntOrFPElementsAttr) -> np.ndarray:
-    t = attr.get_type()
-    assert isinstance(t, TensorType)
-    dt = numpy_dtype(t.element_type)
-    vals = attr.get_values()
-    shape = tuple(t.get_shape())
-    arr = np.array(vals, dtype=np.float64 if np.issubdtype(dt, np.floating) else None)
-    if arr.size == 1 and int(np.prod(shape)) != 1:
-        arr = np.full(shape, arr.reshape(-1)[0])
-    return arr.reshape(shape).astype(dt)
 
 
 @evaluates("top.constant")
@@ -277,8 +266,6 @@ def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.nd
 @evaluates("tpu.group")
 def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     """Run a layer group slice by slice, as the machine does (without its memories)."""
-    from toptpu.dialects import tpu
-
     assert isinstance(op, tpu.GroupOp)
     block = op.body.block
     s = read_int(op.slices)

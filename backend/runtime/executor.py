@@ -16,7 +16,8 @@ Binding rules every executor follows (the runtime in `toptpu.backend.runtime.run
 them; `toptpu.backend.runtime.interpreter_executor` is the reference implementation):
 
 - `run` gets exactly the net's input and output names (IO names of a net are unique:
-  the block nets' hidden output is `hidden_out`); anything missing or extra is an error.
+  the block nets' hidden output is `hidden_out`; see `toptpu.backend.contract`); anything
+  missing or extra is an error.
 - A bound buffer has the spec's dtype and the spec's shape up to size-1 axes (shapes
   equal after dropping 1s): `hidden[0, n-1:n]` ([1, 1, H]) binds the lm_head's [1, H].
 - `Buffer.slot(1, start, n)` of a [1, S, ...] buffer is the contiguous rows start..start+n
@@ -37,28 +38,12 @@ them; `toptpu.backend.runtime.interpreter_executor` is the reference implementat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:  # llm_file builds on this module
-    from toptpu.backend.formats.llm_file import LlmHeader
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A net input or output: name, static shape, numpy dtype name (e.g. 'bfloat16')."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+from toptpu.backend.contract import NetInfo
+from toptpu.backend.formats.llm_file import LlmHeader
 
 
 class Buffer(Protocol):
@@ -71,14 +56,6 @@ class Buffer(Protocol):
         """A view of `length` entries along `axis` from `start` (axis 1 of [1, SEQ, ...] is
         contiguous per slot when all leading axes have size 1)."""
         ...
-
-
-@dataclass(frozen=True)
-class NetInfo:
-    name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    per_layer: bool  # True when every layer binds its own weights to this net
 
 
 class Executor(Protocol):

@@ -39,6 +39,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
+from toptpu.backend.contract import NetInfo, TensorSpec
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.reference import kernels as K
@@ -49,7 +50,6 @@ from toptpu.backend.reference.interpreter import (
     constant_value,
     find_func,
 )
-from toptpu.backend.runtime.executor import NetInfo, TensorSpec
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
 from toptpu.dialects.naming import input_names, output_names

@@ -13,7 +13,7 @@ numpy, with global and local memory modelled.
 - Two engines, DMA and compute, run their streams in order; a command starts when its
   engine is free and its dependencies have finished (the timeline); commands execute in
   start-time order. DMA takes latency + bytes / DDR bandwidth, compute latency + FLOPs /
-  peak for its type (`backend/chips.py`).
+  peak for its type (`toptpu.backend.target.cost`).
 - Compute commands call the same evaluators, hence the same kernels, as the interpreters.
 """
 
@@ -29,9 +29,13 @@ import numpy as np
 from xdsl.dialects import func
 from xdsl.ir import Operation
 
-from toptpu.backend.codegen.streams import Program
+from toptpu.backend.formats.program import Program
+from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, evaluate_op
-from toptpu.backend.target.chips import Chip, compute_cycles, dma_cycles
+from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.cost import compute_cycles, dma_cycles
+from toptpu.dialects.common import read_int
+from toptpu.dialects.ir_text import parse_ir
 
 
 class MachineTrap(Exception):
@@ -142,8 +146,6 @@ class LoadedNet:
     """A Program with its template ops parsed, ready to run."""
 
     def __init__(self, program: Program) -> None:
-        from toptpu.dialects.ir_text import parse_ir
-
         self.program = program
         module = parse_ir(program.ir, f"net:{program.name}", verify=False)
         fns = [f for f in module.ops if isinstance(f, func.FuncOp)
@@ -252,9 +254,6 @@ class Machine:
     def _a16_matmul(self, op: Operation, c: dict[str, Any], args: list) -> np.ndarray:
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance across runs."""
-        from toptpu.backend.reference import kernels as K
-        from toptpu.dialects.common import read_int
-
         x, q, s, z, bias = args
         refs = c["ins"][1:4]
         provs = tuple(self._prov.get(ref["buf"]) if ref else None for ref in refs)
@@ -346,8 +345,6 @@ class Machine:
         if op.name == "tpu.a16_matmul":
             results = [self._a16_matmul(op, c, args)]
         elif op.name == "tpu.matmul" and c["ins"][1] and c["ins"][1]["buf"] in self._prov:
-            from toptpu.backend.reference import kernels as K
-
             w = args[1]
             assert w is not None
             args[1] = self._cached(("f32", self._prov[c["ins"][1]["buf"]]), lambda: K.f32(w))

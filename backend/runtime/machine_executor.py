@@ -2,7 +2,7 @@
 
 It implements `toptpu.backend.runtime.executor.Executor` over an LLM model file
 (`toptpu.backend.formats.llm_file`) whose nets carry command streams (section `stream:<net>`,
-a `toptpu.backend.codegen.streams.Program`, and `const:<net>`, its constant pool):
+a `toptpu.backend.formats.program.Program`, and `const:<net>`, its constant pool):
 
 - the weight blob is mapped read-only into global memory once; a per-layer net binds layer
   i's weights at `layer_base + i * layer_stride` + each tensor's offset in the chunk, a
@@ -24,10 +24,10 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
-from toptpu.backend.codegen.streams import Program
+from toptpu.backend.contract import NetInfo, TensorSpec
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
-from toptpu.backend.runtime.executor import NetInfo, TensorSpec
+from toptpu.backend.formats.program import Program
 from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
 from toptpu.backend.target.chips import Chip, get_chip
 

@@ -34,14 +34,39 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer as _Backend
 
-from toptpu.backend.formats.llm_file import TEXT_NETS, LlmHeader
-from toptpu.backend.runtime.executor import Buffer, Executor, NetInfo, TensorSpec
-from toptpu.frontends.masks import decode_mask, prefill_mask
-
-
-class GenerationError(Exception):
-    """Generation cannot proceed as asked; the message says why and what to do."""
+from toptpu.backend.contract import (
+    ATTENTION_MASK,
+    BLOCK,
+    BLOCK_CACHE,
+    BLOCK_KV,
+    EMBEDDING,
+    EMBEDDING_CACHE,
+    HIDDEN,
+    HIDDEN_OUT,
+    HISTORY_K,
+    HISTORY_V,
+    INPUT_IDS,
+    LM_HEAD,
+    LM_HEAD_LOGITS,
+    LOGITS,
+    POSITION_IDS,
+    PRESENT_K,
+    PRESENT_V,
+    TEXT_NETS,
+    TOKEN,
+    NetInfo,
+    TensorSpec,
+    decode_mask,
+    prefill_mask,
+)
+from toptpu.backend.formats.llm_file import LlmHeader
+from toptpu.backend.runtime.errors import GenerationError
+from toptpu.backend.runtime.executor import Buffer, Executor
+from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
+from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.vision import EncodedImage, VisionEncoder
 
 
 class PromptTooLongError(GenerationError):
@@ -202,8 +227,6 @@ class Tokenizer:
         self._hf: Any = None
 
     def _backend(self) -> Any:
-        from tokenizers import Tokenizer as _Backend
-
         try:
             return _Backend.from_str(self.files["tokenizer.json"].decode())
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
@@ -291,6 +314,8 @@ class Tokenizer:
         if not self.has_chat_template:
             raise GenerationError("this model's tokenizer has no chat template; use "
                                   "`toptpu run --prompt` (plain completion) instead")
+        # chat templates render with transformers and its template engine, jinja2: the one
+        # use of transformers in the runtime, loaded only when a template is applied
         from jinja2 import TemplateError
 
         try:
@@ -334,9 +359,9 @@ class Runtime:
             raise GenerationError(f"the model file lacks the nets {missing}; recompile it")
         self.nets = nets
         self.num_layers = self.meta.model.num_layers
-        self.L = _spec(nets["block"], "hidden").shape[1]
-        self.seq = _spec(nets["block_cache"], "history_k").shape[1]
-        self.Hh = _spec(nets["block_kv"], "history_k").shape[1]
+        self.L = _spec(nets[BLOCK], HIDDEN).shape[1]
+        self.seq = _spec(nets[BLOCK_CACHE], HISTORY_K).shape[1]
+        self.Hh = _spec(nets[BLOCK_KV], HISTORY_K).shape[1]
         gen = self.meta.generation
         self.eos_ids = set(gen.eos_token_ids)
         self.stop_strings = [s for s in gen.stop_strings if s]
@@ -346,7 +371,7 @@ class Runtime:
         try:
             self._alloc_buffers()
         except MemoryError as e:
-            kv = _spec(nets["block_cache"], "history_k")
+            kv = _spec(nets[BLOCK_CACHE], HISTORY_K)
             need = 2 * self.num_layers * kv.nbytes
             raise GenerationError(
                 f"this host cannot hold the KV cache of {self.num_layers} layers x "
@@ -354,7 +379,7 @@ class Runtime:
                 "--seq-length") from e
         self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
         self._image_rows: dict[int, np.ndarray] = {}  # position -> vision embedding row
-        self._vision: Any = None
+        self._vision: VisionEncoder | None = None
         self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
         self.pending: int | None = None  # the last generated token, not yet in the cache
         self.messages: list[dict[str, str]] = []
@@ -368,23 +393,23 @@ class Runtime:
             s = _spec(nets[net], name)
             return executor.alloc(s.shape, s.dtype)
 
-        kv = _spec(nets["block_cache"], "history_k")
+        kv = _spec(nets[BLOCK_CACHE], HISTORY_K)
         self.cache_k = [executor.alloc(kv.shape, kv.dtype) for _ in range(self.num_layers)]
         self.cache_v = [executor.alloc(kv.shape, kv.dtype) for _ in range(self.num_layers)]
         self.b = {
-            "ids_L": alloc("embedding", "input_ids"),
-            "ids_1": alloc("embedding_cache", "input_ids"),
-            "h_L": [alloc("embedding", "hidden"), alloc("block", "hidden_out")],
-            "h_1": [alloc("embedding_cache", "hidden"), alloc("block_cache", "hidden_out")],
-            "pos_L": alloc("block", "position_ids"),
-            "pos_1": alloc("block_cache", "position_ids"),
-            "mask_L": alloc("block", "attention_mask"),
-            "mask_kv": alloc("block_kv", "attention_mask"),
-            "mask_1": alloc("block_cache", "attention_mask"),
-            "scratch_k": alloc("block", "present_k"),
-            "scratch_v": alloc("block", "present_v"),
-            "token": alloc("lm_head", "token"),
-            "logits": alloc("lm_head_logits", "logits"),
+            "ids_L": alloc(EMBEDDING, INPUT_IDS),
+            "ids_1": alloc(EMBEDDING_CACHE, INPUT_IDS),
+            "h_L": [alloc(EMBEDDING, HIDDEN), alloc(BLOCK, HIDDEN_OUT)],
+            "h_1": [alloc(EMBEDDING_CACHE, HIDDEN), alloc(BLOCK_CACHE, HIDDEN_OUT)],
+            "pos_L": alloc(BLOCK, POSITION_IDS),
+            "pos_1": alloc(BLOCK_CACHE, POSITION_IDS),
+            "mask_L": alloc(BLOCK, ATTENTION_MASK),
+            "mask_kv": alloc(BLOCK_KV, ATTENTION_MASK),
+            "mask_1": alloc(BLOCK_CACHE, ATTENTION_MASK),
+            "scratch_k": alloc(BLOCK, PRESENT_K),
+            "scratch_v": alloc(BLOCK, PRESENT_V),
+            "token": alloc(LM_HEAD, TOKEN),
+            "logits": alloc(LM_HEAD_LOGITS, LOGITS),
         }
 
     # ------------------------------------------------------------------ construction
@@ -393,14 +418,10 @@ class Runtime:
              verify_checksums: bool = True) -> Runtime:
         """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
         `machine` executor (the file's command streams on the reference machine)."""
-        ex: Any
+        ex: InterpreterExecutor | MachineExecutor
         if executor == "interpreter":
-            from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
-
             ex = InterpreterExecutor(path, verify_checksums)
         elif executor == "machine":
-            from toptpu.backend.runtime.machine_executor import MachineExecutor
-
             ex = MachineExecutor(path)
         else:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
@@ -438,7 +459,7 @@ class Runtime:
         src, dst = h[0], h[1]
         for layer in range(self.num_layers):
             self.ex.run(self.layer_net(net, layer),
-                        {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
+                        {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
             src, dst = dst, src
         return src
 
@@ -457,32 +478,32 @@ class Runtime:
         padded[0, :n] = ids
         ex, b = self.ex, self.b
         ex.write(b["ids_L"], padded)
-        ex.run("embedding", {"input_ids": b["ids_L"], "hidden": b["h_L"][0]})
+        ex.run(EMBEDDING, {INPUT_IDS: b["ids_L"], HIDDEN: b["h_L"][0]})
         self._put_image_rows(b["h_L"][0], start, n)
         ex.write(b["pos_L"], np.arange(start, start + L, dtype=np.int32)[None])
         direct = start + L <= self.seq
 
         def present(layer: int) -> dict[str, Buffer]:
             if direct:
-                return {"present_k": self.cache_k[layer].slot(1, start, L),
-                        "present_v": self.cache_v[layer].slot(1, start, L)}
-            return {"present_k": b["scratch_k"], "present_v": b["scratch_v"]}
+                return {PRESENT_K: self.cache_k[layer].slot(1, start, L),
+                        PRESENT_V: self.cache_v[layer].slot(1, start, L)}
+            return {PRESENT_K: b["scratch_k"], PRESENT_V: b["scratch_v"]}
 
         if start == 0:
             ex.write(b["mask_L"], prefill_mask(n, L))
-            net = "block"
+            net = BLOCK
 
             def extra(layer: int) -> dict[str, Buffer]:
-                return {"position_ids": b["pos_L"], "attention_mask": b["mask_L"],
+                return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_L"],
                         **present(layer)}
         else:
             ex.write(b["mask_kv"], prefill_mask(n, L, start, self.Hh))
-            net = "block_kv"
+            net = BLOCK_KV
 
             def extra(layer: int) -> dict[str, Buffer]:
-                return {"position_ids": b["pos_L"], "attention_mask": b["mask_kv"],
-                        "history_k": self.cache_k[layer].slot(1, 0, self.Hh),
-                        "history_v": self.cache_v[layer].slot(1, 0, self.Hh),
+                return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_kv"],
+                        HISTORY_K: self.cache_k[layer].slot(1, 0, self.Hh),
+                        HISTORY_V: self.cache_v[layer].slot(1, 0, self.Hh),
                         **present(layer)}
 
         if direct:
@@ -491,7 +512,7 @@ class Runtime:
             src, dst = b["h_L"]
             for layer in range(self.num_layers):
                 ex.run(self.layer_net(net, layer),
-                       {"hidden": src, "hidden_out": dst, **extra(layer)}, layer=layer)
+                       {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
                 for cache, scratch in ((self.cache_k, b["scratch_k"]),
                                        (self.cache_v, b["scratch_v"])):
                     ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
@@ -507,18 +528,18 @@ class Runtime:
             raise GenerationError(f"the KV cache is full ({self.seq} tokens)")
         ex, b = self.ex, self.b
         ex.write(b["ids_1"], np.array([[token]], np.int32))
-        ex.run("embedding_cache", {"input_ids": b["ids_1"], "hidden": b["h_1"][0]})
+        ex.run(EMBEDDING_CACHE, {INPUT_IDS: b["ids_1"], HIDDEN: b["h_1"][0]})
         self._put_image_rows(b["h_1"][0], pos, 1)
         ex.write(b["pos_1"], np.array([[pos]], np.int32))
         ex.write(b["mask_1"], decode_mask(pos, self.seq))
 
         def extra(layer: int) -> dict[str, Buffer]:
-            return {"position_ids": b["pos_1"], "attention_mask": b["mask_1"],
-                    "history_k": self.cache_k[layer], "history_v": self.cache_v[layer],
-                    "present_k": self.cache_k[layer].slot(1, pos, 1),
-                    "present_v": self.cache_v[layer].slot(1, pos, 1)}
+            return {POSITION_IDS: b["pos_1"], ATTENTION_MASK: b["mask_1"],
+                    HISTORY_K: self.cache_k[layer], HISTORY_V: self.cache_v[layer],
+                    PRESENT_K: self.cache_k[layer].slot(1, pos, 1),
+                    PRESENT_V: self.cache_v[layer].slot(1, pos, 1)}
 
-        out = self._run_layers("block_cache", b["h_1"], extra)
+        out = self._run_layers(BLOCK_CACHE, b["h_1"], extra)
         self.tokens.append(int(token))
         return out
 
@@ -526,9 +547,9 @@ class Runtime:
                     recent: Sequence[int]) -> int:
         ex, b = self.ex, self.b
         if cfg.fused_greedy:
-            ex.run("lm_head", {"hidden": hidden_row, "token": b["token"]})
+            ex.run(LM_HEAD, {HIDDEN: hidden_row, TOKEN: b["token"]})
             return int(ex.read(b["token"]).reshape(-1)[0])
-        ex.run("lm_head_logits", {"hidden": hidden_row, "logits": b["logits"]})
+        ex.run(LM_HEAD_LOGITS, {HIDDEN: hidden_row, LOGITS: b["logits"]})
         return sample_token(ex.read(b["logits"]), recent, cfg, rng)
 
     def _prefill(self, ids: Sequence[int]) -> Buffer:
@@ -572,12 +593,10 @@ class Runtime:
         return self.meta.vision is not None
 
     @property
-    def vision(self) -> Any:
+    def vision(self) -> VisionEncoder:
         """The model file's `toptpu.backend.runtime.vision.VisionEncoder` (GenerationError for a
         text-only model)."""
         if self._vision is None:
-            from toptpu.backend.runtime.vision import VisionEncoder
-
             self._vision = VisionEncoder(self.ex, self.header)
         return self._vision
 
@@ -586,8 +605,6 @@ class Runtime:
         return self.vision.encode(image)
 
     def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
-        from toptpu.backend.runtime.vision import EncodedImage
-
         return [im if isinstance(im, EncodedImage) else self.encode_image(im)
                 for im in images or []]
 
@@ -640,7 +657,7 @@ class Runtime:
             raise PromptTooLongError(f"{len(ids)} tokens do not fit the KV cache of {self.seq}")
         self.reset()
         last = self._prefill(ids)
-        self.ex.run("lm_head_logits", {"hidden": last, "logits": self.b["logits"]})
+        self.ex.run(LM_HEAD_LOGITS, {HIDDEN: last, LOGITS: self.b["logits"]})
         out = self.ex.read(self.b["logits"]).reshape(-1).astype(np.float32)
         self.reset()
         return out

@@ -1,8 +1,10 @@
-"""Run one compiled Tpu module on a fresh machine (tests, benchmarks, `toptpu compare`).
+"""Run compiled programs on the reference machine (tests, benchmarks, `toptpu compare`).
 
-`compile_for_machine` runs the machine part of the Tpu pipeline (layer-group, lmem-verify,
-address-assign) and codegen; `simulate` maps the weights the program uses and the
-inputs into global memory, runs the program and reads the outputs back.
+`simulate` maps the weights one program uses and its inputs into the global memory of a
+fresh machine, runs the program and reads the outputs back; `ProgramFile` runs the nets of
+a file `toptpu.backend.formats.program.write_program_file` wrote. Compiling a module to a
+program (the machine passes and codegen) is the driver's job:
+`toptpu.machine_pipeline.compile_for_machine`.
 """
 
 from __future__ import annotations
@@ -11,30 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp
 
-from toptpu.backend.codegen.streams import Program, generate
+from toptpu.backend.formats.model_file import ModelFile, ModelFileError
+from toptpu.backend.formats.program import NETS_KIND, Program, constant_pool
 from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
-from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.chips import Chip, chip_from_json
 from toptpu.dialects.weight_store import WeightStore
-
-
-def compile_for_machine(module: ModuleOp, chip: Chip, max_ops: int = 12) -> Program:
-    """layer-group + lmem-verify + address-assign + codegen for the module's function."""
-    from toptpu.passes.address_assign import assign_function
-    from toptpu.passes.layer_group import layer_group_function
-    from toptpu.passes.lmem import verify_group
-
-    fns = [f for f in module.ops if isinstance(f, func.FuncOp)]
-    for fn in fns:
-        for g in layer_group_function(fn, chip, max_ops):
-            verify_group(g, chip)
-        assign_function(fn)
-    module.verify()
-    if len(fns) != 1:
-        raise ValueError("simulate runs modules with exactly one function")
-    return generate(module, fns[0], chip)
 
 
 @dataclass
@@ -76,25 +60,6 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
     return SimResult(outputs, tl)
 
 
-def constant_pool(program: Program) -> bytes:
-    """The net's constants, at their address-assign offsets."""
-    from toptpu.backend.reference.interpreter import constant_value
-    from toptpu.dialects import tpu
-    from toptpu.dialects.common import read_int
-    from toptpu.dialects.ir_text import parse_ir
-
-    buf = bytearray(program.regions["constants"])
-    if not buf:
-        return b""
-    module = parse_ir(program.ir, f"net:{program.name}", verify=False)
-    for op in module.walk():
-        if isinstance(op, tpu.ConstantOp) and "tpu.const_offset" in op.attributes:
-            off = read_int(op.attributes["tpu.const_offset"])
-            data = np.ascontiguousarray(constant_value(op.value)).view(np.uint8).reshape(-1)
-            buf[off:off + data.size] = data.tobytes()
-    return bytes(buf)
-
-
 def _fill_constants(m: Machine, program: Program, base: int) -> None:
     pool = constant_pool(program)
     if pool:
@@ -102,46 +67,10 @@ def _fill_constants(m: Machine, program: Program, base: int) -> None:
         r.data[off:off + len(pool)] = np.frombuffer(pool, np.uint8)
 
 
-# ------------------------------------------------------------------ programs in a model file
-
-NETS_KIND = "toptpu-nets"
-
-
-def write_program_file(path: str, programs: Mapping[str, Program], store: WeightStore,
-                       chip: Chip) -> None:
-    """One model file holding compiled nets: their programs, constant pools and one aligned
-    weight blob (every weight the programs read, 64-byte aligned)."""
-    from toptpu.backend.formats.model_file import write_model_file
-
-    table: dict[str, dict] = {}
-    chunks: list[bytes] = []
-    off = 0
-    for prog in programs.values():
-        for name in prog.weights:
-            if name in table:
-                continue
-            arr = np.ascontiguousarray(store[name])
-            table[name] = {"offset": off, "shape": list(arr.shape), "dtype": str(arr.dtype),
-                           "nbytes": int(arr.nbytes)}
-            pad = (-arr.nbytes) % 64
-            chunks.append(arr.view(np.uint8).tobytes() + b"\0" * pad)
-            off += arr.nbytes + pad
-    sections: dict[str, bytes] = {"weights": b"".join(chunks)}
-    for name, prog in programs.items():
-        sections[f"program:{name}"] = prog.to_json()
-        sections[f"const:{name}"] = constant_pool(prog)
-    header = {"kind": NETS_KIND, "chip": chip.to_json(), "nets": list(programs),
-              "weights": table}
-    write_model_file(path, header, sections)
-
-
 class ProgramFile:
     """A model file of compiled nets, run on one machine (weights mapped once)."""
 
     def __init__(self, path: str, checked: bool = False) -> None:
-        from toptpu.backend.formats.model_file import ModelFile, ModelFileError
-        from toptpu.backend.target.chips import chip_from_json
-
         self.file = ModelFile(path)
         h = self.file.header
         if h.get("kind") != NETS_KIND:

@@ -13,7 +13,7 @@ shapes of the `vit` net. For one image:
 - MiniCPM-V 4.6: `MiniCPMV4_6ImageProcessorPil` makes the source image and its slices
   (its slice scheme, `max_slice_nums`), each NaViT-packed with its own patch grid; each
   runs `vit` once, reordered and padded to the net's patch budget
-  (`toptpu.frontends.vision_inputs.pack_slice`), and gives h*w/16 rows. The prompt text is
+  (`toptpu.backend.contract.pack_slice`), and gives h*w/16 rows. The prompt text is
   the processor's `replace_image_token` (image and slice start/end tokens, one row of
   slices per line) with the `<image_id>i</image_id>` prefix of `use_image_id`.
 
@@ -34,8 +34,16 @@ from typing import Any
 
 import numpy as np
 
+from toptpu.backend.contract import (
+    ATTENTION_MASK,
+    IMAGE_EMBEDS,
+    PIXEL_VALUES,
+    POSITION_IDS_VIT,
+    VISION_KINDS,
+    pack_slice,
+)
+from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
-from toptpu.backend.runtime.runtime import GenerationError
 
 
 class ImageError(GenerationError):
@@ -110,8 +118,8 @@ class ImagePreprocessor:
     @property
     def marker(self) -> str:
         """The text that marks where an image goes in a prompt (the model's image token)."""
-        t = self.info["tokens"]
-        return t["context_image_token"] if self.kind == "internvl" else t["image_token"]
+        _, _, marker = VISION_KINDS[self.kind]
+        return str(self.info["tokens"][marker])
 
     def expand(self, text: str, images: list[EncodedImage], first_index: int = 0) -> str:
         """Replace the i-th marker of `text` by the i-th image's placeholder text (with its
@@ -173,7 +181,7 @@ class ImagePreprocessor:
         v = self.info
         out = self.processor(img, crop_to_patches=True, max_patches=int(v["max_tiles"]),
                              return_tensors=None)  # crop_to_patches: as InternVLProcessor
-        tiles = [np.asarray(t, np.float32) for t in out["pixel_values"]]
+        tiles = [np.asarray(t, np.float32) for t in out[PIXEL_VALUES]]
         t = v["tokens"]
         layout = SimpleNamespace(start_image_token=t["start_image_token"],
                                  end_image_token=t["end_image_token"],
@@ -181,17 +189,15 @@ class ImagePreprocessor:
                                  image_seq_length=int(v["tokens_per_tile"]))
         placeholder = InternVLProcessor.replace_image_token(
             layout, {"num_patches": [len(tiles)]}, 0)
-        return PreparedImage([{"pixel_values": x[None]} for x in tiles],
+        return PreparedImage([{PIXEL_VALUES: x[None]} for x in tiles],
                              [int(v["tokens_per_tile"])] * len(tiles), placeholder)
 
     def _minicpmv(self, img: Any, source: str) -> PreparedImage:
         from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
 
-        from toptpu.frontends.vision_inputs import pack_slice
-
         v = self.info
         out = self.processor(img, return_tensors=None)
-        pv = np.asarray(out["pixel_values"], np.float32)[0]  # [C, P, total * P]
+        pv = np.asarray(out[PIXEL_VALUES], np.float32)[0]  # [C, P, total * P]
         sizes = np.asarray(out["target_sizes"]).reshape(-1, 2)
         p, budget, div = int(v["patch_size"]), int(v["max_patches"]), int(v["token_divisor"])
         levels = [tuple(k) for k in v["merge_levels"]]
@@ -208,7 +214,7 @@ class ImagePreprocessor:
             n = int(h * w)
             packed = pack_slice(pv[:, :, start * p:(start + n) * p], int(h), int(w), budget,
                                 levels, int(v["position_side"]))
-            feeds.append(dict(zip(("pixel_values", "position_ids_vit", "attention_mask"),
+            feeds.append(dict(zip((PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK),
                                   packed, strict=True)))
             rows.append(n // div)
             start += n
@@ -247,13 +253,12 @@ class VisionEncoder(ImagePreprocessor):
         shapes = {s.name: s.shape for s in (*self.net_info.inputs, *self.net_info.outputs)}
         v = self.info
         if self.kind == "internvl":
-            want = {"pixel_values": (1, 3, v["image_size"], v["image_size"]),
-                    "image_embeds": (1, v["tokens_per_tile"], shapes["image_embeds"][-1])}
+            want = {PIXEL_VALUES: (1, 3, v["image_size"], v["image_size"]),
+                    IMAGE_EMBEDS: (1, v["tokens_per_tile"], shapes[IMAGE_EMBEDS][-1])}
         else:
             n, p = int(v["max_patches"]), int(v["patch_size"])
-            want = {"pixel_values": (1, 3, p, n * p), "position_ids_vit": (1, n),
-                    "image_embeds": (1, n // int(v["token_divisor"]),
-                                     shapes["image_embeds"][-1])}
+            want = {PIXEL_VALUES: (1, 3, p, n * p), POSITION_IDS_VIT: (1, n),
+                    IMAGE_EMBEDS: (1, n // int(v["token_divisor"]), shapes[IMAGE_EMBEDS][-1])}
         bad = [f"{k} is {list(shapes.get(k, ()))}, the header says {list(s)}"
                for k, s in want.items() if tuple(shapes.get(k, ())) != tuple(s)]
         if bad:
@@ -271,7 +276,7 @@ class VisionEncoder(ImagePreprocessor):
         for name, arr in feeds.items():
             self.ex.write(b[name], arr)
         self.ex.run(self.net, b)
-        return self.ex.read(b["image_embeds"]).astype(np.float32)
+        return self.ex.read(b[IMAGE_EMBEDS]).astype(np.float32)
 
     def encode(self, image: Any) -> EncodedImage:
         """Preprocess `image` and run the vision net on each tile: its embedding rows."""

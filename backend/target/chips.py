@@ -2,8 +2,8 @@
 
 The figures approximate public numbers (BM1684X: 64 NPU lanes x 256 KiB local memory in
 16 banks, ~16 TFLOPS f16/bf16, ~2 TFLOPS f32, ~32 TOPS int8, ~64 GB/s DDR; BM1688: 32 lanes x
-128 KiB). They serve the cost model and the memory rules; they are not a cycle-accurate
-description of either chip.
+128 KiB). They serve the cost model (`toptpu.backend.target.cost`) and the memory rules;
+they are not a cycle-accurate description of either chip.
 """
 
 from __future__ import annotations
@@ -84,12 +84,3 @@ def get_chip(name: str) -> Chip:
 def chip_from_json(d: dict) -> Chip:
     return Chip(**d)
 
-
-def dma_cycles(chip: Chip, nbytes: int) -> float:
-    """Cycles one DMA transfer takes: latency plus bytes over DDR bandwidth."""
-    return chip.dma_latency_cycles + nbytes / chip.bytes_per_cycle
-
-
-def compute_cycles(chip: Chip, flops: int, dtype: str) -> float:
-    """Cycles one compute command takes: issue latency plus work over peak throughput."""
-    return chip.compute_latency_cycles + flops / chip.flops_per_cycle(dtype)

@@ -1,0 +1,333 @@
+"""The net contract: what the compiler builds, the model file records and the runtime runs.
+
+Compiler (`toptpu.compiler`), frontends (the LLM splitter, the VLM wrappers) and runtime
+(`toptpu.backend.runtime`) all import this one module, and nothing here imports them: it
+needs numpy alone (no torch, no xDSL), so the runtime can depend on it without pulling in
+the compiler. It fixes (DESIGN section 5):
+
+- the net names (`TEXT_NETS`, `PER_LAYER_NETS`, `VISION_NET`) and the per-layer variants
+  of a layer quantized differently from layer 0 (`block@3`: `NetName`);
+- the IO names and, at given static shapes (`StaticShapes`), the exact IO of every text
+  net (`net_io`);
+- the additive attention masks (`prefill_mask`, `decode_mask`);
+- the files a model file carries besides its nets (`TOKENIZER_FILES`) and the vision
+  families (`VISION_KINDS`);
+- the host-side packing of MiniCPM-V image slices into the static `vit` net (`pack_slice`).
+
+The model file header that records all this is the file format's
+(`toptpu.backend.formats.llm_file.LlmHeader`): it checks each net's IO against `net_io`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+import numpy as np
+
+
+class ContractError(ValueError):
+    """A request the net contract cannot meet (shapes, net names); the message says why."""
+
+
+# =========================================================================== tensors
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A net input or output: name, static shape, numpy dtype name (e.g. 'bfloat16')."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class NetInfo:
+    """A compiled net's interface."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    per_layer: bool  # True when every layer binds its own weights to this net
+
+
+# =========================================================================== net names
+
+EMBEDDING = "embedding"
+EMBEDDING_CACHE = "embedding_cache"
+BLOCK = "block"
+BLOCK_KV = "block_kv"
+BLOCK_CACHE = "block_cache"
+LM_HEAD = "lm_head"
+LM_HEAD_LOGITS = "lm_head_logits"
+#: the nets of every LLM model file, in the order the compiler emits them
+TEXT_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_KV, BLOCK_CACHE, LM_HEAD, LM_HEAD_LOGITS)
+#: the nets that run once per layer (each layer binds its own weights)
+PER_LAYER_NETS = (BLOCK, BLOCK_KV, BLOCK_CACHE)
+#: the nets that read the KV cache in place (their attention takes history operands)
+HISTORY_NETS = (BLOCK_KV, BLOCK_CACHE)
+#: the vision net of a VLM model file
+VISION_NET = "vit"
+#: every net name a model file may hold, besides per-layer variants
+KNOWN_NETS = (*TEXT_NETS, VISION_NET)
+
+
+@dataclass(frozen=True)
+class NetName:
+    """A net's name: a known net, or a variant `<per-layer net>@<layer>` compiled for the
+    layers (from `layer` on) whose checkpoint quantization differs from layer 0's."""
+
+    base: str
+    layer: int = 0  # 0: the net every layer runs unless it has a variant
+
+    @classmethod
+    def parse(cls, name: str) -> NetName:
+        """`block@3` -> NetName('block', 3); `lm_head` -> NetName('lm_head'). ContractError
+        for anything else (an unknown net, a variant of a net that is not per-layer, a layer
+        that is not a positive decimal number without leading zeros)."""
+        base, at, layer = name.partition("@")
+        if not at and base in KNOWN_NETS:
+            return cls(base)
+        if at and base in PER_LAYER_NETS and layer.isascii() and layer.isdigit() and \
+                len(layer) < 10 and str(int(layer)) == layer and int(layer) > 0:
+            return cls(base, int(layer))
+        raise ContractError(f"'{name}' is not a net name (nets: {', '.join(KNOWN_NETS)}, or "
+                            "<per-layer net>@<layer>)")
+
+    @property
+    def is_variant(self) -> bool:
+        return self.layer > 0
+
+    def __str__(self) -> str:
+        return f"{self.base}@{self.layer}" if self.layer else self.base
+
+
+# =========================================================================== IO names
+
+INPUT_IDS = "input_ids"
+HIDDEN = "hidden"
+HIDDEN_OUT = "hidden_out"  # the block nets' output: a net's IO names are unique
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
+HISTORY_K = "history_k"
+HISTORY_V = "history_v"
+PRESENT_K = "present_k"
+PRESENT_V = "present_v"
+TOKEN = "token"
+LOGITS = "logits"
+PIXEL_VALUES = "pixel_values"
+POSITION_IDS_VIT = "position_ids_vit"
+IMAGE_EMBEDS = "image_embeds"
+
+#: the inputs of `block`; `block_kv` and `block_cache` add the history (`HISTORY_INPUTS`)
+BLOCK_INPUTS = (HIDDEN, POSITION_IDS, ATTENTION_MASK)
+HISTORY_INPUTS = (*BLOCK_INPUTS, HISTORY_K, HISTORY_V)
+BLOCK_OUTPUTS = (HIDDEN_OUT, PRESENT_K, PRESENT_V)
+
+
+# =========================================================================== static shapes
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    """The compiled static shapes: KV capacity SEQ, prefill chunk L, prefill history Hh."""
+
+    seq_length: int
+    max_input_length: int
+    max_history: int
+
+    @classmethod
+    def make(cls, seq_length: int, max_input_length: int | None = None,
+             max_history: int | None = None) -> StaticShapes:
+        """Fill the defaults (L = min(SEQ, 128), Hh = SEQ) and validate (ContractError
+        naming the command-line option)."""
+        if seq_length < 2:
+            raise ContractError(f"--seq-length must be at least 2, got {seq_length}")
+        L = min(seq_length, 128) if max_input_length is None else max_input_length
+        Hh = seq_length if max_history is None else max_history
+        if not 1 <= L <= seq_length:
+            raise ContractError(
+                f"--max-input-length {L} must be between 1 and --seq-length {seq_length}")
+        if not 1 <= Hh <= seq_length:
+            raise ContractError(
+                f"--max-history {Hh} must be between 1 and --seq-length {seq_length}")
+        return cls(seq_length, L, Hh)
+
+
+class ModelWidths(Protocol):
+    """The model sizes the text nets' IO depends on (e.g. the header's `ModelInfo`)."""
+
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def net_io(shapes: StaticShapes, model: ModelWidths, act: str
+           ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """The inputs and outputs of each text net: static shapes L, SEQ and Hh, the model's
+    widths, float activations of dtype `act`, int32 ids and positions."""
+    L, S, Hh = shapes.max_input_length, shapes.seq_length, shapes.max_history
+    H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
+
+    def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
+        return TensorSpec(name, shape, dtype)
+
+    def block(n: int, mask: int, history: int | None) -> tuple[tuple[TensorSpec, ...], ...]:
+        inputs = [t(HIDDEN, 1, n, H), t(POSITION_IDS, 1, n, dtype="int32"),
+                  t(ATTENTION_MASK, 1, 1, n, mask)]
+        if history is not None:
+            inputs += [t(HISTORY_K, 1, history, kv, D), t(HISTORY_V, 1, history, kv, D)]
+        return tuple(inputs), (t(HIDDEN_OUT, 1, n, H), t(PRESENT_K, 1, n, kv, D),
+                               t(PRESENT_V, 1, n, kv, D))
+
+    return {
+        EMBEDDING: ((t(INPUT_IDS, 1, L, dtype="int32"),), (t(HIDDEN, 1, L, H),)),
+        EMBEDDING_CACHE: ((t(INPUT_IDS, 1, 1, dtype="int32"),), (t(HIDDEN, 1, 1, H),)),
+        BLOCK: block(L, L, None),
+        BLOCK_KV: block(L, Hh + L, Hh),
+        BLOCK_CACHE: block(1, S + 1, S),
+        LM_HEAD: ((t(HIDDEN, 1, H),), (t(TOKEN, 1, 1, dtype="int32"),)),
+        LM_HEAD_LOGITS: ((t(HIDDEN, 1, H),), (t(LOGITS, 1, model.vocab_size),)),
+    }
+
+
+# =========================================================================== masks
+#
+# The masks are additive: 0 where a key is visible, `MASK_VALUE` (-10000) where it is
+# hidden — not -inf (a fully masked padded row would turn into NaN) and not finfo.min
+# (overflows in f16). exp(-10000) is exactly 0 in f32, so a masked key contributes nothing,
+# yet every row stays finite. Padded rows and columns are fully masked.
+
+MASK_VALUE = -10000.0
+
+
+def prefill_mask(n: int, length: int, start: int = 0, history: int = 0) -> np.ndarray:
+    """Mask [1, 1, L, history + L] of a prefill chunk of `n` real tokens at positions
+    start..start+n-1, padded to `length` L, over `history` cache slots of which the first
+    `start` hold the conversation so far (history 0: the `block` net, no cache)."""
+    if not 0 <= n <= length or (history and not 0 <= start <= history):
+        raise ValueError(f"bad prefill mask request: n={n} length={length} start={start} "
+                         f"history={history}")
+    m = np.full((length, history + length), MASK_VALUE, np.float32)
+    if history:
+        m[:n, :start] = 0.0
+    tri = np.tril(np.ones((n, n), bool))
+    m[:n, history:history + n][tri] = 0.0
+    return m[None, None]
+
+
+def decode_mask(pos: int, seq_length: int) -> np.ndarray:
+    """Mask [1, 1, 1, SEQ + 1] of the token at `pos`: cache slots 0..pos-1 and the token
+    itself (the last column: its own k/v, passed beside the cache) are visible."""
+    if not 0 <= pos < seq_length:
+        raise ValueError(f"decode position {pos} is outside the KV cache of {seq_length}")
+    m = np.full((1, seq_length + 1), MASK_VALUE, np.float32)
+    m[0, :pos] = 0.0
+    m[0, seq_length] = 0.0
+    return m[None, None]
+
+
+# =========================================================================== other contents
+
+#: the tokenizer files a model file may carry (what `toptpu compile` copies from the model
+#: directory); their names are section names, never paths
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
+#: vision family -> (the Pillow image processor class in transformers, the tokenizer
+#: attributes naming its image tokens, the one that marks an image in a prompt)
+VISION_KINDS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "internvl": ("GotOcr2ImageProcessorPil",
+                 ("start_image_token", "end_image_token", "context_image_token"),
+                 "context_image_token"),
+    "minicpmv": ("MiniCPMV4_6ImageProcessorPil",
+                 ("image_token", "image_start_token", "image_end_token", "slice_start_token",
+                  "slice_end_token", "image_id_start_token", "image_id_end_token"),
+                 "image_token"),
+}
+
+# =========================================================================== MiniCPM-V inputs
+#
+# The static-shape inputs of the MiniCPM-V `vit` net (the compiler checks the net with them,
+# the runtime feeds it with them).
+#
+# MiniCPM-V packs each image slice NaViT-style: `pixel_values` [C, P, n * P] holds the n
+# patches of an h x w patch grid side by side in raster order, and the vision tower runs on
+# exactly those n patches (n varies with the slice's aspect ratio). Its window-attention
+# merger then regroups the tokens window by window (`get_vision_window_index`) and merges
+# each 2 x 2 window into one token; the downsample MLP merger merges 2 x 2 again.
+#
+# A static net cannot take a varying n, nor gather by a data-dependent window index. Both
+# go away with one host-side permutation of the patches (`merge_order`): every attention
+# before, between and after the merges treats tokens as a set (it is permutation
+# equivariant, and the only mask is which tokens are real), patch embedding and position
+# embedding are per patch, so the patches may enter in any order. In *merge order* each
+# window of the innermost merge is 4 consecutive tokens, each window of the next merge is 4
+# consecutive merged tokens, and the final tokens come out in raster order of the merged
+# grid, exactly as the model's merger emits them. The slice is then padded to the net's
+# static patch budget N with masked tokens (`pack_slice`); n is a multiple of 16, so the
+# padding is whole windows at every level and the real tokens stay a prefix.
+
+
+def merge_order(h: int, w: int, levels: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Raster patch indices of an h x w grid in merge order for `levels` (innermost merge
+    kernel (kh, kw) first): windows of each level are consecutive, row-major inside."""
+    kh = int(np.prod([k[0] for k in levels])) if levels else 1
+    kw = int(np.prod([k[1] for k in levels])) if levels else 1
+    if h % kh or w % kw:
+        raise ValueError(f"a {h}x{w} patch grid is not divisible by the merge kernels "
+                         f"{list(levels)} ({kh}x{kw})")
+    offsets = [(0, 0)]
+    size = (1, 1)
+    for lh, lw in levels:  # grow the block outwards: sub-blocks in raster order
+        offsets = [(sy * size[0] + dy, sx * size[1] + dx)
+                   for sy in range(lh) for sx in range(lw) for dy, dx in offsets]
+        size = (size[0] * lh, size[1] * lw)
+    block = np.array(offsets, np.int64)  # [kh*kw, 2]
+    rows = np.arange(h // kh)[:, None, None] * kh + block[None, None, :, 0]
+    cols = np.arange(w // kw)[None, :, None] * kw + block[None, None, :, 1]
+    return (rows * w + cols).reshape(-1)
+
+
+def nearest_position_ids(h: int, w: int, num_patches_per_side: int) -> np.ndarray:
+    """The position-embedding rows of an h x w patch grid in raster order: the model's own
+    `transformers.vision_utils.get_vision_nearest_position_ids` (bucketize of i/h on the
+    learned side x side grid). It needs torch and transformers, imported here: only the
+    MiniCPM-V vision path (compile check and image encoding) gets this far, and that path
+    runs the model's own image processor from transformers anyway."""
+    import torch
+    from transformers.vision_utils import get_vision_nearest_position_ids
+
+    ids = get_vision_nearest_position_ids(torch.tensor([[h, w]]), num_patches_per_side)
+    return ids.numpy().astype(np.int64)
+
+
+def pack_slice(patches: np.ndarray, h: int, w: int, budget: int,
+               levels: Sequence[tuple[int, int]], num_patches_per_side: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One slice's NaViT patches [C, P, h*w*P] -> the vit net inputs at `budget` patches:
+    pixel_values [1, C, P, budget*P] in merge order, position ids i32 [1, budget] and the
+    key mask [1, 1, 1, budget] (0 for the h*w real patches, MASK_VALUE for padding)."""
+    c, p, total = patches.shape
+    n = h * w
+    if total != n * p:
+        raise ValueError(f"slice of {total // p} patches does not match its grid {h}x{w}")
+    if n > budget:
+        raise ValueError(f"slice of {n} patches exceeds the budget of {budget}")
+    order = merge_order(h, w, levels)
+    grid = patches.reshape(c, p, n, p)[:, :, order, :]
+    pixels = np.zeros((c, p, budget, p), np.float32)
+    pixels[:, :, :n] = grid
+    pos = np.zeros((1, budget), np.int32)
+    pos[0, :n] = nearest_position_ids(h, w, num_patches_per_side)[order]
+    mask = np.full((1, 1, 1, budget), MASK_VALUE, np.float32)
+    mask[..., :n] = 0.0
+    return pixels.reshape(1, c, p, budget * p), pos, mask
