@@ -1,0 +1,322 @@
+"""The import rules of the package, enforced.
+
+Every module of the `toptpu` package is parsed (no import runs) and each of its imports,
+at module level and inside functions, is checked:
+
+- against `RULES`: which of our packages each package may import;
+- function-level imports only for heavy dependencies (`HEAVY`, or one of our modules that
+  loads one when imported): anything else belongs at module level, where the edge is seen;
+- the runtime side (contract, formats, target, reference, runtime) loads none of `NO_RUNTIME`
+  when imported, and a function-level import of a heavy dependency there is one of the
+  explicit `RUNTIME_LAZY` exceptions;
+- no import cycle between modules.
+
+A failure names file:line and the forbidden edge. A subprocess checks the runtime for real:
+importing `Runtime` and generating from a model file loads no torch, transformers, passes,
+frontends or codegen.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+
+import pytest
+from llm_fixtures import compiled
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: import name -> folder (pyproject.toml `package-dir`)
+PACKAGE_DIRS = {"toptpu": "toptpu", "toptpu.dialects": "dialects", "toptpu.passes": "passes",
+                "toptpu.frontends": "frontends", "toptpu.backend": "backend"}
+
+#: package -> the packages of ours its modules may import (besides its own modules). The
+#: package of a module is the longest key that prefixes it; "*" is anything.
+RULES: dict[str, tuple[str, ...]] = {
+    "toptpu.dialects": (),
+    "toptpu.backend.contract": (),
+    "toptpu.backend.target": ("toptpu.dialects",),
+    "toptpu.backend.reference": ("toptpu.dialects",),
+    "toptpu.backend.formats": ("toptpu.dialects", "toptpu.backend.target",
+                               "toptpu.backend.contract"),
+    "toptpu.passes": ("toptpu.dialects", "toptpu.backend.target", "toptpu.backend.reference"),
+    "toptpu.frontends": ("toptpu.dialects", "toptpu.passes", "toptpu.backend.contract"),
+    "toptpu.backend.codegen": ("toptpu.dialects", "toptpu.backend.target", "toptpu.passes",
+                               "toptpu.backend.formats"),
+    "toptpu.backend.runtime": ("toptpu.dialects", "toptpu.backend.target",
+                               "toptpu.backend.reference", "toptpu.backend.contract",
+                               "toptpu.backend.formats"),
+    "toptpu.backend": (),
+    "toptpu": ("*",),
+}
+
+#: dependencies heavy enough to import only where used (seconds of import time, or
+#: optional in spirit: the runtime and the CLI's startup must not pay for them)
+HEAVY = ("torch", "transformers", "torchvision", "mlir", "PIL", "safetensors.torch",
+         "auto_round")
+#: function-level imports of light modules that have a reason of their own
+LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("toptpu", "toptpu.backend.runtime.runtime"):
+        "PEP 562 attribute of the package root, which runs before every submodule import",
+    ("toptpu.llm_cli", "readline"):
+        "importing readline turns on line editing for input(): only an interactive chat",
+    ("toptpu.backend.runtime.runtime", "jinja2"):
+        "chat templates render with transformers and jinja2, only when applied",
+}
+
+#: the packages that run a model file
+RUNTIME_SIDE = ("toptpu.backend.contract", "toptpu.backend.formats", "toptpu.backend.target",
+                "toptpu.backend.reference", "toptpu.backend.runtime")
+#: what the runtime side never loads when imported
+NO_RUNTIME = ("torch", "transformers", "xdsl.transforms", "mlir", "PIL")
+#: (module, top-level package) -> why the runtime side needs it, lazily, at run time
+RUNTIME_LAZY: dict[tuple[str, str], str] = {
+    ("toptpu.backend.runtime.runtime", "transformers"):
+        "chat templates (PreTrainedTokenizerFast.apply_chat_template)",
+    ("toptpu.backend.runtime.vision", "transformers"):
+        "the VLMs' own Pillow image processors and placeholder layouts",
+    ("toptpu.backend.runtime.vision", "PIL"): "reading images",
+    ("toptpu.backend.runtime.profile", "PIL"): "PNG timelines of `toptpu profile --png`",
+    ("toptpu.backend.contract", "torch"):
+        "MiniCPM-V position ids by the model's own function (image encoding only)",
+    ("toptpu.backend.contract", "transformers"):
+        "MiniCPM-V position ids by the model's own function (image encoding only)",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    path: str  # its file, relative to the repository
+    line: int
+    in_function: bool
+    target: str  # the imported module
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def _modules() -> dict[str, str]:
+    """Every module of the package -> its file (relative to the repository)."""
+    out = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for root, dirs, files in os.walk(os.path.join(REPO, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(root, f), os.path.join(REPO, folder))
+                parts = rel[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                out[".".join([package, *parts])] = os.path.relpath(os.path.join(root, f), REPO)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports_of(module: str, path: str) -> Iterator[Import]:
+    with open(os.path.join(REPO, path)) as f:
+        tree = ast.parse(f.read(), path)
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
+                                              | ast.Lambda)
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield Import(module, path, child.lineno, in_function, alias.name)
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0 and child.module, f"{path}:{child.lineno}: relative import"
+                for alias in child.names:  # `from pkg import mod` imports the module pkg.mod
+                    sub = f"{child.module}.{alias.name}"
+                    yield Import(module, path, child.lineno, in_function,
+                                 sub if sub in MODULES else child.module)
+            yield from visit(child, inner)
+
+    yield from visit(tree, False)
+
+
+@cache
+def all_imports() -> tuple[Import, ...]:
+    return tuple(i for m, p in sorted(MODULES.items()) for i in _imports_of(m, p))
+
+
+def ours(name: str) -> bool:
+    return name == "toptpu" or name.startswith("toptpu.")
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def package_of(module: str) -> str:
+    return max((p for p in RULES if within(module, p)), key=len)
+
+
+@cache
+def loaded_at_import(module: str) -> frozenset[str]:
+    """What importing `module` loads: its module-level imports, transitively through ours
+    (third-party modules as named, not their own imports)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        for i in all_imports():
+            if i.module == m and not i.in_function and i.target not in seen:
+                seen.add(i.target)
+                if ours(i.target):
+                    todo.append(i.target)
+    return frozenset(seen)
+
+
+def is_heavy(target: str) -> bool:
+    names = loaded_at_import(target) | {target} if ours(target) else {target}
+    return any(within(n, h) for n in names for h in HEAVY)
+
+
+# =========================================================================== the tests
+
+
+def test_every_import_follows_the_rules() -> None:
+    bad = []
+    for i in all_imports():
+        if not ours(i.target):
+            continue
+        pkg = package_of(i.module)
+        allowed = RULES[pkg]
+        if "*" in allowed or within(i.target, pkg) and package_of(i.target) == pkg:
+            continue
+        if not any(within(i.target, a) and package_of(i.target) == a for a in allowed):
+            bad.append(f"{i.where()}: {i.module} ({pkg}) imports {i.target} "
+                       f"({package_of(i.target)}); {pkg} may import only "
+                       f"{', '.join(allowed) or 'nothing of ours'}")
+    assert not bad, "forbidden imports:\n" + "\n".join(bad)
+
+
+def test_function_level_imports_only_for_heavy_dependencies() -> None:
+    bad = [f"{i.where()}: {i.module} imports {i.target} inside a function; move it to the "
+           "module level (a function-level import is for torch, transformers, MLIR or PIL)"
+           for i in all_imports()
+           if i.in_function and not is_heavy(i.target)
+           and (i.module, i.target) not in LAZY_EXCEPTIONS]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_runtime_side_loads_no_compiler_dependency_when_imported() -> None:
+    bad = []
+    for module in MODULES:
+        if not any(within(module, p) for p in RUNTIME_SIDE):
+            continue
+        for name in sorted(loaded_at_import(module)):
+            if any(within(name, n) for n in NO_RUNTIME) or (
+                    ours(name) and not any(within(name, p) for p in (*RUNTIME_SIDE,
+                                                                       "toptpu.dialects"))):
+                bad.append(f"{MODULES[module]}: importing {module} loads {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_runtime_side_imports_heavy_dependencies_only_where_listed() -> None:
+    bad = [f"{i.where()}: {i.module} imports {i.target}; the runtime side may load it only "
+           "for a reason listed in RUNTIME_LAZY"
+           for i in all_imports()
+           if i.in_function and any(within(i.module, p) for p in RUNTIME_SIDE)
+           and is_heavy(i.target)
+           and (i.module, i.target.split(".")[0]) not in RUNTIME_LAZY]
+    assert not bad, "\n".join(bad)
+    used = {(i.module, i.target.split(".")[0]) for i in all_imports() if i.in_function}
+    assert set(RUNTIME_LAZY) <= used, f"stale exceptions: {set(RUNTIME_LAZY) - used}"
+    assert set(LAZY_EXCEPTIONS) <= {(i.module, i.target) for i in all_imports()
+                                    if i.in_function}
+
+
+def test_no_import_cycles() -> None:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for i in all_imports():
+        if ours(i.target) and i.target != i.module:
+            graph[i.module].add(i.target)
+    cycles = _strongly_connected(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): the components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
+
+
+def test_the_checks_catch_what_they_forbid() -> None:
+    """The rules see a forbidden edge, a light function-level import and a cycle."""
+    fake = Import("toptpu.backend.runtime.machine", "backend/runtime/machine.py", 1, True,
+                  "toptpu.passes.layer_group")
+    pkg = package_of(fake.module)
+    assert pkg == "toptpu.backend.runtime"
+    assert not any(within(fake.target, a) for a in RULES[pkg])
+    assert not is_heavy("toptpu.passes.layer_group") and is_heavy("toptpu.frontends.llm")
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) != []
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_running_a_model_file_loads_no_torch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Import the runtime and generate from a model file on both executors, in a fresh
+    interpreter: no torch, no transformers, nothing of the compiler."""
+    path = compiled(tmp_path_factory, "qwen2").model_file
+    script = f"""
+import json, sys
+from toptpu.backend.runtime.runtime import Runtime
+for executor in ("machine", "interpreter"):
+    rt = Runtime.open({path!r}, executor)
+    res = rt.generate(rt.encode("Hello world"), 3)
+    assert len(res.generated_ids) == 3
+print(json.dumps(sorted(sys.modules)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=300)
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "toptpu.backend.runtime.machine" in loaded  # the run happened in this process
+    forbidden = [m for m in loaded if any(within(m, n) for n in (
+        *NO_RUNTIME, "toptpu.passes", "toptpu.frontends", "toptpu.backend.codegen",
+        "toptpu.compiler"))]
+    assert not forbidden, f"running a model file loaded {forbidden}"
