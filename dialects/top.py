@@ -181,6 +181,14 @@ class SiluOp(UnaryOp, TopOp):
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
 
 
+#: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
+#: the kind its name gives (`top.silu` -> "silu"). Listed here, an op gets its Tpu
+#: counterpart (`tpu.TPU_OF_TOP`), its interpreter evaluator, its lowering by
+#: `convert-top-to-tpu` and its place in the Top dialect; nothing else registers it.
+UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
+    RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp)
+
+
 class GeluBase(UnaryOp):
     """GELU; `approximate` is "none" (erf) or "tanh"."""
 
@@ -859,14 +867,7 @@ Top = Dialect(
     [
         WeightOp,
         ConstantOp,
-        RsqrtOp,
-        SqrtOp,
-        ExpOp,
-        CosOp,
-        SinOp,
-        TanhOp,
-        SigmoidOp,
-        SiluOp,
+        *UNARY_ELEMENTWISE,
         GeluOp,
         PowOp,
         AddConstOp,

@@ -101,51 +101,31 @@ class ConstantOp(top.ConstantBase, TpuOp):
 # =========================================================================== elementwise
 
 
-@irdl_op_definition
-class RsqrtOp(top.UnaryOp, TpuOp):
-    name = "tpu.rsqrt"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.RsqrtOp.FLOPS_PER_ELEMENT
+def _unary_twin(op: type[top.UnaryOp]) -> type[TpuOp]:
+    """The Tpu counterpart of a Top op of `top.UNARY_ELEMENTWISE`: the same operand, shape
+    inference and FLOPs, plus the chip's attributes (`TpuOp`); named like it (`tpu.silu`,
+    class `SiluOp`)."""
+    kind = op.name.split(".", 1)[1]
+    twin = type(op.__name__, (top.UnaryOp, TpuOp), {
+        "name": f"tpu.{kind}", "FLOPS_PER_ELEMENT": op.FLOPS_PER_ELEMENT,
+        "__annotations__": {"FLOPS_PER_ELEMENT": ClassVar[int]},
+        "__module__": __name__, "__qualname__": op.__name__,
+        "__doc__": f"`top.{kind}` on the chip (storage type in the result, `compute` type)."})
+    return irdl_op_definition(twin)
 
 
-@irdl_op_definition
-class SqrtOp(top.UnaryOp, TpuOp):
-    name = "tpu.sqrt"
+#: Top unary elementwise op -> its Tpu counterpart, derived (`top.UNARY_ELEMENTWISE`); each is
+#: also a module attribute by its class name (`tpu.SiluOp`, see `__getattr__`)
+UNARY_ELEMENTWISE: dict[type[top.UnaryOp], type[TpuOp]] = {
+    op: _unary_twin(op) for op in top.UNARY_ELEMENTWISE}
 
 
-@irdl_op_definition
-class ExpOp(top.UnaryOp, TpuOp):
-    name = "tpu.exp"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.ExpOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class CosOp(top.UnaryOp, TpuOp):
-    name = "tpu.cos"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.CosOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class SinOp(top.UnaryOp, TpuOp):
-    name = "tpu.sin"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.SinOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class TanhOp(top.UnaryOp, TpuOp):
-    name = "tpu.tanh"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.TanhOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class SigmoidOp(top.UnaryOp, TpuOp):
-    name = "tpu.sigmoid"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.SigmoidOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class SiluOp(top.UnaryOp, TpuOp):
-    name = "tpu.silu"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.SiluOp.FLOPS_PER_ELEMENT
+def __getattr__(name: str) -> type[TpuOp]:
+    """The derived unary ops by class name: `tpu.SiluOp` (PEP 562)."""
+    for op in UNARY_ELEMENTWISE.values():
+        if op.__name__ == name:
+            return op
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @irdl_op_definition
@@ -471,14 +451,7 @@ def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation) -
 TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
     top.WeightOp: WeightOp,
     top.ConstantOp: ConstantOp,
-    top.RsqrtOp: RsqrtOp,
-    top.SqrtOp: SqrtOp,
-    top.ExpOp: ExpOp,
-    top.CosOp: CosOp,
-    top.SinOp: SinOp,
-    top.TanhOp: TanhOp,
-    top.SigmoidOp: SigmoidOp,
-    top.SiluOp: SiluOp,
+    **UNARY_ELEMENTWISE,
     top.GeluOp: GeluOp,
     top.PowOp: PowOp,
     top.AddConstOp: AddConstOp,

@@ -84,9 +84,9 @@ def _constant(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndar
     return [constant_value(op.value)]
 
 
-@evaluates("top.rsqrt", "top.sqrt", "top.exp", "top.cos", "top.sin", "top.tanh",
-           "top.sigmoid", "top.silu")
+@evaluates(*(op.name for op in top.UNARY_ELEMENTWISE))
 def _unary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    """Every op of `top.UNARY_ELEMENTWISE`: the kernel of its kind (`top.silu` -> "silu")."""
     kind = op.name.split(".", 1)[1]
     assert args[0] is not None
     return [K.unary(kind, args[0], _out_dtype(op))]
