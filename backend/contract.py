@@ -3,7 +3,7 @@
 Compiler (`toptpu.compiler`), frontends (the LLM splitter, the VLM wrappers) and runtime
 (`toptpu.backend.runtime`) all import this one module, and nothing here imports them: it
 needs numpy alone (no torch, no xDSL), so the runtime can depend on it without pulling in
-the compiler. It fixes (DESIGN section 5):
+the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
 
 - the net names (`TEXT_NETS`, `PER_LAYER_NETS`, `VISION_NET`) and the per-layer variants
   of a layer quantized differently from layer 0 (`block@3`: `NetName`);

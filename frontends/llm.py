@@ -1,4 +1,5 @@
-"""The LLM splitter: a causal LM cut into the static nets of DESIGN.md section 5.
+"""The LLM splitter: a causal LM cut into the static nets of the net contract
+(`toptpu.backend.contract`; ARCHITECTURE.md, "The net contract").
 
 Each net is a small `nn.Module` wrapper around the Hugging Face model's *own* submodules —
 its embedding, norms, q/k/v/o projections, q/k norms (Qwen3), MLP, rotary embedding (with

@@ -7,7 +7,7 @@ at the compiled image size. The runtime (`toptpu.backend.runtime.vision`) prepro
 with the model's own Pillow image processor, runs `vit` once per tile and writes the
 output rows over the embeddings of the image placeholder tokens, in order.
 
-`vit` nets (DESIGN.md section 5):
+`vit` nets (the net contract, `toptpu.backend.contract`):
 
 - InternVL: `pixel_values` f32 [1, 3, S, S] -> `image_embeds` [1, T, H]; T = (S/p * r)^2
   for patch p and downsample ratio r (256 for 448 px tiles). The wrapper calls the model's

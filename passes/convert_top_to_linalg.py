@@ -16,7 +16,7 @@ kernels (`toptpu.backend.reference.kernels`) and of torch.
   are `tensor.collapse_shape` + `tensor.expand_shape`; small constants `arith.constant`.
 - Options: `fast-math` (arith `reassoc,contract`: vectorizable reductions) and
   `expose-values` (every named intermediate tensor also returned, for `--compare-all`).
-- Numerics follow the Top semantics (DESIGN.md): f16/bf16 values are computed in f32 and
+- Numerics follow the Top semantics (`toptpu.dialects.top`): f16/bf16 values are computed in f32 and
   rounded once at the end of an op; matmul, norms, softmax and attention accumulate in
   f32; softmax and attention subtract the row maximum; attention reads history keys and
   values separately (no concatenation) with one softmax over both.

@@ -1,9 +1,10 @@
-"""The import rules of the package, enforced.
+"""The import rules of the package, enforced (ARCHITECTURE.md, "Import rules").
 
 Every module of the `toptpu` package is parsed (no import runs) and each of its imports,
 at module level and inside functions, is checked:
 
-- against `RULES`: which of our packages each package may import;
+- against `RULES`: which of our packages each package may import (the table of
+  ARCHITECTURE.md; `test_the_architecture_page_states_these_rules` keeps the two equal);
 - function-level imports only for heavy dependencies (`HEAVY`, or one of our modules that
   loads one when imported): anything else belongs at module level, where the edge is seen;
 - the runtime side (contract, formats, target, reference, runtime) loads none of `NO_RUNTIME`
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -297,6 +299,19 @@ def test_the_checks_catch_what_they_forbid() -> None:
     assert not is_heavy("toptpu.passes.layer_group") and is_heavy("toptpu.frontends.llm")
     assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) != []
     assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def _page_rules() -> dict[str, frozenset[str]]:
+    """The import-rule table of ARCHITECTURE.md: its `| package | may import | why |` rows."""
+    with open(os.path.join(REPO, "ARCHITECTURE.md")) as f:
+        text = f.read()
+    section = text.split("\n## Import rules\n", 1)[1].split("\n## ", 1)[0]
+    return {package: frozenset(re.findall(r"`([\w.*]+)`", allowed))
+            for package, allowed in re.findall(r"^\| `([\w.]+)` \| (.*?) \|", section, re.M)}
+
+
+def test_the_architecture_page_states_these_rules() -> None:
+    assert _page_rules() == {k: frozenset(v) for k, v in RULES.items()}
 
 
 def test_running_a_model_file_loads_no_torch(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -1,9 +1,10 @@
 """Top and Tpu verified by real MLIR through IRDL generated from the xDSL definitions.
 
-What must hold (DESIGN.md section 10, issue 8): every module the pipeline produces for a tiny
-Qwen2 and Llama model verifies in MLIR with the IRDL-loaded dialects (no unregistered
-dialects), and where xDSL and MLIR disagree on a module that is a test failure -- except
-for the documented IRDL gaps, which are tested as such so that they stay known.
+What must hold (ARCHITECTURE.md, "Verification ladder"; issue 8): every module the pipeline
+produces for a tiny Qwen2 and Llama model verifies in MLIR with the IRDL-loaded dialects
+(no unregistered dialects), and where xDSL and MLIR disagree on a module that is a test
+failure -- except for the documented IRDL gaps, which are tested as such so that they stay
+known.
 """
 
 from __future__ import annotations

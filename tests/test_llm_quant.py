@@ -1,7 +1,8 @@
 """Quantized model files: every net's outputs, run by the interpreter executor from the model
-file, meet DESIGN.md thresholds against the Top f32 net (cos >= 0.99 bf16, >= 0.98 w4) —
-for layer 0 (the layer the nets were compiled with) and layer 1 (weights bound through the
-recipes). Also: the per-layer chunks are derived exactly by the recipes."""
+file, meet the thresholds of ARCHITECTURE.md against the Top f32 net (cos >= 0.99 bf16,
+>= 0.98 w4) — for layer 0 (the layer the nets were compiled with) and layer 1 (weights
+bound through the recipes). Also: the per-layer chunks are derived exactly by the
+recipes."""
 
 from __future__ import annotations
 

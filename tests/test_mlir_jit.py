@@ -1,6 +1,6 @@
 """The MLIR oracle: Top lowered to linalg by convert-top-to-linalg, compiled by real MLIR
 (bufferization, LLVM lowering, ExecutionEngine) and run beside torch and the numpy
-interpreter (DESIGN.md section 10)."""
+interpreter (ARCHITECTURE.md, "Verification ladder")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""convert-top-to-tpu on real decoder layers: every mode against Top (DESIGN.md section 9),
+"""convert-top-to-tpu on real decoder layers: every mode against Top (ARCHITECTURE.md thresholds),
 quantization checked against an independent torch computation, and `--compare-all`
 naming the op a broken lowering breaks."""
 

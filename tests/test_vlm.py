@@ -2,7 +2,7 @@
 classes: the vit net matches the model's own image features (Top f32 and the model file on
 the machine, cosine >= 0.99999); greedy generation with an image equals transformers
 `generate` (pixel values from the model's own image processor); quantized model files meet
-DESIGN.md thresholds per net; images and options that cannot work are clear errors."""
+the thresholds of ARCHITECTURE.md per net; images and options that cannot work are clear errors."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.metrics import Similarity, similarity
 from toptpu.mlir_jit import MLIRJit
 
-#: DESIGN.md section 9
+#: the verification ladder (ARCHITECTURE.md, "Verification ladder")
 THRESHOLDS = {
     "top-vs-torch": 0.99999,
     "tpu-f32": 0.99999,

@@ -1,8 +1,8 @@
 """The compile driver: a causal LM in, one model file out (`toptpu.compile`).
 
 1. load the model (`toptpu.frontends.hf_loader`: a HF directory or an in-memory model);
-2. split it into the nets of DESIGN.md section 5 (`toptpu.frontends.llm`), per-layer nets
-   wrapping layer 0;
+2. split it into the nets of the net contract (`toptpu.backend.contract`) with
+   `toptpu.frontends.llm`, per-layer nets wrapping layer 0;
 3. import each net ONCE into Top (torch.export), run `top-pipeline`, check that the
    history nets attend to their caches in place (reload-free), run
    `tpu-pipeline{mode, group_size, symmetric}`;

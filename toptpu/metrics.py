@@ -1,4 +1,5 @@
-"""Similarity metrics used for every stage comparison (DESIGN.md section 9)."""
+"""Similarity metrics used for every stage comparison (ARCHITECTURE.md,
+"Verification ladder")."""
 
 from __future__ import annotations
 
