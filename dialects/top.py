@@ -181,12 +181,19 @@ class SiluOp(UnaryOp, TopOp):
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
 
 
+@irdl_op_definition
+class ReluOp(UnaryOp, TopOp):
+    """max(x, 0)."""
+
+    name = "top.relu"
+
+
 #: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
 #: the kind its name gives (`top.silu` -> "silu"). Listed here, an op gets its Tpu
 #: counterpart (`tpu.TPU_OF_TOP`), its interpreter evaluator, its lowering by
 #: `convert-top-to-tpu` and its place in the Top dialect; nothing else registers it.
 UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
-    RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp)
+    RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp, ReluOp)
 
 
 class GeluBase(UnaryOp):

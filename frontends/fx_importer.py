@@ -317,6 +317,7 @@ _UNARY: dict[Any, type[top.UnaryOp]] = {
     aten.tanh.default: top.TanhOp,
     aten.sigmoid.default: top.SigmoidOp,
     aten.silu.default: top.SiluOp,
+    aten.relu.default: top.ReluOp,
 }
 
 

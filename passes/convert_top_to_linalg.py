@@ -422,6 +422,8 @@ def _unary_scalar(b: Body, kind: str, x: SSAValue, attrs: dict[str, Attribute]) 
         return b.math(kind, x)
     if kind == "sigmoid":
         return b.div(one, b.add(one, b.math("exp", b.neg(x))))
+    if kind == "relu":
+        return b.binary("max", x, b.const(0.0, t))
     if kind == "silu":
         return b.div(x, b.add(one, b.math("exp", b.neg(x))))
     if kind == "gelu":

@@ -114,6 +114,8 @@ def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.nda
         r = np.tanh(fx)
     elif kind == "sigmoid":
         r = 1.0 / (1.0 + np.exp(-fx))
+    elif kind == "relu":
+        r = np.maximum(fx, np.float32(0))
     elif kind == "silu":
         r = fx / (1.0 + np.exp(-fx))
     elif kind == "gelu":
