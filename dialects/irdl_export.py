@@ -166,7 +166,7 @@ class IrdlExport:
         lines = [f"// {line}" for line in self.grouped_gaps()]
         head = "// IRDL of toptpu's dialects, generated from the xDSL definitions.\n"
         if lines:
-            head += "// Not expressible in IRDL (MLIR 22), see toptpu/irdl_export.py:\n"
+            head += "// Not expressible in IRDL (MLIR 22), see dialects/irdl_export.py:\n"
         return head + "\n".join(lines) + ("\n" if lines else "") + self.text + "\n"
 
 
