@@ -28,9 +28,9 @@ FILECHECK_DIR = os.path.join(os.path.dirname(__file__), "filecheck")
 FILES = sorted(f for f in os.listdir(FILECHECK_DIR) if f.endswith(".mlir"))
 LIT = "import sys; from lit.main import main; sys.exit(main())"
 
-#: the fast tier's files (`pytest -m "not slow"`): the verifiers' failing cases (Top, Tpu,
-#: local memory), none of which loads torch (weights) or MLIR
-FAST = {"verify_top.mlir", "verify_tpu.mlir", "lmem_verify.mlir"}
+#: the fast tier's files (`pytest -m "not slow"`): the Top and Tpu verifiers' failing cases
+#: (neither loads torch or MLIR)
+FAST = {"verify_top.mlir", "verify_tpu.mlir"}
 
 
 def _lit(path: str) -> subprocess.CompletedProcess:

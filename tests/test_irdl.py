@@ -29,6 +29,9 @@ from toptpu.irdl_export import BUILTIN_BASES, export_irdl
 from toptpu.mlir_check import MlirCheckError, verify_with_irdl
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 
+pytestmark = pytest.mark.slow  # real MLIR verifies every pipeline stage of real decoder layers
+
+
 FAMILIES = ["qwen2", "llama3"]
 _STAGES: dict[str, list[tuple[str, ModuleOp]]] = {}
 
