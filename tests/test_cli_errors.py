@@ -91,6 +91,7 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 # --------------------------------------------------------------------------- outputs
 
 
+@pytest.mark.slow  # compiles a model (each output check once)
 def test_compile_outputs_are_checked_before_any_work(tmp_path, tmp_path_factory, capsys,
                                                      no_load) -> None:
     """Each bad output is one line before the model loads; the input checkpoint and the
@@ -212,6 +213,7 @@ def test_other_commands_argument_values(tmp_path_factory, tmp_path, capsys, no_l
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # a real process loads the model
 def test_invalid_utf8_prompt_in_a_real_process(model_file) -> None:
     """Bytes that are not UTF-8 in argv (Python passes them as surrogates)."""
     res = subprocess.run([os.path.join(BIN, "toptpu").encode(), b"run", model_file.encode(),
@@ -365,6 +367,7 @@ def _read_until(fd: int, marker: bytes, seen: bytearray, timeout: float = 60) ->
             seen += os.read(fd, 4096)
 
 
+@pytest.mark.slow  # a chat in a pseudo-terminal
 def test_chat_line_editing_and_history_in_a_terminal(model_file) -> None:
     """On a terminal, readline gives input() history: Up + Enter repeats /help."""
     pytest.importorskip("readline")
@@ -419,6 +422,7 @@ def _interrupted(proc: subprocess.Popen, err: str, cmd: str, sig: signal.Signals
     assert sum("interrupted" in line or "error" in line for line in lines) == 1, err
 
 
+@pytest.mark.slow  # compiles in a process, then kills it
 def test_sigterm_while_writing_leaves_no_temp_file(tmp_path_factory, tmp_path) -> None:
     """A real process, SIGTERM while the model file sits complete in its temp file."""
     ck = tiny_dir(tmp_path_factory, "qwen2")
@@ -438,6 +442,7 @@ def test_sigterm_while_writing_leaves_no_temp_file(tmp_path_factory, tmp_path) -
     assert os.listdir(out_dir) == []
 
 
+@pytest.mark.slow  # compiles and chats in processes, then interrupts them
 def test_ctrl_c_mid_compile_and_in_chat(tmp_path_factory, tmp_path, model_file) -> None:
     """SIGINT after the first net compiled: status 130, one line, no output; and at the
     chat prompt."""

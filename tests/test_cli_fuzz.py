@@ -33,6 +33,9 @@ from test_cli_errors import SEQ64, assert_one_error, tree
 from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.cli import main
 
+pytestmark = pytest.mark.slow  # hypothesis runs the command line many times
+
+
 JUNK = ["", " ", "x", "nan", "-nan", "inf", "-inf", "1e999", "0x10", "1_0", "١٢", "+",
         "--", "9" * 5000, "1.5", "-0", "\udcff"]
 

@@ -282,6 +282,7 @@ def mutated(draw: st.DrawFn, text: str) -> str:
 
 # -- properties ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # hypothesis over an exported layer
 @fuzz_settings(60)
 @given(data=st.data())
 def test_mutated_ir_gets_a_diagnostic_or_a_valid_result(layer_ir, data) -> None:
@@ -292,6 +293,7 @@ def test_mutated_ir_gets_a_diagnostic_or_a_valid_result(layer_ir, data) -> None:
     check_answer(path, *run_opt(path, "-p", "top-pipeline"))
 
 
+@pytest.mark.slow  # hypothesis over an exported layer
 @fuzz_settings(15)
 @given(data=st.data())
 def test_mutated_ir_through_the_tpu_pipeline(layer_ir, data) -> None:
@@ -304,6 +306,7 @@ def test_mutated_ir_through_the_tpu_pipeline(layer_ir, data) -> None:
     check_answer(path, *run_opt(path, "-p", "top-pipeline,tpu-pipeline{mode=w4f16}"))
 
 
+@pytest.mark.slow  # exports a layer (layer_ir)
 def test_a_weight_between_grouped_ops_moves_above_the_group(layer_ir, tmp_path) -> None:
     """Found by the fuzzer: a matmul without transpose_b gets a transposed weight just above
     it (weight-reorder); layer-group then put its group above that weight (use before
@@ -317,6 +320,7 @@ def test_a_weight_between_grouped_ops_moves_above_the_group(layer_ir, tmp_path) 
     assert ".t\"" in out and "tpu.group" in out
 
 
+@pytest.mark.slow  # exports a layer (layer_ir)
 def test_the_unmutated_layer_runs(layer_ir) -> None:
     directory, text = layer_ir
     path = os.path.join(directory, "layer.mlir")
@@ -360,6 +364,7 @@ def test_paths_that_are_not_files(tmp_path) -> None:
         1, f"toptpu-opt: {tmp_path} is a directory; give an IR file (.mlir)\n")
 
 
+@pytest.mark.slow  # exports a layer (layer_ir)
 def test_an_unknown_extension_is_read_with_f_mlir(layer_ir, tmp_path) -> None:
     _, text = layer_ir
     path = tmp_path / "layer.txt"
@@ -370,6 +375,7 @@ def test_an_unknown_extension_is_read_with_f_mlir(layer_ir, tmp_path) -> None:
     assert rc == 0 and "top.matmul" in out, err
 
 
+@pytest.mark.slow  # exports a layer (layer_ir)
 def test_output_written_only_after_success(layer_ir, tmp_path) -> None:
     """`-o` onto the input itself: on success the result replaces it; on failure the input
     stays as it was (xDSL's opt main truncated it before parsing)."""
@@ -387,6 +393,7 @@ def test_output_written_only_after_success(layer_ir, tmp_path) -> None:
     assert rc == 1 and "is a directory" in err
 
 
+@pytest.mark.slow  # exports a layer (layer_ir)
 @pytest.mark.parametrize("store", ["directory", "not_safetensors"])
 def test_a_weight_store_that_is_not_one_is_named(layer_ir, tmp_path, store: str) -> None:
     directory, text = layer_ir
@@ -493,6 +500,7 @@ def test_non_ascii_strings_survive_print_and_parse() -> None:
         parse_ir('"top.weight"() {name = "w\\FF"} : () -> tensor<2xf32>', "x.mlir")
 
 
+@pytest.mark.slow  # exports a layer (layer_ir)
 def test_opt_on_the_reported_hang_answers_in_seconds(layer_ir, tmp_path) -> None:
     """The reported case, in a subprocess as a user runs it: a hole cut into a dumped line
     leaves a location's string open to the end of the file."""

@@ -30,6 +30,9 @@ from toptpu.dialects.mlir_check import MlirCheckError, verify_with_irdl
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 
+pytestmark = pytest.mark.slow  # real MLIR verifies every pipeline stage of real decoder layers
+
+
 FAMILIES = ["qwen2", "llama3"]
 _STAGES: dict[str, list[tuple[str, ModuleOp]]] = {}
 

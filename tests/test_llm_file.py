@@ -18,6 +18,8 @@ from toptpu.cli import main
 from toptpu.compiler import compile as compile_model
 from toptpu.passes.pipelines import top_pipeline_passes, tpu_pipeline_passes
 
+pytestmark = pytest.mark.slow  # compiles model files up to 8 layers and runs the CLI in processes
+
 
 def test_compile_time_and_ir_stay_flat_from_2_to_8_layers(tmp_path_factory, tmp_path) -> None:
     results = {}

@@ -17,6 +17,9 @@ from toptpu.backend.runtime.runtime import PromptTooLongError, Runtime
 from toptpu.dialects import tpu
 from toptpu.dialects.naming import input_names
 
+pytestmark = pytest.mark.slow  # compiles model files and generates against transformers
+
+
 FAMILIES = ["qwen2", "qwen3", "llama2", "llama3"]
 #: the second user turn (per family: one whose greedy continuation has >= 32 tokens)
 SECOND = {"qwen2": " What is the capital of France?", "qwen3": " What is the capital of France?",

@@ -21,6 +21,9 @@ from toptpu.compiler import CompileError
 from toptpu.compiler import compile as compile_model
 from toptpu.metrics import similarity
 
+pytestmark = pytest.mark.slow  # auto-round writes the checkpoints, then compile and generate
+
+
 #: (recipe, packed format) -> its reference (the fake-quantized export of the same run)
 CASES = [
     ("qwen2_asym_g32", "auto_gptq"),  # GPTQ asym, v1 zero offset; layer 1 up_proj float

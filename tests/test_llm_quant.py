@@ -21,6 +21,9 @@ from toptpu.frontends.llm import LAYER_PREFIX, decode_mask, prefill_mask
 from toptpu.metrics import similarity
 from toptpu.passes.weight_recipe import derive_weights, weight_recipes
 
+pytestmark = pytest.mark.slow  # compiles quantized model files of three families
+
+
 _RESULTS: dict[tuple[str, str], CompileResult] = {}
 SEQ, L = 48, 8
 

@@ -91,6 +91,7 @@ def test_executor_bindings_are_checked(tmp_path_factory) -> None:
     assert np.abs(ex.read(cache)[0, 5]).sum() > 0 and not ex.read(cache)[0, 6].any()
 
 
+@pytest.mark.slow  # generates over two chat turns
 def test_chat_keeps_the_cache_between_turns(tmp_path_factory) -> None:
     built = compiled(tmp_path_factory, "qwen2")
     rt = Runtime.open(built.model_file)

@@ -30,6 +30,12 @@ CHIP = get_chip("bm1684x")
 _TOP: dict[int, tuple] = {}
 
 
+def _fast_only(modes: list[str], fast: tuple[str, ...]) -> list:
+    """`modes` as parameters, those not in `fast` marked slow (the same path in other
+    dtypes: the fast tier runs one float and one quantized mode)."""
+    return [m if m in fast else pytest.param(m, marks=pytest.mark.slow) for m in modes]
+
+
 def _top(tiny_models, length: int):
     if length not in _TOP:
         imp = import_decoder_layer(tiny_models("qwen2"), length, mask_value=-10000.0)
@@ -44,7 +50,7 @@ def _tpu(tiny_models, mode: str, length: int = 16):
     return m, feeds
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", _fast_only(list(MODES), ("f32", "w4bf16")))
 def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mode: str) -> None:
     module, feeds = _tpu(tiny_models, mode)
     ref = Interpreter(module).run(feeds).outputs["out"]
@@ -196,7 +202,7 @@ def test_corrupt_truncated_and_newer_model_files_are_rejected(tiny_models, tmp_p
 
 
 @pytest.mark.parametrize("length", [1, 16])
-@pytest.mark.parametrize("mode", ["bf16", "w4bf16", "f32"])
+@pytest.mark.parametrize("mode", _fast_only(["bf16", "w4bf16", "f32"], ("w4bf16",)))
 def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> None:
     module, feeds = _tpu(tiny_models, mode, length)
     prog = compile_for_machine(module, CHIP)

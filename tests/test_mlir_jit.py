@@ -30,6 +30,8 @@ from toptpu.metrics import similarity
 from toptpu.mlir_jit import MLIRJit, MLIRJitError
 from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass, LinalgLoweringError
 
+pytestmark = pytest.mark.slow  # real MLIR compiles and runs decoder layers
+
 
 class Fn:
     """A tiny builder of one-function Top modules (inputs, weights, named outputs)."""

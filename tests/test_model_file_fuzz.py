@@ -99,6 +99,7 @@ def _refused_after_flip(path: str, pos: int, bit: int) -> str:
 # ------------------------------------------------------------------ bytes
 
 
+@pytest.mark.slow  # loads the model file once per header byte
 def test_every_header_byte_flipped_is_refused(small_file: str, tmp_path) -> None:
     """Each byte of the prefix and the header JSON, one bit flipped in turn: refused."""
     path = str(tmp_path / "m.toptpu")
@@ -114,6 +115,7 @@ def test_every_header_byte_flipped_is_refused(small_file: str, tmp_path) -> None
     assert _refusal(path) is None  # every flip was undone: the file loads again
 
 
+@pytest.mark.slow  # hypothesis: many corrupted copies
 @fuzz_settings(500)
 @given(data=st.data())
 def test_random_bit_flips_anywhere_are_refused(small_file: str, tmp_path_factory,
@@ -218,6 +220,7 @@ def mutations(parts: tuple[dict[str, Json], dict[str, bytes]]) -> st.SearchStrat
     return _header_mutations(parts[0])
 
 
+@pytest.mark.slow  # hypothesis: many mutated headers
 @fuzz_settings(120)
 @given(data=st.data())
 def test_header_field_mutations_are_refused_or_valid(parts, mutations, tmp_path_factory,
@@ -363,6 +366,7 @@ def _variants(files: dict[str, bytes]) -> dict[str, dict[str, bytes]]:
     }
 
 
+@pytest.mark.slow  # builds a vision-language model
 @pytest.mark.parametrize("family", ["qwen2", "minicpmv"])
 def test_chat_template_in_memory_renders_as_from_pretrained(tmp_path_factory, tmp_path,
                                                             family: str) -> None:

@@ -49,6 +49,7 @@ def _run(tiny_models, mode: str):  # noqa: ANN001, ANN202
     return _RUNS[mode]
 
 
+@pytest.mark.slow  # compiles and profiles three modes
 @pytest.mark.parametrize("mode", ["f32", "w4bf16", "w4f32"])
 def test_the_roofline_peak_is_that_of_the_nets_compute_type(tiny_models, mode: str) -> None:
     """An f32 net (w4f32 too: f32 activations) is measured against the f32 peak (not int8's,
@@ -62,7 +63,7 @@ def test_the_roofline_peak_is_that_of_the_nets_compute_type(tiny_models, mode: s
         assert prof.peak_flops < max(CHIP.tflops.values()) * 1e12
 
 
-@pytest.mark.parametrize("mode", ["f32", "w4bf16"])
+@pytest.mark.parametrize("mode", ["f32", pytest.param("w4bf16", marks=pytest.mark.slow)])
 def test_legend_names_what_each_engine_spent_its_time_on(tiny_models, tmp_path, mode: str
                                                           ) -> None:
     prog, tl, prof = _run(tiny_models, mode)

@@ -37,6 +37,9 @@ from toptpu.frontends.quant_checkpoints import (
     unpack_int32_rows,
 )
 
+pytestmark = pytest.mark.slow  # auto-round writes the checkpoints (tens of seconds)
+
+
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEARS = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ATTN] + [

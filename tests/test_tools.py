@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from helpers import run_tool
 from toptpu.dialects.mlir_check import check_roundtrip
 from toptpu.dialects.weight_store import STORE_ATTR
@@ -26,6 +28,7 @@ def test_opt_help_lists_our_passes() -> None:
         assert f"  {name} " in res.stdout
 
 
+@pytest.mark.slow  # exports a layer and runs toptpu-opt on it
 def test_opt_runs_top_pipeline_on_a_dumped_layer(tiny_models, tmp_path) -> None:
     from xdsl.dialects.builtin import StringAttr
 
@@ -51,6 +54,7 @@ def test_real_mlir_roundtrip(tiny_models) -> None:
     check_roundtrip(module)
 
 
+@pytest.mark.slow  # starts a Python that imports the driver
 def test_opt_does_not_load_torch() -> None:
     # the opt driver starts without torch (fast start for shell pipelines)
     code = ("import sys, toptpu.opt; toptpu.opt.ToptpuOptMain(args=['-p', 'top-pipeline']); "

@@ -149,6 +149,7 @@ def test_compare_all_names_the_op_a_broken_lowering_breaks(tiny_models, monkeypa
     assert "first tensor below threshold: layer.mlp.act_fn.silu" in rep.table()
 
 
+@pytest.mark.slow  # runs toptpu compare in a process
 def test_compare_cli_dumps_npz(tmp_path) -> None:
     from helpers import run_tool
 

@@ -38,6 +38,9 @@ from toptpu.frontends.vlm import load_vlm
 from toptpu.metrics import similarity
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 
+pytestmark = pytest.mark.slow  # builds, compiles and runs vision-language models
+
+
 FAMILIES = ["internvl", "minicpmv"]
 N = 24
 

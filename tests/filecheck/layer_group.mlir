@@ -1,5 +1,6 @@
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16 group-size=32},layer-group{chip=bm1684x},lmem-verify,address-assign' | filecheck %s
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=bf16},layer-group{chip=bm1684x max-ops=1},address-assign' | filecheck %s --check-prefix=SINGLE
+// RUN: not toptpu-opt %S/Inputs/too_big.mlir -p 'layer-group{chip=bm1684x}' 2>&1 | filecheck %s --check-prefix=TOOBIG
 
 // norm -> matmul -> silu over 8 tokens: one group (they fit), loads / compute / stores with
 // local addresses and pipeline stages; address-assign sizes the regions.
@@ -29,3 +30,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // one op per group: the intermediates go through global memory (activations region)
 // SINGLE:       tpu.regions = {activations = {{[1-9][0-9]*}} : i64
 // SINGLE-COUNT-3: "tpu.group"
+
+// an op that cannot fit local memory even as one slice is refused by name
+// TOOBIG: pass 'layer-group': 'tpu.softmax' (probs) cannot run from local memory on bm1684x: even one slice of it needs more than 262144 B per lane
+// TOOBIG-NOT: Traceback
