@@ -237,9 +237,9 @@ def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
         addrs.append(a)
     n = len(bufs)
     for i in range(n):
-        for j in range(i + 1, n):
+        for j in range(i, n):  # j == i: the ping-pong copies of one buffer against each other
             for ci in range(bufs[i].copies):
-                for cj in range(bufs[j].copies):
+                for cj in range(ci + 1 if j == i else 0, bufs[j].copies):
                     ai, aj = addrs[i][ci], addrs[j][cj]
                     if ai + bufs[i].per_lane <= aj or aj + bufs[j].per_lane <= ai:
                         continue

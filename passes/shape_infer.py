@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import FunctionType, ModuleOp
+from xdsl.ir import Operation
 from xdsl.passes import ModulePass
 from xdsl.utils.exceptions import VerifyException
 
@@ -18,6 +19,12 @@ from toptpu.dialects import top
 from toptpu.dialects.common import ShapedOp, shape_of
 from toptpu.dialects.naming import op_name
 from toptpu.dialects.weight_store import STORE_ATTR, store_of
+
+
+def _named(op: Operation) -> str:
+    """' (name)' of an op with a location name, '' for one without (hand-written IR)."""
+    name = op_name(op)
+    return f" ({name})" if name else ""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class ShapeInferPass(ModulePass):
                     types = inner.inferred_types()
                 except VerifyException as e:
                     raise VerifyException(
-                        f"shape inference failed at '{inner.name}' ({op_name(inner)}): {e}"
+                        f"shape inference failed at '{inner.name}'{_named(inner)}: {e}"
                     ) from e
                 for r, t in zip(inner.results, types, strict=True):
                     if r.type != t:

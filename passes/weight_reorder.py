@@ -57,6 +57,8 @@ class TransposeMatmulWeight(RewritePattern):
         new_attrs["transpose_b"] = bool_attr(True)
         new = tpu.MatMulOp.build([op.lhs, nw.output, op.bias], new_attrs)
         rewriter.replace(op, named_like(new, op))
+        if not w.output.uses:  # the [K, N] original is dead: it must not take weight bytes
+            rewriter.erase(w)
 
 
 @dataclass(frozen=True)

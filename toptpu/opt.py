@@ -35,6 +35,7 @@ from xdsl.utils.arg_spec import parse_spec
 from xdsl.utils.exceptions import DiagnosticException, ParseError
 from xdsl.xdsl_opt_main import xDSLOptMain
 
+from toptpu.backend.target.chips import UnknownChipError
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
@@ -52,7 +53,8 @@ from toptpu.passes.weight_recipe import RecipeError
 #: WeightStoreError: the weight store the IR names is missing or unreadable
 PASS_ERRORS: tuple[type[Exception], ...] = (
     DiagnosticException, ConversionError, QuantizationError, RecipeError, LocalMemoryError,
-    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, WeightStoreError)
+    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, WeightStoreError,
+    UnknownChipError)
 
 #: exit status of an internal error (sysexits' EX_SOFTWARE)
 EXIT_INTERNAL = 70

@@ -1,7 +1,6 @@
 // RUN: not toptpu-opt %s -p lmem-verify 2>&1 | filecheck %s
-// XFAIL: *
 
-// KNOWN BUG (expected to fail until fixed; lit reports XPASS, a failure, once it is):
+// Regression test of a fixed bug:
 // lmem-verify compares every pair of *different* buffers (passes/lmem.py verify_group,
 // `for j in range(i + 1, n)`), never the two ping-pong copies of one buffer with each other.
 // Here both copies of silu's stored result sit at 16384: slice 1's result is written (t=7)

@@ -1,7 +1,6 @@
 // RUN: not toptpu-opt %s -p shape-infer 2>&1 | filecheck %s
-// XFAIL: *
 
-// KNOWN DEFECT (expected to fail until fixed; lit reports XPASS, a failure, once it is):
+// Regression test of a fixed defect:
 // shape-infer names a failing op by its kind and its location name; an op without a
 // location (hand-written IR) is reported as "'top.add' (None)": Python's None in a user
 // message (passes/shape_infer.py formats op_name(inner), which is None here).

@@ -1,7 +1,6 @@
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'tpu-pipeline{mode=f32}' | filecheck %s
-// XFAIL: *
 
-// KNOWN BUG (expected to fail until fixed; lit reports XPASS, a failure, once it is):
+// Regression test of a fixed bug:
 // weight-reorder replaces the [K, N] weight of a matmul by its [N, K] copy "fc.weight.t"
 // but leaves the old tpu.weight in the function, unused, and tpu-pipeline runs nothing
 // after weight-reorder that erases it (its canonicalize runs before). address-assign then

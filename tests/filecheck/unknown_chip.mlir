@@ -1,7 +1,6 @@
 // RUN: not toptpu-opt %s -p 'layer-group{chip=bm9999}' 2>&1 | filecheck %s
-// XFAIL: *
 
-// KNOWN BUG (expected to fail until fixed; lit reports XPASS, a failure, once it is):
+// Regression test of a fixed bug:
 // an unknown chip name in a pass option is a mistake of the command line, yet toptpu-opt
 // reports it as an internal error with a traceback and the bug-report hint (exit 70):
 // get_chip's UnknownChipError is not among toptpu/opt.py's PASS_ERRORS. The same holds for
