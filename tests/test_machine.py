@@ -3,14 +3,17 @@ allocations, rejected model files, and modelled time that respects physics."""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from toptpu.backend.codegen.streams import generate
+from toptpu.backend.formats.commands import STREAM_SCHEMA, Load
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
-from toptpu.backend.formats.program import write_program_file
+from toptpu.backend.formats.program import Program, StreamError, write_program_file
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.machine import Machine, MachineTrap
 from toptpu.backend.runtime.simulate import ProgramFile, simulate
@@ -67,8 +70,6 @@ def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mo
 
 def test_sliced_groups_pipeline_and_match(tiny_models) -> None:
     # 64 tokens on a chip with little local memory and cheap DMAs: slicing pays off
-    from dataclasses import replace
-
     module, feeds = _tpu(tiny_models, "bf16", 64)
     ref = Interpreter(module).run(feeds).outputs["out"]
     small = replace(CHIP, lanes=4, lane_bytes=32768, dma_latency_cycles=8,
@@ -130,12 +131,10 @@ def test_machine_traps_on_overlapping_live_buffers(tiny_models) -> None:
 
 
 def test_shrunken_local_memory_traps_or_is_rejected(tiny_models) -> None:
-    from dataclasses import replace
-
     module, feeds = _tpu(tiny_models, "f32")
     prog = compile_for_machine(module, CHIP)
-    need = max(c["out"]["l"] + CHIP.per_lane(c["out"]["bytes"]) for c in prog.commands
-               if c.get("dir") == "load")
+    need = max(c.local.addr + CHIP.per_lane(c.local.nbytes) for c in prog.commands
+               if isinstance(c, Load))
     small = replace(CHIP, lane_bytes=max(CHIP.align, need // 2 // CHIP.align * CHIP.align))
     with pytest.raises(MachineTrap, match="outside the lane"):
         simulate(prog, store_of(module), feeds, small, checked=True)
@@ -153,11 +152,10 @@ def test_checked_mode_traps_reads_of_unwritten_local_memory(tiny_models) -> None
     module, feeds = _tpu(tiny_models, "f32")
     prog = compile_for_machine(module, CHIP)
     # drop the first load: its consumer reads local memory nothing wrote
-    first = next(c for c in prog.commands if c.get("dir") == "load")
-    prog.commands = [c for c in prog.commands if c is not first]
-    for i, c in enumerate(prog.commands):
-        c["deps"] = [d - (d > first["id"]) for d in c["deps"] if d != first["id"]]
-        c["id"] = i
+    first = next(c for c in prog.commands if isinstance(c, Load))
+    prog.commands = tuple(
+        replace(c, id=i, deps=tuple(d - (d > first.id) for d in c.deps if d != first.id))
+        for i, c in enumerate(c for c in prog.commands if c is not first))
     with pytest.raises(MachineTrap, match="nothing wrote|not live"):
         simulate(prog, store_of(module), feeds, CHIP, checked=True)
 
@@ -201,6 +199,37 @@ def test_corrupt_truncated_and_newer_model_files_are_rejected(tiny_models, tmp_p
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
+def test_command_records_round_trip_and_bad_streams_are_refused(tiny_models) -> None:
+    module, _ = _tpu(tiny_models, "w4bf16")
+    prog = compile_for_machine(module, CHIP)
+    data = prog.to_json()
+    back = Program.from_json(data)
+    assert back == prog and back.to_json() == data
+    raw = json.loads(data)
+    assert raw["schema"] == STREAM_SCHEMA
+
+    def refused(edit, match: str) -> None:
+        bad = json.loads(data)
+        edit(bad)
+        with pytest.raises(StreamError, match=match):
+            Program.from_json(json.dumps(bad).encode())
+
+    load = next(i for i, c in enumerate(raw["commands"]) if c["cmd"] == "load")
+    # a stream of the old dict records (no version field), or of a newer version
+    refused(lambda r: r.pop("schema"), "schema version 1.*recompile the model")
+    refused(lambda r: r.update(schema=STREAM_SCHEMA + 1), "recompile the model")
+    # a wrong field is named with its place
+    refused(lambda r: r["commands"][load]["local"].update(nbytes=3),
+            rf"commands\[{load}\]\.local\.nbytes is 3")
+    refused(lambda r: r["commands"][load]["tensor"].update(space="disk"),
+            rf"commands\[{load}\]\.tensor\.space is .disk., not a known Space")
+    refused(lambda r: r["commands"][load].update(cmd="teleport"), r"cmd.*not 'load' or")
+    refused(lambda r: r["commands"][load].update(deps=[load]), r"deps.*earlier commands")
+    refused(lambda r: r["commands"][load].update(axis=9), rf"commands\[{load}\]\.axis is 9")
+    with pytest.raises(StreamError, match="not JSON"):
+        Program.from_json(b"{")
+
+
 @pytest.mark.parametrize("length", [1, 16])
 @pytest.mark.parametrize("mode", _fast_only(["bf16", "w4bf16", "f32"], ("w4bf16",)))
 def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> None:
@@ -223,10 +252,10 @@ def _loaded(prog, module, feeds):  # noqa: ANN202
     w = {n: m.gmem.map(n, np.ascontiguousarray(st[n])).base for n in prog.weights}
     io = {}
     for spec in prog.inputs:
-        io[spec["name"]] = m.gmem.map(spec["name"], np.asarray(feeds[spec["name"]]).astype(
-            spec["dtype"])).base
+        io[spec.name] = m.gmem.map(spec.name, np.asarray(feeds[spec.name]).astype(
+            spec.dtype)).base
     for spec in prog.outputs:
-        io[spec["name"]] = m.gmem.alloc(spec["name"], int(np.prod(spec["shape"])) * 4).base
-    act = m.gmem.alloc("act", prog.regions["activations"]).base
-    const = m.gmem.alloc("const", prog.regions["constants"]).base
+        io[spec.name] = m.gmem.alloc(spec.name, int(np.prod(spec.shape)) * 4).base
+    act = m.gmem.alloc("act", prog.regions.activations).base
+    const = m.gmem.alloc("const", prog.regions.constants).base
     return m, LoadedNet(prog), Binding(io, w, act, const)

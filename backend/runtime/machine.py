@@ -20,15 +20,24 @@ numpy, with global and local memory modelled.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects import func
 from xdsl.ir import Operation
 
+from toptpu.backend.formats.commands import (
+    Command,
+    Compute,
+    Gather,
+    GlobalRef,
+    Load,
+    LocalRef,
+    Space,
+    Store,
+)
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, evaluate_op
@@ -77,6 +86,15 @@ class GlobalMemory:
 
     def alloc(self, name: str, nbytes: int) -> Region:
         return self.map(name, np.zeros(max(nbytes, 1), np.uint8))
+
+    def mark(self) -> tuple[int, int]:
+        """Where mapping stands: `release(mark)` unmaps everything mapped after it."""
+        return len(self.regions), self._next
+
+    def release(self, mark: tuple[int, int]) -> None:
+        n, nxt = mark
+        del self.regions[n:]
+        self._next = nxt
 
     def find(self, addr: int, nbytes: int, who: str) -> tuple[Region, int]:
         for r in self.regions:
@@ -155,10 +173,16 @@ class LoadedNet:
         self.module = module
         self.ops: list[Operation] = list(fns[0].walk())
         for c in program.commands:
-            if c["e"] == "cmp" or c.get("dir") == "gather":
-                op = self.ops[c["op"]]
+            if isinstance(c, Compute | Gather):
+                if c.op >= len(self.ops):
+                    raise MachineTrap(f"command {c.id}: op {c.op} is not in the net's IR "
+                                      f"({len(self.ops)} ops)")
+                op = self.ops[c.op]
+                if op.name != c.kind:
+                    raise MachineTrap(f"command {c.id}: op {c.op} is '{op.name}', the "
+                                      f"command says '{c.kind}'")
                 if op.name not in EVALUATORS:
-                    raise MachineTrap(f"command {c['id']}: no kernel for '{op.name}'")
+                    raise MachineTrap(f"command {c.id}: no kernel for '{op.name}'")
 
 
 class Machine:
@@ -184,55 +208,52 @@ class Machine:
                               f"({self.chip.lane_bytes} B)")
         return per
 
-    def read_local(self, ref: dict[str, Any], who: str) -> np.ndarray:
-        nb = ref["bytes"]
-        per = self._check_range(ref["l"], nb, who)
-        lo = ref["l"]
+    def read_local(self, ref: LocalRef, who: str) -> np.ndarray:
+        nb = ref.nbytes
+        per = self._check_range(ref.addr, nb, who)
+        lo = ref.addr
         if self.checked and not self._written[lo:lo + per].all():
             raise MachineTrap(f"{who}: reads local [{lo}, {lo + per}) that nothing wrote")
-        if self.checked and ref["buf"] not in self._live:
-            raise MachineTrap(f"{who}: reads buffer {ref['buf']} that is not live")
+        if self.checked and ref.buf not in self._live:
+            raise MachineTrap(f"{who}: reads buffer {ref.buf} that is not live")
         raw = self.local[:, lo:lo + per].reshape(-1)[:nb]
-        return raw.view(np.dtype(ref["dtype"])).reshape(ref["shape"])
+        return raw.view(np.dtype(ref.dtype)).reshape(ref.shape)
 
-    def write_local(self, ref: dict[str, Any], value: np.ndarray, who: str) -> None:
-        nb = ref["bytes"]
-        per = self._check_range(ref["l"], nb, who)
-        lo, hi = ref["l"], ref["l"] + per
+    def write_local(self, ref: LocalRef, value: np.ndarray, who: str) -> None:
+        nb = ref.nbytes
+        per = self._check_range(ref.addr, nb, who)
+        lo, hi = ref.addr, ref.addr + per
         for buf, (blo, bhi, bname) in self._live.items():
-            if blo < hi and lo < bhi and buf != ref["buf"]:
+            if blo < hi and lo < bhi and buf != ref.buf:
                 raise MachineTrap(
                     f"{who}: writes local [{lo}, {hi}) over the live buffer {bname} "
                     f"[{blo}, {bhi})")
-        arr = np.ascontiguousarray(value, dtype=np.dtype(ref["dtype"]))
+        arr = np.ascontiguousarray(value, dtype=np.dtype(ref.dtype))
         if arr.nbytes != nb:
             raise MachineTrap(f"{who}: result has {arr.nbytes} B, its buffer {nb} B")
         flat = np.zeros(self.chip.lanes * per, np.uint8)
         flat[:nb] = arr.reshape(-1).view(np.uint8)
         self.local[:, lo:hi] = flat.reshape(self.chip.lanes, per)
         self._written[lo:hi] = True
-        self._live[ref["buf"]] = (lo, hi, who)
+        self._live[ref.buf] = (lo, hi, who)
 
-    def free(self, bufs: list[int]) -> None:
+    def free(self, bufs: tuple[int, ...]) -> None:
         for b in bufs:
             self._live.pop(b, None)
 
     # ------------------------------------------------------------------ global operands
-    def _gaddr(self, ref: dict[str, Any], b: Binding, who: str) -> int:
-        sp = ref["sp"]
-        if sp == "io":
-            if ref["key"] not in b.io:
-                raise MachineTrap(f"{who}: IO tensor '{ref['key']}' is not bound")
-            return b.io[ref["key"]]
-        if sp == "w":
-            if ref["key"] not in b.weights:
-                raise MachineTrap(f"{who}: weight '{ref['key']}' is not bound")
-            return b.weights[ref["key"]]
-        if sp == "act":
-            return b.act + ref["off"]
-        if sp == "const":
-            return b.const + ref["off"]
-        raise MachineTrap(f"{who}: unknown global space '{sp}'")
+    def _gaddr(self, ref: GlobalRef, b: Binding, who: str) -> int:
+        if ref.space == Space.IO:
+            if ref.name not in b.io:
+                raise MachineTrap(f"{who}: IO tensor '{ref.name}' is not bound")
+            return b.io[ref.name]
+        if ref.space == Space.WEIGHT:
+            if ref.name not in b.weights:
+                raise MachineTrap(f"{who}: weight '{ref.name}' is not bound")
+            return b.weights[ref.name]
+        if ref.space == Space.ACT:
+            return b.act + ref.offset
+        return b.const + ref.offset
 
     # Host-side speed only (the numbers are the kernels' own): a local buffer loaded from a
     # read-only region (the weights) has a *provenance* — which bytes it holds — so its
@@ -240,7 +261,7 @@ class Machine:
     # written once and never overwritten while live (that would trap), so this is exact.
     _CACHE_BYTES = 3 << 30
 
-    def _cached(self, key: tuple, make: Any) -> np.ndarray:
+    def _cached(self, key: tuple, make: Callable[[], np.ndarray]) -> np.ndarray:
         hit = self._wcache.get(key)
         if hit is None:
             hit = make()
@@ -251,21 +272,20 @@ class Machine:
                 self._wcache_bytes -= old.nbytes
         return hit
 
-    def _a16_matmul(self, op: Operation, c: dict[str, Any], args: list) -> np.ndarray:
+    def _a16_matmul(self, op: Operation, c: Compute, args: list) -> np.ndarray:
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance across runs."""
         x, q, s, z, bias = args
-        refs = c["ins"][1:4]
-        provs = tuple(self._prov.get(ref["buf"]) if ref else None for ref in refs)
+        refs = c.ins[1:4]
+        provs = tuple(self._prov.get(ref.buf) if ref else None for ref in refs)
         if all(p is not None for p, ref in zip(provs, refs, strict=True) if ref):
             key: tuple = ("a16", provs)
         else:
-            key = ("run", self._run_id, tuple(ref["buf"] if ref else None for ref in refs))
+            key = ("run", self._run_id, tuple(ref.buf if ref else None for ref in refs))
         bits = read_int(op.attributes["weight_bits"])
         gs = read_int(op.attributes["group_size"])
         w = self._cached(key, lambda: K.dequantize(q, s, z, bits, gs))
-        out = c["outs"][0]
-        return K.matmul_dequantized(x, w, bias, np.dtype(out["dtype"]))
+        return K.matmul_dequantized(x, w, bias, np.dtype(c.outs[0].dtype))
 
     # ------------------------------------------------------------------ execution
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
@@ -276,19 +296,18 @@ class Machine:
         timed: list[tuple[float, int]] = []
         events: dict[int, Event] = {}
         for c in cmds:  # stream order per engine: times follow in one pass
-            eng = "dma" if c["e"] == "dma" else "cmp"
-            ready = max((end[d] for d in c["deps"]), default=0.0)
+            eng = c.engine
+            ready = max((end[d] for d in c.deps), default=0.0)
             start = max(free_at[eng], ready)
             if eng == "dma":
-                dur = dma_cycles(self.chip, c["bytes"])
+                dur = dma_cycles(self.chip, c.nbytes)
             else:
-                dur = compute_cycles(self.chip, c["flops"], c["dtype"])
-            end[c["id"]] = start + dur
+                dur = compute_cycles(self.chip, c.flops, c.dtype)
+            end[c.id] = start + dur
             free_at[eng] = start + dur
-            timed.append((start, c["id"]))
-            events[c["id"]] = Event(c["id"], eng, start, start + dur, c["name"],
-                                    c.get("bytes", 0) if eng == "dma" else 0,
-                                    c.get("flops", 0), c.get("dtype", ""))
+            timed.append((start, c.id))
+            events[c.id] = Event(c.id, eng, start, start + dur, c.name,
+                                 c.nbytes if eng == "dma" else 0, c.flops, c.dtype)
         heapq.heapify(timed)
         self._live.clear()
         self._prov.clear()
@@ -305,53 +324,42 @@ class Machine:
         if self.checked and leaked:
             names = sorted({v[2] for v in leaked.values()})[:4]
             raise MachineTrap(f"net '{net.program.name}' ended with live local buffers {names}")
-        return Timeline(net.program.name, [events[c["id"]] for c in cmds])
+        return Timeline(net.program.name, [events[c.id] for c in cmds])
 
-    def _execute(self, net: LoadedNet, c: dict[str, Any], b: Binding) -> None:
-        who = f"command {c['id']} ({c['name']})"
-        if c["e"] == "dma" and c["dir"] in ("load", "store"):
-            g = c["g"]
-            full = tuple(c["shape"])
-            dt = np.dtype(c["dtype"])
-            addr = self._gaddr(g, b, who)
-            store = c["dir"] == "store"
-            whole, region = self.gmem.tensor_in(addr, full, dt, who, write=store)
-            if c["ax"] >= 0:
-                sl = [slice(None)] * len(full)
-                sl[c["ax"]] = slice(c["start"], c["start"] + c["len"])
-                part = whole[tuple(sl)]
+    def _execute(self, net: LoadedNet, c: Command, b: Binding) -> None:
+        who = f"command {c.id} ({c.name})"
+        if isinstance(c, Load | Store):
+            full = tuple(c.shape)
+            addr = self._gaddr(c.tensor, b, who)
+            store = isinstance(c, Store)
+            whole, region = self.gmem.tensor_in(addr, full, np.dtype(c.dtype), who,
+                                                write=store)
+            part = whole[c.window()]
+            if isinstance(c, Store):
+                part[...] = self.read_local(c.local, who).reshape(part.shape)
+                self.free(c.free)
             else:
-                part = whole
-            if store:
-                part[...] = self.read_local(c["in"], who)
-                self.free(c.get("free", []))
-            else:
-                self.write_local(c["out"], part, who)
+                self.write_local(c.local, part, who)
                 if not region.writable:
-                    self._prov[c["out"]["buf"]] = (addr, full, c["dtype"], c["ax"],
-                                                   c["start"], c["len"])
+                    self._prov[c.local.buf] = (addr, full, c.dtype, c.axis, c.start, c.length)
             return
-        op = net.ops[c["op"]]
-        args: list[np.ndarray | None] = []
-        for ref in c["ins"]:
-            if ref is None:
-                args.append(None)
-            elif "global" in ref:
-                g = ref["global"]
-                args.append(self.gmem.tensor(self._gaddr(g, b, who), tuple(ref["shape"]),
-                                             np.dtype(ref["dtype"]), who))
-            else:
-                args.append(self.read_local(ref, who))
-        if op.name == "tpu.a16_matmul":
+        op = net.ops[c.op]
+        args: list[np.ndarray | None] = [self.read_local(ref, who) if ref is not None else None
+                                         for ref in c.ins]
+        if isinstance(c, Gather):
+            t = c.table
+            args.insert(c.table_operand, self.gmem.tensor(self._gaddr(t.tensor, b, who),
+                                                          t.shape, np.dtype(t.dtype), who))
+        if isinstance(c, Compute) and op.name == "tpu.a16_matmul":
             results = [self._a16_matmul(op, c, args)]
-        elif op.name == "tpu.matmul" and c["ins"][1] and c["ins"][1]["buf"] in self._prov:
+        elif op.name == "tpu.matmul" and c.ins[1] and c.ins[1].buf in self._prov:
             w = args[1]
             assert w is not None
-            args[1] = self._cached(("f32", self._prov[c["ins"][1]["buf"]]), lambda: K.f32(w))
+            args[1] = self._cached(("f32", self._prov[c.ins[1].buf]), lambda: K.f32(w))
             results = evaluate_op(op, args, EvalContext(None))
         else:
             results = evaluate_op(op, args, EvalContext(None))
-        self.free(c.get("free", []))
-        for ref, value in zip(c["outs"], results, strict=True):
+        self.free(c.free)
+        for ref, value in zip(c.outs, results, strict=True):
             self.write_local(ref, value, who)
-        self.free(c.get("free_after", []))
+        self.free(c.free_after)

@@ -27,8 +27,8 @@ import numpy as np
 from toptpu.backend.contract import NetInfo, TensorSpec
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
-from toptpu.backend.formats.program import Program
-from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.formats.program import Program, StreamError
+from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, MachineTrap, Timeline
 from toptpu.backend.target.chips import Chip, get_chip
 
 
@@ -155,12 +155,15 @@ class MachineExecutor:
                 loaded = LoadedNet(prog)
             except ModelFileError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a corrupt stream section
+            except (StreamError, MachineTrap) as e:
+                raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
+                                     f"is unusable: {e}") from None
+            except Exception as e:  # noqa: BLE001 - IR that does not parse
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
                                      f"is unusable: {e}") from e
             self._check_program(net, prog)
             gmem = self.machine.gmem
-            self._act[net] = gmem.alloc(f"act:{net}", prog.regions["activations"]).base
+            self._act[net] = gmem.alloc(f"act:{net}", prog.regions.activations).base
             pool = self.file.file.read(entry.consts)
             r = gmem.alloc(f"const:{net}", len(pool))
             r.data[:len(pool)] = np.frombuffer(pool, np.uint8)
