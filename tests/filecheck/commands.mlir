@@ -1,13 +1,15 @@
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s > %t.mlir
-// RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=w4bf16 group-size=32}' -t commands | filecheck %s
+// RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=w4bf16 group-size=32}' --weights-out %t.safetensors -t commands | filecheck %s
 // RUN: toptpu-opt %S/Inputs/sliced_silu.mlir -p 'layer-group{chip=bm1684x},address-assign' -t 'commands{chip=bm1684x}' | filecheck %s --check-prefix=SLICED
-// RUN: not toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=f32}' -t commands 2>&1 | filecheck %s --check-prefix=UNGROUPED
-// RUN: not toptpu-opt %t.mlir -p 'tpu-pipeline{mode=f32}' -t 'commands{chip=tpu9000}' 2>&1 | filecheck %s --check-prefix=CHIP
+// RUN: not toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=f32}' --weights-out %t.safetensors -t commands 2>&1 | filecheck %s --check-prefix=UNGROUPED
+// RUN: not toptpu-opt %t.mlir -p 'tpu-pipeline{mode=f32}' --weights-out %t.safetensors -t 'commands{chip=tpu9000}' 2>&1 | filecheck %s --check-prefix=CHIP
 
 // `-t commands` prints codegen's command streams: one line per command with its id, engine,
 // op or direction, global tensor (space:name, or space+offset) and shape, the slice moved,
 // the local buffers (L<per-lane address>#<buffer id>), layer group and slice, the commands
 // it waits for and the buffers it frees.
+// (`--weights-out`: the passes derive weights, and toptpu-opt asks where they go even
+// though the command text does not carry them.)
 //
 // An embedding gather, a norm, a w4 linear and silu in one group: the table stays in global
 // memory (the gather runs on the DMA engine and reads it row by row); the ids, the norm
