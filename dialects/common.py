@@ -8,8 +8,11 @@ printed by xDSL is accepted by MLIR's IRDL-loaded dialects.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar, Self
 
 import ml_dtypes
 import numpy as np
@@ -38,7 +41,15 @@ from xdsl.dialects.builtin import (
     i64,
 )
 from xdsl.ir import Attribute, SSAValue
-from xdsl.irdl import AnyOf, AttrSetConstraint, BaseAttr, IRDLOperation
+from xdsl.irdl import (
+    AnyOf,
+    AttrConstraint,
+    AttrSetConstraint,
+    BaseAttr,
+    IntConstraint,
+    IRDLOperation,
+    VerificationContext,
+)
 from xdsl.utils.exceptions import VerifyException
 
 #: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
@@ -112,6 +123,166 @@ def read_str(attr: Attribute | None, default: str = "") -> str:
         return default
     assert isinstance(attr, StringAttr), attr
     return attr.data
+
+
+# --------------------------------------------------------------------------- enum attributes
+
+
+class AttrEnum(StrEnum):
+    """The values a string attribute may take (`RopeMode.HALF` is "half").
+
+    Such an attribute stays a plain `StringAttr` (the IR text is that of a bare string:
+    `mode = "half"`, so existing IR and model files read as before); ops declare it with
+    `attr_def(EnumAttr(RopeMode))`, their verifier rejects any other value naming the
+    allowed ones, and the IRDL export lists them (`irdl.any_of(irdl.is "half", ...)`).
+    Members are `str`s: kernels and comparisons take them as they are.
+    """
+
+    @classmethod
+    def describe(cls) -> str:
+        """What the value is, for messages: `RopeMode` -> "rope mode"."""
+        return re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()
+
+    @classmethod
+    def allowed(cls) -> str:
+        return ", ".join(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, value: str) -> Self:
+        """The member named by `value`; ValueError naming the allowed values otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {cls.describe()} '{value}'; expected one of "
+                             f"{cls.allowed()}") from None
+
+    @classmethod
+    def read(cls, attr: Attribute | None, default: Self | None = None) -> Self:
+        """The member an op's (verified) attribute holds; `default` when it is absent."""
+        if attr is None:
+            if default is None:
+                raise VerifyException(f"missing {cls.describe()} attribute")
+            return default
+        if not isinstance(attr, StringAttr):
+            raise VerifyException(f"a {cls.describe()} is a string, not {attr}")
+        try:
+            return cls.parse(attr.data)
+        except ValueError as e:
+            raise VerifyException(str(e)) from None
+
+    @property
+    def attr(self) -> StringAttr:
+        return StringAttr(self.value)
+
+
+@dataclass(frozen=True)
+class EnumAttr(AttrConstraint[StringAttr]):
+    """Attribute constraint: a `StringAttr` whose value is a member of `enum`."""
+
+    enum: type[AttrEnum]
+
+    def verify(self, attr: Attribute, constraint_context: VerificationContext) -> None:
+        if not isinstance(attr, StringAttr) or attr.data not in self.values():
+            raise VerifyException(f"{self.enum.describe()} {attr} is not one of "
+                                  f"{self.enum.allowed()}")
+
+    def values(self) -> tuple[str, ...]:
+        return tuple(m.value for m in self.enum)
+
+    def get_bases(self) -> set[type[Attribute]] | None:
+        return {StringAttr}
+
+    def mapping_type_vars(
+        self, type_var_mapping: Mapping[object, AttrConstraint | IntConstraint]
+    ) -> AttrConstraint[StringAttr]:
+        return self
+
+
+class GeluApproximation(AttrEnum):
+    """`top.gelu`'s `approximate`: the erf form or the tanh approximation (torch's names)."""
+
+    NONE = "none"
+    TANH = "tanh"
+
+
+class ComparePredicate(AttrEnum):
+    """`top.compare`'s `predicate`."""
+
+    EQ = "eq"
+    NE = "ne"
+    LT = "lt"
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+
+
+class ReduceMode(AttrEnum):
+    """`top.reduce`'s `mode`."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+class RopeMode(AttrEnum):
+    """`top.rope`'s `mode`: HF rotate_half ("half") or pairs (x0, x1) ("interleaved")."""
+
+    HALF = "half"
+    INTERLEAVED = "interleaved"
+
+
+class WeightPart(AttrEnum):
+    """`tpu.weight`'s `part`: how the tensor derives from its source (float) weight.
+
+    "data" is a dtype conversion; "qweight", "scales", "zeros" the round-to-nearest
+    quantization by the consuming `tpu.a16_matmul`'s parameters; "checkpoint.<field>" a
+    tensor taken as is from a pre-quantized checkpoint; a ".t" suffix (weight-reorder) says
+    the tensor is stored transposed.
+    """
+
+    DATA = "data"
+    QWEIGHT = "qweight"
+    SCALES = "scales"
+    ZEROS = "zeros"
+    CHECKPOINT_QWEIGHT = "checkpoint.qweight"
+    CHECKPOINT_SCALES = "checkpoint.scales"
+    CHECKPOINT_ZEROS = "checkpoint.zeros"
+    CHECKPOINT_PERM = "checkpoint.perm"
+    DATA_T = "data.t"
+    QWEIGHT_T = "qweight.t"
+    SCALES_T = "scales.t"
+    ZEROS_T = "zeros.t"
+    CHECKPOINT_QWEIGHT_T = "checkpoint.qweight.t"
+    CHECKPOINT_SCALES_T = "checkpoint.scales.t"
+    CHECKPOINT_ZEROS_T = "checkpoint.zeros.t"
+    CHECKPOINT_PERM_T = "checkpoint.perm.t"
+
+    @classmethod
+    def checkpoint(cls, field: str) -> WeightPart:
+        """The part of a pre-quantized checkpoint's `field` (qweight, scales, zeros, perm)."""
+        return cls.parse(f"checkpoint.{field}")
+
+    @property
+    def transposed(self) -> bool:
+        return self.value.endswith(".t")
+
+    @property
+    def untransposed(self) -> WeightPart:
+        """The part without the ".t" suffix (this part when it has none)."""
+        return WeightPart(self.value.removesuffix(".t"))
+
+    def transpose(self) -> WeightPart:
+        """The part stored transposed; ValueError when it already is."""
+        if self.transposed:
+            raise ValueError(f"weight part '{self}' is already transposed")
+        return WeightPart(f"{self.value}.t")
+
+    @property
+    def checkpoint_field(self) -> str | None:
+        """For checkpoint parts the field ("qweight", ...); None otherwise."""
+        base = self.untransposed.value
+        return base.split(".", 1)[1] if base.startswith("checkpoint.") else None
 
 
 # --------------------------------------------------------------------------- element types

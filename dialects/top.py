@@ -46,7 +46,12 @@ from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.common import (
     AnyTensor,
+    ComparePredicate,
     ElementType,
+    EnumAttr,
+    GeluApproximation,
+    ReduceMode,
+    RopeMode,
     ShapedOp,
     broadcast_shapes,
     elem_of,
@@ -56,7 +61,6 @@ from toptpu.dialects.common import (
     read_bool,
     read_int,
     read_ints,
-    read_str,
     shape_of,
     tensor,
 )
@@ -197,15 +201,14 @@ UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
 
 
 class GeluBase(UnaryOp):
-    """GELU; `approximate` is "none" (erf) or "tanh"."""
+    """GELU; `approximate` (a `GeluApproximation`) is "none" (erf, the default) or "tanh"."""
 
-    approximate = opt_attr_def(StringAttr)
+    approximate = opt_attr_def(EnumAttr(GeluApproximation))
     FLOPS_PER_ELEMENT: ClassVar[int] = 8
 
-    def verify_(self) -> None:
-        if read_str(self.approximate, "none") not in ("none", "tanh"):
-            raise VerifyException("top.gelu approximate must be 'none' or 'tanh'")
-        super().verify_()
+    @property
+    def approximation(self) -> GeluApproximation:
+        return GeluApproximation.read(self.approximate, GeluApproximation.NONE)
 
 
 @irdl_op_definition
@@ -304,19 +307,22 @@ class MinOp(BinaryOp, TopOp):
 
 
 class CompareBase(ShapedOp):
-    """Elementwise comparison; `predicate` is eq, ne, lt, le, gt or ge; result i1."""
+    """Elementwise comparison; `predicate` (a `ComparePredicate`) is eq, ne, lt, le, gt or
+    ge; result i1."""
 
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
-    predicate = attr_def(StringAttr)
+    predicate = attr_def(EnumAttr(ComparePredicate))
     output = result_def(AnyTensor)
+
+    @property
+    def compare_predicate(self) -> ComparePredicate:
+        return ComparePredicate.read(self.predicate)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         a, b = operands[0], operands[1]
         assert a is not None and b is not None
-        if read_str(attrs.get("predicate")) not in ("eq", "ne", "lt", "le", "gt", "ge"):
-            raise VerifyException("predicate must be one of eq, ne, lt, le, gt, ge")
         return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), i1)]
 
     def flops(self) -> int:
@@ -390,21 +396,23 @@ class SoftmaxOp(SoftmaxBase, TopOp):
 
 
 class ReduceBase(ShapedOp):
-    """Reduce over `axes` with `mode` mean, sum, max or min."""
+    """Reduce over `axes` with `mode` (a `ReduceMode`) mean, sum, max or min."""
 
     input = operand_def(AnyTensor)
-    mode = attr_def(StringAttr)
+    mode = attr_def(EnumAttr(ReduceMode))
     axes = attr_def(DenseArrayBase)
     keepdims = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+
+    @property
+    def reduce_mode(self) -> ReduceMode:
+        return ReduceMode.read(self.mode)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
         assert x is not None
         shape = shape_of(x)
-        if read_str(attrs.get("mode")) not in ("mean", "sum", "max", "min"):
-            raise VerifyException("reduce mode must be mean, sum, max or min")
         axes = {norm_axis(a, len(shape)) for a in read_ints(attrs.get("axes"))}
         keep = read_bool(attrs.get("keepdims"))
         out = [1 if i in axes else d for i, d in enumerate(shape) if keep or i not in axes]
@@ -486,22 +494,24 @@ class LayerNormOp(LayerNormBase, TopOp):
 class RopeBase(ShapedOp):
     """Rotary position embedding: x * cos + rotate(x) * sin.
 
-    `mode` "half": rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (HF rotate_half);
-    "interleaved": pairs (x0, x1) -> (-x1, x0). cos/sin broadcast to x.
+    `mode` (a `RopeMode`) "half": rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (HF
+    rotate_half); "interleaved": pairs (x0, x1) -> (-x1, x0). cos/sin broadcast to x.
     """
 
     input = operand_def(AnyTensor)
     cos = operand_def(AnyTensor)
     sin = operand_def(AnyTensor)
-    mode = attr_def(StringAttr)
+    mode = attr_def(EnumAttr(RopeMode))
     output = result_def(AnyTensor)
+
+    @property
+    def rope_mode(self) -> RopeMode:
+        return RopeMode.read(self.mode)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x, c, s = operands[0], operands[1], operands[2]
         assert x is not None and c is not None and s is not None
-        if read_str(attrs.get("mode")) not in ("half", "interleaved"):
-            raise VerifyException("rope mode must be 'half' or 'interleaved'")
         shape = shape_of(x)
         if shape[-1] % 2:
             raise VerifyException("rope needs an even last dimension")

@@ -47,7 +47,9 @@ from xdsl.utils.exceptions import VerifyException
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     AnyTensor,
+    EnumAttr,
     ShapedOp,
+    WeightPart,
     dtype_name,
     elem_of,
     is_float,
@@ -82,15 +84,20 @@ class TpuOp(ShapedOp):
 class WeightOp(top.WeightBase, TpuOp):
     """A weight in the chip's storage format.
 
-    `source` names the Top (float) weight it was derived from and `part` says how: "data"
-    (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the consuming
-    `tpu.a16_matmul`'s parameters), or "checkpoint" (taken as is from a pre-quantized
-    checkpoint). This recipe lets every layer derive its own weights for the same net.
+    `source` names the Top (float) weight it was derived from and `part` (a `WeightPart`)
+    says how: "data" (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the
+    consuming `tpu.a16_matmul`'s parameters), or "checkpoint.<field>" (taken as is from a
+    pre-quantized checkpoint), with ".t" when stored transposed. This recipe lets every
+    layer derive its own weights for the same net.
     """
 
     name = "tpu.weight"
     source = opt_attr_def(StringAttr)
-    part = opt_attr_def(StringAttr)
+    part = opt_attr_def(EnumAttr(WeightPart))
+
+    @property
+    def weight_part(self) -> WeightPart | None:
+        return None if self.part is None else WeightPart.read(self.part)
 
 
 @irdl_op_definition

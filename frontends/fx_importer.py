@@ -28,6 +28,9 @@ from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
+    ComparePredicate,
+    GeluApproximation,
+    ReduceMode,
     bool_attr,
     dense_attr,
     dtype_from_name,
@@ -330,8 +333,11 @@ def _unary(im: Importer, node: torch.fx.Node) -> Any:
 @builds(aten.gelu.default)
 def _gelu(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
-    approx = node.kwargs.get("approximate", "none")
-    return im.emit(top.GeluOp.build([x], {"approximate": str_attr(approx)})).results[0]
+    try:
+        approx = GeluApproximation.parse(node.kwargs.get("approximate", "none"))
+    except ValueError as e:
+        raise UnsupportedOpError(f"aten.gelu: {e}") from None
+    return im.emit(top.GeluOp.build([x], {"approximate": approx.attr})).results[0]
 
 
 @builds(aten.pow.Tensor_Scalar)
@@ -342,10 +348,7 @@ def _pow(im: Importer, node: torch.fx.Node) -> Any:
     return im.emit(top.PowOp.build([x], {"exponent": f64_attr(e)})).results[0]
 
 
-_PREDICATES = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
-
-
-def _compare(pred: str) -> Builder:
+def _compare(pred: ComparePredicate) -> Builder:
     def build(im: Importer, node: torch.fx.Node) -> Any:
         a, b = node.args[0], node.args[1]
         x = im.value(a)
@@ -361,14 +364,14 @@ def _compare(pred: str) -> Builder:
             y = c.results[0]
         else:
             y = im.value(b)
-        return im.emit(top.CompareOp.build([x, y], {"predicate": str_attr(pred)})).results[0]
+        return im.emit(top.CompareOp.build([x, y], {"predicate": pred.attr})).results[0]
 
     return build
 
 
-for _p in _PREDICATES:
+for _p in ComparePredicate:  # aten.eq, aten.ne, ... are named like the predicates
     for _suffix in ("Tensor", "Scalar"):
-        ATEN_BUILDERS[getattr(getattr(aten, _p), _suffix)] = _compare(_p)
+        ATEN_BUILDERS[getattr(getattr(aten, _p.value), _suffix)] = _compare(_p)
 
 
 @builds(aten.where.self)
@@ -558,7 +561,7 @@ def _unbind(im: Importer, node: torch.fx.Node) -> Any:
     )
 
 
-def _reduce(mode: str) -> Builder:
+def _reduce(mode: ReduceMode) -> Builder:
     def build(im: Importer, node: torch.fx.Node) -> Any:
         x = im.value(node.args[0])
         r = len(shape_of(x))
@@ -569,24 +572,24 @@ def _reduce(mode: str) -> Builder:
             dims = [dims]
         keep = bool(_arg(node, 2, "keepdim", False))
         x = im.cast_to(x, im.out_type().element_type)
-        attrs = {"mode": str_attr(mode), "axes": i64_array([d % r for d in dims]),
+        attrs = {"mode": mode.attr, "axes": i64_array([d % r for d in dims]),
                  "keepdims": bool_attr(keep)}
         return im.emit(top.ReduceOp.build([x], attrs)).results[0]
 
     return build
 
 
-ATEN_BUILDERS[aten.mean.dim] = _reduce("mean")
-ATEN_BUILDERS[aten.sum.dim_IntList] = _reduce("sum")
-ATEN_BUILDERS[aten.amax.default] = _reduce("max")
-ATEN_BUILDERS[aten.amin.default] = _reduce("min")
+ATEN_BUILDERS[aten.mean.dim] = _reduce(ReduceMode.MEAN)
+ATEN_BUILDERS[aten.sum.dim_IntList] = _reduce(ReduceMode.SUM)
+ATEN_BUILDERS[aten.amax.default] = _reduce(ReduceMode.MAX)
+ATEN_BUILDERS[aten.amin.default] = _reduce(ReduceMode.MIN)
 
 
 @builds(aten.mean.default, aten.sum.default)
 def _reduce_all(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
-    mode = "mean" if node.target == aten.mean.default else "sum"
-    attrs = {"mode": str_attr(mode), "axes": i64_array(range(len(shape_of(x)))),
+    mode = ReduceMode.MEAN if node.target == aten.mean.default else ReduceMode.SUM
+    attrs = {"mode": mode.attr, "axes": i64_array(range(len(shape_of(x)))),
              "keepdims": bool_attr(False)}
     return im.emit(top.ReduceOp.build([x], attrs)).results[0]
 

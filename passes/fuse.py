@@ -28,6 +28,8 @@ from xdsl.pattern_rewriter import (
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
+    ReduceMode,
+    RopeMode,
     bool_attr,
     f64_attr,
     i64_array,
@@ -37,7 +39,6 @@ from toptpu.dialects.common import (
     read_int,
     read_ints,
     shape_of,
-    str_attr,
 )
 from toptpu.passes.canonicalize import apply_patterns, canonicalization_patterns
 from toptpu.passes.util import inverse_permutation, named_like, producer
@@ -60,7 +61,7 @@ class FuseRmsNorm(RewritePattern):
             if add is None or read_bool(add.reverse):
                 continue
             mean = producer(add.input, top.ReduceOp)
-            if mean is None or mean.mode.data != "mean" or not read_bool(mean.keepdims):
+            if mean is None or mean.reduce_mode != ReduceMode.MEAN or not read_bool(mean.keepdims):
                 continue
             rank = len(shape_of(x))
             if [a % rank for a in read_ints(mean.axes)] != [rank - 1]:
@@ -136,7 +137,7 @@ class FuseRope(RewritePattern):
                     continue
                 if shape_of(x) != shape_of(op.output):
                     continue
-                new = top.RopeOp.build([x, cos, sin], {"mode": str_attr("half")})
+                new = top.RopeOp.build([x, cos, sin], {"mode": RopeMode.HALF.attr})
                 rewriter.replace(op, named_like(new, op))
                 return
 

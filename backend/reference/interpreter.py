@@ -26,7 +26,6 @@ from toptpu.dialects.common import (
     read_float,
     read_int,
     read_ints,
-    read_str,
     shape_of,
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
@@ -94,9 +93,8 @@ def _unary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
 
 @evaluates("top.gelu")
 def _gelu(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.unary("gelu", args[0], _out_dtype(op),
-                    approximate=read_str(op.attributes.get("approximate"), "none"))]
+    assert isinstance(op, top.GeluBase) and args[0] is not None
+    return [K.unary("gelu", args[0], _out_dtype(op), approximate=op.approximation)]
 
 
 @evaluates("top.pow")
@@ -123,8 +121,8 @@ def _binary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarra
 
 @evaluates("top.compare")
 def _compare(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None and args[1] is not None
-    return [K.compare(read_str(op.attributes["predicate"]), args[0], args[1])]
+    assert isinstance(op, top.CompareBase) and args[0] is not None and args[1] is not None
+    return [K.compare(op.compare_predicate, args[0], args[1])]
 
 
 @evaluates("top.where")
@@ -148,9 +146,9 @@ def _softmax(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarr
 
 @evaluates("top.reduce")
 def _reduce(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
+    assert isinstance(op, top.ReduceBase) and args[0] is not None
     a = op.attributes
-    return [K.reduce(args[0], read_str(a["mode"]), read_ints(a["axes"]),
+    return [K.reduce(args[0], op.reduce_mode, read_ints(a["axes"]),
                      read_bool(a["keepdims"]), _out_dtype(op))]
 
 
@@ -170,8 +168,9 @@ def _layer_norm(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.nd
 @evaluates("top.rope")
 def _rope(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     x, c, s = args
+    assert isinstance(op, top.RopeBase)
     assert x is not None and c is not None and s is not None
-    return [K.rope(x, c, s, read_str(op.attributes["mode"]), _out_dtype(op))]
+    return [K.rope(x, c, s, op.rope_mode, _out_dtype(op))]
 
 
 @evaluates("top.attention")
