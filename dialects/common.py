@@ -40,7 +40,7 @@ from xdsl.dialects.builtin import (
     i32,
     i64,
 )
-from xdsl.ir import Attribute, SSAValue
+from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (
     AnyOf,
     AttrConstraint,
@@ -414,6 +414,12 @@ class ShapedOp(IRDLOperation):
 
     # operand groups as declared (optional operands may be absent)
     CHECK_INFERRED: ClassVar[bool] = True
+
+    @classmethod
+    def op_kind(cls) -> str:
+        """The op's name without its dialect (`top.silu` and `tpu.silu`: "silu"), the kind
+        the kernels of an op family take."""
+        return Dialect.split_name(cls.name)[1]
 
     @classmethod
     def infer(

@@ -112,7 +112,7 @@ def _unary_twin(op: type[top.UnaryOp]) -> type[TpuOp]:
     """The Tpu counterpart of a Top op of `top.UNARY_ELEMENTWISE`: the same operand, shape
     inference and FLOPs, plus the chip's attributes (`TpuOp`); named like it (`tpu.silu`,
     class `SiluOp`)."""
-    kind = op.name.split(".", 1)[1]
+    kind = op.op_kind()
     twin = type(op.__name__, (top.UnaryOp, TpuOp), {
         "name": f"tpu.{kind}", "FLOPS_PER_ELEMENT": op.FLOPS_PER_ELEMENT,
         "__annotations__": {"FLOPS_PER_ELEMENT": ClassVar[int]},

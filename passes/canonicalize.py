@@ -122,7 +122,7 @@ class FoldIdentityScalarOps(RewritePattern):
     def match_and_rewrite(self, op: top.ConstBinaryOp, rewriter: PatternRewriter) -> None:
         v = read_float(op.value)
         rev = read_bool(op.reverse)
-        kind = op.name.split(".", 1)[1]
+        kind = op.op_kind()
         identity = (
             (kind == "mul_const" and v == 1.0)
             or (kind == "add_const" and v == 0.0)
@@ -138,7 +138,7 @@ class ComposeScalarMuls(RewritePattern):
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.ConstBinaryOp, rewriter: PatternRewriter) -> None:
-        if not op.name.endswith(".mul_const"):
+        if op.op_kind() != "mul_const":
             return
         inner = producer(op.input, type(op))
         if inner is None or not inner.output.has_one_use():

@@ -451,7 +451,7 @@ UNARY_OPS = (*top.UNARY_ELEMENTWISE, top.GeluOp, top.PowOp)
 
 
 def lower_unary(e: Emitter, op: top.UnaryOp) -> SSAValue:
-    kind = op.name.split(".", 1)[1]
+    kind = op.op_kind()
     out = elem_of(op.output)
     ct = compute_type(out) if _is_float(out) else f32
     attrs = dict(op.attributes)
@@ -460,7 +460,7 @@ def lower_unary(e: Emitter, op: top.UnaryOp) -> SSAValue:
 
 
 def lower_const_binary(e: Emitter, op: top.ConstBinaryOp) -> SSAValue:
-    kind = op.name.split(".", 1)[1].removesuffix("_const")
+    kind = op.op_kind().removesuffix("_const")
     out = elem_of(op.output)
     # float tensors compute in f32; integer tensors with a float scalar in f64 (numpy)
     ct = compute_type(out) if _is_float(out) else f64
@@ -476,7 +476,7 @@ def lower_const_binary(e: Emitter, op: top.ConstBinaryOp) -> SSAValue:
 
 
 def lower_binary(e: Emitter, op: top.BinaryOp) -> SSAValue:
-    kind = op.name.split(".", 1)[1]
+    kind = op.op_kind()
     out = elem_of(op.output)
     ct = compute_type(out)
     return e.elementwise([op.lhs, op.rhs], shape_of(op.output), out, lambda b: b.convert(

@@ -238,8 +238,8 @@ def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> Non
     from toptpu.compare import IRStage, MLIRStage, compare_stages
 
     module, feeds, _ = _layer(tiny_models, "qwen2")
-    good = interpreter.EVALUATORS["top.rope"]
-    monkeypatch.setitem(interpreter.EVALUATORS, "top.rope",
+    good = interpreter.EVALUATORS[top.RopeOp]
+    monkeypatch.setitem(interpreter.EVALUATORS, top.RopeOp,
                         lambda op, args, ctx: [good(op, args, ctx)[0] + 0.5])
     rep = compare_stages(MLIRStage("mlir", module), IRStage("top", module), feeds, 0.99999,
                          compare_all=True)
