@@ -125,6 +125,41 @@ def read_str(attr: Attribute | None, default: str = "") -> str:
     return attr.data
 
 
+# --------------------------------------------------------------------------- typed values
+# The typed op constructors (`top.SliceOp(x, axis=1, start=0, end=4)`) turn Python values
+# into attributes with these; a value of the wrong kind is a TypeError naming the attribute
+# (`what`), never silently converted (no float truncated to an int).
+
+
+def int_value_attr(what: str, value: int) -> IntegerAttr:
+    """An i64 attribute of an integer (Python or numpy); TypeError for anything else."""
+    if isinstance(value, bool | float) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    return i64_attr(int(value))
+
+
+def ints_value_attr(what: str, values: Sequence[int]) -> DenseArrayBase:
+    """An i64 array attribute of a sequence of integers; TypeError naming a bad entry."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
+        raise TypeError(f"{what} must be a sequence of integers, not {values!r}")
+    return i64_array([int_value_attr(what, v).value.data for v in values])
+
+
+def float_value_attr(what: str, value: float) -> FloatAttr:
+    """An f64 attribute of a real number (int or float, Python or numpy)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{what} must be a number, not {value!r}")
+    return f64_attr(float(value))
+
+
+def flag_value_attr(what: str, value: bool) -> IntegerAttr | None:
+    """An optional i1 flag: the attribute when `value` is True, None (left out, its default)
+    when False; TypeError unless a bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{what} must be a bool, not {value!r}")
+    return bool_attr(True) if value else None
+
+
 # --------------------------------------------------------------------------- enum attributes
 
 
@@ -467,11 +502,27 @@ class ShapedOp(IRDLOperation):
     def build(
         cls,
         operands: Sequence[SSAValue | Sequence[SSAValue] | None],
-        attrs: Mapping[str, Attribute] | None = None,
+        attrs: Mapping[str, Attribute | None] | None = None,
         result_types: Sequence[Attribute] | None = None,
-    ):
-        """Create the op, inferring result types unless given."""
-        attrs = {k: v for k, v in (attrs or {}).items() if v is not None}
+    ) -> Self:
+        """Create the op from operand groups (None for an absent optional operand) and
+        attributes, inferring result types unless given. The generic form, for passes that
+        rebuild any op of a family (`type(op).build(...)`); the commonly built ops have a
+        typed constructor (`top.MatMulOp(x, w, transpose_b=True)`) that ends here too."""
+        op = cls.__new__(cls)
+        op.construct(operands, attrs, result_types)
+        return op
+
+    def construct(
+        self,
+        operands: Sequence[SSAValue | Sequence[SSAValue] | None],
+        attrs: Mapping[str, Attribute | None] | None = None,
+        result_types: Sequence[Attribute] | None = None,
+    ) -> None:
+        """Initialise this op as `build` describes (typed constructors call it); attributes
+        given as None are left out."""
+        cls = type(self)
+        given = {k: v for k, v in (attrs or {}).items() if v is not None}
         flat: list[SSAValue | None] = []
         for o in operands:
             if o is None or isinstance(o, SSAValue):
@@ -479,7 +530,7 @@ class ShapedOp(IRDLOperation):
             else:
                 flat.extend(o)
         if result_types is None:
-            result_types = cls.infer(flat, attrs)
+            result_types = cls.infer(flat, given)
         opdef = cls.get_irdl_definition()
         n_opt = sum(1 for _, d in opdef.operands if type(d).__name__ != "OperandDef")
         if n_opt > 1:
@@ -491,9 +542,10 @@ class ShapedOp(IRDLOperation):
                     sizes.append(1)
                 else:
                     sizes.append(len(o))
-            attrs = {**attrs, "operandSegmentSizes": DenseArrayBase.from_list(i32, sizes)}
+            given = {**given, "operandSegmentSizes": DenseArrayBase.from_list(i32, sizes)}
         ops = [o if o is not None else [] for o in operands]
-        return cls(operands=ops, attributes=attrs, result_types=list(result_types))
+        IRDLOperation.__init__(self, operands=ops, attributes=given,
+                               result_types=list(result_types))
 
 
 # --------------------------------------------------------------------------- names

@@ -33,7 +33,6 @@ from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     ShapedOp,
     constant_value,
-    dense_attr,
     elem_of,
     f64_attr,
     i64_array,
@@ -168,7 +167,7 @@ class FoldConstants(RewritePattern):
             args.append(constant_value(c.value) if c is not None else None)
         results = evaluate_op(op, args, EvalContext(None))
         const = top.ConstantOp if isinstance(op, top.TopOp) else tpu.ConstantOp
-        new_ops = [named_like(const.build([], {"value": dense_attr(r)}), op, f".{i}")
+        new_ops = [named_like(const(r), op, f".{i}")
                    for i, r in enumerate(results)]
         for n, r in zip(new_ops, op.results, strict=True):
             assert elem_of(n.output) == elem_of(r)

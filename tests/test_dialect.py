@@ -44,8 +44,8 @@ def test_attention_verifier() -> None:
 
 def test_result_type_is_checked_against_inference() -> None:
     (x,) = _args(tensor([2, 3], f32))
-    op = top.PermuteOp(operands=[x], attributes={"order": i64_array([1, 0])},
-                       result_types=[tensor([2, 3], f32)])
+    op = top.PermuteOp.create(operands=[x], attributes={"order": i64_array([1, 0])},
+                              result_types=[tensor([2, 3], f32)])
     with pytest.raises(VerifyException, match="inferred"):
         op.verify()
 
