@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType
+from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32
 from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
 from xdsl.irdl import (
     AttrSizedOperandSegments,
@@ -52,6 +52,7 @@ from toptpu.dialects.common import (
     WeightPart,
     dtype_name,
     elem_of,
+    int_value_attr,
     is_float,
     numel,
     read_int,
@@ -270,6 +271,17 @@ class A16MatMulOp(TpuOp):
     group_size = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+
+    def __init__(self, input: SSAValue, qweight: SSAValue, scales: SSAValue,
+                 zeros: SSAValue | None, bias: SSAValue | None, *, weight_bits: int,
+                 group_size: int, result_type: TensorType | None = None,
+                 compute: Attribute = f32) -> None:
+        """`input` times the `weight_bits`-bit `qweight` (scales, zero points per group of
+        `group_size` input channels), computed in `compute` (f32: this chip's matmuls)."""
+        self.construct([input, qweight, scales, zeros, bias], {
+            "weight_bits": int_value_attr(f"{self.name} weight_bits", weight_bits),
+            "group_size": int_value_attr(f"{self.name} group_size", group_size),
+            "compute": compute}, None if result_type is None else [result_type])
 
     @staticmethod
     def unpacked_k(qweight_shape: Sequence[int], bits: int) -> int:

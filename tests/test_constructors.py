@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, f32, i32
+from xdsl.dialects.builtin import IntegerType, ModuleOp, Signedness, f32, i32
 from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.utils.exceptions import VerifyException
 
@@ -192,3 +192,18 @@ def test_ops_with_typed_constructors_still_parse_and_clone() -> None:
     again = parse_ir(text, "test")
     assert str(again) == text
     assert str(module.clone()) == text
+
+
+def test_a16_matmul_is_built_by_its_parameters() -> None:
+    ui8 = IntegerType(8, Signedness.UNSIGNED)
+    x, q, s = Block(arg_types=[tensor([2, 8], f32), tensor([6, 4], ui8),
+                               tensor([6, 1], f32)]).args
+    op = tpu.A16MatMulOp(x, q, s, None, None, weight_bits=4, group_size=8)
+    op.verify()
+    generic = tpu.A16MatMulOp.build([x, q, s, None, None], {
+        "weight_bits": i64_attr(4), "group_size": i64_attr(8), "compute": f32})
+    assert str(op) == str(generic)
+    with pytest.raises(VerifyException, match="weight_bits must be 4 or 8, got 3"):
+        tpu.A16MatMulOp(x, q, s, None, None, weight_bits=3, group_size=8)
+    with pytest.raises(TypeError, match="tpu.a16_matmul group_size must be an integer"):
+        tpu.A16MatMulOp(x, q, s, None, None, weight_bits=4, group_size=8.0)  # type: ignore
