@@ -398,9 +398,9 @@ class LowerMatMul(LoweringPattern):
                     named_like(g, op, ".act_order")
                     rewriter.insert(g, InsertPoint.before(op))
                     x = g.output
-                attrs = {"weight_bits": i64_attr(bits), "group_size": i64_attr(gs),
-                         "compute": f32}
-                new = tpu.A16MatMulOp.build([x, q, s, z, bias], attrs, _result_types(lw, op))
+                (rt,) = _result_types(lw, op)
+                new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
+                                      result_type=rt)
                 named_like(new, op)
                 rewriter.replace(op, new)
                 return
@@ -416,9 +416,9 @@ class LowerMatMul(LoweringPattern):
                 q, s, z, bits, gs = lw.quantized_weight(w, rewriter)
             except QuantizationError as e:
                 raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
-            attrs = {"weight_bits": i64_attr(bits), "group_size": i64_attr(gs),
-                     "compute": f32}
-            new = tpu.A16MatMulOp.build([x, q, s, z, bias], attrs, _result_types(lw, op))
+            (rt,) = _result_types(lw, op)
+            new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
+                                  result_type=rt)
             named_like(new, op)
             rewriter.replace(op, new)
             return
