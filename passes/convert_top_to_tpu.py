@@ -46,7 +46,6 @@ from toptpu.dialects.common import (
     MODES,
     ShapedOp,
     constant_value,
-    dense_attr,
     dtype_from_name,
     dtype_name,
     elem_of,
@@ -231,7 +230,7 @@ class Lowering:
         if (c := producer(v, top.ConstantOp)) is not None:
             arr = constant_value(c.value)
             target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
-            new = tpu.ConstantOp.build([], {"value": dense_attr(arr.astype(numpy_dtype(target)))})
+            new = tpu.ConstantOp(arr.astype(numpy_dtype(target)))
             named_like(new, c)
             rewriter.insert(new, InsertPoint.before(user))
             return new.output
