@@ -36,7 +36,7 @@ from toptpu.dialects.common import (
     tensor,
 )
 from toptpu.dialects.naming import set_name
-from toptpu.dialects.weight_store import WeightStore, store_of
+from toptpu.dialects.weight_store import WeightStore, weights_of
 from toptpu.passes.util import named_like
 
 
@@ -76,6 +76,6 @@ class WeightReorderPass(ModulePass):
     name = "weight-reorder"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        store = store_of(op)
+        store = weights_of(ctx, op)
         PatternRewriteWalker(GreedyRewritePatternApplier([TransposeMatmulWeight(store)]),
                              apply_recursively=False).rewrite_module(op)
