@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +86,27 @@ def source_line(node: torch.fx.Node) -> tuple[str | None, int, str]:
     return file, int(line), code.strip()
 
 
+def _import_roots() -> list[str]:
+    """Directories source files are imported from, longest first: every `sys.path` entry
+    (site-packages, the working directory)."""
+    return sorted({os.path.abspath(p) for p in sys.path if p}, key=len, reverse=True)
+
+
+def portable_path(file: str) -> str:
+    """`file` as its import name's path ('transformers/models/qwen2/modeling_qwen2.py'):
+    relative to the import root it lies under, so the IR's locations, and the model file's
+    bytes, do not depend on where Python, the packages or the checkout are installed. This
+    package's own files are named under 'toptpu/'. A file under no import root is kept."""
+    path = os.path.abspath(file)
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # toptpu's
+    if path.startswith(package_dir + os.sep):
+        return "toptpu/" + os.path.relpath(path, package_dir).replace(os.sep, "/")
+    for root in _import_roots():
+        if path.startswith(root + os.sep):
+            return os.path.relpath(path, root).replace(os.sep, "/")
+    return file
+
+
 def _module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -118,7 +141,7 @@ class Importer:
     def emit(self, op: Operation, suffix: str = "") -> Operation:
         assert self.node is not None
         file, line, _ = source_line(self.node)
-        op.location = make_loc(self.loc_name(suffix), file, line)
+        op.location = make_loc(self.loc_name(suffix), file and portable_path(file), line)
         for r in op.results:
             r.name_hint = _sanitize(self.node.name if not suffix else f"{self.node.name}_{suffix}")
         self.block.add_op(op)
