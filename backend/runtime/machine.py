@@ -62,6 +62,7 @@ from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, Evalua
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import compute_cycles, dma_cycles
+from toptpu.dialects import tpu
 from toptpu.dialects.common import read_int
 from toptpu.dialects.ir_text import parse_ir
 
@@ -72,7 +73,7 @@ class MachineTrap(Exception):
 
 def evaluator_of(op: Operation) -> Evaluator | None:
     """The interpreters' evaluator of a template op (None: no kernel)."""
-    return EVALUATORS.get(op.name)
+    return EVALUATORS.get(type(op))
 
 
 def command_cycles(chip: Chip, c: Command) -> float:
@@ -461,11 +462,11 @@ class OpStep(Step):
         self.special = ""
         self.bits = self.group_size = 0
         self.out_dtype = self.outs[0].dtype if self.outs else None
-        if op.name == "tpu.a16_matmul" and self.table < 0 and len(self.ins) == 5:
+        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 5:
             self.special = "a16"
             self.bits = read_int(op.attributes["weight_bits"])
             self.group_size = read_int(op.attributes["group_size"])
-        elif (op.name == "tpu.matmul" and self.table < 0 and len(self.ins) >= 2
+        elif (isinstance(op, tpu.MatMulOp) and self.table < 0 and len(self.ins) >= 2
               and self.ins[1] is not None
               and self.ins[1].dtype.name in ("float16", "bfloat16")):
             self.special = "f32w"  # a f16/bf16 weight (the lm_head): upcast once
