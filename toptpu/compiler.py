@@ -499,14 +499,15 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, {chip}, "
                        f"seq {shapes.seq_length}, input {shapes.max_input_length}, history "
                        f"{shapes.max_history}]\n")
-    specs = split_model(hf, shapes)
+    act = str(MODES[mode][0])
+    specs = split_model(hf, shapes, act=act)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     vision, vit_mode = _vision_net(loaded, specs, mode, vision_mode, shapes)
     # layers whose checkpoint quantization differs get per-layer nets of their own
     variants = layer_variants(hf, loaded.checkpoint)
     prefixes = {spec.name: "" for spec in specs}
     for rep in list(variants)[1:]:
-        for spec in split_model(hf, shapes, layer=rep):
+        for spec in split_model(hf, shapes, layer=rep, act=act):
             if spec.per_layer:
                 variant = str(NetName(spec.name, rep))
                 specs.append(replace(spec, name=variant))
@@ -522,7 +523,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     bar = Progress(len(specs), progress)
     nets: dict[str, CompiledNet] = {}
     for spec in specs:
-        net_mode = vit_mode if vision is not None and spec.name == VISION_NET else mode
+        net_mode = spec.mode or (vit_mode if vision is not None and spec.name == VISION_NET
+                                 else mode)
         nets[spec.name] = _compile_net(spec, store, net_mode, group_size, symmetric, bar,
                                        dump_ir, weights_path, keep_modules, chip,
                                        prefixes[spec.name])
@@ -662,7 +664,9 @@ def _compile_net(spec: NetSpec, store: WeightStore, mode: str, group_size: int,
         check_reload_free(module, spec.name)
     top_module = module.clone() if keep_top else None
     try:
-        run_passes(module, tpu_pipeline_passes(mode, group_size, symmetric), after=after)
+        run_passes(module, tpu_pipeline_passes(mode, group_size, symmetric,
+                                               keep_input_types=spec.keep_input_types),
+                   after=after)
     except (ConversionError, QuantizationError) as e:
         raise CompileError(f"net '{spec.name}': {e}") from e
     program = _machine_program(spec.name, module, chip, after)

@@ -34,11 +34,23 @@ class Program:
     flops: int = 0
 
     def inherent_bytes(self) -> int:
-        """Bytes the net cannot avoid moving: its weights, inputs and outputs."""
+        """Bytes the net cannot avoid moving: its weights, inputs and outputs; of a weight
+        only gathers read (an embedding table), the rows they read."""
         def size(spec: dict[str, Any]) -> int:
             return int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
 
-        return (sum(w["nbytes"] for w in self.weights.values())
+        gathered: dict[str, int] = {}  # weight -> bytes gathers read of it
+        loaded: set[str] = set()  # weights a load reads (whole or sliced)
+        for c in self.commands:
+            if c.get("dir") == "load" and c["g"]["sp"] == "w":
+                loaded.add(c["g"]["key"])
+            elif c.get("dir") == "gather":
+                for r in c["ins"]:
+                    if r and "global" in r and r["global"]["sp"] == "w":
+                        key = r["global"]["key"]
+                        gathered[key] = gathered.get(key, 0) + c["bytes"]
+        return (sum(min(w["nbytes"], gathered[n]) if n in gathered and n not in loaded
+                    else w["nbytes"] for n, w in self.weights.items())
                 + sum(size(t) for t in (*self.inputs, *self.outputs)))
 
     def to_json(self) -> bytes:

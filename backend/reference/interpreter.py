@@ -206,6 +206,19 @@ def _topk(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]
     return [vals, idx]
 
 
+@evaluates("top.scatter")
+def _scatter(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    x, idx, upd = args
+    assert x is not None and idx is not None and upd is not None
+    return [K.scatter(x, idx, upd, read_int(op.attributes["axis"]))]
+
+
+@evaluates("top.cumsum")
+def _cumsum(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    assert args[0] is not None
+    return [K.cumsum(args[0], read_int(op.attributes["axis"]), _out_dtype(op))]
+
+
 @evaluates("top.conv2d")
 def _conv2d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     x, w, b = args

@@ -12,8 +12,8 @@ numpy, with global and local memory modelled.
   mode (`checked=True`, used by the tests) a read of local memory nothing wrote traps too.
 - Two engines, DMA and compute, run their streams in order; a command starts when its
   engine is free and its dependencies have finished (the timeline); commands execute in
-  start-time order. DMA takes latency + bytes / DDR bandwidth, compute latency + FLOPs /
-  peak for its type (`toptpu.backend.target.cost`).
+  start-time order. DMA takes latency + bytes / DMA bandwidth, compute latency + FLOPs /
+  sustained throughput for its type (`toptpu.backend.target.cost.schedule`).
 - Compute commands call the same evaluators, hence the same kernels, as the interpreters.
 """
 
@@ -33,7 +33,7 @@ from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, evaluate_op
 from toptpu.backend.target.chips import Chip
-from toptpu.backend.target.cost import compute_cycles, dma_cycles
+from toptpu.backend.target.cost import CommandCost, schedule
 from toptpu.dialects.common import read_int
 from toptpu.dialects.ir_text import parse_ir
 
@@ -154,11 +154,29 @@ class LoadedNet:
             raise MachineTrap(f"program '{program.name}' carries no function of that name")
         self.module = module
         self.ops: list[Operation] = list(fns[0].walk())
+        self.costs = command_costs(program.commands)
+        self._spans: dict[Chip, list[tuple[float, float]]] = {}
         for c in program.commands:
             if c["e"] == "cmp" or c.get("dir") == "gather":
                 op = self.ops[c["op"]]
                 if op.name not in EVALUATORS:
                     raise MachineTrap(f"command {c['id']}: no kernel for '{op.name}'")
+
+    def spans(self, chip: Chip) -> list[tuple[float, float]]:
+        """(start, end) cycle of each command on `chip` (`cost.schedule`, kept per chip)."""
+        if chip not in self._spans:
+            self._spans[chip] = schedule(self.costs, chip)
+        return self._spans[chip]
+
+
+def command_costs(commands: list[dict[str, Any]]) -> list[CommandCost]:
+    """What timing a command stream needs of each command (ids are stream positions)."""
+    for i, c in enumerate(commands):
+        if c["id"] != i:
+            raise MachineTrap(f"command {i} has id {c['id']}: ids must be stream positions")
+    return [CommandCost(c["e"] == "dma", int(c.get("bytes", 0)) if c["e"] == "dma" else 0,
+                        int(c.get("flops", 0)), c.get("dtype", ""), tuple(c["deps"]))
+            for c in commands]
 
 
 class Machine:
@@ -271,22 +289,12 @@ class Machine:
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
         """Run a net's commands on the two engines; return the timeline."""
         cmds = net.program.commands
-        end: dict[int, float] = {}
-        free_at = {"dma": 0.0, "cmp": 0.0}
         timed: list[tuple[float, int]] = []
         events: dict[int, Event] = {}
-        for c in cmds:  # stream order per engine: times follow in one pass
+        for c, (start, stop) in zip(cmds, net.spans(self.chip), strict=True):
             eng = "dma" if c["e"] == "dma" else "cmp"
-            ready = max((end[d] for d in c["deps"]), default=0.0)
-            start = max(free_at[eng], ready)
-            if eng == "dma":
-                dur = dma_cycles(self.chip, c["bytes"])
-            else:
-                dur = compute_cycles(self.chip, c["flops"], c["dtype"])
-            end[c["id"]] = start + dur
-            free_at[eng] = start + dur
             timed.append((start, c["id"]))
-            events[c["id"]] = Event(c["id"], eng, start, start + dur, c["name"],
+            events[c["id"]] = Event(c["id"], eng, start, stop, c["name"],
                                     c.get("bytes", 0) if eng == "dma" else 0,
                                     c.get("flops", 0), c.get("dtype", ""))
         heapq.heapify(timed)
