@@ -32,6 +32,7 @@ from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipelin
 from toptpu.passes.quantize import QuantizationError
 from toptpu.paths import check_not_inside, check_output_dir
 from toptpu.profile_cli import add_profile_parser
+from toptpu.sweep import add_sweep_parser
 
 #: the stages `toptpu compare` knows
 COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_parser(sub)
     add_estimate_parser(sub)
+    add_sweep_parser(sub)
 
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
     c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")

@@ -45,7 +45,7 @@ from toptpu.backend.runtime.accounting import SAMPLERS, Costs, StepModel, net_co
 from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.target.chips import Chip, ChipFigureError, chip_names, get_chip
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
-from toptpu.cli_args import group_size, int_at_least
+from toptpu.cli_args import UsageError, group_size, int_at_least
 from toptpu.dialects.common import MODES
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.machine_pipeline import compile_for_machine
@@ -60,7 +60,7 @@ from toptpu.passes.quantize import QuantizationError
 STEP_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
 
 
-class EstimateError(ValueError):
+class EstimateError(UsageError):
     """An estimate that cannot be made as asked; the message says why."""
 
 
@@ -98,8 +98,10 @@ class CompiledCosts:
     def io(self) -> dict[str, Any]:
         return net_io(self.shapes, self.model, self.act)
 
-    def timings(self, chip: Chip) -> dict[str, NetTiming]:
-        return {name: net_timing(cmds, chip) for name, cmds in self.commands.items()}
+    def timings(self, chip: Chip, nets: Sequence[str] | None = None) -> dict[str, NetTiming]:
+        """Each compiled net (or `nets`) timed on `chip`."""
+        return {name: net_timing(self.commands[name], chip)
+                for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
         return {"model": asdict(self.model), "mode": self.mode, "shapes": asdict(self.shapes),
@@ -192,14 +194,18 @@ def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
 
 
 def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
-    """The model file's weight blob: the shared nets' weights once (a tied lm_head shares
-    the embedding table), then every layer's chunk (`WeightLayout`)."""
+    """The model file's weight blob as the compiler lays it out: the shared weights once
+    (a tied lm_head shares the embedding table; a per-layer net's weight that is not the
+    layer's own, e.g. rotary frequencies, is shared too), then every layer's chunk
+    (`WeightLayout`)."""
+    from toptpu.compiler import layer_key
+
     shared: dict[str, tuple[tuple[int, ...], str]] = {}
     layer: dict[str, tuple[tuple[int, ...], str]] = {}
     for name, prog in programs.items():
-        table = layer if name in PER_LAYER_NETS else shared
         for w, spec in prog.weights.items():
-            table[w] = (tuple(spec["shape"]), spec["dtype"])
+            per_layer = name in PER_LAYER_NETS and layer_key(w) is not None
+            (layer if per_layer else shared)[w] = (tuple(spec["shape"]), spec["dtype"])
     if shape.tied_embeddings:  # one tensor feeds the gather and the lm_head
         tables = [w for w, s in shared.items() if s[0] == (shape.vocab_size, shape.hidden_size)]
         for w in tables[1:]:
@@ -362,9 +368,10 @@ def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
     return chip.with_figures(**figures)
 
 
-def cmd_estimate(args: Any) -> int:
-    """Modelled time to first token and decode speed of a model on a chip, from its
-    config.json alone (one layer compiled with placeholder weights)."""
+def read_checked_config(config_dir: str, mode: str, seq_length: int,
+                        group_size: int | None = None, symmetric: bool | None = None) -> Any:
+    """The config of `config_dir`, checked as `toptpu compile` checks it for `mode` and
+    `seq_length` (a user error names the problem)."""
     from toptpu.compiler import (
         CompileError,
         check_group_size,
@@ -374,20 +381,30 @@ def cmd_estimate(args: Any) -> int:
     from toptpu.frontends.hf_loader import check_config, read_config
 
     try:
-        parse_mode(args.mode)
+        parse_mode(mode)
     except ValueError as e:
         raise CompileError(str(e)) from e
-    check_quant_options(args.mode, args.group_size, args.symmetric)
+    check_quant_options(mode, group_size, symmetric)
+    config, raw = read_config(config_dir)
+    where = f"{config_dir}/config.json"
+    check_config(_without_quantization(config), where)
+    check_seq_length(raw, where, seq_length, mode)
+    check_group_size(raw, where, mode, group_size)
+    return config
+
+
+def cmd_estimate(args: Any) -> int:
+    """Modelled time to first token and decode speed of a model on a chip, from its
+    config.json alone (one layer compiled with placeholder weights)."""
+    from toptpu.compiler import CompileError
+
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
         chip = chip_with(get_chip(args.chip), parse_figures(args.set))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
-    config, raw = read_config(args.config_dir)
-    where = f"{args.config_dir}/config.json"
-    check_config(_without_quantization(config), where)
-    check_seq_length(raw, where, shapes.seq_length, args.mode)
-    check_group_size(raw, where, args.mode, args.group_size)
+    config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
+                                 args.group_size, args.symmetric)
     progress = None if args.json or args.quiet else sys.stderr
     if progress is not None:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
