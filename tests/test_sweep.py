@@ -44,11 +44,10 @@ def test_a_2x2_sweep_gives_4_rows_and_two_pictures(tmp_path_factory: pytest.Temp
     assert len(rows) == 4 and not any(r["error"] for r in rows)
     assert [(r["lanes"], r["ddr_gbps"]) for r in rows] == [  # the axes in AXES order
         ("32", "1.0"), ("32", "64.0"), ("64", "1.0"), ("64", "64.0")]
-    # 1 GB/s nominal makes the decode step DDR-bound and slower than at 64 GB/s
+    # 1 GB/s nominal makes the decode step's DDR-bound nets and the step slower
     by = {(float(r["ddr_gbps"]), int(r["lanes"])): r for r in rows}
     for lanes in (32, 64):
         slow, fast = by[(1.0, lanes)], by[(64.0, lanes)]
-        assert slow["decode_bound"] == "ddr"
         assert float(slow["tokens_per_s"]) < float(fast["tokens_per_s"])
         assert float(slow["decode_ddr_s"]) > float(fast["decode_ddr_s"])
     for r in rows:  # the breakdown adds up to the step
