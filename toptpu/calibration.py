@@ -182,7 +182,7 @@ def row_chip(row: Row, figures: Mapping[str, Any] | None = None) -> Chip:
 def compile_row(row: Row, chip: Chip | None = None, progress: Any = None) -> CompiledCosts:
     """The row's decode and first-token nets compiled for its chip (one layer), with the
     largest prefill chunk that fits local memory (`Row.chunks`)."""
-    from toptpu.compiler import CompileError
+    from toptpu.compile_options import CompileError
 
     chip = chip or row_chip(row)
     config = row.config()

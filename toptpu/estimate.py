@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from toptpu.backend.codegen.streams import CodegenError
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
@@ -176,20 +177,21 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
                 symmetric: bool | None, chip: Chip) -> Program:
     """One net as `toptpu compile` compiles it, on any chip: its command streams."""
-    from toptpu.compiler import CompileError
+    from toptpu.compile_options import CompileError
     from toptpu.frontends.fx_importer import ImportError_, import_module
 
     try:
         module, _ = import_module(spec.module, spec.args, store=store,
                                   input_names=spec.input_names,
                                   output_names=spec.output_names)
-        run_passes(module, top_pipeline_passes())
+        run_passes(module, top_pipeline_passes(), store=store)
         run_passes(module, tpu_pipeline_passes(spec.mode or mode, group_size, symmetric,
-                                               keep_input_types=spec.keep_input_types))
+                                               keep_input_types=spec.keep_input_types),
+                   store=store)
         return compile_for_machine(module, chip)
     except (ImportError_, ConversionError, QuantizationError) as e:
         raise CompileError(f"net '{spec.name}': {e}") from e
-    except (LayerGroupError, LocalMemoryError, AddressError) as e:
+    except (LayerGroupError, LocalMemoryError, AddressError, CodegenError) as e:
         raise CompileError(f"net '{spec.name}' on {chip.name}: {e}") from e
 
 
@@ -198,7 +200,7 @@ def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
     (a tied lm_head shares the embedding table; a per-layer net's weight that is not the
     layer's own, e.g. rotary frequencies, is shared too), then every layer's chunk
     (`WeightLayout`)."""
-    from toptpu.compiler import layer_key
+    from toptpu.layer_weights import layer_key
 
     shared: dict[str, tuple[tuple[int, ...], str]] = {}
     layer: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -372,7 +374,7 @@ def read_checked_config(config_dir: str, mode: str, seq_length: int,
                         group_size: int | None = None, symmetric: bool | None = None) -> Any:
     """The config of `config_dir`, checked as `toptpu compile` checks it for `mode` and
     `seq_length` (a user error names the problem)."""
-    from toptpu.compiler import (
+    from toptpu.compile_options import (
         CompileError,
         check_group_size,
         check_quant_options,
@@ -396,7 +398,7 @@ def read_checked_config(config_dir: str, mode: str, seq_length: int,
 def cmd_estimate(args: Any) -> int:
     """Modelled time to first token and decode speed of a model on a chip, from its
     config.json alone (one layer compiled with placeholder weights)."""
-    from toptpu.compiler import CompileError
+    from toptpu.compile_options import CompileError
 
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)

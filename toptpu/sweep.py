@@ -106,7 +106,7 @@ def check_points(points: Sequence[Point]) -> None:
 
 def run_point(point: Point) -> dict[str, Any]:
     """One grid point's CSV row: compile on its chip, estimate (greedy, one full chunk)."""
-    from toptpu.compiler import CompileError
+    from toptpu.compile_options import CompileError
 
     chip = point.chip_model()
     row: dict[str, Any] = {"config": point.config_dir, "mode": point.mode,
