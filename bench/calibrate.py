@@ -48,6 +48,8 @@ def refresh(rows, cache, force: bool, jobs: int) -> None:  # noqa: ANN001
             or cache[r.key]["figures"] != row_chip(r).figures()]
     if not todo:
         return
+    # the longest compile last time first, so the others run beside it
+    todo.sort(key=lambda r: -cache.get(r.key, {}).get("costs", {}).get("compile_s", 0.0))
     print(f"compiling {len(todo)} rows ({jobs} at a time) ...", file=sys.stderr)
     with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
         for key, entry, seconds in pool.map(_compile, todo):

@@ -118,7 +118,9 @@ def test_estimate_json_has_the_issue_keys(tmp_path_factory: pytest.TempPathFacto
             "breakdown"} <= set(out)
     per = out["breakdown"]["per_decoded_token"]
     assert out["modelled_tokens_per_s"] == pytest.approx(1 / per["total_s"])
-    # the tiny model's decode step is launch-bound: 2 layers + embedding, lm_head and head
-    assert per["launches"] == 2 + 3 and per["bound"] == "launch"
+    # a decode step launches 2 layers + embedding, lm_head and head; the tiny model's step
+    # is dominated by the fixed launch and host-transfer costs, not by its nets
+    assert per["launches"] == 2 + 3 and per["bound"] in ("launch", "host")
+    assert per["launch_s"] + per["host_s"] > per["ddr_s"] + per["compute_s"]
     m = out["model"]
     assert out["kv_bytes"] == 2 * m["num_layers"] * SEQ * m["num_kv_heads"] * m["head_dim"] * 2
