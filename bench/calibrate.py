@@ -19,9 +19,12 @@ import argparse
 import concurrent.futures
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from toptpu.backend.target.chips import get_chip
 from toptpu.calibration import (
+    Row,
     cache_entry,
     compile_row,
     compiled_rows,
@@ -36,14 +39,17 @@ from toptpu.calibration import (
 )
 
 
-def _compile(row):  # noqa: ANN001, ANN202 - a process pool task
+def _compile(row: Row) -> tuple[str, dict[str, Any], float]:
+    """A process pool task: the row's cache entry and the seconds its compile took."""
     chip = row_chip(row)
     t = time.perf_counter()
     compiled = compile_row(row, chip)
     return row.key, cache_entry(row, chip, compiled), time.perf_counter() - t
 
 
-def refresh(rows, cache, force: bool, jobs: int) -> None:  # noqa: ANN001
+def refresh(rows: Sequence[Row], cache: dict[str, Any], force: bool, jobs: int) -> None:
+    """Compile the rows missing from `cache` or compiled with other figures (all with
+    `force`), `jobs` at a time, saving the cache after each."""
     todo = [r for r in rows if force or r.key not in cache
             or cache[r.key]["figures"] != row_chip(r).figures()]
     if not todo:
@@ -52,9 +58,10 @@ def refresh(rows, cache, force: bool, jobs: int) -> None:  # noqa: ANN001
     todo.sort(key=lambda r: -cache.get(r.key, {}).get("costs", {}).get("compile_s", 0.0))
     print(f"compiling {len(todo)} rows ({jobs} at a time) ...", file=sys.stderr)
     with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
-        for key, entry, seconds in pool.map(_compile, todo):
+        for done in concurrent.futures.as_completed([pool.submit(_compile, r) for r in todo]):
+            key, entry, seconds = done.result()
             cache[key] = entry
-            save_cache(cache)
+            save_cache(cache)  # each row as it is compiled
             print(f"  {key}: {seconds:.0f}s", file=sys.stderr)
 
 
