@@ -43,6 +43,7 @@ from toptpu.dialects.naming import op_name, set_name
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
     HEADS_RESULT_AXIS,
+    SliceKind,
     col_count,
     col_operand_axes,
     col_result_axis,
@@ -58,10 +59,6 @@ class LayerGroupError(Exception):
     pass
 
 
-#: the ways a group may be sliced (passes/slicing.py)
-KINDS = ("rows", "cols", "heads")
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -69,7 +66,7 @@ def divisors(n: int) -> list[int]:
 @dataclass
 class Plan:
     ops: list[Operation]
-    kind: str  # "rows" | "cols" | "heads"
+    kind: SliceKind
     slices: int
     cost: float = 0.0
     inputs: list[SSAValue] = field(default_factory=list)
@@ -84,7 +81,7 @@ def _external_uses(v: SSAValue, inside: set[Operation]) -> bool:
 
 
 def plan_span(ops: list[Operation], chip: Chip, slices: int | None = None,
-              kinds: tuple[str, ...] = KINDS) -> Plan | None:
+              kinds: tuple[SliceKind, ...] = tuple(SliceKind)) -> Plan | None:
     """The cheapest feasible plan for running `ops` as one group (None if none fits)."""
     best: Plan | None = None
     for kind in kinds:
@@ -94,15 +91,15 @@ def plan_span(ops: list[Operation], chip: Chip, slices: int | None = None,
     return best
 
 
-def _candidates(ops: list[Operation], kind: str, chip: Chip, only: int | None
+def _candidates(ops: list[Operation], kind: SliceKind, chip: Chip, only: int | None
                 ) -> list[Plan]:
     inside = set(ops)
     plans = []
-    if kind == "cols":
+    if kind == SliceKind.COLS:
         if len(ops) != 1 or not col_sliceable(ops[0]):
             return []
         counts = divisors(col_count(ops[0]))
-    elif kind == "heads":
+    elif kind == SliceKind.HEADS:
         if len(ops) != 1 or not heads_sliceable(ops[0]):
             return []
         counts = divisors(heads_count(ops[0]))[1:]  # one slice is the rows kind's
@@ -138,15 +135,15 @@ def _row_count(ops: list[Operation]) -> int | None:
     return rows
 
 
-def _make_plan(ops: list[Operation], kind: str, s: int, inside: set[Operation]
+def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operation]
                ) -> Plan | None:
     p = Plan(ops, kind, s)
     produced: dict[SSAValue, int | None] = {}
     for op in ops:
-        if kind == "cols":
+        if kind == SliceKind.COLS:
             in_axes: tuple[int | None, ...] = col_operand_axes(op)
             out_axes: tuple[int | None, ...] = (col_result_axis(op),)
-        elif kind == "heads":
+        elif kind == SliceKind.HEADS:
             in_axes, out_axes = heads_operand_axes(op), (HEADS_RESULT_AXIS,)
         elif s == 1:
             in_axes = tuple(None for _ in op.operands)
@@ -265,7 +262,7 @@ def build_group(p: Plan) -> tpu.GroupOp:
         result_types = [_slice_type(r, p.result_axes[r], s) for r in op.results]
         if s > 1 and isinstance(op, top.ReshapeBase | top.ExpandBase):
             attrs["shape"] = i64_array(shape_of(result_types[0]))
-        if s > 1 and p.kind == "heads" and isinstance(op, top.AttentionBase):
+        if s > 1 and p.kind == SliceKind.HEADS and isinstance(op, top.AttentionBase):
             attrs["q_heads"] = i64_attr(read_int(op.q_heads) // s)
             attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // s)
         attrs["ts"] = i64_attr(1)
@@ -356,7 +353,7 @@ def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
 def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
     """Build and allocate `plan`; slice further or split when the allocation fails."""
     tries = [plan]
-    for kind in KINDS:
+    for kind in SliceKind:
         tries += sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
     for p in tries:
         if p.slices < plan.slices and p.kind == plan.kind:
