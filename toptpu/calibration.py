@@ -48,6 +48,7 @@ from toptpu.backend.contract import (
 from toptpu.backend.runtime.accounting import StepModel
 from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs
+from toptpu.paths import write_atomically
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CALIBRATION_DIR = os.path.join(os.path.dirname(HERE), "bench", "calibration")
@@ -211,10 +212,11 @@ def load_cache(path: str = CACHE) -> dict[str, Any]:
 
 
 def save_cache(entries: Mapping[str, Any], path: str = CACHE) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with gzip.open(tmp, "wt") as f:
-        json.dump(entries, f, separators=(",", ":"), sort_keys=True)
-    os.replace(tmp, path)
+    def write(tmp: str) -> None:
+        with gzip.open(tmp, "wt") as f:
+            json.dump(entries, f, separators=(",", ":"), sort_keys=True)
+
+    write_atomically(path, write)
 
 
 def cache_entry(row: Row, chip: Chip, compiled: CompiledCosts) -> dict[str, Any]:
@@ -447,10 +449,13 @@ def write_presets(fitted: Mapping[str, Mapping[str, float]], res: Sequence[Resul
                     f"decode tok/s ({len(mine)} rows, median error {dec:.0%})")
             data[chip]["sources"][name] = (f"fitted by bench/calibrate.py to "
                                            f"bench/calibration/bm168x_published.csv: {what}")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(_presets_text(data))
-    os.replace(tmp, path)
+    text = _presets_text(data)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    write_atomically(path, write)
 
 
 def _presets_text(data: Mapping[str, Any]) -> str:

@@ -39,7 +39,7 @@ from toptpu.estimate import (
     estimate,
     read_checked_config,
 )
-from toptpu.paths import check_output_dir
+from toptpu.paths import check_output_dir, write_atomically
 
 #: the chip figures a sweep varies (`--tflops` is the per-core half-precision peak; the
 #: other compute types scale with it)
@@ -166,18 +166,15 @@ def run_ray(points: Sequence[Point], address: str,
 
 
 def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
-    """The rows with `COLUMNS` (written to a temporary file, then moved into place)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
+    """The rows with `COLUMNS` (written atomically)."""
+    def write(tmp: str) -> None:
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()
             for r in rows:
                 w.writerow({k: r.get(k, "") for k in COLUMNS})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    write_atomically(path, write)
 
 
 def series_label(row: Mapping[str, Any], varying: Sequence[str]) -> str:
@@ -205,6 +202,10 @@ COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 10
           (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 CATEGORY_COLORS = {"ddr": (31, 119, 180), "compute": (214, 39, 40), "launch": (255, 127, 14),
                    "host": (127, 127, 127)}
+
+
+def _save_png(img: Any, path: str) -> None:
+    write_atomically(path, lambda tmp: img.save(tmp, format="PNG"))
 
 
 def write_bandwidth_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -254,7 +255,7 @@ def write_bandwidth_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
     if not ok:
         d.text((left + 20, top + 20), "no point compiled (see the CSV's error column)",
                fill="black", font=font)
-    img.save(path)
+    _save_png(img, path)
 
 
 def write_breakdown_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -290,7 +291,7 @@ def write_breakdown_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
             x += part
         d.text((x + 6, y + 2), f"{float(r['decode_step_s']) * 1e3:.3g}", fill="black",
                font=font)
-    img.save(path)
+    _save_png(img, path)
 
 
 # =========================================================================== the command
