@@ -207,7 +207,7 @@ def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
     for name, prog in programs.items():
         for w, spec in prog.weights.items():
             per_layer = name in PER_LAYER_NETS and layer_key(w) is not None
-            (layer if per_layer else shared)[w] = (tuple(spec["shape"]), spec["dtype"])
+            (layer if per_layer else shared)[w] = (tuple(spec.shape), str(spec.dtype))
     if shape.tied_embeddings:  # one tensor feeds the gather and the lm_head
         tables = [w for w, s in shared.items() if s[0] == (shape.vocab_size, shape.hidden_size)]
         for w in tables[1:]:
