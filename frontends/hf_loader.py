@@ -16,6 +16,7 @@ llama (Llama 2 and Llama 3, including llama3 rope scaling and tied embeddings).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import tempfile
@@ -331,8 +332,10 @@ def check_model_dir(path: str) -> None:
         raise ModelLoadError(f"model directory '{path}' does not exist")
 
 
-def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+def read_config(path: str) -> tuple[Any, dict[str, Any]]:
+    """A model directory's config (transformers) and its raw JSON, for a supported
+    model_type; nothing else of the directory is read."""
+    from transformers import AutoConfig
 
     check_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
@@ -351,6 +354,45 @@ def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+    return config, raw
+
+
+def placeholder_model(config: Any, layers: int = 1) -> Any:
+    """The causal LM of `config` with `layers` layers and placeholder weights: zeros,
+    allocated lazily (untouched pages take no memory), tied weights still tied. For
+    what depends on shapes alone (the compiled nets' command streams and their costs),
+    without a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:layers]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    zeros: dict[int, torch.nn.Parameter] = {}  # by the meta parameter: ties stay ties
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):  # noqa: SLF001 - re-materialized
+            if p is None:
+                continue
+            if id(p) not in zeros:
+                zeros[id(p)] = torch.nn.Parameter(
+                    torch.from_numpy(np.zeros(tuple(p.shape), np.float32)), requires_grad=False)
+            mod._parameters[name] = zeros[id(p)]  # noqa: SLF001
+    rotary = model.model.rotary_emb  # its buffers are computed, not loaded: make them real
+    model.model.rotary_emb = type(rotary)(config=cfg)
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ModelLoadError(f"a placeholder {cfg.model_type} model has buffers toptpu does not "
+                             f"know how to make: {left[:3]}")
+    return model.eval()
+
+
+def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config, raw = read_config(path)
+    cfg_path = os.path.join(path, "config.json")
     if _is_prequantized(path, raw):
         return _load_prequantized(path, raw, config, need_tokenizer)
     family = check_config(config, cfg_path)
