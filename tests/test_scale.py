@@ -10,6 +10,11 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+from fuzz import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
+
+from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
 
 _BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "scale.py")
 
@@ -72,3 +77,159 @@ def test_bench_plan_shards(shard_bytes, want):
     shards = scale.plan_shards(tensors, shard_bytes)
     assert len(shards) == want
     assert [n for s in shards for n in s] == ["a", "b", "c"]
+
+
+# ------------------------------------------------------------------ the checkpoint reader
+
+
+@pytest.fixture(scope="module")
+def sharded_bf16(tmp_path_factory):
+    """A real transformers Qwen2 model saved in bf16 in several shards (save_pretrained)."""
+    import torch
+
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.tiny_models import build_tokenizer, tiny_model
+
+    model = tiny_model("qwen2", layers=6, **{k: v for k, v in TINY.items()
+                                             if k != "vocab_size"})
+    model = model.to(torch.bfloat16)
+    path = str(tmp_path_factory.mktemp("ckpt") / "qwen2-bf16")
+    with quiet_transformers():
+        model.save_pretrained(path, max_shard_size="60KB")
+    build_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path, {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+
+def _copy(src: str, dst: str) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_reader_reads_every_tensor_in_its_dtype(sharded_bf16):
+    path, state = sharded_bf16
+    with CheckpointReader.open(path) as reader:
+        assert len(reader.shards) > 2
+        assert set(reader.names()) == set(state)
+        for name, want in state.items():
+            got = reader.tensor(name)
+            assert got.dtype == ml_dtypes.bfloat16 and not got.flags.writeable
+            np.testing.assert_array_equal(got.astype(np.float32), want)
+        reader.release()  # pages dropped; the views still read the file
+        name = next(iter(state))
+        np.testing.assert_array_equal(reader.tensor(name).astype(np.float32), state[name])
+
+
+def _shards(path: str) -> list[str]:
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))
+
+
+def test_reader_missing_shard_is_named(sharded_bf16, tmp_path):
+    path = _copy(sharded_bf16[0], str(tmp_path / "m"))
+    middle = _shards(path)[1]
+    os.unlink(os.path.join(path, middle))
+    with pytest.raises(CheckpointError, match=f"shard.*'{middle}'.* missing"):
+        CheckpointReader.open(path)
+
+
+@pytest.mark.parametrize("cut", ["half", "header"])
+def test_reader_truncated_shard_is_named(sharded_bf16, tmp_path, cut):
+    path = _copy(sharded_bf16[0], str(tmp_path / "m"))
+    middle = os.path.join(path, _shards(path)[1])
+    size = os.path.getsize(middle)
+    with open(middle, "r+b") as f:
+        f.truncate(size // 2 if cut == "half" else 20)
+    with pytest.raises(CheckpointError, match=f"shard '{_shards(path)[1]}' is truncated"):
+        CheckpointReader.open(path)
+
+
+def test_reader_truncated_after_open_is_an_error_not_a_crash(sharded_bf16, tmp_path):
+    path = _copy(sharded_bf16[0], str(tmp_path / "m"))
+    reader = CheckpointReader.open(path)
+    last = _shards(path)[-1]
+    name = next(n for n, t in reader.tensors.items() if t.shard == last)
+    with open(os.path.join(path, last), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=f"shard '{last}' changed size"):
+        reader.tensor(name)
+    reader.close()
+
+
+@pytest.mark.parametrize("shard", ["../model-00001-of-00003.safetensors", "/etc/passwd",
+                                   "sub/x.safetensors", "x.bin", 3, ".hidden.safetensors"])
+def test_reader_index_names_are_never_paths(sharded_bf16, tmp_path, shard):
+    path = _copy(sharded_bf16[0], str(tmp_path / "m"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        raw = json.load(f)
+    raw["weight_map"][next(iter(raw["weight_map"]))] = shard
+    with open(index, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(CheckpointError, match="a shard is a plain"):
+        CheckpointReader.open(path)
+
+
+def _write_raw(path: str, header: object, data: bytes, hlen: int | None = None) -> None:
+    h = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    with open(path, "wb") as f:
+        f.write((len(h) if hlen is None else hlen).to_bytes(8, "little") + h + data)
+
+
+@pytest.mark.parametrize("header, data, match", [
+    ({"a": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2, "dtype"),
+    ({"a": {"dtype": "F32", "shape": [2, -1], "data_offsets": [0, 8]}}, b"\0" * 8, "shape"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "spanning"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8,
+     "data_offsets"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}, b"\0" * 6, "overlaps"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, "after the"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 9,
+     "bytes after its last"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}, b"\0" * 4,
+     "not exactly"),
+    ({"__metadata__": {"k": 1}}, b"", "__metadata__"),
+    ([1, 2], b"", "not an object"),
+    (b'{"a": 1, "a": 2}', b"", "twice"),
+    (b"\xff\xfe", b"", "not valid JSON"),
+])
+def test_reader_checks_every_header_field(tmp_path, header, data, match):
+    _write_raw(str(tmp_path / "model.safetensors"), header, data)
+    with pytest.raises(CheckpointError, match=match):
+        CheckpointReader.open(str(tmp_path))
+
+
+def test_reader_header_length_beyond_the_file(tmp_path):
+    _write_raw(str(tmp_path / "model.safetensors"), {}, b"", hlen=10**6)
+    with pytest.raises(CheckpointError, match="truncated: its header needs"):
+        CheckpointReader.open(str(tmp_path))
+
+
+def test_reader_fuzzed_header_bytes_are_checkpoint_errors(tmp_path):
+    """Any byte of a real shard's header changed: the reader accepts it or raises
+    CheckpointError, never anything else."""
+    good = {"a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+            "b": {"dtype": "I32", "shape": [1], "data_offsets": [12, 16]},
+            "__metadata__": {"format": "pt"}}
+    raw = json.dumps(good).encode()
+    blob = len(raw).to_bytes(8, "little") + raw + bytes(range(16))
+    target = tmp_path / "model.safetensors"
+
+    @fuzz_settings(150)
+    @given(st.lists(st.tuples(st.integers(0, len(blob) - 1), st.integers(0, 255)),
+                    min_size=1, max_size=4))
+    def prop(edits: list[tuple[int, int]]) -> None:
+        data = bytearray(blob)
+        for at, byte in edits:
+            data[at] = byte
+        target.write_bytes(bytes(data))
+        try:
+            with CheckpointReader.open(str(tmp_path)) as reader:
+                for name in reader.names():
+                    reader.tensor(name)
+        except CheckpointError:
+            pass
+
+    prop()
