@@ -233,3 +233,60 @@ def test_reader_fuzzed_header_bytes_are_checkpoint_errors(tmp_path):
             pass
 
     prop()
+
+
+# ------------------------------------------------------------------ streamed sections
+
+
+def _pieces(data: bytes, cuts: list[int]):  # noqa: ANN202
+    """(offset, bytes) pieces of `data` between sorted cut points, all-zero pieces left
+    out (the writer fills gaps with zeros)."""
+    bounds = [0, *sorted(set(cuts)), len(data)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        if b > a and any(data[a:b]):
+            yield a, data[a:b]
+
+
+@pytest.mark.parametrize("cuts", [[], [1, 4096, 4096, 9000, 12287], list(range(0, 12288, 999))])
+def test_streamed_section_writes_the_same_file(tmp_path, cuts):
+    """A section given as pieces with zero gaps gives the very bytes (digest, layout) of
+    the same section given whole."""
+    from toptpu.backend.formats.model_file import ModelFile, StreamedSection, write_model_file
+
+    rng = np.random.default_rng(len(cuts))
+    data = rng.integers(0, 256, 12288, dtype=np.uint8)
+    data[2000:7000] = 0  # a zero run the pieces leave out
+    data = data.tobytes()
+    whole, streamed = str(tmp_path / "a.bin"), str(tmp_path / "b.bin")
+    header = {"kind": "test"}
+    write_model_file(whole, header, {"x": b"abc", "blob": data, "y": b"z"})
+    write_model_file(streamed, header, {
+        "x": b"abc", "blob": StreamedSection(len(data), lambda: _pieces(data, cuts)),
+        "y": b"z"})
+    with open(whole, "rb") as f, open(streamed, "rb") as g:
+        assert f.read() == g.read()
+    with ModelFile(streamed) as m:
+        assert m.read("blob") == data
+
+
+def test_streamed_section_bad_pieces_leave_no_file(tmp_path):
+    from toptpu.backend.formats.model_file import StreamedSection, write_model_file
+
+    out = str(tmp_path / "m.bin")
+
+    def overlapping():  # noqa: ANN202
+        yield 0, b"abcd"
+        yield 2, b"xy"
+
+    with pytest.raises(ValueError, match="overlaps"):
+        write_model_file(out, {}, {"blob": StreamedSection(8, overlapping)})
+    with pytest.raises(ValueError, match="passes the section's end"):
+        write_model_file(out, {}, {"blob": StreamedSection(3, lambda: iter([(0, b"abcd")]))})
+
+    def failing():  # noqa: ANN202
+        yield 0, b"ab"
+        raise RuntimeError("the checkpoint went away")
+
+    with pytest.raises(RuntimeError):
+        write_model_file(out, {}, {"blob": StreamedSection(8, failing)})
+    assert os.listdir(tmp_path) == []

@@ -929,7 +929,7 @@ def _header(loaded: LoadedModel, arch: LlmArch, shapes: StaticShapes, mode: str,
               for name, n in nets.items()},
         layer_nets={base: tuple(names) for base, names in layer_nets.items()},
         weights=layout,
-        compile=CompileInfo(source=loaded.source, seconds=seconds,
+        compile=CompileInfo(source=loaded.source,
                             toptpu_version=toptpu_version),
         checkpoint=None if ck is None else CheckpointInfo(
             quant_method=ck.quant_method, packing_format=ck.packing_format,
