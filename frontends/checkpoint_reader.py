@@ -254,7 +254,11 @@ class CheckpointReader:
         else:
             names = sorted(f for f in os.listdir(directory) if f.endswith(SUFFIX))
         if not names:
-            raise CheckpointError(f"no *{SUFFIX} weights in {directory}")
+            bins = sorted(f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth")))
+            hint = (f" (found {', '.join(bins[:4])}: convert them to safetensors, e.g. load "
+                    "with transformers and save_pretrained(safe_serialization=True))"
+                    if bins else "")
+            raise CheckpointError(f"no *{SUFFIX} weights in {directory}{hint}")
         return cls(directory, {n: Shard(directory, n) for n in names})
 
     @classmethod
