@@ -290,3 +290,33 @@ def test_streamed_section_bad_pieces_leave_no_file(tmp_path):
     with pytest.raises(RuntimeError):
         write_model_file(out, {}, {"blob": StreamedSection(8, failing)})
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ quantization in blocks
+
+
+@fuzz_settings(40)
+@given(st.integers(1, 40), st.sampled_from([8, 16, 32]), st.sampled_from([4, 8]),
+       st.booleans(), st.sampled_from(["float32", "float16", "bfloat16"]),
+       st.integers(1, 200), st.integers(0, 2**31))
+def test_quantize_in_row_blocks_gives_the_same_numbers(n, k, bits, symmetric, scale, block,
+                                                       seed):
+    """quantize_rtn in row blocks (any block size) == the whole weight at once."""
+    from toptpu.passes import quantize
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    w[0, :4] = 0  # a zero group
+    sd = np.dtype(ml_dtypes.bfloat16) if scale == "bfloat16" else np.dtype(scale)
+    gs = quantize.resolve_group_size(k, 8, bits)
+    whole = quantize._quantize_rows(w, bits, gs, symmetric, sd)
+    old = quantize.QUANT_BLOCK_ELEMENTS
+    quantize.QUANT_BLOCK_ELEMENTS = block
+    try:
+        blocked = quantize.quantize_rtn(w, bits, 8, symmetric, sd)
+    finally:
+        quantize.QUANT_BLOCK_ELEMENTS = old
+    for a, b in ((whole.qweight, blocked.qweight), (whole.scales, blocked.scales),
+                 (whole.zeros, blocked.zeros)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
