@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -48,6 +49,7 @@ from toptpu.frontends.hf_loader import (
 from toptpu.frontends.llm import layer_key
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
 #: a shared tensor is derived in row blocks of about this many elements
 BLOCK_ELEMENTS = 8 * 2**20
 #: the skeleton's modules whose weights are placeholders (checkpoint name prefixes)
@@ -85,9 +87,18 @@ def layer_tensor_name(layer: int, key: str) -> str:
 def _f32(reader: CheckpointReader, name: str) -> np.ndarray:
     """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once)."""
     try:
-        return np.asarray(reader.tensor(name), dtype=np.float32)
+        return to_f32(reader.tensor(name))
     except CheckpointError as e:
         raise ModelLoadError(str(e)) from e
+
+
+def to_f32(stored: np.ndarray) -> np.ndarray:
+    """A stored tensor as float32, exactly (bf16 by moving its bits into the high half of a
+    float32: what every bf16 -> f32 conversion does, ~5x faster than a ml_dtypes cast)."""
+    if stored.dtype == BF16:
+        return (stored.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(stored, dtype=np.float32).copy() if stored.dtype == np.float32 \
+        else np.asarray(stored, dtype=np.float32)
 
 
 def skeleton(config: Any, reader: CheckpointReader) -> tuple[Any, dict[int, str]]:
@@ -178,7 +189,14 @@ class StreamedWeights:
                 self.shared_sources[weight_prefix + name] = self.placeholders[id(p)]
 
     def is_placeholder(self, source: str) -> bool:
+        """`source` (a Top weight name) stands for a placeholder."""
         return source in self.shared_sources
+
+    def from_placeholder(self, name: str) -> bool:
+        """`name` (a weight-store tensor) is a placeholder or derived from one by a pass:
+        the passes name what they derive from `W` `W:…`, `W.…` or `W#…`."""
+        return any(name == src or name.startswith((f"{src}:", f"{src}.", f"{src}#"))
+                   for src in self.shared_sources)
 
     def shared(self, recipes: Iterable[WeightRecipe]) -> dict[str, np.ndarray]:
         """The tensors of `recipes` (all of one placeholder source) from the checkpoint,
@@ -194,7 +212,7 @@ class StreamedWeights:
             raise ModelLoadError(str(e)) from e
         out = {r.name: np.empty(r.shape, r.dtype) for r in recipes}
         for rows in _row_blocks(stored.shape):
-            block = np.asarray(stored[rows], dtype=np.float32)
+            block = to_f32(stored[rows])
             n = block.shape[0]
             parts = derive_weights([_block_recipe(r, n) for r in recipes], lambda _, b=block: b)
             for r in recipes:

@@ -320,3 +320,117 @@ def test_quantize_in_row_blocks_gives_the_same_numbers(n, k, bits, symmetric, sc
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == b.dtype and a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
+
+
+# ------------------------------------------------------------------ streaming compile
+
+
+def _save_sharded(path: str, family: str, layers: int = 3, **overrides) -> str:
+    """A real transformers model of `family` saved in bf16 in several shards."""
+    import torch
+
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.tiny_models import build_tokenizer, tiny_model
+
+    model = tiny_model(family, layers=layers, **overrides).to(torch.bfloat16)
+    with quiet_transformers():
+        model.save_pretrained(path, max_shard_size="40KB")
+    build_tokenizer(model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+_SUBPROCESS_COMPILE = """
+import resource, sys
+from toptpu.compiler import compile as compile_model
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]),
+              max_input_length=int(sys.argv[5]), progress=None)
+print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def _compile_in_subprocess(model_dir: str, out: str, mode: str, seq: int = 64,
+                           input_len: int = 16, hash_seed: str = "1") -> tuple[int, int]:
+    """Compile in a fresh process: (peak RSS after imports, peak RSS at the end), bytes."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, model_dir, out, mode,
+                           str(seq), str(input_len)], capture_output=True, text=True,
+                          env=env, check=False, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base, peak = (int(x) for x in proc.stdout.split())
+    return base, peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode", [("qwen2", "f32"), ("qwen2", "w4bf16"),
+                                          ("qwen3", "w4bf16")])
+def test_streamed_compile_gives_the_bytes_of_the_in_memory_compile(tmp_path, family, mode):
+    """A sharded bf16 checkpoint compiled by streaming (a directory) == the same weights
+    loaded whole into a float32 transformers model and compiled in memory, byte for byte;
+    and the streaming compile is reproducible: again in another process (another hash
+    seed), the same bytes. qwen3 ties its embeddings (one placeholder for two nets)."""
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import load_model
+
+    path = _save_sharded(str(tmp_path / "ckpt"), family)
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
+    streamed, again, whole = (str(tmp_path / f"{n}.toptpu") for n in ("s", "a", "w"))
+    result = compile_model(path, streamed, mode=mode, seq_length=64, max_input_length=16,
+                           progress=None)
+    assert result.loaded is not None and result.loaded.stream is not None  # it streamed
+    loaded = load_model(path)
+    assert loaded.stream is None
+    compile_model(loaded, whole, mode=mode, seq_length=64, max_input_length=16,
+                  progress=None)
+    _compile_in_subprocess(path, again, mode, hash_seed="12345")
+    with open(streamed, "rb") as f:
+        data = f.read()
+    with open(whole, "rb") as f:
+        assert f.read() == data
+    with open(again, "rb") as f:
+        assert f.read() == data
+
+
+@pytest.mark.slow
+def test_missing_shard_is_a_clear_error_and_leaves_no_file(tmp_path):
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import ModelLoadError
+
+    path = _save_sharded(str(tmp_path / "ckpt"), "qwen2")
+    middle = _shards(path)[1]
+    os.unlink(os.path.join(path, middle))
+    out = str(tmp_path / "out" / "m.toptpu")
+    os.makedirs(os.path.dirname(out))
+    with pytest.raises(ModelLoadError, match=f"'{middle}'.*missing"):
+        compile_model(path, out, mode="w4bf16", seq_length=64, max_input_length=16,
+                      progress=None)
+    assert os.listdir(os.path.dirname(out)) == []
+
+
+@pytest.mark.slow
+def test_shard_truncated_mid_compile_is_a_clear_error_and_leaves_no_file(tmp_path):
+    """The shard holding the last layer is cut after the nets are compiled, while the
+    layers are being written: an error naming the shard, and no model file."""
+    from toptpu.compile_options import check_compile_request
+    from toptpu.compiler import compile_nets, pack_weights, plan, write
+    from toptpu.frontends.hf_loader import ModelLoadError
+
+    path = _save_sharded(str(tmp_path / "ckpt"), "qwen2", layers=4)
+    out = str(tmp_path / "out" / "m.toptpu")
+    os.makedirs(os.path.dirname(out))
+    options = check_compile_request(path, out, mode="w4bf16", seq_length=64,
+                                    max_input_length=16, max_history=None, group_size=None,
+                                    symmetric=None, dump_ir=None)
+    the_plan = plan(path, options)
+    compiled = compile_nets(the_plan)
+    packed = pack_weights(the_plan, compiled)
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        shard = json.load(f)["weight_map"]["model.layers.3.mlp.down_proj.weight"]
+    with open(os.path.join(path, shard), "r+b") as f:
+        f.truncate(64)
+    with pytest.raises(ModelLoadError, match=f"shard '{shard}'"):
+        write(the_plan, compiled, packed, out)
+    assert os.listdir(os.path.dirname(out)) == []
