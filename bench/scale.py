@@ -159,17 +159,30 @@ def write_shard(path: str, tensors: dict[str, tuple[int, ...]], rng: np.random.G
     os.replace(tmp, path)
 
 
+#: written last into a checkpoint directory: it is complete
+COMPLETE = ".complete"
+
+
 def write_checkpoint(path: str, config: Any, seed: int = 0,
                      shard_bytes: int = SHARD_BYTES) -> int:
     """A Hugging Face checkpoint directory of `config` with random bf16 weights (sharded
     with an index when more than one shard), tokenizer and generation config; returns the
-    weight bytes. Nothing is held beyond one row block."""
+    weight bytes. Nothing is held beyond one row block. A directory already completed
+    (`COMPLETE`) for the same config is kept as it is."""
     from transformers import GenerationConfig
 
     from toptpu.frontends.tiny_models import build_tokenizer
 
-    os.makedirs(path, exist_ok=True)
     tensors = checkpoint_tensors(config)
+    total = sum(2 * math.prod(s) for s in tensors.values())
+    marker = os.path.join(path, COMPLETE)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if f.read() == config.to_json_string():
+                return total
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
     shards = plan_shards(tensors, shard_bytes)
     rng = np.random.default_rng(seed)
     n = len(shards)
@@ -179,7 +192,6 @@ def write_checkpoint(path: str, config: Any, seed: int = 0,
     for file, shard in zip(names, shards, strict=True):
         write_shard(os.path.join(path, file), {t: tensors[t] for t in shard}, rng)
         weight_map.update(dict.fromkeys(shard, file))
-    total = sum(2 * math.prod(s) for s in tensors.values())
     if n > 1:
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
@@ -190,6 +202,8 @@ def write_checkpoint(path: str, config: Any, seed: int = 0,
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     GenerationConfig(eos_token_id=[eos], pad_token_id=tok.pad_token_id,
                      do_sample=False).save_pretrained(path)
+    with open(marker, "w") as f:
+        f.write(config.to_json_string())
     return total
 
 
@@ -231,6 +245,7 @@ def main() -> None:
     ap.add_argument("--mode", default="w4bf16")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and model files")
+    ap.add_argument("--write-only", action="store_true", help="only write the checkpoints")
     args = ap.parse_args()
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in QWEN25]
@@ -245,6 +260,8 @@ def main() -> None:
         written = time.perf_counter() - t
         print(f"{size}: wrote {weights / 1e9:.2f} GB of bf16 weights in {written:.0f}s",
               file=sys.stderr, flush=True)
+        if args.write_only:
+            continue
         try:
             r = compile_measured(ckpt, output, args.mode, args.seq)
         finally:
