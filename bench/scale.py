@@ -273,6 +273,8 @@ def main() -> None:
         print(f"{size}: compiled in {r['wall']:.1f}s, peak RSS {r['peak_rss'] / 1e9:.2f} GB, "
               f"timings {json.dumps({k: round(v, 1) for k, v in r['timings'].items()})}",
               file=sys.stderr, flush=True)
+    if not rows:
+        return
     print(f"\n{args.mode}, seq {args.seq}: Qwen2.5-shaped checkpoints, random bf16 weights\n")
     print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB |")
     print("|---|---|---|---|---|---|")
