@@ -26,7 +26,6 @@ from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.profile import profile_timeline
 from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
-from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.llm import split_model
 from toptpu.frontends.tiny_models import qwen25_05b_config
@@ -54,21 +53,21 @@ def main() -> None:
           f"{'wall ratio':>10} {'cos':>9}")
     for name in ("block", "block_cache"):
         spec = specs[name]
-        module, _ = import_module(spec.module, spec.args, input_names=spec.input_names,
-                                  output_names=spec.output_names)
-        run_passes(module, top_pipeline_passes())
-        run_passes(module, tpu_pipeline_passes(a.mode))
+        module, store = import_module(spec.module, spec.args, input_names=spec.input_names,
+                                      output_names=spec.output_names)
+        run_passes(module, top_pipeline_passes(), store=store)
+        run_passes(module, tpu_pipeline_passes(a.mode), store=store)
         feeds = {n: t.numpy() for n, t in zip(spec.input_names, spec.args, strict=True)}
         grouped, single = module.clone(), module.clone()
         t = time.perf_counter()
-        ref = Interpreter(module).run(feeds).outputs
+        ref = Interpreter(module, store).run(feeds).outputs
         t_interp = time.perf_counter() - t
         prog = compile_for_machine(grouped, chip)
         prog1 = compile_for_machine(single, chip, max_ops=1)
         t = time.perf_counter()
-        res = simulate(prog, store_of(grouped), feeds, chip, checked=False)
+        res = simulate(prog, store, feeds, chip, checked=False)
         t_machine = time.perf_counter() - t
-        res1 = simulate(prog1, store_of(single), feeds, chip, checked=False)
+        res1 = simulate(prog1, store, feeds, chip, checked=False)
         prof = profile_timeline(res.timeline, chip, prog.inherent_bytes(), prog.flops)
         cos = min(similarity(res.outputs[k].astype(np.float32),
                              ref[k].astype(np.float32)).cosine for k in ref)

@@ -44,10 +44,10 @@ def bench(label: str, overrides: dict, seq: int, calls: int, opt_level: int) -> 
     model = tiny_model("qwen2", layers=1, **overrides)
     imp = import_decoder_layer(model, seq)
     module, feeds, ref = imp.module, imp.feeds, imp.reference
-    interp = Interpreter(module)
+    interp = Interpreter(module, imp.store)
     out_np = interp.run(feeds)["out"]
     for fast in (False, True):
-        jit = MLIRJit(module, opt_level=opt_level, fast_math=fast)
+        jit = MLIRJit(module, imp.store, opt_level=opt_level, fast_math=fast)
         out_jit = jit.run(feeds)["out"]  # warm-up (also feeds the weights once)
         t_jit, t_np = [], []
         for _ in range(calls):

@@ -47,7 +47,7 @@ def main() -> None:
         last[0] = now
 
     t = time.perf_counter()
-    run_passes(module, top_pipeline_passes(), after=after)
+    run_passes(module, top_pipeline_passes(), after=after, store=store)
     t_passes = time.perf_counter() - t
     n_after = sum(1 for _ in module.walk())
     print(f"import: {t_import:.1f}s ({n_before} ops, {len(store)} weights)")

@@ -19,7 +19,6 @@ from transformers import Qwen2ForCausalLM
 
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.dialects import tpu
-from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.hf_layers import DecoderStack
 from toptpu.frontends.tiny_models import qwen25_05b_config
@@ -44,21 +43,20 @@ def main() -> None:
     module, store = import_module(DecoderStack(model), (ids, pos, mask),
                                   input_names=["input_ids", "position_ids", "attention_mask"],
                                   output_names=["logits"])
-    run_passes(module, top_pipeline_passes())
+    run_passes(module, top_pipeline_passes(), store=store)
     feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(), "attention_mask": mask.numpy()}
-    ref = Interpreter(module).run(feeds).outputs["logits"]
+    ref = Interpreter(module, store).run(feeds).outputs["logits"]
     print(f"Qwen2.5-0.5B-shaped, {a.layers} layers, seq {a.seq}: logits vs Top f32")
     print(f"{'mode':<8} {'cosine':>9} {'euclid':>8} {'sqnr dB':>8} {'weights MB':>11} "
           f"{'lower s':>8}")
     for mode in a.modes.split(","):
         m = module.clone()
         t = time.perf_counter()
-        run_passes(m, tpu_pipeline_passes(mode))
+        run_passes(m, tpu_pipeline_passes(mode), store=store)
         dt = time.perf_counter() - t
-        st = store_of(m)
         names = {op.tensor_name for op in m.walk() if isinstance(op, tpu.WeightOp)}
-        size = sum(st[n].nbytes for n in names)
-        out = Interpreter(m).run(feeds).outputs["logits"].astype(np.float32)
+        size = sum(store[n].nbytes for n in names)
+        out = Interpreter(m, store).run(feeds).outputs["logits"].astype(np.float32)
         s = similarity(out, ref)
         print(f"{mode:<8} {s.cosine:9.6f} {s.euclidean:8.4f} {s.sqnr_db:8.1f} "
               f"{size / 1e6:11.1f} {dt:8.1f}")

@@ -28,7 +28,6 @@ from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.profile import profile_timeline
 from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
-from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.tiny_vlms import tiny_vlm, vlm_tokenizer
 from toptpu.frontends.vlm import load_vlm
@@ -64,17 +63,17 @@ def main() -> None:
         assert loaded.vision is not None
         spec = loaded.vision.net_spec()
         t = time.perf_counter()
-        module, _ = import_module(spec.module, spec.args, input_names=spec.input_names,
-                                  output_names=spec.output_names)
-        run_passes(module, top_pipeline_passes())
-        run_passes(module, tpu_pipeline_passes(a.mode))
+        module, store = import_module(spec.module, spec.args, input_names=spec.input_names,
+                                      output_names=spec.output_names)
+        run_passes(module, top_pipeline_passes(), store=store)
+        run_passes(module, tpu_pipeline_passes(a.mode), store=store)
         grouped = module.clone()
         prog = compile_for_machine(grouped, chip)
         t_compile = time.perf_counter() - t
         feeds = {n: x.numpy() for n, x in zip(spec.input_names, spec.args, strict=True)}
-        ref = Interpreter(module).run(feeds).outputs["image_embeds"]
+        ref = Interpreter(module, store).run(feeds).outputs["image_embeds"]
         t = time.perf_counter()
-        res = simulate(prog, store_of(grouped), feeds, chip, checked=False)
+        res = simulate(prog, store, feeds, chip, checked=False)
         t_machine = time.perf_counter() - t
         prof = profile_timeline(res.timeline, chip, prog.inherent_bytes(), prog.flops)
         cos = similarity(res.outputs["image_embeds"].astype(np.float32),

@@ -1,10 +1,24 @@
 """Weight stores: named tensors that `top.weight` / `tpu.weight` ops refer to by name.
 
 Weights never live in the IR. A module names its store in the module attribute
-`top.weight_store` (a file path of a `.safetensors` file, or `memory:<id>` for a store
-that only lives in this process). Passes that create tensors (quantization, weight
-reorder) add them to the same store; `save` writes everything to one safetensors file
-atomically (temporary name, then rename).
+`top.weight_store`: the path of a `.safetensors` file, or `memory:<id>` for a store that
+only lives in the process that made it (an import, a compile). There is no process-wide
+table of stores: whoever runs passes or the interpreter on a module holds its store and
+hands it over explicitly.
+
+- Passes get the store from their context (`WeightsContext`, `weights_of`): the driver
+  puts the store in the context once, or the context opens the file the module names on
+  the first pass that asks. A pass that derives tensors (quantization, weight reorder)
+  adds them to that store; the store remembers which tensors were derived.
+- `toptpu-opt` then saves what the resulting module needs (`needed_names`) to a
+  companion file and points the module's `top.weight_store` at it, so every printed
+  module is self-contained: its file holds every tensor it names.
+- The interpreter takes the store as an argument, or opens the file the module names.
+
+Names: a tensor `W#…` belongs to the weight `W` (a pre-quantized checkpoint's integers
+and scales for the float weight `W`, see `passes.quantize.checkpoint_key`), and a tensor
+`#…` describes the whole store (the pre-quantized marker): both travel with the weights
+they belong to when a module's tensors are saved.
 """
 
 from __future__ import annotations
@@ -12,19 +26,26 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
+from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 
-STORE_ATTR = "top.weight_store"
+from toptpu.dialects import top
 
-_REGISTRY: dict[str, WeightStore] = {}
+STORE_ATTR = "top.weight_store"
+#: the prefix of a store that lives in this process only
+MEMORY = "memory:"
+#: `W#field` belongs to the weight W; `#name` to the whole store
+ANNEX = "#"
 
 
 class WeightStoreError(ValueError):
-    """A weight store file (named by a module's `top.weight_store`) that cannot be read."""
+    """A weight store that cannot be used (the module names none, a file that cannot be
+    read, a store of another process, a store other than the one the passes were given)."""
 
 
 _COUNTER = itertools.count()
@@ -48,34 +69,38 @@ def _numpy_to_torch(a: np.ndarray):  # noqa: ANN202
     return torch.from_numpy(a)
 
 
+def _file_names(path: str) -> list[str]:
+    """The tensor names of a safetensors file; WeightStoreError if it is not one."""
+    if not os.path.exists(path):
+        raise WeightStoreError(f"weight store '{path}' does not exist")
+    if not os.path.isfile(path):
+        raise WeightStoreError(f"weight store '{path}' is not a file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise WeightStoreError(f"weight store '{path}' is not a readable .safetensors file "
+                               f"({e})") from None
+
+
 class WeightStore:
-    """Name -> numpy array, backed by safetensors files (lazily, memory mapped) and memory."""
+    """Name -> numpy array, backed by safetensors files (read by name on first use, memory
+    mapped) and by arrays in memory. Tensors set after construction are *derived*
+    (`derived_names`): a file-backed store knows what its file does not hold."""
 
     def __init__(self, uri: str | None = None) -> None:
-        self.uri = uri or f"memory:{os.getpid()}-{next(_COUNTER)}"
+        self.uri = uri or f"{MEMORY}{os.getpid()}-{next(_COUNTER)}"
         self._arrays: dict[str, np.ndarray] = {}
         self._lazy: dict[str, str] = {}  # name -> safetensors path
-        _REGISTRY[self.uri] = self
+        self._derived: set[str] = set()
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, path: str) -> WeightStore:
-        """Open a safetensors file (tensors are read on first use)."""
+        """A store over a safetensors file (tensors are read on first use)."""
         path = os.path.abspath(path)
-        if path in _REGISTRY:
-            return _REGISTRY[path]
-        if not os.path.exists(path):
-            raise WeightStoreError(f"weight store '{path}' does not exist")
-        if not os.path.isfile(path):
-            raise WeightStoreError(f"weight store '{path}' is not a file")
-        try:
-            with safe_open(path, framework="pt") as f:
-                names = list(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise WeightStoreError(f"weight store '{path}' is not a readable .safetensors file "
-                                   f"({e})") from None
         store = cls(path)
-        store._lazy = dict.fromkeys(names, path)
+        store._lazy = dict.fromkeys(_file_names(path), path)
         return store
 
     @classmethod
@@ -84,6 +109,10 @@ class WeightStore:
         for k, v in arrays.items():
             store[k] = v
         return store
+
+    @property
+    def in_memory(self) -> bool:
+        return self.uri.startswith(MEMORY)
 
     # ------------------------------------------------------------------ mapping
     def __contains__(self, name: str) -> bool:
@@ -99,12 +128,26 @@ class WeightStore:
             return arr
         raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, without reading a tensor that is still in its file."""
+        if name in self._arrays:
+            return tuple(self._arrays[name].shape)
+        if name in self._lazy:
+            with safe_open(self._lazy[name], framework="pt") as f:
+                return tuple(f.get_slice(name).get_shape())
+        raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         self._arrays[name] = np.ascontiguousarray(value)
         self._lazy.pop(name, None)
+        self._derived.add(name)
 
     def names(self) -> list[str]:
         return sorted(set(self._arrays) | set(self._lazy))
+
+    def derived_names(self) -> set[str]:
+        """Tensors set in this process (for a store opened from a file: not in the file)."""
+        return set(self._derived)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -124,12 +167,20 @@ class WeightStore:
         raise AssertionError
 
     def save(self, path: str, names: Iterable[str] | None = None) -> None:
-        """Write (a subset of) the store to one safetensors file, atomically."""
+        """Write (a subset of) the store to one safetensors file, atomically (a temporary
+        name in the same directory, then a rename). Tensors that share memory (tied
+        embeddings) are copied: safetensors stores no aliases."""
         from safetensors.torch import save_file
 
-        keep = list(names) if names is not None else self.names()
-        tensors = {n: _numpy_to_torch(self[n]) for n in keep}
-        tmp = f"{path}.tmp-{os.getpid()}"
+        arrays: dict[str, np.ndarray] = {}
+        for name in (list(names) if names is not None else self.names()):
+            arr = self[name]
+            if any(np.may_share_memory(arr, seen) for seen in arrays.values()):
+                arr = arr.copy()
+            arrays[name] = arr
+        tensors = {n: _numpy_to_torch(a) for n, a in arrays.items()}
+        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f".{os.path.basename(path)}.tmp-{os.getpid()}")
         try:
             save_file(tensors, tmp)
             os.replace(tmp, path)
@@ -138,24 +189,98 @@ class WeightStore:
                 os.unlink(tmp)
 
 
-def store_of(module: ModuleOp) -> WeightStore:
-    """The weight store a module refers to; a file path is opened on first use."""
+# ---------------------------------------------------------------------- modules and stores
+
+def store_uri(module: ModuleOp) -> str:
+    """The store the module names in `top.weight_store`; WeightStoreError without one."""
     attr = module.attributes.get(STORE_ATTR)
     if not isinstance(attr, StringAttr):
         raise WeightStoreError(
             f"the module has no '{STORE_ATTR}' attribute naming its weight store; "
             "import the model with toptpu (or add the attribute with a .safetensors path)"
         )
-    uri = attr.data
-    if uri in _REGISTRY:
-        return _REGISTRY[uri]
-    if uri.startswith("memory:"):
+    return attr.data
+
+
+def open_store(module: ModuleOp) -> WeightStore:
+    """Open the safetensors file the module names. A `memory:` store is only reachable
+    through whoever holds it, so naming one here is an error that says so."""
+    uri = store_uri(module)
+    if uri.startswith(MEMORY):
         raise WeightStoreError(
-            f"weight store '{uri}' lived in another process; save the weights with "
-            f"--dump-ir (or WeightStore.save) and point '{STORE_ATTR}' at the file"
+            f"weight store '{uri}' lives in memory, with whoever made the module: pass that "
+            f"store along with the module, or save it (WeightStore.save, --dump-ir) and point "
+            f"'{STORE_ATTR}' at the file"
         )
     return WeightStore.open(uri)
 
 
+def store_for(module: ModuleOp, store: WeightStore | None = None) -> WeightStore | None:
+    """The store to run `module` with: `store` when given, else the file the module names
+    (`open_store`); None for a module without weights."""
+    if store is not None:
+        return store
+    if not any(isinstance(op, top.WeightBase) for op in module.walk()):
+        return None
+    return open_store(module)
+
+
 def attach_store(module: ModuleOp, store: WeightStore) -> None:
     module.attributes[STORE_ATTR] = StringAttr(store.uri)
+
+
+def needed_names(module: ModuleOp, store: WeightStore) -> list[str]:
+    """The store's tensors `module` needs: every weight it names, the tensors that belong
+    to those weights (`W#…`) and the store-wide ones (`#…`)."""
+    weights = {op.tensor_name for op in module.walk() if isinstance(op, top.WeightBase)}
+    return [n for n in store.names()
+            if n in weights or n.startswith(ANNEX) or n.split(ANNEX, 1)[0] in weights]
+
+
+# ---------------------------------------------------------------------- passes
+
+@dataclass
+class WeightsContext(Context):
+    """An xDSL context that also carries the weight store of the module its passes run on.
+
+    Every pass gets `(ctx, module)` and nested pipelines hand their context on, so the
+    store travels with the pipeline without a field on each pass (pass fields are
+    command-line options) and without a process-wide table. `weights` is set by the driver
+    (the compiler hands its in-memory store), or on the first `weights_of` from the file
+    the module names (toptpu-opt); the driver reads it back after the passes to see what
+    they derived."""
+
+    weights: WeightStore | None = None
+
+    @classmethod
+    def of(cls, ctx: Context, weights: WeightStore | None = None) -> WeightsContext:
+        """`ctx`'s dialects with a weight store."""
+        return cls(ctx.allow_unregistered, ctx._loaded_dialects.copy(),  # noqa: SLF001
+                   ctx._loaded_ops.copy(), ctx._loaded_attrs.copy(),  # noqa: SLF001
+                   ctx._loaded_types.copy(), ctx._registered_dialects.copy(),  # noqa: SLF001
+                   weights)
+
+    def clone(self) -> WeightsContext:
+        return WeightsContext.of(self, self.weights)  # the same store: it belongs to the IR
+
+
+def _same_store(a: str, b: str) -> bool:
+    if a.startswith(MEMORY) or b.startswith(MEMORY):
+        return a == b
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def weights_of(ctx: Context, module: ModuleOp) -> WeightStore:
+    """The weight store a pass reads and derives tensors in: the one in its context, which
+    must be the store the module names."""
+    uri = store_uri(module)
+    if not isinstance(ctx, WeightsContext):
+        raise WeightStoreError(
+            "this pass reads weights: run it with a WeightsContext holding the module's "
+            "store (toptpu-opt, or toptpu.passes.pipelines.run_passes(..., store=))")
+    if ctx.weights is None:
+        ctx.weights = open_store(module)
+    elif not _same_store(ctx.weights.uri, uri):
+        raise WeightStoreError(f"the module names the weight store '{uri}' but its passes "
+                               f"were given '{ctx.weights.uri}'")
+    return ctx.weights

@@ -103,7 +103,7 @@ def import_decoder_layer(model: Any, length: int, *, index: int = 0,
     module, store = import_module(layer, (hidden, pos, mask), input_names=LAYER_IO[0],
                                   output_names=LAYER_IO[1])
     if top_pipeline:
-        run_passes(module, top_pipeline_passes())
+        run_passes(module, top_pipeline_passes(), store=store)
     feeds = {"hidden": hidden.numpy(), "position_ids": pos.numpy(),
              "attention_mask": mask.numpy()}
     return ImportedLayer(module, store, feeds, ref)

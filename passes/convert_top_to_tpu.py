@@ -60,7 +60,7 @@ from toptpu.dialects.common import (
     tensor,
 )
 from toptpu.dialects.naming import op_name, set_name
-from toptpu.dialects.weight_store import WeightStore, store_of
+from toptpu.dialects.weight_store import WeightStore, weights_of
 from toptpu.passes.quantize import (
     CHECKPOINT_MODEL,
     QuantizationError,
@@ -512,7 +512,7 @@ class ConvertTopToTpuPass(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         act, bits = parse_mode(self.mode)
-        store = store_of(op)
+        store = weights_of(ctx, op)
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
             lw = Lowering(act, bits, self.group_size, self.symmetric,
                           tuple(k.strip() for k in self.keep_float.split(",")), store,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Self
 
 from xdsl.context import Context
 from xdsl.dialects import func
@@ -378,30 +379,45 @@ def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12) -> list
 
 
 @dataclass(frozen=True)
-class LayerGroupPass(ModulePass):
+class ChipPass(ModulePass):
+    """A pass that plans for a chip: a preset by name (`chip`, the pass option), or a
+    description that is not a preset (`for_chip`: tests, what-if studies; not an option)."""
+
+    chip: str = "bm1684x"
+    target: Chip | None = field(default=None, init=False, compare=False, repr=False)
+
+    @classmethod
+    def for_chip(cls, chip: Chip, **options: int) -> Self:
+        p = cls(chip.name, **options)
+        object.__setattr__(p, "target", chip)  # frozen: set once, here
+        return p
+
+    def the_chip(self) -> Chip:
+        return self.target if self.target is not None else get_chip(self.chip)
+
+
+@dataclass(frozen=True)
+class LayerGroupPass(ChipPass):
     """Partition Tpu ops into local-memory layer groups (DP over spans) and allocate them."""
 
     name = "layer-group"
 
-    chip: str = "bm1684x"
     max_ops: int = 12
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        chip = get_chip(self.chip)
+        chip = self.the_chip()
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
             layer_group_function(fn, chip, self.max_ops)
 
 
 @dataclass(frozen=True)
-class LmemVerifyPass(ModulePass):
+class LmemVerifyPass(ChipPass):
     """Re-check every group's local-memory allocation (alignment, capacity, overlap, banks)."""
 
     name = "lmem-verify"
 
-    chip: str = "bm1684x"
-
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        chip = get_chip(self.chip)
+        chip = self.the_chip()
         for g in op.walk():
             if isinstance(g, tpu.GroupOp):
                 try:

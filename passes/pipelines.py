@@ -1,4 +1,14 @@
-"""Pass registry and the named pipelines (`top-pipeline`, later `tpu-pipeline`)."""
+"""Pass registry and the named pipelines.
+
+- `top-pipeline`: shape-infer, canonicalize, fuse, canonicalize;
+- `tpu-pipeline{mode, chip, ...}`: convert-top-to-tpu, canonicalize, weight-reorder, then
+  (unless chip=none) the machine pipeline;
+- `machine-pipeline{chip, max-ops}`: layer-group, lmem-verify, address-assign: the chip's
+  memory decisions, the one sequence of passes before codegen (`toptpu.machine_pipeline`
+  runs it and codegen for the compiler, tests and benchmarks).
+
+`run_passes` runs a list of passes with the module's weight store in a `WeightsContext`.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +20,10 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 from xdsl.utils.exceptions import DiagnosticException
 
+from toptpu.backend.target.chips import Chip
 from toptpu.dialects import context
 from toptpu.dialects.ir_text import verify_ir
+from toptpu.dialects.weight_store import WeightsContext, WeightStore, WeightStoreError
 from toptpu.passes.address_assign import AddressAssignPass
 from toptpu.passes.canonicalize import CanonicalizePass
 from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
@@ -33,8 +45,12 @@ AfterPass = Callable[[ModulePass, ModuleOp], None]
 
 
 def run_passes(module: ModuleOp, passes: Sequence[ModulePass], ctx: Context | None = None,
-               after: AfterPass | None = None, verify: bool = True) -> None:
-    ctx = ctx or context()
+               after: AfterPass | None = None, verify: bool = True, *,
+               store: WeightStore | None = None) -> None:
+    """Run `passes` over `module` in order. The passes that read or derive weights use
+    `store` (the module's weight store; without one, the file the module names), or the
+    store of `ctx` when it is a `WeightsContext` (a nested pipeline)."""
+    ctx = _weights_context(ctx, store)
     for p in passes:
         p.apply(ctx, module)
         if verify:  # xDSL's verifier and defined-before-use (xDSL does not check dominance)
@@ -45,6 +61,15 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], ctx: Context | No
                                         f"{e}") from e
         if after is not None:
             after(p, module)
+
+
+def _weights_context(ctx: Context | None, store: WeightStore | None) -> WeightsContext:
+    if isinstance(ctx, WeightsContext) and (store is None or ctx.weights is store):
+        return ctx
+    if isinstance(ctx, WeightsContext) and ctx.weights is not None:
+        raise WeightStoreError(f"run_passes was given the weight store '{store.uri}' and a "
+                               f"context holding '{ctx.weights.uri}'")
+    return WeightsContext.of(ctx or context(), store)
 
 
 def top_pipeline_passes() -> list[ModulePass]:
@@ -73,9 +98,26 @@ def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
     return passes
 
 
-def machine_passes(chip: str = "bm1684x", max_ops: int = 12) -> list[ModulePass]:
-    """layer-group, lmem-verify, address-assign: the chip's memory decisions."""
-    return [LayerGroupPass(chip, max_ops), LmemVerifyPass(chip), AddressAssignPass()]
+def machine_passes(chip: str | Chip = "bm1684x", max_ops: int = 12) -> list[ModulePass]:
+    """layer-group, lmem-verify, address-assign: the chip's memory decisions. `chip`: a
+    preset's name, or a `Chip` description."""
+    if isinstance(chip, str):
+        return [LayerGroupPass(chip, max_ops), LmemVerifyPass(chip), AddressAssignPass()]
+    return [LayerGroupPass.for_chip(chip, max_ops=max_ops), LmemVerifyPass.for_chip(chip),
+            AddressAssignPass()]
+
+
+@dataclass(frozen=True)
+class MachinePipeline(ModulePass):
+    """layer-group, lmem-verify, address-assign (the passes before codegen)."""
+
+    name = "machine-pipeline"
+
+    chip: str = "bm1684x"
+    max_ops: int = 12
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        run_passes(op, machine_passes(self.chip, self.max_ops), ctx)
 
 
 @dataclass(frozen=True)
@@ -101,6 +143,6 @@ def all_passes() -> dict[str, type[ModulePass]]:
     """Every pass toptpu registers, by name."""
     passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
                                       ConvertTopToTpuPass, WeightReorderPass, LayerGroupPass,
-                                      LmemVerifyPass, AddressAssignPass, TpuPipeline,
-                                      ConvertTopToLinalgPass, MLIRPipelinePass]
+                                      LmemVerifyPass, AddressAssignPass, MachinePipeline,
+                                      TpuPipeline, ConvertTopToLinalgPass, MLIRPipelinePass]
     return {p.name: p for p in passes}

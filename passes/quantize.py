@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from toptpu.dialects.weight_store import ANNEX, WeightStore
+
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
     """ui8 [N, K] with values < 16 -> ui8 [N, K/2] (inverse of `unpack_int4`)."""
@@ -113,11 +115,12 @@ def _quantize_rows(w: np.ndarray, bits: int, gs: int, symmetric: bool,
 
 #: weight-store names of a pre-quantized checkpoint's tensors for the float weight `w`:
 #: f"{w}{CHECKPOINT_TAG}{field}" with field qweight (ui8 [N, K] unpacked), scales [N, G],
-#: zeros (ui8 [N, G]), g_idx (i32 [K], act-order only) and meta (i32 [bits, group_size])
-CHECKPOINT_TAG = "#checkpoint."
+#: zeros (ui8 [N, G]), g_idx (i32 [K], act-order only) and meta (i32 [bits, group_size]);
+#: annexes of `w` in the store's naming (they travel with `w` when a module is saved)
+CHECKPOINT_TAG = f"{ANNEX}checkpoint."
 #: present in a weight store whose model came pre-quantized: weights without checkpoint
 #: tensors were left at full precision by the quantizer and stay float (never re-quantized)
-CHECKPOINT_MODEL = "#checkpoint"
+CHECKPOINT_MODEL = f"{ANNEX}checkpoint"
 
 
 def checkpoint_key(weight: str, field: str) -> str:
@@ -166,7 +169,7 @@ def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
     return out
 
 
-def checkpoint_parts_of_store(store, weight: str) -> dict[str, np.ndarray] | None:  # noqa: ANN001
+def checkpoint_parts_of_store(store: WeightStore, weight: str) -> dict[str, np.ndarray] | None:
     """The a16_matmul parts of `weight` when the store holds its checkpoint tensors."""
     meta_key = checkpoint_key(weight, "meta")
     if meta_key not in store:

@@ -18,7 +18,7 @@ from xdsl.utils.exceptions import VerifyException
 from toptpu.dialects import top
 from toptpu.dialects.common import ShapedOp, shape_of
 from toptpu.dialects.naming import op_name
-from toptpu.dialects.weight_store import STORE_ATTR, store_of
+from toptpu.dialects.weight_store import STORE_ATTR, weights_of
 
 
 def _named(op: Operation) -> str:
@@ -34,7 +34,7 @@ class ShapeInferPass(ModulePass):
     name = "shape-infer"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        store = store_of(op) if STORE_ATTR in op.attributes else None
+        store = weights_of(ctx, op) if STORE_ATTR in op.attributes else None
         for fn in op.ops:
             if not isinstance(fn, func.FuncOp):
                 continue
@@ -46,7 +46,7 @@ class ShapeInferPass(ModulePass):
                             raise VerifyException(
                                 f"weight '{name}' is not in the weight store {store.uri}"
                             )
-                        got = tuple(store[name].shape)
+                        got = store.shape(name)
                         if got != shape_of(inner.output):
                             raise VerifyException(
                                 f"weight '{name}' has shape {list(got)} in the store but "

@@ -28,7 +28,7 @@ from xdsl.rewriter import InsertPoint
 from toptpu.dialects import tpu
 from toptpu.dialects.common import bool_attr, elem_of, read_bool, shape_of, str_attr, tensor
 from toptpu.dialects.naming import set_name
-from toptpu.dialects.weight_store import WeightStore, store_of
+from toptpu.dialects.weight_store import WeightStore, weights_of
 from toptpu.passes.util import named_like
 
 
@@ -68,6 +68,6 @@ class WeightReorderPass(ModulePass):
     name = "weight-reorder"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        store = store_of(op)
+        store = weights_of(ctx, op)
         PatternRewriteWalker(GreedyRewritePatternApplier([TransposeMatmulWeight(store)]),
                              apply_recursively=False).rewrite_module(op)

@@ -303,7 +303,9 @@ def test_mutated_ir_through_the_tpu_pipeline(layer_ir, data) -> None:
     path = os.path.join(directory, "mutated_tpu.mlir")
     with open(path, "w", encoding="utf-8", newline="") as f:
         f.write(data.draw(mutated(text), label="ir"))
-    check_answer(path, *run_opt(path, "-p", "top-pipeline,tpu-pipeline{mode=w4f16}"))
+    weights = os.path.join(directory, "mutated_tpu.weights.safetensors")
+    check_answer(path, *run_opt(path, "-p", "top-pipeline,tpu-pipeline{mode=w4f16}",
+                                "--weights-out", weights))
 
 
 @pytest.mark.slow  # exports a layer (layer_ir)
@@ -314,7 +316,8 @@ def test_a_weight_between_grouped_ops_moves_above_the_group(layer_ir, tmp_path) 
     _, text = layer_ir
     path = tmp_path / "layer.mlir"
     path.write_text(text.replace("{transpose_b = true}", "{}", 1))
-    rc, out, err, seconds = run_opt(str(path), "-p", "top-pipeline,tpu-pipeline{mode=w4f16}")
+    rc, out, err, seconds = run_opt(str(path), "-p", "top-pipeline,tpu-pipeline{mode=w4f16}",
+                                    "--weights-out", str(tmp_path / "w.safetensors"))
     assert rc == 0, err
     check_answer(str(path), rc, out, err, seconds)
     assert ".t\"" in out and "tpu.group" in out

@@ -41,14 +41,15 @@ def pipeline_stages(tiny_models, family: str) -> list[tuple[str, ModuleOp]]:
     """(stage, module) for: import, after each Top pass, after convert-top-to-tpu in
     f32/bf16/w4bf16 and after the canonicalize that follows it."""
     if family not in _STAGES:
-        module = import_decoder_layer(tiny_models(family), 8, mask_value=-10000.0,
-                                      top_pipeline=False).module
+        imp = import_decoder_layer(tiny_models(family), 8, mask_value=-10000.0,
+                                   top_pipeline=False)
+        module, store = imp.module, imp.store
         stages = [("import", module.clone())]
-        run_passes(module, top_pipeline_passes(),
+        run_passes(module, top_pipeline_passes(), store=store,
                    after=lambda p, m: stages.append((f"top:{p.name}", m.clone())))
         for mode in ("f32", "bf16", "w4bf16"):
             low = module.clone()
-            run_passes(low, tpu_pipeline_passes(mode),
+            run_passes(low, tpu_pipeline_passes(mode), store=store,
                        after=lambda p, m, mode=mode: stages.append((f"{mode}:{p.name}",
                                                                     m.clone())))
         _STAGES[family] = stages

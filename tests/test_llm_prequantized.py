@@ -69,7 +69,7 @@ def test_no_flags_compile_uses_the_checkpoint_integers(quant_checkpoints, tmp_pa
     h = f.header
     # -q auto: the checkpoint's bits, activations of its dtype (float16 for auto-round's
     # GPTQ/AWQ exports, float32 for its auto_round exports of a float32 model)
-    from toptpu.compiler import AUTO_ACTIVATIONS
+    from toptpu.prequantized import AUTO_ACTIVATIONS
 
     assert h["checkpoint"]["bits"] == 4
     assert h["mode"] == f"w4{AUTO_ACTIVATIONS[h['checkpoint']['dtype']]}"

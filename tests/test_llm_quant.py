@@ -14,10 +14,11 @@ from toptpu.backend.formats.llm_file import LlmFile
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.compare import tpu_threshold
-from toptpu.compiler import CompileResult, _float_of_layer
+from toptpu.compiler import CompileResult
 from toptpu.compiler import compile as compile_model
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.frontends.llm import LAYER_PREFIX, decode_mask, prefill_mask
+from toptpu.layer_weights import float_of_layer
 from toptpu.metrics import similarity
 from toptpu.passes.weight_recipe import derive_weights, weight_recipes
 
@@ -63,7 +64,7 @@ def _inputs(net: str, spec_in: tuple, rng: np.random.Generator, vocab: int
 def _layer_store(result: CompileResult, layer: int) -> WeightStore:
     """The Top nets' float weights of `layer` (shared tensors as compiled)."""
     assert result.store is not None and result.loaded is not None
-    get = _float_of_layer(result.loaded.model, layer)
+    get = float_of_layer(result.loaded.model, layer)
     arrays = {}
     for name in result.store.names():
         if name.startswith(LAYER_PREFIX) and ":" not in name:
@@ -88,7 +89,7 @@ def test_every_net_meets_its_threshold_against_top(tmp_path_factory, family: str
         feeds = _inputs(name, info.inputs, rng, vocab)
         for layer in ([0, 1] if net.per_layer else [None]):
             assert net.top is not None
-            store = _layer_store(result, layer) if layer is not None else None
+            store = _layer_store(result, layer) if layer is not None else result.store
             ref = Interpreter(net.top, store=store).run(feeds).outputs
             bufs = {s.name: ex.alloc(s.shape, s.dtype) for s in (*info.inputs, *info.outputs)}
             for s in info.inputs:
@@ -122,7 +123,7 @@ def test_layer_chunks_are_the_recipes_of_each_layer(tmp_path_factory) -> None:
     assert set(recipes) == set(layout.layer)
     chunks = []
     for layer in range(f.num_layers):
-        want = derive_weights(recipes.values(), _float_of_layer(result.loaded.model, layer))
+        want = derive_weights(recipes.values(), float_of_layer(result.loaded.model, layer))
         got = f.layer_weights(layer)
         for name, arr in want.items():
             assert np.array_equal(got[name].view(np.uint8), arr.view(np.uint8)), name

@@ -17,7 +17,6 @@ from toptpu.backend.runtime.simulate import ProgramFile, simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array, read_ints
-from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.metrics import similarity
@@ -39,22 +38,21 @@ def _fast_only(modes: list[str], fast: tuple[str, ...]) -> list:
 def _top(tiny_models, length: int):
     if length not in _TOP:
         imp = import_decoder_layer(tiny_models("qwen2"), length, mask_value=-10000.0)
-        _TOP[length] = (imp.module, imp.feeds)
+        _TOP[length] = (imp.module, imp.feeds, imp.store)
     return _TOP[length]
 
 
 def _tpu(tiny_models, mode: str, length: int = 16):
-    module, feeds = _top(tiny_models, length)
+    module, feeds, store = _top(tiny_models, length)
     m = module.clone()
-    run_passes(m, tpu_pipeline_passes(mode))
-    return m, feeds
+    run_passes(m, tpu_pipeline_passes(mode), store=store)
+    return m, feeds, store
 
 
 @pytest.mark.parametrize("mode", _fast_only(list(MODES), ("f32", "w4bf16")))
 def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mode: str) -> None:
-    module, feeds = _tpu(tiny_models, mode)
-    ref = Interpreter(module).run(feeds).outputs["out"]
-    store = store_of(module)
+    module, feeds, store = _tpu(tiny_models, mode)
+    ref = Interpreter(module, store).run(feeds).outputs["out"]
     prog = compile_for_machine(module, CHIP)
     path = os.path.join(tmp_path, "layer.toptpu")
     write_program_file(path, {"layer": prog}, store, CHIP)
@@ -69,14 +67,14 @@ def test_sliced_groups_pipeline_and_match(tiny_models) -> None:
     # 64 tokens on a chip with little local memory and cheap DMAs: slicing pays off
     from dataclasses import replace
 
-    module, feeds = _tpu(tiny_models, "bf16", 64)
-    ref = Interpreter(module).run(feeds).outputs["out"]
+    module, feeds, store = _tpu(tiny_models, "bf16", 64)
+    ref = Interpreter(module, store).run(feeds).outputs["out"]
     small = replace(CHIP, lanes=4, lane_bytes=32768, dma_latency_cycles=8,
                     compute_latency_cycles=4)
     prog = compile_for_machine(module, small)
     groups = [op for op in module.walk() if isinstance(op, tpu.GroupOp)]
     assert any(g.slices.value.data > 1 for g in groups)
-    res = simulate(prog, store_of(module), feeds, small, checked=True)
+    res = simulate(prog, store, feeds, small, checked=True)
     assert similarity(res.outputs["out"].astype(np.float32),
                       ref.astype(np.float32)).cosine >= 0.99999
     tl = res.timeline
@@ -87,9 +85,9 @@ def test_sliced_groups_pipeline_and_match(tiny_models) -> None:
 
 
 def _grouped(tiny_models):
-    module, feeds = _tpu(tiny_models, "f32")
+    module, feeds, store = _tpu(tiny_models, "f32")
     run_passes(module, [LayerGroupPass("bm1684x")])
-    return module, feeds
+    return module, feeds, store
 
 
 def _overlap_two_live_buffers(module) -> str:
@@ -106,7 +104,7 @@ def _overlap_two_live_buffers(module) -> str:
 
 
 def test_verifier_rejects_overlapping_live_buffers(tiny_models) -> None:
-    module, _ = _grouped(tiny_models)
+    module, _, _ = _grouped(tiny_models)
     for g in module.walk():
         if isinstance(g, tpu.GroupOp):
             verify_group(g, CHIP)  # the compiler's allocation is valid
@@ -120,28 +118,28 @@ def test_verifier_rejects_overlapping_live_buffers(tiny_models) -> None:
 def test_machine_traps_on_overlapping_live_buffers(tiny_models) -> None:
     from toptpu.passes.address_assign import AddressAssignPass
 
-    module, feeds = _grouped(tiny_models)
+    module, feeds, store = _grouped(tiny_models)
     _overlap_two_live_buffers(module)
     run_passes(module, [AddressAssignPass()])  # no lmem-verify: the machine must notice
     fn = next(op for op in module.ops)
     prog = generate(module, fn, CHIP)  # type: ignore[arg-type]
     with pytest.raises(MachineTrap, match="over the live buffer"):
-        simulate(prog, store_of(module), feeds, CHIP, checked=True)
+        simulate(prog, store, feeds, CHIP, checked=True)
 
 
 def test_shrunken_local_memory_traps_or_is_rejected(tiny_models) -> None:
     from dataclasses import replace
 
-    module, feeds = _tpu(tiny_models, "f32")
+    module, feeds, store = _tpu(tiny_models, "f32")
     prog = compile_for_machine(module, CHIP)
     need = max(c["out"]["l"] + CHIP.per_lane(c["out"]["bytes"]) for c in prog.commands
                if c.get("dir") == "load")
     small = replace(CHIP, lane_bytes=max(CHIP.align, need // 2 // CHIP.align * CHIP.align))
     with pytest.raises(MachineTrap, match="outside the lane"):
-        simulate(prog, store_of(module), feeds, small, checked=True)
+        simulate(prog, store, feeds, small, checked=True)
     # and the compiler refuses a chip that cannot hold even one slice of an op
     tiny = replace(CHIP, lane_bytes=256)
-    module2, _ = _tpu(tiny_models, "f32")
+    module2, _, _ = _tpu(tiny_models, "f32")
     from toptpu.passes.layer_group import layer_group_function
 
     fn = next(op for op in module2.ops)
@@ -150,7 +148,7 @@ def test_shrunken_local_memory_traps_or_is_rejected(tiny_models) -> None:
 
 
 def test_checked_mode_traps_reads_of_unwritten_local_memory(tiny_models) -> None:
-    module, feeds = _tpu(tiny_models, "f32")
+    module, feeds, store = _tpu(tiny_models, "f32")
     prog = compile_for_machine(module, CHIP)
     # drop the first load: its consumer reads local memory nothing wrote
     first = next(c for c in prog.commands if c.get("dir") == "load")
@@ -159,14 +157,14 @@ def test_checked_mode_traps_reads_of_unwritten_local_memory(tiny_models) -> None
         c["deps"] = [d - (d > first["id"]) for d in c["deps"] if d != first["id"]]
         c["id"] = i
     with pytest.raises(MachineTrap, match="nothing wrote|not live"):
-        simulate(prog, store_of(module), feeds, CHIP, checked=True)
+        simulate(prog, store, feeds, CHIP, checked=True)
 
 
 def _model_file(tiny_models, tmp_path) -> str:
-    module, _ = _tpu(tiny_models, "w4bf16")
+    module, _, store = _tpu(tiny_models, "w4bf16")
     prog = compile_for_machine(module, CHIP)
     path = os.path.join(tmp_path, "m.toptpu")
-    write_program_file(path, {"layer": prog}, store_of(module), CHIP)
+    write_program_file(path, {"layer": prog}, store, CHIP)
     return path
 
 
@@ -204,9 +202,9 @@ def test_corrupt_truncated_and_newer_model_files_are_rejected(tiny_models, tmp_p
 @pytest.mark.parametrize("length", [1, 16])
 @pytest.mark.parametrize("mode", _fast_only(["bf16", "w4bf16", "f32"], ("w4bf16",)))
 def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> None:
-    module, feeds = _tpu(tiny_models, mode, length)
+    module, feeds, store = _tpu(tiny_models, mode, length)
     prog = compile_for_machine(module, CHIP)
-    machine, net, binding = _loaded(prog, module, feeds)
+    machine, net, binding = _loaded(prog, store, feeds)
     tl = machine.run(net, binding)
     bw = CHIP.bytes_per_cycle
     assert tl.cycles >= prog.inherent_bytes() / bw
@@ -214,12 +212,11 @@ def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> 
     assert tl.cycles >= tl.dma_bytes / bw  # moved bytes too (>= the inherent ones)
 
 
-def _loaded(prog, module, feeds):  # noqa: ANN202
+def _loaded(prog, st, feeds):  # noqa: ANN202
     """A machine with the net's weights and IO mapped, the LoadedNet and its Binding."""
     from toptpu.backend.runtime.machine import Binding, LoadedNet
 
     m = Machine(CHIP)
-    st = store_of(module)
     w = {n: m.gmem.map(n, np.ascontiguousarray(st[n])).base for n in prog.weights}
     io = {}
     for spec in prog.inputs:

@@ -70,9 +70,10 @@ class Fn:
         return m
 
 
-def _check_against_interpreter(module: ModuleOp, feeds: dict, opt_level: int = 0) -> int:
-    ref = Interpreter(module).run(feeds).outputs
-    got = MLIRJit(module, opt_level=opt_level).run(feeds).outputs
+def _check_against_interpreter(module: ModuleOp, store: WeightStore, feeds: dict,
+                               opt_level: int = 0) -> int:
+    ref = Interpreter(module, store).run(feeds).outputs
+    got = MLIRJit(module, store, opt_level=opt_level).run(feeds).outputs
     assert set(got) == set(ref)
     for name, r in ref.items():
         g = got[name]
@@ -198,7 +199,7 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
              "ids": rng.integers(0, 10, (2, 3)).astype(np.int64),
              "x4": rng.standard_normal((1, 3, 2, 8)).astype(np.float32),
              "img": rng.standard_normal((1, 4, 6, 6)).astype(np.float32)}
-    assert _check_against_interpreter(module, feeds) == len(out)
+    assert _check_against_interpreter(module, f.store, feeds) == len(out)
     names = {op.name for op in module.walk()}
     assert names >= {cls.name for cls in top.Top.operations}
 
@@ -208,26 +209,27 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
 _LAYERS: dict[str, tuple[ModuleOp, dict[str, np.ndarray], np.ndarray]] = {}
 
 
-def _layer(tiny_models, family: str) -> tuple[ModuleOp, dict[str, np.ndarray], np.ndarray]:
+def _layer(tiny_models, family: str
+           ) -> tuple[ModuleOp, WeightStore, dict[str, np.ndarray], np.ndarray]:
     """A tiny decoder layer after top-pipeline, its inputs and torch's output."""
     if family not in _LAYERS:
         imp = import_decoder_layer(tiny_models(family), 8)
-        _LAYERS[family] = (imp.module, imp.feeds, imp.reference)
+        _LAYERS[family] = (imp.module, imp.store, imp.feeds, imp.reference)
     return _LAYERS[family]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])
 def test_jit_decoder_layer_matches_torch(tiny_models, family: str) -> None:
-    module, feeds, ref = _layer(tiny_models, family)
-    jit = MLIRJit(module)
+    module, store, feeds, ref = _layer(tiny_models, family)
+    jit = MLIRJit(module, store)
     got = jit.run(feeds)["out"]
     assert similarity(got, ref).cosine >= 0.99999
-    numpy_out = Interpreter(module).run(feeds)["out"]
+    numpy_out = Interpreter(module, store).run(feeds)["out"]
     assert similarity(got, numpy_out).cosine >= 0.99999
     # a second call reuses the compiled code and the fed weights
     assert np.array_equal(jit.run(feeds)["out"], got)
     if family == "qwen2":  # reassociated sums (vectorized reductions) stay within the bar
-        fast = MLIRJit(module, fast_math=True).run(feeds)["out"]
+        fast = MLIRJit(module, store, fast_math=True).run(feeds)["out"]
         assert similarity(fast, ref).cosine >= 0.99999
 
 
@@ -237,12 +239,12 @@ def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> Non
     from toptpu.backend.reference import interpreter
     from toptpu.compare import IRStage, MLIRStage, compare_stages
 
-    module, feeds, _ = _layer(tiny_models, "qwen2")
+    module, store, feeds, _ = _layer(tiny_models, "qwen2")
     good = interpreter.EVALUATORS["top.rope"]
     monkeypatch.setitem(interpreter.EVALUATORS, "top.rope",
                         lambda op, args, ctx: [good(op, args, ctx)[0] + 0.5])
-    rep = compare_stages(MLIRStage("mlir", module), IRStage("top", module), feeds, 0.99999,
-                         compare_all=True)
+    rep = compare_stages(MLIRStage("mlir", module, store), IRStage("top", module, store), feeds,
+                         0.99999, compare_all=True)
     drop = rep.first_drop
     assert drop is not None and drop.name == "layer.self_attn.add_1", rep.table()
     assert {r.name for r in rep.tensors} >= {"layer.self_attn.scaled_dot_product_attention",
@@ -284,7 +286,7 @@ def test_gather_out_of_range_reads_nan_not_a_neighbour() -> None:
     f = Fn(ids=((3,), i32))
     t = f.weight("t", np.arange(8, dtype=np.float32).reshape(4, 2))
     m = f.module({"g": f.op(top.GatherOp, [t, f.args["ids"]], {"axis": i64_attr(0)})})
-    got = MLIRJit(m, opt_level=0).run({"ids": np.array([1, 4, -1], np.int32)})["g"]
+    got = MLIRJit(m, f.store, opt_level=0).run({"ids": np.array([1, 4, -1], np.int32)})["g"]
     assert np.array_equal(got[0], [2.0, 3.0]) and np.isnan(got[1:]).all()
 
 

@@ -26,7 +26,6 @@ from toptpu.backend.runtime.profile import (
 )
 from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
-from toptpu.dialects.weight_store import store_of
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.convert_top_to_tpu import MODES
@@ -42,9 +41,9 @@ def _run(tiny_models, mode: str):  # noqa: ANN001, ANN202
     if mode not in _RUNS:
         imp = import_decoder_layer(tiny_models("qwen2"), 16, mask_value=-10000.0)
         module = imp.module
-        run_passes(module, tpu_pipeline_passes(mode))
+        run_passes(module, tpu_pipeline_passes(mode), store=imp.store)
         prog = compile_for_machine(module, CHIP)
-        tl = simulate(prog, store_of(module), imp.feeds, CHIP).timeline
+        tl = simulate(prog, imp.store, imp.feeds, CHIP).timeline
         _RUNS[mode] = (prog, tl, profile_timeline(tl, CHIP, prog.inherent_bytes(), prog.flops))
     return _RUNS[mode]
 

@@ -47,10 +47,10 @@ def test_opt_runs_top_pipeline_on_a_dumped_layer(tiny_models, tmp_path) -> None:
 
 
 def test_real_mlir_roundtrip(tiny_models) -> None:
-    module, _ = _layer_module(tiny_models, "llama3")
+    module, store = _layer_module(tiny_models, "llama3")
     back = check_roundtrip(module)
     assert back.is_structurally_equivalent(module)
-    run_passes(module, top_pipeline_passes())
+    run_passes(module, top_pipeline_passes(), store=store)
     check_roundtrip(module)
 
 

@@ -34,13 +34,13 @@ def _op_names(module) -> list[str]:
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3", "llama2", "qwen3"])
 def test_decoder_layer_matches_torch_before_and_after_pipeline(tiny_models, family: str) -> None:
-    module, _, feeds, ref = _import_layer(tiny_models, family)
+    module, store, feeds, ref = _import_layer(tiny_models, family)
     module.verify()
-    before = Interpreter(module).run(feeds).outputs["hidden_out"]
+    before = Interpreter(module, store).run(feeds).outputs["hidden_out"]
     assert similarity(before, ref).cosine >= 0.99999
     n_before = len(_op_names(module))
 
-    run_passes(module, top_pipeline_passes())
+    run_passes(module, top_pipeline_passes(), store=store)
     names = _op_names(module)
     for fused in ("top.rms_norm", "top.rope", "top.attention"):
         assert fused in names, f"{fused} missing after the Top pipeline"
@@ -48,14 +48,14 @@ def test_decoder_layer_matches_torch_before_and_after_pipeline(tiny_models, fami
     for gone in ("top.rsqrt", "top.pow", "top.expand", "top.permute"):
         assert gone not in names, f"{gone} survived fusion"
     assert len(names) < n_before
-    after = Interpreter(module).run(feeds).outputs["hidden_out"]
+    after = Interpreter(module, store).run(feeds).outputs["hidden_out"]
     assert similarity(after, ref).cosine >= 0.99999
     np.testing.assert_allclose(after, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_attention_is_gqa_native(tiny_models) -> None:
-    module, _, _, _ = _import_layer(tiny_models, "qwen2")
-    run_passes(module, top_pipeline_passes())
+    module, store, _, _ = _import_layer(tiny_models, "qwen2")
+    run_passes(module, top_pipeline_passes(), store=store)
     (att,) = [op for op in module.walk() if op.name == "top.attention"]
     cfg = tiny_models("qwen2").config
     assert att.attributes["q_heads"].value.data == cfg.num_attention_heads
@@ -75,8 +75,8 @@ def test_weights_live_in_the_store_not_the_ir(tiny_models) -> None:
 
 
 def test_intermediates_are_named_by_location(tiny_models) -> None:
-    module, _, feeds, _ = _import_layer(tiny_models, "qwen2")
-    res = Interpreter(module).run(feeds, keep_all=True)
+    module, store, feeds, _ = _import_layer(tiny_models, "qwen2")
+    res = Interpreter(module, store).run(feeds, keep_all=True)
     assert "layer.self_attn.q_proj.linear" in res.values
     assert res.values["hidden"] is not None
 

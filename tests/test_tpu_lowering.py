@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from xdsl.dialects.builtin import StringAttr
 
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.compare import IRStage, compare_stages, tpu_threshold
 from toptpu.dialects import top, tpu
-from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
+from toptpu.dialects.weight_store import WeightStore
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import MODES, ConversionError
@@ -27,26 +26,26 @@ def _top_layer(tiny_models, family: str):
     if family not in _CACHE:
         imp = import_decoder_layer(tiny_models(family), 16, mask_value=-10000.0)
         _CACHE[family] = (imp.module, imp.store, imp.feeds,
-                          Interpreter(imp.module).run(imp.feeds).outputs["out"])
+                          Interpreter(imp.module, imp.store).run(imp.feeds).outputs["out"])
     return _CACHE[family]
 
 
-def _lower(module, mode: str, **kw):
+def _lower(module, store, mode: str, **kw):
     m = module.clone()
-    run_passes(m, tpu_pipeline_passes(mode, **kw))
+    run_passes(m, tpu_pipeline_passes(mode, **kw), store=store)
     return m
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
 def test_every_mode_meets_its_threshold(tiny_models, family: str, mode: str) -> None:
-    module, _, feeds, ref = _top_layer(tiny_models, family)
-    low = _lower(module, mode)
+    module, store, feeds, ref = _top_layer(tiny_models, family)
+    low = _lower(module, store, mode)
     names = {op.name for op in low.walk()}
     assert not any(n.startswith("top.") for n in names)
     if mode.startswith(("w4", "w8")):
         assert "tpu.a16_matmul" in names and "tpu.matmul" not in names
-    out = Interpreter(low).run(feeds).outputs["out"]
+    out = Interpreter(low, store).run(feeds).outputs["out"]
     act = MODES[mode][0]
     assert out.dtype == {"f32": np.float32, "f16": np.float16}.get(act, out.dtype)
     cos = similarity(out.astype(np.float32), ref).cosine
@@ -56,7 +55,7 @@ def test_every_mode_meets_its_threshold(tiny_models, family: str, mode: str) -> 
 @pytest.mark.parametrize("mode", ["w4f32", "w8f32"])
 def test_f32_activation_modes_equal_top_on_dequantized_weights(tiny_models, mode: str) -> None:
     module, store, feeds, _ = _top_layer(tiny_models, "qwen2")
-    low = _lower(module, mode)
+    low = _lower(module, store, mode)
     # rebuild each quantized matmul's float weight from the stored integers and scales
     deq = WeightStore.from_arrays({n: store[n] for n in store.names()})
     for op in low.walk():
@@ -71,10 +70,8 @@ def test_f32_activation_modes_equal_top_on_dequantized_weights(tiny_models, mode
             deq[source] = K.dequantize(parts["qweight"], parts["scales"], parts.get("zeros"),
                                        op.weight_bits.value.data, op.group_size.value.data)
             assert not np.array_equal(deq[source], store[source])  # really quantized
-    top_deq = module.clone()
-    top_deq.attributes[STORE_ATTR] = StringAttr(deq.uri)
-    ref = Interpreter(top_deq).run(feeds).outputs["out"]
-    out = Interpreter(low).run(feeds).outputs["out"]
+    ref = Interpreter(module, deq).run(feeds).outputs["out"]
+    out = Interpreter(low, store).run(feeds).outputs["out"]
     assert similarity(out, ref).cosine >= 0.99999
 
 
@@ -126,24 +123,26 @@ def test_packing_and_dequantization_match_torch(bits: int, gs: int, sym: bool) -
 
 
 def test_bad_group_size_and_mode_are_clear_errors(tiny_models) -> None:
-    module, _, _, _ = _top_layer(tiny_models, "qwen2")
+    module, store, _, _ = _top_layer(tiny_models, "qwen2")
     with pytest.raises(ConversionError, match="group size 48 does not divide.*K=64"):
-        _lower(module, "w4bf16", group_size=48)
+        _lower(module, store, "w4bf16", group_size=48)
     with pytest.raises(ConversionError, match="unknown quantization mode 'int4'"):
-        _lower(module, "int4")
+        _lower(module, store, "int4")
     with pytest.raises(QuantizationError):
         quantize_rtn(np.ones((4, 4), np.float32), 3, -1, True, np.dtype(np.float32))
 
 
 def test_compare_all_names_the_op_a_broken_lowering_breaks(tiny_models, monkeypatch) -> None:
-    module, _, feeds, _ = _top_layer(tiny_models, "qwen2")
-    good = _lower(module, "bf16")
-    rep = compare_stages(IRStage("top", module), IRStage("tpu", good), feeds, 0.99, True)
+    module, store, feeds, _ = _top_layer(tiny_models, "qwen2")
+    good = _lower(module, store, "bf16")
+    rep = compare_stages(IRStage("top", module, store), IRStage("tpu", good, store), feeds,
+                         0.99, True)
     assert rep.ok and rep.first_drop is None
     # a deliberately broken lowering: silu lowered to sigmoid
     monkeypatch.setitem(tpu.TPU_OF_TOP, top.SiluOp, tpu.SigmoidOp)
-    bad = _lower(module, "bf16")
-    rep = compare_stages(IRStage("top", module), IRStage("tpu", bad), feeds, 0.99, True)
+    bad = _lower(module, store, "bf16")
+    rep = compare_stages(IRStage("top", module, store), IRStage("tpu", bad, store), feeds,
+                         0.99, True)
     assert not rep.ok
     assert rep.first_drop is not None and rep.first_drop.name == "layer.mlp.act_fn.silu"
     assert "first tensor below threshold: layer.mlp.act_fn.silu" in rep.table()

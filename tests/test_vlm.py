@@ -61,13 +61,13 @@ def test_vit_top_net_matches_the_model_image_features(tmp_path_factory, family: 
     vision = load_vlm(model_dir).vision
     assert vision is not None
     spec = vision.net_spec()
-    module, _ = import_module(spec.module, spec.args, input_names=spec.input_names,
-                              output_names=spec.output_names)
-    run_passes(module, top_pipeline_passes())
+    module, store = import_module(spec.module, spec.args, input_names=spec.input_names,
+                                  output_names=spec.output_names)
+    run_passes(module, top_pipeline_passes(), store=store)
     assert any(op.name == "top.attention" for op in module.walk())
     # the vit inputs of each tile, exactly as the runtime prepares them
     p = ImagePreprocessor({**vision.header(), "mode": "f32"}).prepare(path)
-    interp = Interpreter(module)
+    interp = Interpreter(module, store)
     ours = np.concatenate([interp.run(f).outputs["image_embeds"][0, :n]
                            for f, n in zip(p.feeds, p.rows, strict=True)])
     inputs, _ = hf_image_inputs(model_dir, path)
@@ -88,11 +88,11 @@ def test_internvl_rms_norm_qk_norm_and_another_tile_size() -> None:
     assert vision is not None and vision.tokens_per_tile == 9
     spec = vision.net_spec()
     vision.check(spec)
-    module, _ = import_module(spec.module, spec.args, input_names=spec.input_names,
-                              output_names=spec.output_names)
-    run_passes(module, top_pipeline_passes())
+    module, store = import_module(spec.module, spec.args, input_names=spec.input_names,
+                                  output_names=spec.output_names)
+    run_passes(module, top_pipeline_passes(), store=store)
     x = torch.randn(1, 3, 84, 84, generator=torch.Generator().manual_seed(1))
-    ours = Interpreter(module).run({"pixel_values": x.numpy()}).outputs["image_embeds"]
+    ours = Interpreter(module, store).run({"pixel_values": x.numpy()}).outputs["image_embeds"]
     with torch.no_grad():
         ref = vlm.get_image_features(pixel_values=x).pooler_output.numpy()
     assert _cos(ours, ref) >= 0.99999
@@ -226,7 +226,7 @@ def test_quantized_nets_meet_their_thresholds(tmp_path_factory, family: str, mod
     for name, net in result.nets.items():
         info = ex.nets()[name]
         feeds = tile if name == "vit" else _text_inputs(name, info.inputs, rng, vocab)
-        ref = Interpreter(net.top).run(feeds).outputs
+        ref = Interpreter(net.top, result.store).run(feeds).outputs
         bufs = {s.name: ex.alloc(s.shape, s.dtype) for s in (*info.inputs, *info.outputs)}
         for s in info.inputs:
             ex.write(bufs[s.name], feeds[s.name])

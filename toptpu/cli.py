@@ -69,18 +69,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"  before: {_op_histogram(module)}")
     feeds = {"input_ids": ids.numpy(), "position_ids": pos.numpy(),
              "attention_mask": mask.numpy()}
-    before = Interpreter(module).run(feeds).outputs["logits"]
+    before = Interpreter(module, store).run(feeds).outputs["logits"]
 
     def progress(p, m) -> None:  # noqa: ANN001
         print(f"  pass {p.name:<13} -> {sum(1 for _ in m.walk())} ops")
 
     t = time.perf_counter()
-    run_passes(module, top_pipeline_passes(), after=progress)
+    run_passes(module, top_pipeline_passes(), after=progress, store=store)
     print(f"top-pipeline in {time.perf_counter() - t:.2f}s")
     print(f"  after:  {_op_histogram(module)}")
     if args.print_ir:
         print(module)
-    after = Interpreter(module).run(feeds).outputs["logits"]
+    after = Interpreter(module, store).run(feeds).outputs["logits"]
     with torch.no_grad():
         ref = model(input_ids=ids).logits.numpy()
     ok = True
@@ -178,20 +178,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     names = list(feeds)
     with torch.no_grad():
         ep = torch.export.export(net.eval(), tuple(feeds.values()), strict=False)
-    module, _ = import_exported(ep, module=net, input_names=names, output_names=outs)
+    module, store = import_exported(ep, module=net, input_names=names, output_names=outs)
     top_module = module.clone()
-    run_passes(top_module, top_pipeline_passes())
+    run_passes(top_module, top_pipeline_passes(), store=store)
     stages = {"torch": TorchStage("torch", ep, names, outs, net),
-              "top": IRStage("top", top_module),
-              "mlir": MLIRStage("mlir", top_module)}
+              "top": IRStage("top", top_module, store),
+              "mlir": MLIRStage("mlir", top_module, store)}
     if "tpu" in order:
         tpu_module = top_module.clone()
         group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
         try:
-            run_passes(tpu_module, tpu_pipeline_passes(args.mode, group_size, args.symmetric))
+            run_passes(tpu_module, tpu_pipeline_passes(args.mode, group_size, args.symmetric),
+                       store=store)
         except (ConversionError, QuantizationError) as e:
             raise CompileError(f"the tpu stage ({args.mode}): {e}") from e
-        stages["tpu"] = IRStage(f"tpu-{args.mode}", tpu_module)
+        stages["tpu"] = IRStage(f"tpu-{args.mode}", tpu_module, store)
     arrays = {k: v.numpy() for k, v in feeds.items()}
     ok = True
     for a, b in zip(order, order[1:], strict=False):

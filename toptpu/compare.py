@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.dialects.weight_store import WeightStore
 from toptpu.metrics import Similarity, similarity
 from toptpu.mlir_jit import MLIRJit
 
@@ -61,10 +62,12 @@ class IRStage:
 
     name: str
     module: Any  # ModuleOp
+    store: WeightStore | None = None  # its weights (None: the file the module names)
     func_name: str | None = None
 
     def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
-        res = Interpreter(self.module).run(inputs, self.func_name, keep_all=keep_all)
+        res = Interpreter(self.module, self.store).run(inputs, self.func_name,
+                                                        keep_all=keep_all)
         return StageResult(res.outputs, res.values)
 
 
@@ -76,12 +79,13 @@ class MLIRStage:
 
     name: str
     module: Any  # ModuleOp (Top)
+    store: WeightStore | None = None  # its weights (None: the file the module names)
     func_name: str | None = None
     jits: dict[bool, Any] = field(default_factory=dict)  # keep_all -> MLIRJit
 
     def run(self, inputs: Mapping[str, np.ndarray], keep_all: bool) -> StageResult:
         if keep_all not in self.jits:
-            self.jits[keep_all] = MLIRJit(self.module, func_name=self.func_name,
+            self.jits[keep_all] = MLIRJit(self.module, self.store, func_name=self.func_name,
                                           keep_all=keep_all)
         res = self.jits[keep_all].run(inputs, keep_all=keep_all)
         return StageResult(res.outputs, res.values)

@@ -1,6 +1,10 @@
-"""The machine part of the Tpu pipeline and codegen for one module, on any `Chip` (tests,
-benchmarks and `toptpu compare` build programs with it; `toptpu.compiler` compiles the nets of
-a model file with the same passes, by chip name, through `machine_passes`).
+"""The machine pipeline and codegen for one module: the one way Tpu IR becomes a `Program`.
+
+`compile_for_machine` runs the `machine-pipeline` passes (`toptpu.passes.pipelines.
+machine_passes`: layer-group, lmem-verify, address-assign) on the module, in place, and
+generates the command streams of its function. The compiler builds every net of a model file
+with it (on a copy of the net's Tpu module); tests, benchmarks and `toptpu compare` build
+programs with it on any `Chip`, a preset or not.
 
 It runs passes and codegen, so it lives at the driver level: the runtime only runs programs
 (`toptpu.backend.runtime.simulate`).
@@ -11,22 +15,27 @@ from __future__ import annotations
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 
-from toptpu.backend.codegen.streams import generate
+from toptpu.backend.codegen.streams import CodegenError, generate
 from toptpu.backend.formats.program import Program
-from toptpu.backend.target.chips import Chip
-from toptpu.passes.address_assign import assign_function
-from toptpu.passes.layer_group import layer_group_function
-from toptpu.passes.lmem import verify_group
+from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.dialects.weight_store import STORE_ATTR
+from toptpu.passes.pipelines import AfterPass, machine_passes, run_passes
 
 
-def compile_for_machine(module: ModuleOp, chip: Chip, max_ops: int = 12) -> Program:
-    """layer-group + lmem-verify + address-assign + codegen for the module's function."""
+def compile_for_machine(module: ModuleOp, chip: Chip | str, max_ops: int = 12, *,
+                        after: AfterPass | None = None) -> Program:
+    """machine-pipeline (layer-group + lmem-verify + address-assign) on `module`, in place,
+    then codegen for its one function. `chip`: a `Chip` or a preset's name; `after` is
+    called after each pass (progress, IR dumps). The program's IR does not name the
+    module's weight store: whoever runs the program hands it the weights."""
     fns = [f for f in module.ops if isinstance(f, func.FuncOp)]
-    for fn in fns:
-        for g in layer_group_function(fn, chip, max_ops):
-            verify_group(g, chip)
-        assign_function(fn)
-    module.verify()
     if len(fns) != 1:
-        raise ValueError("simulate runs modules with exactly one function")
-    return generate(module, fns[0], chip)
+        raise CodegenError(f"a machine program is made of a module with exactly one function; "
+                           f"this one has {len(fns)}")
+    run_passes(module, machine_passes(chip, max_ops), after=after)
+    store = module.attributes.pop(STORE_ATTR, None)
+    try:
+        return generate(module, fns[0], get_chip(chip) if isinstance(chip, str) else chip)
+    finally:
+        if store is not None:
+            module.attributes[STORE_ATTR] = store

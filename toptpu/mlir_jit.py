@@ -35,7 +35,7 @@ from toptpu.dialects.common import numpy_dtype
 from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.mlir_check import MlirCheckError, describe_mlir_error
 from toptpu.dialects.naming import NAME_ATTR, input_names, output_names
-from toptpu.dialects.weight_store import STORE_ATTR, WeightStore, store_of
+from toptpu.dialects.weight_store import WeightStore, store_for
 from toptpu.passes.convert_top_to_linalg import WEIGHT_ARG_ATTR, ConvertTopToLinalgPass
 
 #: MLIR 22 pass pipeline from linalg-on-tensors to the LLVM dialect
@@ -143,9 +143,7 @@ class MLIRJit:
                  func_name: str | None = None, opt_level: int = 3,
                  fast_math: bool = False, keep_all: bool = False) -> None:
         t0 = time.perf_counter()
-        if store is None and STORE_ATTR in module.attributes:
-            store = store_of(module)
-        self.store = store
+        self.store = store_for(module, store)
         lowered = lower_to_linalg(module, fast_math, keep_all)
         fns = [op for op in lowered.ops if isinstance(op, func.FuncOp)]
         if not fns:

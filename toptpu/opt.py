@@ -16,6 +16,19 @@ What it does with bad input (each a one-line or located diagnostic, exit 1):
 - A pass (or a verifier) that crashes on IR that verified is a bug in toptpu, not a mistake of
   the user: it is reported as an internal error, with the traceback and a bug-report hint
   (exit 70), never dressed up as a diagnostic.
+
+Weights: the passes get the module's weight store from their context (a `WeightsContext`:
+the file `top.weight_store` names, opened by the first pass that reads weights). When they
+derive tensors the result needs (quantization, weight-reorder's transposes), the tensors
+the result names are saved to a companion file, and the result's `top.weight_store` points
+at it, so every printed module runs on its own:
+- with `-o OUT.mlir` the companion is `OUT.weights.safetensors` beside it (`OUT.weights.
+  safetensors` for an `-o OUT` without the `.mlir` extension too: `OUT` + the suffix);
+- `--weights-out PATH` names it (required when the result goes to stdout: nothing is
+  written anywhere the command line does not name);
+- the input's own store is never overwritten (an error names the clash), and the companion
+  is written atomically, before the result, only when everything succeeded.
+A pipeline that derives nothing the result needs leaves `top.weight_store` as it was.
 """
 
 from __future__ import annotations
@@ -25,10 +38,11 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from io import StringIO
 from typing import IO
 
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.universe import Universe
 from xdsl.utils.arg_spec import parse_spec
@@ -39,7 +53,13 @@ from toptpu.backend.target.chips import UnknownChipError
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
-from toptpu.dialects.weight_store import WeightStoreError
+from toptpu.dialects.weight_store import (
+    STORE_ATTR,
+    WeightsContext,
+    WeightStore,
+    WeightStoreError,
+    needed_names,
+)
 from toptpu.passes.address_assign import AddressError
 from toptpu.passes.convert_top_to_linalg import LinalgLoweringError
 from toptpu.passes.convert_top_to_tpu import ConversionError
@@ -65,6 +85,15 @@ BUG_HINT = ("this is a bug in toptpu, not in your input: please report it with t
 
 class OptInputError(ValueError):
     """A command-line path that cannot be used (missing, a directory, unreadable)."""
+
+
+#: the companion weight file of `-o OUT.mlir`: OUT + this suffix
+WEIGHTS_SUFFIX = ".weights.safetensors"
+
+
+def companion_weights_path(output: str) -> str:
+    """Where the tensors of `-o OUTPUT` go: OUT.weights.safetensors for OUT.mlir."""
+    return output.removesuffix(".mlir") + WEIGHTS_SUFFIX
 
 
 class PassError(DiagnosticException):
@@ -100,12 +129,22 @@ def _check_input_path(path: str) -> None:
         raise OptInputError(f"{path} is not readable (permissions)")
 
 
-def _check_output_path(path: str) -> None:
+def _check_output_path(path: str, what: str = "-o") -> None:
     if os.path.isdir(path):
-        raise OptInputError(f"-o {path} is a directory; give a file name")
+        raise OptInputError(f"{what} {path} is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise OptInputError(f"-o {path}: the directory {parent} does not exist")
+        raise OptInputError(f"{what} {path}: the directory {parent} does not exist")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (the same path, or links to one file)."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -120,8 +159,18 @@ def _write_atomically(path: str, text: str) -> None:
             os.unlink(tmp)
 
 
+@dataclass
+class _PendingWeights:
+    """Derived tensors to save before the result is written."""
+
+    store: WeightStore
+    names: list[str]
+    path: str
+
+
 class ToptpuOptMain(xDSLOptMain):
     _kept_output: _KeptOutput | None = None
+    _pending_weights: _PendingWeights | None = None
 
     def register_all_dialects(self) -> None:
         ours = {d.name for d in all_dialects()}
@@ -146,6 +195,11 @@ class ToptpuOptMain(xDSLOptMain):
         for name, cls in all_passes().items():
             doc = (cls.__doc__ or "").strip().splitlines()
             lines.append(f"  {name:<24} {doc[0] if doc else ''}")
+        arg_parser.add_argument(
+            "--weights-out", metavar="PATH", default=None,
+            help="where the tensors the passes derive go (a .safetensors file; the result's "
+                 f"top.weight_store points at it); default with -o OUT.mlir: "
+                 f"OUT{WEIGHTS_SUFFIX}; required when the result goes to stdout")
         arg_parser.epilog = "\n".join(lines)
         arg_parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
@@ -168,6 +222,12 @@ class ToptpuOptMain(xDSLOptMain):
                                 "add -f mlir") from None
 
     def prepare_output(self) -> IO[str]:
+        if self.args.weights_out is not None:
+            _check_output_path(self.args.weights_out, "--weights-out")
+            if self.args.output_file is not None and _same_file(self.args.weights_out,
+                                                                self.args.output_file):
+                raise OptInputError(f"--weights-out {self.args.weights_out} is the output "
+                                    "file (-o): give the weights another name")
         if self.args.output_file is None:
             return sys.stdout
         _check_output_path(self.args.output_file)
@@ -176,8 +236,52 @@ class ToptpuOptMain(xDSLOptMain):
 
     def run(self) -> None:
         super().run()
+        if self._pending_weights is not None:
+            pending = self._pending_weights
+            try:
+                pending.store.save(pending.path, pending.names)
+            except OSError as e:
+                raise OptInputError(f"cannot write the weights file {pending.path}: "
+                                    f"{e.strerror or e}") from None
         if self._kept_output is not None:
             _write_atomically(self.args.output_file, self._kept_output.getvalue())
+
+    # -- weights -------------------------------------------------------------------------------
+    def _weights_path(self, derived: list[str]) -> str:
+        if self.args.weights_out is not None:
+            return self.args.weights_out
+        if self.args.output_file is not None:
+            return companion_weights_path(self.args.output_file)
+        example = ", ".join(f"'{n}'" for n in derived[:2])
+        raise OptInputError(
+            f"the passes derived {len(derived)} weight tensor(s) the result needs ({example}"
+            f"{', ...' if len(derived) > 2 else ''}) and the result goes to stdout: give "
+            f"--weights-out PATH (a .safetensors file), or -o OUT.mlir (the weights then go to "
+            f"OUT{WEIGHTS_SUFFIX})")
+
+    def _keep_derived_weights(self, module: ModuleOp, store: WeightStore | None) -> None:
+        """Point the result at a companion file holding every tensor it names, when the
+        passes derived some of them (written in `run`, before the result)."""
+        if store is None:  # no pass read weights
+            return
+        names = needed_names(module, store)
+        derived = sorted(set(names) & store.derived_names())
+        if not derived:  # the module's own store holds every tensor it names
+            return
+        path = self._weights_path(derived)
+        if _same_file(path, store.uri):
+            raise OptInputError(
+                f"the weights of the result would go to {path}, the weight store of the "
+                "input, which is never overwritten: give -o another name or --weights-out "
+                "PATH")
+        if self._pending_weights is not None:
+            raise OptInputError(
+                "the passes derived weights in more than one --split-input-file chunk, and "
+                "one weights file holds one module's tensors: run the chunks separately")
+        if self.args.weights_out is None:
+            _check_output_path(path, "the weights file")
+        self._pending_weights = _PendingWeights(store, names, path)
+        module.attributes[STORE_ATTR] = StringAttr(os.path.abspath(path))
 
     def parse_chunk(self, chunk: IO[bytes], file_extension: str,
                     start_offset: int = 0) -> ModuleOp | None:
@@ -201,6 +305,7 @@ class ToptpuOptMain(xDSLOptMain):
         attributed: a pass refusing the IR, a pass crashing, a pass leaving invalid IR."""
         pipeline = self.pipeline
         state: dict[str, ModulePass | None] = {"running": None, "verifying_after": None}
+        ctx = WeightsContext.of(self.ctx)  # the module's store: opened by the first pass asking
 
         def callback(prev: ModulePass | None, module: ModuleOp, nxt: ModulePass | None) -> None:
             state["running"], state["verifying_after"] = None, prev
@@ -211,7 +316,7 @@ class ToptpuOptMain(xDSLOptMain):
             state["running"], state["verifying_after"] = nxt, None
 
         try:
-            PassPipeline(pipeline.passes, callback).apply(self.ctx, prog)
+            PassPipeline(pipeline.passes, callback).apply(ctx, prog)
         except Exception as e:  # noqa: BLE001 - sorted into refusal, crash, invalid output
             after, running = state["verifying_after"], state["running"]
             if after is not None:
@@ -221,6 +326,7 @@ class ToptpuOptMain(xDSLOptMain):
             if isinstance(e, PASS_ERRORS):
                 raise PassError(name, e) from e
             raise InternalError(f"pass '{name}' crashed", e) from e
+        self._keep_derived_weights(prog, ctx.weights)
 
     def output_resulting_program(self, prog: ModuleOp) -> str:
         try:

@@ -30,7 +30,7 @@ from toptpu.dialects.common import (
     shape_of,
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
-from toptpu.dialects.weight_store import WeightStore, store_of
+from toptpu.dialects.weight_store import WeightStore, store_for
 
 Arrays = list[np.ndarray | None]
 
@@ -358,10 +358,10 @@ class Interpreter:
 
     def __init__(self, module: ModuleOp, store: WeightStore | None = None,
                  table: Mapping[str, Evaluator] = EVALUATORS) -> None:
+        """`store`: the module's weights; without it, the file the module names (a module
+        without weights needs none)."""
         self.module = module
-        if store is None and "top.weight_store" in module.attributes:
-            store = store_of(module)
-        self.ctx = EvalContext(store)
+        self.ctx = EvalContext(store_for(module, store))
         self.table = table
 
     def run(self, inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray],

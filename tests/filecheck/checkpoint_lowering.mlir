@@ -1,4 +1,4 @@
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/checkpoint.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16}' | filecheck %s
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/checkpoint.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16}' --weights-out %t.weights.safetensors | filecheck %s
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/checkpoint.safetensors|' %s | not toptpu-opt -p 'convert-top-to-tpu{mode=bf16}' 2>&1 | filecheck %s --check-prefix=FLOAT
 
 // A pre-quantized checkpoint layer lowers to a16_matmul over exactly its integers, f16

@@ -1,6 +1,6 @@
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16 group-size=32}' | filecheck %s --check-prefix=W4
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w8f16}' | filecheck %s --check-prefix=W8
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=bf16}' | filecheck %s --check-prefix=BF16
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16 group-size=32}' --weights-out %t.weights.safetensors | filecheck %s --check-prefix=W4
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w8f16}' --weights-out %t.weights.safetensors | filecheck %s --check-prefix=W8
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=bf16}' --weights-out %t.weights.safetensors | filecheck %s --check-prefix=BF16
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | not toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16 group-size=48}' 2>&1 | filecheck %s --check-prefix=BADGROUP
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | not toptpu-opt -p 'convert-top-to-tpu{mode=int3}' 2>&1 | filecheck %s --check-prefix=BADMODE
 

@@ -1,5 +1,5 @@
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16 group-size=32},layer-group{chip=bm1684x},lmem-verify,address-assign' | filecheck %s
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=bf16},layer-group{chip=bm1684x max-ops=1},address-assign' | filecheck %s --check-prefix=SINGLE
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=w4bf16 group-size=32},layer-group{chip=bm1684x},lmem-verify,address-assign' --weights-out %t.weights.safetensors | filecheck %s
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'convert-top-to-tpu{mode=bf16},layer-group{chip=bm1684x max-ops=1},address-assign' --weights-out %t.weights.safetensors | filecheck %s --check-prefix=SINGLE
 // RUN: not toptpu-opt %S/Inputs/too_big.mlir -p 'layer-group{chip=bm1684x}' 2>&1 | filecheck %s --check-prefix=TOOBIG
 
 // norm -> matmul -> silu over 8 tokens: one group (they fit), loads / compute / stores with

@@ -1,4 +1,4 @@
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'tpu-pipeline{mode=f32}' | filecheck %s
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p 'tpu-pipeline{mode=f32}' --weights-out %t.weights.safetensors | filecheck %s
 
 // Regression test of a fixed bug:
 // weight-reorder replaces the [K, N] weight of a matmul by its [N, K] copy "fc.weight.t"

@@ -1,4 +1,4 @@
-// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p weight-reorder | filecheck %s
+// RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s | toptpu-opt -p weight-reorder --weights-out %t.weights.safetensors | filecheck %s
 
 // A tpu.matmul whose 2-D weight is stored [K, N] (transpose_b false) gets a transposed copy
 // [N, K] named "<weight>.t", its recipe part "data.t" (source kept) and transpose_b = true,

@@ -1,0 +1,240 @@
+"""What `toptpu.compile` is asked to do, checked before any work starts.
+
+`check_compile_request` checks every argument and output path (the model's config.json is
+read, its weights are not) and returns the `CompileOptions` the compile steps use; the
+checks of a mode against a config (`check_seq_length`, `check_group_size`,
+`check_quant_options`) are shared with `toptpu compare`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from toptpu.backend.contract import StaticShapes
+from toptpu.backend.target.chips import chip_names
+from toptpu.frontends.hf_loader import LoadedModel
+from toptpu.passes.convert_top_to_tpu import MODES, parse_mode
+from toptpu.paths import (
+    OutputPathError,
+    check_not_inside,
+    check_output_dir,
+    check_output_file,
+    is_inside,
+)
+
+
+class CompileError(Exception):
+    """The model cannot be compiled as asked; the message names the problem and the fix."""
+
+
+def known_chips() -> tuple[str, ...]:
+    """Chip names `--chip` accepts: the presets of `toptpu.backend.target.chips`."""
+    return tuple(chip_names())
+
+
+# ------------------------------------------------------------------ request checks
+
+#: the w4 quantization group size when none is given
+DEFAULT_GROUP_SIZE = 64
+
+_W4_MODES = ", ".join(m for m, (_, bits) in MODES.items() if bits == 4)
+
+
+def check_quant_options(mode: str | None, group_size: int | None, symmetric: bool | None,
+                        checkpoint: str | None = None) -> None:
+    """Refuse `group_size` / `symmetric` where they would be ignored: the group size shapes
+    round-to-nearest quantization in the w4 modes only (w8 is per channel), symmetric in
+    the w4 and w8 modes; a pre-quantized `checkpoint` keeps its own (None: not known yet).
+    None means "not given"."""
+    if group_size is not None and group_size != -1 and group_size <= 0:
+        raise CompileError(f"--group-size must be positive or -1 (per channel), not {group_size}")
+    bits = MODES[mode][1] if mode in MODES else None
+    what = "-q auto" if mode == "auto" else (f"-q {mode}" if mode else "the default mode (f32, "
+                                             "or a pre-quantized checkpoint's own)")
+    for flag, given, applies in (("--group-size", group_size is not None, bits == 4),
+                                 ("--symmetric", bool(symmetric is not None),
+                                  bits in (4, 8))):
+        if not given:
+            continue
+        if checkpoint is not None:
+            raise CompileError(f"{flag} does not apply to {checkpoint}: a pre-quantized "
+                               "checkpoint keeps its own group size and zero points; drop "
+                               f"{flag}")
+        if not applies:
+            modes = _W4_MODES if flag == "--group-size" else "w4 and w8 modes"
+            why = " (w8 quantizes per channel)" if flag == "--group-size" and bits == 8 else ""
+            raise CompileError(f"{flag} applies to round-to-nearest weight quantization in "
+                               f"the {modes}; {what} does not use it{why}: drop {flag} or "
+                               "choose such a mode")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """A checked compile request: what to compile the model to."""
+
+    mode: str | None  # as asked; None (f32, or a checkpoint's own) and auto: see `plan`
+    chip: str
+    shapes: StaticShapes
+    group_size: int | None  # as asked (None: DEFAULT_GROUP_SIZE in the w4 modes)
+    symmetric: bool | None
+    dump_ir: str | None = None
+    vision_mode: str | None = None  # VLMs: the vit net's mode (None: mode's activations)
+    image_size: int | None = None  # VLMs: tile size, tiles / slices, patches per slice
+    max_tiles: int | None = None
+    max_patches: int | None = None
+
+    @property
+    def quant_group_size(self) -> int:
+        """The group size round-to-nearest w4 quantization uses."""
+        return DEFAULT_GROUP_SIZE if self.group_size is None else self.group_size
+
+
+def check_compile_request(model: Any, output: str, *, mode: str | None, chip: str,
+                          seq_length: int, max_input_length: int | None,
+                          max_history: int | None, group_size: int | None,
+                          symmetric: bool | None, dump_ir: str | None,
+                          vision_mode: str | None = None, image_size: int | None = None,
+                          max_tiles: int | None = None,
+                          max_patches: int | None = None) -> CompileOptions:
+    """Check `compile`'s arguments and output paths before any work starts (the model's
+    config.json is read, its weights are not). Raises CompileError naming the problem."""
+    if mode not in (None, "auto"):
+        try:
+            parse_mode(mode)
+        except ValueError as e:
+            raise CompileError(f"{e}, or auto (a pre-quantized checkpoint's own)") from e
+    if vision_mode is not None:
+        try:
+            parse_mode(vision_mode)
+        except ValueError as e:
+            raise CompileError(f"--vision-quantize: {e}") from e
+    chips = known_chips()
+    if chip not in chips:
+        raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
+    check_quant_options(mode, group_size, symmetric)
+    try:
+        shapes = StaticShapes.make(seq_length, max_input_length, max_history)
+    except ValueError as e:
+        raise CompileError(str(e)) from e
+    try:
+        _check_outputs(model, output, dump_ir)
+    except OutputPathError as e:
+        raise CompileError(str(e)) from e
+    found = _text_config(model)
+    if found is not None:
+        _check_against_config(*found, shapes, mode, group_size)
+    return CompileOptions(mode, chip, shapes, group_size, symmetric, dump_ir, vision_mode,
+                          image_size, max_tiles, max_patches)
+
+
+def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
+    """The model file and the IR dump directory can be written, neither inside the input
+    model directory, and the model file not inside the dumps (which fill DIR/<net>/ and
+    DIR/weights.safetensors)."""
+    check_output_file(output, "the output file (-o)")
+    if dump_ir is not None:
+        check_output_dir(dump_ir, "--dump-ir")
+        if is_inside(output, dump_ir):
+            raise CompileError(f"the output file (-o) '{output}' is inside --dump-ir "
+                               f"'{dump_ir}', which the IR dumps fill: write it elsewhere")
+    source = model.source if isinstance(model, LoadedModel) else model
+    if isinstance(source, str | os.PathLike) and os.path.isdir(source):
+        check_not_inside(output, os.fspath(source), "the output file (-o)")
+        if dump_ir is not None:
+            check_not_inside(dump_ir, os.fspath(source), "--dump-ir")
+
+
+def _text_config(model: Any) -> tuple[dict[str, Any], str] | None:
+    """The (text) model's config as a dict, and where it is from, without loading weights;
+    None when it cannot be read (the loader then says why)."""
+    if isinstance(model, str | os.PathLike):
+        where = os.path.join(os.fspath(model), "config.json")
+        try:
+            with open(where, "rb") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None
+    else:
+        config = getattr(model, "config", None)
+        try:
+            raw = config.to_dict() if config is not None else None
+        except Exception:  # noqa: BLE001 - a foreign object; the loader reports it
+            return None
+        where = "the model's config"
+    if not isinstance(raw, dict):
+        return None
+    text = raw.get("text_config")
+    return (text if isinstance(text, dict) else raw), where
+
+
+def _positive(cfg: dict[str, Any], key: str) -> int | None:
+    v = cfg.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def kv_cache_size(cfg: dict[str, Any], seq_length: int, mode: str | None) -> str | None:
+    """'the KV cache alone takes X (2 x layers x SEQ x kv heads x head_dim x bytes)' for a
+    config dict, None when the config lacks the sizes."""
+    layers, heads = _positive(cfg, "num_hidden_layers"), _positive(cfg, "num_attention_heads")
+    hidden = _positive(cfg, "hidden_size")
+    if layers is None or heads is None:
+        return None
+    kv = _positive(cfg, "num_key_value_heads") or heads
+    head_dim = _positive(cfg, "head_dim") or (hidden // heads if hidden else None)
+    if head_dim is None:
+        return None
+    act = MODES[mode][0] if mode in MODES else ("f16/bf16" if mode == "auto" else "f32")
+    width = 4 if act == "f32" else 2
+    total = 2 * layers * seq_length * kv * head_dim * width
+    return (f"{_human_bytes(total)} (2 x {layers} layers x {seq_length} positions x {kv} kv "
+            f"heads x {head_dim} x {width} bytes, {act})")
+
+
+def _check_against_config(cfg: dict[str, Any], where: str, shapes: StaticShapes,
+                          mode: str | None, group_size: int | None) -> None:
+    check_seq_length(cfg, where, shapes.seq_length, mode)
+    check_group_size(cfg, where, mode, group_size)
+
+
+def check_seq_length(cfg: dict[str, Any], where: str, seq_length: int, mode: str | None,
+                     flag: str = "--seq-length", kv_cache: bool = True) -> None:
+    """`seq_length` within the config's max_position_embeddings (with `kv_cache` the error
+    says how much memory the KV cache would take)."""
+    limit = _positive(cfg, "max_position_embeddings")
+    if limit is not None and seq_length > limit:
+        size = kv_cache_size(cfg, seq_length, mode) if kv_cache else None
+        kv = f"; its KV cache alone would take {size}" if size else ""
+        raise CompileError(f"{flag} {seq_length} exceeds max_position_embeddings {limit} of "
+                           f"{where}{kv}. Use {flag} {limit} or less")
+
+
+def check_group_size(cfg: dict[str, Any], where: str, mode: str | None,
+                     group_size: int | None) -> None:
+    """A given w4 group size divides the input dimension of every matmul of the config."""
+    if group_size is None or group_size == -1 or mode not in MODES or MODES[mode][1] != 4:
+        return
+    heads, hidden = _positive(cfg, "num_attention_heads"), _positive(cfg, "hidden_size")
+    head_dim = _positive(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    dims = {"hidden_size": hidden, "intermediate_size": _positive(cfg, "intermediate_size"),
+            "num_attention_heads x head_dim": heads * head_dim if heads and head_dim else None}
+    bad = {k: v for k, v in dims.items() if v is not None and v % group_size}
+    if bad:
+        divisor = math.gcd(*(v for v in dims.values() if v is not None))
+        raise CompileError(
+            f"--group-size {group_size} does not divide the input dimension of every matmul "
+            f"({', '.join(f'{k} {v}' for k, v in bad.items())} in {where}); use a divisor of "
+            f"{divisor} or -1 (per channel)")
+
+

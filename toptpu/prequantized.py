@@ -1,0 +1,108 @@
+"""Pre-quantized (GPTQ / AWQ / AutoRound) checkpoints in a compile: the mode they imply,
+the layers that need nets of their own, and their tensors in the compile-time weight store.
+
+A checkpoint's integers are used as they are, never re-quantized: `resolve_mode` refuses a
+mode of other bits; `layer_variants` gives layers whose linears are quantized differently
+(bits, group size, act-order, or left in float) nets of their own; `add_checkpoint_tensors`
+puts each quantized linear's tensors beside its float weight (as annexes
+`passes.quantize.checkpoint_key(weight, field)`), where convert-top-to-tpu finds them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from toptpu.compile_options import CompileError
+from toptpu.dialects.weight_store import WeightStore
+from toptpu.frontends.hf_loader import LoadedModel
+from toptpu.frontends.llm import NetSpec
+from toptpu.passes.convert_top_to_tpu import parse_mode
+from toptpu.passes.quantize import CHECKPOINT_MODEL, checkpoint_key
+
+#: checkpoint torch dtype -> the activation type `-q auto` picks
+AUTO_ACTIVATIONS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def checkpoint_bits(checkpoint: Any) -> int:
+    """The weight bits of most of the checkpoint's quantized layers."""
+    counts = Counter(ql.bits for ql in checkpoint.linears.values())
+    if not counts:
+        raise CompileError("the checkpoint has no quantized layers")
+    return counts.most_common(1)[0][0]
+
+
+def resolve_mode(mode: str | None, loaded: LoadedModel) -> str:
+    """`-q auto` -> the checkpoint's bits and dtype; and a mode contradicting a pre-quantized
+    checkpoint is an error (its integers are used as they are, never re-quantized)."""
+    ck = loaded.checkpoint
+    if mode is None:
+        mode = "f32" if ck is None else "auto"
+    if ck is None:
+        if mode == "auto":
+            raise CompileError(f"-q auto takes a pre-quantized (GPTQ/AWQ/AutoRound) checkpoint; "
+                               f"{loaded.source} is a float model: choose a mode such as "
+                               "w4bf16")
+        return mode
+    bits = checkpoint_bits(ck)
+    desc = f"{loaded.source} is a {bits}-bit {ck.quant_method} checkpoint"
+    if mode == "auto":
+        act = AUTO_ACTIVATIONS.get(str(loaded.checkpoint_dtype), "f16")
+        return f"w{bits}{act}"
+    _, mode_bits = parse_mode(mode)
+    if mode_bits != bits:
+        raise CompileError(f"-q {mode} contradicts the checkpoint: {desc}; use -q auto or "
+                           f"w{bits}f16 / w{bits}bf16 / w{bits}f32 (activation type of your "
+                           "choice)")
+    return mode
+
+
+def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
+    """Representative layer -> the layers compiled with its nets. Without a checkpoint all
+    layers share layer 0's nets; with one, layers whose linears differ in quantization
+    (bits, group size, act-order, or left in float) get nets of their own."""
+    n = len(hf.model.layers)
+    if checkpoint is None:
+        return {0: list(range(n))}
+    linears = [name for name, m in hf.model.layers[0].named_modules()
+               if isinstance(m, torch.nn.Linear)]
+
+    def signature(i: int) -> tuple:
+        sig = []
+        for lin in linears:
+            ql = checkpoint.linears.get(f"model.layers.{i}.{lin}")
+            sig.append(None if ql is None else (ql.bits, ql.group_size, ql.g_idx is not None))
+        return tuple(sig)
+
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(signature(i), []).append(i)
+    return {layers[0]: layers for layers in groups.values()}
+
+
+def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,
+                           checkpoint: Any, prefixes: dict[str, str]) -> None:
+    """Put the checkpoint tensors of every quantized linear the nets read (layer 0 for
+    per-layer nets) into the weight store next to the float weight, under the names
+    `passes.quantize.checkpoint_key(weight, field)`: convert-top-to-tpu then uses them."""
+    store[CHECKPOINT_MODEL] = np.ones(1, np.int8)
+    hf_names = {id(p): n for n, p in hf.named_parameters()}
+    for spec in specs:
+        for top_name, p in spec.module.named_parameters():
+            hf_name = hf_names.get(id(p), "")
+            ql = checkpoint.linears.get(hf_name.removesuffix(".weight"))
+            if ql is None or not hf_name.endswith(".weight"):
+                continue
+            for fld, arr in _checkpoint_fields(ql).items():
+                store[checkpoint_key(prefixes[spec.name] + top_name, fld)] = arr
+
+
+def _checkpoint_fields(ql: Any) -> dict[str, np.ndarray]:
+    out = {"qweight": ql.qweight, "scales": ql.scales, "zeros": ql.zeros,
+           "meta": np.array([ql.bits, ql.group_size], np.int32)}
+    if ql.g_idx is not None:
+        out["g_idx"] = ql.g_idx
+    return out
