@@ -430,7 +430,7 @@ def test_shard_truncated_mid_compile_is_a_clear_error_and_leaves_no_file(tmp_pat
     path = _save_sharded(str(tmp_path / "ckpt"), "qwen2", layers=4)
     out = str(tmp_path / "out" / "m.toptpu")
     os.makedirs(os.path.dirname(out))
-    options = check_compile_request(path, out, mode="w4bf16", seq_length=64,
+    options = check_compile_request(path, out, mode="w4bf16", chip="bm1684x", seq_length=64,
                                     max_input_length=16, max_history=None, group_size=None,
                                     symmetric=None, dump_ir=None)
     the_plan = plan(path, options)
