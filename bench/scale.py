@@ -258,7 +258,7 @@ def main() -> None:
         t = time.perf_counter()
         weights = write_checkpoint(ckpt, qwen25_config(size))
         written = time.perf_counter() - t
-        print(f"{size}: wrote {weights / 1e9:.2f} GB of bf16 weights in {written:.0f}s",
+        print(f"{size}: {weights / 1e9:.2f} GB of bf16 weights ready in {written:.0f}s",
               file=sys.stderr, flush=True)
         if args.write_only:
             continue

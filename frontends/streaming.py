@@ -46,7 +46,7 @@ from toptpu.frontends.hf_loader import (
     read_model_dir,
     tokenizer_files,
 )
-from toptpu.frontends.llm import layer_key
+from toptpu.frontends.llm import LAYER_PREFIX, layer_key
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,7 +75,7 @@ def load_streaming(path: str, need_tokenizer: bool = True) -> LoadedModel:
     model, placeholders = skeleton(d.config, reader)
     return LoadedModel(model, family, files,
                        generation_settings(d.generation, d.config), path,
-                       stream=StreamedWeights(reader, placeholders))
+                       stream=StreamedWeights(reader, placeholders, model.model.layers[0]))
 
 
 def layer_tensor_name(layer: int, key: str) -> str:
@@ -85,11 +85,14 @@ def layer_tensor_name(layer: int, key: str) -> str:
 
 
 def _f32(reader: CheckpointReader, name: str) -> np.ndarray:
-    """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once)."""
+    """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once,
+    and its pages are dropped from the resident set right after)."""
     try:
-        return to_f32(reader.tensor(name))
+        out = to_f32(reader.tensor(name))
     except CheckpointError as e:
         raise ModelLoadError(str(e)) from e
+    reader.release()
+    return out
 
 
 def to_f32(stored: np.ndarray) -> np.ndarray:
@@ -149,6 +152,8 @@ class StreamedWeights:
     reader: CheckpointReader
     #: id(skeleton parameter) -> checkpoint tensor name, for the placeholders
     placeholders: dict[int, str]
+    #: the skeleton's layer 0, in float32 until the per-layer nets are compiled
+    layer0: torch.nn.Module | None = None
     #: Top weight name of a shared net -> checkpoint tensor name (`bind_shared`)
     shared_sources: dict[str, str] = field(default_factory=dict)
 
@@ -179,6 +184,18 @@ class StreamedWeights:
     def release(self) -> None:
         """Drop the shard pages read so far from the resident set."""
         self.reader.release()
+
+    def free_layer0(self) -> list[str]:
+        """Once the per-layer nets are compiled: let the skeleton's float32 layer 0 go (its
+        tensors are empty afterwards); the Top names of its parameters, which the caller's
+        weight store holds too."""
+        if self.layer0 is None:
+            return []
+        names = [LAYER_PREFIX + n for n, _ in self.layer0.named_parameters()]
+        for p in self.layer0.parameters():
+            p.data = torch.empty(0)
+        self.layer0 = None
+        return names
 
     # ------------------------------------------------------------------ shared tensors
     def bind_shared(self, module: torch.nn.Module, weight_prefix: str = "") -> None:
@@ -213,6 +230,7 @@ class StreamedWeights:
         out = {r.name: np.empty(r.shape, r.dtype) for r in recipes}
         for rows in _row_blocks(stored.shape):
             block = to_f32(stored[rows])
+            self.reader.release()
             n = block.shape[0]
             parts = derive_weights([_block_recipe(r, n) for r in recipes], lambda _, b=block: b)
             for r in recipes:

@@ -89,7 +89,7 @@ from toptpu.compile_options import (
     known_chips,
     kv_cache_size,
 )
-from toptpu.dialects import top
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
@@ -226,8 +226,9 @@ class PackedWeights:
             if name in group_of and name not in made:
                 assert self.derive_shared is not None
                 made.update(self.derive_shared(group_of[name]))
-            arr = made.pop(name) if name in group_of else self.shared[name]
-            yield entry.offset, _bytes(arr)
+            # not bound to a name here: a derived tensor goes once it is written
+            yield entry.offset, _bytes(made.pop(name) if name in group_of
+                                       else self.shared[name])
         for i in range(layout.num_layers):
             base = layout.layer_base + i * layout.layer_stride
             tensors = self.derive(i)
@@ -451,12 +452,22 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
     dump = IrDump.make(plan.options.dump_ir)
     nets = {}
     stream = plan.loaded.stream
-    for net in plan.nets:
+    last_per_layer = max((i for i, n in enumerate(plan.nets) if n.spec.per_layer), default=-1)
+    for i, net in enumerate(plan.nets):
         nets[net.name] = _compile_net(net, plan, store, bar, dump, keep_top)
-        if stream is not None:  # what the placeholders gave is never written: let it go
-            for name in store.names():
-                if stream.from_placeholder(name):
-                    del store[name]
+        if stream is None:
+            continue
+        # a streaming compile lets go of what it will not write: what the placeholders
+        # gave, and the skeleton's float32 layer 0 once the per-layer nets are compiled
+        # (its derived tensors stay: pack_weights checks the recipes against them)
+        gone = [n for n in store.names() if stream.from_placeholder(n)]
+        if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
+            read = {op.tensor_name for n in nets.values() for op in n.tpu.walk()
+                    if isinstance(op, tpu.WeightOp)}
+            gone += [n for n in stream.free_layer0() if n not in read]
+        for name in gone:
+            if name in store:
+                del store[name]
     if dump is not None:
         store.save(dump.weights_path)
     return CompiledNets(nets, store)

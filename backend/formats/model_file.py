@@ -244,6 +244,7 @@ def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
         f.write(view)
         h.update(view)
         at = offset + len(view)
+        del data, view  # the piece may be big: not held while the next one is made
     zeros(section.size - at)
     return h.hexdigest()
 
