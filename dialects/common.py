@@ -8,8 +8,11 @@ printed by xDSL is accepted by MLIR's IRDL-loaded dialects.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar, Self
 
 import ml_dtypes
 import numpy as np
@@ -37,8 +40,16 @@ from xdsl.dialects.builtin import (
     i32,
     i64,
 )
-from xdsl.ir import Attribute, SSAValue
-from xdsl.irdl import AnyOf, AttrSetConstraint, BaseAttr, IRDLOperation
+from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.irdl import (
+    AnyOf,
+    AttrConstraint,
+    AttrSetConstraint,
+    BaseAttr,
+    IntConstraint,
+    IRDLOperation,
+    VerificationContext,
+)
 from xdsl.utils.exceptions import VerifyException
 
 #: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
@@ -112,6 +123,201 @@ def read_str(attr: Attribute | None, default: str = "") -> str:
         return default
     assert isinstance(attr, StringAttr), attr
     return attr.data
+
+
+# --------------------------------------------------------------------------- typed values
+# The typed op constructors (`top.SliceOp(x, axis=1, start=0, end=4)`) turn Python values
+# into attributes with these; a value of the wrong kind is a TypeError naming the attribute
+# (`what`), never silently converted (no float truncated to an int).
+
+
+def int_value_attr(what: str, value: int) -> IntegerAttr:
+    """An i64 attribute of an integer (Python or numpy); TypeError for anything else."""
+    if isinstance(value, bool | float) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    return i64_attr(int(value))
+
+
+def ints_value_attr(what: str, values: Sequence[int]) -> DenseArrayBase:
+    """An i64 array attribute of a sequence of integers; TypeError naming a bad entry."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
+        raise TypeError(f"{what} must be a sequence of integers, not {values!r}")
+    return i64_array([int_value_attr(what, v).value.data for v in values])
+
+
+def float_value_attr(what: str, value: float) -> FloatAttr:
+    """An f64 attribute of a real number (int or float, Python or numpy)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{what} must be a number, not {value!r}")
+    return f64_attr(float(value))
+
+
+def flag_value_attr(what: str, value: bool) -> IntegerAttr | None:
+    """An optional i1 flag: the attribute when `value` is True, None (left out, its default)
+    when False; TypeError unless a bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{what} must be a bool, not {value!r}")
+    return bool_attr(True) if value else None
+
+
+# --------------------------------------------------------------------------- enum attributes
+
+
+class AttrEnum(StrEnum):
+    """The values a string attribute may take (`RopeMode.HALF` is "half").
+
+    Such an attribute stays a plain `StringAttr` (the IR text is that of a bare string:
+    `mode = "half"`, so existing IR and model files read as before); ops declare it with
+    `attr_def(EnumAttr(RopeMode))`, their verifier rejects any other value naming the
+    allowed ones, and the IRDL export lists them (`irdl.any_of(irdl.is "half", ...)`).
+    Members are `str`s: kernels and comparisons take them as they are.
+    """
+
+    @classmethod
+    def describe(cls) -> str:
+        """What the value is, for messages: `RopeMode` -> "rope mode"."""
+        return re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()
+
+    @classmethod
+    def allowed(cls) -> str:
+        return ", ".join(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, value: str) -> Self:
+        """The member named by `value`; ValueError naming the allowed values otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {cls.describe()} '{value}'; expected one of "
+                             f"{cls.allowed()}") from None
+
+    @classmethod
+    def read(cls, attr: Attribute | None, default: Self | None = None) -> Self:
+        """The member an op's (verified) attribute holds; `default` when it is absent."""
+        if attr is None:
+            if default is None:
+                raise VerifyException(f"missing {cls.describe()} attribute")
+            return default
+        if not isinstance(attr, StringAttr):
+            raise VerifyException(f"a {cls.describe()} is a string, not {attr}")
+        try:
+            return cls.parse(attr.data)
+        except ValueError as e:
+            raise VerifyException(str(e)) from None
+
+    @property
+    def attr(self) -> StringAttr:
+        return StringAttr(self.value)
+
+
+@dataclass(frozen=True)
+class EnumAttr(AttrConstraint[StringAttr]):
+    """Attribute constraint: a `StringAttr` whose value is a member of `enum`."""
+
+    enum: type[AttrEnum]
+
+    def verify(self, attr: Attribute, constraint_context: VerificationContext) -> None:
+        if not isinstance(attr, StringAttr) or attr.data not in self.values():
+            raise VerifyException(f"{self.enum.describe()} {attr} is not one of "
+                                  f"{self.enum.allowed()}")
+
+    def values(self) -> tuple[str, ...]:
+        return tuple(m.value for m in self.enum)
+
+    def get_bases(self) -> set[type[Attribute]] | None:
+        return {StringAttr}
+
+    def mapping_type_vars(
+        self, type_var_mapping: Mapping[object, AttrConstraint | IntConstraint]
+    ) -> AttrConstraint[StringAttr]:
+        return self
+
+
+class GeluApproximation(AttrEnum):
+    """`top.gelu`'s `approximate`: the erf form or the tanh approximation (torch's names)."""
+
+    NONE = "none"
+    TANH = "tanh"
+
+
+class ComparePredicate(AttrEnum):
+    """`top.compare`'s `predicate`."""
+
+    EQ = "eq"
+    NE = "ne"
+    LT = "lt"
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+
+
+class ReduceMode(AttrEnum):
+    """`top.reduce`'s `mode`."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+class RopeMode(AttrEnum):
+    """`top.rope`'s `mode`: HF rotate_half ("half") or pairs (x0, x1) ("interleaved")."""
+
+    HALF = "half"
+    INTERLEAVED = "interleaved"
+
+
+class WeightPart(AttrEnum):
+    """`tpu.weight`'s `part`: how the tensor derives from its source (float) weight.
+
+    "data" is a dtype conversion; "qweight", "scales", "zeros" the round-to-nearest
+    quantization by the consuming `tpu.a16_matmul`'s parameters; "checkpoint.<field>" a
+    tensor taken as is from a pre-quantized checkpoint; a ".t" suffix (weight-reorder) says
+    the tensor is stored transposed.
+    """
+
+    DATA = "data"
+    QWEIGHT = "qweight"
+    SCALES = "scales"
+    ZEROS = "zeros"
+    CHECKPOINT_QWEIGHT = "checkpoint.qweight"
+    CHECKPOINT_SCALES = "checkpoint.scales"
+    CHECKPOINT_ZEROS = "checkpoint.zeros"
+    CHECKPOINT_PERM = "checkpoint.perm"
+    DATA_T = "data.t"
+    QWEIGHT_T = "qweight.t"
+    SCALES_T = "scales.t"
+    ZEROS_T = "zeros.t"
+    CHECKPOINT_QWEIGHT_T = "checkpoint.qweight.t"
+    CHECKPOINT_SCALES_T = "checkpoint.scales.t"
+    CHECKPOINT_ZEROS_T = "checkpoint.zeros.t"
+    CHECKPOINT_PERM_T = "checkpoint.perm.t"
+
+    @classmethod
+    def checkpoint(cls, field: str) -> WeightPart:
+        """The part of a pre-quantized checkpoint's `field` (qweight, scales, zeros, perm)."""
+        return cls.parse(f"checkpoint.{field}")
+
+    @property
+    def transposed(self) -> bool:
+        return self.value.endswith(".t")
+
+    @property
+    def untransposed(self) -> WeightPart:
+        """The part without the ".t" suffix (this part when it has none)."""
+        return WeightPart(self.value.removesuffix(".t"))
+
+    def transpose(self) -> WeightPart:
+        """The part stored transposed; ValueError when it already is."""
+        if self.transposed:
+            raise ValueError(f"weight part '{self}' is already transposed")
+        return WeightPart(f"{self.value}.t")
+
+    @property
+    def checkpoint_field(self) -> str | None:
+        """For checkpoint parts the field ("qweight", ...); None otherwise."""
+        base = self.untransposed.value
+        return base.split(".", 1)[1] if base.startswith("checkpoint.") else None
 
 
 # --------------------------------------------------------------------------- element types
@@ -245,6 +451,12 @@ class ShapedOp(IRDLOperation):
     CHECK_INFERRED: ClassVar[bool] = True
 
     @classmethod
+    def op_kind(cls) -> str:
+        """The op's name without its dialect (`top.silu` and `tpu.silu`: "silu"), the kind
+        the kernels of an op family take."""
+        return Dialect.split_name(cls.name)[1]
+
+    @classmethod
     def infer(
         cls, operands: Sequence[SSAValue | None], attrs: Mapping[str, Attribute]
     ) -> list[TensorType]:
@@ -290,11 +502,27 @@ class ShapedOp(IRDLOperation):
     def build(
         cls,
         operands: Sequence[SSAValue | Sequence[SSAValue] | None],
-        attrs: Mapping[str, Attribute] | None = None,
+        attrs: Mapping[str, Attribute | None] | None = None,
         result_types: Sequence[Attribute] | None = None,
-    ):
-        """Create the op, inferring result types unless given."""
-        attrs = {k: v for k, v in (attrs or {}).items() if v is not None}
+    ) -> Self:
+        """Create the op from operand groups (None for an absent optional operand) and
+        attributes, inferring result types unless given. The generic form, for passes that
+        rebuild any op of a family (`type(op).build(...)`); the commonly built ops have a
+        typed constructor (`top.MatMulOp(x, w, transpose_b=True)`) that ends here too."""
+        op = cls.__new__(cls)
+        op.construct(operands, attrs, result_types)
+        return op
+
+    def construct(
+        self,
+        operands: Sequence[SSAValue | Sequence[SSAValue] | None],
+        attrs: Mapping[str, Attribute | None] | None = None,
+        result_types: Sequence[Attribute] | None = None,
+    ) -> None:
+        """Initialise this op as `build` describes (typed constructors call it); attributes
+        given as None are left out."""
+        cls = type(self)
+        given = {k: v for k, v in (attrs or {}).items() if v is not None}
         flat: list[SSAValue | None] = []
         for o in operands:
             if o is None or isinstance(o, SSAValue):
@@ -302,7 +530,7 @@ class ShapedOp(IRDLOperation):
             else:
                 flat.extend(o)
         if result_types is None:
-            result_types = cls.infer(flat, attrs)
+            result_types = cls.infer(flat, given)
         opdef = cls.get_irdl_definition()
         n_opt = sum(1 for _, d in opdef.operands if type(d).__name__ != "OperandDef")
         if n_opt > 1:
@@ -314,9 +542,10 @@ class ShapedOp(IRDLOperation):
                     sizes.append(1)
                 else:
                     sizes.append(len(o))
-            attrs = {**attrs, "operandSegmentSizes": DenseArrayBase.from_list(i32, sizes)}
+            given = {**given, "operandSegmentSizes": DenseArrayBase.from_list(i32, sizes)}
         ops = [o if o is not None else [] for o in operands]
-        return cls(operands=ops, attributes=attrs, result_types=list(result_types))
+        IRDLOperation.__init__(self, operands=ops, attributes=given,
+                               result_types=list(result_types))
 
 
 # --------------------------------------------------------------------------- names

@@ -9,7 +9,8 @@
   shared IRDL constraint value (IRDL's own notion of a variable);
 - required attributes with their kinds: IntegerAttr -> `irdl.base "#builtin.integer"`,
   FloatAttr, StringAttr, DenseArrayBase, DenseIntOrFPElementsAttr, element-type sets
-  (`irdl.any_of(irdl.is f32, ...)`) and `operandSegmentSizes`;
+  (`irdl.any_of(irdl.is f32, ...)`), enums of string values (`EnumAttr(RopeMode)` ->
+  `irdl.any_of(irdl.is "half", irdl.is "interleaved")`) and `operandSegmentSizes`;
 - single regions (`irdl.region`, `with size 1` for single-block regions).
 
 The printed module (custom IRDL syntax, which MLIR 22 parses) is what
@@ -98,6 +99,7 @@ from xdsl.irdl.operations import (
     VarSingleBlockRegionDef,
 )
 
+from toptpu.dialects.common import EnumAttr
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
 
@@ -198,9 +200,9 @@ class _OpExporter:
         if isinstance(c, EqAttrConstraint):
             return self.builder.insert(irdl.IsOp(c.attr)).output
         if isinstance(c, AttrSetConstraint):
-            args = [self.builder.insert(irdl.IsOp(a)).output
-                    for a in sorted(c.values, key=str)]
-            return self.builder.insert(irdl.AnyOfOp(args)).output
+            return self._one_of(sorted(c.values, key=str))
+        if isinstance(c, EnumAttr):
+            return self._one_of([StringAttr(v) for v in c.values()])
         if isinstance(c, BaseAttr):
             return self._base(c.attr, where)
         if isinstance(c, ParamAttrConstraint):
@@ -217,6 +219,13 @@ class _OpExporter:
 
     def _any(self) -> SSAValue:
         return self.builder.insert(irdl.AnyOp()).output
+
+    def _one_of(self, values: Sequence[Attribute]) -> SSAValue:
+        """`irdl.any_of(irdl.is v, ...)` (`irdl.is v` for one value)."""
+        args = [self.builder.insert(irdl.IsOp(v)).output for v in values]
+        if len(args) == 1:
+            return args[0]
+        return self.builder.insert(irdl.AnyOfOp(args)).output
 
     def _base(self, base: type[Attribute], where: str) -> SSAValue:
         name = BUILTIN_BASES.get(base)

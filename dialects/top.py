@@ -17,8 +17,9 @@ Layout conventions:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, Self
 
+import numpy as np
 from xdsl.dialects.builtin import (
     DenseArrayBase,
     DenseIntOrFPElementsAttr,
@@ -46,18 +47,30 @@ from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.common import (
     AnyTensor,
+    ComparePredicate,
     ElementType,
+    EnumAttr,
+    GeluApproximation,
+    ReduceMode,
+    RopeMode,
     ShapedOp,
+    bool_attr,
     broadcast_shapes,
+    dense_attr,
     elem_of,
+    flag_value_attr,
+    float_value_attr,
+    int_value_attr,
+    ints_value_attr,
     is_float,
     norm_axis,
     numel,
     read_bool,
+    read_float,
     read_int,
     read_ints,
-    read_str,
     shape_of,
+    str_attr,
     tensor,
 )
 
@@ -95,12 +108,23 @@ class WeightBase(ShapedOp):
 class WeightOp(WeightBase, TopOp):
     name = "top.weight"
 
+    def __init__(self, tensor_name: str, result_type: TensorType) -> None:
+        if not isinstance(tensor_name, str) or not tensor_name:
+            raise TypeError(f"a top.weight names its tensor (a non-empty str), not "
+                            f"{tensor_name!r}")
+        self.construct([], {"name": str_attr(tensor_name)}, [result_type])
+
 
 class ConstantBase(ShapedOp):
     """A small constant held in the IR (scalars, masks of a few elements)."""
 
     value = attr_def(DenseIntOrFPElementsAttr)
     output = result_def(AnyTensor)
+
+    def __init__(self, value: np.ndarray | DenseIntOrFPElementsAttr) -> None:
+        """A constant holding `value` (an array: its dtype is the element type)."""
+        attr = value if isinstance(value, DenseIntOrFPElementsAttr) else dense_attr(value)
+        self.construct([], {"value": attr})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -123,6 +147,9 @@ class UnaryOp(ShapedOp):
     input = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     FLOPS_PER_ELEMENT: ClassVar[int] = 1
+
+    def __init__(self, input: SSAValue, *, result_type: TensorType | None = None) -> None:
+        self.construct([input], {}, None if result_type is None else [result_type])
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -197,15 +224,19 @@ UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
 
 
 class GeluBase(UnaryOp):
-    """GELU; `approximate` is "none" (erf) or "tanh"."""
+    """GELU; `approximate` (a `GeluApproximation`) is "none" (erf, the default) or "tanh"."""
 
-    approximate = opt_attr_def(StringAttr)
+    approximate = opt_attr_def(EnumAttr(GeluApproximation))
     FLOPS_PER_ELEMENT: ClassVar[int] = 8
 
-    def verify_(self) -> None:
-        if read_str(self.approximate, "none") not in ("none", "tanh"):
-            raise VerifyException("top.gelu approximate must be 'none' or 'tanh'")
-        super().verify_()
+    def __init__(self, input: SSAValue, approximate: GeluApproximation = GeluApproximation.NONE,
+                 *, result_type: TensorType | None = None) -> None:
+        self.construct([input], {"approximate": GeluApproximation.parse(approximate).attr},
+                       None if result_type is None else [result_type])
+
+    @property
+    def approximation(self) -> GeluApproximation:
+        return GeluApproximation.read(self.approximate, GeluApproximation.NONE)
 
 
 @irdl_op_definition
@@ -219,6 +250,11 @@ class PowBase(UnaryOp):
     exponent = attr_def(FloatAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 2
 
+    def __init__(self, input: SSAValue, exponent: float, *,
+                 result_type: TensorType | None = None) -> None:
+        self.construct([input], {"exponent": float_value_attr(f"{self.name} exponent", exponent)},
+                       None if result_type is None else [result_type])
+
 
 @irdl_op_definition
 class PowOp(PowBase, TopOp):
@@ -230,6 +266,12 @@ class ConstBinaryOp(UnaryOp):
 
     value = attr_def(FloatAttr)
     reverse = opt_attr_def(IntegerAttr)
+
+    def __init__(self, input: SSAValue, value: float, *, reverse: bool = False,
+                 result_type: TensorType | None = None) -> None:
+        self.construct([input], {"value": float_value_attr(f"{self.name} value", value),
+                                 "reverse": flag_value_attr(f"{self.name} reverse", reverse)},
+                       None if result_type is None else [result_type])
 
 
 @irdl_op_definition
@@ -258,6 +300,10 @@ class BinaryOp(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+
+    def __init__(self, lhs: SSAValue, rhs: SSAValue, *,
+                 result_type: TensorType | None = None) -> None:
+        self.construct([lhs, rhs], {}, None if result_type is None else [result_type])
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -304,19 +350,25 @@ class MinOp(BinaryOp, TopOp):
 
 
 class CompareBase(ShapedOp):
-    """Elementwise comparison; `predicate` is eq, ne, lt, le, gt or ge; result i1."""
+    """Elementwise comparison; `predicate` (a `ComparePredicate`) is eq, ne, lt, le, gt or
+    ge; result i1."""
 
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
-    predicate = attr_def(StringAttr)
+    predicate = attr_def(EnumAttr(ComparePredicate))
     output = result_def(AnyTensor)
+
+    def __init__(self, lhs: SSAValue, rhs: SSAValue, predicate: ComparePredicate) -> None:
+        self.construct([lhs, rhs], {"predicate": ComparePredicate.parse(predicate).attr})
+
+    @property
+    def compare_predicate(self) -> ComparePredicate:
+        return ComparePredicate.read(self.predicate)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         a, b = operands[0], operands[1]
         assert a is not None and b is not None
-        if read_str(attrs.get("predicate")) not in ("eq", "ne", "lt", "le", "gt", "ge"):
-            raise VerifyException("predicate must be one of eq, ne, lt, le, gt, ge")
         return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), i1)]
 
     def flops(self) -> int:
@@ -335,6 +387,10 @@ class WhereBase(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+
+    def __init__(self, cond: SSAValue, lhs: SSAValue, rhs: SSAValue, *,
+                 result_type: TensorType | None = None) -> None:
+        self.construct([cond, lhs, rhs], {}, None if result_type is None else [result_type])
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -360,6 +416,10 @@ class CastBase(ShapedOp):
     dtype = attr_def(ElementType)
     output = result_def(AnyTensor)
 
+    def __init__(self, input: SSAValue, dtype: Attribute) -> None:
+        """Convert `input` to the element type `dtype` (f32, bf16, i32, ...)."""
+        self.construct([input], {"dtype": dtype})
+
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
@@ -379,6 +439,11 @@ class SoftmaxBase(UnaryOp):
     axis = attr_def(IntegerAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
 
+    def __init__(self, input: SSAValue, axis: int, *,
+                 result_type: TensorType | None = None) -> None:
+        self.construct([input], {"axis": int_value_attr(f"{self.name} axis", axis)},
+                       None if result_type is None else [result_type])
+
     def verify_(self) -> None:
         norm_axis(read_int(self.axis), len(shape_of(self.input)))
         super().verify_()
@@ -390,21 +455,31 @@ class SoftmaxOp(SoftmaxBase, TopOp):
 
 
 class ReduceBase(ShapedOp):
-    """Reduce over `axes` with `mode` mean, sum, max or min."""
+    """Reduce over `axes` with `mode` (a `ReduceMode`) mean, sum, max or min."""
 
     input = operand_def(AnyTensor)
-    mode = attr_def(StringAttr)
+    mode = attr_def(EnumAttr(ReduceMode))
     axes = attr_def(DenseArrayBase)
     keepdims = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, mode: ReduceMode, axes: Sequence[int],
+                 keepdims: bool) -> None:
+        if not isinstance(keepdims, bool):
+            raise TypeError(f"{self.name} keepdims must be a bool, not {keepdims!r}")
+        self.construct([input], {"mode": ReduceMode.parse(mode).attr,
+                                 "axes": ints_value_attr(f"{self.name} axes", axes),
+                                 "keepdims": bool_attr(keepdims)})
+
+    @property
+    def reduce_mode(self) -> ReduceMode:
+        return ReduceMode.read(self.mode)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
         assert x is not None
         shape = shape_of(x)
-        if read_str(attrs.get("mode")) not in ("mean", "sum", "max", "min"):
-            raise VerifyException("reduce mode must be mean, sum, max or min")
         axes = {norm_axis(a, len(shape)) for a in read_ints(attrs.get("axes"))}
         keep = read_bool(attrs.get("keepdims"))
         out = [1 if i in axes else d for i, d in enumerate(shape) if keep or i not in axes]
@@ -426,6 +501,9 @@ class RmsNormBase(ShapedOp):
     weight = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
     output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, weight: SSAValue | None, eps: float) -> None:
+        self.construct([input, weight], {"eps": float_value_attr(f"{self.name} eps", eps)})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -458,6 +536,12 @@ class LayerNormBase(ShapedOp):
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
 
+    def __init__(self, input: SSAValue, weight: SSAValue | None, bias: SSAValue | None, *,
+                 eps: float, axis: int) -> None:
+        self.construct([input, weight, bias],
+                       {"eps": float_value_attr(f"{self.name} eps", eps),
+                        "axis": int_value_attr(f"{self.name} axis", axis)})
+
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
@@ -486,22 +570,27 @@ class LayerNormOp(LayerNormBase, TopOp):
 class RopeBase(ShapedOp):
     """Rotary position embedding: x * cos + rotate(x) * sin.
 
-    `mode` "half": rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (HF rotate_half);
-    "interleaved": pairs (x0, x1) -> (-x1, x0). cos/sin broadcast to x.
+    `mode` (a `RopeMode`) "half": rotate(x) = cat(-x[..., D/2:], x[..., :D/2]) (HF
+    rotate_half); "interleaved": pairs (x0, x1) -> (-x1, x0). cos/sin broadcast to x.
     """
 
     input = operand_def(AnyTensor)
     cos = operand_def(AnyTensor)
     sin = operand_def(AnyTensor)
-    mode = attr_def(StringAttr)
+    mode = attr_def(EnumAttr(RopeMode))
     output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, cos: SSAValue, sin: SSAValue, mode: RopeMode) -> None:
+        self.construct([input, cos, sin], {"mode": RopeMode.parse(mode).attr})
+
+    @property
+    def rope_mode(self) -> RopeMode:
+        return RopeMode.read(self.mode)
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x, c, s = operands[0], operands[1], operands[2]
         assert x is not None and c is not None and s is not None
-        if read_str(attrs.get("mode")) not in ("half", "interleaved"):
-            raise VerifyException("rope mode must be 'half' or 'interleaved'")
         shape = shape_of(x)
         if shape[-1] % 2:
             raise VerifyException("rope needs an even last dimension")
@@ -536,6 +625,28 @@ class AttentionBase(ShapedOp):
     causal = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+
+    def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, mask: SSAValue | None = None,
+                 history_k: SSAValue | None = None, history_v: SSAValue | None = None, *,
+                 scale: float, q_heads: int, kv_heads: int, head_dim: int,
+                 causal: bool = False) -> None:
+        what = self.name
+        self.construct([q, k, v, mask, history_k, history_v], {
+            "scale": float_value_attr(f"{what} scale", scale),
+            "q_heads": int_value_attr(f"{what} q_heads", q_heads),
+            "kv_heads": int_value_attr(f"{what} kv_heads", kv_heads),
+            "head_dim": int_value_attr(f"{what} head_dim", head_dim),
+            "causal": flag_value_attr(f"{what} causal", causal)})
+
+    def with_operands(self, q: SSAValue, k: SSAValue, v: SSAValue, mask: SSAValue | None,
+                      history_k: SSAValue | None = None, history_v: SSAValue | None = None,
+                      *, kv_heads: int | None = None) -> Self:
+        """A new attention of this class and parameters over other operands (and, given,
+        another number of kv heads)."""
+        return type(self)(q, k, v, mask, history_k, history_v, scale=read_float(self.scale),
+                          q_heads=read_int(self.q_heads),
+                          kv_heads=read_int(self.kv_heads) if kv_heads is None else kv_heads,
+                          head_dim=read_int(self.head_dim), causal=read_bool(self.causal))
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -608,6 +719,14 @@ class MatMulBase(ShapedOp):
     transpose_b = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
 
+    def __init__(self, lhs: SSAValue, rhs: SSAValue, bias: SSAValue | None = None, *,
+                 transpose_a: bool = False, transpose_b: bool = False,
+                 result_type: TensorType | None = None) -> None:
+        self.construct([lhs, rhs, bias],
+                       {"transpose_a": flag_value_attr(f"{self.name} transpose_a", transpose_a),
+                        "transpose_b": flag_value_attr(f"{self.name} transpose_b", transpose_b)},
+                       None if result_type is None else [result_type])
+
     @staticmethod
     def mkn(
         a_shape: Sequence[int], b_shape: Sequence[int], ta: bool, tb: bool
@@ -654,6 +773,9 @@ class GatherBase(ShapedOp):
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
 
+    def __init__(self, table: SSAValue, indices: SSAValue, axis: int) -> None:
+        self.construct([table, indices], {"axis": int_value_attr(f"{self.name} axis", axis)})
+
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         t, idx = operands[0], operands[1]
@@ -679,6 +801,13 @@ class TopKBase(ShapedOp):
     largest = opt_attr_def(IntegerAttr)
     values = result_def(AnyTensor)
     indices = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, k: int, axis: int, *, largest: bool = True) -> None:
+        if not isinstance(largest, bool):
+            raise TypeError(f"{self.name} largest must be a bool, not {largest!r}")
+        self.construct([input], {"k": int_value_attr(f"{self.name} k", k),
+                                 "axis": int_value_attr(f"{self.name} axis", axis),
+                                 "largest": bool_attr(largest)})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -712,6 +841,16 @@ class Conv2dBase(ShapedOp):
     dilations = attr_def(DenseArrayBase)
     groups = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, weight: SSAValue, bias: SSAValue | None, *,
+                 strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
+                 groups: int) -> None:
+        what = self.name
+        self.construct([input, weight, bias], {
+            "strides": ints_value_attr(f"{what} strides", strides),
+            "pads": ints_value_attr(f"{what} pads", pads),
+            "dilations": ints_value_attr(f"{what} dilations", dilations),
+            "groups": int_value_attr(f"{what} groups", groups)})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -750,6 +889,9 @@ class ReshapeBase(ShapedOp):
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
 
+    def __init__(self, input: SSAValue, shape: Sequence[int]) -> None:
+        self.construct([input], {"shape": ints_value_attr(f"{self.name} shape", shape)})
+
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
@@ -769,6 +911,9 @@ class PermuteBase(ShapedOp):
     input = operand_def(AnyTensor)
     order = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, order: Sequence[int]) -> None:
+        self.construct([input], {"order": ints_value_attr(f"{self.name} order", order)})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -795,6 +940,9 @@ class ExpandBase(ShapedOp):
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
 
+    def __init__(self, input: SSAValue, shape: Sequence[int]) -> None:
+        self.construct([input], {"shape": ints_value_attr(f"{self.name} shape", shape)})
+
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
@@ -814,6 +962,9 @@ class ConcatBase(ShapedOp):
     inputs = var_operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+
+    def __init__(self, inputs: Sequence[SSAValue], axis: int) -> None:
+        self.construct([list(inputs)], {"axis": int_value_attr(f"{self.name} axis", axis)})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -848,6 +999,13 @@ class SliceBase(ShapedOp):
     end = attr_def(IntegerAttr)
     step = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, axis: int, start: int, end: int, step: int = 1) -> None:
+        what = self.name
+        self.construct([input], {"axis": int_value_attr(f"{what} axis", axis),
+                                 "start": int_value_attr(f"{what} start", start),
+                                 "end": int_value_attr(f"{what} end", end),
+                                 "step": int_value_attr(f"{what} step", step)})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType
+from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32
 from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
 from xdsl.irdl import (
     AttrSizedOperandSegments,
@@ -47,9 +47,12 @@ from xdsl.utils.exceptions import VerifyException
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     AnyTensor,
+    EnumAttr,
     ShapedOp,
+    WeightPart,
     dtype_name,
     elem_of,
+    int_value_attr,
     is_float,
     numel,
     read_int,
@@ -82,15 +85,20 @@ class TpuOp(ShapedOp):
 class WeightOp(top.WeightBase, TpuOp):
     """A weight in the chip's storage format.
 
-    `source` names the Top (float) weight it was derived from and `part` says how: "data"
-    (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the consuming
-    `tpu.a16_matmul`'s parameters), or "checkpoint" (taken as is from a pre-quantized
-    checkpoint). This recipe lets every layer derive its own weights for the same net.
+    `source` names the Top (float) weight it was derived from and `part` (a `WeightPart`)
+    says how: "data" (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the
+    consuming `tpu.a16_matmul`'s parameters), or "checkpoint.<field>" (taken as is from a
+    pre-quantized checkpoint), with ".t" when stored transposed. This recipe lets every
+    layer derive its own weights for the same net.
     """
 
     name = "tpu.weight"
     source = opt_attr_def(StringAttr)
-    part = opt_attr_def(StringAttr)
+    part = opt_attr_def(EnumAttr(WeightPart))
+
+    @property
+    def weight_part(self) -> WeightPart | None:
+        return None if self.part is None else WeightPart.read(self.part)
 
 
 @irdl_op_definition
@@ -105,7 +113,7 @@ def _unary_twin(op: type[top.UnaryOp]) -> type[TpuOp]:
     """The Tpu counterpart of a Top op of `top.UNARY_ELEMENTWISE`: the same operand, shape
     inference and FLOPs, plus the chip's attributes (`TpuOp`); named like it (`tpu.silu`,
     class `SiluOp`)."""
-    kind = op.name.split(".", 1)[1]
+    kind = op.op_kind()
     twin = type(op.__name__, (top.UnaryOp, TpuOp), {
         "name": f"tpu.{kind}", "FLOPS_PER_ELEMENT": op.FLOPS_PER_ELEMENT,
         "__annotations__": {"FLOPS_PER_ELEMENT": ClassVar[int]},
@@ -263,6 +271,17 @@ class A16MatMulOp(TpuOp):
     group_size = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+
+    def __init__(self, input: SSAValue, qweight: SSAValue, scales: SSAValue,
+                 zeros: SSAValue | None, bias: SSAValue | None, *, weight_bits: int,
+                 group_size: int, result_type: TensorType | None = None,
+                 compute: Attribute = f32) -> None:
+        """`input` times the `weight_bits`-bit `qweight` (scales, zero points per group of
+        `group_size` input channels), computed in `compute` (f32: this chip's matmuls)."""
+        self.construct([input, qweight, scales, zeros, bias], {
+            "weight_bits": int_value_attr(f"{self.name} weight_bits", weight_bits),
+            "group_size": int_value_attr(f"{self.name} group_size", group_size),
+            "compute": compute}, None if result_type is None else [result_type])
 
     @staticmethod
     def unpacked_k(qweight_shape: Sequence[int], bits: int) -> int:

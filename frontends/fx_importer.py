@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,16 +30,13 @@ from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
-    bool_attr,
-    dense_attr,
+    ComparePredicate,
+    GeluApproximation,
+    ReduceMode,
     dtype_from_name,
     element_type_of_numpy,
-    f64_attr,
-    i64_array,
-    i64_attr,
     numpy_dtype,
     shape_of,
-    str_attr,
     tensor,
 )
 from toptpu.dialects.naming import make_loc, name_dicts
@@ -87,6 +86,27 @@ def source_line(node: torch.fx.Node) -> tuple[str | None, int, str]:
     return file, int(line), code.strip()
 
 
+def _import_roots() -> list[str]:
+    """Directories source files are imported from, longest first: every `sys.path` entry
+    (site-packages, the working directory)."""
+    return sorted({os.path.abspath(p) for p in sys.path if p}, key=len, reverse=True)
+
+
+def portable_path(file: str) -> str:
+    """`file` as its import name's path ('transformers/models/qwen2/modeling_qwen2.py'):
+    relative to the import root it lies under, so the IR's locations, and the model file's
+    bytes, do not depend on where Python, the packages or the checkout are installed. This
+    package's own files are named under 'toptpu/'. A file under no import root is kept."""
+    path = os.path.abspath(file)
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # toptpu's
+    if path.startswith(package_dir + os.sep):
+        return "toptpu/" + os.path.relpath(path, package_dir).replace(os.sep, "/")
+    for root in _import_roots():
+        if path.startswith(root + os.sep):
+            return os.path.relpath(path, root).replace(os.sep, "/")
+    return file
+
+
 def _module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -121,7 +141,7 @@ class Importer:
     def emit(self, op: Operation, suffix: str = "") -> Operation:
         assert self.node is not None
         file, line, _ = source_line(self.node)
-        op.location = make_loc(self.loc_name(suffix), file, line)
+        op.location = make_loc(self.loc_name(suffix), file and portable_path(file), line)
         for r in op.results:
             r.name_hint = _sanitize(self.node.name if not suffix else f"{self.node.name}_{suffix}")
         self.block.add_op(op)
@@ -142,14 +162,11 @@ class Importer:
         if c.ssa is None:
             arr = c.array
             if arr.size <= MAX_INLINE_CONSTANT:
-                op = top.ConstantOp.build([], {"value": dense_attr(arr)})
+                op = top.ConstantOp(arr)
             else:
                 name = self.store.unique_name(f"{self.weight_prefix}const.{c.name}")
                 self.store[name] = arr
-                op = top.WeightOp(
-                    attributes={"name": str_attr(name)},
-                    result_types=[tensor(arr.shape, element_type_of_numpy(arr.dtype))],
-                )
+                op = top.WeightOp(name, tensor(arr.shape, element_type_of_numpy(arr.dtype)))
             self.emit(op, "const")
             c.ssa = op.results[0]
         return c.ssa
@@ -169,18 +186,18 @@ class Importer:
         assert isinstance(t, TensorType)
         if t.element_type == elem:
             return v
-        op = top.CastOp.build([v], {"dtype": elem})
+        op = top.CastOp(v, elem)
         return self.emit(op, suffix).results[0]
 
     def reshape(self, v: SSAValue, shape: Sequence[int], suffix: str = "reshape") -> SSAValue:
         if shape_of(v) == tuple(shape):
             return v
-        return self.emit(top.ReshapeOp.build([v], {"shape": i64_array(shape)}), suffix).results[0]
+        return self.emit(top.ReshapeOp(v, shape), suffix).results[0]
 
     def permute(self, v: SSAValue, order: Sequence[int], suffix: str = "permute") -> SSAValue:
         if list(order) == list(range(len(order))):
             return v
-        return self.emit(top.PermuteOp.build([v], {"order": i64_array(order)}), suffix).results[0]
+        return self.emit(top.PermuteOp(v, order), suffix).results[0]
 
 
 @dataclass
@@ -262,15 +279,14 @@ def _binary(kind: str, tensor_op: type[top.BinaryOp], const_op: type[top.ConstBi
         sa, sb = _scalar(a), _scalar(b)
         if sb is not None:
             (x,) = _elementwise_operands(im, node, [a])
-            return im.emit(const_op.build([x], {"value": f64_attr(sb)})).results[0]
+            return im.emit(const_op(x, sb)).results[0]
         if sa is not None:
             (x,) = _elementwise_operands(im, node, [b])
             if kind in ("add", "mul"):
-                return im.emit(const_op.build([x], {"value": f64_attr(sa)})).results[0]
-            attrs = {"value": f64_attr(sa), "reverse": bool_attr(True)}
-            return im.emit(const_op.build([x], attrs)).results[0]
+                return im.emit(const_op(x, sa)).results[0]
+            return im.emit(const_op(x, sa, reverse=True)).results[0]
         x, y = _elementwise_operands(im, node, [a, b])
-        return im.emit(tensor_op.build([x, y])).results[0]
+        return im.emit(tensor_op(x, y)).results[0]
 
     return build
 
@@ -291,21 +307,20 @@ def _rsub(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     c = _scalar(node.args[1])
     assert c is not None
-    return im.emit(top.SubConstOp.build([x], {"value": f64_attr(c), "reverse": bool_attr(True)})
-                   ).results[0]
+    return im.emit(top.SubConstOp(x, c, reverse=True)).results[0]
 
 
 @builds(aten.neg.default)
 def _neg(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
-    return im.emit(top.MulConstOp.build([x], {"value": f64_attr(-1.0)})).results[0]
+    return im.emit(top.MulConstOp(x, -1.0)).results[0]
 
 
 @builds(aten.maximum.default, aten.minimum.default)
 def _maxmin(im: Importer, node: torch.fx.Node) -> Any:
     x, y = _elementwise_operands(im, node, node.args[:2])
     cls = top.MaxOp if node.target == aten.maximum.default else top.MinOp
-    return im.emit(cls.build([x, y])).results[0]
+    return im.emit(cls(x, y)).results[0]
 
 
 _UNARY: dict[Any, type[top.UnaryOp]] = {
@@ -324,14 +339,17 @@ _UNARY: dict[Any, type[top.UnaryOp]] = {
 @builds(*_UNARY)
 def _unary(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
-    return im.emit(_UNARY[node.target].build([x])).results[0]
+    return im.emit(_UNARY[node.target](x)).results[0]
 
 
 @builds(aten.gelu.default)
 def _gelu(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
-    approx = node.kwargs.get("approximate", "none")
-    return im.emit(top.GeluOp.build([x], {"approximate": str_attr(approx)})).results[0]
+    try:
+        approx = GeluApproximation.parse(node.kwargs.get("approximate", "none"))
+    except ValueError as e:
+        raise UnsupportedOpError(f"aten.gelu: {e}") from None
+    return im.emit(top.GeluOp(x, approx)).results[0]
 
 
 @builds(aten.pow.Tensor_Scalar)
@@ -339,13 +357,10 @@ def _pow(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     e = _scalar(node.args[1])
     assert e is not None
-    return im.emit(top.PowOp.build([x], {"exponent": f64_attr(e)})).results[0]
+    return im.emit(top.PowOp(x, e)).results[0]
 
 
-_PREDICATES = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
-
-
-def _compare(pred: str) -> Builder:
+def _compare(pred: ComparePredicate) -> Builder:
     def build(im: Importer, node: torch.fx.Node) -> Any:
         a, b = node.args[0], node.args[1]
         x = im.value(a)
@@ -356,26 +371,26 @@ def _compare(pred: str) -> Builder:
 
             t = x.type
             assert isinstance(t, TensorType)
-            c = im.emit(top.ConstantOp.build([], {"value": dense_attr(
-                arr.astype(numpy_dtype(t.element_type)).reshape(()))}), "rhs")
+            c = im.emit(top.ConstantOp(arr.astype(numpy_dtype(t.element_type)).reshape(())),
+                        "rhs")
             y = c.results[0]
         else:
             y = im.value(b)
-        return im.emit(top.CompareOp.build([x, y], {"predicate": str_attr(pred)})).results[0]
+        return im.emit(top.CompareOp(x, y, pred)).results[0]
 
     return build
 
 
-for _p in _PREDICATES:
+for _p in ComparePredicate:  # aten.eq, aten.ne, ... are named like the predicates
     for _suffix in ("Tensor", "Scalar"):
-        ATEN_BUILDERS[getattr(getattr(aten, _p), _suffix)] = _compare(_p)
+        ATEN_BUILDERS[getattr(getattr(aten, _p.value), _suffix)] = _compare(_p)
 
 
 @builds(aten.where.self)
 def _where(im: Importer, node: torch.fx.Node) -> Any:
     c = im.value(node.args[0])
     x, y = _elementwise_operands(im, node, node.args[1:3])
-    return im.emit(top.WhereOp.build([c, x, y])).results[0]
+    return im.emit(top.WhereOp(c, x, y)).results[0]
 
 
 @builds(aten.masked_fill.Scalar)
@@ -387,16 +402,16 @@ def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
 
     t = x.type
     assert isinstance(t, TensorType)
-    c = im.emit(top.ConstantOp.build([], {"value": dense_attr(
-        np.array(v).astype(numpy_dtype(t.element_type)).reshape(()))}), "fill")
-    return im.emit(top.WhereOp.build([m, c.results[0], x])).results[0]
+    c = im.emit(top.ConstantOp(np.array(v).astype(numpy_dtype(t.element_type)).reshape(())),
+                "fill")
+    return im.emit(top.WhereOp(m, c.results[0], x)).results[0]
 
 
 @builds(aten.linear.default)
 def _linear(im: Importer, node: torch.fx.Node) -> Any:
     x, w = im.value(node.args[0]), im.value(node.args[1])
     b = im.value(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
-    op = top.MatMulOp.build([x, w, b], {"transpose_b": bool_attr(True)})
+    op = top.MatMulOp(x, w, b, transpose_b=True)
     return im.emit(op).results[0]
 
 
@@ -405,7 +420,7 @@ def _mm(im: Importer, node: torch.fx.Node) -> Any:
     a, b = im.value(node.args[0]), im.value(node.args[1])
     if len(shape_of(a)) == 1 or len(shape_of(b)) == 1:
         raise UnsupportedOpError("matmul with a rank-1 operand")
-    return im.emit(top.MatMulOp.build([a, b, None])).results[0]
+    return im.emit(top.MatMulOp(a, b)).results[0]
 
 
 @builds(aten.addmm.default)
@@ -414,9 +429,9 @@ def _addmm(im: Importer, node: torch.fx.Node) -> Any:
         raise UnsupportedOpError("aten.addmm with beta/alpha != 1")
     bias, a, b = (im.value(x) for x in node.args[:3])
     if len(shape_of(bias)) != 1:
-        mm = im.emit(top.MatMulOp.build([a, b, None]), "mm").results[0]
-        return im.emit(top.AddOp.build([mm, bias])).results[0]
-    return im.emit(top.MatMulOp.build([a, b, bias])).results[0]
+        mm = im.emit(top.MatMulOp(a, b), "mm").results[0]
+        return im.emit(top.AddOp(mm, bias)).results[0]
+    return im.emit(top.MatMulOp(a, b, bias)).results[0]
 
 
 @builds(aten.t.default)
@@ -457,7 +472,7 @@ def _expand(im: Importer, node: torch.fx.Node) -> Any:
     shape = im.out_shape()
     if shape_of(x) == shape:
         return x
-    return im.emit(top.ExpandOp.build([x], {"shape": i64_array(shape)})).results[0]
+    return im.emit(top.ExpandOp(x, shape)).results[0]
 
 
 @builds(aten.cat.default, aten.concat.default)
@@ -467,8 +482,7 @@ def _cat(im: Importer, node: torch.fx.Node) -> Any:
     dim = _arg(node, 1, "dim", 0)
     if len(xs) == 1:
         return xs[0]
-    return im.emit(top.ConcatOp.build([xs], {"axis": i64_attr(dim % len(shape_of(xs[0])))})
-                   ).results[0]
+    return im.emit(top.ConcatOp(xs, dim % len(shape_of(xs[0])))).results[0]
 
 
 def _norm_slice(size: int, start: Any, end: Any, step: Any) -> tuple[int, int, int]:
@@ -490,9 +504,7 @@ def _slice_value(im: Importer, x: SSAValue, dim: int, start: int, end: int, step
     shape = shape_of(x)
     if start == 0 and end == shape[dim] and step == 1:
         return x
-    attrs = {"axis": i64_attr(dim), "start": i64_attr(start), "end": i64_attr(end),
-             "step": i64_attr(step)}
-    return im.emit(top.SliceOp.build([x], attrs), suffix).results[0]
+    return im.emit(top.SliceOp(x, dim, start, end, step), suffix).results[0]
 
 
 @builds(aten.slice.Tensor)
@@ -558,7 +570,7 @@ def _unbind(im: Importer, node: torch.fx.Node) -> Any:
     )
 
 
-def _reduce(mode: str) -> Builder:
+def _reduce(mode: ReduceMode) -> Builder:
     def build(im: Importer, node: torch.fx.Node) -> Any:
         x = im.value(node.args[0])
         r = len(shape_of(x))
@@ -569,26 +581,22 @@ def _reduce(mode: str) -> Builder:
             dims = [dims]
         keep = bool(_arg(node, 2, "keepdim", False))
         x = im.cast_to(x, im.out_type().element_type)
-        attrs = {"mode": str_attr(mode), "axes": i64_array([d % r for d in dims]),
-                 "keepdims": bool_attr(keep)}
-        return im.emit(top.ReduceOp.build([x], attrs)).results[0]
+        return im.emit(top.ReduceOp(x, mode, [d % r for d in dims], keep)).results[0]
 
     return build
 
 
-ATEN_BUILDERS[aten.mean.dim] = _reduce("mean")
-ATEN_BUILDERS[aten.sum.dim_IntList] = _reduce("sum")
-ATEN_BUILDERS[aten.amax.default] = _reduce("max")
-ATEN_BUILDERS[aten.amin.default] = _reduce("min")
+ATEN_BUILDERS[aten.mean.dim] = _reduce(ReduceMode.MEAN)
+ATEN_BUILDERS[aten.sum.dim_IntList] = _reduce(ReduceMode.SUM)
+ATEN_BUILDERS[aten.amax.default] = _reduce(ReduceMode.MAX)
+ATEN_BUILDERS[aten.amin.default] = _reduce(ReduceMode.MIN)
 
 
 @builds(aten.mean.default, aten.sum.default)
 def _reduce_all(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
-    mode = "mean" if node.target == aten.mean.default else "sum"
-    attrs = {"mode": str_attr(mode), "axes": i64_array(range(len(shape_of(x)))),
-             "keepdims": bool_attr(False)}
-    return im.emit(top.ReduceOp.build([x], attrs)).results[0]
+    mode = ReduceMode.MEAN if node.target == aten.mean.default else ReduceMode.SUM
+    return im.emit(top.ReduceOp(x, mode, range(len(shape_of(x))), False)).results[0]
 
 
 @builds(aten.softmax.int, aten._softmax.default)
@@ -596,7 +604,7 @@ def _softmax(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
     dim = node.args[1] % len(shape_of(x))
-    return im.emit(top.SoftmaxOp.build([x], {"axis": i64_attr(dim)})).results[0]
+    return im.emit(top.SoftmaxOp(x, dim)).results[0]
 
 
 @builds(aten.layer_norm.default)
@@ -606,9 +614,10 @@ def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
     w = _arg(node, 2, "weight")
     b = _arg(node, 3, "bias")
     eps = _arg(node, 4, "eps", 1e-5)
-    attrs = {"eps": f64_attr(eps), "axis": i64_attr(len(shape_of(x)) - len(nshape))}
-    ops = [x, im.value(w) if w is not None else None, im.value(b) if b is not None else None]
-    return im.emit(top.LayerNormOp.build(ops, attrs)).results[0]
+    op = top.LayerNormOp(x, im.value(w) if w is not None else None,
+                         im.value(b) if b is not None else None,
+                         eps=eps, axis=len(shape_of(x)) - len(nshape))
+    return im.emit(op).results[0]
 
 
 @builds(aten.rms_norm.default)
@@ -620,21 +629,20 @@ def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
     eps = _arg(node, 3, "eps")
     if eps is None:
         eps = float(torch.finfo(node.meta["val"].dtype).eps)
-    ops = [x, im.value(w) if w is not None else None]
-    return im.emit(top.RmsNormOp.build(ops, {"eps": f64_attr(eps)})).results[0]
+    return im.emit(top.RmsNormOp(x, im.value(w) if w is not None else None, eps)).results[0]
 
 
 @builds(aten.embedding.default)
 def _embedding(im: Importer, node: torch.fx.Node) -> Any:
     w, idx = im.value(node.args[0]), im.value(node.args[1])
-    return im.emit(top.GatherOp.build([w, idx], {"axis": i64_attr(0)})).results[0]
+    return im.emit(top.GatherOp(w, idx, 0)).results[0]
 
 
 @builds(aten.index_select.default)
 def _index_select(im: Importer, node: torch.fx.Node) -> Any:
     x, dim, idx = im.value(node.args[0]), node.args[1], im.value(node.args[2])
     dim %= len(shape_of(x))
-    return im.emit(top.GatherOp.build([x, idx], {"axis": i64_attr(dim)})).results[0]
+    return im.emit(top.GatherOp(x, idx, dim)).results[0]
 
 
 @builds(aten.topk.default)
@@ -643,8 +651,7 @@ def _topk(im: Importer, node: torch.fx.Node) -> Any:
     k = node.args[1]
     dim = _arg(node, 2, "dim", -1) % len(shape_of(x))
     largest = _arg(node, 3, "largest", True)
-    attrs = {"k": i64_attr(k), "axis": i64_attr(dim), "largest": bool_attr(largest)}
-    op = im.emit(top.TopKOp.build([x], attrs))
+    op = im.emit(top.TopKOp(x, k, dim, largest=largest))
     idx = im.cast_to(op.results[1], elem_of_torch(node.meta["val"][1].dtype), "indices")
     return (op.results[0], idx)
 
@@ -657,8 +664,7 @@ def _argmax(im: Importer, node: torch.fx.Node) -> Any:
         x = im.reshape(x, [math.prod(shape_of(x))], "flat")
         dim = 0
     dim %= len(shape_of(x))
-    attrs = {"k": i64_attr(1), "axis": i64_attr(dim), "largest": bool_attr(True)}
-    op = im.emit(top.TopKOp.build([x], attrs), "topk")
+    op = im.emit(top.TopKOp(x, 1, dim), "topk")
     idx = im.cast_to(op.results[1], im.out_type().element_type, "indices")
     return im.reshape(idx, im.out_shape(), "")
 
@@ -692,10 +698,9 @@ def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
         raise UnsupportedOpError(f"conv2d padding='{padding}'")
     padding = list(padding) * 2 if len(padding) == 1 else list(padding)
     pads = [padding[0], padding[1], padding[0], padding[1]]
-    attrs = {"strides": i64_array(stride), "pads": i64_array(pads),
-             "dilations": i64_array(dilation), "groups": i64_attr(groups)}
-    ops = [x, w, im.value(b) if b is not None else None]
-    return im.emit(top.Conv2dOp.build(ops, attrs)).results[0]
+    op = top.Conv2dOp(x, w, im.value(b) if b is not None else None, strides=stride, pads=pads,
+                      dilations=dilation, groups=groups)
+    return im.emit(op).results[0]
 
 
 @builds(aten.scaled_dot_product_attention.default)
@@ -728,11 +733,10 @@ def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
         assert isinstance(mt, TensorType)
         if mt.element_type == elem_of_torch(torch.bool):
             dt = numpy_dtype(elem_of_torch(node.meta["val"].dtype))
-            zero = im.emit(top.ConstantOp.build([], {"value": dense_attr(
-                np.zeros((), dt))}), "mask_zero").results[0]
-            neg = im.emit(top.ConstantOp.build([], {"value": dense_attr(
-                np.array(np.finfo(np.float32).min).astype(dt))}), "mask_neg").results[0]
-            mask = im.emit(top.WhereOp.build([mask, zero, neg]), "mask").results[0]
+            zero = im.emit(top.ConstantOp(np.zeros((), dt)), "mask_zero").results[0]
+            neg = im.emit(top.ConstantOp(np.array(np.finfo(np.float32).min).astype(dt)),
+                          "mask_neg").results[0]
+            mask = im.emit(top.WhereOp(mask, zero, neg), "mask").results[0]
         ms = shape_of(mask)
         if len(ms) < 4:
             mask = im.reshape(mask, (1,) * (4 - len(ms)) + ms, "mask4d")
@@ -740,9 +744,8 @@ def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
     qt = im.permute(q, [0, 2, 1, 3], "q")
     kt = im.permute(k, [0, 2, 1, 3], "k")
     vt = im.permute(v, [0, 2, 1, 3], "v")
-    attrs = {"scale": f64_attr(scale), "q_heads": i64_attr(hq), "kv_heads": i64_attr(hkv),
-             "head_dim": i64_attr(d), "causal": bool_attr(causal) if causal else None}
-    att = im.emit(top.AttentionOp.build([qt, kt, vt, mask, None, None], attrs)).results[0]
+    att = im.emit(top.AttentionOp(qt, kt, vt, mask, scale=scale, q_heads=hq, kv_heads=hkv,
+                                  head_dim=d, causal=causal)).results[0]
     del vs
     return im.permute(att, [0, 2, 1, 3], "out")
 
@@ -845,10 +848,7 @@ def import_exported(
             wname = f"{weight_prefix}{target}"
             if wname not in store:
                 store[wname] = _torch_to_numpy(t)
-            op = top.WeightOp(
-                attributes={"name": str_attr(wname)},
-                result_types=[tensor(tuple(t.shape), elem_of_torch(t.dtype))],
-            )
+            op = top.WeightOp(wname, tensor(tuple(t.shape), elem_of_torch(t.dtype)))
             im.emit(op)
             op.location = make_loc(wname)
             op.results[0].name_hint = _sanitize(target.split(".")[-2] + "_" + target.split(".")[-1]

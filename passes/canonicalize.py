@@ -33,7 +33,6 @@ from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     ShapedOp,
     constant_value,
-    dense_attr,
     elem_of,
     f64_attr,
     i64_array,
@@ -122,7 +121,7 @@ class FoldIdentityScalarOps(RewritePattern):
     def match_and_rewrite(self, op: top.ConstBinaryOp, rewriter: PatternRewriter) -> None:
         v = read_float(op.value)
         rev = read_bool(op.reverse)
-        kind = op.name.split(".", 1)[1]
+        kind = op.op_kind()
         identity = (
             (kind == "mul_const" and v == 1.0)
             or (kind == "add_const" and v == 0.0)
@@ -138,7 +137,7 @@ class ComposeScalarMuls(RewritePattern):
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.ConstBinaryOp, rewriter: PatternRewriter) -> None:
-        if not op.name.endswith(".mul_const"):
+        if op.op_kind() != "mul_const":
             return
         inner = producer(op.input, type(op))
         if inner is None or not inner.output.has_one_use():
@@ -168,7 +167,7 @@ class FoldConstants(RewritePattern):
             args.append(constant_value(c.value) if c is not None else None)
         results = evaluate_op(op, args, EvalContext(None))
         const = top.ConstantOp if isinstance(op, top.TopOp) else tpu.ConstantOp
-        new_ops = [named_like(const.build([], {"value": dense_attr(r)}), op, f".{i}")
+        new_ops = [named_like(const(r), op, f".{i}")
                    for i, r in enumerate(results)]
         for n, r in zip(new_ops, op.results, strict=True):
             assert elem_of(n.output) == elem_of(r)

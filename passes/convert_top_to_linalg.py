@@ -80,6 +80,9 @@ from xdsl.pattern_rewriter import (
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
+    GeluApproximation,
+    ReduceMode,
+    RopeMode,
     elem_of,
     norm_axis,
     numel,
@@ -87,7 +90,6 @@ from toptpu.dialects.common import (
     read_float,
     read_int,
     read_ints,
-    read_str,
     shape_of,
 )
 from toptpu.dialects.naming import NAME_ATTR, op_name, output_names, value_name
@@ -428,7 +430,8 @@ def _unary_scalar(b: Body, kind: str, x: SSAValue, attrs: dict[str, Attribute]) 
         return b.div(x, b.add(one, b.math("exp", b.neg(x))))
     if kind == "gelu":
         half = b.const(0.5, t)
-        if read_str(attrs.get("approximate"), "none") == "tanh":
+        approximate = GeluApproximation.read(attrs.get("approximate"), GeluApproximation.NONE)
+        if approximate == GeluApproximation.TANH:
             k = b.const(math.sqrt(2.0 / math.pi), t)
             x3 = b.mul(b.mul(x, x), x)
             inner = b.mul(k, b.add(x, b.mul(b.const(0.044715, t), x3)))
@@ -448,7 +451,7 @@ UNARY_OPS = (*top.UNARY_ELEMENTWISE, top.GeluOp, top.PowOp)
 
 
 def lower_unary(e: Emitter, op: top.UnaryOp) -> SSAValue:
-    kind = op.name.split(".", 1)[1]
+    kind = op.op_kind()
     out = elem_of(op.output)
     ct = compute_type(out) if _is_float(out) else f32
     attrs = dict(op.attributes)
@@ -457,7 +460,7 @@ def lower_unary(e: Emitter, op: top.UnaryOp) -> SSAValue:
 
 
 def lower_const_binary(e: Emitter, op: top.ConstBinaryOp) -> SSAValue:
-    kind = op.name.split(".", 1)[1].removesuffix("_const")
+    kind = op.op_kind().removesuffix("_const")
     out = elem_of(op.output)
     # float tensors compute in f32; integer tensors with a float scalar in f64 (numpy)
     ct = compute_type(out) if _is_float(out) else f64
@@ -473,7 +476,7 @@ def lower_const_binary(e: Emitter, op: top.ConstBinaryOp) -> SSAValue:
 
 
 def lower_binary(e: Emitter, op: top.BinaryOp) -> SSAValue:
-    kind = op.name.split(".", 1)[1]
+    kind = op.op_kind()
     out = elem_of(op.output)
     ct = compute_type(out)
     return e.elementwise([op.lhs, op.rhs], shape_of(op.output), out, lambda b: b.convert(
@@ -491,7 +494,7 @@ def _common_type(a: Attribute, b: Attribute) -> Attribute:
 
 
 def lower_compare(e: Emitter, op: top.CompareBase) -> SSAValue:
-    pred = read_str(op.predicate)
+    pred = op.compare_predicate
     ct = _common_type(elem_of(op.lhs), elem_of(op.rhs))
     return e.elementwise([op.lhs, op.rhs], shape_of(op.output), i1, lambda b: b.cmp(
         pred, b.convert(b.args[0], ct), b.convert(b.args[1], ct)))
@@ -529,23 +532,26 @@ def lower_softmax(e: Emitter, op: top.SoftmaxBase) -> SSAValue:
 def lower_reduce(e: Emitter, op: top.ReduceBase) -> SSAValue:
     x = op.input
     shape = shape_of(x)
-    mode = read_str(op.mode)
+    mode = op.reduce_mode
     axes = sorted({norm_axis(a, len(shape)) for a in read_ints(op.axes)})
     keep = read_bool(op.keepdims)
     out = elem_of(op.output)
-    if mode == "mean" and not _is_float(out):
+    if mode == ReduceMode.MEAN and not _is_float(out):
         raise LinalgLoweringError(f"{_where(op)}: mean of integers is not lowered")
     ct = compute_type(out)
     if _is_float(ct):
-        init = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}[mode]
+        init = {ReduceMode.MEAN: 0.0, ReduceMode.SUM: 0.0, ReduceMode.MAX: -math.inf,
+                ReduceMode.MIN: math.inf}[mode]
     else:
         w = ct.width.data if isinstance(ct, IntegerType) else 64
-        init = {"sum": 0, "max": -(2 ** (w - 1)), "min": 2 ** (w - 1) - 1}[mode]
-    kind = {"mean": "add", "sum": "add", "max": "max", "min": "min"}[mode]
+        init = {ReduceMode.SUM: 0, ReduceMode.MAX: -(2 ** (w - 1)),
+                ReduceMode.MIN: 2 ** (w - 1) - 1}[mode]
+    kind = {ReduceMode.MEAN: "add", ReduceMode.SUM: "add", ReduceMode.MAX: "max",
+            ReduceMode.MIN: "min"}[mode]
     acc = e.reduce([(x, identity(len(shape)))], shape, axes, keep, ct, init,
                    lambda b, a: b.binary(kind, a, b.compute(b.args[0])))
     n = numel([shape[a] for a in axes])
-    if mode == "mean":
+    if mode == ReduceMode.MEAN:
         return e.elementwise([acc], shape_of(op.output), out, lambda b: b.convert(
             b.div(b.args[0], b.const(float(n), ct)), out))
     return e.convert(acc, out)
@@ -619,7 +625,7 @@ def lower_rope(e: Emitter, op: top.RopeBase) -> SSAValue:
     x, cos, sin = op.input, op.cos, op.sin
     shape = shape_of(x)
     r, dd = len(shape), shape[-1]
-    mode = read_str(op.mode)
+    mode = op.rope_mode
     out = elem_of(op.output)
     ct = compute_type(out)
     ins = [(x, identity(r)), (cos, broadcast_map(shape_of(cos), shape)),
@@ -628,7 +634,7 @@ def lower_rope(e: Emitter, op: top.RopeBase) -> SSAValue:
     def body(b: Body) -> SSAValue:
         idx = [b.index(i) for i in range(r)]
         last = idx[-1]
-        if mode == "half":
+        if mode == RopeMode.HALF:
             h = b.idx(dd // 2)
             first = b.cmp("lt", last, h)  # rotate_half: [-x2, x1]
             partner = b.select(first, b.add(last, h), b.sub(last, h))

@@ -46,7 +46,6 @@ from toptpu.dialects.common import (
     MODES,
     ShapedOp,
     constant_value,
-    dense_attr,
     dtype_from_name,
     dtype_name,
     elem_of,
@@ -231,7 +230,7 @@ class Lowering:
         if (c := producer(v, top.ConstantOp)) is not None:
             arr = constant_value(c.value)
             target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
-            new = tpu.ConstantOp.build([], {"value": dense_attr(arr.astype(numpy_dtype(target)))})
+            new = tpu.ConstantOp(arr.astype(numpy_dtype(target)))
             named_like(new, c)
             rewriter.insert(new, InsertPoint.before(user))
             return new.output
@@ -398,9 +397,9 @@ class LowerMatMul(LoweringPattern):
                     named_like(g, op, ".act_order")
                     rewriter.insert(g, InsertPoint.before(op))
                     x = g.output
-                attrs = {"weight_bits": i64_attr(bits), "group_size": i64_attr(gs),
-                         "compute": f32}
-                new = tpu.A16MatMulOp.build([x, q, s, z, bias], attrs, _result_types(lw, op))
+                (rt,) = _result_types(lw, op)
+                new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
+                                      result_type=rt)
                 named_like(new, op)
                 rewriter.replace(op, new)
                 return
@@ -416,9 +415,9 @@ class LowerMatMul(LoweringPattern):
                 q, s, z, bits, gs = lw.quantized_weight(w, rewriter)
             except QuantizationError as e:
                 raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
-            attrs = {"weight_bits": i64_attr(bits), "group_size": i64_attr(gs),
-                     "compute": f32}
-            new = tpu.A16MatMulOp.build([x, q, s, z, bias], attrs, _result_types(lw, op))
+            (rt,) = _result_types(lw, op)
+            new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
+                                  result_type=rt)
             named_like(new, op)
             rewriter.replace(op, new)
             return

@@ -28,16 +28,13 @@ from xdsl.pattern_rewriter import (
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
-    bool_attr,
-    f64_attr,
-    i64_array,
-    i64_attr,
+    ReduceMode,
+    RopeMode,
     read_bool,
     read_float,
     read_int,
     read_ints,
     shape_of,
-    str_attr,
 )
 from toptpu.passes.canonicalize import apply_patterns, canonicalization_patterns
 from toptpu.passes.util import inverse_permutation, named_like, producer
@@ -60,7 +57,7 @@ class FuseRmsNorm(RewritePattern):
             if add is None or read_bool(add.reverse):
                 continue
             mean = producer(add.input, top.ReduceOp)
-            if mean is None or mean.mode.data != "mean" or not read_bool(mean.keepdims):
+            if mean is None or mean.reduce_mode != ReduceMode.MEAN or not read_bool(mean.keepdims):
                 continue
             rank = len(shape_of(x))
             if [a % rank for a in read_ints(mean.axes)] != [rank - 1]:
@@ -69,7 +66,7 @@ class FuseRmsNorm(RewritePattern):
             if sq is None or read_float(sq.exponent) != 2.0 or sq.input is not x:
                 continue
             eps = read_float(add.value)
-            new = top.RmsNormOp.build([x, None], {"eps": f64_attr(eps)})
+            new = top.RmsNormOp(x, None, eps)
             rewriter.replace(op, named_like(new, op))
             return
 
@@ -85,7 +82,7 @@ class FuseRmsNormWeight(RewritePattern):
                 continue
             if len(shape_of(w)) != 1 or shape_of(w)[0] != shape_of(n)[-1]:
                 continue
-            new = top.RmsNormOp.build([norm.input, w], {"eps": norm.eps})
+            new = top.RmsNormOp(norm.input, w, read_float(norm.eps))
             rewriter.replace(op, named_like(new, op))
             return
 
@@ -136,7 +133,7 @@ class FuseRope(RewritePattern):
                     continue
                 if shape_of(x) != shape_of(op.output):
                     continue
-                new = top.RopeOp.build([x, cos, sin], {"mode": str_attr("half")})
+                new = top.RopeOp(x, cos, sin, RopeMode.HALF)
                 rewriter.replace(op, named_like(new, op))
                 return
 
@@ -159,11 +156,11 @@ class SinkPermuteBelowRope(RewritePattern):
         new_ops = []
         cs = []
         for v, tag in ((op.cos, ".cos"), (op.sin, ".sin")):
-            p = named_like(top.PermuteOp.build([v], {"order": i64_array(inv)}), op, tag)
+            p = named_like(top.PermuteOp(v, inv), op, tag)
             new_ops.append(p)
             cs.append(p.output)
-        rope = named_like(top.RopeOp.build([perm.input, *cs], {"mode": op.mode}), op)
-        out = named_like(top.PermuteOp.build([rope.output], {"order": perm.order}), op, ".perm")
+        rope = named_like(top.RopeOp(perm.input, *cs, op.rope_mode), op)
+        out = named_like(top.PermuteOp(rope.output, order), op, ".perm")
         rewriter.replace(op, [*new_ops, rope, out])
 
 
@@ -180,11 +177,8 @@ class HoistPermuteOutOfConcat(RewritePattern):
             return
         order = list(orders.pop())
         axis = order[read_int(op.axis) % len(order)]
-        cat = named_like(
-            top.ConcatOp.build([[p.input for p in perms if p is not None]],
-                               {"axis": i64_attr(axis)}), op)
-        out = named_like(top.PermuteOp.build([cat.output], {"order": i64_array(order)}), op,
-                         ".perm")
+        cat = named_like(top.ConcatOp([p.input for p in perms if p is not None], axis), op)
+        out = named_like(top.PermuteOp(cat.output, order), op, ".perm")
         rewriter.replace(op, [cat, out])
 
 
@@ -240,17 +234,14 @@ class FoldGqaRepeat(RewritePattern):
         kv = []
         for x, shape, tag in ((k, k_shape, ".k"), (v, v_shape, ".v")):
             if len(shape_of(x)) == 4 and shape_of(x)[1] == shape[2]:
-                p = top.PermuteOp.build([x], {"order": i64_array([0, 2, 1, 3])})
+                p = top.PermuteOp(x, [0, 2, 1, 3])
             else:  # one token: [B, H, 1, D] and [B, 1, H, D] share memory order
-                p = top.ReshapeOp.build([x], {"shape": i64_array(shape)})
+                p = top.ReshapeOp(x, shape)
             named_like(p, op, tag)
             new_ops.append(p)
             kv.append(p.output)
-        attrs = dict(op.attributes)
-        attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // n)
-        attrs.pop("operandSegmentSizes", None)
-        att = named_like(top.AttentionOp.build([op.q, kv[0], kv[1], op.mask, None, None], attrs),
-                         op)
+        att = named_like(op.with_operands(op.q, kv[0], kv[1], op.mask,
+                                          kv_heads=read_int(op.kv_heads) // n), op)
         rewriter.replace(op, [*new_ops, att])
 
 
@@ -270,9 +261,7 @@ class FuseKvHistory(RewritePattern):
         hv, v = cv.inputs
         if shape_of(hk)[1] != shape_of(hv)[1]:
             return
-        attrs = dict(op.attributes)
-        attrs.pop("operandSegmentSizes", None)
-        att = named_like(top.AttentionOp.build([op.q, k, v, op.mask, hk, hv], attrs), op)
+        att = named_like(op.with_operands(op.q, k, v, op.mask, hk, hv), op)
         rewriter.replace(op, att)
 
 
@@ -286,10 +275,8 @@ class FuseLinearWeightTranspose(RewritePattern):
             return
         if read_ints(perm.order) != [1, 0]:
             return
-        attrs = dict(op.attributes)
-        attrs["transpose_b"] = bool_attr(not read_bool(op.transpose_b))
-        attrs.pop("operandSegmentSizes", None)
-        new = top.MatMulOp.build([op.lhs, perm.input, op.bias], attrs)
+        new = top.MatMulOp(op.lhs, perm.input, op.bias, transpose_a=read_bool(op.transpose_a),
+                           transpose_b=not read_bool(op.transpose_b))
         rewriter.replace(op, named_like(new, op))
 
 
@@ -306,9 +293,8 @@ class FuseMatmulBias(RewritePattern):
                 continue
             if len(shape_of(mm.rhs)) != 2:
                 continue
-            attrs = dict(mm.attributes)
-            attrs.pop("operandSegmentSizes", None)
-            new = top.MatMulOp.build([mm.lhs, mm.rhs, b], attrs)
+            new = top.MatMulOp(mm.lhs, mm.rhs, b, transpose_a=read_bool(mm.transpose_a),
+                               transpose_b=read_bool(mm.transpose_b))
             rewriter.replace(op, named_like(new, mm))
             return
 
@@ -327,9 +313,7 @@ class UnflattenLinear(RewritePattern):
         xs, os_ = shape_of(flat.input), shape_of(op.output)
         if len(xs) < 2 or xs[:-1] != os_[:-1] or shape_of(mm.lhs)[-1] != xs[-1]:
             return
-        attrs = dict(mm.attributes)
-        attrs.pop("operandSegmentSizes", None)
-        new = top.MatMulOp.build([flat.input, mm.rhs, mm.bias], attrs)
+        new = top.MatMulOp(flat.input, mm.rhs, mm.bias, transpose_b=read_bool(mm.transpose_b))
         rewriter.replace(op, named_like(new, mm))
 
 

@@ -40,6 +40,7 @@ from toptpu.dialects.common import (
 from toptpu.dialects.naming import op_name, set_name
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
+    SliceKind,
     col_count,
     col_operand_axes,
     col_result_axis,
@@ -59,7 +60,7 @@ def divisors(n: int) -> list[int]:
 @dataclass
 class Plan:
     ops: list[Operation]
-    kind: str  # "rows" | "cols"
+    kind: SliceKind
     slices: int
     cost: float = 0.0
     inputs: list[SSAValue] = field(default_factory=list)
@@ -74,7 +75,7 @@ def _external_uses(v: SSAValue, inside: set[Operation]) -> bool:
 
 
 def plan_span(ops: list[Operation], chip: Chip, slices: int | None = None,
-              kinds: tuple[str, ...] = ("rows", "cols")) -> Plan | None:
+              kinds: tuple[SliceKind, ...] = tuple(SliceKind)) -> Plan | None:
     """The cheapest feasible plan for running `ops` as one group (None if none fits)."""
     best: Plan | None = None
     for kind in kinds:
@@ -84,11 +85,11 @@ def plan_span(ops: list[Operation], chip: Chip, slices: int | None = None,
     return best
 
 
-def _candidates(ops: list[Operation], kind: str, chip: Chip, only: int | None
+def _candidates(ops: list[Operation], kind: SliceKind, chip: Chip, only: int | None
                 ) -> list[Plan]:
     inside = set(ops)
     plans = []
-    if kind == "cols":
+    if kind == SliceKind.COLS:
         if len(ops) != 1 or not col_sliceable(ops[0]):
             return []
         counts = divisors(col_count(ops[0]))
@@ -124,12 +125,12 @@ def _row_count(ops: list[Operation]) -> int | None:
     return rows
 
 
-def _make_plan(ops: list[Operation], kind: str, s: int, inside: set[Operation]
+def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operation]
                ) -> Plan | None:
     p = Plan(ops, kind, s)
     produced: dict[SSAValue, int | None] = {}
     for op in ops:
-        if kind == "cols":
+        if kind == SliceKind.COLS:
             in_axes: tuple[int | None, ...] = col_operand_axes(op)
             out_axes: tuple[int | None, ...] = (col_result_axis(op),)
         elif s == 1:
@@ -337,7 +338,7 @@ def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
 def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
     """Build and allocate `plan`; slice further or split when the allocation fails."""
     tries = [plan]
-    for kind in ("rows", "cols"):
+    for kind in SliceKind:
         tries += sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
     for p in tries:
         if p.slices < plan.slices and p.kind == plan.kind:

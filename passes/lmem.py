@@ -27,6 +27,7 @@ The pattern repeats every two slices, so checking a window of four slices checks
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from xdsl.ir import Operation, SSAValue
 
@@ -43,11 +44,20 @@ class LocalMemoryError(Exception):
     pass
 
 
+class BufferKind(StrEnum):
+    """A local buffer's lifetime (see the module doc)."""
+
+    RESIDENT = "resident"  # loaded whole once, live for the whole group
+    SLICED = "sliced"  # a loaded slice
+    INTERMEDIATE = "intermediate"  # a computed value used inside the slice only
+    STORED = "stored"  # a computed value stored back to global memory
+
+
 @dataclass
 class LocalBuffer:
     value: SSAValue
     op: Operation
-    kind: str  # "resident" | "sliced" | "intermediate" | "stored"
+    kind: BufferKind
     copies: int
     per_lane: int
     start: int  # time of slice 0
@@ -55,7 +65,7 @@ class LocalBuffer:
     period: int  # time shift per slice (P), 0 for resident
 
     def interval(self, i: int) -> tuple[int, int]:
-        if self.kind == "resident":
+        if self.kind == BufferKind.RESIDENT:
             return (-1, BIG)
         return (self.start + i * self.period, self.end + i * self.period)
 
@@ -94,7 +104,7 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
     bufs: list[LocalBuffer] = []
     for ld in loads:
         resident = read_int(ld.slice_axis) == -1
-        kind = "resident" if resident else "sliced"
+        kind = BufferKind.RESIDENT if resident else BufferKind.SLICED
         copies = 2 if (sliced and not resident) else 1
         bufs.append(LocalBuffer(ld.output, ld, kind, copies, chip.per_lane(nbytes(ld.output)),
                                 0, period + 1 + max(last_use(ld.output), 0), period))
@@ -102,10 +112,11 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
         for r in op.results:
             start = period + 1 + k
             if r in stored:
-                kind, end = "stored", 2 * period + m + 1
+                kind, end = BufferKind.STORED, 2 * period + m + 1
                 copies = 2 if sliced else 1
             else:
-                kind, end, copies = "intermediate", period + 1 + max(last_use(r), k), 1
+                kind, end = BufferKind.INTERMEDIATE, period + 1 + max(last_use(r), k)
+                copies = 1
             bufs.append(LocalBuffer(r, op, kind, copies, chip.per_lane(nbytes(r)), start, end,
                                     period))
     return bufs

@@ -18,11 +18,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import read_bool, read_int, read_ints, shape_of
+
+
+class SliceKind(StrEnum):
+    """How a layer group slices (see the module doc)."""
+
+    ROWS = "rows"
+    COLS = "cols"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Weight recipes: how each `tpu.weight` of a compiled net is derived from float weights.
 
 `convert-top-to-tpu` records on every `tpu.weight` the Top weight it came from (`source`)
-and how (`part`: data | qweight | scales | zeros; later passes append transforms, e.g.
-weight-reorder's ".t" = transposed, so "data.t"). Together with the consuming
+and how (`part`, a `WeightPart`: data | qweight | scales | zeros | checkpoint.<field>, with
+".t" when weight-reorder stored it transposed, e.g. "data.t"). Together with the consuming
 `tpu.a16_matmul` (weight_bits, group_size, whether it has zero points, the scale storage
 type) that is a complete recipe: given *another* layer's float tensor for the same source,
 `derive_weights` produces that layer's tensors for the very same compiled net. This is how
@@ -19,9 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects import tpu
-from toptpu.dialects.common import elem_of, numpy_dtype, read_int, read_str, shape_of
+from toptpu.dialects.common import (
+    WeightPart,
+    elem_of,
+    numpy_dtype,
+    read_int,
+    read_str,
+    shape_of,
+)
 from toptpu.passes.quantize import quantize_rtn
 
 
@@ -35,7 +43,7 @@ class WeightRecipe:
 
     name: str  # the tpu.weight name
     source: str  # the Top weight name it derives from
-    part: str  # data | qweight | scales | zeros, then ".t" transforms
+    part: WeightPart  # data | qweight | scales | zeros | checkpoint.<field>, maybe ".t"
     shape: tuple[int, ...]
     dtype: np.dtype  # storage dtype of the tensor
     bits: int | None = None  # quantized parts: the consuming a16_matmul's parameters
@@ -44,17 +52,14 @@ class WeightRecipe:
     scale_dtype: np.dtype | None = None
 
     @property
-    def base_part(self) -> str:
-        return self.part.split(".", 1)[0]
+    def base_part(self) -> WeightPart:
+        """The part without its ".t" (data, qweight, ..., checkpoint.qweight, ...)."""
+        return self.part.untransposed
 
     @property
     def checkpoint_field(self) -> str | None:
         """For checkpoint parts ("checkpoint.qweight" ...): the field; else None."""
-        return self.part.split(".")[1] if self.base_part == "checkpoint" else None
-
-    @property
-    def transforms(self) -> list[str]:
-        return self.part.split(".")[2 if self.base_part == "checkpoint" else 1:]
+        return self.part.checkpoint_field
 
     @property
     def quant_key(self) -> tuple[str, int | None, int | None, bool | None, str]:
@@ -76,33 +81,23 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
         if not isinstance(op, tpu.WeightOp):
             continue
         name = op.tensor_name
-        source, part = read_str(op.source), read_str(op.part)
-        if not source or not part:
+        try:
+            part = op.weight_part
+        except VerifyException as e:
+            raise RecipeError(f"tpu.weight '{name}': {e}") from None
+        source = read_str(op.source)
+        if not source or part is None:
             raise RecipeError(f"tpu.weight '{name}' has no source/part: it cannot be derived "
                               "for other layers (was it made by convert-top-to-tpu?)")
         dt = numpy_dtype(elem_of(op.output))
-        base, *transforms = part.split(".")
-        if base == "checkpoint":
-            if not transforms or transforms[0] not in ("qweight", "scales", "zeros", "perm"):
-                raise RecipeError(f"tpu.weight '{name}' has part '{part}': checkpoint parts "
-                                  "are qweight, scales, zeros or perm")
-            transforms = transforms[1:]
-        if any(t != "t" for t in transforms):
-            raise RecipeError(f"tpu.weight '{name}' has part '{part}': the only transform "
-                              "after the base part is '.t' (transpose)")
-        if base in ("data", "checkpoint"):
+        if part.untransposed == WeightPart.DATA or part.checkpoint_field is not None:
             out.append(WeightRecipe(name, source, part, shape_of(op.output), dt))
-        elif base in ("qweight", "scales", "zeros"):
+        else:  # qweight, scales, zeros: quantized by the consuming a16_matmul's parameters
             if op not in quant:
                 raise RecipeError(f"quantized weight '{name}' ({part}) feeds no tpu.a16_matmul")
             bits, gs, sym, sdt = quant[op]
             out.append(WeightRecipe(name, source, part, shape_of(op.output), dt, bits, gs, sym,
                                     sdt))
-        else:
-            raise RecipeError(
-                f"tpu.weight '{name}' has part '{part}': only data/qweight/scales/zeros can be "
-                "re-derived per layer (pre-quantized checkpoint weights are not supported by "
-                "the per-layer binder yet)")
     return out
 
 
@@ -124,7 +119,7 @@ def derive_weights(recipes: Iterable[WeightRecipe],
                                   f"'{field}' for '{r.source}' in this layer")
             w = parts[field]
             arr = np.asarray(w)
-        elif r.base_part == "data":
+        elif r.base_part == WeightPart.DATA:
             w = float_of(r.source)
             arr = np.asarray(w).astype(r.dtype)
         else:
@@ -138,8 +133,7 @@ def derive_weights(recipes: Iterable[WeightRecipe],
             if arr_or_none is None:
                 raise RecipeError(f"'{r.name}' asks for zeros of a symmetric quantization")
             arr = arr_or_none
-        for t in r.transforms:
-            assert t == "t"
+        if r.part.transposed:
             arr = arr.T
         if tuple(arr.shape) != r.shape or arr.dtype != r.dtype:
             raise RecipeError(

@@ -26,7 +26,15 @@ from xdsl.pattern_rewriter import (
 from xdsl.rewriter import InsertPoint
 
 from toptpu.dialects import tpu
-from toptpu.dialects.common import bool_attr, elem_of, read_bool, shape_of, str_attr, tensor
+from toptpu.dialects.common import (
+    WeightPart,
+    bool_attr,
+    elem_of,
+    read_bool,
+    shape_of,
+    str_attr,
+    tensor,
+)
 from toptpu.dialects.naming import set_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
 from toptpu.passes.util import named_like
@@ -46,8 +54,8 @@ class TransposeMatmulWeight(RewritePattern):
         if name not in self.store:
             self.store[name] = np.ascontiguousarray(self.store[w.tensor_name].T)
         k, n = shape_of(w.output)
-        part = (w.part.data if w.part is not None else "data") + ".t"
-        attrs = {"name": str_attr(name), "part": str_attr(part)}
+        part = (w.weight_part or WeightPart.DATA).transpose()
+        attrs = {"name": str_attr(name), "part": part.attr}
         if w.source is not None:
             attrs["source"] = w.source
         nw = tpu.WeightOp(attributes=attrs, result_types=[tensor((n, k), elem_of(w.output))])

@@ -44,8 +44,8 @@ def test_attention_verifier() -> None:
 
 def test_result_type_is_checked_against_inference() -> None:
     (x,) = _args(tensor([2, 3], f32))
-    op = top.PermuteOp(operands=[x], attributes={"order": i64_array([1, 0])},
-                       result_types=[tensor([2, 3], f32)])
+    op = top.PermuteOp.create(operands=[x], attributes={"order": i64_array([1, 0])},
+                              result_types=[tensor([2, 3], f32)])
     with pytest.raises(VerifyException, match="inferred"):
         op.verify()
 
@@ -71,5 +71,8 @@ def test_misc_shapes() -> None:
         "dilations": i64_array([1, 1]), "groups": i64_attr(1)})
     assert conv.output.type == tensor([1, 8, 2, 2], f32)
     assert conv.flops() == 2 * 8 * 2 * 2 * 3 * 14 * 14
-    with pytest.raises(VerifyException, match="rope mode"):
-        top.RopeOp.build([img, img, img], {"mode": str_attr("spiral")})
+    rope = top.RopeOp.create(operands=[img, img, img], result_types=[img.type],
+                             attributes={"mode": str_attr("spiral")})
+    with pytest.raises(VerifyException, match='rope mode "spiral" is not one of half, '
+                                              'interleaved'):
+        rope.verify()

@@ -12,12 +12,14 @@ from __future__ import annotations
 import pytest
 from xdsl.dialects import func
 from xdsl.dialects.builtin import (
+    DenseArrayBase,
     FloatAttr,
     IntegerAttr,
     ModuleOp,
     StringAttr,
     TensorType,
     f32,
+    i1,
     i64,
 )
 from xdsl.ir import Block, Operation, Region
@@ -25,6 +27,7 @@ from xdsl.utils.exceptions import DiagnosticException, VerifyException
 
 from helpers import run_tool
 from toptpu.dialects import top, tpu
+from toptpu.dialects.common import ComparePredicate, ReduceMode, RopeMode
 from toptpu.dialects.irdl_export import BUILTIN_BASES, export_irdl
 from toptpu.dialects.mlir_check import MlirCheckError, verify_with_irdl
 from toptpu.frontends.hf_layers import import_decoder_layer
@@ -262,6 +265,31 @@ def test_cast_dtype_is_an_element_type_on_both_sides() -> None:
         m = ModuleOp([func.FuncOp("main", ([t], []), Region(block))])
         assert _xdsl_accepts(m) == ok
         _agree(m, "top.cast", f"cast dtype {dtype}")
+
+
+@pytest.mark.parametrize("dialect", ["top", "tpu"])
+def test_enum_values_are_checked_on_both_sides(dialect: str) -> None:
+    """A required enum attribute (compare predicate, reduce mode, rope mode): its values
+    verify in xDSL and in MLIR (irdl.any_of of irdl.is "<value>"); an unknown value is
+    rejected by both, MLIR naming the op."""
+    d = top if dialect == "top" else tpu
+    x, c = TensorType(f32, [1, 2, 2, 8]), TensorType(f32, [1, 2, 1, 8])
+    m = TensorType(f32, [1, 2, 2, 1])
+    cases = [(d.CompareOp, [x, x], TensorType(i1, [1, 2, 2, 8]), "predicate", ComparePredicate,
+              {}),
+             (d.ReduceOp, [x], m, "mode", ReduceMode,
+              {"axes": DenseArrayBase.from_list(i64, [3]), "keepdims": IntegerAttr(1, i1)}),
+             (d.RopeOp, [x, c, c], x, "mode", RopeMode, {})]
+    for cls, arg_types, result, attr, enum, others in cases:
+        for value in [*(m.value for m in enum), "bogus"]:
+            block = Block(arg_types=arg_types)
+            op = cls.create(operands=list(block.args), result_types=[result],
+                            attributes={attr: StringAttr(value), **others})
+            block.add_op(op)
+            block.add_op(func.ReturnOp())
+            module = ModuleOp([func.FuncOp("main", (arg_types, []), Region(block))])
+            assert _xdsl_accepts(module) == (value != "bogus"), (cls.name, value)
+            _agree(module, cls.name, f"{cls.name} {attr} = {value!r}")
 
 
 # --------------------------------------------------------------------------- known gaps

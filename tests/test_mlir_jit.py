@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, StringAttr, bf16, f16, f32, i32, i64
+from xdsl.dialects.builtin import ModuleOp, bf16, f16, f32, i32, i64
 from xdsl.ir import Block, Region, SSAValue
 
 from helpers import run_tool
@@ -53,8 +53,7 @@ class Fn:
         from toptpu.dialects.common import element_type_of_numpy
 
         self.store[name] = arr
-        o = top.WeightOp(attributes={"name": StringAttr(name)},
-                         result_types=[tensor(arr.shape, element_type_of_numpy(arr.dtype))])
+        o = top.WeightOp(name, tensor(arr.shape, element_type_of_numpy(arr.dtype)))
         self.block.add_op(o)
         return o.results[0]
 
@@ -240,8 +239,8 @@ def test_the_oracle_names_a_broken_numpy_kernel(tiny_models, monkeypatch) -> Non
     from toptpu.compare import IRStage, MLIRStage, compare_stages
 
     module, store, feeds, _ = _layer(tiny_models, "qwen2")
-    good = interpreter.EVALUATORS["top.rope"]
-    monkeypatch.setitem(interpreter.EVALUATORS, "top.rope",
+    good = interpreter.EVALUATORS[top.RopeOp]
+    monkeypatch.setitem(interpreter.EVALUATORS, top.RopeOp,
                         lambda op, args, ctx: [good(op, args, ctx)[0] + 0.5])
     rep = compare_stages(MLIRStage("mlir", module, store), IRStage("top", module, store), feeds,
                          0.99999, compare_all=True)

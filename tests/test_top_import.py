@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.dialects.naming import source_of
 from toptpu.frontends.fx_importer import UnsupportedOpError, import_module
 from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
 from toptpu.metrics import similarity
@@ -92,3 +95,12 @@ def test_unsupported_op_names_the_op_and_the_source_line() -> None:
     msg = str(err.value)
     assert "aten.cumsum" in msg
     assert "test_top_import.py" in msg and "torch.cumsum(x, dim=-1)" in msg
+
+
+def test_locations_name_source_files_by_import_path_not_install_path(tiny_models) -> None:
+    """The IR (and so the model file's bytes) must not depend on where Python, the packages
+    or this checkout live: a location names 'transformers/models/...', not '/usr/...'."""
+    module, _, _, _ = _import_layer(tiny_models, "qwen2", length=4)
+    files = {where.rsplit(":", 1)[0] for op in module.walk() if (where := source_of(op))}
+    assert "transformers/models/qwen2/modeling_qwen2.py" in files, files
+    assert not any(os.path.isabs(f) for f in files), files

@@ -78,8 +78,7 @@ def test_needed_names_are_the_module_s_weights_with_their_annexes() -> None:
     store = WeightStore.from_arrays({
         "fc.weight": arr, checkpoint_key("fc.weight", "qweight"): arr, CHECKPOINT_MODEL: arr,
         "fc.weightx": arr, "other.weight": arr, checkpoint_key("other.weight", "scales"): arr})
-    m = ModuleOp([top.WeightOp(attributes={"name": StringAttr("fc.weight")},
-                               result_types=[tensor((4,), f32)])])
+    m = ModuleOp([top.WeightOp("fc.weight", tensor((4,), f32))])
     assert needed_names(m, store) == sorted(
         ["fc.weight", checkpoint_key("fc.weight", "qweight"), CHECKPOINT_MODEL])
 

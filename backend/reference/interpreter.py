@@ -2,8 +2,9 @@
 
 `Interpreter(module).run(inputs)` returns the function outputs by name and, with
 `keep_all=True`, every intermediate tensor by its location name (the names stage
-comparison uses). Evaluators are looked up in a table by op name; the Tpu interpreter
-adds its own entries to the same table mechanism.
+comparison uses). Evaluators are looked up in a table by op class (`EVALUATORS`,
+`evaluator_for`); a Tpu op shares the evaluator of its Top counterpart, the Tpu-only ops
+register their own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from toptpu.dialects.common import (
     read_float,
     read_int,
     read_ints,
-    read_str,
     shape_of,
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
@@ -42,16 +42,38 @@ class EvalContext:
 
 Evaluator = Callable[[Operation, Arrays, EvalContext], Sequence[np.ndarray]]
 
-EVALUATORS: dict[str, Evaluator] = {}
+#: op class -> the function computing its results (a Tpu op shares its Top counterpart's,
+#: see `tpu.TPU_OF_TOP`); look ops up with `evaluator_for`
+EVALUATORS: dict[type[Operation], Evaluator] = {}
 
 
-def evaluates(*names: str) -> Callable[[Evaluator], Evaluator]:
+class NoEvaluatorError(NotImplementedError):
+    """An op the interpreter has no evaluator for; the message names it."""
+
+
+def evaluates(*ops: type[Operation]) -> Callable[[Evaluator], Evaluator]:
+    """Register the decorated function as the evaluator of `ops` (op classes)."""
+
     def deco(fn: Evaluator) -> Evaluator:
-        for n in names:
-            EVALUATORS[n] = fn
+        for op in ops:
+            if op in EVALUATORS:
+                raise ValueError(f"'{op.name}' has two evaluators: {EVALUATORS[op].__name__} "
+                                 f"and {fn.__name__}")
+            EVALUATORS[op] = fn
         return fn
 
     return deco
+
+
+def evaluator_for(op: Operation, table: Mapping[type[Operation], Evaluator] = EVALUATORS
+                  ) -> Evaluator:
+    """The evaluator of `op`'s class; NoEvaluatorError naming the op when it has none."""
+    fn = table.get(type(op))
+    if fn is None:
+        raise NoEvaluatorError(f"the interpreter has no evaluator for '{op.name}' "
+                               f"({type(op).__module__}.{type(op).__qualname__}); register "
+                               "one with @evaluates in backend/reference/interpreter.py")
+    return fn
 
 
 def _out_dtype(op: Operation, i: int = 0) -> np.dtype:
@@ -63,7 +85,7 @@ def _out_dtype(op: Operation, i: int = 0) -> np.dtype:
 # --------------------------------------------------------------------------- Top evaluators
 
 
-@evaluates("top.weight", "tpu.weight")
+@evaluates(top.WeightOp, tpu.WeightOp)
 def _weight(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     assert isinstance(op, top.WeightBase)
     if ctx.store is None:
@@ -78,192 +100,188 @@ def _weight(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarra
     return [arr]
 
 
-@evaluates("top.constant")
+@evaluates(top.ConstantOp)
 def _constant(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     assert isinstance(op, top.ConstantBase)
     return [constant_value(op.value)]
 
 
-@evaluates(*(op.name for op in top.UNARY_ELEMENTWISE))
+@evaluates(*top.UNARY_ELEMENTWISE)
 def _unary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     """Every op of `top.UNARY_ELEMENTWISE`: the kernel of its kind (`top.silu` -> "silu")."""
-    kind = op.name.split(".", 1)[1]
-    assert args[0] is not None
-    return [K.unary(kind, args[0], _out_dtype(op))]
+    assert isinstance(op, top.UnaryOp) and args[0] is not None
+    return [K.unary(op.op_kind(), args[0], _out_dtype(op))]
 
 
-@evaluates("top.gelu")
+@evaluates(top.GeluOp)
 def _gelu(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.unary("gelu", args[0], _out_dtype(op),
-                    approximate=read_str(op.attributes.get("approximate"), "none"))]
+    assert isinstance(op, top.GeluBase) and args[0] is not None
+    return [K.unary("gelu", args[0], _out_dtype(op), approximate=op.approximation)]
 
 
-@evaluates("top.pow")
+@evaluates(top.PowOp)
 def _pow(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.unary("pow", args[0], _out_dtype(op),
-                    exponent=read_float(op.attributes["exponent"]))]
+    assert isinstance(op, top.PowBase) and args[0] is not None
+    return [K.unary("pow", args[0], _out_dtype(op), exponent=read_float(op.exponent))]
 
 
-@evaluates("top.add_const", "top.sub_const", "top.mul_const", "top.div_const")
+@evaluates(top.AddConstOp, top.SubConstOp, top.MulConstOp, top.DivConstOp)
 def _const_binary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    kind = op.name.split(".", 1)[1].removesuffix("_const")
-    assert args[0] is not None
-    return [K.binary_const(kind, args[0], read_float(op.attributes["value"]),
-                           read_bool(op.attributes.get("reverse")), _out_dtype(op))]
+    assert isinstance(op, top.ConstBinaryOp) and args[0] is not None
+    kind = op.op_kind().removesuffix("_const")
+    return [K.binary_const(kind, args[0], read_float(op.value), read_bool(op.reverse),
+                           _out_dtype(op))]
 
 
-@evaluates("top.add", "top.sub", "top.mul", "top.div", "top.max", "top.min")
+@evaluates(top.AddOp, top.SubOp, top.MulOp, top.DivOp, top.MaxOp, top.MinOp)
 def _binary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    kind = op.name.split(".", 1)[1]
-    assert args[0] is not None and args[1] is not None
-    return [K.binary(kind, args[0], args[1], _out_dtype(op))]
+    assert isinstance(op, top.BinaryOp) and args[0] is not None and args[1] is not None
+    return [K.binary(op.op_kind(), args[0], args[1], _out_dtype(op))]
 
 
-@evaluates("top.compare")
+@evaluates(top.CompareOp)
 def _compare(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None and args[1] is not None
-    return [K.compare(read_str(op.attributes["predicate"]), args[0], args[1])]
+    assert isinstance(op, top.CompareBase) and args[0] is not None and args[1] is not None
+    return [K.compare(op.compare_predicate, args[0], args[1])]
 
 
-@evaluates("top.where")
+@evaluates(top.WhereOp)
 def _where(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     c, a, b = args
     assert c is not None and a is not None and b is not None
     return [K.where(c, a, b, _out_dtype(op))]
 
 
-@evaluates("top.cast")
+@evaluates(top.CastOp)
 def _cast(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     assert args[0] is not None
     return [K.cast(args[0], _out_dtype(op))]
 
 
-@evaluates("top.softmax")
+@evaluates(top.SoftmaxOp)
 def _softmax(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.softmax(args[0], read_int(op.attributes["axis"]), _out_dtype(op))]
+    assert isinstance(op, top.SoftmaxBase) and args[0] is not None
+    return [K.softmax(args[0], read_int(op.axis), _out_dtype(op))]
 
 
-@evaluates("top.reduce")
+@evaluates(top.ReduceOp)
 def _reduce(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    a = op.attributes
-    return [K.reduce(args[0], read_str(a["mode"]), read_ints(a["axes"]),
-                     read_bool(a["keepdims"]), _out_dtype(op))]
+    assert isinstance(op, top.ReduceBase) and args[0] is not None
+    return [K.reduce(args[0], op.reduce_mode, read_ints(op.axes), read_bool(op.keepdims),
+                     _out_dtype(op))]
 
 
-@evaluates("top.rms_norm")
+@evaluates(top.RmsNormOp)
 def _rms_norm(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.rms_norm(args[0], args[1], read_float(op.attributes["eps"]), _out_dtype(op))]
+    assert isinstance(op, top.RmsNormBase) and args[0] is not None
+    return [K.rms_norm(args[0], args[1], read_float(op.eps), _out_dtype(op))]
 
 
-@evaluates("top.layer_norm")
+@evaluates(top.LayerNormOp)
 def _layer_norm(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.layer_norm(args[0], args[1], args[2], read_float(op.attributes["eps"]),
-                         read_int(op.attributes["axis"]), _out_dtype(op))]
+    assert isinstance(op, top.LayerNormBase) and args[0] is not None
+    return [K.layer_norm(args[0], args[1], args[2], read_float(op.eps), read_int(op.axis),
+                         _out_dtype(op))]
 
 
-@evaluates("top.rope")
+@evaluates(top.RopeOp)
 def _rope(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     x, c, s = args
+    assert isinstance(op, top.RopeBase)
     assert x is not None and c is not None and s is not None
-    return [K.rope(x, c, s, read_str(op.attributes["mode"]), _out_dtype(op))]
+    return [K.rope(x, c, s, op.rope_mode, _out_dtype(op))]
 
 
-@evaluates("top.attention")
+@evaluates(top.AttentionOp)
 def _attention(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     q, k, v, mask, hk, hv = args
+    assert isinstance(op, top.AttentionBase)
     assert q is not None and k is not None and v is not None
-    return [K.attention(q, k, v, mask, read_float(op.attributes["scale"]), hk, hv,
-                        read_bool(op.attributes.get("causal")), _out_dtype(op))]
+    return [K.attention(q, k, v, mask, read_float(op.scale), hk, hv, read_bool(op.causal),
+                        _out_dtype(op))]
 
 
-@evaluates("top.matmul")
+@evaluates(top.MatMulOp)
 def _matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     a, b, bias = args
-    assert a is not None and b is not None
-    return [K.matmul(a, b, bias, read_bool(op.attributes.get("transpose_a")),
-                     read_bool(op.attributes.get("transpose_b")), _out_dtype(op))]
+    assert isinstance(op, top.MatMulBase) and a is not None and b is not None
+    return [K.matmul(a, b, bias, read_bool(op.transpose_a), read_bool(op.transpose_b),
+                     _out_dtype(op))]
 
 
-@evaluates("top.gather")
+@evaluates(top.GatherOp)
 def _gather(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     t, idx = args
-    assert t is not None and idx is not None
-    return [K.gather(t, idx, read_int(op.attributes["axis"]))]
+    assert isinstance(op, top.GatherBase) and t is not None and idx is not None
+    return [K.gather(t, idx, read_int(op.axis))]
 
 
-@evaluates("top.topk")
+@evaluates(top.TopKOp)
 def _topk(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    a = op.attributes
-    vals, idx = K.topk(args[0], read_int(a["k"]), read_int(a["axis"]),
-                       read_bool(a.get("largest"), True))
+    assert isinstance(op, top.TopKBase) and args[0] is not None
+    vals, idx = K.topk(args[0], read_int(op.k), read_int(op.axis),
+                       read_bool(op.largest, True))
     return [vals, idx]
 
 
-@evaluates("top.conv2d")
+@evaluates(top.Conv2dOp)
 def _conv2d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     x, w, b = args
-    assert x is not None and w is not None
-    a = op.attributes
-    return [K.conv2d(x, w, b, read_ints(a["strides"]), read_ints(a["pads"]),
-                     read_ints(a["dilations"]), read_int(a["groups"]), _out_dtype(op))]
+    assert isinstance(op, top.Conv2dBase) and x is not None and w is not None
+    return [K.conv2d(x, w, b, read_ints(op.strides), read_ints(op.pads),
+                     read_ints(op.dilations), read_int(op.groups), _out_dtype(op))]
 
 
-@evaluates("top.reshape")
+@evaluates(top.ReshapeOp)
 def _reshape(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.reshape(args[0], read_ints(op.attributes["shape"]))]
+    assert isinstance(op, top.ReshapeBase) and args[0] is not None
+    return [K.reshape(args[0], read_ints(op.shape))]
 
 
-@evaluates("top.permute")
+@evaluates(top.PermuteOp)
 def _permute(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.permute(args[0], read_ints(op.attributes["order"]))]
+    assert isinstance(op, top.PermuteBase) and args[0] is not None
+    return [K.permute(args[0], read_ints(op.order))]
 
 
-@evaluates("top.expand")
+@evaluates(top.ExpandOp)
 def _expand(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.expand(args[0], read_ints(op.attributes["shape"]))]
+    assert isinstance(op, top.ExpandBase) and args[0] is not None
+    return [K.expand(args[0], read_ints(op.shape))]
 
 
-@evaluates("top.concat")
+@evaluates(top.ConcatOp)
 def _concat(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    return [K.concat([a for a in args if a is not None], read_int(op.attributes["axis"]))]
+    assert isinstance(op, top.ConcatBase)
+    return [K.concat([a for a in args if a is not None], read_int(op.axis))]
 
 
-@evaluates("top.slice")
+@evaluates(top.SliceOp)
 def _slice(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    a = op.attributes
-    axis = read_int(a["axis"]) % args[0].ndim
-    return [K.slice_(args[0], axis, read_int(a["start"]), read_int(a["end"]),
-                     read_int(a["step"]))]
+    assert isinstance(op, top.SliceBase) and args[0] is not None
+    axis = read_int(op.axis) % args[0].ndim
+    return [K.slice_(args[0], axis, read_int(op.start), read_int(op.end), read_int(op.step))]
 
 
 # --------------------------------------------------------------------------- Tpu evaluators
 
 # Tpu ops share Top's operands and attributes; the result type carries the storage dtype
 # the shared evaluators round to.
-for _name in [n for n in EVALUATORS if n.startswith("top.")]:
-    EVALUATORS["tpu." + _name[4:]] = EVALUATORS[_name]
+for _top_op, _tpu_op in tpu.TPU_OF_TOP.items():
+    if _top_op in EVALUATORS and _tpu_op not in EVALUATORS:
+        EVALUATORS[_tpu_op] = EVALUATORS[_top_op]
 
 
-@evaluates("tpu.a16_matmul")
+@evaluates(tpu.A16MatMulOp)
 def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     x, q, s, z, b = args
+    assert isinstance(op, tpu.A16MatMulOp)
     assert x is not None and q is not None and s is not None
-    return [K.a16_matmul(x, q, s, z, b, read_int(op.attributes["weight_bits"]),
-                         read_int(op.attributes["group_size"]), _out_dtype(op))]
+    return [K.a16_matmul(x, q, s, z, b, read_int(op.weight_bits), read_int(op.group_size),
+                         _out_dtype(op))]
 
 
-@evaluates("tpu.group")
+@evaluates(tpu.GroupOp)
 def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     """Run a layer group slice by slice, as the machine does (without its memories)."""
     assert isinstance(op, tpu.GroupOp)
@@ -325,11 +343,9 @@ def operand_arrays(op: Operation, env: Mapping[SSAValue, np.ndarray]) -> Arrays:
 
 
 def evaluate_op(op: Operation, args: Arrays, ctx: EvalContext,
-                table: Mapping[str, Evaluator] = EVALUATORS) -> Sequence[np.ndarray]:
-    fn = table.get(op.name)
-    if fn is None:
-        raise NotImplementedError(f"the interpreter has no evaluator for '{op.name}'")
-    return fn(op, args, ctx)
+                table: Mapping[type[Operation], Evaluator] = EVALUATORS
+                ) -> Sequence[np.ndarray]:
+    return evaluator_for(op, table)(op, args, ctx)
 
 
 @dataclass
@@ -357,7 +373,7 @@ class Interpreter:
     """Evaluate a module's function op by op (Top ops; Tpu adds evaluators)."""
 
     def __init__(self, module: ModuleOp, store: WeightStore | None = None,
-                 table: Mapping[str, Evaluator] = EVALUATORS) -> None:
+                 table: Mapping[type[Operation], Evaluator] = EVALUATORS) -> None:
         """`store`: the module's weights; without it, the file the module names (a module
         without weights needs none)."""
         self.module = module

@@ -44,10 +44,11 @@ from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import (
-    EVALUATORS,
     EvalContext,
     Evaluator,
+    NoEvaluatorError,
     constant_value,
+    evaluator_for,
     find_func,
 )
 from toptpu.dialects import top, tpu
@@ -132,9 +133,10 @@ class _Plan:
             if isinstance(op, top.ConstantBase):
                 self.constants.append((vid(op.results[0]), constant_value(op.value)))
                 continue
-            fn_ = EVALUATORS.get(op.name)
-            if fn_ is None:
-                raise ExecutorError(f"the interpreter has no evaluator for '{op.name}'")
+            try:
+                fn_ = evaluator_for(op)
+            except NoEvaluatorError as e:
+                raise ExecutorError(str(e)) from None
             groups = op.operand_groups() if isinstance(op, ShapedOp) else list(op.operands)
             step = _Step(op, fn_, [vid(v) if v is not None else None for v in groups],
                          [vid(r) for r in op.results])

@@ -34,6 +34,7 @@ from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, evaluate_op
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import compute_cycles, dma_cycles
+from toptpu.dialects import tpu
 from toptpu.dialects.common import read_int
 from toptpu.dialects.ir_text import parse_ir
 
@@ -157,7 +158,7 @@ class LoadedNet:
         for c in program.commands:
             if c["e"] == "cmp" or c.get("dir") == "gather":
                 op = self.ops[c["op"]]
-                if op.name not in EVALUATORS:
+                if type(op) not in EVALUATORS:
                     raise MachineTrap(f"command {c['id']}: no kernel for '{op.name}'")
 
 
@@ -342,9 +343,9 @@ class Machine:
                                              np.dtype(ref["dtype"]), who))
             else:
                 args.append(self.read_local(ref, who))
-        if op.name == "tpu.a16_matmul":
+        if isinstance(op, tpu.A16MatMulOp):
             results = [self._a16_matmul(op, c, args)]
-        elif op.name == "tpu.matmul" and c["ins"][1] and c["ins"][1]["buf"] in self._prov:
+        elif isinstance(op, tpu.MatMulOp) and c["ins"][1] and c["ins"][1]["buf"] in self._prov:
             w = args[1]
             assert w is not None
             args[1] = self._cached(("f32", self._prov[c["ins"][1]["buf"]]), lambda: K.f32(w))

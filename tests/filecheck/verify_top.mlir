@@ -6,7 +6,7 @@
 // --verify-diagnostics prints its diagnostic and goes on to the next chunk (an op that
 // verified would print IR instead, and its CHECK would not match). The second run line: the
 // first chunk alone stops toptpu-opt with exit status 1 and no traceback.
-// gelu: approximate is 'none' or 'tanh'
+// gelu: approximate is 'none' or 'tanh' (a GeluApproximation)
 builtin.module {
   func.func @f(%x: tensor<2x3xf32>) -> tensor<2x3xf32> {
     %0 = "top.gelu"(%x) {approximate = "fast"} : (tensor<2x3xf32>) -> tensor<2x3xf32>
@@ -15,11 +15,11 @@ builtin.module {
 }
 // CHECK:      verify_top.mlir (the chunk from line 1):12:5
 // CHECK-NEXT: "top.gelu"(%x)
-// CHECK:      top.gelu approximate must be 'none' or 'tanh'
+// CHECK:      gelu approximation "fast" is not one of none, tanh
 
 // EXIT:      toptpu-opt: the IR does not verify:
 // EXIT-NEXT: verify_top.mlir (the chunk from line 1):12:5
-// EXIT:      top.gelu approximate must be 'none' or 'tanh'
+// EXIT:      gelu approximation "fast" is not one of none, tanh
 // EXIT-NOT:  Traceback
 
 // -----
@@ -56,7 +56,7 @@ builtin.module {
 }
 // CHECK:      verify_top.mlir (the chunk from line 49):5:5
 // CHECK-NEXT: "top.compare"(%x, %x)
-// CHECK:      'top.compare': predicate must be one of eq, ne, lt, le, gt, ge
+// CHECK:      compare predicate "lte" is not one of eq, ne, lt, le, gt, ge
 
 // -----
 // where: both branches of one element type
@@ -92,7 +92,7 @@ builtin.module {
 }
 // CHECK:      verify_top.mlir (the chunk from line 85):5:5
 // CHECK-NEXT: "top.reduce"(%x)
-// CHECK:      'top.reduce': reduce mode must be mean, sum, max or min
+// CHECK:      reduce mode "prod" is not one of mean, sum, max, min
 
 // -----
 // rms_norm: the weight matches the last axis
@@ -128,7 +128,7 @@ builtin.module {
 }
 // CHECK:      verify_top.mlir (the chunk from line 121):5:5
 // CHECK-NEXT: "top.rope"(%x, %c, %c)
-// CHECK:      'top.rope': rope mode must be 'half' or 'interleaved'
+// CHECK:      rope mode "full" is not one of half, interleaved
 
 // -----
 // rope: an even head dimension

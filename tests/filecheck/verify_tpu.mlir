@@ -310,3 +310,15 @@ builtin.module {
 // CHECK:      verify_tpu.mlir (the chunk from line 302):5:{{[0-9]+}}
 // CHECK-NEXT: "tpu.store"
 // CHECK:      tpu.store slice of 3 does not divide the axis of size 8
+
+// -----
+// weight: a known part (transposed at most once)
+builtin.module {
+  func.func @f() -> tensor<32x64xf32> {
+    %0 = "tpu.weight"() {name = "fc.weight.t.t", source = "fc.weight", part = "data.t.t"} : () -> tensor<32x64xf32>
+    func.return %0 : tensor<32x64xf32>
+  }
+}
+// CHECK:      verify_tpu.mlir (the chunk from line 314):5:{{[0-9]+}}
+// CHECK-NEXT: "tpu.weight"
+// CHECK:      weight part "data.t.t" is not one of data, qweight, scales, zeros, checkpoint.qweight, checkpoint.scales, checkpoint.zeros, checkpoint.perm, data.t, qweight.t, scales.t, zeros.t, checkpoint.qweight.t, checkpoint.scales.t, checkpoint.zeros.t, checkpoint.perm.t

@@ -1,0 +1,63 @@
+"""The interpreter's evaluator table, keyed by op class: every compute op has one, a Tpu op
+shares its Top counterpart's, and an op without one is a clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from xdsl.dialects import func
+from xdsl.dialects.builtin import f32
+from xdsl.ir import Block
+
+from toptpu.backend.reference import interpreter
+from toptpu.backend.reference.interpreter import (
+    EVALUATORS,
+    EvalContext,
+    NoEvaluatorError,
+    evaluate_op,
+    evaluates,
+    evaluator_for,
+)
+from toptpu.dialects import top, tpu
+from toptpu.dialects.common import tensor
+
+#: ops the interpreter runs as part of another (the layer group runs its loads, stores and
+#: terminator itself)
+INSIDE_GROUPS = {tpu.LoadOp, tpu.StoreOp, tpu.YieldOp}
+
+
+def test_every_op_has_an_evaluator_and_tpu_shares_top_s() -> None:
+    missing = [op.name for op in (*top.Top.operations, *tpu.Tpu.operations)
+               if op not in EVALUATORS and op not in INSIDE_GROUPS]
+    assert missing == []
+    for top_op, tpu_op in tpu.TPU_OF_TOP.items():
+        assert EVALUATORS[tpu_op] is EVALUATORS[top_op], tpu_op.name
+    assert set(EVALUATORS) <= {*top.Top.operations, *tpu.Tpu.operations}
+
+
+def test_an_op_without_an_evaluator_is_named() -> None:
+    with pytest.raises(NoEvaluatorError, match=r"no evaluator for 'func.return' "
+                                               r"\(xdsl.dialects.func.ReturnOp\)"):
+        evaluator_for(func.ReturnOp())
+    with pytest.raises(NoEvaluatorError, match="'tpu.yield'"):
+        evaluate_op(tpu.YieldOp(operands=[[]]), [], EvalContext(None))
+
+
+def test_a_second_evaluator_for_an_op_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interpreter, "EVALUATORS", dict(EVALUATORS))
+    with pytest.raises(ValueError, match="'top.rope' has two evaluators: _rope and other"):
+        @evaluates(top.RopeOp)
+        def other(*_: object) -> list[np.ndarray]:
+            return []
+
+
+def test_top_and_tpu_unary_ops_compute_alike() -> None:
+    """A derived Tpu unary op runs the kernel of its kind, as its Top op does."""
+    x = np.linspace(0.25, 3, 12, dtype=np.float32).reshape(3, 4)
+    (arg,) = Block(arg_types=[tensor(x.shape, f32)]).args
+    for top_op, tpu_op in tpu.UNARY_ELEMENTWISE.items():
+        a = top_op.build([arg])
+        b = tpu_op.build([arg])
+        ra = evaluate_op(a, [x], EvalContext(None))[0]
+        rb = evaluate_op(b, [x], EvalContext(None))[0]
+        assert ra.tobytes() == rb.tobytes(), top_op.name
