@@ -235,7 +235,7 @@ class StreamedWeights:
             parts = derive_weights([_block_recipe(r, n) for r in recipes], lambda _, b=block: b)
             for r in recipes:
                 target = out[r.name]
-                if len(r.transforms) % 2:
+                if r.part.transposed:
                     target[:, rows] = parts[r.name]
                 else:
                     target[rows] = parts[r.name]
@@ -252,8 +252,8 @@ def _row_blocks(shape: tuple[int, ...]) -> Iterator[slice]:
 
 def _block_recipe(r: WeightRecipe, rows: int) -> WeightRecipe:
     """`r` for a block of `rows` rows of its source: the rows are the output's first axis,
-    or its second after an odd number of transposes."""
+    or its second when it is stored transposed."""
     if len(r.shape) != 2:
         raise ValueError(f"'{r.name}': only 2-D shared tensors are derived in blocks")
-    shape = (r.shape[0], rows) if len(r.transforms) % 2 else (rows, r.shape[1])
+    shape = (r.shape[0], rows) if r.part.transposed else (rows, r.shape[1])
     return replace(r, shape=shape)
