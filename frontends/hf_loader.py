@@ -11,6 +11,10 @@ cannot honour. Every problem is a `ModelLoadError` naming the thing and what to 
 
 Supported families (`model_type`): qwen2 (Qwen2, Qwen2.5), qwen3 (with q/k norm),
 llama (Llama 2 and Llama 3, including llama3 rope scaling and tied embeddings).
+
+`load_model` builds the whole model in float32; the compiler streams a float directory
+instead (`frontends.streaming.load_streaming`: a skeleton, one layer's tensors at a time),
+with the same checks (`read_model_dir`, `check_checkpoint`, `tokenizer_files`).
 """
 
 from __future__ import annotations
