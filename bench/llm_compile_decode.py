@@ -1,16 +1,26 @@
-"""Full compile time of a 24-layer Qwen2.5-0.5B-shaped model, and decode tokens/s of the
-compiled model file on our executor vs transformers eager on the CPU, in the same run.
+"""Full compile time of a 24-layer Qwen2.5-0.5B-shaped model, and prefill and decode
+tokens/s of the compiled model file on our executors vs transformers eager on the CPU, all
+in the same run.
 
 The model has Qwen2.5-0.5B's public shape (hidden 896, intermediate 4864, 14 heads, 2 KV
 heads, vocab 151936, tied embeddings) with seeded random weights; nothing is downloaded.
 Compile: `toptpu.compile` to a model file (default w4bf16, seq 512), timed end to end with
-its per-stage breakdown. Decode: greedy, EOS ignored, the same prompt ids for both; ours runs
-on the reference machine by default (`--executor interpreter`: the numpy Tpu interpreter),
-and reports host wall time and modelled chip time; transformers runs the float32 model in
-eager PyTorch (no compile).
+its per-stage breakdown. Then, greedy with EOS ignored and the same prompt ids for all:
+
+- prefill: the prompt (default 128 tokens, one `max_input_length` chunk) to the first
+  token, as tokens/s of host wall time;
+- decode: tokens/s after the first token.
+
+Ours runs on the reference machine in its fast mode (the default of `toptpu run`/`chat`) and
+in its checked mode (the tests' mode: bytes really live in local memory), and on the numpy
+Tpu interpreter (`--executors` picks among `fast,checked,interpreter`); the machine also
+reports modelled chip time. transformers runs the float32 model in eager PyTorch (no
+compile). Each is measured `--repeat` times, alternating, and the best run is reported; the
+ratios are ours / transformers.
 
 Run: python bench/llm_compile_decode.py [--layers 24] [--mode w4bf16] [--seq 512]
-         [--input 128] [--prompt 32] [--decode 8] [--hf-decode 32]
+         [--input 128] [--prompt 128] [--decode 8] [--hf-decode 32]
+         [--executors fast,checked,interpreter] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -19,18 +29,46 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
+from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
+from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.compiler import compile as compile_model
 from toptpu.frontends.tiny_models import qwen25_05b_config
 
+#: our executors: bench name -> label
+EXECUTORS = {
+    "fast": "machine, fast mode",
+    "checked": "machine, checked mode",
+    "interpreter": "Tpu interpreter",
+}
 
-def hf_decode_rate(model: Qwen2ForCausalLM, ids: list[int], n: int) -> tuple[float, float]:
-    """(time to first token, decode tokens/s) of transformers greedy generate."""
+
+@dataclass
+class Rates:
+    prefill: float  # prompt tokens / s to the first token
+    decode: float  # tokens / s after the first
+    modelled_decode: float | None = None
+
+
+def open_runtime(kind: str, path: str) -> Runtime:
+    if kind == "interpreter":
+        return Runtime(InterpreterExecutor(path))
+    return Runtime(MachineExecutor(path, checked=kind == "checked"))
+
+
+def our_rates(rt: Runtime, ids: list[int], n: int) -> Rates:
+    r = rt.generate(ids, n + 1, stop_on_eos=False)
+    return Rates(len(ids) / r.ttft_s, r.decode_tokens_per_s or 0.0, r.modelled_tokens_per_s)
+
+
+def hf_rates(model: Qwen2ForCausalLM, ids: list[int], n: int) -> Rates:
+    """Prefill and decode rates of transformers greedy generate."""
     x = torch.tensor([ids])
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
@@ -42,7 +80,14 @@ def hf_decode_rate(model: Qwen2ForCausalLM, ids: list[int], n: int) -> tuple[flo
         out = model.generate(x, max_new_tokens=n + 1, **kw)
         total = time.perf_counter() - t
     assert out.shape[1] == len(ids) + n + 1
-    return ttft, n / max(total - ttft, 1e-9)
+    return Rates(len(ids) / ttft, n / max(total - ttft, 1e-9))
+
+
+def best(a: Rates | None, b: Rates) -> Rates:
+    if a is None:
+        return b
+    return Rates(max(a.prefill, b.prefill), max(a.decode, b.decode),
+                 b.modelled_decode if b.modelled_decode is not None else a.modelled_decode)
 
 
 def main() -> None:
@@ -51,14 +96,19 @@ def main() -> None:
     ap.add_argument("--mode", default="w4bf16")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--input", type=int, default=128, help="max_input_length")
-    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    ap.add_argument("--decode", type=int, default=8, help="tokens decoded by our executor")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
+    ap.add_argument("--decode", type=int, default=8, help="tokens decoded by our executors")
     ap.add_argument("--hf-decode", type=int, default=32, help="tokens decoded by transformers")
     ap.add_argument("--repeat", type=int, default=2,
-                    help="measure both decoders alternately this many times; report the best")
+                    help="measure all alternately this many times; report the best")
     ap.add_argument("--out", help="directory for the model file (default: a temp dir)")
-    ap.add_argument("--executor", default="machine", choices=["machine", "interpreter"])
+    ap.add_argument("--executors", default="fast,checked,interpreter",
+                    help=f"comma-separated, of {', '.join(EXECUTORS)}")
     a = ap.parse_args()
+    kinds = [k.strip() for k in a.executors.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in EXECUTORS]
+    if unknown or not kinds:
+        ap.error(f"--executors: unknown {unknown}; choose among {', '.join(EXECUTORS)}")
 
     cfg = qwen25_05b_config(a.layers, eos_token_id=151645)
     torch.manual_seed(0)
@@ -83,26 +133,27 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     ids = [int(i) for i in rng.integers(0, 1000, a.prompt)]
-    rt = Runtime.open(path, a.executor)
-    best_ours, best_hf = None, None
-    for _ in range(a.repeat):  # alternate, so both see the same machine load
-        r = rt.generate(ids, a.decode + 1, stop_on_eos=False)
-        if best_ours is None or (r.decode_tokens_per_s or 0) > (best_ours.decode_tokens_per_s
-                                                               or 0):
-            best_ours = r
-        hf_ttft, hf = hf_decode_rate(model, ids, a.hf_decode)
-        if best_hf is None or hf > best_hf[1]:
-            best_hf = (hf_ttft, hf)
-    assert best_ours is not None and best_hf is not None
-    ours = best_ours.decode_tokens_per_s or 0.0
-    modelled = best_ours.modelled_tokens_per_s
-    print(f"ours ({a.executor} executor): time to first token {best_ours.ttft_s:.2f}s "
-          f"({a.prompt} prompt tokens in one {a.input}-row chunk), decode {ours:.2f} tok/s "
-          f"host, modelled {'n/a' if modelled is None else f'{modelled:.1f} tok/s'}")
-    print(f"transformers eager f32 (CPU, {torch.get_num_threads()} threads): time to first "
-          f"token {best_hf[0]:.2f}s, decode {best_hf[1]:.2f} tok/s")
-    print(f"decode ratio ours / transformers: {ours / best_hf[1]:.3f} "
-          f"(best of {a.repeat} alternating runs each)")
+    runtimes = {k: open_runtime(k, path) for k in kinds}
+    ours: dict[str, Rates | None] = dict.fromkeys(kinds)
+    hf: Rates | None = None
+    for _ in range(a.repeat):  # alternate, so all see the same machine load
+        for k, rt in runtimes.items():
+            ours[k] = best(ours[k], our_rates(rt, ids, a.decode))
+        hf = best(hf, hf_rates(model, ids, a.hf_decode))
+    assert hf is not None
+    print(f"prefill: {a.prompt} prompt tokens in one {a.input}-row chunk, to the first token; "
+          f"decode: tokens after the first (ours {a.decode}, transformers {a.hf_decode}); "
+          f"best of {a.repeat} alternating runs each; host wall time")
+    print(f"{'executor':<26} {'prefill tok/s':>13} {'ratio':>7} {'decode tok/s':>12} "
+          f"{'ratio':>7} {'modelled decode tok/s':>21}")
+    for k in kinds:
+        r = ours[k]
+        assert r is not None
+        modelled = "n/a" if r.modelled_decode is None else f"{r.modelled_decode:.1f}"
+        print(f"{EXECUTORS[k]:<26} {r.prefill:13.2f} {r.prefill / hf.prefill:7.3f} "
+              f"{r.decode:12.2f} {r.decode / hf.decode:7.3f} {modelled:>21}")
+    print(f"{'transformers eager f32':<26} {hf.prefill:13.2f} {1:7.3f} {hf.decode:12.2f} "
+          f"{1:7.3f} {'':>21}  (CPU, {torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@ allocations, rejected model files, and modelled time that respects physics."""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from toptpu.backend.codegen.streams import generate
+from toptpu.backend.formats.commands import STREAM_SCHEMA, Command, Compute, Load, Store
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
-from toptpu.backend.formats.program import write_program_file
+from toptpu.backend.formats.program import Program, StreamError, write_program_file
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.backend.runtime.machine import Machine, MachineTrap
 from toptpu.backend.runtime.simulate import ProgramFile, simulate
@@ -65,8 +68,6 @@ def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mo
 
 def test_sliced_groups_pipeline_and_match(tiny_models) -> None:
     # 64 tokens on a chip with little local memory and cheap DMAs: slicing pays off
-    from dataclasses import replace
-
     module, feeds, store = _tpu(tiny_models, "bf16", 64)
     ref = Interpreter(module, store).run(feeds).outputs["out"]
     small = replace(CHIP, lanes=4, lane_bytes=32768, dma_latency_cycles=8,
@@ -115,7 +116,8 @@ def test_verifier_rejects_overlapping_live_buffers(tiny_models) -> None:
                 verify_group(g, CHIP)
 
 
-def test_machine_traps_on_overlapping_live_buffers(tiny_models) -> None:
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
+def test_machine_traps_on_overlapping_live_buffers(tiny_models, checked: bool) -> None:
     from toptpu.passes.address_assign import AddressAssignPass
 
     module, feeds, store = _grouped(tiny_models)
@@ -124,19 +126,18 @@ def test_machine_traps_on_overlapping_live_buffers(tiny_models) -> None:
     fn = next(op for op in module.ops)
     prog = generate(module, fn, CHIP)  # type: ignore[arg-type]
     with pytest.raises(MachineTrap, match="over the live buffer"):
-        simulate(prog, store, feeds, CHIP, checked=True)
+        simulate(prog, store, feeds, CHIP, checked=checked)
 
 
-def test_shrunken_local_memory_traps_or_is_rejected(tiny_models) -> None:
-    from dataclasses import replace
-
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
+def test_shrunken_local_memory_traps_or_is_rejected(tiny_models, checked: bool) -> None:
     module, feeds, store = _tpu(tiny_models, "f32")
     prog = compile_for_machine(module, CHIP)
-    need = max(c["out"]["l"] + CHIP.per_lane(c["out"]["bytes"]) for c in prog.commands
-               if c.get("dir") == "load")
+    need = max(c.local.addr + CHIP.per_lane(c.local.nbytes) for c in prog.commands
+               if isinstance(c, Load))
     small = replace(CHIP, lane_bytes=max(CHIP.align, need // 2 // CHIP.align * CHIP.align))
     with pytest.raises(MachineTrap, match="outside the lane"):
-        simulate(prog, store, feeds, small, checked=True)
+        simulate(prog, store, feeds, small, checked=checked)
     # and the compiler refuses a chip that cannot hold even one slice of an op
     tiny = replace(CHIP, lane_bytes=256)
     module2, _, _ = _tpu(tiny_models, "f32")
@@ -147,17 +148,77 @@ def test_shrunken_local_memory_traps_or_is_rejected(tiny_models) -> None:
         layer_group_function(fn, tiny)  # type: ignore[arg-type]
 
 
-def test_checked_mode_traps_reads_of_unwritten_local_memory(tiny_models) -> None:
+def _without(prog: Program, drop: Command) -> tuple[Command, ...]:
+    """The program's commands without `drop`, renumbered."""
+    return tuple(
+        replace(c, id=i, deps=tuple(d - (d > drop.id) for d in c.deps if d != drop.id))
+        for i, c in enumerate(c for c in prog.commands if c is not drop))
+
+
+def _moved(c: Command, shift: int) -> Command:
+    """`c` with the first local buffer it reads or writes moved by `shift` bytes."""
+    if isinstance(c, Load | Store):
+        return replace(c, local=replace(c.local, addr=c.local.addr + shift))
+    assert isinstance(c, Compute) and c.ins[0] is not None
+    return replace(c, ins=(replace(c.ins[0], addr=c.ins[0].addr + shift), *c.ins[1:]))
+
+
+def _first(prog: Program, kind: type) -> Command:
+    return next(c for c in prog.commands if isinstance(c, kind))
+
+
+def _last_store(prog: Program) -> Command:
+    return next(c for c in reversed(prog.commands) if isinstance(c, Store) and c.free)
+
+
+def _edit(prog: Program, old: Command, new: Command) -> tuple[Command, ...]:
+    return tuple(new if c is old else c for c in prog.commands)
+
+
+#: corruptions of a good program and the trap each must raise (in both modes)
+BAD_STREAMS = {
+    # the first load dropped: its consumer reads a buffer nothing wrote
+    "unwritten": (lambda p: _without(p, _first(p, Load)), "nothing wrote|not live"),
+    # a load at an address that breaks the chip's alignment
+    "misaligned": (lambda p: _edit(p, _first(p, Load), _moved(_first(p, Load), 1)),
+                   "not 64-byte aligned"),
+    # a compute reading its input where it was not written
+    "moved": (lambda p: _edit(p, _first(p, Compute), _moved(_first(p, Compute), 4 * CHIP.align)),
+              "nothing wrote|was written at|not live"),
+    # the last store no longer frees its buffer: it is still live when the net ends
+    "leaked": (lambda p: _edit(p, _last_store(p), replace(_last_store(p), free=())),
+               "ended with live local buffers"),
+}
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
+@pytest.mark.parametrize("case", list(BAD_STREAMS))
+def test_bad_streams_trap_in_both_modes(tiny_models, case: str, checked: bool) -> None:
     module, feeds, store = _tpu(tiny_models, "f32")
     prog = compile_for_machine(module, CHIP)
-    # drop the first load: its consumer reads local memory nothing wrote
-    first = next(c for c in prog.commands if c.get("dir") == "load")
-    prog.commands = [c for c in prog.commands if c is not first]
-    for i, c in enumerate(prog.commands):
-        c["deps"] = [d - (d > first["id"]) for d in c["deps"] if d != first["id"]]
-        c["id"] = i
-    with pytest.raises(MachineTrap, match="nothing wrote|not live"):
-        simulate(prog, store, feeds, CHIP, checked=True)
+    simulate(prog, store, feeds, CHIP, checked=checked)  # the good one runs
+    edit, match = BAD_STREAMS[case]
+    prog.commands = edit(prog)
+    with pytest.raises(MachineTrap, match=match):
+        simulate(prog, store, feeds, CHIP, checked=checked)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])
+def test_bad_bindings_trap_in_both_modes(tiny_models, checked: bool) -> None:
+    module, feeds, store = _tpu(tiny_models, "f32")
+    prog = compile_for_machine(module, CHIP)
+    machine, net, binding = _loaded(prog, store, feeds, checked)
+    out = prog.outputs[0].name
+    unbound = replace(binding, io={k: v for k, v in binding.io.items() if k != out})
+    with pytest.raises(MachineTrap, match=f"IO tensor '{out}' is not bound"):
+        machine.run(net, unbound)
+    ro = machine.gmem.map("read-only out", np.zeros(prog.outputs[0].nbytes, np.uint8),
+                          writable=False).base
+    with pytest.raises(MachineTrap, match="write to read-only region 'read-only out'"):
+        machine.run(net, replace(binding, io={**binding.io, out: ro}))
+    with pytest.raises(MachineTrap, match="outside every mapped region"):
+        machine.run(net, replace(binding, io={**binding.io, out: machine.gmem.capacity - 64}))
+    machine.run(net, binding)  # and the machine still runs the net after a trap
 
 
 def _model_file(tiny_models, tmp_path) -> str:
@@ -199,6 +260,37 @@ def test_corrupt_truncated_and_newer_model_files_are_rejected(tiny_models, tmp_p
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
 
 
+def test_command_records_round_trip_and_bad_streams_are_refused(tiny_models) -> None:
+    module, _, _ = _tpu(tiny_models, "w4bf16")
+    prog = compile_for_machine(module, CHIP)
+    data = prog.to_json()
+    back = Program.from_json(data)
+    assert back == prog and back.to_json() == data
+    raw = json.loads(data)
+    assert raw["schema"] == STREAM_SCHEMA
+
+    def refused(edit, match: str) -> None:
+        bad = json.loads(data)
+        edit(bad)
+        with pytest.raises(StreamError, match=match):
+            Program.from_json(json.dumps(bad).encode())
+
+    load = next(i for i, c in enumerate(raw["commands"]) if c["cmd"] == "load")
+    # a stream of the old dict records (no version field), or of a newer version
+    refused(lambda r: r.pop("schema"), "schema version 1.*recompile the model")
+    refused(lambda r: r.update(schema=STREAM_SCHEMA + 1), "recompile the model")
+    # a wrong field is named with its place
+    refused(lambda r: r["commands"][load]["local"].update(nbytes=3),
+            rf"commands\[{load}\]\.local\.nbytes is 3")
+    refused(lambda r: r["commands"][load]["tensor"].update(space="disk"),
+            rf"commands\[{load}\]\.tensor\.space is .disk., not a known Space")
+    refused(lambda r: r["commands"][load].update(cmd="teleport"), r"cmd.*not 'load' or")
+    refused(lambda r: r["commands"][load].update(deps=[load]), r"deps.*earlier commands")
+    refused(lambda r: r["commands"][load].update(axis=9), rf"commands\[{load}\]\.axis is 9")
+    with pytest.raises(StreamError, match="not JSON"):
+        Program.from_json(b"{")
+
+
 @pytest.mark.parametrize("length", [1, 16])
 @pytest.mark.parametrize("mode", _fast_only(["bf16", "w4bf16", "f32"], ("w4bf16",)))
 def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> None:
@@ -212,18 +304,18 @@ def test_modelled_time_respects_physics(tiny_models, mode: str, length: int) -> 
     assert tl.cycles >= tl.dma_bytes / bw  # moved bytes too (>= the inherent ones)
 
 
-def _loaded(prog, st, feeds):  # noqa: ANN202
+def _loaded(prog, st, feeds, checked: bool = False):  # noqa: ANN202
     """A machine with the net's weights and IO mapped, the LoadedNet and its Binding."""
     from toptpu.backend.runtime.machine import Binding, LoadedNet
 
-    m = Machine(CHIP)
+    m = Machine(CHIP, checked)
     w = {n: m.gmem.map(n, np.ascontiguousarray(st[n])).base for n in prog.weights}
     io = {}
     for spec in prog.inputs:
-        io[spec["name"]] = m.gmem.map(spec["name"], np.asarray(feeds[spec["name"]]).astype(
-            spec["dtype"])).base
+        io[spec.name] = m.gmem.map(spec.name, np.asarray(feeds[spec.name]).astype(
+            spec.dtype)).base
     for spec in prog.outputs:
-        io[spec["name"]] = m.gmem.alloc(spec["name"], int(np.prod(spec["shape"])) * 4).base
-    act = m.gmem.alloc("act", prog.regions["activations"]).base
-    const = m.gmem.alloc("const", prog.regions["constants"]).base
+        io[spec.name] = m.gmem.alloc(spec.name, int(np.prod(spec.shape)) * 4).base
+    act = m.gmem.alloc("act", prog.regions.activations).base
+    const = m.gmem.alloc("const", prog.regions.constants).base
     return m, LoadedNet(prog), Binding(io, w, act, const)

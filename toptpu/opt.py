@@ -1,10 +1,13 @@
 """`toptpu-opt`: an mlir-opt style driver built on xDSL's opt main.
 
 Reads `.mlir` (custom or generic form), runs `-p 'pass1,pass2{opt=v}'`, prints the result
-(`--print-op-generic` for the generic form). It loads toptpu's dialects (builtin, func,
-arith, top, tpu) and, lazily, every other dialect xDSL knows (linalg, tensor, ... as
-produced by convert-top-to-linalg or `mlir{pipeline=...}`), and registers toptpu's passes
-(listed in `--help`) beside xDSL's generic ones.
+(`--print-op-generic` for the generic form), or with `-t commands{chip=NAME}` the command
+streams codegen makes of each function of a grouped, allocated, addressed module (after
+`tpu-pipeline`): one line per command (`toptpu.backend.formats.program.Program.text`).
+It loads toptpu's dialects (builtin, func, arith, top, tpu) and, lazily, every other
+dialect xDSL knows (linalg, tensor, ... as produced by convert-top-to-linalg or
+`mlir{pipeline=...}`), and registers toptpu's passes (listed in `--help`) beside xDSL's
+generic ones.
 
 What it does with bad input (each a one-line or located diagnostic, exit 1):
 - the input file missing, a directory, unreadable, empty, not UTF-8 or binary, IR that does not
@@ -42,14 +45,18 @@ from dataclasses import dataclass
 from io import StringIO
 from typing import IO
 
+from xdsl.context import Context
+from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.universe import Universe
 from xdsl.utils.arg_spec import parse_spec
 from xdsl.utils.exceptions import DiagnosticException, ParseError
+from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
-from toptpu.backend.target.chips import UnknownChipError
+from toptpu.backend.codegen.streams import CodegenError, generate
+from toptpu.backend.target.chips import UnknownChipError, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
@@ -159,6 +166,23 @@ def _write_atomically(path: str, text: str) -> None:
             os.unlink(tmp)
 
 
+@dataclass(frozen=True)
+class CommandsTarget(Target):
+    """`-t commands{chip=NAME}`: the command streams of each function, as text."""
+
+    name = "commands"
+    chip: str = "bm1684x"
+
+    def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
+        try:
+            chip = get_chip(self.chip)
+            for fn in module.ops:
+                if isinstance(fn, func.FuncOp):
+                    print(generate(module, fn, chip).text(), file=output)
+        except (CodegenError, AddressError, LocalMemoryError, UnknownChipError) as e:
+            raise ValueError(f"-t commands: {e}") from None
+
+
 @dataclass
 class _PendingWeights:
     """Derived tensors to save before the result is written."""
@@ -187,6 +211,10 @@ class ToptpuOptMain(xDSLOptMain):
         super().register_all_passes()
         for name, cls in ours.items():  # ours win where xDSL has a pass of the same name
             self.register_pass(name, lambda cls=cls: cls)
+
+    def register_all_targets(self) -> None:
+        super().register_all_targets()
+        self.available_targets[CommandsTarget.name] = lambda: CommandsTarget
 
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)

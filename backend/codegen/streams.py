@@ -8,11 +8,12 @@ write-after-read, write-after-write on local address ranges and global tensors).
 engine runs its commands in stream order; a command starts when its engine is free and its
 dependencies have finished.
 
-Global operands are named by space: `io` (a function input/output, bound per call), `w` (a
-weight, found by name in the weight blob; per-layer nets bind their layer's chunk), `act`
-(the net's activation region, offsets from address-assign) and `const` (the net's constant
-pool). Local operands are (per-lane address, shape, dtype) plus a buffer instance id, so
-the machine can track which local buffers are live and trap on any overlap.
+The commands are the typed records of `toptpu.backend.formats.commands`. Global operands
+are named by space: `io` (a function input/output, bound per call), `w` (a weight, found by
+name in the weight blob; per-layer nets bind their layer's chunk), `act` (the net's
+activation region, offsets from address-assign) and `const` (the net's constant pool).
+Local operands are (per-lane address, shape, dtype) plus a buffer instance id, so the
+machine can track which local buffers are live and trap on any overlap.
 
 Compute commands name the template op they run (its index among the grouped IR's ops) so
 the machine calls the same evaluators — the same kernels — as the interpreters.
@@ -20,6 +21,7 @@ the machine calls the same evaluators — the same kernels — as the interprete
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,18 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
-from toptpu.backend.formats.program import Program
+from toptpu.backend.formats.commands import (
+    Command,
+    Compute,
+    Gather,
+    GlobalRef,
+    Load,
+    LocalRef,
+    Space,
+    Store,
+    TableRef,
+)
+from toptpu.backend.formats.program import Program, Regions, TensorSpec, WeightSpec
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import cost_dtype, nbytes, op_flops
 from toptpu.dialects import tpu
@@ -39,8 +52,9 @@ from toptpu.passes.address_assign import regions_of
 from toptpu.passes.lmem import group_template, result_addresses
 
 
-class CodegenError(Exception):
-    pass
+class CodegenError(ValueError):
+    """The IR is not ready for codegen (not grouped, allocated or addressed); the message
+    names the pass to run."""
 
 
 def _dtype(v: SSAValue) -> str:
@@ -60,7 +74,7 @@ class _Access:
 class _Emitter:
     def __init__(self, chip: Chip) -> None:
         self.chip = chip
-        self.commands: list[dict[str, Any]] = []
+        self.commands: list[Command] = []
         self.accesses: list[_Access] = []
         self.next_buf = 0
 
@@ -68,7 +82,10 @@ class _Emitter:
         self.next_buf += 1
         return self.next_buf
 
-    def add(self, cmd: dict[str, Any], reads: list[tuple], writes: list[tuple]) -> int:
+    def add(self, make: Callable[..., Command], reads: list[tuple], writes: list[tuple],
+            **fields: Any) -> int:
+        """The command `make(id=..., deps=..., **fields)`, its dependencies derived from the
+        memory it reads and writes."""
         cid = len(self.commands)
         deps: set[int] = set()
         for is_write, accs in ((False, reads), (True, writes)):
@@ -82,30 +99,28 @@ class _Emitter:
                     self.accesses = [a for a in self.accesses
                                      if not (a.key == key and lo <= a.lo and a.hi <= hi)]
                 self.accesses.append(_Access(key, lo, hi, cid, is_write))
-        cmd["id"] = cid
-        cmd["deps"] = sorted(deps)
-        self.commands.append(cmd)
+        self.commands.append(make(id=cid, deps=tuple(sorted(deps)), **fields))
         return cid
 
 
 def _global_ref(v: SSAValue, fn_inputs: dict[SSAValue, str], fn_outputs: dict[SSAValue, str],
-                act: dict[SSAValue, int]) -> dict[str, Any]:
+                act: dict[SSAValue, int]) -> GlobalRef:
     if v in fn_inputs:
-        return {"sp": "io", "key": fn_inputs[v], "off": 0}
+        return GlobalRef(Space.IO, fn_inputs[v])
     if v in fn_outputs:
-        return {"sp": "io", "key": fn_outputs[v], "off": 0}
+        return GlobalRef(Space.IO, fn_outputs[v])
     owner = v.owner
     if isinstance(owner, tpu.WeightOp):
-        return {"sp": "w", "key": owner.tensor_name, "off": 0}
+        return GlobalRef(Space.WEIGHT, owner.tensor_name)
     if isinstance(owner, tpu.ConstantOp):
-        return {"sp": "const", "key": None, "off": read_int(owner.attributes["tpu.const_offset"])}
+        return GlobalRef(Space.CONST, offset=read_int(owner.attributes["tpu.const_offset"]))
     if v in act:
-        return {"sp": "act", "key": None, "off": act[v]}
+        return GlobalRef(Space.ACT, offset=act[v])
     raise CodegenError(f"no global home for {v.name_hint or v}: run address-assign")
 
 
-def _gkey(ref: dict[str, Any]) -> tuple:
-    return (ref["sp"], ref["key"])
+def _gkey(ref: GlobalRef) -> tuple:
+    return (ref.space, ref.name)
 
 
 def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
@@ -135,21 +150,21 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     weights = {}
     for op in block.ops:
         if isinstance(op, tpu.WeightOp):
-            weights[op.tensor_name] = {"shape": list(shape_of(op.output)),
-                                       "dtype": _dtype(op.output), "nbytes": nbytes(op.output)}
+            weights[op.tensor_name] = WeightSpec(tuple(shape_of(op.output)), _dtype(op.output),
+                                                 nbytes(op.output))
     em = _Emitter(chip)
     total_flops = 0
     for gi, g in enumerate(groups):
         total_flops += _emit_group(em, g, gi, chip, op_index, fn_inputs, fn_outputs, act)
     prog = Program(
         name=fn.sym_name.data,
-        inputs=[{"name": n, "shape": list(shape_of(a)), "dtype": _dtype(a)}
-                for n, a in zip(in_names, block.args, strict=True)],
-        outputs=[{"name": n, "shape": list(shape_of(v)), "dtype": _dtype(v)}
-                 for n, v in zip(out_names, ret.operands, strict=True)],
-        regions=regions_of(fn),
+        inputs=tuple(TensorSpec(n, tuple(shape_of(a)), _dtype(a))
+                     for n, a in zip(in_names, block.args, strict=True)),
+        outputs=tuple(TensorSpec(n, tuple(shape_of(v)), _dtype(v))
+                      for n, v in zip(out_names, ret.operands, strict=True)),
+        regions=Regions(**regions_of(fn)),
         weights=weights,
-        commands=em.commands,
+        commands=tuple(em.commands),
         ir=print_generic(module, debuginfo=True),
         flops=total_flops,
     )
@@ -180,10 +195,9 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
         a = lmem[v]
         return a[i % len(a)]
 
-    def local_ref(v: SSAValue, i: int) -> dict[str, Any]:
+    def local_ref(v: SSAValue, i: int) -> LocalRef:
         key = (v, 0 if v in resident else i)
-        return {"l": addr(v, i), "shape": list(shape_of(v)), "dtype": _dtype(v),
-                "buf": inst[key], "bytes": nbytes(v)}
+        return LocalRef(addr(v, i), tuple(shape_of(v)), _dtype(v), inst[key], nbytes(v))
 
     def lrange(v: SSAValue, i: int) -> tuple:
         a = addr(v, i)
@@ -208,29 +222,30 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
         full = list(shape_of(src))
         n = full[ax] // s if ax >= 0 else 0
         make(ld.output, i)
-        nb = nbytes(ld.output)
-        cmd = {"e": "dma", "dir": "load", "name": op_name(ld) or "load", "g": ref,
-               "shape": full, "dtype": _dtype(src), "ax": ax, "start": i * n, "len": n,
-               "out": local_ref(ld.output, i), "bytes": nb, "group": gi, "slice": i}
-        em.add(cmd, [(_gkey(ref), 0, nbytes(src))] if ref["sp"] != "act" else
-               [(_gkey(ref), ref["off"], ref["off"] + nbytes(src))], [lrange(ld.output, i)])
+        # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
+        read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
+            else (_gkey(ref), 0, nbytes(src))
+        em.add(Load, [read], [lrange(ld.output, i)],
+               name=op_name(ld) or "load", tensor=ref, shape=tuple(full), dtype=_dtype(src),
+               axis=ax, start=i * n, length=n, local=local_ref(ld.output, i), group=gi,
+               slice=i)
 
     def emit_compute(op: Operation, i: int) -> None:
         freed: list[int] = []
-        ins: list[dict[str, Any] | None] = []
+        ins: list[LocalRef | None] = []
         reads = []
         groups_ = op.operand_groups() if hasattr(op, "operand_groups") else list(op.operands)
-        gather_table = None
-        for v in groups_:
+        table: TableRef | None = None
+        table_operand = 0
+        for k, v in enumerate(groups_):
             if v is None:
                 ins.append(None)
                 continue
             if isinstance(v, BlockArgument) and v in outer and v not in lmem:
-                gather_table = outer[v]  # a table read row by row from global memory
-                ref = _global_ref(gather_table, fn_inputs, fn_outputs, act)
-                ins.append({"global": ref, "shape": list(shape_of(gather_table)),
-                            "dtype": _dtype(gather_table)})
-                reads.append((_gkey(ref), ref["off"], ref["off"] + nbytes(gather_table)))
+                src = outer[v]  # a table read row by row from global memory
+                ref = _global_ref(src, fn_inputs, fn_outputs, act)
+                table, table_operand = TableRef(ref, tuple(shape_of(src)), _dtype(src)), k
+                reads.append((_gkey(ref), ref.offset, ref.offset + nbytes(src)))
                 continue
             ins.append(local_ref(v, i))
             reads.append(lrange(v, i))
@@ -241,17 +256,18 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
         for r in op.results:
             make(r, i)
             outs.append(local_ref(r, i))
-        flops = op_flops(op)  # the template op is slice-shaped already
-        cmd = {"e": "dma" if gather_table is not None else "cmp",
-               "dir": "gather" if gather_table is not None else None,
-               "name": op_name(op) or op.name, "kind": op.name, "op": op_index[op],
-               "ins": ins, "outs": outs, "flops": flops, "dtype": cost_dtype(op),
-               "free": freed, "group": gi, "slice": i,
-               # results nothing reads die as soon as they are written
-               "free_after": [o["buf"] for r, o in zip(op.results, outs, strict=True)
-                              if uses_in_group[r] == 0],
-               "bytes": sum(o["bytes"] for o in outs) if gather_table is not None else 0}
-        em.add(cmd, reads, [lrange(r, i) for r in op.results])
+        fields: dict[str, Any] = dict(
+            name=op_name(op) or op.name, kind=op.name, op=op_index[op], ins=tuple(ins),
+            outs=tuple(outs), flops=op_flops(op),  # the template op is slice-shaped already
+            dtype=cost_dtype(op), free=tuple(freed), group=gi, slice=i,
+            # results nothing reads die as soon as they are written
+            free_after=tuple(o.buf for r, o in zip(op.results, outs, strict=True)
+                             if uses_in_group[r] == 0))
+        writes = [lrange(r, i) for r in op.results]
+        if table is not None:
+            em.add(Gather, reads, writes, table=table, table_operand=table_operand, **fields)
+        else:
+            em.add(Compute, reads, writes, **fields)
 
     def emit_store(st: tpu.StoreOp, i: int) -> None:
         dst = store_target[st.output]
@@ -262,17 +278,17 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
         freed: list[int] = []
         src = local_ref(st.input, i)
         consume(st.input, i, freed)
-        cmd = {"e": "dma", "dir": "store", "name": op_name(st) or "store", "g": ref,
-               "shape": full, "dtype": _dtype(dst), "ax": ax, "start": i * n, "len": n,
-               "in": src, "bytes": nbytes(st.input), "free": freed, "group": gi, "slice": i}
-        glo = ref["off"] if ref["sp"] == "act" else 0
+        glo = ref.offset if ref.space == Space.ACT else 0
         item = np.dtype(_dtype(dst)).itemsize
         if ax >= 0 and all(d == 1 for d in full[:ax]):
             inner = int(np.prod(full[ax + 1:])) * item
             lo, hi = glo + i * n * inner, glo + (i + 1) * n * inner
         else:
             lo, hi = glo, glo + nbytes(dst)
-        em.add(cmd, [lrange(st.input, i)], [(_gkey(ref), lo, hi)])
+        em.add(Store, [lrange(st.input, i)], [(_gkey(ref), lo, hi)],
+               name=op_name(st) or "store", tensor=ref, shape=tuple(full), dtype=_dtype(dst),
+               axis=ax, start=i * n, length=n, local=src, free=tuple(freed), group=gi,
+               slice=i)
 
     sliced_loads = [ld for ld in loads if ld.output not in resident]
     for ld in loads:

@@ -4,7 +4,8 @@ every value's type and range on the way, and `HeaderError` names the field that 
 
 Schema types: dataclasses (exactly their fields; a field with a default may be absent),
 bool, int (non-negative and at most MAX_INT unless annotated otherwise), float (finite),
-str, `T | None`, Literal, `tuple[T, ...]`, `dict[str, T]`, `Any` (free-form JSON) and
+str, `T | None`, Literal, enums (by value), a union of dataclasses told apart by a tag (a
+`Literal` field they all have), `tuple[T, ...]`, `dict[str, T]`, `Any` (free-form JSON) and
 `Annotated[T, check, ...]` with checks such as `Range`, `OneOf` and `NamePattern`.
 """
 
@@ -15,6 +16,7 @@ import math
 import re
 import types
 from dataclasses import MISSING, dataclass, fields, is_dataclass
+from enum import Enum
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 #: the largest integer a header field may hold (exact in every JSON reader)
@@ -88,8 +90,9 @@ def _hints(cls: type) -> dict[str, Any]:
 def decode(tp: Any, value: Any, where: str = "") -> Any:
     """`value` (parsed JSON) as an instance of the schema type `tp`: dataclasses (exactly
     their fields; fields with a default may be absent), bool, int (non-negative unless
-    annotated), float (finite), str, `T | None`, Literal, `tuple[T, ...]`, `dict[str, T]`,
-    `Annotated[T, check...]` and `Any` (free-form JSON). HeaderError names the field."""
+    annotated), float (finite), str, `T | None`, Literal, enums, tagged unions of
+    dataclasses, `tuple[T, ...]`, `dict[str, T]`, `Annotated[T, check...]` and `Any`
+    (free-form JSON). HeaderError names the field."""
     origin = get_origin(tp)
     if origin is Annotated:
         base, *checks = get_args(tp)
@@ -103,14 +106,16 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
         args = [a for a in get_args(tp) if a is not type(None)]
         if value is None and len(args) < len(get_args(tp)):
             return None
-        if len(args) != 1:
-            raise TypeError(f"unsupported schema union {tp}")
-        return decode(args[0], value, where)
+        if len(args) == 1:
+            return decode(args[0], value, where)
+        return _decode_tagged(tuple(args), value, where)
     if origin is Literal:
         if not any(type(value) is type(c) and value == c for c in get_args(tp)):
             raise HeaderError(where, f"is {short(value)}, not "
                                      f"{' or '.join(map(repr, get_args(tp)))}")
         return value
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return _decode_enum(tp, value, where)
     if tp is bool:
         if type(value) is not bool:
             raise HeaderError(where, f"is {short(value)}, not true or false")
@@ -136,6 +141,46 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
     if is_dataclass(tp):
         return _decode_dataclass(tp, value, where)
     raise TypeError(f"unsupported schema type {tp}")
+
+
+def _decode_enum(tp: type[Enum], value: Any, where: str) -> Enum:
+    for member in tp:
+        if type(value) is type(member.value) and value == member.value:
+            return member
+    raise HeaderError(where, f"is {short(value)}, not a known {tp.__name__} "
+                             f"({', '.join(str(m.value) for m in tp)})")
+
+
+@functools.cache
+def _tags(options: tuple[type, ...]) -> tuple[str, dict[Any, type]]:
+    """The tag field of a union of dataclasses (a Literal field every option has, with a
+    different value in each) and the option of each tag value."""
+    if not all(is_dataclass(o) for o in options):
+        raise TypeError(f"unsupported schema union {options}: only T | None and unions of "
+                        "tagged dataclasses")
+    first = _hints(options[0])
+    for name in (f.name for f in fields(options[0])):
+        hints = [_hints(o).get(name) for o in options]
+        if all(get_origin(h) is Literal and len(get_args(h)) == 1 for h in hints):
+            by_tag = {get_args(h)[0]: o for h, o in zip(hints, options, strict=True)}
+            if len(by_tag) == len(options):
+                return name, by_tag
+    raise TypeError(f"union {options} has no tag field (a Literal field of one value in each "
+                    f"option; {sorted(first)})")
+
+
+def _decode_tagged(options: tuple[type, ...], value: Any, where: str) -> Any:
+    tag, by_tag = _tags(options)
+    if not isinstance(value, dict):
+        raise HeaderError(where, f"is {short(value)}, not an object")
+    if tag not in value:
+        raise HeaderError(join(where, tag), "is missing")
+    option = next((o for t, o in by_tag.items() if type(t) is type(value[tag])
+                   and t == value[tag]), None)
+    if option is None:
+        raise HeaderError(join(where, tag), f"is {short(value[tag])}, not "
+                                            f"{' or '.join(map(repr, by_tag))}")
+    return _decode_dataclass(option, value, where)
 
 
 def _decode_plain_int(value: Any, where: str) -> int:
@@ -195,6 +240,8 @@ def encode(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: encode(getattr(value, f.name)) for f in fields(value)
                 if not (f.default is None and getattr(value, f.name) is None)}
+    if isinstance(value, Enum):
+        return value.value
     if isinstance(value, tuple | list):
         return [encode(v) for v in value]
     if isinstance(value, dict):

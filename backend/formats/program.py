@@ -1,17 +1,40 @@
 """The machine's program of one net: its command streams and grouped Tpu IR (`Program`,
-written by codegen, read by the machine), its constant pool, and the file of compiled nets
-(`write_program_file`; `toptpu.backend.runtime.simulate.ProgramFile` runs one).
+written by codegen, read by the machine), its constant pool, its text form, and the file of
+compiled nets (`write_program_file`; `toptpu.backend.runtime.simulate.ProgramFile` runs one).
+
+A program is stored as JSON (`Program.to_json`) with its schema version (`STREAM_SCHEMA`
+of `toptpu.backend.formats.commands`); `Program.from_json` refuses another version (the
+model must be recompiled) and decodes every field with the header schema decoder, then
+checks the records across fields — a stream is as untrusted as a header.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from toptpu.backend.contract import TensorSpec
+from toptpu.backend.formats.commands import (
+    STREAM_SCHEMA,
+    Command,
+    Shape,
+    check_command,
+    command_text,
+    numel,
+)
+from toptpu.backend.formats.header_schema import (
+    HeaderError,
+    Name,
+    NamePattern,
+    OneOf,
+    decode,
+    encode,
+    join,
+)
+from toptpu.backend.formats.llm_file import KNOWN_DTYPES, DType
 from toptpu.backend.formats.model_file import write_model_file
 from toptpu.backend.target.chips import Chip
 from toptpu.dialects import tpu
@@ -20,38 +43,103 @@ from toptpu.dialects.ir_text import parse_ir
 from toptpu.dialects.weight_store import WeightStore
 
 
+class StreamError(ValueError):
+    """A program (command stream) that cannot be used; the message says which field and
+    what to do."""
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """A weight the program reads (found by name in the weight blob)."""
+
+    shape: Shape
+    dtype: DType
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Bytes of the net's global regions (address-assign's `tpu.regions`)."""
+
+    activations: int
+    constants: int
+    weights: int
+    io: int
+
+
 @dataclass
 class Program:
-    """Everything the machine needs to run one net (JSON-serializable)."""
+    """Everything the machine needs to run one net."""
 
-    name: str
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    regions: dict[str, int]
-    weights: dict[str, dict[str, Any]]  # name -> shape, dtype, nbytes
-    commands: list[dict[str, Any]] = field(default_factory=list)
+    name: Name
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    regions: Regions
+    weights: dict[Name, WeightSpec]
+    commands: tuple[Command, ...] = ()
     ir: str = ""  # the grouped Tpu IR (generic form): compute commands index its ops
     flops: int = 0
+    schema: int = field(default=STREAM_SCHEMA)
 
     def inherent_bytes(self) -> int:
         """Bytes the net cannot avoid moving: its weights, inputs and outputs."""
-        def size(spec: dict[str, Any]) -> int:
-            return int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
-
-        return (sum(w["nbytes"] for w in self.weights.values())
-                + sum(size(t) for t in (*self.inputs, *self.outputs)))
+        return (sum(w.nbytes for w in self.weights.values())
+                + sum(t.nbytes for t in (*self.inputs, *self.outputs)))
 
     def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, separators=(",", ":")).encode()
+        return json.dumps(encode(self), separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes | memoryview) -> Program:
-        return cls(**json.loads(bytes(data)))
+        """The program in `data`, checked (StreamError names the field that is wrong)."""
+        try:
+            raw = json.loads(bytes(data))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StreamError(f"not JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise StreamError("not a JSON object")
+        version = raw.get("schema", 1)  # version 1 had no version field
+        if version != STREAM_SCHEMA:
+            raise StreamError(f"its command records are of schema version {version!r}; this "
+                              f"toptpu runs version {STREAM_SCHEMA}: recompile the model")
+        try:
+            prog = decode(cls, raw)
+            prog.check()
+        except HeaderError as e:
+            raise StreamError(str(e)) from None
+        return prog
+
+    def check(self) -> None:
+        """The checks across fields (HeaderError names the field)."""
+        for what in ("inputs", "outputs"):
+            for i, spec in enumerate(getattr(self, what)):
+                where = join(what, i)
+                NamePattern().check(spec.name, join(where, "name"))
+                OneOf(tuple(sorted(KNOWN_DTYPES)), "dtype").check(spec.dtype,
+                                                                  join(where, "dtype"))
+        for name, w in self.weights.items():
+            need = numel(w.shape) * np.dtype(w.dtype).itemsize
+            if w.nbytes != need:
+                raise HeaderError(join(join("weights", name), "nbytes"),
+                                  f"is {w.nbytes}, {w.dtype} {list(w.shape)} takes {need}")
+        for i, c in enumerate(self.commands):
+            check_command(c, i, join("commands", i))
+
+    def text(self) -> str:
+        """The program as text: a header line, then one line per command
+        (`toptpu.backend.formats.commands.command_text`)."""
+        r = self.regions
+        io = ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in self.inputs)
+        out = ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in self.outputs)
+        head = [f"program @{self.name}: {len(self.commands)} commands, {self.flops} FLOPs; "
+                f"regions " + ", ".join(f"{f.name} {getattr(r, f.name)}" for f in fields(r)),
+                f"  in: {io}", f"  out: {out}"]
+        return "\n".join([*head, *(command_text(c) for c in self.commands)])
 
 
 def constant_pool(program: Program) -> bytes:
     """The net's constants, at their address-assign offsets."""
-    buf = bytearray(program.regions["constants"])
+    buf = bytearray(program.regions.constants)
     if not buf:
         return b""
     module = parse_ir(program.ir, f"net:{program.name}", verify=False)

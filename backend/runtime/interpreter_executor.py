@@ -19,10 +19,10 @@ history_k) is safe: the slot being written is masked in that very run.
 `tpu.a16_matmul` runs as the kernel's two halves, `kernels.dequantize` then
 `kernels.matmul_dequantized`, and the dequantized weights of each (layer, weight) are kept
 for later runs; likewise a f16/bf16 weight of `tpu.matmul` (e.g. the lm_head) is upcast to
-f32 once (`kernels.f32`, exact) instead of at every call. Both caches share a budget of
-`weight_cache_bytes` (default 4 GiB; beyond it weights are converted per call). A decode
-step then costs its matmuls, not a conversion of every weight; the numbers are the
-kernels' own.
+f32 once (`kernels.f32`, exact) instead of at every call. Both share one bounded cache
+(`toptpu.backend.runtime.weight_cache`: `weight_cache_bytes`, by default sized from the
+host's free memory; beyond it weights are converted per call). A decode step then costs its
+matmuls, not a conversion of every weight; the numbers are the kernels' own.
 
 There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 """
@@ -51,6 +51,7 @@ from toptpu.backend.reference.interpreter import (
     evaluator_for,
     find_func,
 )
+from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
 from toptpu.dialects.naming import input_names, output_names
@@ -155,11 +156,9 @@ class InterpreterExecutor:
     """Runs the nets of a model file with the numpy interpreter (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
-                 weight_cache_bytes: int = 4 << 30) -> None:
+                 weight_cache_bytes: int | None = None) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
-        self.weight_cache_bytes = weight_cache_bytes
-        self._converted: dict[tuple[int | None, str], np.ndarray] = {}
-        self._converted_bytes = 0
+        self.cache = WeightCache(weight_cache_bytes)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
         self._nets = self.file.net_infos()
@@ -227,7 +226,8 @@ class InterpreterExecutor:
                 vals[step.results[0]] = self._a16_matmul(step, args, layer)
                 continue
             if step.float_weight is not None:
-                args[1] = self._cached((layer, step.float_weight), lambda w=args[1]: K.f32(w))
+                args[1] = self.cache.get((layer, step.float_weight),
+                                         lambda w=args[1]: K.f32(w))
             res = step.fn(step.op, args, ctx)
             for r, arr in zip(step.results, res, strict=True):
                 vals[r] = arr
@@ -241,19 +241,9 @@ class InterpreterExecutor:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
         x, q, s, z, bias = args
         assert step.qweight is not None
-        w = self._cached((layer, step.qweight),
-                         lambda: K.dequantize(q, s, z, step.bits, step.group_size))
+        w = self.cache.get((layer, step.qweight),
+                           lambda: K.dequantize(q, s, z, step.bits, step.group_size))
         return K.matmul_dequantized(x, w, bias, step.out_dtype)
-
-    def _cached(self, key: tuple[int | None, str], make: Any) -> np.ndarray:
-        """A converted weight, kept while the cache budget allows."""
-        w = self._converted.get(key)
-        if w is None:
-            w = make()
-            if self._converted_bytes + w.nbytes <= self.weight_cache_bytes:
-                self._converted[key] = w
-                self._converted_bytes += w.nbytes
-        return w
 
     def _check_binding(self, net: str, spec: TensorSpec, buf: Any) -> None:
         if not isinstance(buf, ArrayBuffer):

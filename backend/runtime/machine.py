@@ -6,21 +6,38 @@ numpy, with global and local memory modelled.
   the runtime allocates, KV caches among them). An access outside every region, or a
   write to a read-only one, traps.
 - Local memory is `[lanes, lane_bytes]` bytes. A local tensor occupies the same per-lane
-  address range in every lane (split evenly across lanes). Tensors really live there at
-  the addresses the compiler allocated: a write over a live buffer, an access past the end
-  of a lane or a misaligned address traps, naming the command and the tensors. In checked
-  mode (`checked=True`, used by the tests) a read of local memory nothing wrote traps too.
+  address range in every lane (split evenly across lanes). The compiler's allocation
+  decides where each buffer lives: a write over a live buffer, an access past the end of a
+  lane or a misaligned address traps, naming the command and the tensors; so does a read
+  of a buffer that is not live (or not where it was written) and a net that ends with
+  live buffers (leaked).
 - Two engines, DMA and compute, run their streams in order; a command starts when its
   engine is free and its dependencies have finished (the timeline); commands execute in
-  start-time order. DMA takes latency + bytes / DDR bandwidth, compute latency + FLOPs /
-  peak for its type (`toptpu.backend.target.cost`).
+  start-time order. DMA and compute cycles come from the cost model
+  (`toptpu.backend.target.cost`).
 - Compute commands call the same evaluators, hence the same kernels, as the interpreters.
+
+Two modes of the same machine, with the same traps, the same numbers (bit for bit) and
+the same timeline:
+
+- checked (`checked=True`, the tests' mode): local memory is a real byte array; values
+  live there at their addresses, and a read of bytes nothing wrote traps too.
+- fast (the default of `toptpu run`/`chat`): local memory is address bookkeeping — the
+  live buffers' intervals, checked with a sorted structure — plus a reference to each
+  buffer's value, so a load from a read-only region (the weights) costs no copy.
+
+Both run a net's program pre-decoded once per chip (`LoadedNet.plan`): the typed records
+(`toptpu.backend.formats.commands`) turned into steps with their kernels, slices and local
+ranges resolved, the execution order and the timeline computed; a run resolves the net's
+global operands once and executes the steps. Weights converted for a kernel (dequantized,
+upcast to f32) are kept across runs in a bounded cache (`weight_cache.WeightCache`).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +46,20 @@ import numpy as np
 from xdsl.dialects import func
 from xdsl.ir import Operation
 
+from toptpu.backend.formats.commands import (
+    Command,
+    Compute,
+    Gather,
+    GlobalRef,
+    Load,
+    LocalRef,
+    Space,
+    Store,
+)
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
-from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, evaluate_op
+from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, Evaluator
+from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import compute_cycles, dma_cycles
 from toptpu.dialects import tpu
@@ -41,6 +69,21 @@ from toptpu.dialects.ir_text import parse_ir
 
 class MachineTrap(Exception):
     """The machine stopped: the message names the command and the tensors involved."""
+
+
+def evaluator_of(op: Operation) -> Evaluator | None:
+    """The interpreters' evaluator of a template op (None: no kernel)."""
+    return EVALUATORS.get(type(op))
+
+
+def command_cycles(chip: Chip, c: Command) -> float:
+    """Cycles one command takes on its engine (the cost model's)."""
+    if c.engine == "dma":
+        return dma_cycles(chip, c.nbytes)
+    return compute_cycles(chip, c.flops, c.dtype)
+
+
+# ====================================================================== global memory
 
 
 @dataclass
@@ -60,8 +103,10 @@ class GlobalMemory:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.regions: list[Region] = []
+        self.regions: list[Region] = []  # by base (mapping only appends higher bases)
+        self._bases: list[int] = []
         self._next = 1 << 12  # address 0 stays unmapped
+        self._views: dict[tuple, tuple[np.ndarray, Region]] = {}
 
     def map(self, name: str, data: np.ndarray, writable: bool = True) -> Region:
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -73,15 +118,28 @@ class GlobalMemory:
                 f"the chip has {self.capacity} B)")
         r = Region(name, base, data, writable)
         self.regions.append(r)
+        self._bases.append(base)
         self._next = (base + size + 4095) // 4096 * 4096
         return r
 
     def alloc(self, name: str, nbytes: int) -> Region:
         return self.map(name, np.zeros(max(nbytes, 1), np.uint8))
 
+    def mark(self) -> tuple[int, int]:
+        """Where mapping stands: `release(mark)` unmaps everything mapped after it."""
+        return len(self.regions), self._next
+
+    def release(self, mark: tuple[int, int]) -> None:
+        n, nxt = mark
+        del self.regions[n:], self._bases[n:]
+        self._next = nxt
+        self._views.clear()
+
     def find(self, addr: int, nbytes: int, who: str) -> tuple[Region, int]:
-        for r in self.regions:
-            if r.base <= addr and addr + nbytes <= r.end:
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i >= 0:
+            r = self.regions[i]
+            if addr + nbytes <= r.end:
                 return r, addr - r.base
         raise MachineTrap(f"{who}: global access [{addr}, {addr + nbytes}) is outside every "
                           "mapped region")
@@ -93,14 +151,22 @@ class GlobalMemory:
     def tensor_in(self, addr: int, shape: tuple[int, ...], dtype: np.dtype, who: str,
                   write: bool = False) -> tuple[np.ndarray, Region]:
         """A view of the tensor at `addr` and the region holding it."""
-        nb = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        r, off = self.find(addr, nb, who)
-        if write and not r.writable:
-            raise MachineTrap(f"{who}: write to read-only region '{r.name}'")
-        return r.data[off:off + nb].view(dtype).reshape(shape), r
+        key = (addr, shape, dtype)
+        hit = self._views.get(key)
+        if hit is None:
+            nb = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            r, off = self.find(addr, nb, who)
+            hit = r.data[off:off + nb].view(dtype).reshape(shape), r
+            self._views[key] = hit
+        if write and not hit[1].writable:
+            raise MachineTrap(f"{who}: write to read-only region '{hit[1].name}'")
+        return hit
 
 
-@dataclass
+# ====================================================================== timeline
+
+
+@dataclass(frozen=True)
 class Event:
     cmd: int
     engine: str
@@ -133,6 +199,26 @@ class Timeline:
         return sum(e.flops for e in self.events)
 
 
+def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list[int]]:
+    """The timeline of a command stream (each engine runs its commands in stream order; a
+    command starts when its engine is free and its dependencies have finished) and the
+    order the commands execute in (by start time)."""
+    end: dict[int, float] = {}
+    free_at = {"dma": 0.0, "cmp": 0.0}
+    timed: list[tuple[float, int]] = []
+    events = []
+    for c in commands:  # stream order per engine: times follow in one pass
+        ready = max((end[d] for d in c.deps), default=0.0)
+        start = max(free_at[c.engine], ready)
+        finish = start + command_cycles(chip, c)
+        end[c.id] = free_at[c.engine] = finish
+        timed.append((start, c.id))
+        events.append(Event(c.id, c.engine, start, finish, c.name,
+                            c.nbytes if c.engine == "dma" else 0, c.flops, c.dtype))
+    heapq.heapify(timed)
+    return events, [heapq.heappop(timed)[1] for _ in range(len(timed))]
+
+
 @dataclass
 class Binding:
     """Where one run's global operands live: IO tensors by name, weights by name."""
@@ -142,9 +228,301 @@ class Binding:
     act: int
     const: int
 
+    def address(self, ref: GlobalRef, who: str) -> int:
+        if ref.space == Space.IO:
+            if ref.name not in self.io:
+                raise MachineTrap(f"{who}: IO tensor '{ref.name}' is not bound")
+            return self.io[ref.name]
+        if ref.space == Space.WEIGHT:
+            if ref.name not in self.weights:
+                raise MachineTrap(f"{who}: weight '{ref.name}' is not bound")
+            return self.weights[ref.name]
+        if ref.space == Space.ACT:
+            return self.act + ref.offset
+        return self.const + ref.offset
+
+
+# ====================================================================== local memory
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """A local buffer as a step uses it: its per-lane range [lo, hi), and the trap its
+    address deserves (misaligned, outside the lane), raised when a command touches it."""
+
+    lo: int
+    hi: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    buf: int
+    error: str | None
+
+    @classmethod
+    def of(cls, ref: LocalRef, chip: Chip) -> Local:
+        per = chip.per_lane(ref.nbytes)
+        lo, hi = ref.addr, ref.addr + per
+        error = None
+        if lo % chip.align:
+            error = f"local address {lo} is not {chip.align}-byte aligned"
+        elif lo < 0 or hi > chip.lane_bytes:
+            error = f"local access [{lo}, {hi}) is outside the lane ({chip.lane_bytes} B)"
+        return cls(lo, hi, ref.nbytes, np.dtype(ref.dtype), tuple(ref.shape), ref.buf, error)
+
+
+class LiveBuffers:
+    """The live local buffers: their per-lane intervals (disjoint), kept sorted by start so
+    a new buffer is checked against its one possible neighbour, and each buffer's payload
+    (the fast mode's value)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.by_start: dict[int, int] = {}  # lo -> buf
+        self.live: dict[int, tuple[int, int, str, Any]] = {}  # buf -> (lo, hi, who, payload)
+
+    def clear(self) -> None:
+        self.starts.clear()
+        self.by_start.clear()
+        self.live.clear()
+
+    def claim(self, ref: Local, who: str, payload: Any) -> None:
+        """Make `ref` live (its own earlier instance aside, it must overlap nothing live)."""
+        if ref.error:
+            raise MachineTrap(f"{who}: {ref.error}")
+        if ref.buf in self.live:
+            self.release(ref.buf)
+        lo, hi = ref.lo, ref.hi
+        i = bisect.bisect_left(self.starts, hi)
+        if i:
+            other = self.live[self.by_start[self.starts[i - 1]]]
+            if other[1] > lo:
+                raise MachineTrap(f"{who}: writes local [{lo}, {hi}) over the live buffer "
+                                  f"{other[2]} [{other[0]}, {other[1]})")
+        self.starts.insert(i, lo)
+        self.by_start[lo] = ref.buf
+        self.live[ref.buf] = (lo, hi, who, payload)
+
+    def release(self, buf: int) -> None:
+        entry = self.live.pop(buf, None)
+        if entry is not None:
+            lo = entry[0]
+            del self.starts[bisect.bisect_left(self.starts, lo)]
+            del self.by_start[lo]
+
+    def entry(self, ref: Local, who: str) -> tuple[int, int, str, Any]:
+        """The live entry a read of `ref` finds (traps: bad address, not live, not where
+        the buffer was written)."""
+        if ref.error:
+            raise MachineTrap(f"{who}: {ref.error}")
+        e = self.live.get(ref.buf)
+        if e is None:
+            raise MachineTrap(f"{who}: reads buffer {ref.buf} that is not live")
+        if e[0] != ref.lo or e[1] != ref.hi:
+            raise MachineTrap(f"{who}: reads buffer {ref.buf} at local [{ref.lo}, {ref.hi}) "
+                              f"but it was written at [{e[0]}, {e[1]})")
+        return e
+
+
+class CheckedLocal:
+    """Local memory as bytes: values live at their addresses; unwritten bytes trap."""
+
+    def __init__(self, chip: Chip) -> None:
+        self.chip = chip
+        self.bytes = np.zeros((chip.lanes, chip.lane_bytes), np.uint8)
+        self.written = np.zeros(chip.lane_bytes, bool)
+        self.buffers = LiveBuffers()
+
+    def begin(self) -> None:
+        self.buffers.clear()
+        self.written[:] = False
+
+    def read(self, ref: Local, who: str) -> np.ndarray:
+        lo, hi = ref.lo, ref.hi
+        if ref.error:
+            raise MachineTrap(f"{who}: {ref.error}")
+        if not self.written[lo:hi].all():
+            raise MachineTrap(f"{who}: reads local [{lo}, {hi}) that nothing wrote")
+        self.buffers.entry(ref, who)
+        raw = self.bytes[:, lo:hi].reshape(-1)[:ref.nbytes]
+        return raw.view(ref.dtype).reshape(ref.shape)
+
+    def write(self, ref: Local, value: np.ndarray, who: str, copy: bool = False) -> None:
+        arr = np.ascontiguousarray(value, dtype=ref.dtype)
+        if arr.nbytes != ref.nbytes:
+            raise MachineTrap(f"{who}: result has {arr.nbytes} B, its buffer {ref.nbytes} B")
+        self.buffers.claim(ref, who, None)
+        per = ref.hi - ref.lo
+        flat = np.zeros(self.chip.lanes * per, np.uint8)
+        flat[:ref.nbytes] = arr.reshape(-1).view(np.uint8)
+        self.bytes[:, ref.lo:ref.hi] = flat.reshape(self.chip.lanes, per)
+        self.written[ref.lo:ref.hi] = True
+
+
+class FastLocal:
+    """Local memory as bookkeeping: the live intervals plus each buffer's value (a view of
+    a read-only region for loaded weights: no copy)."""
+
+    def __init__(self, chip: Chip) -> None:
+        self.buffers = LiveBuffers()
+
+    def begin(self) -> None:
+        self.buffers.clear()
+
+    def read(self, ref: Local, who: str) -> np.ndarray:
+        value = self.buffers.entry(ref, who)[3]
+        if value.dtype != ref.dtype or value.shape != ref.shape:  # the bytes, reinterpreted
+            value = value.reshape(-1).view(np.uint8)[:ref.nbytes].view(ref.dtype)
+            value = value.reshape(ref.shape)
+        return value
+
+    def write(self, ref: Local, value: np.ndarray, who: str, copy: bool = False) -> None:
+        """Keep `value` as the buffer's contents; `copy` when its source may change (a
+        load from a writable region)."""
+        if copy:
+            arr = np.array(value, dtype=ref.dtype, order="C")
+        else:
+            arr = np.ascontiguousarray(value, dtype=ref.dtype)
+        if arr.nbytes != ref.nbytes:
+            raise MachineTrap(f"{who}: result has {arr.nbytes} B, its buffer {ref.nbytes} B")
+        self.buffers.claim(ref, who, arr.reshape(ref.shape))
+
+
+LocalMemory = CheckedLocal | FastLocal
+
+
+# ====================================================================== pre-decoded steps
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A global tensor a net reads or writes, resolved once per run."""
+
+    ref: GlobalRef
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    write: bool
+    who: str  # the first command that touches it (named by its traps)
+
+
+class Step:
+    """One command, pre-decoded."""
+
+    __slots__ = ("who",)
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        raise NotImplementedError
+
+
+class LoadStep(Step):
+    __slots__ = ("g", "window", "local", "prov")
+
+    def __init__(self, c: Load, g: int, local: Local) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.g, self.window, self.local = g, c.window(), local
+        self.prov = (c.shape, c.dtype, c.axis, c.start, c.length)
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        whole, writable, addr = views[self.g]
+        m.local.write(self.local, whole[self.window], self.who, copy=writable)
+        if writable:
+            m.provenance.pop(self.local.buf, None)
+        else:  # read-only bytes: what the buffer holds is known across runs
+            m.provenance[self.local.buf] = (addr, *self.prov)
+
+
+class StoreStep(Step):
+    __slots__ = ("g", "window", "part_shape", "local", "free")
+
+    def __init__(self, c: Store, g: int, local: Local) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.g, self.window, self.part_shape = g, c.window(), c.part_shape()
+        self.local, self.free = local, c.free
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        views[self.g][0][self.window] = m.local.read(self.local, self.who).reshape(
+            self.part_shape)
+        m.free(self.free)
+
+
+class OpStep(Step):
+    """A compute command, or a gather (its table read from global memory)."""
+
+    __slots__ = ("op", "fn", "ins", "outs", "free", "free_after", "table", "table_at",
+                 "special", "bits", "group_size", "out_dtype")
+
+    def __init__(self, c: Compute | Gather, op: Operation, fn: Evaluator, chip: Chip,
+                 table: int = -1) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.op, self.fn = op, fn
+        self.ins = [Local.of(r, chip) if r is not None else None for r in c.ins]
+        self.outs = [Local.of(r, chip) for r in c.outs]
+        self.free, self.free_after = c.free, c.free_after
+        self.table = table
+        self.table_at = c.table_operand if isinstance(c, Gather) else -1
+        self.special = ""
+        self.bits = self.group_size = 0
+        self.out_dtype = self.outs[0].dtype if self.outs else None
+        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 5:
+            self.special = "a16"
+            self.bits = read_int(op.attributes["weight_bits"])
+            self.group_size = read_int(op.attributes["group_size"])
+        elif (isinstance(op, tpu.MatMulOp) and self.table < 0 and len(self.ins) >= 2
+              and self.ins[1] is not None
+              and self.ins[1].dtype.name in ("float16", "bfloat16")):
+            self.special = "f32w"  # a f16/bf16 weight (the lm_head): upcast once
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        who, local = self.who, m.local
+        args: list[np.ndarray | None] = [local.read(r, who) if r is not None else None
+                                         for r in self.ins]
+        if self.table_at >= 0:
+            args.insert(self.table_at, views[self.table][0])
+        if self.special == "a16":
+            results: Sequence[np.ndarray] = [self._a16_matmul(m, args)]
+        else:
+            if self.special == "f32w":
+                key = m.provenance.get(self.ins[1].buf)  # type: ignore[union-attr]
+                if key is not None:
+                    w = args[1]
+                    args[1] = m.cache.get(("f32", key), lambda: K.f32(w))
+            results = self.fn(self.op, args, m.context)
+        m.free(self.free)
+        for ref, value in zip(self.outs, results, strict=True):
+            local.write(ref, value, who)
+        m.free(self.free_after)
+
+    def _a16_matmul(self, m: Machine, args: list[np.ndarray | None]) -> np.ndarray:
+        """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
+        a run (row slices reuse resident weights), per provenance (which read-only bytes
+        the buffers hold) across runs."""
+        x, q, s, z, bias = args
+        refs = self.ins[1:4]
+        provs = tuple(m.provenance.get(r.buf) if r is not None else None for r in refs)
+        make: Callable[[], np.ndarray] = lambda: K.dequantize(  # noqa: E731
+            q, s, z, self.bits, self.group_size)
+        if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
+            w = m.cache.get(("a16", provs), make)
+        else:
+            key = tuple(r.buf if r is not None else None for r in refs)
+            w = m.run_cache.get(key)
+            if w is None:
+                w = m.run_cache[key] = make()
+        assert x is not None
+        return K.matmul_dequantized(x, w, bias, self.out_dtype)
+
+
+@dataclass
+class Plan:
+    """A net's program pre-decoded for one chip."""
+
+    operands: list[Operand]
+    steps: list[Step]  # in execution order
+    events: list[Event]  # the timeline, by command id
+
 
 class LoadedNet:
-    """A Program with its template ops parsed, ready to run."""
+    """A Program with its template ops parsed and its commands checked against them; its
+    pre-decoded plans (`plan(chip)`) are made on first use, once per chip."""
 
     def __init__(self, program: Program) -> None:
         self.program = program
@@ -155,204 +533,105 @@ class LoadedNet:
             raise MachineTrap(f"program '{program.name}' carries no function of that name")
         self.module = module
         self.ops: list[Operation] = list(fns[0].walk())
+        self.evaluators: dict[int, Evaluator] = {}
         for c in program.commands:
-            if c["e"] == "cmp" or c.get("dir") == "gather":
-                op = self.ops[c["op"]]
-                if type(op) not in EVALUATORS:
-                    raise MachineTrap(f"command {c['id']}: no kernel for '{op.name}'")
+            if isinstance(c, Compute | Gather):
+                self.evaluators[c.id] = self._evaluator(c)
+        self._plans: dict[Chip, Plan] = {}
+
+    def _evaluator(self, c: Compute | Gather) -> Evaluator:
+        if c.op >= len(self.ops):
+            raise MachineTrap(f"command {c.id}: op {c.op} is not in the net's IR "
+                              f"({len(self.ops)} ops)")
+        op = self.ops[c.op]
+        if op.name != c.kind:
+            raise MachineTrap(f"command {c.id}: op {c.op} is '{op.name}', the command says "
+                              f"'{c.kind}'")
+        fn = evaluator_of(op)
+        if fn is None:
+            raise MachineTrap(f"command {c.id}: no kernel for '{op.name}'")
+        return fn
+
+    def plan(self, chip: Chip) -> Plan:
+        plan = self._plans.get(chip)
+        if plan is None:
+            plan = self._plans[chip] = self._make_plan(chip)
+        return plan
+
+    def _make_plan(self, chip: Chip) -> Plan:
+        cmds = self.program.commands
+        events, order = schedule(cmds, chip)
+        operands: list[Operand] = []
+        index: dict[tuple, int] = {}
+
+        def operand(ref: GlobalRef, shape: tuple[int, ...], dtype: str, write: bool,
+                    who: str) -> int:
+            key = (ref, shape, dtype)
+            i = index.get(key)
+            if i is None:
+                i = index[key] = len(operands)
+                operands.append(Operand(ref, shape, np.dtype(dtype), write, who))
+            elif write and not operands[i].write:
+                old = operands[i]
+                operands[i] = Operand(old.ref, old.shape, old.dtype, True, who)
+            return i
+
+        steps: list[Step] = []
+        for cid in order:
+            c = cmds[cid]
+            who = f"command {c.id} ({c.name})"
+            if isinstance(c, Load | Store):
+                g = operand(c.tensor, c.shape, c.dtype, isinstance(c, Store), who)
+                step: Step = (LoadStep(c, g, Local.of(c.local, chip)) if isinstance(c, Load)
+                              else StoreStep(c, g, Local.of(c.local, chip)))
+            elif isinstance(c, Gather):
+                g = operand(c.table.tensor, c.table.shape, c.table.dtype, False, who)
+                step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip, g)
+            else:
+                step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
+            steps.append(step)
+        return Plan(operands, steps, events)
+
+
+# ====================================================================== the machine
 
 
 class Machine:
-    def __init__(self, chip: Chip, checked: bool = False) -> None:
+    """The reference machine of a chip, in checked or fast mode (see the module doc)."""
+
+    def __init__(self, chip: Chip, checked: bool = False,
+                 weight_cache_bytes: int | None = None) -> None:
         self.chip = chip
         self.checked = checked
         self.gmem = GlobalMemory(chip.ddr_bytes)
-        self.local = np.zeros((chip.lanes, chip.lane_bytes), np.uint8)
-        self._written = np.zeros(chip.lane_bytes, bool)
-        self._live: dict[int, tuple[int, int, str]] = {}  # buf id -> (lo, hi, name)
-        self._wcache: dict[tuple, np.ndarray] = {}
-        self._wcache_bytes = 0
-        self._prov: dict[int, tuple] = {}
-        self._run_id = 0
+        self.local: LocalMemory = CheckedLocal(chip) if checked else FastLocal(chip)
+        self.cache = WeightCache(weight_cache_bytes)
+        self.run_cache: dict[Hashable, np.ndarray] = {}  # converted writable weights
+        self.provenance: dict[int, tuple] = {}  # buf -> the read-only bytes it holds
+        self.context = EvalContext(None)
 
-    # ------------------------------------------------------------------ local memory
-    def _check_range(self, addr: int, nbytes: int, who: str) -> int:
-        per = self.chip.per_lane(nbytes)
-        if addr % self.chip.align:
-            raise MachineTrap(f"{who}: local address {addr} is not {self.chip.align}-byte aligned")
-        if addr < 0 or addr + per > self.chip.lane_bytes:
-            raise MachineTrap(f"{who}: local access [{addr}, {addr + per}) is outside the lane "
-                              f"({self.chip.lane_bytes} B)")
-        return per
-
-    def read_local(self, ref: dict[str, Any], who: str) -> np.ndarray:
-        nb = ref["bytes"]
-        per = self._check_range(ref["l"], nb, who)
-        lo = ref["l"]
-        if self.checked and not self._written[lo:lo + per].all():
-            raise MachineTrap(f"{who}: reads local [{lo}, {lo + per}) that nothing wrote")
-        if self.checked and ref["buf"] not in self._live:
-            raise MachineTrap(f"{who}: reads buffer {ref['buf']} that is not live")
-        raw = self.local[:, lo:lo + per].reshape(-1)[:nb]
-        return raw.view(np.dtype(ref["dtype"])).reshape(ref["shape"])
-
-    def write_local(self, ref: dict[str, Any], value: np.ndarray, who: str) -> None:
-        nb = ref["bytes"]
-        per = self._check_range(ref["l"], nb, who)
-        lo, hi = ref["l"], ref["l"] + per
-        for buf, (blo, bhi, bname) in self._live.items():
-            if blo < hi and lo < bhi and buf != ref["buf"]:
-                raise MachineTrap(
-                    f"{who}: writes local [{lo}, {hi}) over the live buffer {bname} "
-                    f"[{blo}, {bhi})")
-        arr = np.ascontiguousarray(value, dtype=np.dtype(ref["dtype"]))
-        if arr.nbytes != nb:
-            raise MachineTrap(f"{who}: result has {arr.nbytes} B, its buffer {nb} B")
-        flat = np.zeros(self.chip.lanes * per, np.uint8)
-        flat[:nb] = arr.reshape(-1).view(np.uint8)
-        self.local[:, lo:hi] = flat.reshape(self.chip.lanes, per)
-        self._written[lo:hi] = True
-        self._live[ref["buf"]] = (lo, hi, who)
-
-    def free(self, bufs: list[int]) -> None:
+    def free(self, bufs: Sequence[int]) -> None:
         for b in bufs:
-            self._live.pop(b, None)
+            self.local.buffers.release(b)
 
-    # ------------------------------------------------------------------ global operands
-    def _gaddr(self, ref: dict[str, Any], b: Binding, who: str) -> int:
-        sp = ref["sp"]
-        if sp == "io":
-            if ref["key"] not in b.io:
-                raise MachineTrap(f"{who}: IO tensor '{ref['key']}' is not bound")
-            return b.io[ref["key"]]
-        if sp == "w":
-            if ref["key"] not in b.weights:
-                raise MachineTrap(f"{who}: weight '{ref['key']}' is not bound")
-            return b.weights[ref["key"]]
-        if sp == "act":
-            return b.act + ref["off"]
-        if sp == "const":
-            return b.const + ref["off"]
-        raise MachineTrap(f"{who}: unknown global space '{sp}'")
-
-    # Host-side speed only (the numbers are the kernels' own): a local buffer loaded from a
-    # read-only region (the weights) has a *provenance* — which bytes it holds — so its
-    # dequantized / upcast form can be kept across commands and runs. A buffer instance is
-    # written once and never overwritten while live (that would trap), so this is exact.
-    _CACHE_BYTES = 3 << 30
-
-    def _cached(self, key: tuple, make: Any) -> np.ndarray:
-        hit = self._wcache.get(key)
-        if hit is None:
-            hit = make()
-            self._wcache[key] = hit
-            self._wcache_bytes += hit.nbytes
-            while self._wcache_bytes > self._CACHE_BYTES and len(self._wcache) > 1:
-                old = self._wcache.pop(next(iter(self._wcache)))
-                self._wcache_bytes -= old.nbytes
-        return hit
-
-    def _a16_matmul(self, op: Operation, c: dict[str, Any], args: list) -> np.ndarray:
-        """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
-        a run (row slices reuse resident weights), per provenance across runs."""
-        x, q, s, z, bias = args
-        refs = c["ins"][1:4]
-        provs = tuple(self._prov.get(ref["buf"]) if ref else None for ref in refs)
-        if all(p is not None for p, ref in zip(provs, refs, strict=True) if ref):
-            key: tuple = ("a16", provs)
-        else:
-            key = ("run", self._run_id, tuple(ref["buf"] if ref else None for ref in refs))
-        bits = read_int(op.attributes["weight_bits"])
-        gs = read_int(op.attributes["group_size"])
-        w = self._cached(key, lambda: K.dequantize(q, s, z, bits, gs))
-        out = c["outs"][0]
-        return K.matmul_dequantized(x, w, bias, np.dtype(out["dtype"]))
-
-    # ------------------------------------------------------------------ execution
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
         """Run a net's commands on the two engines; return the timeline."""
-        cmds = net.program.commands
-        end: dict[int, float] = {}
-        free_at = {"dma": 0.0, "cmp": 0.0}
-        timed: list[tuple[float, int]] = []
-        events: dict[int, Event] = {}
-        for c in cmds:  # stream order per engine: times follow in one pass
-            eng = "dma" if c["e"] == "dma" else "cmp"
-            ready = max((end[d] for d in c["deps"]), default=0.0)
-            start = max(free_at[eng], ready)
-            if eng == "dma":
-                dur = dma_cycles(self.chip, c["bytes"])
-            else:
-                dur = compute_cycles(self.chip, c["flops"], c["dtype"])
-            end[c["id"]] = start + dur
-            free_at[eng] = start + dur
-            timed.append((start, c["id"]))
-            events[c["id"]] = Event(c["id"], eng, start, start + dur, c["name"],
-                                    c.get("bytes", 0) if eng == "dma" else 0,
-                                    c.get("flops", 0), c.get("dtype", ""))
-        heapq.heapify(timed)
-        self._live.clear()
-        self._prov.clear()
-        self._run_id += 1
-        for k in [k for k in self._wcache if k[0] == "run"]:
-            self._wcache_bytes -= self._wcache.pop(k).nbytes
-        if self.checked:
-            self._written[:] = False
-        while timed:
-            _, cid = heapq.heappop(timed)
-            self._execute(net, cmds[cid], binding)
-        leaked = {b: v for b, v in self._live.items()}
-        self._live.clear()
-        if self.checked and leaked:
-            names = sorted({v[2] for v in leaked.values()})[:4]
-            raise MachineTrap(f"net '{net.program.name}' ended with live local buffers {names}")
-        return Timeline(net.program.name, [events[c["id"]] for c in cmds])
+        plan = net.plan(self.chip)
+        views = [self._resolve(op, binding) for op in plan.operands]
+        self.local.begin()
+        self.provenance.clear()
+        self.run_cache.clear()
+        for step in plan.steps:
+            step.run(self, views)
+        live = self.local.buffers.live
+        if live:
+            names = sorted({e[2] for e in live.values()})[:4]
+            self.local.buffers.clear()
+            raise MachineTrap(f"net '{net.program.name}' ended with live local buffers "
+                              f"{names}")
+        return Timeline(net.program.name, list(plan.events))
 
-    def _execute(self, net: LoadedNet, c: dict[str, Any], b: Binding) -> None:
-        who = f"command {c['id']} ({c['name']})"
-        if c["e"] == "dma" and c["dir"] in ("load", "store"):
-            g = c["g"]
-            full = tuple(c["shape"])
-            dt = np.dtype(c["dtype"])
-            addr = self._gaddr(g, b, who)
-            store = c["dir"] == "store"
-            whole, region = self.gmem.tensor_in(addr, full, dt, who, write=store)
-            if c["ax"] >= 0:
-                sl = [slice(None)] * len(full)
-                sl[c["ax"]] = slice(c["start"], c["start"] + c["len"])
-                part = whole[tuple(sl)]
-            else:
-                part = whole
-            if store:
-                part[...] = self.read_local(c["in"], who)
-                self.free(c.get("free", []))
-            else:
-                self.write_local(c["out"], part, who)
-                if not region.writable:
-                    self._prov[c["out"]["buf"]] = (addr, full, c["dtype"], c["ax"],
-                                                   c["start"], c["len"])
-            return
-        op = net.ops[c["op"]]
-        args: list[np.ndarray | None] = []
-        for ref in c["ins"]:
-            if ref is None:
-                args.append(None)
-            elif "global" in ref:
-                g = ref["global"]
-                args.append(self.gmem.tensor(self._gaddr(g, b, who), tuple(ref["shape"]),
-                                             np.dtype(ref["dtype"]), who))
-            else:
-                args.append(self.read_local(ref, who))
-        if isinstance(op, tpu.A16MatMulOp):
-            results = [self._a16_matmul(op, c, args)]
-        elif isinstance(op, tpu.MatMulOp) and c["ins"][1] and c["ins"][1]["buf"] in self._prov:
-            w = args[1]
-            assert w is not None
-            args[1] = self._cached(("f32", self._prov[c["ins"][1]["buf"]]), lambda: K.f32(w))
-            results = evaluate_op(op, args, EvalContext(None))
-        else:
-            results = evaluate_op(op, args, EvalContext(None))
-        self.free(c.get("free", []))
-        for ref, value in zip(c["outs"], results, strict=True):
-            self.write_local(ref, value, who)
-        self.free(c.get("free_after", []))
+    def _resolve(self, op: Operand, binding: Binding) -> tuple[np.ndarray, bool, int]:
+        addr = binding.address(op.ref, op.who)
+        view, region = self.gmem.tensor_in(addr, op.shape, op.dtype, op.who, op.write)
+        return view, region.writable, addr

@@ -13,6 +13,11 @@ a `toptpu.backend.formats.program.Program`, and `const:<net>`, its constant pool
   store command write the new keys straight into the cache;
 - every run's timeline is kept per net: `modelled_seconds()` is the chip time so far and
   `profiles()` summarizes them.
+
+The machine runs in its fast mode by default (`checked=True`: the byte-exact checked mode;
+both give the same numbers and traps, see `toptpu.backend.runtime.machine`); converted
+weights are cached within `weight_cache_bytes` (default: from the host's free memory, see
+`toptpu.backend.runtime.weight_cache`).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import numpy as np
 from toptpu.backend.contract import NetInfo, TensorSpec
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
-from toptpu.backend.formats.program import Program
-from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.formats.program import Program, StreamError
+from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, MachineTrap, Timeline
 from toptpu.backend.target.chips import Chip, get_chip
 
 
@@ -77,12 +82,13 @@ class MachineExecutor:
     """Runs the nets of a model file on the reference machine (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, checked: bool = False,
-                 chip: Chip | None = None, keep_timelines: int = 4) -> None:
+                 chip: Chip | None = None, keep_timelines: int = 4,
+                 weight_cache_bytes: int | None = None) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
         self.chip = chip or get_chip(self.meta.chip)
-        self.machine = Machine(self.chip, checked)
+        self.machine = Machine(self.chip, checked, weight_cache_bytes)
         self.keep_timelines = keep_timelines
         self._nets = self.file.net_infos()
         blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
@@ -155,12 +161,15 @@ class MachineExecutor:
                 loaded = LoadedNet(prog)
             except ModelFileError:
                 raise
-            except Exception as e:  # noqa: BLE001 - a corrupt stream section
+            except (StreamError, MachineTrap) as e:
+                raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
+                                     f"is unusable: {e}") from None
+            except Exception as e:  # noqa: BLE001 - IR that does not parse
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
                                      f"is unusable: {e}") from e
             self._check_program(net, prog)
             gmem = self.machine.gmem
-            self._act[net] = gmem.alloc(f"act:{net}", prog.regions["activations"]).base
+            self._act[net] = gmem.alloc(f"act:{net}", prog.regions.activations).base
             pool = self.file.file.read(entry.consts)
             r = gmem.alloc(f"const:{net}", len(pool))
             r.data[:len(pool)] = np.frombuffer(pool, np.uint8)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from toptpu.backend.formats.commands import Command, Gather, Load, Space, Store
 from toptpu.backend.runtime.machine import Timeline
 from toptpu.backend.target.chips import Chip
 
@@ -141,22 +143,23 @@ DMA_COLORS = [(31, 119, 180), (23, 190, 207), (148, 103, 189), (140, 86, 75), (1
 CMP_COLORS = [(214, 39, 40), (255, 127, 14), (44, 160, 44), (227, 119, 194), (255, 187, 120),
               (152, 223, 138), (255, 152, 150), (197, 176, 213)]
 OTHER_COLOR = (190, 190, 190)
-#: what a DMA command moves, by direction and global memory space (codegen's "sp")
-DMA_LABELS = {("load", "w"): "load weights", ("load", "io"): "load inputs",
-              ("load", "act"): "load activations", ("load", "const"): "load constants",
-              ("store", "io"): "store outputs", ("store", "act"): "store activations"}
+#: what a DMA command moves, by direction and global memory space
+DMA_LABELS = {("load", Space.WEIGHT): "load weights", ("load", Space.IO): "load inputs",
+              ("load", Space.ACT): "load activations", ("load", Space.CONST): "load constants",
+              ("store", Space.IO): "store outputs", ("store", Space.ACT): "store activations"}
 #: tick units: (name, seconds, power of ten)
 TIME_UNITS = [("ns", 1e-9, -9), ("us", 1e-6, -6), ("ms", 1e-3, -3), ("s", 1.0, 0)]
 
 
-def command_category(cmd: dict[str, Any]) -> str:
+def command_category(cmd: Command) -> str:
     """What a command does, as the timeline's legend names it: a DMA's direction and memory
     ("load weights", "store outputs", "gather"), a compute command's op ("a16_matmul")."""
-    if cmd.get("dir") == "gather":
+    if isinstance(cmd, Gather):
         return "gather"
-    if cmd["e"] == "dma":
-        return DMA_LABELS.get((cmd["dir"], cmd["g"]["sp"]), f"{cmd['dir']} {cmd['g']['sp']}")
-    return str(cmd["kind"]).removeprefix("tpu.")
+    if isinstance(cmd, Load | Store):
+        space = cmd.tensor.space
+        return DMA_LABELS.get((cmd.cmd, space), f"{cmd.cmd} {space.value}")
+    return cmd.kind.removeprefix("tpu.")
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ class LegendEntry:
     busy: float  # fraction of the engine's busy time
 
 
-def legend(tl: Timeline, commands: list[dict[str, Any]], engine: str
+def legend(tl: Timeline, commands: Sequence[Command], engine: str
            ) -> tuple[list[LegendEntry], dict[int, tuple[int, int, int]]]:
     """The engine's categories by busy time (the first ones get their own colour, the rest
     one "other" entry) and the colour of each of its commands (by command id)."""
@@ -239,7 +242,7 @@ def _font(size: int) -> Any:
 
 
 def write_timeline_png(path: str, tl: Timeline, chip: Chip, profile: NetProfile,
-                       commands: list[dict[str, Any]], width: int = 1400) -> None:
+                       commands: Sequence[Command], width: int = 1400) -> None:
     """The two engines' timeline with a legend (top) and the net on the roofline of its own
     compute type (bottom)."""
     from PIL import Image, ImageDraw

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
-from toptpu.backend.formats.program import NETS_KIND, Program, constant_pool
+from toptpu.backend.formats.program import NETS_KIND, Program, StreamError, constant_pool
 from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
 from toptpu.backend.target.chips import Chip, chip_from_json
 from toptpu.dialects.weight_store import WeightStore
@@ -29,6 +29,8 @@ class SimResult:
 
 def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarray],
              chip: Chip, checked: bool = True, machine: Machine | None = None) -> SimResult:
+    """Run `program` on a machine (a fresh one in checked mode unless given) with its
+    weights from `store` and `inputs` by name; its outputs and timeline."""
     m = machine or Machine(chip, checked)
     net = LoadedNet(program)
     weights = {}
@@ -36,28 +38,38 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
         weights[name] = m.gmem.map(f"w:{name}", np.ascontiguousarray(store[name]),
                                    writable=False).base
     io: dict[str, int] = {}
-    for spec in program.inputs:
-        arr = np.ascontiguousarray(np.asarray(inputs[spec["name"]]).astype(spec["dtype"]))
-        if list(arr.shape) != spec["shape"]:
-            raise ValueError(f"input '{spec['name']}' has shape {list(arr.shape)}, the net "
-                             f"expects {spec['shape']}")
-        io[spec["name"]] = m.gmem.map(f"io:{spec['name']}", arr.copy()).base
-    outs = {}
-    for spec in program.outputs:
-        nb = int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
-        r = m.gmem.alloc(f"io:{spec['name']}", nb)
-        io[spec["name"]] = r.base
-        outs[spec["name"]] = r
-    act = m.gmem.alloc("act", program.regions["activations"]).base
-    const = m.gmem.alloc("const", program.regions["constants"]).base
+    io, outs = _map_io(m, program, inputs)
+    act = m.gmem.alloc("act", program.regions.activations).base
+    const = m.gmem.alloc("const", program.regions.constants).base
     _fill_constants(m, program, const)
     tl = m.run(net, Binding(io, weights, act, const))
-    outputs = {}
+    return SimResult(_read_outputs(m, program, outs), tl)
+
+
+def _map_io(m: Machine, program: Program, inputs: Mapping[str, np.ndarray]
+            ) -> tuple[dict[str, int], dict[str, int]]:
+    """Map the inputs (copies) and room for the outputs: the IO addresses by name and the
+    outputs' addresses."""
+    io: dict[str, int] = {}
+    for spec in program.inputs:
+        if spec.name not in inputs:
+            raise ValueError(f"input '{spec.name}' is missing (the net takes "
+                             f"{[s.name for s in program.inputs]})")
+        arr = np.ascontiguousarray(np.asarray(inputs[spec.name]).astype(spec.dtype))
+        if arr.shape != tuple(spec.shape):
+            raise ValueError(f"input '{spec.name}' has shape {list(arr.shape)}, the net "
+                             f"expects {list(spec.shape)}")
+        io[spec.name] = m.gmem.map(f"io:{spec.name}", arr.copy()).base
+    outs = {}
     for spec in program.outputs:
-        r = outs[spec["name"]]
-        outputs[spec["name"]] = m.gmem.tensor(r.base, tuple(spec["shape"]),
-                                              np.dtype(spec["dtype"]), "read").copy()
-    return SimResult(outputs, tl)
+        outs[spec.name] = io[spec.name] = m.gmem.alloc(f"io:{spec.name}", spec.nbytes).base
+    return io, outs
+
+
+def _read_outputs(m: Machine, program: Program, outs: Mapping[str, int]
+                  ) -> dict[str, np.ndarray]:
+    return {s.name: m.gmem.tensor(outs[s.name], tuple(s.shape), np.dtype(s.dtype),
+                                  "read").copy() for s in program.outputs}
 
 
 def _fill_constants(m: Machine, program: Program, base: int) -> None:
@@ -71,6 +83,7 @@ class ProgramFile:
     """A model file of compiled nets, run on one machine (weights mapped once)."""
 
     def __init__(self, path: str, checked: bool = False) -> None:
+        """`checked`: the machine's checked mode (default: fast)."""
         self.file = ModelFile(path)
         h = self.file.header
         if h.get("kind") != NETS_KIND:
@@ -80,7 +93,7 @@ class ProgramFile:
         blob = np.frombuffer(self.file.view("weights"), np.uint8)
         region = self.machine.gmem.map("weights", blob, writable=False)
         self.weights = {n: region.base + w["offset"] for n, w in h["weights"].items()}
-        self.programs = {n: Program.from_json(self.file.view(f"program:{n}"))
+        self.programs = {n: _program(path, n, self.file.view(f"program:{n}"))
                          for n in h["nets"]}
         self.nets = {n: LoadedNet(p) for n, p in self.programs.items()}
         self.const = {}
@@ -93,22 +106,19 @@ class ProgramFile:
     def run(self, net: str, inputs: Mapping[str, np.ndarray]) -> SimResult:
         prog = self.programs[net]
         m = self.machine
-        io: dict[str, int] = {}
-        mark = m.gmem._next  # noqa: SLF001 - per-run regions are released afterwards
-        nregions = len(m.gmem.regions)
-        for spec in prog.inputs:
-            arr = np.ascontiguousarray(np.asarray(inputs[spec["name"]]).astype(spec["dtype"]))
-            io[spec["name"]] = m.gmem.map(f"io:{spec['name']}", arr.copy()).base
-        outs = {}
-        for spec in prog.outputs:
-            nb = int(np.prod(spec["shape"])) * np.dtype(spec["dtype"]).itemsize
-            outs[spec["name"]] = r = m.gmem.alloc(f"io:{spec['name']}", nb)
-            io[spec["name"]] = r.base
-        act = m.gmem.alloc("act", prog.regions["activations"]).base
-        tl = m.run(self.nets[net], Binding(io, self.weights, act, self.const[net]))
-        outputs = {s["name"]: m.gmem.tensor(outs[s["name"]].base, tuple(s["shape"]),
-                                            np.dtype(s["dtype"]), "read").copy()
-                   for s in prog.outputs}
-        del m.gmem.regions[nregions:]
-        m.gmem._next = mark  # noqa: SLF001
-        return SimResult(outputs, tl)
+        mark = m.gmem.mark()  # per-run regions are released afterwards
+        try:
+            io, outs = _map_io(m, prog, inputs)
+            act = m.gmem.alloc("act", prog.regions.activations).base
+            tl = m.run(self.nets[net], Binding(io, self.weights, act, self.const[net]))
+            return SimResult(_read_outputs(m, prog, outs), tl)
+        finally:
+            m.gmem.release(mark)
+
+
+def _program(path: str, net: str, data: memoryview) -> Program:
+    try:
+        return Program.from_json(data)
+    except StreamError as e:
+        raise ModelFileError(f"'{path}': the command stream of net '{net}' is unusable: "
+                             f"{e}") from None

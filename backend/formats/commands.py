@@ -1,0 +1,291 @@
+"""The machine's command records: what codegen (`toptpu.backend.codegen.streams`) writes and
+the reference machine (`toptpu.backend.runtime.machine`) runs.
+
+A net's program is a list of commands for two engines. The DMA engine runs `Load` (a global
+tensor, or a slice of it along one axis, into a local buffer), `Store` (a local buffer into
+a global tensor or a slice of it) and `Gather` (rows of a global table, picked by indices
+in local memory, into a local buffer); the compute engine runs `Compute` (one op of the
+net's grouped Tpu IR over local buffers). Every command names the commands it waits for
+(`deps`), the layer group and slice it belongs to, and the local buffers it frees.
+
+Operands: a `GlobalRef` names a global tensor by `Space` — `io` (a net input/output, bound
+per call by name), `w` (a weight, by name), `act` (the net's activation region, at an
+offset) or `const` (the net's constant pool, at an offset); a `LocalRef` is a local buffer:
+its per-lane address, shape, dtype and buffer instance id (what the machine tracks as live).
+
+The records are written to the model file as JSON with the program's `STREAM_SCHEMA`
+version; a program of another version is refused (recompile the model). On load every
+record is decoded by the header schema decoder (types, ranges, names, dtypes; the field
+named in the error) and checked across fields (`check_command`).
+
+`command_text` is the one-line text form of a command (`toptpu-opt -t commands`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, ClassVar, Literal
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+import numpy as np
+
+from toptpu.backend.formats.header_schema import HeaderError, Name, OneOf, Range, join
+from toptpu.backend.formats.llm_file import MAX_ELEMENTS, DType
+from toptpu.dialects.common import DTYPE_BY_NAME
+
+#: the version of the command records; programs of another version are refused.
+#: 1: dicts with keys `e`, `g`, `ax`, `sp`, ... (no version field); 2: these records.
+STREAM_SCHEMA = 2
+
+Dim = Annotated[int, Range(0, MAX_ELEMENTS)]
+Shape = tuple[Dim, ...]
+#: an element type name as the cost model takes it (`bf16`, `f32`, ...)
+ComputeType = Annotated[str, OneOf(tuple(DTYPE_BY_NAME), "element type")]
+
+
+class Space(Enum):
+    """Where a global operand lives."""
+
+    IO = "io"  # a net input or output, bound per call by name
+    WEIGHT = "w"  # a weight, by name (a per-layer net binds its layer's chunk)
+    ACT = "act"  # the net's activation region, at an offset
+    CONST = "const"  # the net's constant pool, at an offset
+
+
+NAMED_SPACES = (Space.IO, Space.WEIGHT)
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A global tensor: by name (io, w) or by offset in the net's region (act, const)."""
+
+    space: Space
+    name: Name | None = None
+    offset: int = 0
+
+    def __str__(self) -> str:
+        if self.space in NAMED_SPACES:
+            return f"{self.space.value}:{self.name}"
+        return f"{self.space.value}+{self.offset}"
+
+
+@dataclass(frozen=True)
+class LocalRef:
+    """A local buffer: per-lane address, shape, dtype, instance id and size in bytes."""
+
+    addr: int
+    shape: Shape
+    dtype: DType
+    buf: Annotated[int, Range(1)]
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"L{self.addr}#{self.buf}"
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """A gather's table, read row by row from global memory."""
+
+    tensor: GlobalRef
+    shape: Shape
+    dtype: DType
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Command:
+    id: int
+    name: str  # the tensor it moves or computes (its op's name in the IR)
+    deps: tuple[int, ...]  # commands that must finish before this one starts
+    group: int  # its layer group
+    slice: int  # the slice of that group
+
+    engine: ClassVar[str]  # "dma" or "cmp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Transfer(_Command):
+    tensor: GlobalRef  # the whole global tensor
+    shape: Shape  # its shape
+    dtype: DType
+    axis: Annotated[int, Range(-1)]  # the axis sliced; -1: the whole tensor
+    start: int = 0  # the slice along `axis`
+    length: int = 0
+    local: LocalRef  # the local buffer written (load) or read (store)
+
+    engine: ClassVar[str] = "dma"
+    flops: ClassVar[int] = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved."""
+        return self.local.nbytes
+
+    def window(self) -> tuple[slice, ...]:
+        """The index of the part moved in the whole tensor."""
+        index = [slice(None)] * len(self.shape)
+        if self.axis >= 0:
+            index[self.axis] = slice(self.start, self.start + self.length)
+        return tuple(index)
+
+    def part_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        if self.axis >= 0:
+            shape[self.axis] = self.length
+        return tuple(shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Load(_Transfer):
+    """DMA: global tensor (or a slice of it) -> local buffer."""
+
+    cmd: Literal["load"] = "load"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Store(_Transfer):
+    """DMA: local buffer -> global tensor (or a slice of it); frees `free` afterwards."""
+
+    cmd: Literal["store"] = "store"
+    free: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OpCommand(_Command):
+    op: int  # index of the template op among the grouped IR's ops (walk order)
+    kind: Name  # that op's name (`tpu.matmul`)
+    ins: tuple[LocalRef | None, ...]  # None: an absent optional operand
+    outs: tuple[LocalRef, ...]
+    flops: int
+    dtype: ComputeType  # the type its throughput is costed at
+    free: tuple[int, ...] = ()  # buffers freed once its inputs are read
+    free_after: tuple[int, ...] = ()  # results nothing reads: freed once written
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compute(_OpCommand):
+    """Compute engine: one op over local buffers."""
+
+    cmd: Literal["compute"] = "compute"
+
+    engine: ClassVar[str] = "cmp"
+    nbytes: ClassVar[int] = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gather(_OpCommand):
+    """DMA: rows of a global table into a local buffer (`tpu.gather`); the table is the
+    op's operand number `table_operand`, `ins` its other operands."""
+
+    cmd: Literal["gather"] = "gather"
+    table: TableRef
+    table_operand: int
+
+    engine: ClassVar[str] = "dma"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved: the rows gathered."""
+        return sum(o.nbytes for o in self.outs)
+
+
+Command = Load | Store | Gather | Compute
+Transfer = Load | Store
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _check_local(ref: LocalRef, where: str) -> None:
+    need = numel(ref.shape) * np.dtype(ref.dtype).itemsize
+    if ref.nbytes != need:
+        raise HeaderError(join(where, "nbytes"), f"is {ref.nbytes}, {ref.dtype} "
+                                                 f"{list(ref.shape)} takes {need}")
+    if numel(ref.shape) > MAX_ELEMENTS:
+        raise HeaderError(join(where, "shape"), f"has more than {MAX_ELEMENTS} elements")
+
+
+def _check_global(ref: GlobalRef, where: str) -> None:
+    named = ref.space in NAMED_SPACES
+    if named != (ref.name is not None):
+        raise HeaderError(join(where, "name"),
+                          f"must be {'given' if named else 'absent'} in space "
+                          f"'{ref.space.value}'")
+    if named and ref.offset:
+        raise HeaderError(join(where, "offset"), f"must be 0 in space '{ref.space.value}' "
+                                                 "(its tensors are bound by name)")
+
+
+def check_command(c: Command, index: int, where: str) -> None:
+    """The checks across fields of one decoded command (its types were checked while
+    decoding); `index` is its place in the program."""
+    if c.id != index:
+        raise HeaderError(join(where, "id"), f"is {c.id}, not its place {index}")
+    if list(c.deps) != sorted(set(c.deps)) or any(d >= c.id for d in c.deps):
+        raise HeaderError(join(where, "deps"), f"are {list(c.deps)[:8]}, not increasing ids "
+                                               "of earlier commands")
+    if isinstance(c, Load | Store):
+        _check_global(c.tensor, join(where, "tensor"))
+        _check_local(c.local, join(where, "local"))
+        if c.axis >= len(c.shape):
+            raise HeaderError(join(where, "axis"), f"is {c.axis}, the tensor has "
+                                                   f"{len(c.shape)} axes")
+        if c.axis >= 0 and not (c.length >= 1 and c.start + c.length <= c.shape[c.axis]):
+            raise HeaderError(join(where, "length"),
+                              f"slice [{c.start}, {c.start + c.length}) is outside an axis "
+                              f"of {c.shape[c.axis]}")
+        if numel(c.part_shape()) != numel(c.local.shape) or c.dtype != c.local.dtype:
+            raise HeaderError(join(where, "local"),
+                              f"is {c.local.dtype} {list(c.local.shape)}, the part moved is "
+                              f"{c.dtype} {list(c.part_shape())}")
+        return
+    for i, ref in enumerate(c.ins):
+        if ref is not None:
+            _check_local(ref, join(join(where, "ins"), i))
+    for i, ref in enumerate(c.outs):
+        _check_local(ref, join(join(where, "outs"), i))
+    if isinstance(c, Gather):
+        _check_global(c.table.tensor, join(join(where, "table"), "tensor"))
+        if c.table_operand > len(c.ins):
+            raise HeaderError(join(where, "table_operand"),
+                              f"is {c.table_operand}, the op has {len(c.ins) + 1} operands")
+
+
+# ------------------------------------------------------------------ text form
+
+
+def _shape(shape: tuple[int, ...], dtype: str) -> str:
+    return "x".join(map(str, (*shape, np.dtype(dtype).name))) if shape else np.dtype(
+        dtype).name
+
+
+def _deps(c: Command) -> str:
+    return "[" + ",".join(map(str, c.deps)) + "]"
+
+
+def _freed(c: Command) -> str:
+    free = [*getattr(c, "free", ()), *getattr(c, "free_after", ())]
+    return f" free=#{',#'.join(map(str, free))}" if free else ""
+
+
+def command_text(c: Command) -> str:
+    """One line: id, engine, what it does, the global tensor (with the slice moved) or the
+    op's result, shape, local addresses, group.slice, deps and freed buffers. For example
+    `4 dma load w:fc.weight 32x64xfloat32 [0:16,:] -> L1024#3 g1.s0 deps=[1]`."""
+    head = f"{c.id:>4} {c.engine:<3} "
+    if isinstance(c, Load | Store):
+        what = ",".join(":" if s == slice(None) else f"{s.start}:{s.stop}" for s in c.window())
+        sl = f"[{what}]" if c.axis >= 0 else "[all]"
+        arrow = f"-> {c.local}" if isinstance(c, Load) else f"<- {c.local}"
+        return (f"{head}{c.cmd:<8} {c.tensor} {_shape(c.shape, c.dtype)} {sl} {arrow} "
+                f"g{c.group}.s{c.slice} deps={_deps(c)}{_freed(c)}")
+    args = [str(r) if r is not None else "-" for r in c.ins]
+    if isinstance(c, Gather):
+        args.insert(c.table_operand, str(c.table.tensor))
+    outs = ",".join(str(o) for o in c.outs)
+    shapes = ",".join(_shape(o.shape, o.dtype) for o in c.outs)
+    return (f"{head}{c.kind.removeprefix('tpu.'):<8} {c.name} {shapes} ({', '.join(args)}) "
+            f"-> {outs} g{c.group}.s{c.slice} deps={_deps(c)}{_freed(c)}")

@@ -1,0 +1,88 @@
+"""The executors' cache of converted weights: dequantized `tpu.a16_matmul` weights and f32
+forms of f16/bf16 matmul weights (the lm_head), kept across net runs so a decode step costs
+its matmuls, not a conversion of every weight. The numbers are the kernels' own: a cached
+weight is exactly what the kernel would compute again.
+
+The cache is bounded by a byte budget sized from the host's free memory: by default half of
+`MemAvailable` (/proc/meminfo) read when the executor starts (2 GiB where that is not
+known); the environment variable `TOPTPU_WEIGHT_CACHE` (bytes, or a number with K, M or G:
+`TOPTPU_WEIGHT_CACHE=3G`; 0 turns the cache off) or the executors' `weight_cache_bytes`
+argument override it. A weight that does not fit the rest of the budget is converted for
+each use and not kept (a decode step visits the weights cyclically: keeping the ones that
+fit beats evicting the oldest).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Hashable
+
+import numpy as np
+
+from toptpu.backend.runtime.errors import GenerationError
+
+ENV_VAR = "TOPTPU_WEIGHT_CACHE"
+#: the share of the host's available memory the cache may take by default
+DEFAULT_FRACTION = 0.5
+#: the budget where the available memory is not known
+FALLBACK_BYTES = 2 << 30
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'3G' -> 3 GiB, '512M', '1.5G', '1000000' (bytes); ValueError for anything else."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's available memory in bytes (MemAvailable), None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_budget() -> int:
+    """The cache budget: TOPTPU_WEIGHT_CACHE if set, else half the available memory."""
+    raw = os.environ.get(ENV_VAR)
+    if raw is not None:
+        try:
+            return parse_size(raw)
+        except ValueError:
+            raise GenerationError(f"{ENV_VAR}={raw!r} is not a size: give bytes or a number "
+                                  "with K, M or G (e.g. 3G; 0 turns the cache off)") from None
+    avail = mem_available()
+    return FALLBACK_BYTES if avail is None else int(avail * DEFAULT_FRACTION)
+
+
+class WeightCache:
+    """Converted weights by key, within a byte budget (see the module doc)."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = default_budget() if budget is None else budget
+        if self.budget < 0:
+            raise GenerationError(f"the weight cache budget is {self.budget} bytes; give 0 "
+                                  "or more")
+        self.used = 0
+        self._items: dict[Hashable, np.ndarray] = {}
+
+    def get(self, key: Hashable, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """The weight under `key`, made (and kept, while the budget allows) on a miss."""
+        hit = self._items.get(key)
+        if hit is None:
+            hit = make()
+            if self.used + hit.nbytes <= self.budget:
+                self._items[key] = hit
+                self.used += hit.nbytes
+        return hit
+
+    def __len__(self) -> int:
+        return len(self._items)

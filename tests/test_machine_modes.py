@@ -1,0 +1,62 @@
+"""The machine's two modes give the same numbers: every net of the test models (per-layer
+nets at their first and last layer) run on the fast and the checked machine with the same
+inputs gives bit-identical outputs, on the first run and on a second one (when the fast
+mode's cached conversions of the weights are used)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from llm_fixtures import compiled
+
+from toptpu.backend.contract import TensorSpec
+from toptpu.backend.runtime.machine_executor import MachineExecutor
+
+pytestmark = pytest.mark.slow
+
+#: (family, mode, compile options): f32 and w4bf16 (the dequantized-weight cache), one
+#: with a history (block_kv)
+MODELS = [("qwen2", "f32", {}), ("qwen2", "w4bf16", {}),
+          ("qwen2", "f32", {"seq": 64, "input_len": 16, "history": 56})]
+
+
+def _value(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    if np.issubdtype(np.dtype(spec.dtype), np.integer):
+        return rng.integers(0, 16, spec.shape).astype(spec.dtype)
+    return rng.standard_normal(spec.shape).astype(spec.dtype)
+
+
+def _run(ex: MachineExecutor, net: str, feeds: dict[str, np.ndarray],
+         layer: int | None) -> dict[str, np.ndarray]:
+    info = ex.nets()[net]
+    bufs = {s.name: ex.alloc(tuple(s.shape), s.dtype) for s in (*info.inputs, *info.outputs)}
+    for name, value in feeds.items():
+        ex.write(bufs[name], value)
+    ex.run(net, bufs, layer)
+    return {s.name: ex.read(bufs[s.name]) for s in info.outputs}
+
+
+@pytest.mark.parametrize(("family", "mode", "options"), MODELS,
+                         ids=[f"{f}-{m}{'-history' if o else ''}" for f, m, o in MODELS])
+def test_fast_and_checked_mode_are_bit_identical_on_every_net(
+        tmp_path_factory, family: str, mode: str, options: dict) -> None:
+    path = compiled(tmp_path_factory, family, mode, **options).model_file
+    fast, checked = MachineExecutor(path), MachineExecutor(path, checked=True)
+    assert not fast.machine.checked and checked.machine.checked
+    rng = np.random.default_rng(0)
+    layers = fast.file.layout.num_layers
+    compared = 0
+    for net, info in fast.nets().items():
+        for layer in ((0, layers - 1) if info.per_layer else (None,)):
+            feeds = {s.name: _value(s, rng) for s in info.inputs}
+            want = _run(checked, net, feeds, layer)
+            for _ in range(2):  # the second run uses the converted weights kept by the first
+                got = _run(fast, net, feeds, layer)
+                for name, value in want.items():
+                    assert got[name].dtype == value.dtype, (net, layer, name)
+                    assert got[name].tobytes() == value.tobytes(), (net, layer, name)
+            compared += 1
+    assert {"embedding", "block", "block_cache", "lm_head"} <= set(fast.nets())
+    if "history" in options:
+        assert "block_kv" in fast.nets()
+    assert compared >= len(fast.nets())
