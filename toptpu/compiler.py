@@ -232,8 +232,9 @@ class PackedWeights:
         for i in range(layout.num_layers):
             base = layout.layer_base + i * layout.layer_stride
             tensors = self.derive(i)
-            for name, entry in sorted(layout.layer.items(), key=lambda kv: kv[1].offset):
-                yield base + entry.offset, _bytes(tensors[name])
+            # a layer variant fills only its own names of the chunk layout
+            for name in sorted(tensors, key=lambda n: layout.layer[n].offset):
+                yield base + layout.layer[name].offset, _bytes(tensors[name])
             del tensors
             self.release()
 
