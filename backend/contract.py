@@ -5,8 +5,8 @@ Compiler (`toptpu.compiler`), frontends (the LLM splitter, the VLM wrappers) and
 needs numpy alone (no torch, no xDSL), so the runtime can depend on it without pulling in
 the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
 
-- the net names (`TEXT_NETS`, `PER_LAYER_NETS`, `VISION_NET`) and the per-layer variants
-  of a layer quantized differently from layer 0 (`block@3`: `NetName`);
+- the net names (`TEXT_NETS`, `PER_LAYER_NETS`, `HEAD_NETS`, `VISION_NET`) and the
+  per-layer variants of a layer quantized differently from layer 0 (`block@3`: `NetName`);
 - the IO names and, at given static shapes (`StaticShapes`), the exact IO of every text
   net (`net_io`);
 - the additive attention masks (`prefill_mask`, `decode_mask`);
@@ -67,11 +67,19 @@ BLOCK = "block"
 BLOCK_KV = "block_kv"
 BLOCK_CACHE = "block_cache"
 LM_HEAD = "lm_head"
-LM_HEAD_LOGITS = "lm_head_logits"
+GREEDY_HEAD = "greedy_head"
+SAMPLE_HEAD = "sample_head"
 #: the nets of every LLM model file, in the order the compiler emits them
-TEXT_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_KV, BLOCK_CACHE, LM_HEAD, LM_HEAD_LOGITS)
+TEXT_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_KV, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD,
+             SAMPLE_HEAD)
 #: the nets that run once per layer (each layer binds its own weights)
 PER_LAYER_NETS = (BLOCK, BLOCK_KV, BLOCK_CACHE)
+#: the nets that choose the next token from the lm_head's logits on the chip (LLM-TPU's
+#: greedy_head and sample_head); they compute in f32 whatever the activation type
+HEAD_NETS = (GREEDY_HEAD, SAMPLE_HEAD)
+#: how many candidates `sample_head` keeps (LLM-TPU's top-k of its sampling head); a
+#: vocabulary smaller than that keeps all (`sample_k`)
+SAMPLE_TOP_K = 50
 #: the nets that read the KV cache in place (their attention takes history operands)
 HISTORY_NETS = (BLOCK_KV, BLOCK_CACHE)
 #: the vision net of a VLM model file
@@ -123,6 +131,13 @@ PRESENT_K = "present_k"
 PRESENT_V = "present_v"
 TOKEN = "token"
 LOGITS = "logits"
+RECENT_IDS = "recent_ids"
+PENALTY = "penalty"
+TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
+PROBS = "probs"
+TOKEN_IDS = "token_ids"
 PIXEL_VALUES = "pixel_values"
 POSITION_IDS_VIT = "position_ids_vit"
 IMAGE_EMBEDS = "image_embeds"
@@ -131,6 +146,16 @@ IMAGE_EMBEDS = "image_embeds"
 BLOCK_INPUTS = (HIDDEN, POSITION_IDS, ATTENTION_MASK)
 HISTORY_INPUTS = (*BLOCK_INPUTS, HISTORY_K, HISTORY_V)
 BLOCK_OUTPUTS = (HIDDEN_OUT, PRESENT_K, PRESENT_V)
+#: the inputs of `sample_head` after the logits: the recent token ids the repetition
+#: penalty looks at (the last SEQ slots; unused slots repeat a used one), the penalty, the
+#: temperature, the top-k (1..sample_k) and the top-p (in (0, 1]; 1 keeps all)
+SAMPLE_INPUTS = (LOGITS, RECENT_IDS, PENALTY, TEMPERATURE, TOP_K, TOP_P)
+SAMPLE_OUTPUTS = (PROBS, TOKEN_IDS)
+
+
+def sample_k(vocab_size: int) -> int:
+    """How many candidates `sample_head` returns for a vocabulary of `vocab_size`."""
+    return min(SAMPLE_TOP_K, vocab_size)
 
 
 # =========================================================================== static shapes
@@ -174,9 +199,11 @@ class ModelWidths(Protocol):
 def net_io(shapes: StaticShapes, model: ModelWidths, act: str
            ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
     """The inputs and outputs of each text net: static shapes L, SEQ and Hh, the model's
-    widths, float activations of dtype `act`, int32 ids and positions."""
+    widths, float activations (and logits) of dtype `act`, int32 ids and positions; the
+    sampling head's parameters and probabilities are f32 whatever `act` is."""
     L, S, Hh = shapes.max_input_length, shapes.seq_length, shapes.max_history
     H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
+    V, K = model.vocab_size, sample_k(model.vocab_size)
 
     def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
         return TensorSpec(name, shape, dtype)
@@ -195,8 +222,12 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str
         BLOCK: block(L, L, None),
         BLOCK_KV: block(L, Hh + L, Hh),
         BLOCK_CACHE: block(1, S + 1, S),
-        LM_HEAD: ((t(HIDDEN, 1, H),), (t(TOKEN, 1, 1, dtype="int32"),)),
-        LM_HEAD_LOGITS: ((t(HIDDEN, 1, H),), (t(LOGITS, 1, model.vocab_size),)),
+        LM_HEAD: ((t(HIDDEN, 1, H),), (t(LOGITS, 1, V),)),
+        GREEDY_HEAD: ((t(LOGITS, 1, V),), (t(TOKEN, 1, 1, dtype="int32"),)),
+        SAMPLE_HEAD: ((t(LOGITS, 1, V), t(RECENT_IDS, 1, S, dtype="int32"),
+                       t(PENALTY, 1, 1, dtype="float32"), t(TEMPERATURE, 1, 1, dtype="float32"),
+                       t(TOP_K, 1, 1, dtype="int32"), t(TOP_P, 1, 1, dtype="float32")),
+                      (t(PROBS, 1, K, dtype="float32"), t(TOKEN_IDS, 1, K, dtype="int32"))),
     }
 
 

@@ -830,6 +830,79 @@ class TopKOp(TopKBase, TopOp):
     name = "top.topk"
 
 
+class ScatterBase(ShapedOp):
+    """`input` with `updates` written along `axis` where `indices` say (torch.scatter with a
+    source, ONNX ScatterElements): out[..., indices[..., j, ...], ...] = updates[..., j, ...]
+    along `axis`; indices and updates have one shape, equal to the input's off `axis`.
+    Duplicate indices: one of their updates lands (torch leaves which unspecified; the
+    kernel writes them in row-major order, so the last one)."""
+
+    input = operand_def(AnyTensor)
+    indices = operand_def(AnyTensor)
+    updates = operand_def(AnyTensor)
+    axis = attr_def(IntegerAttr)
+    output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, indices: SSAValue, updates: SSAValue,
+                 axis: int) -> None:
+        self.construct([input, indices, updates],
+                       {"axis": int_value_attr(f"{self.name} axis", axis)})
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, idx, upd = operands[0], operands[1], operands[2]
+        assert x is not None and idx is not None and upd is not None
+        xs, ids, us = shape_of(x), shape_of(idx), shape_of(upd)
+        axis = norm_axis(read_int(attrs.get("axis")), len(xs))
+        if is_float(elem_of(idx)):
+            raise VerifyException("scatter indices must be integers")
+        if ids != us:
+            raise VerifyException(f"scatter indices {list(ids)} and updates {list(us)} must "
+                                  "have one shape")
+        if len(ids) != len(xs) or any(a != b for i, (a, b) in enumerate(zip(ids, xs,
+                                                                            strict=True))
+                                      if i != axis):
+            raise VerifyException(f"scatter indices {list(ids)} must match the input "
+                                  f"{list(xs)} off axis {axis}")
+        if elem_of(upd) != elem_of(x):
+            raise VerifyException("scatter updates must have the input's element type")
+        return [tensor(xs, elem_of(x))]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.updates))
+
+
+@irdl_op_definition
+class ScatterOp(ScatterBase, TopOp):
+    name = "top.scatter"
+
+
+class CumSumBase(ShapedOp):
+    """Inclusive prefix sum along `axis`, accumulated in order in f32."""
+
+    input = operand_def(AnyTensor)
+    axis = attr_def(IntegerAttr)
+    output = result_def(AnyTensor)
+
+    def __init__(self, input: SSAValue, axis: int) -> None:
+        self.construct([input], {"axis": int_value_attr(f"{self.name} axis", axis)})
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        norm_axis(read_int(attrs.get("axis")), len(shape_of(x)))
+        return [tensor(shape_of(x), elem_of(x))]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.input))
+
+
+@irdl_op_definition
+class CumSumOp(CumSumBase, TopOp):
+    name = "top.cumsum"
+
+
 class Conv2dBase(ShapedOp):
     """NCHW 2-D convolution; weight [O, C/groups, kh, kw]; pads [top, left, bottom, right]."""
 
@@ -1057,6 +1130,8 @@ Top = Dialect(
         MatMulOp,
         GatherOp,
         TopKOp,
+        ScatterOp,
+        CumSumOp,
         Conv2dOp,
         ReshapeOp,
         PermuteOp,

@@ -339,6 +339,16 @@ class TopKOp(top.TopKBase, TpuOp):
 
 
 @irdl_op_definition
+class ScatterOp(top.ScatterBase, TpuOp):
+    name = "tpu.scatter"
+
+
+@irdl_op_definition
+class CumSumOp(top.CumSumBase, TpuOp):
+    name = "tpu.cumsum"
+
+
+@irdl_op_definition
 class Conv2dOp(top.Conv2dBase, TpuOp):
     name = "tpu.conv2d"
 
@@ -495,6 +505,8 @@ TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
     top.MatMulOp: MatMulOp,
     top.GatherOp: GatherOp,
     top.TopKOp: TopKOp,
+    top.ScatterOp: ScatterOp,
+    top.CumSumOp: CumSumOp,
     top.Conv2dOp: Conv2dOp,
     top.ReshapeOp: ReshapeOp,
     top.PermuteOp: PermuteOp,

@@ -656,6 +656,25 @@ def _topk(im: Importer, node: torch.fx.Node) -> Any:
     return (op.results[0], idx)
 
 
+@builds(aten.scatter.src)
+def _scatter(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    dim = node.args[1] % len(shape_of(x))
+    idx, src = im.value(node.args[2]), im.value(node.args[3])
+    if _arg(node, 4, "reduce") is not None:
+        raise UnsupportedOpError("aten.scatter with a reduction")
+    src = im.cast_to(src, im.out_type().element_type, "updates")
+    return im.emit(top.ScatterOp(x, idx, src, dim)).results[0]
+
+
+@builds(aten.cumsum.default)
+def _cumsum(im: Importer, node: torch.fx.Node) -> Any:
+    x = im.value(node.args[0])
+    x = im.cast_to(x, im.out_type().element_type)
+    dim = node.args[1] % len(shape_of(x))
+    return im.emit(top.CumSumOp(x, dim)).results[0]
+
+
 @builds(aten.argmax.default)
 def _argmax(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])

@@ -20,6 +20,7 @@ with the same checks (`read_model_dir`, `check_checkpoint`, `tokenizer_files`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import tempfile
@@ -340,24 +341,10 @@ def check_model_dir(path: str) -> None:
         raise ModelLoadError(f"model directory '{path}' does not exist")
 
 
-@dataclass
-class ModelDir:
-    """What a model directory says besides its weights."""
-
-    path: str
-    raw: dict[str, Any]  # config.json as read
-    config: Any  # the transformers config
-    generation: Any  # transformers GenerationConfig or None
-
-    @property
-    def prequantized(self) -> bool:
-        return _is_prequantized(self.path, self.raw)
-
-
-def read_model_dir(path: str) -> ModelDir:
-    """Read and check a model directory's config.json and generation config (not its
-    weights, not its tokenizer: `tokenizer_files`, once the weights are checked)."""
-    from transformers import AutoConfig, GenerationConfig
+def read_config(path: str) -> tuple[Any, dict[str, Any]]:
+    """A model directory's config (transformers) and its raw JSON, for a supported
+    model_type; nothing else of the directory is read."""
+    from transformers import AutoConfig
 
     check_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
@@ -376,6 +363,60 @@ def read_model_dir(path: str) -> ModelDir:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+    return config, raw
+
+
+def placeholder_model(config: Any, layers: int = 1) -> Any:
+    """The causal LM of `config` with `layers` layers and placeholder weights: zeros,
+    allocated lazily (untouched pages take no memory), tied weights still tied. For
+    what depends on shapes alone (the compiled nets' command streams and their costs),
+    without a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:layers]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    zeros: dict[int, torch.nn.Parameter] = {}  # by the meta parameter: ties stay ties
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):  # noqa: SLF001 - re-materialized
+            if p is None:
+                continue
+            if id(p) not in zeros:
+                zeros[id(p)] = torch.nn.Parameter(
+                    torch.from_numpy(np.zeros(tuple(p.shape), np.float32)), requires_grad=False)
+            mod._parameters[name] = zeros[id(p)]  # noqa: SLF001
+    rotary = model.model.rotary_emb  # its buffers are computed, not loaded: make them real
+    model.model.rotary_emb = type(rotary)(config=cfg)
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ModelLoadError(f"a placeholder {cfg.model_type} model has buffers toptpu does not "
+                             f"know how to make: {left[:3]}")
+    return model.eval()
+
+
+@dataclass
+class ModelDir:
+    """What a model directory says besides its weights."""
+
+    path: str
+    raw: dict[str, Any]  # config.json as read
+    config: Any  # the transformers config
+    generation: Any  # transformers GenerationConfig or None
+
+    @property
+    def prequantized(self) -> bool:
+        return _is_prequantized(self.path, self.raw)
+
+
+def read_model_dir(path: str) -> ModelDir:
+    """Read and check a model directory's config.json and generation config (not its
+    weights, not its tokenizer: `tokenizer_files`, once the weights are checked)."""
+    from transformers import GenerationConfig
+
+    config, raw = read_config(path)
     gen = None
     if os.path.exists(os.path.join(path, "generation_config.json")):
         try:

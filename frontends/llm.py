@@ -16,8 +16,15 @@ tensors out. Each is exported with `torch.export` at static shapes:
 - `block_cache` (decode): `hidden` [1, 1, H], `position_ids` [1, 1], mask
   [1, 1, 1, SEQ + 1], `history_k`/`history_v` [1, SEQ, kvH, D] -> `hidden_out` [1, 1, H],
   `present_k`/`present_v` [1, 1, kvH, D]
-- `lm_head`: `hidden` [1, H] -> `token` i32 [1, 1] (final norm, lm_head, fused top-1)
-- `lm_head_logits`: `hidden` [1, H] -> `logits` [1, V] (final norm, lm_head)
+- `lm_head`: `hidden` [1, H] -> `logits` [1, V] (final norm, lm_head)
+- `greedy_head`: `logits` [1, V] -> `token` i32 [1, 1] (argmax; LLM-TPU's greedy_head)
+- `sample_head`: `logits`, `recent_ids` i32 [1, SEQ], `penalty`, `temperature`, `top_k`,
+  `top_p` -> `probs` f32 [1, K], `token_ids` i32 [1, K] (LLM-TPU's sample_head: repetition
+  penalty, temperature, top-k, top-p; the host draws one of the K candidates)
+
+The heads are small torch modules of our own (no weights) that compute in f32 whatever
+the activation type: their `NetSpec` asks for mode f32 with the logits input kept in the
+activation type (`keep_input_types`), so the lm_head's logits bind to them as they are.
 
 (The block output is named `hidden_out` so that a net's IO names are unique: the runtime
 binds buffers by name.) KV layout is `[1, SEQ, kvH, D]`, sequence-major. Attention is
@@ -51,16 +58,20 @@ from toptpu.backend.contract import (
     BLOCK_OUTPUTS,
     EMBEDDING,
     EMBEDDING_CACHE,
+    GREEDY_HEAD,
     HIDDEN,
     HISTORY_INPUTS,
     INPUT_IDS,
     LM_HEAD,
-    LM_HEAD_LOGITS,
     LOGITS,
+    SAMPLE_HEAD,
+    SAMPLE_INPUTS,
+    SAMPLE_OUTPUTS,
     TOKEN,
     StaticShapes,
     decode_mask,
     prefill_mask,
+    sample_k,
 )
 
 
@@ -188,19 +199,57 @@ class BlockWithHistory(Block):
 
 
 class LmHead(torch.nn.Module):
-    """hidden [1, H] -> final norm -> lm_head -> logits [1, V] or the top-1 id i32 [1, 1]."""
+    """hidden [1, H] -> final norm -> lm_head -> logits [1, V]."""
 
-    def __init__(self, norm: torch.nn.Module, lm_head: torch.nn.Module, greedy: bool) -> None:
+    def __init__(self, norm: torch.nn.Module, lm_head: torch.nn.Module) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
-        self.greedy = greedy
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden))
-        if self.greedy:
-            return torch.argmax(logits, dim=-1, keepdim=True).to(torch.int32)
-        return logits
+        return self.lm_head(self.norm(hidden))
+
+
+class GreedyHead(torch.nn.Module):
+    """logits [1, V] -> the top-1 id i32 [1, 1] (ties: the lowest id, like numpy's argmax)."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(logits.float(), dim=-1, keepdim=True).to(torch.int32)
+
+
+#: what `sample_head` writes over a removed candidate's scaled logit (finite: the IR keeps
+#: constants as text; exp of it minus any kept logit is 0 in f32, as exp(-inf) is)
+REMOVED = float(torch.finfo(torch.float32).min)
+_ABOVE_ALL = float(torch.finfo(torch.float32).max)
+
+
+class SampleHead(torch.nn.Module):
+    """The host sampler (`toptpu.backend.runtime.runtime.sample_token`) on the chip, on the
+    K best candidates: repetition penalty on the recent ids (logit / p if positive, * p if
+    not), temperature, top-k (the k-th largest value and all equal to it stay, as the host
+    keeps ties), top-p (a candidate stays while the probability before it, in descending
+    order, is below top_p; top_p >= 1 keeps all), then the probabilities of what stays.
+    Returns (probs f32 [1, K], token_ids i32 [1, K]), candidates in descending order."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, logits: torch.Tensor, recent_ids: torch.Tensor, penalty: torch.Tensor,
+                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.float()
+        seen = x.index_select(1, recent_ids.reshape(-1))
+        seen = torch.where(seen > 0, seen / penalty, seen * penalty)
+        x = x.scatter(1, recent_ids.long(), seen) / temperature
+        values, ids = torch.topk(x, self.k, dim=1)
+        rank = torch.arange(self.k, dtype=torch.int32)[None]
+        kth = values.masked_fill(rank >= top_k, _ABOVE_ALL).amin(dim=1, keepdim=True)
+        values = values.masked_fill(values < kth, REMOVED)
+        p = values.softmax(dim=1)
+        before = (p.cumsum(dim=1) - p).masked_fill(top_p >= 1.0, 0.0)
+        values = values.masked_fill(before >= top_p, REMOVED)
+        return values.softmax(dim=1), ids.to(torch.int32)
 
 
 # =========================================================================== nets
@@ -208,7 +257,9 @@ class LmHead(torch.nn.Module):
 
 @dataclass
 class NetSpec:
-    """One net to export: its module, example inputs at the static shapes, IO names."""
+    """One net to export: its module, example inputs at the static shapes, IO names; a
+    net that compiles in a mode of its own names it (`mode`, None: the model's) and
+    whether its float inputs keep their exported types (`keep_input_types`)."""
 
     name: str
     module: torch.nn.Module
@@ -216,6 +267,8 @@ class NetSpec:
     input_names: list[str]
     output_names: list[str]
     per_layer: bool
+    mode: str | None = None
+    keep_input_types: bool = False
 
 
 #: the prefix of a per-layer net's parameters (`Block.layer`)
@@ -232,12 +285,20 @@ def layer_key(source: str) -> str | None:
     return rest[len(LAYER_PREFIX):] if rest.startswith(LAYER_PREFIX) else None
 
 
-def split_model(model: Any, shapes: StaticShapes, layer: int = 0) -> list[NetSpec]:
+#: torch dtype of the activations of each activation type name (`dialects.common.MODES`)
+TORCH_ACTIVATIONS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f32"
+                ) -> list[NetSpec]:
     """The nets of `model` (a transformers causal LM, float32, eval) at `shapes`.
 
     Per-layer nets wrap layer `layer` (0 by default); every layer binds its own weights to
-    the same nets.
+    the same nets. `act` is the activation type the model compiles in (the heads take
+    their logits in it).
     """
+    if act not in TORCH_ACTIVATIONS:
+        raise SplitError(f"unknown activation type '{act}' ({', '.join(TORCH_ACTIVATIONS)})")
     arch = LlmArch.of(model)
     inner = model.model
     seq, L, Hh = shapes.seq_length, shapes.max_input_length, shapes.max_history
@@ -274,10 +335,26 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0) -> list[NetSpe
                 (rand(1, 1, H), pos(1, seq - 1), torch.from_numpy(decode_mask(seq - 1, seq)),
                  rand(1, seq, kvh, D), rand(1, seq, kvh, D)),
                 io_hist, outs, True),
-        NetSpec(LM_HEAD, LmHead(inner.norm, lm_head, greedy=True), (rand(1, H),), [HIDDEN],
-                [TOKEN], False),
-        NetSpec(LM_HEAD_LOGITS, LmHead(inner.norm, lm_head, greedy=False), (rand(1, H),),
-                [HIDDEN], [LOGITS], False),
+        NetSpec(LM_HEAD, LmHead(inner.norm, lm_head), (rand(1, H),), [HIDDEN], [LOGITS],
+                False),
+        *head_specs(arch.vocab_size, seq, act),
+    ]
+
+
+def head_specs(vocab_size: int, seq_length: int, act: str = "f32") -> list[NetSpec]:
+    """`greedy_head` and `sample_head` for a vocabulary, a KV capacity (the recent ids the
+    penalty sees) and the activation type of the logits; they compile in f32."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab_size, generator=g).to(TORCH_ACTIVATIONS[act])
+    recent = torch.randint(0, vocab_size, (1, seq_length), generator=g, dtype=torch.int32)
+    scalars = (torch.tensor([[1.1]]), torch.tensor([[0.7]]), torch.tensor([[5]], dtype=torch.int32),
+               torch.tensor([[0.9]]))
+    return [
+        NetSpec(GREEDY_HEAD, GreedyHead(), (logits,), [LOGITS], [TOKEN], False, mode="f32",
+                keep_input_types=True),
+        NetSpec(SAMPLE_HEAD, SampleHead(sample_k(vocab_size)), (logits, recent, *scalars),
+                list(SAMPLE_INPUTS), list(SAMPLE_OUTPUTS), False, mode="f32",
+                keep_input_types=True),
     ]
 
 

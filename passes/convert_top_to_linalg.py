@@ -168,6 +168,12 @@ def identity(rank: int) -> AffineMapAttr:
     return amap(rank, [_d(i) for i in range(rank)])
 
 
+def identity_of(rank: int, loops: int) -> AffineMapAttr:
+    """The map reading the first `rank` loops of a `loops`-deep nest."""
+    return amap(loops, [_d(d) for d in range(rank)])
+
+
+
 def broadcast_results(src: Shape, dims: Sequence[int], full: Shape) -> list[AffineExpr]:
     """Map a source right-aligned (numpy broadcasting) onto loop dims `dims` (one per
     position of `full`): size-1 source axes that broadcast read index 0."""
@@ -941,6 +947,44 @@ def lower_topk(e: Emitter, op: top.TopKBase) -> list[SSAValue]:
     return [e.convert(val, val_elem), idx]
 
 
+def lower_cumsum(e: Emitter, op: top.CumSumBase) -> SSAValue:
+    """out[..., i, ...] = sum of x[..., j, ...] for j <= i along the axis: a reduction over
+    a second loop j that adds only where j <= i, in order of j (f32, like the kernel)."""
+    x = op.input
+    shape = shape_of(x)
+    r = len(shape)
+    axis = norm_axis(read_int(op.axis), r)
+    out = elem_of(op.output)
+    ct = compute_type(out)
+    x_map = amap(r + 1, [_d(r) if d == axis else _d(d) for d in range(r)])
+
+    def body(b: Body) -> SSAValue:
+        acc = b.args[1]
+        keep = b.cmp("le", b.index(r), b.index(axis))
+        return b.select(keep, b.add(acc, b.compute(b.args[0])), acc)
+
+    acc = e.generic([(x, x_map)], e.fill(shape, ct, 0), identity_of(r, r + 1),
+                    ["parallel"] * r + ["reduction"], body)
+    return e.convert(acc, out)
+
+
+def lower_scatter(e: Emitter, op: top.ScatterBase) -> SSAValue:
+    """The input, then each update in order where its index names the position (a
+    reduction over the updates: the last one for a position lands, like the kernel; an
+    index out of range writes nothing)."""
+    x, idx, upd = op.input, op.indices, op.updates
+    r = len(shape_of(x))
+    axis = norm_axis(read_int(op.axis), r)
+    u_map = amap(r + 1, [_d(r) if d == axis else _d(d) for d in range(r)])
+
+    def body(b: Body) -> SSAValue:
+        hit = b.cmp("eq", b.convert(b.args[0], IndexType()), b.index(axis))
+        return b.select(hit, b.args[1], b.args[2])
+
+    return e.generic([(idx, u_map), (upd, u_map)], x, identity_of(r, r + 1),
+                     ["parallel"] * r + ["reduction"], body)
+
+
 def lower_constant(e: Emitter, op: top.ConstantBase) -> SSAValue:
     value = op.value
     assert isinstance(value, DenseIntOrFPElementsAttr)
@@ -985,6 +1029,8 @@ LOWERINGS: dict[type[Operation], Lowering] = {
     top.SliceOp: lower_slice,
     top.ConstantOp: lower_constant,
     top.TopKOp: lower_topk,
+    top.CumSumOp: lower_cumsum,
+    top.ScatterOp: lower_scatter,
 }  # type: ignore[dict-item]
 
 
@@ -1020,14 +1066,15 @@ class LowerElementwise(RewritePattern):
 
 @dataclass(frozen=True)
 class LowerReductions(RewritePattern):
-    """softmax, reduce, rms_norm, layer_norm: reductions with f32 accumulation; topk with
-    k = 1 (argmax)."""
+    """softmax, reduce, rms_norm, layer_norm, cumsum: reductions with f32 accumulation; topk
+    with k = 1 (argmax)."""
 
     fast_math: bool = False
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.SoftmaxOp | top.ReduceOp | top.RmsNormOp
-                          | top.LayerNormOp | top.TopKOp, rewriter: PatternRewriter) -> None:
+                          | top.LayerNormOp | top.TopKOp | top.CumSumOp,
+                          rewriter: PatternRewriter) -> None:
         _rewrite(op, rewriter, self.fast_math)
 
 
@@ -1046,14 +1093,14 @@ class LowerContractions(RewritePattern):
 
 @dataclass(frozen=True)
 class LowerDataMovement(RewritePattern):
-    """reshape, permute, expand, slice, concat, gather, rope, constant."""
+    """reshape, permute, expand, slice, concat, gather, scatter, rope, constant."""
 
     fast_math: bool = False
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.ReshapeOp | top.PermuteOp | top.ExpandOp
-                          | top.SliceOp | top.ConcatOp | top.GatherOp | top.RopeOp
-                          | top.ConstantOp, rewriter: PatternRewriter) -> None:
+                          | top.SliceOp | top.ConcatOp | top.GatherOp | top.ScatterOp
+                          | top.RopeOp | top.ConstantOp, rewriter: PatternRewriter) -> None:
         _rewrite(op, rewriter, self.fast_math)
 
 

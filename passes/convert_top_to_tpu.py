@@ -4,7 +4,9 @@ Lowers Top to Tpu, making the chip's type decisions:
 
 - `mode` f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32: the activation
   (storage) type and, for the w* modes, the weight bits of matmuls with a weight operand.
-- float function inputs/outputs take the activation type; integer ones keep theirs.
+- float function inputs/outputs take the activation type; integer ones keep theirs. With
+  `keep-input-types` float inputs keep their imported type (the sampling heads compile in
+  f32 and take the logits in the model's activation type).
 - matmul weights are quantized round-to-nearest into `tpu.a16_matmul` (w8 symmetric per
   channel; w4 asymmetric per group of `group-size`, or symmetric with `symmetric=true`);
   a weight whose pre-quantized checkpoint tensors are in the store (see
@@ -333,8 +335,10 @@ class LowerNorms(LoweringPattern):
 
 
 class LowerSoftmaxReduce(LoweringPattern):
+    """softmax, reduce, cumsum: in the activation type, accumulated in f32."""
+
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.SoftmaxOp | top.ReduceOp):
+        if not isinstance(op, top.SoftmaxOp | top.ReduceOp | top.CumSumOp):
             return
         x = self.lw.operand(op.operands[0], self.lw.wants(op), op, rewriter)
         self.emit(op, [x], rewriter, compute=f32)
@@ -436,6 +440,19 @@ class LowerGather(LoweringPattern):
         self.emit(op, [t, idx], rewriter)
 
 
+class LowerScatter(LoweringPattern):
+    """scatter: input and updates in the op's type, indices as they are."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.ScatterOp):
+            return
+        lw = self.lw
+        want = lw.wants(op) if is_float(elem_of(op.input)) else None
+        self.emit(op, [lw.operand(op.input, want, op, rewriter),
+                       lw.operand(op.indices, None, op, rewriter, "indices"),
+                       lw.operand(op.updates, want, op, rewriter, "updates")], rewriter)
+
+
 class LowerDataMovement(LoweringPattern):
     """reshape, permute, expand, concat, slice, topk: move data in its type."""
 
@@ -492,6 +509,7 @@ def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
         LowerSoftmaxReduce(lw),
         LowerCast(lw),
         LowerGather(lw),
+        LowerScatter(lw),
         LowerConv2d(lw),
         LowerDataMovement(lw),
         LowerElementwise(lw),
@@ -508,6 +526,7 @@ class ConvertTopToTpuPass(ModulePass):
     group_size: int = 64
     symmetric: bool | None = None
     keep_float: str = "lm_head"
+    keep_input_types: bool = False
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         act, bits = parse_mode(self.mode)
@@ -518,7 +537,8 @@ class ConvertTopToTpuPass(ModulePass):
                           _index_derived_ops(fn))
             for arg in fn.body.block.args:
                 t = arg.type
-                if isinstance(t, TensorType) and is_float(t.element_type):
+                if (isinstance(t, TensorType) and is_float(t.element_type)
+                        and not self.keep_input_types):
                     arg._type = tensor(shape_of(t), act)  # noqa: SLF001 - signature change
             walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
                                           apply_recursively=False)

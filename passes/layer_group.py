@@ -2,8 +2,9 @@
 
 A layer group runs a contiguous span of ops out of local memory, slice by slice, as a
 load / compute / store software pipeline (see `tpu.GroupOp` and passes/lmem.py). For each
-span the planner picks how to slice it (token rows for the whole span, or output channels
-of a single weight matmul; see passes/slicing.py) and how many slices, by a cost model of
+span the planner picks how to slice it (token rows for the whole span, output channels
+of a single weight matmul, or KV heads of a single attention; see passes/slicing.py) and
+how many slices, by a cost model of
 the chip: DMA = latency + bytes / bandwidth, compute = latency + FLOPs / peak, combined as
 the pipeline overlaps them. Group boundaries come from dynamic programming over spans
 (the cheapest partition of the op sequence), as TPU-MLIR's layer group does, not greedily.
@@ -34,17 +35,22 @@ from toptpu.dialects.common import (
     elem_of,
     i64_array,
     i64_attr,
+    read_int,
     shape_of,
     tensor,
 )
 from toptpu.dialects.naming import op_name, set_name
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
+    HEADS_RESULT_AXIS,
     SliceKind,
     col_count,
     col_operand_axes,
     col_result_axis,
     col_sliceable,
+    heads_count,
+    heads_operand_axes,
+    heads_sliceable,
     row_rule,
 )
 
@@ -93,6 +99,10 @@ def _candidates(ops: list[Operation], kind: SliceKind, chip: Chip, only: int | N
         if len(ops) != 1 or not col_sliceable(ops[0]):
             return []
         counts = divisors(col_count(ops[0]))
+    elif kind == SliceKind.HEADS:
+        if len(ops) != 1 or not heads_sliceable(ops[0]):
+            return []
+        counts = divisors(heads_count(ops[0]))[1:]  # one slice is the rows kind's
     else:
         rows = _row_count(ops)
         counts = [1] if rows is None else divisors(rows)
@@ -133,6 +143,8 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
         if kind == SliceKind.COLS:
             in_axes: tuple[int | None, ...] = col_operand_axes(op)
             out_axes: tuple[int | None, ...] = (col_result_axis(op),)
+        elif kind == SliceKind.HEADS:
+            in_axes, out_axes = heads_operand_axes(op), (HEADS_RESULT_AXIS,)
         elif s == 1:
             in_axes = tuple(None for _ in op.operands)
             out_axes = tuple(None for _ in op.results)
@@ -250,6 +262,9 @@ def build_group(p: Plan) -> tpu.GroupOp:
         result_types = [_slice_type(r, p.result_axes[r], s) for r in op.results]
         if s > 1 and isinstance(op, top.ReshapeBase | top.ExpandBase):
             attrs["shape"] = i64_array(shape_of(result_types[0]))
+        if s > 1 and p.kind == SliceKind.HEADS and isinstance(op, top.AttentionBase):
+            attrs["q_heads"] = i64_attr(read_int(op.q_heads) // s)
+            attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // s)
         attrs["ts"] = i64_attr(1)
         operands = [local[v] for v in op.operands]
         new = type(op).create(operands=operands, result_types=result_types, attributes=attrs)

@@ -88,10 +88,12 @@ class TopPipeline(ModulePass):
 
 def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
                         symmetric: bool | None = None, keep_float: str = "lm_head",
-                        chip: str | None = None, max_ops: int = 12) -> list[ModulePass]:
+                        chip: str | None = None, max_ops: int = 12,
+                        keep_input_types: bool = False) -> list[ModulePass]:
     """convert-top-to-tpu, canonicalize, weight-reorder; with a `chip`, also the machine
     passes: layer-group, lmem-verify, address-assign."""
-    passes: list[ModulePass] = [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float),
+    passes: list[ModulePass] = [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float,
+                                                    keep_input_types),
                                 CanonicalizePass(), WeightReorderPass()]
     if chip is not None:
         passes += machine_passes(chip, max_ops)

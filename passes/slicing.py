@@ -10,6 +10,10 @@ Two slicing kinds exist:
   time: its weight (and scales, zeros, bias) tiles stream in while the activation stays
   resident. This is what decode (one token row) needs to overlap weight loading with
   compute.
+- **heads**: one attention computes a range of KV-head groups at a time (each KV head with
+  its query heads): queries, keys, values, history and output stream by heads, so the
+  keys and values of a long sequence never need to be resident whole (decode over a long
+  KV cache, multi-head models). Heads are independent: the numbers do not change.
 
 A group with a single slice needs no rule: every tensor is whole.
 """
@@ -31,6 +35,7 @@ class SliceKind(StrEnum):
 
     ROWS = "rows"
     COLS = "cols"
+    HEADS = "heads"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,32 @@ def col_result_axis(op: Operation) -> int:
 
 def col_count(op: Operation) -> int:
     return shape_of(op.results[0])[-1]
+
+
+def heads_sliceable(op: Operation) -> bool:
+    """An attention with more than one KV head."""
+    return isinstance(op, top.AttentionBase) and read_int(op.kv_heads) > 1
+
+
+def heads_count(op: Operation) -> int:
+    assert isinstance(op, top.AttentionBase)
+    return read_int(op.kv_heads)
+
+
+def heads_operand_axes(op: Operation) -> tuple[int | None, ...]:
+    """For a heads slice: q, k, v and the history along their head axis (2); the mask
+    along its head axis (1) when it has one per query head, else whole."""
+    assert isinstance(op, top.AttentionBase)
+    axes: list[int | None] = []
+    for v in op.operands:
+        if v is op.mask:
+            axes.append(1 if shape_of(v)[1] > 1 else None)
+        else:
+            axes.append(2)
+    return tuple(axes)
+
+
+HEADS_RESULT_AXIS = 2
 
 
 def is_global_source(v: SSAValue) -> bool:

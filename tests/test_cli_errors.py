@@ -486,7 +486,9 @@ def test_run_json_has_a_schema_version(model_file, capsys) -> None:
     assert data["executor"] == "interpreter" and data["modelled_ttft_s"] is None
     assert set(data) == {"schema", "prompt_ids", "generated_ids", "text", "stop_reason",
                          "ttft_s", "tokens_per_s", "modelled_ttft_s", "modelled_tokens_per_s",
-                         "image_tokens", "vision_s", "vision_modelled_s", "executor"}
+                         "image_tokens", "vision_s", "vision_modelled_s", "executor",
+                         "sampler", "modelled_breakdown"}
+    assert data["sampler"] == "greedy" and data["modelled_breakdown"] is None
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     for key in data:  # every key is documented in the README's schema table
         assert f"| `{key}` |" in readme, key

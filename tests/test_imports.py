@@ -69,6 +69,8 @@ LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
         "importing readline turns on line editing for input(): only an interactive chat",
     ("toptpu.backend.runtime.runtime", "jinja2"):
         "chat templates render with transformers and jinja2, only when applied",
+    ("toptpu.sweep", "ray"):
+        "an optional extra (pyproject `ray`), imported only for `toptpu sweep --ray`",
 }
 
 #: the packages that run a model file

@@ -107,7 +107,7 @@ def test_cli_compile_and_run_json(tmp_path_factory, tmp_path, capsys) -> None:
                  "64", "--max-input-length", "16", "-o", out, "--dump-ir", str(dump)])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "7/7 lm_head_logits" in err and "wrote" in err
+    assert "8/8 sample_head" in err and "wrote" in err
     assert (dump / "weights.safetensors").exists()
     passes = len(top_pipeline_passes()) + len(tpu_pipeline_passes("w4bf16", chip="bm1684x"))
     dumps = sorted(p.name for p in (dump / "block_cache").iterdir())

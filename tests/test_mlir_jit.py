@@ -90,9 +90,12 @@ def _check_against_interpreter(module: ModuleOp, store: WeightStore, feeds: dict
 def test_every_lowered_op_matches_the_interpreter() -> None:
     rng = np.random.default_rng(0)
     f = Fn(x=((2, 3, 8), f32), y=((3, 8), f32), ids=((2, 3), i64), x4=((1, 3, 2, 8), f32),
-           img=((1, 4, 6, 6), f32))
+           img=((1, 4, 6, 6), f32), sidx=((2, 3, 2), i64), upd=((2, 3, 2), f32))
     x, y, ids, x4, img = (f.args[n] for n in ("x", "y", "ids", "x4", "img"))
     out: dict[str, SSAValue] = {}
+    out["scatter"] = f.op(top.ScatterOp, [x, f.args["sidx"], f.args["upd"]],
+                          {"axis": i64_attr(2)})
+    out["cumsum"] = f.op(top.CumSumOp, [x], {"axis": i64_attr(2)})
     pos = f.op(top.ExpOp, [x])
     for cls in top.UNARY_ELEMENTWISE:  # every one, as declared (rsqrt and sqrt of x > 0)
         out[cls.name] = f.op(cls, [pos if cls in (top.RsqrtOp, top.SqrtOp) else x])
@@ -197,7 +200,11 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
              "y": rng.standard_normal((3, 8)).astype(np.float32),
              "ids": rng.integers(0, 10, (2, 3)).astype(np.int64),
              "x4": rng.standard_normal((1, 3, 2, 8)).astype(np.float32),
-             "img": rng.standard_normal((1, 4, 6, 6)).astype(np.float32)}
+             "img": rng.standard_normal((1, 4, 6, 6)).astype(np.float32),
+             # distinct positions per row: which of two updates to one position lands is
+             # left open (torch.scatter)
+             "sidx": np.stack([rng.permutation(8)[:2] for _ in range(6)]).reshape(2, 3, 2),
+             "upd": rng.standard_normal((2, 3, 2)).astype(np.float32)}
     assert _check_against_interpreter(module, f.store, feeds) == len(out)
     names = {op.name for op in module.walk()}
     assert names >= {cls.name for cls in top.Top.operations}

@@ -84,17 +84,17 @@ def test_intermediates_are_named_by_location(tiny_models) -> None:
     assert res.values["hidden"] is not None
 
 
-class _Cumsum(torch.nn.Module):
+class _Cumprod(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(x, dim=-1) + 1.0
+        return torch.cumprod(x, dim=-1) + 1.0
 
 
 def test_unsupported_op_names_the_op_and_the_source_line() -> None:
     with pytest.raises(UnsupportedOpError) as err:
-        import_module(_Cumsum(), (torch.randn(2, 3),))
+        import_module(_Cumprod(), (torch.randn(2, 3),))
     msg = str(err.value)
-    assert "aten.cumsum" in msg
-    assert "test_top_import.py" in msg and "torch.cumsum(x, dim=-1)" in msg
+    assert "aten.cumprod" in msg
+    assert "test_top_import.py" in msg and "torch.cumprod(x, dim=-1)" in msg
 
 
 def test_locations_name_source_files_by_import_path_not_install_path(tiny_models) -> None:

@@ -189,6 +189,10 @@ def _quantized(tmp_path_factory, family: str, mode: str, vision_mode: str | None
     return _RESULTS[key]
 
 
+#: sample_head's sampling parameters: a repetition penalty, temperature, top-k and top-p
+SAMPLING_FEEDS = {"penalty": 1.3, "temperature": 0.8, "top_k": 5, "top_p": 0.9}
+
+
 def _text_inputs(net: str, specs: tuple, rng: np.random.Generator, vocab: int
                  ) -> dict[str, np.ndarray]:
     feeds = {}
@@ -202,6 +206,10 @@ def _text_inputs(net: str, specs: tuple, rng: np.random.Generator, vocab: int
             feeds[s.name] = {"block": lambda: prefill_mask(6, 8),
                              "block_kv": lambda: prefill_mask(6, 8, 10, 16),
                              "block_cache": lambda: decode_mask(20, 48)}[net]()
+        elif s.name in SAMPLING_FEEDS:  # sample_head's parameters
+            feeds[s.name] = np.full(s.shape, SAMPLING_FEEDS[s.name], s.dtype)
+        elif s.name == "recent_ids":
+            feeds[s.name] = rng.integers(0, vocab, s.shape).astype(np.int32)
         else:
             feeds[s.name] = rng.standard_normal(s.shape).astype(np.float32)
     return feeds

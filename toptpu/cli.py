@@ -24,6 +24,7 @@ from toptpu.compare import (
     compare_stages,
     tpu_threshold,
 )
+from toptpu.estimate import add_estimate_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
@@ -31,6 +32,7 @@ from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipelin
 from toptpu.passes.quantize import QuantizationError
 from toptpu.paths import check_not_inside, check_output_dir
 from toptpu.profile_cli import add_profile_parser
+from toptpu.sweep import add_sweep_parser
 
 #: the stages `toptpu compare` knows
 COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
@@ -227,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(fn=llm_cli.cmd_chat)
 
     add_profile_parser(sub)
+    add_estimate_parser(sub)
+    add_sweep_parser(sub)
 
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
     c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")

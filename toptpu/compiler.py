@@ -369,16 +369,17 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, "
                        f"{options.chip}, seq {shapes.seq_length}, input "
                        f"{shapes.max_input_length}, history {shapes.max_history}]\n")
-    specs = split_model(hf, shapes)
+    act = str(MODES[mode][0])
+    specs = split_model(hf, shapes, act=act)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
-    nets = [NetPlan(spec, mode) for spec in specs]
+    nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, options.vision_mode, shapes)
     if vit is not None:
         nets.append(vit)
     # layers whose checkpoint quantization differs get per-layer nets of their own
     variants = layer_variants(hf, loaded.checkpoint)
     for rep in list(variants)[1:]:
-        for spec in split_model(hf, shapes, layer=rep):
+        for spec in split_model(hf, shapes, layer=rep, act=act):
             if spec.per_layer:
                 nets.append(NetPlan(replace(spec, name=str(NetName(spec.name, rep))), mode,
                                     f"v{rep}."))
@@ -545,7 +546,8 @@ def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progr
     top_module = module.clone() if keep_top else None
     try:
         run_passes(module, tpu_pipeline_passes(net.mode, plan.group_size,
-                                               plan.options.symmetric),
+                                               plan.options.symmetric,
+                                               keep_input_types=spec.keep_input_types),
                    after=after, store=store)
     except (ConversionError, QuantizationError) as e:
         raise CompileError(f"net '{net.name}': {e}") from e

@@ -21,6 +21,7 @@ from toptpu.backend.runtime.interpreter_executor import ExecutorError
 from toptpu.backend.runtime.machine import MachineTrap
 from toptpu.backend.runtime.machine_executor import MachineExecutorError
 from toptpu.backend.runtime.runtime import (
+    SAMPLER_CHOICES,
     GenerationError,
     PromptTooLongError,
     Runtime,
@@ -136,6 +137,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--penalty-window", type=int_at_least(0), default=64,
                    help="recent tokens the repetition penalty looks at")
     p.add_argument("--seed", type=int_at_least(0), default=None, help="seed of the sampler")
+    p.add_argument("--sampler", choices=list(SAMPLER_CHOICES), default="auto",
+                   help="where the token is chosen: chip (greedy_head / sample_head nets, as "
+                   "the real deployment), host (logits read back, numpy), auto (chip where "
+                   "its heads can: greedy, or top-k between 1 and the head's K; else host)")
 
 
 def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
@@ -158,9 +163,15 @@ def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> 
         stored("top_p", float, 1.0) if samples else 1.0)
     pen = args.repetition_penalty if args.repetition_penalty is not None else stored(
         "repetition_penalty", float, 1.0)
-    cfg = SamplingConfig(temp, top_k, top_p, pen, args.penalty_window, args.seed)
+    cfg = SamplingConfig(temp, top_k, top_p, pen, args.penalty_window, args.seed,
+                         args.sampler)
     cfg.validate()
     return cfg
+
+
+def _sampler_text(sampler: str) -> str:
+    return {"greedy": "greedy_head on the chip", "sample": "sample_head on the chip",
+            "host": "chosen on the host"}.get(sampler, sampler)
 
 
 def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
@@ -170,7 +181,8 @@ def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
 def stats_line(res: Any) -> str:
     vision = (f"vision {res.image_tokens} image tokens in {_fmt(res.vision_s, 's')} host, "
               f"{_fmt(res.vision_modelled_s, 's', 6)} modelled; " if res.image_tokens else "")
-    return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; {vision}prefill "
+    return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; "
+            f"{_sampler_text(res.sampler)}; {vision}prefill "
             f"{res.prefill_tokens} tokens; time to first token {_fmt(res.ttft_s, 's')} host, "
             f"{_fmt(res.modelled_ttft_s, 's', 6)} modelled; decode "
             f"{_fmt(res.decode_tokens_per_s, ' tok/s', 1)} host, "
@@ -222,6 +234,8 @@ def run_json(res: Any, executor: str) -> dict[str, Any]:
         "image_tokens": res.image_tokens, "vision_s": res.vision_s,
         "vision_modelled_s": res.vision_modelled_s,
         "executor": executor,
+        "sampler": res.sampler,
+        "modelled_breakdown": res.modelled_breakdown,
     }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 
 
 class OutputPathError(Exception):
@@ -80,3 +81,16 @@ def check_not_inside(path: str, directory: str, what: str) -> None:
         raise OutputPathError(
             f"{what} '{path}' is inside the input model directory '{directory}'; toptpu never "
             "writes into its input: write it elsewhere")
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` writes the file to a temporary path next to `path`, which then replaces
+    `path` in one step: a reader never sees a half-written file, a failure leaves none."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

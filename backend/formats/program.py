@@ -20,7 +20,10 @@ from toptpu.backend.contract import TensorSpec
 from toptpu.backend.formats.commands import (
     STREAM_SCHEMA,
     Command,
+    Gather,
+    Load,
     Shape,
+    Space,
     check_command,
     command_text,
     numel,
@@ -82,8 +85,19 @@ class Program:
     schema: int = field(default=STREAM_SCHEMA)
 
     def inherent_bytes(self) -> int:
-        """Bytes the net cannot avoid moving: its weights, inputs and outputs."""
-        return (sum(w.nbytes for w in self.weights.values())
+        """Bytes the net cannot avoid moving: its weights, inputs and outputs; of a weight
+        only gathers read (an embedding table), the rows they read."""
+        gathered: dict[str, int] = {}  # weight -> bytes gathers read of it
+        loaded: set[str] = set()  # weights a load reads (whole or sliced)
+        for c in self.commands:
+            if isinstance(c, Load) and c.tensor.space is Space.WEIGHT and c.tensor.name:
+                loaded.add(c.tensor.name)
+            elif isinstance(c, Gather) and c.table.tensor.space is Space.WEIGHT \
+                    and c.table.tensor.name:
+                key = c.table.tensor.name
+                gathered[key] = gathered.get(key, 0) + c.nbytes
+        return (sum(min(w.nbytes, gathered[n]) if n in gathered and n not in loaded
+                    else w.nbytes for n, w in self.weights.items())
                 + sum(t.nbytes for t in (*self.inputs, *self.outputs)))
 
     def to_json(self) -> bytes:

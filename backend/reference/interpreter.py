@@ -224,6 +224,20 @@ def _topk(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]
     return [vals, idx]
 
 
+@evaluates(top.ScatterOp)
+def _scatter(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    x, idx, upd = args
+    assert isinstance(op, top.ScatterBase) and x is not None and idx is not None \
+        and upd is not None
+    return [K.scatter(x, idx, upd, read_int(op.axis))]
+
+
+@evaluates(top.CumSumOp)
+def _cumsum(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    assert isinstance(op, top.CumSumBase) and args[0] is not None
+    return [K.cumsum(args[0], read_int(op.axis), _out_dtype(op))]
+
+
 @evaluates(top.Conv2dOp)
 def _conv2d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     x, w, b = args

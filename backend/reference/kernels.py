@@ -273,6 +273,24 @@ def topk(x: np.ndarray, k: int, axis: int, largest: bool = True) -> tuple[np.nda
     return vals, idx.astype(np.int32)
 
 
+def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: int) -> np.ndarray:
+    """A copy of `x` with `updates` written along `axis` at `indices` (torch.scatter with a
+    source); duplicate indices: the update last in row-major order lands."""
+    idx = np.asarray(indices).astype(np.int64)
+    n = x.shape[axis]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        bad = int(idx[(idx < 0) | (idx >= n)].flat[0])
+        raise IndexError(f"scatter index {bad} is out of range for axis of size {n}")
+    out = np.array(x, copy=True)
+    np.put_along_axis(out, idx, np.asarray(updates).astype(out.dtype), axis=axis)
+    return out
+
+
+def cumsum(x: np.ndarray, axis: int, out_dtype=None) -> np.ndarray:
+    """Inclusive prefix sum along `axis`, accumulated in order in f32."""
+    return _out(np.cumsum(f32(x), axis=axis, dtype=np.float32), out_dtype, x)
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Sequence[int],
            pads: Sequence[int], dilations: Sequence[int], groups: int,
            out_dtype=None) -> np.ndarray:

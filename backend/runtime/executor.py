@@ -32,7 +32,9 @@ them; `toptpu.backend.runtime.interpreter_executor` is the reference implementat
   layer i's weights are the i-th chunk of the model file's weight blob
   (`toptpu.backend.formats.llm_file`).
 - `modelled_seconds()` only grows; an executor without a cost model returns 0.0 and the
-  runtime reports modelled times as "n/a".
+  runtime reports modelled times as "n/a". `modelled_costs()` splits it by where it goes
+  (`toptpu.backend.runtime.accounting.Costs`: net engine time, launches, host transfers;
+  `write` and `read` are host<->device copies), None without a cost model.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import numpy as np
 
 from toptpu.backend.contract import NetInfo
 from toptpu.backend.formats.llm_file import LlmHeader
+from toptpu.backend.runtime.accounting import Costs
 
 
 class Buffer(Protocol):
@@ -81,4 +84,8 @@ class Executor(Protocol):
 
     def modelled_seconds(self) -> float:
         """Chip time modelled so far (0.0 for executors without a cost model)."""
+        ...
+
+    def modelled_costs(self) -> Costs | None:
+        """Chip time modelled so far by where it goes (None without a cost model)."""
         ...

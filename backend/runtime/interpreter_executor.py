@@ -190,6 +190,9 @@ class InterpreterExecutor:
     def modelled_seconds(self) -> float:
         return 0.0
 
+    def modelled_costs(self) -> None:
+        return None
+
     def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
         info = self._nets.get(net)
         if info is None:

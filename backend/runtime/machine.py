@@ -61,7 +61,7 @@ from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, Evaluator
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
-from toptpu.backend.target.cost import compute_cycles, dma_cycles
+from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
 from toptpu.dialects import tpu
 from toptpu.dialects.common import read_int
 from toptpu.dialects.ir_text import parse_ir
@@ -594,6 +594,15 @@ class LoadedNet:
 
 
 # ====================================================================== the machine
+
+
+def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
+    """What timing a command stream needs of each command (ids are stream positions)."""
+    for i, c in enumerate(commands):
+        if c.id != i:
+            raise MachineTrap(f"command {i} has id {c.id}: ids must be stream positions")
+    return [CommandCost(c.engine == "dma", c.nbytes if c.engine == "dma" else 0, c.flops,
+                        str(c.dtype), tuple(c.deps)) for c in commands]
 
 
 class Machine:

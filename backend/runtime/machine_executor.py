@@ -11,8 +11,11 @@ a `toptpu.backend.formats.program.Program`, and `const:<net>`, its constant pool
 - `alloc` maps buffers into global memory (KV caches among them); `Buffer.slot` is an
   address inside one, so binding decode's `present_k` to `cache.slot(1, pos, 1)` makes the
   store command write the new keys straight into the cache;
-- every run's timeline is kept per net: `modelled_seconds()` is the chip time so far and
-  `profiles()` summarizes them.
+- every run's timeline is kept per net (`profiles()` summarizes them), and every run and
+  host transfer is charged to the step accounting (`ledger`,
+  `toptpu.backend.runtime.accounting`: engine time, one launch per run, `write`/`read` as
+  host<->device copies): `modelled_seconds()` is the chip time so far, `modelled_costs()`
+  where it went.
 
 The machine runs in its fast mode by default (`checked=True`: the byte-exact checked mode;
 both give the same numbers and traps, see `toptpu.backend.runtime.machine`); converted
@@ -33,8 +36,16 @@ from toptpu.backend.contract import NetInfo, TensorSpec
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
-from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, MachineTrap, Timeline
+from toptpu.backend.runtime.accounting import Costs, Ledger
+from toptpu.backend.runtime.machine import (
+    Binding,
+    LoadedNet,
+    Machine,
+    MachineTrap,
+    Timeline,
+)
 from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.backend.target.cost import NetTiming
 
 
 class MachineExecutorError(RuntimeError):
@@ -65,6 +76,16 @@ class MachineBuffer:
 
     def array(self, write: bool = False) -> np.ndarray:
         return self.machine.gmem.tensor(self.addr, self.shape, self.dtype, "buffer", write)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def timing_of(tl: Timeline) -> NetTiming:
+    """What the step accounting needs of a run's timeline."""
+    return NetTiming(cycles=tl.cycles, dma_busy=tl.busy("dma"), compute_busy=tl.busy("cmp"),
+                     dma_bytes=tl.dma_bytes, flops=tl.flops)
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -98,7 +119,7 @@ class MachineExecutor:
         self._act: dict[str, int] = {}
         self._const: dict[str, int] = {}
         self.stats: dict[str, NetStats] = {}
-        self._seconds = 0.0
+        self.ledger = Ledger(self.chip)
 
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:
@@ -118,12 +139,17 @@ class MachineExecutor:
         if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
             raise MachineExecutorError(f"cannot write {value.dtype} into a {buf.dtype} buffer")
         buf.array(write=True)[...] = value.astype(buf.dtype).reshape(buf.shape)
+        self.ledger.transfer(buf.nbytes)
 
     def read(self, buf: MachineBuffer) -> np.ndarray:  # type: ignore[override]
+        self.ledger.transfer(buf.nbytes)
         return buf.array().copy()
 
     def modelled_seconds(self) -> float:
-        return self._seconds
+        return self.ledger.totals.total_s
+
+    def modelled_costs(self) -> Costs:
+        return self.ledger.totals
 
     def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
         info = self._nets.get(net)
@@ -147,7 +173,7 @@ class MachineExecutor:
         st.cycles += tl.cycles
         st.timelines.append(tl)
         del st.timelines[:-self.keep_timelines]
-        self._seconds += tl.cycles / (self.chip.freq_ghz * 1e9)
+        self.ledger.net(net, timing_of(tl))
 
     # ------------------------------------------------------------------ internals
     def program(self, net: str) -> Program:

@@ -3,11 +3,12 @@ PNG timeline with a roofline chart.
 
 For each net run: modelled cycles and seconds, busy cycles per engine, bytes moved by DMA,
 FLOPs, the net's compute type (the type most of its FLOPs are computed in), the achieved
-fraction of DDR bandwidth and of that type's peak compute, and the roofline bound —
-the larger of the net's own bytes (weights, inputs, outputs: what it cannot avoid moving)
-over DDR bandwidth and its FLOPs over the chip's peak (each command's at the peak of its
-type) — with the ratio bound / modelled (1.0 would be a perfect machine; modelled time is
-never below the bound).
+fraction of the sustained DDR bandwidth and of that type's peak compute, and the roofline
+bound — the larger of the net's own bytes (weights, inputs, outputs: what it cannot avoid
+moving; of a gathered table only the rows read) over the sustained DDR bandwidth and its
+FLOPs over the chip's peak (each command's at the peak of its type, all cores) — with the
+ratio bound / modelled (1.0 would be a perfect machine; modelled time is never below the
+bound).
 
 The PNG: the DMA and compute timelines coloured by what each command does, with a legend
 (each colour's share of its engine's busy time) and time ticks in ns/us/ms as the span
@@ -74,7 +75,7 @@ def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int |
     peak of the type it computes in (a bf16 matmul at the bf16 peak, an f32 norm at f32)."""
     cycles = tl.cycles
     f = tl.flops if flops is None else flops
-    bw = chip.bytes_per_cycle
+    bw = chip.sustained_bytes_per_cycle
     ctype = compute_dtype(tl)
     peak = chip.flops_per_cycle(ctype) if ctype else 0.0
     compute_bound = sum(e.flops / chip.flops_per_cycle(e.dtype) for e in tl.events
@@ -83,7 +84,7 @@ def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int |
     return NetProfile(
         net=tl.net,
         cycles=cycles,
-        seconds=cycles / (chip.freq_ghz * 1e9),
+        seconds=cycles * chip.seconds_per_cycle,
         dma_busy=tl.busy("dma"),
         compute_busy=tl.busy("cmp"),
         dma_bytes=tl.dma_bytes,
@@ -99,14 +100,15 @@ def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int |
 
 
 def summary_table(profiles: list[NetProfile], chip: Chip) -> str:
-    lines = [f"chip {chip.name}: {chip.lanes} lanes x {chip.lane_bytes // 1024} KiB, "
-             f"{chip.ddr_gbps:g} GB/s DDR, peak TFLOPS "
+    lines = [f"chip {chip.name}: {chip.cores} core(s) of {chip.lanes} lanes x "
+             f"{chip.lane_bytes // 1024} KiB, DDR {chip.ddr_gbps:g} GB/s nominal, "
+             f"{chip.sustained_gbps:.3g} GB/s sustained, peak TFLOPS per core "
              + ", ".join(f"{t} {v:g}" for t, v in chip.tflops.items())
              + f", {chip.freq_ghz:g} GHz", HEADER]
     lines += [p.row() for p in profiles]
-    lines.append("dma/cmp: engine busy fraction; ddr/peak: achieved fraction of DDR bandwidth "
-                 "and of the peak of the net's compute type; roof: roofline bound / modelled "
-                 "time; type: the type most FLOPs are computed in")
+    lines.append("dma/cmp: engine busy fraction; ddr/peak: achieved fraction of the sustained "
+                 "DDR bandwidth and of the peak of the net's compute type; roof: roofline "
+                 "bound / modelled time; type: the type most FLOPs are computed in")
     return "\n".join(lines)
 
 
@@ -252,7 +254,7 @@ def write_timeline_png(path: str, tl: Timeline, chip: Chip, profile: NetProfile,
     font, small = _font(13), _font(11)
     left, right = 90, width - 30
     span = max(tl.cycles, 1.0)
-    seconds_per_cycle = 1.0 / (chip.freq_ghz * 1e9)
+    seconds_per_cycle = chip.seconds_per_cycle
 
     def x(c: float) -> float:
         return left + (right - left) * c / span
@@ -304,10 +306,11 @@ def _draw_roofline(d: Any, profile: NetProfile, chip: Chip, top: int, left: int,
     if profile.compute_dtype is None:
         d.text((rl, top - 20), "no roofline: the net has no compute commands (it only moves "
                                f"data); DDR {profile.ddr_fraction:.1%} of "
-                               f"{chip.ddr_gbps:g} GB/s", fill="black", font=font)
+                               f"{chip.sustained_gbps:.3g} GB/s sustained", fill="black",
+           font=font)
         return top + 10
     peak = profile.peak_flops
-    bw = chip.ddr_gbps * 1e9
+    bw = chip.sustained_gbps * 1e9
     ai_lo, ai_hi = 1e-2, 1e4
     p_lo = 10.0 ** math.floor(math.log10(peak / 1e5))
     p_hi = 10.0 ** math.ceil(math.log10(peak * 2))
@@ -344,8 +347,8 @@ def _draw_roofline(d: Any, profile: NetProfile, chip: Chip, top: int, left: int,
     ridge = peak / bw
     d.text((px(min(ridge, ai_hi)) + 6, py(peak) - 16),
            f"{profile.compute_dtype} peak {_si(peak, 'FLOP/s')}", fill="black", font=small)
-    d.text((rl + 8, py(bw * ai_lo * 10) - 22), f"DDR {chip.ddr_gbps:g} GB/s", fill="black",
-           font=small)
+    d.text((rl + 8, py(bw * ai_lo * 10) - 22), f"DDR {chip.sustained_gbps:.3g} GB/s sustained",
+           fill="black", font=small)
     ai = profile.flops / max(profile.inherent_bytes, 1)
     achieved = profile.flops / max(profile.seconds, 1e-12)
     cx, cy = px(min(max(ai, ai_lo), ai_hi)), py(achieved)
@@ -356,7 +359,7 @@ def _draw_roofline(d: Any, profile: NetProfile, chip: Chip, top: int, left: int,
         (f"intensity {ai:.3g} FLOP/byte (red dot)", small),
         (f"achieved {_si(achieved, 'FLOP/s')}: {profile.compute_fraction:.1%} of the "
          f"{profile.compute_dtype} peak {_si(peak, 'FLOP/s')}", small),
-        (f"DDR {profile.ddr_fraction:.1%} of {chip.ddr_gbps:g} GB/s", small),
+        (f"DDR {profile.ddr_fraction:.1%} of {chip.sustained_gbps:.3g} GB/s sustained", small),
         (f"roofline bound / modelled time {profile.roofline_ratio:.2f}", small),
     ]
     for i, (text, f) in enumerate(lines):

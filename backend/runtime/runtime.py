@@ -13,15 +13,21 @@ the reference machine run the same generation loop:
 - decode runs `block_cache` per layer with the whole cache as history and the output
   `present_k`/`present_v` bound to `cache.slot(1, pos, 1)`: the new k/v land in their
   slot, no concatenated copy exists;
-- greedy decoding uses the fused top-1 `lm_head` net; sampling (temperature, top-k, top-p,
-  repetition penalty over a recent window) reads the `lm_head_logits` logits and samples
-  on the host (`sample_token`, numpy) — there is no `sample_head` net yet;
+- the next token is chosen where the real deployment chooses it: `lm_head` computes the
+  logits, then `greedy_head` (argmax) or `sample_head` (repetition penalty over a recent
+  window, temperature, top-k, top-p; the host draws one of its K candidates) runs on the
+  chip. `SamplingConfig.sampler` "host" reads the logits back and samples on the host
+  (`sample_token`, numpy; also what "auto" does when the chip's head cannot: top-k off or
+  above K); both samplers draw from the same distribution;
 - stopping: EOS ids and stop strings of the generation config, `max_new_tokens`, or a full
   KV cache; text streams UTF-8-safely (`Utf8Streamer`);
 - a multi-turn chat keeps the cache: a new turn feeds only its new tokens (plus the last
   generated token, whose k/v are not cached yet) through `block_kv`.
 
-Static shapes are read back from the nets' IO shapes (nothing is configured twice).
+Static shapes are read back from the nets' IO shapes (nothing is configured twice). With
+the machine executor every net run and host transfer is charged to the step accounting
+(`toptpu.backend.runtime.accounting`); a result carries the modelled time of its first token
+and of each decoded token, split by where it goes (`GenerationResult.modelled_breakdown`).
 """
 
 from __future__ import annotations
@@ -43,25 +49,34 @@ from toptpu.backend.contract import (
     BLOCK_KV,
     EMBEDDING,
     EMBEDDING_CACHE,
+    GREEDY_HEAD,
     HIDDEN,
     HIDDEN_OUT,
     HISTORY_K,
     HISTORY_V,
     INPUT_IDS,
     LM_HEAD,
-    LM_HEAD_LOGITS,
     LOGITS,
+    PENALTY,
     POSITION_IDS,
     PRESENT_K,
     PRESENT_V,
+    PROBS,
+    RECENT_IDS,
+    SAMPLE_HEAD,
+    TEMPERATURE,
     TEXT_NETS,
     TOKEN,
+    TOKEN_IDS,
+    TOP_K,
+    TOP_P,
     NetInfo,
     TensorSpec,
     decode_mask,
     prefill_mask,
 )
 from toptpu.backend.formats.llm_file import LlmHeader
+from toptpu.backend.runtime.accounting import Costs
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
@@ -86,6 +101,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1: off
     penalty_window: int = 64  # how many recent tokens the penalty looks at
     seed: int | None = None
+    sampler: str = "auto"  # chip | host | auto (chip where its heads can, else host)
 
     def validate(self) -> None:
         """Refuse values that have no meaning (NaN, infinities, out of range)."""
@@ -104,11 +120,18 @@ class SamplingConfig:
                                   f"{self.penalty_window}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise GenerationError(f"seed must be an integer >= 0, got {self.seed}")
+        if self.sampler not in SAMPLER_CHOICES:
+            raise GenerationError(f"sampler must be one of {', '.join(SAMPLER_CHOICES)}, got "
+                                  f"{self.sampler!r}")
 
     @property
-    def fused_greedy(self) -> bool:
-        """Plain argmax without penalty: the fused top-1 lm_head net suffices."""
+    def greedy(self) -> bool:
+        """Plain argmax without penalty: greedy_head suffices."""
         return self.temperature == 0 and self.repetition_penalty == 1.0
+
+
+#: where `SamplingConfig.sampler` may choose the token
+SAMPLER_CHOICES = ("auto", "chip", "host")
 
 
 def _is_int(v: object) -> bool:
@@ -150,6 +173,17 @@ def sample_token(logits: np.ndarray, recent: Sequence[int], cfg: SamplingConfig,
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return int(rng.choice(p.size, p=p))
+
+
+def recent_ids(window: Sequence[int], seq_length: int) -> np.ndarray:
+    """sample_head's `recent_ids` [1, SEQ]: the window's ids, the slots after them repeating
+    the first (penalized once, like the host's set of distinct ids)."""
+    if not window or len(window) > seq_length:
+        raise GenerationError(f"the penalty window holds {len(window)} ids; sample_head "
+                              f"takes 1 to {seq_length}")
+    out = np.full((1, seq_length), int(window[0]), np.int32)
+    out[0, :len(window)] = window
+    return out
 
 
 # =========================================================================== streaming
@@ -203,9 +237,23 @@ class GenerationResult:
     image_tokens: int = 0  # prompt positions whose embeddings came from the vision net
     vision_s: float | None = None  # host wall time of the vision net runs (None: no image)
     vision_modelled_s: float | None = None  # their modelled chip time
+    sampler: str = "greedy"  # how tokens were chosen: greedy | sample (on the chip) | host
+    #: modelled time of the first token and of each decoded token after it, by where it
+    #: goes (`accounting.Costs.to_json`); None without a cost model
+    modelled_breakdown: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def breakdown(first: Costs | None, decode: Costs | None, decoded: int
+              ) -> dict[str, Any] | None:
+    """The modelled time of the first token and of each decoded token after it (None
+    without a cost model; decode None when only one token was generated)."""
+    if first is None or decode is None:
+        return None
+    return {"first_token": first.to_json(),
+            "per_decoded_token": decode.to_json(decoded) if decoded else None}
 
 
 # =========================================================================== tokenizer
@@ -408,9 +456,12 @@ class Runtime:
             "mask_1": alloc(BLOCK_CACHE, ATTENTION_MASK),
             "scratch_k": alloc(BLOCK, PRESENT_K),
             "scratch_v": alloc(BLOCK, PRESENT_V),
-            "token": alloc(LM_HEAD, TOKEN),
-            "logits": alloc(LM_HEAD_LOGITS, LOGITS),
+            "logits": alloc(LM_HEAD, LOGITS),
+            "token": alloc(GREEDY_HEAD, TOKEN),
+            **{name: alloc(SAMPLE_HEAD, name) for name in (
+                RECENT_IDS, PENALTY, TEMPERATURE, TOP_K, TOP_P, PROBS, TOKEN_IDS)},
         }
+        self.sample_k = _spec(nets[SAMPLE_HEAD], PROBS).shape[1]
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -543,14 +594,57 @@ class Runtime:
         self.tokens.append(int(token))
         return out
 
-    def _next_token(self, hidden_row: Buffer, cfg: SamplingConfig, rng: np.random.Generator,
-                    recent: Sequence[int]) -> int:
+    # ------------------------------------------------------------------ choosing tokens
+    def resolve_sampler(self, cfg: SamplingConfig) -> str:
+        """How `cfg` chooses tokens here: 'greedy' (greedy_head), 'sample' (sample_head) or
+        'host' (logits read back). A chip request the heads cannot serve is an error
+        naming why; 'auto' then falls back to the host."""
+        if cfg.sampler == "host":
+            return "host"
+        if cfg.greedy:
+            return "greedy"
+        if cfg.temperature == 0 or 1 <= cfg.top_k <= self.sample_k:
+            return "sample"
+        if cfg.sampler == "auto":
+            return "host"
+        why = "off (0)" if cfg.top_k == 0 else f"{cfg.top_k}"
+        raise GenerationError(
+            f"the chip's sample_head keeps the {self.sample_k} most likely tokens, so "
+            f"sampling on the chip needs a top-k between 1 and {self.sample_k} (top-k is "
+            f"{why}); pass --top-k in that range, or --sampler host to sample from the "
+            "whole vocabulary")
+
+    def _sampling_setup(self, cfg: SamplingConfig) -> None:
+        """sample_head's parameters, once per generation (temperature 0 with a penalty:
+        the top candidate of temperature 1, top-k 1)."""
         ex, b = self.ex, self.b
-        if cfg.fused_greedy:
-            ex.run(LM_HEAD, {HIDDEN: hidden_row, TOKEN: b["token"]})
+        greedy = cfg.temperature == 0
+        ex.write(b[PENALTY], np.array([[cfg.repetition_penalty if cfg.penalty_window
+                                         else 1.0]], np.float32))
+        ex.write(b[TEMPERATURE], np.array([[1.0 if greedy else cfg.temperature]], np.float32))
+        ex.write(b[TOP_K], np.array([[1 if greedy else cfg.top_k]], np.int32))
+        ex.write(b[TOP_P], np.array([[1.0 if greedy else cfg.top_p]], np.float32))
+
+    def _next_token(self, hidden_row: Buffer, cfg: SamplingConfig, sampler: str,
+                    rng: np.random.Generator, recent: Sequence[int]) -> int:
+        ex, b = self.ex, self.b
+        ex.run(LM_HEAD, {HIDDEN: hidden_row, LOGITS: b["logits"]})
+        if sampler == "host":
+            return sample_token(ex.read(b["logits"]), recent, cfg, rng)
+        if sampler == "greedy":
+            ex.run(GREEDY_HEAD, {LOGITS: b["logits"], TOKEN: b["token"]})
             return int(ex.read(b["token"]).reshape(-1)[0])
-        ex.run(LM_HEAD_LOGITS, {HIDDEN: hidden_row, LOGITS: b["logits"]})
-        return sample_token(ex.read(b["logits"]), recent, cfg, rng)
+        window = list(recent[-cfg.penalty_window:]) if cfg.penalty_window else []
+        ex.write(b[RECENT_IDS], recent_ids(window, self.seq))
+        ex.run(SAMPLE_HEAD, {LOGITS: b["logits"], **{n: b[n] for n in (
+            RECENT_IDS, PENALTY, TEMPERATURE, TOP_K, TOP_P, PROBS, TOKEN_IDS)}})
+        probs = ex.read(b[PROBS]).reshape(-1).astype(np.float64)
+        ids = ex.read(b[TOKEN_IDS]).reshape(-1)
+        if cfg.temperature == 0 or not np.all(np.isfinite(probs)):
+            # greedy with a penalty; or a temperature so low that the scaled logits
+            # overflow: all the probability is on the top candidate (as on the host)
+            return int(ids[0])
+        return int(ids[rng.choice(probs.size, p=probs / probs.sum())])
 
     def _prefill(self, ids: Sequence[int]) -> Buffer:
         """Feed `ids` after the cached tokens; returns the hidden row of the last one."""
@@ -657,7 +751,7 @@ class Runtime:
             raise PromptTooLongError(f"{len(ids)} tokens do not fit the KV cache of {self.seq}")
         self.reset()
         last = self._prefill(ids)
-        self.ex.run(LM_HEAD_LOGITS, {HIDDEN: last, LOGITS: self.b["logits"]})
+        self.ex.run(LM_HEAD, {HIDDEN: last, LOGITS: self.b["logits"]})
         out = self.ex.read(self.b["logits"]).reshape(-1).astype(np.float32)
         self.reset()
         return out
@@ -709,15 +803,18 @@ class Runtime:
                                                  encoded)
         self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
+        sampler = self.resolve_sampler(cfg)
         streamer = Utf8Streamer(self.decode) if (on_text or self.stop_strings) else None
-        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
+        t0, c0 = time.perf_counter(), self.ex.modelled_costs()
+        if sampler == "sample":
+            self._sampling_setup(cfg)
         try:
             hidden = self._prefill(feed)
         finally:
             self._image_rows = {}
         recent = list(self.tokens)
-        token = self._next_token(hidden, cfg, rng, recent)
-        t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
+        token = self._next_token(hidden, cfg, sampler, rng, recent)
+        t1, c1 = time.perf_counter(), self.ex.modelled_costs()
         generated = [token]
         reason = ""
         text = ""
@@ -739,9 +836,9 @@ class Runtime:
                 break
             recent.append(token)
             hidden = self._decode_step(token)
-            token = self._next_token(hidden, cfg, rng, recent)
+            token = self._next_token(hidden, cfg, sampler, rng, recent)
             generated.append(token)
-        t2, m2 = time.perf_counter(), self.ex.modelled_seconds()
+        t2, c2 = time.perf_counter(), self.ex.modelled_costs()
         if streamer is not None:
             tail = streamer.flush()
             if on_text and tail:
@@ -751,21 +848,25 @@ class Runtime:
         # position: SEQ tokens, never SEQ + 1)
         self.pending = None if reason == "kv_cache_full" else token
         n_dec = len(generated) - 1
-        has_model = m2 > 0.0
+        first = decode = None
+        if c0 is not None and c1 is not None and c2 is not None:
+            first, decode = c1 - c0, c2 - c1
         full_text = self.decode(generated) if self._has_tokenizer() else ""
         return GenerationResult(
             prompt_ids=ids, generated_ids=generated, text=full_text, stop_reason=reason,
             prefill_tokens=len(feed), ttft_s=t1 - t0,
             decode_tokens_per_s=(n_dec / (t2 - t1)) if n_dec and t2 > t1 else None,
-            modelled_ttft_s=(m1 - m0) if has_model else None,
-            modelled_tokens_per_s=(n_dec / (m2 - m1)) if has_model and n_dec and m2 > m1
-            else None,
+            modelled_ttft_s=first.total_s if first is not None else None,
+            modelled_tokens_per_s=(n_dec / decode.total_s) if decode is not None and n_dec
+            and decode.total_s > 0 else None,
             position=self.position,
             timings={"prefill_s": t1 - t0, "decode_s": t2 - t1},
             image_tokens=sum(int(im.image_tokens) for im in encoded),
             vision_s=sum(im.host_s for im in encoded) if encoded else None,
             vision_modelled_s=sum(im.modelled_s for im in encoded)
             if encoded and all(im.modelled_s is not None for im in encoded) else None,
+            sampler=sampler,
+            modelled_breakdown=breakdown(first, decode, n_dec),
         )
 
     def _has_tokenizer(self) -> bool:

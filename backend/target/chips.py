@@ -1,21 +1,47 @@
-"""Chip presets (data in chips.json): the parameters the compiler and the machine share.
+"""Chip presets (data in chips.json): the figures the compiler, the machine and the step
+accounting share, each with its source.
 
-The figures approximate public numbers (BM1684X: 64 NPU lanes x 256 KiB local memory in
-16 banks, ~16 TFLOPS f16/bf16, ~2 TFLOPS f32, ~32 TOPS int8, ~64 GB/s DDR; BM1688: 32 lanes x
-128 KiB). They serve the cost model (`toptpu.backend.target.cost`) and the memory rules;
-they are not a cycle-accurate description of either chip.
+A preset describes one chip as a deployment sees it:
+
+- geometry: `lanes` x `lane_bytes` of local memory per core in `banks`, `align`;
+- compute: `cores` TPU cores at `freq_ghz`, each with `tflops` dense peak per compute type;
+  `compute_efficiency`, the fraction of that peak every compute command sustains (prefill,
+  the one compute-bound phase, runs at ~50-65% of peak MACs on the real chips);
+- memory: `ddr_gbps` nominal DDR bandwidth, `ddr_efficiency` the sustained fraction of it
+  (decode of large models reaches ~75-80%), `core_ddr_gbps` what one core's DMA can draw
+  (a second core adds bandwidth until the DDR is saturated), `ddr_bytes` capacity;
+- per command: `dma_latency_cycles`, `compute_latency_cycles` (issue latency);
+- per step, outside the nets: `launch_us` per net launch (launch, sync, interrupt),
+  `host_transfer_us` fixed cost of one host<->device copy and `host_gbps` its bandwidth (the
+  position, mask and token ids each step).
+
+Two cores (BM1688): a net's work divides evenly between the cores, which run every command
+in lockstep on their halves: compute at `cores` x the per-core peak, DMA at
+min(`cores` x `core_ddr_gbps`, sustained DDR bandwidth) since the DDR is shared; the
+per-command latencies are paid once (the cores overlap them). Local memory is planned per
+core (`lanes` x `lane_bytes`).
+
+`sources` names where each figure comes from: a public spec, an assumption, or the fit of
+`bench/calibrate.py` to published speeds of real boards (`bench/calibration/`). The model is
+not cycle-accurate; it is fitted so that whole-model decode speed and time to first token
+come out near the real boards'.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import cache
+from typing import Any
 
 
 class UnknownChipError(ValueError):
     pass
+
+
+class ChipFigureError(ValueError):
+    """A chip figure out of range (a sweep or a preset); the message names it."""
 
 
 @dataclass(frozen=True)
@@ -26,12 +52,47 @@ class Chip:
     banks: int
     align: int
     freq_ghz: float
-    tflops: dict[str, float] = field(hash=False)
-    ddr_gbps: float
+    cores: int
+    tflops: dict[str, float] = field(hash=False)  # per core, dense peak per compute type
+    compute_efficiency: float
+    ddr_gbps: float  # nominal
+    ddr_efficiency: float  # sustained fraction of ddr_gbps
+    core_ddr_gbps: float  # one core's DMA limit
     ddr_bytes: int
     dma_latency_cycles: int
     compute_latency_cycles: int
+    launch_us: float
+    host_transfer_us: float
+    host_gbps: float
+    sources: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
+    def __post_init__(self) -> None:
+        for f in ("lanes", "lane_bytes", "banks", "align", "cores"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ChipFigureError(f"chip {self.name}: {f} must be a positive integer, "
+                                      f"got {v!r}")
+        for f in ("freq_ghz", "ddr_gbps", "core_ddr_gbps", "host_gbps"):
+            if not _positive(getattr(self, f)):
+                raise ChipFigureError(f"chip {self.name}: {f} must be a positive number, got "
+                                      f"{getattr(self, f)!r}")
+        for f in ("compute_efficiency", "ddr_efficiency"):
+            v = getattr(self, f)
+            if not (_positive(v) and v <= 1):
+                raise ChipFigureError(f"chip {self.name}: {f} must be in (0, 1], got {v!r}")
+        for f in ("dma_latency_cycles", "compute_latency_cycles", "launch_us",
+                  "host_transfer_us"):
+            v = getattr(self, f)
+            if not (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0):
+                raise ChipFigureError(f"chip {self.name}: {f} must be a number >= 0, got {v!r}")
+        if not self.tflops or not all(_positive(v) for v in self.tflops.values()):
+            raise ChipFigureError(f"chip {self.name}: tflops must map compute types to "
+                                  f"positive numbers, got {self.tflops!r}")
+        if self.lane_bytes % self.banks:
+            raise ChipFigureError(f"chip {self.name}: lane_bytes {self.lane_bytes} is not a "
+                                  f"multiple of banks {self.banks}")
+
+    # ------------------------------------------------------------------ memory
     @property
     def bank_bytes(self) -> int:
         return self.lane_bytes // self.banks
@@ -41,14 +102,32 @@ class Chip:
         return self.lanes * self.lane_bytes
 
     @property
-    def bytes_per_cycle(self) -> float:
-        return self.ddr_gbps / self.freq_ghz
+    def sustained_gbps(self) -> float:
+        """The DDR bandwidth a whole net can sustain: nominal x efficiency."""
+        return self.ddr_gbps * self.ddr_efficiency
 
+    @property
+    def dma_gbps(self) -> float:
+        """What the DMA of all cores draws together: their per-core limit, up to the
+        sustained DDR bandwidth they share."""
+        return min(self.cores * self.core_ddr_gbps, self.sustained_gbps)
+
+    @property
+    def bytes_per_cycle(self) -> float:
+        """DMA bytes per cycle (`dma_gbps`)."""
+        return self.dma_gbps / self.freq_ghz
+
+    @property
+    def sustained_bytes_per_cycle(self) -> float:
+        return self.sustained_gbps / self.freq_ghz
+
+    # ------------------------------------------------------------------ compute
     def flops_per_cycle(self, dtype: str) -> float:
+        """Peak FLOPs per cycle of all cores for a compute type (f32 for unknown types)."""
         key = {"ui8": "int8", "i8": "int8"}.get(dtype, dtype)
         if key not in self.tflops:
             key = "f32"
-        return self.tflops[key] * 1e12 / (self.freq_ghz * 1e9)
+        return self.cores * self.tflops[key] * 1e12 / (self.freq_ghz * 1e9)
 
     @property
     def peak_flops_per_cycle(self) -> float:
@@ -59,13 +138,43 @@ class Chip:
         per = -(-nbytes // self.lanes)
         return -(-per // self.align) * self.align
 
-    def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+    # ------------------------------------------------------------------ time
+    @property
+    def seconds_per_cycle(self) -> float:
+        return 1.0 / (self.freq_ghz * 1e9)
+
+    def with_figures(self, **figures: Any) -> Chip:
+        """This chip with some figures changed (checked like a preset's); the changed
+        figures' sources say so."""
+        unknown = sorted(set(figures) - set(FIGURES))
+        if unknown:
+            raise ChipFigureError(f"unknown chip figures {unknown}; figures: "
+                                  f"{', '.join(FIGURES)}")
+        sources = {**self.sources, **{k: "set by the user" for k in figures}}
+        return replace(self, **figures, sources=sources)
+
+    def figures(self) -> dict[str, Any]:
+        """The figures (everything but name and sources), JSON-ready."""
+        return {k: getattr(self, k) for k in FIGURES}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, **self.figures()}
+
+
+#: the figures of a preset (every one needs a source)
+FIGURES = tuple(f.name for f in fields(Chip) if f.name not in ("name", "sources"))
+
+
+def _positive(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0 and v < float("inf")
+
+
+PRESETS_PATH = os.path.join(os.path.dirname(__file__), "chips.json")
 
 
 @cache
 def _presets() -> dict[str, dict]:
-    with open(os.path.join(os.path.dirname(__file__), "chips.json")) as f:
+    with open(PRESETS_PATH) as f:
         data = json.load(f)
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
@@ -78,9 +187,14 @@ def get_chip(name: str) -> Chip:
     presets = _presets()
     if name not in presets:
         raise UnknownChipError(f"unknown chip '{name}'; choose one of {', '.join(chip_names())}")
-    return Chip(name=name, **presets[name])
+    return chip_from_json({"name": name, **presets[name]})
 
 
 def chip_from_json(d: dict) -> Chip:
+    """A chip from its JSON form (a preset, or `Chip.to_json` as program files keep it)."""
+    missing = [k for k in FIGURES if k not in d]
+    extra = [k for k in d if k not in FIGURES and k not in ("name", "sources")]
+    if missing or extra:
+        raise ChipFigureError(f"chip {d.get('name')!r}: figures missing {missing}, unknown "
+                              f"{extra}")
     return Chip(**d)
-

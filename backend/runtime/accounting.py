@@ -1,0 +1,249 @@
+"""The modelled time of a generation step, in one place.
+
+A step on the real deployment (LLM-TPU) is more than its nets' engine time: every net
+launch costs a fixed launch/sync time, and the host moves data each step (the token id,
+the position and the attention mask up; the chosen token back). The chip's figures for
+these are in its preset (`Chip.launch_us`, `host_transfer_us`, `host_gbps`).
+
+- `Ledger` is charged by the machine executor as the runtime runs: each net run (its
+  modelled engine time, DDR-bound or compute-bound by its busier engine, plus one launch),
+  each host<->device copy (`Executor.write` / `read`). `Costs` are its totals; two
+  snapshots subtract to the costs of what ran between them (a first token, a decode step).
+- `StepModel` charges the same things from per-net timings without running anything:
+  what `toptpu estimate` and `toptpu sweep` report. It follows the runtime's generation
+  loop (`toptpu.backend.runtime.runtime.Runtime`) step by step; a test checks that the two
+  agree on a compiled model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+from toptpu.backend.contract import (
+    ATTENTION_MASK,
+    BLOCK,
+    BLOCK_CACHE,
+    BLOCK_KV,
+    EMBEDDING,
+    EMBEDDING_CACHE,
+    GREEDY_HEAD,
+    HISTORY_K,
+    INPUT_IDS,
+    LM_HEAD,
+    LOGITS,
+    PENALTY,
+    POSITION_IDS,
+    PRESENT_K,
+    PROBS,
+    RECENT_IDS,
+    SAMPLE_HEAD,
+    TEMPERATURE,
+    TOKEN,
+    TOKEN_IDS,
+    TOP_K,
+    TOP_P,
+    TensorSpec,
+)
+from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.cost import NetTiming
+
+#: where time goes: nets whose DMA engine is the busier one, nets whose compute engine is,
+#: fixed launch costs, host transfers
+CATEGORIES = ("ddr", "compute", "launch", "host")
+
+#: how the next token is chosen: greedy_head or sample_head on the chip, or on the host
+#: from the logits read back
+SAMPLERS = ("greedy", "sample", "host")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Modelled time by where it goes, and what caused it."""
+
+    ddr_s: float = 0.0  # engine time of DDR-bound net runs
+    compute_s: float = 0.0  # engine time of compute-bound net runs
+    launch_s: float = 0.0
+    host_s: float = 0.0
+    launches: int = 0
+    transfers: int = 0
+    transfer_bytes: int = 0
+    dma_bytes: int = 0
+    flops: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.ddr_s + self.compute_s + self.launch_s + self.host_s
+
+    @property
+    def bound(self) -> str:
+        """The category most time goes to (ddr, compute, launch or host)."""
+        times = {c: getattr(self, f"{c}_s") for c in CATEGORIES}
+        return max(CATEGORIES, key=lambda c: times[c])
+
+    def __add__(self, other: Costs) -> Costs:
+        return Costs(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                        for f in fields(self)})
+
+    def __sub__(self, other: Costs) -> Costs:
+        return Costs(**{f.name: getattr(self, f.name) - getattr(other, f.name)
+                        for f in fields(self)})
+
+    def times(self, n: int) -> Costs:
+        return Costs(**{f.name: getattr(self, f.name) * n for f in fields(self)})
+
+    def to_json(self, per: int = 1) -> dict[str, float | int | str]:
+        """The costs (divided by `per`, e.g. per decoded token), their total and bound."""
+        out: dict[str, float | int | str] = {k: v / per for k, v in asdict(self).items()}
+        out["total_s"] = self.total_s / per
+        out["bound"] = self.bound
+        return out
+
+
+@dataclass
+class Ledger:
+    """What ran on a chip so far (charged by the machine executor)."""
+
+    chip: Chip
+    totals: Costs = field(default_factory=Costs)
+    per_net: dict[str, Costs] = field(default_factory=dict)
+
+    def net(self, name: str, timing: NetTiming) -> None:
+        """One launch of `name` with its modelled engine time."""
+        c = net_costs(self.chip, timing)
+        self.totals += c
+        self.per_net[name] = self.per_net.get(name, Costs()) + c
+
+    def transfer(self, nbytes: int) -> None:
+        """One host<->device copy of `nbytes`."""
+        self.totals += transfer_costs(self.chip, nbytes)
+
+
+def net_costs(chip: Chip, timing: NetTiming) -> Costs:
+    seconds = timing.seconds(chip)
+    ddr = timing.bound == "ddr"
+    return Costs(ddr_s=seconds if ddr else 0.0, compute_s=0.0 if ddr else seconds,
+                 launch_s=chip.launch_us * 1e-6, launches=1, dma_bytes=timing.dma_bytes,
+                 flops=timing.flops)
+
+
+def transfer_costs(chip: Chip, nbytes: int) -> Costs:
+    return Costs(host_s=chip.host_transfer_us * 1e-6 + nbytes / (chip.host_gbps * 1e9),
+                 transfers=1, transfer_bytes=nbytes)
+
+
+# =========================================================================== the step model
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The generation loop's steps from per-net timings (what `Runtime` does, charged
+    without running it).
+
+    `io`: each text net's inputs and outputs (`contract.net_io`); `timings`: one run of
+    each net (per-layer nets: one layer's); `layers`: how many layers run the per-layer
+    nets."""
+
+    chip: Chip
+    io: Mapping[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]
+    timings: Mapping[str, NetTiming]
+    layers: int
+
+    def _spec(self, net: str, name: str) -> TensorSpec:
+        ins, outs = self.io[net]
+        return next(s for s in (*ins, *outs) if s.name == name)
+
+    def _net(self, net: str, runs: int = 1) -> Costs:
+        return net_costs(self.chip, self.timings[net]).times(runs)
+
+    def _up(self, net: str, *names: str) -> Costs:
+        total = Costs()
+        for n in names:
+            total += transfer_costs(self.chip, self._spec(net, n).nbytes)
+        return total
+
+    @property
+    def seq(self) -> int:
+        return self._spec(BLOCK_CACHE, HISTORY_K).shape[1]
+
+    @property
+    def chunk(self) -> int:
+        return self._spec(BLOCK, POSITION_IDS).shape[1]
+
+    @property
+    def history(self) -> int:
+        return self._spec(BLOCK_KV, HISTORY_K).shape[1]
+
+    def decode_step(self) -> Costs:
+        """Feed one token: its id, position and mask up, embedding_cache, the layers'
+        block_cache (`Runtime._decode_step`)."""
+        return (self._up(EMBEDDING_CACHE, INPUT_IDS) + self._net(EMBEDDING_CACHE)
+                + self._up(BLOCK_CACHE, POSITION_IDS, ATTENTION_MASK)
+                + self._net(BLOCK_CACHE, self.layers))
+
+    def next_token(self, sampler: str) -> Costs:
+        """Choose a token from the last hidden row (`Runtime._next_token`): lm_head, then
+        greedy_head and the token back, or sample_head (the recent ids up) and its
+        candidates back, or the logits back to the host."""
+        c = self._net(LM_HEAD)
+        if sampler == "greedy":
+            return c + self._net(GREEDY_HEAD) + self._up(GREEDY_HEAD, TOKEN)
+        if sampler == "sample":
+            return (c + self._up(SAMPLE_HEAD, RECENT_IDS) + self._net(SAMPLE_HEAD)
+                    + self._up(SAMPLE_HEAD, PROBS, TOKEN_IDS))
+        if sampler == "host":
+            return c + self._up(LM_HEAD, LOGITS)
+        raise ValueError(f"unknown sampler '{sampler}' ({', '.join(SAMPLERS)})")
+
+    def sampling_setup(self, sampler: str) -> Costs:
+        """Once per generation: sample_head's parameters up."""
+        if sampler != "sample":
+            return Costs()
+        return self._up(SAMPLE_HEAD, PENALTY, TEMPERATURE, TOP_K, TOP_P)
+
+    def prefill(self, tokens: int) -> Costs:
+        """Feed a prompt of `tokens` into an empty cache (`Runtime._prefill`): chunks of L
+        through block (the first) and block_kv (while the history fits max_history), the
+        rest token by token through the decode net."""
+        if not 0 < tokens <= self.seq:
+            raise ValueError(f"a prompt of {tokens} tokens does not fit the KV cache of "
+                             f"{self.seq}")
+        L, Hh, done = self.chunk, self.history, 0
+        total = Costs()
+        while done < tokens:
+            if done == 0 or done <= Hh:
+                n = min(L, tokens - done)
+                total += self._chunk(done, n)
+                done += n
+            else:
+                total += self.decode_step()
+                done += 1
+        return total
+
+    def _chunk(self, start: int, n: int) -> Costs:
+        net = BLOCK if start == 0 else BLOCK_KV
+        c = (self._up(EMBEDDING, INPUT_IDS) + self._net(EMBEDDING)
+             + self._up(BLOCK, POSITION_IDS) + self._up(net, ATTENTION_MASK)
+             + self._net(net, self.layers))
+        if start + self.chunk > self.seq:  # the padded chunk runs past SEQ: each layer's n
+            # rows go from the scratch output into the cache through the host
+            scratch = self._spec(BLOCK, PRESENT_K)
+            rows = scratch.nbytes // scratch.shape[1] * n
+            per_layer = (transfer_costs(self.chip, scratch.nbytes).times(2)
+                         + transfer_costs(self.chip, rows).times(2))
+            c += per_layer.times(self.layers)
+        return c
+
+    def first_token(self, prompt_tokens: int, sampler: str) -> Costs:
+        """Time to first token: the sampler's setup, the prompt's prefill, the choice."""
+        return (self.sampling_setup(sampler) + self.prefill(prompt_tokens)
+                + self.next_token(sampler))
+
+    def per_token(self, sampler: str) -> Costs:
+        """One decoded token after the first: a decode step and the choice."""
+        return self.decode_step() + self.next_token(sampler)
+
+
+def tokens_per_s(per_token: Costs) -> float:
+    return 1.0 / per_token.total_s if per_token.total_s > 0 else math.inf

@@ -1,0 +1,126 @@
+"""`toptpu estimate`: the modelled time of a model from its config alone.
+
+- each net's modelled time is bounded below by the bytes it moves over the sustained DDR
+  bandwidth and by its FLOPs over the chip's peak, on any chip (re-timed with hypothesis);
+- the estimate from a config equals what the machine charges running the compiled model
+  file of the same shapes: per net (`toptpu profile`), and the time to first token and the
+  decode speed of a generation (`Runtime.generate`, the executor's ledger).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from fuzz import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
+from llm_fixtures import compiled, tiny_dir
+
+from toptpu.backend.contract import StaticShapes
+from toptpu.backend.runtime.runtime import Runtime
+from toptpu.backend.target.chips import get_chip
+from toptpu.cli import main
+from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs, estimate, read_checked_config
+from toptpu.profile_cli import profile_model
+
+pytestmark = pytest.mark.slow  # compiles tiny models
+
+SEQ, CHUNK = 160, 16
+
+
+@pytest.fixture(scope="module")
+def tiny_costs(tmp_path_factory: pytest.TempPathFactory) -> CompiledCosts:
+    """The step nets of the tiny Qwen2 in w4bf16 (weights quantized, bf16 compute)."""
+    config = read_checked_config(tiny_dir(tmp_path_factory, "qwen2"), "w4bf16", SEQ)
+    return compile_costs(config, get_chip("bm1684x"), "w4bf16", StaticShapes.make(SEQ, CHUNK),
+                         nets=STEP_NETS)
+
+
+@fuzz_settings(40)
+@given(ddr_gbps=st.floats(1.0, 512.0), ddr_efficiency=st.floats(0.05, 1.0),
+       core_ddr_gbps=st.floats(1.0, 512.0), cores=st.integers(1, 4),
+       tflops=st.floats(0.1, 200.0), compute_efficiency=st.floats(0.05, 1.0),
+       freq_ghz=st.floats(0.2, 3.0))
+def test_each_nets_time_is_at_least_its_bytes_over_bandwidth_and_flops_over_peak(
+        tiny_costs: CompiledCosts, ddr_gbps: float, ddr_efficiency: float,
+        core_ddr_gbps: float, cores: int, tflops: float, compute_efficiency: float,
+        freq_ghz: float) -> None:
+    base = get_chip("bm1684x")
+    scale = tflops / base.tflops["bf16"]
+    chip = base.with_figures(ddr_gbps=ddr_gbps, ddr_efficiency=ddr_efficiency,
+                             core_ddr_gbps=core_ddr_gbps, cores=cores,
+                             tflops={k: v * scale for k, v in base.tflops.items()},
+                             compute_efficiency=compute_efficiency, freq_ghz=freq_ghz)
+    peak = cores * max(chip.tflops.values()) * 1e12
+    for name, t in tiny_costs.timings(chip).items():
+        seconds = t.seconds(chip)
+        assert t.dma_bytes > 0 and seconds > 0, name
+        assert seconds >= t.dma_bytes / (chip.sustained_gbps * 1e9) * (1 - 1e-9), name
+        assert seconds >= t.flops / peak * (1 - 1e-9), name
+
+
+def test_the_bounds_bind_where_each_engine_is_the_bottleneck(tiny_costs: CompiledCosts
+                                                               ) -> None:
+    """The lower bounds are not vacuous: on a chip with a slow DDR the decode layer's time
+    is within 2x of bytes over bandwidth; with slow compute the prefill block's time is
+    within 2x of FLOPs over the sustained bf16 peak (w4bf16's matmuls)."""
+    base = get_chip("bm1684x")
+    slow_ddr = base.with_figures(ddr_gbps=0.5, core_ddr_gbps=0.5)
+    t = tiny_costs.timings(slow_ddr)["block_cache"]
+    assert t.bound == "ddr"
+    assert t.seconds(slow_ddr) < 2 * t.dma_bytes / (slow_ddr.sustained_gbps * 1e9)
+    slow_mac = base.with_figures(tflops={k: v / 1e4 for k, v in base.tflops.items()})
+    t = tiny_costs.timings(slow_mac)["block"]
+    peak = slow_mac.tflops["bf16"] * 1e12 * slow_mac.compute_efficiency  # the mode's MACs
+    assert t.bound == "compute"
+    assert t.seconds(slow_mac) < 2 * t.flops / peak
+
+
+@pytest.mark.parametrize("mode", ["f32", "w4bf16"])
+def test_the_estimate_from_a_config_is_what_the_machine_charges_the_compiled_file(
+        tmp_path_factory: pytest.TempPathFactory, mode: str) -> None:
+    built = compiled(tmp_path_factory, "qwen2", mode, seq=SEQ, input_len=CHUNK)
+    ex, profiles = profile_model(built.model_file)
+    chip = ex.chip
+    config = read_checked_config(built.model_dir, mode, SEQ)
+    costs = compile_costs(config, chip, mode, StaticShapes.make(SEQ, CHUNK),
+                          nets=list(ex.nets()))
+    # per net: the profile's modelled time, bytes and FLOPs of one run
+    timings = costs.timings(chip)
+    assert {p.net for p in profiles} == set(timings)
+    for p in profiles:
+        t = timings[p.net]
+        assert t.seconds(chip) == pytest.approx(p.seconds, rel=1e-12), p.net
+        assert t.flops == p.flops, p.net
+    # a generation: the first token (prefill of a two-chunk prompt) and the decoded ones
+    rt = Runtime.open(built.model_file)
+    ids = list(range(3, 3 + CHUNK + 5))
+    res = rt.generate(ids, 6, stop_on_eos=False)
+    assert res.sampler == "greedy"
+    est = estimate(costs, chip, prompt_tokens=len(ids), sampler=res.sampler)
+    assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9)
+    assert res.modelled_tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9)
+    # the model file's weight blob and KV caches are the sizes the estimate reports
+    assert costs.weight_bytes == ex.meta.weights.size
+    assert costs.kv_bytes == sum(math.prod(b.shape) * b.dtype.itemsize
+                                 for b in (*rt.cache_k, *rt.cache_v))
+
+
+def test_estimate_json_has_the_issue_keys(tmp_path_factory: pytest.TempPathFactory,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tiny_dir(tmp_path_factory, "qwen2")
+    assert main(["estimate", model_dir, "-q", "w4bf16", "--seq-length", str(SEQ),
+                 "--max-input-length", str(CHUNK), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"modelled_ttft_s", "modelled_tokens_per_s", "weight_bytes", "kv_bytes",
+            "breakdown"} <= set(out)
+    per = out["breakdown"]["per_decoded_token"]
+    assert out["modelled_tokens_per_s"] == pytest.approx(1 / per["total_s"])
+    # a decode step launches 2 layers + embedding, lm_head and head; the tiny model's step
+    # is dominated by the fixed launch and host-transfer costs, not by its nets
+    assert per["launches"] == 2 + 3 and per["bound"] in ("launch", "host")
+    assert per["launch_s"] + per["host_s"] > per["ddr_s"] + per["compute_s"]
+    m = out["model"]
+    assert out["kv_bytes"] == 2 * m["num_layers"] * SEQ * m["num_kv_heads"] * m["head_dim"] * 2
