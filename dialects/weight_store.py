@@ -137,6 +137,14 @@ class WeightStore:
                 return tuple(f.get_slice(name).get_shape())
         raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
 
+    def __delitem__(self, name: str) -> None:
+        """Forget a tensor (a compile lets go of what it will not write)."""
+        if name not in self:
+            raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+        self._arrays.pop(name, None)
+        self._lazy.pop(name, None)
+        self._derived.discard(name)
+
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         self._arrays[name] = np.ascontiguousarray(value)
         self._lazy.pop(name, None)

@@ -11,6 +11,10 @@ cannot honour. Every problem is a `ModelLoadError` naming the thing and what to 
 
 Supported families (`model_type`): qwen2 (Qwen2, Qwen2.5), qwen3 (with q/k norm),
 llama (Llama 2 and Llama 3, including llama3 rope scaling and tied embeddings).
+
+`load_model` builds the whole model in float32; the compiler streams a float directory
+instead (`frontends.streaming.load_streaming`: a skeleton, one layer's tensors at a time),
+with the same checks (`read_model_dir`, `check_checkpoint`, `tokenizer_files`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class LoadedModel:
     #: linear module path; `model` then holds the dequantized float weights
     checkpoint: Any = None  # frontends.quant_checkpoints.QuantizedCheckpoint
     checkpoint_dtype: str | None = None  # the checkpoint's torch dtype ("float16", ...)
+    #: a streamed checkpoint (`frontends.streaming.StreamedWeights`): `model` is then a
+    #: skeleton (layer 0 real, embedding and lm_head placeholders, other layers on meta)
+    stream: Any = None
 
     @property
     def config(self) -> Any:
@@ -215,9 +222,11 @@ def expected_shapes(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     return shapes, tied
 
 
-def check_checkpoint(config: Any, path: str) -> None:
-    """Compare the checkpoint's tensors with the model's parameters; raise on any mismatch."""
-    tensors = checkpoint_tensors(path)
+def check_checkpoint(config: Any, path: str,
+                     tensors: dict[str, tuple[tuple[int, ...], str]] | None = None) -> None:
+    """Compare the checkpoint's tensors (name -> (shape, safetensors dtype); default: read
+    from the headers in `path`) with the model's parameters; raise on any mismatch."""
+    tensors = checkpoint_tensors(path) if tensors is None else tensors
     have = {name: shape for name, (shape, _) in tensors.items()}
     want, optional = expected_shapes(config)
     missing = sorted(k for k in want if k not in have and k not in optional)
@@ -388,22 +397,51 @@ def placeholder_model(config: Any, layers: int = 1) -> Any:
     return model.eval()
 
 
-def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+@dataclass
+class ModelDir:
+    """What a model directory says besides its weights."""
+
+    path: str
+    raw: dict[str, Any]  # config.json as read
+    config: Any  # the transformers config
+    generation: Any  # transformers GenerationConfig or None
+
+    @property
+    def prequantized(self) -> bool:
+        return _is_prequantized(self.path, self.raw)
+
+
+def read_model_dir(path: str) -> ModelDir:
+    """Read and check a model directory's config.json and generation config (not its
+    weights, not its tokenizer: `tokenizer_files`, once the weights are checked)."""
+    from transformers import GenerationConfig
 
     config, raw = read_config(path)
-    cfg_path = os.path.join(path, "config.json")
-    if _is_prequantized(path, raw):
-        return _load_prequantized(path, raw, config, need_tokenizer)
-    family = check_config(config, cfg_path)
-    check_checkpoint(config, path)
-    files = _read_tokenizer_files(path, required=need_tokenizer, what=path)
     gen = None
     if os.path.exists(os.path.join(path, "generation_config.json")):
         try:
             gen = GenerationConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
+    return ModelDir(path, raw, config, gen)
+
+
+def tokenizer_files(path: str, need_tokenizer: bool = True) -> dict[str, bytes]:
+    """The tokenizer files of a model directory (tokenizer.json required unless
+    `need_tokenizer` is False)."""
+    return _read_tokenizer_files(path, required=need_tokenizer, what=path)
+
+
+def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    d = read_model_dir(path)
+    config = d.config
+    if d.prequantized:
+        return _load_prequantized(d, need_tokenizer)
+    family = check_config(config, os.path.join(path, "config.json"))
+    check_checkpoint(config, path)
+    files = tokenizer_files(path, need_tokenizer)
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(path, config=config,
@@ -411,7 +449,8 @@ def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
                                                          local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"transformers could not load the weights in {path}: {e}") from e
-    return LoadedModel(model.eval(), family, files, generation_settings(gen, config), path)
+    return LoadedModel(model.eval(), family, files, generation_settings(d.generation, config),
+                       path)
 
 
 # --------------------------------------------------------------------------- pre-quantized
@@ -423,13 +462,13 @@ def _is_prequantized(path: str, raw: dict[str, Any]) -> bool:
         for n in ("quantize_config.json", "quantization_config.json"))
 
 
-def _load_prequantized(path: str, raw: dict[str, Any], config: Any,
-                       need_tokenizer: bool = True) -> LoadedModel:
+def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
     """A GPTQ / AWQ / AutoRound checkpoint: read its packed tensors (nothing re-quantized),
     build the float model from the exactly dequantized weights (Top and the float reference
     see those), and keep the checkpoint for the lowering to use its integers as they are."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
+    path, raw, config = d.path, d.raw, d.config
     try:
         ck = read_quantized_checkpoint(path)
     except QuantizedCheckpointError as e:
@@ -463,10 +502,8 @@ def _load_prequantized(path: str, raw: dict[str, Any], config: Any,
                                for k, v in state.items()}, strict=False)
         if "lm_head.weight" in tied:
             model.tie_weights()
-    files = _read_tokenizer_files(path, required=need_tokenizer, what=path)
-    gen = None
-    if os.path.exists(os.path.join(path, "generation_config.json")):
-        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+    files = tokenizer_files(path, need_tokenizer)
     dtype = raw.get("torch_dtype") or raw.get("dtype")
-    return LoadedModel(model.eval(), family, files, generation_settings(gen, config), path,
+    return LoadedModel(model.eval(), family, files,
+                       generation_settings(d.generation, config), path,
                        checkpoint=ck, checkpoint_dtype=str(dtype) if dtype else None)

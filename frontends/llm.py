@@ -41,6 +41,7 @@ and the tests alike).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,6 +273,16 @@ class NetSpec:
 
 #: the prefix of a per-layer net's parameters (`Block.layer`)
 LAYER_PREFIX = "layer."
+#: the weight-name prefix of a layer variant's nets ("v3." for the variant of layer 3)
+_VARIANT = re.compile(r"v\d+\.")
+
+
+def layer_key(source: str) -> str | None:
+    """'layer.self_attn.q_proj.weight' (or 'v3.layer.…' in a layer variant's nets) ->
+    'self_attn.q_proj.weight'; None for a weight that is not per layer."""
+    m = _VARIANT.match(source)
+    rest = source[m.end():] if m else source
+    return rest[len(LAYER_PREFIX):] if rest.startswith(LAYER_PREFIX) else None
 
 
 #: torch dtype of the activations of each activation type name (`dialects.common.MODES`)

@@ -55,6 +55,12 @@ def resolve_group_size(k: int, group_size: int, bits: int) -> int:
     return gs
 
 
+#: quantize_rtn works through a weight in row blocks of about this many elements: every
+#: step is per element or per group of a row, so the blocks give the very same numbers,
+#: with temporaries that stay in cache instead of several copies of a big weight
+QUANT_BLOCK_ELEMENTS = 1 << 20
+
+
 def quantize_rtn(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
                  scale_dtype: np.dtype) -> QuantizedWeight:
     """Quantize a float weight [N, K] (nn.Linear layout) round-to-nearest."""
@@ -65,6 +71,20 @@ def quantize_rtn(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
         raise QuantizationError(f"only 2-D weights can be quantized, got {list(w.shape)}")
     n, k = w.shape
     gs = resolve_group_size(k, group_size, bits)
+    step = max(1, QUANT_BLOCK_ELEMENTS // max(k, 1))
+    if n <= step:
+        return _quantize_rows(w, bits, gs, symmetric, scale_dtype)
+    blocks = [_quantize_rows(w[r:r + step], bits, gs, symmetric, scale_dtype)
+              for r in range(0, n, step)]
+    zeros = None if blocks[0].zeros is None else np.concatenate([b.zeros for b in blocks])
+    return QuantizedWeight(np.concatenate([b.qweight for b in blocks]),
+                           np.concatenate([b.scales for b in blocks]), zeros, bits, gs)
+
+
+def _quantize_rows(w: np.ndarray, bits: int, gs: int, symmetric: bool,
+                   scale_dtype: np.dtype) -> QuantizedWeight:
+    """`quantize_rtn` of some rows of a weight (group size resolved)."""
+    n, k = w.shape
     g = w.reshape(n, k // gs, gs)
     qmax = (1 << bits) - 1
     if symmetric:

@@ -76,6 +76,7 @@ from toptpu.backend.formats.llm_file import (
     stream_section,
     write_llm_file,
 )
+from toptpu.backend.formats.model_file import StreamedSection
 from toptpu.backend.formats.program import Program, constant_pool
 from toptpu.compile_options import (
     DEFAULT_GROUP_SIZE,
@@ -88,15 +89,22 @@ from toptpu.compile_options import (
     known_chips,
     kv_cache_size,
 )
-from toptpu.dialects import top
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.fx_importer import ImportError_, import_module
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
-from toptpu.frontends.llm import LlmArch, NetSpec, check_block_matches_model, split_model
+from toptpu.frontends.llm import (
+    LlmArch,
+    NetSpec,
+    check_block_matches_model,
+    layer_key,
+    split_model,
+)
+from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
-from toptpu.layer_weights import LayerWeights, ModelLayerWeights, layer_key
+from toptpu.layer_weights import LayerWeights, ModelLayerWeights
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.address_assign import AddressError
 from toptpu.passes.convert_top_to_tpu import MODES, ConversionError, parse_mode
@@ -192,38 +200,58 @@ class CompiledNets:
 @dataclass
 class PackedWeights:
     """The weight blob (step 3): its layout, the tensors each net reads, and its bytes made
-    region by region (`chunks`): the shared region, then one layer's chunk at a time."""
+    piece by piece (`pieces`): each shared tensor, then one layer's tensors at a time. The
+    shared tensors of a streamed checkpoint's placeholders are derived from the checkpoint
+    when their piece is written (`streamed`)."""
 
     layout: WeightLayout
     net_weights: dict[str, list[str]]  # net -> the tpu.weight names it reads
     shared: dict[str, np.ndarray]  # shared tensors stored (one of each identical set)
     derive: Callable[[int], dict[str, np.ndarray]]  # layer -> its tensors by name
+    #: stored shared tensors from a placeholder: their recipes, by placeholder source
+    streamed: dict[str, list[WeightRecipe]] = field(default_factory=dict)
+    #: the recipes of one placeholder source -> their tensors (`StreamedWeights.shared`)
+    derive_shared: Callable[[list[WeightRecipe]], dict[str, np.ndarray]] | None = None
+    #: called once a layer's tensors are written (a stream drops the pages it read)
+    release: Callable[[], None] = lambda: None
 
-    def chunks(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(offset, bytes) in blob order: the shared region, then layer 0, 1, ... (each
-        region padded with zeros to its aligned size)."""
+    def pieces(self) -> Iterator[tuple[int, memoryview]]:
+        """(offset, bytes) of every stored tensor in blob order (the bytes between them are
+        zero): the shared ones, then layer 0, 1, ..."""
         layout = self.layout
-        region = np.zeros(layout.layer_base, np.uint8)
-        for name, arr in self.shared.items():
-            _put(region, layout.shared[name].offset, arr)
-        yield 0, region
+        group_of = {r.name: recipes for recipes in self.streamed.values() for r in recipes}
+        stored = [(n, e) for n, e in layout.shared.items() if n in self.shared or n in group_of]
+        made: dict[str, np.ndarray] = {}
+        for name, entry in sorted(stored, key=lambda kv: kv[1].offset):
+            if name in group_of and name not in made:
+                assert self.derive_shared is not None
+                made.update(self.derive_shared(group_of[name]))
+            # not bound to a name here: a derived tensor goes once it is written
+            yield entry.offset, _bytes(made.pop(name) if name in group_of
+                                       else self.shared[name])
         for i in range(layout.num_layers):
-            region = np.zeros(layout.layer_stride, np.uint8)
-            for name, arr in self.derive(i).items():
-                _put(region, layout.layer[name].offset, arr)
-            yield layout.layer_base + i * layout.layer_stride, region
+            base = layout.layer_base + i * layout.layer_stride
+            tensors = self.derive(i)
+            # a layer variant fills only its own names of the chunk layout
+            for name in sorted(tensors, key=lambda n: layout.layer[n].offset):
+                yield base + layout.layer[name].offset, _bytes(tensors[name])
+            del tensors
+            self.release()
+
+    def section(self) -> StreamedSection:
+        """The blob as a model file section, written piece by piece."""
+        return StreamedSection(self.layout.size, self.pieces)
 
     def blob(self) -> np.ndarray:
         """The whole blob in memory."""
         blob = np.zeros(self.layout.size, np.uint8)
-        for offset, region in self.chunks():
-            blob[offset:offset + region.nbytes] = region
+        for offset, data in self.pieces():
+            blob[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
         return blob
 
 
-def _put(region: np.ndarray, offset: int, arr: np.ndarray) -> None:
-    a = np.ascontiguousarray(arr)
-    region[offset:offset + a.nbytes] = a.view(np.uint8).reshape(-1)
+def _bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
 @dataclass
@@ -285,7 +313,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
         symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
         max_tiles=max_tiles, max_patches=max_patches)
-    the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress)
+    the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
+                    stream=not keep_modules)
     timings = {"load": the_plan.load_seconds}
     bar = Progress(len(the_plan.nets), progress)
     compiled = compile_nets(the_plan, bar, keep_top=keep_modules)
@@ -300,7 +329,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
              f"({layout.layer_stride / 1e6:.2f} MB each) in {timings['weights']:.2f}s")
 
     t = time.perf_counter()
-    header = write(the_plan, compiled, packed, output, round(time.perf_counter() - t0, 3))
+    header = write(the_plan, compiled, packed, output)
     timings["write"] = time.perf_counter() - t
     total = time.perf_counter() - t0
     timings["total"] = total
@@ -316,14 +345,18 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
 
 
 def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: str = "",
-         progress: IO[str] | None = None) -> CompilePlan:
+         progress: IO[str] | None = None, stream: bool = True) -> CompilePlan:
     """Load the model and decide what to compile: the mode, the nets (with each layer
     variant's), where each layer's tensors come from. A line naming the model and the
-    request goes to `progress` once the model is loaded."""
+    request goes to `progress` once the model is loaded.
+
+    A float checkpoint directory is streamed (`frontends.streaming`) when `stream` is on and
+    no IR is dumped (the dumps' weights would be the skeleton's placeholders): the nets come
+    from a skeleton, every layer's tensors from the shards when its chunk is written."""
     t = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else _load(
         model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
-        options.vision_mode)
+        options.vision_mode, stream=stream and options.dump_ir is None)
     load_seconds = time.perf_counter() - t
     hf = loaded.model
     mode = resolve_mode(options.mode, loaded)
@@ -350,15 +383,22 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
             if spec.per_layer:
                 nets.append(NetPlan(replace(spec, name=str(NetName(spec.name, rep))), mode,
                                     f"v{rep}."))
-    return CompilePlan(loaded, arch, options, mode, nets, variants,
-                       ModelLayerWeights(hf, loaded.checkpoint),
+    layers: LayerWeights = ModelLayerWeights(hf, loaded.checkpoint)
+    if loaded.stream is not None:
+        layers = loaded.stream
+        for net in nets:
+            if not net.spec.per_layer:
+                loaded.stream.bind_shared(net.spec.module, net.weight_prefix)
+    return CompilePlan(loaded, arch, options, mode, nets, variants, layers,
                        getattr(loaded, "vision", None), vit.mode if vit else None,
                        load_seconds)
 
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
-          max_patches: int | None, vision_mode: str | None) -> LoadedModel:
-    """A VLM through `toptpu.frontends.vlm.load_vlm`, any other model through load_model."""
+          max_patches: int | None, vision_mode: str | None, stream: bool = False
+          ) -> LoadedModel:
+    """A VLM through `toptpu.frontends.vlm.load_vlm`, a directory with `stream` through
+    `frontends.streaming.load_streaming`, any other model through load_model."""
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
                         max_patches=max_patches)
@@ -368,6 +408,8 @@ def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | N
     if given:
         raise CompileError(f"{', '.join(given)} apply to vision-language models (InternVL, "
                            "MiniCPM-V 4.6); this model has no vision tower")
+    if stream and isinstance(model, str | os.PathLike):
+        return load_streaming(os.fspath(model))
     return load_model(model, tokenizer)
 
 
@@ -410,7 +452,24 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
                                plan.loaded.checkpoint,
                                {n.name: n.weight_prefix for n in plan.nets})
     dump = IrDump.make(plan.options.dump_ir)
-    nets = {net.name: _compile_net(net, plan, store, bar, dump, keep_top) for net in plan.nets}
+    nets = {}
+    stream = plan.loaded.stream
+    last_per_layer = max((i for i, n in enumerate(plan.nets) if n.spec.per_layer), default=-1)
+    for i, net in enumerate(plan.nets):
+        nets[net.name] = _compile_net(net, plan, store, bar, dump, keep_top)
+        if stream is None:
+            continue
+        # a streaming compile lets go of what it will not write: what the placeholders
+        # gave, and the skeleton's float32 layer 0 once the per-layer nets are compiled
+        # (its derived tensors stay: pack_weights checks the recipes against them)
+        gone = [n for n in store.names() if stream.from_placeholder(n)]
+        if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
+            read = {op.tensor_name for n in nets.values() for op in n.tpu.walk()
+                    if isinstance(op, tpu.WeightOp)}
+            gone += [n for n in stream.free_layer0() if n not in read]
+        for name in gone:
+            if name in store:
+                del store[name]
     if dump is not None:
         store.save(dump.weights_path)
     return CompiledNets(nets, store)
@@ -547,9 +606,14 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     weights (and checkpoint tensors) with the recipes of its per-layer nets. Layers of
     different variants (`CompilePlan.variants`) fill different names of the same chunk
     layout. Each representative layer derived here must be bit-identical to what the
-    compiler stored; the other layers are derived when their chunk is made."""
+    compiler stored; the other layers are derived when their chunk is made. The shared
+    tensors of a streamed checkpoint's placeholders are laid out by their recipes and
+    derived from the checkpoint when written (identical when their recipes are)."""
     store = compiled.store
+    stream = plan.loaded.stream
     shared: dict[str, np.ndarray] = {}
+    from_placeholder: dict[str, WeightRecipe] = {}
+    order: dict[str, None] = {}  # the shared tensors in the order the nets name them
     layer_recipes: dict[str, WeightRecipe] = {}
     variant_recipes: dict[int, dict[str, WeightRecipe]] = {rep: {} for rep in plan.variants}
     net_weights: dict[str, list[str]] = {}
@@ -564,11 +628,18 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
                     raise CompileError(f"per-layer weight '{r.name}' has two recipes: {prev} "
                                        f"and {r}")
                 variant_recipes[rep][r.name] = r
+            elif stream is not None and stream.is_placeholder(r.source):
+                prev = from_placeholder.setdefault(r.name, r)
+                if prev != r:
+                    raise CompileError(f"shared weight '{r.name}' has two recipes: {prev} "
+                                       f"and {r}")
+                order[r.name] = None
             else:
                 arr = store[r.name]
                 if r.name in shared and not np.array_equal(shared[r.name], arr):
                     raise CompileError(f"shared weight '{r.name}' differs between nets")
                 shared[r.name] = arr
+                order[r.name] = None
         net_weights[net.name] = list(dict.fromkeys(names))
 
     def derive(layer: int) -> dict[str, np.ndarray]:
@@ -586,19 +657,32 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
                 raise CompileError(f"the recipe of '{name}' does not reproduce the compiled "
                                    "tensor; convert-top-to-tpu and passes/weight_recipe.py "
                                    "disagree")
-    # identical shared tensors are stored once
-    unique: dict[str, str] = {}
+    # identical shared tensors are stored once (a placeholder's: identical recipes)
+    unique: dict[tuple, str] = {}
     alias: dict[str, str] = {}
-    for name, arr in shared.items():
-        alias[name] = unique.setdefault(_digest(arr), name)
-    stored = {n: a for n, a in shared.items() if alias[n] == n}
+    for name in order:
+        r = from_placeholder.get(name)
+        key = (_digest(shared[name]),) if r is None else (
+            stream.shared_sources[r.source], r.part, r.shape, str(r.dtype), r.bits,
+            r.group_size, r.symmetric, str(r.scale_dtype))
+        alias[name] = unique.setdefault(key, name)
+    specs = {n: (tuple(shared[n].shape), shared[n].dtype.name) if n in shared
+             else (from_placeholder[n].shape, from_placeholder[n].dtype.name)
+             for n in order if alias[n] == n}
     layout = WeightLayout.plan(
-        {n: (tuple(a.shape), a.dtype.name) for n, a in stored.items()},
-        {n: (r.shape, r.dtype.name) for n, r in layer_recipes.items()}, plan.num_layers)
+        specs, {n: (r.shape, r.dtype.name) for n, r in layer_recipes.items()},
+        plan.num_layers)
     for name, target in alias.items():
         layout.shared[name] = layout.shared[target]
-    return PackedWeights(layout, net_weights, stored,
-                         lambda layer: checked[layer] if layer in checked else derive(layer))
+    streamed: dict[str, list[WeightRecipe]] = {}
+    for name, r in from_placeholder.items():
+        if alias[name] == name:
+            streamed.setdefault(r.source, []).append(r)
+    return PackedWeights(
+        layout, net_weights, {n: a for n, a in shared.items() if alias[n] == n},
+        lambda layer: checked.pop(layer) if layer in checked else derive(layer), streamed,
+        stream.shared if stream is not None else None,
+        stream.release if stream is not None else lambda: None)
 
 
 def _digest(arr: np.ndarray) -> str:
@@ -610,11 +694,13 @@ def _digest(arr: np.ndarray) -> str:
 # ====================================================================== step 4: write
 
 
-def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, output: str,
-          seconds: float) -> LlmHeader:
-    """Write the model file at `output` (atomically): the header (`seconds`: the compile time
-    it records), each net's Tpu IR (generic form, without the compile-time store's name),
-    command streams and constant pool, the tokenizer files and the weight blob."""
+def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, output: str
+          ) -> LlmHeader:
+    """Write the model file at `output` (atomically): the header, each net's Tpu IR (generic
+    form, without the compile-time store's name), command streams and constant pool, the
+    tokenizer files and the weight blob, streamed piece by piece (`PackedWeights.pieces`).
+    Nothing in the bytes depends on the time, the process or the order of a set: the same
+    inputs and options give the same file."""
     nets = compiled.nets
     irs: dict[str, str] = {}
     for name, net in nets.items():
@@ -638,9 +724,9 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, outp
                      if net.per_layer and not NetName.parse(n).is_variant)}
     vision_info = (None if plan.vision is None
                    else {**plan.vision.header(), "mode": plan.vit_mode})
-    header = _header(plan, nets, commands, packed, layer_nets, vision_info, seconds)
+    header = _header(plan, nets, commands, packed, layer_nets, vision_info)
     try:
-        write_llm_file(output, header, irs, plan.loaded.tokenizer_files, packed.blob(),
+        write_llm_file(output, header, irs, plan.loaded.tokenizer_files, packed.section(),
                        extra_sections=streams)
     except HeaderError as e:
         raise CompileError(f"the model file header would be invalid: {e}") from e
@@ -652,8 +738,8 @@ def _json_config(config: Any) -> dict[str, Any]:
 
 
 def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str, int],
-            packed: PackedWeights, layer_nets: dict[str, list[str]], vision: dict[str, Any] | None,
-            seconds: float) -> LlmHeader:
+            packed: PackedWeights, layer_nets: dict[str, list[str]],
+            vision: dict[str, Any] | None) -> LlmHeader:
     """The model file header (`toptpu.backend.formats.llm_file.LlmHeader`). The parts the
     frontends give as JSON (generation config, vision section) are decoded with the
     schema, so a value the loader would refuse is a compile error naming the field."""
@@ -687,8 +773,7 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
               for name, n in nets.items()},
         layer_nets={base: tuple(names) for base, names in layer_nets.items()},
         weights=packed.layout,
-        compile=CompileInfo(source=loaded.source, seconds=seconds,
-                            toptpu_version=toptpu_version),
+        compile=CompileInfo(source=loaded.source, toptpu_version=toptpu_version),
         checkpoint=None if ck is None else CheckpointInfo(
             quant_method=ck.quant_method, packing_format=ck.packing_format,
             bits=checkpoint_bits(ck), quantized_layers=len(ck.linears),

@@ -5,13 +5,12 @@ every other layer binds its own tensors to them, derived by the nets' weight rec
 (`toptpu.passes.weight_recipe`) from that layer's float weights and, for a pre-quantized
 checkpoint, its integers and scales. A `LayerWeights` gives those per layer, by the Top
 weight names the nets read ('layer.self_attn.q_proj.weight'); `ModelLayerWeights` reads
-them from an in-memory transformers model (zero-copy). A source that reads checkpoint
-shards layer by layer plugs in the same way.
+them from an in-memory transformers model (zero-copy); `frontends.streaming.StreamedWeights`
+reads them from the checkpoint's shards, one layer at a time.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -19,24 +18,13 @@ import numpy as np
 
 from toptpu.compile_options import CompileError
 from toptpu.dialects.weight_store import _torch_to_numpy
-from toptpu.frontends.llm import LAYER_PREFIX
+from toptpu.frontends.llm import layer_key
 from toptpu.passes.quantize import QuantizationError, checkpoint_parts
 
 #: Top weight name -> a layer's float tensor
 FloatOf = Callable[[str], np.ndarray]
 #: Top weight name -> a layer's checkpoint parts as the lowering packs them (None: float)
 CheckpointOf = Callable[[str], "dict[str, np.ndarray] | None"]
-
-_VARIANT = re.compile(r"v\d+\.")
-
-
-def layer_key(source: str) -> str | None:
-    """'layer.self_attn.q_proj.weight' (or 'v3.layer.…' in a layer variant's nets) ->
-    'self_attn.q_proj.weight'; None for a weight that is not per layer."""
-    m = _VARIANT.match(source)
-    rest = source[m.end():] if m else source
-    return rest[len(LAYER_PREFIX):] if rest.startswith(LAYER_PREFIX) else None
-
 
 class LayerWeights(Protocol):
     """The tensors of each decoder layer, by the names the per-layer nets read."""

@@ -48,7 +48,8 @@ names the field, e.g. `nets.block.inputs[2].shape`):
 - `weights`: `section`, `alignment`, `size`, `shared` / `layer` (name -> {offset, shape,
   dtype, nbytes}; `layer` offsets are relative to a chunk base), `layer_base`,
   `layer_stride`, `num_layers`
-- `compile`: provenance (source, seconds, toptpu version); `checkpoint`: the pre-quantized
+- `compile`: provenance (source, toptpu version; no time: a compile is reproducible, the
+  same inputs and options give the same bytes); `checkpoint`: the pre-quantized
   checkpoint's method, packing, bits, layer count and dtype (or null)
 - `vision` (VLMs only): the `vit` net's family, image processor and its config, image
   tokens and ids, tile/patch numbers, the HF config and the vit net's mode
@@ -92,7 +93,13 @@ from toptpu.backend.formats.header_schema import (
     join,
     short,
 )
-from toptpu.backend.formats.model_file import ModelFile, ModelFileError, write_model_file
+from toptpu.backend.formats.model_file import (
+    ModelFile,
+    ModelFileError,
+    Section,
+    StreamedSection,
+    write_model_file,
+)
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
@@ -277,7 +284,6 @@ class NetEntry:
 @dataclass(frozen=True)
 class CompileInfo:
     source: str
-    seconds: Annotated[float, Range(0, math.inf)]
     toptpu_version: str
 
 
@@ -509,21 +515,30 @@ def _check_contract(specs: tuple[TensorSpec, ...], want: tuple[TensorSpec, ...],
 
 
 def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
-                   tokenizer_files: Mapping[str, bytes], blob: np.ndarray,
+                   tokenizer_files: Mapping[str, bytes], blob: np.ndarray | StreamedSection,
                    extra_sections: Mapping[str, bytes] | None = None) -> None:
     """Write the model file atomically (see the module doc for the layout).
-    `extra_sections` adds the nets' command streams and constant pools (sections
+    `blob` is the weight blob, in memory or streamed (made region by region while it is
+    written); `extra_sections` adds the nets' command streams and constant pools (sections
     `stream:<net>` and `const:<net>`)."""
     header_json = header.to_json()
     # what a reader will decode: the same schema checks before anything is written
     LlmHeader.from_json(json.loads(json.dumps(header_json, sort_keys=True, allow_nan=False)))
-    sections: dict[str, bytes | memoryview] = {}
+    sections: dict[str, Section] = {}
     for net, text in irs.items():
         sections[ir_section(net)] = text.encode()
     for name, data in tokenizer_files.items():
         sections[tokenizer_section(name)] = data
     sections.update(extra_sections or {})
-    sections[WEIGHTS_SECTION] = memoryview(np.ascontiguousarray(blob, dtype=np.uint8))
+    if isinstance(blob, StreamedSection):
+        sections[WEIGHTS_SECTION] = blob
+    else:
+        sections[WEIGHTS_SECTION] = memoryview(np.ascontiguousarray(blob, dtype=np.uint8))
+    size = sections[WEIGHTS_SECTION]
+    size = size.size if isinstance(size, StreamedSection) else len(size)
+    if size != header.weights.size:
+        raise ValueError(f"the weight blob has {size} bytes, the weight table "
+                         f"{header.weights.size}")
     want = _referenced_sections(header)
     if set(sections) != want:
         raise ValueError(f"the sections {sorted(set(sections) ^ want)} do not match the "

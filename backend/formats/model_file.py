@@ -22,7 +22,9 @@ be zero (the offsets are fixed by the section sizes, so a table that places a se
 anywhere else is refused too).
 
 Writing goes to a hidden temporary name in the same directory (`.NAME.tmp-PID`) and is
-renamed into place, so a crash never leaves a half file under the real name; the magic is
+renamed into place, so a crash never leaves a half file under the real name; a section may
+be streamed (`StreamedSection`: the weight blob of a big model, made layer by layer, is never
+whole in memory), hashed as it is written, the header written after it; the magic is
 written last, so a temporary file is never a model file. Temporary files of the same target
 left behind by processes that no longer run (a compile killed with SIGKILL) are removed by
 the next write. Loading checks magic, version, the header checksum, the section table,
@@ -36,7 +38,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -139,44 +141,60 @@ def remove_stale_temp_files(path: str) -> list[str]:
 # ------------------------------------------------------------------ writing
 
 
-def write_model_file(path: str, header: Mapping[str, Any],
-                     sections: Mapping[str, bytes | bytearray | memoryview]) -> None:
+BytesLike = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class StreamedSection:
+    """A section written from pieces as they are made, never whole in memory: `size` bytes,
+    `pieces()` yields (offset in the section, bytes) in increasing, non-overlapping order;
+    bytes no piece covers are zero."""
+
+    size: int
+    pieces: Callable[[], Iterable[tuple[int, BytesLike]]]
+
+
+Section = BytesLike | StreamedSection
+#: zeros written (and hashed) at most this many at a time
+_ZEROS = bytes(1 << 20)
+
+
+def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str, Section]
+                     ) -> None:
     """Write `header` (JSON-serializable, without a `sections` key) and named byte sections
-    to `path` atomically (see the module doc for the layout)."""
+    to `path` atomically (see the module doc for the layout). A `StreamedSection` is hashed
+    as it is written: the header, whose length does not depend on the digests (64 hex
+    digits each), is written once every section is."""
     if SECTIONS_KEY in header:
         raise ValueError(f"the header key '{SECTIONS_KEY}' is the container's own")
     names = list(sections)
-    views = {n: memoryview(sections[n]).cast("B") for n in names}
-    digests = {n: hashlib.sha256(views[n]).hexdigest() for n in names}
-    sizes = [len(views[n]) for n in names]
-    # the section table lives in the header, whose length fixes where data starts: iterate
-    # until the header length is stable (offsets only grow, so this converges in a few rounds)
-    hbytes = b""
-    while True:
-        offsets = _layout(len(hbytes), sizes)
-        table = [{"name": n, "offset": o, "size": s, "sha256": digests[n]}
-                 for n, o, s in zip(names, offsets, sizes, strict=True)]
-        new = json.dumps({**header, SECTIONS_KEY: table}, sort_keys=True,
-                         allow_nan=False).encode()
-        if _layout(len(new), sizes) == offsets:
-            hbytes = new
-            break
-        hbytes = new
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes))
-    end = offsets[-1] + sizes[-1] if names else HEADER_OFFSET + len(hbytes)
+    views = {n: memoryview(s).cast("B") for n, s in sections.items()
+             if not isinstance(s, StreamedSection)}
+    digests = {n: hashlib.sha256(v).hexdigest() for n, v in views.items()}
+    sizes = [s.size if isinstance(s, StreamedSection) else len(views[n])
+             for n, s in sections.items()]
+    offsets, _ = _header_and_offsets(header, names, sizes, digests)
+    end = offsets[-1] + sizes[-1] if names else None
     remove_stale_temp_files(path)
     tmp = temp_path(path)
     try:
         with _create(tmp) as f:
-            f.write(bytes(HEADER_OFFSET))  # the prefix is written last: until then no magic
-            f.write(hbytes)
             for offset, name in zip(offsets, names, strict=True):
                 f.seek(offset)
-                f.write(views[name])
-            f.truncate(end)
+                section = sections[name]
+                if isinstance(section, StreamedSection):
+                    digests[name] = _write_streamed(f, name, section)
+                else:
+                    f.write(views[name])
+            again, hbytes = _header_and_offsets(header, names, sizes, digests)
+            assert again == offsets  # digests are fixed-length: the layout cannot move
+            f.seek(_PREFIX.size + _DIGEST_SIZE)
+            f.write(hbytes)
+            f.truncate(end if end is not None else HEADER_OFFSET + len(hbytes))
             f.flush()
             os.fsync(f.fileno())
-            f.seek(0)
+            prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes))
+            f.seek(0)  # the prefix is written last: until then the file has no magic
             f.write(prefix + _header_digest(prefix, hbytes))
             f.flush()
             os.fsync(f.fileno())
@@ -184,6 +202,51 @@ def write_model_file(path: str, header: Mapping[str, Any],
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _header_and_offsets(header: Mapping[str, Any], names: list[str], sizes: list[int],
+                        digests: Mapping[str, str]) -> tuple[list[int], bytes]:
+    """The sections' offsets and the header bytes with the section table (a digest not
+    known yet is written as 64 zeros: the same length). The table lives in the header,
+    whose length fixes where data starts: iterate until the length is stable (offsets only
+    grow, so this converges in a few rounds)."""
+    hbytes = b""
+    while True:
+        offsets = _layout(len(hbytes), sizes)
+        table = [{"name": n, "offset": o, "size": s, "sha256": digests.get(n, "0" * 64)}
+                 for n, o, s in zip(names, offsets, sizes, strict=True)]
+        new = json.dumps({**header, SECTIONS_KEY: table}, sort_keys=True,
+                         allow_nan=False).encode()
+        if _layout(len(new), sizes) == offsets:
+            return offsets, new
+        hbytes = new
+
+
+def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
+    """Write a streamed section at the file's position; its sha256."""
+    h = hashlib.sha256()
+    at = 0
+
+    def zeros(n: int) -> None:
+        while n > 0:
+            part = _ZEROS[:min(n, len(_ZEROS))]
+            f.write(part)
+            h.update(part)
+            n -= len(part)
+
+    for offset, data in section.pieces():
+        view = memoryview(data).cast("B")
+        if offset < at or offset + len(view) > section.size:
+            raise ValueError(f"section '{name}': a piece at {offset} of {len(view)} bytes "
+                             f"overlaps the previous one (which ended at {at}) or passes "
+                             f"the section's end ({section.size})")
+        zeros(offset - at)
+        f.write(view)
+        h.update(view)
+        at = offset + len(view)
+        del data, view  # the piece may be big: not held while the next one is made
+    zeros(section.size - at)
+    return h.hexdigest()
 
 
 def _create(path: str) -> BinaryIO:

@@ -1,0 +1,293 @@
+"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B) with random
+bf16 weights, compiled by streaming (one layer in memory at a time).
+
+Checkpoints: the published Qwen2.5 base configs' dimensions (written from the configs, no
+download), random bf16 weights written shard by shard like a real checkpoint
+(`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`), without a model object:
+the tensor names and shapes come from transformers' own model built on the meta device, and
+every tensor is generated and written in row blocks, so writing takes memory bounded by one
+block (`BLOCK_ELEMENTS`). The tokenizer is toptpu's tiny built-in byte-level BPE (384
+tokens; the model's vocabulary stays the real one), so eos is that tokenizer's `<|im_end|>`.
+
+Random weights: sign and 7 mantissa bits uniform, the exponent fixed, so matrices and biases
+have magnitudes in [1/64, 1/32) and norms in [1, 2): cheap to draw (integers, no float
+math), spread over every quantization group.
+
+Compile: each size in its own subprocess (`toptpu.compile`, w4bf16, seq 512 by default);
+wall time and the subprocess's peak RSS (getrusage RUSAGE_CHILDREN). Printed: the table
+(size | weights GB | compile s | peak RSS GB | file GB | largest layer MB) and the 7B / 1.5B
+time ratio against their weight ratio (linear compile: time ratio / weight ratio near 1).
+
+Run: python bench/scale.py [--sizes 0.5B,1.5B,7B] [--dir /work/scale-ckpt] [--mode w4bf16]
+         [--seq 512] [--keep]    (checkpoints and model files are deleted unless --keep)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+#: the published Qwen2.5 base models' dimensions (config.json of Qwen/Qwen2.5-*)
+QWEN25: dict[str, dict[str, Any]] = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               tie_word_embeddings=False, rms_norm_eps=1e-6),
+    "14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False, rms_norm_eps=1e-5),
+}
+#: what every Qwen2.5 base config shares
+QWEN25_COMMON: dict[str, Any] = dict(
+    model_type="qwen2", hidden_act="silu", max_position_embeddings=32768,
+    max_window_layers=28, rope_theta=1000000.0, sliding_window=32768,
+    use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
+    use_cache=True, torch_dtype="bfloat16")
+
+#: a shard holds at most this many bytes (the last tensor may not be split)
+SHARD_BYTES = 4 * 10**9
+#: tensors are drawn and written in row blocks of at most this many elements
+BLOCK_ELEMENTS = 16 * 2**20
+_MATRIX_EXPONENT = 121  # bf16 exponent field: magnitudes in [2^-6, 2^-5)
+_NORM_EXPONENT = 127  # [1, 2)
+
+
+def qwen25_config(size: str, **overrides: Any) -> Any:
+    """A transformers Qwen2Config with Qwen2.5-`size`'s dimensions (`overrides` replace
+    some, for small tests)."""
+    import transformers as tf
+
+    from toptpu.frontends.tiny_models import SPECIAL_TOKENS
+
+    dims = {**QWEN25[size], **overrides}
+    eos = SPECIAL_TOKENS.index("<|im_end|>")
+    fields = {k: v for k, v in QWEN25_COMMON.items() if k not in ("model_type", "torch_dtype")}
+    return tf.Qwen2Config(**fields, **dims, bos_token_id=None, eos_token_id=eos,
+                          pad_token_id=0, dtype="bfloat16")
+
+
+def checkpoint_tensors(config: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the checkpoint of `config`, as transformers names them (its
+    model built on the meta device; a tied lm_head is not stored)."""
+    from toptpu.frontends.hf_loader import expected_shapes
+
+    shapes, tied = expected_shapes(config)
+    return {n: s for n, s in shapes.items() if n not in tied}
+
+
+def plan_shards(tensors: dict[str, tuple[int, ...]], shard_bytes: int = SHARD_BYTES
+                ) -> list[list[str]]:
+    """Tensors (in their order) into shards of at most `shard_bytes` (a bigger tensor gets a
+    shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in tensors.items():
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def random_bf16(rng: np.random.Generator, shape: tuple[int, ...], norm: bool
+                ) -> np.ndarray:
+    """Random bf16 values (see the module doc) as a ml_dtypes.bfloat16 array."""
+    bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    if norm:
+        bits &= np.uint16(0x007F)  # positive
+        bits |= np.uint16(_NORM_EXPONENT << 7)
+    else:
+        bits &= np.uint16(0x807F)
+        bits |= np.uint16(_MATRIX_EXPONENT << 7)
+    return bits.view(ml_dtypes.bfloat16)
+
+
+def _row_blocks(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """The shapes of the row blocks a tensor is written in."""
+    if len(shape) < 2:
+        yield shape
+        return
+    row = math.prod(shape[1:])
+    step = max(1, BLOCK_ELEMENTS // row)
+    for r in range(0, shape[0], step):
+        yield (min(step, shape[0] - r), *shape[1:])
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def write_shard(path: str, tensors: dict[str, tuple[int, ...]], rng: np.random.Generator
+                ) -> None:
+    """One safetensors file of random bf16 tensors, written block by block."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors.items():
+        nbytes = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)  # the data starts 8-byte aligned, as safetensors writes
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(data)))
+        f.write(data)
+        for name, shape in tensors.items():
+            for block in _row_blocks(shape):
+                f.write(random_bf16(rng, block, _is_norm(name)).tobytes())
+    os.replace(tmp, path)
+
+
+#: written last into a checkpoint directory: it is complete
+COMPLETE = ".complete"
+
+
+def write_checkpoint(path: str, config: Any, seed: int = 0,
+                     shard_bytes: int = SHARD_BYTES) -> int:
+    """A Hugging Face checkpoint directory of `config` with random bf16 weights (sharded
+    with an index when more than one shard), tokenizer and generation config; returns the
+    weight bytes. Nothing is held beyond one row block. A directory already completed
+    (`COMPLETE`) for the same config is kept as it is."""
+    from transformers import GenerationConfig
+
+    from toptpu.frontends.tiny_models import build_tokenizer
+
+    tensors = checkpoint_tensors(config)
+    total = sum(2 * math.prod(s) for s in tensors.values())
+    marker = os.path.join(path, COMPLETE)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if f.read() == config.to_json_string():
+                return total
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+    shards = plan_shards(tensors, shard_bytes)
+    rng = np.random.default_rng(seed)
+    n = len(shards)
+    names = (["model.safetensors"] if n == 1 else
+             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    weight_map: dict[str, str] = {}
+    for file, shard in zip(names, shards, strict=True):
+        write_shard(os.path.join(path, file), {t: tensors[t] for t in shard}, rng)
+        weight_map.update(dict.fromkeys(shard, file))
+    if n > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                      indent=2)
+    config.save_pretrained(path)
+    tok = build_tokenizer()
+    tok.save_pretrained(path)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    GenerationConfig(eos_token_id=[eos], pad_token_id=tok.pad_token_id,
+                     do_sample=False).save_pretrained(path)
+    with open(marker, "w") as f:
+        f.write(config.to_json_string())
+    return total
+
+
+# ------------------------------------------------------------------ compile and measure
+
+_COMPILE = """
+import json, sys
+from toptpu.compiler import compile as compile_model
+r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]))
+w = r.header["weights"]
+print(json.dumps({"layer_stride": w["layer_stride"], "layer_base": w["layer_base"],
+                  "size": w["size"], "timings": r.timings}))
+"""
+
+
+def compile_measured(model_dir: str, output: str, mode: str, seq: int) -> dict[str, Any]:
+    """Compile in a subprocess: wall seconds, its peak RSS and what it reports."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq)],
+                          capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode:
+        raise SystemExit(f"compile of {model_dir} failed:\n{proc.stderr[-4000:]}")
+    if peak_kb <= before:
+        print(f"note: peak RSS of {model_dir}'s compile is not above an earlier child's "
+              f"({before / 1e6:.2f} GB); run the sizes in increasing order", file=sys.stderr)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out.update(wall=wall, peak_rss=peak_kb * 1024, file=os.path.getsize(output))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="0.5B,1.5B,7B",
+                    help=f"comma-separated, of {', '.join(QWEN25)} (increasing order)")
+    ap.add_argument("--dir", default="/work/scale-ckpt", help="checkpoints and model files")
+    ap.add_argument("--mode", default="w4bf16")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--keep", action="store_true", help="keep checkpoints and model files")
+    ap.add_argument("--write-only", action="store_true", help="only write the checkpoints")
+    args = ap.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in QWEN25]
+    if unknown:
+        ap.error(f"unknown size(s) {unknown}; choose from {', '.join(QWEN25)}")
+    rows = []
+    for size in sizes:
+        ckpt = os.path.join(args.dir, f"qwen2.5-{size}")
+        output = os.path.join(args.dir, f"qwen2.5-{size}-{args.mode}.toptpu")
+        t = time.perf_counter()
+        weights = write_checkpoint(ckpt, qwen25_config(size))
+        written = time.perf_counter() - t
+        print(f"{size}: {weights / 1e9:.2f} GB of bf16 weights ready in {written:.0f}s",
+              file=sys.stderr, flush=True)
+        if args.write_only:
+            continue
+        try:
+            r = compile_measured(ckpt, output, args.mode, args.seq)
+        finally:
+            if not args.keep:
+                shutil.rmtree(ckpt, ignore_errors=True)
+        if not args.keep and os.path.exists(output):
+            os.unlink(output)
+        rows.append((size, weights, r))
+        print(f"{size}: compiled in {r['wall']:.1f}s, peak RSS {r['peak_rss'] / 1e9:.2f} GB, "
+              f"timings {json.dumps({k: round(v, 1) for k, v in r['timings'].items()})}",
+              file=sys.stderr, flush=True)
+    if not rows:
+        return
+    print(f"\n{args.mode}, seq {args.seq}: Qwen2.5-shaped checkpoints, random bf16 weights\n")
+    print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB |")
+    print("|---|---|---|---|---|---|")
+    for size, weights, r in rows:
+        print(f"| {size} | {weights / 1e9:.2f} | {r['wall']:.1f} | {r['peak_rss'] / 1e9:.2f} "
+              f"| {r['file'] / 1e9:.2f} | {r['layer_stride'] / 1e6:.1f} |")
+    by = {size: (weights, r) for size, weights, r in rows}
+    if "1.5B" in by and "7B" in by:
+        (w15, r15), (w7, r7) = by["1.5B"], by["7B"]
+        time_ratio, weight_ratio = r7["wall"] / r15["wall"], w7 / w15
+        print(f"\n7B / 1.5B: time x{time_ratio:.2f}, weights x{weight_ratio:.2f} "
+              f"(time ratio / weight ratio = {time_ratio / weight_ratio:.2f})")
+
+
+if __name__ == "__main__":
+    main()
