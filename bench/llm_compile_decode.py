@@ -18,6 +18,15 @@ reports modelled chip time. transformers runs the float32 model in eager PyTorch
 compile). Each is measured `--repeat` times, alternating, and the best run is reported; the
 ratios are ours / transformers.
 
+Our executors' matmuls are numpy's, on its BLAS (OpenBLAS, one thread per core unless
+`OPENBLAS_NUM_THREADS` says otherwise; the run prints which). On a shared, loaded host a
+multi-threaded BLAS call waits for its second thread to be scheduled, and the machine makes
+many more, smaller calls than the interpreter (the compiler's slices: the lm_head is 64 of
+them), so its ratios there depend on the host's load; `OPENBLAS_NUM_THREADS=1 python
+bench/llm_compile_decode.py` measures without that wait. The thread count can change the
+last bits of a sliced matmul's result (BLAS splits the work differently), never the
+agreement between the machine's two modes in one process.
+
 Run: python bench/llm_compile_decode.py [--layers 24] [--mode w4bf16] [--seq 512]
          [--input 128] [--prompt 128] [--decode 8] [--hf-decode 32]
          [--executors fast,checked,interpreter] [--repeat 2]
@@ -90,6 +99,14 @@ def best(a: Rates | None, b: Rates) -> Rates:
                  b.modelled_decode if b.modelled_decode is not None else a.modelled_decode)
 
 
+def blas_threads() -> str:
+    """How many threads numpy's BLAS uses, as the environment sets it."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]}"
+    return f"OpenBLAS default: one per core ({os.cpu_count()})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=24)
@@ -143,7 +160,8 @@ def main() -> None:
     assert hf is not None
     print(f"prefill: {a.prompt} prompt tokens in one {a.input}-row chunk, to the first token; "
           f"decode: tokens after the first (ours {a.decode}, transformers {a.hf_decode}); "
-          f"best of {a.repeat} alternating runs each; host wall time")
+          f"best of {a.repeat} alternating runs each; host wall time; numpy BLAS threads: "
+          f"{blas_threads()}")
     print(f"{'executor':<26} {'prefill tok/s':>13} {'ratio':>7} {'decode tok/s':>12} "
           f"{'ratio':>7} {'modelled decode tok/s':>21}")
     for k in kinds:
