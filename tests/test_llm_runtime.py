@@ -147,3 +147,23 @@ def test_chat_command(tmp_path_factory, monkeypatch, capsys) -> None:
     err = capsys.readouterr().err
     assert err.count("6 tokens, stop: max_new_tokens") == 2 and "[conversation reset]" in err
     assert "tokens in the cache" in err and "tok/s modelled" in err  # on the machine
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_a_temperature_that_overflows_picks_the_top_token_on_the_chip_as_on_the_host(
+        tmp_path_factory, penalty: float) -> None:
+    """logits / 1e-40 overflow f32: the chip's sample_head gives candidates tied at +inf in
+    no order and NaN probabilities; the token must be the top penalized logit, as the host
+    sampler's, and no floating-point warning reaches the user."""
+    rt = Runtime.open(compiled(tmp_path_factory, "qwen2").model_file)
+    ids = rt.encode("Hello world! The tensor processor")
+    tokens = {}
+    for sampler in ("chip", "host"):
+        cfg = SamplingConfig(temperature=1e-40, top_k=5, repetition_penalty=penalty, seed=3,
+                             sampler=sampler)
+        with np.errstate(over="raise", invalid="raise", divide="raise"):  # numpy's warnings
+            tokens[sampler] = rt.generate(ids, 6, cfg, stop_on_eos=False).generated_ids
+    greedy = SamplingConfig(temperature=1.0, top_k=1, repetition_penalty=penalty,
+                            sampler="host")
+    assert tokens["chip"] == tokens["host"]
+    assert tokens["host"] == rt.generate(ids, 6, greedy, stop_on_eos=False).generated_ids

@@ -636,15 +636,30 @@ class Runtime:
             return int(ex.read(b["token"]).reshape(-1)[0])
         window = list(recent[-cfg.penalty_window:]) if cfg.penalty_window else []
         ex.write(b[RECENT_IDS], recent_ids(window, self.seq))
-        ex.run(SAMPLE_HEAD, {LOGITS: b["logits"], **{n: b[n] for n in (
-            RECENT_IDS, PENALTY, TEMPERATURE, TOP_K, TOP_P, PROBS, TOKEN_IDS)}})
-        probs = ex.read(b[PROBS]).reshape(-1).astype(np.float64)
-        ids = ex.read(b[TOKEN_IDS]).reshape(-1)
-        if cfg.temperature == 0 or not np.all(np.isfinite(probs)):
-            # greedy with a penalty; or a temperature so low that the scaled logits
-            # overflow: all the probability is on the top candidate (as on the host)
+        probs, ids = self._run_sample_head()
+        if cfg.temperature == 0:  # greedy with a penalty: the top candidate
+            return int(ids[0])
+        if not np.all(np.isfinite(probs)):
+            # a temperature so low that the scaled logits overflow: all the probability is
+            # on the top penalized logit (as on the host). Candidates tied at +inf come in
+            # no order, so the head runs once more at temperature 1, top-k 1 for it.
+            ex.write(b[TEMPERATURE], np.array([[1.0]], np.float32))
+            ex.write(b[TOP_K], np.array([[1]], np.int32))
+            _, ids = self._run_sample_head()
+            self._sampling_setup(cfg)
             return int(ids[0])
         return int(ids[rng.choice(probs.size, p=probs / probs.sum())])
+
+    def _run_sample_head(self) -> tuple[np.ndarray, np.ndarray]:
+        """sample_head on the logits buffer: (probabilities f64, candidate ids). Overflow in
+        the chip's arithmetic (a tiny temperature) is a result the caller handles, not a
+        warning for the user."""
+        ex, b = self.ex, self.b
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            ex.run(SAMPLE_HEAD, {LOGITS: b["logits"], **{n: b[n] for n in (
+                RECENT_IDS, PENALTY, TEMPERATURE, TOP_K, TOP_P, PROBS, TOKEN_IDS)}})
+        return (ex.read(b[PROBS]).reshape(-1).astype(np.float64),
+                ex.read(b[TOKEN_IDS]).reshape(-1))
 
     def _prefill(self, ids: Sequence[int]) -> Buffer:
         """Feed `ids` after the cached tokens; returns the hidden row of the last one."""
