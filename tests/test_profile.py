@@ -133,3 +133,14 @@ def test_time_ticks_are_distinct_evenly_spaced_and_labelled_with_their_value(spa
     for t, label in ticks:
         value, unit = label.split(" ")
         assert math.isclose(float(value) * scale[unit], t, rel_tol=1e-9, abs_tol=step * 1e-6)
+
+
+def test_profile_of_every_net_prints_no_numpy_warning(tmp_path_factory, capsys) -> None:
+    """The profile feeds placeholder inputs; sample_head's temperature and penalty of 0
+    divided 0 by 0 and numpy's warning reached the user."""
+    from toptpu.cli import main
+
+    path = compiled(tmp_path_factory, "qwen2").model_file
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        assert main(["profile", path]) == 0
+    assert "sample_head" in capsys.readouterr().out

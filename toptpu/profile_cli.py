@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.profile import (
     NetProfile,
@@ -27,11 +28,17 @@ from toptpu.backend.runtime.profile import (
 from toptpu.cli_args import UsageError
 from toptpu.paths import OutputPathError, check_output_dir, check_output_file
 
+#: sampling inputs a profile run feeds 1 (temperature 1, no penalty, top-k 1, top-p 1): zeros
+#: would divide 0 by 0 in sample_head; the timeline does not depend on the values
+_ONES = (TEMPERATURE, PENALTY, TOP_K, TOP_P)
+
 
 def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     if name == "position_ids":
         n = shape[-1]
         return np.arange(n, dtype=dtype).reshape(shape)
+    if name in _ONES:
+        return np.ones(shape, dtype)
     return np.zeros(shape, dtype)
 
 
