@@ -10,6 +10,7 @@ op and the model source line it came from.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -92,6 +93,7 @@ def _import_roots() -> list[str]:
     return sorted({os.path.abspath(p) for p in sys.path if p}, key=len, reverse=True)
 
 
+@functools.lru_cache(maxsize=256)
 def portable_path(file: str) -> str:
     """`file` as its import name's path ('transformers/models/qwen2/modeling_qwen2.py'):
     relative to the import root it lies under, so the IR's locations, and the model file's
