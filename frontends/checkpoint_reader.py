@@ -311,6 +311,15 @@ class CheckpointReader:
         info = self.info(name)
         return self.shards[info.shard].array(info)
 
+    def renamed(self, names: dict[str, str]) -> CheckpointReader:
+        """A reader of the same shards (the same maps) that holds the tensors of `names`
+        (new name -> this reader's name) under their new names and no others: e.g. a VLM's
+        text model under the names of a causal LM."""
+        view = CheckpointReader(self.directory, {})
+        view.shards = self.shards
+        view.tensors = {new: self.info(old) for new, old in names.items()}
+        return view
+
     def release(self) -> None:
         """Drop every mapped page from the resident set (views stay valid: a later read
         maps the page again from the page cache)."""

@@ -74,10 +74,12 @@ def _text_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-def tiny_vlm_config(family: str = "internvl", **vision_overrides: Any) -> Any:
+def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None,
+                    **vision_overrides: Any) -> Any:
     """A tiny config of `family`: internvl (InternViT 56 px tiles, pixel shuffle 0.5, MLP
     projector, Qwen2 text) or minicpmv (SigLIP-style tower with the window-attention merger
-    after layer 1, 112 px slices, the downsample MLP merger, Qwen3 text)."""
+    after layer 1, 112 px slices, the downsample MLP merger, Qwen3 text). `text` overrides
+    the text config (e.g. more and wider layers)."""
     from transformers import InternVLConfig, MiniCPMV4_6Config
 
     tok = vlm_tokenizer(family)
@@ -87,7 +89,7 @@ def tiny_vlm_config(family: str = "internvl", **vision_overrides: Any) -> Any:
                       norm_type="layer_norm", layer_scale_init_value=0.5)
         vision.update(vision_overrides)
         return InternVLConfig(
-            vision_config=vision, text_config=_text_config("qwen2"),
+            vision_config=vision, text_config=_text_config("qwen2", **(text or {})),
             image_token_id=tok.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
             image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2 // 4,
             downsample_ratio=0.5, tie_word_embeddings=False)
@@ -96,7 +98,7 @@ def tiny_vlm_config(family: str = "internvl", **vision_overrides: Any) -> Any:
                       num_attention_heads=4, image_size=112, patch_size=14, insert_layer_id=1)
         vision.update(vision_overrides)
         return MiniCPMV4_6Config(
-            vision_config=vision, text_config=_text_config("qwen3"),
+            vision_config=vision, text_config=_text_config("qwen3", **(text or {})),
             insert_layer_id=vision["insert_layer_id"], image_size=vision["image_size"],
             image_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["image_token"]),
             video_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["video_token"]))
@@ -136,11 +138,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
 
 
-def tiny_vlm(family: str = "internvl", seed: int = 0, **vision_overrides: Any) -> Any:
+def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | None = None,
+             **vision_overrides: Any) -> Any:
     """A transformers VLM of `family` with seeded random weights (float32, eval mode)."""
     from transformers import InternVLForConditionalGeneration, MiniCPMV4_6ForConditionalGeneration
 
-    cfg = tiny_vlm_config(family, **vision_overrides)
+    cfg = tiny_vlm_config(family, text, **vision_overrides)
     torch.manual_seed(seed)
     cls = InternVLForConditionalGeneration if family == "internvl" else \
         MiniCPMV4_6ForConditionalGeneration
@@ -150,19 +153,26 @@ def tiny_vlm(family: str = "internvl", seed: int = 0, **vision_overrides: Any) -
 
 
 def save_tiny_vlm(path: str, family: str = "internvl", seed: int = 0, max_tiles: int = 4,
-                  **vision_overrides: Any) -> str:
-    """Write a tiny VLM directory: weights, config, tokenizer with the image tokens,
-    generation config and the image processor's preprocessor_config.json."""
+                  text: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
+                  max_shard_size: str | None = None, **vision_overrides: Any) -> str:
+    """Write a tiny VLM directory: weights (in `dtype`, default float32; in shards of
+    `max_shard_size` when given, as `save_pretrained` shards), config, tokenizer with the
+    image tokens, generation config and the image processor's preprocessor_config.json."""
     from transformers import GenerationConfig
 
     os.makedirs(path, exist_ok=True)
-    model = tiny_vlm(family, seed, **vision_overrides)
+    model = tiny_vlm(family, seed, text, **vision_overrides)
+    if dtype is not None:
+        model = model.to(dtype)
     tok = vlm_tokenizer(family)
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"),
                       tok.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=tok.pad_token_id, do_sample=False)
-    model.save_pretrained(path)
+    if max_shard_size is None:
+        model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, max_shard_size=max_shard_size)
     tok.save_pretrained(path)
     proc = tiny_image_processor(family, model.config, max_tiles)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:

@@ -59,9 +59,12 @@ from toptpu.backend.contract import (
     merge_order,
     pack_slice,
 )
+from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
+    FLOAT_DTYPES,
     LoadedModel,
     ModelLoadError,
+    _listing,
     _read_tokenizer_files,
     _tokenizer_files_of,
     check_config,
@@ -69,6 +72,7 @@ from toptpu.frontends.hf_loader import (
     quiet_transformers,
 )
 from toptpu.frontends.llm import NetSpec, SplitError
+from toptpu.frontends.streaming import StreamedWeights, skeleton, to_f32
 
 #: model_type -> the vision family name used in model files
 VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv"}
@@ -545,11 +549,14 @@ def patch_budget(proc: Any, size: int, patch: int, max_slices: int, downsample_m
 
 def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
              image_size: int | None = None, max_tiles: int | None = None,
-             max_patches: int | None = None) -> LoadedVlm:
+             max_patches: int | None = None, stream: bool = False) -> LoadedVlm:
     """Load an InternVL or MiniCPM-V 4.6 model (a Hugging Face directory, or an in-memory
-    model with its `tokenizer` and optionally its `image_processor`) for compilation."""
+    model with its `tokenizer` and optionally its `image_processor`) for compilation. A
+    directory with `stream` is not loaded whole (`_stream_dir`): its text model is a
+    streaming skeleton, its vision tower read from the shards."""
     if isinstance(source, str | os.PathLike):
-        return _load_dir(os.fspath(source), image_size, max_tiles, max_patches)
+        load = _stream_dir if stream else _load_dir
+        return load(os.fspath(source), image_size, max_tiles, max_patches)
     vlm = source
     mt = getattr(vlm.config, "model_type", None)
     if mt not in VLM_MODEL_TYPES:
@@ -569,8 +576,24 @@ def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
     return LoadedVlm(text, family, _tokenizer_files_of(tokenizer), gen, vision=vision)
 
 
-def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
-              max_patches: int | None) -> LoadedVlm:
+@dataclass
+class VlmDir:
+    """What a VLM directory says besides its weights, checked."""
+
+    path: str
+    config: Any  # the transformers config
+    family: str  # of the text model
+    tokenizer_files: dict[str, bytes]
+    tokenizer: Any
+    processor: dict[str, Any] | None  # preprocessor_config.json
+    generation: Any  # transformers GenerationConfig or None
+    model_class: Any  # the transformers VLM class
+
+    def generation_settings(self) -> dict[str, Any]:
+        return generation_settings(self.generation, self.config.text_config)
+
+
+def _read_vlm_dir(path: str) -> VlmDir:
     import transformers
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -604,10 +627,24 @@ def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
     cls = getattr(transformers, {"internvl": "InternVLForConditionalGeneration",
                                  "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration"}[
         config.model_type])
+    return VlmDir(path, config, family, files, tok, pc, gen, cls)
+
+
+def _mismatch(d: VlmDir, problems: list[str]) -> ModelLoadError:
+    return ModelLoadError(f"the checkpoint in {d.path} does not match its config.json "
+                          f"({d.config.model_type}): " + "; ".join(problems)
+                          + ". Use the config.json that belongs to these weights.")
+
+
+def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
+              max_patches: int | None) -> LoadedVlm:
+    """The whole VLM in float32 (transformers `from_pretrained`)."""
+    d = _read_vlm_dir(path)
     try:
         with quiet_transformers():
-            vlm, info = cls.from_pretrained(path, config=config, dtype=torch.float32,
-                                            local_files_only=True, output_loading_info=True)
+            vlm, info = d.model_class.from_pretrained(
+                path, config=d.config, dtype=torch.float32, local_files_only=True,
+                output_loading_info=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"transformers could not load the weights in {path}: {e}") from e
     problems = []
@@ -616,14 +653,137 @@ def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
                       ("mismatched_keys", "mis-shaped tensors")):
         names = sorted(str(k) for k in info.get(key) or [])
         if names:
-            problems.append(f"{what}: {', '.join(names[:8])}"
-                            + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+            problems.append(f"{what}: {_listing(names)}")
     if problems:
-        raise ModelLoadError(f"the checkpoint in {path} does not match its config.json "
-                             f"({config.model_type}): " + "; ".join(problems)
-                             + ". Use the config.json that belongs to these weights.")
+        raise _mismatch(d, problems)
     vlm = vlm.eval()
-    vision = vision_model(vlm, tok, pc, path, image_size=image_size, max_tiles=max_tiles,
-                          max_patches=max_patches)
-    return LoadedVlm(text_causal_lm(vlm), family, files,
-                     generation_settings(gen, config.text_config), path, vision=vision)
+    vision = vision_model(vlm, d.tokenizer, d.processor, path, image_size=image_size,
+                          max_tiles=max_tiles, max_patches=max_patches)
+    return LoadedVlm(text_causal_lm(vlm), d.family, d.tokenizer_files,
+                     d.generation_settings(), path, vision=vision)
+
+
+# =========================================================================== streaming
+
+#: the VLM's parameter-name prefixes of its text model -> those of the causal LM view
+TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}
+
+
+def text_name(key: str) -> str | None:
+    """A VLM parameter name of its text model as the causal LM view names it
+    ('model.language_model.layers.3.…' -> 'model.layers.3.…'); None outside the text
+    model."""
+    for vlm_prefix, lm_prefix in TEXT_PREFIXES.items():
+        if key.startswith(vlm_prefix):
+            return lm_prefix + key[len(vlm_prefix):]
+    return None
+
+
+def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
+                max_patches: int | None) -> LoadedVlm:
+    """A VLM directory without loading it whole: the checkpoint's tensor names, shapes and
+    dtypes are checked against the model from the headers alone; the text model is a
+    streaming skeleton (`frontends.streaming`) over the checkpoint's text tensors under the
+    causal LM's names, so its layers are read one at a time when the blob is written; the
+    vision tower and projector (one net) are read whole, in float32, into the VLM built on
+    the meta device. The vision net and the tokens are those of `_load_dir`."""
+    d = _read_vlm_dir(path)
+    try:
+        reader = CheckpointReader.open(path)
+    except CheckpointError as e:
+        raise ModelLoadError(str(e)) from e
+    with quiet_transformers(), torch.device("meta"):
+        vlm = d.model_class._from_config(d.config, dtype=torch.float32)  # noqa: SLF001
+    names = _checkpoint_names(d, vlm, reader)
+    text = {lm: names[key] for key in names if (lm := text_name(key)) is not None}
+    view = reader.renamed(text)
+    try:
+        model, placeholders = skeleton(d.config.text_config, view)
+        _read_vision(vlm, reader, names)
+    except CheckpointError as e:
+        raise ModelLoadError(str(e)) from e
+    vision = vision_model(vlm.eval(), d.tokenizer, d.processor, path, image_size=image_size,
+                          max_tiles=max_tiles, max_patches=max_patches)
+    return LoadedVlm(model, d.family, d.tokenizer_files, d.generation_settings(), path,
+                     stream=StreamedWeights(view, placeholders, model.model.layers[0]),
+                     vision=vision)
+
+
+def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str, str]:
+    """The VLM's parameter name -> the checkpoint tensor that holds it, by transformers'
+    own renaming of checkpoint names (InternVL checkpoints name the text model
+    'language_model.model.…'); every tensor checked against the model (name, shape,
+    floating-point dtype) from the shard headers, as `from_pretrained` would."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    want = {k: tuple(v.shape) for k, v in vlm.state_dict().items()}
+    mapping = get_model_conversion_mapping(vlm)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    names: dict[str, str] = {}
+    extra = []
+    for key in sorted(reader.names()):
+        new, converted = rename_source_key(key, renamings, converters, vlm.base_model_prefix,
+                                           want)
+        if new not in want and key in want:  # as from_pretrained: kept as it is
+            new, converted = key, None
+        if new not in want:
+            extra.append(key)
+            continue
+        if converted is not None:
+            raise ModelLoadError(
+                f"{d.path}: tensor '{key}' is stored in a layout transformers converts when "
+                f"loading ('{converted}'), which the streaming compile does not do; compile "
+                "the model in memory (toptpu.compile(load_vlm(path), ...))")
+        if new in names:
+            raise ModelLoadError(f"{d.path}: tensors '{names[new]}' and '{key}' both hold "
+                                 f"'{new}': the checkpoint is inconsistent")
+        names[new] = key
+    lm_head = vlm.get_output_embeddings().weight
+    tied = lm_head is vlm.get_input_embeddings().weight
+    if tied != bool(getattr(d.config.text_config, "tie_word_embeddings", False)):
+        raise ModelLoadError(
+            f"{d.path}: the {d.config.model_type} model {'ties' if tied else 'unties'} its "
+            "lm_head and embedding but its text_config says tie_word_embeddings="
+            f"{not tied}; fix config.json")
+    optional = {"lm_head.weight"} if tied else set()
+    missing = sorted(k for k in want if k not in names and k not in optional)
+    bad = [f"{key} is {list(reader.info(key).shape)}, expected {list(want[k])}"
+           for k, key in sorted(names.items()) if reader.info(key).shape != want[k]]
+    problems = [f"{what}: {_listing(found)}" for what, found in (
+        ("missing tensors", missing), ("unexpected tensors", extra),
+        ("mis-shaped tensors", bad)) if found]
+    if problems:
+        raise _mismatch(d, problems)
+    not_float = [f"{key} is {reader.info(key).dtype}" for key in sorted(names.values())
+                 if reader.info(key).dtype not in FLOAT_DTYPES]
+    if not_float:
+        raise ModelLoadError(
+            f"the checkpoint in {d.path} holds weights that are not floating point: "
+            f"{_listing(not_float)}. A float checkpoint holds {'/'.join(FLOAT_DTYPES)} tensors")
+    return names
+
+
+def _read_vision(vlm: Any, reader: CheckpointReader, names: dict[str, str]) -> None:
+    """Materialize everything of the meta-device `vlm` outside its text model (the vision
+    tower, the projector or merger) in float32 from the checkpoint."""
+    inner = vlm.model
+    parts = [(f"model.{n}", m) for n, m in inner.named_children() if m is not
+             inner.language_model]
+    parts += [(n, m) for n, m in vlm.named_children() if m is not inner and m is not
+              vlm.lm_head]
+    for prefix, module in parts:
+        module.to_empty(device="cpu")
+        kept = dict(module.state_dict(prefix=f"{prefix}.", keep_vars=True))
+        for name, _ in module.named_buffers(prefix=prefix):
+            if name not in kept:
+                raise ModelLoadError(f"{name} is a buffer the checkpoint does not hold, "
+                                     "which the streaming compile cannot rebuild")
+        for name, tensor in kept.items():
+            tensor.data = torch.from_numpy(to_f32(reader.tensor(names[name])))
+        reader.release()

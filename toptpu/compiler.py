@@ -397,11 +397,12 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
           max_patches: int | None, vision_mode: str | None, stream: bool = False
           ) -> LoadedModel:
-    """A VLM through `toptpu.frontends.vlm.load_vlm`, a directory with `stream` through
-    `frontends.streaming.load_streaming`, any other model through load_model."""
+    """A VLM through `toptpu.frontends.vlm.load_vlm` (a directory with `stream`: its text
+    model streamed), a directory with `stream` through `frontends.streaming.load_streaming`,
+    any other model through load_model."""
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
-                        max_patches=max_patches)
+                        max_patches=max_patches, stream=stream)
     given = [f for f, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
                             ("--max-patches", max_patches), ("--vision-quantize",
                                                              vision_mode)) if v is not None]
