@@ -104,9 +104,11 @@ def to_f32(stored: np.ndarray) -> np.ndarray:
         else np.asarray(stored, dtype=np.float32)
 
 
-def skeleton(config: Any, reader: CheckpointReader) -> tuple[Any, dict[int, str]]:
+def skeleton(config: Any, reader: CheckpointReader, tied: bool | None = None
+             ) -> tuple[Any, dict[int, str]]:
     """The skeleton model (see the module doc) and its placeholders: id(parameter) -> the
-    checkpoint tensor it stands for."""
+    checkpoint tensor it stands for. `tied`: the lm_head is the embedding (default: the
+    config's tie_word_embeddings; a VLM's own config decides for its text model)."""
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers(), torch.device("meta"):
@@ -126,7 +128,7 @@ def skeleton(config: Any, reader: CheckpointReader) -> tuple[Any, dict[int, str]
     embed = _placeholder(inner.embed_tokens.weight.shape)
     inner.embed_tokens.weight = embed
     placeholders[id(embed)] = "model.embed_tokens.weight"
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False) if tied is None else tied:
         model.lm_head.weight = embed
     else:
         head = _placeholder(model.lm_head.weight.shape)

@@ -79,10 +79,12 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
     """A tiny config of `family`: internvl (InternViT 56 px tiles, pixel shuffle 0.5, MLP
     projector, Qwen2 text) or minicpmv (SigLIP-style tower with the window-attention merger
     after layer 1, 112 px slices, the downsample MLP merger, Qwen3 text). `text` overrides
-    the text config (e.g. more and wider layers)."""
+    the text config (e.g. more and wider layers); a text config that ties its embeddings
+    makes a VLM that ties them (the VLM's own tie_word_embeddings decides)."""
     from transformers import InternVLConfig, MiniCPMV4_6Config
 
     tok = vlm_tokenizer(family)
+    tied = bool((text or {}).get("tie_word_embeddings", False))
     if family == "internvl":
         vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       intermediate_size=128, image_size=56, patch_size=14,
@@ -92,7 +94,7 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
             vision_config=vision, text_config=_text_config("qwen2", **(text or {})),
             image_token_id=tok.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
             image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2 // 4,
-            downsample_ratio=0.5, tie_word_embeddings=False)
+            downsample_ratio=0.5, tie_word_embeddings=tied)
     if family == "minicpmv":
         vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, image_size=112, patch_size=14, insert_layer_id=1)
@@ -101,7 +103,8 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
             vision_config=vision, text_config=_text_config("qwen3", **(text or {})),
             insert_layer_id=vision["insert_layer_id"], image_size=vision["image_size"],
             image_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["image_token"]),
-            video_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["video_token"]))
+            video_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["video_token"]),
+            tie_word_embeddings=tied)
     raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
 
 

@@ -698,7 +698,7 @@ def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
     text = {lm: names[key] for key in names if (lm := text_name(key)) is not None}
     view = reader.renamed(text)
     try:
-        model, placeholders = skeleton(d.config.text_config, view)
+        model, placeholders = skeleton(d.config.text_config, view, tied=_tied(vlm))
         _read_vision(vlm, reader, names)
     except CheckpointError as e:
         raise ModelLoadError(str(e)) from e
@@ -744,14 +744,7 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str
             raise ModelLoadError(f"{d.path}: tensors '{names[new]}' and '{key}' both hold "
                                  f"'{new}': the checkpoint is inconsistent")
         names[new] = key
-    lm_head = vlm.get_output_embeddings().weight
-    tied = lm_head is vlm.get_input_embeddings().weight
-    if tied != bool(getattr(d.config.text_config, "tie_word_embeddings", False)):
-        raise ModelLoadError(
-            f"{d.path}: the {d.config.model_type} model {'ties' if tied else 'unties'} its "
-            "lm_head and embedding but its text_config says tie_word_embeddings="
-            f"{not tied}; fix config.json")
-    optional = {"lm_head.weight"} if tied else set()
+    optional = {"lm_head.weight"} if _tied(vlm) else set()
     missing = sorted(k for k in want if k not in names and k not in optional)
     bad = [f"{key} is {list(reader.info(key).shape)}, expected {list(want[k])}"
            for k, key in sorted(names.items()) if reader.info(key).shape != want[k]]
@@ -767,6 +760,12 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str
             f"the checkpoint in {d.path} holds weights that are not floating point: "
             f"{_listing(not_float)}. A float checkpoint holds {'/'.join(FLOAT_DTYPES)} tensors")
     return names
+
+
+def _tied(vlm: Any) -> bool:
+    """The VLM's lm_head is its embedding (its own config decides, whatever its
+    text_config's tie_word_embeddings says)."""
+    return vlm.get_output_embeddings().weight is vlm.get_input_embeddings().weight
 
 
 def _read_vision(vlm: Any, reader: CheckpointReader, names: dict[str, str]) -> None:
