@@ -61,6 +61,7 @@ from toptpu.backend.contract import (
 )
 from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
+    _IGNORABLE_SUFFIXES,
     FLOAT_DTYPES,
     LoadedModel,
     ModelLoadError,
@@ -733,7 +734,8 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str
         if new not in want and key in want:  # as from_pretrained: kept as it is
             new, converted = key, None
         if new not in want:
-            extra.append(key)
+            if not key.endswith(_IGNORABLE_SUFFIXES):  # as for a text model
+                extra.append(key)
             continue
         if converted is not None:
             raise ModelLoadError(
