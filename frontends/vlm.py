@@ -784,7 +784,13 @@ def _read_vision(vlm: Any, reader: CheckpointReader, names: dict[str, str]) -> N
         for name, _ in module.named_buffers(prefix=prefix):
             if name not in kept:
                 raise ModelLoadError(f"{name} is a buffer the checkpoint does not hold, "
-                                     "which the streaming compile cannot rebuild")
+                                     "which the streaming compile cannot rebuild; compile "
+                                     "the VLM loaded whole (toptpu.compile(load_vlm(path), "
+                                     "...))")
         for name, tensor in kept.items():
             tensor.data = torch.from_numpy(to_f32(reader.tensor(names[name])))
         reader.release()
+    left = [n for n, p in vlm.named_parameters() if p.is_meta and text_name(n) is None]
+    if left:
+        raise ModelLoadError(f"the {vlm.config.model_type} model has parameters outside its "
+                             f"text model and its vision modules: {_listing(left)}")
