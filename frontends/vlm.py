@@ -30,6 +30,14 @@ output rows over the embeddings of the image placeholder tokens, in order.
 Both wrappers are checked against the model's own `get_image_features` at compile time
 (`VisionModel.check`), as the block wrapper is checked against the decoder layer.
 
+A directory is loaded whole (`_load_dir`: transformers `from_pretrained` in float32) or, for
+the compiler, streamed (`_stream_dir`): the VLM is built on the meta device, the checkpoint's
+tensor names are mapped to its parameters by transformers' own renaming and checked (names,
+shapes, dtypes) from the shard headers, the text model becomes a streaming skeleton
+(`frontends.streaming`) over the checkpoint's text tensors under the causal LM's names, and
+the vision tower and projector — the one `vit` net — are read whole from the shards in
+float32. Both give the same model file, byte for byte.
+
 What is not supported, and why: a MiniCPM-V whose text model is not Qwen2/Qwen3/Llama
 (MiniCPM-V 4.6 ships Qwen3.5, whose Gated DeltaNet linear-attention layers have no net
 here; the loader says so), InternVL `vision_feature_layer` other than -1, video inputs.
