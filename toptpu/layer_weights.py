@@ -48,6 +48,21 @@ class ModelLayerWeights:
         return None if self.checkpoint is None else checkpoint_of_layer(self.checkpoint, layer)
 
 
+class StreamedLayerWeights:
+    """A streamed checkpoint's layers (`frontends.streaming.StreamedWeights`, read from the
+    shards) and, for a pre-quantized one, its quantized linears, each read and unpacked when
+    its layer's chunk is made."""
+
+    def __init__(self, stream: Any, checkpoint: Any = None) -> None:
+        self.stream, self.checkpoint = stream, checkpoint
+
+    def float_of(self, layer: int) -> FloatOf:
+        return self.stream.float_of(layer)
+
+    def checkpoint_of(self, layer: int) -> CheckpointOf | None:
+        return None if self.checkpoint is None else checkpoint_of_layer(self.checkpoint, layer)
+
+
 def float_of_layer(model: Any, layer: int) -> FloatOf:
     """Top weight name ('layer.…') -> layer `layer`'s float tensor (zero-copy)."""
     mod = model.model.layers[layer]
@@ -75,7 +90,7 @@ def checkpoint_of_layer(checkpoint: Any, layer: int) -> CheckpointOf:
         if key is None:
             return None
         name = f"model.layers.{layer}.{key}".removesuffix(".weight")
-        ql = checkpoint.linears.get(name)
+        ql = checkpoint.linear(name)
         if ql is None:
             return None
         try:
