@@ -8,6 +8,12 @@ stayed in floating point. `QuantizedLinear.dequantize` reproduces, bit-exactly i
 the weight the producing library defines: ``(q - zero) * scale`` with the scale stored in
 its checkpoint dtype and cast to float32.
 
+`open_quantized_checkpoint(model_dir, reader)` does every check of the same reader without
+holding the tensors (a streaming compile): each quantized linear is checked from the shard
+headers (`CheckpointReader`: fields, dtypes, shapes) and its small tensors (zero points,
+g_idx) and described by a `QuantizedLayout`; `QuantizedCheckpoint.linear(name)` reads and
+unpacks its integers when asked for. Both go through the one `_LayerReader`.
+
 On-disk layouts (``K`` = in_features, ``N`` = out_features, ``G`` = number of groups,
 ``p = 32 // bits`` values per int32 word, value ``i`` of a word in bits
 ``[i*bits, (i+1)*bits)``):

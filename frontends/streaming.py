@@ -21,6 +21,12 @@ converted one tensor at a time from the stored dtype: exactly what `model.float(
 same checkpoint holds) and drops the shard pages it read (`CheckpointReader.release`), so
 the resident set stays near one layer plus the largest shared tensor, whatever the layer
 count.
+
+A pre-quantized (GPTQ / AWQ / AutoRound) checkpoint streams the same way
+(`load_prequantized_streaming`): its quantized linears are all checked when it is opened
+(`quant_checkpoints.open_quantized_checkpoint`), the skeleton's real layers hold their
+dequantized weights, and each layer's integers are read and unpacked when its chunk is
+made (`QuantizedCheckpoint.linear`, through `layer_weights.StreamedLayerWeights`).
 """
 
 from __future__ import annotations
