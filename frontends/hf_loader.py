@@ -500,11 +500,11 @@ def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
     family = check_config(config, os.path.join(path, "config.json"))
     with quiet_transformers():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = ck.dequantized_state_dict()
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    check_prequantized_shapes({k: tuple(v.shape) for k, v in state.items()},
+    check_prequantized_shapes(ck.state_shapes(),
                               {k: tuple(v.shape) for k, v in model.state_dict().items()},
                               tied, ck.quant_method, path)
+    state = ck.dequantized_state_dict()
     with torch.no_grad():
         model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=np.float32))
                                for k, v in state.items()}, strict=False)

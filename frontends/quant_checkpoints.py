@@ -210,9 +210,11 @@ class QuantizedCheckpoint:
         ).read(layout)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shapes of `dequantized_state_dict` (from the headers: nothing is read)."""
-        assert self.source is not None
-        shapes = {name: self.source.spec(name)[0] for name in self.float_names}
+        """The shapes of `dequantized_state_dict` (of an opened checkpoint, from the shard
+        headers: nothing is read)."""
+        source = self.source
+        shapes = {name: tuple(int(d) for d in self.float_tensors[name].shape)
+                  if source is None else source.spec(name)[0] for name in self.float_names}
         for name, layout in self.layouts.items():
             shapes[f"{name}.weight"] = (layout.out_features, layout.in_features)
             if "bias" in layout.tensors:
@@ -913,6 +915,7 @@ def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedChe
     for name in ck.layouts:
         ck.linears[name] = ck.linear(name)
     ck.float_tensors = {name: ck.source.array(name) for name in ck.float_names}
+    ck.source = None  # the packed integers go: `linears` holds them unpacked
     return ck
 
 
