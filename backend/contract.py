@@ -12,7 +12,9 @@ the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
 - the additive attention masks (`prefill_mask`, `decode_mask`);
 - the files a model file carries besides its nets (`TOKENIZER_FILES`) and the vision
   families (`VISION_KINDS`);
-- the host-side packing of MiniCPM-V image slices into the static `vit` net (`pack_slice`).
+- the host-side packing of MiniCPM-V image slices into the static `vit` net (`pack_slice`);
+- the JSON every file header we read is held to (`parse_strict_json`: model files, the
+  safetensors shards and their index).
 
 The model file header that records all this is the file format's
 (`toptpu.backend.formats.llm_file.LlmHeader`): it checks each net's IO against `net_io`.
@@ -20,10 +22,11 @@ The model file header that records all this is the file format's
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -362,3 +365,41 @@ def pack_slice(patches: np.ndarray, h: int, w: int, budget: int,
     mask = np.full((1, 1, 1, budget), MASK_VALUE, np.float32)
     mask[..., :n] = 0.0
     return pixels.reshape(1, c, p, budget * p), pos, mask
+
+
+# ====================================================================== strict JSON
+
+#: how deeply a header's JSON may nest (readers walk it recursively)
+MAX_JSON_DEPTH = 64
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"it holds {name}, which is not a JSON number")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"it has the key {key!r} twice")
+        out[key] = value
+    return out
+
+
+def parse_strict_json(data: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, nested at most
+    `MAX_JSON_DEPTH` levels; a ValueError naming what is wrong otherwise."""
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant,
+                           object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError(f"it is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"it is nested deeper than {MAX_JSON_DEPTH} levels")
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return value

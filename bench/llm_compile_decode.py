@@ -11,7 +11,9 @@ its per-stage breakdown. Then, greedy with EOS ignored and the same prompt ids f
   token, as tokens/s of host wall time;
 - decode: tokens/s after the first token.
 
-Ours runs on the reference machine in its fast mode (the default of `toptpu run`/`chat`) and
+Ours runs on the reference machine in its fast mode (the default of `toptpu run`/`chat`; it
+computes a sliced matmul as one host product where that gives the slices' own bytes on this
+host, see `machine.SliceJoin`; the run prints how many) and
 in its checked mode (the tests' mode: bytes really live in local memory), and on the numpy
 Tpu interpreter (`--executors` picks among `fast,checked,interpreter`); the machine also
 reports modelled chip time. transformers runs the float32 model in eager PyTorch (no
@@ -172,6 +174,12 @@ def main() -> None:
               f"{r.decode:12.2f} {r.decode / hf.decode:7.3f} {modelled:>21}")
     print(f"{'transformers eager f32':<26} {hf.prefill:13.2f} {1:7.3f} {hf.decode:12.2f} "
           f"{1:7.3f} {'':>21}  (CPU, {torch.get_num_threads()} threads)")
+    if "fast" in runtimes:
+        verdicts = runtimes["fast"].ex.machine.join_ok  # type: ignore[attr-defined]
+        used = [j for j, ok in verdicts.items() if ok]
+        print(f"fast mode: {len(used)} of {len(verdicts)} sliced matmuls joined into one host "
+              f"product each ({sum(len(j.steps) for j in used)} slices), after their "
+              "bit-for-bit check on this host")
 
 
 if __name__ == "__main__":

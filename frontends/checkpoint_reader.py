@@ -27,7 +27,6 @@ by what the caller holds, not by the checkpoint's size.
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -36,6 +35,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from toptpu.backend.contract import parse_strict_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -75,22 +76,10 @@ class TensorInfo:
 
 
 def _strict_json(data: bytes, where: str) -> Any:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise CheckpointError(f"{where} has the key {key!r} twice")
-            out[key] = value
-        return out
-
-    def no_constant(name: str) -> Any:
-        raise CheckpointError(f"{where} holds {name}, which is not JSON")
-
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates,
-                          parse_constant=no_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{where} is not valid JSON ({e})") from None
+        return parse_strict_json(data)
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{where} is not valid JSON: {e}") from None
 
 
 def _is_count(value: Any) -> bool:

@@ -118,3 +118,13 @@ def test_half_precision_computes_in_f32_and_rounds_once() -> None:
     assert out.dtype == ml_dtypes.bfloat16
     ref = (a.astype(np.float32) @ w.astype(np.float32).T).astype(ml_dtypes.bfloat16)
     assert np.array_equal(out, ref)
+
+
+def test_bfloat16_to_float32_is_astype_bit_for_bit() -> None:
+    """`f32` widens bf16 by moving its bits: every one of the 65536 bf16 values (zeros,
+    subnormals, infinities, NaN payloads), contiguous or strided, gives astype's bits."""
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
+    for x in (every, every.reshape(256, 256).T, every[::3]):
+        got = K.f32(x)
+        assert got.dtype == np.float32 and got.shape == x.shape
+        assert np.array_equal(got.view(np.uint32), x.astype(np.float32).view(np.uint32))

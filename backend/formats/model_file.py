@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from toptpu.backend.contract import parse_strict_json
+
 MAGIC = b"TOPTPU\x00\x01"
 FORMAT_VERSION = 2
 ALIGN = 4096
@@ -263,42 +265,6 @@ def _create(path: str) -> BinaryIO:
 # ------------------------------------------------------------------ reading
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-#: how deeply a header's JSON may nest (readers walk it recursively)
-MAX_DEPTH = 64
-
-
-def parse_json(data: bytes) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, nested at most MAX_DEPTH
-    levels (ValueError otherwise)."""
-    try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant,
-                           object_pairs_hook=_no_duplicates)
-    except RecursionError:
-        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict | list):
-            if depth > MAX_DEPTH:
-                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
-            children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, depth + 1) for child in children)
-    return value
-
-
 class ModelFile:
     """A validated, memory-mapped model file."""
 
@@ -346,7 +312,7 @@ class ModelFile:
         if _header_digest(bytes(self._map[:_PREFIX.size]), hbytes) != digest:
             raise self._err("is corrupt: checksum mismatch in the header")
         try:
-            header = parse_json(hbytes)
+            header = parse_strict_json(hbytes)
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise self._err(f"has a corrupt header: {e}") from e
         if not isinstance(header, dict):

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-HALF_TYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HALF_TYPES = (np.dtype(np.float16), BF16)
 
 
 def f32(x: np.ndarray) -> np.ndarray:
@@ -24,6 +25,12 @@ def f32(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype == np.float32:
         return x
+    if x.dtype == BF16:
+        # a bf16 is the upper half of the float32 of the same value (NaN payloads too):
+        # the same bits as `astype`, ~4x faster
+        bits = x.view(np.uint16).astype(np.uint32)
+        bits <<= 16
+        return bits.view(np.float32)
     return x.astype(np.float32)
 
 

@@ -24,7 +24,9 @@ the same timeline:
   live there at their addresses, and a read of bytes nothing wrote traps too.
 - fast (the default of `toptpu run`/`chat`): local memory is address bookkeeping — the
   live buffers' intervals, checked with a sorted structure — plus a reference to each
-  buffer's value, so a load from a read-only region (the weights) costs no copy.
+  buffer's value, so a load from a read-only region (the weights) costs no copy; and a
+  matmul the compiler sliced is computed as one host product where that gives each
+  slice's own bytes on this host (`SliceJoin`: checked bit for bit on its first run).
 
 Both run a net's program pre-decoded once per chip (`LoadedNet.plan`): the typed records
 (`toptpu.backend.formats.commands`) turned into steps with their kernels, slices and local
@@ -414,11 +416,11 @@ class Step:
 
 
 class LoadStep(Step):
-    __slots__ = ("g", "window", "local", "prov")
+    __slots__ = ("g", "window", "local", "prov", "cmd")
 
     def __init__(self, c: Load, g: int, local: Local) -> None:
         self.who = f"command {c.id} ({c.name})"
-        self.g, self.window, self.local = g, c.window(), local
+        self.g, self.window, self.local, self.cmd = g, c.window(), local, c
         self.prov = (c.shape, c.dtype, c.axis, c.start, c.length)
 
     def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
@@ -432,6 +434,8 @@ class LoadStep(Step):
 
 class StoreStep(Step):
     __slots__ = ("g", "window", "part_shape", "local", "free")
+
+    g: int
 
     def __init__(self, c: Store, g: int, local: Local) -> None:
         self.who = f"command {c.id} ({c.name})"
@@ -448,12 +452,14 @@ class OpStep(Step):
     """A compute command, or a gather (its table read from global memory)."""
 
     __slots__ = ("op", "fn", "ins", "outs", "free", "free_after", "table", "table_at",
-                 "special", "bits", "group_size", "out_dtype")
+                 "special", "bits", "group_size", "out_dtype", "cmd", "join", "join_at")
 
     def __init__(self, c: Compute | Gather, op: Operation, fn: Evaluator, chip: Chip,
                  table: int = -1) -> None:
         self.who = f"command {c.id} ({c.name})"
-        self.op, self.fn = op, fn
+        self.op, self.fn, self.cmd = op, fn, c
+        self.join: SliceJoin | None = None
+        self.join_at = 0  # its slice's position in the join
         self.ins = [Local.of(r, chip) if r is not None else None for r in c.ins]
         self.outs = [Local.of(r, chip) for r in c.outs]
         self.free, self.free_after = c.free, c.free_after
@@ -477,30 +483,41 @@ class OpStep(Step):
                                          for r in self.ins]
         if self.table_at >= 0:
             args.insert(self.table_at, views[self.table][0])
-        if self.special == "a16":
-            results: Sequence[np.ndarray] = [self._a16_matmul(m, args)]
+        if self.join is not None and not m.checked:
+            results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
         else:
-            if self.special == "f32w":
-                key = m.provenance.get(self.ins[1].buf)  # type: ignore[union-attr]
-                if key is not None:
-                    w = args[1]
-                    args[1] = m.cache.get(("f32", key), lambda: K.f32(w))
-            results = self.fn(self.op, args, m.context)
+            results = self.compute(m, args)
         m.free(self.free)
         for ref, value in zip(self.outs, results, strict=True):
             local.write(ref, value, who)
         m.free(self.free_after)
 
-    def _a16_matmul(self, m: Machine, args: list[np.ndarray | None]) -> np.ndarray:
+    def compute(self, m: Machine, args: list[np.ndarray | None],
+                weight_key: Hashable | None = None) -> Sequence[np.ndarray]:
+        """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
+        cached under `weight_key`, by default what the weight buffers hold."""
+        if self.special == "a16":
+            return [self._a16_matmul(m, args, weight_key)]
+        if self.special == "f32w":
+            key = weight_key or m.provenance.get(self.ins[1].buf)  # type: ignore[union-attr]
+            if key is not None:
+                w = args[1]
+                args = [args[0], m.cache.get(("f32", key), lambda: K.f32(w)), *args[2:]]
+        return self.fn(self.op, args, m.context)
+
+    def _a16_matmul(self, m: Machine, args: list[np.ndarray | None],
+                    weight_key: Hashable | None) -> np.ndarray:
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance (which read-only bytes
         the buffers hold) across runs."""
         x, q, s, z, bias = args
         refs = self.ins[1:4]
-        provs = tuple(m.provenance.get(r.buf) if r is not None else None for r in refs)
         make: Callable[[], np.ndarray] = lambda: K.dequantize(  # noqa: E731
             q, s, z, self.bits, self.group_size)
-        if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
+        provs = tuple(m.provenance.get(r.buf) if r is not None else None for r in refs)
+        if weight_key is not None:
+            w = m.cache.get(("a16", weight_key), make)
+        elif all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
             w = m.cache.get(("a16", provs), make)
         else:
             key = tuple(r.buf if r is not None else None for r in refs)
@@ -509,6 +526,178 @@ class OpStep(Step):
                 w = m.run_cache[key] = make()
         assert x is not None
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
+
+
+# ====================================================================== joined slices
+
+
+@dataclass(eq=False)
+class SliceJoin:
+    """The slices of one matmul that the fast mode computes as one host product.
+
+    The compiler slices a layer group to fit local memory: a matmul runs once per slice,
+    either on row slices of its input with the weight resident (`rows`), or on slices of
+    the weight's output channels with the input resident (`cols`). The chip does the same
+    work either way; a host BLAS does not: each row slice re-reads the whole weight, each
+    column slice pays a call. So the fast mode computes the whole product once, at the
+    first slice, from the global tensor the slices are loaded from, and each slice's
+    command takes its part. Every command still runs (its loads, local reads and writes,
+    frees: all traps fire); only the kernel call is shared.
+
+    Bit for bit: a row or column of a product does not depend on the other rows or columns
+    it is computed with in the kernels (numpy's elementwise ops, BLAS's GEMM), but a BLAS
+    may switch kernels by shape (GEMV for one row) and sum in another order. So the first
+    time a join runs on a machine, each slice's own product is computed too and compared
+    with its part, byte for byte; the slices' own results are what that run returns, and
+    the join is used from the next run on only if every part matched (`Machine.join_ok`).
+    A `rows` join also needs its input unchanged while its slices load: when a store
+    of that run may write it (address ranges checked per run), the slices run alone.
+    """
+
+    kind: str  # "rows" or "cols"
+    steps: list[OpStep]  # one per slice, in execution order
+    parts: list[tuple[slice, ...]]  # each slice's part of the whole product
+    sources: list[int | None]  # operands read whole: rows: [input]; cols: the weight's
+    guard: list[int]  # rows: operands stored to while the input's slices load
+
+    def result(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
+               views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
+        i = step.join_at
+        if i == 0:
+            m.joined[self] = self._whole(m, step, args, views)
+        whole = m.joined.get(self)
+        verdict = m.join_ok.get(self)
+        if whole is None or verdict is False:
+            return step.compute(m, args)[0]
+        part = whole[self.parts[i]]
+        if verdict is None:  # first use: the slice's own product decides, and is returned
+            own = step.compute(m, args)[0]
+            same = (own.dtype == part.dtype and own.shape == part.shape
+                    and own.tobytes() == part.tobytes())
+            if not same:
+                m.join_ok[self] = False
+            elif i == len(self.steps) - 1:
+                m.join_ok[self] = True
+            return own
+        return part
+
+    def _whole(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
+               views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray | None:
+        if m.join_ok.get(self) is False:
+            return None
+        if self.kind == "rows":
+            x_view, _, x_addr = views[self.sources[0]]  # type: ignore[index]
+            x_end = x_addr + x_view.nbytes
+            for g in self.guard:
+                view, _, addr = views[g]
+                if addr < x_end and x_addr < addr + view.nbytes:
+                    return None
+            return step.compute(m, [x_view, *args[1:]])[0]
+        whole: list[np.ndarray | None] = [args[0]]
+        key: list[tuple[int, tuple[int, ...]] | None] = []
+        for g in self.sources:
+            if g is None:
+                whole.append(None)
+                key.append(None)
+                continue
+            view, writable, addr = views[g]
+            if writable:
+                return None
+            whole.append(view)
+            key.append((addr, view.shape))
+        return step.compute(m, whole, ("whole", *key))[0]
+
+
+def find_joins(steps: list[Step], operands: list[Operand]) -> list[SliceJoin]:
+    """The matmuls whose slices the fast mode joins (see `SliceJoin`), in `steps` (in
+    execution order); each joined step gets its `join`."""
+    loaded: dict[int, tuple[int, LoadStep]] = {}  # buf -> (position, its load)
+    chains: dict[tuple[int, int], list[tuple[int, OpStep]]] = {}
+    for pos, step in enumerate(steps):
+        if isinstance(step, LoadStep):
+            loaded[step.local.buf] = (pos, step)
+        elif isinstance(step, OpStep) and step.special and step.table < 0:
+            chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
+    joins = []
+    for chain in chains.values():
+        if len(chain) < 2:
+            continue
+        join = _rows_join(chain, loaded, steps) or _cols_join(chain, loaded, operands)
+        if join is not None:
+            joins.append(join)
+            for i, (_, step) in enumerate(chain):
+                step.join, step.join_at = join, i
+    return joins
+
+
+def _covering(loads: list[LoadStep], axis: int, size: int) -> bool:
+    """Whether `loads` take consecutive parts of one tensor along `axis`, the whole of it."""
+    at = 0
+    for ld in loads:
+        c = ld.cmd
+        if (c.axis != axis or c.start != at or ld.local.shape != c.part_shape()
+                or ld.local.dtype != np.dtype(c.dtype)):
+            return False
+        at += c.length
+    return at == size
+
+
+def _rows_join(chain: list[tuple[int, OpStep]], loaded: dict[int, tuple[int, LoadStep]],
+               steps: list[Step]) -> SliceJoin | None:
+    first = chain[0][1]
+    if any(s.ins[1:] != first.ins[1:] for _, s in chain):  # the weight is resident
+        return None
+    xs = [loaded.get(s.ins[0].buf) if s.ins[0] is not None else None for _, s in chain]
+    if any(x is None for x in xs):
+        return None
+    loads = [x[1] for x in xs]  # type: ignore[index]
+    g, c0 = loads[0].g, loads[0].cmd
+    axis = c0.axis
+    if (any(ld.g != g for ld in loads) or not 0 <= axis < len(c0.shape) - 1
+            or not _covering(loads, axis, c0.shape[axis])):
+        return None
+    if any(s.outs[0].shape[:axis] != c0.shape[:axis] or s.outs[0].shape[axis] != ld.cmd.length
+           for (_, s), ld in zip(chain, loads, strict=True)):
+        return None
+    lo, hi = xs[0][0], xs[-1][0]  # type: ignore[index]
+    guard = sorted({st.g for st in steps[lo:hi + 1] if isinstance(st, StoreStep)})
+    parts = [(slice(None),) * axis + (slice(ld.cmd.start, ld.cmd.start + ld.cmd.length),)
+             for ld in loads]
+    return SliceJoin("rows", [s for _, s in chain], parts, [g], guard)
+
+
+def _cols_join(chain: list[tuple[int, OpStep]], loaded: dict[int, tuple[int, LoadStep]],
+               operands: list[Operand]) -> SliceJoin | None:
+    first = chain[0][1]
+    if any(s.ins[0] != first.ins[0] for _, s in chain):  # the input is resident
+        return None
+    sources: list[int | None] = []
+    parts: list[tuple[slice, ...]] = []
+    for k in range(1, len(first.ins)):
+        if first.ins[k] is None:
+            if any(s.ins[k] is not None for _, s in chain):
+                return None
+            sources.append(None)
+            continue
+        found = [loaded.get(s.ins[k].buf) if s.ins[k] is not None else None
+                 for _, s in chain]
+        if any(f is None for f in found):
+            return None
+        loads = [f[1] for f in found]  # type: ignore[index]
+        g = loads[0].g
+        if (any(ld.g != g for ld in loads) or operands[g].write
+                or not _covering(loads, 0, loads[0].cmd.shape[0])):
+            return None
+        these = [(Ellipsis, slice(ld.cmd.start, ld.cmd.start + ld.cmd.length))
+                 for ld in loads]
+        if parts and these != parts:
+            return None
+        parts = these
+        sources.append(g)
+    if not parts or any(s.outs[0].shape[-1] != p[-1].stop - p[-1].start
+                        for (_, s), p in zip(chain, parts, strict=True)):
+        return None
+    return SliceJoin("cols", [s for _, s in chain], parts, sources, [])
 
 
 @dataclass
@@ -590,6 +779,7 @@ class LoadedNet:
             else:
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
             steps.append(step)
+        find_joins(steps, operands)
         return Plan(operands, steps, events)
 
 
@@ -617,6 +807,8 @@ class Machine:
         self.cache = WeightCache(weight_cache_bytes)
         self.run_cache: dict[Hashable, np.ndarray] = {}  # converted writable weights
         self.provenance: dict[int, tuple] = {}  # buf -> the read-only bytes it holds
+        self.joined: dict[SliceJoin, np.ndarray | None] = {}  # this run's whole products
+        self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
         self.context = EvalContext(None)
 
     def free(self, bufs: Sequence[int]) -> None:
@@ -630,6 +822,7 @@ class Machine:
         self.local.begin()
         self.provenance.clear()
         self.run_cache.clear()
+        self.joined.clear()
         for step in plan.steps:
             step.run(self, views)
         live = self.local.buffers.live

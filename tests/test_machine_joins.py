@@ -1,0 +1,116 @@
+"""The fast mode's joined slices (`machine.SliceJoin`): a sliced matmul computed as one host
+product gives the checked mode's bytes, whether the join is used, refused by its bit-for-bit
+check, or skipped because its input is written while its slices load."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from toptpu.backend.formats.program import Program, write_program_file
+from toptpu.backend.runtime import machine as machine_module
+from toptpu.backend.runtime.machine import Machine, SliceJoin
+from toptpu.backend.runtime.simulate import ProgramFile
+from toptpu.backend.target.chips import get_chip
+from toptpu.frontends.hf_layers import import_decoder_layer
+from toptpu.machine_pipeline import compile_for_machine
+from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
+
+#: a chip with little local memory: the layer's matmuls are sliced, by rows and by columns
+SMALL = replace(get_chip("bm1684x"), lanes=2, lane_bytes=4096, dma_latency_cycles=8,
+                compute_latency_cycles=4)
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def sliced_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str, np.ndarray]]:
+    """A w4bf16 decoder layer of 16 tokens compiled for `SMALL`, written to a file."""
+    imp = import_decoder_layer(tiny_models("qwen2"), TOKENS, mask_value=-10000.0)
+    module = imp.module.clone()
+    store = imp.store
+    run_passes(module, tpu_pipeline_passes("w4bf16"), store=store)
+    prog = compile_for_machine(module, SMALL)
+    path = os.path.join(tmp_path_factory.mktemp("joins"), "layer.toptpu")
+    write_program_file(path, {"layer": prog}, store, SMALL)
+    return path, prog, dict(imp.feeds)
+
+
+def _joins(pf: ProgramFile) -> list[SliceJoin]:
+    plan = pf.nets["layer"].plan(pf.chip)
+    found = {id(s.join): s.join for s in plan.steps
+             if isinstance(s, machine_module.OpStep) and s.join is not None}
+    return list(found.values())
+
+
+def test_sliced_matmuls_are_found_by_rows_and_by_columns(sliced_layer) -> None:
+    path, _, _ = sliced_layer
+    joins = _joins(ProgramFile(path))
+    assert {j.kind for j in joins} == {"rows", "cols"}
+    for j in joins:
+        assert len(j.steps) >= 2
+        assert [s.join_at for s in j.steps] == list(range(len(j.steps)))
+
+
+def test_joined_runs_are_bit_identical_to_the_checked_mode(sliced_layer, monkeypatch) -> None:
+    path, _, feeds = sliced_layer
+    want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
+    fast = ProgramFile(path)
+    joins = _joins(fast)
+    assert joins
+    calls: list[SliceJoin] = []
+    whole = SliceJoin._whole
+
+    def counted(self, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(self)
+        return whole(self, *args)
+
+    monkeypatch.setattr(SliceJoin, "_whole", counted)
+    for run in range(3):
+        got = fast.run("layer", feeds).outputs["out"]
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), run
+        # each join checked bit for bit on its first run; one whole product per join a run
+        assert set(fast.machine.join_ok) == set(joins)
+        assert sorted(map(id, calls)) == sorted(map(id, joins))
+        calls.clear()
+
+
+def test_a_join_whose_parts_differ_is_refused_and_its_slices_run(sliced_layer,
+                                                                 monkeypatch) -> None:
+    path, _, feeds = sliced_layer
+    want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
+    whole = SliceJoin._whole
+
+    def last_bit_flipped(self, *args):  # noqa: ANN001, ANN002, ANN202
+        w = whole(self, *args)
+        if w is not None:  # the lowest mantissa bit of the first element
+            w = np.ascontiguousarray(w).copy()
+            w.reshape(-1).view(np.uint8)[0] ^= 1
+        return w
+
+    monkeypatch.setattr(SliceJoin, "_whole", last_bit_flipped)
+    fast = ProgramFile(path)
+    for _ in range(2):
+        got = fast.run("layer", feeds).outputs["out"]
+        assert got.tobytes() == want.tobytes()
+    assert fast.machine.join_ok and not any(fast.machine.join_ok.values())
+
+
+def test_a_rows_join_skips_a_run_whose_input_is_stored_while_it_loads() -> None:
+    """The guard: an operand stored between the first and last load of the input's slices
+    that overlaps the input's global bytes makes the run compute the slices alone."""
+    m = Machine(SMALL)
+    x = np.zeros((1, 8, 4), np.float32)
+    join = SliceJoin("rows", [], [], [0], [1])
+    overlapping = [(x, True, 1000), (np.zeros(4, np.float32), True, 1000 + x.nbytes - 4)]
+    assert join._whole(m, None, [], overlapping) is None  # type: ignore[arg-type]
+
+    class Step:
+        def compute(self, m, args, key=None):  # noqa: ANN001, ANN201
+            return [args[0] * 2]
+
+    apart = [(x + 1, True, 1000), (np.zeros(4, np.float32), True, 1000 + x.nbytes)]
+    got = join._whole(m, Step(), [x], apart)  # type: ignore[arg-type]
+    assert got is not None and np.array_equal(got, (x + 1) * 2)
