@@ -462,6 +462,28 @@ def _is_prequantized(path: str, raw: dict[str, Any]) -> bool:
         for n in ("quantize_config.json", "quantization_config.json"))
 
 
+def check_prequantized_shapes(have: dict[str, tuple[int, ...]],
+                              want: dict[str, tuple[int, ...]], tied: set[str], method: str,
+                              path: str) -> None:
+    """The dequantized state of a pre-quantized checkpoint (`have`: name -> shape) against
+    the model's parameters (`want`; `tied` may be absent): missing, unexpected or
+    mis-shaped tensors are a ModelLoadError."""
+    missing = [k for k in want if k not in have and k not in tied]
+    extra = [k for k in have if k not in want]
+    bad = [f"{k} {list(have[k])} (expected {list(want[k])})"
+           for k in have if k in want and have[k] != want[k]]
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {_listing(missing)}")
+        if extra:
+            parts.append(f"unexpected {_listing(extra)}")
+        if bad:
+            parts.append(f"mis-shaped {_listing(bad)}")
+        raise ModelLoadError(f"the {method} checkpoint in {path} does not match its "
+                             f"config: {'; '.join(parts)}")
+
+
 def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
     """A GPTQ / AWQ / AutoRound checkpoint: read its packed tensors (nothing re-quantized),
     build the float model from the exactly dequantized weights (Top and the float reference
@@ -478,25 +500,11 @@ def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
     family = check_config(config, os.path.join(path, "config.json"))
     with quiet_transformers():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    check_prequantized_shapes(ck.state_shapes(),
+                              {k: tuple(v.shape) for k, v in model.state_dict().items()},
+                              tied, ck.quant_method, path)
     state = ck.dequantized_state_dict()
-    expected = dict(model.state_dict())
-    tied = set()
-    if getattr(config, "tie_word_embeddings", False):
-        tied.add("lm_head.weight")
-    missing = [k for k in expected if k not in state and k not in tied]
-    extra = [k for k in state if k not in expected]
-    bad = [f"{k} {list(state[k].shape)} (expected {list(expected[k].shape)})"
-           for k in state if k in expected and tuple(state[k].shape) != tuple(expected[k].shape)]
-    if missing or extra or bad:
-        parts = []
-        if missing:
-            parts.append(f"missing {_listing(missing)}")
-        if extra:
-            parts.append(f"unexpected {_listing(extra)}")
-        if bad:
-            parts.append(f"mis-shaped {_listing(bad)}")
-        raise ModelLoadError(f"the {ck.quant_method} checkpoint in {path} does not match its "
-                             f"config: {'; '.join(parts)}")
     with torch.no_grad():
         model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=np.float32))
                                for k, v in state.items()}, strict=False)

@@ -8,6 +8,12 @@ stayed in floating point. `QuantizedLinear.dequantize` reproduces, bit-exactly i
 the weight the producing library defines: ``(q - zero) * scale`` with the scale stored in
 its checkpoint dtype and cast to float32.
 
+`open_quantized_checkpoint(model_dir, reader)` does every check of the same reader without
+holding the tensors (a streaming compile): each quantized linear is checked from the shard
+headers (`CheckpointReader`: fields, dtypes, shapes) and its small tensors (zero points,
+g_idx) and described by a `QuantizedLayout`; `QuantizedCheckpoint.linear(name)` reads and
+unpacks its integers when asked for. Both go through the one `_LayerReader`.
+
 On-disk layouts (``K`` = in_features, ``N`` = out_features, ``G`` = number of groups,
 ``p = 32 // bits`` values per int32 word, value ``i`` of a word in bits
 ``[i*bits, (i+1)*bits)``):
@@ -49,21 +55,26 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+
 __all__ = [
     "AWQ_PACK_ORDER",
     "QuantizedCheckpoint",
     "QuantizedCheckpointError",
+    "QuantizedLayout",
     "QuantizedLinear",
+    "ReaderSource",
     "SUPPORTED_BITS",
+    "open_quantized_checkpoint",
     "read_quantized_checkpoint",
     "unpack_awq_columns",
     "unpack_int32_columns",
@@ -176,6 +187,39 @@ class QuantizedCheckpoint:
     packing_format: str
     float_tensors: dict[str, np.ndarray] = field(default_factory=dict)
     linears: dict[str, QuantizedLinear] = field(default_factory=dict)
+    #: every quantized linear, checked, by module path (known before its integers are read)
+    layouts: dict[str, QuantizedLayout] = field(default_factory=dict)
+    #: the checkpoint tensors that are not part of a quantized linear
+    float_names: list[str] = field(default_factory=list)
+    #: where the tensors are read from (`linear`)
+    source: TensorSource | None = None
+    desc_act: bool = False
+
+    def linear(self, name: str) -> QuantizedLinear | None:
+        """The quantized linear `name` (a module path), unpacked: the one in `linears`, else
+        read from `source` now; None for a module that is not quantized."""
+        if name in self.linears:
+            return self.linears[name]
+        layout = self.layouts.get(name)
+        if layout is None:
+            return None
+        if self.source is None:
+            raise QuantizedCheckpointError(f"{self.model_dir}: layer '{name}' has no tensors")
+        return _LayerReader(
+            self.model_dir, self.packing_format, name, layout.tensors, self.source, self.desc_act
+        ).read(layout)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of `dequantized_state_dict` (of an opened checkpoint, from the shard
+        headers: nothing is read)."""
+        source = self.source
+        shapes = {name: tuple(int(d) for d in self.float_tensors[name].shape)
+                  if source is None else source.spec(name)[0] for name in self.float_names}
+        for name, layout in self.layouts.items():
+            shapes[f"{name}.weight"] = (layout.out_features, layout.in_features)
+            if "bias" in layout.tensors:
+                shapes[f"{name}.bias"] = (layout.out_features,)
+        return shapes
 
     def dequantized_state_dict(self) -> dict[str, np.ndarray]:
         """Float tensors plus ``<layer>.weight`` (float32) and ``<layer>.bias`` of every linear."""
@@ -568,52 +612,143 @@ def _stores_zero_minus_one(fmt: str) -> bool:
     return fmt == "gptq" or fmt in _AUTOROUND_GPTQ_V1
 
 
+class TensorSource(Protocol):
+    """The tensors of a checkpoint by name: their shape and dtype from the header alone,
+    their values on demand (`release` lets go of what was read)."""
+
+    def names(self) -> Iterable[str]: ...
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]: ...
+
+    def array(self, name: str) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+
+class _DictSource:
+    """Tensors already in memory (`_load_tensors`)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> Iterable[str]:
+        return self.tensors.keys()
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        t = self.tensors[name]
+        return tuple(int(d) for d in t.shape), t.dtype
+
+    def array(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+    def release(self) -> None:
+        pass
+
+
+class ReaderSource:
+    """The memory-mapped shards of a `CheckpointReader`: a tensor is read when asked for, and
+    `release` drops its pages from the resident set (a streaming compile)."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+
+    def names(self) -> Iterable[str]:
+        return self.reader.names()
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+        info = self.reader.info(name)
+        return info.shape, info.numpy_dtype
+
+    def array(self, name: str) -> np.ndarray:
+        try:
+            return self.reader.tensor(name)
+        except CheckpointError as e:
+            raise QuantizedCheckpointError(str(e)) from e
+
+    def release(self) -> None:
+        self.reader.release()
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """What a quantized linear is, checked before its integers are read: its scheme, its
+    shape (``K`` in, ``N`` out), whether act-order permutes its groups (a ``g_idx`` that is
+    not ``k // group_size``) and the checkpoint tensors of its fields."""
+
+    name: str
+    bits: int
+    group_size: int
+    sym: bool
+    in_features: int
+    out_features: int
+    act_order: bool
+    #: field ("qweight", "qzeros", "scales", "g_idx", "bias") -> checkpoint tensor name
+    tensors: Mapping[str, str]
+    source: str = "quantization_config"  # where the scheme came from
+
+    @property
+    def scheme(self) -> _LayerScheme:
+        return _LayerScheme(self.bits, self.group_size, self.sym, self.source)
+
+
 class _LayerReader:
+    """One quantized linear's tensors: `layout` checks everything the headers say (fields,
+    dtypes, shapes against bits and group size) and the small tensors' values (zero points,
+    g_idx); `read` then unpacks its integers."""
+
     def __init__(
         self,
         model_dir: Path,
         fmt: str,
         layer: str,
-        parts: dict[str, np.ndarray],
+        tensors: Mapping[str, str],
+        source: TensorSource,
         desc_act: bool = False,
     ):
         self.model_dir = model_dir
         self.desc_act = desc_act
         self.fmt = fmt
         self.layer = layer
-        self.parts = parts
+        self.tensors = tensors
+        self.source = source
 
     def error(self, fld: str, problem: str, fix: str) -> QuantizedCheckpointError:
         return QuantizedCheckpointError(
             f"{self.model_dir}: layer '{self.layer}', field '{fld}': {problem}; {fix}"
         )
 
-    def get(self, fld: str, dtypes: tuple[np.dtype, ...], what: str) -> np.ndarray:
-        if fld not in self.parts:
+    def spec(
+        self, fld: str, dtypes: tuple[np.dtype, ...], what: str
+    ) -> tuple[tuple[int, ...], np.dtype]:
+        if fld not in self.tensors:
             raise self.error(
                 fld,
                 f"tensor '{self.layer}.{fld}' is missing (a {self.fmt} layer needs {what})",
                 "the checkpoint is incomplete or not in this format; re-export it",
             )
-        t = self.parts[fld]
-        if t.dtype not in dtypes:
+        shape, dtype = self.source.spec(self.tensors[fld])
+        if dtype not in dtypes:
             raise self.error(
                 fld,
-                f"dtype {t.dtype} (expected {' or '.join(str(d) for d in dtypes)})",
+                f"dtype {dtype} (expected {' or '.join(str(d) for d in dtypes)})",
                 "the tensor is not in the layout the config names; re-export the checkpoint",
             )
-        return t
+        return shape, dtype
 
-    def shape(self, fld: str, t: np.ndarray, expected: tuple[int, ...], why: str) -> None:
-        if tuple(t.shape) != expected:
+    def array(self, fld: str) -> np.ndarray:
+        return self.source.array(self.tensors[fld])
+
+    def shape(self, fld: str, shape: tuple[int, ...], expected: tuple[int, ...], why: str) -> None:
+        if tuple(shape) != expected:
             raise self.error(
                 fld,
-                f"shape {list(t.shape)} but {why} requires {list(expected)}",
+                f"shape {list(shape)} but {why} requires {list(expected)}",
                 "the tensor is mis-shaped for the configured bits/group_size; check the config or "
                 "re-export the checkpoint",
             )
 
-    def read(self, scheme: _LayerScheme) -> QuantizedLinear:
+    def layout(self, scheme: _LayerScheme) -> QuantizedLayout:
+        """Check the layer (see the class doc) and say what it is."""
         bits = scheme.bits
         if bits not in SUPPORTED_BITS:
             raise self.error(
@@ -628,7 +763,7 @@ class _LayerReader:
                 "bits", f"{bits}-bit in the AWQ gemm layout", "AWQ gemm is defined for 4 bits only"
             )
         allowed = _AWQ_FIELDS if awq else _GPTQ_FIELDS
-        extra = sorted(set(self.parts) - allowed)
+        extra = sorted(set(self.tensors) - allowed)
         if extra:
             raise self.error(
                 extra[0],
@@ -639,26 +774,26 @@ class _LayerReader:
             )
         int32 = (np.dtype(np.int32), np.dtype(np.uint32))
         per = 32 // bits
-        qweight = self.get("qweight", int32, "a packed int32 qweight")
-        qzeros = self.get("qzeros", int32, "packed int32 zero points")
-        scales = self.get("scales", _FLOAT_DTYPES, "float scales")
-        if qweight.ndim != 2:
-            raise self.error("qweight", f"{qweight.ndim}-d tensor", "expected a 2-d int32 tensor")
+        qweight, _ = self.spec("qweight", int32, "a packed int32 qweight")
+        qzeros, _ = self.spec("qzeros", int32, "packed int32 zero points")
+        scales, _ = self.spec("scales", _FLOAT_DTYPES, "float scales")
+        if len(qweight) != 2:
+            raise self.error("qweight", f"{len(qweight)}-d tensor", "expected a 2-d int32 tensor")
         if awq:
-            k, n = int(qweight.shape[0]), int(qweight.shape[1]) * per
+            k, n = int(qweight[0]), int(qweight[1]) * per
         else:
-            k, n = int(qweight.shape[0]) * per, int(qweight.shape[1])
+            k, n = int(qweight[0]) * per, int(qweight[1])
         gs = k if scheme.group_size in (-1, 0) else scheme.group_size
         if gs <= 0:
             raise self.error("group_size", f"{scheme.group_size}", "group_size must be -1 or > 0")
-        g_idx_raw = self.parts.get("g_idx")
-        if g_idx_raw is None and self.desc_act:
+        has_g_idx = "g_idx" in self.tensors
+        if not has_g_idx and self.desc_act:
             raise self.error(
                 "g_idx",
                 f"desc_act=true (act-order) but tensor '{self.layer}.g_idx' is missing",
                 "act-order groups cannot be reconstructed without g_idx; re-export the checkpoint",
             )
-        if g_idx_raw is None and k % gs:
+        if not has_g_idx and k % gs:
             raise self.error(
                 "group_size",
                 f"group size {gs} does not divide in_features {k}",
@@ -669,20 +804,33 @@ class _LayerReader:
         self.shape(
             "qzeros", qzeros, (groups, n // per), f"{groups} groups, {n} outputs at {bits} bits"
         )
+        layout = QuantizedLayout(
+            self.layer, bits, gs, scheme.sym, k, n, False, dict(self.tensors), scheme.source
+        )
+        self.zeros(layout)
+        act_order = self.g_idx(layout) is not None
+        if "bias" in self.tensors:
+            bias, dtype = self.source.spec(self.tensors["bias"])
+            if dtype not in _FLOAT_DTYPES:
+                raise self.error("bias", f"dtype {dtype}", "bias must be a float tensor")
+            self.shape("bias", bias, (n,), f"out_features {n}")
+        return replace(layout, act_order=act_order)
 
-        if awq:
-            q = unpack_awq_columns(qweight, bits).T
+    def zeros(self, layout: QuantizedLayout) -> np.ndarray:
+        """The real zero points ``[N, G]`` (the format's offset resolved), checked against
+        ``sym``."""
+        bits = layout.bits
+        qzeros = self.array("qzeros")
+        if _is_awq_layout(self.fmt):
             zeros = unpack_awq_columns(qzeros, bits).T
         else:
-            q = unpack_int32_rows(qweight, bits).T
             zeros = unpack_int32_columns(qzeros, bits).T
-        q = np.ascontiguousarray(q)
         zeros = np.ascontiguousarray(zeros)
         if _stores_zero_minus_one(self.fmt):
             z = zeros.astype(np.int32) + 1
             zeros = z.astype(np.uint8) if int(z.max(initial=0)) <= 255 else z
 
-        if scheme.sym and not np.all(zeros == (1 << (bits - 1))):
+        if layout.sym and not np.all(zeros == (1 << (bits - 1))):
             bad = np.argwhere(zeros != (1 << (bits - 1)))[0]
             raise self.error(
                 "qzeros",
@@ -692,53 +840,56 @@ class _LayerReader:
                 "check checkpoint_format/packing_format (gptq stores zero-1, gptq_v2 and plain "
                 "auto_round store the zero) and sym in the config",
             )
+        return zeros
 
-        g_idx: np.ndarray | None = None
-        if g_idx_raw is not None:
-            if g_idx_raw.dtype.kind not in "iu":
-                raise self.error("g_idx", f"dtype {g_idx_raw.dtype}", "g_idx must be integer")
-            self.shape("g_idx", g_idx_raw, (k,), f"in_features {k}")
-            gi = g_idx_raw.astype(np.int64)
-            if gi.size and (gi.min() < 0 or gi.max() >= groups):
-                raise self.error(
-                    "g_idx",
-                    f"group indices span [{gi.min()}, {gi.max()}] but there are {groups} groups",
-                    "g_idx does not match scales/qzeros; re-export the checkpoint",
-                )
-            if not np.array_equal(gi, np.arange(k) // gs):
-                g_idx = gi.astype(np.int32)
+    def g_idx(self, layout: QuantizedLayout) -> np.ndarray | None:
+        """int32 ``[K]``: the group of each input channel when act-order permutes them (None
+        when the groups are contiguous)."""
+        if "g_idx" not in self.tensors:
+            return None
+        k, gs = layout.in_features, layout.group_size
+        groups = math.ceil(k / gs)
+        g_idx_raw = self.array("g_idx")
+        if g_idx_raw.dtype.kind not in "iu":
+            raise self.error("g_idx", f"dtype {g_idx_raw.dtype}", "g_idx must be integer")
+        self.shape("g_idx", g_idx_raw.shape, (k,), f"in_features {k}")
+        gi = g_idx_raw.astype(np.int64)
+        if gi.size and (gi.min() < 0 or gi.max() >= groups):
+            raise self.error(
+                "g_idx",
+                f"group indices span [{gi.min()}, {gi.max()}] but there are {groups} groups",
+                "g_idx does not match scales/qzeros; re-export the checkpoint",
+            )
+        if np.array_equal(gi, np.arange(k) // gs):
+            return None
+        return gi.astype(np.int32)
 
-        bias = self.parts.get("bias")
-        if bias is not None:
-            if bias.dtype not in _FLOAT_DTYPES:
-                raise self.error("bias", f"dtype {bias.dtype}", "bias must be a float tensor")
-            self.shape("bias", bias, (n,), f"out_features {n}")
-
+    def read(self, layout: QuantizedLayout) -> QuantizedLinear:
+        """The layer's tensors, unpacked (`layout` as `layout()` made it)."""
+        qweight = self.array("qweight")
+        if _is_awq_layout(self.fmt):
+            q = unpack_awq_columns(qweight, layout.bits).T
+        else:
+            q = unpack_int32_rows(qweight, layout.bits).T
+        bias = self.array("bias") if "bias" in self.tensors else None
         return QuantizedLinear(
             name=self.layer,
-            bits=bits,
-            group_size=gs,
-            qweight=q,
-            scales=np.ascontiguousarray(scales.T),
-            zeros=zeros,
-            g_idx=g_idx,
-            bias=bias,
-            sym=scheme.sym,
+            bits=layout.bits,
+            group_size=layout.group_size,
+            qweight=np.ascontiguousarray(q),
+            scales=np.ascontiguousarray(self.array("scales").T),
+            zeros=self.zeros(layout),
+            g_idx=self.g_idx(layout),
+            bias=None if bias is None else np.array(bias),
+            sym=layout.sym,
         )
 
 
 # --------------------------------------------------------------------------------------------
-# entry point
+# entry points
 
 
-def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedCheckpoint:
-    """Read a GPTQ / AWQ / AutoRound checkpoint directory into `QuantizedCheckpoint`.
-
-    Raises `QuantizedCheckpointError` (naming the layer, the field and the remedy) for
-    anything that cannot be decoded exactly: unknown ``quant_method``, unsupported bits or
-    packing layout, missing / mis-shaped / unexpected tensors, a config that contradicts
-    the tensors.
-    """
+def _root_and_config(model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     root = Path(model_dir)
     if not root.is_dir():
         raise QuantizedCheckpointError(f"{root}: not a directory (expected a HF model directory)")
@@ -747,17 +898,53 @@ def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedChe
         raise QuantizedCheckpointError(
             f"{root}: no config.json; not a Hugging Face model directory"
         )
-    config = _load_json(config_path)
+    return root, _load_json(config_path)
+
+
+def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedCheckpoint:
+    """Read a GPTQ / AWQ / AutoRound checkpoint directory into `QuantizedCheckpoint`, every
+    tensor in memory (`linears`, `float_tensors`).
+
+    Raises `QuantizedCheckpointError` (naming the layer, the field and the remedy) for
+    anything that cannot be decoded exactly: unknown ``quant_method``, unsupported bits or
+    packing layout, missing / mis-shaped / unexpected tensors, a config that contradicts
+    the tensors.
+    """
+    root, config = _root_and_config(model_dir)
+    ck = _open(root, config, lambda: _DictSource(_load_tensors(root)))
+    for name in ck.layouts:
+        ck.linears[name] = ck.linear(name)
+    ck.float_tensors = {name: ck.source.array(name) for name in ck.float_names}
+    ck.source = None  # the packed integers go: `linears` holds them unpacked
+    return ck
+
+
+def open_quantized_checkpoint(
+    model_dir: str | os.PathLike[str], reader: CheckpointReader
+) -> QuantizedCheckpoint:
+    """A GPTQ / AWQ / AutoRound checkpoint directory whose shards `reader` maps: every check
+    of `read_quantized_checkpoint` done (config, schemes, fields, dtypes, shapes, zero points,
+    g_idx), `layouts` filled, and each quantized linear read only when asked for
+    (`QuantizedCheckpoint.linear`), its pages dropped from the resident set once checked."""
+    root, config = _root_and_config(model_dir)
+    return _open(root, config, lambda: ReaderSource(reader))
+
+
+def _open(
+    root: Path, config: dict[str, Any], make_source: Callable[[], TensorSource]
+) -> QuantizedCheckpoint:
+    """The checks and layouts of a checkpoint (see `open_quantized_checkpoint`); the config
+    is checked before `make_source` gives the tensors."""
     qc = _read_quantization_config(root, config)
     method = _normalize_quant_method(root, qc)
     fmt = _packing_format(root, method, qc)
     resolver = _SchemeResolver(root, method, qc)
     desc_act = method == "gptq" and bool(qc.get("desc_act"))
-    tensors = _load_tensors(root)
+    source = make_source()
 
     # group tensors by module: "<module>.<field>"
     modules: dict[str, dict[str, str]] = {}
-    for key in tensors:
+    for key in source.names():
         module, _, fld = key.rpartition(".")
         modules.setdefault(module, {})[fld] = key
     quant_modules = sorted(m for m, fields in modules.items() if "qweight" in fields and m)
@@ -771,24 +958,25 @@ def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedChe
             )
     known_layers = [m for m in modules if m]
 
-    linears: dict[str, QuantizedLinear] = {}
+    layouts: dict[str, QuantizedLayout] = {}
     consumed: set[str] = set()
     for module in quant_modules:
-        scheme, source = resolver.resolve(module, known_layers)
+        scheme, where = resolver.resolve(module, known_layers)
         if scheme is None:
             raise QuantizedCheckpointError(
                 f"{root}: layer '{module}', field 'qweight': the layer is packed but the "
-                f"quantization_config keeps it in float ({source}); the config and the tensors "
+                f"quantization_config keeps it in float ({where}); the config and the tensors "
                 "disagree, fix the config"
             )
-        parts = {fld: tensors[key] for fld, key in modules[module].items()}
-        linears[module] = _LayerReader(root, fmt, module, parts, desc_act).read(scheme)
+        reader = _LayerReader(root, fmt, module, modules[module], source, desc_act)
+        layouts[module] = reader.layout(scheme)
+        source.release()
         consumed.update(modules[module].values())
 
     # a layer the config names explicitly as quantized must not be stored in float
     explicit: list[str] = list(resolver.extra)
     for module in explicit:
-        if module in modules and module not in linears and "weight" in modules[module]:
+        if module in modules and module not in layouts and "weight" in modules[module]:
             scheme, _ = resolver.resolve(module, known_layers)
             if scheme is not None:
                 raise QuantizedCheckpointError(
@@ -797,9 +985,9 @@ def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedChe
                     "config or re-export the checkpoint"
                 )
 
-    float_tensors = {k: v for k, v in tensors.items() if k not in consumed}
-    for key, t in float_tensors.items():
-        if t.dtype.kind in "iu" and key.endswith(".weight"):
+    float_names = [k for k in source.names() if k not in consumed]
+    for key in float_names:
+        if source.spec(key)[1].kind in "iu" and key.endswith(".weight"):
             raise QuantizedCheckpointError(
                 f"{root}: tensor '{key}' is an integer weight outside any GPTQ/AWQ layer; "
                 "the layout is not recognised"
@@ -810,6 +998,8 @@ def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedChe
         quantization_config=qc,
         quant_method=method,
         packing_format=fmt,
-        float_tensors=float_tensors,
-        linears=linears,
+        layouts=layouts,
+        float_names=float_names,
+        source=source,
+        desc_act=desc_act,
     )

@@ -21,6 +21,12 @@ converted one tensor at a time from the stored dtype: exactly what `model.float(
 same checkpoint holds) and drops the shard pages it read (`CheckpointReader.release`), so
 the resident set stays near one layer plus the largest shared tensor, whatever the layer
 count.
+
+A pre-quantized (GPTQ / AWQ / AutoRound) checkpoint streams the same way
+(`load_prequantized_streaming`): its quantized linears are all checked when it is opened
+(`quant_checkpoints.open_quantized_checkpoint`), the skeleton's real layers hold their
+dequantized weights, and each layer's integers are read and unpacked when its chunk is
+made (`QuantizedCheckpoint.linear`, through `layer_weights.StreamedLayerWeights`).
 """
 
 from __future__ import annotations
@@ -38,15 +44,23 @@ import torch
 from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
     LoadedModel,
+    ModelDir,
     ModelLoadError,
     check_checkpoint,
     check_config,
+    check_prequantized_shapes,
+    expected_shapes,
     generation_settings,
     quiet_transformers,
     read_model_dir,
     tokenizer_files,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, layer_key
+from toptpu.frontends.quant_checkpoints import (
+    QuantizedCheckpoint,
+    QuantizedCheckpointError,
+    open_quantized_checkpoint,
+)
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -57,25 +71,60 @@ PLACEHOLDER_MODULES = ("model.embed_tokens", "lm_head")
 
 
 def load_streaming(path: str, need_tokenizer: bool = True) -> LoadedModel:
-    """A float checkpoint directory as a skeleton with its `StreamedWeights` (see the module
-    doc); a pre-quantized checkpoint is loaded whole (`hf_loader.load_model`: its integers
-    are read, and its float model built, in memory)."""
-    from toptpu.frontends.hf_loader import load_model
-
+    """A checkpoint directory as a skeleton with its `StreamedWeights` (see the module doc);
+    a pre-quantized one through `load_prequantized_streaming`."""
     d = read_model_dir(path)
     if d.prequantized:
-        return load_model(path, need_tokenizer=need_tokenizer)
+        return load_prequantized_streaming(d, need_tokenizer)
     family = check_config(d.config, os.path.join(path, "config.json"))
-    try:
-        reader = CheckpointReader.open(path)
-    except CheckpointError as e:
-        raise ModelLoadError(str(e)) from e
+    reader = _open_reader(path)
     check_checkpoint(d.config, path, {n: (t.shape, t.dtype) for n, t in reader.tensors.items()})
     files = tokenizer_files(path, need_tokenizer)
-    model, placeholders = skeleton(d.config, reader)
+    model, placeholders = skeleton(d.config, lambda name: _f32(reader, name))
     return LoadedModel(model, family, files,
                        generation_settings(d.generation, d.config), path,
-                       stream=StreamedWeights(reader, placeholders, model.model.layers[0]))
+                       stream=StreamedWeights(reader, placeholders, materialized={
+                           LAYER_PREFIX: model.model.layers[0]}))
+
+
+def load_prequantized_streaming(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
+    """A GPTQ / AWQ / AutoRound checkpoint directory as a skeleton whose layer 0 holds the
+    exactly dequantized weights (`hf_loader.load_model` builds the whole model from the same),
+    its every quantized linear checked up front (`quant_checkpoints.open_quantized_checkpoint`)
+    and read, unpacked and let go one layer at a time when the blob is written. A checkpoint
+    that quantizes a linear outside the decoder layers (a GPTQ ``lm_head: true``) is loaded
+    whole: the embedding and lm_head placeholders stand for float tensors only."""
+    from toptpu.frontends.hf_loader import load_model
+
+    path, config = d.path, d.config
+    reader = _open_reader(path)
+    try:
+        ck = open_quantized_checkpoint(path, reader)
+    except QuantizedCheckpointError as e:
+        raise ModelLoadError(str(e)) from e
+    if any(not name.startswith("model.layers.") for name in ck.layouts):
+        reader.close()
+        return load_model(path, need_tokenizer=need_tokenizer)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    family = check_config(config, os.path.join(path, "config.json"))
+    want, tied = expected_shapes(config)
+    check_prequantized_shapes(ck.state_shapes(), want, tied, ck.quant_method, path)
+    files = tokenizer_files(path, need_tokenizer)
+    stream = StreamedWeights(reader, {}, checkpoint=ck)
+    model, stream.placeholders = skeleton(config, stream.tensor_f32)
+    stream.materialized[LAYER_PREFIX] = model.model.layers[0]
+    dtype = d.raw.get("torch_dtype") or d.raw.get("dtype")
+    return LoadedModel(model, family, files, generation_settings(d.generation, config), path,
+                       checkpoint=ck, checkpoint_dtype=str(dtype) if dtype else None,
+                       stream=stream)
+
+
+def _open_reader(path: str) -> CheckpointReader:
+    try:
+        return CheckpointReader.open(path)
+    except CheckpointError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def layer_tensor_name(layer: int, key: str) -> str:
@@ -104,25 +153,21 @@ def to_f32(stored: np.ndarray) -> np.ndarray:
         else np.asarray(stored, dtype=np.float32)
 
 
-def skeleton(config: Any, reader: CheckpointReader, tied: bool | None = None
+def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | None = None
              ) -> tuple[Any, dict[int, str]]:
-    """The skeleton model (see the module doc) and its placeholders: id(parameter) -> the
-    checkpoint tensor it stands for. `tied`: the lm_head is the embedding (default: the
-    config's tie_word_embeddings; a VLM's own config decides for its text model)."""
+    """The skeleton model (see the module doc), its real tensors from `tensor_f32`
+    (checkpoint name -> float32), and its placeholders: id(parameter) -> the checkpoint
+    tensor it stands for. `tied`: the lm_head is the embedding (default: the config's
+    tie_word_embeddings; a VLM's own config decides for its text model)."""
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers(), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     inner = model.model
-    layer0 = inner.layers[0].to_empty(device="cpu")
-    if any(True for _ in layer0.buffers()):
-        raise ModelLoadError(f"{type(layer0).__name__} has buffers, which the streaming "
-                             "compile cannot rebuild from the checkpoint")
-    for name, p in layer0.named_parameters():
-        p.data = torch.from_numpy(_f32(reader, layer_tensor_name(0, name)))
+    materialize_layer(model, 0, tensor_f32)
     norm = inner.norm.to_empty(device="cpu")
     for name, p in norm.named_parameters():
-        p.data = torch.from_numpy(_f32(reader, f"model.norm.{name}"))
+        p.data = torch.from_numpy(tensor_f32(f"model.norm.{name}"))
     inner.rotary_emb = type(inner.rotary_emb)(config=config)
     placeholders: dict[int, str] = {}
     embed = _placeholder(inner.embed_tokens.weight.shape)
@@ -140,6 +185,18 @@ def skeleton(config: Any, reader: CheckpointReader, tied: bool | None = None
     return model.eval(), placeholders
 
 
+def materialize_layer(model: Any, layer: int, tensor_f32: Callable[[str], np.ndarray]
+                      ) -> torch.nn.Module:
+    """The skeleton's decoder layer `layer` made real in float32 from `tensor_f32`."""
+    mod = model.model.layers[layer].to_empty(device="cpu")
+    if any(True for _ in mod.buffers()):
+        raise ModelLoadError(f"{type(mod).__name__} has buffers, which the streaming "
+                             "compile cannot rebuild from the checkpoint")
+    for name, p in mod.named_parameters():
+        p.data = torch.from_numpy(tensor_f32(layer_tensor_name(layer, name)))
+    return mod
+
+
 def _placeholder(shape: torch.Size) -> torch.nn.Parameter:
     """A float32 parameter of `shape` on zero pages nobody writes (no resident memory)."""
     return torch.nn.Parameter(torch.from_numpy(np.zeros(tuple(shape), np.float32)),
@@ -154,10 +211,36 @@ class StreamedWeights:
     reader: CheckpointReader
     #: id(skeleton parameter) -> checkpoint tensor name, for the placeholders
     placeholders: dict[int, str]
-    #: the skeleton's layer 0, in float32 until the per-layer nets are compiled
-    layer0: torch.nn.Module | None = None
     #: Top weight name of a shared net -> checkpoint tensor name (`bind_shared`)
     shared_sources: dict[str, str] = field(default_factory=dict)
+    #: a pre-quantized checkpoint (`quant_checkpoints.open_quantized_checkpoint`): its
+    #: quantized linears' float weights are their dequantized integers
+    checkpoint: QuantizedCheckpoint | None = None
+    #: the skeleton's real decoder layers by the Top name prefix of their weights (layer 0:
+    #: 'layer.'; a layer variant's representative: 'v3.layer.'), until the nets are compiled
+    materialized: dict[str, torch.nn.Module] = field(default_factory=dict)
+
+    def tensor_f32(self, name: str) -> np.ndarray:
+        """The checkpoint tensor `name` in float32; a quantized linear's 'weight' dequantized
+        (`QuantizedLinear.dequantize`: what the in-memory path's model holds)."""
+        module = name.removesuffix(".weight")
+        if self.checkpoint is not None and name.endswith(".weight") \
+                and module in self.checkpoint.layouts:
+            try:
+                linear = self.checkpoint.linear(module)
+            except QuantizedCheckpointError as e:
+                raise ModelLoadError(str(e)) from e
+            assert linear is not None
+            out = linear.dequantize()
+            self.reader.release()
+            return out
+        return _f32(self.reader, name)
+
+    def materialize(self, model: Any, layer: int, weight_prefix: str) -> None:
+        """Make the skeleton's layer `layer` real (a layer variant's representative, whose
+        nets are exported from it); its weights are named `weight_prefix` + 'layer.…'."""
+        self.materialized[weight_prefix + LAYER_PREFIX] = materialize_layer(
+            model, layer, self.tensor_f32)
 
     # ------------------------------------------------------------------ layers
     def float_of(self, layer: int) -> Callable[[str], np.ndarray]:
@@ -169,34 +252,32 @@ class StreamedWeights:
             if key is None:
                 raise ModelLoadError(f"'{source}' is not a per-layer weight")
             name = layer_tensor_name(layer, key)
-            if name not in self.reader:
+            quantized = self.checkpoint is not None and \
+                name.removesuffix(".weight") in self.checkpoint.layouts
+            if name not in self.reader and not quantized:
                 raise ModelLoadError(f"the checkpoint has no '{name}' (the per-layer nets read "
                                      f"'{source}'): its layers are not all alike")
             if name not in last:  # the quantized parts of one weight ask for it in a row
                 last.clear()
-                last[name] = _f32(self.reader, name)
+                last[name] = self.tensor_f32(name)
             return last[name]
 
         return get
-
-    def checkpoint_of(self, layer: int) -> None:
-        """A float checkpoint has no pre-quantized parts."""
-        return None
 
     def release(self) -> None:
         """Drop the shard pages read so far from the resident set."""
         self.reader.release()
 
-    def free_layer0(self) -> list[str]:
-        """Once the per-layer nets are compiled: let the skeleton's float32 layer 0 go (its
-        tensors are empty afterwards); the Top names of its parameters, which the caller's
-        weight store holds too."""
-        if self.layer0 is None:
-            return []
-        names = [LAYER_PREFIX + n for n, _ in self.layer0.named_parameters()]
-        for p in self.layer0.parameters():
-            p.data = torch.empty(0)
-        self.layer0 = None
+    def free_layers(self) -> list[str]:
+        """Once the per-layer nets are compiled: let the skeleton's float32 layers go (layer 0
+        and any representative; their tensors are empty afterwards); the Top names of their
+        parameters, which the caller's weight store holds too."""
+        names = []
+        for prefix, module in self.materialized.items():
+            names += [prefix + n for n, _ in module.named_parameters()]
+            for p in module.parameters():
+                p.data = torch.empty(0)
+        self.materialized.clear()
         return names
 
     # ------------------------------------------------------------------ shared tensors

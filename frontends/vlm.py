@@ -80,7 +80,7 @@ from toptpu.frontends.hf_loader import (
     generation_settings,
     quiet_transformers,
 )
-from toptpu.frontends.llm import NetSpec, SplitError
+from toptpu.frontends.llm import LAYER_PREFIX, NetSpec, SplitError
 from toptpu.frontends.streaming import StreamedWeights, skeleton, to_f32
 
 #: model_type -> the vision family name used in model files
@@ -706,16 +706,18 @@ def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
     names = _checkpoint_names(d, vlm, reader)
     text = {lm: names[key] for key in names if (lm := text_name(key)) is not None}
     view = reader.renamed(text)
+    stream = StreamedWeights(view, {})
+    model, stream.placeholders = skeleton(d.config.text_config, stream.tensor_f32,
+                                          tied=_tied(vlm))
+    stream.materialized[LAYER_PREFIX] = model.model.layers[0]
     try:
-        model, placeholders = skeleton(d.config.text_config, view, tied=_tied(vlm))
         _read_vision(vlm, reader, names)
     except CheckpointError as e:
         raise ModelLoadError(str(e)) from e
     vision = vision_model(vlm.eval(), d.tokenizer, d.processor, path, image_size=image_size,
                           max_tiles=max_tiles, max_patches=max_patches)
     return LoadedVlm(model, d.family, d.tokenizer_files, d.generation_settings(), path,
-                     stream=StreamedWeights(view, placeholders, model.model.layers[0]),
-                     vision=vision)
+                     stream=stream, vision=vision)
 
 
 def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str, str]:

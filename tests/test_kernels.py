@@ -128,3 +128,23 @@ def test_bfloat16_to_float32_is_astype_bit_for_bit() -> None:
         got = K.f32(x)
         assert got.dtype == np.float32 and got.shape == x.shape
         assert np.array_equal(got.view(np.uint32), x.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize(("bits", "with_zeros"), [(4, True), (4, False), (8, True), (8, False)])
+def test_dequantize_is_the_formula_bit_for_bit(bits: int, with_zeros: bool) -> None:
+    """(q - z) * s per group computed in place gives the bits of the plain expression."""
+    rng = np.random.default_rng(bits)
+    n, k, gs = 48, 256, 64
+    if bits == 4:
+        qweight = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        q = K.unpack_int4(qweight)
+    else:
+        qweight = q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    scales = (rng.standard_normal((n, k // gs)) * 1e-2).astype(ml_dtypes.bfloat16)
+    zeros = rng.integers(0, 2**bits - 1, (n, k // gs)).astype(np.uint8) if with_zeros else None
+    z = (zeros.astype(np.float32) if zeros is not None
+         else np.full((n, k // gs), 8.0 if bits == 4 else 0.0, np.float32))
+    want = ((q.astype(np.float32).reshape(n, -1, gs) - z[:, :, None])
+            * scales.astype(np.float32)[:, :, None]).reshape(n, k)
+    got = K.dequantize(qweight, scales, zeros, bits, gs)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))

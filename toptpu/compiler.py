@@ -104,7 +104,7 @@ from toptpu.frontends.llm import (
 )
 from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
-from toptpu.layer_weights import LayerWeights, ModelLayerWeights
+from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.address_assign import AddressError
 from toptpu.passes.convert_top_to_tpu import MODES, ConversionError, parse_mode
@@ -379,13 +379,15 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     # layers whose checkpoint quantization differs get per-layer nets of their own
     variants = layer_variants(hf, loaded.checkpoint)
     for rep in list(variants)[1:]:
+        if loaded.stream is not None:  # the skeleton's representative layer made real
+            loaded.stream.materialize(hf, rep, f"v{rep}.")
         for spec in split_model(hf, shapes, layer=rep, act=act):
             if spec.per_layer:
                 nets.append(NetPlan(replace(spec, name=str(NetName(spec.name, rep))), mode,
                                     f"v{rep}."))
     layers: LayerWeights = ModelLayerWeights(hf, loaded.checkpoint)
     if loaded.stream is not None:
-        layers = loaded.stream
+        layers = StreamedLayerWeights(loaded.stream, loaded.checkpoint)
         for net in nets:
             if not net.spec.per_layer:
                 loaded.stream.bind_shared(net.spec.module, net.weight_prefix)
@@ -467,7 +469,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
             read = {op.tensor_name for n in nets.values() for op in n.tpu.walk()
                     if isinstance(op, tpu.WeightOp)}
-            gone += [n for n in stream.free_layer0() if n not in read]
+            gone += [n for n in stream.free_layers() if n not in read]
         for name in gone:
             if name in store:
                 del store[name]
@@ -777,7 +779,7 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
         compile=CompileInfo(source=loaded.source, toptpu_version=toptpu_version),
         checkpoint=None if ck is None else CheckpointInfo(
             quant_method=ck.quant_method, packing_format=ck.packing_format,
-            bits=checkpoint_bits(ck), quantized_layers=len(ck.linears),
+            bits=checkpoint_bits(ck), quantized_layers=len(ck.layouts),
             dtype=loaded.checkpoint_dtype),
         vision=vision_info,
     )

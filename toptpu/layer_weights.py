@@ -19,6 +19,7 @@ import numpy as np
 from toptpu.compile_options import CompileError
 from toptpu.dialects.weight_store import _torch_to_numpy
 from toptpu.frontends.llm import layer_key
+from toptpu.frontends.quant_checkpoints import QuantizedCheckpointError
 from toptpu.passes.quantize import QuantizationError, checkpoint_parts
 
 #: Top weight name -> a layer's float tensor
@@ -43,6 +44,21 @@ class ModelLayerWeights:
 
     def float_of(self, layer: int) -> FloatOf:
         return float_of_layer(self.model, layer)
+
+    def checkpoint_of(self, layer: int) -> CheckpointOf | None:
+        return None if self.checkpoint is None else checkpoint_of_layer(self.checkpoint, layer)
+
+
+class StreamedLayerWeights:
+    """A streamed checkpoint's layers (`frontends.streaming.StreamedWeights`, read from the
+    shards) and, for a pre-quantized one, its quantized linears, each read and unpacked when
+    its layer's chunk is made."""
+
+    def __init__(self, stream: Any, checkpoint: Any = None) -> None:
+        self.stream, self.checkpoint = stream, checkpoint
+
+    def float_of(self, layer: int) -> FloatOf:
+        return self.stream.float_of(layer)
 
     def checkpoint_of(self, layer: int) -> CheckpointOf | None:
         return None if self.checkpoint is None else checkpoint_of_layer(self.checkpoint, layer)
@@ -75,13 +91,13 @@ def checkpoint_of_layer(checkpoint: Any, layer: int) -> CheckpointOf:
         if key is None:
             return None
         name = f"model.layers.{layer}.{key}".removesuffix(".weight")
-        ql = checkpoint.linears.get(name)
-        if ql is None:
-            return None
         try:
+            ql = checkpoint.linear(name)
+            if ql is None:
+                return None
             return checkpoint_parts(ql.qweight, ql.scales, ql.zeros, ql.g_idx, ql.bits,
                                     ql.group_size, name)
-        except QuantizationError as e:
+        except (QuantizationError, QuantizedCheckpointError) as e:
             raise CompileError(str(e)) from e
 
     return get

@@ -29,7 +29,7 @@ AUTO_ACTIVATIONS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 def checkpoint_bits(checkpoint: Any) -> int:
     """The weight bits of most of the checkpoint's quantized layers."""
-    counts = Counter(ql.bits for ql in checkpoint.linears.values())
+    counts = Counter(layout.bits for layout in checkpoint.layouts.values())
     if not counts:
         raise CompileError("the checkpoint has no quantized layers")
     return counts.most_common(1)[0][0]
@@ -73,8 +73,8 @@ def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
     def signature(i: int) -> tuple:
         sig = []
         for lin in linears:
-            ql = checkpoint.linears.get(f"model.layers.{i}.{lin}")
-            sig.append(None if ql is None else (ql.bits, ql.group_size, ql.g_idx is not None))
+            q = checkpoint.layouts.get(f"model.layers.{i}.{lin}")
+            sig.append(None if q is None else (q.bits, q.group_size, q.act_order))
         return tuple(sig)
 
     groups: dict[tuple, list[int]] = {}
@@ -93,8 +93,10 @@ def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,
     for spec in specs:
         for top_name, p in spec.module.named_parameters():
             hf_name = hf_names.get(id(p), "")
-            ql = checkpoint.linears.get(hf_name.removesuffix(".weight"))
-            if ql is None or not hf_name.endswith(".weight"):
+            if not hf_name.endswith(".weight"):
+                continue
+            ql = checkpoint.linear(hf_name.removesuffix(".weight"))
+            if ql is None:
                 continue
             for fld, arr in _checkpoint_fields(ql).items():
                 store[checkpoint_key(prefixes[spec.name] + top_name, fld)] = arr

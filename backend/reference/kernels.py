@@ -368,10 +368,12 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int,
                group_size: int) -> np.ndarray:
-    """The weights `tpu.a16_matmul` multiplies by: (q - z) * s per group, in f32."""
+    """The weights `tpu.a16_matmul` multiplies by: (q - z) * s per group, in f32.
+
+    Computed into the one float32 result (integers widened inside the subtraction, exact;
+    then one rounding per product): a 7B-sized weight allocates 1 array of its size, not 3."""
     q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
-    qf = q.astype(np.float32)
-    n, k = qf.shape
+    n, k = q.shape
     g = k // group_size
     if zeros is not None:
         z = np.asarray(zeros).astype(np.float32)
@@ -379,8 +381,9 @@ def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None
         z = np.full((n, g), 8.0, np.float32)
     else:
         z = np.zeros((n, g), np.float32)
-    s = f32(scales)
-    w = (qf.reshape(n, g, group_size) - z[:, :, None]) * s[:, :, None]
+    w = np.empty((n, g, group_size), np.float32)
+    np.subtract(q.reshape(n, g, group_size), z[:, :, None], out=w, dtype=np.float32)
+    np.multiply(w, f32(scales)[:, :, None], out=w)
     return w.reshape(n, k)
 
 
