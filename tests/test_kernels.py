@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from fuzz import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
 
 from toptpu.backend.reference import kernels as K
 
@@ -148,3 +151,30 @@ def test_dequantize_is_the_formula_bit_for_bit(bits: int, with_zeros: bool) -> N
             * scales.astype(np.float32)[:, :, None]).reshape(n, k)
     got = K.dequantize(qweight, scales, zeros, bits, gs)
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@given(data=st.data())
+@fuzz_settings(200)
+def test_topk_is_the_stable_sort_prefix(data: st.DataObject) -> None:
+    """`topk` (which partitions a long row instead of sorting it) gives the first k of a
+    stable argsort: ties in index order, NaN last, -0.0 equal to 0.0, any axis."""
+    n = data.draw(st.sampled_from([5, 40, 300]))
+    rows = data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    special = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan], np.float32)
+    pool = np.concatenate([special, rng.uniform(-4, 4, 8).astype(np.float32)])
+    if not data.draw(st.booleans()):  # mostly without NaN: the partitioning path
+        pool = pool[~np.isnan(pool)]
+    x = rng.choice(pool, (rows, n))
+    dtype = data.draw(st.sampled_from([np.float32, ml_dtypes.bfloat16, np.int32]))
+    x = np.nan_to_num(x).astype(dtype) if dtype is np.int32 else x.astype(dtype)
+    axis = data.draw(st.sampled_from([0, 1, -1]))
+    size = x.shape[axis]
+    k = data.draw(st.integers(1, max(1, size // 10)) | st.integers(1, size))
+    largest = data.draw(st.booleans())
+    fx = x.astype(np.float32) if dtype is not np.int32 else x
+    want = np.take(np.argsort(-fx if largest else fx, axis=axis, kind="stable"),
+                   np.arange(k), axis=axis)
+    vals, idx = K.topk(x, k, axis, largest)
+    assert idx.dtype == np.int32 and np.array_equal(idx, want)
+    assert vals.tobytes() == np.take_along_axis(x, want, axis).tobytes()

@@ -271,13 +271,34 @@ def gather(table: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray:
 
 
 def topk(x: np.ndarray, k: int, axis: int, largest: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted top-k; ties keep the lower index first (like argmax)."""
+    """Sorted top-k; ties keep the lower index first (like argmax): the first k of a stable
+    argsort of the keys (NaN last)."""
     fx = f32(x) if is_float_dtype(x.dtype) else x
-    key = -fx if largest else fx
-    idx = np.argsort(key, axis=axis, kind="stable")
-    idx = np.take(idx, np.arange(k), axis=axis)
+    key = np.moveaxis(-fx if largest else fx, axis, -1)
+    rows = key.reshape(-1, key.shape[-1]) if key.size else key.reshape(0, key.shape[-1])
+    if 0 < k and k * TOPK_PARTITION < key.shape[-1] and rows.shape[0] <= TOPK_ROWS:
+        idx = np.stack([_smallest_k(row, k) for row in rows]).reshape(*key.shape[:-1], k)
+    else:
+        idx = np.argsort(key, axis=-1, kind="stable")[..., :k]
+    idx = np.moveaxis(idx, -1, axis)
     vals = np.take_along_axis(np.asarray(x), idx, axis=axis)
     return vals, idx.astype(np.int32)
+
+
+#: `topk` partitions (instead of sorting everything) when k is below 1/TOPK_PARTITION of
+#: the axis and there are at most TOPK_ROWS rows (the heads: one row of the vocabulary)
+TOPK_PARTITION = 8
+TOPK_ROWS = 8
+
+
+def _smallest_k(row: np.ndarray, k: int) -> np.ndarray:
+    """The first k indices of `np.argsort(row, kind="stable")`, without sorting the row:
+    every key up to the k-th smallest (ties included, in index order), sorted stably."""
+    if row.dtype.kind == "f" and np.isnan(row).any():  # NaN compares false: sort them all
+        return np.argsort(row, kind="stable")[:k]
+    kth = np.partition(row, k - 1)[k - 1]
+    candidates = np.flatnonzero(row <= kth)
+    return candidates[np.argsort(row[candidates], kind="stable")[:k]]
 
 
 def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: int) -> np.ndarray:
