@@ -222,15 +222,13 @@ def expected_shapes(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     return shapes, tied
 
 
-def check_checkpoint(config: Any, path: str,
-                     tensors: dict[str, tuple[tuple[int, ...], str]] | None = None) -> None:
-    """Compare the checkpoint's tensors (name -> (shape, safetensors dtype); default: read
-    from the headers in `path`) with the model's parameters; raise on any mismatch."""
-    tensors = checkpoint_tensors(path) if tensors is None else tensors
-    have = {name: shape for name, (shape, _) in tensors.items()}
-    want, optional = expected_shapes(config)
-    missing = sorted(k for k in want if k not in have and k not in optional)
-    extra = sorted(k for k in have if k not in want and not k.endswith(_IGNORABLE_SUFFIXES))
+def shape_mismatches(have: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]],
+                     may_lack: set[str], may_add: set[str]) -> list[str]:
+    """What differs between a checkpoint's tensors (`have`: name -> shape) and the model's
+    parameters (`want`): missing ones (but those in `may_lack`), unexpected ones (but those
+    in `may_add`) and mis-shaped ones, one phrase each, names sorted."""
+    missing = sorted(k for k in want if k not in have and k not in may_lack)
+    extra = sorted(k for k in have if k not in want and k not in may_add)
     bad = sorted(k for k in want if k in have and have[k] != want[k])
     problems = []
     if missing:
@@ -240,6 +238,18 @@ def check_checkpoint(config: Any, path: str,
     if bad:
         problems.append("mis-shaped tensors: " + _listing(
             [f"{k} is {list(have[k])}, expected {list(want[k])}" for k in bad]))
+    return problems
+
+
+def check_checkpoint(config: Any, path: str,
+                     tensors: dict[str, tuple[tuple[int, ...], str]] | None = None) -> None:
+    """Compare the checkpoint's tensors (name -> (shape, safetensors dtype); default: read
+    from the headers in `path`) with the model's parameters; raise on any mismatch."""
+    tensors = checkpoint_tensors(path) if tensors is None else tensors
+    have = {name: shape for name, (shape, _) in tensors.items()}
+    want, optional = expected_shapes(config)
+    problems = shape_mismatches(
+        have, want, optional, {k for k in have if k.endswith(_IGNORABLE_SUFFIXES)})
     if problems:
         raise ModelLoadError(
             f"the checkpoint in {path} does not match its config.json "
@@ -468,20 +478,10 @@ def check_prequantized_shapes(have: dict[str, tuple[int, ...]],
     """The dequantized state of a pre-quantized checkpoint (`have`: name -> shape) against
     the model's parameters (`want`; `tied` may be absent): missing, unexpected or
     mis-shaped tensors are a ModelLoadError."""
-    missing = [k for k in want if k not in have and k not in tied]
-    extra = [k for k in have if k not in want]
-    bad = [f"{k} {list(have[k])} (expected {list(want[k])})"
-           for k in have if k in want and have[k] != want[k]]
-    if missing or extra or bad:
-        parts = []
-        if missing:
-            parts.append(f"missing {_listing(missing)}")
-        if extra:
-            parts.append(f"unexpected {_listing(extra)}")
-        if bad:
-            parts.append(f"mis-shaped {_listing(bad)}")
+    problems = shape_mismatches(have, want, tied, set())
+    if problems:
         raise ModelLoadError(f"the {method} checkpoint in {path} does not match its "
-                             f"config: {'; '.join(parts)}")
+                             f"config: {'; '.join(problems)}")
 
 
 def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:

@@ -419,30 +419,40 @@ def test_missing_shard_is_a_clear_error_and_leaves_no_file(tmp_path):
     assert os.listdir(os.path.dirname(out)) == []
 
 
-@pytest.mark.slow
-def test_shard_truncated_mid_compile_is_a_clear_error_and_leaves_no_file(tmp_path):
-    """The shard holding the last layer is cut after the nets are compiled, while the
-    layers are being written: an error naming the shard, and no model file."""
+def _cut_shard_while_writing(path: str, out_dir: str, tensor: str, seq_length: int) -> None:
+    """Compile `path` step by step and cut the shard holding `tensor` after the nets are
+    compiled, while the layers are being written: the write fails naming the shard and
+    leaves no file in `out_dir`."""
     from toptpu.compile_options import check_compile_request
     from toptpu.compiler import compile_nets, pack_weights, plan, write
     from toptpu.frontends.hf_loader import ModelLoadError
 
-    path = _save_sharded(str(tmp_path / "ckpt"), "qwen2", layers=4)
-    out = str(tmp_path / "out" / "m.toptpu")
-    os.makedirs(os.path.dirname(out))
-    options = check_compile_request(path, out, mode="w4bf16", chip="bm1684x", seq_length=64,
-                                    max_input_length=16, max_history=None, group_size=None,
-                                    symmetric=None, dump_ir=None)
+    out = os.path.join(out_dir, "m.toptpu")
+    os.makedirs(out_dir)
+    options = check_compile_request(path, out, mode="w4bf16", chip="bm1684x",
+                                    seq_length=seq_length, max_input_length=16,
+                                    max_history=None, group_size=None, symmetric=None,
+                                    dump_ir=None)
     the_plan = plan(path, options)
+    assert the_plan.loaded.stream is not None
     compiled = compile_nets(the_plan)
     packed = pack_weights(the_plan, compiled)
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        shard = json.load(f)["weight_map"]["model.layers.3.mlp.down_proj.weight"]
+        shard = json.load(f)["weight_map"][tensor]
     with open(os.path.join(path, shard), "r+b") as f:
         f.truncate(64)
     with pytest.raises(ModelLoadError, match=f"shard '{shard}'"):
         write(the_plan, compiled, packed, out)
-    assert os.listdir(os.path.dirname(out)) == []
+    assert os.listdir(out_dir) == []
+
+
+@pytest.mark.slow
+def test_shard_truncated_mid_compile_is_a_clear_error_and_leaves_no_file(tmp_path):
+    """The shard holding the last layer is cut after the nets are compiled, while the
+    layers are being written: an error naming the shard, and no model file."""
+    path = _save_sharded(str(tmp_path / "ckpt"), "qwen2", layers=4)
+    _cut_shard_while_writing(path, str(tmp_path / "out"), "model.layers.3.mlp.down_proj.weight",
+                             seq_length=64)
 
 
 @pytest.mark.slow

@@ -11,11 +11,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_scale import _compile_in_subprocess, _shards
+from test_scale import _compile_in_subprocess, _cut_shard_while_writing, _shards
 
-from toptpu.compile_options import check_compile_request
 from toptpu.compiler import compile as compile_model
-from toptpu.compiler import compile_nets, pack_weights, plan, write
 from toptpu.frontends.checkpoint_reader import CheckpointReader
 from toptpu.frontends.hf_loader import ModelLoadError, quiet_transformers
 from toptpu.frontends.tiny_vlms import save_tiny_vlm
@@ -137,22 +135,9 @@ def test_shard_truncated_mid_compile_is_a_clear_error_and_leaves_no_file(tmp_pat
     """The shard holding the last text layer is cut after the nets are compiled, while
     the layers are being written: an error naming the shard, and no model file."""
     path = _save(str(tmp_path / "ckpt"), "internvl", text={"num_hidden_layers": 4})
-    out = str(tmp_path / "out" / "m.toptpu")
-    os.makedirs(os.path.dirname(out))
-    options = check_compile_request(path, out, mode="w4bf16", chip="bm1684x", seq_length=160,
-                                    max_input_length=16, max_history=None, group_size=None,
-                                    symmetric=None, dump_ir=None)
-    the_plan = plan(path, options)
-    assert the_plan.loaded.stream is not None
-    compiled = compile_nets(the_plan)
-    packed = pack_weights(the_plan, compiled)
-    with open(os.path.join(path, "model.safetensors.index.json")) as f:
-        shard = json.load(f)["weight_map"]["language_model.model.layers.3.mlp.down_proj.weight"]
-    with open(os.path.join(path, shard), "r+b") as f:
-        f.truncate(64)
-    with pytest.raises(ModelLoadError, match=f"shard '{shard}'"):
-        write(the_plan, compiled, packed, out)
-    assert os.listdir(os.path.dirname(out)) == []
+    _cut_shard_while_writing(path, str(tmp_path / "out"),
+                             "language_model.model.layers.3.mlp.down_proj.weight",
+                             seq_length=160)
 
 
 #: the text model of the memory test: 48 Qwen2 layers of hidden 256 (4 MB each in float32)
