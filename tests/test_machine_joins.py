@@ -4,6 +4,7 @@ check, or skipped because its input is written while its slices load."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import replace
 
@@ -114,3 +115,25 @@ def test_a_rows_join_skips_a_run_whose_input_is_stored_while_it_loads() -> None:
     apart = [(x + 1, True, 1000), (np.zeros(4, np.float32), True, 1000 + x.nbytes)]
     got = join._whole(m, Step(), [x], apart)  # type: ignore[arg-type]
     assert got is not None and np.array_equal(got, (x + 1) * 2)
+
+
+def test_a_join_is_refused_when_its_resident_buffer_is_written_between_slices(
+        sliced_layer) -> None:
+    """A cols join's input (a rows join's weight) must hold one value across the slices: a
+    step writing that buffer between them (here a load inserted into the real plan) makes
+    the analysis refuse the join."""
+    path, _, _ = sliced_layer
+    pf = ProgramFile(path)
+    plan = pf.nets["layer"].plan(pf.chip)
+    steps = list(plan.steps)
+    for kind in ("cols", "rows"):
+        join = next(j for j in _joins(pf) if j.kind == kind)
+        chain = [(steps.index(s), s) for s in join.steps]
+        assert not machine_module._rewritten(steps, chain, join)
+        resident = join.steps[0].ins[0] if kind == "cols" else join.steps[0].ins[1]
+        load = copy.copy(next(s for s in steps if isinstance(s, machine_module.LoadStep)))
+        load.local = resident
+        at = chain[1][0]
+        edited = [*steps[:at], load, *steps[at:]]
+        moved = [(p + (p >= at), s) for p, s in chain]
+        assert machine_module._rewritten(edited, moved, join)

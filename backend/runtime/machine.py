@@ -623,11 +623,27 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> list[SliceJoin]:
         if len(chain) < 2:
             continue
         join = _rows_join(chain, loaded, steps) or _cols_join(chain, loaded, operands)
+        if join is not None and _rewritten(steps, chain, join):
+            join = None
         if join is not None:
             joins.append(join)
             for i, (_, step) in enumerate(chain):
                 step.join, step.join_at = join, i
     return joins
+
+
+def _rewritten(steps: list[Step], chain: list[tuple[int, OpStep]], join: SliceJoin) -> bool:
+    """Whether a buffer the join takes as resident (a rows join's weight, a cols join's
+    input) is written again between its first and last slice."""
+    first = chain[0][1]
+    resident = {r.buf for r in (first.ins[1:] if join.kind == "rows" else first.ins[:1])
+                if r is not None}
+    for step in steps[chain[0][0] + 1:chain[-1][0]]:
+        if isinstance(step, LoadStep) and step.local.buf in resident:
+            return True
+        if isinstance(step, OpStep) and any(o.buf in resident for o in step.outs):
+            return True
+    return False
 
 
 def _covering(loads: list[LoadStep], axis: int, size: int) -> bool:
