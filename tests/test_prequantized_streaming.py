@@ -175,7 +175,7 @@ def generate(out: Path) -> None:
     import torch
     import transformers as tf
     from auto_round import AutoRound
-    from quant_fixtures import build_tokenizer, calibration_texts
+    from quant_fixtures import RECIPES, build_model, build_tokenizer, calibration_texts
 
     torch.set_float32_matmul_precision("highest")
     gc.freeze()  # auto-round calls gc.collect() often
@@ -190,6 +190,14 @@ def generate(out: Path) -> None:
                                          max_shard_size=SHARD)
         os.rename(folder if isinstance(folder, str) else folder[0], out / name)
         del ar
+    # a GPTQ checkpoint whose lm_head is quantized too (`lm_head: true`)
+    recipe = next(iter(RECIPES.values()))
+    ar = AutoRound(build_model(recipe.arch), tokenizer=build_tokenizer(), scheme="W4A16",
+                   group_size=32, sym=True, iters=0, dataset=calibration_texts(),
+                   device_map="cpu", seqlen=32, nsamples=4, amp=False,
+                   enable_torch_compile=False, quant_lm_head=True)
+    _, folder = ar.quantize_and_save(str(out / "lm_head.run"), format="auto_gptq")
+    os.rename(folder if isinstance(folder, str) else folder[0], out / "lm_head")
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +220,7 @@ def many_layers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     assert len(_shards(big)) > 4
     assert json.loads((big / "config.json").read_text())["quantization_config"][
         "quant_method"] == "auto-round"
-    return {"big": str(big), "small": str(out / "small")}
+    return {"big": str(big), "small": str(out / "small"), "lm_head": str(out / "lm_head")}
 
 
 def _shards(path: Path) -> list[str]:
@@ -303,3 +311,28 @@ def test_streamed_compile_memory_is_bounded_by_a_few_layers(many_layers, tmp_pat
 
 if __name__ == "__main__":
     generate(Path(sys.argv[1]))
+
+
+@pytest.mark.slow
+def test_a_quantized_lm_head_is_loaded_whole_and_compiles(many_layers, tmp_path) -> None:
+    """A checkpoint that quantizes the lm_head (GPTQ `lm_head: true`, written by auto-round)
+    is not streamed — the embedding and lm_head placeholders stand for float tensors — but
+    loaded whole, and compiles to a model file that generates."""
+    from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.frontends.checkpoint_reader import CheckpointReader
+    from toptpu.frontends.streaming import load_streaming
+
+    path = many_layers["lm_head"]
+    qc = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] is True and qc["quant_method"] == "gptq"
+    index = CheckpointReader.open(path)
+    assert "lm_head.qweight" in index.tensors and "lm_head.weight" not in index.tensors
+    index.close()
+    loaded = load_streaming(path)
+    assert loaded.stream is None and loaded.checkpoint is not None
+    assert "lm_head" in loaded.checkpoint.linears
+    out = str(tmp_path / "m.toptpu")
+    _compile(path, out)
+    result = Runtime(InterpreterExecutor(out)).generate([1, 2, 3], 3, stop_on_eos=False)
+    assert len(result.generated_ids) == 3
