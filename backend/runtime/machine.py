@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -406,13 +407,14 @@ class Operand:
     who: str  # the first command that touches it (named by its traps)
 
 
-class Step:
+class Step(ABC):
     """One command, pre-decoded."""
 
     __slots__ = ("who",)
 
+    @abstractmethod
     def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
-        raise NotImplementedError
+        """Execute the command on `m`, its global operands resolved to `views`."""
 
 
 class LoadStep(Step):
@@ -562,12 +564,14 @@ class SliceJoin:
 
     def result(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
                views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
+        verdict = m.join_ok.get(self)
+        if verdict is False:  # refused on this host
+            return step.compute(m, args)[0]
         i = step.join_at
         if i == 0:
             m.joined[self] = self._whole(m, step, args, views)
         whole = m.joined.get(self)
-        verdict = m.join_ok.get(self)
-        if whole is None or verdict is False:
+        if whole is None:  # its input is stored to during this run
             return step.compute(m, args)[0]
         part = whole[self.parts[i]]
         if verdict is None:  # first use: the slice's own product decides, and is returned
@@ -583,8 +587,8 @@ class SliceJoin:
 
     def _whole(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
                views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray | None:
-        if m.join_ok.get(self) is False:
-            return None
+        """The whole product, None when this run's stores may change a rows join's input
+        while its slices load (or a cols join's weight is writable)."""
         if self.kind == "rows":
             x_view, _, x_addr = views[self.sources[0]]  # type: ignore[index]
             x_end = x_addr + x_view.nbytes
@@ -608,9 +612,9 @@ class SliceJoin:
         return step.compute(m, whole, ("whole", *key))[0]
 
 
-def find_joins(steps: list[Step], operands: list[Operand]) -> list[SliceJoin]:
-    """The matmuls whose slices the fast mode joins (see `SliceJoin`), in `steps` (in
-    execution order); each joined step gets its `join`."""
+def find_joins(steps: list[Step], operands: list[Operand]) -> None:
+    """Give each step of a matmul whose slices the fast mode joins (see `SliceJoin`) its
+    `join`; `steps` in execution order."""
     loaded: dict[int, tuple[int, LoadStep]] = {}  # buf -> (position, its load)
     chains: dict[tuple[int, int], list[tuple[int, OpStep]]] = {}
     for pos, step in enumerate(steps):
@@ -618,7 +622,6 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> list[SliceJoin]:
             loaded[step.local.buf] = (pos, step)
         elif isinstance(step, OpStep) and step.special and step.table < 0:
             chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
-    joins = []
     for chain in chains.values():
         if len(chain) < 2:
             continue
@@ -626,10 +629,8 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> list[SliceJoin]:
         if join is not None and _rewritten(steps, chain, join):
             join = None
         if join is not None:
-            joins.append(join)
             for i, (_, step) in enumerate(chain):
                 step.join, step.join_at = join, i
-    return joins
 
 
 def _rewritten(steps: list[Step], chain: list[tuple[int, OpStep]], join: SliceJoin) -> bool:
