@@ -13,7 +13,7 @@ import pytest
 
 from toptpu.backend.formats.program import Program, write_program_file
 from toptpu.backend.runtime import machine as machine_module
-from toptpu.backend.runtime.machine import Machine, SliceJoin
+from toptpu.backend.runtime.machine import Machine, SliceJoin, WholeRows
 from toptpu.backend.runtime.simulate import ProgramFile
 from toptpu.backend.target.chips import get_chip
 from toptpu.frontends.hf_layers import import_decoder_layer
@@ -23,20 +23,37 @@ from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
 #: a chip with little local memory: the layer's matmuls are sliced, by rows and by columns
 SMALL = replace(get_chip("bm1684x"), lanes=2, lane_bytes=4096, dma_latency_cycles=8,
                 compute_latency_cycles=4)
+#: 4x the local memory: the residual add, the RMS norm and the matmuls after it share row
+#: slices in one group
+MID = replace(SMALL, lane_bytes=16384)
 TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def sliced_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str, np.ndarray]]:
-    """A w4bf16 decoder layer of 16 tokens compiled for `SMALL`, written to a file."""
+def _compiled_layer(tiny_models, tmp_path_factory, chip) -> tuple[str, Program,  # noqa: ANN001
+                                                                   dict[str, np.ndarray]]:
+    """A w4bf16 decoder layer of 16 tokens compiled for `chip`, written to a file."""
     imp = import_decoder_layer(tiny_models("qwen2"), TOKENS, mask_value=-10000.0)
     module = imp.module.clone()
     store = imp.store
     run_passes(module, tpu_pipeline_passes("w4bf16"), store=store)
-    prog = compile_for_machine(module, SMALL)
+    prog = compile_for_machine(module, chip)
     path = os.path.join(tmp_path_factory.mktemp("joins"), "layer.toptpu")
-    write_program_file(path, {"layer": prog}, store, SMALL)
+    write_program_file(path, {"layer": prog}, store, chip)
     return path, prog, dict(imp.feeds)
+
+
+@pytest.fixture(scope="module")
+def sliced_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str, np.ndarray]]:
+    return _compiled_layer(tiny_models, tmp_path_factory, SMALL)
+
+
+@pytest.fixture(scope="module", params=["small", "mid"])
+def any_sliced_layer(request, tiny_models, tmp_path_factory  # noqa: ANN001
+                     ) -> tuple[str, Program, dict[str, np.ndarray]]:
+    """The layer compiled for `SMALL` and for `MID`."""
+    if request.param == "small":
+        return request.getfixturevalue("sliced_layer")
+    return _compiled_layer(tiny_models, tmp_path_factory, MID)
 
 
 def _joins(pf: ProgramFile) -> list[SliceJoin]:
@@ -55,8 +72,33 @@ def test_sliced_matmuls_are_found_by_rows_and_by_columns(sliced_layer) -> None:
         assert [s.join_at for s in j.steps] == list(range(len(j.steps)))
 
 
-def test_joined_runs_are_bit_identical_to_the_checked_mode(sliced_layer, monkeypatch) -> None:
-    path, _, feeds = sliced_layer
+def _computed(w: WholeRows) -> str:
+    """A rows join's whole input as an expression: `g<operand>` for a global tensor read
+    whole, `<op>(...)` for a row-local op (`res`: a resident input)."""
+    if w.step is None:
+        return f"g{w.g}"
+    args = ", ".join(_computed(c) if c is not None else "res" for c in w.ins)
+    return f"{w.step.op.name}({args})"
+
+
+def test_a_rows_join_computes_its_input_through_the_groups_row_local_ops(
+        sliced_layer, tiny_models, tmp_path_factory) -> None:
+    """Where the group computes a matmul's input per slice (a reshape of the loaded rows;
+    the residual add of two row-sliced tensors and the RMS norm after it), the join
+    computes it on the whole tensors; the matmuls of one input share one whole."""
+    small = {_computed(j.rows) for j in _joins(ProgramFile(sliced_layer[0])) if j.rows}
+    assert any(e.startswith("tpu.reshape(g") for e in small), small
+    path, _, _ = _compiled_layer(tiny_models, tmp_path_factory, MID)
+    joins = [j for j in _joins(ProgramFile(path)) if j.rows is not None]
+    normed = [j for j in joins if _computed(j.rows).startswith("tpu.rms_norm(tpu.add(g")]
+    assert len(normed) >= 2, [_computed(j.rows) for j in joins]
+    assert all(j.rows is normed[0].rows for j in normed)
+    assert all(len(j.sources) == 2 for j in normed)  # both the add's inputs are guarded
+
+
+def test_joined_runs_are_bit_identical_to_the_checked_mode(any_sliced_layer,
+                                                           monkeypatch) -> None:
+    path, _, feeds = any_sliced_layer
     want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
     fast = ProgramFile(path)
     joins = _joins(fast)
@@ -78,9 +120,9 @@ def test_joined_runs_are_bit_identical_to_the_checked_mode(sliced_layer, monkeyp
         calls.clear()
 
 
-def test_a_join_whose_parts_differ_is_refused_and_its_slices_run(sliced_layer,
+def test_a_join_whose_parts_differ_is_refused_and_its_slices_run(any_sliced_layer,
                                                                  monkeypatch) -> None:
-    path, _, feeds = sliced_layer
+    path, _, feeds = any_sliced_layer
     want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
     whole = SliceJoin._whole
 
@@ -104,7 +146,7 @@ def test_a_rows_join_skips_a_run_whose_input_is_stored_while_it_loads() -> None:
     that overlaps the input's global bytes makes the run compute the slices alone."""
     m = Machine(SMALL)
     x = np.zeros((1, 8, 4), np.float32)
-    join = SliceJoin("rows", [], [], [0], [1])
+    join = SliceJoin("rows", [], [], [0], [1], WholeRows(g=0))
     overlapping = [(x, True, 1000), (np.zeros(4, np.float32), True, 1000 + x.nbytes - 4)]
     assert join._whole(m, None, [], overlapping) is None  # type: ignore[arg-type]
 

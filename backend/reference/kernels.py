@@ -34,9 +34,34 @@ def f32(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16, rounded to nearest even: the bytes of `astype(bfloat16)`
+    (ml_dtypes: a NaN becomes the quiet NaN of its sign), ~2x faster on the bits."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    r = b >> 16
+    r &= 1  # ties go to the even upper half
+    r += 0x7FFF
+    r += b  # a finite value never wraps: the largest magnitude rounds up to infinity
+    r >>= 16
+    out = r.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = ((b[nan] >> 16) & 0x8000) | 0x7FC0
+    return out.view(BF16)
+
+
+def round_to(x: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """`x` as dtype `dt` (rounded the way `astype` rounds); `x` itself when it has it."""
+    if x.dtype == dt:
+        return x
+    if dt == BF16 and x.dtype == np.float32:
+        return to_bf16(x)
+    return x.astype(dt)
+
+
 def _out(x: np.ndarray, out_dtype: np.dtype | type | None, like: np.ndarray) -> np.ndarray:
     dt = np.dtype(out_dtype) if out_dtype is not None else np.asarray(like).dtype
-    return x.astype(dt, copy=False) if x.dtype != dt else x
+    return round_to(x, dt)
 
 
 def is_float_dtype(dt: np.dtype) -> bool:
@@ -97,7 +122,7 @@ def cast(x: np.ndarray, dtype) -> np.ndarray:
     dt = np.dtype(dtype)
     if np.issubdtype(dt, np.integer) and is_float_dtype(x.dtype):
         return np.trunc(f32(x)).astype(dt)
-    return np.asarray(x).astype(dt)
+    return round_to(np.asarray(x), dt)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

@@ -65,7 +65,7 @@ from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, Evalua
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
-from toptpu.dialects import tpu
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import read_int
 from toptpu.dialects.ir_text import parse_ir
 
@@ -533,6 +533,41 @@ class OpStep(Step):
 # ====================================================================== joined slices
 
 
+#: ops whose result rows depend only on the same rows of their row-sliced inputs (the other
+#: inputs broadcast along the trailing axes): a rows join computes them on whole inputs
+ROW_LOCAL_OPS: tuple[type[Operation], ...] = (top.UnaryOp, top.BinaryOp, tpu.CastOp,
+                                              tpu.RmsNormOp, tpu.ReshapeOp)
+
+
+@dataclass(eq=False)
+class WholeRows:
+    """The whole of a buffer that a rows join's slices hold one row slice each of: the
+    global tensor the slices load (`g`), or the first slice's row-local `step` (one of
+    `ROW_LOCAL_OPS`) on the wholes of its row-sliced inputs (`ins`; None: an input that is
+    resident, one buffer for all slices, read from local memory as it is)."""
+
+    g: int = -1
+    step: OpStep | None = None
+    ins: list[WholeRows | None] = field(default_factory=list)
+    shape: tuple[int, ...] = ()  # the whole's shape
+
+    def value(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
+        step = self.step
+        if step is None:
+            return views[self.g][0]
+        got = m.joined.get(self)  # computed once a run: the wholes' joins may share it
+        if got is None:
+            args = [c.value(m, views) if c is not None
+                    else m.local.read(r, step.who) if r is not None else None
+                    for c, r in zip(self.ins, step.ins, strict=True)]
+            if isinstance(step.op, tpu.ReshapeOp):
+                got = args[0].reshape(self.shape)  # type: ignore[union-attr]
+            else:
+                got = step.fn(step.op, args, m.context)[0]
+            m.joined[self] = got
+        return got
+
+
 @dataclass(eq=False)
 class SliceJoin:
     """The slices of one matmul that the fast mode computes as one host product.
@@ -542,25 +577,31 @@ class SliceJoin:
     the weight's output channels with the input resident (`cols`). The chip does the same
     work either way; a host BLAS does not: each row slice re-reads the whole weight, each
     column slice pays a call. So the fast mode computes the whole product once, at the
-    first slice, from the global tensor the slices are loaded from, and each slice's
-    command takes its part. Every command still runs (its loads, local reads and writes,
-    frees: all traps fire); only the kernel call is shared.
+    first slice, and each slice's command takes its part. A `rows` join's whole input is
+    read from the global tensor its slices load, through the row-local ops the group
+    applies to each slice first (`WholeRows`: an RMS norm, a reshape of the trailing axes,
+    elementwise ops); a `cols` join reads the weight's global tensors whole. Every command
+    still runs (its loads, local reads and writes, frees: all traps fire); only the
+    matmul's kernel call is shared.
 
     Bit for bit: a row or column of a product does not depend on the other rows or columns
-    it is computed with in the kernels (numpy's elementwise ops, BLAS's GEMM), but a BLAS
-    may switch kernels by shape (GEMV for one row) and sum in another order. So the first
-    time a join runs on a machine, each slice's own product is computed too and compared
-    with its part, byte for byte; the slices' own results are what that run returns, and
-    the join is used from the next run on only if every part matched (`Machine.join_ok`).
-    A `rows` join also needs its input unchanged while its slices load: when a store
-    of that run may write it (address ranges checked per run), the slices run alone.
+    it is computed with in the kernels (numpy's elementwise ops and row reductions, BLAS's
+    GEMM), but a BLAS may switch kernels by shape (GEMV for one row) and sum in another
+    order. So the first time a join runs on a machine, each slice's own product is
+    computed too and compared with its part, byte for byte; the slices' own results are
+    what that run returns, and the join is used from the next run on only if every part
+    matched (`Machine.join_ok`). A `rows` join also needs its global inputs unchanged
+    while its slices load: when a store of that run may write one of them (address ranges
+    checked per run), the slices run alone.
     """
 
     kind: str  # "rows" or "cols"
     steps: list[OpStep]  # one per slice, in execution order
     parts: list[tuple[slice, ...]]  # each slice's part of the whole product
-    sources: list[int | None]  # operands read whole: rows: [input]; cols: the weight's
-    guard: list[int]  # rows: operands stored to while the input's slices load
+    sources: list[int | None]  # rows: the global inputs; cols: the weight's operands
+    guard: list[int]  # rows: operands stored to while the inputs' slices load
+    rows: WholeRows | None = None  # rows: the whole input
+    resident: frozenset[int] = frozenset()  # buffers that must hold one value for all slices
 
     def result(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
                views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
@@ -587,16 +628,18 @@ class SliceJoin:
 
     def _whole(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
                views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray | None:
-        """The whole product, None when this run's stores may change a rows join's input
+        """The whole product, None when this run's stores may change a rows join's inputs
         while its slices load (or a cols join's weight is writable)."""
         if self.kind == "rows":
-            x_view, _, x_addr = views[self.sources[0]]  # type: ignore[index]
-            x_end = x_addr + x_view.nbytes
-            for g in self.guard:
-                view, _, addr = views[g]
-                if addr < x_end and x_addr < addr + view.nbytes:
-                    return None
-            return step.compute(m, [x_view, *args[1:]])[0]
+            assert self.rows is not None
+            for src in self.sources:
+                x_view, _, x_addr = views[src]  # type: ignore[index]
+                x_end = x_addr + x_view.nbytes
+                for g in self.guard:
+                    view, _, addr = views[g]
+                    if addr < x_end and x_addr < addr + view.nbytes:
+                        return None
+            return step.compute(m, [self.rows.value(m, views), *args[1:]])[0]
         whole: list[np.ndarray | None] = [args[0]]
         key: list[tuple[int, tuple[int, ...]] | None] = []
         for g in self.sources:
@@ -612,20 +655,30 @@ class SliceJoin:
         return step.compute(m, whole, ("whole", *key))[0]
 
 
+Writer = tuple[int, "Step"]  # (position, step) of the step that last wrote a buffer
+
+
 def find_joins(steps: list[Step], operands: list[Operand]) -> None:
     """Give each step of a matmul whose slices the fast mode joins (see `SliceJoin`) its
     `join`; `steps` in execution order."""
-    loaded: dict[int, tuple[int, LoadStep]] = {}  # buf -> (position, its load)
+    writer: dict[int, Writer] = {}  # buf -> the step that last wrote it
+    inputs: dict[int, list[Writer | None]] = {}  # op position -> its inputs' writers
     chains: dict[tuple[int, int], list[tuple[int, OpStep]]] = {}
     for pos, step in enumerate(steps):
         if isinstance(step, LoadStep):
-            loaded[step.local.buf] = (pos, step)
-        elif isinstance(step, OpStep) and step.special and step.table < 0:
-            chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
+            writer[step.local.buf] = (pos, step)
+        elif isinstance(step, OpStep):
+            inputs[pos] = [writer.get(r.buf) if r is not None else None for r in step.ins]
+            for r in step.outs:
+                writer[r.buf] = (pos, step)
+            if step.special and step.table < 0:
+                chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
+    wholes: dict[tuple[int, ...], WholeRows] = {}  # shared by the joins of one input
     for chain in chains.values():
         if len(chain) < 2:
             continue
-        join = _rows_join(chain, loaded, steps) or _cols_join(chain, loaded, operands)
+        join = (_rows_join(chain, inputs, steps, wholes)
+                or _cols_join(chain, inputs, operands))
         if join is not None and _rewritten(steps, chain, join):
             join = None
         if join is not None:
@@ -634,15 +687,12 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> None:
 
 
 def _rewritten(steps: list[Step], chain: list[tuple[int, OpStep]], join: SliceJoin) -> bool:
-    """Whether a buffer the join takes as resident (a rows join's weight, a cols join's
-    input) is written again between its first and last slice."""
-    first = chain[0][1]
-    resident = {r.buf for r in (first.ins[1:] if join.kind == "rows" else first.ins[:1])
-                if r is not None}
+    """Whether a buffer the join takes as resident (`SliceJoin.resident`: a rows join's
+    weight, a cols join's input) is written again between its first and last slice."""
     for step in steps[chain[0][0] + 1:chain[-1][0]]:
-        if isinstance(step, LoadStep) and step.local.buf in resident:
+        if isinstance(step, LoadStep) and step.local.buf in join.resident:
             return True
-        if isinstance(step, OpStep) and any(o.buf in resident for o in step.outs):
+        if isinstance(step, OpStep) and any(o.buf in join.resident for o in step.outs):
             return True
     return False
 
@@ -659,35 +709,115 @@ def _covering(loads: list[LoadStep], axis: int, size: int) -> bool:
     return at == size
 
 
-def _rows_join(chain: list[tuple[int, OpStep]], loaded: dict[int, tuple[int, LoadStep]],
-               steps: list[Step]) -> SliceJoin | None:
+class _RowSlices:
+    """Finds how a rows join's whole input is computed (`WholeRows`) from the writers of
+    its slices' inputs, one per slice; refuses (None) anything but row-sliced loads of one
+    global tensor and the same row-local op in every slice."""
+
+    def __init__(self, inputs: dict[int, list[Writer | None]],
+                 wholes: dict[tuple[int, ...], WholeRows]) -> None:
+        self.inputs, self.wholes = inputs, wholes
+        self.axis = -1
+        self.lead: tuple[int, ...] = ()  # the whole's shape before the row axis
+        self.parts: list[tuple[int, int]] = []  # each slice's (first row, rows)
+        self.loads: list[tuple[int, LoadStep]] = []
+        self.resident: set[int] = set()
+
+    def whole(self, srcs: list[Writer | None]) -> WholeRows | None:
+        if any(s is None for s in srcs):
+            return None
+        ws: list[Writer] = srcs  # type: ignore[assignment]
+        key = tuple(pos for pos, _ in ws)
+        if all(isinstance(s, LoadStep) for _, s in ws):
+            return self._loaded(ws, key)
+        if not all(isinstance(s, OpStep) for _, s in ws):
+            return None
+        ops: list[OpStep] = [s for _, s in ws]  # type: ignore[misc]
+        first = ops[0]
+        if (not isinstance(first.op, ROW_LOCAL_OPS) or first.special or first.table >= 0
+                or len(first.outs) != 1 or any(s.cmd.op != first.cmd.op for s in ops)):
+            return None
+        ins: list[WholeRows | None] = []
+        for k, ref in enumerate(first.ins):
+            if any(s.ins[k] is None for s in ops) and ref is not None:
+                return None
+            if ref is None:
+                ins.append(None)
+                continue
+            writers = [self.inputs[pos][k] for pos, _ in ws]
+            if all(s.ins[k] == ref for s in ops) and len(set(writers)) == 1:
+                ins.append(None)  # resident: one buffer, written once before the slices
+                self.resident.add(ref.buf)
+                continue
+            sub = self.whole(writers)
+            if sub is None:
+                return None
+            ins.append(sub)
+        if all(c is None for c in ins):
+            return None
+        axis = self.axis
+        shapes = [s.outs[0].shape for s in ops]
+        tail = shapes[0][axis + 1:]
+        if any(sh[:axis] != self.lead or sh[axis] != n or sh[axis + 1:] != tail
+               for sh, (_, n) in zip(shapes, self.parts, strict=True)):
+            return None
+        ndim = len(shapes[0])
+        if any(c is None and r is not None and len(r.shape) > ndim - axis - 1
+               for c, r in zip(ins, first.ins, strict=True)):
+            return None  # a resident input would broadcast along the rows
+        if isinstance(first.op, tpu.RmsNormOp) and axis >= ndim - 1:
+            return None
+        total = sum(n for _, n in self.parts)
+        made = WholeRows(step=first, ins=ins, shape=(*self.lead, total, *tail))
+        return self.wholes.setdefault(key, made)
+
+    def _loaded(self, ws: list[Writer], key: tuple[int, ...]) -> WholeRows | None:
+        loads: list[LoadStep] = [s for _, s in ws]  # type: ignore[misc]
+        g, c0 = loads[0].g, loads[0].cmd
+        axis = c0.axis
+        if (any(ld.g != g for ld in loads) or not 0 <= axis < len(c0.shape) - 1
+                or not _covering(loads, axis, c0.shape[axis])):
+            return None
+        parts = [(ld.cmd.start, ld.cmd.length) for ld in loads]
+        lead = tuple(c0.shape[:axis])
+        if self.axis < 0:
+            self.axis, self.lead, self.parts = axis, lead, parts
+        elif (axis, lead, parts) != (self.axis, self.lead, self.parts):
+            return None
+        self.loads.extend(ws)  # type: ignore[arg-type]
+        return self.wholes.setdefault(key, WholeRows(g=g, shape=tuple(c0.shape)))
+
+
+def _rows_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | None]],
+               steps: list[Step], wholes: dict[tuple[int, ...], WholeRows]
+               ) -> SliceJoin | None:
     first = chain[0][1]
-    if any(s.ins[1:] != first.ins[1:] for _, s in chain):  # the weight is resident
+    if first.ins[0] is None or any(s.ins[1:] != first.ins[1:] for _, s in chain):
+        return None  # the weight is resident
+    found = _RowSlices(inputs, wholes)
+    rows = found.whole([inputs[pos][0] for pos, _ in chain])
+    if rows is None:
         return None
-    xs = [loaded.get(s.ins[0].buf) if s.ins[0] is not None else None for _, s in chain]
-    if any(x is None for x in xs):
+    axis = found.axis
+    if axis >= len(first.ins[0].shape) - 1:
+        return None  # the rows are the contracted axis
+    if any(s.outs[0].shape[:axis] != found.lead or s.outs[0].shape[axis] != n
+           for (_, s), (_, n) in zip(chain, found.parts, strict=True)):
         return None
-    loads = [x[1] for x in xs]  # type: ignore[index]
-    g, c0 = loads[0].g, loads[0].cmd
-    axis = c0.axis
-    if (any(ld.g != g for ld in loads) or not 0 <= axis < len(c0.shape) - 1
-            or not _covering(loads, axis, c0.shape[axis])):
-        return None
-    if any(s.outs[0].shape[:axis] != c0.shape[:axis] or s.outs[0].shape[axis] != ld.cmd.length
-           for (_, s), ld in zip(chain, loads, strict=True)):
-        return None
-    lo, hi = xs[0][0], xs[-1][0]  # type: ignore[index]
-    guard = sorted({st.g for st in steps[lo:hi + 1] if isinstance(st, StoreStep)})
-    parts = [(slice(None),) * axis + (slice(ld.cmd.start, ld.cmd.start + ld.cmd.length),)
-             for ld in loads]
-    return SliceJoin("rows", [s for _, s in chain], parts, [g], guard)
+    at = [pos for pos, _ in found.loads]
+    sources = sorted({ld.g for _, ld in found.loads})
+    guard = sorted({st.g for st in steps[min(at):max(at) + 1] if isinstance(st, StoreStep)})
+    parts = [(slice(None),) * axis + (slice(start, start + n),) for start, n in found.parts]
+    resident = frozenset({r.buf for r in first.ins[1:] if r is not None} | found.resident)
+    return SliceJoin("rows", [s for _, s in chain], parts, list(sources), guard, rows,
+                     resident)
 
 
-def _cols_join(chain: list[tuple[int, OpStep]], loaded: dict[int, tuple[int, LoadStep]],
+def _cols_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | None]],
                operands: list[Operand]) -> SliceJoin | None:
     first = chain[0][1]
-    if any(s.ins[0] != first.ins[0] for _, s in chain):  # the input is resident
-        return None
+    if first.ins[0] is None or any(s.ins[0] != first.ins[0] for _, s in chain):
+        return None  # the input is resident
     sources: list[int | None] = []
     parts: list[tuple[slice, ...]] = []
     for k in range(1, len(first.ins)):
@@ -696,11 +826,10 @@ def _cols_join(chain: list[tuple[int, OpStep]], loaded: dict[int, tuple[int, Loa
                 return None
             sources.append(None)
             continue
-        found = [loaded.get(s.ins[k].buf) if s.ins[k] is not None else None
-                 for _, s in chain]
-        if any(f is None for f in found):
+        found = [inputs[pos][k] if s.ins[k] is not None else None for pos, s in chain]
+        if any(f is None or not isinstance(f[1], LoadStep) for f in found):
             return None
-        loads = [f[1] for f in found]  # type: ignore[index]
+        loads: list[LoadStep] = [f[1] for f in found]  # type: ignore[index,misc]
         g = loads[0].g
         if (any(ld.g != g for ld in loads) or operands[g].write
                 or not _covering(loads, 0, loads[0].cmd.shape[0])):
@@ -714,7 +843,8 @@ def _cols_join(chain: list[tuple[int, OpStep]], loaded: dict[int, tuple[int, Loa
     if not parts or any(s.outs[0].shape[-1] != p[-1].stop - p[-1].start
                         for (_, s), p in zip(chain, parts, strict=True)):
         return None
-    return SliceJoin("cols", [s for _, s in chain], parts, sources, [])
+    return SliceJoin("cols", [s for _, s in chain], parts, sources, [],
+                     resident=frozenset({first.ins[0].buf}))
 
 
 @dataclass
@@ -824,7 +954,7 @@ class Machine:
         self.cache = WeightCache(weight_cache_bytes)
         self.run_cache: dict[Hashable, np.ndarray] = {}  # converted writable weights
         self.provenance: dict[int, tuple] = {}  # buf -> the read-only bytes it holds
-        self.joined: dict[SliceJoin, np.ndarray | None] = {}  # this run's whole products
+        self.joined: dict[SliceJoin | WholeRows, np.ndarray | None] = {}  # this run's wholes
         self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
         self.context = EvalContext(None)
 
