@@ -244,19 +244,20 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     scores = []
     for kk in parts_k:
         fk = f32(kk).transpose(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, Sk]
-        scores.append(np.matmul(fq, fk) * np.float32(scale))  # [B, Hkv, rep, Sq, Sk]
-    s = np.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    sk = s.shape[-1]
-    if mask is not None:
-        m = np.broadcast_to(f32(mask), (b, hq, sq, sk))
-        s = s + m.reshape(b, hkv, rep, sq, sk)
+        sc = np.matmul(fq, fk)  # [B, Hkv, rep, Sq, Sk]
+        sc *= np.float32(scale)
+        scores.append(sc)
+    # the scores are a new array: masked, normalised and exponentiated in place
+    p = np.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    sk = p.shape[-1]
+    if mask is not None:  # broadcast over the heads without a copy
+        p += np.broadcast_to(f32(mask), (b, hq, sq, sk)).reshape(b, hkv, rep, sq, sk)
     if causal:
         off = sk - sq
-        tri = np.triu(np.ones((sq, sk), dtype=bool), k=1 + off)
-        s = np.where(tri, np.float32(-np.inf), s)
-    mx = np.max(s, axis=-1, keepdims=True)
-    p = np.exp(s - mx)
-    p = p / np.sum(p, axis=-1, keepdims=True)
+        np.copyto(p, np.float32(-np.inf), where=np.triu(np.ones((sq, sk), bool), k=1 + off))
+    p -= np.max(p, axis=-1, keepdims=True)
+    np.exp(p, out=p)
+    p /= np.sum(p, axis=-1, keepdims=True)
     out = None
     start = 0
     for vv in parts_v:
