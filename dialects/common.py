@@ -551,19 +551,22 @@ class ShapedOp(IRDLOperation):
 # --------------------------------------------------------------------------- names
 
 
+#: element type name -> numpy dtype (`numpy_dtype`)
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32),
+    "f16": np.dtype(np.float16),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f64": np.dtype(np.float64),
+    "i1": np.dtype(np.bool_),
+    "i8": np.dtype(np.int8),
+    "ui8": np.dtype(np.uint8),
+    "i32": np.dtype(np.int32),
+    "i64": np.dtype(np.int64),
+}
+
+
 def numpy_dtype(t: Attribute) -> np.dtype:
-    name = dtype_name(t)
-    return {
-        "f32": np.dtype(np.float32),
-        "f16": np.dtype(np.float16),
-        "bf16": np.dtype(ml_dtypes.bfloat16),
-        "f64": np.dtype(np.float64),
-        "i1": np.dtype(np.bool_),
-        "i8": np.dtype(np.int8),
-        "ui8": np.dtype(np.uint8),
-        "i32": np.dtype(np.int32),
-        "i64": np.dtype(np.int64),
-    }[name]
+    return NUMPY_DTYPES[dtype_name(t)]
 
 
 def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
