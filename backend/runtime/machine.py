@@ -42,6 +42,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
@@ -181,23 +182,34 @@ class Event:
     dtype: str = ""
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Timeline:
-    net: str
-    events: list[Event] = field(default_factory=list)
+    """A net's timeline: one event per command. It depends on the command stream and the
+    chip only, so a net's plan makes it once and every run returns it; its totals are
+    computed on first use."""
 
-    @property
+    net: str
+    events: tuple[Event, ...] = ()
+
+    @cached_property
     def cycles(self) -> float:
         return max((e.end for e in self.events), default=0.0)
 
     def busy(self, engine: str) -> float:
-        return sum(e.end - e.start for e in self.events if e.engine == engine)
+        return self._busy.get(engine, 0.0)
 
-    @property
+    @cached_property
+    def _busy(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for e in self.events:
+            out[e.engine] = out.get(e.engine, 0.0) + (e.end - e.start)
+        return out
+
+    @cached_property
     def dma_bytes(self) -> int:
         return sum(e.bytes for e in self.events if e.engine == "dma")
 
-    @property
+    @cached_property
     def flops(self) -> int:
         return sum(e.flops for e in self.events)
 
@@ -853,7 +865,7 @@ class Plan:
 
     operands: list[Operand]
     steps: list[Step]  # in execution order
-    events: list[Event]  # the timeline, by command id
+    timeline: Timeline
 
 
 class LoadedNet:
@@ -927,7 +939,7 @@ class LoadedNet:
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
             steps.append(step)
         find_joins(steps, operands)
-        return Plan(operands, steps, events)
+        return Plan(operands, steps, Timeline(self.program.name, tuple(events)))
 
 
 # ====================================================================== the machine
@@ -978,7 +990,7 @@ class Machine:
             self.local.buffers.clear()
             raise MachineTrap(f"net '{net.program.name}' ended with live local buffers "
                               f"{names}")
-        return Timeline(net.program.name, list(plan.events))
+        return plan.timeline
 
     def _resolve(self, op: Operand, binding: Binding) -> tuple[np.ndarray, bool, int]:
         addr = binding.address(op.ref, op.who)
