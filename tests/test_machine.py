@@ -15,6 +15,7 @@ from toptpu.backend.formats.commands import STREAM_SCHEMA, Command, Compute, Loa
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.formats.program import Program, StreamError, write_program_file
 from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.backend.runtime import machine as machine_module
 from toptpu.backend.runtime.machine import Machine, MachineTrap
 from toptpu.backend.runtime.simulate import ProgramFile, simulate
 from toptpu.backend.target.chips import get_chip
@@ -201,6 +202,40 @@ def test_bad_streams_trap_in_both_modes(tiny_models, case: str, checked: bool) -
     prog.commands = edit(prog)
     with pytest.raises(MachineTrap, match=match):
         simulate(prog, store, feeds, CHIP, checked=checked)
+
+
+@pytest.mark.parametrize("case", ["misaligned", "leaked"])
+def test_fast_mode_finds_local_traps_once_per_plan(tiny_models, case: str,
+                                                   monkeypatch) -> None:
+    """The fast mode does not track where buffers live while it runs: the plan finds the
+    first local-memory trap from the command stream alone (the step it fires at and the
+    checked mode's message), the run executes the steps before it and raises it there;
+    a good stream's plan has none."""
+    module, feeds, store = _tpu(tiny_models, "f32")
+    prog = compile_for_machine(module, CHIP)
+    m, net, binding = _loaded(prog, store, feeds)
+    assert net.plan(CHIP).local_trap is None
+    prog.commands = BAD_STREAMS[case][0](prog)
+    messages = []
+    for checked in (True, False):
+        m, net, binding = _loaded(prog, store, feeds, checked)
+        with pytest.raises(MachineTrap) as trap:
+            m.run(net, binding)
+        messages.append(str(trap.value))
+    plan = net.plan(CHIP)
+    assert plan.local_trap is not None and plan.local_trap[1] == messages[0] == messages[1]
+    at = plan.local_trap[0]
+    assert (at == len(plan.steps)) == (case == "leaked")
+    index = {id(step): i for i, step in enumerate(plan.steps)}
+    ran: list[int] = []
+    for kind in (machine_module.LoadStep, machine_module.StoreStep, machine_module.OpStep):
+        def counted(self, m, views, run=kind.run):  # noqa: ANN001, ANN202
+            ran.append(index[id(self)])
+            return run(self, m, views)
+        monkeypatch.setattr(kind, "run", counted)
+    with pytest.raises(MachineTrap):
+        m.run(net, binding)
+    assert ran == list(range(at))
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "fast"])

@@ -351,6 +351,9 @@ class CheckedLocal:
         self.buffers.clear()
         self.written[:] = False
 
+    def release(self, buf: int) -> None:
+        self.buffers.release(buf)
+
     def read(self, ref: Local, who: str) -> np.ndarray:
         lo, hi = ref.lo, ref.hi
         if ref.error:
@@ -374,17 +377,22 @@ class CheckedLocal:
 
 
 class FastLocal:
-    """Local memory as bookkeeping: the live intervals plus each buffer's value (a view of
-    a read-only region for loaded weights: no copy)."""
+    """Local memory as each live buffer's value (a view of a read-only region for loaded
+    weights: no copy). Where the buffers live does not depend on the data, so the traps
+    about it (overlap, alignment, lane, reads of buffers not live or not where they were
+    written, leaks) are found once per plan (`local_trap`) and raised at their step."""
 
     def __init__(self, chip: Chip) -> None:
-        self.buffers = LiveBuffers()
+        self.values: dict[int, np.ndarray] = {}
 
     def begin(self) -> None:
-        self.buffers.clear()
+        self.values.clear()
+
+    def release(self, buf: int) -> None:
+        self.values.pop(buf, None)
 
     def read(self, ref: Local, who: str) -> np.ndarray:
-        value = self.buffers.entry(ref, who)[3]
+        value = self.values[ref.buf]
         if value.dtype != ref.dtype or value.shape != ref.shape:  # the bytes, reinterpreted
             value = value.reshape(-1).view(np.uint8)[:ref.nbytes].view(ref.dtype)
             value = value.reshape(ref.shape)
@@ -399,10 +407,49 @@ class FastLocal:
             arr = np.ascontiguousarray(value, dtype=ref.dtype)
         if arr.nbytes != ref.nbytes:
             raise MachineTrap(f"{who}: result has {arr.nbytes} B, its buffer {ref.nbytes} B")
-        self.buffers.claim(ref, who, arr.reshape(ref.shape))
+        self.values[ref.buf] = arr.reshape(ref.shape)
 
 
 LocalMemory = CheckedLocal | FastLocal
+
+
+def local_trap(buffers: LiveBuffers, net: str) -> str | None:
+    """The trap of a net that ends with `buffers` live (None: nothing is live); clears
+    them."""
+    if not buffers.live:
+        return None
+    names = sorted({e[2] for e in buffers.live.values()})[:4]
+    buffers.clear()
+    return f"net '{net}' ended with live local buffers {names}"
+
+
+def first_local_trap(steps: Sequence[Step], net: str) -> tuple[int, str] | None:
+    """The first local-memory trap a run of `steps` meets, found without data: the
+    buffers' addresses, writes, reads and frees are fixed by the command stream. Returns
+    (the step it fires at — `len(steps)` for a leak at the end, the message), or None."""
+    live = LiveBuffers()
+    for i, step in enumerate(steps):
+        try:
+            if isinstance(step, LoadStep):
+                live.claim(step.local, step.who, None)
+            elif isinstance(step, StoreStep):
+                live.entry(step.local, step.who)
+                for b in step.free:
+                    live.release(b)
+            elif isinstance(step, OpStep):
+                for r in step.ins:
+                    if r is not None:
+                        live.entry(r, step.who)
+                for b in step.free:
+                    live.release(b)
+                for r in step.outs:
+                    live.claim(r, step.who, None)
+                for b in step.free_after:
+                    live.release(b)
+        except MachineTrap as e:
+            return i, str(e)
+    trap = local_trap(live, net)
+    return None if trap is None else (len(steps), trap)
 
 
 # ====================================================================== pre-decoded steps
@@ -866,6 +913,7 @@ class Plan:
     operands: list[Operand]
     steps: list[Step]  # in execution order
     timeline: Timeline
+    local_trap: tuple[int, str] | None  # the fast mode's: (the step raising it, message)
 
 
 class LoadedNet:
@@ -939,7 +987,8 @@ class LoadedNet:
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
             steps.append(step)
         find_joins(steps, operands)
-        return Plan(operands, steps, Timeline(self.program.name, tuple(events)))
+        return Plan(operands, steps, Timeline(self.program.name, tuple(events)),
+                    first_local_trap(steps, self.program.name))
 
 
 # ====================================================================== the machine
@@ -971,8 +1020,9 @@ class Machine:
         self.context = EvalContext(None)
 
     def free(self, bufs: Sequence[int]) -> None:
+        release = self.local.release
         for b in bufs:
-            self.local.buffers.release(b)
+            release(b)
 
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
         """Run a net's commands on the two engines; return the timeline."""
@@ -982,14 +1032,19 @@ class Machine:
         self.provenance.clear()
         self.run_cache.clear()
         self.joined.clear()
-        for step in plan.steps:
-            step.run(self, views)
-        live = self.local.buffers.live
-        if live:
-            names = sorted({e[2] for e in live.values()})[:4]
-            self.local.buffers.clear()
-            raise MachineTrap(f"net '{net.program.name}' ended with live local buffers "
-                              f"{names}")
+        if isinstance(self.local, CheckedLocal):
+            for step in plan.steps:
+                step.run(self, views)
+            trap = local_trap(self.local.buffers, net.program.name)
+            if trap:
+                raise MachineTrap(trap)
+            return plan.timeline
+        steps, trap = plan.steps, plan.local_trap
+        for i in range(len(steps) if trap is None else trap[0]):
+            steps[i].run(self, views)
+        if trap is not None:
+            self.local.begin()
+            raise MachineTrap(trap[1])
         return plan.timeline
 
     def _resolve(self, op: Operand, binding: Binding) -> tuple[np.ndarray, bool, int]:
