@@ -22,11 +22,13 @@ the same timeline:
 
 - checked (`checked=True`, the tests' mode): local memory is a real byte array; values
   live there at their addresses, and a read of bytes nothing wrote traps too.
-- fast (the default of `toptpu run`/`chat`): local memory is address bookkeeping — the
-  live buffers' intervals, checked with a sorted structure — plus a reference to each
-  buffer's value, so a load from a read-only region (the weights) costs no copy; and a
-  matmul the compiler sliced is computed as one host product where that gives each
-  slice's own bytes on this host (`SliceJoin`: checked bit for bit on its first run).
+- fast (the default of `toptpu run`/`chat`): local memory is a reference to each live
+  buffer's value, so a load from a read-only region (the weights) costs no copy. Where
+  the buffers live is fixed by the command stream, not by the data: each net's plan
+  replays the live buffers' intervals (a sorted structure) once and finds the first
+  local-memory trap, which the run raises at its step (`first_local_trap`). A matmul the
+  compiler sliced is computed as one host product where that gives each slice's own
+  bytes on this host (`SliceJoin`: checked bit for bit on its first run).
 
 Both run a net's program pre-decoded once per chip (`LoadedNet.plan`): the typed records
 (`toptpu.backend.formats.commands`) turned into steps with their kernels, slices and local
