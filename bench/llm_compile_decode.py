@@ -17,8 +17,11 @@ host, see `machine.SliceJoin`; the run prints how many) and
 in its checked mode (the tests' mode: bytes really live in local memory), and on the numpy
 Tpu interpreter (`--executors` picks among `fast,checked,interpreter`); the machine also
 reports modelled chip time. transformers runs the float32 model in eager PyTorch (no
-compile). Each is measured `--repeat` times, alternating, and the best run is reported; the
-ratios are ours / transformers.
+compile). After one warm-up run each (weights converted, joins checked), each is measured
+`--repeat` times, alternating, `--pause` seconds apart (a BLAS's threads spin for a while
+after a call and would slow whatever runs next); the best run's rates are reported, with
+the ratios ours / transformers of the best runs and of the medians (this host's speed
+drifts by 10-15% over minutes: the two ratios show how much).
 
 Our executors' matmuls are numpy's, on its BLAS (OpenBLAS, one thread per core unless
 `OPENBLAS_NUM_THREADS` says otherwise; the run prints which). On a shared, loaded host a
@@ -31,7 +34,7 @@ agreement between the machine's two modes in one process.
 
 Run: python bench/llm_compile_decode.py [--layers 24] [--mode w4bf16] [--seq 512]
          [--input 128] [--prompt 128] [--decode 8] [--hf-decode 32]
-         [--executors fast,checked,interpreter] [--repeat 2]
+         [--executors fast,checked,interpreter] [--repeat 3] [--pause 0.3]
 """
 
 from __future__ import annotations
@@ -94,11 +97,16 @@ def hf_rates(model: Qwen2ForCausalLM, ids: list[int], n: int) -> Rates:
     return Rates(len(ids) / ttft, n / max(total - ttft, 1e-9))
 
 
-def best(a: Rates | None, b: Rates) -> Rates:
-    if a is None:
-        return b
-    return Rates(max(a.prefill, b.prefill), max(a.decode, b.decode),
-                 b.modelled_decode if b.modelled_decode is not None else a.modelled_decode)
+def best(runs: list[Rates]) -> Rates:
+    """The best prefill and decode rates of `runs` (each may come from another run)."""
+    return Rates(max(r.prefill for r in runs), max(r.decode for r in runs),
+                 runs[-1].modelled_decode)
+
+
+def median(runs: list[Rates]) -> Rates:
+    """The median prefill and decode rates of `runs`."""
+    return Rates(float(np.median([r.prefill for r in runs])),
+                 float(np.median([r.decode for r in runs])), runs[-1].modelled_decode)
 
 
 def blas_threads() -> str:
@@ -118,8 +126,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
     ap.add_argument("--decode", type=int, default=8, help="tokens decoded by our executors")
     ap.add_argument("--hf-decode", type=int, default=32, help="tokens decoded by transformers")
-    ap.add_argument("--repeat", type=int, default=2,
-                    help="measure all alternately this many times; report the best")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="measure all alternately this many times; report the best and "
+                         "the median")
+    ap.add_argument("--pause", type=float, default=0.3,
+                    help="seconds between measured runs (the BLAS threads of the one "
+                         "before spin for a while)")
     ap.add_argument("--out", help="directory for the model file (default: a temp dir)")
     ap.add_argument("--executors", default="fast,checked,interpreter",
                     help=f"comma-separated, of {', '.join(EXECUTORS)}")
@@ -153,27 +165,34 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ids = [int(i) for i in rng.integers(0, 1000, a.prompt)]
     runtimes = {k: open_runtime(k, path) for k in kinds}
-    ours: dict[str, Rates | None] = dict.fromkeys(kinds)
-    hf: Rates | None = None
+    for rt in runtimes.values():  # first use: weights converted, joins checked
+        our_rates(rt, ids, 1)
+    ours: dict[str, list[Rates]] = {k: [] for k in kinds}
+    hf: list[Rates] = []
     for _ in range(a.repeat):  # alternate, so all see the same machine load
         for k, rt in runtimes.items():
-            ours[k] = best(ours[k], our_rates(rt, ids, a.decode))
-        hf = best(hf, hf_rates(model, ids, a.hf_decode))
-    assert hf is not None
+            time.sleep(a.pause)
+            ours[k].append(our_rates(rt, ids, a.decode))
+        time.sleep(a.pause)
+        hf.append(hf_rates(model, ids, a.hf_decode))
     print(f"prefill: {a.prompt} prompt tokens in one {a.input}-row chunk, to the first token; "
           f"decode: tokens after the first (ours {a.decode}, transformers {a.hf_decode}); "
-          f"best of {a.repeat} alternating runs each; host wall time; numpy BLAS threads: "
-          f"{blas_threads()}")
-    print(f"{'executor':<26} {'prefill tok/s':>13} {'ratio':>7} {'decode tok/s':>12} "
-          f"{'ratio':>7} {'modelled decode tok/s':>21}")
+          f"{a.repeat} alternating runs each, {a.pause} s apart, after one warm-up; host "
+          f"wall time; numpy BLAS threads: {blas_threads()}")
+    print("rates: the best run's; ratios: to transformers, of the best runs and of the "
+          "medians")
+    print(f"{'executor':<26} {'prefill tok/s':>13} {'ratio':>13} {'decode tok/s':>12} "
+          f"{'ratio':>13} {'modelled decode tok/s':>21}")
+    hb, hm = best(hf), median(hf)
     for k in kinds:
-        r = ours[k]
-        assert r is not None
-        modelled = "n/a" if r.modelled_decode is None else f"{r.modelled_decode:.1f}"
-        print(f"{EXECUTORS[k]:<26} {r.prefill:13.2f} {r.prefill / hf.prefill:7.3f} "
-              f"{r.decode:12.2f} {r.decode / hf.decode:7.3f} {modelled:>21}")
-    print(f"{'transformers eager f32':<26} {hf.prefill:13.2f} {1:7.3f} {hf.decode:12.2f} "
-          f"{1:7.3f} {'':>21}  (CPU, {torch.get_num_threads()} threads)")
+        b, md = best(ours[k]), median(ours[k])
+        modelled = "n/a" if b.modelled_decode is None else f"{b.modelled_decode:.1f}"
+        print(f"{EXECUTORS[k]:<26} {b.prefill:13.2f} "
+              f"{b.prefill / hb.prefill:6.3f}/{md.prefill / hm.prefill:6.3f} "
+              f"{b.decode:12.2f} {b.decode / hb.decode:6.3f}/{md.decode / hm.decode:6.3f} "
+              f"{modelled:>21}")
+    print(f"{'transformers eager f32':<26} {hb.prefill:13.2f} {'1':>13} {hb.decode:12.2f} "
+          f"{'1':>13} {'':>21}  (CPU, {torch.get_num_threads()} threads)")
     if "fast" in runtimes:
         verdicts = runtimes["fast"].ex.machine.join_ok  # type: ignore[attr-defined]
         used = [j for j, ok in verdicts.items() if ok]
