@@ -405,11 +405,13 @@ class FastLocal:
         load from a writable region)."""
         if copy:
             arr = np.array(value, dtype=ref.dtype, order="C")
+        elif value.dtype == ref.dtype and value.shape == ref.shape:
+            arr = value  # kept as it is, strided or not (a joined slice's part of the whole)
         else:
             arr = np.ascontiguousarray(value, dtype=ref.dtype)
         if arr.nbytes != ref.nbytes:
             raise MachineTrap(f"{who}: result has {arr.nbytes} B, its buffer {ref.nbytes} B")
-        self.values[ref.buf] = arr.reshape(ref.shape)
+        self.values[ref.buf] = arr if arr.shape == ref.shape else arr.reshape(ref.shape)
 
 
 LocalMemory = CheckedLocal | FastLocal
