@@ -382,7 +382,7 @@ class FastLocal:
     """Local memory as each live buffer's value (a view of a read-only region for loaded
     weights: no copy). Where the buffers live does not depend on the data, so the traps
     about it (overlap, alignment, lane, reads of buffers not live or not where they were
-    written, leaks) are found once per plan (`local_trap`) and raised at their step."""
+    written, leaks) are found once per plan (`first_local_trap`) and raised at their step."""
 
     def __init__(self, chip: Chip) -> None:
         self.values: dict[int, np.ndarray] = {}
