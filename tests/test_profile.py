@@ -3,6 +3,7 @@ time ticks, the PNG (a real decoder layer of a tiny Qwen2, compiled for the mach
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -101,6 +102,11 @@ def test_cli_writes_a_png_per_net(tmp_path_factory, tmp_path, capsys) -> None:
     for name in ("block.png", "embedding.png"):
         with Image.open(out / name) as img:
             assert img.format == "PNG" and img.width == 1400
+    trace = tmp_path / "trace.json"
+    assert main(["profile", path, "--nets", "block,embedding", "--trace", str(trace)]) == 0
+    processes = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+                 if e.get("name") == "process_name"}
+    assert processes == {"block (run 1)", "embedding (run 2)"}  # the nets, not "main"
 
 
 def test_time_ticks_of_short_and_long_spans() -> None:

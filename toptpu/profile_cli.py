@@ -10,7 +10,6 @@ Perfetto), `--png DIR` one timeline/roofline picture per net, `--json` the numbe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -63,8 +62,7 @@ def profile_model(path: str, nets: list[str] | None = None
             bindings[spec.name] = ex.alloc(spec.shape, spec.dtype)
         ex.run(name, bindings, 0 if info.per_layer else None)
         prog = ex.program(name)
-        # the program is named after its function ("main"): the profile names the net
-        tl = dataclasses.replace(ex.stats[name].timelines[-1], net=name)
+        tl = ex.stats[name].timelines[-1]
         profiles.append(profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops))
     return ex, profiles
 
@@ -107,8 +105,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"vision ({vision['net']}, {vision['mode']}): one {vision['image_size']} px "
                   f"{what} {tile * 1e3:.3f} ms modelled; an image of {n} {what}s "
                   f"{n * tile * 1e3:.3f} ms")
-    timelines = [dataclasses.replace(ex.stats[p.net].timelines[-1], net=p.net)
-                 for p in profiles]
+    timelines = [ex.stats[p.net].timelines[-1] for p in profiles]
     if args.trace:
         write_chrome_trace(args.trace, timelines, ex.chip)
         print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")

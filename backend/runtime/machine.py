@@ -922,10 +922,12 @@ class Plan:
 
 class LoadedNet:
     """A Program with its template ops parsed and its commands checked against them; its
-    pre-decoded plans (`plan(chip)`) are made on first use, once per chip."""
+    pre-decoded plans (`plan(chip)`) are made on first use, once per chip. `name` names the
+    net in its timeline and traps (default: the program's function name)."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, name: str | None = None) -> None:
         self.program = program
+        self.name = name or program.name
         module = parse_ir(program.ir, f"net:{program.name}", verify=False)
         fns = [f for f in module.ops if isinstance(f, func.FuncOp)
                and f.sym_name.data == program.name]
@@ -991,8 +993,8 @@ class LoadedNet:
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
             steps.append(step)
         find_joins(steps, operands)
-        return Plan(operands, steps, Timeline(self.program.name, tuple(events)),
-                    first_local_trap(steps, self.program.name))
+        return Plan(operands, steps, Timeline(self.name, tuple(events)),
+                    first_local_trap(steps, self.name))
 
 
 # ====================================================================== the machine
@@ -1036,10 +1038,10 @@ class Machine:
         self.provenance.clear()
         self.run_cache.clear()
         self.joined.clear()
-        if isinstance(self.local, CheckedLocal):
+        if isinstance(self.local, CheckedLocal):  # the checked mode tracks live buffers
             for step in plan.steps:
                 step.run(self, views)
-            trap = local_trap(self.local.buffers, net.program.name)
+            trap = local_trap(self.local.buffers, net.name)
             if trap:
                 raise MachineTrap(trap)
             return plan.timeline

@@ -184,7 +184,7 @@ class MachineExecutor:
             entry = self.meta.nets[net]
             try:
                 prog = Program.from_json(self.file.file.view(entry.streams))
-                loaded = LoadedNet(prog)
+                loaded = LoadedNet(prog, net)
             except ModelFileError:
                 raise
             except (StreamError, MachineTrap) as e:

@@ -95,7 +95,7 @@ class ProgramFile:
         self.weights = {n: region.base + w["offset"] for n, w in h["weights"].items()}
         self.programs = {n: _program(path, n, self.file.view(f"program:{n}"))
                          for n in h["nets"]}
-        self.nets = {n: LoadedNet(p) for n, p in self.programs.items()}
+        self.nets = {n: LoadedNet(p, n) for n, p in self.programs.items()}
         self.const = {}
         for n in self.programs:
             pool = self.file.read(f"const:{n}")
