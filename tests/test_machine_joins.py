@@ -47,13 +47,16 @@ def sliced_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str,
     return _compiled_layer(tiny_models, tmp_path_factory, SMALL)
 
 
-@pytest.fixture(scope="module", params=["small", "mid"])
-def any_sliced_layer(request, tiny_models, tmp_path_factory  # noqa: ANN001
-                     ) -> tuple[str, Program, dict[str, np.ndarray]]:
-    """The layer compiled for `SMALL` and for `MID`."""
-    if request.param == "small":
-        return request.getfixturevalue("sliced_layer")
+@pytest.fixture(scope="module")
+def mid_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str, np.ndarray]]:
     return _compiled_layer(tiny_models, tmp_path_factory, MID)
+
+
+@pytest.fixture(scope="module", params=["small", "mid"])
+def any_sliced_layer(request) -> tuple[str, Program, dict[str, np.ndarray]]:  # noqa: ANN001
+    """The layer compiled for `SMALL` and for `MID`."""
+    return request.getfixturevalue("sliced_layer" if request.param == "small"
+                                   else "mid_layer")
 
 
 def _joins(pf: ProgramFile) -> list[SliceJoin]:
@@ -120,6 +123,70 @@ def test_joined_runs_are_bit_identical_to_the_checked_mode(any_sliced_layer,
         calls.clear()
 
 
+def _shared_wholes(pf: ProgramFile) -> list[WholeRows]:
+    """The row-local ops whose slices take their parts of a join's whole."""
+    plan = pf.nets["layer"].plan(pf.chip)
+    found = {id(s.part_of): s.part_of for s in plan.steps
+             if isinstance(s, machine_module.OpStep) and s.part_of is not None}
+    return list(found.values())
+
+
+def test_row_local_slices_take_their_parts_of_the_joins_wholes(mid_layer,
+                                                               monkeypatch) -> None:
+    """The RMS norm (and the residual add before it) that a rows join computes whole for
+    its product: from the second run on, their slices take their parts of that whole (each
+    checked bit for bit on the first run) and do not compute again; the bytes stay the
+    checked mode's."""
+    path, _, feeds = mid_layer
+    want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
+    fast = ProgramFile(path)
+    wholes = _shared_wholes(fast)
+    names = {w.step.op.name for w in wholes}  # type: ignore[union-attr]
+    assert names == {"tpu.rms_norm", "tpu.add"}, names
+    assert all(len(w.slices) >= 2 for w in wholes)
+    sliced = {id(s) for w in wholes for s in w.slices}
+    computed: list[int] = []
+    compute = machine_module.OpStep.compute
+
+    def counted(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        computed.append(id(self))
+        return compute(self, *args, **kw)
+
+    monkeypatch.setattr(machine_module.OpStep, "compute", counted)
+    for run in range(3):
+        got = fast.run("layer", feeds).outputs["out"]
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), run
+        assert fast.machine.part_ok == {w: True for w in wholes}
+        own = sliced & set(computed)
+        assert bool(own) == (run == 0), run  # the first run computes every slice
+        computed.clear()
+
+
+def test_a_part_whose_whole_differs_is_refused_and_its_slices_compute(
+        mid_layer, monkeypatch) -> None:
+    """The RMS norm's whole corrupted in its lowest bit: its slices' first run finds their
+    parts differ, and they compute their own from then on (the add under it still takes
+    its parts); the bytes stay the checked mode's."""
+    path, _, feeds = mid_layer
+    want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
+    value = WholeRows.value
+
+    def norm_bit_flipped(self, m, views):  # noqa: ANN001, ANN202
+        w = value(self, m, views)
+        if self.step is not None and self.step.op.name == "tpu.rms_norm":
+            w = np.ascontiguousarray(w).copy()
+            w.reshape(-1).view(np.uint8)[0] ^= 1
+        return w
+
+    monkeypatch.setattr(WholeRows, "value", norm_bit_flipped)
+    fast = ProgramFile(path)
+    for _ in range(2):
+        got = fast.run("layer", feeds).outputs["out"]
+        assert got.tobytes() == want.tobytes()
+    verdicts = {w.step.op.name: ok for w, ok in fast.machine.part_ok.items()}  # type: ignore[union-attr]
+    assert verdicts == {"tpu.rms_norm": False, "tpu.add": True}
+
+
 def test_a_join_whose_parts_differ_is_refused_and_its_slices_run(any_sliced_layer,
                                                                  monkeypatch) -> None:
     path, _, feeds = any_sliced_layer
@@ -171,11 +238,11 @@ def test_a_join_is_refused_when_its_resident_buffer_is_written_between_slices(
     for kind in ("cols", "rows"):
         join = next(j for j in _joins(pf) if j.kind == kind)
         chain = [(steps.index(s), s) for s in join.steps]
-        assert not machine_module._rewritten(steps, chain, join)
+        first, last = chain[0][0], chain[-1][0]
+        assert not machine_module._written_between(steps, first, last, join.resident)
         resident = join.steps[0].ins[0] if kind == "cols" else join.steps[0].ins[1]
         load = copy.copy(next(s for s in steps if isinstance(s, machine_module.LoadStep)))
         load.local = resident
         at = chain[1][0]
         edited = [*steps[:at], load, *steps[at:]]
-        moved = [(p + (p >= at), s) for p, s in chain]
-        assert machine_module._rewritten(edited, moved, join)
+        assert machine_module._written_between(edited, first, last + 1, join.resident)

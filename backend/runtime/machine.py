@@ -517,7 +517,8 @@ class OpStep(Step):
     """A compute command, or a gather (its table read from global memory)."""
 
     __slots__ = ("op", "fn", "ins", "outs", "free", "free_after", "table", "table_at",
-                 "special", "bits", "group_size", "out_dtype", "cmd", "join", "join_at")
+                 "special", "bits", "group_size", "out_dtype", "cmd", "join", "join_at",
+                 "part_of")
 
     def __init__(self, c: Compute | Gather, op: Operation, fn: Evaluator, chip: Chip,
                  table: int = -1) -> None:
@@ -525,6 +526,8 @@ class OpStep(Step):
         self.op, self.fn, self.cmd = op, fn, c
         self.join: SliceJoin | None = None
         self.join_at = 0  # its slice's position in the join
+        #: a row-local op's slice whose whole a rows join computes (`WholeRows.slices`)
+        self.part_of: WholeRows | None = None
         self.ins = [Local.of(r, chip) if r is not None else None for r in c.ins]
         self.outs = [Local.of(r, chip) for r in c.outs]
         self.free, self.free_after = c.free, c.free_after
@@ -550,6 +553,8 @@ class OpStep(Step):
             args.insert(self.table_at, views[self.table][0])
         if self.join is not None and not m.checked:
             results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
+        elif self.part_of is not None and not m.checked:
+            results = [self.part_of.part(m, self, args, views)]
         else:
             results = self.compute(m, args)
         m.free(self.free)
@@ -607,12 +612,23 @@ class WholeRows:
     """The whole of a buffer that a rows join's slices hold one row slice each of: the
     global tensor the slices load (`g`), or the first slice's row-local `step` (one of
     `ROW_LOCAL_OPS`) on the wholes of its row-sliced inputs (`ins`; None: an input that is
-    resident, one buffer for all slices, read from local memory as it is)."""
+    resident, one buffer for all slices, read from local memory as it is).
+
+    The whole of a row-local op is computed anyway (the join's product needs it), so its
+    slices (`slices`, at their `positions` in the plan) take their parts of it (`parts`)
+    instead of computing them again, under the same rules as the join (`join`): checked
+    bit for bit on their first run (`Machine.part_ok`), and not while the join's inputs may
+    change. A reshape or a cast may return its input itself, a view of global memory that
+    a later store could change under a live local buffer: those compute their slices."""
 
     g: int = -1
     step: OpStep | None = None
     ins: list[WholeRows | None] = field(default_factory=list)
     shape: tuple[int, ...] = ()  # the whole's shape
+    slices: list[OpStep] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    parts: list[tuple[slice, ...]] = field(default_factory=list)
+    join: SliceJoin | None = None  # the join whose guard the parts follow
 
     def value(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
         step = self.step
@@ -629,6 +645,29 @@ class WholeRows:
                 got = step.fn(step.op, args, m.context)[0]
             m.joined[self] = got
         return got
+
+    def part(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
+             views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
+        """The result of `step`, one of `slices`: its part of the whole where that is
+        allowed on this host and in this run, else its own."""
+        verdict = m.part_ok.get(self)
+        assert self.join is not None
+        if verdict is False or not self.join.inputs_stable(views):
+            return step.compute(m, args)[0]
+        i = step.join_at
+        part = self.value(m, views)[self.parts[i]]
+        if verdict is None:  # first use: the slice's own result decides, and is returned
+            own = step.compute(m, args)[0]
+            if not _same_bytes(own, part):
+                m.part_ok[self] = False
+            elif i == len(self.slices) - 1:
+                m.part_ok[self] = True
+            return own
+        return part
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 @dataclass(eq=False)
@@ -680,14 +719,24 @@ class SliceJoin:
         part = whole[self.parts[i]]
         if verdict is None:  # first use: the slice's own product decides, and is returned
             own = step.compute(m, args)[0]
-            same = (own.dtype == part.dtype and own.shape == part.shape
-                    and own.tobytes() == part.tobytes())
-            if not same:
+            if not _same_bytes(own, part):
                 m.join_ok[self] = False
             elif i == len(self.steps) - 1:
                 m.join_ok[self] = True
             return own
         return part
+
+    def inputs_stable(self, views: list[tuple[np.ndarray, bool, int]]) -> bool:
+        """A rows join: whether no store of this run (to the `guard` operands) overlaps
+        its global inputs."""
+        for src in self.sources:
+            x_view, _, x_addr = views[src]  # type: ignore[index]
+            x_end = x_addr + x_view.nbytes
+            for g in self.guard:
+                view, _, addr = views[g]
+                if addr < x_end and x_addr < addr + view.nbytes:
+                    return False
+        return True
 
     def _whole(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
                views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray | None:
@@ -695,13 +744,8 @@ class SliceJoin:
         while its slices load (or a cols join's weight is writable)."""
         if self.kind == "rows":
             assert self.rows is not None
-            for src in self.sources:
-                x_view, _, x_addr = views[src]  # type: ignore[index]
-                x_end = x_addr + x_view.nbytes
-                for g in self.guard:
-                    view, _, addr = views[g]
-                    if addr < x_end and x_addr < addr + view.nbytes:
-                        return None
+            if not self.inputs_stable(views):
+                return None
             return step.compute(m, [self.rows.value(m, views), *args[1:]])[0]
         whole: list[np.ndarray | None] = [args[0]]
         key: list[tuple[int, tuple[int, ...]] | None] = []
@@ -742,20 +786,47 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> None:
             continue
         join = (_rows_join(chain, inputs, steps, wholes)
                 or _cols_join(chain, inputs, operands))
-        if join is not None and _rewritten(steps, chain, join):
+        if join is not None and _written_between(steps, chain[0][0], chain[-1][0],
+                                                 join.resident):
             join = None
         if join is not None:
             for i, (_, step) in enumerate(chain):
                 step.join, step.join_at = join, i
+            if join.rows is not None:
+                _share_parts(steps, join.rows, join)
 
 
-def _rewritten(steps: list[Step], chain: list[tuple[int, OpStep]], join: SliceJoin) -> bool:
-    """Whether a buffer the join takes as resident (`SliceJoin.resident`: a rows join's
-    weight, a cols join's input) is written again between its first and last slice."""
-    for step in steps[chain[0][0] + 1:chain[-1][0]]:
-        if isinstance(step, LoadStep) and step.local.buf in join.resident:
+#: row-local ops whose result is always a new array (not their input: see `WholeRows`)
+PART_OPS: tuple[type[Operation], ...] = (top.UnaryOp, top.BinaryOp, tpu.RmsNormOp)
+
+
+def _share_parts(steps: list[Step], whole: WholeRows, join: SliceJoin) -> None:
+    """Let the slices of the row-local ops under a rows join's input take their parts of
+    the wholes the join computes (`WholeRows.part`)."""
+    for sub in whole.ins:
+        if sub is not None:
+            _share_parts(steps, sub, join)
+    first = whole.step
+    if first is None or whole.join is not None or not isinstance(first.op, PART_OPS):
+        return
+    resident = {r.buf for c, r in zip(whole.ins, first.ins, strict=True)
+                if c is None and r is not None}
+    if _written_between(steps, whole.positions[0], whole.positions[-1], resident):
+        return
+    whole.join = join
+    for i, step in enumerate(whole.slices):
+        step.part_of, step.join_at = whole, i
+
+
+def _written_between(steps: list[Step], first: int, last: int,
+                     bufs: frozenset[int] | set[int]) -> bool:
+    """Whether one of `bufs` (a join's resident buffers: a rows join's weight, a cols
+    join's input; a row-local op's resident inputs) is written by a step after position
+    `first` and before `last`."""
+    for step in steps[first + 1:last]:
+        if isinstance(step, LoadStep) and step.local.buf in bufs:
             return True
-        if isinstance(step, OpStep) and any(o.buf in join.resident for o in step.outs):
+        if isinstance(step, OpStep) and any(o.buf in bufs for o in step.outs):
             return True
     return False
 
@@ -831,7 +902,10 @@ class _RowSlices:
         if isinstance(first.op, tpu.RmsNormOp) and axis >= ndim - 1:
             return None
         total = sum(n for _, n in self.parts)
-        made = WholeRows(step=first, ins=ins, shape=(*self.lead, total, *tail))
+        parts = [(slice(None),) * axis + (slice(start, start + n),)
+                 for start, n in self.parts]
+        made = WholeRows(step=first, ins=ins, shape=(*self.lead, total, *tail), slices=ops,
+                         positions=list(key), parts=parts)
         return self.wholes.setdefault(key, made)
 
     def _loaded(self, ws: list[Writer], key: tuple[int, ...]) -> WholeRows | None:
@@ -1023,6 +1097,7 @@ class Machine:
         self.provenance: dict[int, tuple] = {}  # buf -> the read-only bytes it holds
         self.joined: dict[SliceJoin | WholeRows, np.ndarray | None] = {}  # this run's wholes
         self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
+        self.part_ok: dict[WholeRows, bool] = {}  # row-local slices' parts, the same way
         self.context = EvalContext(None)
 
     def free(self, bufs: Sequence[int]) -> None:
