@@ -171,6 +171,43 @@ def test_dequantize_is_the_formula_bit_for_bit(bits: int, with_zeros: bool) -> N
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize(("bits", "zero_max", "narrow"),
+                         [(4, None, True), (4, 15, True), (4, 127, True), (4, 255, False),
+                          (8, None, True), (8, 255, False)])
+def test_weight_offsets_are_exact_in_the_narrowest_integer(bits: int, zero_max: int | None,
+                                                           narrow: bool) -> None:
+    """q - z as int8 where every difference the operands allow fits (4-bit with zero points
+    up to 127; symmetric 8-bit: q itself), else int16 (a hostile 4-bit zero point of 255;
+    8-bit ui8 with zero points); exact either way, a new array, and `dequantize_offsets` of
+    it is `dequantize` bit for bit."""
+    rng = np.random.default_rng(bits * 1000 + (zero_max or 0))
+    n, k, gs = 32, 128, 32
+    if bits == 4:
+        qweight = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        q = K.unpack_int4(qweight).astype(np.int32)
+    elif zero_max is None:
+        qweight = rng.integers(-128, 128, (n, k), dtype=np.int8)
+        q = qweight.astype(np.int32)
+    else:
+        qweight = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        q = qweight.astype(np.int32)
+    zeros = (None if zero_max is None
+             else rng.integers(0, zero_max + 1, (n, k // gs)).astype(np.uint8))
+    if zeros is not None:
+        zeros[0, 0] = zero_max  # the extreme is present
+    z = (zeros.astype(np.int32) if zeros is not None
+         else np.full((n, k // gs), 8 if bits == 4 else 0, np.int32))
+    want = (q.reshape(n, -1, gs) - z[:, :, None]).reshape(n, k)
+    off = K.weight_offsets(qweight, zeros, bits, gs)
+    assert off.dtype == (np.int8 if narrow else np.int16)
+    assert np.array_equal(off.astype(np.int32), want)
+    assert not np.shares_memory(off, qweight)
+    scales = (rng.standard_normal((n, k // gs)) * 1e-2).astype(ml_dtypes.bfloat16)
+    got = K.dequantize_offsets(off, scales, gs)
+    full = K.dequantize(qweight, scales, zeros, bits, gs)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), full.view(np.uint32))
+
+
 @given(data=st.data())
 @fuzz_settings(200)
 def test_topk_is_the_stable_sort_prefix(data: st.DataObject) -> None:

@@ -60,3 +60,34 @@ def test_fast_and_checked_mode_are_bit_identical_on_every_net(
     if "history" in options:
         assert "block_kv" in fast.nets()
     assert compared >= len(fast.nets())
+
+
+@pytest.mark.parametrize("executor", ["fast", "interpreter"])
+def test_a_cache_too_small_for_the_f32_weights_keeps_offsets_and_the_tokens(
+        tmp_path_factory, executor: str) -> None:
+    """With a weight cache that holds the f32 forms of only some of the quantized weights,
+    the rest are kept as their integer offsets (and the last f32 forms give way to them):
+    the generated tokens are those of an unbounded cache, on the machine and on the
+    interpreter alike."""
+    from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
+    from toptpu.backend.runtime.runtime import Runtime
+
+    path = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+
+    def runtime(budget: int | None) -> Runtime:
+        if executor == "fast":
+            return Runtime(MachineExecutor(path, weight_cache_bytes=budget))
+        return Runtime(InterpreterExecutor(path, weight_cache_bytes=budget))
+
+    ids = [3, 14, 15, 92, 65, 35, 89, 79]
+    full = runtime(1 << 40)
+    want = full.generate(ids, 6, stop_on_eos=False).generated_ids
+    cache = full.ex.machine.cache if executor == "fast" else full.ex.cache  # type: ignore[attr-defined]
+    assert cache.forms()["offsets"] == 0
+    small = runtime(cache.used // 3)
+    for _ in range(3):  # the first passes settle which weights keep which form
+        assert small.generate(ids, 6, stop_on_eos=False).generated_ids == want
+    cache = small.ex.machine.cache if executor == "fast" else small.ex.cache  # type: ignore[attr-defined]
+    forms = cache.forms()
+    assert forms["converted"] > 0 and forms["offsets"] > 0, forms
+    assert cache.used <= cache.budget

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime import weight_cache
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.weight_cache import (
@@ -66,3 +67,44 @@ def test_cache_keeps_what_fits_and_converts_the_rest_each_time() -> None:
     off.get("w", lambda: make(9))
     off.get("w", lambda: make(9))
     assert len(off) == 0 and made[-2:] == [9, 9]
+
+
+def _quantized(n: int, rows: int = 64, k: int = 128, gs: int = 32
+               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """`n` random 4-bit weights (qweight, scales, zeros) of [rows, k]: 32 KiB in f32, 8 KiB
+    as int8 offsets."""
+    rng = np.random.default_rng(n)
+    return [(rng.integers(0, 256, (rows, k // 2), dtype=np.uint8),
+             (rng.standard_normal((rows, k // gs)) * 1e-2).astype(K.BF16),
+             rng.integers(0, 16, (rows, k // gs)).astype(np.uint8)) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("budget_f32s", "want"), [
+    (10.0, {"converted": 8, "offsets": 0}),  # all f32 forms fit: as before
+    (4.0, {"converted": 2, "offsets": 6}),  # 2 f32 + 6 offsets = 3.5 f32 sizes
+    (1.0, {"converted": 0, "offsets": 4}),  # offsets only, and only 4 of them
+])
+def test_quantized_weights_fall_back_to_their_offsets_within_the_budget(
+        budget_f32s: float, want: dict[str, int], monkeypatch) -> None:  # noqa: ANN001
+    """Cycling over 8 quantized weights (a decode step's order): every result is the
+    kernel's `dequantize` bit for bit; the cache never exceeds its budget; from the third
+    pass on nothing changes: the weights kept as f32 are hits, those kept as offsets are
+    expanded from them (no packed weight is unpacked again) and only what fits no form is
+    made from its packed bytes each time."""
+    weights = _quantized(8)
+    f32_bytes = 64 * 128 * 4
+    cache = WeightCache(budget=int(budget_f32s * f32_bytes))
+    made: list[int] = []
+    offsets = K.weight_offsets
+    monkeypatch.setattr(K, "weight_offsets", lambda q, *a: made.append(id(q)) or offsets(q, *a))
+    per_pass: list[int] = []
+    for _ in range(4):
+        made.clear()
+        for i, (q, s, z) in enumerate(weights):
+            got = cache.dequantized(("w", i), q, s, z, 4, 32)
+            assert got.tobytes() == K.dequantize(q, s, z, 4, 32).tobytes()
+            assert cache.used <= cache.budget
+        per_pass.append(len(made) - len(weights))  # minus the reference's own
+    assert cache.forms() == want
+    uncached = len(weights) - sum(want.values())
+    assert per_pass[0] == len(weights) and per_pass[2:] == [uncached, uncached], per_pass

@@ -21,8 +21,9 @@ history_k) is safe: the slot being written is masked in that very run.
 for later runs; likewise a f16/bf16 weight of `tpu.matmul` (e.g. the lm_head) is upcast to
 f32 once (`kernels.f32`, exact) instead of at every call. Both share one bounded cache
 (`toptpu.backend.runtime.weight_cache`: `weight_cache_bytes`, by default sized from the
-host's free memory; beyond it weights are converted per call). A decode step then costs its
-matmuls, not a conversion of every weight; the numbers are the kernels' own.
+host's free memory; beyond it a quantized weight is kept as its integer offsets, or
+converted per call). A decode step then costs its matmuls, not a conversion of every
+weight; the numbers are the kernels' own.
 
 There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 """
@@ -244,8 +245,7 @@ class InterpreterExecutor:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
         x, q, s, z, bias = args
         assert step.qweight is not None
-        w = self.cache.get((layer, step.qweight),
-                           lambda: K.dequantize(q, s, z, step.bits, step.group_size))
+        w = self.cache.dequantized((layer, step.qweight), q, s, z, step.bits, step.group_size)
         return K.matmul_dequantized(x, w, bias, step.out_dtype)
 
     def _check_binding(self, net: str, spec: TensorSpec, buf: Any) -> None:

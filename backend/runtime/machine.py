@@ -42,7 +42,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -581,19 +581,19 @@ class OpStep(Step):
         a run (row slices reuse resident weights), per provenance (which read-only bytes
         the buffers hold) across runs."""
         x, q, s, z, bias = args
+        assert q is not None and s is not None
         refs = self.ins[1:4]
-        make: Callable[[], np.ndarray] = lambda: K.dequantize(  # noqa: E731
-            q, s, z, self.bits, self.group_size)
         provs = tuple(m.provenance.get(r.buf) if r is not None else None for r in refs)
+        if weight_key is None and all(p is not None for p, r in zip(provs, refs, strict=True)
+                                      if r is not None):
+            weight_key = provs
         if weight_key is not None:
-            w = m.cache.get(("a16", weight_key), make)
-        elif all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
-            w = m.cache.get(("a16", provs), make)
+            w = m.cache.dequantized(("a16", weight_key), q, s, z, self.bits, self.group_size)
         else:
             key = tuple(r.buf if r is not None else None for r in refs)
             w = m.run_cache.get(key)
             if w is None:
-                w = m.run_cache[key] = make()
+                w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
         assert x is not None
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
 

@@ -10,6 +10,16 @@ known); the environment variable `TOPTPU_WEIGHT_CACHE` (bytes, or a number with 
 argument override it. A weight that does not fit the rest of the budget is converted for
 each use and not kept (a decode step visits the weights cyclically: keeping the ones that
 fit beats evicting the oldest).
+
+Quantized weights (`WeightCache.dequantized`) have a second, smaller form: their integer
+offsets q - z (`kernels.weight_offsets`: int8 for 4-bit weights, a quarter of the f32
+form), from which the f32 form is one product per weight (`kernels.dequantize_offsets`,
+about half the time of dequantizing the packed bytes; the same bits). Where the f32
+forms of all weights do not fit the budget (a 7B model's take 26 GB), a weight whose f32
+form does not fit keeps its offsets, and to make room gives up the f32 forms kept last
+(once each: a weight given up keeps room for its offsets and is kept as offsets from then
+on). After two passes over the model every weight is kept in one form or the other while
+the offsets of all fit: f32 for the first weights, offsets for the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime.errors import GenerationError
 
 ENV_VAR = "TOPTPU_WEIGHT_CACHE"
@@ -73,16 +84,62 @@ class WeightCache:
                                   "or more")
         self.used = 0
         self._items: dict[Hashable, np.ndarray] = {}
+        self._offsets: dict[Hashable, np.ndarray] = {}  # quantized weights kept as q - z
+        self._f32_quantized: list[Hashable] = []  # their f32 forms, in the order kept
+        self._given_up: set[Hashable] = set()  # f32 forms given up for others' offsets
+        self._reserved: dict[Hashable, int] = {}  # ... and the room kept for their offsets
+        self._reserved_total = 0
 
     def get(self, key: Hashable, make: Callable[[], np.ndarray]) -> np.ndarray:
         """The weight under `key`, made (and kept, while the budget allows) on a miss."""
         hit = self._items.get(key)
         if hit is None:
             hit = make()
-            if self.used + hit.nbytes <= self.budget:
+            if self._free() >= hit.nbytes:
                 self._items[key] = hit
                 self.used += hit.nbytes
         return hit
 
+    def dequantized(self, key: Hashable, qweight: np.ndarray, scales: np.ndarray,
+                    zeros: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+        """`kernels.dequantize(qweight, scales, zeros, bits, group_size)` under `key`: its
+        f32 form where kept, else made from its offsets where kept, else made and kept in
+        the form the budget allows (see the module doc)."""
+        hit = self._items.get(key)
+        if hit is not None:
+            return hit
+        off = self._offsets.get(key)
+        if off is not None:
+            return K.dequantize_offsets(off, scales, group_size)
+        off = K.weight_offsets(qweight, zeros, bits, group_size)
+        w = K.dequantize_offsets(off, scales, group_size)
+        self._reserved_total -= self._reserved.pop(key, 0)
+        if key not in self._given_up and self._free() >= w.nbytes:
+            self._items[key] = w
+            self.used += w.nbytes
+            self._f32_quantized.append(key)
+            return w
+        while self._free() < off.nbytes and self._f32_quantized:
+            last = self._f32_quantized.pop()
+            freed = self._items.pop(last).nbytes
+            self.used -= freed
+            self._given_up.add(last)
+            # room for its own offsets when it comes again (their size at this one's width)
+            self._reserved[last] = freed // 4 * off.itemsize
+            self._reserved_total += self._reserved[last]
+        if self._free() >= off.nbytes:
+            self._offsets[key] = off
+            self.used += off.nbytes
+        return w
+
+    def _free(self) -> int:
+        """The budget not used nor reserved for the offsets of given-up weights."""
+        return self.budget - self.used - self._reserved_total
+
+    def forms(self) -> dict[str, int]:
+        """How many weights are kept in each form: 'converted' (f32 and other converted
+        forms), 'offsets' (quantized weights as q - z)."""
+        return {"converted": len(self._items), "offsets": len(self._offsets)}
+
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._offsets)
