@@ -108,3 +108,23 @@ def test_quantized_weights_fall_back_to_their_offsets_within_the_budget(
     assert cache.forms() == want
     uncached = len(weights) - sum(want.values())
     assert per_pass[0] == len(weights) and per_pass[2:] == [uncached, uncached], per_pass
+
+
+def test_a_conversion_without_a_smaller_form_takes_the_room_of_quantized_f32_forms() -> None:
+    """An lm_head's f32 form (no offsets to fall back to) asked for after the quantized
+    weights' f32 forms filled the budget: the last of those give way and keep their
+    offsets, the conversion is kept, and the next pass settles every weight in a form."""
+    weights = _quantized(4)
+    f32_bytes = 64 * 128 * 4
+    cache = WeightCache(budget=4 * f32_bytes)
+    head = np.arange(2 * f32_bytes // 4, dtype=np.float32)  # two f32 weights' size
+    for _ in range(2):
+        for i, (q, s, z) in enumerate(weights):
+            got = cache.dequantized(("w", i), q, s, z, 4, 32)
+            assert got.tobytes() == K.dequantize(q, s, z, 4, 32).tobytes()
+        assert cache.get("lm_head", lambda: head.copy()).tobytes() == head.tobytes()
+        assert cache.used <= cache.budget
+    # 3 f32 forms gave way to the head (it takes 2 f32 sizes, each keeps a quarter for its
+    # offsets): 1 f32 + 3 offsets + the head = 1 + 0.75 + 2 of the 4 f32 sizes
+    assert cache.forms() == {"converted": 2, "offsets": 3}
+    assert "lm_head" in cache._items

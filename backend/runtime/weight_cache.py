@@ -19,7 +19,9 @@ forms of all weights do not fit the budget (a 7B model's take 26 GB), a weight w
 form does not fit keeps its offsets, and to make room gives up the f32 forms kept last
 (once each: a weight given up keeps room for its offsets and is kept as offsets from then
 on). After two passes over the model every weight is kept in one form or the other while
-the offsets of all fit: f32 for the first weights, offsets for the rest.
+the offsets of all fit: f32 for the first weights, offsets for the rest. A conversion with
+no smaller form (the f32 form of a bf16 lm_head) may take the room of quantized weights'
+f32 forms the same way.
 """
 
 from __future__ import annotations
@@ -85,16 +87,21 @@ class WeightCache:
         self.used = 0
         self._items: dict[Hashable, np.ndarray] = {}
         self._offsets: dict[Hashable, np.ndarray] = {}  # quantized weights kept as q - z
-        self._f32_quantized: list[Hashable] = []  # their f32 forms, in the order kept
+        #: their f32 forms in the order kept, with the bytes of their offsets
+        self._f32_quantized: list[tuple[Hashable, int]] = []
         self._given_up: set[Hashable] = set()  # f32 forms given up for others' offsets
         self._reserved: dict[Hashable, int] = {}  # ... and the room kept for their offsets
         self._reserved_total = 0
 
     def get(self, key: Hashable, make: Callable[[], np.ndarray]) -> np.ndarray:
-        """The weight under `key`, made (and kept, while the budget allows) on a miss."""
+        """The weight under `key`, made (and kept, while the budget allows) on a miss. A
+        conversion that has no smaller form (a bf16 lm_head's f32 form: remaking it reads
+        its source bytes again, 1.1 GB a token for a 7B model) may take the room of
+        quantized weights' f32 forms, which then keep their offsets."""
         hit = self._items.get(key)
         if hit is None:
             hit = make()
+            self._make_room(hit.nbytes)
             if self._free() >= hit.nbytes:
                 self._items[key] = hit
                 self.used += hit.nbytes
@@ -117,20 +124,23 @@ class WeightCache:
         if key not in self._given_up and self._free() >= w.nbytes:
             self._items[key] = w
             self.used += w.nbytes
-            self._f32_quantized.append(key)
+            self._f32_quantized.append((key, off.nbytes))
             return w
-        while self._free() < off.nbytes and self._f32_quantized:
-            last = self._f32_quantized.pop()
-            freed = self._items.pop(last).nbytes
-            self.used -= freed
-            self._given_up.add(last)
-            # room for its own offsets when it comes again (their size at this one's width)
-            self._reserved[last] = freed // 4 * off.itemsize
-            self._reserved_total += self._reserved[last]
+        self._make_room(off.nbytes)
         if self._free() >= off.nbytes:
             self._offsets[key] = off
             self.used += off.nbytes
         return w
+
+    def _make_room(self, nbytes: int) -> None:
+        """Give up the quantized weights' f32 forms kept last until `nbytes` fit (or none
+        is left), keeping room for each one's offsets for when it comes again."""
+        while self._free() < nbytes and self._f32_quantized:
+            last, off_bytes = self._f32_quantized.pop()
+            self.used -= self._items.pop(last).nbytes
+            self._given_up.add(last)
+            self._reserved[last] = off_bytes
+            self._reserved_total += off_bytes
 
     def _free(self) -> int:
         """The budget not used nor reserved for the offsets of given-up weights."""
