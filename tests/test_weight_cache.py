@@ -128,3 +128,7 @@ def test_a_conversion_without_a_smaller_form_takes_the_room_of_quantized_f32_for
     # offsets): 1 f32 + 3 offsets + the head = 1 + 0.75 + 2 of the 4 f32 sizes
     assert cache.forms() == {"converted": 2, "offsets": 3}
     assert "lm_head" in cache._items
+    # one that would not fit even if every f32 form gave way: nothing gives way
+    huge = np.zeros(5 * f32_bytes // 4, np.float32)
+    assert cache.get("huge", lambda: huge) is huge
+    assert cache.forms() == {"converted": 2, "offsets": 3} and "huge" not in cache._items

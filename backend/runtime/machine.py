@@ -563,39 +563,52 @@ class OpStep(Step):
         m.free(self.free_after)
 
     def compute(self, m: Machine, args: list[np.ndarray | None],
-                weight_key: Hashable | None = None) -> Sequence[np.ndarray]:
+                weight_key: Hashable | None = None, keep: bool = True) -> Sequence[np.ndarray]:
         """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
-        cached under `weight_key`, by default what the weight buffers hold."""
+        cached under `weight_key`, by default what the weight buffers hold (`held_key`);
+        `keep=False` uses a cached form but keeps no new one (a join's check of its
+        slices: their forms would duplicate the whole's)."""
+        if not self.special:
+            return self.fn(self.op, args, m.context)
+        refs = self.ins[1:4] if self.special == "a16" else self.ins[1:2]
+        if weight_key is None:
+            provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
+            if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
+                weight_key = held_key(provs)
         if self.special == "a16":
-            return [self._a16_matmul(m, args, weight_key)]
-        if self.special == "f32w":
-            key = weight_key or m.provenance.get(self.ins[1].buf)  # type: ignore[union-attr]
-            if key is not None:
-                w = args[1]
-                args = [args[0], m.cache.get(("f32", key), lambda: K.f32(w)), *args[2:]]
+            return [self._a16_matmul(m, args, weight_key, keep)]
+        if weight_key is not None:
+            w = args[1]
+            args = [args[0], m.cache.get(("f32", weight_key), lambda: K.f32(w), keep),
+                    *args[2:]]
         return self.fn(self.op, args, m.context)
 
     def _a16_matmul(self, m: Machine, args: list[np.ndarray | None],
-                    weight_key: Hashable | None) -> np.ndarray:
+                    weight_key: Hashable | None, keep: bool) -> np.ndarray:
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance (which read-only bytes
         the buffers hold) across runs."""
         x, q, s, z, bias = args
         assert q is not None and s is not None
-        refs = self.ins[1:4]
-        provs = tuple(m.provenance.get(r.buf) if r is not None else None for r in refs)
-        if weight_key is None and all(p is not None for p, r in zip(provs, refs, strict=True)
-                                      if r is not None):
-            weight_key = provs
         if weight_key is not None:
-            w = m.cache.dequantized(("a16", weight_key), q, s, z, self.bits, self.group_size)
+            w = m.cache.dequantized(("a16", weight_key), q, s, z, self.bits, self.group_size,
+                                    keep)
         else:
-            key = tuple(r.buf if r is not None else None for r in refs)
+            key = tuple(r.buf if r is not None else None for r in self.ins[1:4])
             w = m.run_cache.get(key)
             if w is None:
                 w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
         assert x is not None
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
+
+
+def held_key(provs: Sequence[tuple | None]) -> tuple:
+    """The cache key of a weight converted from read-only bytes, from what its buffers hold
+    (`Machine.provenance`, one per weight operand; None: an absent operand). A tensor read
+    whole is keyed by its address and shape: the key of the whole weight a cols join reads
+    (`SliceJoin`), so the nets that read a weight whole and those that join its slices
+    share one converted form; a slice by its load's address, tensor and window."""
+    return tuple(None if p is None else (p[0], p[1]) if p[3] < 0 else p for p in provs)
 
 
 # ====================================================================== joined slices
@@ -718,7 +731,7 @@ class SliceJoin:
             return step.compute(m, args)[0]
         part = whole[self.parts[i]]
         if verdict is None:  # first use: the slice's own product decides, and is returned
-            own = step.compute(m, args)[0]
+            own = step.compute(m, args, keep=False)[0]
             if not _same_bytes(own, part):
                 m.join_ok[self] = False
             elif i == len(self.steps) - 1:
@@ -758,8 +771,9 @@ class SliceJoin:
             if writable:
                 return None
             whole.append(view)
-            key.append((addr, view.shape))
-        return step.compute(m, whole, ("whole", *key))[0]
+            key.append((addr, view.shape))  # `held_key` of a whole read
+        n = 3 if step.special == "a16" else 1  # the weight's operands
+        return step.compute(m, whole, tuple(key[:n]))[0]
 
 
 Writer = tuple[int, "Step"]  # (position, step) of the step that last wrote a buffer

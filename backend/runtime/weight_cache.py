@@ -87,20 +87,25 @@ class WeightCache:
         self.used = 0
         self._items: dict[Hashable, np.ndarray] = {}
         self._offsets: dict[Hashable, np.ndarray] = {}  # quantized weights kept as q - z
-        #: their f32 forms in the order kept, with the bytes of their offsets
-        self._f32_quantized: list[tuple[Hashable, int]] = []
+        #: their f32 forms in the order kept, with their bytes and their offsets'
+        self._f32_quantized: list[tuple[Hashable, int, int]] = []
+        self._givable = 0  # the room giving them all up would make
         self._given_up: set[Hashable] = set()  # f32 forms given up for others' offsets
         self._reserved: dict[Hashable, int] = {}  # ... and the room kept for their offsets
         self._reserved_total = 0
 
-    def get(self, key: Hashable, make: Callable[[], np.ndarray]) -> np.ndarray:
+    def get(self, key: Hashable, make: Callable[[], np.ndarray],
+            keep: bool = True) -> np.ndarray:
         """The weight under `key`, made (and kept, while the budget allows) on a miss. A
         conversion that has no smaller form (a bf16 lm_head's f32 form: remaking it reads
         its source bytes again, 1.1 GB a token for a 7B model) may take the room of
-        quantized weights' f32 forms, which then keep their offsets."""
+        quantized weights' f32 forms, which then keep their offsets. `keep=False`: made
+        on a miss, not kept."""
         hit = self._items.get(key)
         if hit is None:
             hit = make()
+            if not keep:
+                return hit
             self._make_room(hit.nbytes)
             if self._free() >= hit.nbytes:
                 self._items[key] = hit
@@ -108,23 +113,27 @@ class WeightCache:
         return hit
 
     def dequantized(self, key: Hashable, qweight: np.ndarray, scales: np.ndarray,
-                    zeros: np.ndarray | None, bits: int, group_size: int) -> np.ndarray:
+                    zeros: np.ndarray | None, bits: int, group_size: int,
+                    keep: bool = True) -> np.ndarray:
         """`kernels.dequantize(qweight, scales, zeros, bits, group_size)` under `key`: its
         f32 form where kept, else made from its offsets where kept, else made and kept in
-        the form the budget allows (see the module doc)."""
+        the form the budget allows (see the module doc; `keep=False`: not kept)."""
         hit = self._items.get(key)
         if hit is not None:
             return hit
         off = self._offsets.get(key)
         if off is not None:
             return K.dequantize_offsets(off, scales, group_size)
+        if not keep:
+            return K.dequantize(qweight, scales, zeros, bits, group_size)
         off = K.weight_offsets(qweight, zeros, bits, group_size)
         w = K.dequantize_offsets(off, scales, group_size)
         self._reserved_total -= self._reserved.pop(key, 0)
         if key not in self._given_up and self._free() >= w.nbytes:
             self._items[key] = w
             self.used += w.nbytes
-            self._f32_quantized.append((key, off.nbytes))
+            self._f32_quantized.append((key, w.nbytes, off.nbytes))
+            self._givable += w.nbytes - off.nbytes
             return w
         self._make_room(off.nbytes)
         if self._free() >= off.nbytes:
@@ -133,11 +142,15 @@ class WeightCache:
         return w
 
     def _make_room(self, nbytes: int) -> None:
-        """Give up the quantized weights' f32 forms kept last until `nbytes` fit (or none
-        is left), keeping room for each one's offsets for when it comes again."""
-        while self._free() < nbytes and self._f32_quantized:
-            last, off_bytes = self._f32_quantized.pop()
+        """Give up the quantized weights' f32 forms kept last until `nbytes` fit, keeping
+        room for each one's offsets for when it comes again; none where all of them
+        would not make the room."""
+        if self._free() + self._givable < nbytes:
+            return
+        while self._free() < nbytes:
+            last, f32_bytes, off_bytes = self._f32_quantized.pop()
             self.used -= self._items.pop(last).nbytes
+            self._givable -= f32_bytes - off_bytes
             self._given_up.add(last)
             self._reserved[last] = off_bytes
             self._reserved_total += off_bytes
