@@ -123,6 +123,13 @@ def test_joined_runs_are_bit_identical_to_the_checked_mode(any_sliced_layer,
         calls.clear()
 
 
+def _lowest_bit_flipped(w: np.ndarray) -> np.ndarray:
+    """A copy of `w` with the lowest mantissa bit of its first element flipped."""
+    w = np.ascontiguousarray(w).copy()
+    w.reshape(-1).view(np.uint8)[0] ^= 1
+    return w
+
+
 def _shared_wholes(pf: ProgramFile) -> list[WholeRows]:
     """The row-local ops whose slices take their parts of a join's whole."""
     plan = pf.nets["layer"].plan(pf.chip)
@@ -174,8 +181,7 @@ def test_a_part_whose_whole_differs_is_refused_and_its_slices_compute(
     def norm_bit_flipped(self, m, views):  # noqa: ANN001, ANN202
         w = value(self, m, views)
         if self.step is not None and self.step.op.name == "tpu.rms_norm":
-            w = np.ascontiguousarray(w).copy()
-            w.reshape(-1).view(np.uint8)[0] ^= 1
+            w = _lowest_bit_flipped(w)
         return w
 
     monkeypatch.setattr(WholeRows, "value", norm_bit_flipped)
@@ -195,10 +201,7 @@ def test_a_join_whose_parts_differ_is_refused_and_its_slices_run(any_sliced_laye
 
     def last_bit_flipped(self, *args):  # noqa: ANN001, ANN002, ANN202
         w = whole(self, *args)
-        if w is not None:  # the lowest mantissa bit of the first element
-            w = np.ascontiguousarray(w).copy()
-            w.reshape(-1).view(np.uint8)[0] ^= 1
-        return w
+        return None if w is None else _lowest_bit_flipped(w)
 
     monkeypatch.setattr(SliceJoin, "_whole", last_bit_flipped)
     fast = ProgramFile(path)

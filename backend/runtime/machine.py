@@ -669,18 +669,24 @@ class WholeRows:
             return step.compute(m, args)[0]
         i = step.join_at
         part = self.value(m, views)[self.parts[i]]
-        if verdict is None:  # first use: the slice's own result decides, and is returned
-            own = step.compute(m, args)[0]
-            if not _same_bytes(own, part):
-                m.part_ok[self] = False
-            elif i == len(self.slices) - 1:
-                m.part_ok[self] = True
-            return own
+        if verdict is None:
+            return _checked(m, m.part_ok, self, step, args, part, i == len(self.slices) - 1)
         return part
 
 
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+def _checked(m: Machine, verdicts: dict[Any, bool], key: SliceJoin | WholeRows, step: OpStep,
+             args: list[np.ndarray | None], part: np.ndarray, last: bool) -> np.ndarray:
+    """A slice's result on the first use of a join or of a whole's parts: its own, which
+    decides `verdicts[key]` against `part` byte for byte (False at the first slice that
+    differs, True when the last one matched). Its converted weight is not kept: the
+    whole's is."""
+    own = step.compute(m, args, keep=False)[0]
+    if not (own.dtype == part.dtype and own.shape == part.shape
+            and own.tobytes() == part.tobytes()):
+        verdicts[key] = False
+    elif last:
+        verdicts[key] = True
+    return own
 
 
 @dataclass(eq=False)
@@ -730,13 +736,8 @@ class SliceJoin:
         if whole is None:  # its input is stored to during this run
             return step.compute(m, args)[0]
         part = whole[self.parts[i]]
-        if verdict is None:  # first use: the slice's own product decides, and is returned
-            own = step.compute(m, args, keep=False)[0]
-            if not _same_bytes(own, part):
-                m.join_ok[self] = False
-            elif i == len(self.steps) - 1:
-                m.join_ok[self] = True
-            return own
+        if verdict is None:
+            return _checked(m, m.join_ok, self, step, args, part, i == len(self.steps) - 1)
         return part
 
     def inputs_stable(self, views: list[tuple[np.ndarray, bool, int]]) -> bool:
