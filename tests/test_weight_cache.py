@@ -132,3 +132,57 @@ def test_a_conversion_without_a_smaller_form_takes_the_room_of_quantized_f32_for
     huge = np.zeros(5 * f32_bytes // 4, np.float32)
     assert cache.get("huge", lambda: huge) is huge
     assert cache.forms() == {"converted": 2, "offsets": 3} and "huge" not in cache._items
+
+
+def test_decode_products_with_offsets_expand_a_block_at_a_time_once_checked(
+        monkeypatch) -> None:  # noqa: ANN001
+    """A one-row product with a weight kept as offsets: the first one of its shape computes
+    the whole weight's product and the blocked one (`kernels.matmul_offsets`) and returns
+    the whole's; later ones use the blocked product only where the bits were the same on
+    this host — either way every result has `a16_matmul`'s bytes (whichever the BLAS does,
+    so the test holds on any CPU). A prefill-sized input always takes the whole weight."""
+    (q, s, z), = _quantized(1, rows=200)
+    f32_bytes = 200 * 128 * 4
+    x1 = K.to_bf16(np.random.default_rng(1).standard_normal((1, 1, 128)).astype(np.float32))
+    x16 = K.to_bf16(np.random.default_rng(2).standard_normal((1, 16, 128)).astype(np.float32))
+    bias = np.linspace(-1, 1, 200).astype(np.float32)
+    blocked: list[int] = []
+    real = K.matmul_offsets
+
+    def counted(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+        blocked.append(1)
+        return real(*args, **kw)
+
+    def bit_flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+        r = counted(*args, **kw).copy()
+        r.reshape(-1).view(np.uint16)[0] ^= 1
+        return r
+
+    for flip in (False, True):  # flip: a BLAS whose blocked products differ in a bit
+        monkeypatch.setattr(K, "matmul_offsets", bit_flipped if flip else counted)
+        cache = WeightCache(budget=f32_bytes // 2)  # the offsets fit, the f32 form does not
+        for x in (x1, x16, x1, x1, x16):  # the first makes and keeps the offsets
+            want = K.a16_matmul(x, q, s, z, bias, 4, 32)
+            got = cache.a16_product("w", x, q, s, z, 4, 32, bias, None)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        assert cache.forms() == {"converted": 0, "offsets": 1}
+        (verdict,) = cache.fused_ok.values()  # one shape checked: the one-row one
+        assert not (flip and verdict)
+        # the check's blocked product, then the last one-row product's if it matched
+        assert len(blocked) == 1 + verdict, (flip, verdict)
+        blocked.clear()
+
+
+def test_the_blocked_product_is_the_whole_products_math() -> None:
+    """`matmul_offsets` computes each output as the same f32 dot product as
+    `matmul_dequantized` (bitwise equality is the BLAS's business and checked at run time:
+    here, equal to a few ulps), with any block size, a partial last block, bias."""
+    (q, s, z), = _quantized(1, rows=200)
+    off = K.weight_offsets(q, z, 4, 32)
+    x = K.to_bf16(np.random.default_rng(3).standard_normal((1, 2, 128)).astype(np.float32))
+    bias = np.linspace(-1, 1, 200).astype(np.float32)
+    want = K.f32(K.matmul_dequantized(x, K.dequantize_offsets(off, s, 32), bias, np.float32))
+    for rows in (1, 7, 64, 200, 512):
+        got = K.matmul_offsets(x, off, s, 32, bias, np.float32, block_rows=rows)
+        assert got.shape == want.shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

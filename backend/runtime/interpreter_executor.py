@@ -245,8 +245,8 @@ class InterpreterExecutor:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
         x, q, s, z, bias = args
         assert step.qweight is not None
-        w = self.cache.dequantized((layer, step.qweight), q, s, z, step.bits, step.group_size)
-        return K.matmul_dequantized(x, w, bias, step.out_dtype)
+        return self.cache.a16_product((layer, step.qweight), x, q, s, z, step.bits,
+                                      step.group_size, bias, step.out_dtype)
 
     def _check_binding(self, net: str, spec: TensorSpec, buf: Any) -> None:
         if not isinstance(buf, ArrayBuffer):

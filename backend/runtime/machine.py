@@ -589,16 +589,14 @@ class OpStep(Step):
         a run (row slices reuse resident weights), per provenance (which read-only bytes
         the buffers hold) across runs."""
         x, q, s, z, bias = args
-        assert q is not None and s is not None
+        assert x is not None and q is not None and s is not None
         if weight_key is not None:
-            w = m.cache.dequantized(("a16", weight_key), q, s, z, self.bits, self.group_size,
-                                    keep)
-        else:
-            key = tuple(r.buf if r is not None else None for r in self.ins[1:4])
-            w = m.run_cache.get(key)
-            if w is None:
-                w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
-        assert x is not None
+            return m.cache.a16_product(("a16", weight_key), x, q, s, z, self.bits,
+                                       self.group_size, bias, self.out_dtype, keep)
+        key = tuple(r.buf if r is not None else None for r in self.ins[1:4])
+        w = m.run_cache.get(key)
+        if w is None:
+            w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
 
 
