@@ -186,3 +186,5 @@ def test_the_blocked_product_is_the_whole_products_math() -> None:
         got = K.matmul_offsets(x, off, s, 32, bias, np.float32, block_rows=rows)
         assert got.shape == want.shape and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    empty = K.matmul_offsets(x, off[:0], s[:0], 32, None, np.float32)  # no output channels
+    assert empty.shape == (1, 2, 0)

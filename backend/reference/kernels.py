@@ -473,7 +473,7 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
     n, k = offsets.shape
     g = k // group_size
     sf = f32(scales)
-    rows = min(block_rows, n)
+    rows = max(1, min(block_rows, n))
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
     for r0 in range(0, n, rows):
