@@ -482,9 +482,7 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
         np.multiply(offsets[r0:r0 + m].reshape(m, g, group_size), sf[r0:r0 + m, :, None],
                     out=b, dtype=np.float32)
         r[..., r0:r0 + m] = np.matmul(fx, b.reshape(m, k).T)
-    if bias is not None:
-        r = r + f32(bias)
-    return _out(r, out_dtype, x)
+    return _biased(r, bias, out_dtype, x)
 
 
 def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
@@ -498,7 +496,11 @@ def matmul_dequantized(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None,
                        out_dtype=None) -> np.ndarray:
     """The second half of `a16_matmul`: x @ w.T (+ bias) in f32 with `w` = `dequantize(...)`
     (callers that hold the same weights for many calls dequantize once)."""
-    r = np.matmul(f32(x), w.T)
+    return _biased(np.matmul(f32(x), w.T), bias, out_dtype, x)
+
+
+def _biased(r: np.ndarray, bias: np.ndarray | None, out_dtype, like: np.ndarray) -> np.ndarray:
+    """A dequantized matmul's f32 product `r` plus `bias`, rounded to the output dtype."""
     if bias is not None:
         r = r + f32(bias)
-    return _out(r, out_dtype, x)
+    return _out(r, out_dtype, like)

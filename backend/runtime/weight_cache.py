@@ -114,9 +114,7 @@ class WeightCache:
             if not keep:
                 return hit
             self._make_room(hit.nbytes)
-            if self._free() >= hit.nbytes:
-                self._items[key] = hit
-                self.used += hit.nbytes
+            self._keep(self._items, key, hit)
         return hit
 
     def dequantized(self, key: Hashable, qweight: np.ndarray, scales: np.ndarray,
@@ -136,16 +134,12 @@ class WeightCache:
         off = K.weight_offsets(qweight, zeros, bits, group_size)
         w = K.dequantize_offsets(off, scales, group_size)
         self._reserved_total -= self._reserved.pop(key, 0)
-        if key not in self._given_up and self._free() >= w.nbytes:
-            self._items[key] = w
-            self.used += w.nbytes
+        if key not in self._given_up and self._keep(self._items, key, w):
             self._f32_quantized.append((key, w.nbytes, off.nbytes))
             self._givable += w.nbytes - off.nbytes
             return w
         self._make_room(off.nbytes)
-        if self._free() >= off.nbytes:
-            self._offsets[key] = off
-            self.used += off.nbytes
+        self._keep(self._offsets, key, off)
         return w
 
     def a16_product(self, key: Hashable, x: np.ndarray, qweight: np.ndarray,
@@ -159,7 +153,7 @@ class WeightCache:
         (the first product of each shape computes both; `fused_ok` holds the verdicts)."""
         off = self._offsets.get(key)
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-        if off is None or rows > FUSED_ROWS or key in self._items:
+        if off is None or rows > FUSED_ROWS:  # (a weight kept as offsets has no f32 form)
             w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep)
             return K.matmul_dequantized(x, w, bias, out_dtype)
         shape = (x.shape, off.shape, off.dtype.str, group_size, scales.dtype.str,
@@ -174,6 +168,15 @@ class WeightCache:
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole
+
+    def _keep(self, store: dict[Hashable, np.ndarray], key: Hashable,
+              value: np.ndarray) -> bool:
+        """Keep `value` under `key` in `store` if it fits the free budget."""
+        if self._free() < value.nbytes:
+            return False
+        store[key] = value
+        self.used += value.nbytes
+        return True
 
     def _make_room(self, nbytes: int) -> None:
         """Give up the quantized weights' f32 forms kept last until `nbytes` fit, keeping
