@@ -125,9 +125,11 @@ def test_half_precision_computes_in_f32_and_rounds_once() -> None:
 
 def test_bfloat16_to_float32_is_astype_bit_for_bit() -> None:
     """`f32` widens bf16 by moving its bits: every one of the 65536 bf16 values (zeros,
-    subnormals, infinities, NaN payloads), contiguous or strided, gives astype's bits."""
+    subnormals, infinities, NaN payloads), contiguous or strided, small (one `astype`) or
+    not, gives astype's bits."""
     every = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
-    for x in (every, every.reshape(256, 256).T, every[::3]):
+    nans = every[0x7F81:0x7F81 + K.SMALL_CONVERSION]  # NaN payloads in a small array
+    for x in (every, every.reshape(256, 256).T, every[::3], nans, every[-1:]):
         got = K.f32(x)
         assert got.dtype == np.float32 and got.shape == x.shape
         assert np.array_equal(got.view(np.uint32), x.astype(np.float32).view(np.uint32))
@@ -136,8 +138,9 @@ def test_bfloat16_to_float32_is_astype_bit_for_bit() -> None:
 def test_float32_to_bfloat16_is_astype_bit_for_bit() -> None:
     """`to_bf16` rounds on the bits: every upper half (sign, exponent, the bf16 mantissa)
     with the lower halves at each rounding edge (exact, just below/at/above the tie, the
-    largest) and random ones, contiguous or strided, gives astype's bytes (NaN's included;
-    all 2^32 patterns were compared once when it was written)."""
+    largest) and random ones, contiguous or strided, small (one `astype`), in one piece or
+    in chunks with a short last one, gives astype's bytes (NaN's included; all 2^32
+    patterns were compared once when it was written)."""
     upper = np.arange(65536, dtype=np.uint32) << 16
     lower = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=np.uint32)
     bits = (upper[:, None] | lower[None, :]).reshape(-1)
@@ -145,7 +148,11 @@ def test_float32_to_bfloat16_is_astype_bit_for_bit() -> None:
                                                                      dtype=np.uint32)])
     every = bits.view(np.float32)
     with np.errstate(invalid="ignore"):
-        for x in (every, every.reshape(-1, 64).T, every[::3], every[:1].reshape(())):
+        nan_at = 0x7F81 * len(lower)  # NaNs only in the middle of the small array
+        small = every[nan_at - K.SMALL_CONVERSION // 2:][:K.SMALL_CONVERSION]
+        chunked = every[nan_at - K.CONVERSION_CHUNK:][:3 * K.CONVERSION_CHUNK + 6]
+        for x in (every, every.reshape(-1, 64).T, every[::3], every[:1].reshape(()), small,
+                  every[:K.SMALL_CONVERSION + 1], chunked, chunked.reshape(-1, 6)):
             got = K.to_bf16(x)
             assert got.dtype == K.BF16 and got.shape == x.shape
             assert np.array_equal(got.view(np.uint16), x.astype(K.BF16).view(np.uint16))

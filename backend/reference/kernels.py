@@ -20,12 +20,20 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
 
 
+#: arrays of at most this many elements convert with one `astype` call: below it, the cost
+#: of a numpy call dominates and the bit operations make several (same bytes either way)
+SMALL_CONVERSION = 8192
+#: elements per chunk of a larger float32 -> bf16 conversion: the bit operations'
+#: temporaries stay in a core's cache (1.8x faster on a 128 x 4864 product on one host)
+CONVERSION_CHUNK = 1 << 16
+
+
 def f32(x: np.ndarray) -> np.ndarray:
     """View/convert any float array as float32 for computing."""
     x = np.asarray(x)
     if x.dtype == np.float32:
         return x
-    if x.dtype == BF16:
+    if x.dtype == BF16 and x.size > SMALL_CONVERSION:
         # a bf16 is the upper half of the float32 of the same value (NaN payloads too):
         # the same bits as `astype`, ~4x faster
         bits = x.view(np.uint16).astype(np.uint32)
@@ -36,8 +44,23 @@ def f32(x: np.ndarray) -> np.ndarray:
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16, rounded to nearest even: the bytes of `astype(bfloat16)`
-    (ml_dtypes: a NaN becomes the quiet NaN of its sign), ~2x faster on the bits."""
-    b = np.asarray(x, dtype=np.float32).view(np.uint32)
+    (ml_dtypes: a NaN becomes the quiet NaN of its sign), ~2x faster on the bits for all
+    but small arrays; a large contiguous array a chunk at a time."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.size <= SMALL_CONVERSION:
+        return x.astype(BF16)
+    if x.size <= CONVERSION_CHUNK or not x.flags.c_contiguous:
+        return _to_bf16_bits(x).view(BF16)
+    out = np.empty(x.shape, np.uint16)
+    flat_out, flat = out.reshape(-1), x.reshape(-1)
+    for i in range(0, x.size, CONVERSION_CHUNK):
+        flat_out[i:i + CONVERSION_CHUNK] = _to_bf16_bits(flat[i:i + CONVERSION_CHUNK])
+    return out.view(BF16)
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """`to_bf16`'s bits (uint16) of float32 `x`, computed on its bits."""
+    b = x.view(np.uint32)
     r = b >> 16
     r &= 1  # ties go to the even upper half
     r += 0x7FFF
@@ -47,7 +70,7 @@ def to_bf16(x: np.ndarray) -> np.ndarray:
     nan = np.isnan(x)
     if nan.any():
         out[nan] = ((b[nan] >> 16) & 0x8000) | 0x7FC0
-    return out.view(BF16)
+    return out
 
 
 def round_to(x: np.ndarray, dt: np.dtype) -> np.ndarray:
