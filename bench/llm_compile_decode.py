@@ -21,7 +21,11 @@ compile). After one warm-up run each (weights converted, joins checked), each is
 `--repeat` times, alternating, `--pause` seconds apart (a BLAS's threads spin for a while
 after a call and would slow whatever runs next); the best run's rates are reported, with
 the ratios ours / transformers of the best runs and of the medians (this host's speed
-drifts by 10-15% over minutes: the two ratios show how much).
+drifts by 10-15% over minutes: the two ratios show how much). Last, the f32 products of
+one prefill and of one decode step alone, on numpy's BLAS (our kernels') and on torch's
+(eager's), on the model's weights: how fast numpy's products alone would run against eager
+bounds what any of our executors can reach on this host (the ratio moves with the CPU:
+torch's BLAS is MKL, numpy's OpenBLAS).
 
 Our executors' matmuls are numpy's, on its BLAS (OpenBLAS, one thread per core unless
 `OPENBLAS_NUM_THREADS` says otherwise; the run prints which). On a shared, loaded host a
@@ -109,6 +113,46 @@ def median(runs: list[Rates]) -> Rates:
                  float(np.median([r.decode for r in runs])), runs[-1].modelled_decode)
 
 
+def products(model: Qwen2ForCausalLM, rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The f32 matmuls of one forward over `rows` tokens (every layer's projections, the
+    lm_head on the last row), as (input, weight) pairs sharing the model's weights."""
+    rng = np.random.default_rng(1)
+    out = []
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                    layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                    layer.mlp.down_proj):
+            w = lin.weight.detach().numpy()
+            out.append((rng.standard_normal((rows, w.shape[1]), dtype=np.float32), w))
+    w = model.lm_head.weight.detach().numpy()
+    out.append((rng.standard_normal((1, w.shape[1]), dtype=np.float32), w))
+    return out
+
+
+def blas_ceiling(model: Qwen2ForCausalLM, rows: int, repeat: int, pause: float
+                 ) -> tuple[float, float]:
+    """Host seconds of the f32 products of one forward over `rows` tokens on numpy's BLAS
+    (what our kernels call) and on torch's (what eager calls), best of `repeat`
+    alternating runs on the same weights: the part of eager's time our executors cannot
+    undercut with numpy, whatever else they save."""
+    pairs = products(model, rows)
+    tpairs = [(torch.from_numpy(x), torch.from_numpy(w)) for x, w in pairs]
+    ours, theirs = [], []
+    for _ in range(repeat):
+        time.sleep(pause)
+        t = time.perf_counter()
+        for x, w in pairs:
+            np.matmul(x, w.T)
+        ours.append(time.perf_counter() - t)
+        time.sleep(pause)
+        t = time.perf_counter()
+        with torch.no_grad():
+            for tx, tw in tpairs:
+                torch.nn.functional.linear(tx, tw)
+        theirs.append(time.perf_counter() - t)
+    return min(ours), min(theirs)
+
+
 def blas_threads() -> str:
     """How many threads numpy's BLAS uses, as the environment sets it."""
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
@@ -193,6 +237,15 @@ def main() -> None:
               f"{modelled:>21}")
     print(f"{'transformers eager f32':<26} {hb.prefill:13.2f} {'1':>13} {hb.decode:12.2f} "
           f"{'1':>13} {'':>21}  (CPU, {torch.get_num_threads()} threads)")
+    print("the f32 products alone (each layer's projections, the lm_head on the last row; "
+          "the same weights, best of the runs), numpy's BLAS vs torch's:")
+    for what, rows, eager_s in (("prefill", a.prompt, a.prompt / hb.prefill),
+                                ("decode step", 1, 1 / hb.decode)):
+        ours_s, theirs_s = blas_ceiling(model, rows, a.repeat, a.pause)
+        print(f"  {what:<12} numpy {ours_s * 1e3:7.1f} ms, torch {theirs_s * 1e3:7.1f} ms "
+              f"(numpy / torch {ours_s / theirs_s:.2f}); eager's whole {what}: "
+              f"{eager_s * 1e3:.1f} ms, so numpy's products alone run at "
+              f"{eager_s / ours_s:.2f}x eager")
     if "fast" in runtimes:
         verdicts = runtimes["fast"].ex.machine.join_ok  # type: ignore[attr-defined]
         used = [j for j, ok in verdicts.items() if ok]
