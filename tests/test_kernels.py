@@ -242,3 +242,22 @@ def test_topk_is_the_stable_sort_prefix(data: st.DataObject) -> None:
     vals, idx = K.topk(x, k, axis, largest)
     assert idx.dtype == np.int32 and np.array_equal(idx, want)
     assert vals.tobytes() == np.take_along_axis(x, want, axis).tobytes()
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int32])
+def test_top1_of_a_long_row_is_the_first_extreme(largest: bool, dtype: type) -> None:
+    """The greedy head's top-1 (argmin of the keys, not a partition) keeps the lowest index
+    among tied extremes, -0.0 equal to 0.0, as the stable sort does."""
+    row = np.zeros(1000, np.float32)
+    row[[7, 300, 999]] = 3.0 if largest else -3.0  # tied extremes: index 7 wins
+    row[5] = -0.0
+    x = row.astype(dtype)[None]
+    vals, idx = K.topk(x, 1, 1, largest)
+    key = -x.astype(np.float32) if largest else x.astype(np.float32)
+    assert idx.tolist() == [[7]] == np.argsort(key, axis=1, kind="stable")[:, :1].tolist()
+    assert vals.tobytes() == x[:, 7:8].tobytes()
+    zeros = np.zeros((1, 1000), dtype)  # all tied: the first
+    if dtype is not np.int32:
+        zeros[0, 0] = -0.0
+    assert K.topk(zeros, 1, 1, largest)[1].tolist() == [[0]]

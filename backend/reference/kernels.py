@@ -345,6 +345,8 @@ def _smallest_k(row: np.ndarray, k: int) -> np.ndarray:
     every key up to the k-th smallest (ties included, in index order), sorted stably."""
     if row.dtype.kind == "f" and np.isnan(row).any():  # NaN compares false: sort them all
         return np.argsort(row, kind="stable")[:k]
+    if k == 1:  # greedy decoding: the first index of the smallest key
+        return np.array([np.argmin(row)])
     kth = np.partition(row, k - 1)[k - 1]
     candidates = np.flatnonzero(row <= kth)
     return candidates[np.argsort(row[candidates], kind="stable")[:k]]
