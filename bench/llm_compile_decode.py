@@ -239,13 +239,17 @@ def main() -> None:
           f"{'1':>13} {'':>21}  (CPU, {torch.get_num_threads()} threads)")
     print("the f32 products alone (each layer's projections, the lm_head on the last row; "
           "the same weights, best of the runs), numpy's BLAS vs torch's:")
-    for what, rows, eager_s in (("prefill", a.prompt, a.prompt / hb.prefill),
-                                ("decode step", 1, 1 / hb.decode)):
+    for what, rows, step_s in (("prefill", a.prompt, lambda r: a.prompt / r.prefill),
+                               ("decode step", 1, lambda r: 1 / r.decode)):
         ours_s, theirs_s = blas_ceiling(model, rows, a.repeat, a.pause)
+        eager_s = step_s(hb)
         print(f"  {what:<12} numpy {ours_s * 1e3:7.1f} ms, torch {theirs_s * 1e3:7.1f} ms "
               f"(numpy / torch {ours_s / theirs_s:.2f}); eager's whole {what}: "
               f"{eager_s * 1e3:.1f} ms, so numpy's products alone run at "
               f"{eager_s / ours_s:.2f}x eager")
+        beyond = [f"{k} {(step_s(best(ours[k])) - ours_s) * 1e3:.1f}" for k in kinds]
+        print(f"  {'':<12} time beyond the products (best runs), ms: "
+              f"{', '.join(beyond)}; eager {(eager_s - theirs_s) * 1e3:.1f}")
     if "fast" in runtimes:
         verdicts = runtimes["fast"].ex.machine.join_ok  # type: ignore[attr-defined]
         used = [j for j, ok in verdicts.items() if ok]
