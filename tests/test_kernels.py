@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -261,3 +263,61 @@ def test_top1_of_a_long_row_is_the_first_extreme(largest: bool, dtype: type) -> 
     if dtype is not np.int32:
         zeros[0, 0] = -0.0
     assert K.topk(zeros, 1, 1, largest)[1].tolist() == [[0]]
+
+
+def _special_values(n: int, dtype: type, seed: int) -> np.ndarray:
+    """`n` values of `dtype`: random, with zeros of both signs, infinities, NaN and
+    values where exp overflows or underflows mixed in."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 100.0, -100.0, 1e-30],
+                       np.float32)
+    at = rng.integers(0, n, n // 50)
+    x[at] = rng.choice(special, at.size)
+    return x.astype(dtype)
+
+
+def _in_pieces(fn, *xs: np.ndarray, piece: int = 1000) -> np.ndarray:  # noqa: ANN001
+    """`fn` applied to pieces of the flattened inputs small enough to be computed whole,
+    joined: what any chunking of an elementwise kernel must give."""
+    flats = [x.reshape(-1) for x in xs]
+    parts = [fn(*(f[i:i + piece] for f in flats)) for i in range(0, flats[0].size, piece)]
+    return np.concatenate(parts).reshape(xs[0].shape)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_large_elementwise_kernels_give_the_bytes_of_their_small_pieces(dtype: type) -> None:
+    """Unary, binary and constant kernels on inputs larger than a chunk (computed a chunk at
+    a time) give each element the bytes it gets in a small array (computed whole); the
+    broadcast and strided cases, computed whole, too."""
+    shape = (3, K.CONVERSION_CHUNK // 4 + 3, 4)  # a chunk and 12 values a leading index
+    a = _special_values(int(np.prod(shape)), dtype, 1).reshape(shape)
+    b = _special_values(a.size, dtype, 2).reshape(shape)
+    kinds = ["rsqrt", "sqrt", "exp", "cos", "sin", "tanh", "sigmoid", "relu", "silu"]
+    with np.errstate(all="ignore"):
+        for kind in kinds:
+            got = K.unary(kind, a)
+            assert got.tobytes() == _in_pieces(lambda c, k=kind: K.unary(k, c), a).tobytes()
+        got = K.unary("gelu", a, approximate="tanh")
+        want = _in_pieces(lambda c: K.unary("gelu", c, approximate="tanh"), a)
+        assert got.tobytes() == want.tobytes()
+        got = K.unary("pow", a, np.float32, exponent=3.0)
+        assert got.dtype == np.float32
+        want = _in_pieces(lambda c: K.unary("pow", c, np.float32, exponent=3.0), a)
+        assert got.tobytes() == want.tobytes()
+        for kind in ["add", "sub", "mul", "div", "max", "min"]:
+            got = K.binary(kind, a, b)
+            want = _in_pieces(lambda x, y, k=kind: K.binary(k, x, y), a, b)
+            assert got.dtype == a.dtype and got.tobytes() == want.tobytes()
+        row = b[:1]  # broadcast along the leading axis: computed whole
+        got = K.binary("add", a, row)
+        want = np.concatenate([K.binary("add", a[i:i + 1], row) for i in range(3)])
+        assert got.tobytes() == want.tobytes()
+        strided = a.transpose(1, 0, 2)
+        got = K.unary("silu", strided)
+        assert got.tobytes() == np.ascontiguousarray(K.unary("silu", a).transpose(1, 0, 2)
+                                                     ).tobytes()
+        for kind, reverse in itertools.product(["add", "sub", "mul", "div"], [False, True]):
+            got = K.binary_const(kind, a, 1.5, reverse)
+            want = _in_pieces(lambda c, k=kind, r=reverse: K.binary_const(k, c, 1.5, r), a)
+            assert got.tobytes() == want.tobytes()

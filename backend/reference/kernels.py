@@ -11,7 +11,7 @@ result is rounded to `out_dtype` (default: the dtype of the first input).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -87,6 +87,27 @@ def _out(x: np.ndarray, out_dtype: np.dtype | type | None, like: np.ndarray) -> 
     return round_to(x, dt)
 
 
+def _by_chunks(kernel: Callable[..., np.ndarray], *xs: np.ndarray) -> np.ndarray | None:
+    """An elementwise `kernel` (arrays -> its result) on large C-contiguous inputs of one
+    shape, CONVERSION_CHUNK elements at a time into one result: each element is computed
+    alone, so the bytes are the whole call's, and the f32 temporaries stay in cache
+    instead of being whole fresh arrays (4-5x faster for a [128, 4864] bf16 product on one
+    host). None where the inputs do not qualify (small, strided, broadcast)."""
+    first = xs[0]
+    if first.size <= CONVERSION_CHUNK or any(
+            x.shape != first.shape or not x.flags.c_contiguous for x in xs):
+        return None
+    flats = [x.reshape(-1) for x in xs]
+    out: np.ndarray | None = None
+    for i in range(0, first.size, CONVERSION_CHUNK):
+        part = kernel(*(f[i:i + CONVERSION_CHUNK] for f in flats))
+        if out is None:
+            out = np.empty(first.size, part.dtype)
+        out[i:i + part.size] = part
+    assert out is not None
+    return out.reshape(first.shape)
+
+
 def is_float_dtype(dt: np.dtype) -> bool:
     return np.issubdtype(dt, np.floating) or np.dtype(dt) == np.dtype(ml_dtypes.bfloat16)
 
@@ -95,6 +116,12 @@ def is_float_dtype(dt: np.dtype) -> bool:
 
 
 def binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
+    a, b = np.asarray(a), np.asarray(b)
+    got = _by_chunks(lambda x, y: _binary(kind, x, y, out_dtype), a, b)
+    return _binary(kind, a, b, out_dtype) if got is None else got
+
+
+def _binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
     fa, fb = (f32(a), f32(b)) if is_float_dtype(np.asarray(a).dtype) else (a, b)
     if kind == "add":
         r = fa + fb
@@ -115,6 +142,13 @@ def binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarra
 
 def binary_const(kind: str, x: np.ndarray, value: float, reverse: bool = False,
                  out_dtype=None) -> np.ndarray:
+    x = np.asarray(x)
+    got = _by_chunks(lambda c: _binary_const(kind, c, value, reverse, out_dtype), x)
+    return _binary_const(kind, x, value, reverse, out_dtype) if got is None else got
+
+
+def _binary_const(kind: str, x: np.ndarray, value: float, reverse: bool = False,
+                  out_dtype=None) -> np.ndarray:
     fx = f32(x) if is_float_dtype(np.asarray(x).dtype) else x
     c = np.float32(value) if is_float_dtype(np.asarray(x).dtype) else value
     a, b = (c, fx) if reverse else (fx, c)
@@ -154,6 +188,12 @@ def _erf(x: np.ndarray) -> np.ndarray:
 
 
 def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
+    x = np.asarray(x)
+    got = _by_chunks(lambda c: _unary(kind, c, out_dtype, **kw), x)
+    return _unary(kind, x, out_dtype, **kw) if got is None else got
+
+
+def _unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
     fx = f32(x)
     if kind == "rsqrt":
         r = 1.0 / np.sqrt(fx)
