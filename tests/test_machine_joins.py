@@ -13,7 +13,7 @@ import pytest
 
 from toptpu.backend.formats.program import Program, write_program_file
 from toptpu.backend.runtime import machine as machine_module
-from toptpu.backend.runtime.machine import Machine, SliceJoin, WholeRows
+from toptpu.backend.runtime.machine import LoadGuard, Machine, SliceJoin, WholeRows
 from toptpu.backend.runtime.simulate import ProgramFile
 from toptpu.backend.target.chips import get_chip
 from toptpu.frontends.hf_layers import import_decoder_layer
@@ -76,8 +76,11 @@ def test_sliced_matmuls_are_found_by_rows_and_by_columns(sliced_layer) -> None:
 
 
 def _computed(w: WholeRows) -> str:
-    """A rows join's whole input as an expression: `g<operand>` for a global tensor read
-    whole, `<op>(...)` for a row-local op (`res`: a resident input)."""
+    """A whole as an expression: `g<operand>` for a global tensor read whole,
+    `join(<op>)` for a rows join's product, `<op>(...)` for a row-local op (`res`: a
+    resident input)."""
+    if w.product is not None:
+        return f"join({w.product.steps[0].op.name})"
     if w.step is None:
         return f"g{w.g}"
     args = ", ".join(_computed(c) if c is not None else "res" for c in w.ins)
@@ -141,15 +144,18 @@ def _shared_wholes(pf: ProgramFile) -> list[WholeRows]:
 def test_row_local_slices_take_their_parts_of_the_joins_wholes(mid_layer,
                                                                monkeypatch) -> None:
     """The RMS norm (and the residual add before it) that a rows join computes whole for
-    its product: from the second run on, their slices take their parts of that whole (each
-    checked bit for bit on the first run) and do not compute again; the bytes stay the
-    checked mode's."""
+    its product, and the MLP's silu of the loaded gate and its product with the up
+    projection's rows join, computed whole once: from the second run on, their slices take
+    their parts of those wholes (each checked bit for bit on the first run) and do not
+    compute again; the bytes stay the checked mode's."""
     path, _, feeds = mid_layer
     want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
     fast = ProgramFile(path)
     wholes = _shared_wholes(fast)
     names = {w.step.op.name for w in wholes}  # type: ignore[union-attr]
-    assert names == {"tpu.rms_norm", "tpu.add"}, names
+    assert names == {"tpu.rms_norm", "tpu.add", "tpu.silu", "tpu.mul"}, names
+    exprs = {_computed(w) for w in wholes}
+    assert "tpu.mul(tpu.silu(join(tpu.a16_matmul)), join(tpu.a16_matmul))" in exprs, exprs
     assert all(len(w.slices) >= 2 for w in wholes)
     sliced = {id(s) for w in wholes for s in w.slices}
     computed: list[int] = []
@@ -173,7 +179,8 @@ def test_a_part_whose_whole_differs_is_refused_and_its_slices_compute(
         mid_layer, monkeypatch) -> None:
     """The RMS norm's whole corrupted in its lowest bit: its slices' first run finds their
     parts differ, and they compute their own from then on (the add under it still takes
-    its parts); the bytes stay the checked mode's."""
+    its parts; the MLP's silu and product, whose wholes come from the products of the
+    joins that norm feeds, are refused the same way); the bytes stay the checked mode's."""
     path, _, feeds = mid_layer
     want = ProgramFile(path, checked=True).run("layer", feeds).outputs["out"]
     value = WholeRows.value
@@ -190,7 +197,8 @@ def test_a_part_whose_whole_differs_is_refused_and_its_slices_compute(
         got = fast.run("layer", feeds).outputs["out"]
         assert got.tobytes() == want.tobytes()
     verdicts = {w.step.op.name: ok for w, ok in fast.machine.part_ok.items()}  # type: ignore[union-attr]
-    assert verdicts == {"tpu.rms_norm": False, "tpu.add": True}
+    assert verdicts == {"tpu.rms_norm": False, "tpu.add": True, "tpu.silu": False,
+                        "tpu.mul": False}
 
 
 def test_a_join_whose_parts_differ_is_refused_and_its_slices_run(any_sliced_layer,
@@ -249,3 +257,22 @@ def test_a_join_is_refused_when_its_resident_buffer_is_written_between_slices(
         at = chain[1][0]
         edited = [*steps[:at], load, *steps[at:]]
         assert machine_module._written_between(edited, first, last + 1, join.resident)
+
+
+def test_a_chains_parts_follow_its_load_guard_and_its_joins_products() -> None:
+    """A chain of row-local slices with no join of its own (the MLP's silu and product)
+    takes its parts only while no store of the run overlaps the global tensor its slices
+    load (`LoadGuard`), and only in runs where the rows join whose product it reads
+    computed that product (else the whole is unknown and the slices compute their own)."""
+    x = np.arange(16, dtype=np.float32).reshape(1, 8, 2)
+    guard = LoadGuard([0], [1])
+    store = np.zeros(4, np.float32)
+    assert not guard.inputs_stable([(x, True, 1000), (store, True, 1000 + x.nbytes - 4)])
+    assert guard.inputs_stable([(x, True, 1000), (store, True, 1000 + x.nbytes)])
+    assert LoadGuard([], [1]).inputs_stable([(x, True, 1000), (store, True, 1000)])
+    m = Machine(SMALL)
+    join = SliceJoin("rows", [], [], [], [])
+    product = WholeRows(product=join)
+    assert product.value(m, []) is None  # the join computed no whole in this run
+    m.joined[join] = x
+    assert product.value(m, []) is x

@@ -620,17 +620,20 @@ ROW_LOCAL_OPS: tuple[type[Operation], ...] = (top.UnaryOp, top.BinaryOp, tpu.Cas
 
 @dataclass(eq=False)
 class WholeRows:
-    """The whole of a buffer that a rows join's slices hold one row slice each of: the
-    global tensor the slices load (`g`), or the first slice's row-local `step` (one of
-    `ROW_LOCAL_OPS`) on the wholes of its row-sliced inputs (`ins`; None: an input that is
-    resident, one buffer for all slices, read from local memory as it is).
+    """The whole of a buffer whose row slices a group's slices hold one each of: the global
+    tensor the slices load (`g`); the whole product of a rows join (`product`: the slices
+    are its matmul's); or the first slice's row-local `step` (one of `ROW_LOCAL_OPS`) on
+    the wholes of its row-sliced inputs (`ins`; None: an input that is resident, one buffer
+    for all slices, read from local memory as it is).
 
-    The whole of a row-local op is computed anyway (the join's product needs it), so its
-    slices (`slices`, at their `positions` in the plan) take their parts of it (`parts`)
-    instead of computing them again, under the same rules as the join (`join`): checked
-    bit for bit on their first run (`Machine.part_ok`), and not while the join's inputs may
-    change. A reshape or a cast may return its input itself, a view of global memory that
-    a later store could change under a live local buffer: those compute their slices."""
+    The slices of a row-local op (`slices`, at their `positions` in the plan) take their
+    parts of its whole (`parts`) instead of computing them again — the wholes a rows join
+    computes for its product anyway, and chains of row-local ops of their own (the MLP's
+    silu of the loaded gate and its product with the up projection's join): checked bit for
+    bit on their first run (`Machine.part_ok`), and not while the global tensors they load
+    may change (`guard`: the join's, or the chain's own `LoadGuard`). A reshape or a cast
+    may return its input itself, a view of global memory that a later store could change
+    under a live local buffer: those compute their slices."""
 
     g: int = -1
     step: OpStep | None = None
@@ -639,22 +642,31 @@ class WholeRows:
     slices: list[OpStep] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     parts: list[tuple[slice, ...]] = field(default_factory=list)
-    join: SliceJoin | None = None  # the join whose guard the parts follow
+    guard: SliceJoin | LoadGuard | None = None  # whose `inputs_stable` the parts follow
+    product: SliceJoin | None = None
 
-    def value(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray:
+    def value(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]
+              ) -> np.ndarray | None:
+        """The whole in this run; None where it is not known (a join that did not compute
+        its whole product in this run, or a whole computed from one)."""
+        if self.product is not None:
+            return m.joined.get(self.product)
         step = self.step
         if step is None:
             return views[self.g][0]
-        got = m.joined.get(self)  # computed once a run: the wholes' joins may share it
-        if got is None:
-            args = [c.value(m, views) if c is not None
-                    else m.local.read(r, step.who) if r is not None else None
-                    for c, r in zip(self.ins, step.ins, strict=True)]
-            if isinstance(step.op, tpu.ReshapeOp):
-                got = args[0].reshape(self.shape)  # type: ignore[union-attr]
-            else:
-                got = step.fn(step.op, args, m.context)[0]
-            m.joined[self] = got
+        if self in m.joined:  # computed once a run: the wholes' joins may share it
+            return m.joined[self]
+        args = [c.value(m, views) if c is not None
+                else m.local.read(r, step.who) if r is not None else None
+                for c, r in zip(self.ins, step.ins, strict=True)]
+        got: np.ndarray | None
+        if any(a is None for a, c in zip(args, self.ins, strict=True) if c is not None):
+            got = None
+        elif isinstance(step.op, tpu.ReshapeOp):
+            got = args[0].reshape(self.shape)  # type: ignore[union-attr]
+        else:
+            got = step.fn(step.op, args, m.context)[0]
+        m.joined[self] = got
         return got
 
     def part(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
@@ -662,11 +674,14 @@ class WholeRows:
         """The result of `step`, one of `slices`: its part of the whole where that is
         allowed on this host and in this run, else its own."""
         verdict = m.part_ok.get(self)
-        assert self.join is not None
-        if verdict is False or not self.join.inputs_stable(views):
+        assert self.guard is not None
+        if verdict is False or not self.guard.inputs_stable(views):
+            return step.compute(m, args)[0]
+        whole = self.value(m, views)
+        if whole is None:
             return step.compute(m, args)[0]
         i = step.join_at
-        part = self.value(m, views)[self.parts[i]]
+        part = whole[self.parts[i]]
         if verdict is None:
             return _checked(m, m.part_ok, self, step, args, part, i == len(self.slices) - 1)
         return part
@@ -685,6 +700,32 @@ def _checked(m: Machine, verdicts: dict[Any, bool], key: SliceJoin | WholeRows, 
     elif last:
         verdicts[key] = True
     return own
+
+
+@dataclass(eq=False)
+class LoadGuard:
+    """The global tensors a chain of row slices loads (`sources`) and the operands stored
+    to while they load (`stores`): a whole computed from the sources at the first slice is
+    what every slice loads only when no such store overlaps them (checked per run)."""
+
+    sources: list[int]
+    stores: list[int]
+
+    def inputs_stable(self, views: list[tuple[np.ndarray, bool, int]]) -> bool:
+        return _disjoint(views, self.sources, self.stores)
+
+
+def _disjoint(views: list[tuple[np.ndarray, bool, int]], sources: Sequence[int | None],
+              stores: Sequence[int]) -> bool:
+    """Whether none of the `stores` operands overlaps a `sources` operand in memory."""
+    for src in sources:
+        x_view, _, x_addr = views[src]  # type: ignore[index]
+        x_end = x_addr + x_view.nbytes
+        for g in stores:
+            view, _, addr = views[g]
+            if addr < x_end and x_addr < addr + view.nbytes:
+                return False
+    return True
 
 
 @dataclass(eq=False)
@@ -741,14 +782,7 @@ class SliceJoin:
     def inputs_stable(self, views: list[tuple[np.ndarray, bool, int]]) -> bool:
         """A rows join: whether no store of this run (to the `guard` operands) overlaps
         its global inputs."""
-        for src in self.sources:
-            x_view, _, x_addr = views[src]  # type: ignore[index]
-            x_end = x_addr + x_view.nbytes
-            for g in self.guard:
-                view, _, addr = views[g]
-                if addr < x_end and x_addr < addr + view.nbytes:
-                    return False
-        return True
+        return _disjoint(views, self.sources, self.guard)
 
     def _whole(self, m: Machine, step: OpStep, args: list[np.ndarray | None],
                views: list[tuple[np.ndarray, bool, int]]) -> np.ndarray | None:
@@ -758,7 +792,10 @@ class SliceJoin:
             assert self.rows is not None
             if not self.inputs_stable(views):
                 return None
-            return step.compute(m, [self.rows.value(m, views), *args[1:]])[0]
+            x = self.rows.value(m, views)
+            if x is None:
+                return None
+            return step.compute(m, [x, *args[1:]])[0]
         whole: list[np.ndarray | None] = [args[0]]
         key: list[tuple[int, tuple[int, ...]] | None] = []
         for g in self.sources:
@@ -807,26 +844,51 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> None:
                 step.join, step.join_at = join, i
             if join.rows is not None:
                 _share_parts(steps, join.rows, join)
+    _share_row_local_chains(steps, inputs, wholes)
+
+
+def _share_row_local_chains(steps: list[Step], inputs: dict[int, list[Writer | None]],
+                            wholes: dict[tuple[int, ...], WholeRows]) -> None:
+    """Let the slices of row-local ops whose whole no join needs take their parts of a
+    whole computed once too, where their inputs come from row-sliced loads of global
+    tensors, rows joins' products or other such ops (the MLP's silu and product): a host
+    call on a whole tensor costs less than one per slice."""
+    chains: dict[tuple[int, int], list[Writer]] = {}
+    for pos, step in enumerate(steps):
+        if (isinstance(step, OpStep) and isinstance(step.op, PART_OPS) and not step.special
+                and step.part_of is None and step.join is None):
+            chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
+    for chain in chains.values():
+        if len(chain) < 2 or chain[0][1].part_of is not None:  # type: ignore[attr-defined]
+            continue
+        found = _RowSlices(inputs, wholes, products=True)
+        whole = found.whole(chain)
+        if whole is None or whole.step is None:
+            continue
+        at = [pos for pos, _ in found.loads]
+        stores = sorted({st.g for st in steps[min(at):max(at) + 1]
+                         if isinstance(st, StoreStep)}) if at else []
+        _share_parts(steps, whole, LoadGuard(sorted({ld.g for _, ld in found.loads}), stores))
 
 
 #: row-local ops whose result is always a new array (not their input: see `WholeRows`)
 PART_OPS: tuple[type[Operation], ...] = (top.UnaryOp, top.BinaryOp, tpu.RmsNormOp)
 
 
-def _share_parts(steps: list[Step], whole: WholeRows, join: SliceJoin) -> None:
-    """Let the slices of the row-local ops under a rows join's input take their parts of
-    the wholes the join computes (`WholeRows.part`)."""
+def _share_parts(steps: list[Step], whole: WholeRows, guard: SliceJoin | LoadGuard) -> None:
+    """Let the slices of the row-local ops in `whole` (a rows join's input, or a chain of
+    their own) take their parts of it (`WholeRows.part`), under `guard`."""
     for sub in whole.ins:
         if sub is not None:
-            _share_parts(steps, sub, join)
+            _share_parts(steps, sub, guard)
     first = whole.step
-    if first is None or whole.join is not None or not isinstance(first.op, PART_OPS):
+    if first is None or whole.guard is not None or not isinstance(first.op, PART_OPS):
         return
     resident = {r.buf for c, r in zip(whole.ins, first.ins, strict=True)
                 if c is None and r is not None}
     if _written_between(steps, whole.positions[0], whole.positions[-1], resident):
         return
-    whole.join = join
+    whole.guard = guard
     for i, step in enumerate(whole.slices):
         step.part_of, step.join_at = whole, i
 
@@ -862,8 +924,9 @@ class _RowSlices:
     global tensor and the same row-local op in every slice."""
 
     def __init__(self, inputs: dict[int, list[Writer | None]],
-                 wholes: dict[tuple[int, ...], WholeRows]) -> None:
+                 wholes: dict[tuple[int, ...], WholeRows], products: bool = False) -> None:
         self.inputs, self.wholes = inputs, wholes
+        self.products = products  # whether a rows join's product may be an input
         self.axis = -1
         self.lead: tuple[int, ...] = ()  # the whole's shape before the row axis
         self.parts: list[tuple[int, int]] = []  # each slice's (first row, rows)
@@ -880,6 +943,8 @@ class _RowSlices:
         if not all(isinstance(s, OpStep) for _, s in ws):
             return None
         ops: list[OpStep] = [s for _, s in ws]  # type: ignore[misc]
+        if ops[0].join is not None:
+            return self._product(ops, key) if self.products else None
         first = ops[0]
         if (not isinstance(first.op, ROW_LOCAL_OPS) or first.special or first.table >= 0
                 or len(first.outs) != 1 or any(s.cmd.op != first.cmd.op for s in ops)):
@@ -919,6 +984,25 @@ class _RowSlices:
                  for start, n in self.parts]
         made = WholeRows(step=first, ins=ins, shape=(*self.lead, total, *tail), slices=ops,
                          positions=list(key), parts=parts)
+        return self.wholes.setdefault(key, made)
+
+    def _product(self, ops: list[OpStep], key: tuple[int, ...]) -> WholeRows | None:
+        """The whole product of a rows join whose slices are `ops`, in order."""
+        join = ops[0].join
+        if (join is None or join.kind != "rows" or join.steps != ops
+                or any(s.join is not join for s in ops)):
+            return None
+        axis = len(join.parts[0]) - 1
+        parts = [(p[-1].start, p[-1].stop - p[-1].start) for p in join.parts]
+        out = ops[0].outs[0].shape
+        lead = tuple(out[:axis])
+        if self.axis < 0:
+            self.axis, self.lead, self.parts = axis, lead, parts
+        elif (axis, lead, parts) != (self.axis, self.lead, self.parts):
+            return None
+        total = sum(n for _, n in parts)
+        made = WholeRows(product=join, shape=(*lead, total, *out[axis + 1:]),
+                         positions=list(key))
         return self.wholes.setdefault(key, made)
 
     def _loaded(self, ws: list[Writer], key: tuple[int, ...]) -> WholeRows | None:
