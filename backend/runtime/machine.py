@@ -28,7 +28,9 @@ the same timeline:
   replays the live buffers' intervals (a sorted structure) once and finds the first
   local-memory trap, which the run raises at its step (`first_local_trap`). A matmul the
   compiler sliced is computed as one host product where that gives each slice's own
-  bytes on this host (`SliceJoin`: checked bit for bit on its first run).
+  bytes on this host (`SliceJoin`: checked bit for bit on its first run); so are the
+  slices of row-local ops, on whole tensors (`WholeRows`: the inputs of a sliced matmul,
+  and chains of their own such as the MLP's silu and product), checked the same way.
 
 Both run a net's program pre-decoded once per chip (`LoadedNet.plan`): the typed records
 (`toptpu.backend.formats.commands`) turned into steps with their kernels, slices and local
