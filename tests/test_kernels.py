@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -321,3 +322,19 @@ def test_large_elementwise_kernels_give_the_bytes_of_their_small_pieces(dtype: t
             got = K.binary_const(kind, a, 1.5, reverse)
             want = _in_pieces(lambda c, k=kind, r=reverse: K.binary_const(k, c, 1.5, r), a)
             assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["silu", "sigmoid"])
+def test_silu_and_sigmoid_of_large_negative_values_are_their_limits_without_warnings(
+        kind: str) -> None:
+    """exp(-x) overflows below -88 (a real model's outlier activations reach that): the
+    result is the limit (-0.0 for silu, 0 for sigmoid), with no numpy warning for the
+    user."""
+    x = np.array([-1000.0, -100.0, -89.0, 0.0, 5.0], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = K.unary(kind, x.astype(ml_dtypes.bfloat16)).astype(np.float32)
+    ref = torch.nn.functional.silu if kind == "silu" else torch.sigmoid
+    want = ref(torch.from_numpy(x)).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(got, want)
+    assert np.all(got[:3] == 0)

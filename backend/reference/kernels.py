@@ -203,11 +203,13 @@ def _unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.nd
     elif kind == "tanh":
         r = np.tanh(fx)
     elif kind == "sigmoid":
-        r = 1.0 / (1.0 + np.exp(-fx))
+        with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, 0
+            r = 1.0 / (1.0 + np.exp(-fx))
     elif kind == "relu":
         r = np.maximum(fx, np.float32(0))
     elif kind == "silu":
-        r = fx / (1.0 + np.exp(-fx))
+        with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, -0
+            r = fx / (1.0 + np.exp(-fx))
     elif kind == "gelu":
         if kw.get("approximate", "none") == "tanh":
             c = np.float32(math.sqrt(2.0 / math.pi))
