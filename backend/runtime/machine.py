@@ -867,10 +867,7 @@ def _share_row_local_chains(steps: list[Step], inputs: dict[int, list[Writer | N
         whole = found.whole(chain)
         if whole is None or whole.step is None:
             continue
-        at = [pos for pos, _ in found.loads]
-        stores = sorted({st.g for st in steps[min(at):max(at) + 1]
-                         if isinstance(st, StoreStep)}) if at else []
-        _share_parts(steps, whole, LoadGuard(sorted({ld.g for _, ld in found.loads}), stores))
+        _share_parts(steps, whole, found.guard(steps))
 
 
 #: row-local ops whose result is always a new array (not their input: see `WholeRows`)
@@ -988,6 +985,14 @@ class _RowSlices:
                          positions=list(key), parts=parts)
         return self.wholes.setdefault(key, made)
 
+    def guard(self, steps: list[Step]) -> LoadGuard:
+        """The global tensors the found loads read and the operands stored between the
+        first and the last of them."""
+        at = [pos for pos, _ in self.loads]
+        stores = sorted({st.g for st in steps[min(at):max(at) + 1]
+                         if isinstance(st, StoreStep)}) if at else []
+        return LoadGuard(sorted({ld.g for _, ld in self.loads}), stores)
+
     def _product(self, ops: list[OpStep], key: tuple[int, ...]) -> WholeRows | None:
         """The whole product of a rows join whose slices are `ops`, in order."""
         join = ops[0].join
@@ -1040,13 +1045,11 @@ def _rows_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | 
     if any(s.outs[0].shape[:axis] != found.lead or s.outs[0].shape[axis] != n
            for (_, s), (_, n) in zip(chain, found.parts, strict=True)):
         return None
-    at = [pos for pos, _ in found.loads]
-    sources = sorted({ld.g for _, ld in found.loads})
-    guard = sorted({st.g for st in steps[min(at):max(at) + 1] if isinstance(st, StoreStep)})
+    guard = found.guard(steps)
     parts = [(slice(None),) * axis + (slice(start, start + n),) for start, n in found.parts]
     resident = frozenset({r.buf for r in first.ins[1:] if r is not None} | found.resident)
-    return SliceJoin("rows", [s for _, s in chain], parts, list(sources), guard, rows,
-                     resident)
+    return SliceJoin("rows", [s for _, s in chain], parts, list(guard.sources), guard.stores,
+                     rows, resident)
 
 
 def _cols_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | None]],
