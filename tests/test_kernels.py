@@ -14,6 +14,7 @@ from fuzz import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
+from toptpu.backend.contract import MASK_VALUE, decode_mask, prefill_mask
 from toptpu.backend.reference import kernels as K
 
 rng = np.random.default_rng(0)
@@ -42,6 +43,45 @@ def test_attention_matches_sdpa(hq: int, hkv: int, history: int) -> None:
     ref = F.scaled_dot_product_attention(t(q), t(kk), t(vv), torch.from_numpy(mask), scale=0.3,
                                          enable_gqa=True).transpose(1, 2)
     _close(out, ref)
+
+
+def _bf16(*shape: int) -> np.ndarray:
+    return K.to_bf16(_r(*shape))
+
+
+@fuzz_settings(40)
+@given(history=st.integers(1, 24), data=st.data(), length=st.integers(1, 3),
+       tail=st.sampled_from([0.0, np.nan, np.inf, 3e38]))
+def test_attention_leaves_out_the_hidden_cache_tail(history: int, data: st.DataObject,
+                                                     length: int, tail: float) -> None:
+    """Cache slots hidden from every query row by the contract's masks (the unfilled tail
+    of a decode or prefill_kv cache) are left out: the bytes are those of the attention
+    over the filled slots alone, whatever the tail holds (NaN and inf too)."""
+    start = data.draw(st.integers(0, history))
+    n = data.draw(st.integers(1, length))  # real tokens; the rest of the chunk is padding
+    q, k, v = _bf16(1, length, 4, 8), _bf16(1, length, 2, 8), _bf16(1, length, 2, 8)
+    hk, hv = _bf16(1, history, 2, 8), _bf16(1, history, 2, 8)
+    hk[:, start:], hv[:, start:] = tail, tail
+    mask = prefill_mask(n, length, start, history)
+    if length == 1 and start < history:  # a decode step's
+        assert (mask == decode_mask(start, history)).all()
+    got = K.attention(q, k, v, mask, 0.3, hk, hv)
+    kept = np.concatenate([mask[..., :start], mask[..., history:]], axis=-1)
+    want = (K.attention(q, k, v, kept, 0.3, hk[:, :start], hv[:, :start]) if start
+            else K.attention(q, k, v, kept, 0.3))
+    assert got.tobytes() == want.tobytes()
+    assert np.isfinite(K.f32(got)).all()
+
+
+def test_attention_hides_keys_at_the_contracts_mask_value() -> None:
+    """The kernel leaves out keys at the contract's MASK_VALUE; a NaN in the mask is not
+    a hidden key: it reaches the result as it would over the whole cache."""
+    assert K.HIDDEN_KEY == MASK_VALUE
+    q, k, v = _bf16(1, 1, 2, 4), _bf16(1, 1, 1, 4), _bf16(1, 1, 1, 4)
+    hk, hv = _bf16(1, 6, 1, 4), _bf16(1, 6, 1, 4)
+    mask = decode_mask(2, 6)
+    mask[..., 4] = np.nan
+    assert np.isnan(K.f32(K.attention(q, k, v, mask, 0.5, hk, hv))).all()
 
 
 def test_causal_attention() -> None:

@@ -284,6 +284,35 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str,
     return _out(fx * c + rot * s, out_dtype, x)
 
 
+#: an additive attention mask value at or below this hides the key: the net contract's
+#: MASK_VALUE. A hidden key's softmax weight exp(s - 10000 - max) is exactly 0 in f32
+#: whenever the row sees a key scoring within ~9900 of it
+HIDDEN_KEY = -10000.0
+
+
+def _seen_history(history_k: np.ndarray, history_v: np.ndarray, mask: np.ndarray,
+                  new_keys: int) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
+    """The history keys and values up to the last one a query row sees, and the mask of
+    the keys kept: a KV cache's unfilled tail (hidden from every row) is neither converted
+    nor scored, so a decode step costs the filled positions, not the compiled cache length,
+    and whatever the tail holds (even NaN) cannot reach the result. (None, None, mask)
+    where no row sees any history key; the inputs as they are where the mask does not
+    name each key (broadcast along the keys)."""
+    history = history_k.shape[1]
+    m = np.asarray(mask)
+    if m.ndim == 0 or m.shape[-1] != history + new_keys or history == 0:
+        return history_k, history_v, mask
+    seen = ~(f32(m[..., :history]).reshape(-1, history) <= np.float32(HIDDEN_KEY))
+    cols = np.flatnonzero(seen.any(axis=0))  # a NaN mask value counts as seen
+    keep = int(cols[-1]) + 1 if cols.size else 0
+    if keep == history:
+        return history_k, history_v, mask
+    kept_mask = np.concatenate([m[..., :keep], m[..., history:]], axis=-1)
+    if keep == 0:
+        return None, None, kept_mask
+    return history_k[:, :keep], history_v[:, :keep], kept_mask
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
               scale: float, history_k: np.ndarray | None = None,
               history_v: np.ndarray | None = None, causal: bool = False,
@@ -297,6 +326,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     rep = hq // hkv
+    if history_k is not None and history_v is not None and mask is not None and not causal:
+        history_k, history_v, mask = _seen_history(history_k, history_v, mask,
+                                                    k.shape[1])
     # [B, Hkv, rep, Sq, D]
     fq = f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d)
     parts_k = [k] if history_k is None else [history_k, k]
