@@ -284,9 +284,10 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str,
     return _out(fx * c + rot * s, out_dtype, x)
 
 
-#: an additive attention mask value at or below this hides the key: the net contract's
-#: MASK_VALUE. A hidden key's softmax weight exp(s - 10000 - max) is exactly 0 in f32
-#: whenever the row sees a key scoring within ~9900 of it
+#: an additive attention mask value at or below this (as the mask's dtype holds it: -9984
+#: in bf16) hides the key: the net contract's MASK_VALUE. A hidden key's softmax weight
+#: exp(s - 9984 - max) is exactly 0 in f32 whenever the row sees a key scoring within
+#: ~9800 of it
 HIDDEN_KEY = -10000.0
 
 
@@ -302,7 +303,10 @@ def _seen_history(history_k: np.ndarray, history_v: np.ndarray, mask: np.ndarray
     m = np.asarray(mask)
     if m.ndim == 0 or m.shape[-1] != history + new_keys or history == 0:
         return history_k, history_v, mask
-    seen = ~(f32(m[..., :history]).reshape(-1, history) <= np.float32(HIDDEN_KEY))
+    if not is_float_dtype(m.dtype):
+        return history_k, history_v, mask
+    hidden = f32(round_to(np.array(HIDDEN_KEY, np.float32), m.dtype))
+    seen = ~(f32(m[..., :history]).reshape(-1, history) <= hidden)
     cols = np.flatnonzero(seen.any(axis=0))  # a NaN mask value counts as seen
     keep = int(cols[-1]) + 1 if cols.size else 0
     if keep == history:
