@@ -28,6 +28,7 @@ form to memory (about 2x faster), once that was found bit-identical for the shap
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Hashable
@@ -152,7 +153,7 @@ class WeightCache:
         bits were found equal to the whole weight's product for this shape on this host
         (the first product of each shape computes both; `fused_ok` holds the verdicts)."""
         off = self._offsets.get(key)
-        rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+        rows = math.prod(x.shape[:-1])
         if off is None or rows > FUSED_ROWS:  # (a weight kept as offsets has no f32 form)
             w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep)
             return K.matmul_dequantized(x, w, bias, out_dtype)
