@@ -254,6 +254,49 @@ def test_bad_bindings_trap_in_both_modes(tiny_models, checked: bool) -> None:
     with pytest.raises(MachineTrap, match="outside every mapped region"):
         machine.run(net, replace(binding, io={**binding.io, out: machine.gmem.capacity - 64}))
     machine.run(net, binding)  # and the machine still runs the net after a trap
+    with pytest.raises(MachineTrap, match=f"IO tensor '{out}' is not bound"):
+        machine.run(net, unbound)  # a trap is not kept as a resolved binding
+
+
+def _outputs(m: Machine, prog, io: dict[str, int]) -> list[bytes]:  # noqa: ANN001
+    return [m.gmem.tensor(io[o.name], tuple(o.shape), np.dtype(o.dtype), "test").tobytes()
+            for o in prog.outputs]
+
+
+def test_resolved_operands_are_kept_per_binding_and_dropped_on_release(tiny_models) -> None:
+    """A net's operands are resolved once per binding (a decode step reruns each layer's
+    with the last step's addresses); other addresses are resolved anew, and unmapping
+    drops them all: a run after `release` reads what is mapped now, not the old views."""
+    module, feeds, store = _tpu(tiny_models, "f32")
+    prog = compile_for_machine(module, CHIP)
+    m, net, binding = _loaded(prog, store, feeds)
+    m.run(net, binding)
+    m.run(net, binding)
+    assert len(m.gmem.resolved) == 1
+    want = _outputs(m, prog, dict(binding.io))
+
+    def mapped(values: dict[str, np.ndarray]) -> dict[str, int]:
+        io = {s.name: m.gmem.map(s.name, np.asarray(values[s.name]).astype(s.dtype)).base
+              for s in prog.inputs}
+        io |= {s.name: m.gmem.alloc(s.name, int(np.prod(s.shape)) * 4).base
+               for s in prog.outputs}
+        return io
+
+    mark = m.gmem.mark()
+    io = mapped(feeds)
+    m.run(net, replace(binding, io=io))
+    assert len(m.gmem.resolved) == 2 and _outputs(m, prog, io) == want
+    m.gmem.release(mark)
+    assert not m.gmem.resolved
+    halved = {k: v * 0.5 if np.issubdtype(np.asarray(v).dtype, np.floating) else v
+              for k, v in feeds.items()}
+    io_again = mapped(halved)
+    assert io_again == io  # the same addresses, new bytes
+    m.run(net, replace(binding, io=io_again))
+    fresh, fresh_net, fresh_binding = _loaded(prog, store, halved)
+    fresh.run(fresh_net, fresh_binding)
+    got = _outputs(m, prog, io_again)
+    assert got == _outputs(fresh, prog, dict(fresh_binding.io)) and got != want
 
 
 def _model_file(tiny_models, tmp_path) -> str:

@@ -115,6 +115,8 @@ class GlobalMemory:
         self._bases: list[int] = []
         self._next = 1 << 12  # address 0 stays unmapped
         self._views: dict[tuple, tuple[np.ndarray, Region]] = {}
+        #: a plan's operands resolved for one binding (`Machine.views`): (plan, views)
+        self.resolved: dict[tuple, tuple[object, list[tuple[np.ndarray, bool, int]]]] = {}
 
     def map(self, name: str, data: np.ndarray, writable: bool = True) -> Region:
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -142,6 +144,7 @@ class GlobalMemory:
         del self.regions[n:], self._bases[n:]
         self._next = nxt
         self._views.clear()
+        self.resolved.clear()
 
     def find(self, addr: int, nbytes: int, who: str) -> tuple[Region, int]:
         i = bisect.bisect_right(self._bases, addr) - 1
@@ -1185,6 +1188,11 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
                         str(c.dtype), tuple(c.deps)) for c in commands]
 
 
+#: how many (net, binding) pairs keep their resolved operands: a model's layers times its
+#: nets, with room; past it the kept ones are dropped (resolved again on their next run)
+RESOLVED_BINDINGS = 4096
+
+
 class Machine:
     """The reference machine of a chip, in checked or fast mode (see the module doc)."""
 
@@ -1210,7 +1218,7 @@ class Machine:
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
         """Run a net's commands on the two engines; return the timeline."""
         plan = net.plan(self.chip)
-        views = [self._resolve(op, binding) for op in plan.operands]
+        views = self.views(plan, binding)
         self.local.begin()
         self.provenance.clear()
         self.run_cache.clear()
@@ -1229,6 +1237,20 @@ class Machine:
             self.local.begin()
             raise MachineTrap(trap[1])
         return plan.timeline
+
+    def views(self, plan: Plan, binding: Binding) -> list[tuple[np.ndarray, bool, int]]:
+        """`plan`'s operands resolved for `binding` (view, writable, address), kept for the
+        next run with the same addresses (a decode step runs each layer's net with the
+        bindings of the step before); resolving traps as it did, never kept."""
+        key = (id(plan), tuple(binding.io.items()), tuple(binding.weights.items()),
+               binding.act, binding.const)
+        resolved = self.gmem.resolved
+        hit = resolved.get(key)
+        if hit is None or hit[0] is not plan:
+            if len(resolved) >= RESOLVED_BINDINGS:
+                resolved.clear()
+            hit = resolved[key] = (plan, [self._resolve(op, binding) for op in plan.operands])
+        return hit[1]
 
     def _resolve(self, op: Operand, binding: Binding) -> tuple[np.ndarray, bool, int]:
         addr = binding.address(op.ref, op.who)
