@@ -301,9 +301,8 @@ def _seen_history(history_k: np.ndarray, history_v: np.ndarray, mask: np.ndarray
     name each key (broadcast along the keys)."""
     history = history_k.shape[1]
     m = np.asarray(mask)
-    if m.ndim == 0 or m.shape[-1] != history + new_keys or history == 0:
-        return history_k, history_v, mask
-    if not is_float_dtype(m.dtype):
+    if (m.ndim == 0 or m.shape[-1] != history + new_keys or history == 0
+            or not is_float_dtype(m.dtype)):
         return history_k, history_v, mask
     hidden = f32(round_to(np.array(HIDDEN_KEY, np.float32), m.dtype))
     seen = ~(f32(m[..., :history]).reshape(-1, history) <= hidden)
@@ -324,8 +323,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     """Sequence-major GQA attention: q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> [B,Sq,Hq,Dv].
 
     History keys (if any) come first; they are scored and weighted separately and never
-    concatenated with k/v (reload-free concatenation). Scores, softmax and the weighted
-    sum are computed in f32.
+    concatenated with k/v (reload-free concatenation); those hidden from every query row
+    past the last one some row sees are left out (`_seen_history`). Scores, softmax and
+    the weighted sum are computed in f32.
     """
     b, sq, hq, d = q.shape
     hkv = k.shape[2]

@@ -116,7 +116,7 @@ class GlobalMemory:
         self._next = 1 << 12  # address 0 stays unmapped
         self._views: dict[tuple, tuple[np.ndarray, Region]] = {}
         #: a plan's operands resolved for one binding (`Machine.views`): (plan, views)
-        self.resolved: dict[tuple, tuple[object, list[tuple[np.ndarray, bool, int]]]] = {}
+        self.resolved: dict[tuple, tuple[Plan, list[tuple[np.ndarray, bool, int]]]] = {}
 
     def map(self, name: str, data: np.ndarray, writable: bool = True) -> Region:
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
