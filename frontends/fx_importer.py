@@ -1,6 +1,9 @@
 """torch.export (FX) importer: `nn.Module` -> Top IR + weight store.
 
-As torch-mlir's FX importer does, one builder per aten op in a table (`ATEN_BUILDERS`).
+A table of builders, one per aten op (`ATEN_BUILDERS`), each mapping its op onto Top ops.
+torch-mlir's FX importer works differently: it imports every aten op generically from its
+op schema into a `torch.aten.*` op and leaves the mapping to later conversion passes; Top
+is a smaller, framework-independent dialect, so the mapping happens here, op by op.
 Parameters and buffers become `top.weight` ops naming tensors of a weight store; user
 inputs become function arguments. Subgraphs that depend on no input and no weight
 (aten.arange, aten.full, ...) are evaluated by torch at import time and become small
