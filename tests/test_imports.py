@@ -25,7 +25,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -127,7 +127,12 @@ MODULES = _modules()
 
 def _imports_of(module: str, path: str) -> Iterator[Import]:
     with open(os.path.join(REPO, path)) as f:
-        tree = ast.parse(f.read(), path)
+        yield from _imports_in(module, path, f.read())
+
+
+def _imports_in(module: str, path: str, source: str) -> Iterator[Import]:
+    """The imports of `source`, the text of `module` at `path`."""
+    tree = ast.parse(source, path)
 
     def visit(node: ast.AST, in_function: bool) -> Iterator[Import]:
         for child in ast.iter_child_nodes(node):
@@ -188,9 +193,10 @@ def is_heavy(target: str) -> bool:
 # =========================================================================== the tests
 
 
-def test_every_import_follows_the_rules() -> None:
+def forbidden_imports(imports: Iterable[Import]) -> list[str]:
+    """The imports of ours that break the package table (RULES)."""
     bad = []
-    for i in all_imports():
+    for i in imports:
         if not ours(i.target):
             continue
         pkg = package_of(i.module)
@@ -201,15 +207,33 @@ def test_every_import_follows_the_rules() -> None:
             bad.append(f"{i.where()}: {i.module} ({pkg}) imports {i.target} "
                        f"({package_of(i.target)}); {pkg} may import only "
                        f"{', '.join(allowed) or 'nothing of ours'}")
+    return bad
+
+
+def light_function_level_imports(imports: Iterable[Import]) -> list[str]:
+    """Function-level imports of modules that are not heavy and have no listed reason."""
+    return [f"{i.where()}: {i.module} imports {i.target} inside a function; move it to the "
+            "module level (a function-level import is for torch, transformers, MLIR or PIL)"
+            for i in imports
+            if i.in_function and not is_heavy(i.target)
+            and (i.module, i.target) not in LAZY_EXCEPTIONS]
+
+
+def import_graph(imports: Iterable[Import]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for i in imports:
+        if ours(i.target) and i.target != i.module:
+            graph.setdefault(i.module, set()).add(i.target)
+    return graph
+
+
+def test_every_import_follows_the_rules() -> None:
+    bad = forbidden_imports(all_imports())
     assert not bad, "forbidden imports:\n" + "\n".join(bad)
 
 
 def test_function_level_imports_only_for_heavy_dependencies() -> None:
-    bad = [f"{i.where()}: {i.module} imports {i.target} inside a function; move it to the "
-           "module level (a function-level import is for torch, transformers, MLIR or PIL)"
-           for i in all_imports()
-           if i.in_function and not is_heavy(i.target)
-           and (i.module, i.target) not in LAZY_EXCEPTIONS]
+    bad = light_function_level_imports(all_imports())
     assert not bad, "\n".join(bad)
 
 
@@ -241,11 +265,7 @@ def test_the_runtime_side_imports_heavy_dependencies_only_where_listed() -> None
 
 
 def test_no_import_cycles() -> None:
-    graph: dict[str, set[str]] = {m: set() for m in MODULES}
-    for i in all_imports():
-        if ours(i.target) and i.target != i.module:
-            graph[i.module].add(i.target)
-    cycles = _strongly_connected(graph)
+    cycles = _strongly_connected(import_graph(all_imports()))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)
 
 
@@ -291,16 +311,40 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_checks_catch_what_they_forbid() -> None:
-    """The rules see a forbidden edge, a light function-level import and a cycle."""
-    fake = Import("toptpu.backend.runtime.machine", "backend/runtime/machine.py", 1, True,
-                  "toptpu.passes.layer_group")
-    pkg = package_of(fake.module)
-    assert pkg == "toptpu.backend.runtime"
-    assert not any(within(fake.target, a) for a in RULES[pkg])
-    assert not is_heavy("toptpu.passes.layer_group") and is_heavy("toptpu.frontends.llm")
-    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) != []
-    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+#: a module planted among the real ones: each of its imports breaks one rule
+PLANTED = """
+from toptpu.passes.layer_group import LayerGroupPass      # runtime may not import passes
+from toptpu.backend.runtime.machine import Machine        # fine: its own package
+
+
+def run() -> None:
+    from toptpu.backend.formats import commands           # light: belongs at module level
+    import torch                                          # heavy: allowed here
+"""
+
+
+def test_the_checkers_catch_a_planted_bad_module() -> None:
+    """The checkers run on the real imports plus a planted module report exactly the planted
+    forbidden edge, the planted light function-level import and a planted cycle."""
+    planted = list(_imports_in("toptpu.backend.runtime.planted", "backend/runtime/planted.py",
+                               PLANTED))
+    imports = [*all_imports(), *planted]
+    assert forbidden_imports(imports) == [
+        "backend/runtime/planted.py:2: toptpu.backend.runtime.planted (toptpu.backend.runtime) "
+        "imports toptpu.passes.layer_group (toptpu.passes); toptpu.backend.runtime may import "
+        "only toptpu.dialects, toptpu.backend.target, toptpu.backend.reference, "
+        "toptpu.backend.contract, toptpu.backend.formats"]
+    light = light_function_level_imports(imports)
+    assert len(light) == 1 and light[0].startswith(
+        "backend/runtime/planted.py:7: toptpu.backend.runtime.planted imports "
+        "toptpu.backend.formats.commands inside a function")
+    # a cycle through a real module: machine -> planted (planted imports machine)
+    cyclic = [*imports, Import("toptpu.backend.runtime.machine", "backend/runtime/machine.py",
+                               1, False, "toptpu.backend.runtime.planted")]
+    cycles = _strongly_connected(import_graph(cyclic))
+    assert [sorted(c) for c in cycles] == [["toptpu.backend.runtime.machine",
+                                            "toptpu.backend.runtime.planted"]]
+    assert not _strongly_connected(import_graph(imports))
 
 
 def _page_rules() -> dict[str, frozenset[str]]:
