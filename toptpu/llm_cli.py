@@ -38,7 +38,7 @@ from toptpu.cli_args import (
 )
 from toptpu.paths import OutputPathError
 
-#: version of the `toptpu run --json` object (README: "toptpu run --json"); bumped when a
+#: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
 RUN_JSON_SCHEMA = 1
 
@@ -109,8 +109,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    "marks where it goes with the model's image token, else it goes first")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
     r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
-                   "time to first token and tokens/s, host and modelled; schema in the "
-                   "README)")
+                   "time to first token and tokens/s, host and modelled; schema in "
+                   "docs/usage.md)")
     add_sampling_args(r)
 
 
@@ -223,7 +223,7 @@ def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]
 
 
 def run_json(res: Any, executor: str) -> dict[str, Any]:
-    """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in the README)."""
+    """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in docs/usage.md)."""
     return {
         "schema": RUN_JSON_SCHEMA,
         "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
