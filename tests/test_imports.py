@@ -48,7 +48,9 @@ RULES: dict[str, tuple[str, ...]] = {
                                "toptpu.backend.contract"),
     "toptpu.passes": ("toptpu.dialects", "toptpu.backend.target", "toptpu.backend.reference"),
     "toptpu.frontends": ("toptpu.dialects", "toptpu.passes", "toptpu.backend.contract"),
-    "toptpu.backend.codegen": ("toptpu.dialects", "toptpu.backend.target", "toptpu.passes",
+    # codegen reads the passes' decisions through the dialect's typed annotations, never
+    # through a pass module
+    "toptpu.backend.codegen": ("toptpu.dialects", "toptpu.backend.target",
                                "toptpu.backend.formats"),
     "toptpu.backend.runtime": ("toptpu.dialects", "toptpu.backend.target",
                                "toptpu.backend.reference", "toptpu.backend.contract",
