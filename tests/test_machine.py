@@ -15,7 +15,7 @@ from toptpu.backend.formats.commands import STREAM_SCHEMA, Command, Compute, Loa
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.formats.program import Program, StreamError, write_program_file
 from toptpu.backend.reference.interpreter import Interpreter
-from toptpu.backend.runtime import machine as machine_module
+from toptpu.backend.runtime import steps as steps_module
 from toptpu.backend.runtime.machine import Machine, MachineTrap
 from toptpu.backend.runtime.simulate import ProgramFile, simulate
 from toptpu.backend.target.chips import get_chip
@@ -228,7 +228,7 @@ def test_fast_mode_finds_local_traps_once_per_plan(tiny_models, case: str,
     assert (at == len(plan.steps)) == (case == "leaked")
     index = {id(step): i for i, step in enumerate(plan.steps)}
     ran: list[int] = []
-    for kind in (machine_module.LoadStep, machine_module.StoreStep, machine_module.OpStep):
+    for kind in (steps_module.LoadStep, steps_module.StoreStep, steps_module.OpStep):
         def counted(self, m, views, run=kind.run):  # noqa: ANN001, ANN202
             ran.append(index[id(self)])
             return run(self, m, views)

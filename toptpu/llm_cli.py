@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.interpreter_executor import ExecutorError
-from toptpu.backend.runtime.machine import MachineTrap
 from toptpu.backend.runtime.machine_executor import MachineExecutorError
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
