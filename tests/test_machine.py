@@ -20,11 +20,10 @@ from toptpu.backend.runtime.machine import Machine, MachineTrap
 from toptpu.backend.runtime.simulate import ProgramFile, simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects import tpu
-from toptpu.dialects.common import i64_array, read_ints
+from toptpu.dialects.common import QuantMode, i64_array, read_ints
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.metrics import similarity
-from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.layer_group import LayerGroupError, LayerGroupPass
 from toptpu.passes.lmem import LocalMemoryError, verify_group
 from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
@@ -53,7 +52,7 @@ def _tpu(tiny_models, mode: str, length: int = 16):
     return m, feeds, store
 
 
-@pytest.mark.parametrize("mode", _fast_only(list(MODES), ("f32", "w4bf16")))
+@pytest.mark.parametrize("mode", _fast_only(QuantMode.names(), ("f32", "w4bf16")))
 def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mode: str) -> None:
     module, feeds, store = _tpu(tiny_models, mode)
     ref = Interpreter(module, store).run(feeds).outputs["out"]

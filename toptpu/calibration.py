@@ -47,6 +47,7 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.runtime.accounting import StepModel
 from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs
 from toptpu.paths import write_atomically
 
@@ -192,8 +193,8 @@ def compile_row(row: Row, chip: Chip | None = None, progress: Any = None) -> Com
         if chunk < row.seq_length:
             nets = (BLOCK, BLOCK_KV, *nets[1:])
         try:
-            return compile_costs(config, chip, row.quant, row.shapes(chunk),
-                                 row.group_size if row.group_size > 0 else 64, nets=nets,
+            group = row.group_size if row.group_size > 0 else DEFAULT_GROUP_SIZE
+            return compile_costs(config, chip, row.quant, row.shapes(chunk), group, nets=nets,
                                  progress=progress)
         except CompileError as e:
             if "local memory" not in str(e) or chunk == row.chunks[-1]:

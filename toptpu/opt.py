@@ -56,7 +56,7 @@ from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu.backend.codegen.streams import CodegenError, generate
-from toptpu.backend.target.chips import UnknownChipError, get_chip
+from toptpu.backend.target.chips import DEFAULT_CHIP, UnknownChipError, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
@@ -171,7 +171,7 @@ class CommandsTarget(Target):
     """`-t commands{chip=NAME}`: the command streams of each function, as text."""
 
     name = "commands"
-    chip: str = "bm1684x"
+    chip: str = DEFAULT_CHIP
 
     def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
         try:

@@ -29,7 +29,13 @@ from typing import Any
 
 from toptpu.backend.contract import StaticShapes
 from toptpu.backend.runtime.accounting import CATEGORIES
-from toptpu.backend.target.chips import Chip, ChipFigureError, chip_names, get_chip
+from toptpu.backend.target.chips import (
+    DEFAULT_CHIP,
+    Chip,
+    ChipFigureError,
+    chip_names,
+    get_chip,
+)
 from toptpu.cli_args import UsageError, finite_float, int_at_least
 from toptpu.estimate import (
     STEP_NETS,
@@ -326,7 +332,7 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("config_dirs", nargs="+", metavar="CONFIG_DIR",
                    help="directories with a model's config.json (weights are not needed)")
     p.add_argument("-o", "--out", required=True, help="directory for sweep.csv and the PNGs")
-    p.add_argument("--chip", choices=chip_names(), default="bm1684x",
+    p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the preset whose figures the grid changes")
     p.add_argument("-q", "--mode", action="append", help="a quantization mode (repeatable; "
                    "default w4bf16)")
