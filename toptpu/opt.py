@@ -60,6 +60,7 @@ from toptpu.backend.target.chips import UnknownChipError, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
+from toptpu.dialects.output_file import OutputPathError, output_target, write_output
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -142,6 +143,10 @@ def _check_output_path(path: str, what: str = "-o") -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise OptInputError(f"{what} {path}: the directory {parent} does not exist")
+    try:
+        output_target(path, what)  # a socket, a symlink loop: refused; a device is fine
+    except OutputPathError as e:
+        raise OptInputError(str(e)) from None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -154,16 +159,11 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+def _write(path: str, text: str, what: str = "-o") -> None:
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        write_output(path, text, what)
+    except OutputPathError as e:
+        raise OptInputError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -268,17 +268,24 @@ class ToptpuOptMain(xDSLOptMain):
             pending = self._pending_weights
             try:
                 pending.store.save(pending.path, pending.names)
+            except OutputPathError as e:
+                raise OptInputError(str(e)) from None
             except OSError as e:
                 raise OptInputError(f"cannot write the weights file {pending.path}: "
                                     f"{e.strerror or e}") from None
         if self._kept_output is not None:
-            _write_atomically(self.args.output_file, self._kept_output.getvalue())
+            _write(self.args.output_file, self._kept_output.getvalue())
 
     # -- weights -------------------------------------------------------------------------------
     def _weights_path(self, derived: list[str]) -> str:
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
+            if output_target(self.args.output_file)[1] == "through":
+                raise OptInputError(
+                    f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
+                    f"{len(derived)} weight tensor(s) the result needs: give --weights-out "
+                    "PATH (a .safetensors file) for them")
             return companion_weights_path(self.args.output_file)
         example = ", ".join(f"'{n}'" for n in derived[:2])
         raise OptInputError(

@@ -26,6 +26,7 @@ from typing import Any
 from toptpu.backend.formats.commands import Command, Gather, Load, Space, Store
 from toptpu.backend.runtime.machine import Timeline
 from toptpu.backend.target.chips import Chip
+from toptpu.dialects.output_file import write_output
 
 
 @dataclass
@@ -135,8 +136,7 @@ def chrome_trace(timelines: list[Timeline], chip: Chip) -> dict:
 
 
 def write_chrome_trace(path: str, timelines: list[Timeline], chip: Chip) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(timelines, chip), f)
+    write_output(path, json.dumps(chrome_trace(timelines, chip)), "--trace")
 
 
 #: timeline colours, in the order a net's categories take them (by busy time); the rest
