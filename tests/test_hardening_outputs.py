@@ -2,7 +2,7 @@
 points 1 and 10: a regular file (or a new path) is replaced by a temporary file renamed over
 it; a device or FIFO is written through as it is (never replaced by a file); a directory or
 a socket is refused; a full disk is one line naming the path and the bytes needed, with no
-temporary file left.
+temporary file left. Also: `toptpu sweep -o` inside a config directory is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fuzz import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 from llm_fixtures import compiled, tiny_dir
-from test_cli_errors import SEQ64, assert_one_error
+from test_cli_errors import SEQ64, assert_one_error, tree
 
 from toptpu.cli import main
 from toptpu.dialects import output_file
@@ -299,6 +299,21 @@ def test_profile_trace_writes_through_a_device_and_a_fifo(
     assert is_chardev(dev) and is_fifo(fifo) and sorted(os.listdir(tmp_path)) == [
         "null", "pipe"]
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_sweep_out_inside_a_config_directory_is_refused(
+        tmp_path: Any, model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    shutil.copytree(model_dir, ck)
+    os.symlink(ck, tmp_path / "link")
+    before = tree(str(tmp_path))
+    for out in (os.path.join(ck, "sweep"), ck, str(tmp_path / "link" / "s")):
+        code = main(["sweep", ck, "-o", out, "--seq-length", "64"])
+        assert_one_error(code, capsys.readouterr().err, "sweep",
+                         f"--out '{out}' is inside the input model directory '{ck}'")
+    assert tree(str(tmp_path)) == before
 
 
 # --------------------------------------------------------------------------- the property

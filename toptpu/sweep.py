@@ -39,7 +39,7 @@ from toptpu.estimate import (
     estimate,
     read_checked_config,
 )
-from toptpu.paths import check_output_dir, open_output, open_text_output
+from toptpu.paths import check_not_inside, check_output_dir, open_output, open_text_output
 
 #: the chip figures a sweep varies (`--tflops` is the per-core half-precision peak; the
 #: other compute types scale with it)
@@ -303,6 +303,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     points = grid(args.config_dirs, args.mode or ["w4bf16"], args.seq_length or [512],
                   args.chip, axes)
     check_points(points)
+    for d in args.config_dirs:  # as `compile -o`: nothing is written into an input
+        if os.path.isdir(d):
+            check_not_inside(args.out, d, "--out")
     print(f"toptpu sweep: {len(points)} points "
           f"({'Ray at ' + args.ray if args.ray else f'{args.jobs} local processes'})",
           file=sys.stderr)
