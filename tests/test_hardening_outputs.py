@@ -223,6 +223,8 @@ def test_toptpu_opt_writes_through_a_device_and_a_fifo(tmp_path: Any, ir_file: s
     out = str(tmp_path / "out.mlir")
     assert opt_main([ir_file, "-p", "convert-top-to-tpu{mode=bf16}", "--weights-out", dev,
                      "-o", out]) == 0
+    assert opt_main([ir_file, "-p", "convert-top-to-tpu{mode=bf16}", "--weights-out", dev,
+                     "-o", dev]) == 0  # a device takes both
     # derived weights next to a device would land in its directory: asked for instead
     assert opt_main([ir_file, "-p", "convert-top-to-tpu{mode=bf16}", "-o", dev]) == 1
     err = capsys.readouterr().err

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import traceback
 from collections.abc import Sequence
@@ -159,6 +160,14 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _is_device(path: str) -> bool:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
 def _write(path: str, text: str, what: str = "-o") -> None:
     try:
         write_output(path, text, what)
@@ -252,8 +261,9 @@ class ToptpuOptMain(xDSLOptMain):
     def prepare_output(self) -> IO[str]:
         if self.args.weights_out is not None:
             _check_output_path(self.args.weights_out, "--weights-out")
-            if self.args.output_file is not None and _same_file(self.args.weights_out,
-                                                                self.args.output_file):
+            if self.args.output_file is not None and _same_file(
+                    self.args.weights_out, self.args.output_file) and not _is_device(
+                    self.args.output_file):  # /dev/null takes both
                 raise OptInputError(f"--weights-out {self.args.weights_out} is the output "
                                     "file (-o): give the weights another name")
         if self.args.output_file is None:
