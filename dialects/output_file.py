@@ -54,12 +54,13 @@ def output_target(path: str, what: str = "output", seekable: bool = False
     real = os.path.realpath(os.path.abspath(path))
     try:
         mode = os.stat(real).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         parent = os.path.dirname(real)
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise OutputPathError(f"{what} '{path}': '{parent}' is a file, not a "
+                                  "directory") from None
         if not os.path.isdir(parent):
-            shown = os.path.dirname(os.path.abspath(path)) if real == os.path.abspath(
-                path) else parent
-            raise OutputPathError(f"{what} '{path}': the directory '{shown}' does not "
+            raise OutputPathError(f"{what} '{path}': the directory '{parent}' does not "
                                   "exist; create it first") from None
         return real, "new"
     except OSError as e:  # a symlink loop, a path through a file, no permission

@@ -321,7 +321,7 @@ def test_sweep_out_inside_a_config_directory_is_refused(
 # --------------------------------------------------------------------------- the property
 
 KINDS = ["missing", "file", "dir", "fifo", "chardev", "socket", "missing_dir",
-         "readonly_dir"]
+         "file_parent", "readonly_dir"]
 
 
 def _make(kind: str, d: str, sockets: list[socket.socket]) -> str:
@@ -342,6 +342,10 @@ def _make(kind: str, d: str, sockets: list[socket.socket]) -> str:
         sockets.append(s)
     elif kind == "missing_dir":
         p = os.path.join(d, "nope", "t")
+    elif kind == "file_parent":
+        with open(os.path.join(d, "f"), "wb") as f:
+            f.write(b"a file")
+        p = os.path.join(d, "f", "t")
     elif kind == "readonly_dir":
         os.mkdir(os.path.join(d, "ro"))
         p = os.path.join(d, "ro", "t")
@@ -352,7 +356,7 @@ def _make(kind: str, d: str, sockets: list[socket.socket]) -> str:
 def _kind(path: str) -> str:
     try:
         m = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return "missing"
     return {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFIFO: "fifo",
             stat.S_IFCHR: "chardev", stat.S_IFSOCK: "socket", stat.S_IFLNK: "link"}.get(
@@ -403,7 +407,8 @@ def test_the_helper_writes_or_refuses_by_the_kind_of_target(
         # never another exception; a refusal names the path, in one line
         if error is not None:
             assert f"'{path}'" in error and "\n" not in error, error
-        refused = kind in ("dir", "socket", "missing_dir") or (kind == "fifo" and seekable)
+        refused = kind in ("dir", "socket", "missing_dir", "file_parent") or (
+            kind == "fifo" and seekable)
         writes = [data[i:i + 1000] for i in range(0, len(data), 1000)]
         full = full_at is not None and len(writes) > full_at
         if refused:
