@@ -139,7 +139,7 @@ def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
     """The model file and the IR dump directory can be written, neither inside the input
     model directory, and the model file not inside the dumps (which fill DIR/<net>/ and
     DIR/weights.safetensors)."""
-    check_output_file(output, "the output file (-o)")
+    check_output_file(output, "the output file (-o)", seekable=True)
     if dump_ir is not None:
         check_output_dir(dump_ir, "--dump-ir")
         if is_inside(output, dump_ir):

@@ -93,6 +93,7 @@ from toptpu.compile_options import (
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import QuantMode, numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
+from toptpu.dialects.output_file import write_output
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.fx_importer import ImportError_, import_module
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
@@ -508,8 +509,7 @@ class IrDump:
             finally:
                 if old is not None:
                     module.attributes[STORE_ATTR] = old
-            with open(os.path.join(d, f"{step[0]:02d}-{what}.mlir"), "w") as f:
-                f.write(text)
+            write_output(os.path.join(d, f"{step[0]:02d}-{what}.mlir"), text, "--dump-ir")
             step[0] += 1
 
         return dump
