@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import re
 
 import pytest
 from fuzz import fuzz_settings
@@ -334,3 +335,53 @@ def test_estimate_out_of_memory_through_the_cli(tmp_path, monkeypatch) -> None:
     assert_user_error(rc, err, "toptpu estimate: error: out of memory",
                       "vocab_size 4000000000 makes the model too big")
     assert "lower --seq-length" not in err
+
+
+# -- portable locations -----------------------------------------------------------------------
+
+def test_locations_do_not_name_the_venv(irs) -> None:
+    """The worktree's venv lies inside the checkout: no location names it."""
+    with open(irs["top"]) as f:
+        text = f.read()
+    files = set(re.findall(r'loc\("[^"]*"\("([^"]+)":\d+:\d+\)\)', text))
+    assert "transformers/models/qwen2/modeling_qwen2.py" in files, files
+    assert not any(".venv" in f or "site-packages" in f or os.path.isabs(f) for f in files)
+
+
+def test_a_source_file_is_named_by_its_import_name_wherever_it_lies(tmp_path) -> None:
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    from toptpu.frontends import fx_importer, hf_layers
+
+    real = qwen2.__file__
+    site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(real))))
+    moved = tmp_path / "elsewhere" / ".venv" / "site-packages"  # the venv seen elsewhere
+    moved.parent.mkdir(parents=True)
+    moved.symlink_to(site)
+    alias = str(moved / os.path.relpath(real, site))
+    assert os.path.exists(alias)
+    want = "transformers/models/qwen2/modeling_qwen2.py"
+    assert fx_importer.portable_path(real) == want
+    assert fx_importer.portable_path(alias) == want
+    assert fx_importer.portable_path(hf_layers.__file__) == "toptpu/frontends/hf_layers.py"
+    assert fx_importer.portable_path("/nowhere/x.py") == "/nowhere/x.py"
+
+
+def test_a_root_inside_the_checkout_is_tried_before_the_checkout() -> None:
+    from toptpu.frontends import fx_importer
+
+    roots = [r for r, _ in fx_importer._import_roots()]
+    package = next(r for r, p in fx_importer._import_roots() if p == "toptpu/")
+    for r in roots:
+        if r.startswith(package + os.sep):
+            assert roots.index(r) < roots.index(package)
+
+
+def test_ci_runs_the_readme_command_from_a_venv_inside_the_clone() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, ".ci", "run")) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert "python3 -m venv .venv" in lines and ". .venv/bin/activate" in lines, lines
+    assert lines.index("python3 -m venv .venv") < lines.index(". .venv/bin/activate") \
+        < len(lines) - 1
+    assert lines[-1] == "pip install -c constraints.txt -e '.[test]' && pytest -n 2"
