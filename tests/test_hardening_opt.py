@@ -63,19 +63,28 @@ def assert_user_error(rc: int, err: str, *parts: str) -> None:
 
 @pytest.fixture(scope="module")
 def irs(tiny_models, tmp_path_factory) -> dict[str, str]:
-    """Paths of a qwen2 layer's IR: 'top' (as imported), 'tpu' (tpu-pipeline{chip=none}),
-    'grouped' (tpu-pipeline), 'weights' (its store)."""
+    """Paths of a qwen2 layer's IR as imported ('top') and of its store ('weights')."""
     d = str(tmp_path_factory.mktemp("hardening_opt"))
     imp = import_decoder_layer(tiny_models("qwen2"), 8, top_pipeline=False)
     weights = os.path.join(d, "weights.safetensors")
     imp.store.save(weights)
     imp.module.attributes[STORE_ATTR] = StringAttr(weights)
-    paths = {"top": os.path.join(d, "top.mlir"), "weights": weights,
-             "tpu": os.path.join(d, "tpu.mlir"), "grouped": os.path.join(d, "grouped.mlir")}
+    paths = {"top": os.path.join(d, "top.mlir"), "weights": weights}
     with open(paths["top"], "w") as f:
         f.write(print_ir(imp.module, generic=False))
-    for key, pipeline in (("tpu", "tpu-pipeline{chip=none}"), ("grouped", "tpu-pipeline")):
-        rc, _, err = run_opt(paths["top"], "-p", pipeline, "-o", paths[key])
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tpu_irs(irs) -> dict[str, str]:
+    """`irs` and the layer's Tpu IR: 'tpu' (tpu-pipeline{chip=none}), 'grouped' (then
+    machine-pipeline: what tpu-pipeline prints)."""
+    d = os.path.dirname(irs["top"])
+    paths = {**irs, "tpu": os.path.join(d, "tpu.mlir"),
+             "grouped": os.path.join(d, "grouped.mlir")}
+    for src, dst, pipeline in (("top", "tpu", "tpu-pipeline{chip=none}"),
+                               ("tpu", "grouped", "machine-pipeline")):
+        rc, _, err = run_opt(paths[src], "-p", pipeline, "-o", paths[dst])
         assert rc == 0, err
     return paths
 
@@ -112,9 +121,9 @@ TPU_PASSES = ["weight-reorder", "layer-group", "lmem-verify", "address-assign",
 
 @pytest.mark.parametrize("level", ["tpu", "grouped"])
 @pytest.mark.parametrize("pipeline", TOP_PASSES)
-def test_a_pass_taking_top_ir_refuses_tpu_ir(irs, tmp_path, pipeline, level) -> None:
+def test_a_pass_taking_top_ir_refuses_tpu_ir(tpu_irs, tmp_path, pipeline, level) -> None:
     out = tmp_path / "out.mlir"
-    rc, _, err = run_opt(irs[level], "-p", pipeline, "-o", str(out))
+    rc, _, err = run_opt(tpu_irs[level], "-p", pipeline, "-o", str(out))
     assert_user_error(rc, err, f"pass '{pipeline}'", "the input is already Tpu IR",
                       f"{pipeline} takes Top IR")
     assert not out.exists()
@@ -129,9 +138,9 @@ def test_a_pass_taking_tpu_ir_refuses_top_ir(irs, tmp_path, pipeline) -> None:
     assert not out.exists()  # no Top ops inside a tpu.group written anywhere
 
 
-def test_tpu_passes_still_run_on_tpu_ir(irs, tmp_path) -> None:
+def test_tpu_passes_still_run_on_tpu_ir(tpu_irs, tmp_path) -> None:
     out = tmp_path / "out.mlir"
-    rc, _, err = run_opt(irs["tpu"], "-p", "machine-pipeline", "-o", str(out))
+    rc, _, err = run_opt(tpu_irs["tpu"], "-p", "machine-pipeline", "-o", str(out))
     assert rc == 0, err
     assert '"tpu.group"' in out.read_text() and '"top.' not in out.read_text()
 
@@ -149,8 +158,8 @@ def test_tpu_passes_still_run_on_tpu_ir(irs, tmp_path) -> None:
     ("shape-infer{", ["expected argument name"]),
     ("a\nb", ["-p 'a\\nb'"]),
 ])
-def test_a_malformed_pipeline_is_one_line(irs, spec, parts) -> None:
-    rc, out, err = run_opt(irs["top"], "-p", spec)
+def test_a_malformed_pipeline_is_one_line(small_top, spec, parts) -> None:
+    rc, out, err = run_opt(small_top, "-p", spec)
     assert_user_error(rc, err, "toptpu-opt: error: ", *parts)
     assert out == ""
 
@@ -385,3 +394,13 @@ def test_ci_runs_the_readme_command_from_a_venv_inside_the_clone() -> None:
     assert lines.index("python3 -m venv .venv") < lines.index(". .venv/bin/activate") \
         < len(lines) - 1
     assert lines[-1] == "pip install -c constraints.txt -e '.[test]' && pytest -n 2"
+
+
+def test_a_tpu_flag_attribute_must_be_an_i1_too(tpu_irs, tmp_path) -> None:
+    src = _edited(tpu_irs["tpu"], str(tmp_path / "tpu_flag.mlir"), "transpose_b = true",
+                  "transpose_b = 7 : i64")
+    rc, out, err = run_opt(src, "-p", "machine-pipeline")
+    assert rc == 1 and "Traceback" not in err, err
+    assert "'tpu.matmul'" in err or "tpu.matmul" in err, err
+    assert "a flag attribute" in err and "not 7 : i64" in err, err
+    assert out == ""
