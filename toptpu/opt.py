@@ -13,7 +13,10 @@ What it does with bad input (each a one-line or located diagnostic, exit 1):
 - the input file missing, a directory, unreadable, empty, not UTF-8 or binary, IR that does not
   parse (`toptpu.dialects.ir_text.parse_ir`: file:line:column, the line, what is wrong) or does
   not verify (xDSL's verifier plus defined-before-use), a pass that refuses the IR (its error
-  named with the pass), an `-o` that is a directory or in a missing directory.
+  named with the pass; a pass given IR of the other level, Tpu IR to a pass taking Top IR or
+  the reverse, and a weight the IR names that its store does not hold, are such refusals),
+  an `-o` that is a directory or in a missing directory, a `-p` that does not parse or names
+  an unknown pass, an unknown option or a value of the wrong type (`check_pipeline_spec`).
 - The result is written to `-o` only when everything succeeded (atomically: the input may be the
   output, and a failed run leaves the old file as it was).
 - A pass (or a verifier) that crashes on IR that verified is a bug in toptpu, not a mistake of
