@@ -76,6 +76,19 @@ def bool_attr(value: bool) -> IntegerAttr:
     return IntegerAttr(1 if value else 0, i1)
 
 
+class FlagConstraint(AttrSetConstraint[IntegerAttr]):
+    """Attribute constraint of a flag: `true` or `false` (an i1, what `bool_attr` builds)."""
+
+    def verify(self, attr: Attribute, constraint_context: VerificationContext) -> None:
+        if attr not in self.values:
+            raise VerifyException(f"a flag attribute (keepdims, transpose_a/_b, causal, "
+                                  f"reverse, largest) is true or false (an i1), not {attr}")
+
+
+#: the constraint of every flag attribute of Top and Tpu ops (`7 : i64` is refused)
+BOOL_FLAG = FlagConstraint(frozenset({bool_attr(False), bool_attr(True)}))
+
+
 def i64_array(values: Sequence[int]) -> DenseArrayBase:
     return DenseArrayBase.from_list(i64, [int(v) for v in values])
 

@@ -49,6 +49,19 @@ class WeightStoreError(ValueError):
     read, a store of another process, a store other than the one the passes were given)."""
 
 
+class MissingWeightError(WeightStoreError, KeyError):
+    """The IR names a tensor its weight store does not hold (a user's mismatch of IR and
+    store, not a bug; a KeyError too, for the mapping protocol)."""
+
+    def __init__(self, name: str, uri: str) -> None:
+        super().__init__(f"weight '{name}' is not in the weight store {uri}: the IR names "
+                         "a tensor the store does not hold (point top.weight_store at the "
+                         "file the IR was exported with)")
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0])
+
+
 _COUNTER = itertools.count()
 
 
@@ -127,7 +140,7 @@ class WeightStore:
                 arr = _torch_to_numpy(f.get_tensor(name))
             self._arrays[name] = arr
             return arr
-        raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+        raise MissingWeightError(name, self.uri)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, without reading a tensor that is still in its file."""
@@ -136,12 +149,12 @@ class WeightStore:
         if name in self._lazy:
             with safe_open(self._lazy[name], framework="pt") as f:
                 return tuple(f.get_slice(name).get_shape())
-        raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+        raise MissingWeightError(name, self.uri)
 
     def __delitem__(self, name: str) -> None:
         """Forget a tensor (a compile lets go of what it will not write)."""
         if name not in self:
-            raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+            raise MissingWeightError(name, self.uri)
         self._arrays.pop(name, None)
         self._lazy.pop(name, None)
         self._derived.discard(name)

@@ -31,6 +31,7 @@ from xdsl.passes import ModulePass
 from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array
+from toptpu.passes.util import require_level
 
 ALIGN = 64
 
@@ -111,6 +112,7 @@ class AddressAssignPass(ModulePass):
     name = "address-assign"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         for fn in op.ops:
             if isinstance(fn, func.FuncOp):
                 assign_function(fn)

@@ -70,7 +70,7 @@ from toptpu.passes.quantize import (
     quantize_rtn,
     resolve_group_size,
 )
-from toptpu.passes.util import named_like, producer
+from toptpu.passes.util import named_like, producer, require_level
 
 #: qweight, scales, zeros, the act-order permutation (or None), bits, group size
 CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]
@@ -537,6 +537,7 @@ class ConvertTopToTpuPass(ModulePass):
     keep_input_types: bool = False
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         act, bits = parse_mode(self.mode)
         store = weights_of(ctx, op)
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:

@@ -53,6 +53,7 @@ from toptpu.passes.slicing import (
     heads_sliceable,
     row_rule,
 )
+from toptpu.passes.util import require_level
 
 
 class LayerGroupError(Exception):
@@ -421,6 +422,7 @@ class LayerGroupPass(ChipPass):
     max_ops: int = 12
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         chip = self.the_chip()
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
             layer_group_function(fn, chip, self.max_ops)
@@ -433,6 +435,7 @@ class LmemVerifyPass(ChipPass):
     name = "lmem-verify"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         chip = self.the_chip()
         for g in op.walk():
             if isinstance(g, tpu.GroupOp):

@@ -33,6 +33,7 @@ from toptpu.passes.fuse import FusePass
 from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
 from toptpu.passes.mlir_pipeline import MLIRPipelinePass
 from toptpu.passes.shape_infer import ShapeInferPass
+from toptpu.passes.util import require_level
 from toptpu.passes.weight_reorder import WeightReorderPass
 
 
@@ -84,6 +85,7 @@ class TopPipeline(ModulePass):
     name = "top-pipeline"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         run_passes(op, top_pipeline_passes(), ctx)
 
 
@@ -120,6 +122,7 @@ class MachinePipeline(ModulePass):
     max_ops: int = 12
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         run_passes(op, machine_passes(self.chip, self.max_ops), ctx)
 
 
@@ -137,6 +140,7 @@ class TpuPipeline(ModulePass):
     keep_float: str = "lm_head"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         chip = None if self.chip == "none" else self.chip
         run_passes(op, tpu_pipeline_passes(self.mode, self.group_size, self.symmetric,
                                            self.keep_float, chip), ctx)

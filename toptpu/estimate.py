@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,7 @@ from toptpu.backend.runtime.accounting import SAMPLERS, Costs, StepModel, net_co
 from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.target.chips import (
     DEFAULT_CHIP,
+    FIGURES,
     Chip,
     ChipFigureError,
     chip_names,
@@ -345,22 +347,49 @@ def _where(c: Costs) -> str:
         f"{c.transfers:g} host transfers"
 
 
-def parse_figures(items: Sequence[str] | None) -> dict[str, Any]:
-    """`--set FIGURE=VALUE` items -> chip figures (numbers; `tflops.TYPE=V` per type)."""
+def parse_figures(items: Sequence[str] | None, chip: Chip | None = None) -> dict[str, Any]:
+    """`--set FIGURE=VALUE` items -> chip figures (finite numbers; `tflops.TYPE=V` per
+    compute type). With `chip`, a figure or compute type it does not have is refused, the
+    message listing the valid keys (the ranges are the chip's own checks)."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
+        key = key.strip()
         if not eq:
             raise EstimateError(f"--set {item!r}: write FIGURE=VALUE (e.g. ddr_gbps=128)")
+        if chip is not None:
+            _check_figure_key(item, key, chip)
         try:
             number = float(value)
         except ValueError as e:
             raise EstimateError(f"--set {item!r}: {value!r} is not a number") from e
+        if not math.isfinite(number):
+            raise EstimateError(f"--set {item!r}: {value.strip()!r} is not a finite number")
         if key.startswith("tflops."):
+            if number <= 0:
+                raise EstimateError(f"--set {item!r}: a peak is a positive number")
             out.setdefault("tflops", {})[key.split(".", 1)[1]] = number
         else:
             out[key] = int(number) if number.is_integer() and key in INT_FIGURES else number
     return out
+
+
+def figure_keys(chip: Chip) -> list[str]:
+    """The keys `--set` takes for `chip`: its figures, tflops as `tflops.TYPE`."""
+    keys: list[str] = []
+    for k in FIGURES:
+        keys += [f"tflops.{t}" for t in chip.tflops] if k == "tflops" else [k]
+    return keys
+
+
+def _check_figure_key(item: str, key: str, chip: Chip) -> None:
+    if key in figure_keys(chip):
+        return
+    what = ("tflops is per compute type" if key == "tflops" else
+            f"{chip.name} has no compute type '{key.split('.', 1)[1]}'"
+            if key.startswith("tflops.") else f"'{key}' is not a chip figure")
+    raise EstimateError(f"--set {item!r}: {what}; the keys of {chip.name}: "
+                        f"{', '.join(figure_keys(chip))}")
 
 
 #: the figures that are whole numbers
@@ -372,7 +401,15 @@ def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
     """`chip` with `figures` changed (a tflops dict updates the types given)."""
     figures = dict(figures)
     if "tflops" in figures:
-        figures["tflops"] = {**chip.tflops, **figures["tflops"]}
+        given = figures["tflops"]
+        if not isinstance(given, Mapping):
+            raise ChipFigureError(f"tflops is per compute type ({', '.join(chip.tflops)}), "
+                                  f"not {given!r}")
+        unknown = sorted(set(given) - set(chip.tflops))
+        if unknown:
+            raise ChipFigureError(f"{chip.name} has no compute type(s) {unknown}; its "
+                                  f"types: {', '.join(chip.tflops)}")
+        figures["tflops"] = {**chip.tflops, **given}
     return chip.with_figures(**figures)
 
 
@@ -408,7 +445,8 @@ def cmd_estimate(args: Any) -> int:
 
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
-        chip = chip_with(get_chip(args.chip), parse_figures(args.set))
+        base = get_chip(args.chip)
+        chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
     config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,

@@ -13,7 +13,10 @@ What it does with bad input (each a one-line or located diagnostic, exit 1):
 - the input file missing, a directory, unreadable, empty, not UTF-8 or binary, IR that does not
   parse (`toptpu.dialects.ir_text.parse_ir`: file:line:column, the line, what is wrong) or does
   not verify (xDSL's verifier plus defined-before-use), a pass that refuses the IR (its error
-  named with the pass), an `-o` that is a directory or in a missing directory.
+  named with the pass; a pass given IR of the other level, Tpu IR to a pass taking Top IR or
+  the reverse, and a weight the IR names that its store does not hold, are such refusals),
+  an `-o` that is a directory or in a missing directory, a `-p` that does not parse or names
+  an unknown pass, an unknown option or a value of the wrong type (`check_pipeline_spec`).
 - The result is written to `-o` only when everything succeeded (atomically: the input may be the
   output, and a failed run leaves the old file as it was).
 - A pass (or a verifier) that crashes on IR that verified is a bug in toptpu, not a mistake of
@@ -37,22 +40,25 @@ A pipeline that derives nothing the result needs leaves `top.weight_store` as it
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import os
+import re
 import stat
 import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from io import StringIO
-from typing import IO
+from typing import IO, Any, get_type_hints
 
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.universe import Universe
-from xdsl.utils.arg_spec import parse_spec
-from xdsl.utils.exceptions import DiagnosticException, ParseError
+from xdsl.utils.arg_spec import _convert_arg_to_type, parse_pipeline, parse_spec
+from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseError
 from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
@@ -175,6 +181,62 @@ def _write(path: str, text: str, what: str = "-o") -> None:
         raise OptInputError(str(e)) from None
 
 
+def _spec_parse_problem(error: ArgSpecParseError) -> str:
+    """xDSL's located multi-line parse error of a pipeline, as one clause."""
+    text = str(error)
+    where = re.search(r"pass-pipeline:\d+:(\d+)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    what = lines[-1].removesuffix(" here") if lines else "malformed"
+    what = what[:1].lower() + what[1:]
+    return f"{what} at column {where.group(1)}" if where else what
+
+
+def _describe_type(hint: Any) -> str:
+    text = str(hint)
+    for word, say in (("tuple", "a comma-separated list"), ("bool", "true or false"),
+                      ("float", "a number"), ("int", "an integer"), ("str", "a string")):
+        if word in text:
+            return say
+    return text
+
+
+def check_pipeline_spec(spec: str,
+                        available: dict[str, Any]) -> None:
+    """Refuse a `-p` pipeline that xDSL would refuse (or crash on), in one line naming the
+    problem: its syntax, an unknown pass, an unknown option or a value of the wrong type."""
+    shown_spec = f"'{spec}'" if spec.isprintable() else repr(spec)  # one line
+    try:
+        specs = list(parse_pipeline(spec))
+    except ArgSpecParseError as e:
+        raise OptInputError(f"-p {shown_spec}: {_spec_parse_problem(e)}") from None
+    for s in specs:
+        if s.name not in available:
+            close = difflib.get_close_matches(s.name, list(available), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise OptInputError(f"-p {shown_spec}: unknown pass '{s.name}'{hint}; "
+                                "toptpu-opt --help lists the passes")
+        cls = available[s.name]()
+        options = {f.name: f for f in dataclasses.fields(cls)
+                   if f.init and f.name != "name"}
+        hints = get_type_hints(cls)
+        for key, values in s.normalize_parameter_names().parameters.items():
+            shown = key.replace("_", "-")
+            if key not in options:
+                valid = ", ".join(o.replace("_", "-") for o in options) or "none"
+                raise OptInputError(f"-p {shown_spec}: pass '{s.name}' has no option '{shown}' "
+                                    f"(its options: {valid})")
+            if not values:
+                raise OptInputError(f"-p {shown_spec}: option '{shown}' of pass '{s.name}' "
+                                    f"needs a value ({shown}=...: "
+                                    f"{_describe_type(hints[key])})")
+            try:
+                _convert_arg_to_type(values, hints[key])
+            except ValueError:
+                given = ",".join(str(v) for v in values)
+                raise OptInputError(f"-p {shown_spec}: option '{shown}' of pass '{s.name}' "
+                                    f"takes {_describe_type(hints[key])}, not {given}") from None
+
+
 @dataclass(frozen=True)
 class CommandsTarget(Target):
     """`-t commands{chip=NAME}`: the command streams of each function, as text."""
@@ -220,6 +282,14 @@ class ToptpuOptMain(xDSLOptMain):
         super().register_all_passes()
         for name, cls in ours.items():  # ours win where xDSL has a pass of the same name
             self.register_pass(name, lambda cls=cls: cls)
+
+    def setup_pipeline(self) -> None:
+        check_pipeline_spec(self.args.passes, self.available_passes)
+        try:
+            super().setup_pipeline()
+        except (ValueError, TypeError) as e:  # a pass refusing its options when made
+            spec = self.args.passes
+            raise OptInputError(f"-p {spec!r}: {e}") from None
 
     def register_all_targets(self) -> None:
         super().register_all_targets()
