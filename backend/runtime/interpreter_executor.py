@@ -55,6 +55,7 @@ from toptpu.backend.reference.interpreter import (
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
+from toptpu.dialects.ir_text import one_line
 from toptpu.dialects.naming import input_names, output_names
 
 
@@ -265,7 +266,7 @@ class InterpreterExecutor:
                 raise
             except Exception as e:  # noqa: BLE001 - parse/verify errors of a bad section
                 raise ModelFileError(f"'{self.file.path}': the IR of net '{net}' is unusable: "
-                                     f"{e}") from e
+                                     f"{one_line(e)}; recompile the model") from e
             info, plan = self._nets[net], self._plans[net]
             if (plan.input_names != [s.name for s in info.inputs]
                     or plan.output_names != [s.name for s in info.outputs]):

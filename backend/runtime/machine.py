@@ -1107,7 +1107,9 @@ class LoadedNet:
     def __init__(self, program: Program, name: str | None = None) -> None:
         self.program = program
         self.name = name or program.name
-        module = parse_ir(program.ir, f"net:{program.name}", verify=False)
+        # verified: the stream is as untrusted as the header (an attribute out of range
+        # would crash a kernel); the verifiers run once per net, at load
+        module = parse_ir(program.ir, f"stream:{self.name}")
         fns = [f for f in module.ops if isinstance(f, func.FuncOp)
                and f.sym_name.data == program.name]
         if not fns:

@@ -46,6 +46,7 @@ from toptpu.backend.runtime.machine import (
 )
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
+from toptpu.dialects.ir_text import one_line
 
 
 class MachineExecutorError(RuntimeError):
@@ -189,10 +190,10 @@ class MachineExecutor:
                 raise
             except (StreamError, MachineTrap) as e:
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
-                                     f"is unusable: {e}") from None
-            except Exception as e:  # noqa: BLE001 - IR that does not parse
+                                     f"is unusable: {one_line(e)}") from None
+            except Exception as e:  # noqa: BLE001 - IR that does not parse or verify
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
-                                     f"is unusable: {e}") from e
+                                     f"is unusable: {one_line(e)}; recompile the model") from e
             self._check_program(net, prog)
             gmem = self.machine.gmem
             self._act[net] = gmem.alloc(f"act:{net}", prog.regions.activations).base
