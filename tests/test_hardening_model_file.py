@@ -17,10 +17,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from llm_fixtures import compiled
 
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError, write_model_file
+from toptpu.backend.runtime.machine import MachineTrap
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.cli import main
 
@@ -142,3 +144,127 @@ def test_a_parse_error_in_a_net_ir_section_is_one_line(parts, tmp_path, capsys) 
     rc, err = _run(path, capsys, "--executor", "interpreter")
     _one_line_error(rc, err, "the IR of net 'block' is unusable", ":block:",
                     "weight_bits must be 4 or 8, got 3")
+
+
+# ------------------------------------------------------------------ 5, 6: stated twice
+
+
+def _rederive_io(h: Json) -> None:
+    """The header's nets' IO re-derived from its (edited) shapes and model, as a crafter
+    keeping the header self-consistent would."""
+    from toptpu.backend.contract import StaticShapes, net_io
+    from toptpu.backend.formats.header_schema import decode, encode
+    from toptpu.backend.formats.llm_file import ModelInfo
+    from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
+
+    io = net_io(decode(StaticShapes, h["shapes"]), decode(ModelInfo, h["model"]),
+                numpy_dtype(DTYPE_BY_NAME[MODES[h["mode"]][0]]).name)
+    for name, net in h["nets"].items():
+        if name in io:
+            net["inputs"], net["outputs"] = encode(io[name][0]), encode(io[name][1])
+
+
+def _set(section: str, key: str, value: Any) -> Callable[[Json], None]:
+    def edit(h: Json) -> None:
+        h[section][key] = value
+        if key == "hidden_size":
+            h["model"]["head_dim"] = value // h["model"]["num_heads"]
+        _rederive_io(h)
+    return edit
+
+
+def _cmd(net: str, index: int, edit: Callable[[dict[str, Json]], None]
+         ) -> tuple[str, Callable[[dict[str, Json]], None]]:
+    def apply(prog: dict[str, Json]) -> None:
+        edit(prog["commands"][index])
+    return net, apply
+
+
+def _first_compute_reads(dtype: str) -> Callable[[dict[str, Json]], None]:
+    def edit(prog: dict[str, Json]) -> None:
+        c = next(c for c in prog["commands"] if c["cmd"] == "compute"
+                 and c["ins"][0]["dtype"] == "float16")
+        c["ins"][0]["dtype"] = dtype
+    return edit
+
+
+def _weight_spec(prog: dict[str, Json]) -> None:
+    (name,) = prog["weights"]  # the embedding table
+    prog["weights"][name]["shape"] = [96, 256]
+
+
+STATED_TWICE = {
+    "hidden 128 vs 64": (dict(header=_set("model", "hidden_size", 128)),
+                         ["(hidden float16 [1, 16, 64]; the header says hidden float16 "
+                          "[1, 16, 128]", "model.hidden_size 128"]),
+    "seq_length 4096 vs 64": (dict(header=_set("shapes", "seq_length", 4096)),
+                              ["the header says attention_mask", "4097]",
+                               "shapes.seq_length 4096"]),
+    "vocab 500 vs 384 rows": (dict(header=_set("model", "vocab_size", 500)),
+                              ["[1, 384]", "the header says", "[1, 500]",
+                               "model.vocab_size 500"]),
+    "num_heads 8 vs 4": (dict(header=lambda h: h["model"].__setitem__("num_heads", 8)),
+                         ["its attention has q_heads 4, model.num_heads is 8"]),
+    "smaller table in the stream": (
+        dict(stream=_cmd("embedding", 1, lambda c: c["table"].__setitem__("shape", [100, 64]))),
+        ["command 1, which moves 'embed_tokens.weight", "as float16 [100, 64] (it is float16 "
+         "[384, 64])"]),
+    "store into the net's input": (
+        dict(stream=_cmd("embedding", 2, lambda c: c["tensor"].__setitem__("name",
+                                                                           "input_ids"))),
+        ["command 2, which stores into 'input_ids' (one of its inputs)"]),
+    "weight spec vs table": (dict(stream=("embedding", _weight_spec)),
+                             ["weight 'embed_tokens.weight", "(float16 [96, 256]; the weight "
+                              "table has float16 [384, 64])"]),
+    "bf16 buffer read as f16": (dict(stream=("block", _first_compute_reads("bfloat16"))),
+                                ["float16 in the IR, the command's buffer holds bfloat16"]),
+}
+
+
+@pytest.mark.parametrize("case", list(STATED_TWICE))
+def test_facts_stated_twice_must_agree(parts, tmp_path, capsys, case) -> None:
+    """Before: each ran with exit 0 (or an IndexError traceback); now refused at load, one
+    line naming the net and the two values."""
+    edits, needles = STATED_TWICE[case]
+    path = _write(str(tmp_path / "m.toptpu"), parts, **edits)  # type: ignore[arg-type]
+    message = _load_error(path)
+    for needle in needles:
+        assert needle in message, (needle, message)
+    assert "recompile the model" in message
+    rc, err = _run(path, capsys)
+    _one_line_error(rc, err, *needles)
+
+
+def test_header_sizes_are_checked_when_the_file_is_opened(parts, tmp_path) -> None:
+    """The header's sizes against every net's stream: at open, before any net runs."""
+    path = _write(str(tmp_path / "m.toptpu"), parts, header=_set("model", "vocab_size", 500))
+    with pytest.raises(ModelFileError, match="model.vocab_size 500"):
+        MachineExecutor(path)
+
+
+def test_the_interpreter_checks_the_ir_against_the_header(parts, tmp_path, capsys) -> None:
+    path = _write(str(tmp_path / "m.toptpu"), parts, header=_set("model", "hidden_size", 128))
+    rc, err = _run(path, capsys, "--executor", "interpreter")
+    _one_line_error(rc, err, "the IR of net 'embedding' and the header disagree on 'hidden': "
+                    "float16 [1, 16, 64] in the IR, float16 [1, 16, 128] in the header")
+
+
+@pytest.mark.parametrize("executor", ["machine", "interpreter"])
+def test_a_gather_past_its_table_traps(small_file, executor) -> None:
+    """Before: IndexError from the kernel; now the executor's one-line error naming the
+    command and the table."""
+    from toptpu.backend.runtime.interpreter_executor import ExecutorError, InterpreterExecutor
+
+    ex = MachineExecutor(small_file) if executor == "machine" else InterpreterExecutor(
+        small_file)
+    ids, hidden = ex.alloc((1, 16), "int32"), ex.alloc((1, 16, 64), "float16")
+    ex.write(ids, np.full((1, 16), 999))
+    with pytest.raises((MachineTrap, ExecutorError)) as info:
+        ex.run("embedding", {"input_ids": ids, "hidden": hidden})
+    message = str(info.value)
+    assert "\n" not in message and "gather index 999 is out of range for axis of size 384" \
+        in message and "below the table's rows" in message
+    if executor == "machine":
+        assert isinstance(info.value, MachineTrap)
+        assert message.startswith("command 1 (embed_tokens.embedding)") and \
+            "w:embed_tokens.weight" in message

@@ -52,7 +52,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects import func
-from xdsl.ir import Operation
+from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.formats.commands import (
     Command,
@@ -63,6 +63,7 @@ from toptpu.backend.formats.commands import (
     LocalRef,
     Space,
     Store,
+    TableRef,
 )
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
@@ -71,7 +72,7 @@ from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
 from toptpu.dialects import top, tpu
-from toptpu.dialects.common import read_int
+from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int
 from toptpu.dialects.ir_text import parse_ir
 
 
@@ -556,12 +557,19 @@ class OpStep(Step):
                                          for r in self.ins]
         if self.table_at >= 0:
             args.insert(self.table_at, views[self.table][0])
-        if self.join is not None and not m.checked:
-            results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
-        elif self.part_of is not None and not m.checked:
-            results = [self.part_of.part(m, self, args, views)]
-        else:
-            results = self.compute(m, args)
+        try:
+            if self.join is not None and not m.checked:
+                results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
+            elif self.part_of is not None and not m.checked:
+                results = [self.part_of.part(m, self, args, views)]
+            else:
+                results = self.compute(m, args)
+        except IndexError as e:  # a gather's index past its table (kernels.gather)
+            if self.table_at < 0:
+                raise
+            table = self.cmd.table.tensor if isinstance(self.cmd, Gather) else "?"
+            raise MachineTrap(f"{who}: {e} (table {table}); the ids must be below the "
+                              "table's rows") from None
         m.free(self.free)
         for ref, value in zip(self.outs, results, strict=True):
             local.write(ref, value, who)
@@ -1133,7 +1141,36 @@ class LoadedNet:
         fn = evaluator_of(op)
         if fn is None:
             raise MachineTrap(f"command {c.id}: no kernel for '{op.name}'")
+        self._check_types(c, op)
         return fn
+
+    @staticmethod
+    def _check_types(c: Compute | Gather, op: Operation) -> None:
+        """The command's buffers hold what its op's operands and results are (a compute
+        reading a bf16 buffer as f16 would read other numbers)."""
+        operands: list[SSAValue | None] = (op.operand_groups() if isinstance(op, ShapedOp)
+                                           else list(op.operands))
+        ins: list[LocalRef | TableRef | None] = list(c.ins)
+        if isinstance(c, Gather):
+            ins.insert(c.table_operand, c.table)
+        if len(ins) != len(operands) or len(c.outs) != len(op.results):
+            raise MachineTrap(f"command {c.id}: {len(ins)} operands and {len(c.outs)} results "
+                              f"for '{op.name}', which has {len(operands)} and "
+                              f"{len(op.results)}")
+        pairs = [(f"operand {i}", r, v)
+                 for i, (r, v) in enumerate(zip(ins, operands, strict=True))]
+        pairs += [(f"result {i}", r, v)
+                  for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
+        for what, ref, value in pairs:
+            if (ref is None) != (value is None):
+                raise MachineTrap(f"command {c.id}: {what} of '{op.name}' is "
+                                  f"{'absent' if value is None else 'present'} in the IR")
+            if ref is None or value is None:
+                continue
+            want = numpy_dtype(elem_of(value)).name
+            if np.dtype(ref.dtype).name != want:
+                raise MachineTrap(f"command {c.id} ({c.name}): {what} of '{op.name}' is "
+                                  f"{want} in the IR, the command's buffer holds {ref.dtype}")
 
     def plan(self, chip: Chip) -> Plan:
         plan = self._plans.get(chip)
