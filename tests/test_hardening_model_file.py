@@ -24,6 +24,7 @@ from llm_fixtures import compiled
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError, write_model_file
 from toptpu.backend.runtime.machine import MachineTrap
 from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.runtime import Runtime
 from toptpu.cli import main
 
 Json = Any
@@ -268,3 +269,32 @@ def test_a_gather_past_its_table_traps(small_file, executor) -> None:
         assert isinstance(info.value, MachineTrap)
         assert message.startswith("command 1 (embed_tokens.embedding)") and \
             "w:embed_tokens.weight" in message
+
+
+# ------------------------------------------------------------------ sampling fields
+
+
+def test_a_repetition_penalty_out_of_range_is_refused_everywhere(parts, small_file, tmp_path,
+                                                                 capsys) -> None:
+    """Before: a header (or --repetition-penalty) of 1e300 ran and printed numpy's
+    RuntimeWarnings; now one range, [1e-4, 1e4], in the header, the CLI and the runtime."""
+    from toptpu.backend.runtime.errors import GenerationError
+    from toptpu.backend.runtime.runtime import SamplingConfig
+
+    for bad in (1e300, 1e-300):
+        path = _write(str(tmp_path / "m.toptpu"), parts,
+                      header=lambda h, v=bad: h["generation"].__setitem__("repetition_penalty",
+                                                                          v))
+        rc, err = _run(path, capsys)
+        _one_line_error(rc, err, "generation.repetition_penalty is", "outside [0.0001, 10000.0]")
+        assert "RuntimeWarning" not in err
+        assert main(["run", small_file, "--ids", "1", "--repetition-penalty", repr(bad)]) == 2
+        assert "must be a number in [0.0001, 10000]" in capsys.readouterr().err
+        with pytest.raises(GenerationError, match=r"repetition_penalty must be in \[0.0001, "):
+            SamplingConfig(repetition_penalty=bad).validate()
+    rt = Runtime.open(small_file)
+    for sampler in ("chip", "host"):  # the bounds themselves run without a warning
+        for penalty in (1e-4, 1e4):
+            with np.errstate(over="raise", invalid="raise"):
+                rt.generate([1, 2, 3], 2, SamplingConfig(repetition_penalty=penalty,
+                                                         sampler=sampler))
