@@ -14,6 +14,9 @@ import copy
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -298,3 +301,70 @@ def test_a_repetition_penalty_out_of_range_is_refused_everywhere(parts, small_fi
             with np.errstate(over="raise", invalid="raise"):
                 rt.generate([1, 2, 3], 2, SamplingConfig(repetition_penalty=penalty,
                                                          sampler=sampler))
+
+
+# ------------------------------------------------------------------ 7: changed while in use
+
+
+def _overwrite_tail(path: str) -> None:
+    """Rewrite the last 64 KiB in place (same size, same inode): other weights."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size - 65536)
+        f.write(bytes(65536))
+
+
+@pytest.mark.parametrize("executor", ["machine", "interpreter"])
+def test_a_model_file_written_in_place_stops_the_generation(small_file, tmp_path,
+                                                            executor) -> None:
+    """Before: the next step ran on the new bytes (NaN warnings, other tokens, exit 0)."""
+    path = str(tmp_path / "m.toptpu")
+    shutil.copy(small_file, path)
+    rt = Runtime.open(path, executor)
+    rt.generate([1, 2, 3], 2)
+    _overwrite_tail(path)
+    with pytest.raises(ModelFileError) as info:
+        rt.generate([1, 2, 3], 2)
+    message = str(info.value)
+    assert message.startswith(f"'{path}' changed while in use") and "\n" not in message
+    assert "truncated or written in place" in message
+
+
+def test_a_model_file_replaced_at_its_path_is_said(small_file, tmp_path) -> None:
+    path = str(tmp_path / "m.toptpu")
+    shutil.copy(small_file, path)
+    rt = Runtime.open(path)
+    shutil.copy(small_file, path + ".new")
+    os.replace(path + ".new", path)  # a recompile's atomic rename
+    with pytest.raises(ModelFileError, match="was replaced by another file while in use"):
+        rt.generate([1, 2, 3], 2)
+
+
+CHAT_THEN_TRUNCATE = """
+import os, subprocess, sys
+path, toptpu = sys.argv[1:3]
+p = subprocess.Popen([toptpu, "chat", path, "--max-new-tokens", "2"], stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+p.stdin.write("hello\\n"); p.stdin.flush()
+while True:  # the first turn's statistics line: the model file is mapped and in use
+    line = p.stderr.readline()
+    if "tokens in the cache" in line or not line:
+        break
+os.truncate(path, os.path.getsize(path) // 2)
+out, err = p.communicate("again\\n", timeout=120)
+print(p.returncode); print(err, end="")
+"""
+
+
+@pytest.mark.slow  # a chat in a subprocess
+def test_truncating_the_model_file_under_a_chat_is_one_line(small_file, tmp_path) -> None:
+    """Before: SIGBUS (exit 135, no message); now the model file error, exit 1."""
+    path = str(tmp_path / "m.toptpu")
+    shutil.copy(small_file, path)
+    toptpu = os.path.join(os.path.dirname(sys.executable), "toptpu")
+    proc = subprocess.run([sys.executable, "-c", CHAT_THEN_TRUNCATE, path, toptpu],
+                          capture_output=True, text=True, timeout=300)
+    rc, _, err = proc.stdout.partition("\n")
+    assert rc == "1", proc.stdout
+    assert err.startswith(f"toptpu chat: error: '{path}' changed while in use (now ")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -202,6 +202,7 @@ class InterpreterExecutor:
         info = self._nets.get(net)
         if info is None:
             raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
+        self.file.file.check_unchanged()  # truncated or rewritten under us: one line
         weights = self._weights_for(info, layer)
         plan = self._plan(net)
         names = [s.name for s in (*info.inputs, *info.outputs)]

@@ -166,6 +166,7 @@ class MachineExecutor:
         if info is None:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
                                        f"{sorted(self._nets)})")
+        self.file.file.check_unchanged()  # truncated or rewritten under us: one line
         loaded = self._load(net)
         prog = loaded.program
         io: dict[str, int] = {}
