@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fuzz import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
 from llm_fixtures import compiled
 
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError, write_model_file
@@ -368,3 +371,140 @@ def test_truncating_the_model_file_under_a_chat_is_one_line(small_file, tmp_path
     assert rc == "1", proc.stdout
     assert err.startswith(f"toptpu chat: error: '{path}' changed while in use (now ")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ properties
+
+#: an integer or float attribute of an op in a stream's IR: `name = value : i64|f64`
+_ATTR = re.compile(r"\b([a-z_]+) = (-?[0-9][0-9.e+-]*|0x[0-9A-F]+) : (i64|f64)")
+_SKIP = ("tpu.load", "tpu.store", "tpu.group", "tpu.yield", "tpu.weight", "func.")
+
+
+@pytest.fixture(scope="module")
+def stream_attrs(parts: Parts) -> list[tuple[str, int, int, int]]:
+    """Every integer/float attribute of a compute op in every stream: (net, line, start and
+    end of `value : type` in that line)."""
+    found = []
+    for name in sorted(parts[1]):
+        if not name.startswith("stream:"):
+            continue
+        net = name[len("stream:"):]
+        for i, line in enumerate(_stream(parts[1], net)["ir"].splitlines()):
+            if '"tpu.' not in line or any(f'"{s}' in line for s in _SKIP):
+                continue
+            attrs = line[line.index("{"):line.index("}")] if "{" in line else ""
+            offset = line.index("{") if attrs else 0
+            for m in _ATTR.finditer(attrs):
+                found.append((net, i, offset + m.start(2), offset + m.end(3)))
+    assert len(found) > 50
+    return found
+
+
+_BAD_VALUES = st.one_of(
+    st.integers(-3, 3), st.integers(-2**40, 2**40), st.sampled_from([2**62, -2**62]),
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, -1e3, 1e300]),
+    st.sampled_from(['"x"', "true", "array<i64: 1>", "DELETE"]))
+
+
+def _attr_text(value: Any, kind: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            bits = {"nan": "0x7FF8000000000000", "inf": "0x7FF0000000000000",
+                    "-inf": "0xFFF0000000000000"}[repr(value)]
+            return f"{bits} : f64"
+        return f"{value:e} : f64"
+    return f"{value} : {kind}"
+
+
+def _refused_or_runs(path: str) -> str | None:
+    """The one-line error loading and running every net of `path` gives, or None if it
+    runs; any other exception fails the property."""
+    from toptpu.backend.runtime.errors import GenerationError
+    from toptpu.backend.runtime.machine_executor import MachineExecutorError
+
+    try:
+        ex = MachineExecutor(path)
+        for net in ex.nets():
+            ex.program(net)
+            ex._load(net)  # noqa: SLF001 - the IR of every net, parsed and verified
+        Runtime(ex).generate(list(range(1, 21)), 2)  # every text net runs
+    except (ModelFileError, MachineTrap, GenerationError, MachineExecutorError) as e:
+        message = str(e)
+        assert "\n" not in message, message
+        return message
+    return None
+
+
+@pytest.mark.slow  # hypothesis: many crafted model files
+@fuzz_settings(25)
+@given(data=st.data())
+def test_stream_ir_attribute_mutations_are_refused_or_run(parts, stream_attrs, tmp_path_factory,
+                                                          data: st.DataObject) -> None:
+    """(a) An integer or float attribute of a random op in a random net's stream set to a
+    drawn bad value (or deleted), checksums recomputed: the one model-file error (or the
+    machine's trap), or a file that runs; never another exception."""
+    net, line_no, start, end = data.draw(st.sampled_from(stream_attrs), label="attribute")
+    value = data.draw(_BAD_VALUES, label="value")
+    kind = "f64" if parts and _stream(parts[1], net)["ir"].splitlines()[line_no][
+        start:end].endswith("f64") else "i64"
+
+    def edit(prog: dict[str, Json]) -> None:
+        lines = prog["ir"].splitlines()
+        line = lines[line_no]
+        if value == "DELETE":
+            name_start = line.rindex(", ", 0, start) + 2 if ", " in line[:start] else \
+                line.rindex("{", 0, start) + 1
+            tail = line[end:]
+            lines[line_no] = line[:name_start] + tail.removeprefix(", ").removeprefix(",")
+        else:
+            lines[line_no] = line[:start] + _attr_text(value, kind) + line[end:]
+        prog["ir"] = "\n".join(lines) + "\n"
+
+    path = str(tmp_path_factory.getbasetemp() / "stream-attr.toptpu")
+    _write(path, parts, stream=(net, edit))
+    _refused_or_runs(path)
+
+
+_SIZES = [("model", "hidden_size"), ("model", "vocab_size"), ("model", "num_heads"),
+          ("model", "num_kv_heads"), ("model", "head_dim"), ("shapes", "seq_length"),
+          ("shapes", "max_input_length"), ("shapes", "max_history")]
+
+
+@pytest.mark.slow  # hypothesis: many crafted model files
+@fuzz_settings(25)
+@given(field_=st.sampled_from([*_SIZES, ("config", "rms_norm_eps")]),
+       value=st.one_of(st.integers(1, 4096), st.floats(1e-12, 1.0)),
+       rederive=st.booleans())
+def test_header_sizes_that_differ_from_the_nets_are_refused(parts, tmp_path_factory, field_,
+                                                            value, rederive) -> None:
+    """(b) One size of the header (or the config's eps) changed, the nets' IO re-derived
+    from it or not, checksums recomputed: refused at load, one line naming the field; a
+    value equal to the nets' own runs."""
+    section, key = field_
+    h = parts[0]
+    old = h["model"]["config"][key] if section == "config" else h[section][key]
+    value = float(value) if section == "config" else int(value)
+
+    def edit(header: Json) -> None:
+        if section == "config":
+            header["model"]["config"][key] = value
+        else:
+            header[section][key] = value
+            if rederive:
+                _rederive_io(header)
+
+    path = str(tmp_path_factory.getbasetemp() / "header-size.toptpu")
+    try:
+        _write(path, parts, header=edit)
+    except ValueError:  # a header whose contract cannot be derived (heads not dividing...)
+        return
+    message = _refused_or_runs(path)
+    if value == old:
+        assert message is None, message
+        return
+    assert message is not None, f"{section}.{key} = {value} (was {old}) was accepted"
+    # the field itself is named (`model.vocab_size ...`, `model.num_heads is ...`,
+    # `config.rms_norm_eps is ...`), or the net IO tensor the header shapes from it
+    assert key in message or "nets." in message, message

@@ -25,6 +25,7 @@ weights are cached within `weight_cache_bytes` (default: from the host's free me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ from toptpu.backend.runtime.machine import (
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
 from toptpu.dialects import tpu
-from toptpu.dialects.common import read_int
+from toptpu.dialects.common import read_float, read_int
 from toptpu.dialects.ir_text import one_line
 
 
@@ -297,11 +298,19 @@ class MachineExecutor:
                 f"{s.max_input_length}, shapes.max_history {s.max_history}")
 
     def _check_attention(self, net: str, loaded: LoadedNet) -> None:
-        """A text net's attention ops and the header's heads (stated twice)."""
+        """A text net's attention ops and norms against the header's heads and the
+        config's `rms_norm_eps` (stated twice)."""
         if NetName.parse(net).base == VISION_NET:
             return
         m = self.meta.model
+        eps = m.config.get("rms_norm_eps")
         for op in loaded.ops:
+            if isinstance(op, tpu.RmsNormOp) and isinstance(eps, float) \
+                    and not math.isclose(read_float(op.eps), eps, rel_tol=1e-6):
+                raise ModelFileError(
+                    f"'{self.file.path}': the command stream of net '{net}' and the header "
+                    f"disagree on the norm's eps: {read_float(op.eps)} in the stream, "
+                    f"model.config.rms_norm_eps is {eps}; recompile the model")
             if not isinstance(op, tpu.AttentionOp):
                 continue
             for attr, field_ in (("q_heads", "num_heads"), ("kv_heads", "num_kv_heads"),
