@@ -35,6 +35,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 
 from toptpu.dialects import top
+from toptpu.dialects.output_file import open_output
 
 STORE_ATTR = "top.weight_store"
 #: the prefix of a store that lives in this process only
@@ -175,10 +176,11 @@ class WeightStore:
         raise AssertionError
 
     def save(self, path: str, names: Iterable[str] | None = None) -> None:
-        """Write (a subset of) the store to one safetensors file, atomically (a temporary
-        name in the same directory, then a rename). Tensors that share memory (tied
-        embeddings) are copied: safetensors stores no aliases."""
-        from safetensors.torch import save_file
+        """Write (a subset of) the store to one safetensors file by `open_output` (atomically:
+        a temporary name in the same directory, then a rename; a device written through).
+        Tensors that share memory (tied embeddings) are copied: safetensors stores no
+        aliases."""
+        from safetensors.torch import save
 
         arrays: dict[str, np.ndarray] = {}
         for name in (list(names) if names is not None else self.names()):
@@ -187,14 +189,10 @@ class WeightStore:
                 arr = arr.copy()
             arrays[name] = arr
         tensors = {n: _numpy_to_torch(a) for n, a in arrays.items()}
-        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                           f".{os.path.basename(path)}.tmp-{os.getpid()}")
-        try:
-            save_file(tensors, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        data = save(tensors)  # bytes: written by the one output policy (a device as it is)
+        del tensors
+        with open_output(path, "the weights file", size=len(data)) as f:
+            f.write(data)
 
 
 # ---------------------------------------------------------------------- modules and stores

@@ -28,7 +28,7 @@ from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, get_chip
 from toptpu.backend.target.cost import compute_cycles, cost_dtype, dma_cycles, nbytes, op_flops
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
@@ -399,7 +399,7 @@ class ChipPass(ModulePass):
     """A pass that plans for a chip: a preset by name (`chip`, the pass option), or a
     description that is not a preset (`for_chip`: tests, what-if studies; not an option)."""
 
-    chip: str = "bm1684x"
+    chip: str = DEFAULT_CHIP
     target: Chip | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod

@@ -162,10 +162,9 @@ def _rederive_io(h: Json) -> None:
     from toptpu.backend.contract import StaticShapes, net_io
     from toptpu.backend.formats.header_schema import decode, encode
     from toptpu.backend.formats.llm_file import ModelInfo
-    from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
 
-    io = net_io(decode(StaticShapes, h["shapes"]), decode(ModelInfo, h["model"]),
-                numpy_dtype(DTYPE_BY_NAME[MODES[h["mode"]][0]]).name)
+    activations = h["nets"]["embedding"]["outputs"][0]["dtype"]  # the hidden state's dtype
+    io = net_io(decode(StaticShapes, h["shapes"]), decode(ModelInfo, h["model"]), activations)
     for name, net in h["nets"].items():
         if name in io:
             net["inputs"], net["outputs"] = encode(io[name][0]), encode(io[name][1])

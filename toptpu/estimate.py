@@ -44,10 +44,16 @@ from toptpu.backend.formats.llm_file import WeightLayout
 from toptpu.backend.formats.program import Program
 from toptpu.backend.runtime.accounting import SAMPLERS, Costs, StepModel, net_costs
 from toptpu.backend.runtime.machine import command_costs
-from toptpu.backend.target.chips import Chip, ChipFigureError, chip_names, get_chip
+from toptpu.backend.target.chips import (
+    DEFAULT_CHIP,
+    Chip,
+    ChipFigureError,
+    chip_names,
+    get_chip,
+)
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
 from toptpu.cli_args import UsageError, group_size, int_at_least
-from toptpu.dialects.common import MODES
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.address_assign import AddressError
@@ -124,7 +130,7 @@ class CompiledCosts:
 
 def act_dtype(mode: str) -> str:
     """numpy dtype name of a mode's activations."""
-    return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[str(MODES[mode][0])]
+    return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[QuantMode(mode).activation]
 
 
 # =========================================================================== compiling
@@ -142,7 +148,7 @@ def model_shape(config: Any) -> ModelShape:
 
 
 def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
-                  group_size: int = 64, symmetric: bool | None = None,
+                  group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
                   nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None
                   ) -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
@@ -153,7 +159,7 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     t0 = time.perf_counter()
     shape = model_shape(config)
     model = placeholder_model(config, layers=1)
-    act = str(MODES[mode][0])
+    act = QuantMode(mode).activation
     specs = {s.name: s for s in split_model(model, shapes, act=act)}
     unknown = [n for n in nets if n not in specs]
     if unknown:
@@ -412,7 +418,7 @@ def cmd_estimate(args: Any) -> int:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
     compiled = compile_costs(config, chip, args.mode, shapes,
-                             64 if args.group_size is None else args.group_size,
+                             DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
                              args.symmetric, progress=progress)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
     print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
@@ -431,7 +437,7 @@ def add_estimate_parser(sub: Any) -> None:
     p = sub.add_parser("estimate", help=cmd_estimate.__doc__)
     p.add_argument("config_dir", help="a directory with the model's config.json (weights are "
                    "not needed)")
-    p.add_argument("--chip", choices=chip_names(), default="bm1684x")
+    p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP)
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
     p.add_argument("--seq-length", type=int_at_least(2), default=512)
     p.add_argument("--max-input-length", type=int_at_least(1), default=None)

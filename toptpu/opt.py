@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import traceback
 from collections.abc import Sequence
@@ -56,10 +57,11 @@ from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu.backend.codegen.streams import CodegenError, generate
-from toptpu.backend.target.chips import UnknownChipError, get_chip
+from toptpu.backend.target.chips import DEFAULT_CHIP, UnknownChipError, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
+from toptpu.dialects.output_file import OutputPathError, output_target, write_output
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -142,6 +144,10 @@ def _check_output_path(path: str, what: str = "-o") -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise OptInputError(f"{what} {path}: the directory {parent} does not exist")
+    try:
+        output_target(path, what)  # a socket, a symlink loop: refused; a device is fine
+    except OutputPathError as e:
+        raise OptInputError(str(e)) from None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -154,16 +160,19 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+def _is_device(path: str) -> bool:
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
+def _write(path: str, text: str, what: str = "-o") -> None:
+    try:
+        write_output(path, text, what)
+    except OutputPathError as e:
+        raise OptInputError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,7 @@ class CommandsTarget(Target):
     """`-t commands{chip=NAME}`: the command streams of each function, as text."""
 
     name = "commands"
-    chip: str = "bm1684x"
+    chip: str = DEFAULT_CHIP
 
     def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
         try:
@@ -252,8 +261,9 @@ class ToptpuOptMain(xDSLOptMain):
     def prepare_output(self) -> IO[str]:
         if self.args.weights_out is not None:
             _check_output_path(self.args.weights_out, "--weights-out")
-            if self.args.output_file is not None and _same_file(self.args.weights_out,
-                                                                self.args.output_file):
+            if self.args.output_file is not None and _same_file(
+                    self.args.weights_out, self.args.output_file) and not _is_device(
+                    self.args.output_file):  # /dev/null takes both
                 raise OptInputError(f"--weights-out {self.args.weights_out} is the output "
                                     "file (-o): give the weights another name")
         if self.args.output_file is None:
@@ -268,17 +278,24 @@ class ToptpuOptMain(xDSLOptMain):
             pending = self._pending_weights
             try:
                 pending.store.save(pending.path, pending.names)
+            except OutputPathError as e:
+                raise OptInputError(str(e)) from None
             except OSError as e:
                 raise OptInputError(f"cannot write the weights file {pending.path}: "
                                     f"{e.strerror or e}") from None
         if self._kept_output is not None:
-            _write_atomically(self.args.output_file, self._kept_output.getvalue())
+            _write(self.args.output_file, self._kept_output.getvalue())
 
     # -- weights -------------------------------------------------------------------------------
     def _weights_path(self, derived: list[str]) -> str:
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
+            if output_target(self.args.output_file)[1] == "through":
+                raise OptInputError(
+                    f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
+                    f"{len(derived)} weight tensor(s) the result needs: give --weights-out "
+                    "PATH (a .safetensors file) for them")
             return companion_weights_path(self.args.output_file)
         example = ", ".join(f"'{n}'" for n in derived[:2])
         raise OptInputError(

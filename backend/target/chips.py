@@ -179,6 +179,10 @@ def _presets() -> dict[str, dict]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
+#: the chip a command compiles for when none is named
+DEFAULT_CHIP = "bm1684x"
+
+
 def chip_names() -> list[str]:
     return sorted(_presets())
 
