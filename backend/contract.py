@@ -403,3 +403,8 @@ def parse_strict_json(data: bytes) -> Any:
             children = node.values() if isinstance(node, dict) else node
             stack.extend((child, depth + 1) for child in children)
     return value
+
+
+#: the repetition penalties the samplers take (header, CLI, `SamplingConfig` alike): a logit
+#: times or over the penalty stays finite in f32 (1e300 overflowed into numpy warnings)
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)

@@ -213,7 +213,24 @@ OpStarts = Mapping[Operation, Span[str]]
 
 class IRVerifyError(VerifyException):
     """IR that parses but does not verify; with the op's place in the text when it was read
-    from text."""
+    from text (`location`: name:line:col, or the op; `reason`: what is wrong)."""
+
+    def __init__(self, text: str, location: str = "", reason: str = "") -> None:
+        super().__init__(text)
+        self.location, self.reason = location, reason or text
+
+
+def one_line(e: BaseException) -> str:
+    """A parse or verify error of `parse_ir` as one line: where (name:line:col) and what is
+    wrong, without the quoted line and its carets (`str(e)` keeps them)."""
+    if isinstance(e, ParseError):
+        where, reason = e.span.get_location(), e.msg
+    elif isinstance(e, IRVerifyError):
+        where, reason = e.location, e.reason
+    else:
+        where, reason = "", str(e)
+    reason = " ".join(reason.split())
+    return f"{where}: {reason}" if where else reason
 
 
 class _LocatingParser(Parser):
@@ -299,11 +316,15 @@ def _first_failing_op(module: ModuleOp) -> tuple[Operation, DiagnosticException]
 
 
 def _verify_error(op: Operation | None, msg: str, op_starts: OpStarts | None) -> IRVerifyError:
+    names = "" if op is None else ", ".join(f"%{r.name_hint}" for r in op.results
+                                            if r.name_hint)
+    at = "" if op is None else f"'{op.name}'{f' ({names})' if names else ''}"
     if op is not None and op_starts is not None and op in op_starts:
-        return IRVerifyError(op_starts[op].print_with_context(msg).rstrip())
+        span, reason = op_starts[op], msg.removeprefix(f"'{op.name}': ")
+        return IRVerifyError(span.print_with_context(msg).rstrip(),
+                             f"{span.get_location()}: {at}", reason)
     if op is not None:
-        names = ", ".join(f"%{r.name_hint}" for r in op.results if r.name_hint)
-        return IRVerifyError(f"'{op.name}'{f' ({names})' if names else ''}: {msg}")
+        return IRVerifyError(f"{at}: {msg}", at, msg.removeprefix(f"'{op.name}': "))
     return IRVerifyError(msg)
 
 

@@ -16,6 +16,7 @@ Layout conventions:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, Self
 
@@ -495,6 +496,14 @@ class ReduceOp(ReduceBase, TopOp):
     name = "top.reduce"
 
 
+def check_eps(name: str, attrs: Attrs) -> None:
+    """A norm's `eps`: a positive, finite float (the verifier of the attribute's type runs
+    first; a missing or non-float `eps` is refused there)."""
+    eps = attrs.get("eps")
+    if isinstance(eps, FloatAttr) and not (math.isfinite(eps.value.data) and eps.value.data > 0):
+        raise VerifyException(f"{name} eps is {eps.value.data}; it must be positive and finite")
+
+
 class RmsNormBase(ShapedOp):
     """x * rsqrt(mean(x^2, last axis) + eps) * weight, accumulated in f32."""
 
@@ -510,6 +519,7 @@ class RmsNormBase(ShapedOp):
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x, w = operands[0], operands[1] if len(operands) > 1 else None
         assert x is not None
+        check_eps(cls.name, attrs)
         if w is not None and shape_of(w)[-1:] != shape_of(x)[-1:]:
             raise VerifyException(
                 f"rms_norm weight {list(shape_of(w))} does not match the last axis of "
@@ -547,6 +557,7 @@ class LayerNormBase(ShapedOp):
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x = operands[0]
         assert x is not None
+        check_eps(cls.name, attrs)
         shape = shape_of(x)
         axis = norm_axis(read_int(attrs.get("axis")), len(shape))
         for w in operands[1:]:

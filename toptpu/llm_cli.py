@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Any
 
+from toptpu.backend.contract import REPETITION_PENALTY_RANGE
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.interpreter_executor import ExecutorError
@@ -135,7 +136,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int_at_least(0, " (0: off)"), default=None)
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True, what=" (1: off)"),
                    default=None)
-    p.add_argument("--repetition-penalty", type=finite_float(0.0, lo_open=True,
+    p.add_argument("--repetition-penalty", type=finite_float(*REPETITION_PENALTY_RANGE,
                                                              what=" (1: off)"), default=None)
     p.add_argument("--penalty-window", type=int_at_least(0), default=64,
                    help="recent tokens the repetition penalty looks at")

@@ -70,6 +70,7 @@ from xdsl.dialects.builtin import ModuleOp
 from toptpu.backend.contract import (
     KNOWN_NETS,
     PER_LAYER_NETS,
+    REPETITION_PENALTY_RANGE,
     TEXT_NETS,
     TOKENIZER_FILES,
     VISION_KINDS,
@@ -258,7 +259,7 @@ class Generation:
     temperature: Annotated[float, Range(0, math.inf)]
     top_k: int
     top_p: Annotated[float, Range(0, 1)]
-    repetition_penalty: Annotated[float, Range(0, math.inf)]
+    repetition_penalty: Annotated[float, Range(*REPETITION_PENALTY_RANGE)]
 
 
 TokenizerFile = Annotated[str, OneOf(TOKENIZER_FILES, "tokenizer file name")]

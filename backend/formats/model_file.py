@@ -38,6 +38,7 @@ import json
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -206,6 +207,16 @@ def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
 # ------------------------------------------------------------------ reading
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What says a file is the one opened: device, inode, size, modification and change
+    times (the change time cannot be set back by the writer)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
 class ModelFile:
     """A validated, memory-mapped model file."""
 
@@ -226,7 +237,9 @@ class ModelFile:
         return ModelFileError(f"'{self.path}' {msg}")
 
     def _load(self, verify_checksums: bool) -> None:
-        size = os.fstat(self._file.fileno()).st_size
+        st = os.fstat(self._file.fileno())
+        self.identity = _identity(st)  # what `check_unchanged` compares with
+        size = st.st_size
         if size == 0:
             raise self._err("is empty, not a toptpu model file; compile one with "
                             "`toptpu compile`")
@@ -315,6 +328,27 @@ class ModelFile:
                 raise self._err(f"is corrupt: nonzero bytes in the padding before section "
                                 f"'{info.name}' (offsets {start}..{info.offset})")
             start = info.offset + info.size
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on with a file changed since it was opened: truncated or written in
+        place (its mapped bytes would fault with SIGBUS or silently be other weights) or
+        replaced at its path. Two stat calls: cheap enough before each net run. (A change
+        between this check and the read that follows still faults: Python cannot turn a
+        SIGBUS inside numpy into an exception.)"""
+        try:
+            now = _identity(os.fstat(self._file.fileno()))
+            there = _identity(os.stat(self.path))
+        except OSError as e:
+            raise self._err(f"can no longer be checked ({e.strerror}); it was removed or "
+                            "its directory changed while in use: reopen it") from None
+        if there[:2] != self.identity[:2]:  # (unlinking the old one changed its ctime)
+            raise self._err("was replaced by another file while in use (a recompile?); "
+                            "reopen it to use the new one")
+        if now != self.identity:
+            raise self._err(f"changed while in use (now {now[2]} bytes, modified "
+                            f"{_when(now[3])}; it was {self.identity[2]} bytes): it was "
+                            "truncated or written in place; stop whatever writes it and "
+                            "reopen the model file")
 
     def view(self, name: str) -> memoryview:
         """Zero-copy bytes of a section (backed by the memory map)."""

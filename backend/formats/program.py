@@ -156,7 +156,7 @@ def constant_pool(program: Program) -> bytes:
     buf = bytearray(program.regions.constants)
     if not buf:
         return b""
-    module = parse_ir(program.ir, f"net:{program.name}", verify=False)
+    module = parse_ir(program.ir, f"net:{program.name}")
     for op in module.walk():
         if isinstance(op, tpu.ConstantOp) and op.pool_offset is not None:
             off = op.pool_offset

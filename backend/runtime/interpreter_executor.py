@@ -56,6 +56,7 @@ from toptpu.backend.runtime.executor import check_bindings, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
+from toptpu.dialects.ir_text import one_line
 from toptpu.dialects.naming import input_names, output_names
 
 
@@ -114,6 +115,9 @@ class _Plan:
             return ids[v]
 
         self.inputs = [vid(a) for a in fn.body.block.args]
+        #: the function's IO types (shape, numpy dtype name): the header states them too
+        self.io_types = [(shape_of(t), numpy_dtype(elem_of(t)).name)
+                         for t in (*fn.function_type.inputs, *fn.function_type.outputs)]
         self.input_names = input_names(fn)
         self.output_names = output_names(fn)
         self.weights: list[tuple[str, int, tuple[int, ...]]] = []
@@ -186,6 +190,7 @@ class InterpreterExecutor:
         info = self._nets.get(net)
         if info is None:
             raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
+        self.file.file.check_unchanged()  # truncated or rewritten under us: one line
         weights = self._weights_for(info, layer)
         plan = self._plan(net)
         check_bindings(net, info, bindings, lambda b: isinstance(b, ArrayBuffer), ExecutorError)
@@ -213,7 +218,13 @@ class InterpreterExecutor:
             if step.float_weight is not None:
                 args[1] = self.cache.get((layer, step.float_weight),
                                          lambda w=args[1]: K.f32(w))
-            res = step.fn(step.op, args, ctx)
+            try:
+                res = step.fn(step.op, args, ctx)
+            except IndexError as e:  # a gather's index past its table (kernels.gather)
+                if not isinstance(step.op, top.GatherBase):
+                    raise
+                raise ExecutorError(f"net '{net}': '{step.op.name}': {e}; the ids must be "
+                                    "below the table's rows") from None
             for r, arr in zip(step.results, res, strict=True):
                 vals[r] = arr
         results = [vals[i] for i in plan.outputs]  # all computed before any write
@@ -237,12 +248,23 @@ class InterpreterExecutor:
                 raise
             except Exception as e:  # noqa: BLE001 - parse/verify errors of a bad section
                 raise ModelFileError(f"'{self.file.path}': the IR of net '{net}' is unusable: "
-                                     f"{e}") from e
+                                     f"{one_line(e)}; recompile the model") from e
             info, plan = self._nets[net], self._plans[net]
             if (plan.input_names != [s.name for s in info.inputs]
                     or plan.output_names != [s.name for s in info.outputs]):
                 raise ModelFileError(f"'{self.file.path}': the IR of net '{net}' does not "
                                      "match the net's IO in the header")
+            specs = [(tuple(s.shape), s.dtype) for s in (*info.inputs, *info.outputs)]
+            for spec, (have, want) in zip((*info.inputs, *info.outputs),
+                                          zip(plan.io_types, specs, strict=True), strict=True):
+                if have != want:
+                    raise ModelFileError(
+                        f"'{self.file.path}': the IR of net '{net}' and the header disagree on "
+                        f"'{spec.name}': {have[1]} {list(have[0])} in the IR, {want[1]} "
+                        f"{list(want[0])} in the header (from model.hidden_size "
+                        f"{self.meta.model.hidden_size}, model.vocab_size "
+                        f"{self.meta.model.vocab_size}, shapes.seq_length "
+                        f"{self.meta.shapes.seq_length}); recompile the model")
         return self._plans[net]
 
     def _weights_for(self, info: NetInfo, layer: int | None) -> Mapping[str, np.ndarray]:

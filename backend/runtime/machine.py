@@ -50,7 +50,7 @@ from functools import cached_property
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects import func
-from xdsl.ir import Operation
+from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.formats.commands import (
     Command,
@@ -58,8 +58,10 @@ from toptpu.backend.formats.commands import (
     Gather,
     GlobalRef,
     Load,
+    LocalRef,
     Space,
     Store,
+    TableRef,
 )
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, Evaluator
@@ -83,6 +85,7 @@ from toptpu.backend.runtime.steps import (
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
+from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
 
@@ -289,7 +292,9 @@ class LoadedNet:
     def __init__(self, program: Program, name: str | None = None) -> None:
         self.program = program
         self.name = name or program.name
-        module = parse_ir(program.ir, f"net:{program.name}", verify=False)
+        # verified: the stream is as untrusted as the header (an attribute out of range
+        # would crash a kernel); the verifiers run once per net, at load
+        module = parse_ir(program.ir, f"stream:{self.name}")
         fns = [f for f in module.ops if isinstance(f, func.FuncOp)
                and f.sym_name.data == program.name]
         if not fns:
@@ -313,7 +318,36 @@ class LoadedNet:
         fn = evaluator_of(op)
         if fn is None:
             raise MachineTrap(f"command {c.id}: no kernel for '{op.name}'")
+        self._check_types(c, op)
         return fn
+
+    @staticmethod
+    def _check_types(c: Compute | Gather, op: Operation) -> None:
+        """The command's buffers hold what its op's operands and results are (a compute
+        reading a bf16 buffer as f16 would read other numbers)."""
+        operands: list[SSAValue | None] = (op.operand_groups() if isinstance(op, ShapedOp)
+                                           else list(op.operands))
+        ins: list[LocalRef | TableRef | None] = list(c.ins)
+        if isinstance(c, Gather):
+            ins.insert(c.table_operand, c.table)
+        if len(ins) != len(operands) or len(c.outs) != len(op.results):
+            raise MachineTrap(f"command {c.id}: {len(ins)} operands and {len(c.outs)} results "
+                              f"for '{op.name}', which has {len(operands)} and "
+                              f"{len(op.results)}")
+        pairs = [(f"operand {i}", r, v)
+                 for i, (r, v) in enumerate(zip(ins, operands, strict=True))]
+        pairs += [(f"result {i}", r, v)
+                  for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
+        for what, ref, value in pairs:
+            if (ref is None) != (value is None):
+                raise MachineTrap(f"command {c.id}: {what} of '{op.name}' is "
+                                  f"{'absent' if value is None else 'present'} in the IR")
+            if ref is None or value is None:
+                continue
+            want = numpy_dtype(elem_of(value)).name
+            if np.dtype(ref.dtype).name != want:
+                raise MachineTrap(f"command {c.id} ({c.name}): {what} of '{op.name}' is "
+                                  f"{want} in the IR, the command's buffer holds {ref.dtype}")
 
     def plan(self, chip: Chip) -> Plan:
         plan = self._plans.get(chip)

@@ -25,6 +25,7 @@ weights are cached within `weight_cache_bytes` (default: from the host's free me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
-from toptpu.backend.contract import NetInfo
+from toptpu.backend.contract import VISION_NET, NetInfo, NetName, TensorSpec
+from toptpu.backend.formats.commands import Gather, Load, Space, Store
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
@@ -47,6 +49,9 @@ from toptpu.backend.runtime.machine import (
 )
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
+from toptpu.dialects import tpu
+from toptpu.dialects.common import read_float, read_int
+from toptpu.dialects.ir_text import one_line
 
 
 class MachineExecutorError(RuntimeError):
@@ -89,6 +94,10 @@ def timing_of(tl: Timeline) -> NetTiming:
                      dma_bytes=tl.dma_bytes, flops=tl.flops)
 
 
+def _spec(s: TensorSpec) -> str:
+    return f"{s.name} {s.dtype} {list(s.shape)}"
+
+
 @dataclass
 class NetStats:
     runs: int = 0
@@ -112,6 +121,8 @@ class MachineExecutor:
         blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
         self._blob = self.machine.gmem.map("weights", blob, writable=False).base
         self._programs: dict[str, Program] = {}
+        for net in self._nets:  # every stream decoded and checked against the header now
+            self._programs[net] = self._decode(net)
         self._loaded: dict[str, LoadedNet] = {}
         self._act: dict[str, int] = {}
         self._const: dict[str, int] = {}
@@ -147,6 +158,7 @@ class MachineExecutor:
         if info is None:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
                                        f"{sorted(self._nets)})")
+        self.file.file.check_unchanged()  # truncated or rewritten under us: one line
         loaded = self._load(net)
         prog = loaded.program
         check_bindings(net, info, bindings, lambda b: isinstance(b, MachineBuffer) and
@@ -165,21 +177,33 @@ class MachineExecutor:
     def program(self, net: str) -> Program:
         return self._load(net).program
 
+    def _decode(self, net: str) -> Program:
+        """The net's program, decoded and checked against the header (its IR is parsed
+        and verified when the net is first run, `_load`)."""
+        try:
+            prog = Program.from_json(self.file.file.view(self.meta.nets[net].streams))
+        except StreamError as e:
+            raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
+                                 f"is unusable: {e}") from None
+        self._check_program(net, prog)
+        return prog
+
     def _load(self, net: str) -> LoadedNet:
         if net not in self._loaded:
             entry = self.meta.nets[net]
+            prog = self._programs[net]
             try:
-                prog = Program.from_json(self.file.file.view(entry.streams))
                 loaded = LoadedNet(prog, net)
             except ModelFileError:
                 raise
             except (StreamError, MachineTrap) as e:
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
-                                     f"is unusable: {e}") from None
-            except Exception as e:  # noqa: BLE001 - IR that does not parse
+                                     f"is unusable: {one_line(e)}; recompile the model"
+                                     ) from None
+            except Exception as e:  # noqa: BLE001 - IR that does not parse or verify
                 raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' "
-                                     f"is unusable: {e}") from e
-            self._check_program(net, prog)
+                                     f"is unusable: {one_line(e)}; recompile the model") from e
+            self._check_attention(net, loaded)
             gmem = self.machine.gmem
             self._act[net] = gmem.alloc(f"act:{net}", prog.regions.activations).base
             pool = self.file.file.read(entry.consts)
@@ -199,9 +223,90 @@ class MachineExecutor:
             problem = f"the weights it reads ({differ[:3]} differ)"
         elif len(prog.commands) != entry.commands:
             problem = f"its commands ({len(prog.commands)}, the header says {entry.commands})"
+        else:
+            problem = self._disagreement(net, prog)
         if problem:
             raise ModelFileError(f"'{self.file.path}': the command stream of net '{net}' and "
                                  f"the header disagree on {problem}; recompile the model")
+
+    def _disagreement(self, net: str, prog: Program) -> str:
+        """The first fact the stream states that the header states otherwise (net IO,
+        weight specs against the weight table, what each transfer moves), or ""."""
+        entry = self.meta.nets[net]
+        for key in ("inputs", "outputs"):
+            have, want = getattr(prog, key), getattr(entry, key)
+            for i in range(max(len(have), len(want))):
+                a = _spec(have[i]) if i < len(have) else "none"
+                b = _spec(want[i]) if i < len(want) else "none"
+                if a != b:
+                    return (f"{key}[{i}] ({a}; the header says {b}, from its "
+                            f"{self._sizes()})")
+        layout = self.file.layout
+        table = {**layout.shared, **(layout.layer if entry.per_layer else {})}
+        for name, w in prog.weights.items():
+            e = table[name]  # the names were compared with the header's (a subset of table)
+            if (tuple(w.shape), w.dtype, w.nbytes) != (tuple(e.shape), e.dtype, e.nbytes):
+                return (f"weight '{name}' ({w.dtype} {list(w.shape)}; the weight table has "
+                        f"{e.dtype} {list(e.shape)})")
+        io = {s.name: s for s in (*prog.inputs, *prog.outputs)}
+        outputs = {s.name for s in prog.outputs}
+        for c in prog.commands:
+            if isinstance(c, Gather):
+                ref, shape, dtype = c.table.tensor, c.table.shape, c.table.dtype
+            elif isinstance(c, Load | Store):
+                ref, shape, dtype = c.tensor, c.shape, c.dtype
+            else:
+                continue
+            if ref.space is Space.IO:
+                spec = io.get(ref.name or "")
+                if spec is None or (isinstance(c, Store) and ref.name not in outputs):
+                    what = "stores into" if isinstance(c, Store) else "reads"
+                    kind = "one of its inputs" if spec is not None else "no IO tensor of it"
+                    return f"command {c.id}, which {what} '{ref.name}' ({kind})"
+                want_shape, want_dtype = spec.shape, spec.dtype
+            elif ref.space is Space.WEIGHT:
+                w = prog.weights.get(ref.name or "")
+                if w is None:
+                    return f"command {c.id}, which reads weight '{ref.name}' it does not list"
+                want_shape, want_dtype = w.shape, w.dtype
+            else:
+                continue
+            if (tuple(shape), dtype) != (tuple(want_shape), want_dtype):
+                return (f"command {c.id}, which moves '{ref.name}' as {dtype} {list(shape)} "
+                        f"(it is {want_dtype} {list(want_shape)})")
+        return ""
+
+    def _sizes(self) -> str:
+        m, s = self.meta.model, self.meta.shapes
+        return (f"model.hidden_size {m.hidden_size}, model.num_kv_heads {m.num_kv_heads}, "
+                f"model.head_dim {m.head_dim}, model.vocab_size {m.vocab_size}, "
+                f"shapes.seq_length {s.seq_length}, shapes.max_input_length "
+                f"{s.max_input_length}, shapes.max_history {s.max_history}")
+
+    def _check_attention(self, net: str, loaded: LoadedNet) -> None:
+        """A text net's attention ops and norms against the header's heads and the
+        config's `rms_norm_eps` (stated twice)."""
+        if NetName.parse(net).base == VISION_NET:
+            return
+        m = self.meta.model
+        eps = m.config.get("rms_norm_eps")
+        for op in loaded.ops:
+            if isinstance(op, tpu.RmsNormOp) and isinstance(eps, float) \
+                    and not math.isclose(read_float(op.eps), eps, rel_tol=1e-6):
+                raise ModelFileError(
+                    f"'{self.file.path}': the command stream of net '{net}' and the header "
+                    f"disagree on the norm's eps: {read_float(op.eps)} in the stream, "
+                    f"model.config.rms_norm_eps is {eps}; recompile the model")
+            if not isinstance(op, tpu.AttentionOp):
+                continue
+            for attr, field_ in (("q_heads", "num_heads"), ("kv_heads", "num_kv_heads"),
+                                 ("head_dim", "head_dim")):
+                have, want = read_int(op.attributes[attr]), getattr(m, field_)
+                if have != want:
+                    raise ModelFileError(
+                        f"'{self.file.path}': the command stream of net '{net}' and the "
+                        f"header disagree on the heads: its attention has {attr} {have}, "
+                        f"model.{field_} is {want}; recompile the model")
 
     def _weight_addresses(self, info: NetInfo, prog: Program, layer: int | None
                           ) -> dict[str, int]:

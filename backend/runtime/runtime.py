@@ -63,6 +63,7 @@ from toptpu.backend.contract import (
     PRESENT_V,
     PROBS,
     RECENT_IDS,
+    REPETITION_PENALTY_RANGE,
     SAMPLE_HEAD,
     TEMPERATURE,
     TEXT_NETS,
@@ -112,8 +113,9 @@ class SamplingConfig:
             raise GenerationError(f"top_k must be an integer >= 0 (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:  # False for NaN
             raise GenerationError(f"top_p must be in (0, 1] (1: off), got {self.top_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise GenerationError(f"repetition_penalty must be a finite number > 0 (1: off), "
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:  # False for NaN
+            raise GenerationError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1: off), "
                                   f"got {self.repetition_penalty}")
         if not _is_int(self.penalty_window) or self.penalty_window < 0:
             raise GenerationError(f"penalty_window must be an integer >= 0, got "

@@ -128,12 +128,19 @@ class OpStep(Step):
                                          for r in self.ins]
         if self.table_at >= 0:
             args.insert(self.table_at, views[self.table][0])
-        if self.join is not None and not m.checked:
-            results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
-        elif self.part_of is not None and not m.checked:
-            results = [self.part_of.part(m, self, args, views)]
-        else:
-            results = self.compute(m, args)
+        try:
+            if self.join is not None and not m.checked:
+                results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
+            elif self.part_of is not None and not m.checked:
+                results = [self.part_of.part(m, self, args, views)]
+            else:
+                results = self.compute(m, args)
+        except IndexError as e:  # a gather's index past its table (kernels.gather)
+            if self.table_at < 0:
+                raise
+            table = self.cmd.table.tensor if isinstance(self.cmd, Gather) else "?"
+            raise MachineTrap(f"{who}: {e} (table {table}); the ids must be below the "
+                              "table's rows") from None
         m.free(self.free)
         for ref, value in zip(self.outs, results, strict=True):
             local.write(ref, value, who)
