@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from toptpu.backend.contract import (
     TOKENIZER_FILES,  # the tokenizer files a model file carries
@@ -418,12 +419,30 @@ def _tokenizer_files_of(tokenizer: Any) -> dict[str, bytes]:
         return _read_tokenizer_files(tmp, required=True, what="the tokenizer")
 
 
+def check_tokenizer_files(files: dict[str, bytes], where: str) -> None:
+    """The tokenizer files a model file will carry load as `toptpu run` loads them:
+    tokenizer.json with the `tokenizers` library, the JSON files as JSON objects, the chat
+    template as UTF-8 (a ModelLoadError naming the file otherwise, at compile time)."""
+    for name, data in files.items():
+        try:
+            text = data.decode("utf-8")
+            if name.endswith(".json") and not isinstance(parse_strict_json(data), dict):
+                raise ValueError("it is not a JSON object")
+            if name == "tokenizer.json":
+                Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ModelLoadError(f"{os.path.join(where, name)} cannot be loaded: "
+                                 f"{str(e)[:300]}; replace it with the file the model's "
+                                 "tokenizer saves (save_pretrained)") from None
+
+
 def _read_tokenizer_files(path: str, required: bool, what: str) -> dict[str, bytes]:
     files = {}
     for name in TOKENIZER_FILES:
         data = dir_bytes(path, name)
         if data is not None:
             files[name] = data
+    check_tokenizer_files(files, path)
     if required and "tokenizer.json" not in files:
         raise ModelLoadError(
             f"{what} has no tokenizer.json: toptpu carries a fast tokenizer in the model file; "
