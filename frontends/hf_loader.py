@@ -189,8 +189,8 @@ def check_config_values(raw: Any, where: str) -> None:
                                  "expected a positive finite number; fix config.json")
     act = raw.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
-        raise ModelLoadError(f"{where}: hidden_act {json.dumps(act)[:60]} is not one the "
-                             f"compiled nets implement ({', '.join(SUPPORTED_ACTIVATIONS)})")
+        raise ModelLoadError(f"{where}: hidden_act is {json.dumps(act)[:60]}, expected one "
+                             f"the compiled nets implement ({', '.join(SUPPORTED_ACTIVATIONS)})")
     for name in _TOKEN_FIELDS:
         v = raw.get(name)
         ids = v if isinstance(v, list) else [v]
