@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -386,6 +387,9 @@ class Tokenizer:
 TEMPLATE_MAX_CHARS = 1 << 20
 #: ... and take at most this many seconds
 TEMPLATE_MAX_SECONDS = 2.0
+#: ... and grow the process by at most this many bytes while it renders (what the size
+#: checks cannot see: a macro's buffer of many pieces, `~` in a loop; Linux)
+TEMPLATE_MAX_MEMORY = 256 << 20
 #: filters and string methods whose result can be much larger than their input
 _EXPANDING = frozenset({"replace", "center", "ljust", "rjust", "zfill", "expandtabs",
                         "format", "join", "indent", "wordwrap"})
@@ -397,11 +401,24 @@ class TemplateLimitError(GenerationError):
     `TEMPLATE_MAX_SECONDS`)."""
 
 
+def _resident_bytes() -> int | None:
+    """The process's resident set size now (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 @dataclass
 class _Budget:
     chars: int
     deadline: float
     steps: int = 0
+    resident: int | None = None  # at the start of the rendering
 
 
 _BUDGET: ContextVar[_Budget | None] = ContextVar("toptpu_template_budget", default=None)
@@ -505,7 +522,9 @@ def _bounded_environment(base: type) -> type:
                 if budget is not None:
                     if total > budget.chars:
                         raise _size_error("rendering", total, budget)
-                    _check_deadline(budget)
+                    budget.steps += 1
+                    if budget.steps % 64 == 0:
+                        _check_deadline(budget)
                 out.append(chunk)
             return "".join(out)
 
@@ -530,6 +549,12 @@ def _check_deadline(budget: _Budget) -> None:
         raise TemplateLimitError(
             f"the chat template took more than {TEMPLATE_MAX_SECONDS:g} s to render "
             "(TEMPLATE_MAX_SECONDS; docs/limits.md): the template is refused")
+    now = _resident_bytes() if budget.resident is not None else None
+    if now is not None and budget.resident is not None and \
+            now - budget.resident > TEMPLATE_MAX_MEMORY:
+        raise TemplateLimitError(
+            f"the chat template took more than {TEMPLATE_MAX_MEMORY >> 20} MiB of memory to "
+            "render (TEMPLATE_MAX_MEMORY; docs/limits.md): the template is refused")
 
 
 def _deadline_tracer(budget: _Budget) -> Callable[..., Any]:
@@ -538,7 +563,7 @@ def _deadline_tracer(budget: _Budget) -> Callable[..., Any]:
 
     def local(frame: Any, event: str, arg: Any) -> Any:
         budget.steps += 1
-        if budget.steps % 256 == 0:
+        if budget.steps % 64 == 0:
             _check_deadline(budget)
         if event == "line":  # what `~` or a filter built and the template keeps
             for v in frame.f_locals.values():
@@ -576,7 +601,8 @@ def render_bounded(render: Callable[[], str], messages: Sequence[Mapping[str, An
     messages' text) and `TEMPLATE_MAX_SECONDS`; a `TemplateLimitError` naming the limit."""
     _install_bounds()
     own = sum(len(str(m.get("content", ""))) for m in messages)
-    budget = _Budget(TEMPLATE_MAX_CHARS + 2 * own, time.monotonic() + TEMPLATE_MAX_SECONDS)
+    budget = _Budget(TEMPLATE_MAX_CHARS + 2 * own, time.monotonic() + TEMPLATE_MAX_SECONDS,
+                     resident=_resident_bytes())
     token = _BUDGET.set(budget)
     previous = sys.gettrace()
     sys.settrace(_deadline_tracer(budget))
