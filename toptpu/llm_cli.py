@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.interpreter_executor import ExecutorError
-from toptpu.backend.runtime.machine import MachineTrap
 from toptpu.backend.runtime.machine_executor import MachineExecutorError
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
@@ -27,6 +27,7 @@ from toptpu.backend.runtime.runtime import (
     Runtime,
     SamplingConfig,
 )
+from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
     finite_float,
@@ -36,9 +37,10 @@ from toptpu.cli_args import (
     utf8_problem,
     utf8_text,
 )
+from toptpu.dialects.common import QuantMode
 from toptpu.paths import OutputPathError
 
-#: version of the `toptpu run --json` object (README: "toptpu run --json"); bumped when a
+#: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
 RUN_JSON_SCHEMA = 1
 
@@ -65,10 +67,11 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
     p.add_argument("-q", "--quantize", dest="mode", default=None,
-                   help="f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32 | "
-                   "auto (a pre-quantized checkpoint's bits and dtype); default: auto for "
+                   help=f"{' | '.join(QuantMode.names())} | auto (a pre-quantized "
+                   "checkpoint's bits and dtype); default: auto for "
                    "GPTQ/AWQ/AutoRound checkpoints, f32 otherwise")
-    p.add_argument("--chip", default="bm1684x", help="target chip preset (bm1684x, bm1688)")
+    p.add_argument("--chip", default=DEFAULT_CHIP,
+                   help=f"target chip preset ({', '.join(chip_names())})")
     p.add_argument("--seq-length", type=int_at_least(2), default=512,
                    help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
     p.add_argument("--max-input-length", type=int_at_least(1), default=None,
@@ -109,8 +112,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    "marks where it goes with the model's image token, else it goes first")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
     r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
-                   "time to first token and tokens/s, host and modelled; schema in the "
-                   "README)")
+                   "time to first token and tokens/s, host and modelled; schema in "
+                   "docs/usage.md)")
     add_sampling_args(r)
 
 
@@ -223,7 +226,7 @@ def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]
 
 
 def run_json(res: Any, executor: str) -> dict[str, Any]:
-    """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in the README)."""
+    """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in docs/usage.md)."""
     return {
         "schema": RUN_JSON_SCHEMA,
         "prompt_ids": res.prompt_ids, "generated_ids": res.generated_ids,
