@@ -14,7 +14,10 @@ the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
   families (`VISION_KINDS`);
 - the host-side packing of MiniCPM-V image slices into the static `vit` net (`pack_slice`);
 - the JSON every file header we read is held to (`parse_strict_json`: model files, the
-  safetensors shards and their index).
+  safetensors shards and their index);
+- which files of a model directory may be read (`model_file_path`, `read_model_file`,
+  `check_model_dir_files`: regular files inside the directory, never a link out of it, a
+  FIFO or a device).
 
 The model file header that records all this is the file format's
 (`toptpu.backend.formats.llm_file.LlmHeader`): it checks each net's IO against `net_io`.
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -408,3 +413,95 @@ def parse_strict_json(data: bytes) -> Any:
 #: the repetition penalties the samplers take (header, CLI, `SamplingConfig` alike): a logit
 #: times or over the penalty stays finite in f32 (1e300 overflowed into numpy warnings)
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+
+
+# ====================================================================== model directory files
+
+
+class ModelDirFileError(ValueError):
+    """A file of a model directory that must not be read (a link out of the directory, a
+    FIFO, a device, ...); the message names it and what to do."""
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _allowed_roots(directory: str) -> tuple[str, ...]:
+    """Where the files of `directory` may lie: the directory itself and, for a snapshot of
+    the Hugging Face hub cache (`<repo>/snapshots/<revision>`, whose files are links to
+    `<repo>/blobs/<hash>`), its repository's `blobs`."""
+    root = os.path.realpath(directory)
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == "snapshots":
+        return root, os.path.join(os.path.dirname(parent), "blobs")
+    return (root,)
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+
+
+def model_file_path(directory: str, name: str) -> str | None:
+    """The path of the file `name` of a model directory, or None when there is none: a
+    regular file inside the directory (a symbolic link may point to another file of it).
+    A link out of the directory, a dangling link, a FIFO, a device or a directory under
+    that name is a `ModelDirFileError` naming it; nothing is opened."""
+    path = os.path.join(directory, name)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ModelDirFileError(f"cannot read '{path}': {e.strerror}") from e
+    target = os.path.realpath(path)
+    if not any(_inside(target, r) for r in _allowed_roots(directory)):
+        what = "a symbolic link to" if stat.S_ISLNK(st.st_mode) else "resolves to"
+        raise ModelDirFileError(
+            f"'{path}' is {what} {target}, outside the model directory; copy the file in "
+            "(toptpu reads only the model directory's own files)")
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise ModelDirFileError(f"'{path}' is a symbolic link to {target}, which does "
+                                    "not exist; copy the file in") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelDirFileError(f"'{path}' is {_kind(st.st_mode)}, not a regular file; a "
+                                "model directory holds regular files: copy the file in")
+    return path
+
+
+def read_model_file(directory: str, name: str) -> bytes | None:
+    """The bytes of the file `name` of a model directory (checked by `model_file_path`;
+    opened without blocking, so a FIFO swapped in after the check cannot hang), None when
+    there is none."""
+    path = model_file_path(directory, name)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ModelDirFileError(f"cannot read '{path}': {e.strerror}") from e
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ModelDirFileError(f"'{path}' is not a regular file; copy the file in")
+        return f.read()
+
+
+def check_model_dir_files(directory: str) -> None:
+    """Every file of a model directory (not its subdirectories: nothing of ours reads them)
+    is a regular file inside it (`model_file_path`): run before anything — transformers
+    included — opens one of them."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise ModelDirFileError(f"cannot list the model directory '{directory}': "
+                                f"{e.strerror}") from e
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            continue
+        model_file_path(directory, name)

@@ -36,7 +36,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from toptpu.backend.contract import parse_strict_json
+from toptpu.backend.contract import (
+    ModelDirFileError,
+    model_file_path,
+    parse_strict_json,
+    read_model_file,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -93,6 +98,11 @@ class Shard:
         self.name, self.path = name, os.path.join(directory, name)
         self._file: Any = None
         self._map: mmap.mmap | None = None
+        try:
+            if model_file_path(directory, name) is None:
+                raise FileNotFoundError(self.path)
+        except ModelDirFileError as e:
+            raise CheckpointError(str(e)) from None
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -236,9 +246,14 @@ class CheckpointReader:
     def open(cls, directory: str) -> CheckpointReader:
         """Read and check the index and every shard header of `directory`."""
         index = os.path.join(directory, INDEX_FILE)
-        if os.path.exists(index):
+        try:
+            has_index = model_file_path(directory, INDEX_FILE) is not None
+            has_single = model_file_path(directory, SINGLE_FILE) is not None
+        except ModelDirFileError as e:
+            raise CheckpointError(str(e)) from None
+        if has_index:
             return cls._indexed(directory, index)
-        if os.path.exists(os.path.join(directory, SINGLE_FILE)):
+        if has_single:
             names = [SINGLE_FILE]
         else:
             names = sorted(f for f in os.listdir(directory) if f.endswith(SUFFIX))
@@ -253,10 +268,9 @@ class CheckpointReader:
     @classmethod
     def _indexed(cls, directory: str, index: str) -> CheckpointReader:
         try:
-            with open(index, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise CheckpointError(f"cannot read '{index}': {e.strerror}") from None
+            data = read_model_file(directory, INDEX_FILE) or b""
+        except ModelDirFileError as e:
+            raise CheckpointError(str(e)) from None
         raw = _strict_json(data, f"'{index}'")
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:

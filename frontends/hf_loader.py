@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -31,8 +32,16 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
-from toptpu.backend.contract import TOKENIZER_FILES  # the tokenizer files a model file carries
+from toptpu.backend.contract import (
+    TOKENIZER_FILES,  # the tokenizer files a model file carries
+    ModelDirFileError,
+    check_model_dir_files,
+    model_file_path,
+    parse_strict_json,
+    read_model_file,
+)
 from toptpu.frontends.quant_checkpoints import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
@@ -105,6 +114,93 @@ def _unknown_model_type(model_type: object, where: str) -> ModelLoadError:
         f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Llama 2/3) models")
 
 
+#: activations (`hidden_act`) the compiled nets implement
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+
+#: config fields that are sizes: name -> (required, largest value accepted)
+_SIZE_FIELDS: dict[str, tuple[bool, int]] = {
+    "vocab_size": (True, 1 << 22), "hidden_size": (True, 1 << 18),
+    "intermediate_size": (True, 1 << 20), "num_hidden_layers": (True, 4096),
+    "num_attention_heads": (True, 4096), "num_key_value_heads": (False, 4096),
+    "head_dim": (False, 1 << 14), "max_position_embeddings": (False, 1 << 31),
+}
+#: config fields that are positive finite floats
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
+#: config fields that are token ids (an int, a list of ints, or null)
+_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def check_config_values(raw: Any, where: str) -> None:
+    """Every value of a (text) model's config.json that the compiler and `toptpu estimate`
+    use, checked for type and range before transformers builds anything from it: sizes are
+    positive integers within bounds, the heads divide the hidden size (without head_dim) and
+    the kv heads divide the heads, eps and rope_theta are positive and finite, hidden_act is
+    one the nets implement. The one validation of compile and estimate: a ModelLoadError
+    naming the field, its value and what to do."""
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{where} is not a JSON object (got {type(raw).__name__}): is it "
+                             "a Hugging Face config?")
+
+    def bad(key: str, want: str) -> ModelLoadError:
+        return ModelLoadError(f"{where}: {key} is {json.dumps(raw.get(key))[:60]}, "
+                              f"expected {want}; fix config.json")
+
+    for name, (required, limit) in _SIZE_FIELDS.items():
+        v = raw.get(name)
+        if v is None and not required:
+            continue
+        if v is None and name not in raw:
+            raise ModelLoadError(f"{where}: {name} is missing, expected a positive integer; "
+                                 "fix config.json")
+        if not _is_int(v) or not 1 <= v <= limit:
+            raise bad(name, f"an integer from 1 to {limit}")
+    heads, kv = raw["num_attention_heads"], raw.get("num_key_value_heads") or \
+        raw["num_attention_heads"]
+    if heads % kv:
+        raise ModelLoadError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv}; fix config.json")
+    if raw.get("head_dim") is None and raw["hidden_size"] % heads:
+        raise ModelLoadError(
+            f"{where}: hidden_size {raw['hidden_size']} is not a multiple of "
+            f"num_attention_heads {heads} (and there is no head_dim); fix config.json")
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    for name in _POSITIVE_FLOATS:
+        for key, v in ((name, raw.get(name)), (f"rope_parameters.{name}", rope.get(name))):
+            if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
+                raise ModelLoadError(f"{where}: {key} is {json.dumps(v)[:60]}, expected a "
+                                     "positive finite number; fix config.json")
+    for name in ("rope_scaling", "rope_parameters"):
+        v = raw.get(name)
+        if v is not None and not isinstance(v, dict):
+            raise bad(name, "an object or null")
+        factor = (v or {}).get("factor")
+        if factor is not None and not (_is_number(factor) and math.isfinite(factor)
+                                       and factor > 0):
+            raise ModelLoadError(f"{where}: {name}.factor is {json.dumps(factor)[:60]}, "
+                                 "expected a positive finite number; fix config.json")
+    act = raw.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(f"{where}: hidden_act is {json.dumps(act)[:60]}, expected one "
+                             f"the compiled nets implement ({', '.join(SUPPORTED_ACTIVATIONS)})")
+    for name in _TOKEN_FIELDS:
+        v = raw.get(name)
+        ids = v if isinstance(v, list) else [v]
+        if v is not None and not all(_is_int(i) and i >= 0 for i in ids):
+            raise bad(name, "a token id (an integer >= 0), a list of them, or null")
+    for name in ("tie_word_embeddings", "use_sliding_window"):
+        if name in raw and not isinstance(raw[name], bool):
+            raise bad(name, "true or false")
+
+
 def check_config(config: Any, where: str = "the model") -> str:
     """Raise ModelLoadError for a config the compiler cannot honour; return the family."""
     mt = getattr(config, "model_type", None)
@@ -118,6 +214,12 @@ def check_config(config: Any, where: str = "the model") -> str:
             f"{where} is a pre-quantized ({method}) model: toptpu reads the packed integers, "
             "scales and zero points from the checkpoint directory; pass the directory the "
             "quantizer wrote (GPTQ, AWQ and AutoRound are supported)")
+    try:
+        values = config.to_dict()
+    except Exception:  # noqa: BLE001 - a foreign object: the checks below read attributes
+        values = None
+    if isinstance(values, dict):
+        check_config_values(values, where)
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     if heads % kv:
@@ -149,25 +251,43 @@ def check_config(config: Any, where: str = "the model") -> str:
 # --------------------------------------------------------------------------- checkpoint
 
 
+def dir_file(path: str, name: str) -> str | None:
+    """`contract.model_file_path` (a regular file inside the model directory, or None)
+    with its error a ModelLoadError."""
+    try:
+        return model_file_path(path, name)
+    except ModelDirFileError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def dir_bytes(path: str, name: str) -> bytes | None:
+    """`contract.read_model_file` with its error a ModelLoadError."""
+    try:
+        return read_model_file(path, name)
+    except ModelDirFileError as e:
+        raise ModelLoadError(str(e)) from None
+
+
 def _checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
+    data = dir_bytes(path, "model.safetensors.index.json")
+    if data is not None:
         try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            weight_map = json.loads(data)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ModelLoadError(f"'{index}' is not a valid safetensors index: {e}") from e
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
+        missing = [s for s in shards if not isinstance(s, str) or dir_file(path, s) is None]
         if missing:
             raise ModelLoadError(
                 f"shard(s) {_listing(missing)} listed in '{index}' are missing from {path}: "
                 "copy the complete checkpoint")
         return [os.path.join(path, s) for s in shards]
     single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):
+    if dir_file(path, "model.safetensors"):
         return [single]
-    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")
+                   and dir_file(path, f))
     if found:
         return [os.path.join(path, f) for f in found]
     bins = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
@@ -299,13 +419,30 @@ def _tokenizer_files_of(tokenizer: Any) -> dict[str, bytes]:
         return _read_tokenizer_files(tmp, required=True, what="the tokenizer")
 
 
+def check_tokenizer_files(files: dict[str, bytes], where: str) -> None:
+    """The tokenizer files a model file will carry load as `toptpu run` loads them:
+    tokenizer.json with the `tokenizers` library, the JSON files as JSON objects, the chat
+    template as UTF-8 (a ModelLoadError naming the file otherwise, at compile time)."""
+    for name, data in files.items():
+        try:
+            text = data.decode("utf-8")
+            if name.endswith(".json") and not isinstance(parse_strict_json(data), dict):
+                raise ValueError("it is not a JSON object")
+            if name == "tokenizer.json":
+                Tokenizer.from_str(text)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ModelLoadError(f"{os.path.join(where, name)} cannot be loaded: "
+                                 f"{str(e)[:300]}; replace it with the file the model's "
+                                 "tokenizer saves (save_pretrained)") from None
+
+
 def _read_tokenizer_files(path: str, required: bool, what: str) -> dict[str, bytes]:
     files = {}
     for name in TOKENIZER_FILES:
-        p = os.path.join(path, name)
-        if os.path.exists(p):
-            with open(p, "rb") as f:
-                files[name] = f.read()
+        data = dir_bytes(path, name)
+        if data is not None:
+            files[name] = data
+    check_tokenizer_files(files, path)
     if required and "tokenizer.json" not in files:
         raise ModelLoadError(
             f"{what} has no tokenizer.json: toptpu carries a fast tokenizer in the model file; "
@@ -349,6 +486,10 @@ def check_model_dir(path: str) -> None:
                              "Face directory that holds config.json and the weights")
     if not os.path.isdir(path):
         raise ModelLoadError(f"model directory '{path}' does not exist")
+    try:  # before anything (transformers included) opens one of its files
+        check_model_dir_files(path)
+    except ModelDirFileError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def read_config(path: str) -> tuple[Any, dict[str, Any]]:
@@ -358,17 +499,18 @@ def read_config(path: str) -> tuple[Any, dict[str, Any]]:
 
     check_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
+    data = dir_bytes(path, "config.json")
+    if data is None:
         raise ModelLoadError(f"{path} has no config.json: is it a Hugging Face model directory?")
     try:
-        with open(cfg_path, "rb") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
+        raw = parse_strict_json(data)
+    except ValueError as e:
         raise ModelLoadError(f"cannot read {cfg_path}: {e}") from e
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_path} is not a JSON object: is it a Hugging Face config?")
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise _unknown_model_type(raw.get("model_type"), cfg_path)
+    check_config_values(raw, cfg_path)  # before transformers builds anything from it
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
@@ -428,7 +570,7 @@ def read_model_dir(path: str) -> ModelDir:
 
     config, raw = read_config(path)
     gen = None
-    if os.path.exists(os.path.join(path, "generation_config.json")):
+    if dir_file(path, "generation_config.json"):
         try:
             gen = GenerationConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # noqa: BLE001
@@ -468,7 +610,7 @@ def _load_dir(path: str, need_tokenizer: bool = True) -> LoadedModel:
 
 def _is_prequantized(path: str, raw: dict[str, Any]) -> bool:
     return bool(raw.get("quantization_config")) or any(
-        os.path.exists(os.path.join(path, n))
+        dir_file(path, n)
         for n in ("quantize_config.json", "quantization_config.json"))
 
 

@@ -358,6 +358,22 @@ def head_specs(vocab_size: int, seq_length: int, act: str = "f32") -> list[NetSp
     ]
 
 
+def _non_finite_cause(model: Any, layer: Any) -> str:
+    """Why the first decoder layer computes NaN or infinity: its non-finite weights (named),
+    else the config values it depends on."""
+    bad = [f"model.layers.0.{name}" for name, p in layer.named_parameters()
+           if not p.is_meta and not bool(torch.isfinite(p).all())]
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        return (f"the checkpoint's weights are not finite (NaN or infinity in {shown}): the "
+                "checkpoint is damaged; re-download or re-export it")
+    cfg = model.config
+    return (f"the first {type(layer).__name__} computes NaN or infinity from finite weights "
+            f"(rms_norm_eps {getattr(cfg, 'rms_norm_eps', None)}, hidden "
+            f"{getattr(cfg, 'hidden_size', None)}): check config.json and the weights' "
+            "magnitudes")
+
+
 def check_block_matches_model(model: Any, spec: NetSpec, atol: float = 1e-4) -> None:
     """The `block` wrapper must compute what the model's own decoder layer computes
     (catches a family whose layer structure the wrapper does not follow)."""
@@ -374,6 +390,8 @@ def check_block_matches_model(model: Any, spec: NetSpec, atol: float = 1e-4) -> 
             ours = spec.module(*spec.args)[0]
     finally:
         model.config._attn_implementation = prev
+    if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(ours).all())):
+        raise SplitError(_non_finite_cause(model, layer))
     err = float((ours - ref).abs().max())
     if not err <= atol * max(1.0, float(ref.abs().max())):
         raise SplitError(

@@ -64,6 +64,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from toptpu.backend.contract import ModelDirFileError, model_file_path, read_model_file
 from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
 
 __all__ = [
@@ -277,9 +278,15 @@ def unpack_awq_columns(packed: np.ndarray, bits: int = 4) -> np.ndarray:
 
 def _load_json(path: Path) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
+        raw = read_model_file(str(path.parent), path.name)
+        if raw is None:
+            raise QuantizedCheckpointError(f"{path}: missing")
+        data = json.loads(raw.decode("utf-8"))
+    except ModelDirFileError as e:
+        raise QuantizedCheckpointError(str(e)) from None
+    except RecursionError:
+        raise QuantizedCheckpointError(f"{path}: nested too deeply to be a config") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise QuantizedCheckpointError(
             f"{path}: not valid JSON ({e}); fix or re-export the file"
         ) from e
@@ -288,9 +295,18 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _is_model_file(model_dir: Path, name: str) -> bool:
+    """`name` is a regular file of `model_dir` (`contract.model_file_path`: a link out of
+    the directory, a FIFO or a device is an error naming it)."""
+    try:
+        return model_file_path(str(model_dir), name) is not None
+    except ModelDirFileError as e:
+        raise QuantizedCheckpointError(str(e)) from None
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if _is_model_file(model_dir, index.name):
         weight_map = _load_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise QuantizedCheckpointError(
@@ -299,7 +315,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         files = []
         for fname in dict.fromkeys(weight_map.values()):
             path = model_dir / str(fname)
-            if not path.is_file():
+            if not _is_model_file(model_dir, str(fname)):
                 raise QuantizedCheckpointError(
                     f"{index}: shard '{fname}' is listed but missing from {model_dir}; "
                     "copy the complete checkpoint"
@@ -307,6 +323,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
             files.append(path)
         return files
     files = sorted(model_dir.glob("*.safetensors"))
+    files = [f for f in files if _is_model_file(model_dir, f.name)]
     if not files:
         other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
             p.name for p in model_dir.glob("*.pt")
@@ -345,7 +362,7 @@ def _read_file(path: Path) -> dict[str, np.ndarray]:
 def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     index_path = model_dir / "model.safetensors.index.json"
     expected: dict[str, str] | None = None
-    if index_path.is_file():
+    if _is_model_file(model_dir, index_path.name):
         expected = {str(k): str(v) for k, v in _load_json(index_path)["weight_map"].items()}
     tensors: dict[str, np.ndarray] = {}
     where: dict[str, str] = {}
@@ -386,7 +403,7 @@ def _read_quantization_config(model_dir: Path, config: dict[str, Any]) -> dict[s
         return dict(qc)
     for fname in ("quantization_config.json", "quantize_config.json"):
         path = model_dir / fname
-        if path.is_file():
+        if _is_model_file(model_dir, fname):
             qc = _load_json(path)
             # quantize_config.json is AutoGPTQ's file: it predates the quant_method key
             if fname == "quantize_config.json" and "quant_method" not in qc:
@@ -894,7 +911,7 @@ def _root_and_config(model_dir: str | os.PathLike[str]) -> tuple[Path, dict[str,
     if not root.is_dir():
         raise QuantizedCheckpointError(f"{root}: not a directory (expected a HF model directory)")
     config_path = root / "config.json"
-    if not config_path.is_file():
+    if not _is_model_file(root, "config.json"):
         raise QuantizedCheckpointError(
             f"{root}: no config.json; not a Hugging Face model directory"
         )

@@ -64,8 +64,10 @@ from toptpu.backend.contract import (
     POSITION_IDS_VIT,
     VISION_KINDS,
     VISION_NET,
+    ModelDirFileError,
     merge_order,
     pack_slice,
+    read_model_file,
 )
 from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
@@ -77,6 +79,9 @@ from toptpu.frontends.hf_loader import (
     _read_tokenizer_files,
     _tokenizer_files_of,
     check_config,
+    check_model_dir,
+    dir_bytes,
+    dir_file,
     generation_settings,
     quiet_transformers,
 )
@@ -106,12 +111,11 @@ def image_processor_class(kind: str) -> Any:
 def vlm_model_type(source: Any) -> str | None:
     """The VLM model_type of a model directory or in-memory model, None for other models."""
     if isinstance(source, str | os.PathLike):
-        cfg = os.path.join(os.fspath(source), "config.json")
         try:
-            with open(cfg) as f:
-                mt = json.load(f).get("model_type")
-        except (OSError, ValueError):
-            return None  # hf_loader reports a missing or broken config.json
+            mt = json.loads(read_model_file(os.fspath(source), "config.json") or b"")[
+                "model_type"]
+        except (OSError, ValueError, ModelDirFileError, KeyError, TypeError, RecursionError):
+            return None  # hf_loader reports a missing, broken or unreadable config.json
     else:
         mt = getattr(getattr(source, "config", None), "model_type", None)
     return mt if mt in VLM_MODEL_TYPES else None
@@ -606,8 +610,7 @@ def _read_vlm_dir(path: str) -> VlmDir:
     import transformers
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"model directory '{path}' does not exist")
+    check_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -621,14 +624,14 @@ def _read_vlm_dir(path: str) -> VlmDir:
         raise ModelLoadError(f"transformers cannot load the tokenizer in {path}: {e}") from e
     pc = None
     pc_path = os.path.join(path, "preprocessor_config.json")
-    if os.path.exists(pc_path):
+    pc_data = dir_bytes(path, "preprocessor_config.json")
+    if pc_data is not None:
         try:
-            with open(pc_path) as f:
-                pc = json.load(f)
-        except (OSError, ValueError) as e:
+            pc = json.loads(pc_data)
+        except (ValueError, RecursionError) as e:
             raise ModelLoadError(f"cannot read {pc_path}: {e}") from e
     gen = None
-    if os.path.exists(os.path.join(path, "generation_config.json")):
+    if dir_file(path, "generation_config.json"):
         try:
             gen = GenerationConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # noqa: BLE001

@@ -8,16 +8,21 @@ checks of a mode against a config (`check_seq_length`, `check_group_size`,
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from toptpu.backend.contract import StaticShapes
+from toptpu.backend.contract import StaticShapes, parse_strict_json
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
-from toptpu.frontends.hf_loader import LoadedModel
+from toptpu.frontends.hf_loader import (
+    SUPPORTED_MODEL_TYPES,
+    LoadedModel,
+    check_config_values,
+    check_model_dir,
+    dir_bytes,
+)
 from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.paths import (
     OutputPathError,
@@ -157,11 +162,13 @@ def _text_config(model: Any) -> tuple[dict[str, Any], str] | None:
     None when it cannot be read (the loader then says why)."""
     if isinstance(model, str | os.PathLike):
         where = os.path.join(os.fspath(model), "config.json")
+        check_model_dir(os.fspath(model))  # its files regular and inside it, before any read
         try:
-            with open(where, "rb") as f:
-                raw = json.load(f)
-        except (OSError, ValueError):
+            raw = parse_strict_json(dir_bytes(os.fspath(model), "config.json") or b"")
+        except ValueError:
             return None
+        if isinstance(raw, dict) and raw.get("model_type") in SUPPORTED_MODEL_TYPES:
+            check_config_values(raw, where)  # a text model's (the loader checks the rest)
     else:
         config = getattr(model, "config", None)
         try:

@@ -78,6 +78,8 @@ from toptpu.backend.formats.llm_file import (
 )
 from toptpu.backend.formats.model_file import StreamedSection
 from toptpu.backend.formats.program import Program, constant_pool
+from toptpu.backend.runtime.errors import GenerationError
+from toptpu.backend.runtime.runtime import TemplateLimitError, Tokenizer
 from toptpu.backend.target.chips import DEFAULT_CHIP
 from toptpu.compile_options import (
     DEFAULT_GROUP_SIZE,
@@ -360,6 +362,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
         model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
         options.vision_mode, stream=stream and options.dump_ir is None)
     load_seconds = time.perf_counter() - t
+    check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
     mode = resolve_mode(options.mode, loaded)
     if loaded.checkpoint is not None:
@@ -396,6 +399,30 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     return CompilePlan(loaded, arch, options, mode, nets, variants, layers,
                        getattr(loaded, "vision", None), vit.mode if vit else None,
                        load_seconds)
+
+
+#: the conversation a chat template renders at compile time (what `toptpu chat` renders)
+_PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
+          {"role": "user", "content": "How are you?"}]
+
+
+def check_chat_template(files: dict[str, bytes], source: str) -> None:
+    """A chat template among the tokenizer files renders a probe conversation within the
+    runtime's bounds (`runtime.TEMPLATE_MAX_CHARS`, `TEMPLATE_MAX_SECONDS`): a hostile
+    template is refused before a model file is written. Other rendering errors are left to
+    `toptpu chat`, which names them for the conversation at hand."""
+    if "tokenizer.json" not in files:
+        return
+    try:
+        tok = Tokenizer(files)
+        if tok.has_chat_template:
+            tok.apply_chat_template(_PROBE, add_generation_prompt=True)
+    except TemplateLimitError as e:
+        where = next((n for n in ("chat_template.jinja", "chat_template.json") if n in files),
+                     "tokenizer_config.json")
+        raise CompileError(f"{os.path.join(source, where)}: {e}") from None
+    except GenerationError:
+        return
 
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,

@@ -32,10 +32,15 @@ and of each decoded token, split by where it goes (`GenerationResult.modelled_br
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
+import re
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -369,11 +374,251 @@ class Tokenizer:
         from jinja2 import TemplateError
 
         try:
-            return str(self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False))
+            return render_bounded(lambda: str(self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False)),
+                messages)
         except (TemplateError, ValueError) as e:
             raise GenerationError(f"the model's chat template cannot render this "
                                   f"conversation: {e}") from e
+
+
+# --------------------------------------------------------------------------- chat template bounds
+
+#: a chat template's rendering may be at most this many characters beyond twice the
+#: conversation's own (its messages' text): a template cannot blow up memory
+TEMPLATE_MAX_CHARS = 1 << 20
+#: ... and take at most this many seconds
+TEMPLATE_MAX_SECONDS = 2.0
+#: ... and grow the process by at most this many bytes while it renders (what the size
+#: checks cannot see: a macro's buffer of many pieces, `~` in a loop; Linux)
+TEMPLATE_MAX_MEMORY = 256 << 20
+#: filters and string methods whose result can be much larger than their input
+_EXPANDING = frozenset({"replace", "center", "ljust", "rjust", "zfill", "expandtabs",
+                        "format", "join", "indent", "wordwrap"})
+_FORMAT_WIDTH = re.compile(r"\d+")
+
+
+class TemplateLimitError(GenerationError):
+    """A chat template exceeded its size or time bound (`TEMPLATE_MAX_CHARS`,
+    `TEMPLATE_MAX_SECONDS`)."""
+
+
+def _resident_bytes() -> int | None:
+    """The process's resident set size now (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclass
+class _Budget:
+    chars: int
+    deadline: float
+    steps: int = 0
+    resident: int | None = None  # at the start of the rendering
+
+
+_BUDGET: ContextVar[_Budget | None] = ContextVar("toptpu_template_budget", default=None)
+
+
+def _size_error(what: str, n: float, budget: _Budget) -> TemplateLimitError:
+    return TemplateLimitError(
+        f"the chat template's {what} would be {n:.3g} characters, over the limit of "
+        f"{budget.chars} (TEMPLATE_MAX_CHARS {TEMPLATE_MAX_CHARS} + twice the conversation; "
+        "docs/limits.md): the template is refused")
+
+
+def _size(v: Any) -> int:
+    return len(v) if isinstance(v, str | bytes | list | tuple | dict) else 0
+
+
+def _check_expanding(name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> None:
+    """Refuse a call of an expanding filter or method whose result could exceed the budget
+    (an upper bound from its arguments: nothing is allocated first)."""
+    budget = _BUDGET.get()
+    if budget is None or name not in _EXPANDING:
+        return
+    factor = 1
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool):
+            factor += max(a, 0)
+        else:
+            factor += _size(a)
+    if isinstance(value, str) and name == "format":  # '%4000000000s' / '{:>4000000000}'
+        factor += sum(int(d) for d in _FORMAT_WIDTH.findall(value) if len(d) < 30) \
+            if len(value) < 65536 else len(value)
+    bound = (_size(value) + 1) * factor
+    if bound > budget.chars:
+        raise _size_error(f"'{name}' result", bound, budget)
+
+
+def _bounded_environment(base: type) -> type:
+    """`base` (transformers' sandboxed Jinja environment) with the budget enforced: the
+    string/list operators `*`, `+`, `**`, `%`, the expanding filters and methods are refused
+    when their result could exceed the size bound, the output is joined chunk by chunk
+    against it, and the template's own frames check the deadline (`_deadline_tracer`)."""
+    if getattr(base, "toptpu_bounded", False):
+        return base
+
+    class BoundedEnvironment(base):  # type: ignore[misc, valid-type]
+        toptpu_bounded = True
+        intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for name, f in list(self.filters.items()):
+                if name in _EXPANDING:
+                    self.filters[name] = _bounded_filter(name, f)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            budget = _BUDGET.get()
+            if budget is not None:
+                n = 0.0
+                if operator == "*":
+                    if isinstance(right, int) and _size(left):
+                        n = _size(left) * float(right)
+                    elif isinstance(left, int) and _size(right):
+                        n = _size(right) * float(left)
+                elif operator == "+":
+                    n = float(_size(left) + _size(right))
+                elif operator == "%" and isinstance(left, str):
+                    _check_expanding("format", left, (right,), {})
+                elif operator == "**" and isinstance(left, int) and isinstance(right, int) \
+                        and abs(left) > 1 and right > 0:
+                    n = right * math.log10(abs(left))  # the digits of the result
+                if n > budget.chars:
+                    raise _size_error(f"'{operator}' result", n, budget)
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            owner = value.__self__
+
+            def bounded(*args: Any, **kwargs: Any) -> str:
+                _check_expanding("format", owner, args, kwargs)
+                return str(wrapped(*args, **kwargs))
+
+            return bounded
+
+        def call(__self, __context: Any, __obj: Any, *args: Any,  # noqa: N805
+                 **kwargs: Any) -> Any:
+            owner = getattr(__obj, "__self__", None)
+            if isinstance(owner, str | list):
+                _check_expanding(getattr(__obj, "__name__", ""), owner, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def concat(self, chunks: Any) -> str:  # type: ignore[override]
+            budget = _BUDGET.get()
+            out: list[str] = []
+            total = 0
+            for chunk in chunks:
+                total += len(chunk)
+                if budget is not None:
+                    if total > budget.chars:
+                        raise _size_error("rendering", total, budget)
+                    budget.steps += 1
+                    if budget.steps % 64 == 0:
+                        _check_deadline(budget)
+                out.append(chunk)
+            return "".join(out)
+
+    return BoundedEnvironment
+
+
+def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    passes = getattr(f, "jinja_pass_arg", None)
+
+    @functools.wraps(f)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        rest = args[1:] if passes is not None else args  # the context first
+        if rest:
+            _check_expanding(name, rest[0], tuple(rest[1:]), kwargs)
+        return f(*args, **kwargs)
+
+    return bounded
+
+
+def _check_deadline(budget: _Budget) -> None:
+    if time.monotonic() > budget.deadline:
+        raise TemplateLimitError(
+            f"the chat template took more than {TEMPLATE_MAX_SECONDS:g} s to render "
+            "(TEMPLATE_MAX_SECONDS; docs/limits.md): the template is refused")
+    now = _resident_bytes() if budget.resident is not None else None
+    if now is not None and budget.resident is not None and \
+            now - budget.resident > TEMPLATE_MAX_MEMORY:
+        raise TemplateLimitError(
+            f"the chat template took more than {TEMPLATE_MAX_MEMORY >> 20} MiB of memory to "
+            "render (TEMPLATE_MAX_MEMORY; docs/limits.md): the template is refused")
+
+
+def _deadline_tracer(budget: _Budget) -> Callable[..., Any]:
+    """A `sys.settrace` function that checks the deadline on the lines of compiled template
+    code only (a template's loops run there; nothing else is traced)."""
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        budget.steps += 1
+        if budget.steps % 64 == 0:
+            _check_deadline(budget)
+        if event == "line":  # what `~` or a filter built and the template keeps
+            for v in frame.f_locals.values():
+                attrs = getattr(v, "_Namespace__attrs", None)  # a jinja2 namespace()
+                for x in (attrs.values() if isinstance(attrs, dict) else (v,)):
+                    if _size(x) > budget.chars:
+                        raise _size_error("variable", _size(x), budget)
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename.startswith("<"):
+            _check_deadline(budget)
+            return local
+        return None
+
+    return tracer
+
+
+def _install_bounds() -> None:
+    """Render every chat template of this process (transformers' `apply_chat_template`)
+    in the bounded environment."""
+    from transformers.utils import chat_template_utils as ctu
+
+    env = getattr(ctu, "ImmutableSandboxedEnvironment", None)
+    if env is None:
+        raise GenerationError("this transformers has no sandboxed chat template environment "
+                              "toptpu can bound; install the version pyproject.toml pins")
+    if not getattr(env, "toptpu_bounded", False):
+        ctu.ImmutableSandboxedEnvironment = _bounded_environment(env)
+        ctu._compile_jinja_template.cache_clear()  # noqa: SLF001 - compiled before the bounds
+
+
+def render_bounded(render: Callable[[], str], messages: Sequence[Mapping[str, Any]]) -> str:
+    """`render()` (a chat template rendering) within `TEMPLATE_MAX_CHARS` (plus twice the
+    messages' text) and `TEMPLATE_MAX_SECONDS`; a `TemplateLimitError` naming the limit."""
+    _install_bounds()
+    own = sum(len(str(m.get("content", ""))) for m in messages)
+    budget = _Budget(TEMPLATE_MAX_CHARS + 2 * own, time.monotonic() + TEMPLATE_MAX_SECONDS,
+                     resident=_resident_bytes())
+    token = _BUDGET.set(budget)
+    previous = sys.gettrace()
+    sys.settrace(_deadline_tracer(budget))
+    try:
+        out = render()
+    except RecursionError:
+        raise TemplateLimitError("the chat template recurses too deeply: the template is "
+                                 "refused") from None
+    finally:
+        sys.settrace(previous)
+        _BUDGET.reset(token)
+    if len(out) > budget.chars:
+        raise _size_error("rendering", len(out), budget)
+    return out
 
 
 def _token_text(value: Any) -> str | None:
