@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from toptpu.backend.contract import TOKENIZER_FILES  # the tokenizer files a model file carries
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.quant_checkpoints import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
@@ -186,17 +186,13 @@ def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _checkpoint_files(path):
         try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if name in tensors:
-                        raise ModelLoadError(
-                            f"tensor '{name}' appears in more than one shard ({file})")
-                    part = f.get_slice(name)
-                    tensors[name] = (tuple(part.get_shape()), str(part.get_dtype()))
-        except ModelLoadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types
-            raise ModelLoadError(f"cannot read '{file}': {e}") from e
+            infos = CheckpointReader.file(file).tensors
+        except CheckpointError as e:
+            raise ModelLoadError(f"cannot read '{file}': {e}") from None
+        for name, info in infos.items():
+            if name in tensors:
+                raise ModelLoadError(f"tensor '{name}' appears in more than one shard ({file})")
+            tensors[name] = (info.shape, info.dtype)
     return tensors
 
 

@@ -62,9 +62,8 @@ from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
-from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 
 __all__ = [
     "AWQ_PACK_ORDER",
@@ -317,29 +316,10 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _read_file(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one safetensors file as numpy arrays (bfloat16 as ml_dtypes.bfloat16)."""
-    out: dict[str, np.ndarray] = {}
-    bf16: list[str] = []
-    with safe_open(str(path), framework="numpy") as f:
-        for key in f.keys():
-            dtype = f.get_slice(key).get_dtype()
-            if dtype == "BF16":
-                bf16.append(key)
-                continue
-            try:
-                out[key] = f.get_tensor(key)
-            except TypeError as e:
-                raise QuantizedCheckpointError(
-                    f"{path}: tensor '{key}' has dtype {dtype}, which the quantized-checkpoint "
-                    "reader does not support"
-                ) from e
-    if bf16:  # numpy has no bfloat16: read through torch, view the bits as ml_dtypes.bfloat16
-        import torch
-
-        with safe_open(str(path), framework="pt") as f:
-            for key in bf16:
-                out[key] = f.get_tensor(key).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return out
+    """All tensors of one safetensors file as read-only views of the mapped file, in their
+    stored dtypes (bfloat16 as ml_dtypes.bfloat16)."""
+    reader = CheckpointReader.file(str(path))
+    return {key: reader.tensor(key) for key in reader.names()}
 
 
 def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
@@ -352,11 +332,8 @@ def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     for path in _safetensors_files(model_dir):
         try:
             part = _read_file(path)
-        except SafetensorError as e:
-            raise QuantizedCheckpointError(
-                f"{path}: not a readable safetensors file ({e}); the file is corrupt or "
-                "truncated, re-download or re-export it"
-            ) from e
+        except CheckpointError as e:
+            raise QuantizedCheckpointError(f"{path}: {e}") from None
         for key, t in part.items():
             if key in tensors:
                 raise QuantizedCheckpointError(

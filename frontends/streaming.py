@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
     LoadedModel,
     ModelDir,

@@ -67,7 +67,7 @@ from toptpu.backend.contract import (
     merge_order,
     pack_slice,
 )
-from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
     _IGNORABLE_SUFFIXES,
     FLOAT_DTYPES,
