@@ -33,7 +33,7 @@ import torch
 
 from toptpu.backend.contract import TOKENIZER_FILES  # the tokenizer files a model file carries
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
-from toptpu.frontends.quant_checkpoints import (
+from toptpu.frontends.quant import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
 )
@@ -65,7 +65,7 @@ class LoadedModel:
     source: str = "<memory>"
     #: a pre-quantized checkpoint (GPTQ/AWQ/AutoRound): its integers, scales and zeros by
     #: linear module path; `model` then holds the dequantized float weights
-    checkpoint: Any = None  # frontends.quant_checkpoints.QuantizedCheckpoint
+    checkpoint: Any = None  # frontends.quant.QuantizedCheckpoint
     checkpoint_dtype: str | None = None  # the checkpoint's torch dtype ("float16", ...)
     #: a streamed checkpoint (`frontends.streaming.StreamedWeights`): `model` is then a
     #: skeleton (layer 0 real, embedding and lm_head placeholders, other layers on meta)
@@ -502,7 +502,7 @@ def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
                               tied, ck.quant_method, path)
     state = ck.dequantized_state_dict()
     with torch.no_grad():
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=np.float32))
+        model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32))
                                for k, v in state.items()}, strict=False)
         if "lm_head.weight" in tied:
             model.tie_weights()

@@ -85,7 +85,7 @@ def test_opened_checkpoint_reads_a_linear_only_when_asked(quant_checkpoints, rec
     """`open_quantized_checkpoint` checks every layer without reading any qweight; each
     `linear(name)` then reads its own and equals what `read_quantized_checkpoint` gives."""
     from toptpu.dialects.checkpoint_reader import CheckpointReader
-    from toptpu.frontends.quant_checkpoints import (
+    from toptpu.frontends.quant import (
         open_quantized_checkpoint,
         read_quantized_checkpoint,
     )
