@@ -40,6 +40,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from toptpu.paths import open_output, write_output
+
 #: the published Qwen2.5 base models' dimensions (config.json of Qwen/Qwen2.5-*)
 QWEN25: dict[str, dict[str, Any]] = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -149,14 +151,12 @@ def write_shard(path: str, tensors: dict[str, tuple[int, ...]], rng: np.random.G
         offset += nbytes
     data = json.dumps(header, separators=(",", ":")).encode()
     data += b" " * (-len(data) % 8)  # the data starts 8-byte aligned, as safetensors writes
-    tmp = path + ".partial"
-    with open(tmp, "wb") as f:
+    with open_output(path, "the checkpoint shard", size=8 + len(data) + offset) as f:
         f.write(struct.pack("<Q", len(data)))
         f.write(data)
         for name, shape in tensors.items():
             for block in _row_blocks(shape):
                 f.write(random_bf16(rng, block, _is_norm(name)).tobytes())
-    os.replace(tmp, path)
 
 
 #: written last into a checkpoint directory: it is complete
@@ -193,17 +193,16 @@ def write_checkpoint(path: str, config: Any, seed: int = 0,
         write_shard(os.path.join(path, file), {t: tensors[t] for t in shard}, rng)
         weight_map.update(dict.fromkeys(shard, file))
     if n > 1:
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
-                      indent=2)
+        write_output(os.path.join(path, "model.safetensors.index.json"),
+                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                indent=2))
     config.save_pretrained(path)
     tok = build_tokenizer()
     tok.save_pretrained(path)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     GenerationConfig(eos_token_id=[eos], pad_token_id=tok.pad_token_id,
                      do_sample=False).save_pretrained(path)
-    with open(marker, "w") as f:
-        f.write(config.to_json_string())
+    write_output(marker, config.to_json_string())
     return total
 
 

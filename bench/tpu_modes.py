@@ -19,11 +19,11 @@ from transformers import Qwen2ForCausalLM
 
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.dialects import tpu
+from toptpu.dialects.common import QuantMode
 from toptpu.frontends.fx_importer import import_module
 from toptpu.frontends.hf_layers import DecoderStack
 from toptpu.frontends.tiny_models import qwen25_05b_config
 from toptpu.metrics import similarity
-from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(QuantMode.names()))
     a = ap.parse_args()
     cfg = qwen25_05b_config(a.layers)
     torch.manual_seed(0)

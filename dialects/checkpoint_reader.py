@@ -1,8 +1,8 @@
 """Reading a safetensors checkpoint one tensor at a time, memory mapped, in its storage dtype.
 
 The one reader of `.safetensors` files (checkpoints, weight stores, pre-quantized
-checkpoints), torch-free, in the lowest layer so that every user may import it; `save_file`
-is the one writer.
+checkpoints), torch-free, in the lowest layer so that every user may import it; `serialize`
+the one writer's bytes.
 
 A checkpoint directory holds `model.safetensors`, or shards listed by
 `model.safetensors.index.json` (`weight_map`: tensor name -> shard file name), or (without an
@@ -39,7 +39,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file as _save_numpy
+from safetensors.numpy import save as _save_numpy
 
 from toptpu.backend.contract import parse_strict_json
 
@@ -337,8 +337,8 @@ class CheckpointReader:
         self.close()
 
 
-def save_file(arrays: dict[str, np.ndarray], path: str) -> None:
-    """Write `arrays` (C-contiguous, bf16 as `ml_dtypes.bfloat16`) as one safetensors file,
-    with safetensors' own serializer: the bytes `safetensors.torch.save_file` writes for the
-    same tensors, without torch."""
-    _save_numpy({n: np.ascontiguousarray(a) for n, a in arrays.items()}, path)
+def serialize(arrays: dict[str, np.ndarray]) -> bytes:
+    """`arrays` (bf16 as `ml_dtypes.bfloat16`) as the bytes of one safetensors file, by
+    safetensors' own serializer: the bytes `safetensors.torch.save` gives for the same
+    tensors, without torch."""
+    return bytes(_save_numpy({n: np.ascontiguousarray(a) for n, a in arrays.items()}))

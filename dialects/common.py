@@ -76,6 +76,19 @@ def bool_attr(value: bool) -> IntegerAttr:
     return IntegerAttr(1 if value else 0, i1)
 
 
+class FlagConstraint(AttrSetConstraint[IntegerAttr]):
+    """Attribute constraint of a flag: `true` or `false` (an i1, what `bool_attr` builds)."""
+
+    def verify(self, attr: Attribute, constraint_context: VerificationContext) -> None:
+        if attr not in self.values:
+            raise VerifyException(f"a flag attribute (keepdims, transpose_a/_b, causal, "
+                                  f"reverse, largest) is true or false (an i1), not {attr}")
+
+
+#: the constraint of every flag attribute of Top and Tpu ops (`7 : i64` is refused)
+BOOL_FLAG = FlagConstraint(frozenset({bool_attr(False), bool_attr(True)}))
+
+
 def i64_array(values: Sequence[int]) -> DenseArrayBase:
     return DenseArrayBase.from_list(i64, [int(v) for v in values])
 
@@ -337,19 +350,47 @@ DTYPE_BY_NAME: dict[str, Attribute] = {
 }
 
 
-#: quantization mode -> (activation type, weight bits or None): what `convert-top-to-tpu`
-#: accepts and a model file header names
-MODES: dict[str, tuple[str, int | None]] = {
-    "f32": ("f32", None),
-    "f16": ("f16", None),
-    "bf16": ("bf16", None),
-    "w8f16": ("f16", 8),
-    "w8bf16": ("bf16", 8),
-    "w4f16": ("f16", 4),
-    "w4bf16": ("bf16", 4),
-    "w8f32": ("f32", 8),
-    "w4f32": ("f32", 4),
-}
+class QuantMode(StrEnum):
+    """A quantization mode, as `convert-top-to-tpu` accepts it and a model file header names
+    it: the activations' element type and the weight bits (None: float weights in the
+    activation type). A `str` too, so headers and options keep their spelling."""
+
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+    W8F16 = "w8f16"
+    W8BF16 = "w8bf16"
+    W4F16 = "w4f16"
+    W4BF16 = "w4bf16"
+    W8F32 = "w8f32"  # f32 activations: the exact check of a quantized checkpoint
+    W4F32 = "w4f32"
+
+    @property
+    def activation(self) -> str:
+        """The activations' element type name: "f32", "f16" or "bf16"."""
+        return self.value[2:] if self.value.startswith("w") else self.value
+
+    @property
+    def weight_bits(self) -> int | None:
+        """4 or 8 for the weight-only modes, None for the float modes."""
+        return int(self.value[1]) if self.value.startswith("w") else None
+
+    @classmethod
+    def named(cls, name: str) -> QuantMode | None:
+        """The mode called `name`, None if there is none."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None
+
+    @classmethod
+    def names(cls, bits: int | None | str = "any") -> list[str]:
+        """The modes' names (only those with `bits` weight bits, when given)."""
+        return [m.value for m in cls if bits == "any" or m.weight_bits == bits]
+
+
+#: the w4 quantization group size when none is given (-1 would mean per channel)
+DEFAULT_GROUP_SIZE = 64
 
 
 #: an element type toptpu knows (an attribute constraint: `top.cast`'s `dtype`); written as a

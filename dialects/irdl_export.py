@@ -11,7 +11,8 @@
   FloatAttr, StringAttr, DenseArrayBase, DenseIntOrFPElementsAttr, element-type sets
   (`irdl.any_of(irdl.is f32, ...)`), enums of string values (`EnumAttr(RopeMode)` ->
   `irdl.any_of(irdl.is "half", irdl.is "interleaved")`) and `operandSegmentSizes`;
-- single regions (`irdl.region`, `with size 1` for single-block regions).
+- single regions (`irdl.region`, `with size 1` for single-block regions);
+- the dialect's attributes (`tpu.regions`) as `irdl.attribute` with named parameters.
 
 The printed module (custom IRDL syntax, which MLIR 22 parses) is what
 `toptpu.dialects.mlir_check.verify_with_irdl` loads with `mlir.dialects.irdl.load_dialects`.
@@ -71,7 +72,16 @@ from xdsl.dialects.builtin import (
     VectorType,
     i32,
 )
-from xdsl.ir import Attribute, Block, Dialect, OpTrait, Region, SSAValue
+from xdsl.ir import (
+    Attribute,
+    Block,
+    Dialect,
+    Operation,
+    OpTrait,
+    ParametrizedAttribute,
+    Region,
+    SSAValue,
+)
 from xdsl.irdl import (
     AllOf,
     AnyAttr,
@@ -337,9 +347,25 @@ def op_to_irdl(op: type[IRDLOperation], unranked: bool = False,
     return irdl.OperationOp(short, Region([ex.block]))
 
 
+def attr_to_irdl(attr: type[ParametrizedAttribute],
+                 gaps: list[IrdlGap] | None = None) -> irdl.AttributeOp:
+    """The `irdl.attribute` of one xDSL attribute definition: its parameters by name, each
+    with a constraint value of its own (a shared value would make MLIR require them equal)."""
+    adef = attr.get_irdl_definition()
+    ex = _OpExporter(adef.name, False, gaps if gaps is not None else [])
+    args = [ex.constraint(p.constr, f"parameter '{name}'") for name, p in adef.parameters]
+    ex.builder.insert(irdl.ParametersOp(args, ArrayAttr(StringAttr(n)
+                                                        for n, _ in adef.parameters)))
+    return irdl.AttributeOp(Dialect.split_name(adef.name)[1], Region([ex.block]))
+
+
 def dialect_to_irdl(dialect: Dialect, unranked: bool = False,
                     gaps: list[IrdlGap] | None = None) -> irdl.DialectOp:
-    ops = []
+    ops: list[Operation] = []
+    for attr in dialect.attributes:
+        if not issubclass(attr, ParametrizedAttribute):
+            raise ValueError(f"{attr} is not a parametrized attribute")
+        ops.append(attr_to_irdl(attr, gaps))
     for op in dialect.operations:
         if not issubclass(op, IRDLOperation):
             raise ValueError(f"{op} is not an IRDL operation")

@@ -46,6 +46,7 @@ from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.common import (
+    BOOL_FLAG,
     AnyTensor,
     ComparePredicate,
     ElementType,
@@ -265,7 +266,7 @@ class ConstBinaryOp(UnaryOp):
     """x (op) value, a scalar; `reverse` puts the scalar on the left (value - x)."""
 
     value = attr_def(FloatAttr)
-    reverse = opt_attr_def(IntegerAttr)
+    reverse = opt_attr_def(BOOL_FLAG)
 
     def __init__(self, input: SSAValue, value: float, *, reverse: bool = False,
                  result_type: TensorType | None = None) -> None:
@@ -460,7 +461,7 @@ class ReduceBase(ShapedOp):
     input = operand_def(AnyTensor)
     mode = attr_def(EnumAttr(ReduceMode))
     axes = attr_def(DenseArrayBase)
-    keepdims = attr_def(IntegerAttr)
+    keepdims = attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
 
     def __init__(self, input: SSAValue, mode: ReduceMode, axes: Sequence[int],
@@ -622,7 +623,7 @@ class AttentionBase(ShapedOp):
     q_heads = attr_def(IntegerAttr)
     kv_heads = attr_def(IntegerAttr)
     head_dim = attr_def(IntegerAttr)
-    causal = opt_attr_def(IntegerAttr)
+    causal = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
 
@@ -715,8 +716,8 @@ class MatMulBase(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     bias = opt_operand_def(AnyTensor)
-    transpose_a = opt_attr_def(IntegerAttr)
-    transpose_b = opt_attr_def(IntegerAttr)
+    transpose_a = opt_attr_def(BOOL_FLAG)
+    transpose_b = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, bias: SSAValue | None = None, *,
@@ -798,7 +799,7 @@ class TopKBase(ShapedOp):
     input = operand_def(AnyTensor)
     k = attr_def(IntegerAttr)
     axis = attr_def(IntegerAttr)
-    largest = opt_attr_def(IntegerAttr)
+    largest = opt_attr_def(BOOL_FLAG)
     values = result_def(AnyTensor)
     indices = result_def(AnyTensor)
 

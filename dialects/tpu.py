@@ -25,12 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32
-from xdsl.ir import Attribute, Dialect, SSAValue, TypeAttribute
+from xdsl.dialects import func
+from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32, i64
+from xdsl.ir import Attribute, Dialect, Operation, ParametrizedAttribute, SSAValue, TypeAttribute
 from xdsl.irdl import (
     AttrSizedOperandSegments,
     IRDLOperation,
     attr_def,
+    irdl_attr_definition,
     irdl_op_definition,
     operand_def,
     opt_attr_def,
@@ -52,10 +54,13 @@ from toptpu.dialects.common import (
     WeightPart,
     dtype_name,
     elem_of,
+    i64_array,
+    i64_attr,
     int_value_attr,
     is_float,
     numel,
     read_int,
+    read_ints,
     shape_of,
     tensor,
 )
@@ -67,8 +72,9 @@ Attrs = Mapping[str, Attribute]
 class TpuOp(ShapedOp):
     """Base class of Tpu ops: pure, with the element type they compute in.
 
-    Inside a `tpu.group`, `lmem` holds the local-memory address (per lane) of the result
-    for each buffer copy (two for double-buffered slices, one otherwise) and `ts` the
+    Inside a `tpu.group`, `lmem` holds the local-memory addresses (per lane) of the op's
+    results: each result's buffer copies in result order (two for a double-buffered result,
+    one otherwise; see `local_copies`), read through `local_addresses`; `ts` is the
     pipeline stage the op runs in (loads 0, compute 1, stores 2, relative to its slice).
     """
 
@@ -76,6 +82,32 @@ class TpuOp(ShapedOp):
     compute = opt_attr_def(TypeAttribute)
     lmem = opt_attr_def(DenseArrayBase)
     ts = opt_attr_def(IntegerAttr)
+
+    def local_copies(self, sliced: bool) -> list[int]:
+        """How many local buffer copies each result has: two when the group is `sliced`
+        and the result changes per slice (a sliced load, a stored result), else one."""
+        loaded = isinstance(self, LoadOp) and read_int(self.slice_axis) != -1
+        return [2 if sliced and (loaded or any(isinstance(u.operation, StoreOp)
+                                               for u in r.uses)) else 1
+                for r in self.results]
+
+    def set_local_addresses(self, addresses: Sequence[int]) -> None:
+        """Record the local addresses of every result's copies (`lmem`, see the class doc)."""
+        self.lmem = i64_array(list(addresses))
+
+    def local_addresses(self, value: SSAValue, sliced: bool) -> list[int]:
+        """The local addresses (one per copy) of `value`, a result of this op; [] when the
+        op has none or `lmem` does not list one address per copy."""
+        addrs = read_ints(self.lmem)
+        counts = self.local_copies(sliced)
+        if sum(counts) != len(addrs):
+            return addrs if len(self.results) == 1 else []
+        start = 0
+        for r, n in zip(self.results, counts, strict=True):
+            if r is value:
+                return addrs[start:start + n]
+            start += n
+        return []
 
 
 # =========================================================================== sources
@@ -103,7 +135,20 @@ class WeightOp(top.WeightBase, TpuOp):
 
 @irdl_op_definition
 class ConstantOp(top.ConstantBase, TpuOp):
+    """A small constant; `tpu.const_offset` (filled by address-assign) is its byte offset
+    in the net's constant pool."""
+
     name = "tpu.constant"
+    const_offset = opt_attr_def(IntegerAttr, attr_name="tpu.const_offset")
+
+    @property
+    def pool_offset(self) -> int | None:
+        """The byte offset in the constant pool, None before address-assign."""
+        return None if self.const_offset is None else read_int(self.const_offset)
+
+    @pool_offset.setter
+    def pool_offset(self, offset: int) -> None:
+        self.const_offset = i64_attr(offset)
 
 
 # =========================================================================== elementwise
@@ -421,6 +466,21 @@ class GroupOp(IRDLOperation):
         if read_int(self.slices) < 1:
             raise VerifyException("tpu.group needs at least one slice")
 
+    def template(self) -> tuple[list[LoadOp], list[Operation], list[StoreOp]]:
+        """The body's loads, compute ops and stores, each in program order (the yield left
+        out): the template every slice of the group runs."""
+        loads: list[LoadOp] = []
+        computes: list[Operation] = []
+        stores: list[StoreOp] = []
+        for op in self.body.block.ops:
+            if isinstance(op, LoadOp):
+                loads.append(op)
+            elif isinstance(op, StoreOp):
+                stores.append(op)
+            elif not isinstance(op, YieldOp):
+                computes.append(op)
+        return loads, computes, stores
+
 
 @irdl_op_definition
 class YieldOp(IRDLOperation):
@@ -476,6 +536,49 @@ def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation) -
             f"{op.name} slice of {ps[axis]} does not divide the axis of size {fs[axis]}")
 
 
+# =========================================================================== annotations
+
+
+@irdl_attr_definition
+class RegionsAttr(ParametrizedAttribute):
+    """`#tpu.regions<activations, constants, weights, io>`: the byte sizes of a net's four
+    global memory regions, set on its function by address-assign (see `regions_of`)."""
+
+    name = "tpu.regions"
+    activations: IntegerAttr
+    constants: IntegerAttr
+    weights: IntegerAttr
+    io: IntegerAttr
+
+    #: the function attribute that holds it
+    KEY: ClassVar[str] = "tpu.regions"
+
+    def verify(self) -> None:
+        for field, value in self.sizes().items():
+            if value < 0:
+                raise VerifyException(f"tpu.regions: {field} size {value} is negative")
+
+    def sizes(self) -> dict[str, int]:
+        """Region name -> byte size, in the order activations, constants, weights, io."""
+        return {"activations": read_int(self.activations),
+                "constants": read_int(self.constants),
+                "weights": read_int(self.weights), "io": read_int(self.io)}
+
+
+def set_regions(fn: func.FuncOp, activations: int, constants: int, weights: int,
+                io: int) -> RegionsAttr:
+    """Record a function's region sizes (address-assign)."""
+    attr = RegionsAttr(*(IntegerAttr(v, i64) for v in (activations, constants, weights, io)))
+    fn.attributes[RegionsAttr.KEY] = attr
+    return attr
+
+
+def regions_of(fn: func.FuncOp) -> dict[str, int] | None:
+    """A function's region sizes (`RegionsAttr.sizes`), None before address-assign."""
+    attr = fn.attributes.get(RegionsAttr.KEY)
+    return attr.sizes() if isinstance(attr, RegionsAttr) else None
+
+
 #: Top op class -> its Tpu counterpart (same operands, attributes and shape semantics)
 TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
     top.WeightOp: WeightOp,
@@ -519,5 +622,5 @@ TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
 Tpu = Dialect(
     "tpu",
     [*TPU_OF_TOP.values(), A16MatMulOp, GroupOp, YieldOp, LoadOp, StoreOp],
-    [],
+    [RegionsAttr],
 )

@@ -34,7 +34,8 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 
 from toptpu.dialects import top
-from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader, save_file
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader, serialize
+from toptpu.dialects.output_file import open_output
 
 STORE_ATTR = "top.weight_store"
 #: the prefix of a store that lives in this process only
@@ -46,6 +47,19 @@ ANNEX = "#"
 class WeightStoreError(ValueError):
     """A weight store that cannot be used (the module names none, a file that cannot be
     read, a store of another process, a store other than the one the passes were given)."""
+
+
+class MissingWeightError(WeightStoreError, KeyError):
+    """The IR names a tensor its weight store does not hold (a user's mismatch of IR and
+    store, not a bug; a KeyError too, for the mapping protocol)."""
+
+    def __init__(self, name: str, uri: str) -> None:
+        super().__init__(f"weight '{name}' is not in the weight store {uri}: the IR names "
+                         "a tensor the store does not hold (point top.weight_store at the "
+                         "file the IR was exported with)")
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0])
 
 
 _COUNTER = itertools.count()
@@ -120,7 +134,7 @@ class WeightStore:
                 raise WeightStoreError(f"weight store '{self.uri}': {e}") from None
             self._arrays[name] = arr
             return arr
-        raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+        raise MissingWeightError(name, self.uri)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, without reading a tensor that is still in its file."""
@@ -128,12 +142,12 @@ class WeightStore:
             return tuple(self._arrays[name].shape)
         if name in self._lazy and self._file is not None:
             return self._file.info(name).shape
-        raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+        raise MissingWeightError(name, self.uri)
 
     def __delitem__(self, name: str) -> None:
         """Forget a tensor (a compile lets go of what it will not write)."""
         if name not in self:
-            raise KeyError(f"weight '{name}' is not in the weight store {self.uri}")
+            raise MissingWeightError(name, self.uri)
         self._arrays.pop(name, None)
         self._lazy.discard(name)
         self._derived.discard(name)
@@ -168,23 +182,19 @@ class WeightStore:
         raise AssertionError
 
     def save(self, path: str, names: Iterable[str] | None = None) -> None:
-        """Write (a subset of) the store to one safetensors file, atomically (a temporary
-        name in the same directory, then a rename). Tensors that share memory (tied
-        embeddings) are copied: safetensors stores no aliases."""
+        """Write (a subset of) the store to one safetensors file by `open_output` (atomically:
+        a temporary name in the same directory, then a rename; a device written through).
+        Tensors that share memory (tied embeddings) are copied: safetensors stores no
+        aliases."""
         arrays: dict[str, np.ndarray] = {}
         for name in (list(names) if names is not None else self.names()):
             arr = self[name]
             if any(np.may_share_memory(arr, seen) for seen in arrays.values()):
                 arr = arr.copy()
             arrays[name] = arr
-        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                           f".{os.path.basename(path)}.tmp-{os.getpid()}")
-        try:
-            save_file(arrays, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        data = serialize(arrays)  # bytes: written by the one output policy (a device as it is)
+        with open_output(path, "the weights file", size=len(data)) as f:
+            f.write(data)
 
 
 # ---------------------------------------------------------------------- modules and stores

@@ -90,25 +90,51 @@ def source_line(node: torch.fx.Node) -> tuple[str | None, int, str]:
     return file, int(line), code.strip()
 
 
-def _import_roots() -> list[str]:
-    """Directories source files are imported from, longest first: every `sys.path` entry
-    (site-packages, the working directory)."""
-    return sorted({os.path.abspath(p) for p in sys.path if p}, key=len, reverse=True)
+def _import_roots() -> list[tuple[str, str]]:
+    """(directory, prefix) of the roots source files are imported from, longest first:
+    every `sys.path` entry (site-packages, the working directory), and toptpu's package
+    directory, named 'toptpu/' (a venv inside the checkout is a longer root than it)."""
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # toptpu's
+    roots = {os.path.abspath(p): "" for p in sys.path if p}
+    roots[package_dir] = "toptpu/"
+    return sorted(roots.items(), key=lambda r: len(r[0]), reverse=True)
+
+
+def _import_name_path(path: str) -> str | None:
+    """The path of the loaded module whose file is `path`, from its import name
+    ('transformers.models.qwen2.modeling_qwen2' -> 'transformers/models/qwen2/
+    modeling_qwen2.py'); None when no loaded module has that file."""
+    real = os.path.realpath(path)
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or name.startswith("__"):
+            continue
+        if os.path.realpath(file) != real:
+            continue
+        base = os.path.basename(file)
+        stem, ext = os.path.splitext(base)
+        parts = name.split(".")
+        if stem == "__init__":
+            return "/".join(parts) + "/" + base
+        if stem == parts[-1]:
+            return "/".join(parts) + ext
+    return None
 
 
 @functools.lru_cache(maxsize=256)
 def portable_path(file: str) -> str:
     """`file` as its import name's path ('transformers/models/qwen2/modeling_qwen2.py'):
-    relative to the import root it lies under, so the IR's locations, and the model file's
-    bytes, do not depend on where Python, the packages or the checkout are installed. This
-    package's own files are named under 'toptpu/'. A file under no import root is kept."""
+    named by the module it imports as (`sys.modules`), else relative to the import root it
+    lies under, so the IR's locations, and the model file's bytes, do not depend on where
+    Python, the packages, the venv or the checkout are. This package's own files are named
+    under 'toptpu/'. A file under no import root is kept."""
+    named = _import_name_path(file)
+    if named is not None:
+        return named
     path = os.path.abspath(file)
-    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # toptpu's
-    if path.startswith(package_dir + os.sep):
-        return "toptpu/" + os.path.relpath(path, package_dir).replace(os.sep, "/")
-    for root in _import_roots():
+    for root, prefix in _import_roots():
         if path.startswith(root + os.sep):
-            return os.path.relpath(path, root).replace(os.sep, "/")
+            return prefix + os.path.relpath(path, root).replace(os.sep, "/")
     return file
 
 

@@ -285,7 +285,7 @@ def layer_key(source: str) -> str | None:
     return rest[len(LAYER_PREFIX):] if rest.startswith(LAYER_PREFIX) else None
 
 
-#: torch dtype of the activations of each activation type name (`dialects.common.MODES`)
+#: torch dtype of the activations of each activation type name (`QuantMode.activation`)
 TORCH_ACTIVATIONS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from toptpu.dialects.output_file import write_output
 from toptpu.frontends.tiny_models import SPECIAL_TOKENS, build_tokenizer
 
 #: the image special tokens of each tiny VLM (tokenizer attribute -> token)
@@ -178,6 +179,6 @@ def save_tiny_vlm(path: str, family: str = "internvl", seed: int = 0, max_tiles:
         model.save_pretrained(path, max_shard_size=max_shard_size)
     tok.save_pretrained(path)
     proc = tiny_image_processor(family, model.config, max_tiles)
-    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        f.write(json.dumps(json.loads(proc.to_json_string()), indent=1))
+    write_output(os.path.join(path, "preprocessor_config.json"),
+                 json.dumps(json.loads(proc.to_json_string()), indent=1))
     return path

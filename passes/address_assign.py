@@ -13,8 +13,9 @@ Global memory holds four kinds of regions:
 
 Results are written as attributes: `gaddrs` on each `tpu.group` (activation offsets of its
 results, -1 for results that go to an output), `tpu.const_offset` on constants, and on the
-function `tpu.regions` = {activations, constants, weights, io} byte sizes — the report
-`address_report` prints.
+function `#tpu.regions<activations, constants, weights, io>` byte sizes — the report
+`address_report` prints. These annotations are typed in the dialect (`tpu.RegionsAttr`,
+`tpu.ConstantOp.pool_offset`), which is where codegen reads them.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from dataclasses import dataclass
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import DictionaryAttr, IntegerAttr, ModuleOp, i64
+from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
 
 from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
-from toptpu.dialects.common import i64_array, i64_attr, read_int
+from toptpu.dialects.common import i64_array
+from toptpu.passes.util import require_level
 
 ALIGN = 64
 
@@ -79,21 +81,18 @@ def assign_function(fn: func.FuncOp) -> dict[str, int]:
     const = 0
     for op in block.ops:
         if isinstance(op, tpu.ConstantOp):
-            op.attributes["tpu.const_offset"] = i64_attr(const)
+            op.pool_offset = const
             const += _align(nbytes(op.output))
     weights = sum(_align(nbytes(op.output)) for op in block.ops if isinstance(op, tpu.WeightOp))
     io = sum(_align(nbytes(a)) for a in block.args) + sum(_align(nbytes(v)) for v in returned)
-    regions = {"activations": act, "constants": const, "weights": weights, "io": io}
-    fn.attributes["tpu.regions"] = DictionaryAttr(
-        {k: IntegerAttr(v, i64) for k, v in regions.items()})
-    return regions
+    return tpu.set_regions(fn, act, const, weights, io).sizes()
 
 
 def regions_of(fn: func.FuncOp) -> dict[str, int]:
-    attr = fn.attributes.get("tpu.regions")
-    if not isinstance(attr, DictionaryAttr):
+    regions = tpu.regions_of(fn)
+    if regions is None:
         raise AddressError(f"@{fn.sym_name.data} has no addresses: run address-assign")
-    return {k: read_int(v) for k, v in attr.data.items()}
+    return regions
 
 
 def address_report(module: ModuleOp) -> str:
@@ -113,6 +112,7 @@ class AddressAssignPass(ModulePass):
     name = "address-assign"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         for fn in op.ops:
             if isinstance(fn, func.FuncOp):
                 assign_function(fn)

@@ -93,6 +93,7 @@ from toptpu.dialects.common import (
     shape_of,
 )
 from toptpu.dialects.naming import NAME_ATTR, op_name, output_names, value_name
+from toptpu.passes.util import require_level
 
 #: arg attribute naming the weight a function argument carries
 WEIGHT_ARG_ATTR = "top.weight"
@@ -1205,6 +1206,7 @@ class ConvertTopToLinalgPass(ModulePass):
     expose_values: bool = False
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         funcs = [fn for fn in op.ops if isinstance(fn, func.FuncOp)]
         for fn in funcs:
             if self.expose_values:

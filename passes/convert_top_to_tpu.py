@@ -45,7 +45,8 @@ from xdsl.transforms.dead_code_elimination import region_dce
 
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
-    MODES,
+    DEFAULT_GROUP_SIZE,
+    QuantMode,
     ShapedOp,
     constant_value,
     dtype_from_name,
@@ -69,7 +70,7 @@ from toptpu.passes.quantize import (
     quantize_rtn,
     resolve_group_size,
 )
-from toptpu.passes.util import named_like, producer
+from toptpu.passes.util import named_like, producer, require_level
 
 #: qweight, scales, zeros, the act-order permutation (or None), bits, group size
 CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]
@@ -79,13 +80,20 @@ class ConversionError(ValueError):
     pass
 
 
-def parse_mode(mode: str) -> tuple[Attribute, int | None]:
-    if mode not in MODES:
+def quant_mode(mode: str) -> QuantMode:
+    """The mode called `mode`; ConversionError naming the choices if there is none."""
+    named = QuantMode.named(mode)
+    if named is None:
         raise ConversionError(
-            f"unknown quantization mode '{mode}'; choose one of {', '.join(MODES)}"
+            f"unknown quantization mode '{mode}'; choose one of {', '.join(QuantMode.names())}"
         )
-    act, bits = MODES[mode]
-    return dtype_from_name(act), bits
+    return named
+
+
+def parse_mode(mode: str) -> tuple[Attribute, int | None]:
+    """The activations' element type and the weight bits of `mode` (see `quant_mode`)."""
+    m = quant_mode(mode)
+    return dtype_from_name(m.activation), m.weight_bits
 
 
 def _index_derived_ops(fn: func.FuncOp) -> set[Operation]:
@@ -523,12 +531,13 @@ class ConvertTopToTpuPass(ModulePass):
     name = "convert-top-to-tpu"
 
     mode: str = "f32"
-    group_size: int = 64
+    group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool | None = None
     keep_float: str = "lm_head"
     keep_input_types: bool = False
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         act, bits = parse_mode(self.mode)
         store = weights_of(ctx, op)
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:

@@ -37,7 +37,7 @@ from toptpu.dialects.common import (
     shape_of,
 )
 from toptpu.passes.canonicalize import apply_patterns, canonicalization_patterns
-from toptpu.passes.util import inverse_permutation, named_like, producer
+from toptpu.passes.util import inverse_permutation, named_like, producer, require_level
 
 
 def _other(op: top.BinaryOp, v: SSAValue) -> SSAValue:
@@ -339,4 +339,5 @@ class FusePass(ModulePass):
     name = "fuse"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         apply_patterns(op, [*fusion_patterns(), *canonicalization_patterns()], ctx)

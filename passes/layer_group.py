@@ -28,7 +28,7 @@ from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
-from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, get_chip
 from toptpu.backend.target.cost import compute_cycles, cost_dtype, dma_cycles, nbytes, op_flops
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
@@ -53,6 +53,7 @@ from toptpu.passes.slicing import (
     heads_sliceable,
     row_rule,
 )
+from toptpu.passes.util import require_level
 
 
 class LayerGroupError(Exception):
@@ -399,7 +400,7 @@ class ChipPass(ModulePass):
     """A pass that plans for a chip: a preset by name (`chip`, the pass option), or a
     description that is not a preset (`for_chip`: tests, what-if studies; not an option)."""
 
-    chip: str = "bm1684x"
+    chip: str = DEFAULT_CHIP
     target: Chip | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
@@ -421,6 +422,7 @@ class LayerGroupPass(ChipPass):
     max_ops: int = 12
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         chip = self.the_chip()
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
             layer_group_function(fn, chip, self.max_ops)
@@ -433,6 +435,7 @@ class LmemVerifyPass(ChipPass):
     name = "lmem-verify"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         chip = self.the_chip()
         for g in op.walk():
             if isinstance(g, tpu.GroupOp):

@@ -34,7 +34,7 @@ from xdsl.ir import Operation, SSAValue
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
-from toptpu.dialects.common import i64_array, read_int, read_ints
+from toptpu.dialects.common import read_int
 from toptpu.dialects.naming import op_name
 
 BIG = 1 << 60
@@ -73,24 +73,16 @@ class LocalBuffer:
         return op_name(self.op) or self.op.name
 
 
-def group_template(group: tpu.GroupOp) -> tuple[list[tpu.LoadOp], list[Operation],
-                                                  list[tpu.StoreOp]]:
-    loads, computes, stores = [], [], []
-    for op in group.body.block.ops:
-        if isinstance(op, tpu.LoadOp):
-            loads.append(op)
-        elif isinstance(op, tpu.StoreOp):
-            stores.append(op)
-        elif isinstance(op, tpu.YieldOp):
-            continue
-        else:
-            computes.append(op)
-    return loads, computes, stores
+def _tpu_op(op: Operation) -> tpu.TpuOp:
+    if not isinstance(op, tpu.TpuOp):
+        raise LocalMemoryError(f"'{op.name}' ({op_name(op) or 'unnamed'}) in a tpu.group is not "
+                               "a Tpu op: run convert-top-to-tpu before layer-group")
+    return op
 
 
 def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
     """Every local buffer of the group with its lifetime (see the module doc)."""
-    loads, computes, stores = group_template(group)
+    loads, computes, stores = group.template()
     m = len(computes)
     period = m + 2
     index = {op: k for k, op in enumerate(computes)}
@@ -122,25 +114,6 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
     return bufs
 
 
-def result_addresses(op: Operation, value: SSAValue, sliced: bool) -> list[int]:
-    """The local addresses (one per copy) of `value`, a result of `op`, from its `lmem`
-    attribute, which lists each result's copies in result order."""
-    addrs = read_ints(op.attributes.get("lmem"))
-    counts = []
-    for r in op.results:
-        stored = any(isinstance(u.operation, tpu.StoreOp) for u in r.uses)
-        loaded = isinstance(op, tpu.LoadOp) and read_int(op.slice_axis) != -1
-        counts.append(2 if sliced and (stored or loaded) else 1)
-    if sum(counts) != len(addrs):
-        return addrs if len(op.results) == 1 else []
-    start = 0
-    for r, n in zip(op.results, counts, strict=True):
-        if r is value:
-            return addrs[start:start + n]
-        start += n
-    return []
-
-
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
@@ -166,7 +139,7 @@ def _bank_pairs(group: tpu.GroupOp, bufs: list[LocalBuffer]) -> set[tuple[int, i
     """Index pairs (output buffer, input buffer) of compute ops: must not share banks."""
     by_value = {b.value: i for i, b in enumerate(bufs)}
     pairs: set[tuple[int, int]] = set()
-    _, computes, _ = group_template(group)
+    _, computes, _ = group.template()
     for op in computes:
         for r in op.results:
             for v in op.operands:
@@ -222,7 +195,7 @@ def allocate_group(group: tpu.GroupOp, chip: Chip) -> None:
     for i, b in enumerate(bufs):  # results in order: lmem lists each result's copies
         per_op.setdefault(b.op, []).extend(placed[(i, c)] for c in range(b.copies))
     for op, addrs in per_op.items():
-        op.attributes["lmem"] = i64_array(addrs)
+        _tpu_op(op).set_local_addresses(addrs)
 
 
 def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
@@ -232,10 +205,10 @@ def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
     slices = read_int(group.slices)
     addrs: list[list[int]] = []
     for b in bufs:
-        attr = b.op.attributes.get("lmem")
-        if attr is None:
+        op = _tpu_op(b.op)
+        if op.lmem is None:
             raise LocalMemoryError(f"{b.name()} has no local address")
-        a = result_addresses(b.op, b.value, read_int(group.slices) > 1)
+        a = op.local_addresses(b.value, read_int(group.slices) > 1)
         if len(a) != b.copies:
             raise LocalMemoryError(f"{b.name()} needs {b.copies} address(es), has {len(a)}")
         for x in a:

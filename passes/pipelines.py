@@ -20,8 +20,9 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 from xdsl.utils.exceptions import DiagnosticException
 
-from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.chips import DEFAULT_CHIP, Chip
 from toptpu.dialects import context
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.dialects.ir_text import verify_ir
 from toptpu.dialects.weight_store import WeightsContext, WeightStore, WeightStoreError
 from toptpu.passes.address_assign import AddressAssignPass
@@ -32,6 +33,7 @@ from toptpu.passes.fuse import FusePass
 from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
 from toptpu.passes.mlir_pipeline import MLIRPipelinePass
 from toptpu.passes.shape_infer import ShapeInferPass
+from toptpu.passes.util import require_level
 from toptpu.passes.weight_reorder import WeightReorderPass
 
 
@@ -83,10 +85,11 @@ class TopPipeline(ModulePass):
     name = "top-pipeline"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         run_passes(op, top_pipeline_passes(), ctx)
 
 
-def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
+def tpu_pipeline_passes(mode: str = "f32", group_size: int = DEFAULT_GROUP_SIZE,
                         symmetric: bool | None = None, keep_float: str = "lm_head",
                         chip: str | None = None, max_ops: int = 12,
                         keep_input_types: bool = False) -> list[ModulePass]:
@@ -100,7 +103,7 @@ def tpu_pipeline_passes(mode: str = "f32", group_size: int = 64,
     return passes
 
 
-def machine_passes(chip: str | Chip = "bm1684x", max_ops: int = 12) -> list[ModulePass]:
+def machine_passes(chip: str | Chip = DEFAULT_CHIP, max_ops: int = 12) -> list[ModulePass]:
     """layer-group, lmem-verify, address-assign: the chip's memory decisions. `chip`: a
     preset's name, or a `Chip` description."""
     if isinstance(chip, str):
@@ -115,10 +118,11 @@ class MachinePipeline(ModulePass):
 
     name = "machine-pipeline"
 
-    chip: str = "bm1684x"
+    chip: str = DEFAULT_CHIP
     max_ops: int = 12
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         run_passes(op, machine_passes(self.chip, self.max_ops), ctx)
 
 
@@ -130,12 +134,13 @@ class TpuPipeline(ModulePass):
     name = "tpu-pipeline"
 
     mode: str = "f32"
-    chip: str = "bm1684x"
-    group_size: int = 64
+    chip: str = DEFAULT_CHIP
+    group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool | None = None
     keep_float: str = "lm_head"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         chip = None if self.chip == "none" else self.chip
         run_passes(op, tpu_pipeline_passes(self.mode, self.group_size, self.symmetric,
                                            self.keep_float, chip), ctx)

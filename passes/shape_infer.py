@@ -19,6 +19,7 @@ from toptpu.dialects import top
 from toptpu.dialects.common import ShapedOp, shape_of
 from toptpu.dialects.naming import op_name
 from toptpu.dialects.weight_store import STORE_ATTR, weights_of
+from toptpu.passes.util import require_level
 
 
 def _named(op: Operation) -> str:
@@ -34,6 +35,7 @@ class ShapeInferPass(ModulePass):
     name = "shape-infer"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
         store = weights_of(ctx, op) if STORE_ATTR in op.attributes else None
         for fn in op.ops:
             if not isinstance(fn, func.FuncOp):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from xdsl.ir import Operation, OpResult, SSAValue
+from xdsl.utils.exceptions import DiagnosticException
 
 from toptpu.dialects.naming import op_name, set_name
 
@@ -39,3 +40,27 @@ def inverse_permutation(order: list[int]) -> list[int]:
     for i, o in enumerate(order):
         inv[o] = i
     return inv
+
+
+class IRLevelError(DiagnosticException):
+    """A pass given IR of the other level (Tpu IR to a pass that takes Top IR, or the
+    reverse): a mistake of the command line, named before the pass changes anything."""
+
+
+#: what to run to get each level's IR
+_HOW_TO_GET = {"top": "give it the IR of `toptpu compile --dump-ir` (or of top-pipeline)",
+               "tpu": "run convert-top-to-tpu (or tpu-pipeline{chip=none}) first"}
+
+
+def require_level(module: Operation, level: str, pass_name: str) -> None:
+    """Refuse `module` unless it is IR of `level` ('top' or 'tpu'): no op of the other
+    dialect anywhere in it (xDSL's and other dialects' ops are allowed)."""
+    other = {"top": "tpu", "tpu": "top"}[level]
+    for op in module.walk():
+        if op.name.startswith(other + "."):
+            where = op_name(op)
+            found = f"'{op.name}'" + (f" ({where})" if where else "")
+            raise IRLevelError(
+                f"the input is {'already ' if other == 'tpu' else ''}{other.capitalize()} IR "
+                f"(it holds {found}); {pass_name} takes {level.capitalize()} IR: "
+                f"{_HOW_TO_GET[level]}")

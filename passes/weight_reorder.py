@@ -37,7 +37,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import set_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
-from toptpu.passes.util import named_like
+from toptpu.passes.util import named_like, require_level
 
 
 class TransposeMatmulWeight(RewritePattern):
@@ -76,6 +76,7 @@ class WeightReorderPass(ModulePass):
     name = "weight-reorder"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "tpu", self.name)
         store = weights_of(ctx, op)
         PatternRewriteWalker(GreedyRewritePatternApplier([TransposeMatmulWeight(store)]),
                              apply_recursively=False).rewrite_module(op)

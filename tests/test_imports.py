@@ -20,6 +20,7 @@ frontends or codegen.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -48,7 +49,9 @@ RULES: dict[str, tuple[str, ...]] = {
                                "toptpu.backend.contract"),
     "toptpu.passes": ("toptpu.dialects", "toptpu.backend.target", "toptpu.backend.reference"),
     "toptpu.frontends": ("toptpu.dialects", "toptpu.passes", "toptpu.backend.contract"),
-    "toptpu.backend.codegen": ("toptpu.dialects", "toptpu.backend.target", "toptpu.passes",
+    # codegen reads the passes' decisions through the dialect's typed annotations, never
+    # through a pass module
+    "toptpu.backend.codegen": ("toptpu.dialects", "toptpu.backend.target",
                                "toptpu.backend.formats"),
     "toptpu.backend.runtime": ("toptpu.dialects", "toptpu.backend.target",
                                "toptpu.backend.reference", "toptpu.backend.contract",
@@ -100,6 +103,7 @@ class Import:
     line: int
     in_function: bool
     target: str  # the imported module
+    typing_only: bool = False  # under `if TYPE_CHECKING:`: never runs, so makes no cycle
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
@@ -134,22 +138,27 @@ def _imports_in(module: str, path: str, source: str) -> Iterator[Import]:
     """The imports of `source`, the text of `module` at `path`."""
     tree = ast.parse(source, path)
 
-    def visit(node: ast.AST, in_function: bool) -> Iterator[Import]:
+    def typing_block(node: ast.AST) -> bool:
+        return (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+                and node.test.id == "TYPE_CHECKING")
+
+    def visit(node: ast.AST, in_function: bool, typing_only: bool) -> Iterator[Import]:
         for child in ast.iter_child_nodes(node):
             inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
                                               | ast.Lambda)
             if isinstance(child, ast.Import):
                 for alias in child.names:
-                    yield Import(module, path, child.lineno, in_function, alias.name)
+                    yield Import(module, path, child.lineno, in_function, alias.name,
+                                 typing_only)
             elif isinstance(child, ast.ImportFrom):
                 assert child.level == 0 and child.module, f"{path}:{child.lineno}: relative import"
                 for alias in child.names:  # `from pkg import mod` imports the module pkg.mod
                     sub = f"{child.module}.{alias.name}"
                     yield Import(module, path, child.lineno, in_function,
-                                 sub if sub in MODULES else child.module)
-            yield from visit(child, inner)
+                                 sub if sub in MODULES else child.module, typing_only)
+            yield from visit(child, inner, typing_only or typing_block(child))
 
-    yield from visit(tree, False)
+    yield from visit(tree, False, False)
 
 
 @cache
@@ -220,9 +229,11 @@ def light_function_level_imports(imports: Iterable[Import]) -> list[str]:
 
 
 def import_graph(imports: Iterable[Import]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports when it runs (a typing-only import, which
+    only a type checker follows, is left out: the layer rules still apply to it)."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for i in imports:
-        if ours(i.target) and i.target != i.module:
+        if ours(i.target) and i.target != i.module and not i.typing_only:
             graph.setdefault(i.module, set()).add(i.target)
     return graph
 
@@ -315,6 +326,10 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 PLANTED = """
 from toptpu.passes.layer_group import LayerGroupPass      # runtime may not import passes
 from toptpu.backend.runtime.machine import Machine        # fine: its own package
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from toptpu.backend.runtime.runtime import Runtime    # typing only: no cycle
 
 
 def run() -> None:
@@ -334,9 +349,10 @@ def test_the_checkers_catch_a_planted_bad_module() -> None:
         "imports toptpu.passes.layer_group (toptpu.passes); toptpu.backend.runtime may import "
         "only toptpu.dialects, toptpu.backend.target, toptpu.backend.reference, "
         "toptpu.backend.contract, toptpu.backend.formats"]
+    assert [i.target for i in planted if i.typing_only] == ["toptpu.backend.runtime.runtime"]
     light = light_function_level_imports(imports)
     assert len(light) == 1 and light[0].startswith(
-        "backend/runtime/planted.py:7: toptpu.backend.runtime.planted imports "
+        "backend/runtime/planted.py:11: toptpu.backend.runtime.planted imports "
         "toptpu.backend.formats.commands inside a function")
     # a cycle through a real module: machine -> planted (planted imports machine)
     cyclic = [*imports, Import("toptpu.backend.runtime.machine", "backend/runtime/machine.py",
@@ -345,6 +361,15 @@ def test_the_checkers_catch_a_planted_bad_module() -> None:
     assert [sorted(c) for c in cycles] == [["toptpu.backend.runtime.machine",
                                             "toptpu.backend.runtime.planted"]]
     assert not _strongly_connected(import_graph(imports))
+    # runtime -> planted and planted's typing-only import of runtime make no cycle; the
+    # same import made at run time does
+    back = Import("toptpu.backend.runtime.runtime", "backend/runtime/runtime.py", 1, False,
+                  "toptpu.backend.runtime.planted")
+    assert not _strongly_connected(import_graph([*imports, back]))
+    at_run_time = [dataclasses.replace(i, typing_only=False) for i in planted]
+    assert [sorted(c) for c in _strongly_connected(import_graph(
+        [*all_imports(), *at_run_time, back]))] == [
+        ["toptpu.backend.runtime.planted", "toptpu.backend.runtime.runtime"]]
 
 
 def _page_rules() -> dict[str, frozenset[str]]:

@@ -337,3 +337,15 @@ def test_unranked_modules_use_the_unranked_export() -> None:
     m = ModuleOp([func.FuncOp("main", ([t], []), Region(block))])
     assert _xdsl_accepts(m)
     verify_with_irdl(m)
+
+
+def test_regions_attribute_is_checked_by_mlir_too() -> None:
+    """`#tpu.regions` is IRDL-defined: MLIR parses it with its four integer parameters and
+    refuses one with a parameter missing or of another kind."""
+    fn = ('"func.func"() <{{function_type = () -> (), sym_name = "f"}}> ({{ "func.return"() '
+          ': () -> () }}) {{tpu.regions = {}}} : () -> ()')
+    verify_with_irdl(fn.format("#tpu.regions<4096 : i64, 192 : i64, 8192 : i64, 3072 : i64>"))
+    for bad in ("#tpu.regions<1 : i64, 2 : i64, 3 : i64>",
+                '#tpu.regions<"a", 0 : i64, 0 : i64, 0 : i64>'):
+        with pytest.raises(MlirCheckError, match="rejected"):
+            verify_with_irdl(fn.format(bad))

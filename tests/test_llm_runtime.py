@@ -68,6 +68,38 @@ def test_masks_are_additive_and_finite() -> None:
         decode_mask(6, 6)
 
 
+@pytest.mark.parametrize("executor", ["interpreter", "machine"])
+def test_both_executors_check_bindings_by_the_same_rules(tmp_path_factory,
+                                                         executor: str) -> None:
+    """The binding rules of `toptpu.backend.runtime.executor` are written once and hold for
+    the interpreter and the machine alike: exactly the net's names, buffers of this executor,
+    the spec's dtype and shape up to size-1 axes; host writes keep within their kind."""
+    from toptpu.backend.runtime.machine_executor import MachineExecutor, MachineExecutorError
+
+    path = compiled(tmp_path_factory, "qwen2").model_file
+    ex, other, error = ((InterpreterExecutor(path), MachineExecutor(path), ExecutorError)
+                        if executor == "interpreter" else
+                        (MachineExecutor(path), InterpreterExecutor(path), MachineExecutorError))
+    info = ex.nets()["block_cache"]
+    bufs = {s.name: ex.alloc(s.shape, s.dtype) for s in (*info.inputs, *info.outputs)}
+    with pytest.raises(error, match="missing \\['present_v'\\], unexpected \\[\\]"):
+        ex.run("block_cache", {k: v for k, v in bufs.items() if k != "present_v"}, layer=0)
+    with pytest.raises(error, match="missing \\[\\], unexpected \\['extra'\\]"):
+        ex.run("block_cache", dict(bufs, extra=bufs["hidden"]), layer=0)
+    foreign = other.alloc(info.inputs[0].shape, info.inputs[0].dtype)
+    with pytest.raises(error, match=f"'{info.inputs[0].name}' of net 'block_cache' is bound to "
+                       "a .*, not a buffer of this executor"):
+        ex.run("block_cache", {**bufs, info.inputs[0].name: foreign}, layer=0)
+    with pytest.raises(error, match="'present_k' of net 'block_cache' is float32"):
+        ex.run("block_cache", dict(bufs, present_k=bufs["history_k"].slot(1, 0, 2)), layer=0)
+    with pytest.raises(error, match="cannot write a \\[2, 64\\] array"):
+        ex.write(bufs["hidden"], np.ones((2, 64), np.float32))
+    with pytest.raises(error, match="cannot write float32 into a int32 buffer"):
+        ex.write(bufs["position_ids"], np.ones((1, 1), np.float32))
+    ex.write(bufs["hidden"], np.ones((64,), np.float64))  # size-1 axes and float kinds agree
+    assert ex.read(bufs["hidden"]).dtype == np.float32
+
+
 def test_executor_bindings_are_checked(tmp_path_factory) -> None:
     ex = InterpreterExecutor(compiled(tmp_path_factory, "qwen2").model_file)
     info = ex.nets()["block_cache"]

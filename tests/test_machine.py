@@ -15,16 +15,15 @@ from toptpu.backend.formats.commands import STREAM_SCHEMA, Command, Compute, Loa
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.formats.program import Program, StreamError, write_program_file
 from toptpu.backend.reference.interpreter import Interpreter
-from toptpu.backend.runtime import machine as machine_module
+from toptpu.backend.runtime import steps as steps_module
 from toptpu.backend.runtime.machine import Machine, MachineTrap
 from toptpu.backend.runtime.simulate import ProgramFile, simulate
 from toptpu.backend.target.chips import get_chip
 from toptpu.dialects import tpu
-from toptpu.dialects.common import i64_array, read_ints
+from toptpu.dialects.common import QuantMode, i64_array, read_ints
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.metrics import similarity
-from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.layer_group import LayerGroupError, LayerGroupPass
 from toptpu.passes.lmem import LocalMemoryError, verify_group
 from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
@@ -53,7 +52,7 @@ def _tpu(tiny_models, mode: str, length: int = 16):
     return m, feeds, store
 
 
-@pytest.mark.parametrize("mode", _fast_only(list(MODES), ("f32", "w4bf16")))
+@pytest.mark.parametrize("mode", _fast_only(QuantMode.names(), ("f32", "w4bf16")))
 def test_model_file_on_machine_matches_tpu_interpreter(tiny_models, tmp_path, mode: str) -> None:
     module, feeds, store = _tpu(tiny_models, mode)
     ref = Interpreter(module, store).run(feeds).outputs["out"]
@@ -228,7 +227,7 @@ def test_fast_mode_finds_local_traps_once_per_plan(tiny_models, case: str,
     assert (at == len(plan.steps)) == (case == "leaked")
     index = {id(step): i for i, step in enumerate(plan.steps)}
     ran: list[int] = []
-    for kind in (machine_module.LoadStep, machine_module.StoreStep, machine_module.OpStep):
+    for kind in (steps_module.LoadStep, steps_module.StoreStep, steps_module.OpStep):
         def counted(self, m, views, run=kind.run):  # noqa: ANN001, ANN202
             ran.append(index[id(self)])
             return run(self, m, views)

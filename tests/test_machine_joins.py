@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from toptpu.backend.formats.program import Program, write_program_file
-from toptpu.backend.runtime import machine as machine_module
-from toptpu.backend.runtime.machine import LoadGuard, Machine, SliceJoin, WholeRows
+from toptpu.backend.runtime import joins as joins_module
+from toptpu.backend.runtime import steps as steps_module
+from toptpu.backend.runtime.joins import LoadGuard, SliceJoin, WholeRows
+from toptpu.backend.runtime.machine import Machine
 from toptpu.backend.runtime.simulate import ProgramFile
 from toptpu.backend.target.chips import get_chip
 from toptpu.frontends.hf_layers import import_decoder_layer
@@ -62,7 +64,7 @@ def any_sliced_layer(request) -> tuple[str, Program, dict[str, np.ndarray]]:  # 
 def _joins(pf: ProgramFile) -> list[SliceJoin]:
     plan = pf.nets["layer"].plan(pf.chip)
     found = {id(s.join): s.join for s in plan.steps
-             if isinstance(s, machine_module.OpStep) and s.join is not None}
+             if isinstance(s, steps_module.OpStep) and s.join is not None}
     return list(found.values())
 
 
@@ -137,7 +139,7 @@ def _shared_wholes(pf: ProgramFile) -> list[WholeRows]:
     """The row-local ops whose slices take their parts of a join's whole."""
     plan = pf.nets["layer"].plan(pf.chip)
     found = {id(s.part_of): s.part_of for s in plan.steps
-             if isinstance(s, machine_module.OpStep) and s.part_of is not None}
+             if isinstance(s, steps_module.OpStep) and s.part_of is not None}
     return list(found.values())
 
 
@@ -159,13 +161,13 @@ def test_row_local_slices_take_their_parts_of_the_joins_wholes(mid_layer,
     assert all(len(w.slices) >= 2 for w in wholes)
     sliced = {id(s) for w in wholes for s in w.slices}
     computed: list[int] = []
-    compute = machine_module.OpStep.compute
+    compute = steps_module.OpStep.compute
 
     def counted(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         computed.append(id(self))
         return compute(self, *args, **kw)
 
-    monkeypatch.setattr(machine_module.OpStep, "compute", counted)
+    monkeypatch.setattr(steps_module.OpStep, "compute", counted)
     for run in range(3):
         got = fast.run("layer", feeds).outputs["out"]
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), run
@@ -250,13 +252,13 @@ def test_a_join_is_refused_when_its_resident_buffer_is_written_between_slices(
         join = next(j for j in _joins(pf) if j.kind == kind)
         chain = [(steps.index(s), s) for s in join.steps]
         first, last = chain[0][0], chain[-1][0]
-        assert not machine_module._written_between(steps, first, last, join.resident)
+        assert not joins_module._written_between(steps, first, last, join.resident)
         resident = join.steps[0].ins[0] if kind == "cols" else join.steps[0].ins[1]
-        load = copy.copy(next(s for s in steps if isinstance(s, machine_module.LoadStep)))
+        load = copy.copy(next(s for s in steps if isinstance(s, steps_module.LoadStep)))
         load.local = resident
         at = chain[1][0]
         edited = [*steps[:at], load, *steps[at:]]
-        assert machine_module._written_between(edited, first, last + 1, join.resident)
+        assert joins_module._written_between(edited, first, last + 1, join.resident)
 
 
 def test_a_chains_parts_follow_its_load_guard_and_its_joins_products() -> None:

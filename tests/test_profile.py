@@ -27,9 +27,9 @@ from toptpu.backend.runtime.profile import (
 )
 from toptpu.backend.runtime.simulate import simulate
 from toptpu.backend.target.chips import get_chip
+from toptpu.dialects.common import QuantMode
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.machine_pipeline import compile_for_machine
-from toptpu.passes.convert_top_to_tpu import MODES
 from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
 
 CHIP = get_chip("bm1684x")
@@ -55,7 +55,7 @@ def test_the_roofline_peak_is_that_of_the_nets_compute_type(tiny_models, mode: s
     """An f32 net (w4f32 too: f32 activations) is measured against the f32 peak (not int8's,
     the chip's largest), a w4bf16 net against bf16's: the type most FLOPs are computed in."""
     _, _, prof = _run(tiny_models, mode)
-    act = MODES[mode][0]
+    act = QuantMode(mode).activation
     assert prof.compute_dtype == act
     assert prof.peak_flops == pytest.approx(CHIP.tflops[act] * 1e12, rel=1e-12)
     assert prof.compute_fraction == pytest.approx(prof.flops / (prof.seconds * prof.peak_flops))

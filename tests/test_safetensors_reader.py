@@ -1,7 +1,7 @@
 """The one safetensors reader and writer (`toptpu.dialects.checkpoint_reader`), used by the
 weight store, the HF loader and the pre-quantized checkpoint reader: torch-free, checked.
 
-- `save_file` writes the bytes `safetensors.torch.save_file` writes (f32, f16, bf16, ints);
+- `serialize` gives the bytes `safetensors.torch.save` gives (f32, f16, bf16, ints);
 - a weight store reads its file through the reader (read-only memory-mapped views, bf16 as
   `ml_dtypes.bfloat16`) and a corrupt file is a `WeightStoreError` naming the file;
 - `toptpu-opt` on a module whose store is a `.safetensors` file runs without importing torch.
@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from toptpu.dialects.checkpoint_reader import CheckpointReader, save_file
+from toptpu.dialects.checkpoint_reader import CheckpointReader, serialize
 from toptpu.dialects.weight_store import WeightStore, WeightStoreError
 from toptpu.frontends.hf_loader import ModelLoadError, checkpoint_tensors
 
@@ -39,18 +39,24 @@ def _arrays() -> dict[str, np.ndarray]:
     }
 
 
-def test_save_file_writes_the_bytes_safetensors_torch_writes(tmp_path: object) -> None:
+def _write(arrays: dict[str, np.ndarray], path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(serialize(arrays))
+
+
+def test_serialize_gives_the_bytes_safetensors_torch_gives(tmp_path: object) -> None:
     import torch
-    from safetensors.torch import save_file as save_torch
+    from safetensors.torch import save as save_torch
 
     arrays = _arrays()
-    ours, theirs = os.path.join(tmp_path, "ours.safetensors"), os.path.join(tmp_path, "t.st")
-    save_file(arrays, ours)
-    save_torch({n: (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-                    if a.dtype == ml_dtypes.bfloat16 else torch.from_numpy(a))
-                for n, a in arrays.items()}, theirs)
-    with open(ours, "rb") as f, open(theirs, "rb") as g:
-        assert f.read() == g.read()
+    theirs = save_torch({n: (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+                             if a.dtype == ml_dtypes.bfloat16 else torch.from_numpy(a))
+                         for n, a in arrays.items()})
+    assert serialize(arrays) == theirs
+    path = os.path.join(tmp_path, "w.safetensors")
+    WeightStore.from_arrays(arrays).save(path)  # the weight store writes those bytes
+    with open(path, "rb") as f:
+        assert f.read() == theirs
 
 
 def test_a_weight_store_reads_and_writes_without_torch(tmp_path: object) -> None:
@@ -75,7 +81,7 @@ def test_a_weight_store_reads_and_writes_without_torch(tmp_path: object) -> None
 
 def test_a_corrupt_weight_store_is_an_error_naming_the_file(tmp_path: object) -> None:
     path = os.path.join(tmp_path, "w.safetensors")
-    save_file(_arrays(), path)
+    _write(_arrays(), path)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 3)
     with pytest.raises(WeightStoreError) as e:
@@ -86,7 +92,7 @@ def test_a_corrupt_weight_store_is_an_error_naming_the_file(tmp_path: object) ->
 
 
 def test_the_loader_reads_shard_headers_through_the_reader(tmp_path: object) -> None:
-    save_file(_arrays(), os.path.join(tmp_path, "model.safetensors"))
+    _write(_arrays(), os.path.join(tmp_path, "model.safetensors"))
     tensors = checkpoint_tensors(str(tmp_path))
     assert tensors["c.bf16"] == ((3, 5), "BF16") and tensors["a.f32"] == ((3, 5), "F32")
     with open(os.path.join(tmp_path, "model.safetensors"), "ab") as f:

@@ -12,10 +12,11 @@ from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.compare import IRStage, compare_stages, tpu_threshold
 from toptpu.dialects import top, tpu
+from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.metrics import similarity
-from toptpu.passes.convert_top_to_tpu import MODES, ConversionError
+from toptpu.passes.convert_top_to_tpu import ConversionError
 from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
 from toptpu.passes.quantize import QuantizationError, quantize_rtn
 
@@ -36,7 +37,7 @@ def _lower(module, store, mode: str, **kw):
     return m
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", QuantMode.names())
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
 def test_every_mode_meets_its_threshold(tiny_models, family: str, mode: str) -> None:
     module, store, feeds, ref = _top_layer(tiny_models, family)
@@ -46,7 +47,7 @@ def test_every_mode_meets_its_threshold(tiny_models, family: str, mode: str) -> 
     if mode.startswith(("w4", "w8")):
         assert "tpu.a16_matmul" in names and "tpu.matmul" not in names
     out = Interpreter(low, store).run(feeds).outputs["out"]
-    act = MODES[mode][0]
+    act = QuantMode(mode).activation
     assert out.dtype == {"f32": np.float32, "f16": np.float16}.get(act, out.dtype)
     cos = similarity(out.astype(np.float32), ref).cosine
     assert cos >= tpu_threshold(mode), f"{family} {mode}: cosine {cos}"

@@ -47,8 +47,9 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.runtime.accounting import StepModel
 from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs
-from toptpu.paths import write_atomically
+from toptpu.paths import open_output, write_output
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CALIBRATION_DIR = os.path.join(os.path.dirname(HERE), "bench", "calibration")
@@ -192,8 +193,8 @@ def compile_row(row: Row, chip: Chip | None = None, progress: Any = None) -> Com
         if chunk < row.seq_length:
             nets = (BLOCK, BLOCK_KV, *nets[1:])
         try:
-            return compile_costs(config, chip, row.quant, row.shapes(chunk),
-                                 row.group_size if row.group_size > 0 else 64, nets=nets,
+            group = row.group_size if row.group_size > 0 else DEFAULT_GROUP_SIZE
+            return compile_costs(config, chip, row.quant, row.shapes(chunk), group, nets=nets,
                                  progress=progress)
         except CompileError as e:
             if "local memory" not in str(e) or chunk == row.chunks[-1]:
@@ -212,11 +213,10 @@ def load_cache(path: str = CACHE) -> dict[str, Any]:
 
 
 def save_cache(entries: Mapping[str, Any], path: str = CACHE) -> None:
-    def write(tmp: str) -> None:
-        with gzip.open(tmp, "wt") as f:
-            json.dump(entries, f, separators=(",", ":"), sort_keys=True)
-
-    write_atomically(path, write)
+    data = json.dumps(entries, separators=(",", ":"), sort_keys=True).encode()
+    with open_output(path, "the calibration cache") as f, \
+            gzip.GzipFile(fileobj=f, mode="wb") as z:
+        z.write(data)
 
 
 def cache_entry(row: Row, chip: Chip, compiled: CompiledCosts) -> dict[str, Any]:
@@ -451,11 +451,7 @@ def write_presets(fitted: Mapping[str, Mapping[str, float]], res: Sequence[Resul
                                            f"bench/calibration/bm168x_published.csv: {what}")
     text = _presets_text(data)
 
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    write_atomically(path, write)
+    write_output(path, text, "the chip presets")
 
 
 def _presets_text(data: Mapping[str, Any]) -> str:

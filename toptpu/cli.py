@@ -26,6 +26,7 @@ from toptpu.compare import (
 )
 from toptpu.estimate import add_estimate_parser
 from toptpu.llm_cli import demo_generation
+from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
 from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
@@ -303,9 +304,8 @@ def run_command(args: argparse.Namespace) -> int:
         except llm_cli.user_errors() as e:
             print(f"{cmd}: error: {e}", file=sys.stderr)
             return 1
-        except MemoryError as e:
-            print(f"{cmd}: error: out of memory{f' ({e})' if str(e) else ''}; lower "
-                  "--seq-length (or the other sizes) or free memory", file=sys.stderr)
+        except MemoryError as e:  # the advice names the size behind the buffer
+            print(f"{cmd}: error: {out_of_memory_advice(e, args)}", file=sys.stderr)
             return 1
         except BrokenPipeError:  # the reader went away (`toptpu run ... | head`)
             devnull = os.open(os.devnull, os.O_WRONLY)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.dialects.output_file import open_output, write_output
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.metrics import Similarity, similarity
 from toptpu.mlir_jit import MLIRJit
@@ -216,15 +217,15 @@ def compare_stages(a: Stage, b: Stage, inputs: Mapping[str, np.ndarray], thresho
     report = CompareReport(a.name, b.name, threshold, outputs, tensors)
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
-        np.savez(os.path.join(dump_dir, "inputs.npz"), **{k: np.asarray(v)
-                                                         for k, v in inputs.items()})
+        with open_output(os.path.join(dump_dir, "inputs.npz"), "--dump") as f:
+            np.savez(f, **{k: np.asarray(v) for k, v in inputs.items()})
         for stage, res in ((a.name, ra), (b.name, rb)):
             arrays = {**{f"output:{k}": v for k, v in res.outputs.items()}, **res.values}
-            np.savez(os.path.join(dump_dir, f"{stage}.npz"),
-                     **{k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
-                        for k, v in arrays.items()})
-        with open(os.path.join(dump_dir, "report.json"), "w") as f:
-            json.dump(report.to_json(), f, indent=1)
+            with open_output(os.path.join(dump_dir, f"{stage}.npz"), "--dump") as f:
+                np.savez(f, **{k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
+                               for k, v in arrays.items()})
+        write_output(os.path.join(dump_dir, "report.json"),
+                     json.dumps(report.to_json(), indent=1), "--dump")
     return report
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 from toptpu.backend.contract import StaticShapes
 from toptpu.backend.target.chips import chip_names
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.frontends.hf_loader import LoadedModel
-from toptpu.passes.convert_top_to_tpu import MODES, parse_mode
+from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.paths import (
     OutputPathError,
     check_not_inside,
@@ -38,10 +39,13 @@ def known_chips() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ request checks
 
-#: the w4 quantization group size when none is given
-DEFAULT_GROUP_SIZE = 64
+_W4_MODES = ", ".join(QuantMode.names(bits=4))
 
-_W4_MODES = ", ".join(m for m, (_, bits) in MODES.items() if bits == 4)
+
+def _bits(mode: str | None) -> int | None:
+    """The weight bits of a named mode (None: a float mode, auto, or no mode)."""
+    named = QuantMode.named(mode) if mode else None
+    return named.weight_bits if named else None
 
 
 def check_quant_options(mode: str | None, group_size: int | None, symmetric: bool | None,
@@ -52,7 +56,7 @@ def check_quant_options(mode: str | None, group_size: int | None, symmetric: boo
     None means "not given"."""
     if group_size is not None and group_size != -1 and group_size <= 0:
         raise CompileError(f"--group-size must be positive or -1 (per channel), not {group_size}")
-    bits = MODES[mode][1] if mode in MODES else None
+    bits = _bits(mode)
     what = "-q auto" if mode == "auto" else (f"-q {mode}" if mode else "the default mode (f32, "
                                              "or a pre-quantized checkpoint's own)")
     for flag, given, applies in (("--group-size", group_size is not None, bits == 4),
@@ -135,7 +139,7 @@ def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
     """The model file and the IR dump directory can be written, neither inside the input
     model directory, and the model file not inside the dumps (which fill DIR/<net>/ and
     DIR/weights.safetensors)."""
-    check_output_file(output, "the output file (-o)")
+    check_output_file(output, "the output file (-o)", seekable=True)
     if dump_ir is not None:
         check_output_dir(dump_ir, "--dump-ir")
         if is_inside(output, dump_ir):
@@ -195,7 +199,8 @@ def kv_cache_size(cfg: dict[str, Any], seq_length: int, mode: str | None) -> str
     head_dim = _positive(cfg, "head_dim") or (hidden // heads if hidden else None)
     if head_dim is None:
         return None
-    act = MODES[mode][0] if mode in MODES else ("f16/bf16" if mode == "auto" else "f32")
+    named = QuantMode.named(mode) if mode else None
+    act = named.activation if named else ("f16/bf16" if mode == "auto" else "f32")
     width = 4 if act == "f32" else 2
     total = 2 * layers * seq_length * kv * head_dim * width
     return (f"{_human_bytes(total)} (2 x {layers} layers x {seq_length} positions x {kv} kv "
@@ -223,7 +228,7 @@ def check_seq_length(cfg: dict[str, Any], where: str, seq_length: int, mode: str
 def check_group_size(cfg: dict[str, Any], where: str, mode: str | None,
                      group_size: int | None) -> None:
     """A given w4 group size divides the input dimension of every matmul of the config."""
-    if group_size is None or group_size == -1 or mode not in MODES or MODES[mode][1] != 4:
+    if group_size is None or group_size == -1 or _bits(mode) != 4:
         return
     heads, hidden = _positive(cfg, "num_attention_heads"), _positive(cfg, "hidden_size")
     head_dim = _positive(cfg, "head_dim") or (hidden // heads if hidden and heads else None)

@@ -78,6 +78,7 @@ from toptpu.backend.formats.llm_file import (
 )
 from toptpu.backend.formats.model_file import StreamedSection
 from toptpu.backend.formats.program import Program, constant_pool
+from toptpu.backend.target.chips import DEFAULT_CHIP
 from toptpu.compile_options import (
     DEFAULT_GROUP_SIZE,
     CompileError,
@@ -90,8 +91,9 @@ from toptpu.compile_options import (
     kv_cache_size,
 )
 from toptpu.dialects import top, tpu
-from toptpu.dialects.common import numpy_dtype
+from toptpu.dialects.common import QuantMode, numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
+from toptpu.dialects.output_file import write_output
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.fx_importer import ImportError_, import_module
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
@@ -107,7 +109,7 @@ from toptpu.frontends.vlm import load_vlm, vlm_model_type
 from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.address_assign import AddressError
-from toptpu.passes.convert_top_to_tpu import MODES, ConversionError, parse_mode
+from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
 from toptpu.passes.layer_group import LayerGroupError
 from toptpu.passes.lmem import LocalMemoryError
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
@@ -275,7 +277,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     output: str,
     *,
     mode: str | None = "f32",
-    chip: str = "bm1684x",
+    chip: str = DEFAULT_CHIP,
     seq_length: int = 512,
     max_input_length: int | None = None,
     max_history: int | None = None,
@@ -369,7 +371,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, "
                        f"{options.chip}, seq {shapes.seq_length}, input "
                        f"{shapes.max_input_length}, history {shapes.max_history}]\n")
-    act = str(MODES[mode][0])
+    act = QuantMode(mode).activation
     specs = split_model(hf, shapes, act=act)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
@@ -423,7 +425,7 @@ def _vision_net(loaded: LoadedModel, mode: str, vision_mode: str | None,
     vision = getattr(loaded, "vision", None)
     if vision is None:
         return None
-    vit_mode = vision_mode or str(MODES[mode][0])
+    vit_mode = vision_mode or QuantMode(mode).activation
     try:
         parse_mode(vit_mode)
     except ValueError as e:
@@ -507,8 +509,7 @@ class IrDump:
             finally:
                 if old is not None:
                     module.attributes[STORE_ATTR] = old
-            with open(os.path.join(d, f"{step[0]:02d}-{what}.mlir"), "w") as f:
-                f.write(text)
+            write_output(os.path.join(d, f"{step[0]:02d}-{what}.mlir"), text, "--dump-ir")
             step[0] += 1
 
         return dump

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -44,10 +45,17 @@ from toptpu.backend.formats.llm_file import WeightLayout
 from toptpu.backend.formats.program import Program
 from toptpu.backend.runtime.accounting import SAMPLERS, Costs, StepModel, net_costs
 from toptpu.backend.runtime.machine import command_costs
-from toptpu.backend.target.chips import Chip, ChipFigureError, chip_names, get_chip
+from toptpu.backend.target.chips import (
+    DEFAULT_CHIP,
+    FIGURES,
+    Chip,
+    ChipFigureError,
+    chip_names,
+    get_chip,
+)
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
 from toptpu.cli_args import UsageError, group_size, int_at_least
-from toptpu.dialects.common import MODES
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.address_assign import AddressError
@@ -124,7 +132,7 @@ class CompiledCosts:
 
 def act_dtype(mode: str) -> str:
     """numpy dtype name of a mode's activations."""
-    return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[str(MODES[mode][0])]
+    return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[QuantMode(mode).activation]
 
 
 # =========================================================================== compiling
@@ -142,7 +150,7 @@ def model_shape(config: Any) -> ModelShape:
 
 
 def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
-                  group_size: int = 64, symmetric: bool | None = None,
+                  group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
                   nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None
                   ) -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
@@ -153,7 +161,7 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     t0 = time.perf_counter()
     shape = model_shape(config)
     model = placeholder_model(config, layers=1)
-    act = str(MODES[mode][0])
+    act = QuantMode(mode).activation
     specs = {s.name: s for s in split_model(model, shapes, act=act)}
     unknown = [n for n in nets if n not in specs]
     if unknown:
@@ -339,22 +347,49 @@ def _where(c: Costs) -> str:
         f"{c.transfers:g} host transfers"
 
 
-def parse_figures(items: Sequence[str] | None) -> dict[str, Any]:
-    """`--set FIGURE=VALUE` items -> chip figures (numbers; `tflops.TYPE=V` per type)."""
+def parse_figures(items: Sequence[str] | None, chip: Chip | None = None) -> dict[str, Any]:
+    """`--set FIGURE=VALUE` items -> chip figures (finite numbers; `tflops.TYPE=V` per
+    compute type). With `chip`, a figure or compute type it does not have is refused, the
+    message listing the valid keys (the ranges are the chip's own checks)."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, eq, value = item.partition("=")
+        key = key.strip()
         if not eq:
             raise EstimateError(f"--set {item!r}: write FIGURE=VALUE (e.g. ddr_gbps=128)")
+        if chip is not None:
+            _check_figure_key(item, key, chip)
         try:
             number = float(value)
         except ValueError as e:
             raise EstimateError(f"--set {item!r}: {value!r} is not a number") from e
+        if not math.isfinite(number):
+            raise EstimateError(f"--set {item!r}: {value.strip()!r} is not a finite number")
         if key.startswith("tflops."):
+            if number <= 0:
+                raise EstimateError(f"--set {item!r}: a peak is a positive number")
             out.setdefault("tflops", {})[key.split(".", 1)[1]] = number
         else:
             out[key] = int(number) if number.is_integer() and key in INT_FIGURES else number
     return out
+
+
+def figure_keys(chip: Chip) -> list[str]:
+    """The keys `--set` takes for `chip`: its figures, tflops as `tflops.TYPE`."""
+    keys: list[str] = []
+    for k in FIGURES:
+        keys += [f"tflops.{t}" for t in chip.tflops] if k == "tflops" else [k]
+    return keys
+
+
+def _check_figure_key(item: str, key: str, chip: Chip) -> None:
+    if key in figure_keys(chip):
+        return
+    what = ("tflops is per compute type" if key == "tflops" else
+            f"{chip.name} has no compute type '{key.split('.', 1)[1]}'"
+            if key.startswith("tflops.") else f"'{key}' is not a chip figure")
+    raise EstimateError(f"--set {item!r}: {what}; the keys of {chip.name}: "
+                        f"{', '.join(figure_keys(chip))}")
 
 
 #: the figures that are whole numbers
@@ -366,7 +401,15 @@ def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
     """`chip` with `figures` changed (a tflops dict updates the types given)."""
     figures = dict(figures)
     if "tflops" in figures:
-        figures["tflops"] = {**chip.tflops, **figures["tflops"]}
+        given = figures["tflops"]
+        if not isinstance(given, Mapping):
+            raise ChipFigureError(f"tflops is per compute type ({', '.join(chip.tflops)}), "
+                                  f"not {given!r}")
+        unknown = sorted(set(given) - set(chip.tflops))
+        if unknown:
+            raise ChipFigureError(f"{chip.name} has no compute type(s) {unknown}; its "
+                                  f"types: {', '.join(chip.tflops)}")
+        figures["tflops"] = {**chip.tflops, **given}
     return chip.with_figures(**figures)
 
 
@@ -402,7 +445,8 @@ def cmd_estimate(args: Any) -> int:
 
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
-        chip = chip_with(get_chip(args.chip), parse_figures(args.set))
+        base = get_chip(args.chip)
+        chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
     config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
@@ -412,7 +456,7 @@ def cmd_estimate(args: Any) -> int:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
     compiled = compile_costs(config, chip, args.mode, shapes,
-                             64 if args.group_size is None else args.group_size,
+                             DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
                              args.symmetric, progress=progress)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
     print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
@@ -431,7 +475,7 @@ def add_estimate_parser(sub: Any) -> None:
     p = sub.add_parser("estimate", help=cmd_estimate.__doc__)
     p.add_argument("config_dir", help="a directory with the model's config.json (weights are "
                    "not needed)")
-    p.add_argument("--chip", choices=chip_names(), default="bm1684x")
+    p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP)
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
     p.add_argument("--seq-length", type=int_at_least(2), default=512)
     p.add_argument("--max-input-length", type=int_at_least(1), default=None)

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.interpreter_executor import ExecutorError
-from toptpu.backend.runtime.machine import MachineTrap
 from toptpu.backend.runtime.machine_executor import MachineExecutorError
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
@@ -27,6 +27,7 @@ from toptpu.backend.runtime.runtime import (
     Runtime,
     SamplingConfig,
 )
+from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
     finite_float,
@@ -36,6 +37,7 @@ from toptpu.cli_args import (
     utf8_problem,
     utf8_text,
 )
+from toptpu.dialects.common import QuantMode
 from toptpu.paths import OutputPathError
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
@@ -65,10 +67,11 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
     p.add_argument("-q", "--quantize", dest="mode", default=None,
-                   help="f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 | w4bf16 | w8f32 | w4f32 | "
-                   "auto (a pre-quantized checkpoint's bits and dtype); default: auto for "
+                   help=f"{' | '.join(QuantMode.names())} | auto (a pre-quantized "
+                   "checkpoint's bits and dtype); default: auto for "
                    "GPTQ/AWQ/AutoRound checkpoints, f32 otherwise")
-    p.add_argument("--chip", default="bm1684x", help="target chip preset (bm1684x, bm1688)")
+    p.add_argument("--chip", default=DEFAULT_CHIP,
+                   help=f"target chip preset ({', '.join(chip_names())})")
     p.add_argument("--seq-length", type=int_at_least(2), default=512,
                    help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
     p.add_argument("--max-input-length", type=int_at_least(1), default=None,

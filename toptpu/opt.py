@@ -13,7 +13,10 @@ What it does with bad input (each a one-line or located diagnostic, exit 1):
 - the input file missing, a directory, unreadable, empty, not UTF-8 or binary, IR that does not
   parse (`toptpu.dialects.ir_text.parse_ir`: file:line:column, the line, what is wrong) or does
   not verify (xDSL's verifier plus defined-before-use), a pass that refuses the IR (its error
-  named with the pass), an `-o` that is a directory or in a missing directory.
+  named with the pass; a pass given IR of the other level, Tpu IR to a pass taking Top IR or
+  the reverse, and a weight the IR names that its store does not hold, are such refusals),
+  an `-o` that is a directory or in a missing directory, a `-p` that does not parse or names
+  an unknown pass, an unknown option or a value of the wrong type (`check_pipeline_spec`).
 - The result is written to `-o` only when everything succeeded (atomically: the input may be the
   output, and a failed run leaves the old file as it was).
 - A pass (or a verifier) that crashes on IR that verified is a bug in toptpu, not a mistake of
@@ -37,29 +40,34 @@ A pipeline that derives nothing the result needs leaves `top.weight_store` as it
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import os
+import re
+import stat
 import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from io import StringIO
-from typing import IO
+from typing import IO, Any, get_type_hints
 
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.universe import Universe
-from xdsl.utils.arg_spec import parse_spec
-from xdsl.utils.exceptions import DiagnosticException, ParseError
+from xdsl.utils.arg_spec import _convert_arg_to_type, parse_pipeline, parse_spec
+from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseError
 from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu.backend.codegen.streams import CodegenError, generate
-from toptpu.backend.target.chips import UnknownChipError, get_chip
+from toptpu.backend.target.chips import DEFAULT_CHIP, UnknownChipError, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
 from toptpu.dialects.mlir_check import MlirCheckError
+from toptpu.dialects.output_file import OutputPathError, output_target, write_output
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -142,6 +150,10 @@ def _check_output_path(path: str, what: str = "-o") -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise OptInputError(f"{what} {path}: the directory {parent} does not exist")
+    try:
+        output_target(path, what)  # a socket, a symlink loop: refused; a device is fine
+    except OutputPathError as e:
+        raise OptInputError(str(e)) from None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -154,16 +166,75 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+def _is_device(path: str) -> bool:
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
+def _write(path: str, text: str, what: str = "-o") -> None:
+    try:
+        write_output(path, text, what)
+    except OutputPathError as e:
+        raise OptInputError(str(e)) from None
+
+
+def _spec_parse_problem(error: ArgSpecParseError) -> str:
+    """xDSL's located multi-line parse error of a pipeline, as one clause."""
+    text = str(error)
+    where = re.search(r"pass-pipeline:\d+:(\d+)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    what = lines[-1].removesuffix(" here") if lines else "malformed"
+    what = what[:1].lower() + what[1:]
+    return f"{what} at column {where.group(1)}" if where else what
+
+
+def _describe_type(hint: Any) -> str:
+    text = str(hint)
+    for word, say in (("tuple", "a comma-separated list"), ("bool", "true or false"),
+                      ("float", "a number"), ("int", "an integer"), ("str", "a string")):
+        if word in text:
+            return say
+    return text
+
+
+def check_pipeline_spec(spec: str,
+                        available: dict[str, Any]) -> None:
+    """Refuse a `-p` pipeline that xDSL would refuse (or crash on), in one line naming the
+    problem: its syntax, an unknown pass, an unknown option or a value of the wrong type."""
+    shown_spec = f"'{spec}'" if spec.isprintable() else repr(spec)  # one line
+    try:
+        specs = list(parse_pipeline(spec))
+    except ArgSpecParseError as e:
+        raise OptInputError(f"-p {shown_spec}: {_spec_parse_problem(e)}") from None
+    for s in specs:
+        if s.name not in available:
+            close = difflib.get_close_matches(s.name, list(available), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise OptInputError(f"-p {shown_spec}: unknown pass '{s.name}'{hint}; "
+                                "toptpu-opt --help lists the passes")
+        cls = available[s.name]()
+        options = {f.name: f for f in dataclasses.fields(cls)
+                   if f.init and f.name != "name"}
+        hints = get_type_hints(cls)
+        for key, values in s.normalize_parameter_names().parameters.items():
+            shown = key.replace("_", "-")
+            if key not in options:
+                valid = ", ".join(o.replace("_", "-") for o in options) or "none"
+                raise OptInputError(f"-p {shown_spec}: pass '{s.name}' has no option '{shown}' "
+                                    f"(its options: {valid})")
+            if not values:
+                raise OptInputError(f"-p {shown_spec}: option '{shown}' of pass '{s.name}' "
+                                    f"needs a value ({shown}=...: "
+                                    f"{_describe_type(hints[key])})")
+            try:
+                _convert_arg_to_type(values, hints[key])
+            except ValueError:
+                given = ",".join(str(v) for v in values)
+                raise OptInputError(f"-p {shown_spec}: option '{shown}' of pass '{s.name}' "
+                                    f"takes {_describe_type(hints[key])}, not {given}") from None
 
 
 @dataclass(frozen=True)
@@ -171,7 +242,7 @@ class CommandsTarget(Target):
     """`-t commands{chip=NAME}`: the command streams of each function, as text."""
 
     name = "commands"
-    chip: str = "bm1684x"
+    chip: str = DEFAULT_CHIP
 
     def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
         try:
@@ -211,6 +282,14 @@ class ToptpuOptMain(xDSLOptMain):
         super().register_all_passes()
         for name, cls in ours.items():  # ours win where xDSL has a pass of the same name
             self.register_pass(name, lambda cls=cls: cls)
+
+    def setup_pipeline(self) -> None:
+        check_pipeline_spec(self.args.passes, self.available_passes)
+        try:
+            super().setup_pipeline()
+        except (ValueError, TypeError) as e:  # a pass refusing its options when made
+            spec = self.args.passes
+            raise OptInputError(f"-p {spec!r}: {e}") from None
 
     def register_all_targets(self) -> None:
         super().register_all_targets()
@@ -252,8 +331,9 @@ class ToptpuOptMain(xDSLOptMain):
     def prepare_output(self) -> IO[str]:
         if self.args.weights_out is not None:
             _check_output_path(self.args.weights_out, "--weights-out")
-            if self.args.output_file is not None and _same_file(self.args.weights_out,
-                                                                self.args.output_file):
+            if self.args.output_file is not None and _same_file(
+                    self.args.weights_out, self.args.output_file) and not _is_device(
+                    self.args.output_file):  # /dev/null takes both
                 raise OptInputError(f"--weights-out {self.args.weights_out} is the output "
                                     "file (-o): give the weights another name")
         if self.args.output_file is None:
@@ -268,17 +348,24 @@ class ToptpuOptMain(xDSLOptMain):
             pending = self._pending_weights
             try:
                 pending.store.save(pending.path, pending.names)
+            except OutputPathError as e:
+                raise OptInputError(str(e)) from None
             except OSError as e:
                 raise OptInputError(f"cannot write the weights file {pending.path}: "
                                     f"{e.strerror or e}") from None
         if self._kept_output is not None:
-            _write_atomically(self.args.output_file, self._kept_output.getvalue())
+            _write(self.args.output_file, self._kept_output.getvalue())
 
     # -- weights -------------------------------------------------------------------------------
     def _weights_path(self, derived: list[str]) -> str:
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
+            if output_target(self.args.output_file)[1] == "through":
+                raise OptInputError(
+                    f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
+                    f"{len(derived)} weight tensor(s) the result needs: give --weights-out "
+                    "PATH (a .safetensors file) for them")
             return companion_weights_path(self.args.output_file)
         example = ", ".join(f"'{n}'" for n in derived[:2])
         raise OptInputError(

@@ -8,17 +8,20 @@ there could overwrite the checkpoint, and a new `*.safetensors` file would chang
 the directory loads as next time.
 
 Light on purpose (standard library only): `toptpu profile` uses it without the compiler.
+Writing is `toptpu.dialects.output_file`'s (`open_output`, re-exported here): the one
+policy every output follows (a temporary file renamed over a regular file; a device or
+FIFO written through as it is), in the lowest package every writer may import.
 """
 
 from __future__ import annotations
 
 import os
-import stat
-from collections.abc import Callable
 
-
-class OutputPathError(Exception):
-    """An output path cannot be written as given; the message says why and what to do."""
+from toptpu.dialects.output_file import OutputPathError as OutputPathError
+from toptpu.dialects.output_file import open_output as open_output
+from toptpu.dialects.output_file import open_text_output as open_text_output
+from toptpu.dialects.output_file import output_target
+from toptpu.dialects.output_file import write_output as write_output
 
 
 def _real(path: str) -> str:
@@ -44,18 +47,20 @@ def _writable_dir(directory: str, what: str, path: str) -> None:
         raise OutputPathError(f"{what} '{path}': no permission to write in '{directory}'")
 
 
-def check_output_file(path: str, what: str, example: str = "out.toptpu") -> None:
-    """`path` can be written as a file: not a directory, in an existing writable directory,
-    and (when it exists) a regular file (never a device, a pipe or a socket)."""
+def check_output_file(path: str, what: str, example: str = "out.toptpu",
+                      seekable: bool = False) -> None:
+    """`path` can be written as a file (`open_output`'s rules, symlinks resolved): a new
+    path or a regular file in an existing writable directory, or a device or FIFO (written
+    through as it is; not a FIFO when the file is written with seeks, `seekable`); never a
+    directory or a socket."""
     if not path:
         raise OutputPathError(f"{what}: the path is empty; name the file to write")
     if path.endswith((os.sep, os.altsep or os.sep)) or os.path.isdir(path):
         raise OutputPathError(f"{what} '{path}' is a directory; name the file to write, e.g. "
                               f"'{os.path.join(path, example)}'")
-    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
-        raise OutputPathError(f"{what} '{path}' exists and is not a regular file; name "
-                              "another path")
-    _writable_dir(os.path.dirname(os.path.abspath(path)), what, path)
+    real, kind = output_target(path, what, seekable)
+    if kind != "through":
+        _writable_dir(os.path.dirname(real), what, path)
 
 
 def check_output_dir(path: str, what: str) -> None:
@@ -81,16 +86,3 @@ def check_not_inside(path: str, directory: str, what: str) -> None:
         raise OutputPathError(
             f"{what} '{path}' is inside the input model directory '{directory}'; toptpu never "
             "writes into its input: write it elsewhere")
-
-
-def write_atomically(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)` writes the file to a temporary path next to `path`, which then replaces
-    `path` in one step: a reader never sees a half-written file, a failure leaves none."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -29,7 +29,13 @@ from typing import Any
 
 from toptpu.backend.contract import StaticShapes
 from toptpu.backend.runtime.accounting import CATEGORIES
-from toptpu.backend.target.chips import Chip, ChipFigureError, chip_names, get_chip
+from toptpu.backend.target.chips import (
+    DEFAULT_CHIP,
+    Chip,
+    ChipFigureError,
+    chip_names,
+    get_chip,
+)
 from toptpu.cli_args import UsageError, finite_float, int_at_least
 from toptpu.estimate import (
     STEP_NETS,
@@ -39,7 +45,7 @@ from toptpu.estimate import (
     estimate,
     read_checked_config,
 )
-from toptpu.paths import check_output_dir, write_atomically
+from toptpu.paths import check_not_inside, check_output_dir, open_output, open_text_output
 
 #: the chip figures a sweep varies (`--tflops` is the per-core half-precision peak; the
 #: other compute types scale with it)
@@ -167,14 +173,11 @@ def run_ray(points: Sequence[Point], address: str,
 
 def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
     """The rows with `COLUMNS` (written atomically)."""
-    def write(tmp: str) -> None:
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: r.get(k, "") for k in COLUMNS})
-
-    write_atomically(path, write)
+    with open_text_output(path, "the sweep table", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in COLUMNS})
 
 
 def series_label(row: Mapping[str, Any], varying: Sequence[str]) -> str:
@@ -205,7 +208,8 @@ CATEGORY_COLORS = {"ddr": (31, 119, 180), "compute": (214, 39, 40), "launch": (2
 
 
 def _save_png(img: Any, path: str) -> None:
-    write_atomically(path, lambda tmp: img.save(tmp, format="PNG"))
+    with open_output(path, "the sweep plot") as f:
+        img.save(f, format="PNG")
 
 
 def write_bandwidth_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -305,6 +309,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     points = grid(args.config_dirs, args.mode or ["w4bf16"], args.seq_length or [512],
                   args.chip, axes)
     check_points(points)
+    for d in args.config_dirs:  # as `compile -o`: nothing is written into an input
+        if os.path.isdir(d):
+            check_not_inside(args.out, d, "--out")
     print(f"toptpu sweep: {len(points)} points "
           f"({'Ray at ' + args.ray if args.ray else f'{args.jobs} local processes'})",
           file=sys.stderr)
@@ -326,7 +333,7 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("config_dirs", nargs="+", metavar="CONFIG_DIR",
                    help="directories with a model's config.json (weights are not needed)")
     p.add_argument("-o", "--out", required=True, help="directory for sweep.csv and the PNGs")
-    p.add_argument("--chip", choices=chip_names(), default="bm1684x",
+    p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the preset whose figures the grid changes")
     p.add_argument("-q", "--mode", action="append", help="a quantization mode (repeatable; "
                    "default w4bf16)")

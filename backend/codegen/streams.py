@@ -48,8 +48,6 @@ from toptpu.dialects import tpu
 from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.naming import input_names, op_name, output_names
-from toptpu.passes.address_assign import regions_of
-from toptpu.passes.lmem import group_template, result_addresses
 
 
 class CodegenError(ValueError):
@@ -113,10 +111,19 @@ def _global_ref(v: SSAValue, fn_inputs: dict[SSAValue, str], fn_outputs: dict[SS
     if isinstance(owner, tpu.WeightOp):
         return GlobalRef(Space.WEIGHT, owner.tensor_name)
     if isinstance(owner, tpu.ConstantOp):
-        return GlobalRef(Space.CONST, offset=read_int(owner.attributes["tpu.const_offset"]))
+        if owner.pool_offset is None:
+            raise CodegenError(f"constant {op_name(owner) or v.name_hint}: run address-assign")
+        return GlobalRef(Space.CONST, offset=owner.pool_offset)
     if v in act:
         return GlobalRef(Space.ACT, offset=act[v])
     raise CodegenError(f"no global home for {v.name_hint or v}: run address-assign")
+
+
+def _regions(fn: func.FuncOp) -> dict[str, int]:
+    regions = tpu.regions_of(fn)
+    if regions is None:
+        raise CodegenError(f"@{fn.sym_name.data} has no addresses: run address-assign")
+    return regions
 
 
 def _gkey(ref: GlobalRef) -> tuple:
@@ -139,14 +146,14 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     groups = [op for op in block.ops if isinstance(op, tpu.GroupOp)]
     act: dict[SSAValue, int] = {}
     for g in groups:
-        gaddrs = read_ints(g.attributes.get("gaddrs"))
+        gaddrs = read_ints(g.gaddrs)
         if len(gaddrs) != len(g.outputs):
             raise CodegenError("run address-assign before codegen")
         for r, off in zip(g.outputs, gaddrs, strict=True):
             if off >= 0:
                 act[r] = off
     # index every op of the grouped IR in walk order: compute commands refer to these
-    op_index = {op: i for i, op in enumerate(fn.walk())}
+    op_index: dict[Operation, int] = {op: i for i, op in enumerate(fn.walk())}
     weights = {}
     for op in block.ops:
         if isinstance(op, tpu.WeightOp):
@@ -155,14 +162,15 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     em = _Emitter(chip)
     total_flops = 0
     for gi, g in enumerate(groups):
-        total_flops += _emit_group(em, g, gi, chip, op_index, fn_inputs, fn_outputs, act)
+        total_flops += _GroupEmitter(em, g, gi, chip, op_index, fn_inputs, fn_outputs,
+                                     act).emit()
     prog = Program(
         name=fn.sym_name.data,
         inputs=tuple(TensorSpec(n, tuple(shape_of(a)), _dtype(a))
                      for n, a in zip(in_names, block.args, strict=True)),
         outputs=tuple(TensorSpec(n, tuple(shape_of(v)), _dtype(v))
                       for n, v in zip(out_names, ret.operands, strict=True)),
-        regions=Regions(**regions_of(fn)),
+        regions=Regions(**_regions(fn)),
         weights=weights,
         commands=tuple(em.commands),
         ir=print_generic(module, debuginfo=True),
@@ -171,66 +179,118 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     return prog
 
 
-def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dict,
-                fn_inputs: dict, fn_outputs: dict, act: dict) -> int:
-    loads, computes, stores = group_template(g)
-    s = read_int(g.slices)
-    outer = dict(zip(g.body.block.args, g.inputs, strict=True))
-    store_target = dict(zip(g.body.block.last_op.operands, g.outputs, strict=True))  # type: ignore[union-attr]
-    lmem = {}
-    for op in [*loads, *computes]:
-        if not read_ints(op.attributes.get("lmem")):
-            raise CodegenError(f"{op_name(op)} has no local address: run layer-group")
-        for r in op.results:
-            lmem[r] = result_addresses(op, r, s > 1)
-    per_lane = {v: chip.per_lane(nbytes(v)) for v in lmem}
-    # buffer instance of (local value, slice): ids; and the command that reads it last
-    inst: dict[tuple[SSAValue, int], int] = {}
-    readers_left: dict[tuple[SSAValue, int], int] = {}
-    uses_in_group = {v: sum(1 for u in v.uses if u.operation in computes or
-                            isinstance(u.operation, tpu.StoreOp)) for v in lmem}
-    resident = {ld.output for ld in loads if read_int(ld.slice_axis) == -1}
+@dataclass
+class _GroupEmitter:
+    """The commands of one layer group, slice by slice in its software pipeline's order
+    (`emit`): loads (`load`), compute ops (`compute`) and stores (`store`) of the group's
+    template, with the local buffer instances each slice makes and frees."""
 
-    def addr(v: SSAValue, i: int) -> int:
-        a = lmem[v]
+    em: _Emitter
+    g: tpu.GroupOp
+    gi: int
+    chip: Chip
+    op_index: dict[Operation, int]
+    fn_inputs: dict[SSAValue, str]
+    fn_outputs: dict[SSAValue, str]
+    act: dict[SSAValue, int]
+
+    def __post_init__(self) -> None:
+        g = self.g
+        self.loads, self.computes, self.stores = g.template()
+        self.slices = s = read_int(g.slices)
+        self.outer = dict(zip(g.body.block.args, g.inputs, strict=True))
+        self.store_target = dict(zip(g.body.block.last_op.operands,  # type: ignore[union-attr]
+                                     g.outputs, strict=True))
+        self.lmem: dict[SSAValue, list[int]] = {}
+        for op in [*self.loads, *self.computes]:
+            if not isinstance(op, tpu.TpuOp) or not read_ints(op.lmem):
+                raise CodegenError(f"{op_name(op)} has no local address: run layer-group")
+            for r in op.results:
+                self.lmem[r] = op.local_addresses(r, s > 1)
+        self.per_lane = {v: self.chip.per_lane(nbytes(v)) for v in self.lmem}
+        # buffer instance of (local value, slice): ids; and how many reads it has left
+        self.inst: dict[tuple[SSAValue, int], int] = {}
+        self.readers_left: dict[tuple[SSAValue, int], int] = {}
+        computes = self.computes
+        self.uses_in_group = {v: sum(1 for u in v.uses if u.operation in computes or
+                                     isinstance(u.operation, tpu.StoreOp)) for v in self.lmem}
+        self.resident = {ld.output for ld in self.loads if read_int(ld.slice_axis) == -1}
+
+    def emit(self) -> int:
+        """Emit every command of the group; return its FLOPs (each slice runs the
+        slice-shaped template ops)."""
+        s = self.slices
+        sliced_loads = [ld for ld in self.loads if ld.output not in self.resident]
+        for ld in self.loads:
+            if ld.output in self.resident:
+                self.load(ld, 0)
+        for ld in sliced_loads:
+            self.load(ld, 0)
+        for i in range(s):
+            if i + 1 < s:
+                for ld in sliced_loads:
+                    self.load(ld, i + 1)
+            for op in self.computes:
+                self.compute(op, i)
+            if i >= 1:
+                for st in self.stores:
+                    self.store(st, i - 1)
+        for st in self.stores:
+            self.store(st, s - 1)
+        return s * sum(op_flops(op) for op in self.computes)
+
+    # ------------------------------------------------------------------ local buffers
+
+    def _key(self, v: SSAValue, i: int) -> tuple[SSAValue, int]:
+        return (v, 0 if v in self.resident else i)
+
+    def addr(self, v: SSAValue, i: int) -> int:
+        a = self.lmem[v]
         return a[i % len(a)]
 
-    def local_ref(v: SSAValue, i: int) -> LocalRef:
-        key = (v, 0 if v in resident else i)
-        return LocalRef(addr(v, i), tuple(shape_of(v)), _dtype(v), inst[key], nbytes(v))
+    def local_ref(self, v: SSAValue, i: int) -> LocalRef:
+        return LocalRef(self.addr(v, i), tuple(shape_of(v)), _dtype(v),
+                        self.inst[self._key(v, i)], nbytes(v))
 
-    def lrange(v: SSAValue, i: int) -> tuple:
-        a = addr(v, i)
-        return ("L", None), a, a + per_lane[v]
+    def lrange(self, v: SSAValue, i: int) -> tuple:
+        a = self.addr(v, i)
+        return ("L", None), a, a + self.per_lane[v]
 
-    def consume(v: SSAValue, i: int, freed: list[int]) -> None:
-        key = (v, 0 if v in resident else i)
-        readers_left[key] -= 1
-        if readers_left[key] == 0:
-            freed.append(inst[key])
+    def consume(self, v: SSAValue, i: int, freed: list[int]) -> None:
+        """One read of `v` in slice `i`; its buffer is freed after its last read."""
+        key = self._key(v, i)
+        self.readers_left[key] -= 1
+        if self.readers_left[key] == 0:
+            freed.append(self.inst[key])
 
-    def make(v: SSAValue, i: int) -> None:
-        key = (v, 0 if v in resident else i)
-        inst[key] = em.new_buf()
-        n = uses_in_group[v] * (s if v in resident else 1)
-        readers_left[key] = max(n, 1)
+    def make(self, v: SSAValue, i: int) -> None:
+        """A new buffer instance of `v` for slice `i` (one for all slices when resident)."""
+        key = self._key(v, i)
+        self.inst[key] = self.em.new_buf()
+        n = self.uses_in_group[v] * (self.slices if v in self.resident else 1)
+        self.readers_left[key] = max(n, 1)
 
-    def emit_load(ld: tpu.LoadOp, i: int) -> None:
-        src = outer[ld.input]
-        ref = _global_ref(src, fn_inputs, fn_outputs, act)
+    def global_ref(self, v: SSAValue) -> GlobalRef:
+        return _global_ref(v, self.fn_inputs, self.fn_outputs, self.act)
+
+    # ------------------------------------------------------------------ commands
+
+    def load(self, ld: tpu.LoadOp, i: int) -> None:
+        src = self.outer[ld.input]
+        ref = self.global_ref(src)
         ax = read_int(ld.slice_axis)
         full = list(shape_of(src))
-        n = full[ax] // s if ax >= 0 else 0
-        make(ld.output, i)
+        n = full[ax] // self.slices if ax >= 0 else 0
+        self.make(ld.output, i)
         # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
         read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
             else (_gkey(ref), 0, nbytes(src))
-        em.add(Load, [read], [lrange(ld.output, i)],
-               name=op_name(ld) or "load", tensor=ref, shape=tuple(full), dtype=_dtype(src),
-               axis=ax, start=i * n, length=n, local=local_ref(ld.output, i), group=gi,
-               slice=i)
+        self.em.add(Load, [read], [self.lrange(ld.output, i)],
+                    name=op_name(ld) or "load", tensor=ref, shape=tuple(full),
+                    dtype=_dtype(src), axis=ax, start=i * n, length=n,
+                    local=self.local_ref(ld.output, i), group=self.gi, slice=i)
 
-    def emit_compute(op: Operation, i: int) -> None:
+    def compute(self, op: Operation, i: int) -> None:
         freed: list[int] = []
         ins: list[LocalRef | None] = []
         reads = []
@@ -241,43 +301,44 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
             if v is None:
                 ins.append(None)
                 continue
-            if isinstance(v, BlockArgument) and v in outer and v not in lmem:
-                src = outer[v]  # a table read row by row from global memory
-                ref = _global_ref(src, fn_inputs, fn_outputs, act)
+            if isinstance(v, BlockArgument) and v in self.outer and v not in self.lmem:
+                src = self.outer[v]  # a table read row by row from global memory
+                ref = self.global_ref(src)
                 table, table_operand = TableRef(ref, tuple(shape_of(src)), _dtype(src)), k
                 reads.append((_gkey(ref), ref.offset, ref.offset + nbytes(src)))
                 continue
-            ins.append(local_ref(v, i))
-            reads.append(lrange(v, i))
+            ins.append(self.local_ref(v, i))
+            reads.append(self.lrange(v, i))
         for v in op.operands:
-            if v in lmem:
-                consume(v, i, freed)
+            if v in self.lmem:
+                self.consume(v, i, freed)
         outs = []
         for r in op.results:
-            make(r, i)
-            outs.append(local_ref(r, i))
+            self.make(r, i)
+            outs.append(self.local_ref(r, i))
         fields: dict[str, Any] = dict(
-            name=op_name(op) or op.name, kind=op.name, op=op_index[op], ins=tuple(ins),
+            name=op_name(op) or op.name, kind=op.name, op=self.op_index[op], ins=tuple(ins),
             outs=tuple(outs), flops=op_flops(op),  # the template op is slice-shaped already
-            dtype=cost_dtype(op), free=tuple(freed), group=gi, slice=i,
+            dtype=cost_dtype(op), free=tuple(freed), group=self.gi, slice=i,
             # results nothing reads die as soon as they are written
             free_after=tuple(o.buf for r, o in zip(op.results, outs, strict=True)
-                             if uses_in_group[r] == 0))
-        writes = [lrange(r, i) for r in op.results]
+                             if self.uses_in_group[r] == 0))
+        writes = [self.lrange(r, i) for r in op.results]
         if table is not None:
-            em.add(Gather, reads, writes, table=table, table_operand=table_operand, **fields)
+            self.em.add(Gather, reads, writes, table=table, table_operand=table_operand,
+                        **fields)
         else:
-            em.add(Compute, reads, writes, **fields)
+            self.em.add(Compute, reads, writes, **fields)
 
-    def emit_store(st: tpu.StoreOp, i: int) -> None:
-        dst = store_target[st.output]
-        ref = _global_ref(dst, fn_inputs, fn_outputs, act)
+    def store(self, st: tpu.StoreOp, i: int) -> None:
+        dst = self.store_target[st.output]
+        ref = self.global_ref(dst)
         ax = read_int(st.slice_axis)
         full = list(shape_of(dst))
-        n = full[ax] // s if ax >= 0 else 0
+        n = full[ax] // self.slices if ax >= 0 else 0
         freed: list[int] = []
-        src = local_ref(st.input, i)
-        consume(st.input, i, freed)
+        src = self.local_ref(st.input, i)
+        self.consume(st.input, i, freed)
         glo = ref.offset if ref.space == Space.ACT else 0
         item = np.dtype(_dtype(dst)).itemsize
         if ax >= 0 and all(d == 1 for d in full[:ax]):
@@ -285,29 +346,10 @@ def _emit_group(em: _Emitter, g: tpu.GroupOp, gi: int, chip: Chip, op_index: dic
             lo, hi = glo + i * n * inner, glo + (i + 1) * n * inner
         else:
             lo, hi = glo, glo + nbytes(dst)
-        em.add(Store, [lrange(st.input, i)], [(_gkey(ref), lo, hi)],
-               name=op_name(st) or "store", tensor=ref, shape=tuple(full), dtype=_dtype(dst),
-               axis=ax, start=i * n, length=n, local=src, free=tuple(freed), group=gi,
-               slice=i)
-
-    sliced_loads = [ld for ld in loads if ld.output not in resident]
-    for ld in loads:
-        if ld.output in resident:
-            emit_load(ld, 0)
-    for ld in sliced_loads:
-        emit_load(ld, 0)
-    for i in range(s):
-        if i + 1 < s:
-            for ld in sliced_loads:
-                emit_load(ld, i + 1)
-        for op in computes:
-            emit_compute(op, i)
-        if i >= 1:
-            for st in stores:
-                emit_store(st, i - 1)
-    for st in stores:
-        emit_store(st, s - 1)
-    return s * sum(op_flops(op) for op in computes)  # each slice runs the slice-shaped ops
+        self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
+                    name=op_name(st) or "store", tensor=ref, shape=tuple(full),
+                    dtype=_dtype(dst), axis=ax, start=i * n, length=n, local=src,
+                    free=tuple(freed), group=self.gi, slice=i)
 
 
 def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:

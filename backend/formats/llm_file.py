@@ -101,7 +101,7 @@ from toptpu.backend.formats.model_file import (
     write_model_file,
 )
 from toptpu.backend.target.chips import chip_names
-from toptpu.dialects.common import DTYPE_BY_NAME, MODES, numpy_dtype
+from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
 KIND = "toptpu-llm"
@@ -140,7 +140,7 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 DType = Annotated[str, OneOf(tuple(sorted(KNOWN_DTYPES)), "dtype")]
-Mode = Annotated[str, OneOf(tuple(MODES), "quantization mode")]
+Mode = Annotated[str, OneOf(tuple(QuantMode.names()), "quantization mode")]
 TokenId = int  # checked against model.vocab_size in LlmHeader.check
 JsonObject = dict[str, Any]  # free-form JSON (HF configs): only its type is checked
 
@@ -378,7 +378,7 @@ class LlmHeader:
     @property
     def activation_dtype(self) -> str:
         """The numpy dtype name of the text nets' float activations."""
-        return numpy_dtype(DTYPE_BY_NAME[MODES[self.mode][0]]).name
+        return numpy_dtype(DTYPE_BY_NAME[QuantMode(self.mode).activation]).name
 
     def check(self) -> None:
         """The checks across fields (types and most ranges are checked while decoding)."""

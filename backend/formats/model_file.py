@@ -43,6 +43,16 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from toptpu.backend.contract import parse_strict_json
+from toptpu.dialects.output_file import (
+    is_regular,
+    open_output,
+)
+from toptpu.dialects.output_file import (
+    remove_stale_temp_files as remove_stale_temp_files,
+)
+from toptpu.dialects.output_file import (
+    temp_path as temp_path,
+)
 
 MAGIC = b"TOPTPU\x00\x01"
 FORMAT_VERSION = 2
@@ -54,7 +64,6 @@ HEADER_OFFSET = _PREFIX.size + _DIGEST_SIZE
 #: the header key of the container's own section table
 SECTIONS_KEY = "sections"
 _ENTRY_KEYS = ("name", "offset", "size", "sha256")
-_TEMP_MARK = ".tmp-"
 
 
 class ModelFileError(Exception):
@@ -87,57 +96,8 @@ def _layout(header_length: int, sizes: list[int]) -> list[int]:
 
 
 # ------------------------------------------------------------------ temporary files
-
-
-def temp_path(path: str, pid: int | None = None) -> str:
-    """The hidden temporary name a write of `path` by process `pid` goes through."""
-    directory, base = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{base}{_TEMP_MARK}{os.getpid() if pid is None else pid}")
-
-
-def _pid_of_temp(name: str, base: str) -> int | None:
-    """The PID in `name` if it is exactly a temporary name of target `base`."""
-    prefix = f".{base}{_TEMP_MARK}"
-    digits = name[len(prefix):]
-    if not name.startswith(prefix) or not digits.isascii() or not digits.isdigit():
-        return None
-    pid = int(digits)
-    return pid if 0 < pid < 2**31 else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists under another user; anything else: do not guess
-        return True
-    return True
-
-
-def remove_stale_temp_files(path: str) -> list[str]:
-    """Remove the temporary files of target `path` whose writer process no longer runs
-    (left by a write killed before its rename). Only regular files named exactly
-    `.NAME.tmp-PID` are touched; those of running processes are kept. Returns the paths
-    removed."""
-    directory, base = os.path.split(os.path.abspath(path))
-    removed = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        pid = _pid_of_temp(entry.name, base)
-        if pid is None or pid == os.getpid() or _alive(pid):
-            continue
-        if not entry.is_file(follow_symlinks=False):
-            continue
-        try:
-            os.unlink(entry.path)
-        except FileNotFoundError:  # another writer cleaned it first
-            continue
-        removed.append(entry.path)
-    return removed
+# (the temporary files of a write, and the write itself, are `toptpu.dialects.output_file`'s:
+# one policy for every output; `temp_path` and `remove_stale_temp_files` are re-exported)
 
 
 # ------------------------------------------------------------------ writing
@@ -177,33 +137,25 @@ def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str
              for n, s in sections.items()]
     offsets, _ = _header_and_offsets(header, names, sizes, digests)
     end = offsets[-1] + sizes[-1] if names else None
-    remove_stale_temp_files(path)
-    tmp = temp_path(path)
-    try:
-        with _create(tmp) as f:
-            for offset, name in zip(offsets, names, strict=True):
-                f.seek(offset)
-                section = sections[name]
-                if isinstance(section, StreamedSection):
-                    digests[name] = _write_streamed(f, name, section)
-                else:
-                    f.write(views[name])
-            again, hbytes = _header_and_offsets(header, names, sizes, digests)
-            assert again == offsets  # digests are fixed-length: the layout cannot move
-            f.seek(_PREFIX.size + _DIGEST_SIZE)
-            f.write(hbytes)
+    with open_output(path, "the model file", seekable=True, size=end) as f:
+        for offset, name in zip(offsets, names, strict=True):
+            f.seek(offset)
+            section = sections[name]
+            if isinstance(section, StreamedSection):
+                digests[name] = _write_streamed(f, name, section)
+            else:
+                f.write(views[name])
+        again, hbytes = _header_and_offsets(header, names, sizes, digests)
+        assert again == offsets  # digests are fixed-length: the layout cannot move
+        f.seek(_PREFIX.size + _DIGEST_SIZE)
+        f.write(hbytes)
+        f.flush()
+        if is_regular(f):  # not a device written through (/dev/null)
             f.truncate(end if end is not None else HEADER_OFFSET + len(hbytes))
-            f.flush()
             os.fsync(f.fileno())
-            prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes))
-            f.seek(0)  # the prefix is written last: until then the file has no magic
-            f.write(prefix + _header_digest(prefix, hbytes))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes))
+        f.seek(0)  # the prefix is written last: until then the file has no magic
+        f.write(prefix + _header_digest(prefix, hbytes))
 
 
 def _header_and_offsets(header: Mapping[str, Any], names: list[str], sizes: list[int],
@@ -249,17 +201,6 @@ def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
         del data, view  # the piece may be big: not held while the next one is made
     zeros(section.size - at)
     return h.hexdigest()
-
-
-def _create(path: str) -> BinaryIO:
-    """A new file at `path`, never through a symlink planted there: an earlier file of
-    that name (a stale temporary file of an earlier process with this PID) is removed."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    return os.fdopen(os.open(path, flags, 0o666), "wb")
 
 
 # ------------------------------------------------------------------ reading

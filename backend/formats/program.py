@@ -41,7 +41,7 @@ from toptpu.backend.formats.llm_file import KNOWN_DTYPES, DType
 from toptpu.backend.formats.model_file import write_model_file
 from toptpu.backend.target.chips import Chip
 from toptpu.dialects import tpu
-from toptpu.dialects.common import constant_value, read_int
+from toptpu.dialects.common import constant_value
 from toptpu.dialects.ir_text import parse_ir
 from toptpu.dialects.weight_store import WeightStore
 
@@ -62,7 +62,7 @@ class WeightSpec:
 
 @dataclass(frozen=True)
 class Regions:
-    """Bytes of the net's global regions (address-assign's `tpu.regions`)."""
+    """Bytes of the net's global regions (address-assign's `#tpu.regions`)."""
 
     activations: int
     constants: int
@@ -158,8 +158,8 @@ def constant_pool(program: Program) -> bytes:
         return b""
     module = parse_ir(program.ir, f"net:{program.name}", verify=False)
     for op in module.walk():
-        if isinstance(op, tpu.ConstantOp) and "tpu.const_offset" in op.attributes:
-            off = read_int(op.attributes["tpu.const_offset"])
+        if isinstance(op, tpu.ConstantOp) and op.pool_offset is not None:
+            off = op.pool_offset
             data = np.ascontiguousarray(constant_value(op.value)).view(np.uint8).reshape(-1)
             buf[off:off + data.size] = data.tobytes()
     return bytes(buf)

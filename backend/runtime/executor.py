@@ -39,8 +39,8 @@ them; `toptpu.backend.runtime.interpreter_executor` is the reference implementat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -89,3 +89,44 @@ class Executor(Protocol):
     def modelled_costs(self) -> Costs | None:
         """Chip time modelled so far by where it goes (None without a cost model)."""
         ...
+
+
+# ---------------------------------------------------------------------- the binding rules
+
+
+def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`shape` without its size-1 axes: bindings must agree on this (see the module doc)."""
+    return tuple(d for d in shape if d != 1)
+
+
+def check_bindings(net: str, info: NetInfo, bindings: Mapping[str, Any],
+                   owns: Callable[[Any], bool], error: type[Exception]) -> None:
+    """The binding rules of the module doc, for every executor: exactly the net's input and
+    output names, each bound to a buffer the executor `owns`, of the spec's dtype and of its
+    shape up to size-1 axes. Raises `error` naming the first broken rule."""
+    names = [s.name for s in (*info.inputs, *info.outputs)]
+    missing = [n for n in names if n not in bindings]
+    extra = [n for n in bindings if n not in names]
+    if missing or extra:
+        raise error(f"net '{net}' needs bindings for {names}: missing {missing}, "
+                    f"unexpected {extra}")
+    for spec in (*info.inputs, *info.outputs):
+        buf = bindings[spec.name]
+        if not owns(buf):
+            raise error(f"'{spec.name}' of net '{net}' is bound to a {type(buf).__name__}, "
+                        "not a buffer of this executor")
+        if buf.dtype != np.dtype(spec.dtype) or squeezed(buf.shape) != squeezed(spec.shape):
+            raise error(f"'{spec.name}' of net '{net}' is {spec.dtype} {list(spec.shape)} but "
+                        f"is bound to a {buf.dtype} buffer of shape {list(buf.shape)}")
+
+
+def value_for(buf: Buffer, value: Any, error: type[Exception]) -> np.ndarray:
+    """`value` as the host writes it into `buf`: its shape up to size-1 axes, converted to
+    the buffer's dtype within its kind (no integer <-> float conversion). Raises `error`."""
+    value = np.asarray(value)
+    if squeezed(value.shape) != squeezed(buf.shape):
+        raise error(f"cannot write a {list(value.shape)} array into a buffer of shape "
+                    f"{list(buf.shape)}")
+    if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
+        raise error(f"cannot write {value.dtype} into a {buf.dtype} buffer")
+    return value.astype(buf.dtype, copy=False).reshape(buf.shape)

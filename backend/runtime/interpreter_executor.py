@@ -40,7 +40,7 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
-from toptpu.backend.contract import NetInfo, TensorSpec
+from toptpu.backend.contract import NetInfo
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.reference import kernels as K
@@ -52,6 +52,7 @@ from toptpu.backend.reference.interpreter import (
     evaluator_for,
     find_func,
 )
+from toptpu.backend.runtime.executor import check_bindings, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
@@ -85,11 +86,6 @@ class ArrayBuffer:
         index: list[slice] = [slice(None)] * self.array.ndim
         index[axis] = slice(start, start + length)
         return ArrayBuffer(self.array[tuple(index)])
-
-
-def squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """`shape` without its size-1 axes: bindings must agree on this (see Executor.run)."""
-    return tuple(d for d in shape if d != 1)
 
 
 @dataclass
@@ -175,15 +171,7 @@ class InterpreterExecutor:
         return ArrayBuffer(np.zeros(tuple(int(d) for d in shape), np.dtype(dtype)))
 
     def write(self, buf: ArrayBuffer, value: np.ndarray) -> None:  # type: ignore[override]
-        value = np.asarray(value)
-        if squeezed(value.shape) != squeezed(buf.shape):
-            raise ExecutorError(f"cannot write a {list(value.shape)} array into a buffer of "
-                                f"shape {list(buf.shape)}")
-        if value.dtype != buf.dtype:
-            if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
-                raise ExecutorError(f"cannot write {value.dtype} into a {buf.dtype} buffer")
-            value = value.astype(buf.dtype)
-        np.copyto(buf.array, value.reshape(buf.shape))
+        np.copyto(buf.array, value_for(buf, value, ExecutorError))
 
     def read(self, buf: ArrayBuffer) -> np.ndarray:  # type: ignore[override]
         return np.array(buf.array, copy=True)
@@ -200,14 +188,7 @@ class InterpreterExecutor:
             raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
         weights = self._weights_for(info, layer)
         plan = self._plan(net)
-        names = [s.name for s in (*info.inputs, *info.outputs)]
-        missing = [n for n in names if n not in bindings]
-        extra = [n for n in bindings if n not in names]
-        if missing or extra:
-            raise ExecutorError(f"net '{net}' needs bindings for {names}: missing {missing}, "
-                                f"unexpected {extra}")
-        for spec in (*info.inputs, *info.outputs):
-            self._check_binding(net, spec, bindings[spec.name])
+        check_bindings(net, info, bindings, lambda b: isinstance(b, ArrayBuffer), ExecutorError)
         vals: list[Any] = [None] * plan.size
         for spec, i in zip(info.inputs, plan.inputs, strict=True):
             vals[i] = bindings[spec.name].array.reshape(spec.shape)
@@ -247,15 +228,6 @@ class InterpreterExecutor:
         assert step.qweight is not None
         return self.cache.a16_product((layer, step.qweight), x, q, s, z, step.bits,
                                       step.group_size, bias, step.out_dtype)
-
-    def _check_binding(self, net: str, spec: TensorSpec, buf: Any) -> None:
-        if not isinstance(buf, ArrayBuffer):
-            raise ExecutorError(f"'{spec.name}' of net '{net}' is bound to a "
-                                f"{type(buf).__name__}, not a buffer of this executor")
-        if buf.dtype != np.dtype(spec.dtype) or squeezed(buf.shape) != squeezed(spec.shape):
-            raise ExecutorError(
-                f"'{spec.name}' of net '{net}' is {spec.dtype} {list(spec.shape)} but is bound "
-                f"to a {buf.dtype} buffer of shape {list(buf.shape)}")
 
     def _plan(self, net: str) -> _Plan:
         if net not in self._plans:

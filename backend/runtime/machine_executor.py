@@ -32,11 +32,12 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
-from toptpu.backend.contract import NetInfo, TensorSpec
+from toptpu.backend.contract import NetInfo
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
 from toptpu.backend.runtime.accounting import Costs, Ledger
+from toptpu.backend.runtime.executor import check_bindings, value_for
 from toptpu.backend.runtime.machine import (
     Binding,
     LoadedNet,
@@ -88,10 +89,6 @@ def timing_of(tl: Timeline) -> NetTiming:
                      dma_bytes=tl.dma_bytes, flops=tl.flops)
 
 
-def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(d for d in shape if d != 1)
-
-
 @dataclass
 class NetStats:
     runs: int = 0
@@ -132,13 +129,7 @@ class MachineExecutor:
         return MachineBuffer(self.machine, region.base, tuple(int(d) for d in shape), dt)
 
     def write(self, buf: MachineBuffer, value: np.ndarray) -> None:  # type: ignore[override]
-        value = np.asarray(value)
-        if _squeezed(value.shape) != _squeezed(buf.shape):
-            raise MachineExecutorError(f"cannot write a {list(value.shape)} array into a "
-                                       f"buffer of shape {list(buf.shape)}")
-        if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
-            raise MachineExecutorError(f"cannot write {value.dtype} into a {buf.dtype} buffer")
-        buf.array(write=True)[...] = value.astype(buf.dtype).reshape(buf.shape)
+        buf.array(write=True)[...] = value_for(buf, value, MachineExecutorError)
         self.ledger.transfer(buf.nbytes)
 
     def read(self, buf: MachineBuffer) -> np.ndarray:  # type: ignore[override]
@@ -158,14 +149,9 @@ class MachineExecutor:
                                        f"{sorted(self._nets)})")
         loaded = self._load(net)
         prog = loaded.program
-        io: dict[str, int] = {}
-        for spec in (*info.inputs, *info.outputs):
-            buf = bindings.get(spec.name)
-            self._check(net, spec, buf)
-            io[spec.name] = buf.addr
-        extra = [n for n in bindings if n not in io]
-        if extra:
-            raise MachineExecutorError(f"net '{net}' has no inputs/outputs named {extra}")
+        check_bindings(net, info, bindings, lambda b: isinstance(b, MachineBuffer) and
+                       b.machine is self.machine, MachineExecutorError)
+        io = {spec.name: bindings[spec.name].addr for spec in (*info.inputs, *info.outputs)}
         weights = self._weight_addresses(info, prog, layer)
         tl = self.machine.run(loaded, Binding(io, weights, self._act[net], self._const[net]))
         st = self.stats.setdefault(net, NetStats())
@@ -237,12 +223,3 @@ class MachineExecutor:
                 raise ModelFileError(f"'{self.file.path}': net '{info.name}' reads weight "
                                      f"'{name}', which the weight table does not have")
         return out
-
-    def _check(self, net: str, spec: TensorSpec, buf: Any) -> None:
-        if not isinstance(buf, MachineBuffer) or buf.machine is not self.machine:
-            raise MachineExecutorError(f"'{spec.name}' of net '{net}' must be bound to a buffer "
-                                       "of this executor")
-        if buf.dtype != np.dtype(spec.dtype) or _squeezed(buf.shape) != _squeezed(spec.shape):
-            raise MachineExecutorError(
-                f"'{spec.name}' of net '{net}' is {spec.dtype} {list(spec.shape)} but is bound "
-                f"to a {buf.dtype} buffer of shape {list(buf.shape)}")

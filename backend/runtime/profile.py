@@ -26,6 +26,7 @@ from typing import Any
 from toptpu.backend.formats.commands import Command, Gather, Load, Space, Store
 from toptpu.backend.runtime.machine import Timeline
 from toptpu.backend.target.chips import Chip
+from toptpu.dialects.output_file import open_output, write_output
 
 
 @dataclass
@@ -135,8 +136,7 @@ def chrome_trace(timelines: list[Timeline], chip: Chip) -> dict:
 
 
 def write_chrome_trace(path: str, timelines: list[Timeline], chip: Chip) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(timelines, chip), f)
+    write_output(path, json.dumps(chrome_trace(timelines, chip)), "--trace")
 
 
 #: timeline colours, in the order a net's categories take them (by busy time); the rest
@@ -293,7 +293,8 @@ def write_timeline_png(path: str, tl: Timeline, chip: Chip, profile: NetProfile,
             lx += 16 + tw + 18
         y += 20
     bottom = _draw_roofline(d, profile, chip, top=y + 40, left=left, font=font, small=small)
-    img.crop((0, 0, width, bottom)).save(path)
+    with open_output(path, "--png") as f:
+        img.crop((0, 0, width, bottom)).save(f, format="PNG")
 
 
 def _draw_roofline(d: Any, profile: NetProfile, chip: Chip, top: int, left: int,

@@ -83,8 +83,10 @@ class Chip:
         for f in ("dma_latency_cycles", "compute_latency_cycles", "launch_us",
                   "host_transfer_us"):
             v = getattr(self, f)
-            if not (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0):
-                raise ChipFigureError(f"chip {self.name}: {f} must be a number >= 0, got {v!r}")
+            if not (isinstance(v, int | float) and not isinstance(v, bool)
+                    and 0 <= v < float("inf")):
+                raise ChipFigureError(f"chip {self.name}: {f} must be a finite number >= 0, "
+                                      f"got {v!r}")
         if not self.tflops or not all(_positive(v) for v in self.tflops.values()):
             raise ChipFigureError(f"chip {self.name}: tflops must map compute types to "
                                   f"positive numbers, got {self.tflops!r}")
@@ -177,6 +179,10 @@ def _presets() -> dict[str, dict]:
     with open(PRESETS_PATH) as f:
         data = json.load(f)
     return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+#: the chip a command compiles for when none is named
+DEFAULT_CHIP = "bm1684x"
 
 
 def chip_names() -> list[str]:

@@ -59,7 +59,7 @@ builtin.module {
   }
 }
 
-// CHECK:      func.func @main(%x: tensor<1x8x64xf32>) -> tensor<1x8x32xf32> attributes {tpu.regions = {activations = 4096 : i64, constants = 192 : i64, weights = 8192 : i64, io = 3072 : i64}}
+// CHECK:      func.func @main(%x: tensor<1x8x64xf32>) -> tensor<1x8x32xf32> attributes {tpu.regions = #tpu.regions<4096 : i64, 192 : i64, 8192 : i64, 3072 : i64>}
 // CHECK:        "tpu.constant"() {value = dense<5.000000e-01> : tensor<32xf32>, tpu.const_offset = 0 : i64}
 // CHECK-NEXT:   "tpu.constant"() {value = dense<[1.000000e+00, 2.000000e+00]> : tensor<2xf32>, tpu.const_offset = 128 : i64}
 // CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: 0>} : (tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
@@ -94,7 +94,7 @@ builtin.module {
   }
 }
 
-// CHECK:      func.func @two({{.*}} attributes {tpu.regions = {activations = 1024 : i64, constants = 0 : i64, weights = 0 : i64, io = 3072 : i64}}
+// CHECK:      func.func @two({{.*}} attributes {tpu.regions = #tpu.regions<1024 : i64, 0 : i64, 0 : i64, 3072 : i64>}
 // CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: -1, 0>}
 // CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: -1>}
 

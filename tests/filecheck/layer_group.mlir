@@ -15,7 +15,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
   }
 }
 
-// CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = {activations = 0 : i64, constants = 0 : i64, weights = {{[0-9]+}} : i64, io = {{[0-9]+}} : i64}}
+// CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = #tpu.regions<0 : i64, 0 : i64, {{[0-9]+}} : i64, {{[0-9]+}} : i64>}
 // CHECK:        [[G:%.*]] = "tpu.group"(%x, {{.*}}) ({
 // CHECK-NEXT:   ^{{.*}}(%{{.*}}: tensor<1x8x64xbf16>{{.*}}):
 // CHECK:          "tpu.load"(%{{.*}}) {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: {{[0-9]+}}>}
@@ -28,7 +28,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // CHECK-NEXT:   func.return [[G]]
 
 // one op per group: the intermediates go through global memory (activations region)
-// SINGLE:       tpu.regions = {activations = {{[1-9][0-9]*}} : i64
+// SINGLE:       tpu.regions = #tpu.regions<{{[1-9][0-9]*}} : i64
 // SINGLE-COUNT-3: "tpu.group"
 
 // an op that cannot fit local memory even as one slice is refused by name

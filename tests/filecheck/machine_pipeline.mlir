@@ -26,7 +26,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // CHECK:      builtin.module attributes {top.weight_store = "{{.*}}.tpu.weights.safetensors"}
-// CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = {activations = 1536 : i64, constants = 0 : i64, weights = 4480 : i64, io = 1536 : i64}}
+// CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = #tpu.regions<1536 : i64, 0 : i64, 4480 : i64, 1536 : i64>}
 // CHECK:        "tpu.group"
 // CHECK:          "tpu.rms_norm"({{.*}}) {eps = 1.000000e-06 : f64, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
 // CHECK-NEXT:     "tpu.store"

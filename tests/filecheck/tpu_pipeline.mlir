@@ -25,7 +25,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
   }
 }
 
-// CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = {activations = 0 : i64, constants = 0 : i64, weights = 4480 : i64, io = 1536 : i64}}
+// CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = #tpu.regions<0 : i64, 0 : i64, 4480 : i64, 1536 : i64>}
 // CHECK-DAG:    [[NW:%.*]] = "tpu.weight"() {name = "norm.weight", source = "norm.weight", part = "data"} : () -> tensor<64xf32>
 // CHECK-DAG:    [[W:%.*]] = "tpu.weight"() {name = "fc.weight:bf16", source = "fc.weight", part = "data"} : () -> tensor<32x64xbf16>
 // CHECK-DAG:    [[B:%.*]] = "tpu.weight"() {name = "fc.bias", source = "fc.bias", part = "data"} : () -> tensor<32xf32>

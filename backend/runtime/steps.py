@@ -1,0 +1,216 @@
+"""The reference machine's commands pre-decoded into steps (`LoadStep`, `StoreStep`, `OpStep`
+with its kernel and local ranges resolved) and the first local-memory trap a run of them
+meets (`first_local_trap`), found from the command stream alone."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
+import numpy as np
+from xdsl.ir import Operation
+
+from toptpu.backend.formats.commands import (
+    Compute,
+    Gather,
+    GlobalRef,
+    Load,
+    Store,
+)
+from toptpu.backend.reference import kernels as K
+from toptpu.backend.reference.interpreter import Evaluator
+from toptpu.backend.runtime.errors import MachineTrap
+from toptpu.backend.runtime.local_memory import LiveBuffers, Local, local_trap
+from toptpu.backend.target.chips import Chip
+from toptpu.dialects import tpu
+from toptpu.dialects.common import read_int
+
+if TYPE_CHECKING:
+    from toptpu.backend.runtime.joins import SliceJoin, WholeRows
+    from toptpu.backend.runtime.machine import Machine
+
+
+# ====================================================================== pre-decoded steps
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A global tensor a net reads or writes, resolved once per run."""
+
+    ref: GlobalRef
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    write: bool
+    who: str  # the first command that touches it (named by its traps)
+
+
+class Step(ABC):
+    """One command, pre-decoded."""
+
+    __slots__ = ("who",)
+
+    @abstractmethod
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        """Execute the command on `m`, its global operands resolved to `views`."""
+
+
+class LoadStep(Step):
+    __slots__ = ("g", "window", "local", "prov", "cmd")
+
+    def __init__(self, c: Load, g: int, local: Local) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.g, self.window, self.local, self.cmd = g, c.window(), local, c
+        self.prov = (c.shape, c.dtype, c.axis, c.start, c.length)
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        whole, writable, addr = views[self.g]
+        m.local.write(self.local, whole[self.window], self.who, copy=writable)
+        if writable:
+            m.provenance.pop(self.local.buf, None)
+        else:  # read-only bytes: what the buffer holds is known across runs
+            m.provenance[self.local.buf] = (addr, *self.prov)
+
+
+class StoreStep(Step):
+    __slots__ = ("g", "window", "part_shape", "local", "free")
+
+    g: int
+
+    def __init__(self, c: Store, g: int, local: Local) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.g, self.window, self.part_shape = g, c.window(), c.part_shape()
+        self.local, self.free = local, c.free
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        views[self.g][0][self.window] = m.local.read(self.local, self.who).reshape(
+            self.part_shape)
+        m.free(self.free)
+
+
+class OpStep(Step):
+    """A compute command, or a gather (its table read from global memory)."""
+
+    __slots__ = ("op", "fn", "ins", "outs", "free", "free_after", "table", "table_at",
+                 "special", "bits", "group_size", "out_dtype", "cmd", "join", "join_at",
+                 "part_of")
+
+    def __init__(self, c: Compute | Gather, op: Operation, fn: Evaluator, chip: Chip,
+                 table: int = -1) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.op, self.fn, self.cmd = op, fn, c
+        self.join: SliceJoin | None = None
+        self.join_at = 0  # its slice's position in the join
+        #: a row-local op's slice whose whole a rows join computes (`WholeRows.slices`)
+        self.part_of: WholeRows | None = None
+        self.ins = [Local.of(r, chip) if r is not None else None for r in c.ins]
+        self.outs = [Local.of(r, chip) for r in c.outs]
+        self.free, self.free_after = c.free, c.free_after
+        self.table = table
+        self.table_at = c.table_operand if isinstance(c, Gather) else -1
+        self.special = ""
+        self.bits = self.group_size = 0
+        self.out_dtype = self.outs[0].dtype if self.outs else None
+        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 5:
+            self.special = "a16"
+            self.bits = read_int(op.attributes["weight_bits"])
+            self.group_size = read_int(op.attributes["group_size"])
+        elif (isinstance(op, tpu.MatMulOp) and self.table < 0 and len(self.ins) >= 2
+              and self.ins[1] is not None
+              and self.ins[1].dtype.name in ("float16", "bfloat16")):
+            self.special = "f32w"  # a f16/bf16 weight (the lm_head): upcast once
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        who, local = self.who, m.local
+        args: list[np.ndarray | None] = [local.read(r, who) if r is not None else None
+                                         for r in self.ins]
+        if self.table_at >= 0:
+            args.insert(self.table_at, views[self.table][0])
+        if self.join is not None and not m.checked:
+            results: Sequence[np.ndarray] = [self.join.result(m, self, args, views)]
+        elif self.part_of is not None and not m.checked:
+            results = [self.part_of.part(m, self, args, views)]
+        else:
+            results = self.compute(m, args)
+        m.free(self.free)
+        for ref, value in zip(self.outs, results, strict=True):
+            local.write(ref, value, who)
+        m.free(self.free_after)
+
+    def compute(self, m: Machine, args: list[np.ndarray | None],
+                weight_key: Hashable | None = None, keep: bool = True) -> Sequence[np.ndarray]:
+        """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
+        cached under `weight_key`, by default what the weight buffers hold (`held_key`);
+        `keep=False` uses a cached form but keeps no new one (a join's check of its
+        slices: their forms would duplicate the whole's)."""
+        if not self.special:
+            return self.fn(self.op, args, m.context)
+        refs = self.ins[1:4] if self.special == "a16" else self.ins[1:2]
+        if weight_key is None:
+            provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
+            if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
+                weight_key = held_key(provs)
+        if self.special == "a16":
+            return [self._a16_matmul(m, args, weight_key, keep)]
+        if weight_key is not None:
+            w = args[1]
+            args = [args[0], m.cache.get(("f32", weight_key), lambda: K.f32(w), keep),
+                    *args[2:]]
+        return self.fn(self.op, args, m.context)
+
+    def _a16_matmul(self, m: Machine, args: list[np.ndarray | None],
+                    weight_key: Hashable | None, keep: bool) -> np.ndarray:
+        """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
+        a run (row slices reuse resident weights), per provenance (which read-only bytes
+        the buffers hold) across runs."""
+        x, q, s, z, bias = args
+        assert x is not None and q is not None and s is not None
+        if weight_key is not None:
+            return m.cache.a16_product(("a16", weight_key), x, q, s, z, self.bits,
+                                       self.group_size, bias, self.out_dtype, keep)
+        key = tuple(r.buf if r is not None else None for r in self.ins[1:4])
+        w = m.run_cache.get(key)
+        if w is None:
+            w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
+        return K.matmul_dequantized(x, w, bias, self.out_dtype)
+
+
+def held_key(provs: Sequence[tuple | None]) -> tuple:
+    """The cache key of a weight converted from read-only bytes, from what its buffers hold
+    (`Machine.provenance`, one per weight operand; None: an absent operand). A tensor read
+    whole is keyed by its address and shape: the key of the whole weight a cols join reads
+    (`SliceJoin`), so the nets that read a weight whole and those that join its slices
+    share one converted form; a slice by its load's address, tensor and window."""
+    return tuple(None if p is None else (p[0], p[1]) if p[3] < 0 else p for p in provs)
+
+
+
+def first_local_trap(steps: Sequence[Step], net: str) -> tuple[int, str] | None:
+    """The first local-memory trap a run of `steps` meets, found without data: the
+    buffers' addresses, writes, reads and frees are fixed by the command stream. Returns
+    (the step it fires at — `len(steps)` for a leak at the end, the message), or None."""
+    live = LiveBuffers()
+    for i, step in enumerate(steps):
+        try:
+            if isinstance(step, LoadStep):
+                live.claim(step.local, step.who, None)
+            elif isinstance(step, StoreStep):
+                live.entry(step.local, step.who)
+                for b in step.free:
+                    live.release(b)
+            elif isinstance(step, OpStep):
+                for r in step.ins:
+                    if r is not None:
+                        live.entry(r, step.who)
+                for b in step.free:
+                    live.release(b)
+                for r in step.outs:
+                    live.claim(r, step.who, None)
+                for b in step.free_after:
+                    live.release(b)
+        except MachineTrap as e:
+            return i, str(e)
+    trap = local_trap(live, net)
+    return None if trap is None else (len(steps), trap)
