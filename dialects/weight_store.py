@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 
 from toptpu.dialects import top
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader, serialize
 from toptpu.dialects.output_file import open_output
 
 STORE_ATTR = "top.weight_store"
@@ -74,25 +74,15 @@ def _torch_to_numpy(t) -> np.ndarray:  # noqa: ANN001 - torch is imported lazily
     return t.numpy()
 
 
-def _numpy_to_torch(a: np.ndarray):  # noqa: ANN202
-    import torch
-
-    a = np.ascontiguousarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
-def _file_names(path: str) -> list[str]:
-    """The tensor names of a safetensors file; WeightStoreError if it is not one."""
+def _open_file(path: str) -> CheckpointReader:
+    """A safetensors file, its header checked; WeightStoreError if it is not one."""
     if not os.path.exists(path):
         raise WeightStoreError(f"weight store '{path}' does not exist")
     if not os.path.isfile(path):
         raise WeightStoreError(f"weight store '{path}' is not a file")
     try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError) as e:
+        return CheckpointReader.file(path)
+    except CheckpointError as e:
         raise WeightStoreError(f"weight store '{path}' is not a readable .safetensors file "
                                f"({e})") from None
 
@@ -105,7 +95,8 @@ class WeightStore:
     def __init__(self, uri: str | None = None) -> None:
         self.uri = uri or f"{MEMORY}{os.getpid()}-{next(_COUNTER)}"
         self._arrays: dict[str, np.ndarray] = {}
-        self._lazy: dict[str, str] = {}  # name -> safetensors path
+        self._file: CheckpointReader | None = None  # the file of the lazy tensors
+        self._lazy: set[str] = set()  # names still only in the file
         self._derived: set[str] = set()
 
     # ------------------------------------------------------------------ construction
@@ -114,7 +105,8 @@ class WeightStore:
         """A store over a safetensors file (tensors are read on first use)."""
         path = os.path.abspath(path)
         store = cls(path)
-        store._lazy = dict.fromkeys(_file_names(path), path)
+        store._file = _open_file(path)
+        store._lazy = set(store._file.names())
         return store
 
     @classmethod
@@ -135,9 +127,11 @@ class WeightStore:
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._arrays:
             return self._arrays[name]
-        if name in self._lazy:
-            with safe_open(self._lazy[name], framework="pt") as f:
-                arr = _torch_to_numpy(f.get_tensor(name))
+        if name in self._lazy and self._file is not None:
+            try:  # a read-only view of the mapped file
+                arr = self._file.tensor(name)
+            except CheckpointError as e:
+                raise WeightStoreError(f"weight store '{self.uri}': {e}") from None
             self._arrays[name] = arr
             return arr
         raise MissingWeightError(name, self.uri)
@@ -146,9 +140,8 @@ class WeightStore:
         """A tensor's shape, without reading a tensor that is still in its file."""
         if name in self._arrays:
             return tuple(self._arrays[name].shape)
-        if name in self._lazy:
-            with safe_open(self._lazy[name], framework="pt") as f:
-                return tuple(f.get_slice(name).get_shape())
+        if name in self._lazy and self._file is not None:
+            return self._file.info(name).shape
         raise MissingWeightError(name, self.uri)
 
     def __delitem__(self, name: str) -> None:
@@ -156,12 +149,12 @@ class WeightStore:
         if name not in self:
             raise MissingWeightError(name, self.uri)
         self._arrays.pop(name, None)
-        self._lazy.pop(name, None)
+        self._lazy.discard(name)
         self._derived.discard(name)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         self._arrays[name] = np.ascontiguousarray(value)
-        self._lazy.pop(name, None)
+        self._lazy.discard(name)
         self._derived.add(name)
 
     def names(self) -> list[str]:
@@ -193,17 +186,13 @@ class WeightStore:
         a temporary name in the same directory, then a rename; a device written through).
         Tensors that share memory (tied embeddings) are copied: safetensors stores no
         aliases."""
-        from safetensors.torch import save
-
         arrays: dict[str, np.ndarray] = {}
         for name in (list(names) if names is not None else self.names()):
             arr = self[name]
             if any(np.may_share_memory(arr, seen) for seen in arrays.values()):
                 arr = arr.copy()
             arrays[name] = arr
-        tensors = {n: _numpy_to_torch(a) for n, a in arrays.items()}
-        data = save(tensors)  # bytes: written by the one output policy (a device as it is)
-        del tensors
+        data = serialize(arrays)  # bytes: written by the one output policy (a device as it is)
         with open_output(path, "the weights file", size=len(data)) as f:
             f.write(data)
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from toptpu.backend.contract import (
@@ -42,7 +41,8 @@ from toptpu.backend.contract import (
     parse_strict_json,
     read_model_file,
 )
-from toptpu.frontends.quant_checkpoints import (
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.frontends.quant import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
 )
@@ -74,7 +74,7 @@ class LoadedModel:
     source: str = "<memory>"
     #: a pre-quantized checkpoint (GPTQ/AWQ/AutoRound): its integers, scales and zeros by
     #: linear module path; `model` then holds the dequantized float weights
-    checkpoint: Any = None  # frontends.quant_checkpoints.QuantizedCheckpoint
+    checkpoint: Any = None  # frontends.quant.QuantizedCheckpoint
     checkpoint_dtype: str | None = None  # the checkpoint's torch dtype ("float16", ...)
     #: a streamed checkpoint (`frontends.streaming.StreamedWeights`): `model` is then a
     #: skeleton (layer 0 real, embedding and lm_head placeholders, other layers on meta)
@@ -306,17 +306,13 @@ def checkpoint_tensors(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _checkpoint_files(path):
         try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if name in tensors:
-                        raise ModelLoadError(
-                            f"tensor '{name}' appears in more than one shard ({file})")
-                    part = f.get_slice(name)
-                    tensors[name] = (tuple(part.get_shape()), str(part.get_dtype()))
-        except ModelLoadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types
-            raise ModelLoadError(f"cannot read '{file}': {e}") from e
+            infos = CheckpointReader.file(file).tensors
+        except CheckpointError as e:
+            raise ModelLoadError(f"cannot read '{file}': {e}") from None
+        for name, info in infos.items():
+            if name in tensors:
+                raise ModelLoadError(f"tensor '{name}' appears in more than one shard ({file})")
+            tensors[name] = (info.shape, info.dtype)
     return tensors
 
 
@@ -648,7 +644,7 @@ def _load_prequantized(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
                               tied, ck.quant_method, path)
     state = ck.dequantized_state_dict()
     with torch.no_grad():
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=np.float32))
+        model.load_state_dict({k: torch.from_numpy(np.array(v, dtype=np.float32))
                                for k, v in state.items()}, strict=False)
         if "lm_head.weight" in tied:
             model.tie_weights()

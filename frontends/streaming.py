@@ -24,7 +24,7 @@ count.
 
 A pre-quantized (GPTQ / AWQ / AutoRound) checkpoint streams the same way
 (`load_prequantized_streaming`): its quantized linears are all checked when it is opened
-(`quant_checkpoints.open_quantized_checkpoint`), the skeleton's real layers hold their
+(`quant.open_quantized_checkpoint`), the skeleton's real layers hold their
 dequantized weights, and each layer's integers are read and unpacked when its chunk is
 made (`QuantizedCheckpoint.linear`, through `layer_weights.StreamedLayerWeights`).
 """
@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
     LoadedModel,
     ModelDir,
@@ -56,7 +56,7 @@ from toptpu.frontends.hf_loader import (
     tokenizer_files,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, layer_key
-from toptpu.frontends.quant_checkpoints import (
+from toptpu.frontends.quant import (
     QuantizedCheckpoint,
     QuantizedCheckpointError,
     open_quantized_checkpoint,
@@ -90,7 +90,7 @@ def load_streaming(path: str, need_tokenizer: bool = True) -> LoadedModel:
 def load_prequantized_streaming(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
     """A GPTQ / AWQ / AutoRound checkpoint directory as a skeleton whose layer 0 holds the
     exactly dequantized weights (`hf_loader.load_model` builds the whole model from the same),
-    its every quantized linear checked up front (`quant_checkpoints.open_quantized_checkpoint`)
+    its every quantized linear checked up front (`quant.open_quantized_checkpoint`)
     and read, unpacked and let go one layer at a time when the blob is written. A checkpoint
     that quantizes a linear outside the decoder layers (a GPTQ ``lm_head: true``) is loaded
     whole: the embedding and lm_head placeholders stand for float tensors only."""
@@ -213,7 +213,7 @@ class StreamedWeights:
     placeholders: dict[int, str]
     #: Top weight name of a shared net -> checkpoint tensor name (`bind_shared`)
     shared_sources: dict[str, str] = field(default_factory=dict)
-    #: a pre-quantized checkpoint (`quant_checkpoints.open_quantized_checkpoint`): its
+    #: a pre-quantized checkpoint (`quant.open_quantized_checkpoint`): its
     #: quantized linears' float weights are their dequantized integers
     checkpoint: QuantizedCheckpoint | None = None
     #: the skeleton's real decoder layers by the Top name prefix of their weights (layer 0:

@@ -69,7 +69,7 @@ from toptpu.backend.contract import (
     pack_slice,
     read_model_file,
 )
-from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.frontends.hf_loader import (
     _IGNORABLE_SUFFIXES,
     FLOAT_DTYPES,

@@ -84,8 +84,8 @@ def test_opened_checkpoint_reads_a_linear_only_when_asked(quant_checkpoints, rec
                                                           fmt: str) -> None:
     """`open_quantized_checkpoint` checks every layer without reading any qweight; each
     `linear(name)` then reads its own and equals what `read_quantized_checkpoint` gives."""
-    from toptpu.frontends.checkpoint_reader import CheckpointReader
-    from toptpu.frontends.quant_checkpoints import (
+    from toptpu.dialects.checkpoint_reader import CheckpointReader
+    from toptpu.frontends.quant import (
         open_quantized_checkpoint,
         read_quantized_checkpoint,
     )
@@ -320,7 +320,7 @@ def test_a_quantized_lm_head_is_loaded_whole_and_compiles(many_layers, tmp_path)
     loaded whole, and compiles to a model file that generates."""
     from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
     from toptpu.backend.runtime.runtime import Runtime
-    from toptpu.frontends.checkpoint_reader import CheckpointReader
+    from toptpu.dialects.checkpoint_reader import CheckpointReader
     from toptpu.frontends.streaming import load_streaming
 
     path = many_layers["lm_head"]

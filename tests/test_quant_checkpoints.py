@@ -26,7 +26,7 @@ from quant_fixtures import (  # noqa: F401  (quant_checkpoints: the fixture)
 )
 from safetensors.numpy import load_file, save_file
 
-from toptpu.frontends.quant_checkpoints import (
+from toptpu.frontends.quant import (
     AWQ_PACK_ORDER,
     QuantizedCheckpoint,
     QuantizedCheckpointError,

@@ -14,7 +14,7 @@ from fuzz import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 
 _BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "scale.py")
 

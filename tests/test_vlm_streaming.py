@@ -14,7 +14,7 @@ import torch
 from test_scale import _compile_in_subprocess, _cut_shard_while_writing, _shards
 
 from toptpu.compiler import compile as compile_model
-from toptpu.frontends.checkpoint_reader import CheckpointReader
+from toptpu.dialects.checkpoint_reader import CheckpointReader
 from toptpu.frontends.hf_loader import ModelLoadError, quiet_transformers
 from toptpu.frontends.tiny_vlms import save_tiny_vlm
 from toptpu.frontends.vlm import load_vlm, text_name

@@ -19,7 +19,7 @@ import numpy as np
 from toptpu.compile_options import CompileError
 from toptpu.dialects.weight_store import _torch_to_numpy
 from toptpu.frontends.llm import layer_key
-from toptpu.frontends.quant_checkpoints import QuantizedCheckpointError
+from toptpu.frontends.quant import QuantizedCheckpointError
 from toptpu.passes.quantize import QuantizationError, checkpoint_parts
 
 #: Top weight name -> a layer's float tensor
@@ -37,7 +37,7 @@ class LayerWeights(Protocol):
 
 class ModelLayerWeights:
     """A transformers causal LM's layers (`model.model.layers`) and, for a pre-quantized
-    model, its checkpoint's quantized linears (`frontends.quant_checkpoints`)."""
+    model, its checkpoint's quantized linears (`frontends.quant`)."""
 
     def __init__(self, model: Any, checkpoint: Any = None) -> None:
         self.model, self.checkpoint = model, checkpoint

@@ -1,5 +1,9 @@
 """Reading a safetensors checkpoint one tensor at a time, memory mapped, in its storage dtype.
 
+The one reader of `.safetensors` files (checkpoints, weight stores, pre-quantized
+checkpoints), torch-free, in the lowest layer so that every user may import it; `serialize`
+the one writer's bytes.
+
 A checkpoint directory holds `model.safetensors`, or shards listed by
 `model.safetensors.index.json` (`weight_map`: tensor name -> shard file name), or (without an
 index) any `*.safetensors` files. `CheckpointReader.open` reads the index and every shard's
@@ -35,6 +39,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save as _save_numpy
 
 from toptpu.backend.contract import (
     ModelDirFileError,
@@ -266,6 +271,12 @@ class CheckpointReader:
         return cls(directory, {n: Shard(directory, n) for n in names})
 
     @classmethod
+    def file(cls, path: str) -> CheckpointReader:
+        """One safetensors file of any name (a weight store, one shard), its header checked."""
+        directory, name = os.path.split(os.path.abspath(path))
+        return cls(directory, {name: Shard(directory, name)})
+
+    @classmethod
     def _indexed(cls, directory: str, index: str) -> CheckpointReader:
         try:
             data = read_model_file(directory, INDEX_FILE) or b""
@@ -338,3 +349,10 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def serialize(arrays: dict[str, np.ndarray]) -> bytes:
+    """`arrays` (bf16 as `ml_dtypes.bfloat16`) as the bytes of one safetensors file, by
+    safetensors' own serializer: the bytes `safetensors.torch.save` gives for the same
+    tensors, without torch."""
+    return bytes(_save_numpy({n: np.ascontiguousarray(a) for n, a in arrays.items()}))
