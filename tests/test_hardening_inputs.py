@@ -186,7 +186,7 @@ def test_index_shard_names_stay_inside(tmp_path, tiny) -> None:
     (tmp_path / "outside.safetensors").write_bytes(SECRET)
     os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "s1.safetensors"))
     os.symlink(str(tmp_path / "outside.safetensors"), os.path.join(d, "s2.safetensors"))
-    from toptpu.frontends.checkpoint_reader import CheckpointError, CheckpointReader
+    from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 
     with pytest.raises(ModelLoadError, match="s2.safetensors' is a symbolic link"):
         check_model_dir(d)
