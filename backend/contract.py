@@ -36,8 +36,10 @@ from typing import Any, Protocol
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 
+from toptpu.errors import ToptpuError
 
-class ContractError(ValueError):
+
+class ContractError(ToptpuError, ValueError):
     """A request the net contract cannot meet (shapes, net names); the message says why."""
 
 
@@ -418,7 +420,7 @@ REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 # ====================================================================== model directory files
 
 
-class ModelDirFileError(ValueError):
+class ModelDirFileError(ToptpuError, ValueError):
     """A file of a model directory that must not be read (a link out of the directory, a
     FIFO, a device, ...); the message names it and what to do."""
 

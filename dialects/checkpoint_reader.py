@@ -47,6 +47,7 @@ from toptpu.backend.contract import (
     parse_strict_json,
     read_model_file,
 )
+from toptpu.errors import ToptpuError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -66,7 +67,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ToptpuError, ValueError):
     """A checkpoint that cannot be read as it is; the message names the file and the fix."""
 
 

@@ -59,9 +59,10 @@ from xdsl.utils.lexer import Input, Span
 from xdsl.utils.mlir_lexer import MLIRLexer, MLIRToken, MLIRTokenKind, StringLiteral
 
 from toptpu.dialects import context
+from toptpu.errors import ToptpuError
 
 
-class IRTextError(ValueError):
+class IRTextError(ToptpuError, ValueError):
     """The text is not IR at all (empty, not UTF-8, binary); the message names the file."""
 
 
@@ -211,7 +212,7 @@ def decode_ir(data: bytes | str, name: str) -> str:
 OpStarts = Mapping[Operation, Span[str]]
 
 
-class IRVerifyError(VerifyException):
+class IRVerifyError(ToptpuError, VerifyException):
     """IR that parses but does not verify; with the op's place in the text when it was read
     from text (`location`: name:line:col, or the op; `reason`: what is wrong)."""
 

@@ -29,9 +29,10 @@ from xdsl.universe import Universe
 from toptpu.dialects import all_dialects, context
 from toptpu.dialects.ir_text import parse_ir, print_generic
 from toptpu.dialects.irdl_export import export_irdl
+from toptpu.errors import ToptpuError
 
 
-class MlirCheckError(Exception):
+class MlirCheckError(ToptpuError):
     pass
 
 

@@ -29,13 +29,15 @@ import stat
 from collections.abc import Iterator
 from typing import IO, Literal
 
+from toptpu.errors import ToptpuError
+
 #: a temporary file of a write of `NAME` by process PID is `.NAME{TEMP_MARK}PID`
 TEMP_MARK = ".tmp-"
 _FULL = {errno.ENOSPC: "no space left on the device",
          getattr(errno, "EDQUOT", -1): "the disk quota is exceeded"}
 
 
-class OutputPathError(Exception):
+class OutputPathError(ToptpuError):
     """An output path cannot be written as given; the message says why and what to do."""
 
 

@@ -36,6 +36,7 @@ from xdsl.dialects.builtin import ModuleOp, StringAttr
 from toptpu.dialects import top
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader, serialize
 from toptpu.dialects.output_file import open_output
+from toptpu.errors import ToptpuError
 
 STORE_ATTR = "top.weight_store"
 #: the prefix of a store that lives in this process only
@@ -44,7 +45,7 @@ MEMORY = "memory:"
 ANNEX = "#"
 
 
-class WeightStoreError(ValueError):
+class WeightStoreError(ToptpuError, ValueError):
     """A weight store that cannot be used (the module names none, a file that cannot be
     read, a store of another process, a store other than the one the passes were given)."""
 

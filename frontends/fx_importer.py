@@ -45,6 +45,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
+from toptpu.errors import ToptpuError
 
 aten = torch.ops.aten
 
@@ -52,7 +53,7 @@ aten = torch.ops.aten
 MAX_INLINE_CONSTANT = 1024
 
 
-class ImportError_(Exception):
+class ImportError_(ToptpuError):
     """Base class of import errors (named so it does not shadow the builtin)."""
 
 

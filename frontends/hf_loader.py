@@ -42,6 +42,7 @@ from toptpu.backend.contract import (
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.errors import ToptpuError
 from toptpu.frontends.quant import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
@@ -59,7 +60,7 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 _MAX_LISTED = 8
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(ToptpuError):
     """The model cannot be loaded or compiled as given; the message says what and why."""
 
 

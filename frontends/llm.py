@@ -73,9 +73,10 @@ from toptpu.backend.contract import (
     prefill_mask,
     sample_k,
 )
+from toptpu.errors import ToptpuError
 
 
-class SplitError(ValueError):
+class SplitError(ToptpuError, ValueError):
     """The model cannot be split into nets as asked (shapes, structure); the message says why."""
 
 

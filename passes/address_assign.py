@@ -31,6 +31,7 @@ from xdsl.passes import ModulePass
 from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
 from toptpu.dialects.common import i64_array
+from toptpu.errors import ToptpuError
 from toptpu.passes.util import require_level
 
 ALIGN = 64
@@ -40,7 +41,7 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class AddressError(Exception):
+class AddressError(ToptpuError):
     pass
 
 

@@ -93,6 +93,7 @@ from toptpu.dialects.common import (
     shape_of,
 )
 from toptpu.dialects.naming import NAME_ATTR, op_name, output_names, value_name
+from toptpu.errors import ToptpuError
 from toptpu.passes.util import require_level
 
 #: arg attribute naming the weight a function argument carries
@@ -101,7 +102,7 @@ WEIGHT_ARG_ATTR = "top.weight"
 Shape = tuple[int, ...]
 
 
-class LinalgLoweringError(Exception):
+class LinalgLoweringError(ToptpuError):
     """A Top op or type convert-top-to-linalg cannot lower (names the op)."""
 
 

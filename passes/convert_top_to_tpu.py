@@ -63,6 +63,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import op_name, set_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
+from toptpu.errors import ToptpuError
 from toptpu.passes.quantize import (
     CHECKPOINT_MODEL,
     QuantizationError,
@@ -76,7 +77,7 @@ from toptpu.passes.util import named_like, producer, require_level
 CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]
 
 
-class ConversionError(ValueError):
+class ConversionError(ToptpuError, ValueError):
     pass
 
 

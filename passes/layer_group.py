@@ -40,6 +40,7 @@ from toptpu.dialects.common import (
     tensor,
 )
 from toptpu.dialects.naming import op_name, set_name
+from toptpu.errors import ToptpuError
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
     HEADS_RESULT_AXIS,
@@ -56,7 +57,7 @@ from toptpu.passes.slicing import (
 from toptpu.passes.util import require_level
 
 
-class LayerGroupError(Exception):
+class LayerGroupError(ToptpuError):
     pass
 
 

@@ -36,11 +36,12 @@ from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
 from toptpu.dialects.common import read_int
 from toptpu.dialects.naming import op_name
+from toptpu.errors import ToptpuError
 
 BIG = 1 << 60
 
 
-class LocalMemoryError(Exception):
+class LocalMemoryError(ToptpuError):
     pass
 
 

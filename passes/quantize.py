@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from toptpu.dialects.weight_store import ANNEX, WeightStore
+from toptpu.errors import ToptpuError
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -31,7 +32,7 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-class QuantizationError(ValueError):
+class QuantizationError(ToptpuError, ValueError):
     pass
 
 

@@ -8,6 +8,7 @@ from xdsl.ir import Operation, OpResult, SSAValue
 from xdsl.utils.exceptions import DiagnosticException
 
 from toptpu.dialects.naming import op_name, set_name
+from toptpu.errors import ToptpuError
 
 OpT = TypeVar("OpT", bound=Operation)
 
@@ -42,7 +43,7 @@ def inverse_permutation(order: list[int]) -> list[int]:
     return inv
 
 
-class IRLevelError(DiagnosticException):
+class IRLevelError(ToptpuError, DiagnosticException):
     """A pass given IR of the other level (Tpu IR to a pass that takes Top IR, or the
     reverse): a mistake of the command line, named before the pass changes anything."""
 

@@ -30,10 +30,11 @@ from toptpu.dialects.common import (
     read_str,
     shape_of,
 )
+from toptpu.errors import ToptpuError
 from toptpu.passes.quantize import quantize_rtn
 
 
-class RecipeError(ValueError):
+class RecipeError(ToptpuError, ValueError):
     """A tpu.weight whose recipe cannot be followed; the message names it."""
 
 

@@ -48,6 +48,7 @@ from toptpu.backend.contract import (
 from toptpu.backend.runtime.accounting import StepModel
 from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE
+from toptpu.errors import CompileError, ToptpuError
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs
 from toptpu.paths import open_output, write_output
 
@@ -68,7 +69,7 @@ PREFILL_FIGURES = ("compute_efficiency",)
 DECODE_NETS = (EMBEDDING_CACHE, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
 
 
-class CalibrationError(ValueError):
+class CalibrationError(ToptpuError, ValueError):
     pass
 
 
@@ -184,8 +185,6 @@ def row_chip(row: Row, figures: Mapping[str, Any] | None = None) -> Chip:
 def compile_row(row: Row, chip: Chip | None = None, progress: Any = None) -> CompiledCosts:
     """The row's decode and first-token nets compiled for its chip (one layer), with the
     largest prefill chunk that fits local memory (`Row.chunks`)."""
-    from toptpu.compile_options import CompileError
-
     chip = chip or row_chip(row)
     config = row.config()
     for chunk in row.chunks:

@@ -24,13 +24,13 @@ from toptpu.compare import (
     compare_stages,
     tpu_threshold,
 )
+from toptpu.errors import ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
-from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
+from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
-from toptpu.passes.quantize import QuantizationError
 from toptpu.paths import check_not_inside, check_output_dir
 from toptpu.profile_cli import add_profile_parser
 from toptpu.sweep import add_sweep_parser
@@ -193,7 +193,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             run_passes(tpu_module, tpu_pipeline_passes(args.mode, group_size, args.symmetric),
                        store=store)
-        except (ConversionError, QuantizationError) as e:
+        except ToptpuError as e:
             raise CompileError(f"the tpu stage ({args.mode}): {e}") from e
         stages["tpu"] = IRStage(f"tpu-{args.mode}", tpu_module, store)
     arrays = {k: v.numpy() for k, v in feeds.items()}
@@ -301,7 +301,7 @@ def run_command(args: argparse.Namespace) -> int:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
             print(f"{cmd}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
             return 128 + signum
-        except llm_cli.user_errors() as e:
+        except ToptpuError as e:
             print(f"{cmd}: error: {e}", file=sys.stderr)
             return 1
         except MemoryError as e:  # the advice names the size behind the buffer

@@ -14,10 +14,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from toptpu.errors import ToptpuError
+
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
-class UsageError(Exception):
+class UsageError(ToptpuError):
     """Arguments that do not go together or name nothing; the message says what to do."""
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from toptpu.backend.contract import StaticShapes, parse_strict_json
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
+from toptpu.errors import CompileError
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -31,10 +32,6 @@ from toptpu.paths import (
     check_output_file,
     is_inside,
 )
-
-
-class CompileError(Exception):
-    """The model cannot be compiled as asked; the message names the problem and the fix."""
 
 
 def known_chips() -> tuple[str, ...]:

@@ -48,7 +48,6 @@ from xdsl.ir import BlockArgument
 from xdsl.passes import ModulePass
 from xdsl.printer import Printer
 
-from toptpu.backend.codegen.streams import CodegenError
 from toptpu.backend.contract import (
     BLOCK,
     HISTORY_K,
@@ -97,6 +96,7 @@ from toptpu.dialects.common import QuantMode, numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
 from toptpu.dialects.output_file import write_output
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
+from toptpu.errors import ToptpuError
 from toptpu.frontends.fx_importer import ImportError_, import_module
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
 from toptpu.frontends.llm import (
@@ -110,12 +110,8 @@ from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
 from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
 from toptpu.machine_pipeline import compile_for_machine
-from toptpu.passes.address_assign import AddressError
-from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
-from toptpu.passes.layer_group import LayerGroupError
-from toptpu.passes.lmem import LocalMemoryError
+from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
-from toptpu.passes.quantize import QuantizationError
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
 from toptpu.prequantized import (
     add_checkpoint_tensors,
@@ -580,11 +576,11 @@ def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progr
                                                plan.options.symmetric,
                                                keep_input_types=spec.keep_input_types),
                    after=after, store=store)
-    except (ConversionError, QuantizationError) as e:
+    except ToptpuError as e:  # lowering: a mode or weight the net cannot take
         raise CompileError(f"net '{net.name}': {e}") from e
     try:  # on a copy: the net's Tpu IR in the model file is the ungrouped one
         program = compile_for_machine(module.clone(), plan.chip, after=after)
-    except (LayerGroupError, LocalMemoryError, AddressError, CodegenError) as e:
+    except ToptpuError as e:  # the machine passes and codegen: what the chip cannot hold
         raise CompileError(f"net '{net.name}' on {plan.chip}: {e}") from e
     ins, outs = _io_specs(module)
     seconds = time.perf_counter() - t0

@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from toptpu.backend.codegen.streams import CodegenError
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
@@ -57,13 +56,10 @@ from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
 from toptpu.cli_args import UsageError, group_size, int_at_least
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
+from toptpu.errors import CompileError, ToptpuError
 from toptpu.machine_pipeline import compile_for_machine
-from toptpu.passes.address_assign import AddressError
-from toptpu.passes.convert_top_to_tpu import ConversionError, parse_mode
-from toptpu.passes.layer_group import LayerGroupError
-from toptpu.passes.lmem import LocalMemoryError
+from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
-from toptpu.passes.quantize import QuantizationError
 
 #: the nets a decode-speed and first-token estimate needs (prompts of at most one chunk)
 STEP_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
@@ -185,8 +181,7 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
                 symmetric: bool | None, chip: Chip) -> Program:
     """One net as `toptpu compile` compiles it, on any chip: its command streams."""
-    from toptpu.compile_options import CompileError
-    from toptpu.frontends.fx_importer import ImportError_, import_module
+    from toptpu.frontends.fx_importer import import_module
 
     try:
         module, _ = import_module(spec.module, spec.args, store=store,
@@ -196,10 +191,11 @@ def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
         run_passes(module, tpu_pipeline_passes(spec.mode or mode, group_size, symmetric,
                                                keep_input_types=spec.keep_input_types),
                    store=store)
-        return compile_for_machine(module, chip)
-    except (ImportError_, ConversionError, QuantizationError) as e:
+    except ToptpuError as e:  # importing or lowering the net
         raise CompileError(f"net '{spec.name}': {e}") from e
-    except (LayerGroupError, LocalMemoryError, AddressError, CodegenError) as e:
+    try:
+        return compile_for_machine(module, chip)
+    except ToptpuError as e:  # the machine passes and codegen: what the chip cannot hold
         raise CompileError(f"net '{spec.name}' on {chip.name}: {e}") from e
 
 
@@ -418,7 +414,6 @@ def read_checked_config(config_dir: str, mode: str, seq_length: int,
     """The config of `config_dir`, checked as `toptpu compile` checks it for `mode` and
     `seq_length` (a user error names the problem)."""
     from toptpu.compile_options import (
-        CompileError,
         check_group_size,
         check_quant_options,
         check_seq_length,
@@ -441,8 +436,6 @@ def read_checked_config(config_dir: str, mode: str, seq_length: int,
 def cmd_estimate(args: Any) -> int:
     """Modelled time to first token and decode speed of a model on a chip, from its
     config.json alone (one layer compiled with placeholder weights)."""
-    from toptpu.compile_options import CompileError
-
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
         base = get_chip(args.chip)

@@ -2,8 +2,8 @@
 part of `toptpu demo`). `toptpu.cli` registers them; they live here to keep that file small.
 
 Errors a user can cause (bad model directory, unknown mode or chip, corrupt model file,
-prompt longer than the compiled shapes, ...) are raised as the exceptions `user_errors()`
-lists; `toptpu.cli.main` prints them as one `toptpu <cmd>: error: ...` line on stderr and
+prompt longer than the compiled shapes, ...) are `toptpu.errors.ToptpuError`s;
+`toptpu.cli.main` prints them as one `toptpu <cmd>: error: ...` line on stderr and
 exits with status 1; no traceback. Bad argument values are refused by argparse (status 2).
 """
 
@@ -17,10 +17,6 @@ import time
 from typing import Any
 
 from toptpu.backend.contract import REPETITION_PENALTY_RANGE
-from toptpu.backend.formats.model_file import ModelFileError
-from toptpu.backend.runtime.errors import MachineTrap
-from toptpu.backend.runtime.interpreter_executor import ExecutorError
-from toptpu.backend.runtime.machine_executor import MachineExecutorError
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
     GenerationError,
@@ -39,24 +35,11 @@ from toptpu.cli_args import (
     utf8_text,
 )
 from toptpu.dialects.common import QuantMode
-from toptpu.paths import OutputPathError
+from toptpu.errors import ToptpuError
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
 RUN_JSON_SCHEMA = 1
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions caused by the user's input, reported as one line (called only when an
-    exception reaches `toptpu.cli.main`)."""
-    # torch: the compile-side errors live in modules that load it (`run` and `chat` load
-    # them only on the way out with an error)
-    from toptpu.compiler import CompileError
-    from toptpu.frontends.hf_loader import ModelLoadError
-    from toptpu.frontends.llm import SplitError
-
-    return (ModelLoadError, CompileError, ModelFileError, GenerationError, ExecutorError,
-            SplitError, OutputPathError, UsageError, MachineTrap, MachineExecutorError)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -347,7 +330,7 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
             try:
                 path, msg = _image_command(msg)
                 enc = rt.encode_image(path)
-            except (ValueError, *user_errors()) as e:  # bad image, text-only model file
+            except (ValueError, ToptpuError) as e:  # bad image, text-only model file
                 print(f"[{e}]", file=sys.stderr)
                 continue
             images.append(enc)

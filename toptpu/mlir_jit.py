@@ -36,6 +36,7 @@ from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.mlir_check import MlirCheckError, describe_mlir_error
 from toptpu.dialects.naming import NAME_ATTR, input_names, output_names
 from toptpu.dialects.weight_store import WeightStore, store_for
+from toptpu.errors import ToptpuError
 from toptpu.passes.convert_top_to_linalg import WEIGHT_ARG_ATTR, ConvertTopToLinalgPass
 
 #: MLIR 22 pass pipeline from linalg-on-tensors to the LLVM dialect
@@ -60,7 +61,7 @@ LOWERING_PIPELINE = ",".join([
 ])
 
 
-class MLIRJitError(Exception):
+class MLIRJitError(ToptpuError):
     pass
 
 

@@ -62,34 +62,23 @@ from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseE
 from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
-from toptpu.backend.codegen.streams import CodegenError, generate
-from toptpu.backend.target.chips import DEFAULT_CHIP, UnknownChipError, get_chip
+from toptpu.backend.codegen.streams import generate
+from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
-from toptpu.dialects.mlir_check import MlirCheckError
 from toptpu.dialects.output_file import OutputPathError, output_target, write_output
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
     WeightStore,
-    WeightStoreError,
     needed_names,
 )
-from toptpu.passes.address_assign import AddressError
-from toptpu.passes.convert_top_to_linalg import LinalgLoweringError
-from toptpu.passes.convert_top_to_tpu import ConversionError
-from toptpu.passes.layer_group import LayerGroupError
-from toptpu.passes.lmem import LocalMemoryError
+from toptpu.errors import ToptpuError
 from toptpu.passes.pipelines import all_passes
-from toptpu.passes.quantize import QuantizationError
-from toptpu.passes.weight_recipe import RecipeError
 
-#: what a pass raises on purpose when it refuses valid IR (anything else is a bug);
-#: WeightStoreError: the weight store the IR names is missing or unreadable
-PASS_ERRORS: tuple[type[Exception], ...] = (
-    DiagnosticException, ConversionError, QuantizationError, RecipeError, LocalMemoryError,
-    LayerGroupError, AddressError, LinalgLoweringError, MlirCheckError, WeightStoreError,
-    UnknownChipError)
+#: what a pass raises on purpose when it refuses valid IR (anything else is a bug): xDSL's
+#: diagnostics and toptpu's user-facing errors (`toptpu.errors.ToptpuError`)
+PASS_ERRORS: tuple[type[Exception], ...] = (DiagnosticException, ToptpuError)
 
 #: exit status of an internal error (sysexits' EX_SOFTWARE)
 EXIT_INTERNAL = 70
@@ -98,7 +87,7 @@ BUG_HINT = ("this is a bug in toptpu, not in your input: please report it with t
             "and the command line")
 
 
-class OptInputError(ValueError):
+class OptInputError(ToptpuError, ValueError):
     """A command-line path that cannot be used (missing, a directory, unreadable)."""
 
 
@@ -111,7 +100,7 @@ def companion_weights_path(output: str) -> str:
     return output.removesuffix(".mlir") + WEIGHTS_SUFFIX
 
 
-class PassError(DiagnosticException):
+class PassError(ToptpuError, DiagnosticException):
     """A pass refused the IR; names the pass."""
 
     def __init__(self, pass_name: str, error: Exception) -> None:
@@ -250,7 +239,7 @@ class CommandsTarget(Target):
             for fn in module.ops:
                 if isinstance(fn, func.FuncOp):
                     print(generate(module, fn, chip).text(), file=output)
-        except (CodegenError, AddressError, LocalMemoryError, UnknownChipError) as e:
+        except ToptpuError as e:
             raise ValueError(f"-t commands: {e}") from None
 
 

@@ -37,6 +37,7 @@ from toptpu.backend.target.chips import (
     get_chip,
 )
 from toptpu.cli_args import UsageError, finite_float, int_at_least
+from toptpu.errors import CompileError
 from toptpu.estimate import (
     STEP_NETS,
     EstimateError,
@@ -112,8 +113,6 @@ def check_points(points: Sequence[Point]) -> None:
 
 def run_point(point: Point) -> dict[str, Any]:
     """One grid point's CSV row: compile on its chip, estimate (greedy, one full chunk)."""
-    from toptpu.compile_options import CompileError
-
     chip = point.chip_model()
     row: dict[str, Any] = {"config": point.config_dir, "mode": point.mode,
                            "seq_length": point.seq_length, "chip": point.chip,

@@ -48,9 +48,10 @@ from toptpu.dialects import tpu
 from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.naming import input_names, op_name, output_names
+from toptpu.errors import ToptpuError
 
 
-class CodegenError(ValueError):
+class CodegenError(ToptpuError, ValueError):
     """The IR is not ready for codegen (not grouped, allocated or addressed); the message
     names the pass to run."""
 

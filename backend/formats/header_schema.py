@@ -19,11 +19,13 @@ from dataclasses import MISSING, dataclass, fields, is_dataclass
 from enum import Enum
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from toptpu.errors import ToptpuError
+
 #: the largest integer a header field may hold (exact in every JSON reader)
 MAX_INT = 2**53 - 1
 
 
-class HeaderError(ValueError):
+class HeaderError(ToptpuError, ValueError):
     """A header field that does not fit the schema: `field` is its path (`nets.block.ir`)."""
 
     def __init__(self, field: str, problem: str) -> None:

@@ -54,6 +54,7 @@ from toptpu.dialects.output_file import (
 from toptpu.dialects.output_file import (
     temp_path as temp_path,
 )
+from toptpu.errors import ToptpuError
 
 MAGIC = b"TOPTPU\x00\x01"
 FORMAT_VERSION = 2
@@ -67,7 +68,7 @@ SECTIONS_KEY = "sections"
 _ENTRY_KEYS = ("name", "offset", "size", "sha256")
 
 
-class ModelFileError(Exception):
+class ModelFileError(ToptpuError):
     """A model file that cannot be used; the message names the problem."""
 
 

@@ -44,9 +44,10 @@ from toptpu.dialects import tpu
 from toptpu.dialects.common import constant_value
 from toptpu.dialects.ir_text import parse_ir
 from toptpu.dialects.weight_store import WeightStore
+from toptpu.errors import ToptpuError
 
 
-class StreamError(ValueError):
+class StreamError(ToptpuError, ValueError):
     """A program (command stream) that cannot be used; the message says which field and
     what to do."""
 

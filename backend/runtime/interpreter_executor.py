@@ -58,9 +58,10 @@ from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
 from toptpu.dialects.ir_text import one_line
 from toptpu.dialects.naming import input_names, output_names
+from toptpu.errors import ToptpuError
 
 
-class ExecutorError(RuntimeError):
+class ExecutorError(ToptpuError, RuntimeError):
     """A net run that cannot proceed (bad binding, unknown net, ...); the message says why."""
 
 

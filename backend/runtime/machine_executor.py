@@ -52,9 +52,10 @@ from toptpu.backend.target.cost import NetTiming
 from toptpu.dialects import tpu
 from toptpu.dialects.common import read_float, read_int
 from toptpu.dialects.ir_text import one_line
+from toptpu.errors import ToptpuError
 
 
-class MachineExecutorError(RuntimeError):
+class MachineExecutorError(ToptpuError, RuntimeError):
     pass
 
 

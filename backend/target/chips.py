@@ -35,12 +35,14 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from typing import Any
 
+from toptpu.errors import ToptpuError
 
-class UnknownChipError(ValueError):
+
+class UnknownChipError(ToptpuError, ValueError):
     pass
 
 
-class ChipFigureError(ValueError):
+class ChipFigureError(ToptpuError, ValueError):
     """A chip figure out of range (a sweep or a preset); the message names it."""
 
 

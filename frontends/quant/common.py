@@ -22,6 +22,7 @@ import numpy as np
 
 from toptpu.backend.contract import ModelDirFileError, model_file_path, read_model_file
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.errors import ToptpuError
 
 #: bit widths the readers decode (one value never straddles an int32 word)
 SUPPORTED_BITS: tuple[int, ...] = (4, 8)
@@ -45,7 +46,7 @@ QUANT_ONLY_FIELDS = frozenset(
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 
 
-class QuantizedCheckpointError(ValueError):
+class QuantizedCheckpointError(ToptpuError, ValueError):
     """A quantized checkpoint that cannot be read exactly; the message names what and why."""
 
 

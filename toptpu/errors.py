@@ -1,0 +1,22 @@
+"""The one base of toptpu's user-facing errors.
+
+A `ToptpuError` means the input or the request is the problem, not toptpu: its message
+names the thing (file, field, op, value) and what to do, and every command line reports it
+as one line with exit status 1 (xDSL's `DiagnosticException` plays the same part for IR it
+cannot parse or verify). Anything else that reaches a command line is a bug in toptpu and
+is reported as one (exit 70). Each layer's errors derive from it (often together with the
+built-in class they always were, `ValueError` for most), so a driver catches them with
+one `except ToptpuError`, never with a tuple that must list every module's class.
+
+A leaf module: every package may import it and it imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+
+class ToptpuError(Exception):
+    """Bad input or a request toptpu cannot fulfil; the message says why and what to do."""
+
+
+class CompileError(ToptpuError):
+    """The model cannot be compiled as asked; the message names the problem and the fix."""
