@@ -26,13 +26,10 @@ import pytest
 from fuzz import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
-from xdsl.dialects.builtin import StringAttr
 
+from helpers import decoder_layer_ir
 from toptpu import opt
 from toptpu.cli import main as toptpu_main
-from toptpu.compiler import print_ir
-from toptpu.dialects.weight_store import STORE_ATTR
-from toptpu.frontends.hf_layers import import_decoder_layer
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.passes.pipelines import all_passes
 
@@ -65,13 +62,9 @@ def assert_user_error(rc: int, err: str, *parts: str) -> None:
 def irs(tiny_models, tmp_path_factory) -> dict[str, str]:
     """Paths of a qwen2 layer's IR as imported ('top') and of its store ('weights')."""
     d = str(tmp_path_factory.mktemp("hardening_opt"))
-    imp = import_decoder_layer(tiny_models("qwen2"), 8, top_pipeline=False)
-    weights = os.path.join(d, "weights.safetensors")
-    imp.store.save(weights)
-    imp.module.attributes[STORE_ATTR] = StringAttr(weights)
-    paths = {"top": os.path.join(d, "top.mlir"), "weights": weights}
+    paths = {"top": os.path.join(d, "top.mlir"), "weights": os.path.join(d, "weights.safetensors")}
     with open(paths["top"], "w") as f:
-        f.write(print_ir(imp.module, generic=False))
+        f.write(decoder_layer_ir(tiny_models("qwen2"), d))
     return paths
 
 

@@ -32,6 +32,7 @@ from xdsl.parser import Parser
 from xdsl.utils.exceptions import ParseError
 from xdsl.utils.lexer import Input
 
+from helpers import decoder_layer_ir
 from toptpu import opt
 from toptpu.compiler import print_ir
 from toptpu.dialects.ir_text import (
@@ -43,7 +44,6 @@ from toptpu.dialects.ir_text import (
 )
 from toptpu.dialects.top import Top
 from toptpu.dialects.weight_store import STORE_ATTR
-from toptpu.frontends.hf_layers import import_decoder_layer
 
 #: per example: far above the ~0.1-1 s an example takes, far below a hang
 HANG_SECONDS = 30.0
@@ -99,11 +99,7 @@ def check_answer(path: str, rc: int, out: str, err: str, seconds: float) -> None
 def layer_ir(tiny_models, tmp_path_factory) -> tuple[str, str]:
     """(directory, text): a qwen2 decoder layer as `--dump-ir` writes it after import."""
     d = str(tmp_path_factory.mktemp("ir_fuzz"))
-    imp = import_decoder_layer(tiny_models("qwen2"), 8, top_pipeline=False)
-    weights = os.path.join(d, "weights.safetensors")
-    imp.store.save(weights)
-    imp.module.attributes[STORE_ATTR] = StringAttr(weights)
-    return d, print_ir(imp.module, generic=False)
+    return d, decoder_layer_ir(tiny_models("qwen2"), d)
 
 
 # -- mutations ----------------------------------------------------------------------------------
