@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
@@ -83,10 +84,16 @@ class TopPipeline(ModulePass):
     """shape-infer, canonicalize, fuse, canonicalize."""
 
     name = "top-pipeline"
+    LEVEL: ClassVar[str] = "top"
+
+    def inner_passes(self) -> list[ModulePass]:
+        """The passes this pipeline runs, in order (toptpu-opt shows, times and prints
+        between them)."""
+        return top_pipeline_passes()
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        require_level(op, "top", self.name)
-        run_passes(op, top_pipeline_passes(), ctx)
+        require_level(op, self.LEVEL, self.name)
+        run_passes(op, self.inner_passes(), ctx)
 
 
 def tpu_pipeline_passes(mode: str = "f32", group_size: int = DEFAULT_GROUP_SIZE,
@@ -117,13 +124,18 @@ class MachinePipeline(ModulePass):
     """layer-group, lmem-verify, address-assign (the passes before codegen)."""
 
     name = "machine-pipeline"
+    LEVEL: ClassVar[str] = "tpu"
 
     chip: str = DEFAULT_CHIP
     max_ops: int = 12
 
+    def inner_passes(self) -> list[ModulePass]:
+        """The passes this pipeline runs, in order."""
+        return machine_passes(self.chip, self.max_ops)
+
     def apply(self, ctx: Context, op: ModuleOp) -> None:
-        require_level(op, "tpu", self.name)
-        run_passes(op, machine_passes(self.chip, self.max_ops), ctx)
+        require_level(op, self.LEVEL, self.name)
+        run_passes(op, self.inner_passes(), ctx)
 
 
 @dataclass(frozen=True)
@@ -132,6 +144,7 @@ class TpuPipeline(ModulePass):
     address-assign (the machine passes are skipped with chip=none)."""
 
     name = "tpu-pipeline"
+    LEVEL: ClassVar[str] = "top"
 
     mode: str = "f32"
     chip: str = DEFAULT_CHIP
@@ -139,11 +152,48 @@ class TpuPipeline(ModulePass):
     symmetric: bool | None = None
     keep_float: str = "lm_head"
 
-    def apply(self, ctx: Context, op: ModuleOp) -> None:
-        require_level(op, "top", self.name)
+    def inner_passes(self) -> list[ModulePass]:
+        """The passes this pipeline runs, in order."""
         chip = None if self.chip == "none" else self.chip
-        run_passes(op, tpu_pipeline_passes(self.mode, self.group_size, self.symmetric,
-                                           self.keep_float, chip), ctx)
+        return tpu_pipeline_passes(self.mode, self.group_size, self.symmetric,
+                                   self.keep_float, chip)
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, self.LEVEL, self.name)
+        run_passes(op, self.inner_passes(), ctx)
+
+
+@dataclass(frozen=True)
+class PipelineEntry(ModulePass):
+    """Where an expanded pipeline starts: the level check the pipeline makes of its input
+    (`expand_pipelines`); it changes nothing."""
+
+    name = "pipeline-entry"
+
+    pipeline: str = ""
+    level: str = "top"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, self.level, self.pipeline)
+
+
+def expand_pipelines(passes: Sequence[ModulePass]) -> list[ModulePass]:
+    """`passes` with every named pipeline replaced by its level check (`PipelineEntry`) and
+    the passes it runs (recursively), as mlir-opt expands a pipeline alias: what
+    --time-passes and --print-between-passes see."""
+    out: list[ModulePass] = []
+    for p in passes:
+        inner = getattr(p, "inner_passes", None)
+        if callable(inner):
+            out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
+            out.extend(expand_pipelines(inner()))
+        else:
+            out.append(p)
+    return out
+
+
+#: the named pipelines
+PIPELINES: tuple[type[ModulePass], ...] = (TopPipeline, TpuPipeline, MachinePipeline)
 
 
 def all_passes() -> dict[str, type[ModulePass]]:

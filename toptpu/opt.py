@@ -46,6 +46,7 @@ import os
 import re
 import stat
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
+from xdsl.printer import Printer
 from xdsl.universe import Universe
 from xdsl.utils.arg_spec import _convert_arg_to_type, parse_pipeline, parse_spec
 from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseError
@@ -74,7 +76,7 @@ from toptpu.dialects.weight_store import (
     needed_names,
 )
 from toptpu.errors import ToptpuError
-from toptpu.passes.pipelines import all_passes
+from toptpu.passes.pipelines import PIPELINES, PipelineEntry, all_passes, expand_pipelines
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug): xDSL's
 #: diagnostics and toptpu's user-facing errors (`toptpu.errors.ToptpuError`)
@@ -189,6 +191,36 @@ def _describe_type(hint: Any) -> str:
     return text
 
 
+def pass_options(cls: type[ModulePass]) -> list[tuple[str, str, Any]]:
+    """A pass's options as -p spells them: (name, what it takes, default)."""
+    hints = get_type_hints(cls)
+    return [(f.name.replace("_", "-"), _describe_type(hints[f.name]), f.default)
+            for f in dataclasses.fields(cls) if f.init and f.name != "name"]  # type: ignore[arg-type]
+
+
+def passes_help() -> str:
+    """The epilog of --help: toptpu's pipelines, then its passes, each with a one-line
+    description and its options (type and default), as mlir-opt lists its passes."""
+    ours = all_passes()
+    groups = (("toptpu pipelines", [n for n, c in ours.items() if c in PIPELINES]),
+              ("toptpu passes", [n for n, c in ours.items() if c not in PIPELINES]))
+    lines: list[str] = []
+    w = max(len(n) for n in ours) + 2
+    for title, names in groups:
+        lines.append(f"{title} (-p 'NAME{{option=value ...}}'):")
+        for name in names:
+            cls = ours[name]
+            doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+            lines.append(f"  {name:<{w}} {doc}")
+            for opt, takes, default in pass_options(cls):
+                shown = "none" if default is None else (
+                    str(default).lower() if isinstance(default, bool) else default)
+                lines.append(f"  {'':<{w}}   {opt}: {takes} (default {shown})")
+        lines.append("")
+    lines.append("xDSL's own passes run too: --list-xdsl-passes lists them.")
+    return "\n".join(lines)
+
+
 def check_pipeline_spec(spec: str,
                         available: dict[str, Any]) -> None:
     """Refuse a `-p` pipeline that xDSL would refuse (or crash on), in one line naming the
@@ -279,6 +311,34 @@ class ToptpuOptMain(xDSLOptMain):
         except (ValueError, TypeError) as e:  # a pass refusing its options when made
             spec = self.args.passes
             raise OptInputError(f"-p {spec!r}: {e}") from None
+        # the named pipelines run as the passes they are made of, so that timing and the IR
+        # printed between passes look inside them (as mlir-opt expands a pipeline alias)
+        self.pass_times: list[tuple[str, float]] = []
+        self.pipeline = PassPipeline(tuple(expand_pipelines(self.pipeline.passes)),
+                                     self._between_passes)
+
+    def _between_passes(self, prev: ModulePass | None, module: ModuleOp,
+                        nxt: ModulePass | None) -> None:
+        """After `prev` and before `nxt`: its time (--time-passes), the IR after it
+        (--print-between-passes), both on stderr: stdout holds the result alone."""
+        now = time.perf_counter()
+        if prev is not None and not isinstance(prev, PipelineEntry):
+            self.pass_times.append((prev.name, now - self._pass_started))
+            if self.args.print_between_passes and nxt is not None:
+                print(f"// -----// IR after {prev.name} //----- //", file=sys.stderr)
+                Printer(stream=sys.stderr, print_generic_format=self.args.print_op_generic,
+                        print_debuginfo=self.args.print_debuginfo).print_op(module)
+                print("\n", file=sys.stderr)
+        self._pass_started = time.perf_counter()
+
+    def timing_report(self) -> str:
+        """--time-passes: each pass's wall time and share, mlir-opt's report in short."""
+        total = sum(t for _, t in self.pass_times) or 1e-12
+        lines = ["===-- toptpu-opt: pass execution timing --===",
+                 f"  {'wall (s)':>10} {'share':>7}  pass"]
+        lines += [f"  {t:>10.4f} {100 * t / total:>6.1f}%  {n}" for n, t in self.pass_times]
+        lines.append(f"  {total:>10.4f} {100.0:>6.1f}%  total")
+        return "\n".join(lines)
 
     def register_all_targets(self) -> None:
         super().register_all_targets()
@@ -287,16 +347,27 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)
 
-        lines = ["toptpu passes:"]
-        for name, cls in all_passes().items():
-            doc = (cls.__doc__ or "").strip().splitlines()
-            lines.append(f"  {name:<24} {doc[0] if doc else ''}")
+        for action in arg_parser._actions:  # xDSL's -p help lists ~150 passes, most not ours
+            if action.dest == "passes":
+                action.help = ("the passes to run, comma-separated, with options in braces: "
+                               "-p 'top-pipeline,tpu-pipeline{mode=w4bf16 chip=bm1684x}'. "
+                               "toptpu's passes and pipelines are listed below; xDSL's with "
+                               "--list-xdsl-passes")
+            if action.dest == "print_debuginfo":
+                action.help = ("print locations on stdout too (the output of -o keeps them "
+                               "unless --strip-debuginfo)")
+        arg_parser.add_argument(
+            "--strip-debuginfo", action="store_true",
+            help="drop the locations from the output of -o (kept by default)")
+        arg_parser.add_argument(
+            "--list-xdsl-passes", action="store_true",
+            help="list the xDSL passes toptpu-opt also knows, and exit")
         arg_parser.add_argument(
             "--weights-out", metavar="PATH", default=None,
             help="where the tensors the passes derive go (a .safetensors file; the result's "
                  f"top.weight_store points at it); default with -o OUT.mlir: "
                  f"OUT{WEIGHTS_SUFFIX}; required when the result goes to stdout")
-        arg_parser.epilog = "\n".join(lines)
+        arg_parser.epilog = passes_help()
         arg_parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
     # -- input and output ----------------------------------------------------------------------
@@ -332,7 +403,15 @@ class ToptpuOptMain(xDSLOptMain):
         return self._kept_output
 
     def run(self) -> None:
+        if self.args.list_xdsl_passes:
+            ours = all_passes()
+            print("\n".join(n for n in sorted(self.available_passes) if n not in ours))
+            return
+        if self.args.output_file is not None and not self.args.strip_debuginfo:
+            self.args.print_debuginfo = True  # a file keeps where each op came from
         super().run()
+        if self.args.time_passes:
+            print(self.timing_report(), file=sys.stderr)
         if self._pending_weights is not None:
             pending = self._pending_weights
             try:
@@ -413,10 +492,10 @@ class ToptpuOptMain(xDSLOptMain):
 
         def callback(prev: ModulePass | None, module: ModuleOp, nxt: ModulePass | None) -> None:
             state["running"], state["verifying_after"] = None, prev
-            if pipeline.callback is not None:  # xDSL's: verifies, times, prints between passes
-                pipeline.callback(prev, module, nxt)
             if prev is not None and not self.args.disable_verify:
-                verify_ir(module)  # defined-before-use too, which xDSL's verifier skips
+                verify_ir(module)  # xDSL's verifier, and defined-before-use, which it skips
+            if pipeline.callback is not None:  # times and prints between passes
+                pipeline.callback(prev, module, nxt)
             state["running"], state["verifying_after"] = nxt, None
 
         try:
@@ -426,7 +505,8 @@ class ToptpuOptMain(xDSLOptMain):
             if after is not None:
                 raise InternalError(f"pass '{after.name}' left IR that does not verify",
                                     e) from e
-            name = running.name if running is not None else "?"
+            name = "?" if running is None else (
+                running.pipeline if isinstance(running, PipelineEntry) else running.name)
             if isinstance(e, PASS_ERRORS):
                 raise PassError(name, e) from e
             raise InternalError(f"pass '{name}' crashed", e) from e

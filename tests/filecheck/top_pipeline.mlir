@@ -1,6 +1,6 @@
-// RUN: toptpu-opt %s -p top-pipeline -o %t.pipeline
+// RUN: toptpu-opt %s -p top-pipeline --strip-debuginfo -o %t.pipeline
 // RUN: filecheck %s --input-file %t.pipeline
-// RUN: toptpu-opt %s -p shape-infer,canonicalize,fuse,canonicalize -o %t.passes
+// RUN: toptpu-opt %s -p shape-infer,canonicalize,fuse,canonicalize --strip-debuginfo -o %t.passes
 // RUN: diff %t.pipeline %t.passes
 
 // top-pipeline = shape-infer, canonicalize, fuse, canonicalize (the diff: the same text as

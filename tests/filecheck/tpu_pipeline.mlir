@@ -1,7 +1,7 @@
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s > %t.mlir
-// RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=bf16}' --weights-out %t.weights.safetensors -o %t.pipeline
+// RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=bf16}' --weights-out %t.weights.safetensors --strip-debuginfo -o %t.pipeline
 // RUN: filecheck %s --input-file %t.pipeline
-// RUN: toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=bf16},canonicalize,weight-reorder,layer-group{chip=bm1684x},lmem-verify{chip=bm1684x},address-assign' --weights-out %t.weights.safetensors -o %t.passes
+// RUN: toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=bf16},canonicalize,weight-reorder,layer-group{chip=bm1684x},lmem-verify{chip=bm1684x},address-assign' --weights-out %t.weights.safetensors --strip-debuginfo -o %t.passes
 // RUN: diff %t.pipeline %t.passes
 // RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=w4bf16 chip=none group-size=32}' --weights-out %t.weights.safetensors | filecheck %s --check-prefix=NOCHIP
 

@@ -1,0 +1,78 @@
+"""toptpu-opt as mlir-opt users expect it: --help lists toptpu's pipelines and passes with
+their options and defaults (xDSL's behind a flag), --time-passes and --print-between-passes
+look inside the named pipelines and write to stderr (stdout holds the result alone), and the
+output of -o keeps the locations."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+
+import pytest
+
+from helpers import decoder_layer_ir
+from toptpu import opt
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = opt.main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def top_ir(tiny_models, tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("opt_driver"))
+    path = os.path.join(d, "top.mlir")
+    with open(path, "w") as f:
+        f.write(decoder_layer_ir(tiny_models("qwen2"), d))
+    return path
+
+
+def test_help_lists_pipelines_and_passes_with_options_and_defaults() -> None:
+    text = opt.passes_help()
+    pipelines, passes = text.split("toptpu passes")
+    assert "tpu-pipeline" in pipelines and "top-pipeline" in pipelines
+    assert re.search(r"\n\s+group-size: an integer \(default 64\)", pipelines)
+    assert re.search(r"\n\s+chip: a string \(default bm1684x\)", pipelines)
+    assert "convert-top-to-tpu" in passes and "keep-input-types: true or false (default false)" \
+        in passes
+    # xDSL's passes are not in the help, but a flag lists them
+    assert "riscv" not in text and "stencil" not in text
+    rc, out, _ = _run("--list-xdsl-passes")
+    assert rc == 0 and "canonicalize" not in out.split() and len(out.split()) > 50
+
+
+def test_time_passes_looks_inside_pipelines_and_goes_to_stderr(top_ir: str) -> None:
+    rc, out, err = _run(top_ir, "-p", "top-pipeline,tpu-pipeline{mode=w4bf16}", "--time-passes",
+                        "--weights-out", os.devnull)
+    assert rc == 0, err
+    rows = re.findall(r"^\s+[0-9.]+\s+[0-9.]+%\s+(\S+)$", err, re.M)
+    assert rows == ["shape-infer", "canonicalize", "fuse", "canonicalize", "convert-top-to-tpu",
+                    "canonicalize", "weight-reorder", "layer-group", "lmem-verify",
+                    "address-assign", "total"]
+    assert "took" not in out and "timing" not in out and out.lstrip().startswith("builtin.module")
+
+
+def test_print_between_passes_shows_the_inner_passes_on_stderr(top_ir: str) -> None:
+    rc, out, err = _run(top_ir, "-p", "top-pipeline", "--print-between-passes")
+    assert rc == 0, err
+    assert re.findall(r"// -----// IR after (\S+) //", err) == ["shape-infer", "canonicalize",
+                                                                "fuse"]
+    assert "IR after" not in out
+
+
+def test_output_file_keeps_locations_unless_stripped(top_ir: str, tmp_path) -> None:
+    kept, stripped = str(tmp_path / "kept.mlir"), str(tmp_path / "stripped.mlir")
+    assert _run(top_ir, "-p", "top-pipeline", "-o", kept)[0] == 0
+    assert _run(top_ir, "-p", "top-pipeline", "-o", stripped, "--strip-debuginfo")[0] == 0
+    with open(kept) as f:
+        text = f.read()
+    assert 'loc("layer.self_attn.q_proj' in text and "modeling_qwen2.py" in text
+    with open(stripped) as f:
+        assert "loc(" not in f.read()
+    rc, out, _ = _run(top_ir, "-p", "top-pipeline")  # stdout: as mlir-opt, without
+    assert rc == 0 and "loc(" not in out
