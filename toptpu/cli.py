@@ -212,9 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help=cmd_demo.__doc__)
     d.add_argument("--prompt", type=utf8_text,
-                   default="Hello world! The tensor processor runs the model.")
+                   default="Hello world! The tensor processor runs the model.",
+                   help="the text the demo generates from")
     d.add_argument("--print-ir", action="store_true", help="print the Top IR after the pipeline")
-    d.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
+    d.add_argument("--max-new-tokens", type=int_at_least(1), default=32,
+                   help="tokens to generate from each model file")
     d.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("compile", help=llm_cli.cmd_compile.__doc__)
@@ -243,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "JIT) after torch, as the reference of the numpy interpreter")
     c.add_argument("--what", choices=["layer", "model"], default="layer",
                    help="one decoder layer (with rope) or the whole model to logits")
-    c.add_argument("--layer", type=int_at_least(0), default=0)
+    c.add_argument("--layer", type=int_at_least(0), default=0,
+                   help="the decoder layer compared")
     c.add_argument("--seq", type=int_at_least(1), default=16, help="static sequence length")
     c.add_argument("-q", "--mode", default="bf16", help="quantization mode of the tpu stage")
     c.add_argument("--group-size", type=group_size, default=None,

@@ -46,11 +46,25 @@ class _AppendOne(argparse._AppendAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that states each option's default where it has one (not for flags, nor where
+    the default is None: "not given", which the option's help explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or default is None or default is argparse.SUPPRESS
+                or isinstance(default, bool) or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The command line's parser (its subcommands' too): every stored value went through
-    its type."""
+    its type; help texts show the defaults."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kw)
         self.register("action", None, _StoreOne)
         self.register("action", "store", _StoreOne)

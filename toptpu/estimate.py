@@ -468,11 +468,15 @@ def add_estimate_parser(sub: Any) -> None:
     p = sub.add_parser("estimate", help=cmd_estimate.__doc__)
     p.add_argument("config_dir", help="a directory with the model's config.json (weights are "
                    "not needed)")
-    p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP)
+    p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
+                   help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
-    p.add_argument("--seq-length", type=int_at_least(2), default=512)
-    p.add_argument("--max-input-length", type=int_at_least(1), default=None)
-    p.add_argument("--max-history", type=int_at_least(1), default=None)
+    p.add_argument("--seq-length", type=int_at_least(2), default=512,
+                   help="KV cache capacity SEQ (as compile)")
+    p.add_argument("--max-input-length", type=int_at_least(1), default=None,
+                   help="prefill chunk L (default min(SEQ, 128), as compile)")
+    p.add_argument("--max-history", type=int_at_least(1), default=None,
+                   help="history KV seen by prefill_kv (as compile)")
     p.add_argument("--group-size", type=group_size, default=None)
     p.add_argument("--symmetric", action="store_true", default=None)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,

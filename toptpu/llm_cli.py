@@ -112,7 +112,8 @@ def add_chat_args(h: argparse.ArgumentParser) -> None:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["interpreter", "machine"], default="machine",
                    help="run the nets with the Tpu interpreter or on the reference machine")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128,
+                   help="stop after this many new tokens")
     p.add_argument("--temperature", type=finite_float(0.0, what=" (0: greedy)"), default=None,
                    help="0 = greedy (default: the generation config's, greedy unless it "
                    "samples)")
