@@ -481,7 +481,7 @@ def test_run_json_has_a_schema_version(model_file, capsys) -> None:
                           "--json", "--executor", "interpreter"], capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert data["schema"] == 1 and data["prompt_ids"] == [1, 2, 3]
+    assert data["schema"] == 2 and data["prompt_ids"] == [1, 2, 3]
     assert data["executor"] == "interpreter" and data["modelled_ttft_s"] is None
     assert set(data) == {"schema", "prompt_ids", "generated_ids", "text", "stop_reason",
                          "ttft_s", "tokens_per_s", "modelled_ttft_s", "modelled_tokens_per_s",
@@ -491,3 +491,27 @@ def test_run_json_has_a_schema_version(model_file, capsys) -> None:
     usage = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     for key in data:  # every key is documented in the usage page's schema table
         assert f"| `{key}` |" in usage, key
+
+
+def test_run_with_the_chat_template_prints_the_reply_alone(model_file, capsys) -> None:
+    """A chat reply stands alone on stdout (the templated prompt is not echoed before it) and
+    the end-of-turn marker is left out unless --special-tokens; a completion still continues
+    its prompt."""
+    from toptpu.backend.runtime.runtime import Runtime
+
+    prompt = "What is the capital of France?"
+    args = ["run", model_file, "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
+            "--executor", "interpreter"]
+    code, reply, err = cli([*args, "--chat-template"], capsys)
+    assert code == 0, err
+    code, with_special, err = cli([*args, "--chat-template", "--special-tokens"], capsys)
+    assert code == 0, err
+    code, completion, err = cli(args, capsys)
+    assert code == 0, err
+    assert not reply.startswith(prompt) and completion.startswith(prompt)
+    rt = Runtime.open(model_file, "interpreter")
+    ids = json.loads(cli([*args, "--chat-template", "--json"], capsys)[1])["generated_ids"]
+    assert with_special.rstrip("\n") == rt.decode(ids)
+    assert reply.rstrip("\n") == rt.tokenizer.decode(ids, skip_special_tokens=True)
+    specials = [t for t in ("<|im_end|>", "<|endoftext|>") if t in with_special]
+    assert all(t not in reply for t in specials)

@@ -39,7 +39,7 @@ from toptpu.errors import ToptpuError
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
-RUN_JSON_SCHEMA = 1
+RUN_JSON_SCHEMA = 2  # 2: `text` leaves special tokens out unless --special-tokens
 
 
 # --------------------------------------------------------------------------- arguments
@@ -95,6 +95,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    help="an image for a vision-language model file (repeatable); the prompt "
                    "marks where it goes with the model's image token, else it goes first")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
+    r.add_argument("--special-tokens", action="store_true",
+                   help="print special tokens (the end-of-turn marker, ...) in the text")
     r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
                    "time to first token and tokens/s, host and modelled; schema in "
                    "docs/usage.md)")
@@ -235,14 +237,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids, images = _prompt_ids(rt, args)
     stream = None
     if not args.json:
-        sys.stdout.write(args.prompt if args.ids is None else "")
+        # a completion continues the prompt's text; a chat reply (or a VLM's) stands alone
+        plain = args.ids is None and not args.chat_template and not args.image
+        sys.stdout.write(args.prompt if plain else "")
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
     res = rt.generate(ids, args.max_new_tokens, sampling, on_text=stream,
-                      stop_on_eos=not args.ignore_eos, images=images)
+                      stop_on_eos=not args.ignore_eos, images=images,
+                      skip_special_tokens=not args.special_tokens)
     if args.json:
         print(json.dumps(run_json(res, args.executor)))
     else:

@@ -1023,7 +1023,8 @@ class Runtime:
                  sampling: SamplingConfig | None = None, *,
                  on_text: Callable[[str], None] | None = None, stop_on_eos: bool = True,
                  keep_history: bool = False, reset_if_full: bool = False,
-                 images: Sequence[Any] | None = None) -> GenerationResult:
+                 images: Sequence[Any] | None = None,
+                 skip_special_tokens: bool = False) -> GenerationResult:
         """Generate after `ids`.
 
         With `keep_history` the ids continue the conversation held in the KV cache (only
@@ -1031,7 +1032,9 @@ class Runtime:
         conversation is reset first. A request that does not fit the KV cache raises
         PromptTooLongError unless `reset_if_full`, which resets and runs `ids` alone.
         `images` (VLMs): the encoded images (or paths) whose rows replace the embeddings
-        of the image tokens in `ids`, in order (see `image_prompt`).
+        of the image tokens in `ids`, in order (see `image_prompt`). With
+        `skip_special_tokens` the streamed and returned text leaves out special tokens (the
+        end-of-turn marker, ...); the ids keep them.
         """
         cfg = sampling or SamplingConfig()
         cfg.validate()
@@ -1066,7 +1069,12 @@ class Runtime:
         self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
         sampler = self.resolve_sampler(cfg)
+        def text_of(ids: Sequence[int]) -> str:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+        # stop strings match the text with its special tokens; what is shown may leave them out
         streamer = Utf8Streamer(self.decode) if (on_text or self.stop_strings) else None
+        shown = Utf8Streamer(text_of) if (on_text and skip_special_tokens) else None
         t0, c0 = time.perf_counter(), self.ex.modelled_costs()
         if sampler == "sample":
             self._sampling_setup(cfg)
@@ -1084,8 +1092,9 @@ class Runtime:
             if streamer is not None:
                 piece = streamer.push(token)
                 text += piece
-                if on_text and piece:
-                    on_text(piece)
+                out = shown.push(token) if shown is not None else piece
+                if on_text and out:
+                    on_text(out)
             if stop_on_eos and token in self.eos_ids:
                 reason = "eos"
             elif self.stop_strings and any(s in text for s in self.stop_strings):
@@ -1103,6 +1112,8 @@ class Runtime:
         t2, c2 = time.perf_counter(), self.ex.modelled_costs()
         if streamer is not None:
             tail = streamer.flush()
+            if shown is not None:
+                tail = shown.flush()
             if on_text and tail:
                 on_text(tail)
         # the last token's k/v would go to the next cache slot; a full cache has none, so
@@ -1113,7 +1124,7 @@ class Runtime:
         first = decode = None
         if c0 is not None and c1 is not None and c2 is not None:
             first, decode = c1 - c0, c2 - c1
-        full_text = self.decode(generated) if self._has_tokenizer() else ""
+        full_text = text_of(generated) if self._has_tokenizer() else ""
         return GenerationResult(
             prompt_ids=ids, generated_ids=generated, text=full_text, stop_reason=reason,
             prefill_tokens=len(feed), ttft_s=t1 - t0,
