@@ -14,6 +14,11 @@ Two slicing kinds exist:
   its query heads): queries, keys, values, history and output stream by heads, so the
   keys and values of a long sequence never need to be resident whole (decode over a long
   KV cache, multi-head models). Heads are independent: the numbers do not change.
+- **tiles**: one weight matmul computes a 2-D tile at a time, a block of token rows times
+  a block of output channels: the activation streams by rows, the weight (scales, zeros,
+  bias) by output channels, the result by both (`tpu.GroupOp.tile_grid`), so neither the
+  whole activation nor the whole weight needs to be resident (prefill of large layers).
+  Each output element is still one whole reduction over K: the numbers do not change.
 
 A group with a single slice needs no rule: every tensor is whole.
 """
@@ -36,6 +41,7 @@ class SliceKind(StrEnum):
     ROWS = "rows"
     COLS = "cols"
     HEADS = "heads"
+    TILES = "tiles"
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,28 @@ def col_result_axis(op: Operation) -> int:
 
 def col_count(op: Operation) -> int:
     return shape_of(op.results[0])[-1]
+
+
+def tile_sliceable(op: Operation) -> bool:
+    """A weight matmul (`col_sliceable`) whose input also slices by rows (`row_rule`)."""
+    if not col_sliceable(op):
+        return False
+    rule = row_rule(op)
+    return rule is not None and rule.operand_axes[0] is not None
+
+
+def tile_operand_axes(op: Operation) -> tuple[tuple[int, int], ...]:
+    """For a tiles slice, per operand (row axis, output-channel axis), -1 where that loop
+    does not slice it: the activation by its rows, weight-like operands by their N axis."""
+    rule = row_rule(op)
+    assert rule is not None and rule.operand_axes[0] is not None
+    return ((rule.operand_axes[0], -1), *((-1, 0) for _ in op.operands[1:]))
+
+
+def tile_result_axes(op: Operation) -> tuple[int, int]:
+    rule = row_rule(op)
+    assert rule is not None and rule.result_axes[0] is not None
+    return rule.result_axes[0], col_result_axis(op)
 
 
 def heads_sliceable(op: Operation) -> bool:

@@ -215,6 +215,8 @@ class _GroupEmitter:
         self.uses_in_group = {v: sum(1 for u in v.uses if u.operation in computes or
                                      isinstance(u.operation, tpu.StoreOp)) for v in self.lmem}
         self.resident = {ld.output for ld in self.loads if read_int(ld.slice_axis) == -1}
+        #: slices one buffer instance serves (a tiled group's load kept for the inner loop)
+        self.per_buffer = {ld.output: g.tiles_per_buffer(ld) for ld in self.loads}
 
     def emit(self) -> int:
         """Emit every command of the group; return its FLOPs (each slice runs the
@@ -229,7 +231,8 @@ class _GroupEmitter:
         for i in range(s):
             if i + 1 < s:
                 for ld in sliced_loads:
-                    self.load(ld, i + 1)
+                    if (i + 1) % self.per_buffer[ld.output] == 0:
+                        self.load(ld, i + 1)
             for op in self.computes:
                 self.compute(op, i)
             if i >= 1:
@@ -242,11 +245,11 @@ class _GroupEmitter:
     # ------------------------------------------------------------------ local buffers
 
     def _key(self, v: SSAValue, i: int) -> tuple[SSAValue, int]:
-        return (v, 0 if v in self.resident else i)
+        return (v, 0 if v in self.resident else i // self.per_buffer.get(v, 1))
 
     def addr(self, v: SSAValue, i: int) -> int:
         a = self.lmem[v]
-        return a[i % len(a)]
+        return a[self._key(v, i)[1] % len(a)]
 
     def local_ref(self, v: SSAValue, i: int) -> LocalRef:
         return LocalRef(self.addr(v, i), tuple(shape_of(v)), _dtype(v),
@@ -267,7 +270,8 @@ class _GroupEmitter:
         """A new buffer instance of `v` for slice `i` (one for all slices when resident)."""
         key = self._key(v, i)
         self.inst[key] = self.em.new_buf()
-        n = self.uses_in_group[v] * (self.slices if v in self.resident else 1)
+        n = self.uses_in_group[v] * (self.slices if v in self.resident
+                                     else self.per_buffer.get(v, 1))
         self.readers_left[key] = max(n, 1)
 
     def global_ref(self, v: SSAValue) -> GlobalRef:
@@ -280,14 +284,14 @@ class _GroupEmitter:
         ref = self.global_ref(src)
         ax = read_int(ld.slice_axis)
         full = list(shape_of(src))
-        n = full[ax] // self.slices if ax >= 0 else 0
+        part = self.g.slice_window(ld, i, full)[ax] if ax >= 0 else slice(0, 0)
         self.make(ld.output, i)
         # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
         read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
             else (_gkey(ref), 0, nbytes(src))
         self.em.add(Load, [read], [self.lrange(ld.output, i)],
                     name=op_name(ld) or "load", tensor=ref, shape=tuple(full),
-                    dtype=_dtype(src), axis=ax, start=i * n, length=n,
+                    dtype=_dtype(src), axis=ax, start=part.start, length=part.stop - part.start,
                     local=self.local_ref(ld.output, i), group=self.gi, slice=i)
 
     def compute(self, op: Operation, i: int) -> None:
@@ -341,6 +345,10 @@ class _GroupEmitter:
         self.consume(st.input, i, freed)
         glo = ref.offset if ref.space == Space.ACT else 0
         item = np.dtype(_dtype(dst)).itemsize
+        axes = tpu.tile_axes_of(st)
+        if axes is not None and -1 not in axes:
+            self.store_tile(st, i, ref, full, axes, src, freed)
+            return
         if ax >= 0 and all(d == 1 for d in full[:ax]):
             inner = int(np.prod(full[ax + 1:])) * item
             lo, hi = glo + i * n * inner, glo + (i + 1) * n * inner
@@ -350,6 +358,30 @@ class _GroupEmitter:
                     name=op_name(st) or "store", tensor=ref, shape=tuple(full),
                     dtype=_dtype(dst), axis=ax, start=i * n, length=n, local=src,
                     free=tuple(freed), group=self.gi, slice=i)
+
+    def store_tile(self, st: tpu.StoreOp, i: int, ref: GlobalRef, full: list[int],
+                   axes: tuple[int, int], src: LocalRef, freed: list[int]) -> None:
+        """The store of a 2-D tile: its row block of the result is one contiguous part of
+        the activation region (the axes before the rows are 1), addressed as a tensor of
+        its own at that offset, and the tile is its slice along the output channels."""
+        rows, cols = axes
+        if ref.space != Space.ACT or any(d != 1 for d in full[:rows]):
+            raise CodegenError(f"{op_name(st)}: a 2-D tile is stored only into the "
+                               "activation region, after unit axes (layer-group plans so)")
+        window = self.g.slice_window(st, i, full)
+        r, c = window[rows], window[cols]
+        item = np.dtype(_dtype(st.output)).itemsize
+        inner = int(np.prod(full[rows + 1:])) * item
+        block = list(full)
+        block[rows] = r.stop - r.start
+        lo = ref.offset + r.start * inner
+        hi = lo + block[rows] * inner
+        part = GlobalRef(Space.ACT, offset=lo)
+        self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
+                    name=op_name(st) or "store", tensor=part, shape=tuple(block),
+                    dtype=_dtype(st.output), axis=cols, start=c.start,
+                    length=c.stop - c.start, local=src, free=tuple(freed), group=self.gi,
+                    slice=i)
 
 
 def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:
