@@ -52,6 +52,7 @@ from toptpu.passes.slicing import (
     heads_operand_axes,
     heads_sliceable,
     row_rule,
+    tile_count,
     tile_operand_axes,
     tile_result_axes,
     tile_sliceable,
@@ -245,6 +246,16 @@ def _returned(v: SSAValue) -> bool:
     return any(isinstance(u.operation, func.ReturnOp) for u in v.uses)
 
 
+def _two_axis_movable(v: SSAValue, axes: tuple[int, int]) -> bool:
+    """Whether a part of `v` sliced along both `axes` moves as one transfer (codegen's
+    `two_axis_part`): an activation (not a function input, weight or constant), with unit
+    axes before the first of them."""
+    owner = v.owner
+    if not isinstance(owner, Operation) or isinstance(owner, tpu.WeightOp | tpu.ConstantOp):
+        return False
+    return all(d == 1 for d in shape_of(v)[:min(axes)])
+
+
 def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None) -> list[Plan]:
     """Tiles plans of one weight matmul: every (row blocks R > 1, output-channel blocks
     C > 1) whose bound fits a lane, with either loop outer. (R = 1 or C = 1 are the cols
@@ -258,11 +269,13 @@ def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None) -> list
     if any(d != 1 for d in shape[:rows_axis]):
         return []
     axes = tile_operand_axes(op)
-    if len(set(op.operands)) != len(op.operands):
+    if len(set(op.operands)) != len(op.operands) or not all(
+            -1 in ax or _two_axis_movable(v, ax) for v, ax in zip(op.operands, axes,
+                                                                  strict=True)):
         return []
     plans = []
     for r in divisors(shape[rows_axis])[1:]:
-        for c in divisors(shape[cols_axis])[1:]:
+        for c in divisors(tile_count(op))[1:]:
             if only is not None and r * c != only:
                 continue
             if any(a != -1 and shape_of(v)[a] % n for v, ax in zip(op.operands, axes,
@@ -346,6 +359,9 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     res = op.results[0]
     attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
     attrs["ts"] = i64_attr(1)
+    if isinstance(op, top.AttentionBase):  # c blocks of KV heads, each with its q heads
+        attrs["q_heads"] = i64_attr(read_int(op.q_heads) // c)
+        attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // c)
     new = type(op).create(operands=[local[v] for v in op.operands],
                           result_types=[part_type(res)], attributes=attrs)
     new.location = op.location

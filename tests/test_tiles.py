@@ -238,3 +238,49 @@ def test_tiled_matmul_on_machine_equals_interpreter(m: int, n: int, k: int, mode
     assert np.array_equal(out["checked"], out["grouped"])
     assert np.array_equal(out["fast"], out["grouped"])
     assert_close_to_ungrouped(out["checked"], out["ref"])
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+@pytest.fixture(scope="module")
+def attention_layer() -> tuple:
+    """A decoder layer of a tiny Qwen2 with 4 KV heads (8 query heads) over 64 tokens, in
+    Top IR, with its store and inputs."""
+    from toptpu.frontends.hf_layers import import_decoder_layer
+    from toptpu.frontends.tiny_models import tiny_model
+
+    model = tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=4)
+    imp = import_decoder_layer(model, 64, mask_value=-10000.0)
+    return imp.module, imp.store, dict(imp.feeds)
+
+
+@pytest.mark.parametrize(("mode", "lane"), [("bf16", 4096),
+                                             pytest.param("f32", 8192, marks=pytest.mark.slow)])
+def test_attention_tiles_by_rows_and_heads_and_matches(attention_layer, mode: str,
+                                                       lane: int) -> None:
+    """With 4 KiB lanes (bf16) the attention fits neither by rows (every KV head resident) nor by
+    heads (the mask of every row resident): it tiles by rows x KV heads; q and the output
+    move as parts sliced along both axes (row block at an offset, heads within it)."""
+    top_module, store, feeds = attention_layer
+    module = top_module.clone()
+    run_passes(module, tpu_pipeline_passes(mode), store=store)
+    chip = tiny_chip("bm1684x", lane)
+    att = next(op for op in module.walk() if isinstance(op, tpu.AttentionOp))
+    assert plan_span([att], chip, kinds=(SliceKind.ROWS, SliceKind.HEADS)) is None
+    ref = Interpreter(module, store).run(feeds).outputs["out"]
+    prog = compile_for_machine(module, chip)
+    (g,) = [g for g in tile_groups(module)
+            if any(isinstance(op, tpu.AttentionOp) for op in g.body.block.ops)]
+    r, c, _ = g.tile_grid()  # type: ignore[misc]
+    assert r > 1 and c > 1
+    inner = next(op for op in g.body.block.ops if isinstance(op, tpu.AttentionOp))
+    assert (inner.q_heads.value.data, inner.kv_heads.value.data) == (8 // c, 4 // c)
+    loads, _, stores = g.template()
+    assert [read_ints(ld.tile_axes) for ld in loads] == [[1, 2], [-1, 2], [-1, 2], [2, -1]]
+    assert read_ints(stores[0].tile_axes) == [1, 2]
+    grouped = Interpreter(module, store).run(feeds).outputs["out"]
+    for checked in (True, False):
+        out = simulate(prog, store, feeds, chip, checked=checked).outputs["out"]
+        assert np.array_equal(out, grouped), checked
+    assert_close_to_ungrouped(grouped, ref)

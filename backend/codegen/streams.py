@@ -289,6 +289,10 @@ class _GroupEmitter:
         # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
         read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
             else (_gkey(ref), 0, nbytes(src))
+        axes = tpu.tile_axes_of(ld)
+        if axes is not None and -1 not in axes:  # a part of a 2-D tile
+            tile, block, ax, part, _ = self.two_axis_part(ld, i, ref, full, _dtype(src))
+            ref, full = tile, list(block)
         self.em.add(Load, [read], [self.lrange(ld.output, i)],
                     name=op_name(ld) or "load", tensor=ref, shape=tuple(full),
                     dtype=_dtype(src), axis=ax, start=part.start, length=part.stop - part.start,
@@ -347,7 +351,7 @@ class _GroupEmitter:
         item = np.dtype(_dtype(dst)).itemsize
         axes = tpu.tile_axes_of(st)
         if axes is not None and -1 not in axes:
-            self.store_tile(st, i, ref, full, axes, src, freed)
+            self.store_tile(st, i, ref, full, src, freed)
             return
         if ax >= 0 and all(d == 1 for d in full[:ax]):
             inner = int(np.prod(full[ax + 1:])) * item
@@ -359,30 +363,37 @@ class _GroupEmitter:
                     dtype=_dtype(dst), axis=ax, start=i * n, length=n, local=src,
                     free=tuple(freed), group=self.gi, slice=i)
 
-    def store_tile(self, st: tpu.StoreOp, i: int, ref: GlobalRef, full: list[int],
-                   axes: tuple[int, int], src: LocalRef, freed: list[int]) -> None:
-        """The store of a 2-D tile: its row block of the result is one contiguous part of
-        the activation region (the axes before the rows are 1), addressed as a tensor of
-        its own at that offset, and the tile is its slice along the output channels."""
-        rows, cols = axes
-        if ref.space != Space.ACT or any(d != 1 for d in full[:rows]):
-            raise CodegenError(f"{op_name(st)}: a 2-D tile is stored only into the "
-                               "activation region, after unit axes (layer-group plans so)")
-        window = self.g.slice_window(st, i, full)
-        r, c = window[rows], window[cols]
-        item = np.dtype(_dtype(st.output)).itemsize
-        inner = int(np.prod(full[rows + 1:])) * item
+    def two_axis_part(self, op: tpu.LoadOp | tpu.StoreOp, i: int, ref: GlobalRef,
+                      full: list[int], dtype: str) -> tuple[GlobalRef, tuple[int, ...], int,
+                                                            slice, tuple[int, int]]:
+        """A part of a 2-D tile sliced along two axes a < b (`tile_axes`), as one transfer:
+        its block along a is one contiguous part of the activation region (the axes before
+        a are 1), addressed as a tensor of its own at that offset, and the part is that
+        block's slice along b. Returns (that tensor, its shape, b, the slice along b, the
+        block's byte range)."""
+        a, b = sorted(tpu.tile_axes_of(op) or (-1, -1))
+        if ref.space != Space.ACT or any(d != 1 for d in full[:a]):
+            raise CodegenError(f"{op_name(op)}: a part sliced along two axes moves only "
+                               "within the activation region, after unit axes (layer-group "
+                               "plans so)")
+        window = self.g.slice_window(op, i, full)
+        inner = int(np.prod(full[a + 1:])) * np.dtype(dtype).itemsize
         block = list(full)
-        block[rows] = r.stop - r.start
-        lo = ref.offset + r.start * inner
-        hi = lo + block[rows] * inner
-        part = GlobalRef(Space.ACT, offset=lo)
-        self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
-                    name=op_name(st) or "store", tensor=part, shape=tuple(block),
-                    dtype=_dtype(st.output), axis=cols, start=c.start,
-                    length=c.stop - c.start, local=src, free=tuple(freed), group=self.gi,
-                    slice=i)
+        block[a] = window[a].stop - window[a].start
+        lo = ref.offset + window[a].start * inner
+        return (GlobalRef(Space.ACT, offset=lo), tuple(block), b, window[b],
+                (lo, lo + block[a] * inner))
 
+    def store_tile(self, st: tpu.StoreOp, i: int, ref: GlobalRef, full: list[int],
+                   src: LocalRef, freed: list[int]) -> None:
+        """The store of a 2-D tile (`two_axis_part`)."""
+        part, block, axis, along, (lo, hi) = self.two_axis_part(st, i, ref, full,
+                                                                 _dtype(st.output))
+        self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
+                    name=op_name(st) or "store", tensor=part, shape=block,
+                    dtype=_dtype(st.output), axis=axis, start=along.start,
+                    length=along.stop - along.start, local=src, free=tuple(freed),
+                    group=self.gi, slice=i)
 
 def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:
     return {fn.sym_name.data: generate(module, fn, chip)
