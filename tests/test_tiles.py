@@ -284,3 +284,96 @@ def test_attention_tiles_by_rows_and_heads_and_matches(attention_layer, mode: st
         out = simulate(prog, store, feeds, chip, checked=checked).outputs["out"]
         assert np.array_equal(out, grouped), checked
     assert_close_to_ungrouped(grouped, ref)
+
+
+# ---------------------------------------------------------------------------- real shapes
+
+#: Qwen2.5-7B and -14B's public shapes (transformers' configs); main refused their prefill
+#: layers at max-input-length 512 and above (7B) and 2048 (14B) for local memory
+REAL_SHAPES = {
+    "qwen2.5-7b": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064),
+    "qwen2.5-14b": dict(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
+                        intermediate_size=13824, vocab_size=152064),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "mode", "length"), [
+    ("qwen2.5-7b", "w4bf16", 512), ("qwen2.5-7b", "w4bf16", 1024),
+    ("qwen2.5-7b", "w4bf16", 2048), ("qwen2.5-14b", "w4bf16", 2048),
+    ("qwen2.5-7b", "f32", 1024)])
+def test_real_prefill_layers_compile(model: str, mode: str, length: int) -> None:
+    """The prefill nets (block, block_kv) of one layer at seq 2048 compile for bm1684x, their
+    large matmuls (and the 14B's attention over its history) tiled."""
+    from toptpu.backend.contract import StaticShapes
+    from toptpu.estimate import compile_costs
+    from toptpu.frontends.tiny_models import qwen25_05b_config
+
+    config = qwen25_05b_config(layers=1, tie_word_embeddings=False, **REAL_SHAPES[model])
+    costs = compile_costs(config, get_chip("bm1684x"), mode, StaticShapes.make(2048, length),
+                          nets=("block", "block_kv"))
+    assert set(costs.commands) == {"block", "block_kv"}
+    assert all(costs.commands[n] for n in costs.commands)
+
+
+# ---------------------------------------------------------------------------- online softmax
+
+#: attention over key tiles sums the exponentials in another order (rescaled per tile):
+#: within this of the untiled kernel, relative to the largest value magnitude (f32)
+ONLINE_TOLERANCE = 1e-5
+
+
+@fuzz_settings(60)
+@given(sq=st.integers(1, 12), sk=st.integers(1, 20), hist=st.sampled_from([0, 3, 16]),
+       kv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 3]), d=st.sampled_from([4, 8]),
+       tile=st.integers(1, 9), causal=st.booleans(), masked=st.booleans(),
+       seed=st.integers(0, 9))
+def test_online_softmax_attention_equals_the_untiled_kernel(
+        sq: int, sk: int, hist: int, kv: int, rep: int, d: int, tile: int, causal: bool,
+        masked: bool, seed: int) -> None:
+    from toptpu.backend.reference import kernels as K
+
+    assume(not causal or sk + hist >= sq)
+    rng = np.random.default_rng(seed)
+    hq = kv * rep
+    q = rng.standard_normal((1, sq, hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((1, sk, kv, d)).astype(np.float32) for _ in range(2))
+    hk, hv = ((rng.standard_normal((1, hist, kv, d)).astype(np.float32) for _ in range(2))
+              if hist else (None, None))
+    mask = None
+    if masked:  # additive, finite, a per-head mask half the time
+        heads = hq if seed % 2 else 1
+        mask = np.where(rng.random((1, heads, sq, hist + sk)) < 0.3, -10000.0,
+                        0.0).astype(np.float32)
+    want = K.attention(q, k, v, mask, 0.3, hk, hv, causal)
+    seen: list[int] = []
+    real_tile = K.attention_tile
+
+    def spy(state, q_, k_, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(k_.shape[1])
+        return real_tile(state, q_, k_, *args, **kw)
+
+    K.attention_tile = spy  # type: ignore[assignment]
+    try:
+        got = K.attention_online(q, k, v, mask, 0.3, hk, hv, causal, tile=tile)
+    finally:
+        K.attention_tile = real_tile  # type: ignore[assignment]
+    assert max(seen) <= tile and sum(seen) == sk + hist  # never all the keys at once
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = float(np.abs(v).max()) if hv is None else float(max(np.abs(v).max(),
+                                                                np.abs(hv).max()))
+    assert np.abs(got - want).max() <= ONLINE_TOLERANCE * scale
+
+
+def test_online_softmax_attention_bf16_output() -> None:
+    from toptpu.backend.reference import kernels as K
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 64, 8, 16)).astype(K.BF16)
+    k, v = (rng.standard_normal((1, 64, 4, 16)).astype(K.BF16) for _ in range(2))
+    want = K.attention(q, k, v, None, 0.25, causal=True, out_dtype=K.BF16)
+    got = K.attention_online(q, k, v, None, 0.25, causal=True, out_dtype=K.BF16, tile=16)
+    assert got.dtype == want.dtype
+    diff = np.abs(got.astype(np.float32) - want.astype(np.float32))
+    assert diff.max() <= 2 ** -7 * np.abs(want.astype(np.float32)).max()  # one bf16 ulp
