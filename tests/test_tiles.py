@@ -377,3 +377,43 @@ def test_online_softmax_attention_bf16_output() -> None:
     assert got.dtype == want.dtype
     diff = np.abs(got.astype(np.float32) - want.astype(np.float32))
     assert diff.max() <= 2 ** -7 * np.abs(want.astype(np.float32)).max()  # one bf16 ulp
+
+
+@pytest.mark.slow
+def test_internvl_at_internvit_300m_shapes_generates_transformers_tokens(
+        tmp_path_factory) -> None:  # noqa: ANN001
+    """InternVL with the vision tower at InternViT-300M's shapes (448 px tile: 1025 rows,
+    hidden 1024, MLP 4096, 16 heads; two of its 24 layers) and a tiny text model, compiled
+    f32: main refused the vit net (`mlp.fc2`); its matmuls now tile. The image features
+    equal the model's own and greedy generation equals transformers."""
+    from vlm_fixtures import hf_generate, hf_image_features, hf_image_inputs, make_image
+
+    from toptpu.backend.formats.llm_file import LlmFile
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.tiny_vlms import save_tiny_vlm
+    from toptpu.metrics import similarity
+
+    root = tmp_path_factory.mktemp("internvit300m")
+    model_dir = str(root / "model")
+    with quiet_transformers():
+        save_tiny_vlm(model_dir, "internvl", max_tiles=1, hidden_size=1024,
+                      num_attention_heads=16, intermediate_size=4096, image_size=448,
+                      patch_size=14, num_hidden_layers=2)
+    image = str(root / "image.png")
+    make_image(448, 448).save(image)
+    path = str(root / "model.toptpu")
+    compile_model(model_dir, path, mode="f32", seq_length=320, max_input_length=64,
+                  progress=None)
+    lf = LlmFile(path)  # the vit net's program (its grouped IR) shows the tiles
+    assert b"tiles = array<i64:" in lf.file.read(lf.meta.nets["vit"].streams)
+    rt = Runtime.open(path, "machine")
+    enc = rt.encode_image(image)
+    inputs, _ = hf_image_inputs(model_dir, image)
+    ref = hf_image_features(model_dir, inputs)
+    assert enc.embeds.shape == ref.shape == (256, ref.shape[1])
+    assert similarity(np.asarray(enc.embeds, np.float32), ref).cosine >= 0.99999
+    ids, images = rt.image_prompt("Describe the image.", [image])
+    res = rt.generate(ids, 12, images=images)
+    assert res.generated_ids == hf_generate(model_dir, ids, inputs, 12)
