@@ -298,6 +298,47 @@ class AttentionOp(top.AttentionBase, TpuOp):
 
 
 @irdl_op_definition
+class AttentionPartOp(top.AttentionBase, TpuOp):
+    """An attention over one part of its keys (layer-group splits an attention whose keys
+    and values do not fit local memory at once: the history's and the new tokens'): the
+    part's softmax-weighted values and the log of its sum of exponentials, f32
+    [B, Sq, Hq, Dv + 1] (the last column); `tpu.attention_merge` combines the parts."""
+
+    name = "tpu.attention_part"
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        (out,) = super().infer(operands, attrs)
+        b, sq, hq, dv = shape_of(out)
+        return [tensor((b, sq, hq, dv + 1), f32)]
+
+
+@irdl_op_definition
+class AttentionMergeOp(TpuOp):
+    """The attention over all keys from its two parts (`tpu.attention_part`, each f32
+    [B, Sq, Hq, Dv + 1]: the history's keys and the new ones): [B, Sq, Hq, Dv] in the
+    result's element type."""
+
+    name = "tpu.attention_merge"
+    first = operand_def(AnyTensor)
+    second = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
+    CHECK_INFERRED: ClassVar[bool] = False
+
+    def verify_(self) -> None:
+        shapes = {shape_of(self.first), shape_of(self.second)}
+        if len(shapes) != 1:
+            raise VerifyException("tpu.attention_merge needs parts of one shape")
+        (ps,) = shapes
+        if len(ps) != 4 or shape_of(self.output) != (*ps[:3], ps[3] - 1):
+            raise VerifyException(f"tpu.attention_merge of parts {list(ps)} gives "
+                                  f"{[*ps[:3], ps[3] - 1]}, not {list(shape_of(self.output))}")
+
+    def flops(self) -> int:
+        return 8 * numel(shape_of(self.output))
+
+
+@irdl_op_definition
 class MatMulOp(top.MatMulBase, TpuOp):
     name = "tpu.matmul"
 
@@ -727,6 +768,7 @@ TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
 
 Tpu = Dialect(
     "tpu",
-    [*TPU_OF_TOP.values(), A16MatMulOp, GroupOp, YieldOp, LoadOp, StoreOp],
+    [*TPU_OF_TOP.values(), A16MatMulOp, AttentionPartOp, AttentionMergeOp, GroupOp, YieldOp,
+     LoadOp, StoreOp],
     [RegionsAttr],
 )

@@ -35,6 +35,8 @@ from toptpu.dialects.common import (
     elem_of,
     i64_array,
     i64_attr,
+    read_bool,
+    read_float,
     read_int,
     shape_of,
     tensor,
@@ -558,7 +560,53 @@ def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
     return out
 
 
+def split_attention_keys(fn: func.FuncOp, chip: Chip) -> None:
+    """Each attention over a history that no slicing fits in local memory becomes two
+    `tpu.attention_part`s, over the history's keys and over the new ones (the mask's
+    columns sliced to each), and a `tpu.attention_merge` of them (online softmax between
+    groups, in f32 in global memory): each part's keys and values are half of them."""
+    for op in compute_ops(fn):
+        if (not isinstance(op, tpu.AttentionOp) or op.history_k is None
+                or op.history_v is None or plan_span([op], chip) is not None):
+            continue
+        hist = shape_of(op.history_k)[1]
+        total = op.total_keys()
+        masks: list[SSAValue | None] = [None, None]
+        new_ops: list[Operation] = []
+        if op.mask is not None:
+            ms = shape_of(op.mask)
+            if ms[-1] != total:
+                continue  # a mask broadcast along the keys: not split
+            for i, (lo, hi) in enumerate(((0, hist), (hist, total))):
+                sl = tpu.SliceOp(op.mask, len(ms) - 1, lo, hi)
+                set_name(sl, f"{op_name(op)}.mask{i}")
+                new_ops.append(sl)
+                masks[i] = sl.output
+        parts = []
+        for i, (k, v, causal) in enumerate(((op.history_k, op.history_v, False),
+                                            (op.k, op.v, read_bool(op.causal)))):
+            part = tpu.AttentionPartOp(op.q, k, v, masks[i], scale=read_float(op.scale),
+                                       q_heads=read_int(op.q_heads),
+                                       kv_heads=read_int(op.kv_heads),
+                                       head_dim=read_int(op.head_dim), causal=causal)
+            if "compute" in op.attributes:
+                part.attributes["compute"] = op.attributes["compute"]
+            part.location = op.location
+            set_name(part, f"{op_name(op)}.part{i}")
+            new_ops.append(part)
+            parts.append(part.output)
+        merge = tpu.AttentionMergeOp.create(operands=parts, result_types=[op.output.type])
+        merge.location = op.location
+        merge.output.name_hint = op.output.name_hint
+        new_ops.append(merge)
+        Rewriter.insert_op(new_ops, InsertPoint.before(op))
+        op.output.replace_all_uses_with(merge.output)
+        op.detach()
+        op.erase()
+
+
 def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12) -> list[tpu.GroupOp]:
+    split_attention_keys(fn, chip)
     ops = compute_ops(fn)
     if not ops:
         return []

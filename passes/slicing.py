@@ -105,6 +105,8 @@ def row_rule(op: Operation) -> RowRule | None:
         if r >= len(out) - 1 or len(xs) != len(out):
             return None
         return RowRule((r, *([None] * (len(op.operands) - 1))), (r,))
+    if isinstance(op, tpu.AttentionMergeOp):  # row-local over its parts
+        return RowRule(tuple(r for _ in op.operands), (r,))
     if isinstance(op, top.AttentionBase):
         if r != 1:
             return None

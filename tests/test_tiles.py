@@ -417,3 +417,95 @@ def test_internvl_at_internvit_300m_shapes_generates_transformers_tokens(
     ids, images = rt.image_prompt("Describe the image.", [image])
     res = rt.generate(ids, 12, images=images)
     assert res.generated_ids == hf_generate(model_dir, ids, inputs, 12)
+
+
+# ---------------------------------------------------------------------------- key parts
+
+
+@fuzz_settings(40)
+@given(sq=st.integers(1, 10), sk=st.integers(1, 12), hist=st.integers(1, 12),
+       kv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]), causal=st.booleans(),
+       seed=st.integers(0, 9))
+def test_attention_parts_merge_to_the_untiled_kernel(sq: int, sk: int, hist: int, kv: int,
+                                                     rep: int, causal: bool,
+                                                     seed: int) -> None:
+    """An attention over a history as two parts (history's keys, new keys) merged by their
+    log-sum-exp equals the untiled kernel within ONLINE_TOLERANCE."""
+    from toptpu.backend.reference import kernels as K
+
+    assume(not causal or sk >= sq)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, sq, kv * rep, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, sk, kv, 8)).astype(np.float32) for _ in range(2))
+    hk, hv = (rng.standard_normal((1, hist, kv, 8)).astype(np.float32) for _ in range(2))
+    mask = np.where(rng.random((1, 1, sq, hist + sk)) < 0.3, -10000.0, 0.0).astype(np.float32)
+    want = K.attention(q, k, v, mask, 0.3, hk, hv, causal)
+    parts = [K.attention_part(q, hk, hv, mask[..., :hist], 0.3),
+             K.attention_part(q, k, v, mask[..., hist:], 0.3, causal)]
+    assert parts[0].shape == (*want.shape[:3], 9) and parts[0].dtype == np.float32
+    got = K.attention_merge(parts, np.float32)
+    scale = float(max(np.abs(v).max(), np.abs(hv).max()))
+    assert np.abs(got - want).max() <= ONLINE_TOLERANCE * scale
+
+
+def history_attention_module(mode: str, length: int = 32, hist: int = 32, hq: int = 4,
+                             hkv: int = 2, d: int = 16) -> tuple:
+    """Tpu IR of one attention of `length` queries over as many new keys and a history of
+    `hist` (all function inputs, mask included), followed by a silu; its store and inputs."""
+    qt, kt, ht, mt = (f"tensor<1x{length}x{hq}x{d}xf32>", f"tensor<1x{length}x{hkv}x{d}xf32>",
+                      f"tensor<1x{hist}x{hkv}x{d}xf32>",
+                      f"tensor<1x1x{length}x{hist + length}xf32>")
+    attrs = (f"scale = 0.25 : f64, q_heads = {hq} : i64, kv_heads = {hkv} : i64, "
+             f"head_dim = {d} : i64, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 1>")
+    store = WeightStore.from_arrays({})
+    text = f'''builtin.module attributes {{top.weight_store = "{store.uri}"}} {{
+  func.func @main(%q: {qt}, %k: {kt}, %v: {kt}, %m: {mt}, %hk: {ht}, %hv: {ht}) -> {qt} {{
+    %a = "top.attention"(%q, %k, %v, %m, %hk, %hv) {{{attrs}}} :
+        ({qt}, {kt}, {kt}, {mt}, {ht}, {ht}) -> {qt}
+    %z = "top.silu"(%a) : ({qt}) -> {qt}
+    func.return %z : {qt}
+  }}
+}}'''
+    module = parse_ir(text, "history")
+    run_passes(module, tpu_pipeline_passes(mode), store=store)
+    fn = next(iter(module.ops))
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i, a in enumerate(fn.body.block.args):  # type: ignore[attr-defined]
+        x = rng.standard_normal(tuple(a.type.get_shape())).astype(np.float32)
+        if i == 3:
+            x = np.where(x < -0.5, -10000.0, 0.0)
+        feeds[f"input{i}"] = x.astype(numpy_dtype(a.type.element_type))
+    return module, store, feeds
+
+
+@pytest.mark.parametrize("mode", ["f32", "bf16"])
+def test_attention_over_a_history_that_does_not_fit_is_split_in_key_parts(mode: str) -> None:
+    """On a lane where no slicing of the attention fits (its keys and values, history's
+    and new, resident at once), layer-group splits it into a part over the history's keys,
+    a part over the new ones (the mask sliced to each) and their merge: the machine gives
+    the grouped interpreter's bytes, within ONLINE_TOLERANCE of the untiled attention."""
+    module, store, feeds = history_attention_module(mode)
+    ref = Interpreter(module, store).run(feeds).outputs["output0"]
+    att = next(op for op in module.walk() if isinstance(op, tpu.AttentionOp))
+    base = get_chip("bm1684x")
+    chip = None
+    for lane in range(16384, base.align, -base.align):  # the largest that splits
+        c = tiny_chip("bm1684x", lane)
+        if plan_span([att], c) is None:
+            chip = c
+            break
+    assert chip is not None
+    prog = compile_for_machine(module, chip)
+    names = [op.name for op in module.walk() if op.name.startswith("tpu.attention")]
+    assert names == ["tpu.attention_part", "tpu.attention_part", "tpu.attention_merge"]
+    grouped = Interpreter(module, store).run(feeds).outputs["output0"]
+    for checked in (True, False):
+        out = simulate(prog, store, feeds, chip, checked=checked).outputs["output0"]
+        assert np.array_equal(out, grouped), checked
+    g, r = grouped.astype(np.float64), ref.astype(np.float64)
+    v_max = float(max(np.abs(feeds["input2"].astype(np.float64)).max(),
+                      np.abs(feeds["input5"].astype(np.float64)).max()))
+    # f32: the online-softmax tolerance; bf16: the result's own rounding (one ulp) on top
+    tol = ONLINE_TOLERANCE * v_max if mode == "f32" else 2 ** -7 * v_max
+    assert np.abs(g - r).max() <= tol

@@ -201,6 +201,21 @@ def _attention(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.nda
                         _out_dtype(op))]
 
 
+@evaluates(tpu.AttentionPartOp)
+def _attention_part(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    q, k, v, mask, _, _ = args
+    assert isinstance(op, tpu.AttentionPartOp)
+    assert q is not None and k is not None and v is not None
+    return [K.attention_part(q, k, v, mask, read_float(op.scale), read_bool(op.causal))]
+
+
+@evaluates(tpu.AttentionMergeOp)
+def _attention_merge(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    assert isinstance(op, tpu.AttentionMergeOp)
+    parts = [a for a in args if a is not None]
+    return [K.attention_merge(parts, _out_dtype(op))]
+
+
 @evaluates(top.MatMulOp)
 def _matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     a, b, bias = args

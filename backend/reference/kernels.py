@@ -450,6 +450,35 @@ def attention_online(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarr
     return attention_finish(state, q, out_dtype)
 
 
+def attention_part(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                   scale: float, causal: bool = False) -> np.ndarray:
+    """Attention of `q` over one part of the keys (k/v, the mask's columns of them): its
+    softmax-weighted values within the part and the log of its sum of exponentials, f32
+    [B, Sq, Hq, Dv + 1] (the last column). `attention_merge` of the parts of all keys is
+    `attention` (within f32 rounding: the exponentials are summed in another order)."""
+    state = attention_start(q, k, v.shape[-1])
+    attention_tile(state, q, k, v, mask, scale, 0, k.shape[1] - q.shape[1] if causal else None)
+    b, sq, hq, _ = q.shape
+    lse = state.peak + np.log(state.total)
+    out = np.concatenate([state.acc / state.total, lse], axis=-1)
+    return np.ascontiguousarray(out.reshape(b, hq, sq, -1).transpose(0, 2, 1, 3))
+
+
+def attention_merge(parts: Sequence[np.ndarray], out_dtype=None,
+                    like: np.ndarray | None = None) -> np.ndarray:
+    """The attention over all keys from its parts (`attention_part`): each part's values
+    weighted by exp(its log-sum-exp - the largest), over the sum of those weights."""
+    lses = [f32(p)[..., -1:] for p in parts]
+    top_ = np.maximum.reduce(lses)
+    num = np.zeros(parts[0].shape[:-1] + (parts[0].shape[-1] - 1,), np.float32)
+    den = np.zeros(parts[0].shape[:-1] + (1,), np.float32)
+    for p, lse in zip(parts, lses, strict=True):
+        w = np.exp(lse - top_)
+        num += w * f32(p)[..., :-1]
+        den += w
+    return _out(num / den, out_dtype, parts[0] if like is None else like)
+
+
 def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
            transpose_a: bool = False, transpose_b: bool = False,
            out_dtype=None) -> np.ndarray:
