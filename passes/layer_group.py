@@ -520,10 +520,12 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
     if heads_sliceable(op):
         counts.append((SliceKind.HEADS, heads_count(op)))
     best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
+    what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel", SliceKind.HEADS: "KV-head"}
     for kind, n in counts:
         p = _make_plan([op], kind, n, inside)
         if p is not None:
-            best = min(best, (_lane_bytes_bound(p, chip), f"{n} {kind} slices"))
+            how = "one slice" if n == 1 else f"{n} {what[kind]} slices"
+            best = min(best, (_lane_bytes_bound(p, chip), how))
     tiles = _tile_candidates([op], replace(chip, lane_bytes=1 << 62), None)
     if tiles:
         p = max(tiles, key=lambda q: q.slices)

@@ -295,23 +295,27 @@ REAL_SHAPES = {
                        intermediate_size=18944, vocab_size=152064),
     "qwen2.5-14b": dict(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8,
                         intermediate_size=13824, vocab_size=152064),
+    # R1-Distill-Qwen-1.5B's shape (LLM-TPU publishes its FTL at seq 8192)
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "mode", "length"), [
-    ("qwen2.5-7b", "w4bf16", 512), ("qwen2.5-7b", "w4bf16", 1024),
-    ("qwen2.5-7b", "w4bf16", 2048), ("qwen2.5-14b", "w4bf16", 2048),
-    ("qwen2.5-7b", "f32", 1024)])
-def test_real_prefill_layers_compile(model: str, mode: str, length: int) -> None:
-    """The prefill nets (block, block_kv) of one layer at seq 2048 compile for bm1684x, their
-    large matmuls (and the 14B's attention over its history) tiled."""
+@pytest.mark.parametrize(("model", "mode", "seq", "length"), [
+    ("qwen2.5-7b", "w4bf16", 2048, 512), ("qwen2.5-7b", "w4bf16", 2048, 1024),
+    ("qwen2.5-7b", "w4bf16", 2048, 2048), ("qwen2.5-14b", "w4bf16", 2048, 2048),
+    ("qwen2.5-7b", "f32", 2048, 1024), ("qwen2.5-1.5b", "w4bf16", 8192, 8192)])
+def test_real_prefill_layers_compile(model: str, mode: str, seq: int, length: int) -> None:
+    """The prefill nets (block, block_kv) of one layer compile for bm1684x, their large
+    matmuls (and the 14B's attention over its history) tiled, the 1.5B's attention over an
+    8192-token history split in key parts."""
     from toptpu.backend.contract import StaticShapes
     from toptpu.estimate import compile_costs
     from toptpu.frontends.tiny_models import qwen25_05b_config
 
     config = qwen25_05b_config(layers=1, tie_word_embeddings=False, **REAL_SHAPES[model])
-    costs = compile_costs(config, get_chip("bm1684x"), mode, StaticShapes.make(2048, length),
+    costs = compile_costs(config, get_chip("bm1684x"), mode, StaticShapes.make(seq, length),
                           nets=("block", "block_kv"))
     assert set(costs.commands) == {"block", "block_kv"}
     assert all(costs.commands[n] for n in costs.commands)
