@@ -60,20 +60,14 @@ def _dtype(v: SSAValue) -> str:
     return str(numpy_dtype(t.element_type))  # type: ignore[attr-defined]
 
 
-@dataclass
-class _Access:
-    key: tuple
-    lo: int
-    hi: int
-    cmd: int
-    write: bool
-
-
 class _Emitter:
     def __init__(self, chip: Chip) -> None:
         self.chip = chip
         self.commands: list[Command] = []
-        self.accesses: list[_Access] = []
+        #: the accesses a later command may depend on: per memory key, per byte range
+        #: [lo, hi), the commands that read it and those that wrote it (a tiled group makes
+        #: thousands of commands over a few ranges: only the ranges are scanned)
+        self.accesses: dict[tuple, dict[tuple[int, int], tuple[list[int], list[int]]]] = {}
         self.next_buf = 0
 
     def new_buf(self) -> int:
@@ -83,20 +77,25 @@ class _Emitter:
     def add(self, make: Callable[..., Command], reads: list[tuple], writes: list[tuple],
             **fields: Any) -> int:
         """The command `make(id=..., deps=..., **fields)`, its dependencies derived from the
-        memory it reads and writes."""
+        memory it reads and writes: a read waits for the overlapping writes before it, a
+        write for the overlapping reads and writes."""
         cid = len(self.commands)
         deps: set[int] = set()
         for is_write, accs in ((False, reads), (True, writes)):
             for key, lo, hi in accs:
-                for a in self.accesses:
-                    if a.key == key and a.lo < hi and lo < a.hi and (a.write or is_write):
-                        deps.add(a.cmd)
+                for (alo, ahi), (rs, ws) in self.accesses.get(key, {}).items():
+                    if alo < hi and lo < ahi:
+                        deps.update(ws)
+                        if is_write:
+                            deps.update(rs)
         for is_write, accs in ((False, reads), (True, writes)):
             for key, lo, hi in accs:
+                ranges = self.accesses.setdefault(key, {})
                 if is_write:  # a covering write supersedes older accesses of that range
-                    self.accesses = [a for a in self.accesses
-                                     if not (a.key == key and lo <= a.lo and a.hi <= hi)]
-                self.accesses.append(_Access(key, lo, hi, cid, is_write))
+                    for r in [r for r in ranges if lo <= r[0] and r[1] <= hi]:
+                        del ranges[r]
+                rs, ws = ranges.setdefault((lo, hi), ([], []))
+                (ws if is_write else rs).append(cid)
         self.commands.append(make(id=cid, deps=tuple(sorted(deps)), **fields))
         return cid
 
