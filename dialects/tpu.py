@@ -298,6 +298,47 @@ class AttentionOp(top.AttentionBase, TpuOp):
 
 
 @irdl_op_definition
+class AttentionPartOp(top.AttentionBase, TpuOp):
+    """An attention over one part of its keys (layer-group splits an attention whose keys
+    and values do not fit local memory at once: the history's and the new tokens'): the
+    part's softmax-weighted values and the log of its sum of exponentials, f32
+    [B, Sq, Hq, Dv + 1] (the last column); `tpu.attention_merge` combines the parts."""
+
+    name = "tpu.attention_part"
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        (out,) = super().infer(operands, attrs)
+        b, sq, hq, dv = shape_of(out)
+        return [tensor((b, sq, hq, dv + 1), f32)]
+
+
+@irdl_op_definition
+class AttentionMergeOp(TpuOp):
+    """The attention over all keys from its two parts (`tpu.attention_part`, each f32
+    [B, Sq, Hq, Dv + 1]: the history's keys and the new ones): [B, Sq, Hq, Dv] in the
+    result's element type."""
+
+    name = "tpu.attention_merge"
+    first = operand_def(AnyTensor)
+    second = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
+    CHECK_INFERRED: ClassVar[bool] = False
+
+    def verify_(self) -> None:
+        shapes = {shape_of(self.first), shape_of(self.second)}
+        if len(shapes) != 1:
+            raise VerifyException("tpu.attention_merge needs parts of one shape")
+        (ps,) = shapes
+        if len(ps) != 4 or shape_of(self.output) != (*ps[:3], ps[3] - 1):
+            raise VerifyException(f"tpu.attention_merge of parts {list(ps)} gives "
+                                  f"{[*ps[:3], ps[3] - 1]}, not {list(shape_of(self.output))}")
+
+    def flops(self) -> int:
+        return 8 * numel(shape_of(self.output))
+
+
+@irdl_op_definition
 class MatMulOp(top.MatMulBase, TpuOp):
     name = "tpu.matmul"
 
@@ -440,6 +481,13 @@ class GroupOp(IRDLOperation):
     overlap the compute of slice i. `slices` is the number of slices (all the same size);
     `cost` the modelled cycles the layer-group cost model chose this group for; `gaddrs`
     (filled by address-assign) the activation-region offsets of the results.
+
+    A group of 2-D tiles (one matmul sliced along its rows and its output channels at once)
+    says so in `tiles = array<i64: R, C>` (R row blocks times C output-channel blocks,
+    `slices` = R * C) and `tile_outer` (which of those two loops is the outer one: 0 the
+    row blocks', 1 the output channels'; a load sliced by the outer loop only stays in
+    local memory for the inner loop's tiles); its loads and stores name the axes they
+    slice per tile loop (`tile_axes`).
     """
 
     name = "tpu.group"
@@ -449,6 +497,8 @@ class GroupOp(IRDLOperation):
     slices = attr_def(IntegerAttr)
     cost = opt_attr_def(IntegerAttr)
     gaddrs = opt_attr_def(DenseArrayBase)
+    tiles = opt_attr_def(DenseArrayBase)
+    tile_outer = opt_attr_def(IntegerAttr)
     traits = traits_def(IsolatedFromAbove())
 
     def verify_(self) -> None:
@@ -465,6 +515,72 @@ class GroupOp(IRDLOperation):
             raise VerifyException("tpu.yield types must match the group results")
         if read_int(self.slices) < 1:
             raise VerifyException("tpu.group needs at least one slice")
+        if self.tiles is not None:
+            rc = read_ints(self.tiles)
+            if len(rc) != 2 or min(rc) < 1 or rc[0] * rc[1] != read_int(self.slices):
+                raise VerifyException(
+                    f"tpu.group tiles {list(rc)} must be two counts whose product is its "
+                    f"{read_int(self.slices)} slices")
+            if self.tile_outer is None or read_int(self.tile_outer) not in (0, 1):
+                raise VerifyException("tpu.group with tiles needs tile_outer, 0 (the row "
+                                      "blocks' loop is outer) or 1 (the output channels')")
+
+    def tile_grid(self) -> tuple[int, int, str] | None:
+        """(row blocks, output-channel blocks, the outer loop) of a 2-D tiled group, None
+        for a group sliced along one axis (or not at all)."""
+        if self.tiles is None:
+            return None
+        r, c = read_ints(self.tiles)
+        return r, c, TILE_LOOPS[read_int(self.tile_outer)]
+
+    def tile_blocks(self, t: int) -> tuple[int, int]:
+        """(row block, output-channel block) of tile `t` (slice `t` in loop order)."""
+        grid = self.tile_grid()
+        if grid is None:
+            return t, t
+        r, c, outer = grid
+        if outer == "rows":
+            return divmod(t, c)
+        j, i = divmod(t, r)
+        return i, j
+
+    def slice_window(self, op: Operation, t: int, shape: Sequence[int]) -> tuple[slice, ...]:
+        """The part of a global tensor of `shape` that load or store `op` moves in slice `t`
+        (along its `slice_axis`, or its `tile_axes` in a tiled group)."""
+        assert isinstance(op, LoadOp | StoreOp)
+        index = [slice(None)] * len(shape)
+        ax = read_int(op.slice_axis)
+        if ax == -1:
+            return tuple(index)
+        axes = tile_axes_of(op)
+        grid = self.tile_grid()
+        if axes is None or grid is None:
+            n = shape[ax] // read_int(self.slices)
+            index[ax] = slice(t * n, (t + 1) * n)
+            return tuple(index)
+        blocks = self.tile_blocks(t)
+        for a, count, b in zip(axes, grid[:2], blocks, strict=True):
+            if a != -1:
+                n = shape[a] // count
+                index[a] = slice(b * n, (b + 1) * n)
+        return tuple(index)
+
+    def tiles_per_buffer(self, op: Operation) -> int:
+        """How many consecutive slices one buffer of `op`'s result serves: the inner loop's
+        tile count for a load of a tiled group sliced by the outer loop only (it stays in
+        local memory while the inner loop runs), else 1."""
+        grid = self.tile_grid()
+        if grid is None or not isinstance(op, LoadOp | StoreOp):
+            return 1
+        axes = tile_axes_of(op)
+        if axes is None:
+            return 1
+        r, c, outer = grid
+        if outer == "rows" and axes[1] == -1:
+            return c
+        if outer == "cols" and axes[0] == -1:
+            return r
+        return 1
 
     def template(self) -> tuple[list[LoadOp], list[Operation], list[StoreOp]]:
         """The body's loads, compute ops and stores, each in program order (the yield left
@@ -482,6 +598,10 @@ class GroupOp(IRDLOperation):
         return loads, computes, stores
 
 
+#: the loops of a 2-D tiled group: over row blocks and over output-channel blocks
+TILE_LOOPS = ("rows", "cols")
+
+
 @irdl_op_definition
 class YieldOp(IRDLOperation):
     name = "tpu.yield"
@@ -497,11 +617,12 @@ class LoadOp(TpuOp):
     name = "tpu.load"
     input = operand_def(AnyTensor)
     slice_axis = attr_def(IntegerAttr)
+    tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
     CHECK_INFERRED: ClassVar[bool] = False
 
     def verify_(self) -> None:
-        verify_slice(self.input, self.output, read_int(self.slice_axis), self)
+        verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes)
 
 
 @irdl_op_definition
@@ -512,17 +633,43 @@ class StoreOp(TpuOp):
     name = "tpu.store"
     input = operand_def(AnyTensor)
     slice_axis = attr_def(IntegerAttr)
+    tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
     CHECK_INFERRED: ClassVar[bool] = False
 
     def verify_(self) -> None:
-        verify_slice(self.output, self.input, read_int(self.slice_axis), self)
+        verify_slice(self.output, self.input, read_int(self.slice_axis), self, self.tile_axes)
 
 
-def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation) -> None:
+def tile_axes_of(op: LoadOp | StoreOp) -> tuple[int, int] | None:
+    """The axes a load or store of a 2-D tiled group slices per tile loop (rows, cols;
+    -1: not sliced by that loop), None outside such a group."""
+    if op.tile_axes is None:
+        return None
+    r, c = read_ints(op.tile_axes)
+    return r, c
+
+
+def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation,
+                 tile_axes: DenseArrayBase | None = None) -> None:
     fs, ps = shape_of(full), shape_of(part)
     if elem_of(full) != elem_of(part):
         raise VerifyException(f"{op.name} cannot change the element type")
+    if tile_axes is not None:
+        axes = [a for a in read_ints(tile_axes) if a != -1]
+        if len(read_ints(tile_axes)) != 2 or not axes or len(set(axes)) != len(axes) \
+                or axis not in axes:
+            raise VerifyException(f"{op.name} tile_axes {list(read_ints(tile_axes))} must be "
+                                  f"two axes (-1: none), one of them slice_axis {axis}")
+        if len(fs) != len(ps) or any(not 0 <= a < len(fs) for a in axes):
+            raise VerifyException(f"{op.name} tile_axes {axes} are out of range")
+        for i, (a, b) in enumerate(zip(fs, ps, strict=True)):
+            if i not in axes and a != b:
+                raise VerifyException(f"{op.name} may only slice along axes {axes}")
+            if i in axes and (b < 1 or a % b):
+                raise VerifyException(
+                    f"{op.name} slice of {b} does not divide the axis of size {a}")
+        return
     if axis == -1:
         if fs != ps:
             raise VerifyException(f"{op.name} of a whole tensor must keep its shape")
@@ -621,6 +768,7 @@ TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
 
 Tpu = Dialect(
     "tpu",
-    [*TPU_OF_TOP.values(), A16MatMulOp, GroupOp, YieldOp, LoadOp, StoreOp],
+    [*TPU_OF_TOP.values(), A16MatMulOp, AttentionPartOp, AttentionMergeOp, GroupOp, YieldOp,
+     LoadOp, StoreOp],
     [RegionsAttr],
 )

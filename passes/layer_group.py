@@ -3,8 +3,8 @@
 A layer group runs a contiguous span of ops out of local memory, slice by slice, as a
 load / compute / store software pipeline (see `tpu.GroupOp` and passes/lmem.py). For each
 span the planner picks how to slice it (token rows for the whole span, output channels
-of a single weight matmul, or KV heads of a single attention; see passes/slicing.py) and
-how many slices, by a cost model of
+of a single weight matmul, 2-D tiles of rows and output channels of one, or KV heads of a
+single attention; see passes/slicing.py) and how many slices, by a cost model of
 the chip: DMA = latency + bytes / bandwidth, compute = latency + FLOPs / peak, combined as
 the pipeline overlaps them. Group boundaries come from dynamic programming over spans
 (the cheapest partition of the op sequence), as TPU-MLIR's layer group does, not greedily.
@@ -18,7 +18,7 @@ the benchmark compares DDR traffic against).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Self
 
 from xdsl.context import Context
@@ -35,6 +35,8 @@ from toptpu.dialects.common import (
     elem_of,
     i64_array,
     i64_attr,
+    read_bool,
+    read_float,
     read_int,
     shape_of,
     tensor,
@@ -53,6 +55,10 @@ from toptpu.passes.slicing import (
     heads_operand_axes,
     heads_sliceable,
     row_rule,
+    tile_count,
+    tile_operand_axes,
+    tile_result_axes,
+    tile_sliceable,
 )
 from toptpu.passes.util import require_level
 
@@ -76,6 +82,11 @@ class Plan:
     gather_tables: set[SSAValue] = field(default_factory=set)
     result_axes: dict[SSAValue, int | None] = field(default_factory=dict)
     outputs: list[SSAValue] = field(default_factory=list)
+    #: a tiles plan: (row blocks, output-channel blocks), the outer loop, and per input and
+    #: result the (row, output-channel) axes each loop slices (-1: none)
+    tiles: tuple[int, int] = (1, 1)
+    outer: str = ""
+    tile_axes: dict[SSAValue, tuple[int, int]] = field(default_factory=dict)
 
 
 def _external_uses(v: SSAValue, inside: set[Operation]) -> bool:
@@ -97,6 +108,8 @@ def _candidates(ops: list[Operation], kind: SliceKind, chip: Chip, only: int | N
                 ) -> list[Plan]:
     inside = set(ops)
     plans = []
+    if kind == SliceKind.TILES:
+        return _tile_candidates(ops, chip, only)
     if kind == SliceKind.COLS:
         if len(ops) != 1 or not col_sliceable(ops[0]):
             return []
@@ -230,6 +243,150 @@ def _pipeline_cost(p: Plan, chip: Chip) -> float:
     return resident + load + (s - 1) * max(comp, load + store) + comp + store
 
 
+# ------------------------------------------------------------------------------ 2-D tiles
+
+
+def _returned(v: SSAValue) -> bool:
+    return any(isinstance(u.operation, func.ReturnOp) for u in v.uses)
+
+
+def _two_axis_movable(v: SSAValue, axes: tuple[int, int]) -> bool:
+    """Whether a part of `v` sliced along both `axes` moves as one transfer (codegen's
+    `two_axis_part`): an activation (not a function input, weight or constant), with unit
+    axes before the first of them."""
+    owner = v.owner
+    if not isinstance(owner, Operation) or isinstance(owner, tpu.WeightOp | tpu.ConstantOp):
+        return False
+    return all(d == 1 for d in shape_of(v)[:min(axes)])
+
+
+def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None) -> list[Plan]:
+    """Tiles plans of one weight matmul: every (row blocks R > 1, output-channel blocks
+    C > 1) whose bound fits a lane, with either loop outer. (R = 1 or C = 1 are the cols
+    and rows kinds.) A result the function returns is not tiled: a tile is stored as a
+    slice of its row block, an offset in the activation region."""
+    if len(ops) != 1 or not tile_sliceable(ops[0]) or _returned(ops[0].results[0]):
+        return []
+    op = ops[0]
+    rows_axis, cols_axis = tile_result_axes(op)
+    shape = shape_of(op.results[0])
+    if any(d != 1 for d in shape[:rows_axis]):
+        return []
+    axes = tile_operand_axes(op)
+    if len(set(op.operands)) != len(op.operands) or not all(
+            -1 in ax or _two_axis_movable(v, ax) for v, ax in zip(op.operands, axes,
+                                                                  strict=True)):
+        return []
+    plans = []
+    for r in divisors(shape[rows_axis])[1:]:
+        for c in divisors(tile_count(op))[1:]:
+            if only is not None and r * c != only:
+                continue
+            if any(a != -1 and shape_of(v)[a] % n for v, ax in zip(op.operands, axes,
+                                                                     strict=True)
+                   for a, n in zip(ax, (r, c), strict=True)):
+                continue
+            for outer in ("rows", "cols"):
+                p = Plan(ops, SliceKind.TILES, r * c, inputs=list(op.operands),
+                         outputs=[op.results[0]], tiles=(r, c), outer=outer)
+                for v, ax in zip(op.operands, axes, strict=True):
+                    p.tile_axes[v] = ax
+                    p.input_axes[v] = ax[0] if ax[0] != -1 else ax[1]
+                p.tile_axes[op.results[0]] = (rows_axis, cols_axis)
+                p.result_axes[op.results[0]] = cols_axis
+                if _tile_lane_bytes(p, chip) > chip.lane_bytes:
+                    break  # the other order needs the same bytes
+                p.cost = _tile_cost(p, chip)
+                plans.append(p)
+    return plans
+
+
+def _tile_part(p: Plan, v: SSAValue) -> int:
+    """Bytes of one tile's part of input or result `v`."""
+    parts = 1
+    for a, n in zip(p.tile_axes[v], p.tiles, strict=True):
+        if a != -1:
+            parts *= n
+    return nbytes(v) // parts
+
+
+def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
+    """Per-lane bytes of a tiles group: two copies of every input's part and of the
+    result's tile."""
+    return sum(2 * chip.per_lane(_tile_part(p, v)) for v in [*p.inputs, *p.outputs])
+
+
+def _tile_cost(p: Plan, chip: Chip) -> float:
+    """Modelled cycles of a tiles group: its T = R * C tiles pipelined as any sliced group
+    (loads of tile t+1 and the store of t-1 beside the compute of t), where the inputs
+    sliced by the outer loop only are loaded once per outer block (O of them), the others
+    once per tile."""
+    r, c = p.tiles
+    t = r * c
+    outer_loop = 0 if p.outer == "rows" else 1
+    outer_count = p.tiles[outer_loop]
+    once = sum(dma_cycles(chip, _tile_part(p, v)) for v in p.inputs
+               if p.tile_axes[v][1 - outer_loop] == -1)
+    each = sum(dma_cycles(chip, _tile_part(p, v)) for v in p.inputs
+               if p.tile_axes[v][1 - outer_loop] != -1)
+    store = sum(dma_cycles(chip, _tile_part(p, v)) for v in p.outputs)
+    comp = compute_cycles(chip, op_flops(p.ops[0]) // t, cost_dtype(p.ops[0]))
+    return (once + each + (t - outer_count) * max(comp, each + store)
+            + (outer_count - 1) * max(comp, once + each + store) + comp + store)
+
+
+def build_tile_group(p: Plan) -> tpu.GroupOp:
+    """Replace a tiles plan's matmul by a tpu.group of its tiles (not yet allocated)."""
+    (op,) = p.ops
+    r, c = p.tiles
+
+    def part_type(v: SSAValue) -> TensorType:
+        shape = list(shape_of(v))
+        for a, n in zip(p.tile_axes[v], (r, c), strict=True):
+            if a != -1:
+                shape[a] //= n
+        return tensor(shape, elem_of(v))
+
+    block = Block(arg_types=[v.type for v in p.inputs])
+    local: dict[SSAValue, SSAValue] = {}
+    for v, arg in zip(p.inputs, block.args, strict=True):
+        arg.name_hint = v.name_hint
+        ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)],
+                        attributes={"slice_axis": i64_attr(p.input_axes[v]),
+                                    "tile_axes": i64_array(list(p.tile_axes[v])),
+                                    "ts": i64_attr(0)})
+        owner = v.owner
+        set_name(ld, f"{op_name(owner) if isinstance(owner, Operation) else v.name_hint}.load")
+        ld.output.name_hint = v.name_hint
+        block.add_op(ld)
+        local[v] = ld.output
+    res = op.results[0]
+    attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
+    attrs["ts"] = i64_attr(1)
+    if isinstance(op, top.AttentionBase):  # c blocks of KV heads, each with its q heads
+        attrs["q_heads"] = i64_attr(read_int(op.q_heads) // c)
+        attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // c)
+    new = type(op).create(operands=[local[v] for v in op.operands],
+                          result_types=[part_type(res)], attributes=attrs)
+    new.location = op.location
+    new.results[0].name_hint = res.name_hint
+    block.add_op(new)
+    st = tpu.StoreOp(operands=[new.results[0]], result_types=[res.type],
+                     attributes={"slice_axis": i64_attr(p.tile_axes[res][1]),
+                                 "tile_axes": i64_array(list(p.tile_axes[res])),
+                                 "ts": i64_attr(2)})
+    set_name(st, f"{op_name(op) or op.name}.store")
+    block.add_op(st)
+    block.add_op(tpu.YieldOp(operands=[[st.output]]))
+    group = tpu.GroupOp(operands=[p.inputs], result_types=[[res.type]],
+                        regions=[Region(block)],
+                        attributes={"slices": i64_attr(p.slices), "cost": i64_attr(int(p.cost)),
+                                    "tiles": i64_array([r, c]),
+                                    "tile_outer": i64_attr(tpu.TILE_LOOPS.index(p.outer))})
+    set_name(group, f"group.{op_name(op) or op.name}")
+    return group
+
+
 # ------------------------------------------------------------------------------ IR building
 
 
@@ -242,6 +399,8 @@ def _slice_type(v: SSAValue, ax: int | None, s: int) -> TensorType:
 
 def build_group(p: Plan) -> tpu.GroupOp:
     """Replace the plan's ops by a tpu.group (not yet allocated)."""
+    if p.kind == SliceKind.TILES:
+        return build_tile_group(p)
     s = p.slices
     block = Block(arg_types=[v.type for v in p.inputs])
     local: dict[SSAValue, SSAValue] = {}
@@ -339,9 +498,11 @@ def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
                 best[j], choice[j] = c, plan
         if best[j] == math.inf:
             op = ops[j - 1]
+            need, how = _finest(op, chip)
             raise LayerGroupError(
                 f"'{op.name}' ({op_name(op)}) cannot run from local memory on {chip.name}: "
-                f"even one slice of it needs more than {chip.lane_bytes} B per lane")
+                f"even its finest slicing ({how}) still needs {need} B per lane, "
+                f"{need - chip.lane_bytes} B more than a lane's {chip.lane_bytes} B")
     plans: list[Plan] = []
     j = n
     while j > 0:
@@ -350,6 +511,28 @@ def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
         plans.append(plan)
         j -= len(plan.ops)
     return plans[::-1]
+
+
+def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
+    """The fewest per-lane bytes any slicing of `op` alone needs, and that slicing."""
+    inside = {op}
+    counts: list[tuple[SliceKind, int]] = [(SliceKind.ROWS, _row_count([op]) or 1)]
+    if col_sliceable(op):
+        counts.append((SliceKind.COLS, col_count(op)))
+    if heads_sliceable(op):
+        counts.append((SliceKind.HEADS, heads_count(op)))
+    best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
+    what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel", SliceKind.HEADS: "KV-head"}
+    for kind, n in counts:
+        p = _make_plan([op], kind, n, inside)
+        if p is not None:
+            how = "one slice" if n == 1 else f"{n} {what[kind]} slices"
+            best = min(best, (_lane_bytes_bound(p, chip), how))
+    tiles = _tile_candidates([op], replace(chip, lane_bytes=1 << 62), None)
+    if tiles:
+        p = max(tiles, key=lambda q: q.slices)
+        best = min(best, (_tile_lane_bytes(p, chip), f"{p.tiles[0]} x {p.tiles[1]} tiles"))
+    return best
 
 
 def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
@@ -381,7 +564,53 @@ def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
     return out
 
 
+def split_attention_keys(fn: func.FuncOp, chip: Chip) -> None:
+    """Each attention over a history that no slicing fits in local memory becomes two
+    `tpu.attention_part`s, over the history's keys and over the new ones (the mask's
+    columns sliced to each), and a `tpu.attention_merge` of them (online softmax between
+    groups, in f32 in global memory): each part's keys and values are half of them."""
+    for op in compute_ops(fn):
+        if (not isinstance(op, tpu.AttentionOp) or op.history_k is None
+                or op.history_v is None or plan_span([op], chip) is not None):
+            continue
+        hist = shape_of(op.history_k)[1]
+        total = op.total_keys()
+        masks: list[SSAValue | None] = [None, None]
+        new_ops: list[Operation] = []
+        if op.mask is not None:
+            ms = shape_of(op.mask)
+            if ms[-1] != total:
+                continue  # a mask broadcast along the keys: not split
+            for i, (lo, hi) in enumerate(((0, hist), (hist, total))):
+                sl = tpu.SliceOp(op.mask, len(ms) - 1, lo, hi)
+                set_name(sl, f"{op_name(op)}.mask{i}")
+                new_ops.append(sl)
+                masks[i] = sl.output
+        parts = []
+        for i, (k, v, causal) in enumerate(((op.history_k, op.history_v, False),
+                                            (op.k, op.v, read_bool(op.causal)))):
+            part = tpu.AttentionPartOp(op.q, k, v, masks[i], scale=read_float(op.scale),
+                                       q_heads=read_int(op.q_heads),
+                                       kv_heads=read_int(op.kv_heads),
+                                       head_dim=read_int(op.head_dim), causal=causal)
+            if "compute" in op.attributes:
+                part.attributes["compute"] = op.attributes["compute"]
+            part.location = op.location
+            set_name(part, f"{op_name(op)}.part{i}")
+            new_ops.append(part)
+            parts.append(part.output)
+        merge = tpu.AttentionMergeOp.create(operands=parts, result_types=[op.output.type])
+        merge.location = op.location
+        merge.output.name_hint = op.output.name_hint
+        new_ops.append(merge)
+        Rewriter.insert_op(new_ops, InsertPoint.before(op))
+        op.output.replace_all_uses_with(merge.output)
+        op.detach()
+        op.erase()
+
+
 def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12) -> list[tpu.GroupOp]:
+    split_attention_keys(fn, chip)
     ops = compute_ops(fn)
     if not ops:
         return []

@@ -22,6 +22,12 @@ Rules (checked by `verify_group`, honoured by `allocate_group`):
 - a compute op's result never shares a bank with any of its local inputs (the engine
   reads and writes different banks in the same cycle).
 The pattern repeats every two slices, so checking a window of four slices checks them all.
+
+In a group of 2-D tiles (`tpu.GroupOp.tile_grid`), a load sliced by the outer tile loop
+only serves the n tiles of the inner loop (`GroupOp.tiles_per_buffer`): instance b of it
+lives from b*n*P until its last use by the compute of tile b*n + n - 1, and its two copies
+alternate by b. The window then spans four instances of the buffer with the longer period
+and every instance of the other that overlaps them.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ class LocalBuffer:
     per_lane: int
     start: int  # time of slice 0
     end: int  # time of slice 0 (inclusive)
-    period: int  # time shift per slice (P), 0 for resident
+    period: int  # time shift per instance (P, or n*P for one serving n tiles), 0 resident
+    count: int = 1  # instances over the group (slices, or slices / n)
 
     def interval(self, i: int) -> tuple[int, int]:
         if self.kind == BufferKind.RESIDENT:
@@ -95,12 +102,15 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
         return max(ks) if ks else -1
 
     bufs: list[LocalBuffer] = []
+    slices = read_int(group.slices)
     for ld in loads:
         resident = read_int(ld.slice_axis) == -1
         kind = BufferKind.RESIDENT if resident else BufferKind.SLICED
         copies = 2 if (sliced and not resident) else 1
+        n = group.tiles_per_buffer(ld)
         bufs.append(LocalBuffer(ld.output, ld, kind, copies, chip.per_lane(nbytes(ld.output)),
-                                0, period + 1 + max(last_use(ld.output), 0), period))
+                                0, n * period + 1 + max(last_use(ld.output), 0), n * period,
+                                slices // n))
     for k, op in enumerate(computes):
         for r in op.results:
             start = period + 1 + k
@@ -111,7 +121,7 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
                 kind, end = BufferKind.INTERMEDIATE, period + 1 + max(last_use(r), k)
                 copies = 1
             bufs.append(LocalBuffer(r, op, kind, copies, chip.per_lane(nbytes(r)), start, end,
-                                    period))
+                                    period, slices))
     return bufs
 
 
@@ -124,15 +134,22 @@ def _banks(addr: int, size: int, chip: Chip) -> range:
 
 
 def _time_conflict(a: LocalBuffer, ca: int, b: LocalBuffer, cb: int, slices: int) -> bool:
-    window = range(min(slices, 4))
-    for i in window:
-        if i % a.copies != ca:
-            continue
-        for j in window:
-            if j % b.copies != cb:
-                continue
-            if _overlap(a.interval(i), b.interval(j)):
-                return True
+    """Whether copy `ca` of `a` and copy `cb` of `b` are ever live at the same time: over
+    four instances of the one with the longer period, every instance of the other that
+    overlaps them in time (see the module doc)."""
+    if a.period < b.period or (a.period == b.period and a.count < b.count):
+        a, ca, b, cb = b, cb, a, ca
+    if b.kind == BufferKind.RESIDENT or a.kind == BufferKind.RESIDENT:
+        return ca < a.count and cb < b.count
+    for i in range(ca, min(a.count, 4), a.copies):
+        lo, hi = a.interval(i)
+        # instances j of b with b.start + j*p <= hi and lo <= b.end + j*p
+        p = b.period
+        jlo = max(0, -(-(lo - b.end) // p))
+        jhi = min(b.count - 1, (hi - b.start) // p)
+        first = jlo + (cb - jlo) % b.copies
+        if first <= jhi:
+            return True
     return False
 
 

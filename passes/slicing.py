@@ -14,6 +14,15 @@ Two slicing kinds exist:
   its query heads): queries, keys, values, history and output stream by heads, so the
   keys and values of a long sequence never need to be resident whole (decode over a long
   KV cache, multi-head models). Heads are independent: the numbers do not change.
+- **tiles**: one weight matmul computes a 2-D tile at a time, a block of token rows times
+  a block of output channels: the activation streams by rows, the weight (scales, zeros,
+  bias) by output channels, the result by both (`tpu.GroupOp.tile_grid`), so neither the
+  whole activation nor the whole weight needs to be resident (prefill of large layers).
+  Each output element is still one whole reduction over K: the numbers do not change.
+  An attention tiles the same way by query rows and KV-head groups (the second loop is
+  then the heads'): queries and output by both, keys, values and history by heads, the
+  mask by rows (and heads when it has them), so neither the keys and values of every head
+  nor the mask of every row need to be resident (long prefill over a history).
 
 A group with a single slice needs no rule: every tensor is whole.
 """
@@ -36,6 +45,7 @@ class SliceKind(StrEnum):
     ROWS = "rows"
     COLS = "cols"
     HEADS = "heads"
+    TILES = "tiles"
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,8 @@ def row_rule(op: Operation) -> RowRule | None:
         if r >= len(out) - 1 or len(xs) != len(out):
             return None
         return RowRule((r, *([None] * (len(op.operands) - 1))), (r,))
+    if isinstance(op, tpu.AttentionMergeOp):  # row-local over its parts
+        return RowRule(tuple(r for _ in op.operands), (r,))
     if isinstance(op, top.AttentionBase):
         if r != 1:
             return None
@@ -171,6 +183,41 @@ def col_result_axis(op: Operation) -> int:
 
 def col_count(op: Operation) -> int:
     return shape_of(op.results[0])[-1]
+
+
+def tile_sliceable(op: Operation) -> bool:
+    """A weight matmul (`col_sliceable`) or an attention with KV heads to slice
+    (`heads_sliceable`) whose first input also slices by rows (`row_rule`)."""
+    if not (col_sliceable(op) or heads_sliceable(op)):
+        return False
+    rule = row_rule(op)
+    return rule is not None and rule.operand_axes[0] is not None
+
+
+def tile_count(op: Operation) -> int:
+    """How many blocks the second tile loop may cut: output channels or KV heads."""
+    return heads_count(op) if isinstance(op, top.AttentionBase) else col_count(op)
+
+
+def tile_operand_axes(op: Operation) -> tuple[tuple[int, int], ...]:
+    """For a tiles slice, per operand (row axis, second loop's axis), -1 where that loop
+    does not slice it: a matmul's activation by its rows, weight-like operands by their N
+    axis; an attention's operands by their rows (`row_rule`) and heads
+    (`heads_operand_axes`)."""
+    rule = row_rule(op)
+    assert rule is not None and rule.operand_axes[0] is not None
+    second = (heads_operand_axes(op) if isinstance(op, top.AttentionBase)
+              else col_operand_axes(op))
+    return tuple((-1 if r is None else r, -1 if c is None else c)
+                 for r, c in zip(rule.operand_axes, second, strict=True))
+
+
+def tile_result_axes(op: Operation) -> tuple[int, int]:
+    rule = row_rule(op)
+    assert rule is not None and rule.result_axes[0] is not None
+    if isinstance(op, top.AttentionBase):
+        return rule.result_axes[0], HEADS_RESULT_AXIS
+    return rule.result_axes[0], col_result_axis(op)
 
 
 def heads_sliceable(op: Operation) -> bool:

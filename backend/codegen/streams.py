@@ -61,20 +61,14 @@ def _dtype(v: SSAValue) -> str:
     return str(numpy_dtype(t.element_type))  # type: ignore[attr-defined]
 
 
-@dataclass
-class _Access:
-    key: tuple
-    lo: int
-    hi: int
-    cmd: int
-    write: bool
-
-
 class _Emitter:
     def __init__(self, chip: Chip) -> None:
         self.chip = chip
         self.commands: list[Command] = []
-        self.accesses: list[_Access] = []
+        #: the accesses a later command may depend on: per memory key, per byte range
+        #: [lo, hi), the commands that read it and those that wrote it (a tiled group makes
+        #: thousands of commands over a few ranges: only the ranges are scanned)
+        self.accesses: dict[tuple, dict[tuple[int, int], tuple[list[int], list[int]]]] = {}
         self.next_buf = 0
 
     def new_buf(self) -> int:
@@ -84,20 +78,25 @@ class _Emitter:
     def add(self, make: Callable[..., Command], reads: list[tuple], writes: list[tuple],
             **fields: Any) -> int:
         """The command `make(id=..., deps=..., **fields)`, its dependencies derived from the
-        memory it reads and writes."""
+        memory it reads and writes: a read waits for the overlapping writes before it, a
+        write for the overlapping reads and writes."""
         cid = len(self.commands)
         deps: set[int] = set()
         for is_write, accs in ((False, reads), (True, writes)):
             for key, lo, hi in accs:
-                for a in self.accesses:
-                    if a.key == key and a.lo < hi and lo < a.hi and (a.write or is_write):
-                        deps.add(a.cmd)
+                for (alo, ahi), (rs, ws) in self.accesses.get(key, {}).items():
+                    if alo < hi and lo < ahi:
+                        deps.update(ws)
+                        if is_write:
+                            deps.update(rs)
         for is_write, accs in ((False, reads), (True, writes)):
             for key, lo, hi in accs:
+                ranges = self.accesses.setdefault(key, {})
                 if is_write:  # a covering write supersedes older accesses of that range
-                    self.accesses = [a for a in self.accesses
-                                     if not (a.key == key and lo <= a.lo and a.hi <= hi)]
-                self.accesses.append(_Access(key, lo, hi, cid, is_write))
+                    for r in [r for r in ranges if lo <= r[0] and r[1] <= hi]:
+                        del ranges[r]
+                rs, ws = ranges.setdefault((lo, hi), ([], []))
+                (ws if is_write else rs).append(cid)
         self.commands.append(make(id=cid, deps=tuple(sorted(deps)), **fields))
         return cid
 
@@ -216,6 +215,8 @@ class _GroupEmitter:
         self.uses_in_group = {v: sum(1 for u in v.uses if u.operation in computes or
                                      isinstance(u.operation, tpu.StoreOp)) for v in self.lmem}
         self.resident = {ld.output for ld in self.loads if read_int(ld.slice_axis) == -1}
+        #: slices one buffer instance serves (a tiled group's load kept for the inner loop)
+        self.per_buffer = {ld.output: g.tiles_per_buffer(ld) for ld in self.loads}
 
     def emit(self) -> int:
         """Emit every command of the group; return its FLOPs (each slice runs the
@@ -230,7 +231,8 @@ class _GroupEmitter:
         for i in range(s):
             if i + 1 < s:
                 for ld in sliced_loads:
-                    self.load(ld, i + 1)
+                    if (i + 1) % self.per_buffer[ld.output] == 0:
+                        self.load(ld, i + 1)
             for op in self.computes:
                 self.compute(op, i)
             if i >= 1:
@@ -243,11 +245,11 @@ class _GroupEmitter:
     # ------------------------------------------------------------------ local buffers
 
     def _key(self, v: SSAValue, i: int) -> tuple[SSAValue, int]:
-        return (v, 0 if v in self.resident else i)
+        return (v, 0 if v in self.resident else i // self.per_buffer.get(v, 1))
 
     def addr(self, v: SSAValue, i: int) -> int:
         a = self.lmem[v]
-        return a[i % len(a)]
+        return a[self._key(v, i)[1] % len(a)]
 
     def local_ref(self, v: SSAValue, i: int) -> LocalRef:
         return LocalRef(self.addr(v, i), tuple(shape_of(v)), _dtype(v),
@@ -268,7 +270,8 @@ class _GroupEmitter:
         """A new buffer instance of `v` for slice `i` (one for all slices when resident)."""
         key = self._key(v, i)
         self.inst[key] = self.em.new_buf()
-        n = self.uses_in_group[v] * (self.slices if v in self.resident else 1)
+        n = self.uses_in_group[v] * (self.slices if v in self.resident
+                                     else self.per_buffer.get(v, 1))
         self.readers_left[key] = max(n, 1)
 
     def global_ref(self, v: SSAValue) -> GlobalRef:
@@ -281,14 +284,18 @@ class _GroupEmitter:
         ref = self.global_ref(src)
         ax = read_int(ld.slice_axis)
         full = list(shape_of(src))
-        n = full[ax] // self.slices if ax >= 0 else 0
+        part = self.g.slice_window(ld, i, full)[ax] if ax >= 0 else slice(0, 0)
         self.make(ld.output, i)
         # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
         read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
             else (_gkey(ref), 0, nbytes(src))
+        axes = tpu.tile_axes_of(ld)
+        if axes is not None and -1 not in axes:  # a part of a 2-D tile
+            tile, block, ax, part, _ = self.two_axis_part(ld, i, ref, full, _dtype(src))
+            ref, full = tile, list(block)
         self.em.add(Load, [read], [self.lrange(ld.output, i)],
                     name=op_name(ld) or "load", tensor=ref, shape=tuple(full),
-                    dtype=_dtype(src), axis=ax, start=i * n, length=n,
+                    dtype=_dtype(src), axis=ax, start=part.start, length=part.stop - part.start,
                     local=self.local_ref(ld.output, i), group=self.gi, slice=i)
 
     def compute(self, op: Operation, i: int) -> None:
@@ -342,6 +349,10 @@ class _GroupEmitter:
         self.consume(st.input, i, freed)
         glo = ref.offset if ref.space == Space.ACT else 0
         item = np.dtype(_dtype(dst)).itemsize
+        axes = tpu.tile_axes_of(st)
+        if axes is not None and -1 not in axes:
+            self.store_tile(st, i, ref, full, src, freed)
+            return
         if ax >= 0 and all(d == 1 for d in full[:ax]):
             inner = int(np.prod(full[ax + 1:])) * item
             lo, hi = glo + i * n * inner, glo + (i + 1) * n * inner
@@ -352,6 +363,37 @@ class _GroupEmitter:
                     dtype=_dtype(dst), axis=ax, start=i * n, length=n, local=src,
                     free=tuple(freed), group=self.gi, slice=i)
 
+    def two_axis_part(self, op: tpu.LoadOp | tpu.StoreOp, i: int, ref: GlobalRef,
+                      full: list[int], dtype: str) -> tuple[GlobalRef, tuple[int, ...], int,
+                                                            slice, tuple[int, int]]:
+        """A part of a 2-D tile sliced along two axes a < b (`tile_axes`), as one transfer:
+        its block along a is one contiguous part of the activation region (the axes before
+        a are 1), addressed as a tensor of its own at that offset, and the part is that
+        block's slice along b. Returns (that tensor, its shape, b, the slice along b, the
+        block's byte range)."""
+        a, b = sorted(tpu.tile_axes_of(op) or (-1, -1))
+        if ref.space != Space.ACT or any(d != 1 for d in full[:a]):
+            raise CodegenError(f"{op_name(op)}: a part sliced along two axes moves only "
+                               "within the activation region, after unit axes (layer-group "
+                               "plans so)")
+        window = self.g.slice_window(op, i, full)
+        inner = int(np.prod(full[a + 1:])) * np.dtype(dtype).itemsize
+        block = list(full)
+        block[a] = window[a].stop - window[a].start
+        lo = ref.offset + window[a].start * inner
+        return (GlobalRef(Space.ACT, offset=lo), tuple(block), b, window[b],
+                (lo, lo + block[a] * inner))
+
+    def store_tile(self, st: tpu.StoreOp, i: int, ref: GlobalRef, full: list[int],
+                   src: LocalRef, freed: list[int]) -> None:
+        """The store of a 2-D tile (`two_axis_part`)."""
+        part, block, axis, along, (lo, hi) = self.two_axis_part(st, i, ref, full,
+                                                                 _dtype(st.output))
+        self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
+                    name=op_name(st) or "store", tensor=part, shape=block,
+                    dtype=_dtype(st.output), axis=axis, start=along.start,
+                    length=along.stop - along.start, local=src, free=tuple(freed),
+                    group=self.gi, slice=i)
 
 def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:
     return {fn.sym_name.data: generate(module, fn, chip)

@@ -201,6 +201,21 @@ def _attention(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.nda
                         _out_dtype(op))]
 
 
+@evaluates(tpu.AttentionPartOp)
+def _attention_part(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    q, k, v, mask, _, _ = args
+    assert isinstance(op, tpu.AttentionPartOp)
+    assert q is not None and k is not None and v is not None
+    return [K.attention_part(q, k, v, mask, read_float(op.scale), read_bool(op.causal))]
+
+
+@evaluates(tpu.AttentionMergeOp)
+def _attention_merge(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    assert isinstance(op, tpu.AttentionMergeOp)
+    parts = [a for a in args if a is not None]
+    return [K.attention_merge(parts, _out_dtype(op))]
+
+
 @evaluates(top.MatMulOp)
 def _matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     a, b, bias = args
@@ -312,7 +327,8 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
             if isinstance(inner, tpu.LoadOp):
                 full = env[inner.input]
                 ax = read_int(inner.slice_axis)
-                local[inner.output] = full if ax == -1 else _take_slice(full, ax, i, s)
+                local[inner.output] = full if ax == -1 else full[
+                    op.slice_window(inner, i, full.shape)]
             elif isinstance(inner, tpu.StoreOp):
                 ax = read_int(inner.slice_axis)
                 if inner.output not in outs:
@@ -325,10 +341,7 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
                 if ax == -1:
                     dst[...] = part
                 else:
-                    n = dst.shape[ax] // s
-                    index = [slice(None)] * dst.ndim
-                    index[ax] = slice(i * n, (i + 1) * n)
-                    dst[tuple(index)] = part
+                    dst[op.slice_window(inner, i, dst.shape)] = part
             elif isinstance(inner, tpu.YieldOp):
                 pass
             else:
@@ -338,13 +351,6 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     term = block.last_op
     assert term is not None
     return [outs[v] for v in term.operands]
-
-
-def _take_slice(x: np.ndarray, axis: int, i: int, s: int) -> np.ndarray:
-    n = x.shape[axis] // s
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(i * n, (i + 1) * n)
-    return x[tuple(index)]
 
 
 # --------------------------------------------------------------------------- driver

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -366,6 +367,116 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     dv = out.shape[-1]
     res = out.reshape(b, hq, sq, dv).transpose(0, 2, 1, 3)
     return _out(np.ascontiguousarray(res), out_dtype, q)
+
+
+@dataclass
+class OnlineSoftmax:
+    """The running state of attention over key tiles (online softmax): per query row and
+    head the largest score so far (`peak`), the sum of exp(score - peak) (`total`) and the
+    weighted sum of values at that peak (`acc`), all f32 [B, Hkv, rep, Sq, ...]. A tile of
+    keys rescales what came before by exp(old peak - new peak); `attention_finish` divides
+    by the total. The L x (Hh + L) scores are never whole: one tile's [Sq, tile] at a time."""
+
+    peak: np.ndarray
+    total: np.ndarray
+    acc: np.ndarray
+
+
+def attention_start(q: np.ndarray, k: np.ndarray, dv: int) -> OnlineSoftmax:
+    b, sq, hq, _ = q.shape
+    hkv = k.shape[2]
+    shape = (b, hkv, hq // hkv, sq)
+    return OnlineSoftmax(np.full((*shape, 1), -np.inf, np.float32),
+                         np.zeros((*shape, 1), np.float32),
+                         np.zeros((*shape, dv), np.float32))
+
+
+def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   mask: np.ndarray | None, scale: float, first_key: int = 0,
+                   causal_offset: int | None = None) -> None:
+    """Fold one tile of keys and values (k/v [B, St, Hkv, D], the keys numbered from
+    `first_key` in the whole key sequence; `mask` its columns [.., Sq, St]) into `state`.
+    `causal_offset` (Sk - Sq of the whole sequence) hides key j from query i when
+    j > i + offset."""
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    rep = hq // hkv
+    st = k.shape[1]
+    fq = f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d)
+    sc = np.matmul(fq, f32(k).transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
+    sc *= np.float32(scale)
+    if mask is not None:
+        sc += np.broadcast_to(f32(mask), (b, hq, sq, st)).reshape(b, hkv, rep, sq, st)
+    if causal_offset is not None:
+        hidden = (np.arange(first_key, first_key + st)[None, :]
+                  > np.arange(sq)[:, None] + causal_offset)
+        np.copyto(sc, np.float32(-np.inf), where=hidden)
+    peak = np.maximum(state.peak, np.max(sc, axis=-1, keepdims=True))
+    safe = np.where(np.isfinite(peak), peak, np.float32(0))  # a row that saw nothing yet
+    sc -= safe
+    np.exp(sc, out=sc)
+    keep = np.exp(state.peak - safe)
+    state.total = state.total * keep + np.sum(sc, axis=-1, keepdims=True)
+    state.acc = state.acc * keep + np.matmul(sc, f32(v).transpose(0, 2, 1, 3)[:, :, None])
+    state.peak = peak
+
+
+def attention_finish(state: OnlineSoftmax, q: np.ndarray, out_dtype=None) -> np.ndarray:
+    b, sq, hq, _ = q.shape
+    out = state.acc / state.total
+    res = out.reshape(b, hq, sq, out.shape[-1]).transpose(0, 2, 1, 3)
+    return _out(np.ascontiguousarray(res), out_dtype, q)
+
+
+def attention_online(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                     scale: float, history_k: np.ndarray | None = None,
+                     history_v: np.ndarray | None = None, causal: bool = False,
+                     out_dtype=None, tile: int = 128) -> np.ndarray:
+    """`attention` computed over tiles of `tile` keys (history first, then k) with a running
+    max and sum (`OnlineSoftmax`): the same function, summed in another order (the scores'
+    exponentials are rescaled per tile), so equal to `attention` within f32 rounding."""
+    parts = [(k, v)] if history_k is None or history_v is None else [(history_k, history_v),
+                                                                      (k, v)]
+    sk = sum(kk.shape[1] for kk, _ in parts)
+    state = attention_start(q, k, v.shape[-1])
+    offset = sk - q.shape[1] if causal else None
+    at = 0
+    for kk, vv in parts:
+        for s in range(0, kk.shape[1], tile):
+            e = min(s + tile, kk.shape[1])
+            m = None if mask is None else mask[..., at + s:at + e]
+            attention_tile(state, q, kk[:, s:e], vv[:, s:e], m, scale, at + s, offset)
+        at += kk.shape[1]
+    return attention_finish(state, q, out_dtype)
+
+
+def attention_part(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                   scale: float, causal: bool = False) -> np.ndarray:
+    """Attention of `q` over one part of the keys (k/v, the mask's columns of them): its
+    softmax-weighted values within the part and the log of its sum of exponentials, f32
+    [B, Sq, Hq, Dv + 1] (the last column). `attention_merge` of the parts of all keys is
+    `attention` (within f32 rounding: the exponentials are summed in another order)."""
+    state = attention_start(q, k, v.shape[-1])
+    attention_tile(state, q, k, v, mask, scale, 0, k.shape[1] - q.shape[1] if causal else None)
+    b, sq, hq, _ = q.shape
+    lse = state.peak + np.log(state.total)
+    out = np.concatenate([state.acc / state.total, lse], axis=-1)
+    return np.ascontiguousarray(out.reshape(b, hq, sq, -1).transpose(0, 2, 1, 3))
+
+
+def attention_merge(parts: Sequence[np.ndarray], out_dtype=None,
+                    like: np.ndarray | None = None) -> np.ndarray:
+    """The attention over all keys from its parts (`attention_part`): each part's values
+    weighted by exp(its log-sum-exp - the largest), over the sum of those weights."""
+    lses = [f32(p)[..., -1:] for p in parts]
+    top_ = np.maximum.reduce(lses)
+    num = np.zeros(parts[0].shape[:-1] + (parts[0].shape[-1] - 1,), np.float32)
+    den = np.zeros(parts[0].shape[:-1] + (1,), np.float32)
+    for p, lse in zip(parts, lses, strict=True):
+        w = np.exp(lse - top_)
+        num += w * f32(p)[..., :-1]
+        den += w
+    return _out(num / den, out_dtype, parts[0] if like is None else like)
 
 
 def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,

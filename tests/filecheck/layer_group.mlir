@@ -32,5 +32,5 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // SINGLE-COUNT-3: "tpu.group"
 
 // an op that cannot fit local memory even as one slice is refused by name
-// TOOBIG: pass 'layer-group': 'tpu.softmax' (probs) cannot run from local memory on bm1684x: even one slice of it needs more than 262144 B per lane
+// TOOBIG: pass 'layer-group': 'tpu.softmax' (probs) cannot run from local memory on bm1684x: even its finest slicing (one slice) still needs 1048576 B per lane, 786432 B more than a lane's 262144 B
 // TOOBIG-NOT: Traceback
