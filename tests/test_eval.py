@@ -126,6 +126,10 @@ def test_model_file_against_itself(f32, text_file, capsys) -> None:  # noqa: ANN
     assert ref["kind"] == "model_file" and ref["path"] == f32.model_file
     assert ref["mean_kl"] == 0.0 and ref["top1_agreement"] == 1.0
     assert ref["perplexity"] == res["perplexity"]
+    usage = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
+    section = usage[usage.index("## `toptpu eval`"):usage.index("## The Python API")]
+    for key in [*res, *ref, *ref["greedy"]]:  # every key is in the eval section's table
+        assert f"| `{key}` |" in section, key
     assert ref["greedy"]["first_disagreement"] is None
     assert ref["greedy"]["agreeing_tokens"] == ref["greedy"]["generated_tokens"]
 
