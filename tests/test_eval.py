@@ -274,3 +274,16 @@ def test_any_bytes_are_a_result_or_one_line(data: bytes, f32, tmp_path_factory, 
         assert res["predicted_tokens"] >= 1 and np.isfinite(res["nll"])
     else:
         assert code == 1 and err.startswith("toptpu eval: error: ") and err.count("\n") == 1
+
+
+def test_row_blocks_do_not_change_the_numbers(f32, w4, text_file, capsys, monkeypatch) -> None:  # noqa: ANN001
+    from toptpu import eval_cli
+
+    argv = (w4.model_file, "--text", text_file, "--reference", f32.model_file, "--quiet")
+    whole = cached_eval(capsys, *argv)
+    monkeypatch.setattr(eval_cli, "ROWS", 5)  # windows of 47 positions in 10 blocks
+    blocks = eval_json(capsys, *argv)
+    for key in ("nll", "perplexity"):
+        assert blocks[key] == pytest.approx(whole[key], rel=1e-12)
+    for key in ("mean_kl", "top1_agreement", "perplexity"):
+        assert blocks["reference"][key] == pytest.approx(whole["reference"][key], rel=1e-12)

@@ -41,6 +41,9 @@ EVAL_JSON_SCHEMA = 1
 #: most bytes of --text read (a text for perplexity, not a corpus dump)
 MAX_TEXT_BYTES = 64 * 2**20
 
+#: positions whose float64 log-probabilities are held at once (a 150k vocabulary: 77 MB)
+ROWS = 64
+
 
 class EvalError(ToptpuError, ValueError):
     """The text or the reference cannot be evaluated as given; the message says why."""
@@ -276,9 +279,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     for k, (s, e) in enumerate(spans):
         chunk = ids[s:e]
         targets = np.array(chunk[1:], np.int64)
-        lp = log_softmax(model.logits(chunk)[:-1])
-        ref_lp = log_softmax(ref.logits(chunk)[:-1]) if ref else None
-        tot.add(targets, lp, ref_lp)
+        logits = model.logits(chunk)[:-1]
+        ref_logits = ref.logits(chunk)[:-1] if ref else None
+        for r in range(0, len(targets), ROWS):  # f64 in blocks: [rows, V] at a time
+            tot.add(targets[r:r + ROWS], log_softmax(logits[r:r + ROWS]),
+                    None if ref_logits is None else log_softmax(ref_logits[r:r + ROWS]))
         if progress:
             print(f"toptpu eval: window {k + 1}/{len(spans)} ({e - s} tokens): perplexity so "
                   f"far {_ppl(tot.nll, tot.positions):.4f} ({time.perf_counter() - t0:.1f}s)",
