@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.cli_args import int_at_least
 from toptpu.errors import ToptpuError
 
@@ -132,8 +133,6 @@ class ModelFileScorer:
     kind = "model_file"
 
     def __init__(self, path: str, executor: str) -> None:
-        from toptpu.backend.runtime.runtime import Runtime
-
         self.name = path
         self.rt = Runtime.open(path, executor)
         self.seq = self.rt.seq
@@ -147,8 +146,6 @@ class ModelFileScorer:
         return self.rt.sequence_logits(ids)
 
     def greedy(self, ids: Sequence[int], n: int) -> list[int]:
-        from toptpu.backend.runtime.runtime import SamplingConfig
-
         res = self.rt.generate(list(ids), n, SamplingConfig(), stop_on_eos=False)
         return [int(t) for t in res.generated_ids]
 
