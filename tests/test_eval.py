@@ -175,7 +175,6 @@ def test_max_tokens_bounds_the_work(f32, text_file, capsys) -> None:  # noqa: AN
     assert res["text_tokens"] == 49 and res["windows"] == 1 and res["predicted_tokens"] == 47
 
 
-@pytest.mark.slow  # the Tpu interpreter runs every net
 def test_interpreter_executor_matches_machine(f32, text_file, capsys) -> None:  # noqa: ANN001
     a = eval_json(capsys, f32.model_file, "--text", text_file, "--max-tokens", "40",
                   "--quiet", "--executor", "interpreter")
