@@ -26,6 +26,7 @@ from toptpu.compare import (
 )
 from toptpu.errors import ToptpuError
 from toptpu.estimate import add_estimate_parser
+from toptpu.eval_cli import add_eval_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
@@ -234,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_estimate_parser(sub)
     add_sweep_parser(sub)
+    add_eval_parser(sub)
 
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
     c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")

@@ -908,8 +908,11 @@ class Runtime:
         return (ex.read(b[PROBS]).reshape(-1).astype(np.float64),
                 ex.read(b[TOKEN_IDS]).reshape(-1))
 
-    def _prefill(self, ids: Sequence[int]) -> Buffer:
-        """Feed `ids` after the cached tokens; returns the hidden row of the last one."""
+    def _prefill(self, ids: Sequence[int],
+                 rows: Callable[[Buffer, int], None] | None = None) -> Buffer:
+        """Feed `ids` after the cached tokens; returns the hidden row of the last one.
+        `rows(hidden, n)`, if given, sees the final hidden rows of every chunk (or decode
+        step) before the next one reuses the buffer: rows 0..n-1 belong to the n ids fed."""
         last: Buffer | None = None
         i = 0
         while i < len(ids):
@@ -918,9 +921,13 @@ class Runtime:
                 chunk = ids[i:i + self.L]
                 h = self._prefill_chunk(chunk)
                 last = h.slot(1, len(chunk) - 1, 1)
+                if rows is not None:
+                    rows(h, len(chunk))
                 i += len(chunk)
             else:  # history beyond max_history: the decode net takes the rest one by one
                 last = self._decode_step(ids[i])
+                if rows is not None:
+                    rows(last, 1)
                 i += 1
         assert last is not None
         return last
@@ -1017,6 +1024,28 @@ class Runtime:
         out = self.ex.read(self.b["logits"]).reshape(-1).astype(np.float32)
         self.reset()
         return out
+
+    def sequence_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits [n, V] (f32) of `ids` in a fresh conversation: row i is
+        the next-token distribution after ids[0..i] (the prefill chunks as `generate`
+        runs them, lm_head on every row). At most `seq` ids."""
+        ids = [int(i) for i in ids]
+        if not 0 < len(ids) <= self.seq:
+            raise PromptTooLongError(f"{len(ids)} tokens do not fit the KV cache of {self.seq}")
+        out: list[np.ndarray] = []
+        ex, logits = self.ex, self.b["logits"]
+
+        def rows(hidden: Buffer, n: int) -> None:
+            for r in range(n):
+                ex.run(LM_HEAD, {HIDDEN: hidden.slot(1, r, 1), LOGITS: logits})
+                out.append(ex.read(logits).reshape(-1).astype(np.float32))
+
+        self.reset()
+        try:
+            self._prefill(ids, rows)
+        finally:
+            self.reset()
+        return np.stack(out)
 
     # ------------------------------------------------------------------ generation
     def generate(self, ids: Sequence[int], max_new_tokens: int = 64,
