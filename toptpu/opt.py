@@ -65,6 +65,7 @@ from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu.backend.codegen.streams import generate
+from toptpu.backend.runtime.machine import command_cycles, schedule
 from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
@@ -270,7 +271,16 @@ class CommandsTarget(Target):
             chip = get_chip(self.chip)
             for fn in module.ops:
                 if isinstance(fn, func.FuncOp):
-                    print(generate(module, fn, chip).text(), file=output)
+                    prog = generate(module, fn, chip)
+                    events, _ = schedule(prog.commands, chip)
+                    total = max((e.end for e in events), default=0.0)
+                    busy = {k: sum(e.end - e.start for e in events if e.engine == k)
+                            for k in ("dma", "cmp")}
+                    timeline = (f"modelled on {chip.name}: {total:.0f} cycles "
+                                f"({total / (chip.freq_ghz * 1e3):.2f} us), dma busy "
+                                f"{busy['dma']:.0f}, compute busy {busy['cmp']:.0f}")
+                    print(prog.text([command_cycles(chip, c) for c in prog.commands],
+                                    timeline), file=output)
         except ToptpuError as e:
             raise ValueError(f"-t commands: {e}") from None
 

@@ -11,7 +11,7 @@ checks the records across fields — a stream is as untrusted as a header.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -140,16 +140,21 @@ class Program:
         for i, c in enumerate(self.commands):
             check_command(c, i, join("commands", i))
 
-    def text(self) -> str:
+    def text(self, cycles: Sequence[float] | None = None, timeline: str = "") -> str:
         """The program as text: a header line, then one line per command
-        (`toptpu.backend.formats.commands.command_text`)."""
+        (`toptpu.backend.formats.commands.command_text`), each ending with its modelled
+        `cycles` when given (and `timeline`, a line about the whole, after the header)."""
         r = self.regions
         io = ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in self.inputs)
         out = ", ".join(f"{s.name} {list(s.shape)} {s.dtype}" for s in self.outputs)
         head = [f"program @{self.name}: {len(self.commands)} commands, {self.flops} FLOPs; "
                 f"regions " + ", ".join(f"{f.name} {getattr(r, f.name)}" for f in fields(r)),
+                *([f"  {timeline}"] if timeline else []),
                 f"  in: {io}", f"  out: {out}"]
-        return "\n".join([*head, *(command_text(c) for c in self.commands)])
+        lines = [command_text(c) for c in self.commands]
+        if cycles is not None:
+            lines = [f"{line} cycles={n:.0f}" for line, n in zip(lines, cycles, strict=True)]
+        return "\n".join([*head, *lines])
 
 
 def constant_pool(program: Program) -> bytes:
