@@ -355,8 +355,7 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
                         attributes={"slice_axis": i64_attr(p.input_axes[v]),
                                     "tile_axes": i64_array(list(p.tile_axes[v])),
                                     "ts": i64_attr(0)})
-        owner = v.owner
-        set_name(ld, f"{op_name(owner) if isinstance(owner, Operation) else v.name_hint}.load")
+        set_name(ld, f"{_value_name(v)}.load")
         ld.output.name_hint = v.name_hint
         block.add_op(ld)
         local[v] = ld.output
@@ -413,8 +412,7 @@ def build_group(p: Plan) -> tpu.GroupOp:
         ld = tpu.LoadOp(operands=[arg], result_types=[_slice_type(v, ax, s)],
                         attributes={"slice_axis": i64_attr(-1 if ax is None else ax),
                                     "ts": i64_attr(0)})
-        owner = v.owner
-        set_name(ld, f"{op_name(owner) if isinstance(owner, Operation) else v.name_hint}.load")
+        set_name(ld, f"{_value_name(v)}.load")
         ld.output.name_hint = v.name_hint
         block.add_op(ld)
         local[v] = ld.output
@@ -452,6 +450,20 @@ def build_group(p: Plan) -> tpu.GroupOp:
     first = p.ops[0]
     set_name(group, f"group.{op_name(first) or first.name}")
     return group
+
+
+def _value_name(v: SSAValue) -> str:
+    """What a load of `v` loads, by name: the op that computes it — inside the group that
+    stored it, for a result of an earlier group (not the group's own name) — or the value's
+    name for a function argument."""
+    owner = v.owner
+    if isinstance(owner, tpu.GroupOp):
+        store = owner.body.block.last_op.operands[v.index].owner  # type: ignore[union-attr, attr-defined]
+        if isinstance(store, tpu.StoreOp) and isinstance(store.input.owner, Operation):
+            owner = store.input.owner
+    if isinstance(owner, Operation):
+        return op_name(owner) or owner.name
+    return v.name_hint or "input"
 
 
 def _install(group: tpu.GroupOp, p: Plan) -> None:

@@ -76,3 +76,14 @@ def test_output_file_keeps_locations_unless_stripped(top_ir: str, tmp_path) -> N
         assert "loc(" not in f.read()
     rc, out, _ = _run(top_ir, "-p", "top-pipeline")  # stdout: as mlir-opt, without
     assert rc == 0 and "loc(" not in out
+
+
+def test_loads_are_named_after_what_they_load(top_ir: str) -> None:
+    """A load of an earlier group's result is named after the op that computed it, never
+    after the group (`group.X.load` said nothing of what was loaded)."""
+    rc, out, err = _run(top_ir, "-p", "top-pipeline,tpu-pipeline{mode=bf16}", "--weights-out",
+                        os.devnull, "--print-debuginfo")
+    assert rc == 0, err
+    names = re.findall(r'"tpu\.load".*loc\("([^"]+)"', out)
+    assert names and not [n for n in names if n.startswith("group.")]
+    assert any(n.startswith("layer.self_attn.") and n.endswith(".load") for n in names)
