@@ -5,6 +5,11 @@ inputs are valid placeholders: token 0, positions 0.., masks that see everything
 prints per net: modelled time, engine busy fractions, bytes moved, FLOPs, achieved DDR and
 peak fractions and the roofline ratio. `--trace` writes a Chrome trace (open it in
 Perfetto), `--png DIR` one timeline/roofline picture per net, `--json` the numbers.
+
+`toptpu profile FILE.mlir [--chip NAME]` does the same for grouped and addressed Tpu IR (a
+`--dump-ir` file after address-assign, or `toptpu-opt -p tpu-pipeline` output): codegen
+makes each function's command streams and the chip model times them — the timeline depends
+on the commands and the chip alone — so a hand edit of the IR can be timed.
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import numpy as np
+from xdsl.dialects import func
 
+from toptpu.backend.codegen.streams import generate
 from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
+from toptpu.backend.formats.program import Program
+from toptpu.backend.runtime.machine import LoadedNet, Timeline
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.profile import (
     NetProfile,
@@ -25,7 +35,10 @@ from toptpu.backend.runtime.profile import (
     write_chrome_trace,
     write_timeline_png,
 )
+from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
 from toptpu.cli_args import UsageError
+from toptpu.dialects import context, tpu
+from toptpu.dialects.ir_text import parse_ir
 from toptpu.paths import OutputPathError, check_output_dir, check_output_file
 
 #: sampling inputs a profile run feeds 1 (temperature 1, no penalty, top-k 1, top-p 1): zeros
@@ -67,6 +80,56 @@ def profile_model(path: str, nets: list[str] | None = None
     return ex, profiles
 
 
+def profile_ir(path: str, chip_name: str) -> tuple[Chip, list[NetProfile], list[Timeline],
+                                                  list[Program]]:
+    """Profiles of every function of the Tpu IR file `path` on the chip `chip_name`."""
+    if not os.path.isfile(path):
+        raise UsageError(f"'{path}' is not a readable file")
+    with open(path, "rb") as f:
+        module = parse_ir(f.read(), path, context())
+    chip = get_chip(chip_name)
+    net = os.path.basename(os.path.dirname(os.path.abspath(path))) or "main"
+    profiles, timelines, programs = [], [], []
+    for fn in module.ops:
+        if not isinstance(fn, func.FuncOp):
+            continue
+        if tpu.regions_of(fn) is None:
+            raise UsageError(f"{path}: @{fn.sym_name.data} is not grouped and addressed Tpu "
+                             "IR: profile the output of tpu-pipeline{chip=...} (or of "
+                             "machine-pipeline), e.g. the --dump-ir file after address-assign")
+        prog = generate(module, fn, chip)
+        name = net if len(module.ops) == 1 else f"{net}@{fn.sym_name.data}"
+        tl = LoadedNet(prog, name).plan(chip).timeline
+        profiles.append(profile_timeline(tl, chip, prog.inherent_bytes(), prog.flops))
+        timelines.append(tl)
+        programs.append(prog)
+    if not profiles:
+        raise UsageError(f"{path}: no function to profile")
+    return chip, profiles, timelines, programs
+
+
+def _cmd_profile_ir(args: argparse.Namespace) -> int:
+    chip, profiles, timelines, programs = profile_ir(args.model_file, args.chip)
+    if args.json:
+        print(json.dumps({"chip": chip.name, "nets": profiles_json(profiles)}, indent=1))
+    else:
+        print(summary_table(profiles, chip))
+    _write_pictures(args, profiles, timelines, chip, [p.commands for p in programs])
+    return 0
+
+
+def _write_pictures(args: argparse.Namespace, profiles: list[NetProfile],
+                    timelines: list[Timeline], chip: Chip, commands: list[Any]) -> None:
+    if args.trace:
+        write_chrome_trace(args.trace, timelines, chip)
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
+    if args.png:
+        os.makedirs(args.png, exist_ok=True)
+        for p, tl, cmds in zip(profiles, timelines, commands, strict=True):
+            write_timeline_png(os.path.join(args.png, f"{p.net}.png"), tl, chip, p, cmds)
+        print(f"wrote {len(profiles)} timelines to {args.png}/")
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """--trace (a file) and --png (a directory) can be written, and neither is the model
     file: checked before any net runs."""
@@ -81,8 +144,11 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Run each net of a model file once on the machine and print the profile."""
+    """Run each net of a model file once on the machine and print the profile (or time
+    the command streams of grouped, addressed Tpu IR: FILE.mlir)."""
     check_outputs(args)
+    if args.model_file.endswith(".mlir"):
+        return _cmd_profile_ir(args)
     nets = [n.strip() for n in args.nets.split(",")] if args.nets else None
     ex, profiles = profile_model(args.model_file, nets)
     layers = ex.file.num_layers
@@ -106,21 +172,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
                   f"{what} {tile * 1e3:.3f} ms modelled; an image of {n} {what}s "
                   f"{n * tile * 1e3:.3f} ms")
     timelines = [ex.stats[p.net].timelines[-1] for p in profiles]
-    if args.trace:
-        write_chrome_trace(args.trace, timelines, ex.chip)
-        print(f"wrote {args.trace} (open in https://ui.perfetto.dev)")
-    if args.png:
-        os.makedirs(args.png, exist_ok=True)
-        for p, tl in zip(profiles, timelines, strict=True):
-            out = os.path.join(args.png, f"{p.net}.png")
-            write_timeline_png(out, tl, ex.chip, p, ex.program(p.net).commands)
-        print(f"wrote {len(profiles)} timelines to {args.png}/")
+    _write_pictures(args, profiles, timelines, ex.chip,
+                    [ex.program(p.net).commands for p in profiles])
     return 0
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help=cmd_profile.__doc__)
-    p.add_argument("model_file")
+    p.add_argument("model_file", help="a model file, or grouped and addressed Tpu IR (.mlir)")
+    p.add_argument("--chip", default=DEFAULT_CHIP, choices=chip_names(),
+                   help="the chip a .mlir file is timed on (a model file names its own)")
     p.add_argument("--nets", help="comma-separated nets (default: all)")
     p.add_argument("--trace", metavar="JSON", help="write a Chrome trace of the runs")
     p.add_argument("--png", metavar="DIR", help="write a timeline/roofline PNG per net")
