@@ -16,9 +16,13 @@ the mapped file (`gguf.GGUFReader`) one tensor at a time when its chunk is writt
 q/k rows permuted back from llama.cpp's rope layout (what transformers'
 `LlamaTensorProcessor` does).
 
-Tensor types this stage: F32, F16, BF16 as float. Every quantized type is refused, naming
-the tensor and its type, unless `dequantize` is given: the tensor is then dequantized with
-`gguf.quants.dequantize` (what transformers does) and compiled in the requested mode.
+Tensor types this stage: F32, F16, BF16 as float; the decoder layers' Q8_0 and Q4_0 linears
+exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`: group-32 symmetric w8 / w4 with
+their f16 scales, zero points 128 / 8, for `tpu.a16_matmul`; `-q auto` picks w8f16 / w4f16),
+a Q8_0 / Q4_0 embedding or lm_head at its exactly dequantized values as float. Every other
+type is refused, naming the tensor and its type, unless `dequantize` is given: every
+quantized tensor is then dequantized with `gguf.quants.dequantize` (what transformers does)
+and compiled in the requested mode.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from toptpu.frontends.hf_loader import (
     shape_mismatches,
 )
 from toptpu.frontends.llm import LAYER_PREFIX
+from toptpu.frontends.quant import QuantizedLayout, QuantizedLinear
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -63,6 +68,11 @@ MAX_KEY_BYTES = 1 << 16
 MAX_DIMS = 4
 #: GGUF types taken as float
 FLOAT_TYPES = ("F32", "F16", "BF16")
+#: GGUF types of a decoder layer's linears taken exactly as group-32 weight-only integers
+#: with their f16 scales (`tpu.a16_matmul`): type -> (bits, the zero point that makes the
+#: stored integer unsigned). Q8_0: w = q * d (q int8); Q4_0: w = (q - 8) * d (q a nibble).
+EXACT_TYPES = {"Q8_0": (8, 128), "Q4_0": (4, 8)}
+EXACT_GROUP = 32
 
 #: a decoder layer's GGUF tensor name -> the HF parameter (llama / qwen2 / qwen3)
 LAYER_TENSORS = {
@@ -323,17 +333,33 @@ class GGUFTensors:
     def __contains__(self, name: object) -> bool:
         return name in self.by_hf
 
+    def exact_linears(self) -> dict[str, GGUFTensorInfo]:
+        """Without `dequantize`: the decoder layers' Q8_0 / Q4_0 linear weights by module
+        path (taken as they are, `GGUFCheckpoint`)."""
+        if self.dequantize is not None:
+            return {}
+        return {hf.removesuffix(".weight"): info for hf, info in self.by_hf.items()
+                if hf.startswith("model.layers.") and hf.endswith("_proj.weight")
+                and info.type_name in EXACT_TYPES}
+
     def check_types(self) -> None:
-        """Every tensor is float, or `dequantize` is given (the first other one is named)."""
+        """Every tensor is float, an exact linear, or `dequantize` is given (the first other
+        one is named). The embedding and lm_head of an exact type are taken as float, at
+        their exactly dequantized values."""
         if self.dequantize is not None:
             return
+        exact = {f"{m}.weight" for m in self.exact_linears()}
         for hf, info in self.by_hf.items():
+            if info.type_name in EXACT_TYPES and (hf in exact or not hf.startswith(
+                    "model.layers.")):
+                continue
             if info.type_name not in FLOAT_TYPES:
                 raise GGUFError(
                     f"{self.header.path}: tensor '{info.name}' ({hf}) is {info.type_name}, "
                     f"which toptpu does not take as it is yet (it takes "
-                    f"{', '.join(FLOAT_TYPES)}): pass --dequantize MODE (e.g. --dequantize "
-                    "f32) to dequantize it and compile in MODE")
+                    f"{', '.join(FLOAT_TYPES)}, and {', '.join(EXACT_TYPES)} linears): pass "
+                    "--dequantize MODE (e.g. --dequantize f32) to dequantize it and compile "
+                    "in MODE")
 
     def tensor(self, name: str) -> np.ndarray:
         info = self.by_hf.get(name)
@@ -343,7 +369,8 @@ class GGUFTensors:
         try:
             if info.type_name == "F32":
                 out = np.array(t.data, dtype=np.float32)
-            elif info.type_name in ("F16", "BF16") or self.dequantize is not None:
+            elif info.type_name in ("F16", "BF16") or self.dequantize is not None \
+                    or info.type_name in EXACT_TYPES:
                 out = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
                                  dtype=np.float32)
             else:
@@ -354,12 +381,33 @@ class GGUFTensors:
         except Exception as e:  # noqa: BLE001 - gguf's dequantizers raise many types
             raise GGUFError(f"{self.header.path}: tensor '{info.name}' ({info.type_name}) "
                             f"cannot be dequantized: {str(e)[:200]}") from None
-        out = out.reshape(info.shape)
+        return np.ascontiguousarray(self.unpermuted(name, out.reshape(info.shape)))
+
+    def unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """`rows` (the rows of the tensor `name`, any trailing shape) in HF order: llama's
+        q/k rows permuted back, every other tensor as it is."""
         if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight",
                                                    "self_attn.k_proj.weight")):
             heads = self.heads if ".q_proj." in name else self.kv_heads
-            out = _unpermute(out, heads)
-        return np.ascontiguousarray(out)
+            return _unpermute(rows, heads)
+        return rows
+
+    def blocks(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An exact linear's (Q8_0 / Q4_0) stored integers [N, K] as unsigned (uint8, the
+        zero point added) and f16 scales [N, K / 32], rows in HF order."""
+        info = self.by_hf[name]
+        n, k = info.shape
+        raw = np.asarray(self.data[info.name].data, dtype=np.uint8).reshape(
+            n, k // EXACT_GROUP, -1)
+        scales = raw[:, :, :2].copy().view(np.float16).reshape(n, k // EXACT_GROUP)
+        if info.type_name == "Q8_0":
+            q = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        else:  # Q4_0: the low nibbles are a block's first 16 values, the high ones the rest
+            qs = raw[:, :, 2:]
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        q = q.reshape(n, k)
+        return (np.ascontiguousarray(self.unpermuted(name, q)),
+                np.ascontiguousarray(self.unpermuted(name, scales)))
 
     def release(self) -> None:
         """Drop the mapped pages read so far from the resident set."""
@@ -372,6 +420,38 @@ class GGUFTensors:
 
     def close(self) -> None:
         self.data.clear()
+
+
+class GGUFCheckpoint:
+    """A GGUF file's Q8_0 / Q4_0 decoder linears as a pre-quantized checkpoint
+    (`frontends.quant.QuantizedCheckpoint`'s interface): group-32 symmetric integers with
+    their f16 scales and the zero point 128 / 8, taken as they are; nothing re-quantized."""
+
+    quant_method = "gguf"
+    packing_format = "gguf"
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self.tensors = tensors
+        self.layouts: dict[str, QuantizedLayout] = {}
+        for module, info in tensors.exact_linears().items():
+            bits, _ = EXACT_TYPES[info.type_name]
+            n, k = info.shape
+            self.layouts[module] = QuantizedLayout(
+                module, bits, EXACT_GROUP, True, k, n, False, {"qweight": info.name},
+                info.type_name)
+
+    def linear(self, name: str) -> QuantizedLinear | None:
+        layout = self.layouts.get(name)
+        if layout is None:
+            return None
+        info = self.tensors.by_hf[f"{name}.weight"]
+        q, scales = self.tensors.blocks(f"{name}.weight")
+        zero = EXACT_TYPES[info.type_name][1]
+        return QuantizedLinear(name, layout.bits, EXACT_GROUP, q, scales,
+                               np.full(scales.shape, zero, np.uint8), None, None, True)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: i.shape for n, i in self.tensors.by_hf.items()}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -459,8 +539,12 @@ def load_gguf(source: str, dequantize: str | None = None,
                         f"{'; '.join(problems)}")
     tensors.check_types()
     files = _tokenizer_files(path) if need_tokenizer else {}
-    get: Callable[[str], np.ndarray] = tensors.tensor
-    model, placeholders = skeleton(config, get)
+    ck = GGUFCheckpoint(tensors)
+    stream = StreamedWeights(tensors, {},  # type: ignore[arg-type] - a checkpoint reader
+                             checkpoint=ck if ck.layouts else None)  # type: ignore[arg-type]
+    get: Callable[[str], np.ndarray] = stream.tensor_f32
+    model, stream.placeholders = skeleton(config, get)
+    stream.materialized[LAYER_PREFIX] = model.model.layers[0]
     return LoadedModel(model, family, files, generation_settings(None, config), path,
-                       stream=StreamedWeights(tensors, placeholders,  # type: ignore[arg-type]
-                                              materialized={LAYER_PREFIX: model.model.layers[0]}))
+                       checkpoint=stream.checkpoint,
+                       checkpoint_dtype="float16" if ck.layouts else None, stream=stream)

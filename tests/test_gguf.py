@@ -131,7 +131,8 @@ def test_quantized_tensors_are_refused_naming_the_tensor_and_type(mixed_gguf, tm
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     assert "toptpu compile: error:" in err and "--dequantize" in err
-    assert "tensor 'token_embd.weight'" in err and "is Q8_0" in err, err
+    assert "tensor 'blk.0.attn_v.weight' (model.layers.0.self_attn.v_proj.weight) is Q4_1" \
+        in err, err
     assert not os.path.exists(out)
 
 
@@ -158,6 +159,57 @@ def test_dequantize_f32_gives_gguf_dequantization_exactly(mixed_gguf) -> None:
 def test_dequantize_f32_tokens_equal_transformers_dequantized(mixed_gguf, tmp_path) -> None:
     model_file = _compile(mixed_gguf, str(tmp_path / "dq.toptpu"), dequantize="f32")
     model, tok = _hf(mixed_gguf)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    got = Runtime.open(model_file, "interpreter").generate(ids, 12, stop_on_eos=False)
+    assert got.generated_ids == _greedy(model, ids, 12)
+
+
+@pytest.fixture(scope="module", params=[("llama2", "Q8_0", "w8f32"),
+                                        pytest.param(("qwen2", "Q4_0", "w4f32"),
+                                                     marks=pytest.mark.slow)])
+def exact_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[str, str, str]:
+    """(GGUF directory, its type, the model file compiled in the f32-activation mode of
+    its bits): every 2-D weight Q8_0 / Q4_0, the embedding and lm_head included."""
+    family, qtype, mode = request.param
+    root = str(tmp_path_factory.mktemp(f"gguf-{qtype}"))
+    d = gguf_dir(os.path.join(root, "src"), family, qtype, num_key_value_heads=2)
+    return d, qtype, _compile(d, os.path.join(root, "m.toptpu"), mode=mode)
+
+
+def test_q8_0_and_q4_0_linears_are_taken_as_they_are(exact_case) -> None:
+    """The checkpoint the lowering packs (`passes.quantize.checkpoint_parts`) holds the
+    file's integers and f16 scales; they dequantize to exactly gguf's dequantization."""
+    from toptpu.passes.quantize import checkpoint_parts
+
+    d, qtype, _ = exact_case
+    path = os.path.join(d, "model.gguf")
+    loaded = load_gguf(path, need_tokenizer=False)
+    ck = loaded.checkpoint
+    assert ck is not None and len(ck.layouts) == 2 * 7
+    by_name = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    tensors: GGUFTensors = loaded.stream.reader
+    for module, layout in ck.layouts.items():
+        info = tensors.by_hf[f"{module}.weight"]
+        assert info.type_name == qtype and layout.bits == (8 if qtype == "Q8_0" else 4)
+        ql = ck.linear(module)
+        assert ql.scales.dtype == np.float16 and ql.group_size == 32
+        t = by_name[info.name]
+        want = tensors.unpermuted(f"{module}.weight", gguf.quants.dequantize(
+            t.data, t.tensor_type).astype(np.float32).reshape(info.shape))
+        np.testing.assert_array_equal(ql.dequantize(), want, err_msg=module)
+        parts = checkpoint_parts(ql.qweight, ql.scales, ql.zeros, None, ql.bits, 32, module)
+        np.testing.assert_array_equal(parts["scales"], ql.scales)
+    header = Runtime.open(exact_case[2], "interpreter").meta
+    assert header.checkpoint is not None and header.checkpoint.quant_method == "gguf"
+
+
+def test_q8_0_q4_0_tokens_equal_transformers_dequantized(exact_case) -> None:
+    """In an f32-activation mode the exact integers give transformers' tokens (it computes
+    in float32 on the dequantized weights)."""
+    d, _, model_file = exact_case
+    model, tok = _hf(d)
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
                                   return_dict=False)
     got = Runtime.open(model_file, "interpreter").generate(ids, 12, stop_on_eos=False)
