@@ -19,7 +19,8 @@ LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -55,11 +56,11 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
 
 def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int = 0,
                types: dict[str, str] | None = None, **overrides: Any) -> str:
-    """A tiny `family` model (llama2 / qwen2) as the GGUF file `path`: every 2-D weight in
+    """A tiny `family` model (llama2 / qwen2 / qwen3) as the GGUF file `path`: every 2-D weight in
     `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q6_K, ...; `types` by GGUF name overrides),
     norms and biases in F32, the tokenizer, its special ids and the chat template in the
     metadata."""
-    arch = "qwen2" if family.startswith("qwen2") else "llama"
+    arch = family if family in ("qwen2", "qwen3") else "llama"
     model = tiny_model(family, seed, **overrides)
     cfg = model.config
     tok = build_tokenizer(cfg.vocab_size)
@@ -69,7 +70,11 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -81,7 +86,7 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t["content"] for t in data["added_tokens"]}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_tokenizer_pre("smollm" if arch == "llama" else "qwen2")
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
                        for t in tokens])

@@ -56,14 +56,16 @@ def _compile(src: str, out: str, **kw: Any) -> str:
 
 
 @pytest.fixture(scope="module",
-                params=["llama2", pytest.param("qwen2", marks=pytest.mark.slow)])
+                params=["llama2", pytest.param("qwen2", marks=pytest.mark.slow),
+                        pytest.param("qwen3", marks=pytest.mark.slow)])
 def f32_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[str, str, str]:
     """(family, GGUF directory, compiled model file): llama with grouped KV heads, so
-    the q and k permutations differ."""
+    the q and k permutations differ; qwen3 with head_dim 128 (transformers' GGUF config
+    mapping leaves qwen3's head_dim at its default, 128, whatever the file says)."""
     family = request.param
     root = str(tmp_path_factory.mktemp(f"gguf-{family}"))
-    kw = {"num_key_value_heads": 2} if family == "llama2" else {}
+    kw = {"llama2": {"num_key_value_heads": 2}, "qwen3": {"head_dim": 128}}.get(family, {})
     d = gguf_dir(os.path.join(root, "src"), family, "F32", **kw)
     return family, d, _compile(d, os.path.join(root, "m.toptpu"))
 

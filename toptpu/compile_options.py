@@ -155,7 +155,9 @@ def _check_dequantize(model: Any, mode: str | None, dequantize: str) -> str:
     except ModelLoadError as e:
         raise CompileError(str(e)) from e
     if not is_gguf:
-        raise CompileError(f"--dequantize applies to GGUF files; {model} is not one")
+        what = f"'{os.fspath(model)}'" if isinstance(model, str | os.PathLike) \
+            else f"a {type(model).__name__}"
+        raise CompileError(f"--dequantize applies to GGUF files; {what} is not one")
     if mode not in (None, dequantize):
         raise CompileError(f"-q {mode} contradicts --dequantize {dequantize}: give one of them")
     return dequantize
