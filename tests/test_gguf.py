@@ -312,6 +312,26 @@ def test_huge_counts_are_refused_before_reading(small_gguf, tmp_path) -> None:
         assert message is not None and "more than a" in message and what in message
 
 
+def test_a_tensor_outside_the_file_is_refused(small_gguf, tmp_path) -> None:
+    """A tensor's data offset moved past the end, or its rank / type made absurd: one line
+    naming the tensor, before gguf's reader maps anything."""
+    data, _ = small_gguf
+    name = b"output_norm.weight"
+    at = data.rindex(name) + len(name)  # then: rank u32, dims u64 x rank, type u32, offset u64
+    (rank,) = struct.unpack_from("<I", data, at)
+    fields = {"offset": (at + 4 + 8 * rank + 4, struct.pack("<Q", 2**40),
+                         "lie outside the file"),
+              "rank": (at, struct.pack("<I", 9), "has 9 dimensions"),
+              "type": (at + 4 + 8 * rank, struct.pack("<I", 99), "has unknown type 99")}
+    path = str(tmp_path / "o.gguf")
+    for what, (pos, value, needle) in fields.items():
+        with open(path, "wb") as f:
+            f.write(data[:pos] + value + data[pos + len(value):])
+        message = _one_line_or_loads(path)
+        assert message is not None and "output_norm.weight" in message, what
+        assert needle in message, message
+
+
 @fuzz_settings(60)
 @given(data=st.data())
 def test_mutated_headers_are_one_line_or_load(small_gguf, tmp_path_factory, data) -> None:
@@ -320,8 +340,10 @@ def test_mutated_headers_are_one_line_or_load(small_gguf, tmp_path_factory, data
     test), never a read outside the file (the scan bounds every read)."""
     raw, start = small_gguf
     buf = bytearray(raw)
+    # anywhere in the header, or among the tensor infos (its last kilobyte)
+    low = data.draw(st.sampled_from([0, max(0, start - 1024)]))
     for _ in range(data.draw(st.integers(1, 4))):
-        pos = data.draw(st.integers(0, start - 1))
+        pos = data.draw(st.integers(low, start - 1))
         width = data.draw(st.sampled_from([1, 4, 8]))
         value = data.draw(st.integers(0, 2 ** (8 * width) - 1))
         buf[pos:pos + width] = value.to_bytes(width, "little")[:len(buf) - pos]
