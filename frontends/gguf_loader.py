@@ -19,7 +19,8 @@ q/k rows permuted back from llama.cpp's rope layout (what transformers'
 Tensor types this stage: F32, F16, BF16 as float; the decoder layers' Q8_0 and Q4_0 linears
 exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`: group-32 symmetric w8 / w4 with
 their f16 scales, zero points 128 / 8, for `tpu.a16_matmul`; `-q auto` picks w8f16 / w4f16),
-a Q8_0 / Q4_0 embedding or lm_head at its exactly dequantized values as float. Every other
+a Q8_0 / Q4_0 embedding or lm_head at its exactly dequantized values as float; an explicit
+`-q` of other bits re-quantizes those linears from their dequantized weights. Every other
 type is refused, naming the tensor and its type, unless `dequantize` is given: every
 quantized tensor is then dequantized with `gguf.quants.dequantize` (what transformers does)
 and compiled in the requested mode.
@@ -53,6 +54,7 @@ from toptpu.frontends.hf_loader import (
 )
 from toptpu.frontends.llm import LAYER_PREFIX
 from toptpu.frontends.quant import QuantizedLayout, QuantizedLinear
+from toptpu.passes.convert_top_to_tpu import parse_mode
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -519,9 +521,11 @@ def _tokenizer_files(path: str) -> dict[str, bytes]:
 
 
 def load_gguf(source: str, dequantize: str | None = None,
-              need_tokenizer: bool = True) -> LoadedModel:
+              need_tokenizer: bool = True, mode: str | None = None) -> LoadedModel:
     """A GGUF file (or a directory holding one) as a streamed skeleton (`frontends.streaming`),
-    its config, tokenizer, chat template and special ids from the metadata."""
+    its config, tokenizer, chat template and special ids from the metadata. `mode`, the
+    compile's explicit `-q`: a mode of other weight bits than the file's Q8_0 / Q4_0
+    linears (a float mode included) re-quantizes them from their dequantized weights."""
     from toptpu.frontends.streaming import StreamedWeights, skeleton
 
     path = gguf_file_of(source)
@@ -538,6 +542,14 @@ def load_gguf(source: str, dequantize: str | None = None,
         raise GGUFError(f"the tensors of {path} do not match its metadata: "
                         f"{'; '.join(problems)}")
     tensors.check_types()
+    exact = tensors.exact_linears()
+    if exact and mode not in (None, "auto"):
+        try:
+            bits = parse_mode(mode)[1]
+        except ValueError as e:
+            raise GGUFError(str(e)) from None
+        if any(EXACT_TYPES[i.type_name][0] != bits for i in exact.values()):
+            tensors.dequantize = mode
     files = _tokenizer_files(path) if need_tokenizer else {}
     ck = GGUFCheckpoint(tensors)
     stream = StreamedWeights(tensors, {},  # type: ignore[arg-type] - a checkpoint reader

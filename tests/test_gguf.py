@@ -218,6 +218,20 @@ def test_q8_0_q4_0_tokens_equal_transformers_dequantized(exact_case) -> None:
     assert got.generated_ids == _greedy(model, ids, 12)
 
 
+def test_an_explicit_mode_of_other_bits_requantizes_from_the_dequantized_weights(
+        exact_case, tmp_path) -> None:
+    """-q f32 on a Q8_0 / Q4_0 file: no checkpoint, the weights are gguf's dequantization,
+    so the tokens are transformers' (which computes on the same)."""
+    d, _, _ = exact_case
+    model_file = _compile(d, str(tmp_path / "f32.toptpu"), mode="f32")
+    rt = Runtime.open(model_file, "interpreter")
+    assert rt.meta.checkpoint is None
+    model, tok = _hf(d)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    assert rt.generate(ids, 12, stop_on_eos=False).generated_ids == _greedy(model, ids, 12)
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["-q", "w4bf16", "--dequantize", "f32"], "-q w4bf16 contradicts --dequantize f32"),
     (["--dequantize", "w3f16"], "--dequantize:"),

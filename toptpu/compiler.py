@@ -362,7 +362,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     loaded = model if isinstance(model, LoadedModel) else _load(
         model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
         options.vision_mode, stream=stream and options.dump_ir is None,
-        dequantize=options.dequantize)
+        dequantize=options.dequantize, mode=options.mode)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
@@ -429,13 +429,13 @@ def check_chat_template(files: dict[str, bytes], source: str) -> None:
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
           max_patches: int | None, vision_mode: str | None, stream: bool = False,
-          dequantize: str | None = None) -> LoadedModel:
+          dequantize: str | None = None, mode: str | None = None) -> LoadedModel:
     """A VLM through `toptpu.frontends.vlm.load_vlm` (a directory with `stream`: its text
     model streamed), a directory with `stream` through `frontends.streaming.load_streaming`,
     any other model through load_model; a GGUF file (or a directory holding one) through
     `frontends.gguf_loader.load_gguf`, always streamed."""
     if gguf_file_of(model) is not None:
-        return load_gguf(os.fspath(model), dequantize)
+        return load_gguf(os.fspath(model), dequantize, mode=mode)
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
                         max_patches=max_patches, stream=stream)
