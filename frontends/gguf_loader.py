@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 import tempfile
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from toptpu.backend.contract import ModelDirFileError, model_file_path
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -129,10 +131,12 @@ def gguf_file_of(source: Any) -> str | None:
         if len(found) > 1:
             raise GGUFError(f"{path} holds {len(found)} GGUF files ({', '.join(found[:4])}): "
                             "pass the one to compile")
-        path = os.path.join(path, found[0])
-        if not os.path.isfile(path):
-            raise GGUFError(f"{path} is not a regular file")
-        return path
+        try:  # a regular file of the directory (a link may point inside it only)
+            inside = model_file_path(path, found[0])
+        except ModelDirFileError as e:
+            raise GGUFError(str(e)) from None
+        assert inside is not None
+        return inside
     if not os.path.isfile(path):
         return None
     if path.lower().endswith(".gguf"):
@@ -211,9 +215,13 @@ def scan_gguf(path: str) -> GGUFHeader:
     """Read and check a GGUF file's whole header (see the module doc); a GGUFError naming
     the file and the field otherwise. Bounded by the file's size: every count is checked
     against the bytes left before anything is read for it."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+    try:  # without blocking: a FIFO swapped in after the checks cannot hang
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(f"{path} is not a regular file")
+            size = st.st_size
             if size < 24:
                 raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header")
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -262,6 +262,16 @@ def test_two_gguf_files_in_a_directory_are_refused(tmp_path, capsys) -> None:
     assert "holds 2 GGUF files (a.gguf, b.gguf): pass the one to compile" in err
 
 
+def test_a_gguf_link_out_of_its_directory_is_refused(tmp_path, capsys) -> None:
+    path = write_gguf(str(tmp_path / "outside.gguf"), "qwen2")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "m.gguf").symlink_to(path)
+    assert main(["compile", str(d), "-o", str(tmp_path / "x.toptpu")]) == 1
+    err = capsys.readouterr().err
+    assert "is a symbolic link to" in err and "outside the model directory" in err, err
+
+
 def test_output_over_the_input_gguf_is_refused(tmp_path, capsys) -> None:
     path = write_gguf(str(tmp_path / "m.gguf"), "qwen2")
     before = open(path, "rb").read()
