@@ -17,9 +17,11 @@ from toptpu.backend.contract import StaticShapes, parse_strict_json
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError
+from toptpu.frontends.gguf_loader import gguf_file_of
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
+    ModelLoadError,
     check_config_values,
     check_model_dir,
     dir_bytes,
@@ -92,6 +94,8 @@ class CompileOptions:
     image_size: int | None = None  # VLMs: tile size, tiles / slices, patches per slice
     max_tiles: int | None = None
     max_patches: int | None = None
+    #: a GGUF file's quantized tensors dequantized and compiled in this mode (`--dequantize`)
+    dequantize: str | None = None
 
     @property
     def quant_group_size(self) -> int:
@@ -105,9 +109,12 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
                           symmetric: bool | None, dump_ir: str | None,
                           vision_mode: str | None = None, image_size: int | None = None,
                           max_tiles: int | None = None,
-                          max_patches: int | None = None) -> CompileOptions:
+                          max_patches: int | None = None,
+                          dequantize: str | None = None) -> CompileOptions:
     """Check `compile`'s arguments and output paths before any work starts (the model's
     config.json is read, its weights are not). Raises CompileError naming the problem."""
+    if dequantize is not None:
+        mode = _check_dequantize(model, mode, dequantize)
     if mode not in (None, "auto"):
         try:
             parse_mode(mode)
@@ -134,7 +141,26 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
     if found is not None:
         _check_against_config(*found, shapes, mode, group_size)
     return CompileOptions(mode, chip, shapes, group_size, symmetric, dump_ir, vision_mode,
-                          image_size, max_tiles, max_patches)
+                          image_size, max_tiles, max_patches, dequantize)
+
+
+def _check_dequantize(model: Any, mode: str | None, dequantize: str) -> str:
+    """`--dequantize MODE`: a GGUF source, a valid mode, not contradicting -q; the mode."""
+    try:
+        parse_mode(dequantize)
+    except ValueError as e:
+        raise CompileError(f"--dequantize: {e}") from e
+    try:
+        is_gguf = gguf_file_of(model) is not None
+    except ModelLoadError as e:
+        raise CompileError(str(e)) from e
+    if not is_gguf:
+        what = f"'{os.fspath(model)}'" if isinstance(model, str | os.PathLike) \
+            else f"a {type(model).__name__}"
+        raise CompileError(f"--dequantize applies to GGUF files; {what} is not one")
+    if mode not in (None, dequantize):
+        raise CompileError(f"-q {mode} contradicts --dequantize {dequantize}: give one of them")
+    return dequantize
 
 
 def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
@@ -148,6 +174,9 @@ def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
             raise CompileError(f"the output file (-o) '{output}' is inside --dump-ir "
                                f"'{dump_ir}', which the IR dumps fill: write it elsewhere")
     source = model.source if isinstance(model, LoadedModel) else model
+    if isinstance(source, str | os.PathLike) and os.path.isfile(source) \
+            and os.path.exists(output) and os.path.samefile(source, output):
+        raise CompileError(f"the output file (-o) '{output}' is the input model file")
     if isinstance(source, str | os.PathLike) and os.path.isdir(source):
         check_not_inside(output, os.fspath(source), "the output file (-o)")
         if dump_ir is not None:
@@ -157,6 +186,8 @@ def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
 def _text_config(model: Any) -> tuple[dict[str, Any], str] | None:
     """The (text) model's config as a dict, and where it is from, without loading weights;
     None when it cannot be read (the loader then says why)."""
+    if gguf_file_of(model) is not None:
+        return None  # the GGUF loader checks its metadata
     if isinstance(model, str | os.PathLike):
         where = os.path.join(os.fspath(model), "config.json")
         check_model_dir(os.fspath(model))  # its files regular and inside it, before any read

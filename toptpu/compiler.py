@@ -98,6 +98,7 @@ from toptpu.dialects.output_file import write_output
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.errors import ToptpuError
 from toptpu.frontends.fx_importer import ImportError_, import_module
+from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
 from toptpu.frontends.llm import (
     LlmArch,
@@ -289,6 +290,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     max_tiles: int | None = None,
     max_patches: int | None = None,
     vision_mode: str | None = None,
+    dequantize: str | None = None,
 ) -> CompileResult:
     """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6) to a model file at `output`.
 
@@ -306,13 +308,16 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     checkpoint's), `max_tiles` (InternVL tiles / MiniCPM-V slices per image), `max_patches`
     (MiniCPM-V patch budget per slice), `vision_mode` (default: `mode`'s activation type,
     e.g. bf16 for w4bf16 — weight-only quantization is for the text model).
+    A GGUF file (or a directory holding one, `frontends.gguf_loader`) compiles from its
+    F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
+    compiles in that mode.
     """
     t0 = time.perf_counter()
     options = check_compile_request(
         model, output, mode=mode, chip=chip, seq_length=seq_length,
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
         symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
-        max_tiles=max_tiles, max_patches=max_patches)
+        max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize)
     the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
     timings = {"load": the_plan.load_seconds}
@@ -356,7 +361,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     t = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else _load(
         model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
-        options.vision_mode, stream=stream and options.dump_ir is None)
+        options.vision_mode, stream=stream and options.dump_ir is None,
+        dequantize=options.dequantize, mode=options.mode)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
@@ -422,11 +428,14 @@ def check_chat_template(files: dict[str, bytes], source: str) -> None:
 
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
-          max_patches: int | None, vision_mode: str | None, stream: bool = False
-          ) -> LoadedModel:
+          max_patches: int | None, vision_mode: str | None, stream: bool = False,
+          dequantize: str | None = None, mode: str | None = None) -> LoadedModel:
     """A VLM through `toptpu.frontends.vlm.load_vlm` (a directory with `stream`: its text
     model streamed), a directory with `stream` through `frontends.streaming.load_streaming`,
-    any other model through load_model."""
+    any other model through load_model; a GGUF file (or a directory holding one) through
+    `frontends.gguf_loader.load_gguf`, always streamed."""
+    if gguf_file_of(model) is not None:
+        return load_gguf(os.fspath(model), dequantize, mode=mode)
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
                         max_patches=max_patches, stream=stream)

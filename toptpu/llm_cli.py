@@ -47,13 +47,16 @@ RUN_JSON_SCHEMA = 2  # 2: `text` leaves special tokens out unless --special-toke
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="Hugging Face model directory (config.json, *.safetensors, "
-                   "tokenizer.json)")
+                   "tokenizer.json), or a GGUF file (or a directory holding one)")
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
     p.add_argument("-q", "--quantize", dest="mode", default=None,
                    help=f"{' | '.join(QuantMode.names())} | auto (a pre-quantized "
                    "checkpoint's bits and dtype); default: auto for "
                    "GPTQ/AWQ/AutoRound checkpoints, f32 otherwise")
+    p.add_argument("--dequantize", metavar="MODE", default=None,
+                   help="a GGUF file's quantized tensors (Q4_1, Q4_K, ...): dequantize them "
+                   "and compile in MODE (e.g. f32); without it they are refused")
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
     p.add_argument("--seq-length", type=int_at_least(2), default=512,
@@ -192,7 +195,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   symmetric=args.symmetric, dump_ir=args.dump_ir,
                   progress=None if args.quiet else sys.stderr, image_size=args.image_size,
                   max_tiles=args.max_tiles, max_patches=args.max_patches,
-                  vision_mode=args.vision_quantize)
+                  vision_mode=args.vision_quantize, dequantize=args.dequantize)
     return 0
 
 

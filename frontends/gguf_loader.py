@@ -1,0 +1,570 @@
+"""A llama.cpp GGUF file (or a directory holding exactly one) as a streamed model.
+
+The file is untrusted input. `scan_gguf` walks its whole header first, in pure Python over
+the mapped bytes, with every field checked before it is used: the magic and version, the
+key/value and tensor counts against the bytes left, every string length, every value type,
+the alignment, every tensor's dimensions, type and data range (inside the file, aligned).
+Only then are the file's config and tokenizer read, as transformers' GGUF loader maps them
+(`AutoConfig` / `AutoTokenizer.from_pretrained(dir, gguf_file=...)`: llama and qwen2
+metadata to their HF configs, the GGUF vocabulary to a `tokenizers` tokenizer.json, its
+chat template and special ids), and the tensors by their names (names are data: looked up
+in a fixed table, never used as paths).
+
+The tensors stream like a safetensors checkpoint's (`frontends.streaming`): a skeleton with
+layer 0 real and the embedding / lm_head as placeholders, every layer's tensors read from
+the mapped file (`gguf.GGUFReader`) one tensor at a time when its chunk is written, llama's
+q/k rows permuted back from llama.cpp's rope layout (what transformers'
+`LlamaTensorProcessor` does).
+
+Tensor types this stage: F32, F16, BF16 as float; the decoder layers' Q8_0 and Q4_0 linears
+exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`: group-32 symmetric w8 / w4 with
+their f16 scales, zero points 128 / 8, for `tpu.a16_matmul`; `-q auto` picks w8f16 / w4f16),
+a Q8_0 / Q4_0 embedding or lm_head at its exactly dequantized values as float; an explicit
+`-q` of other bits re-quantizes those linears from their dequantized weights. Every other
+type is refused, naming the tensor and its type, unless `dequantize` is given: every
+quantized tensor is then dequantized with `gguf.quants.dequantize` (what transformers does)
+and compiled in the requested mode.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+
+from toptpu.backend.contract import ModelDirFileError, model_file_path
+from toptpu.frontends.hf_loader import (
+    SUPPORTED_MODEL_TYPES,
+    LoadedModel,
+    ModelLoadError,
+    check_config,
+    check_config_values,
+    check_tokenizer_files,
+    expected_shapes,
+    generation_settings,
+    quiet_transformers,
+    shape_mismatches,
+)
+from toptpu.frontends.llm import LAYER_PREFIX
+from toptpu.frontends.quant import QuantizedLayout, QuantizedLinear
+from toptpu.passes.convert_top_to_tpu import parse_mode
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)
+#: GGUF metadata value types: id -> (name, fixed size or 0 for string/array)
+_VALUE_TYPES: dict[int, tuple[str, int]] = {
+    0: ("uint8", 1), 1: ("int8", 1), 2: ("uint16", 2), 3: ("int16", 2), 4: ("uint32", 4),
+    5: ("int32", 4), 6: ("float32", 4), 7: ("bool", 1), 8: ("string", 0), 9: ("array", 0),
+    10: ("uint64", 8), 11: ("int64", 8), 12: ("float64", 8),
+}
+_STRING, _ARRAY = 8, 9
+#: longest key accepted, and most dimensions of a tensor
+MAX_KEY_BYTES = 1 << 16
+MAX_DIMS = 4
+#: GGUF types taken as float
+FLOAT_TYPES = ("F32", "F16", "BF16")
+#: GGUF types of a decoder layer's linears taken exactly as group-32 weight-only integers
+#: with their f16 scales (`tpu.a16_matmul`): type -> (bits, the zero point that makes the
+#: stored integer unsigned). Q8_0: w = q * d (q int8); Q4_0: w = (q - 8) * d (q a nibble).
+EXACT_TYPES = {"Q8_0": (8, 128), "Q4_0": (4, 8)}
+EXACT_GROUP = 32
+
+#: a decoder layer's GGUF tensor name -> the HF parameter (llama / qwen2 / qwen3)
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+#: GGUF architectures (general.architecture) toptpu compiles
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class GGUFError(ModelLoadError):
+    """A GGUF file that cannot be read as given (the message names the file and field)."""
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # HF (row-major) order: the reverse of GGUF's ne
+    type_name: str  # GGMLQuantizationType name: F32, Q4_1, ...
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: str
+    version: int
+    fields: dict[str, Any]  # scalar and string values; arrays as their length
+    tensors: dict[str, GGUFTensorInfo]
+
+
+def gguf_file_of(source: Any) -> str | None:
+    """The GGUF file `source` names: a file starting with the GGUF magic (or named *.gguf),
+    or a directory without config.json holding exactly one *.gguf file; None otherwise."""
+    if not isinstance(source, str | os.PathLike):
+        return None
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            return None
+        try:
+            found = sorted(n for n in os.listdir(path) if n.lower().endswith(".gguf"))
+        except OSError:
+            return None
+        if not found:
+            return None
+        if len(found) > 1:
+            raise GGUFError(f"{path} holds {len(found)} GGUF files ({', '.join(found[:4])}): "
+                            "pass the one to compile")
+        try:  # a regular file of the directory (a link may point inside it only)
+            inside = model_file_path(path, found[0])
+        except ModelDirFileError as e:
+            raise GGUFError(str(e)) from None
+        assert inside is not None
+        return inside
+    if not os.path.isfile(path):
+        return None
+    if path.lower().endswith(".gguf"):
+        return path
+    try:
+        with open(path, "rb") as f:
+            return path if f.read(4) == GGUF_MAGIC else None
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------- header scan
+
+
+class _Cursor:
+    """Checked little-endian reads from the mapped file."""
+
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, what: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {what} (at byte {self.pos}): the GGUF file is "
+                         "truncated or corrupt; re-download or re-convert it")
+
+    def take(self, n: int, what: str) -> int:
+        if n < 0 or n > self.size - self.pos:
+            raise self.fail(f"{what} needs {n} bytes, {self.size - self.pos} left")
+        at = self.pos
+        self.pos += n
+        return at
+
+    def unpack(self, fmt: str, what: str) -> Any:
+        at = self.take(struct.calcsize(fmt), what)
+        return struct.unpack_from("<" + fmt, self.buf, at)[0]
+
+    def string(self, what: str, limit: int | None = None) -> str:
+        n = self.unpack("Q", f"the length of {what}")
+        if limit is not None and n > limit:
+            raise self.fail(f"{what} is {n} bytes long, more than {limit}")
+        at = self.take(n, what)
+        try:
+            return bytes(self.buf[at:at + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not UTF-8") from None
+
+
+def _value(c: _Cursor, vtype: int, key: str) -> Any:
+    if vtype not in _VALUE_TYPES:
+        raise c.fail(f"metadata '{key}' has unknown value type {vtype}")
+    name, size = _VALUE_TYPES[vtype]
+    if vtype == _STRING:
+        return c.string(f"the value of '{key}'")
+    if vtype == _ARRAY:
+        etype = c.unpack("I", f"the element type of '{key}'")
+        count = c.unpack("Q", f"the length of '{key}'")
+        if etype not in _VALUE_TYPES or etype == _ARRAY:
+            raise c.fail(f"metadata array '{key}' has element type {etype} (a scalar or "
+                         "string type expected)")
+        esize = _VALUE_TYPES[etype][1]
+        if count * (esize or 8) > c.size - c.pos:  # a string takes at least its length
+            raise c.fail(f"metadata array '{key}' claims {count} elements")
+        if etype == _STRING:
+            for i in range(count):
+                n = c.unpack("Q", f"the length of '{key}'[{i}]")
+                c.take(n, f"'{key}'[{i}]")
+        else:
+            c.take(count * esize, f"the elements of '{key}'")
+        return count
+    fmt = {"uint8": "B", "int8": "b", "uint16": "H", "int16": "h", "uint32": "I",
+           "int32": "i", "float32": "f", "bool": "?", "uint64": "Q", "int64": "q",
+           "float64": "d"}[name]
+    return c.unpack(fmt, f"the value of '{key}'")
+
+
+def scan_gguf(path: str) -> GGUFHeader:
+    """Read and check a GGUF file's whole header (see the module doc); a GGUFError naming
+    the file and the field otherwise. Bounded by the file's size: every count is checked
+    against the bytes left before anything is read for it."""
+    try:  # without blocking: a FIFO swapped in after the checks cannot hang
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(f"{path} is not a regular file")
+            size = st.st_size
+            if size < 24:
+                raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise GGUFError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        c = _Cursor(buf, path)
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+        c.pos = 4
+        version = c.unpack("I", "the version")
+        if version not in GGUF_VERSIONS:
+            raise GGUFError(f"{path}: GGUF version {version} (a big-endian or unknown file); "
+                            f"toptpu reads little-endian GGUF versions "
+                            f"{', '.join(map(str, GGUF_VERSIONS))}")
+        n_tensors = c.unpack("Q", "the tensor count")
+        n_kv = c.unpack("Q", "the metadata count")
+        if n_kv * 12 > size or n_tensors * 24 > size:
+            raise c.fail(f"the header claims {n_kv} metadata entries and {n_tensors} "
+                         f"tensors, more than a {size}-byte file holds")
+        fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = c.string("a metadata key", MAX_KEY_BYTES)
+            if key in fields:
+                raise c.fail(f"metadata '{key}' appears twice")
+            vtype = c.unpack("I", f"the type of '{key}'")
+            fields[key] = _value(c, vtype, key)
+        align = fields.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 \
+                or align & (align - 1) or align > 1 << 16:
+            raise GGUFError(f"{path}: general.alignment {align!r} is not a power of two up "
+                            "to 65536")
+        infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        for i in range(n_tensors):
+            name = c.string(f"the name of tensor {i}", MAX_KEY_BYTES)
+            n_dims = c.unpack("I", f"the rank of tensor '{name}'")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise c.fail(f"tensor '{name}' has {n_dims} dimensions (1 to {MAX_DIMS})")
+            ne = tuple(c.unpack("Q", f"a dimension of tensor '{name}'") for _ in range(n_dims))
+            ttype = c.unpack("I", f"the type of tensor '{name}'")
+            offset = c.unpack("Q", f"the data offset of tensor '{name}'")
+            infos.append((name, ne, ttype, offset))
+        data_start = -(-c.pos // align) * align
+        tensors: dict[str, GGUFTensorInfo] = {}
+        for name, ne, ttype, offset in infos:
+            where = f"{path}: tensor '{name}'"
+            try:
+                qtype = gguf.GGMLQuantizationType(ttype)
+            except ValueError:
+                raise GGUFError(f"{where} has unknown type {ttype}") from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            if any(d <= 0 or d > size * block for d in ne):
+                raise GGUFError(f"{where} has dimensions {list(ne)}")
+            if ne[0] % block:
+                raise GGUFError(f"{where}: its rows of {ne[0]} are not a multiple of "
+                                f"{qtype.name}'s block of {block}")
+            nbytes = math.prod(ne) // block * type_size
+            at = data_start + offset
+            if offset % align or at + nbytes > size:
+                raise GGUFError(f"{where}: its {nbytes} bytes at offset {offset} lie outside "
+                                f"the file ({size} bytes, data from byte {data_start}) or are "
+                                f"not aligned to {align}")
+            if name in tensors:
+                raise GGUFError(f"{where} appears twice")
+            tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), qtype.name, at, nbytes)
+        return GGUFHeader(path, version, fields, tensors)
+    finally:
+        buf.close()
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def hf_name(gguf_name: str, num_layers: int) -> str | None:
+    """The HF parameter a GGUF tensor name stands for, None for a name toptpu does not
+    know (looked up, never used as a path)."""
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() \
+            or parts[3] not in ("weight", "bias") or parts[2] not in LAYER_TENSORS:
+        return None
+    layer = int(parts[1])
+    if layer >= num_layers or str(layer) != parts[1]:
+        return None
+    return f"model.layers.{layer}.{LAYER_TENSORS[parts[2]]}.{parts[3]}"
+
+
+class GGUFTensors:
+    """The tensors of a checked GGUF file by HF name, as `frontends.streaming` reads a
+    checkpoint: `tensor(name)` in float32 (dequantized when allowed, llama's q/k permuted
+    back), one tensor at a time from the mapped file."""
+
+    def __init__(self, header: GGUFHeader, config: Any, arch: str,
+                 dequantize: str | None) -> None:
+        self.header, self.arch, self.dequantize = header, arch, dequantize
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        layers = int(config.num_hidden_layers)
+        self.by_hf: dict[str, GGUFTensorInfo] = {}
+        for name, info in header.tensors.items():
+            hf = hf_name(name, layers)
+            if hf is None:
+                raise GGUFError(f"{header.path}: tensor '{name[:200]}' is not a tensor of a "
+                                f"{arch} model toptpu knows")
+            self.by_hf[hf] = info
+        try:
+            self.reader = gguf.GGUFReader(header.path, "r")
+        except Exception as e:  # noqa: BLE001 - the reader raises many types
+            raise GGUFError(f"{header.path}: gguf cannot read it: {str(e)[:200]}") from None
+        self.data = {t.name: t for t in self.reader.tensors}
+        if set(self.data) != set(header.tensors):
+            raise GGUFError(f"{header.path}: gguf's reader sees other tensors than its header")
+
+    @property
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {n: (i.shape, i.type_name) for n, i in self.by_hf.items()}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.by_hf
+
+    def exact_linears(self) -> dict[str, GGUFTensorInfo]:
+        """Without `dequantize`: the decoder layers' Q8_0 / Q4_0 linear weights by module
+        path (taken as they are, `GGUFCheckpoint`)."""
+        if self.dequantize is not None:
+            return {}
+        return {hf.removesuffix(".weight"): info for hf, info in self.by_hf.items()
+                if hf.startswith("model.layers.") and hf.endswith("_proj.weight")
+                and info.type_name in EXACT_TYPES}
+
+    def check_types(self) -> None:
+        """Every tensor is float, an exact linear, or `dequantize` is given (the first other
+        one is named). The embedding and lm_head of an exact type are taken as float, at
+        their exactly dequantized values."""
+        if self.dequantize is not None:
+            return
+        exact = {f"{m}.weight" for m in self.exact_linears()}
+        for hf, info in self.by_hf.items():
+            if info.type_name in EXACT_TYPES and (hf in exact or not hf.startswith(
+                    "model.layers.")):
+                continue
+            if info.type_name not in FLOAT_TYPES:
+                raise GGUFError(
+                    f"{self.header.path}: tensor '{info.name}' ({hf}) is {info.type_name}, "
+                    f"which toptpu does not take as it is yet (it takes "
+                    f"{', '.join(FLOAT_TYPES)}, and {', '.join(EXACT_TYPES)} linears): pass "
+                    "--dequantize MODE (e.g. --dequantize f32) to dequantize it and compile "
+                    "in MODE")
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.by_hf.get(name)
+        if info is None:
+            raise GGUFError(f"{self.header.path} has no tensor for '{name}'")
+        t = self.data[info.name]
+        try:
+            if info.type_name == "F32":
+                out = np.array(t.data, dtype=np.float32)
+            elif info.type_name in ("F16", "BF16") or self.dequantize is not None \
+                    or info.type_name in EXACT_TYPES:
+                out = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                 dtype=np.float32)
+            else:
+                self.check_types()
+                raise AssertionError("unreachable")
+        except GGUFError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gguf's dequantizers raise many types
+            raise GGUFError(f"{self.header.path}: tensor '{info.name}' ({info.type_name}) "
+                            f"cannot be dequantized: {str(e)[:200]}") from None
+        return np.ascontiguousarray(self.unpermuted(name, out.reshape(info.shape)))
+
+    def unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """`rows` (the rows of the tensor `name`, any trailing shape) in HF order: llama's
+        q/k rows permuted back, every other tensor as it is."""
+        if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight",
+                                                   "self_attn.k_proj.weight")):
+            heads = self.heads if ".q_proj." in name else self.kv_heads
+            return _unpermute(rows, heads)
+        return rows
+
+    def blocks(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An exact linear's (Q8_0 / Q4_0) stored integers [N, K] as unsigned (uint8, the
+        zero point added) and f16 scales [N, K / 32], rows in HF order."""
+        info = self.by_hf[name]
+        n, k = info.shape
+        raw = np.asarray(self.data[info.name].data, dtype=np.uint8).reshape(
+            n, k // EXACT_GROUP, -1)
+        scales = raw[:, :, :2].copy().view(np.float16).reshape(n, k // EXACT_GROUP)
+        if info.type_name == "Q8_0":
+            q = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        else:  # Q4_0: the low nibbles are a block's first 16 values, the high ones the rest
+            qs = raw[:, :, 2:]
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        q = q.reshape(n, k)
+        return (np.ascontiguousarray(self.unpermuted(name, q)),
+                np.ascontiguousarray(self.unpermuted(name, scales)))
+
+    def release(self) -> None:
+        """Drop the mapped pages read so far from the resident set."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def close(self) -> None:
+        self.data.clear()
+
+
+class GGUFCheckpoint:
+    """A GGUF file's Q8_0 / Q4_0 decoder linears as a pre-quantized checkpoint
+    (`frontends.quant.QuantizedCheckpoint`'s interface): group-32 symmetric integers with
+    their f16 scales and the zero point 128 / 8, taken as they are; nothing re-quantized."""
+
+    quant_method = "gguf"
+    packing_format = "gguf"
+
+    def __init__(self, tensors: GGUFTensors) -> None:
+        self.tensors = tensors
+        self.layouts: dict[str, QuantizedLayout] = {}
+        for module, info in tensors.exact_linears().items():
+            bits, _ = EXACT_TYPES[info.type_name]
+            n, k = info.shape
+            self.layouts[module] = QuantizedLayout(
+                module, bits, EXACT_GROUP, True, k, n, False, {"qweight": info.name},
+                info.type_name)
+
+    def linear(self, name: str) -> QuantizedLinear | None:
+        layout = self.layouts.get(name)
+        if layout is None:
+            return None
+        info = self.tensors.by_hf[f"{name}.weight"]
+        q, scales = self.tensors.blocks(f"{name}.weight")
+        zero = EXACT_TYPES[info.type_name][1]
+        return QuantizedLinear(name, layout.bits, EXACT_GROUP, q, scales,
+                               np.full(scales.shape, zero, np.uint8), None, None, True)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: i.shape for n, i in self.tensors.by_hf.items()}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation reversed (transformers' `_reverse_permute_weights`)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _config(header: GGUFHeader) -> tuple[Any, str]:
+    from transformers import AutoConfig
+
+    path = header.path
+    arch = header.fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: general.architecture {str(arch)[:60]!r}: toptpu compiles "
+                        f"GGUF {', '.join(ARCHITECTURES)} models")
+    for key in ("block_count", "embedding_length", "feed_forward_length",
+                "attention.head_count"):
+        v = header.fields.get(f"{arch}.{key}")
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise GGUFError(f"{path}: metadata '{arch}.{key}' is {v!r}, a positive integer "
+                            "expected")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.model"):
+        if key not in header.fields:
+            raise GGUFError(f"{path} has no '{key}': toptpu takes the tokenizer from the "
+                            "GGUF metadata")
+    d, name = os.path.split(os.path.abspath(path))
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(d, gguf_file=name, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types here
+        raise GGUFError(f"transformers cannot read the config of {path}: "
+                        f"{str(e)[:200]}") from None
+    raw = config.to_dict()
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise GGUFError(f"{path}: model_type {raw.get('model_type')!r} is not supported")
+    check_config_values(raw, path)
+    return config, str(arch)
+
+
+def _tokenizer_files(path: str) -> dict[str, bytes]:
+    from transformers import AutoTokenizer
+
+    d, name = os.path.split(os.path.abspath(path))
+    try:
+        with quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(d, gguf_file=name, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - tokenizers / transformers raise many types
+        raise GGUFError(f"{path}: its tokenizer metadata cannot be converted: "
+                        f"{str(e)[:200]}") from None
+    files: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja", "chat_template.json"):
+            p = os.path.join(tmp, n)
+            if os.path.isfile(p):
+                with open(p, "rb") as f:
+                    files[n] = f.read()
+    check_tokenizer_files(files, path)
+    return files
+
+
+def load_gguf(source: str, dequantize: str | None = None,
+              need_tokenizer: bool = True, mode: str | None = None) -> LoadedModel:
+    """A GGUF file (or a directory holding one) as a streamed skeleton (`frontends.streaming`),
+    its config, tokenizer, chat template and special ids from the metadata. `mode`, the
+    compile's explicit `-q`: a mode of other weight bits than the file's Q8_0 / Q4_0
+    linears (a float mode included) re-quantizes them from their dequantized weights."""
+    from toptpu.frontends.streaming import StreamedWeights, skeleton
+
+    path = gguf_file_of(source)
+    if path is None:
+        raise GGUFError(f"'{source}' is not a GGUF file nor a directory holding one")
+    header = scan_gguf(path)
+    config, arch = _config(header)
+    family = check_config(config, path)
+    tensors = GGUFTensors(header, config, arch, dequantize)
+    want, tied = expected_shapes(config)
+    have = {n: i.shape for n, i in tensors.by_hf.items()}
+    problems = shape_mismatches(have, want, tied, set())
+    if problems:
+        raise GGUFError(f"the tensors of {path} do not match its metadata: "
+                        f"{'; '.join(problems)}")
+    tensors.check_types()
+    exact = tensors.exact_linears()
+    if exact and mode not in (None, "auto"):
+        try:
+            bits = parse_mode(mode)[1]
+        except ValueError as e:
+            raise GGUFError(str(e)) from None
+        if any(EXACT_TYPES[i.type_name][0] != bits for i in exact.values()):
+            tensors.dequantize = mode
+    files = _tokenizer_files(path) if need_tokenizer else {}
+    ck = GGUFCheckpoint(tensors)
+    stream = StreamedWeights(tensors, {},  # type: ignore[arg-type] - a checkpoint reader
+                             checkpoint=ck if ck.layouts else None)  # type: ignore[arg-type]
+    get: Callable[[str], np.ndarray] = stream.tensor_f32
+    model, stream.placeholders = skeleton(config, get)
+    stream.materialized[LAYER_PREFIX] = model.model.layers[0]
+    return LoadedModel(model, family, files, generation_settings(None, config), path,
+                       checkpoint=stream.checkpoint,
+                       checkpoint_dtype="float16" if ck.layouts else None, stream=stream)
