@@ -31,7 +31,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     from helpers import decoder_layer_ir
-
     from toptpu.frontends.tiny_models import tiny_model
 
     py = sys.executable
