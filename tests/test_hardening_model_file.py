@@ -210,7 +210,8 @@ STATED_TWICE = {
                               ["[1, 384]", "the header says", "[1, 500]",
                                "model.vocab_size 500"]),
     "num_heads 8 vs 4": (dict(header=lambda h: h["model"].__setitem__("num_heads", 8)),
-                         ["its attention has q_heads 4, model.num_heads is 8"]),
+                         ["its attention has q_heads 4 and kv_heads 2, not the same share "
+                          "of model.num_heads 8"]),
     "smaller table in the stream": (
         dict(stream=_cmd("embedding", 1, lambda c: c["table"].__setitem__("shape", [100, 64]))),
         ["command 1, which moves 'embed_tokens.weight", "as float16 [100, 64] (it is float16 "

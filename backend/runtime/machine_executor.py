@@ -300,14 +300,22 @@ class MachineExecutor:
                     f"model.config.rms_norm_eps is {eps}; recompile the model")
             if not isinstance(op, tpu.AttentionOp):
                 continue
-            for attr, field_ in (("q_heads", "num_heads"), ("kv_heads", "num_kv_heads"),
-                                 ("head_dim", "head_dim")):
-                have, want = read_int(op.attributes[attr]), getattr(m, field_)
-                if have != want:
-                    raise ModelFileError(
-                        f"'{self.file.path}': the command stream of net '{net}' and the "
-                        f"header disagree on the heads: its attention has {attr} {have}, "
-                        f"model.{field_} is {want}; recompile the model")
+            # a layer group may slice an attention by heads (or head groups): each slice
+            # holds the same share of the query and the KV heads, with the whole head_dim
+            q, kv, d = (read_int(op.attributes[a]) for a in ("q_heads", "kv_heads", "head_dim"))
+            split = m.num_heads // q if q and m.num_heads % q == 0 else 0
+            problem = None
+            if d != m.head_dim:
+                problem = f"head_dim {d}, model.head_dim is {m.head_dim}"
+            elif not split or kv * split != m.num_kv_heads:
+                problem = (f"q_heads {q} and kv_heads {kv}, not the same share of "
+                           f"model.num_heads {m.num_heads} and model.num_kv_heads "
+                           f"{m.num_kv_heads}")
+            if problem:
+                raise ModelFileError(
+                    f"'{self.file.path}': the command stream of net '{net}' and the "
+                    f"header disagree on the heads: its attention has {problem}; recompile "
+                    "the model")
 
     def _weight_addresses(self, info: NetInfo, prog: Program, layer: int | None
                           ) -> dict[str, int]:
