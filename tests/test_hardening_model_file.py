@@ -508,3 +508,22 @@ def test_header_sizes_that_differ_from_the_nets_are_refused(parts, tmp_path_fact
     # the field itself is named (`model.vocab_size ...`, `model.num_heads is ...`,
     # `config.rms_norm_eps is ...`), or the net IO tensor the header shapes from it
     assert key in message or "nets." in message, message
+
+
+@pytest.mark.slow  # compiles a model whose attention a layer group slices by heads
+def test_an_attention_sliced_by_heads_agrees_with_the_header(tmp_path) -> None:
+    """A layer group may give each slice a share of the heads (bm1688, a 1024-row prefill):
+    the check that the streams and the header agree on the heads takes that as agreement,
+    and the file runs (it was refused as 'q_heads 2, model.num_heads is 4')."""
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.tiny_models import save_tiny_model
+
+    src, out = str(tmp_path / "m"), str(tmp_path / "m.toptpu")
+    save_tiny_model(src, "qwen2", layers=1)
+    compile_model(src, out, mode="f32", chip="bm1688", seq_length=1024,
+                  max_input_length=1024)
+    with ModelFile(out) as f:
+        heads = set(re.findall(r"q_heads = (\d+)", f.read("stream:block").decode()))
+    assert heads == {"2"}  # sliced: the header says 4
+    rt = Runtime.open(out, "machine")
+    assert len(rt.generate([1, 2, 3], 2, stop_on_eos=False).generated_ids) == 2
