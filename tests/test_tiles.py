@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from fuzz import fuzz_settings
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from toptpu.backend.reference.interpreter import Interpreter
@@ -367,7 +367,9 @@ def test_online_softmax_attention_equals_the_untiled_kernel(
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = float(np.abs(v).max()) if hv is None else float(max(np.abs(v).max(),
                                                                 np.abs(hv).max()))
-    assert np.abs(got - want).max() <= ONLINE_TOLERANCE * scale
+    live = _rows_that_see_a_key(mask, sq, hist + sk, hq, causal)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want)[0][live].max(initial=0.0) <= ONLINE_TOLERANCE * scale
 
 
 def test_online_softmax_attention_bf16_output() -> None:
@@ -426,10 +428,22 @@ def test_internvl_at_internvit_300m_shapes_generates_transformers_tokens(
 # ---------------------------------------------------------------------------- key parts
 
 
+def _rows_that_see_a_key(mask: np.ndarray | None, sq: int, keys: int, hq: int,
+                         causal: bool) -> np.ndarray:
+    """[Sq, Hq]: the (query, head) rows that see at least one key. A row that sees none is
+    padding (the contract: finite, any value): its scores all sit at the mask value, where
+    float32 keeps only ~1e-3 of them, and tiled and untiled kernels round them differently."""
+    visible = np.ones((1, sq, keys), bool) if mask is None else mask[0] > -1
+    if causal:  # key j hidden from query i when j > i + (keys - sq)
+        visible = visible & (np.arange(keys)[None, :] <= np.arange(sq)[:, None] + keys - sq)
+    return np.broadcast_to(visible.any(-1).T, (sq, hq))
+
+
 @fuzz_settings(40)
 @given(sq=st.integers(1, 10), sk=st.integers(1, 12), hist=st.integers(1, 12),
        kv=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]), causal=st.booleans(),
        seed=st.integers(0, 9))
+@example(sq=4, sk=1, hist=2, kv=1, rep=1, causal=False, seed=2)  # a row that sees no key
 def test_attention_parts_merge_to_the_untiled_kernel(sq: int, sk: int, hist: int, kv: int,
                                                      rep: int, causal: bool,
                                                      seed: int) -> None:
@@ -449,7 +463,9 @@ def test_attention_parts_merge_to_the_untiled_kernel(sq: int, sk: int, hist: int
     assert parts[0].shape == (*want.shape[:3], 9) and parts[0].dtype == np.float32
     got = K.attention_merge(parts, np.float32)
     scale = float(max(np.abs(v).max(), np.abs(hv).max()))
-    assert np.abs(got - want).max() <= ONLINE_TOLERANCE * scale
+    live = _rows_that_see_a_key(mask, sq, hist + sk, kv * rep, causal)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want)[0][live].max(initial=0.0) <= ONLINE_TOLERANCE * scale
 
 
 def history_attention_module(mode: str, length: int = 32, hist: int = 32, hq: int = 4,
