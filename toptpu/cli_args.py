@@ -158,3 +158,14 @@ def token_ids(text: str) -> list[int]:
                 f"{part!r} is not a token id: pass integers separated by commas or spaces")
         ids.append(v)
     return ids
+
+
+def add_static_shape_args(p: argparse.ArgumentParser) -> None:
+    """--seq-length, --max-input-length and --max-history: the static shapes of the nets, as
+    compile, estimate and the rest take them."""
+    p.add_argument("--seq-length", type=int_at_least(2), default=512,
+                   help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
+    p.add_argument("--max-input-length", type=int_at_least(1), default=None,
+                   help="prefill chunk L (default min(SEQ, 128))")
+    p.add_argument("--max-history", type=int_at_least(1), default=None,
+                   help="history Hh the prefill_kv net attends to (default SEQ)")

@@ -53,7 +53,7 @@ from toptpu.backend.target.chips import (
     get_chip,
 )
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
-from toptpu.cli_args import UsageError, group_size, int_at_least
+from toptpu.cli_args import UsageError, add_static_shape_args, group_size, int_at_least
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import CompileError, ToptpuError
@@ -471,12 +471,7 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
-    p.add_argument("--seq-length", type=int_at_least(2), default=512,
-                   help="KV cache capacity SEQ (as compile)")
-    p.add_argument("--max-input-length", type=int_at_least(1), default=None,
-                   help="prefill chunk L (default min(SEQ, 128), as compile)")
-    p.add_argument("--max-history", type=int_at_least(1), default=None,
-                   help="history KV seen by prefill_kv (as compile)")
+    add_static_shape_args(p)
     p.add_argument("--group-size", type=group_size, default=None)
     p.add_argument("--symmetric", action="store_true", default=None)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,

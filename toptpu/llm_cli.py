@@ -27,6 +27,7 @@ from toptpu.backend.runtime.runtime import (
 from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
+    add_static_shape_args,
     finite_float,
     group_size,
     int_at_least,
@@ -59,12 +60,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    "and compile in MODE (e.g. f32); without it they are refused")
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
-    p.add_argument("--seq-length", type=int_at_least(2), default=512,
-                   help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
-    p.add_argument("--max-input-length", type=int_at_least(1), default=None,
-                   help="prefill chunk L (default min(SEQ, 128))")
-    p.add_argument("--max-history", type=int_at_least(1), default=None,
-                   help="history Hh the prefill_kv net attends to (default SEQ)")
+    add_static_shape_args(p)
     p.add_argument("--group-size", type=group_size, default=None,
                    help="w4 modes: quantization group size (default 64; -1: per channel)")
     p.add_argument("--symmetric", action="store_true", default=None,

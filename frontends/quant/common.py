@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,7 +284,7 @@ def require(model_dir: Path, qc: Mapping[str, Any], *keys: str) -> Any:
     )
 
 
-class SchemeResolver:
+class SchemeResolver(ABC):
     """Answers "how is layer X quantized (or is it float)?" from the quantization_config:
     the rules every format shares (its default scheme, per-layer overrides, the blocks and
     modules left out); each format's subclass says how its config names them (`resolve`)."""
@@ -354,9 +355,9 @@ class SchemeResolver:
             source,
         )
 
+    @abstractmethod
     def resolve(self, layer: str, known_layers: Iterable[str]) -> tuple[LayerScheme | None, str]:
         """(scheme or None for float, where the decision came from)."""
-        raise NotImplementedError
 
 
 # --------------------------------------------------------------------------------------------
