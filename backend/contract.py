@@ -156,6 +156,30 @@ IMAGE_EMBEDS = "image_embeds"
 BLOCK_INPUTS = (HIDDEN, POSITION_IDS, ATTENTION_MASK)
 HISTORY_INPUTS = (*BLOCK_INPUTS, HISTORY_K, HISTORY_V)
 BLOCK_OUTPUTS = (HIDDEN_OUT, PRESENT_K, PRESENT_V)
+
+#: the per-layer state of a linear-attention layer (Qwen3.5's Gated DeltaNet), in place of a
+#: KV cache: the causal conv's last inputs [1, K-1, conv_dim] (sequence-major, activation
+#: type) and the delta rule's recurrent state [1, Hv, Dk, Dv] (float32 in every mode)
+CONV_STATE = "conv_state"
+RECURRENT_STATE = "recurrent_state"
+PRESENT_CONV_STATE = "present_conv_state"
+PRESENT_RECURRENT_STATE = "present_recurrent_state"
+#: the inputs of a linear-attention layer's nets: `block` starts from a zero state (its mask
+#: says which tokens of the chunk are real), `block_kv` from the carried one, `block_cache`
+#: (one token, always real) updates it; all three return the new state
+LINEAR_BLOCK_INPUTS = (HIDDEN, ATTENTION_MASK)
+LINEAR_HISTORY_INPUTS = (HIDDEN, ATTENTION_MASK, CONV_STATE, RECURRENT_STATE)
+LINEAR_CACHE_INPUTS = (HIDDEN, CONV_STATE, RECURRENT_STATE)
+LINEAR_OUTPUTS = (HIDDEN_OUT, PRESENT_CONV_STATE, PRESENT_RECURRENT_STATE)
+#: the state outputs and the inputs each is written over in place (the runtime binds both to
+#: one buffer; the compiler checks that each state is read by the op that writes it)
+STATE_IN_PLACE = {PRESENT_CONV_STATE: CONV_STATE, PRESENT_RECURRENT_STATE: RECURRENT_STATE}
+
+#: layer kinds (HF's `layer_types`): softmax attention with a KV cache, or linear attention
+#: with a fixed-size state
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 #: the inputs of `sample_head` after the logits: the recent token ids the repetition
 #: penalty looks at (the last SEQ slots; unused slots repeat a used one), the penalty, the
 #: temperature, the top-k (1..sample_k) and the top-p (in (0, 1]; 1 keeps all)
@@ -204,6 +228,50 @@ class ModelWidths(Protocol):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class LinearWidths:
+    """The sizes of a linear-attention layer's state: conv kernel K, key heads Hk of Dk,
+    value heads Hv of Dv (the conv runs over q|k|v: 2 Hk Dk + Hv Dv channels)."""
+
+    conv_kernel: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def conv_state(self, name: str, act: str) -> TensorSpec:
+        return TensorSpec(name, (1, self.conv_kernel - 1, self.conv_dim), act)
+
+    def recurrent_state(self, name: str) -> TensorSpec:
+        return TensorSpec(name, (1, self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                          "float32")
+
+
+def linear_net_io(shapes: StaticShapes, hidden_size: int, widths: LinearWidths, act: str
+                  ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """The inputs and outputs of a linear-attention layer's `block`, `block_kv` and
+    `block_cache` (`LINEAR_*` above): the state in, the new state out."""
+    L, Hh, H = shapes.max_input_length, shapes.max_history, hidden_size
+    state_in = (widths.conv_state(CONV_STATE, act), widths.recurrent_state(RECURRENT_STATE))
+
+    def outs(n: int) -> tuple[TensorSpec, ...]:
+        return (TensorSpec(HIDDEN_OUT, (1, n, H), act),
+                widths.conv_state(PRESENT_CONV_STATE, act),
+                widths.recurrent_state(PRESENT_RECURRENT_STATE))
+
+    return {
+        BLOCK: ((TensorSpec(HIDDEN, (1, L, H), act),
+                 TensorSpec(ATTENTION_MASK, (1, 1, L, L), act)), outs(L)),
+        BLOCK_KV: ((TensorSpec(HIDDEN, (1, L, H), act),
+                    TensorSpec(ATTENTION_MASK, (1, 1, L, Hh + L), act), *state_in), outs(L)),
+        BLOCK_CACHE: ((TensorSpec(HIDDEN, (1, 1, H), act), *state_in), outs(1)),
+    }
 
 
 def net_io(shapes: StaticShapes, model: ModelWidths, act: str

@@ -49,7 +49,17 @@ from toptpu.frontends.quant import (
 )
 
 #: model_type -> the family name used in model files
-SUPPORTED_MODEL_TYPES: dict[str, str] = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",
+                                         "qwen3_5_text": "qwen3_5"}
+#: families whose layers mix full attention with linear attention (`layer_types`)
+HYBRID_FAMILIES = ("qwen3_5",)
+#: model types toptpu knows of and does not compile (yet), with what to do instead
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    "qwen3_5_moe": "Qwen3.5-MoE (mixture of experts) is not supported yet; the dense Qwen3.5 "
+                   "models (model_type qwen3_5_text) are",
+    "qwen3_5": "this is a Qwen3.5 vision-language checkpoint; toptpu compiles its text model "
+               "(model_type qwen3_5_text: the text_config with the language model's weights)",
+}
 
 #: rope types whose frequencies are fixed at load time (static shapes can honour them)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -110,9 +120,13 @@ def _listing(names: list[str]) -> str:
 
 
 def _unknown_model_type(model_type: object, where: str) -> ModelLoadError:
+    if isinstance(model_type, str) and model_type in REFUSED_MODEL_TYPES:
+        return ModelLoadError(f"model_type '{model_type}' in {where}: "
+                              f"{REFUSED_MODEL_TYPES[model_type]}")
     return ModelLoadError(
         f"unknown model_type '{model_type}' in {where}: toptpu compiles "
-        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Llama 2/3) models")
+        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Qwen3.5, Llama 2/3) "
+        "models")
 
 
 #: activations (`hidden_act`) the compiled nets implement
@@ -236,7 +250,9 @@ def check_config(config: Any, where: str = "the model") -> str:
             f"sequence length at run time; toptpu compiles static shapes and honours "
             f"{', '.join(STATIC_ROPE_TYPES)}")
     layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (
+    if SUPPORTED_MODEL_TYPES[mt] in HYBRID_FAMILIES:
+        _check_hybrid(config, where)
+    elif any(t != "full_attention" for t in layer_types) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",
                                                                      None)):
         raise ModelLoadError(
@@ -247,6 +263,37 @@ def check_config(config: Any, where: str = "the model") -> str:
         raise ModelLoadError(f"{where}: pretraining_tp={config.pretraining_tp} is not supported;"
                              " set it to 1 (it only changes the order of a training-time split)")
     return SUPPORTED_MODEL_TYPES[mt]
+
+
+#: the linear-attention sizes of a hybrid config: name -> largest value accepted
+_LINEAR_FIELDS = {"linear_conv_kernel_dim": 64, "linear_key_head_dim": 1 << 12,
+                  "linear_value_head_dim": 1 << 12, "linear_num_key_heads": 1024,
+                  "linear_num_value_heads": 1024}
+
+
+def _check_hybrid(config: Any, where: str) -> None:
+    """A Qwen3.5 config: `layer_types` one of full/linear attention per layer, with at least
+    one full-attention layer (its KV cache sets the context); the linear-attention sizes
+    positive (a conv kernel of at least 2), value heads a multiple of key heads."""
+    n = int(config.num_hidden_layers)
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != n or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise ModelLoadError(
+            f"{where}: layer_types must list 'full_attention' or 'linear_attention' for each "
+            f"of the {n} layers (got {str(types)[:80]}); fix config.json")
+    if "full_attention" not in types:
+        raise ModelLoadError(f"{where}: no layer has full attention; toptpu's nets need one "
+                             "(its KV cache is the context the model file is compiled for)")
+    for name, limit in _LINEAR_FIELDS.items():
+        v = getattr(config, name, None)
+        low = 2 if name == "linear_conv_kernel_dim" else 1
+        if not _is_int(v) or not low <= v <= limit:
+            raise ModelLoadError(f"{where}: {name} is {json.dumps(v)[:40]}, expected an "
+                                 f"integer from {low} to {limit}; fix config.json")
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ModelLoadError(
+            f"{where}: linear_num_value_heads {config.linear_num_value_heads} is not a "
+            f"multiple of linear_num_key_heads {config.linear_num_key_heads}; fix config.json")
 
 
 # --------------------------------------------------------------------------- checkpoint

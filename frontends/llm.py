@@ -58,16 +58,24 @@ from toptpu.backend.contract import (
     BLOCK_OUTPUTS,
     EMBEDDING,
     EMBEDDING_CACHE,
+    FULL_ATTENTION,
     GREEDY_HEAD,
     HIDDEN,
     HISTORY_INPUTS,
     INPUT_IDS,
+    LINEAR_ATTENTION,
+    LINEAR_BLOCK_INPUTS,
+    LINEAR_CACHE_INPUTS,
+    LINEAR_HISTORY_INPUTS,
+    LINEAR_OUTPUTS,
     LM_HEAD,
     LOGITS,
+    MASK_VALUE,
     SAMPLE_HEAD,
     SAMPLE_INPUTS,
     SAMPLE_OUTPUTS,
     TOKEN,
+    LinearWidths,
     StaticShapes,
     decode_mask,
     prefill_mask,
@@ -93,13 +101,28 @@ class LlmArch:
     vocab_size: int
     qk_norm: bool
     tied_embeddings: bool
+    #: each layer's kind (`contract.LAYER_TYPES`): full attention unless the model says
+    layer_types: tuple[str, ...] = ()
+    #: the state sizes of the linear-attention layers (None: the model has none)
+    linear: LinearWidths | None = None
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
 
     @classmethod
     def of(cls, model: Any) -> LlmArch:
         cfg = model.config
         heads = int(cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        attn = model.model.layers[0].self_attn
+        n = int(cfg.num_hidden_layers)
+        types = tuple(getattr(cfg, "layer_types", None) or (FULL_ATTENTION,) * n)
+        linear = None
+        if LINEAR_ATTENTION in types:
+            linear = LinearWidths(int(cfg.linear_conv_kernel_dim),
+                                  int(cfg.linear_num_key_heads),
+                                  int(cfg.linear_num_value_heads),
+                                  int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim))
+        attn = model.model.layers[types.index(FULL_ATTENTION)].self_attn
         return cls(
             family=str(cfg.model_type),
             num_layers=int(cfg.num_hidden_layers),
@@ -110,6 +133,8 @@ class LlmArch:
             vocab_size=int(cfg.vocab_size),
             qk_norm=hasattr(attn, "q_norm"),
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            layer_types=types,
+            linear=linear,
         )
 
 
@@ -118,12 +143,36 @@ class LlmArch:
 
 def model_apply_rotary(model: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`apply_rotary_pos_emb` of the model's own modeling module."""
-    mod = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    mod = sys.modules[type(model.model.layers[0]).__module__]
     fn = getattr(mod, "apply_rotary_pos_emb", None)
     if fn is None:
         raise SplitError(
             f"{mod.__name__} has no apply_rotary_pos_emb; toptpu cannot split this model")
     return fn
+
+
+class TextPositionRotary(torch.nn.Module):
+    """A multi-axis (mrope) rotary embedding at text positions: every axis has the same
+    position there, so the model's recomposition of the axes' frequencies (an in-place
+    interleave, `recomposition_frequencies`) is the identity and cos/sin are those of the
+    plain rotary over the model's own `inv_freq` and `attention_scaling`. (Image positions,
+    where the axes differ, are Qwen-VL's.)"""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.inv_freq = rotary.inv_freq
+        self.scaling = float(rotary.attention_scaling)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype))
+
+
+def text_rotary(rotary: torch.nn.Module) -> torch.nn.Module:
+    """The model's rotary embedding, or its text-position form for a multi-axis one."""
+    return TextPositionRotary(rotary) if hasattr(rotary, "mrope_section") else rotary
 
 
 class Embedding(torch.nn.Module):
@@ -154,6 +203,8 @@ class Block(torch.nn.Module):
         self.apply_rotary = apply_rotary
         self.head_dim = arch.head_dim
         self.scaling = float(layer.self_attn.scaling)
+        # Qwen3.5's q_proj is twice as wide as the heads: each head's query, then its gate
+        self.gated = layer.self_attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
 
     def attend(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor, history_k: torch.Tensor | None,
@@ -163,12 +214,7 @@ class Block(torch.nn.Module):
         b, s, _ = hidden.shape
         residual = hidden
         h = layer.input_layernorm(hidden)
-        shape = (b, s, -1, self.head_dim)
-        q = attn.q_proj(h).view(shape)
-        k = attn.k_proj(h).view(shape)
-        v = attn.v_proj(h).view(shape)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v, gate = self.project(h)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = self.rotary(hidden, position_ids)
         q, k = self.apply_rotary(q, k, cos, sin)
@@ -180,9 +226,31 @@ class Block(torch.nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
                                            scale=self.scaling, enable_gqa=True)
         o = o.transpose(1, 2).reshape(b, s, -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         h = residual + attn.o_proj(o)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, present_k, present_v
+
+    def project(self, h: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k, v [b, s, heads, D] of the normed hidden `h` (q/k normed where the model
+        norms them), and the output gate [b, s, heads * D] of a gated attention (Qwen3.5:
+        q_proj yields each head's query and gate side by side) or None."""
+        attn = self.layer.self_attn
+        b, s, _ = h.shape
+        shape = (b, s, -1, self.head_dim)
+        gate = None
+        if self.gated:
+            q, gate = torch.chunk(attn.q_proj(h).view(b, s, -1, 2 * self.head_dim), 2, dim=-1)
+            gate = gate.reshape(b, s, -1)
+        else:
+            q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        v = attn.v_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q, k, v, gate
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor
@@ -197,6 +265,70 @@ class BlockWithHistory(Block):
                 attention_mask: torch.Tensor, history_k: torch.Tensor,
                 history_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.attend(hidden, position_ids, attention_mask, history_k, history_v)
+
+
+class LinearAttentionBlock(torch.nn.Module):
+    """One linear-attention decoder layer (Qwen3.5's Gated DeltaNet) with its state explicit:
+    (hidden, attention_mask[, conv_state, recurrent_state]) -> (hidden, new conv state, new
+    recurrent state). The model's own projections, conv weights, `A_log`/`dt_bias`, gated
+    norm, MLP and norms; the conv and the delta rule are the two fused ops of
+    `toptpu.frontends.linear_attention_ops` (the model's `causal_conv1d_update` and
+    `torch_recurrent_gated_delta_rule`, one node each, state in and out).
+
+    The mask only says which tokens of the chunk are real (a row that sees some key): a
+    padded token gets g = 0 and beta = 0, so it leaves the recurrent state exactly as it was,
+    and the conv state is taken after the last real token. Decode (`cached`) feeds one real
+    token and no mask."""
+
+    def __init__(self, layer: torch.nn.Module, widths: LinearWidths, history: bool = False,
+                 cached: bool = False) -> None:
+        super().__init__()
+        self.layer = layer
+        self.w = widths
+        self.history = history or cached
+        self.cached = cached
+        mod = sys.modules[type(layer.linear_attn).__module__]
+        self.l2norm = getattr(mod, "l2norm", None)
+        self.act = getattr(mod, "ACT2FN", None)
+        if self.l2norm is None or self.act is None:
+            raise SplitError(f"{mod.__name__} has no l2norm/ACT2FN; toptpu cannot split this "
+                             "linear-attention layer")
+
+    def mix(self, hidden: torch.Tensor, valid: torch.Tensor, conv_state: torch.Tensor | None,
+            recurrent_state: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from toptpu.frontends import linear_attention_ops as ops
+
+        layer, la, w = self.layer, self.layer.linear_attn, self.w
+        b, s, _ = hidden.shape
+        residual = hidden
+        h = layer.input_layernorm(hidden)
+        qkv = la.in_proj_qkv(h)  # [1, s, conv_dim]
+        z = la.in_proj_z(h).reshape(b, s, -1, w.head_v_dim)
+        beta = la.in_proj_b(h).sigmoid()
+        g = -la.A_log.float().exp() * F.softplus(la.in_proj_a(h).float() + la.dt_bias)
+        g, beta = g * valid[..., None], beta * valid[..., None]
+        y, conv_out = ops.causal_conv1d(qkv, la.conv1d.weight.squeeze(1), conv_state, valid)
+        y = self.act[la.activation](y)
+        key_dim = w.num_k_heads * w.head_k_dim
+        q, k, v = torch.split(y, [key_dim, key_dim, w.num_v_heads * w.head_v_dim], dim=-1)
+        q = self.l2norm(q.reshape(b, s, -1, w.head_k_dim).float(), dim=-1, eps=1e-6)
+        k = self.l2norm(k.reshape(b, s, -1, w.head_k_dim).float(), dim=-1, eps=1e-6)
+        v = v.reshape(b, s, -1, w.head_v_dim)
+        o, state_out = ops.gated_delta_rule(q, k, v, g, beta, recurrent_state,
+                                            float(w.head_k_dim ** -0.5))
+        o = la.norm(o.reshape(-1, w.head_v_dim), z.reshape(-1, w.head_v_dim))
+        h = residual + la.out_proj(o.reshape(b, s, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, conv_out, state_out
+
+    def forward(self, hidden: torch.Tensor, *rest: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.cached:  # hidden, conv_state, recurrent_state: one real token
+            return self.mix(hidden, hidden.new_ones(1, hidden.shape[1]), *rest)
+        mask, state = rest[0], rest[1:] if self.history else (None, None)
+        valid = (mask.amax(dim=-1) > MASK_VALUE / 2).to(hidden.dtype).reshape(1, -1)
+        return self.mix(hidden, valid, *state)
 
 
 class LmHead(torch.nn.Module):
@@ -316,26 +448,52 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f3
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, arch.vocab_size, (1, n), generator=g, dtype=torch.int32)
 
-    block = Block(inner.layers[layer], inner.rotary_emb, apply_rotary, arch).eval()
-    block_h = BlockWithHistory(inner.layers[layer], inner.rotary_emb, apply_rotary, arch).eval()
-    io_block, io_hist, outs = list(BLOCK_INPUTS), list(HISTORY_INPUTS), list(BLOCK_OUTPUTS)
     lm_head = model.get_output_embeddings()
+    mask_kv = torch.from_numpy(prefill_mask(L, L, Hh, Hh))
+    if arch.layer_type(layer) == LINEAR_ATTENTION:
+        w = arch.linear
+        assert w is not None
+        lay = inner.layers[layer]
+
+        def state() -> tuple[torch.Tensor, torch.Tensor]:
+            return (rand(1, w.conv_kernel - 1, w.conv_dim),
+                    rand(1, w.num_v_heads, w.head_k_dim, w.head_v_dim) * 0.1)
+
+        outs = list(LINEAR_OUTPUTS)
+        blocks = [
+            NetSpec(BLOCK, LinearAttentionBlock(lay, w).eval(),
+                    (rand(1, L, H), torch.from_numpy(prefill_mask(L, L))),
+                    list(LINEAR_BLOCK_INPUTS), outs, True),
+            NetSpec(BLOCK_KV, LinearAttentionBlock(lay, w, history=True).eval(),
+                    (rand(1, L, H), mask_kv, *state()), list(LINEAR_HISTORY_INPUTS), outs,
+                    True),
+            NetSpec(BLOCK_CACHE, LinearAttentionBlock(lay, w, cached=True).eval(),
+                    (rand(1, 1, H), *state()), list(LINEAR_CACHE_INPUTS), outs, True),
+        ]
+    else:
+        rotary = text_rotary(inner.rotary_emb)
+        block = Block(inner.layers[layer], rotary, apply_rotary, arch).eval()
+        block_h = BlockWithHistory(inner.layers[layer], rotary, apply_rotary, arch).eval()
+        io_block, io_hist, outs = list(BLOCK_INPUTS), list(HISTORY_INPUTS), list(BLOCK_OUTPUTS)
+        blocks = [
+            NetSpec(BLOCK, block,
+                    (rand(1, L, H), pos(L), torch.from_numpy(prefill_mask(L, L))),
+                    io_block, outs, True),
+            NetSpec(BLOCK_KV, block_h,
+                    (rand(1, L, H), pos(L, Hh), mask_kv, rand(1, Hh, kvh, D),
+                     rand(1, Hh, kvh, D)),
+                    io_hist, outs, True),
+            NetSpec(BLOCK_CACHE, block_h,
+                    (rand(1, 1, H), pos(1, seq - 1), torch.from_numpy(decode_mask(seq - 1, seq)),
+                     rand(1, seq, kvh, D), rand(1, seq, kvh, D)),
+                    io_hist, outs, True),
+        ]
     return [
         NetSpec(EMBEDDING, Embedding(inner.embed_tokens), (ids(L),), [INPUT_IDS], [HIDDEN],
                 False),
         NetSpec(EMBEDDING_CACHE, Embedding(inner.embed_tokens), (ids(1),), [INPUT_IDS],
                 [HIDDEN], False),
-        NetSpec(BLOCK, block,
-                (rand(1, L, H), pos(L), torch.from_numpy(prefill_mask(L, L))),
-                io_block, outs, True),
-        NetSpec(BLOCK_KV, block_h,
-                (rand(1, L, H), pos(L, Hh), torch.from_numpy(prefill_mask(L, L, Hh, Hh)),
-                 rand(1, Hh, kvh, D), rand(1, Hh, kvh, D)),
-                io_hist, outs, True),
-        NetSpec(BLOCK_CACHE, block_h,
-                (rand(1, 1, H), pos(1, seq - 1), torch.from_numpy(decode_mask(seq - 1, seq)),
-                 rand(1, seq, kvh, D), rand(1, seq, kvh, D)),
-                io_hist, outs, True),
+        *blocks,
         NetSpec(LM_HEAD, LmHead(inner.norm, lm_head), (rand(1, H),), [HIDDEN], [LOGITS],
                 False),
         *head_specs(arch.vocab_size, seq, act),
@@ -375,17 +533,24 @@ def _non_finite_cause(model: Any, layer: Any) -> str:
             "magnitudes")
 
 
-def check_block_matches_model(model: Any, spec: NetSpec, atol: float = 1e-4) -> None:
-    """The `block` wrapper must compute what the model's own decoder layer computes
-    (catches a family whose layer structure the wrapper does not follow)."""
-    layer = model.model.layers[0]
-    hidden, position_ids, mask = spec.args
+def check_block_matches_model(model: Any, spec: NetSpec, atol: float = 1e-4,
+                              layer_index: int = 0) -> None:
+    """The `block` wrapper of layer `layer_index` must compute what the model's own decoder
+    layer computes (catches a family whose layer structure the wrapper does not follow)."""
+    layer = model.model.layers[layer_index]
+    if isinstance(spec.module, LinearAttentionBlock):
+        hidden, mask = spec.args
+        position_ids = torch.arange(hidden.shape[1], dtype=torch.int32)[None]
+    else:
+        hidden, position_ids, mask = spec.args
     prev = model.config._attn_implementation
     model.config._attn_implementation = "sdpa"
     try:
         with torch.no_grad():
             pe = model.model.rotary_emb(hidden, position_ids.long())
-            ref = layer(hidden, attention_mask=mask, position_ids=position_ids.long(),
+            linear = isinstance(spec.module, LinearAttentionBlock)  # all its tokens real
+            ref = layer(hidden, attention_mask=None if linear else mask,
+                        position_ids=position_ids.long(),
                         position_embeddings=pe)
             ref = ref[0] if isinstance(ref, tuple) else ref
             ours = spec.module(*spec.args)[0]

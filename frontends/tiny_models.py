@@ -91,24 +91,50 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
                 "rope_theta": 500000.0}
         cfg = tf.LlamaConfig(**{**common, "rope_scaling": rope, "tie_word_embeddings": True,
                                 **overrides})
+    elif family == "qwen3_5":
+        # hybrid: three linear-attention (Gated DeltaNet) layers to one full-attention layer,
+        # gated attention with partial rotary (0.25), zero-centered norms
+        cfg = tf.Qwen3_5TextConfig(**{
+            **common, "head_dim": 16, "tie_word_embeddings": True, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25},
+            "num_hidden_layers": max(layers, 4), **overrides})
     else:
-        raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, llama2, llama3)")
+        raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, qwen3_5, "
+                         "llama2, llama3)")
     return cfg
+
+
+def qwen3_5_small_config(layers: int = 4, **overrides: Any) -> Any:
+    """Qwen3.5's real small shapes (hidden 1024, head_dim 256, 8/2 heads, 16 key and 16
+    value linear heads of 128, partial rotary 0.25) at a few layers and a tiny vocabulary."""
+    return tiny_config("qwen3_5", layers=layers, **{
+        "hidden_size": 1024, "intermediate_size": 512, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, **overrides})
 
 
 def tiny_model(family: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Any:
     """A `transformers` causal LM with seeded random weights (float32, eval mode)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(family, **config_overrides)
+    cfg = config_overrides.pop("config", None) or tiny_config(family, **config_overrides)
     torch.manual_seed(seed)
+    # Qwen3.5's norms scale by (1 + weight): their weights are drawn around 0
+    centered = "Qwen3_5" in type(cfg).__name__
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # random weights with a scale that keeps activations in a healthy range
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if (name.endswith("norm.weight") or "layernorm" in name) and not (
+                    centered and "linear_attn.norm" not in name):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif centered and (name.endswith("norm.weight") or "layernorm" in name):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif p.dim() == 1:
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
             else:

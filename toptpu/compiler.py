@@ -44,15 +44,19 @@ from typing import IO, Any
 import numpy as np
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType
-from xdsl.ir import BlockArgument
+from xdsl.ir import BlockArgument, Operation
 from xdsl.passes import ModulePass
 from xdsl.printer import Printer
 
 from toptpu.backend.contract import (
     BLOCK,
+    CONV_STATE,
     HISTORY_K,
     HISTORY_NETS,
     HISTORY_V,
+    PRESENT_RECURRENT_STATE,
+    RECURRENT_STATE,
+    STATE_IN_PLACE,
     NetName,
     StaticShapes,
     TensorSpec,
@@ -64,6 +68,7 @@ from toptpu.backend.formats.llm_file import (
     CheckpointInfo,
     CompileInfo,
     Generation,
+    LinearAttentionInfo,
     LlmHeader,
     ModelInfo,
     NetEntry,
@@ -388,7 +393,11 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     for rep in list(variants)[1:]:
         if loaded.stream is not None:  # the skeleton's representative layer made real
             loaded.stream.materialize(hf, rep, f"v{rep}.")
-        for spec in split_model(hf, shapes, layer=rep, act=act):
+        rep_specs = split_model(hf, shapes, layer=rep, act=act)
+        if arch.layer_type(rep) != arch.layer_type(0):  # a layer kind of its own
+            check_block_matches_model(hf, next(s for s in rep_specs if s.name == BLOCK),
+                                      layer_index=rep)
+        for spec in rep_specs:
             if spec.per_layer:
                 nets.append(NetPlan(replace(spec, name=str(NetName(spec.name, rep))), mode,
                                     f"v{rep}."))
@@ -577,7 +586,9 @@ def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progr
     if write_dump is not None:
         write_dump(module, "import")
     run_passes(module, top_pipeline_passes(), after=after, store=store)
-    if net.name in HISTORY_NETS:
+    if PRESENT_RECURRENT_STATE in spec.output_names:
+        check_state_in_place(module, net.name)
+    elif NetName.parse(net.name).base in HISTORY_NETS:
         check_reload_free(module, net.name)
     top_module = module.clone() if keep_top else None
     try:
@@ -631,6 +642,38 @@ def check_reload_free(module: ModuleOp, net: str) -> None:
             "top.attention with history operands, so decode would copy and reload the KV "
             "cache. The model's attention does not have the form the splitter expects.")
 
+
+
+#: the Top ops that take a linear-attention state and return the new one (result 1)
+STATE_OPS = {CONV_STATE: "top.causal_conv1d", RECURRENT_STATE: "top.gated_delta_rule"}
+
+
+def check_state_in_place(module: ModuleOp, net: str) -> None:
+    """A linear-attention net must return each new state straight from the one op that
+    updates it (`STATE_OPS`), and that op must read the state input as it is: the runtime
+    binds a state's input and output to one buffer (updated in place, as the KV cache is),
+    so no copy of a state may exist and nothing else may read it."""
+    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
+    ins, outs = input_names(fn), output_names(fn)
+    ret = fn.body.block.last_op
+    assert ret is not None
+    returned = dict(zip(outs, ret.operands, strict=True))
+    args = {ins[a.index]: a for a in fn.body.block.args}
+    for out, state in STATE_IN_PLACE.items():
+        value = returned.get(out)
+        owner = getattr(value, "owner", None)
+        op_name = STATE_OPS[state]
+        arg = args.get(state)
+        ok = (isinstance(owner, Operation) and owner.name == op_name
+              and len(owner.results) == 2 and owner.results[1] is value)
+        if ok and arg is not None:
+            ok = arg in owner.operands and all(use.operation is owner for use in arg.uses)
+        if not ok:
+            raise CompileError(
+                f"net '{net}': '{out}' is not the new state of a {op_name} that reads "
+                f"'{state}' directly, so the state could not be updated in place (the "
+                "fuse/import of the linear-attention layer does not have the form the "
+                "splitter emits)")
 
 
 # ====================================================================== step 3: pack weights
@@ -769,6 +812,13 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, outp
     return header
 
 
+def _model_info(arch: LlmArch, config: dict[str, Any]) -> ModelInfo:
+    fields = asdict(arch)
+    fields["layer_types"] = tuple(arch.layer_type(i) for i in range(arch.num_layers))
+    fields["linear"] = None if arch.linear is None else LinearAttentionInfo(**fields["linear"])
+    return ModelInfo(**fields, config=config)
+
+
 def _json_config(config: Any) -> dict[str, Any]:
     return json.loads(config.to_json_string(use_diff=False))
 
@@ -798,7 +848,7 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
         group_size=plan.group_size,
         symmetric=plan.options.symmetric,
         shapes=plan.shapes,
-        model=ModelInfo(**asdict(plan.arch), config=_json_config(loaded.config)),
+        model=_model_info(plan.arch, _json_config(loaded.config)),
         generation=generation,
         tokenizer=TokenizerInfo(tuple(sorted(loaded.tokenizer_files))),
         nets={name: NetEntry(inputs=tuple(n.inputs), outputs=tuple(n.outputs),

@@ -61,26 +61,28 @@ def resolve_mode(mode: str | None, loaded: LoadedModel) -> str:
 
 
 def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
-    """Representative layer -> the layers compiled with its nets. Without a checkpoint all
-    layers share layer 0's nets; with one, layers whose linears differ in quantization
-    (bits, group size, act-order, or left in float) get nets of their own."""
-    n = len(hf.model.layers)
-    if checkpoint is None:
-        return {0: list(range(n))}
-    linears = [name for name, m in hf.model.layers[0].named_modules()
-               if isinstance(m, torch.nn.Linear)]
+    """Representative layer -> the layers compiled with its nets. Layers of different kinds
+    (`layer_types`: full or linear attention) never share nets; within a kind, without a
+    checkpoint all layers share the first one's nets, and with one, layers whose linears
+    differ in quantization (bits, group size, act-order, or left in float) get nets of
+    their own."""
+    layers = hf.model.layers
+    types = list(getattr(hf.config, "layer_types", None) or ["full_attention"] * len(layers))
 
     def signature(i: int) -> tuple:
-        sig = []
-        for lin in linears:
-            q = checkpoint.layouts.get(f"model.layers.{i}.{lin}")
-            sig.append(None if q is None else (q.bits, q.group_size, q.act_order))
+        sig: list[Any] = [types[i]]
+        if checkpoint is not None:
+            for lin, m in layers[i].named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    q = checkpoint.layouts.get(f"model.layers.{i}.{lin}")
+                    sig.append((lin, None if q is None else (q.bits, q.group_size,
+                                                             q.act_order)))
         return tuple(sig)
 
     groups: dict[tuple, list[int]] = {}
-    for i in range(n):
+    for i in range(len(layers)):
         groups.setdefault(signature(i), []).append(i)
-    return {layers[0]: layers for layers in groups.values()}
+    return {members[0]: members for members in groups.values()}
 
 
 def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,

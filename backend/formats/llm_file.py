@@ -68,7 +68,10 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import (
+    FULL_ATTENTION,
     KNOWN_NETS,
+    LAYER_TYPES,
+    LINEAR_ATTENTION,
     PER_LAYER_NETS,
     REPETITION_PENALTY_RANGE,
     TEXT_NETS,
@@ -76,10 +79,12 @@ from toptpu.backend.contract import (
     VISION_KINDS,
     VISION_NET,
     ContractError,
+    LinearWidths,
     NetInfo,
     NetName,
     StaticShapes,
     TensorSpec,
+    linear_net_io,
     net_io,
 )
 from toptpu.backend.formats.header_schema import (
@@ -235,6 +240,25 @@ class WeightLayout:
 SHAPE_RANGES = {"seq_length": Range(2), "max_input_length": Range(1), "max_history": Range(1)}
 
 
+LayerType = Annotated[str, OneOf(LAYER_TYPES, "layer type")]
+
+
+@dataclass(frozen=True)
+class LinearAttentionInfo:
+    """The state sizes of the linear-attention layers (`contract.LinearWidths`)."""
+
+    conv_kernel: Annotated[int, Range(2, 64)]
+    num_k_heads: Count
+    num_v_heads: Count
+    head_k_dim: Count
+    head_v_dim: Count
+
+    @property
+    def widths(self) -> LinearWidths:
+        return LinearWidths(self.conv_kernel, self.num_k_heads, self.num_v_heads,
+                            self.head_k_dim, self.head_v_dim)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     family: Name
@@ -246,7 +270,13 @@ class ModelInfo:
     vocab_size: Count
     qk_norm: bool
     tied_embeddings: bool
+    #: each layer's kind; `linear` gives the linear-attention layers' sizes (null without)
+    layer_types: tuple[LayerType, ...]
+    linear: LinearAttentionInfo | None
     config: JsonObject
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer]
 
 
 @dataclass(frozen=True)
@@ -398,6 +428,18 @@ class LlmHeader:
         if m.num_heads % m.num_kv_heads:
             raise HeaderError("model.num_kv_heads", f"is {m.num_kv_heads}, which does not "
                                                     f"divide model.num_heads {m.num_heads}")
+        if len(m.layer_types) != m.num_layers:
+            raise HeaderError("model.layer_types", f"has {len(m.layer_types)} entries for "
+                                                   f"{m.num_layers} layers")
+        if FULL_ATTENTION not in m.layer_types:
+            raise HeaderError("model.layer_types", "has no full-attention layer")
+        if (m.linear is not None) != (LINEAR_ATTENTION in m.layer_types):
+            raise HeaderError("model.linear", "and linear-attention layers come together "
+                                              "(one is missing)")
+        if m.linear is not None and m.linear.num_v_heads % m.linear.num_k_heads:
+            raise HeaderError("model.linear.num_k_heads",
+                              f"is {m.linear.num_k_heads}, which does not divide "
+                              f"model.linear.num_v_heads {m.linear.num_v_heads}")
         self._check_generation()
         if len(set(self.tokenizer.files)) != len(self.tokenizer.files):
             raise HeaderError("tokenizer.files", "names a file twice")
@@ -426,6 +468,9 @@ class LlmHeader:
 
     def _check_nets(self) -> None:
         contract = net_io(self.shapes, self.model, self.activation_dtype)
+        linear = {} if self.model.linear is None else linear_net_io(
+            self.shapes, self.model.hidden_size, self.model.linear.widths,
+            self.activation_dtype)
         missing = [n for n in TEXT_NETS if n not in self.nets]
         if missing:
             raise HeaderError("nets", f"lacks the nets {missing}")
@@ -443,8 +488,12 @@ class LlmHeader:
             for key in ("inputs", "outputs"):
                 specs = getattr(net, key)
                 _check_specs(specs, f"{where}.{key}")
-                if base in contract:
-                    _check_contract(specs, contract[base][key == "outputs"], f"{where}.{key}")
+                kind_contract = contract
+                if net.per_layer and self._kind_of(name) == LINEAR_ATTENTION:
+                    kind_contract = linear
+                if base in kind_contract:
+                    _check_contract(specs, kind_contract[base][key == "outputs"],
+                                    f"{where}.{key}")
             if len(set(net.weights)) != len(net.weights):
                 raise HeaderError(f"{where}.weights", "names a tensor twice")
             table = self.weights.layer if net.per_layer else {}
@@ -465,6 +514,10 @@ class LlmHeader:
                                      f"{self.model.num_layers})")
         return net.base
 
+    def _kind_of(self, name: str) -> str:
+        """The layer kind a per-layer net computes: its representative layer's."""
+        return self.model.layer_type(NetName.parse(name).layer)
+
     def _check_layer_nets(self) -> None:
         if sorted(self.layer_nets) != sorted(PER_LAYER_NETS):
             raise HeaderError("layer_nets", f"names {sorted(self.layer_nets)}, not the "
@@ -478,6 +531,10 @@ class LlmHeader:
                 if name not in self.nets or NetName.parse(name).base != base:
                     raise HeaderError(f"{where}[{i}]", f"is {name!r}, not a {base} net of "
                                                        "this file")
+                if self._kind_of(name) != self.model.layer_type(i):
+                    raise HeaderError(f"{where}[{i}]", f"is {name!r}, a "
+                                                       f"{self._kind_of(name)} net, for a "
+                                                       f"{self.model.layer_type(i)} layer")
 
 
 def _check_token(token: int, vocab: int, where: str) -> None:

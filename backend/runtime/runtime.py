@@ -52,6 +52,7 @@ from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
     BLOCK_KV,
+    CONV_STATE,
     EMBEDDING,
     EMBEDDING_CACHE,
     GREEDY_HEAD,
@@ -60,14 +61,19 @@ from toptpu.backend.contract import (
     HISTORY_K,
     HISTORY_V,
     INPUT_IDS,
+    LINEAR_ATTENTION,
     LM_HEAD,
     LOGITS,
     PENALTY,
+    PER_LAYER_NETS,
     POSITION_IDS,
+    PRESENT_CONV_STATE,
     PRESENT_K,
+    PRESENT_RECURRENT_STATE,
     PRESENT_V,
     PROBS,
     RECENT_IDS,
+    RECURRENT_STATE,
     REPETITION_PENALTY_RANGE,
     SAMPLE_HEAD,
     TEMPERATURE,
@@ -654,9 +660,15 @@ class Runtime:
             raise GenerationError(f"the model file lacks the nets {missing}; recompile it")
         self.nets = nets
         self.num_layers = self.meta.model.num_layers
+        #: which layers have a linear-attention state instead of a KV cache
+        self.linear = [self.meta.model.layer_type(i) == LINEAR_ATTENTION
+                       for i in range(self.num_layers)]
+        #: the nets of the first full-attention layer: the KV shapes are read from them
+        first = self.linear.index(False)
+        self.attn_nets = {base: self.layer_net(base, first) for base in PER_LAYER_NETS}
         self.L = _spec(nets[BLOCK], HIDDEN).shape[1]
-        self.seq = _spec(nets[BLOCK_CACHE], HISTORY_K).shape[1]
-        self.Hh = _spec(nets[BLOCK_KV], HISTORY_K).shape[1]
+        self.seq = _spec(nets[self.attn_nets[BLOCK_CACHE]], HISTORY_K).shape[1]
+        self.Hh = _spec(nets[self.attn_nets[BLOCK_KV]], HISTORY_K).shape[1]
         gen = self.meta.generation
         self.eos_ids = set(gen.eos_token_ids)
         self.stop_strings = [s for s in gen.stop_strings if s]
@@ -666,8 +678,8 @@ class Runtime:
         try:
             self._alloc_buffers()
         except MemoryError as e:
-            kv = _spec(nets[BLOCK_CACHE], HISTORY_K)
-            need = 2 * self.num_layers * kv.nbytes
+            kv = _spec(nets[self.attn_nets[BLOCK_CACHE]], HISTORY_K)
+            need = 2 * self.linear.count(False) * kv.nbytes
             raise GenerationError(
                 f"this host cannot hold the KV cache of {self.num_layers} layers x "
                 f"{self.seq} tokens ({need / 2**30:.2f} GiB); recompile with a smaller "
@@ -688,21 +700,30 @@ class Runtime:
             s = _spec(nets[net], name)
             return executor.alloc(s.shape, s.dtype)
 
-        kv = _spec(nets[BLOCK_CACHE], HISTORY_K)
-        self.cache_k = [executor.alloc(kv.shape, kv.dtype) for _ in range(self.num_layers)]
-        self.cache_v = [executor.alloc(kv.shape, kv.dtype) for _ in range(self.num_layers)]
+        attn = self.attn_nets
+        kv = _spec(nets[attn[BLOCK_CACHE]], HISTORY_K)
+        # one K and one V cache per full-attention layer; one conv and one recurrent state
+        # per linear-attention layer (each updated in place: its input and output buffer)
+        self.cache_k: list[Buffer | None] = [
+            None if lin else executor.alloc(kv.shape, kv.dtype) for lin in self.linear]
+        self.cache_v: list[Buffer | None] = [
+            None if lin else executor.alloc(kv.shape, kv.dtype) for lin in self.linear]
+        self.states: list[dict[str, Buffer] | None] = [
+            {name: alloc(self.layer_net(BLOCK_CACHE, i), name)
+             for name in (CONV_STATE, RECURRENT_STATE)} if lin else None
+            for i, lin in enumerate(self.linear)]
         self.b = {
             "ids_L": alloc(EMBEDDING, INPUT_IDS),
             "ids_1": alloc(EMBEDDING_CACHE, INPUT_IDS),
             "h_L": [alloc(EMBEDDING, HIDDEN), alloc(BLOCK, HIDDEN_OUT)],
             "h_1": [alloc(EMBEDDING_CACHE, HIDDEN), alloc(BLOCK_CACHE, HIDDEN_OUT)],
-            "pos_L": alloc(BLOCK, POSITION_IDS),
-            "pos_1": alloc(BLOCK_CACHE, POSITION_IDS),
-            "mask_L": alloc(BLOCK, ATTENTION_MASK),
-            "mask_kv": alloc(BLOCK_KV, ATTENTION_MASK),
-            "mask_1": alloc(BLOCK_CACHE, ATTENTION_MASK),
-            "scratch_k": alloc(BLOCK, PRESENT_K),
-            "scratch_v": alloc(BLOCK, PRESENT_V),
+            "pos_L": alloc(attn[BLOCK], POSITION_IDS),
+            "pos_1": alloc(attn[BLOCK_CACHE], POSITION_IDS),
+            "mask_L": alloc(attn[BLOCK], ATTENTION_MASK),
+            "mask_kv": alloc(attn[BLOCK_KV], ATTENTION_MASK),
+            "mask_1": alloc(attn[BLOCK_CACHE], ATTENTION_MASK),
+            "scratch_k": alloc(attn[BLOCK], PRESENT_K),
+            "scratch_v": alloc(attn[BLOCK], PRESENT_V),
             "logits": alloc(LM_HEAD, LOGITS),
             "token": alloc(GREEDY_HEAD, TOKEN),
             **{name: alloc(SAMPLE_HEAD, name) for name in (
@@ -767,6 +788,15 @@ class Runtime:
         table = self.meta.layer_nets
         return table[net][layer] if net in table else net
 
+    def _state(self, layer: int, carried: bool) -> dict[str, Buffer]:
+        """A linear-attention layer's state bindings: the new state written over the old
+        one in place, and read first when it is `carried` (block_kv, block_cache; block
+        starts from a zero state)."""
+        st = self.states[layer]
+        assert st is not None
+        out = {PRESENT_CONV_STATE: st[CONV_STATE], PRESENT_RECURRENT_STATE: st[RECURRENT_STATE]}
+        return {**st, **out} if carried else out
+
     def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
         """Run one chunk (≤ L tokens) at the current position; returns the final hidden
         [1, L, H] buffer (row i belongs to ids[i])."""
@@ -792,6 +822,8 @@ class Runtime:
             net = BLOCK
 
             def extra(layer: int) -> dict[str, Buffer]:
+                if self.linear[layer]:
+                    return {ATTENTION_MASK: b["mask_L"], **self._state(layer, False)}
                 return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_L"],
                         **present(layer)}
         else:
@@ -799,6 +831,8 @@ class Runtime:
             net = BLOCK_KV
 
             def extra(layer: int) -> dict[str, Buffer]:
+                if self.linear[layer]:
+                    return {ATTENTION_MASK: b["mask_kv"], **self._state(layer, True)}
                 return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_kv"],
                         HISTORY_K: self.cache_k[layer].slot(1, 0, self.Hh),
                         HISTORY_V: self.cache_v[layer].slot(1, 0, self.Hh),
@@ -813,7 +847,8 @@ class Runtime:
                        {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
                 for cache, scratch in ((self.cache_k, b["scratch_k"]),
                                        (self.cache_v, b["scratch_v"])):
-                    ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
+                    if not self.linear[layer]:
+                        ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
                 src, dst = dst, src
             out = src
         self.tokens.extend(int(i) for i in ids)
@@ -832,6 +867,8 @@ class Runtime:
         ex.write(b["mask_1"], decode_mask(pos, self.seq))
 
         def extra(layer: int) -> dict[str, Buffer]:
+            if self.linear[layer]:
+                return self._state(layer, True)
             return {POSITION_IDS: b["pos_1"], ATTENTION_MASK: b["mask_1"],
                     HISTORY_K: self.cache_k[layer], HISTORY_V: self.cache_v[layer],
                     PRESENT_K: self.cache_k[layer].slot(1, pos, 1),
