@@ -66,6 +66,10 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: checkpoint tensors the models recompute and that may be present without being used
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+#: model_type -> checkpoint tensor prefixes of parts toptpu does not compile: Qwen3.5's
+#: multi-token-prediction head (`mtp.*`, for speculative decoding) is skipped, as
+#: transformers' Qwen3_5ForCausalLM skips it
+_SKIPPED_PREFIXES: dict[str, tuple[str, ...]] = {"qwen3_5_text": ("mtp.",)}
 
 _MAX_LISTED = 8
 
@@ -412,8 +416,10 @@ def check_checkpoint(config: Any, path: str,
     tensors = checkpoint_tensors(path) if tensors is None else tensors
     have = {name: shape for name, (shape, _) in tensors.items()}
     want, optional = expected_shapes(config)
+    skipped = _SKIPPED_PREFIXES.get(str(getattr(config, "model_type", "")), ())
     problems = shape_mismatches(
-        have, want, optional, {k for k in have if k.endswith(_IGNORABLE_SUFFIXES)})
+        have, want, optional, {k for k in have if k.endswith(_IGNORABLE_SUFFIXES)
+                               or (skipped and k.startswith(skipped))})
     if problems:
         raise ModelLoadError(
             f"the checkpoint in {path} does not match its config.json "
