@@ -28,6 +28,7 @@ from xdsl.dialects.builtin import (
     IntegerAttr,
     StringAttr,
     TensorType,
+    f32,
     i1,
     i32,
 )
@@ -59,6 +60,7 @@ from toptpu.dialects.common import (
     bool_attr,
     broadcast_shapes,
     dense_attr,
+    dtype_name,
     elem_of,
     flag_value_attr,
     float_value_attr,
@@ -217,12 +219,21 @@ class ReluOp(UnaryOp, TopOp):
     name = "top.relu"
 
 
+@irdl_op_definition
+class SoftplusOp(UnaryOp, TopOp):
+    """log(1 + exp(x)), and x itself above 20 (torch's F.softplus with beta 1 and threshold
+    20, where log1p(exp(x)) equals x in f32 anyway); Gated DeltaNet's decay uses it."""
+
+    name = "top.softplus"
+    FLOPS_PER_ELEMENT: ClassVar[int] = 5
+
+
 #: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
 #: the kind its name gives (`top.silu` -> "silu"). Listed here, an op gets its Tpu
 #: counterpart (`tpu.TPU_OF_TOP`), its interpreter evaluator, its lowering by
 #: `convert-top-to-tpu` and its place in the Top dialect; nothing else registers it.
 UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
-    RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp, ReluOp)
+    RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp, ReluOp, SoftplusOp)
 
 
 class GeluBase(UnaryOp):
@@ -966,6 +977,152 @@ class Conv2dOp(Conv2dBase, TopOp):
     name = "top.conv2d"
 
 
+# =========================================================================== linear attention
+
+
+def _check_shape(op: str, what: str, got: Sequence[int], want: Sequence[int]) -> None:
+    """VerifyException naming operand `what` of `op` unless its shape is `want`."""
+    if tuple(got) != tuple(want):
+        raise VerifyException(f"{op} {what} is {list(got)}; it must be {list(want)}")
+
+
+def _check_float(op: str, what: str, v: SSAValue) -> None:
+    if not is_float(elem_of(v)):
+        raise VerifyException(f"{op} {what} must be a float tensor, not {elem_of(v)}")
+
+
+class CausalConv1dBase(ShapedOp):
+    """Depthwise causal convolution over the sequence with its state (Gated DeltaNet's
+    short conv; `frontends.linear_attention_ops.causal_conv1d` is the definition).
+
+    x [1, T, C], weight [C, K], state [1, K-1, C] (optional: zeros), valid [1, T] (1.0 for
+    the real tokens, a prefix, 0.0 for padding) -> y [1, T, C] with
+    `y[t, c] = sum_j weight[c, j] * xs[t + j, c]`, `xs = cat(state, x)`, and new_state
+    [1, K-1, C] = `xs[n : n + K-1]` (n real tokens): the state the real tokens leave, so a
+    padded static chunk continues exactly. y and new_state have x's element type; the
+    state is sequence-major like the KV cache.
+    """
+
+    x = operand_def(AnyTensor)
+    weight = operand_def(AnyTensor)
+    state = opt_operand_def(AnyTensor)
+    valid = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
+    new_state = result_def(AnyTensor)
+
+    def __init__(self, x: SSAValue, weight: SSAValue, state: SSAValue | None,
+                 valid: SSAValue) -> None:
+        self.construct([x, weight, state, valid], {})
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, w, state, valid = operands[:4]
+        assert x is not None and w is not None and valid is not None
+        name = cls.name
+        xs = shape_of(x)
+        if len(xs) != 3 or xs[0] != 1:
+            raise VerifyException(f"{name} x is {list(xs)}; it must be [1, T, C]")
+        _, t, c = xs
+        ws = shape_of(w)
+        if len(ws) != 2 or ws[0] != c or ws[1] < 1:
+            raise VerifyException(f"{name} weight is {list(ws)}; it must be [C, K] = [{c}, K] "
+                                  "(one kernel of K >= 1 taps per channel of x)")
+        k = ws[1]
+        for what, v in (("x", x), ("weight", w), ("valid", valid)):
+            _check_float(name, what, v)
+        if state is not None:
+            _check_shape(name, "state", shape_of(state), (1, k - 1, c))
+            _check_float(name, "state", state)
+        _check_shape(name, "valid", shape_of(valid), (1, t))
+        return [tensor(xs, elem_of(x)), tensor((1, k - 1, c), elem_of(x))]
+
+    @property
+    def kernel_size(self) -> int:
+        return shape_of(self.weight)[1]
+
+    def flops(self) -> int:
+        _, t, c = shape_of(self.x)
+        return 2 * t * c * self.kernel_size
+
+
+@irdl_op_definition
+class CausalConv1dOp(CausalConv1dBase, TopOp):
+    name = "top.causal_conv1d"
+
+
+class GatedDeltaRuleBase(ShapedOp):
+    """The gated delta rule, recurrent over the tokens in f32 (Gated DeltaNet's linear
+    attention; `frontends.linear_attention_ops.gated_delta_rule` is the definition).
+
+    q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta [1, T, Hv], state [1, Hv, Dk, Dv] f32
+    (optional: zeros), `scale` -> o [1, T, Hv, Dv] (v's element type), new_state
+    [1, Hv, Dk, Dv] f32. Key head h serves value heads h*r .. h*r+r-1 (r = Hv / Hk); per
+    token: `S = S * exp(g_t)`, `delta = beta_t * (v_t - k_t S)`, `S = S + k_t^T delta`,
+    `o_t = (scale * q_t) S`. A token with g = 0 and beta = 0 leaves S bit for bit.
+    """
+
+    q = operand_def(AnyTensor)
+    k = operand_def(AnyTensor)
+    v = operand_def(AnyTensor)
+    g = operand_def(AnyTensor)
+    beta = operand_def(AnyTensor)
+    state = opt_operand_def(AnyTensor)
+    scale = attr_def(FloatAttr)
+    output = result_def(AnyTensor)
+    new_state = result_def(AnyTensor)
+
+    def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, g: SSAValue, beta: SSAValue,
+                 state: SSAValue | None, *, scale: float) -> None:
+        self.construct([q, k, v, g, beta, state],
+                       {"scale": float_value_attr(f"{self.name} scale", scale)})
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        q, k, v, g, beta = operands[:5]
+        state = operands[5] if len(operands) > 5 else None
+        assert q is not None and k is not None and v is not None and g is not None \
+            and beta is not None
+        name = cls.name
+        ks, vs = shape_of(k), shape_of(v)
+        if len(ks) != 4 or ks[0] != 1:
+            raise VerifyException(f"{name} k is {list(ks)}; it must be [1, T, Hk, Dk]")
+        _, t, hk, dk = ks
+        _check_shape(name, "q", shape_of(q), ks)
+        if len(vs) != 4 or vs[:2] != (1, t):
+            raise VerifyException(f"{name} v is {list(vs)}; it must be [1, {t}, Hv, Dv]")
+        hv, dv = vs[2], vs[3]
+        if hk < 1 or hv % hk:
+            raise VerifyException(f"{name} v has {hv} heads, not a multiple of k's {hk} heads")
+        _check_shape(name, "g", shape_of(g), (1, t, hv))
+        _check_shape(name, "beta", shape_of(beta), (1, t, hv))
+        for what, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            _check_float(name, what, x)
+        if state is not None:
+            _check_shape(name, "state", shape_of(state), (1, hv, dk, dv))
+            if dtype_name(elem_of(state)) != "f32":
+                raise VerifyException(f"{name} state must be f32 (the recurrent state is "
+                                      f"float32 in every mode), not {elem_of(state)}")
+        scale = attrs.get("scale")
+        if isinstance(scale, FloatAttr) and not math.isfinite(scale.value.data):
+            raise VerifyException(f"{name} scale is {scale.value.data}; it must be finite")
+        return [tensor(vs, elem_of(v)), tensor((1, hv, dk, dv), f32)]
+
+    def flops(self) -> int:
+        _, t, hv, dv = shape_of(self.v)
+        dk = shape_of(self.k)[3]
+        return 6 * t * hv * dk * dv
+
+    def state_bytes(self) -> int:
+        """The bytes of the recurrent state (f32), loaded and stored each run."""
+        _, hv, dk, dv = shape_of(self.new_state)
+        return 4 * hv * dk * dv
+
+
+@irdl_op_definition
+class GatedDeltaRuleOp(GatedDeltaRuleBase, TopOp):
+    name = "top.gated_delta_rule"
+
+
 # =========================================================================== data movement
 
 
@@ -1145,6 +1302,8 @@ Top = Dialect(
         ScatterOp,
         CumSumOp,
         Conv2dOp,
+        CausalConv1dOp,
+        GatedDeltaRuleOp,
         ReshapeOp,
         PermuteOp,
         ExpandOp,

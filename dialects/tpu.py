@@ -439,6 +439,23 @@ class Conv2dOp(top.Conv2dBase, TpuOp):
     name = "tpu.conv2d"
 
 
+@irdl_op_definition
+class CausalConv1dOp(top.CausalConv1dBase, TpuOp):
+    """`top.causal_conv1d` on the chip: computed in f32 with an f32 weight [C, K] (a
+    depthwise conv's few taps, never quantized); x, y and the conv state in the
+    activation type."""
+
+    name = "tpu.causal_conv1d"
+
+
+@irdl_op_definition
+class GatedDeltaRuleOp(top.GatedDeltaRuleBase, TpuOp):
+    """`top.gated_delta_rule` on the chip: computed in f32; its state operand and
+    new_state result are f32 in every mode (the runtime binds them to one buffer)."""
+
+    name = "tpu.gated_delta_rule"
+
+
 # =========================================================================== data movement
 
 
@@ -758,6 +775,8 @@ TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
     top.ScatterOp: ScatterOp,
     top.CumSumOp: CumSumOp,
     top.Conv2dOp: Conv2dOp,
+    top.CausalConv1dOp: CausalConv1dOp,
+    top.GatedDeltaRuleOp: GatedDeltaRuleOp,
     top.ReshapeOp: ReshapeOp,
     top.PermuteOp: PermuteOp,
     top.ExpandOp: ExpandOp,

@@ -46,6 +46,7 @@ from toptpu.dialects.common import (
 from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
 from toptpu.errors import ToptpuError
+from toptpu.frontends import linear_attention_ops  # noqa: F401 - registers torch.ops.toptpu
 
 aten = torch.ops.aten
 
@@ -372,6 +373,18 @@ _UNARY: dict[Any, type[top.UnaryOp]] = {
 def _unary(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     return im.emit(_UNARY[node.target](x)).results[0]
+
+
+@builds(aten.softplus.default)
+def _softplus(im: Importer, node: torch.fx.Node) -> Any:
+    """F.softplus with torch's defaults (beta 1, threshold 20), the ones `top.softplus`
+    computes; other parameters are refused."""
+    beta, threshold = _arg(node, 1, "beta", 1.0), _arg(node, 2, "threshold", 20.0)
+    if beta != 1 or threshold != 20:
+        raise UnsupportedOpError(f"aten.softplus with beta={beta}, threshold={threshold} "
+                                 "(top.softplus is beta=1, threshold=20)")
+    (x,) = _elementwise_operands(im, node, [node.args[0]])
+    return im.emit(top.SoftplusOp(x)).results[0]
 
 
 @builds(aten.gelu.default)
@@ -799,6 +812,35 @@ def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
                                   head_dim=d, causal=causal)).results[0]
     del vs
     return im.permute(att, [0, 2, 1, 3], "out")
+
+
+@builds(torch.ops.toptpu.causal_conv1d.default)
+def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::causal_conv1d` (frontends.linear_attention_ops) -> top.causal_conv1d; its
+    two results are taken apart by the getitem nodes that follow it."""
+    x, w = im.value(node.args[0]), im.value(node.args[1])
+    state_arg = _arg(node, 2, "state")
+    valid = im.value(_arg(node, 3, "valid"))
+    state = None if state_arg is None else im.value(state_arg)
+    op = im.emit(top.CausalConv1dOp(x, w, state, valid))
+    return tuple(im.cast_to(r, im.out_type(i).element_type, f"out{i}")
+                 for i, r in enumerate(op.results))
+
+
+@builds(torch.ops.toptpu.gated_delta_rule.default)
+def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::gated_delta_rule` (frontends.linear_attention_ops) -> top.gated_delta_rule;
+    a state of another float type is cast to f32 first (the definition computes in f32)."""
+    q, k, v, g, beta = (im.value(a) for a in node.args[:5])
+    state_arg = _arg(node, 5, "state")
+    scale = _scalar(_arg(node, 6, "scale"))
+    if scale is None:
+        raise UnsupportedOpError("toptpu.gated_delta_rule needs a constant float scale")
+    state = None if state_arg is None else im.cast_to(im.value(state_arg),
+                                                      elem_of_torch(torch.float32), "state")
+    op = im.emit(top.GatedDeltaRuleOp(q, k, v, g, beta, state, scale=scale))
+    return tuple(im.cast_to(r, im.out_type(i).element_type, f"out{i}")
+                 for i, r in enumerate(op.results))
 
 
 # =========================================================================== driver

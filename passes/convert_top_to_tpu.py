@@ -16,6 +16,10 @@ Lowers Top to Tpu, making the chip's type decisions:
   one of `keep-float` (default "lm_head") stay in the activation type.
 - norms, softmax, attention and rope compute in f32 (`compute = f32`); norm weights and
   matmul biases are stored in f32.
+- linear attention: softplus, causal_conv1d and gated_delta_rule compute in f32; the conv
+  weight [C, K] is stored f32 (never quantized); the delta rule's recurrent state (its
+  state operand, new_state result, and a function argument feeding that operand) is f32
+  in every mode; the conv state takes the activation type.
 - the position subgraph (float ops computed only from integer inputs and weights, e.g. the
   rotary angles) stays in f32: rope reads its cos/sin in f32.
 - casts are inserted only where an operand's type differs from what its consumer needs;
@@ -310,7 +314,8 @@ class LowerElementwise(LoweringPattern):
                 ops.append(lw.operand(v, want, op, rewriter, f"in{i}"))
         if isinstance(op, top.CompareOp) and not is_float(elem_of(op.lhs)):
             ops = [lw.operand(v, None, op, rewriter) for v in op.operands]
-        self.emit(op, ops, rewriter)
+        # softplus feeds the delta rule's decay: computed in f32 like the rule itself
+        self.emit(op, ops, rewriter, compute=f32 if isinstance(op, top.SoftplusOp) else None)
 
 
 class LowerCast(LoweringPattern):
@@ -492,6 +497,57 @@ class LowerConv2d(LoweringPattern):
         self.emit(op, [x, w, b], rewriter, compute=f32)
 
 
+class LowerCausalConv1d(LoweringPattern):
+    """causal_conv1d: x, state, valid and both results in the activation type, computed in
+    f32; the weight [C, K] is stored f32 in every mode (a depthwise conv's few taps per
+    channel, not a matmul weight: never quantized)."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.CausalConv1dOp):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        x = lw.operand(op.x, want, op, rewriter, "x")
+        w = lw.operand(op.weight, f32, op, rewriter, "w")
+        state = (lw.operand(op.state, want, op, rewriter, "state")
+                 if op.state is not None else None)
+        valid = lw.operand(op.valid, want, op, rewriter, "valid")
+        self.emit(op, [x, w, state, valid], rewriter, compute=f32)
+
+
+class LowerGatedDeltaRule(LoweringPattern):
+    """gated_delta_rule: q, k, v, g, beta and the output in the activation type, computed
+    in f32; the recurrent state (operand and new_state) stays f32 in every mode."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, top.GatedDeltaRuleOp):
+            return
+        lw = self.lw
+        want = lw.wants(op)
+        ops: list[SSAValue | list[SSAValue] | None] = [
+            lw.operand(v, want, op, rewriter, name)
+            for v, name in ((op.q, "q"), (op.k, "k"), (op.v, "v"), (op.g, "g"),
+                            (op.beta, "beta"))]
+        ops.append(lw.operand(op.state, f32, op, rewriter, "state")
+                   if op.state is not None else None)
+        out, new_state = _result_types(lw, op)
+        assert isinstance(new_state, TensorType)
+        new = tpu.GatedDeltaRuleOp.build(ops, {**_attrs(op), "compute": f32},
+                                         [out, tensor(shape_of(new_state), f32)])
+        named_like(new, op)
+        rewriter.replace(op, new)
+
+
+def recurrent_state_args(fn: func.FuncOp) -> set[SSAValue]:
+    """The function arguments that are a gated_delta_rule's state operand: they keep f32
+    in every mode, as the state does (the runtime binds the argument and the returned
+    new_state to one f32 buffer). (An argument of another type reaches the rule through
+    a cast the importer made, and takes the activation type like any other.)"""
+    return {arg for arg in fn.body.block.args for use in arg.uses
+            if isinstance(use.operation, top.GatedDeltaRuleOp)
+            and use.operation.state is arg}
+
+
 class FoldRedundantCasts(RewritePattern):
     """cast to the same type; cast(cast(x)) through a wider float back to x's type."""
 
@@ -520,6 +576,8 @@ def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
         LowerGather(lw),
         LowerScatter(lw),
         LowerConv2d(lw),
+        LowerCausalConv1d(lw),
+        LowerGatedDeltaRule(lw),
         LowerDataMovement(lw),
         LowerElementwise(lw),
     ]
@@ -545,11 +603,13 @@ class ConvertTopToTpuPass(ModulePass):
             lw = Lowering(act, bits, self.group_size, self.symmetric,
                           tuple(k.strip() for k in self.keep_float.split(",")), store,
                           _index_derived_ops(fn))
+            states = recurrent_state_args(fn)
             for arg in fn.body.block.args:
                 t = arg.type
                 if (isinstance(t, TensorType) and is_float(t.element_type)
                         and not self.keep_input_types):
-                    arg._type = tensor(shape_of(t), act)  # noqa: SLF001 - signature change
+                    elem = f32 if arg in states else act
+                    arg._type = tensor(shape_of(t), elem)  # noqa: SLF001 - signature change
             walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
                                           apply_recursively=False)
             walker.rewrite_module(op)

@@ -57,6 +57,7 @@ UNARY_REFERENCE = {
     "top.cos": np.cos, "top.sin": np.sin, "top.tanh": np.tanh,
     "top.sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
     "top.silu": lambda x: x / (1.0 + np.exp(-x)), "top.relu": lambda x: np.maximum(x, 0.0),
+    "top.softplus": lambda x: np.where(x > 20, x, np.log1p(np.exp(x))),
 }
 
 

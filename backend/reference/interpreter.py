@@ -261,6 +261,26 @@ def _conv2d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarra
                      read_ints(op.dilations), read_int(op.groups), _out_dtype(op))]
 
 
+@evaluates(top.CausalConv1dOp)
+def _causal_conv1d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    x, w, state, valid = args
+    assert isinstance(op, top.CausalConv1dBase)
+    assert x is not None and w is not None and valid is not None
+    y, new_state = K.causal_conv1d(x, w, state, valid, _out_dtype(op, 0), _out_dtype(op, 1))
+    return [y, new_state]
+
+
+@evaluates(top.GatedDeltaRuleOp)
+def _gated_delta_rule(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    q, k, v, g, beta, state = args
+    assert isinstance(op, top.GatedDeltaRuleBase)
+    assert q is not None and k is not None and v is not None and g is not None \
+        and beta is not None
+    o, new_state = K.gated_delta_rule(q, k, v, g, beta, state, read_float(op.scale),
+                                      _out_dtype(op, 0))
+    return [o, new_state]
+
+
 @evaluates(top.ReshapeOp)
 def _reshape(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     assert isinstance(op, top.ReshapeBase) and args[0] is not None

@@ -211,6 +211,9 @@ def _unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.nd
     elif kind == "silu":
         with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, -0
             r = fx / (1.0 + np.exp(-fx))
+    elif kind == "softplus":  # torch's F.softplus, beta 1, threshold 20
+        with np.errstate(over="ignore"):  # exp overflows only where x > 20 is taken
+            r = np.where(fx > np.float32(20), fx, np.log1p(np.exp(fx)))
     elif kind == "gelu":
         if kw.get("approximate", "none") == "tanh":
             c = np.float32(math.sqrt(2.0 / math.pi))
@@ -583,6 +586,64 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Seque
     if bias is not None:
         out = out + f32(bias).reshape(1, -1, 1, 1)
     return _out(out, out_dtype, x)
+
+
+# --------------------------------------------------------------------------- linear attention
+
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray | None,
+                  valid: np.ndarray, out_dtype=None, state_dtype=None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal conv over `cat(state, x)` (`top.causal_conv1d`): x [1, T, C],
+    weight [C, K], state [1, K-1, C] or None (zeros), valid [1, T] (a prefix of n ones)
+    -> (y [1, T, C], new_state [1, K-1, C] = xs[n : n + K-1]). The taps are summed in
+    order in f32; y rounds to `out_dtype`, the state to `state_dtype` (default: x's).
+    Channels are independent: a slice of them computes the same numbers."""
+    x = np.asarray(x)
+    _, t, c = x.shape
+    k = weight.shape[1]
+    fx = f32(x)
+    # the state as x's dtype holds it (the definition concatenates in x's dtype)
+    fs = (np.zeros((1, k - 1, c), np.float32) if state is None
+          else f32(round_to(np.asarray(state), x.dtype)))
+    xs = np.concatenate([fs, fx], axis=1)  # [1, K-1+T, C]
+    fw = f32(weight)
+    y = np.zeros((1, t, c), np.float32)
+    for j in range(k):
+        y += xs[:, j:j + t] * fw[:, j]
+    n = int(np.count_nonzero(f32(np.asarray(valid)).reshape(-1) > 0))
+    new_state = np.ascontiguousarray(xs[:, n:n + k - 1])
+    return _out(y, out_dtype, x), _out(new_state, state_dtype, x)
+
+
+def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                     beta: np.ndarray, state: np.ndarray | None, scale: float,
+                     out_dtype=None) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule (`top.gated_delta_rule`), recurrent over the tokens in f32,
+    vectorised over the value heads: q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta
+    [1, T, Hv], state [1, Hv, Dk, Dv] or None (zeros) -> (o [1, T, Hv, Dv] in `out_dtype`
+    (default: v's), new_state [1, Hv, Dk, Dv] f32). Per token: S = S * exp(g);
+    delta = beta * (v - k S); S = S + k^T delta; o = (scale * q) S. A token with g = 0 and
+    beta = 0 leaves S bit for bit (S * 1 + k^T 0). Heads are independent: a slice of them
+    (each key head with its value heads) computes the same numbers."""
+    v = np.asarray(v)
+    _, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    r = hv // hk
+    fq = np.repeat(f32(q)[0], r, axis=1) * np.float32(scale)  # [T, Hv, Dk]
+    fk = np.repeat(f32(k)[0], r, axis=1)
+    fv, fg, fb = f32(v)[0], f32(g)[0], f32(beta)[0]
+    s = (np.zeros((hv, dk, dv), np.float32) if state is None
+         else np.array(f32(state)[0], dtype=np.float32, copy=True))
+    out = np.empty((t, hv, dv), np.float32)
+    decay = np.exp(fg)  # [T, Hv]
+    for i in range(t):
+        s *= decay[i][:, None, None]
+        kv = np.matmul(fk[i][:, None, :], s)[:, 0]  # [Hv, Dv]
+        delta = (fv[i] - kv) * fb[i][:, None]
+        s += fk[i][:, :, None] * delta[:, None, :]
+        out[i] = np.matmul(fq[i][:, None, :], s)[:, 0]
+    return _out(out[None], out_dtype, v), s[None]
 
 
 # --------------------------------------------------------------------------- data movement
