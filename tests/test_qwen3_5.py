@@ -123,8 +123,9 @@ def _hf_states(model_dir: str, ids: list[int]) -> list[tuple[np.ndarray, np.ndar
     with torch.no_grad():
         out = hf_model(model_dir)(torch.tensor([ids]), use_cache=True)
     cache = out.past_key_values
-    return [(cache.layers[i].conv_states[0].numpy(), cache.layers[i].recurrent_states[0].numpy())
-            for i in range(3)]
+    # transformers keeps the last K conv inputs [C, K] (the first one no longer matters)
+    return [(cache.layers[i].conv_states[0][0].numpy(),
+             cache.layers[i].recurrent_states[0][0].numpy()) for i in range(3)]
 
 
 def test_padded_chunk_leaves_the_state_of_its_real_tokens(tmp_path_factory) -> None:

@@ -76,10 +76,14 @@ class _Emitter:
         return self.next_buf
 
     def add(self, make: Callable[..., Command], reads: list[tuple], writes: list[tuple],
-            **fields: Any) -> int:
+            kills: list[tuple] | None = None, **fields: Any) -> int:
         """The command `make(id=..., deps=..., **fields)`, its dependencies derived from the
         memory it reads and writes: a read waits for the overlapping writes before it, a
-        write for the overlapping reads and writes."""
+        write for the overlapping reads and writes. The local buffers the command frees
+        (`kills`: their ranges) count as written: freeing waits for every earlier reader of
+        the buffer — on the other engine a reader may still be pending when the command that
+        reads it last in stream order runs."""
+        writes = [*writes, *(kills or [])]
         cid = len(self.commands)
         deps: set[int] = set()
         for is_write, accs in ((False, reads), (True, writes)):
@@ -211,6 +215,8 @@ class _GroupEmitter:
         # buffer instance of (local value, slice): ids; and how many reads it has left
         self.inst: dict[tuple[SSAValue, int], int] = {}
         self.readers_left: dict[tuple[SSAValue, int], int] = {}
+        #: buffer instance -> its local range, from its last read until the command freeing it
+        self.freed_range: dict[int, tuple] = {}
         computes = self.computes
         self.uses_in_group = {v: sum(1 for u in v.uses if u.operation in computes or
                                      isinstance(u.operation, tpu.StoreOp)) for v in self.lmem}
@@ -265,6 +271,11 @@ class _GroupEmitter:
         self.readers_left[key] -= 1
         if self.readers_left[key] == 0:
             freed.append(self.inst[key])
+            self.freed_range[self.inst[key]] = self.lrange(v, i)
+
+    def kills(self, freed: list[int]) -> list[tuple]:
+        """The local ranges of the buffer instances a command frees."""
+        return [self.freed_range.pop(b) for b in freed]
 
     def make(self, v: SSAValue, i: int) -> None:
         """A new buffer instance of `v` for slice `i` (one for all slices when resident)."""
@@ -333,10 +344,10 @@ class _GroupEmitter:
                              if self.uses_in_group[r] == 0))
         writes = [self.lrange(r, i) for r in op.results]
         if table is not None:
-            self.em.add(Gather, reads, writes, table=table, table_operand=table_operand,
-                        **fields)
+            self.em.add(Gather, reads, writes, self.kills(freed), table=table,
+                        table_operand=table_operand, **fields)
         else:
-            self.em.add(Compute, reads, writes, **fields)
+            self.em.add(Compute, reads, writes, self.kills(freed), **fields)
 
     def store(self, st: tpu.StoreOp, i: int) -> None:
         dst = self.store_target[st.output]
@@ -359,7 +370,8 @@ class _GroupEmitter:
         else:
             lo, hi = glo, glo + nbytes(dst)
         self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
-                    name=op_name(st) or "store", tensor=ref, shape=tuple(full),
+                    self.kills(freed), name=op_name(st) or "store", tensor=ref,
+                    shape=tuple(full),
                     dtype=_dtype(dst), axis=ax, start=i * n, length=n, local=src,
                     free=tuple(freed), group=self.gi, slice=i)
 
@@ -390,7 +402,8 @@ class _GroupEmitter:
         part, block, axis, along, (lo, hi) = self.two_axis_part(st, i, ref, full,
                                                                  _dtype(st.output))
         self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
-                    name=op_name(st) or "store", tensor=part, shape=block,
+                    self.kills(freed), name=op_name(st) or "store", tensor=part,
+                    shape=block,
                     dtype=_dtype(st.output), axis=axis, start=along.start,
                     length=along.stop - along.start, local=src, free=tuple(freed),
                     group=self.gi, slice=i)
