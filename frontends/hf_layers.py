@@ -13,17 +13,29 @@ import numpy as np
 import torch
 
 from toptpu.frontends.fx_importer import import_module
+from toptpu.frontends.llm import LinearAttentionBlock, linear_widths, text_rotary
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 
 
 class DecoderLayerWithRope(torch.nn.Module):
+    """The model's decoder layer with its rotary embedding (at text positions: `text_rotary`).
+    A linear-attention layer (Qwen3.5's Gated DeltaNet) runs as the splitter wraps it, from
+    a zero state with every token real (`LinearAttentionBlock`: the model's projections and
+    norms, the conv and the delta rule as the two fused ops), so that it exports as what is
+    compiled rather than as transformers' chunked loop."""
+
     def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module) -> None:
         super().__init__()
         self.layer = layer
-        self.rotary = rotary
+        self.rotary = text_rotary(rotary)
+        self.linear: LinearAttentionBlock | None = None
+        if hasattr(layer, "linear_attn"):
+            self.linear = LinearAttentionBlock(layer, linear_widths(layer.linear_attn))
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            return self.linear.mix(hidden, hidden.new_ones(1, hidden.shape[1]), None, None)[0]
         pe = self.rotary(hidden, position_ids)
         out = self.layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
                          position_embeddings=pe)

@@ -267,6 +267,13 @@ class BlockWithHistory(Block):
         return self.attend(hidden, position_ids, attention_mask, history_k, history_v)
 
 
+def linear_widths(linear_attn: torch.nn.Module) -> LinearWidths:
+    """The state sizes of a Gated DeltaNet module (`Qwen3_5GatedDeltaNet`)."""
+    la = linear_attn
+    return LinearWidths(int(la.conv_kernel_size), int(la.num_k_heads), int(la.num_v_heads),
+                        int(la.head_k_dim), int(la.head_v_dim))
+
+
 class LinearAttentionBlock(torch.nn.Module):
     """One linear-attention decoder layer (Qwen3.5's Gated DeltaNet) with its state explicit:
     (hidden, attention_mask[, conv_state, recurrent_state]) -> (hidden, new conv state, new
