@@ -176,3 +176,75 @@ def test_states_are_net_io_updated_in_place(tmp_path_factory) -> None:
     assert bound[CONV_STATE] is bound[PRESENT_CONV_STATE]
     assert bound[RECURRENT_STATE] is bound[PRESENT_RECURRENT_STATE]
     assert rt.cache_k[0] is None and rt.cache_k[3] is not None  # no KV cache for linear layers
+
+
+@pytest.mark.parametrize("edit,named", [
+    (lambda h: h["model"].update(layer_types=h["model"]["layer_types"][:-1]),
+     "model.layer_types"),
+    (lambda h: h["model"].update(layer_types=["linear_attention"] * 4), "model.layer_types"),
+    (lambda h: h["model"]["layer_types"].__setitem__(0, "sliding"), "model.layer_types[0]"),
+    (lambda h: h["model"].update(linear=None), "model.linear"),
+    (lambda h: h["model"]["linear"].update(num_k_heads=3), "model.linear.num_k_heads"),
+    (lambda h: h["model"]["linear"].update(conv_kernel=1), "model.linear.conv_kernel"),
+    (lambda h: h["layer_nets"]["block"].__setitem__(0, "block@3"), "layer_nets.block[0]"),
+    (lambda h: h["layer_nets"]["block"].__setitem__(3, "block"), "layer_nets.block[3]"),
+    # a linear-attention net whose IO is not its kind's contract
+    (lambda h: h["nets"]["block_cache"]["inputs"][2].update(dtype="float16"),
+     "nets.block_cache.inputs[2]"),
+])
+def test_a_header_whose_layer_kinds_disagree_is_refused(tmp_path_factory, edit, named) -> None:
+    import copy
+
+    from toptpu.backend.formats.header_schema import HeaderError
+    from toptpu.backend.formats.llm_file import LlmHeader
+
+    f = LlmFile(compiled(tmp_path_factory, "qwen3_5", layers=4).model_file)
+    header = copy.deepcopy(f.header)
+    f.close()
+    LlmHeader.from_json(copy.deepcopy(header))  # as compiled: accepted
+    edit(header)
+    with pytest.raises(HeaderError) as e:
+        LlmHeader.from_json(header)
+    assert named in str(e.value)
+
+
+def test_a_net_that_copies_a_state_is_refused() -> None:
+    """check_state_in_place: a new state that is a copy of the op's result (here scaled by
+    one), or an old state that something else reads too, could not be updated in place."""
+    from toptpu.compiler import CompileError, check_state_in_place
+    from toptpu.frontends import linear_attention_ops as ops
+    from toptpu.frontends.fx_importer import import_module
+    from toptpu.passes.pipelines import run_passes, top_pipeline_passes
+
+    class Net(torch.nn.Module):
+        def __init__(self, copy_out: bool, extra_read: bool) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+            self.copy_out, self.extra_read = copy_out, extra_read
+
+        def forward(self, x: torch.Tensor, conv_state: torch.Tensor,
+                    recurrent_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            y, conv = ops.causal_conv1d(x, self.w, conv_state, torch.ones(1, x.shape[1]))
+            q = y.reshape(1, -1, 2, 4)
+            o, rec = ops.gated_delta_rule(q, q, q, -torch.ones(1, q.shape[1], 2),
+                                          torch.ones(1, q.shape[1], 2) * 0.5,
+                                          recurrent_state, 0.5)
+            if self.copy_out:
+                rec = torch.sigmoid(rec)
+            if self.extra_read:
+                o = o + conv_state.sum()
+            return o.reshape(1, -1, 8), conv, rec
+
+    args = (torch.randn(1, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 2, 4, 4))
+    names = ["hidden", "conv_state", "recurrent_state"]
+    outs = ["hidden_out", "present_conv_state", "present_recurrent_state"]
+    for copy_out, extra_read, ok in ((False, False, True), (True, False, False),
+                                     (False, True, False)):
+        module, store = import_module(Net(copy_out, extra_read).eval(), args,
+                                      input_names=names, output_names=outs)
+        run_passes(module, top_pipeline_passes(), store=store)
+        if ok:
+            check_state_in_place(module, "block_cache")
+        else:
+            with pytest.raises(CompileError, match="could not be updated in place"):
+                check_state_in_place(module, "block_cache")
