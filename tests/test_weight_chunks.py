@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from llm_fixtures import compiled
+from quant_fixtures import quant_checkpoints  # noqa: F401 - session fixture
 
 from toptpu.backend.formats.header_schema import HeaderError, decode, encode
 from toptpu.backend.formats.llm_file import (
@@ -49,8 +50,7 @@ def _two_kinds() -> WeightLayout:
 def _union_size(layout: WeightLayout) -> int:
     """The blob size if every layer had one chunk holding every kind's tensors."""
     union = {n: (e.shape, e.dtype) for chunk in layout.chunks for n, e in chunk.items()}
-    shared = {n: (e.shape, e.dtype) for n, e in layout.shared.items()}
-    return WeightLayout.plan(shared, [union], [0] * layout.num_layers).size
+    return _replan(layout.shared, [union], [0] * layout.num_layers).size
 
 
 # ============================================================================ planning
@@ -282,3 +282,53 @@ def test_a_header_whose_net_reads_a_tensor_its_layers_chunk_lacks_is_refused(
     with pytest.raises(HeaderError, match=r"llm_format is 1, not 2"):
         LlmHeader.from_json(old)
     src.close()
+
+
+# ============================================================================ end to end
+
+#: mixed auto-round checkpoints (`quant_fixtures.RECIPES`): qwen2_asym_g32 leaves layer 1's
+#: up_proj in float, llama_sym_g64 quantizes layer 0's down_proj to 8 bits
+MIXED = [("qwen2_asym_g32", "auto_gptq"), ("llama_sym_g64", "auto_gptq")]
+
+
+@pytest.mark.slow  # auto-round writes the checkpoints, then compile and generate
+@pytest.mark.parametrize("recipe,fmt", MIXED)
+def test_a_mixed_checkpoint_has_a_chunk_per_layer_variant_and_a_smaller_file(
+        quant_checkpoints, tmp_path, recipe: str, fmt: str) -> None:  # noqa: ANN001, F811
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toptpu.compiler import compile as compile_model
+
+    runs = quant_checkpoints.manifest["runs"]
+    path = str(tmp_path / f"{recipe}.toptpu")
+    compile_model(runs[recipe][fmt], path, mode="w4f32", seq_length=64, max_input_length=16,
+                  progress=None)
+    f = LlmFile(path)
+    layout, h = f.layout, f.header
+    # one chunk per layer variant: layer 0 runs block, layer 1 block@1, each with its chunk
+    assert h["layer_nets"]["block"] == ["block", "block@1"]
+    assert len(layout.chunks) == 2 and [la.chunk for la in layout.layers] == [0, 1]
+    for layer, net in enumerate(h["layer_nets"]["block"]):
+        reads = {w for n in h["layer_nets"] for w in h["nets"][h["layer_nets"][n][layer]]
+                 ["weights"] if w not in layout.shared}
+        assert set(layout.chunk_of(layer)) == reads, net  # its own tensors, nothing else
+    names = [set(c) for c in layout.chunks]
+    assert not names[0] & names[1]  # the variants' tensors differ (v1.-prefixed)
+    union = _union_size(layout)
+    saved = union - layout.size
+    print(f"{recipe}: blob {layout.size} bytes, the union layout {union} "
+          f"({saved / union:.1%} smaller); chunks {layout.chunk_size(0)} and "
+          f"{layout.chunk_size(1)} bytes")
+    assert saved == sum(layout.chunk_size(1 - la.chunk) for la in layout.layers) > 0
+    # the greedy tokens of the fake-quantized reference (test_llm_prequantized's oracle)
+    rt = Runtime.open(path)
+    ids = rt.encode("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
+    res = rt.generate(ids, 16, stop_on_eos=False)
+    ref_model = AutoModelForCausalLM.from_pretrained(runs[recipe]["fake"],
+                                                     dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16,
+                                 do_sample=False)
+    assert res.generated_ids == ref[0, len(ids):].tolist()
+    f.close()
