@@ -213,8 +213,11 @@ import json, sys
 from toptpu.compiler import compile as compile_model
 r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]))
 w = r.header["weights"]
-print(json.dumps({"layer_stride": w["layer_stride"], "layer_base": w["layer_base"],
-                  "size": w["size"], "timings": r.timings}))
+layers = w["layers"]
+ends = [la["offset"] for la in layers[1:]] + [w["size"]]
+print(json.dumps({"layer_stride": max(e - la["offset"] for la, e in zip(layers, ends)),
+                  "layer_base": layers[0]["offset"], "size": w["size"],
+                  "timings": r.timings}))
 """
 
 

@@ -46,9 +46,9 @@ def test_the_steps_called_by_hand_make_the_file_compile_makes(tmp_path_factory) 
     pieces = [(offset, len(data)) for offset, data in packed.pieces()]
     assert all(a + n <= b for (a, n), (b, _) in zip(pieces, pieces[1:], strict=False))
     starts = {offset for offset, _ in pieces}
-    assert {layout.layer_base + i * layout.layer_stride for i in range(2)} <= starts
+    assert {layout.layer_start(i) for i in range(2)} <= starts
     blob = packed.blob()
-    assert blob.nbytes == layout.size and blob[layout.layer_base:].any()
+    assert blob.nbytes == layout.size and blob[layout.layer_start(0):].any()
 
     header = write(the_plan, compiled, packed, by_steps)
     a, b = ModelFile(whole), ModelFile(by_steps)

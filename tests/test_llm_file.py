@@ -35,8 +35,9 @@ def test_compile_time_and_ir_stay_flat_from_2_to_8_layers(tmp_path_factory, tmp_
     for name in small.nets:
         assert f2.net_ir(name) == f8.net_ir(name)
     # weights grow by whole layer chunks of the same layout
-    assert f2.layout.layer == f8.layout.layer and f2.layout.layer_base == f8.layout.layer_base
-    assert f8.layout.size - f2.layout.size == 6 * f2.layout.layer_stride
+    assert f2.layout.chunks == f8.layout.chunks
+    assert f2.layout.shared_size == f8.layout.shared_size
+    assert f8.layout.size - f2.layout.size == 6 * f2.layout.chunk_size(0)
     net_time = {n: sum(v for k, v in r.timings.items() if k.startswith("net:"))
                 for n, r in results.items()}
     print(f"net compile time: 2 layers {net_time[2]:.2f}s, 8 layers {net_time[8]:.2f}s; "

@@ -122,11 +122,12 @@ def test_layer_chunks_are_the_recipes_of_each_layer(tmp_path_factory) -> None:
     result = _compiled(tmp_path_factory, "qwen3", "w4bf16")
     f = LlmFile(result.path)
     layout = f.layout
-    assert layout.layer_base % 64 == 0 and layout.layer_stride % 64 == 0
-    assert all(e.offset % 64 == 0 for e in (*layout.shared.values(), *layout.layer.values()))
+    (chunk,) = layout.chunks  # one layer kind: one chunk layout
+    assert all(la.offset % 64 == 0 for la in layout.layers) and layout.chunk_size(0) % 64 == 0
+    assert all(e.offset % 64 == 0 for e in (*layout.shared.values(), *chunk.values()))
     recipes = {r.name: r for net in result.nets.values() if net.per_layer
                for r in weight_recipes(net.tpu) if r.source.startswith(LAYER_PREFIX)}
-    assert set(recipes) == set(layout.layer)
+    assert set(recipes) == set(chunk)
     chunks = []
     for layer in range(f.num_layers):
         want = derive_weights(recipes.values(), float_of_layer(result.loaded.model, layer))
@@ -136,7 +137,7 @@ def test_layer_chunks_are_the_recipes_of_each_layer(tmp_path_factory) -> None:
         chunks.append(np.concatenate([got[n].view(np.uint8).reshape(-1) for n in sorted(got)]))
     assert not np.array_equal(chunks[0], chunks[1])
     # quantized matmuls have packed 4-bit weights; embedding and lm_head stay bf16
-    kinds = {e.dtype for n, e in layout.layer.items() if n.endswith(".qweight")}
+    kinds = {e.dtype for n, e in chunk.items() if n.endswith(".qweight")}
     assert kinds == {"uint8"}
     assert layout.shared["embed_tokens.weight:bf16"].dtype == "bfloat16"
     assert layout.shared["lm_head.weight:bf16"].dtype == "bfloat16"

@@ -13,7 +13,8 @@
    attend to their caches in place (reload-free), run `tpu-pipeline{mode, group_size,
    symmetric}`, then the machine pipeline and codegen (`toptpu.machine_pipeline`).
 3. `pack_weights(plan, compiled) -> PackedWeights`: the weight blob's layout
-   (`WeightLayout`: shared tensors once, then one chunk per layer) and its bytes, made region
+   (`WeightLayout`: shared tensors once, then one chunk per layer, laid out as its layer
+   variant's: each variant's chunk holds only its own tensors) and its bytes, made region
    by region: every layer's tensors derived from that layer's own float weights (and
    checkpoint tensors) with the recipes of the compiled per-layer nets
    (`toptpu.passes.weight_recipe`), one layer at a time.
@@ -236,11 +237,14 @@ class PackedWeights:
             yield entry.offset, _bytes(made.pop(name) if name in group_of
                                        else self.shared[name])
         for i in range(layout.num_layers):
-            base = layout.layer_base + i * layout.layer_stride
+            base, chunk = layout.layer_start(i), layout.chunk_of(i)
             tensors = self.derive(i)
-            # a layer variant fills only its own names of the chunk layout
-            for name in sorted(tensors, key=lambda n: layout.layer[n].offset):
-                yield base + layout.layer[name].offset, _bytes(tensors[name])
+            if set(tensors) != set(chunk):
+                raise CompileError(f"layer {i}: its recipes give the tensors "
+                                   f"{sorted(set(tensors) ^ set(chunk))[:3]}, which its chunk "
+                                   "layout does not have (or lacks)")
+            for name in sorted(tensors, key=lambda n: chunk[n].offset):
+                yield base + chunk[name].offset, _bytes(tensors[name])
             del tensors
             self.release()
 
@@ -334,9 +338,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     packed = pack_weights(the_plan, compiled)
     layout = packed.layout
     timings["weights"] = time.perf_counter() - t
-    bar.note(f"weights: {len(layout.shared)} shared tensors ({layout.layer_base / 1e6:.1f} MB) "
-             f"+ {layout.num_layers} layers x {len(layout.layer)} tensors "
-             f"({layout.layer_stride / 1e6:.2f} MB each) in {timings['weights']:.2f}s")
+    bar.note(f"weights: {len(layout.shared)} shared tensors ({layout.shared_size / 1e6:.1f} MB)"
+             f" + {_chunk_summary(layout)} in {timings['weights']:.2f}s")
 
     t = time.perf_counter()
     header = write(the_plan, compiled, packed, output)
@@ -683,8 +686,10 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     """Lay out the weight blob: shared tensors once (identical tensors, e.g. tied embedding
     and lm_head, share one copy), then every layer's chunk, derived from its own float
     weights (and checkpoint tensors) with the recipes of its per-layer nets. Layers of
-    different variants (`CompilePlan.variants`) fill different names of the same chunk
-    layout. Each representative layer derived here must be bit-identical to what the
+    different variants (`CompilePlan.variants`) read different tensors: each variant has a
+    chunk layout of its own (its recipes', in the order the nets name them), and each
+    layer's chunk is laid out as its variant's, so no chunk has room for another variant's
+    tensors. Each representative layer derived here must be bit-identical to what the
     compiler stored; the other layers are derived when their chunk is made. The shared
     tensors of a streamed checkpoint's placeholders are laid out by their recipes and
     derived from the checkpoint when written (identical when their recipes are)."""
@@ -748,9 +753,11 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     specs = {n: (tuple(shared[n].shape), shared[n].dtype.name) if n in shared
              else (from_placeholder[n].shape, from_placeholder[n].dtype.name)
              for n in order if alias[n] == n}
+    chunk_index = {rep: i for i, rep in enumerate(plan.variants)}
     layout = WeightLayout.plan(
-        specs, {n: (r.shape, r.dtype.name) for n, r in layer_recipes.items()},
-        plan.num_layers)
+        specs, [{n: (r.shape, r.dtype.name) for n, r in variant_recipes[rep].items()}
+                for rep in plan.variants],
+        [chunk_index[plan.variant_of(i)] for i in range(plan.num_layers)])
     for name, target in alias.items():
         layout.shared[name] = layout.shared[target]
     streamed: dict[str, list[WeightRecipe]] = {}
@@ -762,6 +769,16 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
         lambda layer: checked.pop(layer) if layer in checked else derive(layer), streamed,
         stream.shared if stream is not None else None,
         stream.release if stream is not None else lambda: None)
+
+
+def _chunk_summary(layout: WeightLayout) -> str:
+    """'28 layers x 7 tensors (12.34 MB each)', one such part per chunk layout (layer kind)."""
+    parts = []
+    for c, chunk in enumerate(layout.chunks):
+        n = len(layout.chunk_layers(c))
+        parts.append(f"{n} layer{'s' if n != 1 else ''} x {len(chunk)} tensors "
+                     f"({layout.chunk_size(c) / 1e6:.2f} MB each)")
+    return " + ".join(parts)
 
 
 def _digest(arr: np.ndarray) -> str:

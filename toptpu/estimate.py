@@ -216,7 +216,7 @@ def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
         tables = [w for w, s in shared.items() if s[0] == (shape.vocab_size, shape.hidden_size)]
         for w in tables[1:]:
             del shared[w]
-    return WeightLayout.plan(shared, layer, shape.num_layers).size
+    return WeightLayout.plan(shared, [layer], [0] * shape.num_layers).size
 
 
 def kv_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:

@@ -19,15 +19,19 @@ Sections (every section is named by the header; a file with any other section is
       [shared tensors][layer 0 chunk][layer 1 chunk] ... [layer N-1 chunk]
 
   Tensors follow each other in table order, each at the next multiple of `alignment` (64)
-  bytes (a shared tensor identical to an earlier one may reuse its entry). Every layer chunk
-  has the identical internal layout: the same tensor names at the same offsets relative to
-  the chunk base `layer_base + i * layer_stride`, so a per-layer net binds layer i's weights
-  by one base address.
+  bytes (a shared tensor identical to an earlier one may reuse its entry). Each layer's
+  chunk has the layout of its kind: layers that run different per-layer nets (a mixed
+  checkpoint's `block@3` variants; models mixing linear and full attention) read different
+  tensors, and each chunk holds only its own layer's (no union of every kind's names). A
+  layer's chunk follows the previous one; a per-layer net binds layer i's weights by the
+  chunk base `layers[i].offset` plus each tensor's offset in chunk `layers[i].chunk`
+  (`WeightLayout.layer_offset`).
 
 Header fields (`LlmHeader`; every field is type- and range-checked on load, and an error
 names the field, e.g. `nets.block.inputs[2].shape`):
 
-- `kind`: "toptpu-llm", `llm_format`: 1
+- `kind`: "toptpu-llm", `llm_format`: 2 (1 had one chunk layout for every layer; such
+  files are refused: recompile them)
 - `chip` (a known chip), `mode` (a quantization mode), `group_size` (-1: per channel),
   `symmetric`
 - `shapes`: `seq_length`, `max_input_length`, `max_history`; the nets' IO shapes must be
@@ -45,9 +49,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
   `VISION_NET`, and `block@3`-style variants (`NetName`) of the per-layer nets for layers
   whose checkpoint quantization differs
 - `layer_nets`: per-layer net -> the net each layer runs (itself or a variant)
-- `weights`: `section`, `alignment`, `size`, `shared` / `layer` (name -> {offset, shape,
-  dtype, nbytes}; `layer` offsets are relative to a chunk base), `layer_base`,
-  `layer_stride`, `num_layers`
+- `weights`: `section`, `alignment`, `size`, `shared` (name -> {offset, shape, dtype,
+  nbytes}), `chunks` (a list of chunk layouts, name -> entry, offsets relative to a chunk
+  base; one per layer kind, a model of one kind has one), `layers` (one {chunk: index into
+  `chunks`, offset: the chunk's absolute base} per layer, in order, contiguous after the
+  shared region). Every per-layer net's weights are in the chunk of each layer running it
 - `compile`: provenance (source, toptpu version; no time: a compile is reproducible, the
   same inputs and options give the same bytes); `checkpoint`: the pre-quantized
   checkpoint's method, packing, bits, layer count and dtype (or null)
@@ -59,7 +65,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -111,7 +117,7 @@ from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
 KIND = "toptpu-llm"
-LLM_FORMAT = 1
+LLM_FORMAT = 2
 WEIGHTS_SECTION = "weights"
 WEIGHT_ALIGN = 64
 
@@ -168,58 +174,137 @@ class WeightEntry:
         return cls(offset, tuple(shape), dtype, _nbytes(tuple(shape), dtype))
 
 
+@dataclass(frozen=True)
+class LayerChunk:
+    """Where one layer's weights lie: `offset`, the absolute base of its chunk in the blob,
+    and `chunk`, the index of its chunk layout in `WeightLayout.chunks`."""
+
+    chunk: int
+    offset: int
+
+
+#: a tensor to lay out: name -> (shape, numpy dtype name)
+TensorSpecs = Mapping[str, tuple[tuple[int, ...], str]]
+
+
 @dataclass
 class WeightLayout:
-    """Offsets of every tensor in the blob: shared region, then N identical layer chunks."""
+    """Offsets of every tensor in the blob: the shared region, then one chunk per layer, in
+    layer order. Layers of different kinds (a mixed checkpoint's layer variants, a model
+    mixing linear and full attention) read different tensors: each layer's chunk has the
+    layout of its kind (`chunks[layers[i].chunk]`, offsets relative to the chunk base
+    `layers[i].offset`), so no layer carries room for another kind's tensors."""
 
     shared: dict[Name, WeightEntry]
-    layer: dict[Name, WeightEntry]
-    layer_base: int
-    layer_stride: int
-    num_layers: int
+    chunks: tuple[dict[Name, WeightEntry], ...]
+    layers: tuple[LayerChunk, ...]
     size: int
     section: Literal["weights"]
     alignment: Literal[64]
 
     @classmethod
-    def plan(cls, shared: Mapping[str, tuple[tuple[int, ...], str]],
-             layer: Mapping[str, tuple[tuple[int, ...], str]], num_layers: int) -> WeightLayout:
-        """Lay out tensors given as name -> (shape, dtype) (in the order given)."""
+    def plan(cls, shared: TensorSpecs, chunks: Sequence[TensorSpecs],
+             layer_chunks: Sequence[int]) -> WeightLayout:
+        """Lay out tensors given as name -> (shape, dtype) (in the order given): the shared
+        ones, then for layer i a chunk laid out as `chunks[layer_chunks[i]]`."""
+        sh, end = cls._place(shared)
+        placed = [cls._place(c) for c in chunks]
+        layers, offset = [], align(end)
+        for c in layer_chunks:
+            if not 0 <= c < len(placed):
+                raise ValueError(f"layer {len(layers)}: chunk {c} of {len(placed)}")
+            layers.append(LayerChunk(c, offset))
+            offset += placed[c][1]
+        return cls(sh, tuple(p[0] for p in placed), tuple(layers), offset, WEIGHTS_SECTION,
+                   WEIGHT_ALIGN)
 
-        def place(items: Mapping[str, tuple[tuple[int, ...], str]]
-                  ) -> tuple[dict[str, WeightEntry], int]:
-            out, off = {}, 0
-            for name, (shape, dtype) in items.items():
-                e = WeightEntry.make(off, shape, dtype)
-                out[name] = e
-                off = align(off + e.nbytes)
-            return out, off
+    @staticmethod
+    def _place(items: TensorSpecs) -> tuple[dict[str, WeightEntry], int]:
+        """Entries one after the other, each at the next aligned offset; and the aligned
+        size of the region."""
+        out, off = {}, 0
+        for name, (shape, dtype) in items.items():
+            e = WeightEntry.make(off, shape, dtype)
+            out[name] = e
+            off = align(off + e.nbytes)
+        return out, off
 
-        sh, sh_size = place(shared)
-        ly, ly_size = place(layer)
-        base, stride = align(sh_size), align(ly_size)
-        return cls(sh, ly, base, stride, num_layers, base + stride * num_layers,
-                   WEIGHTS_SECTION, WEIGHT_ALIGN)
+    # ------------------------------------------------------------------ access
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def shared_size(self) -> int:
+        """The bytes before layer 0's chunk (the shared region, aligned)."""
+        return align(self._region_end(self.shared))
+
+    def chunk_of(self, layer: int) -> dict[str, WeightEntry]:
+        """Layer `layer`'s tensors (offsets relative to `layer_start(layer)`)."""
+        return self.chunks[self.layers[layer].chunk]
+
+    def chunk_size(self, chunk: int) -> int:
+        """The bytes of one chunk of layout `chunks[chunk]` (aligned)."""
+        return align(self._region_end(self.chunks[chunk]))
+
+    def layer_start(self, layer: int) -> int:
+        """The absolute offset of layer `layer`'s chunk in the blob."""
+        return self.layers[layer].offset
+
+    def layer_size(self, layer: int) -> int:
+        return self.chunk_size(self.layers[layer].chunk)
 
     def layer_offset(self, layer: int, name: str) -> int:
-        return self.layer_base + layer * self.layer_stride + self.layer[name].offset
+        """The absolute offset of tensor `name` of layer `layer` (KeyError: not in its
+        chunk)."""
+        where = self.layers[layer]
+        return where.offset + self.chunks[where.chunk][name].offset
 
+    def chunk_layers(self, chunk: int) -> list[int]:
+        """The layers laid out with chunk `chunk`."""
+        return [i for i, where in enumerate(self.layers) if where.chunk == chunk]
+
+    @staticmethod
+    def _region_end(entries: Mapping[str, WeightEntry]) -> int:
+        return max((e.offset + e.nbytes for e in entries.values()), default=0)
+
+    # ------------------------------------------------------------------ checks
     def check(self, where: str = "weights") -> None:
         """Entries sized by their shape and dtype and tiling their region: by offset, each
         starts where the previous one ends (aligned), none overlaps another (a shared entry
-        may repeat another one: identical tensors are stored once); chunk sizes and the
-        total size as the entries give them."""
-        base = self._check_region(self.shared, f"{where}.shared")
-        stride = self._check_region(self.layer, f"{where}.layer")
-        for key, value, want in (("layer_base", self.layer_base, base),
-                                 ("layer_stride", self.layer_stride, stride),
-                                 ("size", self.size, base + stride * self.num_layers)):
-            if value != want:
-                raise HeaderError(f"{where}.{key}", f"is {value}, the weight table gives "
-                                                    f"{want}")
+        may repeat another one: identical tensors are stored once; a chunk's names are
+        each their own tensor, none also a shared name); every chunk used by a layer; the
+        layers' chunks following the shared region and each other in layer order, each
+        sized by its layout; the total size as the layers give it."""
+        end = self._check_region(self.shared, f"{where}.shared", may_repeat=True)
+        sizes = []
+        for c, entries in enumerate(self.chunks):
+            at = f"{where}.chunks[{c}]"
+            sizes.append(self._check_region(entries, at, may_repeat=False))
+            both = sorted(set(entries) & set(self.shared))
+            if both:
+                raise HeaderError(join(at, both[0]), "is also a shared tensor (a name means "
+                                                     "one tensor to the nets)")
+        offset = align(end)
+        for i, layer in enumerate(self.layers):
+            at = f"{where}.layers[{i}]"
+            if layer.chunk >= len(self.chunks):
+                raise HeaderError(f"{at}.chunk", f"is {layer.chunk}, the file has "
+                                                 f"{len(self.chunks)} chunk layouts")
+            if layer.offset != offset:
+                before = "the shared region" if i == 0 else f"layer {i - 1}'s chunk"
+                raise HeaderError(f"{at}.offset", f"is {layer.offset}, {before} ends at "
+                                                  f"{offset}")
+            offset += sizes[layer.chunk]
+        unused = sorted(set(range(len(self.chunks))) - {la.chunk for la in self.layers})
+        if unused:
+            raise HeaderError(f"{where}.chunks[{unused[0]}]", "is the chunk of no layer")
+        if self.size != offset:
+            raise HeaderError(f"{where}.size", f"is {self.size}, the weight table gives "
+                                               f"{offset}")
 
     @staticmethod
-    def _check_region(entries: dict[str, WeightEntry], where: str) -> int:
+    def _check_region(entries: dict[str, WeightEntry], where: str, may_repeat: bool) -> int:
         for name, e in entries.items():
             if e.nbytes != _nbytes(e.shape, e.dtype):
                 raise HeaderError(f"{join(where, name)}.nbytes",
@@ -227,7 +312,7 @@ class WeightLayout:
                                   f"{_nbytes(e.shape, e.dtype)}")
         end, placed = 0, None
         for name, e in sorted(entries.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
-            if e == placed:
+            if e == placed and may_repeat:
                 continue  # the same tensor under another name
             if e.offset != end:
                 raise HeaderError(f"{join(where, name)}.offset",
@@ -377,7 +462,7 @@ class LlmHeader:
     """The model file header of an LLM (see the module doc)."""
 
     kind: Literal["toptpu-llm"]
-    llm_format: Literal[1]
+    llm_format: Literal[2]
     chip: Name
     mode: Mode
     group_size: Annotated[int, Range(-1)]
@@ -444,8 +529,8 @@ class LlmHeader:
         if len(set(self.tokenizer.files)) != len(self.tokenizer.files):
             raise HeaderError("tokenizer.files", "names a file twice")
         if self.weights.num_layers != m.num_layers:
-            raise HeaderError("weights.num_layers", f"is {self.weights.num_layers}, "
-                                                    f"model.num_layers is {m.num_layers}")
+            raise HeaderError("weights.layers", f"has {self.weights.num_layers} entries, "
+                                                f"model.num_layers is {m.num_layers}")
         self.weights.check()
         self._check_nets()
         self._check_layer_nets()
@@ -496,9 +581,11 @@ class LlmHeader:
                                     f"{where}.{key}")
             if len(set(net.weights)) != len(net.weights):
                 raise HeaderError(f"{where}.weights", "names a tensor twice")
-            table = self.weights.layer if net.per_layer else {}
+            tables = [self.weights.chunks[c] for c in self.net_chunks(name)] \
+                if net.per_layer else []
+            known = set().union(*tables) if tables else set()
             for i, w in enumerate(net.weights):
-                if w not in self.weights.shared and w not in table:
+                if w not in self.weights.shared and w not in known:
                     raise HeaderError(f"{where}.weights[{i}]", f"is {w!r}, which the weight "
                                                                "table does not have")
 
@@ -535,6 +622,23 @@ class LlmHeader:
                     raise HeaderError(f"{where}[{i}]", f"is {name!r}, a "
                                                        f"{self._kind_of(name)} net, for a "
                                                        f"{self.model.layer_type(i)} layer")
+                chunk = self.weights.chunk_of(i)
+                lacks = [w for w in self.nets[name].weights
+                         if w not in chunk and w not in self.weights.shared]
+                if lacks:
+                    raise HeaderError(f"{where}[{i}]", f"is {name!r}, which reads "
+                                      f"{lacks[0]!r}: not in layer {i}'s chunk "
+                                      f"(weights.chunks[{self.weights.layers[i].chunk}])")
+
+    def net_chunks(self, net: str) -> list[int]:
+        """The chunk layouts (indices into `weights.chunks`) of the layers that run the
+        per-layer net `net` (`layer_nets`), in order of first use."""
+        out: dict[int, None] = {}
+        for names in self.layer_nets.values():
+            for i, name in enumerate(names):
+                if name == net and i < self.weights.num_layers:
+                    out[self.weights.layers[i].chunk] = None
+        return list(out)
 
 
 def _check_token(token: int, vocab: int, where: str) -> None:
@@ -690,8 +794,9 @@ class LlmFile:
         if not 0 <= layer < self.num_layers:
             raise self._err(f"has {self.num_layers} layers, not layer {layer}")
         blob = self._blob()
-        base = self.layout.layer_base + layer * self.layout.layer_stride
-        return {n: self._view(blob, base + e.offset, e) for n, e in self.layout.layer.items()}
+        base = self.layout.layer_start(layer)
+        return {n: self._view(blob, base + e.offset, e)
+                for n, e in self.layout.chunk_of(layer).items()}
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return {n: self.file.read(tokenizer_section(n)) for n in self.meta.tokenizer.files}

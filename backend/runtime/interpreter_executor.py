@@ -7,8 +7,8 @@ It implements `toptpu.backend.runtime.executor.Executor` over a model file writt
   a flat plan of kernel calls (the evaluators of `toptpu.backend.reference.interpreter`, i.e. the
   backend kernels: one numeric truth);
 - weights are zero-copy numpy views of the memory-mapped weight blob; a per-layer net
-  reads layer i's weights at `layer_base + i * layer_stride` plus each tensor's offset
-  inside the (identically laid out) layer chunk;
+  reads layer i's weights at its chunk's base plus each tensor's offset inside the
+  chunk, laid out as layer i's kind (`LlmFile.layer_weights`);
 - buffers are numpy arrays; `Buffer.slot` returns a view, so binding a net's output to a
   KV-cache slot writes the new keys/values straight into the cache.
 

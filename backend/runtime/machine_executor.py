@@ -5,7 +5,8 @@ It implements `toptpu.backend.runtime.executor.Executor` over an LLM model file
 a `toptpu.backend.formats.program.Program`, and `const:<net>`, its constant pool):
 
 - the weight blob is mapped read-only into global memory once; a per-layer net binds layer
-  i's weights at `layer_base + i * layer_stride` + each tensor's offset in the chunk, a
+  i's weights at its chunk's base + each tensor's offset in the chunk (laid out as layer
+  i's kind, `WeightLayout.layer_offset`), a
   shared net the shared region — the command streams name weights, never addresses;
 - each net gets its activation region and constant pool once;
 - `alloc` maps buffers into global memory (KV caches among them); `Buffer.slot` is an
@@ -243,12 +244,16 @@ class MachineExecutor:
                     return (f"{key}[{i}] ({a}; the header says {b}, from its "
                             f"{self._sizes()})")
         layout = self.file.layout
-        table = {**layout.shared, **(layout.layer if entry.per_layer else {})}
-        for name, w in prog.weights.items():
-            e = table[name]  # the names were compared with the header's (a subset of table)
-            if (tuple(w.shape), w.dtype, w.nbytes) != (tuple(e.shape), e.dtype, e.nbytes):
-                return (f"weight '{name}' ({w.dtype} {list(w.shape)}; the weight table has "
-                        f"{e.dtype} {list(e.shape)})")
+        # a per-layer net against the chunk layout of every layer that runs it (the
+        # header's checks put each of its weights in each of those chunks, or shared)
+        tables = [{**layout.shared, **layout.chunks[c]} for c in self.meta.net_chunks(net)] \
+            if entry.per_layer else []
+        for table in tables or [layout.shared]:
+            for name, w in prog.weights.items():
+                e = table[name]  # the names were compared with the header's
+                if (tuple(w.shape), w.dtype, w.nbytes) != (tuple(e.shape), e.dtype, e.nbytes):
+                    return (f"weight '{name}' ({w.dtype} {list(w.shape)}; the weight table "
+                            f"has {e.dtype} {list(e.shape)})")
         io = {s.name: s for s in (*prog.inputs, *prog.outputs)}
         outputs = {s.name for s in prog.outputs}
         for c in prog.commands:
@@ -329,7 +334,7 @@ class MachineExecutor:
             raise MachineExecutorError(f"net '{info.name}' is shared by all layers; run it "
                                        "without layer=")
         for name in prog.weights:
-            if info.per_layer and name in layout.layer:
+            if info.per_layer and name in layout.chunk_of(layer):  # type: ignore[arg-type]
                 out[name] = self._blob + layout.layer_offset(layer, name)  # type: ignore[arg-type]
             elif name in layout.shared:
                 out[name] = self._blob + layout.shared[name].offset
