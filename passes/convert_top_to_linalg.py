@@ -289,7 +289,7 @@ class Body:
     def math(self, fn: str, a: SSAValue) -> SSAValue:
         cls = {"exp": mathd.ExpOp, "cos": mathd.CosOp, "sin": mathd.SinOp,
                "tanh": mathd.TanhOp, "sqrt": mathd.SqrtOp, "rsqrt": mathd.RsqrtOp,
-               "erf": mathd.ErfOp}[fn]
+               "erf": mathd.ErfOp, "log1p": mathd.Log1pOp}[fn]
         return self._ins(cls(a))
 
     def powf(self, a: SSAValue, b: SSAValue) -> SSAValue:
@@ -436,6 +436,9 @@ def _unary_scalar(b: Body, kind: str, x: SSAValue, attrs: dict[str, Attribute]) 
         return b.binary("max", x, b.const(0.0, t))
     if kind == "silu":
         return b.div(x, b.add(one, b.math("exp", b.neg(x))))
+    if kind == "softplus":  # torch's: beta 1, x itself above the threshold 20
+        big = b.cmp("gt", x, b.const(20.0, t))
+        return b.select(big, x, b.math("log1p", b.math("exp", x)))
     if kind == "gelu":
         half = b.const(0.5, t)
         approximate = GeluApproximation.read(attrs.get("approximate"), GeluApproximation.NONE)

@@ -534,6 +534,7 @@ class LlmHeader:
         self.weights.check()
         self._check_nets()
         self._check_layer_nets()
+        self._check_net_weights()
         if self.vision is not None:
             self.vision.check(m.vocab_size)
         if (self.vision is not None) != (VISION_NET in self.nets):
@@ -579,6 +580,12 @@ class LlmHeader:
                 if base in kind_contract:
                     _check_contract(specs, kind_contract[base][key == "outputs"],
                                     f"{where}.{key}")
+
+    def _check_net_weights(self) -> None:
+        """Every weight a net reads is in the chunk of a layer that runs it, or shared
+        (after `_check_layer_nets`: a layer given the wrong net is named as that)."""
+        for name, net in self.nets.items():
+            where = f"nets.{name}"
             if len(set(net.weights)) != len(net.weights):
                 raise HeaderError(f"{where}.weights", "names a tensor twice")
             tables = [self.weights.chunks[c] for c in self.net_chunks(name)] \
