@@ -107,7 +107,7 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
     canvas positions are pinned to (`<image>`, `</image>`, `<slice>`, `</slice>`, the
     newline). `text` overrides the text config (e.g. more and wider layers); a text config
     that ties its embeddings makes a VLM that ties them (the VLM's own tie_word_embeddings
-    decides)."""
+    decides; its `model_type` picks another text model for a MiniCPM-V)."""
     from transformers import InternVLConfig, MiniCPMV4_6Config, MiniCPMV4_7Config
 
     tok = vlm_tokenizer(family)
@@ -126,9 +126,10 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
         vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, image_size=112, patch_size=14, insert_layer_id=1)
         vision.update(vision_overrides)
-        text_type = "qwen3" if family == "minicpmv" else "qwen3_5_text"
+        text = dict(text or {})
+        text_type = text.pop("model_type", "qwen3" if family == "minicpmv" else "qwen3_5_text")
         common = dict(
-            vision_config=vision, text_config=_text_config(text_type, **(text or {})),
+            vision_config=vision, text_config=_text_config(text_type, **text),
             insert_layer_id=vision["insert_layer_id"], image_size=vision["image_size"],
             image_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["image_token"]),
             video_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["video_token"]),

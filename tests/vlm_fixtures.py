@@ -13,9 +13,11 @@ from filelock import FileLock
 from llm_fixtures import shared_dir
 
 #: the test image of each family: InternVL 2x2 tiles + thumbnail (20 image tokens),
-#: MiniCPM-V a source image and a 1x3 slice grid (24 image tokens)
-IMAGE_SIZE = {"internvl": (130, 125), "minicpmv": (150, 260), "minicpmv4_6": (150, 260),
-              "minicpmv4_7": (150, 260)}  # (height, width)
+#: MiniCPM-V a source image and a 1x3 slice grid (24 image tokens); MiniCPM-V with its
+#: Qwen3.5 text model a source image and a 2x2 slice grid (20 image tokens: two rows of
+#: slices, so 4.7's canvas pins the newline between them)
+IMAGE_SIZE = {"internvl": (130, 125), "minicpmv": (150, 260), "minicpmv4_6": (300, 200),
+              "minicpmv4_7": (300, 200)}  # (height, width)
 #: a prompt that, with the image tokens, spans several prefill chunks of 16
 PROMPT = "Describe the image. What is the capital of France?"
 
