@@ -189,8 +189,9 @@ class MultiAxisRotary(torch.nn.Module):
         axis = torch.zeros(half, dtype=torch.long)
         for dim, offset in ((1, 1), (2, 2)):  # the model's loop: H, then W
             axis[offset:min(3 * section[dim], half):3] = dim
-        self.register_buffer("pick", torch.nn.functional.one_hot(axis, 3).T.float()[:, None],
-                             persistent=False)  # [3, 1, half]
+        # [3, 1, half]; a constant like inv_freq (not a buffer: the export lifts both alike,
+        # whether the rotary is the model's or a streaming skeleton's)
+        self.pick = torch.nn.functional.one_hot(axis, 3).T.float()[:, None]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
