@@ -893,7 +893,7 @@ class Runtime:
 
         out = self._run_layers(BLOCK_CACHE, b["h_1"], extra)
         self.tokens.append(int(token))
-        if self._layout is None:  # a generated token: the next one is one position on
+        if self._layout is None:  # a generated token: the next one is one position later
             self.next_position += 1
         return out
 
