@@ -5,6 +5,7 @@ output of -o keeps the locations."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -127,3 +128,11 @@ def test_printing_derived_ir_to_stderr_needs_a_weights_file(top_ir: str) -> None
                         "--print-between-passes")
     assert rc == 1 and out == ""
     assert "printed after convert-top-to-tpu" in err and "--weights-out" in err
+
+
+def test_every_option_of_toptpu_opt_has_a_help_text() -> None:
+    tool = opt.ToptpuOptMain(args=["in.mlir"])
+    parser = argparse.ArgumentParser()
+    tool.register_all_arguments(parser)
+    bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+    assert not bare, bare

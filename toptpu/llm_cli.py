@@ -28,8 +28,8 @@ from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
     add_static_shape_args,
+    add_weight_quant_args,
     finite_float,
-    group_size,
     int_at_least,
     token_ids,
     utf8_problem,
@@ -61,11 +61,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
     add_static_shape_args(p)
-    p.add_argument("--group-size", type=group_size, default=None,
-                   help="w4 modes: quantization group size (default 64; -1: per channel)")
-    p.add_argument("--symmetric", action="store_true", default=None,
-                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
-                   "w4 asymmetric)")
+    add_weight_quant_args(p)
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
     v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6)")
     v.add_argument("--image-size", type=int_at_least(1), default=None,
@@ -118,14 +114,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=finite_float(0.0, what=" (0: greedy)"), default=None,
                    help="0 = greedy (default: the generation config's, greedy unless it "
                    "samples)")
-    p.add_argument("--top-k", type=int_at_least(0, " (0: off)"), default=None)
+    p.add_argument("--top-k", type=int_at_least(0, " (0: off)"), default=None,
+                   help="sample among the K most likely tokens, 0: off (default: the "
+                   "generation config's when it samples, else 0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True, what=" (1: off)"),
-                   default=None)
+                   default=None, help="sample among the most likely tokens whose probability "
+                   "adds up to P, 1: off (default: the generation config's when it samples, "
+                   "else 1)")
     p.add_argument("--repetition-penalty", type=finite_float(*REPETITION_PENALTY_RANGE,
-                                                             what=" (1: off)"), default=None)
+                                                             what=" (1: off)"), default=None,
+                   help="make recent tokens less likely: their positive logits divided by "
+                   "this, negative ones multiplied, 1: off (default: the generation config's, "
+                   "else 1)")
     p.add_argument("--penalty-window", type=int_at_least(0), default=64,
                    help="recent tokens the repetition penalty looks at")
-    p.add_argument("--seed", type=int_at_least(0), default=None, help="seed of the sampler")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="seed of the sampler (default: a fresh one each run)")
     p.add_argument("--sampler", choices=list(SAMPLER_CHOICES), default="auto",
                    help="where the token is chosen: chip (greedy_head / sample_head nets, as "
                    "the real deployment), host (logits read back, numpy), auto (chip where "

@@ -406,6 +406,10 @@ class ToptpuOptMain(xDSLOptMain):
             if action.dest == "print_debuginfo":
                 action.help = ("print locations on stdout too (the output of -o keeps them "
                                "unless --strip-debuginfo)")
+            if action.dest == "disable_verify":
+                action.help = "do not verify the IR after parsing it and after each pass"
+            if action.dest == "version":
+                action.help = "print xDSL's version and exit"
         arg_parser.add_argument(
             "--strip-debuginfo", action="store_true",
             help="drop the locations from the output of -o (kept by default)")
