@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from typing import Any
 
 from toptpu.backend.contract import REPETITION_PENALTY_RANGE
+from toptpu.backend.runtime.run_trace import write_run_trace
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
     GenerationError,
@@ -37,6 +39,7 @@ from toptpu.cli_args import (
 )
 from toptpu.dialects.common import QuantMode
 from toptpu.errors import ToptpuError
+from toptpu.paths import check_output_file
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
@@ -95,6 +98,12 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
                    "time to first token and tokens/s, host and modelled; schema in "
                    "docs/usage.md)")
+    r.add_argument("--trace", metavar="JSON", help="write the Chrome trace (open it in "
+                   "Perfetto) of the whole run on the modelled chip clock: the prefill chunks, "
+                   "every decode step and token choice, every net run and host transfer")
+    r.add_argument("--trace-commands", action="store_true",
+                   help="--trace also holds every DMA and compute command of every net run "
+                   "(large)")
     add_sampling_args(r)
 
 
@@ -235,8 +244,15 @@ def run_json(res: Any, executor: str) -> dict[str, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
     --image PATH (repeatable)."""
+    if args.trace_commands and not args.trace:
+        raise UsageError("--trace-commands adds to --trace: give --trace FILE.json too")
+    if args.trace:
+        check_output_file(args.trace, "--trace", "trace.json")
+        if os.path.exists(args.trace) and os.path.samefile(args.trace, args.model_file):
+            raise UsageError(f"--trace '{args.trace}' is the model file; name another file")
     rt = Runtime.open(args.model_file, args.executor)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
+    recorder = rt.start_trace() if args.trace else None
     ids, images = _prompt_ids(rt, args)
     stream = None
     if not args.json:
@@ -251,11 +267,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     res = rt.generate(ids, args.max_new_tokens, sampling, on_text=stream,
                       stop_on_eos=not args.ignore_eos, images=images,
                       skip_special_tokens=not args.special_tokens)
+    if recorder is not None:
+        write_run_trace(args.trace, recorder, args.trace_commands,
+                        {"modelled_ttft_s": res.modelled_ttft_s,
+                         "modelled_tokens_per_s": res.modelled_tokens_per_s,
+                         "generated_tokens": len(res.generated_ids)})
     if args.json:
         print(json.dumps(run_json(res, args.executor)))
     else:
         print()
         print(stats_line(res), file=sys.stderr)
+    if recorder is not None:
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 

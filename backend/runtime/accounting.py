@@ -109,15 +109,18 @@ class Ledger:
     totals: Costs = field(default_factory=Costs)
     per_net: dict[str, Costs] = field(default_factory=dict)
 
-    def net(self, name: str, timing: NetTiming) -> None:
-        """One launch of `name` with its modelled engine time."""
+    def net(self, name: str, timing: NetTiming) -> Costs:
+        """One launch of `name` with its modelled engine time; returns what it cost."""
         c = net_costs(self.chip, timing)
         self.totals += c
         self.per_net[name] = self.per_net.get(name, Costs()) + c
+        return c
 
-    def transfer(self, nbytes: int) -> None:
-        """One host<->device copy of `nbytes`."""
-        self.totals += transfer_costs(self.chip, nbytes)
+    def transfer(self, nbytes: int) -> Costs:
+        """One host<->device copy of `nbytes`; returns what it cost."""
+        c = transfer_costs(self.chip, nbytes)
+        self.totals += c
+        return c
 
 
 def net_costs(chip: Chip, timing: NetTiming) -> Costs:
