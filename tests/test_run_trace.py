@@ -19,7 +19,7 @@ NEW = 6
 
 
 def _inside(e: dict, span: dict) -> bool:
-    eps = 1e-6  # us
+    eps = 1e-3  # us: the trace's times are on the nanosecond
     return span["ts"] - eps <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + eps
 
 
@@ -42,7 +42,8 @@ def test_the_trace_has_every_step_and_adds_up_to_runs_modelled_times(
     host = [e for e in events if e["tid"] == HOST]
     assert not [e for e in events if e["tid"] in (DMA, COMPUTE)]  # only with --trace-commands
     (ttft,) = [e for e in steps if e["name"] == "time to first token"]
-    assert ttft["ts"] == 0 and ttft["dur"] == pytest.approx(res["modelled_ttft_s"] * 1e6)
+    us = {"abs": 1e-2}  # the trace's times are rounded to the nanosecond
+    assert ttft["ts"] == 0 and ttft["dur"] == pytest.approx(res["modelled_ttft_s"] * 1e6, **us)
     chunks = [e for e in steps if e["name"].startswith("prefill ")]
     assert [e["args"]["net"] for e in chunks] == ["block", "block_kv"]
     assert [e["args"]["tokens"] for e in chunks] == [16, 5]
@@ -51,9 +52,9 @@ def test_the_trace_has_every_step_and_adds_up_to_runs_modelled_times(
     assert len(tokens) == NEW - 1
     per_token_us = 1e6 / res["modelled_tokens_per_s"]
     for i, tok in enumerate(tokens):  # one after the other, each the modelled per-token time
-        assert tok["dur"] == pytest.approx(per_token_us, rel=1e-9)
+        assert tok["dur"] == pytest.approx(per_token_us, **us)
         before = ttft if i == 0 else tokens[i - 1]
-        assert tok["ts"] == pytest.approx(before["ts"] + before["dur"], abs=1e-6)
+        assert tok["ts"] == pytest.approx(before["ts"] + before["dur"], abs=1e-6)  # no gap
         inside = [e for e in nets if _inside(e, tok)]
         runs = sorted((e["args"]["net"], e["args"]["layer"]) for e in inside)
         assert runs == sorted([("block_cache", i) for i in range(layers)] + [
@@ -61,11 +62,11 @@ def test_the_trace_has_every_step_and_adds_up_to_runs_modelled_times(
         moved = [e for e in host if _inside(e, tok)]
         assert sorted(e["args"]["to_chip"] for e in moved) == [False, True, True, True]
         # the clock has no gaps: the step is its net runs and transfers
-        assert sum(e["dur"] for e in inside + moved) == pytest.approx(tok["dur"], rel=1e-9)
+        assert sum(e["dur"] for e in inside + moved) == pytest.approx(tok["dur"], **us)
         names = [e["name"] for e in steps if _inside(e, tok) and e is not tok]
         assert names == [f"decode step: position {len(PROMPT) + i}", f"choose token {i + 1}"]
     total = ttft["dur"] + sum(t["dur"] for t in tokens)
-    assert sum(e["dur"] for e in nets + host) == pytest.approx(total, rel=1e-9)
+    assert sum(e["dur"] for e in nets + host) == pytest.approx(total, rel=1e-6)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert names == {"generation steps", "net runs", "host transfers"}
 

@@ -82,8 +82,12 @@ THREADS = {STEPS: "generation steps", NETS: "net runs", HOST: "host transfers",
            DMA: "DMA commands", COMPUTE: "compute commands"}
 
 
-def _us(seconds: float) -> float:
-    return seconds * 1e6
+def _times(start_s: float, end_s: float) -> dict[str, float]:
+    """`ts` and `dur` in microseconds, both ends on the nanosecond: a step and the runs
+    inside it share their ends exactly, so the viewer nests them (float sums could put a
+    child 1e-10 us past its parent)."""
+    start, end = round(start_s * 1e9), round(end_s * 1e9)
+    return {"ts": start / 1e3, "dur": (end - start) / 1e3}
 
 
 def trace_events(rec: RunRecorder, commands: bool = False) -> Iterator[dict[str, Any]]:
@@ -98,14 +102,14 @@ def trace_events(rec: RunRecorder, commands: bool = False) -> Iterator[dict[str,
                    "args": {"sort_index": tid}}
     # parents before children: by start, the longer first
     for s in sorted(rec.spans, key=lambda s: (s.start_s, -(s.end_s - s.start_s))):
-        yield {"ph": "X", "pid": 1, "tid": STEPS, "name": s.name, "ts": _us(s.start_s),
-               "dur": _us(s.end_s - s.start_s), "args": s.args}
+        yield {"ph": "X", "pid": 1, "tid": STEPS, "name": s.name,
+               **_times(s.start_s, s.end_s), "args": s.args}
     spc = rec.chip.seconds_per_cycle
     for r in rec.runs:
         c = r.costs
         yield {"ph": "X", "pid": 1, "tid": NETS,
                "name": r.net if r.layer is None else f"{r.net} layer {r.layer}",
-               "ts": _us(r.start_s), "dur": _us(c.total_s),
+               **_times(r.start_s, r.start_s + c.total_s),
                "args": {"net": r.net, "layer": r.layer, "launch_s": c.launch_s,
                         "engine_s": c.ddr_s + c.compute_s,
                         "bound": "ddr" if c.ddr_s else "compute" if c.compute_s else "none",
@@ -114,14 +118,14 @@ def trace_events(rec: RunRecorder, commands: bool = False) -> Iterator[dict[str,
             offset = r.start_s + c.launch_s
             for e in r.timeline.events:
                 yield {"ph": "X", "pid": 1, "tid": DMA if e.engine == "dma" else COMPUTE,
-                       "name": e.name, "ts": _us(offset + e.start * spc),
-                       "dur": _us((e.end - e.start) * spc),
+                       "name": e.name,
+                       **_times(offset + e.start * spc, offset + e.end * spc),
                        "args": {"net": r.net, "cmd": e.cmd, "bytes": e.bytes,
                                 "flops": e.flops}}
     for t in rec.transfers:
         where = "to the chip" if t.to_chip else "to the host"
         yield {"ph": "X", "pid": 1, "tid": HOST, "name": f"{t.nbytes} B {where}",
-               "ts": _us(t.start_s), "dur": _us(t.costs.total_s),
+               **_times(t.start_s, t.start_s + t.costs.total_s),
                "args": {"bytes": t.nbytes, "to_chip": t.to_chip}}
 
 
