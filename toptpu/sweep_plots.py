@@ -148,7 +148,9 @@ class XAxis:
             pad = 0.08 * (hi - lo)
             return lo - pad, hi + pad
         ticks = linear_ticks(lo, hi) if hi > lo else [lo - 1, lo + 1]
-        return min(ticks[0], lo), max(ticks[-1], hi)
+        lo, hi = min(ticks[0], lo), max(ticks[-1], hi)
+        pad = 0.03 * (hi - lo)  # a point on the last tick is not drawn on the frame
+        return lo - pad, hi + pad
 
     def frac(self, value: Any) -> float:
         lo, hi = self.span
@@ -164,9 +166,10 @@ class XAxis:
         if self.log:  # the swept values themselves, thinned to at most 10
             every = math.ceil(len(self.values) / 10)
             return [(v, short(v, self.column)) for v in self.values[::every]]
-        lo, hi = self.span
+        lo, hi = self.values[0], self.values[-1]
+        ticks = linear_ticks(lo, hi) if hi > lo else [lo]
         return [(t, short(t, self.column) if self.column == "lane_bytes" else tick_label(t))
-                for t in linear_ticks(lo, hi)]
+                for t in ticks]
 
     @property
     def label(self) -> str:
@@ -272,7 +275,7 @@ def _panel(d: Any, box: tuple[int, int, int, int], axis: XAxis, series: Sequence
 
 #: the layout of a `vs_*.png`: width, the panels' left and right edges, the top of the first
 #: panel, a panel's height and the space below it
-WIDTH, LEFT, RIGHT, PANEL_TOP, PANEL_H, PANEL_GAP = 1000, 90, 970, 80, 300, 70
+WIDTH, LEFT, RIGHT, PANEL_TOP, PANEL_H, PANEL_GAP = 1000, 90, 970, 100, 300, 70
 
 
 def write_axis_png(path: str, rows: Sequence[Mapping[str, Any]], column: str,
@@ -293,9 +296,12 @@ def write_axis_png(path: str, rows: Sequence[Mapping[str, Any]], column: str,
     what = NUMERIC[column][0] if column in NUMERIC else CATEGORICAL.get(column, column)
     d.text((10, 10), f"toptpu sweep: modelled decode speed and time to first token against "
                      f"{what}", fill="black", font=font)
-    note = f"{fixed}" + (f"; {failed} point(s) did not compile (not drawn: the CSV's error "
-                         "column says why)" if failed else "")
-    d.text((10, 32), note, fill=(80, 80, 80), font=small)
+    notes = _wrapped(d, fixed, small, width - 20)
+    if failed:
+        notes.append(f"{failed} point(s) did not compile: not drawn (the CSV's error column "
+                     "says why)")
+    for i, line in enumerate(notes[:3]):
+        d.text((10, 30 + 15 * i), line, fill=(80, 80, 80), font=small)
     top = PANEL_TOP
     for which, title in ((1, "decode speed"), (2, "time to first token")):
         _panel(d, (left, top, right, top + panel_h), axis, series, which, title,
@@ -314,6 +320,18 @@ def write_axis_png(path: str, rows: Sequence[Mapping[str, Any]], column: str,
         d.text((left + 34, y), text, fill="black", font=small)
         y += 20
     _save_png(img, path)
+
+
+def _wrapped(d: Any, text: str, font: Any, width: float) -> list[str]:
+    """`text` in lines of at most `width` pixels, broken after commas."""
+    lines, line = [], ""
+    for part in text.split(", "):
+        candidate = f"{line}, {part}" if line else part
+        if line and d.textlength(candidate, font=font) > width:
+            lines.append(line + ",")
+            candidate = part
+        line = candidate
+    return [*lines, line]
 
 
 def fixed_description(rows: Sequence[Mapping[str, Any]], chip: str) -> str:
