@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -136,3 +139,27 @@ def test_every_option_of_toptpu_opt_has_a_help_text() -> None:
     tool.register_all_arguments(parser)
     bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
     assert not bare, bare
+
+
+def test_a_layers_pipelines_import_no_torch_transformers_or_mlir(top_ir: str, tmp_path
+                                                                 ) -> None:
+    """The issue's path, in a fresh interpreter: a one-layer top-pipeline and tpu-pipeline
+    (reading the weight store, deriving quantized weights) and the command streams with
+    their cycles load none of the heavy packages (start-up stays well under a second)."""
+    out = str(tmp_path / "tpu.mlir")
+    script = f"""
+import json, sys
+from toptpu import opt
+rc = opt.main([{top_ir!r}, "-p", "top-pipeline,tpu-pipeline{{mode=w4bf16}}", "-o", {out!r}])
+rc2 = opt.main([{out!r}, "-t", "commands", "-o", {str(tmp_path / "cmds.txt")!r}])
+print(json.dumps({{"rc": [rc, rc2], "modules": sorted(sys.modules)}}))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["rc"] == [0, 0]
+    heavy = ("torch", "transformers", "mlir", "PIL", "jinja2", "tokenizers", "ray")
+    loaded = [m for m in report["modules"] if m.split(".")[0] in heavy]
+    assert not loaded, f"toptpu-opt loaded {loaded[:5]}"
+    assert "cycles=" in (tmp_path / "cmds.txt").read_text()
