@@ -1034,7 +1034,9 @@ class Runtime:
 
     def encode_image(self, image: Any) -> Any:
         """Run the vision net on an image (a path or a PIL image): an `EncodedImage`."""
-        return self.vision.encode(image)
+        with self._span("vision: encode an image", image=str(image) if isinstance(
+                image, str | os.PathLike) else type(image).__name__):
+            return self.vision.encode(image)
 
     def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
         return [im if isinstance(im, EncodedImage) else self.encode_image(im)
