@@ -335,6 +335,17 @@ def test_cli_run_profile_and_chat_with_images(tmp_path_factory, monkeypatch, cap
     ids, images = rt.image_prompt(PROMPT, [image])
     assert out["generated_ids"] == rt.generate(ids, 8, images=images).generated_ids
 
+    trace = os.path.join(str(tmp_path_factory.mktemp("vlm_trace")), "run.json")
+    assert main(["run", path, "--image", image, "--prompt", PROMPT, "--max-new-tokens", "8",
+                 "--json", "--trace", trace]) == 0
+    traced = json.loads(capsys.readouterr().out)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    (vision,) = [e for e in events if e["name"].startswith("vision:")]
+    vits = [e for e in events if e.get("args", {}).get("net") == "vit"]
+    assert vits and all(vision["ts"] <= e["ts"] and e["ts"] + e["dur"] <= vision["ts"] +
+                        vision["dur"] + 1e-3 for e in vits)
+    assert vision["dur"] == pytest.approx(traced["vision_modelled_s"] * 1e6, abs=1e-2)
     assert main(["run", path, "--image", os.path.join(os.path.dirname(image), "nope.png"),
                  "--prompt", "x"]) == 1
     assert "error: image" in capsys.readouterr().err

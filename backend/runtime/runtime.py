@@ -33,11 +33,14 @@ the reference machine run the same generation loop:
 Static shapes are read back from the nets' IO shapes (nothing is configured twice). With
 the machine executor every net run and host transfer is charged to the step accounting
 (`toptpu.backend.runtime.accounting`); a result carries the modelled time of its first token
-and of each decoded token, split by where it goes (`GenerationResult.modelled_breakdown`).
+and of each decoded token, split by where it goes (`GenerationResult.modelled_breakdown`);
+`start_trace` records the runtime's steps, net runs and transfers on that clock
+(`toptpu.backend.runtime.run_trace`, `toptpu run --trace`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -45,7 +48,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -101,6 +104,7 @@ from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.vision import EncodedImage, VisionEncoder
 
 
@@ -707,6 +711,8 @@ class Runtime:
         self.pending: int | None = None  # the last generated token, not yet in the cache
         self.messages: list[dict[str, str]] = []
         self._last_reply_closed = False
+        #: records the generation's steps, net runs and transfers (`start_trace`)
+        self.recorder: RunRecorder | None = None
 
     def _alloc_buffers(self) -> None:
         """The KV caches and the IO buffers of every net the generation loop binds."""
@@ -787,6 +793,27 @@ class Runtime:
         """Tokens in the conversation so far (cached plus the pending one): the KV cache
         slots it fills once the pending token is fed, at most `seq`."""
         return len(self.tokens) + (self.pending is not None)
+
+    # ------------------------------------------------------------------ tracing
+    def start_trace(self) -> RunRecorder:
+        """Record from now on every net run, host transfer and step of the runtime where it
+        falls on the modelled clock (`toptpu.backend.runtime.run_trace`; `toptpu run
+        --trace`). Needs the machine executor: the interpreter has no cost model."""
+        if not isinstance(self.ex, MachineExecutor):
+            raise GenerationError("a trace needs the machine executor (the Tpu interpreter "
+                                  "has no cost model, so no timeline): use --executor "
+                                  "machine")
+        self.recorder = self.ex.recorder = RunRecorder(self.ex.chip)
+        return self.recorder
+
+    @contextlib.contextmanager
+    def _span(self, name: str, **args: Any) -> Iterator[None]:
+        """A step of the runtime in the trace (nothing without `start_trace`)."""
+        rec = self.recorder
+        start = self.ex.modelled_seconds() if rec is not None else 0.0
+        yield
+        if rec is not None:
+            rec.span(name, start, self.ex.modelled_seconds(), **args)
 
     # ------------------------------------------------------------------ nets
     def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]]
@@ -1017,13 +1044,18 @@ class Runtime:
             start = len(self.tokens)
             if start == 0 or start <= self.Hh:
                 chunk = ids[i:i + self.L]
-                h = self._prefill_chunk(chunk)
+                net = BLOCK if start == 0 else BLOCK_KV
+                with self._span(f"prefill {net}: positions {start}..{start + len(chunk) - 1}",
+                                net=net, start=start, tokens=len(chunk), padded_to=self.L):
+                    h = self._prefill_chunk(chunk)
                 last = h.slot(1, len(chunk) - 1, 1)
                 if rows is not None:
                     rows(h, len(chunk))
                 i += len(chunk)
             else:  # history beyond max_history: the decode net takes the rest one by one
-                last = self._decode_step(ids[i])
+                with self._span(f"prefill {BLOCK_CACHE}: position {start}", net=BLOCK_CACHE,
+                                start=start, tokens=1):
+                    last = self._decode_step(ids[i])
                 if rows is not None:
                     rows(last, 1)
                 i += 1
@@ -1063,7 +1095,9 @@ class Runtime:
 
     def encode_image(self, image: Any) -> Any:
         """Run the vision net on an image (a path or a PIL image): an `EncodedImage`."""
-        return self.vision.encode(image)
+        with self._span("vision: encode an image", image=str(image) if isinstance(
+                image, str | os.PathLike) else type(image).__name__):
+            return self.vision.encode(image)
 
     def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
         return [im if isinstance(im, EncodedImage) else self.encode_image(im)
@@ -1204,14 +1238,17 @@ class Runtime:
         streamer = Utf8Streamer(self.decode) if (on_text or self.stop_strings) else None
         shown = Utf8Streamer(text_of) if (on_text and skip_special_tokens) else None
         t0, c0 = time.perf_counter(), self.ex.modelled_costs()
-        if sampler == "sample":
-            self._sampling_setup(cfg)
-        try:
-            hidden = self._prefill(feed)
-        finally:
-            self._image_rows, self._crop_grids = {}, []
-        recent = list(self.tokens)
-        token = self._next_token(hidden, cfg, sampler, rng, recent)
+        with self._span("time to first token", prompt_tokens=len(feed), sampler=sampler):
+            if sampler == "sample":
+                with self._span("sampling setup"):
+                    self._sampling_setup(cfg)
+            try:
+                hidden = self._prefill(feed)
+            finally:
+                self._image_rows, self._crop_grids = {}, []
+            recent = list(self.tokens)
+            with self._span("choose token 0", sampler=sampler):
+                token = self._next_token(hidden, cfg, sampler, rng, recent)
         t1, c1 = time.perf_counter(), self.ex.modelled_costs()
         generated = [token]
         reason = ""
@@ -1234,8 +1271,12 @@ class Runtime:
             if reason:
                 break
             recent.append(token)
-            hidden = self._decode_step(token)
-            token = self._next_token(hidden, cfg, sampler, rng, recent)
+            pos = len(self.tokens)
+            with self._span(f"decode token {len(generated)}", position=pos):
+                with self._span(f"decode step: position {pos}", net=BLOCK_CACHE):
+                    hidden = self._decode_step(token)
+                with self._span(f"choose token {len(generated)}", sampler=sampler):
+                    token = self._next_token(hidden, cfg, sampler, rng, recent)
             generated.append(token)
         t2, c2 = time.perf_counter(), self.ex.modelled_costs()
         if streamer is not None:
