@@ -38,9 +38,10 @@ def tiny_chip(name: str, lane_bytes: int) -> Chip:
                    compute_latency_cycles=4)
 
 
-def matmul_text(m: int, n: int, k: int, weights: str, bias: bool = False) -> str:
-    """Top IR of x[1, m, k] @ W[n, k]^T (+ b) followed by a silu (the matmul's result is
-    not the function's), its weights in the store `weights`."""
+def matmul_text(m: int, n: int, k: int, weights: str, bias: bool = False,
+                silu: bool = True) -> str:
+    """Top IR of x[1, m, k] @ W[n, k]^T (+ b), followed by a silu (the matmul's result is
+    then not the function's), its weights in the store `weights`."""
     xt, wt, yt, bt = (f"tensor<1x{m}x{k}xf32>", f"tensor<{n}x{k}xf32>",
                       f"tensor<1x{m}x{n}xf32>", f"tensor<{n}xf32>")
     b_def = f'%b = "top.weight"() {{name = "fc.bias"}} : () -> {bt}' if bias else ""
@@ -51,21 +52,21 @@ def matmul_text(m: int, n: int, k: int, weights: str, bias: bool = False) -> str
     %w = "top.weight"() {{name = "fc.weight"}} : () -> {wt}
     {b_def}
     %y = "top.matmul"(%x, %w{b_use}) {{{attrs}}} : ({xt}, {wt}{b_type}) -> {yt}
-    %z = "top.silu"(%y) : ({yt}) -> {yt}
-    func.return %z : {yt}
+    {'%z = "top.silu"(%y) : (' + yt + ') -> ' + yt if silu else ''}
+    func.return {'%z' if silu else '%y'} : {yt}
   }}
 }}'''
 
 
-def matmul_module(m: int, n: int, k: int, mode: str, seed: int = 0, bias: bool = False
-                  ) -> tuple:
+def matmul_module(m: int, n: int, k: int, mode: str, seed: int = 0, bias: bool = False,
+                  silu: bool = True) -> tuple:
     """`matmul_text` in Tpu IR (`mode`), its weight store and an input."""
     rng = np.random.default_rng(seed)
     arrays = {"fc.weight": rng.standard_normal((n, k)).astype(np.float32)}
     if bias:
         arrays["fc.bias"] = rng.standard_normal((n,)).astype(np.float32)
     store = WeightStore.from_arrays(arrays)
-    module = parse_ir(matmul_text(m, n, k, store.uri, bias), "matmul")
+    module = parse_ir(matmul_text(m, n, k, store.uri, bias, silu), "matmul")
     run_passes(module, tpu_pipeline_passes(mode, group_size=GROUP), store=store)
     fn = next(iter(module.ops))
     xt = fn.body.block.args[0].type  # type: ignore[attr-defined]
@@ -98,11 +99,11 @@ def tile_groups(module) -> list[tpu.GroupOp]:  # noqa: ANN001
     return [g for g in module.walk() if isinstance(g, tpu.GroupOp) and g.tiles is not None]
 
 
-def run_all(module, store, feeds, chip: Chip) -> dict:  # noqa: ANN001
-    """Interpreter on the Tpu IR, compile, interpreter on the grouped IR, machine checked
-    and fast."""
+def run_all(module, store, feeds, chip: Chip, split: str = "cost") -> dict:  # noqa: ANN001
+    """Interpreter on the Tpu IR, compile (`split`: layer-group's split-reduction),
+    interpreter on the grouped IR, machine checked and fast."""
     ref = Interpreter(module, store).run(feeds).outputs["output0"]
-    prog = compile_for_machine(module, chip)
+    prog = compile_for_machine(module, chip, split_reduction=split)
     grouped = Interpreter(module, store).run(feeds).outputs["output0"]
     out = {"ref": ref, "grouped": grouped, "prog": prog}
     for checked in (True, False):
@@ -129,7 +130,7 @@ def test_matmul_that_fits_neither_axis_gets_2d_tiles_in_the_ir() -> None:
     op = the_matmul(module)
     # before: neither kind fits (main refused this op: "even one slice of it needs more")
     assert plan_span([op], chip, kinds=(SliceKind.ROWS, SliceKind.COLS)) is None
-    out = run_all(module, store, feeds, chip)
+    out = run_all(module, store, feeds, chip, split="needed")  # the whole K: 2-D tiles
     (g,) = tile_groups(module)
     r, c, outer = g.tile_grid()  # type: ignore[misc]
     assert r > 1 and c > 1 and r * c == g.slices.value.data and outer in ("rows", "cols")
@@ -154,10 +155,13 @@ def test_matmul_that_fits_neither_axis_gets_2d_tiles_in_the_ir() -> None:
     assert_close_to_ungrouped(out["checked"], out["ref"])
 
 
-def test_toptpu_opt_shows_the_tiles(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("split", ["cost", "needed"])
+def test_toptpu_opt_shows_the_tiles(tmp_path, split: str) -> None:  # noqa: ANN001
     """On the bm1688 preset (32 lanes x 128 KiB) a 1024 x 1024 x 1024 f32 matmul fits
     neither a rows nor a cols slicing (either operand alone fills the local memory):
-    toptpu-opt prints its group's tiles and its loads' and store's tile axes."""
+    toptpu-opt prints its group's tiles and its loads' and store's tile axes. By the cost
+    model its K is split in reduction parts (bigger tiles: fewer bytes per FLOP);
+    `split-reduction=needed` keeps K whole where a plan without parts fits: 2-D tiles."""
     from safetensors.numpy import save_file
 
     from helpers import run_tool
@@ -168,14 +172,23 @@ def test_toptpu_opt_shows_the_tiles(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "big.mlir"
     path.write_text(matmul_text(m, n, k, str(weights)))
     res = run_tool("toptpu-opt", str(path), "-p",
-                   "convert-top-to-tpu{mode=f32},weight-reorder,layer-group{chip=bm1688},"
+                   "convert-top-to-tpu{mode=f32},weight-reorder,"
+                   f"layer-group{{chip=bm1688 split-reduction={split}}},"
                    "lmem-verify{chip=bm1688}", "--weights-out", str(tmp_path / "o.safetensors"))
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    assert re.search(r"tiles = array<i64: \d+, \d+>, tile_outer = [01] : i64", out), out
-    assert "tile_axes = array<i64: 1, -1>" in out  # the activation by rows
-    assert "tile_axes = array<i64: -1, 0>" in out  # the weight by output channels
-    assert "tile_axes = array<i64: 1, 2>" in out  # the result by both
+    if split == "needed":
+        assert re.search(r"tiles = array<i64: \d+, \d+>, tile_outer = [01] : i64", out), out
+        assert "tile_axes = array<i64: 1, -1>" in out  # the activation by rows
+        assert "tile_axes = array<i64: -1, 0>" in out  # the weight by output channels
+        assert "tile_axes = array<i64: 1, 2>" in out  # the result by both
+        assert "acc = " not in out
+        return
+    assert re.search(r"tiles = array<i64: \d+, \d+, \d+>, tile_outer = [01] : i64, "
+                     r"acc = \d+ : i64", out), out
+    assert "tile_axes = array<i64: 1, -1, 2>" in out  # the activation by rows and K
+    assert "tile_axes = array<i64: -1, 0, 1>" in out  # the weight by channels and K
+    assert "tile_axes = array<i64: 1, 2, -1>" in out  # the result by both, after all of K
 
 
 def test_verifier_catches_an_x_block_sharing_a_weight_tile_copy() -> None:
@@ -212,8 +225,10 @@ def test_what_does_not_fit_says_by_how_much() -> None:
         LayerGroupPass.for_chip(chip).apply(None, module)  # type: ignore[arg-type]
     msg = str(e.value)
     assert msg.startswith("'tpu.matmul' (top.matmul) cannot run from local memory on bm1684x")
-    # the finest: 64 x 64 tiles of one element, two copies of each part (4 lanes' worth)
-    assert "even its finest slicing (64 x 64 tiles) still needs" in msg, msg
+    # the finest: 64 x 64 tiles of one element, each in 64 reduction parts of one product:
+    # two copies of each part and of the result, and the accumulator (7 aligned lanes)
+    assert "even its finest slicing (64 x 64 tiles of 64 reduction parts) still needs 448 B" \
+        in msg, msg
     need = int(re.search(r"still needs (\d+) B per lane", msg).group(1))  # type: ignore[union-attr]
     assert f"{need - 256} B more than a lane's 256 B" in msg
 
@@ -269,7 +284,7 @@ def test_attention_tiles_by_rows_and_heads_and_matches(attention_layer, mode: st
     att = next(op for op in module.walk() if isinstance(op, tpu.AttentionOp))
     assert plan_span([att], chip, kinds=(SliceKind.ROWS, SliceKind.HEADS)) is None
     ref = Interpreter(module, store).run(feeds).outputs["out"]
-    prog = compile_for_machine(module, chip)
+    prog = compile_for_machine(module, chip, split_reduction="needed")  # all keys at once
     (g,) = [g for g in tile_groups(module)
             if any(isinstance(op, tpu.AttentionOp) for op in g.body.block.ops)]
     r, c, _ = g.tile_grid()  # type: ignore[misc]

@@ -85,6 +85,7 @@ from toptpu.backend.runtime.steps import (
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
+from toptpu.dialects import tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
@@ -330,14 +331,24 @@ class LoadedNet:
         ins: list[LocalRef | TableRef | None] = list(c.ins)
         if isinstance(c, Gather):
             ins.insert(c.table_operand, c.table)
-        if len(ins) != len(operands) or len(c.outs) != len(op.results):
+        if isinstance(c, Compute) and c.acc is not None:
+            if not isinstance(op, tpu.REDUCTION_OPS):
+                raise MachineTrap(f"command {c.id}: '{op.name}' has no reduction to split in "
+                                  "parts")
+            want_acc = tuple(tpu.accumulator_type(op).get_shape())
+            if tuple(c.acc.shape) != want_acc:
+                raise MachineTrap(f"command {c.id} ({c.name}): accumulator {list(c.acc.shape)}"
+                                  f", '{op.name}' accumulates {list(want_acc)}")
+        results = len(c.outs) if not isinstance(c, Compute) or c.last_part else len(op.results)
+        if len(ins) != len(operands) or results != len(op.results):
             raise MachineTrap(f"command {c.id}: {len(ins)} operands and {len(c.outs)} results "
                               f"for '{op.name}', which has {len(operands)} and "
                               f"{len(op.results)}")
         pairs = [(f"operand {i}", r, v)
                  for i, (r, v) in enumerate(zip(ins, operands, strict=True))]
-        pairs += [(f"result {i}", r, v)
-                  for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
+        if c.outs:  # (a reduction part before the last writes none)
+            pairs += [(f"result {i}", r, v)
+                      for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
         for what, ref, value in pairs:
             if (ref is None) != (value is None):
                 raise MachineTrap(f"command {c.id}: {what} of '{op.name}' is "
