@@ -17,10 +17,12 @@ the benchmark compares DDR traffic against).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Self
 
+import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
@@ -72,8 +74,10 @@ class LayerGroupError(ToptpuError):
     pass
 
 
+@functools.cache
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass
@@ -328,6 +332,11 @@ def _tile_operands(op: Operation) -> tuple[list[_TileOperand], _TileOperand, int
     return inputs, result, acc
 
 
+#: the tiles plans found in one layer-group run, by (op, its operands, chip, count, reduce):
+#: the DP and the allocation ask for one op's plans many times (cleared after each run)
+_TILE_PLANS: dict[tuple, list[Plan]] = {}
+
+
 def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None,
                      reduce: bool = False) -> list[Plan]:
     """Tiles plans of one weight matmul or attention: every (row blocks R, second-loop
@@ -337,43 +346,64 @@ def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None,
     if len(ops) != 1:
         return []
     op = ops[0]
+    key = (op, tuple(op.operands), id(chip), chip.lane_bytes, reduce)
+    found = _TILE_PLANS.get(key)
+    if found is None:
+        found = _TILE_PLANS[key] = _find_tile_plans(op, chip, reduce)
+    return found if only is None else [p for p in found if p.slices == only]
+
+
+def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
+    """The plans of `_tile_candidates`, the cheapest for each slice count, by cost: every
+    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid)."""
     found = _tile_operands(op)
     if found is None or (reduce and not found[2]):
         return []
     inputs, result, acc = found
-    rows = result.sizes[0]
-    flops, dtype = op_flops(op), cost_dtype(op)
+    parts_ = np.array(divisors(reduction_count(op))[1:] if reduce else [1], np.int64)
+    rows_ = np.array(divisors(result.sizes[0]), np.int64)
+    cols_ = np.array(divisors(tile_count(op)), np.int64)
+    r, c, parts = np.meshgrid(rows_, cols_, parts_, indexing="ij")
+    ok = (parts > 1) | ((r > 1) & (c > 1))
+    sizes = []
+    for v in [*inputs, result]:
+        n = np.ones_like(r)
+        for a, size, count in zip(v.axes, v.sizes, (r, c, parts), strict=True):
+            if a != -1:
+                ok &= size % count == 0
+                n = n * count
+        sizes.append(v.nbytes // n)
+    lane = 2 * sum(_per_lane(n, chip) for n in sizes)
+    if reduce:
+        lane = lane + _per_lane(acc // (r * c), chip)
+    ok &= lane <= chip.lane_bytes
+    best: dict[int, tuple[float, int, str]] = {}  # slices -> (cost, cell, outer)
+    for outer in ("rows", "cols"):
+        cost = _tile_costs(inputs, sizes[:-1], sizes[-1], (r, c, parts), outer,
+                           op_flops(op), cost_dtype(op), chip)
+        for cell in np.flatnonzero(ok):
+            t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
+            k = float(cost.flat[cell])
+            if t not in best or k < best[t][0]:
+                best[t] = (k, int(cell), outer)
     plans = []
-    for parts in divisors(reduction_count(op))[1:] if reduce else [1]:
-        for r in divisors(rows):
-            for c in divisors(tile_count(op)):
-                if parts == 1 and (r == 1 or c == 1):
-                    continue
-                if only is not None and r * c * parts != only:
-                    continue
-                counts = (r, c, parts)
-                sizes = [v.part(counts) for v in inputs]
-                res_part = result.part(counts)
-                if res_part is None or any(n is None for n in sizes):
-                    continue
-                lane = 2 * sum(chip.per_lane(n) for n in sizes)  # type: ignore[arg-type]
-                lane += 2 * chip.per_lane(res_part)
-                if parts > 1:
-                    lane += chip.per_lane(acc // (r * c))
-                if lane > chip.lane_bytes:
-                    continue
-                for outer in ("rows", "cols"):
-                    p = Plan(ops, SliceKind.TILES, r * c * parts, inputs=list(op.operands),
-                             outputs=[op.results[0]], tiles=(r, c), outer=outer, parts=parts)
-                    for v in inputs:
-                        p.tile_axes[v.value] = v.axes
-                        p.input_axes[v.value] = next((a for a in v.axes if a != -1), None)
-                    p.tile_axes[result.value] = result.axes
-                    p.result_axes[result.value] = result.axes[1]
-                    p.cost = _tile_cost(inputs, sizes, res_part, counts, outer, flops,
-                                        dtype, chip)  # type: ignore[arg-type]
-                    plans.append(p)
+    for t, (k, cell, outer) in sorted(best.items(), key=lambda item: item[1][0]):
+        p = Plan([op], SliceKind.TILES, t, cost=k, inputs=list(op.operands),
+                 outputs=[op.results[0]], tiles=(int(r.flat[cell]), int(c.flat[cell])),
+                 outer=outer, parts=int(parts.flat[cell]))
+        for v in inputs:
+            p.tile_axes[v.value] = v.axes
+            p.input_axes[v.value] = next((a for a in v.axes if a != -1), None)
+        p.tile_axes[result.value] = result.axes
+        p.result_axes[result.value] = result.axes[1]
+        plans.append(p)
     return plans
+
+
+def _per_lane(nbytes: np.ndarray, chip: Chip) -> np.ndarray:
+    """`Chip.per_lane` over an array of byte counts."""
+    per = -(-nbytes // chip.lanes)
+    return -(-per // chip.align) * chip.align
 
 
 def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
@@ -387,28 +417,32 @@ def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
     return total + (chip.per_lane(acc // (p.tiles[0] * p.tiles[1])) if p.parts > 1 else 0)
 
 
-def _tile_cost(inputs: list[_TileOperand], sizes: list[int], res_part: int,
-               counts: tuple[int, int, int], outer: str, flops: int, dtype: str, chip: Chip
-               ) -> float:
-    """Modelled cycles of a tiles group: its slices pipelined as any sliced group (the
-    loads of slice t+1 and the store of the tile before beside the compute of t). Loops,
-    outside in: the outer tile loop (n1 blocks), the inner one (n2), the reduction parts
-    (n3). A part is loaded again when the innermost loop that cuts it moves on: n1 - 1
-    slices start an outer block (every cut input loaded, a tile stored), n1 (n2 - 1) an
-    inner one (the inputs cut by the inner loop or the parts, a tile stored), n1 n2
-    (n3 - 1) a reduction part (the inputs cut by the parts)."""
+def _tile_costs(inputs: list[_TileOperand], sizes: list[np.ndarray], res_part: np.ndarray,
+                counts: tuple[np.ndarray, np.ndarray, np.ndarray], outer: str, flops: int,
+                dtype: str, chip: Chip) -> np.ndarray:
+    """Modelled cycles of tiles groups (arrays over the candidates' (R, C, P)): the slices
+    pipelined as any sliced group (the loads of slice t+1 and the store of the tile before
+    beside the compute of t). Loops, outside in: the outer tile loop (n1 blocks), the inner
+    one (n2), the reduction parts (n3). A part is loaded again when the innermost loop that
+    cuts it moves on: n1 - 1 slices start an outer block (every cut input loaded, a tile
+    stored), n1 (n2 - 1) an inner one (the inputs cut by the inner loop or the parts, a
+    tile stored), n1 n2 (n3 - 1) a reduction part (the inputs cut by the parts)."""
     r, c, parts = counts
     n1, n2 = (r, c) if outer == "rows" else (c, r)
-    load = [0.0, 0.0, 0.0, 0.0]  # by level: once, outer, inner, parts
+    zero = np.zeros(r.shape)
+    load = [zero, zero, zero, zero]  # by level: once, outer, inner, parts
     for v, n in zip(inputs, sizes, strict=True):
-        load[v.level(outer)] += dma_cycles(chip, n)
-    store = dma_cycles(chip, res_part)
+        lv = v.level(outer)
+        load[lv] = load[lv] + chip.dma_latency_cycles + n / chip.bytes_per_cycle
+    store = chip.dma_latency_cycles + res_part / chip.bytes_per_cycle
     t = r * c * parts
-    comp = compute_cycles(chip, flops // t, dtype)
+    comp = chip.compute_latency_cycles + (flops // t) / (chip.flops_per_cycle(dtype)
+                                                        * chip.compute_efficiency)
     a = load[1] + load[2] + load[3] + store
     b = load[2] + load[3] + store
-    return (sum(load) + (n1 - 1) * max(comp, a) + n1 * (n2 - 1) * max(comp, b)
-            + n1 * n2 * (parts - 1) * max(comp, load[3]) + comp + store)
+    return (load[0] + load[1] + load[2] + load[3] + (n1 - 1) * np.maximum(comp, a)
+            + n1 * (n2 - 1) * np.maximum(comp, b)
+            + n1 * n2 * (parts - 1) * np.maximum(comp, load[3]) + comp + store)
 
 
 def build_tile_group(p: Plan) -> tpu.GroupOp:
@@ -715,19 +749,22 @@ def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12, split: 
     if split not in SPLIT_REDUCTION:
         raise LayerGroupError(f"split-reduction is '{split}'; it is one of "
                               f"{', '.join(SPLIT_REDUCTION)}")
-    split_attention_keys(fn, chip)
-    ops = compute_ops(fn)
-    if not ops:
-        return []
-    plans = partition(ops, chip, max_ops, split)
-    groups = []
-    for stale in plans:
-        # earlier groups replaced some of this span's inputs: plan it again, same choice
-        plan = plan_span(stale.ops, chip, stale.slices, (stale.kind,), split) or stale
-        for group, p in _realize(plan, chip, split):
-            _install(group, p)
-            groups.append(group)
-    return groups
+    try:
+        split_attention_keys(fn, chip)
+        ops = compute_ops(fn)
+        if not ops:
+            return []
+        plans = partition(ops, chip, max_ops, split)
+        groups = []
+        for stale in plans:
+            # earlier groups replaced some of this span's inputs: plan it again, same choice
+            plan = plan_span(stale.ops, chip, stale.slices, (stale.kind,), split) or stale
+            for group, p in _realize(plan, chip, split):
+                _install(group, p)
+                groups.append(group)
+        return groups
+    finally:
+        _TILE_PLANS.clear()
 
 
 @dataclass(frozen=True)

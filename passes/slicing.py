@@ -116,7 +116,7 @@ def row_rule(op: Operation) -> RowRule | None:
     if isinstance(op, tpu.AttentionMergeOp):  # row-local over its parts
         return RowRule(tuple(r for _ in op.operands), (r,))
     if isinstance(op, top.AttentionBase):
-        if r != 1:
+        if r != 1 or read_bool(op.causal):  # a causal mask's diagonal depends on the row
             return None
         axes = [1]
         for i, v in enumerate(op.operands[1:], start=1):

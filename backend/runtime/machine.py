@@ -198,6 +198,9 @@ class Event:
     bytes: int = 0
     flops: int = 0
     dtype: str = ""
+    group: int = -1  # its layer group and slice
+    slice: int = -1
+    part: str = ""  # a reduction part, "j/P" (`Compute.parts`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -246,8 +249,10 @@ def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list
         finish = start + command_cycles(chip, c)
         end[c.id] = free_at[c.engine] = finish
         timed.append((start, c.id))
+        part = f"{c.part}/{c.parts}" if isinstance(c, Compute) and c.parts > 1 else ""
         events.append(Event(c.id, c.engine, start, finish, c.name,
-                            c.nbytes if c.engine == "dma" else 0, c.flops, c.dtype))
+                            c.nbytes if c.engine == "dma" else 0, c.flops, c.dtype, c.group,
+                            c.slice, part))
     heapq.heapify(timed)
     return events, [heapq.heappop(timed)[1] for _ in range(len(timed))]
 
