@@ -360,6 +360,8 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     if found is None or (reduce and not found[2]):
         return []
     inputs, result, acc = found
+    if not reduce:  # the whole reduction in every tile: no operand is cut along it
+        inputs = [replace(v, axes=(*v.axes[:2], -1)) for v in inputs]
     parts_ = np.array(divisors(reduction_count(op))[1:] if reduce else [1], np.int64)
     rows_ = np.array(divisors(result.sizes[0]), np.int64)
     cols_ = np.array(divisors(tile_count(op)), np.int64)
