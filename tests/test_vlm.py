@@ -1,4 +1,5 @@
-"""Vision-language models (InternVL, MiniCPM-V 4.6), tiny models from the real config
+"""Vision-language models (InternVL, MiniCPM-V 4.6 with a Qwen3 text model; with its
+Qwen3.5 text model and MiniCPM-V 4.7: tests/test_vlm_qwen3_5.py), tiny models from the real config
 classes: the vit net matches the model's own image features (Top f32 and the model file on
 the machine, cosine >= 0.99999); greedy generation with an image equals transformers
 `generate` (pixel values from the model's own image processor); quantized model files meet
@@ -301,10 +302,12 @@ def test_text_models_take_no_images(tmp_path_factory) -> None:
 def test_vlm_load_and_compile_errors(tmp_path_factory, tmp_path) -> None:
     from transformers import MiniCPMV4_6Config
 
-    # MiniCPM-V 4.6 as released: a Qwen3.5 (linear attention) text model
+    # a MiniCPM-V whose text model toptpu does not compile (MiniCPM-V 4.6 as released, with
+    # Qwen3.5, compiles: tests/test_vlm_qwen3_5.py)
     d = tmp_path / "minicpmv46"
-    MiniCPMV4_6Config(vision_config={"num_hidden_layers": 1}).save_pretrained(d)
-    with pytest.raises(ModelLoadError, match="qwen3_5_text.*Gated DeltaNet"):
+    MiniCPMV4_6Config(vision_config={"num_hidden_layers": 1},
+                      text_config={"model_type": "qwen3_5_moe_text"}).save_pretrained(d)
+    with pytest.raises(ModelLoadError, match="qwen3_5_moe_text, Qwen3.5-MoE"):
         load_vlm(str(d))
     model_dir = vlm_dir(tmp_path_factory, "internvl")
     with pytest.raises(ModelLoadError, match="--image-size 50 does not fit"):

@@ -67,7 +67,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
                    "w4 asymmetric)")
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
-    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6)")
+    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6/4.7)")
     v.add_argument("--image-size", type=int_at_least(1), default=None,
                    help="tile (InternVL) / slice (MiniCPM-V) size in pixels the vit net is "
                    "compiled for (default: the checkpoint's, e.g. 448)")

@@ -47,9 +47,8 @@ _ONES = (TEMPERATURE, PENALTY, TOP_K, TOP_P)
 
 
 def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    if name == "position_ids":
-        n = shape[-1]
-        return np.arange(n, dtype=dtype).reshape(shape)
+    if name == "position_ids":  # [axes, n]: the same text positions on every axis
+        return np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
     if name in _ONES:
         return np.ones(shape, dtype)
     return np.zeros(shape, dtype)

@@ -23,6 +23,12 @@ the reference machine run the same generation loop:
   KV cache; text streams UTF-8-safely (`Utf8Streamer`);
 - a multi-turn chat keeps the cache: a new turn feeds only its new tokens (plus the last
   generated token, whose k/v are not cached yet) through `block_kv`.
+- positions: a token's text position is its cache slot, unless the full-attention nets
+  take a position per rotary axis (position_ids [3, n]: MiniCPM-V 4.7). Then the prompt's
+  positions are laid out by `contract.canvas_position_ids` (image tokens on a canvas of
+  (row, column) positions, text continuing past it), counted from where the conversation
+  stands (`next_position`), and every generated token takes the next position on all
+  three axes, as the model's `rope_deltas` continue them.
 
 Static shapes are read back from the nets' IO shapes (nothing is configured twice). With
 the machine executor every net run and host transfer is charged to the step accounting
@@ -82,8 +88,10 @@ from toptpu.backend.contract import (
     TOKEN_IDS,
     TOP_K,
     TOP_P,
+    ContractError,
     NetInfo,
     TensorSpec,
+    canvas_position_ids,
     decode_mask,
     prefill_mask,
 )
@@ -667,6 +675,8 @@ class Runtime:
         first = self.linear.index(False)
         self.attn_nets = {base: self.layer_net(base, first) for base in PER_LAYER_NETS}
         self.L = _spec(nets[BLOCK], HIDDEN).shape[1]
+        #: rows of position_ids: 1 (the cache slot), or 3 (T, H, W: a canvas per image)
+        self.position_axes = _spec(nets[self.attn_nets[BLOCK]], POSITION_IDS).shape[0]
         self.seq = _spec(nets[self.attn_nets[BLOCK_CACHE]], HISTORY_K).shape[1]
         self.Hh = _spec(nets[self.attn_nets[BLOCK_KV]], HISTORY_K).shape[1]
         gen = self.meta.generation
@@ -686,6 +696,12 @@ class Runtime:
                 "--seq-length") from e
         self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
         self._image_rows: dict[int, np.ndarray] = {}  # position -> vision embedding row
+        #: position axes 3: the rotary position of the next token fed (a generated token
+        #: or the next prompt's first), and the positions [3, n] of the ids being prefilled
+        #: from their first cache slot
+        self.next_position = 0
+        self._layout: tuple[int, np.ndarray] | None = None
+        self._crop_grids: list[tuple[int, int]] = []  # the images' crops being prefilled
         self._vision: VisionEncoder | None = None
         self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
         self.pending: int | None = None  # the last generated token, not yet in the cache
@@ -763,6 +779,7 @@ class Runtime:
         """Forget the conversation (the cache contents become unreachable)."""
         self.tokens, self.pending, self.messages = [], None, []
         self.images_seen = 0
+        self.next_position = 0
         self._last_reply_closed = False
 
     @property
@@ -808,7 +825,7 @@ class Runtime:
         ex.write(b["ids_L"], padded)
         ex.run(EMBEDDING, {INPUT_IDS: b["ids_L"], HIDDEN: b["h_L"][0]})
         self._put_image_rows(b["h_L"][0], start, n)
-        ex.write(b["pos_L"], np.arange(start, start + L, dtype=np.int32)[None])
+        ex.write(b["pos_L"], self._positions(start, n, L))
         direct = start + L <= self.seq
 
         def present(layer: int) -> dict[str, Buffer]:
@@ -863,7 +880,7 @@ class Runtime:
         ex.write(b["ids_1"], np.array([[token]], np.int32))
         ex.run(EMBEDDING_CACHE, {INPUT_IDS: b["ids_1"], HIDDEN: b["h_1"][0]})
         self._put_image_rows(b["h_1"][0], pos, 1)
-        ex.write(b["pos_1"], np.array([[pos]], np.int32))
+        ex.write(b["pos_1"], self._positions(pos, 1, 1))
         ex.write(b["mask_1"], decode_mask(pos, self.seq))
 
         def extra(layer: int) -> dict[str, Buffer]:
@@ -876,7 +893,43 @@ class Runtime:
 
         out = self._run_layers(BLOCK_CACHE, b["h_1"], extra)
         self.tokens.append(int(token))
+        if self._layout is None:  # a generated token: the next one is one position later
+            self.next_position += 1
         return out
+
+    def _positions(self, start: int, n: int, length: int) -> np.ndarray:
+        """position_ids [axes, length] i32 of the n tokens fed at cache slots start.., the
+        padding past them continuing (its rows are masked)."""
+        if self.position_axes == 1:
+            return np.arange(start, start + length, dtype=np.int32)[None]
+        if self._layout is not None:  # a prompt being prefilled
+            first, table = self._layout
+            cols = table[:, start - first:start - first + n]
+        else:  # a generated token: text, at the next position on every axis
+            cols = np.full((self.position_axes, n), self.next_position, np.int64)
+        out = np.empty((self.position_axes, length), np.int64)
+        out[:, :n] = cols
+        out[:, n:] = cols[:, -1:] + np.arange(1, length - n + 1)
+        return out.astype(np.int32)
+
+    def _lay_out(self, ids: Sequence[int]) -> None:
+        """The positions of `ids` fed after the cached tokens (position axes 3): the
+        canvas of the images whose rows are bound (`_image_rows`, `_crop_grids`)."""
+        if self.position_axes == 1:
+            return
+        vision = self.meta.vision
+        if vision is None or vision.canvas_markers is None or vision.token_divisor is None:
+            raise GenerationError("the model file's text nets take a position per axis but "
+                                  "its header has no canvas to lay them out; recompile it")
+        start = len(self.tokens)
+        is_image = [start + i in self._image_rows for i in range(len(ids))]
+        try:
+            table, self.next_position = canvas_position_ids(
+                ids, is_image, vision.canvas_markers, self._crop_grids,
+                math.isqrt(vision.token_divisor), self.next_position)
+        except ContractError as e:
+            raise GenerationError(f"cannot lay out the prompt's image positions: {e}") from e
+        self._layout = (start, table)
 
     # ------------------------------------------------------------------ choosing tokens
     def resolve_sampler(self, cfg: SamplingConfig) -> str:
@@ -950,6 +1003,14 @@ class Runtime:
         """Feed `ids` after the cached tokens; returns the hidden row of the last one.
         `rows(hidden, n)`, if given, sees the final hidden rows of every chunk (or decode
         step) before the next one reuses the buffer: rows 0..n-1 belong to the n ids fed."""
+        self._lay_out(ids)
+        try:
+            return self._prefill_laid_out(ids, rows)
+        finally:
+            self._layout = None
+
+    def _prefill_laid_out(self, ids: Sequence[int],
+                          rows: Callable[[Buffer, int], None] | None) -> Buffer:
         last: Buffer | None = None
         i = 0
         while i < len(ids):
@@ -1132,6 +1193,7 @@ class Runtime:
         self.pending = None
         self._image_rows = self._image_positions(ids, len(self.tokens) + len(feed) - len(ids),
                                                  encoded)
+        self._crop_grids = [g for im in encoded for g in im.grids]
         self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
         sampler = self.resolve_sampler(cfg)
@@ -1147,7 +1209,7 @@ class Runtime:
         try:
             hidden = self._prefill(feed)
         finally:
-            self._image_rows = {}
+            self._image_rows, self._crop_grids = {}, []
         recent = list(self.tokens)
         token = self._next_token(hidden, cfg, sampler, rng, recent)
         t1, c1 = time.perf_counter(), self.ex.modelled_costs()
