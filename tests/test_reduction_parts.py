@@ -296,8 +296,7 @@ def test_the_real_shape_template_is_what_the_passes_make(mode: str) -> None:
         assert got == want
 
 
-@pytest.mark.slow
-@fuzz_settings(24)
+@fuzz_settings(16)
 @given(m=st.sampled_from([1, 64, 512, 1024, 2048]), linear=st.sampled_from(LINEARS),
        mode=st.sampled_from(QuantMode.names()), chip=st.sampled_from(["bm1684x", "bm1688"]),
        bias=st.booleans())
