@@ -100,7 +100,7 @@ def weight_of(module, store: WeightStore) -> tuple[np.ndarray, np.ndarray | None
 # ---------------------------------------------------------------------------- K split
 
 
-@fuzz_settings(20)
+@fuzz_settings(16)
 @given(m=st.sampled_from([1, 3, 8, 16, 24, 48]), n=st.sampled_from([16, 32, 48, 64, 96]),
        k=st.sampled_from([64, 128, 256]), mode=st.sampled_from(QuantMode.names()),
        chip=st.sampled_from(["bm1684x", "bm1688"]), bias=st.booleans(),
