@@ -80,8 +80,11 @@ def the_matmul(module) -> object:  # noqa: ANN001
 
 def lane_without_single_axis(module, name: str) -> Chip:  # noqa: ANN001
     """The largest (aligned) lane on which neither a rows nor a cols slicing of the matmul
-    fits, but 2-D tiles do."""
+    fits, but 2-D tiles do (K whole), and the module's other ops fit."""
     op = the_matmul(module)
+    others = [o for o in next(iter(module.ops)).body.block.ops  # type: ignore[attr-defined]
+              if o is not op and isinstance(o, tpu.TpuOp)
+              and not isinstance(o, tpu.WeightOp | tpu.ConstantOp)]
     base = get_chip(name)
     align = base.align
     lane = 64 * align
@@ -89,7 +92,8 @@ def lane_without_single_axis(module, name: str) -> Chip:  # noqa: ANN001
         chip = tiny_chip(name, lane)
         single = plan_span([op], chip, kinds=(SliceKind.ROWS, SliceKind.COLS))
         tiles = plan_span([op], chip, kinds=(SliceKind.TILES,), split="needed")
-        if single is None and tiles is not None and tiles.parts == 1:  # K whole
+        if (single is None and tiles is not None and tiles.parts == 1  # K whole
+                and all(plan_span([o], chip) is not None for o in others)):
             return chip
         lane -= align
     assume(False)  # no lane size separates the kinds for this shape
