@@ -323,11 +323,11 @@ for _top_op, _tpu_op in tpu.TPU_OF_TOP.items():
 
 @evaluates(tpu.A16MatMulOp)
 def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, q, s, z, b = args
+    x, q, s, z, m, b = args
     assert isinstance(op, tpu.A16MatMulOp)
     assert x is not None and q is not None and s is not None
     return [K.a16_matmul(x, q, s, z, b, read_int(op.weight_bits), read_int(op.group_size),
-                         _out_dtype(op))]
+                         _out_dtype(op), m)]
 
 
 @evaluates(tpu.GroupOp)
