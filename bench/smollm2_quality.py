@@ -119,9 +119,11 @@ def main() -> None:
         res = json.loads(toptpu(*ev))
         run = json.loads(toptpu("run", out, "--prompt", "Hello", "--max-new-tokens", "16",
                                 "--json"))
+        with open(out.removesuffix(".toptpu") + ".eval.json", "w") as f:
+            json.dump({"eval": res, "run": run}, f)
         r = res["reference"]
         top1 = "—" if r is None else f"{100 * r['top1_agreement']:.1f} %"
-        kl = "—" if r is None else f"{r['mean_kl']:.4f}"
+        kl = "—" if r is None else f"{r['mean_kl']:.2g}"
         line = (f"| {label} ({res['mode']}) | {res['perplexity']:.2f} | {top1} | {kl} | "
                 f"{os.path.getsize(out) / 1e6:.0f} MB | {run['modelled_tokens_per_s']:.1f} |")
         lines.append(line)
