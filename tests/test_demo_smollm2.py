@@ -30,7 +30,7 @@ def test_the_quality_table_has_a_row_per_mode_against_the_reference() -> None:
                                         ("Q4_1", q, 98_000_000, None)]).splitlines()
     assert table[0].startswith("| mode | perplexity | top-1 vs f32 | mean KL vs f32 |")
     assert table[2] == "| f32 | 12.35 | — | — | 542 MB | 49.9 |"
-    assert table[3] == "| Q4_1 | 13.00 | 93.8 % | 0.0123 | 98 MB | — |"
+    assert table[3] == "| Q4_1 | 13.00 | 93.8 % | 0.012 | 98 MB | — |"
 
 
 @pytest.mark.slow

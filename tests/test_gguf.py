@@ -462,7 +462,7 @@ def _smollm2() -> str | None:
     return path if os.path.isfile(path) else None
 
 
-#: a chat prompt and a text for SmolLM2 (the text: ~170 tokens, two windows of SEQ 96)
+#: a chat prompt and a text for SmolLM2 (the text: 115 tokens, two windows of SEQ 96)
 SMOL_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 SMOL_TEXT = (
     "The river rises in the hills north of the town and runs south through farmland for "

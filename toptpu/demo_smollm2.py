@@ -38,7 +38,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 #: static shapes of the demo's compiles
 DEMO_SEQ, DEMO_INPUT = 128, 64
-#: the text the quality table is measured on (plain English, ~170 tokens: two windows)
+#: the text the quality table is measured on (plain English, 115 tokens: one window)
 DEMO_TEXT = (
     "The river rises in the hills north of the town and runs south through farmland for "
     "about forty miles before it reaches the sea. In the spring the water is high and fast, "
@@ -83,7 +83,7 @@ def quality_table(rows: list[tuple[str, dict[str, Any], int, float | None]]) -> 
     for label, res, size, tps in rows:
         ref = res["reference"]
         top1 = "—" if ref is None else f"{100 * ref['top1_agreement']:.1f} %"
-        kl = "—" if ref is None else f"{ref['mean_kl']:.4f}"
+        kl = "—" if ref is None else f"{ref['mean_kl']:.2g}"
         speed = "—" if tps is None else f"{tps:.1f}"
         lines.append(f"| {label} | {res['perplexity']:.2f} | {top1} | {kl} | "
                      f"{size / 1e6:.0f} MB | {speed} |")
