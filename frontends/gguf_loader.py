@@ -18,9 +18,10 @@ q/k rows permuted back from llama.cpp's rope layout (what transformers'
 
 Tensor types: F32, F16, BF16 as float; the decoder layers' linears of the types in
 `EXACT_TYPES` exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`, for
-`tpu.a16_matmul`): the file's integers, its scales (f16, or f32 where a K-quant's super-block
-scale times a 6-bit sub-block scale is exact in f32) and its integer zero points or float
-mins, in the form that gives `gguf.quants.dequantize` bit for bit:
+`tpu.a16_matmul`): the file's integers, its scales (f16, or f32 where a K-quant's f16
+super-block scale times a 6- or 8-bit sub-block scale is exact in f32, not in f16) and its
+integer zero points or float mins, in the form that gives `gguf.quants.dequantize` bit for
+bit:
 
 | type | storage | group | weight |
 |---|---|---|---|
