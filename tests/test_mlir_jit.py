@@ -189,6 +189,34 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     c = f.op(top.ConstantOp, [], {"value": dense_attr(np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
                                                                  7.0, 8.0]], np.float32))})
     out["constant_add"] = f.op(top.AddOp, [x, c])
+    # linear attention: the conv over state + input (with and without a state, f32 and
+    # bf16 input with an f32 state, a chunk padded after 3 of 5 tokens and a full one),
+    # the gated delta rule (GQA 2 key heads for 4 value heads, with and without a state)
+    t, ch, taps = 5, 6, 4
+    cx = f.weight("cx", rng.standard_normal((1, t, ch)).astype(np.float32))
+    cstate = f.weight("cstate", rng.standard_normal((1, taps - 1, ch)).astype(np.float32))
+    padded = f.weight("padded", (np.arange(t) < 3).astype(np.float32)[None])
+    full = f.weight("full", np.ones((1, t), np.float32))
+    cw = f.weight("conv_w", rng.standard_normal((ch, taps)).astype(np.float32))
+    cx_bf16 = f.op(top.CastOp, [cx], {"dtype": bf16})
+    for name, xin, state, valid in (("conv_state_padded", cx, cstate, padded),
+                                    ("conv_zero_state_full", cx, None, full),
+                                    ("conv_zero_state_padded", cx, None, padded),
+                                    ("conv_bf16_f32_state", cx_bf16, cstate, padded)):
+        conv = top.CausalConv1dOp(xin, cw, state, valid)
+        f.block.add_op(conv)
+        out[name], out[name + "_new_state"] = conv.results
+    hk, hv, dk, dv = 2, 4, 3, 5
+    rq, rk = (f.weight(n, rng.standard_normal((1, t, hk, dk)).astype(np.float32))
+              for n in ("rq", "rk"))
+    rv = f.weight("rv", rng.standard_normal((1, t, hv, dv)).astype(np.float32))
+    rg = f.weight("rg", -rng.random((1, t, hv)).astype(np.float32))
+    rbeta = f.weight("rbeta", rng.random((1, t, hv)).astype(np.float32))
+    rstate = f.weight("rstate", rng.standard_normal((1, hv, dk, dv)).astype(np.float32))
+    for name, state in (("delta_rule_state", rstate), ("delta_rule_zero_state", None)):
+        rule = top.GatedDeltaRuleOp(rq, rk, rv, rg, rbeta, state, scale=0.4)
+        f.block.add_op(rule)
+        out[name], out[name + "_new_state"] = rule.results
     for largest in (True, False):  # topk with k = 1: argmax / argmin, ties to the lowest
         tk = top.TopKOp.build([f.op(top.MulConstOp, [x], {"value": f64_attr(3.0)})],
                               {"k": i64_attr(1), "axis": i64_attr(1),

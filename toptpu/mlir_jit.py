@@ -49,6 +49,7 @@ LOWERING_PIPELINE = ",".join([
     "lower-affine",
     "convert-scf-to-cf",
     "expand-strided-metadata",
+    "lower-affine",  # the affine.apply of a dynamic subview offset (gated_delta_rule's rows)
     "finalize-memref-to-llvm",
     "convert-math-to-llvm",
     "convert-math-to-libm",
