@@ -1064,10 +1064,7 @@ def lower_gated_delta_rule(e: Emitter, op: top.GatedDeltaRuleBase) -> list[SSAVa
     r = hv // hk
     scale = read_float(op.scale)
     s_shape = (1, hv, dk, dv)
-    # the loop updates its state in place: it starts from a tensor of its own (one-shot
-    # bufferization would otherwise write into the caller's state argument)
-    s0 = e.fill(s_shape, f32, 0.0) if state is None else e.map(
-        [(state, identity(4))], s_shape, f32, lambda b: b.convert(b.args[0], f32))
+    s0 = e.fill(s_shape, f32, 0.0) if state is None else e.convert(state, f32)
     o0 = e.empty((1, t, hv, dv), f32)
     lb, ub, one = (e.add(arith.ConstantOp(IntegerAttr(i, IndexType()))).results[0]
                    for i in (0, t, 1))
