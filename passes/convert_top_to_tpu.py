@@ -133,11 +133,8 @@ class Lowering:
     keep_float: tuple[str, ...]
     store: WeightStore
     index_ops: set[Operation] = field(default_factory=set)
-    # the tpu.weight ops made so far, per function (a value never crosses a function's
-    # boundary: two functions using one weight each get their own op), tensor and form
-    _weights: dict[tuple[Operation | None, str, str], SSAValue] = field(default_factory=dict)
-    _quantized: dict[tuple[Operation | None, str, str],
-                     tuple[SSAValue, SSAValue, SSAValue | None, int, int]] = (
+    _weights: dict[tuple[str, str], SSAValue] = field(default_factory=dict)
+    _quantized: dict[tuple[str, str], tuple[SSAValue, SSAValue, SSAValue | None, int, int]] = (
         field(default_factory=dict))
 
     # ------------------------------------------------------------------ types
@@ -155,7 +152,7 @@ class Lowering:
                ) -> SSAValue:
         """A tpu.weight holding `top_weight`'s tensor converted to `elem` (cached)."""
         src = top_weight.tensor_name
-        key = (_function_of(top_weight), src, dtype_name(elem))
+        key = (src, dtype_name(elem))
         if key in self._weights:
             return self._weights[key]
         arr = self.store[src]
@@ -182,7 +179,7 @@ class Lowering:
         sym = self.symmetric if self.symmetric is not None else (self.bits == 8)
         gs = resolve_group_size(k, self.group_size, self.bits)
         tag = f"q{self.bits}g{gs}{'s' if sym else 'a'}:{dtype_name(self.act)}"
-        key = (_function_of(top_weight), src, tag)
+        key = (src, tag)
         if key in self._quantized:
             return self._quantized[key]
         qw = quantize_rtn(w, self.bits, gs, sym, numpy_dtype(self.act))
@@ -213,7 +210,7 @@ class Lowering:
         """The tpu.weights of a pre-quantized checkpoint layer (None when the store has no
         checkpoint tensors for this weight): exactly its integers, scales and zeros."""
         src = top_weight.tensor_name
-        key = (_function_of(top_weight), src, "checkpoint")
+        key = (src, "checkpoint")
         if key in self._quantized:
             return self._quantized[key]  # type: ignore[return-value]
         parts = checkpoint_parts_of_store(self.store, src)
@@ -263,14 +260,6 @@ class Lowering:
         if any(k and k in w.tensor_name for k in self.keep_float):
             return True
         return any(isinstance(u.operation, top.GatherOp) for u in w.output.uses)
-
-
-def _function_of(op: Operation) -> Operation | None:
-    """The function `op` is in (None outside any)."""
-    parent = op.parent_op()
-    while parent is not None and not isinstance(parent, func.FuncOp):
-        parent = parent.parent_op()
-    return parent
 
 
 def tpu_elem_of_numpy(dt: np.dtype) -> Attribute:
@@ -623,7 +612,7 @@ class ConvertTopToTpuPass(ModulePass):
                     arg._type = tensor(shape_of(t), elem)  # noqa: SLF001 - signature change
             walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
                                           apply_recursively=False)
-            walker.rewrite_module(op)
+            walker.rewrite_region(fn.body)  # this function only, with its own Lowering
             ret = fn.body.block.last_op
             assert isinstance(ret, func.ReturnOp)
             rewriter_ops = list(ret.operands)
