@@ -23,7 +23,16 @@ import numpy as np
 from xdsl.dialects import func
 
 from toptpu.backend.codegen.streams import generate
-from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
+from toptpu.backend.contract import (
+    BLOCK_CACHE,
+    EMBEDDING_CACHE,
+    LM_HEAD,
+    PENALTY,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    NetName,
+)
 from toptpu.backend.formats.program import Program
 from toptpu.backend.runtime.machine import LoadedNet, Timeline
 from toptpu.backend.runtime.machine_executor import MachineExecutor
@@ -73,7 +82,9 @@ def profile_model(path: str, nets: list[str] | None = None
             bindings[spec.name] = buf
         for spec in info.outputs:
             bindings[spec.name] = ex.alloc(spec.shape, spec.dtype)
-        ex.run(name, bindings, 0 if info.per_layer else None)
+        # a per-layer net runs with the weights of the first layer that runs it (a layer
+        # kind's or a variant's nets: `block@3` with layer 3's)
+        ex.run(name, bindings, NetName.parse(name).layer if info.per_layer else None)
         prog = ex.program(name)
         tl = ex.stats[name].timelines[-1]
         profiles.append(profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops))
@@ -158,9 +169,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         print(summary_table(profiles, ex.chip))
         per = {p.net: p.seconds for p in profiles}
-        if "block_cache" in per:
-            decode = layers * per["block_cache"] + per.get("embedding_cache", 0.0) + per.get(
-                "lm_head", 0.0)
+        # each layer runs its own kind's (or variant's) decode net
+        decode_nets = ex.meta.layer_nets[BLOCK_CACHE]
+        if all(n in per for n in decode_nets):
+            decode = sum(per[n] for n in decode_nets) + per.get(EMBEDDING_CACHE, 0.0) \
+                + per.get(LM_HEAD, 0.0)
             print(f"one decode step ({layers} layers + embedding + lm_head): "
                   f"{decode * 1e3:.3f} ms modelled, {1 / decode:.1f} tokens/s")
         vision = ex.header.get("vision")

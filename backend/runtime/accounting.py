@@ -18,7 +18,8 @@ these are in its preset (`Chip.launch_us`, `host_transfer_us`, `host_gbps`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from toptpu.backend.contract import (
@@ -141,14 +142,18 @@ class StepModel:
     """The generation loop's steps from per-net timings (what `Runtime` does, charged
     without running it).
 
-    `io`: each text net's inputs and outputs (`contract.net_io`); `timings`: one run of
-    each net (per-layer nets: one layer's); `layers`: how many layers run the per-layer
-    nets."""
+    `io`: each text net's inputs and outputs (`contract.net_io`, and each layer kind's
+    per-layer nets under their names); `timings`: one run of each net (per-layer nets: one
+    layer's); `layers`: how many layers run the per-layer nets; `layer_nets`: the net each
+    layer runs for each per-layer net (the header's `layer_nets`; None: every layer runs
+    the net itself). The host's per-step uploads (positions, masks) and a past-SEQ chunk's
+    KV copies follow the attention layers' nets, as the runtime's do."""
 
     chip: Chip
     io: Mapping[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]
     timings: Mapping[str, NetTiming]
     layers: int
+    layer_nets: Mapping[str, Sequence[str]] | None = None
 
     def _spec(self, net: str, name: str) -> TensorSpec:
         ins, outs = self.io[net]
@@ -156,6 +161,28 @@ class StepModel:
 
     def _net(self, net: str, runs: int = 1) -> Costs:
         return net_costs(self.chip, self.timings[net]).times(runs)
+
+    def _runs(self, net: str) -> Counter[str]:
+        """The nets the layers run for per-layer `net`, and how many layers run each."""
+        if self.layer_nets is None:
+            return Counter({net: self.layers})
+        return Counter(self.layer_nets[net])
+
+    def _layers(self, net: str) -> Costs:
+        """Every layer's run of per-layer `net` (each layer its own kind's)."""
+        total = Costs()
+        for name, runs in self._runs(net).items():
+            total += self._net(name, runs)
+        return total
+
+    def _has_kv(self, net: str) -> bool:
+        _, outs = self.io[net]
+        return any(s.name == PRESENT_K for s in outs)
+
+    def _attn(self, net: str) -> str:
+        """The net the first attention layer runs for `net`: the positions, masks and KV
+        shapes the runtime uploads and binds are its."""
+        return next((n for n in self._runs(net) if self._has_kv(n)), net)
 
     def _up(self, net: str, *names: str) -> Costs:
         total = Costs()
@@ -165,22 +192,22 @@ class StepModel:
 
     @property
     def seq(self) -> int:
-        return self._spec(BLOCK_CACHE, HISTORY_K).shape[1]
+        return self._spec(self._attn(BLOCK_CACHE), HISTORY_K).shape[1]
 
     @property
     def chunk(self) -> int:
-        return self._spec(BLOCK, POSITION_IDS).shape[1]
+        return self._spec(self._attn(BLOCK), POSITION_IDS).shape[1]
 
     @property
     def history(self) -> int:
-        return self._spec(BLOCK_KV, HISTORY_K).shape[1]
+        return self._spec(self._attn(BLOCK_KV), HISTORY_K).shape[1]
 
     def decode_step(self) -> Costs:
         """Feed one token: its id, position and mask up, embedding_cache, the layers'
         block_cache (`Runtime._decode_step`)."""
         return (self._up(EMBEDDING_CACHE, INPUT_IDS) + self._net(EMBEDDING_CACHE)
-                + self._up(BLOCK_CACHE, POSITION_IDS, ATTENTION_MASK)
-                + self._net(BLOCK_CACHE, self.layers))
+                + self._up(self._attn(BLOCK_CACHE), POSITION_IDS, ATTENTION_MASK)
+                + self._layers(BLOCK_CACHE))
 
     def next_token(self, sampler: str) -> Costs:
         """Choose a token from the last hidden row (`Runtime._next_token`): lm_head, then
@@ -224,15 +251,16 @@ class StepModel:
     def _chunk(self, start: int, n: int) -> Costs:
         net = BLOCK if start == 0 else BLOCK_KV
         c = (self._up(EMBEDDING, INPUT_IDS) + self._net(EMBEDDING)
-             + self._up(BLOCK, POSITION_IDS) + self._up(net, ATTENTION_MASK)
-             + self._net(net, self.layers))
-        if start + self.chunk > self.seq:  # the padded chunk runs past SEQ: each layer's n
-            # rows go from the scratch output into the cache through the host
-            scratch = self._spec(BLOCK, PRESENT_K)
+             + self._up(self._attn(BLOCK), POSITION_IDS)
+             + self._up(self._attn(net), ATTENTION_MASK) + self._layers(net))
+        if start + self.chunk > self.seq:  # the padded chunk runs past SEQ: each attention
+            # layer's n rows go from the scratch output into the cache through the host
+            scratch = self._spec(self._attn(BLOCK), PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
             per_layer = (transfer_costs(self.chip, scratch.nbytes).times(2)
                          + transfer_costs(self.chip, rows).times(2))
-            c += per_layer.times(self.layers)
+            c += per_layer.times(sum(r for name, r in self._runs(net).items()
+                                     if self._has_kv(name)))
         return c
 
     def first_token(self, prompt_tokens: int, sampler: str) -> Costs:
