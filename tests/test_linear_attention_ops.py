@@ -294,6 +294,38 @@ def test_tpu_types_and_interpreter(mode: str) -> None:
                                        atol=tol, err_msg=name)
 
 
+@pytest.mark.parametrize("mode", ["f32", "bf16"])
+def test_sliced_by_heads_and_channels_on_the_machine(mode: str) -> None:
+    """On a chip whose lanes cannot hold the delta rule or the conv whole, layer-group
+    slices the rule by key heads (each with its value heads, the state by value heads) and
+    the conv by channels; the machine, with each state bound in place (one buffer read and
+    written), gives the Tpu interpreter's outputs and new states bit for bit."""
+    from dataclasses import replace
+
+    from toptpu.backend.runtime.simulate import simulate
+    from toptpu.machine_pipeline import compile_for_machine
+
+    net = TinyGatedDeltaNet(hk=4, hv=8, dk=16, dv=16)
+    feeds = _net_feeds(net, t=8, n_valid=6)
+    module, store, _ = _import_net(net, feeds)
+    run_passes(module, tpu_pipeline_passes(mode, group_size=8), store=store)
+    fn = _fn(module)
+    feeds = {n: a.astype(K.BF16) if dtype_name(elem_of(arg)) == "bf16" else a
+             for (n, a), arg in zip(feeds.items(), fn.body.block.args, strict=True)}
+    want = Interpreter(module, store).run(feeds).outputs
+    chip = replace(CHIP, lanes=2, lane_bytes=12288 if mode == "f32" else 6144)
+    program = compile_for_machine(module, chip)
+    sliced = {op.name: g.attributes["slices"].value.data for g in module.walk()
+              if isinstance(g, tpu.GroupOp) for op in g.body.walk()
+              if isinstance(op, tpu.GatedDeltaRuleOp | tpu.CausalConv1dOp)}
+    assert sliced["tpu.gated_delta_rule"] > 1 and sliced["tpu.causal_conv1d"] > 1, sliced
+    got = simulate(program, store, feeds, chip,
+                   in_place={"new_state": "state", "new_conv_state": "conv_state"}).outputs
+    for name in NET_OUTPUTS:
+        assert got[name].dtype == want[name].dtype, name
+        assert np.array_equal(got[name].view(np.uint8), want[name].view(np.uint8)), name
+
+
 # --------------------------------------------------------------------------- verifiers
 
 
