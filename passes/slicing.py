@@ -133,8 +133,11 @@ def row_rule(op: Operation) -> RowRule | None:
         a = token_axis(ins)
         if a is None:
             return None
-
-        if ins[a] == out[r] and math.prod(ins[:a]) == math.prod(out[:r]):
+        # the same rows, or rows merged with the axes after them ([1, T, H, D] -> [T*H, D])
+        # or split back: with equal leading axes, a block of rows along one is a block of
+        # rows along the other (the slice count divides both: layer-group checks)
+        if math.prod(ins[:a]) == math.prod(out[:r]) and (
+                ins[a] == out[r] or max(ins[a], out[r]) % min(ins[a], out[r]) == 0):
             return RowRule((a,), (r,))
         return None
     if isinstance(op, top.PermuteBase):
