@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.errors import ToptpuError
 
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -169,3 +170,14 @@ def add_static_shape_args(p: argparse.ArgumentParser) -> None:
                    help="prefill chunk L (default min(SEQ, 128))")
     p.add_argument("--max-history", type=int_at_least(1), default=None,
                    help="history Hh the prefill_kv net attends to (default SEQ)")
+
+
+def add_weight_quant_args(p: argparse.ArgumentParser) -> None:
+    """--group-size and --symmetric, as compile, estimate and compare take them (None: the
+    mode's default, which the help states)."""
+    p.add_argument("--group-size", type=group_size, default=None,
+                   help=f"w4 modes: quantization group size (default {DEFAULT_GROUP_SIZE}; -1: "
+                   "per channel)")
+    p.add_argument("--symmetric", action="store_true", default=None,
+                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
+                   "w4 asymmetric)")
