@@ -615,7 +615,7 @@ class ConvertTopToTpuPass(ModulePass):
                     arg._type = tensor(shape_of(t), elem)  # noqa: SLF001 - signature change
             walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
                                           apply_recursively=False)
-            walker.rewrite_module(op)
+            walker.rewrite_region(fn.body)  # this function only, with its own Lowering
             ret = fn.body.block.last_op
             assert isinstance(ret, func.ReturnOp)
             rewriter_ops = list(ret.operands)

@@ -56,7 +56,7 @@ AXES = ("lanes", "lane_bytes", "ddr_gbps", "tflops", "cores")
 TFLOPS_TYPE = "bf16"
 CSV_NAME = "sweep.csv"
 COLUMNS = ("config", "mode", "seq_length", "chip", *AXES, "sustained_gbps", "weight_bytes",
-           "kv_bytes", "ttft_s", "tokens_per_s", "decode_step_s",
+           "kv_bytes", "state_bytes", "ttft_s", "tokens_per_s", "decode_step_s",
            *(f"decode_{c}_s" for c in CATEGORIES), "decode_bound", "error")
 
 
@@ -127,6 +127,7 @@ def run_point(point: Point) -> dict[str, Any]:
         return {**row, "error": str(e)}
     per = est.per_token
     return {**row, "weight_bytes": compiled.weight_bytes, "kv_bytes": compiled.kv_bytes,
+            "state_bytes": compiled.state_bytes,
             "ttft_s": est.ttft_s, "tokens_per_s": est.tokens_per_s,
             "decode_step_s": per.total_s,
             **{f"decode_{c}_s": getattr(per, f"{c}_s") for c in CATEGORIES},

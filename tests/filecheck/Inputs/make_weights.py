@@ -39,3 +39,9 @@ save_file({
     "fc.weight#checkpoint.meta": np.array([4, 32], np.int32),
     "#checkpoint": np.ones(1, np.int8),
 }, os.path.join(os.path.dirname(__file__), "checkpoint_mins.safetensors"))
+
+# a linear-attention layer's depthwise conv taps [C, K] (its own generator: the tensors
+# above stay as they were)
+save_file({
+    "conv.weight": np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32),
+}, os.path.join(os.path.dirname(__file__), "linear_attention.safetensors"))
