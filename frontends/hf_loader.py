@@ -220,11 +220,17 @@ def check_config_values(raw: Any, where: str) -> None:
             raise bad(name, "true or false")
 
 
-def check_config(config: Any, where: str = "the model") -> str:
-    """Raise ModelLoadError for a config the compiler cannot honour; return the family."""
+def check_config(config: Any, where: str = "the model", family: str | None = None) -> str:
+    """Raise ModelLoadError for a config the compiler cannot honour; return the family.
+    `family`: the config is a VLM's text model of a type of its own (`qwen2_5_vl_text`) whose
+    layers are those of this family (checked as such; the family returned is its type)."""
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if family is not None:
+        mt_family = str(mt)
+    elif mt not in SUPPORTED_MODEL_TYPES:
         raise _unknown_model_type(mt, where)
+    else:
+        mt_family = SUPPORTED_MODEL_TYPES[mt]
     if getattr(config, "quantization_config", None):
         qc = config.quantization_config
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(
@@ -254,7 +260,7 @@ def check_config(config: Any, where: str = "the model") -> str:
             f"sequence length at run time; toptpu compiles static shapes and honours "
             f"{', '.join(STATIC_ROPE_TYPES)}")
     layer_types = getattr(config, "layer_types", None) or []
-    if SUPPORTED_MODEL_TYPES[mt] in HYBRID_FAMILIES:
+    if (family or SUPPORTED_MODEL_TYPES[mt]) in HYBRID_FAMILIES:
         _check_hybrid(config, where)
     elif any(t != "full_attention" for t in layer_types) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",
@@ -266,7 +272,7 @@ def check_config(config: Any, where: str = "the model") -> str:
     if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
         raise ModelLoadError(f"{where}: pretraining_tp={config.pretraining_tp} is not supported;"
                              " set it to 1 (it only changes the order of a training-time split)")
-    return SUPPORTED_MODEL_TYPES[mt]
+    return mt_family
 
 
 #: the linear-attention sizes of a hybrid config: name -> largest value accepted
