@@ -146,6 +146,23 @@ class PreparedImage:
     frames: int = 1
 
 
+@dataclass
+class VideoPatches:
+    """A video's frames through the image processor, as the video processor lays them out:
+    `patches` [t*h*w, C*T*P*P] in its order, the `grid` (t, h, w), the placeholder text,
+    the temporal position step of Qwen2.5-VL (`interval`: tokens_per_second x seconds per
+    temporal patch) and the number of frames given."""
+
+    patches: np.ndarray
+    grid: tuple[int, int, int]
+    placeholder: str
+    interval: float
+    frames: int
+    source: str
+    size: tuple[int, int]
+    what: str
+
+
 class ImagePreprocessor:
     """The host side of a model file's vision net: preprocessing and placeholder layout
     from the header's `vision` section (no executor needed)."""
@@ -299,6 +316,16 @@ class ImagePreprocessor:
     def prepare_video(self, frames: list[Any], fps: float) -> PreparedImage:
         """Preprocess a video given as its frames (paths or PIL images, `fps` frames a
         second): see the module doc. No net runs."""
+        video = self.video_patches(frames, fps)
+        feeds, order, tokens = self._qwen_inputs(video.patches, video.grid, video.what)
+        return PreparedImage([feeds], [tokens], video.placeholder, video.source, video.size,
+                             order=order, modality="video", grid_thw=video.grid,
+                             interval=video.interval, frames=video.frames)
+
+    def video_patches(self, frames: list[Any], fps: float) -> VideoPatches:
+        """A video given as its frames through the image processor, as the video processor
+        lays it out (see the module doc): its patches in the processor's order, its grid,
+        placeholder text and temporal step."""
         if self.kind != "qwenvl":
             raise GenerationError(f"a {self.info['model_type']} model file takes images, not "
                                   "videos")
@@ -340,7 +367,7 @@ class ImagePreprocessor:
         pv = frame.reshape(steps, tp, h * w, c, p, p).transpose(0, 2, 3, 1, 4, 5)
         pv = np.ascontiguousarray(pv).reshape(steps * h * w, c * tp * p * p)
         what = f"video '{source}' ({len(images)} frames)"
-        feeds, order, tokens = self._qwen_inputs(pv, (steps, h, w), what)
+        tokens = steps * h * w // merge ** 2
         t = self.info["tokens"]
         per_frame = tokens // steps
         if q.get("frames_apart"):  # Qwen3-VL, Qwen3.5: a timestamp before each temporal patch
@@ -353,9 +380,8 @@ class ImagePreprocessor:
         else:
             placeholder = t["video_token"] * tokens
         interval = float(np.float32(q.get("tokens_per_second") or 1.0) * np.float32(tp / fps))
-        return PreparedImage([feeds], [tokens], placeholder, source, images[0].size,
-                             order=order, modality="video", grid_thw=(steps, h, w),
-                             interval=interval, frames=len(images))
+        return VideoPatches(pv, (steps, h, w), placeholder, interval, len(images), source,
+                            images[0].size, what)
 
     def _minicpmv(self, img: Any, source: str) -> PreparedImage:
         from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
