@@ -57,8 +57,9 @@ HYBRID_FAMILIES = ("qwen3_5",)
 REFUSED_MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe": "Qwen3.5-MoE (mixture of experts) is not supported yet; the dense Qwen3.5 "
                    "models (model_type qwen3_5_text) are",
-    "qwen3_5": "this is a Qwen3.5 vision-language checkpoint; toptpu compiles its text model "
-               "(model_type qwen3_5_text: the text_config with the language model's weights)",
+    "qwen3_5": "this is a Qwen3.5 vision-language checkpoint, which `toptpu compile` takes as "
+               "a VLM (its vision tower and hybrid text model) from its directory; a text "
+               "model alone is model_type qwen3_5_text",
 }
 
 #: rope types whose frequencies are fixed at load time (static shapes can honour them)

@@ -172,8 +172,9 @@ def _qwen_vl_config(family: str, tok: Any, text: dict[str, Any] | None, tied: bo
         ("vision_end_token", "vision_end_token_id"))}
     text = dict(text or {})
     if family == "qwen2_5_vl":  # Qwen2.5-VL-3B: vision head_dim 80, text head_dim 128
-        tc = _text_config("qwen2", hidden_size=512, intermediate_size=1024,
-                          num_attention_heads=4, num_key_value_heads=2, **text)
+        tc = _text_config("qwen2", **{"hidden_size": 512, "intermediate_size": 1024,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      **text})
         tc.update(model_type="qwen2_5_vl_text", rope_parameters={
             "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
         vision = dict(depth=4, hidden_size=320, num_heads=4, intermediate_size=856,
@@ -184,9 +185,9 @@ def _qwen_vl_config(family: str, tok: Any, text: dict[str, Any] | None, tied: bo
         return Qwen2_5_VLConfig(text_config=tc, vision_config=vision, tie_word_embeddings=tied,
                                 **ids)
     if family == "qwen3_vl":  # Qwen3-VL-4B: vision head_dim 64, DeepStack, text head_dim 128
-        tc = _text_config("qwen3", hidden_size=512, intermediate_size=1024,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                          num_hidden_layers=3, **text)
+        tc = _text_config("qwen3", **{"hidden_size": 512, "intermediate_size": 1024,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "head_dim": 128, "num_hidden_layers": 3, **text})
         tc.update(model_type="qwen3_vl_text", rope_parameters={
             "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
             "mrope_interleaved": True})
@@ -251,6 +252,28 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             else:
                 fan_in = p[0].numel() if p.dim() >= 4 else p.shape[-1]  # conv: C*(kt)*kh*kw
                 p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
+        if model.config.model_type in QWEN_VL_FAMILIES:
+            _image_rows_like_text(model, g)
+
+
+def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator) -> None:
+    """A Qwen VLM's image rows (and DeepStack rows) scaled to its text embeddings' spread,
+    without a common offset: with random weights they would otherwise drown the text and
+    look alike, and the text model would answer every image with one token."""
+    visual = model.model.visual
+    vc = model.config.vision_config
+    dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    side = 4 * int(vc.spatial_merge_size)
+    probe = torch.randn(side * side, dim, generator=g)
+    target = float(model.get_input_embeddings().weight.std())
+    out = model.model.get_image_features(probe, torch.tensor([[1, side, side]]))
+    rows = [torch.cat(list(out.pooler_output))]
+    rows += [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
+    for merger, feats in zip([visual.merger, *getattr(visual, "deepstack_merger_list", [])],
+                             rows, strict=True):
+        last = merger.mlp[2] if hasattr(merger, "mlp") else merger.linear_fc2
+        last.bias.zero_()
+        last.weight.mul_(target / float((feats - feats.mean(0)).std()))
 
 
 def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | None = None,

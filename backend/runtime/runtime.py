@@ -274,14 +274,31 @@ class GenerationResult:
         return asdict(self)
 
 
-def breakdown(first: Costs | None, decode: Costs | None, decoded: int
-              ) -> dict[str, Any] | None:
+def _vision_costs(encoded: Sequence[Any]) -> Costs | None:
+    """The modelled costs of the vision net runs of `encoded` (None: none, or no model)."""
+    costs = [getattr(im, "modelled_costs", None) for im in encoded]
+    if not costs or any(c is None for c in costs):
+        return None
+    total = Costs()
+    for c in costs:
+        total += c
+    return total
+
+
+def breakdown(first: Costs | None, decode: Costs | None, decoded: int,
+              vision: Costs | None = None) -> dict[str, Any] | None:
     """The modelled time of the first token and of each decoded token after it (None
-    without a cost model; decode None when only one token was generated)."""
+    without a cost model; decode None when only one token was generated), and of the
+    vision net runs of the images given (`vision`, only when there are some: they run
+    before the prompt's prefill, so the first token of a prompt with images comes after
+    both)."""
     if first is None or decode is None:
         return None
-    return {"first_token": first.to_json(),
-            "per_decoded_token": decode.to_json(decoded) if decoded else None}
+    out: dict[str, Any] = {"first_token": first.to_json(),
+                           "per_decoded_token": decode.to_json(decoded) if decoded else None}
+    if vision is not None:
+        out["vision"] = vision.to_json()
+    return out
 
 
 # =========================================================================== tokenizer
@@ -1428,7 +1445,7 @@ class Runtime:
             vision_modelled_s=sum(im.modelled_s for im in encoded)
             if encoded and all(im.modelled_s is not None for im in encoded) else None,
             sampler=sampler,
-            modelled_breakdown=breakdown(first, decode, n_dec),
+            modelled_breakdown=breakdown(first, decode, n_dec, _vision_costs(encoded)),
         )
 
     def _has_tokenizer(self) -> bool:

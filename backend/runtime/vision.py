@@ -68,6 +68,7 @@ from toptpu.backend.contract import (
     pack_slice,
     qwen_vit_inputs,
 )
+from toptpu.backend.runtime.accounting import Costs
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
 
@@ -121,6 +122,8 @@ class EncodedImage:
     deepstack: np.ndarray | None = None
     interval: float = 1.0
     frames: int = 1
+    #: the modelled chip time of the vision net runs by where it goes (None: no cost model)
+    modelled_costs: Costs | None = None
 
     @property
     def image_tokens(self) -> int:
@@ -481,16 +484,16 @@ class VisionEncoder(ImagePreprocessor):
     def encode(self, image: Any) -> EncodedImage:
         """Preprocess `image` and run the vision net on each tile: its embedding rows."""
         _ = self.processor  # imports transformers once; not part of the image's time
-        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
-        return self._encoded(self.prepare(image), t0, m0)
+        t0, c0 = time.perf_counter(), self.ex.modelled_costs()
+        return self._encoded(self.prepare(image), t0, c0)
 
     def encode_video(self, frames: list[Any], fps: float) -> EncodedImage:
         """Preprocess a video given as frames (Qwen-VL) and run the vision net on it."""
         _ = self.processor
-        t0, m0 = time.perf_counter(), self.ex.modelled_seconds()
-        return self._encoded(self.prepare_video(frames, fps), t0, m0)
+        t0, c0 = time.perf_counter(), self.ex.modelled_costs()
+        return self._encoded(self.prepare_video(frames, fps), t0, c0)
 
-    def _encoded(self, p: PreparedImage, t0: float, m0: float) -> EncodedImage:
+    def _encoded(self, p: PreparedImage, t0: float, c0: Costs | None) -> EncodedImage:
         deepstack = None
         if p.order is not None:  # Qwen-VL: one run, its rows back in the model's order
             (feeds,), (n,) = p.feeds, p.rows
@@ -501,7 +504,8 @@ class VisionEncoder(ImagePreprocessor):
         else:
             rows = np.concatenate([self._run(f)[0, :n] for f, n in zip(p.feeds, p.rows,
                                                                          strict=True)])
-        t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
+        t1, c1 = time.perf_counter(), self.ex.modelled_costs()
+        costs = c1 - c0 if c0 is not None and c1 is not None else None
         return EncodedImage(p.source, p.size, len(p.feeds), p.placeholder, rows, t1 - t0,
-                            (m1 - m0) if m1 > 0 else None, p.grids, p.modality, p.grid_thw,
-                            deepstack, p.interval, p.frames)
+                            costs.total_s if costs is not None else None, p.grids,
+                            p.modality, p.grid_thw, deepstack, p.interval, p.frames, costs)
