@@ -25,7 +25,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -575,11 +575,13 @@ def read_config(path: str) -> tuple[Any, dict[str, Any]]:
     return config, raw
 
 
-def placeholder_model(config: Any, layers: int = 1) -> Any:
+def placeholder_model(config: Any, layers: int = 1,
+                      build: Callable[[Any], Any] | None = None) -> Any:
     """The causal LM of `config` with `layers` layers and placeholder weights: zeros,
     allocated lazily (untouched pages take no memory), tied weights still tied. For
     what depends on shapes alone (the compiled nets' command streams and their costs),
-    without a checkpoint."""
+    without a checkpoint. `build` makes the causal LM of a config transformers has no
+    causal-LM class for (a VLM's text model; default `AutoModelForCausalLM`)."""
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(config)
@@ -587,7 +589,8 @@ def placeholder_model(config: Any, layers: int = 1) -> Any:
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = list(cfg.layer_types)[:layers]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = build(cfg) if build is not None else AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32)
     zeros: dict[int, torch.nn.Parameter] = {}  # by the meta parameter: ties stay ties
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):  # noqa: SLF001 - re-materialized

@@ -116,12 +116,16 @@ class QwenVit(torch.nn.Module):
     def _attend(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         """The model's vision attention over x [N, D] with an additive key mask."""
-        s = x.shape[0]
-        q, k, v = attn.qkv(x).reshape(s, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        s, d = x.shape
+        # the model's qkv(x).reshape(s, 3, heads, -1).permute(1, 0, 2, 3).unbind(0), as three
+        # column slices (a permute of the stacked three would move every row at once)
+        qkv = attn.qkv(x)
+        q, k, v = (qkv[:, i * d:(i + 1) * d].reshape(1, s, attn.num_heads, -1)
+                   for i in range(3))
         q, k = self.apply_rotary(q, k, cos, sin)
-        q, k, v = (y.transpose(0, 1).unsqueeze(0) for y in (q, k, v))
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-        return attn.proj(o[0].transpose(0, 1).reshape(s, -1))
+        return attn.proj(o.transpose(1, 2).reshape(s, d))
 
     def forward(self, pixel_values: torch.Tensor, position_ids_vit: torch.Tensor,
                 attention_mask: torch.Tensor, *rest: torch.Tensor

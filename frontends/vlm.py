@@ -460,6 +460,74 @@ class VisionModel:
         return out
 
 
+def qwen_inputs(visual: Any, vc: Any, budget: int, patches: np.ndarray,
+                grid: tuple[int, int, int]) -> Any:
+    """`contract.qwen_vit_inputs` of one image or video for the vision tower `visual`
+    (its config `vc`) at `budget` patches."""
+    windowed = hasattr(visual, "fullatt_block_indexes")
+    side = int(visual.num_grid_per_side) if hasattr(visual, "pos_embed") else None
+    return qwen_vit_inputs(patches, grid, budget, int(vc.spatial_merge_size),
+                           patch_size=int(vc.patch_size),
+                           window_size=int(vc.window_size) if windowed else None,
+                           position_grid_side=side)
+
+
+def qwen_probe(vc: Any, budget: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Patches of a grid smaller than `budget` (padding present; several windows, not
+    square) for a Qwen vit net's example inputs and its check."""
+    m = int(vc.spatial_merge_size)
+    h = max(m, math.isqrt(budget) // m * m)
+    w = h - m if h > m else h
+    while h * w > budget:
+        h -= m
+    dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    g = np.random.default_rng(0)
+    return g.standard_normal((h * w, dim)).astype(np.float32), (1, h, w)
+
+
+def qwen_vit_spec(visual: Any, vc: Any, budget: int) -> NetSpec:
+    """The `vit` net of a Qwen vision tower `visual` (config `vc`) over `budget` patches:
+    `frontends.qwen_vl.QwenVit` with example inputs of a probe grid."""
+    windowed = hasattr(visual, "fullatt_block_indexes")
+    inputs = [PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK]
+    if windowed:
+        inputs.append(WINDOW_MASK)
+    if hasattr(visual, "pos_embed"):
+        inputs += [INTERP_INDICES, INTERP_WEIGHTS]
+    levels = getattr(visual, "deepstack_visual_indexes", None) or ()
+    outputs = [IMAGE_EMBEDS] + ([DEEPSTACK_EMBEDS] if levels else [])
+    feeds = qwen_inputs(visual, vc, budget, *qwen_probe(vc, budget)).feeds
+    args = tuple(torch.from_numpy(feeds[name]) for name in inputs)
+    return NetSpec(VISION_NET, QwenVit(visual, windowed).eval(), args, inputs, outputs, False)
+
+
+def deepstack_spec(width: int, shapes: StaticShapes, act: str) -> NetSpec:
+    """The `deepstack_add` net of a text model of hidden size `width` at the chunk L."""
+    g = torch.Generator().manual_seed(0)
+    args = tuple(torch.randn(1, shapes.max_input_length, width, generator=g).to(
+        TORCH_ACTIVATIONS[act]) for _ in range(2))
+    return NetSpec(DEEPSTACK_NET, DeepStackAdd().eval(), args, [HIDDEN, DEEPSTACK],
+                   [HIDDEN_OUT], False)
+
+
+def placeholder_vision(config: Any) -> Any:
+    """The vision tower of a Qwen VLM config with placeholder weights (zeros on untouched
+    pages) and its computed rotary frequencies: for what depends on shapes alone (the
+    `vit` net's command streams, `toptpu estimate`)."""
+    from transformers import AutoModel
+
+    with quiet_transformers(), torch.device("meta"):
+        visual = AutoModel.from_config(config.vision_config, dtype=torch.float32)
+    for mod in visual.modules():
+        for name, p in list(mod._parameters.items()):  # noqa: SLF001 - re-materialized
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(  # noqa: SLF001
+                    torch.from_numpy(np.zeros(tuple(p.shape), np.float32)),
+                    requires_grad=False)
+    _rebuild_rotaries(visual)
+    return visual.eval()
+
+
 @dataclass
 class QwenVisionModel(VisionModel):
     """The vision half of Qwen2.5-VL, Qwen3-VL or Qwen3.5 (`toptpu.frontends.qwen_vl`): one
@@ -500,52 +568,19 @@ class QwenVisionModel(VisionModel):
 
     def inputs(self, patches: np.ndarray, grid: tuple[int, int, int]) -> Any:
         """`contract.qwen_vit_inputs` of one image or video at this net's budget."""
-        vc = self.vlm.config.vision_config
-        return qwen_vit_inputs(patches, grid, self.max_patches, self.merge,
-                               patch_size=self.patch_size,
-                               window_size=int(vc.window_size) if self.windowed else None,
-                               position_grid_side=self.position_grid_side)
+        return qwen_inputs(self.visual, self.vlm.config.vision_config, self.max_patches,
+                           patches, grid)
 
     def _probe(self) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """Patches of a grid smaller than the budget (padding present; several windows,
-        not square) for the example inputs and the check."""
-        m = self.merge
-        h = max(m, math.isqrt(self.max_patches) // m * m)
-        w = h - m if h > m else h
-        while h * w > self.max_patches:
-            h -= m
-        vc = self.vlm.config.vision_config
-        dim = int(vc.in_channels) * int(vc.temporal_patch_size) * self.patch_size ** 2
-        g = np.random.default_rng(0)
-        return g.standard_normal((h * w, dim)).astype(np.float32), (1, h, w)
-
-    def _names(self) -> tuple[list[str], list[str]]:
-        inputs = [PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK]
-        if self.windowed:
-            inputs.append(WINDOW_MASK)
-        if self.position_grid_side is not None:
-            inputs += [INTERP_INDICES, INTERP_WEIGHTS]
-        outputs = [IMAGE_EMBEDS] + ([DEEPSTACK_EMBEDS] if self.deepstack_levels else [])
-        return inputs, outputs
+        return qwen_probe(self.vlm.config.vision_config, self.max_patches)
 
     def net_spec(self) -> NetSpec:
-        patches, grid = self._probe()
-        feeds = self.inputs(patches, grid).feeds
-        inputs, outputs = self._names()
-        args = tuple(torch.from_numpy(feeds[name]) for name in inputs)
-        return NetSpec(VISION_NET, QwenVit(self.visual, self.windowed).eval(), args, inputs,
-                       outputs, False)
+        return qwen_vit_spec(self.visual, self.vlm.config.vision_config, self.max_patches)
 
     def extra_specs(self, shapes: StaticShapes, act: str) -> list[NetSpec]:
         if not self.deepstack_levels:
             return []
-        g = torch.Generator().manual_seed(0)
-        width = int(self.vlm.config.text_config.hidden_size)
-        dtype = TORCH_ACTIVATIONS[act]
-        args = tuple(torch.randn(1, shapes.max_input_length, width, generator=g).to(dtype)
-                     for _ in range(2))
-        return [NetSpec(DEEPSTACK_NET, DeepStackAdd().eval(), args, [HIDDEN, DEEPSTACK],
-                        [HIDDEN_OUT], False)]
+        return [deepstack_spec(int(self.vlm.config.text_config.hidden_size), shapes, act)]
 
     def check(self, spec: NetSpec) -> None:
         """The wrapper computes what the model's own get_image_features computes (image

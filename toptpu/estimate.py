@@ -58,6 +58,7 @@ from toptpu.cli_args import (
     add_static_shape_args,
     add_weight_quant_args,
     int_at_least,
+    pixel_size,
 )
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
@@ -100,13 +101,15 @@ class CompiledCosts:
     weight_bytes: int
     kv_bytes: int
     compile_s: float = 0.0
+    #: rows of the full-attention nets' position_ids (3: a VLM's M-RoPE)
+    position_axes: int = 1
 
     @property
     def act(self) -> str:
         return act_dtype(self.mode)
 
     def io(self) -> dict[str, Any]:
-        return net_io(self.shapes, self.model, self.act)
+        return net_io(self.shapes, self.model, self.act, self.position_axes)
 
     def timings(self, chip: Chip, nets: Sequence[str] | None = None) -> dict[str, NetTiming]:
         """Each compiled net (or `nets`) timed on `chip`."""
@@ -114,11 +117,14 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": asdict(self.model), "mode": self.mode, "shapes": asdict(self.shapes),
-                "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
-                "compile_s": self.compile_s,
-                "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps)]
-                                 for c in cmds] for n, cmds in self.commands.items()}}
+        out = {"model": asdict(self.model), "mode": self.mode, "shapes": asdict(self.shapes),
+               "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
+               "compile_s": self.compile_s,
+               "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps)]
+                                for c in cmds] for n, cmds in self.commands.items()}}
+        if self.position_axes != 1:
+            out["position_axes"] = self.position_axes
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CompiledCosts:
@@ -128,7 +134,8 @@ class CompiledCosts:
                                              tuple(c[4])) for c in cmds]
                              for n, cmds in d["commands"].items()},
                    weight_bytes=int(d["weight_bytes"]), kv_bytes=int(d["kv_bytes"]),
-                   compile_s=float(d.get("compile_s", 0.0)))
+                   compile_s=float(d.get("compile_s", 0.0)),
+                   position_axes=int(d.get("position_axes", 1)))
 
 
 def act_dtype(mode: str) -> str:
@@ -152,18 +159,21 @@ def model_shape(config: Any) -> ModelShape:
 
 def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
                   group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
-                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None
-                  ) -> CompiledCosts:
+                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
+                  position_axes: int = 1, build: Any = None) -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
-    and keep their command costs."""
+    and keep their command costs. `position_axes` 3: the full-attention nets take M-RoPE
+    positions (a VLM's text model, built by `build` where transformers has no causal LM
+    class for it)."""
     from toptpu.frontends.hf_loader import placeholder_model
     from toptpu.frontends.llm import split_model
 
     t0 = time.perf_counter()
     shape = model_shape(config)
-    model = placeholder_model(config, layers=1)
+    model = placeholder_model(config, layers=1, build=build)
     act = QuantMode(mode).activation
-    specs = {s.name: s for s in split_model(model, shapes, act=act)}
+    specs = {s.name: s for s in split_model(model, shapes, act=act,
+                                            position_axes=position_axes)}
     unknown = [n for n in nets if n not in specs]
     if unknown:
         raise EstimateError(f"unknown nets {unknown}; nets: {', '.join(specs)}")
@@ -180,7 +190,7 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
         model=shape, mode=mode, shapes=shapes,
         commands={n: command_costs(p.commands) for n, p in programs.items()},
         weight_bytes=weight_bytes(programs, shape), kv_bytes=kv_bytes(shape, shapes, mode),
-        compile_s=time.perf_counter() - t0)
+        compile_s=time.perf_counter() - t0, position_axes=position_axes)
 
 
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
@@ -447,18 +457,60 @@ def cmd_estimate(args: Any) -> int:
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
-    config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
-                                 args.group_size, args.symmetric)
+    from toptpu import vlm_estimate
+
+    vlm = vlm_estimate.vlm_config(args.config_dir)
+    if vlm is None:
+        if (args.max_pixels, args.max_patches, args.vision_quantize) != (None, None, None):
+            raise EstimateError("--max-pixels, --max-patches and --vision-quantize apply to "
+                                "vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+        config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
+                                     args.group_size, args.symmetric)
+    else:
+        config = _checked_vlm_text(vlm, args, shapes)
     progress = None if args.json or args.quiet else sys.stderr
     if progress is not None:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
-    compiled = compile_costs(config, chip, args.mode, shapes,
-                             DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
-                             args.symmetric, progress=progress)
+    group = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
+    build = vlm_estimate.text_placeholder_builder(config) if vlm is not None else None
+    compiled = compile_costs(config, chip, args.mode, shapes, group, args.symmetric,
+                             progress=progress, position_axes=3 if vlm is not None else 1,
+                             build=build)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
-    print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
+    if vlm is None:
+        print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
+        return 0
+    vit_mode = args.vision_quantize or QuantMode(args.mode).activation
+    try:
+        parse_mode(vit_mode)
+    except ValueError as e:
+        raise CompileError(f"--vision-quantize: {e}") from e
+    budget = vlm_estimate.budget_of(vlm, args.max_pixels, args.max_patches)
+    if progress is not None:
+        progress.write(f"  vit: {budget} patches in {vit_mode}\n")
+    vision = vlm_estimate.vision_costs(vlm, chip, vit_mode, budget, shapes, args.mode, group,
+                                       args.symmetric)
+    both = vlm_estimate.estimate_vlm(est, vision, args.sampler)
+    print(json.dumps(both.to_json(), indent=1) if args.json else
+          "\n".join([summary(est), *vlm_estimate.summary_lines(both)]))
     return 0
+
+
+def _checked_vlm_text(vlm: Any, args: Any, shapes: StaticShapes) -> Any:
+    """A Qwen VLM's text config, checked as compile checks it for the mode and shapes."""
+    from toptpu import vlm_estimate
+    from toptpu.compile_options import check_quant_options, check_seq_length
+
+    try:
+        parse_mode(args.mode)
+    except ValueError as e:
+        raise CompileError(str(e)) from e
+    check_quant_options(args.mode, args.group_size, args.symmetric)
+    where = f"{args.config_dir}/config.json"
+    text = vlm_estimate.checked_text_config(vlm, where)
+    check_seq_length(text.to_dict(), where, shapes.seq_length, args.mode)
+    return text
 
 
 def _without_quantization(config: Any) -> Any:
@@ -484,6 +536,13 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--sampler", choices=list(SAMPLERS), default="greedy",
                    help="how tokens are chosen: greedy_head or sample_head on the chip, or "
                    "on the host from the logits read back")
+    v = p.add_argument_group("vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+    v.add_argument("--max-pixels", type=pixel_size, default=None, metavar="W,H",
+                   help="the vision net's pixel budget (default 768,768), as compile")
+    v.add_argument("--max-patches", type=int_at_least(1), default=None,
+                   help="the vision net's patch budget (instead of --max-pixels)")
+    v.add_argument("--vision-quantize", default=None,
+                   help="mode of the vit net (default: the activation type of -q)")
     p.add_argument("--set", action="append", metavar="FIGURE=VALUE",
                    help="change a chip figure (repeatable), e.g. ddr_gbps=128, cores=1, "
                    "tflops.bf16=32")
