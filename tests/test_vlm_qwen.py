@@ -436,3 +436,33 @@ def test_what_does_not_fit_is_refused() -> None:
     internvl = tiny_vlm("internvl", text={"num_hidden_layers": 1})
     with pytest.raises(ModelLoadError, match="--max-pixels applies to Qwen2.5-VL"):
         load_vlm(internvl, vlm_tokenizer("internvl"), max_pixels=(448, 448))
+
+
+@pytest.mark.slow
+def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
+    """`toptpu estimate`'s vision side from the config alone (placeholder weights) charges
+    what the machine charges the compiled Qwen3-VL file: the vit run with its transfers,
+    and the prompt's first token with the image rows and the DeepStack adds."""
+    from toptpu import vlm_estimate
+    from toptpu.backend.contract import StaticShapes
+    from toptpu.backend.runtime.accounting import StepModel, merged, total
+    from toptpu.backend.target.chips import get_chip
+    from toptpu.estimate import compile_costs
+
+    path = qwen_file(tmp_path_factory, "qwen3_vl")
+    rt = Runtime.open(path, "machine")
+    ids, images = rt.image_prompt(PROMPT, [image()], chat_template=True)
+    res = rt.generate(ids, 1, images=images)
+    chip, shapes = get_chip("bm1684x"), StaticShapes.make(256, 32)
+    config = vlm_estimate.vlm_config(vlm_dir(tmp_path_factory, "qwen3_vl"))
+    vision = vlm_estimate.vision_costs(config, chip, "f32", 400, shapes, "f32")
+    assert vision.tokens == 100 and vision.levels == 2
+    assert images[0].modelled_costs.total_s == pytest.approx(vision.image().total_s, rel=1e-9)
+    text = compile_costs(config.text_config, chip, "f32", shapes, position_axes=3,
+                         build=vlm_estimate.text_placeholder_builder(config.text_config))
+    steps = StepModel(chip, text.io(), text.timings(chip), text.model.num_layers)
+    before = ids.index(config.image_token_id)
+    charges = [*steps.first_token_charges(len(ids), "greedy"),
+               *vision.prefill_charges(steps.chunk, before, images[0].image_tokens)]
+    first = res.modelled_breakdown["first_token"]
+    assert first["total_s"] == pytest.approx(total(merged(charges)).total_s, rel=1e-9)
