@@ -466,3 +466,28 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
                *vision.prefill_charges(steps.chunk, before, images[0].image_tokens)]
     first = res.modelled_breakdown["first_token"]
     assert first["total_s"] == pytest.approx(total(merged(charges)).total_s, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_streamed_directory_gives_the_bytes_of_the_in_memory_compile(tmp_path) -> None:
+    """A Qwen3-VL directory in bf16 shards compiled by streaming (its text model a skeleton
+    through the causal-LM view transformers lacks, its vision tower read whole, its vision
+    rotary rebuilt from the config) writes the bytes of the in-memory compile."""
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.tiny_vlms import save_tiny_vlm
+    from toptpu.frontends.vlm import load_vlm
+
+    small = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "num_hidden_layers": 2}
+    model_dir = str(tmp_path / "qwen3_vl")
+    with quiet_transformers():
+        save_tiny_vlm(model_dir, "qwen3_vl", text=small, dtype=torch.bfloat16,
+                      max_shard_size="2MB", depth=3, hidden_size=128, num_heads=2,
+                      intermediate_size=128)
+    kwargs = {"seq_length": 64, "max_input_length": 16, "progress": None}
+    streamed, whole = str(tmp_path / "streamed.toptpu"), str(tmp_path / "whole.toptpu")
+    compile_model(model_dir, streamed, max_patches=64, **kwargs)
+    compile_model(load_vlm(model_dir, max_patches=64), whole, **kwargs)
+    with open(streamed, "rb") as a, open(whole, "rb") as b:
+        assert a.read() == b.read()
