@@ -447,7 +447,7 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
     from toptpu.backend.contract import StaticShapes
     from toptpu.backend.runtime.accounting import StepModel, merged, total
     from toptpu.backend.target.chips import get_chip
-    from toptpu.estimate import compile_costs
+    from toptpu.estimate import compile_costs, net_program
 
     path = qwen_file(tmp_path_factory, "qwen3_vl")
     rt = Runtime.open(path, "machine")
@@ -455,7 +455,7 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
     res = rt.generate(ids, 1, images=images)
     chip, shapes = get_chip("bm1684x"), StaticShapes.make(256, 32)
     config = vlm_estimate.vlm_config(vlm_dir(tmp_path_factory, "qwen3_vl"))
-    vision = vlm_estimate.vision_costs(config, chip, "f32", 400, shapes, "f32")
+    vision = vlm_estimate.vision_costs(config, chip, "f32", 400, shapes, "f32", net_program)
     assert vision.tokens == 100 and vision.levels == 2
     assert images[0].modelled_costs.total_s == pytest.approx(vision.image().total_s, rel=1e-9)
     text = compile_costs(config.text_config, chip, "f32", shapes, position_axes=3,

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from toptpu import vlm_estimate
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
@@ -457,8 +458,6 @@ def cmd_estimate(args: Any) -> int:
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
-    from toptpu import vlm_estimate
-
     vlm = vlm_estimate.vlm_config(args.config_dir)
     if vlm is None:
         if (args.max_pixels, args.max_patches, args.vision_quantize) != (None, None, None):
@@ -489,8 +488,8 @@ def cmd_estimate(args: Any) -> int:
     budget = vlm_estimate.budget_of(vlm, args.max_pixels, args.max_patches)
     if progress is not None:
         progress.write(f"  vit: {budget} patches in {vit_mode}\n")
-    vision = vlm_estimate.vision_costs(vlm, chip, vit_mode, budget, shapes, args.mode, group,
-                                       args.symmetric)
+    vision = vlm_estimate.vision_costs(vlm, chip, vit_mode, budget, shapes, args.mode,
+                                       net_program, group, args.symmetric)
     both = vlm_estimate.estimate_vlm(est, vision, args.sampler)
     print(json.dumps(both.to_json(), indent=1) if args.json else
           "\n".join([summary(est), *vlm_estimate.summary_lines(both)]))
@@ -499,7 +498,6 @@ def cmd_estimate(args: Any) -> int:
 
 def _checked_vlm_text(vlm: Any, args: Any, shapes: StaticShapes) -> Any:
     """A Qwen VLM's text config, checked as compile checks it for the mode and shapes."""
-    from toptpu import vlm_estimate
     from toptpu.compile_options import check_quant_options, check_seq_length
 
     try:

@@ -19,10 +19,18 @@ The numbers are those the machine charges a model file of the same shapes (teste
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from toptpu.backend.contract import DEEPSTACK_NET, VISION_NET, StaticShapes
+from toptpu.backend.contract import (
+    DEEPSTACK_NET,
+    VISION_NET,
+    ModelDirFileError,
+    StaticShapes,
+    read_model_file,
+)
 from toptpu.backend.runtime.accounting import (
     Charge,
     Costs,
@@ -104,9 +112,6 @@ class VisionCosts:
 
 def vlm_config(config_dir: str) -> Any | None:
     """The transformers config of a Qwen VLM directory (None: not one)."""
-    import json
-
-    from toptpu.backend.contract import ModelDirFileError, read_model_file
     from toptpu.frontends.qwen_vl import QWEN_VL_CLASSES
 
     try:
@@ -144,11 +149,11 @@ def budget_of(config: Any, max_pixels: tuple[int, int] | None, max_patches: int 
 
 
 def vision_costs(config: Any, chip: Chip, vit_mode: str, budget: int, shapes: StaticShapes,
-                 text_mode: str, group_size: int = DEFAULT_GROUP_SIZE,
-                 symmetric: bool | None = None) -> VisionCosts:
+                 text_mode: str, net_program: Callable[..., Any], group_size: int =
+                 DEFAULT_GROUP_SIZE, symmetric: bool | None = None) -> VisionCosts:
     """Compile the vit (and `deepstack_add`) of `config` with placeholder weights for `chip`
-    and time them (see the module doc)."""
-    from toptpu.estimate import net_program
+    with `net_program` (`toptpu.estimate.net_program`: a net as `toptpu compile` compiles
+    it) and time them (see the module doc)."""
     from toptpu.frontends.vlm import deepstack_spec, placeholder_vision, qwen_vit_spec
 
     visual = placeholder_vision(config)
