@@ -11,7 +11,7 @@ net over a budget of N patches, and, for Qwen3-VL, the `deepstack_add` net:
   `window_mask` [1, 1, N, N] (one block per window, for the layers outside
   `fullatt_block_indexes`), Qwen3-VL's and Qwen3.5's `interp_indices` i32 / `interp_weights`
   f32 [N, 4] (the bilinear taps of the learned position grid at the image's grid) ->
-  `image_embeds` [1, N/4, H] and, for Qwen3-VL, `deepstack_embeds` [K, N/4, H] (the
+  `image_embeds` [1, N/4, H] and, for Qwen3-VL, `deepstack_embeds` [N/4, K, H] (the
   DeepStack mergers' rows after vision layers `deepstack_visual_indexes`). The host builds
   the inputs (`toptpu.backend.contract.qwen_vit_inputs`) and puts the rows back in the
   model's order. The wrapper calls the model's own modules: the patch embedding's weights
@@ -133,9 +133,13 @@ class QwenVit(torch.nn.Module):
         v = self.visual
         window_mask = rest[0] if self.windowed else attention_mask
         x = F.linear(pixel_values, self.patch_weight, v.patch_embed.proj.bias)
-        if self.interpolated:
+        if self.interpolated:  # the model's (pos_embed(taps) * weights[:, :, None]).sum(1),
+            # tap by tap: a sum over the middle axis of [N, 4, D] cannot be sliced by rows
             taps, weights = rest[-2:]
-            x = x + (v.pos_embed(taps) * weights[:, :, None]).sum(1)
+            pos = v.pos_embed(taps[:, 0]) * weights[:, 0:1]
+            for j in range(1, int(taps.shape[1])):
+                pos = pos + v.pos_embed(taps[:, j]) * weights[:, j:j + 1]
+            x = x + pos
         cos, sin = v.rotary_pos_emb(x, position_ids_vit)
         levels = []
         for i, blk in enumerate(v.blocks):
@@ -146,7 +150,9 @@ class QwenVit(torch.nn.Module):
                 levels.append(v.deepstack_merger_list[self.deepstack.index(i)](x))
         out = v.merger(x).unsqueeze(0)
         if levels:
-            return out, torch.cat([lv.unsqueeze(0) for lv in levels])
+            # rows first, the K levels side by side (a concat along a leading axis of K
+            # would not slice by rows)
+            return out, torch.cat([lv.unsqueeze(1) for lv in levels], dim=1)
         return out
 
 

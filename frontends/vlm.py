@@ -595,7 +595,7 @@ class QwenVisionModel(VisionModel):
         _similar(embeds[0, order], torch.cat(list(ref.pooler_output)), "Qwen-VL")
         for k, feats in enumerate(getattr(ref, "deepstack_features", None) or []):
             assert levels is not None
-            _similar(levels[k, order], torch.cat(list(feats)), "Qwen-VL DeepStack")
+            _similar(levels[order, k], torch.cat(list(feats)), "Qwen-VL DeepStack")
 
     def header(self) -> dict[str, Any]:
         out = super().header()

@@ -457,7 +457,7 @@ class VisionEncoder(ImagePreprocessor):
             want = {PIXEL_VALUES: (n, shapes[PIXEL_VALUES][-1]), POSITION_IDS_VIT: (n, 2),
                     IMAGE_EMBEDS: (1, rows, width)}
             if int(q["deepstack_levels"]):
-                want[DEEPSTACK_EMBEDS] = (int(q["deepstack_levels"]), rows, width)
+                want[DEEPSTACK_EMBEDS] = (rows, int(q["deepstack_levels"]), width)
         else:
             n, p = int(v["max_patches"]), int(v["patch_size"])
             want = {PIXEL_VALUES: (1, 3, p, n * p), POSITION_IDS_VIT: (1, n),
@@ -500,7 +500,7 @@ class VisionEncoder(ImagePreprocessor):
             rows = self._run(feeds)[0, p.order[:n]]
             if DEEPSTACK_EMBEDS in self._bufs():
                 levels = self.ex.read(self._bufs()[DEEPSTACK_EMBEDS]).astype(np.float32)
-                deepstack = levels[:, p.order[:n]]
+                deepstack = levels[p.order[:n]].transpose(1, 0, 2)  # [K, tokens, H]
         else:
             rows = np.concatenate([self._run(f)[0, :n] for f, n in zip(p.feeds, p.rows,
                                                                          strict=True)])
