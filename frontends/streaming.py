@@ -153,16 +153,19 @@ def to_f32(stored: np.ndarray) -> np.ndarray:
         else np.asarray(stored, dtype=np.float32)
 
 
-def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | None = None
-             ) -> tuple[Any, dict[int, str]]:
+def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | None = None,
+             build: Callable[[Any], Any] | None = None) -> tuple[Any, dict[int, str]]:
     """The skeleton model (see the module doc), its real tensors from `tensor_f32`
     (checkpoint name -> float32), and its placeholders: id(parameter) -> the checkpoint
     tensor it stands for. `tied`: the lm_head is the embedding (default: the config's
-    tie_word_embeddings; a VLM's own config decides for its text model)."""
+    tie_word_embeddings; a VLM's own config decides for its text model). `build`: makes
+    the causal LM of `config` (default transformers' `AutoModelForCausalLM`; a VLM's text
+    model without such a class has a view of its own), on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = build(config) if build is not None else AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32)
     inner = model.model
     materialize_layer(model, 0, tensor_f32)
     norm = inner.norm.to_empty(device="cpu")

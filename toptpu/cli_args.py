@@ -145,6 +145,16 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def pixel_size(text: str) -> tuple[int, int]:
+    """'W,H' or 'WxH' (positive integers) -> (W, H): a pixel budget such as 768,768."""
+    parts = text.lower().replace("x", ",").split(",")
+    values = [_int(p.strip()) for p in parts] if len(parts) == 2 else []
+    if len(values) != 2 or any(v is None or v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"must be a width and a height in pixels, W,H or WxH (e.g. 768,768), got {text!r}")
+    return int(values[0]), int(values[1])  # type: ignore[arg-type]
+
+
 def token_ids(text: str) -> list[int]:
     """Token ids separated by commas or spaces: '1, 2 3' -> [1, 2, 3]."""
     parts = text.replace(",", " ").split()

@@ -94,6 +94,8 @@ class CompileOptions:
     image_size: int | None = None  # VLMs: tile size, tiles / slices, patches per slice
     max_tiles: int | None = None
     max_patches: int | None = None
+    #: Qwen-VL: the pixel budget W x H of the vision net (`--max-pixels W,H`)
+    max_pixels: tuple[int, int] | None = None
     #: a GGUF file's quantized tensors dequantized and compiled in this mode (`--dequantize`)
     dequantize: str | None = None
 
@@ -110,7 +112,8 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
                           vision_mode: str | None = None, image_size: int | None = None,
                           max_tiles: int | None = None,
                           max_patches: int | None = None,
-                          dequantize: str | None = None) -> CompileOptions:
+                          dequantize: str | None = None,
+                          max_pixels: tuple[int, int] | None = None) -> CompileOptions:
     """Check `compile`'s arguments and output paths before any work starts (the model's
     config.json is read, its weights are not). Raises CompileError naming the problem."""
     if dequantize is not None:
@@ -125,6 +128,10 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
             parse_mode(vision_mode)
         except ValueError as e:
             raise CompileError(f"--vision-quantize: {e}") from e
+    if max_pixels is not None and (len(max_pixels) != 2 or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in max_pixels)):
+        raise CompileError(f"--max-pixels {max_pixels}: give the width and height of the "
+                           "pixel budget as two positive integers (W,H)")
     chips = known_chips()
     if chip not in chips:
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
@@ -141,7 +148,9 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
     if found is not None:
         _check_against_config(*found, shapes, mode, group_size)
     return CompileOptions(mode, chip, shapes, group_size, symmetric, dump_ir, vision_mode,
-                          image_size, max_tiles, max_patches, dequantize)
+                          image_size, max_tiles, max_patches,
+                          None if max_pixels is None else (int(max_pixels[0]),
+                                                           int(max_pixels[1])), dequantize)
 
 
 def _check_dequantize(model: Any, mode: str | None, dequantize: str) -> str:

@@ -300,8 +300,10 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     max_patches: int | None = None,
     vision_mode: str | None = None,
     dequantize: str | None = None,
+    max_pixels: tuple[int, int] | None = None,
 ) -> CompileResult:
-    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7) to a model file at `output`.
+    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL,
+    Qwen3.5) to a model file at `output`.
 
     `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
@@ -315,7 +317,9 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     net's Top and Tpu modules and the weight store in the result (for stage comparisons).
     VLMs (`toptpu.frontends.vlm`) add the `vit` net: `image_size` (tile size; default the
     checkpoint's), `max_tiles` (InternVL tiles / MiniCPM-V slices per image), `max_patches`
-    (MiniCPM-V patch budget per slice), `vision_mode` (default: `mode`'s activation type,
+    (MiniCPM-V patch budget per slice; Qwen-VL patch budget per image or video),
+    `max_pixels` (Qwen-VL: the budget as W x H pixels; default 768 x 768), `vision_mode`
+    (default: `mode`'s activation type,
     e.g. bf16 for w4bf16 — weight-only quantization is for the text model).
     A GGUF file (or a directory holding one, `frontends.gguf_loader`) compiles from its
     F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
@@ -326,7 +330,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         model, output, mode=mode, chip=chip, seq_length=seq_length,
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
         symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
-        max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize)
+        max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize,
+        max_pixels=max_pixels)
     the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
     timings = {"load": the_plan.load_seconds}
@@ -370,7 +375,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     loaded = model if isinstance(model, LoadedModel) else _load(
         model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
         options.vision_mode, stream=stream and options.dump_ir is None,
-        dequantize=options.dequantize, mode=options.mode)
+        dequantize=options.dequantize, mode=options.mode, max_pixels=options.max_pixels)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
@@ -393,6 +398,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     vit = _vision_net(loaded, mode, options.vision_mode, shapes)
     if vit is not None:
         nets.append(vit)
+        nets += [NetPlan(spec, spec.mode or mode) for spec in vision.extra_specs(shapes, act)]
     # layers whose checkpoint quantization differs get per-layer nets of their own
     variants = layer_variants(hf, loaded.checkpoint)
     for rep in list(variants)[1:]:
@@ -442,7 +448,8 @@ def check_chat_template(files: dict[str, bytes], source: str) -> None:
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
           max_patches: int | None, vision_mode: str | None, stream: bool = False,
-          dequantize: str | None = None, mode: str | None = None) -> LoadedModel:
+          dequantize: str | None = None, mode: str | None = None,
+          max_pixels: tuple[int, int] | None = None) -> LoadedModel:
     """A VLM through `toptpu.frontends.vlm.load_vlm` (a directory with `stream`: its text
     model streamed), a directory with `stream` through `frontends.streaming.load_streaming`,
     any other model through load_model; a GGUF file (or a directory holding one) through
@@ -451,13 +458,14 @@ def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | N
         return load_gguf(os.fspath(model), dequantize, mode=mode)
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
-                        max_patches=max_patches, stream=stream)
+                        max_patches=max_patches, stream=stream, max_pixels=max_pixels)
     given = [f for f, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
-                            ("--max-patches", max_patches), ("--vision-quantize",
-                                                             vision_mode)) if v is not None]
+                            ("--max-patches", max_patches), ("--max-pixels", max_pixels),
+                            ("--vision-quantize", vision_mode)) if v is not None]
     if given:
         raise CompileError(f"{', '.join(given)} apply to vision-language models (InternVL, "
-                           "MiniCPM-V 4.6/4.7); this model has no vision tower")
+                           "MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL, Qwen3.5); this model "
+                           "has no vision tower")
     if stream and isinstance(model, str | os.PathLike):
         return load_streaming(os.fspath(model))
     return load_model(model, tokenizer)
@@ -476,6 +484,11 @@ def _vision_net(loaded: LoadedModel, mode: str, vision_mode: str | None,
     except ValueError as e:
         raise CompileError(f"--vision-quantize: {e}") from e
     need = vision.max_image_tokens() + 2
+    if need > shapes.seq_length and vision.kind == "qwenvl":
+        raise CompileError(
+            f"an image at the vision net's budget of {vision.max_patches} patches needs about "
+            f"{need} tokens, more than --seq-length {shapes.seq_length}: raise --seq-length "
+            "or lower --max-pixels (or --max-patches)")
     if need > shapes.seq_length:
         raise CompileError(
             f"an image of up to {vision.max_tiles} tiles needs about {need} tokens, more than "

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import IO, Any
 
+from toptpu import vlm_estimate
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
@@ -74,6 +75,7 @@ from toptpu.cli_args import (
     add_static_shape_args,
     add_weight_quant_args,
     int_at_least,
+    pixel_size,
 )
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
@@ -157,13 +159,15 @@ class CompiledCosts:
     compile_s: float = 0.0
     #: the linear-attention layers' state (conv + recurrent, every such layer)
     state_bytes: int = 0
+    #: rows of the full-attention nets' position_ids (3: a VLM's M-RoPE)
+    position_axes: int = 1
 
     @property
     def act(self) -> str:
         return act_dtype(self.mode)
 
     def io(self) -> dict[str, Any]:
-        return model_net_io(self.shapes, self.model, self.act)
+        return model_net_io(self.shapes, self.model, self.act, self.position_axes)
 
     def timings(self, chip: Chip, nets: Sequence[str] | None = None) -> dict[str, NetTiming]:
         """Each compiled net (or `nets`) timed on `chip`."""
@@ -171,12 +175,15 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model.to_json(), "mode": self.mode,
-                "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
-                "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
-                "compile_s": self.compile_s,
-                "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps)]
-                                 for c in cmds] for n, cmds in self.commands.items()}}
+        out = {"model": self.model.to_json(), "mode": self.mode,
+               "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
+               "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
+               "compile_s": self.compile_s,
+               "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps)]
+                                for c in cmds] for n, cmds in self.commands.items()}}
+        if self.position_axes != 1:
+            out["position_axes"] = self.position_axes
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CompiledCosts:
@@ -187,7 +194,8 @@ class CompiledCosts:
                              for n, cmds in d["commands"].items()},
                    weight_bytes=int(d["weight_bytes"]), kv_bytes=int(d["kv_bytes"]),
                    compile_s=float(d.get("compile_s", 0.0)),
-                   state_bytes=int(d.get("state_bytes", 0)))
+                   state_bytes=int(d.get("state_bytes", 0)),
+                   position_axes=int(d.get("position_axes", 1)))
 
 
 def act_dtype(mode: str) -> str:
@@ -219,11 +227,12 @@ def model_shape(config: Any) -> ModelShape:
         layer_types=types if LINEAR_ATTENTION in types else (), linear=linear)
 
 
-def model_net_io(shapes: StaticShapes, model: ModelShape, act: str
+def model_net_io(shapes: StaticShapes, model: ModelShape, act: str, position_axes: int = 1
                  ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
-    """Each text net's IO (`contract.net_io`), the per-layer nets of every layer kind under
-    their names (a linear-attention kind's `contract.linear_net_io`)."""
-    io = net_io(shapes, model, act)
+    """Each text net's IO (`contract.net_io`; `position_axes` rows of positions), the
+    per-layer nets of every layer kind under their names (a linear-attention kind's
+    `contract.linear_net_io`)."""
+    io = net_io(shapes, model, act, position_axes)
     out = {name: spec for name, spec in io.items() if name not in PER_LAYER_NETS}
     for rep in model.representatives:
         kind_io = (linear_net_io(shapes, model.hidden_size, model.linear, act)
@@ -236,22 +245,25 @@ def model_net_io(shapes: StaticShapes, model: ModelShape, act: str
 
 def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
                   group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
-                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None
-                  ) -> CompiledCosts:
+                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
+                  position_axes: int = 1, build: Any = None) -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
-    and keep their command costs."""
+    and keep their command costs. `position_axes` 3: the full-attention nets take M-RoPE
+    positions (a VLM's text model, built by `build` where transformers has no causal LM
+    class for it)."""
     from toptpu.frontends.hf_loader import placeholder_model
     from toptpu.frontends.llm import split_model
 
     t0 = time.perf_counter()
     shape = model_shape(config)
     reps = shape.representatives  # the first layer of each kind
-    model = placeholder_model(config, layers=max(reps) + 1)
+    model = placeholder_model(config, layers=max(reps) + 1, build=build)
     act = QuantMode(mode).activation
-    specs = {s.name: s for s in split_model(model, shapes, act=act)}
+    specs = {s.name: s for s in split_model(model, shapes, act=act,
+                                            position_axes=position_axes)}
     prefixes = dict.fromkeys(specs, "")
     for rep in reps[1:]:  # another layer kind: its per-layer nets, named as compile does
-        for s in split_model(model, shapes, layer=rep, act=act):
+        for s in split_model(model, shapes, layer=rep, act=act, position_axes=position_axes):
             if s.per_layer:
                 name = str(NetName(s.name, rep))
                 specs[name] = replace(s, name=name)
@@ -277,7 +289,8 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
         model=shape, mode=mode, shapes=shapes,
         commands={n: command_costs(p.commands) for n, p in programs.items()},
         weight_bytes=weight_bytes(programs, shape), kv_bytes=kv_bytes(shape, shapes, mode),
-        state_bytes=state_bytes(shape, shapes, mode), compile_s=time.perf_counter() - t0)
+        state_bytes=state_bytes(shape, shapes, mode), compile_s=time.perf_counter() - t0,
+        position_axes=position_axes)
 
 
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
@@ -575,18 +588,57 @@ def cmd_estimate(args: Any) -> int:
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
-    config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
-                                 args.group_size, args.symmetric)
+    vlm = vlm_estimate.vlm_config(args.config_dir)
+    if vlm is None:
+        if (args.max_pixels, args.max_patches, args.vision_quantize) != (None, None, None):
+            raise EstimateError("--max-pixels, --max-patches and --vision-quantize apply to "
+                                "vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+        config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
+                                     args.group_size, args.symmetric)
+    else:
+        config = _checked_vlm_text(vlm, args, shapes)
     progress = None if args.json or args.quiet else sys.stderr
     if progress is not None:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
-    compiled = compile_costs(config, chip, args.mode, shapes,
-                             DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
-                             args.symmetric, progress=progress)
+    group = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
+    build = vlm_estimate.text_placeholder_builder(config) if vlm is not None else None
+    compiled = compile_costs(config, chip, args.mode, shapes, group, args.symmetric,
+                             progress=progress, position_axes=3 if vlm is not None else 1,
+                             build=build)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
-    print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
+    if vlm is None:
+        print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
+        return 0
+    vit_mode = args.vision_quantize or QuantMode(args.mode).activation
+    try:
+        parse_mode(vit_mode)
+    except ValueError as e:
+        raise CompileError(f"--vision-quantize: {e}") from e
+    budget = vlm_estimate.budget_of(vlm, args.max_pixels, args.max_patches)
+    if progress is not None:
+        progress.write(f"  vit: {budget} patches in {vit_mode}\n")
+    vision = vlm_estimate.vision_costs(vlm, chip, vit_mode, budget, shapes, args.mode,
+                                       net_program, group, args.symmetric)
+    both = vlm_estimate.estimate_vlm(est, vision, args.sampler)
+    print(json.dumps(both.to_json(), indent=1) if args.json else
+          "\n".join([summary(est), *vlm_estimate.summary_lines(both)]))
     return 0
+
+
+def _checked_vlm_text(vlm: Any, args: Any, shapes: StaticShapes) -> Any:
+    """A Qwen VLM's text config, checked as compile checks it for the mode and shapes."""
+    from toptpu.compile_options import check_quant_options, check_seq_length
+
+    try:
+        parse_mode(args.mode)
+    except ValueError as e:
+        raise CompileError(str(e)) from e
+    check_quant_options(args.mode, args.group_size, args.symmetric)
+    where = f"{args.config_dir}/config.json"
+    text = vlm_estimate.checked_text_config(vlm, where)
+    check_seq_length(text.to_dict(), where, shapes.seq_length, args.mode)
+    return text
 
 
 def _without_quantization(config: Any) -> Any:
@@ -612,6 +664,13 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--sampler", choices=list(SAMPLERS), default="greedy",
                    help="how tokens are chosen: greedy_head or sample_head on the chip, or "
                    "on the host from the logits read back")
+    v = p.add_argument_group("vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+    v.add_argument("--max-pixels", type=pixel_size, default=None, metavar="W,H",
+                   help="the vision net's pixel budget (default 768,768), as compile")
+    v.add_argument("--max-patches", type=int_at_least(1), default=None,
+                   help="the vision net's patch budget (instead of --max-pixels)")
+    v.add_argument("--vision-quantize", default=None,
+                   help="mode of the vit net (default: the activation type of -q)")
     p.add_argument("--set", action="append", metavar="FIGURE=VALUE",
                    help="change a chip figure (repeatable), e.g. ddr_gbps=128, cores=1, "
                    "tflops.bf16=32")

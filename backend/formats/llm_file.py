@@ -60,7 +60,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
 - `vision` (VLMs only): the `vit` net's family, image processor and its config, image
   tokens and ids, tile/patch numbers, the HF config and the vit net's mode; for MiniCPM-V
   4.7 its `canvas_markers` (the token ids its canvas positions are pinned to), with which
-  the full-attention nets take `position_ids` [3, n] (T, H, W) instead of [1, n]
+  the full-attention nets take `position_ids` [3, n] (T, H, W) instead of [1, n]; for
+  Qwen2.5-VL / Qwen3-VL / Qwen3.5 (`qwenvl`) its `qwen` section: merge and temporal patch
+  sizes, video and vision start/end token ids, the window size (Qwen2.5-VL), the learned
+  position grid (Qwen3-VL, Qwen3.5), the DeepStack levels (Qwen3-VL) and how videos are
+  laid out in time; its text nets take M-RoPE positions [3, n]
 """
 
 from __future__ import annotations
@@ -416,6 +420,28 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class QwenVisionInfo:
+    """Qwen2.5-VL / Qwen3-VL / Qwen3.5: how the host lays out an image's `vit` inputs and
+    the text positions (`contract.qwen_vit_inputs`, `contract.mrope_position_ids`)."""
+
+    merge_size: Count
+    temporal_patch_size: Count
+    video_token_id: TokenId
+    vision_start_token_id: TokenId
+    vision_end_token_id: TokenId
+    #: Qwen2.5-VL: the window of its window-attention layers (pixels)
+    window_size: Count | None = None
+    #: Qwen3-VL / Qwen3.5: the side of the learned position grid the vit interpolates
+    position_grid_side: Count | None = None
+    #: Qwen3-VL: the DeepStack levels (`deepstack_embeds` rows, `deepstack_add` runs)
+    deepstack_levels: Annotated[int, Range(0, 64)] = 0
+    #: Qwen2.5-VL: a video's temporal positions per second
+    tokens_per_second: Annotated[float, Range(0, 1e6)] | None = None
+    #: Qwen3-VL / Qwen3.5: each temporal patch of a video is a grid of its own
+    frames_apart: bool = False
+
+
+@dataclass(frozen=True)
 class VisionInfo:
     """What the runtime needs of a VLM's vision net (see `toptpu.backend.runtime.vision`)."""
 
@@ -441,11 +467,13 @@ class VisionInfo:
     #: MiniCPM-V 4.7 only: `CANVAS_MARKERS` -> token id; the text nets then take a position
     #: per axis (T, H, W) and the runtime lays them out (`contract.canvas_position_ids`)
     canvas_markers: dict[Name, TokenId] | None = None
+    #: Qwen-VL only (kind qwenvl): its M-RoPE text positions and vit layout
+    qwen: QwenVisionInfo | None = None
 
     @property
     def position_axes(self) -> int:
         """The text nets' position axes (`contract.POSITION_AXES`)."""
-        return 3 if self.canvas_markers is not None else 1
+        return 3 if self.canvas_markers is not None or self.qwen is not None else 1
 
     def check(self, vocab: int, where: str = "vision") -> None:
         processor, required, marker = VISION_KINDS[self.kind]
@@ -461,11 +489,25 @@ class VisionInfo:
         if self.image_token_id != self.token_ids[marker]:
             raise HeaderError(f"{where}.image_token_id", f"is {self.image_token_id}, the "
                                                          f"{marker} is {self.token_ids[marker]}")
-        minicpmv = ("max_patches", "merge_levels", "token_divisor", "position_side")
-        for key in minicpmv:
-            if (getattr(self, key) is None) == (self.kind == "minicpmv"):
-                raise HeaderError(f"{where}.{key}", "is missing" if self.kind == "minicpmv"
+        for key, kinds in (("max_patches", ("minicpmv", "qwenvl")),
+                           ("token_divisor", ("minicpmv", "qwenvl")),
+                           ("merge_levels", ("minicpmv",)), ("position_side", ("minicpmv",)),
+                           ("qwen", ("qwenvl",))):
+            if (getattr(self, key) is None) == (self.kind in kinds):
+                raise HeaderError(f"{where}.{key}", "is missing" if self.kind in kinds
                                   else f"does not apply to a {self.kind} model")
+        if self.qwen is not None:
+            q = self.qwen
+            for key in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
+                _check_token(getattr(q, key), vocab, f"{where}.qwen.{key}")
+            if self.token_divisor != q.merge_size ** 2:
+                raise HeaderError(f"{where}.token_divisor",
+                                  f"is {self.token_divisor}; a merge of {q.merge_size}x"
+                                  f"{q.merge_size} patches makes {q.merge_size ** 2}")
+            if self.max_patches is not None and self.max_patches % self.token_divisor:
+                raise HeaderError(f"{where}.max_patches",
+                                  f"is {self.max_patches}, not a multiple of "
+                                  f"{self.token_divisor} (patches merged into a token)")
         if self.canvas_markers is not None:
             if self.kind != "minicpmv":
                 raise HeaderError(f"{where}.canvas_markers",

@@ -62,6 +62,8 @@ from toptpu.backend.contract import (
     BLOCK_CACHE,
     BLOCK_KV,
     CONV_STATE,
+    DEEPSTACK,
+    DEEPSTACK_NET,
     EMBEDDING,
     EMBEDDING_CACHE,
     GREEDY_HEAD,
@@ -96,6 +98,7 @@ from toptpu.backend.contract import (
     TensorSpec,
     canvas_position_ids,
     decode_mask,
+    mrope_position_ids,
     prefill_mask,
 )
 from toptpu.backend.formats.llm_file import LlmHeader
@@ -271,14 +274,31 @@ class GenerationResult:
         return asdict(self)
 
 
-def breakdown(first: Costs | None, decode: Costs | None, decoded: int
-              ) -> dict[str, Any] | None:
+def _vision_costs(encoded: Sequence[Any]) -> Costs | None:
+    """The modelled costs of the vision net runs of `encoded` (None: none, or no model)."""
+    costs = [getattr(im, "modelled_costs", None) for im in encoded]
+    if not costs or any(c is None for c in costs):
+        return None
+    total = Costs()
+    for c in costs:
+        total += c
+    return total
+
+
+def breakdown(first: Costs | None, decode: Costs | None, decoded: int,
+              vision: Costs | None = None) -> dict[str, Any] | None:
     """The modelled time of the first token and of each decoded token after it (None
-    without a cost model; decode None when only one token was generated)."""
+    without a cost model; decode None when only one token was generated), and of the
+    vision net runs of the images given (`vision`, only when there are some: they run
+    before the prompt's prefill, so the first token of a prompt with images comes after
+    both)."""
     if first is None or decode is None:
         return None
-    return {"first_token": first.to_json(),
-            "per_decoded_token": decode.to_json(decoded) if decoded else None}
+    out: dict[str, Any] = {"first_token": first.to_json(),
+                           "per_decoded_token": decode.to_json(decoded) if decoded else None}
+    if vision is not None:
+        out["vision"] = vision.to_json()
+    return out
 
 
 # =========================================================================== tokenizer
@@ -707,6 +727,10 @@ class Runtime:
         self.next_position = 0
         self._layout: tuple[int, np.ndarray] | None = None
         self._crop_grids: list[tuple[int, int]] = []  # the images' crops being prefilled
+        #: Qwen-VL: the images and videos being prefilled (their grids lay out M-RoPE), and
+        #: Qwen3-VL's DeepStack rows by position ([levels, H] each)
+        self._vision_items: list[EncodedImage] = []
+        self._deepstack_rows: dict[int, np.ndarray] = {}
         self._vision: VisionEncoder | None = None
         self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
         self.pending: int | None = None  # the last generated token, not yet in the cache
@@ -817,15 +841,46 @@ class Runtime:
             rec.span(name, start, self.ex.modelled_seconds(), **args)
 
     # ------------------------------------------------------------------ nets
-    def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]]
-                    ) -> Buffer:
-        """Run a per-layer net over all layers, ping-ponging the hidden buffers."""
+    def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]],
+                    deepstack: Callable[[int, Buffer, Buffer], bool] | None = None) -> Buffer:
+        """Run a per-layer net over all layers, ping-ponging the hidden buffers; after each
+        layer `deepstack(layer, hidden, other)`, if given, may write the layer's hidden
+        plus its DeepStack rows into the other buffer (True: it did)."""
         src, dst = h[0], h[1]
         for layer in range(self.num_layers):
             self.ex.run(self.layer_net(net, layer),
                         {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
             src, dst = dst, src
+            if deepstack is not None and deepstack(layer, src, dst):
+                src, dst = dst, src
         return src
+
+    def _deepstack_adder(self, start: int, n: int) -> Callable[[int, Buffer, Buffer], bool] | None:
+        """Qwen3-VL: the hook that adds DeepStack level k's rows to the hidden rows of the
+        chunk at start..start+n-1 after text layer k (`deepstack_add`), or None when the
+        chunk holds no image rows."""
+        rows = self._deepstack_rows
+        if not rows or not any(start + i in rows for i in range(n)):
+            return None
+        levels = next(iter(rows.values())).shape[0]
+        buf = self.b.get("deepstack")
+        if buf is None:
+            spec = _spec(self.nets[DEEPSTACK_NET], DEEPSTACK)
+            buf = self.b["deepstack"] = self.ex.alloc(spec.shape, spec.dtype)
+        ex = self.ex
+
+        def add(layer: int, hidden: Buffer, out: Buffer) -> bool:
+            if layer >= levels:
+                return False
+            table = np.zeros((1, self.L, int(buf.shape[-1])), np.float32)
+            for i in range(n):
+                if start + i in rows:
+                    table[0, i] = rows[start + i][layer]
+            ex.write(buf, table)
+            ex.run(DEEPSTACK_NET, {HIDDEN: hidden, DEEPSTACK: buf, HIDDEN_OUT: out})
+            return True
+
+        return add
 
     def layer_net(self, net: str, layer: int) -> str:
         """The net layer `layer` runs for `net`: layers of a pre-quantized checkpoint whose
@@ -883,8 +938,9 @@ class Runtime:
                         HISTORY_V: self.cache_v[layer].slot(1, 0, self.Hh),
                         **present(layer)}
 
+        deepstack = self._deepstack_adder(start, n)
         if direct:
-            out = self._run_layers(net, b["h_L"], extra)
+            out = self._run_layers(net, b["h_L"], extra, deepstack)
         else:  # the padded chunk runs past SEQ: copy the n real rows into the cache
             src, dst = b["h_L"]
             for layer in range(self.num_layers):
@@ -895,6 +951,8 @@ class Runtime:
                     if not self.linear[layer]:
                         ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
                 src, dst = dst, src
+                if deepstack is not None and deepstack(layer, src, dst):
+                    src, dst = dst, src
             out = src
         self.tokens.extend(int(i) for i in ids)
         return out
@@ -905,6 +963,12 @@ class Runtime:
         if pos >= self.seq:
             raise GenerationError(f"the KV cache is full ({self.seq} tokens)")
         ex, b = self.ex, self.b
+        if pos in self._deepstack_rows:
+            raise GenerationError(
+                f"image token at position {pos} falls past the prefill history of {self.Hh} "
+                "(--max-history), where the decode net takes the prompt one token at a time: "
+                "DeepStack's rows are added in prefill chunks only; recompile with a larger "
+                "--max-history or put the image earlier in the conversation")
         ex.write(b["ids_1"], np.array([[token]], np.int32))
         ex.run(EMBEDDING_CACHE, {INPUT_IDS: b["ids_1"], HIDDEN: b["h_1"][0]})
         self._put_image_rows(b["h_1"][0], pos, 1)
@@ -946,15 +1010,36 @@ class Runtime:
         if self.position_axes == 1:
             return
         vision = self.meta.vision
+        start = len(self.tokens)
+        if vision is not None and vision.qwen is not None:
+            self._lay_out_mrope(ids, start, vision)
+            return
         if vision is None or vision.canvas_markers is None or vision.token_divisor is None:
             raise GenerationError("the model file's text nets take a position per axis but "
                                   "its header has no canvas to lay them out; recompile it")
-        start = len(self.tokens)
         is_image = [start + i in self._image_rows for i in range(len(ids))]
         try:
             table, self.next_position = canvas_position_ids(
                 ids, is_image, vision.canvas_markers, self._crop_grids,
                 math.isqrt(vision.token_divisor), self.next_position)
+        except ContractError as e:
+            raise GenerationError(f"cannot lay out the prompt's image positions: {e}") from e
+        self._layout = (start, table)
+
+    def _lay_out_mrope(self, ids: Sequence[int], start: int, vision: Any) -> None:
+        """Qwen-VL: the M-RoPE positions of `ids` (`contract.mrope_position_ids`) from where
+        the conversation stands, the image and video runs taking the grids of the items
+        being prefilled."""
+        q = vision.qwen
+        kinds = {vision.image_token_id: 1, q.video_token_id: 2}
+        types = [kinds.get(int(t), 0) for t in ids]
+        items = self._vision_items
+        videos = [im for im in items if im.modality == "video"]
+        try:
+            table, self.next_position = mrope_position_ids(
+                types, [im.grid_thw for im in items if im.modality == "image"],
+                [im.grid_thw for im in videos], q.merge_size, self.next_position,
+                [im.interval for im in videos], frames_apart=q.frames_apart)
         except ContractError as e:
             raise GenerationError(f"cannot lay out the prompt's image positions: {e}") from e
         self._layout = (start, table)
@@ -1100,25 +1185,42 @@ class Runtime:
                 image, str | os.PathLike) else type(image).__name__):
             return self.vision.encode(image)
 
-    def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
-        return [im if isinstance(im, EncodedImage) else self.encode_image(im)
-                for im in images or []]
+    def encode_video(self, frames: Sequence[Any], fps: float = 2.0) -> Any:
+        """Run the vision net on a video given as its frames (paths or PIL images, `fps`
+        frames a second; Qwen-VL): an `EncodedImage` of modality 'video'."""
+        with self._span("vision: encode a video", frames=len(frames), fps=fps):
+            return self.vision.encode_video(list(frames), fps)
+
+    def _encoded(self, images: Sequence[Any] | None, videos: Sequence[Sequence[Any]] | None = None,
+                 fps: float = 2.0) -> list[Any]:
+        out = [im if isinstance(im, EncodedImage) else self.encode_image(im)
+               for im in images or []]
+        return out + [self.encode_video(v, fps) for v in videos or []]
 
     def _with_markers(self, text: str, images: list[Any]) -> str:
-        """`text` with one image marker per image before it, unless it marks them itself."""
-        if not images or self.vision.marker in text:
+        """`text` with one image (video) marker per image (video) before it, unless it marks
+        them itself."""
+        if not images:
             return text
-        return "".join(self.vision.marker + "\n" for _ in images) + text
+        front = ""
+        for modality in ("image", "video"):
+            items = [im for im in images if getattr(im, "modality", "image") == modality]
+            if items and self.vision.marker_of(modality) not in text:
+                front += "".join(self.vision.marker_text(modality) for _ in items)
+        return front + text
 
-    def image_prompt(self, text: str, images: Sequence[Any], chat_template: bool = False
+    def image_prompt(self, text: str, images: Sequence[Any], chat_template: bool = False, *,
+                     videos: Sequence[Sequence[Any]] | None = None, fps: float = 2.0
                      ) -> tuple[list[int], list[Any]]:
         """Token ids of a prompt with images, and the encoded images for `generate`.
 
         Each image is marked in `text` by the model's image token (`rt.vision.marker`); a
         text without markers gets the images before it. With `chat_template` the text is
         one user message rendered with the tokenizer's chat template. Each marker becomes
-        the placeholder text the model's processor lays out for that image."""
-        encoded = self._encoded(images)
+        the placeholder text the model's processor lays out for that image. `videos`
+        (Qwen-VL): each a list of frames (`fps` frames a second), marked by the video
+        token (`rt.vision.marker_of('video')`) or put before the text."""
+        encoded = self._encoded(images, videos, fps)
         text = self._with_markers(text, encoded)
         if chat_template:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -1130,6 +1232,9 @@ class Runtime:
     def _image_positions(self, ids: list[int], offset: int, images: Sequence[Any]
                          ) -> dict[int, np.ndarray]:
         """Conversation position -> vision row for the image tokens of `ids` (at `offset`)."""
+        vision = self.meta.vision
+        if vision is not None and vision.qwen is not None:
+            return self._qwen_positions(ids, offset, images)[0]
         token = self.meta.vision.image_token_id if self.meta.vision is not None else None
         where = [i for i, t in enumerate(ids) if t == token]
         rows = sum(int(im.image_tokens) for im in images)
@@ -1145,6 +1250,34 @@ class Runtime:
             return {}
         table = np.concatenate([im.embeds for im in images])
         return {offset + i: table[k] for k, i in enumerate(where)}
+
+    def _qwen_positions(self, ids: list[int], offset: int, items: Sequence[Any]
+                        ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """Qwen-VL: position -> vision row for the image tokens of `ids` (the images' rows in
+        order) and the video tokens (the videos'), and position -> DeepStack rows."""
+        vision = self.meta.vision
+        assert vision is not None and vision.qwen is not None
+        rows: dict[int, np.ndarray] = {}
+        deep: dict[int, np.ndarray] = {}
+        for modality, token in (("image", vision.image_token_id),
+                                ("video", vision.qwen.video_token_id)):
+            where = [i for i, t in enumerate(ids) if t == token]
+            mine = [im for im in items if getattr(im, "modality", "image") == modality]
+            count = sum(int(im.image_tokens) for im in mine)
+            if len(where) != count:
+                raise GenerationError(
+                    f"the prompt holds {len(where)} {modality} tokens (id {token}) but the "
+                    f"{len(mine)} {modality}(s) give {count} embedding rows; build the prompt "
+                    "with Runtime.image_prompt (or chat(images=..., videos=...)), which lays "
+                    "out the tokens")
+            if not count:
+                continue
+            table = np.concatenate([im.embeds for im in mine])
+            rows.update({offset + i: table[k] for k, i in enumerate(where)})
+            if vision.qwen.deepstack_levels:
+                levels = np.concatenate([im.deepstack for im in mine], axis=1)
+                deep.update({offset + i: levels[:, k] for k, i in enumerate(where)})
+        return rows, deep
 
     def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
         """The next-token logits [V] after `ids` in a fresh conversation (f32)."""
@@ -1226,9 +1359,12 @@ class Runtime:
                     "Start a new conversation (/reset), shorten the prompt, or recompile with "
                     "a larger --seq-length")
         self.pending = None
-        self._image_rows = self._image_positions(ids, len(self.tokens) + len(feed) - len(ids),
-                                                 encoded)
+        at = len(self.tokens) + len(feed) - len(ids)
+        self._image_rows = self._image_positions(ids, at, encoded)
         self._crop_grids = [g for im in encoded for g in im.grids]
+        if self.meta.vision is not None and self.meta.vision.qwen is not None:
+            self._deepstack_rows = self._qwen_positions(ids, at, encoded)[1]
+            self._vision_items = list(encoded)
         self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
         sampler = self.resolve_sampler(cfg)
@@ -1247,6 +1383,7 @@ class Runtime:
                 hidden = self._prefill(feed)
             finally:
                 self._image_rows, self._crop_grids = {}, []
+                self._vision_items, self._deepstack_rows = [], {}
             recent = list(self.tokens)
             with self._span("choose token 0", sampler=sampler):
                 token = self._next_token(hidden, cfg, sampler, rng, recent)
@@ -1309,7 +1446,7 @@ class Runtime:
             vision_modelled_s=sum(im.modelled_s for im in encoded)
             if encoded and all(im.modelled_s is not None for im in encoded) else None,
             sampler=sampler,
-            modelled_breakdown=breakdown(first, decode, n_dec),
+            modelled_breakdown=breakdown(first, decode, n_dec, _vision_costs(encoded)),
         )
 
     def _has_tokenizer(self) -> bool:
@@ -1323,15 +1460,17 @@ class Runtime:
     def chat(self, message: str, max_new_tokens: int = 256,
              sampling: SamplingConfig | None = None, *,
              on_text: Callable[[str], None] | None = None, system: str | None = None,
-             reset_if_full: bool = False, images: Sequence[Any] | None = None
+             reset_if_full: bool = False, images: Sequence[Any] | None = None,
+             videos: Sequence[Sequence[Any]] | None = None, fps: float = 2.0
              ) -> GenerationResult:
         """One chat turn: the user `message` is appended to the conversation in the KV cache
         (rendered with the tokenizer's chat template) and the reply generated. `images`
         (VLMs: paths, PIL images or encoded images) go where the message marks them with
-        the model's image token, or before the message."""
+        the model's image token, or before the message; `videos` (Qwen-VL: each a list of
+        frames, `fps` frames a second) likewise with the video token."""
         tok = self.tokenizer
         ids: list[int] = []
-        encoded = self._encoded(images)
+        encoded = self._encoded(images, videos, fps)
         message = self._with_markers(message, encoded)
 
         def expand(text: str, first: int) -> str:
