@@ -42,11 +42,18 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.formats.llm_file import WeightLayout
 from toptpu.backend.formats.program import Program
-from toptpu.backend.runtime.accounting import SAMPLERS, Costs, StepModel, net_costs
+from toptpu.backend.runtime.accounting import (
+    CATEGORIES,
+    SAMPLERS,
+    Costs,
+    StepModel,
+    net_costs,
+)
 from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.target.chips import (
+    ALL_FIGURES,
     DEFAULT_CHIP,
-    FIGURES,
+    LINK_TOPOLOGIES,
     Chip,
     ChipFigureError,
     chip_names,
@@ -338,7 +345,7 @@ def summary(est: Estimate) -> str:
 
 def _where(c: Costs) -> str:
     parts = [f"{name} {getattr(c, f'{name}_s') / c.total_s:.0%}"
-             for name in ("ddr", "compute", "launch", "host")]
+             for name in CATEGORIES if name != "link" or c.link_s > 0]
     return f"{c.bound}-bound: " + ", ".join(parts) + f"; {c.launches:g} launches, " \
         f"{c.transfers:g} host transfers"
 
@@ -355,6 +362,12 @@ def parse_figures(items: Sequence[str] | None, chip: Chip | None = None) -> dict
             raise EstimateError(f"--set {item!r}: write FIGURE=VALUE (e.g. ddr_gbps=128)")
         if chip is not None:
             _check_figure_key(item, key, chip)
+        if key == "link_topology":
+            if value.strip() not in LINK_TOPOLOGIES:
+                raise EstimateError(f"--set {item!r}: the link topologies are "
+                                    f"{', '.join(LINK_TOPOLOGIES)}")
+            out[key] = value.strip()
+            continue
         try:
             number = float(value)
         except ValueError as e:
@@ -373,7 +386,7 @@ def parse_figures(items: Sequence[str] | None, chip: Chip | None = None) -> dict
 def figure_keys(chip: Chip) -> list[str]:
     """The keys `--set` takes for `chip`: its figures, tflops as `tflops.TYPE`."""
     keys: list[str] = []
-    for k in FIGURES:
+    for k in ALL_FIGURES:
         keys += [f"tflops.{t}" for t in chip.tflops] if k == "tflops" else [k]
     return keys
 
@@ -390,7 +403,7 @@ def _check_figure_key(item: str, key: str, chip: Chip) -> None:
 
 #: the figures that are whole numbers
 INT_FIGURES = ("lanes", "lane_bytes", "banks", "align", "cores", "ddr_bytes",
-               "dma_latency_cycles", "compute_latency_cycles")
+               "dma_latency_cycles", "compute_latency_cycles", "max_devices")
 
 
 def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:

@@ -50,8 +50,8 @@ from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import NetTiming
 
 #: where time goes: nets whose DMA engine is the busier one, nets whose compute engine is,
-#: fixed launch costs, host transfers
-CATEGORIES = ("ddr", "compute", "launch", "host")
+#: fixed launch costs, host transfers, transfers between chips (collectives, peer copies)
+CATEGORIES = ("ddr", "compute", "launch", "host", "link")
 
 #: how the next token is chosen: greedy_head or sample_head on the chip, or on the host
 #: from the logits read back
@@ -71,10 +71,12 @@ class Costs:
     transfer_bytes: int = 0
     dma_bytes: int = 0
     flops: int = 0
+    link_s: float = 0.0  # collectives inside nets and copies between chips
+    link_bytes: int = 0  # bytes one chip sent over its link
 
     @property
     def total_s(self) -> float:
-        return self.ddr_s + self.compute_s + self.launch_s + self.host_s
+        return self.ddr_s + self.compute_s + self.launch_s + self.host_s + self.link_s
 
     @property
     def bound(self) -> str:
