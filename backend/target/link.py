@@ -13,22 +13,23 @@ A collective is a sequence of such steps, fixed by its algorithm (`ALGORITHMS`):
   - `ring`: reduce-scatter then all-gather around a ring: 2 (N - 1) steps, each chip sending
     nbytes / N per step; each chip adds N - 1 received parts of nbytes / N;
   - `tree`: recursive doubling (TPU-MLIR's DevParallel sum: at step t chip i adds what chip
-    i xor 2^t holds): ceil(log2 N) steps of the whole tensor, an add of nbytes each.
+    i xor 2^t holds): log2 N steps of the whole tensor, an add of nbytes each. With N not a
+    power of two the chips past the largest power of two P first send theirs in and get
+    the sum back at the end: log2 P + 2 steps (`tree_rounds`).
   The adds run on each chip's DDR: reading two tensors and writing one, 3 x the bytes over
   its DMA bandwidth (as tpu-mlir's LlmProfile.py charges them).
 - **all-gather** (each chip's part of `nbytes / N` to every chip, concatenated):
   - `ring`: N - 1 steps of one part;
-  - `tree`: recursive doubling, ceil(log2 N) steps of 1, 2, 4, ... parts.
+  - `tree`: recursive doubling, `tree_rounds` steps of 1, 2, 4, ... parts.
 - **broadcast** (one chip's tensor to every other): `tree`, ceil(log2 N) steps of the
-  tensor (a chip that has it sends it on); `ring` is the same as a pipeline of N - 1 steps.
+  tensor (a chip that has it sends it on); `ring`, a chain of N - 1 steps.
 - **send** (one chip's tensor to one other, the hidden state of pipeline parallelism): one
   step.
 
 `collective_seconds` is the modelled time; `best_algorithm` the cheaper algorithm for a
 collective (the tensor-parallel pass picks it per collective: the tree for the small
 tensors of a decode step, where latency rules; the ring for a long prefill chunk, where
-bytes do). Non-power-of-two chip counts take ceil(log2 N) tree steps (TPU-MLIR pairs six
-chips in three).
+bytes do). The order an algorithm adds in is `toptpu.backend.reference.kernels.all_reduce`.
 
 The model is not cycle-accurate: it assumes a non-blocking switch (every port at full rate
 at once) and no overlap of a step's latency with the previous step's bytes.
@@ -49,6 +50,15 @@ COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "send")
 
 class LinkError(ValueError):
     """A collective the link model cannot time as asked (a bug of the caller)."""
+
+
+def tree_rounds(devices: int) -> int:
+    """Steps of a recursive-doubling all-reduce: log2 N for a power of two, else the fold
+    into the largest power of two P, its log2 P doublings and the copy back."""
+    if devices <= 1:
+        return 0
+    p = devices.bit_length() - 1
+    return p if devices == 1 << p else p + 2
 
 
 @dataclass(frozen=True)
@@ -75,18 +85,18 @@ class LinkWork:
         n, b = self.devices, self.nbytes
         if n == 1:
             return []
-        rounds = math.ceil(math.log2(n))
         part = -(-b // n)
         if self.kind == "send":
             return [b]
         if self.kind == "broadcast":
-            return [b] * (rounds if self.algorithm == "tree" else n - 1)
+            return [b] * (math.ceil(math.log2(n)) if self.algorithm == "tree" else n - 1)
         if self.kind == "all_reduce":
-            return [part] * (2 * (n - 1)) if self.algorithm == "ring" else [b] * rounds
+            return [part] * (2 * (n - 1)) if self.algorithm == "ring" \
+                else [b] * tree_rounds(n)
         # all_gather
         if self.algorithm == "ring":
             return [part] * (n - 1)
-        return [min(part << t, b) for t in range(rounds)]
+        return [min(part << t, b) for t in range(math.ceil(math.log2(n)))]
 
     def link_bytes(self) -> int:
         """Bytes one chip sends over its link in the whole collective."""
@@ -99,7 +109,8 @@ class LinkWork:
         n, b = self.devices, self.nbytes
         if self.algorithm == "ring":
             return 3 * (n - 1) * -(-b // n)
-        return 3 * math.ceil(math.log2(n)) * b
+        adds = n.bit_length() - 1 + (n & (n - 1) != 0)  # the doublings (and the fold)
+        return 3 * adds * b
 
 
 def collective_seconds(chip: Chip, work: LinkWork) -> float:
