@@ -17,7 +17,9 @@ link moves the data: `toptpu.backend.target.link`), which fixes the order of the
 (`toptpu.backend.reference.kernels.all_reduce`) as well as the time. Neither is pure: a
 collective is never removed, duplicated or moved by a canonicalization.
 
-The ops belong to neither level: Top IR and Tpu IR may both hold them.
+The ops belong to neither level: Top IR and Tpu IR may both hold them. Layer groups never
+span one (`layer-group` groups the ops between collectives); address-assign gives its
+result an activation offset (`gaddr`) like a group's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import ClassVar
 
 from xdsl.dialects.builtin import IntegerAttr, StringAttr, TensorType
 from xdsl.ir import Attribute, Dialect, SSAValue
-from xdsl.irdl import attr_def, irdl_op_definition, operand_def, result_def
+from xdsl.irdl import attr_def, irdl_op_definition, operand_def, opt_attr_def, result_def
 from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.common import (
@@ -69,6 +71,9 @@ class CollectiveOp(ShapedOp):
     input = operand_def(AnyTensor)
     devices = attr_def(IntegerAttr)
     algorithm = attr_def(StringAttr)
+    #: where its result lies in the net's activation region (address-assign's; -1: it is
+    #: an output of the net)
+    gaddr = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
 
     #: the collective's kind in the link model (`toptpu.backend.target.link.COLLECTIVES`)
@@ -81,6 +86,12 @@ class CollectiveOp(ShapedOp):
     @property
     def algorithm_name(self) -> str:
         return self.algorithm.data
+
+    @property
+    def result_offset(self) -> int | None:
+        """Its result's activation offset (address-assign's), -1 for an output, None before
+        address-assign."""
+        return None if self.gaddr is None else read_int(self.gaddr)
 
 
 @irdl_op_definition

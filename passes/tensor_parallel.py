@@ -410,7 +410,7 @@ class _Sharder:
     def all_reduce(self, partial: SSAValue, user: Operation) -> SSAValue:
         alg = best_algorithm(self.chip, "all_reduce", self.devices, nbytes(partial))
         op = dev.AllReduceOp(partial, self.devices, alg)
-        set_name(op, f"{op_name(user)}.all_reduce", like=user)
+        set_name(op, f"{op_name(user) or user.name}.all_reduce", like=user)
         op.output.name_hint = f"{partial.name_hint or 'partial'}_sum"
         self.rewriter.insert_op(op, InsertPoint.after(partial.owner))  # type: ignore[arg-type]
         return op.output

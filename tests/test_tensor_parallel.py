@@ -161,13 +161,10 @@ def test_each_net_cut_for_n_devices_computes_what_the_whole_net_computes(
     """Outputs of the column-parallel parts (the KV cache, the logits, the heads' tokens)
     are bit-identical; a row-parallel matmul's sum is added in another order (K in n
     parts, then the all-reduce): within 1e-5 of the largest |value|."""
-    from toptpu.dialects.ir_text import parse_ir
-
     module, store, spec = qwen2_nets[net]
     inputs = _inputs(spec)
     ref = Interpreter(module, store).run(inputs).outputs
-    cut = parse_ir(str(module), "copy")
-    cut.attributes = dict(module.attributes)
+    cut = module.clone()
     if net in ("greedy_head", "sample_head"):  # they take the lm_head's split logits
         set_arg_split(find_func(cut), 0, Split(1, n))
     got = _spmd(cut, store, inputs, n)
@@ -182,3 +179,73 @@ def test_each_net_cut_for_n_devices_computes_what_the_whole_net_computes(
                   "block_cache": {dev.AllReduceOp}, "lm_head": set(),
                   "greedy_head": {dev.AllGatherOp}, "sample_head": {dev.AllGatherOp}}[net]
     assert kinds == want_kinds
+
+
+def _device_stores(module: Any, store: WeightStore, n: int) -> list[WeightStore]:
+    """Every device's tensors of a lowered net, derived by the weight recipes from its
+    pieces of the float weights (as the compiler derives them); device 0's are the ones the
+    passes stored."""
+    from toptpu.passes.weight_recipe import derive_weights, weight_recipes
+
+    recipes = weight_recipes(module)
+    stores = []
+    for d in range(n):
+        s = WeightStore()
+        derived = derive_weights(recipes, lambda src, d=d: device_tensor(
+            src, lambda b: store[b], d, n))
+        for name, arr in derived.items():
+            s[name] = arr
+            if d == 0:
+                assert np.array_equal(arr, store[name]), name
+        stores.append(s)
+    return stores
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "n"), [("f32", 2), ("bf16", 4)])
+def test_the_cut_nets_run_on_n_machines_together(qwen2_nets: dict[str, Any], mode: str,
+                                                 n: int) -> None:
+    """Lowered, grouped and compiled to command streams, a cut block_cache runs on one
+    machine per device, the all-reduces on the link engine: the KV cache bit-identical to
+    one machine's uncut net, the hidden state within the mode's rounding (f32: 1e-5 of the
+    largest |value|; bf16 sums each device's partial sum rounded to bf16: 2e-2), and the
+    modelled time includes the collectives."""
+    from toptpu.backend.runtime.simulate import simulate, simulate_devices
+    from toptpu.backend.target.chips import get_chip
+    from toptpu.machine_pipeline import compile_for_machine
+    from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
+    from toptpu.passes.tensor_parallel import TensorParallelPass
+
+    chip = get_chip("bm1684x")
+    module, store, spec = qwen2_nets["block_cache"]
+    inputs = _inputs(spec)
+    one = module.clone()
+    run_passes(one, tpu_pipeline_passes(mode), store=store)
+    ref = simulate(compile_for_machine(one.clone(), chip), store, inputs, chip)
+    cut = module.clone()
+    run_passes(cut, [TensorParallelPass(n)], store=store)
+    fn = find_func(cut)
+    splits = {name: arg_split(fn, i) for i, name in enumerate(input_names(fn))}
+    run_passes(cut, tpu_pipeline_passes(mode), store=store)
+    prog = compile_for_machine(cut.clone(), chip)
+    ins = [{k: v if splits[k] is None else take_piece(v, splits[k], d, n)
+            for k, v in inputs.items()} for d in range(n)]
+    res = simulate_devices(prog, _device_stores(cut, store, n), ins, chip)
+    for name in ("present_k", "present_v"):  # 2 KV heads: cut in 2 pieces
+        step = max(n // 2, 1)
+        got = np.concatenate([res[d].outputs[name] for d in range(0, n, step)], axis=2)
+        assert np.array_equal(got, ref.outputs[name])
+    want = ref.outputs["hidden_out"].astype(np.float32)
+    got = res[0].outputs["hidden_out"].astype(np.float32)
+    tol = 1e-5 if mode == "f32" else 2e-2
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    tl = res[0].timeline
+    from toptpu.backend.formats.commands import Collective
+    from toptpu.backend.target.link import LinkWork, collective_seconds
+
+    works = [LinkWork(c.kind, c.algorithm, c.devices, c.nbytes) for c in prog.commands
+             if isinstance(c, Collective)]
+    assert len(works) == 2  # after o_proj and after down_proj
+    link = sum(collective_seconds(chip, w) for w in works) / chip.seconds_per_cycle
+    assert tl.busy("link") == pytest.approx(link)
+    assert tl.cycles > link  # the groups around them wait for the collectives

@@ -123,11 +123,15 @@ class Ledger:
 
 
 def net_costs(chip: Chip, timing: NetTiming) -> Costs:
+    """One launch of a net: its engine time (the part the link engine ran collectives as
+    link time, the rest DDR- or compute-bound by its busier engine) and the launch."""
     seconds = timing.seconds(chip)
+    link = min(timing.link_busy * chip.seconds_per_cycle, seconds)
+    rest = seconds - link
     ddr = timing.bound == "ddr"
-    return Costs(ddr_s=seconds if ddr else 0.0, compute_s=0.0 if ddr else seconds,
+    return Costs(ddr_s=rest if ddr else 0.0, compute_s=0.0 if ddr else rest,
                  launch_s=chip.launch_us * 1e-6, launches=1, dma_bytes=timing.dma_bytes,
-                 flops=timing.flops)
+                 flops=timing.flops, link_s=link, link_bytes=timing.link_bytes)
 
 
 def transfer_costs(chip: Chip, nbytes: int) -> Costs:

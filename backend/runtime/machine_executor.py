@@ -93,7 +93,8 @@ class MachineBuffer:
 def timing_of(tl: Timeline) -> NetTiming:
     """What the step accounting needs of a run's timeline."""
     return NetTiming(cycles=tl.cycles, dma_busy=tl.busy("dma"), compute_busy=tl.busy("cmp"),
-                     dma_bytes=tl.dma_bytes, flops=tl.flops)
+                     dma_bytes=tl.dma_bytes, flops=tl.flops, link_busy=tl.busy("link"),
+                     link_bytes=tl.link_bytes)
 
 
 def _spec(s: TensorSpec) -> str:
