@@ -27,6 +27,7 @@ from toptpu.backend.runtime.runtime import (
 from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
+    add_device_args,
     add_static_shape_args,
     finite_float,
     group_size,
@@ -61,6 +62,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
     add_static_shape_args(p)
+    add_device_args(p)
     p.add_argument("--group-size", type=group_size, default=None,
                    help="w4 modes: quantization group size (default 64; -1: per channel)")
     p.add_argument("--symmetric", action="store_true", default=None,
@@ -191,7 +193,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   symmetric=args.symmetric, dump_ir=args.dump_ir,
                   progress=None if args.quiet else sys.stderr, image_size=args.image_size,
                   max_tiles=args.max_tiles, max_patches=args.max_patches,
-                  vision_mode=args.vision_quantize, dequantize=args.dequantize)
+                  vision_mode=args.vision_quantize, dequantize=args.dequantize,
+                  devices=args.devices, parallel=args.parallel)
     return 0
 
 
