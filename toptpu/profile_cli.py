@@ -25,6 +25,7 @@ from xdsl.dialects import func
 from toptpu.backend.codegen.streams import generate
 from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
 from toptpu.backend.formats.program import Program
+from toptpu.backend.runtime.device_executor import machine_executor
 from toptpu.backend.runtime.machine import LoadedNet, Timeline
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.profile import (
@@ -57,7 +58,7 @@ def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 def profile_model(path: str, nets: list[str] | None = None
                   ) -> tuple[MachineExecutor, list[NetProfile]]:
-    ex = MachineExecutor(path)
+    ex = machine_executor(path)
     unknown = sorted(set(nets or []) - set(ex.nets()))
     if unknown:
         raise UsageError(f"--nets: the model file has no net {', '.join(unknown)}; it has "

@@ -223,6 +223,21 @@ class Collective(_Command):
         return numel(self.dst_shape) * np.dtype(self.dtype).itemsize
 
 
+@dataclass(frozen=True)
+class PeerCopy:
+    """A DMA to another device: `nbytes` from device `src_device`'s global memory at
+    `src_addr` into device `dst_device`'s at `dst_addr`, over the chip-to-chip link. Not
+    part of a net's stream: the device group issues it between nets (the hidden state from
+    one pipeline stage to the next, device 0's embedding to the others)."""
+
+    name: str
+    src_device: int
+    src_addr: int
+    dst_device: int
+    dst_addr: int
+    nbytes: int
+
+
 Command = Load | Store | Gather | Compute | Collective
 Transfer = Load | Store
 

@@ -121,6 +121,10 @@ class Ledger:
         """One host<->device copy of `nbytes`."""
         self.totals += transfer_costs(self.chip, nbytes)
 
+    def peer(self, nbytes: int, seconds: float) -> None:
+        """One copy of `nbytes` from a device to another over the link, taking `seconds`."""
+        self.totals += Costs(link_s=seconds, link_bytes=nbytes)
+
 
 def net_costs(chip: Chip, timing: NetTiming) -> Costs:
     """One launch of a net: its engine time (the part the link engine ran collectives as
