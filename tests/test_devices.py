@@ -1,0 +1,208 @@
+"""Models spread over several devices, end to end: tiny Qwen2 (untied lm_head) and Llama 3
+(tied) with GQA (4 query heads, 2 KV heads; 4 devices replicate each KV head on two)
+compiled f32 for tensor parallelism over 2 and 4 devices and pipeline parallelism over 2,
+run on one reference machine per device:
+
+- greedy tokens equal transformers `generate` and the one-device file's (40 tokens after
+  a 39-token prompt: three prefill chunks, the later ones through block_kv);
+- the logits: pipeline parallelism runs the one-device programs, so bit-identical;
+  tensor parallelism adds each row-parallel matmul's K in N parts and then the all-reduce,
+  so within 1e-5 of the largest |logit|;
+- each device's weight blob holds only its pieces (pp: only its layers), and the pieces of
+  all devices make up the one-device file's tensors;
+- the modelled time is at least each device's roofline time of the nets it ran plus the
+  link time of its transfers;
+- a model that does not fit one device is refused with the device count.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+from llm_fixtures import LONG_PROMPT, compiled, hf_generate
+
+from toptpu.backend.formats.commands import Collective
+from toptpu.backend.formats.llm_file import LlmFile, WeightLayout
+from toptpu.backend.runtime.device_executor import DeviceGroupExecutor
+from toptpu.backend.runtime.runtime import Runtime
+from toptpu.backend.target.link import LinkWork
+from toptpu.dialects.sharding import parse_shard_name, piece_of
+
+pytestmark = pytest.mark.slow  # compiles model files and generates against transformers
+
+CASES = [("qwen2", "tp", 2), ("qwen2", "tp", 4), ("llama3", "tp", 2), ("qwen2", "pp", 2),
+         ("llama3", "pp", 2)]
+N = 40
+
+
+@pytest.mark.parametrize(("family", "parallel", "devices"), CASES)
+def test_greedy_tokens_equal_transformers_and_the_one_device_file(
+        tmp_path_factory: pytest.TempPathFactory, family: str, parallel: str,
+        devices: int) -> None:
+    one = compiled(tmp_path_factory, family)
+    many = compiled(tmp_path_factory, family, devices=devices, parallel=parallel)
+    rt1, rtn = Runtime.open(one.model_file), Runtime.open(many.model_file)
+    assert isinstance(rtn.ex, DeviceGroupExecutor) and rtn.ex.n == devices
+    ids = rtn.encode(LONG_PROMPT)
+    res = rtn.generate(ids, N)
+    assert len(res.generated_ids) >= 32
+    assert res.generated_ids == hf_generate(many.model_dir, ids, N)
+    assert res.generated_ids == rt1.generate(ids, N).generated_ids
+    a, b = rt1.sequence_logits(ids), rtn.sequence_logits(ids)
+    if parallel == "pp":
+        assert np.array_equal(a, b)
+    else:
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+def _tensor(f: LlmFile, layout: WeightLayout, name: str, layer: int | None) -> np.ndarray:
+    blob = np.frombuffer(f.file.view(layout.section), np.uint8)
+    e = layout.shared[name] if layer is None else layout.chunk_of(layer)[name]
+    base = 0 if layer is None else layout.layer_start(layer)
+    return blob[base + e.offset:base + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+
+
+def _whole(name: str) -> str:
+    """The one-device file's name of a shard weight's tensor (`W@shard0-2:bf16.t` ->
+    `W:bf16.t`)."""
+    return re.sub(r"@shard\d+-\d+", "", name)
+
+
+@pytest.mark.parametrize(("family", "devices"), [("qwen2", 4), ("llama3", 2)])
+def test_each_tp_device_holds_only_its_pieces_and_together_they_are_the_weights(
+        tmp_path_factory: pytest.TempPathFactory, family: str, devices: int) -> None:
+    one = LlmFile(compiled(tmp_path_factory, family).model_file)
+    f = LlmFile(compiled(tmp_path_factory, family, devices=devices, parallel="tp").model_file)
+    par = f.meta.parallel
+    assert par is not None and par.strategy == "tp" and len(par.devices) == devices
+    cut = 0
+    for region in ("shared", "layer"):
+        layers: list[int | None] = [None] if region == "shared" else [0, 1]
+        for layer in layers:
+            names = par.devices[0].weights.shared if layer is None \
+                else par.devices[0].weights.chunk_of(layer)
+            for name in names:
+                shard = parse_shard_name(re.sub(r"(@shard\d+-\d+).*", r"\1", name))
+                if shard is None:
+                    continue
+                cut += 1
+                if name.startswith("tp.offsets."):  # each device's first vocabulary id
+                    vocab = f.meta.model.vocab_size
+                    assert [int(_tensor(f, par.devices[d].weights, name, None)[0])
+                            for d in range(devices)] == [d * vocab // devices
+                                                         for d in range(devices)]
+                    continue
+                split = shard[1]
+                whole = _tensor(one, one.layout, _whole(name), layer)
+                pieces = [_tensor(f, par.devices[d].weights, name, layer)
+                          for d in range(devices)]
+                for d in range(devices):  # replicated pieces are identical
+                    same = piece_of(d, devices, split.pieces)
+                    assert np.array_equal(pieces[d], pieces[same * devices // split.pieces])
+                distinct = [pieces[k * devices // split.pieces] for k in range(split.pieces)]
+                assert pieces[0].size * split.pieces == whole.size, name
+                assert any(np.array_equal(np.concatenate(distinct, axis=ax), whole)
+                           for ax in range(whole.ndim)), name
+    assert cut >= 8  # q, k, v, o, gate, up, down per layer; the lm_head; the offsets
+    # device 0 alone has the embedding table, whole; every blob is smaller than the one file's
+    assert "embed_tokens.weight" in par.devices[0].weights.shared
+    assert all("embed_tokens.weight" not in d.weights.shared for d in par.devices[1:])
+    assert all(d.weights.size < one.layout.size for d in par.devices)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_each_pp_stage_holds_only_its_layers(tmp_path_factory: pytest.TempPathFactory,
+                                             family: str) -> None:
+    one = LlmFile(compiled(tmp_path_factory, family).model_file)
+    f = LlmFile(compiled(tmp_path_factory, family, devices=2, parallel="pp").model_file)
+    par = f.meta.parallel
+    assert par is not None and [list(d.layers) for d in par.devices] == [[0], [1]]
+    first, last = par.devices
+    assert "embedding" in first.nets and "lm_head" not in first.nets
+    assert "lm_head" in last.nets and "embedding" not in last.nets
+    for d, dev in enumerate(par.devices):
+        assert dev.weights.num_layers == 1
+        for name in dev.weights.chunk_of(0):
+            assert np.array_equal(_tensor(f, dev.weights, name, 0),
+                                  _tensor(one, one.layout, name, d)), name
+    # the lm_head's weight lies on the last device only
+    head = [w for w in f.meta.nets["lm_head"].weights if w in last.weights.shared
+            and w not in first.weights.shared]
+    assert head and all(np.array_equal(_tensor(f, last.weights, w, None),
+                                       _tensor(one, one.layout, w, None)) for w in head)
+
+
+def _roofline_s(ex: DeviceGroupExecutor, net: str) -> float:
+    """A lower bound of one run of `net` on one device: its DMA bytes over the DMA
+    bandwidth or its FLOPs over the peak (no efficiency), whichever is longer."""
+    prog, chip = ex.program(net), ex.chip
+    dma = sum(c.nbytes for c in prog.commands if c.engine == "dma")
+    cmp = sum(c.flops / (chip.flops_per_cycle(c.dtype) * chip.freq_ghz * 1e9)
+              for c in prog.commands if c.engine == "cmp")
+    return max(dma / (chip.dma_gbps * 1e9), cmp)
+
+
+def _link_s(ex: DeviceGroupExecutor, net: str) -> float:
+    """The link time of `net`'s collectives on one device, from the link figures."""
+    chip = ex.chip
+    return sum(chip.link_latency_us * 1e-6 + b / (chip.link_gbps * 1e9)
+               for c in ex.program(net).commands if isinstance(c, Collective)
+               for b in LinkWork(c.kind, c.algorithm, c.devices, c.nbytes).steps())
+
+
+@pytest.mark.parametrize(("parallel", "devices"), [("tp", 2), ("pp", 2)])
+def test_the_modelled_time_covers_each_devices_nets_and_link_transfers(
+        tmp_path_factory: pytest.TempPathFactory, parallel: str, devices: int) -> None:
+    many = compiled(tmp_path_factory, "qwen2", devices=devices, parallel=parallel)
+    rt = Runtime.open(many.model_file)
+    ex = rt.ex
+    assert isinstance(ex, DeviceGroupExecutor)
+    runs: list[tuple[str, int | None]] = []
+    run = ex.run
+
+    def spy(net: str, bindings: Any, layer: int | None = None) -> None:
+        runs.append((net, layer))
+        run(net, bindings, layer)
+
+    ex.run = spy  # type: ignore[method-assign]
+    rt.generate(rt.encode("Hello world!"), 8)
+    costs = ex.modelled_costs()
+    engines = costs.total_s - costs.host_s - costs.launch_s  # the nets' and the link's time
+    chip = ex.chip
+    for d in range(devices):
+        busy = sum(_roofline_s(ex, net) + _link_s(ex, net) for net, layer in runs
+                   if d in ex.parallel.runners(net, layer))
+        assert engines >= busy > 0
+    if parallel == "tp":  # every block net's two all-reduces, on the link
+        assert costs.link_s >= sum(_link_s(ex, net) for net, _ in runs) > 0
+    else:  # the hidden state from stage 0 to stage 1, each step: one send of [1, *, H]
+        assert ex.peer_copies >= 8
+        assert costs.link_s >= ex.peer_copies * chip.link_latency_us * 1e-6
+
+
+def test_a_model_that_does_not_fit_one_device_is_refused_with_the_device_count(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a chip of 0.5 MB the tiny Qwen2 (0.6 MB of f32 weights and its KV cache) fits
+    no single device: refused, naming the devices it needs; over two pipeline stages it
+    fits."""
+    from llm_fixtures import tiny_dir
+
+    from toptpu.backend.target import chips
+    from toptpu.compiler import CompileError
+    from toptpu.compiler import compile as compile_model
+
+    presets = {k: dict(v) for k, v in chips._presets().items()}
+    presets["bm1684x"]["ddr_bytes"] = 500_000
+    monkeypatch.setattr(chips, "_presets", lambda: presets)
+    model_dir = tiny_dir(tmp_path_factory, "qwen2")
+    out = str(tmp_path_factory.mktemp("fit") / "m.toptpu")
+    with pytest.raises(CompileError, match=r"does not fit one device: it needs 0\.\d+ GiB "
+                                           r"\(weights .* \+ KV cache .*\), more than a "
+                                           r"bm1684x's 0\.00 GiB; compile it for at least "
+                                           r"--devices 2 --parallel tp or pp"):
+        compile_model(model_dir, out, seq_length=64, progress=None)
+    compile_model(model_dir, out, seq_length=64, progress=None, devices=2, parallel="pp")
+    assert LlmFile(out).meta.parallel is not None
