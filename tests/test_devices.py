@@ -206,3 +206,36 @@ def test_a_model_that_does_not_fit_one_device_is_refused_with_the_device_count(
         compile_model(model_dir, out, seq_length=64, progress=None)
     compile_model(model_dir, out, seq_length=64, progress=None, devices=2, parallel="pp")
     assert LlmFile(out).meta.parallel is not None
+
+
+@pytest.mark.parametrize(("parallel", "devices"), [("tp", 2), ("tp", 4), ("pp", 2)])
+def test_the_estimate_from_a_config_is_what_the_devices_charge_the_compiled_file(
+        tmp_path_factory: pytest.TempPathFactory, parallel: str, devices: int) -> None:
+    """`toptpu estimate --devices N --parallel P` from config.json alone: the modelled time
+    to first token (a two-chunk prompt) and tokens/s of a generation on the device group,
+    and each device's weight blob and KV cache."""
+    from toptpu.backend.contract import StaticShapes
+    from toptpu.estimate import compile_costs, estimate, read_checked_config
+
+    built = compiled(tmp_path_factory, "qwen2", seq=64, input_len=16, devices=devices,
+                     parallel=parallel)
+    rt = Runtime.open(built.model_file)
+    ex = rt.ex
+    assert isinstance(ex, DeviceGroupExecutor)
+    config = read_checked_config(built.model_dir, "f32", 64, devices=devices,
+                                 parallel=parallel)
+    costs = compile_costs(config, ex.chip, "f32", StaticShapes.make(64, 16),
+                          nets=list(ex.nets()), devices=devices, parallel=parallel)
+    ids = list(range(3, 3 + 16 + 5))
+    res = rt.generate(ids, 6, stop_on_eos=False)
+    est = estimate(costs, ex.chip, prompt_tokens=len(ids), sampler=res.sampler)
+    assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9)
+    assert res.modelled_tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9)
+    par = ex.parallel
+    assert costs.device_weight_bytes == [d.weights.size for d in par.devices]
+    caches = [0] * devices
+    for root in {id(b.root): b.root for b in (*rt.cache_k, *rt.cache_v)}.values():
+        for d, part in root.parts.items():
+            caches[d] += part.nbytes
+    assert costs.device_kv_bytes == caches
+    assert est.per_token.link_s > 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toptpu.backend.contract import StaticShapes, parse_strict_json
-from toptpu.backend.target.chips import chip_names, get_chip
+from toptpu.backend.target.chips import Chip, chip_names, get_chip
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError
 from toptpu.frontends.gguf_loader import gguf_file_of
@@ -150,7 +150,7 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
                           image_size, max_tiles, max_patches, dequantize, devices, parallel)
 
 
-def check_devices(devices: int, parallel: str | None, chip: str) -> str | None:
+def check_devices(devices: int, parallel: str | None, chip: str | Chip) -> str | None:
     """`--devices` within the chip's `max_devices`, `--parallel` given only with several;
     the strategy (tp by default for several devices, None for one)."""
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -162,10 +162,12 @@ def check_devices(devices: int, parallel: str | None, chip: str) -> str | None:
             raise CompileError(f"--parallel {parallel} spreads a model over several chips; "
                                "give --devices 2 or more (or drop --parallel)")
         return None
-    limit = get_chip(chip).max_devices
+    the_chip = chip if isinstance(chip, Chip) else get_chip(chip)
+    limit = the_chip.max_devices
     if devices > limit:
-        raise CompileError(f"--devices {devices}: a {chip} deployment joins at most {limit} "
-                           f"chip{'s' if limit != 1 else ''} (its preset's max_devices)")
+        raise CompileError(f"--devices {devices}: a {the_chip.name} deployment joins at most "
+                           f"{limit} chip{'s' if limit != 1 else ''} (its preset's "
+                           "max_devices)")
     return parallel or "tp"
 
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from xdsl.dialects import func
+
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
@@ -34,6 +36,7 @@ from toptpu.backend.contract import (
     GREEDY_HEAD,
     HISTORY_K,
     LM_HEAD,
+    LOGITS,
     PER_LAYER_NETS,
     SAMPLE_HEAD,
     TEXT_NETS,
@@ -46,6 +49,7 @@ from toptpu.backend.runtime.accounting import (
     CATEGORIES,
     SAMPLERS,
     Costs,
+    Spread,
     StepModel,
     net_costs,
 )
@@ -60,13 +64,23 @@ from toptpu.backend.target.chips import (
     get_chip,
 )
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
-from toptpu.cli_args import UsageError, add_static_shape_args, group_size, int_at_least
+from toptpu.cli_args import (
+    UsageError,
+    add_device_args,
+    add_static_shape_args,
+    group_size,
+    int_at_least,
+)
+from toptpu.devices import devices_needed
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
+from toptpu.dialects.naming import input_names
+from toptpu.dialects.sharding import Split, set_arg_split
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import CompileError, ToptpuError
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.tensor_parallel import TensorParallelPass
 
 #: the nets a decode-speed and first-token estimate needs (prompts of at most one chunk)
 STEP_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
@@ -99,13 +113,22 @@ class CompiledCosts:
     mode: str
     shapes: StaticShapes
     commands: dict[str, list[CommandCost]]
-    weight_bytes: int
+    weight_bytes: int  # the model file's (a multi-device file's: every device's together)
     kv_bytes: int
     compile_s: float = 0.0
+    devices: int = 1
+    parallel: str | None = None  # tp | pp over `devices`
+    #: each device's weight blob and KV cache (one entry for one device)
+    device_weight_bytes: list[int] = field(default_factory=list)
+    device_kv_bytes: list[int] = field(default_factory=list)
 
     @property
     def act(self) -> str:
         return act_dtype(self.mode)
+
+    @property
+    def spread(self) -> Spread | None:
+        return None if self.parallel is None else Spread(self.parallel, self.devices)
 
     def io(self) -> dict[str, Any]:
         return net_io(self.shapes, self.model, self.act)
@@ -116,21 +139,35 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": asdict(self.model), "mode": self.mode, "shapes": asdict(self.shapes),
-                "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
-                "compile_s": self.compile_s,
-                "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps)]
-                                 for c in cmds] for n, cmds in self.commands.items()}}
+        out = {"model": asdict(self.model), "mode": self.mode, "shapes": asdict(self.shapes),
+               "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
+               "compile_s": self.compile_s,
+               "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps),
+                                 *([list(c.link)] if c.link is not None else [])]
+                                for c in cmds] for n, cmds in self.commands.items()}}
+        if self.parallel is not None:
+            out.update(devices=self.devices, parallel=self.parallel,
+                       device_weight_bytes=self.device_weight_bytes,
+                       device_kv_bytes=self.device_kv_bytes)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CompiledCosts:
+        def link(c: Sequence[Any]) -> tuple[str, str, int] | None:
+            return (str(c[5][0]), str(c[5][1]), int(c[5][2])) if len(c) > 5 else None
+
         return cls(model=ModelShape(**d["model"]), mode=d["mode"],
                    shapes=StaticShapes(**d["shapes"]),
                    commands={n: [CommandCost(bool(c[0]), int(c[1]), int(c[2]), str(c[3]),
-                                             tuple(c[4])) for c in cmds]
+                                             tuple(c[4]), link(c)) for c in cmds]
                              for n, cmds in d["commands"].items()},
                    weight_bytes=int(d["weight_bytes"]), kv_bytes=int(d["kv_bytes"]),
-                   compile_s=float(d.get("compile_s", 0.0)))
+                   compile_s=float(d.get("compile_s", 0.0)),
+                   devices=int(d.get("devices", 1)), parallel=d.get("parallel"),
+                   device_weight_bytes=[int(x) for x in d.get("device_weight_bytes",
+                                                              [d["weight_bytes"]])],
+                   device_kv_bytes=[int(x) for x in d.get("device_kv_bytes",
+                                                          [d["kv_bytes"]])])
 
 
 def act_dtype(mode: str) -> str:
@@ -154,10 +191,11 @@ def model_shape(config: Any) -> ModelShape:
 
 def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
                   group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
-                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None
-                  ) -> CompiledCosts:
+                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
+                  devices: int = 1, parallel: str | None = None) -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
-    and keep their command costs."""
+    (spread over `devices` by `parallel`, tp or pp, as `toptpu compile` spreads it) and
+    keep their command costs."""
     from toptpu.frontends.hf_loader import placeholder_model
     from toptpu.frontends.llm import split_model
 
@@ -173,21 +211,34 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     programs: dict[str, Program] = {}
     for name in nets:
         t = time.perf_counter()
-        programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip)
+        cut = devices if parallel == "tp" and name in TP_NETS else 1
+        programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip,
+                                     cut)
         if progress is not None:
             progress.write(f"  {name}: {len(programs[name].commands)} commands "
                            f"({time.perf_counter() - t:.1f}s)\n")
             progress.flush()
+    commands = {n: command_costs(p.commands) for n, p in programs.items()}
+    if parallel is None:
+        return CompiledCosts(
+            model=shape, mode=mode, shapes=shapes, commands=commands,
+            weight_bytes=weight_bytes(programs, shape), kv_bytes=kv_bytes(shape, shapes, mode),
+            compile_s=time.perf_counter() - t0)
+    per_w, per_kv = device_bytes(programs, shape, devices, parallel, chip)
     return CompiledCosts(
-        model=shape, mode=mode, shapes=shapes,
-        commands={n: command_costs(p.commands) for n, p in programs.items()},
-        weight_bytes=weight_bytes(programs, shape), kv_bytes=kv_bytes(shape, shapes, mode),
-        compile_s=time.perf_counter() - t0)
+        model=shape, mode=mode, shapes=shapes, commands=commands, weight_bytes=sum(per_w),
+        kv_bytes=sum(per_kv), compile_s=time.perf_counter() - t0, devices=devices,
+        parallel=parallel, device_weight_bytes=per_w, device_kv_bytes=per_kv)
+
+
+#: the nets tensor parallelism cuts over the devices (`toptpu.compiler.TP_NETS`)
+TP_NETS = (*PER_LAYER_NETS, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
 
 
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
-                symmetric: bool | None, chip: Chip) -> Program:
-    """One net as `toptpu compile` compiles it, on any chip: its command streams."""
+                symmetric: bool | None, chip: Chip, devices: int = 1) -> Program:
+    """One net as `toptpu compile` compiles it, on any chip: its command streams (cut for
+    `devices` devices by the tensor-parallel pass when more than one)."""
     from toptpu.frontends.fx_importer import import_module
 
     try:
@@ -195,6 +246,12 @@ def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
                                   input_names=spec.input_names,
                                   output_names=spec.output_names)
         run_passes(module, top_pipeline_passes(), store=store)
+        if devices > 1:
+            fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
+            names = input_names(fn)
+            if LOGITS in names:  # the heads take the lm_head's logits cut by vocabulary
+                set_arg_split(fn, names.index(LOGITS), Split(1, devices))
+            run_passes(module, [TensorParallelPass(devices, chip.name)], store=store)
         run_passes(module, tpu_pipeline_passes(spec.mode or mode, group_size, symmetric,
                                                keep_input_types=spec.keep_input_types),
                    store=store)
@@ -206,11 +263,12 @@ def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
         raise CompileError(f"net '{spec.name}' on {chip.name}: {e}") from e
 
 
-def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
+def weight_bytes(programs: Mapping[str, Program], shape: ModelShape,
+                 layers: int | None = None) -> int:
     """The model file's weight blob as the compiler lays it out: the shared weights once
     (a tied lm_head shares the embedding table; a per-layer net's weight that is not the
     layer's own, e.g. rotary frequencies, is shared too), then every layer's chunk
-    (`WeightLayout`)."""
+    (`WeightLayout`; `layers` of them, default the model's)."""
     from toptpu.layer_weights import layer_key
 
     shared: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -223,7 +281,39 @@ def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
         tables = [w for w, s in shared.items() if s[0] == (shape.vocab_size, shape.hidden_size)]
         for w in tables[1:]:
             del shared[w]
-    return WeightLayout.plan(shared, [layer], [0] * shape.num_layers).size
+    n = shape.num_layers if layers is None else layers
+    return WeightLayout.plan(shared, [layer], [0] * n).size
+
+
+def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: int,
+                 parallel: str, chip: Chip) -> tuple[list[int], list[int]]:
+    """Each device's weight blob and KV cache, as a multi-device compile lays them out
+    (`toptpu.compiler.place`): tp, every layer's pieces on every device, the embedding on
+    device 0; pp, contiguous layers balanced by the decode net's time, the embeddings on
+    the first device, the lm_head and heads on the last."""
+    from toptpu.devices import balance_layers
+
+    layers = shape.num_layers
+    history = next(s for s in programs[BLOCK_CACHE].inputs if s.name == HISTORY_K)
+    kv_layer = 2 * history.nbytes
+    embeddings = [n for n in programs if n in (EMBEDDING, EMBEDDING_CACHE)]
+    heads = [n for n in programs if n not in embeddings and n not in PER_LAYER_NETS]
+    per_layer = [n for n in programs if n in PER_LAYER_NETS]
+    if parallel == "tp":
+        ranges = [range(layers)] * devices
+        nets = [embeddings + per_layer + heads] + [per_layer + heads] * (devices - 1)
+    else:
+        def seconds(net: str) -> float:
+            return net_timing(command_costs(programs[net].commands), chip).seconds(chip) \
+                if net in programs else 0.0
+
+        ranges = balance_layers([seconds(BLOCK_CACHE)] * layers, seconds(EMBEDDING_CACHE),
+                                seconds(LM_HEAD) + seconds(GREEDY_HEAD), devices)
+        nets = [(embeddings if d == 0 else []) + per_layer
+                + (heads if d == devices - 1 else []) for d in range(devices)]
+    weights = [weight_bytes({n: programs[n] for n in mine}, shape, len(r))
+               for mine, r in zip(nets, ranges, strict=True)]
+    return weights, [kv_layer * len(r) for r in ranges]
 
 
 def kv_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:
@@ -267,6 +357,18 @@ class Estimate:
                          "launch_s": c.launch_s}
         return out
 
+    @property
+    def device_bytes(self) -> list[int]:
+        """What each device holds: its weights and its KV cache."""
+        m = self.compiled
+        return [w + k for w, k in zip(m.device_weight_bytes or [m.weight_bytes],
+                                      m.device_kv_bytes or [m.kv_bytes], strict=True)]
+
+    @property
+    def fits(self) -> bool:
+        """Every device's weights and KV cache fit its memory (`Chip.ddr_bytes`)."""
+        return max(self.device_bytes) <= self.chip.ddr_bytes
+
     def to_json(self) -> dict[str, Any]:
         m = self.compiled
         return {
@@ -274,6 +376,11 @@ class Estimate:
             "modelled_tokens_per_s": self.tokens_per_s,
             "weight_bytes": m.weight_bytes,
             "kv_bytes": m.kv_bytes,
+            "devices": m.devices,
+            "parallel": m.parallel,
+            "device_weight_bytes": m.device_weight_bytes or [m.weight_bytes],
+            "device_kv_bytes": m.device_kv_bytes or [m.kv_bytes],
+            "fits": self.fits,
             "breakdown": {"first_token": self.first_token.to_json(),
                           "per_decoded_token": self.per_token.to_json(),
                           "nets": self.net_json()},
@@ -302,7 +409,8 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
     if missing:
         raise EstimateError(f"this estimate needs the nets {missing}, which were not compiled")
     timings = compiled.timings(chip)
-    steps = StepModel(chip, compiled.io(), timings, compiled.model.num_layers)
+    steps = StepModel(chip, compiled.io(), timings, compiled.model.num_layers,
+                      compiled.spread)
     return Estimate(chip, compiled, tokens, sampler, steps.first_token(tokens, sampler),
                     steps.per_token(sampler), timings)
 
@@ -329,6 +437,7 @@ def summary(est: Estimate) -> str:
         f"sustained DDR); seq {s.seq_length}, input {s.max_input_length}, history "
         f"{s.max_history}",
         f"weights {m.weight_bytes / 1e6:.1f} MB, KV cache {m.kv_bytes / 1e6:.1f} MB",
+        *_device_lines(est),
         f"time to first token ({est.prompt_tokens}-token prompt): {est.ttft_s * 1e3:.2f} ms "
         f"modelled ({_where(est.first_token)})",
         f"decode: {est.tokens_per_s:.2f} tokens/s modelled, {est.per_token.total_s * 1e3:.3f} "
@@ -341,6 +450,26 @@ def summary(est: Estimate) -> str:
                      f"{row['bound']:>8} {row['dma_bytes'] / 1e6:>9.2f} "
                      f"{row['flops'] / 1e9:>8.3f}")
     return "\n".join(lines)
+
+
+def _device_lines(est: Estimate) -> list[str]:
+    """Per device: what it holds against its memory (one line for one device only when
+    it does not fit)."""
+    m, chip = est.compiled, est.chip
+    lines = []
+    if m.parallel is not None:
+        lines.append(f"{m.devices} devices, {m.parallel}: collectives and sends between "
+                     f"devices {est.per_token.link_s * 1e3:.3f} ms per token "
+                     f"({chip.link_gbps:g} GB/s link, {chip.link_latency_us:g} us per "
+                     "transfer)")
+        for d, (w, k) in enumerate(zip(m.device_weight_bytes, m.device_kv_bytes,
+                                       strict=True)):
+            lines.append(f"  device {d}: weights {w / 1e6:.1f} MB + KV cache {k / 1e6:.1f} MB")
+    if not est.fits:
+        lines.append(f"does NOT fit: a device needs {max(est.device_bytes) / 2**30:.2f} GiB, "
+                     f"a {chip.name} has {chip.ddr_bytes / 2**30:.2f} GiB; "
+                     + devices_needed(max(est.device_bytes), m.devices, chip))
+    return lines
 
 
 def _where(c: Costs) -> str:
@@ -423,11 +552,13 @@ def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
 
 
 def read_checked_config(config_dir: str, mode: str, seq_length: int,
-                        group_size: int | None = None, symmetric: bool | None = None) -> Any:
-    """The config of `config_dir`, checked as `toptpu compile` checks it for `mode` and
-    `seq_length` (a user error names the problem)."""
+                        group_size: int | None = None, symmetric: bool | None = None,
+                        devices: int = 1, parallel: str | None = None) -> Any:
+    """The config of `config_dir`, checked as `toptpu compile` checks it for `mode`,
+    `seq_length` and the devices (a user error names the problem)."""
     from toptpu.compile_options import (
         check_group_size,
+        check_parallel_config,
         check_quant_options,
         check_seq_length,
     )
@@ -443,27 +574,33 @@ def read_checked_config(config_dir: str, mode: str, seq_length: int,
     check_config(_without_quantization(config), where)
     check_seq_length(raw, where, seq_length, mode)
     check_group_size(raw, where, mode, group_size)
+    check_parallel_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict)
+                          else raw, where, devices, parallel, mode, group_size)
     return config
 
 
 def cmd_estimate(args: Any) -> int:
     """Modelled time to first token and decode speed of a model on a chip, from its
     config.json alone (one layer compiled with placeholder weights)."""
+    from toptpu.compile_options import check_devices
+
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
         base = get_chip(args.chip)
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
+    parallel = check_devices(args.devices, args.parallel, chip)
     config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
-                                 args.group_size, args.symmetric)
+                                 args.group_size, args.symmetric, args.devices, parallel)
     progress = None if args.json or args.quiet else sys.stderr
     if progress is not None:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
     compiled = compile_costs(config, chip, args.mode, shapes,
                              DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
-                             args.symmetric, progress=progress)
+                             args.symmetric, progress=progress, devices=args.devices,
+                             parallel=parallel)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
     print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
     return 0
@@ -485,6 +622,7 @@ def add_estimate_parser(sub: Any) -> None:
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
     add_static_shape_args(p)
+    add_device_args(p)
     p.add_argument("--group-size", type=group_size, default=None)
     p.add_argument("--symmetric", action="store_true", default=None)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,

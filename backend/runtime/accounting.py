@@ -29,6 +29,7 @@ from toptpu.backend.contract import (
     EMBEDDING,
     EMBEDDING_CACHE,
     GREEDY_HEAD,
+    HIDDEN,
     HISTORY_K,
     INPUT_IDS,
     LM_HEAD,
@@ -48,6 +49,7 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import NetTiming
+from toptpu.backend.target.link import LinkWork, collective_seconds
 
 #: where time goes: nets whose DMA engine is the busier one, nets whose compute engine is,
 #: fixed launch costs, host transfers, transfers between chips (collectives, peer copies)
@@ -143,6 +145,45 @@ def transfer_costs(chip: Chip, nbytes: int) -> Costs:
                  transfers=1, transfer_bytes=nbytes)
 
 
+def send_costs(chip: Chip, nbytes: int) -> Costs:
+    """One copy of `nbytes` from a device to another over the link."""
+    return Costs(link_s=collective_seconds(chip, LinkWork("send", "tree", 2, nbytes)),
+                 link_bytes=nbytes)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a model is spread over devices, as the step accounting needs it (what the
+    device-group executor, `toptpu.backend.runtime.device_executor`, does each step):
+
+    - `tp`: the embeddings on device 0, every other net on all `devices`: the host writes
+      a per-layer net's or a head's inputs to every device, reads the lm_head's logits in
+      `devices` pieces, and device 0's embedding goes to the other devices (a send each);
+    - `pp`: the embeddings on the first device, the lm_head and heads on the last, each
+      stage's layers on its device: the host writes the per-layer nets' inputs to every
+      stage, the hidden state goes from stage to stage (a send per boundary)."""
+
+    strategy: str
+    devices: int
+
+    def holders(self, net: str) -> int:
+        """How many devices a host write of `net`'s inputs reaches."""
+        if net in (EMBEDDING, EMBEDDING_CACHE):
+            return 1
+        if self.strategy == "pp" and net not in (BLOCK, BLOCK_KV, BLOCK_CACHE):
+            return 1
+        return self.devices
+
+    @property
+    def hidden_sends(self) -> int:
+        """Sends of the hidden state in one pass over the layers."""
+        return self.devices - 1
+
+    @property
+    def logits_pieces(self) -> int:
+        return self.devices if self.strategy == "tp" else 1
+
+
 # =========================================================================== the step model
 
 
@@ -159,6 +200,7 @@ class StepModel:
     io: Mapping[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]
     timings: Mapping[str, NetTiming]
     layers: int
+    spread: Spread | None = None  # several devices (`Spread`)
 
     def _spec(self, net: str, name: str) -> TensorSpec:
         ins, outs = self.io[net]
@@ -168,10 +210,26 @@ class StepModel:
         return net_costs(self.chip, self.timings[net]).times(runs)
 
     def _up(self, net: str, *names: str) -> Costs:
+        """The host writes `net`'s inputs `names` (to every device that runs it)."""
+        copies = 1 if self.spread is None else self.spread.holders(net)
+        total = Costs()
+        for n in names:
+            total += transfer_costs(self.chip, self._spec(net, n).nbytes).times(copies)
+        return total
+
+    def _down(self, net: str, *names: str) -> Costs:
+        """The host reads `net`'s outputs `names` (from one device)."""
         total = Costs()
         for n in names:
             total += transfer_costs(self.chip, self._spec(net, n).nbytes)
         return total
+
+    def _sends(self, net: str, name: str) -> Costs:
+        """The hidden state `name` of `net` sent on to the devices that need it."""
+        if self.spread is None:
+            return Costs()
+        return send_costs(self.chip, self._spec(net, name).nbytes).times(
+            self.spread.hidden_sends)
 
     @property
     def seq(self) -> int:
@@ -190,7 +248,7 @@ class StepModel:
         block_cache (`Runtime._decode_step`)."""
         return (self._up(EMBEDDING_CACHE, INPUT_IDS) + self._net(EMBEDDING_CACHE)
                 + self._up(BLOCK_CACHE, POSITION_IDS, ATTENTION_MASK)
-                + self._net(BLOCK_CACHE, self.layers))
+                + self._sends(EMBEDDING_CACHE, HIDDEN) + self._net(BLOCK_CACHE, self.layers))
 
     def next_token(self, sampler: str) -> Costs:
         """Choose a token from the last hidden row (`Runtime._next_token`): lm_head, then
@@ -198,12 +256,14 @@ class StepModel:
         candidates back, or the logits back to the host."""
         c = self._net(LM_HEAD)
         if sampler == "greedy":
-            return c + self._net(GREEDY_HEAD) + self._up(GREEDY_HEAD, TOKEN)
+            return c + self._net(GREEDY_HEAD) + self._down(GREEDY_HEAD, TOKEN)
         if sampler == "sample":
             return (c + self._up(SAMPLE_HEAD, RECENT_IDS) + self._net(SAMPLE_HEAD)
-                    + self._up(SAMPLE_HEAD, PROBS, TOKEN_IDS))
+                    + self._down(SAMPLE_HEAD, PROBS, TOKEN_IDS))
         if sampler == "host":
-            return c + self._up(LM_HEAD, LOGITS)
+            pieces = 1 if self.spread is None else self.spread.logits_pieces
+            logits = self._spec(LM_HEAD, LOGITS).nbytes
+            return c + transfer_costs(self.chip, logits // pieces).times(pieces)
         raise ValueError(f"unknown sampler '{sampler}' ({', '.join(SAMPLERS)})")
 
     def sampling_setup(self, sampler: str) -> Costs:
@@ -235,13 +295,16 @@ class StepModel:
         net = BLOCK if start == 0 else BLOCK_KV
         c = (self._up(EMBEDDING, INPUT_IDS) + self._net(EMBEDDING)
              + self._up(BLOCK, POSITION_IDS) + self._up(net, ATTENTION_MASK)
-             + self._net(net, self.layers))
+             + self._sends(EMBEDDING, HIDDEN) + self._net(net, self.layers))
         if start + self.chunk > self.seq:  # the padded chunk runs past SEQ: each layer's n
-            # rows go from the scratch output into the cache through the host
+            # rows go from the scratch output into the cache through the host (a cache cut
+            # by heads: each device's piece)
             scratch = self._spec(BLOCK, PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
-            per_layer = (transfer_costs(self.chip, scratch.nbytes).times(2)
-                         + transfer_costs(self.chip, rows).times(2))
+            parts = 1 if self.spread is None or self.spread.strategy != "tp" \
+                else self.spread.devices
+            per_layer = (transfer_costs(self.chip, scratch.nbytes // parts).times(2 * parts)
+                         + transfer_costs(self.chip, rows // parts).times(2 * parts))
             c += per_layer.times(self.layers)
         return c
 

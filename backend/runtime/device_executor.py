@@ -105,7 +105,7 @@ class _Root:
     parts: dict[int, MachineBuffer] = field(default_factory=dict)
     valid: set[int] = field(default_factory=set)  # the devices whose part is current
     written: bool = False  # a value was written (before: zeros everywhere)
-    pending: np.ndarray | None = None  # the host's value, before any placement
+    pending: np.ndarray | None = None  # the value the host wrote, until a net writes it
     placed: bool = False
 
 
@@ -203,19 +203,20 @@ class DeviceGroupExecutor(MachineExecutor):
         return DeviceBuffer(_Root(shape, dt), shape, dt)
 
     def write(self, buf: DeviceBuffer, value: np.ndarray) -> None:  # type: ignore[override]
+        """Write every part the buffer has (one host transfer each); the host keeps the
+        value too (`_Root.pending`: a device that binds the buffer later gets it from the
+        host) until a net writes the buffer."""
         value = value_for(buf, value, MachineExecutorError)  # type: ignore[arg-type]
         root = buf.root
-        if not root.placed:  # kept by the host until a net binds it on a device
-            if root.pending is None:
-                root.pending = np.zeros(root.shape, root.dtype)
+        if root.pending is None and (not root.placed or buf.whole):
+            root.pending = np.zeros(root.shape, root.dtype)
+        if root.pending is not None:
             root.pending[buf.window()] = value
-            root.written = True
-            return
+        root.written = True
         for d in sorted(root.parts):
             piece = value if root.split is None else take_piece(value, root.split, d, self.n)
             buf.part(d).array(write=True)[...] = piece
             self.ledger.transfer(int(piece.nbytes))
-        root.written = True
         if buf.whole:
             root.valid = set(root.parts)
 
@@ -274,7 +275,7 @@ class DeviceGroupExecutor(MachineExecutor):
         for spec in info.outputs:
             buf = bindings[spec.name]
             root = buf.root
-            root.written = True
+            root.written, root.pending = True, None  # the host's copy is stale now
             root.valid = set(devs) if buf.whole else root.valid & set(devs)
         st = self.stats.setdefault(net, NetStats())
         st.runs += 1
@@ -315,9 +316,6 @@ class DeviceGroupExecutor(MachineExecutor):
                     root.valid.add(d)  # zeros, as everywhere
             if read and d not in root.valid:
                 self._receive(root, d, spec.name)
-        if not read:
-            return
-        root.pending = None if all(d in root.valid for d in root.parts) else root.pending
 
     def _receive(self, root: _Root, d: int, name: str) -> None:
         """Bring device d's part of `root` up to date from a device that holds it (the
