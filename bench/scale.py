@@ -1,5 +1,7 @@
-"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B) with random
-bf16 weights, compiled by streaming (one layer in memory at a time).
+"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B, 72B) with
+random bf16 weights, compiled by streaming (one layer in memory at a time), for one device or
+spread over several (`--devices N --parallel tp|pp`: every device's blob cut from one read
+of each layer).
 
 Checkpoints: the published Qwen2.5 base configs' dimensions (written from the configs, no
 download), random bf16 weights written shard by shard like a real checkpoint
@@ -20,6 +22,9 @@ time ratio against their weight ratio (linear compile: time ratio / weight ratio
 
 Run: python bench/scale.py [--sizes 0.5B,1.5B,7B] [--dir /work/scale-ckpt] [--mode w4bf16]
          [--seq 512] [--keep]    (checkpoints and model files are deleted unless --keep)
+         [--layers N]            (the first N layers of each shape: a 72B's layers at a disk
+                                  size this host has; memory is per layer either way)
+         [--devices 8 --parallel tp|pp]
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ QWEN25: dict[str, dict[str, Any]] = {
                tie_word_embeddings=False, rms_norm_eps=1e-6),
     "14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "72B": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 #: what every Qwen2.5 base config shares
@@ -211,21 +219,28 @@ def write_checkpoint(path: str, config: Any, seed: int = 0,
 _COMPILE = """
 import json, sys
 from toptpu.compiler import compile as compile_model
-r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]))
-w = r.header["weights"]
-layers = w["layers"]
-ends = [la["offset"] for la in layers[1:]] + [w["size"]]
-print(json.dumps({"layer_stride": max(e - la["offset"] for la, e in zip(layers, ends)),
-                  "layer_base": layers[0]["offset"], "size": w["size"],
+n, par = int(sys.argv[5]), sys.argv[6] or None
+r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]),
+                  devices=n, parallel=par)
+blobs = ([r.header["weights"]] if par is None
+         else [d["weights"] for d in r.header["parallel"]["devices"]])
+stride = 0
+for w in blobs:
+    layers = w["layers"]
+    ends = [la["offset"] for la in layers[1:]] + [w["size"]]
+    stride = max([stride] + [e - la["offset"] for la, e in zip(layers, ends)])
+print(json.dumps({"layer_stride": stride, "size": max(w["size"] for w in blobs),
                   "timings": r.timings}))
 """
 
 
-def compile_measured(model_dir: str, output: str, mode: str, seq: int) -> dict[str, Any]:
+def compile_measured(model_dir: str, output: str, mode: str, seq: int, devices: int = 1,
+                     parallel: str | None = None) -> dict[str, Any]:
     """Compile in a subprocess: wall seconds, its peak RSS and what it reports."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq)],
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq),
+                           str(devices), parallel or ""],
                           capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -248,24 +263,33 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and model files")
     ap.add_argument("--write-only", action="store_true", help="only write the checkpoints")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the first LAYERS layers of each shape (default: all)")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--parallel", choices=("tp", "pp"), default=None)
     args = ap.parse_args()
+    if args.devices > 1 and args.parallel is None:
+        args.parallel = "tp"
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in QWEN25]
     if unknown:
         ap.error(f"unknown size(s) {unknown}; choose from {', '.join(QWEN25)}")
     rows = []
     for size in sizes:
-        ckpt = os.path.join(args.dir, f"qwen2.5-{size}")
-        output = os.path.join(args.dir, f"qwen2.5-{size}-{args.mode}.toptpu")
+        tag = "" if args.layers is None else f"-{args.layers}l"
+        ckpt = os.path.join(args.dir, f"qwen2.5-{size}{tag}")
+        output = os.path.join(args.dir, f"qwen2.5-{size}{tag}-{args.mode}.toptpu")
         t = time.perf_counter()
-        weights = write_checkpoint(ckpt, qwen25_config(size))
+        overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+        weights = write_checkpoint(ckpt, qwen25_config(size, **overrides))
         written = time.perf_counter() - t
         print(f"{size}: {weights / 1e9:.2f} GB of bf16 weights ready in {written:.0f}s",
               file=sys.stderr, flush=True)
         if args.write_only:
             continue
         try:
-            r = compile_measured(ckpt, output, args.mode, args.seq)
+            r = compile_measured(ckpt, output, args.mode, args.seq, args.devices,
+                                 args.parallel)
         finally:
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
@@ -277,7 +301,10 @@ def main() -> None:
               file=sys.stderr, flush=True)
     if not rows:
         return
-    print(f"\n{args.mode}, seq {args.seq}: Qwen2.5-shaped checkpoints, random bf16 weights\n")
+    spread = "" if args.parallel is None else f", {args.devices} devices {args.parallel}"
+    layers = "" if args.layers is None else f", the first {args.layers} layers"
+    print(f"\n{args.mode}, seq {args.seq}{spread}: Qwen2.5-shaped checkpoints{layers}, random "
+          "bf16 weights (largest layer and blob: of the largest device's blob)\n")
     print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB |")
     print("|---|---|---|---|---|---|")
     for size, weights, r in rows:

@@ -300,7 +300,8 @@ class LowerElementwise(LoweringPattern):
     """Unary, binary, scalar, compare and where ops: float operands in the op's type."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp):
+        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp) \
+                or isinstance(op, tpu.TpuOp):  # (a Tpu op shares its Top op's base class)
             return
         if isinstance(op, top.SoftmaxOp):
             return

@@ -71,7 +71,7 @@ from toptpu.cli_args import (
     group_size,
     int_at_least,
 )
-from toptpu.devices import devices_needed
+from toptpu.devices import balance_layers, devices_needed
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.naming import input_names
 from toptpu.dialects.sharding import Split, set_arg_split
@@ -196,11 +196,24 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
     (spread over `devices` by `parallel`, tp or pp, as `toptpu compile` spreads it) and
     keep their command costs."""
+    t0 = time.perf_counter()
+    cut = devices if parallel == "tp" else 1
+    programs = compile_programs(config, chip, mode, shapes, group_size, symmetric, nets,
+                                progress, cut)
+    out = spread_costs(programs, model_shape(config), mode, shapes, devices, parallel, chip)
+    out.compile_s = time.perf_counter() - t0
+    return out
+
+
+def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
+                     group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
+                     nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
+                     tp_devices: int = 1) -> dict[str, Program]:
+    """The programs of `nets` of the model of `config` (one layer, placeholder weights) on
+    `chip`, cut for `tp_devices` devices (tensor parallel) when more than one."""
     from toptpu.frontends.hf_loader import placeholder_model
     from toptpu.frontends.llm import split_model
 
-    t0 = time.perf_counter()
-    shape = model_shape(config)
     model = placeholder_model(config, layers=1)
     act = QuantMode(mode).activation
     specs = {s.name: s for s in split_model(model, shapes, act=act)}
@@ -211,24 +224,31 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     programs: dict[str, Program] = {}
     for name in nets:
         t = time.perf_counter()
-        cut = devices if parallel == "tp" and name in TP_NETS else 1
+        cut = tp_devices if name in TP_NETS else 1
         programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip,
                                      cut)
         if progress is not None:
             progress.write(f"  {name}: {len(programs[name].commands)} commands "
                            f"({time.perf_counter() - t:.1f}s)\n")
             progress.flush()
+    return programs
+
+
+def spread_costs(programs: Mapping[str, Program], shape: ModelShape, mode: str,
+                 shapes: StaticShapes, devices: int = 1, parallel: str | None = None,
+                 chip: Chip | None = None) -> CompiledCosts:
+    """The costs of compiled `programs` on `devices` devices by `parallel` (the programs of
+    a pp spread are the one-device programs: one compile serves every device count)."""
     commands = {n: command_costs(p.commands) for n, p in programs.items()}
     if parallel is None:
-        return CompiledCosts(
-            model=shape, mode=mode, shapes=shapes, commands=commands,
-            weight_bytes=weight_bytes(programs, shape), kv_bytes=kv_bytes(shape, shapes, mode),
-            compile_s=time.perf_counter() - t0)
+        return CompiledCosts(model=shape, mode=mode, shapes=shapes, commands=commands,
+                             weight_bytes=weight_bytes(programs, shape),
+                             kv_bytes=kv_bytes(shape, shapes, mode))
+    assert chip is not None
     per_w, per_kv = device_bytes(programs, shape, devices, parallel, chip)
-    return CompiledCosts(
-        model=shape, mode=mode, shapes=shapes, commands=commands, weight_bytes=sum(per_w),
-        kv_bytes=sum(per_kv), compile_s=time.perf_counter() - t0, devices=devices,
-        parallel=parallel, device_weight_bytes=per_w, device_kv_bytes=per_kv)
+    return CompiledCosts(model=shape, mode=mode, shapes=shapes, commands=commands,
+                         weight_bytes=sum(per_w), kv_bytes=sum(per_kv), devices=devices,
+                         parallel=parallel, device_weight_bytes=per_w, device_kv_bytes=per_kv)
 
 
 #: the nets tensor parallelism cuts over the devices (`toptpu.compiler.TP_NETS`)
@@ -291,8 +311,6 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
     (`toptpu.compiler.place`): tp, every layer's pieces on every device, the embedding on
     device 0; pp, contiguous layers balanced by the decode net's time, the embeddings on
     the first device, the lm_head and heads on the last."""
-    from toptpu.devices import balance_layers
-
     layers = shape.num_layers
     history = next(s for s in programs[BLOCK_CACHE].inputs if s.name == HISTORY_K)
     kv_layer = 2 * history.nbytes
