@@ -5,8 +5,8 @@ Qwen2.5-14B, QwQ-32B and Qwen2.5-72B shapes, against the published multi-device 
     python bench/devices.py --rows         # the published rows (bench/calibration/
                                            # bm1684x_multi_device.csv) beside the model
     python bench/devices.py --grid         # 14B / 32B / 72B on 1, 2, 4, 8 devices, tp and pp
-    python bench/devices.py --link         # QwQ-32B over the link's bandwidth: where tp
-                                           # stops paying against pp
+    python bench/devices.py --link         # QwQ-32B over the link's bandwidth and latency:
+                                           # where tp stops paying against pp
     python bench/devices.py --fit [--write]  # fit the link latency to the published tp rows
                                            # (and write it into chips.json)
 
@@ -70,6 +70,12 @@ class Shape:
     vocab: int
     tied: bool = False
 
+    @property
+    def key(self) -> str:
+        """The name and every dimension (the compile cache's key)."""
+        return (f"{self.name}:{self.hidden}x{self.intermediate}x{self.layers}:{self.heads}/"
+                f"{self.kv_heads}:{self.vocab}{':tied' if self.tied else ''}")
+
     def config(self, seq: int) -> Any:
         import transformers
 
@@ -81,11 +87,14 @@ class Shape:
             rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
-#: the public shapes of the models the issue names (their config.json)
+#: the public shapes of the models the issue names (their config.json). Qwen2.5-72B's
+#: intermediate size 29568 leaves 3696 per device on 8, which no w4 group of 32 or more
+#: divides; Qwen's own quantized releases (Qwen2.5-72B-Instruct-AWQ / -GPTQ-Int4) pad it to
+#: 29696 (zero rows and columns), and so does this grid.
 MODELS = {
     "Qwen2.5-14B": Shape("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064),
     "QwQ-32B": Shape("QwQ-32B", 5120, 27648, 64, 40, 8, 152064),
-    "Qwen2.5-72B": Shape("Qwen2.5-72B", 8192, 29568, 80, 64, 8, 152064),
+    "Qwen2.5-72B": Shape("Qwen2.5-72B", 8192, 29696, 80, 64, 8, 152064),
 }
 
 
@@ -122,7 +131,7 @@ class Compiler:
               parallel: str | None, prefill: bool = True) -> CompiledCosts:
         """The costs of `shape` spread over `devices` by `parallel` (None: one device)."""
         tp = devices if parallel == "tp" else 1
-        key = f"{shape.name}/{mode}/g{group}/s{seq}/tp{tp}/{'prefill' if prefill else 'decode'}"
+        key = f"{shape.key}/{mode}/g{group}/s{seq}/tp{tp}/{'prefill' if prefill else 'decode'}"
         if key not in self.cache:
             self.cache[key] = self._compile(shape, mode, group, seq, tp, prefill)
             self.save()
@@ -287,29 +296,51 @@ def grid_table(compiler: Compiler, mode: str, group: int, seq: int) -> None:
                       f"{per.link_s / per.total_s:.0%} |")
 
 
-def link_table(compiler: Compiler, mode: str, group: int, seq: int, name: str) -> None:
-    """tok/s of `name` over the link's bandwidth, tp against pp, on 2, 4 and 8 devices."""
+def link_table(compiler: Compiler, mode: str, group: int, seq: int, name: str,
+               figure: str) -> None:
+    """tok/s of `name` over one link figure (`link_gbps` or `link_latency_us`), tp against
+    pp, on 2, 4 and 8 devices; then where tp stops paying (decode and TTFT)."""
     shape, base = MODELS[name], compiler.chip
-    speeds = [0.25, 0.5, 1.0, 2.0, 3.0, 6.0, 12.0, 24.0, 48.0]
-    print(f"{name} {mode}, seq {seq}: decode tok/s (TTFT s) over the link's GB/s "
-          f"(latency {base.link_latency_us:g} us)\n")
-    print("| link GB/s | " + " | ".join(f"tp {n} | pp {n}" for n in (2, 4, 8)) + " |")
+    values = {"link_gbps": [0.25, 0.5, 1.0, 2.0, 3.0, 6.0, 12.0, 24.0, 48.0],
+              "link_latency_us": [5.0, 20.0, 50.0, 100.0, 235.1, 500.0, 1000.0, 2000.0]}[figure]
+    other = ("link_latency_us", "us") if figure == "link_gbps" else ("link_gbps", "GB/s")
+    print(f"{name} {mode}, seq {seq}: decode tok/s (TTFT s) over {figure} "
+          f"({other[0]} {getattr(base, other[0]):g} {other[1]})\n")
+    print(f"| {figure} | " + " | ".join(f"tp {n} | pp {n}" for n in (2, 4, 8)) + " |")
     print("|---|" + "---|---|" * 3)
-    for gbps in speeds:
-        chip = base.with_figures(link_gbps=gbps)
+    table: dict[tuple[int, str], list[Estimate]] = {}
+    for v in values:
+        chip = base.with_figures(**{figure: v})
         cells = []
         for n in (2, 4, 8):
             for par in ("tp", "pp"):
                 est = modelled(compiler, shape, mode, group, seq, n, par, chip)
+                table.setdefault((n, par), []).append(est)
                 cells.append(f"{est.tokens_per_s:.3g} ({est.ttft_s:.3g})")
-        print(f"| {gbps:g} | " + " | ".join(cells) + " |")
+        print(f"| {v:g} | " + " | ".join(cells) + " |")
+    print()
+    for n in (2, 4, 8):
+        tp, pp = table[(n, "tp")], table[(n, "pp")]
+        for what, better in (("decode", lambda a, b: a.tokens_per_s > b.tokens_per_s),
+                             ("TTFT", lambda a, b: a.ttft_s < b.ttft_s)):
+            wins = [v for v, a, b in zip(values, tp, pp, strict=True) if better(a, b)]
+            if len(wins) == len(values):
+                where = "at every value"
+            elif not wins:
+                where = "at no value"
+            elif figure == "link_gbps":
+                where = f"from {min(wins):g} GB/s"
+            else:
+                where = f"up to {max(wins):g} us"
+            print(f"{n} devices: tp beats pp in {what} {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", action="store_true", help="the published rows")
     p.add_argument("--grid", action="store_true", help="14B / 32B / 72B on 1-8 devices")
-    p.add_argument("--link", action="store_true", help="QwQ-32B over the link's bandwidth")
+    p.add_argument("--link", action="store_true",
+                   help="QwQ-32B over the link's bandwidth and latency")
     p.add_argument("--fit", action="store_true", help="fit the link latency to the tp rows")
     p.add_argument("--write", action="store_true", help="with --fit: write it to chips.json")
     p.add_argument("--seq-length", type=int, default=2048)
@@ -334,7 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         grid_table(compiler, args.mode, args.group_size, args.seq_length)
         print()
     if args.link or every:
-        link_table(compiler, args.mode, args.group_size, args.seq_length, "QwQ-32B")
+        link_table(compiler, args.mode, args.group_size, args.seq_length, "QwQ-32B",
+                   "link_gbps")
+        print()
+        link_table(compiler, args.mode, args.group_size, args.seq_length, "QwQ-32B",
+                   "link_latency_us")
     return 0
 
 

@@ -61,7 +61,9 @@ QWEN25: dict[str, dict[str, Any]] = {
     "14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False, rms_norm_eps=1e-5),
-    "72B": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+    # the intermediate size as Qwen's quantized releases pad it (Qwen2.5-72B-Instruct-AWQ:
+    # 29696, not 29568), so a w4 group of 64 divides each device's part on 8
+    "72B": dict(hidden_size=8192, intermediate_size=29696, num_hidden_layers=80,
                 num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
