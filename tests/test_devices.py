@@ -27,7 +27,7 @@ from llm_fixtures import LONG_PROMPT, compiled, hf_generate
 from toptpu.backend.formats.commands import Collective
 from toptpu.backend.formats.llm_file import LlmFile, WeightLayout
 from toptpu.backend.runtime.device_executor import DeviceGroupExecutor
-from toptpu.backend.runtime.runtime import Runtime
+from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.backend.target.link import LinkWork
 from toptpu.dialects.sharding import parse_shard_name, piece_of
 
@@ -56,6 +56,23 @@ def test_greedy_tokens_equal_transformers_and_the_one_device_file(
         assert np.array_equal(a, b)
     else:
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+@pytest.mark.parametrize(("parallel", "devices"), [("tp", 2), ("pp", 2)])
+def test_sampled_tokens_on_the_chip_equal_the_one_device_files(
+        tmp_path_factory: pytest.TempPathFactory, parallel: str, devices: int) -> None:
+    """The sample head on several devices (tp: it gathers the vocabulary pieces of the
+    logits first) draws what one device draws with the same seed; its repetition penalty
+    reads ids from every device's piece."""
+    one = compiled(tmp_path_factory, "qwen2")
+    many = compiled(tmp_path_factory, "qwen2", devices=devices, parallel=parallel)
+    rt1, rtn = Runtime.open(one.model_file), Runtime.open(many.model_file)
+    cfg = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
+                         seed=7, sampler="chip")
+    ids = rtn.encode(LONG_PROMPT)
+    a = rt1.generate(ids, 24, cfg, stop_on_eos=False)
+    b = rtn.generate(ids, 24, cfg, stop_on_eos=False)
+    assert b.sampler == "sample" and a.generated_ids == b.generated_ids
 
 
 def _tensor(f: LlmFile, layout: WeightLayout, name: str, layer: int | None) -> np.ndarray:
