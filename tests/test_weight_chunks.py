@@ -267,10 +267,10 @@ def test_a_header_whose_net_reads_a_tensor_its_layers_chunk_lacks_is_refused(
                                           rf"reads '{name}': not in layer 1's chunk "
                                           rf"\(weights\.chunks\[1\]\)"):
         LlmHeader.from_json(header)
-    # ... and with no chunk holding it, the net's own weight list is refused
+    # ... and with no chunk holding it, the first layer that runs the net is named
     header["weights"] = encode(_replan(src.layout.shared, [lacking], [0, 0]))
-    with pytest.raises(HeaderError, match=rf"nets\.{reader}\.weights\[\d+\] is '{name}', "
-                                          "which the weight table does not have"):
+    with pytest.raises(HeaderError, match=rf"layer_nets\.\w+\[0\] is '{reader}', which "
+                                          rf"reads '{name}': not in layer 0's chunk"):
         LlmHeader.from_json(header)
     short = copy.deepcopy(src.header)
     short["weights"]["layers"] = short["weights"]["layers"][:1]

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.errors import ToptpuError
 
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -185,3 +186,14 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="with --devices 2 or more: tp (tensor parallel: every layer cut over "
                    "all devices, collectives between) or pp (pipeline parallel: contiguous "
                    "layers per device, the hidden state sent on); default tp")
+
+
+def add_weight_quant_args(p: argparse.ArgumentParser) -> None:
+    """--group-size and --symmetric, as compile, estimate and compare take them (None: the
+    mode's default, which the help states)."""
+    p.add_argument("--group-size", type=group_size, default=None,
+                   help=f"w4 modes: quantization group size (default {DEFAULT_GROUP_SIZE}; -1: "
+                   "per channel)")
+    p.add_argument("--symmetric", action="store_true", default=None,
+                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
+                   "w4 asymmetric)")

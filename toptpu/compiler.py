@@ -345,7 +345,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     devices: int = 1,
     parallel: str | None = None,
 ) -> CompileResult:
-    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6) to a model file at `output`.
+    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7) to a model file at `output`.
 
     `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
@@ -447,7 +447,9 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
                        f"{options.chip}{spread}, seq {shapes.seq_length}, input "
                        f"{shapes.max_input_length}, history {shapes.max_history}]\n")
     act = QuantMode(mode).activation
-    specs = split_model(hf, shapes, act=act)
+    vision = getattr(loaded, "vision", None)
+    axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
+    specs = split_model(hf, shapes, act=act, position_axes=axes)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, options.vision_mode, shapes)
@@ -458,7 +460,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     for rep in list(variants)[1:]:
         if loaded.stream is not None:  # the skeleton's representative layer made real
             loaded.stream.materialize(hf, rep, f"v{rep}.")
-        rep_specs = split_model(hf, shapes, layer=rep, act=act)
+        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes)
         if arch.layer_type(rep) != arch.layer_type(0):  # a layer kind of its own
             check_block_matches_model(hf, next(s for s in rep_specs if s.name == BLOCK),
                                       layer_index=rep)
@@ -472,9 +474,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
         for net in nets:
             if not net.spec.per_layer:
                 loaded.stream.bind_shared(net.spec.module, net.weight_prefix)
-    return CompilePlan(loaded, arch, options, mode, nets, variants, layers,
-                       getattr(loaded, "vision", None), vit.mode if vit else None,
-                       load_seconds)
+    return CompilePlan(loaded, arch, options, mode, nets, variants, layers, vision,
+                       vit.mode if vit else None, load_seconds)
 
 
 #: the conversation a chat template renders at compile time (what `toptpu chat` renders)
@@ -537,7 +538,7 @@ def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | N
                                                              vision_mode)) if v is not None]
     if given:
         raise CompileError(f"{', '.join(given)} apply to vision-language models (InternVL, "
-                           "MiniCPM-V 4.6); this model has no vision tower")
+                           "MiniCPM-V 4.6/4.7); this model has no vision tower")
     if stream and isinstance(model, str | os.PathLike):
         return load_streaming(os.fspath(model))
     return load_model(model, tokenizer)

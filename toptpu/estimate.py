@@ -68,7 +68,7 @@ from toptpu.cli_args import (
     UsageError,
     add_device_args,
     add_static_shape_args,
-    group_size,
+    add_weight_quant_args,
     int_at_least,
 )
 from toptpu.devices import balance_layers, devices_needed
@@ -428,7 +428,7 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
         raise EstimateError(f"this estimate needs the nets {missing}, which were not compiled")
     timings = compiled.timings(chip)
     steps = StepModel(chip, compiled.io(), timings, compiled.model.num_layers,
-                      compiled.spread)
+                      spread=compiled.spread)
     return Estimate(chip, compiled, tokens, sampler, steps.first_token(tokens, sampler),
                     steps.per_token(sampler), timings)
 
@@ -641,8 +641,7 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
     add_static_shape_args(p)
     add_device_args(p)
-    p.add_argument("--group-size", type=group_size, default=None)
-    p.add_argument("--symmetric", action="store_true", default=None)
+    add_weight_quant_args(p)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
                    "--max-input-length)")

@@ -58,6 +58,7 @@ from toptpu.backend.runtime.machine_executor import (
     NetStats,
     timing_of,
 )
+from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.weight_cache import default_budget
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.link import LinkWork, collective_seconds
@@ -194,6 +195,7 @@ class DeviceGroupExecutor(MachineExecutor):
         self._dev_const: dict[tuple[str, int], int] = {}
         self.stats: dict[str, NetStats] = {}
         self.ledger = Ledger(self.chip)
+        self.recorder: RunRecorder | None = None
         self.peer_copies = 0
 
     # ------------------------------------------------------------------ Executor
@@ -216,7 +218,7 @@ class DeviceGroupExecutor(MachineExecutor):
         for d in sorted(root.parts):
             piece = value if root.split is None else take_piece(value, root.split, d, self.n)
             buf.part(d).array(write=True)[...] = piece
-            self.ledger.transfer(int(piece.nbytes))
+            self._transfer(int(piece.nbytes), to_chip=True)
         if buf.whole:
             root.valid = set(root.parts)
 
@@ -228,13 +230,13 @@ class DeviceGroupExecutor(MachineExecutor):
             return np.array(whole[buf.window()])
         if root.split is None:
             d = min(root.valid)
-            self.ledger.transfer(buf.nbytes)
+            self._transfer(buf.nbytes, to_chip=False)
             return buf.part(d).array().copy()
         pieces = []
         for k in range(root.split.pieces):
             d = min(d for d in root.valid if piece_of(d, self.n, root.split.pieces) == k)
             part = buf.part(d).array().copy()
-            self.ledger.transfer(int(part.nbytes))
+            self._transfer(int(part.nbytes), to_chip=False)
             pieces.append(part)
         return np.concatenate(pieces, axis=root.split.axis)
 
@@ -282,7 +284,10 @@ class DeviceGroupExecutor(MachineExecutor):
         st.cycles += tl.cycles
         st.timelines.append(tl)
         del st.timelines[:-self.keep_timelines]
-        self.ledger.net(net, timing_of(tl))
+        start = self.ledger.totals.total_s
+        costs = self.ledger.net(net, timing_of(tl))
+        if self.recorder is not None:
+            self.recorder.net(net, layer, start, costs, tl)
 
     def modelled_costs(self) -> Costs:
         return self.ledger.totals
@@ -310,7 +315,7 @@ class DeviceGroupExecutor(MachineExecutor):
                     piece = root.pending if split is None else \
                         take_piece(root.pending, split, d, self.n)
                     root.parts[d].array(write=True)[...] = piece
-                    self.ledger.transfer(int(piece.nbytes))
+                    self._transfer(int(piece.nbytes), to_chip=True)
                     root.valid.add(d)
                 elif not root.written:
                     root.valid.add(d)  # zeros, as everywhere
@@ -330,8 +335,11 @@ class DeviceGroupExecutor(MachineExecutor):
         self.group.copy(PeerCopy(name=f"send {name}", src_device=src, src_addr=a.addr,
                                  dst_device=d, dst_addr=b.addr, nbytes=a.nbytes))
         self.peer_copies += 1
-        self.ledger.peer(a.nbytes, collective_seconds(
+        start = self.ledger.totals.total_s
+        costs = self.ledger.peer(a.nbytes, collective_seconds(
             self.chip, LinkWork("send", "tree", 2, a.nbytes)))
+        if self.recorder is not None:
+            self.recorder.peer(src, d, a.nbytes, start, costs)
         root.valid.add(d)
 
     # ------------------------------------------------------------------ nets
