@@ -27,6 +27,7 @@ from llm_fixtures import LONG_PROMPT, compiled, hf_generate
 from toptpu.backend.formats.commands import Collective
 from toptpu.backend.formats.llm_file import LlmFile, WeightLayout
 from toptpu.backend.runtime.device_executor import DeviceGroupExecutor
+from toptpu.backend.runtime.run_trace import LINK, trace_events
 from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.backend.target.link import LinkWork
 from toptpu.dialects.sharding import parse_shard_name, piece_of
@@ -73,6 +74,30 @@ def test_sampled_tokens_on_the_chip_equal_the_one_device_files(
     a = rt1.generate(ids, 24, cfg, stop_on_eos=False)
     b = rtn.generate(ids, 24, cfg, stop_on_eos=False)
     assert b.sampler == "sample" and a.generated_ids == b.generated_ids
+
+
+@pytest.mark.parametrize(("parallel", "devices"), [("tp", 2), ("pp", 2)])
+def test_a_traced_run_records_every_net_transfer_and_send_on_the_modelled_clock(
+        tmp_path_factory: pytest.TempPathFactory, parallel: str, devices: int) -> None:
+    """`run --trace` of a multi-device file: the net runs, host transfers and sends
+    between devices follow one another on the clock and add up to the modelled time."""
+    many = compiled(tmp_path_factory, "qwen2", devices=devices, parallel=parallel)
+    rt = Runtime.open(many.model_file)
+    rec = rt.start_trace()
+    rt.generate(rt.encode(LONG_PROMPT), 6)
+    assert rec.peers and all(p.src != p.dst for p in rec.peers)
+    if parallel == "pp":  # stage to stage
+        assert {(p.src, p.dst) for p in rec.peers} == {(0, 1)}
+    spans = sorted([(r.start_s, r.costs.total_s) for r in rec.runs]
+                   + [(t.start_s, t.costs.total_s) for t in rec.transfers]
+                   + [(p.start_s, p.costs.total_s) for p in rec.peers])
+    clock = 0.0
+    for start, dur in spans:
+        assert start == pytest.approx(clock, abs=1e-12)
+        clock = start + dur
+    assert clock == pytest.approx(rt.ex.modelled_seconds(), rel=1e-12)
+    events = list(trace_events(rec))
+    assert sum(e.get("tid") == LINK and e["ph"] == "X" for e in events) == len(rec.peers)
 
 
 def _tensor(f: LlmFile, layout: WeightLayout, name: str, layer: int | None) -> np.ndarray:

@@ -31,6 +31,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
 from toptpu.dialects.weight_store import WeightStore, store_for
+from toptpu.errors import ToptpuError
 
 Arrays = list[np.ndarray | None]
 
@@ -376,9 +377,9 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
 # --------------------------------------------------------------------------- collectives
 
 
-class CollectiveError(ValueError):
-    """A collective run where its devices are not (one device alone, devices that
-    disagree)."""
+class CollectiveError(ToptpuError, ValueError):
+    """A collective run where its devices are not (a module cut over devices run as one
+    device's, devices that disagree)."""
 
 
 @evaluates(*dev.COLLECTIVES)
