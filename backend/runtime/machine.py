@@ -93,7 +93,7 @@ from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles, link_cycles
 from toptpu.backend.target.link import LinkWork
-from toptpu.dialects import dev
+from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
@@ -213,6 +213,9 @@ class Event:
     bytes: int = 0
     flops: int = 0
     dtype: str = ""
+    group: int = -1  # its layer group and slice
+    slice: int = -1
+    part: str = ""  # a reduction part, "j/P" (`Compute.parts`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,9 +269,11 @@ def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list
         finish = start + command_cycles(chip, c)
         end[c.id] = free_at[c.engine] = finish
         timed.append((start, c.id))
+        part = f"{c.part}/{c.parts}" if isinstance(c, Compute) and c.parts > 1 else ""
         moved = (link_work(c).link_bytes() if isinstance(c, Collective)
                  else c.nbytes if c.engine == "dma" else 0)
-        events.append(Event(c.id, c.engine, start, finish, c.name, moved, c.flops, c.dtype))
+        events.append(Event(c.id, c.engine, start, finish, c.name, moved, c.flops, c.dtype,
+                            c.group, c.slice, part))
     heapq.heapify(timed)
     return events, [heapq.heappop(timed)[1] for _ in range(len(timed))]
 
@@ -374,14 +379,24 @@ class LoadedNet:
         ins: list[LocalRef | TableRef | None] = list(c.ins)
         if isinstance(c, Gather):
             ins.insert(c.table_operand, c.table)
-        if len(ins) != len(operands) or len(c.outs) != len(op.results):
+        if isinstance(c, Compute) and c.acc is not None:
+            if not isinstance(op, tpu.REDUCTION_OPS):
+                raise MachineTrap(f"command {c.id}: '{op.name}' has no reduction to split in "
+                                  "parts")
+            want_acc = tuple(tpu.accumulator_type(op).get_shape())
+            if tuple(c.acc.shape) != want_acc:
+                raise MachineTrap(f"command {c.id} ({c.name}): accumulator {list(c.acc.shape)}"
+                                  f", '{op.name}' accumulates {list(want_acc)}")
+        results = len(c.outs) if not isinstance(c, Compute) or c.last_part else len(op.results)
+        if len(ins) != len(operands) or results != len(op.results):
             raise MachineTrap(f"command {c.id}: {len(ins)} operands and {len(c.outs)} results "
                               f"for '{op.name}', which has {len(operands)} and "
                               f"{len(op.results)}")
         pairs = [(f"operand {i}", r, v)
                  for i, (r, v) in enumerate(zip(ins, operands, strict=True))]
-        pairs += [(f"result {i}", r, v)
-                  for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
+        if c.outs:  # (a reduction part before the last writes none)
+            pairs += [(f"result {i}", r, v)
+                      for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
         for what, ref, value in pairs:
             if (ref is None) != (value is None):
                 raise MachineTrap(f"command {c.id}: {what} of '{op.name}' is "

@@ -133,7 +133,8 @@ def chrome_trace(timelines: list[Timeline], chip: Chip) -> dict:
             events.append({
                 "ph": "X", "pid": pid, "tid": 1 if e.engine == "dma" else 2,
                 "name": e.name, "ts": (offset + e.start) * us, "dur": (e.end - e.start) * us,
-                "args": {"cmd": e.cmd, "bytes": e.bytes, "flops": e.flops},
+                "args": {"cmd": e.cmd, "bytes": e.bytes, "flops": e.flops, "group": e.group,
+                         "slice": e.slice, **({"reduction part": e.part} if e.part else {})},
             })
         offset += tl.cycles
     return {"traceEvents": events, "displayTimeUnit": "ns",
