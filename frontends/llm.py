@@ -371,7 +371,10 @@ class LinearAttentionBlock(torch.nn.Module):
         if self.cached:  # hidden, conv_state, recurrent_state: one real token
             return self.mix(hidden, hidden.new_ones(1, hidden.shape[1]), *rest)
         mask, state = rest[0], rest[1:] if self.history else (None, None)
-        valid = (mask.amax(dim=-1) > MASK_VALUE / 2).to(hidden.dtype).reshape(1, -1)
+        # keepdim: the reduction over a row's keys keeps the rows on a token axis, so a
+        # layer group can slice the mask ([1, 1, L, Hh+L]) by rows
+        valid = (mask.amax(dim=-1, keepdim=True) > MASK_VALUE / 2).to(hidden.dtype)
+        valid = valid.reshape(1, -1)
         return self.mix(hidden, valid, *state)
 
 

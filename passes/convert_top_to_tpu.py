@@ -77,8 +77,10 @@ from toptpu.passes.quantize import (
 )
 from toptpu.passes.util import named_like, producer, require_level
 
-#: qweight, scales, zeros, the act-order permutation (or None), bits, group size
-CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]
+#: qweight, scales, zeros (or None), mins (or None), the act-order permutation (or None),
+#: bits, group size
+CheckpointWeights = tuple[SSAValue, SSAValue, "SSAValue | None", "SSAValue | None",
+                          "SSAValue | None", int, int]
 
 
 class ConversionError(ToptpuError, ValueError):
@@ -208,7 +210,8 @@ class Lowering:
     def checkpoint_weight(self, top_weight: top.WeightOp, rewriter: PatternRewriter
                           ) -> CheckpointWeights | None:
         """The tpu.weights of a pre-quantized checkpoint layer (None when the store has no
-        checkpoint tensors for this weight): exactly its integers, scales and zeros."""
+        checkpoint tensors for this weight): exactly its integers, scales and zeros (or
+        mins)."""
         src = top_weight.tensor_name
         key = (src, "checkpoint")
         if key in self._quantized:
@@ -231,8 +234,8 @@ class Lowering:
             rewriter.insert(op, InsertPoint.after(anchor))
             anchor = op
             values[part] = op.results[0]
-        result = (values["qweight"], values["scales"], values["zeros"], values.get("perm"),
-                  bits, gs)
+        result = (values["qweight"], values["scales"], values.get("zeros"),
+                  values.get("mins"), values.get("perm"), bits, gs)
         self._quantized[key] = result  # type: ignore[assignment]
         return result
 
@@ -408,7 +411,7 @@ class LowerMatMul(LoweringPattern):
                         f"'{w.tensor_name}' comes pre-quantized from the checkpoint: use a "
                         "weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
                         "are used as they are")
-                q, s, z, perm, bits, gs = ckpt
+                q, s, z, mins, perm, bits, gs = ckpt
                 if perm is not None:  # act-order: gather the input channels group by group
                     rank = len(shape_of(x))
                     g = tpu.GatherOp.build([x, perm], {"axis": i64_attr(rank - 1),
@@ -418,7 +421,7 @@ class LowerMatMul(LoweringPattern):
                     x = g.output
                 (rt,) = _result_types(lw, op)
                 new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
-                                      result_type=rt)
+                                      result_type=rt, mins=mins)
                 named_like(new, op)
                 rewriter.replace(op, new)
                 return
@@ -632,7 +635,7 @@ class ConvertTopToTpuPass(ModulePass):
                     arg._type = tensor(shape_of(t), elem)  # noqa: SLF001 - signature change
             walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
                                           apply_recursively=False)
-            walker.rewrite_module(op)
+            walker.rewrite_region(fn.body)  # this function only, with its own Lowering
             ret = fn.body.block.last_op
             assert isinstance(ret, func.ReturnOp)
             rewriter_ops = list(ret.operands)

@@ -49,7 +49,6 @@ from toptpu.dialects.naming import op_name, set_name
 from toptpu.errors import ToptpuError
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
-    HEADS_RESULT_AXIS,
     SliceKind,
     col_count,
     col_operand_axes,
@@ -57,6 +56,7 @@ from toptpu.passes.slicing import (
     col_sliceable,
     heads_count,
     heads_operand_axes,
+    heads_result_axes,
     heads_sliceable,
     reduction_count,
     reduction_sliceable,
@@ -191,7 +191,7 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
             in_axes: tuple[int | None, ...] = col_operand_axes(op)
             out_axes: tuple[int | None, ...] = (col_result_axis(op),)
         elif kind == SliceKind.HEADS:
-            in_axes, out_axes = heads_operand_axes(op), (HEADS_RESULT_AXIS,)
+            in_axes, out_axes = heads_operand_axes(op), heads_result_axes(op)
         elif s == 1:
             in_axes = tuple(None for _ in op.operands)
             out_axes = tuple(None for _ in op.results)
@@ -669,7 +669,9 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
     if heads_sliceable(op):
         counts.append((SliceKind.HEADS, heads_count(op)))
     best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
-    what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel", SliceKind.HEADS: "KV-head"}
+    what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel",
+            SliceKind.HEADS: "KV-head" if isinstance(op, top.AttentionBase) else
+            "key-head" if isinstance(op, top.GatedDeltaRuleBase) else "channel"}
     for kind, n in counts:
         p = _make_plan([op], kind, n, inside)
         if p is not None:

@@ -187,8 +187,9 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
                                f"layers, fewer than the devices")
         return
     if "linear_attention" in (cfg.get("layer_types") or []):
-        raise CompileError(f"--parallel tp: {where} has linear-attention layers (Qwen3.5), "
-                           "which toptpu does not cut over devices yet; use --parallel pp")
+        raise CompileError(f"--devices {devices} --parallel tp: {where} has linear-attention "
+                           "layers (Qwen3.5), which toptpu does not cut over devices yet; use "
+                           "--parallel pp")
     heads, hidden = _positive(cfg, "num_attention_heads"), _positive(cfg, "hidden_size")
     kv = _positive(cfg, "num_key_value_heads") or heads
     head_dim = _positive(cfg, "head_dim") or (hidden // heads if hidden and heads else None)

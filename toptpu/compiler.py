@@ -585,8 +585,14 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
     dump = IrDump.make(plan.options.dump_ir)
     nets = {}
     stream = plan.loaded.stream
-    last_per_layer = max((i for i, n in enumerate(plan.nets) if n.spec.per_layer), default=-1)
-    for i, net in enumerate(plan.nets):
+    # a streaming compile compiles the per-layer nets first, so the float32 representative
+    # layers (one per layer kind or variant: ~0.9 GB each at Qwen3.5-9B) are let go before
+    # the shared nets convert the largest tensors (a 2 GB bf16 lm_head); the result keeps
+    # the plan's order
+    order = list(plan.nets) if stream is None else sorted(
+        plan.nets, key=lambda n: not n.spec.per_layer)
+    last_per_layer = max((i for i, n in enumerate(order) if n.spec.per_layer), default=-1)
+    for i, net in enumerate(order):
         nets[net.name] = _compile_net(net, plan, store, bar, dump, keep_top)
         if stream is None:
             continue
@@ -603,7 +609,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
                 del store[name]
     if dump is not None:
         store.save(dump.weights_path)
-    return CompiledNets(nets, store)
+    return CompiledNets({n.name: nets[n.name] for n in plan.nets}, store)
 
 
 @dataclass

@@ -103,7 +103,9 @@ def step_model(ex: MachineExecutor) -> StepModel:
     timings = {net: timing_of(st.timelines[-1]) for net, st in ex.stats.items()}
     io = {net: (info.inputs, info.outputs) for net, info in ex.nets().items()}
     par = ex.meta.parallel
-    spread = None if par is None else Spread(par.strategy, len(par.devices))
+    spread = None if par is None else Spread(
+        par.strategy, len(par.devices),
+        tuple(d.layers for d in par.devices) if par.strategy == "pp" else ())
     return StepModel(ex.chip, io, timings, ex.file.num_layers, ex.meta.layer_nets, spread)
 
 

@@ -56,8 +56,8 @@ AXES = ("lanes", "lane_bytes", "ddr_gbps", "tflops", "cores", "link_gbps", "link
 TFLOPS_TYPE = "bf16"
 CSV_NAME = "sweep.csv"
 COLUMNS = ("config", "mode", "seq_length", "chip", "devices", "parallel", *AXES,
-           "sustained_gbps", "weight_bytes", "kv_bytes", "device_bytes", "fits", "ttft_s",
-           "tokens_per_s", "decode_step_s", *(f"decode_{c}_s" for c in CATEGORIES),
+           "sustained_gbps", "weight_bytes", "kv_bytes", "state_bytes", "device_bytes", "fits",
+           "ttft_s", "tokens_per_s", "decode_step_s", *(f"decode_{c}_s" for c in CATEGORIES),
            "decode_bound", "error")
 
 
@@ -153,6 +153,7 @@ def run_point(point: Point) -> dict[str, Any]:
         return {**row, "error": str(e)}
     per = est.per_token
     return {**row, "weight_bytes": compiled.weight_bytes, "kv_bytes": compiled.kv_bytes,
+            "state_bytes": compiled.state_bytes,
             "device_bytes": max(est.device_bytes), "fits": est.fits,
             "ttft_s": est.ttft_s, "tokens_per_s": est.tokens_per_s,
             "decode_step_s": per.total_s,

@@ -324,11 +324,11 @@ for _top_op, _tpu_op in tpu.TPU_OF_TOP.items():
 
 @evaluates(tpu.A16MatMulOp)
 def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, q, s, z, b = args
+    x, q, s, z, m, b = args
     assert isinstance(op, tpu.A16MatMulOp)
     assert x is not None and q is not None and s is not None
     return [K.a16_matmul(x, q, s, z, b, read_int(op.weight_bits), read_int(op.group_size),
-                         _out_dtype(op))]
+                         _out_dtype(op), m)]
 
 
 # ------------------------------------------------------------------ reduction parts
@@ -340,10 +340,10 @@ def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None,
     part's: K columns of a matmul, keys of an attention numbered from `first_key`) into its
     f32 accumulator (`tpu.accumulator_type`; None: the first part); returns the new one."""
     if isinstance(op, tpu.A16MatMulOp):
-        x, q, s, z, _ = args
+        x, q, s, z, mins, _ = args
         assert x is not None and q is not None and s is not None
         return K.a16_matmul_part(acc, x, q, s, z, read_int(op.weight_bits),
-                                 read_int(op.group_size))
+                                 read_int(op.group_size), mins)
     if isinstance(op, top.MatMulBase):
         a, b, _ = args
         assert a is not None and b is not None
@@ -364,7 +364,7 @@ def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray
     if isinstance(op, tpu.A16MatMulOp | top.MatMulBase):
         x = args[0]
         assert x is not None
-        bias = args[4] if isinstance(op, tpu.A16MatMulOp) else args[2]
+        bias = args[5] if isinstance(op, tpu.A16MatMulOp) else args[2]
         return K.matmul_finish(acc, bias, _out_dtype(op), x)
     q = args[0]
     assert q is not None

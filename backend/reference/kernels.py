@@ -731,28 +731,32 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int,
-               group_size: int) -> np.ndarray:
-    """The weights `tpu.a16_matmul` multiplies by: (q - z) * s per group, in f32.
+               group_size: int, mins: np.ndarray | None = None) -> np.ndarray:
+    """The weights `tpu.a16_matmul` multiplies by, in f32: (q - z) * s per group, or with
+    `mins` (the scale-and-min variant) q * s + m, the product rounded before the sum.
 
-    Its two halves: the integer offsets q - z (`weight_offsets`, exact), then one f32
-    product per weight (`dequantize_offsets`); a 7B-sized weight allocates its f32 result
-    and offsets of a quarter of its size (4-bit), not three f32 arrays."""
-    return dequantize_offsets(weight_offsets(qweight, zeros, bits, group_size), scales,
-                              group_size)
+    Its two halves: the integer offsets q - z (`weight_offsets`, exact; q itself with
+    mins), then one f32 product (and sum) per weight (`dequantize_offsets`); a 7B-sized
+    weight allocates its f32 result and offsets of a quarter of its size (4-bit), not three
+    f32 arrays."""
+    return dequantize_offsets(
+        weight_offsets(qweight, zeros, bits, group_size, mins is not None), scales,
+        group_size, mins)
 
 
 def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
-                   group_size: int) -> np.ndarray:
+                   group_size: int, with_mins: bool = False) -> np.ndarray:
     """q - z of each weight (z: the group's zero point; 8 for 4-bit and 0 for 8-bit weights
-    without zero points), exact, as int8 where every q - z the dtypes allow fits (4-bit
-    weights with zero points up to 127), else int16: the integer half of `dequantize`, a
-    new array (never a view of `qweight`)."""
+    without zero points; 0 for weights with mins, `with_mins`), exact, as int8 where every
+    q - z the dtypes allow fits (4-bit weights with zero points up to 127), else int16: the
+    integer half of `dequantize`, a new array (never a view of `qweight`)."""
     q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
     n, k = q.shape
     g = k // group_size
     if zeros is None:
-        z = np.full((n, g, 1), 8 if bits == 4 else 0, np.int16)
-        z_lo = z_hi = 8 if bits == 4 else 0
+        implied = 0 if with_mins or bits == 8 else 8
+        z = np.full((n, g, 1), implied, np.int16)
+        z_lo = z_hi = implied
     else:
         z = np.asarray(zeros)[:, :, None]
         z_lo, z_hi = (int(z.min()), int(z.max())) if z.size else (0, 0)
@@ -766,30 +770,36 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)
 
 
-def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
-    """offsets * s per group in f32 (`offsets` from `weight_offsets`): each integer widened
-    exactly, one rounding per product — the bits of `dequantize`."""
+def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int,
+                       mins: np.ndarray | None = None) -> np.ndarray:
+    """offsets * s (+ m) per group in f32 (`offsets` from `weight_offsets`): each integer
+    widened exactly, one rounding per product (and one per sum) — the bits of
+    `dequantize`."""
     n, k = offsets.shape
     g = k // group_size
     w = np.empty((n, g, group_size), np.float32)
     np.multiply(offsets.reshape(n, g, group_size), f32(scales)[:, :, None], out=w,
                 dtype=np.float32)
+    if mins is not None:
+        np.add(w, f32(mins)[:, :, None], out=w)
     return w.reshape(n, k)
 
 
 def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group_size: int,
-                   bias: np.ndarray | None, out_dtype=None, block_rows: int = 64) -> np.ndarray:
-    """`matmul_dequantized(x, dequantize_offsets(offsets, scales, group_size), bias)` without
-    the whole f32 weight: `block_rows` of its rows at a time are expanded into one small
-    array and multiplied while in cache (about 2x faster for a decode step's one row: the
-    f32 weight is never written to memory). Each output is the same dot product, but
-    whether a BLAS gives it the same bits when it computes fewer outputs together depends
-    on the BLAS, so a caller checks this once per shape against `matmul_dequantized`
-    (`WeightCache.a16_product` does)."""
+                   bias: np.ndarray | None, out_dtype=None, block_rows: int = 64,
+                   mins: np.ndarray | None = None) -> np.ndarray:
+    """`matmul_dequantized(x, dequantize_offsets(offsets, scales, group_size, mins), bias)`
+    without the whole f32 weight: `block_rows` of its rows at a time are expanded into one
+    small array and multiplied while in cache (about 2x faster for a decode step's one
+    row: the f32 weight is never written to memory). Each output is the same dot product,
+    but whether a BLAS gives it the same bits when it computes fewer outputs together
+    depends on the BLAS, so a caller checks this once per shape against
+    `matmul_dequantized` (`WeightCache.a16_product` does)."""
     fx = f32(x)
     n, k = offsets.shape
     g = k // group_size
     sf = f32(scales)
+    mf = None if mins is None else f32(mins)
     rows = max(1, min(block_rows, n))
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
@@ -798,24 +808,27 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
         b = block[:m]
         np.multiply(offsets[r0:r0 + m].reshape(m, g, group_size), sf[r0:r0 + m, :, None],
                     out=b, dtype=np.float32)
+        if mf is not None:
+            np.add(b, mf[r0:r0 + m, :, None], out=b)
         r[..., r0:r0 + m] = np.matmul(fx, b.reshape(m, k).T)
     return _biased(r, bias, out_dtype, x)
 
 
 def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                zeros: np.ndarray | None, bias: np.ndarray | None, bits: int, group_size: int,
-               out_dtype=None) -> np.ndarray:
-    return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size), bias,
-                              out_dtype)
+               out_dtype=None, mins: np.ndarray | None = None) -> np.ndarray:
+    return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size, mins),
+                              bias, out_dtype)
 
 
 def a16_matmul_part(acc: np.ndarray | None, x: np.ndarray, qweight: np.ndarray,
                     scales: np.ndarray, zeros: np.ndarray | None, bits: int,
-                    group_size: int) -> np.ndarray:
+                    group_size: int, mins: np.ndarray | None = None) -> np.ndarray:
     """One part of an `a16_matmul` split along K (whole quantization groups): `acc` +
-    x @ dequantize(part).T in f32, without the bias (`matmul_finish` adds it)."""
+    x @ dequantize(part).T in f32, without the bias (`matmul_finish` adds it); `mins`:
+    the scale-and-min form's part (`dequantize`)."""
     return matmul_dequantized_part(acc, x, dequantize(qweight, scales, zeros, bits,
-                                                      group_size))
+                                                      group_size, mins))
 
 
 def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray

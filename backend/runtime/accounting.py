@@ -167,10 +167,13 @@ class Spread:
       `devices` pieces, and device 0's embedding goes to the other devices (a send each);
     - `pp`: the embeddings on the first device, the lm_head and heads on the last, each
       stage's layers on its device: the host writes the per-layer nets' inputs to every
-      stage, the hidden state goes from stage to stage (a send per boundary)."""
+      stage whose layers' nets take them (`stages`: each device's layers; a hybrid model's
+      linear-attention layers take no position ids or mask; none given: every stage), the
+      hidden state goes from stage to stage (a send per boundary)."""
 
     strategy: str
     devices: int
+    stages: tuple[range, ...] = ()  # pp: each device's layers
 
     def holders(self, net: str) -> int:
         """How many devices a host write of `net`'s inputs reaches."""
@@ -275,8 +278,18 @@ class StepModel:
 
     def _up(self, net: str, *names: str) -> list[Charge]:
         """The host writes `net`'s inputs `names` (to every device that runs it)."""
-        copies = 1 if self.spread is None else self.spread.holders(net)
-        return [self._move(net, n, True, copies=copies) for n in names]
+        return [self._move(net, n, True, copies=self._holders(net, n)) for n in names]
+
+    def _holders(self, net: str, name: str) -> int:
+        """How many devices a host write of `net`'s input `name` reaches: a pipeline
+        stage's copy only if one of its layers' nets takes it."""
+        if self.spread is None:
+            return 1
+        if not self.spread.stages or net not in (BLOCK, BLOCK_KV, BLOCK_CACHE):
+            return self.spread.holders(net)
+        nets = self._layer_names(net)
+        return sum(any(s.name == name for i in r for s in self.io[nets[i]][0])
+                   for r in self.spread.stages)
 
     def _down(self, net: str, *names: str) -> list[Charge]:
         """The host reads `net`'s outputs `names` (from one device)."""

@@ -241,10 +241,10 @@ class InterpreterExecutor:
     # ------------------------------------------------------------------ internals
     def _a16_matmul(self, step: _Step, args: list[Any], layer: int | None) -> np.ndarray:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
-        x, q, s, z, bias = args
+        x, q, s, z, m, bias = args
         assert step.qweight is not None
         return self.cache.a16_product((layer, step.qweight), x, q, s, z, step.bits,
-                                      step.group_size, bias, step.out_dtype)
+                                      step.group_size, bias, step.out_dtype, mins=m)
 
     def _plan(self, net: str) -> _Plan:
         if net not in self._plans:

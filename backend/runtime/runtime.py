@@ -392,8 +392,9 @@ class Tokenizer:
         # use of transformers in the runtime, loaded only when a template is applied
         from jinja2 import TemplateError
 
+        hf = self.hf  # built outside the template's time budget (a large vocabulary: seconds)
         try:
-            return render_bounded(lambda: str(self.hf.apply_chat_template(
+            return render_bounded(lambda: str(hf.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False)),
                 messages)
         except (TemplateError, ValueError) as e:

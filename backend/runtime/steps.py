@@ -91,6 +91,10 @@ class StoreStep(Step):
         m.free(self.free)
 
 
+#: an a16_matmul's weight operands (qweight, scales, zeros, mins) among its `ins`
+A16_WEIGHT = tpu.A16MatMulOp.WEIGHT_OPERANDS
+
+
 class OpStep(Step):
     """A compute command, or a gather (its table read from global memory)."""
 
@@ -118,7 +122,7 @@ class OpStep(Step):
         self.acc = Local.of(c.acc, chip) if isinstance(c, Compute) and c.acc else None
         self.part = c.part if isinstance(c, Compute) else 0
         self.last = not isinstance(c, Compute) or c.last_part
-        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 5:
+        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 6:
             self.special = "a16"
             self.bits = read_int(op.attributes["weight_bits"])
             self.group_size = read_int(op.attributes["group_size"])
@@ -161,11 +165,13 @@ class OpStep(Step):
         who, local = self.who, m.local
         acc = local.read(self.acc, who) if self.part else None
         if self.special == "a16":  # the part's weights dequantized once (cached)
-            x, q, s, z, _ = args
+            x, q, s, z, mins, _ = args
             assert x is not None and q is not None and s is not None
             key = self._weight_key(m)
-            w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size)
-                 if key is not None else K.dequantize(q, s, z, self.bits, self.group_size))
+            w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size,
+                                     mins=mins)
+                 if key is not None else K.dequantize(q, s, z, self.bits, self.group_size,
+                                                      mins))
             acc = K.matmul_dequantized_part(acc, x, w)
         else:
             acc = reduction_part(self.op, args, acc, self.part * self.ins[1].shape[1]
@@ -181,7 +187,7 @@ class OpStep(Step):
     def _weight_key(self, m: Machine) -> Hashable | None:
         """The cache key of what the weight buffers hold (`held_key`), None unless every
         one holds read-only bytes."""
-        refs = self.ins[1:4] if self.special == "a16" else self.ins[1:2]
+        refs = self.ins[A16_WEIGHT] if self.special == "a16" else self.ins[1:2]
         provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
         if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
             return held_key(provs)
@@ -210,15 +216,15 @@ class OpStep(Step):
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance (which read-only bytes
         the buffers hold) across runs."""
-        x, q, s, z, bias = args
+        x, q, s, z, mins, bias = args
         assert x is not None and q is not None and s is not None
         if weight_key is not None:
             return m.cache.a16_product(("a16", weight_key), x, q, s, z, self.bits,
-                                       self.group_size, bias, self.out_dtype, keep)
-        key = tuple(r.buf if r is not None else None for r in self.ins[1:4])
+                                       self.group_size, bias, self.out_dtype, keep, mins)
+        key = tuple(r.buf if r is not None else None for r in self.ins[A16_WEIGHT])
         w = m.run_cache.get(key)
         if w is None:
-            w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
+            w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size, mins)
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
 
 
