@@ -281,3 +281,93 @@ def test_the_estimate_from_a_config_is_what_the_devices_charge_the_compiled_file
             caches[d] += part.nbytes
     assert costs.device_kv_bytes == caches
     assert est.per_token.link_s > 0
+
+
+def test_a_hybrid_model_spreads_by_pipeline_stages_and_refuses_tensor_parallel(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3.5 (three linear-attention layers, then a full-attention one) over 2 pipeline
+    stages: greedy tokens equal transformers and the one-device file's, the logits
+    bit-identical; the estimate from config.json charges what the device group charges (a
+    stage of linear-attention layers is sent no position ids or mask) and gives each
+    device's blob and its layers' KV cache and state. Tensor parallelism is refused by
+    compile and estimate in one line naming the linear-attention layers."""
+    from llm_fixtures import tiny_dir
+
+    from toptpu.backend.contract import StaticShapes
+    from toptpu.compiler import CompileError
+    from toptpu.compiler import compile as compile_model
+    from toptpu.estimate import EstimateError, compile_costs, estimate, read_checked_config
+
+    one = compiled(tmp_path_factory, "qwen3_5", layers=4)
+    many = compiled(tmp_path_factory, "qwen3_5", layers=4, devices=2, parallel="pp")
+    rt1, rtn = Runtime.open(one.model_file), Runtime.open(many.model_file)
+    ex = rtn.ex
+    assert isinstance(ex, DeviceGroupExecutor)
+    assert [d.layers for d in ex.parallel.devices] == [range(0, 2), range(2, 4)]
+    ids = rtn.encode(LONG_PROMPT)
+    res = rtn.generate(ids, 32, stop_on_eos=False)
+    assert res.generated_ids == hf_generate(many.model_dir, ids, 32)
+    assert res.generated_ids == rt1.generate(ids, 32, stop_on_eos=False).generated_ids
+    assert np.array_equal(rt1.sequence_logits(ids), rtn.sequence_logits(ids))
+
+    config = read_checked_config(many.model_dir, "f32", 160, devices=2, parallel="pp")
+    costs = compile_costs(config, ex.chip, "f32", StaticShapes.make(160, 16),
+                          nets=list(ex.nets()), devices=2, parallel="pp")
+    est = estimate(costs, ex.chip, prompt_tokens=len(ids), sampler=res.sampler)
+    assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9)
+    assert res.modelled_tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9)
+    assert costs.device_weight_bytes == [d.weights.size for d in ex.parallel.devices]
+    caches = [0] * 2
+    bufs = [*rtn.cache_k, *rtn.cache_v, *(b for st in rtn.states if st for b in st.values())]
+    for root in {id(b.root): b.root for b in bufs if b is not None}.values():
+        for d, part in root.parts.items():
+            caches[d] += part.nbytes
+    assert costs.device_kv_bytes == caches
+    assert sum(caches) == costs.kv_bytes + costs.state_bytes
+
+    refusal = r"--devices 2 --parallel tp: .* linear-attention layers.*; use --parallel pp"
+    with pytest.raises(CompileError, match=refusal):
+        compile_model(many.model_dir, str(tmp_path_factory.mktemp("tp") / "m.toptpu"),
+                      seq_length=64, progress=None, devices=2, parallel="tp")
+    with pytest.raises(CompileError, match=refusal):
+        read_checked_config(tiny_dir(tmp_path_factory, "qwen3_5", 4), "f32", 64, devices=2,
+                            parallel="tp")
+    with pytest.raises(EstimateError, match=refusal):
+        compile_costs(config, ex.chip, "f32", StaticShapes.make(64, 16), nets=["block_cache"],
+                      devices=2, parallel="tp")
+
+
+def test_a_gguf_of_scale_and_min_types_spreads_by_pipeline_stages_only(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A GGUF whose linears keep their exact forms (Q4_1 / Q5_1 / Q4_K / Q5_K: scales and
+    mins; each layer of other types, so nets of its own) over 2 pipeline stages: each stage
+    holds its own layer's chunk with its mins, greedy tokens and logits equal the
+    one-device file's bit for bit. Tensor parallelism refuses a pre-quantized checkpoint
+    (its packed integers, scales and mins are not cut) in one line."""
+    import os
+
+    from test_gguf import exact_types_gguf
+
+    from toptpu.compiler import CompileError
+    from toptpu.compiler import compile as compile_model
+
+    root = tmp_path_factory.mktemp("gguf-pp")
+    d = exact_types_gguf(str(root / "src"), "llama2")
+    one, pp = str(root / "one.toptpu"), str(root / "pp.toptpu")
+    compile_model(d, one, mode="w8f32", progress=None)
+    compile_model(d, pp, mode="w8f32", progress=None, devices=2, parallel="pp")
+    rt1, rtn = Runtime.open(one), Runtime.open(pp)
+    devices = rtn.meta.parallel.devices
+    assert [dv.layers for dv in devices] == [range(0, 1), range(1, 2)]
+    for dv, prefix in zip(devices, ("layer.", "v1.layer."), strict=True):
+        (chunk,) = dv.weights.chunks
+        mins = [n for n in chunk if n.endswith(":ckpt.mins")]
+        assert len(mins) == 4 and all(n.startswith(prefix) for n in mins), mins
+    ids = list(range(5, 25))
+    assert rtn.generate(ids, 12, stop_on_eos=False).generated_ids == \
+        rt1.generate(ids, 12, stop_on_eos=False).generated_ids
+    assert np.array_equal(rt1.sequence_logits(ids), rtn.sequence_logits(ids))
+    with pytest.raises(CompileError, match=r"--devices 2 --parallel tp: .*model\.gguf is a "
+                                           r"pre-quantized checkpoint.*; use --parallel pp"):
+        compile_model(d, os.path.join(root, "tp.toptpu"), mode="w8f32", progress=None,
+                      devices=2, parallel="tp")
