@@ -44,17 +44,21 @@ from toptpu.backend.contract import (
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.errors import CompileError
 from toptpu.estimate import (
+    STEP_NETS,
     CompiledCosts,
     Estimate,
+    compile_costs,
     compile_programs,
     estimate,
     model_shape,
+    read_checked_config,
     spread_costs,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = os.path.join(HERE, "calibration", "bm1684x_multi_device.csv")
 CACHE = os.path.join(tempfile.gettempdir(), "toptpu-bench-devices.json.gz")
+CONFIGS = os.path.join(HERE, "configs")
 
 
 @dataclass(frozen=True)
@@ -200,15 +204,19 @@ def rows_table(compiler: Compiler) -> None:
             n, par = int(r["devices"]), r["parallel"] or None
             head = (f"| {r['model']} | {r['board']} | {n} | {par or '-'} | {r['quant']} "
                     f"| {r['seq_length']} | {float(r['decode_tok_s']):g} |")
-            if not r["hidden"]:
+            static = r["prefill"] == "static"
+            if r["hidden"]:
+                shape = Shape(r["model"], int(r["hidden"]), int(r["intermediate"]),
+                              int(r["layers"]), int(r["heads"]), int(r["kv_heads"]),
+                              int(r["vocab"]), r["tied_embeddings"] == "true")
+                est = modelled(compiler, shape, r["quant"], int(r["group_size"]),
+                               int(r["seq_length"]), n, par, prefill=static)
+            elif config_dir(r["model"]) is not None:  # a shape of bench/configs (Qwen3.5)
+                est = config_estimate(config_dir(r["model"]), compiler.chip, r["quant"],
+                                      int(r["seq_length"]), n, par)
+            else:
                 print(f"{head} not modelled (no shape here) | | {r['ftl_s'] or '-'} | | | |")
                 continue
-            shape = Shape(r["model"], int(r["hidden"]), int(r["intermediate"]),
-                          int(r["layers"]), int(r["heads"]), int(r["kv_heads"]),
-                          int(r["vocab"]), r["tied_embeddings"] == "true")
-            static = r["prefill"] == "static"
-            est = modelled(compiler, shape, r["quant"], int(r["group_size"]),
-                           int(r["seq_length"]), n, par, prefill=static)
             pub = float(r["decode_tok_s"])
             err = est.tokens_per_s / pub - 1
             errors.append(abs(err))
@@ -221,6 +229,27 @@ def rows_table(compiler: Compiler) -> None:
         errors.sort()
         print(f"\ndecode tok/s: median absolute error {errors[len(errors) // 2]:.0%}, "
               f"largest {errors[-1]:.0%} ({len(errors)} rows)")
+
+
+def config_dir(model: str) -> str | None:
+    """The directory of bench/configs holding `model`'s config.json (names compared
+    without case), if any."""
+    for name in sorted(os.listdir(CONFIGS)):
+        if name.lower() == model.lower() and os.path.isfile(
+                os.path.join(CONFIGS, name, "config.json")):
+            return os.path.join(CONFIGS, name)
+    return None
+
+
+def config_estimate(path: str, chip: Chip, mode: str, seq: int, devices: int,
+                    parallel: str | None) -> Estimate:
+    """`toptpu estimate` of a config of bench/configs (a hybrid Qwen3.5: its layer kinds'
+    nets; not cached), prefill chunk as estimate's default."""
+    print(f"compiling {path} {mode} seq {seq} ...", file=sys.stderr, flush=True)
+    config = read_checked_config(path, mode, seq, devices=devices, parallel=parallel)
+    costs = compile_costs(config, chip, mode, StaticShapes.make(seq), nets=STEP_NETS,
+                          devices=devices, parallel=parallel)
+    return estimate(costs, chip)
 
 
 def _published(compiler: Compiler) -> list[tuple[dict[str, str], Shape]]:
