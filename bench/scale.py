@@ -1,6 +1,8 @@
-"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B) and
+"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B, 72B) and
 Qwen3.5-shaped ones (qwen3.5-2B, qwen3.5-4B, qwen3.5-9B: hybrid linear/full attention) with
-random bf16 weights, compiled by streaming (one layer in memory at a time).
+random bf16 weights, compiled by streaming (one layer in memory at a time), for one device or
+spread over several (`--devices N --parallel tp|pp`: every device's blob cut from one read
+of each layer).
 
 Checkpoints: the published Qwen2.5 base configs' dimensions and the Qwen3.5 text configs of
 bench/configs (written from the configs, no download), random bf16 weights written shard by
@@ -25,6 +27,9 @@ time ratio against their weight ratio (linear compile: time ratio / weight ratio
 Run: python bench/scale.py [--sizes 0.5B,1.5B,7B] [--dir /work/scale-ckpt] [--mode w4bf16]
          [--seq 512] [--max-input-length L] [--keep]
          (checkpoints and model files are deleted unless --keep)
+         [--layers N]            (the first N layers of each shape: a 72B's layers at a disk
+                                  size this host has; memory is per layer either way)
+         [--devices 8 --parallel tp|pp]
      python bench/scale.py --sizes qwen3.5-9B --seq 2048 --max-input-length 1024
 """
 
@@ -61,6 +66,11 @@ QWEN25: dict[str, dict[str, Any]] = {
                tie_word_embeddings=False, rms_norm_eps=1e-6),
     "14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False, rms_norm_eps=1e-5),
+    # the intermediate size as Qwen's quantized releases pad it (Qwen2.5-72B-Instruct-AWQ:
+    # 29696, not 29568), so a w4 group of 64 divides each device's part on 8
+    "72B": dict(hidden_size=8192, intermediate_size=29696, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 #: the Qwen3.5 text configs (bench/configs/<name>/config.json, their sources in its README)
@@ -242,26 +252,32 @@ _COMPILE = """
 import json, sys
 from toptpu.compiler import compile as compile_model
 L = int(sys.argv[5]) if sys.argv[5] != "-" else None
+n, par = int(sys.argv[6]), sys.argv[7] or None
 r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]),
-                  max_input_length=L)
-w = r.header["weights"]
-layers = w["layers"]
-ends = [la["offset"] for la in layers[1:]] + [w["size"]]
-print(json.dumps({"layer_stride": max(e - la["offset"] for la, e in zip(layers, ends)),
-                  "layer_base": layers[0]["offset"], "size": w["size"],
+                  max_input_length=L, devices=n, parallel=par)
+blobs = ([r.header["weights"]] if par is None
+         else [d["weights"] for d in r.header["parallel"]["devices"]])
+stride = 0
+for w in blobs:
+    layers = w["layers"]
+    ends = [la["offset"] for la in layers[1:]] + [w["size"]]
+    stride = max([stride] + [e - la["offset"] for la, e in zip(layers, ends)])
+print(json.dumps({"layer_stride": stride, "size": max(w["size"] for w in blobs),
                   "timings": r.timings}))
 """
 
 
 def compile_measured(model_dir: str, output: str, mode: str, seq: int,
-                     max_input_length: int | None = None) -> dict[str, Any]:
+                     max_input_length: int | None = None, devices: int = 1,
+                     parallel: str | None = None) -> dict[str, Any]:
     """Compile in a subprocess: wall seconds, its peak RSS, the load average before and
     after, and what it reports."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     load_before = os.getloadavg()[0]
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq),
-                           "-" if max_input_length is None else str(max_input_length)],
+                           "-" if max_input_length is None else str(max_input_length),
+                           str(devices), parallel or ""],
                           capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
     load_after = os.getloadavg()[0]
@@ -289,7 +305,13 @@ def main() -> None:
                     help="the prefill chunk L (default: compile's)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and model files")
     ap.add_argument("--write-only", action="store_true", help="only write the checkpoints")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the first LAYERS layers of each shape (default: all)")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--parallel", choices=("tp", "pp"), default=None)
     args = ap.parse_args()
+    if args.devices > 1 and args.parallel is None:
+        args.parallel = "tp"
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in QWEN25 and s not in QWEN35]
     if unknown:
@@ -297,17 +319,24 @@ def main() -> None:
     rows = []
     for size in sizes:
         name = size if size in QWEN35 else f"qwen2.5-{size}"
-        ckpt = os.path.join(args.dir, name)
-        output = os.path.join(args.dir, f"{name}-{args.mode}.toptpu")
+        tag = "" if args.layers is None else f"-{args.layers}l"
+        ckpt = os.path.join(args.dir, f"{name}{tag}")
+        output = os.path.join(args.dir, f"{name}{tag}-{args.mode}.toptpu")
         t = time.perf_counter()
-        weights = write_checkpoint(ckpt, model_config(size))
+        config = model_config(size)
+        if args.layers is not None:
+            config.num_hidden_layers = args.layers
+            if getattr(config, "layer_types", None):
+                config.layer_types = config.layer_types[:args.layers]
+        weights = write_checkpoint(ckpt, config)
         written = time.perf_counter() - t
         print(f"{size}: {weights / 1e9:.2f} GB of bf16 weights ready in {written:.0f}s",
               file=sys.stderr, flush=True)
         if args.write_only:
             continue
         try:
-            r = compile_measured(ckpt, output, args.mode, args.seq, args.max_input_length)
+            r = compile_measured(ckpt, output, args.mode, args.seq, args.max_input_length,
+                                 args.devices, args.parallel)
         finally:
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
@@ -320,8 +349,11 @@ def main() -> None:
     if not rows:
         return
     chunk = "" if args.max_input_length is None else f", input {args.max_input_length}"
-    print(f"\n{args.mode}, seq {args.seq}{chunk}: checkpoints of the published shapes, random "
-          f"bf16 weights; {os.cpu_count()} CPUs\n")
+    spread = "" if args.parallel is None else f", {args.devices} devices {args.parallel}"
+    layers = "" if args.layers is None else f", the first {args.layers} layers"
+    print(f"\n{args.mode}, seq {args.seq}{chunk}{spread}: checkpoints of the published "
+          f"shapes{layers}, random bf16 weights (largest layer: of the largest device's "
+          f"blob); {os.cpu_count()} CPUs\n")
     print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB "
           "| load avg before / after |")
     print("|---|---|---|---|---|---|---|")

@@ -47,7 +47,7 @@ from xdsl.pattern_rewriter import (
 from xdsl.rewriter import InsertPoint
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import (
     DEFAULT_GROUP_SIZE,
     QuantMode,
@@ -243,7 +243,7 @@ class Lowering:
                 rewriter: PatternRewriter, tag: str = "") -> SSAValue:
         """`v` as a Tpu value of element type `elem` (None: keep the type)."""
         if (w := producer(v, top.WeightOp)) is not None:
-            target = elem if elem is not None else elem_of(v)
+            target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
             return self.weight(w, target, rewriter)
         if (c := producer(v, top.ConstantOp)) is not None:
             arr = constant_value(c.value)
@@ -303,7 +303,8 @@ class LowerElementwise(LoweringPattern):
     """Unary, binary, scalar, compare and where ops: float operands in the op's type."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp):
+        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp) \
+                or isinstance(op, tpu.TpuOp):  # (a Tpu op shares its Top op's base class)
             return
         if isinstance(op, top.SoftmaxOp):
             return
@@ -541,6 +542,24 @@ class LowerGatedDeltaRule(LoweringPattern):
         rewriter.replace(op, new)
 
 
+class LowerCollective(LoweringPattern):
+    """A collective (`dev.*`) stays, over its operand as lowered: a float in the activation
+    type (the partial sums of a bf16 row-parallel matmul are summed in bf16, as the
+    devices hold them)."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, dev.CollectiveOp):
+            return
+        x = op.input
+        want = self.lw.wants(op) if is_float(elem_of(x)) else None
+        x = self.lw.operand(x, want, op, rewriter)
+        if x is op.input and type(op).infer([x], op.attributes) == [op.output.type]:
+            return  # already lowered
+        new = type(op).build([x], _attrs(op))
+        named_like(new, op)
+        rewriter.replace(op, new)
+
+
 def recurrent_state_args(fn: func.FuncOp) -> set[SSAValue]:
     """The function arguments that are a gated_delta_rule's state operand: they keep f32
     in every mode, as the state does (the runtime binds the argument and the returned
@@ -583,6 +602,7 @@ def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
         LowerGatedDeltaRule(lw),
         LowerDataMovement(lw),
         LowerElementwise(lw),
+        LowerCollective(lw),
     ]
 
 

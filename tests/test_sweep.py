@@ -101,6 +101,28 @@ def test_a_hybrid_models_point_reports_its_state(tmp_path_factory: pytest.TempPa
 
 
 @pytest.mark.slow
+def test_a_sweep_over_devices_and_the_link(tmp_path_factory: pytest.TempPathFactory,
+                                           tmp_path: str) -> None:
+    """One device and tp over 2, at 1 and 10 GB/s of link: the link time is the tp rows'
+    alone, shrinks with the link's bandwidth, and the breakdown still adds up."""
+    config = tiny_dir(tmp_path_factory, "qwen2")
+    out = os.path.join(str(tmp_path), "sweep")
+    assert main(["sweep", config, "-o", out, "-q", "f32", "--seq-length", "64",
+                 "--devices", "1", "2", "--link-gbps", "1", "10", "--jobs", "2"]) == 0
+    rows = _rows(out)
+    assert [(r["devices"], r["parallel"], r["link_gbps"]) for r in rows] == [
+        ("1", "", "1.0"), ("1", "", "10.0"), ("2", "tp", "1.0"), ("2", "tp", "10.0")]
+    assert all(not r["error"] and r["fits"] == "True" for r in rows)
+    link = {(r["devices"], r["link_gbps"]): float(r["decode_link_s"]) for r in rows}
+    assert link[("1", "1.0")] == link[("1", "10.0")] == 0
+    assert link[("2", "1.0")] > link[("2", "10.0")] > 0
+    for r in rows:
+        parts = sum(float(r[f"decode_{c}_s"]) for c in ("ddr", "compute", "launch", "host",
+                                                         "link"))
+        assert parts == pytest.approx(float(r["decode_step_s"]))
+
+
+@pytest.mark.slow
 def test_a_point_that_does_not_fit_keeps_its_row_with_the_error(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     config = tiny_dir(tmp_path_factory, "qwen2")

@@ -182,6 +182,22 @@ def add_static_shape_args(p: argparse.ArgumentParser) -> None:
                    help="history Hh the prefill_kv net attends to (default SEQ)")
 
 
+#: how a model is spread over several devices (`--parallel`)
+PARALLEL_STRATEGIES = ("tp", "pp")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--devices and --parallel: how many chips the model is spread over and how, as
+    compile, estimate and sweep take them."""
+    p.add_argument("--devices", type=int_at_least(1), default=1,
+                   help="chips to spread the model over (at most the chip preset's "
+                   "max_devices)")
+    p.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default=None,
+                   help="with --devices 2 or more: tp (tensor parallel: every layer cut over "
+                   "all devices, collectives between) or pp (pipeline parallel: contiguous "
+                   "layers per device, the hidden state sent on); default tp")
+
+
 def add_weight_quant_args(p: argparse.ArgumentParser) -> None:
     """--group-size and --symmetric, as compile, estimate and compare take them (None: the
     mode's default, which the help states)."""

@@ -29,6 +29,7 @@ from toptpu.backend.runtime.runtime import (
 from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
+    add_device_args,
     add_static_shape_args,
     add_weight_quant_args,
     finite_float,
@@ -65,6 +66,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
     add_static_shape_args(p)
+    add_device_args(p)
     add_weight_quant_args(p)
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
     v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, "
@@ -221,7 +223,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   progress=None if args.quiet else sys.stderr, image_size=args.image_size,
                   max_tiles=args.max_tiles, max_patches=args.max_patches,
                   vision_mode=args.vision_quantize, dequantize=args.dequantize,
-                  max_pixels=args.max_pixels)
+                  max_pixels=args.max_pixels,
+                  devices=args.devices, parallel=args.parallel)
     return 0
 
 

@@ -113,6 +113,7 @@ from toptpu.backend.formats.header_schema import (
     short,
 )
 from toptpu.backend.formats.model_file import (
+    GroupedSection,
     ModelFile,
     ModelFileError,
     Section,
@@ -132,6 +133,11 @@ WEIGHT_ALIGN = 64
 KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
 #: the most elements one net input/output may have
 MAX_ELEMENTS = 2**40
+
+
+def weights_section(device: int | None = None) -> str:
+    """The weight blob's section: `weights`, or device d's `weights:<d>`."""
+    return WEIGHTS_SECTION if device is None else f"{WEIGHTS_SECTION}:{device}"
 
 
 def ir_section(net: str) -> str:
@@ -206,12 +212,12 @@ class WeightLayout:
     chunks: tuple[dict[Name, WeightEntry], ...]
     layers: tuple[LayerChunk, ...]
     size: int
-    section: Literal["weights"]
+    section: Name  # "weights"; device d's of a multi-device file: "weights:<d>"
     alignment: Literal[64]
 
     @classmethod
     def plan(cls, shared: TensorSpecs, chunks: Sequence[TensorSpecs],
-             layer_chunks: Sequence[int]) -> WeightLayout:
+             layer_chunks: Sequence[int], section: str = WEIGHTS_SECTION) -> WeightLayout:
         """Lay out tensors given as name -> (shape, dtype) (in the order given): the shared
         ones, then for layer i a chunk laid out as `chunks[layer_chunks[i]]`."""
         sh, end = cls._place(shared)
@@ -222,7 +228,7 @@ class WeightLayout:
                 raise ValueError(f"layer {len(layers)}: chunk {c} of {len(placed)}")
             layers.append(LayerChunk(c, offset))
             offset += placed[c][1]
-        return cls(sh, tuple(p[0] for p in placed), tuple(layers), offset, WEIGHTS_SECTION,
+        return cls(sh, tuple(p[0] for p in placed), tuple(layers), offset, section,
                    WEIGHT_ALIGN)
 
     @staticmethod
@@ -524,6 +530,55 @@ class VisionInfo:
                                   "patches into a token (4 or 16)")
 
 
+#: how a multi-device file spreads the model (`ParallelInfo.strategy`)
+STRATEGIES = ("tp", "pp")
+
+
+@dataclass(frozen=True)
+class IoSplit:
+    """How a net input or output is cut over the devices that run the net: along `axis` in
+    `pieces` equal pieces, device d holding piece d * pieces // devices
+    (`toptpu.dialects.sharding`); its device programs' IO is that piece."""
+
+    axis: Annotated[int, Range(0, 16)]
+    pieces: Count
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of a multi-device file: the layers whose weights it holds
+    ([first_layer, end_layer)), the nets it runs, and its weight blob (section
+    `weights:<d>`: its shared tensors, then its layers' chunks, `weights.layers[i]` for layer
+    first_layer + i)."""
+
+    first_layer: int
+    end_layer: int
+    nets: tuple[Name, ...]
+    weights: WeightLayout
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """A model spread over several devices: `tp` (tensor parallel: every device every layer,
+    each its piece of each weight; the nets that all devices run together hold collectives)
+    or `pp` (pipeline parallel: contiguous layers per device, the embedding on the first,
+    the lm_head and heads on the last). `splits`: net -> IO name -> how each device's
+    part is cut (tp; an IO not named is whole on every device)."""
+
+    strategy: Annotated[str, OneOf(STRATEGIES, "parallel strategy")]
+    devices: tuple[DeviceInfo, ...]
+    splits: dict[Name, dict[Name, IoSplit]]
+
+    def runners(self, net: str, layer: int | None = None) -> list[int]:
+        """The devices that run `net` (for a per-layer net: on layer `layer`)."""
+        return [d for d, dev in enumerate(self.devices) if net in dev.nets
+                and (layer is None or layer in dev.layers)]
+
+
 @dataclass(frozen=True)
 class LlmHeader:
     """The model file header of an LLM (see the module doc)."""
@@ -540,10 +595,19 @@ class LlmHeader:
     tokenizer: TokenizerInfo
     nets: dict[Name, NetEntry]
     layer_nets: dict[Name, tuple[Name, ...]]
-    weights: WeightLayout
+    weights: WeightLayout | None  # None in a multi-device file: each device has its own
     compile: CompileInfo
     checkpoint: CheckpointInfo | None
     vision: VisionInfo | None = None
+    parallel: ParallelInfo | None = None  # several devices (`ParallelInfo`)
+
+    def blobs(self) -> list[tuple[WeightLayout, range, tuple[str, ...] | None]]:
+        """Every weight blob of the file: (its layout, the layers it holds, the nets that
+        read it; None: every net)."""
+        if self.parallel is None:
+            assert self.weights is not None
+            return [(self.weights, range(self.model.num_layers), None)]
+        return [(d.weights, d.layers, d.nets) for d in self.parallel.devices]
 
     @classmethod
     def from_json(cls, data: Any) -> LlmHeader:
@@ -595,17 +659,101 @@ class LlmHeader:
         self._check_generation()
         if len(set(self.tokenizer.files)) != len(self.tokenizer.files):
             raise HeaderError("tokenizer.files", "names a file twice")
-        if self.weights.num_layers != m.num_layers:
-            raise HeaderError("weights.layers", f"has {self.weights.num_layers} entries, "
-                                                f"model.num_layers is {m.num_layers}")
-        self.weights.check()
+        self._check_blobs()
         self._check_nets()
         self._check_layer_nets()
         self._check_net_weights()
+        self._check_parallel()
         if self.vision is not None:
             self.vision.check(m.vocab_size)
         if (self.vision is not None) != (VISION_NET in self.nets):
             raise HeaderError("vision", "and the vision net come together (one is missing)")
+
+    def _check_blobs(self) -> None:
+        """One blob (`weights`) for one device, one per device for several, each holding
+        its layers' chunks, in its own section."""
+        m = self.model
+        if (self.weights is None) == (self.parallel is None):
+            raise HeaderError("weights", "is one layout for a file of one device, null for "
+                                         "one of several (parallel gives each its own)")
+        if self.parallel is None:
+            assert self.weights is not None
+            blobs = [("weights", self.weights, range(m.num_layers), weights_section())]
+        else:
+            blobs = [(f"parallel.devices[{d}].weights", dev.weights, dev.layers,
+                      weights_section(d)) for d, dev in enumerate(self.parallel.devices)]
+        for where, layout, layers, section in blobs:
+            if layout.section != section:
+                raise HeaderError(f"{where}.section", f"is {layout.section!r}, not "
+                                                      f"{section!r}")
+            if layout.num_layers != len(layers):
+                held = (f"model.num_layers is {len(layers)}" if self.parallel is None
+                        else f"the device holds {len(layers)} layers")
+                raise HeaderError(f"{where}.layers", f"has {layout.num_layers} entries, "
+                                                     + held)
+            layout.check(where)
+
+    def _weights_field(self, layout: WeightLayout) -> str:
+        """The header field of a blob's table: `weights`, or `parallel.devices[d].weights`."""
+        if self.parallel is None:
+            return "weights"
+        d = next(i for i, dev in enumerate(self.parallel.devices) if dev.weights is layout)
+        return f"parallel.devices[{d}].weights"
+
+    def _check_parallel(self) -> None:
+        par = self.parallel
+        if par is None:
+            return
+        n, layers = len(par.devices), self.model.num_layers
+        if n < 2:
+            raise HeaderError("parallel.devices", f"has {n} entries: a multi-device file "
+                                                  "has at least 2")
+        end = 0
+        for d, dev in enumerate(par.devices):
+            where = f"parallel.devices[{d}]"
+            if par.strategy == "tp" and (dev.first_layer, dev.end_layer) != (0, layers):
+                raise HeaderError(where, f"holds layers [{dev.first_layer}, {dev.end_layer});"
+                                         f" a tensor-parallel device holds all {layers}")
+            if par.strategy == "pp" and not (dev.first_layer == end < dev.end_layer):
+                raise HeaderError(f"{where}.first_layer",
+                                  f"is {dev.first_layer} (to {dev.end_layer}); pipeline "
+                                  f"stages hold contiguous layers, this one from {end}")
+            end = dev.end_layer
+            for i, net in enumerate(dev.nets):
+                if net not in self.nets:
+                    raise HeaderError(f"{where}.nets[{i}]", f"is {net!r}, not a net of "
+                                                            "this file")
+        if par.strategy == "pp" and end != layers:
+            raise HeaderError("parallel.devices", f"hold layers up to {end} of {layers}")
+        for name in self.nets:
+            runs = par.runners(name)
+            if not runs:
+                raise HeaderError("parallel.devices", f"run no net {name!r}")
+            if self.nets[name].per_layer:
+                for layer, base in ((i, b) for b, names in self.layer_nets.items()
+                                    for i, nm in enumerate(names) if nm == name):
+                    want = 1 if par.strategy == "pp" else n
+                    if len(par.runners(name, layer)) != want:
+                        raise HeaderError("parallel.devices",
+                                          f"run {base} of layer {layer} on "
+                                          f"{len(par.runners(name, layer))} devices, not "
+                                          f"{want}")
+        for net, io in par.splits.items():
+            entry = self.nets.get(net)
+            if entry is None or par.strategy != "tp":
+                raise HeaderError(f"parallel.splits.{net}", "names no net of this file"
+                                  if entry is None else "apply to tensor parallelism only")
+            specs = {s.name: s for s in (*entry.inputs, *entry.outputs)}
+            for name, split in io.items():
+                where = f"parallel.splits.{net}.{name}"
+                spec = specs.get(name)
+                if spec is None:
+                    raise HeaderError(where, f"names no input or output of net {net!r}")
+                if split.axis >= len(spec.shape) or spec.shape[split.axis] % split.pieces \
+                        or n % split.pieces:
+                    raise HeaderError(where, f"cuts {list(spec.shape)} along axis "
+                                             f"{split.axis} in {split.pieces} pieces over "
+                                             f"{n} devices: it must divide both")
 
     def _check_generation(self) -> None:
         g, vocab = self.generation, self.model.vocab_size
@@ -650,19 +798,25 @@ class LlmHeader:
                                     f"{where}.{key}")
 
     def _check_net_weights(self) -> None:
-        """Every weight a net reads is in the chunk of a layer that runs it, or shared
-        (after `_check_layer_nets`: a layer given the wrong net is named as that)."""
+        """Every weight a net reads is in the chunk of a layer that runs it, or shared, in
+        every blob of a device that runs it (after `_check_layer_nets`: a layer given the
+        wrong net is named as that)."""
         for name, net in self.nets.items():
             where = f"nets.{name}"
             if len(set(net.weights)) != len(net.weights):
                 raise HeaderError(f"{where}.weights", "names a tensor twice")
-            tables = [self.weights.chunks[c] for c in self.net_chunks(name)] \
-                if net.per_layer else []
-            known = set().union(*tables) if tables else set()
-            for i, w in enumerate(net.weights):
-                if w not in self.weights.shared and w not in known:
-                    raise HeaderError(f"{where}.weights[{i}]", f"is {w!r}, which the weight "
-                                                               "table does not have")
+            for d, (layout, _layers, nets) in enumerate(self.blobs()):
+                if nets is not None and name not in nets:
+                    continue
+                tables = [layout.chunks[c] for c in self.net_chunks(name, d)] \
+                    if net.per_layer else []
+                known = set().union(*tables) if tables else set()
+                for i, w in enumerate(net.weights):
+                    if w not in layout.shared and w not in known:
+                        raise HeaderError(f"{where}.weights[{i}]",
+                                          f"is {w!r}, which the weight table "
+                                          f"{'' if nets is None else f'of device {d} '}"
+                                          "does not have")
 
     def _base_net(self, name: str, where: str) -> str:
         """The net whose role `name` plays (`block@3` is a `block`)."""
@@ -697,22 +851,29 @@ class LlmHeader:
                     raise HeaderError(f"{where}[{i}]", f"is {name!r}, a "
                                                        f"{self._kind_of(name)} net, for a "
                                                        f"{self.model.layer_type(i)} layer")
-                chunk = self.weights.chunk_of(i)
-                lacks = [w for w in self.nets[name].weights
-                         if w not in chunk and w not in self.weights.shared]
-                if lacks:
-                    raise HeaderError(f"{where}[{i}]", f"is {name!r}, which reads "
-                                      f"{lacks[0]!r}: not in layer {i}'s chunk "
-                                      f"(weights.chunks[{self.weights.layers[i].chunk}])")
+                for layout, layers, nets in self.blobs():
+                    if i not in layers or (nets is not None and name not in nets):
+                        continue
+                    local = i - layers.start
+                    chunk = layout.chunk_of(local)
+                    lacks = [w for w in self.nets[name].weights
+                             if w not in chunk and w not in layout.shared]
+                    if lacks:
+                        raise HeaderError(f"{where}[{i}]", f"is {name!r}, which reads "
+                                          f"{lacks[0]!r}: not in layer {i}'s chunk "
+                                          f"({self._weights_field(layout)}.chunks"
+                                          f"[{layout.layers[local].chunk}])")
 
-    def net_chunks(self, net: str) -> list[int]:
-        """The chunk layouts (indices into `weights.chunks`) of the layers that run the
-        per-layer net `net` (`layer_nets`), in order of first use."""
+    def net_chunks(self, net: str, blob: int = 0) -> list[int]:
+        """The chunk layouts (indices into the `blob`-th blob's `chunks`: `weights`, or
+        device `blob`'s) of the layers that run the per-layer net `net` (`layer_nets`) and
+        lie in that blob, in order of first use."""
+        layout, layers, _ = self.blobs()[blob]
         out: dict[int, None] = {}
         for names in self.layer_nets.values():
             for i, name in enumerate(names):
-                if name == net and i < self.weights.num_layers:
-                    out[self.weights.layers[i].chunk] = None
+                if name == net and i in layers and i - layers.start < layout.num_layers:
+                    out[layout.layers[i - layers.start].chunk] = None
         return list(out)
 
 
@@ -752,11 +913,13 @@ def _check_contract(specs: tuple[TensorSpec, ...], want: tuple[TensorSpec, ...],
 
 
 def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
-                   tokenizer_files: Mapping[str, bytes], blob: np.ndarray | StreamedSection,
+                   tokenizer_files: Mapping[str, bytes],
+                   blob: np.ndarray | StreamedSection | Mapping[str, Section],
                    extra_sections: Mapping[str, bytes] | None = None) -> None:
     """Write the model file atomically (see the module doc for the layout).
     `blob` is the weight blob, in memory or streamed (made region by region while it is
-    written); `extra_sections` adds the nets' command streams and constant pools (sections
+    written), or for a multi-device file every device's by section (`weights:<d>`);
+    `extra_sections` adds the nets' command streams and constant pools (sections
     `stream:<net>` and `const:<net>`)."""
     header_json = header.to_json()
     # what a reader will decode: the same schema checks before anything is written
@@ -767,15 +930,19 @@ def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
     for name, data in tokenizer_files.items():
         sections[tokenizer_section(name)] = data
     sections.update(extra_sections or {})
-    if isinstance(blob, StreamedSection):
-        sections[WEIGHTS_SECTION] = blob
-    else:
-        sections[WEIGHTS_SECTION] = memoryview(np.ascontiguousarray(blob, dtype=np.uint8))
-    size = sections[WEIGHTS_SECTION]
-    size = size.size if isinstance(size, StreamedSection) else len(size)
-    if size != header.weights.size:
-        raise ValueError(f"the weight blob has {size} bytes, the weight table "
-                         f"{header.weights.size}")
+    blobs = blob if isinstance(blob, Mapping) else {WEIGHTS_SECTION: blob}
+    for name, data in blobs.items():
+        if isinstance(data, StreamedSection | GroupedSection):
+            sections[name] = data
+        else:
+            sections[name] = memoryview(np.ascontiguousarray(data, dtype=np.uint8))
+    for layout, _, _ in header.blobs():
+        size = sections.get(layout.section)
+        size = size.size if isinstance(size, StreamedSection | GroupedSection) \
+            else len(size or b"")
+        if size != layout.size:
+            raise ValueError(f"the weight blob {layout.section} has {size} bytes, its "
+                             f"weight table {layout.size}")
     want = _referenced_sections(header)
     if set(sections) != want:
         raise ValueError(f"the sections {sorted(set(sections) ^ want)} do not match the "
@@ -784,7 +951,7 @@ def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
 
 
 def _referenced_sections(header: LlmHeader) -> set[str]:
-    names = {WEIGHTS_SECTION}
+    names = {layout.section for layout, _, _ in header.blobs()}
     for net in header.nets.values():
         names |= {net.ir, net.streams, net.consts}
     return names | {tokenizer_section(n) for n in header.tokenizer.files}
@@ -805,7 +972,15 @@ class LlmFile:
             self.file.close()
             raise
         self.header: dict[str, Any] = self.meta.to_json()
-        self.layout = self.meta.weights
+        #: the weight table of a one-device file (`device_layout` for several)
+        self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
+
+    def device_layout(self, device: int) -> WeightLayout:
+        """Device `device`'s weight table (a multi-device file)."""
+        par = self.meta.parallel
+        if par is None or not 0 <= device < len(par.devices):
+            raise self._err(f"has no device {device}")
+        return par.devices[device].weights
 
     def _err(self, msg: str) -> ModelFileError:
         return ModelFileError(f"'{self.path}': {msg}")
@@ -827,16 +1002,17 @@ class LlmFile:
         if have - want:
             raise self._err(f"has a section '{sorted(have - want)[0]}' that the header does "
                             "not name")
-        blob = self.file.sections[WEIGHTS_SECTION].size
-        if meta.weights.size != blob:
-            raise self._err(f"the weight table needs {meta.weights.size} bytes, the blob has "
-                            f"{blob}")
+        for layout, _, _ in meta.blobs():
+            blob = self.file.sections[layout.section].size
+            if layout.size != blob:
+                raise self._err(f"the weight table needs {layout.size} bytes, the blob "
+                                f"{layout.section} has {blob}")
         return meta
 
     # ------------------------------------------------------------------ access
     @property
     def num_layers(self) -> int:
-        return self.layout.num_layers
+        return self.meta.model.num_layers
 
     def net_infos(self) -> dict[str, NetInfo]:
         return {name: NetInfo(name, d.inputs, d.outputs, d.per_layer)

@@ -853,3 +853,61 @@ def _biased(r: np.ndarray, bias: np.ndarray | None, out_dtype, like: np.ndarray)
     if bias is not None:
         r = r + f32(bias)
     return _out(r, out_dtype, like)
+
+
+# ---------------------------------------------------------------------- collectives
+
+
+def _add_rounded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One device's add of two partial sums: in f32, rounded to their dtype."""
+    return round_to(f32(a) + f32(b), np.asarray(a).dtype)
+
+
+def all_reduce(parts: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
+    """The sum every device holds after an all-reduce of `parts` (device order), added in the
+    order `algorithm` adds them (each add in f32, rounded to the parts' dtype, as a device
+    adds what it received; addition commutes, so every device ends with these bits):
+
+    - `ring`: the tensor in N chunks (of its flattened elements); chunk c is summed around the
+      ring starting at device c: ((p_c + p_c+1) + p_c+2) + ... (indices mod N);
+    - `tree`: recursive doubling: with N a power of two, at step t every device adds the
+      partial sum of the device 2^t away; otherwise the devices past the largest power of
+      two P first add into devices 0.., the P devices double, and the sums go back."""
+    n = len(parts)
+    if n == 0:
+        raise ValueError("an all-reduce of no parts")
+    shape, dt = np.shape(parts[0]), np.asarray(parts[0]).dtype
+    if any(np.shape(p) != shape or np.asarray(p).dtype != dt for p in parts):
+        raise ValueError("all-reduce parts differ in shape or dtype")
+    if n == 1:
+        return np.array(parts[0])
+    if algorithm == "ring":
+        flat = [np.asarray(p).reshape(-1) for p in parts]
+        size = flat[0].size
+        out = np.empty(size, dt)
+        step = -(-size // n)
+        for c in range(n):
+            lo, hi = c * step, min((c + 1) * step, size)
+            if lo >= hi:
+                continue
+            acc = flat[c][lo:hi]
+            for j in range(1, n):
+                acc = _add_rounded(acc, flat[(c + j) % n][lo:hi])
+            out[lo:hi] = acc
+        return out.reshape(shape)
+    if algorithm != "tree":
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
+    vals = [np.asarray(p) for p in parts]
+    p2 = 1 << (n.bit_length() - 1)
+    for i in range(p2, n):  # fold the extra devices in
+        vals[i - p2] = _add_rounded(vals[i - p2], vals[i])
+    t = 1
+    while t < p2:
+        vals[:p2] = [_add_rounded(vals[i], vals[i ^ t]) for i in range(p2)]
+        t <<= 1
+    return np.array(vals[0])
+
+
+def all_gather(parts: Sequence[np.ndarray], axis: int) -> np.ndarray:
+    """Every device's part concatenated along `axis` in device order."""
+    return np.concatenate([np.asarray(p) for p in parts], axis=axis)

@@ -160,6 +160,11 @@ class InterpreterExecutor:
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
                  weight_cache_bytes: int | None = None) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
+        if self.file.meta.parallel is not None:
+            n = len(self.file.meta.parallel.devices)
+            raise ExecutorError(
+                f"'{self.file.path}' is spread over {n} devices; the interpreter runs one: "
+                "run it on the machine (executor 'machine')")
         self.cache = WeightCache(weight_cache_bytes)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`

@@ -103,6 +103,7 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.formats.llm_file import LlmHeader
 from toptpu.backend.runtime.accounting import Costs
+from toptpu.backend.runtime.device_executor import machine_executor
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
@@ -783,12 +784,13 @@ class Runtime:
     def open(cls, path: str, executor: str = "machine",
              verify_checksums: bool = True) -> Runtime:
         """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
-        `machine` executor (the file's command streams on the reference machine)."""
+        `machine` executor (the file's command streams on the reference machine; a file
+        spread over several devices on one machine per device)."""
         ex: InterpreterExecutor | MachineExecutor
         if executor == "interpreter":
             ex = InterpreterExecutor(path, verify_checksums)
         elif executor == "machine":
-            ex = MachineExecutor(path)
+            ex = machine_executor(path)
         else:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)

@@ -9,14 +9,20 @@ program (the machine passes and codegen) is the driver's job:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.formats.program import NETS_KIND, Program, StreamError, constant_pool
-from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.runtime.machine import (
+    Binding,
+    LoadedNet,
+    Machine,
+    Timeline,
+    run_together,
+)
 from toptpu.backend.target.chips import Chip, chip_from_json
 from toptpu.dialects.weight_store import WeightStore
 
@@ -47,6 +53,30 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
     _fill_constants(m, program, const)
     tl = m.run(net, Binding(io, weights, act, const))
     return SimResult(_read_outputs(m, program, outs), tl)
+
+
+def simulate_devices(program: Program, stores: Sequence[WeightStore],
+                     inputs: Sequence[Mapping[str, np.ndarray]], chip: Chip,
+                     checked: bool = True) -> list[SimResult]:
+    """Run a program of collectives on one machine per device (tensor parallel) together:
+    device d with its weights `stores[d]` and its `inputs[d]`; each device's outputs (the
+    timeline is every device's)."""
+    net = LoadedNet(program)
+    machines, bindings, outs = [], [], []
+    for store, x in zip(stores, inputs, strict=True):
+        m = Machine(chip, checked)
+        weights = {name: m.gmem.map(f"w:{name}", np.ascontiguousarray(store[name]),
+                                    writable=False).base for name in program.weights}
+        io, o = _map_io(m, program, x)
+        act = m.gmem.alloc("act", program.regions.activations).base
+        const = m.gmem.alloc("const", program.regions.constants).base
+        _fill_constants(m, program, const)
+        machines.append(m)
+        bindings.append(Binding(io, weights, act, const))
+        outs.append(o)
+    tl = run_together(machines, net, bindings)
+    return [SimResult(_read_outputs(m, program, o), tl)
+            for m, o in zip(machines, outs, strict=True)]
 
 
 def _map_io(m: Machine, program: Program, inputs: Mapping[str, np.ndarray],

@@ -14,6 +14,7 @@ import numpy as np
 from xdsl.ir import Operation
 
 from toptpu.backend.formats.commands import (
+    Collective,
     Compute,
     Gather,
     GlobalRef,
@@ -25,7 +26,7 @@ from toptpu.backend.reference.interpreter import Evaluator, reduction_finish, re
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.local_memory import LiveBuffers, Local, local_trap
 from toptpu.backend.target.chips import Chip
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import read_int
 
 if TYPE_CHECKING:
@@ -225,6 +226,22 @@ class OpStep(Step):
         if w is None:
             w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size, mins)
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
+
+
+class CollectiveStep(Step):
+    """A collective: global tensor `src` of every device into `dst` of every device. It
+    cannot run on one machine: the machines running the net together do it
+    (`machine.run_together`)."""
+
+    __slots__ = ("op", "src", "dst", "cmd")
+
+    def __init__(self, c: Collective, op: dev.CollectiveOp, src: int, dst: int) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.op, self.src, self.dst, self.cmd = op, src, dst, c
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        raise MachineTrap(f"{self.who}: a {self.cmd.kind} over {self.cmd.devices} devices "
+                          "on one machine; run the net on all its devices together")
 
 
 def held_key(provs: Sequence[tuple | None]) -> tuple:
