@@ -626,16 +626,20 @@ class ModelDir:
 def read_model_dir(path: str) -> ModelDir:
     """Read and check a model directory's config.json and generation config (not its
     weights, not its tokenizer: `tokenizer_files`, once the weights are checked)."""
+    config, raw = read_config(path)
+    return ModelDir(path, raw, config, read_generation_config(path))
+
+
+def read_generation_config(path: str) -> Any:
+    """The directory's generation_config.json as transformers reads it, None without one."""
     from transformers import GenerationConfig
 
-    config, raw = read_config(path)
-    gen = None
-    if dir_file(path, "generation_config.json"):
-        try:
-            gen = GenerationConfig.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
-    return ModelDir(path, raw, config, gen)
+    if not dir_file(path, "generation_config.json"):
+        return None
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
 
 
 def tokenizer_files(path: str, need_tokenizer: bool = True) -> dict[str, bytes]:

@@ -100,9 +100,9 @@ from toptpu.frontends.hf_loader import (
     check_config,
     check_model_dir,
     dir_bytes,
-    dir_file,
     generation_settings,
     quiet_transformers,
+    read_generation_config,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, TORCH_ACTIVATIONS, NetSpec, SplitError
 from toptpu.frontends.qwen_vl import (
@@ -958,7 +958,7 @@ class VlmDir:
 
 def _read_vlm_dir(path: str) -> VlmDir:
     import transformers
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     check_model_dir(path)
     cfg_path = os.path.join(path, "config.json")
@@ -980,12 +980,7 @@ def _read_vlm_dir(path: str) -> VlmDir:
             pc = json.loads(pc_data)
         except (ValueError, RecursionError) as e:
             raise ModelLoadError(f"cannot read {pc_path}: {e}") from e
-    gen = None
-    if dir_file(path, "generation_config.json"):
-        try:
-            gen = GenerationConfig.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
+    gen = read_generation_config(path)
     cls = getattr(transformers, VLM_CLASSES[config.model_type])
     return VlmDir(path, config, family, files, tok, pc, gen, cls)
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.cli import main
 from toptpu.compiler import compile as compile_model
+from toptpu.demo_smollm2 import DEMO_TEXT
 from toptpu.frontends.gguf_loader import EXACT_TYPES, GGUFTensors, load_gguf, scan_gguf
 from toptpu.frontends.hf_loader import ModelLoadError, quiet_transformers
 
@@ -479,14 +480,7 @@ def _smollm2() -> str | None:
 
 #: a chat prompt and a text for SmolLM2 (the text: 115 tokens, two windows of SEQ 96)
 SMOL_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-SMOL_TEXT = (
-    "The river rises in the hills north of the town and runs south through farmland for "
-    "about forty miles before it reaches the sea. In the spring the water is high and fast, "
-    "and the old stone bridge near the market is sometimes closed for a few days. Most of "
-    "the year, though, the river is quiet. Children swim near the mill in the summer, and "
-    "in the autumn people walk along its banks to watch the leaves turn. The town council "
-    "has talked for years about building a second bridge, but nobody can agree where it "
-    "should go or who should pay for it.")
+SMOL_TEXT = DEMO_TEXT  # the demo's quality text
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,6 @@ from toptpu.backend.runtime.machine_executor import (
     MachineExecutor,
     MachineExecutorError,
     NetStats,
-    timing_of,
 )
 from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.weight_cache import default_budget
@@ -279,15 +278,7 @@ class DeviceGroupExecutor(MachineExecutor):
             root = buf.root
             root.written, root.pending = True, None  # the host's copy is stale now
             root.valid = set(devs) if buf.whole else root.valid & set(devs)
-        st = self.stats.setdefault(net, NetStats())
-        st.runs += 1
-        st.cycles += tl.cycles
-        st.timelines.append(tl)
-        del st.timelines[:-self.keep_timelines]
-        start = self.ledger.totals.total_s
-        costs = self.ledger.net(net, timing_of(tl))
-        if self.recorder is not None:
-            self.recorder.net(net, layer, start, costs, tl)
+        self._account(net, layer, tl)
 
     def modelled_costs(self) -> Costs:
         return self.ledger.totals

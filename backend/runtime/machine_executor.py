@@ -179,6 +179,11 @@ class MachineExecutor:
         io = {spec.name: bindings[spec.name].addr for spec in (*info.inputs, *info.outputs)}
         weights = self._weight_addresses(info, prog, layer)
         tl = self.machine.run(loaded, Binding(io, weights, self._act[net], self._const[net]))
+        self._account(net, layer, tl)
+
+    def _account(self, net: str, layer: int | None, tl: Timeline) -> None:
+        """A run of `net` (of `layer`) that took `tl`: its stats (the last `keep_timelines`
+        timelines kept), its modelled cost in the ledger, and the recorder's event."""
         st = self.stats.setdefault(net, NetStats())
         st.runs += 1
         st.cycles += tl.cycles
