@@ -231,7 +231,7 @@ def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
                                         max_slice_nums=max_tiles)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _randomize(model: torch.nn.Module, seed: int, centred_image_rows: bool = False) -> None:
     """Weights with a scale that keeps activations in a healthy range (Qwen3.5's text norms
     scale by 1 + weight: theirs are drawn around 0, but for the gated norm's)."""
     g = torch.Generator().manual_seed(seed)
@@ -253,14 +253,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 fan_in = p[0].numel() if p.dim() >= 4 else p.shape[-1]  # conv: C*(kt)*kh*kw
                 p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
         if model.config.model_type in QWEN_VL_FAMILIES:
-            _image_rows_like_text(model, g)
+            _image_rows_like_text(model, g, centred_image_rows)
 
 
-def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator) -> None:
+def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator, centred: bool) -> None:
     """A Qwen VLM's image rows (and DeepStack rows) scaled to its text embeddings' spread,
-    without a common offset (the mergers' last bias cancels their mean over a random probe):
-    with random weights they would otherwise drown the text and look alike, and the text
-    model would answer every image with one token."""
+    without a bias (`centred`: the mergers' last bias cancels the rows' mean over a random
+    probe instead): with random weights they would otherwise drown the text and look alike,
+    and the text model would answer every image with one token (at the published widths it
+    still does unless `centred`)."""
     visual = model.model.visual
     vc = model.config.vision_config
     dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
@@ -274,8 +275,11 @@ def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator) -> None:
                              rows, strict=True):
         last = merger.mlp[2] if hasattr(merger, "mlp") else merger.linear_fc2
         scale = target / float((feats - feats.mean(0)).std())
-        last.weight.mul_(scale)  # the bias cancels the rows' mean (the activation's offset)
-        last.bias.copy_(-scale * (feats.mean(0) - last.bias))
+        last.weight.mul_(scale)
+        if centred:
+            last.bias.copy_(-scale * (feats.mean(0) - last.bias))
+        else:
+            last.bias.zero_()
 
 
 def published_vlm_config(config_dir: str, text_layers: int, depth: int,
@@ -316,10 +320,12 @@ def published_vlm_config(config_dir: str, text_layers: int, depth: int,
 
 
 def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | None = None,
-             config: Any = None, **vision_overrides: Any) -> Any:
+             config: Any = None, centred_image_rows: bool = False,
+             **vision_overrides: Any) -> Any:
     """A transformers VLM of `family` with seeded random weights (float32, eval mode), of
     `config` when given (a config of that family, e.g. `published_vlm_config`'s), else of
-    the tiny config."""
+    the tiny config; `centred_image_rows`: a Qwen VLM's image rows without a common offset
+    (see `_image_rows_like_text`)."""
     import transformers
 
     if config is not None and config.model_type != family:
@@ -334,22 +340,22 @@ def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | Non
                                  "qwen3_5": "Qwen3_5ForConditionalGeneration"}[
         cfg.model_type])
     model = cls(cfg).to(torch.float32)
-    _randomize(model, seed)
+    _randomize(model, seed, centred_image_rows)
     return model.eval()
 
 
 def save_tiny_vlm(path: str, family: str = "internvl", seed: int = 0, max_tiles: int = 4,
                   text: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
                   max_shard_size: str | None = None, config: Any = None,
-                  **vision_overrides: Any) -> str:
+                  centred_image_rows: bool = False, **vision_overrides: Any) -> str:
     """Write a tiny VLM directory: weights (in `dtype`, default float32; in shards of
-    `max_shard_size` when given, as `save_pretrained` shards), config (`config` when given,
-    see `tiny_vlm`), tokenizer with the image tokens, generation config and the image
-    processor's preprocessor_config.json."""
+    `max_shard_size` when given, as `save_pretrained` shards), config (`config` and
+    `centred_image_rows` as `tiny_vlm` takes them), tokenizer with the image tokens,
+    generation config and the image processor's preprocessor_config.json."""
     from transformers import GenerationConfig
 
     os.makedirs(path, exist_ok=True)
-    model = tiny_vlm(family, seed, text, config, **vision_overrides)
+    model = tiny_vlm(family, seed, text, config, centred_image_rows, **vision_overrides)
     if dtype is not None:
         model = model.to(dtype)
     tok = vlm_tokenizer(family)
