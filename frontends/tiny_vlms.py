@@ -231,7 +231,7 @@ def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
                                         max_slice_nums=max_tiles)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _randomize(model: torch.nn.Module, seed: int, centred_image_rows: bool = False) -> None:
     """Weights with a scale that keeps activations in a healthy range (Qwen3.5's text norms
     scale by 1 + weight: theirs are drawn around 0, but for the gated norm's)."""
     g = torch.Generator().manual_seed(seed)
@@ -253,13 +253,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 fan_in = p[0].numel() if p.dim() >= 4 else p.shape[-1]  # conv: C*(kt)*kh*kw
                 p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
         if model.config.model_type in QWEN_VL_FAMILIES:
-            _image_rows_like_text(model, g)
+            _image_rows_like_text(model, g, centred_image_rows)
 
 
-def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator) -> None:
+def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator, centred: bool) -> None:
     """A Qwen VLM's image rows (and DeepStack rows) scaled to its text embeddings' spread,
-    without a common offset: with random weights they would otherwise drown the text and
-    look alike, and the text model would answer every image with one token."""
+    without a bias (`centred`: the mergers' last bias cancels the rows' mean over a random
+    probe instead): with random weights they would otherwise drown the text and look alike,
+    and the text model would answer every image with one token (at the published widths it
+    still does unless `centred`)."""
     visual = model.model.visual
     vc = model.config.vision_config
     dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
@@ -272,16 +274,63 @@ def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator) -> None:
     for merger, feats in zip([visual.merger, *getattr(visual, "deepstack_merger_list", [])],
                              rows, strict=True):
         last = merger.mlp[2] if hasattr(merger, "mlp") else merger.linear_fc2
-        last.bias.zero_()
-        last.weight.mul_(target / float((feats - feats.mean(0)).std()))
+        scale = target / float((feats - feats.mean(0)).std())
+        last.weight.mul_(scale)
+        if centred:
+            last.bias.copy_(-scale * (feats.mean(0) - last.bias))
+        else:
+            last.bias.zero_()
+
+
+def published_vlm_config(config_dir: str, text_layers: int, depth: int,
+                         tie_word_embeddings: bool | None = None,
+                         **vision_overrides: Any) -> Any:
+    """A published Qwen-VL config (`config_dir`/config.json) at its real widths (hidden
+    sizes, heads, head dims, intermediate sizes, patch, window and position-grid sizes,
+    M-RoPE sections) with only its layer counts cut: `text_layers` text layers and a vision
+    tower of `depth` layers (`vision_overrides` remap its per-layer indexes to the cut
+    tower: `fullatt_block_indexes`, `deepstack_visual_indexes`). The vocabulary is cut to
+    the tiny tokenizer's (`vlm_tokenizer`: 400 rows instead of 151936, its image, video and
+    vision marker ids and end-of-turn id in place of the published ones);
+    `tie_word_embeddings` given overrides the published tie."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(config_dir)
+    if cfg.model_type not in QWEN_VL_FAMILIES:
+        raise ValueError(f"{config_dir} is a {cfg.model_type} config, not a Qwen-VL one "
+                         f"({', '.join(QWEN_VL_FAMILIES)})")
+    tok = vlm_tokenizer(cfg.model_type)
+    whole = cfg.to_dict()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "vocab_size",
+                "vision_token_id"):  # the published ids, past the cut vocabulary
+        whole.pop(key, None)
+    whole.update({key: tok.convert_tokens_to_ids(QWEN_VL_TOKENS[attr]) for attr, key in (
+        ("image_token", "image_token_id"), ("video_token", "video_token_id"),
+        ("vision_start_token", "vision_start_token_id"),
+        ("vision_end_token", "vision_end_token_id"))})
+    text = whole["text_config"]
+    text.pop("layer_types", None)  # one per published layer: rebuilt for the cut count
+    text.update(num_hidden_layers=text_layers, vocab_size=_TEXT_VOCAB, bos_token_id=None,
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                pad_token_id=tok.pad_token_id)
+    whole["vision_config"].update(depth=depth, **vision_overrides)
+    if tie_word_embeddings is not None:
+        whole["tie_word_embeddings"] = text["tie_word_embeddings"] = tie_word_embeddings
+    return type(cfg).from_dict(whole)
 
 
 def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | None = None,
+             config: Any = None, centred_image_rows: bool = False,
              **vision_overrides: Any) -> Any:
-    """A transformers VLM of `family` with seeded random weights (float32, eval mode)."""
+    """A transformers VLM of `family` with seeded random weights (float32, eval mode), of
+    `config` when given (a config of that family, e.g. `published_vlm_config`'s), else of
+    the tiny config; `centred_image_rows`: a Qwen VLM's image rows without a common offset
+    (see `_image_rows_like_text`)."""
     import transformers
 
-    cfg = tiny_vlm_config(family, text, **vision_overrides)
+    if config is not None and config.model_type != family:
+        raise ValueError(f"a {config.model_type} config given for a {family} model")
+    cfg = config if config is not None else tiny_vlm_config(family, text, **vision_overrides)
     torch.manual_seed(seed)
     cls = getattr(transformers, {"internvl": "InternVLForConditionalGeneration",
                                  "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
@@ -291,20 +340,22 @@ def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | Non
                                  "qwen3_5": "Qwen3_5ForConditionalGeneration"}[
         cfg.model_type])
     model = cls(cfg).to(torch.float32)
-    _randomize(model, seed)
+    _randomize(model, seed, centred_image_rows)
     return model.eval()
 
 
 def save_tiny_vlm(path: str, family: str = "internvl", seed: int = 0, max_tiles: int = 4,
                   text: dict[str, Any] | None = None, dtype: torch.dtype | None = None,
-                  max_shard_size: str | None = None, **vision_overrides: Any) -> str:
+                  max_shard_size: str | None = None, config: Any = None,
+                  centred_image_rows: bool = False, **vision_overrides: Any) -> str:
     """Write a tiny VLM directory: weights (in `dtype`, default float32; in shards of
-    `max_shard_size` when given, as `save_pretrained` shards), config, tokenizer with the
-    image tokens, generation config and the image processor's preprocessor_config.json."""
+    `max_shard_size` when given, as `save_pretrained` shards), config (`config` and
+    `centred_image_rows` as `tiny_vlm` takes them), tokenizer with the image tokens,
+    generation config and the image processor's preprocessor_config.json."""
     from transformers import GenerationConfig
 
     os.makedirs(path, exist_ok=True)
-    model = tiny_vlm(family, seed, text, **vision_overrides)
+    model = tiny_vlm(family, seed, text, config, centred_image_rows, **vision_overrides)
     if dtype is not None:
         model = model.to(dtype)
     tok = vlm_tokenizer(family)

@@ -12,7 +12,12 @@ are partial. Checked: the vision rows (and DeepStack rows) equal transformers'
 image and with a two-frame video equal transformers `generate` on the same processor output
 (16 tokens); a net compiled for exactly the image's grid gives the same tokens; M-RoPE
 positions equal `get_rope_index` over random prompts of text, images and videos; the
-machine equals the interpreter bit for bit."""
+machine equals the interpreter bit for bit.
+
+At real widths (the published Qwen2.5-VL-3B and Qwen3-VL-4B configs of bench/vlm_configs,
+two vision and two text layers, the vocabulary cut to 400): the machine's vision rows (and
+DeepStack rows) equal transformers' (cos >= 0.99999) and f32 greedy tokens with an image
+equal `generate` (16 tokens)."""
 
 from __future__ import annotations
 
@@ -360,6 +365,117 @@ def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
     assert sorted(m_caches) == sorted(i_caches) and len(m_caches) == 6
     for name, value in m_caches.items():
         assert np.array_equal(value, i_caches[name]), name
+
+
+# =========================================================================== real widths
+
+#: the published configs checked at their real widths with only the layer counts cut (and
+#: the vocabulary, to the tiny tokenizer's 400 rows): two vision layers, the first a window
+#: layer and the second a full-attention one as in Qwen2.5-VL-3B (windows in 0-6, full in
+#: 7, 15, 23, 31), or with one DeepStack level from the first as in Qwen3-VL-4B (levels from
+#: 5, 11 and 17 of 24); two text layers (Qwen3-VL's DeepStack rows added after the first).
+#: The image rows are centred (`save_tiny_vlm`'s `centred_image_rows`) and Qwen2.5-VL-3B's
+#: embeddings untied (as 7B's are): otherwise, with random weights, the greedy tokens with
+#: the test image are one token 16 times; Qwen3-VL-4B's stay tied as published.
+PUBLISHED = {"qwen2_5_vl": ("qwen2.5-vl-3b", {"fullatt_block_indexes": [1],
+                                              "tie_word_embeddings": False}),
+             "qwen3_vl": ("qwen3-vl-4b", {"deepstack_visual_indexes": [0]})}
+#: the widths the published configs give (vision hidden, heads, intermediate, patch; text
+#: hidden, heads, KV heads, head dim, intermediate), checked on the saved model
+REAL_WIDTHS = {"qwen2_5_vl": ((1280, 16, 3420, 14), (2048, 16, 2, 128, 11008)),
+               "qwen3_vl": ((1024, 16, 4096, 16), (2560, 32, 8, 128, 9728))}
+_CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "vlm_configs")
+
+
+def real_width_file(tmp_path_factory: pytest.TempPathFactory, family: str
+                    ) -> tuple[str, str]:
+    """The published config of `family` cut to two vision and two text layers, saved with
+    random weights, and that directory compiled (f32, the 400-patch budget)."""
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.tiny_vlms import published_vlm_config, save_tiny_vlm
+
+    name, remap = PUBLISHED[family]
+    model_dir = os.path.join(shared_dir(tmp_path_factory), f"vlm-{name}-cut")
+    path = model_dir + ".toptpu"
+    with FileLock(model_dir + ".lock"):
+        if not os.path.exists(path):
+            config = published_vlm_config(os.path.join(_CONFIGS, name), text_layers=2,
+                                          depth=2, **remap)
+            with quiet_transformers():
+                save_tiny_vlm(model_dir, family, config=config, centred_image_rows=True)
+            compile_model(model_dir, path, seq_length=256, max_input_length=32,
+                          progress=None, **BUDGET[family])
+    return model_dir, path
+
+
+def real_width_model(model_dir: str, family: str) -> Any:
+    """The saved directory loaded back by transformers (float32; not kept between tests),
+    its widths checked to be the published ones."""
+    import transformers
+
+    from toptpu.frontends.hf_loader import quiet_transformers
+
+    with quiet_transformers():
+        model = getattr(transformers, {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                       "qwen3_vl": "Qwen3VLForConditionalGeneration"}[family]
+                        ).from_pretrained(model_dir, dtype=torch.float32).eval()
+    v, t = model.config.vision_config, model.config.text_config
+    assert ((v.hidden_size, v.num_heads, v.intermediate_size, v.patch_size),
+            (t.hidden_size, t.num_attention_heads, t.num_key_value_heads,
+             t.hidden_size // t.num_attention_heads if family == "qwen2_5_vl" else t.head_dim,
+             t.intermediate_size)) == REAL_WIDTHS[family]
+    assert (v.depth, t.num_hidden_layers) == (2, 2)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    assert tied == PUBLISHED[family][1].get("tie_word_embeddings", True)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(PUBLISHED))
+def test_vision_rows_at_real_widths_equal_transformers(tmp_path_factory, family: str) -> None:
+    """At the published widths (Qwen2.5-VL-3B's vision tower: hidden 1280, 16 heads of 80,
+    its 112-pixel windows in layer 0 and full attention in layer 1; Qwen3-VL-4B's: hidden
+    1024, 16 heads of 64, the 48x48 position grid, one DeepStack level), layer counts cut:
+    the vit's rows of the test image on the machine (padded to the 400-patch budget) ==
+    transformers' `get_image_features` on the same processor output, cos >= 0.99999 in f32,
+    the DeepStack rows too."""
+    model_dir, path = real_width_file(tmp_path_factory, family)
+    model = real_width_model(model_dir, family)
+    rt = Runtime.open(path, "machine")
+    enc = rt.encode_image(image())
+    inputs = _hf_inputs(rt, image())
+    assert enc.grid_thw == tuple(inputs["image_grid_thw"][0].tolist())
+    with torch.no_grad():
+        ref = model.model.get_image_features(**inputs)
+    rows = cos(enc.embeds, torch.cat(list(ref.pooler_output)).numpy())
+    assert rows >= 0.99999, rows
+    levels = getattr(ref, "deepstack_features", None) or []
+    deepstack = [] if enc.deepstack is None else list(enc.deepstack)
+    assert len(levels) == len(deepstack) == (1 if family == "qwen3_vl" else 0)
+    for ours, theirs in zip(deepstack, levels, strict=True):
+        level = cos(ours, torch.cat(list(theirs)).numpy())
+        assert level >= 0.99999, level
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(PUBLISHED))
+def test_generation_at_real_widths_equals_transformers(tmp_path_factory, family: str) -> None:
+    """At the published widths (Qwen2.5-VL-3B's text model: hidden 2048, 16 heads and 2 KV
+    heads of 128, intermediate 11008, M-RoPE sections 16/24/24; Qwen3-VL-4B's: hidden 2560,
+    32 and 8 heads of 128, intermediate 9728, interleaved sections 24/20/20, its DeepStack
+    rows; vocabulary cut to 400) with two vision and two text layers: f32 greedy tokens
+    with an image on the machine == transformers `generate` on the same processor output
+    (16 tokens; the prompt spans four prefill chunks of 32)."""
+    model_dir, path = real_width_file(tmp_path_factory, family)
+    model = real_width_model(model_dir, family)
+    rt = Runtime.open(path, "machine")
+    ids, images = rt.image_prompt(PROMPT, [image()], chat_template=True)
+    assert ids.count(model.config.image_token_id) == images[0].image_tokens
+    assert len(ids) > 3 * 32
+    res = rt.generate(ids, N, images=images, stop_on_eos=False)
+    assert len(set(res.generated_ids)) > 2  # the model does not answer with one token
+    assert res.generated_ids == hf_generate(model, ids, N, **_hf_inputs(rt, image()))
 
 
 # =========================================================================== files and CLI
