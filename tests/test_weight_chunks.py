@@ -267,10 +267,11 @@ def test_a_header_whose_net_reads_a_tensor_its_layers_chunk_lacks_is_refused(
                                           rf"reads '{name}': not in layer 1's chunk "
                                           rf"\(weights\.chunks\[1\]\)"):
         LlmHeader.from_json(header)
-    # ... and with no chunk holding it, the net's own weight list is refused
+    # ... and with no chunk holding it, layer 0 is named first (layer_nets are checked
+    # before the nets' own weight lists)
     header["weights"] = encode(_replan(src.layout.shared, [lacking], [0, 0]))
-    with pytest.raises(HeaderError, match=rf"nets\.{reader}\.weights\[\d+\] is '{name}', "
-                                          "which the weight table does not have"):
+    with pytest.raises(HeaderError, match=rf"layer_nets\.\w+\[0\] is '{reader}', which "
+                                          rf"reads '{name}': not in layer 0's chunk"):
         LlmHeader.from_json(header)
     short = copy.deepcopy(src.header)
     short["weights"]["layers"] = short["weights"]["layers"][:1]
@@ -278,9 +279,10 @@ def test_a_header_whose_net_reads_a_tensor_its_layers_chunk_lacks_is_refused(
     with pytest.raises(HeaderError, match=r"weights\.layers has 1 entries, model\.num_layers "
                                           r"is 2"):
         LlmHeader.from_json(short)
-    old = {**copy.deepcopy(src.header), "llm_format": 1}
-    with pytest.raises(HeaderError, match=r"llm_format is 1, not 2"):
-        LlmHeader.from_json(old)
+    for old_format in (1, 2):  # one chunk layout for all layers; one prefill length
+        old = {**copy.deepcopy(src.header), "llm_format": old_format}
+        with pytest.raises(HeaderError, match=rf"llm_format is {old_format}, not 3"):
+            LlmHeader.from_json(old)
     src.close()
 
 

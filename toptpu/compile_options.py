@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +111,8 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
                           vision_mode: str | None = None, image_size: int | None = None,
                           max_tiles: int | None = None,
                           max_patches: int | None = None,
-                          dequantize: str | None = None) -> CompileOptions:
+                          dequantize: str | None = None,
+                          prefill_lengths: Sequence[int] | None = None) -> CompileOptions:
     """Check `compile`'s arguments and output paths before any work starts (the model's
     config.json is read, its weights are not). Raises CompileError naming the problem."""
     if dequantize is not None:
@@ -130,7 +132,7 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
     check_quant_options(mode, group_size, symmetric)
     try:
-        shapes = StaticShapes.make(seq_length, max_input_length, max_history)
+        shapes = StaticShapes.make(seq_length, max_input_length, max_history, prefill_lengths)
     except ValueError as e:
         raise CompileError(str(e)) from e
     try:

@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
@@ -289,6 +289,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     seq_length: int = 512,
     max_input_length: int | None = None,
     max_history: int | None = None,
+    prefill_lengths: Sequence[int] | None = None,
     group_size: int | None = None,
     symmetric: bool | None = None,
     dump_ir: str | None = None,
@@ -307,7 +308,9 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
     w4bf16 | w8f32 | w4f32. Static shapes: `seq_length` (KV capacity), `max_input_length`
     (prefill chunk, default min(SEQ, 128)), `max_history` (history of prefill_kv, default
-    SEQ). `group_size` (w4 modes only; default 64, -1 per channel) and `symmetric` (w4/w8
+    SEQ), `prefill_lengths` (the chunk lengths the prefill nets are compiled at besides
+    `max_input_length`; default 16, 64, 256, ... below it: a short prompt runs the shortest
+    that holds it). `group_size` (w4 modes only; default 64, -1 per channel) and `symmetric` (w4/w8
     modes) shape round-to-nearest quantization and are refused where they would be ignored
     (float modes, w8's per-channel scales, pre-quantized checkpoints). Every argument and
     output path is checked before any work starts (`check_compile_request`): `output` and
@@ -326,7 +329,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         model, output, mode=mode, chip=chip, seq_length=seq_length,
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
         symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
-        max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize)
+        max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize,
+        prefill_lengths=prefill_lengths)
     the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
     timings = {"load": the_plan.load_seconds}
@@ -383,7 +387,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
         progress.write(f"toptpu compile: {loaded.source} ({arch.family}, {arch.num_layers} "
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, "
                        f"{options.chip}, seq {shapes.seq_length}, input "
-                       f"{shapes.max_input_length}, history {shapes.max_history}]\n")
+                       f"{shapes.max_input_length}, history {shapes.max_history}, prefill "
+                       f"lengths {','.join(map(str, shapes.prefill_lengths))}]\n")
     act = QuantMode(mode).activation
     specs = split_model(hf, shapes, act=act)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
@@ -402,8 +407,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
                                       layer_index=rep)
         for spec in rep_specs:
             if spec.per_layer:
-                nets.append(NetPlan(replace(spec, name=str(NetName(spec.name, rep))), mode,
-                                    f"v{rep}."))
+                name = str(NetName.parse(spec.name).at_layer(rep))
+                nets.append(NetPlan(replace(spec, name=name), mode, f"v{rep}."))
     layers: LayerWeights = ModelLayerWeights(hf, loaded.checkpoint)
     if loaded.stream is not None:
         layers = StreamedLayerWeights(loaded.stream, loaded.checkpoint)
@@ -817,7 +822,7 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, outp
     layer_nets = {
         base: [str(NetName(base, plan.variant_of(i))) for i in range(plan.num_layers)]
         for base in (n for n, net in nets.items()
-                     if net.per_layer and not NetName.parse(n).is_variant)}
+                     if net.per_layer and NetName.parse(n) == NetName(n))}
     vision_info = (None if plan.vision is None
                    else {**plan.vision.header(), "mode": plan.vit_mode})
     header = _header(plan, nets, commands, packed, layer_nets, vision_info)

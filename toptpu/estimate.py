@@ -29,6 +29,7 @@ from typing import IO, Any
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
+    BLOCK_KV,
     EMBEDDING,
     EMBEDDING_CACHE,
     GREEDY_HEAD,
@@ -301,11 +302,32 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
 
 
 def _needed_nets(tokens: int, shapes: StaticShapes, sampler: str) -> list[str]:
-    nets = [EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD]
-    if tokens > shapes.max_input_length:
-        nets.append("block_kv")
+    """The nets a generation from a prompt of `tokens` runs (`Runtime.generate`): each
+    prefill chunk's embedding and block (the first) or block_kv at the shortest prefill
+    length that holds it, the decode nets (also for prompt tokens past max_history), the
+    lm_head and the sampler's head."""
+    nets = [EMBEDDING_CACHE, BLOCK_CACHE, LM_HEAD]
+    done = 0
+    while done < tokens:
+        if done == 0 or done <= shapes.max_history:
+            n = min(shapes.max_input_length, tokens - done)
+            length = shapes.chunk_length(n)
+            nets += [shapes.prefill_net(EMBEDDING, length),
+                     shapes.prefill_net(BLOCK if done == 0 else BLOCK_KV, length)]
+            done += n
+        else:
+            done += 1
     nets += {"greedy": [GREEDY_HEAD], "sample": [SAMPLE_HEAD], "host": []}[sampler]
-    return nets
+    return list(dict.fromkeys(nets))
+
+
+def estimate_nets(shapes: StaticShapes, prompt_tokens: int | None, sampler: str) -> list[str]:
+    """The nets `toptpu estimate` compiles: every net of a model file at its longest
+    prefill length, and the shorter prefill nets the prompt's chunks run."""
+    tokens = shapes.max_input_length if prompt_tokens is None else prompt_tokens
+    needed = _needed_nets(tokens, shapes, sampler) \
+        if 1 <= tokens <= shapes.seq_length and sampler in SAMPLERS else []
+    return list(dict.fromkeys([*TEXT_NETS, *needed]))
 
 
 # =========================================================================== the command
@@ -320,7 +342,7 @@ def summary(est: Estimate) -> str:
         f"{m.model.num_kv_heads} KV heads x {m.model.head_dim}, vocab {m.model.vocab_size}; "
         f"{m.mode} on {chip.name} ({chip.cores} core(s), {chip.sustained_gbps:.3g} GB/s "
         f"sustained DDR); seq {s.seq_length}, input {s.max_input_length}, history "
-        f"{s.max_history}",
+        f"{s.max_history}, prefill lengths {', '.join(map(str, s.prefill_lengths))}",
         f"weights {m.weight_bytes / 1e6:.1f} MB, KV cache {m.kv_bytes / 1e6:.1f} MB",
         f"time to first token ({est.prompt_tokens}-token prompt): {est.ttft_s * 1e3:.2f} ms "
         f"modelled ({_where(est.first_token)})",
@@ -437,7 +459,8 @@ def cmd_estimate(args: Any) -> int:
     """Modelled time to first token and decode speed of a model on a chip, from its
     config.json alone (one layer compiled with placeholder weights)."""
     try:
-        shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
+        shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history,
+                                   args.prefill_lengths)
         base = get_chip(args.chip)
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
@@ -450,7 +473,9 @@ def cmd_estimate(args: Any) -> int:
                        f"(placeholder weights) for {chip.name}\n")
     compiled = compile_costs(config, chip, args.mode, shapes,
                              DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
-                             args.symmetric, progress=progress)
+                             args.symmetric,
+                             nets=estimate_nets(shapes, args.prompt_tokens, args.sampler),
+                             progress=progress)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
     print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
     return 0
@@ -476,7 +501,8 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--symmetric", action="store_true", default=None)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
-                   "--max-input-length)")
+                   "--max-input-length); its chunks run at the shortest prefill length "
+                   "that holds them, as `toptpu run` runs them")
     p.add_argument("--sampler", choices=list(SAMPLERS), default="greedy",
                    help="how tokens are chosen: greedy_head or sample_head on the chip, or "
                    "on the host from the logits read back")

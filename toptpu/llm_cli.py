@@ -187,7 +187,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     compile_model(args.model, args.output, mode=args.mode, chip=args.chip,
                   seq_length=args.seq_length, max_input_length=args.max_input_length,
-                  max_history=args.max_history, group_size=args.group_size,
+                  max_history=args.max_history, prefill_lengths=args.prefill_lengths,
+                  group_size=args.group_size,
                   symmetric=args.symmetric, dump_ir=args.dump_ir,
                   progress=None if args.quiet else sys.stderr, image_size=args.image_size,
                   max_tiles=args.max_tiles, max_patches=args.max_patches,

@@ -44,6 +44,7 @@ from toptpu.backend.contract import (
     TOKEN_IDS,
     TOP_K,
     TOP_P,
+    NetName,
     TensorSpec,
 )
 from toptpu.backend.target.chips import Chip
@@ -172,6 +173,24 @@ class StepModel:
         return self._spec(BLOCK, POSITION_IDS).shape[1]
 
     @property
+    def prefill_tags(self) -> dict[int, int]:
+        """Prefill chunk length -> the length tag of its nets (as `Runtime.prefill_tags`:
+        read back from the `block` nets' shapes)."""
+        out = {}
+        for name in self.io:
+            net = NetName.parse(name)
+            if net.base == BLOCK and not net.is_variant:
+                out[self._spec(name, POSITION_IDS).shape[1]] = net.length
+        return out
+
+    def chunk_net(self, base: str, n: int) -> tuple[str, int]:
+        """The prefill net `base` a chunk of `n` tokens runs (the shortest prefill length
+        that holds it, `Runtime.chunk_length`) and that length."""
+        tags = self.prefill_tags
+        length = min(length for length in tags if length >= n)
+        return str(NetName(base, 0, tags[length])), length
+
+    @property
     def history(self) -> int:
         return self._spec(BLOCK_KV, HISTORY_K).shape[1]
 
@@ -222,13 +241,16 @@ class StepModel:
         return total
 
     def _chunk(self, start: int, n: int) -> Costs:
-        net = BLOCK if start == 0 else BLOCK_KV
-        c = (self._up(EMBEDDING, INPUT_IDS) + self._net(EMBEDDING)
-             + self._up(BLOCK, POSITION_IDS) + self._up(net, ATTENTION_MASK)
-             + self._net(net, self.layers))
-        if start + self.chunk > self.seq:  # the padded chunk runs past SEQ: each layer's n
+        """One chunk of `n` tokens at `start` (`Runtime._prefill_chunk`): at the shortest
+        prefill length that holds it."""
+        emb, length = self.chunk_net(EMBEDDING, n)
+        block, _ = self.chunk_net(BLOCK if start == 0 else BLOCK_KV, n)
+        c = (self._up(emb, INPUT_IDS) + self._net(emb)
+             + self._up(block, POSITION_IDS) + self._up(block, ATTENTION_MASK)
+             + self._net(block, self.layers))
+        if start + length > self.seq:  # the padded chunk runs past SEQ: each layer's n
             # rows go from the scratch output into the cache through the host
-            scratch = self._spec(BLOCK, PRESENT_K)
+            scratch = self._spec(block, PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
             per_layer = (transfer_costs(self.chip, scratch.nbytes).times(2)
                          + transfer_costs(self.chip, rows).times(2))

@@ -4,9 +4,11 @@ Written once against `toptpu.backend.runtime.executor.Executor`, so the interpre
 the reference machine run the same generation loop:
 
 - one K and one V buffer `[1, SEQ, kvH, D]` per layer, allocated on the executor;
-- prefill in chunks of `max_input_length` L: the first chunk of a conversation runs `block`,
-  later chunks run `block_kv` over the history so far (the first Hh cache slots, bound in
-  place). Each chunk's `present_k`/`present_v` output is bound straight to its cache slots
+- prefill in chunks of at most `max_input_length` L: the first chunk of a conversation runs
+  `block`, later chunks run `block_kv` over the history so far (the first Hh cache slots,
+  bound in place), each at the shortest prefill length that holds the chunk (`block:16`
+  for a 5-token prompt when the file has it; the lengths are read back from the nets).
+  Each chunk's `present_k`/`present_v` output is bound straight to its cache slots
   (through a scratch buffer only when the padded chunk would run past SEQ). When the
   history is longer than `max_history` the remaining prompt tokens go through the decode
   net one by one (exact, slower); nothing is clipped;
@@ -67,6 +69,7 @@ from toptpu.backend.contract import (
     PENALTY,
     PER_LAYER_NETS,
     POSITION_IDS,
+    PREFILL_NETS,
     PRESENT_CONV_STATE,
     PRESENT_K,
     PRESENT_RECURRENT_STATE,
@@ -83,6 +86,7 @@ from toptpu.backend.contract import (
     TOP_K,
     TOP_P,
     NetInfo,
+    NetName,
     TensorSpec,
     decode_mask,
     prefill_mask,
@@ -667,6 +671,18 @@ class Runtime:
         first = self.linear.index(False)
         self.attn_nets = {base: self.layer_net(base, first) for base in PER_LAYER_NETS}
         self.L = _spec(nets[BLOCK], HIDDEN).shape[1]
+        #: prefill chunk length -> the length tag of its nets (`block:16`: 16; L: 0), read
+        #: back from the `block` nets' shapes; a chunk runs the shortest that holds it
+        self.prefill_tags = {_spec(nets[name], HIDDEN).shape[1]: net.length
+                             for name in nets for net in [NetName.parse(name)]
+                             if net.base == BLOCK and not net.is_variant}
+        self.lengths = sorted(self.prefill_tags)
+        for length, tag in self.prefill_tags.items():
+            for base in PREFILL_NETS:
+                name = str(NetName(base, 0, tag))
+                if name not in nets:
+                    raise GenerationError(f"the model file has block at length {length} but "
+                                          f"no {name}; recompile it")
         self.seq = _spec(nets[self.attn_nets[BLOCK_CACHE]], HISTORY_K).shape[1]
         self.Hh = _spec(nets[self.attn_nets[BLOCK_KV]], HISTORY_K).shape[1]
         gen = self.meta.generation
@@ -712,15 +728,20 @@ class Runtime:
             {name: alloc(self.layer_net(BLOCK_CACHE, i), name)
              for name in (CONV_STATE, RECURRENT_STATE)} if lin else None
             for i, lin in enumerate(self.linear)]
+        attn_at = {length: {base: str(NetName.parse(attn[base]).at_length(tag))
+                            for base in (BLOCK, BLOCK_KV)}
+                   for length, tag in self.prefill_tags.items()}
         self.b = {
+            # sized for the longest chunk; a shorter chunk binds their first rows
             "ids_L": alloc(EMBEDDING, INPUT_IDS),
             "ids_1": alloc(EMBEDDING_CACHE, INPUT_IDS),
             "h_L": [alloc(EMBEDDING, HIDDEN), alloc(BLOCK, HIDDEN_OUT)],
             "h_1": [alloc(EMBEDDING_CACHE, HIDDEN), alloc(BLOCK_CACHE, HIDDEN_OUT)],
             "pos_L": alloc(attn[BLOCK], POSITION_IDS),
             "pos_1": alloc(attn[BLOCK_CACHE], POSITION_IDS),
-            "mask_L": alloc(attn[BLOCK], ATTENTION_MASK),
-            "mask_kv": alloc(attn[BLOCK_KV], ATTENTION_MASK),
+            # the masks' rows and columns both follow the chunk length: one per length
+            "mask_L": {n: alloc(attn_at[n][BLOCK], ATTENTION_MASK) for n in self.lengths},
+            "mask_kv": {n: alloc(attn_at[n][BLOCK_KV], ATTENTION_MASK) for n in self.lengths},
             "mask_1": alloc(attn[BLOCK_CACHE], ATTENTION_MASK),
             "scratch_k": alloc(attn[BLOCK], PRESENT_K),
             "scratch_v": alloc(attn[BLOCK], PRESENT_V),
@@ -797,62 +818,75 @@ class Runtime:
         out = {PRESENT_CONV_STATE: st[CONV_STATE], PRESENT_RECURRENT_STATE: st[RECURRENT_STATE]}
         return {**st, **out} if carried else out
 
+    def chunk_length(self, n: int) -> int:
+        """The prefill length a chunk of `n` tokens runs at: the shortest that holds it."""
+        return next(length for length in self.lengths if length >= n)
+
+    def prefill_net(self, net: str, layer: int | None, length: int) -> str:
+        """The prefill net `net` (`PREFILL_NETS`) at chunk length `length`, of layer
+        `layer`'s variant (None: a net that is not per layer)."""
+        name = NetName.parse(net if layer is None else self.layer_net(net, layer))
+        return str(name.at_length(self.prefill_tags[length]))
+
     def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
-        """Run one chunk (≤ L tokens) at the current position; returns the final hidden
-        [1, L, H] buffer (row i belongs to ids[i])."""
-        n, start, L = len(ids), len(self.tokens), self.L
+        """Run one chunk (≤ L tokens) at the current position, at the shortest prefill
+        length that holds it; returns the final hidden [1, length, H] buffer (row i
+        belongs to ids[i])."""
+        n, start = len(ids), len(self.tokens)
+        L = self.chunk_length(n)
         assert 0 < n <= L and start + n <= self.seq
         padded = np.full((1, L), self.pad_id, np.int32)
         padded[0, :n] = ids
         ex, b = self.ex, self.b
-        ex.write(b["ids_L"], padded)
-        ex.run(EMBEDDING, {INPUT_IDS: b["ids_L"], HIDDEN: b["h_L"][0]})
-        self._put_image_rows(b["h_L"][0], start, n)
-        ex.write(b["pos_L"], np.arange(start, start + L, dtype=np.int32)[None])
+        ids_buf = b["ids_L"].slot(1, 0, L)
+        hidden = [h.slot(1, 0, L) for h in b["h_L"]]
+        pos = b["pos_L"].slot(1, 0, L)
+        ex.write(ids_buf, padded)
+        ex.run(self.prefill_net(EMBEDDING, None, L), {INPUT_IDS: ids_buf, HIDDEN: hidden[0]})
+        self._put_image_rows(hidden[0], start, n)
+        ex.write(pos, np.arange(start, start + L, dtype=np.int32)[None])
         direct = start + L <= self.seq
+        scratch_k, scratch_v = b["scratch_k"].slot(1, 0, L), b["scratch_v"].slot(1, 0, L)
 
         def present(layer: int) -> dict[str, Buffer]:
             if direct:
                 return {PRESENT_K: self.cache_k[layer].slot(1, start, L),
                         PRESENT_V: self.cache_v[layer].slot(1, start, L)}
-            return {PRESENT_K: b["scratch_k"], PRESENT_V: b["scratch_v"]}
+            return {PRESENT_K: scratch_k, PRESENT_V: scratch_v}
 
         if start == 0:
-            ex.write(b["mask_L"], prefill_mask(n, L))
+            mask = b["mask_L"][L]
+            ex.write(mask, prefill_mask(n, L))
             net = BLOCK
 
             def extra(layer: int) -> dict[str, Buffer]:
                 if self.linear[layer]:
-                    return {ATTENTION_MASK: b["mask_L"], **self._state(layer, False)}
-                return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_L"],
-                        **present(layer)}
+                    return {ATTENTION_MASK: mask, **self._state(layer, False)}
+                return {POSITION_IDS: pos, ATTENTION_MASK: mask, **present(layer)}
         else:
-            ex.write(b["mask_kv"], prefill_mask(n, L, start, self.Hh))
+            mask = b["mask_kv"][L]
+            ex.write(mask, prefill_mask(n, L, start, self.Hh))
             net = BLOCK_KV
 
             def extra(layer: int) -> dict[str, Buffer]:
                 if self.linear[layer]:
-                    return {ATTENTION_MASK: b["mask_kv"], **self._state(layer, True)}
-                return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_kv"],
+                    return {ATTENTION_MASK: mask, **self._state(layer, True)}
+                return {POSITION_IDS: pos, ATTENTION_MASK: mask,
                         HISTORY_K: self.cache_k[layer].slot(1, 0, self.Hh),
                         HISTORY_V: self.cache_v[layer].slot(1, 0, self.Hh),
                         **present(layer)}
 
-        if direct:
-            out = self._run_layers(net, b["h_L"], extra)
-        else:  # the padded chunk runs past SEQ: copy the n real rows into the cache
-            src, dst = b["h_L"]
-            for layer in range(self.num_layers):
-                ex.run(self.layer_net(net, layer),
-                       {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
-                for cache, scratch in ((self.cache_k, b["scratch_k"]),
-                                       (self.cache_v, b["scratch_v"])):
-                    if not self.linear[layer]:
-                        ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
-                src, dst = dst, src
-            out = src
+        src, dst = hidden
+        for layer in range(self.num_layers):
+            ex.run(self.prefill_net(net, layer, L),
+                   {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
+            if not direct and not self.linear[layer]:
+                # the padded chunk runs past SEQ: copy the n real rows into the cache
+                for cache, scratch in ((self.cache_k, scratch_k), (self.cache_v, scratch_v)):
+                    ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
+            src, dst = dst, src
         self.tokens.extend(int(i) for i in ids)
-        return out
+        return src
 
     def _decode_step(self, token: int) -> Buffer:
         """Feed one token at the next position; returns the final hidden [1, 1, H]."""
