@@ -266,6 +266,9 @@ class ModelFile:
         digest = bytes(self._map[_PREFIX.size:HEADER_OFFSET])
         if _header_digest(bytes(self._map[:_PREFIX.size]), hbytes) != digest:
             raise self._err("is corrupt: checksum mismatch in the header")
+        #: the header's sha256 (hex): it covers every section's sha256, so it names the
+        #: file's whole content once the sections are checked against them
+        self.digest = digest.hex()
         try:
             header = parse_strict_json(hbytes)
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

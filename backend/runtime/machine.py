@@ -36,7 +36,9 @@ Both run a net's program pre-decoded once per chip (`LoadedNet.plan`): the typed
 (`toptpu.backend.formats.commands`) turned into steps with their kernels, slices and local
 ranges resolved, the execution order and the timeline computed; a run resolves the net's
 global operands once and executes the steps. Weights converted for a kernel (dequantized,
-upcast to f32) are kept across runs in a bounded cache (`weight_cache.WeightCache`).
+upcast to f32) are kept across runs in a bounded cache (`weight_cache.WeightCache`), or
+read from the model file's weight cache file (`weight_cache_file.StoredForms`, `stored`)
+when one was opened: the same bits, made once for the file instead of in every process.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from toptpu.backend.runtime.steps import (
     first_local_trap,
 )
 from toptpu.backend.runtime.weight_cache import WeightCache
+from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
@@ -425,6 +428,45 @@ class Machine:
         self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
         self.part_ok: dict[WholeRows, bool] = {}  # row-local slices' parts, the same way
         self.context = EvalContext(None)
+        #: the weight cache file's forms (None: none opened) and the global address of
+        #: the weight blob they name offsets in
+        self.stored: StoredForms | None = None
+        self.weights_base = 0
+
+    def stored_form(self, special: str, key: tuple, bits: int, group_size: int
+                    ) -> np.ndarray | None:
+        """The f32 form of a kernel's weight from the weight cache file, or None: `key` is
+        its operands' `held_key` (each the whole tensor, or a window of one) — a whole
+        weight's form, or the same window of it (a16: rows, as the compiler slices a
+        weight's output channels)."""
+        stored = self.stored
+        if stored is None or key[0] is None:
+            return None
+        base = self.weights_base
+        first = key[0]
+        window: tuple[slice, ...] | None = None
+        if len(first) > 2:  # a window (addr, shape, dtype, axis, start, length)
+            axis, start, length = first[3], first[4], first[5]
+            if special == "a16" and (axis != 0 or any(
+                    p is not None and (len(p) <= 2 or p[3:] != (0, start, length))
+                    for p in key[1:])):
+                return None
+            index = [slice(None)] * len(first[1])
+            index[axis] = slice(start, start + length)
+            window = tuple(index)
+        elif any(p is not None and len(p) > 2 for p in key[1:]):
+            return None
+        if special == "a16":
+            scales, zeros = key[1], key[2] if len(key) > 2 else None
+            if scales is None:
+                return None
+            form = stored.a16(first[0] - base, scales[0] - base,
+                              -1 if zeros is None else zeros[0] - base, bits, group_size)
+        else:
+            form = stored.upcast(first[0] - base)
+        if form is None or window is None:
+            return form
+        return form[window]
 
     def free(self, bufs: Sequence[int]) -> None:
         release = self.local.release

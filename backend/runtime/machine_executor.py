@@ -48,6 +48,7 @@ from toptpu.backend.runtime.machine import (
     MachineTrap,
     Timeline,
 )
+from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
 from toptpu.dialects import tpu
@@ -130,6 +131,18 @@ class MachineExecutor:
         self._const: dict[str, int] = {}
         self.stats: dict[str, NetStats] = {}
         self.ledger = Ledger(self.chip)
+
+    def use_weight_cache(self, stored: StoredForms | None) -> None:
+        """Read converted weights from this model file's weight cache file (None: stop)."""
+        if stored is not None and stored.model is not self.file:
+            raise MachineExecutorError("the weight cache file was opened for another "
+                                       "model file")
+        self.machine.stored = stored
+        self.machine.weights_base = self._blob
+
+    @property
+    def stored(self) -> StoredForms | None:
+        return self.machine.stored
 
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:

@@ -98,6 +98,12 @@ from toptpu.backend.runtime.executor import Buffer, Executor
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.vision import EncodedImage, VisionEncoder
+from toptpu.backend.runtime.weight_cache_file import (
+    StoredForms,
+    WeightCacheFileError,
+    cache_path,
+    open_weight_cache,
+)
 
 
 class PromptTooLongError(GenerationError):
@@ -707,6 +713,9 @@ class Runtime:
         self.pending: int | None = None  # the last generated token, not yet in the cache
         self.messages: list[dict[str, str]] = []
         self._last_reply_closed = False
+        #: what the user should know but that does not stop generation (a weight cache
+        #: file left unused, and why); the command line prints them on stderr
+        self.notes: list[str] = []
 
     def _alloc_buffers(self) -> None:
         """The KV caches and the IO buffers of every net the generation loop binds."""
@@ -755,9 +764,14 @@ class Runtime:
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, path: str, executor: str = "machine",
-             verify_checksums: bool = True) -> Runtime:
+             verify_checksums: bool = True, weight_cache: str | None = "auto") -> Runtime:
         """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
-        `machine` executor (the file's command streams on the reference machine)."""
+        `machine` executor (the file's command streams on the reference machine).
+
+        `weight_cache`: the weight cache file to read converted weights from
+        (`weight_cache_file`): "auto" reads `FILE.wcache` when there is one and it is this
+        model file's (a file that is not is left unused, and `notes` says why); a path
+        reads that one (WeightCacheFileError when it cannot be used); None reads none."""
         ex: InterpreterExecutor | MachineExecutor
         if executor == "interpreter":
             ex = InterpreterExecutor(path, verify_checksums)
@@ -767,7 +781,37 @@ class Runtime:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)
         rt._tokenizer_files = ex.file.tokenizer_files()
+        if weight_cache is not None:
+            rt.open_weight_cache(None if weight_cache == "auto" else weight_cache)
         return rt
+
+    def open_weight_cache(self, path: str | None = None) -> StoredForms | None:
+        """Read converted weights from the weight cache file at `path` (which must be this
+        model file's: WeightCacheFileError otherwise), or, with None, from `FILE.wcache`
+        when it is there and is this model file's (else a note in `notes`, and None)."""
+        use = getattr(self.ex, "use_weight_cache", None)
+        file = getattr(self.ex, "file", None)
+        if use is None or file is None:
+            raise GenerationError("this executor reads no weight cache file")
+        where = path or cache_path(file.path)
+        if path is None and not os.path.lexists(where):
+            return None
+        try:
+            stored = open_weight_cache(file, where)
+        except WeightCacheFileError as e:
+            if path is not None:
+                raise
+            self.notes.append(f"{e} (converting the weights instead)")
+            return None
+        stored.on_problem = self.notes.append
+        use(stored)
+        return stored
+
+    @property
+    def weight_cache_file(self) -> str | None:
+        """The weight cache file in use (None: none, or it was found not to match)."""
+        stored = getattr(self.ex, "stored", None)
+        return None if stored is None or stored.problem is not None else stored.path
 
     @property
     def tokenizer(self) -> Tokenizer:

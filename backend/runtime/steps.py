@@ -149,6 +149,7 @@ class OpStep(Step):
     def compute(self, m: Machine, args: list[np.ndarray | None],
                 weight_key: Hashable | None = None, keep: bool = True) -> Sequence[np.ndarray]:
         """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
+        the weight cache file's form where it has one (`Machine.stored_form`), else
         cached under `weight_key`, by default what the weight buffers hold (`held_key`);
         `keep=False` uses a cached form but keeps no new one (a join's check of its
         slices: their forms would duplicate the whole's)."""
@@ -159,9 +160,17 @@ class OpStep(Step):
             provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
             if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
                 weight_key = held_key(provs)
+        stored = None if weight_key is None else m.stored_form(
+            self.special, weight_key, self.bits, self.group_size)
         if self.special == "a16":
+            if stored is not None:
+                x, bias = args[0], args[4]
+                assert x is not None
+                return [K.matmul_dequantized(x, stored, bias, self.out_dtype)]
             return [self._a16_matmul(m, args, weight_key, keep)]
-        if weight_key is not None:
+        if stored is not None:
+            args = [args[0], stored, *args[2:]]
+        elif weight_key is not None:
             w = args[1]
             args = [args[0], m.cache.get(("f32", weight_key), lambda: K.f32(w), keep),
                     *args[2:]]
