@@ -278,7 +278,7 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     llm = model if isinstance(model, LlmFile) else LlmFile(model)
     path = output or cache_path(llm.path)
     try:
-        _, kind = output_target(path, "the weight cache file", seekable=True)
+        _, kind = output_target(path, "the weight cache file")
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     if kind != "file" and kind != "new":

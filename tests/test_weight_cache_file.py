@@ -1,0 +1,217 @@
+"""The weight cache file (`toptpu cache`): a model file's converted weights made once and
+read by later processes. With it the executors convert nothing (their in-memory caches stay
+empty) and give the same bits as without it, on the machine (fast and checked) and the
+interpreter. It is refused — left unused with a note, or an error when named — unless it is
+this model file's: a cache of another file, a truncated or corrupt container, a header
+whose forms do not name the model's tensors, bytes that differ from the model file's
+conversion (found on first use, or by `--check`), a path that is not a regular file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from llm_fixtures import compiled
+
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.formats.model_file import ModelFile, write_model_file
+from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.runtime import Runtime
+from toptpu.backend.runtime.weight_cache_file import (
+    WeightCacheFileError,
+    cache_path,
+    open_weight_cache,
+    planned_forms,
+    write_weight_cache,
+)
+from toptpu.cli import main
+
+pytestmark = pytest.mark.slow  # compiles a model file
+
+SEQ, L = 96, 48
+IDS = [3 + (i * 7) % 300 for i in range(21)]  # block at 48: both lengths' nets get used
+
+
+@pytest.fixture
+def model(tmp_path_factory, tmp_path) -> str:
+    """A private copy of a w4bf16 file (a16 weights and a bf16 lm_head), so the cache file
+    written beside it is seen by this test only."""
+    src = compiled(tmp_path_factory, "qwen2", "w4bf16", seq=SEQ, input_len=L).model_file
+    path = str(tmp_path / "model.toptpu")
+    shutil.copyfile(src, path)
+    return path
+
+
+def _uncached(path: str, executor: str = "machine") -> tuple[np.ndarray, list[int]]:
+    rt = Runtime.open(path, executor, weight_cache=None)
+    return rt.prompt_logits(IDS), rt.generate(IDS, 8, stop_on_eos=False).generated_ids
+
+
+def test_the_cache_gives_the_same_bits_and_converts_nothing(model: str) -> None:
+    want_logits, want_ids = _uncached(model)
+    forms = planned_forms(LlmFile(model))
+    assert {f.form for f in forms} == {"a16", "f32"}  # the layers' matmuls, the lm_head
+    assert len([f for f in forms if f.form == "a16"]) == 2 * 7  # 2 layers x 7 projections
+    path = write_weight_cache(model)
+    assert path == cache_path(model) == model + ".wcache"
+    for executor in ("machine", "interpreter"):
+        rt = Runtime.open(model, executor)
+        assert rt.weight_cache_file == path and rt.notes == []
+        logits = rt.prompt_logits(IDS)
+        assert logits.dtype == want_logits.dtype and np.array_equal(logits, want_logits)
+        assert rt.generate(IDS, 8, stop_on_eos=False).generated_ids == want_ids
+        cache = rt.ex.machine.cache if executor == "machine" else rt.ex.cache
+        assert len(cache) == 0, executor  # nothing converted in this process
+        assert rt.ex.stored.hits > 0
+    # the checked machine (slices of the weights, windows of the stored forms)
+    checked = Runtime(MachineExecutor(model, checked=True))
+    checked.ex.use_weight_cache(open_weight_cache(checked.ex.file))
+    assert np.array_equal(checked.prompt_logits(IDS), want_logits)
+    assert len(checked.ex.machine.cache) == 0
+
+
+def test_the_cli_writes_checks_and_uses_the_cache(model: str, capsys) -> None:
+    assert main(["cache", model, "--quiet"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    assert main(["cache", model, "--check"]) == 0
+    assert "each equal to the model file's conversion" in capsys.readouterr().out
+    out = subprocess.run([sys.executable, "-m", "toptpu.cli", "run", model, "--ids",
+                          ",".join(map(str, IDS)), "--max-new-tokens", "4", "--json"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["weight_cache_file"] == cache_path(model)
+    assert out.stderr == ""
+
+
+def test_a_cache_of_another_model_file_is_refused(model: str, tmp_path_factory,
+                                                  tmp_path) -> None:
+    other = str(tmp_path / "other.toptpu")
+    shutil.copyfile(compiled(tmp_path_factory, "qwen2", "w4bf16", seq=SEQ,
+                             input_len=16).model_file, other)
+    write_weight_cache(model, cache_path(other))  # the first file's forms beside the other
+    rt = Runtime.open(other)
+    assert rt.weight_cache_file is None
+    assert len(rt.notes) == 1 and "was made from another model file" in rt.notes[0]
+    assert "toptpu cache" in rt.notes[0]
+    logits, ids = _uncached(other)
+    assert np.array_equal(rt.prompt_logits(IDS), logits)
+    with pytest.raises(WeightCacheFileError, match="was made from another model file"):
+        Runtime.open(other, weight_cache=cache_path(other))
+
+
+def _rewrite(path: str, edit) -> None:  # noqa: ANN001
+    """Write the cache file again with its header edited by `edit` (checksums made anew:
+    only the checks of the fields can refuse it)."""
+    with ModelFile(path, verify_checksums=False) as f:
+        header = json.loads(json.dumps(f.header))
+        sections = {n: f.read(n) for n in f.sections}
+    edit(header, sections)
+    write_model_file(path, header, sections)
+
+
+def _form(header: dict, i: int = 0) -> dict:
+    return header["forms"][i]
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("truncate", r"is unusable \(is truncated"),
+    ("header byte", r"is unusable \(is corrupt: checksum mismatch in the header\)"),
+    ("model file", r"is not a weight cache file \(kind 'toptpu-llm'\)"),
+    ("digest", r"has an invalid header: model_digest is not 64 lowercase hex digits"),
+    ("source", r"names a weight at blob offset 1, where the model file's weight table has "
+               r"no tensor \(forms\[0\]\)"),
+    ("shape", r"upcasts a bfloat16 \[\d+, 64\] weight to \[\d+, 32\] \(forms\[0\]\)"),
+    ("bits", r"forms\[1\]\.bits is 3, not 4 or 8"),
+    ("section", r"has a section 'extra' that no form names"),
+    ("twice", r"forms\[1\] converts the same weight as forms\[0\]"),
+])
+def test_a_damaged_cache_is_refused_naming_the_problem(model: str, damage: str,
+                                                       message: str) -> None:
+    path = write_weight_cache(model)
+    if damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 100)
+    elif damage == "header byte":
+        with open(path, "r+b") as f:
+            f.seek(60)
+            byte = f.read(1)
+            f.seek(60)
+            f.write(bytes([byte[0] ^ 0x20]))
+    elif damage == "model file":
+        shutil.copyfile(model, path)
+    else:
+        def edit(h: dict, sections: dict) -> None:
+            if damage == "digest":
+                h["model_digest"] = "xyz"
+            elif damage == "source":
+                _form(h)["source"] = 1
+            elif damage == "shape":
+                _form(h)["shape"] = [_form(h)["shape"][0], 32]
+                sections[_form(h)["section"]] = sections[_form(h)["section"]][
+                    :len(sections[_form(h)["section"]]) // 2]
+            elif damage == "bits":
+                _form(h, 1)["bits"] = 3
+            elif damage == "section":
+                sections["extra"] = b"\0" * 8
+            elif damage == "twice":
+                h["forms"][1] = {**_form(h), "section": _form(h, 1)["section"]}
+
+        _rewrite(path, edit)
+    rt = Runtime.open(model)
+    assert rt.weight_cache_file is None and len(rt.notes) == 1
+    assert "toptpu cache" in rt.notes[0]
+    with pytest.raises(WeightCacheFileError, match=message):
+        open_weight_cache(LlmFile(model), path)
+
+
+def test_bytes_that_differ_from_the_model_files_conversion_are_refused(model: str) -> None:
+    """A changed sampled row is found on the form's first use: the file is turned off (a
+    note says why) and the weights are converted, with the same bits. A change in a row no
+    first use samples is found by `toptpu cache --check`."""
+    want_logits, _ = _uncached(model)
+    path = write_weight_cache(model)
+    llm = LlmFile(model)
+    stored = open_weight_cache(llm, path)
+    form = next(f for f in stored._forms.values() if f.form == "a16")  # noqa: SLF001
+    offset = stored._container.sections[form.section].offset  # noqa: SLF001
+    stored.close()
+    cols = form.shape[1]
+    with open(path, "r+b") as f:  # row 0, column 0: sampled
+        f.seek(offset)
+        f.write(np.float32(1234.5).tobytes())
+    rt = Runtime.open(model)
+    assert rt.weight_cache_file == path  # the header is fine: found on first use
+    logits = rt.prompt_logits(IDS)
+    assert np.array_equal(logits, want_logits)
+    assert rt.weight_cache_file is None
+    assert len(rt.notes) == 1 and f"form {form.section}" in rt.notes[0]
+    assert "does not match the model file" in rt.notes[0]
+    # restore row 0; change row 1 (rows 0 and n-1 and ones spread between are sampled)
+    path = write_weight_cache(model)
+    with open(path, "r+b") as f:
+        f.seek(offset + 4 * cols + 4)
+        f.write(np.float32(1234.5).tobytes())
+    with pytest.raises(WeightCacheFileError, match=f"form {form.section} .* differs"):
+        open_weight_cache(LlmFile(model), path).verify()
+    assert main(["cache", model, "--check"]) == 1
+
+
+def test_a_cache_path_that_is_not_a_regular_file_is_neither_read_nor_replaced(
+        model: str, capsys) -> None:
+    path = cache_path(model)
+    os.mkfifo(path)
+    rt = Runtime.open(model)  # a FIFO there is not opened (it would block)
+    assert rt.weight_cache_file is None
+    assert len(rt.notes) == 1 and "is not a regular file" in rt.notes[0]
+    assert main(["cache", model, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "is not a regular file" in err and "Traceback" not in err
+    assert os.path.exists(path) and not os.path.isfile(path)  # still the FIFO
+    os.unlink(path)
+    os.mkdir(path)
+    assert Runtime.open(model).weight_cache_file is None
+    assert main(["cache", model, "--quiet"]) == 1
+    assert "is a directory" in capsys.readouterr().err
