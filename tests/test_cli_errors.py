@@ -500,8 +500,9 @@ def test_run_json_has_a_schema_version(model_file, capsys) -> None:
     assert set(data) == {"schema", "prompt_ids", "generated_ids", "text", "stop_reason",
                          "ttft_s", "tokens_per_s", "modelled_ttft_s", "modelled_tokens_per_s",
                          "image_tokens", "vision_s", "vision_modelled_s", "executor",
-                         "sampler", "modelled_breakdown"}
+                         "sampler", "modelled_breakdown", "weight_cache_file"}
     assert data["sampler"] == "greedy" and data["modelled_breakdown"] is None
+    assert data["weight_cache_file"] is None  # none written beside this model file
     usage = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     for key in data:  # every key is documented in the usage page's schema table
         assert f"| `{key}` |" in usage, key
