@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from llm_fixtures import LONG_PROMPT, compiled, hf_generate
+from quant_fixtures import quant_checkpoints  # noqa: F401 - session fixture
 
 from toptpu.backend.contract import ContractError, StaticShapes
 from toptpu.backend.formats.header_schema import HeaderError
@@ -186,3 +187,33 @@ def test_a_variant_without_its_shorter_nets_is_refused(tmp_path_factory) -> None
                                           r"'block@2'"):
         LlmHeader.from_json(_edited(src.header, lambda h: h["nets"].update(
             {"block:16@2": h["nets"]["block:16@3"]})))
+
+
+def test_a_mixed_prequantized_checkpoint_runs_its_variants_at_every_length(
+        quant_checkpoints, tmp_path) -> None:  # noqa: ANN001, F811
+    """An auto-round checkpoint whose layer 1 is quantized otherwise (a float up_proj):
+    `block@1` has its nets at 16 too (`block:16@1`, `block_kv:16@1`), and prompts at 16, at
+    32 and of 32 + 4 (block_kv at 16) give the fake-quantized reference's greedy tokens, the
+    same bits on the machine and the interpreter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toptpu.compiler import compile as compile_model
+
+    runs = quant_checkpoints.manifest["runs"]["qwen2_asym_g32"]
+    path = str(tmp_path / "mixed.toptpu")
+    compile_model(runs["auto_gptq"], path, mode="w4f32", seq_length=64, max_input_length=32,
+                  progress=None)
+    machine = Runtime.open(path, "machine")
+    interp = Runtime.open(path, "interpreter")
+    assert machine.meta.layer_nets["block"] == ("block", "block@1")
+    assert {"block:16@1", "block_kv:16@1", "block_kv@1"} <= set(machine.nets)
+    ref = AutoModelForCausalLM.from_pretrained(runs["fake"], dtype=torch.float32).eval()
+    for n in (7, 20, 36):
+        ids = [3 + (i * 11) % 250 for i in range(n)]
+        res = machine.generate(ids, 10, stop_on_eos=False)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10,
+                                do_sample=False)[0, n:].tolist()
+        assert res.generated_ids == want, n
+        assert np.array_equal(machine.prompt_logits(ids), interp.prompt_logits(ids)), n
