@@ -215,3 +215,20 @@ def test_a_cache_path_that_is_not_a_regular_file_is_neither_read_nor_replaced(
     assert Runtime.open(model).weight_cache_file is None
     assert main(["cache", model, "--quiet"]) == 1
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_a_cache_written_in_place_while_in_use_stops_the_run(model: str) -> None:
+    """Its mapped forms would fault or be other numbers: the next net run says so. A new
+    `toptpu cache` renamed over it is harmless (the mapping holds the one opened)."""
+    want_logits, _ = _uncached(model)
+    path = write_weight_cache(model)
+    rt = Runtime.open(model)
+    assert np.array_equal(rt.prompt_logits(IDS), want_logits)
+    write_weight_cache(model)  # replaced: the run goes on with the file it opened
+    assert np.array_equal(rt.prompt_logits(IDS), want_logits)
+    rt = Runtime.open(model)
+    rt.prompt_logits(IDS)
+    os.truncate(path, os.path.getsize(path) - 4096)
+    with pytest.raises(WeightCacheFileError, match="weight cache file .* changed while in "
+                                                   "use"):
+        rt.prompt_logits(IDS)

@@ -214,6 +214,8 @@ class InterpreterExecutor:
         if info is None:
             raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
         self.file.file.check_unchanged()  # truncated or rewritten under us: one line
+        if self.stored is not None:
+            self.stored.check_unchanged()
         weights = self._weights_for(info, layer)
         plan = self._plan(net)
         check_bindings(net, info, bindings, lambda b: isinstance(b, ArrayBuffer), ExecutorError)

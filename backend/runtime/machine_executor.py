@@ -174,6 +174,8 @@ class MachineExecutor:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
                                        f"{sorted(self._nets)})")
         self.file.file.check_unchanged()  # truncated or rewritten under us: one line
+        if self.machine.stored is not None:
+            self.machine.stored.check_unchanged()
         loaded = self._load(net)
         prog = loaded.program
         check_bindings(net, info, bindings, lambda b: isinstance(b, MachineBuffer) and

@@ -374,6 +374,15 @@ class StoredForms:
         self._checked[form.key] = arr
         return arr
 
+    def check_unchanged(self) -> None:
+        """Refuse to go on with the file truncated or written in place since it was opened
+        (its mapped forms would fault or be other numbers); one replaced at its path (a new
+        `toptpu cache`) is harmless: the mapping holds the old one."""
+        try:
+            self._container.check_unchanged(replaced_too=False)
+        except ModelFileError as e:
+            raise WeightCacheFileError(f"the weight cache file {e}") from None
+
     def verify(self) -> None:
         """Check every byte: each form converted again from the model file and compared
         (as long as converting all; `toptpu cache --check`). WeightCacheFileError at the
