@@ -215,9 +215,14 @@ def main() -> None:
                 runs.wall.append(res["wall_s"])
                 runs.modelled_ttft = res["modelled_ttft_s"]
                 cached[r.name] = res.get("weight_cache_file")
+                print(f"  ({n} ids, {r.name}: TTFT {res['ttft_s']:.3f} s, decode "
+                      f"{runs.decode[-1]:.2f} tok/s, process {res['wall_s']:.1f} s)",
+                      flush=True)
             ttft, dec = eager(model, prompts[n], a.new)
             hf[n].ttft.append(ttft)
             hf[n].decode.append(dec)
+            print(f"  ({n} ids, eager: TTFT {ttft:.3f} s, decode {dec:.2f} tok/s)",
+                  flush=True)
 
     print(f"`toptpu run --ids <n ids> --max-new-tokens {a.new} --ignore-eos --json`, one "
           f"fresh process each; eager f32 with the model loaded; medians of {a.repeat} "
