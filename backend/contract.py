@@ -13,6 +13,8 @@ the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
   and `chunk_length`, the shortest that holds a chunk), the exact IO of every text net
   (`net_io`);
 - the additive attention masks (`prefill_mask`, `decode_mask`);
+- the text positions of a model whose rotary has several axes and whose VLM lays them out
+  per axis (MiniCPM-V 4.7's canvas M-RoPE: `canvas_position_ids`);
 - the files a model file carries besides its nets (`TOKENIZER_FILES`) and the vision
   families (`VISION_KINDS`);
 - the host-side packing of MiniCPM-V image slices into the static `vit` net (`pack_slice`);
@@ -28,11 +30,12 @@ The model file header that records all this is the file format's
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -185,8 +188,13 @@ PIXEL_VALUES = "pixel_values"
 POSITION_IDS_VIT = "position_ids_vit"
 IMAGE_EMBEDS = "image_embeds"
 
-#: the inputs of `block`; `block_kv` and `block_cache` add the history (`HISTORY_INPUTS`)
+#: the inputs of `block`; `block_kv` and `block_cache` add the history (`HISTORY_INPUTS`).
+#: `position_ids` is i32 [A, n]: A = 1 (a text position per token), or A = 3 for a model
+#: whose rotary has a position per axis (T, H, W) and whose VLM lays them out per axis
+#: (MiniCPM-V 4.7: `canvas_position_ids`)
 BLOCK_INPUTS = (HIDDEN, POSITION_IDS, ATTENTION_MASK)
+#: the position axes of the full-attention nets: text, or (T, H, W)
+POSITION_AXES = (1, 3)
 HISTORY_INPUTS = (*BLOCK_INPUTS, HISTORY_K, HISTORY_V)
 BLOCK_OUTPUTS = (HIDDEN_OUT, PRESENT_K, PRESENT_V)
 
@@ -377,12 +385,16 @@ def linear_net_io(shapes: StaticShapes, hidden_size: int, widths: LinearWidths, 
     return out
 
 
-def net_io(shapes: StaticShapes, model: ModelWidths, act: str
+def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: int = 1
            ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
     """The inputs and outputs of each text net: static shapes L, SEQ and Hh, the model's
-    widths, float activations (and logits) of dtype `act`, int32 ids and positions; the
-    sampling head's parameters and probabilities are f32 whatever `act` is. The prefill
-    nets (`PREFILL_NETS`) at every prefill length: `block` at L, `block:16` at 16, ..."""
+    widths, float activations (and logits) of dtype `act`, int32 ids and positions (one
+    row per position axis, `POSITION_AXES`); the sampling head's parameters and
+    probabilities are f32 whatever `act` is. The prefill nets (`PREFILL_NETS`) at every
+    prefill length: `block` at L, `block:16` at 16, ..."""
+    if position_axes not in POSITION_AXES:
+        raise ContractError(f"{position_axes} position axes: the nets take "
+                            f"{' or '.join(map(str, POSITION_AXES))}")
     S, Hh = shapes.seq_length, shapes.max_history
     H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
     V, K = model.vocab_size, sample_k(model.vocab_size)
@@ -391,7 +403,7 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str
         return TensorSpec(name, shape, dtype)
 
     def block(n: int, mask: int, history: int | None) -> tuple[tuple[TensorSpec, ...], ...]:
-        inputs = [t(HIDDEN, 1, n, H), t(POSITION_IDS, 1, n, dtype="int32"),
+        inputs = [t(HIDDEN, 1, n, H), t(POSITION_IDS, position_axes, n, dtype="int32"),
                   t(ATTENTION_MASK, 1, 1, n, mask)]
         if history is not None:
             inputs += [t(HISTORY_K, 1, history, kv, D), t(HISTORY_V, 1, history, kv, D)]
@@ -554,6 +566,177 @@ def pack_slice(patches: np.ndarray, h: int, w: int, budget: int,
     mask = np.full((1, 1, 1, budget), MASK_VALUE, np.float32)
     mask[..., :n] = 0.0
     return pixels.reshape(1, c, p, budget * p), pos, mask
+
+
+# ====================================================================== canvas positions
+#
+# MiniCPM-V 4.7 places each image on a "canvas" in its text model's multi-axis rotary (canvas
+# M-RoPE, `MiniCPMV4_7Model.get_rope_index`): text tokens have the same position on the
+# three axes (T, H, W), while the tokens of an image's thumbnail and slices get the (row,
+# column) of their place on a grid the size of the slices put together, the image's and
+# slices' start/end markers and the newlines between slice rows are pinned to its corners
+# and edges, and the text after the image continues one past the canvas's larger side. The
+# full-attention nets of such a model take position_ids [3, n] (T, H, W) and the runtime
+# lays them out with `canvas_position_ids`, a port of the model's own function to numpy for
+# one sequence that starts at a given position (a chat continues where the conversation
+# stands).
+
+#: MiniCPM-V 4.7's config fields naming the tokens its canvas is pinned to, in the order
+#: its layout reads them (`<slice>` first: it tells a slice from a new image)
+CANVAS_MARKERS = ("slice_start_id", "slice_end_id", "image_start_id", "image_end_id",
+                  "newline_id")
+
+_Frame = tuple[int, int, int, list[tuple[int, int]]]
+
+
+def _visual_groups(ids: Sequence[int], is_image: Sequence[bool], markers: tuple[int, ...],
+                   slice_start: int) -> list[tuple[int, int, list[_Frame]]]:
+    """The model's `_group_visual_frames` for images: (group start, group end, frames);
+    a frame is (thumbnail start, thumbnail end, frame end, slices as (start, end))."""
+    groups: list[tuple[int, list[tuple[int, int, list[tuple[int, int]]]]]] = []
+    open_slices: list[tuple[int, int]] | None = None
+    previous_end = 0
+    for image, run in itertools.groupby(enumerate(is_image), lambda item: item[1]):
+        if not image:
+            continue
+        run_list = list(run)
+        crop = (run_list[0][0], run_list[-1][0] + 1)
+        if open_slices is not None and ids[crop[0] - 1] == slice_start:
+            open_slices.append(crop)
+        else:
+            open_slices = []
+            frame = (crop[0], crop[1], open_slices)
+            gap = ids[previous_end:crop[0] - 1]
+            if groups and all(t in markers for t in gap):
+                groups[-1][1].append(frame)
+            else:
+                groups.append((crop[0] - 1, [frame]))
+        previous_end = crop[1]
+
+    def frame_end(last: int) -> int:
+        end = last
+        while end < len(ids) and ids[end] in markers:
+            end += 1
+        return end
+
+    out = []
+    for start, frames in groups:
+        done = [(ts, te, frame_end(sl[-1][1] if sl else te), sl) for ts, te, sl in frames]
+        out.append((start, done[-1][2], done))
+    return out
+
+
+def _grid_positions(origin: int, grid: tuple[int, int], merge: int, canvas_h: int = 0,
+                    canvas_w: int = 0, h_offset: int = 0, w_offset: int = 0) -> np.ndarray:
+    """The model's `get_vision_position_ids`: [3, h*w] (T, H, W) of one crop's tokens in
+    raster order, its grid stretched over a canvas. The stretch is torch's float32
+    `linspace` rounded, as the model computes it: torch's CPU kernel computes some steps
+    vectorized, a last bit apart from any formula, and rounding sees that bit at a half.
+    torch is imported here (image prompts only: the image processor has loaded it)."""
+    import torch
+
+    h, w = int(grid[0]) // merge, int(grid[1]) // merge
+    canvas_h, canvas_w = canvas_h or h, canvas_w or w
+    rows = torch.linspace(0, canvas_h - 1, h).round().long().numpy() + h_offset
+    cols = torch.linspace(0, canvas_w - 1, w).round().long().numpy() + w_offset
+    hh, ww = np.meshgrid(rows, cols, indexing="ij")
+    return np.stack([np.zeros_like(hh), hh, ww]).reshape(3, -1) + origin
+
+
+def canvas_position_ids(ids: Sequence[int], is_image: Sequence[bool],
+                        markers: Mapping[str, int], grids: Sequence[tuple[int, int]],
+                        merge: int, start: int = 0) -> tuple[np.ndarray, int]:
+    """MiniCPM-V 4.7's canvas positions of `ids` (one sequence; `is_image` marks its image
+    tokens, as the processor's `mm_token_type_ids`: each run of them is one crop; `grids`
+    the patch grid (h, w) of every crop in order: each image's source then its slices, as
+    the processor's `target_sizes`), counted from `start`: positions i64 [3, n] (T, H, W)
+    and the position of the token after them (one past the largest, as the model's
+    `rope_deltas` continues). `merge` is the patches per token along a side (4 for the 16x
+    downsample, 2 for 4x). `markers` maps `CANVAS_MARKERS` to token ids. ContractError when
+    the crops and the grids do not pair."""
+    ids = [int(i) for i in ids]
+    n = len(ids)
+    if len(is_image) != n:
+        raise ContractError(f"{len(is_image)} image flags for {n} tokens")
+    pos = np.zeros((3, n), np.int64)
+    if not n:
+        return pos, start
+    marks = tuple(int(markers[k]) for k in CANVAS_MARKERS)
+    grid_iter = iter([(int(h), int(w)) for h, w in grids])
+
+    def next_grid() -> tuple[int, int]:
+        try:
+            return next(grid_iter)
+        except StopIteration:
+            raise ContractError("the prompt has more image crops than the images give patch "
+                                "grids") from None
+
+    current, idx = start, 0
+    for group_start, group_end, frames in _visual_groups(
+            ids, [bool(f) for f in is_image], marks, marks[0]):
+        if group_start > idx:  # text in front of the group: one position on every axis
+            pos[:, idx:group_start] = np.arange(group_start - idx) + current
+            current += group_start - idx
+        cursor = group_start
+        for thumb_start, thumb_end, frame_end, slices in frames:
+            thumb_grid = next_grid()
+            frame_start = thumb_start - 1
+            if frame_start > cursor:  # tokens between two frames of a group
+                pos[:, cursor:frame_start] = np.arange(frame_start - cursor) + current
+                current += frame_start - cursor + 1
+            frame_end = min(frame_end, group_end)
+            origin = current
+            halo = max(origin - 1, 0)
+            slice_h = slice_w = rows = cols = 0
+            canvas_h, canvas_w = thumb_grid[0] // merge, thumb_grid[1] // merge
+            first_grid = thumb_grid
+            if slices:
+                cols = len(slices)  # a gap wider than `</slice><slice>` ends a row
+                for k in range(len(slices) - 1):
+                    if slices[k + 1][0] - slices[k][1] > 2:
+                        cols = k + 1
+                        break
+                rows = len(slices) // cols if cols > 0 else 1
+                if rows * cols != len(slices):
+                    rows, cols = 1, len(slices)
+                first_grid = next_grid()
+                slice_h, slice_w = first_grid[0] // merge, first_grid[1] // merge
+                canvas_h, canvas_w = rows * slice_h, cols * slice_w
+            pos[:, frame_start:frame_end] = origin
+            pos[1:, frame_start] = halo
+            if thumb_end < frame_end:  # `</image>` on the canvas's far corner
+                pos[1, thumb_end] = origin + canvas_h
+                pos[2, thumb_end] = origin + canvas_w
+            pos[:, thumb_start:thumb_end] = _grid_positions(origin, thumb_grid, merge,
+                                                            canvas_h, canvas_w)
+            for k, (s0, s1) in enumerate(slices):
+                h_off, w_off = (k // cols) * slice_h, (k % cols) * slice_w
+                grid = first_grid if k == 0 else next_grid()
+                sh, sw = grid[0] // merge, grid[1] // merge
+                if s0 - 1 >= frame_start:  # `<slice>` on the slice's first corner
+                    pos[1, s0 - 1], pos[2, s0 - 1] = origin + h_off, origin + w_off
+                if s1 < frame_end:  # `</slice>` on its last
+                    pos[1, s1], pos[2, s1] = origin + h_off + sh - 1, origin + w_off + sw - 1
+                pos[:, s0:s1] = _grid_positions(origin, grid, merge, h_offset=h_off,
+                                                w_offset=w_off)
+            for k in range(len(slices) - 1):  # a newline just past its row's right edge
+                gap0, gap1 = slices[k][1], slices[k + 1][0]
+                if gap1 - gap0 <= 2:
+                    continue
+                for j in range(gap0 + 1, gap1 - 1):
+                    pos[1, j] = origin + (k // cols + 1) * slice_h - 1
+                    pos[2, j] = origin + cols * slice_w
+            current = origin + max(canvas_h, canvas_w) + 1
+            cursor = frame_end
+        if cursor < group_end:
+            pos[:, cursor:group_end] = np.arange(group_end - cursor) + current
+            current += group_end - cursor
+        idx = group_end
+    if idx < n:
+        pos[:, idx:] = np.arange(n - idx) + current
+    if next(grid_iter, None) is not None:
+        raise ContractError("the images give more patch grids than the prompt has image crops")
+    return pos, int(pos.max()) + 1
 
 
 # ====================================================================== strict JSON

@@ -22,6 +22,7 @@ point operand z = 0 (8-bit signed) or z = 8 (4-bit symmetric).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
@@ -505,6 +506,14 @@ class GroupOp(IRDLOperation):
     row blocks', 1 the output channels'; a load sliced by the outer loop only stays in
     local memory for the inner loop's tiles); its loads and stores name the axes they
     slice per tile loop (`tile_axes`).
+
+    A third count, `tiles = array<i64: R, C, P>`, splits the reduction of the group's one
+    op into P parts, a loop inside the other two (`slices` = R * C * P): a matmul's K (a
+    quantization group of K stays whole), an attention's keys (KV heads are its second
+    loop). Each slice folds its part into an f32 accumulator in local memory, at per-lane
+    address `acc` (`accumulator_type`: the matmul's f32 product, the attention's running
+    max, sum and weighted values: online softmax), and the tile's result exists after its
+    last part, when it is stored. The loads and stores then name three axes per tile loop.
     """
 
     name = "tpu.group"
@@ -516,6 +525,7 @@ class GroupOp(IRDLOperation):
     gaddrs = opt_attr_def(DenseArrayBase)
     tiles = opt_attr_def(DenseArrayBase)
     tile_outer = opt_attr_def(IntegerAttr)
+    acc = opt_attr_def(IntegerAttr)
     traits = traits_def(IsolatedFromAbove())
 
     def verify_(self) -> None:
@@ -534,28 +544,47 @@ class GroupOp(IRDLOperation):
             raise VerifyException("tpu.group needs at least one slice")
         if self.tiles is not None:
             rc = read_ints(self.tiles)
-            if len(rc) != 2 or min(rc) < 1 or rc[0] * rc[1] != read_int(self.slices):
+            if (len(rc) not in (2, 3) or min(rc) < 1 or math.prod(rc) != read_int(self.slices)
+                    or (len(rc) == 3 and rc[2] < 2)):
                 raise VerifyException(
-                    f"tpu.group tiles {list(rc)} must be two counts whose product is its "
-                    f"{read_int(self.slices)} slices")
+                    f"tpu.group tiles {list(rc)} must be two counts (and reduction parts, "
+                    f"more than one) whose product is its {read_int(self.slices)} slices")
             if self.tile_outer is None or read_int(self.tile_outer) not in (0, 1):
                 raise VerifyException("tpu.group with tiles needs tile_outer, 0 (the row "
                                       "blocks' loop is outer) or 1 (the output channels')")
+            if len(rc) == 3:
+                _, computes, _ = self.template()
+                if len(computes) != 1 or not isinstance(computes[0], REDUCTION_OPS):
+                    raise VerifyException(
+                        "tpu.group with reduction parts computes one matmul, a16_matmul or "
+                        "attention (without history), not "
+                        f"{', '.join(op.name for op in computes) or 'nothing'}")
 
     def tile_grid(self) -> tuple[int, int, str] | None:
         """(row blocks, output-channel blocks, the outer loop) of a 2-D tiled group, None
         for a group sliced along one axis (or not at all)."""
         if self.tiles is None:
             return None
-        r, c = read_ints(self.tiles)
+        r, c = read_ints(self.tiles)[:2]
         return r, c, TILE_LOOPS[read_int(self.tile_outer)]
 
+    def reduction_parts(self) -> int:
+        """P of a group whose reduction is split in parts (`tiles` R, C, P), else 1."""
+        rc = read_ints(self.tiles) if self.tiles is not None else []
+        return rc[2] if len(rc) == 3 else 1
+
+    def reduction_part(self, t: int) -> int:
+        """The reduction part slice `t` computes (0 without reduction parts)."""
+        return t % self.reduction_parts()
+
     def tile_blocks(self, t: int) -> tuple[int, int]:
-        """(row block, output-channel block) of tile `t` (slice `t` in loop order)."""
+        """(row block, output-channel block) of slice `t`'s tile (the tiles in loop order,
+        each its reduction parts in a row)."""
         grid = self.tile_grid()
         if grid is None:
             return t, t
         r, c, outer = grid
+        t //= self.reduction_parts()
         if outer == "rows":
             return divmod(t, c)
         j, i = divmod(t, r)
@@ -575,17 +604,20 @@ class GroupOp(IRDLOperation):
             n = shape[ax] // read_int(self.slices)
             index[ax] = slice(t * n, (t + 1) * n)
             return tuple(index)
-        blocks = self.tile_blocks(t)
-        for a, count, b in zip(axes, grid[:2], blocks, strict=True):
+        counts = (*grid[:2], self.reduction_parts())
+        blocks = (*self.tile_blocks(t), self.reduction_part(t))
+        for a, count, b in zip(axes, counts, blocks, strict=False):
             if a != -1:
                 n = shape[a] // count
                 index[a] = slice(b * n, (b + 1) * n)
         return tuple(index)
 
     def tiles_per_buffer(self, op: Operation) -> int:
-        """How many consecutive slices one buffer of `op`'s result serves: the inner loop's
-        tile count for a load of a tiled group sliced by the outer loop only (it stays in
-        local memory while the inner loop runs), else 1."""
+        """How many consecutive slices one buffer of `op`'s value serves: in a tiled group,
+        the slices of the loops inside the innermost loop that slices it (loops, outside
+        in: the outer tile loop, the inner one, the reduction parts). A load sliced by the
+        outer loop only stays in local memory while the inner loop runs; a tile's result
+        is stored once, after its last reduction part. Else 1."""
         grid = self.tile_grid()
         if grid is None or not isinstance(op, LoadOp | StoreOp):
             return 1
@@ -593,11 +625,17 @@ class GroupOp(IRDLOperation):
         if axes is None:
             return 1
         r, c, outer = grid
-        if outer == "rows" and axes[1] == -1:
-            return c
-        if outer == "cols" and axes[0] == -1:
-            return r
-        return 1
+        parts = self.reduction_parts()
+        sliced = (axes[0] != -1, axes[1] != -1, len(axes) > 2 and axes[2] != -1)
+        # the loops outside in: (sliced?, count)
+        loops = ([(sliced[0], r), (sliced[1], c)] if outer == "rows"
+                 else [(sliced[1], c), (sliced[0], r)]) + [(sliced[2], parts)]
+        n = 1
+        for is_sliced, count in reversed(loops):
+            if is_sliced:
+                return n
+            n *= count
+        return n
 
     def template(self) -> tuple[list[LoadOp], list[Operation], list[StoreOp]]:
         """The body's loads, compute ops and stores, each in program order (the yield left
@@ -617,6 +655,21 @@ class GroupOp(IRDLOperation):
 
 #: the loops of a 2-D tiled group: over row blocks and over output-channel blocks
 TILE_LOOPS = ("rows", "cols")
+
+#: the ops a tiled group may split the reduction of in parts (see `GroupOp`)
+REDUCTION_OPS = (MatMulOp, A16MatMulOp, AttentionOp, AttentionPartOp)
+
+
+def accumulator_type(op: Operation) -> TensorType:
+    """The f32 accumulator of a reduction split in parts (`GroupOp` with three `tiles`): a
+    matmul's product [.., M, N]; an attention's running state per KV head, query head of
+    it and query row: max, sum and weighted values, [B, Hkv, Hq / Hkv, Sq, 2 + Dv]
+    (`kernels.OnlineSoftmax`)."""
+    if isinstance(op, top.AttentionBase):
+        b, sq, hq, _ = shape_of(op.q)
+        hkv = shape_of(op.k)[2]
+        return tensor((b, hkv, hq // hkv, sq, 2 + shape_of(op.v)[3]), f32)
+    return tensor(shape_of(op.results[0]), f32)
 
 
 @irdl_op_definition
@@ -658,13 +711,13 @@ class StoreOp(TpuOp):
         verify_slice(self.output, self.input, read_int(self.slice_axis), self, self.tile_axes)
 
 
-def tile_axes_of(op: LoadOp | StoreOp) -> tuple[int, int] | None:
-    """The axes a load or store of a 2-D tiled group slices per tile loop (rows, cols;
-    -1: not sliced by that loop), None outside such a group."""
+def tile_axes_of(op: LoadOp | StoreOp) -> tuple[int, ...] | None:
+    """The axes a load or store of a 2-D tiled group slices per tile loop (rows, cols and,
+    with reduction parts, the reduction; -1: not sliced by that loop), None outside such a
+    group."""
     if op.tile_axes is None:
         return None
-    r, c = read_ints(op.tile_axes)
-    return r, c
+    return tuple(read_ints(op.tile_axes))
 
 
 def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation,
@@ -674,10 +727,11 @@ def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation,
         raise VerifyException(f"{op.name} cannot change the element type")
     if tile_axes is not None:
         axes = [a for a in read_ints(tile_axes) if a != -1]
-        if len(read_ints(tile_axes)) != 2 or not axes or len(set(axes)) != len(axes) \
+        if len(read_ints(tile_axes)) not in (2, 3) or not axes or len(set(axes)) != len(axes) \
                 or axis not in axes:
             raise VerifyException(f"{op.name} tile_axes {list(read_ints(tile_axes))} must be "
-                                  f"two axes (-1: none), one of them slice_axis {axis}")
+                                  f"two or three axes (-1: none), one of them slice_axis "
+                                  f"{axis}")
         if len(fs) != len(ps) or any(not 0 <= a < len(fs) for a in axes):
             raise VerifyException(f"{op.name} tile_axes {axes} are out of range")
         for i, (a, b) in enumerate(zip(fs, ps, strict=True)):

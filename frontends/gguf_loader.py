@@ -93,7 +93,13 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class GGUFError(ModelLoadError):
-    """A GGUF file that cannot be read as given (the message names the file and field)."""
+    """A GGUF file that cannot be read as given (the message names the file and field).
+    The message is one line: names read from the file (keys, tensor names) may hold any
+    character, so what is not printable is shown escaped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("".join(ch if ch.isprintable() else repr(ch)[1:-1]
+                                 for ch in message))
 
 
 @dataclass(frozen=True)

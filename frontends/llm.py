@@ -9,8 +9,10 @@ tensors out. Each is exported with `torch.export` at static shapes:
 
 - `embedding`: `input_ids` i32 [1, L] -> `hidden` [1, L, H]
 - `embedding_cache`: `input_ids` i32 [1, 1] -> `hidden` [1, 1, H]
-- `block` (prefill): `hidden` [1, L, H], `position_ids` i32 [1, L], `attention_mask`
-  [1, 1, L, L] -> `hidden_out` [1, L, H], `present_k`/`present_v` [1, L, kvH, D]
+- `block` (prefill): `hidden` [1, L, H], `position_ids` i32 [1, L] (or [3, L]: a position
+  per rotary axis, T/H/W, for a VLM that lays them out per axis: MiniCPM-V 4.7),
+  `attention_mask` [1, 1, L, L] -> `hidden_out` [1, L, H], `present_k`/`present_v`
+  [1, L, kvH, D]
 - `block_kv` (prefill_kv): as `block` plus `history_k`/`history_v` [1, Hh, kvH, D], with
   mask [1, 1, L, Hh + L] -> the same outputs
 - `block_cache` (decode): `hidden` [1, 1, H], `position_ids` [1, 1], mask
@@ -170,9 +172,44 @@ class TextPositionRotary(torch.nn.Module):
         return ((emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype))
 
 
-def text_rotary(rotary: torch.nn.Module) -> torch.nn.Module:
-    """The model's rotary embedding, or its text-position form for a multi-axis one."""
-    return TextPositionRotary(rotary) if hasattr(rotary, "mrope_section") else rotary
+class MultiAxisRotary(torch.nn.Module):
+    """A multi-axis (mrope) rotary embedding at positions [3, S] (T, H, W), as Qwen3.5's
+    rotary computes it (`recomposition_frequencies`, interleaved): frequency pair j takes
+    its position from axis H when j % 3 == 1 and j < 3 * section[1], from W when
+    j % 3 == 2 and j < 3 * section[2], from T otherwise. Each axis's angles are the model's
+    `position * inv_freq` in float32; the interleave picks one per pair by 0/1 weights
+    (`x * 1 + y * 0` is x exactly), so cos/sin are the model's bit for bit."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.inv_freq = rotary.inv_freq
+        self.scaling = float(rotary.attention_scaling)
+        half = int(rotary.inv_freq.shape[0])
+        section = [int(s) for s in rotary.mrope_section]
+        axis = torch.zeros(half, dtype=torch.long)
+        for dim, offset in ((1, 1), (2, 2)):  # the model's loop: H, then W
+            axis[offset:min(3 * section[dim], half):3] = dim
+        # [3, 1, half]; a constant like inv_freq (not a buffer: the export lifts both alike,
+        # whether the rotary is the model's or a streaming skeleton's)
+        self.pick = torch.nn.functional.one_hot(axis, 3).T.float()[:, None]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [3, S, half]
+        freqs = (freqs * self.pick).sum(dim=0, keepdim=True)  # [1, S, half]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype))
+
+
+def text_rotary(rotary: torch.nn.Module, position_axes: int = 1) -> torch.nn.Module:
+    """The model's rotary embedding; for a multi-axis one, its form at text positions
+    (`position_axes` 1) or at a position per axis (3)."""
+    if not hasattr(rotary, "mrope_section"):
+        if position_axes != 1:
+            raise SplitError(f"{type(rotary).__name__} has one position axis; a model whose "
+                             "positions have 3 needs a multi-axis (mrope) rotary")
+        return rotary
+    return MultiAxisRotary(rotary) if position_axes == 3 else TextPositionRotary(rotary)
 
 
 class Embedding(torch.nn.Module):
@@ -429,13 +466,15 @@ def layer_key(source: str) -> str | None:
 TORCH_ACTIVATIONS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f32"
-                ) -> list[NetSpec]:
+def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f32",
+                position_axes: int = 1) -> list[NetSpec]:
     """The nets of `model` (a transformers causal LM, float32, eval) at `shapes`.
 
     Per-layer nets wrap layer `layer` (0 by default); every layer binds its own weights to
     the same nets. `act` is the activation type the model compiles in (the heads take
-    their logits in it).
+    their logits in it). `position_axes` 3: the full-attention nets take a position per
+    rotary axis (T, H, W; `MultiAxisRotary`), as a VLM that lays out its image tokens on
+    the axes needs (MiniCPM-V 4.7).
     """
     if act not in TORCH_ACTIVATIONS:
         raise SplitError(f"unknown activation type '{act}' ({', '.join(TORCH_ACTIVATIONS)})")
@@ -450,7 +489,12 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f3
         return torch.randn(*shape, generator=g)
 
     def pos(n: int, start: int = 0) -> torch.Tensor:
-        return torch.arange(start, start + n, dtype=torch.int32)[None]
+        text = torch.arange(start, start + n, dtype=torch.int32)[None]
+        if position_axes == 1:
+            return text
+        # axes apart, as an image's tokens are: rows and columns of a grid from the start
+        grid = torch.arange(n, dtype=torch.int32)
+        return torch.cat([text, (start + grid // 3)[None], (start + grid % 3 + 5)[None]])
 
     def ids(n: int) -> torch.Tensor:
         return torch.randint(0, arch.vocab_size, (1, n), generator=g, dtype=torch.int32)
@@ -463,7 +507,7 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f3
         linear_block = LinearAttentionBlock(lay, arch.linear).eval()
         linear_history = LinearAttentionBlock(lay, arch.linear, history=True).eval()
     else:
-        rotary = text_rotary(inner.rotary_emb)
+        rotary = text_rotary(inner.rotary_emb, position_axes)
         block = Block(inner.layers[layer], rotary, apply_rotary, arch).eval()
         block_h = BlockWithHistory(inner.layers[layer], rotary, apply_rotary, arch).eval()
     embedding = Embedding(inner.embed_tokens)
@@ -567,14 +611,18 @@ def check_block_matches_model(model: Any, spec: NetSpec, atol: float = 1e-4,
         position_ids = torch.arange(hidden.shape[1], dtype=torch.int32)[None]
     else:
         hidden, position_ids, mask = spec.args
+    text_positions = position_ids[:1].long()
+    # a position per axis: the model's rotary takes them as [axes, batch, S]
+    rotary_positions = position_ids.long() if position_ids.shape[0] == 1 else \
+        position_ids.long()[:, None, :]
     prev = model.config._attn_implementation
     model.config._attn_implementation = "sdpa"
     try:
         with torch.no_grad():
-            pe = model.model.rotary_emb(hidden, position_ids.long())
+            pe = model.model.rotary_emb(hidden, rotary_positions)
             linear = isinstance(spec.module, LinearAttentionBlock)  # all its tokens real
             ref = layer(hidden, attention_mask=None if linear else mask,
-                        position_ids=position_ids.long(),
+                        position_ids=text_positions,
                         position_embeddings=pe)
             ref = ref[0] if isinstance(ref, tuple) else ref
             ours = spec.module(*spec.args)[0]

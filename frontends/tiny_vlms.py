@@ -1,8 +1,9 @@
-"""Tiny vision-language models with seeded random weights (InternVL, MiniCPM-V 4.6).
+"""Tiny vision-language models with seeded random weights (InternVL, MiniCPM-V 4.6 and 4.7).
 
 Like `tiny_models`, nothing is downloaded: the configs are the real `transformers` config
-classes (`InternVLConfig`, `MiniCPMV4_6Config`) at tiny sizes (vision towers of 56 or 112
-pixel tiles with 14-pixel patches), the weights come from a seeded generator, and the
+classes (`InternVLConfig`, `MiniCPMV4_6Config`, `MiniCPMV4_7Config`) at tiny sizes (vision
+towers of 56 or 112 pixel tiles with 14-pixel patches), the weights come from a seeded
+generator, and the
 tokenizer is the tiny byte-level BPE of `tiny_models` plus the model's image special tokens,
 saved as the real checkpoints save them (`tokenizer_config.json` names them:
 `context_image_token`, `image_start_token`, ...). `save_tiny_vlm` writes a Hugging Face
@@ -31,8 +32,12 @@ MINICPMV_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>
                    "slice_start_token": "<slice>", "slice_end_token": "</slice>",
                    "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>"}
 
-#: the tiny families: internvl (Qwen2 text), minicpmv (Qwen3 text)
-TINY_VLM_FAMILIES = ("internvl", "minicpmv")
+#: the tiny families: internvl (Qwen2 text), minicpmv (MiniCPM-V 4.6 with a Qwen3 text
+#: model), and MiniCPM-V 4.6 and 4.7 as released: a Qwen3.5 hybrid text model
+#: (minicpmv4_6, minicpmv4_7)
+TINY_VLM_FAMILIES = ("internvl", "minicpmv", "minicpmv4_6", "minicpmv4_7")
+#: the MiniCPM-V families (one vision tower, one image processor, one set of image tokens)
+MINICPMV_FAMILIES = ("minicpmv", "minicpmv4_6", "minicpmv4_7")
 
 _BPE_VOCAB = 384
 _TEXT_VOCAB = 400  # the BPE vocab plus the image tokens, rounded up
@@ -57,7 +62,7 @@ def vlm_tokenizer(family: str) -> Any:
 def _tokens(family: str) -> dict[str, str]:
     if family == "internvl":
         return INTERNVL_TOKENS
-    if family == "minicpmv":
+    if family in MINICPMV_FAMILIES:
         return MINICPMV_TOKENS
     raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
 
@@ -71,7 +76,24 @@ def _text_config(model_type: str, **overrides: Any) -> dict[str, Any]:
         tie_word_embeddings=False)
     if model_type == "qwen3":
         cfg["head_dim"] = 16
+    if model_type == "qwen3_5_text":
+        # Qwen3.5-0.8B's shapes (MiniCPM-V 4.6/4.7's text model) at four layers, three
+        # Gated DeltaNet layers to one gated full-attention layer; its multi-axis rotary
+        # (interleaved sections 11/11/10 of the 32 rotated frequency pairs)
+        cfg.update(hidden_size=1024, intermediate_size=512, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=256, num_hidden_layers=4,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"],
+                   linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                   linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                    "partial_rotary_factor": 0.25,
+                                    "mrope_section": [11, 11, 10], "mrope_interleaved": True})
     cfg.update(overrides)
+    if model_type == "qwen3_5_text" and "num_hidden_layers" in overrides and \
+            "layer_types" not in overrides:  # every fourth layer full attention
+        n = int(overrides["num_hidden_layers"])
+        cfg["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention"
+                              for i in range(n)]
     return cfg
 
 
@@ -79,10 +101,14 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
                     **vision_overrides: Any) -> Any:
     """A tiny config of `family`: internvl (InternViT 56 px tiles, pixel shuffle 0.5, MLP
     projector, Qwen2 text) or minicpmv (SigLIP-style tower with the window-attention merger
-    after layer 1, 112 px slices, the downsample MLP merger, Qwen3 text). `text` overrides
-    the text config (e.g. more and wider layers); a text config that ties its embeddings
-    makes a VLM that ties them (the VLM's own tie_word_embeddings decides)."""
-    from transformers import InternVLConfig, MiniCPMV4_6Config
+    after layer 1, 112 px slices, the downsample MLP merger, Qwen3 text); minicpmv4_6 and
+    minicpmv4_7 are that vision side with MiniCPM-V's released text model, Qwen3.5 at its
+    0.8B shapes cut to four layers (`_text_config`), and 4.7's config names the tokens its
+    canvas positions are pinned to (`<image>`, `</image>`, `<slice>`, `</slice>`, the
+    newline). `text` overrides the text config (e.g. more and wider layers); a text config
+    that ties its embeddings makes a VLM that ties them (the VLM's own tie_word_embeddings
+    decides; its `model_type` picks another text model for a MiniCPM-V)."""
+    from transformers import InternVLConfig, MiniCPMV4_6Config, MiniCPMV4_7Config
 
     tok = vlm_tokenizer(family)
     tied = bool((text or {}).get("tie_word_embeddings", False))
@@ -96,16 +122,27 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
             image_token_id=tok.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
             image_seq_length=(vision["image_size"] // vision["patch_size"]) ** 2 // 4,
             downsample_ratio=0.5, tie_word_embeddings=tied)
-    if family == "minicpmv":
+    if family in MINICPMV_FAMILIES:
         vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, image_size=112, patch_size=14, insert_layer_id=1)
         vision.update(vision_overrides)
-        return MiniCPMV4_6Config(
-            vision_config=vision, text_config=_text_config("qwen3", **(text or {})),
+        text = dict(text or {})
+        text_type = text.pop("model_type", "qwen3" if family == "minicpmv" else "qwen3_5_text")
+        common = dict(
+            vision_config=vision, text_config=_text_config(text_type, **text),
             insert_layer_id=vision["insert_layer_id"], image_size=vision["image_size"],
             image_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["image_token"]),
             video_token_id=tok.convert_tokens_to_ids(MINICPMV_TOKENS["video_token"]),
             tie_word_embeddings=tied)
+        if family != "minicpmv4_7":
+            return MiniCPMV4_6Config(**common)
+        ids = tok.convert_tokens_to_ids
+        return MiniCPMV4_7Config(
+            **common, image_start_id=ids(MINICPMV_TOKENS["image_start_token"]),
+            image_end_id=ids(MINICPMV_TOKENS["image_end_token"]),
+            slice_start_id=ids(MINICPMV_TOKENS["slice_start_token"]),
+            slice_end_id=ids(MINICPMV_TOKENS["slice_end_token"]),
+            newline_id=tok("\n", add_special_tokens=False)["input_ids"][0])
     raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
 
 
@@ -118,7 +155,7 @@ def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
         return GotOcr2ImageProcessorPil(size={"height": size, "width": size},
                                         crop_to_patches=True, min_patches=1,
                                         max_patches=max_tiles)
-    from transformers import MiniCPMV4_6ImageProcessorPil
+    from transformers import MiniCPMV4_6ImageProcessorPil  # MiniCPM-V 4.7's as well
 
     return MiniCPMV4_6ImageProcessorPil(scale_resolution=int(config.vision_config.image_size),
                                         patch_size=int(config.vision_config.patch_size),
@@ -126,11 +163,16 @@ def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights with a scale that keeps activations in a healthy range."""
+    """Weights with a scale that keeps activations in a healthy range (Qwen3.5's text norms
+    scale by 1 + weight: theirs are drawn around 0, but for the gated norm's)."""
     g = torch.Generator().manual_seed(seed)
+    centered = getattr(model.config.text_config, "model_type", "") == "qwen3_5_text"
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or \
+            if centered and "language_model" in name and "linear_attn.norm" not in name and (
+                    name.endswith("norm.weight") or "layernorm" in name):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or \
                     "layernorm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif ".lambda_" in name:  # InternViT layer scale
@@ -145,12 +187,14 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | None = None,
              **vision_overrides: Any) -> Any:
     """A transformers VLM of `family` with seeded random weights (float32, eval mode)."""
-    from transformers import InternVLForConditionalGeneration, MiniCPMV4_6ForConditionalGeneration
+    import transformers
 
     cfg = tiny_vlm_config(family, text, **vision_overrides)
     torch.manual_seed(seed)
-    cls = InternVLForConditionalGeneration if family == "internvl" else \
-        MiniCPMV4_6ForConditionalGeneration
+    cls = getattr(transformers, {"internvl": "InternVLForConditionalGeneration",
+                                 "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
+                                 "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration"}[
+        cfg.model_type])
     model = cls(cfg).to(torch.float32)
     _randomize(model, seed)
     return model.eval()

@@ -1,4 +1,4 @@
-"""Vision-language models: InternVL (HF-format InternVL2.5/3) and MiniCPM-V 4.6.
+"""Vision-language models: InternVL (HF-format InternVL2.5/3) and MiniCPM-V 4.6 / 4.7.
 
 A VLM is compiled as its text model — the existing LLM nets, through a causal-LM view
 that shares the VLM's own language model and lm_head (`text_causal_lm`) — plus one static
@@ -15,7 +15,8 @@ output rows over the embeddings of the image placeholder tokens, in order.
   at compile time, when S differs from the checkpoint's size, with the model's own
   `interpolate_pos_encoding`), every `InternVLVisionLayer` (layer or RMS norm, q/k norm,
   layer scale), the final norm, the model's `pixel_shuffle` and the MLP projector.
-- MiniCPM-V 4.6: `pixel_values` f32 [1, 3, P, N*P] (a NaViT-packed slice in merge order,
+- MiniCPM-V 4.6 and 4.7 (one vision tower: transformers' 4.7 classes are 4.6's):
+  `pixel_values` f32 [1, 3, P, N*P] (a NaViT-packed slice in merge order,
   see `toptpu.backend.contract.pack_slice`), `position_ids_vit` i32 [1, N], `attention_mask`
   [1, 1, 1, N] -> `image_embeds` [1, N/16, H]. N is a static patch budget (default
   the largest slice the processor makes from any image of aspect ratio up to 10, found
@@ -38,9 +39,16 @@ shapes, dtypes) from the shard headers, the text model becomes a streaming skele
 the vision tower and projector — the one `vit` net — are read whole from the shards in
 float32. Both give the same model file, byte for byte.
 
-What is not supported, and why: a MiniCPM-V whose text model is not Qwen2/Qwen3/Llama
-(MiniCPM-V 4.6 ships Qwen3.5, whose Gated DeltaNet linear-attention layers have no net
-here; the loader says so), InternVL `vision_feature_layer` other than -1, video inputs.
+The text model is any the LLM splitter takes: MiniCPM-V 4.6 and 4.7 ship Qwen3.5
+(`qwen3_5_text`: Gated DeltaNet and gated full-attention layers, each kind with nets of its
+own). MiniCPM-V 4.6 gives every token one text position. MiniCPM-V 4.7 lays out its image
+tokens on a canvas of its text model's multi-axis rotary (canvas M-RoPE: a position per
+axis T, H, W; `toptpu.backend.contract.canvas_position_ids`): its full-attention nets take
+position_ids [3, n] (`split_model(position_axes=3)`, `VisionModel.position_axes`) and the
+header's vision section names the tokens the canvas is pinned to (`canvas_markers`).
+
+What is not supported, and why: a MiniCPM-V whose text model is a mixture of experts or
+Qwen3-Next (refused by name), InternVL `vision_feature_layer` other than -1, video inputs.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +67,7 @@ import torch.nn.functional as F
 
 from toptpu.backend.contract import (
     ATTENTION_MASK,
+    CANVAS_MARKERS,
     IMAGE_EMBEDS,
     PIXEL_VALUES,
     POSITION_IDS_VIT,
@@ -89,7 +98,17 @@ from toptpu.frontends.llm import LAYER_PREFIX, NetSpec, SplitError
 from toptpu.frontends.streaming import StreamedWeights, skeleton, to_f32
 
 #: model_type -> the vision family name used in model files
-VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv"}
+VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv",
+                                   "minicpmv4_7": "minicpmv"}
+#: model_type -> the transformers class of the whole VLM
+VLM_CLASSES = {"internvl": "InternVLForConditionalGeneration",
+               "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
+               "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration"}
+#: VLM model types whose text positions are a canvas of several axes (canvas M-RoPE)
+CANVAS_MODEL_TYPES = ("minicpmv4_7",)
+#: the tokenizer attribute (or text) of the token each canvas marker names
+_CANVAS_TOKENS = {"image_start_id": "image_start_token", "image_end_id": "image_end_token",
+                  "slice_start_id": "slice_start_token", "slice_end_id": "slice_end_token"}
 
 #: the tokenizer attributes naming each family's image tokens (what its processor reads)
 REQUIRED_TOKENS = {kind: tokens for kind, (_, tokens, _) in VISION_KINDS.items()}
@@ -282,6 +301,8 @@ class VisionModel:
     image_size: int
     max_tiles: int
     max_patches: int = 0  # MiniCPM-V: the static patch budget N
+    #: MiniCPM-V 4.7: `CANVAS_MARKERS` -> token id (its canvas positions); empty otherwise
+    canvas_markers: dict[str, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape facts
     @property
@@ -302,6 +323,12 @@ class VisionModel:
     @property
     def token_divisor(self) -> int:
         return int(np.prod([kh * kw for kh, kw in self.levels]))
+
+    @property
+    def position_axes(self) -> int:
+        """The text nets' position axes: 3 for a canvas of T, H, W (MiniCPM-V 4.7), else 1
+        (`toptpu.backend.contract.POSITION_AXES`)."""
+        return 3 if self.canvas_markers else 1
 
     @property
     def tokens_per_tile(self) -> int:
@@ -398,6 +425,8 @@ class VisionModel:
                                                                    self.levels],
                        token_divisor=self.token_divisor,
                        position_side=int(cfg.vision_config.image_size) // self.patch_size)
+        if self.canvas_markers:
+            out["canvas_markers"] = dict(self.canvas_markers)
         return out
 
 
@@ -411,6 +440,15 @@ class LoadedVlm(LoadedModel):
 # =========================================================================== loading
 
 
+#: text models of a VLM that toptpu knows of and does not compile (yet)
+_REFUSED_TEXT_MODELS = {
+    "qwen3_5_moe_text": "Qwen3.5-MoE (mixture of experts), which toptpu does not compile yet; "
+                        "MiniCPM-V's dense Qwen3.5 text model (qwen3_5_text) compiles",
+    "qwen3_next": "Qwen3-Next (a mixture of experts with linear attention), which toptpu does "
+                  "not compile yet; a dense Qwen3.5 text model (qwen3_5_text) compiles",
+}
+
+
 def _check_text_config(config: Any, where: str) -> str:
     if getattr(config, "quantization_config", None) or getattr(
             config.text_config, "quantization_config", None):
@@ -420,14 +458,8 @@ def _check_text_config(config: Any, where: str) -> str:
             "text model)")
     tc = config.text_config
     mt = getattr(tc, "model_type", None)
-    if mt in ("qwen3_5_text", "qwen3_5", "qwen3_next"):
-        raise ModelLoadError(
-            f"{where}: the text model is {mt} (Qwen3.5/Qwen3-Next), whose Gated DeltaNet "
-            "linear-attention layers keep a recurrent state instead of a KV cache; toptpu's "
-            "block/block_kv/block_cache nets are full attention over a KV cache, so this text "
-            "model cannot be compiled. The vision tower could be, but the model cannot run "
-            "without its text model: use a checkpoint whose text_config is qwen2, qwen3 or "
-            "llama")
+    if mt in _REFUSED_TEXT_MODELS:
+        raise ModelLoadError(f"{where}: the text model is {mt}, {_REFUSED_TEXT_MODELS[mt]}")
     try:
         return check_config(tc, f"{where} (text_config)")
     except ModelLoadError as e:
@@ -529,7 +561,46 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
         raise ModelLoadError(f"--max-patches {budget} must be a multiple of {div} (the patches "
                              "merged into one token)")
     return VisionModel(kind, vlm, tokens, ids, json.loads(proc.to_json_string()), s, tiles,
-                       budget)
+                       budget, _canvas_markers(vlm, tok, tokens, where))
+
+
+def _canvas_markers(vlm: Any, tok: Any, tokens: dict[str, str], where: str) -> dict[str, int]:
+    """MiniCPM-V 4.7's canvas markers (`CANVAS_MARKERS` -> token id, from its config), each
+    checked against the tokenizer (the canvas is laid out by these ids: one that is not the
+    token it names would misplace every image); {} for a model without a canvas. The text
+    model must have a multi-axis rotary for the positions to mean anything."""
+    cfg = vlm.config
+    if cfg.model_type not in CANVAS_MODEL_TYPES:
+        return {}
+    rotary = getattr(vlm.model.language_model, "rotary_emb", None)
+    if not hasattr(rotary, "mrope_section"):
+        raise ModelLoadError(
+            f"{where}: a {cfg.model_type} lays out its image tokens on the axes of a "
+            f"multi-axis (mrope) rotary, which its {cfg.text_config.model_type} text model "
+            "does not have")
+    want = {key: tok.convert_tokens_to_ids(tokens[attr]) for key, attr in
+            _CANVAS_TOKENS.items()}
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    vocab = int(cfg.text_config.vocab_size)
+    out: dict[str, int] = {}
+    for key in CANVAS_MARKERS:
+        value = getattr(cfg, key, None)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+            raise ModelLoadError(
+                f"{where}: {key} is {value!r}; a {cfg.model_type} config names the token ids "
+                "its canvas positions are pinned to (image_start_id, image_end_id, "
+                "slice_start_id, slice_end_id, newline_id): use the checkpoint's config.json")
+        if key == "newline_id" and newline != [value]:
+            raise ModelLoadError(f"{where}: newline_id is {value} but the tokenizer makes "
+                                 f"'\\n' {newline}; the config and the tokenizer do not "
+                                 "belong together")
+        if key in want and want[key] != value:
+            raise ModelLoadError(
+                f"{where}: {key} is {value} but the tokenizer's "
+                f"{_CANVAS_TOKENS[key]} {tokens[_CANVAS_TOKENS[key]]!r} is id {want[key]}; the "
+                "config and the tokenizer do not belong together")
+        out[key] = value
+    return out
 
 
 #: the default MiniCPM-V patch budget takes every image up to this aspect ratio
@@ -563,7 +634,7 @@ def patch_budget(proc: Any, size: int, patch: int, max_slices: int, downsample_m
 def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
              image_size: int | None = None, max_tiles: int | None = None,
              max_patches: int | None = None, stream: bool = False) -> LoadedVlm:
-    """Load an InternVL or MiniCPM-V 4.6 model (a Hugging Face directory, or an in-memory
+    """Load an InternVL or MiniCPM-V 4.6/4.7 model (a Hugging Face directory, or an in-memory
     model with its `tokenizer` and optionally its `image_processor`) for compilation. A
     directory with `stream` is not loaded whole (`_stream_dir`): its text model is a
     streaming skeleton, its vision tower read from the shards."""
@@ -573,7 +644,7 @@ def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
     vlm = source
     mt = getattr(vlm.config, "model_type", None)
     if mt not in VLM_MODEL_TYPES:
-        raise ModelLoadError(f"expected an InternVL or MiniCPM-V 4.6 model, got "
+        raise ModelLoadError(f"expected an InternVL or MiniCPM-V 4.6/4.7 model, got "
                              f"{type(vlm).__name__} ({mt})")
     where = f"the {type(vlm).__name__}"
     family = _check_text_config(vlm.config, where)
@@ -636,9 +707,7 @@ def _read_vlm_dir(path: str) -> VlmDir:
             gen = GenerationConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot read {path}/generation_config.json: {e}") from e
-    cls = getattr(transformers, {"internvl": "InternVLForConditionalGeneration",
-                                 "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration"}[
-        config.model_type])
+    cls = getattr(transformers, VLM_CLASSES[config.model_type])
     return VlmDir(path, config, family, files, tok, pc, gen, cls)
 
 

@@ -17,10 +17,12 @@ the benchmark compares DDR traffic against).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Self
 
+import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
@@ -32,9 +34,11 @@ from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, get_chip
 from toptpu.backend.target.cost import compute_cycles, cost_dtype, dma_cycles, nbytes, op_flops
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
+    dtype_bytes,
     elem_of,
     i64_array,
     i64_attr,
+    numel,
     read_bool,
     read_float,
     read_int,
@@ -54,6 +58,9 @@ from toptpu.passes.slicing import (
     heads_count,
     heads_operand_axes,
     heads_sliceable,
+    reduction_count,
+    reduction_sliceable,
+    reduction_tile_axes,
     row_rule,
     tile_count,
     tile_operand_axes,
@@ -67,8 +74,10 @@ class LayerGroupError(ToptpuError):
     pass
 
 
+@functools.cache
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass
@@ -83,25 +92,48 @@ class Plan:
     result_axes: dict[SSAValue, int | None] = field(default_factory=dict)
     outputs: list[SSAValue] = field(default_factory=list)
     #: a tiles plan: (row blocks, output-channel blocks), the outer loop, and per input and
-    #: result the (row, output-channel) axes each loop slices (-1: none)
+    #: result the (row, output-channel, reduction) axes each loop slices (-1: none)
     tiles: tuple[int, int] = (1, 1)
     outer: str = ""
-    tile_axes: dict[SSAValue, tuple[int, int]] = field(default_factory=dict)
+    tile_axes: dict[SSAValue, tuple[int, int, int]] = field(default_factory=dict)
+    #: a tiles plan's reduction parts (a third loop, inside the others; 1: none)
+    parts: int = 1
+
+
+def nbytes_of_type(t: TensorType) -> int:
+    return numel(t.get_shape()) * dtype_bytes(t.element_type)
 
 
 def _external_uses(v: SSAValue, inside: set[Operation]) -> bool:
     return any(u.operation not in inside for u in v.uses)
 
 
+#: when layer-group splits a reduction in parts (`split-reduction`): where that is the
+#: cheapest plan by the cost model, or only where no plan without it fits (the numbers of
+#: a split reduction change within f32 rounding: "needed" keeps them wherever it can)
+SPLIT_REDUCTION = ("cost", "needed")
+
+
 def plan_span(ops: list[Operation], chip: Chip, slices: int | None = None,
-              kinds: tuple[SliceKind, ...] = tuple(SliceKind)) -> Plan | None:
-    """The cheapest feasible plan for running `ops` as one group (None if none fits)."""
+              kinds: tuple[SliceKind, ...] = tuple(SliceKind), split: str = "cost"
+              ) -> Plan | None:
+    """The cheapest feasible plan for running `ops` as one group (None if none fits), a
+    reduction split in parts as `split` says (`SPLIT_REDUCTION`)."""
     best: Plan | None = None
     for kind in kinds:
         for p in _candidates(ops, kind, chip, slices):
             if best is None or p.cost < best.cost:
                 best = p
+    if SliceKind.TILES in kinds and (best is None or split == "cost"):
+        for p in _reduction_plans(ops, chip, slices):
+            if best is None or p.cost < best.cost:
+                best = p
     return best
+
+
+def _reduction_plans(ops: list[Operation], chip: Chip, only: int | None) -> list[Plan]:
+    """Tiles plans of `ops` (one op) with reduction parts."""
+    return _tile_candidates(ops, chip, only, reduce=True)
 
 
 def _candidates(ops: list[Operation], kind: SliceKind, chip: Chip, only: int | None
@@ -246,103 +278,185 @@ def _pipeline_cost(p: Plan, chip: Chip) -> float:
 # ------------------------------------------------------------------------------ 2-D tiles
 
 
-def _returned(v: SSAValue) -> bool:
-    return any(isinstance(u.operation, func.ReturnOp) for u in v.uses)
+@dataclass(frozen=True)
+class _TileOperand:
+    """What tile planning needs of one input or the result: its bytes and, per tile loop
+    (rows, second, reduction), the axis that loop cuts (-1: none) and that axis's size."""
+
+    value: SSAValue
+    nbytes: int
+    axes: tuple[int, int, int]
+    sizes: tuple[int, int, int]
+
+    def part(self, counts: tuple[int, int, int]) -> int | None:
+        """Bytes of one tile's part (None when a count does not divide its axis)."""
+        parts = 1
+        for a, size, n in zip(self.axes, self.sizes, counts, strict=True):
+            if a != -1:
+                if size % n:
+                    return None
+                parts *= n
+        return self.nbytes // parts
+
+    def level(self, outer: str) -> int:
+        """The innermost tile loop that cuts it: 1 the outer, 2 the inner, 3 the reduction
+        parts, 0 none (loaded once)."""
+        inner = (self.axes[1], self.axes[0]) if outer == "rows" else (self.axes[0],
+                                                                      self.axes[1])
+        if self.axes[2] != -1:
+            return 3
+        if inner[1] != -1:
+            return 2
+        return 1 if inner[0] != -1 else 0
 
 
-def _two_axis_movable(v: SSAValue, axes: tuple[int, int]) -> bool:
-    """Whether a part of `v` sliced along both `axes` moves as one transfer (codegen's
-    `two_axis_part`): an activation (not a function input, weight or constant), with unit
-    axes before the first of them."""
-    owner = v.owner
-    if not isinstance(owner, Operation) or isinstance(owner, tpu.WeightOp | tpu.ConstantOp):
-        return False
-    return all(d == 1 for d in shape_of(v)[:min(axes)])
+def _tile_operands(op: Operation) -> tuple[list[_TileOperand], _TileOperand, int] | None:
+    """The tile operands of `op` (inputs, result) and its accumulator's bytes (whole op; 0
+    when its reduction cannot be cut), None when `op` does not tile."""
+    reducible = reduction_sliceable(op)
+    if not (tile_sliceable(op) or reducible) or len(set(op.operands)) != len(op.operands):
+        return None
+    axes = (reduction_tile_axes(op) if reducible
+            else tuple((*a, -1) for a in tile_operand_axes(op)))
+    inputs = []
+    for v, ax in zip(op.operands, axes, strict=True):
+        shape = shape_of(v)
+        inputs.append(_TileOperand(v, nbytes(v), ax,
+                                   tuple(shape[a] if a != -1 else 1 for a in ax)))  # type: ignore[arg-type]
+    res = op.results[0]
+    rows_axis, cols_axis = tile_result_axes(op)
+    shape = shape_of(res)
+    result = _TileOperand(res, nbytes(res), (rows_axis, cols_axis, -1),
+                          (shape[rows_axis] if rows_axis != -1 else 1, shape[cols_axis], 1))
+    acc = nbytes_of_type(tpu.accumulator_type(op)) if reducible else 0
+    return inputs, result, acc
 
 
-def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None) -> list[Plan]:
-    """Tiles plans of one weight matmul: every (row blocks R > 1, output-channel blocks
-    C > 1) whose bound fits a lane, with either loop outer. (R = 1 or C = 1 are the cols
-    and rows kinds.) A result the function returns is not tiled: a tile is stored as a
-    slice of its row block, an offset in the activation region."""
-    if len(ops) != 1 or not tile_sliceable(ops[0]) or _returned(ops[0].results[0]):
+#: the tiles plans found in one layer-group run, by (op, its operands, chip, count, reduce):
+#: the DP and the allocation ask for one op's plans many times (cleared after each run)
+_TILE_PLANS: dict[tuple, list[Plan]] = {}
+
+
+def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None,
+                     reduce: bool = False) -> list[Plan]:
+    """Tiles plans of one weight matmul or attention: every (row blocks R, second-loop
+    blocks C) whose bound fits a lane, with either tile loop outer, R > 1 and C > 1 (R = 1
+    or C = 1 are the cols / heads and rows kinds); `reduce`: every (R, C, reduction parts
+    P > 1) instead, the parts a loop inside the other two (`reduction_sliceable`)."""
+    if len(ops) != 1:
         return []
     op = ops[0]
-    rows_axis, cols_axis = tile_result_axes(op)
-    shape = shape_of(op.results[0])
-    if any(d != 1 for d in shape[:rows_axis]):
+    key = (op, tuple(op.operands), id(chip), chip.lane_bytes, reduce)
+    found = _TILE_PLANS.get(key)
+    if found is None:
+        found = _TILE_PLANS[key] = _find_tile_plans(op, chip, reduce)
+    return found if only is None else [p for p in found if p.slices == only]
+
+
+def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
+    """The plans of `_tile_candidates`, the cheapest for each slice count, by cost: every
+    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid)."""
+    found = _tile_operands(op)
+    if found is None or (reduce and not found[2]):
         return []
-    axes = tile_operand_axes(op)
-    if len(set(op.operands)) != len(op.operands) or not all(
-            -1 in ax or _two_axis_movable(v, ax) for v, ax in zip(op.operands, axes,
-                                                                  strict=True)):
-        return []
+    inputs, result, acc = found
+    if not reduce:  # the whole reduction in every tile: no operand is cut along it
+        inputs = [replace(v, axes=(*v.axes[:2], -1)) for v in inputs]
+    parts_ = np.array(divisors(reduction_count(op))[1:] if reduce else [1], np.int64)
+    rows_ = np.array(divisors(result.sizes[0]), np.int64)
+    cols_ = np.array(divisors(tile_count(op)), np.int64)
+    r, c, parts = np.meshgrid(rows_, cols_, parts_, indexing="ij")
+    ok = (parts > 1) | ((r > 1) & (c > 1))
+    sizes = []
+    for v in [*inputs, result]:
+        n = np.ones_like(r)
+        for a, size, count in zip(v.axes, v.sizes, (r, c, parts), strict=True):
+            if a != -1:
+                ok &= size % count == 0
+                n = n * count
+        sizes.append(v.nbytes // n)
+    lane = 2 * sum(_per_lane(n, chip) for n in sizes)
+    if reduce:
+        lane = lane + _per_lane(acc // (r * c), chip)
+    ok &= lane <= chip.lane_bytes
+    best: dict[int, tuple[float, int, str]] = {}  # slices -> (cost, cell, outer)
+    for outer in ("rows", "cols"):
+        cost = _tile_costs(inputs, sizes[:-1], sizes[-1], (r, c, parts), outer,
+                           op_flops(op), cost_dtype(op), chip)
+        for cell in np.flatnonzero(ok):
+            t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
+            k = float(cost.flat[cell])
+            if t not in best or k < best[t][0]:
+                best[t] = (k, int(cell), outer)
     plans = []
-    for r in divisors(shape[rows_axis])[1:]:
-        for c in divisors(tile_count(op))[1:]:
-            if only is not None and r * c != only:
-                continue
-            if any(a != -1 and shape_of(v)[a] % n for v, ax in zip(op.operands, axes,
-                                                                     strict=True)
-                   for a, n in zip(ax, (r, c), strict=True)):
-                continue
-            for outer in ("rows", "cols"):
-                p = Plan(ops, SliceKind.TILES, r * c, inputs=list(op.operands),
-                         outputs=[op.results[0]], tiles=(r, c), outer=outer)
-                for v, ax in zip(op.operands, axes, strict=True):
-                    p.tile_axes[v] = ax
-                    p.input_axes[v] = ax[0] if ax[0] != -1 else ax[1]
-                p.tile_axes[op.results[0]] = (rows_axis, cols_axis)
-                p.result_axes[op.results[0]] = cols_axis
-                if _tile_lane_bytes(p, chip) > chip.lane_bytes:
-                    break  # the other order needs the same bytes
-                p.cost = _tile_cost(p, chip)
-                plans.append(p)
+    for t, (k, cell, outer) in sorted(best.items(), key=lambda item: item[1][0]):
+        p = Plan([op], SliceKind.TILES, t, cost=k, inputs=list(op.operands),
+                 outputs=[op.results[0]], tiles=(int(r.flat[cell]), int(c.flat[cell])),
+                 outer=outer, parts=int(parts.flat[cell]))
+        for v in inputs:
+            p.tile_axes[v.value] = v.axes
+            p.input_axes[v.value] = next((a for a in v.axes if a != -1), None)
+        p.tile_axes[result.value] = result.axes
+        p.result_axes[result.value] = result.axes[1]
+        plans.append(p)
     return plans
 
 
-def _tile_part(p: Plan, v: SSAValue) -> int:
-    """Bytes of one tile's part of input or result `v`."""
-    parts = 1
-    for a, n in zip(p.tile_axes[v], p.tiles, strict=True):
-        if a != -1:
-            parts *= n
-    return nbytes(v) // parts
+def _per_lane(nbytes: np.ndarray, chip: Chip) -> np.ndarray:
+    """`Chip.per_lane` over an array of byte counts."""
+    per = -(-nbytes // chip.lanes)
+    return -(-per // chip.align) * chip.align
 
 
 def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
     """Per-lane bytes of a tiles group: two copies of every input's part and of the
-    result's tile."""
-    return sum(2 * chip.per_lane(_tile_part(p, v)) for v in [*p.inputs, *p.outputs])
+    result's tile, and the accumulator of a tile's reduction parts."""
+    found = _tile_operands(p.ops[0])
+    assert found is not None
+    inputs, result, acc = found
+    counts = (*p.tiles, p.parts)
+    total = sum(2 * chip.per_lane(v.part(counts) or 0) for v in [*inputs, result])
+    return total + (chip.per_lane(acc // (p.tiles[0] * p.tiles[1])) if p.parts > 1 else 0)
 
 
-def _tile_cost(p: Plan, chip: Chip) -> float:
-    """Modelled cycles of a tiles group: its T = R * C tiles pipelined as any sliced group
-    (loads of tile t+1 and the store of t-1 beside the compute of t), where the inputs
-    sliced by the outer loop only are loaded once per outer block (O of them), the others
-    once per tile."""
-    r, c = p.tiles
-    t = r * c
-    outer_loop = 0 if p.outer == "rows" else 1
-    outer_count = p.tiles[outer_loop]
-    once = sum(dma_cycles(chip, _tile_part(p, v)) for v in p.inputs
-               if p.tile_axes[v][1 - outer_loop] == -1)
-    each = sum(dma_cycles(chip, _tile_part(p, v)) for v in p.inputs
-               if p.tile_axes[v][1 - outer_loop] != -1)
-    store = sum(dma_cycles(chip, _tile_part(p, v)) for v in p.outputs)
-    comp = compute_cycles(chip, op_flops(p.ops[0]) // t, cost_dtype(p.ops[0]))
-    return (once + each + (t - outer_count) * max(comp, each + store)
-            + (outer_count - 1) * max(comp, once + each + store) + comp + store)
+def _tile_costs(inputs: list[_TileOperand], sizes: list[np.ndarray], res_part: np.ndarray,
+                counts: tuple[np.ndarray, np.ndarray, np.ndarray], outer: str, flops: int,
+                dtype: str, chip: Chip) -> np.ndarray:
+    """Modelled cycles of tiles groups (arrays over the candidates' (R, C, P)): the slices
+    pipelined as any sliced group (the loads of slice t+1 and the store of the tile before
+    beside the compute of t). Loops, outside in: the outer tile loop (n1 blocks), the inner
+    one (n2), the reduction parts (n3). A part is loaded again when the innermost loop that
+    cuts it moves on: n1 - 1 slices start an outer block (every cut input loaded, a tile
+    stored), n1 (n2 - 1) an inner one (the inputs cut by the inner loop or the parts, a
+    tile stored), n1 n2 (n3 - 1) a reduction part (the inputs cut by the parts)."""
+    r, c, parts = counts
+    n1, n2 = (r, c) if outer == "rows" else (c, r)
+    zero = np.zeros(r.shape)
+    load = [zero, zero, zero, zero]  # by level: once, outer, inner, parts
+    for v, n in zip(inputs, sizes, strict=True):
+        lv = v.level(outer)
+        load[lv] = load[lv] + chip.dma_latency_cycles + n / chip.bytes_per_cycle
+    store = chip.dma_latency_cycles + res_part / chip.bytes_per_cycle
+    t = r * c * parts
+    comp = chip.compute_latency_cycles + (flops // t) / (chip.flops_per_cycle(dtype)
+                                                        * chip.compute_efficiency)
+    a = load[1] + load[2] + load[3] + store
+    b = load[2] + load[3] + store
+    return (load[0] + load[1] + load[2] + load[3] + (n1 - 1) * np.maximum(comp, a)
+            + n1 * (n2 - 1) * np.maximum(comp, b)
+            + n1 * n2 * (parts - 1) * np.maximum(comp, load[3]) + comp + store)
 
 
 def build_tile_group(p: Plan) -> tpu.GroupOp:
-    """Replace a tiles plan's matmul by a tpu.group of its tiles (not yet allocated)."""
+    """Replace a tiles plan's op by a tpu.group of its tiles (not yet allocated)."""
     (op,) = p.ops
     r, c = p.tiles
+    counts = (r, c, p.parts)
+    ndim = 3 if p.parts > 1 else 2  # tile_axes: rows, second loop (, reduction)
 
     def part_type(v: SSAValue) -> TensorType:
         shape = list(shape_of(v))
-        for a, n in zip(p.tile_axes[v], (r, c), strict=True):
+        for a, n in zip(p.tile_axes[v], counts, strict=True):
             if a != -1:
                 shape[a] //= n
         return tensor(shape, elem_of(v))
@@ -351,10 +465,12 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     local: dict[SSAValue, SSAValue] = {}
     for v, arg in zip(p.inputs, block.args, strict=True):
         arg.name_hint = v.name_hint
-        ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)],
-                        attributes={"slice_axis": i64_attr(p.input_axes[v]),
-                                    "tile_axes": i64_array(list(p.tile_axes[v])),
-                                    "ts": i64_attr(0)})
+        axes = p.tile_axes[v]
+        ax = p.input_axes[v]
+        attrs = {"slice_axis": i64_attr(-1 if ax is None else ax), "ts": i64_attr(0)}
+        if ax is not None:
+            attrs["tile_axes"] = i64_array(list(axes[:ndim]))
+        ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)], attributes=attrs)
         set_name(ld, f"{_value_name(v)}.load")
         ld.output.name_hint = v.name_hint
         block.add_op(ld)
@@ -365,6 +481,9 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     if isinstance(op, top.AttentionBase):  # c blocks of KV heads, each with its q heads
         attrs["q_heads"] = i64_attr(read_int(op.q_heads) // c)
         attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // c)
+    if (isinstance(op, tpu.A16MatMulOp) and p.parts > 1
+            and read_int(op.group_size) == shape_of(op.input)[-1]):  # per channel
+        attrs["group_size"] = i64_attr(read_int(op.group_size) // p.parts)
     new = type(op).create(operands=[local[v] for v in op.operands],
                           result_types=[part_type(res)], attributes=attrs)
     new.location = op.location
@@ -372,7 +491,7 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     block.add_op(new)
     st = tpu.StoreOp(operands=[new.results[0]], result_types=[res.type],
                      attributes={"slice_axis": i64_attr(p.tile_axes[res][1]),
-                                 "tile_axes": i64_array(list(p.tile_axes[res])),
+                                 "tile_axes": i64_array(list(p.tile_axes[res][:ndim])),
                                  "ts": i64_attr(2)})
     set_name(st, f"{op_name(op) or op.name}.store")
     block.add_op(st)
@@ -380,7 +499,7 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     group = tpu.GroupOp(operands=[p.inputs], result_types=[[res.type]],
                         regions=[Region(block)],
                         attributes={"slices": i64_attr(p.slices), "cost": i64_attr(int(p.cost)),
-                                    "tiles": i64_array([r, c]),
+                                    "tiles": i64_array(list(counts[:ndim])),
                                     "tile_outer": i64_attr(tpu.TILE_LOOPS.index(p.outer))})
     set_name(group, f"group.{op_name(op) or op.name}")
     return group
@@ -492,7 +611,8 @@ def compute_ops(fn: func.FuncOp) -> list[Operation]:
             if not isinstance(op, tpu.WeightOp | tpu.ConstantOp | func.ReturnOp | tpu.GroupOp)]
 
 
-def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
+def partition(ops: list[Operation], chip: Chip, max_ops: int, split: str = "cost"
+              ) -> list[Plan]:
     """Dynamic programming over contiguous spans: the cheapest partition into groups."""
     n = len(ops)
     best: list[float] = [math.inf] * (n + 1)
@@ -502,7 +622,7 @@ def partition(ops: list[Operation], chip: Chip, max_ops: int) -> list[Plan]:
         for i in range(max(0, j - max_ops), j):
             if best[i] == math.inf:
                 continue
-            plan = plan_span(ops[i:j], chip)
+            plan = plan_span(ops[i:j], chip, split=split)
             if plan is None:
                 continue
             c = best[i] + plan.cost
@@ -540,18 +660,23 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
         if p is not None:
             how = "one slice" if n == 1 else f"{n} {what[kind]} slices"
             best = min(best, (_lane_bytes_bound(p, chip), how))
-    tiles = _tile_candidates([op], replace(chip, lane_bytes=1 << 62), None)
+    tiles = _tile_candidates([op], replace(chip, lane_bytes=1 << 62), None, reduce=True) \
+        or _tile_candidates([op], replace(chip, lane_bytes=1 << 62), None)
     if tiles:
         p = max(tiles, key=lambda q: q.slices)
-        best = min(best, (_tile_lane_bytes(p, chip), f"{p.tiles[0]} x {p.tiles[1]} tiles"))
+        how = f"{p.tiles[0]} x {p.tiles[1]} tiles"
+        if p.parts > 1:
+            how += f" of {p.parts} reduction parts"
+        best = min(best, (_tile_lane_bytes(p, chip), how))
     return best
 
 
-def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
+def _realize(plan: Plan, chip: Chip, split: str = "cost") -> list[tuple[tpu.GroupOp, Plan]]:
     """Build and allocate `plan`; slice further or split when the allocation fails."""
     tries = [plan]
     for kind in SliceKind:
         tries += sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
+    tries += sorted(_reduction_plans(plan.ops, chip, None), key=lambda q: q.cost)
     for p in tries:
         if p.slices < plan.slices and p.kind == plan.kind:
             continue
@@ -569,10 +694,10 @@ def _realize(plan: Plan, chip: Chip) -> list[tuple[tpu.GroupOp, Plan]]:
             "slicing; use a chip with more local memory or smaller static shapes")
     out = []
     for op in plan.ops:
-        single = plan_span([op], chip)
+        single = plan_span([op], chip, split=split)
         if single is None:
             raise LayerGroupError(f"'{op.name}' ({op_name(op)}) cannot be grouped")
-        out += _realize(single, chip)
+        out += _realize(single, chip, split)
     return out
 
 
@@ -621,20 +746,27 @@ def split_attention_keys(fn: func.FuncOp, chip: Chip) -> None:
         op.erase()
 
 
-def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12) -> list[tpu.GroupOp]:
-    split_attention_keys(fn, chip)
-    ops = compute_ops(fn)
-    if not ops:
-        return []
-    plans = partition(ops, chip, max_ops)
-    groups = []
-    for stale in plans:
-        # earlier groups replaced some of this span's inputs: plan it again, same choice
-        plan = plan_span(stale.ops, chip, stale.slices, (stale.kind,)) or stale
-        for group, p in _realize(plan, chip):
-            _install(group, p)
-            groups.append(group)
-    return groups
+def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12, split: str = "cost"
+                         ) -> list[tpu.GroupOp]:
+    if split not in SPLIT_REDUCTION:
+        raise LayerGroupError(f"split-reduction is '{split}'; it is one of "
+                              f"{', '.join(SPLIT_REDUCTION)}")
+    try:
+        split_attention_keys(fn, chip)
+        ops = compute_ops(fn)
+        if not ops:
+            return []
+        plans = partition(ops, chip, max_ops, split)
+        groups = []
+        for stale in plans:
+            # earlier groups replaced some of this span's inputs: plan it again, same choice
+            plan = plan_span(stale.ops, chip, stale.slices, (stale.kind,), split) or stale
+            for group, p in _realize(plan, chip, split):
+                _install(group, p)
+                groups.append(group)
+        return groups
+    finally:
+        _TILE_PLANS.clear()
 
 
 @dataclass(frozen=True)
@@ -646,7 +778,7 @@ class ChipPass(ModulePass):
     target: Chip | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
-    def for_chip(cls, chip: Chip, **options: int) -> Self:
+    def for_chip(cls, chip: Chip, **options: int | str) -> Self:
         p = cls(chip.name, **options)
         object.__setattr__(p, "target", chip)  # frozen: set once, here
         return p
@@ -662,12 +794,14 @@ class LayerGroupPass(ChipPass):
     name = "layer-group"
 
     max_ops: int = 12
+    #: where a reduction is split in parts (`SPLIT_REDUCTION`)
+    split_reduction: str = "cost"
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         require_level(op, "tpu", self.name)
         chip = self.the_chip()
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
-            layer_group_function(fn, chip, self.max_ops)
+            layer_group_function(fn, chip, self.max_ops, self.split_reduction)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,11 @@ only serves the n tiles of the inner loop (`GroupOp.tiles_per_buffer`): instance
 lives from b*n*P until its last use by the compute of tile b*n + n - 1, and its two copies
 alternate by b. The window then spans four instances of the buffer with the longer period
 and every instance of the other that overlaps them.
+
+A group with reduction parts (R x C tiles of Q parts each) has one more buffer: the
+accumulator of its op (`tpu.accumulator_type`, one copy, the group's `acc` address), live
+from the compute of a tile's first part to that of its last (period Q*P); the op's result
+exists from its last part until its store, one instance per tile (period Q*P, two copies).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from xdsl.ir import Operation, SSAValue
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import nbytes
 from toptpu.dialects import tpu
-from toptpu.dialects.common import read_int
+from toptpu.dialects.common import i64_attr, numel, read_int
 from toptpu.dialects.naming import op_name
 from toptpu.errors import ToptpuError
 
@@ -58,6 +63,7 @@ class BufferKind(StrEnum):
     SLICED = "sliced"  # a loaded slice
     INTERMEDIATE = "intermediate"  # a computed value used inside the slice only
     STORED = "stored"  # a computed value stored back to global memory
+    ACCUMULATOR = "accumulator"  # a reduction's f32 accumulator over a tile's parts
 
 
 @dataclass
@@ -111,17 +117,25 @@ def group_buffers(group: tpu.GroupOp, chip: Chip) -> list[LocalBuffer]:
         bufs.append(LocalBuffer(ld.output, ld, kind, copies, chip.per_lane(nbytes(ld.output)),
                                 0, n * period + 1 + max(last_use(ld.output), 0), n * period,
                                 slices // n))
+    parts = group.reduction_parts()
     for k, op in enumerate(computes):
+        if parts > 1:  # the accumulator, then the result from the tile's last part on
+            acc = tpu.accumulator_type(op)
+            bufs.append(LocalBuffer(op.results[0], op, BufferKind.ACCUMULATOR, 1,
+                                    chip.per_lane(numel(acc.get_shape()) * 4), period + 1 + k,
+                                    (parts - 1) * period + period + 1 + k, parts * period,
+                                    slices // parts))
+        before = (parts - 1) * period  # the result is written by the last part
         for r in op.results:
-            start = period + 1 + k
+            start = period + 1 + k + before
             if r in stored:
-                kind, end = BufferKind.STORED, 2 * period + m + 1
+                kind, end = BufferKind.STORED, 2 * period + m + 1 + before
                 copies = 2 if sliced else 1
             else:
                 kind, end = BufferKind.INTERMEDIATE, period + 1 + max(last_use(r), k)
                 copies = 1
             bufs.append(LocalBuffer(r, op, kind, copies, chip.per_lane(nbytes(r)), start, end,
-                                    period, slices))
+                                    parts * period, slices // parts))
     return bufs
 
 
@@ -155,7 +169,8 @@ def _time_conflict(a: LocalBuffer, ca: int, b: LocalBuffer, cb: int, slices: int
 
 def _bank_pairs(group: tpu.GroupOp, bufs: list[LocalBuffer]) -> set[tuple[int, int]]:
     """Index pairs (output buffer, input buffer) of compute ops: must not share banks."""
-    by_value = {b.value: i for i, b in enumerate(bufs)}
+    by_value = {b.value: i for i, b in enumerate(bufs) if b.kind != BufferKind.ACCUMULATOR}
+    accs = {b.op: i for i, b in enumerate(bufs) if b.kind == BufferKind.ACCUMULATOR}
     pairs: set[tuple[int, int]] = set()
     _, computes, _ = group.template()
     for op in computes:
@@ -163,6 +178,9 @@ def _bank_pairs(group: tpu.GroupOp, bufs: list[LocalBuffer]) -> set[tuple[int, i
             for v in op.operands:
                 if v in by_value and r in by_value:
                     pairs.add((by_value[r], by_value[v]))
+        if op in accs:  # the accumulator is written from the inputs, the result from it
+            pairs |= {(accs[op], by_value[v]) for v in op.operands if v in by_value}
+            pairs |= {(by_value[r], accs[op]) for r in op.results if r in by_value}
     return pairs
 
 
@@ -211,6 +229,9 @@ def allocate_group(group: tpu.GroupOp, chip: Chip) -> None:
         placed[(i, c)] = addr
     per_op: dict[Operation, list[int]] = {}
     for i, b in enumerate(bufs):  # results in order: lmem lists each result's copies
+        if b.kind == BufferKind.ACCUMULATOR:
+            group.acc = i64_attr(placed[(i, 0)])
+            continue
         per_op.setdefault(b.op, []).extend(placed[(i, c)] for c in range(b.copies))
     for op, addrs in per_op.items():
         _tpu_op(op).set_local_addresses(addrs)
@@ -224,9 +245,14 @@ def verify_group(group: tpu.GroupOp, chip: Chip) -> None:
     addrs: list[list[int]] = []
     for b in bufs:
         op = _tpu_op(b.op)
-        if op.lmem is None:
+        if b.kind == BufferKind.ACCUMULATOR:
+            if group.acc is None:
+                raise LocalMemoryError(f"{b.name()}'s accumulator has no local address")
+            a = [read_int(group.acc)]
+        elif op.lmem is None:
             raise LocalMemoryError(f"{b.name()} has no local address")
-        a = op.local_addresses(b.value, read_int(group.slices) > 1)
+        else:
+            a = op.local_addresses(b.value, read_int(group.slices) > 1)
         if len(a) != b.copies:
             raise LocalMemoryError(f"{b.name()} needs {b.copies} address(es), has {len(a)}")
         for x in a:

@@ -110,13 +110,15 @@ def tpu_pipeline_passes(mode: str = "f32", group_size: int = DEFAULT_GROUP_SIZE,
     return passes
 
 
-def machine_passes(chip: str | Chip = DEFAULT_CHIP, max_ops: int = 12) -> list[ModulePass]:
+def machine_passes(chip: str | Chip = DEFAULT_CHIP, max_ops: int = 12,
+                   split_reduction: str = "cost") -> list[ModulePass]:
     """layer-group, lmem-verify, address-assign: the chip's memory decisions. `chip`: a
-    preset's name, or a `Chip` description."""
+    preset's name, or a `Chip` description; `split_reduction`: layer-group's option."""
     if isinstance(chip, str):
-        return [LayerGroupPass(chip, max_ops), LmemVerifyPass(chip), AddressAssignPass()]
-    return [LayerGroupPass.for_chip(chip, max_ops=max_ops), LmemVerifyPass.for_chip(chip),
-            AddressAssignPass()]
+        return [LayerGroupPass(chip, max_ops, split_reduction), LmemVerifyPass(chip),
+                AddressAssignPass()]
+    return [LayerGroupPass.for_chip(chip, max_ops=max_ops, split_reduction=split_reduction),
+            LmemVerifyPass.for_chip(chip), AddressAssignPass()]
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,11 @@ class MachinePipeline(ModulePass):
 
     chip: str = DEFAULT_CHIP
     max_ops: int = 12
+    split_reduction: str = "cost"
 
     def inner_passes(self) -> list[ModulePass]:
         """The passes this pipeline runs, in order."""
-        return machine_passes(self.chip, self.max_ops)
+        return machine_passes(self.chip, self.max_ops, self.split_reduction)
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         require_level(op, self.LEVEL, self.name)

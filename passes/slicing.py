@@ -24,6 +24,14 @@ Two slicing kinds exist:
   mask by rows (and heads when it has them), so neither the keys and values of every head
   nor the mask of every row need to be resident (long prefill over a history).
 
+- **reduction parts** (a third tile loop, inside the other two): a float weight matmul
+  computes each tile over parts of K (an a16_matmul over whole quantization groups: its
+  weight, scales and zero points are cut along K with the activation), an attention
+  without history over parts of its keys (keys, values and the mask's columns), each part
+  folded into an f32 accumulator in local memory (`tpu.GroupOp`): a partial sum, a running
+  max and sum (online softmax). The parts are summed in their order: the numbers change
+  within f32 rounding of the sums (the tolerance is stated where it is tested).
+
 A group with a single slice needs no rule: every tensor is whole.
 """
 
@@ -36,7 +44,7 @@ from enum import StrEnum
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.dialects import top, tpu
-from toptpu.dialects.common import read_bool, read_int, read_ints, shape_of
+from toptpu.dialects.common import elem_of, is_float, read_bool, read_int, read_ints, shape_of
 
 
 class SliceKind(StrEnum):
@@ -108,7 +116,7 @@ def row_rule(op: Operation) -> RowRule | None:
     if isinstance(op, tpu.AttentionMergeOp):  # row-local over its parts
         return RowRule(tuple(r for _ in op.operands), (r,))
     if isinstance(op, top.AttentionBase):
-        if r != 1:
+        if r != 1 or read_bool(op.causal):  # a causal mask's diagonal depends on the row
             return None
         axes = [1]
         for i, v in enumerate(op.operands[1:], start=1):
@@ -199,25 +207,31 @@ def tile_count(op: Operation) -> int:
     return heads_count(op) if isinstance(op, top.AttentionBase) else col_count(op)
 
 
+def _tile_rows(op: Operation) -> RowRule | None:
+    """The row rule of a tiles slice: `row_rule` where it slices the first input, None
+    for an op of one row (decode: the row loop has one block)."""
+    rule = row_rule(op)
+    return rule if rule is not None and rule.operand_axes[0] is not None else None
+
+
 def tile_operand_axes(op: Operation) -> tuple[tuple[int, int], ...]:
     """For a tiles slice, per operand (row axis, second loop's axis), -1 where that loop
     does not slice it: a matmul's activation by its rows, weight-like operands by their N
     axis; an attention's operands by their rows (`row_rule`) and heads
-    (`heads_operand_axes`)."""
-    rule = row_rule(op)
-    assert rule is not None and rule.operand_axes[0] is not None
+    (`heads_operand_axes`). No row axes for an op of one row."""
+    rule = _tile_rows(op)
+    rows = rule.operand_axes if rule is not None else (None,) * len(op.operands)
     second = (heads_operand_axes(op) if isinstance(op, top.AttentionBase)
               else col_operand_axes(op))
     return tuple((-1 if r is None else r, -1 if c is None else c)
-                 for r, c in zip(rule.operand_axes, second, strict=True))
+                 for r, c in zip(rows, second, strict=True))
 
 
 def tile_result_axes(op: Operation) -> tuple[int, int]:
-    rule = row_rule(op)
-    assert rule is not None and rule.result_axes[0] is not None
-    if isinstance(op, top.AttentionBase):
-        return rule.result_axes[0], HEADS_RESULT_AXIS
-    return rule.result_axes[0], col_result_axis(op)
+    rule = _tile_rows(op)
+    rows = rule.result_axes[0] if rule is not None else None
+    second = HEADS_RESULT_AXIS if isinstance(op, top.AttentionBase) else col_result_axis(op)
+    return -1 if rows is None else rows, second
 
 
 def heads_sliceable(op: Operation) -> bool:
@@ -248,3 +262,60 @@ HEADS_RESULT_AXIS = 2
 
 def is_global_source(v: SSAValue) -> bool:
     return isinstance(v.owner, tpu.WeightOp | tpu.ConstantOp)
+
+
+def reduction_sliceable(op: Operation) -> bool:
+    """An op whose reduction may be cut in parts (tiled by rows, when it has more than
+    one, and output channels or KV heads): a float weight matmul (K), an a16_matmul, an
+    attention without history, not causal (its keys)."""
+    if not (col_sliceable(op) or isinstance(op, top.AttentionBase)):
+        return False
+    if isinstance(op, top.AttentionBase):
+        return (op.history_k is None and not read_bool(op.causal)
+                and (op.mask is None or shape_of(op.mask)[-1] in (1, shape_of(op.k)[1])))
+    if isinstance(op, tpu.MatMulOp):
+        return is_float(elem_of(op.lhs)) and is_float(elem_of(op.rhs))
+    return isinstance(op, tpu.A16MatMulOp)
+
+
+def reduction_count(op: Operation) -> int:
+    """The most parts the reduction may be cut in: an attention's keys, a matmul's K, an
+    a16_matmul's quantization groups (a group of K stays whole), or its K when one group
+    spans all of K (per channel: every part shares the channel's scale)."""
+    if isinstance(op, top.AttentionBase):
+        return shape_of(op.k)[1]
+    k = shape_of(op.operands[0])[-1]
+    if isinstance(op, tpu.A16MatMulOp):
+        groups = k // read_int(op.group_size)
+        return groups if groups > 1 else k
+    return k
+
+
+def reduction_operand_axes(op: Operation) -> tuple[int | None, ...]:
+    """Per operand, the axis the reduction parts cut (None: the same in every part): an
+    attention's keys and values along their sequence (1), the mask along its last axis
+    when it has a column per key; a matmul's activation along its last axis (K), its
+    weight-like operands of two axes along their second (K, or K's packed bytes or
+    groups: scales, zero points, any per-group operand of an a16_matmul; not a per-channel
+    one, [N, 1]), the bias never."""
+    if isinstance(op, top.AttentionBase):
+        axes: list[int | None] = []
+        for i, v in enumerate(op.operands):
+            if v is op.mask and i == 3:
+                ms = shape_of(v)
+                axes.append(len(ms) - 1 if ms[-1] > 1 else None)
+            else:
+                axes.append(None if v is op.q else 1)
+        return tuple(axes)
+    x = op.operands[0]
+    return (len(shape_of(x)) - 1,
+            *(1 if len(shape_of(v)) == 2 and shape_of(v)[1] > 1 else None
+              for v in op.operands[1:]))
+
+
+def reduction_tile_axes(op: Operation) -> tuple[tuple[int, int, int], ...]:
+    """For tiles with reduction parts, per operand (row axis, second loop's axis,
+    reduction axis), -1 where that loop does not cut it."""
+    red = reduction_operand_axes(op)
+    return tuple((*ax, -1 if r is None else r)
+                 for ax, r in zip(tile_operand_axes(op), red, strict=True))

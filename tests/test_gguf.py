@@ -336,6 +336,21 @@ def test_huge_counts_are_refused_before_reading(small_gguf, tmp_path) -> None:
         assert message is not None and "more than a" in message and what in message
 
 
+def test_a_key_that_swallows_a_newline_is_shown_on_one_line(small_gguf, tmp_path) -> None:
+    """A metadata key's length grown over the next fields (the value 'tiny-qwen2' is 10
+    bytes long: its length field holds a newline): the key is shown escaped, one line
+    (found by the mutation property)."""
+    data, _ = small_gguf
+    key = b"general.name"
+    at = data.index(key) - 8
+    (n,) = struct.unpack_from("<Q", data, at)
+    path = str(tmp_path / "k.gguf")
+    with open(path, "wb") as f:
+        f.write(data[:at] + struct.pack("<Q", n + 20) + data[at + 8:])
+    message = _one_line_or_loads(path)
+    assert message is not None and "general.name" in message and "\\n" in message, message
+
+
 def test_a_tensor_outside_the_file_is_refused(small_gguf, tmp_path) -> None:
     """A tensor's data offset moved past the end, or its rank / type made absurd: one line
     naming the tensor, before gguf's reader maps anything."""

@@ -93,7 +93,8 @@ RUNTIME_LAZY: dict[tuple[str, str], str] = {
     ("toptpu.backend.runtime.vision", "PIL"): "reading images",
     ("toptpu.backend.runtime.profile", "PIL"): "PNG timelines of `toptpu profile --png`",
     ("toptpu.backend.contract", "torch"):
-        "MiniCPM-V position ids by the model's own function (image encoding only)",
+        "MiniCPM-V position ids by the model's own function (image encoding only), "
+        "MiniCPM-V 4.7's canvas positions by torch's linspace (image prompts only)",
     ("toptpu.backend.contract", "transformers"):
         "MiniCPM-V position ids by the model's own function (image encoding only)",
 }

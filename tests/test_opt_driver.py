@@ -5,15 +5,22 @@ output of -o keeps the locations."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from helpers import decoder_layer_ir
 from toptpu import opt
+from toptpu.dialects import context, top
+from toptpu.dialects.ir_text import parse_ir
+from toptpu.dialects.weight_store import WeightStore, store_uri
 
 
 def _run(*argv: str) -> tuple[int, str, str]:
@@ -87,3 +94,72 @@ def test_loads_are_named_after_what_they_load(top_ir: str) -> None:
     names = re.findall(r'"tpu\.load".*loc\("([^"]+)"', out)
     assert names and not [n for n in names if n.startswith("group.")]
     assert any(n.startswith("layer.self_attn.") and n.endswith(".load") for n in names)
+
+
+def test_ir_printed_between_passes_names_a_store_that_holds_its_tensors(top_ir: str,
+                                                                         tmp_path) -> None:
+    """Every module printed between passes can be cut out and run on its own: once the
+    passes derived tensors (quantized weights, transposes), it names the companion file,
+    which holds the tensors of every printed module, not only the result's."""
+    out = str(tmp_path / "out.mlir")
+    rc, _, err = _run(top_ir, "-p", "top-pipeline,tpu-pipeline{mode=w4bf16}",
+                      "--print-between-passes", "-o", out)
+    assert rc == 0, err
+    printed = re.split(r"^// -----// IR after (\S+) //----- //$", err, flags=re.M)[1:]
+    modules = dict(zip(printed[0::2], printed[1::2], strict=True))  # the last of a name
+    assert "convert-top-to-tpu" in modules and "layer-group" in modules
+    companion = os.path.abspath(str(tmp_path / "out.weights.safetensors"))
+    for after, text in zip(printed[0::2], printed[1::2], strict=True):
+        module = parse_ir(text.encode(), after, context())
+        store = WeightStore.open(store_uri(module))
+        named = {op.tensor_name for op in module.walk() if isinstance(op, top.WeightBase)}
+        assert named and not named - set(store.names()), (after, sorted(named - set(
+            store.names()))[:3])
+        if after == "convert-top-to-tpu":
+            assert store_uri(module) == companion
+    # the module after convert-top-to-tpu, cut out, runs the next pass on its own
+    cut = tmp_path / "after_convert.mlir"
+    cut.write_text(modules["convert-top-to-tpu"])
+    rc, _, err = _run(str(cut), "-p", "weight-reorder", "-o", str(tmp_path / "reordered.mlir"))
+    assert rc == 0, err
+
+
+def test_printing_derived_ir_to_stderr_needs_a_weights_file(top_ir: str) -> None:
+    """Without -o or --weights-out there is no file for the derived tensors a printed
+    module names: one line saying so, before the result."""
+    rc, out, err = _run(top_ir, "-p", "convert-top-to-tpu{mode=w8bf16},canonicalize",
+                        "--print-between-passes")
+    assert rc == 1 and out == ""
+    assert "printed after convert-top-to-tpu" in err and "--weights-out" in err
+
+
+def test_every_option_of_toptpu_opt_has_a_help_text() -> None:
+    tool = opt.ToptpuOptMain(args=["in.mlir"])
+    parser = argparse.ArgumentParser()
+    tool.register_all_arguments(parser)
+    bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+    assert not bare, bare
+
+
+def test_a_layers_pipelines_import_no_torch_transformers_or_mlir(top_ir: str, tmp_path
+                                                                 ) -> None:
+    """The issue's path, in a fresh interpreter: a one-layer top-pipeline and tpu-pipeline
+    (reading the weight store, deriving quantized weights) and the command streams with
+    their cycles load none of the heavy packages (start-up stays well under a second)."""
+    out = str(tmp_path / "tpu.mlir")
+    script = f"""
+import json, sys
+from toptpu import opt
+rc = opt.main([{top_ir!r}, "-p", "top-pipeline,tpu-pipeline{{mode=w4bf16}}", "-o", {out!r}])
+rc2 = opt.main([{out!r}, "-t", "commands", "-o", {str(tmp_path / "cmds.txt")!r}])
+print(json.dumps({{"rc": [rc, rc2], "modules": sorted(sys.modules)}}))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["rc"] == [0, 0]
+    heavy = ("torch", "transformers", "mlir", "PIL", "jinja2", "tokenizers", "ray")
+    loaded = [m for m in report["modules"] if m.split(".")[0] in heavy]
+    assert not loaded, f"toptpu-opt loaded {loaded[:5]}"
+    assert "cycles=" in (tmp_path / "cmds.txt").read_text()

@@ -150,3 +150,67 @@ def test_profile_of_every_net_prints_no_numpy_warning(tmp_path_factory, capsys) 
     with np.errstate(over="raise", invalid="raise", divide="raise"):
         assert main(["profile", path]) == 0
     assert "sample_head" in capsys.readouterr().out
+
+
+def _profile_steps_equal_runs(path: str, prompt: list[int], sampler: str, capsys) -> None:
+    from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
+    from toptpu.cli import main
+
+    assert main(["profile", path, "--json", "--sampler", sampler, "--prompt-tokens",
+                 str(len(prompt))]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    cfg = {"greedy": SamplingConfig(), "sample": SamplingConfig(0.8, 5, seed=0),
+           "host": SamplingConfig(sampler="host")}[sampler]
+    rt = Runtime.open(path)
+    res = rt.generate(prompt, 5, cfg, stop_on_eos=False)
+    assert res.sampler == sampler
+    ran = res.modelled_breakdown
+    for key in ("first_token", "per_decoded_token"):
+        for field in ("total_s", "ddr_s", "compute_s", "launch_s", "host_s"):
+            assert steps[key][field] == pytest.approx(ran[key][field], rel=1e-9), (key, field)
+        for count in ("launches", "transfers", "transfer_bytes"):
+            assert steps[key][count] == ran[key][count], (key, count)
+        parts = steps[key]["charges"]  # the bill adds up to its total
+        assert sum(c["seconds"] for c in parts) == pytest.approx(steps[key]["total_s"])
+    assert steps["tokens_per_s"] == pytest.approx(res.modelled_tokens_per_s, rel=1e-9)
+    per = [c for c in steps["per_decoded_token"]["charges"] if c["kind"] == "net"]
+    assert sum(c["count"] for c in per if c["what"].startswith("block_cache")) == rt.num_layers
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "sample", "host"])
+def test_profiles_step_totals_are_runs_modelled_times(tmp_path_factory, capsys,
+                                                      sampler: str) -> None:
+    """`toptpu profile`'s time to first token and per decoded token (its step bill from the
+    nets' profiled runs) equal what `toptpu run` charges a generation of the same file, the
+    same prompt length and the same sampler: the per-net times and run's tok/s, related."""
+    path = compiled(tmp_path_factory, "qwen2").model_file
+    _profile_steps_equal_runs(path, list(range(3, 3 + 21)), sampler, capsys)  # 2 chunks
+
+
+@pytest.mark.slow  # compiles a Qwen3.5 model
+def test_profiles_steps_of_a_model_with_two_layer_kinds_are_runs(tmp_path_factory, capsys
+                                                                ) -> None:
+    """Qwen3.5: linear-attention layers run `block*` nets, full-attention ones `block*@3`;
+    each profiled with its own layer's weights, each layer charged its own net, and a
+    chunk padded past SEQ copies the KV rows of the attention layers only."""
+    path = compiled(tmp_path_factory, "qwen3_5", seq=40, input_len=16, layers=4).model_file
+    _profile_steps_equal_runs(path, list(range(3, 3 + 36)), "greedy", capsys)
+
+
+def test_profile_text_columns_line_up(tmp_path_factory, capsys) -> None:
+    """Every row of the net table and of the step bills has its columns where the header
+    has them (`embedding_cache` once pushed its row one column right)."""
+    from toptpu.cli import main
+
+    assert main(["profile", compiled(tmp_path_factory, "qwen2").model_file]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.split()[:1] in (["net"], ["what"])]
+    assert len(heads) == 3
+    for i in heads:
+        rows = []
+        for line in lines[i + 1:]:
+            if not line.strip() or line.split()[0] in ("dma/cmp:", "time", "one", "decode:"):
+                break
+            rows.append(line)
+        assert len(rows) >= 4
+        assert {len(r) for r in rows if not r.lstrip().startswith("total")} == {len(lines[i])}

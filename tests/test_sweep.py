@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import os
 import sys
 
 import pytest
+from fuzz import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
 from llm_fixtures import tiny_dir
 from PIL import Image
 
 from toptpu.backend.target.chips import get_chip
 from toptpu.cli import main
 from toptpu.sweep import (
-    BANDWIDTH_PNG,
-    BREAKDOWN_PNG,
     COLUMNS,
     CSV_NAME,
     SweepError,
@@ -23,6 +25,21 @@ from toptpu.sweep import (
     point_chip,
     run_point,
     run_ray,
+)
+from toptpu.sweep_plots import (
+    BREAKDOWN_PNG,
+    COLORS,
+    LEFT,
+    PANEL_GAP,
+    PANEL_H,
+    PANEL_TOP,
+    RIGHT,
+    XAxis,
+    is_log_grid,
+    nice_ticks,
+    plotted_columns,
+    series_of,
+    write_plots,
 )
 
 
@@ -54,7 +71,7 @@ def test_a_2x2_sweep_gives_4_rows_and_two_pictures(tmp_path_factory: pytest.Temp
         parts = sum(float(r[f"decode_{c}_s"]) for c in ("ddr", "compute", "launch", "host"))
         assert parts == pytest.approx(float(r["decode_step_s"]))
         assert float(r["tokens_per_s"]) == pytest.approx(1 / float(r["decode_step_s"]))
-    for name in (BANDWIDTH_PNG, BREAKDOWN_PNG):
+    for name in ("vs_ddr_gbps.png", "vs_lanes.png", BREAKDOWN_PNG):
         with Image.open(os.path.join(out, name)) as img:
             assert img.format == "PNG" and img.width > 400
     assert not [f for f in os.listdir(out) if ".tmp" in f]
@@ -118,3 +135,88 @@ def test_ray_runs_the_points_as_tasks(tmp_path_factory: pytest.TempPathFactory) 
     points = grid([config], ["f32"], [64], "bm1684x", {"ddr_gbps": [8.0, 64.0]})
     rows = run_ray(points, "local")
     assert rows == [run_point(p) for p in points]
+
+
+def _grid_rows(**axes: list) -> list[dict]:
+    """Rows as a sweep writes them over the grid `axes` (the other columns fixed), with
+    made-up times that depend on every axis."""
+    import itertools
+
+    base = {"config": "/m/qwen", "mode": "w4bf16", "seq_length": 512, "chip": "bm1684x",
+            "lanes": 64, "lane_bytes": 262144, "ddr_gbps": 64.0, "tflops": 16.0, "cores": 1,
+            "error": ""}
+    out = []
+    for combo in itertools.product(*axes.values()):
+        r = {**base, **dict(zip(axes, combo, strict=True))}
+        speed = (r["ddr_gbps"] ** 0.5) * (r["lane_bytes"] / 2**16) ** 0.1 * (
+            2 if r["mode"] == "w4bf16" else 1)
+        r.update(tokens_per_s=speed, ttft_s=1.0 / r["tflops"] / speed,
+                 decode_step_s=1 / speed, decode_ddr_s=0.6 / speed, decode_compute_s=0.1 / speed,
+                 decode_launch_s=0.1 / speed, decode_host_s=0.2 / speed)
+        out.append(r)
+    return out
+
+
+def test_each_swept_parameter_gets_a_picture_with_it_on_x(tmp_path) -> None:
+    """A lane-bytes x TFLOPS sweep: one picture per parameter, the parameter on x (not all
+    points at x = 64 GB/s, as the bandwidth plot once put them), one line per value of
+    the other, both panels."""
+    rows = _grid_rows(lane_bytes=[65536, 131072, 262144], tflops=[8.0, 16.0, 32.0])
+    assert plotted_columns(rows) == ["lane_bytes", "tflops"]
+    names = write_plots(str(tmp_path), rows, "bm1684x")
+    assert names == ["vs_lane_bytes.png", "vs_tflops.png", BREAKDOWN_PNG]
+    axis = XAxis.of("lane_bytes", rows)
+    assert axis.log and [label for _, label in axis.ticks()] == ["64 KiB", "128 KiB",
+                                                                "256 KiB"]
+    xs = [axis.frac(v) for v in (65536, 131072, 262144)]
+    assert 0 < xs[0] < xs[1] < xs[2] < 1 and xs[1] - xs[0] == pytest.approx(xs[2] - xs[1])
+    assert "log scale" in axis.label
+    lines = series_of(rows, "lane_bytes")
+    assert [s.label for s in lines] == ["tflops 8", "tflops 16", "tflops 32"]
+    assert all(len(s.points) == 3 and s.same_as is None for s in lines)
+    with Image.open(tmp_path / "vs_lane_bytes.png") as img:
+        rgb = img.convert("RGB")
+        # the first line's colour in the lower panel (TTFT, where the lines part): at each
+        # swept value's x, and drawn from the first to the last
+        lower = PANEL_TOP + PANEL_H + PANEL_GAP
+        columns = {x for x in range(rgb.width) for y in range(lower, lower + PANEL_H)
+                   if rgb.getpixel((x, y)) == COLORS[0]}
+        at = [LEFT + (RIGHT - LEFT) * f for f in xs]
+        assert all(any(abs(c - x) <= 6 for c in columns) for x in at)
+        assert max(columns) - min(columns) >= at[2] - at[0] - 12
+
+
+def test_log_scale_for_growing_grids_only() -> None:
+    assert is_log_grid([16, 32, 64, 128]) and is_log_grid([65536, 262144])
+    assert is_log_grid([1, 2, 4, 8, 12])  # still more even on a log axis
+    assert not is_log_grid([10, 20, 30, 40]) and not is_log_grid([1, 2])
+    assert not is_log_grid([0, 16, 32]) and not is_log_grid([64])
+
+
+@fuzz_settings(200)
+@given(st.floats(min_value=1e-9, max_value=1e12, allow_nan=False, allow_infinity=False))
+def test_value_ticks_are_round_and_cover_the_largest_value(hi: float) -> None:
+    ticks = nice_ticks(hi)
+    assert ticks[0] == 0 and ticks[-1] >= hi * (1 - 1e-9) and 2 <= len(ticks) <= 11
+    step = ticks[1]
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert min(abs(mantissa - m) for m in (1, 2, 5, 10)) < 1e-6
+    assert all(b - a == pytest.approx(step) for a, b in zip(ticks, ticks[1:], strict=False))
+
+
+def test_a_sweep_of_modes_alone_plots_them_as_categories(tmp_path) -> None:
+    rows = _grid_rows(mode=["w4bf16", "bf16"])
+    assert plotted_columns(rows) == ["mode"]
+    axis = XAxis.of("mode", rows)
+    assert axis.categorical and [label for _, label in axis.ticks()] == ["w4bf16", "bf16"]
+    assert write_plots(str(tmp_path), rows, "bm1684x") == ["vs_mode.png", BREAKDOWN_PNG]
+
+
+def test_lines_on_top_of_each_other_say_so_and_failed_points_are_left_out(tmp_path) -> None:
+    rows = _grid_rows(ddr_gbps=[16.0, 32.0, 64.0], cores=[1, 2])  # cores change nothing here
+    same = series_of(rows, "ddr_gbps")
+    assert [s.label for s in same] == ["cores 1", "cores 2"] and same[1].same_as == "cores 1"
+    rows[0] = {**rows[0], "error": "does not fit", "tokens_per_s": "", "ttft_s": ""}
+    lines = series_of(rows, "ddr_gbps")  # the failed point is not drawn
+    assert [len(s.points) for s in lines] == [2, 3] and lines[1].same_as is None
+    assert write_plots(str(tmp_path), rows, "bm1684x")[0] == "vs_ddr_gbps.png"

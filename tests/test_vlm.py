@@ -1,4 +1,5 @@
-"""Vision-language models (InternVL, MiniCPM-V 4.6), tiny models from the real config
+"""Vision-language models (InternVL, MiniCPM-V 4.6 with a Qwen3 text model; with its
+Qwen3.5 text model and MiniCPM-V 4.7: tests/test_vlm_qwen3_5.py), tiny models from the real config
 classes: the vit net matches the model's own image features (Top f32 and the model file on
 the machine, cosine >= 0.99999); greedy generation with an image equals transformers
 `generate` (pixel values from the model's own image processor); quantized model files meet
@@ -301,10 +302,12 @@ def test_text_models_take_no_images(tmp_path_factory) -> None:
 def test_vlm_load_and_compile_errors(tmp_path_factory, tmp_path) -> None:
     from transformers import MiniCPMV4_6Config
 
-    # MiniCPM-V 4.6 as released: a Qwen3.5 (linear attention) text model
+    # a MiniCPM-V whose text model toptpu does not compile (MiniCPM-V 4.6 as released, with
+    # Qwen3.5, compiles: tests/test_vlm_qwen3_5.py)
     d = tmp_path / "minicpmv46"
-    MiniCPMV4_6Config(vision_config={"num_hidden_layers": 1}).save_pretrained(d)
-    with pytest.raises(ModelLoadError, match="qwen3_5_text.*Gated DeltaNet"):
+    MiniCPMV4_6Config(vision_config={"num_hidden_layers": 1},
+                      text_config={"model_type": "qwen3_5_moe_text"}).save_pretrained(d)
+    with pytest.raises(ModelLoadError, match="qwen3_5_moe_text, Qwen3.5-MoE"):
         load_vlm(str(d))
     model_dir = vlm_dir(tmp_path_factory, "internvl")
     with pytest.raises(ModelLoadError, match="--image-size 50 does not fit"):
@@ -332,6 +335,17 @@ def test_cli_run_profile_and_chat_with_images(tmp_path_factory, monkeypatch, cap
     ids, images = rt.image_prompt(PROMPT, [image])
     assert out["generated_ids"] == rt.generate(ids, 8, images=images).generated_ids
 
+    trace = os.path.join(str(tmp_path_factory.mktemp("vlm_trace")), "run.json")
+    assert main(["run", path, "--image", image, "--prompt", PROMPT, "--max-new-tokens", "8",
+                 "--json", "--trace", trace]) == 0
+    traced = json.loads(capsys.readouterr().out)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    (vision,) = [e for e in events if e["name"].startswith("vision:")]
+    vits = [e for e in events if e.get("args", {}).get("net") == "vit"]
+    assert vits and all(vision["ts"] <= e["ts"] and e["ts"] + e["dur"] <= vision["ts"] +
+                        vision["dur"] + 1e-3 for e in vits)
+    assert vision["dur"] == pytest.approx(traced["vision_modelled_s"] * 1e6, abs=1e-2)
     assert main(["run", path, "--image", os.path.join(os.path.dirname(image), "nope.png"),
                  "--prompt", "x"]) == 1
     assert "error: image" in capsys.readouterr().err

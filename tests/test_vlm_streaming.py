@@ -1,7 +1,8 @@
 """VLM checkpoint directories compiled by streaming (issue 13): the text model as a
 streaming skeleton (one layer's tensors in memory at a time), the vision tower read whole
-from the shards. Real producers: the suite's tiny InternVL and MiniCPM-V from the real
-config classes, saved by `save_pretrained` in bf16 in several shards."""
+from the shards. Real producers: the suite's tiny InternVL and MiniCPM-V (4.6 with a Qwen3
+text model, 4.7 with its Qwen3.5 one) from the real config classes, saved by
+`save_pretrained` in bf16 in several shards."""
 
 from __future__ import annotations
 
@@ -79,6 +80,36 @@ def test_streamed_vlm_compile_gives_the_bytes_of_the_in_memory_compile(tmp_path,
                                input_len=OPTIONS["max_input_length"], hash_seed="12345")
         with open(again, "rb") as f:
             assert f.read() == data
+
+
+#: a small Qwen3.5 text model (its multi-axis rotary: 8 frequency pairs in sections 3/3/2)
+SMALL_QWEN3_5 = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+                 "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+                 "linear_value_head_dim": 64,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                     "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                                     "mrope_interleaved": True}}
+
+
+@pytest.mark.slow
+def test_streamed_minicpmv4_7_gives_the_bytes_of_the_in_memory_compile(tmp_path):
+    """MiniCPM-V 4.7 with its Qwen3.5 text model (linear- and full-attention layers, canvas
+    positions) as a sharded bf16 directory: the streaming compile holds the first layer of
+    each kind only and writes the bytes of the in-memory compile (w4bf16)."""
+    path = _save(str(tmp_path / "ckpt"), "minicpmv4_7", SMALL_QWEN3_5, shard="2MB")
+    assert len(_shards(path)) > 2
+    streamed, whole = str(tmp_path / "s.toptpu"), str(tmp_path / "w.toptpu")
+    result = compile_model(path, streamed, mode="w4bf16", **OPTIONS)
+    loaded = result.loaded
+    assert loaded is not None and loaded.stream is not None  # it streamed
+    layers = loaded.model.model.layers
+    # each layer kind's first layer made real (its nets: 0 linear, 3 full attention)
+    assert len(layers) == 4 and all(p.is_meta for i in (1, 2) for p in layers[i].parameters())
+    assert result.header["vision"]["canvas_markers"]
+    compile_model(load_vlm(path), whole, mode="w4bf16", **OPTIONS)
+    with open(streamed, "rb") as f, open(whole, "rb") as g:
+        assert f.read() == g.read()
 
 
 def test_text_names_follow_transformers_renaming(tmp_path):

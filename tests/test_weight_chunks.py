@@ -267,8 +267,7 @@ def test_a_header_whose_net_reads_a_tensor_its_layers_chunk_lacks_is_refused(
                                           rf"reads '{name}': not in layer 1's chunk "
                                           rf"\(weights\.chunks\[1\]\)"):
         LlmHeader.from_json(header)
-    # ... and with no chunk holding it, layer 0 is named first (layer_nets are checked
-    # before the nets' own weight lists)
+    # ... and with no chunk holding it, the first layer that runs the net is named
     header["weights"] = encode(_replan(src.layout.shared, [lacking], [0, 0]))
     with pytest.raises(HeaderError, match=rf"layer_nets\.\w+\[0\] is '{reader}', which "
                                           rf"reads '{name}': not in layer 0's chunk"):

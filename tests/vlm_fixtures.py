@@ -13,8 +13,11 @@ from filelock import FileLock
 from llm_fixtures import shared_dir
 
 #: the test image of each family: InternVL 2x2 tiles + thumbnail (20 image tokens),
-#: MiniCPM-V a source image and a 1x2 slice grid (24 image tokens)
-IMAGE_SIZE = {"internvl": (130, 125), "minicpmv": (150, 260)}  # (height, width)
+#: MiniCPM-V a source image and a 1x3 slice grid (24 image tokens); MiniCPM-V with its
+#: Qwen3.5 text model a source image and a 2x2 slice grid (20 image tokens: two rows of
+#: slices, so 4.7's canvas pins the newline between them)
+IMAGE_SIZE = {"internvl": (130, 125), "minicpmv": (150, 260), "minicpmv4_6": (300, 200),
+              "minicpmv4_7": (300, 200)}  # (height, width)
 #: a prompt that, with the image tokens, spans several prefill chunks of 16
 PROMPT = "Describe the image. What is the capital of France?"
 
@@ -80,10 +83,10 @@ def hf_vlm(model_dir: str) -> Any:
         import transformers
 
         from toptpu.frontends.hf_loader import quiet_transformers
+        from toptpu.frontends.vlm import VLM_CLASSES
 
-        cls = {"internvl": transformers.InternVLForConditionalGeneration,
-               "minicpmv4_6": transformers.MiniCPMV4_6ForConditionalGeneration}[
-            transformers.AutoConfig.from_pretrained(model_dir).model_type]
+        cls = getattr(transformers, VLM_CLASSES[
+            transformers.AutoConfig.from_pretrained(model_dir).model_type])
         with quiet_transformers():
             _HF[model_dir] = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     return _HF[model_dir]
@@ -138,11 +141,20 @@ def hf_image_features(model_dir: str, inputs: dict[str, Any]) -> np.ndarray:
     return feats.reshape(-1, feats.shape[-1]).numpy()
 
 
-def hf_generate(model_dir: str, ids: list[int], inputs: dict[str, Any], n: int) -> list[int]:
-    """transformers greedy `generate` with the image inputs."""
+def hf_generate(model_dir: str, ids: list[int], inputs: dict[str, Any], n: int,
+                canvas: bool = True) -> list[int]:
+    """transformers greedy `generate` with the image inputs. A MiniCPM-V 4.7 gets the
+    `mm_token_type_ids` its processor returns by default (1 for the image tokens), so that
+    it lays out its canvas positions; `canvas` False leaves them out (transformers then
+    falls back to one text position per token, with a warning)."""
     import torch
 
+    model = hf_vlm(model_dir)
+    extra = {}
+    if canvas and model.config.model_type == "minicpmv4_7":
+        image = model.config.image_token_id
+        extra["mm_token_type_ids"] = torch.tensor([[int(i == image) for i in ids]])
     with torch.no_grad():
-        out = hf_vlm(model_dir).generate(torch.tensor([ids]), max_new_tokens=n,
-                                         do_sample=False, **inputs)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             **inputs, **extra)
     return out[0, len(ids):].tolist()

@@ -141,9 +141,9 @@ class Row:
     @property
     def chunks(self) -> list[int]:
         """Prefill chunks to try, largest first: SEQ (LLM-TPU prefills SEQ in one net),
-        then halves down to 64 (layer-group tiles a matmul by rows or by output channels,
-        not both, so a wide model's prefill matmuls at many rows may not fit local memory;
-        a smaller chunk prefills the prompt in several nets: block, then block_kv)."""
+        then halves down to 64 (a smaller chunk prefills the prompt in several nets: block,
+        then block_kv) should a chip's local memory not hold a plan of SEQ rows; with 2-D
+        tiles and reduction parts every row of the published table compiles at SEQ."""
         out, n = [], self.seq_length
         while n >= 64:
             out.append(n)

@@ -15,7 +15,13 @@ from types import FrameType
 
 from toptpu import llm_cli
 from toptpu.backend.reference.interpreter import Interpreter
-from toptpu.cli_args import ArgumentParser, UsageError, group_size, int_at_least, utf8_text
+from toptpu.cli_args import (
+    ArgumentParser,
+    UsageError,
+    add_weight_quant_args,
+    int_at_least,
+    utf8_text,
+)
 from toptpu.compare import (
     THRESHOLDS,
     IRStage,
@@ -255,9 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the decoder layer compared")
     c.add_argument("--seq", type=int_at_least(1), default=16, help="static sequence length")
     c.add_argument("-q", "--mode", default="bf16", help="quantization mode of the tpu stage")
-    c.add_argument("--group-size", type=group_size, default=None,
-                   help="w4 modes: quantization group size (default 64; -1: per channel)")
-    c.add_argument("--symmetric", action="store_true", default=None)
+    add_weight_quant_args(c)
     c.add_argument("--compare-all", action="store_true",
                    help="compare every intermediate tensor and name the first that drops")
     c.add_argument("--dump", metavar="DIR", help="write inputs, each stage's tensors (.npz) "

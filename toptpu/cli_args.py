@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.errors import ToptpuError
 
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -193,3 +194,14 @@ def add_static_shape_args(p: argparse.ArgumentParser) -> None:
                    "chunk runs the shortest that holds it (default 16, 64, 256, ... below L; "
                    "the longest is L, or L is their largest when --max-input-length is not "
                    "given)")
+
+
+def add_weight_quant_args(p: argparse.ArgumentParser) -> None:
+    """--group-size and --symmetric, as compile, estimate and compare take them (None: the
+    mode's default, which the help states)."""
+    p.add_argument("--group-size", type=group_size, default=None,
+                   help=f"w4 modes: quantization group size (default {DEFAULT_GROUP_SIZE}; -1: "
+                   "per channel)")
+    p.add_argument("--symmetric", action="store_true", default=None,
+                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
+                   "w4 asymmetric)")

@@ -302,7 +302,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     vision_mode: str | None = None,
     dequantize: str | None = None,
 ) -> CompileResult:
-    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6) to a model file at `output`.
+    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7) to a model file at `output`.
 
     `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
@@ -390,7 +390,9 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
                        f"{shapes.max_input_length}, history {shapes.max_history}, prefill "
                        f"lengths {','.join(map(str, shapes.prefill_lengths))}]\n")
     act = QuantMode(mode).activation
-    specs = split_model(hf, shapes, act=act)
+    vision = getattr(loaded, "vision", None)
+    axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
+    specs = split_model(hf, shapes, act=act, position_axes=axes)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, options.vision_mode, shapes)
@@ -401,7 +403,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     for rep in list(variants)[1:]:
         if loaded.stream is not None:  # the skeleton's representative layer made real
             loaded.stream.materialize(hf, rep, f"v{rep}.")
-        rep_specs = split_model(hf, shapes, layer=rep, act=act)
+        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes)
         if arch.layer_type(rep) != arch.layer_type(0):  # a layer kind of its own
             check_block_matches_model(hf, next(s for s in rep_specs if s.name == BLOCK),
                                       layer_index=rep)
@@ -415,9 +417,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
         for net in nets:
             if not net.spec.per_layer:
                 loaded.stream.bind_shared(net.spec.module, net.weight_prefix)
-    return CompilePlan(loaded, arch, options, mode, nets, variants, layers,
-                       getattr(loaded, "vision", None), vit.mode if vit else None,
-                       load_seconds)
+    return CompilePlan(loaded, arch, options, mode, nets, variants, layers, vision,
+                       vit.mode if vit else None, load_seconds)
 
 
 #: the conversation a chat template renders at compile time (what `toptpu chat` renders)
@@ -461,7 +462,7 @@ def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | N
                                                              vision_mode)) if v is not None]
     if given:
         raise CompileError(f"{', '.join(given)} apply to vision-language models (InternVL, "
-                           "MiniCPM-V 4.6); this model has no vision tower")
+                           "MiniCPM-V 4.6/4.7); this model has no vision tower")
     if stream and isinstance(model, str | os.PathLike):
         return load_streaming(os.fspath(model))
     return load_model(model, tokenizer)

@@ -54,7 +54,12 @@ from toptpu.backend.target.chips import (
     get_chip,
 )
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
-from toptpu.cli_args import UsageError, add_static_shape_args, group_size, int_at_least
+from toptpu.cli_args import (
+    UsageError,
+    add_static_shape_args,
+    add_weight_quant_args,
+    int_at_least,
+)
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import CompileError, ToptpuError
@@ -497,8 +502,7 @@ def add_estimate_parser(sub: Any) -> None:
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
     add_static_shape_args(p)
-    p.add_argument("--group-size", type=group_size, default=None)
-    p.add_argument("--symmetric", action="store_true", default=None)
+    add_weight_quant_args(p)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
                    "--max-input-length); its chunks run at the shortest prefill length "

@@ -19,6 +19,7 @@ from typing import Any
 
 from toptpu.backend.contract import REPETITION_PENALTY_RANGE
 from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.runtime.run_trace import write_run_trace
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
     GenerationError,
@@ -35,8 +36,8 @@ from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
     add_static_shape_args,
+    add_weight_quant_args,
     finite_float,
-    group_size,
     int_at_least,
     token_ids,
     utf8_problem,
@@ -44,6 +45,7 @@ from toptpu.cli_args import (
 )
 from toptpu.dialects.common import QuantMode
 from toptpu.errors import ToptpuError
+from toptpu.paths import check_output_file
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
@@ -68,13 +70,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
     add_static_shape_args(p)
-    p.add_argument("--group-size", type=group_size, default=None,
-                   help="w4 modes: quantization group size (default 64; -1: per channel)")
-    p.add_argument("--symmetric", action="store_true", default=None,
-                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
-                   "w4 asymmetric)")
+    add_weight_quant_args(p)
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
-    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6)")
+    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6/4.7)")
     v.add_argument("--image-size", type=int_at_least(1), default=None,
                    help="tile (InternVL) / slice (MiniCPM-V) size in pixels the vit net is "
                    "compiled for (default: the checkpoint's, e.g. 448)")
@@ -106,6 +104,12 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object (ids, text, "
                    "time to first token and tokens/s, host and modelled; schema in "
                    "docs/usage.md)")
+    r.add_argument("--trace", metavar="JSON", help="write the Chrome trace (open it in "
+                   "Perfetto) of the whole run on the modelled chip clock: the prefill chunks, "
+                   "every decode step and token choice, every net run and host transfer")
+    r.add_argument("--trace-commands", action="store_true",
+                   help="--trace also holds every DMA and compute command of every net run "
+                   "(large)")
     add_sampling_args(r)
 
 
@@ -136,14 +140,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=finite_float(0.0, what=" (0: greedy)"), default=None,
                    help="0 = greedy (default: the generation config's, greedy unless it "
                    "samples)")
-    p.add_argument("--top-k", type=int_at_least(0, " (0: off)"), default=None)
+    p.add_argument("--top-k", type=int_at_least(0, " (0: off)"), default=None,
+                   help="sample among the K most likely tokens, 0: off (default: the "
+                   "generation config's when it samples, else 0)")
     p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True, what=" (1: off)"),
-                   default=None)
+                   default=None, help="sample among the most likely tokens whose probability "
+                   "adds up to P, 1: off (default: the generation config's when it samples, "
+                   "else 1)")
     p.add_argument("--repetition-penalty", type=finite_float(*REPETITION_PENALTY_RANGE,
-                                                             what=" (1: off)"), default=None)
+                                                             what=" (1: off)"), default=None,
+                   help="make recent tokens less likely: their positive logits divided by "
+                   "this, negative ones multiplied, 1: off (default: the generation config's, "
+                   "else 1)")
     p.add_argument("--penalty-window", type=int_at_least(0), default=64,
                    help="recent tokens the repetition penalty looks at")
-    p.add_argument("--seed", type=int_at_least(0), default=None, help="seed of the sampler")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="seed of the sampler (default: a fresh one each run)")
     p.add_argument("--sampler", choices=list(SAMPLER_CHOICES), default="auto",
                    help="where the token is chosen: chip (greedy_head / sample_head nets, as "
                    "the real deployment), host (logits read back, numpy), auto (chip where "
@@ -279,9 +291,16 @@ def _print_notes(rt: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
     --image PATH (repeatable)."""
+    if args.trace_commands and not args.trace:
+        raise UsageError("--trace-commands adds to --trace: give --trace FILE.json too")
+    if args.trace:
+        check_output_file(args.trace, "--trace", "trace.json")
+        if os.path.exists(args.trace) and os.path.samefile(args.trace, args.model_file):
+            raise UsageError(f"--trace '{args.trace}' is the model file; name another file")
     rt = Runtime.open(args.model_file, args.executor)
     _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
+    recorder = rt.start_trace() if args.trace else None
     ids, images = _prompt_ids(rt, args)
     stream = None
     if not args.json:
@@ -296,12 +315,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     res = rt.generate(ids, args.max_new_tokens, sampling, on_text=stream,
                       stop_on_eos=not args.ignore_eos, images=images,
                       skip_special_tokens=not args.special_tokens)
+    if recorder is not None:
+        write_run_trace(args.trace, recorder, args.trace_commands,
+                        {"modelled_ttft_s": res.modelled_ttft_s,
+                         "modelled_tokens_per_s": res.modelled_tokens_per_s,
+                         "generated_tokens": len(res.generated_ids)})
     _print_notes(rt)
     if args.json:
         print(json.dumps(run_json(res, args.executor, rt.weight_cache_file)))
     else:
         print()
         print(stats_line(res), file=sys.stderr)
+    if recorder is not None:
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 

@@ -23,16 +23,18 @@ from toptpu.passes.pipelines import AfterPass, machine_passes, run_passes
 
 
 def compile_for_machine(module: ModuleOp, chip: Chip | str, max_ops: int = 12, *,
-                        after: AfterPass | None = None) -> Program:
+                        after: AfterPass | None = None, split_reduction: str = "cost"
+                        ) -> Program:
     """machine-pipeline (layer-group + lmem-verify + address-assign) on `module`, in place,
     then codegen for its one function. `chip`: a `Chip` or a preset's name; `after` is
-    called after each pass (progress, IR dumps). The program's IR does not name the
-    module's weight store: whoever runs the program hands it the weights."""
+    called after each pass (progress, IR dumps); `split_reduction`: layer-group's option
+    (where a reduction is split in parts). The program's IR does not name the module's
+    weight store: whoever runs the program hands it the weights."""
     fns = [f for f in module.ops if isinstance(f, func.FuncOp)]
     if len(fns) != 1:
         raise CodegenError(f"a machine program is made of a module with exactly one function; "
                            f"this one has {len(fns)}")
-    run_passes(module, machine_passes(chip, max_ops), after=after)
+    run_passes(module, machine_passes(chip, max_ops, split_reduction), after=after)
     store = module.attributes.pop(STORE_ATTR, None)
     try:
         return generate(module, fns[0], get_chip(chip) if isinstance(chip, str) else chip)

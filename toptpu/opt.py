@@ -35,6 +35,9 @@ at it, so every printed module runs on its own:
 - the input's own store is never overwritten (an error names the clash), and the companion
   is written atomically, before the result, only when everything succeeded.
 A pipeline that derives nothing the result needs leaves `top.weight_store` as it was.
+The IR printed between passes (`--print-between-passes`, on stderr) names the same companion
+file once the passes derived tensors it needs, and the file holds the tensors of every
+printed module too: any of them can be cut out and run on its own.
 """
 
 from __future__ import annotations
@@ -297,6 +300,10 @@ class _PendingWeights:
 class ToptpuOptMain(xDSLOptMain):
     _kept_output: _KeptOutput | None = None
     _pending_weights: _PendingWeights | None = None
+    #: the context of the chunk the passes run on (its store), and the store's tensors the
+    #: printed modules and the result name (saved to the companion file)
+    _weights_ctx: WeightsContext | None = None
+    _companion_names: set[str]
 
     def register_all_dialects(self) -> None:
         ours = {d.name for d in all_dialects()}
@@ -335,11 +342,44 @@ class ToptpuOptMain(xDSLOptMain):
         if prev is not None and not isinstance(prev, PipelineEntry):
             self.pass_times.append((prev.name, now - self._pass_started))
             if self.args.print_between_passes and nxt is not None:
-                print(f"// -----// IR after {prev.name} //----- //", file=sys.stderr)
-                Printer(stream=sys.stderr, print_generic_format=self.args.print_op_generic,
-                        print_debuginfo=self.args.print_debuginfo).print_op(module)
-                print("\n", file=sys.stderr)
+                self._print_between(prev, module)
         self._pass_started = time.perf_counter()
+
+    def _print_between(self, prev: ModulePass, module: ModuleOp) -> None:
+        """The IR after `prev` on stderr, naming a weight store that holds its tensors:
+        when the passes so far derived some, the companion file the result's tensors go to
+        (written at the end with every printed module's tensors), so any printed module
+        can be cut out and run on its own."""
+        print(f"// -----// IR after {prev.name} //----- //", file=sys.stderr)
+        path = self._companion_for(module, f"the IR printed after {prev.name}")
+        kept = module.attributes.get(STORE_ATTR)
+        if path is not None:  # printed as it will be saved; the passes go on with theirs
+            module.attributes[STORE_ATTR] = StringAttr(os.path.abspath(path))
+        try:
+            Printer(stream=sys.stderr, print_generic_format=self.args.print_op_generic,
+                    print_debuginfo=self.args.print_debuginfo).print_op(module)
+        finally:
+            if path is not None and kept is not None:
+                module.attributes[STORE_ATTR] = kept
+        print("\n", file=sys.stderr)
+
+    def _companion_for(self, module: ModuleOp, what: str) -> str | None:
+        """Where the tensors `module` names go when the passes derived some of them (None:
+        its own store holds them all); records them for the companion file."""
+        store = self._weights_ctx.weights if self._weights_ctx is not None else None
+        if store is None:  # no pass read weights
+            return None
+        names = needed_names(module, store)
+        derived = sorted(set(names) & store.derived_names())
+        if not derived:
+            return None
+        path = self._weights_path(derived, what)
+        if _same_file(path, store.uri):
+            raise OptInputError(
+                f"the weights of {what} would go to {path}, the weight store of the input, "
+                "which is never overwritten: give -o another name or --weights-out PATH")
+        self._companion_names.update(names)
+        return path
 
     def timing_report(self) -> str:
         """--time-passes: each pass's wall time and share, mlir-opt's report in short."""
@@ -366,6 +406,10 @@ class ToptpuOptMain(xDSLOptMain):
             if action.dest == "print_debuginfo":
                 action.help = ("print locations on stdout too (the output of -o keeps them "
                                "unless --strip-debuginfo)")
+            if action.dest == "disable_verify":
+                action.help = "do not verify the IR after parsing it and after each pass"
+            if action.dest == "version":
+                action.help = "print xDSL's version and exit"
         arg_parser.add_argument(
             "--strip-debuginfo", action="store_true",
             help="drop the locations from the output of -o (kept by default)")
@@ -435,46 +479,43 @@ class ToptpuOptMain(xDSLOptMain):
             _write(self.args.output_file, self._kept_output.getvalue())
 
     # -- weights -------------------------------------------------------------------------------
-    def _weights_path(self, derived: list[str]) -> str:
+    def _weights_path(self, derived: list[str], what: str = "the result") -> str:
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
             if output_target(self.args.output_file)[1] == "through":
                 raise OptInputError(
                     f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
-                    f"{len(derived)} weight tensor(s) the result needs: give --weights-out "
+                    f"{len(derived)} weight tensor(s) {what} needs: give --weights-out "
                     "PATH (a .safetensors file) for them")
             return companion_weights_path(self.args.output_file)
         example = ", ".join(f"'{n}'" for n in derived[:2])
         raise OptInputError(
-            f"the passes derived {len(derived)} weight tensor(s) the result needs ({example}"
+            f"the passes derived {len(derived)} weight tensor(s) {what} needs ({example}"
             f"{', ...' if len(derived) > 2 else ''}) and the result goes to stdout: give "
             f"--weights-out PATH (a .safetensors file), or -o OUT.mlir (the weights then go to "
             f"OUT{WEIGHTS_SUFFIX})")
 
     def _keep_derived_weights(self, module: ModuleOp, store: WeightStore | None) -> None:
         """Point the result at a companion file holding every tensor it names, when the
-        passes derived some of them (written in `run`, before the result)."""
+        passes derived some of them (written in `run`, before the result); the file also
+        holds the tensors of the modules printed between passes."""
         if store is None:  # no pass read weights
             return
-        names = needed_names(module, store)
-        derived = sorted(set(names) & store.derived_names())
-        if not derived:  # the module's own store holds every tensor it names
+        path = self._companion_for(module, "the result")
+        if path is not None:
+            module.attributes[STORE_ATTR] = StringAttr(os.path.abspath(path))
+        if not self._companion_names:  # every module's own store holds its tensors
             return
-        path = self._weights_path(derived)
-        if _same_file(path, store.uri):
-            raise OptInputError(
-                f"the weights of the result would go to {path}, the weight store of the "
-                "input, which is never overwritten: give -o another name or --weights-out "
-                "PATH")
+        path = path or self._weights_path(sorted(self._companion_names & store.derived_names()),
+                                          "the IR printed between passes")
         if self._pending_weights is not None:
             raise OptInputError(
                 "the passes derived weights in more than one --split-input-file chunk, and "
                 "one weights file holds one module's tensors: run the chunks separately")
         if self.args.weights_out is None:
             _check_output_path(path, "the weights file")
-        self._pending_weights = _PendingWeights(store, names, path)
-        module.attributes[STORE_ATTR] = StringAttr(os.path.abspath(path))
+        self._pending_weights = _PendingWeights(store, sorted(self._companion_names), path)
 
     def parse_chunk(self, chunk: IO[bytes], file_extension: str,
                     start_offset: int = 0) -> ModuleOp | None:
@@ -499,6 +540,7 @@ class ToptpuOptMain(xDSLOptMain):
         pipeline = self.pipeline
         state: dict[str, ModulePass | None] = {"running": None, "verifying_after": None}
         ctx = WeightsContext.of(self.ctx)  # the module's store: opened by the first pass asking
+        self._weights_ctx, self._companion_names = ctx, set()
 
         def callback(prev: ModulePass | None, module: ModuleOp, nxt: ModulePass | None) -> None:
             state["running"], state["verifying_after"] = None, prev
@@ -510,6 +552,8 @@ class ToptpuOptMain(xDSLOptMain):
 
         try:
             PassPipeline(pipeline.passes, callback).apply(ctx, prog)
+        except OptInputError:  # printing between passes needs a weights file named
+            raise
         except Exception as e:  # noqa: BLE001 - sorted into refusal, crash, invalid output
             after, running = state["verifying_after"], state["running"]
             if after is not None:

@@ -5,6 +5,10 @@ inputs are valid placeholders: token 0, positions 0.., masks that see everything
 prints per net: modelled time, engine busy fractions, bytes moved, FLOPs, achieved DDR and
 peak fractions and the roofline ratio. `--trace` writes a Chrome trace (open it in
 Perfetto), `--png DIR` one timeline/roofline picture per net, `--json` the numbers.
+Then the generation steps as `toptpu run` charges them (`accounting.StepModel` over the
+profiled nets' times, each layer its own net): the time to first token and one decoded
+token, itemized by net run and host transfer, so the nets' own times and run's modelled
+tokens/s are seen to agree.
 
 `toptpu profile FILE.mlir [--chip NAME]` does the same for grouped and addressed Tpu IR (a
 `--dump-ir` file after address-assign, or `toptpu-opt -p tpu-pipeline` output): codegen
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,8 +30,9 @@ from xdsl.dialects import func
 from toptpu.backend.codegen.streams import generate
 from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
 from toptpu.backend.formats.program import Program
+from toptpu.backend.runtime.accounting import SAMPLERS, Charge, StepModel, total
 from toptpu.backend.runtime.machine import LoadedNet, Timeline
-from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.machine_executor import MachineExecutor, timing_of
 from toptpu.backend.runtime.profile import (
     NetProfile,
     profile_timeline,
@@ -36,7 +42,7 @@ from toptpu.backend.runtime.profile import (
     write_timeline_png,
 )
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
-from toptpu.cli_args import UsageError
+from toptpu.cli_args import UsageError, int_at_least
 from toptpu.dialects import context, tpu
 from toptpu.dialects.ir_text import parse_ir
 from toptpu.paths import OutputPathError, check_output_dir, check_output_file
@@ -47,9 +53,8 @@ _ONES = (TEMPERATURE, PENALTY, TOP_K, TOP_P)
 
 
 def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-    if name == "position_ids":
-        n = shape[-1]
-        return np.arange(n, dtype=dtype).reshape(shape)
+    if name == "position_ids":  # [axes, n]: the same text positions on every axis
+        return np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
     if name in _ONES:
         return np.ones(shape, dtype)
     return np.zeros(shape, dtype)
@@ -73,11 +78,100 @@ def profile_model(path: str, nets: list[str] | None = None
             bindings[spec.name] = buf
         for spec in info.outputs:
             bindings[spec.name] = ex.alloc(spec.shape, spec.dtype)
-        ex.run(name, bindings, 0 if info.per_layer else None)
+        ex.run(name, bindings, first_layer(ex.meta.layer_nets, name) if info.per_layer
+               else None)
         prog = ex.program(name)
         tl = ex.stats[name].timelines[-1]
         profiles.append(profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops))
     return ex, profiles
+
+
+def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
+    """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
+    own layers' weights, whose chunk may be laid out for another layer kind)."""
+    return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == net),
+               default=0)
+
+
+# --------------------------------------------------------------------------- the step bill
+
+
+def step_model(ex: MachineExecutor) -> StepModel:
+    """The generation loop's steps charged from the nets' profiled runs: what `toptpu run`
+    charges (the machine executor's ledger) without generating."""
+    timings = {net: timing_of(st.timelines[-1]) for net, st in ex.stats.items()}
+    io = {net: (info.inputs, info.outputs) for net, info in ex.nets().items()}
+    return StepModel(ex.chip, io, timings, ex.file.num_layers, ex.meta.layer_nets)
+
+
+def bill_table(charges: Sequence[Charge], title: str) -> str:
+    """A step's charges as a table: each net (its runs) and each host transfer, with its
+    share of the step, then the total."""
+    step = total(charges)
+    width = max([len("what"), *(len(c.what) for c in charges)])
+    lines = [title, f"  {'what':<{width}} {'count':>6} {'ms each':>9} {'ms':>9} {'share':>7}"]
+    for c in charges:
+        ms = c.costs.total_s * 1e3
+        lines.append(f"  {c.what:<{width}} {c.count:>6} {ms / c.count:>9.4f} {ms:>9.4f} "
+                     f"{c.costs.total_s / step.total_s:>7.1%}")
+    lines.append(f"  {'total':<{width}} {'':>6} {'':>9} {step.total_s * 1e3:>9.4f} "
+                 f"{1:>7.1%}")
+    return "\n".join(lines)
+
+
+def _figure(chip: Chip, name: str, value: str) -> str:
+    """'2412.27 us (host_transfer_us, fitted)': a chip figure, named, with where it comes
+    from (fitted to published speeds, assumed, set by the user)."""
+    source = chip.sources.get(name, "")
+    kind = next((k for k in ("fitted", "assumed", "set by the user") if source.startswith(k)),
+                "")
+    return f"{value} ({name}{', ' + kind if kind else ''})"
+
+
+def step_summary(steps: StepModel, prompt_tokens: int, sampler: str) -> str:
+    """The time to first token and per decoded token as `toptpu run` models them, itemized,
+    and how they relate to the nets' own times (the figures outside the nets)."""
+    chip = steps.chip
+    first, per = (steps.first_token_charges(prompt_tokens, sampler),
+                  steps.per_token_charges(sampler))
+    how = {"greedy": "greedy_head picks the token on the chip",
+           "sample": "sample_head draws it on the chip",
+           "host": "the logits go back to the host"}[sampler]
+    t_first, t_per = total(first), total(per)
+    nets = t_per.ddr_s + t_per.compute_s
+    alone = f"{1 / nets:.1f} tokens/s" if nets else "no time"
+    lines = [
+        bill_table(first, f"time to first token, a {prompt_tokens}-token prompt ({sampler}: "
+                   f"{how}), as `toptpu run` charges it:"),
+        bill_table(per, "one decoded token after it, as `toptpu run` charges it:"),
+        f"time to first token: {t_first.total_s * 1e3:.4f} ms modelled "
+        f"({t_first.bound}-bound)",
+        f"decode: {t_per.total_s * 1e3:.4f} ms per token = {1 / t_per.total_s:.1f} tokens/s "
+        f"modelled ({t_per.bound}-bound)",
+        f"  the nets' engine time alone: {nets * 1e3:.4f} ms per token = {alone}; the rest is "
+        "fixed per step on the chip model:",
+        f"  {t_per.launches:g} net launches x "
+        f"{_figure(chip, 'launch_us', f'{chip.launch_us:g} us')}, {t_per.transfers:g} host "
+        "transfers x "
+        f"{_figure(chip, 'host_transfer_us', f'{chip.host_transfer_us:g} us')} + their "
+        f"{t_per.transfer_bytes:g} bytes at "
+        f"{_figure(chip, 'host_gbps', f'{chip.host_gbps:g} GB/s')} on {chip.name} "
+        "(docs/estimates.md)",
+    ]
+    return "\n".join(lines)
+
+
+def steps_json(steps: StepModel, prompt_tokens: int, sampler: str) -> dict[str, Any]:
+    def bill(charges: Sequence[Charge]) -> dict[str, Any]:
+        return {**total(charges).to_json(),
+                "charges": [{"kind": c.kind, "what": c.what, "count": c.count,
+                             "seconds": c.costs.total_s} for c in charges]}
+
+    per = steps.per_token(sampler)
+    return {"sampler": sampler, "prompt_tokens": prompt_tokens,
+            "first_token": bill(steps.first_token_charges(prompt_tokens, sampler)),
+            "per_decoded_token": bill(steps.per_token_charges(sampler)),
+            "tokens_per_s": 1 / per.total_s if per.total_s else None}
 
 
 def profile_ir(path: str, chip_name: str) -> tuple[Chip, list[NetProfile], list[Timeline],
@@ -152,18 +246,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
     nets = [n.strip() for n in args.nets.split(",")] if args.nets else None
     ex, profiles = profile_model(args.model_file, nets)
     layers = ex.file.num_layers
+    steps = step_model(ex) if nets is None else None  # the step needs every net's time
+    prompt = _prompt_tokens(args, ex)
     if args.json:
         print(json.dumps({"chip": ex.chip.name, "layers": layers,
-                          "nets": profiles_json(profiles)}, indent=1))
+                          "nets": profiles_json(profiles),
+                          "steps": steps_json(steps, prompt, args.sampler) if steps else None},
+                         indent=1))
     else:
         print(summary_table(profiles, ex.chip))
-        per = {p.net: p.seconds for p in profiles}
-        if "block_cache" in per:
-            decode = layers * per["block_cache"] + per.get("embedding_cache", 0.0) + per.get(
-                "lm_head", 0.0)
-            print(f"one decode step ({layers} layers + embedding + lm_head): "
-                  f"{decode * 1e3:.3f} ms modelled, {1 / decode:.1f} tokens/s")
+        if steps is not None:
+            print(step_summary(steps, prompt, args.sampler))
+        else:
+            print("(--nets: the generation steps need every net; profile them all for the "
+                  "time to first token and tokens/s)")
         vision = ex.header.get("vision")
+        per = {p.net: p.seconds for p in profiles}
         if vision and vision["net"] in per:
             tile = per[vision["net"]]
             n = vision["max_tiles"] + (1 if vision["max_tiles"] > 1 else 0)
@@ -177,6 +275,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_tokens(args: argparse.Namespace, ex: MachineExecutor) -> int:
+    shapes = ex.meta.shapes
+    n = shapes.max_input_length if args.prompt_tokens is None else args.prompt_tokens
+    if n > shapes.seq_length:
+        raise UsageError(f"--prompt-tokens {n} does not fit the KV cache of the model file "
+                         f"(seq_length {shapes.seq_length})")
+    return n
+
+
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help=cmd_profile.__doc__)
     p.add_argument("model_file", help="a model file, or grouped and addressed Tpu IR (.mlir)")
@@ -185,5 +292,11 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nets", help="comma-separated nets (default: all)")
     p.add_argument("--trace", metavar="JSON", help="write a Chrome trace of the runs")
     p.add_argument("--png", metavar="DIR", help="write a timeline/roofline PNG per net")
+    p.add_argument("--sampler", choices=list(SAMPLERS), default="greedy",
+                   help="how the steps choose a token: greedy (greedy_head), sample "
+                   "(sample_head) on the chip, or host (the logits read back)")
+    p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
+                   help="the prompt of the time to first token (default: one chunk, the "
+                   "model file's max_input_length)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(fn=cmd_profile)

@@ -9,10 +9,10 @@ pool (`--jobs`) or, with `--ray ADDRESS`, as Ray tasks on a cluster (Ray is an o
 extra: `pip install -e '.[ray]'`; the cluster's workers need toptpu installed too).
 
 The sweep writes one CSV row per point (a point that cannot compile, e.g. a layer that does
-not fit a smaller local memory, keeps its row with the error) and two pictures: decode
-tokens/s against DDR bandwidth (a line per model, mode, sequence length and the other
-figures) and where each point's decode step goes (DDR-bound nets, compute-bound nets,
-launches, host transfers).
+not fit a smaller local memory, keeps its row with the error) and the pictures of
+`toptpu.sweep_plots`: for each swept parameter, decode tokens/s and the time to first token
+against it (a line per combination of the others), and where each point's decode step goes
+(DDR-bound nets, compute-bound nets, launches, host transfers).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from toptpu.estimate import (
     estimate,
     read_checked_config,
 )
-from toptpu.paths import check_not_inside, check_output_dir, open_output, open_text_output
+from toptpu.paths import check_not_inside, check_output_dir, open_text_output
+from toptpu.sweep_plots import write_plots
 
 #: the chip figures a sweep varies (`--tflops` is the per-core half-precision peak; the
 #: other compute types scale with it)
@@ -54,8 +55,6 @@ AXES = ("lanes", "lane_bytes", "ddr_gbps", "tflops", "cores")
 #: the compute type `--tflops` names
 TFLOPS_TYPE = "bf16"
 CSV_NAME = "sweep.csv"
-BANDWIDTH_PNG = "tokens_per_s_vs_bandwidth.png"
-BREAKDOWN_PNG = "breakdown.png"
 COLUMNS = ("config", "mode", "seq_length", "chip", *AXES, "sustained_gbps", "weight_bytes",
            "kv_bytes", "ttft_s", "tokens_per_s", "decode_step_s",
            *(f"decode_{c}_s" for c in CATEGORIES), "decode_bound", "error")
@@ -179,123 +178,6 @@ def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
             w.writerow({k: r.get(k, "") for k in COLUMNS})
 
 
-def series_label(row: Mapping[str, Any], varying: Sequence[str]) -> str:
-    """What tells a row's line apart from the others: the columns that vary, but DDR."""
-    parts = [f"{k} {_short(row[k])}" for k in varying if k != "ddr_gbps"]
-    return ", ".join(parts) or "all points"
-
-
-def point_label(row: Mapping[str, Any], varying: Sequence[str]) -> str:
-    return ", ".join(f"{k} {_short(row[k])}" for k in varying) or "the point"
-
-
-def varying_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    keys = ("config", "mode", "seq_length", *AXES)
-    return [k for k in keys if len({str(r[k]) for r in rows}) > 1]
-
-
-def _short(v: Any) -> str:
-    if isinstance(v, str):
-        return os.path.basename(v.rstrip("/")) or v
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-          (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
-CATEGORY_COLORS = {"ddr": (31, 119, 180), "compute": (214, 39, 40), "launch": (255, 127, 14),
-                   "host": (127, 127, 127)}
-
-
-def _save_png(img: Any, path: str) -> None:
-    with open_output(path, "the sweep plot") as f:
-        img.save(f, format="PNG")
-
-
-def write_bandwidth_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Decode tokens/s (y) against nominal DDR GB/s (x): a line per series."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    ok = [r for r in rows if not r["error"]]
-    varying = varying_columns(rows)
-    series: dict[str, list[tuple[float, float]]] = {}
-    for r in ok:
-        series.setdefault(series_label(r, varying), []).append(
-            (float(r["ddr_gbps"]), float(r["tokens_per_s"])))
-    w, h, left, top, plot_w, plot_h = 900, 560 + 18 * len(series), 80, 40, 780, 420
-    img = Image.new("RGB", (w, h), "white")
-    d = ImageDraw.Draw(img)
-    font = ImageFont.load_default(size=13)
-    d.text((10, 10), "decode tokens/s against DDR bandwidth (modelled, toptpu sweep)",
-           fill="black", font=font)
-    xs = [x for pts in series.values() for x, _ in pts] or [0.0, 1.0]
-    ys = [y for pts in series.values() for _, y in pts] or [1.0]
-    x0, x1 = 0.0, max(xs) * 1.05
-    y0, y1 = 0.0, max(ys) * 1.1
-
-    def at(x: float, y: float) -> tuple[float, float]:
-        return (left + plot_w * (x - x0) / (x1 - x0), top + plot_h * (1 - (y - y0) / (y1 - y0)))
-
-    d.rectangle([left, top, left + plot_w, top + plot_h], outline="black")
-    for i in range(6):
-        xv, yv = x0 + (x1 - x0) * i / 5, y0 + (y1 - y0) * i / 5
-        px, _ = at(xv, y0)
-        _, py = at(x0, yv)
-        d.text((px - 12, top + plot_h + 6), f"{xv:.3g}", fill="black", font=font)
-        d.text((10, py - 7), f"{yv:.4g}", fill="black", font=font)
-    d.text((left + plot_w // 2 - 60, top + plot_h + 24), "DDR GB/s (nominal)", fill="black",
-           font=font)
-    for i, (label, pts) in enumerate(series.items()):
-        color = COLORS[i % len(COLORS)]
-        pts = sorted(pts)
-        if len(pts) > 1:
-            d.line([at(x, y) for x, y in pts], fill=color, width=2)
-        for x, y in pts:
-            cx, cy = at(x, y)
-            d.ellipse([cx - 4, cy - 4, cx + 4, cy + 4], fill=color)
-        ly = top + plot_h + 50 + 18 * i
-        d.rectangle([left, ly + 2, left + 12, ly + 12], fill=color)
-        d.text((left + 18, ly), label, fill="black", font=font)
-    if not ok:
-        d.text((left + 20, top + 20), "no point compiled (see the CSV's error column)",
-               fill="black", font=font)
-    _save_png(img, path)
-
-
-def write_breakdown_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Each point's decode step as a bar split by where the time goes."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    varying = varying_columns(rows)
-    ok = [r for r in rows if not r["error"]]
-    label_w, bar_w, top = 420, 440, 60
-    h = top + 22 * max(len(rows), 1) + 40
-    img = Image.new("RGB", (label_w + bar_w + 120, h), "white")
-    d = ImageDraw.Draw(img)
-    font = ImageFont.load_default(size=13)
-    d.text((10, 10), "where a decoded token's time goes (modelled, ms)", fill="black",
-           font=font)
-    lx = 10
-    for c in CATEGORIES:
-        d.rectangle([lx, 34, lx + 12, 46], fill=CATEGORY_COLORS[c])
-        d.text((lx + 18, 32), c, fill="black", font=font)
-        lx += 100
-    longest = max((float(r["decode_step_s"]) for r in ok), default=1.0)
-    for i, r in enumerate(rows):
-        y = top + 22 * i
-        d.text((10, y + 2), point_label(r, varying)[:60], fill="black", font=font)
-        if r["error"]:
-            d.text((label_w, y + 2), "did not compile: " + str(r["error"])[:60],
-                   fill="black", font=font)
-            continue
-        x = float(label_w)
-        for c in CATEGORIES:
-            part = bar_w * float(r[f"decode_{c}_s"]) / longest
-            d.rectangle([x, y, x + part, y + 16], fill=CATEGORY_COLORS[c])
-            x += part
-        d.text((x + 6, y + 2), f"{float(r['decode_step_s']) * 1e3:.3g}", fill="black",
-               font=font)
-    _save_png(img, path)
-
 
 # =========================================================================== the command
 
@@ -318,10 +200,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, CSV_NAME)
     write_csv(csv_path, rows)
-    write_bandwidth_png(os.path.join(args.out, BANDWIDTH_PNG), rows)
-    write_breakdown_png(os.path.join(args.out, BREAKDOWN_PNG), rows)
+    pictures = write_plots(args.out, rows, args.chip)
     failed = [r for r in rows if r["error"]]
-    print(f"wrote {csv_path} ({len(rows)} rows), {BANDWIDTH_PNG} and {BREAKDOWN_PNG} in "
+    print(f"wrote {csv_path} ({len(rows)} rows), {', '.join(pictures)} in "
           f"{args.out}" + (f"; {len(failed)} points did not compile (the error column says "
                            "why)" if failed else ""))
     return 0

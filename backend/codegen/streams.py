@@ -27,12 +27,13 @@ from typing import Any
 
 import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from toptpu.backend.formats.commands import (
     Command,
     Compute,
+    Cut,
     Gather,
     GlobalRef,
     Load,
@@ -45,7 +46,7 @@ from toptpu.backend.formats.program import Program, Regions, TensorSpec, WeightS
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import cost_dtype, nbytes, op_flops
 from toptpu.dialects import tpu
-from toptpu.dialects.common import numpy_dtype, read_int, read_ints, shape_of
+from toptpu.dialects.common import dtype_bytes, numel, numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.naming import input_names, op_name, output_names
 from toptpu.errors import ToptpuError
@@ -54,6 +55,10 @@ from toptpu.errors import ToptpuError
 class CodegenError(ToptpuError, ValueError):
     """The IR is not ready for codegen (not grouped, allocated or addressed); the message
     names the pass to run."""
+
+
+def nbytes_of(t: TensorType) -> int:
+    return numel(t.get_shape()) * dtype_bytes(t.element_type)
 
 
 def _dtype(v: SSAValue) -> str:
@@ -223,6 +228,23 @@ class _GroupEmitter:
         self.resident = {ld.output for ld in self.loads if read_int(ld.slice_axis) == -1}
         #: slices one buffer instance serves (a tiled group's load kept for the inner loop)
         self.per_buffer = {ld.output: g.tiles_per_buffer(ld) for ld in self.loads}
+        self.loaded = {ld.output for ld in self.loads}
+        #: a group with reduction parts: its op, accumulator (address, type), the slices a
+        #: stored tile takes, and the accumulator instance of the tile being reduced
+        self.parts = g.reduction_parts()
+        self.reducing: Operation | None = None
+        if self.parts > 1:
+            (self.reducing,) = self.computes
+            if g.acc is None:
+                raise CodegenError(f"{op_name(g)} has no accumulator address: run layer-group")
+            acc_type = tpu.accumulator_type(self.reducing)
+            self.acc_at = read_int(g.acc)
+            self.acc_shape = tuple(acc_type.get_shape())
+            self.acc_bytes = nbytes_of(acc_type)
+        self.acc_buf = 0
+        self.store_every = self.parts
+        if self.reducing is not None:  # its result: one instance per tile
+            self.per_buffer.update({r: self.parts for r in self.reducing.results})
 
     def emit(self) -> int:
         """Emit every command of the group; return its FLOPs (each slice runs the
@@ -241,7 +263,7 @@ class _GroupEmitter:
                         self.load(ld, i + 1)
             for op in self.computes:
                 self.compute(op, i)
-            if i >= 1:
+            if i >= 1 and i % self.store_every == 0:  # a tile after its last part
                 for st in self.stores:
                     self.store(st, i - 1)
         for st in self.stores:
@@ -282,7 +304,8 @@ class _GroupEmitter:
         key = self._key(v, i)
         self.inst[key] = self.em.new_buf()
         n = self.uses_in_group[v] * (self.slices if v in self.resident
-                                     else self.per_buffer.get(v, 1))
+                                     else self.per_buffer.get(v, 1) if v in self.loaded
+                                     else 1)
         self.readers_left[key] = max(n, 1)
 
     def global_ref(self, v: SSAValue) -> GlobalRef:
@@ -295,21 +318,22 @@ class _GroupEmitter:
         ref = self.global_ref(src)
         ax = read_int(ld.slice_axis)
         full = list(shape_of(src))
-        part = self.g.slice_window(ld, i, full)[ax] if ax >= 0 else slice(0, 0)
+        window = self.g.slice_window(ld, i, full)
+        part = window[ax] if ax >= 0 else slice(0, 0)
         self.make(ld.output, i)
         # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
         read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
             else (_gkey(ref), 0, nbytes(src))
-        axes = tpu.tile_axes_of(ld)
-        if axes is not None and -1 not in axes:  # a part of a 2-D tile
-            tile, block, ax, part, _ = self.two_axis_part(ld, i, ref, full, _dtype(src))
-            ref, full = tile, list(block)
         self.em.add(Load, [read], [self.lrange(ld.output, i)],
                     name=op_name(ld) or "load", tensor=ref, shape=tuple(full),
                     dtype=_dtype(src), axis=ax, start=part.start, length=part.stop - part.start,
-                    local=self.local_ref(ld.output, i), group=self.gi, slice=i)
+                    cuts=_cuts(window, ax), local=self.local_ref(ld.output, i), group=self.gi,
+                    slice=i)
 
     def compute(self, op: Operation, i: int) -> None:
+        if op is self.reducing:
+            self.reduce(op, i)
+            return
         freed: list[int] = []
         ins: list[LocalRef | None] = []
         reads = []
@@ -349,6 +373,40 @@ class _GroupEmitter:
         else:
             self.em.add(Compute, reads, writes, self.kills(freed), **fields)
 
+    def reduce(self, op: Operation, i: int) -> None:
+        """The compute of one reduction part (`Compute.parts`): its part's inputs folded
+        into the accumulator; at the last part the result written, the accumulator freed."""
+        part = self.g.reduction_part(i)
+        last = part == self.parts - 1
+        if part == 0:
+            self.acc_buf = self.em.new_buf()
+        acc = LocalRef(self.acc_at, self.acc_shape, "float32", self.acc_buf, self.acc_bytes)
+        acc_range = (("L", None), self.acc_at, self.acc_at + self.chip.per_lane(self.acc_bytes))
+        freed: list[int] = []
+        groups_ = op.operand_groups() if hasattr(op, "operand_groups") else list(op.operands)
+        ins = [self.local_ref(v, i) if v is not None else None for v in groups_]
+        reads = [self.lrange(v, i) for v in op.operands]
+        if part > 0:
+            reads.append(acc_range)
+        for v in op.operands:
+            self.consume(v, i, freed)
+        outs: list[LocalRef] = []
+        writes = []
+        kills = self.kills(freed)
+        if last:
+            freed.append(self.acc_buf)
+            kills.append(acc_range)
+            for r in op.results:
+                self.make(r, i)
+                outs.append(self.local_ref(r, i))
+                writes.append(self.lrange(r, i))
+        else:
+            writes.append(acc_range)
+        self.em.add(Compute, reads, writes, kills, name=op_name(op) or op.name, kind=op.name,
+                    op=self.op_index[op], ins=tuple(ins), outs=tuple(outs),
+                    flops=op_flops(op), dtype=cost_dtype(op), free=tuple(freed),
+                    group=self.gi, slice=i, part=part, parts=self.parts, acc=acc)
+
     def store(self, st: tpu.StoreOp, i: int) -> None:
         dst = self.store_target[st.output]
         ref = self.global_ref(dst)
@@ -360,9 +418,15 @@ class _GroupEmitter:
         self.consume(st.input, i, freed)
         glo = ref.offset if ref.space == Space.ACT else 0
         item = np.dtype(_dtype(dst)).itemsize
-        axes = tpu.tile_axes_of(st)
-        if axes is not None and -1 not in axes:
-            self.store_tile(st, i, ref, full, src, freed)
+        if tpu.tile_axes_of(st) is not None:  # a tile: a box of the result
+            window = self.g.slice_window(st, i, full)
+            lo, hi = _box_range(full, window, item)
+            part = window[ax]
+            self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), glo + lo, glo + hi)],
+                        self.kills(freed), name=op_name(st) or "store", tensor=ref,
+                        shape=tuple(full), dtype=_dtype(dst), axis=ax, start=part.start,
+                        length=part.stop - part.start, cuts=_cuts(window, ax), local=src,
+                        free=tuple(freed), group=self.gi, slice=i)
             return
         if ax >= 0 and all(d == 1 for d in full[:ax]):
             inner = int(np.prod(full[ax + 1:])) * item
@@ -375,38 +439,26 @@ class _GroupEmitter:
                     dtype=_dtype(dst), axis=ax, start=i * n, length=n, local=src,
                     free=tuple(freed), group=self.gi, slice=i)
 
-    def two_axis_part(self, op: tpu.LoadOp | tpu.StoreOp, i: int, ref: GlobalRef,
-                      full: list[int], dtype: str) -> tuple[GlobalRef, tuple[int, ...], int,
-                                                            slice, tuple[int, int]]:
-        """A part of a 2-D tile sliced along two axes a < b (`tile_axes`), as one transfer:
-        its block along a is one contiguous part of the activation region (the axes before
-        a are 1), addressed as a tensor of its own at that offset, and the part is that
-        block's slice along b. Returns (that tensor, its shape, b, the slice along b, the
-        block's byte range)."""
-        a, b = sorted(tpu.tile_axes_of(op) or (-1, -1))
-        if ref.space != Space.ACT or any(d != 1 for d in full[:a]):
-            raise CodegenError(f"{op_name(op)}: a part sliced along two axes moves only "
-                               "within the activation region, after unit axes (layer-group "
-                               "plans so)")
-        window = self.g.slice_window(op, i, full)
-        inner = int(np.prod(full[a + 1:])) * np.dtype(dtype).itemsize
-        block = list(full)
-        block[a] = window[a].stop - window[a].start
-        lo = ref.offset + window[a].start * inner
-        return (GlobalRef(Space.ACT, offset=lo), tuple(block), b, window[b],
-                (lo, lo + block[a] * inner))
 
-    def store_tile(self, st: tpu.StoreOp, i: int, ref: GlobalRef, full: list[int],
-                   src: LocalRef, freed: list[int]) -> None:
-        """The store of a 2-D tile (`two_axis_part`)."""
-        part, block, axis, along, (lo, hi) = self.two_axis_part(st, i, ref, full,
-                                                                 _dtype(st.output))
-        self.em.add(Store, [self.lrange(st.input, i)], [(_gkey(ref), lo, hi)],
-                    self.kills(freed), name=op_name(st) or "store", tensor=part,
-                    shape=block,
-                    dtype=_dtype(st.output), axis=axis, start=along.start,
-                    length=along.stop - along.start, local=src, free=tuple(freed),
-                    group=self.gi, slice=i)
+def _cuts(window: tuple[slice, ...], axis: int) -> tuple[Cut, ...]:
+    """The axes other than `axis` that `window` cuts (a part of a tile)."""
+    return tuple(Cut(a, w.start, w.stop - w.start) for a, w in enumerate(window)
+                 if a != axis and w != slice(None))
+
+
+def _box_range(shape: list[int], window: tuple[slice, ...], item: int) -> tuple[int, int]:
+    """The byte range [lo, hi) from the first to the last element of a box of a row-major
+    tensor (what a store of a tile may write)."""
+    strides = [item] * len(shape)
+    for a in range(len(shape) - 2, -1, -1):
+        strides[a] = strides[a + 1] * shape[a + 1]
+    lo = hi = 0
+    for w, n, stride in zip(window, shape, strides, strict=True):
+        start, stop = (0, n) if w == slice(None) else (w.start, w.stop)
+        lo += start * stride
+        hi += (stop - 1) * stride
+    return lo, hi + item
+
 
 def generate_module(module: ModuleOp, chip: Chip) -> dict[str, Program]:
     return {fn.sym_name.data: generate(module, fn, chip)

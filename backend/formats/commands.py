@@ -36,8 +36,9 @@ from toptpu.backend.formats.llm_file import MAX_ELEMENTS, DType
 from toptpu.dialects.common import DTYPE_BY_NAME
 
 #: the version of the command records; programs of another version are refused.
-#: 1: dicts with keys `e`, `g`, `ax`, `sp`, ... (no version field); 2: these records.
-STREAM_SCHEMA = 2
+#: 1: dicts with keys `e`, `g`, `ax`, `sp`, ... (no version field); 2: these records;
+#: 3: transfers cut along further axes (`Cut`), reduction parts of a compute (`k_part`).
+STREAM_SCHEMA = 3
 
 Dim = Annotated[int, Range(0, MAX_ELEMENTS)]
 Shape = tuple[Dim, ...]
@@ -105,6 +106,15 @@ class _Command:
     engine: ClassVar[str]  # "dma" or "cmp"
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A transfer's part along one more axis: `length` elements from `start`."""
+
+    axis: Annotated[int, Range(0)]
+    start: Annotated[int, Range(0)]
+    length: Annotated[int, Range(1)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Transfer(_Command):
     tensor: GlobalRef  # the whole global tensor
@@ -113,6 +123,9 @@ class _Transfer(_Command):
     axis: Annotated[int, Range(-1)]  # the axis sliced; -1: the whole tensor
     start: int = 0  # the slice along `axis`
     length: int = 0
+    #: the other axes the part is cut along (a strided transfer: a 2-D tile's block of
+    #: rows of a block of output channels, a reduction part of a weight's channels)
+    cuts: tuple[Cut, ...] = ()
     local: LocalRef  # the local buffer written (load) or read (store)
 
     engine: ClassVar[str] = "dma"
@@ -128,12 +141,16 @@ class _Transfer(_Command):
         index = [slice(None)] * len(self.shape)
         if self.axis >= 0:
             index[self.axis] = slice(self.start, self.start + self.length)
+        for c in self.cuts:
+            index[c.axis] = slice(c.start, c.start + c.length)
         return tuple(index)
 
     def part_shape(self) -> tuple[int, ...]:
         shape = list(self.shape)
         if self.axis >= 0:
             shape[self.axis] = self.length
+        for c in self.cuts:
+            shape[c.axis] = c.length
         return tuple(shape)
 
 
@@ -166,9 +183,21 @@ class _OpCommand(_Command):
 
 @dataclass(frozen=True, kw_only=True)
 class Compute(_OpCommand):
-    """Compute engine: one op over local buffers."""
+    """Compute engine: one op over local buffers.
+
+    A reduction split in `parts` (a layer group's matmul over parts of K, an attention over
+    parts of its keys) runs one command per part, in order: each folds its part into the
+    f32 accumulator `acc` (the first writes it, the others read and write it); the last
+    also reads it to write the op's result (`outs`, empty before) and frees it."""
 
     cmd: Literal["compute"] = "compute"
+    part: Annotated[int, Range(0)] = 0
+    parts: Annotated[int, Range(1)] = 1
+    acc: LocalRef | None = None
+
+    @property
+    def last_part(self) -> bool:
+        return self.part == self.parts - 1
 
     engine: ClassVar[str] = "cmp"
     nbytes: ClassVar[int] = 0
@@ -237,6 +266,19 @@ def check_command(c: Command, index: int, where: str) -> None:
             raise HeaderError(join(where, "length"),
                               f"slice [{c.start}, {c.start + c.length}) is outside an axis "
                               f"of {c.shape[c.axis]}")
+        if c.cuts and c.axis < 0:
+            raise HeaderError(join(where, "cuts"), "need a sliced axis (axis is -1)")
+        seen = {c.axis}
+        for i, cut in enumerate(c.cuts):
+            at = join(join(where, "cuts"), i)
+            if cut.axis >= len(c.shape) or cut.axis in seen:
+                raise HeaderError(join(at, "axis"), f"is {cut.axis}: not another axis of "
+                                                    f"the {len(c.shape)} of the tensor")
+            if cut.start + cut.length > c.shape[cut.axis]:
+                raise HeaderError(join(at, "length"),
+                                  f"slice [{cut.start}, {cut.start + cut.length}) is outside "
+                                  f"an axis of {c.shape[cut.axis]}")
+            seen.add(cut.axis)
         if numel(c.part_shape()) != numel(c.local.shape) or c.dtype != c.local.dtype:
             raise HeaderError(join(where, "local"),
                               f"is {c.local.dtype} {list(c.local.shape)}, the part moved is "
@@ -247,6 +289,20 @@ def check_command(c: Command, index: int, where: str) -> None:
             _check_local(ref, join(join(where, "ins"), i))
     for i, ref in enumerate(c.outs):
         _check_local(ref, join(join(where, "outs"), i))
+    if isinstance(c, Compute):
+        if c.part >= c.parts:
+            raise HeaderError(join(where, "part"), f"is {c.part}, not one of {c.parts} parts")
+        if (c.acc is not None) != (c.parts > 1):
+            raise HeaderError(join(where, "acc"), "must be given exactly when the compute "
+                                                  "has more than one part")
+        if c.acc is not None:
+            _check_local(c.acc, join(where, "acc"))
+            if c.acc.dtype != "float32":
+                raise HeaderError(join(join(where, "acc"), "dtype"),
+                                  f"is {c.acc.dtype}, an accumulator is float32")
+            if bool(c.outs) != c.last_part:
+                raise HeaderError(join(where, "outs"), "a reduction writes its result at "
+                                                       "its last part only")
     if isinstance(c, Gather):
         _check_global(c.table.tensor, join(join(where, "table"), "tensor"))
         if c.table_operand > len(c.ins):
@@ -287,5 +343,10 @@ def command_text(c: Command) -> str:
         args.insert(c.table_operand, str(c.table.tensor))
     outs = ",".join(str(o) for o in c.outs)
     shapes = ",".join(_shape(o.shape, o.dtype) for o in c.outs)
+    part = ""
+    if isinstance(c, Compute) and c.acc is not None:  # e.g. `part 1/4 acc L512#9`
+        part = f" part {c.part}/{c.parts} acc {c.acc}"
+        if not c.outs:
+            shapes, outs = _shape(c.acc.shape, c.acc.dtype), str(c.acc)
     return (f"{head}{c.kind.removeprefix('tpu.'):<8} {c.name} {shapes} ({', '.join(args)}) "
-            f"-> {outs} g{c.group}.s{c.slice} deps={_deps(c)}{_freed(c)}")
+            f"-> {outs}{part} g{c.group}.s{c.slice} deps={_deps(c)}{_freed(c)}")

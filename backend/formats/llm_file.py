@@ -65,7 +65,9 @@ names the field, e.g. `nets.block.inputs[2].shape`):
   same inputs and options give the same bytes); `checkpoint`: the pre-quantized
   checkpoint's method, packing, bits, layer count and dtype (or null)
 - `vision` (VLMs only): the `vit` net's family, image processor and its config, image
-  tokens and ids, tile/patch numbers, the HF config and the vit net's mode
+  tokens and ids, tile/patch numbers, the HF config and the vit net's mode; for MiniCPM-V
+  4.7 its `canvas_markers` (the token ids its canvas positions are pinned to), with which
+  the full-attention nets take `position_ids` [3, n] (T, H, W) instead of [1, n]
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import (
+    CANVAS_MARKERS,
     FULL_ATTENTION,
     KNOWN_NETS,
     LAYER_TYPES,
@@ -443,6 +446,14 @@ class VisionInfo:
     merge_levels: tuple[tuple[Count, Count], ...] | None = None
     token_divisor: Count | None = None
     position_side: Count | None = None
+    #: MiniCPM-V 4.7 only: `CANVAS_MARKERS` -> token id; the text nets then take a position
+    #: per axis (T, H, W) and the runtime lays them out (`contract.canvas_position_ids`)
+    canvas_markers: dict[Name, TokenId] | None = None
+
+    @property
+    def position_axes(self) -> int:
+        """The text nets' position axes (`contract.POSITION_AXES`)."""
+        return 3 if self.canvas_markers is not None else 1
 
     def check(self, vocab: int, where: str = "vision") -> None:
         processor, required, marker = VISION_KINDS[self.kind]
@@ -463,6 +474,20 @@ class VisionInfo:
             if (getattr(self, key) is None) == (self.kind == "minicpmv"):
                 raise HeaderError(f"{where}.{key}", "is missing" if self.kind == "minicpmv"
                                   else f"does not apply to a {self.kind} model")
+        if self.canvas_markers is not None:
+            if self.kind != "minicpmv":
+                raise HeaderError(f"{where}.canvas_markers",
+                                  f"does not apply to a {self.kind} model")
+            if sorted(self.canvas_markers) != sorted(CANVAS_MARKERS):
+                raise HeaderError(f"{where}.canvas_markers",
+                                  f"names {sorted(self.canvas_markers)}, a canvas needs "
+                                  f"{sorted(CANVAS_MARKERS)}")
+            for name, token in self.canvas_markers.items():
+                _check_token(token, vocab, f"{where}.canvas_markers.{name}")
+            if self.token_divisor not in (4, 16):
+                raise HeaderError(f"{where}.token_divisor",
+                                  f"is {self.token_divisor}; a canvas merges 2x2 or 4x4 "
+                                  "patches into a token (4 or 16)")
 
 
 @dataclass(frozen=True)
@@ -575,7 +600,8 @@ class LlmHeader:
             raise HeaderError("generation.repetition_penalty", "is 0 (it must be > 0)")
 
     def _check_nets(self) -> None:
-        contract = net_io(self.shapes, self.model, self.activation_dtype)
+        axes = self.vision.position_axes if self.vision is not None else 1
+        contract = net_io(self.shapes, self.model, self.activation_dtype, axes)
         linear = {} if self.model.linear is None else linear_net_io(
             self.shapes, self.model.hidden_size, self.model.linear.widths,
             self.activation_dtype)

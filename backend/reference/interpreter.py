@@ -330,25 +330,81 @@ def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.nd
                          _out_dtype(op))]
 
 
+# ------------------------------------------------------------------ reduction parts
+
+
+def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None,
+                   first_key: int = 0) -> np.ndarray:
+    """Fold one reduction part of `op` (one of `tpu.REDUCTION_OPS`, its operands `args` the
+    part's: K columns of a matmul, keys of an attention numbered from `first_key`) into its
+    f32 accumulator (`tpu.accumulator_type`; None: the first part); returns the new one."""
+    if isinstance(op, tpu.A16MatMulOp):
+        x, q, s, z, _ = args
+        assert x is not None and q is not None and s is not None
+        return K.a16_matmul_part(acc, x, q, s, z, read_int(op.weight_bits),
+                                 read_int(op.group_size))
+    if isinstance(op, top.MatMulBase):
+        a, b, _ = args
+        assert a is not None and b is not None
+        return K.matmul_part(acc, a, b, read_bool(op.transpose_a), read_bool(op.transpose_b))
+    assert isinstance(op, top.AttentionBase)
+    q, k, v, mask = args[:4]
+    assert q is not None and k is not None and v is not None
+    state = (K.attention_start(q, k, v.shape[-1]) if acc is None
+             else K.OnlineSoftmax.unpacked(acc))
+    K.attention_tile(state, q, k, v, mask, read_float(op.scale), first_key)
+    return state.packed()
+
+
+def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray:
+    """The result of `op` from its accumulator after the last reduction part (`args`: that
+    part's operands): a matmul's sum plus its bias, rounded; an attention's weighted
+    values over the sum (with the log-sum-exp for a `tpu.attention_part`)."""
+    if isinstance(op, tpu.A16MatMulOp | top.MatMulBase):
+        x = args[0]
+        assert x is not None
+        bias = args[4] if isinstance(op, tpu.A16MatMulOp) else args[2]
+        return K.matmul_finish(acc, bias, _out_dtype(op), x)
+    q = args[0]
+    assert q is not None
+    state = K.OnlineSoftmax.unpacked(acc)
+    if isinstance(op, tpu.AttentionPartOp):
+        return K.attention_part_finish(state, q)
+    return K.attention_finish(state, q, _out_dtype(op))
+
+
 @evaluates(tpu.GroupOp)
 def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    """Run a layer group slice by slice, as the machine does (without its memories)."""
+    """Run a layer group slice by slice, as the machine does (without its memories): a
+    group with reduction parts folds each part into its accumulator and has each tile's
+    result after its last part (`tpu.GroupOp`)."""
     assert isinstance(op, tpu.GroupOp)
     block = op.body.block
     s = read_int(op.slices)
+    parts = op.reduction_parts()
     env: dict[SSAValue, np.ndarray] = {}
     for a, v in zip(block.args, args, strict=True):
         assert v is not None
         env[a] = v
     outs: dict[SSAValue, np.ndarray] = {}
+    acc: np.ndarray | None = None
     for i in range(s):
         local: dict[SSAValue, np.ndarray] = dict(env)
+        at = op.reduction_part(i)
         for inner in block.ops:
             if isinstance(inner, tpu.LoadOp):
                 full = env[inner.input]
                 ax = read_int(inner.slice_axis)
                 local[inner.output] = full if ax == -1 else full[
                     op.slice_window(inner, i, full.shape)]
+            elif parts > 1 and isinstance(inner, tpu.REDUCTION_OPS):
+                operands = operand_arrays(inner, local)
+                acc = reduction_part(inner, operands, None if at == 0 else acc,
+                                     at * _part_keys(inner))
+                if at == parts - 1:
+                    local[inner.results[0]] = reduction_finish(inner, operands, acc)
+            elif isinstance(inner, tpu.StoreOp) and at < parts - 1:
+                pass  # the tile's result exists after its last part
             elif isinstance(inner, tpu.StoreOp):
                 ax = read_int(inner.slice_axis)
                 if inner.output not in outs:
@@ -371,6 +427,11 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     term = block.last_op
     assert term is not None
     return [outs[v] for v in term.operands]
+
+
+def _part_keys(op: Operation) -> int:
+    """The keys of one reduction part of an attention (0 for a matmul: no key numbers)."""
+    return shape_of(op.k)[1] if isinstance(op, top.AttentionBase) else 0
 
 
 # --------------------------------------------------------------------------- driver

@@ -385,6 +385,16 @@ class OnlineSoftmax:
     acc: np.ndarray
 
 
+    def packed(self) -> np.ndarray:
+        """The state as one f32 array [B, Hkv, rep, Sq, 2 + Dv]: peak, total, acc (a layer
+        group's accumulator in local memory, `tpu.accumulator_type`)."""
+        return np.concatenate([self.peak, self.total, self.acc], axis=-1)
+
+    @classmethod
+    def unpacked(cls, packed: np.ndarray) -> OnlineSoftmax:
+        return cls(packed[..., :1], packed[..., 1:2], packed[..., 2:])
+
+
 def attention_start(q: np.ndarray, k: np.ndarray, dv: int) -> OnlineSoftmax:
     b, sq, hq, _ = q.shape
     hkv = k.shape[2]
@@ -405,8 +415,11 @@ def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.nda
     hkv = k.shape[2]
     rep = hq // hkv
     st = k.shape[1]
-    fq = f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d)
-    sc = np.matmul(fq, f32(k).transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
+    # contiguous operands: a tile is a strided window of its tensor where it is not in
+    # local memory, and a BLAS may sum a strided operand in another order
+    k, v = np.ascontiguousarray(f32(k)), np.ascontiguousarray(f32(v))
+    fq = np.ascontiguousarray(f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d))
+    sc = np.matmul(fq, k.transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
     sc *= np.float32(scale)
     if mask is not None:
         sc += np.broadcast_to(f32(mask), (b, hq, sq, st)).reshape(b, hkv, rep, sq, st)
@@ -420,7 +433,7 @@ def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.nda
     np.exp(sc, out=sc)
     keep = np.exp(state.peak - safe)
     state.total = state.total * keep + np.sum(sc, axis=-1, keepdims=True)
-    state.acc = state.acc * keep + np.matmul(sc, f32(v).transpose(0, 2, 1, 3)[:, :, None])
+    state.acc = state.acc * keep + np.matmul(sc, v.transpose(0, 2, 1, 3)[:, :, None])
     state.peak = peak
 
 
@@ -461,6 +474,12 @@ def attention_part(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     `attention` (within f32 rounding: the exponentials are summed in another order)."""
     state = attention_start(q, k, v.shape[-1])
     attention_tile(state, q, k, v, mask, scale, 0, k.shape[1] - q.shape[1] if causal else None)
+    return attention_part_finish(state, q)
+
+
+def attention_part_finish(state: OnlineSoftmax, q: np.ndarray) -> np.ndarray:
+    """`attention_part`'s result from the state after all of the part's keys: the weighted
+    values and the log-sum-exp, f32 [B, Sq, Hq, Dv + 1]."""
     b, sq, hq, _ = q.shape
     lse = state.peak + np.log(state.total)
     out = np.concatenate([state.acc / state.total, lse], axis=-1)
@@ -495,6 +514,34 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
     if bias is not None:
         r = r + f32(bias).reshape(-1)
     return _out(r, out_dtype, a)
+
+
+def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
+                transpose_a: bool = False, transpose_b: bool = False) -> np.ndarray:
+    """One part of a matmul split along K (a layer group's reduction parts): `acc` + a @ b
+    over the part's K, in f32, without the bias (`acc` None: the first part). The parts'
+    sums are added in their order, so the result differs from `matmul`'s one sum over K by
+    f32 rounding (`matmul_finish` adds the bias and rounds). The operands are made
+    contiguous first: a part is a strided window of its tensor where it is not in local
+    memory (the fast machine, the interpreter), and a BLAS may sum a strided operand in
+    another order than a contiguous one."""
+    fa = np.ascontiguousarray(f32(a) if is_float_dtype(a.dtype) else a)
+    fb = np.ascontiguousarray(f32(b) if is_float_dtype(b.dtype) else b)
+    if transpose_a:
+        fa = np.swapaxes(fa, -1, -2)
+    if transpose_b:
+        fb = np.swapaxes(fb, -1, -2)
+    r = np.matmul(fa, fb).astype(np.float32, copy=False)
+    if acc is None:
+        return r
+    return np.add(acc, r, out=r)
+
+
+def matmul_finish(acc: np.ndarray, bias: np.ndarray | None, out_dtype, like: np.ndarray
+                  ) -> np.ndarray:
+    """A matmul's result from its f32 sum over all of K (`matmul_part`): plus `bias`,
+    rounded to the output dtype (`like`'s when None), as `matmul` finishes its one sum."""
+    return _biased(acc, bias, out_dtype, like)
 
 
 def gather(table: np.ndarray, indices: np.ndarray, axis: int) -> np.ndarray:
@@ -760,6 +807,25 @@ def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                out_dtype=None) -> np.ndarray:
     return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size), bias,
                               out_dtype)
+
+
+def a16_matmul_part(acc: np.ndarray | None, x: np.ndarray, qweight: np.ndarray,
+                    scales: np.ndarray, zeros: np.ndarray | None, bits: int,
+                    group_size: int) -> np.ndarray:
+    """One part of an `a16_matmul` split along K (whole quantization groups): `acc` +
+    x @ dequantize(part).T in f32, without the bias (`matmul_finish` adds it)."""
+    return matmul_dequantized_part(acc, x, dequantize(qweight, scales, zeros, bits,
+                                                      group_size))
+
+
+def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray
+                            ) -> np.ndarray:
+    """`a16_matmul_part` with the part's weights dequantized (`dequantize`); contiguous
+    operands, as `matmul_part`."""
+    r = np.matmul(np.ascontiguousarray(f32(x)), np.ascontiguousarray(w).T)
+    if acc is None:
+        return r
+    return np.add(acc, r, out=r)
 
 
 def matmul_dequantized(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None,

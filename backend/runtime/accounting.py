@@ -18,7 +18,7 @@ these are in its preset (`Chip.launch_us`, `host_transfer_us`, `host_gbps`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from toptpu.backend.contract import (
@@ -29,6 +29,7 @@ from toptpu.backend.contract import (
     EMBEDDING,
     EMBEDDING_CACHE,
     GREEDY_HEAD,
+    HIDDEN,
     HISTORY_K,
     INPUT_IDS,
     LM_HEAD,
@@ -110,15 +111,18 @@ class Ledger:
     totals: Costs = field(default_factory=Costs)
     per_net: dict[str, Costs] = field(default_factory=dict)
 
-    def net(self, name: str, timing: NetTiming) -> None:
-        """One launch of `name` with its modelled engine time."""
+    def net(self, name: str, timing: NetTiming) -> Costs:
+        """One launch of `name` with its modelled engine time; returns what it cost."""
         c = net_costs(self.chip, timing)
         self.totals += c
         self.per_net[name] = self.per_net.get(name, Costs()) + c
+        return c
 
-    def transfer(self, nbytes: int) -> None:
-        """One host<->device copy of `nbytes`."""
-        self.totals += transfer_costs(self.chip, nbytes)
+    def transfer(self, nbytes: int) -> Costs:
+        """One host<->device copy of `nbytes`; returns what it cost."""
+        c = transfer_costs(self.chip, nbytes)
+        self.totals += c
+        return c
 
 
 def net_costs(chip: Chip, timing: NetTiming) -> Costs:
@@ -138,31 +142,93 @@ def transfer_costs(chip: Chip, nbytes: int) -> Costs:
 
 
 @dataclass(frozen=True)
+class Charge:
+    """One line of a step's bill: a net (its runs) or a host transfer (of one tensor), how
+    often, and what that cost in all."""
+
+    kind: str  # "net" or "transfer"
+    what: str  # the net, or the tensor moved and where ("input_ids to the chip")
+    count: int
+    costs: Costs
+
+
+def total(charges: Sequence[Charge]) -> Costs:
+    """The costs of a bill."""
+    out = Costs()
+    for c in charges:
+        out += c.costs
+    return out
+
+
+def merged(charges: Sequence[Charge]) -> list[Charge]:
+    """The bill with the lines of the same net or transfer added up, in first-seen order."""
+    out: dict[tuple[str, str], Charge] = {}
+    for c in charges:
+        key = (c.kind, c.what)
+        seen = out.get(key)
+        out[key] = c if seen is None else Charge(c.kind, c.what, seen.count + c.count,
+                                                  seen.costs + c.costs)
+    return list(out.values())
+
+
+@dataclass(frozen=True)
 class StepModel:
     """The generation loop's steps from per-net timings (what `Runtime` does, charged
     without running it).
 
     `io`: each text net's inputs and outputs (`contract.net_io`); `timings`: one run of
     each net (per-layer nets: one layer's); `layers`: how many layers run the per-layer
-    nets."""
+    nets; `layer_nets`: for a model whose layers run different nets (`block@3`: another
+    layer kind or quantization), each per-layer net's net per layer (`LlmHeader.layer_nets`).
+
+    Each step is itemized (`*_charges`: one `Charge` per net run and host transfer, as the
+    machine executor's ledger charges them); the Costs methods are their totals."""
 
     chip: Chip
     io: Mapping[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]
     timings: Mapping[str, NetTiming]
     layers: int
+    layer_nets: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     def _spec(self, net: str, name: str) -> TensorSpec:
-        ins, outs = self.io[net]
-        return next(s for s in (*ins, *outs) if s.name == name)
+        """The IO `name` of `net` or, where its layers differ, of the first of its layers'
+        nets that has it (a linear-attention `block_cache` has no KV history; the
+        full-attention variant's tells the cache length)."""
+        for n in (net, *self._variants(net)):
+            ins, outs = self.io[n]
+            for s in (*ins, *outs):
+                if s.name == name:
+                    return s
+        raise KeyError(f"no net of '{net}' has '{name}'")
 
-    def _net(self, net: str, runs: int = 1) -> Costs:
-        return net_costs(self.chip, self.timings[net]).times(runs)
+    def _variants(self, net: str) -> list[str]:
+        """The nets each layer runs for per-layer net `net` (`layer_nets`; a prefill net at
+        a shorter length `block:16`: its layers' nets at that length); [] where all run
+        `net`."""
+        name = NetName.parse(net)
+        names = self.layer_nets.get(str(name.at_length(0)), ())
+        return [str(NetName.parse(n).at_length(name.length)) for n in names]
 
-    def _up(self, net: str, *names: str) -> Costs:
-        total = Costs()
-        for n in names:
-            total += transfer_costs(self.chip, self._spec(net, n).nbytes)
-        return total
+    def _layer_names(self, net: str) -> Sequence[str]:
+        return self._variants(net) or [net] * self.layers
+
+    def _net(self, net: str) -> Charge:
+        return Charge("net", net, 1, net_costs(self.chip, self.timings[net]))
+
+    def _layers(self, net: str) -> list[Charge]:
+        """Every layer's run of the per-layer net `net` (each layer's own net)."""
+        return merged([self._net(n) for n in self._layer_names(net)])
+
+    def _move(self, net: str, name: str, to_chip: bool) -> Charge:
+        nbytes = self._spec(net, name).nbytes
+        where = "to the chip" if to_chip else "to the host"
+        return Charge("transfer", f"{name} {where}", 1, transfer_costs(self.chip, nbytes))
+
+    def _up(self, net: str, *names: str) -> list[Charge]:
+        return [self._move(net, n, True) for n in names]
+
+    def _down(self, net: str, *names: str) -> list[Charge]:
+        return [self._move(net, n, False) for n in names]
 
     @property
     def seq(self) -> int:
@@ -180,7 +246,7 @@ class StepModel:
         for name in self.io:
             net = NetName.parse(name)
             if net.base == BLOCK and not net.is_variant:
-                out[self._spec(name, POSITION_IDS).shape[1]] = net.length
+                out[self._spec(name, HIDDEN).shape[1]] = net.length
         return out
 
     def chunk_net(self, base: str, n: int) -> tuple[str, int]:
@@ -194,34 +260,34 @@ class StepModel:
     def history(self) -> int:
         return self._spec(BLOCK_KV, HISTORY_K).shape[1]
 
-    def decode_step(self) -> Costs:
+    def decode_step_charges(self) -> list[Charge]:
         """Feed one token: its id, position and mask up, embedding_cache, the layers'
         block_cache (`Runtime._decode_step`)."""
-        return (self._up(EMBEDDING_CACHE, INPUT_IDS) + self._net(EMBEDDING_CACHE)
-                + self._up(BLOCK_CACHE, POSITION_IDS, ATTENTION_MASK)
-                + self._net(BLOCK_CACHE, self.layers))
+        return [*self._up(EMBEDDING_CACHE, INPUT_IDS), self._net(EMBEDDING_CACHE),
+                *self._up(BLOCK_CACHE, POSITION_IDS, ATTENTION_MASK),
+                *self._layers(BLOCK_CACHE)]
 
-    def next_token(self, sampler: str) -> Costs:
+    def next_token_charges(self, sampler: str) -> list[Charge]:
         """Choose a token from the last hidden row (`Runtime._next_token`): lm_head, then
         greedy_head and the token back, or sample_head (the recent ids up) and its
         candidates back, or the logits back to the host."""
-        c = self._net(LM_HEAD)
+        c = [self._net(LM_HEAD)]
         if sampler == "greedy":
-            return c + self._net(GREEDY_HEAD) + self._up(GREEDY_HEAD, TOKEN)
+            return [*c, self._net(GREEDY_HEAD), *self._down(GREEDY_HEAD, TOKEN)]
         if sampler == "sample":
-            return (c + self._up(SAMPLE_HEAD, RECENT_IDS) + self._net(SAMPLE_HEAD)
-                    + self._up(SAMPLE_HEAD, PROBS, TOKEN_IDS))
+            return [*c, *self._up(SAMPLE_HEAD, RECENT_IDS), self._net(SAMPLE_HEAD),
+                    *self._down(SAMPLE_HEAD, PROBS, TOKEN_IDS)]
         if sampler == "host":
-            return c + self._up(LM_HEAD, LOGITS)
+            return [*c, *self._down(LM_HEAD, LOGITS)]
         raise ValueError(f"unknown sampler '{sampler}' ({', '.join(SAMPLERS)})")
 
-    def sampling_setup(self, sampler: str) -> Costs:
+    def sampling_setup_charges(self, sampler: str) -> list[Charge]:
         """Once per generation: sample_head's parameters up."""
         if sampler != "sample":
-            return Costs()
+            return []
         return self._up(SAMPLE_HEAD, PENALTY, TEMPERATURE, TOP_K, TOP_P)
 
-    def prefill(self, tokens: int) -> Costs:
+    def prefill_charges(self, tokens: int) -> list[Charge]:
         """Feed a prompt of `tokens` into an empty cache (`Runtime._prefill`): chunks of L
         through block (the first) and block_kv (while the history fits max_history), the
         rest token by token through the decode net."""
@@ -229,42 +295,64 @@ class StepModel:
             raise ValueError(f"a prompt of {tokens} tokens does not fit the KV cache of "
                              f"{self.seq}")
         L, Hh, done = self.chunk, self.history, 0
-        total = Costs()
+        out: list[Charge] = []
         while done < tokens:
             if done == 0 or done <= Hh:
                 n = min(L, tokens - done)
-                total += self._chunk(done, n)
+                out += self._chunk(done, n)
                 done += n
             else:
-                total += self.decode_step()
+                out += self.decode_step_charges()
                 done += 1
-        return total
+        return merged(out)
 
-    def _chunk(self, start: int, n: int) -> Costs:
+    def _chunk(self, start: int, n: int) -> list[Charge]:
         """One chunk of `n` tokens at `start` (`Runtime._prefill_chunk`): at the shortest
         prefill length that holds it."""
         emb, length = self.chunk_net(EMBEDDING, n)
-        block, _ = self.chunk_net(BLOCK if start == 0 else BLOCK_KV, n)
-        c = (self._up(emb, INPUT_IDS) + self._net(emb)
-             + self._up(block, POSITION_IDS) + self._up(block, ATTENTION_MASK)
-             + self._net(block, self.layers))
-        if start + length > self.seq:  # the padded chunk runs past SEQ: each layer's n
-            # rows go from the scratch output into the cache through the host
+        net, _ = self.chunk_net(BLOCK if start == 0 else BLOCK_KV, n)
+        block, _ = self.chunk_net(BLOCK, n)
+        c = [*self._up(emb, INPUT_IDS), self._net(emb),
+             *self._up(block, POSITION_IDS), *self._up(net, ATTENTION_MASK),
+             *self._layers(net)]
+        if start + length > self.seq:  # the padded chunk runs past SEQ: each attention
+            # layer's n rows go from the scratch output into the cache through the host
             scratch = self._spec(block, PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
-            per_layer = (transfer_costs(self.chip, scratch.nbytes).times(2)
-                         + transfer_costs(self.chip, rows).times(2))
-            c += per_layer.times(self.layers)
+            caches = 2 * sum(any(s.name == PRESENT_K for s in self.io[name][1])
+                             for name in self._layer_names(net))
+            c += [Charge("transfer", "present_k/v to the host (past SEQ)", caches,
+                         transfer_costs(self.chip, scratch.nbytes).times(caches)),
+                  Charge("transfer", "present_k/v rows to the cache", caches,
+                         transfer_costs(self.chip, rows).times(caches))]
         return c
 
-    def first_token(self, prompt_tokens: int, sampler: str) -> Costs:
+    def first_token_charges(self, prompt_tokens: int, sampler: str) -> list[Charge]:
         """Time to first token: the sampler's setup, the prompt's prefill, the choice."""
-        return (self.sampling_setup(sampler) + self.prefill(prompt_tokens)
-                + self.next_token(sampler))
+        return merged([*self.sampling_setup_charges(sampler),
+                       *self.prefill_charges(prompt_tokens), *self.next_token_charges(sampler)])
+
+    def per_token_charges(self, sampler: str) -> list[Charge]:
+        """One decoded token after the first: a decode step and the choice."""
+        return merged([*self.decode_step_charges(), *self.next_token_charges(sampler)])
+
+    def decode_step(self) -> Costs:
+        return total(self.decode_step_charges())
+
+    def next_token(self, sampler: str) -> Costs:
+        return total(self.next_token_charges(sampler))
+
+    def sampling_setup(self, sampler: str) -> Costs:
+        return total(self.sampling_setup_charges(sampler))
+
+    def prefill(self, tokens: int) -> Costs:
+        return total(self.prefill_charges(tokens))
+
+    def first_token(self, prompt_tokens: int, sampler: str) -> Costs:
+        return total(self.first_token_charges(prompt_tokens, sampler))
 
     def per_token(self, sampler: str) -> Costs:
-        """One decoded token after the first: a decode step and the choice."""
-        return self.decode_step() + self.next_token(sampler)
+        return total(self.per_token_charges(sampler))
 
 
 def tokens_per_s(per_token: Costs) -> float:

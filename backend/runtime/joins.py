@@ -239,7 +239,7 @@ def find_joins(steps: list[Step], operands: list[Operand]) -> None:
             inputs[pos] = [writer.get(r.buf) if r is not None else None for r in step.ins]
             for r in step.outs:
                 writer[r.buf] = (pos, step)
-            if step.special and step.table < 0:
+            if step.special and step.table < 0 and step.acc is None:
                 chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
     wholes: dict[tuple[int, ...], WholeRows] = {}  # shared by the joins of one input
     for chain in chains.values():
@@ -319,7 +319,7 @@ def _covering(loads: list[LoadStep], axis: int, size: int) -> bool:
     at = 0
     for ld in loads:
         c = ld.cmd
-        if (c.axis != axis or c.start != at or ld.local.shape != c.part_shape()
+        if (c.axis != axis or c.start != at or c.cuts or ld.local.shape != c.part_shape()
                 or ld.local.dtype != np.dtype(c.dtype)):
             return False
         at += c.length

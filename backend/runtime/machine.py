@@ -88,6 +88,7 @@ from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
+from toptpu.dialects import tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
@@ -200,6 +201,9 @@ class Event:
     bytes: int = 0
     flops: int = 0
     dtype: str = ""
+    group: int = -1  # its layer group and slice
+    slice: int = -1
+    part: str = ""  # a reduction part, "j/P" (`Compute.parts`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,8 +252,10 @@ def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list
         finish = start + command_cycles(chip, c)
         end[c.id] = free_at[c.engine] = finish
         timed.append((start, c.id))
+        part = f"{c.part}/{c.parts}" if isinstance(c, Compute) and c.parts > 1 else ""
         events.append(Event(c.id, c.engine, start, finish, c.name,
-                            c.nbytes if c.engine == "dma" else 0, c.flops, c.dtype))
+                            c.nbytes if c.engine == "dma" else 0, c.flops, c.dtype, c.group,
+                            c.slice, part))
     heapq.heapify(timed)
     return events, [heapq.heappop(timed)[1] for _ in range(len(timed))]
 
@@ -333,14 +339,24 @@ class LoadedNet:
         ins: list[LocalRef | TableRef | None] = list(c.ins)
         if isinstance(c, Gather):
             ins.insert(c.table_operand, c.table)
-        if len(ins) != len(operands) or len(c.outs) != len(op.results):
+        if isinstance(c, Compute) and c.acc is not None:
+            if not isinstance(op, tpu.REDUCTION_OPS):
+                raise MachineTrap(f"command {c.id}: '{op.name}' has no reduction to split in "
+                                  "parts")
+            want_acc = tuple(tpu.accumulator_type(op).get_shape())
+            if tuple(c.acc.shape) != want_acc:
+                raise MachineTrap(f"command {c.id} ({c.name}): accumulator {list(c.acc.shape)}"
+                                  f", '{op.name}' accumulates {list(want_acc)}")
+        results = len(c.outs) if not isinstance(c, Compute) or c.last_part else len(op.results)
+        if len(ins) != len(operands) or results != len(op.results):
             raise MachineTrap(f"command {c.id}: {len(ins)} operands and {len(c.outs)} results "
                               f"for '{op.name}', which has {len(operands)} and "
                               f"{len(op.results)}")
         pairs = [(f"operand {i}", r, v)
                  for i, (r, v) in enumerate(zip(ins, operands, strict=True))]
-        pairs += [(f"result {i}", r, v)
-                  for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
+        if c.outs:  # (a reduction part before the last writes none)
+            pairs += [(f"result {i}", r, v)
+                      for i, (r, v) in enumerate(zip(c.outs, op.results, strict=True))]
         for what, ref, value in pairs:
             if (ref is None) != (value is None):
                 raise MachineTrap(f"command {c.id}: {what} of '{op.name}' is "
@@ -412,6 +428,38 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
 RESOLVED_BINDINGS = 4096
 
 
+def _stored_window(special: str, key: tuple, bits: int, group_size: int
+                   ) -> tuple[slice, ...] | None:
+    """The window of a stored f32 form that `key`'s windowed operands hold (`held_key`:
+    (addr, shape, dtype, axis, start, length) each), None where they do not describe one:
+    an upcast weight's window is the form's; an a16 weight's packed window along its rows
+    (output channels) is the same rows of the form, along its packed K bytes the columns
+    they unpack to, with its scales and zero points windowed over the same rows or groups."""
+    first = key[0]
+    axis, start, length = first[3], first[4], first[5]
+    index = [slice(None)] * len(first[1])
+    if special != "a16":
+        index[axis] = slice(start, start + length)
+        return tuple(index)
+    if axis == 0:
+        if any(p is not None and (len(p) <= 2 or p[3:] != (0, start, length))
+               for p in key[1:]):
+            return None
+        index[0] = slice(start, start + length)
+        return tuple(index)
+    if axis != 1 or (8 % bits) or group_size < 1:
+        return None
+    per_byte = 8 // bits
+    lo, n = start * per_byte, length * per_byte
+    if lo % group_size or n % group_size:
+        return None
+    groups = (1, lo // group_size, n // group_size)
+    if any(p is not None and (len(p) <= 2 or p[3:] != groups) for p in key[1:]):
+        return None
+    index[1] = slice(lo, lo + n)
+    return tuple(index)
+
+
 class Machine:
     """The reference machine of a chip, in checked or fast mode (see the module doc)."""
 
@@ -437,23 +485,19 @@ class Machine:
                     ) -> np.ndarray | None:
         """The f32 form of a kernel's weight from the weight cache file, or None: `key` is
         its operands' `held_key` (each the whole tensor, or a window of one) — a whole
-        weight's form, or the same window of it (a16: rows, as the compiler slices a
-        weight's output channels)."""
+        weight's form, or the same window of it (an a16 weight: rows, as the compiler
+        slices output channels, or columns, as it splits K, its scales and zero points
+        windowed alike)."""
         stored = self.stored
-        if stored is None or key[0] is None:
+        if stored is None or not key or key[0] is None:
             return None
         base = self.weights_base
         first = key[0]
         window: tuple[slice, ...] | None = None
         if len(first) > 2:  # a window (addr, shape, dtype, axis, start, length)
-            axis, start, length = first[3], first[4], first[5]
-            if special == "a16" and (axis != 0 or any(
-                    p is not None and (len(p) <= 2 or p[3:] != (0, start, length))
-                    for p in key[1:])):
+            window = _stored_window(special, key, bits, group_size)
+            if window is None:
                 return None
-            index = [slice(None)] * len(first[1])
-            index[axis] = slice(start, start + length)
-            window = tuple(index)
         elif any(p is not None and len(p) > 2 for p in key[1:]):
             return None
         if special == "a16":

@@ -16,7 +16,8 @@ a `toptpu.backend.formats.program.Program`, and `const:<net>`, its constant pool
   host transfer is charged to the step accounting (`ledger`,
   `toptpu.backend.runtime.accounting`: engine time, one launch per run, `write`/`read` as
   host<->device copies): `modelled_seconds()` is the chip time so far, `modelled_costs()`
-  where it went.
+  where it went; with a `recorder` (`toptpu.backend.runtime.run_trace`) each of them is
+  also recorded where it falls on that clock (a generation's trace).
 
 The machine runs in its fast mode by default (`checked=True`: the byte-exact checked mode;
 both give the same numbers and traps, see `toptpu.backend.runtime.machine`); converted
@@ -48,6 +49,7 @@ from toptpu.backend.runtime.machine import (
     MachineTrap,
     Timeline,
 )
+from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
@@ -131,6 +133,8 @@ class MachineExecutor:
         self._const: dict[str, int] = {}
         self.stats: dict[str, NetStats] = {}
         self.ledger = Ledger(self.chip)
+        #: records every run and transfer on the modelled clock when set (a run's trace)
+        self.recorder: RunRecorder | None = None
 
     def use_weight_cache(self, stored: StoredForms | None) -> None:
         """Read converted weights from this model file's weight cache file (None: stop)."""
@@ -156,11 +160,17 @@ class MachineExecutor:
 
     def write(self, buf: MachineBuffer, value: np.ndarray) -> None:  # type: ignore[override]
         buf.array(write=True)[...] = value_for(buf, value, MachineExecutorError)
-        self.ledger.transfer(buf.nbytes)
+        self._transfer(buf.nbytes, to_chip=True)
 
     def read(self, buf: MachineBuffer) -> np.ndarray:  # type: ignore[override]
-        self.ledger.transfer(buf.nbytes)
+        self._transfer(buf.nbytes, to_chip=False)
         return buf.array().copy()
+
+    def _transfer(self, nbytes: int, to_chip: bool) -> None:
+        start = self.ledger.totals.total_s
+        costs = self.ledger.transfer(nbytes)
+        if self.recorder is not None:
+            self.recorder.transfer(to_chip, nbytes, start, costs)
 
     def modelled_seconds(self) -> float:
         return self.ledger.totals.total_s
@@ -188,7 +198,10 @@ class MachineExecutor:
         st.cycles += tl.cycles
         st.timelines.append(tl)
         del st.timelines[:-self.keep_timelines]
-        self.ledger.net(net, timing_of(tl))
+        start = self.ledger.totals.total_s
+        costs = self.ledger.net(net, timing_of(tl))
+        if self.recorder is not None:
+            self.recorder.net(net, layer, start, costs, tl)
 
     # ------------------------------------------------------------------ internals
     def program(self, net: str) -> Program:

@@ -47,8 +47,9 @@ class NetProfile:
     roofline_ratio: float
     runs: int = 1
 
-    def row(self) -> str:
-        return (f"{self.net:<14} {self.runs:>5} {self.seconds * 1e3:>10.3f} "
+    def row(self, width: int = 14) -> str:
+        """The net's line of `summary_table`, its name in a column `width` wide."""
+        return (f"{self.net:<{width}} {self.runs:>5} {self.seconds * 1e3:>10.3f} "
                 f"{self.dma_busy / max(self.cycles, 1):>6.1%} "
                 f"{self.compute_busy / max(self.cycles, 1):>6.1%} "
                 f"{self.dma_bytes / 1e6:>10.2f} {self.flops / 1e9:>9.3f} "
@@ -56,8 +57,10 @@ class NetProfile:
                 f"{self.roofline_ratio:>6.2f} {self.compute_dtype or '-':>5}")
 
 
-HEADER = (f"{'net':<14} {'runs':>5} {'ms/run':>10} {'dma':>6} {'cmp':>6} {'MB moved':>10} "
-          f"{'GFLOP':>9} {'ddr':>6} {'peak':>6} {'roof':>6} {'type':>5}")
+def header(width: int = 14) -> str:
+    """The column heads of `summary_table`, the first `width` wide."""
+    return (f"{'net':<{width}} {'runs':>5} {'ms/run':>10} {'dma':>6} {'cmp':>6} "
+            f"{'MB moved':>10} {'GFLOP':>9} {'ddr':>6} {'peak':>6} {'roof':>6} {'type':>5}")
 
 
 def compute_dtype(tl: Timeline) -> str | None:
@@ -105,8 +108,10 @@ def summary_table(profiles: list[NetProfile], chip: Chip) -> str:
              f"{chip.lane_bytes // 1024} KiB, DDR {chip.ddr_gbps:g} GB/s nominal, "
              f"{chip.sustained_gbps:.3g} GB/s sustained, peak TFLOPS per core "
              + ", ".join(f"{t} {v:g}" for t, v in chip.tflops.items())
-             + f", {chip.freq_ghz:g} GHz", HEADER]
-    lines += [p.row() for p in profiles]
+             + f", {chip.freq_ghz:g} GHz"]
+    width = max([len("net"), *(len(p.net) for p in profiles)])
+    lines.append(header(width))
+    lines += [p.row(width) for p in profiles]
     lines.append("dma/cmp: engine busy fraction; ddr/peak: achieved fraction of the sustained "
                  "DDR bandwidth and of the peak of the net's compute type; roof: roofline "
                  "bound / modelled time; type: the type most FLOPs are computed in")
@@ -128,7 +133,8 @@ def chrome_trace(timelines: list[Timeline], chip: Chip) -> dict:
             events.append({
                 "ph": "X", "pid": pid, "tid": 1 if e.engine == "dma" else 2,
                 "name": e.name, "ts": (offset + e.start) * us, "dur": (e.end - e.start) * us,
-                "args": {"cmd": e.cmd, "bytes": e.bytes, "flops": e.flops},
+                "args": {"cmd": e.cmd, "bytes": e.bytes, "flops": e.flops, "group": e.group,
+                         "slice": e.slice, **({"reduction part": e.part} if e.part else {})},
             })
         offset += tl.cycles
     return {"traceEvents": events, "displayTimeUnit": "ns",

@@ -25,15 +25,24 @@ the reference machine run the same generation loop:
   KV cache; text streams UTF-8-safely (`Utf8Streamer`);
 - a multi-turn chat keeps the cache: a new turn feeds only its new tokens (plus the last
   generated token, whose k/v are not cached yet) through `block_kv`.
+- positions: a token's text position is its cache slot, unless the full-attention nets
+  take a position per rotary axis (position_ids [3, n]: MiniCPM-V 4.7). Then the prompt's
+  positions are laid out by `contract.canvas_position_ids` (image tokens on a canvas of
+  (row, column) positions, text continuing past it), counted from where the conversation
+  stands (`next_position`), and every generated token takes the next position on all
+  three axes, as the model's `rope_deltas` continue them.
 
 Static shapes are read back from the nets' IO shapes (nothing is configured twice). With
 the machine executor every net run and host transfer is charged to the step accounting
 (`toptpu.backend.runtime.accounting`); a result carries the modelled time of its first token
-and of each decoded token, split by where it goes (`GenerationResult.modelled_breakdown`).
+and of each decoded token, split by where it goes (`GenerationResult.modelled_breakdown`);
+`start_trace` records the runtime's steps, net runs and transfers on that clock
+(`toptpu.backend.runtime.run_trace`, `toptpu run --trace`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -41,7 +50,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -85,9 +94,11 @@ from toptpu.backend.contract import (
     TOKEN_IDS,
     TOP_K,
     TOP_P,
+    ContractError,
     NetInfo,
     NetName,
     TensorSpec,
+    canvas_position_ids,
     decode_mask,
     prefill_mask,
 )
@@ -97,6 +108,7 @@ from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.vision import EncodedImage, VisionEncoder
 from toptpu.backend.runtime.weight_cache_file import (
     StoredForms,
@@ -689,6 +701,8 @@ class Runtime:
                 if name not in nets:
                     raise GenerationError(f"the model file has block at length {length} but "
                                           f"no {name}; recompile it")
+        #: rows of position_ids: 1 (the cache slot), or 3 (T, H, W: a canvas per image)
+        self.position_axes = _spec(nets[self.attn_nets[BLOCK]], POSITION_IDS).shape[0]
         self.seq = _spec(nets[self.attn_nets[BLOCK_CACHE]], HISTORY_K).shape[1]
         self.Hh = _spec(nets[self.attn_nets[BLOCK_KV]], HISTORY_K).shape[1]
         gen = self.meta.generation
@@ -708,6 +722,12 @@ class Runtime:
                 "--seq-length") from e
         self.tokens: list[int] = []  # ids whose k/v are in the cache (positions 0..n-1)
         self._image_rows: dict[int, np.ndarray] = {}  # position -> vision embedding row
+        #: position axes 3: the rotary position of the next token fed (a generated token
+        #: or the next prompt's first), and the positions [3, n] of the ids being prefilled
+        #: from their first cache slot
+        self.next_position = 0
+        self._layout: tuple[int, np.ndarray] | None = None
+        self._crop_grids: list[tuple[int, int]] = []  # the images' crops being prefilled
         self._vision: VisionEncoder | None = None
         self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
         self.pending: int | None = None  # the last generated token, not yet in the cache
@@ -716,6 +736,8 @@ class Runtime:
         #: what the user should know but that does not stop generation (a weight cache
         #: file left unused, and why); the command line prints them on stderr
         self.notes: list[str] = []
+        #: records the generation's steps, net runs and transfers (`start_trace`)
+        self.recorder: RunRecorder | None = None
 
     def _alloc_buffers(self) -> None:
         """The KV caches and the IO buffers of every net the generation loop binds."""
@@ -746,7 +768,8 @@ class Runtime:
             "ids_1": alloc(EMBEDDING_CACHE, INPUT_IDS),
             "h_L": [alloc(EMBEDDING, HIDDEN), alloc(BLOCK, HIDDEN_OUT)],
             "h_1": [alloc(EMBEDDING_CACHE, HIDDEN), alloc(BLOCK_CACHE, HIDDEN_OUT)],
-            "pos_L": alloc(attn[BLOCK], POSITION_IDS),
+            # position_ids [axes, n] (3 axes: not a slot of a longer one): one per length
+            "pos_L": {n: alloc(attn_at[n][BLOCK], POSITION_IDS) for n in self.lengths},
             "pos_1": alloc(attn[BLOCK_CACHE], POSITION_IDS),
             # the masks' rows and columns both follow the chunk length: one per length
             "mask_L": {n: alloc(attn_at[n][BLOCK], ATTENTION_MASK) for n in self.lengths},
@@ -828,6 +851,7 @@ class Runtime:
         """Forget the conversation (the cache contents become unreachable)."""
         self.tokens, self.pending, self.messages = [], None, []
         self.images_seen = 0
+        self.next_position = 0
         self._last_reply_closed = False
 
     @property
@@ -835,6 +859,27 @@ class Runtime:
         """Tokens in the conversation so far (cached plus the pending one): the KV cache
         slots it fills once the pending token is fed, at most `seq`."""
         return len(self.tokens) + (self.pending is not None)
+
+    # ------------------------------------------------------------------ tracing
+    def start_trace(self) -> RunRecorder:
+        """Record from now on every net run, host transfer and step of the runtime where it
+        falls on the modelled clock (`toptpu.backend.runtime.run_trace`; `toptpu run
+        --trace`). Needs the machine executor: the interpreter has no cost model."""
+        if not isinstance(self.ex, MachineExecutor):
+            raise GenerationError("a trace needs the machine executor (the Tpu interpreter "
+                                  "has no cost model, so no timeline): use --executor "
+                                  "machine")
+        self.recorder = self.ex.recorder = RunRecorder(self.ex.chip)
+        return self.recorder
+
+    @contextlib.contextmanager
+    def _span(self, name: str, **args: Any) -> Iterator[None]:
+        """A step of the runtime in the trace (nothing without `start_trace`)."""
+        rec = self.recorder
+        start = self.ex.modelled_seconds() if rec is not None else 0.0
+        yield
+        if rec is not None:
+            rec.span(name, start, self.ex.modelled_seconds(), **args)
 
     # ------------------------------------------------------------------ nets
     def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]]
@@ -884,11 +929,11 @@ class Runtime:
         ex, b = self.ex, self.b
         ids_buf = b["ids_L"].slot(1, 0, L)
         hidden = [h.slot(1, 0, L) for h in b["h_L"]]
-        pos = b["pos_L"].slot(1, 0, L)
+        pos = b["pos_L"][L]
         ex.write(ids_buf, padded)
         ex.run(self.prefill_net(EMBEDDING, None, L), {INPUT_IDS: ids_buf, HIDDEN: hidden[0]})
         self._put_image_rows(hidden[0], start, n)
-        ex.write(pos, np.arange(start, start + L, dtype=np.int32)[None])
+        ex.write(pos, self._positions(start, n, L))
         direct = start + L <= self.seq
         scratch_k, scratch_v = b["scratch_k"].slot(1, 0, L), b["scratch_v"].slot(1, 0, L)
 
@@ -941,7 +986,7 @@ class Runtime:
         ex.write(b["ids_1"], np.array([[token]], np.int32))
         ex.run(EMBEDDING_CACHE, {INPUT_IDS: b["ids_1"], HIDDEN: b["h_1"][0]})
         self._put_image_rows(b["h_1"][0], pos, 1)
-        ex.write(b["pos_1"], np.array([[pos]], np.int32))
+        ex.write(b["pos_1"], self._positions(pos, 1, 1))
         ex.write(b["mask_1"], decode_mask(pos, self.seq))
 
         def extra(layer: int) -> dict[str, Buffer]:
@@ -954,7 +999,43 @@ class Runtime:
 
         out = self._run_layers(BLOCK_CACHE, b["h_1"], extra)
         self.tokens.append(int(token))
+        if self._layout is None:  # a generated token: the next one is one position later
+            self.next_position += 1
         return out
+
+    def _positions(self, start: int, n: int, length: int) -> np.ndarray:
+        """position_ids [axes, length] i32 of the n tokens fed at cache slots start.., the
+        padding past them continuing (its rows are masked)."""
+        if self.position_axes == 1:
+            return np.arange(start, start + length, dtype=np.int32)[None]
+        if self._layout is not None:  # a prompt being prefilled
+            first, table = self._layout
+            cols = table[:, start - first:start - first + n]
+        else:  # a generated token: text, at the next position on every axis
+            cols = np.full((self.position_axes, n), self.next_position, np.int64)
+        out = np.empty((self.position_axes, length), np.int64)
+        out[:, :n] = cols
+        out[:, n:] = cols[:, -1:] + np.arange(1, length - n + 1)
+        return out.astype(np.int32)
+
+    def _lay_out(self, ids: Sequence[int]) -> None:
+        """The positions of `ids` fed after the cached tokens (position axes 3): the
+        canvas of the images whose rows are bound (`_image_rows`, `_crop_grids`)."""
+        if self.position_axes == 1:
+            return
+        vision = self.meta.vision
+        if vision is None or vision.canvas_markers is None or vision.token_divisor is None:
+            raise GenerationError("the model file's text nets take a position per axis but "
+                                  "its header has no canvas to lay them out; recompile it")
+        start = len(self.tokens)
+        is_image = [start + i in self._image_rows for i in range(len(ids))]
+        try:
+            table, self.next_position = canvas_position_ids(
+                ids, is_image, vision.canvas_markers, self._crop_grids,
+                math.isqrt(vision.token_divisor), self.next_position)
+        except ContractError as e:
+            raise GenerationError(f"cannot lay out the prompt's image positions: {e}") from e
+        self._layout = (start, table)
 
     # ------------------------------------------------------------------ choosing tokens
     def resolve_sampler(self, cfg: SamplingConfig) -> str:
@@ -1028,19 +1109,33 @@ class Runtime:
         """Feed `ids` after the cached tokens; returns the hidden row of the last one.
         `rows(hidden, n)`, if given, sees the final hidden rows of every chunk (or decode
         step) before the next one reuses the buffer: rows 0..n-1 belong to the n ids fed."""
+        self._lay_out(ids)
+        try:
+            return self._prefill_laid_out(ids, rows)
+        finally:
+            self._layout = None
+
+    def _prefill_laid_out(self, ids: Sequence[int],
+                          rows: Callable[[Buffer, int], None] | None) -> Buffer:
         last: Buffer | None = None
         i = 0
         while i < len(ids):
             start = len(self.tokens)
             if start == 0 or start <= self.Hh:
                 chunk = ids[i:i + self.L]
-                h = self._prefill_chunk(chunk)
+                length = self.chunk_length(len(chunk))
+                net = self.prefill_net(BLOCK if start == 0 else BLOCK_KV, None, length)
+                with self._span(f"prefill {net}: positions {start}..{start + len(chunk) - 1}",
+                                net=net, start=start, tokens=len(chunk), padded_to=length):
+                    h = self._prefill_chunk(chunk)
                 last = h.slot(1, len(chunk) - 1, 1)
                 if rows is not None:
                     rows(h, len(chunk))
                 i += len(chunk)
             else:  # history beyond max_history: the decode net takes the rest one by one
-                last = self._decode_step(ids[i])
+                with self._span(f"prefill {BLOCK_CACHE}: position {start}", net=BLOCK_CACHE,
+                                start=start, tokens=1):
+                    last = self._decode_step(ids[i])
                 if rows is not None:
                     rows(last, 1)
                 i += 1
@@ -1080,7 +1175,9 @@ class Runtime:
 
     def encode_image(self, image: Any) -> Any:
         """Run the vision net on an image (a path or a PIL image): an `EncodedImage`."""
-        return self.vision.encode(image)
+        with self._span("vision: encode an image", image=str(image) if isinstance(
+                image, str | os.PathLike) else type(image).__name__):
+            return self.vision.encode(image)
 
     def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
         return [im if isinstance(im, EncodedImage) else self.encode_image(im)
@@ -1210,6 +1307,7 @@ class Runtime:
         self.pending = None
         self._image_rows = self._image_positions(ids, len(self.tokens) + len(feed) - len(ids),
                                                  encoded)
+        self._crop_grids = [g for im in encoded for g in im.grids]
         self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
         sampler = self.resolve_sampler(cfg)
@@ -1220,14 +1318,17 @@ class Runtime:
         streamer = Utf8Streamer(self.decode) if (on_text or self.stop_strings) else None
         shown = Utf8Streamer(text_of) if (on_text and skip_special_tokens) else None
         t0, c0 = time.perf_counter(), self.ex.modelled_costs()
-        if sampler == "sample":
-            self._sampling_setup(cfg)
-        try:
-            hidden = self._prefill(feed)
-        finally:
-            self._image_rows = {}
-        recent = list(self.tokens)
-        token = self._next_token(hidden, cfg, sampler, rng, recent)
+        with self._span("time to first token", prompt_tokens=len(feed), sampler=sampler):
+            if sampler == "sample":
+                with self._span("sampling setup"):
+                    self._sampling_setup(cfg)
+            try:
+                hidden = self._prefill(feed)
+            finally:
+                self._image_rows, self._crop_grids = {}, []
+            recent = list(self.tokens)
+            with self._span("choose token 0", sampler=sampler):
+                token = self._next_token(hidden, cfg, sampler, rng, recent)
         t1, c1 = time.perf_counter(), self.ex.modelled_costs()
         generated = [token]
         reason = ""
@@ -1250,8 +1351,12 @@ class Runtime:
             if reason:
                 break
             recent.append(token)
-            hidden = self._decode_step(token)
-            token = self._next_token(hidden, cfg, sampler, rng, recent)
+            pos = len(self.tokens)
+            with self._span(f"decode token {len(generated)}", position=pos):
+                with self._span(f"decode step: position {pos}", net=BLOCK_CACHE):
+                    hidden = self._decode_step(token)
+                with self._span(f"choose token {len(generated)}", sampler=sampler):
+                    token = self._next_token(hidden, cfg, sampler, rng, recent)
             generated.append(token)
         t2, c2 = time.perf_counter(), self.ex.modelled_costs()
         if streamer is not None:

@@ -21,11 +21,11 @@ from toptpu.backend.formats.commands import (
     Store,
 )
 from toptpu.backend.reference import kernels as K
-from toptpu.backend.reference.interpreter import Evaluator
+from toptpu.backend.reference.interpreter import Evaluator, reduction_finish, reduction_part
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.local_memory import LiveBuffers, Local, local_trap
 from toptpu.backend.target.chips import Chip
-from toptpu.dialects import tpu
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import read_int
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class LoadStep(Step):
     def __init__(self, c: Load, g: int, local: Local) -> None:
         self.who = f"command {c.id} ({c.name})"
         self.g, self.window, self.local, self.cmd = g, c.window(), local, c
-        self.prov = (c.shape, c.dtype, c.axis, c.start, c.length)
+        self.prov = (c.shape, c.dtype, c.axis, c.start, c.length, c.cuts)
 
     def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
         whole, writable, addr = views[self.g]
@@ -95,7 +95,7 @@ class OpStep(Step):
 
     __slots__ = ("op", "fn", "ins", "outs", "free", "free_after", "table", "table_at",
                  "special", "bits", "group_size", "out_dtype", "cmd", "join", "join_at",
-                 "part_of")
+                 "part_of", "acc", "part", "last")
 
     def __init__(self, c: Compute | Gather, op: Operation, fn: Evaluator, chip: Chip,
                  table: int = -1) -> None:
@@ -113,6 +113,10 @@ class OpStep(Step):
         self.special = ""
         self.bits = self.group_size = 0
         self.out_dtype = self.outs[0].dtype if self.outs else None
+        #: a reduction part (`Compute.parts`): its accumulator, part, whether the last
+        self.acc = Local.of(c.acc, chip) if isinstance(c, Compute) and c.acc else None
+        self.part = c.part if isinstance(c, Compute) else 0
+        self.last = not isinstance(c, Compute) or c.last_part
         if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 5:
             self.special = "a16"
             self.bits = read_int(op.attributes["weight_bits"])
@@ -126,6 +130,9 @@ class OpStep(Step):
         who, local = self.who, m.local
         args: list[np.ndarray | None] = [local.read(r, who) if r is not None else None
                                          for r in self.ins]
+        if self.acc is not None:
+            self.reduce(m, args)
+            return
         if self.table_at >= 0:
             args.insert(self.table_at, views[self.table][0])
         try:
@@ -146,6 +153,43 @@ class OpStep(Step):
             local.write(ref, value, who)
         m.free(self.free_after)
 
+    def reduce(self, m: Machine, args: list[np.ndarray | None]) -> None:
+        """One reduction part: fold it into the accumulator (read unless the first part);
+        at the last part free it and write the result (`reference.reduction_finish`)."""
+        assert self.acc is not None
+        who, local = self.who, m.local
+        acc = local.read(self.acc, who) if self.part else None
+        if self.special == "a16":  # the part's weights dequantized once (cached)
+            x, q, s, z, _ = args
+            assert x is not None and q is not None and s is not None
+            key = self._weight_key(m)
+            w = None if key is None else m.stored_form("a16", key, self.bits,
+                                                        self.group_size)
+            if w is None:
+                w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size)
+                     if key is not None else K.dequantize(q, s, z, self.bits,
+                                                          self.group_size))
+            acc = K.matmul_dequantized_part(acc, x, w)
+        else:
+            acc = reduction_part(self.op, args, acc, self.part * self.ins[1].shape[1]
+                                 if isinstance(self.op, top.AttentionBase) else 0)  # type: ignore[union-attr]
+        m.free(self.free)
+        if not self.last:
+            local.write(self.acc, acc, who)
+            return
+        for ref, value in zip(self.outs, [reduction_finish(self.op, args, acc)], strict=True):
+            local.write(ref, value, who)
+        m.free(self.free_after)
+
+    def _weight_key(self, m: Machine) -> Hashable | None:
+        """The cache key of what the weight buffers hold (`held_key`), None unless every
+        one holds read-only bytes."""
+        refs = self.ins[1:4] if self.special == "a16" else self.ins[1:2]
+        provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
+        if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
+            return held_key(provs)
+        return None
+
     def compute(self, m: Machine, args: list[np.ndarray | None],
                 weight_key: Hashable | None = None, keep: bool = True) -> Sequence[np.ndarray]:
         """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
@@ -155,11 +199,8 @@ class OpStep(Step):
         slices: their forms would duplicate the whole's)."""
         if not self.special:
             return self.fn(self.op, args, m.context)
-        refs = self.ins[1:4] if self.special == "a16" else self.ins[1:2]
         if weight_key is None:
-            provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
-            if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
-                weight_key = held_key(provs)
+            weight_key = self._weight_key(m)
         stored = None if weight_key is None else m.stored_form(
             self.special, weight_key, self.bits, self.group_size)
         if self.special == "a16":
@@ -220,8 +261,12 @@ def first_local_trap(steps: Sequence[Step], net: str) -> tuple[int, str] | None:
                 for r in step.ins:
                     if r is not None:
                         live.entry(r, step.who)
+                if step.acc is not None and step.part:
+                    live.entry(step.acc, step.who)
                 for b in step.free:
                     live.release(b)
+                if step.acc is not None and not step.last:
+                    live.claim(step.acc, step.who, None)
                 for r in step.outs:
                     live.claim(r, step.who, None)
                 for b in step.free_after:

@@ -10,12 +10,15 @@ shapes of the `vit` net. For one image:
   normalizes them; each tile runs `vit` once and gives `tokens_per_tile` rows. The prompt
   text for the image is the processor's own `replace_image_token`:
   `<img>` + `<IMG_CONTEXT>` x rows + `</img>`.
-- MiniCPM-V 4.6: `MiniCPMV4_6ImageProcessorPil` makes the source image and its slices
+- MiniCPM-V 4.6 and 4.7: `MiniCPMV4_6ImageProcessorPil` (4.7 uses 4.6's) makes the
+  source image and its slices
   (its slice scheme, `max_slice_nums`), each NaViT-packed with its own patch grid; each
   runs `vit` once, reordered and padded to the net's patch budget
   (`toptpu.backend.contract.pack_slice`), and gives h*w/16 rows. The prompt text is
   the processor's `replace_image_token` (image and slice start/end tokens, one row of
-  slices per line) with the `<image_id>i</image_id>` prefix of `use_image_id`.
+  slices per line) with the `<image_id>i</image_id>` prefix of `use_image_id`. Each
+  crop's patch grid (`grids`) is kept: MiniCPM-V 4.7 lays its image tokens out on a canvas
+  of positions from them (`toptpu.backend.contract.canvas_position_ids`).
 
 Nothing is resized or cropped beyond what the processor does: an image whose slice has
 more patches than the compiled budget is an `ImageError` naming both numbers.
@@ -86,6 +89,8 @@ class EncodedImage:
     embeds: np.ndarray  # [image_tokens, H] f32, in placeholder order
     host_s: float
     modelled_s: float | None  # None: the executor has no cost model
+    #: MiniCPM-V: the patch grid (h, w) of each crop (source, then slices), in order
+    grids: tuple[tuple[int, int], ...] = ()
 
     @property
     def image_tokens(self) -> int:
@@ -101,6 +106,7 @@ class PreparedImage:
     placeholder: str
     source: str = ""
     size: tuple[int, int] = (0, 0)
+    grids: tuple[tuple[int, int], ...] = ()  # MiniCPM-V: each crop's patch grid (h, w)
 
 
 class ImagePreprocessor:
@@ -227,7 +233,8 @@ class ImagePreprocessor:
             layout, {"grids": out["grids"], "num_patches_per_image":
                      out["num_patches_per_image"], "target_sizes": sizes}, 0,
             image_token_divisor=div)
-        return PreparedImage(feeds, rows, placeholder)
+        return PreparedImage(feeds, rows, placeholder,
+                             grids=tuple((int(h), int(w)) for h, w in sizes))
 
 
 class VisionEncoder(ImagePreprocessor):
@@ -287,4 +294,4 @@ class VisionEncoder(ImagePreprocessor):
                                                                      strict=True)])
         t1, m1 = time.perf_counter(), self.ex.modelled_seconds()
         return EncodedImage(p.source, p.size, len(p.feeds), p.placeholder, rows, t1 - t0,
-                            (m1 - m0) if m1 > 0 else None)
+                            (m1 - m0) if m1 > 0 else None, p.grids)
