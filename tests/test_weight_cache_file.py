@@ -232,3 +232,47 @@ def test_a_cache_written_in_place_while_in_use_stops_the_run(model: str) -> None
     with pytest.raises(WeightCacheFileError, match="weight cache file .* changed while in "
                                                    "use"):
         rt.prompt_logits(IDS)
+
+
+def test_a_k_split_lm_head_reads_its_parts_from_the_cache(tmp_path) -> None:  # noqa: ANN001
+    """At Qwen's vocabulary (151936) an lm_head of hidden 512 does not fit local memory
+    whole and is split along K (reduction parts): each part's weights are a window of the
+    stored f32 form (its columns). A decode step reads them from the cache file — kept as
+    contiguous copies in memory, the bytes `matmul_part` would make — instead of upcasting
+    the whole bf16 weight a part at a time at every token: the same bits as converting,
+    fast and checked."""
+    import torch
+    import transformers as tf
+
+    from toptpu.backend.formats.commands import Compute
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.tiny_models import build_tokenizer
+
+    cfg = tf.Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, eos_token_id=2)
+    torch.manual_seed(0)
+    path = str(tmp_path / "wide-vocab.toptpu")
+    compile_model(tf.Qwen2ForCausalLM(cfg).eval(), path, mode="w4bf16", seq_length=32,
+                  max_input_length=16, tokenizer=build_tokenizer(), progress=None)
+    ex = MachineExecutor(path)
+    parts = {c.parts for c in ex.program("lm_head").commands if isinstance(c, Compute)
+             and c.kind == "tpu.matmul"}
+    assert max(parts) > 1  # the lm_head's K is split
+    def last_logits(rt: Runtime) -> tuple[list[int], np.ndarray]:
+        ids = rt.generate(IDS[:5], 4, stop_on_eos=False).generated_ids
+        return ids, rt.ex.read(rt.b["logits"])  # the last decode step's lm_head
+
+    want_ids, want_logits = last_logits(Runtime.open(path, weight_cache=None))
+    write_weight_cache(path)
+    for checked in (False, True):
+        rt = Runtime(MachineExecutor(path, checked=checked))
+        rt.ex.use_weight_cache(open_weight_cache(rt.ex.file))
+        ids, logits = last_logits(rt)
+        assert ids == want_ids and np.array_equal(logits, want_logits)
+        machine = rt.ex.machine
+        kept = machine.cache._items  # noqa: SLF001 - what this process made
+        assert len(kept) == max(parts)  # the lm_head's parts, nothing converted
+        for (kind, key), value in kept.items():
+            assert kind == "f32"
+            assert np.array_equal(value, machine.stored_form("f32w", key, 0, 0))

@@ -428,35 +428,46 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
 RESOLVED_BINDINGS = 4096
 
 
+def _held_window(p: tuple) -> dict[int, tuple[int, int]]:
+    """What part of its tensor a held window `p` (`held_key`: addr, shape, dtype, axis,
+    start, length, cuts) holds: (start, length) by axis, the axes it holds whole left out."""
+    shape = p[1]
+    parts = [(p[3], p[4], p[5]), *((c.axis, c.start, c.length) for c in p[6])]
+    return {axis: (start, length) for axis, start, length in parts
+            if (start, length) != (0, shape[axis])}
+
+
 def _stored_window(special: str, key: tuple, bits: int, group_size: int
                    ) -> tuple[slice, ...] | None:
     """The window of a stored f32 form that `key`'s windowed operands hold (`held_key`:
-    (addr, shape, dtype, axis, start, length) each), None where they do not describe one:
-    an upcast weight's window is the form's; an a16 weight's packed window along its rows
-    (output channels) is the same rows of the form, along its packed K bytes the columns
-    they unpack to, with its scales and zero points windowed over the same rows or groups."""
+    (addr, shape, dtype, axis, start, length, cuts) each), None where they do not describe
+    one: an upcast weight's window is the form's (its sliced axis and its cuts); an a16
+    weight's packed window along its rows (output channels) is the same rows of the form,
+    along its packed K bytes the columns they unpack to, with its scales and zero points
+    windowed over the same rows and the groups of those columns."""
     first = key[0]
-    axis, start, length = first[3], first[4], first[5]
+    held = _held_window(first)
     index = [slice(None)] * len(first[1])
     if special != "a16":
-        index[axis] = slice(start, start + length)
+        for axis, (start, length) in held.items():
+            index[axis] = slice(start, start + length)
         return tuple(index)
-    if axis == 0:
-        if any(p is not None and (len(p) <= 2 or p[3:] != (0, start, length))
-               for p in key[1:]):
-            return None
+    if len(first[1]) != 2 or (8 % bits):
+        return None
+    want: dict[int, tuple[int, int]] = {}  # the scales' and zero points' window
+    if 0 in held:
+        start, length = want[0] = held[0]
         index[0] = slice(start, start + length)
-        return tuple(index)
-    if axis != 1 or (8 % bits) or group_size < 1:
+    if 1 in held:
+        per_byte = 8 // bits
+        lo, n = held[1][0] * per_byte, held[1][1] * per_byte
+        if group_size < 1 or lo % group_size or n % group_size:
+            return None
+        want[1] = (lo // group_size, n // group_size)
+        index[1] = slice(lo, lo + n)
+    if any(p is not None and (_held_window(p) if len(p) > 2 else {}) != want
+           for p in key[1:]):
         return None
-    per_byte = 8 // bits
-    lo, n = start * per_byte, length * per_byte
-    if lo % group_size or n % group_size:
-        return None
-    groups = (1, lo // group_size, n // group_size)
-    if any(p is not None and (len(p) <= 2 or p[3:] != groups) for p in key[1:]):
-        return None
-    index[1] = slice(lo, lo + n)
     return tuple(index)
 
 

@@ -171,6 +171,8 @@ class OpStep(Step):
                                                           self.group_size))
             acc = K.matmul_dequantized_part(acc, x, w)
         else:
+            if self.special == "f32w":  # the part's weights upcast once (cached)
+                args = [args[0], self._f32_part(m, args[1]), *args[2:]]
             acc = reduction_part(self.op, args, acc, self.part * self.ins[1].shape[1]
                                  if isinstance(self.op, top.AttentionBase) else 0)  # type: ignore[union-attr]
         m.free(self.free)
@@ -180,6 +182,23 @@ class OpStep(Step):
         for ref, value in zip(self.outs, [reduction_finish(self.op, args, acc)], strict=True):
             local.write(ref, value, who)
         m.free(self.free_after)
+
+    def _f32_part(self, m: Machine, w: np.ndarray | None) -> np.ndarray | None:
+        """A reduction part's f16/bf16 weight `w` in f32, contiguous, as `matmul_part`
+        makes it (the same bits: the upcast is exact): the weight cache file's window of
+        it, or its conversion, kept in the cache across runs under what the buffer holds
+        (a decode step's lm_head split along K would otherwise convert the whole weight,
+        a part at a time, at every token). `w` itself where its bytes are not read-only."""
+        key = self._weight_key(m)
+        if key is None or w is None:
+            return w
+        stored = m.stored_form(self.special, key, self.bits, self.group_size)
+        if stored is not None and stored.shape != w.shape:
+            stored = None
+        if stored is not None and stored.flags.c_contiguous:
+            return stored
+        return m.cache.get(("f32", key), lambda: np.ascontiguousarray(
+            K.f32(w) if stored is None else stored))
 
     def _weight_key(self, m: Machine) -> Hashable | None:
         """The cache key of what the weight buffers hold (`held_key`), None unless every
