@@ -100,8 +100,13 @@ SAMPLE_TOP_K = 50
 HISTORY_NETS = (BLOCK_KV, BLOCK_CACHE)
 #: the vision net of a VLM model file
 VISION_NET = "vit"
+#: Qwen3-VL's DeepStack: `hidden` [1, L, H] + `deepstack` [1, L, H] -> `hidden_out`, run
+#: after each of the first text layers (one per DeepStack level) of a prefill chunk that
+#: holds image tokens, with that level's vision rows at their positions and zeros elsewhere
+#: (LLM-TPU's `add` net; `deepstack_embeds` of the `vit` net)
+DEEPSTACK_NET = "deepstack_add"
 #: every net name a model file may hold, besides per-layer variants
-KNOWN_NETS = (*TEXT_NETS, VISION_NET)
+KNOWN_NETS = (*TEXT_NETS, VISION_NET, DEEPSTACK_NET)
 
 
 #: the nets compiled at every prefill chunk length (`StaticShapes.prefill_lengths`): the
@@ -187,6 +192,15 @@ TOKEN_IDS = "token_ids"
 PIXEL_VALUES = "pixel_values"
 POSITION_IDS_VIT = "position_ids_vit"
 IMAGE_EMBEDS = "image_embeds"
+#: Qwen-VL `vit` inputs besides pixel_values / position_ids_vit / attention_mask: the key
+#: mask of the window-attention layers (Qwen2.5-VL), the taps and weights of the learned
+#: position embedding interpolated to the image's grid (Qwen3-VL, Qwen3.5); and outputs:
+#: the DeepStack levels' rows (Qwen3-VL)
+WINDOW_MASK = "window_mask"
+INTERP_INDICES = "interp_indices"
+INTERP_WEIGHTS = "interp_weights"
+DEEPSTACK_EMBEDS = "deepstack_embeds"
+DEEPSTACK = "deepstack"
 
 #: the inputs of `block`; `block_kv` and `block_cache` add the history (`HISTORY_INPUTS`).
 #: `position_ids` is i32 [A, n]: A = 1 (a text position per token), or A = 3 for a model
@@ -487,6 +501,9 @@ VISION_KINDS: dict[str, tuple[str, tuple[str, ...], str]] = {
                  ("image_token", "image_start_token", "image_end_token", "slice_start_token",
                   "slice_end_token", "image_id_start_token", "image_id_end_token"),
                  "image_token"),
+    "qwenvl": ("Qwen2VLImageProcessorPil",
+               ("image_token", "video_token", "vision_start_token", "vision_end_token"),
+               "image_token"),
 }
 
 # =========================================================================== MiniCPM-V inputs
@@ -737,6 +754,154 @@ def canvas_position_ids(ids: Sequence[int], is_image: Sequence[bool],
     if next(grid_iter, None) is not None:
         raise ContractError("the images give more patch grids than the prompt has image crops")
     return pos, int(pos.max()) + 1
+
+
+# ====================================================================== Qwen-VL
+#
+# Qwen2.5-VL, Qwen3-VL and Qwen3.5 run one static `vit` net per image (or video) over a
+# fixed budget of N patches (LLM-TPU's `--max-pixels`): the image processor resizes the
+# image within the budget, its patches come in the processor's merge order (every 2 x 2
+# merge window consecutive), and the host adds what the model computes from the grid
+# (`qwen_vit_inputs`): each patch's (row, column) for the 2-D vision rotary, the key masks
+# of its attention (one block per frame of t; Qwen2.5-VL's window layers one block per
+# window, the patches reordered window by window as the model reorders them), Qwen3-VL's
+# interpolation taps of its learned position grid; the padding past the image's patches is a
+# block of its own, so no real patch sees it. The net's merged rows come out in the order
+# the patches went in; the host puts them back (`rows`). Helpers of transformers'
+# `vision_utils` (the models' own) give the window index, the rotary positions and the
+# interpolation taps; torch and transformers are imported here (image encoding only).
+#
+# The text positions are M-RoPE (`mrope_position_ids`, the models' `get_rope_index` ported
+# to numpy for one sequence from a start position): a text token has one position on the
+# three axes (T, H, W), an image's tokens the (frame, row, column) of their merged grid from
+# the position where the image starts, and the text after it continues one past the grid's
+# larger side; generated tokens continue one past the largest position (`rope_deltas`).
+
+
+@dataclass(frozen=True)
+class QwenVitInputs:
+    """One image or video through the static `vit` net: its inputs (`feeds`) and the
+    permutation `rows` that puts the net's first `tokens` merged rows in the model's order
+    (row i of the model's output is the net's row rows[i])."""
+
+    feeds: dict[str, np.ndarray]
+    rows: np.ndarray
+    tokens: int
+
+
+def qwen_vit_inputs(patches: np.ndarray, grid: tuple[int, int, int], budget: int, merge: int,
+                    *, patch_size: int, window_size: int | None = None,
+                    position_grid_side: int | None = None) -> QwenVitInputs:
+    """The `vit` inputs of one image or video: `patches` [t*h*w, C*T*P*P] as the image
+    processor lays them out, `grid` (t, h, w) in patches, the net's static `budget` N of
+    patches, the spatial `merge` (2). `window_size` (pixels; Qwen2.5-VL) adds the window
+    attention's mask and reorders the patches window by window; `position_grid_side` (the
+    side of Qwen3-VL's learned position grid) adds its interpolation taps and weights.
+    ContractError when the patches do not fit the budget or do not match the grid."""
+    import torch
+    from transformers import vision_utils as vu
+
+    t, h, w = (int(x) for x in grid)
+    n, unit = t * h * w, merge * merge
+    if patches.ndim != 2 or patches.shape[0] != n:
+        raise ContractError(f"{patches.shape[0] if patches.ndim else 0} patches do not match "
+                            f"the grid {t}x{h}x{w}")
+    if h % merge or w % merge:
+        raise ContractError(f"a {h}x{w} patch grid is not divisible by the merge size {merge}")
+    if n > budget:
+        raise ContractError(f"{n} patches ({t}x{h}x{w}) exceed the vision net's budget of "
+                            f"{budget}")
+    thw = torch.tensor([[t, h, w]])
+    positions = vu.get_vision_position_ids(thw, merge).numpy().astype(np.int32)
+    frames = vu.get_vision_cu_seqlens(thw).numpy().astype(np.int64)
+    order = np.arange(n // unit)
+    windows = None
+    if window_size is not None:
+        index, cu = vu.get_vision_window_index(thw, merge, int(window_size), int(patch_size))
+        order = index.numpy().astype(np.int64)
+        windows = cu.numpy().astype(np.int64)
+    patch_order = (order[:, None] * unit + np.arange(unit)).reshape(-1)
+
+    def block_mask(cuts: np.ndarray) -> np.ndarray:
+        mask = np.full((budget, budget), MASK_VALUE, np.float32)
+        bounds = [*(int(c) for c in cuts), budget] if n < budget else [int(c) for c in cuts]
+        for a, b in itertools.pairwise(bounds):
+            mask[a:b, a:b] = 0.0
+        return mask[None, None]
+
+    pixels = np.zeros((budget, patches.shape[1]), np.float32)
+    pixels[:n] = patches[patch_order]
+    pos = np.zeros((budget, 2), np.int32)
+    pos[:n] = positions[patch_order]
+    feeds = {PIXEL_VALUES: pixels, POSITION_IDS_VIT: pos, ATTENTION_MASK: block_mask(frames)}
+    if windows is not None:
+        feeds[WINDOW_MASK] = block_mask(windows)
+    if position_grid_side is not None:
+        idx, wts = vu.get_vision_interpolation_indices_and_weights(
+            thw, num_grid_per_side=int(position_grid_side), mode="bilinear",
+            align_corners=True, spatial_merge_size=merge)
+        taps = np.zeros((budget, idx.shape[1]), np.int32)
+        weights = np.zeros((budget, idx.shape[1]), np.float32)
+        taps[:n] = idx.numpy()[patch_order]
+        weights[:n] = wts.numpy()[patch_order]
+        feeds[INTERP_INDICES], feeds[INTERP_WEIGHTS] = taps, weights
+    return QwenVitInputs(feeds, np.argsort(order), n // unit)
+
+
+def mrope_position_ids(types: Sequence[int], image_grids: Sequence[tuple[int, int, int]],
+                       video_grids: Sequence[tuple[int, int, int]], merge: int, start: int = 0,
+                       video_intervals: Sequence[float] | None = None,
+                       frames_apart: bool = False) -> tuple[np.ndarray, int]:
+    """The M-RoPE positions i64 [3, n] (T, H, W) of one sequence whose token `types` are 0
+    (text), 1 (image) or 2 (video), as the processor's `mm_token_type_ids` mark them: each
+    run of image (video) tokens takes the next grid (t, h, w, in patches) of `image_grids`
+    (`video_grids`); counted from `start`; and the position of the token after them (one
+    past the largest). Qwen2.5-VL spaces a video's frames by `video_intervals` (its
+    `tokens_per_second` x seconds per temporal patch, one per video); Qwen3-VL and Qwen3.5
+    (`frames_apart`) lay out each temporal patch of a video as a grid of its own (a
+    timestamp separates them). ContractError when the runs and the grids do not pair."""
+    types = [int(x) for x in types]
+    n = len(types)
+    pos = np.zeros((3, n), np.int64)
+    videos = [(int(t), int(h), int(w)) for t, h, w in video_grids]
+    intervals = [1.0] * len(videos) if video_intervals is None else \
+        [float(x) for x in video_intervals]
+    if len(intervals) != len(videos):
+        raise ContractError(f"{len(intervals)} video intervals for {len(videos)} videos")
+    if frames_apart:
+        videos = [(1, h, w) for t, h, w in videos for _ in range(t)]
+        intervals = [1.0] * len(videos)
+    grids = {1: iter([(int(t), int(h), int(w)) for t, h, w in image_grids]),
+             2: iter(list(zip(videos, intervals, strict=True)))}
+    current, idx = start, 0
+    for kind, run in itertools.groupby(types):
+        length = len(list(run))
+        if kind == 0:
+            pos[:, idx:idx + length] = np.arange(length) + current
+            current += length
+        elif kind in (1, 2):
+            try:
+                item = next(grids[kind])
+            except StopIteration:
+                what = "image" if kind == 1 else "video"
+                raise ContractError(f"the prompt has more {what} runs than {what} grids") \
+                    from None
+            (t, h, w), interval = item if kind == 2 else (item, 1.0)
+            gh, gw = h // merge, w // merge
+            if t * gh * gw != length:
+                raise ContractError(f"a run of {length} vision tokens does not match its grid "
+                                    f"{t}x{h}x{w} (merge {merge}: {t * gh * gw} tokens)")
+            frames = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64)
+            tt, hh, ww = np.meshgrid(frames, np.arange(gh), np.arange(gw), indexing="ij")
+            pos[:, idx:idx + length] = np.stack([tt, hh, ww]).reshape(3, -1) + current
+            current += max(h, w) // merge
+        else:
+            raise ContractError(f"token type {kind} is not text (0), image (1) or video (2)")
+        idx += length
+    if next(grids[1], None) is not None or next(grids[2], None) is not None:
+        raise ContractError("the images or videos give more grids than the prompt has runs of "
+                            "vision tokens")
+    return pos, (int(pos.max()) + 1) if n else start
 
 
 # ====================================================================== strict JSON

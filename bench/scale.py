@@ -1,9 +1,13 @@
-"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B) with random
-bf16 weights, compiled by streaming (one layer in memory at a time).
+"""Compile at real model sizes: Qwen2.5-shaped checkpoints (0.5B, 1.5B, 7B, 14B, 72B) and
+Qwen3.5-shaped ones (qwen3.5-2B, qwen3.5-4B, qwen3.5-9B: hybrid linear/full attention) with
+random bf16 weights, compiled by streaming (one layer in memory at a time), for one device or
+spread over several (`--devices N --parallel tp|pp`: every device's blob cut from one read
+of each layer).
 
-Checkpoints: the published Qwen2.5 base configs' dimensions (written from the configs, no
-download), random bf16 weights written shard by shard like a real checkpoint
-(`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`), without a model object:
+Checkpoints: the published Qwen2.5 base configs' dimensions and the Qwen3.5 text configs of
+bench/configs (written from the configs, no download), random bf16 weights written shard by
+shard like a real checkpoint (`model-0000i-of-0000n.safetensors` +
+`model.safetensors.index.json`), without a model object:
 the tensor names and shapes come from transformers' own model built on the meta device, and
 every tensor is generated and written in row blocks, so writing takes memory bounded by one
 block (`BLOCK_ELEMENTS`). The tokenizer is toptpu's tiny built-in byte-level BPE (384
@@ -13,13 +17,20 @@ Random weights: sign and 7 mantissa bits uniform, the exponent fixed, so matrice
 have magnitudes in [1/64, 1/32) and norms in [1, 2): cheap to draw (integers, no float
 math), spread over every quantization group.
 
-Compile: each size in its own subprocess (`toptpu.compile`, w4bf16, seq 512 by default);
-wall time and the subprocess's peak RSS (getrusage RUSAGE_CHILDREN). Printed: the table
+Compile: each size in its own subprocess (`toptpu.compile`, w4bf16, seq 512 by default,
+`--max-input-length` as compile's default unless given); wall time and the subprocess's
+peak RSS (getrusage RUSAGE_CHILDREN), and the machine's load average before and after (the
+machine may be shared). Printed: the table
 (size | weights GB | compile s | peak RSS GB | file GB | largest layer MB) and the 7B / 1.5B
 time ratio against their weight ratio (linear compile: time ratio / weight ratio near 1).
 
 Run: python bench/scale.py [--sizes 0.5B,1.5B,7B] [--dir /work/scale-ckpt] [--mode w4bf16]
-         [--seq 512] [--keep]    (checkpoints and model files are deleted unless --keep)
+         [--seq 512] [--max-input-length L] [--keep]
+         (checkpoints and model files are deleted unless --keep)
+         [--layers N]            (the first N layers of each shape: a 72B's layers at a disk
+                                  size this host has; memory is per layer either way)
+         [--devices 8 --parallel tp|pp]
+     python bench/scale.py --sizes qwen3.5-9B --seq 2048 --max-input-length 1024
 """
 
 from __future__ import annotations
@@ -56,7 +67,15 @@ QWEN25: dict[str, dict[str, Any]] = {
     "14B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                 tie_word_embeddings=False, rms_norm_eps=1e-5),
+    # the intermediate size as Qwen's quantized releases pad it (Qwen2.5-72B-Instruct-AWQ:
+    # 29696, not 29568), so a w4 group of 64 divides each device's part on 8
+    "72B": dict(hidden_size=8192, intermediate_size=29696, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
+#: the Qwen3.5 text configs (bench/configs/<name>/config.json, their sources in its README)
+QWEN35 = ("qwen3.5-2B", "qwen3.5-4B", "qwen3.5-9B")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 #: what every Qwen2.5 base config shares
 QWEN25_COMMON: dict[str, Any] = dict(
     model_type="qwen2", hidden_act="silu", max_position_embeddings=32768,
@@ -84,6 +103,27 @@ def qwen25_config(size: str, **overrides: Any) -> Any:
     fields = {k: v for k, v in QWEN25_COMMON.items() if k not in ("model_type", "torch_dtype")}
     return tf.Qwen2Config(**fields, **dims, bos_token_id=None, eos_token_id=eos,
                           pad_token_id=0, dtype="bfloat16")
+
+
+def qwen35_config(name: str) -> Any:
+    """The transformers Qwen3_5TextConfig of bench/configs/`name`, its eos and pad the tiny
+    tokenizer's (the vocabulary stays the real one)."""
+    import transformers as tf
+
+    from toptpu.frontends.tiny_models import SPECIAL_TOKENS
+
+    with open(os.path.join(CONFIGS_DIR, name, "config.json")) as f:
+        raw = json.load(f)
+    for key in ("architectures", "model_type", "transformers_version"):
+        raw.pop(key, None)
+    raw.update(bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+               pad_token_id=0, dtype="bfloat16")
+    return tf.Qwen3_5TextConfig(**raw)
+
+
+def model_config(size: str) -> Any:
+    """The config of a size of `--sizes` (a Qwen2.5 size or a Qwen3.5 name)."""
+    return qwen35_config(size) if size in QWEN35 else qwen25_config(size)
 
 
 def checkpoint_tensors(config: Any) -> dict[str, tuple[int, ...]]:
@@ -211,23 +251,36 @@ def write_checkpoint(path: str, config: Any, seed: int = 0,
 _COMPILE = """
 import json, sys
 from toptpu.compiler import compile as compile_model
-r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]))
-w = r.header["weights"]
-layers = w["layers"]
-ends = [la["offset"] for la in layers[1:]] + [w["size"]]
-print(json.dumps({"layer_stride": max(e - la["offset"] for la, e in zip(layers, ends)),
-                  "layer_base": layers[0]["offset"], "size": w["size"],
+L = int(sys.argv[5]) if sys.argv[5] != "-" else None
+n, par = int(sys.argv[6]), sys.argv[7] or None
+r = compile_model(sys.argv[1], sys.argv[2], mode=sys.argv[3], seq_length=int(sys.argv[4]),
+                  max_input_length=L, devices=n, parallel=par)
+blobs = ([r.header["weights"]] if par is None
+         else [d["weights"] for d in r.header["parallel"]["devices"]])
+stride = 0
+for w in blobs:
+    layers = w["layers"]
+    ends = [la["offset"] for la in layers[1:]] + [w["size"]]
+    stride = max([stride] + [e - la["offset"] for la, e in zip(layers, ends)])
+print(json.dumps({"layer_stride": stride, "size": max(w["size"] for w in blobs),
                   "timings": r.timings}))
 """
 
 
-def compile_measured(model_dir: str, output: str, mode: str, seq: int) -> dict[str, Any]:
-    """Compile in a subprocess: wall seconds, its peak RSS and what it reports."""
+def compile_measured(model_dir: str, output: str, mode: str, seq: int,
+                     max_input_length: int | None = None, devices: int = 1,
+                     parallel: str | None = None) -> dict[str, Any]:
+    """Compile in a subprocess: wall seconds, its peak RSS, the load average before and
+    after, and what it reports."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    load_before = os.getloadavg()[0]
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq)],
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq),
+                           "-" if max_input_length is None else str(max_input_length),
+                           str(devices), parallel or ""],
                           capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
+    load_after = os.getloadavg()[0]
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if proc.returncode:
         raise SystemExit(f"compile of {model_dir} failed:\n{proc.stderr[-4000:]}")
@@ -235,37 +288,55 @@ def compile_measured(model_dir: str, output: str, mode: str, seq: int) -> dict[s
         print(f"note: peak RSS of {model_dir}'s compile is not above an earlier child's "
               f"({before / 1e6:.2f} GB); run the sizes in increasing order", file=sys.stderr)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out.update(wall=wall, peak_rss=peak_kb * 1024, file=os.path.getsize(output))
+    out.update(wall=wall, peak_rss=peak_kb * 1024, file=os.path.getsize(output),
+               load=(load_before, load_after))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1.5B,7B",
-                    help=f"comma-separated, of {', '.join(QWEN25)} (increasing order)")
+                    help=f"comma-separated, of {', '.join((*QWEN25, *QWEN35))} (increasing "
+                    "order)")
     ap.add_argument("--dir", default="/work/scale-ckpt", help="checkpoints and model files")
     ap.add_argument("--mode", default="w4bf16")
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--max-input-length", type=int, default=None,
+                    help="the prefill chunk L (default: compile's)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and model files")
     ap.add_argument("--write-only", action="store_true", help="only write the checkpoints")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the first LAYERS layers of each shape (default: all)")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--parallel", choices=("tp", "pp"), default=None)
     args = ap.parse_args()
+    if args.devices > 1 and args.parallel is None:
+        args.parallel = "tp"
     sizes = args.sizes.split(",")
-    unknown = [s for s in sizes if s not in QWEN25]
+    unknown = [s for s in sizes if s not in QWEN25 and s not in QWEN35]
     if unknown:
-        ap.error(f"unknown size(s) {unknown}; choose from {', '.join(QWEN25)}")
+        ap.error(f"unknown size(s) {unknown}; choose from {', '.join((*QWEN25, *QWEN35))}")
     rows = []
     for size in sizes:
-        ckpt = os.path.join(args.dir, f"qwen2.5-{size}")
-        output = os.path.join(args.dir, f"qwen2.5-{size}-{args.mode}.toptpu")
+        name = size if size in QWEN35 else f"qwen2.5-{size}"
+        tag = "" if args.layers is None else f"-{args.layers}l"
+        ckpt = os.path.join(args.dir, f"{name}{tag}")
+        output = os.path.join(args.dir, f"{name}{tag}-{args.mode}.toptpu")
         t = time.perf_counter()
-        weights = write_checkpoint(ckpt, qwen25_config(size))
+        config = model_config(size)
+        if args.layers is not None:
+            config.num_hidden_layers = args.layers
+            if getattr(config, "layer_types", None):
+                config.layer_types = config.layer_types[:args.layers]
+        weights = write_checkpoint(ckpt, config)
         written = time.perf_counter() - t
         print(f"{size}: {weights / 1e9:.2f} GB of bf16 weights ready in {written:.0f}s",
               file=sys.stderr, flush=True)
         if args.write_only:
             continue
         try:
-            r = compile_measured(ckpt, output, args.mode, args.seq)
+            r = compile_measured(ckpt, output, args.mode, args.seq, args.max_input_length,
+                                 args.devices, args.parallel)
         finally:
             if not args.keep:
                 shutil.rmtree(ckpt, ignore_errors=True)
@@ -277,12 +348,19 @@ def main() -> None:
               file=sys.stderr, flush=True)
     if not rows:
         return
-    print(f"\n{args.mode}, seq {args.seq}: Qwen2.5-shaped checkpoints, random bf16 weights\n")
-    print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB |")
-    print("|---|---|---|---|---|---|")
+    chunk = "" if args.max_input_length is None else f", input {args.max_input_length}"
+    spread = "" if args.parallel is None else f", {args.devices} devices {args.parallel}"
+    layers = "" if args.layers is None else f", the first {args.layers} layers"
+    print(f"\n{args.mode}, seq {args.seq}{chunk}{spread}: checkpoints of the published "
+          f"shapes{layers}, random bf16 weights (largest layer: of the largest device's "
+          f"blob); {os.cpu_count()} CPUs\n")
+    print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB "
+          "| load avg before / after |")
+    print("|---|---|---|---|---|---|---|")
     for size, weights, r in rows:
         print(f"| {size} | {weights / 1e9:.2f} | {r['wall']:.1f} | {r['peak_rss'] / 1e9:.2f} "
-              f"| {r['file'] / 1e9:.2f} | {r['layer_stride'] / 1e6:.1f} |")
+              f"| {r['file'] / 1e9:.2f} | {r['layer_stride'] / 1e6:.1f} "
+              f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     by = {size: (weights, r) for size, weights, r in rows}
     if "1.5B" in by and "7B" in by:
         (w15, r15), (w7, r7) = by["1.5B"], by["7B"]

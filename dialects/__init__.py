@@ -7,13 +7,14 @@ from xdsl.dialects.arith import Arith
 from xdsl.dialects.builtin import Builtin
 from xdsl.dialects.func import Func
 
+from toptpu.dialects.dev import Dev
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
 
 
 def all_dialects() -> list:  # noqa: ANN201 - list[Dialect]
     """The dialects toptpu works with: builtin, func, arith and its own."""
-    return [Builtin, Func, Arith, Top, Tpu]
+    return [Builtin, Func, Arith, Top, Tpu, Dev]
 
 
 def context() -> Context:

@@ -296,6 +296,7 @@ class WeightPart(AttrEnum):
     CHECKPOINT_QWEIGHT = "checkpoint.qweight"
     CHECKPOINT_SCALES = "checkpoint.scales"
     CHECKPOINT_ZEROS = "checkpoint.zeros"
+    CHECKPOINT_MINS = "checkpoint.mins"
     CHECKPOINT_PERM = "checkpoint.perm"
     DATA_T = "data.t"
     QWEIGHT_T = "qweight.t"
@@ -304,11 +305,13 @@ class WeightPart(AttrEnum):
     CHECKPOINT_QWEIGHT_T = "checkpoint.qweight.t"
     CHECKPOINT_SCALES_T = "checkpoint.scales.t"
     CHECKPOINT_ZEROS_T = "checkpoint.zeros.t"
+    CHECKPOINT_MINS_T = "checkpoint.mins.t"
     CHECKPOINT_PERM_T = "checkpoint.perm.t"
 
     @classmethod
     def checkpoint(cls, field: str) -> WeightPart:
-        """The part of a pre-quantized checkpoint's `field` (qweight, scales, zeros, perm)."""
+        """The part of a pre-quantized checkpoint's `field` (qweight, scales, zeros, mins,
+        perm)."""
         return cls.parse(f"checkpoint.{field}")
 
     @property

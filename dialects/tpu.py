@@ -8,7 +8,8 @@ and add the chip's decisions:
 - `compute`: the element type the op computes in (f32 for norms, softmax, attention and rope
   whatever the storage type; matmuls accumulate in f32 on this chip);
 - `tpu.a16_matmul`: activations f16/bf16/f32 times 4- or 8-bit weights with per-group or
-  per-channel scales and zero points (`weight_bits`, `group_size`);
+  per-channel scales and either integer zero points or float mins (`weight_bits`,
+  `group_size`);
 - layer-group information and addresses, filled by `layer-group` / `address-assign`.
 
 `tpu.a16_matmul` semantics (the kernel implements exactly this): with G = K / group_size,
@@ -18,6 +19,12 @@ the result type. 4-bit q is packed two per byte along K: byte j of row n holds k
 its low nibble and k = 2j + 1 in its high nibble (qweight ui8 [N, K/2]). 8-bit q is i8
 [N, K] when there is no zero point (symmetric) and ui8 [N, K] otherwise. Without a zero
 point operand z = 0 (8-bit signed) or z = 8 (4-bit symmetric).
+
+The scale-and-min variant (a `mins` operand instead of `zeros`; llama.cpp's Q4_1, Q5_1,
+Q4_K, Q5_K): ``w[n, k] = q[n, k] * s[n, g] + m[n, g]`` (g = k // group_size), the product
+rounded to f32 first, then the sum (s and m upcast from their storage types); q is the
+unsigned integer as stored (ui8 for 8 bits). The min is a float, not an integer zero point:
+``m / s`` need not be an integer, so no zero point gives these weights exactly.
 """
 
 from __future__ import annotations
@@ -353,19 +360,24 @@ class A16MatMulOp(TpuOp):
     qweight = operand_def(AnyTensor)
     scales = operand_def(AnyTensor)
     zeros = opt_operand_def(AnyTensor)
+    mins = opt_operand_def(AnyTensor)
     bias = opt_operand_def(AnyTensor)
     weight_bits = attr_def(IntegerAttr)
     group_size = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
 
+    #: the weight's operands (qweight, scales, zeros, mins) in `operand_groups()` order
+    WEIGHT_OPERANDS: ClassVar[slice] = slice(1, 5)
+
     def __init__(self, input: SSAValue, qweight: SSAValue, scales: SSAValue,
                  zeros: SSAValue | None, bias: SSAValue | None, *, weight_bits: int,
                  group_size: int, result_type: TensorType | None = None,
-                 compute: Attribute = f32) -> None:
-        """`input` times the `weight_bits`-bit `qweight` (scales, zero points per group of
-        `group_size` input channels), computed in `compute` (f32: this chip's matmuls)."""
-        self.construct([input, qweight, scales, zeros, bias], {
+                 compute: Attribute = f32, mins: SSAValue | None = None) -> None:
+        """`input` times the `weight_bits`-bit `qweight` (scales, and zero points or float
+        `mins`, per group of `group_size` input channels), computed in `compute` (f32:
+        this chip's matmuls)."""
+        self.construct([input, qweight, scales, zeros, mins, bias], {
             "weight_bits": int_value_attr(f"{self.name} weight_bits", weight_bits),
             "group_size": int_value_attr(f"{self.name} group_size", group_size),
             "compute": compute}, None if result_type is None else [result_type])
@@ -378,7 +390,8 @@ class A16MatMulOp(TpuOp):
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
         x, q, s = operands[0], operands[1], operands[2]
         z = operands[3] if len(operands) > 3 else None
-        b = operands[4] if len(operands) > 4 else None
+        m = operands[4] if len(operands) > 4 else None
+        b = operands[5] if len(operands) > 5 else None
         assert x is not None and q is not None and s is not None
         bits, gs = read_int(attrs.get("weight_bits")), read_int(attrs.get("group_size"))
         if bits not in (4, 8):
@@ -392,8 +405,11 @@ class A16MatMulOp(TpuOp):
             raise VerifyException("4-bit qweight must be ui8 (two nibbles per byte)")
         if bits == 8 and qname not in ("i8", "ui8"):
             raise VerifyException("8-bit qweight must be i8 or ui8")
-        if bits == 8 and (qname == "ui8") != (z is not None):
-            raise VerifyException("8-bit weights are i8 without zero points, ui8 with them")
+        if z is not None and m is not None:
+            raise VerifyException("a16_matmul takes zero points or mins, not both")
+        if bits == 8 and (qname == "ui8") != (z is not None or m is not None):
+            raise VerifyException("8-bit weights are i8 without zero points or mins, ui8 "
+                                  "with them")
         if gs <= 0 or k % gs:
             raise VerifyException(f"group_size {gs} does not divide K={k}")
         xs = shape_of(x)
@@ -403,6 +419,8 @@ class A16MatMulOp(TpuOp):
             raise VerifyException(f"scales {list(shape_of(s))} must be {[n, k // gs]}")
         if z is not None and (shape_of(z) != (n, k // gs) or dtype_name(elem_of(z)) != "ui8"):
             raise VerifyException(f"zeros must be ui8 {[n, k // gs]}")
+        if m is not None and (shape_of(m) != (n, k // gs) or not is_float(elem_of(m))):
+            raise VerifyException(f"mins must be floating point {[n, k // gs]}")
         if not is_float(elem_of(s)):
             raise VerifyException("scales must be floating point")
         if b is not None and shape_of(b) != (n,):

@@ -16,14 +16,32 @@ the mapped file (`gguf.GGUFReader`) one tensor at a time when its chunk is writt
 q/k rows permuted back from llama.cpp's rope layout (what transformers'
 `LlamaTensorProcessor` does).
 
-Tensor types this stage: F32, F16, BF16 as float; the decoder layers' Q8_0 and Q4_0 linears
-exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`: group-32 symmetric w8 / w4 with
-their f16 scales, zero points 128 / 8, for `tpu.a16_matmul`; `-q auto` picks w8f16 / w4f16),
-a Q8_0 / Q4_0 embedding or lm_head at its exactly dequantized values as float; an explicit
-`-q` of other bits re-quantizes those linears from their dequantized weights. Every other
-type is refused, naming the tensor and its type, unless `dequantize` is given: every
-quantized tensor is then dequantized with `gguf.quants.dequantize` (what transformers does)
-and compiled in the requested mode.
+Tensor types: F32, F16, BF16 as float; the decoder layers' linears of the types in
+`EXACT_TYPES` exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`, for
+`tpu.a16_matmul`): the file's integers, its scales (f16, or f32 where a K-quant's f16
+super-block scale times a 6- or 8-bit sub-block scale is exact in f32, not in f16) and its
+integer zero points or float mins, in the form that gives `gguf.quants.dequantize` bit for
+bit:
+
+| type | storage | group | weight |
+|---|---|---|---|
+| Q8_0 | 8 bit, zero 128 | 32 | (q - 128) * d |
+| Q4_0 | 4 bit, zero 8 | 32 | (q - 8) * d |
+| Q5_0 | 8 bit (5 used), zero 16 | 32 | (q - 16) * d |
+| Q4_1 | 4 bit, mins | 32 | q * d + m |
+| Q5_1 | 8 bit (5 used), mins | 32 | q * d + m |
+| Q4_K | 4 bit, mins | 32 | q * (d * sc) + (-(dmin * mc)) |
+| Q5_K | 8 bit (5 used), mins | 32 | q * (d * sc) + (-(dmin * mc)) |
+| Q6_K | 8 bit (6 used), zero 32 | 16 | (q - 32) * (d * sc) |
+
+`-q auto` picks w{bits}f16 with the bits of most linears (a file of several types keeps
+each linear's own form; layers that differ get nets of their own); an explicit `-q` of
+those bits keeps them too (its activation type), one of other bits (a float mode included)
+re-quantizes every linear from its dequantized weights. An embedding or lm_head of an exact
+type is taken as float at its exactly dequantized values. Every other type (Q2_K, Q3_K,
+IQ*, TQ*, MXFP4, ...) is refused, naming the tensor and its type, unless `dequantize` is
+given: every quantized tensor is then dequantized with `gguf.quants.dequantize` (what
+transformers does) and compiled in the requested mode.
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ import os
 import stat
 import struct
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +91,24 @@ MAX_KEY_BYTES = 1 << 16
 MAX_DIMS = 4
 #: GGUF types taken as float
 FLOAT_TYPES = ("F32", "F16", "BF16")
-#: GGUF types of a decoder layer's linears taken exactly as group-32 weight-only integers
-#: with their f16 scales (`tpu.a16_matmul`): type -> (bits, the zero point that makes the
-#: stored integer unsigned). Q8_0: w = q * d (q int8); Q4_0: w = (q - 8) * d (q a nibble).
-EXACT_TYPES = {"Q8_0": (8, 128), "Q4_0": (4, 8)}
-EXACT_GROUP = 32
+
+
+@dataclass(frozen=True)
+class ExactType:
+    """How a GGUF block type is taken exactly by `tpu.a16_matmul` (module doc's table)."""
+
+    bits: int  # storage bits of the integers (4: a nibble; 8: ui8)
+    group: int  # input channels per scale
+    zero: int | None  # the integer zero point, None for the scale-and-min form
+
+
+#: GGUF types of a decoder layer's linears taken exactly (see the module doc)
+EXACT_TYPES = {
+    "Q8_0": ExactType(8, 32, 128), "Q4_0": ExactType(4, 32, 8), "Q5_0": ExactType(8, 32, 16),
+    "Q4_1": ExactType(4, 32, None), "Q5_1": ExactType(8, 32, None),
+    "Q4_K": ExactType(4, 32, None), "Q5_K": ExactType(8, 32, None),
+    "Q6_K": ExactType(8, 16, 32),
+}
 
 #: a decoder layer's GGUF tensor name -> the HF parameter (llama / qwen2 / qwen3)
 LAYER_TENSORS = {
@@ -350,8 +382,8 @@ class GGUFTensors:
         return name in self.by_hf
 
     def exact_linears(self) -> dict[str, GGUFTensorInfo]:
-        """Without `dequantize`: the decoder layers' Q8_0 / Q4_0 linear weights by module
-        path (taken as they are, `GGUFCheckpoint`)."""
+        """Without `dequantize`: the decoder layers' linear weights of an `EXACT_TYPES` type
+        by module path (taken as they are, `GGUFCheckpoint`)."""
         if self.dequantize is not None:
             return {}
         return {hf.removesuffix(".weight"): info for hf, info in self.by_hf.items()
@@ -372,7 +404,7 @@ class GGUFTensors:
             if info.type_name not in FLOAT_TYPES:
                 raise GGUFError(
                     f"{self.header.path}: tensor '{info.name}' ({hf}) is {info.type_name}, "
-                    f"which toptpu does not take as it is yet (it takes "
+                    f"which toptpu does not take as it is (it takes "
                     f"{', '.join(FLOAT_TYPES)}, and {', '.join(EXACT_TYPES)} linears): pass "
                     "--dequantize MODE (e.g. --dequantize f32) to dequantize it and compile "
                     "in MODE")
@@ -408,22 +440,18 @@ class GGUFTensors:
             return _unpermute(rows, heads)
         return rows
 
-    def blocks(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """An exact linear's (Q8_0 / Q4_0) stored integers [N, K] as unsigned (uint8, the
-        zero point added) and f16 scales [N, K / 32], rows in HF order."""
+    def blocks(self, name: str) -> ExactForm:
+        """An exact linear's stored form (`ExactForm`, `decode_blocks`), rows in HF order."""
         info = self.by_hf[name]
         n, k = info.shape
-        raw = np.asarray(self.data[info.name].data, dtype=np.uint8).reshape(
-            n, k // EXACT_GROUP, -1)
-        scales = raw[:, :, :2].copy().view(np.float16).reshape(n, k // EXACT_GROUP)
-        if info.type_name == "Q8_0":
-            q = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        else:  # Q4_0: the low nibbles are a block's first 16 values, the high ones the rest
-            qs = raw[:, :, 2:]
-            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-        q = q.reshape(n, k)
-        return (np.ascontiguousarray(self.unpermuted(name, q)),
-                np.ascontiguousarray(self.unpermuted(name, scales)))
+        raw = np.asarray(self.data[info.name].data, dtype=np.uint8).reshape(n, -1)
+        try:
+            form = decode_blocks(raw, info.type_name, k)
+        except ValueError as e:
+            raise GGUFError(f"{self.header.path}: tensor '{info.name}': {e}") from None
+        parts = (form.q, form.scales, form.zeros, form.mins)
+        return ExactForm(*(None if a is None else np.ascontiguousarray(self.unpermuted(name, a))
+                           for a in parts))
 
     def release(self) -> None:
         """Drop the mapped pages read so far from the resident set."""
@@ -439,9 +467,10 @@ class GGUFTensors:
 
 
 class GGUFCheckpoint:
-    """A GGUF file's Q8_0 / Q4_0 decoder linears as a pre-quantized checkpoint
-    (`frontends.quant.QuantizedCheckpoint`'s interface): group-32 symmetric integers with
-    their f16 scales and the zero point 128 / 8, taken as they are; nothing re-quantized."""
+    """A GGUF file's decoder linears of the `EXACT_TYPES` as a pre-quantized checkpoint
+    (`frontends.quant.QuantizedCheckpoint`'s interface): the file's integers with their
+    scales and zero points or mins (see the module doc), taken as they are; nothing
+    re-quantized."""
 
     quant_method = "gguf"
     packing_format = "gguf"
@@ -450,24 +479,131 @@ class GGUFCheckpoint:
         self.tensors = tensors
         self.layouts: dict[str, QuantizedLayout] = {}
         for module, info in tensors.exact_linears().items():
-            bits, _ = EXACT_TYPES[info.type_name]
+            t = EXACT_TYPES[info.type_name]
             n, k = info.shape
             self.layouts[module] = QuantizedLayout(
-                module, bits, EXACT_GROUP, True, k, n, False, {"qweight": info.name},
-                info.type_name)
+                module, t.bits, t.group, t.zero is not None, k, n, False,
+                {"qweight": info.name}, info.type_name, mins=t.zero is None,
+                scale_dtype=str(np.dtype(_scale_dtype(info.type_name))))
 
     def linear(self, name: str) -> QuantizedLinear | None:
         layout = self.layouts.get(name)
         if layout is None:
             return None
-        info = self.tensors.by_hf[f"{name}.weight"]
-        q, scales = self.tensors.blocks(f"{name}.weight")
-        zero = EXACT_TYPES[info.type_name][1]
-        return QuantizedLinear(name, layout.bits, EXACT_GROUP, q, scales,
-                               np.full(scales.shape, zero, np.uint8), None, None, True)
+        form = self.tensors.blocks(f"{name}.weight")
+        return QuantizedLinear(name, layout.bits, layout.group_size, form.q, form.scales,
+                               form.zeros, None, None, layout.sym, form.mins)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: i.shape for n, i in self.tensors.by_hf.items()}
+
+
+# --------------------------------------------------------------------------- block decoding
+
+
+@dataclass(frozen=True)
+class ExactForm:
+    """A quantized GGUF tensor [N, K] as `tpu.a16_matmul` takes it: the integers as
+    unsigned uint8 [N, K] (a 4-bit type's below 16), the scales [N, K / group] (f16, f32
+    for the K-quants), and either the zero points (uint8) or the mins (the scales' dtype)."""
+
+    q: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray | None
+    mins: np.ndarray | None
+
+
+def _scale_dtype(type_name: str) -> type:
+    """The scales' (and mins') dtype of an exact type: f32 for the K-quants (a super-block
+    f16 scale times a 6- or 8-bit sub-block scale: exact in f32, not in f16)."""
+    return np.float32 if type_name.endswith("_K") else np.float16
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per value (the last axis) as float16, the other axes kept."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """Bytes [..., C] -> the 4-bit values [..., 2C]: each run of `run` bytes gives its low
+    nibbles, then its high ones (llama.cpp's layout: 16-byte runs for the 32-value blocks,
+    32-byte runs for the K-quants' sub-block pairs)."""
+    r = qs.reshape(*qs.shape[:-1], -1, 1, run)
+    return ((r >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F).reshape(
+        *qs.shape[:-1], -1)
+
+
+def _bits_of_u32(qh: np.ndarray) -> np.ndarray:
+    """Four bytes per value (little-endian u32) -> its 32 bits, bit i the value's i-th."""
+    words = np.ascontiguousarray(qh).view("<u4")  # [..., 1]
+    return ((words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K / Q5_K super-block's 12 scale bytes -> its 8 six-bit scales and mins
+    (llama.cpp's get_scale_min_k4, as gguf's Q4_K.get_scale_min)."""
+    d, m, m_d = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scales = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales, mins
+
+
+def decode_blocks(raw: np.ndarray, type_name: str, k: int) -> ExactForm:
+    """The rows `raw` (uint8 [N, bytes per row]) of a tensor of the exact type `type_name`
+    with K values per row, as an `ExactForm` whose `tpu.a16_matmul` weight is
+    `gguf.quants.dequantize` of the same bytes, bit for bit (block layouts: llama.cpp's
+    ggml-quants, as gguf-py reads them)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    n = raw.shape[0]
+    if k % block or raw.shape[1] != k // block * size:
+        raise ValueError(f"{raw.shape[1]} bytes a row do not hold {k} {type_name} values")
+    b = raw.reshape(n, k // block, size)
+    f32 = np.float32
+    mins: np.ndarray | None = None
+    t = EXACT_TYPES[type_name]
+    if type_name == "Q8_0":
+        scales = _f16(b[..., 0:2])
+        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    elif type_name in ("Q4_0", "Q4_1"):
+        scales = _f16(b[..., 0:2])
+        at = 2 if type_name == "Q4_0" else 4
+        if type_name == "Q4_1":
+            mins = _f16(b[..., 2:4])
+        q = _nibbles(b[..., at:], 16)
+    elif type_name in ("Q5_0", "Q5_1"):
+        scales = _f16(b[..., 0:2])
+        at = 2 if type_name == "Q5_0" else 4
+        if type_name == "Q5_1":
+            mins = _f16(b[..., 2:4])
+        high = _bits_of_u32(b[..., at:at + 4])
+        q = _nibbles(b[..., at + 4:], 16) | (high << 4)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = (_f16(b[..., 0:2]).astype(f32)[..., None],
+                   _f16(b[..., 2:4]).astype(f32)[..., None])
+        sc, mc = _k_scale_min(b[..., 4:16])
+        scales = d * sc.astype(f32)  # [N, B, 8]: exact (11 x 6 bits)
+        mins = -(dmin * mc.astype(f32))  # gguf: d * q - dmin * m == d * q + -(dmin * m)
+        if type_name == "Q4_K":
+            q = _nibbles(b[..., 16:], 32)
+        else:
+            qh = b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
+                8, 1)
+            q = _nibbles(b[..., 48:], 32) | ((qh & 1).reshape(n, -1, 256) << 4)
+    elif type_name == "Q6_K":
+        ql = _nibbles(b[..., 0:128], 64)
+        qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array(
+            [0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = ql | ((qh & 3).reshape(n, -1, 256) << 4)
+        d = _f16(b[..., 208:210]).astype(f32)[..., None]
+        scales = d * b[..., 192:208].view(np.int8).astype(f32)  # [N, B, 16]: exact
+    else:
+        raise ValueError(f"{type_name} is not a type toptpu takes exactly")
+    g = k // t.group
+    return ExactForm(
+        np.ascontiguousarray(q.reshape(n, k).astype(np.uint8)),
+        np.ascontiguousarray(scales.reshape(n, g)),
+        None if t.zero is None else np.full((n, g), t.zero, np.uint8),
+        None if mins is None else np.ascontiguousarray(mins.reshape(n, g)))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -538,8 +674,8 @@ def load_gguf(source: str, dequantize: str | None = None,
               need_tokenizer: bool = True, mode: str | None = None) -> LoadedModel:
     """A GGUF file (or a directory holding one) as a streamed skeleton (`frontends.streaming`),
     its config, tokenizer, chat template and special ids from the metadata. `mode`, the
-    compile's explicit `-q`: a mode of other weight bits than the file's Q8_0 / Q4_0
-    linears (a float mode included) re-quantizes them from their dequantized weights."""
+    compile's explicit `-q`: a mode of other weight bits than most of the file's exact
+    linears (a float mode included) re-quantizes them all from their dequantized weights."""
     from toptpu.frontends.streaming import StreamedWeights, skeleton
 
     path = gguf_file_of(source)
@@ -562,7 +698,8 @@ def load_gguf(source: str, dequantize: str | None = None,
             bits = parse_mode(mode)[1]
         except ValueError as e:
             raise GGUFError(str(e)) from None
-        if any(EXACT_TYPES[i.type_name][0] != bits for i in exact.values()):
+        most = Counter(EXACT_TYPES[i.type_name].bits for i in exact.values()).most_common(1)
+        if bits != most[0][0]:  # the checkpoint's bits (`prequantized.checkpoint_bits`)
             tensors.dequantize = mode
     files = _tokenizer_files(path) if need_tokenizer else {}
     ck = GGUFCheckpoint(tensors)

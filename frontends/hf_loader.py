@@ -25,7 +25,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +57,9 @@ HYBRID_FAMILIES = ("qwen3_5",)
 REFUSED_MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe": "Qwen3.5-MoE (mixture of experts) is not supported yet; the dense Qwen3.5 "
                    "models (model_type qwen3_5_text) are",
-    "qwen3_5": "this is a Qwen3.5 vision-language checkpoint; toptpu compiles its text model "
-               "(model_type qwen3_5_text: the text_config with the language model's weights)",
+    "qwen3_5": "this is a Qwen3.5 vision-language checkpoint, which `toptpu compile` takes as "
+               "a VLM (its vision tower and hybrid text model) from its directory; a text "
+               "model alone is model_type qwen3_5_text",
 }
 
 #: rope types whose frequencies are fixed at load time (static shapes can honour them)
@@ -220,11 +221,17 @@ def check_config_values(raw: Any, where: str) -> None:
             raise bad(name, "true or false")
 
 
-def check_config(config: Any, where: str = "the model") -> str:
-    """Raise ModelLoadError for a config the compiler cannot honour; return the family."""
+def check_config(config: Any, where: str = "the model", family: str | None = None) -> str:
+    """Raise ModelLoadError for a config the compiler cannot honour; return the family.
+    `family`: the config is a VLM's text model of a type of its own (`qwen2_5_vl_text`) whose
+    layers are those of this family (checked as such; the family returned is its type)."""
     mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if family is not None:
+        mt_family = str(mt)
+    elif mt not in SUPPORTED_MODEL_TYPES:
         raise _unknown_model_type(mt, where)
+    else:
+        mt_family = SUPPORTED_MODEL_TYPES[mt]
     if getattr(config, "quantization_config", None):
         qc = config.quantization_config
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(
@@ -254,7 +261,7 @@ def check_config(config: Any, where: str = "the model") -> str:
             f"sequence length at run time; toptpu compiles static shapes and honours "
             f"{', '.join(STATIC_ROPE_TYPES)}")
     layer_types = getattr(config, "layer_types", None) or []
-    if SUPPORTED_MODEL_TYPES[mt] in HYBRID_FAMILIES:
+    if (family or SUPPORTED_MODEL_TYPES[mt]) in HYBRID_FAMILIES:
         _check_hybrid(config, where)
     elif any(t != "full_attention" for t in layer_types) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",
@@ -266,7 +273,7 @@ def check_config(config: Any, where: str = "the model") -> str:
     if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
         raise ModelLoadError(f"{where}: pretraining_tp={config.pretraining_tp} is not supported;"
                              " set it to 1 (it only changes the order of a training-time split)")
-    return SUPPORTED_MODEL_TYPES[mt]
+    return mt_family
 
 
 #: the linear-attention sizes of a hybrid config: name -> largest value accepted
@@ -568,11 +575,13 @@ def read_config(path: str) -> tuple[Any, dict[str, Any]]:
     return config, raw
 
 
-def placeholder_model(config: Any, layers: int = 1) -> Any:
+def placeholder_model(config: Any, layers: int = 1,
+                      build: Callable[[Any], Any] | None = None) -> Any:
     """The causal LM of `config` with `layers` layers and placeholder weights: zeros,
     allocated lazily (untouched pages take no memory), tied weights still tied. For
     what depends on shapes alone (the compiled nets' command streams and their costs),
-    without a checkpoint."""
+    without a checkpoint. `build` makes the causal LM of a config transformers has no
+    causal-LM class for (a VLM's text model; default `AutoModelForCausalLM`)."""
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(config)
@@ -580,7 +589,8 @@ def placeholder_model(config: Any, layers: int = 1) -> Any:
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = list(cfg.layer_types)[:layers]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = build(cfg) if build is not None else AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.float32)
     zeros: dict[int, torch.nn.Parameter] = {}  # by the meta parameter: ties stay ties
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):  # noqa: SLF001 - re-materialized

@@ -172,23 +172,38 @@ class TextPositionRotary(torch.nn.Module):
         return ((emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype))
 
 
+def rotary_axes(rotary: torch.nn.Module) -> torch.Tensor:
+    """The axis (0 T, 1 H, 2 W) each rotated frequency pair of a multi-axis rotary takes its
+    position from, read off the model's own `recomposition_frequencies` (Qwen3.5's and
+    Qwen3-VL's interleave, Qwen2.5-VL's consecutive sections): it recomposes a probe whose
+    axis a holds a everywhere."""
+    half = int(rotary.inv_freq.shape[0])
+    probe = torch.arange(3, dtype=torch.float32)[:, None, None, None].repeat(1, 1, 1, half)
+    with torch.no_grad():
+        out = rotary.recomposition_frequencies(probe).reshape(-1)
+    axis = out[:half].round().long()
+    if out.numel() != 2 * half or not torch.equal(out[:half], out[half:]) or \
+            not bool(((axis >= 0) & (axis <= 2)).all()) or \
+            not torch.equal(axis.float(), out[:half]):
+        raise SplitError(f"{type(rotary).__name__}.recomposition_frequencies does not pick one "
+                         "axis per frequency pair; toptpu cannot compile its positions")
+    return axis
+
+
 class MultiAxisRotary(torch.nn.Module):
-    """A multi-axis (mrope) rotary embedding at positions [3, S] (T, H, W), as Qwen3.5's
-    rotary computes it (`recomposition_frequencies`, interleaved): frequency pair j takes
-    its position from axis H when j % 3 == 1 and j < 3 * section[1], from W when
-    j % 3 == 2 and j < 3 * section[2], from T otherwise. Each axis's angles are the model's
-    `position * inv_freq` in float32; the interleave picks one per pair by 0/1 weights
-    (`x * 1 + y * 0` is x exactly), so cos/sin are the model's bit for bit."""
+    """A multi-axis (mrope) rotary embedding at positions [3, S] (T, H, W), as Qwen3.5's,
+    Qwen3-VL's and Qwen2.5-VL's rotaries compute it: each frequency pair takes its angle
+    from one axis, the one the model's `recomposition_frequencies` picks for it
+    (`rotary_axes`: Qwen3.5 and Qwen3-VL interleave H and W into T's pairs, Qwen2.5-VL gives
+    each axis a consecutive section). Each axis's angles are the model's
+    `position * inv_freq` in float32; the pick is by 0/1 weights (`x * 1 + y * 0` is x
+    exactly), so cos/sin are the model's bit for bit."""
 
     def __init__(self, rotary: torch.nn.Module) -> None:
         super().__init__()
         self.inv_freq = rotary.inv_freq
         self.scaling = float(rotary.attention_scaling)
-        half = int(rotary.inv_freq.shape[0])
-        section = [int(s) for s in rotary.mrope_section]
-        axis = torch.zeros(half, dtype=torch.long)
-        for dim, offset in ((1, 1), (2, 2)):  # the model's loop: H, then W
-            axis[offset:min(3 * section[dim], half):3] = dim
+        axis = rotary_axes(rotary)
         # [3, 1, half]; a constant like inv_freq (not a buffer: the export lifts both alike,
         # whether the rotary is the model's or a streaming skeleton's)
         self.pick = torch.nn.functional.one_hot(axis, 3).T.float()[:, None]
@@ -204,7 +219,7 @@ class MultiAxisRotary(torch.nn.Module):
 def text_rotary(rotary: torch.nn.Module, position_axes: int = 1) -> torch.nn.Module:
     """The model's rotary embedding; for a multi-axis one, its form at text positions
     (`position_axes` 1) or at a position per axis (3)."""
-    if not hasattr(rotary, "mrope_section"):
+    if not hasattr(rotary, "recomposition_frequencies"):
         if position_axes != 1:
             raise SplitError(f"{type(rotary).__name__} has one position axis; a model whose "
                              "positions have 3 needs a multi-axis (mrope) rotary")
@@ -371,7 +386,10 @@ class LinearAttentionBlock(torch.nn.Module):
         if self.cached:  # hidden, conv_state, recurrent_state: one real token
             return self.mix(hidden, hidden.new_ones(1, hidden.shape[1]), *rest)
         mask, state = rest[0], rest[1:] if self.history else (None, None)
-        valid = (mask.amax(dim=-1) > MASK_VALUE / 2).to(hidden.dtype).reshape(1, -1)
+        # keepdim: the reduction over a row's keys keeps the rows on a token axis, so a
+        # layer group can slice the mask ([1, 1, L, Hh+L]) by rows
+        valid = (mask.amax(dim=-1, keepdim=True) > MASK_VALUE / 2).to(hidden.dtype)
+        valid = valid.reshape(1, -1)
         return self.mix(hidden, valid, *state)
 
 

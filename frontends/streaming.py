@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.dialects.sharding import base_name, parse_shard_name, piece_of
 from toptpu.frontends.hf_loader import (
     LoadedModel,
     ModelDir,
@@ -153,16 +154,19 @@ def to_f32(stored: np.ndarray) -> np.ndarray:
         else np.asarray(stored, dtype=np.float32)
 
 
-def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | None = None
-             ) -> tuple[Any, dict[int, str]]:
+def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | None = None,
+             build: Callable[[Any], Any] | None = None) -> tuple[Any, dict[int, str]]:
     """The skeleton model (see the module doc), its real tensors from `tensor_f32`
     (checkpoint name -> float32), and its placeholders: id(parameter) -> the checkpoint
     tensor it stands for. `tied`: the lm_head is the embedding (default: the config's
-    tie_word_embeddings; a VLM's own config decides for its text model)."""
+    tie_word_embeddings; a VLM's own config decides for its text model). `build`: makes
+    the causal LM of `config` (default transformers' `AutoModelForCausalLM`; a VLM's text
+    model without such a class has a view of its own), on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = build(config) if build is not None else AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32)
     inner = model.model
     materialize_layer(model, 0, tensor_f32)
     norm = inner.norm.to_empty(device="cpu")
@@ -289,27 +293,46 @@ class StreamedWeights:
                 self.shared_sources[weight_prefix + name] = self.placeholders[id(p)]
 
     def is_placeholder(self, source: str) -> bool:
-        """`source` (a Top weight name) stands for a placeholder."""
-        return source in self.shared_sources
+        """`source` (a Top weight name, or a shard weight's cut from one) stands for a
+        placeholder."""
+        return base_name(source) in self.shared_sources
+
+    def placeholder_of(self, source: str) -> str:
+        """The checkpoint tensor a placeholder source (or a shard of one) stands for."""
+        return self.shared_sources[base_name(source)]
 
     def from_placeholder(self, name: str) -> bool:
         """`name` (a weight-store tensor) is a placeholder or derived from one by a pass:
-        the passes name what they derive from `W` `W:…`, `W.…` or `W#…`."""
-        return any(name == src or name.startswith((f"{src}:", f"{src}.", f"{src}#"))
+        the passes name what they derive from `W` `W:…`, `W.…`, `W#…` or `W@…` (a shard)."""
+        return any(name == src or name.startswith((f"{src}:", f"{src}.", f"{src}#",
+                                                   f"{src}@"))
                    for src in self.shared_sources)
 
-    def shared(self, recipes: Iterable[WeightRecipe]) -> dict[str, np.ndarray]:
+    def shared(self, recipes: Iterable[WeightRecipe], device: int = 0, devices: int = 1
+               ) -> dict[str, np.ndarray]:
         """The tensors of `recipes` (all of one placeholder source) from the checkpoint,
-        derived in row blocks: a block of rows converted to float32 at a time."""
+        derived in row blocks: a block of rows converted to float32 at a time. A shard
+        source (`W@shard0-<pieces>`, the lm_head cut by vocabulary) gives device `device`'s
+        rows of `devices`."""
         recipes = list(recipes)
         sources = {r.source for r in recipes}
         if len(sources) != 1:
             raise ValueError(f"recipes of one source expected, got {sorted(sources)}")
-        name = self.shared_sources[sources.pop()]
+        source = sources.pop()
+        name = self.placeholder_of(source)
         try:
             stored = self.reader.tensor(name)
         except CheckpointError as e:
             raise ModelLoadError(str(e)) from e
+        cut = parse_shard_name(source)
+        if cut is not None:
+            split = cut[1]
+            if split.axis != 0 or stored.shape[0] % split.pieces:
+                raise ModelLoadError(f"'{source}': a streamed shared tensor is cut by rows "
+                                     "only")
+            rows = stored.shape[0] // split.pieces
+            k = piece_of(device, devices, split.pieces)
+            stored = stored[k * rows:(k + 1) * rows]
         out = {r.name: np.empty(r.shape, r.dtype) for r in recipes}
         for rows in _row_blocks(stored.shape):
             block = to_f32(stored[rows])

@@ -32,10 +32,18 @@ MINICPMV_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>
                    "slice_start_token": "<slice>", "slice_end_token": "</slice>",
                    "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>"}
 
+QWEN_VL_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                  "vision_start_token": "<|vision_start|>",
+                  "vision_end_token": "<|vision_end|>"}
+
 #: the tiny families: internvl (Qwen2 text), minicpmv (MiniCPM-V 4.6 with a Qwen3 text
-#: model), and MiniCPM-V 4.6 and 4.7 as released: a Qwen3.5 hybrid text model
-#: (minicpmv4_6, minicpmv4_7)
-TINY_VLM_FAMILIES = ("internvl", "minicpmv", "minicpmv4_6", "minicpmv4_7")
+#: model), MiniCPM-V 4.6 and 4.7 as released: a Qwen3.5 hybrid text model
+#: (minicpmv4_6, minicpmv4_7), and Qwen's: qwen2_5_vl, qwen3_vl and qwen3_5 (Qwen3.5's
+#: vision tower with its hybrid text model)
+TINY_VLM_FAMILIES = ("internvl", "minicpmv", "minicpmv4_6", "minicpmv4_7", "qwen2_5_vl",
+                     "qwen3_vl", "qwen3_5")
+#: the Qwen-VL families (one image processor, one set of image tokens, M-RoPE positions)
+QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: the MiniCPM-V families (one vision tower, one image processor, one set of image tokens)
 MINICPMV_FAMILIES = ("minicpmv", "minicpmv4_6", "minicpmv4_7")
 
@@ -64,6 +72,8 @@ def _tokens(family: str) -> dict[str, str]:
         return INTERNVL_TOKENS
     if family in MINICPMV_FAMILIES:
         return MINICPMV_TOKENS
+    if family in QWEN_VL_FAMILIES:
+        return QWEN_VL_TOKENS
     raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
 
 
@@ -143,7 +153,57 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
             slice_start_id=ids(MINICPMV_TOKENS["slice_start_token"]),
             slice_end_id=ids(MINICPMV_TOKENS["slice_end_token"]),
             newline_id=tok("\n", add_special_tokens=False)["input_ids"][0])
+    if family in QWEN_VL_FAMILIES:
+        return _qwen_vl_config(family, tok, text, tied, vision_overrides)
     raise ValueError(f"unknown tiny VLM family '{family}' ({', '.join(TINY_VLM_FAMILIES)})")
+
+
+def _qwen_vl_config(family: str, tok: Any, text: dict[str, Any] | None, tied: bool,
+                    vision_overrides: dict[str, Any]) -> Any:
+    """Qwen2.5-VL-3B's, Qwen3-VL-4B's and Qwen3.5's shapes where they decide the layout (head
+    dims, patch and merge sizes, Qwen2.5-VL's 112-pixel windows with full attention in some
+    layers, Qwen3-VL's 48x48 learned position grid, its DeepStack levels, the text models'
+    M-RoPE sections at head_dim 128), narrowed and cut to a few layers."""
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
+
+    ids = {key: tok.convert_tokens_to_ids(QWEN_VL_TOKENS[attr]) for attr, key in (
+        ("image_token", "image_token_id"), ("video_token", "video_token_id"),
+        ("vision_start_token", "vision_start_token_id"),
+        ("vision_end_token", "vision_end_token_id"))}
+    text = dict(text or {})
+    if family == "qwen2_5_vl":  # Qwen2.5-VL-3B: vision head_dim 80, text head_dim 128
+        tc = _text_config("qwen2", **{"hidden_size": 512, "intermediate_size": 1024,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      **text})
+        tc.update(model_type="qwen2_5_vl_text", rope_parameters={
+            "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+        vision = dict(depth=4, hidden_size=320, num_heads=4, intermediate_size=856,
+                      out_hidden_size=tc["hidden_size"], patch_size=14, window_size=112,
+                      fullatt_block_indexes=[1, 3], tokens_per_second=2,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        vision.update(vision_overrides)
+        return Qwen2_5_VLConfig(text_config=tc, vision_config=vision, tie_word_embeddings=tied,
+                                **ids)
+    if family == "qwen3_vl":  # Qwen3-VL-4B: vision head_dim 64, DeepStack, text head_dim 128
+        tc = _text_config("qwen3", **{"hidden_size": 512, "intermediate_size": 1024,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "head_dim": 128, "num_hidden_layers": 3, **text})
+        tc.update(model_type="qwen3_vl_text", rope_parameters={
+            "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True})
+        vision = dict(depth=4, hidden_size=256, num_heads=4, intermediate_size=512,
+                      out_hidden_size=tc["hidden_size"], patch_size=16,
+                      num_position_embeddings=2304, deepstack_visual_indexes=[1, 2],
+                      spatial_merge_size=2, temporal_patch_size=2)
+        vision.update(vision_overrides)
+        return Qwen3VLConfig(text_config=tc, vision_config=vision, tie_word_embeddings=tied,
+                             **ids)
+    tc = _text_config("qwen3_5_text", **text)  # Qwen3.5-0.8B's text shapes, 4 layers
+    vision = dict(depth=2, hidden_size=256, num_heads=4, intermediate_size=512,
+                  out_hidden_size=tc["hidden_size"], patch_size=16,
+                  num_position_embeddings=2304, spatial_merge_size=2, temporal_patch_size=2)
+    vision.update(vision_overrides)
+    return Qwen3_5Config(text_config=tc, vision_config=vision, tie_word_embeddings=tied, **ids)
 
 
 def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
@@ -155,6 +215,15 @@ def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
         return GotOcr2ImageProcessorPil(size={"height": size, "width": size},
                                         crop_to_patches=True, min_patches=1,
                                         max_patches=max_tiles)
+    if family in QWEN_VL_FAMILIES:
+        from transformers import Qwen2VLImageProcessorPil
+
+        patch = int(config.vision_config.patch_size)
+        mean = [0.5, 0.5, 0.5] if family != "qwen2_5_vl" else None  # Qwen3-VL's normalization
+        extra = {"image_mean": mean, "image_std": mean} if mean else {}
+        return Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 16 * patch * patch, "longest_edge": 1024 * patch * patch},
+            patch_size=patch, temporal_patch_size=2, merge_size=2, **extra)
     from transformers import MiniCPMV4_6ImageProcessorPil  # MiniCPM-V 4.7's as well
 
     return MiniCPMV4_6ImageProcessorPil(scale_resolution=int(config.vision_config.image_size),
@@ -167,6 +236,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     scale by 1 + weight: theirs are drawn around 0, but for the gated norm's)."""
     g = torch.Generator().manual_seed(seed)
     centered = getattr(model.config.text_config, "model_type", "") == "qwen3_5_text"
+    # Qwen3.5's vision tower uses LayerNorm (weight around 1), like Qwen3-VL's
     with torch.no_grad():
         for name, p in model.named_parameters():
             if centered and "language_model" in name and "linear_attn.norm" not in name and (
@@ -180,8 +250,30 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif p.dim() == 1:
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
             else:
-                fan_in = p[0].numel() if p.dim() == 4 else p.shape[-1]  # conv: C*kh*kw
+                fan_in = p[0].numel() if p.dim() >= 4 else p.shape[-1]  # conv: C*(kt)*kh*kw
                 p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
+        if model.config.model_type in QWEN_VL_FAMILIES:
+            _image_rows_like_text(model, g)
+
+
+def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator) -> None:
+    """A Qwen VLM's image rows (and DeepStack rows) scaled to its text embeddings' spread,
+    without a common offset: with random weights they would otherwise drown the text and
+    look alike, and the text model would answer every image with one token."""
+    visual = model.model.visual
+    vc = model.config.vision_config
+    dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    side = 4 * int(vc.spatial_merge_size)
+    probe = torch.randn(side * side, dim, generator=g)
+    target = float(model.get_input_embeddings().weight.std())
+    out = model.model.get_image_features(probe, torch.tensor([[1, side, side]]))
+    rows = [torch.cat(list(out.pooler_output))]
+    rows += [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
+    for merger, feats in zip([visual.merger, *getattr(visual, "deepstack_merger_list", [])],
+                             rows, strict=True):
+        last = merger.mlp[2] if hasattr(merger, "mlp") else merger.linear_fc2
+        last.bias.zero_()
+        last.weight.mul_(target / float((feats - feats.mean(0)).std()))
 
 
 def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | None = None,
@@ -193,7 +285,10 @@ def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | Non
     torch.manual_seed(seed)
     cls = getattr(transformers, {"internvl": "InternVLForConditionalGeneration",
                                  "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
-                                 "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration"}[
+                                 "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration",
+                                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                 "qwen3_vl": "Qwen3VLForConditionalGeneration",
+                                 "qwen3_5": "Qwen3_5ForConditionalGeneration"}[
         cfg.model_type])
     model = cls(cfg).to(torch.float32)
     _randomize(model, seed)

@@ -68,14 +68,24 @@ import torch.nn.functional as F
 from toptpu.backend.contract import (
     ATTENTION_MASK,
     CANVAS_MARKERS,
+    DEEPSTACK,
+    DEEPSTACK_EMBEDS,
+    DEEPSTACK_NET,
+    HIDDEN,
+    HIDDEN_OUT,
     IMAGE_EMBEDS,
+    INTERP_INDICES,
+    INTERP_WEIGHTS,
     PIXEL_VALUES,
     POSITION_IDS_VIT,
     VISION_KINDS,
     VISION_NET,
+    WINDOW_MASK,
     ModelDirFileError,
+    StaticShapes,
     merge_order,
     pack_slice,
+    qwen_vit_inputs,
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
@@ -94,16 +104,28 @@ from toptpu.frontends.hf_loader import (
     generation_settings,
     quiet_transformers,
 )
-from toptpu.frontends.llm import LAYER_PREFIX, NetSpec, SplitError
+from toptpu.frontends.llm import LAYER_PREFIX, TORCH_ACTIVATIONS, NetSpec, SplitError
+from toptpu.frontends.qwen_vl import (
+    DEFAULT_MAX_PIXELS,
+    QWEN_TOKEN_IDS,
+    QWEN_TOKENS,
+    QWEN_VL_CLASSES,
+    QWEN_VL_TEXT_TYPES,
+    DeepStackAdd,
+    QwenVit,
+    TextCausalLM,
+    text_model_shell,
+)
 from toptpu.frontends.streaming import StreamedWeights, skeleton, to_f32
 
 #: model_type -> the vision family name used in model files
 VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv",
-                                   "minicpmv4_7": "minicpmv"}
+                                   "minicpmv4_7": "minicpmv",
+                                   **{mt: "qwenvl" for mt in QWEN_VL_CLASSES}}
 #: model_type -> the transformers class of the whole VLM
 VLM_CLASSES = {"internvl": "InternVLForConditionalGeneration",
                "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
-               "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration"}
+               "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration", **QWEN_VL_CLASSES}
 #: VLM model types whose text positions are a canvas of several axes (canvas M-RoPE)
 CANVAS_MODEL_TYPES = ("minicpmv4_7",)
 #: the tokenizer attribute (or text) of the token each canvas marker names
@@ -160,8 +182,12 @@ def text_causal_lm(vlm: Any) -> Any:
     and `lm_head` its lm_head (no copies): what the LLM splitter and compiler take."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(vlm.config.text_config)
+    text_config = vlm.config.text_config
+    if text_config.model_type in QWEN_VL_TEXT_TYPES:  # no causal-LM class in transformers
+        shell: Any = TextCausalLM(text_config, vlm.model.language_model, vlm.lm_head)
+    else:
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(text_config)
     shell.model = vlm.model.language_model
     shell.lm_head = vlm.lm_head
     left = [n for n, p in shell.named_parameters() if p.is_meta]
@@ -361,6 +387,10 @@ class VisionModel:
         return NetSpec(VISION_NET, MiniCPMVVit(self.vlm, self.levels).eval(), args,
                        [PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK], [IMAGE_EMBEDS], False)
 
+    def extra_specs(self, shapes: StaticShapes, act: str) -> list[NetSpec]:
+        """Nets besides `vit` the vision side needs (Qwen3-VL's `deepstack_add`)."""
+        return []
+
     def pack(self, patches: np.ndarray, h: int, w: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """MiniCPM-V: one slice's NaViT patches as the vit net's inputs (`pack_slice`)."""
@@ -430,6 +460,165 @@ class VisionModel:
         return out
 
 
+def qwen_inputs(visual: Any, vc: Any, budget: int, patches: np.ndarray,
+                grid: tuple[int, int, int]) -> Any:
+    """`contract.qwen_vit_inputs` of one image or video for the vision tower `visual`
+    (its config `vc`) at `budget` patches."""
+    windowed = hasattr(visual, "fullatt_block_indexes")
+    side = int(visual.num_grid_per_side) if hasattr(visual, "pos_embed") else None
+    return qwen_vit_inputs(patches, grid, budget, int(vc.spatial_merge_size),
+                           patch_size=int(vc.patch_size),
+                           window_size=int(vc.window_size) if windowed else None,
+                           position_grid_side=side)
+
+
+def qwen_probe(vc: Any, budget: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Patches of a grid smaller than `budget` (padding present; several windows, not
+    square) for a Qwen vit net's example inputs and its check."""
+    m = int(vc.spatial_merge_size)
+    h = max(m, math.isqrt(budget) // m * m)
+    w = h - m if h > m else h
+    while h * w > budget:
+        h -= m
+    dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+    g = np.random.default_rng(0)
+    return g.standard_normal((h * w, dim)).astype(np.float32), (1, h, w)
+
+
+def qwen_vit_spec(visual: Any, vc: Any, budget: int) -> NetSpec:
+    """The `vit` net of a Qwen vision tower `visual` (config `vc`) over `budget` patches:
+    `frontends.qwen_vl.QwenVit` with example inputs of a probe grid."""
+    windowed = hasattr(visual, "fullatt_block_indexes")
+    inputs = [PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK]
+    if windowed:
+        inputs.append(WINDOW_MASK)
+    if hasattr(visual, "pos_embed"):
+        inputs += [INTERP_INDICES, INTERP_WEIGHTS]
+    levels = getattr(visual, "deepstack_visual_indexes", None) or ()
+    outputs = [IMAGE_EMBEDS] + ([DEEPSTACK_EMBEDS] if levels else [])
+    feeds = qwen_inputs(visual, vc, budget, *qwen_probe(vc, budget)).feeds
+    args = tuple(torch.from_numpy(feeds[name]) for name in inputs)
+    return NetSpec(VISION_NET, QwenVit(visual, windowed).eval(), args, inputs, outputs, False)
+
+
+def deepstack_spec(width: int, shapes: StaticShapes, act: str) -> NetSpec:
+    """The `deepstack_add` net of a text model of hidden size `width` at the chunk L."""
+    g = torch.Generator().manual_seed(0)
+    args = tuple(torch.randn(1, shapes.max_input_length, width, generator=g).to(
+        TORCH_ACTIVATIONS[act]) for _ in range(2))
+    return NetSpec(DEEPSTACK_NET, DeepStackAdd().eval(), args, [HIDDEN, DEEPSTACK],
+                   [HIDDEN_OUT], False)
+
+
+def placeholder_vision(config: Any) -> Any:
+    """The vision tower of a Qwen VLM config with placeholder weights (zeros on untouched
+    pages) and its computed rotary frequencies: for what depends on shapes alone (the
+    `vit` net's command streams, `toptpu estimate`)."""
+    from transformers import AutoModel
+
+    with quiet_transformers(), torch.device("meta"):
+        visual = AutoModel.from_config(config.vision_config, dtype=torch.float32)
+    for mod in visual.modules():
+        for name, p in list(mod._parameters.items()):  # noqa: SLF001 - re-materialized
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(  # noqa: SLF001
+                    torch.from_numpy(np.zeros(tuple(p.shape), np.float32)),
+                    requires_grad=False)
+    _rebuild_rotaries(visual)
+    return visual.eval()
+
+
+@dataclass
+class QwenVisionModel(VisionModel):
+    """The vision half of Qwen2.5-VL, Qwen3-VL or Qwen3.5 (`toptpu.frontends.qwen_vl`): one
+    `vit` over a static budget of `max_patches` patches per image or video, M-RoPE text
+    positions, and Qwen3-VL's `deepstack_add`."""
+
+    @property
+    def visual(self) -> Any:
+        return self.vlm.model.visual
+
+    @property
+    def merge(self) -> int:
+        return int(self.visual.spatial_merge_size)
+
+    @property
+    def windowed(self) -> bool:
+        """Qwen2.5-VL: window attention outside `fullatt_block_indexes`."""
+        return hasattr(self.visual, "fullatt_block_indexes")
+
+    @property
+    def position_grid_side(self) -> int | None:
+        return int(self.visual.num_grid_per_side) if hasattr(self.visual, "pos_embed") else None
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(getattr(self.visual, "deepstack_visual_indexes", None) or ())
+
+    @property
+    def position_axes(self) -> int:
+        return 3
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.max_patches // (self.merge * self.merge)
+
+    def max_image_tokens(self) -> int:
+        return self.tokens_per_tile
+
+    def inputs(self, patches: np.ndarray, grid: tuple[int, int, int]) -> Any:
+        """`contract.qwen_vit_inputs` of one image or video at this net's budget."""
+        return qwen_inputs(self.visual, self.vlm.config.vision_config, self.max_patches,
+                           patches, grid)
+
+    def _probe(self) -> tuple[np.ndarray, tuple[int, int, int]]:
+        return qwen_probe(self.vlm.config.vision_config, self.max_patches)
+
+    def net_spec(self) -> NetSpec:
+        return qwen_vit_spec(self.visual, self.vlm.config.vision_config, self.max_patches)
+
+    def extra_specs(self, shapes: StaticShapes, act: str) -> list[NetSpec]:
+        if not self.deepstack_levels:
+            return []
+        return [deepstack_spec(int(self.vlm.config.text_config.hidden_size), shapes, act)]
+
+    def check(self, spec: NetSpec) -> None:
+        """The wrapper computes what the model's own get_image_features computes (image
+        rows and DeepStack rows, back in the model's order)."""
+        patches, grid = self._probe()
+        order = torch.from_numpy(self.inputs(patches, grid).rows)
+        with torch.no_grad():
+            ours = spec.module(*spec.args)
+            ref = self.vlm.model.get_image_features(
+                pixel_values=torch.from_numpy(patches), image_grid_thw=torch.tensor([grid]))
+        embeds, levels = (ours if isinstance(ours, tuple) else (ours, None))
+        _similar(embeds[0, order], torch.cat(list(ref.pooler_output)), "Qwen-VL")
+        for k, feats in enumerate(getattr(ref, "deepstack_features", None) or []):
+            assert levels is not None
+            _similar(levels[order, k], torch.cat(list(feats)), "Qwen-VL DeepStack")
+
+    def header(self) -> dict[str, Any]:
+        out = super().header()
+        cfg = self.vlm.config
+        vc = cfg.vision_config
+        qwen: dict[str, Any] = {
+            "merge_size": self.merge, "temporal_patch_size": int(vc.temporal_patch_size),
+            "video_token_id": int(cfg.video_token_id),
+            "vision_start_token_id": int(cfg.vision_start_token_id),
+            "vision_end_token_id": int(cfg.vision_end_token_id),
+            "deepstack_levels": self.deepstack_levels,
+            "frames_apart": cfg.model_type != "qwen2_5_vl"}
+        if self.windowed:
+            qwen["window_size"] = int(vc.window_size)
+        if cfg.model_type == "qwen2_5_vl":  # a video's frames spaced in time
+            qwen["tokens_per_second"] = float(vc.tokens_per_second)
+        if self.position_grid_side is not None:
+            qwen["position_grid_side"] = self.position_grid_side
+        out.update(max_patches=self.max_patches, token_divisor=self.merge * self.merge,
+                   qwen=qwen)
+        return out
+
+
 @dataclass
 class LoadedVlm(LoadedModel):
     """A loaded VLM: `model` is its text causal LM view, `vision` the vision half."""
@@ -461,7 +650,7 @@ def _check_text_config(config: Any, where: str) -> str:
     if mt in _REFUSED_TEXT_MODELS:
         raise ModelLoadError(f"{where}: the text model is {mt}, {_REFUSED_TEXT_MODELS[mt]}")
     try:
-        return check_config(tc, f"{where} (text_config)")
+        return check_config(tc, f"{where} (text_config)", family=QWEN_VL_TEXT_TYPES.get(mt))
     except ModelLoadError as e:
         raise ModelLoadError(f"{e}; the VLM's text model must be one of these") from e
 
@@ -501,7 +690,8 @@ def _positive(name: str, value: int | None) -> None:
 
 def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where: str, *,
                  image_size: int | None = None, max_tiles: int | None = None,
-                 max_patches: int | None = None) -> VisionModel:
+                 max_patches: int | None = None, max_pixels: tuple[int, int] | None = None
+                 ) -> VisionModel:
     """The vision half of `vlm` at the compiled image size and tile limits (defaults: the
     checkpoint's image processor config)."""
     cfg = vlm.config
@@ -509,6 +699,17 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
     for name, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
                     ("--max-patches", max_patches)):
         _positive(name, v)
+    if kind == "qwenvl":
+        given = [n for n, v in (("--image-size", image_size), ("--max-tiles", max_tiles))
+                 if v is not None]
+        if given:
+            raise ModelLoadError(f"{', '.join(given)} do not apply to a {cfg.model_type} model "
+                                 "(one vision net run per image over a patch budget): use "
+                                 "--max-pixels W,H or --max-patches N")
+        return _qwen_vision(vlm, tok, processor_cfg, where, max_patches, max_pixels)
+    if max_pixels is not None:
+        raise ModelLoadError(f"--max-pixels applies to Qwen2.5-VL, Qwen3-VL and Qwen3.5; a "
+                             f"{cfg.model_type} model takes --image-size and --max-tiles")
     tokens, ids = _image_tokens(tok, kind, cfg, where)
     proc_cls = image_processor_class(kind)
     pc = dict(processor_cfg or {})
@@ -562,6 +763,82 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
                              "merged into one token)")
     return VisionModel(kind, vlm, tokens, ids, json.loads(proc.to_json_string()), s, tiles,
                        budget, _canvas_markers(vlm, tok, tokens, where))
+
+
+#: image processor config keys that name classes, not settings
+_PROCESSOR_NAMES = ("image_processor_type", "processor_class", "auto_map")
+
+
+def _qwen_vision(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where: str,
+                 max_patches: int | None, max_pixels: tuple[int, int] | None
+                 ) -> QwenVisionModel:
+    """A Qwen VLM's vision half: the patch budget N (`--max-patches`, or `--max-pixels`
+    W x H over the patch area, whole merge windows), the image processor resizing every
+    image within it (its `longest_edge`, in pixels, is N patches; its `shortest_edge`
+    capped there), the image tokens checked against the config."""
+    cfg = vlm.config
+    vc = cfg.vision_config
+    patch, merge = int(vc.patch_size), int(vc.spatial_merge_size)
+    temporal = int(vc.temporal_patch_size)
+    unit = merge * merge
+    pc = {k: v for k, v in (processor_cfg or {}).items() if k not in _PROCESSOR_NAMES}
+    for key, want in (("patch_size", patch), ("merge_size", merge),
+                      ("temporal_patch_size", temporal)):
+        if key in pc and pc[key] != want:
+            raise ModelLoadError(f"{where}: preprocessor_config.json has {key} {pc[key]!r} but "
+                                 f"the vision tower's is {want}; they do not belong together")
+    if max_patches is not None and max_pixels is not None:
+        raise ModelLoadError("give --max-pixels or --max-patches, not both (each sets the "
+                             "vision net's patch budget)")
+    if max_patches is not None:
+        budget = int(max_patches)
+        if budget % unit:
+            raise ModelLoadError(f"--max-patches {budget} must be a multiple of {unit} (the "
+                                 f"{merge}x{merge} patches merged into one token)")
+    else:
+        wid, hgt = max_pixels or DEFAULT_MAX_PIXELS
+        if wid < 1 or hgt < 1:
+            raise ModelLoadError(f"--max-pixels {wid},{hgt}: both sides must be positive")
+        budget = wid * hgt // (patch * patch) // unit * unit
+        if budget < unit:
+            raise ModelLoadError(
+                f"--max-pixels {wid},{hgt} holds fewer than {unit} patches of {patch}x{patch} "
+                f"pixels (one merged token); give at least {merge * patch}x{merge * patch}")
+    size = dict(pc.pop("size", None) or {})
+    shortest = int(pc.pop("min_pixels", None) or size.get("shortest_edge") or 56 * 56)
+    pc.pop("max_pixels", None)
+    longest = budget * patch * patch
+    pc.update(size={"shortest_edge": min(shortest, longest), "longest_edge": longest},
+              patch_size=patch, merge_size=merge, temporal_patch_size=temporal)
+    try:
+        proc = image_processor_class("qwenvl")(**pc)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{where}: the image processor config does not make a "
+                             f"Qwen2VLImageProcessorPil: {e}") from e
+    tokens, ids = _qwen_tokens(tok, cfg, where)
+    return QwenVisionModel("qwenvl", vlm, tokens, ids, json.loads(proc.to_json_string()),
+                           patch * merge, 1, budget)
+
+
+def _qwen_tokens(tok: Any, cfg: Any, where: str) -> tuple[dict[str, str], dict[str, int]]:
+    """The Qwen image and video tokens (the tokenizer's, or the processor's defaults), each
+    in the vocabulary with the id the config names."""
+    tokens, ids = {}, {}
+    unk = getattr(tok, "unk_token_id", None)
+    for attr, default in QWEN_TOKENS.items():
+        value = getattr(tok, attr, None)
+        t = value if isinstance(value, str) and value else default
+        i = tok.convert_tokens_to_ids(t)
+        if i is None or (unk is not None and i == unk and t != tok.unk_token):
+            raise ModelLoadError(f"the {attr} {t!r} of {where} is not in its tokenizer's "
+                                 "vocabulary; use the tokenizer files of the checkpoint")
+        want = getattr(cfg, QWEN_TOKEN_IDS[attr], None)
+        if want != i:
+            raise ModelLoadError(f"{where}: config.{QWEN_TOKEN_IDS[attr]} is {want} but the "
+                                 f"tokenizer's {attr} {t!r} is id {i}; the config and the "
+                                 "tokenizer do not belong together")
+        tokens[attr], ids[attr] = t, int(i)
+    return tokens, ids
 
 
 def _canvas_markers(vlm: Any, tok: Any, tokens: dict[str, str], where: str) -> dict[str, int]:
@@ -633,18 +910,20 @@ def patch_budget(proc: Any, size: int, patch: int, max_slices: int, downsample_m
 
 def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
              image_size: int | None = None, max_tiles: int | None = None,
-             max_patches: int | None = None, stream: bool = False) -> LoadedVlm:
+             max_patches: int | None = None, stream: bool = False,
+             max_pixels: tuple[int, int] | None = None) -> LoadedVlm:
     """Load an InternVL or MiniCPM-V 4.6/4.7 model (a Hugging Face directory, or an in-memory
     model with its `tokenizer` and optionally its `image_processor`) for compilation. A
     directory with `stream` is not loaded whole (`_stream_dir`): its text model is a
     streaming skeleton, its vision tower read from the shards."""
     if isinstance(source, str | os.PathLike):
         load = _stream_dir if stream else _load_dir
-        return load(os.fspath(source), image_size, max_tiles, max_patches)
+        return load(os.fspath(source), image_size, max_tiles, max_patches, max_pixels)
     vlm = source
     mt = getattr(vlm.config, "model_type", None)
     if mt not in VLM_MODEL_TYPES:
-        raise ModelLoadError(f"expected an InternVL or MiniCPM-V 4.6/4.7 model, got "
+        raise ModelLoadError(f"expected an InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL or "
+                             f"Qwen3.5 model, got "
                              f"{type(vlm).__name__} ({mt})")
     where = f"the {type(vlm).__name__}"
     family = _check_text_config(vlm.config, where)
@@ -654,7 +933,7 @@ def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
     vlm = vlm.float().eval()
     pc = json.loads(image_processor.to_json_string()) if image_processor is not None else None
     vision = vision_model(vlm, tokenizer, pc, where, image_size=image_size,
-                          max_tiles=max_tiles, max_patches=max_patches)
+                          max_tiles=max_tiles, max_patches=max_patches, max_pixels=max_pixels)
     text = text_causal_lm(vlm)
     gen = generation_settings(getattr(vlm, "generation_config", None), vlm.config.text_config)
     return LoadedVlm(text, family, _tokenizer_files_of(tokenizer), gen, vision=vision)
@@ -718,7 +997,8 @@ def _mismatch(d: VlmDir, problems: list[str]) -> ModelLoadError:
 
 
 def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
-              max_patches: int | None) -> LoadedVlm:
+              max_patches: int | None, max_pixels: tuple[int, int] | None = None
+              ) -> LoadedVlm:
     """The whole VLM in float32 (transformers `from_pretrained`)."""
     d = _read_vlm_dir(path)
     try:
@@ -739,7 +1019,7 @@ def _load_dir(path: str, image_size: int | None, max_tiles: int | None,
         raise _mismatch(d, problems)
     vlm = vlm.eval()
     vision = vision_model(vlm, d.tokenizer, d.processor, path, image_size=image_size,
-                          max_tiles=max_tiles, max_patches=max_patches)
+                          max_tiles=max_tiles, max_patches=max_patches, max_pixels=max_pixels)
     return LoadedVlm(text_causal_lm(vlm), d.family, d.tokenizer_files,
                      d.generation_settings(), path, vision=vision)
 
@@ -761,7 +1041,8 @@ def text_name(key: str) -> str | None:
 
 
 def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
-                max_patches: int | None) -> LoadedVlm:
+                max_patches: int | None, max_pixels: tuple[int, int] | None = None
+                ) -> LoadedVlm:
     """A VLM directory without loading it whole: the checkpoint's tensor names, shapes and
     dtypes are checked against the model from the headers alone; the text model is a
     streaming skeleton (`frontends.streaming`) over the checkpoint's text tensors under the
@@ -779,15 +1060,17 @@ def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
     text = {lm: names[key] for key in names if (lm := text_name(key)) is not None}
     view = reader.renamed(text)
     stream = StreamedWeights(view, {})
+    shell = text_model_shell if d.config.text_config.model_type in QWEN_VL_TEXT_TYPES \
+        else None
     model, stream.placeholders = skeleton(d.config.text_config, stream.tensor_f32,
-                                          tied=_tied(vlm))
+                                          tied=_tied(vlm), build=shell)
     stream.materialized[LAYER_PREFIX] = model.model.layers[0]
     try:
         _read_vision(vlm, reader, names)
     except CheckpointError as e:
         raise ModelLoadError(str(e)) from e
     vision = vision_model(vlm.eval(), d.tokenizer, d.processor, path, image_size=image_size,
-                          max_tiles=max_tiles, max_patches=max_patches)
+                          max_tiles=max_tiles, max_patches=max_patches, max_pixels=max_pixels)
     return LoadedVlm(model, d.family, d.tokenizer_files, d.generation_settings(), path,
                      stream=stream, vision=vision)
 
@@ -852,6 +1135,23 @@ def _tied(vlm: Any) -> bool:
     return vlm.get_output_embeddings().weight is vlm.get_input_embeddings().weight
 
 
+def _is_rotary(module: torch.nn.Module) -> bool:
+    """A rotary embedding whose only buffers are frequencies computed from its config (the
+    checkpoint does not hold them: they are not persistent)."""
+    return hasattr(module, "inv_freq") and hasattr(module, "config") and \
+        not dict(module.state_dict())
+
+
+def _rebuild_rotaries(module: torch.nn.Module) -> None:
+    """Recompute the frequencies of `module`'s rotary embeddings (Qwen-VL's vision rotary)
+    from their config, as the model's constructor does (`to_empty` left them garbage)."""
+    for name, sub in list(module.named_modules()):
+        if name and _is_rotary(sub):
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, type(sub)(sub.config))
+
+
 def _read_vision(vlm: Any, reader: CheckpointReader, names: dict[str, str]) -> None:
     """Materialize everything of the meta-device `vlm` outside its text model (the vision
     tower, the projector or merger) in float32 from the checkpoint."""
@@ -862,9 +1162,11 @@ def _read_vision(vlm: Any, reader: CheckpointReader, names: dict[str, str]) -> N
               vlm.lm_head]
     for prefix, module in parts:
         module.to_empty(device="cpu")
+        _rebuild_rotaries(module)
         kept = dict(module.state_dict(prefix=f"{prefix}.", keep_vars=True))
+        rebuilt = {f"{prefix}.{n}" for n, m in module.named_modules() if _is_rotary(m)}
         for name, _ in module.named_buffers(prefix=prefix):
-            if name not in kept:
+            if name not in kept and name.rpartition(".")[0] not in rebuilt:
                 raise ModelLoadError(f"{name} is a buffer the checkpoint does not hold, "
                                      "which the streaming compile cannot rebuild; compile "
                                      "the VLM loaded whole (toptpu.compile(load_vlm(path), "

@@ -5,15 +5,17 @@ Global memory holds four kinds of regions:
 - **weights**: the model file's weight blob, mapped read-only; each `tpu.weight` is found
   by name in the blob's table (per-layer nets bind their layer's chunk by base address);
 - **constants**: the net's `tpu.constant` values, packed into a constant pool;
-- **activations**: tensors passed between layer groups, placed by liveness: a tensor lives
-  from the group that stores it to the last group that loads it, and tensors whose lives do
-  not overlap share addresses (first fit, largest first);
+- **activations**: tensors passed between layer groups (and the collectives between them,
+  `dev.*`, which read and write global memory), placed by liveness: a tensor lives from the
+  stage that stores it to the last stage that reads it, and tensors whose lives do not
+  overlap share addresses (first fit, largest first);
 - **IO**: the function's inputs and outputs (KV caches among them), bound per call by the
   runtime, so they need no address here.
 
 Results are written as attributes: `gaddrs` on each `tpu.group` (activation offsets of its
-results, -1 for results that go to an output), `tpu.const_offset` on constants, and on the
-function `#tpu.regions<activations, constants, weights, io>` byte sizes — the report
+results, -1 for results that go to an output), `gaddr` on each collective,
+`tpu.const_offset` on constants, and on the function
+`#tpu.regions<activations, constants, weights, io>` byte sizes — the report
 `address_report` prints. These annotations are typed in the dialect (`tpu.RegionsAttr`,
 `tpu.ConstantOp.pool_offset`), which is where codegen reads them.
 """
@@ -29,8 +31,8 @@ from xdsl.ir import SSAValue
 from xdsl.passes import ModulePass
 
 from toptpu.backend.target.cost import nbytes
-from toptpu.dialects import tpu
-from toptpu.dialects.common import i64_array
+from toptpu.dialects import dev, tpu
+from toptpu.dialects.common import i64_array, i64_attr
 from toptpu.errors import ToptpuError
 from toptpu.passes.util import require_level
 
@@ -50,16 +52,18 @@ def assign_function(fn: func.FuncOp) -> dict[str, int]:
     ret = block.last_op
     assert isinstance(ret, func.ReturnOp)
     returned = set(ret.operands)
-    groups = [op for op in block.ops if isinstance(op, tpu.GroupOp)]
-    order = {g: i for i, g in enumerate(groups)}
+    # the stages in program order: layer groups and the collectives between them
+    stages = [op for op in block.ops if isinstance(op, tpu.GroupOp | dev.CollectiveOp)]
+    groups = [op for op in stages if isinstance(op, tpu.GroupOp)]
+    order = {g: i for i, g in enumerate(stages)}
     ungrouped = [op.name for op in block.ops if not isinstance(
-        op, tpu.GroupOp | tpu.WeightOp | tpu.ConstantOp | func.ReturnOp)]
+        op, tpu.GroupOp | dev.CollectiveOp | tpu.WeightOp | tpu.ConstantOp | func.ReturnOp)]
     if ungrouped:
         raise AddressError(f"run layer-group first: ops outside groups {sorted(set(ungrouped))}")
-    # activation tensors: group results that are not function outputs
+    # activation tensors: stage results that are not function outputs
     tensors: list[tuple[SSAValue, int, int, int]] = []  # value, size, first, last
-    for g in groups:
-        for r in g.outputs:
+    for g in stages:
+        for r in g.results:
             if r in returned:
                 continue
             last = max((order[u.operation] for u in r.uses if u.operation in order),
@@ -79,6 +83,9 @@ def assign_function(fn: func.FuncOp) -> dict[str, int]:
     act = max((o + s for o, s, _, _ in placed), default=0)
     for g in groups:
         g.attributes["gaddrs"] = i64_array([offsets.get(r, -1) for r in g.outputs])
+    for c in stages:
+        if isinstance(c, dev.CollectiveOp):
+            c.attributes["gaddr"] = i64_attr(offsets.get(c.output, -1))
     const = 0
     for op in block.ops:
         if isinstance(op, tpu.ConstantOp):

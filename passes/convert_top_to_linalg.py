@@ -14,6 +14,11 @@ kernels (`toptpu.backend.reference.kernels`) and of torch.
   conv2d padding, slices) are `tensor.extract`s in the body (an indexing map that reads
   a larger operand with a pure loop dimension would redefine that loop's range). Reshapes
   are `tensor.collapse_shape` + `tensor.expand_shape`; small constants `arith.constant`.
+- Recurrences: `top.gated_delta_rule` is an `scf.for` over the tokens whose iter_args are
+  the f32 state (updated in place by each step's generics) and the output (each token's
+  row a `tensor.insert_slice` at the loop index); `top.causal_conv1d` reads the state and
+  the input by index and takes its new state from the count of real tokens (a reduction
+  of `valid`).
 - Options: `fast-math` (arith `reassoc,contract`: vectorizable reductions) and
   `expose-values` (every named intermediate tensor also returned, for `--compare-all`).
 - Numerics follow the Top semantics (`toptpu.dialects.top`): f16/bf16 values are computed in f32 and
@@ -36,10 +41,11 @@ from dataclasses import dataclass
 
 from xdsl.builder import Builder, InsertPoint
 from xdsl.context import Context
-from xdsl.dialects import arith, func
+from xdsl.dialects import arith, func, scf
 from xdsl.dialects import math as mathd
 from xdsl.dialects import tensor as tensord
 from xdsl.dialects.builtin import (
+    DYNAMIC_INDEX,
     AffineMapAttr,
     AnyFloat,
     ArrayAttr,
@@ -1000,6 +1006,123 @@ def lower_constant(e: Emitter, op: top.ConstantBase) -> SSAValue:
     return e.add(arith.ConstantOp(value)).results[0]
 
 
+def lower_causal_conv1d(e: Emitter, op: top.CausalConv1dBase) -> list[SSAValue]:
+    """y[t, c] = sum_j w[c, j] * xs[t + j, c] over `xs = cat(state, x)` (read by index:
+    positions before K-1 from the state, rounded to x's type as the kernel does, or zero
+    without one), the taps summed in order in f32; new_state[i] = xs[n + i] with n the
+    number of real tokens, counted from `valid` by a reduction (a prefix of ones)."""
+    x, w, state, valid = op.x, op.weight, op.state, op.valid
+    _, t, c = shape_of(x)
+    k = shape_of(w)[1]
+    xe = elem_of(x)
+    ct = compute_type(elem_of(op.output))
+
+    def xs_at(b: Body, pos: SSAValue, ch: SSAValue) -> SSAValue:
+        """xs[pos, ch] in f32 (pos in [0, K-1+T))."""
+        from_x = b.compute(b.extract(x, [b.idx(0), b.clamp(b.sub(pos, b.idx(k - 1)), 0, t - 1),
+                                         ch]))
+        if k == 1:
+            return from_x
+        if state is None:
+            from_state = b.const(0.0, ct)
+        else:
+            s = b.extract(state, [b.idx(0), b.clamp(pos, 0, k - 2), ch])
+            from_state = b.compute(b.convert(s, xe))
+        return b.select(b.cmp("lt", pos, b.idx(k - 1)), from_state, from_x)
+
+    # y: loop dims (0, t, c, j), reduction over the taps j
+    def tap(b: Body) -> SSAValue:
+        pos = b.add(b.index(1), b.index(3))
+        return b.add(b.args[1], b.mul(xs_at(b, pos, b.index(2)), b.compute(b.args[0])))
+
+    acc = e.generic([(w, amap(4, [_d(2), _d(3)]))], e.fill((1, t, c), ct, 0.0),
+                    amap(4, [_d(0), _d(1), _d(2)]), ["parallel"] * 3 + ["reduction"], tap)
+    y = e.convert(acc, elem_of(op.output))
+    # n = the number of real tokens (valid > 0), [1, 1] i64
+    n = e.reduce([(valid, identity(2))], (1, t), [1], True, i64, 0, lambda b, a: b.add(
+        a, b.select(b.cmp("gt", b.compute(b.args[0]), b.const(0.0, compute_type(
+            elem_of(valid)))), b.const(1, i64), b.const(0, i64))))
+    state_elem = elem_of(op.new_state)
+
+    def carried(b: Body) -> SSAValue:
+        pos = b.add(b.convert(b.args[0], IndexType()), b.index(1))
+        return b.convert(xs_at(b, pos, b.index(2)), state_elem)
+
+    new_state = e.map([(n, amap(3, [_c(0), _c(0)]))], (1, k - 1, c), state_elem, carried)
+    return [y, new_state]
+
+
+def lower_gated_delta_rule(e: Emitter, op: top.GatedDeltaRuleBase) -> list[SSAValue]:
+    """An `scf.for` over the tokens carrying the state [1, Hv, Dk, Dv] f32 and the output
+    [1, T, Hv, Dv] f32 as iter_args; per token t (read by index; key head h // r for value
+    head h): S = S * exp(g_t); kv = k_t S (sum over Dk in order); S = S + k_t^T (beta_t *
+    (v_t - kv)); o_t = (scale * q_t) S, inserted as row t. The output rounds to v's type
+    after the loop."""
+    q, k, v, g, beta, state = op.q, op.k, op.v, op.g, op.beta, op.state
+    _, t, hk, dk = shape_of(k)
+    _, _, hv, dv = shape_of(v)
+    r = hv // hk
+    scale = read_float(op.scale)
+    s_shape = (1, hv, dk, dv)
+    s0 = e.fill(s_shape, f32, 0.0) if state is None else e.convert(state, f32)
+    o0 = e.empty((1, t, hv, dv), f32)
+    lb, ub, one = (e.add(arith.ConstantOp(IntegerAttr(i, IndexType()))).results[0]
+                   for i in (0, t, 1))
+    body = Block(arg_types=[IndexType(), s0.type, o0.type])
+    i, s, o = body.args
+    inner = Emitter(e.root, e.fast_math)
+
+    def at(b: Body, x: SSAValue, *rest: SSAValue) -> SSAValue:
+        """x[0, i, rest...] in f32."""
+        return b.compute(b.extract(x, [b.idx(0), i, *rest]))
+
+    # loop dims of the state: (0, h, a, d) with a over Dk and d over Dv; the state is
+    # updated in place (each generic writes the tensor it reads element by element), so
+    # the loop yields what it was given (one-shot bufferization wants them equivalent)
+    all_parallel = ["parallel"] * 4
+    decayed = inner.generic([], s, identity(4), all_parallel, lambda b: b.mul(
+        b.args[0], b.math("exp", at(b, g, b.index(1)))))
+
+    def key_head(b: Body) -> SSAValue:
+        """The key head of the loop's value head (loop dim 1)."""
+        return b.div(b.index(1), b.idx(r))
+
+    # kv [1, Hv, 1, Dv]: loop dims (0, h, a, d), a reduced
+    kv = inner.reduce([(decayed, identity(4))], s_shape, [2], True, f32, 0.0,
+                      lambda b, acc: b.add(acc, b.mul(at(b, k, key_head(b), b.index(2)),
+                                                      b.args[0])))
+
+    def update(b: Body) -> SSAValue:
+        h, a, d = b.index(1), b.index(2), b.index(3)
+        delta = b.mul(b.sub(at(b, v, h, d), b.args[0]), at(b, beta, h))
+        return b.add(b.args[1], b.mul(at(b, k, key_head(b), a), delta))
+
+    updated = inner.generic([(kv, amap(4, [_c(0), _d(1), _c(0), _d(3)]))], decayed,
+                            identity(4), all_parallel, update)
+    scale_c = FloatAttr(scale, f32)
+
+    def read_out(b: Body, acc: SSAValue) -> SSAValue:
+        qs = b.mul(at(b, q, key_head(b), b.index(2)),
+                   b._ins(arith.ConstantOp(scale_c)))
+        return b.add(acc, b.mul(qs, b.args[0]))
+
+    # o_t [1, 1, Hv, Dv]: loop dims (0, h, a, d), a reduced
+    row = inner.generic([(updated, identity(4))], inner.fill((1, 1, hv, dv), f32, 0.0),
+                        amap(4, [_d(0), _c(0), _d(1), _d(3)]),
+                        ["parallel", "parallel", "reduction", "parallel"],
+                        lambda b: read_out(b, b.args[1]))
+    ins = tensord.InsertSliceOp.get(
+        row, o, static_sizes=[1, 1, hv, dv], static_offsets=[0, DYNAMIC_INDEX, 0, 0],
+        offsets=[i])
+    placed = inner.add(ins).results[0]
+    inner.add(scf.YieldOp(updated, placed))
+    for op_ in inner.ops:
+        body.add_op(op_)
+    loop = e.add(scf.ForOp(lb, ub, one, [s0, o0], body))
+    new_state, out = loop.results
+    return [e.convert(out, elem_of(op.output)), new_state]
+
+
 Lowering = Callable[[Emitter, Operation], SSAValue | list[SSAValue]]
 
 #: Top op class -> its lowering (the patterns below dispatch through this table)
@@ -1036,6 +1159,8 @@ LOWERINGS: dict[type[Operation], Lowering] = {
     top.TopKOp: lower_topk,
     top.CumSumOp: lower_cumsum,
     top.ScatterOp: lower_scatter,
+    top.CausalConv1dOp: lower_causal_conv1d,
+    top.GatedDeltaRuleOp: lower_gated_delta_rule,
 }  # type: ignore[dict-item]
 
 
@@ -1106,6 +1231,19 @@ class LowerDataMovement(RewritePattern):
     def match_and_rewrite(self, op: top.ReshapeOp | top.PermuteOp | top.ExpandOp
                           | top.SliceOp | top.ConcatOp | top.GatherOp | top.ScatterOp
                           | top.RopeOp | top.ConstantOp, rewriter: PatternRewriter) -> None:
+        _rewrite(op, rewriter, self.fast_math)
+
+
+@dataclass(frozen=True)
+class LowerLinearAttention(RewritePattern):
+    """causal_conv1d (taps by index over state and input, the new state from the count of
+    real tokens) and gated_delta_rule (an `scf.for` over the tokens carrying the state)."""
+
+    fast_math: bool = False
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: top.CausalConv1dOp | top.GatedDeltaRuleOp,
+                          rewriter: PatternRewriter) -> None:
         _rewrite(op, rewriter, self.fast_math)
 
 
@@ -1222,7 +1360,8 @@ class ConvertTopToLinalgPass(ModulePass):
             GreedyRewritePatternApplier([LowerElementwise(self.fast_math),
                                          LowerReductions(self.fast_math),
                                          LowerContractions(self.fast_math),
-                                         LowerDataMovement(self.fast_math)]),
+                                         LowerDataMovement(self.fast_math),
+                                         LowerLinearAttention(self.fast_math)]),
             apply_recursively=False,
         ).rewrite_module(op)
         for fn in funcs:

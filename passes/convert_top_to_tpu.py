@@ -47,7 +47,7 @@ from xdsl.pattern_rewriter import (
 from xdsl.rewriter import InsertPoint
 from xdsl.transforms.dead_code_elimination import region_dce
 
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import (
     DEFAULT_GROUP_SIZE,
     QuantMode,
@@ -77,8 +77,10 @@ from toptpu.passes.quantize import (
 )
 from toptpu.passes.util import named_like, producer, require_level
 
-#: qweight, scales, zeros, the act-order permutation (or None), bits, group size
-CheckpointWeights = tuple[SSAValue, SSAValue, SSAValue, "SSAValue | None", int, int]
+#: qweight, scales, zeros (or None), mins (or None), the act-order permutation (or None),
+#: bits, group size
+CheckpointWeights = tuple[SSAValue, SSAValue, "SSAValue | None", "SSAValue | None",
+                          "SSAValue | None", int, int]
 
 
 class ConversionError(ToptpuError, ValueError):
@@ -208,7 +210,8 @@ class Lowering:
     def checkpoint_weight(self, top_weight: top.WeightOp, rewriter: PatternRewriter
                           ) -> CheckpointWeights | None:
         """The tpu.weights of a pre-quantized checkpoint layer (None when the store has no
-        checkpoint tensors for this weight): exactly its integers, scales and zeros."""
+        checkpoint tensors for this weight): exactly its integers, scales and zeros (or
+        mins)."""
         src = top_weight.tensor_name
         key = (src, "checkpoint")
         if key in self._quantized:
@@ -231,8 +234,8 @@ class Lowering:
             rewriter.insert(op, InsertPoint.after(anchor))
             anchor = op
             values[part] = op.results[0]
-        result = (values["qweight"], values["scales"], values["zeros"], values.get("perm"),
-                  bits, gs)
+        result = (values["qweight"], values["scales"], values.get("zeros"),
+                  values.get("mins"), values.get("perm"), bits, gs)
         self._quantized[key] = result  # type: ignore[assignment]
         return result
 
@@ -240,7 +243,7 @@ class Lowering:
                 rewriter: PatternRewriter, tag: str = "") -> SSAValue:
         """`v` as a Tpu value of element type `elem` (None: keep the type)."""
         if (w := producer(v, top.WeightOp)) is not None:
-            target = elem if elem is not None else elem_of(v)
+            target = elem if elem is not None and is_float(elem_of(v)) else elem_of(v)
             return self.weight(w, target, rewriter)
         if (c := producer(v, top.ConstantOp)) is not None:
             arr = constant_value(c.value)
@@ -300,7 +303,8 @@ class LowerElementwise(LoweringPattern):
     """Unary, binary, scalar, compare and where ops: float operands in the op's type."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp):
+        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp) \
+                or isinstance(op, tpu.TpuOp):  # (a Tpu op shares its Top op's base class)
             return
         if isinstance(op, top.SoftmaxOp):
             return
@@ -407,7 +411,7 @@ class LowerMatMul(LoweringPattern):
                         f"'{w.tensor_name}' comes pre-quantized from the checkpoint: use a "
                         "weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
                         "are used as they are")
-                q, s, z, perm, bits, gs = ckpt
+                q, s, z, mins, perm, bits, gs = ckpt
                 if perm is not None:  # act-order: gather the input channels group by group
                     rank = len(shape_of(x))
                     g = tpu.GatherOp.build([x, perm], {"axis": i64_attr(rank - 1),
@@ -417,7 +421,7 @@ class LowerMatMul(LoweringPattern):
                     x = g.output
                 (rt,) = _result_types(lw, op)
                 new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
-                                      result_type=rt)
+                                      result_type=rt, mins=mins)
                 named_like(new, op)
                 rewriter.replace(op, new)
                 return
@@ -538,6 +542,24 @@ class LowerGatedDeltaRule(LoweringPattern):
         rewriter.replace(op, new)
 
 
+class LowerCollective(LoweringPattern):
+    """A collective (`dev.*`) stays, over its operand as lowered: a float in the activation
+    type (the partial sums of a bf16 row-parallel matmul are summed in bf16, as the
+    devices hold them)."""
+
+    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
+        if not isinstance(op, dev.CollectiveOp):
+            return
+        x = op.input
+        want = self.lw.wants(op) if is_float(elem_of(x)) else None
+        x = self.lw.operand(x, want, op, rewriter)
+        if x is op.input and type(op).infer([x], op.attributes) == [op.output.type]:
+            return  # already lowered
+        new = type(op).build([x], _attrs(op))
+        named_like(new, op)
+        rewriter.replace(op, new)
+
+
 def recurrent_state_args(fn: func.FuncOp) -> set[SSAValue]:
     """The function arguments that are a gated_delta_rule's state operand: they keep f32
     in every mode, as the state does (the runtime binds the argument and the returned
@@ -580,6 +602,7 @@ def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
         LowerGatedDeltaRule(lw),
         LowerDataMovement(lw),
         LowerElementwise(lw),
+        LowerCollective(lw),
     ]
 
 
@@ -612,7 +635,7 @@ class ConvertTopToTpuPass(ModulePass):
                     arg._type = tensor(shape_of(t), elem)  # noqa: SLF001 - signature change
             walker = PatternRewriteWalker(GreedyRewritePatternApplier(lowering_patterns(lw)),
                                           apply_recursively=False)
-            walker.rewrite_module(op)
+            walker.rewrite_region(fn.body)  # this function only, with its own Lowering
             ret = fn.body.block.last_op
             assert isinstance(ret, func.ReturnOp)
             rewriter_ops = list(ret.operands)

@@ -32,7 +32,7 @@ from xdsl.rewriter import InsertPoint, Rewriter
 
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, get_chip
 from toptpu.backend.target.cost import compute_cycles, cost_dtype, dma_cycles, nbytes, op_flops
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import (
     dtype_bytes,
     elem_of,
@@ -49,7 +49,6 @@ from toptpu.dialects.naming import op_name, set_name
 from toptpu.errors import ToptpuError
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
-    HEADS_RESULT_AXIS,
     SliceKind,
     col_count,
     col_operand_axes,
@@ -57,6 +56,7 @@ from toptpu.passes.slicing import (
     col_sliceable,
     heads_count,
     heads_operand_axes,
+    heads_result_axes,
     heads_sliceable,
     reduction_count,
     reduction_sliceable,
@@ -191,7 +191,7 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
             in_axes: tuple[int | None, ...] = col_operand_axes(op)
             out_axes: tuple[int | None, ...] = (col_result_axis(op),)
         elif kind == SliceKind.HEADS:
-            in_axes, out_axes = heads_operand_axes(op), (HEADS_RESULT_AXIS,)
+            in_axes, out_axes = heads_operand_axes(op), heads_result_axes(op)
         elif s == 1:
             in_axes = tuple(None for _ in op.operands)
             out_axes = tuple(None for _ in op.results)
@@ -608,7 +608,22 @@ def _install(group: tpu.GroupOp, p: Plan) -> None:
 
 def compute_ops(fn: func.FuncOp) -> list[Operation]:
     return [op for op in fn.body.block.ops
-            if not isinstance(op, tpu.WeightOp | tpu.ConstantOp | func.ReturnOp | tpu.GroupOp)]
+            if not isinstance(op, tpu.WeightOp | tpu.ConstantOp | func.ReturnOp | tpu.GroupOp
+                              | dev.CollectiveOp)]
+
+
+def segments(fn: func.FuncOp) -> list[list[Operation]]:
+    """The compute ops in runs between collectives (`dev.*`): a collective runs on the link
+    between groups, its operand stored to global memory before it and its result loaded
+    after it, so no group spans one."""
+    runs: list[list[Operation]] = [[]]
+    ops = set(compute_ops(fn))
+    for op in fn.body.block.ops:
+        if isinstance(op, dev.CollectiveOp):
+            runs.append([])
+        elif op in ops:
+            runs[-1].append(op)
+    return [r for r in runs if r]
 
 
 def partition(ops: list[Operation], chip: Chip, max_ops: int, split: str = "cost"
@@ -654,7 +669,9 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
     if heads_sliceable(op):
         counts.append((SliceKind.HEADS, heads_count(op)))
     best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
-    what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel", SliceKind.HEADS: "KV-head"}
+    what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel",
+            SliceKind.HEADS: "KV-head" if isinstance(op, top.AttentionBase) else
+            "key-head" if isinstance(op, top.GatedDeltaRuleBase) else "channel"}
     for kind, n in counts:
         p = _make_plan([op], kind, n, inside)
         if p is not None:
@@ -753,10 +770,7 @@ def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12, split: 
                               f"{', '.join(SPLIT_REDUCTION)}")
     try:
         split_attention_keys(fn, chip)
-        ops = compute_ops(fn)
-        if not ops:
-            return []
-        plans = partition(ops, chip, max_ops, split)
+        plans = [p for run in segments(fn) for p in partition(run, chip, max_ops, split)]
         groups = []
         for stale in plans:
             # earlier groups replaced some of this span's inputs: plan it again, same choice

@@ -34,6 +34,7 @@ from toptpu.passes.fuse import FusePass
 from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
 from toptpu.passes.mlir_pipeline import MLIRPipelinePass
 from toptpu.passes.shape_infer import ShapeInferPass
+from toptpu.passes.tensor_parallel import TensorParallelPass
 from toptpu.passes.util import require_level
 from toptpu.passes.weight_reorder import WeightReorderPass
 
@@ -204,5 +205,6 @@ def all_passes() -> dict[str, type[ModulePass]]:
     passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
                                       ConvertTopToTpuPass, WeightReorderPass, LayerGroupPass,
                                       LmemVerifyPass, AddressAssignPass, MachinePipeline,
-                                      TpuPipeline, ConvertTopToLinalgPass, MLIRPipelinePass]
+                                      TpuPipeline, ConvertTopToLinalgPass, MLIRPipelinePass,
+                                      TensorParallelPass]
     return {p.name: p for p in passes}

@@ -116,7 +116,8 @@ def _quantize_rows(w: np.ndarray, bits: int, gs: int, symmetric: bool,
 
 #: weight-store names of a pre-quantized checkpoint's tensors for the float weight `w`:
 #: f"{w}{CHECKPOINT_TAG}{field}" with field qweight (ui8 [N, K] unpacked), scales [N, G],
-#: zeros (ui8 [N, G]), g_idx (i32 [K], act-order only) and meta (i32 [bits, group_size]);
+#: zeros (ui8 [N, G]) or mins (float [N, G], the scale-and-min form), g_idx (i32 [K],
+#: act-order only) and meta (i32 [bits, group_size]);
 #: annexes of `w` in the store's naming (they travel with `w` when a module is saved)
 CHECKPOINT_TAG = f"{ANNEX}checkpoint."
 #: present in a weight store whose model came pre-quantized: weights without checkpoint
@@ -128,16 +129,18 @@ def checkpoint_key(weight: str, field: str) -> str:
     return f"{weight}{CHECKPOINT_TAG}{field}"
 
 
-def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
+def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
                      g_idx: np.ndarray | None, bits: int, group_size: int,
-                     where: str = "a checkpoint layer") -> dict[str, np.ndarray]:
-    """A pre-quantized layer's integers, scales and zero points, as `tpu.a16_matmul` reads
-    them — nothing re-quantized, nothing rounded:
+                     where: str = "a checkpoint layer",
+                     mins: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """A pre-quantized layer's integers, scales and zero points (or mins), as
+    `tpu.a16_matmul` reads them — nothing re-quantized, nothing rounded:
 
     - qweight: packed two nibbles a byte (4 bit) or ui8 (8 bit);
     - scales: in the checkpoint's own dtype (f16 scales stay f16 under bf16 activations);
     - zeros: ui8, always explicit (so both GPTQ's symmetric 8 / 128 and asymmetric zeros are
       exactly the checkpoint's);
+    - mins (instead of zeros, the scale-and-min form): float, in their own dtype;
     - perm (act-order): the input-channel order that makes every group contiguous; the
       compiled net gathers the activations in this order before the matmul.
     """
@@ -147,9 +150,17 @@ def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
     n, k = q.shape
     if q.size and int(q.max()) >= (1 << bits):
         raise QuantizationError(f"{where}: qweight has values >= 2**{bits}")
-    z = np.asarray(zeros)
-    if z.size and (int(z.max()) > 255 or int(z.min()) < 0):
+    if (zeros is None) == (mins is None):
+        raise QuantizationError(f"{where}: a checkpoint layer has zero points or mins "
+                                "(exactly one of them)")
+    z = None if zeros is None else np.asarray(zeros)
+    if z is not None and z.size and (int(z.max()) > 255 or int(z.min()) < 0):
         raise QuantizationError(f"{where}: a zero point of {int(z.max())} does not fit 8 bits")
+    groups = (n, k // group_size) if group_size > 0 and k % group_size == 0 else None
+    if mins is not None and (groups is None or np.shape(mins) != groups
+                             or np.asarray(mins).dtype.kind != "f"):
+        raise QuantizationError(f"{where}: mins must be float [N, K / group size], not "
+                                f"{np.asarray(mins).dtype} {list(np.shape(mins))}")
     if group_size <= 0 or k % group_size:
         raise QuantizationError(f"{where}: group size {group_size} does not divide K={k}")
     out: dict[str, np.ndarray] = {}
@@ -166,7 +177,10 @@ def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
     q = np.ascontiguousarray(q.astype(np.uint8))
     out["qweight"] = pack_int4(q) if bits == 4 else q
     out["scales"] = np.ascontiguousarray(scales)
-    out["zeros"] = np.ascontiguousarray(z.astype(np.uint8))
+    if z is not None:
+        out["zeros"] = np.ascontiguousarray(z.astype(np.uint8))
+    else:
+        out["mins"] = np.ascontiguousarray(mins)
     return out
 
 
@@ -178,8 +192,10 @@ def checkpoint_parts_of_store(store: WeightStore, weight: str) -> dict[str, np.n
     bits, gs = (int(x) for x in store[meta_key])
     g_idx = store[checkpoint_key(weight, "g_idx")] if checkpoint_key(
         weight, "g_idx") in store else None
+    zeros_key, mins_key = checkpoint_key(weight, "zeros"), checkpoint_key(weight, "mins")
     parts = checkpoint_parts(store[checkpoint_key(weight, "qweight")],
                              store[checkpoint_key(weight, "scales")],
-                             store[checkpoint_key(weight, "zeros")], g_idx, bits, gs, weight)
+                             store[zeros_key] if zeros_key in store else None, g_idx, bits,
+                             gs, weight, store[mins_key] if mins_key in store else None)
     parts["meta"] = np.array([bits, gs], np.int32)
     return parts

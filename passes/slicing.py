@@ -13,7 +13,11 @@ Two slicing kinds exist:
 - **heads**: one attention computes a range of KV-head groups at a time (each KV head with
   its query heads): queries, keys, values, history and output stream by heads, so the
   keys and values of a long sequence never need to be resident whole (decode over a long
-  KV cache, multi-head models). Heads are independent: the numbers do not change.
+  KV cache, multi-head models). Heads are independent: the numbers do not change. Linear
+  attention's ops slice the same way: a gated delta rule by key heads (each with its value
+  heads: q, k, v, g, beta, the output and the recurrent state stream by heads, so a 2 MB
+  f32 state never needs to be resident whole), a causal conv by channels (input, taps,
+  conv state and output; the valid flags whole). Heads and channels are independent.
 - **tiles**: one weight matmul computes a 2-D tile at a time, a block of token rows times
   a block of output channels: the activation streams by rows, the weight (scales, zeros,
   bias) by output channels, the result by both (`tpu.GroupOp.tile_grid`), so neither the
@@ -137,8 +141,11 @@ def row_rule(op: Operation) -> RowRule | None:
         a = token_axis(ins)
         if a is None:
             return None
-
-        if ins[a] == out[r] and math.prod(ins[:a]) == math.prod(out[:r]):
+        # the same rows, or rows merged with the axes after them ([1, T, H, D] -> [T*H, D])
+        # or split back: with equal leading axes, a block of rows along one is a block of
+        # rows along the other (the slice count divides both: layer-group checks)
+        if math.prod(ins[:a]) == math.prod(out[:r]) and (
+                ins[a] == out[r] or max(ins[a], out[r]) % min(ins[a], out[r]) == 0):
             return RowRule((a,), (r,))
         return None
     if isinstance(op, top.PermuteBase):
@@ -235,29 +242,53 @@ def tile_result_axes(op: Operation) -> tuple[int, int]:
 
 
 def heads_sliceable(op: Operation) -> bool:
-    """An attention with more than one KV head."""
-    return isinstance(op, top.AttentionBase) and read_int(op.kv_heads) > 1
+    """An attention with more than one KV head, a gated delta rule with more than one key
+    head, a causal conv with more than one channel."""
+    return isinstance(op, top.AttentionBase | top.GatedDeltaRuleBase | top.CausalConv1dBase) \
+        and heads_count(op) > 1
 
 
 def heads_count(op: Operation) -> int:
-    assert isinstance(op, top.AttentionBase)
-    return read_int(op.kv_heads)
+    """The units a heads slice divides: KV heads (each with its query heads), key heads
+    (each with its value heads), conv channels."""
+    if isinstance(op, top.AttentionBase):
+        return read_int(op.kv_heads)
+    if isinstance(op, top.GatedDeltaRuleBase):
+        return shape_of(op.k)[2]
+    assert isinstance(op, top.CausalConv1dBase)
+    return shape_of(op.x)[2]
 
 
 def heads_operand_axes(op: Operation) -> tuple[int | None, ...]:
-    """For a heads slice: q, k, v and the history along their head axis (2); the mask
-    along its head axis (1) when it has one per query head, else whole."""
-    assert isinstance(op, top.AttentionBase)
+    """For a heads slice, per operand (flat order): an attention's q, k, v and history
+    along their head axis (2), its mask along its head axis (1) when it has one per query
+    head, else whole; a delta rule's q, k, v, g, beta along their head axis (2) and its
+    state along its value-head axis (1); a conv's input and state along their channel axis
+    (2), its taps along theirs (0), its valid flags whole."""
     axes: list[int | None] = []
     for v in op.operands:
-        if v is op.mask:
-            axes.append(1 if shape_of(v)[1] > 1 else None)
+        if isinstance(op, top.AttentionBase):
+            axes.append((1 if shape_of(v)[1] > 1 else None) if v is op.mask else 2)
+        elif isinstance(op, top.GatedDeltaRuleBase):
+            axes.append(1 if v is op.state else 2)
         else:
-            axes.append(2)
+            assert isinstance(op, top.CausalConv1dBase)
+            axes.append(None if v is op.valid else 0 if v is op.weight else 2)
     return tuple(axes)
 
 
+#: an attention's result (and a delta rule's output) along its head axis
 HEADS_RESULT_AXIS = 2
+
+
+def heads_result_axes(op: Operation) -> tuple[int, ...]:
+    """For a heads slice, per result: the output's head (or channel) axis, a delta rule's
+    new state's value-head axis (1), a conv's new state's channel axis (2)."""
+    if isinstance(op, top.GatedDeltaRuleBase):
+        return (HEADS_RESULT_AXIS, 1)
+    if isinstance(op, top.CausalConv1dBase):
+        return (2, 2)
+    return (HEADS_RESULT_AXIS,)
 
 
 def is_global_source(v: SSAValue) -> bool:

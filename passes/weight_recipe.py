@@ -74,7 +74,7 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
         if isinstance(op, tpu.A16MatMulOp):
             params = (read_int(op.weight_bits), read_int(op.group_size), op.zeros is None,
                       numpy_dtype(elem_of(op.scales)))
-            for v in (op.qweight, op.scales, op.zeros):
+            for v in (op.qweight, op.scales, op.zeros, op.mins):
                 if v is not None and isinstance(v.owner, tpu.WeightOp):
                     quant[v.owner] = params
     out = []

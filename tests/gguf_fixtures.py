@@ -1,7 +1,16 @@
 """GGUF files written by the `gguf` package itself (GGUFWriter, gguf.quants.quantize) from the
 tiny random HF models of `toptpu.frontends.tiny_models`: what llama.cpp's convert_hf_to_gguf
 writes for a llama / qwen2 checkpoint (llama's q/k rows permuted for its rope layout), small
-enough to write in well under a second."""
+enough to write in well under a second.
+
+gguf-py quantizes the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) but not the K-quants
+(its `quantize` raises NotImplementedError for Q4_K, Q5_K, Q6_K, and llama.cpp's quantizer
+is not installable here), so `quantize_k` packs those blocks itself: a plain round-to-nearest
+(no llama.cpp search for the best scales) in llama.cpp's block layout. The bytes are valid
+blocks whatever their quality: what the tests compare is toptpu against gguf's own
+dequantization of the same bytes (`gguf.quants.dequantize`, which transformers uses), and
+`test_gguf` checks that this dequantization is close to the float weights the blocks came
+from (so the layout is the one gguf reads)."""
 
 from __future__ import annotations
 
@@ -54,6 +63,88 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
+#: K-quants packed by `quantize_k`
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    """float values [...] -> their f16 bytes [..., 2]."""
+    return v.astype(np.float16)[..., None].view(np.uint8)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a / b, 0 where b is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b == 0, 0.0, a / np.where(b == 0, 1.0, b))
+
+
+def _low_high(q: np.ndarray, run: int) -> np.ndarray:
+    """4-bit values [..., 2 * C] -> bytes [..., C]: each run of `run` bytes holds `run`
+    values in its low nibbles and the next `run` in its high ones (llama.cpp's layout)."""
+    v = q.reshape(*q.shape[:-1], -1, 2, run)
+    return (v[..., 0, :] | (v[..., 1, :] << 4)).reshape(*q.shape[:-1], -1).astype(np.uint8)
+
+
+def quantize_k(w: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 [N, K] (K a multiple of 256) -> the Q4_K / Q5_K / Q6_K blocks uint8
+    [N, K / 256 * block bytes], round-to-nearest (see the module doc)."""
+    n, k = w.shape
+    x = w.astype(np.float64).reshape(n, k // 256, -1)  # super-blocks
+    if qtype in ("Q4_K", "Q5_K"):
+        top = 15 if qtype == "Q4_K" else 31
+        sub = x.reshape(n, -1, 8, 32)
+        lo = np.minimum(sub.min(-1), 0.0)
+        scale = (sub.max(-1) - lo) / top
+        low = -lo
+        d = (scale.max(-1) / 63).astype(np.float16).astype(np.float64)
+        dmin = (low.max(-1) / 63).astype(np.float16).astype(np.float64)
+        sc = np.clip(np.rint(_div(scale, d[..., None])), 0, 63).astype(np.uint8)
+        mc = np.clip(np.rint(_div(low, dmin[..., None])), 0, 63).astype(np.uint8)
+        step = (d[..., None] * sc)[..., None]
+        q = np.clip(np.rint(_div(sub + (dmin[..., None] * mc)[..., None], step)), 0, top)
+        q = q.astype(np.uint8).reshape(n, -1, 256)
+        scales = np.concatenate([
+            (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+            (mc[..., :4] & 63) | ((mc[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 15) | ((mc[..., 4:] & 15) << 4)], axis=-1)
+        parts = [_f16_bytes(d), _f16_bytes(dmin), scales]
+        if qtype == "Q5_K":  # bit j of byte i: the high bit of sub-block j's value i
+            high = (q >> 4).reshape(n, -1, 8, 32)
+            parts.append(np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[:, None],
+                                              axis=-2).astype(np.uint8))
+        parts.append(_low_high(q & 15, 32))
+    elif qtype == "Q6_K":
+        sub = x.reshape(n, -1, 16, 16)
+        amax = np.abs(sub).max(-1)
+        scale = amax / 31
+        d = (scale.max(-1) / 127).astype(np.float16).astype(np.float64)
+        sc = np.clip(np.rint(_div(scale, d[..., None])), -128, 127).astype(np.int8)
+        step = (d[..., None] * sc)[..., None]
+        q = (np.clip(np.rint(_div(sub, step)), -32, 31) + 32).astype(np.uint8)
+        q = q.reshape(n, -1, 2, 128)  # two halves of 128 values
+        ql = _low_high(q & 15, 64).reshape(n, -1, 128)
+        qh = (q >> 4).reshape(n, -1, 2, 4, 32)  # bits 2s..2s+1 of byte i: value 32s + i
+        qh = np.bitwise_or.reduce(qh << (2 * np.arange(4, dtype=np.uint8))[:, None],
+                                  axis=-2).astype(np.uint8).reshape(n, -1, 64)
+        parts = [ql, qh, sc.view(np.uint8), _f16_bytes(d)]
+    else:
+        raise ValueError(qtype)
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+#: types neither gguf-py nor `quantize_k` quantizes: written as blocks of random bytes, for
+#: the tests that refuse them by their type (from the header, before a block is read)
+RANDOM_BLOCK_TYPES = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ3_S")
+
+
+def random_blocks(shape: tuple[int, ...], qtype: str, seed: int = 0) -> np.ndarray:
+    """Seeded random bytes shaped as `qtype` blocks of a tensor of `shape` (rows, K)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rows, k = shape
+    return np.random.default_rng(seed).integers(0, 256, (rows, k // block * size),
+                                                dtype=np.uint8)
+
+
 def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int = 0,
                types: dict[str, str] | None = None, **overrides: Any) -> str:
     """A tiny `family` model (llama2 / qwen2 / qwen3) as the GGUF file `path`: every 2-D weight in
@@ -103,6 +194,10 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
             w.add_tensor(name, t)
         elif ty == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, t.astype(np.float16))
+        elif want in K_TYPES:
+            w.add_tensor(name, quantize_k(t, want), raw_dtype=ty)
+        elif want in RANDOM_BLOCK_TYPES:
+            w.add_tensor(name, random_blocks(t.shape, want, seed), raw_dtype=ty)
         else:
             w.add_tensor(name, gguf.quants.quantize(t, ty), raw_dtype=ty)
     w.write_header_to_file()

@@ -50,17 +50,20 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, family: str, layers: int 
 
 def compiled(tmp_path_factory: pytest.TempPathFactory, family: str, mode: str = "f32",
              seq: int = 160, input_len: int = 16, history: int | None = None,
-             layers: int = 2) -> Built:
-    """A tiny model of `family` saved with save_pretrained and compiled to a model file."""
+             layers: int = 2, devices: int = 1, parallel: str | None = None) -> Built:
+    """A tiny model of `family` saved with save_pretrained and compiled to a model file
+    (spread over `devices` devices by `parallel`, tp or pp, when given)."""
     from toptpu.compiler import compile as compile_model
 
     model_dir = tiny_dir(tmp_path_factory, family, layers)
-    name = f"{family}-{layers}l-{mode}-s{seq}-l{input_len}-h{history}.toptpu"
+    spread = "" if parallel is None else f"-{parallel}{devices}"
+    name = f"{family}-{layers}l-{mode}-s{seq}-l{input_len}-h{history}{spread}.toptpu"
     path = os.path.join(shared_dir(tmp_path_factory), name)
     with FileLock(path + ".lock"):
         if not os.path.exists(path):
             compile_model(model_dir, path, mode=mode, seq_length=seq,
-                          max_input_length=input_len, max_history=history, progress=None)
+                          max_input_length=input_len, max_history=history, progress=None,
+                          devices=devices, parallel=parallel)
     return Built(model_dir, path)
 
 

@@ -62,11 +62,13 @@ SEED = 0
 class Recipe:
     """One auto-round run: which model, which scheme, which export formats."""
 
-    arch: str  # "qwen2" | "llama"
+    arch: str  # "qwen2" | "llama" | "qwen3_5"
     group_size: int
     sym: bool
     formats: str
     layer_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: tuning iterations; 0 is round-to-nearest (with `disable_opt_rtn`: plain RTN)
+    iters: int = ITERS
 
 
 RECIPES: dict[str, Recipe] = {
@@ -100,6 +102,13 @@ RECIPES: dict[str, Recipe] = {
         "auto_gptq,auto_round,fake",
         {"model.layers.0.mlp.down_proj": {"bits": 8, "sym": True}},
     ),
+    # Qwen3.5 (three linear-attention layers, one full-attention layer), round-to-nearest:
+    # auto-round 0.16.1's tuning (iters > 0) cannot run a Qwen3.5 model with transformers
+    # 5.24 (it feeds every block the first block's 2-D mask, which the full-attention
+    # layer's sdpa refuses; docs/limits.md), its RTN mode runs no block forward and writes
+    # the checkpoint. GPTQ sym + AutoRound (auto_round:auto_gptq packing), group 32; it
+    # leaves in_proj_a/in_proj_b (4 outputs each) in float by itself.
+    "qwen3_5_sym_g32_rtn": Recipe("qwen3_5", 32, True, "auto_gptq,auto_round,fake", iters=0),
 }
 
 #: recipe whose fake export is the reference of another recipe (same deterministic run)
@@ -182,6 +191,12 @@ def build_model(arch: str) -> Any:
         tie_word_embeddings=False,
     )
     torch.manual_seed(SEED)
+    if arch == "qwen3_5":
+        linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, head_dim=16)
+        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+            **{**common, "num_hidden_layers": 4}, **linear,
+            layer_types=["linear_attention"] * 3 + ["full_attention"])).eval()
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)).eval()
     if arch == "llama":
@@ -216,7 +231,8 @@ def generate(out_root: Path) -> dict[str, Any]:
             scheme="W4A16",
             group_size=recipe.group_size,
             sym=recipe.sym,
-            iters=ITERS,
+            iters=recipe.iters,
+            **({"disable_opt_rtn": True} if recipe.iters == 0 else {}),  # plain RTN
             dataset=texts,
             device_map="cpu",
             seqlen=SEQLEN,

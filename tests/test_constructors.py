@@ -200,9 +200,13 @@ def test_a16_matmul_is_built_by_its_parameters() -> None:
                                tensor([6, 1], f32)]).args
     op = tpu.A16MatMulOp(x, q, s, None, None, weight_bits=4, group_size=8)
     op.verify()
-    generic = tpu.A16MatMulOp.build([x, q, s, None, None], {
+    generic = tpu.A16MatMulOp.build([x, q, s, None, None, None], {
         "weight_bits": i64_attr(4), "group_size": i64_attr(8), "compute": f32})
     assert str(op) == str(generic)
+    m = Block(arg_types=[tensor([6, 1], f32)]).args[0]
+    with_mins = tpu.A16MatMulOp(x, q, s, None, None, weight_bits=4, group_size=8, mins=m)
+    with_mins.verify()
+    assert with_mins.mins is m and with_mins.zeros is None and with_mins.bias is None
     with pytest.raises(VerifyException, match="weight_bits must be 4 or 8, got 3"):
         tpu.A16MatMulOp(x, q, s, None, None, weight_bits=3, group_size=8)
     with pytest.raises(TypeError, match="tpu.a16_matmul group_size must be an integer"):

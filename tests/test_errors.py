@@ -18,6 +18,9 @@ NOT_USER_ERRORS = {
         "an op without a kernel reached the interpreter: a gap in toptpu",
     "toptpu.passes.pipelines.InvalidPassOutput":
         "a pass turned valid IR into invalid IR: a bug in the pass",
+    "toptpu.backend.target.link.LinkError":
+        "a collective the link model cannot time (unknown algorithm, no devices): a bug of "
+        "the caller",
 }
 
 

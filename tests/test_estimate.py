@@ -145,3 +145,56 @@ def test_estimate_json_has_the_issue_keys(tmp_path_factory: pytest.TempPathFacto
     assert per["launch_s"] + per["host_s"] > per["ddr_s"] + per["compute_s"]
     m = out["model"]
     assert out["kv_bytes"] == 2 * m["num_layers"] * SEQ * m["num_kv_heads"] * m["head_dim"] * 2
+
+
+def test_a_hybrid_models_estimate_is_what_the_machine_charges(
+        tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Qwen3.5 config (three linear-attention layers, one full-attention layer): the
+    estimate compiles the nets of both kinds (`block_cache`, `block_cache@3`), charges each
+    layer its kind's nets, and equals what the machine charges running the compiled file
+    (per net, the first token of a two-chunk prompt, decode); the KV cache is the one
+    full-attention layer's, the state every linear layer's, and each linear layer's decode
+    net moves its state in and out every step."""
+    from toptpu.backend.contract import CONV_STATE, RECURRENT_STATE
+
+    built = compiled(tmp_path_factory, "qwen3_5", "w4bf16", seq=SEQ, input_len=CHUNK,
+                     layers=4)
+    ex, profiles = profile_model(built.model_file)
+    chip = ex.chip
+    config = read_checked_config(built.model_dir, "w4bf16", SEQ)
+    costs = compile_costs(config, chip, "w4bf16", StaticShapes.make(SEQ, CHUNK),
+                          nets=[*STEP_NETS, "block_kv"])
+    assert {"block", "block@3", "block_cache", "block_cache@3"} <= set(costs.commands)
+    assert costs.model.layer_nets()["block_cache"] == ["block_cache"] * 3 + ["block_cache@3"]
+    timings = costs.timings(chip)
+    assert set(timings) <= {p.net for p in profiles}
+    for p in profiles:
+        if p.net in timings:
+            assert timings[p.net].seconds(chip) == pytest.approx(p.seconds, rel=1e-12), p.net
+    rt = Runtime.open(built.model_file)
+    ids = list(range(3, 3 + CHUNK + 5))
+    res = rt.generate(ids, 6, stop_on_eos=False)
+    est = estimate(costs, chip, prompt_tokens=len(ids), sampler=res.sampler)
+    assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9)
+    assert res.modelled_tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9)
+    assert est.per_token.launches == 3 + 1 + 3  # 3 linear + 1 full layer, emb, lm_head, head
+    assert costs.weight_bytes == ex.meta.weights.size
+    assert costs.kv_bytes == sum(math.prod(b.shape) * b.dtype.itemsize
+                                 for b in (*rt.cache_k, *rt.cache_v) if b is not None)
+    state = [rt.states[i][n] for i in range(3) for n in (CONV_STATE, RECURRENT_STATE)]
+    assert costs.state_bytes == sum(math.prod(b.shape) * b.dtype.itemsize for b in state)
+    per_layer_state = costs.state_bytes // 3
+    assert timings["block_cache"].dma_bytes >= 2 * per_layer_state
+    nets = est.net_json()
+    assert nets["block_cache"]["runs_per_step"] == 3
+    assert nets["block_cache@3"]["runs_per_step"] == 1
+    # the command line says the same
+    assert main(["estimate", built.model_dir, "-q", "w4bf16", "--seq-length", str(SEQ),
+                 "--max-input-length", str(CHUNK), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "4 layers (3 linear attention, 1 full attention)" in out
+    assert f"linear-attention state {costs.state_bytes / 1e6:.1f} MB (3 layers" in out
+    # toptpu profile charges the same steps from the file's nets (each layer its kind's)
+    assert main(["profile", built.model_file, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert steps["tokens_per_s"] == pytest.approx(est.tokens_per_s, rel=1e-9)

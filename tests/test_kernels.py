@@ -225,6 +225,39 @@ def test_dequantize_is_the_formula_bit_for_bit(bits: int, with_zeros: bool) -> N
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize(("bits", "scale_dtype"), [(4, np.float16), (4, np.float32),
+                                                   (8, np.float16), (8, np.float32)])
+def test_the_scale_and_min_form_is_q_times_s_plus_m_bit_for_bit(bits: int,
+                                                                 scale_dtype: type) -> None:
+    """With mins (GGUF's Q4_1 / Q5_1 / Q4_K / Q5_K), w = q * s + m: the product rounded to
+    f32 first, then the sum (what gguf's dequantizers compute), q the unsigned integer as
+    stored; the offsets of the cached form are q itself, and the blocked product of a
+    decode step adds the mins the same way."""
+    rng = np.random.default_rng(10 + bits)
+    n, k, gs = 24, 128, 32
+    if bits == 4:
+        qweight = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        q = K.unpack_int4(qweight)
+    else:
+        qweight = q = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    scales = (rng.standard_normal((n, k // gs)) * 1e-2).astype(scale_dtype)
+    mins = (rng.standard_normal((n, k // gs)) * 1e-1).astype(scale_dtype)
+    prod = (q.astype(np.float32).reshape(n, -1, gs)
+            * scales.astype(np.float32)[:, :, None])
+    want = (prod + mins.astype(np.float32)[:, :, None]).reshape(n, k)
+    got = K.dequantize(qweight, scales, None, bits, gs, mins)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    off = K.weight_offsets(qweight, None, bits, gs, with_mins=True)
+    assert np.array_equal(off.astype(np.int32), q.astype(np.int32))
+    again = K.dequantize_offsets(off, scales, gs, mins)
+    assert np.array_equal(again.view(np.uint32), want.view(np.uint32))
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    whole = K.a16_matmul(x, qweight, scales, None, None, bits, gs, np.float32, mins)
+    assert np.array_equal(whole, K.matmul_dequantized(x, want, None, np.float32))
+    blocked = K.matmul_offsets(x, off, scales, gs, None, np.float32, block_rows=5, mins=mins)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("bits", "zero_max", "narrow"),
                          [(4, None, True), (4, 15, True), (4, 127, True), (4, 255, False),
                           (8, None, True), (8, 255, False)])

@@ -294,6 +294,38 @@ def test_tpu_types_and_interpreter(mode: str) -> None:
                                        atol=tol, err_msg=name)
 
 
+@pytest.mark.parametrize("mode", ["f32", "bf16"])
+def test_sliced_by_heads_and_channels_on_the_machine(mode: str) -> None:
+    """On a chip whose lanes cannot hold the delta rule or the conv whole, layer-group
+    slices the rule by key heads (each with its value heads, the state by value heads) and
+    the conv by channels; the machine, with each state bound in place (one buffer read and
+    written), gives the Tpu interpreter's outputs and new states bit for bit."""
+    from dataclasses import replace
+
+    from toptpu.backend.runtime.simulate import simulate
+    from toptpu.machine_pipeline import compile_for_machine
+
+    net = TinyGatedDeltaNet(hk=4, hv=8, dk=16, dv=16)
+    feeds = _net_feeds(net, t=8, n_valid=6)
+    module, store, _ = _import_net(net, feeds)
+    run_passes(module, tpu_pipeline_passes(mode, group_size=8), store=store)
+    fn = _fn(module)
+    feeds = {n: a.astype(K.BF16) if dtype_name(elem_of(arg)) == "bf16" else a
+             for (n, a), arg in zip(feeds.items(), fn.body.block.args, strict=True)}
+    want = Interpreter(module, store).run(feeds).outputs
+    chip = replace(CHIP, lanes=2, lane_bytes=12288 if mode == "f32" else 6144)
+    program = compile_for_machine(module, chip)
+    sliced = {op.name: g.attributes["slices"].value.data for g in module.walk()
+              if isinstance(g, tpu.GroupOp) for op in g.body.walk()
+              if isinstance(op, tpu.GatedDeltaRuleOp | tpu.CausalConv1dOp)}
+    assert sliced["tpu.gated_delta_rule"] > 1 and sliced["tpu.causal_conv1d"] > 1, sliced
+    got = simulate(program, store, feeds, chip,
+                   in_place={"new_state": "state", "new_conv_state": "conv_state"}).outputs
+    for name in NET_OUTPUTS:
+        assert got[name].dtype == want[name].dtype, name
+        assert np.array_equal(got[name].view(np.uint8), want[name].view(np.uint8)), name
+
+
 # --------------------------------------------------------------------------- verifiers
 
 
@@ -345,3 +377,98 @@ def test_gated_delta_rule_state_must_be_f32_and_flops() -> None:
     conv = top.CausalConv1dOp(*_values(tensor((1, 6, 5), F32), tensor((5, 4), F32)), None,
                               _values(tensor((1, 6), F32))[0])
     assert conv.flops() == 2 * 6 * 5 * 4
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def _hf_linear_attention():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return modeling_qwen3_5
+
+
+def _gated_delta_net_inputs(hk: int, hv: int, t: int, dk: int = 128, dv: int = 128,
+                            seed: int = 0) -> dict[str, torch.Tensor]:
+    """q, k, v before the L2 norm; g and beta as Qwen3_5GatedDeltaNet makes them (A_log
+    from its init range, dt_bias 1); a state as a previous chunk leaves it."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(1, t, hv, generator=g), torch.randn(1, t, hv, generator=g)
+    a_log = torch.log(torch.empty(hv).uniform_(0.01, 16, generator=g))
+    return {"q": torch.randn(1, t, hk, dk, generator=g),
+            "k": torch.randn(1, t, hk, dk, generator=g),
+            "v": torch.randn(1, t, hv, dv, generator=g),
+            "g": -a_log.exp() * torch.nn.functional.softplus(a + torch.ones(hv)),
+            "beta": b.sigmoid(),
+            "state": torch.randn(1, hv, dk, dv, generator=g) * 0.1}
+
+
+@pytest.mark.slow  # real small shapes: ~2 s per case on one core
+@pytest.mark.parametrize(("hk", "hv"), [(16, 16), (16, 32)])
+def test_gated_delta_rule_is_transformers_chunked_and_recurrent_rule(hk: int, hv: int) -> None:
+    """At Qwen3.5's linear-attention shapes (heads of 128, 16 key heads; 16 or 32 value
+    heads), over 70 tokens (more than transformers' chunk of 64), from a carried state:
+    `toptpu::gated_delta_rule` on the L2-normalised q, k is transformers'
+    `torch_recurrent_gated_delta_rule` (decode, and what it computes for any length) bit
+    for bit in the state, and its `torch_chunk_gated_delta_rule` (prefill) to float32
+    rounding; a decode step is the recurrent rule on one token; a chunk whose last tokens
+    are padding (g = beta = 0) leaves the state of its real tokens."""
+    hf = _hf_linear_attention()
+    d = _gated_delta_net_inputs(hk, hv, 70)
+    q, k, v, g, beta, state = (d[n] for n in ("q", "k", "v", "g", "beta", "state"))
+    scale = 128 ** -0.5
+    o, s = la.gated_delta_rule(hf.l2norm(q), hf.l2norm(k), v, g, beta, state, scale)
+    kw = {"initial_state": state, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    ro, rs = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert torch.equal(s, rs)
+    torch.testing.assert_close(o, ro, rtol=1e-6, atol=1e-7)
+    co, cs = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    torch.testing.assert_close(o, co, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s, cs, rtol=1e-5, atol=1e-6)
+    # decode: one token on the carried state
+    one = [x[:, :1] for x in (q, k, v, g, beta)]
+    o1, s1 = la.gated_delta_rule(hf.l2norm(one[0]), hf.l2norm(one[1]), *one[2:], state, scale)
+    ro1, rs1 = hf.torch_recurrent_gated_delta_rule(*one, **kw)
+    assert torch.equal(s1, rs1)
+    torch.testing.assert_close(o1, ro1, rtol=1e-6, atol=1e-7)
+    # a chunk of 50 real tokens padded to 70
+    n = 50
+    keep = (torch.arange(70) < n).float()[None, :, None]
+    _, sp = la.gated_delta_rule(hf.l2norm(q), hf.l2norm(k), v, g * keep, beta * keep, state,
+                                scale)
+    _, cn = hf.torch_chunk_gated_delta_rule(*(x[:, :n] for x in (q, k, v, g, beta)), **kw)
+    torch.testing.assert_close(sp, cn, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # transformers' modeling module imports in seconds
+@pytest.mark.parametrize("n_valid", [9, 5])
+def test_causal_conv1d_is_transformers_conv_with_its_cache(n_valid: int) -> None:
+    """At Qwen3.5's conv width (C = 2*16*128 + 16*128 = 6144 channels, kernel 4):
+    `toptpu::causal_conv1d` from a zero state is transformers' `causal_conv1d_fn` (prefill)
+    and its new state the last K-1 inputs of the cache; on a carried state it is
+    `causal_conv1d_update` (decode, one token, and a chunk), whose cache keeps K inputs of
+    which the last K-1 are ours; a chunk padded after its real tokens gives their outputs
+    and leaves their state."""
+    hf = _hf_linear_attention()
+    g = torch.Generator().manual_seed(1)
+    t, c, kk = 9, 6144, 4
+    x = torch.randn(1, t, c, generator=g)
+    w = torch.randn(c, kk, generator=g) * 0.5
+    valid = (torch.arange(t) < n_valid).float()[None]
+    real = x[:, :n_valid]
+    # prefill from a zero state
+    y, ns = la.causal_conv1d(x, w, None, valid)
+    hy = hf.causal_conv1d_fn(real.transpose(1, 2), w, None, activation=None).transpose(1, 2)
+    torch.testing.assert_close(y[:, :n_valid], hy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ns, real[:, -(kk - 1):])
+    # on a carried state: transformers' cache holds K inputs [1, C, K]
+    cache = torch.randn(1, c, kk, generator=g)
+    ours_state = cache[:, :, 1:].transpose(1, 2).contiguous()
+    for chunk, flags in ((x, valid), (x[:, :1], torch.ones(1, 1))):
+        n = int(flags.sum())
+        y, ns = la.causal_conv1d(chunk, w, ours_state, flags)
+        hf_cache = cache.clone()
+        hy = hf.causal_conv1d_update(chunk[:, :n].transpose(1, 2), hf_cache, w, None,
+                                     None).transpose(1, 2)
+        torch.testing.assert_close(y[:, :n], hy, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ns, hf_cache[:, :, 1:].transpose(1, 2))

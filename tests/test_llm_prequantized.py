@@ -32,6 +32,8 @@ CASES = [
     ("llama_sym_g64", "auto_gptq"),  # GPTQ sym, group 64, one 8-bit layer
     ("llama_sym_g64", "auto_round"),  # AutoRound, auto_round:auto_gptq packing
     ("qwen2_asym_perchannel", "auto_round"),  # per channel, plain auto_round packing
+    ("qwen3_5_sym_g32_rtn", "auto_gptq"),  # Qwen3.5 (linear + full attention), RTN, GPTQ sym
+    ("qwen3_5_sym_g32_rtn", "auto_round"),  # the same, auto_round:auto_gptq packing
 ]
 REFERENCE_OF = {"qwen2_asym_g32_autoround": "qwen2_asym_g32"}
 PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
@@ -119,6 +121,35 @@ def test_greedy_tokens_with_f32_activations(quant_checkpoints, tmp_path_factory,
     _, ref_dir = _dirs(quant_checkpoints, recipe, fmt)
     rt = Runtime.open(path)
     ids = rt.encode(PROMPT)
+    res = rt.generate(ids, 16, stop_on_eos=False)
+    with torch.no_grad():
+        ref = _reference(ref_dir).generate(torch.tensor([ids]), max_new_tokens=16,
+                                           min_new_tokens=16, do_sample=False)
+    assert res.generated_ids == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("fmt", ["auto_gptq", "auto_round"])
+def test_a_qwen3_5_checkpoint_generates_the_dequantized_models_tokens(
+        quant_checkpoints, tmp_path_factory, fmt: str) -> None:  # noqa: F811
+    """auto-round's Qwen3.5 checkpoint (RTN: the tuning cannot run, docs/limits.md) in w4f32:
+    the linear-attention layers and the full-attention layer each get nets of their kind,
+    with the checkpoint's integers (in_proj_a/b, which auto-round leaves float, stay float);
+    a prompt of two chunks (block, then block_kv on the carried state) and 16 decoded tokens
+    equal transformers' generate on the fake-quantized (dequantized) model."""
+    recipe = "qwen3_5_sym_g32_rtn"
+    path = _compiled(quant_checkpoints, tmp_path_factory, recipe, fmt, "w4f32")
+    _, ref_dir = _dirs(quant_checkpoints, recipe, fmt)
+    f = LlmFile(path)
+    h = f.header
+    assert h["model"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert h["layer_nets"]["block"] == ["block"] * 3 + ["block@3"]
+    weights = set(h["nets"]["block"]["weights"])
+    assert "layer.linear_attn.in_proj_qkv.weight:ckpt.qweight" in weights
+    assert not any(n.startswith("layer.linear_attn.in_proj_a.weight:ckpt") for n in weights)
+    f.close()
+    rt = Runtime.open(path)
+    ids = rt.encode(" ".join(f"w{i}" for i in range(1, 25)))
+    assert rt.L < len(ids) <= 2 * rt.L
     res = rt.generate(ids, 16, stop_on_eos=False)
     with torch.no_grad():
         ref = _reference(ref_dir).generate(torch.tensor([ids]), max_new_tokens=16,

@@ -20,6 +20,7 @@ from toptpu.dialects.common import (
     f64_attr,
     i64_array,
     i64_attr,
+    shape_of,
     str_attr,
     tensor,
 )
@@ -189,6 +190,34 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     c = f.op(top.ConstantOp, [], {"value": dense_attr(np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
                                                                  7.0, 8.0]], np.float32))})
     out["constant_add"] = f.op(top.AddOp, [x, c])
+    # linear attention: the conv over state + input (with and without a state, f32 and
+    # bf16 input with an f32 state, a chunk padded after 3 of 5 tokens and a full one),
+    # the gated delta rule (GQA 2 key heads for 4 value heads, with and without a state)
+    t, ch, taps = 5, 6, 4
+    cx = f.weight("cx", rng.standard_normal((1, t, ch)).astype(np.float32))
+    cstate = f.weight("cstate", rng.standard_normal((1, taps - 1, ch)).astype(np.float32))
+    padded = f.weight("padded", (np.arange(t) < 3).astype(np.float32)[None])
+    full = f.weight("full", np.ones((1, t), np.float32))
+    cw = f.weight("conv_w", rng.standard_normal((ch, taps)).astype(np.float32))
+    cx_bf16 = f.op(top.CastOp, [cx], {"dtype": bf16})
+    for name, xin, state, valid in (("conv_state_padded", cx, cstate, padded),
+                                    ("conv_zero_state_full", cx, None, full),
+                                    ("conv_zero_state_padded", cx, None, padded),
+                                    ("conv_bf16_f32_state", cx_bf16, cstate, padded)):
+        conv = top.CausalConv1dOp(xin, cw, state, valid)
+        f.block.add_op(conv)
+        out[name], out[name + "_new_state"] = conv.results
+    hk, hv, dk, dv = 2, 4, 3, 5
+    rq, rk = (f.weight(n, rng.standard_normal((1, t, hk, dk)).astype(np.float32))
+              for n in ("rq", "rk"))
+    rv = f.weight("rv", rng.standard_normal((1, t, hv, dv)).astype(np.float32))
+    rg = f.weight("rg", -rng.random((1, t, hv)).astype(np.float32))
+    rbeta = f.weight("rbeta", rng.random((1, t, hv)).astype(np.float32))
+    rstate = f.weight("rstate", rng.standard_normal((1, hv, dk, dv)).astype(np.float32))
+    for name, state in (("delta_rule_state", rstate), ("delta_rule_zero_state", None)):
+        rule = top.GatedDeltaRuleOp(rq, rk, rv, rg, rbeta, state, scale=0.4)
+        f.block.add_op(rule)
+        out[name], out[name + "_new_state"] = rule.results
     for largest in (True, False):  # topk with k = 1: argmax / argmin, ties to the lowest
         tk = top.TopKOp.build([f.op(top.MulConstOp, [x], {"value": f64_attr(3.0)})],
                               {"k": i64_attr(1), "axis": i64_attr(1),
@@ -208,6 +237,29 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     assert _check_against_interpreter(module, f.store, feeds) == len(out)
     names = {op.name for op in module.walk()}
     assert names >= {cls.name for cls in top.Top.operations}
+
+
+def test_the_delta_rule_leaves_its_state_argument_alone() -> None:
+    """The lowered recurrence updates a state of its own: the caller's state array is not
+    written (one-shot bufferization makes function arguments writable), so a second run
+    on the same inputs gives the same outputs."""
+    rng = np.random.default_rng(1)
+    f = Fn(q=((1, 3, 1, 4), f32), k=((1, 3, 1, 4), f32), v=((1, 3, 2, 4), f32),
+           g=((1, 3, 2), f32), beta=((1, 3, 2), f32), state=((1, 2, 4, 4), f32))
+    a = f.args
+    rule = top.GatedDeltaRuleOp(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"],
+                                scale=0.5)
+    f.block.add_op(rule)
+    m = f.module({"o": rule.output, "new_state": rule.new_state})
+    feeds = {n: rng.standard_normal(shape_of(v)).astype(np.float32) for n, v in a.items()}
+    feeds["g"] = -np.abs(feeds["g"])
+    kept = {n: x.copy() for n, x in feeds.items()}
+    jit = MLIRJit(m, f.store, opt_level=0)
+    first = jit.run(feeds).outputs
+    assert all(np.array_equal(feeds[n], kept[n]) for n in feeds)
+    second = jit.run(feeds).outputs
+    assert all(np.array_equal(first[n], second[n]) for n in first)
+    assert not np.array_equal(first["new_state"], feeds["state"])
 
 
 # --------------------------------------------------------------------------- decoder layers

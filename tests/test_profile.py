@@ -197,6 +197,16 @@ def test_profiles_steps_of_a_model_with_two_layer_kinds_are_runs(tmp_path_factor
     _profile_steps_equal_runs(path, list(range(3, 3 + 36)), "greedy", capsys)
 
 
+@pytest.mark.slow  # compiles a Qwen3.5 model for two devices
+def test_profiles_steps_of_a_hybrid_model_over_pipeline_stages_are_runs(
+        tmp_path_factory, capsys) -> None:
+    """Qwen3.5 over 2 pipeline stages (its linear-attention layers 0-1 on device 0): the
+    host writes position ids and masks to the second stage only, as the device group does."""
+    path = compiled(tmp_path_factory, "qwen3_5", seq=40, input_len=16, layers=4, devices=2,
+                    parallel="pp").model_file
+    _profile_steps_equal_runs(path, list(range(3, 3 + 36)), "greedy", capsys)
+
+
 def test_profile_text_columns_line_up(tmp_path_factory, capsys) -> None:
     """Every row of the net table and of the step bills has its columns where the header
     has them (`embedding_cache` once pushed its row one column right)."""

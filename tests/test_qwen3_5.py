@@ -87,20 +87,29 @@ def test_greedy_generation_equals_transformers(tmp_path_factory, executor: str) 
 
 
 def test_real_small_shapes_equal_transformers(tmp_path_factory) -> None:
-    """hidden 1024, head_dim 256, 8/2 heads, 16 key and 16 value linear heads of 128."""
+    """hidden 1024, head_dim 256, 8/2 heads, 16 key and 16 value linear heads of 128: 32
+    greedy tokens after a prompt of three chunks, then 32 more in a second turn, equal
+    transformers' generate on the whole conversation (machine, f32)."""
     from toptpu.compiler import compile as compile_model
 
     model_dir = _small_dir(tmp_path_factory)
-    path = os.path.join(shared_dir(tmp_path_factory), "qwen3_5-small-f32.toptpu")
+    path = os.path.join(shared_dir(tmp_path_factory), "qwen3_5-small-f32-s160.toptpu")
     from filelock import FileLock
     with FileLock(path + ".lock"):
-        if not os.path.exists(path):
-            compile_model(model_dir, path, mode="f32", seq_length=96, max_input_length=16,
+        if not os.path.exists(path):  # room for both turns: SEQ 160
+            compile_model(model_dir, path, mode="f32", seq_length=160, max_input_length=16,
                           progress=None)
     rt = Runtime.open(path)
     ids = rt.encode(LONG_PROMPT)
+    assert len(ids) > 2 * rt.L  # block, then block_kv on the carried state
     res = rt.generate(ids, 32)
+    assert len(res.generated_ids) == 32
     assert res.generated_ids == hf_generate(model_dir, ids, 32)
+    # a second turn on the state (and KV) the first one left
+    ids2 = rt.encode(" What is the capital of France?", add_special_tokens=False)
+    res2 = rt.generate(ids2, 32, keep_history=True)
+    assert len(res2.generated_ids) == 32
+    assert res2.generated_ids == hf_generate(model_dir, ids + res.generated_ids + ids2, 32)
 
 
 def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:

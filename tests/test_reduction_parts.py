@@ -90,8 +90,9 @@ def weight_of(module, store: WeightStore) -> tuple[np.ndarray, np.ndarray | None
     arrays = [store[v.owner.tensor_name] if v is not None  # type: ignore[union-attr]
               and isinstance(v.owner, tpu.WeightOp) else None for v in op.operand_groups()]
     if isinstance(op, tpu.A16MatMulOp):
-        _, q, s, z, b = arrays
-        w = K.dequantize(q, s, z, op.weight_bits.value.data, op.group_size.value.data)
+        _, q, s, z, mins, b = arrays
+        w = K.dequantize(q, s, z, op.weight_bits.value.data, op.group_size.value.data,
+                         mins=mins)
         return w, b
     _, w, b = arrays
     return K.f32(w), b
@@ -259,7 +260,7 @@ def tpu_matmul_text(m: int, n: int, k: int, mode: str, group: int, bias: bool) -
         for value, part, t in wts:
             weight(value, f"{tag}.{part}", part, t)
         operands, types = ["%x", *(v for v, _, _ in wts)], [xt, *(t for _, _, t in wts)]
-        seg = f"1, 1, 1, {1 if bits == 4 else 0}, {1 if bias else 0}"
+        seg = f"1, 1, 1, {1 if bits == 4 else 0}, 0, {1 if bias else 0}"
         head = '"tpu.a16_matmul"'
         attrs = (f"weight_bits = {bits} : i64, group_size = {g} : i64, compute = f32, "
                  f"operandSegmentSizes = array<i32: {seg}>")

@@ -375,16 +375,18 @@ def _compile_in_subprocess(model_dir: str, out: str, mode: str, seq: int = 64,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mode", [("qwen2", "f32"), ("qwen2", "w4bf16"),
-                                          ("qwen3", "w4bf16")])
+                                          ("qwen3", "w4bf16"), ("qwen3_5", "w4bf16")])
 def test_streamed_compile_gives_the_bytes_of_the_in_memory_compile(tmp_path, family, mode):
     """A sharded bf16 checkpoint compiled by streaming (a directory) == the same weights
     loaded whole into a float32 transformers model and compiled in memory, byte for byte;
     and the streaming compile is reproducible: again in another process (another hash
-    seed), the same bytes. qwen3 ties its embeddings (one placeholder for two nets)."""
+    seed), the same bytes. qwen3 ties its embeddings (one placeholder for two nets);
+    qwen3_5 has layers of two kinds (three linear attention, one full), each kind's
+    representative layer made real from the shards."""
     from toptpu.compiler import compile as compile_model
     from toptpu.frontends.hf_loader import load_model
 
-    path = _save_sharded(str(tmp_path / "ckpt"), family)
+    path = _save_sharded(str(tmp_path / "ckpt"), family, layers=4 if family == "qwen3_5" else 3)
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
     streamed, again, whole = (str(tmp_path / f"{n}.toptpu") for n in ("s", "a", "w"))
     result = compile_model(path, streamed, mode=mode, seq_length=64, max_input_length=16,

@@ -78,6 +78,51 @@ def test_a_2x2_sweep_gives_4_rows_and_two_pictures(tmp_path_factory: pytest.Temp
 
 
 @pytest.mark.slow
+def test_a_hybrid_models_point_reports_its_state(tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    """A Qwen3.5 config's row: the KV cache of its one full-attention layer and the state of
+    its three linear-attention layers (conv state in bf16, recurrent state in f32), and a
+    slower DDR makes its decode step slower."""
+    from toptpu.frontends.tiny_models import tiny_config
+
+    config = tiny_dir(tmp_path_factory, "qwen3_5", layers=4)
+    c = tiny_config("qwen3_5", layers=4)
+    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim \
+        + c.linear_num_value_heads * c.linear_value_head_dim
+    state = (c.linear_conv_kernel_dim - 1) * conv * 2 + 4 * c.linear_num_value_heads \
+        * c.linear_key_head_dim * c.linear_value_head_dim
+    slow, fast = (run_point(p) for p in grid([config], ["w4bf16"], [64], "bm1684x",
+                                             {"ddr_gbps": [1, 64]}))
+    for row in (slow, fast):
+        assert row["error"] == ""
+        assert row["state_bytes"] == 3 * state
+        assert row["kv_bytes"] == 2 * 1 * 64 * c.num_key_value_heads * c.head_dim * 2
+    assert slow["tokens_per_s"] < fast["tokens_per_s"]
+
+
+@pytest.mark.slow
+def test_a_sweep_over_devices_and_the_link(tmp_path_factory: pytest.TempPathFactory,
+                                           tmp_path: str) -> None:
+    """One device and tp over 2, at 1 and 10 GB/s of link: the link time is the tp rows'
+    alone, shrinks with the link's bandwidth, and the breakdown still adds up."""
+    config = tiny_dir(tmp_path_factory, "qwen2")
+    out = os.path.join(str(tmp_path), "sweep")
+    assert main(["sweep", config, "-o", out, "-q", "f32", "--seq-length", "64",
+                 "--devices", "1", "2", "--link-gbps", "1", "10", "--jobs", "2"]) == 0
+    rows = _rows(out)
+    assert [(r["devices"], r["parallel"], r["link_gbps"]) for r in rows] == [
+        ("1", "", "1.0"), ("1", "", "10.0"), ("2", "tp", "1.0"), ("2", "tp", "10.0")]
+    assert all(not r["error"] and r["fits"] == "True" for r in rows)
+    link = {(r["devices"], r["link_gbps"]): float(r["decode_link_s"]) for r in rows}
+    assert link[("1", "1.0")] == link[("1", "10.0")] == 0
+    assert link[("2", "1.0")] > link[("2", "10.0")] > 0
+    for r in rows:
+        parts = sum(float(r[f"decode_{c}_s"]) for c in ("ddr", "compute", "launch", "host",
+                                                         "link"))
+        assert parts == pytest.approx(float(r["decode_step_s"]))
+
+
+@pytest.mark.slow
 def test_a_point_that_does_not_fit_keeps_its_row_with_the_error(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     config = tiny_dir(tmp_path_factory, "qwen2")

@@ -11,7 +11,7 @@ then take position_ids [3, n] and the runtime lays them out (`canvas_position_id
 here against the model's own `get_rope_index`). Greedy tokens with an image equal
 transformers `generate` (4.7 with the `mm_token_type_ids` its processor returns, without
 which transformers falls back to text positions: different tokens), over a second chat turn
-too; the machine equals the interpreter bit for bit."""
+too; the machine equals the interpreter (to f32 rounding: tile-by-tile BLAS sums)."""
 
 from __future__ import annotations
 
@@ -215,16 +215,19 @@ def test_generation_with_an_image_equals_transformers(tmp_path_factory, family: 
 
 @pytest.mark.slow
 def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
-    """MiniCPM-V 4.7 with an image: the image rows, the tokens, every linear-attention
-    state and the full-attention layer's KV cache after the turn are the same bits on the
-    machine (command streams) as on the Tpu interpreter."""
+    """MiniCPM-V 4.7 with an image: the tokens are the same on the machine (command
+    streams) as on the Tpu interpreter, and the image rows, every linear-attention state
+    and the full-attention layer's KV cache after the turn agree to f32 rounding. Not bit
+    for bit: the machine multiplies the vision net's matrices tile by tile, and a BLAS may
+    sum a tile's dot products in another order than the whole matrix's (OpenBLAS picks
+    small-matrix kernels by size on AVX-512 CPUs: 1e-7 apart on CI's machine)."""
     _, m = _first_turn(tmp_path_factory, "minicpmv4_7", "machine")
     _, i = _first_turn(tmp_path_factory, "minicpmv4_7", "interpreter")
     assert m.generated == i.generated
-    assert np.array_equal(m.embeds, i.embeds)
+    np.testing.assert_allclose(m.embeds, i.embeds, rtol=1e-5, atol=1e-6)
     assert sorted(m.state) == sorted(i.state) and len(m.state) == 3 * 2 + 2
     for name, value in m.state.items():
-        assert np.array_equal(value, i.state[name]), name
+        np.testing.assert_allclose(value, i.state[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow

@@ -188,3 +188,19 @@ def test_the_blocked_product_is_the_whole_products_math() -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     empty = K.matmul_offsets(x, off[:0], s[:0], 32, None, np.float32)  # no output channels
     assert empty.shape == (1, 2, 0)
+
+
+def test_weights_with_mins_are_cached_and_expanded_with_them() -> None:
+    """A scale-and-min weight (float mins, no zero points) kept as offsets (q itself)
+    gives `a16_matmul`'s bytes for prefill and decode inputs alike."""
+    rng = np.random.default_rng(7)
+    q = rng.integers(0, 256, (64, 64), dtype=np.uint8)  # 4-bit: [N, K/2]
+    s = (rng.standard_normal((64, 4)) * 1e-2).astype(np.float16)
+    m = (rng.standard_normal((64, 4)) * 1e-1).astype(np.float16)
+    cache = WeightCache(budget=64 * 128 * 4 // 2)  # the offsets fit, the f32 form does not
+    for rows in (16, 1, 1):
+        x = rng.standard_normal((1, rows, 128)).astype(np.float32)
+        want = K.a16_matmul(x, q, s, None, None, 4, 32, np.float32, m)
+        got = cache.a16_product("w", x, q, s, None, 4, 32, None, np.float32, mins=m)
+        assert got.tobytes() == want.tobytes()
+    assert cache.forms() == {"converted": 0, "offsets": 1}

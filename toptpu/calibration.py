@@ -248,7 +248,7 @@ class Modelled:
 def modelled(row: Row, compiled: CompiledCosts, chip: Chip) -> Modelled:
     """What the model says of the row: the step accounting of its compiled nets."""
     steps = StepModel(chip, compiled.io(), compiled.timings(chip),
-                      compiled.model.num_layers)
+                      compiled.model.num_layers, compiled.model.layer_nets())
     per_token = steps.per_token("greedy")
     first = steps.first_token(row.seq_length, "greedy")
     return Modelled(1.0 / per_token.total_s, first.total_s, per_token.bound)
@@ -268,7 +268,8 @@ def _decode_parts(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], ch
     for r in rows:
         chip = chip_of(r).with_figures(launch_us=0.0, host_transfer_us=0.0)
         c = compiled[r.key]
-        steps = StepModel(chip, c.io(), c.timings(chip, DECODE_NETS), c.model.num_layers)
+        steps = StepModel(chip, c.io(), c.timings(chip, DECODE_NETS), c.model.num_layers,
+                          c.model.layer_nets())
         t = steps.per_token("greedy")
         out.append((t.total_s, t.launches, t.transfers))
     return np.array(out, dtype=np.float64)

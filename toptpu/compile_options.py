@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toptpu.backend.contract import StaticShapes, parse_strict_json
-from toptpu.backend.target.chips import chip_names
+from toptpu.backend.target.chips import Chip, chip_names, get_chip
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError
 from toptpu.frontends.gguf_loader import gguf_file_of
@@ -95,8 +95,13 @@ class CompileOptions:
     image_size: int | None = None  # VLMs: tile size, tiles / slices, patches per slice
     max_tiles: int | None = None
     max_patches: int | None = None
+    #: Qwen-VL: the pixel budget W x H of the vision net (`--max-pixels W,H`)
+    max_pixels: tuple[int, int] | None = None
     #: a GGUF file's quantized tensors dequantized and compiled in this mode (`--dequantize`)
     dequantize: str | None = None
+    #: how many chips the model is spread over, and how (`tp` / `pp`; None for one chip)
+    devices: int = 1
+    parallel: str | None = None
 
     @property
     def quant_group_size(self) -> int:
@@ -112,6 +117,8 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
                           max_tiles: int | None = None,
                           max_patches: int | None = None,
                           dequantize: str | None = None,
+                          max_pixels: tuple[int, int] | None = None, devices: int = 1,
+                          parallel: str | None = None,
                           prefill_lengths: Sequence[int] | None = None) -> CompileOptions:
     """Check `compile`'s arguments and output paths before any work starts (the model's
     config.json is read, its weights are not). Raises CompileError naming the problem."""
@@ -127,10 +134,15 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
             parse_mode(vision_mode)
         except ValueError as e:
             raise CompileError(f"--vision-quantize: {e}") from e
+    if max_pixels is not None and (len(max_pixels) != 2 or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in max_pixels)):
+        raise CompileError(f"--max-pixels {max_pixels}: give the width and height of the "
+                           "pixel budget as two positive integers (W,H)")
     chips = known_chips()
     if chip not in chips:
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(chips)}")
     check_quant_options(mode, group_size, symmetric)
+    parallel = check_devices(devices, parallel, chip)
     try:
         shapes = StaticShapes.make(seq_length, max_input_length, max_history, prefill_lengths)
     except ValueError as e:
@@ -142,8 +154,80 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
     found = _text_config(model)
     if found is not None:
         _check_against_config(*found, shapes, mode, group_size)
+        check_parallel_config(*found, devices, parallel, mode, group_size)
     return CompileOptions(mode, chip, shapes, group_size, symmetric, dump_ir, vision_mode,
-                          image_size, max_tiles, max_patches, dequantize)
+                          image_size, max_tiles, max_patches,
+                          None if max_pixels is None else (int(max_pixels[0]),
+                                                           int(max_pixels[1])), dequantize,
+                          devices, parallel)
+
+
+def check_devices(devices: int, parallel: str | None, chip: str | Chip) -> str | None:
+    """`--devices` within the chip's `max_devices`, `--parallel` given only with several;
+    the strategy (tp by default for several devices, None for one)."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise CompileError(f"--devices must be an integer >= 1, not {devices!r}")
+    if parallel is not None and parallel not in ("tp", "pp"):
+        raise CompileError(f"--parallel must be tp or pp, not {parallel!r}")
+    if devices == 1:
+        if parallel is not None:
+            raise CompileError(f"--parallel {parallel} spreads a model over several chips; "
+                               "give --devices 2 or more (or drop --parallel)")
+        return None
+    the_chip = chip if isinstance(chip, Chip) else get_chip(chip)
+    limit = the_chip.max_devices
+    if devices > limit:
+        raise CompileError(f"--devices {devices}: a {the_chip.name} deployment joins at most "
+                           f"{limit} chip{'s' if limit != 1 else ''} (its preset's "
+                           "max_devices)")
+    return parallel or "tp"
+
+
+def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
+                          parallel: str | None, mode: str | None,
+                          group_size: int | None) -> None:
+    """The model can be spread as asked: tensor parallel needs the query heads, the
+    intermediate size and the vocabulary to divide among the devices, the KV heads to
+    divide or be divided by them, and a w4 group size to divide each device's part of a
+    row-parallel matmul's input; pipeline parallel needs a layer per device at least."""
+    if parallel is None:
+        return
+    layers = _positive(cfg, "num_hidden_layers")
+    if parallel == "pp":
+        if layers is not None and devices > layers:
+            raise CompileError(f"--devices {devices} --parallel pp: {where} has {layers} "
+                               f"layers, fewer than the devices")
+        return
+    if "linear_attention" in (cfg.get("layer_types") or []):
+        raise CompileError(f"--devices {devices} --parallel tp: {where} has linear-attention "
+                           "layers (Qwen3.5), which toptpu does not cut over devices yet; use "
+                           "--parallel pp")
+    heads, hidden = _positive(cfg, "num_attention_heads"), _positive(cfg, "hidden_size")
+    kv = _positive(cfg, "num_key_value_heads") or heads
+    head_dim = _positive(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    inter, vocab = _positive(cfg, "intermediate_size"), _positive(cfg, "vocab_size")
+    for what, v in (("num_attention_heads", heads), ("intermediate_size", inter),
+                    ("vocab_size", vocab)):
+        if v is not None and v % devices:
+            raise CompileError(f"--devices {devices} --parallel tp: {what} {v} of {where} "
+                               f"does not divide among {devices} devices; use a divisor of "
+                               f"{v} or --parallel pp")
+    if kv is not None and kv % devices and devices % kv:
+        raise CompileError(f"--devices {devices} --parallel tp: num_key_value_heads {kv} of "
+                           f"{where} neither divides among {devices} devices nor divides "
+                           "them (each KV head on an equal number of devices)")
+    if _bits(mode) == 4 and group_size != -1:
+        g = DEFAULT_GROUP_SIZE if group_size is None else group_size
+        parts = {"num_attention_heads x head_dim": heads * head_dim
+                 if heads and head_dim else None, "intermediate_size": inter}
+        bad = {k: v // devices for k, v in parts.items() if v is not None
+               and (v // devices) % g}
+        if bad:
+            raise CompileError(
+                f"--devices {devices} --parallel tp: group size {g} does not divide each "
+                f"device's part of a row-parallel matmul's input ("
+                + ", ".join(f"{k} / {devices} = {v}" for k, v in bad.items())
+                + f" in {where}); use --group-size dividing it or -1 (per channel)")
 
 
 def _check_dequantize(model: Any, mode: str | None, dequantize: str) -> str:

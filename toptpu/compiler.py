@@ -37,7 +37,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
@@ -51,12 +51,21 @@ from xdsl.printer import Printer
 
 from toptpu.backend.contract import (
     BLOCK,
+    BLOCK_CACHE,
     CONV_STATE,
+    EMBEDDING,
+    EMBEDDING_CACHE,
+    GREEDY_HEAD,
     HISTORY_K,
     HISTORY_NETS,
     HISTORY_V,
+    LINEAR_ATTENTION,
+    LM_HEAD,
+    LOGITS,
+    PER_LAYER_NETS,
     PRESENT_RECURRENT_STATE,
     RECURRENT_STATE,
+    SAMPLE_HEAD,
     STATE_IN_PLACE,
     NetName,
     StaticShapes,
@@ -68,24 +77,30 @@ from toptpu.backend.formats.llm_file import (
     LLM_FORMAT,
     CheckpointInfo,
     CompileInfo,
+    DeviceInfo,
     Generation,
+    IoSplit,
     LinearAttentionInfo,
     LlmHeader,
     ModelInfo,
     NetEntry,
+    ParallelInfo,
     TokenizerInfo,
     VisionInfo,
     WeightLayout,
     const_section,
     ir_section,
     stream_section,
+    weights_section,
     write_llm_file,
 )
-from toptpu.backend.formats.model_file import StreamedSection
+from toptpu.backend.formats.model_file import StreamedGroup, StreamedSection
 from toptpu.backend.formats.program import Program, constant_pool
 from toptpu.backend.runtime.errors import GenerationError
+from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.runtime.runtime import TemplateLimitError, Tokenizer
-from toptpu.backend.target.chips import DEFAULT_CHIP
+from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
+from toptpu.backend.target.cost import net_timing
 from toptpu.compile_options import (
     DEFAULT_GROUP_SIZE,
     CompileError,
@@ -97,10 +112,20 @@ from toptpu.compile_options import (
     known_chips,
     kv_cache_size,
 )
+from toptpu.devices import balance_layers, devices_needed
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import QuantMode, numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
 from toptpu.dialects.output_file import write_output
+from toptpu.dialects.sharding import (
+    ShardingError,
+    Split,
+    arg_split,
+    device_tensor,
+    parse_shard_name,
+    result_split,
+    set_arg_split,
+)
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.errors import ToptpuError
 from toptpu.frontends.fx_importer import ImportError_, import_module
@@ -119,6 +144,7 @@ from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerW
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.tensor_parallel import TensorParallelPass
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
 from toptpu.prequantized import (
     add_checkpoint_tensors,
@@ -185,7 +211,7 @@ class CompilePlan:
 class CompiledNet:
     name: str
     per_layer: bool
-    inputs: list[TensorSpec]
+    inputs: list[TensorSpec]  # the net contract's (a tensor-parallel net's whole tensors)
     outputs: list[TensorSpec]
     tpu: ModuleOp
     top: ModuleOp | None = None  # the Top module after top-pipeline, when kept
@@ -193,6 +219,8 @@ class CompiledNet:
     seconds: float = 0.0
     program: Program | None = None  # the machine's command streams
     stream_bytes: int = 0
+    #: a tensor-parallel net's inputs and outputs cut over the devices (by IO name)
+    splits: dict[str, Split] = field(default_factory=dict)
 
 
 @dataclass
@@ -222,9 +250,34 @@ class PackedWeights:
     #: called once a layer's tensors are written (a stream drops the pages it read)
     release: Callable[[], None] = lambda: None
 
+    #: the model's layers this blob holds (its chunk i is layer layers.start + i)
+    layers: range | None = None
+    #: the recipes of the per-layer tensors, by the layer variant's representative
+    variant_recipes: dict[int, dict[str, WeightRecipe]] = field(default_factory=dict)
+
     def pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of every stored tensor in blob order (the bytes between them are
         zero): the shared ones, then layer 0, 1, ..."""
+        yield from self.shared_pieces()
+        for i in range(self.layout.num_layers):
+            yield from self.layer_pieces(i)
+
+    def layer_pieces(self, i: int) -> Iterator[tuple[int, memoryview]]:
+        """(offset, bytes) of the tensors of the blob's i-th layer chunk, in order."""
+        layout = self.layout
+        base, chunk = layout.layer_start(i), layout.chunk_of(i)
+        tensors = self.derive(i)
+        if set(tensors) != set(chunk):
+            raise CompileError(f"layer {i}: its recipes give the tensors "
+                               f"{sorted(set(tensors) ^ set(chunk))[:3]}, which its chunk "
+                               "layout does not have (or lacks)")
+        for name in sorted(tensors, key=lambda n: chunk[n].offset):
+            yield base + chunk[name].offset, _bytes(tensors[name])
+        del tensors
+        self.release()
+
+    def shared_pieces(self) -> Iterator[tuple[int, memoryview]]:
+        """(offset, bytes) of the shared tensors, in blob order."""
         layout = self.layout
         group_of = {r.name: recipes for recipes in self.streamed.values() for r in recipes}
         stored = [(n, e) for n, e in layout.shared.items() if n in self.shared or n in group_of]
@@ -236,17 +289,6 @@ class PackedWeights:
             # not bound to a name here: a derived tensor goes once it is written
             yield entry.offset, _bytes(made.pop(name) if name in group_of
                                        else self.shared[name])
-        for i in range(layout.num_layers):
-            base, chunk = layout.layer_start(i), layout.chunk_of(i)
-            tensors = self.derive(i)
-            if set(tensors) != set(chunk):
-                raise CompileError(f"layer {i}: its recipes give the tensors "
-                                   f"{sorted(set(tensors) ^ set(chunk))[:3]}, which its chunk "
-                                   "layout does not have (or lacks)")
-            for name in sorted(tensors, key=lambda n: chunk[n].offset):
-                yield base + chunk[name].offset, _bytes(tensors[name])
-            del tensors
-            self.release()
 
     def section(self) -> StreamedSection:
         """The blob as a model file section, written piece by piece."""
@@ -301,8 +343,12 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     max_patches: int | None = None,
     vision_mode: str | None = None,
     dequantize: str | None = None,
+    max_pixels: tuple[int, int] | None = None,
+    devices: int = 1,
+    parallel: str | None = None,
 ) -> CompileResult:
-    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7) to a model file at `output`.
+    """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL,
+    Qwen3.5) to a model file at `output`.
 
     `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
@@ -318,11 +364,16 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     net's Top and Tpu modules and the weight store in the result (for stage comparisons).
     VLMs (`toptpu.frontends.vlm`) add the `vit` net: `image_size` (tile size; default the
     checkpoint's), `max_tiles` (InternVL tiles / MiniCPM-V slices per image), `max_patches`
-    (MiniCPM-V patch budget per slice), `vision_mode` (default: `mode`'s activation type,
+    (MiniCPM-V patch budget per slice; Qwen-VL patch budget per image or video),
+    `max_pixels` (Qwen-VL: the budget as W x H pixels; default 768 x 768), `vision_mode`
+    (default: `mode`'s activation type,
     e.g. bf16 for w4bf16 — weight-only quantization is for the text model).
     A GGUF file (or a directory holding one, `frontends.gguf_loader`) compiles from its
     F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
-    compiles in that mode.
+    compiles in that mode. `devices` > 1 spreads the model over that many chips,
+    `parallel` "tp" (tensor parallel, the default) or "pp" (pipeline parallel): see
+    `toptpu.devices`. Every device's weights and KV cache must fit its memory
+    (`Chip.ddr_bytes`): a model that does not is refused with the device count it needs.
     """
     t0 = time.perf_counter()
     options = check_compile_request(
@@ -330,6 +381,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
         symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
         max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize,
+        max_pixels=max_pixels, devices=devices, parallel=parallel,
         prefill_lengths=prefill_lengths)
     the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
@@ -339,11 +391,22 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     timings.update({f"net:{name}": net.seconds for name, net in compiled.nets.items()})
 
     t = time.perf_counter()
-    packed = pack_weights(the_plan, compiled)
-    layout = packed.layout
+    packed: PackedWeights | DeviceWeights
+    if the_plan.options.parallel is None:
+        packed = pack_weights(the_plan, compiled)
+        layout = packed.layout
+        check_fits(the_plan, compiled, [(packed.layout, range(the_plan.num_layers))])
+        bar.note(f"weights: {len(layout.shared)} shared tensors "
+                 f"({layout.shared_size / 1e6:.1f} MB) + {_chunk_summary(layout)}")
+    else:
+        placement = place(the_plan, compiled)
+        packed = pack_device_weights(the_plan, compiled, placement)
+        check_fits(the_plan, compiled, [(p.layout, r) for p, r in
+                                         zip(packed.devices, placement.layers, strict=True)])
+        for d, (p, r) in enumerate(zip(packed.devices, placement.layers, strict=True)):
+            bar.note(f"device {d}: layers {r.start}-{r.stop - 1}, "
+                     f"{p.layout.size / 1e6:.1f} MB of weights")
     timings["weights"] = time.perf_counter() - t
-    bar.note(f"weights: {len(layout.shared)} shared tensors ({layout.shared_size / 1e6:.1f} MB)"
-             f" + {_chunk_summary(layout)} in {timings['weights']:.2f}s")
 
     t = time.perf_counter()
     header = write(the_plan, compiled, packed, output)
@@ -374,7 +437,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     loaded = model if isinstance(model, LoadedModel) else _load(
         model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
         options.vision_mode, stream=stream and options.dump_ir is None,
-        dequantize=options.dequantize, mode=options.mode)
+        dequantize=options.dequantize, mode=options.mode, max_pixels=options.max_pixels)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
@@ -382,11 +445,14 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     if loaded.checkpoint is not None:
         check_quant_options(mode, options.group_size, options.symmetric, loaded.source)
     arch = LlmArch.of(hf)
+    check_parallel_model(loaded, arch, options)
     shapes = options.shapes
     if progress is not None:
+        spread = "" if options.parallel is None else \
+            f", {options.devices} devices {options.parallel}"
         progress.write(f"toptpu compile: {loaded.source} ({arch.family}, {arch.num_layers} "
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, "
-                       f"{options.chip}, seq {shapes.seq_length}, input "
+                       f"{options.chip}{spread}, seq {shapes.seq_length}, input "
                        f"{shapes.max_input_length}, history {shapes.max_history}, prefill "
                        f"lengths {','.join(map(str, shapes.prefill_lengths))}]\n")
     act = QuantMode(mode).activation
@@ -398,6 +464,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     vit = _vision_net(loaded, mode, options.vision_mode, shapes)
     if vit is not None:
         nets.append(vit)
+        nets += [NetPlan(spec, spec.mode or mode) for spec in vision.extra_specs(shapes, act)]
     # layers whose checkpoint quantization differs get per-layer nets of their own
     variants = layer_variants(hf, loaded.checkpoint)
     for rep in list(variants)[1:]:
@@ -426,6 +493,25 @@ _PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content":
           {"role": "user", "content": "How are you?"}]
 
 
+def check_parallel_model(loaded: LoadedModel, arch: LlmArch, options: CompileOptions) -> None:
+    """What a multi-device compile cannot take yet: a vision-language model; for tensor
+    parallelism a pre-quantized checkpoint (its packed integers are not cut yet) and
+    linear-attention layers."""
+    if options.parallel is None:
+        return
+    flag = f"--devices {options.devices} --parallel {options.parallel}"
+    if getattr(loaded, "vision", None) is not None:
+        raise CompileError(f"{flag}: {loaded.source} is a vision-language model, which "
+                           "toptpu compiles for one chip only")
+    if options.parallel == "tp" and loaded.checkpoint is not None:
+        raise CompileError(f"{flag}: {loaded.source} is a pre-quantized checkpoint, whose "
+                           "packed integers toptpu does not cut over devices yet; use "
+                           "--parallel pp")
+    if options.parallel == "tp" and LINEAR_ATTENTION in arch.layer_types:
+        raise CompileError(f"{flag}: {loaded.source} has linear-attention layers, which "
+                           "toptpu does not cut over devices yet; use --parallel pp")
+
+
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
     """A chat template among the tokenizer files renders a probe conversation within the
     runtime's bounds (`runtime.TEMPLATE_MAX_CHARS`, `TEMPLATE_MAX_SECONDS`): a hostile
@@ -447,7 +533,8 @@ def check_chat_template(files: dict[str, bytes], source: str) -> None:
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
           max_patches: int | None, vision_mode: str | None, stream: bool = False,
-          dequantize: str | None = None, mode: str | None = None) -> LoadedModel:
+          dequantize: str | None = None, mode: str | None = None,
+          max_pixels: tuple[int, int] | None = None) -> LoadedModel:
     """A VLM through `toptpu.frontends.vlm.load_vlm` (a directory with `stream`: its text
     model streamed), a directory with `stream` through `frontends.streaming.load_streaming`,
     any other model through load_model; a GGUF file (or a directory holding one) through
@@ -456,13 +543,14 @@ def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | N
         return load_gguf(os.fspath(model), dequantize, mode=mode)
     if vlm_model_type(model) is not None:
         return load_vlm(model, tokenizer, image_size=image_size, max_tiles=max_tiles,
-                        max_patches=max_patches, stream=stream)
+                        max_patches=max_patches, stream=stream, max_pixels=max_pixels)
     given = [f for f, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
-                            ("--max-patches", max_patches), ("--vision-quantize",
-                                                             vision_mode)) if v is not None]
+                            ("--max-patches", max_patches), ("--max-pixels", max_pixels),
+                            ("--vision-quantize", vision_mode)) if v is not None]
     if given:
         raise CompileError(f"{', '.join(given)} apply to vision-language models (InternVL, "
-                           "MiniCPM-V 4.6/4.7); this model has no vision tower")
+                           "MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL, Qwen3.5); this model "
+                           "has no vision tower")
     if stream and isinstance(model, str | os.PathLike):
         return load_streaming(os.fspath(model))
     return load_model(model, tokenizer)
@@ -481,6 +569,11 @@ def _vision_net(loaded: LoadedModel, mode: str, vision_mode: str | None,
     except ValueError as e:
         raise CompileError(f"--vision-quantize: {e}") from e
     need = vision.max_image_tokens() + 2
+    if need > shapes.seq_length and vision.kind == "qwenvl":
+        raise CompileError(
+            f"an image at the vision net's budget of {vision.max_patches} patches needs about "
+            f"{need} tokens, more than --seq-length {shapes.seq_length}: raise --seq-length "
+            "or lower --max-pixels (or --max-patches)")
     if need > shapes.seq_length:
         raise CompileError(
             f"an image of up to {vision.max_tiles} tiles needs about {need} tokens, more than "
@@ -509,8 +602,14 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
     dump = IrDump.make(plan.options.dump_ir)
     nets = {}
     stream = plan.loaded.stream
-    last_per_layer = max((i for i, n in enumerate(plan.nets) if n.spec.per_layer), default=-1)
-    for i, net in enumerate(plan.nets):
+    # a streaming compile compiles the per-layer nets first, so the float32 representative
+    # layers (one per layer kind or variant: ~0.9 GB each at Qwen3.5-9B) are let go before
+    # the shared nets convert the largest tensors (a 2 GB bf16 lm_head); the result keeps
+    # the plan's order
+    order = list(plan.nets) if stream is None else sorted(
+        plan.nets, key=lambda n: not n.spec.per_layer)
+    last_per_layer = max((i for i, n in enumerate(order) if n.spec.per_layer), default=-1)
+    for i, net in enumerate(order):
         nets[net.name] = _compile_net(net, plan, store, bar, dump, keep_top)
         if stream is None:
             continue
@@ -527,7 +626,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
                 del store[name]
     if dump is not None:
         store.save(dump.weights_path)
-    return CompiledNets(nets, store)
+    return CompiledNets({n.name: nets[n.name] for n in plan.nets}, store)
 
 
 @dataclass
@@ -599,6 +698,9 @@ def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progr
         check_state_in_place(module, net.name)
     elif NetName.parse(net.name).base in HISTORY_NETS:
         check_reload_free(module, net.name)
+    splits: dict[str, Split] = {}
+    if plan.options.parallel == "tp" and NetName.parse(net.name).base in TP_NETS:
+        splits = cut_for_devices(module, plan, store, after)
     top_module = module.clone() if keep_top else None
     try:
         run_passes(module, tpu_pipeline_passes(net.mode, plan.group_size,
@@ -611,11 +713,41 @@ def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progr
         program = compile_for_machine(module.clone(), plan.chip, after=after)
     except ToptpuError as e:  # the machine passes and codegen: what the chip cannot hold
         raise CompileError(f"net '{net.name}' on {plan.chip}: {e}") from e
-    ins, outs = _io_specs(module)
+    ins, outs = (_whole(specs, splits) for specs in _io_specs(module))
     seconds = time.perf_counter() - t0
     bar.finish(seconds)
     return CompiledNet(net.name, spec.per_layer, ins, outs, module, top_module, 0, seconds,
-                       program)
+                       program, splits=splits)
+
+
+#: the nets tensor parallelism cuts over the devices (the embeddings run on device 0)
+TP_NETS = (*PER_LAYER_NETS, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
+
+
+def cut_for_devices(module: ModuleOp, plan: CompilePlan, store: WeightStore,
+                    after: Callable[[ModulePass, ModuleOp], None]) -> dict[str, Split]:
+    """Run the tensor-parallel pass on a net (the heads take the lm_head's logits cut by
+    vocabulary); how its inputs and outputs end up cut, by name."""
+    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
+    n = plan.options.devices
+    names = input_names(fn)
+    if LOGITS in names:  # the heads read the lm_head's logits, cut by vocabulary
+        set_arg_split(fn, names.index(LOGITS), Split(1, n))
+    try:
+        run_passes(module, [TensorParallelPass(n, plan.chip)], after=after, store=store)
+    except ShardingError as e:
+        raise CompileError(f"--parallel tp: {e}") from e
+    out = {name: s for i, name in enumerate(input_names(fn))
+           if (s := arg_split(fn, i)) is not None}
+    out.update({name: s for i, name in enumerate(output_names(fn))
+                if (s := result_split(fn, i)) is not None})
+    return out
+
+
+def _whole(specs: list[TensorSpec], splits: dict[str, Split]) -> list[TensorSpec]:
+    """The IO specs of a net's whole tensors (a device's piece made whole again)."""
+    return [replace(s, shape=splits[s.name].whole_shape(s.shape)) if s.name in splits else s
+            for s in specs]
 
 
 def _io_specs(module: ModuleOp) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -699,8 +831,23 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     compiler stored; the other layers are derived when their chunk is made. The shared
     tensors of a streamed checkpoint's placeholders are laid out by their recipes and
     derived from the checkpoint when written (identical when their recipes are)."""
+    return _pack(plan, compiled, None, range(plan.num_layers), None, weights_section())
+
+
+def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | None,
+          layers: range, device: int | None, section: str) -> PackedWeights:
+    """`pack_weights` for one blob: of the nets `nets` (None: all), the layers `layers`, the
+    pieces of device `device` of a multi-device compile (None: one device), in `section`."""
     store = compiled.store
     stream = plan.loaded.stream
+    n = plan.options.devices
+
+    def cut(whole: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
+        """A float tensor lookup giving this device's piece of a shard weight."""
+        if device is None:
+            return whole
+        return lambda src: device_tensor(src, whole, device, n)
+
     shared: dict[str, np.ndarray] = {}
     from_placeholder: dict[str, WeightRecipe] = {}
     order: dict[str, None] = {}  # the shared tensors in the order the nets name them
@@ -708,6 +855,8 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     variant_recipes: dict[int, dict[str, WeightRecipe]] = {rep: {} for rep in plan.variants}
     net_weights: dict[str, list[str]] = {}
     for net in compiled.nets.values():
+        if nets is not None and net.name not in nets:
+            continue
         names = []
         rep = NetName.parse(net.name).layer
         for r in weight_recipes(net.tpu):
@@ -725,7 +874,10 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
                                        f"and {r}")
                 order[r.name] = None
             else:
-                arr = store[r.name]
+                if device and parse_shard_name(r.source) is not None:
+                    arr = derive_weights([r], cut(lambda src: store[src]))[r.name]
+                else:  # one device's, or device 0's pieces: what the passes stored
+                    arr = store[r.name]
                 if r.name in shared and not np.array_equal(shared[r.name], arr):
                     raise CompileError(f"shared weight '{r.name}' differs between nets")
                 shared[r.name] = arr
@@ -734,11 +886,15 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
 
     def derive(layer: int) -> dict[str, np.ndarray]:
         return derive_weights(variant_recipes[plan.variant_of(layer)].values(),
-                              plan.layers.float_of(layer), plan.layers.checkpoint_of(layer))
+                              cut(plan.layers.float_of(layer)),
+                              plan.layers.checkpoint_of(layer))
 
     # each variant's own layer from the recipes must be exactly what the compiler stored
+    # (device 0's pieces, which the passes stored, for a multi-device compile)
     checked: dict[int, dict[str, np.ndarray]] = {}
     for rep in plan.variants:
+        if rep not in layers or (device or 0) != 0:
+            continue
         checked[rep] = derive(rep)
         for name, arr in checked[rep].items():
             ref = store[name]
@@ -753,17 +909,18 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     for name in order:
         r = from_placeholder.get(name)
         key = (_digest(shared[name]),) if r is None else (
-            stream.shared_sources[r.source], r.part, r.shape, str(r.dtype), r.bits,
-            r.group_size, r.symmetric, str(r.scale_dtype))
+            stream.placeholder_of(r.source), r.source.partition("@")[2], r.part, r.shape,
+            str(r.dtype), r.bits, r.group_size, r.symmetric, str(r.scale_dtype))
         alias[name] = unique.setdefault(key, name)
-    specs = {n: (tuple(shared[n].shape), shared[n].dtype.name) if n in shared
-             else (from_placeholder[n].shape, from_placeholder[n].dtype.name)
-             for n in order if alias[n] == n}
-    chunk_index = {rep: i for i, rep in enumerate(plan.variants)}
+    specs = {nm: (tuple(shared[nm].shape), shared[nm].dtype.name) if nm in shared
+             else (from_placeholder[nm].shape, from_placeholder[nm].dtype.name)
+             for nm in order if alias[nm] == nm}
+    used = [rep for rep in plan.variants if any(plan.variant_of(i) == rep for i in layers)]
+    chunk_index = {rep: i for i, rep in enumerate(used)}
     layout = WeightLayout.plan(
-        specs, [{n: (r.shape, r.dtype.name) for n, r in variant_recipes[rep].items()}
-                for rep in plan.variants],
-        [chunk_index[plan.variant_of(i)] for i in range(plan.num_layers)])
+        specs, [{nm: (r.shape, r.dtype.name) for nm, r in variant_recipes[rep].items()}
+                for rep in used],
+        [chunk_index[plan.variant_of(i)] for i in layers], section)
     for name, target in alias.items():
         layout.shared[name] = layout.shared[target]
     streamed: dict[str, list[WeightRecipe]] = {}
@@ -771,10 +928,160 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
         if alias[name] == name:
             streamed.setdefault(r.source, []).append(r)
     return PackedWeights(
-        layout, net_weights, {n: a for n, a in shared.items() if alias[n] == n},
-        lambda layer: checked.pop(layer) if layer in checked else derive(layer), streamed,
-        stream.shared if stream is not None else None,
-        stream.release if stream is not None else lambda: None)
+        layout, net_weights, {nm: a for nm, a in shared.items() if alias[nm] == nm},
+        lambda local: checked.pop(layers.start + local) if layers.start + local in checked
+        else derive(layers.start + local), streamed,
+        None if stream is None else (lambda recs: stream.shared(recs, device or 0, n)),
+        stream.release if stream is not None else lambda: None, layers, variant_recipes)
+
+
+# ====================================================================== several devices
+
+
+@dataclass
+class Placement:
+    """Where a multi-device compile puts things: each device's layers and the nets it
+    runs (tp: every layer on every device, the embeddings on device 0; pp: contiguous
+    layers balanced by their modelled time, the embeddings on the first, the lm_head and
+    the heads on the last)."""
+
+    strategy: str
+    layers: list[range]
+    nets: list[tuple[str, ...]]
+
+
+def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
+    """The devices' layers and nets. Pipeline stages are balanced by the cost model: each
+    layer weighs its decode net's modelled time on the chip, the first device carries the
+    embedding's too, the last the lm_head's and the greedy head's, and the contiguous split
+    that makes the slowest device fastest is taken (`toptpu.devices.balance_layers`)."""
+    n, layers = plan.options.devices, plan.num_layers
+    names = list(compiled.nets)
+    per_layer = [nm for nm in names if compiled.nets[nm].per_layer]
+    embeddings = [nm for nm in names  # at every prefill length (`embedding:16`)
+                  if NetName.parse(nm).base in (EMBEDDING, EMBEDDING_CACHE)]
+    heads = [nm for nm in names if nm not in per_layer and nm not in embeddings]
+    if plan.options.parallel == "tp":
+        return Placement("tp", [range(layers)] * n,
+                         [tuple(names) if d == 0 else tuple(per_layer + heads)
+                          for d in range(n)])
+    chip = get_chip(plan.chip)
+
+    def seconds(net: str) -> float:
+        prog = compiled.nets[net].program
+        assert prog is not None
+        return net_timing(command_costs(prog.commands), chip).seconds(chip)
+
+    costs = [seconds(str(NetName(BLOCK_CACHE, plan.variant_of(i)))) for i in range(layers)]
+    first = seconds(EMBEDDING_CACHE)
+    last = seconds(LM_HEAD) + seconds(GREEDY_HEAD)
+    ranges = balance_layers(costs, first, last, n)
+    nets = []
+    for d, r in enumerate(ranges):
+        own = {str(NetName.parse(nm).at_layer(plan.variant_of(i)))  # at every length
+               for i in r for nm in per_layer}
+        mine = [nm for nm in per_layer if nm in own]
+        nets.append(tuple((embeddings if d == 0 else []) + mine
+                          + (heads if d == n - 1 else [])))
+    return Placement("pp", ranges, nets)
+
+
+@dataclass
+class DeviceWeights:
+    """Every device's weight blob (step 3 of a multi-device compile), written together
+    (`group`): one read of a layer's tensors cuts every device's pieces of it."""
+
+    plan: CompilePlan
+    placement: Placement
+    devices: list[PackedWeights]
+
+    def group(self) -> StreamedGroup:
+        return StreamedGroup({p.layout.section: p.layout.size for p in self.devices},
+                             self.pieces)
+
+    def pieces(self) -> Iterator[tuple[str, int, memoryview]]:
+        for p in self.devices:
+            for offset, data in p.shared_pieces():
+                yield p.layout.section, offset, data
+        for layer in range(self.plan.num_layers):
+            if self.placement.strategy == "tp":
+                yield from self._tp_layer(layer)
+                continue
+            (p,) = [p for p in self.devices if p.layers is not None and layer in p.layers]
+            assert p.layers is not None
+            for offset, data in p.layer_pieces(layer - p.layers.start):
+                yield p.layout.section, offset, data
+
+    def _tp_layer(self, layer: int) -> Iterator[tuple[str, int, memoryview]]:
+        """One layer's chunk on every device, tensor by tensor: each float tensor is read
+        once and every device's piece of it derived (memory: one tensor and its pieces)."""
+        plan, n = self.plan, len(self.devices)
+        recipes = self.devices[0].variant_recipes[plan.variant_of(layer)]
+        chunk = self.devices[0].layout.chunk_of(layer)
+        ordered = sorted(recipes.values(), key=lambda r: chunk[r.name].offset)
+        float_of, checkpoint_of = plan.layers.float_of(layer), plan.layers.checkpoint_of(layer)
+        last: dict[str, np.ndarray] = {}
+
+        def whole(src: str) -> np.ndarray:
+            if src not in last:
+                last.clear()
+                last[src] = float_of(src)
+            return last[src]
+
+        runs: list[list[WeightRecipe]] = []
+        for r in ordered:  # the recipes of one source in a row derive together
+            if runs and runs[-1][0].source == r.source:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        for run in runs:
+            for d, p in enumerate(self.devices):
+                made = derive_weights(run, lambda src, d=d: device_tensor(src, whole, d, n),
+                                      checkpoint_of)
+                base = p.layout.layer_start(layer)
+                for r in run:
+                    yield p.layout.section, base + chunk[r.name].offset, _bytes(made[r.name])
+                del made
+        last.clear()
+        self.devices[0].release()
+
+
+def pack_device_weights(plan: CompilePlan, compiled: CompiledNets, placement: Placement
+                        ) -> DeviceWeights:
+    """Every device's blob: the shared tensors of the nets it runs, then its layers' chunks,
+    its pieces of every shard weight (`pack_weights` per device)."""
+    return DeviceWeights(plan, placement, [
+        _pack(plan, compiled, nets, layers, d, weights_section(d))
+        for d, (nets, layers) in enumerate(zip(placement.nets, placement.layers,
+                                               strict=True))])
+
+
+def check_fits(plan: CompilePlan, compiled: CompiledNets,
+               blobs: Sequence[tuple[WeightLayout, range]]) -> None:
+    """Each device's weights and KV cache (or recurrent state) must fit its memory
+    (`Chip.ddr_bytes`); otherwise the compile is refused naming how many devices the model
+    needs (`toptpu.devices.devices_needed`)."""
+    chip = get_chip(plan.chip)
+    for d, (layout, layers) in enumerate(blobs):
+        need = layout.size + sum(cache_bytes(compiled, plan, i) for i in layers)
+        if need <= chip.ddr_bytes:
+            continue
+        where = "one device" if len(blobs) == 1 else f"device {d} of {len(blobs)}"
+        raise CompileError(
+            f"the model does not fit {where}: it needs {need / 2**30:.2f} GiB "
+            f"(weights {layout.size / 2**30:.2f} GiB + KV cache "
+            f"{(need - layout.size) / 2**30:.2f} GiB), more than a {chip.name}'s "
+            f"{chip.ddr_bytes / 2**30:.2f} GiB; "
+            + devices_needed(need, len(blobs), chip))
+
+
+def cache_bytes(compiled: CompiledNets, plan: CompilePlan, layer: int) -> int:
+    """One layer's KV cache (or linear-attention state) on one device: the history (state)
+    inputs of its decode net, as the device's program binds them."""
+    net = compiled.nets[str(NetName(BLOCK_CACHE, plan.variant_of(layer)))]
+    assert net.program is not None
+    return sum(s.nbytes for s in net.program.inputs
+               if s.name in (HISTORY_K, HISTORY_V, CONV_STATE, RECURRENT_STATE))
 
 
 def _chunk_summary(layout: WeightLayout) -> str:
@@ -796,13 +1103,14 @@ def _digest(arr: np.ndarray) -> str:
 # ====================================================================== step 4: write
 
 
-def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, output: str
-          ) -> LlmHeader:
+def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights | DeviceWeights,
+          output: str) -> LlmHeader:
     """Write the model file at `output` (atomically): the header, each net's Tpu IR (generic
     form, without the compile-time store's name), command streams and constant pool, the
-    tokenizer files and the weight blob, streamed piece by piece (`PackedWeights.pieces`).
-    Nothing in the bytes depends on the time, the process or the order of a set: the same
-    inputs and options give the same file."""
+    tokenizer files and the weight blob, streamed piece by piece (`PackedWeights.pieces`;
+    a multi-device compile's blobs, one section per device, streamed together:
+    `DeviceWeights.group`). Nothing in the bytes depends on the time, the process or the
+    order of a set: the same inputs and options give the same file."""
     nets = compiled.nets
     irs: dict[str, str] = {}
     for name, net in nets.items():
@@ -827,12 +1135,25 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights, outp
     vision_info = (None if plan.vision is None
                    else {**plan.vision.header(), "mode": plan.vit_mode})
     header = _header(plan, nets, commands, packed, layer_nets, vision_info)
+    blob = packed.section() if isinstance(packed, PackedWeights) else packed.group().members()
     try:
-        write_llm_file(output, header, irs, plan.loaded.tokenizer_files, packed.section(),
+        write_llm_file(output, header, irs, plan.loaded.tokenizer_files, blob,
                        extra_sections=streams)
     except HeaderError as e:
         raise CompileError(f"the model file header would be invalid: {e}") from e
     return header
+
+
+def _parallel_info(packed: DeviceWeights, nets: dict[str, CompiledNet]) -> ParallelInfo:
+    """The header's account of the devices: each one's layers, nets and weight table, and
+    how the tensor-parallel nets' IO is cut."""
+    pl = packed.placement
+    return ParallelInfo(
+        strategy=pl.strategy,
+        devices=tuple(DeviceInfo(r.start, r.stop, tuple(n), p.layout)
+                      for r, n, p in zip(pl.layers, pl.nets, packed.devices, strict=True)),
+        splits={name: {io: IoSplit(s.axis, s.pieces) for io, s in net.splits.items()}
+                for name, net in nets.items() if net.splits})
 
 
 def _model_info(arch: LlmArch, config: dict[str, Any]) -> ModelInfo:
@@ -847,11 +1168,16 @@ def _json_config(config: Any) -> dict[str, Any]:
 
 
 def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str, int],
-            packed: PackedWeights, layer_nets: dict[str, list[str]],
+            packed: PackedWeights | DeviceWeights, layer_nets: dict[str, list[str]],
             vision: dict[str, Any] | None) -> LlmHeader:
     """The model file header (`toptpu.backend.formats.llm_file.LlmHeader`). The parts the
     frontends give as JSON (generation config, vision section) are decoded with the
     schema, so a value the loader would refuse is a compile error naming the field."""
+    net_weights: dict[str, list[str]] = {}
+    for p in [packed] if isinstance(packed, PackedWeights) else packed.devices:
+        for name, ws in p.net_weights.items():
+            if net_weights.setdefault(name, ws) != ws:
+                raise CompileError(f"net '{name}' reads other weights on other devices")
     try:
         toptpu_version = version("toptpu")
     except PackageNotFoundError:
@@ -877,11 +1203,12 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
         nets={name: NetEntry(inputs=tuple(n.inputs), outputs=tuple(n.outputs),
                              per_layer=n.per_layer, ir=ir_section(name),
                              streams=stream_section(name), consts=const_section(name),
-                             weights=tuple(packed.net_weights[name]),
+                             weights=tuple(net_weights[name]),
                              commands=commands[name])
               for name, n in nets.items()},
         layer_nets={base: tuple(names) for base, names in layer_nets.items()},
-        weights=packed.layout,
+        weights=packed.layout if isinstance(packed, PackedWeights) else None,
+        parallel=None if isinstance(packed, PackedWeights) else _parallel_info(packed, nets),
         compile=CompileInfo(source=loaded.source, toptpu_version=toptpu_version),
         checkpoint=None if ck is None else CheckpointInfo(
             quant_method=ck.quant_method, packing_format=ck.packing_format,

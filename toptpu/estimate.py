@@ -11,8 +11,24 @@ lm_head and the head that picks the token, every launch and host transfer) and e
 decoded token after it (embedding, every layer's block, lm_head, head). The per-layer nets
 are compiled once and run once per layer, as in a model file.
 
-The result also gives the bytes of the model file's weights and of its KV cache, and where
-each step's time goes: DDR-bound nets, compute-bound nets, net launches, host transfers.
+A hybrid model (Qwen3.5: `layer_types` with linear-attention layers) has per-layer nets
+of each kind, compiled from the first layer of each kind as `toptpu compile` names them
+(`block`, `block@3`, ...), and each layer is charged its kind's nets; a linear-attention
+layer's decode net reads and writes its state (conv and recurrent) every step, bytes its
+command streams move and its modelled time counts.
+
+With `--devices N --parallel tp|pp` the nets are compiled as a multi-device compile cuts
+them (tp: the per-layer nets and the heads cut by the tensor-parallel pass; pp: the
+one-device nets, the stages balanced by each layer's decode-net time as `toptpu compile`
+balances them) and the step accounting charges the device group's host writes, logit
+pieces and sends between devices. A hybrid model spreads by pp only (each stage holds its
+layers' KV cache or state and the nets of its layers' kinds); tp is refused, as compile
+refuses it.
+
+The result also gives the bytes of the model file's weights, of its KV cache (the
+full-attention layers) and of the linear-attention state, each device's share of them and
+whether it fits, and where each step's time goes: DDR-bound nets, compute-bound nets, net
+launches, host transfers, the link between devices.
 """
 
 from __future__ import annotations
@@ -22,32 +38,55 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import IO, Any
 
+from xdsl.dialects import func
+
+from toptpu import vlm_estimate
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
     BLOCK_KV,
+    CONV_STATE,
     EMBEDDING,
     EMBEDDING_CACHE,
+    FULL_ATTENTION,
     GREEDY_HEAD,
     HISTORY_K,
+    HISTORY_V,
+    LINEAR_ATTENTION,
     LM_HEAD,
+    LOGITS,
     PER_LAYER_NETS,
+    PREFILL_NETS,
+    RECURRENT_STATE,
     SAMPLE_HEAD,
     TEXT_NETS,
+    LinearWidths,
+    NetName,
     StaticShapes,
+    TensorSpec,
+    linear_net_io,
     net_io,
 )
 from toptpu.backend.formats.llm_file import WeightLayout
 from toptpu.backend.formats.program import Program
-from toptpu.backend.runtime.accounting import SAMPLERS, Costs, StepModel, net_costs
+from toptpu.backend.runtime.accounting import (
+    CATEGORIES,
+    SAMPLERS,
+    Costs,
+    Spread,
+    StepModel,
+    net_costs,
+)
 from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.target.chips import (
+    ALL_FIGURES,
     DEFAULT_CHIP,
-    FIGURES,
+    LINK_TOPOLOGIES,
     Chip,
     ChipFigureError,
     chip_names,
@@ -56,16 +95,22 @@ from toptpu.backend.target.chips import (
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
 from toptpu.cli_args import (
     UsageError,
+    add_device_args,
     add_static_shape_args,
     add_weight_quant_args,
     int_at_least,
+    pixel_size,
 )
+from toptpu.devices import balance_layers, devices_needed
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
+from toptpu.dialects.naming import input_names
+from toptpu.dialects.sharding import Split, set_arg_split
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import CompileError, ToptpuError
 from toptpu.machine_pipeline import compile_for_machine
 from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.passes.tensor_parallel import TensorParallelPass
 
 #: the nets a decode-speed and first-token estimate needs (prompts of at most one chunk)
 STEP_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
@@ -77,7 +122,9 @@ class EstimateError(UsageError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The widths the nets' IO and the model file depend on (`contract.ModelWidths`)."""
+    """The widths the nets' IO and the model file depend on (`contract.ModelWidths`), and
+    each layer's kind (`layer_types`, empty: all full attention) with the linear-attention
+    state's sizes."""
 
     family: str
     num_layers: int
@@ -86,6 +133,43 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tied_embeddings: bool
+    layer_types: tuple[str, ...] = ()
+    linear: LinearWidths | None = None
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def representatives(self) -> list[int]:
+        """The first layer of each kind, in layer order: the layers whose nets are
+        compiled (as `toptpu compile` picks them for a float model)."""
+        first: dict[str, int] = {}
+        for i in range(self.num_layers):
+            first.setdefault(self.layer_type(i), i)
+        return list(first.values())
+
+    def layer_net(self, net: str, layer: int) -> str:
+        """The per-layer net `layer` runs for `net`: its kind's (`block`, `block@3`)."""
+        kind = self.layer_type(layer)
+        rep = next(r for r in self.representatives if self.layer_type(r) == kind)
+        return str(NetName.parse(net).at_layer(rep))  # `block:16` -> `block:16@3`
+
+    def layer_nets(self) -> dict[str, list[str]]:
+        """Each per-layer net -> the net every layer runs for it."""
+        return {net: [self.layer_net(net, i) for i in range(self.num_layers)]
+                for net in PER_LAYER_NETS}
+
+    def layers_of(self, kind: str) -> int:
+        return sum(self.layer_type(i) == kind for i in range(self.num_layers))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ModelShape:
+        linear = d.get("linear")
+        return cls(**{**d, "layer_types": tuple(d.get("layer_types", ())),
+                      "linear": None if linear is None else LinearWidths(**linear)})
 
 
 @dataclass
@@ -98,16 +182,37 @@ class CompiledCosts:
     mode: str
     shapes: StaticShapes
     commands: dict[str, list[CommandCost]]
-    weight_bytes: int
+    weight_bytes: int  # the model file's (a multi-device file's: every device's together)
     kv_bytes: int
     compile_s: float = 0.0
+    #: the linear-attention layers' state (conv + recurrent, every such layer)
+    state_bytes: int = 0
+    #: rows of the full-attention nets' position_ids (3: a VLM's M-RoPE)
+    position_axes: int = 1
+    devices: int = 1
+    parallel: str | None = None  # tp | pp over `devices`
+    #: each device's weight blob and its layers' KV cache and linear-attention state (one
+    #: entry for one device)
+    device_weight_bytes: list[int] = field(default_factory=list)
+    device_kv_bytes: list[int] = field(default_factory=list)
+    #: pp: each device's layers [first, end) (empty: not known, every stage takes every
+    #: per-layer input, as in a model of one layer kind)
+    device_layers: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def act(self) -> str:
         return act_dtype(self.mode)
 
+    @property
+    def spread(self) -> Spread | None:
+        if self.parallel is None:
+            return None
+        return Spread(self.parallel, self.devices,
+                      tuple(range(a, b) for a, b in self.device_layers)
+                      if self.parallel == "pp" else ())
+
     def io(self) -> dict[str, Any]:
-        return net_io(self.shapes, self.model, self.act)
+        return model_net_io(self.shapes, self.model, self.act, self.position_axes)
 
     def timings(self, chip: Chip, nets: Sequence[str] | None = None) -> dict[str, NetTiming]:
         """Each compiled net (or `nets`) timed on `chip`."""
@@ -115,21 +220,40 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": asdict(self.model), "mode": self.mode, "shapes": asdict(self.shapes),
-                "weight_bytes": self.weight_bytes, "kv_bytes": self.kv_bytes,
-                "compile_s": self.compile_s,
-                "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps)]
-                                 for c in cmds] for n, cmds in self.commands.items()}}
+        out = {"model": self.model.to_json(), "mode": self.mode,
+               "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
+               "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
+               "compile_s": self.compile_s,
+               "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps),
+                                 *([list(c.link)] if c.link is not None else [])]
+                                for c in cmds] for n, cmds in self.commands.items()}}
+        if self.position_axes != 1:
+            out["position_axes"] = self.position_axes
+        if self.parallel is not None:
+            out.update(devices=self.devices, parallel=self.parallel,
+                       device_weight_bytes=self.device_weight_bytes,
+                       device_kv_bytes=self.device_kv_bytes,
+                       device_layers=[list(r) for r in self.device_layers])
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CompiledCosts:
-        return cls(model=ModelShape(**d["model"]), mode=d["mode"],
+        def link(c: Sequence[Any]) -> tuple[str, str, int] | None:
+            return (str(c[5][0]), str(c[5][1]), int(c[5][2])) if len(c) > 5 else None
+
+        return cls(model=ModelShape.from_json(d["model"]), mode=d["mode"],
                    shapes=StaticShapes(**d["shapes"]),
                    commands={n: [CommandCost(bool(c[0]), int(c[1]), int(c[2]), str(c[3]),
-                                             tuple(c[4])) for c in cmds]
+                                             tuple(c[4]), link(c)) for c in cmds]
                              for n, cmds in d["commands"].items()},
                    weight_bytes=int(d["weight_bytes"]), kv_bytes=int(d["kv_bytes"]),
-                   compile_s=float(d.get("compile_s", 0.0)))
+                   compile_s=float(d.get("compile_s", 0.0)),
+                   state_bytes=int(d.get("state_bytes", 0)),
+                   position_axes=int(d.get("position_axes", 1)),
+                   devices=int(d.get("devices", 1)), parallel=d.get("parallel"),
+                   device_weight_bytes=[int(x) for x in d.get("device_weight_bytes", [])],
+                   device_kv_bytes=[int(x) for x in d.get("device_kv_bytes", [])],
+                   device_layers=[(int(a), int(b)) for a, b in d.get("device_layers", [])])
 
 
 def act_dtype(mode: str) -> str:
@@ -142,58 +266,157 @@ def act_dtype(mode: str) -> str:
 
 def model_shape(config: Any) -> ModelShape:
     heads = int(config.num_attention_heads)
+    n = int(config.num_hidden_layers)
+    types = tuple(str(t) for t in (getattr(config, "layer_types", None) or ()))[:n]
+    linear = None
+    if LINEAR_ATTENTION in types:
+        linear = LinearWidths(int(config.linear_conv_kernel_dim),
+                              int(config.linear_num_key_heads),
+                              int(config.linear_num_value_heads),
+                              int(config.linear_key_head_dim),
+                              int(config.linear_value_head_dim))
     return ModelShape(
         family=str(config.model_type), num_layers=int(config.num_hidden_layers),
         hidden_size=int(config.hidden_size),
         num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
         vocab_size=int(config.vocab_size),
-        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        layer_types=types if LINEAR_ATTENTION in types else (), linear=linear)
+
+
+def model_net_io(shapes: StaticShapes, model: ModelShape, act: str, position_axes: int = 1
+                 ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """Each text net's IO (`contract.net_io`; `position_axes` rows of positions), the
+    per-layer nets of every layer kind under their names (a linear-attention kind's
+    `contract.linear_net_io`)."""
+    io = net_io(shapes, model, act, position_axes)
+    out = {name: spec for name, spec in io.items()
+           if NetName.parse(name).base not in PER_LAYER_NETS}
+    for rep in model.representatives:
+        kind_io = (linear_net_io(shapes, model.hidden_size, model.linear, act)
+                   if model.layer_type(rep) == LINEAR_ATTENTION and model.linear is not None
+                   else io)
+        for name, spec in kind_io.items():  # at every prefill length (`block:16@3`)
+            net = NetName.parse(name)
+            if net.base in PER_LAYER_NETS:
+                out[str(net.at_layer(rep))] = spec
+    return out
 
 
 def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
                   group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
-                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None
-                  ) -> CompiledCosts:
+                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
+                  position_axes: int = 1, build: Any = None, devices: int = 1,
+                  parallel: str | None = None) -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
-    and keep their command costs."""
+    (spread over `devices` by `parallel`, tp or pp, as `toptpu compile` spreads it) and
+    keep their command costs. `position_axes` 3: the full-attention nets take M-RoPE
+    positions (a VLM's text model, built by `build` where transformers has no causal LM
+    class for it)."""
+    t0 = time.perf_counter()
+    cut = devices if parallel == "tp" else 1
+    programs = compile_programs(config, chip, mode, shapes, group_size, symmetric, nets,
+                                progress, cut, position_axes, build)
+    out = spread_costs(programs, model_shape(config), mode, shapes, devices, parallel, chip,
+                       position_axes)
+    out.compile_s = time.perf_counter() - t0
+    return out
+
+
+def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
+                     group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
+                     nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
+                     tp_devices: int = 1, position_axes: int = 1, build: Any = None
+                     ) -> dict[str, Program]:
+    """The programs of `nets` of the model of `config` (one layer, placeholder weights) on
+    `chip`, cut for `tp_devices` devices (tensor parallel) when more than one."""
     from toptpu.frontends.hf_loader import placeholder_model
     from toptpu.frontends.llm import split_model
 
-    t0 = time.perf_counter()
     shape = model_shape(config)
-    model = placeholder_model(config, layers=1)
+    if tp_devices > 1 and shape.linear is not None:  # as `toptpu compile` refuses it
+        raise EstimateError(f"--devices {tp_devices} --parallel tp: the model has "
+                            "linear-attention layers (Qwen3.5), which toptpu does not cut "
+                            "over devices yet; use --parallel pp")
+    reps = shape.representatives  # the first layer of each kind
+    model = placeholder_model(config, layers=max(reps) + 1, build=build)
     act = QuantMode(mode).activation
-    specs = {s.name: s for s in split_model(model, shapes, act=act)}
+    specs = {s.name: s for s in split_model(model, shapes, act=act,
+                                            position_axes=position_axes)}
+    prefixes = dict.fromkeys(specs, "")
+    for rep in reps[1:]:  # another layer kind: its per-layer nets, named as compile does
+        for s in split_model(model, shapes, layer=rep, act=act, position_axes=position_axes):
+            if s.per_layer:
+                name = str(NetName.parse(s.name).at_layer(rep))
+                specs[name] = replace(s, name=name)
+                prefixes[name] = f"v{rep}."
     unknown = [n for n in nets if n not in specs]
     if unknown:
         raise EstimateError(f"unknown nets {unknown}; nets: {', '.join(specs)}")
+    # a per-layer net asked for (at any prefill length) is compiled for every layer kind
+    wanted = list(dict.fromkeys(
+        name for n in nets for name in ([str(NetName.parse(n).at_layer(r)) for r in reps]
+                                        if NetName.parse(n).base in PER_LAYER_NETS else [n])))
     store = WeightStore()
     programs: dict[str, Program] = {}
-    for name in nets:
+    for name in wanted:
         t = time.perf_counter()
-        programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip)
+        cut = tp_devices if NetName.parse(name).base in TP_NETS else 1
+        programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip,
+                                     prefixes[name], cut)
         if progress is not None:
             progress.write(f"  {name}: {len(programs[name].commands)} commands "
                            f"({time.perf_counter() - t:.1f}s)\n")
             progress.flush()
-    return CompiledCosts(
-        model=shape, mode=mode, shapes=shapes,
-        commands={n: command_costs(p.commands) for n, p in programs.items()},
-        weight_bytes=weight_bytes(programs, shape), kv_bytes=kv_bytes(shape, shapes, mode),
-        compile_s=time.perf_counter() - t0)
+    return programs
+
+
+def spread_costs(programs: Mapping[str, Program], shape: ModelShape, mode: str,
+                 shapes: StaticShapes, devices: int = 1, parallel: str | None = None,
+                 chip: Chip | None = None, position_axes: int = 1) -> CompiledCosts:
+    """The costs of compiled `programs` on `devices` devices by `parallel` (the programs of
+    a pp spread are the one-device programs: one compile serves every device count)."""
+    commands = {n: command_costs(p.commands) for n, p in programs.items()}
+    one = CompiledCosts(model=shape, mode=mode, shapes=shapes, commands=commands,
+                        weight_bytes=weight_bytes(programs, shape),
+                        kv_bytes=kv_bytes(shape, shapes, mode),
+                        state_bytes=state_bytes(shape, shapes, mode),
+                        position_axes=position_axes)
+    if parallel is None:
+        return one
+    assert chip is not None
+    shares = device_bytes(programs, shape, devices, parallel, chip)
+    return replace(one, weight_bytes=sum(shares.weights), kv_bytes=sum(shares.kv),
+                   devices=devices, parallel=parallel, device_weight_bytes=shares.weights,
+                   device_kv_bytes=[k + s for k, s in zip(shares.kv, shares.state,
+                                                           strict=True)],
+                   device_layers=[(r.start, r.stop) for r in shares.layers])
+
+
+#: the nets tensor parallelism cuts over the devices (`toptpu.compiler.TP_NETS`)
+TP_NETS = (*PER_LAYER_NETS, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
 
 
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
-                symmetric: bool | None, chip: Chip) -> Program:
-    """One net as `toptpu compile` compiles it, on any chip: its command streams."""
+                symmetric: bool | None, chip: Chip, weight_prefix: str = "",
+                devices: int = 1) -> Program:
+    """One net as `toptpu compile` compiles it, on any chip: its command streams (cut for
+    `devices` devices by the tensor-parallel pass when more than one)."""
     from toptpu.frontends.fx_importer import import_module
 
     try:
         module, _ = import_module(spec.module, spec.args, store=store,
+                                  weight_prefix=weight_prefix,
                                   input_names=spec.input_names,
                                   output_names=spec.output_names)
         run_passes(module, top_pipeline_passes(), store=store)
+        if devices > 1:
+            fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
+            names = input_names(fn)
+            if LOGITS in names:  # the heads take the lm_head's logits cut by vocabulary
+                set_arg_split(fn, names.index(LOGITS), Split(1, devices))
+            run_passes(module, [TensorParallelPass(devices, chip.name)], store=store)
         run_passes(module, tpu_pipeline_passes(spec.mode or mode, group_size, symmetric,
                                                keep_input_types=spec.keep_input_types),
                    store=store)
@@ -205,31 +428,108 @@ def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
         raise CompileError(f"net '{spec.name}' on {chip.name}: {e}") from e
 
 
-def weight_bytes(programs: Mapping[str, Program], shape: ModelShape) -> int:
+def weight_bytes(programs: Mapping[str, Program], shape: ModelShape,
+                 layers: Sequence[int] | None = None) -> int:
     """The model file's weight blob as the compiler lays it out: the shared weights once
     (a tied lm_head shares the embedding table; a per-layer net's weight that is not the
-    layer's own, e.g. rotary frequencies, is shared too), then every layer's chunk
-    (`WeightLayout`)."""
+    layer's own, e.g. rotary frequencies, is shared too), then every layer's chunk, laid
+    out as its kind's (`WeightLayout`; the layers `layers`, default the model's)."""
     from toptpu.layer_weights import layer_key
 
+    reps = shape.representatives
     shared: dict[str, tuple[tuple[int, ...], str]] = {}
-    layer: dict[str, tuple[tuple[int, ...], str]] = {}
+    chunks: dict[int, dict[str, tuple[tuple[int, ...], str]]] = {r: {} for r in reps}
     for name, prog in programs.items():
+        net = NetName.parse(name)
         for w, spec in prog.weights.items():
-            per_layer = name in PER_LAYER_NETS and layer_key(w) is not None
-            (layer if per_layer else shared)[w] = (tuple(spec.shape), str(spec.dtype))
+            if net.base in PER_LAYER_NETS and layer_key(w) is not None:
+                chunks[net.layer][w] = (tuple(spec.shape), str(spec.dtype))
+            else:
+                shared[w] = (tuple(spec.shape), str(spec.dtype))
     if shape.tied_embeddings:  # one tensor feeds the gather and the lm_head
         tables = [w for w, s in shared.items() if s[0] == (shape.vocab_size, shape.hidden_size)]
         for w in tables[1:]:
             del shared[w]
-    return WeightLayout.plan(shared, [layer], [0] * shape.num_layers).size
+    kind_chunk = {shape.layer_type(r): i for i, r in enumerate(reps)}
+    return WeightLayout.plan(shared, [chunks[r] for r in reps],
+                             [kind_chunk[shape.layer_type(i)]
+                              for i in (range(shape.num_layers) if layers is None
+                                        else layers)]).size
+
+
+@dataclass(frozen=True)
+class DeviceShares:
+    """What each device of a spread holds: its layers, weight blob, KV cache and
+    linear-attention state (bytes)."""
+
+    layers: list[range]
+    weights: list[int]
+    kv: list[int]
+    state: list[int]
+
+
+def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: int,
+                 parallel: str, chip: Chip) -> DeviceShares:
+    """Each device's layers, weight blob, KV cache and linear-attention state, as
+    a multi-device compile lays them out (`toptpu.compiler.place`): tp, every layer's
+    pieces on every device, the embedding on device 0; pp, contiguous layers balanced by
+    each layer's decode net's time, the embeddings on the first device, the lm_head and
+    heads on the last, each stage the per-layer nets of its layers' kinds only."""
+    layers = shape.num_layers
+
+    def cache(layer: int, names: Sequence[str]) -> int:
+        """The inputs `names` of `layer`'s decode net, as the device binds them (a tp net:
+        its piece)."""
+        return sum(s.nbytes for s in programs[shape.layer_net(BLOCK_CACHE, layer)].inputs
+                   if s.name in names)
+
+    embeddings = [n for n in programs  # at every prefill length (`embedding:16`)
+                  if NetName.parse(n).base in (EMBEDDING, EMBEDDING_CACHE)]
+    per_layer = [n for n in programs if NetName.parse(n).base in PER_LAYER_NETS]
+    heads = [n for n in programs if n not in embeddings and n not in per_layer]
+    if parallel == "tp":
+        ranges = [range(layers)] * devices
+        nets = [embeddings + per_layer + heads] + [per_layer + heads] * (devices - 1)
+    else:
+        def seconds(net: str) -> float:
+            return net_timing(command_costs(programs[net].commands), chip).seconds(chip) \
+                if net in programs else 0.0
+
+        ranges = balance_layers([seconds(shape.layer_net(BLOCK_CACHE, i))
+                                 for i in range(layers)],
+                                seconds(EMBEDDING_CACHE),
+                                seconds(LM_HEAD) + seconds(GREEDY_HEAD), devices)
+        nets = []
+        for d, r in enumerate(ranges):
+            own = {shape.layer_net(str(NetName.parse(n).at_layer(0)), i)  # at its length
+                   for i in r for n in per_layer}
+            nets.append((embeddings if d == 0 else []) + [n for n in per_layer if n in own]
+                        + (heads if d == devices - 1 else []))
+    weights = [weight_bytes({n: programs[n] for n in mine}, shape, r)
+               for mine, r in zip(nets, ranges, strict=True)]
+    return DeviceShares(ranges, weights,
+                        [sum(cache(i, (HISTORY_K, HISTORY_V)) for i in r) for r in ranges],
+                        [sum(cache(i, (CONV_STATE, RECURRENT_STATE)) for i in r)
+                         for r in ranges])
 
 
 def kv_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:
-    """Both caches of every layer: 2 x layers x SEQ x kv heads x head_dim x act bytes."""
+    """Both caches of every full-attention layer: 2 x layers x SEQ x kv heads x head_dim x
+    act bytes."""
     ins, _ = net_io(shapes, shape, act_dtype(mode))[BLOCK_CACHE]
     history = next(s for s in ins if s.name == HISTORY_K)
-    return 2 * shape.num_layers * history.nbytes
+    return 2 * shape.layers_of(FULL_ATTENTION) * history.nbytes
+
+
+def state_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:
+    """The state of every linear-attention layer: its conv state (act type) and recurrent
+    state (f32), which a decode step reads and writes in place."""
+    if shape.linear is None:
+        return 0
+    ins, _ = linear_net_io(shapes, shape.hidden_size, shape.linear,
+                           act_dtype(mode))[BLOCK_CACHE]
+    per_layer = sum(s.nbytes for s in ins if s.name in (CONV_STATE, RECURRENT_STATE))
+    return shape.layers_of(LINEAR_ATTENTION) * per_layer
 
 
 # =========================================================================== estimating
@@ -256,15 +556,27 @@ class Estimate:
         return 1.0 / self.per_token.total_s
 
     def net_json(self) -> dict[str, dict[str, Any]]:
-        layers = self.compiled.model.num_layers
+        runs = Counter(n for nets in self.compiled.model.layer_nets().values() for n in nets)
         out = {}
         for name, t in self.nets.items():
             c = net_costs(self.chip, t)
             out[name] = {"seconds": t.seconds(self.chip), "bound": t.bound,
                          "dma_bytes": t.dma_bytes, "flops": t.flops,
-                         "runs_per_step": layers if name in PER_LAYER_NETS else 1,
-                         "launch_s": c.launch_s}
+                         "runs_per_step": runs.get(name, 1), "launch_s": c.launch_s}
         return out
+
+    @property
+    def device_bytes(self) -> list[int]:
+        """What each device holds: its weights and its KV cache."""
+        m = self.compiled
+        return [w + k for w, k in zip(m.device_weight_bytes or [m.weight_bytes],
+                                      m.device_kv_bytes or [m.kv_bytes + m.state_bytes],
+                                      strict=True)]
+
+    @property
+    def fits(self) -> bool:
+        """Every device's weights and KV cache fit its memory (`Chip.ddr_bytes`)."""
+        return max(self.device_bytes) <= self.chip.ddr_bytes
 
     def to_json(self) -> dict[str, Any]:
         m = self.compiled
@@ -273,13 +585,19 @@ class Estimate:
             "modelled_tokens_per_s": self.tokens_per_s,
             "weight_bytes": m.weight_bytes,
             "kv_bytes": m.kv_bytes,
+            "state_bytes": m.state_bytes,
+            "devices": m.devices,
+            "parallel": m.parallel,
+            "device_weight_bytes": m.device_weight_bytes or [m.weight_bytes],
+            "device_kv_bytes": m.device_kv_bytes or [m.kv_bytes + m.state_bytes],
+            "fits": self.fits,
             "breakdown": {"first_token": self.first_token.to_json(),
                           "per_decoded_token": self.per_token.to_json(),
                           "nets": self.net_json()},
             "chip": self.chip.to_json(),
             "mode": m.mode,
             "shapes": asdict(m.shapes),
-            "model": asdict(m.model),
+            "model": m.model.to_json(),
             "prompt_tokens": self.prompt_tokens,
             "sampler": self.sampler,
         }
@@ -296,12 +614,17 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
     if not 1 <= tokens <= compiled.shapes.seq_length:
         raise EstimateError(f"--prompt-tokens {tokens} must be between 1 and --seq-length "
                             f"{compiled.shapes.seq_length}")
-    needed = _needed_nets(tokens, compiled.shapes, sampler)
+    model = compiled.model
+    layer_nets = model.layer_nets()
+    needed = [name for n in _needed_nets(tokens, compiled.shapes, sampler)
+              for name in ([model.layer_net(n, i) for i in range(model.num_layers)]
+                           if NetName.parse(n).base in PER_LAYER_NETS else [n])]
     missing = sorted(set(needed) - set(compiled.commands))
     if missing:
         raise EstimateError(f"this estimate needs the nets {missing}, which were not compiled")
     timings = compiled.timings(chip)
-    steps = StepModel(chip, compiled.io(), timings, compiled.model.num_layers)
+    steps = StepModel(chip, compiled.io(), timings, compiled.model.num_layers, layer_nets,
+                      spread=compiled.spread)
     return Estimate(chip, compiled, tokens, sampler, steps.first_token(tokens, sampler),
                     steps.per_token(sampler), timings)
 
@@ -335,6 +658,13 @@ def estimate_nets(shapes: StaticShapes, prompt_tokens: int | None, sampler: str)
     return list(dict.fromkeys([*TEXT_NETS, *needed]))
 
 
+def all_prefill_nets(shapes: StaticShapes) -> list[str]:
+    """Every net of a model file: the text nets and the prefill nets at each shorter
+    prefill length."""
+    return [*TEXT_NETS, *(shapes.prefill_net(base, n) for n in shapes.shorter_lengths
+                          for base in PREFILL_NETS)]
+
+
 # =========================================================================== the command
 
 
@@ -342,13 +672,23 @@ def summary(est: Estimate) -> str:
     """The estimate for a reader."""
     m, chip = est.compiled, est.chip
     s = m.shapes
+    model = m.model
+    n_linear = model.layers_of(LINEAR_ATTENTION)
+    kinds = (f" ({n_linear} linear attention, {model.num_layers - n_linear} full attention)"
+             if n_linear else "")
+    state = ""
+    if n_linear:
+        state = (f", linear-attention state {m.state_bytes / 1e6:.1f} MB ({n_linear} layers; "
+                 "read and written every decode step)")
     lines = [
-        f"{m.model.family}: {m.model.num_layers} layers, hidden {m.model.hidden_size}, "
-        f"{m.model.num_kv_heads} KV heads x {m.model.head_dim}, vocab {m.model.vocab_size}; "
+        f"{model.family}: {model.num_layers} layers{kinds}, hidden {model.hidden_size}, "
+        f"{model.num_kv_heads} KV heads x {model.head_dim}, vocab {model.vocab_size}; "
         f"{m.mode} on {chip.name} ({chip.cores} core(s), {chip.sustained_gbps:.3g} GB/s "
         f"sustained DDR); seq {s.seq_length}, input {s.max_input_length}, history "
         f"{s.max_history}, prefill lengths {', '.join(map(str, s.prefill_lengths))}",
-        f"weights {m.weight_bytes / 1e6:.1f} MB, KV cache {m.kv_bytes / 1e6:.1f} MB",
+        f"weights {m.weight_bytes / 1e6:.1f} MB, KV cache {m.kv_bytes / 1e6:.1f} MB "
+        f"({model.num_layers - n_linear} layers){state}",
+        *_device_lines(est),
         f"time to first token ({est.prompt_tokens}-token prompt): {est.ttft_s * 1e3:.2f} ms "
         f"modelled ({_where(est.first_token)})",
         f"decode: {est.tokens_per_s:.2f} tokens/s modelled, {est.per_token.total_s * 1e3:.3f} "
@@ -363,9 +703,30 @@ def summary(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _device_lines(est: Estimate) -> list[str]:
+    """Per device: what it holds against its memory (one line for one device only when
+    it does not fit)."""
+    m, chip = est.compiled, est.chip
+    lines = []
+    if m.parallel is not None:
+        lines.append(f"{m.devices} devices, {m.parallel}: collectives and sends between "
+                     f"devices {est.per_token.link_s * 1e3:.3f} ms per token "
+                     f"({chip.link_gbps:g} GB/s link, {chip.link_latency_us:g} us per "
+                     "transfer)")
+        for d, (w, k) in enumerate(zip(m.device_weight_bytes, m.device_kv_bytes,
+                                       strict=True)):
+            cache = "KV cache and state" if m.state_bytes else "KV cache"
+            lines.append(f"  device {d}: weights {w / 1e6:.1f} MB + {cache} {k / 1e6:.1f} MB")
+    if not est.fits:
+        lines.append(f"does NOT fit: a device needs {max(est.device_bytes) / 2**30:.2f} GiB, "
+                     f"a {chip.name} has {chip.ddr_bytes / 2**30:.2f} GiB; "
+                     + devices_needed(max(est.device_bytes), m.devices, chip))
+    return lines
+
+
 def _where(c: Costs) -> str:
     parts = [f"{name} {getattr(c, f'{name}_s') / c.total_s:.0%}"
-             for name in ("ddr", "compute", "launch", "host")]
+             for name in CATEGORIES if name != "link" or c.link_s > 0]
     return f"{c.bound}-bound: " + ", ".join(parts) + f"; {c.launches:g} launches, " \
         f"{c.transfers:g} host transfers"
 
@@ -382,6 +743,12 @@ def parse_figures(items: Sequence[str] | None, chip: Chip | None = None) -> dict
             raise EstimateError(f"--set {item!r}: write FIGURE=VALUE (e.g. ddr_gbps=128)")
         if chip is not None:
             _check_figure_key(item, key, chip)
+        if key == "link_topology":
+            if value.strip() not in LINK_TOPOLOGIES:
+                raise EstimateError(f"--set {item!r}: the link topologies are "
+                                    f"{', '.join(LINK_TOPOLOGIES)}")
+            out[key] = value.strip()
+            continue
         try:
             number = float(value)
         except ValueError as e:
@@ -400,7 +767,7 @@ def parse_figures(items: Sequence[str] | None, chip: Chip | None = None) -> dict
 def figure_keys(chip: Chip) -> list[str]:
     """The keys `--set` takes for `chip`: its figures, tflops as `tflops.TYPE`."""
     keys: list[str] = []
-    for k in FIGURES:
+    for k in ALL_FIGURES:
         keys += [f"tflops.{t}" for t in chip.tflops] if k == "tflops" else [k]
     return keys
 
@@ -417,7 +784,7 @@ def _check_figure_key(item: str, key: str, chip: Chip) -> None:
 
 #: the figures that are whole numbers
 INT_FIGURES = ("lanes", "lane_bytes", "banks", "align", "cores", "ddr_bytes",
-               "dma_latency_cycles", "compute_latency_cycles")
+               "dma_latency_cycles", "compute_latency_cycles", "max_devices")
 
 
 def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
@@ -437,11 +804,13 @@ def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
 
 
 def read_checked_config(config_dir: str, mode: str, seq_length: int,
-                        group_size: int | None = None, symmetric: bool | None = None) -> Any:
-    """The config of `config_dir`, checked as `toptpu compile` checks it for `mode` and
-    `seq_length` (a user error names the problem)."""
+                        group_size: int | None = None, symmetric: bool | None = None,
+                        devices: int = 1, parallel: str | None = None) -> Any:
+    """The config of `config_dir`, checked as `toptpu compile` checks it for `mode`,
+    `seq_length` and the devices (a user error names the problem)."""
     from toptpu.compile_options import (
         check_group_size,
+        check_parallel_config,
         check_quant_options,
         check_seq_length,
     )
@@ -457,12 +826,16 @@ def read_checked_config(config_dir: str, mode: str, seq_length: int,
     check_config(_without_quantization(config), where)
     check_seq_length(raw, where, seq_length, mode)
     check_group_size(raw, where, mode, group_size)
+    check_parallel_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict)
+                          else raw, where, devices, parallel, mode, group_size)
     return config
 
 
 def cmd_estimate(args: Any) -> int:
     """Modelled time to first token and decode speed of a model on a chip, from its
     config.json alone (one layer compiled with placeholder weights)."""
+    from toptpu.compile_options import check_devices
+
     try:
         shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history,
                                    args.prefill_lengths)
@@ -470,20 +843,66 @@ def cmd_estimate(args: Any) -> int:
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
-    config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
-                                 args.group_size, args.symmetric)
+    parallel = check_devices(args.devices, args.parallel, chip)
+    vlm = vlm_estimate.vlm_config(args.config_dir)
+    if vlm is None:
+        if (args.max_pixels, args.max_patches, args.vision_quantize) != (None, None, None):
+            raise EstimateError("--max-pixels, --max-patches and --vision-quantize apply to "
+                                "vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+        config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
+                                     args.group_size, args.symmetric, args.devices, parallel)
+    else:
+        if parallel is not None:
+            raise EstimateError(f"--devices {args.devices}: a vision-language model is "
+                                "estimated on one device (its vit and text nets are not "
+                                "spread over several yet); drop --devices")
+        config = _checked_vlm_text(vlm, args, shapes)
     progress = None if args.json or args.quiet else sys.stderr
     if progress is not None:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
-    compiled = compile_costs(config, chip, args.mode, shapes,
-                             DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size,
-                             args.symmetric,
-                             nets=estimate_nets(shapes, args.prompt_tokens, args.sampler),
-                             progress=progress)
+    group = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
+    build = vlm_estimate.text_placeholder_builder(config) if vlm is not None else None
+    # a VLM's prompt holds an image's tokens too: every prefill length is compiled
+    nets = estimate_nets(shapes, args.prompt_tokens, args.sampler) if vlm is None \
+        else all_prefill_nets(shapes)
+    compiled = compile_costs(config, chip, args.mode, shapes, group, args.symmetric,
+                             nets=nets, progress=progress,
+                             position_axes=3 if vlm is not None else 1,
+                             build=build, devices=args.devices, parallel=parallel)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
-    print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
+    if vlm is None:
+        print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
+        return 0
+    vit_mode = args.vision_quantize or QuantMode(args.mode).activation
+    try:
+        parse_mode(vit_mode)
+    except ValueError as e:
+        raise CompileError(f"--vision-quantize: {e}") from e
+    budget = vlm_estimate.budget_of(vlm, args.max_pixels, args.max_patches)
+    if progress is not None:
+        progress.write(f"  vit: {budget} patches in {vit_mode}\n")
+    vision = vlm_estimate.vision_costs(vlm, chip, vit_mode, budget, shapes, args.mode,
+                                       net_program, group, args.symmetric)
+    both = vlm_estimate.estimate_vlm(est, vision, args.sampler)
+    print(json.dumps(both.to_json(), indent=1) if args.json else
+          "\n".join([summary(est), *vlm_estimate.summary_lines(both)]))
     return 0
+
+
+def _checked_vlm_text(vlm: Any, args: Any, shapes: StaticShapes) -> Any:
+    """A Qwen VLM's text config, checked as compile checks it for the mode and shapes."""
+    from toptpu.compile_options import check_quant_options, check_seq_length
+
+    try:
+        parse_mode(args.mode)
+    except ValueError as e:
+        raise CompileError(str(e)) from e
+    check_quant_options(args.mode, args.group_size, args.symmetric)
+    where = f"{args.config_dir}/config.json"
+    text = vlm_estimate.checked_text_config(vlm, where)
+    check_seq_length(text.to_dict(), where, shapes.seq_length, args.mode)
+    return text
 
 
 def _without_quantization(config: Any) -> Any:
@@ -502,6 +921,7 @@ def add_estimate_parser(sub: Any) -> None:
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
     add_static_shape_args(p)
+    add_device_args(p)
     add_weight_quant_args(p)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
@@ -510,6 +930,13 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--sampler", choices=list(SAMPLERS), default="greedy",
                    help="how tokens are chosen: greedy_head or sample_head on the chip, or "
                    "on the host from the logits read back")
+    v = p.add_argument_group("vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+    v.add_argument("--max-pixels", type=pixel_size, default=None, metavar="W,H",
+                   help="the vision net's pixel budget (default 768,768), as compile")
+    v.add_argument("--max-patches", type=int_at_least(1), default=None,
+                   help="the vision net's patch budget (instead of --max-pixels)")
+    v.add_argument("--vision-quantize", default=None,
+                   help="mode of the vit net (default: the activation type of -q)")
     p.add_argument("--set", action="append", metavar="FIGURE=VALUE",
                    help="change a chip figure (repeatable), e.g. ddr_gbps=128, cores=1, "
                    "tflops.bf16=32")

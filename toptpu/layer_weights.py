@@ -96,7 +96,7 @@ def checkpoint_of_layer(checkpoint: Any, layer: int) -> CheckpointOf:
             if ql is None:
                 return None
             return checkpoint_parts(ql.qweight, ql.scales, ql.zeros, ql.g_idx, ql.bits,
-                                    ql.group_size, name)
+                                    ql.group_size, name, ql.mins)
         except (QuantizationError, QuantizedCheckpointError) as e:
             raise CompileError(str(e)) from e
 

@@ -35,10 +35,12 @@ from toptpu.backend.runtime.weight_cache_file import (
 from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
+    add_device_args,
     add_static_shape_args,
     add_weight_quant_args,
     finite_float,
     int_at_least,
+    pixel_size,
     token_ids,
     utf8_problem,
     utf8_text,
@@ -70,9 +72,11 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chip", default=DEFAULT_CHIP,
                    help=f"target chip preset ({', '.join(chip_names())})")
     add_static_shape_args(p)
+    add_device_args(p)
     add_weight_quant_args(p)
     p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
-    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6/4.7)")
+    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, "
+                             "Qwen3-VL, Qwen3.5)")
     v.add_argument("--image-size", type=int_at_least(1), default=None,
                    help="tile (InternVL) / slice (MiniCPM-V) size in pixels the vit net is "
                    "compiled for (default: the checkpoint's, e.g. 448)")
@@ -81,7 +85,12 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    "slices besides the source image (MiniCPM-V; default 9)")
     v.add_argument("--max-patches", type=int_at_least(1), default=None,
                    help="MiniCPM-V: static patch budget of one slice (default: the largest "
-                   "slice of any image up to aspect ratio 10)")
+                   "slice of any image up to aspect ratio 10); Qwen-VL: patches per image or "
+                   "video (instead of --max-pixels)")
+    v.add_argument("--max-pixels", type=pixel_size, default=None, metavar="W,H",
+                   help="Qwen-VL: the vision net's pixel budget, width x height (default "
+                   "768,768): every image (and video) is resized by the model's processor to "
+                   "at most W*H pixels and the vit net is compiled for W*H/patch^2 patches")
     v.add_argument("--vision-quantize", default=None,
                    help="mode of the vit net (default: the activation type of -q, e.g. bf16 "
                    "for w4bf16: weight-only quantization is for the text model)")
@@ -98,6 +107,13 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--image", action="append", metavar="PATH",
                    help="an image for a vision-language model file (repeatable); the prompt "
                    "marks where it goes with the model's image token, else it goes first")
+    r.add_argument("--video", action="append", nargs="+", metavar="FRAME",
+                   help="Qwen-VL: a video given as its frames (image files, in order; "
+                   "repeatable for several videos); the prompt marks where it goes with the "
+                   "video token, else it goes first")
+    r.add_argument("--fps", type=finite_float(0.0, lo_open=True), default=2.0,
+                   help="frames per second of the --video frames (default 2): Qwen2.5-VL "
+                   "spaces the frames' positions by it, Qwen3-VL writes their timestamps")
     r.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS ids")
     r.add_argument("--special-tokens", action="store_true",
                    help="print special tokens (the end-of-turn marker, ...) in the text")
@@ -129,6 +145,8 @@ def add_chat_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("--system", type=utf8_text, help="system prompt of the conversation")
     h.add_argument("--reset-if-full", action="store_true",
                    help="start over when a turn no longer fits the KV cache (default: say so)")
+    h.add_argument("--fps", type=finite_float(0.0, lo_open=True), default=2.0,
+                   help="frames per second of /video frames (default 2)")
     add_sampling_args(h)
 
 
@@ -222,19 +240,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   symmetric=args.symmetric, dump_ir=args.dump_ir,
                   progress=None if args.quiet else sys.stderr, image_size=args.image_size,
                   max_tiles=args.max_tiles, max_patches=args.max_patches,
-                  vision_mode=args.vision_quantize, dequantize=args.dequantize)
+                  vision_mode=args.vision_quantize, dequantize=args.dequantize,
+                  max_pixels=args.max_pixels,
+                  devices=args.devices, parallel=args.parallel)
     return 0
 
 
 def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
     """The prompt's token ids (and encoded images) as the arguments give them."""
     if args.ids is not None:
-        if args.chat_template or args.image:
-            raise UsageError("--chat-template and --image apply to --prompt text, not to "
-                             "--ids")
+        if args.chat_template or args.image or args.video:
+            raise UsageError("--chat-template, --image and --video apply to --prompt text, "
+                             "not to --ids")
         return args.ids, []
-    if args.image:
-        return rt.image_prompt(args.prompt, args.image, args.chat_template)
+    if args.image or args.video:
+        return rt.image_prompt(args.prompt, args.image or [], args.chat_template,
+                               videos=args.video, fps=args.fps)
     if args.chat_template:
         text = rt.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                 add_generation_prompt=True)
@@ -305,7 +326,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     stream = None
     if not args.json:
         # a completion continues the prompt's text; a chat reply (or a VLM's) stands alone
-        plain = args.ids is None and not args.chat_template and not args.image
+        plain = args.ids is None and not args.chat_template and not args.image and \
+            not args.video
         sys.stdout.write(args.prompt if plain else "")
 
         def stream(piece: str) -> None:
@@ -353,7 +375,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _chat_help(vlm: bool) -> str:
-    image = " /image PATH [message] attaches an image." if vlm else ""
+    image = (" /image PATH [message] attaches an image; /video FRAME,FRAME,... [message] a "
+             "video given as its frames (Qwen-VL).") if vlm else ""
     return (f"/reset starts over, /exit quits, /help lists the commands.{image} Start a "
             "message with // to send one that begins with '/'.")
 
@@ -420,6 +443,20 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
                   f"{enc.image_tokens} image tokens]", file=sys.stderr)
             if not msg:
                 continue
+        elif msg == "/video" or msg.startswith("/video "):
+            try:
+                path, msg = _image_command(msg, "/video")
+                frames = [f for f in path.split(",") if f]
+                enc = rt.encode_video(frames, args.fps)
+            except (ValueError, ToptpuError) as e:  # bad frames, a model without video
+                print(f"[{e}]", file=sys.stderr)
+                continue
+            images.append(enc)
+            print(f"[video {len(frames)} frames at {args.fps:g} fps: {enc.size[0]}x"
+                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw))}, "
+                  f"{enc.image_tokens} video tokens]", file=sys.stderr)
+            if not msg:
+                continue
         elif msg.startswith("/"):
             name = msg.split()[0]
             why = (f"{name} takes no argument" if name in ("/exit", "/reset", "/help") else
@@ -445,15 +482,17 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
               file=sys.stderr)
 
 
-def _image_command(line: str) -> tuple[str, str]:
-    """'/image PATH [message]' -> (PATH, message); a PATH with spaces is quoted."""
-    rest = line[len("/image"):].strip()
+def _image_command(line: str, command: str = "/image") -> tuple[str, str]:
+    """'/image PATH [message]' -> (PATH, message); a PATH with spaces is quoted. /video's
+    PATH is its frames, separated by commas."""
+    rest = line[len(command):].strip()
     if not rest:
-        raise ValueError("usage: /image PATH [message]")
+        what = "FRAME,FRAME,..." if command == "/video" else "PATH"
+        raise ValueError(f"usage: {command} {what} [message]")
     if rest[0] in "\"'":
         end = rest.find(rest[0], 1)
         if end < 0:
-            raise ValueError(f"unclosed quote in /image {rest}")
+            raise ValueError(f"unclosed quote in {command} {rest}")
         return rest[1:end], rest[end + 1:].strip()
     path, _, msg = rest.partition(" ")
     return path, msg.strip()

@@ -8,7 +8,8 @@ and are fed as function arguments (`convert-top-to-linalg` turns each `top.weigh
 
 Lowering pipeline (MLIR 22; `LOWERING_PIPELINE`): one-shot bufferization across function
 boundaries with identity layouts, results turned into out-parameters (static allocations
-hoisted: outputs are written straight into the caller's numpy arrays), buffer deallocation,
+hoisted: outputs are written straight into the caller's numpy arrays; inputs are marked
+`bufferization.writable = false`, never written), buffer deallocation,
 linalg to loops, then scf/cf/memref/math/arith/func to the LLVM dialect. Math functions the
 LLVM dialect cannot inline (`erff`, `tanhf`, `expf`, `cosf`, ... via `convert-math-to-libm`
 or LLVM intrinsics) and `malloc`/`free` resolve from the host process (libm/libc are
@@ -28,7 +29,15 @@ from typing import Any
 
 import numpy as np
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ArrayAttr, DictionaryAttr, ModuleOp, StringAttr, TensorType
+from xdsl.dialects.builtin import (
+    ArrayAttr,
+    BoolAttr,
+    DictionaryAttr,
+    ModuleOp,
+    StringAttr,
+    TensorType,
+    i1,
+)
 
 from toptpu.dialects import context
 from toptpu.dialects.common import numpy_dtype
@@ -49,6 +58,7 @@ LOWERING_PIPELINE = ",".join([
     "lower-affine",
     "convert-scf-to-cf",
     "expand-strided-metadata",
+    "lower-affine",  # the affine.apply of a dynamic subview offset (gated_delta_rule's rows)
     "finalize-memref-to-llvm",
     "convert-math-to-llvm",
     "convert-math-to-libm",
@@ -89,6 +99,25 @@ def lower_to_linalg(module: ModuleOp, fast_math: bool = False,
     ConvertTopToLinalgPass(fast_math, expose_values).apply(context(), m)
     m.verify()
     return m
+
+
+#: MLIR's function-argument attribute saying whether one-shot bufferization may write into
+#: the argument's buffer (default: it may)
+WRITABLE_ATTR = "bufferization.writable"
+
+
+def read_only_arguments(module: ModuleOp) -> None:
+    """Mark every function argument `bufferization.writable = false`: the JIT's inputs and
+    weights are the caller's numpy arrays, never written (a value updated in place, such as
+    the delta rule's state carried by its loop, gets a buffer of its own)."""
+    for fn in module.ops:
+        if not isinstance(fn, func.FuncOp):
+            continue
+        n = len(fn.function_type.inputs.data)
+        old = list(fn.arg_attrs.data) if isinstance(fn.arg_attrs, ArrayAttr) else [
+            DictionaryAttr({}) for _ in range(n)]
+        fn.arg_attrs = ArrayAttr([DictionaryAttr({**d.data, WRITABLE_ATTR: BoolAttr(False, i1)})
+                                  for d in old])
 
 
 def _ctype_for(dt: np.dtype) -> Any:
@@ -169,6 +198,7 @@ class MLIRJit:
                        if isinstance(t, TensorType)]
         self.lower_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
+        read_only_arguments(lowered)
         self.engine, self.llvm_module = self._compile(print_generic(lowered, debuginfo=False),
                                                       opt_level)
         self.compile_seconds = time.perf_counter() - t1

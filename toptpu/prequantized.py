@@ -64,8 +64,8 @@ def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
     """Representative layer -> the layers compiled with its nets. Layers of different kinds
     (`layer_types`: full or linear attention) never share nets; within a kind, without a
     checkpoint all layers share the first one's nets, and with one, layers whose linears
-    differ in quantization (bits, group size, act-order, or left in float) get nets of
-    their own."""
+    differ in quantization (bits, group size, act-order, zero points or mins, the scales'
+    dtype, or left in float: `QuantizedLayout.net_form`) get nets of their own."""
     layers = hf.model.layers
     types = list(getattr(hf.config, "layer_types", None) or ["full_attention"] * len(layers))
 
@@ -75,8 +75,7 @@ def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
             for lin, m in layers[i].named_modules():
                 if isinstance(m, torch.nn.Linear):
                     q = checkpoint.layouts.get(f"model.layers.{i}.{lin}")
-                    sig.append((lin, None if q is None else (q.bits, q.group_size,
-                                                             q.act_order)))
+                    sig.append((lin, None if q is None else q.net_form))
         return tuple(sig)
 
     groups: dict[tuple, list[int]] = {}
@@ -105,8 +104,12 @@ def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,
 
 
 def _checkpoint_fields(ql: Any) -> dict[str, np.ndarray]:
-    out = {"qweight": ql.qweight, "scales": ql.scales, "zeros": ql.zeros,
+    out = {"qweight": ql.qweight, "scales": ql.scales,
            "meta": np.array([ql.bits, ql.group_size], np.int32)}
+    if ql.mins is not None:
+        out["mins"] = ql.mins
+    else:
+        out["zeros"] = ql.zeros
     if ql.g_idx is not None:
         out["g_idx"] = ql.g_idx
     return out

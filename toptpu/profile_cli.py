@@ -28,9 +28,10 @@ import numpy as np
 from xdsl.dialects import func
 
 from toptpu.backend.codegen.streams import generate
-from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
+from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P, NetName
 from toptpu.backend.formats.program import Program
-from toptpu.backend.runtime.accounting import SAMPLERS, Charge, StepModel, total
+from toptpu.backend.runtime.accounting import SAMPLERS, Charge, Spread, StepModel, total
+from toptpu.backend.runtime.device_executor import machine_executor
 from toptpu.backend.runtime.machine import LoadedNet, Timeline
 from toptpu.backend.runtime.machine_executor import MachineExecutor, timing_of
 from toptpu.backend.runtime.profile import (
@@ -62,7 +63,7 @@ def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 def profile_model(path: str, nets: list[str] | None = None
                   ) -> tuple[MachineExecutor, list[NetProfile]]:
-    ex = MachineExecutor(path)
+    ex = machine_executor(path)
     unknown = sorted(set(nets or []) - set(ex.nets()))
     if unknown:
         raise UsageError(f"--nets: the model file has no net {', '.join(unknown)}; it has "
@@ -88,8 +89,10 @@ def profile_model(path: str, nets: list[str] | None = None
 
 def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
     """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
-    own layers' weights, whose chunk may be laid out for another layer kind)."""
-    return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == net),
+    own layers' weights, whose chunk may be laid out for another layer kind; `block:16@3`
+    the layers of `block@3`)."""
+    full = str(NetName.parse(net).at_length(0))
+    return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == full),
                default=0)
 
 
@@ -101,7 +104,11 @@ def step_model(ex: MachineExecutor) -> StepModel:
     charges (the machine executor's ledger) without generating."""
     timings = {net: timing_of(st.timelines[-1]) for net, st in ex.stats.items()}
     io = {net: (info.inputs, info.outputs) for net, info in ex.nets().items()}
-    return StepModel(ex.chip, io, timings, ex.file.num_layers, ex.meta.layer_nets)
+    par = ex.meta.parallel
+    spread = None if par is None else Spread(
+        par.strategy, len(par.devices),
+        tuple(d.layers for d in par.devices) if par.strategy == "pp" else ())
+    return StepModel(ex.chip, io, timings, ex.file.num_layers, ex.meta.layer_nets, spread)
 
 
 def bill_table(charges: Sequence[Charge], title: str) -> str:

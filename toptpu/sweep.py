@@ -36,7 +36,7 @@ from toptpu.backend.target.chips import (
     chip_names,
     get_chip,
 )
-from toptpu.cli_args import UsageError, finite_float, int_at_least
+from toptpu.cli_args import PARALLEL_STRATEGIES, UsageError, finite_float, int_at_least
 from toptpu.errors import CompileError
 from toptpu.estimate import (
     STEP_NETS,
@@ -50,14 +50,15 @@ from toptpu.paths import check_not_inside, check_output_dir, open_text_output
 from toptpu.sweep_plots import write_plots
 
 #: the chip figures a sweep varies (`--tflops` is the per-core half-precision peak; the
-#: other compute types scale with it)
-AXES = ("lanes", "lane_bytes", "ddr_gbps", "tflops", "cores")
+#: other compute types scale with it; the link's matter to a model on several devices)
+AXES = ("lanes", "lane_bytes", "ddr_gbps", "tflops", "cores", "link_gbps", "link_latency_us")
 #: the compute type `--tflops` names
 TFLOPS_TYPE = "bf16"
 CSV_NAME = "sweep.csv"
-COLUMNS = ("config", "mode", "seq_length", "chip", *AXES, "sustained_gbps", "weight_bytes",
-           "kv_bytes", "ttft_s", "tokens_per_s", "decode_step_s",
-           *(f"decode_{c}_s" for c in CATEGORIES), "decode_bound", "error")
+COLUMNS = ("config", "mode", "seq_length", "chip", "devices", "parallel", *AXES,
+           "sustained_gbps", "weight_bytes", "kv_bytes", "state_bytes", "device_bytes", "fits",
+           "ttft_s", "tokens_per_s", "decode_step_s", *(f"decode_{c}_s" for c in CATEGORIES),
+           "decode_bound", "error")
 
 
 class SweepError(UsageError):
@@ -73,6 +74,8 @@ class Point:
     seq_length: int
     chip: str
     figures: tuple[tuple[str, float], ...]  # (axis, value) of the swept figures
+    devices: int = 1
+    parallel: str | None = None  # tp | pp over `devices` (None for one)
 
     def chip_model(self) -> Chip:
         return point_chip(get_chip(self.chip), dict(self.figures))
@@ -89,25 +92,43 @@ def point_chip(base: Chip, figures: Mapping[str, float]) -> Chip:
 
 
 def grid(config_dirs: Sequence[str], modes: Sequence[str], seq_lengths: Sequence[int],
-         chip: str, axes: Mapping[str, Sequence[float]]) -> list[Point]:
-    """Every combination, in a stable order (configs outermost, the last axis innermost)."""
+         chip: str, axes: Mapping[str, Sequence[float]],
+         spreads: Sequence[tuple[int, str | None]] = ((1, None),)) -> list[Point]:
+    """Every combination, in a stable order (configs outermost, the last axis innermost);
+    `spreads`: the (devices, parallel) pairs."""
     names = [a for a in AXES if axes.get(a)]
     values = [axes[a] for a in names]
-    return [Point(c, m, s, chip, tuple(zip(names, combo, strict=True)))
+    return [Point(c, m, s, chip, tuple(zip(names, combo, strict=True)), n, par)
             for c, m, s in itertools.product(config_dirs, modes, seq_lengths)
+            for n, par in spreads
             for combo in itertools.product(*values)]
+
+
+def spreads_of(devices: Sequence[int] | None, parallel: Sequence[str] | None
+               ) -> list[tuple[int, str | None]]:
+    """The (devices, parallel) pairs of `--devices` and `--parallel` (one device: no
+    strategy; several: each strategy given, tp by default)."""
+    out: list[tuple[int, str | None]] = []
+    for n in devices or [1]:
+        for par in ([None] if n == 1 else parallel or ["tp"]):
+            if (n, par) not in out:
+                out.append((n, par))
+    return out
 
 
 def check_points(points: Sequence[Point]) -> None:
     """Every chip of the grid is valid and every config reads and fits its mode and
     sequence length: checked before any task starts."""
+    from toptpu.compile_options import check_devices
+
     for p in points:
         try:
-            p.chip_model()
+            check_devices(p.devices, p.parallel, p.chip_model())
         except (ChipFigureError, ValueError) as e:
             raise SweepError(f"grid point {dict(p.figures)}: {e}") from e
-    for c, m, s in sorted({(p.config_dir, p.mode, p.seq_length) for p in points}):
-        read_checked_config(c, m, s)
+    for c, m, s, n, par in sorted({(p.config_dir, p.mode, p.seq_length, p.devices,
+                                    p.parallel or "") for p in points}):
+        read_checked_config(c, m, s, devices=n, parallel=par or None)
 
 
 def run_point(point: Point) -> dict[str, Any]:
@@ -115,18 +136,25 @@ def run_point(point: Point) -> dict[str, Any]:
     chip = point.chip_model()
     row: dict[str, Any] = {"config": point.config_dir, "mode": point.mode,
                            "seq_length": point.seq_length, "chip": point.chip,
+                           "devices": point.devices, "parallel": point.parallel or "",
                            "lanes": chip.lanes, "lane_bytes": chip.lane_bytes,
                            "ddr_gbps": chip.ddr_gbps, "tflops": chip.tflops[TFLOPS_TYPE],
-                           "cores": chip.cores, "sustained_gbps": chip.sustained_gbps}
+                           "cores": chip.cores, "link_gbps": chip.link_gbps,
+                           "link_latency_us": chip.link_latency_us,
+                           "sustained_gbps": chip.sustained_gbps}
     try:
-        config = read_checked_config(point.config_dir, point.mode, point.seq_length)
+        config = read_checked_config(point.config_dir, point.mode, point.seq_length,
+                                     devices=point.devices, parallel=point.parallel)
         shapes = StaticShapes.make(point.seq_length)
-        compiled = compile_costs(config, chip, point.mode, shapes, nets=STEP_NETS)
+        compiled = compile_costs(config, chip, point.mode, shapes, nets=STEP_NETS,
+                                 devices=point.devices, parallel=point.parallel)
         est = estimate(compiled, chip)
     except (CompileError, EstimateError) as e:
         return {**row, "error": str(e)}
     per = est.per_token
     return {**row, "weight_bytes": compiled.weight_bytes, "kv_bytes": compiled.kv_bytes,
+            "state_bytes": compiled.state_bytes,
+            "device_bytes": max(est.device_bytes), "fits": est.fits,
             "ttft_s": est.ttft_s, "tokens_per_s": est.tokens_per_s,
             "decode_step_s": per.total_s,
             **{f"decode_{c}_s": getattr(per, f"{c}_s") for c in CATEGORIES},
@@ -188,7 +216,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     axes = {a: getattr(args, a) for a in AXES}
     points = grid(args.config_dirs, args.mode or ["w4bf16"], args.seq_length or [512],
-                  args.chip, axes)
+                  args.chip, axes, spreads_of(args.devices, args.parallel))
     check_points(points)
     for d in args.config_dirs:  # as `compile -o`: nothing is written into an input
         if os.path.isdir(d):
@@ -229,6 +257,14 @@ def add_sweep_parser(sub: Any) -> None:
                    help=f"per-core {TFLOPS_TYPE} peak TFLOPS (other types scale with it)",
                    **many)
     p.add_argument("--cores", type=int_at_least(1), help="TPU cores", **many)
+    p.add_argument("--link-gbps", type=finite_float(0, lo_open=True),
+                   help="chip-to-chip GB/s per direction (several devices)", **many)
+    p.add_argument("--link-latency-us", type=finite_float(0),
+                   help="one chip-to-chip transfer's fixed cost, microseconds", **many)
+    p.add_argument("--devices", type=int_at_least(1), help="chips the model is spread over "
+                   "(default 1)", **many)
+    p.add_argument("--parallel", choices=PARALLEL_STRATEGIES, action="append",
+                   help="with --devices above 1: tp and/or pp (repeatable; default tp)")
     p.add_argument("--jobs", type=int_at_least(1), default=os.cpu_count() or 1,
                    help="local processes (default: the CPUs)")
     p.add_argument("--ray", metavar="ADDRESS", default=None,

@@ -30,16 +30,20 @@ NUMERIC = {
     "ddr_gbps": ("DDR bandwidth, nominal", "GB/s"),
     "tflops": ("bf16 peak per core, the other types scaled with it", "TFLOPS"),
     "cores": ("TPU cores", ""),
+    "devices": ("devices the model is spread over", ""),
+    "link_gbps": ("chip-to-chip link bandwidth, per direction", "GB/s"),
+    "link_latency_us": ("chip-to-chip link latency, per step", "us"),
 }
 #: the categorical columns (the model, the mode)
-CATEGORICAL = {"config": "model (config directory)", "mode": "quantization mode"}
+CATEGORICAL = {"config": "model (config directory)", "mode": "quantization mode",
+               "parallel": "parallel strategy"}
 BREAKDOWN_PNG = "breakdown.png"
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
           (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 MARKERS = ("circle", "square", "triangle", "diamond")
 CATEGORY_COLORS = {"ddr": (31, 119, 180), "compute": (214, 39, 40), "launch": (255, 127, 14),
-                   "host": (127, 127, 127)}
+                   "host": (127, 127, 127), "link": (44, 160, 44)}
 
 
 def plot_name(column: str) -> str:
@@ -49,7 +53,7 @@ def plot_name(column: str) -> str:
 def short(v: Any, column: str = "") -> str:
     """A value as a label: a directory by its name, bytes in KiB/MiB, numbers with %g."""
     if isinstance(v, str):
-        return os.path.basename(v.rstrip("/")) or v
+        return os.path.basename(v.rstrip("/")) or v or "-"
     if column == "lane_bytes":
         return _bytes(float(v))
     return f"{v:g}" if isinstance(v, float) else str(v)
@@ -64,7 +68,7 @@ def _bytes(n: float) -> str:
 
 def varying_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     keys = (*CATEGORICAL, *NUMERIC)
-    return [k for k in keys if len({str(r[k]) for r in rows}) > 1]
+    return [k for k in keys if len({str(r.get(k, "")) for r in rows}) > 1]
 
 
 def plotted_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -340,7 +344,7 @@ def fixed_description(rows: Sequence[Mapping[str, Any]], chip: str) -> str:
     parts = [f"chip preset {chip}"]
     if rows:
         parts += [f"{k} {short(rows[0][k], k)}" for k in (*CATEGORICAL, *NUMERIC)
-                  if k not in varying]
+                  if k not in varying and rows[0].get(k, "") != ""]
     return "held fixed: " + ", ".join(parts)
 
 
@@ -375,7 +379,7 @@ def write_breakdown_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
             continue
         x = float(label_w)
         for c in CATEGORIES:
-            part = bar_w * float(r[f"decode_{c}_s"]) / longest
+            part = bar_w * float(r.get(f"decode_{c}_s") or 0) / longest
             d.rectangle([x, y, x + part, y + 16], fill=CATEGORY_COLORS[c])
             x += part
         d.text((x + 6, y + 2), f"{float(r['decode_step_s']) * 1e3:.3g}", fill="black",

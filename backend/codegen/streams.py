@@ -31,6 +31,7 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import BlockArgument, Operation, SSAValue
 
 from toptpu.backend.formats.commands import (
+    Collective,
     Command,
     Compute,
     Cut,
@@ -45,7 +46,7 @@ from toptpu.backend.formats.commands import (
 from toptpu.backend.formats.program import Program, Regions, TensorSpec, WeightSpec
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import cost_dtype, nbytes, op_flops
-from toptpu.dialects import tpu
+from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import dtype_bytes, numel, numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.naming import input_names, op_name, output_names
@@ -152,9 +153,15 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
         if v in fn_outputs or v in fn_inputs:
             raise CodegenError(f"output '{n}' repeats another input/output; return distinct values")
         fn_outputs[v] = n
-    groups = [op for op in block.ops if isinstance(op, tpu.GroupOp)]
+    stages = [op for op in block.ops if isinstance(op, tpu.GroupOp | dev.CollectiveOp)]
     act: dict[SSAValue, int] = {}
-    for g in groups:
+    for g in stages:
+        if isinstance(g, dev.CollectiveOp):
+            if g.result_offset is None:
+                raise CodegenError("run address-assign before codegen")
+            if g.result_offset >= 0:
+                act[g.output] = g.result_offset
+            continue
         gaddrs = read_ints(g.gaddrs)
         if len(gaddrs) != len(g.outputs):
             raise CodegenError("run address-assign before codegen")
@@ -170,9 +177,12 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
                                                  nbytes(op.output))
     em = _Emitter(chip)
     total_flops = 0
-    for gi, g in enumerate(groups):
-        total_flops += _GroupEmitter(em, g, gi, chip, op_index, fn_inputs, fn_outputs,
-                                     act).emit()
+    for gi, g in enumerate(stages):
+        if isinstance(g, dev.CollectiveOp):
+            total_flops += _collective(em, g, gi, op_index, fn_inputs, fn_outputs, act)
+        else:
+            total_flops += _GroupEmitter(em, g, gi, chip, op_index, fn_inputs, fn_outputs,
+                                         act).emit()
     prog = Program(
         name=fn.sym_name.data,
         inputs=tuple(TensorSpec(n, tuple(shape_of(a)), _dtype(a))
@@ -186,6 +196,28 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
         flops=total_flops,
     )
     return prog
+
+
+def _collective(em: _Emitter, op: dev.CollectiveOp, gi: int, op_index: dict[Operation, int],
+                fn_inputs: dict[SSAValue, str], fn_outputs: dict[SSAValue, str],
+                act: dict[SSAValue, int]) -> int:
+    """The link command of one collective: global tensor to global tensor on every device
+    (it waits for the store of its operand; the loads of its result wait for it)."""
+    src = _global_ref(op.input, fn_inputs, fn_outputs, act)
+    dst = _global_ref(op.output, fn_inputs, fn_outputs, act)
+
+    def access(ref: GlobalRef, v: SSAValue) -> tuple:
+        lo = ref.offset if ref.space == Space.ACT else 0
+        return (_gkey(ref), lo, lo + nbytes(v))
+
+    gather = isinstance(op, dev.AllGatherOp)
+    em.add(Collective, [access(src, op.input)], [access(dst, op.output)],
+           name=op_name(op) or op.name, op=op_index[op], kind=op.KIND,
+           algorithm=op.algorithm_name, devices=op.device_count,
+           axis=op.gather_axis if gather else 0, src=src, src_shape=tuple(shape_of(op.input)),
+           dst=dst, dst_shape=tuple(shape_of(op.output)), dtype=_dtype(op.output),
+           flops=op.flops(), group=gi, slice=0)
+    return op.flops()
 
 
 @dataclass

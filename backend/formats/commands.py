@@ -1,12 +1,15 @@
 """The machine's command records: what codegen (`toptpu.backend.codegen.streams`) writes and
 the reference machine (`toptpu.backend.runtime.machine`) runs.
 
-A net's program is a list of commands for two engines. The DMA engine runs `Load` (a global
+A net's program is a list of commands for its engines. The DMA engine runs `Load` (a global
 tensor, or a slice of it along one axis, into a local buffer), `Store` (a local buffer into
 a global tensor or a slice of it) and `Gather` (rows of a global table, picked by indices
 in local memory, into a local buffer); the compute engine runs `Compute` (one op of the
-net's grouped Tpu IR over local buffers). Every command names the commands it waits for
-(`deps`), the layer group and slice it belongs to, and the local buffers it frees.
+net's grouped Tpu IR over local buffers); the link engine of a net that several devices run
+together (tensor parallel) runs `Collective` (a `dev.*` op: a global tensor of every device
+summed or gathered into a global tensor of every device, over the chip-to-chip link).
+Every command names the commands it waits for (`deps`), the layer group and slice it
+belongs to, and the local buffers it frees.
 
 Operands: a `GlobalRef` names a global tensor by `Space` — `io` (a net input/output, bound
 per call by name), `w` (a weight, by name), `act` (the net's activation region, at an
@@ -38,7 +41,8 @@ from toptpu.dialects.common import DTYPE_BY_NAME
 #: the version of the command records; programs of another version are refused.
 #: 1: dicts with keys `e`, `g`, `ax`, `sp`, ... (no version field); 2: these records;
 #: 3: transfers cut along further axes (`Cut`), reduction parts of a compute (`k_part`).
-STREAM_SCHEMA = 3
+#: 4: `Collective` added (a transfer between devices).
+STREAM_SCHEMA = 4
 
 Dim = Annotated[int, Range(0, MAX_ELEMENTS)]
 Shape = tuple[Dim, ...]
@@ -220,7 +224,50 @@ class Gather(_OpCommand):
         return sum(o.nbytes for o in self.outs)
 
 
-Command = Load | Store | Gather | Compute
+@dataclass(frozen=True, kw_only=True)
+class Collective(_Command):
+    """Link engine: the collective `op` (index of its `dev.*` op among the net's ops, as a
+    compute's) over the `devices` devices running the net, moved by `algorithm`: every
+    device's `src` (a global tensor) summed (`all_reduce`) or concatenated along `axis` in
+    device order (`all_gather`) into every device's `dst`."""
+
+    cmd: Literal["collective"] = "collective"
+    op: int
+    kind: Literal["all_reduce", "all_gather"]
+    algorithm: Literal["ring", "tree"]
+    devices: Annotated[int, Range(2, 1024)]
+    axis: Annotated[int, Range(0)] = 0
+    src: GlobalRef
+    src_shape: Shape
+    dst: GlobalRef
+    dst_shape: Shape
+    dtype: DType
+    flops: int = 0  # the adds one device makes
+
+    engine: ClassVar[str] = "link"
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the tensor every device holds at the end (`dst`)."""
+        return numel(self.dst_shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """A DMA to another device: `nbytes` from device `src_device`'s global memory at
+    `src_addr` into device `dst_device`'s at `dst_addr`, over the chip-to-chip link. Not
+    part of a net's stream: the device group issues it between nets (the hidden state from
+    one pipeline stage to the next, device 0's embedding to the others)."""
+
+    name: str
+    src_device: int
+    src_addr: int
+    dst_device: int
+    dst_addr: int
+    nbytes: int
+
+
+Command = Load | Store | Gather | Compute | Collective
 Transfer = Load | Store
 
 
@@ -284,6 +331,23 @@ def check_command(c: Command, index: int, where: str) -> None:
                               f"is {c.local.dtype} {list(c.local.shape)}, the part moved is "
                               f"{c.dtype} {list(c.part_shape())}")
         return
+    if isinstance(c, Collective):
+        _check_global(c.src, join(where, "src"))
+        _check_global(c.dst, join(where, "dst"))
+        want = list(c.src_shape)
+        if c.kind == "all_gather":
+            if c.axis >= len(want):
+                raise HeaderError(join(where, "axis"), f"is {c.axis}, the tensor has "
+                                                       f"{len(want)} axes")
+            want[c.axis] *= c.devices
+        if list(c.dst_shape) != want:
+            raise HeaderError(join(where, "dst_shape"),
+                              f"is {list(c.dst_shape)}, a {c.kind} of {list(c.src_shape)} over "
+                              f"{c.devices} devices gives {want}")
+        for key, shape in (("src_shape", c.src_shape), ("dst_shape", c.dst_shape)):
+            if numel(shape) > MAX_ELEMENTS:
+                raise HeaderError(join(where, key), f"has more than {MAX_ELEMENTS} elements")
+        return
     for i, ref in enumerate(c.ins):
         if ref is not None:
             _check_local(ref, join(join(where, "ins"), i))
@@ -338,6 +402,10 @@ def command_text(c: Command) -> str:
         arrow = f"-> {c.local}" if isinstance(c, Load) else f"<- {c.local}"
         return (f"{head}{c.cmd:<8} {c.tensor} {_shape(c.shape, c.dtype)} {sl} {arrow} "
                 f"g{c.group}.s{c.slice} deps={_deps(c)}{_freed(c)}")
+    if isinstance(c, Collective):
+        how = f"{c.kind} {c.algorithm}" + (f" axis={c.axis}" if c.kind == "all_gather" else "")
+        return (f"{head}{how} x{c.devices} {c.name} {c.dst} {_shape(c.dst_shape, c.dtype)} <- "
+                f"{c.src} {_shape(c.src_shape, c.dtype)} deps={_deps(c)}")
     args = [str(r) if r is not None else "-" for r in c.ins]
     if isinstance(c, Gather):
         args.insert(c.table_operand, str(c.table.tensor))

@@ -67,7 +67,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
 - `vision` (VLMs only): the `vit` net's family, image processor and its config, image
   tokens and ids, tile/patch numbers, the HF config and the vit net's mode; for MiniCPM-V
   4.7 its `canvas_markers` (the token ids its canvas positions are pinned to), with which
-  the full-attention nets take `position_ids` [3, n] (T, H, W) instead of [1, n]
+  the full-attention nets take `position_ids` [3, n] (T, H, W) instead of [1, n]; for
+  Qwen2.5-VL / Qwen3-VL / Qwen3.5 (`qwenvl`) its `qwen` section: merge and temporal patch
+  sizes, video and vision start/end token ids, the window size (Qwen2.5-VL), the learned
+  position grid (Qwen3-VL, Qwen3.5), the DeepStack levels (Qwen3-VL) and how videos are
+  laid out in time; its text nets take M-RoPE positions [3, n]
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ from toptpu.backend.formats.header_schema import (
     short,
 )
 from toptpu.backend.formats.model_file import (
+    GroupedSection,
     ModelFile,
     ModelFileError,
     Section,
@@ -136,6 +141,11 @@ WEIGHT_ALIGN = 64
 KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
 #: the most elements one net input/output may have
 MAX_ELEMENTS = 2**40
+
+
+def weights_section(device: int | None = None) -> str:
+    """The weight blob's section: `weights`, or device d's `weights:<d>`."""
+    return WEIGHTS_SECTION if device is None else f"{WEIGHTS_SECTION}:{device}"
 
 
 def ir_section(net: str) -> str:
@@ -210,12 +220,12 @@ class WeightLayout:
     chunks: tuple[dict[Name, WeightEntry], ...]
     layers: tuple[LayerChunk, ...]
     size: int
-    section: Literal["weights"]
+    section: Name  # "weights"; device d's of a multi-device file: "weights:<d>"
     alignment: Literal[64]
 
     @classmethod
     def plan(cls, shared: TensorSpecs, chunks: Sequence[TensorSpecs],
-             layer_chunks: Sequence[int]) -> WeightLayout:
+             layer_chunks: Sequence[int], section: str = WEIGHTS_SECTION) -> WeightLayout:
         """Lay out tensors given as name -> (shape, dtype) (in the order given): the shared
         ones, then for layer i a chunk laid out as `chunks[layer_chunks[i]]`."""
         sh, end = cls._place(shared)
@@ -226,7 +236,7 @@ class WeightLayout:
                 raise ValueError(f"layer {len(layers)}: chunk {c} of {len(placed)}")
             layers.append(LayerChunk(c, offset))
             offset += placed[c][1]
-        return cls(sh, tuple(p[0] for p in placed), tuple(layers), offset, WEIGHTS_SECTION,
+        return cls(sh, tuple(p[0] for p in placed), tuple(layers), offset, section,
                    WEIGHT_ALIGN)
 
     @staticmethod
@@ -424,6 +434,28 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
+class QwenVisionInfo:
+    """Qwen2.5-VL / Qwen3-VL / Qwen3.5: how the host lays out an image's `vit` inputs and
+    the text positions (`contract.qwen_vit_inputs`, `contract.mrope_position_ids`)."""
+
+    merge_size: Count
+    temporal_patch_size: Count
+    video_token_id: TokenId
+    vision_start_token_id: TokenId
+    vision_end_token_id: TokenId
+    #: Qwen2.5-VL: the window of its window-attention layers (pixels)
+    window_size: Count | None = None
+    #: Qwen3-VL / Qwen3.5: the side of the learned position grid the vit interpolates
+    position_grid_side: Count | None = None
+    #: Qwen3-VL: the DeepStack levels (`deepstack_embeds` rows, `deepstack_add` runs)
+    deepstack_levels: Annotated[int, Range(0, 64)] = 0
+    #: Qwen2.5-VL: a video's temporal positions per second
+    tokens_per_second: Annotated[float, Range(0, 1e6)] | None = None
+    #: Qwen3-VL / Qwen3.5: each temporal patch of a video is a grid of its own
+    frames_apart: bool = False
+
+
+@dataclass(frozen=True)
 class VisionInfo:
     """What the runtime needs of a VLM's vision net (see `toptpu.backend.runtime.vision`)."""
 
@@ -449,11 +481,13 @@ class VisionInfo:
     #: MiniCPM-V 4.7 only: `CANVAS_MARKERS` -> token id; the text nets then take a position
     #: per axis (T, H, W) and the runtime lays them out (`contract.canvas_position_ids`)
     canvas_markers: dict[Name, TokenId] | None = None
+    #: Qwen-VL only (kind qwenvl): its M-RoPE text positions and vit layout
+    qwen: QwenVisionInfo | None = None
 
     @property
     def position_axes(self) -> int:
         """The text nets' position axes (`contract.POSITION_AXES`)."""
-        return 3 if self.canvas_markers is not None else 1
+        return 3 if self.canvas_markers is not None or self.qwen is not None else 1
 
     def check(self, vocab: int, where: str = "vision") -> None:
         processor, required, marker = VISION_KINDS[self.kind]
@@ -469,11 +503,25 @@ class VisionInfo:
         if self.image_token_id != self.token_ids[marker]:
             raise HeaderError(f"{where}.image_token_id", f"is {self.image_token_id}, the "
                                                          f"{marker} is {self.token_ids[marker]}")
-        minicpmv = ("max_patches", "merge_levels", "token_divisor", "position_side")
-        for key in minicpmv:
-            if (getattr(self, key) is None) == (self.kind == "minicpmv"):
-                raise HeaderError(f"{where}.{key}", "is missing" if self.kind == "minicpmv"
+        for key, kinds in (("max_patches", ("minicpmv", "qwenvl")),
+                           ("token_divisor", ("minicpmv", "qwenvl")),
+                           ("merge_levels", ("minicpmv",)), ("position_side", ("minicpmv",)),
+                           ("qwen", ("qwenvl",))):
+            if (getattr(self, key) is None) == (self.kind in kinds):
+                raise HeaderError(f"{where}.{key}", "is missing" if self.kind in kinds
                                   else f"does not apply to a {self.kind} model")
+        if self.qwen is not None:
+            q = self.qwen
+            for key in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
+                _check_token(getattr(q, key), vocab, f"{where}.qwen.{key}")
+            if self.token_divisor != q.merge_size ** 2:
+                raise HeaderError(f"{where}.token_divisor",
+                                  f"is {self.token_divisor}; a merge of {q.merge_size}x"
+                                  f"{q.merge_size} patches makes {q.merge_size ** 2}")
+            if self.max_patches is not None and self.max_patches % self.token_divisor:
+                raise HeaderError(f"{where}.max_patches",
+                                  f"is {self.max_patches}, not a multiple of "
+                                  f"{self.token_divisor} (patches merged into a token)")
         if self.canvas_markers is not None:
             if self.kind != "minicpmv":
                 raise HeaderError(f"{where}.canvas_markers",
@@ -488,6 +536,55 @@ class VisionInfo:
                 raise HeaderError(f"{where}.token_divisor",
                                   f"is {self.token_divisor}; a canvas merges 2x2 or 4x4 "
                                   "patches into a token (4 or 16)")
+
+
+#: how a multi-device file spreads the model (`ParallelInfo.strategy`)
+STRATEGIES = ("tp", "pp")
+
+
+@dataclass(frozen=True)
+class IoSplit:
+    """How a net input or output is cut over the devices that run the net: along `axis` in
+    `pieces` equal pieces, device d holding piece d * pieces // devices
+    (`toptpu.dialects.sharding`); its device programs' IO is that piece."""
+
+    axis: Annotated[int, Range(0, 16)]
+    pieces: Count
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of a multi-device file: the layers whose weights it holds
+    ([first_layer, end_layer)), the nets it runs, and its weight blob (section
+    `weights:<d>`: its shared tensors, then its layers' chunks, `weights.layers[i]` for layer
+    first_layer + i)."""
+
+    first_layer: int
+    end_layer: int
+    nets: tuple[Name, ...]
+    weights: WeightLayout
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """A model spread over several devices: `tp` (tensor parallel: every device every layer,
+    each its piece of each weight; the nets that all devices run together hold collectives)
+    or `pp` (pipeline parallel: contiguous layers per device, the embedding on the first,
+    the lm_head and heads on the last). `splits`: net -> IO name -> how each device's
+    part is cut (tp; an IO not named is whole on every device)."""
+
+    strategy: Annotated[str, OneOf(STRATEGIES, "parallel strategy")]
+    devices: tuple[DeviceInfo, ...]
+    splits: dict[Name, dict[Name, IoSplit]]
+
+    def runners(self, net: str, layer: int | None = None) -> list[int]:
+        """The devices that run `net` (for a per-layer net: on layer `layer`)."""
+        return [d for d, dev in enumerate(self.devices) if net in dev.nets
+                and (layer is None or layer in dev.layers)]
 
 
 @dataclass(frozen=True)
@@ -506,10 +603,19 @@ class LlmHeader:
     tokenizer: TokenizerInfo
     nets: dict[Name, NetEntry]
     layer_nets: dict[Name, tuple[Name, ...]]
-    weights: WeightLayout
+    weights: WeightLayout | None  # None in a multi-device file: each device has its own
     compile: CompileInfo
     checkpoint: CheckpointInfo | None
     vision: VisionInfo | None = None
+    parallel: ParallelInfo | None = None  # several devices (`ParallelInfo`)
+
+    def blobs(self) -> list[tuple[WeightLayout, range, tuple[str, ...] | None]]:
+        """Every weight blob of the file: (its layout, the layers it holds, the nets that
+        read it; None: every net)."""
+        if self.parallel is None:
+            assert self.weights is not None
+            return [(self.weights, range(self.model.num_layers), None)]
+        return [(d.weights, d.layers, d.nets) for d in self.parallel.devices]
 
     @classmethod
     def from_json(cls, data: Any) -> LlmHeader:
@@ -562,13 +668,11 @@ class LlmHeader:
         self._check_generation()
         if len(set(self.tokenizer.files)) != len(self.tokenizer.files):
             raise HeaderError("tokenizer.files", "names a file twice")
-        if self.weights.num_layers != m.num_layers:
-            raise HeaderError("weights.layers", f"has {self.weights.num_layers} entries, "
-                                                f"model.num_layers is {m.num_layers}")
-        self.weights.check()
+        self._check_blobs()
         self._check_nets()
         self._check_layer_nets()
         self._check_net_weights()
+        self._check_parallel()
         if self.vision is not None:
             self.vision.check(m.vocab_size)
         if (self.vision is not None) != (VISION_NET in self.nets):
@@ -586,6 +690,92 @@ class LlmHeader:
         if not lengths or lengths[-1] != L:
             raise HeaderError(where, f"is {list(lengths)}: the longest must be "
                                      f"shapes.max_input_length {L}")
+
+    def _check_blobs(self) -> None:
+        """One blob (`weights`) for one device, one per device for several, each holding
+        its layers' chunks, in its own section."""
+        m = self.model
+        if (self.weights is None) == (self.parallel is None):
+            raise HeaderError("weights", "is one layout for a file of one device, null for "
+                                         "one of several (parallel gives each its own)")
+        if self.parallel is None:
+            assert self.weights is not None
+            blobs = [("weights", self.weights, range(m.num_layers), weights_section())]
+        else:
+            blobs = [(f"parallel.devices[{d}].weights", dev.weights, dev.layers,
+                      weights_section(d)) for d, dev in enumerate(self.parallel.devices)]
+        for where, layout, layers, section in blobs:
+            if layout.section != section:
+                raise HeaderError(f"{where}.section", f"is {layout.section!r}, not "
+                                                      f"{section!r}")
+            if layout.num_layers != len(layers):
+                held = (f"model.num_layers is {len(layers)}" if self.parallel is None
+                        else f"the device holds {len(layers)} layers")
+                raise HeaderError(f"{where}.layers", f"has {layout.num_layers} entries, "
+                                                     + held)
+            layout.check(where)
+
+    def _weights_field(self, layout: WeightLayout) -> str:
+        """The header field of a blob's table: `weights`, or `parallel.devices[d].weights`."""
+        if self.parallel is None:
+            return "weights"
+        d = next(i for i, dev in enumerate(self.parallel.devices) if dev.weights is layout)
+        return f"parallel.devices[{d}].weights"
+
+    def _check_parallel(self) -> None:
+        par = self.parallel
+        if par is None:
+            return
+        n, layers = len(par.devices), self.model.num_layers
+        if n < 2:
+            raise HeaderError("parallel.devices", f"has {n} entries: a multi-device file "
+                                                  "has at least 2")
+        end = 0
+        for d, dev in enumerate(par.devices):
+            where = f"parallel.devices[{d}]"
+            if par.strategy == "tp" and (dev.first_layer, dev.end_layer) != (0, layers):
+                raise HeaderError(where, f"holds layers [{dev.first_layer}, {dev.end_layer});"
+                                         f" a tensor-parallel device holds all {layers}")
+            if par.strategy == "pp" and not (dev.first_layer == end < dev.end_layer):
+                raise HeaderError(f"{where}.first_layer",
+                                  f"is {dev.first_layer} (to {dev.end_layer}); pipeline "
+                                  f"stages hold contiguous layers, this one from {end}")
+            end = dev.end_layer
+            for i, net in enumerate(dev.nets):
+                if net not in self.nets:
+                    raise HeaderError(f"{where}.nets[{i}]", f"is {net!r}, not a net of "
+                                                            "this file")
+        if par.strategy == "pp" and end != layers:
+            raise HeaderError("parallel.devices", f"hold layers up to {end} of {layers}")
+        for name in self.nets:
+            runs = par.runners(name)
+            if not runs:
+                raise HeaderError("parallel.devices", f"run no net {name!r}")
+            if self.nets[name].per_layer:
+                for layer, base in ((i, b) for b, names in self.layer_nets.items()
+                                    for i, nm in enumerate(names) if nm == name):
+                    want = 1 if par.strategy == "pp" else n
+                    if len(par.runners(name, layer)) != want:
+                        raise HeaderError("parallel.devices",
+                                          f"run {base} of layer {layer} on "
+                                          f"{len(par.runners(name, layer))} devices, not "
+                                          f"{want}")
+        for net, io in par.splits.items():
+            entry = self.nets.get(net)
+            if entry is None or par.strategy != "tp":
+                raise HeaderError(f"parallel.splits.{net}", "names no net of this file"
+                                  if entry is None else "apply to tensor parallelism only")
+            specs = {s.name: s for s in (*entry.inputs, *entry.outputs)}
+            for name, split in io.items():
+                where = f"parallel.splits.{net}.{name}"
+                spec = specs.get(name)
+                if spec is None:
+                    raise HeaderError(where, f"names no input or output of net {net!r}")
+                if split.axis >= len(spec.shape) or spec.shape[split.axis] % split.pieces \
+                        or n % split.pieces:
+                    raise HeaderError(where, f"cuts {list(spec.shape)} along axis "
+                                             f"{split.axis} in {split.pieces} pieces over "
+                                             f"{n} devices: it must divide both")
 
     def _check_generation(self) -> None:
         g, vocab = self.generation, self.model.vocab_size
@@ -633,19 +823,25 @@ class LlmHeader:
                                     f"{where}.{key}")
 
     def _check_net_weights(self) -> None:
-        """Every weight a net reads is in the chunk of a layer that runs it, or shared
-        (after `_check_layer_nets`: a layer given the wrong net is named as that)."""
+        """Every weight a net reads is in the chunk of a layer that runs it, or shared, in
+        every blob of a device that runs it (after `_check_layer_nets`: a layer given the
+        wrong net is named as that)."""
         for name, net in self.nets.items():
             where = f"nets.{name}"
             if len(set(net.weights)) != len(net.weights):
                 raise HeaderError(f"{where}.weights", "names a tensor twice")
-            tables = [self.weights.chunks[c] for c in self.net_chunks(name)] \
-                if net.per_layer else []
-            known = set().union(*tables) if tables else set()
-            for i, w in enumerate(net.weights):
-                if w not in self.weights.shared and w not in known:
-                    raise HeaderError(f"{where}.weights[{i}]", f"is {w!r}, which the weight "
-                                                               "table does not have")
+            for d, (layout, _layers, nets) in enumerate(self.blobs()):
+                if nets is not None and name not in nets:
+                    continue
+                tables = [layout.chunks[c] for c in self.net_chunks(name, d)] \
+                    if net.per_layer else []
+                known = set().union(*tables) if tables else set()
+                for i, w in enumerate(net.weights):
+                    if w not in layout.shared and w not in known:
+                        raise HeaderError(f"{where}.weights[{i}]",
+                                          f"is {w!r}, which the weight table "
+                                          f"{'' if nets is None else f'of device {d} '}"
+                                          "does not have")
 
     def _base_net(self, name: str, where: str) -> str:
         """The net whose role `name` plays (`block@3` and `block:16` are `block`s): a
@@ -698,18 +894,25 @@ class LlmHeader:
                     raise HeaderError(f"{where}[{i}]", f"is {name!r}, a "
                                                        f"{self._kind_of(name)} net, for a "
                                                        f"{self.model.layer_type(i)} layer")
-                chunk = self.weights.chunk_of(i)
-                lacks = [w for w in self.nets[name].weights
-                         if w not in chunk and w not in self.weights.shared]
-                if lacks:
-                    raise HeaderError(f"{where}[{i}]", f"is {name!r}, which reads "
-                                      f"{lacks[0]!r}: not in layer {i}'s chunk "
-                                      f"(weights.chunks[{self.weights.layers[i].chunk}])")
+                for layout, layers, nets in self.blobs():
+                    if i not in layers or (nets is not None and name not in nets):
+                        continue
+                    local = i - layers.start
+                    chunk = layout.chunk_of(local)
+                    lacks = [w for w in self.nets[name].weights
+                             if w not in chunk and w not in layout.shared]
+                    if lacks:
+                        raise HeaderError(f"{where}[{i}]", f"is {name!r}, which reads "
+                                          f"{lacks[0]!r}: not in layer {i}'s chunk "
+                                          f"({self._weights_field(layout)}.chunks"
+                                          f"[{layout.layers[local].chunk}])")
 
-    def net_chunks(self, net: str) -> list[int]:
-        """The chunk layouts (indices into `weights.chunks`) of the layers that run the
-        per-layer net `net` (`layer_nets`; at a shorter prefill length as at
-        `max_input_length`), in order of first use."""
+    def net_chunks(self, net: str, blob: int = 0) -> list[int]:
+        """The chunk layouts (indices into the `blob`-th blob's `chunks`: `weights`, or
+        device `blob`'s) of the layers that run the per-layer net `net` (`layer_nets`; at a
+        shorter prefill length as at `max_input_length`) and lie in that blob, in order of
+        first use."""
+        layout, layers, _ = self.blobs()[blob]
         out: dict[int, None] = {}
         try:
             net = str(NetName.parse(net).at_length(0))
@@ -717,8 +920,8 @@ class LlmHeader:
             return []
         for names in self.layer_nets.values():
             for i, name in enumerate(names):
-                if name == net and i < self.weights.num_layers:
-                    out[self.weights.layers[i].chunk] = None
+                if name == net and i in layers and i - layers.start < layout.num_layers:
+                    out[layout.layers[i - layers.start].chunk] = None
         return list(out)
 
 
@@ -758,11 +961,13 @@ def _check_contract(specs: tuple[TensorSpec, ...], want: tuple[TensorSpec, ...],
 
 
 def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
-                   tokenizer_files: Mapping[str, bytes], blob: np.ndarray | StreamedSection,
+                   tokenizer_files: Mapping[str, bytes],
+                   blob: np.ndarray | StreamedSection | Mapping[str, Section],
                    extra_sections: Mapping[str, bytes] | None = None) -> None:
     """Write the model file atomically (see the module doc for the layout).
     `blob` is the weight blob, in memory or streamed (made region by region while it is
-    written); `extra_sections` adds the nets' command streams and constant pools (sections
+    written), or for a multi-device file every device's by section (`weights:<d>`);
+    `extra_sections` adds the nets' command streams and constant pools (sections
     `stream:<net>` and `const:<net>`)."""
     header_json = header.to_json()
     # what a reader will decode: the same schema checks before anything is written
@@ -773,15 +978,19 @@ def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
     for name, data in tokenizer_files.items():
         sections[tokenizer_section(name)] = data
     sections.update(extra_sections or {})
-    if isinstance(blob, StreamedSection):
-        sections[WEIGHTS_SECTION] = blob
-    else:
-        sections[WEIGHTS_SECTION] = memoryview(np.ascontiguousarray(blob, dtype=np.uint8))
-    size = sections[WEIGHTS_SECTION]
-    size = size.size if isinstance(size, StreamedSection) else len(size)
-    if size != header.weights.size:
-        raise ValueError(f"the weight blob has {size} bytes, the weight table "
-                         f"{header.weights.size}")
+    blobs = blob if isinstance(blob, Mapping) else {WEIGHTS_SECTION: blob}
+    for name, data in blobs.items():
+        if isinstance(data, StreamedSection | GroupedSection):
+            sections[name] = data
+        else:
+            sections[name] = memoryview(np.ascontiguousarray(data, dtype=np.uint8))
+    for layout, _, _ in header.blobs():
+        size = sections.get(layout.section)
+        size = size.size if isinstance(size, StreamedSection | GroupedSection) \
+            else len(size or b"")
+        if size != layout.size:
+            raise ValueError(f"the weight blob {layout.section} has {size} bytes, its "
+                             f"weight table {layout.size}")
     want = _referenced_sections(header)
     if set(sections) != want:
         raise ValueError(f"the sections {sorted(set(sections) ^ want)} do not match the "
@@ -790,7 +999,7 @@ def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
 
 
 def _referenced_sections(header: LlmHeader) -> set[str]:
-    names = {WEIGHTS_SECTION}
+    names = {layout.section for layout, _, _ in header.blobs()}
     for net in header.nets.values():
         names |= {net.ir, net.streams, net.consts}
     return names | {tokenizer_section(n) for n in header.tokenizer.files}
@@ -811,7 +1020,15 @@ class LlmFile:
             self.file.close()
             raise
         self.header: dict[str, Any] = self.meta.to_json()
-        self.layout = self.meta.weights
+        #: the weight table of a one-device file (`device_layout` for several)
+        self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
+
+    def device_layout(self, device: int) -> WeightLayout:
+        """Device `device`'s weight table (a multi-device file)."""
+        par = self.meta.parallel
+        if par is None or not 0 <= device < len(par.devices):
+            raise self._err(f"has no device {device}")
+        return par.devices[device].weights
 
     def _err(self, msg: str) -> ModelFileError:
         return ModelFileError(f"'{self.path}': {msg}")
@@ -833,16 +1050,17 @@ class LlmFile:
         if have - want:
             raise self._err(f"has a section '{sorted(have - want)[0]}' that the header does "
                             "not name")
-        blob = self.file.sections[WEIGHTS_SECTION].size
-        if meta.weights.size != blob:
-            raise self._err(f"the weight table needs {meta.weights.size} bytes, the blob has "
-                            f"{blob}")
+        for layout, _, _ in meta.blobs():
+            blob = self.file.sections[layout.section].size
+            if layout.size != blob:
+                raise self._err(f"the weight table needs {layout.size} bytes, the blob "
+                                f"{layout.section} has {blob}")
         return meta
 
     # ------------------------------------------------------------------ access
     @property
     def num_layers(self) -> int:
-        return self.layout.num_layers
+        return self.meta.model.num_layers
 
     def net_infos(self) -> dict[str, NetInfo]:
         return {name: NetInfo(name, d.inputs, d.outputs, d.per_layer)

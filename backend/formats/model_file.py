@@ -118,7 +118,31 @@ class StreamedSection:
     pieces: Callable[[], Iterable[tuple[int, BytesLike]]]
 
 
-Section = BytesLike | StreamedSection
+@dataclass(frozen=True)
+class StreamedGroup:
+    """Several sections written together from one stream of pieces, never whole in memory
+    (every device's weight blob of a multi-device model: a layer's pieces for all devices
+    are made from one read of its tensors): `sizes` by section name, `pieces()` yields
+    (section, offset in it, bytes), each section's pieces in increasing, non-overlapping
+    order (the sections' pieces may interleave). Each section of the group is named in the
+    file's sections as a `GroupedSection`."""
+
+    sizes: Mapping[str, int]
+    pieces: Callable[[], Iterable[tuple[str, int, BytesLike]]]
+
+    def members(self) -> dict[str, GroupedSection]:
+        return {name: GroupedSection(self, size) for name, size in self.sizes.items()}
+
+
+@dataclass(frozen=True)
+class GroupedSection:
+    """A section of a `StreamedGroup`."""
+
+    group: StreamedGroup
+    size: int
+
+
+Section = BytesLike | StreamedSection | GroupedSection
 #: zeros written (and hashed) at most this many at a time
 _ZEROS = bytes(1 << 20)
 
@@ -133,17 +157,21 @@ def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str
         raise ValueError(f"the header key '{SECTIONS_KEY}' is the container's own")
     names = list(sections)
     views = {n: memoryview(s).cast("B") for n, s in sections.items()
-             if not isinstance(s, StreamedSection)}
+             if not isinstance(s, StreamedSection | GroupedSection)}
     digests = {n: hashlib.sha256(v).hexdigest() for n, v in views.items()}
-    sizes = [s.size if isinstance(s, StreamedSection) else len(views[n])
+    sizes = [s.size if isinstance(s, StreamedSection | GroupedSection) else len(views[n])
              for n, s in sections.items()]
     offsets, _ = _header_and_offsets(header, names, sizes, digests)
     end = offsets[-1] + sizes[-1] if names else None
     with open_output(path, "the model file", seekable=True, size=end) as f:
+        at = dict(zip(names, offsets, strict=True))
         for offset, name in zip(offsets, names, strict=True):
             f.seek(offset)
             section = sections[name]
-            if isinstance(section, StreamedSection):
+            if isinstance(section, GroupedSection):
+                if name not in digests:
+                    digests.update(_write_group(f, section.group, at))
+            elif isinstance(section, StreamedSection):
                 digests[name] = _write_streamed(f, name, section)
             else:
                 f.write(views[name])
@@ -203,6 +231,39 @@ def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
         del data, view  # the piece may be big: not held while the next one is made
     zeros(section.size - at)
     return h.hexdigest()
+
+
+def _write_group(f: BinaryIO, group: StreamedGroup, offsets: Mapping[str, int]
+                 ) -> dict[str, str]:
+    """Write every section of a streamed group at its offset in the file; their sha256s."""
+    hashes = {name: hashlib.sha256() for name in group.sizes}
+    at = dict.fromkeys(group.sizes, 0)
+
+    def zeros(name: str, n: int) -> None:
+        while n > 0:
+            part = _ZEROS[:min(n, len(_ZEROS))]
+            f.write(part)
+            hashes[name].update(part)
+            n -= len(part)
+
+    for name, offset, data in group.pieces():
+        if name not in hashes:
+            raise ValueError(f"a piece of section '{name}', which the group does not have")
+        view = memoryview(data).cast("B")
+        if offset < at[name] or offset + len(view) > group.sizes[name]:
+            raise ValueError(f"section '{name}': a piece at {offset} of {len(view)} bytes "
+                             f"overlaps the previous one (which ended at {at[name]}) or "
+                             f"passes the section's end ({group.sizes[name]})")
+        f.seek(offsets[name] + at[name])
+        zeros(name, offset - at[name])
+        f.write(view)
+        hashes[name].update(view)
+        at[name] = offset + len(view)
+        del data, view
+    for name, size in group.sizes.items():
+        f.seek(offsets[name] + at[name])
+        zeros(name, size - at[name])
+    return {name: h.hexdigest() for name, h in hashes.items()}
 
 
 # ------------------------------------------------------------------ reading

@@ -18,7 +18,7 @@ from xdsl.dialects.builtin import ModuleOp, TensorType
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.reference import kernels as K
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import (
     ShapedOp,
     constant_value,
@@ -31,6 +31,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
 from toptpu.dialects.weight_store import WeightStore, store_for
+from toptpu.errors import ToptpuError
 
 Arrays = list[np.ndarray | None]
 
@@ -323,11 +324,11 @@ for _top_op, _tpu_op in tpu.TPU_OF_TOP.items():
 
 @evaluates(tpu.A16MatMulOp)
 def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, q, s, z, b = args
+    x, q, s, z, m, b = args
     assert isinstance(op, tpu.A16MatMulOp)
     assert x is not None and q is not None and s is not None
     return [K.a16_matmul(x, q, s, z, b, read_int(op.weight_bits), read_int(op.group_size),
-                         _out_dtype(op))]
+                         _out_dtype(op), m)]
 
 
 # ------------------------------------------------------------------ reduction parts
@@ -339,10 +340,10 @@ def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None,
     part's: K columns of a matmul, keys of an attention numbered from `first_key`) into its
     f32 accumulator (`tpu.accumulator_type`; None: the first part); returns the new one."""
     if isinstance(op, tpu.A16MatMulOp):
-        x, q, s, z, _ = args
+        x, q, s, z, mins, _ = args
         assert x is not None and q is not None and s is not None
         return K.a16_matmul_part(acc, x, q, s, z, read_int(op.weight_bits),
-                                 read_int(op.group_size))
+                                 read_int(op.group_size), mins)
     if isinstance(op, top.MatMulBase):
         a, b, _ = args
         assert a is not None and b is not None
@@ -363,7 +364,7 @@ def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray
     if isinstance(op, tpu.A16MatMulOp | top.MatMulBase):
         x = args[0]
         assert x is not None
-        bias = args[4] if isinstance(op, tpu.A16MatMulOp) else args[2]
+        bias = args[5] if isinstance(op, tpu.A16MatMulOp) else args[2]
         return K.matmul_finish(acc, bias, _out_dtype(op), x)
     q = args[0]
     assert q is not None
@@ -434,6 +435,33 @@ def _part_keys(op: Operation) -> int:
     return shape_of(op.k)[1] if isinstance(op, top.AttentionBase) else 0
 
 
+# --------------------------------------------------------------------------- collectives
+
+
+class CollectiveError(ToptpuError, ValueError):
+    """A collective run where its devices are not (a module cut over devices run as one
+    device's, devices that disagree)."""
+
+
+@evaluates(*dev.COLLECTIVES)
+def _collective_alone(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    assert isinstance(op, dev.CollectiveOp)
+    raise CollectiveError(f"'{op.name}' combines the values of {op.device_count} devices: "
+                          "run the net on all of them together (run_spmd)")
+
+
+def collective_result(op: dev.CollectiveOp, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """What every device holds after the collective `op` of `parts` (one per device, in
+    device order): the kernels' sum or concatenation."""
+    if len(parts) != op.device_count:
+        raise CollectiveError(f"'{op.name}' joins {op.device_count} devices, {len(parts)} "
+                              "ran it")
+    if isinstance(op, dev.AllReduceOp):
+        return K.all_reduce(parts, op.algorithm_name)
+    assert isinstance(op, dev.AllGatherOp)
+    return K.all_gather(parts, op.gather_axis)
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -484,40 +512,7 @@ class Interpreter:
     def run(self, inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray],
             func_name: str | None = None, keep_all: bool = False) -> RunResult:
         fn = find_func(self.module, func_name)
-        names = input_names(fn)
-        args = fn.body.block.args
-        if isinstance(inputs, Mapping):
-            missing = [n for n in names if n not in inputs]
-            extra = [n for n in inputs if n not in names]
-            if missing or extra:
-                raise ValueError(
-                    f"inputs do not match @{fn.sym_name.data}({', '.join(names)}): "
-                    f"missing {missing}, unexpected {extra}"
-                )
-            seq = [inputs[n] for n in names]
-        else:
-            seq = list(inputs)
-            if len(seq) != len(names):
-                raise ValueError(f"@{fn.sym_name.data} takes {len(names)} inputs, got {len(seq)}")
-        env: dict[SSAValue, np.ndarray] = {}
-        values: dict[str, np.ndarray] = {}
-        for name, arg, arr in zip(names, args, seq, strict=True):
-            t = arg.type
-            assert isinstance(t, TensorType)
-            want_shape, want_dt = tuple(t.get_shape()), numpy_dtype(t.element_type)
-            arr = np.asarray(arr)
-            if tuple(arr.shape) != want_shape:
-                raise ValueError(
-                    f"input '{name}' has shape {list(arr.shape)}, the function expects "
-                    f"{list(want_shape)}"
-                )
-            if arr.dtype != want_dt:
-                if np.issubdtype(arr.dtype, np.integer) != np.issubdtype(want_dt, np.integer):
-                    raise ValueError(f"input '{name}' is {arr.dtype}, expected {want_dt}")
-                arr = arr.astype(want_dt)
-            env[arg] = arr
-            if keep_all:
-                values[name] = arr
+        env, values = bind_inputs(fn, inputs, keep_all)
         outputs: dict[str, np.ndarray] = {}
         for op in fn.body.block.ops:
             if isinstance(op, func.ReturnOp):
@@ -532,3 +527,78 @@ class Interpreter:
                     if n is not None:
                         values[n] = arr
         return RunResult(outputs, values)
+
+
+def bind_inputs(fn: func.FuncOp, inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+                keep_all: bool = False
+                ) -> tuple[dict[SSAValue, np.ndarray], dict[str, np.ndarray]]:
+    """The function's arguments bound to `inputs` (by name or in order), each checked
+    against its type: the environment, and the inputs by name when `keep_all`."""
+    names = input_names(fn)
+    args = fn.body.block.args
+    if isinstance(inputs, Mapping):
+        missing = [n for n in names if n not in inputs]
+        extra = [n for n in inputs if n not in names]
+        if missing or extra:
+            raise ValueError(
+                f"inputs do not match @{fn.sym_name.data}({', '.join(names)}): "
+                f"missing {missing}, unexpected {extra}"
+            )
+        seq = [inputs[n] for n in names]
+    else:
+        seq = list(inputs)
+        if len(seq) != len(names):
+            raise ValueError(f"@{fn.sym_name.data} takes {len(names)} inputs, got {len(seq)}")
+    env: dict[SSAValue, np.ndarray] = {}
+    values: dict[str, np.ndarray] = {}
+    for name, arg, arr in zip(names, args, seq, strict=True):
+        t = arg.type
+        assert isinstance(t, TensorType)
+        want_shape, want_dt = tuple(t.get_shape()), numpy_dtype(t.element_type)
+        arr = np.asarray(arr)
+        if tuple(arr.shape) != want_shape:
+            raise ValueError(
+                f"input '{name}' has shape {list(arr.shape)}, the function expects "
+                f"{list(want_shape)}"
+            )
+        if arr.dtype != want_dt:
+            if np.issubdtype(arr.dtype, np.integer) != np.issubdtype(want_dt, np.integer):
+                raise ValueError(f"input '{name}' is {arr.dtype}, expected {want_dt}")
+            arr = arr.astype(want_dt)
+        env[arg] = arr
+        if keep_all:
+            values[name] = arr
+    return env, values
+
+
+def run_spmd(module: ModuleOp, stores: Sequence[WeightStore | None],
+             inputs: Sequence[Mapping[str, np.ndarray] | Sequence[np.ndarray]],
+             func_name: str | None = None,
+             table: Mapping[type[Operation], Evaluator] = EVALUATORS
+             ) -> list[dict[str, np.ndarray]]:
+    """Run one function on several devices at once (tensor parallelism): device d with its
+    weights `stores[d]` and `inputs[d]`; every op runs on each device, a collective
+    (`dev.*`) combines the devices' values (`collective_result`). Returns each device's
+    outputs by name."""
+    if len(stores) != len(inputs) or not stores:
+        raise CollectiveError(f"{len(stores)} weight stores for {len(inputs)} devices' inputs")
+    fn = find_func(module, func_name)
+    ctxs = [EvalContext(store_for(module, s)) for s in stores]
+    envs = [bind_inputs(fn, x)[0] for x in inputs]
+    outputs: list[dict[str, np.ndarray]] = [{} for _ in stores]
+    for op in fn.body.block.ops:
+        if isinstance(op, func.ReturnOp):
+            for env, out in zip(envs, outputs, strict=True):
+                for oname, v in zip(output_names(fn), op.operands, strict=True):
+                    out[oname] = env[v]
+            break
+        if isinstance(op, dev.CollectiveOp):
+            whole = collective_result(op, [env[op.input] for env in envs])
+            for env in envs:
+                env[op.output] = whole.copy()
+            continue
+        for env, ctx in zip(envs, ctxs, strict=True):
+            results = evaluate_op(op, operand_arrays(op, env), ctx, table)
+            for r, arr in zip(op.results, results, strict=True):
+                env[r] = arr
+    return outputs

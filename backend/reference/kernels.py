@@ -731,28 +731,32 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 
 def dequantize(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int,
-               group_size: int) -> np.ndarray:
-    """The weights `tpu.a16_matmul` multiplies by: (q - z) * s per group, in f32.
+               group_size: int, mins: np.ndarray | None = None) -> np.ndarray:
+    """The weights `tpu.a16_matmul` multiplies by, in f32: (q - z) * s per group, or with
+    `mins` (the scale-and-min variant) q * s + m, the product rounded before the sum.
 
-    Its two halves: the integer offsets q - z (`weight_offsets`, exact), then one f32
-    product per weight (`dequantize_offsets`); a 7B-sized weight allocates its f32 result
-    and offsets of a quarter of its size (4-bit), not three f32 arrays."""
-    return dequantize_offsets(weight_offsets(qweight, zeros, bits, group_size), scales,
-                              group_size)
+    Its two halves: the integer offsets q - z (`weight_offsets`, exact; q itself with
+    mins), then one f32 product (and sum) per weight (`dequantize_offsets`); a 7B-sized
+    weight allocates its f32 result and offsets of a quarter of its size (4-bit), not three
+    f32 arrays."""
+    return dequantize_offsets(
+        weight_offsets(qweight, zeros, bits, group_size, mins is not None), scales,
+        group_size, mins)
 
 
 def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
-                   group_size: int) -> np.ndarray:
+                   group_size: int, with_mins: bool = False) -> np.ndarray:
     """q - z of each weight (z: the group's zero point; 8 for 4-bit and 0 for 8-bit weights
-    without zero points), exact, as int8 where every q - z the dtypes allow fits (4-bit
-    weights with zero points up to 127), else int16: the integer half of `dequantize`, a
-    new array (never a view of `qweight`)."""
+    without zero points; 0 for weights with mins, `with_mins`), exact, as int8 where every
+    q - z the dtypes allow fits (4-bit weights with zero points up to 127), else int16: the
+    integer half of `dequantize`, a new array (never a view of `qweight`)."""
     q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
     n, k = q.shape
     g = k // group_size
     if zeros is None:
-        z = np.full((n, g, 1), 8 if bits == 4 else 0, np.int16)
-        z_lo = z_hi = 8 if bits == 4 else 0
+        implied = 0 if with_mins or bits == 8 else 8
+        z = np.full((n, g, 1), implied, np.int16)
+        z_lo = z_hi = implied
     else:
         z = np.asarray(zeros)[:, :, None]
         z_lo, z_hi = (int(z.min()), int(z.max())) if z.size else (0, 0)
@@ -766,30 +770,36 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)
 
 
-def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
-    """offsets * s per group in f32 (`offsets` from `weight_offsets`): each integer widened
-    exactly, one rounding per product — the bits of `dequantize`."""
+def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int,
+                       mins: np.ndarray | None = None) -> np.ndarray:
+    """offsets * s (+ m) per group in f32 (`offsets` from `weight_offsets`): each integer
+    widened exactly, one rounding per product (and one per sum) — the bits of
+    `dequantize`."""
     n, k = offsets.shape
     g = k // group_size
     w = np.empty((n, g, group_size), np.float32)
     np.multiply(offsets.reshape(n, g, group_size), f32(scales)[:, :, None], out=w,
                 dtype=np.float32)
+    if mins is not None:
+        np.add(w, f32(mins)[:, :, None], out=w)
     return w.reshape(n, k)
 
 
 def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group_size: int,
-                   bias: np.ndarray | None, out_dtype=None, block_rows: int = 64) -> np.ndarray:
-    """`matmul_dequantized(x, dequantize_offsets(offsets, scales, group_size), bias)` without
-    the whole f32 weight: `block_rows` of its rows at a time are expanded into one small
-    array and multiplied while in cache (about 2x faster for a decode step's one row: the
-    f32 weight is never written to memory). Each output is the same dot product, but
-    whether a BLAS gives it the same bits when it computes fewer outputs together depends
-    on the BLAS, so a caller checks this once per shape against `matmul_dequantized`
-    (`WeightCache.a16_product` does)."""
+                   bias: np.ndarray | None, out_dtype=None, block_rows: int = 64,
+                   mins: np.ndarray | None = None) -> np.ndarray:
+    """`matmul_dequantized(x, dequantize_offsets(offsets, scales, group_size, mins), bias)`
+    without the whole f32 weight: `block_rows` of its rows at a time are expanded into one
+    small array and multiplied while in cache (about 2x faster for a decode step's one
+    row: the f32 weight is never written to memory). Each output is the same dot product,
+    but whether a BLAS gives it the same bits when it computes fewer outputs together
+    depends on the BLAS, so a caller checks this once per shape against
+    `matmul_dequantized` (`WeightCache.a16_product` does)."""
     fx = f32(x)
     n, k = offsets.shape
     g = k // group_size
     sf = f32(scales)
+    mf = None if mins is None else f32(mins)
     rows = max(1, min(block_rows, n))
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
@@ -798,24 +808,27 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
         b = block[:m]
         np.multiply(offsets[r0:r0 + m].reshape(m, g, group_size), sf[r0:r0 + m, :, None],
                     out=b, dtype=np.float32)
+        if mf is not None:
+            np.add(b, mf[r0:r0 + m, :, None], out=b)
         r[..., r0:r0 + m] = np.matmul(fx, b.reshape(m, k).T)
     return _biased(r, bias, out_dtype, x)
 
 
 def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                zeros: np.ndarray | None, bias: np.ndarray | None, bits: int, group_size: int,
-               out_dtype=None) -> np.ndarray:
-    return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size), bias,
-                              out_dtype)
+               out_dtype=None, mins: np.ndarray | None = None) -> np.ndarray:
+    return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size, mins),
+                              bias, out_dtype)
 
 
 def a16_matmul_part(acc: np.ndarray | None, x: np.ndarray, qweight: np.ndarray,
                     scales: np.ndarray, zeros: np.ndarray | None, bits: int,
-                    group_size: int) -> np.ndarray:
+                    group_size: int, mins: np.ndarray | None = None) -> np.ndarray:
     """One part of an `a16_matmul` split along K (whole quantization groups): `acc` +
-    x @ dequantize(part).T in f32, without the bias (`matmul_finish` adds it)."""
+    x @ dequantize(part).T in f32, without the bias (`matmul_finish` adds it); `mins`:
+    the scale-and-min form's part (`dequantize`)."""
     return matmul_dequantized_part(acc, x, dequantize(qweight, scales, zeros, bits,
-                                                      group_size))
+                                                      group_size, mins))
 
 
 def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray
@@ -840,3 +853,61 @@ def _biased(r: np.ndarray, bias: np.ndarray | None, out_dtype, like: np.ndarray)
     if bias is not None:
         r = r + f32(bias)
     return _out(r, out_dtype, like)
+
+
+# ---------------------------------------------------------------------- collectives
+
+
+def _add_rounded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One device's add of two partial sums: in f32, rounded to their dtype."""
+    return round_to(f32(a) + f32(b), np.asarray(a).dtype)
+
+
+def all_reduce(parts: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
+    """The sum every device holds after an all-reduce of `parts` (device order), added in the
+    order `algorithm` adds them (each add in f32, rounded to the parts' dtype, as a device
+    adds what it received; addition commutes, so every device ends with these bits):
+
+    - `ring`: the tensor in N chunks (of its flattened elements); chunk c is summed around the
+      ring starting at device c: ((p_c + p_c+1) + p_c+2) + ... (indices mod N);
+    - `tree`: recursive doubling: with N a power of two, at step t every device adds the
+      partial sum of the device 2^t away; otherwise the devices past the largest power of
+      two P first add into devices 0.., the P devices double, and the sums go back."""
+    n = len(parts)
+    if n == 0:
+        raise ValueError("an all-reduce of no parts")
+    shape, dt = np.shape(parts[0]), np.asarray(parts[0]).dtype
+    if any(np.shape(p) != shape or np.asarray(p).dtype != dt for p in parts):
+        raise ValueError("all-reduce parts differ in shape or dtype")
+    if n == 1:
+        return np.array(parts[0])
+    if algorithm == "ring":
+        flat = [np.asarray(p).reshape(-1) for p in parts]
+        size = flat[0].size
+        out = np.empty(size, dt)
+        step = -(-size // n)
+        for c in range(n):
+            lo, hi = c * step, min((c + 1) * step, size)
+            if lo >= hi:
+                continue
+            acc = flat[c][lo:hi]
+            for j in range(1, n):
+                acc = _add_rounded(acc, flat[(c + j) % n][lo:hi])
+            out[lo:hi] = acc
+        return out.reshape(shape)
+    if algorithm != "tree":
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}")
+    vals = [np.asarray(p) for p in parts]
+    p2 = 1 << (n.bit_length() - 1)
+    for i in range(p2, n):  # fold the extra devices in
+        vals[i - p2] = _add_rounded(vals[i - p2], vals[i])
+    t = 1
+    while t < p2:
+        vals[:p2] = [_add_rounded(vals[i], vals[i ^ t]) for i in range(p2)]
+        t <<= 1
+    return np.array(vals[0])
+
+
+def all_gather(parts: Sequence[np.ndarray], axis: int) -> np.ndarray:
+    """Every device's part concatenated along `axis` in device order."""
+    return np.concatenate([np.asarray(p) for p in parts], axis=axis)

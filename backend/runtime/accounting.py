@@ -35,6 +35,7 @@ from toptpu.backend.contract import (
     LM_HEAD,
     LOGITS,
     PENALTY,
+    PER_LAYER_NETS,
     POSITION_IDS,
     PRESENT_K,
     PROBS,
@@ -50,10 +51,11 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import NetTiming
+from toptpu.backend.target.link import LinkWork, collective_seconds
 
 #: where time goes: nets whose DMA engine is the busier one, nets whose compute engine is,
-#: fixed launch costs, host transfers
-CATEGORIES = ("ddr", "compute", "launch", "host")
+#: fixed launch costs, host transfers, transfers between chips (collectives, peer copies)
+CATEGORIES = ("ddr", "compute", "launch", "host", "link")
 
 #: how the next token is chosen: greedy_head or sample_head on the chip, or on the host
 #: from the logits read back
@@ -73,10 +75,12 @@ class Costs:
     transfer_bytes: int = 0
     dma_bytes: int = 0
     flops: int = 0
+    link_s: float = 0.0  # collectives inside nets and copies between chips
+    link_bytes: int = 0  # bytes one chip sent over its link
 
     @property
     def total_s(self) -> float:
-        return self.ddr_s + self.compute_s + self.launch_s + self.host_s
+        return self.ddr_s + self.compute_s + self.launch_s + self.host_s + self.link_s
 
     @property
     def bound(self) -> str:
@@ -124,18 +128,72 @@ class Ledger:
         self.totals += c
         return c
 
+    def peer(self, nbytes: int, seconds: float) -> Costs:
+        """One copy of `nbytes` from a device to another over the link, taking `seconds`;
+        returns what it cost."""
+        c = Costs(link_s=seconds, link_bytes=nbytes)
+        self.totals += c
+        return c
+
 
 def net_costs(chip: Chip, timing: NetTiming) -> Costs:
+    """One launch of a net: its engine time (the part the link engine ran collectives as
+    link time, the rest DDR- or compute-bound by its busier engine) and the launch."""
     seconds = timing.seconds(chip)
+    link = min(timing.link_busy * chip.seconds_per_cycle, seconds)
+    rest = seconds - link
     ddr = timing.bound == "ddr"
-    return Costs(ddr_s=seconds if ddr else 0.0, compute_s=0.0 if ddr else seconds,
+    return Costs(ddr_s=rest if ddr else 0.0, compute_s=0.0 if ddr else rest,
                  launch_s=chip.launch_us * 1e-6, launches=1, dma_bytes=timing.dma_bytes,
-                 flops=timing.flops)
+                 flops=timing.flops, link_s=link, link_bytes=timing.link_bytes)
 
 
 def transfer_costs(chip: Chip, nbytes: int) -> Costs:
     return Costs(host_s=chip.host_transfer_us * 1e-6 + nbytes / (chip.host_gbps * 1e9),
                  transfers=1, transfer_bytes=nbytes)
+
+
+def send_costs(chip: Chip, nbytes: int) -> Costs:
+    """One copy of `nbytes` from a device to another over the link."""
+    return Costs(link_s=collective_seconds(chip, LinkWork("send", "tree", 2, nbytes)),
+                 link_bytes=nbytes)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a model is spread over devices, as the step accounting needs it (what the
+    device-group executor, `toptpu.backend.runtime.device_executor`, does each step):
+
+    - `tp`: the embeddings on device 0, every other net on all `devices`: the host writes
+      a per-layer net's or a head's inputs to every device, reads the lm_head's logits in
+      `devices` pieces, and device 0's embedding goes to the other devices (a send each);
+    - `pp`: the embeddings on the first device, the lm_head and heads on the last, each
+      stage's layers on its device: the host writes the per-layer nets' inputs to every
+      stage whose layers' nets take them (`stages`: each device's layers; a hybrid model's
+      linear-attention layers take no position ids or mask; none given: every stage), the
+      hidden state goes from stage to stage (a send per boundary)."""
+
+    strategy: str
+    devices: int
+    stages: tuple[range, ...] = ()  # pp: each device's layers
+
+    def holders(self, net: str) -> int:
+        """How many devices a host write of `net`'s inputs reaches."""
+        base = NetName.parse(net).base  # `block:16` is a `block`
+        if base in (EMBEDDING, EMBEDDING_CACHE):
+            return 1
+        if self.strategy == "pp" and base not in PER_LAYER_NETS:
+            return 1
+        return self.devices
+
+    @property
+    def hidden_sends(self) -> int:
+        """Sends of the hidden state in one pass over the layers."""
+        return self.devices - 1
+
+    @property
+    def logits_pieces(self) -> int:
+        return self.devices if self.strategy == "tp" else 1
 
 
 # =========================================================================== the step model
@@ -146,7 +204,7 @@ class Charge:
     """One line of a step's bill: a net (its runs) or a host transfer (of one tensor), how
     often, and what that cost in all."""
 
-    kind: str  # "net" or "transfer"
+    kind: str  # "net", "transfer" (host<->device) or "send" (device to device)
     what: str  # the net, or the tensor moved and where ("input_ids to the chip")
     count: int
     costs: Costs
@@ -189,6 +247,7 @@ class StepModel:
     timings: Mapping[str, NetTiming]
     layers: int
     layer_nets: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    spread: Spread | None = None  # several devices (`Spread`)
 
     def _spec(self, net: str, name: str) -> TensorSpec:
         """The IO `name` of `net` or, where its layers differ, of the first of its layers'
@@ -219,16 +278,42 @@ class StepModel:
         """Every layer's run of the per-layer net `net` (each layer's own net)."""
         return merged([self._net(n) for n in self._layer_names(net)])
 
-    def _move(self, net: str, name: str, to_chip: bool) -> Charge:
-        nbytes = self._spec(net, name).nbytes
+    def _move(self, net: str, name: str, to_chip: bool, nbytes: int | None = None,
+              copies: int = 1) -> Charge:
+        """`copies` host transfers of `net`'s IO `name` (of `nbytes` each: its whole by
+        default)."""
+        nbytes = self._spec(net, name).nbytes if nbytes is None else nbytes
         where = "to the chip" if to_chip else "to the host"
-        return Charge("transfer", f"{name} {where}", 1, transfer_costs(self.chip, nbytes))
+        return Charge("transfer", f"{name} {where}", copies,
+                      transfer_costs(self.chip, nbytes).times(copies))
 
     def _up(self, net: str, *names: str) -> list[Charge]:
-        return [self._move(net, n, True) for n in names]
+        """The host writes `net`'s inputs `names` (to every device that runs it)."""
+        return [self._move(net, n, True, copies=self._holders(net, n)) for n in names]
+
+    def _holders(self, net: str, name: str) -> int:
+        """How many devices a host write of `net`'s input `name` reaches: a pipeline
+        stage's copy only if one of its layers' nets takes it."""
+        if self.spread is None:
+            return 1
+        if not self.spread.stages or NetName.parse(net).base not in PER_LAYER_NETS:
+            return self.spread.holders(net)
+        nets = self._layer_names(net)
+        return sum(any(s.name == name for i in r for s in self.io[nets[i]][0])
+                   for r in self.spread.stages)
 
     def _down(self, net: str, *names: str) -> list[Charge]:
+        """The host reads `net`'s outputs `names` (from one device)."""
         return [self._move(net, n, False) for n in names]
+
+    def _sends(self, net: str, name: str) -> list[Charge]:
+        """The hidden state `name` of `net` sent on to the devices that need it."""
+        if self.spread is None:
+            return []
+        n = self.spread.hidden_sends
+        to = "the other devices" if self.spread.strategy == "tp" else "the next stage"
+        return [Charge("send", f"{name} to {to}", n,
+                       send_costs(self.chip, self._spec(net, name).nbytes).times(n))]
 
     @property
     def seq(self) -> int:
@@ -265,7 +350,7 @@ class StepModel:
         block_cache (`Runtime._decode_step`)."""
         return [*self._up(EMBEDDING_CACHE, INPUT_IDS), self._net(EMBEDDING_CACHE),
                 *self._up(BLOCK_CACHE, POSITION_IDS, ATTENTION_MASK),
-                *self._layers(BLOCK_CACHE)]
+                *self._sends(EMBEDDING_CACHE, HIDDEN), *self._layers(BLOCK_CACHE)]
 
     def next_token_charges(self, sampler: str) -> list[Charge]:
         """Choose a token from the last hidden row (`Runtime._next_token`): lm_head, then
@@ -277,8 +362,10 @@ class StepModel:
         if sampler == "sample":
             return [*c, *self._up(SAMPLE_HEAD, RECENT_IDS), self._net(SAMPLE_HEAD),
                     *self._down(SAMPLE_HEAD, PROBS, TOKEN_IDS)]
-        if sampler == "host":
-            return [*c, *self._down(LM_HEAD, LOGITS)]
+        if sampler == "host":  # the logits read in pieces where the devices hold pieces
+            pieces = 1 if self.spread is None else self.spread.logits_pieces
+            logits = self._spec(LM_HEAD, LOGITS).nbytes
+            return [*c, self._move(LM_HEAD, LOGITS, False, logits // pieces, pieces)]
         raise ValueError(f"unknown sampler '{sampler}' ({', '.join(SAMPLERS)})")
 
     def sampling_setup_charges(self, sampler: str) -> list[Charge]:
@@ -287,10 +374,12 @@ class StepModel:
             return []
         return self._up(SAMPLE_HEAD, PENALTY, TEMPERATURE, TOP_K, TOP_P)
 
-    def prefill_charges(self, tokens: int) -> list[Charge]:
+    def prefill_charges(self, tokens: int, at_full: range = range(0)) -> list[Charge]:
         """Feed a prompt of `tokens` into an empty cache (`Runtime._prefill`): chunks of L
-        through block (the first) and block_kv (while the history fits max_history), the
-        rest token by token through the decode net."""
+        through block (the first) and block_kv (while the history fits max_history), each
+        at the shortest prefill length that holds it (one holding a position of `at_full`,
+        the positions of DeepStack rows: at L), the rest token by token through the decode
+        net."""
         if not 0 < tokens <= self.seq:
             raise ValueError(f"a prompt of {tokens} tokens does not fit the KV cache of "
                              f"{self.seq}")
@@ -299,38 +388,45 @@ class StepModel:
         while done < tokens:
             if done == 0 or done <= Hh:
                 n = min(L, tokens - done)
-                out += self._chunk(done, n)
+                full = any(p in at_full for p in range(done, done + n))
+                out += self._chunk(done, L if full else n, n)
                 done += n
             else:
                 out += self.decode_step_charges()
                 done += 1
         return merged(out)
 
-    def _chunk(self, start: int, n: int) -> list[Charge]:
+    def _chunk(self, start: int, rows: int, n: int) -> list[Charge]:
         """One chunk of `n` tokens at `start` (`Runtime._prefill_chunk`): at the shortest
-        prefill length that holds it."""
-        emb, length = self.chunk_net(EMBEDDING, n)
-        net, _ = self.chunk_net(BLOCK if start == 0 else BLOCK_KV, n)
-        block, _ = self.chunk_net(BLOCK, n)
+        prefill length that holds `rows` (>= n)."""
+        emb, length = self.chunk_net(EMBEDDING, rows)
+        net, _ = self.chunk_net(BLOCK if start == 0 else BLOCK_KV, rows)
+        block, _ = self.chunk_net(BLOCK, rows)
         c = [*self._up(emb, INPUT_IDS), self._net(emb),
              *self._up(block, POSITION_IDS), *self._up(net, ATTENTION_MASK),
-             *self._layers(net)]
+             *self._sends(emb, HIDDEN), *self._layers(net)]
         if start + length > self.seq:  # the padded chunk runs past SEQ: each attention
-            # layer's n rows go from the scratch output into the cache through the host
+            # layer's n rows go from the scratch output into the cache through the host (a
+            # cache cut by heads: each device's piece)
             scratch = self._spec(block, PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
-            caches = 2 * sum(any(s.name == PRESENT_K for s in self.io[name][1])
-                             for name in self._layer_names(net))
+            parts = 1 if self.spread is None or self.spread.strategy != "tp" \
+                else self.spread.devices
+            caches = 2 * parts * sum(any(s.name == PRESENT_K for s in self.io[name][1])
+                                     for name in self._layer_names(net))
             c += [Charge("transfer", "present_k/v to the host (past SEQ)", caches,
-                         transfer_costs(self.chip, scratch.nbytes).times(caches)),
+                         transfer_costs(self.chip, scratch.nbytes // parts).times(caches)),
                   Charge("transfer", "present_k/v rows to the cache", caches,
-                         transfer_costs(self.chip, rows).times(caches))]
+                         transfer_costs(self.chip, rows // parts).times(caches))]
         return c
 
-    def first_token_charges(self, prompt_tokens: int, sampler: str) -> list[Charge]:
-        """Time to first token: the sampler's setup, the prompt's prefill, the choice."""
+    def first_token_charges(self, prompt_tokens: int, sampler: str,
+                            at_full: range = range(0)) -> list[Charge]:
+        """Time to first token: the sampler's setup, the prompt's prefill (`at_full`:
+        `prefill_charges`), the choice."""
         return merged([*self.sampling_setup_charges(sampler),
-                       *self.prefill_charges(prompt_tokens), *self.next_token_charges(sampler)])
+                       *self.prefill_charges(prompt_tokens, at_full),
+                       *self.next_token_charges(sampler)])
 
     def per_token_charges(self, sampler: str) -> list[Charge]:
         """One decoded token after the first: a decode step and the choice."""

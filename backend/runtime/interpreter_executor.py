@@ -100,8 +100,9 @@ class _Step:
     args: list[int | None]  # value ids of the operands (None: absent optional operand)
     results: list[int]
     qweight: str | None = None  # a16_matmul: the name of its packed weight (cache key)
-    scales: str | None = None  # ... of its scales and zero points (None: none)
+    scales: str | None = None  # ... of its scales, zero points and mins (None: none)
     zeros: str | None = None
+    mins: str | None = None
     float_weight: str | None = None  # matmul with a f16/bf16 weight operand: its name
     bits: int = 0
     group_size: int = 0
@@ -151,7 +152,8 @@ class _Plan:
             if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp):
                 step.qweight = op.qweight.owner.tensor_name
                 step.bits, step.group_size = read_int(op.weight_bits), read_int(op.group_size)
-                for attr, value in (("scales", op.scales), ("zeros", op.zeros)):
+                for attr, value in (("scales", op.scales), ("zeros", op.zeros),
+                                    ("mins", op.mins)):
                     if value is not None and isinstance(value.owner, tpu.WeightOp):
                         setattr(step, attr, value.owner.tensor_name)
                 step.out_dtype = numpy_dtype(elem_of(op.output))
@@ -168,6 +170,11 @@ class InterpreterExecutor:
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
                  weight_cache_bytes: int | None = None) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
+        if self.file.meta.parallel is not None:
+            n = len(self.file.meta.parallel.devices)
+            raise ExecutorError(
+                f"'{self.file.path}' is spread over {n} devices; the interpreter runs one: "
+                "run it on the machine (executor 'machine')")
         self.cache = WeightCache(weight_cache_bytes)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
@@ -262,17 +269,18 @@ class InterpreterExecutor:
     # ------------------------------------------------------------------ internals
     def _a16_matmul(self, step: _Step, args: list[Any], layer: int | None) -> np.ndarray:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
-        x, q, s, z, bias = args
+        x, q, s, z, m, bias = args
         assert step.qweight is not None
         if self.stored is not None and step.scales is not None:
             off = self._offset
             w = self.stored.a16(off(layer, step.qweight), off(layer, step.scales),
                                 -1 if step.zeros is None else off(layer, step.zeros),
-                                step.bits, step.group_size)
+                                step.bits, step.group_size,
+                                -1 if step.mins is None else off(layer, step.mins))
             if w is not None:
                 return K.matmul_dequantized(x, w, bias, step.out_dtype)
         return self.cache.a16_product((layer, step.qweight), x, q, s, z, step.bits,
-                                      step.group_size, bias, step.out_dtype)
+                                      step.group_size, bias, step.out_dtype, mins=m)
 
     def _plan(self, net: str) -> _Plan:
         if net not in self._plans:

@@ -219,7 +219,7 @@ class SliceJoin:
                 return None
             whole.append(view)
             key.append((addr, view.shape))  # `held_key` of a whole read
-        n = 3 if step.special == "a16" else 1  # the weight's operands
+        n = 4 if step.special == "a16" else 1  # the weight's operands (`A16_WEIGHT`)
         return step.compute(m, whole, tuple(key[:n]))[0]
 
 

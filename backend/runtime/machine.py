@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -55,6 +55,7 @@ from xdsl.dialects import func
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.formats.commands import (
+    Collective,
     Command,
     Compute,
     Gather,
@@ -66,7 +67,12 @@ from toptpu.backend.formats.commands import (
     TableRef,
 )
 from toptpu.backend.formats.program import Program
-from toptpu.backend.reference.interpreter import EVALUATORS, EvalContext, Evaluator
+from toptpu.backend.reference.interpreter import (
+    EVALUATORS,
+    EvalContext,
+    Evaluator,
+    collective_result,
+)
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.joins import SliceJoin, WholeRows, find_joins
 from toptpu.backend.runtime.local_memory import (
@@ -77,6 +83,7 @@ from toptpu.backend.runtime.local_memory import (
     local_trap,
 )
 from toptpu.backend.runtime.steps import (
+    CollectiveStep,
     LoadStep,
     Operand,
     OpStep,
@@ -87,8 +94,9 @@ from toptpu.backend.runtime.steps import (
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip
-from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles
-from toptpu.dialects import tpu
+from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles, link_cycles
+from toptpu.backend.target.link import LinkWork
+from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
@@ -98,8 +106,15 @@ def evaluator_of(op: Operation) -> Evaluator | None:
     return EVALUATORS.get(type(op))
 
 
+def link_work(c: Collective) -> LinkWork:
+    """What the link model times of a collective command."""
+    return LinkWork(c.kind, c.algorithm, c.devices, c.nbytes)
+
+
 def command_cycles(chip: Chip, c: Command) -> float:
     """Cycles one command takes on its engine (the cost model's)."""
+    if isinstance(c, Collective):
+        return link_cycles(chip, link_work(c))
     if c.engine == "dma":
         return dma_cycles(chip, c.nbytes)
     return compute_cycles(chip, c.flops, c.dtype)
@@ -234,6 +249,11 @@ class Timeline:
         return sum(e.bytes for e in self.events if e.engine == "dma")
 
     @cached_property
+    def link_bytes(self) -> int:
+        """Bytes one device sent over its link (the net's collectives)."""
+        return sum(e.bytes for e in self.events if e.engine == "link")
+
+    @cached_property
     def flops(self) -> int:
         return sum(e.flops for e in self.events)
 
@@ -243,7 +263,7 @@ def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list
     command starts when its engine is free and its dependencies have finished) and the
     order the commands execute in (by start time)."""
     end: dict[int, float] = {}
-    free_at = {"dma": 0.0, "cmp": 0.0}
+    free_at = {"dma": 0.0, "cmp": 0.0, "link": 0.0}
     timed: list[tuple[float, int]] = []
     events = []
     for c in commands:  # stream order per engine: times follow in one pass
@@ -253,9 +273,10 @@ def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list
         end[c.id] = free_at[c.engine] = finish
         timed.append((start, c.id))
         part = f"{c.part}/{c.parts}" if isinstance(c, Compute) and c.parts > 1 else ""
-        events.append(Event(c.id, c.engine, start, finish, c.name,
-                            c.nbytes if c.engine == "dma" else 0, c.flops, c.dtype, c.group,
-                            c.slice, part))
+        moved = (link_work(c).link_bytes() if isinstance(c, Collective)
+                 else c.nbytes if c.engine == "dma" else 0)
+        events.append(Event(c.id, c.engine, start, finish, c.name, moved, c.flops, c.dtype,
+                            c.group, c.slice, part))
     heapq.heapify(timed)
     return events, [heapq.heappop(timed)[1] for _ in range(len(timed))]
 
@@ -314,7 +335,29 @@ class LoadedNet:
         for c in program.commands:
             if isinstance(c, Compute | Gather):
                 self.evaluators[c.id] = self._evaluator(c)
+            elif isinstance(c, Collective):
+                self._check_collective(c)
+        #: the devices its collectives join (None: a net of one device)
+        self.devices = next((c.devices for c in program.commands
+                             if isinstance(c, Collective)), None)
+        if any(c.devices != self.devices for c in program.commands
+               if isinstance(c, Collective)):
+            raise MachineTrap(f"net '{self.name}': its collectives join different numbers of "
+                              "devices")
         self._plans: dict[Chip, Plan] = {}
+
+    def _check_collective(self, c: Collective) -> None:
+        """The command is the collective its op in the IR says, over the same devices."""
+        if c.op >= len(self.ops):
+            raise MachineTrap(f"command {c.id}: op {c.op} is not in the net's IR "
+                              f"({len(self.ops)} ops)")
+        op = self.ops[c.op]
+        if not isinstance(op, dev.CollectiveOp) or op.KIND != c.kind \
+                or op.device_count != c.devices or op.algorithm_name != c.algorithm:
+            raise MachineTrap(f"command {c.id}: a {c.kind} ({c.algorithm}) over {c.devices} "
+                              f"devices, but op {c.op} is '{op.name}'"
+                              + (f" ({op.algorithm_name}) over {op.device_count} devices"
+                                 if isinstance(op, dev.CollectiveOp) else ""))
 
     def _evaluator(self, c: Compute | Gather) -> Evaluator:
         if c.op >= len(self.ops):
@@ -403,6 +446,12 @@ class LoadedNet:
             elif isinstance(c, Gather):
                 g = operand(c.table.tensor, c.table.shape, c.table.dtype, False, who)
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip, g)
+            elif isinstance(c, Collective):
+                src = operand(c.src, c.src_shape, c.dtype, False, who)
+                dst = operand(c.dst, c.dst_shape, c.dtype, True, who)
+                op = self.ops[c.op]
+                assert isinstance(op, dev.CollectiveOp)
+                step = CollectiveStep(c, op, src, dst)
             else:
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
             steps.append(step)
@@ -419,8 +468,10 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
     for i, c in enumerate(commands):
         if c.id != i:
             raise MachineTrap(f"command {i} has id {c.id}: ids must be stream positions")
-    return [CommandCost(c.engine == "dma", c.nbytes if c.engine == "dma" else 0, c.flops,
-                        str(c.dtype), tuple(c.deps)) for c in commands]
+    return [CommandCost(c.engine == "dma", c.nbytes if c.engine in ("dma", "link") else 0,
+                        c.flops, str(c.dtype), tuple(c.deps),
+                        (c.kind, c.algorithm, c.devices) if isinstance(c, Collective) else None)
+            for c in commands]
 
 
 #: how many (net, binding) pairs keep their resolved operands: a model's layers times its
@@ -443,8 +494,8 @@ def _stored_window(special: str, key: tuple, bits: int, group_size: int
     (addr, shape, dtype, axis, start, length, cuts) each), None where they do not describe
     one: an upcast weight's window is the form's (its sliced axis and its cuts); an a16
     weight's packed window along its rows (output channels) is the same rows of the form,
-    along its packed K bytes the columns they unpack to, with its scales and zero points
-    windowed over the same rows and the groups of those columns."""
+    along its packed K bytes the columns they unpack to, with its scales and zero points or
+    mins windowed over the same rows and the groups of those columns."""
     first = key[0]
     held = _held_window(first)
     index = [slice(None)] * len(first[1])
@@ -454,7 +505,7 @@ def _stored_window(special: str, key: tuple, bits: int, group_size: int
         return tuple(index)
     if len(first[1]) != 2 or (8 % bits):
         return None
-    want: dict[int, tuple[int, int]] = {}  # the scales' and zero points' window
+    want: dict[int, tuple[int, int]] = {}  # the scales', zero points' or mins' window
     if 0 in held:
         start, length = want[0] = held[0]
         index[0] = slice(start, start + length)
@@ -511,12 +562,14 @@ class Machine:
                 return None
         elif any(p is not None and len(p) > 2 for p in key[1:]):
             return None
-        if special == "a16":
-            scales, zeros = key[1], key[2] if len(key) > 2 else None
+        if special == "a16":  # key: the qweight's, scales', zero points' and mins' bytes
+            scales = key[1]
+            zeros, mins = (key[2] if len(key) > 2 else None), (key[3] if len(key) > 3 else None)
             if scales is None:
                 return None
             form = stored.a16(first[0] - base, scales[0] - base,
-                              -1 if zeros is None else zeros[0] - base, bits, group_size)
+                              -1 if zeros is None else zeros[0] - base, bits, group_size,
+                              -1 if mins is None else mins[0] - base)
         else:
             form = stored.upcast(first[0] - base)
         if form is None or window is None:
@@ -529,7 +582,19 @@ class Machine:
             release(b)
 
     def run(self, net: LoadedNet, binding: Binding) -> Timeline:
-        """Run a net's commands on the two engines; return the timeline."""
+        """Run a net's commands on its engines; return the timeline. A net with collectives
+        runs on several machines together (`run_together`)."""
+        if net.devices is not None:
+            raise MachineTrap(f"net '{net.name}' joins {net.devices} devices in collectives: "
+                              "run it on all of them together")
+        for _ in self.steps(net, binding):
+            pass
+        return net.plan(self.chip).timeline
+
+    def steps(self, net: LoadedNet, binding: Binding
+              ) -> Iterator[tuple[CollectiveStep, list[tuple[np.ndarray, bool, int]]]]:
+        """Run a net's commands, stopping at each collective: it yields the collective's
+        step and the run's resolved operands, and goes on once the caller has done it."""
         plan = net.plan(self.chip)
         views = self.views(plan, binding)
         self.local.begin()
@@ -538,18 +603,24 @@ class Machine:
         self.joined.clear()
         if isinstance(self.local, CheckedLocal):  # the checked mode tracks live buffers
             for step in plan.steps:
-                step.run(self, views)
+                if isinstance(step, CollectiveStep):
+                    yield step, views
+                else:
+                    step.run(self, views)
             trap = local_trap(self.local.buffers, net.name)
             if trap:
                 raise MachineTrap(trap)
-            return plan.timeline
+            return
         steps, trap = plan.steps, plan.local_trap
         for i in range(len(steps) if trap is None else trap[0]):
-            steps[i].run(self, views)
+            step = steps[i]
+            if isinstance(step, CollectiveStep):
+                yield step, views
+            else:
+                step.run(self, views)
         if trap is not None:
             self.local.begin()
             raise MachineTrap(trap[1])
-        return plan.timeline
 
     def views(self, plan: Plan, binding: Binding) -> list[tuple[np.ndarray, bool, int]]:
         """`plan`'s operands resolved for `binding` (view, writable, address), kept for the
@@ -569,3 +640,36 @@ class Machine:
         addr = binding.address(op.ref, op.who)
         view, region = self.gmem.tensor_in(addr, op.shape, op.dtype, op.who, op.write)
         return view, region.writable, addr
+
+
+def run_together(machines: Sequence[Machine], net: LoadedNet, bindings: Sequence[Binding]
+                 ) -> Timeline:
+    """Run one net on several machines at once (tensor parallel: every device its own
+    program copy, weights and IO): each machine runs its commands up to the next
+    collective, then the collective combines every machine's source tensor
+    (`collective_result`: the kernels' sum or concatenation) into every machine's
+    destination, and all go on. The devices run the same program, so they meet the same
+    collectives in the same order, and the timeline (with the collectives on the link
+    engine) is every device's. (A net cut without collectives, the lm_head's split logits,
+    runs on each device alone.)"""
+    if net.devices not in (None, len(machines)) or len(bindings) != len(machines):
+        raise MachineTrap(f"net '{net.name}' joins {net.devices} devices in collectives; "
+                          f"it was run on {len(machines)}")
+    chips = {m.chip for m in machines}
+    if len(chips) != 1:
+        raise MachineTrap(f"net '{net.name}': its devices are different chips")
+    runs = [m.steps(net, b) for m, b in zip(machines, bindings, strict=True)]
+    while True:
+        met = [next(r, None) for r in runs]
+        if all(x is None for x in met):
+            return net.plan(machines[0].chip).timeline
+        if any(x is None for x in met) or len({id(x[0]) for x in met if x}) != 1:
+            raise MachineTrap(f"net '{net.name}': its devices reached different collectives")
+        step = met[0][0]  # type: ignore[index]
+        parts = [views[step.src][0] for _, views in met]  # type: ignore[misc]
+        whole = collective_result(step.op, parts)
+        for _, views in met:  # type: ignore[misc]
+            target, writable, _ = views[step.dst]
+            if not writable:
+                raise MachineTrap(f"{step.who}: write to a read-only region")
+            target[...] = whole

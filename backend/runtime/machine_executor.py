@@ -96,7 +96,8 @@ class MachineBuffer:
 def timing_of(tl: Timeline) -> NetTiming:
     """What the step accounting needs of a run's timeline."""
     return NetTiming(cycles=tl.cycles, dma_busy=tl.busy("dma"), compute_busy=tl.busy("cmp"),
-                     dma_bytes=tl.dma_bytes, flops=tl.flops)
+                     dma_bytes=tl.dma_bytes, flops=tl.flops, link_busy=tl.busy("link"),
+                     link_bytes=tl.link_bytes)
 
 
 def _spec(s: TensorSpec) -> str:
@@ -262,21 +263,15 @@ class MachineExecutor:
     def _disagreement(self, net: str, prog: Program) -> str:
         """The first fact the stream states that the header states otherwise (net IO,
         weight specs against the weight table, what each transfer moves), or ""."""
-        entry = self.meta.nets[net]
         for key in ("inputs", "outputs"):
-            have, want = getattr(prog, key), getattr(entry, key)
+            have, want = getattr(prog, key), self._expected_io(net, key)
             for i in range(max(len(have), len(want))):
                 a = _spec(have[i]) if i < len(have) else "none"
                 b = _spec(want[i]) if i < len(want) else "none"
                 if a != b:
                     return (f"{key}[{i}] ({a}; the header says {b}, from its "
                             f"{self._sizes()})")
-        layout = self.file.layout
-        # a per-layer net against the chunk layout of every layer that runs it (the
-        # header's checks put each of its weights in each of those chunks, or shared)
-        tables = [{**layout.shared, **layout.chunks[c]} for c in self.meta.net_chunks(net)] \
-            if entry.per_layer else []
-        for table in tables or [layout.shared]:
+        for table in self._weight_tables(net):
             for name, w in prog.weights.items():
                 e = table[name]  # the names were compared with the header's
                 if (tuple(w.shape), w.dtype, w.nbytes) != (tuple(e.shape), e.dtype, e.nbytes):
@@ -310,6 +305,25 @@ class MachineExecutor:
                         f"(it is {want_dtype} {list(want_shape)})")
         return ""
 
+    def _heads(self, net: str) -> tuple[int, int, str]:
+        """The query and KV heads one run of `net` computes, and what they are."""
+        m = self.meta.model
+        return (m.num_heads, m.num_kv_heads, f"model.num_heads {m.num_heads} and "
+                f"model.num_kv_heads {m.num_kv_heads}")
+
+    def _expected_io(self, net: str, key: str) -> tuple[TensorSpec, ...]:
+        """The net's inputs or outputs (`key`) as its program must have them."""
+        return tuple(getattr(self.meta.nets[net], key))
+
+    def _weight_tables(self, net: str) -> list[dict[str, Any]]:
+        """The weight tables a net's weights are checked against: a per-layer net's, the
+        chunk layout of every layer that runs it (the header's checks put each of its
+        weights in each of those chunks, or shared), with the shared tensors."""
+        layout = self.file.layout
+        tables = [{**layout.shared, **layout.chunks[c]} for c in self.meta.net_chunks(net)] \
+            if self.meta.nets[net].per_layer else []
+        return tables or [dict(layout.shared)]
+
     def _sizes(self) -> str:
         m, s = self.meta.model, self.meta.shapes
         return (f"model.hidden_size {m.hidden_size}, model.num_kv_heads {m.num_kv_heads}, "
@@ -336,14 +350,13 @@ class MachineExecutor:
             # a layer group may slice an attention by heads (or head groups): each slice
             # holds the same share of the query and the KV heads, with the whole head_dim
             q, kv, d = (read_int(op.attributes[a]) for a in ("q_heads", "kv_heads", "head_dim"))
-            split = m.num_heads // q if q and m.num_heads % q == 0 else 0
+            heads, kv_heads, whose = self._heads(net)
+            split = heads // q if q and heads % q == 0 else 0
             problem = None
             if d != m.head_dim:
                 problem = f"head_dim {d}, model.head_dim is {m.head_dim}"
-            elif not split or kv * split != m.num_kv_heads:
-                problem = (f"q_heads {q} and kv_heads {kv}, not the same share of "
-                           f"model.num_heads {m.num_heads} and model.num_kv_heads "
-                           f"{m.num_kv_heads}")
+            elif not split or kv * split != kv_heads:
+                problem = f"q_heads {q} and kv_heads {kv}, not the same share of {whose}"
             if problem:
                 raise ModelFileError(
                     f"'{self.file.path}': the command stream of net '{net}' and the "

@@ -47,6 +47,17 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class PeerSend:
+    """A copy from one device to another (a multi-device file's hidden state)."""
+
+    src: int
+    dst: int
+    nbytes: int
+    start_s: float
+    costs: Costs
+
+
+@dataclass(frozen=True)
 class Span:
     """A step of the runtime: from the modelled clock at its start to that at its end."""
 
@@ -64,6 +75,7 @@ class RunRecorder:
     runs: list[NetRun] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
+    peers: list[PeerSend] = field(default_factory=list)
 
     def net(self, net: str, layer: int | None, start_s: float, costs: Costs,
             timeline: Timeline) -> None:
@@ -72,14 +84,17 @@ class RunRecorder:
     def transfer(self, to_chip: bool, nbytes: int, start_s: float, costs: Costs) -> None:
         self.transfers.append(Transfer(to_chip, nbytes, start_s, costs))
 
+    def peer(self, src: int, dst: int, nbytes: int, start_s: float, costs: Costs) -> None:
+        self.peers.append(PeerSend(src, dst, nbytes, start_s, costs))
+
     def span(self, name: str, start_s: float, end_s: float, **args: Any) -> None:
         self.spans.append(Span(name, start_s, end_s, args))
 
 
 #: the trace's threads (tid: name)
-STEPS, NETS, HOST, DMA, COMPUTE = 1, 2, 3, 4, 5
+STEPS, NETS, HOST, DMA, COMPUTE, LINK = 1, 2, 3, 4, 5, 6
 THREADS = {STEPS: "generation steps", NETS: "net runs", HOST: "host transfers",
-           DMA: "DMA commands", COMPUTE: "compute commands"}
+           DMA: "DMA commands", COMPUTE: "compute commands", LINK: "device to device"}
 
 
 def _times(start_s: float, end_s: float) -> dict[str, float]:
@@ -95,7 +110,7 @@ def trace_events(rec: RunRecorder, commands: bool = False) -> Iterator[dict[str,
     yield {"ph": "M", "pid": 1, "name": "process_name",
            "args": {"name": f"toptpu run, modelled on {rec.chip.name}"}}
     for tid, name in THREADS.items():
-        if commands or tid not in (DMA, COMPUTE):
+        if (commands or tid not in (DMA, COMPUTE)) and (rec.peers or tid != LINK):
             yield {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name",
                    "args": {"name": name}}
             yield {"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index",
@@ -127,6 +142,11 @@ def trace_events(rec: RunRecorder, commands: bool = False) -> Iterator[dict[str,
         yield {"ph": "X", "pid": 1, "tid": HOST, "name": f"{t.nbytes} B {where}",
                **_times(t.start_s, t.start_s + t.costs.total_s),
                "args": {"bytes": t.nbytes, "to_chip": t.to_chip}}
+    for p in rec.peers:
+        yield {"ph": "X", "pid": 1, "tid": LINK,
+               "name": f"{p.nbytes} B device {p.src} -> {p.dst}",
+               **_times(p.start_s, p.start_s + p.costs.total_s),
+               "args": {"bytes": p.nbytes, "src": p.src, "dst": p.dst}}
 
 
 def write_run_trace(path: str, rec: RunRecorder, commands: bool = False,

@@ -64,6 +64,8 @@ from toptpu.backend.contract import (
     BLOCK_CACHE,
     BLOCK_KV,
     CONV_STATE,
+    DEEPSTACK,
+    DEEPSTACK_NET,
     EMBEDDING,
     EMBEDDING_CACHE,
     GREEDY_HEAD,
@@ -100,10 +102,12 @@ from toptpu.backend.contract import (
     TensorSpec,
     canvas_position_ids,
     decode_mask,
+    mrope_position_ids,
     prefill_mask,
 )
 from toptpu.backend.formats.llm_file import LlmHeader
 from toptpu.backend.runtime.accounting import Costs
+from toptpu.backend.runtime.device_executor import machine_executor
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
 from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
@@ -281,14 +285,31 @@ class GenerationResult:
         return asdict(self)
 
 
-def breakdown(first: Costs | None, decode: Costs | None, decoded: int
-              ) -> dict[str, Any] | None:
+def _vision_costs(encoded: Sequence[Any]) -> Costs | None:
+    """The modelled costs of the vision net runs of `encoded` (None: none, or no model)."""
+    costs = [getattr(im, "modelled_costs", None) for im in encoded]
+    if not costs or any(c is None for c in costs):
+        return None
+    total = Costs()
+    for c in costs:
+        total += c
+    return total
+
+
+def breakdown(first: Costs | None, decode: Costs | None, decoded: int,
+              vision: Costs | None = None) -> dict[str, Any] | None:
     """The modelled time of the first token and of each decoded token after it (None
-    without a cost model; decode None when only one token was generated)."""
+    without a cost model; decode None when only one token was generated), and of the
+    vision net runs of the images given (`vision`, only when there are some: they run
+    before the prompt's prefill, so the first token of a prompt with images comes after
+    both)."""
     if first is None or decode is None:
         return None
-    return {"first_token": first.to_json(),
-            "per_decoded_token": decode.to_json(decoded) if decoded else None}
+    out: dict[str, Any] = {"first_token": first.to_json(),
+                           "per_decoded_token": decode.to_json(decoded) if decoded else None}
+    if vision is not None:
+        out["vision"] = vision.to_json()
+    return out
 
 
 # =========================================================================== tokenizer
@@ -401,8 +422,9 @@ class Tokenizer:
         # use of transformers in the runtime, loaded only when a template is applied
         from jinja2 import TemplateError
 
+        hf = self.hf  # built outside the template's time budget (a large vocabulary: seconds)
         try:
-            return render_bounded(lambda: str(self.hf.apply_chat_template(
+            return render_bounded(lambda: str(hf.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False)),
                 messages)
         except (TemplateError, ValueError) as e:
@@ -728,6 +750,10 @@ class Runtime:
         self.next_position = 0
         self._layout: tuple[int, np.ndarray] | None = None
         self._crop_grids: list[tuple[int, int]] = []  # the images' crops being prefilled
+        #: Qwen-VL: the images and videos being prefilled (their grids lay out M-RoPE), and
+        #: Qwen3-VL's DeepStack rows by position ([levels, H] each)
+        self._vision_items: list[EncodedImage] = []
+        self._deepstack_rows: dict[int, np.ndarray] = {}
         self._vision: VisionEncoder | None = None
         self.images_seen = 0  # images in the conversation (MiniCPM-V numbers them)
         self.pending: int | None = None  # the last generated token, not yet in the cache
@@ -763,10 +789,14 @@ class Runtime:
                             for base in (BLOCK, BLOCK_KV)}
                    for length, tag in self.prefill_tags.items()}
         self.b = {
-            # sized for the longest chunk; a shorter chunk binds their first rows
-            "ids_L": alloc(EMBEDDING, INPUT_IDS),
+            # the prefill chunk's buffers, one set per length (not slots of the longest: a
+            # device group keeps a buffer's current value per device for the whole buffer,
+            # and sends or host-writes it whole)
+            "ids_L": {n: alloc(self.prefill_net(EMBEDDING, None, n), INPUT_IDS)
+                      for n in self.lengths},
             "ids_1": alloc(EMBEDDING_CACHE, INPUT_IDS),
-            "h_L": [alloc(EMBEDDING, HIDDEN), alloc(BLOCK, HIDDEN_OUT)],
+            "h_L": {n: [alloc(self.prefill_net(EMBEDDING, None, n), HIDDEN),
+                        alloc(attn_at[n][BLOCK], HIDDEN_OUT)] for n in self.lengths},
             "h_1": [alloc(EMBEDDING_CACHE, HIDDEN), alloc(BLOCK_CACHE, HIDDEN_OUT)],
             # position_ids [axes, n] (3 axes: not a slot of a longer one): one per length
             "pos_L": {n: alloc(attn_at[n][BLOCK], POSITION_IDS) for n in self.lengths},
@@ -775,8 +805,8 @@ class Runtime:
             "mask_L": {n: alloc(attn_at[n][BLOCK], ATTENTION_MASK) for n in self.lengths},
             "mask_kv": {n: alloc(attn_at[n][BLOCK_KV], ATTENTION_MASK) for n in self.lengths},
             "mask_1": alloc(attn[BLOCK_CACHE], ATTENTION_MASK),
-            "scratch_k": alloc(attn[BLOCK], PRESENT_K),
-            "scratch_v": alloc(attn[BLOCK], PRESENT_V),
+            "scratch_k": {n: alloc(attn_at[n][BLOCK], PRESENT_K) for n in self.lengths},
+            "scratch_v": {n: alloc(attn_at[n][BLOCK], PRESENT_V) for n in self.lengths},
             "logits": alloc(LM_HEAD, LOGITS),
             "token": alloc(GREEDY_HEAD, TOKEN),
             **{name: alloc(SAMPLE_HEAD, name) for name in (
@@ -789,17 +819,20 @@ class Runtime:
     def open(cls, path: str, executor: str = "machine",
              verify_checksums: bool = True, weight_cache: str | None = "auto") -> Runtime:
         """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
-        `machine` executor (the file's command streams on the reference machine).
+        `machine` executor (the file's command streams on the reference machine; a file
+        spread over several devices on one machine per device).
 
         `weight_cache`: the weight cache file to read converted weights from
         (`weight_cache_file`): "auto" reads `FILE.wcache` when there is one and it is this
         model file's (a file that is not is left unused, and `notes` says why); a path
-        reads that one (WeightCacheFileError when it cannot be used); None reads none."""
+        reads that one (WeightCacheFileError when it cannot be used); None reads none. A
+        file spread over several devices reads none ("auto": a note if one is there) or
+        refuses one (a path)."""
         ex: InterpreterExecutor | MachineExecutor
         if executor == "interpreter":
             ex = InterpreterExecutor(path, verify_checksums)
         elif executor == "machine":
-            ex = MachineExecutor(path)
+            ex = machine_executor(path)
         else:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)
@@ -814,18 +847,21 @@ class Runtime:
         when it is there and is this model file's (else a note in `notes`, and None)."""
         use = getattr(self.ex, "use_weight_cache", None)
         file = getattr(self.ex, "file", None)
-        if use is None or file is None:
+        if file is None:
             raise GenerationError("this executor reads no weight cache file")
         where = path or cache_path(file.path)
         if path is None and not os.path.lexists(where):
             return None
-        try:
+        try:  # a multi-device file's is refused (WeightCacheFileError) before `use`
+            if use is None and file.meta.parallel is None:
+                raise GenerationError("this executor reads no weight cache file")
             stored = open_weight_cache(file, where)
         except WeightCacheFileError as e:
             if path is not None:
                 raise
             self.notes.append(f"{e} (converting the weights instead)")
             return None
+        assert use is not None
         stored.on_problem = self.notes.append
         use(stored)
         return stored
@@ -882,15 +918,55 @@ class Runtime:
             rec.span(name, start, self.ex.modelled_seconds(), **args)
 
     # ------------------------------------------------------------------ nets
-    def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]]
-                    ) -> Buffer:
-        """Run a per-layer net over all layers, ping-ponging the hidden buffers."""
+    def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]],
+                    deepstack: Callable[[int, Buffer, Buffer], bool] | None = None,
+                    length: int | None = None) -> Buffer:
+        """Run a per-layer net over all layers, ping-ponging the hidden buffers; after each
+        layer `deepstack(layer, hidden, other)`, if given, may write the layer's hidden
+        plus its DeepStack rows into the other buffer (True: it did). `length`: a prefill
+        net's chunk length (`prefill_net`)."""
         src, dst = h[0], h[1]
         for layer in range(self.num_layers):
-            self.ex.run(self.layer_net(net, layer),
+            self.ex.run(self.layer_net(net, layer) if length is None
+                        else self.prefill_net(net, layer, length),
                         {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
             src, dst = dst, src
+            if deepstack is not None and deepstack(layer, src, dst):
+                src, dst = dst, src
         return src
+
+    def _deepstack_adder(self, start: int, n: int) -> Callable[[int, Buffer, Buffer], bool] | None:
+        """Qwen3-VL: the hook that adds DeepStack level k's rows to the hidden rows of the
+        chunk at start..start+n-1 after text layer k (`deepstack_add`), or None when the
+        chunk holds no image rows."""
+        rows = self._deepstack_rows
+        if not self._holds_deepstack(start, n):
+            return None
+        levels = next(iter(rows.values())).shape[0]
+        buf = self.b.get("deepstack")
+        if buf is None:
+            spec = _spec(self.nets[DEEPSTACK_NET], DEEPSTACK)
+            buf = self.b["deepstack"] = self.ex.alloc(spec.shape, spec.dtype)
+        ex = self.ex
+
+        def add(layer: int, hidden: Buffer, out: Buffer) -> bool:
+            if layer >= levels:
+                return False
+            table = np.zeros((1, self.L, int(buf.shape[-1])), np.float32)
+            for i in range(n):
+                if start + i in rows:
+                    table[0, i] = rows[start + i][layer]
+            ex.write(buf, table)
+            ex.run(DEEPSTACK_NET, {HIDDEN: hidden, DEEPSTACK: buf, HIDDEN_OUT: out})
+            return True
+
+        return add
+
+    def _holds_deepstack(self, start: int, n: int) -> bool:
+        """Whether the chunk at start..start+n-1 holds image rows with DeepStack rows: it
+        runs at `max_input_length` (`deepstack_add` is compiled at that length only)."""
+        rows = self._deepstack_rows
+        return bool(rows) and any(start + i in rows for i in range(n))
 
     def layer_net(self, net: str, layer: int) -> str:
         """The net layer `layer` runs for `net`: layers of a pre-quantized checkpoint whose
@@ -919,23 +995,23 @@ class Runtime:
 
     def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
         """Run one chunk (≤ L tokens) at the current position, at the shortest prefill
-        length that holds it; returns the final hidden [1, length, H] buffer (row i
-        belongs to ids[i])."""
+        length that holds it (a chunk with DeepStack rows: at L); returns the final hidden
+        [1, length, H] buffer (row i belongs to ids[i])."""
         n, start = len(ids), len(self.tokens)
-        L = self.chunk_length(n)
+        L = self.L if self._holds_deepstack(start, n) else self.chunk_length(n)
         assert 0 < n <= L and start + n <= self.seq
         padded = np.full((1, L), self.pad_id, np.int32)
         padded[0, :n] = ids
         ex, b = self.ex, self.b
-        ids_buf = b["ids_L"].slot(1, 0, L)
-        hidden = [h.slot(1, 0, L) for h in b["h_L"]]
+        ids_buf = b["ids_L"][L]
+        hidden = b["h_L"][L]
         pos = b["pos_L"][L]
         ex.write(ids_buf, padded)
         ex.run(self.prefill_net(EMBEDDING, None, L), {INPUT_IDS: ids_buf, HIDDEN: hidden[0]})
         self._put_image_rows(hidden[0], start, n)
         ex.write(pos, self._positions(start, n, L))
         direct = start + L <= self.seq
-        scratch_k, scratch_v = b["scratch_k"].slot(1, 0, L), b["scratch_v"].slot(1, 0, L)
+        scratch_k, scratch_v = b["scratch_k"][L], b["scratch_v"][L]
 
         def present(layer: int) -> dict[str, Buffer]:
             if direct:
@@ -965,15 +1041,24 @@ class Runtime:
                         HISTORY_V: self.cache_v[layer].slot(1, 0, self.Hh),
                         **present(layer)}
 
-        src, dst = hidden
-        for layer in range(self.num_layers):
-            ex.run(self.prefill_net(net, layer, L),
-                   {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
-            if not direct and not self.linear[layer]:
-                # the padded chunk runs past SEQ: copy the n real rows into the cache
-                for cache, scratch in ((self.cache_k, scratch_k), (self.cache_v, scratch_v)):
-                    ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
-            src, dst = dst, src
+        deepstack = self._deepstack_adder(start, n)
+        if direct:
+            out = self._run_layers(net, hidden, extra, deepstack, L)
+        else:  # the padded chunk runs past SEQ: copy the n real rows into the cache
+            src, dst = hidden
+            for layer in range(self.num_layers):
+                ex.run(self.prefill_net(net, layer, L),
+                       {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
+                if not self.linear[layer]:
+                    for cache, scratch in ((self.cache_k, scratch_k),
+                                           (self.cache_v, scratch_v)):
+                        ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
+                src, dst = dst, src
+                if deepstack is not None and deepstack(layer, src, dst):
+                    src, dst = dst, src
+            out = src
+        self.tokens.extend(int(i) for i in ids)
+        return out
         self.tokens.extend(int(i) for i in ids)
         return src
 
@@ -983,6 +1068,12 @@ class Runtime:
         if pos >= self.seq:
             raise GenerationError(f"the KV cache is full ({self.seq} tokens)")
         ex, b = self.ex, self.b
+        if pos in self._deepstack_rows:
+            raise GenerationError(
+                f"image token at position {pos} falls past the prefill history of {self.Hh} "
+                "(--max-history), where the decode net takes the prompt one token at a time: "
+                "DeepStack's rows are added in prefill chunks only; recompile with a larger "
+                "--max-history or put the image earlier in the conversation")
         ex.write(b["ids_1"], np.array([[token]], np.int32))
         ex.run(EMBEDDING_CACHE, {INPUT_IDS: b["ids_1"], HIDDEN: b["h_1"][0]})
         self._put_image_rows(b["h_1"][0], pos, 1)
@@ -1024,15 +1115,36 @@ class Runtime:
         if self.position_axes == 1:
             return
         vision = self.meta.vision
+        start = len(self.tokens)
+        if vision is not None and vision.qwen is not None:
+            self._lay_out_mrope(ids, start, vision)
+            return
         if vision is None or vision.canvas_markers is None or vision.token_divisor is None:
             raise GenerationError("the model file's text nets take a position per axis but "
                                   "its header has no canvas to lay them out; recompile it")
-        start = len(self.tokens)
         is_image = [start + i in self._image_rows for i in range(len(ids))]
         try:
             table, self.next_position = canvas_position_ids(
                 ids, is_image, vision.canvas_markers, self._crop_grids,
                 math.isqrt(vision.token_divisor), self.next_position)
+        except ContractError as e:
+            raise GenerationError(f"cannot lay out the prompt's image positions: {e}") from e
+        self._layout = (start, table)
+
+    def _lay_out_mrope(self, ids: Sequence[int], start: int, vision: Any) -> None:
+        """Qwen-VL: the M-RoPE positions of `ids` (`contract.mrope_position_ids`) from where
+        the conversation stands, the image and video runs taking the grids of the items
+        being prefilled."""
+        q = vision.qwen
+        kinds = {vision.image_token_id: 1, q.video_token_id: 2}
+        types = [kinds.get(int(t), 0) for t in ids]
+        items = self._vision_items
+        videos = [im for im in items if im.modality == "video"]
+        try:
+            table, self.next_position = mrope_position_ids(
+                types, [im.grid_thw for im in items if im.modality == "image"],
+                [im.grid_thw for im in videos], q.merge_size, self.next_position,
+                [im.interval for im in videos], frames_apart=q.frames_apart)
         except ContractError as e:
             raise GenerationError(f"cannot lay out the prompt's image positions: {e}") from e
         self._layout = (start, table)
@@ -1179,25 +1291,42 @@ class Runtime:
                 image, str | os.PathLike) else type(image).__name__):
             return self.vision.encode(image)
 
-    def _encoded(self, images: Sequence[Any] | None) -> list[Any]:
-        return [im if isinstance(im, EncodedImage) else self.encode_image(im)
-                for im in images or []]
+    def encode_video(self, frames: Sequence[Any], fps: float = 2.0) -> Any:
+        """Run the vision net on a video given as its frames (paths or PIL images, `fps`
+        frames a second; Qwen-VL): an `EncodedImage` of modality 'video'."""
+        with self._span("vision: encode a video", frames=len(frames), fps=fps):
+            return self.vision.encode_video(list(frames), fps)
+
+    def _encoded(self, images: Sequence[Any] | None, videos: Sequence[Sequence[Any]] | None = None,
+                 fps: float = 2.0) -> list[Any]:
+        out = [im if isinstance(im, EncodedImage) else self.encode_image(im)
+               for im in images or []]
+        return out + [self.encode_video(v, fps) for v in videos or []]
 
     def _with_markers(self, text: str, images: list[Any]) -> str:
-        """`text` with one image marker per image before it, unless it marks them itself."""
-        if not images or self.vision.marker in text:
+        """`text` with one image (video) marker per image (video) before it, unless it marks
+        them itself."""
+        if not images:
             return text
-        return "".join(self.vision.marker + "\n" for _ in images) + text
+        front = ""
+        for modality in ("image", "video"):
+            items = [im for im in images if getattr(im, "modality", "image") == modality]
+            if items and self.vision.marker_of(modality) not in text:
+                front += "".join(self.vision.marker_text(modality) for _ in items)
+        return front + text
 
-    def image_prompt(self, text: str, images: Sequence[Any], chat_template: bool = False
+    def image_prompt(self, text: str, images: Sequence[Any], chat_template: bool = False, *,
+                     videos: Sequence[Sequence[Any]] | None = None, fps: float = 2.0
                      ) -> tuple[list[int], list[Any]]:
         """Token ids of a prompt with images, and the encoded images for `generate`.
 
         Each image is marked in `text` by the model's image token (`rt.vision.marker`); a
         text without markers gets the images before it. With `chat_template` the text is
         one user message rendered with the tokenizer's chat template. Each marker becomes
-        the placeholder text the model's processor lays out for that image."""
-        encoded = self._encoded(images)
+        the placeholder text the model's processor lays out for that image. `videos`
+        (Qwen-VL): each a list of frames (`fps` frames a second), marked by the video
+        token (`rt.vision.marker_of('video')`) or put before the text."""
+        encoded = self._encoded(images, videos, fps)
         text = self._with_markers(text, encoded)
         if chat_template:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -1209,6 +1338,9 @@ class Runtime:
     def _image_positions(self, ids: list[int], offset: int, images: Sequence[Any]
                          ) -> dict[int, np.ndarray]:
         """Conversation position -> vision row for the image tokens of `ids` (at `offset`)."""
+        vision = self.meta.vision
+        if vision is not None and vision.qwen is not None:
+            return self._qwen_positions(ids, offset, images)[0]
         token = self.meta.vision.image_token_id if self.meta.vision is not None else None
         where = [i for i, t in enumerate(ids) if t == token]
         rows = sum(int(im.image_tokens) for im in images)
@@ -1224,6 +1356,34 @@ class Runtime:
             return {}
         table = np.concatenate([im.embeds for im in images])
         return {offset + i: table[k] for k, i in enumerate(where)}
+
+    def _qwen_positions(self, ids: list[int], offset: int, items: Sequence[Any]
+                        ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """Qwen-VL: position -> vision row for the image tokens of `ids` (the images' rows in
+        order) and the video tokens (the videos'), and position -> DeepStack rows."""
+        vision = self.meta.vision
+        assert vision is not None and vision.qwen is not None
+        rows: dict[int, np.ndarray] = {}
+        deep: dict[int, np.ndarray] = {}
+        for modality, token in (("image", vision.image_token_id),
+                                ("video", vision.qwen.video_token_id)):
+            where = [i for i, t in enumerate(ids) if t == token]
+            mine = [im for im in items if getattr(im, "modality", "image") == modality]
+            count = sum(int(im.image_tokens) for im in mine)
+            if len(where) != count:
+                raise GenerationError(
+                    f"the prompt holds {len(where)} {modality} tokens (id {token}) but the "
+                    f"{len(mine)} {modality}(s) give {count} embedding rows; build the prompt "
+                    "with Runtime.image_prompt (or chat(images=..., videos=...)), which lays "
+                    "out the tokens")
+            if not count:
+                continue
+            table = np.concatenate([im.embeds for im in mine])
+            rows.update({offset + i: table[k] for k, i in enumerate(where)})
+            if vision.qwen.deepstack_levels:
+                levels = np.concatenate([im.deepstack for im in mine], axis=1)
+                deep.update({offset + i: levels[:, k] for k, i in enumerate(where)})
+        return rows, deep
 
     def prompt_logits(self, ids: Sequence[int]) -> np.ndarray:
         """The next-token logits [V] after `ids` in a fresh conversation (f32)."""
@@ -1305,9 +1465,12 @@ class Runtime:
                     "Start a new conversation (/reset), shorten the prompt, or recompile with "
                     "a larger --seq-length")
         self.pending = None
-        self._image_rows = self._image_positions(ids, len(self.tokens) + len(feed) - len(ids),
-                                                 encoded)
+        at = len(self.tokens) + len(feed) - len(ids)
+        self._image_rows = self._image_positions(ids, at, encoded)
         self._crop_grids = [g for im in encoded for g in im.grids]
+        if self.meta.vision is not None and self.meta.vision.qwen is not None:
+            self._deepstack_rows = self._qwen_positions(ids, at, encoded)[1]
+            self._vision_items = list(encoded)
         self.images_seen += len(encoded)
         rng = np.random.default_rng(cfg.seed)
         sampler = self.resolve_sampler(cfg)
@@ -1326,6 +1489,7 @@ class Runtime:
                 hidden = self._prefill(feed)
             finally:
                 self._image_rows, self._crop_grids = {}, []
+                self._vision_items, self._deepstack_rows = [], {}
             recent = list(self.tokens)
             with self._span("choose token 0", sampler=sampler):
                 token = self._next_token(hidden, cfg, sampler, rng, recent)
@@ -1388,7 +1552,7 @@ class Runtime:
             vision_modelled_s=sum(im.modelled_s for im in encoded)
             if encoded and all(im.modelled_s is not None for im in encoded) else None,
             sampler=sampler,
-            modelled_breakdown=breakdown(first, decode, n_dec),
+            modelled_breakdown=breakdown(first, decode, n_dec, _vision_costs(encoded)),
         )
 
     def _has_tokenizer(self) -> bool:
@@ -1402,15 +1566,17 @@ class Runtime:
     def chat(self, message: str, max_new_tokens: int = 256,
              sampling: SamplingConfig | None = None, *,
              on_text: Callable[[str], None] | None = None, system: str | None = None,
-             reset_if_full: bool = False, images: Sequence[Any] | None = None
+             reset_if_full: bool = False, images: Sequence[Any] | None = None,
+             videos: Sequence[Sequence[Any]] | None = None, fps: float = 2.0
              ) -> GenerationResult:
         """One chat turn: the user `message` is appended to the conversation in the KV cache
         (rendered with the tokenizer's chat template) and the reply generated. `images`
         (VLMs: paths, PIL images or encoded images) go where the message marks them with
-        the model's image token, or before the message."""
+        the model's image token, or before the message; `videos` (Qwen-VL: each a list of
+        frames, `fps` frames a second) likewise with the video token."""
         tok = self.tokenizer
         ids: list[int] = []
-        encoded = self._encoded(images)
+        encoded = self._encoded(images, videos, fps)
         message = self._with_markers(message, encoded)
 
         def expand(text: str, first: int) -> str:

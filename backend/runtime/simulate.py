@@ -9,14 +9,20 @@ program (the machine passes and codegen) is the driver's job:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.formats.program import NETS_KIND, Program, StreamError, constant_pool
-from toptpu.backend.runtime.machine import Binding, LoadedNet, Machine, Timeline
+from toptpu.backend.runtime.machine import (
+    Binding,
+    LoadedNet,
+    Machine,
+    Timeline,
+    run_together,
+)
 from toptpu.backend.target.chips import Chip, chip_from_json
 from toptpu.dialects.weight_store import WeightStore
 
@@ -28,9 +34,12 @@ class SimResult:
 
 
 def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarray],
-             chip: Chip, checked: bool = True, machine: Machine | None = None) -> SimResult:
+             chip: Chip, checked: bool = True, machine: Machine | None = None,
+             in_place: Mapping[str, str] | None = None) -> SimResult:
     """Run `program` on a machine (a fresh one in checked mode unless given) with its
-    weights from `store` and `inputs` by name; its outputs and timeline."""
+    weights from `store` and `inputs` by name; its outputs and timeline. `in_place`: output
+    -> input it is written over (one buffer, as the runtime binds a linear-attention
+    state); the output is read from that buffer after the run."""
     m = machine or Machine(chip, checked)
     net = LoadedNet(program)
     weights = {}
@@ -38,7 +47,7 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
         weights[name] = m.gmem.map(f"w:{name}", np.ascontiguousarray(store[name]),
                                    writable=False).base
     io: dict[str, int] = {}
-    io, outs = _map_io(m, program, inputs)
+    io, outs = _map_io(m, program, inputs, in_place or {})
     act = m.gmem.alloc("act", program.regions.activations).base
     const = m.gmem.alloc("const", program.regions.constants).base
     _fill_constants(m, program, const)
@@ -46,10 +55,35 @@ def simulate(program: Program, store: WeightStore, inputs: Mapping[str, np.ndarr
     return SimResult(_read_outputs(m, program, outs), tl)
 
 
-def _map_io(m: Machine, program: Program, inputs: Mapping[str, np.ndarray]
+def simulate_devices(program: Program, stores: Sequence[WeightStore],
+                     inputs: Sequence[Mapping[str, np.ndarray]], chip: Chip,
+                     checked: bool = True) -> list[SimResult]:
+    """Run a program of collectives on one machine per device (tensor parallel) together:
+    device d with its weights `stores[d]` and its `inputs[d]`; each device's outputs (the
+    timeline is every device's)."""
+    net = LoadedNet(program)
+    machines, bindings, outs = [], [], []
+    for store, x in zip(stores, inputs, strict=True):
+        m = Machine(chip, checked)
+        weights = {name: m.gmem.map(f"w:{name}", np.ascontiguousarray(store[name]),
+                                    writable=False).base for name in program.weights}
+        io, o = _map_io(m, program, x)
+        act = m.gmem.alloc("act", program.regions.activations).base
+        const = m.gmem.alloc("const", program.regions.constants).base
+        _fill_constants(m, program, const)
+        machines.append(m)
+        bindings.append(Binding(io, weights, act, const))
+        outs.append(o)
+    tl = run_together(machines, net, bindings)
+    return [SimResult(_read_outputs(m, program, o), tl)
+            for m, o in zip(machines, outs, strict=True)]
+
+
+def _map_io(m: Machine, program: Program, inputs: Mapping[str, np.ndarray],
+            in_place: Mapping[str, str] | None = None
             ) -> tuple[dict[str, int], dict[str, int]]:
-    """Map the inputs (copies) and room for the outputs: the IO addresses by name and the
-    outputs' addresses."""
+    """Map the inputs (copies) and room for the outputs (an output `in_place` names: its
+    input's buffer): the IO addresses by name and the outputs' addresses."""
     io: dict[str, int] = {}
     for spec in program.inputs:
         if spec.name not in inputs:
@@ -62,6 +96,9 @@ def _map_io(m: Machine, program: Program, inputs: Mapping[str, np.ndarray]
         io[spec.name] = m.gmem.map(f"io:{spec.name}", arr.copy()).base
     outs = {}
     for spec in program.outputs:
+        if in_place and spec.name in in_place:
+            outs[spec.name] = io[spec.name] = io[in_place[spec.name]]
+            continue
         outs[spec.name] = io[spec.name] = m.gmem.alloc(f"io:{spec.name}", spec.nbytes).base
     return io, outs
 

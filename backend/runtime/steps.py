@@ -14,6 +14,7 @@ import numpy as np
 from xdsl.ir import Operation
 
 from toptpu.backend.formats.commands import (
+    Collective,
     Compute,
     Gather,
     GlobalRef,
@@ -25,7 +26,7 @@ from toptpu.backend.reference.interpreter import Evaluator, reduction_finish, re
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.local_memory import LiveBuffers, Local, local_trap
 from toptpu.backend.target.chips import Chip
-from toptpu.dialects import top, tpu
+from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import read_int
 
 if TYPE_CHECKING:
@@ -90,6 +91,10 @@ class StoreStep(Step):
         m.free(self.free)
 
 
+#: an a16_matmul's weight operands (qweight, scales, zeros, mins) among its `ins`
+A16_WEIGHT = tpu.A16MatMulOp.WEIGHT_OPERANDS
+
+
 class OpStep(Step):
     """A compute command, or a gather (its table read from global memory)."""
 
@@ -117,7 +122,7 @@ class OpStep(Step):
         self.acc = Local.of(c.acc, chip) if isinstance(c, Compute) and c.acc else None
         self.part = c.part if isinstance(c, Compute) else 0
         self.last = not isinstance(c, Compute) or c.last_part
-        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 5:
+        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 6:
             self.special = "a16"
             self.bits = read_int(op.attributes["weight_bits"])
             self.group_size = read_int(op.attributes["group_size"])
@@ -160,15 +165,16 @@ class OpStep(Step):
         who, local = self.who, m.local
         acc = local.read(self.acc, who) if self.part else None
         if self.special == "a16":  # the part's weights dequantized once (cached)
-            x, q, s, z, _ = args
+            x, q, s, z, mins, _ = args
             assert x is not None and q is not None and s is not None
             key = self._weight_key(m)
             w = None if key is None else m.stored_form("a16", key, self.bits,
                                                         self.group_size)
             if w is None:
-                w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size)
+                w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size,
+                                         mins=mins)
                      if key is not None else K.dequantize(q, s, z, self.bits,
-                                                          self.group_size))
+                                                          self.group_size, mins))
             acc = K.matmul_dequantized_part(acc, x, w)
         else:
             if self.special == "f32w":  # the part's weights upcast once (cached)
@@ -203,7 +209,7 @@ class OpStep(Step):
     def _weight_key(self, m: Machine) -> Hashable | None:
         """The cache key of what the weight buffers hold (`held_key`), None unless every
         one holds read-only bytes."""
-        refs = self.ins[1:4] if self.special == "a16" else self.ins[1:2]
+        refs = self.ins[A16_WEIGHT] if self.special == "a16" else self.ins[1:2]
         provs = [m.provenance.get(r.buf) if r is not None else None for r in refs]
         if all(p is not None for p, r in zip(provs, refs, strict=True) if r is not None):
             return held_key(provs)
@@ -224,7 +230,7 @@ class OpStep(Step):
             self.special, weight_key, self.bits, self.group_size)
         if self.special == "a16":
             if stored is not None:
-                x, bias = args[0], args[4]
+                x, bias = args[0], args[5]  # (x, qweight, scales, zeros, mins, bias)
                 assert x is not None
                 return [K.matmul_dequantized(x, stored, bias, self.out_dtype)]
             return [self._a16_matmul(m, args, weight_key, keep)]
@@ -241,16 +247,32 @@ class OpStep(Step):
         """The a16_matmul kernel, dequantizing each weight once: per buffer instance within
         a run (row slices reuse resident weights), per provenance (which read-only bytes
         the buffers hold) across runs."""
-        x, q, s, z, bias = args
+        x, q, s, z, mins, bias = args
         assert x is not None and q is not None and s is not None
         if weight_key is not None:
             return m.cache.a16_product(("a16", weight_key), x, q, s, z, self.bits,
-                                       self.group_size, bias, self.out_dtype, keep)
-        key = tuple(r.buf if r is not None else None for r in self.ins[1:4])
+                                       self.group_size, bias, self.out_dtype, keep, mins)
+        key = tuple(r.buf if r is not None else None for r in self.ins[A16_WEIGHT])
         w = m.run_cache.get(key)
         if w is None:
-            w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size)
+            w = m.run_cache[key] = K.dequantize(q, s, z, self.bits, self.group_size, mins)
         return K.matmul_dequantized(x, w, bias, self.out_dtype)
+
+
+class CollectiveStep(Step):
+    """A collective: global tensor `src` of every device into `dst` of every device. It
+    cannot run on one machine: the machines running the net together do it
+    (`machine.run_together`)."""
+
+    __slots__ = ("op", "src", "dst", "cmd")
+
+    def __init__(self, c: Collective, op: dev.CollectiveOp, src: int, dst: int) -> None:
+        self.who = f"command {c.id} ({c.name})"
+        self.op, self.src, self.dst, self.cmd = op, src, dst, c
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        raise MachineTrap(f"{self.who}: a {self.cmd.kind} over {self.cmd.devices} devices "
+                          "on one machine; run the net on all its devices together")
 
 
 def held_key(provs: Sequence[tuple | None]) -> tuple:

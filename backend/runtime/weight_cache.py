@@ -120,20 +120,20 @@ class WeightCache:
 
     def dequantized(self, key: Hashable, qweight: np.ndarray, scales: np.ndarray,
                     zeros: np.ndarray | None, bits: int, group_size: int,
-                    keep: bool = True) -> np.ndarray:
-        """`kernels.dequantize(qweight, scales, zeros, bits, group_size)` under `key`: its
-        f32 form where kept, else made from its offsets where kept, else made and kept in
-        the form the budget allows (see the module doc; `keep=False`: not kept)."""
+                    keep: bool = True, mins: np.ndarray | None = None) -> np.ndarray:
+        """`kernels.dequantize(qweight, scales, zeros, bits, group_size, mins)` under `key`:
+        its f32 form where kept, else made from its offsets where kept, else made and kept
+        in the form the budget allows (see the module doc; `keep=False`: not kept)."""
         hit = self._items.get(key)
         if hit is not None:
             return hit
         off = self._offsets.get(key)
         if off is not None:
-            return K.dequantize_offsets(off, scales, group_size)
+            return K.dequantize_offsets(off, scales, group_size, mins)
         if not keep:
-            return K.dequantize(qweight, scales, zeros, bits, group_size)
-        off = K.weight_offsets(qweight, zeros, bits, group_size)
-        w = K.dequantize_offsets(off, scales, group_size)
+            return K.dequantize(qweight, scales, zeros, bits, group_size, mins)
+        off = K.weight_offsets(qweight, zeros, bits, group_size, mins is not None)
+        w = K.dequantize_offsets(off, scales, group_size, mins)
         self._reserved_total -= self._reserved.pop(key, 0)
         if key not in self._given_up and self._keep(self._items, key, w):
             self._f32_quantized.append((key, w.nbytes, off.nbytes))
@@ -146,7 +146,7 @@ class WeightCache:
     def a16_product(self, key: Hashable, x: np.ndarray, qweight: np.ndarray,
                     scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int,
                     bias: np.ndarray | None, out_dtype: np.dtype | None,
-                    keep: bool = True) -> np.ndarray:
+                    keep: bool = True, mins: np.ndarray | None = None) -> np.ndarray:
         """`kernels.a16_matmul` with the weight under `key` (`dequantized`). Where the weight
         is kept as offsets and `x` has at most FUSED_ROWS rows (a decode step), the product
         expands the weight a block of rows at a time (`kernels.matmul_offsets`), once its
@@ -155,17 +155,17 @@ class WeightCache:
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
         if off is None or rows > FUSED_ROWS:  # (a weight kept as offsets has no f32 form)
-            w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep)
+            w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep, mins)
             return K.matmul_dequantized(x, w, bias, out_dtype)
         shape = (x.shape, off.shape, off.dtype.str, group_size, scales.dtype.str,
-                 None if bias is None else bias.shape)
+                 None if mins is None else mins.dtype.str, None if bias is None else bias.shape)
         verdict = self.fused_ok.get(shape)
         if verdict:
-            return K.matmul_offsets(x, off, scales, group_size, bias, out_dtype)
-        whole = K.matmul_dequantized(x, K.dequantize_offsets(off, scales, group_size), bias,
-                                     out_dtype)
+            return K.matmul_offsets(x, off, scales, group_size, bias, out_dtype, mins=mins)
+        whole = K.matmul_dequantized(x, K.dequantize_offsets(off, scales, group_size, mins),
+                                     bias, out_dtype)
         if verdict is None:
-            fused = K.matmul_offsets(x, off, scales, group_size, bias, out_dtype)
+            fused = K.matmul_offsets(x, off, scales, group_size, bias, out_dtype, mins=mins)
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole

@@ -22,8 +22,9 @@ conversion of this very model file:
   cache of another model file, or of an earlier compile of this one, is refused;
 - every form names the tensors it was made from by their offsets in the model file's
   weight blob, each checked to be an entry of the weight table of the right dtype and
-  shape (the qweight, its scales and zero points, their group size and bits); each
-  form's section is sized by its shape, and every section is some form's;
+  shape (the qweight, its scales and zero points or float mins — the scale-and-min
+  variant of a GGUF file's Q4_1, Q4_K, ... —, their group size and bits); each form's
+  section is sized by its shape, and every section is some form's;
 - the bytes of each form are checked against the model file when first used: some of
   its rows (the first, the last and ones spread between, `SAMPLED_ROWS`) are converted
   from the model file's bytes and compared bit for bit. A form that differs turns the
@@ -32,7 +33,9 @@ conversion of this very model file:
 
 What the first-use check cannot see is a change in rows it does not sample: checking
 every byte (`toptpu cache --check`, `StoredForms.verify`) costs about what converting
-costs, which is what the file saves. See docs/limits.md.
+costs, which is what the file saves. A model file spread over several devices has one
+weight blob per device and no weight cache file: writing or opening one for it is refused
+(`WeightCacheFileError`). See docs/limits.md.
 """
 
 from __future__ import annotations
@@ -94,9 +97,10 @@ class FormEntry:
     """One converted weight: the section holding its f32 form (`shape`), what it was made
     from (offsets in the model file's weight blob) and how.
 
-    `a16`: `kernels.dequantize(qweight, scales, zeros, bits, group_size)` of the packed
-    weight at `source`, its scales at `scales` and zero points at `zeros` (-1: none);
-    `f32`: `kernels.f32` of the f16/bf16 weight at `source` (scales and zeros -1, bits and
+    `a16`: `kernels.dequantize(qweight, scales, zeros, bits, group_size, mins)` of the
+    packed weight at `source`, its scales at `scales`, zero points at `zeros` and float
+    mins at `mins` (-1: none; a weight has zero points or mins, not both); `f32`:
+    `kernels.f32` of the f16/bf16 weight at `source` (scales, zeros and mins -1, bits and
     group_size 0)."""
 
     section: Name
@@ -104,14 +108,16 @@ class FormEntry:
     source: int
     scales: Annotated[int, Range(-1)]
     zeros: Annotated[int, Range(-1)]
+    mins: Annotated[int, Range(-1)]
     bits: Annotated[int, Range(0, 8)]
     group_size: int
     shape: tuple[Annotated[int, Range(1)], ...]
 
     @property
-    def key(self) -> tuple[str, int, int, int, int, int]:
+    def key(self) -> tuple[str, int, int, int, int, int, int]:
         """What a lookup names: the form and everything it is made from."""
-        return (self.form, self.source, self.scales, self.zeros, self.bits, self.group_size)
+        return (self.form, self.source, self.scales, self.zeros, self.mins, self.bits,
+                self.group_size)
 
 
 @dataclass(frozen=True)
@@ -150,9 +156,12 @@ class CacheHeader:
                 if f.scales < 0:
                     raise HeaderError(f"{where}.scales", "is -1: a dequantized weight has "
                                                          "scales")
-            elif (f.scales, f.zeros, f.bits, f.group_size) != (-1, -1, 0, 0):
+                if f.zeros >= 0 and f.mins >= 0:
+                    raise HeaderError(where, "names zero points and mins: a weight has one "
+                                             "or the other")
+            elif (f.scales, f.zeros, f.mins, f.bits, f.group_size) != (-1, -1, -1, 0, 0):
                 raise HeaderError(where, "is an upcast (f32) form with scales, zero points, "
-                                         "bits or a group size")
+                                         "mins, bits or a group size")
 
 
 # =========================================================================== the forms a file needs
@@ -160,12 +169,14 @@ class CacheHeader:
 
 @dataclass(frozen=True)
 class _Use:
-    """A weight a net converts: by name (a16: the packed weight, its scales, zero points)."""
+    """A weight a net converts: by name (a16: the packed weight, its scales, zero points or
+    mins)."""
 
     form: str
     source: str
     scales: str | None = None
     zeros: str | None = None
+    mins: str | None = None
     bits: int = 0
     group_size: int = 0
 
@@ -177,8 +188,13 @@ def _uses(model: LlmFile, net: str) -> list[_Use]:
         if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp) \
                 and isinstance(op.scales.owner, tpu.WeightOp):
             zeros = op.zeros.owner if op.zeros is not None else None
+            mins = op.mins.owner if op.mins is not None else None
+            if (op.zeros is not None and not isinstance(zeros, tpu.WeightOp)) or \
+                    (op.mins is not None and not isinstance(mins, tpu.WeightOp)):
+                continue  # not a weight the executors convert once
             out.append(_Use("a16", op.qweight.owner.tensor_name, op.scales.owner.tensor_name,
                             zeros.tensor_name if isinstance(zeros, tpu.WeightOp) else None,
+                            mins.tensor_name if isinstance(mins, tpu.WeightOp) else None,
                             read_int(op.weight_bits), read_int(op.group_size)))
         elif (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
               and numpy_dtype(elem_of(op.rhs)).name in UPCAST_DTYPES):
@@ -218,17 +234,19 @@ def planned_forms(model: LlmFile) -> list[FormEntry]:
                     assert u.scales is not None
                     k = e.shape[1] * 8 // u.bits
                     f = FormEntry("", "a16", src, table[u.scales],
-                                  -1 if u.zeros is None else table[u.zeros], u.bits,
+                                  -1 if u.zeros is None else table[u.zeros],
+                                  -1 if u.mins is None else table[u.mins], u.bits,
                                   u.group_size, (e.shape[0], k))
                 else:
-                    f = FormEntry("", "f32", src, -1, -1, 0, 0, tuple(e.shape))
+                    f = FormEntry("", "f32", src, -1, -1, -1, 0, 0, tuple(e.shape))
                 found.setdefault(f.key, f)
     ordered = sorted(found.values(), key=lambda f: f.key[1])
     return [FormEntry(f"f{i}", *_fields(f)[1:]) for i, f in enumerate(ordered)]
 
 
 def _fields(f: FormEntry) -> tuple[Any, ...]:
-    return (f.section, f.form, f.source, f.scales, f.zeros, f.bits, f.group_size, f.shape)
+    return (f.section, f.form, f.source, f.scales, f.zeros, f.mins, f.bits, f.group_size,
+            f.shape)
 
 
 def _entries(model: LlmFile) -> dict[int, WeightEntry]:
@@ -263,7 +281,7 @@ def convert(form: FormEntry, blob: np.ndarray, entries: dict[int, WeightEntry],
         return K.f32(t(form.source))
     return K.dequantize(t(form.source), t(form.scales),
                         None if form.zeros < 0 else t(form.zeros), form.bits,
-                        form.group_size)
+                        form.group_size, None if form.mins < 0 else t(form.mins))
 
 
 # =========================================================================== writing
@@ -276,6 +294,7 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     path written. WeightCacheFileError when the output cannot be written (a path that is
     not a regular file is never replaced)."""
     llm = model if isinstance(model, LlmFile) else LlmFile(model)
+    _refuse_devices(llm)
     path = output or cache_path(llm.path)
     try:
         _, kind = output_target(path, "the weight cache file")
@@ -330,16 +349,16 @@ class StoredForms:
     def __len__(self) -> int:
         return len(self._forms)
 
-    def a16(self, source: int, scales: int, zeros: int, bits: int, group_size: int
-            ) -> np.ndarray | None:
+    def a16(self, source: int, scales: int, zeros: int, bits: int, group_size: int,
+            mins: int = -1) -> np.ndarray | None:
         """The dequantized f32 form of the packed weight at blob offset `source` with its
-        scales and zero points at `scales`, `zeros` (-1: none); None when the file has
-        none (or is off)."""
-        return self._get(("a16", source, scales, zeros, bits, group_size))
+        scales, zero points and mins at `scales`, `zeros`, `mins` (-1: none); None when the
+        file has none (or is off)."""
+        return self._get(("a16", source, scales, zeros, mins, bits, group_size))
 
     def upcast(self, source: int) -> np.ndarray | None:
         """The f32 form of the f16/bf16 weight at blob offset `source`, or None."""
-        return self._get(("f32", source, -1, -1, 0, 0))
+        return self._get(("f32", source, -1, -1, -1, 0, 0))
 
     def _get(self, key: tuple) -> np.ndarray | None:
         if self.problem is not None:
@@ -404,6 +423,7 @@ def open_weight_cache(model: LlmFile, path: str | None = None) -> StoredForms:
     """The weight cache file at `path` (default `cache_path(model.path)`) of the loaded
     model file, every header field checked against it (see the module doc);
     WeightCacheFileError naming the problem otherwise."""
+    _refuse_devices(model)
     path = path or cache_path(model.path)
     advice = f"rewrite it with `toptpu cache {model.path}` (or delete it)"
 
@@ -439,6 +459,17 @@ def open_weight_cache(model: LlmFile, path: str | None = None) -> StoredForms:
         container.close()
         raise
     return StoredForms(path, model, container, header)
+
+
+def _refuse_devices(model: LlmFile) -> None:
+    """A model file spread over several devices (a weight blob per device) has no weight
+    cache file."""
+    par = model.meta.parallel
+    if par is not None:
+        raise WeightCacheFileError(
+            f"'{model.path}' is spread over {len(par.devices)} devices ({par.strategy}): "
+            "toptpu has no weight cache file for a multi-device model file; run it without "
+            "one (its devices convert their weights as they go)")
 
 
 def _container_problem(e: ModelFileError, path: str) -> str:
@@ -496,6 +527,12 @@ def _check_forms(header: CacheHeader, model: LlmFile, container: ModelFile,
             if tuple(zeros.shape) != groups or not np.issubdtype(np.dtype(zeros.dtype),
                                                                    np.integer):
                 raise refuse(f"names {zeros.dtype} {list(zeros.shape)} zero points for "
+                             f"{list(groups)} groups ({where})")
+        if f.mins >= 0:
+            mins = tensor(f.mins, "mins")
+            if tuple(mins.shape) != groups or mins.dtype not in ("float32", "float16",
+                                                                "bfloat16"):
+                raise refuse(f"names {mins.dtype} {list(mins.shape)} mins for "
                              f"{list(groups)} groups ({where})")
 
 

@@ -13,7 +13,14 @@ A preset describes one chip as a deployment sees it:
 - per command: `dma_latency_cycles`, `compute_latency_cycles` (issue latency);
 - per step, outside the nets: `launch_us` per net launch (launch, sync, interrupt),
   `host_transfer_us` fixed cost of one host<->device copy and `host_gbps` its bandwidth (the
-  position, mask and token ids each step).
+  position, mask and token ids each step);
+- between chips (`LINK_FIGURES`, several devices): `link_gbps`, what one chip sends to
+  another per direction over its chip-to-chip link, `link_latency_us`, the fixed cost of
+  one transfer on it (DMA setup and the sync that ends it), `link_topology`, how the chips
+  are connected (`pcie_switch`: every chip on its own port of one PCIe switch, so all
+  pairs talk at once, each chip's port full duplex), and `max_devices`, the most chips one
+  deployment joins. `toptpu.backend.target.link` turns them into the time of a collective
+  (all-reduce, all-gather, broadcast) for the algorithm that moves it (ring or tree).
 
 Two cores (BM1688): a net's work divides evenly between the cores, which run every command
 in lockstep on their halves: compute at `cores` x the per-core peak, DMA at
@@ -66,15 +73,19 @@ class Chip:
     launch_us: float
     host_transfer_us: float
     host_gbps: float
+    link_gbps: float  # chip-to-chip, per direction
+    link_latency_us: float  # one transfer's fixed cost on the link
+    link_topology: str  # LINK_TOPOLOGIES
+    max_devices: int  # the most chips one deployment joins
     sources: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
-        for f in ("lanes", "lane_bytes", "banks", "align", "cores"):
+        for f in ("lanes", "lane_bytes", "banks", "align", "cores", "max_devices"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ChipFigureError(f"chip {self.name}: {f} must be a positive integer, "
                                       f"got {v!r}")
-        for f in ("freq_ghz", "ddr_gbps", "core_ddr_gbps", "host_gbps"):
+        for f in ("freq_ghz", "ddr_gbps", "core_ddr_gbps", "host_gbps", "link_gbps"):
             if not _positive(getattr(self, f)):
                 raise ChipFigureError(f"chip {self.name}: {f} must be a positive number, got "
                                       f"{getattr(self, f)!r}")
@@ -83,7 +94,7 @@ class Chip:
             if not (_positive(v) and v <= 1):
                 raise ChipFigureError(f"chip {self.name}: {f} must be in (0, 1], got {v!r}")
         for f in ("dma_latency_cycles", "compute_latency_cycles", "launch_us",
-                  "host_transfer_us"):
+                  "host_transfer_us", "link_latency_us"):
             v = getattr(self, f)
             if not (isinstance(v, int | float) and not isinstance(v, bool)
                     and 0 <= v < float("inf")):
@@ -92,6 +103,9 @@ class Chip:
         if not self.tflops or not all(_positive(v) for v in self.tflops.values()):
             raise ChipFigureError(f"chip {self.name}: tflops must map compute types to "
                                   f"positive numbers, got {self.tflops!r}")
+        if self.link_topology not in LINK_TOPOLOGIES:
+            raise ChipFigureError(f"chip {self.name}: link_topology must be one of "
+                                  f"{', '.join(LINK_TOPOLOGIES)}, got {self.link_topology!r}")
         if self.lane_bytes % self.banks:
             raise ChipFigureError(f"chip {self.name}: lane_bytes {self.lane_bytes} is not a "
                                   f"multiple of banks {self.banks}")
@@ -150,23 +164,35 @@ class Chip:
     def with_figures(self, **figures: Any) -> Chip:
         """This chip with some figures changed (checked like a preset's); the changed
         figures' sources say so."""
-        unknown = sorted(set(figures) - set(FIGURES))
+        unknown = sorted(set(figures) - set(ALL_FIGURES))
         if unknown:
             raise ChipFigureError(f"unknown chip figures {unknown}; figures: "
-                                  f"{', '.join(FIGURES)}")
+                                  f"{', '.join(ALL_FIGURES)}")
         sources = {**self.sources, **{k: "set by the user" for k in figures}}
         return replace(self, **figures, sources=sources)
 
     def figures(self) -> dict[str, Any]:
-        """The figures (everything but name and sources), JSON-ready."""
+        """The one-chip figures (everything but name, sources and the link between chips),
+        JSON-ready: what a one-chip compile plans with."""
         return {k: getattr(self, k) for k in FIGURES}
 
+    def link_figures(self) -> dict[str, Any]:
+        """The figures of the link between chips (`LINK_FIGURES`)."""
+        return {k: getattr(self, k) for k in LINK_FIGURES}
+
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, **self.figures()}
+        return {"name": self.name, **self.figures(), **self.link_figures()}
 
 
-#: the figures of a preset (every one needs a source)
-FIGURES = tuple(f.name for f in fields(Chip) if f.name not in ("name", "sources"))
+#: how chips may be connected: every chip on its own port of one PCIe switch
+LINK_TOPOLOGIES = ("pcie_switch",)
+#: the figures of the link between chips (they change no one-chip compile)
+LINK_FIGURES = ("link_gbps", "link_latency_us", "link_topology", "max_devices")
+#: the one-chip figures of a preset (every one needs a source)
+FIGURES = tuple(f.name for f in fields(Chip)
+                if f.name not in ("name", "sources", *LINK_FIGURES))
+#: every figure of a preset
+ALL_FIGURES = (*FIGURES, *LINK_FIGURES)
 
 
 def _positive(v: object) -> bool:
@@ -200,8 +226,8 @@ def get_chip(name: str) -> Chip:
 
 def chip_from_json(d: dict) -> Chip:
     """A chip from its JSON form (a preset, or `Chip.to_json` as program files keep it)."""
-    missing = [k for k in FIGURES if k not in d]
-    extra = [k for k in d if k not in FIGURES and k not in ("name", "sources")]
+    missing = [k for k in ALL_FIGURES if k not in d]
+    extra = [k for k in d if k not in ALL_FIGURES and k not in ("name", "sources")]
     if missing or extra:
         raise ChipFigureError(f"chip {d.get('name')!r}: figures missing {missing}, unknown "
                               f"{extra}")

@@ -10,8 +10,10 @@ with it without running them.
   limit times the cores, up to the sustained DDR bandwidth they share);
 - compute: latency + FLOPs / (peak of the command's type on all cores x
   `compute_efficiency`);
-- a command starts when its engine (DMA or compute) is free and its dependencies have
-  finished; each engine runs its commands in stream order.
+- link (a net several devices run together): a collective's time on the chip-to-chip link
+  for its algorithm (`toptpu.backend.target.link`);
+- a command starts when its engine (DMA, compute or link) is free and its dependencies
+  have finished; each engine runs its commands in stream order.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.target.chips import Chip
+from toptpu.backend.target.link import LinkWork, collective_seconds
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, dtype_bytes, dtype_name, elem_of, numel, shape_of
 
@@ -59,33 +62,55 @@ def compute_cycles(chip: Chip, flops: int, dtype: str) -> float:
                                                   * chip.compute_efficiency)
 
 
+def link_cycles(chip: Chip, work: LinkWork) -> float:
+    """Cycles of one collective on the chip-to-chip link."""
+    return collective_seconds(chip, work) / chip.seconds_per_cycle
+
+
 @dataclass(frozen=True)
 class CommandCost:
     """What the timing of one command needs: its engine, work and dependencies (indices
-    of earlier commands of the same stream)."""
+    of earlier commands of the same stream). A collective (`link`: its kind, algorithm and
+    devices) runs on the link engine; its `nbytes` is the tensor every device ends with."""
 
     dma: bool
     nbytes: int
     flops: int
     dtype: str
     deps: tuple[int, ...]
+    link: tuple[str, str, int] | None = None
+
+    @property
+    def engine(self) -> int:
+        """0: compute, 1: DMA, 2: link."""
+        return 2 if self.link is not None else int(self.dma)
+
+    def link_work(self) -> LinkWork | None:
+        if self.link is None:
+            return None
+        kind, algorithm, devices = self.link
+        return LinkWork(kind, algorithm, devices, self.nbytes)
 
     def cycles(self, chip: Chip) -> float:
+        work = self.link_work()
+        if work is not None:
+            return link_cycles(chip, work)
         return dma_cycles(chip, self.nbytes) if self.dma else compute_cycles(
             chip, self.flops, self.dtype)
 
 
 def schedule(commands: Sequence[CommandCost], chip: Chip) -> list[tuple[float, float]]:
-    """(start, end) cycle of every command on the two engines: a command starts when its
+    """(start, end) cycle of every command on the engines: a command starts when its
     engine is free and the commands it depends on have ended."""
     end: list[float] = []
-    free = [0.0, 0.0]  # compute, dma
+    free = [0.0, 0.0, 0.0]  # compute, dma, link
     out: list[tuple[float, float]] = []
     for c in commands:
         ready = max((end[d] for d in c.deps), default=0.0)
-        start = max(free[c.dma], ready)
+        engine = c.engine
+        start = max(free[engine], ready)
         stop = start + c.cycles(chip)
-        free[c.dma] = stop
+        free[engine] = stop
         end.append(stop)
         out.append((start, stop))
     return out
@@ -101,6 +126,8 @@ class NetTiming:
     compute_busy: float
     dma_bytes: int
     flops: int
+    link_busy: float = 0.0  # cycles the link engine ran collectives
+    link_bytes: int = 0  # bytes one device sent over its link
 
     def seconds(self, chip: Chip) -> float:
         return self.cycles * chip.seconds_per_cycle
@@ -114,9 +141,12 @@ class NetTiming:
 def net_timing(commands: Sequence[CommandCost], chip: Chip) -> NetTiming:
     """Time a command stream without running it."""
     spans = schedule(commands, chip)
-    dma_busy = sum(e - s for (s, e), c in zip(spans, commands, strict=True) if c.dma)
-    cmp_busy = sum(e - s for (s, e), c in zip(spans, commands, strict=True) if not c.dma)
-    return NetTiming(cycles=max((e for _, e in spans), default=0.0), dma_busy=dma_busy,
-                     compute_busy=cmp_busy,
+    busy = [0.0, 0.0, 0.0]
+    for (s, e), c in zip(spans, commands, strict=True):
+        busy[c.engine] += e - s
+    works = [w for c in commands if (w := c.link_work()) is not None]
+    return NetTiming(cycles=max((e for _, e in spans), default=0.0), dma_busy=busy[1],
+                     compute_busy=busy[0],
                      dma_bytes=sum(c.nbytes for c in commands if c.dma),
-                     flops=sum(c.flops for c in commands))
+                     flops=sum(c.flops for c in commands), link_busy=busy[2],
+                     link_bytes=sum(w.link_bytes() for w in works))

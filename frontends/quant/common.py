@@ -63,6 +63,8 @@ class QuantizedLinear:
     ``g_idx[k]`` when act-order permuted the groups, else ``k // group_size``.
     ``zeros`` are the real zero points: the format's offset (GPTQ v1 stores ``zero - 1``)
     is already resolved. They are uint8 unless a GPTQ v1 word decodes to 256 (int32 then).
+    A scale-and-min layer (llama.cpp's Q4_1, Q5_1, Q4_K, Q5_K) has float ``mins`` [N, G]
+    instead and no zero points: ``W = q * scale + min``, the product rounded first.
     """
 
     name: str
@@ -70,10 +72,11 @@ class QuantizedLinear:
     group_size: int
     qweight: np.ndarray
     scales: np.ndarray
-    zeros: np.ndarray
+    zeros: np.ndarray | None
     g_idx: np.ndarray | None
     bias: np.ndarray | None
     sym: bool
+    mins: np.ndarray | None = None
 
     @property
     def out_features(self) -> int:
@@ -94,15 +97,19 @@ class QuantizedLinear:
         return np.arange(self.in_features, dtype=np.int64) // self.group_size
 
     def dequantize(self) -> np.ndarray:
-        """float32 ``[N, K]`` = ``(q - zero) * scale``, scale cast from its stored dtype.
+        """float32 ``[N, K]`` = ``(q - zero) * scale``, scale cast from its stored dtype
+        (``q * scale + min`` with mins).
 
         This is the float32 weight GPTQ/AWQ/AutoRound define (and AutoRound's fake-quantized
         export writes): the integer difference is exact in float32, the product rounds once.
         """
         groups = self.group_index()
         q = self.qweight.astype(np.float32)
-        z = self.zeros.astype(np.float32)[:, groups]
         s = self.scales.astype(np.float32)[:, groups]
+        if self.mins is not None:
+            return q * s + self.mins.astype(np.float32)[:, groups]
+        assert self.zeros is not None
+        z = self.zeros.astype(np.float32)[:, groups]
         return (q - z) * s
 
 
@@ -437,7 +444,17 @@ class QuantizedLayout:
     #: field ("qweight", "qzeros", "scales", "g_idx", "bias") -> checkpoint tensor name
     tensors: Mapping[str, str]
     source: str = "quantization_config"  # where the scheme came from
+    #: the scale-and-min form (float mins, no zero points: GGUF's Q4_1, Q5_1, Q4_K, Q5_K)
+    mins: bool = False
+    #: the scales' (and mins') dtype where layers of one checkpoint differ in it (GGUF)
+    scale_dtype: str = ""
 
     @property
     def scheme(self) -> LayerScheme:
         return LayerScheme(self.bits, self.group_size, self.sym, self.source)
+
+    @property
+    def net_form(self) -> tuple[int, int, bool, bool, str]:
+        """What the compiled net of a layer depends on: layers whose linears differ in it
+        need nets of their own (bits, group size, act-order, mins, scale dtype)."""
+        return (self.bits, self.group_size, self.act_order, self.mins, self.scale_dtype)

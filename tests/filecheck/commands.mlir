@@ -41,7 +41,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // CHECK-NEXT:    4 dma load     w:fc.weight:q4g32a:bf16.zeros 32x2xuint8 [all] -> L256#5 g0.s0 deps=[]
 // CHECK-NEXT:    5 dma gather   hidden 1x8x64xbfloat16 (w:embed.weight:bf16, L0#1) -> L16384#6 g0.s0 deps=[0] free=#1
 // CHECK-NEXT:    6 cmp rms_norm norm 1x8x64xbfloat16 (L16384#6, L64#2) -> L32768#7 g0.s0 deps=[1,5] free=#6,#2
-// CHECK-NEXT:    7 cmp a16_matmul fc 1x8x32xbfloat16 (L32768#7, L128#3, L192#4, L256#5, -) -> L16384#8 g0.s0 deps=[2,3,4,6] free=#7,#3,#4,#5 cycles={{[1-9][0-9]*}}
+// CHECK-NEXT:    7 cmp a16_matmul fc 1x8x32xbfloat16 (L32768#7, L128#3, L192#4, L256#5, -, -) -> L16384#8 g0.s0 deps=[2,3,4,6] free=#7,#3,#4,#5 cycles={{[1-9][0-9]*}}
 // CHECK-NEXT:    8 cmp silu     act 1x8x32xbfloat16 (L16384#8) -> L320#9 g0.s0 deps=[7] free=#8
 // CHECK-NEXT:    9 dma store    io:output0 1x8x32xbfloat16 [all] <- L320#9 g0.s0 deps=[8] free=#9
 // CHECK-EMPTY:

@@ -405,3 +405,111 @@ builtin.module {
 // CHECK:      verify_top.mlir (the chunk from line 397):5:5
 // CHECK-NEXT: "top.cast"(%x)
 // CHECK:      'top.cast' result types ['tensor<2x3xf32>'] differ from the inferred ['tensor<2x3xf16>']
+
+// -----
+// causal_conv1d: the taps are [C, K], one kernel per channel of x
+builtin.module {
+  func.func @f(%x: tensor<1x8x8xf32>, %w: tensor<16x4xf32>, %valid: tensor<1x8xf32>) -> tensor<1x8x8xf32> {
+    %y, %s = "top.causal_conv1d"(%x, %w, %valid) {operandSegmentSizes = array<i32: 1, 1, 0, 1>} : (tensor<1x8x8xf32>, tensor<16x4xf32>, tensor<1x8xf32>) -> (tensor<1x8x8xf32>, tensor<1x3x8xf32>)
+    func.return %y : tensor<1x8x8xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 409):5:5
+// CHECK-NEXT: "top.causal_conv1d"(%x, %w, %valid)
+// CHECK:      causal_conv1d weight is [16, 4]; it must be [C, K] = [8, K]
+
+// -----
+// causal_conv1d: the state holds the last K-1 inputs
+builtin.module {
+  func.func @f(%x: tensor<1x8x16xf32>, %w: tensor<16x4xf32>, %state: tensor<1x2x16xf32>, %valid: tensor<1x8xf32>) -> tensor<1x8x16xf32> {
+    %y, %s = "top.causal_conv1d"(%x, %w, %state, %valid) {operandSegmentSizes = array<i32: 1, 1, 1, 1>} : (tensor<1x8x16xf32>, tensor<16x4xf32>, tensor<1x2x16xf32>, tensor<1x8xf32>) -> (tensor<1x8x16xf32>, tensor<1x3x16xf32>)
+    func.return %y : tensor<1x8x16xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 421):5:5
+// CHECK-NEXT: "top.causal_conv1d"(%x, %w, %state, %valid)
+// CHECK:      causal_conv1d state is [1, 2, 16]; it must be [1, 3, 16]
+
+// -----
+// causal_conv1d: one valid flag per token
+builtin.module {
+  func.func @f(%x: tensor<1x8x16xf32>, %w: tensor<16x4xf32>, %valid: tensor<1x4xf32>) -> tensor<1x8x16xf32> {
+    %y, %s = "top.causal_conv1d"(%x, %w, %valid) {operandSegmentSizes = array<i32: 1, 1, 0, 1>} : (tensor<1x8x16xf32>, tensor<16x4xf32>, tensor<1x4xf32>) -> (tensor<1x8x16xf32>, tensor<1x3x16xf32>)
+    func.return %y : tensor<1x8x16xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 433):5:5
+// CHECK-NEXT: "top.causal_conv1d"(%x, %w, %valid)
+// CHECK:      causal_conv1d valid is [1, 4]; it must be [1, 8]
+
+// -----
+// causal_conv1d: a float input
+builtin.module {
+  func.func @f(%x: tensor<1x8x16xi32>, %w: tensor<16x4xf32>, %valid: tensor<1x8xf32>) -> tensor<1x8x16xi32> {
+    %y, %s = "top.causal_conv1d"(%x, %w, %valid) {operandSegmentSizes = array<i32: 1, 1, 0, 1>} : (tensor<1x8x16xi32>, tensor<16x4xf32>, tensor<1x8xf32>) -> (tensor<1x8x16xi32>, tensor<1x3x16xi32>)
+    func.return %y : tensor<1x8x16xi32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 445):5:5
+// CHECK-NEXT: "top.causal_conv1d"(%x, %w, %valid)
+// CHECK:      causal_conv1d x must be a float tensor, not i32
+
+// -----
+// gated_delta_rule: each key head serves a whole number of value heads
+builtin.module {
+  func.func @f(%q: tensor<1x8x2x4xf32>, %k: tensor<1x8x2x4xf32>, %v: tensor<1x8x3x4xf32>, %g: tensor<1x8x3xf32>, %beta: tensor<1x8x3xf32>) -> tensor<1x8x3x4xf32> {
+    %o, %s = "top.gated_delta_rule"(%q, %k, %v, %g, %beta) {scale = 0.5 : f64, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 0>} : (tensor<1x8x2x4xf32>, tensor<1x8x2x4xf32>, tensor<1x8x3x4xf32>, tensor<1x8x3xf32>, tensor<1x8x3xf32>) -> (tensor<1x8x3x4xf32>, tensor<1x3x4x4xf32>)
+    func.return %o : tensor<1x8x3x4xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 457):5:5
+// CHECK-NEXT: "top.gated_delta_rule"(%q, %k, %v, %g, %beta)
+// CHECK:      gated_delta_rule v has 3 heads, not a multiple of k's 2 heads
+
+// -----
+// gated_delta_rule: one decay per token and value head
+builtin.module {
+  func.func @f(%q: tensor<1x8x2x4xf32>, %k: tensor<1x8x2x4xf32>, %v: tensor<1x8x4x4xf32>, %g: tensor<1x8x2xf32>, %beta: tensor<1x8x4xf32>) -> tensor<1x8x4x4xf32> {
+    %o, %s = "top.gated_delta_rule"(%q, %k, %v, %g, %beta) {scale = 0.5 : f64, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 0>} : (tensor<1x8x2x4xf32>, tensor<1x8x2x4xf32>, tensor<1x8x4x4xf32>, tensor<1x8x2xf32>, tensor<1x8x4xf32>) -> (tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
+    func.return %o : tensor<1x8x4x4xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 469):5:5
+// CHECK-NEXT: "top.gated_delta_rule"(%q, %k, %v, %g, %beta)
+// CHECK:      gated_delta_rule g is [1, 8, 2]; it must be [1, 8, 4]
+
+// -----
+// gated_delta_rule: the recurrent state is f32 in every mode
+builtin.module {
+  func.func @f(%q: tensor<1x8x2x4xf32>, %k: tensor<1x8x2x4xf32>, %v: tensor<1x8x4x4xf32>, %g: tensor<1x8x4xf32>, %beta: tensor<1x8x4xf32>, %state: tensor<1x4x4x4xbf16>) -> tensor<1x8x4x4xf32> {
+    %o, %s = "top.gated_delta_rule"(%q, %k, %v, %g, %beta, %state) {scale = 0.5 : f64, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 1>} : (tensor<1x8x2x4xf32>, tensor<1x8x2x4xf32>, tensor<1x8x4x4xf32>, tensor<1x8x4xf32>, tensor<1x8x4xf32>, tensor<1x4x4x4xbf16>) -> (tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
+    func.return %o : tensor<1x8x4x4xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 481):5:5
+// CHECK-NEXT: "top.gated_delta_rule"(%q, %k, %v, %g, %beta, %state)
+// CHECK:      gated_delta_rule state must be f32 (the recurrent state is float32 in every mode), not bf16
+
+// -----
+// gated_delta_rule: the state is [1, Hv, Dk, Dv]
+builtin.module {
+  func.func @f(%q: tensor<1x8x2x4xf32>, %k: tensor<1x8x2x4xf32>, %v: tensor<1x8x4x4xf32>, %g: tensor<1x8x4xf32>, %beta: tensor<1x8x4xf32>, %state: tensor<1x4x4x2xf32>) -> tensor<1x8x4x4xf32> {
+    %o, %s = "top.gated_delta_rule"(%q, %k, %v, %g, %beta, %state) {scale = 0.5 : f64, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 1>} : (tensor<1x8x2x4xf32>, tensor<1x8x2x4xf32>, tensor<1x8x4x4xf32>, tensor<1x8x4xf32>, tensor<1x8x4xf32>, tensor<1x4x4x2xf32>) -> (tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
+    func.return %o : tensor<1x8x4x4xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 493):5:5
+// CHECK-NEXT: "top.gated_delta_rule"(%q, %k, %v, %g, %beta, %state)
+// CHECK:      gated_delta_rule state is [1, 4, 4, 2]; it must be [1, 4, 4, 4]
+
+// -----
+// gated_delta_rule: a finite scale
+builtin.module {
+  func.func @f(%q: tensor<1x8x2x4xf32>, %k: tensor<1x8x2x4xf32>, %v: tensor<1x8x4x4xf32>, %g: tensor<1x8x4xf32>, %beta: tensor<1x8x4xf32>) -> tensor<1x8x4x4xf32> {
+    %o, %s = "top.gated_delta_rule"(%q, %k, %v, %g, %beta) {scale = 0x7FF0000000000000 : f64, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 0>} : (tensor<1x8x2x4xf32>, tensor<1x8x2x4xf32>, tensor<1x8x4x4xf32>, tensor<1x8x4xf32>, tensor<1x8x4xf32>) -> (tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
+    func.return %o : tensor<1x8x4x4xf32>
+  }
+}
+// CHECK:      verify_top.mlir (the chunk from line 505):5:5
+// CHECK-NEXT: "top.gated_delta_rule"(%q, %k, %v, %g, %beta)
+// CHECK:      gated_delta_rule scale is inf; it must be finite

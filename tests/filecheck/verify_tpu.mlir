@@ -9,7 +9,7 @@
 // a16_matmul: 4- or 8-bit weights
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 3 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 3 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -26,7 +26,7 @@ builtin.module {
 // a16_matmul: a 2-D qweight
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<1x32x32xui8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<1x32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<1x32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -38,7 +38,7 @@ builtin.module {
 // a16_matmul: 4-bit weights packed two per ui8
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xi8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xi8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xi8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -50,19 +50,19 @@ builtin.module {
 // a16_matmul: 8-bit ui8 weights come with zero points
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x64xui8>, %s: tensor<32x1xbf16>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s) {weight_bits = 8 : i64, group_size = 64 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x64xui8>, tensor<32x1xbf16>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s) {weight_bits = 8 : i64, group_size = 64 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 0, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x64xui8>, tensor<32x1xbf16>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 49):5:{{[0-9]+}}
 // CHECK-NEXT: "tpu.a16_matmul"
-// CHECK:      'tpu.a16_matmul': 8-bit weights are i8 without zero points, ui8 with them
+// CHECK:      'tpu.a16_matmul': 8-bit weights are i8 without zero points or mins, ui8 with them
 
 // -----
 // a16_matmul: the group size divides K
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 48 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 48 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -74,7 +74,7 @@ builtin.module {
 // a16_matmul: the input's K is the weights'
 builtin.module {
   func.func @f(%x: tensor<1x8x32xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x32xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x32xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -86,7 +86,7 @@ builtin.module {
 // a16_matmul: one scale per output channel and group
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x1xbf16>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x1xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x1xbf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -98,7 +98,7 @@ builtin.module {
 // a16_matmul: ui8 zero points shaped like the scales
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xi8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xi8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xi8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -110,7 +110,7 @@ builtin.module {
 // a16_matmul: floating-point scales
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xi32>, %z: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xi32>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xi32>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -122,7 +122,7 @@ builtin.module {
 // a16_matmul: the bias is [N]
 builtin.module {
   func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xbf16>, %z: tensor<32x2xui8>, %b: tensor<64xf32>) -> tensor<1x8x32xbf16> {
-    %0 = "tpu.a16_matmul"(%x, %q, %s, %z, %b) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>, tensor<64xf32>) -> tensor<1x8x32xbf16>
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z, %b) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 0, 1>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xbf16>, tensor<32x2xui8>, tensor<64xf32>) -> tensor<1x8x32xbf16>
     func.return %0 : tensor<1x8x32xbf16>
   }
 }
@@ -321,4 +321,52 @@ builtin.module {
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 314):5:{{[0-9]+}}
 // CHECK-NEXT: "tpu.weight"
-// CHECK:      weight part "data.t.t" is not one of data, qweight, scales, zeros, checkpoint.qweight, checkpoint.scales, checkpoint.zeros, checkpoint.perm, data.t, qweight.t, scales.t, zeros.t, checkpoint.qweight.t, checkpoint.scales.t, checkpoint.zeros.t, checkpoint.perm.t
+// CHECK:      weight part "data.t.t" is not one of data, qweight, scales, zeros, checkpoint.qweight, checkpoint.scales, checkpoint.zeros, checkpoint.mins, checkpoint.perm, data.t, qweight.t, scales.t, zeros.t, checkpoint.qweight.t, checkpoint.scales.t, checkpoint.zeros.t, checkpoint.mins.t, checkpoint.perm.t
+
+// -----
+// a16_matmul: zero points or mins, not both
+builtin.module {
+  func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xf16>, %z: tensor<32x2xui8>, %m: tensor<32x2xf16>) -> tensor<1x8x32xbf16> {
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %z, %m) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xf16>, tensor<32x2xui8>, tensor<32x2xf16>) -> tensor<1x8x32xbf16>
+    func.return %0 : tensor<1x8x32xbf16>
+  }
+}
+// CHECK:      verify_tpu.mlir (the chunk from line 326):5:{{[0-9]+}}
+// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK:      'tpu.a16_matmul': a16_matmul takes zero points or mins, not both
+
+// -----
+// a16_matmul: float mins (the scale-and-min form), not integers
+builtin.module {
+  func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xf16>, %m: tensor<32x2xui8>) -> tensor<1x8x32xbf16> {
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %m) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 0, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xf16>, tensor<32x2xui8>) -> tensor<1x8x32xbf16>
+    func.return %0 : tensor<1x8x32xbf16>
+  }
+}
+// CHECK:      verify_tpu.mlir (the chunk from line 338):5:{{[0-9]+}}
+// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK:      'tpu.a16_matmul': mins must be floating point [32, 2]
+
+// -----
+// a16_matmul: one min per output channel and group
+builtin.module {
+  func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x32xui8>, %s: tensor<32x2xf32>, %m: tensor<32x1xf32>) -> tensor<1x8x32xbf16> {
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %m) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 0, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x32xui8>, tensor<32x2xf32>, tensor<32x1xf32>) -> tensor<1x8x32xbf16>
+    func.return %0 : tensor<1x8x32xbf16>
+  }
+}
+// CHECK:      verify_tpu.mlir (the chunk from line 350):5:{{[0-9]+}}
+// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK:      'tpu.a16_matmul': mins must be floating point [32, 2]
+
+// -----
+// a16_matmul: 8-bit weights with mins are ui8 (unsigned, as stored)
+builtin.module {
+  func.func @f(%x: tensor<1x8x64xbf16>, %q: tensor<32x64xi8>, %s: tensor<32x2xf16>, %m: tensor<32x2xf16>) -> tensor<1x8x32xbf16> {
+    %0 = "tpu.a16_matmul"(%x, %q, %s, %m) {weight_bits = 8 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 0, 1, 0>} : (tensor<1x8x64xbf16>, tensor<32x64xi8>, tensor<32x2xf16>, tensor<32x2xf16>) -> tensor<1x8x32xbf16>
+    func.return %0 : tensor<1x8x32xbf16>
+  }
+}
+// CHECK:      verify_tpu.mlir (the chunk from line 362):5:{{[0-9]+}}
+// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK:      'tpu.a16_matmul': 8-bit weights are i8 without zero points or mins, ui8 with them

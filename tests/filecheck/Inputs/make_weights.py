@@ -28,3 +28,20 @@ save_file({
     "proj.weight": rng.standard_normal((n, n)).astype(np.float32),
     "#checkpoint": np.ones(1, np.int8),
 }, os.path.join(os.path.dirname(__file__), "checkpoint.safetensors"))
+
+# a scale-and-min layer (as the compiler stores a GGUF Q4_1 / Q4_K linear): 4-bit integers
+# as stored, group 32, f16 scales and float mins (no zero points)
+save_file({
+    "fc.weight": rng.standard_normal((n, k)).astype(np.float32),
+    "fc.weight#checkpoint.qweight": rng.integers(0, 16, (n, k)).astype(np.uint8),
+    "fc.weight#checkpoint.scales": (rng.random((n, k // 32)) * 0.1).astype(np.float16),
+    "fc.weight#checkpoint.mins": (rng.standard_normal((n, k // 32)) * 0.1).astype(np.float16),
+    "fc.weight#checkpoint.meta": np.array([4, 32], np.int32),
+    "#checkpoint": np.ones(1, np.int8),
+}, os.path.join(os.path.dirname(__file__), "checkpoint_mins.safetensors"))
+
+# a linear-attention layer's depthwise conv taps [C, K] (its own generator: the tensors
+# above stay as they were)
+save_file({
+    "conv.weight": np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32),
+}, os.path.join(os.path.dirname(__file__), "linear_attention.safetensors"))
