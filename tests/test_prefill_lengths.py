@@ -217,3 +217,52 @@ def test_a_mixed_prequantized_checkpoint_runs_its_variants_at_every_length(
                                 do_sample=False)[0, n:].tolist()
         assert res.generated_ids == want, n
         assert np.array_equal(machine.prompt_logits(ids), interp.prompt_logits(ids)), n
+
+
+@pytest.mark.parametrize("family,parallel,layers,input_len", [
+    ("qwen2", "tp", 2, L), ("qwen2", "pp", 2, L), ("qwen3_5", "pp", 4, 32)])
+def test_several_devices_run_each_length_as_one_device_does(
+        tmp_path_factory, family: str, parallel: str, layers: int, input_len: int) -> None:
+    """A file over 2 devices (tp, pp; a hybrid Qwen3.5 over 2 pipeline stages) has every
+    prefill net at each length on the devices that run its layers, gives the one-device
+    file's logits (bit for bit over pipeline stages; to f32 rounding under tp, whose
+    all-reduce adds partial sums in another order) and its greedy tokens at every length
+    and its modelled time
+    to first token is the estimate's (the step model's sends and host writes of each
+    chunk at its length)."""
+    from toptpu.backend.contract import StaticShapes
+    from toptpu.backend.runtime.device_executor import DeviceGroupExecutor
+    from toptpu.estimate import compile_costs, estimate, read_checked_config
+
+    one = compiled(tmp_path_factory, family, layers=layers, seq=SEQ, input_len=input_len)
+    many = compiled(tmp_path_factory, family, layers=layers, seq=SEQ, input_len=input_len,
+                    devices=2, parallel=parallel)
+    rt, ref = Runtime.open(many.model_file), Runtime.open(one.model_file)
+    ex = rt.ex
+    assert isinstance(ex, DeviceGroupExecutor) and rt.lengths == [16, input_len]
+    par = ex.parallel
+    for net in ("block:16", "block_kv:16"):  # each layer's net at 16 on its devices
+        for layer in range(layers):
+            want = 1 if parallel == "pp" else 2
+            assert len(par.runners(rt.prefill_net(net.split(":")[0], layer, 16), layer)) \
+                == want, (net, layer)
+    config = read_checked_config(many.model_dir, "f32", SEQ, devices=2, parallel=parallel)
+    costs = compile_costs(config, ex.chip, "f32", StaticShapes.make(SEQ, input_len),
+                          nets=list(ex.nets()), devices=2, parallel=parallel)
+    for n in (5, input_len, input_len + 5):
+        ids = [3 + (i * 7) % 300 for i in range(n)]
+        ran = _recording(rt)
+        a, b = rt.prompt_logits(ids), ref.prompt_logits(ids)
+        assert a.dtype == b.dtype, n
+        if parallel == "pp":
+            assert np.array_equal(a, b), n
+        else:
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), n
+        assert _prefill_nets(ran)[:2] == (["embedding:16", "block:16"] if n <= 16
+                                          else ["embedding", "block"]), n
+        rt.ex.run = type(rt.ex).run.__get__(rt.ex)  # type: ignore[method-assign]
+        res = rt.generate(ids, 4, stop_on_eos=False)
+        assert res.generated_ids == ref.generate(ids, 4, stop_on_eos=False).generated_ids
+        est = estimate(costs, ex.chip, prompt_tokens=n, sampler=res.sampler)
+        assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9), n
+        assert res.modelled_tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9), n

@@ -276,3 +276,64 @@ def test_a_k_split_lm_head_reads_its_parts_from_the_cache(tmp_path) -> None:  # 
         for (kind, key), value in kept.items():
             assert kind == "f32"
             assert np.array_equal(value, machine.stored_form("f32w", key, 0, 0))
+
+
+def test_a_gguf_file_of_scale_and_min_types_gives_the_same_bits_with_its_cache(
+        tmp_path) -> None:  # noqa: ANN001
+    """A GGUF whose linears are Q4_1 (layer 0) and Q4_K (layer 1), kept as they are (-q
+    auto: 4-bit integers, f16 scales and f16 mins, `q * s + m`): every a16 form of the cache
+    names its mins and is `kernels.dequantize(..., mins=...)` of the model file's bytes
+    (`--check`); with it the machine (fast and checked) and the interpreter give the logits
+    and tokens they give without it, converting nothing. A file spread over several
+    devices is refused in one line."""
+    from gguf_fixtures import gguf_dir
+
+    from toptpu.compiler import compile as compile_model
+
+    types = {f"blk.{i}.{lin}.weight": t for i, t in enumerate(("Q4_1", "Q4_K"))
+             for lin in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                         "ffn_down")}
+    d = gguf_dir(str(tmp_path / "src"), "llama2", "Q8_0", types=types, hidden_size=256,
+                 intermediate_size=512)
+    path = str(tmp_path / "mins.toptpu")
+    compile_model(d, path, mode="auto", seq_length=48, max_input_length=16,
+                  prefill_lengths=[8, 16], progress=None)
+    forms = planned_forms(LlmFile(path))
+    a16 = [f for f in forms if f.form == "a16"]
+    assert len(a16) == 2 * 7 and all(f.mins >= 0 and f.zeros < 0 for f in a16)
+    ids = IDS[:12]  # a chunk at 16, then decode
+    want = {}
+    for executor in ("machine", "interpreter"):
+        rt = Runtime.open(path, executor, weight_cache=None)
+        want[executor] = (rt.prompt_logits(ids[:5]),
+                          rt.generate(ids, 6, stop_on_eos=False).generated_ids)
+    assert want["machine"][1] == want["interpreter"][1]
+    assert main(["cache", path, "--quiet"]) == 0
+    assert main(["cache", path, "--check"]) == 0  # every byte: dequantize with mins
+    for executor in ("machine", "interpreter"):
+        rt = Runtime.open(path, executor)
+        assert rt.weight_cache_file == cache_path(path) and rt.notes == []
+        logits = rt.prompt_logits(ids[:5])
+        assert logits.dtype == want[executor][0].dtype
+        assert np.array_equal(logits, want[executor][0]), executor
+        assert rt.generate(ids, 6, stop_on_eos=False).generated_ids == want[executor][1]
+        cache = rt.ex.machine.cache if executor == "machine" else rt.ex.cache
+        assert len(cache) == 0 and rt.ex.stored.hits > 0, executor
+    checked = Runtime(MachineExecutor(path, checked=True))
+    checked.ex.use_weight_cache(open_weight_cache(checked.ex.file))
+    assert np.array_equal(checked.prompt_logits(ids[:5]), want["machine"][0])
+    assert len(checked.ex.machine.cache) == 0 and checked.ex.stored.hits > 0
+
+
+def test_a_multi_device_file_has_no_weight_cache_file(tmp_path_factory, capsys) -> None:
+    """`toptpu cache` refuses a file spread over several devices in one line; `run` reads
+    no cache for it (one placed beside it is refused with a note)."""
+    built = compiled(tmp_path_factory, "qwen2", seq=64, input_len=16, devices=2,
+                     parallel="pp")
+    assert main(["cache", built.model_file, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "spread over 2 devices (pp)" in err and err.count("\n") == 1, err
+    with pytest.raises(WeightCacheFileError, match="no weight cache file for a "
+                                                   "multi-device model file"):
+        write_weight_cache(built.model_file, str(tmp_path_factory.mktemp("c") / "x.wcache"))
+    assert Runtime.open(built.model_file).weight_cache_file is None
