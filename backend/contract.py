@@ -5,10 +5,13 @@ Compiler (`toptpu.compiler`), frontends (the LLM splitter, the VLM wrappers) and
 needs numpy alone (no torch, no xDSL), so the runtime can depend on it without pulling in
 the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
 
-- the net names (`TEXT_NETS`, `PER_LAYER_NETS`, `HEAD_NETS`, `VISION_NET`) and the
-  per-layer variants of a layer quantized differently from layer 0 (`block@3`: `NetName`);
-- the IO names and, at given static shapes (`StaticShapes`), the exact IO of every text
-  net (`net_io`);
+- the net names (`TEXT_NETS`, `PER_LAYER_NETS`, `HEAD_NETS`, `VISION_NET`), the prefill
+  nets at shorter chunk lengths (`PREFILL_NETS`, `block:16`) and the per-layer variants of
+  a layer of another kind or quantization than layer 0 (`block@3`, `block:16@3`:
+  `NetName`);
+- the IO names and, at given static shapes (`StaticShapes`, with the prefill chunk lengths
+  and `chunk_length`, the shortest that holds a chunk), the exact IO of every text net
+  (`net_io`);
 - the additive attention masks (`prefill_mask`, `decode_mask`);
 - the text positions of a model whose rotary has several axes and whose VLM lays them out
   per axis (MiniCPM-V 4.7's canvas M-RoPE: `canvas_position_ids`);
@@ -106,34 +109,64 @@ DEEPSTACK_NET = "deepstack_add"
 KNOWN_NETS = (*TEXT_NETS, VISION_NET, DEEPSTACK_NET)
 
 
+#: the nets compiled at every prefill chunk length (`StaticShapes.prefill_lengths`): the
+#: prompt's embedding and the prefill blocks; the runtime runs a chunk of n tokens through
+#: the shortest that holds n
+PREFILL_NETS = (EMBEDDING, BLOCK, BLOCK_KV)
+
+
+def _decimal(text: str) -> int | None:
+    """A positive decimal number without leading zeros (at most 9 digits), else None."""
+    if text.isascii() and text.isdigit() and len(text) < 10 and str(int(text)) == text \
+            and int(text) > 0:
+        return int(text)
+    return None
+
+
 @dataclass(frozen=True)
 class NetName:
-    """A net's name: a known net, or a variant `<per-layer net>@<layer>` compiled for the
-    layers (from `layer` on) whose checkpoint quantization differs from layer 0's."""
+    """A net's name: a known net; a prefill net at a shorter chunk length
+    `<prefill net>:<length>` (`block:16`: `block` compiled for chunks of 16 tokens; the
+    net without a length is the one at `max_input_length`); and a variant
+    `<per-layer net>[:<length>]@<layer>` compiled for the layers (from `layer` on) whose
+    kind or checkpoint quantization differs from layer 0's."""
 
     base: str
     layer: int = 0  # 0: the net every layer runs unless it has a variant
+    length: int = 0  # 0: at max_input_length; else a shorter prefill chunk length
 
     @classmethod
     def parse(cls, name: str) -> NetName:
-        """`block@3` -> NetName('block', 3); `lm_head` -> NetName('lm_head'). ContractError
-        for anything else (an unknown net, a variant of a net that is not per-layer, a layer
-        that is not a positive decimal number without leading zeros)."""
-        base, at, layer = name.partition("@")
-        if not at and base in KNOWN_NETS:
-            return cls(base)
-        if at and base in PER_LAYER_NETS and layer.isascii() and layer.isdigit() and \
-                len(layer) < 10 and str(int(layer)) == layer and int(layer) > 0:
-            return cls(base, int(layer))
-        raise ContractError(f"'{name}' is not a net name (nets: {', '.join(KNOWN_NETS)}, or "
-                            "<per-layer net>@<layer>)")
+        """`block:16@3` -> NetName('block', 3, 16); `lm_head` -> NetName('lm_head').
+        ContractError for anything else (an unknown net, a variant of a net that is not
+        per-layer, a length of a net that is not a prefill net, a layer or length that is
+        not a positive decimal number without leading zeros)."""
+        head, at, layer_text = name.partition("@")
+        base, colon, length_text = head.partition(":")
+        layer = _decimal(layer_text) if at else 0
+        length = _decimal(length_text) if colon else 0
+        ok = (base in KNOWN_NETS and layer is not None and length is not None
+              and (not at or base in PER_LAYER_NETS) and (not colon or base in PREFILL_NETS))
+        if ok:
+            return cls(base, layer or 0, length or 0)
+        raise ContractError(f"'{name}' is not a net name (nets: {', '.join(KNOWN_NETS)}, "
+                            "<prefill net>:<length>, or <per-layer net>[:<length>]@<layer>)")
 
     @property
     def is_variant(self) -> bool:
         return self.layer > 0
 
+    def at_length(self, length: int) -> NetName:
+        """This net compiled for chunks of `length` (0: at max_input_length)."""
+        return NetName(self.base, self.layer, length)
+
+    def at_layer(self, layer: int) -> NetName:
+        """This net as layer `layer`'s variant (0: the net of layer 0's kind)."""
+        return NetName(self.base, layer, self.length)
+
     def __str__(self) -> str:
-        return f"{self.base}@{self.layer}" if self.layer else self.base
+        name = f"{self.base}:{self.length}" if self.length else self.base
+        return f"{name}@{self.layer}" if self.layer else name
 
 
 # =========================================================================== IO names
@@ -219,20 +252,51 @@ def sample_k(vocab_size: int) -> int:
 
 @dataclass(frozen=True)
 class StaticShapes:
-    """The compiled static shapes: KV capacity SEQ, prefill chunk L, prefill history Hh."""
+    """The compiled static shapes: KV capacity SEQ, prefill chunk L, prefill history Hh,
+    and the chunk lengths the prefill nets are compiled at (`prefill_lengths`: ascending,
+    the last is L; a file made with one length has just (L,))."""
 
     seq_length: int
     max_input_length: int
     max_history: int
+    prefill_lengths: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prefill_lengths:  # one chunk length: L
+            object.__setattr__(self, "prefill_lengths", (self.max_input_length,))
+        else:
+            object.__setattr__(self, "prefill_lengths", tuple(self.prefill_lengths))
 
     @classmethod
     def make(cls, seq_length: int, max_input_length: int | None = None,
-             max_history: int | None = None) -> StaticShapes:
-        """Fill the defaults (L = min(SEQ, 128), Hh = SEQ) and validate (ContractError
-        naming the command-line option)."""
+             max_history: int | None = None,
+             prefill_lengths: Sequence[int] | None = None) -> StaticShapes:
+        """Fill the defaults (L = min(SEQ, 128), or the largest of `prefill_lengths`;
+        Hh = SEQ; prefill lengths `default_prefill_lengths(L)`) and validate
+        (ContractError naming the command-line option)."""
         if seq_length < 2:
             raise ContractError(f"--seq-length must be at least 2, got {seq_length}")
-        L = min(seq_length, 128) if max_input_length is None else max_input_length
+        if prefill_lengths is not None:
+            given = list(prefill_lengths)
+            if not given:
+                raise ContractError("--prefill-lengths names no length")
+            bad = [n for n in given if not 1 <= n <= seq_length]
+            if bad:
+                raise ContractError(f"--prefill-lengths {bad[0]} must be between 1 and "
+                                    f"--seq-length {seq_length}")
+            twice = sorted({n for n in given if given.count(n) > 1})
+            if twice:
+                raise ContractError(f"--prefill-lengths names {twice[0]} twice")
+            if max_input_length is not None and max(given) > max_input_length:
+                raise ContractError(
+                    f"--prefill-lengths {max(given)} is longer than --max-input-length "
+                    f"{max_input_length} (the longest prefill chunk)")
+        if max_input_length is not None:
+            L = max_input_length
+        elif prefill_lengths is not None:
+            L = max(prefill_lengths)
+        else:
+            L = min(seq_length, 128)
         Hh = seq_length if max_history is None else max_history
         if not 1 <= L <= seq_length:
             raise ContractError(
@@ -240,7 +304,42 @@ class StaticShapes:
         if not 1 <= Hh <= seq_length:
             raise ContractError(
                 f"--max-history {Hh} must be between 1 and --seq-length {seq_length}")
-        return cls(seq_length, L, Hh)
+        lengths = default_prefill_lengths(L) if prefill_lengths is None else \
+            tuple(sorted({*prefill_lengths, L}))
+        return cls(seq_length, L, Hh, lengths)
+
+    def chunk_length(self, n: int) -> int:
+        """The shortest prefill length that holds a chunk of `n` tokens (1 <= n <= L)."""
+        if not 1 <= n <= self.max_input_length:
+            raise ContractError(f"a prefill chunk of {n} tokens does not fit the longest "
+                                f"prefill length {self.max_input_length}")
+        return next(length for length in self.prefill_lengths if length >= n)
+
+    @property
+    def shorter_lengths(self) -> tuple[int, ...]:
+        """The prefill lengths below L: those with nets `<prefill net>:<length>`."""
+        return self.prefill_lengths[:-1]
+
+    def prefill_net(self, base: str, length: int) -> str:
+        """The name of prefill net `base` at chunk length `length` (`block`, `block:16`)."""
+        if length not in self.prefill_lengths:
+            raise ContractError(f"{length} is not a prefill length of these shapes "
+                                f"({list(self.prefill_lengths)})")
+        return str(NetName(base, 0, 0 if length == self.max_input_length else length))
+
+
+#: the chunk lengths compiled below L by default: powers of 4 from 16 (16, 64, 256, ...)
+DEFAULT_PREFILL_BASE = 16
+
+
+def default_prefill_lengths(max_input_length: int) -> tuple[int, ...]:
+    """16, 64, 256, ... below `max_input_length`, and `max_input_length` itself: a short
+    prompt runs a chunk at most 4x its length (at least 16), a long one chunks of L."""
+    out, n = [], DEFAULT_PREFILL_BASE
+    while n < max_input_length:
+        out.append(n)
+        n *= 4
+    return (*out, max_input_length)
 
 
 class ModelWidths(Protocol):
@@ -278,8 +377,9 @@ class LinearWidths:
 def linear_net_io(shapes: StaticShapes, hidden_size: int, widths: LinearWidths, act: str
                   ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
     """The inputs and outputs of a linear-attention layer's `block`, `block_kv` and
-    `block_cache` (`LINEAR_*` above): the state in, the new state out."""
-    L, Hh, H = shapes.max_input_length, shapes.max_history, hidden_size
+    `block_cache` (`LINEAR_*` above): the state in, the new state out; `block` and
+    `block_kv` at every prefill length (`block:16`, ...)."""
+    Hh, H = shapes.max_history, hidden_size
     state_in = (widths.conv_state(CONV_STATE, act), widths.recurrent_state(RECURRENT_STATE))
 
     def outs(n: int) -> tuple[TensorSpec, ...]:
@@ -287,13 +387,16 @@ def linear_net_io(shapes: StaticShapes, hidden_size: int, widths: LinearWidths, 
                 widths.conv_state(PRESENT_CONV_STATE, act),
                 widths.recurrent_state(PRESENT_RECURRENT_STATE))
 
-    return {
-        BLOCK: ((TensorSpec(HIDDEN, (1, L, H), act),
-                 TensorSpec(ATTENTION_MASK, (1, 1, L, L), act)), outs(L)),
-        BLOCK_KV: ((TensorSpec(HIDDEN, (1, L, H), act),
-                    TensorSpec(ATTENTION_MASK, (1, 1, L, Hh + L), act), *state_in), outs(L)),
-        BLOCK_CACHE: ((TensorSpec(HIDDEN, (1, 1, H), act), *state_in), outs(1)),
-    }
+    out = {}
+    for L in shapes.prefill_lengths:
+        out[shapes.prefill_net(BLOCK, L)] = (
+            (TensorSpec(HIDDEN, (1, L, H), act), TensorSpec(ATTENTION_MASK, (1, 1, L, L), act)),
+            outs(L))
+        out[shapes.prefill_net(BLOCK_KV, L)] = (
+            (TensorSpec(HIDDEN, (1, L, H), act),
+             TensorSpec(ATTENTION_MASK, (1, 1, L, Hh + L), act), *state_in), outs(L))
+    out[BLOCK_CACHE] = ((TensorSpec(HIDDEN, (1, 1, H), act), *state_in), outs(1))
+    return out
 
 
 def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: int = 1
@@ -301,11 +404,12 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
     """The inputs and outputs of each text net: static shapes L, SEQ and Hh, the model's
     widths, float activations (and logits) of dtype `act`, int32 ids and positions (one
     row per position axis, `POSITION_AXES`); the sampling head's parameters and
-    probabilities are f32 whatever `act` is."""
+    probabilities are f32 whatever `act` is. The prefill nets (`PREFILL_NETS`) at every
+    prefill length: `block` at L, `block:16` at 16, ..."""
     if position_axes not in POSITION_AXES:
         raise ContractError(f"{position_axes} position axes: the nets take "
                             f"{' or '.join(map(str, POSITION_AXES))}")
-    L, S, Hh = shapes.max_input_length, shapes.seq_length, shapes.max_history
+    S, Hh = shapes.seq_length, shapes.max_history
     H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
     V, K = model.vocab_size, sample_k(model.vocab_size)
 
@@ -320,11 +424,20 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
         return tuple(inputs), (t(HIDDEN_OUT, 1, n, H), t(PRESENT_K, 1, n, kv, D),
                                t(PRESENT_V, 1, n, kv, D))
 
+    def prefill(L: int) -> dict[str, tuple[tuple[TensorSpec, ...], ...]]:
+        return {
+            shapes.prefill_net(EMBEDDING, L): ((t(INPUT_IDS, 1, L, dtype="int32"),),
+                                               (t(HIDDEN, 1, L, H),)),
+            shapes.prefill_net(BLOCK, L): block(L, L, None),
+            shapes.prefill_net(BLOCK_KV, L): block(L, Hh + L, Hh),
+        }
+
+    longest = prefill(shapes.max_input_length)
     return {
-        EMBEDDING: ((t(INPUT_IDS, 1, L, dtype="int32"),), (t(HIDDEN, 1, L, H),)),
+        EMBEDDING: longest[EMBEDDING],
         EMBEDDING_CACHE: ((t(INPUT_IDS, 1, 1, dtype="int32"),), (t(HIDDEN, 1, 1, H),)),
-        BLOCK: block(L, L, None),
-        BLOCK_KV: block(L, Hh + L, Hh),
+        BLOCK: longest[BLOCK],
+        BLOCK_KV: longest[BLOCK_KV],
         BLOCK_CACHE: block(1, S + 1, S),
         LM_HEAD: ((t(HIDDEN, 1, H),), (t(LOGITS, 1, V),)),
         GREEDY_HEAD: ((t(LOGITS, 1, V),), (t(TOKEN, 1, 1, dtype="int32"),)),
@@ -332,6 +445,7 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
                        t(PENALTY, 1, 1, dtype="float32"), t(TEMPERATURE, 1, 1, dtype="float32"),
                        t(TOP_K, 1, 1, dtype="int32"), t(TOP_P, 1, 1, dtype="float32")),
                       (t(PROBS, 1, K, dtype="float32"), t(TOKEN_IDS, 1, K, dtype="int32"))),
+        **{name: io for L in shapes.shorter_lengths for name, io in prefill(L).items()},
     }
 
 

@@ -201,7 +201,7 @@ def main() -> None:
     compile_s = time.perf_counter() - t
     nets_s = sum(v for k, v in res.timings.items() if k.startswith("net:"))
     print(f"compile ({a.mode}, seq {a.seq}, input {a.input}): {compile_s:.1f}s total = "
-          f"nets {nets_s:.1f}s (7 nets, each once) + per-layer weights "
+          f"nets {nets_s:.1f}s ({len(res.nets)} nets, each once) + per-layer weights "
           f"{res.timings['weights']:.1f}s + write {res.timings['write']:.1f}s; model file "
           f"{os.path.getsize(path) / 1e6:.0f} MB")
     print("  IR bytes per net: " + ", ".join(f"{n} {c.ir_bytes}" for n, c in res.nets.items()))

@@ -518,54 +518,71 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f3
         return torch.randint(0, arch.vocab_size, (1, n), generator=g, dtype=torch.int32)
 
     lm_head = model.get_output_embeddings()
-    mask_kv = torch.from_numpy(prefill_mask(L, L, Hh, Hh))
-    if arch.layer_type(layer) == LINEAR_ATTENTION:
-        w = arch.linear
-        assert w is not None
+    kind = arch.layer_type(layer)
+    if kind == LINEAR_ATTENTION:
+        assert arch.linear is not None
         lay = inner.layers[layer]
-
-        def state() -> tuple[torch.Tensor, torch.Tensor]:
-            return (rand(1, w.conv_kernel - 1, w.conv_dim),
-                    rand(1, w.num_v_heads, w.head_k_dim, w.head_v_dim) * 0.1)
-
-        outs = list(LINEAR_OUTPUTS)
-        blocks = [
-            NetSpec(BLOCK, LinearAttentionBlock(lay, w).eval(),
-                    (rand(1, L, H), torch.from_numpy(prefill_mask(L, L))),
-                    list(LINEAR_BLOCK_INPUTS), outs, True),
-            NetSpec(BLOCK_KV, LinearAttentionBlock(lay, w, history=True).eval(),
-                    (rand(1, L, H), mask_kv, *state()), list(LINEAR_HISTORY_INPUTS), outs,
-                    True),
-            NetSpec(BLOCK_CACHE, LinearAttentionBlock(lay, w, cached=True).eval(),
-                    (rand(1, 1, H), *state()), list(LINEAR_CACHE_INPUTS), outs, True),
-        ]
+        linear_block = LinearAttentionBlock(lay, arch.linear).eval()
+        linear_history = LinearAttentionBlock(lay, arch.linear, history=True).eval()
     else:
         rotary = text_rotary(inner.rotary_emb, position_axes)
         block = Block(inner.layers[layer], rotary, apply_rotary, arch).eval()
         block_h = BlockWithHistory(inner.layers[layer], rotary, apply_rotary, arch).eval()
-        io_block, io_hist, outs = list(BLOCK_INPUTS), list(HISTORY_INPUTS), list(BLOCK_OUTPUTS)
-        blocks = [
-            NetSpec(BLOCK, block,
-                    (rand(1, L, H), pos(L), torch.from_numpy(prefill_mask(L, L))),
-                    io_block, outs, True),
-            NetSpec(BLOCK_KV, block_h,
-                    (rand(1, L, H), pos(L, Hh), mask_kv, rand(1, Hh, kvh, D),
-                     rand(1, Hh, kvh, D)),
-                    io_hist, outs, True),
-            NetSpec(BLOCK_CACHE, block_h,
-                    (rand(1, 1, H), pos(1, seq - 1), torch.from_numpy(decode_mask(seq - 1, seq)),
-                     rand(1, seq, kvh, D), rand(1, seq, kvh, D)),
-                    io_hist, outs, True),
-        ]
+    embedding = Embedding(inner.embed_tokens)
+
+    def prefill(L: int) -> list[NetSpec]:
+        """The prefill nets at chunk length L: embedding, block, block_kv."""
+        mask_kv = torch.from_numpy(prefill_mask(L, L, Hh, Hh))
+        emb = NetSpec(shapes.prefill_net(EMBEDDING, L), embedding, (ids(L),), [INPUT_IDS],
+                      [HIDDEN], False)
+        name_b, name_kv = shapes.prefill_net(BLOCK, L), shapes.prefill_net(BLOCK_KV, L)
+        if kind == LINEAR_ATTENTION:
+            outs = list(LINEAR_OUTPUTS)
+            return [emb,
+                    NetSpec(name_b, linear_block,
+                            (rand(1, L, H), torch.from_numpy(prefill_mask(L, L))),
+                            list(LINEAR_BLOCK_INPUTS), outs, True),
+                    NetSpec(name_kv, linear_history, (rand(1, L, H), mask_kv, *state()),
+                            list(LINEAR_HISTORY_INPUTS), outs, True)]
+        outs = list(BLOCK_OUTPUTS)
+        return [emb,
+                NetSpec(name_b, block,
+                        (rand(1, L, H), pos(L), torch.from_numpy(prefill_mask(L, L))),
+                        list(BLOCK_INPUTS), outs, True),
+                NetSpec(name_kv, block_h,
+                        (rand(1, L, H), pos(L, Hh), mask_kv, rand(1, Hh, kvh, D),
+                         rand(1, Hh, kvh, D)),
+                        list(HISTORY_INPUTS), outs, True)]
+
+    def state() -> tuple[torch.Tensor, torch.Tensor]:
+        w = arch.linear
+        assert w is not None
+        return (rand(1, w.conv_kernel - 1, w.conv_dim),
+                rand(1, w.num_v_heads, w.head_k_dim, w.head_v_dim) * 0.1)
+
+    if kind == LINEAR_ATTENTION:
+        assert arch.linear is not None
+        cache = NetSpec(BLOCK_CACHE,
+                        LinearAttentionBlock(inner.layers[layer], arch.linear,
+                                             cached=True).eval(),
+                        (rand(1, 1, H), *state()), list(LINEAR_CACHE_INPUTS),
+                        list(LINEAR_OUTPUTS), True)
+    else:
+        cache = NetSpec(BLOCK_CACHE, block_h,
+                        (rand(1, 1, H), pos(1, seq - 1),
+                         torch.from_numpy(decode_mask(seq - 1, seq)), rand(1, seq, kvh, D),
+                         rand(1, seq, kvh, D)),
+                        list(HISTORY_INPUTS), list(BLOCK_OUTPUTS), True)
+    emb_L, block_L, block_kv_L = prefill(L)
     return [
-        NetSpec(EMBEDDING, Embedding(inner.embed_tokens), (ids(L),), [INPUT_IDS], [HIDDEN],
-                False),
-        NetSpec(EMBEDDING_CACHE, Embedding(inner.embed_tokens), (ids(1),), [INPUT_IDS],
-                [HIDDEN], False),
-        *blocks,
+        emb_L,
+        NetSpec(EMBEDDING_CACHE, embedding, (ids(1),), [INPUT_IDS], [HIDDEN], False),
+        block_L, block_kv_L, cache,
         NetSpec(LM_HEAD, LmHead(inner.norm, lm_head), (rand(1, H),), [HIDDEN], [LOGITS],
                 False),
         *head_specs(arch.vocab_size, seq, act),
+        # the prefill nets at the shorter chunk lengths share every weight with those at L
+        *(spec for length in shapes.shorter_lengths for spec in prefill(length)),
     ]
 
 

@@ -199,6 +199,20 @@ def test_other_commands_argument_values(tmp_path_factory, tmp_path, capsys, no_l
              "integer >= 2"),
             (["compile", ck, "-o", out, "--seq-length", "x"], 2, "got 'x'"),
             (["compile", ck, "-o", out, "--max-input-length", "0"], 2, "--max-input-length"),
+            (["compile", ck, "-o", out, "--prefill-lengths", "0"], 2,
+             "--prefill-lengths: '0' is not a chunk length"),
+            (["compile", ck, "-o", out, "--prefill-lengths", "16,x"], 2,
+             "'x' is not a chunk length"),
+            (["compile", ck, "-o", out, "--prefill-lengths", "16,16"], 2, "16 is given twice"),
+            (["compile", ck, "-o", out, "--prefill-lengths", "16,"], 2,
+             "expected lengths separated by commas"),
+            (["compile", ck, "-o", out, "--seq-length", "64", "--prefill-lengths", "16,128"],
+             1, "--prefill-lengths 128 must be between 1 and --seq-length 64"),
+            (["compile", ck, "-o", out, "--max-input-length", "32", "--prefill-lengths",
+              "16,64"], 1, "--prefill-lengths 64 is longer than --max-input-length 32"),
+            (["estimate", ck, "--prefill-lengths", "-4"], 2, "'-4' is not a chunk length"),
+            (["estimate", ck, "--seq-length", "64", "--prefill-lengths", "100"], 1,
+             "--prefill-lengths 100 must be between 1 and --seq-length 64"),
             (["compile", ck, "-o", out, "--group-size", "0"], 2, "positive integer or -1"),
             (["compile", ck, "-o", out, "--image-size", "0"], 2, "--image-size"),
             (["compare", "--seq", "0"], 2, "--seq: must be an integer >= 1"),
@@ -486,8 +500,9 @@ def test_run_json_has_a_schema_version(model_file, capsys) -> None:
     assert set(data) == {"schema", "prompt_ids", "generated_ids", "text", "stop_reason",
                          "ttft_s", "tokens_per_s", "modelled_ttft_s", "modelled_tokens_per_s",
                          "image_tokens", "vision_s", "vision_modelled_s", "executor",
-                         "sampler", "modelled_breakdown"}
+                         "sampler", "modelled_breakdown", "weight_cache_file"}
     assert data["sampler"] == "greedy" and data["modelled_breakdown"] is None
+    assert data["weight_cache_file"] is None  # none written beside this model file
     usage = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     for key in data:  # every key is documented in the usage page's schema table
         assert f"| `{key}` |" in usage, key

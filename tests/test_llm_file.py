@@ -51,7 +51,8 @@ def test_header_carries_shapes_config_generation_and_tokenizer(tmp_path_factory)
     f = LlmFile(compiled(tmp_path_factory, "llama3").model_file)
     h = f.header
     assert h["kind"] == "toptpu-llm" and h["chip"] == "bm1684x" and h["mode"] == "f32"
-    assert h["shapes"] == {"seq_length": 160, "max_input_length": 16, "max_history": 160}
+    assert h["shapes"] == {"seq_length": 160, "max_input_length": 16, "max_history": 160,
+                           "prefill_lengths": [16]}
     assert h["model"]["family"] == "llama" and h["model"]["tied_embeddings"]
     assert h["model"]["config"]["rope_parameters"]["rope_type"] == "llama3"
     assert h["generation"]["eos_token_ids"] == [2, 0]

@@ -1,9 +1,12 @@
 """The machine's two modes give the same numbers: every net of the test models (per-layer
-nets at their first and last layer) run on the fast and the checked machine with the same
-inputs gives bit-identical outputs, on the first run and on a second one (when the fast
-mode's cached conversions of the weights are used)."""
+nets at their first and last layer; the prefill nets at each prefill length) run on the
+fast and the checked machine with the same inputs gives bit-identical outputs, on the first
+run and on a second one (when the fast mode's cached conversions of the weights are used),
+and with the fast machine reading the weight cache file's forms instead."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -11,13 +14,15 @@ from llm_fixtures import compiled
 
 from toptpu.backend.contract import TensorSpec
 from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.weight_cache_file import open_weight_cache, write_weight_cache
 
 pytestmark = pytest.mark.slow
 
 #: (family, mode, compile options): f32 and w4bf16 (the dequantized-weight cache), one
 #: with a history (block_kv)
 MODELS = [("qwen2", "f32", {}), ("qwen2", "w4bf16", {}),
-          ("qwen2", "f32", {"seq": 64, "input_len": 16, "history": 56})]
+          ("qwen2", "f32", {"seq": 64, "input_len": 16, "history": 56}),
+          ("qwen2", "w4bf16", {"seq": 96, "input_len": 48, "cached": True})]
 
 
 def _value(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
@@ -37,11 +42,19 @@ def _run(ex: MachineExecutor, net: str, feeds: dict[str, np.ndarray],
 
 
 @pytest.mark.parametrize(("family", "mode", "options"), MODELS,
-                         ids=[f"{f}-{m}{'-history' if o else ''}" for f, m, o in MODELS])
+                         ids=[f"{f}-{m}{'-' + '-'.join(o) if o else ''}"
+                              for f, m, o in MODELS])
 def test_fast_and_checked_mode_are_bit_identical_on_every_net(
-        tmp_path_factory, family: str, mode: str, options: dict) -> None:
+        tmp_path_factory, tmp_path, family: str, mode: str, options: dict) -> None:
+    options = dict(options)
+    cached = options.pop("cached", False)
     path = compiled(tmp_path_factory, family, mode, **options).model_file
+    if cached:  # the fast machine reads the forms from a weight cache file (a private copy)
+        path = shutil.copyfile(path, str(tmp_path / "model.toptpu"))
+        write_weight_cache(path)
     fast, checked = MachineExecutor(path), MachineExecutor(path, checked=True)
+    if cached:
+        fast.use_weight_cache(open_weight_cache(fast.file))
     assert not fast.machine.checked and checked.machine.checked
     rng = np.random.default_rng(0)
     layers = fast.file.layout.num_layers
@@ -59,6 +72,9 @@ def test_fast_and_checked_mode_are_bit_identical_on_every_net(
     assert {"embedding", "block", "block_cache", "lm_head"} <= set(fast.nets())
     if "history" in options:
         assert "block_kv" in fast.nets()
+    if cached:
+        assert {"embedding:16", "block:16", "block_kv:16"} <= set(fast.nets())
+        assert len(fast.machine.cache) == 0 and fast.stored is not None and fast.stored.hits
     assert compared >= len(fast.nets())
 
 

@@ -336,8 +336,9 @@ def test_a_smaller_grid_gives_the_tokens_of_a_net_of_its_size(tmp_path_factory) 
 @pytest.mark.slow
 def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
     """Qwen3-VL with an image: with the same image rows the tokens and every KV cache after
-    the turn are the same bits on the machine as on the Tpu interpreter (the text nets and
-    `deepstack_add`). The vit's own rows are the interpreter's bits where its plan keeps
+    the turn are the same bits on the machine as on the Tpu interpreter (the text nets at L
+    and `deepstack_add`; the last chunk's rows, at the prefill length 16, to f32 rounding).
+    The vit's own rows are the interpreter's bits where its plan keeps
     every reduction whole; where a layer group sums a matmul's K in parts (the cost model's
     choice on bm1684x) they agree within cos >= 0.99999 (docs/machine.md)."""
     from toptpu.backend.runtime.machine_executor import MachineExecutor
@@ -364,7 +365,12 @@ def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
     assert m_tokens == i_tokens
     assert sorted(m_caches) == sorted(i_caches) and len(m_caches) == 6
     for name, value in m_caches.items():
-        assert np.array_equal(value, i_caches[name]), name
+        # the chunks at L (those with image rows): the same bits; the prompt's last chunk
+        # runs block_kv:16, whose rows agree to f32 rounding only on this host (docs/limits.md)
+        want, at_l = i_caches[name], len(ids) - len(ids) % machine.L
+        assert len(ids) % machine.L <= 16 < machine.L  # the last chunk runs at 16
+        assert np.array_equal(value[:, :at_l], want[:, :at_l]), name
+        assert np.abs(value - want).max() <= 1e-5 * np.abs(want).max(), name
 
 
 # =========================================================================== real widths
@@ -583,7 +589,7 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
     from toptpu.backend.contract import StaticShapes
     from toptpu.backend.runtime.accounting import StepModel, merged, total
     from toptpu.backend.target.chips import get_chip
-    from toptpu.estimate import compile_costs, net_program
+    from toptpu.estimate import all_prefill_nets, compile_costs, net_program
 
     path = qwen_file(tmp_path_factory, "qwen3_vl")
     rt = Runtime.open(path, "machine")
@@ -595,10 +601,13 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
     assert vision.tokens == 100 and vision.levels == 2
     assert images[0].modelled_costs.total_s == pytest.approx(vision.image().total_s, rel=1e-9)
     text = compile_costs(config.text_config, chip, "f32", shapes, position_axes=3,
-                         build=vlm_estimate.text_placeholder_builder(config.text_config))
+                         build=vlm_estimate.text_placeholder_builder(config.text_config),
+                         nets=all_prefill_nets(shapes))
     steps = StepModel(chip, text.io(), text.timings(chip), text.model.num_layers)
     before = ids.index(config.image_token_id)
-    charges = [*steps.first_token_charges(len(ids), "greedy"),
+    # a chunk holding DeepStack rows runs at L, the others at the shortest length
+    at_full = range(before, before + images[0].image_tokens)
+    charges = [*steps.first_token_charges(len(ids), "greedy", at_full),
                *vision.prefill_charges(steps.chunk, before, images[0].image_tokens)]
     first = res.modelled_breakdown["first_token"]
     assert first["total_s"] == pytest.approx(total(merged(charges)).total_s, rel=1e-9)

@@ -278,9 +278,10 @@ def test_a_header_whose_net_reads_a_tensor_its_layers_chunk_lacks_is_refused(
     with pytest.raises(HeaderError, match=r"weights\.layers has 1 entries, model\.num_layers "
                                           r"is 2"):
         LlmHeader.from_json(short)
-    old = {**copy.deepcopy(src.header), "llm_format": 1}
-    with pytest.raises(HeaderError, match=r"llm_format is 1, not 2"):
-        LlmHeader.from_json(old)
+    for old_format in (1, 2):  # one chunk layout for all layers; one prefill length
+        old = {**copy.deepcopy(src.header), "llm_format": old_format}
+        with pytest.raises(HeaderError, match=rf"llm_format is {old_format}, not 3"):
+            LlmHeader.from_json(old)
     src.close()
 
 

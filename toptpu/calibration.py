@@ -134,8 +134,9 @@ class Row:
                    max_position_embeddings=max(32768, self.seq_length))
 
     def shapes(self, chunk: int) -> StaticShapes:
-        """KV capacity SEQ, prefill chunk `chunk`, prefill history SEQ."""
-        return StaticShapes.make(self.seq_length, chunk, self.seq_length)
+        """KV capacity SEQ, prefill chunk `chunk` (the one prefill length: LLM-TPU's
+        published speeds are of nets compiled at one), prefill history SEQ."""
+        return StaticShapes.make(self.seq_length, chunk, self.seq_length, [chunk])
 
     @property
     def chunks(self) -> list[int]:

@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_chat_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
 
+    w = sub.add_parser("cache", help=llm_cli.cmd_cache.__doc__)
+    llm_cli.add_cache_args(w)
+    w.set_defaults(fn=llm_cli.cmd_cache)
+
     add_profile_parser(sub)
     add_estimate_parser(sub)
     add_sweep_parser(sub)

@@ -171,15 +171,39 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def chunk_lengths(text: str) -> list[int]:
+    """Prefill chunk lengths separated by commas: '16,64' -> [16, 64] (each >= 1, none
+    twice; their range against the other shapes is `StaticShapes.make`'s check)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"expected lengths separated by commas (e.g. 16,64), "
+                                         f"got {text!r}")
+    out = []
+    for part in parts:
+        v = _int(part)
+        if v is None or v < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a chunk length (an integer "
+                                             ">= 1)")
+        if v in out:
+            raise argparse.ArgumentTypeError(f"{v} is given twice")
+        out.append(v)
+    return out
+
+
 def add_static_shape_args(p: argparse.ArgumentParser) -> None:
-    """--seq-length, --max-input-length and --max-history: the static shapes of the nets, as
-    compile, estimate and the rest take them."""
+    """--seq-length, --max-input-length, --max-history and --prefill-lengths: the static
+    shapes of the nets, as compile, estimate and the rest take them."""
     p.add_argument("--seq-length", type=int_at_least(2), default=512,
                    help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
     p.add_argument("--max-input-length", type=int_at_least(1), default=None,
                    help="prefill chunk L (default min(SEQ, 128))")
     p.add_argument("--max-history", type=int_at_least(1), default=None,
                    help="history Hh the prefill_kv net attends to (default SEQ)")
+    p.add_argument("--prefill-lengths", type=chunk_lengths, default=None, metavar="N,N,...",
+                   help="the chunk lengths the prefill nets are also compiled at; a prompt "
+                   "chunk runs the shortest that holds it (default 16, 64, 256, ... below L; "
+                   "the longest is L, or L is their largest when --max-input-length is not "
+                   "given)")
 
 
 #: how a model is spread over several devices (`--parallel`)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +118,8 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
                           max_patches: int | None = None,
                           dequantize: str | None = None,
                           max_pixels: tuple[int, int] | None = None, devices: int = 1,
-                          parallel: str | None = None) -> CompileOptions:
+                          parallel: str | None = None,
+                          prefill_lengths: Sequence[int] | None = None) -> CompileOptions:
     """Check `compile`'s arguments and output paths before any work starts (the model's
     config.json is read, its weights are not). Raises CompileError naming the problem."""
     if dequantize is not None:
@@ -142,7 +144,7 @@ def check_compile_request(model: Any, output: str, *, mode: str | None, chip: st
     check_quant_options(mode, group_size, symmetric)
     parallel = check_devices(devices, parallel, chip)
     try:
-        shapes = StaticShapes.make(seq_length, max_input_length, max_history)
+        shapes = StaticShapes.make(seq_length, max_input_length, max_history, prefill_lengths)
     except ValueError as e:
         raise CompileError(str(e)) from e
     try:

@@ -331,6 +331,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     seq_length: int = 512,
     max_input_length: int | None = None,
     max_history: int | None = None,
+    prefill_lengths: Sequence[int] | None = None,
     group_size: int | None = None,
     symmetric: bool | None = None,
     dump_ir: str | None = None,
@@ -353,7 +354,9 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
     w4bf16 | w8f32 | w4f32. Static shapes: `seq_length` (KV capacity), `max_input_length`
     (prefill chunk, default min(SEQ, 128)), `max_history` (history of prefill_kv, default
-    SEQ). `group_size` (w4 modes only; default 64, -1 per channel) and `symmetric` (w4/w8
+    SEQ), `prefill_lengths` (the chunk lengths the prefill nets are compiled at besides
+    `max_input_length`; default 16, 64, 256, ... below it: a short prompt runs the shortest
+    that holds it). `group_size` (w4 modes only; default 64, -1 per channel) and `symmetric` (w4/w8
     modes) shape round-to-nearest quantization and are refused where they would be ignored
     (float modes, w8's per-channel scales, pre-quantized checkpoints). Every argument and
     output path is checked before any work starts (`check_compile_request`): `output` and
@@ -378,7 +381,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
         max_input_length=max_input_length, max_history=max_history, group_size=group_size,
         symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
         max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize,
-        max_pixels=max_pixels, devices=devices, parallel=parallel)
+        max_pixels=max_pixels, devices=devices, parallel=parallel,
+        prefill_lengths=prefill_lengths)
     the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
     timings = {"load": the_plan.load_seconds}
@@ -449,7 +453,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
         progress.write(f"toptpu compile: {loaded.source} ({arch.family}, {arch.num_layers} "
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, "
                        f"{options.chip}{spread}, seq {shapes.seq_length}, input "
-                       f"{shapes.max_input_length}, history {shapes.max_history}]\n")
+                       f"{shapes.max_input_length}, history {shapes.max_history}, prefill "
+                       f"lengths {','.join(map(str, shapes.prefill_lengths))}]\n")
     act = QuantMode(mode).activation
     vision = getattr(loaded, "vision", None)
     axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
@@ -471,8 +476,8 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
                                       layer_index=rep)
         for spec in rep_specs:
             if spec.per_layer:
-                nets.append(NetPlan(replace(spec, name=str(NetName(spec.name, rep))), mode,
-                                    f"v{rep}."))
+                name = str(NetName.parse(spec.name).at_layer(rep))
+                nets.append(NetPlan(replace(spec, name=name), mode, f"v{rep}."))
     layers: LayerWeights = ModelLayerWeights(hf, loaded.checkpoint)
     if loaded.stream is not None:
         layers = StreamedLayerWeights(loaded.stream, loaded.checkpoint)
@@ -953,7 +958,8 @@ def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
     n, layers = plan.options.devices, plan.num_layers
     names = list(compiled.nets)
     per_layer = [nm for nm in names if compiled.nets[nm].per_layer]
-    embeddings = [nm for nm in names if nm in (EMBEDDING, EMBEDDING_CACHE)]
+    embeddings = [nm for nm in names  # at every prefill length (`embedding:16`)
+                  if NetName.parse(nm).base in (EMBEDDING, EMBEDDING_CACHE)]
     heads = [nm for nm in names if nm not in per_layer and nm not in embeddings]
     if plan.options.parallel == "tp":
         return Placement("tp", [range(layers)] * n,
@@ -972,7 +978,7 @@ def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
     ranges = balance_layers(costs, first, last, n)
     nets = []
     for d, r in enumerate(ranges):
-        own = {str(NetName(NetName.parse(nm).base, plan.variant_of(i)))
+        own = {str(NetName.parse(nm).at_layer(plan.variant_of(i)))  # at every length
                for i in r for nm in per_layer}
         mine = [nm for nm in per_layer if nm in own]
         nets.append(tuple((embeddings if d == 0 else []) + mine
@@ -1125,7 +1131,7 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights | Dev
     layer_nets = {
         base: [str(NetName(base, plan.variant_of(i))) for i in range(plan.num_layers)]
         for base in (n for n, net in nets.items()
-                     if net.per_layer and not NetName.parse(n).is_variant)}
+                     if net.per_layer and NetName.parse(n) == NetName(n))}
     vision_info = (None if plan.vision is None
                    else {**plan.vision.header(), "mode": plan.vit_mode})
     header = _header(plan, nets, commands, packed, layer_nets, vision_info)

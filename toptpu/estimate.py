@@ -49,6 +49,7 @@ from toptpu import vlm_estimate
 from toptpu.backend.contract import (
     BLOCK,
     BLOCK_CACHE,
+    BLOCK_KV,
     CONV_STATE,
     EMBEDDING,
     EMBEDDING_CACHE,
@@ -60,6 +61,7 @@ from toptpu.backend.contract import (
     LM_HEAD,
     LOGITS,
     PER_LAYER_NETS,
+    PREFILL_NETS,
     RECURRENT_STATE,
     SAMPLE_HEAD,
     TEXT_NETS,
@@ -150,7 +152,7 @@ class ModelShape:
         """The per-layer net `layer` runs for `net`: its kind's (`block`, `block@3`)."""
         kind = self.layer_type(layer)
         rep = next(r for r in self.representatives if self.layer_type(r) == kind)
-        return str(NetName(net, rep))
+        return str(NetName.parse(net).at_layer(rep))  # `block:16` -> `block:16@3`
 
     def layer_nets(self) -> dict[str, list[str]]:
         """Each per-layer net -> the net every layer runs for it."""
@@ -289,13 +291,16 @@ def model_net_io(shapes: StaticShapes, model: ModelShape, act: str, position_axe
     per-layer nets of every layer kind under their names (a linear-attention kind's
     `contract.linear_net_io`)."""
     io = net_io(shapes, model, act, position_axes)
-    out = {name: spec for name, spec in io.items() if name not in PER_LAYER_NETS}
+    out = {name: spec for name, spec in io.items()
+           if NetName.parse(name).base not in PER_LAYER_NETS}
     for rep in model.representatives:
         kind_io = (linear_net_io(shapes, model.hidden_size, model.linear, act)
                    if model.layer_type(rep) == LINEAR_ATTENTION and model.linear is not None
                    else io)
-        for net in PER_LAYER_NETS:
-            out[str(NetName(net, rep))] = kind_io[net]
+        for name, spec in kind_io.items():  # at every prefill length (`block:16@3`)
+            net = NetName.parse(name)
+            if net.base in PER_LAYER_NETS:
+                out[str(net.at_layer(rep))] = spec
     return out
 
 
@@ -343,16 +348,16 @@ def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     for rep in reps[1:]:  # another layer kind: its per-layer nets, named as compile does
         for s in split_model(model, shapes, layer=rep, act=act, position_axes=position_axes):
             if s.per_layer:
-                name = str(NetName(s.name, rep))
+                name = str(NetName.parse(s.name).at_layer(rep))
                 specs[name] = replace(s, name=name)
                 prefixes[name] = f"v{rep}."
     unknown = [n for n in nets if n not in specs]
     if unknown:
         raise EstimateError(f"unknown nets {unknown}; nets: {', '.join(specs)}")
-    # a per-layer net asked for is compiled for every layer kind
+    # a per-layer net asked for (at any prefill length) is compiled for every layer kind
     wanted = list(dict.fromkeys(
-        name for n in nets for name in ([str(NetName(n, r)) for r in reps]
-                                        if n in PER_LAYER_NETS else [n])))
+        name for n in nets for name in ([str(NetName.parse(n).at_layer(r)) for r in reps]
+                                        if NetName.parse(n).base in PER_LAYER_NETS else [n])))
     store = WeightStore()
     programs: dict[str, Program] = {}
     for name in wanted:
@@ -478,7 +483,8 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
         return sum(s.nbytes for s in programs[shape.layer_net(BLOCK_CACHE, layer)].inputs
                    if s.name in names)
 
-    embeddings = [n for n in programs if n in (EMBEDDING, EMBEDDING_CACHE)]
+    embeddings = [n for n in programs  # at every prefill length (`embedding:16`)
+                  if NetName.parse(n).base in (EMBEDDING, EMBEDDING_CACHE)]
     per_layer = [n for n in programs if NetName.parse(n).base in PER_LAYER_NETS]
     heads = [n for n in programs if n not in embeddings and n not in per_layer]
     if parallel == "tp":
@@ -495,7 +501,8 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
                                 seconds(LM_HEAD) + seconds(GREEDY_HEAD), devices)
         nets = []
         for d, r in enumerate(ranges):
-            own = {shape.layer_net(NetName.parse(n).base, i) for i in r for n in per_layer}
+            own = {shape.layer_net(str(NetName.parse(n).at_layer(0)), i)  # at its length
+                   for i in r for n in per_layer}
             nets.append((embeddings if d == 0 else []) + [n for n in per_layer if n in own]
                         + (heads if d == devices - 1 else []))
     weights = [weight_bytes({n: programs[n] for n in mine}, shape, r)
@@ -607,9 +614,11 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
     if not 1 <= tokens <= compiled.shapes.seq_length:
         raise EstimateError(f"--prompt-tokens {tokens} must be between 1 and --seq-length "
                             f"{compiled.shapes.seq_length}")
-    layer_nets = compiled.model.layer_nets()
+    model = compiled.model
+    layer_nets = model.layer_nets()
     needed = [name for n in _needed_nets(tokens, compiled.shapes, sampler)
-              for name in (layer_nets[n] if n in layer_nets else [n])]
+              for name in ([model.layer_net(n, i) for i in range(model.num_layers)]
+                           if NetName.parse(n).base in PER_LAYER_NETS else [n])]
     missing = sorted(set(needed) - set(compiled.commands))
     if missing:
         raise EstimateError(f"this estimate needs the nets {missing}, which were not compiled")
@@ -621,11 +630,39 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
 
 
 def _needed_nets(tokens: int, shapes: StaticShapes, sampler: str) -> list[str]:
-    nets = [EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD]
-    if tokens > shapes.max_input_length:
-        nets.append("block_kv")
+    """The nets a generation from a prompt of `tokens` runs (`Runtime.generate`): each
+    prefill chunk's embedding and block (the first) or block_kv at the shortest prefill
+    length that holds it, the decode nets (also for prompt tokens past max_history), the
+    lm_head and the sampler's head."""
+    nets = [EMBEDDING_CACHE, BLOCK_CACHE, LM_HEAD]
+    done = 0
+    while done < tokens:
+        if done == 0 or done <= shapes.max_history:
+            n = min(shapes.max_input_length, tokens - done)
+            length = shapes.chunk_length(n)
+            nets += [shapes.prefill_net(EMBEDDING, length),
+                     shapes.prefill_net(BLOCK if done == 0 else BLOCK_KV, length)]
+            done += n
+        else:
+            done += 1
     nets += {"greedy": [GREEDY_HEAD], "sample": [SAMPLE_HEAD], "host": []}[sampler]
-    return nets
+    return list(dict.fromkeys(nets))
+
+
+def estimate_nets(shapes: StaticShapes, prompt_tokens: int | None, sampler: str) -> list[str]:
+    """The nets `toptpu estimate` compiles: every net of a model file at its longest
+    prefill length, and the shorter prefill nets the prompt's chunks run."""
+    tokens = shapes.max_input_length if prompt_tokens is None else prompt_tokens
+    needed = _needed_nets(tokens, shapes, sampler) \
+        if 1 <= tokens <= shapes.seq_length and sampler in SAMPLERS else []
+    return list(dict.fromkeys([*TEXT_NETS, *needed]))
+
+
+def all_prefill_nets(shapes: StaticShapes) -> list[str]:
+    """Every net of a model file: the text nets and the prefill nets at each shorter
+    prefill length."""
+    return [*TEXT_NETS, *(shapes.prefill_net(base, n) for n in shapes.shorter_lengths
+                          for base in PREFILL_NETS)]
 
 
 # =========================================================================== the command
@@ -648,7 +685,7 @@ def summary(est: Estimate) -> str:
         f"{model.num_kv_heads} KV heads x {model.head_dim}, vocab {model.vocab_size}; "
         f"{m.mode} on {chip.name} ({chip.cores} core(s), {chip.sustained_gbps:.3g} GB/s "
         f"sustained DDR); seq {s.seq_length}, input {s.max_input_length}, history "
-        f"{s.max_history}",
+        f"{s.max_history}, prefill lengths {', '.join(map(str, s.prefill_lengths))}",
         f"weights {m.weight_bytes / 1e6:.1f} MB, KV cache {m.kv_bytes / 1e6:.1f} MB "
         f"({model.num_layers - n_linear} layers){state}",
         *_device_lines(est),
@@ -800,7 +837,8 @@ def cmd_estimate(args: Any) -> int:
     from toptpu.compile_options import check_devices
 
     try:
-        shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history)
+        shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history,
+                                   args.prefill_lengths)
         base = get_chip(args.chip)
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
@@ -825,8 +863,12 @@ def cmd_estimate(args: Any) -> int:
                        f"(placeholder weights) for {chip.name}\n")
     group = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
     build = vlm_estimate.text_placeholder_builder(config) if vlm is not None else None
+    # a VLM's prompt holds an image's tokens too: every prefill length is compiled
+    nets = estimate_nets(shapes, args.prompt_tokens, args.sampler) if vlm is None \
+        else all_prefill_nets(shapes)
     compiled = compile_costs(config, chip, args.mode, shapes, group, args.symmetric,
-                             progress=progress, position_axes=3 if vlm is not None else 1,
+                             nets=nets, progress=progress,
+                             position_axes=3 if vlm is not None else 1,
                              build=build, devices=args.devices, parallel=parallel)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
     if vlm is None:
@@ -883,7 +925,8 @@ def add_estimate_parser(sub: Any) -> None:
     add_weight_quant_args(p)
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
-                   "--max-input-length)")
+                   "--max-input-length); its chunks run at the shortest prefill length "
+                   "that holds them, as `toptpu run` runs them")
     p.add_argument("--sampler", choices=list(SAMPLERS), default="greedy",
                    help="how tokens are chosen: greedy_head or sample_head on the chip, or "
                    "on the host from the logits read back")

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from toptpu.backend.contract import REPETITION_PENALTY_RANGE
+from toptpu.backend.formats.llm_file import LlmFile
 from toptpu.backend.runtime.run_trace import write_run_trace
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
@@ -25,6 +26,11 @@ from toptpu.backend.runtime.runtime import (
     PromptTooLongError,
     Runtime,
     SamplingConfig,
+)
+from toptpu.backend.runtime.weight_cache_file import (
+    cache_path,
+    open_weight_cache,
+    write_weight_cache,
 )
 from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
@@ -123,6 +129,17 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     add_sampling_args(r)
 
 
+def add_cache_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("model_file")
+    c.add_argument("-o", "--output", default=None,
+                   help="the weight cache file to write (default: MODEL_FILE.wcache, where "
+                   "run and chat look for it)")
+    c.add_argument("--check", action="store_true",
+                   help="check an existing weight cache file byte for byte against the model "
+                   "file instead of writing one")
+    c.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
 def add_chat_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("model_file")
     h.add_argument("--system", type=utf8_text, help="system prompt of the conversation")
@@ -218,7 +235,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     compile_model(args.model, args.output, mode=args.mode, chip=args.chip,
                   seq_length=args.seq_length, max_input_length=args.max_input_length,
-                  max_history=args.max_history, group_size=args.group_size,
+                  max_history=args.max_history, prefill_lengths=args.prefill_lengths,
+                  group_size=args.group_size,
                   symmetric=args.symmetric, dump_ir=args.dump_ir,
                   progress=None if args.quiet else sys.stderr, image_size=args.image_size,
                   max_tiles=args.max_tiles, max_patches=args.max_patches,
@@ -245,7 +263,8 @@ def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]
     return rt.encode(args.prompt), []
 
 
-def run_json(res: Any, executor: str) -> dict[str, Any]:
+def run_json(res: Any, executor: str, weight_cache_file: str | None = None
+             ) -> dict[str, Any]:
     """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in docs/usage.md)."""
     return {
         "schema": RUN_JSON_SCHEMA,
@@ -259,7 +278,35 @@ def run_json(res: Any, executor: str) -> dict[str, Any]:
         "executor": executor,
         "sampler": res.sampler,
         "modelled_breakdown": res.modelled_breakdown,
+        "weight_cache_file": weight_cache_file,
     }
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Write the weight cache file of a model file (its weights converted once, read by run
+    and chat so the first token converts nothing), or --check one."""
+    llm = LlmFile(args.model_file)
+    path = args.output or cache_path(args.model_file)
+    if args.check:
+        stored = open_weight_cache(llm, path)
+        stored.verify()
+        print(f"{path}: {len(stored)} converted weights, each equal to the model file's "
+              "conversion")
+        stored.close()
+        return 0
+    t = time.perf_counter()
+    note = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
+    written = write_weight_cache(llm, path, note)
+    print(f"wrote {written} ({os.path.getsize(written) / 1e6:.1f} MB) in "
+          f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return 0
+
+
+def _print_notes(rt: Any) -> None:
+    """What the runtime noted (a weight cache file left unused), once each, on stderr."""
+    for note in rt.notes:
+        print(f"toptpu: note: {note}", file=sys.stderr)
+    rt.notes.clear()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -272,6 +319,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if os.path.exists(args.trace) and os.path.samefile(args.trace, args.model_file):
             raise UsageError(f"--trace '{args.trace}' is the model file; name another file")
     rt = Runtime.open(args.model_file, args.executor)
+    _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
     recorder = rt.start_trace() if args.trace else None
     ids, images = _prompt_ids(rt, args)
@@ -294,8 +342,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                         {"modelled_ttft_s": res.modelled_ttft_s,
                          "modelled_tokens_per_s": res.modelled_tokens_per_s,
                          "generated_tokens": len(res.generated_ids)})
+    _print_notes(rt)
     if args.json:
-        print(json.dumps(run_json(res, args.executor)))
+        print(json.dumps(run_json(res, args.executor, rt.weight_cache_file)))
     else:
         print()
         print(stats_line(res), file=sys.stderr)
@@ -310,6 +359,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     that starts with '/' is typed as '//...'; VLMs: /image PATH [message] attaches an image
     to the message (or to the next one). Ctrl-C quits (status 130)."""
     rt = Runtime.open(args.model_file, args.executor)
+    _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
     _ = rt.tokenizer
     model = rt.header["model"]
@@ -427,6 +477,7 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
             continue
         images = []
         print()
+        _print_notes(rt)
         print(stats_line(res) + f" [{rt.position}/{rt.seq} tokens in the cache]",
               file=sys.stderr)
 

@@ -28,7 +28,7 @@ import numpy as np
 from xdsl.dialects import func
 
 from toptpu.backend.codegen.streams import generate
-from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P
+from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P, NetName
 from toptpu.backend.formats.program import Program
 from toptpu.backend.runtime.accounting import SAMPLERS, Charge, Spread, StepModel, total
 from toptpu.backend.runtime.device_executor import machine_executor
@@ -89,8 +89,10 @@ def profile_model(path: str, nets: list[str] | None = None
 
 def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
     """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
-    own layers' weights, whose chunk may be laid out for another layer kind)."""
-    return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == net),
+    own layers' weights, whose chunk may be laid out for another layer kind; `block:16@3`
+    the layers of `block@3`)."""
+    full = str(NetName.parse(net).at_length(0))
+    return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == full),
                default=0)
 
 

@@ -214,7 +214,9 @@ def estimate_vlm(text_est: Any, vision: VisionCosts, sampler: str) -> VlmEstimat
             f"with the prompt around it {tokens}, more than --seq-length "
             f"{compiled.shapes.seq_length}; raise --seq-length or lower --max-pixels")
     steps = StepModel(text_est.chip, compiled.io(), text_est.nets, compiled.model.num_layers)
-    charges = [*steps.first_token_charges(tokens, sampler),
+    deepstack = range(TEXT_BEFORE, TEXT_BEFORE + vision.tokens) \
+        if vision.deepstack is not None else range(0)  # those chunks run at L (`Runtime`)
+    charges = [*steps.first_token_charges(tokens, sampler, deepstack),
                *vision.prefill_charges(steps.chunk, TEXT_BEFORE, vision.tokens)]
     return VlmEstimate(text_est, vision, total(merged(charges)), tokens)
 

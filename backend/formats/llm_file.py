@@ -30,12 +30,14 @@ Sections (every section is named by the header; a file with any other section is
 Header fields (`LlmHeader`; every field is type- and range-checked on load, and an error
 names the field, e.g. `nets.block.inputs[2].shape`):
 
-- `kind`: "toptpu-llm", `llm_format`: 2 (1 had one chunk layout for every layer; such
-  files are refused: recompile them)
+- `kind`: "toptpu-llm", `llm_format`: 3 (1 had one chunk layout for every layer, 2 one
+  prefill chunk length; such files are refused: recompile them)
 - `chip` (a known chip), `mode` (a quantization mode), `group_size` (-1: per channel),
   `symmetric`
-- `shapes`: `seq_length`, `max_input_length`, `max_history`; the nets' IO shapes must be
-  exactly what these give (runtimes read the static shapes back from the nets)
+- `shapes`: `seq_length`, `max_input_length`, `max_history`, `prefill_lengths` (the chunk
+  lengths the prefill nets are compiled at: ascending, the last is `max_input_length`); the
+  nets' IO shapes must be exactly what these give (runtimes read the static shapes back
+  from the nets)
 - `model`: `family`, `num_layers`, `hidden_size`, `num_heads`, `num_kv_heads`,
   `head_dim`, `vocab_size`, `qk_norm`, `tied_embeddings`, `config` (the HF config dict)
 - `generation`: `eos_token_ids`, `pad_token_id`, `bos_token_id` (ids within the
@@ -46,9 +48,14 @@ names the field, e.g. `nets.block.inputs[2].shape`):
   text nets' IO is the net contract, `toptpu.backend.contract.net_io`), `per_layer`, `ir`,
   `streams`, `consts` (their section names), `weights` (the tensor names the net reads, all
   in the weight table), `commands`. Net names (`toptpu.backend.contract`): `TEXT_NETS`,
-  `VISION_NET`, and `block@3`-style variants (`NetName`) of the per-layer nets for layers
-  whose checkpoint quantization differs
-- `layer_nets`: per-layer net -> the net each layer runs (itself or a variant)
+  `VISION_NET`, the prefill nets at each shorter prefill length (`embedding:16`,
+  `block:16`, `block_kv:16`: every one of `PREFILL_NETS` at every length below
+  `max_input_length`, and nothing else), and `block@3`-style variants (`NetName`) of the
+  per-layer nets for layers of another kind or checkpoint quantization (`block:16@3` at a
+  shorter length: a variant has its nets at every length as layer 0's have). Nets of
+  different lengths read the same tensors of a layer's chunk: no byte is stored twice
+- `layer_nets`: per-layer net -> the net each layer runs (itself or a variant), at
+  `max_input_length` (at a shorter length the same variant: `block@3` -> `block:16@3`)
 - `weights`: `section`, `alignment`, `size`, `shared` (name -> {offset, shape, dtype,
   nbytes}), `chunks` (a list of chunk layouts, name -> entry, offsets relative to a chunk
   base; one per layer kind, a model of one kind has one), `layers` (one {chunk: index into
@@ -86,6 +93,7 @@ from toptpu.backend.contract import (
     LAYER_TYPES,
     LINEAR_ATTENTION,
     PER_LAYER_NETS,
+    PREFILL_NETS,
     REPETITION_PENALTY_RANGE,
     TEXT_NETS,
     TOKENIZER_FILES,
@@ -125,7 +133,7 @@ from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
 
 KIND = "toptpu-llm"
-LLM_FORMAT = 2
+LLM_FORMAT = 3
 WEIGHTS_SECTION = "weights"
 WEIGHT_ALIGN = 64
 
@@ -584,7 +592,7 @@ class LlmHeader:
     """The model file header of an LLM (see the module doc)."""
 
     kind: Literal["toptpu-llm"]
-    llm_format: Literal[2]
+    llm_format: Literal[3]
     chip: Name
     mode: Mode
     group_size: Annotated[int, Range(-1)]
@@ -641,6 +649,7 @@ class LlmHeader:
             if getattr(s, key) > s.seq_length:
                 raise HeaderError(f"shapes.{key}", f"is {getattr(s, key)}, more than "
                                                    f"shapes.seq_length {s.seq_length}")
+        self._check_prefill_lengths()
         if m.num_heads % m.num_kv_heads:
             raise HeaderError("model.num_kv_heads", f"is {m.num_kv_heads}, which does not "
                                                     f"divide model.num_heads {m.num_heads}")
@@ -668,6 +677,19 @@ class LlmHeader:
             self.vision.check(m.vocab_size)
         if (self.vision is not None) != (VISION_NET in self.nets):
             raise HeaderError("vision", "and the vision net come together (one is missing)")
+
+    def _check_prefill_lengths(self) -> None:
+        lengths, L = self.shapes.prefill_lengths, self.shapes.max_input_length
+        where = "shapes.prefill_lengths"
+        for i, n in enumerate(lengths):
+            if n < 1:
+                raise HeaderError(f"{where}[{i}]", f"is {n}, not a chunk length (>= 1)")
+            if i and n <= lengths[i - 1]:
+                raise HeaderError(f"{where}[{i}]", f"is {n}, not above {lengths[i - 1]} "
+                                                   "(the lengths ascend, each once)")
+        if not lengths or lengths[-1] != L:
+            raise HeaderError(where, f"is {list(lengths)}: the longest must be "
+                                     f"shapes.max_input_length {L}")
 
     def _check_blobs(self) -> None:
         """One blob (`weights`) for one device, one per device for several, each holding
@@ -773,12 +795,15 @@ class LlmHeader:
         linear = {} if self.model.linear is None else linear_net_io(
             self.shapes, self.model.hidden_size, self.model.linear.widths,
             self.activation_dtype)
-        missing = [n for n in TEXT_NETS if n not in self.nets]
+        required = [*TEXT_NETS, *(self.shapes.prefill_net(base, n)
+                                  for n in self.shapes.shorter_lengths for base in PREFILL_NETS)]
+        missing = [n for n in required if n not in self.nets]
         if missing:
             raise HeaderError("nets", f"lacks the nets {missing}")
         for name, net in self.nets.items():
             where = f"nets.{name}"
             base = self._base_net(name, where)
+            contract_name = str(NetName.parse(name).at_layer(0))
             if net.per_layer != (base in PER_LAYER_NETS):
                 raise HeaderError(f"{where}.per_layer", f"is {net.per_layer} for a "
                                                         f"{base} net")
@@ -793,8 +818,8 @@ class LlmHeader:
                 kind_contract = contract
                 if net.per_layer and self._kind_of(name) == LINEAR_ATTENTION:
                     kind_contract = linear
-                if base in kind_contract:
-                    _check_contract(specs, kind_contract[base][key == "outputs"],
+                if contract_name in kind_contract:
+                    _check_contract(specs, kind_contract[contract_name][key == "outputs"],
                                     f"{where}.{key}")
 
     def _check_net_weights(self) -> None:
@@ -819,15 +844,32 @@ class LlmHeader:
                                           "does not have")
 
     def _base_net(self, name: str, where: str) -> str:
-        """The net whose role `name` plays (`block@3` is a `block`)."""
+        """The net whose role `name` plays (`block@3` and `block:16` are `block`s): a
+        layer of the model, a length among the shorter prefill lengths, and a variant at a
+        shorter length only beside its net at `max_input_length` (and the other way
+        round, `_check_nets`)."""
         try:
             net = NetName.parse(name)
         except ContractError:
             net = None
         if net is None or net.layer >= self.model.num_layers:
             raise HeaderError(where, f"names an unknown net (nets: {', '.join(KNOWN_NETS)}, "
-                                     f"or <per-layer net>@<layer> for a layer of "
+                                     f"<prefill net>:<length>, or <per-layer net>"
+                                     f"[:<length>]@<layer> for a layer of "
                                      f"{self.model.num_layers})")
+        if net.length and net.length not in self.shapes.shorter_lengths:
+            raise HeaderError(where, f"is a net at chunk length {net.length}, not one of the "
+                                     f"shorter prefill lengths "
+                                     f"{list(self.shapes.shorter_lengths)} "
+                                     "(shapes.prefill_lengths)")
+        if net.is_variant:
+            at_full = str(net.at_length(0))
+            siblings = [str(net.at_length(n)) for n in self.shapes.shorter_lengths] \
+                if net.base in PREFILL_NETS else []
+            lacking = [n for n in (at_full, *siblings) if n not in self.nets]
+            if lacking:
+                raise HeaderError(where, f"is a variant without the net {lacking[0]!r} (a "
+                                         "variant has its nets at every prefill length)")
         return net.base
 
     def _kind_of(self, name: str) -> str:
@@ -844,7 +886,8 @@ class LlmHeader:
                 raise HeaderError(where, f"has {len(names)} entries for "
                                          f"{self.model.num_layers} layers")
             for i, name in enumerate(names):
-                if name not in self.nets or NetName.parse(name).base != base:
+                if name not in self.nets or NetName.parse(name).base != base \
+                        or NetName.parse(name).length:
                     raise HeaderError(f"{where}[{i}]", f"is {name!r}, not a {base} net of "
                                                        "this file")
                 if self._kind_of(name) != self.model.layer_type(i):
@@ -866,10 +909,15 @@ class LlmHeader:
 
     def net_chunks(self, net: str, blob: int = 0) -> list[int]:
         """The chunk layouts (indices into the `blob`-th blob's `chunks`: `weights`, or
-        device `blob`'s) of the layers that run the per-layer net `net` (`layer_nets`) and
-        lie in that blob, in order of first use."""
+        device `blob`'s) of the layers that run the per-layer net `net` (`layer_nets`; at a
+        shorter prefill length as at `max_input_length`) and lie in that blob, in order of
+        first use."""
         layout, layers, _ = self.blobs()[blob]
         out: dict[int, None] = {}
+        try:
+            net = str(NetName.parse(net).at_length(0))
+        except ContractError:
+            return []
         for names in self.layer_nets.values():
             for i, name in enumerate(names):
                 if name == net and i in layers and i - layers.start < layout.num_layers:

@@ -327,6 +327,9 @@ class ModelFile:
         digest = bytes(self._map[_PREFIX.size:HEADER_OFFSET])
         if _header_digest(bytes(self._map[:_PREFIX.size]), hbytes) != digest:
             raise self._err("is corrupt: checksum mismatch in the header")
+        #: the header's sha256 (hex): it covers every section's sha256, so it names the
+        #: file's whole content once the sections are checked against them
+        self.digest = digest.hex()
         try:
             header = parse_strict_json(hbytes)
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -391,21 +394,24 @@ class ModelFile:
                                 f"'{info.name}' (offsets {start}..{info.offset})")
             start = info.offset + info.size
 
-    def check_unchanged(self) -> None:
+    def check_unchanged(self, replaced_too: bool = True) -> None:
         """Refuse to go on with a file changed since it was opened: truncated or written in
-        place (its mapped bytes would fault with SIGBUS or silently be other weights) or
-        replaced at its path. Two stat calls: cheap enough before each net run. (A change
-        between this check and the read that follows still faults: Python cannot turn a
-        SIGBUS inside numpy into an exception.)"""
+        place (its mapped bytes would fault with SIGBUS or silently be other weights) or,
+        with `replaced_too`, replaced at its path. Two stat calls: cheap enough before each
+        net run. (A change between this check and the read that follows still faults:
+        Python cannot turn a SIGBUS inside numpy into an exception.)"""
         try:
-            now = _identity(os.fstat(self._file.fileno()))
-            there = _identity(os.stat(self.path))
+            st = os.fstat(self._file.fileno())
+            there = _identity(os.stat(self.path)) if replaced_too else self.identity
         except OSError as e:
             raise self._err(f"can no longer be checked ({e.strerror}); it was removed or "
                             "its directory changed while in use: reopen it") from None
+        now = _identity(st)
         if there[:2] != self.identity[:2]:  # (unlinking the old one changed its ctime)
             raise self._err("was replaced by another file while in use (a recompile?); "
                             "reopen it to use the new one")
+        if not replaced_too and st.st_nlink == 0:  # replaced (or removed): its ctime moved
+            now = (*now[:4], self.identity[4])
         if now != self.identity:
             raise self._err(f"changed while in use (now {now[2]} bytes, modified "
                             f"{_when(now[3])}; it was {self.identity[2]} bytes): it was "

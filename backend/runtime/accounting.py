@@ -35,6 +35,7 @@ from toptpu.backend.contract import (
     LM_HEAD,
     LOGITS,
     PENALTY,
+    PER_LAYER_NETS,
     POSITION_IDS,
     PRESENT_K,
     PROBS,
@@ -45,6 +46,7 @@ from toptpu.backend.contract import (
     TOKEN_IDS,
     TOP_K,
     TOP_P,
+    NetName,
     TensorSpec,
 )
 from toptpu.backend.target.chips import Chip
@@ -177,9 +179,10 @@ class Spread:
 
     def holders(self, net: str) -> int:
         """How many devices a host write of `net`'s inputs reaches."""
-        if net in (EMBEDDING, EMBEDDING_CACHE):
+        base = NetName.parse(net).base  # `block:16` is a `block`
+        if base in (EMBEDDING, EMBEDDING_CACHE):
             return 1
-        if self.strategy == "pp" and net not in (BLOCK, BLOCK_KV, BLOCK_CACHE):
+        if self.strategy == "pp" and base not in PER_LAYER_NETS:
             return 1
         return self.devices
 
@@ -250,15 +253,23 @@ class StepModel:
         """The IO `name` of `net` or, where its layers differ, of the first of its layers'
         nets that has it (a linear-attention `block_cache` has no KV history; the
         full-attention variant's tells the cache length)."""
-        for n in (net, *self.layer_nets.get(net, ())):
+        for n in (net, *self._variants(net)):
             ins, outs = self.io[n]
             for s in (*ins, *outs):
                 if s.name == name:
                     return s
         raise KeyError(f"no net of '{net}' has '{name}'")
 
+    def _variants(self, net: str) -> list[str]:
+        """The nets each layer runs for per-layer net `net` (`layer_nets`; a prefill net at
+        a shorter length `block:16`: its layers' nets at that length); [] where all run
+        `net`."""
+        name = NetName.parse(net)
+        names = self.layer_nets.get(str(name.at_length(0)), ())
+        return [str(NetName.parse(n).at_length(name.length)) for n in names]
+
     def _layer_names(self, net: str) -> Sequence[str]:
-        return self.layer_nets.get(net) or [net] * self.layers
+        return self._variants(net) or [net] * self.layers
 
     def _net(self, net: str) -> Charge:
         return Charge("net", net, 1, net_costs(self.chip, self.timings[net]))
@@ -285,7 +296,7 @@ class StepModel:
         stage's copy only if one of its layers' nets takes it."""
         if self.spread is None:
             return 1
-        if not self.spread.stages or net not in (BLOCK, BLOCK_KV, BLOCK_CACHE):
+        if not self.spread.stages or NetName.parse(net).base not in PER_LAYER_NETS:
             return self.spread.holders(net)
         nets = self._layer_names(net)
         return sum(any(s.name == name for i in r for s in self.io[nets[i]][0])
@@ -311,6 +322,24 @@ class StepModel:
     @property
     def chunk(self) -> int:
         return self._spec(BLOCK, POSITION_IDS).shape[1]
+
+    @property
+    def prefill_tags(self) -> dict[int, int]:
+        """Prefill chunk length -> the length tag of its nets (as `Runtime.prefill_tags`:
+        read back from the `block` nets' shapes)."""
+        out = {}
+        for name in self.io:
+            net = NetName.parse(name)
+            if net.base == BLOCK and not net.is_variant:
+                out[self._spec(name, HIDDEN).shape[1]] = net.length
+        return out
+
+    def chunk_net(self, base: str, n: int) -> tuple[str, int]:
+        """The prefill net `base` a chunk of `n` tokens runs (the shortest prefill length
+        that holds it, `Runtime.chunk_length`) and that length."""
+        tags = self.prefill_tags
+        length = min(length for length in tags if length >= n)
+        return str(NetName(base, 0, tags[length])), length
 
     @property
     def history(self) -> int:
@@ -345,10 +374,12 @@ class StepModel:
             return []
         return self._up(SAMPLE_HEAD, PENALTY, TEMPERATURE, TOP_K, TOP_P)
 
-    def prefill_charges(self, tokens: int) -> list[Charge]:
+    def prefill_charges(self, tokens: int, at_full: range = range(0)) -> list[Charge]:
         """Feed a prompt of `tokens` into an empty cache (`Runtime._prefill`): chunks of L
-        through block (the first) and block_kv (while the history fits max_history), the
-        rest token by token through the decode net."""
+        through block (the first) and block_kv (while the history fits max_history), each
+        at the shortest prefill length that holds it (one holding a position of `at_full`,
+        the positions of DeepStack rows: at L), the rest token by token through the decode
+        net."""
         if not 0 < tokens <= self.seq:
             raise ValueError(f"a prompt of {tokens} tokens does not fit the KV cache of "
                              f"{self.seq}")
@@ -357,22 +388,27 @@ class StepModel:
         while done < tokens:
             if done == 0 or done <= Hh:
                 n = min(L, tokens - done)
-                out += self._chunk(done, n)
+                full = any(p in at_full for p in range(done, done + n))
+                out += self._chunk(done, L if full else n, n)
                 done += n
             else:
                 out += self.decode_step_charges()
                 done += 1
         return merged(out)
 
-    def _chunk(self, start: int, n: int) -> list[Charge]:
-        net = BLOCK if start == 0 else BLOCK_KV
-        c = [*self._up(EMBEDDING, INPUT_IDS), self._net(EMBEDDING),
-             *self._up(BLOCK, POSITION_IDS), *self._up(net, ATTENTION_MASK),
-             *self._sends(EMBEDDING, HIDDEN), *self._layers(net)]
-        if start + self.chunk > self.seq:  # the padded chunk runs past SEQ: each attention
+    def _chunk(self, start: int, rows: int, n: int) -> list[Charge]:
+        """One chunk of `n` tokens at `start` (`Runtime._prefill_chunk`): at the shortest
+        prefill length that holds `rows` (>= n)."""
+        emb, length = self.chunk_net(EMBEDDING, rows)
+        net, _ = self.chunk_net(BLOCK if start == 0 else BLOCK_KV, rows)
+        block, _ = self.chunk_net(BLOCK, rows)
+        c = [*self._up(emb, INPUT_IDS), self._net(emb),
+             *self._up(block, POSITION_IDS), *self._up(net, ATTENTION_MASK),
+             *self._sends(emb, HIDDEN), *self._layers(net)]
+        if start + length > self.seq:  # the padded chunk runs past SEQ: each attention
             # layer's n rows go from the scratch output into the cache through the host (a
             # cache cut by heads: each device's piece)
-            scratch = self._spec(BLOCK, PRESENT_K)
+            scratch = self._spec(block, PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
             parts = 1 if self.spread is None or self.spread.strategy != "tp" \
                 else self.spread.devices
@@ -384,10 +420,13 @@ class StepModel:
                          transfer_costs(self.chip, rows // parts).times(caches))]
         return c
 
-    def first_token_charges(self, prompt_tokens: int, sampler: str) -> list[Charge]:
-        """Time to first token: the sampler's setup, the prompt's prefill, the choice."""
+    def first_token_charges(self, prompt_tokens: int, sampler: str,
+                            at_full: range = range(0)) -> list[Charge]:
+        """Time to first token: the sampler's setup, the prompt's prefill (`at_full`:
+        `prefill_charges`), the choice."""
         return merged([*self.sampling_setup_charges(sampler),
-                       *self.prefill_charges(prompt_tokens), *self.next_token_charges(sampler)])
+                       *self.prefill_charges(prompt_tokens, at_full),
+                       *self.next_token_charges(sampler)])
 
     def per_token_charges(self, sampler: str) -> list[Charge]:
         """One decoded token after the first: a decode step and the choice."""

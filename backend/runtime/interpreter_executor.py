@@ -23,7 +23,9 @@ f32 once (`kernels.f32`, exact) instead of at every call. Both share one bounded
 (`toptpu.backend.runtime.weight_cache`: `weight_cache_bytes`, by default sized from the
 host's free memory; beyond it a quantized weight is kept as its integer offsets, or
 converted per call). A decode step then costs its matmuls, not a conversion of every
-weight; the numbers are the kernels' own.
+weight; the numbers are the kernels' own. With the model file's weight cache file open
+(`use_weight_cache`, `weight_cache_file`) the forms are read from it instead: the first
+prefill converts nothing.
 
 There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 """
@@ -54,6 +56,7 @@ from toptpu.backend.reference.interpreter import (
 )
 from toptpu.backend.runtime.executor import check_bindings, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
+from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
 from toptpu.dialects.ir_text import one_line
@@ -97,6 +100,9 @@ class _Step:
     args: list[int | None]  # value ids of the operands (None: absent optional operand)
     results: list[int]
     qweight: str | None = None  # a16_matmul: the name of its packed weight (cache key)
+    scales: str | None = None  # ... of its scales, zero points and mins (None: none)
+    zeros: str | None = None
+    mins: str | None = None
     float_weight: str | None = None  # matmul with a f16/bf16 weight operand: its name
     bits: int = 0
     group_size: int = 0
@@ -146,6 +152,10 @@ class _Plan:
             if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp):
                 step.qweight = op.qweight.owner.tensor_name
                 step.bits, step.group_size = read_int(op.weight_bits), read_int(op.group_size)
+                for attr, value in (("scales", op.scales), ("zeros", op.zeros),
+                                    ("mins", op.mins)):
+                    if value is not None and isinstance(value.owner, tpu.WeightOp):
+                        setattr(step, attr, value.owner.tensor_name)
                 step.out_dtype = numpy_dtype(elem_of(op.output))
             if (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
                     and numpy_dtype(elem_of(op.rhs)).name in ("float16", "bfloat16")):
@@ -172,6 +182,20 @@ class InterpreterExecutor:
         self._plans: dict[str, _Plan] = {}
         self._shared = self.file.shared_weights()
         self._layers: dict[int, dict[str, np.ndarray]] = {}
+        self.stored: StoredForms | None = None
+
+    def use_weight_cache(self, stored: StoredForms | None) -> None:
+        """Read converted weights from this model file's weight cache file (None: stop)."""
+        if stored is not None and stored.model is not self.file:
+            raise ExecutorError("the weight cache file was opened for another model file")
+        self.stored = stored
+
+    def _offset(self, layer: int | None, name: str) -> int:
+        """The blob offset of weight `name` as layer `layer` reads it (None: shared)."""
+        layout = self.file.layout
+        if layer is not None and name in layout.chunk_of(layer):
+            return layout.layer_offset(layer, name)
+        return layout.shared[name].offset
 
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:
@@ -197,6 +221,8 @@ class InterpreterExecutor:
         if info is None:
             raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
         self.file.file.check_unchanged()  # truncated or rewritten under us: one line
+        if self.stored is not None:
+            self.stored.check_unchanged()
         weights = self._weights_for(info, layer)
         plan = self._plan(net)
         check_bindings(net, info, bindings, lambda b: isinstance(b, ArrayBuffer), ExecutorError)
@@ -222,8 +248,10 @@ class InterpreterExecutor:
                 vals[step.results[0]] = self._a16_matmul(step, args, layer)
                 continue
             if step.float_weight is not None:
-                args[1] = self.cache.get((layer, step.float_weight),
-                                         lambda w=args[1]: K.f32(w))
+                stored = None if self.stored is None else self.stored.upcast(
+                    self._offset(layer, step.float_weight))
+                args[1] = stored if stored is not None else self.cache.get(
+                    (layer, step.float_weight), lambda w=args[1]: K.f32(w))
             try:
                 res = step.fn(step.op, args, ctx)
             except IndexError as e:  # a gather's index past its table (kernels.gather)
@@ -243,6 +271,14 @@ class InterpreterExecutor:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
         x, q, s, z, m, bias = args
         assert step.qweight is not None
+        if self.stored is not None and step.scales is not None:
+            off = self._offset
+            w = self.stored.a16(off(layer, step.qweight), off(layer, step.scales),
+                                -1 if step.zeros is None else off(layer, step.zeros),
+                                step.bits, step.group_size,
+                                -1 if step.mins is None else off(layer, step.mins))
+            if w is not None:
+                return K.matmul_dequantized(x, w, bias, step.out_dtype)
         return self.cache.a16_product((layer, step.qweight), x, q, s, z, step.bits,
                                       step.group_size, bias, step.out_dtype, mins=m)
 

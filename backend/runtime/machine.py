@@ -36,7 +36,9 @@ Both run a net's program pre-decoded once per chip (`LoadedNet.plan`): the typed
 (`toptpu.backend.formats.commands`) turned into steps with their kernels, slices and local
 ranges resolved, the execution order and the timeline computed; a run resolves the net's
 global operands once and executes the steps. Weights converted for a kernel (dequantized,
-upcast to f32) are kept across runs in a bounded cache (`weight_cache.WeightCache`).
+upcast to f32) are kept across runs in a bounded cache (`weight_cache.WeightCache`), or
+read from the model file's weight cache file (`weight_cache_file.StoredForms`, `stored`)
+when one was opened: the same bits, made once for the file instead of in every process.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ from toptpu.backend.runtime.steps import (
     first_local_trap,
 )
 from toptpu.backend.runtime.weight_cache import WeightCache
+from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles, link_cycles
 from toptpu.backend.target.link import LinkWork
@@ -476,6 +479,49 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
 RESOLVED_BINDINGS = 4096
 
 
+def _held_window(p: tuple) -> dict[int, tuple[int, int]]:
+    """What part of its tensor a held window `p` (`held_key`: addr, shape, dtype, axis,
+    start, length, cuts) holds: (start, length) by axis, the axes it holds whole left out."""
+    shape = p[1]
+    parts = [(p[3], p[4], p[5]), *((c.axis, c.start, c.length) for c in p[6])]
+    return {axis: (start, length) for axis, start, length in parts
+            if (start, length) != (0, shape[axis])}
+
+
+def _stored_window(special: str, key: tuple, bits: int, group_size: int
+                   ) -> tuple[slice, ...] | None:
+    """The window of a stored f32 form that `key`'s windowed operands hold (`held_key`:
+    (addr, shape, dtype, axis, start, length, cuts) each), None where they do not describe
+    one: an upcast weight's window is the form's (its sliced axis and its cuts); an a16
+    weight's packed window along its rows (output channels) is the same rows of the form,
+    along its packed K bytes the columns they unpack to, with its scales and zero points or
+    mins windowed over the same rows and the groups of those columns."""
+    first = key[0]
+    held = _held_window(first)
+    index = [slice(None)] * len(first[1])
+    if special != "a16":
+        for axis, (start, length) in held.items():
+            index[axis] = slice(start, start + length)
+        return tuple(index)
+    if len(first[1]) != 2 or (8 % bits):
+        return None
+    want: dict[int, tuple[int, int]] = {}  # the scales', zero points' or mins' window
+    if 0 in held:
+        start, length = want[0] = held[0]
+        index[0] = slice(start, start + length)
+    if 1 in held:
+        per_byte = 8 // bits
+        lo, n = held[1][0] * per_byte, held[1][1] * per_byte
+        if group_size < 1 or lo % group_size or n % group_size:
+            return None
+        want[1] = (lo // group_size, n // group_size)
+        index[1] = slice(lo, lo + n)
+    if any(p is not None and (_held_window(p) if len(p) > 2 else {}) != want
+           for p in key[1:]):
+        return None
+    return tuple(index)
+
+
 class Machine:
     """The reference machine of a chip, in checked or fast mode (see the module doc)."""
 
@@ -492,6 +538,43 @@ class Machine:
         self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
         self.part_ok: dict[WholeRows, bool] = {}  # row-local slices' parts, the same way
         self.context = EvalContext(None)
+        #: the weight cache file's forms (None: none opened) and the global address of
+        #: the weight blob they name offsets in
+        self.stored: StoredForms | None = None
+        self.weights_base = 0
+
+    def stored_form(self, special: str, key: tuple, bits: int, group_size: int
+                    ) -> np.ndarray | None:
+        """The f32 form of a kernel's weight from the weight cache file, or None: `key` is
+        its operands' `held_key` (each the whole tensor, or a window of one) — a whole
+        weight's form, or the same window of it (an a16 weight: rows, as the compiler
+        slices output channels, or columns, as it splits K, its scales and zero points
+        windowed alike)."""
+        stored = self.stored
+        if stored is None or not key or key[0] is None:
+            return None
+        base = self.weights_base
+        first = key[0]
+        window: tuple[slice, ...] | None = None
+        if len(first) > 2:  # a window (addr, shape, dtype, axis, start, length)
+            window = _stored_window(special, key, bits, group_size)
+            if window is None:
+                return None
+        elif any(p is not None and len(p) > 2 for p in key[1:]):
+            return None
+        if special == "a16":  # key: the qweight's, scales', zero points' and mins' bytes
+            scales = key[1]
+            zeros, mins = (key[2] if len(key) > 2 else None), (key[3] if len(key) > 3 else None)
+            if scales is None:
+                return None
+            form = stored.a16(first[0] - base, scales[0] - base,
+                              -1 if zeros is None else zeros[0] - base, bits, group_size,
+                              -1 if mins is None else mins[0] - base)
+        else:
+            form = stored.upcast(first[0] - base)
+        if form is None or window is None:
+            return form
+        return form[window]
 
     def free(self, bufs: Sequence[int]) -> None:
         release = self.local.release

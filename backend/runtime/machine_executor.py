@@ -50,6 +50,7 @@ from toptpu.backend.runtime.machine import (
     Timeline,
 )
 from toptpu.backend.runtime.run_trace import RunRecorder
+from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
 from toptpu.dialects import tpu
@@ -136,6 +137,18 @@ class MachineExecutor:
         #: records every run and transfer on the modelled clock when set (a run's trace)
         self.recorder: RunRecorder | None = None
 
+    def use_weight_cache(self, stored: StoredForms | None) -> None:
+        """Read converted weights from this model file's weight cache file (None: stop)."""
+        if stored is not None and stored.model is not self.file:
+            raise MachineExecutorError("the weight cache file was opened for another "
+                                       "model file")
+        self.machine.stored = stored
+        self.machine.weights_base = self._blob
+
+    @property
+    def stored(self) -> StoredForms | None:
+        return self.machine.stored
+
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:
         return self._nets
@@ -172,6 +185,8 @@ class MachineExecutor:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
                                        f"{sorted(self._nets)})")
         self.file.file.check_unchanged()  # truncated or rewritten under us: one line
+        if self.machine.stored is not None:
+            self.machine.stored.check_unchanged()
         loaded = self._load(net)
         prog = loaded.program
         check_bindings(net, info, bindings, lambda b: isinstance(b, MachineBuffer) and

@@ -4,9 +4,11 @@ Written once against `toptpu.backend.runtime.executor.Executor`, so the interpre
 the reference machine run the same generation loop:
 
 - one K and one V buffer `[1, SEQ, kvH, D]` per layer, allocated on the executor;
-- prefill in chunks of `max_input_length` L: the first chunk of a conversation runs `block`,
-  later chunks run `block_kv` over the history so far (the first Hh cache slots, bound in
-  place). Each chunk's `present_k`/`present_v` output is bound straight to its cache slots
+- prefill in chunks of at most `max_input_length` L: the first chunk of a conversation runs
+  `block`, later chunks run `block_kv` over the history so far (the first Hh cache slots,
+  bound in place), each at the shortest prefill length that holds the chunk (`block:16`
+  for a 5-token prompt when the file has it; the lengths are read back from the nets).
+  Each chunk's `present_k`/`present_v` output is bound straight to its cache slots
   (through a scratch buffer only when the padded chunk would run past SEQ). When the
   history is longer than `max_history` the remaining prompt tokens go through the decode
   net one by one (exact, slower); nothing is clipped;
@@ -78,6 +80,7 @@ from toptpu.backend.contract import (
     PENALTY,
     PER_LAYER_NETS,
     POSITION_IDS,
+    PREFILL_NETS,
     PRESENT_CONV_STATE,
     PRESENT_K,
     PRESENT_RECURRENT_STATE,
@@ -95,6 +98,7 @@ from toptpu.backend.contract import (
     TOP_P,
     ContractError,
     NetInfo,
+    NetName,
     TensorSpec,
     canvas_position_ids,
     decode_mask,
@@ -110,6 +114,12 @@ from toptpu.backend.runtime.interpreter_executor import InterpreterExecutor
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.vision import EncodedImage, VisionEncoder
+from toptpu.backend.runtime.weight_cache_file import (
+    StoredForms,
+    WeightCacheFileError,
+    cache_path,
+    open_weight_cache,
+)
 
 
 class PromptTooLongError(GenerationError):
@@ -701,6 +711,18 @@ class Runtime:
         first = self.linear.index(False)
         self.attn_nets = {base: self.layer_net(base, first) for base in PER_LAYER_NETS}
         self.L = _spec(nets[BLOCK], HIDDEN).shape[1]
+        #: prefill chunk length -> the length tag of its nets (`block:16`: 16; L: 0), read
+        #: back from the `block` nets' shapes; a chunk runs the shortest that holds it
+        self.prefill_tags = {_spec(nets[name], HIDDEN).shape[1]: net.length
+                             for name in nets for net in [NetName.parse(name)]
+                             if net.base == BLOCK and not net.is_variant}
+        self.lengths = sorted(self.prefill_tags)
+        for length, tag in self.prefill_tags.items():
+            for base in PREFILL_NETS:
+                name = str(NetName(base, 0, tag))
+                if name not in nets:
+                    raise GenerationError(f"the model file has block at length {length} but "
+                                          f"no {name}; recompile it")
         #: rows of position_ids: 1 (the cache slot), or 3 (T, H, W: a canvas per image)
         self.position_axes = _spec(nets[self.attn_nets[BLOCK]], POSITION_IDS).shape[0]
         self.seq = _spec(nets[self.attn_nets[BLOCK_CACHE]], HISTORY_K).shape[1]
@@ -737,6 +759,9 @@ class Runtime:
         self.pending: int | None = None  # the last generated token, not yet in the cache
         self.messages: list[dict[str, str]] = []
         self._last_reply_closed = False
+        #: what the user should know but that does not stop generation (a weight cache
+        #: file left unused, and why); the command line prints them on stderr
+        self.notes: list[str] = []
         #: records the generation's steps, net runs and transfers (`start_trace`)
         self.recorder: RunRecorder | None = None
 
@@ -760,18 +785,28 @@ class Runtime:
             {name: alloc(self.layer_net(BLOCK_CACHE, i), name)
              for name in (CONV_STATE, RECURRENT_STATE)} if lin else None
             for i, lin in enumerate(self.linear)]
+        attn_at = {length: {base: str(NetName.parse(attn[base]).at_length(tag))
+                            for base in (BLOCK, BLOCK_KV)}
+                   for length, tag in self.prefill_tags.items()}
         self.b = {
-            "ids_L": alloc(EMBEDDING, INPUT_IDS),
+            # the prefill chunk's buffers, one set per length (not slots of the longest: a
+            # device group keeps a buffer's current value per device for the whole buffer,
+            # and sends or host-writes it whole)
+            "ids_L": {n: alloc(self.prefill_net(EMBEDDING, None, n), INPUT_IDS)
+                      for n in self.lengths},
             "ids_1": alloc(EMBEDDING_CACHE, INPUT_IDS),
-            "h_L": [alloc(EMBEDDING, HIDDEN), alloc(BLOCK, HIDDEN_OUT)],
+            "h_L": {n: [alloc(self.prefill_net(EMBEDDING, None, n), HIDDEN),
+                        alloc(attn_at[n][BLOCK], HIDDEN_OUT)] for n in self.lengths},
             "h_1": [alloc(EMBEDDING_CACHE, HIDDEN), alloc(BLOCK_CACHE, HIDDEN_OUT)],
-            "pos_L": alloc(attn[BLOCK], POSITION_IDS),
+            # position_ids [axes, n] (3 axes: not a slot of a longer one): one per length
+            "pos_L": {n: alloc(attn_at[n][BLOCK], POSITION_IDS) for n in self.lengths},
             "pos_1": alloc(attn[BLOCK_CACHE], POSITION_IDS),
-            "mask_L": alloc(attn[BLOCK], ATTENTION_MASK),
-            "mask_kv": alloc(attn[BLOCK_KV], ATTENTION_MASK),
+            # the masks' rows and columns both follow the chunk length: one per length
+            "mask_L": {n: alloc(attn_at[n][BLOCK], ATTENTION_MASK) for n in self.lengths},
+            "mask_kv": {n: alloc(attn_at[n][BLOCK_KV], ATTENTION_MASK) for n in self.lengths},
             "mask_1": alloc(attn[BLOCK_CACHE], ATTENTION_MASK),
-            "scratch_k": alloc(attn[BLOCK], PRESENT_K),
-            "scratch_v": alloc(attn[BLOCK], PRESENT_V),
+            "scratch_k": {n: alloc(attn_at[n][BLOCK], PRESENT_K) for n in self.lengths},
+            "scratch_v": {n: alloc(attn_at[n][BLOCK], PRESENT_V) for n in self.lengths},
             "logits": alloc(LM_HEAD, LOGITS),
             "token": alloc(GREEDY_HEAD, TOKEN),
             **{name: alloc(SAMPLE_HEAD, name) for name in (
@@ -782,10 +817,17 @@ class Runtime:
     # ------------------------------------------------------------------ construction
     @classmethod
     def open(cls, path: str, executor: str = "machine",
-             verify_checksums: bool = True) -> Runtime:
+             verify_checksums: bool = True, weight_cache: str | None = "auto") -> Runtime:
         """Load a model file with the `interpreter` executor (numpy over the Tpu IR) or the
         `machine` executor (the file's command streams on the reference machine; a file
-        spread over several devices on one machine per device)."""
+        spread over several devices on one machine per device).
+
+        `weight_cache`: the weight cache file to read converted weights from
+        (`weight_cache_file`): "auto" reads `FILE.wcache` when there is one and it is this
+        model file's (a file that is not is left unused, and `notes` says why); a path
+        reads that one (WeightCacheFileError when it cannot be used); None reads none. A
+        file spread over several devices reads none ("auto": a note if one is there) or
+        refuses one (a path)."""
         ex: InterpreterExecutor | MachineExecutor
         if executor == "interpreter":
             ex = InterpreterExecutor(path, verify_checksums)
@@ -795,7 +837,40 @@ class Runtime:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)
         rt._tokenizer_files = ex.file.tokenizer_files()
+        if weight_cache is not None:
+            rt.open_weight_cache(None if weight_cache == "auto" else weight_cache)
         return rt
+
+    def open_weight_cache(self, path: str | None = None) -> StoredForms | None:
+        """Read converted weights from the weight cache file at `path` (which must be this
+        model file's: WeightCacheFileError otherwise), or, with None, from `FILE.wcache`
+        when it is there and is this model file's (else a note in `notes`, and None)."""
+        use = getattr(self.ex, "use_weight_cache", None)
+        file = getattr(self.ex, "file", None)
+        if file is None:
+            raise GenerationError("this executor reads no weight cache file")
+        where = path or cache_path(file.path)
+        if path is None and not os.path.lexists(where):
+            return None
+        try:  # a multi-device file's is refused (WeightCacheFileError) before `use`
+            if use is None and file.meta.parallel is None:
+                raise GenerationError("this executor reads no weight cache file")
+            stored = open_weight_cache(file, where)
+        except WeightCacheFileError as e:
+            if path is not None:
+                raise
+            self.notes.append(f"{e} (converting the weights instead)")
+            return None
+        assert use is not None
+        stored.on_problem = self.notes.append
+        use(stored)
+        return stored
+
+    @property
+    def weight_cache_file(self) -> str | None:
+        """The weight cache file in use (None: none, or it was found not to match)."""
+        stored = getattr(self.ex, "stored", None)
+        return None if stored is None or stored.problem is not None else stored.path
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -844,13 +919,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ nets
     def _run_layers(self, net: str, h: list[Buffer], extra: Callable[[int], dict[str, Buffer]],
-                    deepstack: Callable[[int, Buffer, Buffer], bool] | None = None) -> Buffer:
+                    deepstack: Callable[[int, Buffer, Buffer], bool] | None = None,
+                    length: int | None = None) -> Buffer:
         """Run a per-layer net over all layers, ping-ponging the hidden buffers; after each
         layer `deepstack(layer, hidden, other)`, if given, may write the layer's hidden
-        plus its DeepStack rows into the other buffer (True: it did)."""
+        plus its DeepStack rows into the other buffer (True: it did). `length`: a prefill
+        net's chunk length (`prefill_net`)."""
         src, dst = h[0], h[1]
         for layer in range(self.num_layers):
-            self.ex.run(self.layer_net(net, layer),
+            self.ex.run(self.layer_net(net, layer) if length is None
+                        else self.prefill_net(net, layer, length),
                         {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
             src, dst = dst, src
             if deepstack is not None and deepstack(layer, src, dst):
@@ -862,7 +940,7 @@ class Runtime:
         chunk at start..start+n-1 after text layer k (`deepstack_add`), or None when the
         chunk holds no image rows."""
         rows = self._deepstack_rows
-        if not rows or not any(start + i in rows for i in range(n)):
+        if not self._holds_deepstack(start, n):
             return None
         levels = next(iter(rows.values())).shape[0]
         buf = self.b.get("deepstack")
@@ -884,6 +962,12 @@ class Runtime:
 
         return add
 
+    def _holds_deepstack(self, start: int, n: int) -> bool:
+        """Whether the chunk at start..start+n-1 holds image rows with DeepStack rows: it
+        runs at `max_input_length` (`deepstack_add` is compiled at that length only)."""
+        rows = self._deepstack_rows
+        return bool(rows) and any(start + i in rows for i in range(n))
+
     def layer_net(self, net: str, layer: int) -> str:
         """The net layer `layer` runs for `net`: layers of a pre-quantized checkpoint whose
         quantization differs from layer 0's have their own (`block@3`, ...)."""
@@ -899,58 +983,75 @@ class Runtime:
         out = {PRESENT_CONV_STATE: st[CONV_STATE], PRESENT_RECURRENT_STATE: st[RECURRENT_STATE]}
         return {**st, **out} if carried else out
 
+    def chunk_length(self, n: int) -> int:
+        """The prefill length a chunk of `n` tokens runs at: the shortest that holds it."""
+        return next(length for length in self.lengths if length >= n)
+
+    def prefill_net(self, net: str, layer: int | None, length: int) -> str:
+        """The prefill net `net` (`PREFILL_NETS`) at chunk length `length`, of layer
+        `layer`'s variant (None: a net that is not per layer)."""
+        name = NetName.parse(net if layer is None else self.layer_net(net, layer))
+        return str(name.at_length(self.prefill_tags[length]))
+
     def _prefill_chunk(self, ids: Sequence[int]) -> Buffer:
-        """Run one chunk (≤ L tokens) at the current position; returns the final hidden
-        [1, L, H] buffer (row i belongs to ids[i])."""
-        n, start, L = len(ids), len(self.tokens), self.L
+        """Run one chunk (≤ L tokens) at the current position, at the shortest prefill
+        length that holds it (a chunk with DeepStack rows: at L); returns the final hidden
+        [1, length, H] buffer (row i belongs to ids[i])."""
+        n, start = len(ids), len(self.tokens)
+        L = self.L if self._holds_deepstack(start, n) else self.chunk_length(n)
         assert 0 < n <= L and start + n <= self.seq
         padded = np.full((1, L), self.pad_id, np.int32)
         padded[0, :n] = ids
         ex, b = self.ex, self.b
-        ex.write(b["ids_L"], padded)
-        ex.run(EMBEDDING, {INPUT_IDS: b["ids_L"], HIDDEN: b["h_L"][0]})
-        self._put_image_rows(b["h_L"][0], start, n)
-        ex.write(b["pos_L"], self._positions(start, n, L))
+        ids_buf = b["ids_L"][L]
+        hidden = b["h_L"][L]
+        pos = b["pos_L"][L]
+        ex.write(ids_buf, padded)
+        ex.run(self.prefill_net(EMBEDDING, None, L), {INPUT_IDS: ids_buf, HIDDEN: hidden[0]})
+        self._put_image_rows(hidden[0], start, n)
+        ex.write(pos, self._positions(start, n, L))
         direct = start + L <= self.seq
+        scratch_k, scratch_v = b["scratch_k"][L], b["scratch_v"][L]
 
         def present(layer: int) -> dict[str, Buffer]:
             if direct:
                 return {PRESENT_K: self.cache_k[layer].slot(1, start, L),
                         PRESENT_V: self.cache_v[layer].slot(1, start, L)}
-            return {PRESENT_K: b["scratch_k"], PRESENT_V: b["scratch_v"]}
+            return {PRESENT_K: scratch_k, PRESENT_V: scratch_v}
 
         if start == 0:
-            ex.write(b["mask_L"], prefill_mask(n, L))
+            mask = b["mask_L"][L]
+            ex.write(mask, prefill_mask(n, L))
             net = BLOCK
 
             def extra(layer: int) -> dict[str, Buffer]:
                 if self.linear[layer]:
-                    return {ATTENTION_MASK: b["mask_L"], **self._state(layer, False)}
-                return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_L"],
-                        **present(layer)}
+                    return {ATTENTION_MASK: mask, **self._state(layer, False)}
+                return {POSITION_IDS: pos, ATTENTION_MASK: mask, **present(layer)}
         else:
-            ex.write(b["mask_kv"], prefill_mask(n, L, start, self.Hh))
+            mask = b["mask_kv"][L]
+            ex.write(mask, prefill_mask(n, L, start, self.Hh))
             net = BLOCK_KV
 
             def extra(layer: int) -> dict[str, Buffer]:
                 if self.linear[layer]:
-                    return {ATTENTION_MASK: b["mask_kv"], **self._state(layer, True)}
-                return {POSITION_IDS: b["pos_L"], ATTENTION_MASK: b["mask_kv"],
+                    return {ATTENTION_MASK: mask, **self._state(layer, True)}
+                return {POSITION_IDS: pos, ATTENTION_MASK: mask,
                         HISTORY_K: self.cache_k[layer].slot(1, 0, self.Hh),
                         HISTORY_V: self.cache_v[layer].slot(1, 0, self.Hh),
                         **present(layer)}
 
         deepstack = self._deepstack_adder(start, n)
         if direct:
-            out = self._run_layers(net, b["h_L"], extra, deepstack)
+            out = self._run_layers(net, hidden, extra, deepstack, L)
         else:  # the padded chunk runs past SEQ: copy the n real rows into the cache
-            src, dst = b["h_L"]
+            src, dst = hidden
             for layer in range(self.num_layers):
-                ex.run(self.layer_net(net, layer),
+                ex.run(self.prefill_net(net, layer, L),
                        {HIDDEN: src, HIDDEN_OUT: dst, **extra(layer)}, layer=layer)
-                for cache, scratch in ((self.cache_k, b["scratch_k"]),
-                                       (self.cache_v, b["scratch_v"])):
-                    if not self.linear[layer]:
+                if not self.linear[layer]:
+                    for cache, scratch in ((self.cache_k, scratch_k),
+                                           (self.cache_v, scratch_v)):
                         ex.write(cache[layer].slot(1, start, n), ex.read(scratch)[:, :n])
                 src, dst = dst, src
                 if deepstack is not None and deepstack(layer, src, dst):
@@ -958,6 +1059,8 @@ class Runtime:
             out = src
         self.tokens.extend(int(i) for i in ids)
         return out
+        self.tokens.extend(int(i) for i in ids)
+        return src
 
     def _decode_step(self, token: int) -> Buffer:
         """Feed one token at the next position; returns the final hidden [1, 1, H]."""
@@ -1132,9 +1235,10 @@ class Runtime:
             start = len(self.tokens)
             if start == 0 or start <= self.Hh:
                 chunk = ids[i:i + self.L]
-                net = BLOCK if start == 0 else BLOCK_KV
+                length = self.chunk_length(len(chunk))
+                net = self.prefill_net(BLOCK if start == 0 else BLOCK_KV, None, length)
                 with self._span(f"prefill {net}: positions {start}..{start + len(chunk) - 1}",
-                                net=net, start=start, tokens=len(chunk), padded_to=self.L):
+                                net=net, start=start, tokens=len(chunk), padded_to=length):
                     h = self._prefill_chunk(chunk)
                 last = h.slot(1, len(chunk) - 1, 1)
                 if rows is not None:

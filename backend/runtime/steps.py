@@ -168,12 +168,17 @@ class OpStep(Step):
             x, q, s, z, mins, _ = args
             assert x is not None and q is not None and s is not None
             key = self._weight_key(m)
-            w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size,
-                                     mins=mins)
-                 if key is not None else K.dequantize(q, s, z, self.bits, self.group_size,
-                                                      mins))
+            w = None if key is None else m.stored_form("a16", key, self.bits,
+                                                        self.group_size)
+            if w is None:
+                w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size,
+                                         mins=mins)
+                     if key is not None else K.dequantize(q, s, z, self.bits,
+                                                          self.group_size, mins))
             acc = K.matmul_dequantized_part(acc, x, w)
         else:
+            if self.special == "f32w":  # the part's weights upcast once (cached)
+                args = [args[0], self._f32_part(m, args[1]), *args[2:]]
             acc = reduction_part(self.op, args, acc, self.part * self.ins[1].shape[1]
                                  if isinstance(self.op, top.AttentionBase) else 0)  # type: ignore[union-attr]
         m.free(self.free)
@@ -183,6 +188,23 @@ class OpStep(Step):
         for ref, value in zip(self.outs, [reduction_finish(self.op, args, acc)], strict=True):
             local.write(ref, value, who)
         m.free(self.free_after)
+
+    def _f32_part(self, m: Machine, w: np.ndarray | None) -> np.ndarray | None:
+        """A reduction part's f16/bf16 weight `w` in f32, contiguous, as `matmul_part`
+        makes it (the same bits: the upcast is exact): the weight cache file's window of
+        it, or its conversion, kept in the cache across runs under what the buffer holds
+        (a decode step's lm_head split along K would otherwise convert the whole weight,
+        a part at a time, at every token). `w` itself where its bytes are not read-only."""
+        key = self._weight_key(m)
+        if key is None or w is None:
+            return w
+        stored = m.stored_form(self.special, key, self.bits, self.group_size)
+        if stored is not None and stored.shape != w.shape:
+            stored = None
+        if stored is not None and stored.flags.c_contiguous:
+            return stored
+        return m.cache.get(("f32", key), lambda: np.ascontiguousarray(
+            K.f32(w) if stored is None else stored))
 
     def _weight_key(self, m: Machine) -> Hashable | None:
         """The cache key of what the weight buffers hold (`held_key`), None unless every
@@ -196,6 +218,7 @@ class OpStep(Step):
     def compute(self, m: Machine, args: list[np.ndarray | None],
                 weight_key: Hashable | None = None, keep: bool = True) -> Sequence[np.ndarray]:
         """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
+        the weight cache file's form where it has one (`Machine.stored_form`), else
         cached under `weight_key`, by default what the weight buffers hold (`held_key`);
         `keep=False` uses a cached form but keeps no new one (a join's check of its
         slices: their forms would duplicate the whole's)."""
@@ -203,9 +226,17 @@ class OpStep(Step):
             return self.fn(self.op, args, m.context)
         if weight_key is None:
             weight_key = self._weight_key(m)
+        stored = None if weight_key is None else m.stored_form(
+            self.special, weight_key, self.bits, self.group_size)
         if self.special == "a16":
+            if stored is not None:
+                x, bias = args[0], args[5]  # (x, qweight, scales, zeros, mins, bias)
+                assert x is not None
+                return [K.matmul_dequantized(x, stored, bias, self.out_dtype)]
             return [self._a16_matmul(m, args, weight_key, keep)]
-        if weight_key is not None:
+        if stored is not None:
+            args = [args[0], stored, *args[2:]]
+        elif weight_key is not None:
             w = args[1]
             args = [args[0], m.cache.get(("f32", weight_key), lambda: K.f32(w), keep),
                     *args[2:]]

@@ -1,0 +1,541 @@
+"""The weight cache file: a model file's converted weights, made once and kept beside it.
+
+The executors multiply by f32 forms of the weights (`weight_cache`): a `tpu.a16_matmul`
+weight dequantized (`kernels.dequantize`), a f16/bf16 `tpu.matmul` weight (the lm_head)
+upcast (`kernels.f32`). Those forms depend only on the model file, yet each fresh process
+made them again inside its first prefill: for a 24-layer Qwen2.5-0.5B in w4bf16 that was
+most of the time to the first token. `toptpu cache MODEL_FILE` (`write_weight_cache`)
+writes them once to `MODEL_FILE.wcache` (`cache_path`); `toptpu run` and `chat` map that
+file read-only when it is there (`StoredForms`), so the first token multiplies by them
+without converting anything. The file is optional: without it (or when it is refused) the
+weights are converted as before, with the same bits.
+
+The file is untrusted input like the model file, and is never trusted unless it is the
+conversion of this very model file:
+
+- it is a checksummed container (`backend.formats.model_file`: magic, version, header
+  sha256, a section table placing every section, zero padding) written atomically with
+  `dialects.output_file.open_output`, never over a path that is not a regular file;
+- its header (`CacheHeader`, every field type- and range-checked) names the model file it
+  was made from by that file's header sha256 (`ModelFile.digest`), which covers the
+  sha256 of every section of the model file, checked when the model file is opened: a
+  cache of another model file, or of an earlier compile of this one, is refused;
+- every form names the tensors it was made from by their offsets in the model file's
+  weight blob, each checked to be an entry of the weight table of the right dtype and
+  shape (the qweight, its scales and zero points or float mins — the scale-and-min
+  variant of a GGUF file's Q4_1, Q4_K, ... —, their group size and bits); each form's
+  section is sized by its shape, and every section is some form's;
+- the bytes of each form are checked against the model file when first used: some of
+  its rows (the first, the last and ones spread between, `SAMPLED_ROWS`) are converted
+  from the model file's bytes and compared bit for bit. A form that differs turns the
+  whole file off for the rest of the process (`StoredForms.problem`), and the weights
+  are converted as without it.
+
+What the first-use check cannot see is a change in rows it does not sample: checking
+every byte (`toptpu cache --check`, `StoredForms.verify`) costs about what converting
+costs, which is what the file saves. A model file spread over several devices has one
+weight blob per device and no weight cache file: writing or opening one for it is refused
+(`WeightCacheFileError`). See docs/limits.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import numpy as np
+
+from toptpu.backend.contract import NetName
+from toptpu.backend.formats.header_schema import (
+    HeaderError,
+    Name,
+    Range,
+    decode,
+    encode,
+)
+from toptpu.backend.formats.llm_file import LlmFile, WeightEntry
+from toptpu.backend.formats.model_file import (
+    ModelFile,
+    ModelFileError,
+    StreamedSection,
+    write_model_file,
+)
+from toptpu.backend.reference import kernels as K
+from toptpu.dialects import tpu
+from toptpu.dialects.common import elem_of, numpy_dtype, read_int
+from toptpu.dialects.output_file import OutputPathError, output_target
+from toptpu.errors import ToptpuError
+
+#: the weight cache file of MODEL_FILE is MODEL_FILE + SUFFIX
+SUFFIX = ".wcache"
+KIND = "toptpu-weight-cache"
+CACHE_FORMAT = 1
+#: how many rows of each form are converted again and compared on its first use
+SAMPLED_ROWS = 8
+#: the float dtypes whose matmul weights the executors upcast to f32 once
+UPCAST_DTYPES = ("float16", "bfloat16")
+
+
+class WeightCacheFileError(ToptpuError):
+    """A weight cache file that cannot be used (or written); the message says why and what
+    to do."""
+
+
+def cache_path(model_path: str) -> str:
+    """Where the weight cache file of a model file lies: beside it, `MODEL.wcache`."""
+    return os.fspath(model_path) + SUFFIX
+
+
+# =========================================================================== header
+
+@dataclass(frozen=True)
+class FormEntry:
+    """One converted weight: the section holding its f32 form (`shape`), what it was made
+    from (offsets in the model file's weight blob) and how.
+
+    `a16`: `kernels.dequantize(qweight, scales, zeros, bits, group_size, mins)` of the
+    packed weight at `source`, its scales at `scales`, zero points at `zeros` and float
+    mins at `mins` (-1: none; a weight has zero points or mins, not both); `f32`:
+    `kernels.f32` of the f16/bf16 weight at `source` (scales, zeros and mins -1, bits and
+    group_size 0)."""
+
+    section: Name
+    form: Literal["a16", "f32"]
+    source: int
+    scales: Annotated[int, Range(-1)]
+    zeros: Annotated[int, Range(-1)]
+    mins: Annotated[int, Range(-1)]
+    bits: Annotated[int, Range(0, 8)]
+    group_size: int
+    shape: tuple[Annotated[int, Range(1)], ...]
+
+    @property
+    def key(self) -> tuple[str, int, int, int, int, int, int]:
+        """What a lookup names: the form and everything it is made from."""
+        return (self.form, self.source, self.scales, self.zeros, self.mins, self.bits,
+                self.group_size)
+
+
+@dataclass(frozen=True)
+class CacheHeader:
+    """The weight cache file's header (see the module doc)."""
+
+    kind: Literal["toptpu-weight-cache"]
+    cache_format: Literal[1]
+    #: the header sha256 of the model file the forms were made from (`ModelFile.digest`)
+    model_digest: str
+    forms: tuple[FormEntry, ...]
+
+    def check(self) -> None:
+        if len(self.model_digest) != 64 or any(c not in "0123456789abcdef"
+                                               for c in self.model_digest):
+            raise HeaderError("model_digest", "is not 64 lowercase hex digits (a sha256)")
+        keys: dict[tuple, int] = {}
+        sections: set[str] = set()
+        for i, f in enumerate(self.forms):
+            where = f"forms[{i}]"
+            if f.key in keys:
+                raise HeaderError(where, f"converts the same weight as forms[{keys[f.key]}]")
+            keys[f.key] = i
+            if f.section in sections:
+                raise HeaderError(f"{where}.section", f"is {f.section!r}, another form's")
+            sections.add(f.section)
+            if len(f.shape) != 2:
+                raise HeaderError(f"{where}.shape", f"is {list(f.shape)}, not [rows, columns]")
+            if f.form == "a16":
+                if f.bits not in (4, 8):
+                    raise HeaderError(f"{where}.bits", f"is {f.bits}, not 4 or 8")
+                if f.group_size < 1 or f.shape[1] % f.group_size:
+                    raise HeaderError(f"{where}.group_size",
+                                      f"is {f.group_size}, which does not divide the "
+                                      f"{f.shape[1]} columns")
+                if f.scales < 0:
+                    raise HeaderError(f"{where}.scales", "is -1: a dequantized weight has "
+                                                         "scales")
+                if f.zeros >= 0 and f.mins >= 0:
+                    raise HeaderError(where, "names zero points and mins: a weight has one "
+                                             "or the other")
+            elif (f.scales, f.zeros, f.mins, f.bits, f.group_size) != (-1, -1, -1, 0, 0):
+                raise HeaderError(where, "is an upcast (f32) form with scales, zero points, "
+                                         "mins, bits or a group size")
+
+
+# =========================================================================== the forms a file needs
+
+
+@dataclass(frozen=True)
+class _Use:
+    """A weight a net converts: by name (a16: the packed weight, its scales, zero points or
+    mins)."""
+
+    form: str
+    source: str
+    scales: str | None = None
+    zeros: str | None = None
+    mins: str | None = None
+    bits: int = 0
+    group_size: int = 0
+
+
+def _uses(model: LlmFile, net: str) -> list[_Use]:
+    """The weights net `net`'s Tpu IR converts (as the executors find them)."""
+    out = []
+    for op in model.net_module(net).walk():
+        if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp) \
+                and isinstance(op.scales.owner, tpu.WeightOp):
+            zeros = op.zeros.owner if op.zeros is not None else None
+            mins = op.mins.owner if op.mins is not None else None
+            if (op.zeros is not None and not isinstance(zeros, tpu.WeightOp)) or \
+                    (op.mins is not None and not isinstance(mins, tpu.WeightOp)):
+                continue  # not a weight the executors convert once
+            out.append(_Use("a16", op.qweight.owner.tensor_name, op.scales.owner.tensor_name,
+                            zeros.tensor_name if isinstance(zeros, tpu.WeightOp) else None,
+                            mins.tensor_name if isinstance(mins, tpu.WeightOp) else None,
+                            read_int(op.weight_bits), read_int(op.group_size)))
+        elif (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
+              and numpy_dtype(elem_of(op.rhs)).name in UPCAST_DTYPES):
+            out.append(_Use("f32", op.rhs.owner.tensor_name))
+    return out
+
+
+def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
+    """Name -> absolute blob offset of the weights net `net` reads: once for a net shared
+    by all layers, once per layer running it for a per-layer net."""
+    layout, meta = model.layout, model.meta
+    shared = {n: e.offset for n, e in layout.shared.items()}
+    if not meta.nets[net].per_layer:
+        return [shared]
+    full = str(NetName.parse(net).at_length(0))
+    layers = [i for names in meta.layer_nets.values() for i, name in enumerate(names)
+              if name == full]
+    return [{**shared, **{n: layout.layer_start(i) + e.offset
+                          for n, e in layout.chunk_of(i).items()}}
+            for i in sorted(set(layers))]
+
+
+def planned_forms(model: LlmFile) -> list[FormEntry]:
+    """Every form the executors would make of `model`'s weights, once each, in blob
+    order of their sources (sections `f0`, `f1`, ...)."""
+    entries = _entries(model)
+    found: dict[tuple, FormEntry] = {}
+    for net in model.meta.nets:
+        uses = _uses(model, net)
+        if not uses:
+            continue
+        for table in _tables(model, net):
+            for u in uses:
+                src = table[u.source]
+                e = entries[src]
+                if u.form == "a16":
+                    assert u.scales is not None
+                    k = e.shape[1] * 8 // u.bits
+                    f = FormEntry("", "a16", src, table[u.scales],
+                                  -1 if u.zeros is None else table[u.zeros],
+                                  -1 if u.mins is None else table[u.mins], u.bits,
+                                  u.group_size, (e.shape[0], k))
+                else:
+                    f = FormEntry("", "f32", src, -1, -1, -1, 0, 0, tuple(e.shape))
+                found.setdefault(f.key, f)
+    ordered = sorted(found.values(), key=lambda f: f.key[1])
+    return [FormEntry(f"f{i}", *_fields(f)[1:]) for i, f in enumerate(ordered)]
+
+
+def _fields(f: FormEntry) -> tuple[Any, ...]:
+    return (f.section, f.form, f.source, f.scales, f.zeros, f.mins, f.bits, f.group_size,
+            f.shape)
+
+
+def _entries(model: LlmFile) -> dict[int, WeightEntry]:
+    """Every tensor of the weight blob by its absolute offset (shared and every layer's;
+    a shared tensor stored once under several names is one entry)."""
+    layout = model.layout
+    out: dict[int, WeightEntry] = {e.offset: e for e in layout.shared.values()}
+    for i in range(layout.num_layers):
+        base = layout.layer_start(i)
+        for e in layout.chunk_of(i).values():
+            out[base + e.offset] = e
+    return out
+
+
+def _blob(model: LlmFile) -> np.ndarray:
+    return np.frombuffer(model.file.view(model.layout.section), np.uint8)
+
+
+def _tensor(blob: np.ndarray, offset: int, e: WeightEntry) -> np.ndarray:
+    return blob[offset:offset + e.nbytes].view(np.dtype(e.dtype)).reshape(e.shape)
+
+
+def convert(form: FormEntry, blob: np.ndarray, entries: dict[int, WeightEntry],
+            rows: slice | np.ndarray | None = None) -> np.ndarray:
+    """The f32 form of `form` from the model file's bytes (`rows` of it only), exactly as
+    the executors' cache makes it."""
+    def t(offset: int) -> np.ndarray:
+        arr = _tensor(blob, offset, entries[offset])
+        return arr if rows is None else arr[rows]
+
+    if form.form == "f32":
+        return K.f32(t(form.source))
+    return K.dequantize(t(form.source), t(form.scales),
+                        None if form.zeros < 0 else t(form.zeros), form.bits,
+                        form.group_size, None if form.mins < 0 else t(form.mins))
+
+
+# =========================================================================== writing
+
+
+def write_weight_cache(model: str | LlmFile, output: str | None = None,
+                       progress: Callable[[str], None] | None = None) -> str:
+    """Convert every weight the executors convert and write the forms to `output`
+    (default `cache_path(model)`), atomically, one form at a time in memory. Returns the
+    path written. WeightCacheFileError when the output cannot be written (a path that is
+    not a regular file is never replaced)."""
+    llm = model if isinstance(model, LlmFile) else LlmFile(model)
+    _refuse_devices(llm)
+    path = output or cache_path(llm.path)
+    try:
+        _, kind = output_target(path, "the weight cache file")
+    except OutputPathError as e:
+        raise WeightCacheFileError(str(e)) from None
+    if kind != "file" and kind != "new":
+        raise WeightCacheFileError(f"the weight cache file '{path}' is not a regular file; "
+                                   "it is left as it is: remove it or name another path")
+    forms = planned_forms(llm)
+    header = CacheHeader(KIND, CACHE_FORMAT, llm.file.digest, tuple(forms))
+    header.check()
+    blob, entries = _blob(llm), _entries(llm)
+
+    def section(form: FormEntry) -> StreamedSection:
+        def pieces() -> Iterator[tuple[int, memoryview]]:
+            arr = np.ascontiguousarray(convert(form, blob, entries), np.float32)
+            if progress is not None:
+                progress(f"{form.section}: {form.form} {list(form.shape)}")
+            yield 0, memoryview(arr.reshape(-1).view(np.uint8))
+
+        return StreamedSection(math.prod(form.shape) * 4, pieces)
+
+    try:
+        write_model_file(path, encode(header), {f.section: section(f) for f in forms})
+    except OutputPathError as e:
+        raise WeightCacheFileError(str(e)) from None
+    return path
+
+
+# =========================================================================== reading
+
+
+class StoredForms:
+    """The forms of a weight cache file, mapped read-only, looked up by what they are
+    made from (`a16`, `upcast`). Each form is checked on its first use (see the module
+    doc); after a form differs, `problem` says why and every lookup misses."""
+
+    def __init__(self, path: str, model: LlmFile, container: ModelFile,
+                 header: CacheHeader) -> None:
+        self.path = path
+        self.model = model
+        self._container = container
+        self._forms = {f.key: f for f in header.forms}
+        self._checked: dict[tuple, np.ndarray] = {}
+        self._blob = _blob(model)
+        self._entries = _entries(model)
+        self.problem: str | None = None
+        #: called once with `problem` when a form turns out not to match
+        self.on_problem: Callable[[str], None] | None = None
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._forms)
+
+    def a16(self, source: int, scales: int, zeros: int, bits: int, group_size: int,
+            mins: int = -1) -> np.ndarray | None:
+        """The dequantized f32 form of the packed weight at blob offset `source` with its
+        scales, zero points and mins at `scales`, `zeros`, `mins` (-1: none); None when the
+        file has none (or is off)."""
+        return self._get(("a16", source, scales, zeros, mins, bits, group_size))
+
+    def upcast(self, source: int) -> np.ndarray | None:
+        """The f32 form of the f16/bf16 weight at blob offset `source`, or None."""
+        return self._get(("f32", source, -1, -1, -1, 0, 0))
+
+    def _get(self, key: tuple) -> np.ndarray | None:
+        if self.problem is not None:
+            return None
+        hit = self._checked.get(key)
+        if hit is None:
+            form = self._forms.get(key)
+            if form is None:
+                return None
+            hit = self._check(form)
+            if hit is None:
+                return None
+        self.hits += 1
+        return hit
+
+    def _check(self, form: FormEntry) -> np.ndarray | None:
+        """The form's array once its sampled rows match the model file's bytes."""
+        arr = np.frombuffer(self._container.view(form.section), np.float32).reshape(
+            form.shape)
+        n = form.shape[0]
+        rows = np.unique(np.linspace(0, n - 1, min(n, SAMPLED_ROWS)).astype(np.int64))
+        want = convert(form, self._blob, self._entries, rows)
+        have = arr[rows]
+        if want.shape != have.shape or want.tobytes() != have.tobytes():
+            self.problem = (f"the weight cache file '{self.path}' does not match the model "
+                            f"file: form {form.section} ({form.form} of the weight at blob "
+                            f"offset {form.source}) differs from the model file's bytes; it "
+                            f"is not used (rewrite it with `toptpu cache {self.model.path}`)")
+            if self.on_problem is not None:
+                self.on_problem(self.problem)
+            return None
+        self._checked[form.key] = arr
+        return arr
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on with the file truncated or written in place since it was opened
+        (its mapped forms would fault or be other numbers); one replaced at its path (a new
+        `toptpu cache`) is harmless: the mapping holds the old one."""
+        try:
+            self._container.check_unchanged(replaced_too=False)
+        except ModelFileError as e:
+            raise WeightCacheFileError(f"the weight cache file {e}") from None
+
+    def verify(self) -> None:
+        """Check every byte: each form converted again from the model file and compared
+        (as long as converting all; `toptpu cache --check`). WeightCacheFileError at the
+        first form that differs."""
+        for f in self._forms.values():
+            arr = np.frombuffer(self._container.view(f.section), np.float32).reshape(f.shape)
+            if convert(f, self._blob, self._entries).tobytes() != arr.tobytes():
+                raise WeightCacheFileError(
+                    f"the weight cache file '{self.path}' does not match the model file: "
+                    f"form {f.section} ({f.form} of the weight at blob offset {f.source}) "
+                    f"differs; rewrite it with `toptpu cache {self.model.path}`")
+
+    def close(self) -> None:
+        self._checked.clear()
+        self._container.close()
+
+
+def open_weight_cache(model: LlmFile, path: str | None = None) -> StoredForms:
+    """The weight cache file at `path` (default `cache_path(model.path)`) of the loaded
+    model file, every header field checked against it (see the module doc);
+    WeightCacheFileError naming the problem otherwise."""
+    _refuse_devices(model)
+    path = path or cache_path(model.path)
+    advice = f"rewrite it with `toptpu cache {model.path}` (or delete it)"
+
+    def refuse(why: str) -> WeightCacheFileError:
+        return WeightCacheFileError(f"the weight cache file '{path}' {why}; {advice}")
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise WeightCacheFileError(f"cannot read the weight cache file '{path}': "
+                                   f"{e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise WeightCacheFileError(f"the weight cache file '{path}' is not a regular file; "
+                                   "it is not read")
+    try:
+        container = ModelFile(path, verify_checksums=False)
+    except ModelFileError as e:
+        raise refuse(f"is unusable ({_container_problem(e, path)})") from None
+    try:
+        raw = container.header
+        if raw.get("kind") != KIND:
+            raise refuse(f"is not a weight cache file (kind {raw.get('kind')!r})")
+        try:
+            header = decode(CacheHeader, raw)
+            header.check()
+        except HeaderError as e:
+            raise refuse(f"has an invalid header: {e}") from None
+        if header.model_digest != model.file.digest:
+            raise refuse("was made from another model file (or an earlier compile of this "
+                         "one): the model file's header sha256 differs")
+        _check_forms(header, model, container, refuse)
+    except BaseException:
+        container.close()
+        raise
+    return StoredForms(path, model, container, header)
+
+
+def _refuse_devices(model: LlmFile) -> None:
+    """A model file spread over several devices (a weight blob per device) has no weight
+    cache file."""
+    par = model.meta.parallel
+    if par is not None:
+        raise WeightCacheFileError(
+            f"'{model.path}' is spread over {len(par.devices)} devices ({par.strategy}): "
+            "toptpu has no weight cache file for a multi-device model file; run it without "
+            "one (its devices convert their weights as they go)")
+
+
+def _container_problem(e: ModelFileError, path: str) -> str:
+    """The container's message without its model-file advice."""
+    text = str(e).replace(f"'{path}' ", "", 1)
+    for advice in ("; compile one with `toptpu compile`", "; recompile the model with "
+                   "`toptpu compile`", "; upgrade toptpu or recompile the model"):
+        text = text.replace(advice, "")
+    return text.replace("toptpu model file", "toptpu file")
+
+
+def _check_forms(header: CacheHeader, model: LlmFile, container: ModelFile,
+                 refuse: Callable[[str], WeightCacheFileError]) -> None:
+    """Each form against the model file's weight table and its own section."""
+    entries = _entries(model)
+    used = {f.section for f in header.forms}
+    extra = sorted(set(container.sections) - used)
+    if extra:
+        raise refuse(f"has a section '{extra[0]}' that no form names")
+    for i, f in enumerate(header.forms):
+        where = f"forms[{i}]"
+        if f.section not in container.sections:
+            raise refuse(f"names a section '{f.section}' it does not have ({where})")
+        size = container.sections[f.section].size
+        if size != math.prod(f.shape) * 4:
+            raise refuse(f"has {size} bytes in section '{f.section}', its f32 form "
+                         f"{list(f.shape)} takes {math.prod(f.shape) * 4} ({where})")
+
+        def tensor(offset: int, what: str, where: str = where) -> WeightEntry:
+            e = entries.get(offset)
+            if e is None:
+                raise refuse(f"names {what} at blob offset {offset}, where the model file's "
+                             f"weight table has no tensor ({where})")
+            return e
+
+        src = tensor(f.source, "a weight")
+        rows, cols = f.shape
+        if f.form == "f32":
+            if src.dtype not in UPCAST_DTYPES or tuple(src.shape) != f.shape:
+                raise refuse(f"upcasts a {src.dtype} {list(src.shape)} weight to "
+                             f"{list(f.shape)} ({where})")
+            continue
+        want_packed = (rows, cols * f.bits // 8)
+        if src.dtype not in ("uint8", "int8") or tuple(src.shape) != want_packed:
+            raise refuse(f"dequantizes a {src.dtype} {list(src.shape)} weight to "
+                         f"{list(f.shape)} in {f.bits} bits ({where})")
+        groups = (rows, cols // f.group_size)
+        scales = tensor(f.scales, "scales")
+        if tuple(scales.shape) != groups or scales.dtype not in ("float32", "float16",
+                                                                "bfloat16"):
+            raise refuse(f"names {scales.dtype} {list(scales.shape)} scales for "
+                         f"{list(groups)} groups ({where})")
+        if f.zeros >= 0:
+            zeros = tensor(f.zeros, "zero points")
+            if tuple(zeros.shape) != groups or not np.issubdtype(np.dtype(zeros.dtype),
+                                                                   np.integer):
+                raise refuse(f"names {zeros.dtype} {list(zeros.shape)} zero points for "
+                             f"{list(groups)} groups ({where})")
+        if f.mins >= 0:
+            mins = tensor(f.mins, "mins")
+            if tuple(mins.shape) != groups or mins.dtype not in ("float32", "float16",
+                                                                "bfloat16"):
+                raise refuse(f"names {mins.dtype} {list(mins.shape)} mins for "
+                             f"{list(groups)} groups ({where})")
+
+
+__all__ = ["CACHE_FORMAT", "KIND", "SUFFIX", "CacheHeader", "FormEntry", "StoredForms",
+           "WeightCacheFileError", "cache_path", "open_weight_cache", "planned_forms",
+           "write_weight_cache"]

@@ -1,0 +1,339 @@
+"""The weight cache file (`toptpu cache`): a model file's converted weights made once and
+read by later processes. With it the executors convert nothing (their in-memory caches stay
+empty) and give the same bits as without it, on the machine (fast and checked) and the
+interpreter. It is refused — left unused with a note, or an error when named — unless it is
+this model file's: a cache of another file, a truncated or corrupt container, a header
+whose forms do not name the model's tensors, bytes that differ from the model file's
+conversion (found on first use, or by `--check`), a path that is not a regular file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from llm_fixtures import compiled
+
+from toptpu.backend.formats.llm_file import LlmFile
+from toptpu.backend.formats.model_file import ModelFile, write_model_file
+from toptpu.backend.runtime.machine_executor import MachineExecutor
+from toptpu.backend.runtime.runtime import Runtime
+from toptpu.backend.runtime.weight_cache_file import (
+    WeightCacheFileError,
+    cache_path,
+    open_weight_cache,
+    planned_forms,
+    write_weight_cache,
+)
+from toptpu.cli import main
+
+pytestmark = pytest.mark.slow  # compiles a model file
+
+SEQ, L = 96, 48
+IDS = [3 + (i * 7) % 300 for i in range(21)]  # block at 48: both lengths' nets get used
+
+
+@pytest.fixture
+def model(tmp_path_factory, tmp_path) -> str:
+    """A private copy of a w4bf16 file (a16 weights and a bf16 lm_head), so the cache file
+    written beside it is seen by this test only."""
+    src = compiled(tmp_path_factory, "qwen2", "w4bf16", seq=SEQ, input_len=L).model_file
+    path = str(tmp_path / "model.toptpu")
+    shutil.copyfile(src, path)
+    return path
+
+
+def _uncached(path: str, executor: str = "machine") -> tuple[np.ndarray, list[int]]:
+    rt = Runtime.open(path, executor, weight_cache=None)
+    return rt.prompt_logits(IDS), rt.generate(IDS, 8, stop_on_eos=False).generated_ids
+
+
+def test_the_cache_gives_the_same_bits_and_converts_nothing(model: str) -> None:
+    want_logits, want_ids = _uncached(model)
+    forms = planned_forms(LlmFile(model))
+    assert {f.form for f in forms} == {"a16", "f32"}  # the layers' matmuls, the lm_head
+    assert len([f for f in forms if f.form == "a16"]) == 2 * 7  # 2 layers x 7 projections
+    path = write_weight_cache(model)
+    assert path == cache_path(model) == model + ".wcache"
+    for executor in ("machine", "interpreter"):
+        rt = Runtime.open(model, executor)
+        assert rt.weight_cache_file == path and rt.notes == []
+        logits = rt.prompt_logits(IDS)
+        assert logits.dtype == want_logits.dtype and np.array_equal(logits, want_logits)
+        assert rt.generate(IDS, 8, stop_on_eos=False).generated_ids == want_ids
+        cache = rt.ex.machine.cache if executor == "machine" else rt.ex.cache
+        assert len(cache) == 0, executor  # nothing converted in this process
+        assert rt.ex.stored.hits > 0
+    # the checked machine (slices of the weights, windows of the stored forms)
+    checked = Runtime(MachineExecutor(model, checked=True))
+    checked.ex.use_weight_cache(open_weight_cache(checked.ex.file))
+    assert np.array_equal(checked.prompt_logits(IDS), want_logits)
+    assert len(checked.ex.machine.cache) == 0
+
+
+def test_the_cli_writes_checks_and_uses_the_cache(model: str, capsys) -> None:
+    assert main(["cache", model, "--quiet"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    assert main(["cache", model, "--check"]) == 0
+    assert "each equal to the model file's conversion" in capsys.readouterr().out
+    out = subprocess.run([sys.executable, "-m", "toptpu.cli", "run", model, "--ids",
+                          ",".join(map(str, IDS)), "--max-new-tokens", "4", "--json"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["weight_cache_file"] == cache_path(model)
+    assert out.stderr == ""
+
+
+def test_a_cache_of_another_model_file_is_refused(model: str, tmp_path_factory,
+                                                  tmp_path) -> None:
+    other = str(tmp_path / "other.toptpu")
+    shutil.copyfile(compiled(tmp_path_factory, "qwen2", "w4bf16", seq=SEQ,
+                             input_len=16).model_file, other)
+    write_weight_cache(model, cache_path(other))  # the first file's forms beside the other
+    rt = Runtime.open(other)
+    assert rt.weight_cache_file is None
+    assert len(rt.notes) == 1 and "was made from another model file" in rt.notes[0]
+    assert "toptpu cache" in rt.notes[0]
+    logits, ids = _uncached(other)
+    assert np.array_equal(rt.prompt_logits(IDS), logits)
+    with pytest.raises(WeightCacheFileError, match="was made from another model file"):
+        Runtime.open(other, weight_cache=cache_path(other))
+
+
+def _rewrite(path: str, edit) -> None:  # noqa: ANN001
+    """Write the cache file again with its header edited by `edit` (checksums made anew:
+    only the checks of the fields can refuse it)."""
+    with ModelFile(path, verify_checksums=False) as f:
+        header = json.loads(json.dumps(f.header))
+        sections = {n: f.read(n) for n in f.sections}
+    edit(header, sections)
+    write_model_file(path, header, sections)
+
+
+def _form(header: dict, i: int = 0) -> dict:
+    return header["forms"][i]
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("truncate", r"is unusable \(is truncated"),
+    ("header byte", r"is unusable \(is corrupt: checksum mismatch in the header\)"),
+    ("model file", r"is not a weight cache file \(kind 'toptpu-llm'\)"),
+    ("digest", r"has an invalid header: model_digest is not 64 lowercase hex digits"),
+    ("source", r"names a weight at blob offset 1, where the model file's weight table has "
+               r"no tensor \(forms\[0\]\)"),
+    ("shape", r"upcasts a bfloat16 \[\d+, 64\] weight to \[\d+, 32\] \(forms\[0\]\)"),
+    ("bits", r"forms\[1\]\.bits is 3, not 4 or 8"),
+    ("section", r"has a section 'extra' that no form names"),
+    ("twice", r"forms\[1\] converts the same weight as forms\[0\]"),
+])
+def test_a_damaged_cache_is_refused_naming_the_problem(model: str, damage: str,
+                                                       message: str) -> None:
+    path = write_weight_cache(model)
+    if damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 100)
+    elif damage == "header byte":
+        with open(path, "r+b") as f:
+            f.seek(60)
+            byte = f.read(1)
+            f.seek(60)
+            f.write(bytes([byte[0] ^ 0x20]))
+    elif damage == "model file":
+        shutil.copyfile(model, path)
+    else:
+        def edit(h: dict, sections: dict) -> None:
+            if damage == "digest":
+                h["model_digest"] = "xyz"
+            elif damage == "source":
+                _form(h)["source"] = 1
+            elif damage == "shape":
+                _form(h)["shape"] = [_form(h)["shape"][0], 32]
+                sections[_form(h)["section"]] = sections[_form(h)["section"]][
+                    :len(sections[_form(h)["section"]]) // 2]
+            elif damage == "bits":
+                _form(h, 1)["bits"] = 3
+            elif damage == "section":
+                sections["extra"] = b"\0" * 8
+            elif damage == "twice":
+                h["forms"][1] = {**_form(h), "section": _form(h, 1)["section"]}
+
+        _rewrite(path, edit)
+    rt = Runtime.open(model)
+    assert rt.weight_cache_file is None and len(rt.notes) == 1
+    assert "toptpu cache" in rt.notes[0]
+    with pytest.raises(WeightCacheFileError, match=message):
+        open_weight_cache(LlmFile(model), path)
+
+
+def test_bytes_that_differ_from_the_model_files_conversion_are_refused(model: str) -> None:
+    """A changed sampled row is found on the form's first use: the file is turned off (a
+    note says why) and the weights are converted, with the same bits. A change in a row no
+    first use samples is found by `toptpu cache --check`."""
+    want_logits, _ = _uncached(model)
+    path = write_weight_cache(model)
+    llm = LlmFile(model)
+    stored = open_weight_cache(llm, path)
+    form = next(f for f in stored._forms.values() if f.form == "a16")  # noqa: SLF001
+    offset = stored._container.sections[form.section].offset  # noqa: SLF001
+    stored.close()
+    cols = form.shape[1]
+    with open(path, "r+b") as f:  # row 0, column 0: sampled
+        f.seek(offset)
+        f.write(np.float32(1234.5).tobytes())
+    rt = Runtime.open(model)
+    assert rt.weight_cache_file == path  # the header is fine: found on first use
+    logits = rt.prompt_logits(IDS)
+    assert np.array_equal(logits, want_logits)
+    assert rt.weight_cache_file is None
+    assert len(rt.notes) == 1 and f"form {form.section}" in rt.notes[0]
+    assert "does not match the model file" in rt.notes[0]
+    # restore row 0; change row 1 (rows 0 and n-1 and ones spread between are sampled)
+    path = write_weight_cache(model)
+    with open(path, "r+b") as f:
+        f.seek(offset + 4 * cols + 4)
+        f.write(np.float32(1234.5).tobytes())
+    with pytest.raises(WeightCacheFileError, match=f"form {form.section} .* differs"):
+        open_weight_cache(LlmFile(model), path).verify()
+    assert main(["cache", model, "--check"]) == 1
+
+
+def test_a_cache_path_that_is_not_a_regular_file_is_neither_read_nor_replaced(
+        model: str, capsys) -> None:
+    path = cache_path(model)
+    os.mkfifo(path)
+    rt = Runtime.open(model)  # a FIFO there is not opened (it would block)
+    assert rt.weight_cache_file is None
+    assert len(rt.notes) == 1 and "is not a regular file" in rt.notes[0]
+    assert main(["cache", model, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "is not a regular file" in err and "Traceback" not in err
+    assert os.path.exists(path) and not os.path.isfile(path)  # still the FIFO
+    os.unlink(path)
+    os.mkdir(path)
+    assert Runtime.open(model).weight_cache_file is None
+    assert main(["cache", model, "--quiet"]) == 1
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_a_cache_written_in_place_while_in_use_stops_the_run(model: str) -> None:
+    """Its mapped forms would fault or be other numbers: the next net run says so. A new
+    `toptpu cache` renamed over it is harmless (the mapping holds the one opened)."""
+    want_logits, _ = _uncached(model)
+    path = write_weight_cache(model)
+    rt = Runtime.open(model)
+    assert np.array_equal(rt.prompt_logits(IDS), want_logits)
+    write_weight_cache(model)  # replaced: the run goes on with the file it opened
+    assert np.array_equal(rt.prompt_logits(IDS), want_logits)
+    rt = Runtime.open(model)
+    rt.prompt_logits(IDS)
+    os.truncate(path, os.path.getsize(path) - 4096)
+    with pytest.raises(WeightCacheFileError, match="weight cache file .* changed while in "
+                                                   "use"):
+        rt.prompt_logits(IDS)
+
+
+def test_a_k_split_lm_head_reads_its_parts_from_the_cache(tmp_path) -> None:  # noqa: ANN001
+    """At Qwen's vocabulary (151936) an lm_head of hidden 512 does not fit local memory
+    whole and is split along K (reduction parts): each part's weights are a window of the
+    stored f32 form (its columns). A decode step reads them from the cache file — kept as
+    contiguous copies in memory, the bytes `matmul_part` would make — instead of upcasting
+    the whole bf16 weight a part at a time at every token: the same bits as converting,
+    fast and checked."""
+    import torch
+    import transformers as tf
+
+    from toptpu.backend.formats.commands import Compute
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.tiny_models import build_tokenizer
+
+    cfg = tf.Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, eos_token_id=2)
+    torch.manual_seed(0)
+    path = str(tmp_path / "wide-vocab.toptpu")
+    compile_model(tf.Qwen2ForCausalLM(cfg).eval(), path, mode="w4bf16", seq_length=32,
+                  max_input_length=16, tokenizer=build_tokenizer(), progress=None)
+    ex = MachineExecutor(path)
+    parts = {c.parts for c in ex.program("lm_head").commands if isinstance(c, Compute)
+             and c.kind == "tpu.matmul"}
+    assert max(parts) > 1  # the lm_head's K is split
+    def last_logits(rt: Runtime) -> tuple[list[int], np.ndarray]:
+        ids = rt.generate(IDS[:5], 4, stop_on_eos=False).generated_ids
+        return ids, rt.ex.read(rt.b["logits"])  # the last decode step's lm_head
+
+    want_ids, want_logits = last_logits(Runtime.open(path, weight_cache=None))
+    write_weight_cache(path)
+    for checked in (False, True):
+        rt = Runtime(MachineExecutor(path, checked=checked))
+        rt.ex.use_weight_cache(open_weight_cache(rt.ex.file))
+        ids, logits = last_logits(rt)
+        assert ids == want_ids and np.array_equal(logits, want_logits)
+        machine = rt.ex.machine
+        kept = machine.cache._items  # noqa: SLF001 - what this process made
+        assert len(kept) == max(parts)  # the lm_head's parts, nothing converted
+        for (kind, key), value in kept.items():
+            assert kind == "f32"
+            assert np.array_equal(value, machine.stored_form("f32w", key, 0, 0))
+
+
+def test_a_gguf_file_of_scale_and_min_types_gives_the_same_bits_with_its_cache(
+        tmp_path) -> None:  # noqa: ANN001
+    """A GGUF whose linears are Q4_1 (layer 0) and Q4_K (layer 1), kept as they are (-q
+    auto: 4-bit integers, f16 scales and f16 mins, `q * s + m`): every a16 form of the cache
+    names its mins and is `kernels.dequantize(..., mins=...)` of the model file's bytes
+    (`--check`); with it the machine (fast and checked) and the interpreter give the logits
+    and tokens they give without it, converting nothing. A file spread over several
+    devices is refused in one line."""
+    from gguf_fixtures import gguf_dir
+
+    from toptpu.compiler import compile as compile_model
+
+    types = {f"blk.{i}.{lin}.weight": t for i, t in enumerate(("Q4_1", "Q4_K"))
+             for lin in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                         "ffn_down")}
+    d = gguf_dir(str(tmp_path / "src"), "llama2", "Q8_0", types=types, hidden_size=256,
+                 intermediate_size=512)
+    path = str(tmp_path / "mins.toptpu")
+    compile_model(d, path, mode="auto", seq_length=48, max_input_length=16,
+                  prefill_lengths=[8, 16], progress=None)
+    forms = planned_forms(LlmFile(path))
+    a16 = [f for f in forms if f.form == "a16"]
+    assert len(a16) == 2 * 7 and all(f.mins >= 0 and f.zeros < 0 for f in a16)
+    ids = IDS[:12]  # a chunk at 16, then decode
+    want = {}
+    for executor in ("machine", "interpreter"):
+        rt = Runtime.open(path, executor, weight_cache=None)
+        want[executor] = (rt.prompt_logits(ids[:5]),
+                          rt.generate(ids, 6, stop_on_eos=False).generated_ids)
+    assert want["machine"][1] == want["interpreter"][1]
+    assert main(["cache", path, "--quiet"]) == 0
+    assert main(["cache", path, "--check"]) == 0  # every byte: dequantize with mins
+    for executor in ("machine", "interpreter"):
+        rt = Runtime.open(path, executor)
+        assert rt.weight_cache_file == cache_path(path) and rt.notes == []
+        logits = rt.prompt_logits(ids[:5])
+        assert logits.dtype == want[executor][0].dtype
+        assert np.array_equal(logits, want[executor][0]), executor
+        assert rt.generate(ids, 6, stop_on_eos=False).generated_ids == want[executor][1]
+        cache = rt.ex.machine.cache if executor == "machine" else rt.ex.cache
+        assert len(cache) == 0 and rt.ex.stored.hits > 0, executor
+    checked = Runtime(MachineExecutor(path, checked=True))
+    checked.ex.use_weight_cache(open_weight_cache(checked.ex.file))
+    assert np.array_equal(checked.prompt_logits(ids[:5]), want["machine"][0])
+    assert len(checked.ex.machine.cache) == 0 and checked.ex.stored.hits > 0
+
+
+def test_a_multi_device_file_has_no_weight_cache_file(tmp_path_factory, capsys) -> None:
+    """`toptpu cache` refuses a file spread over several devices in one line; `run` reads
+    no cache for it (one placed beside it is refused with a note)."""
+    built = compiled(tmp_path_factory, "qwen2", seq=64, input_len=16, devices=2,
+                     parallel="pp")
+    assert main(["cache", built.model_file, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "spread over 2 devices (pp)" in err and err.count("\n") == 1, err
+    with pytest.raises(WeightCacheFileError, match="no weight cache file for a "
+                                                   "multi-device model file"):
+        write_weight_cache(built.model_file, str(tmp_path_factory.mktemp("c") / "x.wcache"))
+    assert Runtime.open(built.model_file).weight_cache_file is None
