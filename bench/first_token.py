@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from llm_compile_decode import blas_ceiling  # bench/ is on sys.path as the script's folder
 from transformers import Qwen2ForCausalLM
 
 from toptpu.backend.runtime.weight_cache_file import cache_path, write_weight_cache
@@ -110,34 +111,6 @@ def eager(model: Qwen2ForCausalLM, ids: list[int], new: int) -> tuple[float, flo
         total = time.perf_counter() - t
     n = out.shape[1] - len(ids) - 1
     return ttft, n / max(total - ttft, 1e-9)
-
-
-def decode_products(model: Qwen2ForCausalLM, repeat: int) -> tuple[float, float]:
-    """Seconds of one decode step's f32 products alone, numpy's BLAS and torch's (best of
-    `repeat`, alternating, on the model's own weights)."""
-    rng = np.random.default_rng(1)
-    pairs = []
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                    layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                    layer.mlp.down_proj):
-            w = lin.weight.detach().numpy()
-            pairs.append((rng.standard_normal((1, w.shape[1]), dtype=np.float32), w))
-    w = model.lm_head.weight.detach().numpy()
-    pairs.append((rng.standard_normal((1, w.shape[1]), dtype=np.float32), w))
-    tpairs = [(torch.from_numpy(x), torch.from_numpy(w)) for x, w in pairs]
-    ours, theirs = [], []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for x, w in pairs:
-            np.matmul(x, w.T)
-        ours.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        with torch.no_grad():
-            for tx, tw in tpairs:
-                torch.nn.functional.linear(tx, tw)
-        theirs.append(time.perf_counter() - t)
-    return min(ours), min(theirs)
 
 
 def main() -> None:
@@ -242,7 +215,7 @@ def main() -> None:
                   f"{med(o.ttft) / med(h.ttft):6.2f} {med(o.decode):12.2f} "
                   f"{med(h.decode):7.2f} {med(o.decode) / med(h.decode):6.2f} "
                   f"{med(o.wall):9.2f} {mt:>15}")
-    ours_s, theirs_s = decode_products(model, max(a.repeat, 3))
+    ours_s, theirs_s = blas_ceiling(model, 1, max(a.repeat, 3), 0.0)  # a decode step
     dec_all = [d for runs in hf.values() for d in runs.decode]
     eager_step = 1 / med(dec_all)
     print(f"one decode step's f32 products alone: numpy {ours_s * 1e3:.1f} ms, torch "
