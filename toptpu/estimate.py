@@ -224,8 +224,9 @@ class CompiledCosts:
                "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
                "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
                "compile_s": self.compile_s,
+               # [dma, bytes, flops, type, deps, link or null, run]
                "commands": {n: [[int(c.dma), c.nbytes, c.flops, c.dtype, list(c.deps),
-                                 *([list(c.link)] if c.link is not None else [])]
+                                 list(c.link) if c.link is not None else None, c.run]
                                 for c in cmds] for n, cmds in self.commands.items()}}
         if self.position_axes != 1:
             out["position_axes"] = self.position_axes
@@ -239,12 +240,14 @@ class CompiledCosts:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CompiledCosts:
         def link(c: Sequence[Any]) -> tuple[str, str, int] | None:
-            return (str(c[5][0]), str(c[5][1]), int(c[5][2])) if len(c) > 5 else None
+            return (str(c[5][0]), str(c[5][1]), int(c[5][2])) if len(c) > 5 \
+                and c[5] is not None else None
 
         return cls(model=ModelShape.from_json(d["model"]), mode=d["mode"],
                    shapes=StaticShapes(**d["shapes"]),
                    commands={n: [CommandCost(bool(c[0]), int(c[1]), int(c[2]), str(c[3]),
-                                             tuple(c[4]), link(c)) for c in cmds]
+                                             tuple(c[4]), link(c),
+                                             int(c[6]) if len(c) > 6 else 0) for c in cmds]
                              for n, cmds in d["commands"].items()},
                    weight_bytes=int(d["weight_bytes"]), kv_bytes=int(d["kv_bytes"]),
                    compile_s=float(d.get("compile_s", 0.0)),
@@ -784,7 +787,8 @@ def _check_figure_key(item: str, key: str, chip: Chip) -> None:
 
 #: the figures that are whole numbers
 INT_FIGURES = ("lanes", "lane_bytes", "banks", "align", "cores", "ddr_bytes",
-               "dma_latency_cycles", "compute_latency_cycles", "max_devices")
+               "dma_latency_cycles", "dma_burst_bytes", "compute_latency_cycles",
+               "max_devices")
 
 
 def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:

@@ -36,6 +36,7 @@ import numpy as np
 
 from toptpu.backend.formats.header_schema import HeaderError, Name, OneOf, Range, join
 from toptpu.backend.formats.llm_file import MAX_ELEMENTS, DType
+from toptpu.backend.target.cost import run_bytes
 from toptpu.dialects.common import DTYPE_BY_NAME
 
 #: the version of the command records; programs of another version are refused.
@@ -157,6 +158,12 @@ class _Transfer(_Command):
             shape[c.axis] = c.length
         return tuple(shape)
 
+    @property
+    def run(self) -> int:
+        """Bytes of each contiguous run its window makes in the global tensor (the DDR
+        moves whole bursts of each: `cost.ddr_bytes`)."""
+        return run_bytes(self.shape, self.part_shape(), np.dtype(self.dtype).itemsize)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Load(_Transfer):
@@ -222,6 +229,11 @@ class Gather(_OpCommand):
     def nbytes(self) -> int:
         """Bytes moved: the rows gathered."""
         return sum(o.nbytes for o in self.outs)
+
+    @property
+    def run(self) -> int:
+        """Bytes of each contiguous run it reads: one row of the table."""
+        return numel(self.table.shape[1:]) * np.dtype(self.table.dtype).itemsize
 
 
 @dataclass(frozen=True, kw_only=True)

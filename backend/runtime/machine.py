@@ -115,8 +115,8 @@ def command_cycles(chip: Chip, c: Command) -> float:
     """Cycles one command takes on its engine (the cost model's)."""
     if isinstance(c, Collective):
         return link_cycles(chip, link_work(c))
-    if c.engine == "dma":
-        return dma_cycles(chip, c.nbytes)
+    if isinstance(c, Load | Store | Gather):
+        return dma_cycles(chip, c.nbytes, c.run)
     return compute_cycles(chip, c.flops, c.dtype)
 
 
@@ -470,7 +470,8 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
             raise MachineTrap(f"command {i} has id {c.id}: ids must be stream positions")
     return [CommandCost(c.engine == "dma", c.nbytes if c.engine in ("dma", "link") else 0,
                         c.flops, str(c.dtype), tuple(c.deps),
-                        (c.kind, c.algorithm, c.devices) if isinstance(c, Collective) else None)
+                        (c.kind, c.algorithm, c.devices) if isinstance(c, Collective) else None,
+                        c.run if isinstance(c, Load | Store | Gather) else 0)
             for c in commands]
 
 

@@ -11,6 +11,8 @@ A preset describes one chip as a deployment sees it:
   (decode of large models reaches ~75-80%), `core_ddr_gbps` what one core's DMA can draw
   (a second core adds bandwidth until the DDR is saturated), `ddr_bytes` capacity;
 - per command: `dma_latency_cycles`, `compute_latency_cycles` (issue latency);
+  `dma_burst_bytes`, the DDR's access granule: a transfer moves its window as contiguous
+  runs (a strided window: one run per row it cuts), each run rounded up to whole bursts;
 - per step, outside the nets: `launch_us` per net launch (launch, sync, interrupt),
   `host_transfer_us` fixed cost of one host<->device copy and `host_gbps` its bandwidth (the
   position, mask and token ids each step);
@@ -69,6 +71,7 @@ class Chip:
     core_ddr_gbps: float  # one core's DMA limit
     ddr_bytes: int
     dma_latency_cycles: int
+    dma_burst_bytes: int  # every contiguous run of a transfer moves whole bursts
     compute_latency_cycles: int
     launch_us: float
     host_transfer_us: float
@@ -80,7 +83,8 @@ class Chip:
     sources: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
-        for f in ("lanes", "lane_bytes", "banks", "align", "cores", "max_devices"):
+        for f in ("lanes", "lane_bytes", "banks", "align", "cores", "max_devices",
+                  "dma_burst_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ChipFigureError(f"chip {self.name}: {f} must be a positive integer, "

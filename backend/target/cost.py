@@ -7,7 +7,10 @@ estimates and sweeps (`toptpu estimate`, `toptpu sweep`) re-time compiled comman
 with it without running them.
 
 - DMA: latency + bytes / the DMA bandwidth of all cores (`Chip.dma_gbps`: the per-core
-  limit times the cores, up to the sustained DDR bandwidth they share);
+  limit times the cores, up to the sustained DDR bandwidth they share), the bytes being
+  what the DDR moves: a transfer's window in its global tensor is a set of contiguous
+  runs (one for a whole tensor or a slice along its first axis, one per row a window of
+  fewer columns cuts), each run rounded up to whole `Chip.dma_burst_bytes` (`ddr_bytes`);
 - compute: latency + FLOPs / (peak of the command's type on all cores x
   `compute_efficiency`);
 - link (a net several devices run together): a collective's time on the chip-to-chip link
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.target.chips import Chip
@@ -50,9 +55,32 @@ def op_flops(op: Operation) -> int:
     return op.flops() if isinstance(op, ShapedOp) else 0
 
 
-def dma_cycles(chip: Chip, nbytes: int) -> float:
-    """Cycles one DMA transfer takes: latency plus bytes over the cores' DMA bandwidth."""
-    return chip.dma_latency_cycles + nbytes / chip.bytes_per_cycle
+def ddr_bytes(chip: Chip, nbytes: Any, run: Any = 0) -> Any:
+    """Bytes the DDR moves for a transfer of `nbytes` made of contiguous runs of `run`
+    bytes each (0: one run), every run rounded up to whole bursts. Elementwise over numpy
+    arrays too (the layer group costs a grid of candidates at once)."""
+    burst = chip.dma_burst_bytes
+    run = np.where(np.asarray(run) > 0, run, nbytes)
+    return nbytes / np.maximum(run, 1) * (-(-run // burst) * burst)
+
+
+def dma_cycles(chip: Chip, nbytes: int, run: int = 0) -> float:
+    """Cycles one DMA transfer of `nbytes` in contiguous runs of `run` bytes (0: one run)
+    takes: latency plus the bytes the DDR moves (`ddr_bytes`) over the cores' DMA
+    bandwidth."""
+    return chip.dma_latency_cycles + float(ddr_bytes(chip, nbytes, run)) / chip.bytes_per_cycle
+
+
+def run_bytes(shape: Sequence[int], part: Sequence[int], itemsize: int) -> int:
+    """The contiguous runs of a window of shape `part` in a row-major tensor of `shape`:
+    their length in bytes (the innermost axes the window covers whole, times the first
+    one it cuts). The whole tensor is one run."""
+    run = itemsize
+    for n, full in zip(reversed(part), reversed(shape), strict=True):
+        run *= n
+        if n != full:
+            break
+    return run
 
 
 def compute_cycles(chip: Chip, flops: int, dtype: str) -> float:
@@ -79,6 +107,7 @@ class CommandCost:
     dtype: str
     deps: tuple[int, ...]
     link: tuple[str, str, int] | None = None
+    run: int = 0  # a transfer's contiguous runs in global memory, bytes (0: one run)
 
     @property
     def engine(self) -> int:
@@ -95,7 +124,7 @@ class CommandCost:
         work = self.link_work()
         if work is not None:
             return link_cycles(chip, work)
-        return dma_cycles(chip, self.nbytes) if self.dma else compute_cycles(
+        return dma_cycles(chip, self.nbytes, self.run) if self.dma else compute_cycles(
             chip, self.flops, self.dtype)
 
 
