@@ -6,6 +6,8 @@ replaces a plan without them only beyond `REDUCTION_MARGIN`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from fuzz import fuzz_settings
 from hypothesis import given
@@ -13,12 +15,12 @@ from hypothesis import strategies as st
 from test_tiles import lane_without_single_axis, matmul_module, tile_groups
 
 from toptpu.backend.formats.commands import Cut, GlobalRef, Load, LocalRef, Space
-from toptpu.backend.runtime.machine import command_cycles, command_costs
+from toptpu.backend.runtime.machine import command_costs, command_cycles
 from toptpu.backend.target.chips import get_chip
 from toptpu.backend.target.cost import ddr_bytes, dma_cycles, net_timing, run_bytes
 from toptpu.dialects.ir_text import parse_ir
 from toptpu.machine_pipeline import compile_for_machine
-from toptpu.passes.layer_group import REDUCTION_MARGIN, plan_span
+from toptpu.passes.layer_group import REDUCTION_MARGIN, _reduction_plans, plan_span
 from toptpu.passes.slicing import SliceKind
 
 CHIP = get_chip("bm1684x")
@@ -95,26 +97,20 @@ def test_a_tiles_plan_is_charged_every_load_its_stream_makes(m: int, n: int, k: 
     assert busy <= planned + 1, (busy, planned, g.tile_grid())
 
 
-LM_HEAD = '''builtin.module {
-  func.func @main(%x: tensor<1x896xbf16>) -> tensor<1x151936xbf16> {
-    %w = "tpu.weight"() {name = "lm_head.weight", source = "lm_head.weight", part = "data"} : () -> tensor<151936x896xbf16>
-    %y = "tpu.matmul"(%x, %w) {transpose_b = true, compute = bf16} : (tensor<1x896xbf16>, tensor<151936x896xbf16>) -> tensor<1x151936xbf16>
-    func.return %y : tensor<1x151936xbf16>
-  }
-}'''
+#: a decode lm_head's matmul (the FileCheck test's module)
+LM_HEAD = Path(__file__).parent / "filecheck" / "layer_group_near_tie.mlir"
 
 
 def test_a_near_tie_keeps_the_reduction_whole() -> None:
     """A decode lm_head (Qwen2.5's 151936 x 896 bf16) costs the same split over its
     vocabulary (64 blocks) or over 28 parts of its inputs (64-byte runs: whole bursts):
     within REDUCTION_MARGIN the vocabulary split is kept, no accumulator."""
-    module = parse_ir(LM_HEAD, "lm_head")
+    module = parse_ir(LM_HEAD.read_text(), "lm_head")
     op = next(iter(next(iter(module.ops)).body.block.ops)).next_op  # the matmul
     whole = plan_span([op], CHIP, kinds=(SliceKind.ROWS, SliceKind.COLS))
     best = plan_span([op], CHIP)
     assert whole is not None and best is not None
     assert (best.kind, best.parts) == (SliceKind.COLS, 1)
-    from toptpu.passes.layer_group import _reduction_plans
     parts = min(_reduction_plans([op], CHIP, None), key=lambda p: p.cost)
     assert parts.parts > 1
     assert whole.cost * (1 - REDUCTION_MARGIN) <= parts.cost < whole.cost * 1.01

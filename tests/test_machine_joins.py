@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +29,9 @@ SMALL = replace(get_chip("bm1684x"), lanes=2, lane_bytes=4096, dma_latency_cycle
 #: 4x the local memory: the residual add, the RMS norm and the matmuls after it share row
 #: slices in one group
 MID = replace(SMALL, lane_bytes=16384)
+#: 6x: the o projection, the residual add, the norm and the MLP share row slices in one
+#: group (as `block:16` of Qwen2.5-0.5B on bm1684x)
+WIDE = replace(SMALL, lane_bytes=24576)
 TOKENS = 16
 
 
@@ -54,11 +58,16 @@ def mid_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str, np
     return _compiled_layer(tiny_models, tmp_path_factory, MID)
 
 
-@pytest.fixture(scope="module", params=["small", "mid"])
+@pytest.fixture(scope="module")
+def wide_layer(tiny_models, tmp_path_factory) -> tuple[str, Program, dict[str, np.ndarray]]:
+    return _compiled_layer(tiny_models, tmp_path_factory, WIDE)
+
+
+@pytest.fixture(scope="module", params=["small", "mid", "wide"])
 def any_sliced_layer(request) -> tuple[str, Program, dict[str, np.ndarray]]:  # noqa: ANN001
-    """The layer compiled for `SMALL` and for `MID`."""
-    return request.getfixturevalue("sliced_layer" if request.param == "small"
-                                   else "mid_layer")
+    """The layer compiled for `SMALL`, `MID` and `WIDE`."""
+    return request.getfixturevalue({"small": "sliced_layer", "mid": "mid_layer",
+                                    "wide": "wide_layer"}[request.param])
 
 
 def _joins(pf: ProgramFile) -> list[SliceJoin]:
@@ -102,6 +111,22 @@ def test_a_rows_join_computes_its_input_through_the_groups_row_local_ops(
     assert len(normed) >= 2, [_computed(j.rows) for j in joins]
     assert all(j.rows is normed[0].rows for j in normed)
     assert all(len(j.sources) == 2 for j in normed)  # both the add's inputs are guarded
+
+
+def test_a_rows_join_computes_its_input_through_another_joins_product(wide_layer) -> None:
+    """Where the o projection, the residual add, the norm and the MLP share row slices,
+    the gate and up projections' joins compute their whole input from the o projection's
+    whole product (computed at its first slice, before theirs), and the down projection's
+    from the gate's and up's: every matmul of the group is one host product."""
+    pf = ProgramFile(wide_layer[0])
+    exprs = {_computed(j.rows) for j in _joins(pf) if j.rows is not None}
+    assert "tpu.rms_norm(tpu.add(g4, join(tpu.a16_matmul)), res)" in exprs, exprs
+    assert "tpu.mul(tpu.silu(join(tpu.a16_matmul)), join(tpu.a16_matmul))" in exprs, exprs
+    plan = pf.nets["layer"].plan(pf.chip)
+    ops = [s for s in plan.steps if isinstance(s, steps_module.OpStep) and s.special]
+    count = Counter((s.cmd.group, s.cmd.op) for s in ops)
+    sliced = [s for s in ops if count[(s.cmd.group, s.cmd.op)] > 1]
+    assert len(sliced) >= 8 and all(s.join is not None for s in sliced)
 
 
 def test_joined_runs_are_bit_identical_to_the_checked_mode(any_sliced_layer,

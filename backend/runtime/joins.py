@@ -444,7 +444,11 @@ def _rows_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | 
     first = chain[0][1]
     if first.ins[0] is None or any(s.ins[1:] != first.ins[1:] for _, s in chain):
         return None  # the weight is resident
-    found = _RowSlices(inputs, wholes)
+    # the input may come from another rows join's product (the MLP's gate and up after the
+    # o projection, norm and residual in one row-sliced group): that join computes its
+    # whole at its first slice, before this one's first; where it did not in a run (its
+    # inputs stored to, or refused), this one's slices compute alone (`WholeRows.value`)
+    found = _RowSlices(inputs, wholes, products=True)
     rows = found.whole([inputs[pos][0] for pos, _ in chain])
     if rows is None:
         return None
