@@ -433,10 +433,10 @@ def test_internvl_at_internvit_300m_shapes_generates_transformers_tokens(
         tmp_path_factory) -> None:  # noqa: ANN001
     """InternVL with the vision tower at InternViT-300M's shapes (448 px tile: 1025 rows,
     hidden 1024, MLP 4096, 16 heads; two of its 24 layers) and a tiny text model, compiled
-    f32: main refused the vit net (`mlp.fc2`); its matmuls now tile, some with their K
-    split in reduction parts (the cost model's choice on bm1684x). The image features
-    equal the model's own and greedy generation equals transformers: a K split's rounding
-    does not change them."""
+    f32: main refused the vit net (`mlp.fc2`); its matmuls now tile in 2-D tiles (a K
+    split in reduction parts is within `REDUCTION_MARGIN` of them on bm1684x here, so K
+    stays whole). The image features equal the model's own and greedy generation equals
+    transformers."""
     from vlm_fixtures import hf_generate, hf_image_features, hf_image_inputs, make_image
 
     from toptpu.backend.formats.llm_file import LlmFile
@@ -460,7 +460,6 @@ def test_internvl_at_internvit_300m_shapes_generates_transformers_tokens(
     lf = LlmFile(path)  # the vit net's program (its grouped IR) shows the tiles
     stream = lf.file.read(lf.meta.nets["vit"].streams)
     assert re.search(rb"tiles = array<i64: \d+, \d+>", stream)  # 2-D tiles
-    assert re.search(rb"tiles = array<i64: \d+, \d+, \d+>", stream)  # K in parts
     rt = Runtime.open(path, "machine")
     enc = rt.encode_image(image)
     inputs, _ = hf_image_inputs(model_dir, image)

@@ -32,7 +32,7 @@ There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,6 +281,13 @@ class InterpreterExecutor:
                 return K.matmul_dequantized(x, w, bias, step.out_dtype)
         return self.cache.a16_product((layer, step.qweight), x, q, s, z, step.bits,
                                       step.group_size, bias, step.out_dtype, mins=m)
+
+    def prepare(self, nets: Sequence[str]) -> None:
+        """Parse and check `nets` now (each is otherwise prepared on its first run; see
+        `MachineExecutor.prepare`). Unknown names are left out."""
+        for net in nets:
+            if net in self._nets:
+                self._plan(net)
 
     def _plan(self, net: str) -> _Plan:
         if net not in self._plans:

@@ -15,6 +15,7 @@ from xdsl.ir import Operation
 
 from toptpu.backend.runtime.steps import LoadStep, Operand, OpStep, Step, StoreStep
 from toptpu.dialects import top, tpu
+from toptpu.dialects.common import read_bool
 
 if TYPE_CHECKING:
     from toptpu.backend.runtime.machine import Machine
@@ -280,7 +281,18 @@ def _share_row_local_chains(steps: list[Step], inputs: dict[int, list[Writer | N
 
 
 #: row-local ops whose result is always a new array (not their input: see `WholeRows`)
-PART_OPS: tuple[type[Operation], ...] = (top.UnaryOp, top.BinaryOp, tpu.RmsNormOp)
+PART_OPS: tuple[type[Operation], ...] = (top.UnaryOp, top.BinaryOp, tpu.RmsNormOp,
+                                         tpu.AttentionOp)
+
+#: an attention's mask operand, sliced along its query rows (axis 2 of [B, 1, Sq, Sk])
+MASK_OPERAND, MASK_ROWS = 3, 2
+
+
+def _query_rows(op: Operation) -> bool:
+    """An attention whose result rows depend only on the same query rows (and their rows
+    of an explicit mask): not a causal flag's, whose diagonal is at each slice's first
+    row."""
+    return isinstance(op, tpu.AttentionOp) and not read_bool(op.causal)
 
 
 def _share_parts(steps: list[Step], whole: WholeRows, guard: SliceJoin | LoadGuard) -> None:
@@ -341,21 +353,26 @@ class _RowSlices:
         self.loads: list[tuple[int, LoadStep]] = []
         self.resident: set[int] = set()
 
-    def whole(self, srcs: list[Writer | None]) -> WholeRows | None:
+    def whole(self, srcs: list[Writer | None], axis: int | None = None
+              ) -> WholeRows | None:
+        """The whole of the buffers `srcs` wrote, one per slice; `axis`: the axis they
+        are sliced along when it is not the rows' (an attention's mask), loads only."""
         if any(s is None for s in srcs):
             return None
         ws: list[Writer] = srcs  # type: ignore[assignment]
         key = tuple(pos for pos, _ in ws)
         if all(isinstance(s, LoadStep) for _, s in ws):
-            return self._loaded(ws, key)
-        if not all(isinstance(s, OpStep) for _, s in ws):
+            return self._loaded(ws, key, axis)
+        if axis is not None or not all(isinstance(s, OpStep) for _, s in ws):
             return None
         ops: list[OpStep] = [s for _, s in ws]  # type: ignore[misc]
         if ops[0].join is not None:
             return self._product(ops, key) if self.products else None
         first = ops[0]
-        if (not isinstance(first.op, ROW_LOCAL_OPS) or first.special or first.table >= 0
-                or len(first.outs) != 1 or any(s.cmd.op != first.cmd.op for s in ops)):
+        attention = _query_rows(first.op)
+        if (not (isinstance(first.op, ROW_LOCAL_OPS) or attention) or first.special
+                or first.table >= 0 or first.acc is not None or len(first.outs) != 1
+                or any(s.cmd.op != first.cmd.op for s in ops)):
             return None
         ins: list[WholeRows | None] = []
         for k, ref in enumerate(first.ins):
@@ -369,7 +386,9 @@ class _RowSlices:
                 ins.append(None)  # resident: one buffer, written once before the slices
                 self.resident.add(ref.buf)
                 continue
-            sub = self.whole(writers)
+            if attention and k not in (0, MASK_OPERAND):
+                return None  # keys and values are whole for every query row
+            sub = self.whole(writers, MASK_ROWS if attention and k == MASK_OPERAND else None)
             if sub is None:
                 return None
             ins.append(sub)
@@ -382,8 +401,8 @@ class _RowSlices:
                for sh, (_, n) in zip(shapes, self.parts, strict=True)):
             return None
         ndim = len(shapes[0])
-        if any(c is None and r is not None and len(r.shape) > ndim - axis - 1
-               for c, r in zip(ins, first.ins, strict=True)):
+        if not attention and any(c is None and r is not None and len(r.shape) > ndim - axis - 1
+                                 for c, r in zip(ins, first.ins, strict=True)):
             return None  # a resident input would broadcast along the rows
         if isinstance(first.op, tpu.RmsNormOp) and axis >= ndim - 1:
             return None
@@ -421,7 +440,8 @@ class _RowSlices:
                          positions=list(key))
         return self.wholes.setdefault(key, made)
 
-    def _loaded(self, ws: list[Writer], key: tuple[int, ...]) -> WholeRows | None:
+    def _loaded(self, ws: list[Writer], key: tuple[int, ...], along: int | None = None
+                ) -> WholeRows | None:
         loads: list[LoadStep] = [s for _, s in ws]  # type: ignore[misc]
         g, c0 = loads[0].g, loads[0].cmd
         axis = c0.axis
@@ -429,6 +449,11 @@ class _RowSlices:
                 or not _covering(loads, axis, c0.shape[axis])):
             return None
         parts = [(ld.cmd.start, ld.cmd.length) for ld in loads]
+        if along is not None:  # another axis than the rows': the same rows, in order
+            if axis != along or self.axis < 0 or parts != self.parts:
+                return None
+            self.loads.extend(ws)  # type: ignore[arg-type]
+            return self.wholes.setdefault(key, WholeRows(g=g, shape=tuple(c0.shape)))
         lead = tuple(c0.shape[:axis])
         if self.axis < 0:
             self.axis, self.lead, self.parts = axis, lead, parts

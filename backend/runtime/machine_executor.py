@@ -28,7 +28,7 @@ weights are cached within `weight_cache_bytes` (default: from the host's free me
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +208,14 @@ class MachineExecutor:
         costs = self.ledger.net(net, timing_of(tl))
         if self.recorder is not None:
             self.recorder.net(net, layer, start, costs, tl)
+
+    def prepare(self, nets: Sequence[str]) -> None:
+        """Parse, check and plan `nets` now (each is otherwise prepared on its first run):
+        a runtime prepares the nets every generation runs when it opens the model, so
+        that a request's time is the nets' runs. Unknown names are left out."""
+        for net in nets:
+            if net in self._nets:
+                self._load(net).plan(self.chip)
 
     # ------------------------------------------------------------------ internals
     def program(self, net: str) -> Program:

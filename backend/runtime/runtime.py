@@ -837,6 +837,7 @@ class Runtime:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)
         rt._tokenizer_files = ex.file.tokenizer_files()
+        ex.prepare(rt.decode_nets())  # parsed and planned with the model, not per request
         if weight_cache is not None:
             rt.open_weight_cache(None if weight_cache == "auto" else weight_cache)
         return rt
@@ -967,6 +968,13 @@ class Runtime:
         runs at `max_input_length` (`deepstack_add` is compiled at that length only)."""
         rows = self._deepstack_rows
         return bool(rows) and any(start + i in rows for i in range(n))
+
+    def decode_nets(self) -> list[str]:
+        """The nets every generation runs whatever its prompt's length: a decode step's
+        (the embedding, each layer's block_cache) and the greedy token's (the lm_head and
+        its head)."""
+        layers = sorted({self.layer_net(BLOCK_CACHE, i) for i in range(len(self.linear))})
+        return [EMBEDDING_CACHE, *layers, LM_HEAD, GREEDY_HEAD]
 
     def layer_net(self, net: str, layer: int) -> str:
         """The net layer `layer` runs for `net`: layers of a pre-quantized checkpoint whose

@@ -170,6 +170,11 @@ class OpStep(Step):
             key = self._weight_key(m)
             w = None if key is None else m.stored_form("a16", key, self.bits,
                                                         self.group_size)
+            if w is not None and not w.flags.c_contiguous:
+                # the weight cache file's window of the whole form, made contiguous once
+                # (as the kernel wants it) and kept across runs, not at every run
+                window = w
+                w = m.cache.get(("a16", key), lambda: np.ascontiguousarray(window))
             if w is None:
                 w = (m.cache.dequantized(("a16", key), q, s, z, self.bits, self.group_size,
                                          mins=mins)
