@@ -111,6 +111,12 @@ def test_linear_attention_carries_its_state_across_lengths(tmp_path_factory) -> 
     interp = Runtime.open(built.model_file, "interpreter")
     assert machine.lengths == [16, 32]
     assert {"block:16@3", "block_kv:16@3", "block@3"} <= set(machine.nets)
+    # opened with the nets every generation runs prepared (each layer kind's decode net),
+    # the prefill nets left for the lengths a request uses
+    decode = ["embedding_cache", "block_cache", "block_cache@3", "lm_head", "greedy_head"]
+    assert machine.decode_nets() == decode
+    assert set(machine.ex._loaded) == set(decode)  # type: ignore[attr-defined]
+    assert set(interp.ex._plans) == set(decode)  # type: ignore[attr-defined]
     long = machine.encode(LONG_PROMPT)
     assert 32 < len(long) <= 48  # block at 32, then block_kv at 16
     for ids in (long[:5], long[:20], long):
