@@ -335,3 +335,28 @@ def test_a_chains_parts_follow_its_load_guard_and_its_joins_products() -> None:
     assert product.value(m, []) is None  # the join computed no whole in this run
     m.joined[join] = x
     assert product.value(m, []) is x
+
+
+def test_open_checks_the_decode_nets_joins_without_accounting(tmp_path) -> None:  # noqa: ANN001
+    """A vocabulary large enough that the lm_head is sliced by output channels: opening the
+    model runs it once on seeded inputs, so its join is checked before the first request
+    (nothing charged to the modelled clock); the tokens equal the interpreter's."""
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.tiny_models import build_tokenizer, tiny_model
+
+    path = str(tmp_path / "qwen-vocab.toptpu")
+    compile_model(tiny_model("qwen2", vocab_size=151936), path, mode="w4bf16", seq_length=64,
+                  max_input_length=16, tokenizer=build_tokenizer(), progress=None)
+    rt = Runtime.open(path, "machine")
+    ex = rt.ex
+    plan = ex._loaded["lm_head"].plan(ex.chip)  # type: ignore[attr-defined]
+    joins = {id(s.join): s.join for s in plan.steps
+             if isinstance(s, steps_module.OpStep) and s.join is not None}
+    assert joins and all(ex.machine.join_ok.get(j) is not None  # type: ignore[attr-defined]
+                         for j in joins.values())
+    assert ex.modelled_seconds() == 0.0 and not ex.stats  # type: ignore[attr-defined]
+    ids = [5, 17, 300, 41, 9]
+    got = rt.generate(ids, 6, stop_on_eos=False).generated_ids
+    assert got == Runtime.open(path, "interpreter").generate(ids, 6,
+                                                             stop_on_eos=False).generated_ids

@@ -31,7 +31,7 @@ memory the peer has not allocated (`DeviceGroup.copy`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,6 +334,13 @@ class DeviceGroupExecutor(MachineExecutor):
         root.valid.add(d)
 
     # ------------------------------------------------------------------ nets
+    def prepare(self, nets: Sequence[str]) -> None:
+        """Parse, check and plan `nets` now (`MachineExecutor.prepare`); their joins are
+        checked in their first runs (each device's machine has its own)."""
+        for net in nets:
+            if net in self._nets:
+                self._load(net).plan(self.chip)
+
     def _load(self, net: str) -> LoadedNet:
         if net not in self._loaded:
             prog = self._programs[net]

@@ -50,6 +50,7 @@ from toptpu.backend.runtime.machine import (
     Timeline,
 )
 from toptpu.backend.runtime.run_trace import RunRecorder
+from toptpu.backend.runtime.steps import OpStep
 from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
@@ -212,10 +213,50 @@ class MachineExecutor:
     def prepare(self, nets: Sequence[str]) -> None:
         """Parse, check and plan `nets` now (each is otherwise prepared on its first run):
         a runtime prepares the nets every generation runs when it opens the model, so
-        that a request's time is the nets' runs. Unknown names are left out."""
+        that a request's time is the nets' runs. In the fast mode each such net with
+        joined slices (`toptpu.backend.runtime.joins`) is also run once on seeded inputs,
+        unaccounted, which makes the joins' bit-for-bit checks: whether this host's BLAS
+        gives a slice's product the bits of its part of the whole is a property of the
+        shapes, checked here instead of in a request's first run (a check that fails
+        leaves the slices computing alone, as it would then). Unknown names are left out."""
         for net in nets:
-            if net in self._nets:
-                self._load(net).plan(self.chip)
+            if net not in self._nets:
+                continue
+            loaded = self._load(net)
+            plan = loaded.plan(self.chip)
+            if not self.machine.checked and any(
+                    isinstance(s, OpStep) and (s.join is not None or s.part_of is not None)
+                    for s in plan.steps):
+                self._check_joins(net, loaded)
+
+    def _check_joins(self, net: str, loaded: LoadedNet) -> None:
+        """Run `net` once on seeded values (floats standard normal, integers 0: in range
+        of any table), its outputs dropped and its buffers released, nothing accounted."""
+        info = self._nets[net]
+        layer = None
+        if info.per_layer:  # the first layer that runs it
+            full = str(NetName.parse(net).at_length(0))
+            layer = min(i for names in self.meta.layer_nets.values()
+                        for i, name in enumerate(names) if name == full)
+        gmem = self.machine.gmem
+        mark = gmem.mark()
+        rng = np.random.default_rng(0)
+        try:
+            io = {}
+            for spec in (*info.inputs, *info.outputs):
+                buf = self.alloc(tuple(spec.shape), spec.dtype)
+                if spec in info.inputs:
+                    dt = np.dtype(spec.dtype)
+                    buf.array(write=True)[...] = (
+                        np.zeros(spec.shape, dt) if np.issubdtype(dt, np.integer)
+                        else rng.standard_normal(spec.shape).astype(dt))
+                io[spec.name] = buf.addr
+            weights = self._weight_addresses(info, loaded.program, layer)
+            self.machine.run(loaded, Binding(io, weights, self._act[net], self._const[net]))
+        except MachineTrap:
+            pass  # a trap of these values: a request's run meets its own, with its inputs
+        finally:
+            gmem.release(mark)
 
     # ------------------------------------------------------------------ internals
     def program(self, net: str) -> Program:

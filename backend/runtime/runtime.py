@@ -837,9 +837,9 @@ class Runtime:
             raise GenerationError(f"unknown executor '{executor}' (interpreter, machine)")
         rt = cls(ex)
         rt._tokenizer_files = ex.file.tokenizer_files()
-        ex.prepare(rt.decode_nets())  # parsed and planned with the model, not per request
         if weight_cache is not None:
             rt.open_weight_cache(None if weight_cache == "auto" else weight_cache)
+        ex.prepare(rt.decode_nets())  # parsed and planned with the model, not per request
         return rt
 
     def open_weight_cache(self, path: str | None = None) -> StoredForms | None:
