@@ -234,12 +234,41 @@ def one_line(e: BaseException) -> str:
     return f"{where}: {reason}" if where else reason
 
 
+#: a ranked tensor type of static shape, as the printer writes every value's type
+_TENSOR_TYPE = re.compile(r"tensor<(?:[0-9]+x)*[a-z][a-z0-9]*>")
+#: such types parsed, by their text: a type is an immutable value the ops of every parse
+#: may share; parsing a net's IR is ~40% its types (`tensor<1x16x896xbf16>`, again and
+#: again), which the runtime does on a request's first use of a net
+_TENSOR_TYPES: dict[str, TypeAttribute] = {}
+TENSOR_TYPES_KEPT = 4096
+
+
 class _LocatingParser(Parser):
-    """xDSL's parser, remembering where each op starts."""
+    """xDSL's parser, remembering where each op starts; a tensor type it has read before
+    (the same text) is taken as read then (`_TENSOR_TYPES`)."""
 
     def __init__(self, ctx: Context, text: str, name: str) -> None:
         self.op_starts: dict[Operation, Span[str]] = {}
         super().__init__(ctx, text, name)
+
+    def parse_optional_type(self) -> TypeAttribute | None:
+        tok = self._current_token  # noqa: SLF001 - pinned xdsl 0.75.0
+        if tok.kind != MLIRTokenKind.BARE_IDENT or tok.text != "tensor":
+            return super().parse_optional_type()
+        text = tok.span.input.content
+        m = _TENSOR_TYPE.match(text, tok.span.start)
+        if m is None:
+            return super().parse_optional_type()
+        hit = _TENSOR_TYPES.get(m.group(0))
+        if hit is not None:
+            self._resume_from(m.end())  # noqa: SLF001 - pinned xdsl 0.75.0
+            return hit
+        got = super().parse_optional_type()
+        after = self._current_token.span.start  # noqa: SLF001 - pinned xdsl 0.75.0
+        if (got is not None and len(_TENSOR_TYPES) < TENSOR_TYPES_KEPT
+                and not text[m.end():after].strip()):  # it read just that text
+            _TENSOR_TYPES[m.group(0)] = got
+        return got
 
     def parse_operation(self) -> Operation:
         start = self._current_token.span  # noqa: SLF001 - pinned xdsl 0.75.0

@@ -513,3 +513,27 @@ def test_opt_on_the_reported_hang_answers_in_seconds(layer_ir, tmp_path) -> None
                          timeout=120)
     assert res.returncode == 1, res.stderr
     assert "hang.mlir:1:" in res.stderr and "string literal not closed" in res.stderr
+
+
+@fuzz_settings(40)
+@given(data=st.data())
+def test_the_parsers_tensor_type_memo_reads_what_xdsl_reads(layer_ir, data) -> None:
+    """`parse_ir` takes a tensor type it has read before from its memo (the text of a
+    static ranked tensor type): on mutated IR it gives the module xDSL's own parser gives,
+    or fails where that fails."""
+    from toptpu.dialects import context
+    from toptpu.dialects.ir_text import _parse, print_generic
+
+    _, text = layer_ir
+    text = data.draw(mutated(text), label="ir")
+    try:
+        plain = print_generic(Parser(context(), text, "plain").parse_module())
+    except Exception:  # noqa: BLE001 - whatever xDSL raises, the memo must fail too
+        plain = None
+    for _ in range(2):  # the second read takes every tensor type from the memo
+        try:
+            got = print_generic(_parse(text, "memo", None, True)[0])
+        except Exception:  # noqa: BLE001
+            got = None
+        assert (got is None) == (plain is None)
+        assert got == plain
