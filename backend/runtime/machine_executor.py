@@ -131,6 +131,7 @@ class MachineExecutor:
         for net in self._nets:  # every stream decoded and checked against the header now
             self._programs[net] = self._decode(net)
         self._loaded: dict[str, LoadedNet] = {}
+        self._addresses: dict[tuple, dict[str, int]] = {}  # (net, program, layer) -> weights
         self._act: dict[str, int] = {}
         self._const: dict[str, int] = {}
         self.stats: dict[str, NetStats] = {}
@@ -419,6 +420,16 @@ class MachineExecutor:
 
     def _weight_addresses(self, info: NetInfo, prog: Program, layer: int | None
                           ) -> dict[str, int]:
+        """Where each weight `prog` reads lies (the layer's chunk or the shared region),
+        the same for every run of the net at that layer (kept)."""
+        key = (info.name, id(prog), layer)
+        hit = self._addresses.get(key)
+        if hit is None:
+            hit = self._addresses[key] = self._find_weights(info, prog, layer)
+        return hit
+
+    def _find_weights(self, info: NetInfo, prog: Program, layer: int | None
+                      ) -> dict[str, int]:
         layout = self.file.layout
         out = {}
         if info.per_layer:
