@@ -335,3 +335,51 @@ def test_a_multi_device_file_has_no_weight_cache_file(tmp_path_factory, capsys) 
                                                    "multi-device model file"):
         write_weight_cache(built.model_file, str(tmp_path_factory.mktemp("c") / "x.wcache"))
     assert Runtime.open(built.model_file).weight_cache_file is None
+
+
+def test_the_reduction_parts_a_net_reads_are_stored_contiguous(tmp_path) -> None:  # noqa: ANN001
+    """Qwen2.5-0.5B's MLP widths (896, 4864) at 128 tokens: the down projection's K is
+    split in parts (2 blocks of output channels x 4 parts of its 4864 inputs). Each part's
+    weights are a window of the whole form with rows of a few KB; the cache file stores
+    every such part contiguous beside the whole forms, and the machine reads them there:
+    nothing copied or converted in memory (fast and checked), the bits of converting, and
+    `--check` compares every byte of them too."""
+    import torch
+    import transformers as tf
+
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.tiny_models import build_tokenizer
+
+    cfg = tf.Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=1,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=384,
+                         eos_token_id=2)
+    torch.manual_seed(0)
+    path = str(tmp_path / "mlp-widths.toptpu")
+    compile_model(tf.Qwen2ForCausalLM(cfg).eval(), path, mode="w4bf16", seq_length=160,
+                  max_input_length=128, prefill_lengths=[128], tokenizer=build_tokenizer(),
+                  progress=None)
+    forms = planned_forms(LlmFile(path))
+    parts = [f for f in forms if f.part]
+    assert len(parts) == 8 and {f.shape for f in parts} == {(448, 1216)}
+    assert {f.source for f in parts} == {f.source for f in forms if not f.part
+                                         and f.shape == (896, 4864)}  # the down projection
+    ids = [3 + (i * 7) % 300 for i in range(100)]
+    want = Runtime.open(path, weight_cache=None).prompt_logits(ids)
+    write_weight_cache(path)
+    assert main(["cache", path, "--check", "--quiet"]) == 0
+    for checked in (False, True):
+        rt = Runtime(MachineExecutor(path, checked=checked))
+        rt.ex.use_weight_cache(open_weight_cache(rt.ex.file))
+        got = rt.prompt_logits(ids)
+        assert got.dtype == want.dtype and np.array_equal(got, want), checked
+        assert len(rt.ex.machine.cache) == 0, checked  # no part copied, nothing converted
+    # a part that is not inside its weight's form is refused when the file is opened
+
+    def edit(h: dict, sections: dict) -> None:
+        bad = next(f for f in h["forms"] if f["part"])
+        bad["part"] = [0, 448, 4096, 1216]  # past the 4864 columns
+
+    _rewrite(write_weight_cache(path), edit)
+    with pytest.raises(WeightCacheFileError, match=r"has a part \[0, 448, 4096, 1216\] "
+                       r"outside the \[896, 4864\] form of a uint8 \[896, 2432\] weight"):
+        open_weight_cache(LlmFile(path))

@@ -92,7 +92,7 @@ from toptpu.backend.runtime.steps import (
     first_local_trap,
 )
 from toptpu.backend.runtime.weight_cache import WeightCache
-from toptpu.backend.runtime.weight_cache_file import StoredForms
+from toptpu.backend.runtime.weight_cache_file import StoredForms, _stored_window
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles, link_cycles
 from toptpu.backend.target.link import LinkWork
@@ -480,47 +480,17 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
 RESOLVED_BINDINGS = 4096
 
 
-def _held_window(p: tuple) -> dict[int, tuple[int, int]]:
-    """What part of its tensor a held window `p` (`held_key`: addr, shape, dtype, axis,
-    start, length, cuts) holds: (start, length) by axis, the axes it holds whole left out."""
-    shape = p[1]
-    parts = [(p[3], p[4], p[5]), *((c.axis, c.start, c.length) for c in p[6])]
-    return {axis: (start, length) for axis, start, length in parts
-            if (start, length) != (0, shape[axis])}
-
-
-def _stored_window(special: str, key: tuple, bits: int, group_size: int
-                   ) -> tuple[slice, ...] | None:
-    """The window of a stored f32 form that `key`'s windowed operands hold (`held_key`:
-    (addr, shape, dtype, axis, start, length, cuts) each), None where they do not describe
-    one: an upcast weight's window is the form's (its sliced axis and its cuts); an a16
-    weight's packed window along its rows (output channels) is the same rows of the form,
-    along its packed K bytes the columns they unpack to, with its scales and zero points or
-    mins windowed over the same rows and the groups of those columns."""
-    first = key[0]
-    held = _held_window(first)
-    index = [slice(None)] * len(first[1])
-    if special != "a16":
-        for axis, (start, length) in held.items():
-            index[axis] = slice(start, start + length)
-        return tuple(index)
-    if len(first[1]) != 2 or (8 % bits):
-        return None
-    want: dict[int, tuple[int, int]] = {}  # the scales', zero points' or mins' window
-    if 0 in held:
-        start, length = want[0] = held[0]
-        index[0] = slice(start, start + length)
-    if 1 in held:
-        per_byte = 8 // bits
-        lo, n = held[1][0] * per_byte, held[1][1] * per_byte
-        if group_size < 1 or lo % group_size or n % group_size:
-            return None
-        want[1] = (lo // group_size, n // group_size)
-        index[1] = slice(lo, lo + n)
-    if any(p is not None and (_held_window(p) if len(p) > 2 else {}) != want
-           for p in key[1:]):
-        return None
-    return tuple(index)
+def _part_of(window: tuple[slice, ...], first: tuple, special: str, bits: int
+             ) -> tuple[int, ...]:
+    """A stored form's window as `FormEntry.part` (rows start, rows, columns start,
+    columns) of a 2-D form (the weight's shape `first[1]`, unpacked for an a16 weight); ()
+    where it is not one."""
+    shape = first[1]
+    if len(shape) != 2 or len(window) != 2:
+        return ()
+    whole = (shape[0], shape[1] * 8 // bits) if special == "a16" else tuple(shape)
+    (r0, r1, _), (c0, c1, _) = (w.indices(n) for w, n in zip(window, whole, strict=True))
+    return (r0, r1 - r0, c0, c1 - c0)
 
 
 class Machine:
@@ -580,17 +550,20 @@ class Machine:
                 return None
         elif any(p is not None and len(p) > 2 for p in key[1:]):
             return None
+        part = _part_of(window, first, special, bits) if window is not None else ()
         if special == "a16":  # key: the qweight's, scales', zero points' and mins' bytes
             scales = key[1]
             zeros, mins = (key[2] if len(key) > 2 else None), (key[3] if len(key) > 3 else None)
             if scales is None:
                 return None
-            form = stored.a16(first[0] - base, scales[0] - base,
-                              -1 if zeros is None else zeros[0] - base, bits, group_size,
-                              -1 if mins is None else mins[0] - base)
+            at = (first[0] - base, scales[0] - base, -1 if zeros is None else zeros[0] - base,
+                  bits, group_size, -1 if mins is None else mins[0] - base)
+            own = stored.a16(*at, part=part) if part else None  # stored contiguous
+            form = own if own is not None else stored.a16(*at)
         else:
-            form = stored.upcast(first[0] - base)
-        if form is None or window is None:
+            own = stored.upcast(first[0] - base, part) if part else None
+            form = own if own is not None else stored.upcast(first[0] - base)
+        if form is None or window is None or own is not None:
             return form
         return form[window]
 

@@ -5,8 +5,11 @@ weight dequantized (`kernels.dequantize`), a f16/bf16 `tpu.matmul` weight (the l
 upcast (`kernels.f32`). Those forms depend only on the model file, yet each fresh process
 made them again inside its first prefill: for a 24-layer Qwen2.5-0.5B in w4bf16 that was
 most of the time to the first token. `toptpu cache MODEL_FILE` (`write_weight_cache`)
-writes them once to `MODEL_FILE.wcache` (`cache_path`); `toptpu run` and `chat` map that
-file read-only when it is there (`StoredForms`), so the first token multiplies by them
+writes them once to `MODEL_FILE.wcache` (`cache_path`) — every weight's whole form, and
+each reduction part a net's layer group reads of one (`FormEntry.part`: a K split's
+window of the whole form, stored contiguous so the machine multiplies by it as it is);
+`toptpu run` and `chat` map that file read-only when it is there (`StoredForms`), so the
+first token multiplies by them
 without converting anything. The file is optional: without it (or when it is refused) the
 weights are converted as before, with the same bits.
 
@@ -50,6 +53,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 
 from toptpu.backend.contract import NetName
+from toptpu.backend.formats.commands import Compute, Load, Space
 from toptpu.backend.formats.header_schema import (
     HeaderError,
     Name,
@@ -64,6 +68,7 @@ from toptpu.backend.formats.model_file import (
     StreamedSection,
     write_model_file,
 )
+from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
 from toptpu.dialects import tpu
 from toptpu.dialects.common import elem_of, numpy_dtype, read_int
@@ -73,7 +78,8 @@ from toptpu.errors import ToptpuError
 #: the weight cache file of MODEL_FILE is MODEL_FILE + SUFFIX
 SUFFIX = ".wcache"
 KIND = "toptpu-weight-cache"
-CACHE_FORMAT = 1
+#: 2: forms of reduction parts (`FormEntry.part`)
+CACHE_FORMAT = 2
 #: how many rows of each form are converted again and compared on its first use
 SAMPLED_ROWS = 8
 #: the float dtypes whose matmul weights the executors upcast to f32 once
@@ -112,12 +118,24 @@ class FormEntry:
     bits: Annotated[int, Range(0, 8)]
     group_size: int
     shape: tuple[Annotated[int, Range(1)], ...]
+    #: a part of the weight's form (rows start, rows, columns start, columns), stored
+    #: contiguous: a reduction part a net's layer group reads (its columns: a window of
+    #: the whole form with rows of a few bytes); () the whole form
+    part: tuple[Annotated[int, Range(0)], ...] = ()
 
     @property
-    def key(self) -> tuple[str, int, int, int, int, int, int]:
-        """What a lookup names: the form and everything it is made from."""
+    def key(self) -> tuple:
+        """What a lookup names: the form, everything it is made from, and its part."""
         return (self.form, self.source, self.scales, self.zeros, self.mins, self.bits,
-                self.group_size)
+                self.group_size, self.part)
+
+    @property
+    def window(self) -> tuple[slice, slice]:
+        """The part's index in the whole form (all of it without a part)."""
+        if not self.part:
+            return slice(None), slice(None)
+        r0, rn, c0, cn = self.part
+        return slice(r0, r0 + rn), slice(c0, c0 + cn)
 
 
 @dataclass(frozen=True)
@@ -125,7 +143,7 @@ class CacheHeader:
     """The weight cache file's header (see the module doc)."""
 
     kind: Literal["toptpu-weight-cache"]
-    cache_format: Literal[1]
+    cache_format: Literal[2]
     #: the header sha256 of the model file the forms were made from (`ModelFile.digest`)
     model_digest: str
     forms: tuple[FormEntry, ...]
@@ -146,13 +164,18 @@ class CacheHeader:
             sections.add(f.section)
             if len(f.shape) != 2:
                 raise HeaderError(f"{where}.shape", f"is {list(f.shape)}, not [rows, columns]")
+            if f.part and (len(f.part) != 4 or (f.part[1], f.part[3]) != tuple(f.shape)):
+                raise HeaderError(f"{where}.part", f"is {list(f.part)}, not [rows start, "
+                                                   f"rows, columns start, columns] of its "
+                                                   f"shape {list(f.shape)}")
             if f.form == "a16":
                 if f.bits not in (4, 8):
                     raise HeaderError(f"{where}.bits", f"is {f.bits}, not 4 or 8")
-                if f.group_size < 1 or f.shape[1] % f.group_size:
+                if f.group_size < 1 or f.shape[1] % f.group_size or (
+                        f.part and f.part[2] % f.group_size):
                     raise HeaderError(f"{where}.group_size",
                                       f"is {f.group_size}, which does not divide the "
-                                      f"{f.shape[1]} columns")
+                                      f"{f.shape[1]} columns (from {list(f.part[2:3])})")
                 if f.scales < 0:
                     raise HeaderError(f"{where}.scales", "is -1: a dequantized weight has "
                                                          "scales")
@@ -217,36 +240,85 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
             for i in sorted(set(layers))]
 
 
+def _parts(model: LlmFile, net: str, uses: list[_Use]
+           ) -> list[tuple[_Use, tuple[int, int, int, int]]]:
+    """The reduction parts net `net`'s layer groups read of the weights it converts (a
+    matmul's K split: each part's weights a window of the whole form, its columns): each
+    use with its part of the form (rows start, rows, columns start, columns), as the
+    machine's loads hold it (`_stored_window`)."""
+    by_name = {u.source: u for u in uses}
+    prog = Program.from_json(model.file.view(model.meta.nets[net].streams))
+    writer: dict[int, Load] = {}  # local buffer -> the load that last wrote it
+    found: dict[tuple, tuple[_Use, tuple[int, int, int, int]]] = {}
+    for c in prog.commands:
+        if isinstance(c, Load):
+            writer[c.local.buf] = c
+            continue
+        if not (isinstance(c, Compute) and c.parts > 1 and len(c.ins) > 1
+                and c.kind in ("tpu.a16_matmul", "tpu.matmul")):
+            continue
+        first = c.ins[1]
+        ld = writer.get(first.buf) if first is not None else None
+        u = by_name.get(ld.tensor.name or "") if ld is not None else None
+        if ld is None or u is None or ld.tensor.space is not Space.WEIGHT:
+            continue
+        refs = (list(c.ins[tpu.A16MatMulOp.WEIGHT_OPERANDS]) if u.form == "a16"
+                else [first])
+        provs: list[tuple | None] = []
+        for r in refs:
+            w = writer.get(r.buf) if r is not None else None
+            provs.append(None if w is None else
+                         (0, w.shape, w.dtype, w.axis, w.start, w.length, w.cuts))
+        if any(p is None for p, r in zip(provs, refs, strict=True) if r is not None):
+            continue
+        key = tuple(None if p is None else (p[0], p[1]) if p[3] < 0 else p for p in provs)
+        window = _stored_window("a16" if u.form == "a16" else "f32w", key, u.bits,
+                                u.group_size)
+        if window is None or len(window) != 2:
+            continue
+        shape = ld.shape if u.form == "f32" else (ld.shape[0], ld.shape[1] * 8 // u.bits)
+        (r0, r1, _), (c0, c1, _) = (w.indices(n) for w, n in zip(window, shape,
+                                                                 strict=True))
+        part = (r0, r1 - r0, c0, c1 - c0)
+        if part != (0, shape[0], 0, shape[1]):
+            found[(u.source, part)] = (u, part)
+    return list(found.values())
+
+
 def planned_forms(model: LlmFile) -> list[FormEntry]:
     """Every form the executors would make of `model`'s weights, once each, in blob
-    order of their sources (sections `f0`, `f1`, ...)."""
+    order of their sources (sections `f0`, `f1`, ...): each weight's whole form, and each
+    reduction part a net reads of it (`_parts`) stored contiguous beside it."""
     entries = _entries(model)
     found: dict[tuple, FormEntry] = {}
     for net in model.meta.nets:
         uses = _uses(model, net)
         if not uses:
             continue
+        parts = _parts(model, net, uses)
         for table in _tables(model, net):
-            for u in uses:
+            for u, part in [*((u, ()) for u in uses), *parts]:
                 src = table[u.source]
                 e = entries[src]
+                shape = (part[1], part[3]) if part else None
                 if u.form == "a16":
                     assert u.scales is not None
                     k = e.shape[1] * 8 // u.bits
                     f = FormEntry("", "a16", src, table[u.scales],
                                   -1 if u.zeros is None else table[u.zeros],
                                   -1 if u.mins is None else table[u.mins], u.bits,
-                                  u.group_size, (e.shape[0], k))
+                                  u.group_size, shape or (e.shape[0], k), part)
                 else:
-                    f = FormEntry("", "f32", src, -1, -1, -1, 0, 0, tuple(e.shape))
+                    f = FormEntry("", "f32", src, -1, -1, -1, 0, 0, shape or tuple(e.shape),
+                                  part)
                 found.setdefault(f.key, f)
-    ordered = sorted(found.values(), key=lambda f: f.key[1])
+    ordered = sorted(found.values(), key=lambda f: (f.source, f.part))
     return [FormEntry(f"f{i}", *_fields(f)[1:]) for i, f in enumerate(ordered)]
 
 
 def _fields(f: FormEntry) -> tuple[Any, ...]:
     return (f.section, f.form, f.source, f.scales, f.zeros, f.mins, f.bits, f.group_size,
-            f.shape)
+            f.shape, f.part)
 
 
 def _entries(model: LlmFile) -> dict[int, WeightEntry]:
@@ -277,11 +349,63 @@ def convert(form: FormEntry, blob: np.ndarray, entries: dict[int, WeightEntry],
         arr = _tensor(blob, offset, entries[offset])
         return arr if rows is None else arr[rows]
 
+    if form.part:  # the part's rows of the whole form, then its columns
+        r0, rn = form.part[0], form.part[1]
+        rows = (np.arange(r0, r0 + rn) if rows is None
+                else np.arange(r0, r0 + rn)[rows])
     if form.form == "f32":
-        return K.f32(t(form.source))
-    return K.dequantize(t(form.source), t(form.scales),
-                        None if form.zeros < 0 else t(form.zeros), form.bits,
-                        form.group_size, None if form.mins < 0 else t(form.mins))
+        whole = K.f32(t(form.source))
+    else:
+        whole = K.dequantize(t(form.source), t(form.scales),
+                             None if form.zeros < 0 else t(form.zeros), form.bits,
+                             form.group_size, None if form.mins < 0 else t(form.mins))
+    return whole[:, form.window[1]] if form.part else whole
+
+
+# =========================================================================== windows
+
+
+def _held_window(p: tuple) -> dict[int, tuple[int, int]]:
+    """What part of its tensor a held window `p` (`held_key`: addr, shape, dtype, axis,
+    start, length, cuts) holds: (start, length) by axis, the axes it holds whole left out."""
+    shape = p[1]
+    parts = [(p[3], p[4], p[5]), *((c.axis, c.start, c.length) for c in p[6])]
+    return {axis: (start, length) for axis, start, length in parts
+            if (start, length) != (0, shape[axis])}
+
+
+def _stored_window(special: str, key: tuple, bits: int, group_size: int
+                   ) -> tuple[slice, ...] | None:
+    """The window of a stored f32 form that `key`'s windowed operands hold (`held_key`:
+    (addr, shape, dtype, axis, start, length, cuts) each), None where they do not describe
+    one: an upcast weight's window is the form's (its sliced axis and its cuts); an a16
+    weight's packed window along its rows (output channels) is the same rows of the form,
+    along its packed K bytes the columns they unpack to, with its scales and zero points or
+    mins windowed over the same rows and the groups of those columns."""
+    first = key[0]
+    held = _held_window(first)
+    index = [slice(None)] * len(first[1])
+    if special != "a16":
+        for axis, (start, length) in held.items():
+            index[axis] = slice(start, start + length)
+        return tuple(index)
+    if len(first[1]) != 2 or (8 % bits):
+        return None
+    want: dict[int, tuple[int, int]] = {}  # the scales', zero points' or mins' window
+    if 0 in held:
+        start, length = want[0] = held[0]
+        index[0] = slice(start, start + length)
+    if 1 in held:
+        per_byte = 8 // bits
+        lo, n = held[1][0] * per_byte, held[1][1] * per_byte
+        if group_size < 1 or lo % group_size or n % group_size:
+            return None
+        want[1] = (lo // group_size, n // group_size)
+        index[1] = slice(lo, lo + n)
+    if any(p is not None and (_held_window(p) if len(p) > 2 else {}) != want
+           for p in key[1:]):
+        return None
+    return tuple(index)
 
 
 # =========================================================================== writing
@@ -350,15 +474,17 @@ class StoredForms:
         return len(self._forms)
 
     def a16(self, source: int, scales: int, zeros: int, bits: int, group_size: int,
-            mins: int = -1) -> np.ndarray | None:
+            mins: int = -1, part: tuple[int, ...] = ()) -> np.ndarray | None:
         """The dequantized f32 form of the packed weight at blob offset `source` with its
-        scales, zero points and mins at `scales`, `zeros`, `mins` (-1: none); None when the
-        file has none (or is off)."""
-        return self._get(("a16", source, scales, zeros, mins, bits, group_size))
+        scales, zero points and mins at `scales`, `zeros`, `mins` (-1: none), or its part
+        `part` (`FormEntry.part`) stored contiguous; None when the file has none (or is
+        off)."""
+        return self._get(("a16", source, scales, zeros, mins, bits, group_size, part))
 
-    def upcast(self, source: int) -> np.ndarray | None:
-        """The f32 form of the f16/bf16 weight at blob offset `source`, or None."""
-        return self._get(("f32", source, -1, -1, -1, 0, 0))
+    def upcast(self, source: int, part: tuple[int, ...] = ()) -> np.ndarray | None:
+        """The f32 form of the f16/bf16 weight at blob offset `source` (or its `part`
+        stored contiguous), or None."""
+        return self._get(("f32", source, -1, -1, -1, 0, 0, part))
 
     def _get(self, key: tuple) -> np.ndarray | None:
         if self.problem is not None:
@@ -506,16 +632,24 @@ def _check_forms(header: CacheHeader, model: LlmFile, container: ModelFile,
             return e
 
         src = tensor(f.source, "a weight")
-        rows, cols = f.shape
+        whole = tuple(f.shape)
+        if f.part:  # a part of the form the weight converts to: inside it
+            whole = (tuple(src.shape) if f.form == "f32" or len(src.shape) != 2
+                     else (src.shape[0], src.shape[1] * 8 // max(f.bits, 1)))
+            r0, rn, c0, cn = f.part
+            if len(whole) != 2 or r0 + rn > whole[0] or c0 + cn > whole[1]:
+                raise refuse(f"has a part {list(f.part)} outside the {list(whole)} form of "
+                             f"a {src.dtype} {list(src.shape)} weight ({where})")
+        rows, cols = whole
         if f.form == "f32":
-            if src.dtype not in UPCAST_DTYPES or tuple(src.shape) != f.shape:
+            if src.dtype not in UPCAST_DTYPES or tuple(src.shape) != whole:
                 raise refuse(f"upcasts a {src.dtype} {list(src.shape)} weight to "
-                             f"{list(f.shape)} ({where})")
+                             f"{list(whole)} ({where})")
             continue
         want_packed = (rows, cols * f.bits // 8)
         if src.dtype not in ("uint8", "int8") or tuple(src.shape) != want_packed:
             raise refuse(f"dequantizes a {src.dtype} {list(src.shape)} weight to "
-                         f"{list(f.shape)} in {f.bits} bits ({where})")
+                         f"{list(whole)} in {f.bits} bits ({where})")
         groups = (rows, cols // f.group_size)
         scales = tensor(f.scales, "scales")
         if tuple(scales.shape) != groups or scales.dtype not in ("float32", "float16",
