@@ -9,8 +9,9 @@ writes them once to `MODEL_FILE.wcache` (`cache_path`) — every weight's whole 
 each reduction part a net's layer group reads of one (`FormEntry.part`: a K split's
 window of the whole form, stored contiguous so the machine multiplies by it as it is);
 `toptpu run` and `chat` map that file read-only when it is there (`StoredForms`), so the
-first token multiplies by them without converting anything. The file is optional: without it (or when it is refused) the
-weights are converted as before, with the same bits.
+first token multiplies by them without converting anything. The file is optional:
+without it (or when it is refused) the weights are converted as before, with the same
+bits.
 
 The file is untrusted input like the model file, and is never trusted unless it is the
 conversion of this very model file:
