@@ -31,7 +31,7 @@ memory the peer has not allocated (`DeviceGroup.copy`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,12 +334,9 @@ class DeviceGroupExecutor(MachineExecutor):
         root.valid.add(d)
 
     # ------------------------------------------------------------------ nets
-    def prepare(self, nets: Sequence[str]) -> None:
-        """Parse, check and plan `nets` now (`MachineExecutor.prepare`); their joins are
-        checked in their first runs (each device's machine has its own)."""
-        for net in nets:
-            if net in self._nets:
-                self._load(net).plan(self.chip)
+    def _check_joins(self, net: str, loaded: LoadedNet) -> None:
+        """`MachineExecutor.prepare` checks no join here: each device's machine checks
+        its own in the net's first run."""
 
     def _load(self, net: str) -> LoadedNet:
         if net not in self._loaded:

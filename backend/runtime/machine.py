@@ -92,7 +92,7 @@ from toptpu.backend.runtime.steps import (
     first_local_trap,
 )
 from toptpu.backend.runtime.weight_cache import WeightCache
-from toptpu.backend.runtime.weight_cache_file import StoredForms, _stored_window
+from toptpu.backend.runtime.weight_cache_file import StoredForms, _stored_window, form_part
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles, link_cycles
 from toptpu.backend.target.link import LinkWork
@@ -480,19 +480,6 @@ def command_costs(commands: Sequence[Command]) -> list[CommandCost]:
 RESOLVED_BINDINGS = 4096
 
 
-def _part_of(window: tuple[slice, ...], first: tuple, special: str, bits: int
-             ) -> tuple[int, ...]:
-    """A stored form's window as `FormEntry.part` (rows start, rows, columns start,
-    columns) of a 2-D form (the weight's shape `first[1]`, unpacked for an a16 weight); ()
-    where it is not one."""
-    shape = first[1]
-    if len(shape) != 2 or len(window) != 2:
-        return ()
-    whole = (shape[0], shape[1] * 8 // bits) if special == "a16" else tuple(shape)
-    (r0, r1, _), (c0, c1, _) = (w.indices(n) for w, n in zip(window, whole, strict=True))
-    return (r0, r1 - r0, c0, c1 - c0)
-
-
 class Machine:
     """The reference machine of a chip, in checked or fast mode (see the module doc)."""
 
@@ -527,15 +514,13 @@ class Machine:
         stored = self.stored
         if stored is None or not key or key[0] is None or stored.problem is not None:
             return None
-        memo = (special, key, bits, group_size)
-        found = self._stored.get(memo, self)
-        if found is not self and self._stored_of is stored:
-            return found  # type: ignore[return-value]
-        if self._stored_of is not stored:
+        if self._stored_of is not stored:  # another file opened: its own answers
             self._stored.clear()
             self._stored_of = stored
-        found = self._stored[memo] = self._stored_form(special, key, bits, group_size)
-        return found
+        memo = (special, key, bits, group_size)
+        if memo not in self._stored:
+            self._stored[memo] = self._stored_form(special, key, bits, group_size)
+        return self._stored[memo]
 
     def _stored_form(self, special: str, key: tuple, bits: int, group_size: int
                      ) -> np.ndarray | None:
@@ -550,7 +535,7 @@ class Machine:
                 return None
         elif any(p is not None and len(p) > 2 for p in key[1:]):
             return None
-        part = _part_of(window, first, special, bits) if window is not None else ()
+        part = form_part(window, first[1], special, bits) if window is not None else ()
         if special == "a16":  # key: the qweight's, scales', zero points' and mins' bytes
             scales = key[1]
             zeros, mins = (key[2] if len(key) > 2 else None), (key[3] if len(key) > 3 else None)

@@ -64,7 +64,7 @@ class LoadStep(Step):
     def __init__(self, c: Load, g: int, local: Local) -> None:
         self.who = f"command {c.id} ({c.name})"
         self.g, self.window, self.local, self.cmd = g, c.window(), local, c
-        self.prov = (c.shape, c.dtype, c.axis, c.start, c.length, c.cuts)
+        self.prov = held_window(c)
 
     def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
         whole, writable, addr = views[self.g]
@@ -278,6 +278,12 @@ class CollectiveStep(Step):
     def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
         raise MachineTrap(f"{self.who}: a {self.cmd.kind} over {self.cmd.devices} devices "
                           "on one machine; run the net on all its devices together")
+
+
+def held_window(c: Load) -> tuple:
+    """What a load's buffer holds of its tensor, but where the tensor lies: its shape,
+    dtype and window (`Machine.provenance` puts the tensor's address first)."""
+    return (c.shape, c.dtype, c.axis, c.start, c.length, c.cuts)
 
 
 def held_key(provs: Sequence[tuple | None]) -> tuple:

@@ -70,6 +70,7 @@ from toptpu.backend.formats.model_file import (
 )
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
+from toptpu.backend.runtime.steps import held_key, held_window
 from toptpu.dialects import tpu
 from toptpu.dialects.common import elem_of, numpy_dtype, read_int
 from toptpu.dialects.output_file import OutputPathError, output_target
@@ -264,23 +265,17 @@ def _parts(model: LlmFile, net: str, uses: list[_Use]
             continue
         refs = (list(c.ins[tpu.A16MatMulOp.WEIGHT_OPERANDS]) if u.form == "a16"
                 else [first])
-        provs: list[tuple | None] = []
+        provs: list[tuple | None] = []  # what the machine's loads hold (`LoadStep`)
         for r in refs:
             w = writer.get(r.buf) if r is not None else None
-            provs.append(None if w is None else
-                         (0, w.shape, w.dtype, w.axis, w.start, w.length, w.cuts))
+            provs.append(None if w is None else (0, *held_window(w)))
         if any(p is None for p, r in zip(provs, refs, strict=True) if r is not None):
             continue
-        key = tuple(None if p is None else (p[0], p[1]) if p[3] < 0 else p for p in provs)
-        window = _stored_window("a16" if u.form == "a16" else "f32w", key, u.bits,
-                                u.group_size)
-        if window is None or len(window) != 2:
-            continue
-        shape = ld.shape if u.form == "f32" else (ld.shape[0], ld.shape[1] * 8 // u.bits)
-        (r0, r1, _), (c0, c1, _) = (w.indices(n) for w, n in zip(window, shape,
-                                                                 strict=True))
-        part = (r0, r1 - r0, c0, c1 - c0)
-        if part != (0, shape[0], 0, shape[1]):
+        special = "a16" if u.form == "a16" else "f32w"
+        window = _stored_window(special, held_key(provs), u.bits, u.group_size)
+        part = () if window is None else form_part(window, ld.shape, special, u.bits)
+        whole = form_part((slice(None), slice(None)), ld.shape, special, u.bits)
+        if part and part != whole:
             found[(u.source, part)] = (u, part)
     return list(found.values())
 
@@ -406,6 +401,18 @@ def _stored_window(special: str, key: tuple, bits: int, group_size: int
            for p in key[1:]):
         return None
     return tuple(index)
+
+
+def form_part(window: tuple[slice, ...], shape: tuple[int, ...], special: str, bits: int
+              ) -> tuple[int, ...]:
+    """A window of a weight's f32 form as `FormEntry.part` (rows start, rows, columns
+    start, columns): `shape` the weight's own (packed for an a16 weight, `bits` a value);
+    () where the form is not 2-D."""
+    if len(shape) != 2 or len(window) != 2:
+        return ()
+    whole = (shape[0], shape[1] * 8 // bits) if special == "a16" else tuple(shape)
+    (r0, r1, _), (c0, c1, _) = (w.indices(n) for w, n in zip(window, whole, strict=True))
+    return (r0, r1 - r0, c0, c1 - c0)
 
 
 # =========================================================================== writing
