@@ -440,12 +440,8 @@ def _tile_runs(v: _TileOperand, counts: tuple[np.ndarray, ...]) -> np.ndarray:
     for a, count in zip(v.axes, counts, strict=True):
         if a != -1:
             part[a] = shape[a] // count
-    run = np.full(counts[0].shape, dtype_bytes(elem_of(v.value)), np.int64)
-    cut = np.zeros(counts[0].shape, bool)
-    for n, full in zip(reversed(part), reversed(shape), strict=True):
-        run = np.where(cut, run, run * n)
-        cut |= np.asarray(n) != full
-    return run
+    run = run_bytes(shape, part, dtype_bytes(elem_of(v.value)))
+    return np.broadcast_to(np.asarray(run, np.int64), counts[0].shape)
 
 
 def _per_lane(nbytes: np.ndarray, chip: Chip) -> np.ndarray:

@@ -71,16 +71,17 @@ def dma_cycles(chip: Chip, nbytes: int, run: int = 0) -> float:
     return chip.dma_latency_cycles + float(ddr_bytes(chip, nbytes, run)) / chip.bytes_per_cycle
 
 
-def run_bytes(shape: Sequence[int], part: Sequence[int], itemsize: int) -> int:
+def run_bytes(shape: Sequence[int], part: Sequence[Any], itemsize: int) -> Any:
     """The contiguous runs of a window of shape `part` in a row-major tensor of `shape`:
     their length in bytes (the innermost axes the window covers whole, times the first
-    one it cuts). The whole tensor is one run."""
-    run = itemsize
+    one it cuts). The whole tensor is one run. Elementwise where `part`'s sizes are numpy
+    arrays (the layer group's grid of candidates)."""
+    run: Any = itemsize
+    cut: Any = False
     for n, full in zip(reversed(part), reversed(shape), strict=True):
-        run *= n
-        if n != full:
-            break
-    return run
+        run = np.where(cut, run, run * n)
+        cut = cut | (np.asarray(n) != full)
+    return int(run) if np.ndim(run) == 0 else run
 
 
 def compute_cycles(chip: Chip, flops: int, dtype: str) -> float:
