@@ -30,8 +30,9 @@ from dataclasses import dataclass
 _EXPECTED = re.compile(
     r"expected-(error|warning|note|remark)(-re)?\s*(@(?:[+-][0-9]+|above|below|unknown))?"
     r"\s*\{\{(.*)\}\}\s*$")
-#: a line that mentions an expectation but not in the syntax above (a typo must not pass)
-_MENTION = re.compile(r"expected-(error|warning|note|remark)\b")
+#: a comment that starts as an expectation but is not in the syntax above (a typo must not
+#: pass unnoticed; prose that mentions `expected-error` mid-comment is prose)
+_MENTION = re.compile(r"//\s*expected-(error|warning|note|remark)")
 
 
 class ExpectationSyntaxError(ValueError):
@@ -86,7 +87,7 @@ def parse_expectations(text: str) -> list[Expected]:
     for number, line in enumerate(lines, start=1):
         found = _EXPECTED.search(line)
         if found is None:
-            if _MENTION.search(line) and "{{" in line:
+            if _MENTION.search(line):
                 raise ExpectationSyntaxError(
                     f"line {number}: malformed expectation (write `expected-error @+1 "
                     "{{message}}`: kind, optional @+N/@-N/@above/@below/@unknown, then the "

@@ -685,7 +685,7 @@ class ToptpuOptMain(xDSLOptMain):
             self.args.print_debuginfo = True  # a file keeps where each op came from
         failed, total = self._run_chunks()
         if failed:
-            what = ("did not produce the diagnostics they expect"
+            what = ("did not produce the diagnostics expected"
                     if self.args.verify_diagnostics else "failed")
             chunks = "chunk" if total == 1 else "chunks"
             raise ChunksFailed(f"{failed} of {total} {chunks} {what}"
