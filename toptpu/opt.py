@@ -71,7 +71,8 @@ from toptpu.backend.codegen.streams import generate
 from toptpu.backend.runtime.machine import command_cycles, schedule
 from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
 from toptpu.dialects import all_dialects
-from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, verify_ir
+from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, print_generic, verify_ir
+from toptpu.dialects.irdl_export import MlirFormError, mlir_form
 from toptpu.dialects.output_file import OutputPathError, output_target, write_output
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
@@ -403,6 +404,21 @@ class CommandsTarget(Target):
             raise ValueError(f"-t commands: {e}") from None
 
 
+@dataclass(frozen=True)
+class MlirGenericTarget(Target):
+    """`-t mlir-generic`: the module as real MLIR reads it with the IRDL of top/tpu
+    (`python -m toptpu.dialects.irdl_export`): the generic form, with one operand / result
+    segment per value of a variadic group (MLIR 22's IRDL gives a variadic group one type)."""
+
+    name = "mlir-generic"
+
+    def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
+        try:
+            output.write(print_generic(mlir_form(module), debuginfo=True))
+        except MlirFormError as e:
+            raise ValueError(f"-t mlir-generic: {e}") from None
+
+
 @dataclass
 class _PendingWeights:
     """Derived tensors to save before the result is written."""
@@ -559,6 +575,7 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_targets(self) -> None:
         super().register_all_targets()
         self.available_targets[CommandsTarget.name] = lambda: CommandsTarget
+        self.available_targets[MlirGenericTarget.name] = lambda: MlirGenericTarget
 
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)
@@ -576,6 +593,11 @@ class ToptpuOptMain(xDSLOptMain):
                 action.help = "do not verify the IR after parsing it and after each pass"
             if action.dest == "version":
                 action.help = "print xDSL's version and exit"
+            if action.dest == "target":
+                action.help = ("what to print: mlir (the default), mlir-generic (the form "
+                               "real MLIR reads with toptpu's IRDL: mlir-opt --irdl-file=...), "
+                               "commands{chip=NAME} (the command streams of grouped, "
+                               "addressed Tpu IR), or one of xDSL's")
             if action.dest == "input_file":
                 action.help = "the IR file to read (.mlir); '-' or none: stdin"
             if action.dest == "output_file":
