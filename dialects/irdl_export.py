@@ -40,7 +40,9 @@ What IRDL in MLIR 22 cannot say is recorded as an `IrdlGap` (printed as comments
 - "any type" as an attribute value has no IRDL constraint (`irdl.any` accepts any
   attribute); Top uses explicit element-type sets for that reason;
 - traits with a verifier (HasParent, IsTerminator, IsolatedFromAbove, ...) are not
-  checked by MLIR (IRDL has no traits).
+  checked by MLIR (IRDL has no traits); and since no IRDL op is a terminator, MLIR's block
+  verifier refuses the body of every `tpu.group` ("block with no terminator, has
+  "tpu.yield""): grouped Tpu IR (after layer-group) does not verify in MLIR 22.
 """
 
 from __future__ import annotations
