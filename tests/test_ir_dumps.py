@@ -13,9 +13,9 @@ import os
 
 import numpy as np
 import pytest
-
 from gguf_fixtures import gguf_dir
 from quant_fixtures import quant_checkpoints  # noqa: F401 - session fixture
+
 from toptpu.cli import main
 from toptpu.dialects import context
 from toptpu.dialects.ir_text import parse_ir

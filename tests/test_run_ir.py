@@ -20,11 +20,14 @@ INPUTS = os.path.join(os.path.dirname(__file__), "filecheck", "Inputs")
 WEIGHTS = os.path.join(INPUTS, "weights.safetensors")
 
 LINEAR = """builtin.module attributes {{top.weight_store = "{store}"}} {{
-  func.func @main(%x: tensor<1x8x64xf32> {{top.name = "x"}}) -> (tensor<1x8x32xf32> {{top.name = "y"}}) {{
+  func.func @main(%x: tensor<1x8x64xf32> {{top.name = "x"}})
+      -> (tensor<1x8x32xf32> {{top.name = "y"}}) {{
     %w = "top.weight"() {{name = "fc.weight"}} : () -> tensor<32x64xf32>
     %b = "top.weight"() {{name = "fc.bias"}} : () -> tensor<32xf32>
     %0 = "top.{act}"(%x) : (tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
-    %1 = "top.matmul"(%0, %w, %b) {{transpose_b = true, operandSegmentSizes = array<i32: 1, 1, 1>}} : (tensor<1x8x64xf32>, tensor<32x64xf32>, tensor<32xf32>) -> tensor<1x8x32xf32>
+    %1 = "top.matmul"(%0, %w, %b) {{transpose_b = true,
+                                    operandSegmentSizes = array<i32: 1, 1, 1>}}
+        : (tensor<1x8x64xf32>, tensor<32x64xf32>, tensor<32xf32>) -> tensor<1x8x32xf32>
     func.return %1 : tensor<1x8x32xf32>
   }}
 }}
