@@ -121,6 +121,7 @@ from xdsl.irdl.operations import (
 from toptpu.dialects.common import EnumAttr
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
+from toptpu.errors import ToptpuError
 
 #: xDSL attribute/type class -> MLIR's name of that builtin base (checked against MLIR by
 #: tests/test_irdl.py: each name is verified with a sample value)
@@ -395,7 +396,7 @@ def dialect_to_irdl(dialect: Dialect, unranked: bool = False,
 SEGMENT_ATTRS = {"operands": "operandSegmentSizes", "results": "resultSegmentSizes"}
 
 
-class MlirFormError(ValueError):
+class MlirFormError(ToptpuError, ValueError):
     """A module `mlir_form` cannot write for MLIR (a variadic group over the limit)."""
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from toptpu.errors import ToptpuError
+
 #: mlir-opt's expectation syntax (SourceMgrDiagnosticVerifierHandler)
 _EXPECTED = re.compile(
     r"expected-(error|warning|note|remark)(-re)?\s*(@(?:[+-][0-9]+|above|below|unknown))?"
@@ -35,7 +37,7 @@ _EXPECTED = re.compile(
 _MENTION = re.compile(r"//\s*expected-(error|warning|note|remark)")
 
 
-class ExpectationSyntaxError(ValueError):
+class ExpectationSyntaxError(ToptpuError, ValueError):
     """An `expected-*` comment that does not parse (line, what is wrong)."""
 
 

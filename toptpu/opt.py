@@ -138,7 +138,7 @@ class _KeptOutput(StringIO):
         pass
 
 
-class ChunksFailed(Exception):
+class ChunksFailed(ToptpuError):
     """Chunks of a --split-input-file or --verify-diagnostics run failed; each reported."""
 
 
