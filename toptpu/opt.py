@@ -9,6 +9,13 @@ dialect xDSL knows (linalg, tensor, ... as produced by convert-top-to-linalg or
 `mlir{pipeline=...}`), and registers toptpu's passes (listed in `--help`) beside xDSL's
 generic ones.
 
+mlir-opt's words: `--mlir-print-ir-before=PASS` / `--mlir-print-ir-after=PASS` (a pass or a
+named pipeline), `--mlir-print-ir-before-all` / `-after-all` (stderr), `builtin.module(...)`
+pipelines in `-p` or `--pass-pipeline`, `-` for stdin (and `-o -`), `--split-input-file` going
+on past a failing chunk (exit 1 at the end), and `--verify-diagnostics` matching the input's
+`expected-error` comments (`toptpu.expected_diagnostics`). `-t mlir-generic` prints what the
+real mlir-opt reads with the IRDL of top/tpu (`toptpu.dialects.irdl_export.mlir_form`).
+
 What it does with bad input (each a one-line or located diagnostic, exit 1):
 - the input file missing, a directory, unreadable, empty, not UTF-8 or binary, IR that does not
   parse (`toptpu.dialects.ir_text.parse_ir`: file:line:column, the line, what is wrong) or does
