@@ -216,9 +216,12 @@ class IRVerifyError(ToptpuError, VerifyException):
     """IR that parses but does not verify; with the op's place in the text when it was read
     from text (`location`: name:line:col, or the op; `reason`: what is wrong)."""
 
-    def __init__(self, text: str, location: str = "", reason: str = "") -> None:
+    def __init__(self, text: str, location: str = "", reason: str = "",
+                 line: int | None = None) -> None:
         super().__init__(text)
         self.location, self.reason = location, reason or text
+        #: the op's line in the text (1-based), when it was read from text
+        self.line = line
 
 
 def one_line(e: BaseException) -> str:
@@ -352,7 +355,7 @@ def _verify_error(op: Operation | None, msg: str, op_starts: OpStarts | None) ->
     if op is not None and op_starts is not None and op in op_starts:
         span, reason = op_starts[op], msg.removeprefix(f"'{op.name}': ")
         return IRVerifyError(span.print_with_context(msg).rstrip(),
-                             f"{span.get_location()}: {at}", reason)
+                             f"{span.get_location()}: {at}", reason, span.get_location().line)
     if op is not None:
         return IRVerifyError(f"{at}: {msg}", at, msg.removeprefix(f"'{op.name}': "))
     return IRVerifyError(msg)

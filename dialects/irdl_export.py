@@ -11,19 +11,26 @@
   FloatAttr, StringAttr, DenseArrayBase, DenseIntOrFPElementsAttr, element-type sets
   (`irdl.any_of(irdl.is f32, ...)`), enums of string values (`EnumAttr(RopeMode)` ->
   `irdl.any_of(irdl.is "half", irdl.is "interleaved")`) and `operandSegmentSizes`;
+- variadic groups as `VARIADIC_LIMIT` optional segments, one value each (`mlir_form` gives
+  a module's ops the `operandSegmentSizes` / `resultSegmentSizes` that say which are used):
+  MLIR 22's IRDL binds one constraint variable per operand definition, so one variadic
+  definition would make MLIR require every value of the group to have the same type (a
+  `tpu.group`'s inputs: an activation and weights; a concat of differently shaped tensors),
+  which xDSL does not;
 - single regions (`irdl.region`, `with size 1` for single-block regions);
 - the dialect's attributes (`tpu.regions`) as `irdl.attribute` with named parameters.
 
 The printed module (custom IRDL syntax, which MLIR 22 parses) is what
-`toptpu.dialects.mlir_check.verify_with_irdl` loads with `mlir.dialects.irdl.load_dialects`.
+`toptpu.dialects.mlir_check.verify_with_irdl` loads with `mlir.dialects.irdl.load_dialects`,
+and what `mlir-opt --irdl-file=` loads; MLIR reads a module in `mlir_form` (the generic form
+with the segment sizes of the variadic groups: `toptpu-opt FILE -t mlir-generic`).
 
 What IRDL in MLIR 22 cannot say is recorded as an `IrdlGap` (printed as comments by
 `python -m toptpu.dialects.irdl_export`), never silently dropped:
 
 - optional attributes (`irdl.attributes` has no optionality; upstream PR #110981 is open):
   MLIR checks neither their presence nor their kind;
-- a variadic group binds ONE constraint variable, so MLIR requires every value of the group
-  to have the same type (xDSL does not): e.g. `top.concat` of differently shaped tensors;
+- a variadic group is at most `VARIADIC_LIMIT` values (`mlir_form` refuses more);
 - `irdl.any_of` over `irdl.base` constraints aborts MLIR 22's loader (IRDLLoading.cpp
   `getBases` reaches `llvm_unreachable`; fixed upstream later), so "ranked or unranked
   tensor" cannot be written: the export says `!builtin.tensor` (every module the pipeline
@@ -33,7 +40,9 @@ What IRDL in MLIR 22 cannot say is recorded as an `IrdlGap` (printed as comments
 - "any type" as an attribute value has no IRDL constraint (`irdl.any` accepts any
   attribute); Top uses explicit element-type sets for that reason;
 - traits with a verifier (HasParent, IsTerminator, IsolatedFromAbove, ...) are not
-  checked by MLIR (IRDL has no traits).
+  checked by MLIR (IRDL has no traits); and since no IRDL op is a terminator, MLIR's block
+  verifier refuses the body of every `tpu.group` ("block with no terminator, has
+  "tpu.yield""): grouped Tpu IR (after layer-group) does not verify in MLIR 22.
 """
 
 from __future__ import annotations
@@ -112,6 +121,7 @@ from xdsl.irdl.operations import (
 from toptpu.dialects.common import EnumAttr
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
+from toptpu.errors import ToptpuError
 
 #: xDSL attribute/type class -> MLIR's name of that builtin base (checked against MLIR by
 #: tests/test_irdl.py: each name is verified with a sample value)
@@ -140,6 +150,10 @@ BUILTIN_BASES: dict[type[Attribute], str] = {
     SymbolRefAttr: "#builtin.symbol_ref",
     AffineMapAttr: "#builtin.affine_map",
 }
+
+
+#: the values of a variadic group MLIR can check (each one an optional segment of its own)
+VARIADIC_LIMIT = 128
 
 
 @dataclass(frozen=True)
@@ -282,13 +296,18 @@ class _OpExporter:
         args, var, names = [], [], []
         for name, d in defs:
             where = f"{kind[:-1]} '{name}'"
-            args.append(self.range_constraint(d.constr, where))  # type: ignore[attr-defined]
             v = self._variadicity(d)
-            var.append(v)
-            names.append(StringAttr(name))
-            if v.data == irdl.VariadicityEnum.VARIADIC:
-                self.gap(where, "MLIR requires all values of a variadic group to have "
-                         "the same type (one IRDL constraint variable per group)")
+            if v.data != irdl.VariadicityEnum.VARIADIC:
+                args.append(self.range_constraint(d.constr, where))  # type: ignore[attr-defined]
+                var.append(v)
+                names.append(StringAttr(name))
+                continue
+            # one optional segment per value, each with a constraint value of its own
+            optional = irdl.VariadicityAttr(irdl.VariadicityEnum.OPTIONAL)
+            for i in range(VARIADIC_LIMIT):
+                args.append(self.range_constraint(d.constr, where))  # type: ignore[attr-defined]
+                var.append(optional)
+                names.append(StringAttr(f"{name}_{i}"))
         op = irdl.OperandsOp if kind == "operands" else irdl.ResultsOp
         self.builder.insert(op(args, irdl.VariadicityArrayAttr(ArrayAttr(var)),
                                ArrayAttr(names)))
@@ -371,6 +390,95 @@ def dialect_to_irdl(dialect: Dialect, unranked: bool = False,
             raise ValueError(f"{op} is not an IRDL operation")
         ops.append(op_to_irdl(op, unranked, gaps))
     return irdl.DialectOp(dialect.name, Region([Block(ops)]))
+
+
+#: the attributes MLIR reads the segment sizes of an op's operands / results from
+SEGMENT_ATTRS = {"operands": "operandSegmentSizes", "results": "resultSegmentSizes"}
+
+
+class MlirFormError(ToptpuError, ValueError):
+    """A module `mlir_form` cannot write for MLIR (a variadic group over the limit)."""
+
+
+def _is_variadic(d: object) -> bool:
+    """A variadic definition (xDSL's optional definitions are variadic ones too)."""
+    return isinstance(d, VariadicDef) and not isinstance(d, OptionalDef)
+
+
+def _exported_segments(op: IRDLOperation, kind: str) -> list[int] | None:
+    """The segment sizes of `op`'s operands or results as the IRDL export declares them (a
+    variadic group: `VARIADIC_LIMIT` optional segments, one per value, the rest empty); None
+    when the op has no variadic group there (MLIR computes the sizes)."""
+    opdef = op.get_irdl_definition()
+    defs = opdef.operands if kind == "operands" else opdef.results
+    if not any(_is_variadic(d) for _, d in defs):
+        return None
+    attr = SEGMENT_ATTRS[kind]
+    own = op.properties.get(attr) or op.attributes.get(attr)
+    if own is not None:  # the op's own segment sizes (more than one group that is not single)
+        assert isinstance(own, DenseArrayBase)
+        per_def = [int(v) for v in own.get_values()]
+    else:  # one variadic group: the values the single definitions do not take
+        count = len(op.operands if kind == "operands" else op.results)
+        per_def = [count - len(defs) + 1 if _is_variadic(d) else 1 for _, d in defs]
+    sizes: list[int] = []
+    for (name, d), n in zip(defs, per_def, strict=True):
+        if _is_variadic(d):
+            if n > VARIADIC_LIMIT:
+                raise MlirFormError(f"'{op.name}' has {n} {kind} in '{name}'; the IRDL export "
+                                    f"checks at most {VARIADIC_LIMIT} values of a variadic group")
+            sizes += [1] * n + [0] * (VARIADIC_LIMIT - n)
+        else:
+            sizes.append(n)
+    return sizes
+
+
+def _exported(op: Operation, dialects: Sequence[Dialect]) -> bool:
+    return isinstance(op, IRDLOperation) and any(type(op) in d.operations for d in dialects)
+
+
+def mlir_form(module: ModuleOp, dialects: Sequence[Dialect] | None = None) -> ModuleOp:
+    """A copy of `module` as MLIR checks it with the exported IRDL: every op with a variadic
+    group carries `operandSegmentSizes` / `resultSegmentSizes` for the export's one-value
+    segments (the rest of the module is the same)."""
+    dialects = dialects or default_dialects()
+    out = module.clone()
+    for op in out.walk():
+        if not _exported(op, dialects):
+            continue
+        opdef = op.get_irdl_definition()  # type: ignore[attr-defined]
+        for kind, attr in SEGMENT_ATTRS.items():
+            sizes = _exported_segments(op, kind)  # type: ignore[arg-type]
+            if sizes is not None:  # where the op keeps its own sizes, if it does
+                container = op.properties if attr in opdef.properties else op.attributes
+                container[attr] = DenseArrayBase.from_list(i32, sizes)
+    return out
+
+
+def from_mlir_form(module: ModuleOp, dialects: Sequence[Dialect] | None = None) -> None:
+    """Undo `mlir_form` in place (a module read back from MLIR): the segment sizes it added
+    go; an op whose own definition keeps segment sizes gets them back from its values."""
+    dialects = dialects or default_dialects()
+    for op in module.walk():
+        if not _exported(op, dialects):
+            continue
+        opdef = op.get_irdl_definition()  # type: ignore[attr-defined]
+        for kind, attr in SEGMENT_ATTRS.items():
+            defs = opdef.operands if kind == "operands" else opdef.results
+            if not any(_is_variadic(d) for _, d in defs):
+                continue
+            container = op.properties if attr in opdef.properties else op.attributes
+            sizes = container.pop(attr, None)
+            if attr not in opdef.attributes and attr not in opdef.properties:
+                continue
+            # the op's own segment sizes: the exported one-value segments summed per group
+            assert isinstance(sizes, DenseArrayBase)
+            flat, compact = list(sizes.get_values()), []
+            for _, d in defs:
+                width = VARIADIC_LIMIT if _is_variadic(d) else 1
+                compact.append(sum(flat[:width]))
+                flat = flat[width:]
+            container[attr] = DenseArrayBase.from_list(i32, compact)
 
 
 def default_dialects() -> list[Dialect]:

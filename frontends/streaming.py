@@ -284,6 +284,16 @@ class StreamedWeights:
         self.materialized.clear()
         return names
 
+    def fill_placeholders(self, model: torch.nn.Module) -> None:
+        """Give the skeleton's placeholders their checkpoint tensors in float32 (what the
+        in-memory path's model holds): for a compile whose weight store is written out with
+        its IR (`--dump-ir`), so every dumped module names true tensors. Memory: the shared
+        tensors whole."""
+        for p in model.parameters():
+            name = self.placeholders.get(id(p))
+            if name is not None:
+                p.data = torch.from_numpy(self.tensor_f32(name))
+
     # ------------------------------------------------------------------ shared tensors
     def bind_shared(self, module: torch.nn.Module, weight_prefix: str = "") -> None:
         """Record which Top weights of a shared net's `module` are placeholders (by the

@@ -26,6 +26,7 @@ import sys
 import pytest
 from xdsl.utils.arg_spec import parse_pipeline
 
+from toptpu.opt import OptInputError, module_pipeline
 from toptpu.passes.pipelines import all_passes
 
 FILECHECK_DIR = os.path.join(os.path.dirname(__file__), "filecheck")
@@ -78,8 +79,15 @@ def _passes_run(command: str) -> set[str]:
         if "toptpu-opt" not in words:
             continue
         for flag, value in zip(words, words[1:], strict=False):
-            if flag in ("-p", "--passes"):
-                names |= {spec.name for spec in parse_pipeline(value)}
+            if flag in ("-p", "--passes", "--pass-pipeline"):
+                try:
+                    spec = module_pipeline(value)
+                except OptInputError:  # a RUN line checking that a pipeline is refused
+                    continue
+                names |= {s.name for s in parse_pipeline(spec)}
+        for word in words:
+            if word.startswith("--pass-pipeline="):
+                names |= {s.name for s in parse_pipeline(module_pipeline(word.split("=", 1)[1]))}
     return names
 
 

@@ -112,8 +112,9 @@ def test_cli_compile_and_run_json(tmp_path_factory, tmp_path, capsys) -> None:
     assert "8/8 sample_head" in err and "wrote" in err
     assert (dump / "weights.safetensors").exists()
     passes = len(top_pipeline_passes()) + len(tpu_pipeline_passes("w4bf16", chip="bm1684x"))
-    dumps = sorted(p.name for p in (dump / "block_cache").iterdir())
+    dumps = sorted(p.name for p in (dump / "block_cache").iterdir() if p.suffix == ".mlir")
     assert len(dumps) == 1 + passes and dumps[0] == "00-import.mlir"
+    assert (dump / "block_cache" / "passes.json").is_file()  # the pass of each file
     first = (dump / "block" / "00-import.mlir").read_text()
     assert str(dump / "weights.safetensors") in first and "top.matmul" in first
     res = run_tool("toptpu", "run", out, "--prompt", LONG_PROMPT, "--max-new-tokens", "8",

@@ -68,7 +68,7 @@ def test_print_between_passes_shows_the_inner_passes_on_stderr(top_ir: str) -> N
     rc, out, err = _run(top_ir, "-p", "top-pipeline", "--print-between-passes")
     assert rc == 0, err
     assert re.findall(r"// -----// IR after (\S+) //", err) == ["shape-infer", "canonicalize",
-                                                                "fuse"]
+                                                                "fuse", "canonicalize"]
     assert "IR after" not in out
 
 
@@ -163,3 +163,19 @@ print(json.dumps({{"rc": [rc, rc2], "modules": sorted(sys.modules)}}))
     loaded = [m for m in report["modules"] if m.split(".")[0] in heavy]
     assert not loaded, f"toptpu-opt loaded {loaded[:5]}"
     assert "cycles=" in (tmp_path / "cmds.txt").read_text()
+
+
+def test_help_lists_mlir_opts_words() -> None:
+    """--help names mlir-opt's flags toptpu-opt takes (FileCheck tests: opt_print_ir.mlir,
+    opt_pipeline_syntax.mlir, verify_diagnostics.mlir)."""
+    tool = opt.ToptpuOptMain(args=["in.mlir"])
+    parser = argparse.ArgumentParser()
+    tool.register_all_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for flag in ("--mlir-print-ir-before PASS", "--mlir-print-ir-after PASS",
+                 "--mlir-print-ir-before-all", "--mlir-print-ir-after-all",
+                 "--pass-pipeline PIPELINE", "--split-input-file", "--verify-diagnostics",
+                 "--print-between-passes", "mlir-generic"):
+        assert flag in text, flag
+    assert "'-' or none: stdin" in text and "builtin.module(top-pipeline," in text
+    assert "expected-" in text and "@above" in text

@@ -41,6 +41,7 @@ from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
 from toptpu.paths import check_not_inside, check_output_dir
 from toptpu.profile_cli import add_profile_parser
+from toptpu.run_ir import add_run_ir_parser
 from toptpu.sweep import add_sweep_parser
 
 #: the stages `toptpu compare` knows
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(fn=llm_cli.cmd_cache)
 
     add_profile_parser(sub)
+    add_run_ir_parser(sub)
     add_estimate_parser(sub)
     add_sweep_parser(sub)
     add_eval_parser(sub)

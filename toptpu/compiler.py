@@ -602,6 +602,8 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
     dump = IrDump.make(plan.options.dump_ir)
     nets = {}
     stream = plan.loaded.stream
+    if dump is not None and stream is not None:  # (a GGUF file is streamed even then)
+        stream.fill_placeholders(plan.loaded.model)  # the dumped store: true tensors
     # a streaming compile compiles the per-layer nets first, so the float32 representative
     # layers (one per layer kind or variant: ~0.9 GB each at Qwen3.5-9B) are let go before
     # the shared nets convert the largest tensors (a 2 GB bf16 lm_head); the result keeps
@@ -611,7 +613,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
     last_per_layer = max((i for i, n in enumerate(order) if n.spec.per_layer), default=-1)
     for i, net in enumerate(order):
         nets[net.name] = _compile_net(net, plan, store, bar, dump, keep_top)
-        if stream is None:
+        if stream is None or dump is not None:  # a dump keeps every tensor its IR names
             continue
         # a streaming compile lets go of what it will not write: what the placeholders
         # gave, and the skeleton's float32 layer 0 once the per-layer nets are compiled
@@ -632,7 +634,9 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
 @dataclass
 class IrDump:
     """`--dump-ir DIR`: DIR/<net>/NN-<pass>.mlir, every module pointing at
-    DIR/weights.safetensors."""
+    DIR/weights.safetensors; DIR/<net>/passes.json lists the net's files in order with the
+    pass (its toptpu-opt pipeline text, options included) that made each from the one
+    before it (`replay`: the import has none)."""
 
     directory: str
     weights_path: str
@@ -644,11 +648,13 @@ class IrDump:
         os.makedirs(directory, exist_ok=True)
         return cls(directory, os.path.abspath(os.path.join(directory, "weights.safetensors")))
 
-    def writer(self, net: str) -> Callable[[ModuleOp, str], None]:
-        """`(module, what)` -> writes the net's next dump file."""
+    def writer(self, net: str) -> Callable[..., None]:
+        """`(module, what, spec=None)` -> writes the net's next dump file (`spec`: the
+        pipeline text of the pass that made it, for passes.json)."""
         step = [0]
+        stages: list[dict[str, str | None]] = []
 
-        def dump(module: ModuleOp, what: str) -> None:
+        def dump(module: ModuleOp, what: str, spec: str | None = None) -> None:
             d = os.path.join(self.directory, net)
             os.makedirs(d, exist_ok=True)
             old = module.attributes.get(STORE_ATTR)
@@ -658,7 +664,11 @@ class IrDump:
             finally:
                 if old is not None:
                     module.attributes[STORE_ATTR] = old
-            write_output(os.path.join(d, f"{step[0]:02d}-{what}.mlir"), text, "--dump-ir")
+            name = f"{step[0]:02d}-{what}.mlir"
+            write_output(os.path.join(d, name), text, "--dump-ir")
+            stages.append({"file": name, "pass": spec})
+            write_output(os.path.join(d, "passes.json"), json.dumps(stages, indent=1) + "\n",
+                         "--dump-ir")
             step[0] += 1
 
         return dump
@@ -678,7 +688,7 @@ def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progr
         bar.step(p.name, now - last[0])
         last[0] = now
         if write_dump is not None:
-            write_dump(module, p.name)
+            write_dump(module, p.name, str(p.pipeline_pass_spec()))
 
     spec = net.spec
     try:

@@ -9,6 +9,13 @@ dialect xDSL knows (linalg, tensor, ... as produced by convert-top-to-linalg or
 `mlir{pipeline=...}`), and registers toptpu's passes (listed in `--help`) beside xDSL's
 generic ones.
 
+mlir-opt's words: `--mlir-print-ir-before=PASS` / `--mlir-print-ir-after=PASS` (a pass or a
+named pipeline), `--mlir-print-ir-before-all` / `-after-all` (stderr), `builtin.module(...)`
+pipelines in `-p` or `--pass-pipeline`, `-` for stdin (and `-o -`), `--split-input-file` going
+on past a failing chunk (exit 1 at the end), and `--verify-diagnostics` matching the input's
+`expected-error` comments (`toptpu.expected_diagnostics`). `-t mlir-generic` prints what the
+real mlir-opt reads with the IRDL of top/tpu (`toptpu.dialects.irdl_export.mlir_form`).
+
 What it does with bad input (each a one-line or located diagnostic, exit 1):
 - the input file missing, a directory, unreadable, empty, not UTF-8 or binary, IR that does not
   parse (`toptpu.dialects.ir_text.parse_ir`: file:line:column, the line, what is wrong) or does
@@ -53,7 +60,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from io import StringIO
+from io import BytesIO, StringIO
 from typing import IO, Any, get_type_hints
 
 from xdsl.context import Context
@@ -71,7 +78,8 @@ from toptpu.backend.codegen.streams import generate
 from toptpu.backend.runtime.machine import command_cycles, schedule
 from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
 from toptpu.dialects import all_dialects
-from toptpu.dialects.ir_text import IRTextError, parse_ir, verify_ir
+from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, print_generic, verify_ir
+from toptpu.dialects.irdl_export import MlirFormError, mlir_form
 from toptpu.dialects.output_file import OutputPathError, output_target, write_output
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
@@ -80,7 +88,14 @@ from toptpu.dialects.weight_store import (
     needed_names,
 )
 from toptpu.errors import ToptpuError
-from toptpu.passes.pipelines import PIPELINES, PipelineEntry, all_passes, expand_pipelines
+from toptpu.expected_diagnostics import (
+    Diagnostic,
+    ExpectationSyntaxError,
+    Expected,
+    check,
+    parse_expectations,
+)
+from toptpu.passes.pipelines import PIPELINES, PipelineEntry, all_passes
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug): xDSL's
 #: diagnostics and toptpu's user-facing errors (`toptpu.errors.ToptpuError`)
@@ -128,6 +143,40 @@ class _KeptOutput(StringIO):
 
     def close(self) -> None:
         pass
+
+
+class ChunksFailed(ToptpuError):
+    """Chunks of a --split-input-file or --verify-diagnostics run failed; each reported."""
+
+
+#: mlir-opt's split marker: a line that is exactly `// -----`
+SPLIT_MARKER = re.compile(rb"^// -----[ \t]*\r?$", re.MULTILINE)
+
+
+def describe_error(e: BaseException, name: str) -> str:
+    """What toptpu-opt prints for a user's mistake (without the exit status)."""
+    if isinstance(e, OptInputError | IRTextError):
+        return f"toptpu-opt: {e}"
+    if isinstance(e, ParseError):
+        return f"toptpu-opt: parse error:\n{e}"
+    if isinstance(e, PassError):
+        return f"toptpu-opt: {name}: {e}"
+    if isinstance(e, DiagnosticException):
+        return f"toptpu-opt: the IR does not verify:\n{e}"
+    return f"toptpu-opt: error: {e}"
+
+
+def diagnostic_of(e: BaseException) -> Diagnostic:
+    """The error diagnostic `e` is, at its line in the chunk where it has one: a parse error at
+    its token, a verifier error at its op; a pass's refusal and the rest at none."""
+    if isinstance(e, ParseError):
+        return Diagnostic("error", e.span.get_location().line, " ".join(e.msg.split()))
+    if isinstance(e, IRVerifyError):
+        at = re.search(r":\d+:\d+: (.*)$", e.location) if e.line is not None else None
+        what = at.group(1) if at else e.location
+        reason = " ".join(e.reason.split())
+        return Diagnostic("error", e.line, f"{what}: {reason}" if what else reason)
+    return Diagnostic("error", None, " ".join(str(e).split()))
 
 
 def _check_input_path(path: str) -> None:
@@ -262,6 +311,80 @@ def check_pipeline_spec(spec: str,
                                     f"takes {_describe_type(hints[key])}, not {given}") from None
 
 
+def _top_level_parens(spec: str) -> list[tuple[int, int]]:
+    """(open, close) of each parenthesis pair outside braces and quotes (options such as
+    `mlir{pipeline="func.func(cse)"}` keep theirs); raises OptInputError when they do not
+    pair up."""
+    pairs: list[tuple[int, int]] = []
+    opened: list[int] = []
+    braces, quote, escaped = 0, False, False
+    for i, c in enumerate(spec):
+        if quote:
+            quote = c != '"' or escaped
+            escaped = c == "\\" and not escaped
+            continue
+        if c == '"':
+            quote = True
+        elif c == "{":
+            braces += 1
+        elif c == "}":
+            braces -= 1
+        elif braces == 0 and c == "(":
+            opened.append(i)
+        elif braces == 0 and c == ")":
+            if not opened:
+                raise OptInputError(f"pass pipeline '{spec}': ')' at column {i + 1} closes "
+                                    "nothing")
+            pairs.append((opened.pop(), i))
+    if opened:
+        raise OptInputError(f"pass pipeline '{spec}': '(' at column {opened[-1] + 1} is not "
+                            "closed")
+    return pairs
+
+
+def module_pipeline(spec: str) -> str:
+    """A pass pipeline in mlir-opt's textual form, `builtin.module(pass1,pass2{opt=v})`, as
+    the list of passes toptpu-opt runs on the module (`pass1,pass2{opt=v}`); a plain list is
+    returned as it is. Nesting under another op (`func.func(...)`) is refused: toptpu's passes
+    are module passes."""
+    text = spec.strip()
+    while True:
+        pairs = _top_level_parens(text)
+        if not pairs:
+            return text
+        first_open = min(o for o, _ in pairs)
+        anchor = text[:first_open].strip()
+        whole = (first_open, len(text) - 1) in pairs
+        if anchor == "builtin.module" and whole:
+            text = text[first_open + 1:-1].strip()
+            continue
+        nested = text[:first_open].rsplit(",", 1)[-1].strip() or "?"
+        raise OptInputError(
+            f"pass pipeline '{spec}': '{nested}(...)' nests passes under '{nested}': "
+            "toptpu-opt runs module passes only; give them as builtin.module(pass1,pass2) "
+            "or pass1,pass2")
+
+
+def expand_marking_ends(passes: Sequence[ModulePass]
+                        ) -> tuple[list[ModulePass], dict[int, list[str]]]:
+    """`expand_pipelines(passes)`, and where each named pipeline ends in it: the index of its
+    last pass -> the names of the pipelines that end there (innermost first)."""
+    out: list[ModulePass] = []
+    ends: dict[int, list[str]] = {}
+    for p in passes:
+        inner = getattr(p, "inner_passes", None)
+        if not callable(inner):
+            out.append(p)
+            continue
+        out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
+        sub, sub_ends = expand_marking_ends(inner())
+        for i, names in sub_ends.items():
+            ends.setdefault(len(out) + i, []).extend(names)
+        out.extend(sub)
+        ends.setdefault(len(out) - 1, []).append(p.name)
+    return out, ends
+
+
 @dataclass(frozen=True)
 class CommandsTarget(Target):
     """`-t commands{chip=NAME}`: the command streams of each function, as text."""
@@ -286,6 +409,21 @@ class CommandsTarget(Target):
                                     timeline), file=output)
         except ToptpuError as e:
             raise ValueError(f"-t commands: {e}") from None
+
+
+@dataclass(frozen=True)
+class MlirGenericTarget(Target):
+    """`-t mlir-generic`: the module as real MLIR reads it with the IRDL of top/tpu
+    (`python -m toptpu.dialects.irdl_export`): the generic form, with one operand / result
+    segment per value of a variadic group (MLIR 22's IRDL gives a variadic group one type)."""
+
+    name = "mlir-generic"
+
+    def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
+        try:
+            output.write(print_generic(mlir_form(module), debuginfo=True))
+        except MlirFormError as e:
+            raise ValueError(f"-t mlir-generic: {e}") from None
 
 
 @dataclass
@@ -322,6 +460,17 @@ class ToptpuOptMain(xDSLOptMain):
             self.register_pass(name, lambda cls=cls: cls)
 
     def setup_pipeline(self) -> None:
+        # mlir-opt's words: `-` is stdin (and stdout for -o), --pass-pipeline is -p, and a
+        # pipeline may be written builtin.module(...)
+        if self.args.input_file == "-":
+            self.args.input_file = None
+        if self.args.output_file == "-":
+            self.args.output_file = None
+        if self.args.pass_pipeline is not None:
+            if self.args.passes:
+                raise OptInputError("give the passes once: -p or --pass-pipeline, not both")
+            self.args.passes = self.args.pass_pipeline
+        self.args.passes = module_pipeline(self.args.passes)
         check_pipeline_spec(self.args.passes, self.available_passes)
         try:
             super().setup_pipeline()
@@ -331,27 +480,67 @@ class ToptpuOptMain(xDSLOptMain):
         # the named pipelines run as the passes they are made of, so that timing and the IR
         # printed between passes look inside them (as mlir-opt expands a pipeline alias)
         self.pass_times: list[tuple[str, float]] = []
-        self.pipeline = PassPipeline(tuple(expand_pipelines(self.pipeline.passes)),
-                                     self._between_passes)
+        passes, self._pipeline_ends = expand_marking_ends(self.pipeline.passes)
+        self.pipeline = PassPipeline(tuple(passes), self._between_passes)
+        self._print_before = self._print_ir_names(self.args.mlir_print_ir_before,
+                                                  "--mlir-print-ir-before", passes)
+        self._print_after = self._print_ir_names(self.args.mlir_print_ir_after,
+                                                 "--mlir-print-ir-after", passes)
+        self._position = 0
+
+    def _print_ir_names(self, given: list[str] | None, flag: str,
+                        passes: Sequence[ModulePass]) -> set[str]:
+        """The pass (or pipeline) names of a --mlir-print-ir-before/after flag (repeated or
+        comma-separated); an unknown name is refused, a known one the pipeline does not run
+        is noted on stderr (it prints nothing, as in mlir-opt)."""
+        names = {n.strip() for value in (given or []) for n in value.split(",") if n.strip()}
+        run = {p.pipeline if isinstance(p, PipelineEntry) else p.name for p in passes}
+        for n in sorted(names):
+            if n not in self.available_passes:
+                close = difflib.get_close_matches(n, list(self.available_passes), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise OptInputError(f"{flag}={n}: no pass or pipeline of that name{hint}; "
+                                    "toptpu-opt --help lists them")
+            if n not in run:
+                print(f"toptpu-opt: note: {flag}={n}: the pipeline does not run '{n}', "
+                      "nothing is printed for it", file=sys.stderr)
+        return names
 
     def _between_passes(self, prev: ModulePass | None, module: ModuleOp,
                         nxt: ModulePass | None) -> None:
         """After `prev` and before `nxt`: its time (--time-passes), the IR after it
-        (--print-between-passes), both on stderr: stdout holds the result alone."""
+        (--print-between-passes, --mlir-print-ir-after[-all]) and before `nxt`
+        (--mlir-print-ir-before[-all]), all on stderr: stdout holds the result alone."""
         now = time.perf_counter()
-        if prev is not None and not isinstance(prev, PipelineEntry):
-            self.pass_times.append((prev.name, now - self._pass_started))
-            if self.args.print_between_passes and nxt is not None:
-                self._print_between(prev, module)
+        args = self.args
+        if prev is not None:
+            if not isinstance(prev, PipelineEntry):
+                self.pass_times.append((prev.name, now - self._pass_started))
+                if args.mlir_print_ir_after_all or prev.name in self._print_after:
+                    self._print_ir(f"IR Dump After {prev.name}", module)
+                elif args.print_between_passes:
+                    self._print_ir(f"IR after {prev.name}", module)
+            for pipeline in self._pipeline_ends.get(self._position, ()):
+                if pipeline in self._print_after:
+                    self._print_ir(f"IR Dump After {pipeline}", module)
+            self._position += 1
+        if isinstance(nxt, PipelineEntry):
+            if nxt.pipeline in self._print_before:
+                self._print_ir(f"IR Dump Before {nxt.pipeline}", module)
+        elif nxt is not None and (args.mlir_print_ir_before_all
+                                  or nxt.name in self._print_before):
+            self._print_ir(f"IR Dump Before {nxt.name}", module)
         self._pass_started = time.perf_counter()
 
-    def _print_between(self, prev: ModulePass, module: ModuleOp) -> None:
-        """The IR after `prev` on stderr, naming a weight store that holds its tensors:
+    def _print_ir(self, title: str, module: ModuleOp) -> None:
+        """The IR under `title` on stderr, naming a weight store that holds its tensors:
         when the passes so far derived some, the companion file the result's tensors go to
         (written at the end with every printed module's tensors), so any printed module
         can be cut out and run on its own."""
-        print(f"// -----// IR after {prev.name} //----- //", file=sys.stderr)
-        path = self._companion_for(module, f"the IR printed after {prev.name}")
+        sys.stdout.flush()  # what came before it on stdout (2>&1 keeps the order)
+        print(f"// -----// {title} //----- //", file=sys.stderr)
+        when, name = title.split()[-2:]
+        path = self._companion_for(module, f"the IR printed {when.lower()} {name}")
         kept = module.attributes.get(STORE_ATTR)
         if path is not None:  # printed as it will be saved; the passes go on with theirs
             module.attributes[STORE_ATTR] = StringAttr(os.path.abspath(path))
@@ -393,6 +582,7 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_targets(self) -> None:
         super().register_all_targets()
         self.available_targets[CommandsTarget.name] = lambda: CommandsTarget
+        self.available_targets[MlirGenericTarget.name] = lambda: MlirGenericTarget
 
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)
@@ -410,6 +600,49 @@ class ToptpuOptMain(xDSLOptMain):
                 action.help = "do not verify the IR after parsing it and after each pass"
             if action.dest == "version":
                 action.help = "print xDSL's version and exit"
+            if action.dest == "target":
+                action.help = ("what to print: mlir (the default), mlir-generic (the form "
+                               "real MLIR reads with toptpu's IRDL: mlir-opt --irdl-file=...), "
+                               "commands{chip=NAME} (the command streams of grouped, "
+                               "addressed Tpu IR), or one of xDSL's")
+            if action.dest == "input_file":
+                action.help = "the IR file to read (.mlir); '-' or none: stdin"
+            if action.dest == "output_file":
+                action.help = "where the result goes ('-': stdout, the default)"
+            if action.dest == "print_between_passes":
+                action.help = ("print the IR after each pass, the last one included, on "
+                               "stderr (named pipelines are looked inside)")
+            if action.dest == "split_input_file":
+                action.help = ("split the input at lines '// -----' and process each chunk "
+                               "on its own, as mlir-opt: the outputs joined by '// -----', "
+                               "each failing chunk's error on stderr; exit 1 if one failed")
+            if action.dest == "verify_diagnostics":
+                action.help = ("check the diagnostics against the input's 'expected-error "
+                               "{{...}}' comments (also -warning, -note, -remark; @+N, @-N, "
+                               "@above, @below, @unknown; -re for regexes) as mlir-opt does: "
+                               "exit 1 with one line per diagnostic not expected or "
+                               "expectation not produced")
+            if action.dest == "parsing_diagnostics":
+                action.help = ("print a chunk's parse error on stdout instead of failing "
+                               "(xDSL's flag); --verify-diagnostics checks them")
+        arg_parser.add_argument(
+            "--pass-pipeline", metavar="PIPELINE", default=None,
+            help="the passes, as mlir-opt writes them: 'builtin.module(top-pipeline,"
+                 "canonicalize)' (-p takes the same, with or without builtin.module(...))")
+        arg_parser.add_argument(
+            "--mlir-print-ir-before", metavar="PASS", action="append",
+            help="print the IR before each run of PASS (a pass or a named pipeline; "
+                 "comma-separated or repeated) on stderr")
+        arg_parser.add_argument(
+            "--mlir-print-ir-after", metavar="PASS", action="append",
+            help="print the IR after each run of PASS (a pass or a named pipeline: after its "
+                 "last pass; comma-separated or repeated) on stderr")
+        arg_parser.add_argument(
+            "--mlir-print-ir-before-all", action="store_true",
+            help="print the IR before every pass on stderr")
+        arg_parser.add_argument(
+            "--mlir-print-ir-after-all", action="store_true",
+            help="print the IR after every pass on stderr")
         arg_parser.add_argument(
             "--strip-debuginfo", action="store_true",
             help="drop the locations from the output of -o (kept by default)")
@@ -434,13 +667,29 @@ class ToptpuOptMain(xDSLOptMain):
         return stream, extension
 
     def prepare_input(self) -> tuple[list[tuple[IO[bytes], int]], str]:
+        """The chunks (and the line each starts at) and the format: as xDSL, but split at
+        lines that are exactly `// -----` (as mlir-opt), not wherever the text occurs."""
+        split, self.args.split_input_file = self.args.split_input_file, False
         try:
-            return super().prepare_input()
+            chunks, extension = super().prepare_input()
         except OptInputError:
             raise
         except ValueError as e:  # xDSL's only check here: the file extension
             raise OptInputError(f"{self.get_input_name()}: {e}; to read it as MLIR text, "
                                 "add -f mlir") from None
+        finally:
+            self.args.split_input_file = split
+        if not split:
+            return chunks, extension
+        ((stream, _),) = chunks
+        data = stream.read()
+        stream.close()
+        pieces, start = [], 0
+        for m in SPLIT_MARKER.finditer(data):
+            pieces.append((data[start:m.start()], data.count(b"\n", 0, start)))
+            start = m.end()  # the chunk starts on the marker's line, as in xDSL
+        pieces.append((data[start:], data.count(b"\n", 0, start)))
+        return [(BytesIO(text), offset) for text, offset in pieces], extension
 
     def prepare_output(self) -> IO[str]:
         if self.args.weights_out is not None:
@@ -463,7 +712,13 @@ class ToptpuOptMain(xDSLOptMain):
             return
         if self.args.output_file is not None and not self.args.strip_debuginfo:
             self.args.print_debuginfo = True  # a file keeps where each op came from
-        super().run()
+        failed, total = self._run_chunks()
+        if failed:
+            what = ("did not produce the diagnostics expected"
+                    if self.args.verify_diagnostics else "failed")
+            chunks = "chunk" if total == 1 else "chunks"
+            raise ChunksFailed(f"{failed} of {total} {chunks} {what}"
+                               + ("; nothing was written" if self.args.output_file else ""))
         if self.args.time_passes:
             print(self.timing_report(), file=sys.stderr)
         if self._pending_weights is not None:
@@ -477,6 +732,66 @@ class ToptpuOptMain(xDSLOptMain):
                                     f"{e.strerror or e}") from None
         if self._kept_output is not None:
             _write(self.args.output_file, self._kept_output.getvalue())
+
+    def _run_chunks(self) -> tuple[int, int]:
+        """Parse, run the passes on and print each chunk; (chunks failed, chunks). Without
+        --split-input-file and --verify-diagnostics the first error is raised; with
+        --split-input-file each failing chunk's error goes to stderr and the next chunk
+        runs (as mlir-opt); with --verify-diagnostics each chunk's diagnostics are checked
+        against its `expected-*` comments (`toptpu.expected_diagnostics`)."""
+        chunks, extension = self.prepare_input()
+        output = self.prepare_output()
+        verify, split = self.args.verify_diagnostics, self.args.split_input_file
+        failed = 0
+        try:
+            for i, (chunk, offset) in enumerate(chunks):
+                data = chunk.read()
+                chunk.close()
+                if i > 0:
+                    output.write("// -----\n")
+                expected = self._expectations(data, offset) if verify else None
+                produced: list[Diagnostic] = []
+                try:
+                    module = self.parse_chunk(BytesIO(data), extension, offset)
+                    if module is not None:
+                        self.apply_passes(module)
+                        output.write(self.output_resulting_program(module))
+                except (OptInputError, InternalError, ChunksFailed):
+                    raise
+                except (ParseError, IRTextError, DiagnosticException) as e:
+                    if verify:
+                        produced.append(diagnostic_of(e))
+                    elif isinstance(e, ParseError) and self.args.parsing_diagnostics:
+                        print(e)  # xDSL's flag: the parse error printed, the chunk done
+                    elif split:
+                        output.flush()
+                        sys.stdout.flush()
+                        print(describe_error(e, self.get_input_name()), file=sys.stderr)
+                        failed += 1
+                    else:
+                        raise
+                if expected is not None:
+                    problems = check(expected, produced, self.get_input_name(), offset)
+                    if problems:
+                        output.flush()
+                        sys.stdout.flush()
+                        print("\n".join(problems), file=sys.stderr)
+                        failed += 1
+                output.flush()
+        finally:
+            if output is not sys.stdout:
+                output.close()
+        return failed, len(chunks)
+
+    def _expectations(self, data: bytes, offset: int) -> list[Expected]:
+        text = data.decode("utf-8", errors="replace")
+        try:
+            return parse_expectations(text)
+        except ExpectationSyntaxError as e:
+            line = re.match(r"line (\d+): (.*)", str(e), re.S)
+            where = (f"{self.get_input_name()}:{int(line.group(1)) + offset}: {line.group(2)}"
+                     if line else f"{self.get_input_name()}: {e}")
+            raise OptInputError(f"--verify-diagnostics: {where}") from None
 
     # -- weights -------------------------------------------------------------------------------
     def _weights_path(self, derived: list[str], what: str = "the result") -> str:
@@ -541,6 +856,7 @@ class ToptpuOptMain(xDSLOptMain):
         state: dict[str, ModulePass | None] = {"running": None, "verifying_after": None}
         ctx = WeightsContext.of(self.ctx)  # the module's store: opened by the first pass asking
         self._weights_ctx, self._companion_names = ctx, set()
+        self._position = 0
 
         def callback(prev: ModulePass | None, module: ModuleOp, nxt: ModulePass | None) -> None:
             state["running"], state["verifying_after"] = None, prev
@@ -587,14 +903,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = tool.get_input_name()
     try:
         tool.run()
-    except (OptInputError, IRTextError) as e:
-        print(f"toptpu-opt: {e}", file=sys.stderr)
-    except ParseError as e:
-        print(f"toptpu-opt: parse error:\n{e}", file=sys.stderr)
-    except PassError as e:
+    except ChunksFailed as e:
         print(f"toptpu-opt: {name}: {e}", file=sys.stderr)
-    except DiagnosticException as e:
-        print(f"toptpu-opt: the IR does not verify:\n{e}", file=sys.stderr)
+    except (OptInputError, IRTextError, ParseError, DiagnosticException) as e:
+        print(describe_error(e, name), file=sys.stderr)
     except InternalError as e:
         print(f"{e.trace}\ntoptpu-opt: internal error on {name}: {e}\n{BUG_HINT}",
               file=sys.stderr)
