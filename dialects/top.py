@@ -64,6 +64,8 @@ from toptpu.dialects.common import (
     elem_of,
     flag_value_attr,
     float_value_attr,
+    i64_array,
+    i64_attr,
     int_value_attr,
     ints_value_attr,
     is_float,
@@ -76,6 +78,17 @@ from toptpu.dialects.common import (
     shape_of,
     str_attr,
     tensor,
+)
+from toptpu.dialects.slicing_interface import (
+    Misaligned,
+    RowRule,
+    SliceKind,
+    activation_rows,
+    aligned_axis,
+    broadcast_row_rule,
+    same_rows,
+    token_axis,
+    weight_reduction_axes,
 )
 
 Operands = Sequence[SSAValue | None]
@@ -106,6 +119,8 @@ class WeightBase(ShapedOp):
     @property
     def tensor_name(self) -> str:
         return self.weight_name.data
+
+    GLOBAL_SOURCE: ClassVar[bool] = True
 
 
 @irdl_op_definition
@@ -138,6 +153,8 @@ class ConstantBase(ShapedOp):
         assert isinstance(t, TensorType)
         return [t]
 
+    GLOBAL_SOURCE: ClassVar[bool] = True
+
 
 @irdl_op_definition
 class ConstantOp(ConstantBase, TopOp):
@@ -163,6 +180,9 @@ class UnaryOp(ShapedOp):
 
     def flops(self) -> int:
         return numel(shape_of(self.output)) * self.FLOPS_PER_ELEMENT
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
 
 
 @irdl_op_definition
@@ -331,6 +351,9 @@ class BinaryOp(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.output))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
 
 @irdl_op_definition
 class AddOp(BinaryOp, TopOp):
@@ -387,6 +410,9 @@ class CompareBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.output))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
 
 @irdl_op_definition
 class CompareOp(CompareBase, TopOp):
@@ -416,6 +442,9 @@ class WhereBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.output))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
 
 @irdl_op_definition
 class WhereOp(WhereBase, TopOp):
@@ -439,6 +468,9 @@ class CastBase(ShapedOp):
         assert x is not None
         return [tensor(shape_of(x), attrs["dtype"])]
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
 
 @irdl_op_definition
 class CastOp(CastBase, TopOp):
@@ -460,6 +492,11 @@ class SoftmaxBase(UnaryOp):
     def verify_(self) -> None:
         norm_axis(read_int(self.axis), len(shape_of(self.input)))
         super().verify_()
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) == axis:
+            return None  # the rows are what it normalizes over
+        return broadcast_row_rule(self, axis)
 
 
 @irdl_op_definition
@@ -501,6 +538,12 @@ class ReduceBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.input))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        axes = {x % len(shape_of(self.input)) for x in read_ints(self.axes)}
+        if axis in axes or not read_bool(self.keepdims):
+            return None
+        return RowRule((axis,), (axis,))
+
 
 @irdl_op_definition
 class ReduceOp(ReduceBase, TopOp):
@@ -541,6 +584,9 @@ class RmsNormBase(ShapedOp):
     def flops(self) -> int:
         return 4 * numel(shape_of(self.input))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
 
 @irdl_op_definition
 class RmsNormOp(RmsNormBase, TopOp):
@@ -580,6 +626,11 @@ class LayerNormBase(ShapedOp):
 
     def flops(self) -> int:
         return 6 * numel(shape_of(self.input))
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) <= axis:
+            return None  # the rows are among the axes it normalizes over
+        return broadcast_row_rule(self, axis)
 
 
 @irdl_op_definition
@@ -625,6 +676,9 @@ class RopeBase(ShapedOp):
 
     def flops(self) -> int:
         return 3 * numel(shape_of(self.input))
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
 
 
 @irdl_op_definition
@@ -726,6 +780,69 @@ class AttentionBase(ShapedOp):
         sk = self.total_keys()
         return b * hq * sq * sk * (2 * d + 2 * dv + 5)
 
+    HEADS_UNIT: ClassVar[str] = "KV-head"
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """Query rows (axis 1), keys and values whole, the mask by its rows when it has
+        them; not causal (a causal mask's diagonal depends on the row)."""
+        if axis != 1 or read_bool(self.causal):
+            return None
+        out = shape_of(self.output)
+        axes: list[int | None] = [1]
+        for i, v in enumerate(self.operands[1:], start=1):
+            if self.mask is not None and v is self.mask and i == 3:
+                ms = shape_of(v)
+                axes.append(2 if ms[2] == out[1] and ms[2] > 1 else None)
+            else:
+                axes.append(None)
+        return RowRule(tuple(axes), (1,))
+
+    def heads_count(self) -> int:
+        """KV heads, each with its query heads."""
+        return read_int(self.kv_heads)
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """q, k, v and history along their head axis (2), the mask along its head axis
+        (1) when it has one per query head, else whole."""
+        return tuple((1 if shape_of(v)[1] > 1 else None) if v is self.mask else 2
+                     for v in self.operands)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (2,)
+
+    def tile_loop(self) -> SliceKind:
+        """Query rows times KV-head groups."""
+        return SliceKind.HEADS
+
+    def reduction_sliceable(self) -> bool:
+        """Its keys, without history, not causal, the mask with a column per key or one
+        for all."""
+        return (self.history_k is None and not read_bool(self.causal)
+                and (self.mask is None or shape_of(self.mask)[-1] in (1, shape_of(self.k)[1])))
+
+    def reduction_count(self) -> int:
+        return shape_of(self.k)[1]
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        """Keys and values along their sequence (1), the mask along its last axis when it
+        has a column per key; the queries whole."""
+        axes: list[int | None] = []
+        for i, v in enumerate(self.operands):
+            if v is self.mask and i == 3:
+                ms = shape_of(v)
+                axes.append(len(ms) - 1 if ms[-1] > 1 else None)
+            else:
+                axes.append(None if v is self.q else 1)
+        return tuple(axes)
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        """A slice of 1/`heads` of the KV heads has as many fewer query heads."""
+        if heads == 1:
+            return {}
+        return {"q_heads": i64_attr(read_int(self.q_heads) // heads),
+                "kv_heads": i64_attr(read_int(self.kv_heads) // heads)}
+
 
 @irdl_op_definition
 class AttentionOp(AttentionBase, TopOp):
@@ -782,6 +899,27 @@ class MatMulBase(ShapedOp):
         batch, m, k, n = self.mkn(shape_of(self.lhs), shape_of(self.rhs), ta, tb)
         return 2 * numel(batch) * m * k * n
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_bool(self.transpose_a) or len(shape_of(self.rhs)) != 2:
+            return None
+        return activation_rows(self, axis)
+
+    def col_sliceable(self) -> bool:
+        """A right operand that is a 2-D weight [N, K] (transpose_b)."""
+        return (isinstance(self.rhs.owner, WeightBase) and read_bool(self.transpose_b)
+                and not read_bool(self.transpose_a) and len(shape_of(self.rhs)) == 2)
+
+    def reduction_sliceable(self) -> bool:
+        """A float weight matmul: its K."""
+        return self.col_sliceable() and is_float(elem_of(self.lhs)) and is_float(
+            elem_of(self.rhs))
+
+    def reduction_count(self) -> int:
+        return shape_of(self.lhs)[-1]
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        return weight_reduction_axes(self)
+
 
 @irdl_op_definition
 class MatMulOp(MatMulBase, TopOp):
@@ -808,6 +946,16 @@ class GatherBase(ShapedOp):
         if is_float(elem_of(idx)):
             raise VerifyException("gather indices must be integers")
         return [tensor((*ts[:axis], *shape_of(idx), *ts[axis + 1 :]), elem_of(t))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """An embedding lookup (axis 0) by the rows of its indices; the table whole (read
+        row by row, `row_gather_table`)."""
+        if read_int(self.axis) != 0 or axis >= len(shape_of(self.indices)):
+            return None
+        return RowRule((None, axis), (axis,))
+
+    def row_gather_table(self) -> SSAValue | None:
+        return self.table
 
 
 @irdl_op_definition
@@ -846,6 +994,11 @@ class TopKBase(ShapedOp):
 
     def flops(self) -> int:
         return numel(shape_of(self.input)) * 2
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.values)) == axis:
+            return None
+        return same_rows(self, axis)
 
 
 @irdl_op_definition
@@ -1044,6 +1197,21 @@ class CausalConv1dBase(ShapedOp):
         _, t, c = shape_of(self.x)
         return 2 * t * c * self.kernel_size
 
+    HEADS_UNIT: ClassVar[str] = "channel"
+
+    def heads_count(self) -> int:
+        """Its channels (independent)."""
+        return shape_of(self.x)[2]
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """Input and state along their channel axis (2), taps along theirs (0), the valid
+        flags whole."""
+        return tuple(None if v is self.valid else 0 if v is self.weight else 2
+                     for v in self.operands)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (2, 2)
+
 
 @irdl_op_definition
 class CausalConv1dOp(CausalConv1dBase, TopOp):
@@ -1117,6 +1285,20 @@ class GatedDeltaRuleBase(ShapedOp):
         _, hv, dk, dv = shape_of(self.new_state)
         return 4 * hv * dk * dv
 
+    HEADS_UNIT: ClassVar[str] = "key-head"
+
+    def heads_count(self) -> int:
+        """Its key heads, each with its value heads."""
+        return shape_of(self.k)[2]
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """q, k, v, g, beta along their head axis (2), the state along its value-head axis
+        (1)."""
+        return tuple(1 if v is self.state else 2 for v in self.operands)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (2, 1)
+
 
 @irdl_op_definition
 class GatedDeltaRuleOp(GatedDeltaRuleBase, TopOp):
@@ -1142,6 +1324,23 @@ class ReshapeBase(ShapedOp):
         if any(d < 0 for d in shape) or numel(shape) != numel(shape_of(x)):
             raise VerifyException(f"cannot reshape {list(shape_of(x))} to {shape}")
         return [tensor(shape, elem_of(x))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """The same rows, or rows merged with the axes after them ([1, T, H, D] -> [T*H,
+        D]) or split back: with equal leading axes, a block of rows along one is a block of
+        rows along the other (the slice count divides both: layer-group checks)."""
+        ins, out = shape_of(self.input), shape_of(self.output)
+        a = token_axis(ins)
+        if a is None:
+            return None
+        if math.prod(ins[:a]) == math.prod(out[:axis]) and (
+                ins[a] == out[axis] or max(ins[a], out[axis]) % min(ins[a], out[axis]) == 0):
+            return RowRule((a,), (axis,))
+        return None
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        return {"shape": i64_array(shape_of(result_types[0]))}
 
 
 @irdl_op_definition
@@ -1169,6 +1368,9 @@ class PermuteBase(ShapedOp):
             )
         return [tensor([shape[i] for i in order], elem_of(x))]
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return RowRule((read_ints(self.order)[axis],), (axis,))
+
 
 @irdl_op_definition
 class PermuteOp(PermuteBase, TopOp):
@@ -1193,6 +1395,16 @@ class ExpandBase(ShapedOp):
         if broadcast_shapes(shape_of(x), shape) != shape:
             raise VerifyException(f"cannot expand {list(shape_of(x))} to {list(shape)}")
         return [tensor(shape, elem_of(x))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        a = aligned_axis(shape_of(self.input), shape_of(self.output), axis)
+        if a is None or isinstance(a, Misaligned):
+            return None  # rows broadcast: every slice would read the same input
+        return RowRule((a,), (axis,))
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        return {"shape": i64_array(shape_of(result_types[0]))}
 
 
 @irdl_op_definition
@@ -1225,6 +1437,11 @@ class ConcatBase(ShapedOp):
         out = list(shapes[0])
         out[axis] = sum(s[axis] for s in shapes)
         return [tensor(out, elem_of(xs[0]))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) == axis:
+            return None
+        return same_rows(self, axis)
 
 
 @irdl_op_definition
@@ -1262,6 +1479,11 @@ class SliceBase(ShapedOp):
             )
         shape[axis] = (end - start + step - 1) // step
         return [tensor(shape, elem_of(x))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) == axis:
+            return None
+        return same_rows(self, axis)
 
 
 @irdl_op_definition
