@@ -44,9 +44,17 @@ from xdsl.irdl import (
     traits_def,
     var_operand_def,
 )
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from toptpu.dialects.canonicalization import (
+    CanonicalizationPatterns,
+    attributes_of,
+    named_like,
+    producer,
+    sibling_op,
+)
 from toptpu.dialects.common import (
     BOOL_FLAG,
     AnyTensor,
@@ -62,6 +70,7 @@ from toptpu.dialects.common import (
     dense_attr,
     dtype_name,
     elem_of,
+    f64_attr,
     flag_value_attr,
     float_value_attr,
     i64_array,
@@ -306,6 +315,13 @@ class ConstBinaryOp(UnaryOp):
                                  "reverse": flag_value_attr(f"{self.name} reverse", reverse)},
                        None if result_type is None else [result_type])
 
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """x*1, x+0, x-0, x/1 are x; (x*a)*b is x*(a*b)."""
+        return (FoldIdentityScalarOp(), ComposeScalarMuls())
+
 
 @irdl_op_definition
 class AddConstOp(ConstBinaryOp, TopOp):
@@ -470,6 +486,13 @@ class CastBase(ShapedOp):
 
     def row_rule(self, axis: int) -> RowRule | None:
         return broadcast_row_rule(self, axis)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A cast to the input's own type is its input."""
+        return (FoldNoOpShapeOp(),)
 
 
 @irdl_op_definition
@@ -1342,6 +1365,13 @@ class ReshapeBase(ShapedOp):
                           parts: int = 1) -> dict[str, Attribute]:
         return {"shape": i64_array(shape_of(result_types[0]))}
 
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A reshape to its input's shape is its input; reshapes of reshapes compose."""
+        return (FoldNoOpReshape(), ComposeReshapes())
+
 
 @irdl_op_definition
 class ReshapeOp(ReshapeBase, TopOp):
@@ -1370,6 +1400,14 @@ class PermuteBase(ShapedOp):
 
     def row_rule(self, axis: int) -> RowRule | None:
         return RowRule((read_ints(self.order)[axis],), (axis,))
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """The identity order is its input; permutes of permutes compose; a permute
+        moving only unit axes is a reshape."""
+        return (FoldNoOpPermute(), ComposePermutes(), PermuteOfUnitAxesIsReshape())
 
 
 @irdl_op_definition
@@ -1405,6 +1443,13 @@ class ExpandBase(ShapedOp):
     def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
                           parts: int = 1) -> dict[str, Attribute]:
         return {"shape": i64_array(shape_of(result_types[0]))}
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """An expand to its input's shape is its input."""
+        return (FoldNoOpShapeOp(),)
 
 
 @irdl_op_definition
@@ -1442,6 +1487,13 @@ class ConcatBase(ShapedOp):
         if read_int(self.axis) % len(shape_of(self.output)) == axis:
             return None
         return same_rows(self, axis)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A concat of one input is that input."""
+        return (FoldSingleConcat(),)
 
 
 @irdl_op_definition
@@ -1484,6 +1536,13 @@ class SliceBase(ShapedOp):
         if read_int(self.axis) % len(shape_of(self.output)) == axis:
             return None
         return same_rows(self, axis)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A slice of the whole axis is its input."""
+        return (FoldNoOpShapeOp(),)
 
 
 @irdl_op_definition
@@ -1534,3 +1593,109 @@ Top = Dialect(
     ],
     [],
 )
+
+
+# =========================================================================== canonicalization
+# The patterns of the op classes' `get_canonicalization_patterns` (run by xDSL's
+# `canonicalize`); each has its op as root and serves its Top op and its Tpu twin.
+
+
+class FoldNoOpReshape(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ReshapeBase, rewriter: PatternRewriter) -> None:
+        if shape_of(op.input) == shape_of(op.output):
+            rewriter.replace(op, [], [op.input])
+
+
+class ComposeReshapes(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ReshapeBase, rewriter: PatternRewriter) -> None:
+        if (inner := producer(op.input, type(op))) is not None:
+            new = type(op).build([inner.input], attributes_of(op))
+            rewriter.replace(op, named_like(new, op))
+
+
+class FoldNoOpPermute(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: PermuteBase, rewriter: PatternRewriter) -> None:
+        order = read_ints(op.order)
+        if order == list(range(len(order))):
+            rewriter.replace(op, [], [op.input])
+
+
+class ComposePermutes(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: PermuteBase, rewriter: PatternRewriter) -> None:
+        if (inner := producer(op.input, type(op))) is None:
+            return
+        p1, p2 = read_ints(inner.order), read_ints(op.order)
+        order = [p1[i] for i in p2]
+        if order == list(range(len(order))):
+            rewriter.replace(op, [], [inner.input])
+            return
+        new = type(op).build([inner.input], {**attributes_of(op), "order": i64_array(order)})
+        rewriter.replace(op, named_like(new, op))
+
+
+class PermuteOfUnitAxesIsReshape(RewritePattern):
+    """A permute that keeps the order of all non-unit axes moves no data: a reshape (of
+    the permute's level: `top.reshape` or `tpu.reshape`)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: PermuteBase, rewriter: PatternRewriter) -> None:
+        shape = shape_of(op.input)
+        order = read_ints(op.order)
+        moved = [i for i in order if shape[i] != 1]
+        if moved == sorted(moved) and order != list(range(len(order))):
+            attrs = {**attributes_of(op), "shape": i64_array(shape_of(op.output))}
+            attrs.pop("order")
+            new = sibling_op(op, ReshapeBase).build([op.input], attrs)
+            rewriter.replace(op, named_like(new, op))
+
+
+class FoldNoOpShapeOp(RewritePattern):
+    """An expand, slice or cast whose result type is its input's."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ExpandBase | SliceBase | CastBase,
+                          rewriter: PatternRewriter) -> None:
+        if op.input.type == op.output.type:
+            rewriter.replace(op, [], [op.input])
+
+
+class FoldSingleConcat(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ConcatBase, rewriter: PatternRewriter) -> None:
+        if len(op.inputs) == 1:
+            rewriter.replace(op, [], [op.inputs[0]])
+
+
+class FoldIdentityScalarOp(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ConstBinaryOp, rewriter: PatternRewriter) -> None:
+        v = read_float(op.value)
+        rev = read_bool(op.reverse)
+        kind = op.op_kind()
+        identity = (
+            (kind == "mul_const" and v == 1.0)
+            or (kind == "add_const" and v == 0.0)
+            or (kind == "sub_const" and v == 0.0 and not rev)
+            or (kind == "div_const" and v == 1.0 and not rev)
+        )
+        if identity:
+            rewriter.replace(op, [], [op.input])
+
+
+class ComposeScalarMuls(RewritePattern):
+    """(x * a) * b -> x * (a*b)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ConstBinaryOp, rewriter: PatternRewriter) -> None:
+        if op.op_kind() != "mul_const":
+            return
+        inner = producer(op.input, type(op))
+        if inner is None or not inner.output.has_one_use():
+            return
+        v = read_float(inner.value) * read_float(op.value)
+        new = type(op).build([inner.input], {**attributes_of(op), "value": f64_attr(v)})
+        rewriter.replace(op, named_like(new, op))
