@@ -26,7 +26,7 @@ import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Block, Operation, Region, SSAValue
+from xdsl.ir import Block, Operation, OpResult, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -621,7 +621,7 @@ def _value_name(v: SSAValue) -> str:
     stored it, for a result of an earlier group (not the group's own name) — or the value's
     name for a function argument."""
     owner = v.owner
-    if isinstance(owner, tpu.GroupOp):
+    if isinstance(owner, tpu.GroupOp) and isinstance(v, OpResult):
         owner = owner.computed_by(v.index) or owner
     if isinstance(owner, Operation):
         return op_name(owner) or owner.name
@@ -633,7 +633,7 @@ def _install(group: tpu.GroupOp, p: Plan) -> None:
     for v in p.inputs:  # weights and constants between the grouped ops (weight-reorder puts a
         # transposed weight just before its matmul) move above the group that now uses them
         w = v.owner
-        if (_is_global_source(w)
+        if (isinstance(w, Operation) and _is_global_source(w)
                 and w.parent_block() is first.parent_block() and not w.is_before_in_block(first)):
             w.detach()
             Rewriter.insert_op(w, InsertPoint.before(first))
@@ -649,7 +649,7 @@ def _install(group: tpu.GroupOp, p: Plan) -> None:
 # ------------------------------------------------------------------------------ the pass
 
 
-def _is_global_source(op: Operation | Block) -> bool:
+def _is_global_source(op: Operation) -> bool:
     """A weight or constant: in global memory before the net runs (`GLOBAL_SOURCE`)."""
     return isinstance(op, SlicingInterface) and op.GLOBAL_SOURCE
 
