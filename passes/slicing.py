@@ -1,6 +1,6 @@
 """How each Tpu op can be sliced for a layer group.
 
-Two slicing kinds exist:
+The slicing kinds:
 
 - **rows**: every op in the group computes the same range of token rows. For each op the
   rule names the axis of the result that holds the rows and, per operand, the axis the
