@@ -52,6 +52,8 @@ from xdsl.irdl import (
 )
 from xdsl.utils.exceptions import VerifyException
 
+from toptpu.dialects.slicing_interface import SlicingInterface
+
 #: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
 AnyTensor = AnyOf([BaseAttr(TensorType), BaseAttr(UnrankedTensorType)])
 
@@ -483,8 +485,8 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- op protocol
 
 
-class ShapedOp(IRDLOperation):
-    """Base of every Top/Tpu compute op.
+class ShapedOp(IRDLOperation, SlicingInterface):
+    """Base of every Top/Tpu compute op (each answers the `SlicingInterface`).
 
     Subclasses implement `infer(operand_types, attributes)` (a classmethod, so builders can
     compute result types before the op exists) and `flops()`. The verifier checks that

@@ -18,19 +18,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Self
 
 import numpy as np
 from xdsl.dialects.builtin import (
+    AffineMapAttr,
     DenseArrayBase,
     DenseIntOrFPElementsAttr,
     FloatAttr,
+    IndexType,
     IntegerAttr,
+    IntegerType,
     StringAttr,
     TensorType,
     f32,
+    f64,
     i1,
     i32,
+    i64,
 )
 from xdsl.ir import Attribute, Dialect, SSAValue
 from xdsl.irdl import (
@@ -44,9 +49,17 @@ from xdsl.irdl import (
     traits_def,
     var_operand_def,
 )
+from xdsl.pattern_rewriter import PatternRewriter, RewritePattern, op_type_rewrite_pattern
 from xdsl.traits import Pure
 from xdsl.utils.exceptions import VerifyException
 
+from toptpu.dialects.canonicalization import (
+    CanonicalizationPatterns,
+    attributes_of,
+    named_like,
+    producer,
+    sibling_op,
+)
 from toptpu.dialects.common import (
     BOOL_FLAG,
     AnyTensor,
@@ -62,8 +75,11 @@ from toptpu.dialects.common import (
     dense_attr,
     dtype_name,
     elem_of,
+    f64_attr,
     flag_value_attr,
     float_value_attr,
+    i64_array,
+    i64_attr,
     int_value_attr,
     ints_value_attr,
     is_float,
@@ -77,13 +93,43 @@ from toptpu.dialects.common import (
     str_attr,
     tensor,
 )
+from toptpu.dialects.linalg_interface import (
+    LinalgLowering,
+    LinalgLoweringError,
+    Shape,
+    amap,
+    broadcast_map,
+    broadcast_results,
+    common_type,
+    compute_type,
+    const,
+    dim,
+    identity,
+    identity_of,
+    op_where,
+    reduced_map,
+)
+from toptpu.dialects.slicing_interface import (
+    Misaligned,
+    RowRule,
+    SliceKind,
+    activation_rows,
+    aligned_axis,
+    broadcast_row_rule,
+    same_rows,
+    token_axis,
+    weight_reduction_axes,
+)
+
+if TYPE_CHECKING:
+    from toptpu.dialects.linalg_builder import Body, Emitter
 
 Operands = Sequence[SSAValue | None]
 Attrs = Mapping[str, Attribute]
 
 
-class TopOp(ShapedOp):
-    """Base class of Top compute ops (all pure)."""
+class TopOp(ShapedOp, LinalgLowering):
+    """Base class of Top compute ops (all pure; each lowers to linalg: `LinalgLowering`)."""
 
     traits = traits_def(Pure())
 
@@ -106,6 +152,12 @@ class WeightBase(ShapedOp):
     @property
     def tensor_name(self) -> str:
         return self.weight_name.data
+
+    GLOBAL_SOURCE: ClassVar[bool] = True
+
+    LINALG_NOT_LOWERED: ClassVar[str | None] = (
+        "a weight becomes an argument of its function (convert-top-to-linalg's "
+        "weights_to_arguments), not an op")
 
 
 @irdl_op_definition
@@ -138,6 +190,14 @@ class ConstantBase(ShapedOp):
         assert isinstance(t, TensorType)
         return [t]
 
+    GLOBAL_SOURCE: ClassVar[bool] = True
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """An `arith.constant` of the value (booleans stored as i8)."""
+        value = self.value
+        assert isinstance(value, DenseIntOrFPElementsAttr)
+        return e.constant(value)
+
 
 @irdl_op_definition
 class ConstantOp(ConstantBase, TopOp):
@@ -164,16 +224,39 @@ class UnaryOp(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.output)) * self.FLOPS_PER_ELEMENT
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """One broadcasting generic around the op's scalar body (`linalg_scalar`), in f32
+        for a float storage type other than f32 and f64 (and for integers)."""
+        out = elem_of(self.output)
+        ct = compute_type(out) if is_float(out) else f32
+        return e.elementwise([self.input], shape_of(self.output), out, lambda b: b.convert(
+            self.linalg_scalar(b, b.convert(b.args[0], ct)), out))
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        """The op on one element `x` (of its compute type); each elementwise op declares
+        its own."""
+        raise LinalgLoweringError(f"{op_where(self)}: {self.name} declares no scalar body "
+                                  "(linalg_scalar)")
+
 
 @irdl_op_definition
 class RsqrtOp(UnaryOp, TopOp):
     name = "top.rsqrt"
     FLOPS_PER_ELEMENT: ClassVar[int] = 2
 
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.math("rsqrt", x)
+
 
 @irdl_op_definition
 class SqrtOp(UnaryOp, TopOp):
     name = "top.sqrt"
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.math("sqrt", x)
 
 
 @irdl_op_definition
@@ -181,11 +264,17 @@ class ExpOp(UnaryOp, TopOp):
     name = "top.exp"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.math("exp", x)
+
 
 @irdl_op_definition
 class CosOp(UnaryOp, TopOp):
     name = "top.cos"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.math("cos", x)
 
 
 @irdl_op_definition
@@ -193,11 +282,17 @@ class SinOp(UnaryOp, TopOp):
     name = "top.sin"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.math("sin", x)
+
 
 @irdl_op_definition
 class TanhOp(UnaryOp, TopOp):
     name = "top.tanh"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.math("tanh", x)
 
 
 @irdl_op_definition
@@ -205,11 +300,19 @@ class SigmoidOp(UnaryOp, TopOp):
     name = "top.sigmoid"
     FLOPS_PER_ELEMENT: ClassVar[int] = 4
 
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        one = b.const(1.0, x.type)
+        return b.div(one, b.add(one, b.math("exp", b.neg(x))))
+
 
 @irdl_op_definition
 class SiluOp(UnaryOp, TopOp):
     name = "top.silu"
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        one = b.const(1.0, x.type)
+        return b.div(x, b.add(one, b.math("exp", b.neg(x))))
 
 
 @irdl_op_definition
@@ -217,6 +320,9 @@ class ReluOp(UnaryOp, TopOp):
     """max(x, 0)."""
 
     name = "top.relu"
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        return b.binary("max", x, b.const(0.0, x.type))
 
 
 @irdl_op_definition
@@ -226,6 +332,10 @@ class SoftplusOp(UnaryOp, TopOp):
 
     name = "top.softplus"
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        big = b.cmp("gt", x, b.const(20.0, x.type))  # x itself above the threshold 20
+        return b.select(big, x, b.math("log1p", b.math("exp", x)))
 
 
 #: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
@@ -251,6 +361,18 @@ class GeluBase(UnaryOp):
     def approximation(self) -> GeluApproximation:
         return GeluApproximation.read(self.approximate, GeluApproximation.NONE)
 
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        t = x.type
+        one = b.const(1.0, t)
+        half = b.const(0.5, t)
+        if self.approximation == GeluApproximation.TANH:
+            k = b.const(math.sqrt(2.0 / math.pi), t)
+            x3 = b.mul(b.mul(x, x), x)
+            inner = b.mul(k, b.add(x, b.mul(b.const(0.044715, t), x3)))
+            return b.mul(b.mul(half, x), b.add(one, b.math("tanh", inner)))
+        erf = b.math("erf", b.mul(x, b.const(1.0 / math.sqrt(2.0), t)))
+        return b.mul(b.mul(half, x), b.add(one, erf))
+
 
 @irdl_op_definition
 class GeluOp(GeluBase, TopOp):
@@ -267,6 +389,12 @@ class PowBase(UnaryOp):
                  result_type: TensorType | None = None) -> None:
         self.construct([input], {"exponent": float_value_attr(f"{self.name} exponent", exponent)},
                        None if result_type is None else [result_type])
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        exponent = read_float(self.exponent)
+        if exponent == 2.0:
+            return b.mul(x, x)
+        return b.powf(x, b.const(exponent, x.type))
 
 
 @irdl_op_definition
@@ -285,6 +413,28 @@ class ConstBinaryOp(UnaryOp):
         self.construct([input], {"value": float_value_attr(f"{self.name} value", value),
                                  "reverse": flag_value_attr(f"{self.name} reverse", reverse)},
                        None if result_type is None else [result_type])
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """x*1, x+0, x-0, x/1 are x; (x*a)*b is x*(a*b)."""
+        return (FoldIdentityScalarOp(), ComposeScalarMuls())
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        kind = self.op_kind().removesuffix("_const")
+        out = elem_of(self.output)
+        # float tensors compute in f32; integer tensors with a float scalar in f64 (numpy)
+        ct = compute_type(out) if is_float(out) else f64
+        value = read_float(self.value)
+        reverse = read_bool(self.reverse)
+
+        def body(b: Body) -> SSAValue:
+            x, c = b.convert(b.args[0], ct), b.const(value, ct)
+            a, y = (c, x) if reverse else (x, c)
+            return b.convert(b.binary(kind, a, y), out)
+
+        return e.elementwise([self.input], shape_of(self.output), out, body)
 
 
 @irdl_op_definition
@@ -330,6 +480,23 @@ class BinaryOp(ShapedOp):
 
     def flops(self) -> int:
         return numel(shape_of(self.output))
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """One broadcasting generic around the op's scalar body (`linalg_scalar`), in f32
+        for f16/bf16 storage."""
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        return e.elementwise([self.lhs, self.rhs], shape_of(self.output), out,
+                             lambda b: b.convert(self.linalg_scalar(
+                                 b, b.convert(b.args[0], ct), b.convert(b.args[1], ct)), out))
+
+    def linalg_scalar(self, b: Body, x: SSAValue, y: SSAValue) -> SSAValue:
+        """The op on one pair of elements (of its compute type): the arith op of its kind
+        (add, sub, mul, div, max, min)."""
+        return b.binary(self.op_kind(), x, y)
 
 
 @irdl_op_definition
@@ -387,6 +554,15 @@ class CompareBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.output))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        pred = self.compare_predicate
+        ct = common_type(elem_of(self.lhs), elem_of(self.rhs))
+        return e.elementwise([self.lhs, self.rhs], shape_of(self.output), i1, lambda b: b.cmp(
+            pred, b.convert(b.args[0], ct), b.convert(b.args[1], ct)))
+
 
 @irdl_op_definition
 class CompareOp(CompareBase, TopOp):
@@ -416,6 +592,14 @@ class WhereBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.output))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        out = elem_of(self.output)
+        return e.elementwise([self.cond, self.lhs, self.rhs], shape_of(self.output), out,
+                             lambda b: b.select(b.convert(b.args[0], i1), b.args[1], b.args[2]))
+
 
 @irdl_op_definition
 class WhereOp(WhereBase, TopOp):
@@ -439,6 +623,21 @@ class CastBase(ShapedOp):
         assert x is not None
         return [tensor(shape_of(x), attrs["dtype"])]
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A cast to the input's own type is its input."""
+        return (FoldNoOpShapeOp(),)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        out = elem_of(self.output)
+        return e.elementwise([self.input], shape_of(self.output), out,
+                             lambda b: b.convert(b.args[0], out))
+
 
 @irdl_op_definition
 class CastOp(CastBase, TopOp):
@@ -460,6 +659,27 @@ class SoftmaxBase(UnaryOp):
     def verify_(self) -> None:
         norm_axis(read_int(self.axis), len(shape_of(self.input)))
         super().verify_()
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) == axis:
+            return None  # the rows are what it normalizes over
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        x = self.input
+        shape = shape_of(x)
+        axis = norm_axis(read_int(self.axis), len(shape))
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        full = identity(len(shape))
+        red = reduced_map(len(shape), [axis], False)
+        mx = e.reduce([(x, full)], shape, [axis], False, ct, -math.inf,
+                      lambda b, acc: b.binary("max", acc, b.compute(b.args[0])))
+        sm = e.reduce([(x, full), (mx, red)], shape, [axis], False, ct, 0.0,
+                      lambda b, acc: b.add(acc, b.math("exp", b.sub(b.compute(b.args[0]),
+                                                                     b.args[1]))))
+        return e.map([(x, full), (mx, red), (sm, red)], shape, out, lambda b: b.convert(
+            b.div(b.math("exp", b.sub(b.compute(b.args[0]), b.args[1])), b.args[2]), out))
 
 
 @irdl_op_definition
@@ -501,6 +721,39 @@ class ReduceBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.input))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        axes = {x % len(shape_of(self.input)) for x in read_ints(self.axes)}
+        if axis in axes or not read_bool(self.keepdims):
+            return None
+        return RowRule((axis,), (axis,))
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        x = self.input
+        shape = shape_of(x)
+        mode = self.reduce_mode
+        axes = sorted({norm_axis(a, len(shape)) for a in read_ints(self.axes)})
+        keep = read_bool(self.keepdims)
+        out = elem_of(self.output)
+        if mode == ReduceMode.MEAN and not is_float(out):
+            raise LinalgLoweringError(f"{op_where(self)}: mean of integers is not lowered")
+        ct = compute_type(out)
+        if is_float(ct):
+            init = {ReduceMode.MEAN: 0.0, ReduceMode.SUM: 0.0, ReduceMode.MAX: -math.inf,
+                    ReduceMode.MIN: math.inf}[mode]
+        else:
+            w = ct.width.data if isinstance(ct, IntegerType) else 64
+            init = {ReduceMode.SUM: 0, ReduceMode.MAX: -(2 ** (w - 1)),
+                    ReduceMode.MIN: 2 ** (w - 1) - 1}[mode]
+        kind = {ReduceMode.MEAN: "add", ReduceMode.SUM: "add", ReduceMode.MAX: "max",
+                ReduceMode.MIN: "min"}[mode]
+        acc = e.reduce([(x, identity(len(shape)))], shape, axes, keep, ct, init,
+                       lambda b, a: b.binary(kind, a, b.compute(b.args[0])))
+        n = numel([shape[a] for a in axes])
+        if mode == ReduceMode.MEAN:
+            return e.elementwise([acc], shape_of(self.output), out, lambda b: b.convert(
+                b.div(b.args[0], b.const(float(n), ct)), out))
+        return e.convert(acc, out)
+
 
 @irdl_op_definition
 class ReduceOp(ReduceBase, TopOp):
@@ -541,6 +794,34 @@ class RmsNormBase(ShapedOp):
     def flops(self) -> int:
         return 4 * numel(shape_of(self.input))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        x, w = self.input, self.weight
+        shape = shape_of(x)
+        r = len(shape)
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        eps, n = read_float(self.eps), shape[-1]
+        full = identity(r)
+        ss = e.reduce([(x, full)], shape, [r - 1], False, ct, 0.0,
+                      lambda b, acc: b.add(acc, b.mul(b.compute(b.args[0]),
+                                                      b.compute(b.args[0]))))
+        ins = [(x, full), (ss, reduced_map(r, [r - 1], False))]
+        if w is not None:
+            ins.append((w, broadcast_map(shape_of(w), shape)))
+
+        def body(b: Body) -> SSAValue:
+            mean = b.div(b.args[1], b.const(float(n), ct))
+            inv = b.math("rsqrt", b.add(mean, b.const(eps, ct)))
+            y = b.mul(b.compute(b.args[0]), inv)
+            if w is not None:
+                y = b.mul(y, b.convert(b.args[2], ct))
+            return b.convert(y, out)
+
+        return e.map(ins, shape, out, body)
+
 
 @irdl_op_definition
 class RmsNormOp(RmsNormBase, TopOp):
@@ -580,6 +861,48 @@ class LayerNormBase(ShapedOp):
 
     def flops(self) -> int:
         return 6 * numel(shape_of(self.input))
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) <= axis:
+            return None  # the rows are among the axes it normalizes over
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        x, w, bias = self.input, self.weight, self.bias
+        shape = shape_of(x)
+        r = len(shape)
+        axis = norm_axis(read_int(self.axis), r)
+        axes = list(range(axis, r))
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        eps, n = read_float(self.eps), numel(shape[axis:])
+        full, red = identity(r), reduced_map(r, axes, False)
+        s = e.reduce([(x, full)], shape, axes, False, ct, 0.0,
+                     lambda b, acc: b.add(acc, b.compute(b.args[0])))
+
+        def centered(b: Body) -> SSAValue:
+            return b.sub(b.compute(b.args[0]), b.div(b.args[1], b.const(float(n), ct)))
+
+        v = e.reduce([(x, full), (s, red)], shape, axes, False, ct, 0.0,
+                     lambda b, acc: b.add(acc, b.mul(centered(b), centered(b))))
+        ins = [(x, full), (s, red), (v, red)]
+        if w is not None:
+            ins.append((w, broadcast_map(shape_of(w), shape)))
+        if bias is not None:
+            ins.append((bias, broadcast_map(shape_of(bias), shape)))
+
+        def body(b: Body) -> SSAValue:
+            var = b.div(b.args[2], b.const(float(n), ct))
+            y = b.div(centered(b), b.math("sqrt", b.add(var, b.const(eps, ct))))
+            k = 3
+            if w is not None:
+                y = b.mul(y, b.convert(b.args[k], ct))
+                k += 1
+            if bias is not None:
+                y = b.add(y, b.convert(b.args[k], ct))
+            return b.convert(y, out)
+
+        return e.map(ins, shape, out, body)
 
 
 @irdl_op_definition
@@ -625,6 +948,38 @@ class RopeBase(ShapedOp):
 
     def flops(self) -> int:
         return 3 * numel(shape_of(self.input))
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        return broadcast_row_rule(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        x, cos, sin = self.input, self.cos, self.sin
+        shape = shape_of(x)
+        r, dd = len(shape), shape[-1]
+        mode = self.rope_mode
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        ins = [(x, identity(r)), (cos, broadcast_map(shape_of(cos), shape)),
+               (sin, broadcast_map(shape_of(sin), shape))]
+
+        def body(b: Body) -> SSAValue:
+            idx = [b.index(i) for i in range(r)]
+            last = idx[-1]
+            if mode == RopeMode.HALF:
+                h = b.idx(dd // 2)
+                first = b.cmp("lt", last, h)  # rotate_half: [-x2, x1]
+                partner = b.select(first, b.add(last, h), b.sub(last, h))
+            else:
+                even = b.cmp("eq", b.and_(last, b.idx(1)), b.idx(0))
+                partner = b.xor(last, b.idx(1))  # pairs (x0, x1) -> (-x1, x0)
+                first = even
+            other = b.compute(b.extract(x, [*idx[:-1], partner]))
+            rot = b.select(first, b.neg(other), other)
+            xv = b.compute(b.args[0])
+            y = b.add(b.mul(xv, b.convert(b.args[1], ct)), b.mul(rot, b.convert(b.args[2], ct)))
+            return b.convert(y, out)
+
+        return e.map(ins, shape, out, body)
 
 
 @irdl_op_definition
@@ -726,6 +1081,146 @@ class AttentionBase(ShapedOp):
         sk = self.total_keys()
         return b * hq * sq * sk * (2 * d + 2 * dv + 5)
 
+    HEADS_UNIT: ClassVar[str] = "KV-head"
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """Query rows (axis 1), keys and values whole, the mask by its rows when it has
+        them; not causal (a causal mask's diagonal depends on the row)."""
+        if axis != 1 or read_bool(self.causal):
+            return None
+        out = shape_of(self.output)
+        axes: list[int | None] = [1]
+        for i, v in enumerate(self.operands[1:], start=1):
+            if self.mask is not None and v is self.mask and i == 3:
+                ms = shape_of(v)
+                axes.append(2 if ms[2] == out[1] and ms[2] > 1 else None)
+            else:
+                axes.append(None)
+        return RowRule(tuple(axes), (1,))
+
+    def heads_count(self) -> int:
+        """KV heads, each with its query heads."""
+        return read_int(self.kv_heads)
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """q, k, v and history along their head axis (2), the mask along its head axis
+        (1) when it has one per query head, else whole."""
+        return tuple((1 if shape_of(v)[1] > 1 else None) if v is self.mask else 2
+                     for v in self.operands)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (2,)
+
+    def tile_loop(self) -> SliceKind:
+        """Query rows times KV-head groups."""
+        return SliceKind.HEADS
+
+    def reduction_sliceable(self) -> bool:
+        """Its keys, without history, not causal, the mask with a column per key or one
+        for all."""
+        return (self.history_k is None and not read_bool(self.causal)
+                and (self.mask is None or shape_of(self.mask)[-1] in (1, shape_of(self.k)[1])))
+
+    def reduction_count(self) -> int:
+        return shape_of(self.k)[1]
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        """Keys and values along their sequence (1), the mask along its last axis when it
+        has a column per key; the queries whole."""
+        axes: list[int | None] = []
+        for i, v in enumerate(self.operands):
+            if v is self.mask and i == 3:
+                ms = shape_of(v)
+                axes.append(len(ms) - 1 if ms[-1] > 1 else None)
+            else:
+                axes.append(None if v is self.q else 1)
+        return tuple(axes)
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        """A slice of 1/`heads` of the KV heads has as many fewer query heads."""
+        if heads == 1:
+            return {}
+        return {"q_heads": i64_attr(read_int(self.q_heads) // heads),
+                "kv_heads": i64_attr(read_int(self.kv_heads) // heads)}
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        q, k, v = self.q, self.k, self.v
+        bsz, sq, hq, dh = shape_of(q)
+        hkv = shape_of(k)[2]
+        dv = shape_of(v)[3]
+        rep = hq // hkv
+        scale = read_float(self.scale)
+        causal = read_bool(self.causal)
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        parts: list[tuple[SSAValue, SSAValue]] = []
+        if self.history_k is not None and self.history_v is not None:
+            parts.append((self.history_k, self.history_v))
+        parts.append((k, v))
+        total = sum(shape_of(kk)[1] for kk, _ in parts)
+        mask = self.mask
+        mask_shape = shape_of(mask) if mask is not None else ()
+
+        # 1. scores per part, [B, Hq, Sq, S_p]: scale * q.k + mask, causal -inf
+        scores: list[SSAValue] = []
+        off = 0
+        for kk, _ in parts:
+            sp = shape_of(kk)[1]
+            shp = (bsz, hq, sq, sp)
+            dot = e.generic(
+                [(q, amap(5, [dim(0), dim(2), dim(1), dim(4)])),
+                 (kk, amap(5, [dim(0), dim(3), dim(1) // rep, dim(4)]))],
+                e.fill(shp, ct, 0.0), amap(5, [dim(0), dim(1), dim(2), dim(3)]),
+                ["parallel"] * 4 + ["reduction"],
+                lambda b: b.add(b.args[2], b.mul(b.compute(b.args[0]), b.compute(b.args[1]))))
+            ins = [(dot, identity(4))]
+
+            def body(b: Body, off: int = off) -> SSAValue:
+                s = b.mul(b.args[0], b.const(scale, ct))
+                if mask is not None:
+                    # mask [.., Sh + Sk] broadcasts to [B, Hq, Sq, total]: read it by index
+                    idx = [b.index(i) for i in range(4)]
+                    idx[3] = b.add(idx[3], b.idx(off))
+                    lead = 4 - len(mask_shape)
+                    at = [idx[lead + i] if n != 1 else b.idx(0) for i, n in enumerate(mask_shape)]
+                    s = b.add(s, b.convert(b.extract(mask, at), ct))
+                if causal:
+                    key = b.add(b.index(3), b.idx(off))
+                    limit = b.add(b.index(2), b.idx(total - sq))
+                    s = b.select(b.cmp("gt", key, limit), b.const(-math.inf, ct), s)
+                return s
+
+            scores.append(e.map(ins, shp, ct, body))
+            off += sp
+
+        # 2. row maximum and sum of exponentials over all parts (history first)
+        row = amap(4, [dim(0), dim(1), dim(2)])
+        mx: float | SSAValue = -math.inf
+        for s in scores:
+            mx = e.reduce([(s, identity(4))], shape_of(s), [3], False, ct, mx,
+                          lambda b, acc: b.binary("max", acc, b.args[0]))
+        assert isinstance(mx, SSAValue)
+        sm: float | SSAValue = 0.0
+        for s in scores:
+            sm = e.reduce([(s, identity(4)), (mx, row)], shape_of(s), [3], False, ct, sm,
+                          lambda b, acc: b.add(acc, b.math("exp", b.sub(b.args[0], b.args[1]))))
+        assert isinstance(sm, SSAValue)
+
+        # 3. weighted values, [B, Sq, Hq, Dv], loop dims (b, i, h, e, j)
+        acc = e.fill((bsz, sq, hq, dv), ct, 0.0)
+        for s, (_, vv) in zip(scores, parts, strict=True):
+            acc = e.generic(
+                [(s, amap(5, [dim(0), dim(2), dim(1), dim(4)])),
+                 (mx, amap(5, [dim(0), dim(2), dim(1)])),
+                 (vv, amap(5, [dim(0), dim(4), dim(2) // rep, dim(3)]))],
+                acc, amap(5, [dim(0), dim(1), dim(2), dim(3)]), ["parallel"] * 4 + ["reduction"],
+                lambda b: b.add(b.args[3], b.mul(b.math("exp", b.sub(b.args[0], b.args[1])),
+                                                 b.compute(b.args[2]))))
+        return e.map([(acc, identity(4)), (sm, amap(4, [dim(0), dim(2), dim(1)]))],
+                     (bsz, sq, hq, dv), out,
+                     lambda b: b.convert(b.div(b.args[0], b.args[1]), out))
+
 
 @irdl_op_definition
 class AttentionOp(AttentionBase, TopOp):
@@ -782,6 +1277,56 @@ class MatMulBase(ShapedOp):
         batch, m, k, n = self.mkn(shape_of(self.lhs), shape_of(self.rhs), ta, tb)
         return 2 * numel(batch) * m * k * n
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_bool(self.transpose_a) or len(shape_of(self.rhs)) != 2:
+            return None
+        return activation_rows(self, axis)
+
+    def col_sliceable(self) -> bool:
+        """A right operand that is a 2-D weight [N, K] (transpose_b)."""
+        return (isinstance(self.rhs.owner, WeightBase) and read_bool(self.transpose_b)
+                and not read_bool(self.transpose_a) and len(shape_of(self.rhs)) == 2)
+
+    def reduction_sliceable(self) -> bool:
+        """A float weight matmul: its K."""
+        return self.col_sliceable() and is_float(elem_of(self.lhs)) and is_float(
+            elem_of(self.rhs))
+
+    def reduction_count(self) -> int:
+        return shape_of(self.lhs)[-1]
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        return weight_reduction_axes(self)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        a, bm, bias = self.lhs, self.rhs, self.bias
+        ta, tb = read_bool(self.transpose_a), read_bool(self.transpose_b)
+        sa, sb = shape_of(a), shape_of(bm)
+        out_shape = shape_of(self.output)
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        nb = len(out_shape) - 2
+        batch = out_shape[:nb]
+        m_, n_, k_ = nb, nb + 1, nb + 2  # loop dims: batch..., m, n, k
+        ndims = nb + 3
+
+        def operand_map(s: Shape, rows: int, cols: int) -> AffineMapAttr:
+            res = broadcast_results(s[:-2], list(range(nb)), batch) if nb else []
+            return amap(ndims, [*res, dim(rows), dim(cols)])
+
+        a_map = operand_map(sa, k_, m_) if ta else operand_map(sa, m_, k_)
+        b_map = operand_map(sb, n_, k_) if tb else operand_map(sb, k_, n_)
+        if bias is not None:
+            init = e.elementwise([bias], out_shape, ct, lambda b: b.compute(b.args[0]))
+        else:
+            init = e.fill(out_shape, ct, 0.0 if is_float(ct) else 0)
+        acc = e.generic([(a, a_map), (bm, b_map)], init,
+                        amap(ndims, [dim(i) for i in range(nb + 2)]),
+                        ["parallel"] * (nb + 2) + ["reduction"],
+                        lambda b: b.add(b.args[2], b.mul(b.compute(b.args[0]),
+                                                         b.compute(b.args[1]))))
+        return e.convert(acc, out)
+
 
 @irdl_op_definition
 class MatMulOp(MatMulBase, TopOp):
@@ -808,6 +1353,40 @@ class GatherBase(ShapedOp):
         if is_float(elem_of(idx)):
             raise VerifyException("gather indices must be integers")
         return [tensor((*ts[:axis], *shape_of(idx), *ts[axis + 1 :]), elem_of(t))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """An embedding lookup (axis 0) by the rows of its indices; the table whole (read
+        row by row, `row_gather_table`)."""
+        if read_int(self.axis) != 0 or axis >= len(shape_of(self.indices)):
+            return None
+        return RowRule((None, axis), (axis,))
+
+    def row_gather_table(self) -> SSAValue | None:
+        return self.table
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        table, idx = self.table, self.indices
+        ts, isz = shape_of(table), shape_of(idx)
+        axis = norm_axis(read_int(self.axis), len(ts))
+        out_shape = shape_of(self.output)
+        out = elem_of(self.output)
+        r = len(out_shape)
+        ni = len(isz)
+        idx_map = amap(r, [dim(axis + i) for i in range(ni)])
+
+        def body(b: Body) -> SSAValue:
+            i = b.convert(b.args[0], IndexType())
+            n = ts[axis]
+            ok = b.and_(b.cmp("ge", i, b.idx(0)), b.cmp("lt", i, b.idx(n)))
+            pos = b.clamp(i, 0, n - 1)
+            before = [b.index(d) for d in range(axis)]
+            after = [b.index(d) for d in range(axis + ni, r)]
+            val = b.extract(table, [*before, pos, *after])
+            if is_float(out):  # an out-of-range index reads NaN, never a neighbour's row
+                return b.select(ok, val, b.const(math.nan, out))
+            return val
+
+        return e.map([(idx, idx_map)], out_shape, out, body)
 
 
 @irdl_op_definition
@@ -846,6 +1425,46 @@ class TopKBase(ShapedOp):
 
     def flops(self) -> int:
         return numel(shape_of(self.input)) * 2
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.values)) == axis:
+            return None
+        return same_rows(self, axis)
+
+    def lower_to_linalg(self, e: Emitter) -> list[SSAValue]:
+        """k = 1 (argmax / argmin): one reduction carrying the best value and its index; ties
+        keep the lowest index, like the interpreter. Larger k (a sort) is not lowered."""
+        k = read_int(self.k)
+        if k != 1:
+            raise LinalgLoweringError(f"{op_where(self)}: only k = 1 (argmax/argmin) is "
+                                      f"lowered, not k = {k} (sorting has no linalg form)")
+        x = self.input
+        shape = shape_of(x)
+        r = len(shape)
+        axis = norm_axis(read_int(self.axis), r)
+        largest = read_bool(self.largest, True)
+        val_elem, idx_elem = elem_of(self.values), elem_of(self.indices)
+        ct = compute_type(val_elem)
+        out_shape = shape_of(self.values)
+        if is_float(ct):
+            worst: float | int = -math.inf if largest else math.inf
+        else:
+            w = ct.width.data if isinstance(ct, IntegerType) else 64
+            worst = -(2 ** (w - 1)) if largest else 2 ** (w - 1) - 1
+        red = reduced_map(r, [axis], True)
+        init_v = e.fill(out_shape, ct, worst)
+        init_i = e.fill(out_shape, idx_elem, 0)
+
+        def body(b: Body) -> list[SSAValue]:
+            xv, best, best_i = b.compute(b.args[0]), b.args[1], b.args[2]
+            better = b.cmp("gt" if largest else "lt", xv, best)
+            i = b.index_cast(b.index(axis), idx_elem)
+            return [b.select(better, xv, best), b.select(better, i, best_i)]
+
+        val, idx = e.generic_n([(x, identity(r))], [(init_v, red), (init_i, red)],
+                               ["reduction" if d == axis else "parallel" for d in range(r)],
+                               body)
+        return [e.convert(val, val_elem), idx]
 
 
 @irdl_op_definition
@@ -894,6 +1513,22 @@ class ScatterBase(ShapedOp):
     def flops(self) -> int:
         return numel(shape_of(self.updates))
 
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """The input, then each update in order where its index names the position (a
+        reduction over the updates: the last one for a position lands, like the kernel; an
+        index out of range writes nothing)."""
+        x, idx, upd = self.input, self.indices, self.updates
+        r = len(shape_of(x))
+        axis = norm_axis(read_int(self.axis), r)
+        u_map = amap(r + 1, [dim(r) if d == axis else dim(d) for d in range(r)])
+
+        def body(b: Body) -> SSAValue:
+            hit = b.cmp("eq", b.convert(b.args[0], IndexType()), b.index(axis))
+            return b.select(hit, b.args[1], b.args[2])
+
+        return e.generic([(idx, u_map), (upd, u_map)], x, identity_of(r, r + 1),
+                         ["parallel"] * r + ["reduction"], body)
+
 
 @irdl_op_definition
 class ScatterOp(ScatterBase, TopOp):
@@ -919,6 +1554,26 @@ class CumSumBase(ShapedOp):
 
     def flops(self) -> int:
         return numel(shape_of(self.input))
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """out[..., i, ...] = sum of x[..., j, ...] for j <= i along the axis: a reduction over
+        a second loop j that adds only where j <= i, in order of j (f32, like the kernel)."""
+        x = self.input
+        shape = shape_of(x)
+        r = len(shape)
+        axis = norm_axis(read_int(self.axis), r)
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        x_map = amap(r + 1, [dim(r) if d == axis else dim(d) for d in range(r)])
+
+        def body(b: Body) -> SSAValue:
+            acc = b.args[1]
+            keep = b.cmp("le", b.index(r), b.index(axis))
+            return b.select(keep, b.add(acc, b.compute(b.args[0])), acc)
+
+        acc = e.generic([(x, x_map)], e.fill(shape, ct, 0), identity_of(r, r + 1),
+                        ["parallel"] * r + ["reduction"], body)
+        return e.convert(acc, out)
 
 
 @irdl_op_definition
@@ -970,6 +1625,42 @@ class Conv2dBase(ShapedOp):
         n, o, oh, ow = shape_of(self.output)
         _, cg, kh, kw = shape_of(self.weight)
         return 2 * n * o * oh * ow * cg * kh * kw
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        x, w, bias = self.input, self.weight, self.bias
+        _, _, h, wd = shape_of(x)
+        o, cg, kh, kw = shape_of(w)
+        sh, sw = read_ints(self.strides)
+        pt, pl, _, _ = read_ints(self.pads)
+        dh, dw = read_ints(self.dilations)
+        g = read_int(self.groups)
+        og = o // g
+        out_shape = shape_of(self.output)
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        if bias is not None:
+            init = e.map([(bias, amap(4, [dim(1)]))], out_shape, ct,
+                         lambda b: b.compute(b.args[0]))
+        else:
+            init = e.fill(out_shape, ct, 0.0)
+
+        # loop dims (n, o, oh, ow, c, i, j); padding reads zero
+        def body(b: Body) -> SSAValue:
+            on, oo, oy, ox, ci, ki, kj = (b.index(d) for d in range(7))
+            chan = b.add(b.mul(b.div(oo, b.idx(og)), b.idx(cg)), ci)
+            y = b.sub(b.add(b.mul(oy, b.idx(sh)), b.mul(ki, b.idx(dh))), b.idx(pt))
+            xx = b.sub(b.add(b.mul(ox, b.idx(sw)), b.mul(kj, b.idx(dw))), b.idx(pl))
+            inside = b.and_(b.and_(b.cmp("ge", y, b.idx(0)), b.cmp("lt", y, b.idx(h))),
+                            b.and_(b.cmp("ge", xx, b.idx(0)), b.cmp("lt", xx, b.idx(wd))))
+            val = b.compute(b.extract(x, [on, chan, b.clamp(y, 0, h - 1),
+                                          b.clamp(xx, 0, wd - 1)]))
+            val = b.select(inside, val, b.const(0.0, ct))
+            return b.add(b.args[1], b.mul(val, b.compute(b.args[0])))
+
+        acc = e.generic([(w, amap(7, [dim(1), dim(4), dim(5), dim(6)]))], init,
+                        amap(7, [dim(0), dim(1), dim(2), dim(3)]),
+                        ["parallel"] * 4 + ["reduction"] * 3, body)
+        return e.convert(acc, out)
 
 
 @irdl_op_definition
@@ -1044,6 +1735,67 @@ class CausalConv1dBase(ShapedOp):
         _, t, c = shape_of(self.x)
         return 2 * t * c * self.kernel_size
 
+    HEADS_UNIT: ClassVar[str] = "channel"
+
+    def heads_count(self) -> int:
+        """Its channels (independent)."""
+        return shape_of(self.x)[2]
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """Input and state along their channel axis (2), taps along theirs (0), the valid
+        flags whole."""
+        return tuple(None if v is self.valid else 0 if v is self.weight else 2
+                     for v in self.operands)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (2, 2)
+
+    def lower_to_linalg(self, e: Emitter) -> list[SSAValue]:
+        """y[t, c] = sum_j w[c, j] * xs[t + j, c] over `xs = cat(state, x)` (read by index:
+        positions before K-1 from the state, rounded to x's type as the kernel does, or zero
+        without one), the taps summed in order in f32; new_state[i] = xs[n + i] with n the
+        number of real tokens, counted from `valid` by a reduction (a prefix of ones)."""
+        x, w, state, valid = self.x, self.weight, self.state, self.valid
+        _, t, c = shape_of(x)
+        k = shape_of(w)[1]
+        xe = elem_of(x)
+        ct = compute_type(elem_of(self.output))
+
+        def xs_at(b: Body, pos: SSAValue, ch: SSAValue) -> SSAValue:
+            """xs[pos, ch] in f32 (pos in [0, K-1+T))."""
+            from_x = b.compute(b.extract(
+                x, [b.idx(0), b.clamp(b.sub(pos, b.idx(k - 1)), 0, t - 1), ch]))
+            if k == 1:
+                return from_x
+            if state is None:
+                from_state = b.const(0.0, ct)
+            else:
+                s = b.extract(state, [b.idx(0), b.clamp(pos, 0, k - 2), ch])
+                from_state = b.compute(b.convert(s, xe))
+            return b.select(b.cmp("lt", pos, b.idx(k - 1)), from_state, from_x)
+
+        # y: loop dims (0, t, c, j), reduction over the taps j
+        def tap(b: Body) -> SSAValue:
+            pos = b.add(b.index(1), b.index(3))
+            return b.add(b.args[1], b.mul(xs_at(b, pos, b.index(2)), b.compute(b.args[0])))
+
+        acc = e.generic([(w, amap(4, [dim(2), dim(3)]))], e.fill((1, t, c), ct, 0.0),
+                        amap(4, [dim(0), dim(1), dim(2)]), ["parallel"] * 3 + ["reduction"], tap)
+        y = e.convert(acc, elem_of(self.output))
+        # n = the number of real tokens (valid > 0), [1, 1] i64
+        n = e.reduce([(valid, identity(2))], (1, t), [1], True, i64, 0, lambda b, a: b.add(
+            a, b.select(b.cmp("gt", b.compute(b.args[0]), b.const(0.0, compute_type(
+                elem_of(valid)))), b.const(1, i64), b.const(0, i64))))
+        state_elem = elem_of(self.new_state)
+
+        def carried(b: Body) -> SSAValue:
+            pos = b.add(b.convert(b.args[0], IndexType()), b.index(1))
+            return b.convert(xs_at(b, pos, b.index(2)), state_elem)
+
+        new_state = e.map([(n, amap(3, [const(0), const(0)]))], (1, k - 1, c), state_elem,
+                          carried)
+        return [y, new_state]
+
 
 @irdl_op_definition
 class CausalConv1dOp(CausalConv1dBase, TopOp):
@@ -1117,6 +1869,82 @@ class GatedDeltaRuleBase(ShapedOp):
         _, hv, dk, dv = shape_of(self.new_state)
         return 4 * hv * dk * dv
 
+    HEADS_UNIT: ClassVar[str] = "key-head"
+
+    def heads_count(self) -> int:
+        """Its key heads, each with its value heads."""
+        return shape_of(self.k)[2]
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """q, k, v, g, beta along their head axis (2), the state along its value-head axis
+        (1)."""
+        return tuple(1 if v is self.state else 2 for v in self.operands)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (2, 1)
+
+    def lower_to_linalg(self, e: Emitter) -> list[SSAValue]:
+        """An `scf.for` over the tokens carrying the state [1, Hv, Dk, Dv] f32 and the output
+        [1, T, Hv, Dv] f32 as iter_args; per token t (read by index; key head h // r for value
+        head h): S = S * exp(g_t); kv = k_t S (sum over Dk in order); S = S + k_t^T (beta_t *
+        (v_t - kv)); o_t = (scale * q_t) S, inserted as row t. The output rounds to v's type
+        after the loop."""
+        q, k, v, g, beta, state = self.q, self.k, self.v, self.g, self.beta, self.state
+        _, t, hk, dk = shape_of(k)
+        _, _, hv, dv = shape_of(v)
+        r = hv // hk
+        scale = read_float(self.scale)
+        s_shape = (1, hv, dk, dv)
+        s0 = e.fill(s_shape, f32, 0.0) if state is None else e.convert(state, f32)
+        o0 = e.empty((1, t, hv, dv), f32)
+
+        def step(inner: Emitter, i: SSAValue, carried: Sequence[SSAValue]) -> list[SSAValue]:
+            s, o = carried
+
+            def at(b: Body, x: SSAValue, *rest: SSAValue) -> SSAValue:
+                """x[0, i, rest...] in f32."""
+                return b.compute(b.extract(x, [b.idx(0), i, *rest]))
+
+            # loop dims of the state: (0, h, a, d) with a over Dk and d over Dv; the state is
+            # updated in place (each generic writes the tensor it reads element by element),
+            # so the loop yields what it was given (one-shot bufferization wants them
+            # equivalent)
+            all_parallel = ["parallel"] * 4
+            decayed = inner.generic([], s, identity(4), all_parallel, lambda b: b.mul(
+                b.args[0], b.math("exp", at(b, g, b.index(1)))))
+
+            def key_head(b: Body) -> SSAValue:
+                """The key head of the loop's value head (loop dim 1)."""
+                return b.div(b.index(1), b.idx(r))
+
+            # kv [1, Hv, 1, Dv]: loop dims (0, h, a, d), a reduced
+            kv = inner.reduce([(decayed, identity(4))], s_shape, [2], True, f32, 0.0,
+                              lambda b, acc: b.add(acc, b.mul(at(b, k, key_head(b), b.index(2)),
+                                                              b.args[0])))
+
+            def update(b: Body) -> SSAValue:
+                h, a, d = b.index(1), b.index(2), b.index(3)
+                delta = b.mul(b.sub(at(b, v, h, d), b.args[0]), at(b, beta, h))
+                return b.add(b.args[1], b.mul(at(b, k, key_head(b), a), delta))
+
+            updated = inner.generic([(kv, amap(4, [const(0), dim(1), const(0), dim(3)]))],
+                                    decayed, identity(4), all_parallel, update)
+
+            def read_out(b: Body, acc: SSAValue) -> SSAValue:
+                qs = b.mul(at(b, q, key_head(b), b.index(2)), b.const(scale, f32))
+                return b.add(acc, b.mul(qs, b.args[0]))
+
+            # o_t [1, 1, Hv, Dv]: loop dims (0, h, a, d), a reduced
+            row = inner.generic([(updated, identity(4))], inner.fill((1, 1, hv, dv), f32, 0.0),
+                                amap(4, [dim(0), const(0), dim(1), dim(3)]),
+                                ["parallel", "parallel", "reduction", "parallel"],
+                                lambda b: read_out(b, b.args[1]))
+            placed = inner.insert_slice(row, o, [0, i, 0, 0], [1, 1, hv, dv])
+            return [updated, placed]
+
+        new_state, out = e.for_loop(t, [s0, o0], step)
+        return [e.convert(out, elem_of(self.output)), new_state]
+
 
 @irdl_op_definition
 class GatedDeltaRuleOp(GatedDeltaRuleBase, TopOp):
@@ -1142,6 +1970,46 @@ class ReshapeBase(ShapedOp):
         if any(d < 0 for d in shape) or numel(shape) != numel(shape_of(x)):
             raise VerifyException(f"cannot reshape {list(shape_of(x))} to {shape}")
         return [tensor(shape, elem_of(x))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """The same rows, or rows merged with the axes after them ([1, T, H, D] -> [T*H,
+        D]) or split back: with equal leading axes, a block of rows along one is a block of
+        rows along the other (the slice count divides both: layer-group checks)."""
+        ins, out = shape_of(self.input), shape_of(self.output)
+        a = token_axis(ins)
+        if a is None:
+            return None
+        if math.prod(ins[:a]) == math.prod(out[:axis]) and (
+                ins[a] == out[axis] or max(ins[a], out[axis]) % min(ins[a], out[axis]) == 0):
+            return RowRule((a,), (axis,))
+        return None
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        return {"shape": i64_array(shape_of(result_types[0]))}
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A reshape to its input's shape is its input; reshapes of reshapes compose."""
+        return (FoldNoOpReshape(), ComposeReshapes())
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """collapse_shape to 1-D, then expand_shape to the target (MLIR folds the pair where
+        a direct reassociation exists); rank 0 uses the empty reassociation."""
+        x = self.input
+        src, dst = shape_of(x), shape_of(self.output)
+        if src == dst:
+            return x
+
+        if not src:
+            return e.expand_shape(x, [], dst)
+        if not dst:
+            return e.collapse_shape(x, [], dst)
+        flat = x if len(src) == 1 else e.collapse_shape(x, [list(range(len(src)))],
+                                                        (numel(src),))
+        return flat if len(dst) == 1 else e.expand_shape(flat, [list(range(len(dst)))], dst)
 
 
 @irdl_op_definition
@@ -1169,6 +2037,24 @@ class PermuteBase(ShapedOp):
             )
         return [tensor([shape[i] for i in order], elem_of(x))]
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        return RowRule((read_ints(self.order)[axis],), (axis,))
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """The identity order is its input; permutes of permutes compose; a permute
+        moving only unit axes is a reshape."""
+        return (FoldNoOpPermute(), ComposePermutes(), PermuteOfUnitAxesIsReshape())
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        order = read_ints(self.order)
+        r = len(order)
+        inv = [order.index(j) for j in range(r)]  # input axis j is output axis inv[j]
+        return e.map([(self.input, amap(r, [dim(inv[j]) for j in range(r)]))],
+                     shape_of(self.output), elem_of(self.output), lambda b: b.args[0])
+
 
 @irdl_op_definition
 class PermuteOp(PermuteBase, TopOp):
@@ -1193,6 +2079,27 @@ class ExpandBase(ShapedOp):
         if broadcast_shapes(shape_of(x), shape) != shape:
             raise VerifyException(f"cannot expand {list(shape_of(x))} to {list(shape)}")
         return [tensor(shape, elem_of(x))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        a = aligned_axis(shape_of(self.input), shape_of(self.output), axis)
+        if a is None or isinstance(a, Misaligned):
+            return None  # rows broadcast: every slice would read the same input
+        return RowRule((a,), (axis,))
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        return {"shape": i64_array(shape_of(result_types[0]))}
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """An expand to its input's shape is its input."""
+        return (FoldNoOpShapeOp(),)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        return e.elementwise([self.input], shape_of(self.output), elem_of(self.output),
+                             lambda b: b.args[0])
 
 
 @irdl_op_definition
@@ -1225,6 +2132,43 @@ class ConcatBase(ShapedOp):
         out = list(shapes[0])
         out[axis] = sum(s[axis] for s in shapes)
         return [tensor(out, elem_of(xs[0]))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) == axis:
+            return None
+        return same_rows(self, axis)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A concat of one input is that input."""
+        return (FoldSingleConcat(),)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        xs = list(self.inputs)
+        out_shape = shape_of(self.output)
+        r = len(out_shape)
+        axis = norm_axis(read_int(self.axis), r)
+        offsets, o = [], 0
+        for x in xs:
+            offsets.append(o)
+            o += shape_of(x)[axis]
+
+        def body(b: Body) -> SSAValue:
+            idx = [b.index(i) for i in range(r)]
+
+            def read(k: int) -> SSAValue:
+                n = shape_of(xs[k])[axis]
+                local = b.clamp(b.sub(idx[axis], b.idx(offsets[k])), 0, n - 1)
+                return b.extract(xs[k], [*idx[:axis], local, *idx[axis + 1:]])
+
+            val = read(len(xs) - 1)
+            for k in range(len(xs) - 2, -1, -1):
+                val = b.select(b.cmp("lt", idx[axis], b.idx(offsets[k + 1])), read(k), val)
+            return val
+
+        return e.map([], out_shape, elem_of(self.output), body)
 
 
 @irdl_op_definition
@@ -1262,6 +2206,33 @@ class SliceBase(ShapedOp):
             )
         shape[axis] = (end - start + step - 1) // step
         return [tensor(shape, elem_of(x))]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        if read_int(self.axis) % len(shape_of(self.output)) == axis:
+            return None
+        return same_rows(self, axis)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A slice of the whole axis is its input."""
+        return (FoldNoOpShapeOp(),)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """out[..., j, ...] = x[..., start + j * step, ...] (an extract: an indexing map that
+        reads a larger operand with a pure loop dimension would redefine that loop's range)."""
+        x = self.input
+        r = len(shape_of(x))
+        axis = norm_axis(read_int(self.axis), r)
+        start, step = read_int(self.start), read_int(self.step)
+
+        def body(b: Body) -> SSAValue:
+            idx = [b.index(i) for i in range(r)]
+            idx[axis] = b.add(b.mul(idx[axis], b.idx(step)), b.idx(start))
+            return b.extract(x, idx)
+
+        return e.map([], shape_of(self.output), elem_of(self.output), body)
 
 
 @irdl_op_definition
@@ -1312,3 +2283,109 @@ Top = Dialect(
     ],
     [],
 )
+
+
+# =========================================================================== canonicalization
+# The patterns of the op classes' `get_canonicalization_patterns` (run by xDSL's
+# `canonicalize`); each has its op as root and serves its Top op and its Tpu twin.
+
+
+class FoldNoOpReshape(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ReshapeBase, rewriter: PatternRewriter) -> None:
+        if shape_of(op.input) == shape_of(op.output):
+            rewriter.replace(op, [], [op.input])
+
+
+class ComposeReshapes(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ReshapeBase, rewriter: PatternRewriter) -> None:
+        if (inner := producer(op.input, type(op))) is not None:
+            new = type(op).build([inner.input], attributes_of(op))
+            rewriter.replace(op, named_like(new, op))
+
+
+class FoldNoOpPermute(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: PermuteBase, rewriter: PatternRewriter) -> None:
+        order = read_ints(op.order)
+        if order == list(range(len(order))):
+            rewriter.replace(op, [], [op.input])
+
+
+class ComposePermutes(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: PermuteBase, rewriter: PatternRewriter) -> None:
+        if (inner := producer(op.input, type(op))) is None:
+            return
+        p1, p2 = read_ints(inner.order), read_ints(op.order)
+        order = [p1[i] for i in p2]
+        if order == list(range(len(order))):
+            rewriter.replace(op, [], [inner.input])
+            return
+        new = type(op).build([inner.input], {**attributes_of(op), "order": i64_array(order)})
+        rewriter.replace(op, named_like(new, op))
+
+
+class PermuteOfUnitAxesIsReshape(RewritePattern):
+    """A permute that keeps the order of all non-unit axes moves no data: a reshape (of
+    the permute's level: `top.reshape` or `tpu.reshape`)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: PermuteBase, rewriter: PatternRewriter) -> None:
+        shape = shape_of(op.input)
+        order = read_ints(op.order)
+        moved = [i for i in order if shape[i] != 1]
+        if moved == sorted(moved) and order != list(range(len(order))):
+            attrs = {**attributes_of(op), "shape": i64_array(shape_of(op.output))}
+            attrs.pop("order")
+            new = sibling_op(op, ReshapeBase).build([op.input], attrs)
+            rewriter.replace(op, named_like(new, op))
+
+
+class FoldNoOpShapeOp(RewritePattern):
+    """An expand, slice or cast whose result type is its input's."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ExpandBase | SliceBase | CastBase,
+                          rewriter: PatternRewriter) -> None:
+        if op.input.type == op.output.type:
+            rewriter.replace(op, [], [op.input])
+
+
+class FoldSingleConcat(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ConcatBase, rewriter: PatternRewriter) -> None:
+        if len(op.inputs) == 1:
+            rewriter.replace(op, [], [op.inputs[0]])
+
+
+class FoldIdentityScalarOp(RewritePattern):
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ConstBinaryOp, rewriter: PatternRewriter) -> None:
+        v = read_float(op.value)
+        rev = read_bool(op.reverse)
+        kind = op.op_kind()
+        is_identity = (
+            (kind == "mul_const" and v == 1.0)
+            or (kind == "add_const" and v == 0.0)
+            or (kind == "sub_const" and v == 0.0 and not rev)
+            or (kind == "div_const" and v == 1.0 and not rev)
+        )
+        if is_identity:
+            rewriter.replace(op, [], [op.input])
+
+
+class ComposeScalarMuls(RewritePattern):
+    """(x * a) * b -> x * (a*b)."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ConstBinaryOp, rewriter: PatternRewriter) -> None:
+        if op.op_kind() != "mul_const":
+            return
+        inner = producer(op.input, type(op))
+        if inner is None or not inner.output.has_one_use():
+            return
+        v = read_float(inner.value) * read_float(op.value)
+        new = type(op).build([inner.input], {**attributes_of(op), "value": f64_attr(v)})
+        rewriter.replace(op, named_like(new, op))

@@ -72,6 +72,12 @@ from toptpu.dialects.common import (
     shape_of,
     tensor,
 )
+from toptpu.dialects.slicing_interface import (
+    RowRule,
+    activation_rows,
+    same_rows,
+    weight_reduction_axes,
+)
 
 Operands = Sequence[SSAValue | None]
 Attrs = Mapping[str, Attribute]
@@ -345,6 +351,10 @@ class AttentionMergeOp(TpuOp):
     def flops(self) -> int:
         return 8 * numel(shape_of(self.output))
 
+    def row_rule(self, axis: int) -> RowRule | None:
+        """Row-local over its parts."""
+        return same_rows(self, axis)
+
 
 @irdl_op_definition
 class MatMulOp(top.MatMulBase, TpuOp):
@@ -431,6 +441,34 @@ class A16MatMulOp(TpuOp):
         xs, qs = shape_of(self.input), shape_of(self.qweight)
         k = self.unpacked_k(qs, read_int(self.weight_bits))
         return 2 * numel(xs[:-1]) * k * qs[0]
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        return activation_rows(self, axis)
+
+    def col_sliceable(self) -> bool:
+        return True
+
+    def reduction_sliceable(self) -> bool:
+        """Over whole quantization groups: weight, scales and zero points cut along K with
+        the activation."""
+        return True
+
+    def reduction_count(self) -> int:
+        """Its quantization groups (a group of K stays whole), or its K when one group
+        spans all of K (per channel: every part shares the channel's scale)."""
+        k = shape_of(self.input)[-1]
+        groups = k // read_int(self.group_size)
+        return groups if groups > 1 else k
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        return weight_reduction_axes(self)
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        """A part of a per-channel weight's K is one group of K / `parts`."""
+        if parts > 1 and read_int(self.group_size) == shape_of(self.input)[-1]:
+            return {"group_size": i64_attr(read_int(self.group_size) // parts)}
+        return {}
 
 
 @irdl_op_definition
@@ -669,6 +707,15 @@ class GroupOp(IRDLOperation):
             elif not isinstance(op, YieldOp):
                 computes.append(op)
         return loads, computes, stores
+
+    def computed_by(self, index: int) -> Operation | None:
+        """The op in the body that computes the group's result `index` (the one its store
+        stores), None when the yield does not yield a store of a computed value."""
+        term = self.body.block.last_op
+        store = term.operands[index].owner if term is not None else None
+        if isinstance(store, StoreOp) and isinstance(store.input.owner, Operation):
+            return store.input.owner
+        return None
 
 
 #: the loops of a 2-D tiled group: over row blocks and over output-channel blocks

@@ -25,8 +25,10 @@ from xdsl.pattern_rewriter import (
     RewritePattern,
     op_type_rewrite_pattern,
 )
+from xdsl.transforms.canonicalize import CanonicalizationRewritePattern
 
 from toptpu.dialects import top
+from toptpu.dialects.canonicalization import named_like, producer
 from toptpu.dialects.common import (
     ReduceMode,
     RopeMode,
@@ -36,8 +38,8 @@ from toptpu.dialects.common import (
     read_ints,
     shape_of,
 )
-from toptpu.passes.canonicalize import apply_patterns, canonicalization_patterns
-from toptpu.passes.util import inverse_permutation, named_like, producer, require_level
+from toptpu.passes.fold_constants import FoldConstants
+from toptpu.passes.util import apply_patterns, inverse_permutation, require_level
 
 
 def _other(op: top.BinaryOp, v: SSAValue) -> SSAValue:
@@ -340,4 +342,6 @@ class FusePass(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         require_level(op, "top", self.name)
-        apply_patterns(op, [*fusion_patterns(), *canonicalization_patterns()], ctx)
+        # the ops' canonicalization patterns and constant folding run in the same walk
+        apply_patterns(op, [*fusion_patterns(), CanonicalizationRewritePattern(),
+                            FoldConstants()], ctx)

@@ -26,7 +26,7 @@ import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Block, Operation, Region, SSAValue
+from xdsl.ir import Block, Operation, OpResult, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -40,7 +40,7 @@ from toptpu.backend.target.cost import (
     op_flops,
     run_bytes,
 )
-from toptpu.dialects import dev, top, tpu
+from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import (
     dtype_bytes,
     elem_of,
@@ -54,6 +54,7 @@ from toptpu.dialects.common import (
     tensor,
 )
 from toptpu.dialects.naming import op_name, set_name
+from toptpu.dialects.slicing_interface import SlicingInterface
 from toptpu.errors import ToptpuError
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
@@ -204,6 +205,7 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
     p = Plan(ops, kind, s)
     produced: dict[SSAValue, int | None] = {}
     for op in ops:
+        table = _gather_table(op)
         if kind == SliceKind.COLS:
             in_axes: tuple[int | None, ...] = col_operand_axes(op)
             out_axes: tuple[int | None, ...] = (col_result_axis(op),)
@@ -219,7 +221,7 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
             in_axes, out_axes = rule.operand_axes, rule.result_axes
         for i, v in enumerate(op.operands):
             ax = in_axes[i]
-            if isinstance(op, top.GatherBase) and i == 0 and v not in produced:
+            if v is table and v not in produced:
                 p.gather_tables.add(v)  # read row by row from global memory
                 if v not in p.inputs:
                     p.inputs.append(v)
@@ -290,9 +292,10 @@ def _pipeline_cost(p: Plan, chip: Chip) -> float:
                if v not in p.gather_tables and p.input_axes[v] is not None)
     gathers = 0.0
     for op in p.ops:
-        if isinstance(op, top.GatherBase) and op.table in p.gather_tables:
-            row = numel(shape_of(op.table)[1:]) * dtype_bytes(elem_of(op.table))
-            gathers += dma_cycles(chip, nbytes(op.output) // s, row)
+        table = _gather_table(op)
+        if table is not None and table in p.gather_tables:
+            row = numel(shape_of(table)[1:]) * dtype_bytes(elem_of(table))
+            gathers += dma_cycles(chip, nbytes(op.results[0]) // s, row)
     load += gathers
     comp = sum(compute_cycles(chip, op_flops(op) // s, cost_dtype(op)) for op in p.ops)
     store = sum(_slice_cycles(r, p.result_axes[r], s, chip) for r in p.outputs)
@@ -523,12 +526,10 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     res = op.results[0]
     attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
     attrs["ts"] = i64_attr(1)
-    if isinstance(op, top.AttentionBase):  # c blocks of KV heads, each with its q heads
-        attrs["q_heads"] = i64_attr(read_int(op.q_heads) // c)
-        attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // c)
-    if (isinstance(op, tpu.A16MatMulOp) and p.parts > 1
-            and read_int(op.group_size) == shape_of(op.input)[-1]):  # per channel
-        attrs["group_size"] = i64_attr(read_int(op.group_size) // p.parts)
+    assert isinstance(op, SlicingInterface)
+    # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts
+    heads = c if op.tile_loop() == SliceKind.HEADS else 1
+    attrs.update(op.sliced_attributes([part_type(res)], heads=heads, parts=p.parts))
     new = type(op).create(operands=[local[v] for v in op.operands],
                           result_types=[part_type(res)], attributes=attrs)
     new.location = op.location
@@ -583,11 +584,10 @@ def build_group(p: Plan) -> tpu.GroupOp:
     for op in p.ops:
         attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
         result_types = [_slice_type(r, p.result_axes[r], s) for r in op.results]
-        if s > 1 and isinstance(op, top.ReshapeBase | top.ExpandBase):
-            attrs["shape"] = i64_array(shape_of(result_types[0]))
-        if s > 1 and p.kind == SliceKind.HEADS and isinstance(op, top.AttentionBase):
-            attrs["q_heads"] = i64_attr(read_int(op.q_heads) // s)
-            attrs["kv_heads"] = i64_attr(read_int(op.kv_heads) // s)
+        if s > 1:  # a slice-shaped copy (a reshape's shape, the heads of a heads slice)
+            assert isinstance(op, SlicingInterface)
+            attrs.update(op.sliced_attributes(
+                result_types, heads=s if p.kind == SliceKind.HEADS else 1))
         attrs["ts"] = i64_attr(1)
         operands = [local[v] for v in op.operands]
         new = type(op).create(operands=operands, result_types=result_types, attributes=attrs)
@@ -621,10 +621,8 @@ def _value_name(v: SSAValue) -> str:
     stored it, for a result of an earlier group (not the group's own name) — or the value's
     name for a function argument."""
     owner = v.owner
-    if isinstance(owner, tpu.GroupOp):
-        store = owner.body.block.last_op.operands[v.index].owner  # type: ignore[union-attr, attr-defined]
-        if isinstance(store, tpu.StoreOp) and isinstance(store.input.owner, Operation):
-            owner = store.input.owner
+    if isinstance(owner, tpu.GroupOp) and isinstance(v, OpResult):
+        owner = owner.computed_by(v.index) or owner
     if isinstance(owner, Operation):
         return op_name(owner) or owner.name
     return v.name_hint or "input"
@@ -635,7 +633,7 @@ def _install(group: tpu.GroupOp, p: Plan) -> None:
     for v in p.inputs:  # weights and constants between the grouped ops (weight-reorder puts a
         # transposed weight just before its matmul) move above the group that now uses them
         w = v.owner
-        if (isinstance(w, tpu.WeightOp | tpu.ConstantOp)
+        if (isinstance(w, Operation) and _is_global_source(w)
                 and w.parent_block() is first.parent_block() and not w.is_before_in_block(first)):
             w.detach()
             Rewriter.insert_op(w, InsertPoint.before(first))
@@ -651,10 +649,27 @@ def _install(group: tpu.GroupOp, p: Plan) -> None:
 # ------------------------------------------------------------------------------ the pass
 
 
+def _is_global_source(op: Operation) -> bool:
+    """A weight or constant: in global memory before the net runs (`GLOBAL_SOURCE`)."""
+    return isinstance(op, SlicingInterface) and op.GLOBAL_SOURCE
+
+
+def _gather_table(op: Operation) -> SSAValue | None:
+    """The operand `op` reads row by row from global memory (`row_gather_table`)."""
+    return op.row_gather_table() if isinstance(op, SlicingInterface) else None
+
+
 def compute_ops(fn: func.FuncOp) -> list[Operation]:
+    """The ops layer groups compute: every Top/Tpu op but weights, constants and
+    collectives (not groups, not the return)."""
     return [op for op in fn.body.block.ops
-            if not isinstance(op, tpu.WeightOp | tpu.ConstantOp | func.ReturnOp | tpu.GroupOp
-                              | dev.CollectiveOp)]
+            if isinstance(op, SlicingInterface) and not op.GLOBAL_SOURCE
+            and not _is_collective(op)]
+
+
+def _is_collective(op: Operation) -> bool:
+    """A `dev` collective: it runs on the link between groups, never in one."""
+    return isinstance(op, dev.CollectiveOp)
 
 
 def segments(fn: func.FuncOp) -> list[list[Operation]]:
@@ -664,7 +679,7 @@ def segments(fn: func.FuncOp) -> list[list[Operation]]:
     runs: list[list[Operation]] = [[]]
     ops = set(compute_ops(fn))
     for op in fn.body.block.ops:
-        if isinstance(op, dev.CollectiveOp):
+        if _is_collective(op):
             runs.append([])
         elif op in ops:
             runs[-1].append(op)
@@ -715,8 +730,7 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
         counts.append((SliceKind.HEADS, heads_count(op)))
     best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
     what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel",
-            SliceKind.HEADS: "KV-head" if isinstance(op, top.AttentionBase) else
-            "key-head" if isinstance(op, top.GatedDeltaRuleBase) else "channel"}
+            SliceKind.HEADS: op.HEADS_UNIT if isinstance(op, SlicingInterface) else "head"}
     for kind, n in counts:
         p = _make_plan([op], kind, n, inside)
         if p is not None:

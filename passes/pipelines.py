@@ -1,8 +1,12 @@
 """Pass registry and the named pipelines.
 
-- `top-pipeline`: shape-infer, canonicalize, fuse, canonicalize;
-- `tpu-pipeline{mode, chip, ...}`: convert-top-to-tpu, canonicalize, weight-reorder, then
+- `top-pipeline`: shape-infer, simplify, fuse, simplify;
+- `tpu-pipeline{mode, chip, ...}`: convert-top-to-tpu, simplify, weight-reorder, then
   (unless chip=none) the machine pipeline;
+
+where "simplify" is three passes: xDSL's `canonicalize` (each op's canonicalization
+patterns, `toptpu.dialects.canonicalization`), `fold-constants` (small constant operands
+evaluated with the reference kernels) and xDSL's `cse`.
 - `machine-pipeline{chip, max-ops}`: layer-group, lmem-verify, address-assign: the chip's
   memory decisions, the one sequence of passes before codegen (`toptpu.machine_pipeline`
   runs it and codegen for the compiler, tests and benchmarks).
@@ -19,6 +23,8 @@ from typing import ClassVar
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
+from xdsl.transforms.canonicalize import CanonicalizePass
+from xdsl.transforms.common_subexpression_elimination import CommonSubexpressionElimination
 from xdsl.utils.exceptions import DiagnosticException
 
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip
@@ -27,9 +33,9 @@ from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.dialects.ir_text import verify_ir
 from toptpu.dialects.weight_store import WeightsContext, WeightStore, WeightStoreError
 from toptpu.passes.address_assign import AddressAssignPass
-from toptpu.passes.canonicalize import CanonicalizePass
 from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
 from toptpu.passes.convert_top_to_tpu import ConvertTopToTpuPass
+from toptpu.passes.fold_constants import FoldConstantsPass
 from toptpu.passes.fuse import FusePass
 from toptpu.passes.layer_group import LayerGroupPass, LmemVerifyPass
 from toptpu.passes.mlir_pipeline import MLIRPipelinePass
@@ -76,13 +82,19 @@ def _weights_context(ctx: Context | None, store: WeightStore | None) -> WeightsC
     return WeightsContext.of(ctx or context(), store)
 
 
+def simplify_passes() -> list[ModulePass]:
+    """canonicalize (xDSL's: the ops' patterns), fold-constants, cse (xDSL's)."""
+    return [CanonicalizePass(), FoldConstantsPass(), CommonSubexpressionElimination()]
+
+
 def top_pipeline_passes() -> list[ModulePass]:
-    return [ShapeInferPass(), CanonicalizePass(), FusePass(), CanonicalizePass()]
+    return [ShapeInferPass(), *simplify_passes(), FusePass(), *simplify_passes()]
 
 
 @dataclass(frozen=True)
 class TopPipeline(ModulePass):
-    """shape-infer, canonicalize, fuse, canonicalize."""
+    """shape-infer, canonicalize, fold-constants, cse, fuse, canonicalize, fold-constants,
+    cse."""
 
     name = "top-pipeline"
     LEVEL: ClassVar[str] = "top"
@@ -101,11 +113,11 @@ def tpu_pipeline_passes(mode: str = "f32", group_size: int = DEFAULT_GROUP_SIZE,
                         symmetric: bool | None = None, keep_float: str = "lm_head",
                         chip: str | None = None, max_ops: int = 12,
                         keep_input_types: bool = False) -> list[ModulePass]:
-    """convert-top-to-tpu, canonicalize, weight-reorder; with a `chip`, also the machine
-    passes: layer-group, lmem-verify, address-assign."""
+    """convert-top-to-tpu, canonicalize, fold-constants, cse, weight-reorder; with a `chip`,
+    also the machine passes: layer-group, lmem-verify, address-assign."""
     passes: list[ModulePass] = [ConvertTopToTpuPass(mode, group_size, symmetric, keep_float,
                                                     keep_input_types),
-                                CanonicalizePass(), WeightReorderPass()]
+                                *simplify_passes(), WeightReorderPass()]
     if chip is not None:
         passes += machine_passes(chip, max_ops)
     return passes
@@ -144,8 +156,8 @@ class MachinePipeline(ModulePass):
 
 @dataclass(frozen=True)
 class TpuPipeline(ModulePass):
-    """convert-top-to-tpu, canonicalize, weight-reorder, layer-group, lmem-verify,
-    address-assign (the machine passes are skipped with chip=none)."""
+    """convert-top-to-tpu, canonicalize, fold-constants, cse, weight-reorder, layer-group,
+    lmem-verify, address-assign (the machine passes are skipped with chip=none)."""
 
     name = "tpu-pipeline"
     LEVEL: ClassVar[str] = "top"
@@ -201,8 +213,10 @@ PIPELINES: tuple[type[ModulePass], ...] = (TopPipeline, TpuPipeline, MachinePipe
 
 
 def all_passes() -> dict[str, type[ModulePass]]:
-    """Every pass toptpu registers, by name."""
-    passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FusePass, TopPipeline,
+    """Every pass toptpu registers, by name: its own, and xDSL's `canonicalize` (which runs
+    the ops' canonicalization patterns) as xDSL defines it."""
+    passes: list[type[ModulePass]] = [ShapeInferPass, CanonicalizePass, FoldConstantsPass,
+                                      FusePass, TopPipeline,
                                       ConvertTopToTpuPass, WeightReorderPass, LayerGroupPass,
                                       LmemVerifyPass, AddressAssignPass, MachinePipeline,
                                       TpuPipeline, ConvertTopToLinalgPass, MLIRPipelinePass,

@@ -1,39 +1,40 @@
-"""Small helpers for writing rewrite patterns over Top/Tpu IR."""
+"""Small helpers for writing rewrite patterns over Top/Tpu IR (`producer` and `named_like`
+live with the dialects' canonicalization patterns, `toptpu.dialects.canonicalization`)."""
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-from xdsl.ir import Operation, OpResult, SSAValue
+from xdsl.context import Context
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation, SSAValue
+from xdsl.pattern_rewriter import (
+    GreedyRewritePatternApplier,
+    PatternRewriteWalker,
+    RewritePattern,
+)
+from xdsl.transforms.common_subexpression_elimination import cse as eliminate_common
+from xdsl.transforms.dead_code_elimination import region_dce
 from xdsl.utils.exceptions import DiagnosticException
 
-from toptpu.dialects.naming import op_name, set_name
+from toptpu.dialects.canonicalization import named_like, producer
+from toptpu.dialects.naming import op_name
 from toptpu.errors import ToptpuError
 
-OpT = TypeVar("OpT", bound=Operation)
-
-
-def producer(value: SSAValue | None, cls: type[OpT]) -> OpT | None:
-    """The op of type `cls` that defines `value`, or None."""
-    if isinstance(value, OpResult) and isinstance(value.op, cls):
-        return value.op
-    return None
+__all__ = ["apply_patterns", "has_one_use", "inverse_permutation", "named_like", "producer",
+           "require_level"]
 
 
 def has_one_use(value: SSAValue) -> bool:
     return value.has_one_use()
 
 
-def named_like(new: OpT, root: Operation, suffix: str = "") -> OpT:
-    """Give `new` the name (and source position) of the op it replaces."""
-    base = op_name(root) or root.name
-    set_name(new, f"{base}{suffix}", like=root)
-    hint = root.results[0].name_hint if root.results else None
-    if hint:
-        tag = "".join(c if c.isalnum() else "_" for c in suffix)
-        for r in new.results:
-            r.name_hint = f"{hint}{tag}"
-    return new
+def apply_patterns(module: ModuleOp, patterns: list[RewritePattern], ctx: Context | None = None,
+                   cse: bool = True) -> None:
+    """Apply `patterns` greedily to a fixpoint, erasing dead ops; then, with `cse`, merge
+    common subexpressions."""
+    applier = GreedyRewritePatternApplier(patterns, ctx=ctx)
+    PatternRewriteWalker(applier, post_walk_func=region_dce).rewrite_module(module)
+    if cse:
+        eliminate_common(module)
 
 
 def inverse_permutation(order: list[int]) -> list[int]:

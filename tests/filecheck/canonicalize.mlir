@@ -1,5 +1,9 @@
 // RUN: toptpu-opt %s -p canonicalize --split-input-file | filecheck %s
 
+// xDSL's canonicalize runs each op's canonicalization patterns (the `get_canonicalization_patterns`
+// of its class: toptpu.dialects.canonicalization); constant folding is fold-constants
+// (fold_constants.mlir).
+
 // No-op reshapes and permutes disappear; chains compose; dead ops are erased.
 builtin.module {
   func.func @shapes(%x: tensor<2x3x4xf32>) -> (tensor<2x3x4xf32>, tensor<4x3x2xf32>, tensor<24xf32>) {
@@ -38,19 +42,23 @@ builtin.module {
 
 // -----
 
-// Small constants fold through the backend kernels; identical ops merge (CSE).
+// A Tpu permute of unit axes becomes a Tpu reshape (the patterns serve both levels); a
+// cast to its own type, a full slice, an expand to its own shape and a concat of one input
+// fold away; (x * 2) * 3 is x * 6.
 builtin.module {
-  func.func @consts(%x: tensor<2xf32>) -> (tensor<2xf32>, tensor<2xf32>) {
-    %c = "top.constant"() {value = dense<[1.0, 4.0]> : tensor<2xf32>} : () -> tensor<2xf32>
-    %s = "top.sqrt"(%c) : (tensor<2xf32>) -> tensor<2xf32>
-    %m = "top.mul_const"(%s) {value = 3.0 : f64} : (tensor<2xf32>) -> tensor<2xf32>
-    %a = "top.add"(%x, %m) : (tensor<2xf32>, tensor<2xf32>) -> tensor<2xf32>
-    %b = "top.add"(%x, %m) : (tensor<2xf32>, tensor<2xf32>) -> tensor<2xf32>
-    func.return %a, %b : tensor<2xf32>, tensor<2xf32>
+  func.func @tpu(%x: tensor<1x8x1x16xf32>) -> tensor<1x1x8x16xf32> {
+    %0 = "tpu.cast"(%x) {dtype = f32} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %1 = "tpu.slice"(%0) {axis = 1 : i64, start = 0 : i64, end = 8 : i64, step = 1 : i64} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %2 = "tpu.expand"(%1) {shape = array<i64: 1, 8, 1, 16>} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %3 = "tpu.concat"(%2) {axis = 1 : i64} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %4 = "tpu.mul_const"(%3) {value = 2.0 : f64} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %5 = "tpu.mul_const"(%4) {value = 3.0 : f64} : (tensor<1x8x1x16xf32>) -> tensor<1x8x1x16xf32>
+    %6 = "tpu.permute"(%5) {order = array<i64: 0, 2, 1, 3>} : (tensor<1x8x1x16xf32>) -> tensor<1x1x8x16xf32>
+    func.return %6 : tensor<1x1x8x16xf32>
   }
 }
 
-// CHECK-LABEL: func.func @consts
-// CHECK-NEXT:    [[C:%.*]] = "top.constant"() {value = dense<[3.000000e+00, 6.000000e+00]> : tensor<2xf32>}
-// CHECK-NEXT:    [[A:%.*]] = "top.add"(%x, [[C]])
-// CHECK-NEXT:    func.return [[A]], [[A]]
+// CHECK-LABEL: func.func @tpu
+// CHECK-NEXT:    %0 = "tpu.mul_const"(%x) {value = 6.000000e+00 : f64}
+// CHECK-NEXT:    %1 = "tpu.reshape"(%0) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    func.return %1

@@ -1,5 +1,5 @@
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s > %t.mlir
-// RUN: toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=bf16},canonicalize,weight-reorder' --strip-debuginfo -o %t.tpu.mlir
+// RUN: toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=bf16},canonicalize,fold-constants,cse,weight-reorder' --strip-debuginfo -o %t.tpu.mlir
 // RUN: toptpu-opt %t.tpu.mlir -p 'machine-pipeline{chip=bm1688 max-ops=1}' --strip-debuginfo -o %t.pipeline
 // RUN: filecheck %s --input-file %t.pipeline
 // RUN: toptpu-opt %t.tpu.mlir -p 'layer-group{chip=bm1688 max-ops=1},lmem-verify{chip=bm1688},address-assign' --strip-debuginfo -o %t.passes

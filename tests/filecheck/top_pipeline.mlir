@@ -1,12 +1,12 @@
 // RUN: toptpu-opt %s -p top-pipeline --strip-debuginfo -o %t.pipeline
 // RUN: filecheck %s --input-file %t.pipeline
-// RUN: toptpu-opt %s -p shape-infer,canonicalize,fuse,canonicalize --strip-debuginfo -o %t.passes
+// RUN: toptpu-opt %s -p shape-infer,canonicalize,fold-constants,cse,fuse,canonicalize,fold-constants,cse --strip-debuginfo -o %t.passes
 // RUN: diff %t.pipeline %t.passes
 
-// top-pipeline = shape-infer, canonicalize, fuse, canonicalize (the diff: the same text as
-// the four passes run one after another). On a norm + linear as an importer
-// may leave them (result types unranked, rms_norm decomposed, linear as flatten, matmul by
-// the transposed weight, bias add, unflatten; a dead op):
+// top-pipeline = shape-infer, canonicalize, fold-constants, cse, fuse, canonicalize,
+// fold-constants, cse (the diff: the same text as the passes run one after another). On a
+// norm + linear as an importer may leave them (result types unranked, rms_norm decomposed,
+// linear as flatten, matmul by the transposed weight, bias add, unflatten; a dead op):
 // shape-infer ranks every type and the signature, canonicalize drops the dead op, fuse
 // makes one rms_norm and one matmul(transpose_b, bias).
 builtin.module {

@@ -1,13 +1,13 @@
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/weights.safetensors|' %s > %t.mlir
 // RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=bf16}' --weights-out %t.weights.safetensors --strip-debuginfo -o %t.pipeline
 // RUN: filecheck %s --input-file %t.pipeline
-// RUN: toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=bf16},canonicalize,weight-reorder,layer-group{chip=bm1684x},lmem-verify{chip=bm1684x},address-assign' --weights-out %t.weights.safetensors --strip-debuginfo -o %t.passes
+// RUN: toptpu-opt %t.mlir -p 'convert-top-to-tpu{mode=bf16},canonicalize,fold-constants,cse,weight-reorder,layer-group{chip=bm1684x},lmem-verify{chip=bm1684x},address-assign' --weights-out %t.weights.safetensors --strip-debuginfo -o %t.passes
 // RUN: diff %t.pipeline %t.passes
 // RUN: toptpu-opt %t.mlir -p 'tpu-pipeline{mode=w4bf16 chip=none group-size=32}' --weights-out %t.weights.safetensors | filecheck %s --check-prefix=NOCHIP
 
-// tpu-pipeline{mode, chip} = convert-top-to-tpu, canonicalize, weight-reorder, layer-group,
-// lmem-verify, address-assign (the diff: the same text as those passes one by one); with
-// chip=none it stops after weight-reorder. A norm, a no-op reshape, a linear and silu:
+// tpu-pipeline{mode, chip} = convert-top-to-tpu, canonicalize, fold-constants, cse,
+// weight-reorder, layer-group, lmem-verify, address-assign (the diff: the same text as
+// those passes one by one); with chip=none it stops after weight-reorder. A norm, a no-op reshape, a linear and silu:
 // lowered to bf16 storage (norm and matmul computing in f32), the reshape folded, the
 // three ops in one group (8 tokens fit: one slice), every local buffer at an aligned
 // address, and the regions sized: weights 64 x f32 + 32x64 x bf16 + 32 x f32 = 256 + 4096
