@@ -7,8 +7,8 @@
 // mlir-opt's IR printing: --mlir-print-ir-before=PASS / --mlir-print-ir-after=PASS (a pass,
 // or a named pipeline: before its first pass, after its last; comma-separated or repeated),
 // -before-all / -after-all, each dump on stderr under mlir-opt's header. top-pipeline runs
-// shape-infer, canonicalize, fuse, canonicalize: shape-infer ranks %0, canonicalize drops the
-// dead exp. --print-between-passes prints after every pass, the last one included.
+// shape-infer, canonicalize, fold-constants, cse, fuse, canonicalize, fold-constants, cse:
+// shape-infer ranks %0, canonicalize drops the dead exp. --print-between-passes prints after every pass, the last one included.
 builtin.module {
   func.func @main(%x: tensor<1x8x64xf32>) -> tensor<*xf32> {
     %0 = "top.silu"(%x) : (tensor<1x8x64xf32>) -> tensor<*xf32>
@@ -32,17 +32,29 @@ builtin.module {
 // ALL-NEXT: builtin.module {
 // ALL:      // -----// IR Dump Before canonicalize //----- //
 // ALL:      // -----// IR Dump After canonicalize //----- //
+// ALL:      // -----// IR Dump Before fold-constants //----- //
+// ALL:      // -----// IR Dump After fold-constants //----- //
+// ALL:      // -----// IR Dump Before cse //----- //
+// ALL:      // -----// IR Dump After cse //----- //
 // ALL:      // -----// IR Dump Before fuse //----- //
 // ALL:      // -----// IR Dump After fuse //----- //
 // ALL:      // -----// IR Dump Before canonicalize //----- //
 // ALL:      // -----// IR Dump After canonicalize //----- //
+// ALL:      // -----// IR Dump Before fold-constants //----- //
+// ALL:      // -----// IR Dump After fold-constants //----- //
+// ALL:      // -----// IR Dump Before cse //----- //
+// ALL:      // -----// IR Dump After cse //----- //
 // ALL-NEXT: builtin.module {
 // ALL-NOT:  IR Dump
 
 // BETWEEN:      // -----// IR after shape-infer //----- //
 // BETWEEN:      // -----// IR after canonicalize //----- //
+// BETWEEN:      // -----// IR after fold-constants //----- //
+// BETWEEN:      // -----// IR after cse //----- //
 // BETWEEN:      // -----// IR after fuse //----- //
 // BETWEEN:      // -----// IR after canonicalize //----- //
+// BETWEEN:      // -----// IR after fold-constants //----- //
+// BETWEEN:      // -----// IR after cse //----- //
 // BETWEEN-NEXT: builtin.module {
 
 // UNKNOWN: toptpu-opt: error: --mlir-print-ir-after=shapeinfer: no pass or pipeline of that name (did you mean 'shape-infer'?)
