@@ -220,8 +220,8 @@ def test_a_compile_builds_one_request_and_hands_it_on(tmp_path_factory, tmp_path
             "--parallel", "pp"]
     assert main_stops(["compile", ck, "-o", out, *argv], capsys)
     assert len(built) == 1 and planned == built
-    keywords = {"mode": "w4bf16", "seq_length": 64, "group_size": 32, "devices": 2,
-                "parallel": "pp"}
+    keywords: dict[str, Any] = {"mode": "w4bf16", "seq_length": 64, "group_size": 32,
+                                "devices": 2, "parallel": "pp"}
     with pytest.raises(Stop):
         compile_model(ck, out, progress=None, **keywords)
     assert len(built) == 2 and planned[1] is built[1] and planned[1] == planned[0]

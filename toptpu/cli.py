@@ -20,6 +20,7 @@ from toptpu.compare import (
     THRESHOLDS,
     IRStage,
     MLIRStage,
+    Stage,
     TorchStage,
     compare_stages,
     tpu_threshold,
@@ -195,9 +196,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         top_module = compiled.top
     else:
         top_module = top_net(NetPlan(spec, QuantMode.F32), store, exported=ep)
-    stages = {"torch": TorchStage("torch", ep, names, outs, net),
-              "top": IRStage("top", top_module, store),
-              "mlir": MLIRStage("mlir", top_module, store)}
+    stages: dict[str, Stage] = {"torch": TorchStage("torch", ep, names, outs, net),
+                                "top": IRStage("top", top_module, store),
+                                "mlir": MLIRStage("mlir", top_module, store)}
     if "tpu" in order:
         stages["tpu"] = IRStage(f"tpu-{mode}", compiled.tpu, store)
     arrays = {k: v.numpy() for k, v in feeds.items()}

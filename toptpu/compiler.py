@@ -1,17 +1,21 @@
 """The compile driver: a causal LM (or a VLM) in, one model file out (`toptpu.compile`).
 
-`compile` composes four steps, each with a typed result:
+`compile` checks its request (`toptpu.request.CompileRequest`, built from its keywords
+when not given; `compile_options.check_compile_request`: against the output paths and the
+model's config) and composes four steps, each with a typed result:
 
-1. `plan(model, options) -> CompilePlan`: load the model (`frontends.hf_loader` /
+1. `plan(model, request) -> CompilePlan`: load the model (`frontends.hf_loader` /
    `frontends.vlm`), resolve the quantization mode (a pre-quantized checkpoint's own:
    `toptpu.prequantized`), split it into the nets of the net contract
    (`toptpu.backend.contract`, `frontends.llm`; per-layer nets wrap layer 0, and each layer
    variant of a mixed checkpoint its representative), and say where each layer's tensors
    come from (`toptpu.layer_weights`). Nothing is compiled yet.
-2. `compile_nets(plan) -> CompiledNets`: import each net ONCE into Top (torch.export) with
-   its weights in one in-memory weight store, run `top-pipeline`, check that the history nets
-   attend to their caches in place (reload-free), run `tpu-pipeline{mode, group_size,
-   symmetric}`, then the machine pipeline and codegen (`toptpu.machine_pipeline`).
+2. `compile_nets(plan) -> CompiledNets`: each net compiled by `net_compiler.compile_net`
+   (as `toptpu estimate` and `toptpu compare` compile theirs): imported ONCE into Top
+   (torch.export) with its weights in one in-memory weight store, `top-pipeline`, the
+   history nets checked to attend to their caches in place (reload-free), `tpu-pipeline{mode,
+   group_size, symmetric}`, then the machine pipeline and codegen
+   (`toptpu.machine_pipeline`).
 3. `pack_weights(plan, compiled) -> PackedWeights`: the weight blob's layout
    (`WeightLayout`: shared tensors once, then one chunk per layer, laid out as its layer
    variant's: each variant's chunk holds only its own tensors) and its bytes, made region
@@ -525,7 +529,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
                  keep_top: bool = False) -> CompiledNets:
     """Compile every net of the plan, in order, with one in-memory weight store (and, for a
     pre-quantized checkpoint, its tensors beside the float weights). `keep_top` keeps each
-    net's Top module. With `options.dump_ir`, every net's IR after every pass is written
+    net's Top module. With `request.dump_ir`, every net's IR after every pass is written
     there, and the store beside it."""
     bar = progress if progress is not None else Progress(len(plan.nets), None)
     store = WeightStore()

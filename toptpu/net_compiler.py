@@ -247,7 +247,7 @@ def check_state_in_place(module: ModuleOp, net: str) -> None:
         arg = args.get(state)
         ok = (isinstance(owner, Operation) and owner.name == op_name
               and len(owner.results) == 2 and owner.results[1] is value)
-        if ok and arg is not None:
+        if ok and arg is not None and isinstance(owner, Operation):
             ok = arg in owner.operands and all(use.operation is owner for use in arg.uses)
         if not ok:
             raise CompileError(

@@ -32,7 +32,7 @@ import argparse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeAlias
 
 from toptpu.backend.contract import StaticShapes
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
@@ -51,7 +51,7 @@ class AutoMode(StrEnum):
 
 AUTO = AutoMode.AUTO
 #: a mode as asked: a mode, auto, or None (f32, or a pre-quantized checkpoint's own)
-AskedMode = QuantMode | AutoMode | None
+AskedMode: TypeAlias = QuantMode | AutoMode | None
 
 
 def weight_bits(mode: AskedMode) -> int | None:
@@ -333,7 +333,7 @@ class CompileRequest:
     vision_mode: QuantMode | None = asked(Option(
         "vision_mode", ("--vision-quantize",), None,
         "mode of the vit net (default: the activation type of -q, e.g. bf16 for w4bf16: "
-        "weight-only quantization is for the text model)", group=VISION),
+        "weight-only quantization is for the text model)", metavar="MODE", group=VISION),
         parse=_flag_mode("--vision-quantize"))
 
     def __post_init__(self) -> None:
@@ -378,6 +378,17 @@ class CompileRequest:
         for f in fields(cls):
             if names is None or f.name in names:
                 yield from _asked(f).options
+
+    def __repr__(self) -> str:
+        """The fields, the chip by its name (and `*` when its figures differ from the
+        preset's)."""
+        def shown(name: str) -> str:
+            if name != "chip":
+                return repr(getattr(self, name))
+            preset = self.chip.name in chip_names() and get_chip(self.chip.name) == self.chip
+            return f"<Chip {self.chip.name}{'' if preset else '*'}>"
+
+        return f"CompileRequest({', '.join(f'{f.name}={shown(f.name)}' for f in fields(self))})"
 
     # --------------------------------------------------------------------- derived
 
