@@ -35,6 +35,7 @@ from toptpu.backend.contract import (
     RECURRENT_STATE,
     SAMPLE_HEAD,
     STATE_IN_PLACE,
+    ContractError,
     NetName,
     TensorSpec,
 )
@@ -122,7 +123,7 @@ def top_net(net: NetPlan, store: WeightStore, *, on_step: OnStep | None = None,
     run_passes(module, top_pipeline_passes(), after=_after(on_step), store=store)
     if PRESENT_RECURRENT_STATE in spec.output_names:
         check_state_in_place(module, net.name)
-    elif NetName.parse(net.name).base in HISTORY_NETS:
+    elif _contract_base(net.name) in HISTORY_NETS:
         check_reload_free(module, net.name)
     return module
 
@@ -137,7 +138,7 @@ def compile_net(net: NetPlan, request: CompileRequest, store: WeightStore, *,
     module = top_net(net, store, on_step=on_step, exported=exported)
     after = _after(on_step)
     splits: dict[str, Split] = {}
-    if request.parallel is Parallel.TP and NetName.parse(net.name).base in TP_NETS:
+    if request.parallel is Parallel.TP and _contract_base(net.name) in TP_NETS:
         splits = cut_for_devices(module, request, store, after)
     top_module = module.clone() if keep_top else None
     try:
@@ -156,6 +157,15 @@ def compile_net(net: NetPlan, request: CompileRequest, store: WeightStore, *,
     ins, outs = (_whole(specs, splits) for specs in _io_specs(module))
     return CompiledNet(net.name, net.spec.per_layer, ins, outs, module, top_module, 0,
                        time.perf_counter() - t0, program, splits=splits)
+
+
+def _contract_base(name: str) -> str | None:
+    """The net contract's base name of a net (`block` of `block:16@3`); None for a net
+    outside the contract (`toptpu compare`'s decoder layer or whole model)."""
+    try:
+        return NetName.parse(name).base
+    except ContractError:
+        return None
 
 
 def _after(on_step: OnStep | None) -> Callable[[ModulePass, ModuleOp], None] | None:
