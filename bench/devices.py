@@ -42,6 +42,8 @@ from toptpu.backend.contract import (
     StaticShapes,
 )
 from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.devices import Parallel
+from toptpu.dialects.common import QuantMode
 from toptpu.errors import CompileError
 from toptpu.estimate import (
     STEP_NETS,
@@ -54,6 +56,7 @@ from toptpu.estimate import (
     read_checked_config,
     spread_costs,
 )
+from toptpu.request import CompileRequest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = os.path.join(HERE, "calibration", "bm1684x_multi_device.csv")
@@ -147,7 +150,8 @@ class Compiler:
             model=one.model, mode=one.mode, shapes=one.shapes, commands=one.commands,
             weight_bytes=sum(entry["bytes"][parallel][str(devices)][0]),
             kv_bytes=sum(entry["bytes"][parallel][str(devices)][1]), devices=devices,
-            parallel=parallel, device_weight_bytes=entry["bytes"][parallel][str(devices)][0],
+            parallel=Parallel(parallel),
+            device_weight_bytes=entry["bytes"][parallel][str(devices)][0],
             device_kv_bytes=entry["bytes"][parallel][str(devices)][1])
 
     def _compile(self, shape: Shape, mode: str, group: int, seq: int, tp: int,
@@ -161,24 +165,26 @@ class Compiler:
                 nets = [BLOCK, *([BLOCK_KV] if chunk < seq else []), *nets]
             else:
                 nets = [BLOCK, *nets]
+            request = CompileRequest(
+                mode=QuantMode(mode), chip=self.chip, shapes=StaticShapes.make(seq, chunk, seq),
+                group_size=group if QuantMode(mode).weight_bits == 4 else None, devices=tp,
+                parallel=Parallel.TP if tp > 1 else None)
             try:
-                progs = compile_programs(config, self.chip, mode,
-                                         StaticShapes.make(seq, chunk, seq), group, None,
-                                         nets, None, tp)
+                progs = compile_programs(config, request, nets)
                 break
             except CompileError as e:
                 if "local memory" not in str(e) or chunk == 64:
                     raise
         m = model_shape(config)
         shapes = StaticShapes.make(seq, chunk, seq)
-        one = spread_costs(progs, m, mode, shapes)
+        one = spread_costs(progs, m, request.mode, shapes)
         spreads: dict[str, dict[str, Any]] = {"tp": {}, "pp": {}}
         if tp > 1:
-            c = spread_costs(progs, m, mode, shapes, tp, "tp", self.chip)
+            c = spread_costs(progs, m, request.mode, shapes, tp, Parallel.TP, self.chip)
             spreads["tp"][str(tp)] = [c.device_weight_bytes, c.device_kv_bytes]
         else:
             for n in (2, 4, 8):
-                c = spread_costs(progs, m, mode, shapes, n, "pp", self.chip)
+                c = spread_costs(progs, m, request.mode, shapes, n, Parallel.PP, self.chip)
                 spreads["pp"][str(n)] = [c.device_weight_bytes, c.device_kv_bytes]
         return {"costs": one.to_json(), "bytes": spreads}
 
@@ -246,9 +252,10 @@ def config_estimate(path: str, chip: Chip, mode: str, seq: int, devices: int,
     """`toptpu estimate` of a config of bench/configs (a hybrid Qwen3.5: its layer kinds'
     nets; not cached), prefill chunk as estimate's default."""
     print(f"compiling {path} {mode} seq {seq} ...", file=sys.stderr, flush=True)
-    config = read_checked_config(path, mode, seq, devices=devices, parallel=parallel)
-    costs = compile_costs(config, chip, mode, StaticShapes.make(seq), nets=STEP_NETS,
-                          devices=devices, parallel=parallel)
+    request = CompileRequest.make(mode=mode, chip=chip, seq_length=seq, devices=devices,
+                                  parallel=parallel)
+    config = read_checked_config(path, request)
+    costs = compile_costs(config, request, nets=STEP_NETS)
     return estimate(costs, chip)
 
 

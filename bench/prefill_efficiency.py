@@ -33,8 +33,10 @@ from toptpu.backend.contract import BLOCK, EMBEDDING, GREEDY_HEAD, LM_HEAD, Stat
 from toptpu.backend.runtime.accounting import StepModel
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import CommandCost, net_timing
+from toptpu.dialects.common import QuantMode
 from toptpu.estimate import compile_costs
 from toptpu.frontends.tiny_models import qwen25_05b_config
+from toptpu.request import CompileRequest
 
 #: the public shapes (transformers' configs of the Qwen2.5 checkpoints)
 MODELS = {
@@ -73,8 +75,9 @@ def row(model: str, chip_name: str, length: int) -> str:
     config = qwen25_05b_config(layers=layers, **kw)
     chip = get_chip(chip_name)
     t0 = time.perf_counter()
-    compiled = compile_costs(config, chip, "w4bf16", StaticShapes.make(length, length),
-                             nets=(EMBEDDING, BLOCK, LM_HEAD, GREEDY_HEAD))
+    request = CompileRequest(mode=QuantMode.W4BF16, chip=chip,
+                             shapes=StaticShapes.make(length, length))
+    compiled = compile_costs(config, request, nets=(EMBEDDING, BLOCK, LM_HEAD, GREEDY_HEAD))
     compile_s = time.perf_counter() - t0
     block = compiled.commands[BLOCK]
     timing = net_timing(block, chip)

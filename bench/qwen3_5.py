@@ -22,10 +22,11 @@ import os
 import sys
 import time
 
-from toptpu.backend.contract import FULL_ATTENTION, LINEAR_ATTENTION, StaticShapes
+from toptpu.backend.contract import FULL_ATTENTION, LINEAR_ATTENTION
 from toptpu.backend.target.chips import get_chip
 from toptpu.errors import CompileError
 from toptpu.estimate import STEP_NETS, compile_costs, estimate, read_checked_config
+from toptpu.request import CompileRequest
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -51,10 +52,11 @@ def main() -> None:
             for attempt in range(args.fallback + 1):
                 t = time.perf_counter()
                 load = os.getloadavg()[0]
-                config = read_checked_config(config_dir, args.mode, seq)
+                request = CompileRequest.make(mode=args.mode, chip=chip, seq_length=seq,
+                                              max_input_length=chunk)
+                config = read_checked_config(config_dir, request)
                 try:
-                    costs = compile_costs(config, chip, args.mode,
-                                          StaticShapes.make(seq, chunk), nets=STEP_NETS)
+                    costs = compile_costs(config, request, nets=STEP_NETS)
                 except CompileError as e:
                     notes.append(f"Qwen3.5-{size} on {chip_name} at seq {seq}, input {chunk}: "
                                  f"{e}")

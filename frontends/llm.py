@@ -83,6 +83,7 @@ from toptpu.backend.contract import (
     prefill_mask,
     sample_k,
 )
+from toptpu.dialects.common import QuantMode
 from toptpu.errors import ToptpuError
 
 
@@ -462,7 +463,7 @@ class NetSpec:
     input_names: list[str]
     output_names: list[str]
     per_layer: bool
-    mode: str | None = None
+    mode: QuantMode | None = None
     keep_input_types: bool = False
 
 
@@ -595,10 +596,10 @@ def head_specs(vocab_size: int, seq_length: int, act: str = "f32") -> list[NetSp
     scalars = (torch.tensor([[1.1]]), torch.tensor([[0.7]]), torch.tensor([[5]], dtype=torch.int32),
                torch.tensor([[0.9]]))
     return [
-        NetSpec(GREEDY_HEAD, GreedyHead(), (logits,), [LOGITS], [TOKEN], False, mode="f32",
+        NetSpec(GREEDY_HEAD, GreedyHead(), (logits,), [LOGITS], [TOKEN], False, mode=QuantMode.F32,
                 keep_input_types=True),
         NetSpec(SAMPLE_HEAD, SampleHead(sample_k(vocab_size)), (logits, recent, *scalars),
-                list(SAMPLE_INPUTS), list(SAMPLE_OUTPUTS), False, mode="f32",
+                list(SAMPLE_INPUTS), list(SAMPLE_OUTPUTS), False, mode=QuantMode.F32,
                 keep_input_types=True),
     ]
 

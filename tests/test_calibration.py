@@ -29,7 +29,9 @@ from toptpu.calibration import (
     results,
     row_chip,
 )
+from toptpu.dialects.common import QuantMode
 from toptpu.estimate import compile_costs
+from toptpu.request import CompileRequest
 
 RowsAndCache = tuple[list[Row], dict[str, Any]]
 
@@ -81,7 +83,9 @@ def test_compiling_a_row_again_gives_its_cached_decode_nets(
     row = min(rows, key=lambda r: r.hidden * r.intermediate)
     cached = compiled_rows([row], cache)[row.key]
     nets = (BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
-    again = compile_costs(row.config(), row_chip(row), row.quant,
-                          cached.shapes, row.group_size, nets=nets)
+    mode = QuantMode(row.quant)
+    request = CompileRequest(mode=mode, chip=row_chip(row), shapes=cached.shapes,
+                             group_size=row.group_size if mode.weight_bits == 4 else None)
+    again = compile_costs(row.config(), request, nets=nets)
     for net in nets:
         assert again.commands[net] == cached.commands[net], net

@@ -30,6 +30,7 @@ from toptpu.backend.runtime.runtime import GenerationError, Runtime, SamplingCon
 from toptpu.cli import main
 from toptpu.compiler import CompileError, check_quant_options
 from toptpu.compiler import compile as compile_model
+from toptpu.dialects.common import QuantMode
 
 #: the model file the argument tests run (shared with test_llm_generate's edge paths)
 SEQ64 = {"seq": 64, "input_len": 16, "history": 56}
@@ -287,7 +288,7 @@ def test_sizes_checked_against_the_config(tmp_path_factory, tmp_path, capsys, no
         code, _, err = cli(["compile", ck, "-o", out, *args], capsys)
         assert_one_error(code, err, "compile", fragment)
     with pytest.raises(CompileError, match="pre-quantized checkpoint keeps its own"):
-        check_quant_options("w4f16", 32, None, checkpoint="ck")
+        check_quant_options(QuantMode.W4F16, 32, None, checkpoint="ck")
     assert os.listdir(tmp_path) == []
 
 

@@ -256,18 +256,18 @@ def test_the_estimate_from_a_config_is_what_the_devices_charge_the_compiled_file
     """`toptpu estimate --devices N --parallel P` from config.json alone: the modelled time
     to first token (a two-chunk prompt) and tokens/s of a generation on the device group,
     and each device's weight blob and KV cache."""
-    from toptpu.backend.contract import StaticShapes
     from toptpu.estimate import compile_costs, estimate, read_checked_config
+    from toptpu.request import CompileRequest
 
     built = compiled(tmp_path_factory, "qwen2", seq=64, input_len=16, devices=devices,
                      parallel=parallel)
     rt = Runtime.open(built.model_file)
     ex = rt.ex
     assert isinstance(ex, DeviceGroupExecutor)
-    config = read_checked_config(built.model_dir, "f32", 64, devices=devices,
-                                 parallel=parallel)
-    costs = compile_costs(config, ex.chip, "f32", StaticShapes.make(64, 16),
-                          nets=list(ex.nets()), devices=devices, parallel=parallel)
+    request = CompileRequest.make(mode="f32", chip=ex.chip, seq_length=64, max_input_length=16,
+                                  devices=devices, parallel=parallel)
+    config = read_checked_config(built.model_dir, request)
+    costs = compile_costs(config, request, nets=list(ex.nets()))
     ids = list(range(3, 3 + 16 + 5))
     res = rt.generate(ids, 6, stop_on_eos=False)
     est = estimate(costs, ex.chip, prompt_tokens=len(ids), sampler=res.sampler)
@@ -293,10 +293,10 @@ def test_a_hybrid_model_spreads_by_pipeline_stages_and_refuses_tensor_parallel(
     compile and estimate in one line naming the linear-attention layers."""
     from llm_fixtures import tiny_dir
 
-    from toptpu.backend.contract import StaticShapes
     from toptpu.compiler import CompileError
     from toptpu.compiler import compile as compile_model
     from toptpu.estimate import EstimateError, compile_costs, estimate, read_checked_config
+    from toptpu.request import CompileRequest
 
     one = compiled(tmp_path_factory, "qwen3_5", layers=4)
     many = compiled(tmp_path_factory, "qwen3_5", layers=4, devices=2, parallel="pp")
@@ -310,9 +310,10 @@ def test_a_hybrid_model_spreads_by_pipeline_stages_and_refuses_tensor_parallel(
     assert res.generated_ids == rt1.generate(ids, 32, stop_on_eos=False).generated_ids
     assert np.array_equal(rt1.sequence_logits(ids), rtn.sequence_logits(ids))
 
-    config = read_checked_config(many.model_dir, "f32", 160, devices=2, parallel="pp")
-    costs = compile_costs(config, ex.chip, "f32", StaticShapes.make(160, 16),
-                          nets=list(ex.nets()), devices=2, parallel="pp")
+    request = CompileRequest.make(mode="f32", chip=ex.chip, seq_length=160,
+                                  max_input_length=16, devices=2, parallel="pp")
+    config = read_checked_config(many.model_dir, request)
+    costs = compile_costs(config, request, nets=list(ex.nets()))
     est = estimate(costs, ex.chip, prompt_tokens=len(ids), sampler=res.sampler)
     assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9)
     assert res.modelled_tokens_per_s == pytest.approx(est.tokens_per_s, rel=1e-9)
@@ -330,11 +331,13 @@ def test_a_hybrid_model_spreads_by_pipeline_stages_and_refuses_tensor_parallel(
         compile_model(many.model_dir, str(tmp_path_factory.mktemp("tp") / "m.toptpu"),
                       seq_length=64, progress=None, devices=2, parallel="tp")
     with pytest.raises(CompileError, match=refusal):
-        read_checked_config(tiny_dir(tmp_path_factory, "qwen3_5", 4), "f32", 64, devices=2,
-                            parallel="tp")
+        read_checked_config(tiny_dir(tmp_path_factory, "qwen3_5", 4),
+                            CompileRequest.make(mode="f32", seq_length=64, devices=2,
+                                                parallel="tp"))
     with pytest.raises(EstimateError, match=refusal):
-        compile_costs(config, ex.chip, "f32", StaticShapes.make(64, 16), nets=["block_cache"],
-                      devices=2, parallel="tp")
+        compile_costs(config, CompileRequest.make(mode="f32", chip=ex.chip, seq_length=64,
+                                                  max_input_length=16, devices=2,
+                                                  parallel="tp"), nets=["block_cache"])
 
 
 def test_a_gguf_of_scale_and_min_types_spreads_by_pipeline_stages_only(

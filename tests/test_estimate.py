@@ -22,8 +22,10 @@ from toptpu.backend.contract import StaticShapes
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.backend.target.chips import get_chip
 from toptpu.cli import main
+from toptpu.dialects.common import QuantMode
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs, estimate, read_checked_config
 from toptpu.profile_cli import profile_model
+from toptpu.request import CompileRequest
 
 pytestmark = pytest.mark.slow  # compiles tiny models
 
@@ -33,9 +35,10 @@ SEQ, CHUNK = 160, 16
 @pytest.fixture(scope="module")
 def tiny_costs(tmp_path_factory: pytest.TempPathFactory) -> CompiledCosts:
     """The step nets of the tiny Qwen2 in w4bf16 (weights quantized, bf16 compute)."""
-    config = read_checked_config(tiny_dir(tmp_path_factory, "qwen2"), "w4bf16", SEQ)
-    return compile_costs(config, get_chip("bm1684x"), "w4bf16", StaticShapes.make(SEQ, CHUNK),
-                         nets=STEP_NETS)
+    request = CompileRequest(mode=QuantMode.W4BF16, chip=get_chip("bm1684x"),
+                             shapes=StaticShapes.make(SEQ, CHUNK))
+    config = read_checked_config(tiny_dir(tmp_path_factory, "qwen2"), request)
+    return compile_costs(config, request, nets=STEP_NETS)
 
 
 @fuzz_settings(40)
@@ -84,9 +87,9 @@ def test_the_estimate_from_a_config_is_what_the_machine_charges_the_compiled_fil
     built = compiled(tmp_path_factory, "qwen2", mode, seq=SEQ, input_len=CHUNK)
     ex, profiles = profile_model(built.model_file)
     chip = ex.chip
-    config = read_checked_config(built.model_dir, mode, SEQ)
-    costs = compile_costs(config, chip, mode, StaticShapes.make(SEQ, CHUNK),
-                          nets=list(ex.nets()))
+    request = CompileRequest.make(mode=mode, chip=chip, seq_length=SEQ, max_input_length=CHUNK)
+    config = read_checked_config(built.model_dir, request)
+    costs = compile_costs(config, request, nets=list(ex.nets()))
     # per net: the profile's modelled time, bytes and FLOPs of one run
     timings = costs.timings(chip)
     assert {p.net for p in profiles} == set(timings)
@@ -116,10 +119,11 @@ def test_estimate_and_run_agree_at_every_prefill_length(tmp_path_factory) -> Non
     built = compiled(tmp_path_factory, "qwen2", "w4bf16", seq=seq, input_len=chunk)
     rt = Runtime.open(built.model_file)
     chip = rt.ex.chip
-    config = read_checked_config(built.model_dir, "w4bf16", seq)
     shapes = StaticShapes.make(seq, chunk)
     assert shapes.prefill_lengths == (16, chunk)
-    costs = compile_costs(config, chip, "w4bf16", shapes, nets=list(rt.ex.nets()))
+    request = CompileRequest(mode=QuantMode.W4BF16, chip=chip, shapes=shapes)
+    config = read_checked_config(built.model_dir, request)
+    costs = compile_costs(config, request, nets=list(rt.ex.nets()))
     ttft = {}
     for n in (5, 20, chunk + 5):
         res = rt.generate(list(range(3, 3 + n)), 3, stop_on_eos=False)
@@ -161,9 +165,10 @@ def test_a_hybrid_models_estimate_is_what_the_machine_charges(
                      layers=4)
     ex, profiles = profile_model(built.model_file)
     chip = ex.chip
-    config = read_checked_config(built.model_dir, "w4bf16", SEQ)
-    costs = compile_costs(config, chip, "w4bf16", StaticShapes.make(SEQ, CHUNK),
-                          nets=[*STEP_NETS, "block_kv"])
+    request = CompileRequest(mode=QuantMode.W4BF16, chip=chip,
+                             shapes=StaticShapes.make(SEQ, CHUNK))
+    config = read_checked_config(built.model_dir, request)
+    costs = compile_costs(config, request, nets=[*STEP_NETS, "block_kv"])
     assert {"block", "block@3", "block_cache", "block_cache@3"} <= set(costs.commands)
     assert costs.model.layer_nets()["block_cache"] == ["block_cache"] * 3 + ["block_cache@3"]
     timings = costs.timings(chip)

@@ -291,15 +291,17 @@ def test_auto_keeps_the_files_types_and_an_explicit_mode_of_other_bits_requantiz
     """-q auto: w{bits}f16 with the bits of most linears; -q of those bits keeps the file's
     forms in its activation type; -q of other bits (a float mode included) dequantizes
     every linear (re-quantized by the mode, or float)."""
+    from toptpu.dialects.common import QuantMode
     from toptpu.prequantized import resolve_mode
+    from toptpu.request import AUTO
 
     d = gguf_dir(str(tmp_path / "q41"), "qwen2", "Q4_1")  # every 2-D weight Q4_1
     path = os.path.join(d, "model.gguf")
     loaded = load_gguf(path, need_tokenizer=False)
-    assert loaded.checkpoint is not None and resolve_mode("auto", loaded) == "w4f16"
+    assert loaded.checkpoint is not None and resolve_mode(AUTO, loaded) == "w4f16"
     assert all(lay.mins and lay.bits == 4 for lay in loaded.checkpoint.layouts.values())
     kept = load_gguf(path, need_tokenizer=False, mode="w4bf16")
-    assert kept.checkpoint is not None and resolve_mode("w4bf16", kept) == "w4bf16"
+    assert kept.checkpoint is not None and resolve_mode(QuantMode.W4BF16, kept) == "w4bf16"
     for mode in ("w8bf16", "f32"):
         loaded = load_gguf(path, need_tokenizer=False, mode=mode)
         assert loaded.checkpoint is None, mode

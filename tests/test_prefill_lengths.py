@@ -236,9 +236,9 @@ def test_several_devices_run_each_length_as_one_device_does(
     and its modelled time
     to first token is the estimate's (the step model's sends and host writes of each
     chunk at its length)."""
-    from toptpu.backend.contract import StaticShapes
     from toptpu.backend.runtime.device_executor import DeviceGroupExecutor
     from toptpu.estimate import compile_costs, estimate, read_checked_config
+    from toptpu.request import CompileRequest
 
     one = compiled(tmp_path_factory, family, layers=layers, seq=SEQ, input_len=input_len)
     many = compiled(tmp_path_factory, family, layers=layers, seq=SEQ, input_len=input_len,
@@ -252,9 +252,10 @@ def test_several_devices_run_each_length_as_one_device_does(
             want = 1 if parallel == "pp" else 2
             assert len(par.runners(rt.prefill_net(net.split(":")[0], layer, 16), layer)) \
                 == want, (net, layer)
-    config = read_checked_config(many.model_dir, "f32", SEQ, devices=2, parallel=parallel)
-    costs = compile_costs(config, ex.chip, "f32", StaticShapes.make(SEQ, input_len),
-                          nets=list(ex.nets()), devices=2, parallel=parallel)
+    request = CompileRequest.make(mode="f32", chip=ex.chip, seq_length=SEQ,
+                                  max_input_length=input_len, devices=2, parallel=parallel)
+    config = read_checked_config(many.model_dir, request)
+    costs = compile_costs(config, request, nets=list(ex.nets()))
     for n in (5, input_len, input_len + 5):
         ids = [3 + (i * 7) % 300 for i in range(n)]
         ran = _recording(rt)

@@ -338,13 +338,13 @@ def test_real_prefill_layers_compile(model: str, mode: str, length: int, chip: s
     two chips (`toptpu estimate` compiles every size on both: docs/benchmarks.md). Main
     refused the 7B's block_kv in f32 at 1024 on bm1688 (its attention's history part did
     not fit in one piece): its parts now run over key parts."""
-    from toptpu.backend.contract import StaticShapes
     from toptpu.estimate import compile_costs
     from toptpu.frontends.tiny_models import qwen25_05b_config
+    from toptpu.request import CompileRequest
 
     config = qwen25_05b_config(layers=1, tie_word_embeddings=False, **REAL_SHAPES[model])
-    costs = compile_costs(config, get_chip(chip), mode, StaticShapes.make(2048, length),
-                          nets=nets)
+    costs = compile_costs(config, CompileRequest.make(mode=mode, chip=chip, seq_length=2048,
+                                                      max_input_length=length), nets=nets)
     assert set(costs.commands) == set(nets)
     assert all(costs.commands[n] for n in costs.commands)
 
@@ -353,14 +353,15 @@ def test_real_prefill_layers_compile(model: str, mode: str, length: int, chip: s
 def test_the_15b_attention_over_an_8192_history_compiles() -> None:
     """R1-Distill-Qwen-1.5B's shape at seq 8192 (LLM-TPU publishes its first-token latency
     there): block_kv's attention over an 8192-token history compiles in key parts."""
-    from toptpu.backend.contract import StaticShapes
     from toptpu.estimate import compile_costs
     from toptpu.frontends.tiny_models import qwen25_05b_config
+    from toptpu.request import CompileRequest
 
     config = qwen25_05b_config(layers=1, tie_word_embeddings=False,
                                **REAL_SHAPES["qwen2.5-1.5b"])
-    costs = compile_costs(config, get_chip("bm1684x"), "w4bf16",
-                          StaticShapes.make(8192, 8192), nets=("block_kv",))
+    costs = compile_costs(config, CompileRequest.make(mode="w4bf16", seq_length=8192,
+                                                      max_input_length=8192),
+                          nets=("block_kv",))
     assert costs.commands["block_kv"]
 
 

@@ -589,7 +589,9 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
     from toptpu.backend.contract import StaticShapes
     from toptpu.backend.runtime.accounting import StepModel, merged, total
     from toptpu.backend.target.chips import get_chip
-    from toptpu.estimate import all_prefill_nets, compile_costs, net_program
+    from toptpu.dialects.common import QuantMode
+    from toptpu.estimate import all_prefill_nets, compile_costs
+    from toptpu.request import CompileRequest
 
     path = qwen_file(tmp_path_factory, "qwen3_vl")
     rt = Runtime.open(path, "machine")
@@ -597,10 +599,11 @@ def test_estimate_charges_what_run_charges(tmp_path_factory) -> None:
     res = rt.generate(ids, 1, images=images)
     chip, shapes = get_chip("bm1684x"), StaticShapes.make(256, 32)
     config = vlm_estimate.vlm_config(vlm_dir(tmp_path_factory, "qwen3_vl"))
-    vision = vlm_estimate.vision_costs(config, chip, "f32", 400, shapes, "f32", net_program)
+    request = CompileRequest(mode=QuantMode.F32, chip=chip, shapes=shapes)
+    vision = vlm_estimate.vision_costs(config, request, 400)
     assert vision.tokens == 100 and vision.levels == 2
     assert images[0].modelled_costs.total_s == pytest.approx(vision.image().total_s, rel=1e-9)
-    text = compile_costs(config.text_config, chip, "f32", shapes, position_axes=3,
+    text = compile_costs(config.text_config, request, position_axes=3,
                          build=vlm_estimate.text_placeholder_builder(config.text_config),
                          nets=all_prefill_nets(shapes))
     steps = StepModel(chip, text.io(), text.timings(chip), text.model.num_layers)

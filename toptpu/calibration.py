@@ -47,10 +47,11 @@ from toptpu.backend.contract import (
 )
 from toptpu.backend.runtime.accounting import StepModel
 from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
-from toptpu.dialects.common import DEFAULT_GROUP_SIZE
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError, ToptpuError
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs
 from toptpu.paths import open_output, write_output
+from toptpu.request import CompileRequest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CALIBRATION_DIR = os.path.join(os.path.dirname(HERE), "bench", "calibration")
@@ -193,9 +194,11 @@ def compile_row(row: Row, chip: Chip | None = None, progress: Any = None) -> Com
         if chunk < row.seq_length:
             nets = (BLOCK, BLOCK_KV, *nets[1:])
         try:
+            mode = QuantMode(row.quant)
             group = row.group_size if row.group_size > 0 else DEFAULT_GROUP_SIZE
-            return compile_costs(config, chip, row.quant, row.shapes(chunk), group, nets=nets,
-                                 progress=progress)
+            request = CompileRequest(mode=mode, chip=chip, shapes=row.shapes(chunk),
+                                     group_size=group if mode.weight_bits == 4 else None)
+            return compile_costs(config, request, nets=nets, progress=progress)
         except CompileError as e:
             if "local memory" not in str(e) or chunk == row.chunks[-1]:
                 raise

@@ -15,32 +15,30 @@ from types import FrameType
 
 from toptpu import llm_cli
 from toptpu.backend.reference.interpreter import Interpreter
-from toptpu.cli_args import (
-    ArgumentParser,
-    UsageError,
-    add_weight_quant_args,
-    int_at_least,
-    utf8_text,
-)
+from toptpu.cli_args import ArgumentParser, UsageError, int_at_least, utf8_text
 from toptpu.compare import (
     THRESHOLDS,
     IRStage,
     MLIRStage,
+    Stage,
     TorchStage,
     compare_stages,
     tpu_threshold,
 )
 from toptpu.demo_smollm2 import DEMO_PROMPT, SMOLLM2_INSTALL, demo_smollm2
+from toptpu.dialects.common import QuantMode
+from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.eval_cli import add_eval_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
-from toptpu.passes.convert_top_to_tpu import parse_mode
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
+from toptpu.net_compiler import NetPlan, compile_net, top_net
+from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 from toptpu.paths import check_not_inside, check_output_dir
 from toptpu.profile_cli import add_profile_parser
+from toptpu.request import CompileRequest, add_request_args
 from toptpu.run_ir import add_run_ir_parser
 from toptpu.sweep import add_sweep_parser
 
@@ -127,9 +125,10 @@ def _load_causal_lm(path: str | None):  # noqa: ANN202
     return load_model(path, need_tokenizer=False).model
 
 
-def _compare_stages(args: argparse.Namespace) -> list[str]:
+def _compare_stages(args: argparse.Namespace) -> tuple[list[str], CompileRequest]:
     """The stages in the order compared, checked before any work (with the MLIR-JIT
-    oracle inserted after torch)."""
+    oracle inserted after torch), and the request of the tpu stage (its mode, group size
+    and symmetry)."""
     order = [s.strip() for s in args.stages.split(",")]
     for s in order:
         if s not in COMPARE_STAGES:
@@ -138,35 +137,25 @@ def _compare_stages(args: argparse.Namespace) -> list[str]:
     if len(order) < 2:
         raise UsageError(f"--stages '{args.stages}' names one stage; name two or more to "
                          "compare")
+    request = CompileRequest.from_args(args) if "tpu" in order else CompileRequest()
     if "tpu" in order:
-        from toptpu.compiler import check_quant_options
-
-        try:
-            parse_mode(args.mode)
-        except ValueError as e:
-            raise UsageError(str(e)) from e
-        check_quant_options(args.mode, args.group_size, args.symmetric)
+        request.fixed_mode("toptpu compare")
     if args.oracle == "mlir" and "mlir" not in order:
         # the MLIR-JIT oracle checks torch and becomes the reference of the next stage
         at = order.index("torch") + 1 if "torch" in order else 0
         order.insert(at, "mlir")
-    return order
+    return order, request
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Compare stages (torch, mlir, top, tpu) of a decoder layer or whole model on one input."""
     import torch
 
-    from toptpu.compiler import (
-        DEFAULT_GROUP_SIZE,
-        CompileError,
-        check_group_size,
-        check_seq_length,
-    )
-    from toptpu.frontends.fx_importer import import_exported
+    from toptpu.compiler import check_group_size, check_seq_length
     from toptpu.frontends.hf_layers import DecoderStack, decoder_layer, layer_inputs
+    from toptpu.frontends.llm import NetSpec
 
-    order = _compare_stages(args)
+    order, request = _compare_stages(args)
     if args.dump:
         check_output_dir(args.dump, "--dump")
         if args.model is not None and os.path.isdir(args.model):
@@ -177,9 +166,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"--layer {args.layer}: the model has {cfg.num_hidden_layers} "
                          f"layers (0..{cfg.num_hidden_layers - 1})")
     config, where = cfg.to_dict(), "the model's config"
-    check_seq_length(config, where, args.seq, args.mode, "--seq", kv_cache=False)
+    check_seq_length(config, where, args.seq, request.mode, "--seq", kv_cache=False)
     if "tpu" in order:
-        check_group_size(config, where, args.mode, args.group_size)
+        check_group_size(config, where, request.mode, request.group_size)
     if args.what == "layer":
         net = decoder_layer(model, args.layer)
         hidden, pos, mask = layer_inputs(cfg.hidden_size, args.seq)
@@ -197,25 +186,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
     names = list(feeds)
     with torch.no_grad():
         ep = torch.export.export(net.eval(), tuple(feeds.values()), strict=False)
-    module, store = import_exported(ep, module=net, input_names=names, output_names=outs)
-    top_module = module.clone()
-    run_passes(top_module, top_pipeline_passes(), store=store)
-    stages = {"torch": TorchStage("torch", ep, names, outs, net),
-              "top": IRStage("top", top_module, store),
-              "mlir": MLIRStage("mlir", top_module, store)}
+    # the net as `toptpu compile` compiles one: import and top-pipeline, then tpu-pipeline
+    spec = NetSpec(args.what, net, tuple(feeds.values()), names, outs, per_layer=False)
+    store = WeightStore()
+    mode = request.fixed_mode("toptpu compare") if "tpu" in order else QuantMode.F32
     if "tpu" in order:
-        tpu_module = top_module.clone()
-        group_size = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
-        try:
-            run_passes(tpu_module, tpu_pipeline_passes(args.mode, group_size, args.symmetric),
-                       store=store)
-        except ToptpuError as e:
-            raise CompileError(f"the tpu stage ({args.mode}): {e}") from e
-        stages["tpu"] = IRStage(f"tpu-{args.mode}", tpu_module, store)
+        compiled = compile_net(NetPlan(spec, mode), request, store, keep_top=True,
+                               exported=ep, machine=False)
+        assert compiled.top is not None
+        top_module = compiled.top
+    else:
+        top_module = top_net(NetPlan(spec, QuantMode.F32), store, exported=ep)
+    stages: dict[str, Stage] = {"torch": TorchStage("torch", ep, names, outs, net),
+                                "top": IRStage("top", top_module, store),
+                                "mlir": MLIRStage("mlir", top_module, store)}
+    if "tpu" in order:
+        stages["tpu"] = IRStage(f"tpu-{mode}", compiled.tpu, store)
     arrays = {k: v.numpy() for k, v in feeds.items()}
     ok = True
     for a, b in zip(order, order[1:], strict=False):
-        thr = THRESHOLDS["top-vs-torch"] if b in ("top", "mlir") else tpu_threshold(args.mode)
+        thr = THRESHOLDS["top-vs-torch"] if b in ("top", "mlir") or "tpu" not in order \
+            else tpu_threshold(mode)
         dump = os.path.join(args.dump, f"{a}-vs-{b}") if args.dump else None
         rep = compare_stages(stages[a], stages[b], arrays, thr, args.compare_all, dump)
         print(rep.table())
@@ -275,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the decoder layer compared")
     c.add_argument("--seq", type=int_at_least(1), default=16, help="static sequence length")
     c.add_argument("-q", "--mode", default="bf16", help="quantization mode of the tpu stage")
-    add_weight_quant_args(c)
+    add_request_args(c, ("group_size", "symmetric"))
     c.add_argument("--compare-all", action="store_true",
                    help="compare every intermediate tensor and name the first that drops")
     c.add_argument("--dump", metavar="DIR", help="write inputs, each stage's tensors (.npz) "

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from toptpu.dialects.common import DEFAULT_GROUP_SIZE
+from toptpu.devices import Parallel
 from toptpu.errors import ToptpuError
 
 _INT = re.compile(r"[+-]?[0-9]+")
@@ -190,44 +190,5 @@ def chunk_lengths(text: str) -> list[int]:
     return out
 
 
-def add_static_shape_args(p: argparse.ArgumentParser) -> None:
-    """--seq-length, --max-input-length, --max-history and --prefill-lengths: the static
-    shapes of the nets, as compile, estimate and the rest take them."""
-    p.add_argument("--seq-length", type=int_at_least(2), default=512,
-                   help="KV cache capacity SEQ (at most the model's max_position_embeddings)")
-    p.add_argument("--max-input-length", type=int_at_least(1), default=None,
-                   help="prefill chunk L (default min(SEQ, 128))")
-    p.add_argument("--max-history", type=int_at_least(1), default=None,
-                   help="history Hh the prefill_kv net attends to (default SEQ)")
-    p.add_argument("--prefill-lengths", type=chunk_lengths, default=None, metavar="N,N,...",
-                   help="the chunk lengths the prefill nets are also compiled at; a prompt "
-                   "chunk runs the shortest that holds it (default 16, 64, 256, ... below L; "
-                   "the longest is L, or L is their largest when --max-input-length is not "
-                   "given)")
-
-
-#: how a model is spread over several devices (`--parallel`)
-PARALLEL_STRATEGIES = ("tp", "pp")
-
-
-def add_device_args(p: argparse.ArgumentParser) -> None:
-    """--devices and --parallel: how many chips the model is spread over and how, as
-    compile, estimate and sweep take them."""
-    p.add_argument("--devices", type=int_at_least(1), default=1,
-                   help="chips to spread the model over (at most the chip preset's "
-                   "max_devices)")
-    p.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default=None,
-                   help="with --devices 2 or more: tp (tensor parallel: every layer cut over "
-                   "all devices, collectives between) or pp (pipeline parallel: contiguous "
-                   "layers per device, the hidden state sent on); default tp")
-
-
-def add_weight_quant_args(p: argparse.ArgumentParser) -> None:
-    """--group-size and --symmetric, as compile, estimate and compare take them (None: the
-    mode's default, which the help states)."""
-    p.add_argument("--group-size", type=group_size, default=None,
-                   help=f"w4 modes: quantization group size (default {DEFAULT_GROUP_SIZE}; -1: "
-                   "per channel)")
-    p.add_argument("--symmetric", action="store_true", default=None,
-                   help="w4/w8 modes: symmetric weight quantization (default: w8 symmetric, "
-                   "w4 asymmetric)")
+#: how a model is spread over several devices (`--parallel`; `toptpu.devices.Parallel`)
+PARALLEL_STRATEGIES = tuple(p.value for p in Parallel)

@@ -1,17 +1,21 @@
 """The compile driver: a causal LM (or a VLM) in, one model file out (`toptpu.compile`).
 
-`compile` composes four steps, each with a typed result:
+`compile` checks its request (`toptpu.request.CompileRequest`, built from its keywords
+when not given; `compile_options.check_compile_request`: against the output paths and the
+model's config) and composes four steps, each with a typed result:
 
-1. `plan(model, options) -> CompilePlan`: load the model (`frontends.hf_loader` /
+1. `plan(model, request) -> CompilePlan`: load the model (`frontends.hf_loader` /
    `frontends.vlm`), resolve the quantization mode (a pre-quantized checkpoint's own:
    `toptpu.prequantized`), split it into the nets of the net contract
    (`toptpu.backend.contract`, `frontends.llm`; per-layer nets wrap layer 0, and each layer
    variant of a mixed checkpoint its representative), and say where each layer's tensors
    come from (`toptpu.layer_weights`). Nothing is compiled yet.
-2. `compile_nets(plan) -> CompiledNets`: import each net ONCE into Top (torch.export) with
-   its weights in one in-memory weight store, run `top-pipeline`, check that the history nets
-   attend to their caches in place (reload-free), run `tpu-pipeline{mode, group_size,
-   symmetric}`, then the machine pipeline and codegen (`toptpu.machine_pipeline`).
+2. `compile_nets(plan) -> CompiledNets`: each net compiled by `net_compiler.compile_net`
+   (as `toptpu estimate` and `toptpu compare` compile theirs): imported ONCE into Top
+   (torch.export) with its weights in one in-memory weight store, `top-pipeline`, the
+   history nets checked to attend to their caches in place (reload-free), `tpu-pipeline{mode,
+   group_size, symmetric}`, then the machine pipeline and codegen
+   (`toptpu.machine_pipeline`).
 3. `pack_weights(plan, compiled) -> PackedWeights`: the weight blob's layout
    (`WeightLayout`: shared tensors once, then one chunk per layer, laid out as its layer
    variant's: each variant's chunk holds only its own tensors) and its bytes, made region
@@ -43,10 +47,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
 
 import numpy as np
-from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType
-from xdsl.ir import BlockArgument, Operation
-from xdsl.passes import ModulePass
+from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.printer import Printer
 
 from toptpu.backend.contract import (
@@ -57,19 +58,12 @@ from toptpu.backend.contract import (
     EMBEDDING_CACHE,
     GREEDY_HEAD,
     HISTORY_K,
-    HISTORY_NETS,
     HISTORY_V,
     LINEAR_ATTENTION,
     LM_HEAD,
-    LOGITS,
-    PER_LAYER_NETS,
-    PRESENT_RECURRENT_STATE,
     RECURRENT_STATE,
-    SAMPLE_HEAD,
-    STATE_IN_PLACE,
     NetName,
     StaticShapes,
-    TensorSpec,
 )
 from toptpu.backend.formats.header_schema import HeaderError, decode
 from toptpu.backend.formats.llm_file import (
@@ -95,16 +89,15 @@ from toptpu.backend.formats.llm_file import (
     write_llm_file,
 )
 from toptpu.backend.formats.model_file import StreamedGroup, StreamedSection
-from toptpu.backend.formats.program import Program, constant_pool
+from toptpu.backend.formats.program import constant_pool
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.runtime.runtime import TemplateLimitError, Tokenizer
-from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
+from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import net_timing
 from toptpu.compile_options import (
     DEFAULT_GROUP_SIZE,
     CompileError,
-    CompileOptions,
     check_compile_request,
     check_group_size,
     check_quant_options,
@@ -112,28 +105,19 @@ from toptpu.compile_options import (
     known_chips,
     kv_cache_size,
 )
-from toptpu.devices import balance_layers, devices_needed
-from toptpu.dialects import top, tpu
-from toptpu.dialects.common import QuantMode, numpy_dtype
-from toptpu.dialects.naming import input_names, output_names
+from toptpu.devices import Parallel, balance_layers, devices_needed
+from toptpu.dialects import tpu
+from toptpu.dialects.common import QuantMode
 from toptpu.dialects.output_file import write_output
 from toptpu.dialects.sharding import (
-    ShardingError,
-    Split,
-    arg_split,
     device_tensor,
     parse_shard_name,
-    result_split,
-    set_arg_split,
 )
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
-from toptpu.errors import ToptpuError
-from toptpu.frontends.fx_importer import ImportError_, import_module
 from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
 from toptpu.frontends.llm import (
     LlmArch,
-    NetSpec,
     check_block_matches_model,
     layer_key,
     split_model,
@@ -141,10 +125,13 @@ from toptpu.frontends.llm import (
 from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
 from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
-from toptpu.machine_pipeline import compile_for_machine
-from toptpu.passes.convert_top_to_tpu import parse_mode
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
-from toptpu.passes.tensor_parallel import TensorParallelPass
+from toptpu.net_compiler import (
+    CompiledNet,
+    NetPlan,
+    check_reload_free,
+    check_state_in_place,
+    compile_net,
+)
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
 from toptpu.prequantized import (
     add_checkpoint_tensors,
@@ -152,22 +139,9 @@ from toptpu.prequantized import (
     layer_variants,
     resolve_mode,
 )
+from toptpu.request import AskedMode, CompileRequest, activation_mode
 
 # ====================================================================== the steps' results
-
-
-@dataclass(frozen=True)
-class NetPlan:
-    """One net to compile: what to export, in which mode, under which weight-name prefix
-    ("v3." for the nets of the layer variant whose representative is layer 3)."""
-
-    spec: NetSpec
-    mode: str
-    weight_prefix: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
 
 @dataclass
@@ -176,27 +150,27 @@ class CompilePlan:
 
     loaded: LoadedModel
     arch: LlmArch
-    options: CompileOptions
-    mode: str  # the quantization mode, resolved (`prequantized.resolve_mode`)
+    request: CompileRequest
+    mode: QuantMode  # the quantization mode, resolved (`prequantized.resolve_mode`)
     nets: list[NetPlan]  # in compile order
     #: representative layer -> the layers compiled with its per-layer nets
     variants: dict[int, list[int]]
     layers: LayerWeights  # where each layer's tensors come from
     vision: Any = None  # a VLM's vision tower (`frontends.vlm`), None for an LLM
-    vit_mode: str | None = None  # the vit net's mode
+    vit_mode: QuantMode | None = None  # the vit net's mode
     load_seconds: float = 0.0
 
     @property
-    def chip(self) -> str:
-        return self.options.chip
+    def chip(self) -> Chip:
+        return self.request.chip
 
     @property
     def shapes(self) -> StaticShapes:
-        return self.options.shapes
+        return self.request.shapes
 
     @property
     def group_size(self) -> int:
-        return self.options.quant_group_size
+        return self.request.quant_group_size
 
     @property
     def num_layers(self) -> int:
@@ -205,22 +179,6 @@ class CompilePlan:
     def variant_of(self, layer: int) -> int:
         """The representative layer whose per-layer nets `layer` runs with."""
         return next(rep for rep, layers in self.variants.items() if layer in layers)
-
-
-@dataclass
-class CompiledNet:
-    name: str
-    per_layer: bool
-    inputs: list[TensorSpec]  # the net contract's (a tensor-parallel net's whole tensors)
-    outputs: list[TensorSpec]
-    tpu: ModuleOp
-    top: ModuleOp | None = None  # the Top module after top-pipeline, when kept
-    ir_bytes: int = 0
-    seconds: float = 0.0
-    program: Program | None = None  # the machine's command streams
-    stream_bytes: int = 0
-    #: a tensor-parallel net's inputs and outputs cut over the devices (by IO name)
-    splits: dict[str, Split] = field(default_factory=dict)
 
 
 @dataclass
@@ -325,49 +283,38 @@ class CompileResult:
 def compile(  # noqa: A001 - the public API is toptpu.compile
     model: Any,
     output: str,
+    request: CompileRequest | None = None,
     *,
-    mode: str | None = "f32",
-    chip: str = DEFAULT_CHIP,
-    seq_length: int = 512,
-    max_input_length: int | None = None,
-    max_history: int | None = None,
-    prefill_lengths: Sequence[int] | None = None,
-    group_size: int | None = None,
-    symmetric: bool | None = None,
-    dump_ir: str | None = None,
     tokenizer: Any = None,
     progress: IO[str] | None = sys.stderr,
     keep_modules: bool = False,
-    image_size: int | None = None,
-    max_tiles: int | None = None,
-    max_patches: int | None = None,
-    vision_mode: str | None = None,
-    dequantize: str | None = None,
-    max_pixels: tuple[int, int] | None = None,
-    devices: int = 1,
-    parallel: str | None = None,
+    **keywords: Any,
 ) -> CompileResult:
     """Compile a causal LM (or a VLM: InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL,
-    Qwen3.5) to a model file at `output`.
+    Qwen3.5) to a model file at `output`, as `request` asks (a `toptpu.request.
+    CompileRequest`), or as the `keywords` ask (`CompileRequest.make(**keywords)`; the
+    options of `toptpu compile`, by their Python names):
 
     `model`: a Hugging Face directory, an in-memory transformers causal LM (with optional
     `tokenizer`), or a `LoadedModel`. `mode`: f32 | f16 | bf16 | w8f16 | w8bf16 | w4f16 |
-    w4bf16 | w8f32 | w4f32. Static shapes: `seq_length` (KV capacity), `max_input_length`
-    (prefill chunk, default min(SEQ, 128)), `max_history` (history of prefill_kv, default
-    SEQ), `prefill_lengths` (the chunk lengths the prefill nets are compiled at besides
-    `max_input_length`; default 16, 64, 256, ... below it: a short prompt runs the shortest
-    that holds it). `group_size` (w4 modes only; default 64, -1 per channel) and `symmetric` (w4/w8
-    modes) shape round-to-nearest quantization and are refused where they would be ignored
-    (float modes, w8's per-channel scales, pre-quantized checkpoints). Every argument and
-    output path is checked before any work starts (`check_compile_request`): `output` and
-    `dump_ir` must not lie inside the input model directory. `keep_modules` keeps each
-    net's Top and Tpu modules and the weight store in the result (for stage comparisons).
+    w4bf16 | w8f32 | w4f32 | auto (default: f32, or a pre-quantized checkpoint's own).
+    `chip`: a preset's name. Static shapes: `seq_length` (KV capacity, default 512),
+    `max_input_length` (prefill chunk, default min(SEQ, 128)), `max_history` (history of
+    prefill_kv, default SEQ), `prefill_lengths` (the chunk lengths the prefill nets are
+    compiled at besides `max_input_length`; default 16, 64, 256, ... below it: a short
+    prompt runs the shortest that holds it). `group_size` (w4 modes only; default 64, -1 per
+    channel) and `symmetric` (w4/w8 modes) shape round-to-nearest quantization and are
+    refused where they would be ignored (float modes, w8's per-channel scales,
+    pre-quantized checkpoints). Every argument and output path is checked before any work
+    starts (`check_compile_request`): `output` and `dump_ir` must not lie inside the input
+    model directory. `keep_modules` keeps each net's Top and Tpu modules and the weight
+    store in the result (for stage comparisons).
     VLMs (`toptpu.frontends.vlm`) add the `vit` net: `image_size` (tile size; default the
     checkpoint's), `max_tiles` (InternVL tiles / MiniCPM-V slices per image), `max_patches`
     (MiniCPM-V patch budget per slice; Qwen-VL patch budget per image or video),
     `max_pixels` (Qwen-VL: the budget as W x H pixels; default 768 x 768), `vision_mode`
-    (default: `mode`'s activation type,
-    e.g. bf16 for w4bf16 — weight-only quantization is for the text model).
+    (default: `mode`'s activation type, e.g. bf16 for w4bf16 — weight-only quantization is
+    for the text model).
     A GGUF file (or a directory holding one, `frontends.gguf_loader`) compiles from its
     F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
     compiles in that mode. `devices` > 1 spreads the model over that many chips,
@@ -376,14 +323,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     (`Chip.ddr_bytes`): a model that does not is refused with the device count it needs.
     """
     t0 = time.perf_counter()
-    options = check_compile_request(
-        model, output, mode=mode, chip=chip, seq_length=seq_length,
-        max_input_length=max_input_length, max_history=max_history, group_size=group_size,
-        symmetric=symmetric, dump_ir=dump_ir, vision_mode=vision_mode, image_size=image_size,
-        max_tiles=max_tiles, max_patches=max_patches, dequantize=dequantize,
-        max_pixels=max_pixels, devices=devices, parallel=parallel,
-        prefill_lengths=prefill_lengths)
-    the_plan = plan(model, options, tokenizer=tokenizer, output=output, progress=progress,
+    request = check_compile_request(model, output, request, **keywords)
+    the_plan = plan(model, request, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
     timings = {"load": the_plan.load_seconds}
     bar = Progress(len(the_plan.nets), progress)
@@ -392,7 +333,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
 
     t = time.perf_counter()
     packed: PackedWeights | DeviceWeights
-    if the_plan.options.parallel is None:
+    if the_plan.request.parallel is None:
         packed = pack_weights(the_plan, compiled)
         layout = packed.layout
         check_fits(the_plan, compiled, [(packed.layout, range(the_plan.num_layers))])
@@ -424,7 +365,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
 # ====================================================================== step 1: plan
 
 
-def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: str = "",
+def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: str = "",
          progress: IO[str] | None = None, stream: bool = True) -> CompilePlan:
     """Load the model and decide what to compile: the mode, the nets (with each layer
     variant's), where each layer's tensors come from. A line naming the model and the
@@ -435,33 +376,33 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
     from a skeleton, every layer's tensors from the shards when its chunk is written."""
     t = time.perf_counter()
     loaded = model if isinstance(model, LoadedModel) else _load(
-        model, tokenizer, options.image_size, options.max_tiles, options.max_patches,
-        options.vision_mode, stream=stream and options.dump_ir is None,
-        dequantize=options.dequantize, mode=options.mode, max_pixels=options.max_pixels)
+        model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
+        request.vision_mode, stream=stream and request.dump_ir is None,
+        dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
-    mode = resolve_mode(options.mode, loaded)
+    mode = resolve_mode(request.mode, loaded)
     if loaded.checkpoint is not None:
-        check_quant_options(mode, options.group_size, options.symmetric, loaded.source)
+        check_quant_options(mode, request.group_size, request.symmetric, loaded.source)
     arch = LlmArch.of(hf)
-    check_parallel_model(loaded, arch, options)
-    shapes = options.shapes
+    check_parallel_model(loaded, arch, request)
+    shapes = request.shapes
     if progress is not None:
-        spread = "" if options.parallel is None else \
-            f", {options.devices} devices {options.parallel}"
+        spread = "" if request.parallel is None else \
+            f", {request.devices} devices {request.parallel}"
         progress.write(f"toptpu compile: {loaded.source} ({arch.family}, {arch.num_layers} "
                        f"layers, hidden {arch.hidden_size}) -> {output} [{mode}, "
-                       f"{options.chip}{spread}, seq {shapes.seq_length}, input "
+                       f"{request.chip.name}{spread}, seq {shapes.seq_length}, input "
                        f"{shapes.max_input_length}, history {shapes.max_history}, prefill "
                        f"lengths {','.join(map(str, shapes.prefill_lengths))}]\n")
-    act = QuantMode(mode).activation
+    act = mode.activation
     vision = getattr(loaded, "vision", None)
     axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
     specs = split_model(hf, shapes, act=act, position_axes=axes)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
-    vit = _vision_net(loaded, mode, options.vision_mode, shapes)
+    vit = _vision_net(loaded, mode, request.vision_mode, shapes)
     if vit is not None:
         nets.append(vit)
         nets += [NetPlan(spec, spec.mode or mode) for spec in vision.extra_specs(shapes, act)]
@@ -484,7 +425,7 @@ def plan(model: Any, options: CompileOptions, *, tokenizer: Any = None, output: 
         for net in nets:
             if not net.spec.per_layer:
                 loaded.stream.bind_shared(net.spec.module, net.weight_prefix)
-    return CompilePlan(loaded, arch, options, mode, nets, variants, layers, vision,
+    return CompilePlan(loaded, arch, request, mode, nets, variants, layers, vision,
                        vit.mode if vit else None, load_seconds)
 
 
@@ -493,21 +434,22 @@ _PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content":
           {"role": "user", "content": "How are you?"}]
 
 
-def check_parallel_model(loaded: LoadedModel, arch: LlmArch, options: CompileOptions) -> None:
+def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileRequest
+                         ) -> None:
     """What a multi-device compile cannot take yet: a vision-language model; for tensor
     parallelism a pre-quantized checkpoint (its packed integers are not cut yet) and
     linear-attention layers."""
-    if options.parallel is None:
+    if request.parallel is None:
         return
-    flag = f"--devices {options.devices} --parallel {options.parallel}"
+    flag = f"--devices {request.devices} --parallel {request.parallel}"
     if getattr(loaded, "vision", None) is not None:
         raise CompileError(f"{flag}: {loaded.source} is a vision-language model, which "
                            "toptpu compiles for one chip only")
-    if options.parallel == "tp" and loaded.checkpoint is not None:
+    if request.parallel is Parallel.TP and loaded.checkpoint is not None:
         raise CompileError(f"{flag}: {loaded.source} is a pre-quantized checkpoint, whose "
                            "packed integers toptpu does not cut over devices yet; use "
                            "--parallel pp")
-    if options.parallel == "tp" and LINEAR_ATTENTION in arch.layer_types:
+    if request.parallel is Parallel.TP and LINEAR_ATTENTION in arch.layer_types:
         raise CompileError(f"{flag}: {loaded.source} has linear-attention layers, which "
                            "toptpu does not cut over devices yet; use --parallel pp")
 
@@ -532,8 +474,8 @@ def check_chat_template(files: dict[str, bytes], source: str) -> None:
 
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
-          max_patches: int | None, vision_mode: str | None, stream: bool = False,
-          dequantize: str | None = None, mode: str | None = None,
+          max_patches: int | None, vision_mode: QuantMode | None, stream: bool = False,
+          dequantize: QuantMode | None = None, mode: AskedMode = None,
           max_pixels: tuple[int, int] | None = None) -> LoadedModel:
     """A VLM through `toptpu.frontends.vlm.load_vlm` (a directory with `stream`: its text
     model streamed), a directory with `stream` through `frontends.streaming.load_streaming`,
@@ -556,18 +498,14 @@ def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | N
     return load_model(model, tokenizer)
 
 
-def _vision_net(loaded: LoadedModel, mode: str, vision_mode: str | None,
+def _vision_net(loaded: LoadedModel, mode: QuantMode, vision_mode: QuantMode | None,
                 shapes: StaticShapes) -> NetPlan | None:
     """A VLM's `vit` net (checked against the model's own image features) in the mode it
     compiles in; None for a model without a vision tower."""
     vision = getattr(loaded, "vision", None)
     if vision is None:
         return None
-    vit_mode = vision_mode or QuantMode(mode).activation
-    try:
-        parse_mode(vit_mode)
-    except ValueError as e:
-        raise CompileError(f"--vision-quantize: {e}") from e
+    vit_mode = vision_mode or activation_mode(mode)
     need = vision.max_image_tokens() + 2
     if need > shapes.seq_length and vision.kind == "qwenvl":
         raise CompileError(
@@ -591,7 +529,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
                  keep_top: bool = False) -> CompiledNets:
     """Compile every net of the plan, in order, with one in-memory weight store (and, for a
     pre-quantized checkpoint, its tensors beside the float weights). `keep_top` keeps each
-    net's Top module. With `options.dump_ir`, every net's IR after every pass is written
+    net's Top module. With `request.dump_ir`, every net's IR after every pass is written
     there, and the store beside it."""
     bar = progress if progress is not None else Progress(len(plan.nets), None)
     store = WeightStore()
@@ -599,7 +537,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         add_checkpoint_tensors(store, [n.spec for n in plan.nets], plan.loaded.model,
                                plan.loaded.checkpoint,
                                {n.name: n.weight_prefix for n in plan.nets})
-    dump = IrDump.make(plan.options.dump_ir)
+    dump = IrDump.make(plan.request.dump_ir)
     nets = {}
     stream = plan.loaded.stream
     if dump is not None and stream is not None:  # (a GGUF file is streamed even then)
@@ -676,155 +614,21 @@ class IrDump:
 
 def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progress,
                  dump: IrDump | None, keep_top: bool) -> CompiledNet:
-    """Import one net into Top, run top-pipeline, tpu-pipeline, the machine pipeline and
-    codegen (progress and dumps after each pass)."""
-    t0 = time.perf_counter()
+    """`compile_net` with progress (and dumps) after the import and each pass."""
     bar.start(net.name)
     last = [time.perf_counter()]
     write_dump = dump.writer(net.name) if dump is not None else None
 
-    def after(p: ModulePass, module: ModuleOp) -> None:
+    def on_step(what: str, module: ModuleOp, spec: str | None = None) -> None:
         now = time.perf_counter()
-        bar.step(p.name, now - last[0])
+        bar.step(what, now - last[0])
         last[0] = now
         if write_dump is not None:
-            write_dump(module, p.name, str(p.pipeline_pass_spec()))
+            write_dump(module, what, spec)
 
-    spec = net.spec
-    try:
-        module, _ = import_module(spec.module, spec.args, store=store,
-                                  weight_prefix=net.weight_prefix,
-                                  input_names=spec.input_names,
-                                  output_names=spec.output_names)
-    except ImportError_ as e:
-        raise CompileError(f"net '{net.name}': {e}") from e
-    now = time.perf_counter()
-    bar.step("import", now - last[0])
-    last[0] = now
-    if write_dump is not None:
-        write_dump(module, "import")
-    run_passes(module, top_pipeline_passes(), after=after, store=store)
-    if PRESENT_RECURRENT_STATE in spec.output_names:
-        check_state_in_place(module, net.name)
-    elif NetName.parse(net.name).base in HISTORY_NETS:
-        check_reload_free(module, net.name)
-    splits: dict[str, Split] = {}
-    if plan.options.parallel == "tp" and NetName.parse(net.name).base in TP_NETS:
-        splits = cut_for_devices(module, plan, store, after)
-    top_module = module.clone() if keep_top else None
-    try:
-        run_passes(module, tpu_pipeline_passes(net.mode, plan.group_size,
-                                               plan.options.symmetric,
-                                               keep_input_types=spec.keep_input_types),
-                   after=after, store=store)
-    except ToptpuError as e:  # lowering: a mode or weight the net cannot take
-        raise CompileError(f"net '{net.name}': {e}") from e
-    try:  # on a copy: the net's Tpu IR in the model file is the ungrouped one
-        program = compile_for_machine(module.clone(), plan.chip, after=after)
-    except ToptpuError as e:  # the machine passes and codegen: what the chip cannot hold
-        raise CompileError(f"net '{net.name}' on {plan.chip}: {e}") from e
-    ins, outs = (_whole(specs, splits) for specs in _io_specs(module))
-    seconds = time.perf_counter() - t0
-    bar.finish(seconds)
-    return CompiledNet(net.name, spec.per_layer, ins, outs, module, top_module, 0, seconds,
-                       program, splits=splits)
-
-
-#: the nets tensor parallelism cuts over the devices (the embeddings run on device 0)
-TP_NETS = (*PER_LAYER_NETS, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
-
-
-def cut_for_devices(module: ModuleOp, plan: CompilePlan, store: WeightStore,
-                    after: Callable[[ModulePass, ModuleOp], None]) -> dict[str, Split]:
-    """Run the tensor-parallel pass on a net (the heads take the lm_head's logits cut by
-    vocabulary); how its inputs and outputs end up cut, by name."""
-    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
-    n = plan.options.devices
-    names = input_names(fn)
-    if LOGITS in names:  # the heads read the lm_head's logits, cut by vocabulary
-        set_arg_split(fn, names.index(LOGITS), Split(1, n))
-    try:
-        run_passes(module, [TensorParallelPass(n, plan.chip)], after=after, store=store)
-    except ShardingError as e:
-        raise CompileError(f"--parallel tp: {e}") from e
-    out = {name: s for i, name in enumerate(input_names(fn))
-           if (s := arg_split(fn, i)) is not None}
-    out.update({name: s for i, name in enumerate(output_names(fn))
-                if (s := result_split(fn, i)) is not None})
-    return out
-
-
-def _whole(specs: list[TensorSpec], splits: dict[str, Split]) -> list[TensorSpec]:
-    """The IO specs of a net's whole tensors (a device's piece made whole again)."""
-    return [replace(s, shape=splits[s.name].whole_shape(s.shape)) if s.name in splits else s
-            for s in specs]
-
-
-def _io_specs(module: ModuleOp) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
-
-    def spec(name: str, t: Any) -> TensorSpec:
-        assert isinstance(t, TensorType)
-        return TensorSpec(name, tuple(int(d) for d in t.get_shape()),
-                          numpy_dtype(t.element_type).name)
-
-    ins = [spec(n, t) for n, t in zip(input_names(fn), fn.function_type.inputs.data,
-                                      strict=True)]
-    outs = [spec(n, t) for n, t in zip(output_names(fn), fn.function_type.outputs.data,
-                                       strict=True)]
-    return ins, outs
-
-
-def check_reload_free(module: ModuleOp, net: str) -> None:
-    """A history net must attend to `history_k`/`history_v` as they are (function
-    arguments as attention history operands), never through a concatenated copy."""
-    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
-    names = input_names(fn)
-    args = {names[a.index]: a for a in fn.body.block.args}
-    atts = [op for op in module.walk() if isinstance(op, top.AttentionOp)]
-    ok = len(atts) == 1 and atts[0].history_k is args.get(HISTORY_K) and \
-        atts[0].history_v is args.get(HISTORY_V)
-    concat_of_cache = [op for op in module.walk() if isinstance(op, top.ConcatOp) and any(
-        isinstance(v, BlockArgument) and names[v.index] in (HISTORY_K, HISTORY_V)
-        for v in op.operands)]
-    if not ok or concat_of_cache:
-        raise CompileError(
-            f"net '{net}': the fuse pass did not turn attention over concat(history, new) into "
-            "top.attention with history operands, so decode would copy and reload the KV "
-            "cache. The model's attention does not have the form the splitter expects.")
-
-
-
-#: the Top ops that take a linear-attention state and return the new one (result 1)
-STATE_OPS = {CONV_STATE: "top.causal_conv1d", RECURRENT_STATE: "top.gated_delta_rule"}
-
-
-def check_state_in_place(module: ModuleOp, net: str) -> None:
-    """A linear-attention net must return each new state straight from the one op that
-    updates it (`STATE_OPS`), and that op must read the state input as it is: the runtime
-    binds a state's input and output to one buffer (updated in place, as the KV cache is),
-    so no copy of a state may exist and nothing else may read it."""
-    fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
-    ins, outs = input_names(fn), output_names(fn)
-    ret = fn.body.block.last_op
-    assert ret is not None
-    returned = dict(zip(outs, ret.operands, strict=True))
-    args = {ins[a.index]: a for a in fn.body.block.args}
-    for out, state in STATE_IN_PLACE.items():
-        value = returned.get(out)
-        owner = getattr(value, "owner", None)
-        op_name = STATE_OPS[state]
-        arg = args.get(state)
-        ok = (isinstance(owner, Operation) and owner.name == op_name
-              and len(owner.results) == 2 and owner.results[1] is value)
-        if ok and arg is not None:
-            ok = arg in owner.operands and all(use.operation is owner for use in arg.uses)
-        if not ok:
-            raise CompileError(
-                f"net '{net}': '{out}' is not the new state of a {op_name} that reads "
-                f"'{state}' directly, so the state could not be updated in place (the "
-                "fuse/import of the linear-attention layer does not have the form the "
-                "splitter emits)")
+    compiled = compile_net(net, plan.request, store, on_step=on_step, keep_top=keep_top)
+    bar.finish(compiled.seconds)
+    return compiled
 
 
 # ====================================================================== step 3: pack weights
@@ -850,7 +654,7 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
     pieces of device `device` of a multi-device compile (None: one device), in `section`."""
     store = compiled.store
     stream = plan.loaded.stream
-    n = plan.options.devices
+    n = plan.request.devices
 
     def cut(whole: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
         """A float tensor lookup giving this device's piece of a shard weight."""
@@ -955,7 +759,7 @@ class Placement:
     layers balanced by their modelled time, the embeddings on the first, the lm_head and
     the heads on the last)."""
 
-    strategy: str
+    strategy: Parallel
     layers: list[range]
     nets: list[tuple[str, ...]]
 
@@ -965,17 +769,17 @@ def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
     layer weighs its decode net's modelled time on the chip, the first device carries the
     embedding's too, the last the lm_head's and the greedy head's, and the contiguous split
     that makes the slowest device fastest is taken (`toptpu.devices.balance_layers`)."""
-    n, layers = plan.options.devices, plan.num_layers
+    n, layers = plan.request.devices, plan.num_layers
     names = list(compiled.nets)
     per_layer = [nm for nm in names if compiled.nets[nm].per_layer]
     embeddings = [nm for nm in names  # at every prefill length (`embedding:16`)
                   if NetName.parse(nm).base in (EMBEDDING, EMBEDDING_CACHE)]
     heads = [nm for nm in names if nm not in per_layer and nm not in embeddings]
-    if plan.options.parallel == "tp":
-        return Placement("tp", [range(layers)] * n,
+    if plan.request.parallel is Parallel.TP:
+        return Placement(Parallel.TP, [range(layers)] * n,
                          [tuple(names) if d == 0 else tuple(per_layer + heads)
                           for d in range(n)])
-    chip = get_chip(plan.chip)
+    chip = plan.chip
 
     def seconds(net: str) -> float:
         prog = compiled.nets[net].program
@@ -993,7 +797,7 @@ def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
         mine = [nm for nm in per_layer if nm in own]
         nets.append(tuple((embeddings if d == 0 else []) + mine
                           + (heads if d == n - 1 else [])))
-    return Placement("pp", ranges, nets)
+    return Placement(Parallel.PP, ranges, nets)
 
 
 @dataclass
@@ -1014,7 +818,7 @@ class DeviceWeights:
             for offset, data in p.shared_pieces():
                 yield p.layout.section, offset, data
         for layer in range(self.plan.num_layers):
-            if self.placement.strategy == "tp":
+            if self.placement.strategy is Parallel.TP:
                 yield from self._tp_layer(layer)
                 continue
             (p,) = [p for p in self.devices if p.layers is not None and layer in p.layers]
@@ -1071,7 +875,7 @@ def check_fits(plan: CompilePlan, compiled: CompiledNets,
     """Each device's weights and KV cache (or recurrent state) must fit its memory
     (`Chip.ddr_bytes`); otherwise the compile is refused naming how many devices the model
     needs (`toptpu.devices.devices_needed`)."""
-    chip = get_chip(plan.chip)
+    chip = plan.chip
     for d, (layout, layers) in enumerate(blobs):
         need = layout.size + sum(cache_bytes(compiled, plan, i) for i in layers)
         if need <= chip.ddr_bytes:
@@ -1143,7 +947,7 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights | Dev
         for base in (n for n, net in nets.items()
                      if net.per_layer and NetName.parse(n) == NetName(n))}
     vision_info = (None if plan.vision is None
-                   else {**plan.vision.header(), "mode": plan.vit_mode})
+                   else {**plan.vision.header(), "mode": str(plan.vit_mode)})
     header = _header(plan, nets, commands, packed, layer_nets, vision_info)
     blob = packed.section() if isinstance(packed, PackedWeights) else packed.group().members()
     try:
@@ -1159,7 +963,7 @@ def _parallel_info(packed: DeviceWeights, nets: dict[str, CompiledNet]) -> Paral
     how the tensor-parallel nets' IO is cut."""
     pl = packed.placement
     return ParallelInfo(
-        strategy=pl.strategy,
+        strategy=pl.strategy.value,
         devices=tuple(DeviceInfo(r.start, r.stop, tuple(n), p.layout)
                       for r, n, p in zip(pl.layers, pl.nets, packed.devices, strict=True)),
         splits={name: {io: IoSplit(s.axis, s.pieces) for io, s in net.splits.items()}
@@ -1202,10 +1006,10 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
     return LlmHeader(
         kind=KIND,
         llm_format=LLM_FORMAT,
-        chip=plan.chip,
-        mode=plan.mode,
+        chip=plan.chip.name,
+        mode=str(plan.mode),
         group_size=plan.group_size,
-        symmetric=plan.options.symmetric,
+        symmetric=plan.request.symmetric,
         shapes=plan.shapes,
         model=_model_info(plan.arch, _json_config(loaded.config)),
         generation=generation,
@@ -1280,7 +1084,8 @@ def print_ir(module: ModuleOp, generic: bool) -> str:
 
 
 
-__all__ = ["DEFAULT_GROUP_SIZE", "CompileError", "CompileOptions", "CompilePlan",
+__all__ = ["DEFAULT_GROUP_SIZE", "CompileError", "CompilePlan", "CompileRequest",
            "CompileResult", "CompiledNet", "CompiledNets", "ModelLoadError", "NetPlan",
-           "PackedWeights", "check_group_size", "check_seq_length", "compile", "compile_nets",
-           "known_chips", "kv_cache_size", "pack_weights", "plan", "write"]
+           "PackedWeights", "check_group_size", "check_reload_free", "check_seq_length",
+           "check_state_in_place", "compile", "compile_net", "compile_nets", "known_chips",
+           "kv_cache_size", "pack_weights", "plan", "write"]

@@ -17,8 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 
 from toptpu.backend.target.chips import Chip
+
+
+class Parallel(StrEnum):
+    """How a model is spread over several devices (`--parallel`)."""
+
+    TP = "tp"  # tensor parallel
+    PP = "pp"  # pipeline parallel
 
 
 def balance_layers(costs: Sequence[float], first: float, last: float, devices: int

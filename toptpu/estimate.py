@@ -43,8 +43,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import IO, Any
 
-from xdsl.dialects import func
-
 from toptpu import vlm_estimate
 from toptpu.backend.contract import (
     BLOCK,
@@ -59,7 +57,6 @@ from toptpu.backend.contract import (
     HISTORY_V,
     LINEAR_ATTENTION,
     LM_HEAD,
-    LOGITS,
     PER_LAYER_NETS,
     PREFILL_NETS,
     RECURRENT_STATE,
@@ -95,22 +92,15 @@ from toptpu.backend.target.chips import (
 from toptpu.backend.target.cost import CommandCost, NetTiming, net_timing
 from toptpu.cli_args import (
     UsageError,
-    add_device_args,
-    add_static_shape_args,
-    add_weight_quant_args,
     int_at_least,
     pixel_size,
 )
-from toptpu.devices import balance_layers, devices_needed
-from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
-from toptpu.dialects.naming import input_names
-from toptpu.dialects.sharding import Split, set_arg_split
+from toptpu.devices import Parallel, balance_layers, devices_needed
+from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
-from toptpu.errors import CompileError, ToptpuError
-from toptpu.machine_pipeline import compile_for_machine
-from toptpu.passes.convert_top_to_tpu import parse_mode
-from toptpu.passes.pipelines import run_passes, top_pipeline_passes, tpu_pipeline_passes
-from toptpu.passes.tensor_parallel import TensorParallelPass
+from toptpu.errors import CompileError
+from toptpu.net_compiler import CompiledNet, NetPlan, compile_net
+from toptpu.request import CompileRequest, add_request_args
 
 #: the nets a decode-speed and first-token estimate needs (prompts of at most one chunk)
 STEP_NETS = (EMBEDDING, EMBEDDING_CACHE, BLOCK, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD)
@@ -179,7 +169,7 @@ class CompiledCosts:
     cache or a sweep keeps of a compile."""
 
     model: ModelShape
-    mode: str
+    mode: QuantMode
     shapes: StaticShapes
     commands: dict[str, list[CommandCost]]
     weight_bytes: int  # the model file's (a multi-device file's: every device's together)
@@ -190,7 +180,7 @@ class CompiledCosts:
     #: rows of the full-attention nets' position_ids (3: a VLM's M-RoPE)
     position_axes: int = 1
     devices: int = 1
-    parallel: str | None = None  # tp | pp over `devices`
+    parallel: Parallel | None = None  # tp | pp over `devices`
     #: each device's weight blob and its layers' KV cache and linear-attention state (one
     #: entry for one device)
     device_weight_bytes: list[int] = field(default_factory=list)
@@ -207,9 +197,9 @@ class CompiledCosts:
     def spread(self) -> Spread | None:
         if self.parallel is None:
             return None
-        return Spread(self.parallel, self.devices,
+        return Spread(self.parallel.value, self.devices,
                       tuple(range(a, b) for a, b in self.device_layers)
-                      if self.parallel == "pp" else ())
+                      if self.parallel is Parallel.PP else ())
 
     def io(self) -> dict[str, Any]:
         return model_net_io(self.shapes, self.model, self.act, self.position_axes)
@@ -220,7 +210,7 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        out = {"model": self.model.to_json(), "mode": self.mode,
+        out = {"model": self.model.to_json(), "mode": self.mode.value,
                "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
                "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
                "compile_s": self.compile_s,
@@ -231,7 +221,7 @@ class CompiledCosts:
         if self.position_axes != 1:
             out["position_axes"] = self.position_axes
         if self.parallel is not None:
-            out.update(devices=self.devices, parallel=self.parallel,
+            out.update(devices=self.devices, parallel=self.parallel.value,
                        device_weight_bytes=self.device_weight_bytes,
                        device_kv_bytes=self.device_kv_bytes,
                        device_layers=[list(r) for r in self.device_layers])
@@ -243,7 +233,8 @@ class CompiledCosts:
             return (str(c[5][0]), str(c[5][1]), int(c[5][2])) if len(c) > 5 \
                 and c[5] is not None else None
 
-        return cls(model=ModelShape.from_json(d["model"]), mode=d["mode"],
+        parallel = d.get("parallel")
+        return cls(model=ModelShape.from_json(d["model"]), mode=QuantMode(d["mode"]),
                    shapes=StaticShapes(**d["shapes"]),
                    commands={n: [CommandCost(bool(c[0]), int(c[1]), int(c[2]), str(c[3]),
                                              tuple(c[4]), link(c),
@@ -253,15 +244,16 @@ class CompiledCosts:
                    compile_s=float(d.get("compile_s", 0.0)),
                    state_bytes=int(d.get("state_bytes", 0)),
                    position_axes=int(d.get("position_axes", 1)),
-                   devices=int(d.get("devices", 1)), parallel=d.get("parallel"),
+                   devices=int(d.get("devices", 1)),
+                   parallel=None if parallel is None else Parallel(parallel),
                    device_weight_bytes=[int(x) for x in d.get("device_weight_bytes", [])],
                    device_kv_bytes=[int(x) for x in d.get("device_kv_bytes", [])],
                    device_layers=[(int(a), int(b)) for a, b in d.get("device_layers", [])])
 
 
-def act_dtype(mode: str) -> str:
+def act_dtype(mode: QuantMode) -> str:
     """numpy dtype name of a mode's activations."""
-    return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[QuantMode(mode).activation]
+    return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[mode.activation]
 
 
 # =========================================================================== compiling
@@ -307,53 +299,48 @@ def model_net_io(shapes: StaticShapes, model: ModelShape, act: str, position_axe
     return out
 
 
-def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
-                  group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
-                  nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
-                  position_axes: int = 1, build: Any = None, devices: int = 1,
-                  parallel: str | None = None) -> CompiledCosts:
-    """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
-    (spread over `devices` by `parallel`, tp or pp, as `toptpu compile` spreads it) and
-    keep their command costs. `position_axes` 3: the full-attention nets take M-RoPE
-    positions (a VLM's text model, built by `build` where transformers has no causal LM
-    class for it)."""
+def compile_costs(config: Any, request: CompileRequest, nets: Sequence[str] = TEXT_NETS,
+                  progress: IO[str] | None = None, position_axes: int = 1,
+                  build: Any = None) -> CompiledCosts:
+    """Compile `nets` of the model of `config` (one layer, placeholder weights) as `request`
+    asks (its mode, chip, shapes, group size; spread over its devices, tp or pp, as
+    `toptpu compile` spreads it) and keep their command costs. `position_axes` 3: the
+    full-attention nets take M-RoPE positions (a VLM's text model, built by `build` where
+    transformers has no causal LM class for it)."""
     t0 = time.perf_counter()
-    cut = devices if parallel == "tp" else 1
-    programs = compile_programs(config, chip, mode, shapes, group_size, symmetric, nets,
-                                progress, cut, position_axes, build)
-    out = spread_costs(programs, model_shape(config), mode, shapes, devices, parallel, chip,
+    programs = compile_programs(config, request, nets, progress, position_axes, build)
+    out = spread_costs(programs, model_shape(config), request.fixed_mode("toptpu estimate"),
+                       request.shapes, request.devices, request.parallel, request.chip,
                        position_axes)
     out.compile_s = time.perf_counter() - t0
     return out
 
 
-def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
-                     group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
-                     nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
-                     tp_devices: int = 1, position_axes: int = 1, build: Any = None
-                     ) -> dict[str, Program]:
-    """The programs of `nets` of the model of `config` (one layer, placeholder weights) on
-    `chip`, cut for `tp_devices` devices (tensor parallel) when more than one."""
+def compile_programs(config: Any, request: CompileRequest, nets: Sequence[str] = TEXT_NETS,
+                     progress: IO[str] | None = None, position_axes: int = 1,
+                     build: Any = None) -> dict[str, Program]:
+    """The programs of `nets` of the model of `config` (one layer, placeholder weights),
+    each net compiled as `toptpu compile` compiles it (`net_compiler.compile_net`: the
+    tensor-parallel nets cut over the devices of a tp request)."""
     from toptpu.frontends.hf_loader import placeholder_model
     from toptpu.frontends.llm import split_model
 
+    mode = request.fixed_mode("toptpu estimate")
     shape = model_shape(config)
-    if tp_devices > 1 and shape.linear is not None:  # as `toptpu compile` refuses it
-        raise EstimateError(f"--devices {tp_devices} --parallel tp: the model has "
+    if request.parallel is Parallel.TP and shape.linear is not None:  # as compile refuses
+        raise EstimateError(f"--devices {request.devices} --parallel tp: the model has "
                             "linear-attention layers (Qwen3.5), which toptpu does not cut "
                             "over devices yet; use --parallel pp")
     reps = shape.representatives  # the first layer of each kind
     model = placeholder_model(config, layers=max(reps) + 1, build=build)
-    act = QuantMode(mode).activation
-    specs = {s.name: s for s in split_model(model, shapes, act=act,
-                                            position_axes=position_axes)}
-    prefixes = dict.fromkeys(specs, "")
+    shapes, act = request.shapes, mode.activation
+    specs = {s.name: NetPlan(s, s.mode or mode)
+             for s in split_model(model, shapes, act=act, position_axes=position_axes)}
     for rep in reps[1:]:  # another layer kind: its per-layer nets, named as compile does
         for s in split_model(model, shapes, layer=rep, act=act, position_axes=position_axes):
             if s.per_layer:
                 name = str(NetName.parse(s.name).at_layer(rep))
-                specs[name] = replace(s, name=name)
-                prefixes[name] = f"v{rep}."
+                specs[name] = NetPlan(replace(s, name=name), s.mode or mode, f"v{rep}.")
     unknown = [n for n in nets if n not in specs]
     if unknown:
         raise EstimateError(f"unknown nets {unknown}; nets: {', '.join(specs)}")
@@ -365,9 +352,7 @@ def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     programs: dict[str, Program] = {}
     for name in wanted:
         t = time.perf_counter()
-        cut = tp_devices if NetName.parse(name).base in TP_NETS else 1
-        programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip,
-                                     prefixes[name], cut)
+        programs[name] = program_of(compile_net(specs[name], request, store))
         if progress is not None:
             progress.write(f"  {name}: {len(programs[name].commands)} commands "
                            f"({time.perf_counter() - t:.1f}s)\n")
@@ -375,8 +360,14 @@ def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
     return programs
 
 
-def spread_costs(programs: Mapping[str, Program], shape: ModelShape, mode: str,
-                 shapes: StaticShapes, devices: int = 1, parallel: str | None = None,
+def program_of(net: CompiledNet) -> Program:
+    """The machine program of a net compiled with the machine pipeline."""
+    assert net.program is not None, net.name
+    return net.program
+
+
+def spread_costs(programs: Mapping[str, Program], shape: ModelShape, mode: QuantMode,
+                 shapes: StaticShapes, devices: int = 1, parallel: Parallel | None = None,
                  chip: Chip | None = None, position_axes: int = 1) -> CompiledCosts:
     """The costs of compiled `programs` on `devices` devices by `parallel` (the programs of
     a pp spread are the one-device programs: one compile serves every device count)."""
@@ -395,40 +386,6 @@ def spread_costs(programs: Mapping[str, Program], shape: ModelShape, mode: str,
                    device_kv_bytes=[k + s for k, s in zip(shares.kv, shares.state,
                                                            strict=True)],
                    device_layers=[(r.start, r.stop) for r in shares.layers])
-
-
-#: the nets tensor parallelism cuts over the devices (`toptpu.compiler.TP_NETS`)
-TP_NETS = (*PER_LAYER_NETS, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
-
-
-def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
-                symmetric: bool | None, chip: Chip, weight_prefix: str = "",
-                devices: int = 1) -> Program:
-    """One net as `toptpu compile` compiles it, on any chip: its command streams (cut for
-    `devices` devices by the tensor-parallel pass when more than one)."""
-    from toptpu.frontends.fx_importer import import_module
-
-    try:
-        module, _ = import_module(spec.module, spec.args, store=store,
-                                  weight_prefix=weight_prefix,
-                                  input_names=spec.input_names,
-                                  output_names=spec.output_names)
-        run_passes(module, top_pipeline_passes(), store=store)
-        if devices > 1:
-            fn = next(op for op in module.ops if isinstance(op, func.FuncOp))
-            names = input_names(fn)
-            if LOGITS in names:  # the heads take the lm_head's logits cut by vocabulary
-                set_arg_split(fn, names.index(LOGITS), Split(1, devices))
-            run_passes(module, [TensorParallelPass(devices, chip.name)], store=store)
-        run_passes(module, tpu_pipeline_passes(spec.mode or mode, group_size, symmetric,
-                                               keep_input_types=spec.keep_input_types),
-                   store=store)
-    except ToptpuError as e:  # importing or lowering the net
-        raise CompileError(f"net '{spec.name}': {e}") from e
-    try:
-        return compile_for_machine(module, chip)
-    except ToptpuError as e:  # the machine passes and codegen: what the chip cannot hold
-        raise CompileError(f"net '{spec.name}' on {chip.name}: {e}") from e
 
 
 def weight_bytes(programs: Mapping[str, Program], shape: ModelShape,
@@ -472,7 +429,7 @@ class DeviceShares:
 
 
 def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: int,
-                 parallel: str, chip: Chip) -> DeviceShares:
+                 parallel: Parallel, chip: Chip) -> DeviceShares:
     """Each device's layers, weight blob, KV cache and linear-attention state, as
     a multi-device compile lays them out (`toptpu.compiler.place`): tp, every layer's
     pieces on every device, the embedding on device 0; pp, contiguous layers balanced by
@@ -490,7 +447,7 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
                   if NetName.parse(n).base in (EMBEDDING, EMBEDDING_CACHE)]
     per_layer = [n for n in programs if NetName.parse(n).base in PER_LAYER_NETS]
     heads = [n for n in programs if n not in embeddings and n not in per_layer]
-    if parallel == "tp":
+    if parallel is Parallel.TP:
         ranges = [range(layers)] * devices
         nets = [embeddings + per_layer + heads] + [per_layer + heads] * (devices - 1)
     else:
@@ -516,7 +473,7 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
                          for r in ranges])
 
 
-def kv_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:
+def kv_bytes(shape: ModelShape, shapes: StaticShapes, mode: QuantMode) -> int:
     """Both caches of every full-attention layer: 2 x layers x SEQ x kv heads x head_dim x
     act bytes."""
     ins, _ = net_io(shapes, shape, act_dtype(mode))[BLOCK_CACHE]
@@ -524,7 +481,7 @@ def kv_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:
     return 2 * shape.layers_of(FULL_ATTENTION) * history.nbytes
 
 
-def state_bytes(shape: ModelShape, shapes: StaticShapes, mode: str) -> int:
+def state_bytes(shape: ModelShape, shapes: StaticShapes, mode: QuantMode) -> int:
     """The state of every linear-attention layer: its conv state (act type) and recurrent
     state (f32), which a decode step reads and writes in place."""
     if shape.linear is None:
@@ -807,105 +764,84 @@ def chip_with(chip: Chip, figures: Mapping[str, Any]) -> Chip:
     return chip.with_figures(**figures)
 
 
-def read_checked_config(config_dir: str, mode: str, seq_length: int,
-                        group_size: int | None = None, symmetric: bool | None = None,
-                        devices: int = 1, parallel: str | None = None) -> Any:
-    """The config of `config_dir`, checked as `toptpu compile` checks it for `mode`,
-    `seq_length` and the devices (a user error names the problem)."""
+def read_checked_config(config_dir: str, request: CompileRequest) -> Any:
+    """The config of `config_dir`, checked as `toptpu compile` checks it for the request
+    (its mode, sequence length, group size and devices; a user error names the problem)."""
     from toptpu.compile_options import (
         check_group_size,
         check_parallel_config,
-        check_quant_options,
         check_seq_length,
     )
     from toptpu.frontends.hf_loader import check_config, read_config
 
-    try:
-        parse_mode(mode)
-    except ValueError as e:
-        raise CompileError(str(e)) from e
-    check_quant_options(mode, group_size, symmetric)
+    mode = request.fixed_mode("toptpu estimate")
     config, raw = read_config(config_dir)
     where = f"{config_dir}/config.json"
     check_config(_without_quantization(config), where)
-    check_seq_length(raw, where, seq_length, mode)
-    check_group_size(raw, where, mode, group_size)
+    check_seq_length(raw, where, request.shapes.seq_length, mode)
+    check_group_size(raw, where, mode, request.group_size)
     check_parallel_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict)
-                          else raw, where, devices, parallel, mode, group_size)
+                          else raw, where, request.devices, request.parallel, mode,
+                          request.group_size)
     return config
 
 
 def cmd_estimate(args: Any) -> int:
     """Modelled time to first token and decode speed of a model on a chip, from its
     config.json alone (one layer compiled with placeholder weights)."""
-    from toptpu.compile_options import check_devices
-
     try:
-        shapes = StaticShapes.make(args.seq_length, args.max_input_length, args.max_history,
-                                   args.prefill_lengths)
-        base = get_chip(args.chip)
+        base = get_chip(args.chip)  # a name argparse checked (`--chip` choices)
         chip = chip_with(base, parse_figures(args.set, base))
     except (ValueError, ChipFigureError) as e:
         raise CompileError(str(e)) from e
-    parallel = check_devices(args.devices, args.parallel, chip)
+    request = CompileRequest.from_args(args, chip=chip)  # the preset, figures changed
+    request.fixed_mode("toptpu estimate")
     vlm = vlm_estimate.vlm_config(args.config_dir)
     if vlm is None:
-        if (args.max_pixels, args.max_patches, args.vision_quantize) != (None, None, None):
+        if (request.max_pixels, request.max_patches, request.vision_mode) != (None,) * 3:
             raise EstimateError("--max-pixels, --max-patches and --vision-quantize apply to "
                                 "vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
-        config = read_checked_config(args.config_dir, args.mode, shapes.seq_length,
-                                     args.group_size, args.symmetric, args.devices, parallel)
+        config = read_checked_config(args.config_dir, request)
     else:
-        if parallel is not None:
-            raise EstimateError(f"--devices {args.devices}: a vision-language model is "
+        if request.parallel is not None:
+            raise EstimateError(f"--devices {request.devices}: a vision-language model is "
                                 "estimated on one device (its vit and text nets are not "
                                 "spread over several yet); drop --devices")
-        config = _checked_vlm_text(vlm, args, shapes)
+        config = _checked_vlm_text(vlm, args.config_dir, request)
     progress = None if args.json or args.quiet else sys.stderr
     if progress is not None:
         progress.write(f"toptpu estimate: compiling one layer of {args.config_dir} "
                        f"(placeholder weights) for {chip.name}\n")
-    group = DEFAULT_GROUP_SIZE if args.group_size is None else args.group_size
     build = vlm_estimate.text_placeholder_builder(config) if vlm is not None else None
+    shapes = request.shapes
     # a VLM's prompt holds an image's tokens too: every prefill length is compiled
     nets = estimate_nets(shapes, args.prompt_tokens, args.sampler) if vlm is None \
         else all_prefill_nets(shapes)
-    compiled = compile_costs(config, chip, args.mode, shapes, group, args.symmetric,
-                             nets=nets, progress=progress,
-                             position_axes=3 if vlm is not None else 1,
-                             build=build, devices=args.devices, parallel=parallel)
+    compiled = compile_costs(config, request, nets=nets, progress=progress,
+                             position_axes=3 if vlm is not None else 1, build=build)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
     if vlm is None:
         print(json.dumps(est.to_json(), indent=1) if args.json else summary(est))
         return 0
-    vit_mode = args.vision_quantize or QuantMode(args.mode).activation
-    try:
-        parse_mode(vit_mode)
-    except ValueError as e:
-        raise CompileError(f"--vision-quantize: {e}") from e
-    budget = vlm_estimate.budget_of(vlm, args.max_pixels, args.max_patches)
+    budget = vlm_estimate.budget_of(vlm, request.max_pixels, request.max_patches)
     if progress is not None:
-        progress.write(f"  vit: {budget} patches in {vit_mode}\n")
-    vision = vlm_estimate.vision_costs(vlm, chip, vit_mode, budget, shapes, args.mode,
-                                       net_program, group, args.symmetric)
+        progress.write(f"  vit: {budget} patches in "
+                       f"{request.vision_mode_for(compiled.mode)}\n")
+    vision = vlm_estimate.vision_costs(vlm, request, budget)
     both = vlm_estimate.estimate_vlm(est, vision, args.sampler)
     print(json.dumps(both.to_json(), indent=1) if args.json else
           "\n".join([summary(est), *vlm_estimate.summary_lines(both)]))
     return 0
 
 
-def _checked_vlm_text(vlm: Any, args: Any, shapes: StaticShapes) -> Any:
+def _checked_vlm_text(vlm: Any, config_dir: str, request: CompileRequest) -> Any:
     """A Qwen VLM's text config, checked as compile checks it for the mode and shapes."""
-    from toptpu.compile_options import check_quant_options, check_seq_length
+    from toptpu.compile_options import check_seq_length
 
-    try:
-        parse_mode(args.mode)
-    except ValueError as e:
-        raise CompileError(str(e)) from e
-    check_quant_options(args.mode, args.group_size, args.symmetric)
-    where = f"{args.config_dir}/config.json"
+    where = f"{config_dir}/config.json"
     text = vlm_estimate.checked_text_config(vlm, where)
-    check_seq_length(text.to_dict(), where, shapes.seq_length, args.mode)
+    check_seq_length(text.to_dict(), where, request.shapes.seq_length,
+                     request.fixed_mode("toptpu estimate"))
     return text
 
 
@@ -924,9 +860,7 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
-    add_static_shape_args(p)
-    add_device_args(p)
-    add_weight_quant_args(p)
+    add_request_args(p, ("shapes", "devices", "parallel", "group_size", "symmetric"))
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
                    "--max-input-length); its chunks run at the shortest prefill length "
@@ -939,7 +873,7 @@ def add_estimate_parser(sub: Any) -> None:
                    help="the vision net's pixel budget (default 768,768), as compile")
     v.add_argument("--max-patches", type=int_at_least(1), default=None,
                    help="the vision net's patch budget (instead of --max-pixels)")
-    v.add_argument("--vision-quantize", default=None,
+    v.add_argument("--vision-quantize", dest="vision_mode", metavar="MODE", default=None,
                    help="mode of the vit net (default: the activation type of -q)")
     p.add_argument("--set", action="append", metavar="FIGURE=VALUE",
                    help="change a chip figure (repeatable), e.g. ddr_gbps=128, cores=1, "

@@ -32,22 +32,17 @@ from toptpu.backend.runtime.weight_cache_file import (
     open_weight_cache,
     write_weight_cache,
 )
-from toptpu.backend.target.chips import DEFAULT_CHIP, chip_names
 from toptpu.cli_args import (
     UsageError,
-    add_device_args,
-    add_static_shape_args,
-    add_weight_quant_args,
     finite_float,
     int_at_least,
-    pixel_size,
     token_ids,
     utf8_problem,
     utf8_text,
 )
-from toptpu.dialects.common import QuantMode
 from toptpu.errors import ToptpuError
 from toptpu.paths import check_output_file
+from toptpu.request import CompileRequest, add_request_args
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
 #: key changes meaning or goes away
@@ -62,38 +57,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    "tokenizer.json), or a GGUF file (or a directory holding one)")
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
-    p.add_argument("-q", "--quantize", dest="mode", default=None,
-                   help=f"{' | '.join(QuantMode.names())} | auto (a pre-quantized "
-                   "checkpoint's bits and dtype); default: auto for "
-                   "GPTQ/AWQ/AutoRound checkpoints, f32 otherwise")
-    p.add_argument("--dequantize", metavar="MODE", default=None,
-                   help="a GGUF file's quantized tensors (Q4_1, Q4_K, ...): dequantize them "
-                   "and compile in MODE (e.g. f32); without it they are refused")
-    p.add_argument("--chip", default=DEFAULT_CHIP,
-                   help=f"target chip preset ({', '.join(chip_names())})")
-    add_static_shape_args(p)
-    add_device_args(p)
-    add_weight_quant_args(p)
-    p.add_argument("--dump-ir", metavar="DIR", help="write every net's IR after every pass")
-    v = p.add_argument_group("vision-language models (InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, "
-                             "Qwen3-VL, Qwen3.5)")
-    v.add_argument("--image-size", type=int_at_least(1), default=None,
-                   help="tile (InternVL) / slice (MiniCPM-V) size in pixels the vit net is "
-                   "compiled for (default: the checkpoint's, e.g. 448)")
-    v.add_argument("--max-tiles", type=int_at_least(1), default=None,
-                   help="most tiles per image, plus a thumbnail (InternVL; default 12) / most "
-                   "slices besides the source image (MiniCPM-V; default 9)")
-    v.add_argument("--max-patches", type=int_at_least(1), default=None,
-                   help="MiniCPM-V: static patch budget of one slice (default: the largest "
-                   "slice of any image up to aspect ratio 10); Qwen-VL: patches per image or "
-                   "video (instead of --max-pixels)")
-    v.add_argument("--max-pixels", type=pixel_size, default=None, metavar="W,H",
-                   help="Qwen-VL: the vision net's pixel budget, width x height (default "
-                   "768,768): every image (and video) is resized by the model's processor to "
-                   "at most W*H pixels and the vit net is compiled for W*H/patch^2 patches")
-    v.add_argument("--vision-quantize", default=None,
-                   help="mode of the vit net (default: the activation type of -q, e.g. bf16 "
-                   "for w4bf16: weight-only quantization is for the text model)")
+    add_request_args(p)  # every option of the compile request (`toptpu.request`)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -233,16 +197,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a Hugging Face model directory to a model file."""
     from toptpu.compiler import compile as compile_model
 
-    compile_model(args.model, args.output, mode=args.mode, chip=args.chip,
-                  seq_length=args.seq_length, max_input_length=args.max_input_length,
-                  max_history=args.max_history, prefill_lengths=args.prefill_lengths,
-                  group_size=args.group_size,
-                  symmetric=args.symmetric, dump_ir=args.dump_ir,
-                  progress=None if args.quiet else sys.stderr, image_size=args.image_size,
-                  max_tiles=args.max_tiles, max_patches=args.max_patches,
-                  vision_mode=args.vision_quantize, dequantize=args.dequantize,
-                  max_pixels=args.max_pixels,
-                  devices=args.devices, parallel=args.parallel)
+    compile_model(args.model, args.output, CompileRequest.from_args(args),
+                  progress=None if args.quiet else sys.stderr)
     return 0
 
 

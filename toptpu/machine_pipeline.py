@@ -17,16 +17,16 @@ from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.codegen.streams import CodegenError, generate
 from toptpu.backend.formats.program import Program
-from toptpu.backend.target.chips import Chip, get_chip
+from toptpu.backend.target.chips import Chip
 from toptpu.dialects.weight_store import STORE_ATTR
 from toptpu.passes.pipelines import AfterPass, machine_passes, run_passes
 
 
-def compile_for_machine(module: ModuleOp, chip: Chip | str, max_ops: int = 12, *,
+def compile_for_machine(module: ModuleOp, chip: Chip, max_ops: int = 12, *,
                         after: AfterPass | None = None, split_reduction: str = "cost"
                         ) -> Program:
     """machine-pipeline (layer-group + lmem-verify + address-assign) on `module`, in place,
-    then codegen for its one function. `chip`: a `Chip` or a preset's name; `after` is
+    then codegen for its one function on `chip` (a preset or not); `after` is
     called after each pass (progress, IR dumps); `split_reduction`: layer-group's option
     (where a reduction is split in parts). The program's IR does not name the module's
     weight store: whoever runs the program hands it the weights."""
@@ -37,7 +37,7 @@ def compile_for_machine(module: ModuleOp, chip: Chip | str, max_ops: int = 12, *
     run_passes(module, machine_passes(chip, max_ops, split_reduction), after=after)
     store = module.attributes.pop(STORE_ATTR, None)
     try:
-        return generate(module, fns[0], get_chip(chip) if isinstance(chip, str) else chip)
+        return generate(module, fns[0], chip)
     finally:
         if store is not None:
             module.attributes[STORE_ATTR] = store

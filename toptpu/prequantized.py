@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from toptpu.compile_options import CompileError
+from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
+from toptpu.errors import CompileError
 from toptpu.frontends.hf_loader import LoadedModel
 from toptpu.frontends.llm import NetSpec
-from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.passes.quantize import CHECKPOINT_MODEL, checkpoint_key
+from toptpu.request import AUTO, AskedMode
 
 #: checkpoint torch dtype -> the activation type `-q auto` picks
 AUTO_ACTIVATIONS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -35,25 +36,28 @@ def checkpoint_bits(checkpoint: Any) -> int:
     return counts.most_common(1)[0][0]
 
 
-def resolve_mode(mode: str | None, loaded: LoadedModel) -> str:
-    """`-q auto` -> the checkpoint's bits and dtype; and a mode contradicting a pre-quantized
-    checkpoint is an error (its integers are used as they are, never re-quantized)."""
+def resolve_mode(mode: AskedMode, loaded: LoadedModel) -> QuantMode:
+    """The mode a compile uses: none given -> f32 for a float model, the checkpoint's own
+    for a pre-quantized one; `-q auto` -> the checkpoint's bits and dtype; and a mode
+    contradicting a pre-quantized checkpoint is an error (its integers are used as they
+    are, never re-quantized)."""
     ck = loaded.checkpoint
     if mode is None:
-        mode = "f32" if ck is None else "auto"
+        mode = QuantMode.F32 if ck is None else AUTO
     if ck is None:
-        if mode == "auto":
+        if mode is AUTO:
             raise CompileError(f"-q auto takes a pre-quantized (GPTQ/AWQ/AutoRound) checkpoint; "
                                f"{loaded.source} is a float model: choose a mode such as "
                                "w4bf16")
+        assert isinstance(mode, QuantMode)
         return mode
     bits = checkpoint_bits(ck)
     desc = f"{loaded.source} is a {bits}-bit {ck.quant_method} checkpoint"
-    if mode == "auto":
+    if mode is AUTO:
         act = AUTO_ACTIVATIONS.get(str(loaded.checkpoint_dtype), "f16")
-        return f"w{bits}{act}"
-    _, mode_bits = parse_mode(mode)
-    if mode_bits != bits:
+        return QuantMode(f"w{bits}{act}")
+    assert isinstance(mode, QuantMode)
+    if mode.weight_bits != bits:
         raise CompileError(f"-q {mode} contradicts the checkpoint: {desc}; use -q auto or "
                            f"w{bits}f16 / w{bits}bf16 / w{bits}f32 (activation type of your "
                            "choice)")

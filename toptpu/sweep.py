@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from toptpu.backend.contract import StaticShapes
 from toptpu.backend.runtime.accounting import CATEGORIES
 from toptpu.backend.target.chips import (
     DEFAULT_CHIP,
@@ -47,6 +46,7 @@ from toptpu.estimate import (
     read_checked_config,
 )
 from toptpu.paths import check_not_inside, check_output_dir, open_text_output
+from toptpu.request import CompileRequest
 from toptpu.sweep_plots import write_plots
 
 #: the chip figures a sweep varies (`--tflops` is the per-core half-precision peak; the
@@ -79,6 +79,11 @@ class Point:
 
     def chip_model(self) -> Chip:
         return point_chip(get_chip(self.chip), dict(self.figures))
+
+    def request(self, chip: Chip) -> CompileRequest:
+        """What the point compiles, on `chip` (its chip model)."""
+        return CompileRequest.make(mode=self.mode, chip=chip, seq_length=self.seq_length,
+                                   devices=self.devices, parallel=self.parallel)
 
 
 def point_chip(base: Chip, figures: Mapping[str, float]) -> Chip:
@@ -126,9 +131,10 @@ def check_points(points: Sequence[Point]) -> None:
             check_devices(p.devices, p.parallel, p.chip_model())
         except (ChipFigureError, ValueError) as e:
             raise SweepError(f"grid point {dict(p.figures)}: {e}") from e
-    for c, m, s, n, par in sorted({(p.config_dir, p.mode, p.seq_length, p.devices,
-                                    p.parallel or "") for p in points}):
-        read_checked_config(c, m, s, devices=n, parallel=par or None)
+    unique = {(p.config_dir, p.mode, p.seq_length, p.devices, p.parallel or ""): p
+              for p in points}
+    for key in sorted(unique):
+        read_checked_config(key[0], unique[key].request(unique[key].chip_model()))
 
 
 def run_point(point: Point) -> dict[str, Any]:
@@ -143,11 +149,9 @@ def run_point(point: Point) -> dict[str, Any]:
                            "link_latency_us": chip.link_latency_us,
                            "sustained_gbps": chip.sustained_gbps}
     try:
-        config = read_checked_config(point.config_dir, point.mode, point.seq_length,
-                                     devices=point.devices, parallel=point.parallel)
-        shapes = StaticShapes.make(point.seq_length)
-        compiled = compile_costs(config, chip, point.mode, shapes, nets=STEP_NETS,
-                                 devices=point.devices, parallel=point.parallel)
+        request = point.request(chip)
+        config = read_checked_config(point.config_dir, request)
+        compiled = compile_costs(config, request, nets=STEP_NETS)
         est = estimate(compiled, chip)
     except (CompileError, EstimateError) as e:
         return {**row, "error": str(e)}

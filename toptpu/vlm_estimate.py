@@ -20,7 +20,6 @@ The numbers are those the machine charges a model file of the same shapes (teste
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,6 @@ from toptpu.backend.contract import (
     DEEPSTACK_NET,
     VISION_NET,
     ModelDirFileError,
-    StaticShapes,
     read_model_file,
 )
 from toptpu.backend.runtime.accounting import (
@@ -43,9 +41,11 @@ from toptpu.backend.runtime.accounting import (
 from toptpu.backend.runtime.machine import command_costs
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import NetTiming, net_timing
-from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
+from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import CompileError
+from toptpu.net_compiler import NetPlan, compile_net
+from toptpu.request import CompileRequest
 
 #: text tokens of the estimate's prompt around the image: '<|im_start|>user\n<|vision_start|>'
 #: before it, '<|vision_end|>' and a short question and the assistant's turn after it
@@ -61,7 +61,7 @@ class VisionCosts:
     budget: int  # patches per image
     tokens: int  # merged rows per image at the budget (image tokens)
     levels: int  # DeepStack levels
-    mode: str  # the vit net's
+    mode: QuantMode  # the vit net's
     vit: NetTiming
     vit_io: dict[str, int]  # input name -> bytes written per run
     out_io: dict[str, int]  # output name -> bytes read per run
@@ -103,7 +103,7 @@ class VisionCosts:
 
     def to_json(self) -> dict[str, Any]:
         return {"budget_patches": self.budget, "image_tokens": self.tokens,
-                "deepstack_levels": self.levels, "mode": self.mode,
+                "deepstack_levels": self.levels, "mode": self.mode.value,
                 "weight_bytes": self.weight_bytes,
                 "vit": {"seconds": self.vit.seconds(self.chip), "bound": self.vit.bound,
                         "dma_bytes": self.vit.dma_bytes, "flops": self.vit.flops},
@@ -148,25 +148,29 @@ def budget_of(config: Any, max_pixels: tuple[int, int] | None, max_patches: int 
     return budget
 
 
-def vision_costs(config: Any, chip: Chip, vit_mode: str, budget: int, shapes: StaticShapes,
-                 text_mode: str, net_program: Callable[..., Any], group_size: int =
-                 DEFAULT_GROUP_SIZE, symmetric: bool | None = None) -> VisionCosts:
-    """Compile the vit (and `deepstack_add`) of `config` with placeholder weights for `chip`
-    with `net_program` (`toptpu.estimate.net_program`: a net as `toptpu compile` compiles
-    it) and time them (see the module doc)."""
+def vision_costs(config: Any, request: CompileRequest, budget: int) -> VisionCosts:
+    """Compile the vit (in the request's vision mode) and `deepstack_add` (in its mode) of
+    `config` with placeholder weights, each as `toptpu compile` compiles it
+    (`net_compiler.compile_net`), and time them on the request's chip (see the module
+    doc)."""
     from toptpu.frontends.vlm import deepstack_spec, placeholder_vision, qwen_vit_spec
 
+    text_mode = request.fixed_mode("toptpu estimate")
+    vit_mode = request.vision_mode_for(text_mode)
+    chip, shapes = request.chip, request.shapes
     visual = placeholder_vision(config)
     store = WeightStore()
-    vit = net_program(qwen_vit_spec(visual, config.vision_config, budget), store, vit_mode,
-                      group_size, symmetric, chip)
+    vit = compile_net(NetPlan(qwen_vit_spec(visual, config.vision_config, budget), vit_mode),
+                      request, store).program
+    assert vit is not None
     levels = len(getattr(visual, "deepstack_visual_indexes", None) or ())
     width = int(config.text_config.hidden_size)
-    act = QuantMode(text_mode).activation
+    act = text_mode.activation
     deep = None
     if levels:
-        program = net_program(deepstack_spec(width, shapes, act), store, text_mode,
-                              group_size, symmetric, chip)
+        program = compile_net(NetPlan(deepstack_spec(width, shapes, act), text_mode), request,
+                              store).program
+        assert program is not None
         deep = net_timing(command_costs(program.commands), chip)
     act_bytes = {"f32": 4, "f16": 2, "bf16": 2}[act]
     return VisionCosts(
