@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -43,7 +43,7 @@ from toptpu.backend.formats.commands import PeerCopy
 from toptpu.backend.formats.llm_file import LlmFile, WeightLayout
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.runtime.accounting import Costs, Ledger
-from toptpu.backend.runtime.executor import check_bindings, value_for
+from toptpu.backend.runtime.executor import Buffer, check_bindings, owned, value_for
 from toptpu.backend.runtime.machine import (
     Binding,
     LoadedNet,
@@ -198,16 +198,17 @@ class DeviceGroupExecutor(MachineExecutor):
         self.peer_copies = 0
 
     # ------------------------------------------------------------------ Executor
-    def alloc(self, shape: tuple[int, ...], dtype: str) -> DeviceBuffer:  # type: ignore[override]
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> Buffer:
         dt = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         return DeviceBuffer(_Root(shape, dt), shape, dt)
 
-    def write(self, buf: DeviceBuffer, value: np.ndarray) -> None:  # type: ignore[override]
+    def write(self, buffer: Buffer, value: np.ndarray) -> None:
         """Write every part the buffer has (one host transfer each); the host keeps the
         value too (`_Root.pending`: a device that binds the buffer later gets it from the
         host) until a net writes the buffer."""
-        value = value_for(buf, value, MachineExecutorError)  # type: ignore[arg-type]
+        buf = owned(buffer, DeviceBuffer, MachineExecutorError)
+        value = value_for(buf, value, MachineExecutorError)
         root = buf.root
         if root.pending is None and (not root.placed or buf.whole):
             root.pending = np.zeros(root.shape, root.dtype)
@@ -221,7 +222,8 @@ class DeviceGroupExecutor(MachineExecutor):
         if buf.whole:
             root.valid = set(root.parts)
 
-    def read(self, buf: DeviceBuffer) -> np.ndarray:  # type: ignore[override]
+    def read(self, buffer: Buffer) -> np.ndarray:
+        buf = owned(buffer, DeviceBuffer, MachineExecutorError)
         root = buf.root
         if not root.placed:
             whole = root.pending if root.pending is not None else \
@@ -239,7 +241,7 @@ class DeviceGroupExecutor(MachineExecutor):
             pieces.append(part)
         return np.concatenate(pieces, axis=root.split.axis)
 
-    def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
+    def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
         info = self._nets.get(net)
         if info is None:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
@@ -258,6 +260,7 @@ class DeviceGroupExecutor(MachineExecutor):
                                        + (f" for layer {layer}" if layer is not None else ""))
         check_bindings(net, info, bindings, lambda b: isinstance(b, DeviceBuffer),
                        MachineExecutorError)
+        bindings = cast(Mapping[str, DeviceBuffer], bindings)  # checked just above
         splits = self.splits.get(net, {})
         for spec in info.inputs:
             self._place(bindings[spec.name], devs, splits.get(spec.name), spec, read=True)
