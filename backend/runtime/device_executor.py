@@ -203,40 +203,40 @@ class DeviceGroupExecutor(MachineExecutor):
         shape = tuple(int(d) for d in shape)
         return DeviceBuffer(_Root(shape, dt), shape, dt)
 
-    def write(self, buffer: Buffer, value: np.ndarray) -> None:
+    def write(self, buf: Buffer, value: np.ndarray) -> None:
         """Write every part the buffer has (one host transfer each); the host keeps the
         value too (`_Root.pending`: a device that binds the buffer later gets it from the
         host) until a net writes the buffer."""
-        buf = owned(buffer, DeviceBuffer, MachineExecutorError)
-        value = value_for(buf, value, MachineExecutorError)
-        root = buf.root
-        if root.pending is None and (not root.placed or buf.whole):
+        mine = owned(buf, DeviceBuffer, MachineExecutorError)
+        value = value_for(mine, value, MachineExecutorError)
+        root = mine.root
+        if root.pending is None and (not root.placed or mine.whole):
             root.pending = np.zeros(root.shape, root.dtype)
         if root.pending is not None:
-            root.pending[buf.window()] = value
+            root.pending[mine.window()] = value
         root.written = True
         for d in sorted(root.parts):
             piece = value if root.split is None else take_piece(value, root.split, d, self.n)
-            buf.part(d).array(write=True)[...] = piece
+            mine.part(d).array(write=True)[...] = piece
             self._transfer(int(piece.nbytes), to_chip=True)
-        if buf.whole:
+        if mine.whole:
             root.valid = set(root.parts)
 
-    def read(self, buffer: Buffer) -> np.ndarray:
-        buf = owned(buffer, DeviceBuffer, MachineExecutorError)
-        root = buf.root
+    def read(self, buf: Buffer) -> np.ndarray:
+        mine = owned(buf, DeviceBuffer, MachineExecutorError)
+        root = mine.root
         if not root.placed:
             whole = root.pending if root.pending is not None else \
                 np.zeros(root.shape, root.dtype)
-            return np.array(whole[buf.window()])
+            return np.array(whole[mine.window()])
         if root.split is None:
             d = min(root.valid)
-            self._transfer(buf.nbytes, to_chip=False)
-            return buf.part(d).array().copy()
+            self._transfer(mine.nbytes, to_chip=False)
+            return mine.part(d).array().copy()
         pieces = []
         for k in range(root.split.pieces):
             d = min(d for d in root.valid if piece_of(d, self.n, root.split.pieces) == k)
-            part = buf.part(d).array().copy()
+            part = mine.part(d).array().copy()
             self._transfer(int(part.nbytes), to_chip=False)
             pieces.append(part)
         return np.concatenate(pieces, axis=root.split.axis)

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from toptpu.backend.contract import BLOCK_CACHE
+from toptpu.backend.contract import BLOCK_CACHE, NetInfo
 from toptpu.backend.formats.llm_file import LlmHeader
 from toptpu.backend.runtime.accounting import Costs
 from toptpu.backend.runtime.chat import (
@@ -583,6 +583,10 @@ class Runtime:
 
     # ------------------------------------------------------------------ views of the parts
     # (what the command lines and tests read of the shapes and the conversation)
+    @property
+    def nets(self) -> dict[str, NetInfo]:
+        return self.shapes.infos
+
     @property
     def seq(self) -> int:
         return self.shapes.seq
