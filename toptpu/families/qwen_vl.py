@@ -69,12 +69,15 @@ class QwenVL(VisionFamily):
 
     # ------------------------------------------------------------------ header section
     def position_axes(self, info: VisionHeader) -> int:
-        return 3
+        """M-RoPE's T, H, W (a header without its `qwen` section is refused, first by its
+        text nets' [3, n] positions)."""
+        return 3 if info.qwen is not None else 1
 
     def header_token_ids(self, info: VisionHeader) -> dict[str, int]:
         q = info.qwen
-        return {f"qwen.{k}": getattr(q, k) for k in ("video_token_id", "vision_start_token_id",
-                                                    "vision_end_token_id")}
+        return {"qwen.video_token_id": q.video_token_id,
+                "qwen.vision_start_token_id": q.vision_start_token_id,
+                "qwen.vision_end_token_id": q.vision_end_token_id}
 
     def header_problems(self, info: VisionHeader) -> list[tuple[str, str]]:
         q = info.qwen
