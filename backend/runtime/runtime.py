@@ -82,7 +82,7 @@ __all__ = ["SAMPLER_CHOICES", "TEMPLATE_MAX_CHARS", "TEMPLATE_MAX_MEMORY", "TEMP
 
 
 class PromptTooLongError(GenerationError):
-    pass
+    """A prompt that does not fit the KV cache (with the conversation before it)."""
 
 
 # =========================================================================== streaming
