@@ -636,10 +636,10 @@ class QwenVisionModel(VisionModel):
             "vision_start_token_id": int(cfg.vision_start_token_id),
             "vision_end_token_id": int(cfg.vision_end_token_id),
             "deepstack_levels": self.deepstack_levels,
-            "frames_apart": cfg.model_type not in self.family.spaced_video_types}
+            "frames_apart": cfg.model_type not in QWEN_VL.spaced_video_types}
         if self.windowed:
             qwen["window_size"] = int(vc.window_size)
-        if cfg.model_type in self.family.spaced_video_types:  # a video's frames spaced in time
+        if cfg.model_type in QWEN_VL.spaced_video_types:  # a video's frames spaced in time
             qwen["tokens_per_second"] = float(vc.tokens_per_second)
         if self.position_grid_side is not None:
             qwen["position_grid_side"] = self.position_grid_side
