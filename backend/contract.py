@@ -15,8 +15,8 @@ the compiler. It fixes (ARCHITECTURE.md, "The net contract"):
 - the additive attention masks (`prefill_mask`, `decode_mask`);
 - the text positions of a model whose rotary has several axes and whose VLM lays them out
   per axis (MiniCPM-V 4.7's canvas M-RoPE: `canvas_position_ids`);
-- the files a model file carries besides its nets (`TOKENIZER_FILES`) and the vision
-  families (`VISION_KINDS`);
+- the files a model file carries besides its nets (`TOKENIZER_FILES`; the vision families
+  are `toptpu.families`'s);
 - the host-side packing of MiniCPM-V image slices into the static `vit` net (`pack_slice`);
 - the JSON every file header we read is held to (`parse_strict_json`: model files, the
   safetensors shards and their index);
@@ -491,20 +491,6 @@ def decode_mask(pos: int, seq_length: int) -> np.ndarray:
 #: directory); their names are section names, never paths
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
-#: vision family -> (the Pillow image processor class in transformers, the tokenizer
-#: attributes naming its image tokens, the one that marks an image in a prompt)
-VISION_KINDS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "internvl": ("GotOcr2ImageProcessorPil",
-                 ("start_image_token", "end_image_token", "context_image_token"),
-                 "context_image_token"),
-    "minicpmv": ("MiniCPMV4_6ImageProcessorPil",
-                 ("image_token", "image_start_token", "image_end_token", "slice_start_token",
-                  "slice_end_token", "image_id_start_token", "image_id_end_token"),
-                 "image_token"),
-    "qwenvl": ("Qwen2VLImageProcessorPil",
-               ("image_token", "video_token", "vision_start_token", "vision_end_token"),
-               "image_token"),
-}
 
 # =========================================================================== MiniCPM-V inputs
 #

@@ -43,34 +43,24 @@ from toptpu.backend.contract import (
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.errors import ToptpuError
+from toptpu.families import TEXT_FAMILIES, TEXT_MODEL_TYPES, text_family, text_family_of
 from toptpu.frontends.quant import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
 )
 
-#: model_type -> the family name used in model files
-SUPPORTED_MODEL_TYPES: dict[str, str] = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",
-                                         "qwen3_5_text": "qwen3_5"}
-#: families whose layers mix full attention with linear attention (`layer_types`)
-HYBRID_FAMILIES = ("qwen3_5",)
+#: model_type -> the family name used in model files (the text families' table,
+#: `toptpu.families`)
+SUPPORTED_MODEL_TYPES: dict[str, str] = {mt: f.name for mt, f in TEXT_MODEL_TYPES.items()}
 #: model types toptpu knows of and does not compile (yet), with what to do instead
 REFUSED_MODEL_TYPES: dict[str, str] = {
-    "qwen3_5_moe": "Qwen3.5-MoE (mixture of experts) is not supported yet; the dense Qwen3.5 "
-                   "models (model_type qwen3_5_text) are",
-    "qwen3_5": "this is a Qwen3.5 vision-language checkpoint, which `toptpu compile` takes as "
-               "a VLM (its vision tower and hybrid text model) from its directory; a text "
-               "model alone is model_type qwen3_5_text",
-}
+    mt: why for f in TEXT_FAMILIES.values() for mt, why in f.refused.items()}
 
 #: rope types whose frequencies are fixed at load time (static shapes can honour them)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: checkpoint tensors the models recompute and that may be present without being used
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
-#: model_type -> checkpoint tensor prefixes of parts toptpu does not compile: Qwen3.5's
-#: multi-token-prediction head (`mtp.*`, for speculative decoding) is skipped, as
-#: transformers' Qwen3_5ForCausalLM skips it
-_SKIPPED_PREFIXES: dict[str, tuple[str, ...]] = {"qwen3_5_text": ("mtp.",)}
 
 _MAX_LISTED = 8
 
@@ -261,7 +251,7 @@ def check_config(config: Any, where: str = "the model", family: str | None = Non
             f"sequence length at run time; toptpu compiles static shapes and honours "
             f"{', '.join(STATIC_ROPE_TYPES)}")
     layer_types = getattr(config, "layer_types", None) or []
-    if (family or SUPPORTED_MODEL_TYPES[mt]) in HYBRID_FAMILIES:
+    if (text_family(family) if family is not None else TEXT_MODEL_TYPES[mt]).hybrid:
         _check_hybrid(config, where)
     elif any(t != "full_attention" for t in layer_types) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",
@@ -423,7 +413,8 @@ def check_checkpoint(config: Any, path: str,
     tensors = checkpoint_tensors(path) if tensors is None else tensors
     have = {name: shape for name, (shape, _) in tensors.items()}
     want, optional = expected_shapes(config)
-    skipped = _SKIPPED_PREFIXES.get(str(getattr(config, "model_type", "")), ())
+    text = text_family_of(getattr(config, "model_type", None))
+    skipped = text.skipped_prefixes if text is not None else ()
     problems = shape_mismatches(
         have, want, optional, {k for k in have if k.endswith(_IGNORABLE_SUFFIXES)
                                or (skipped and k.startswith(skipped))})

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: VLM model_type -> the transformers class of the whole VLM
-QWEN_VL_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                   "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                   "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+from toptpu.families import QWEN_VL, VLM_TEXT_TYPES
+
+#: VLM model_type -> the transformers class of the whole VLM (the family's table)
+QWEN_VL_CLASSES = dict(QWEN_VL.model_types)
 #: text model_type of a Qwen VLM that transformers has no causal LM for -> the family of
 #: text models whose layers it has (Qwen2's biased q/k/v, Qwen3's q/k norms)
-QWEN_VL_TEXT_TYPES = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+QWEN_VL_TEXT_TYPES = {mt: family.name for mt, family in VLM_TEXT_TYPES.items()}
 #: the tokens a Qwen processor lays out, with the defaults it falls back to when the
 #: tokenizer does not name them (`Qwen2_5_VLProcessor.__init__`)
 QWEN_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",

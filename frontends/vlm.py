@@ -57,7 +57,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +78,6 @@ from toptpu.backend.contract import (
     INTERP_WEIGHTS,
     PIXEL_VALUES,
     POSITION_IDS_VIT,
-    VISION_KINDS,
     VISION_NET,
     WINDOW_MASK,
     ModelDirFileError,
@@ -89,6 +88,9 @@ from toptpu.backend.contract import (
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.families import INTERNVL, MINICPMV, QWEN_VL, vlm_family_of
+from toptpu.families import VLM_MODEL_TYPES as FAMILY_OF_VLM
+from toptpu.families.base import VisionFamily
 from toptpu.frontends.hf_loader import (
     _IGNORABLE_SUFFIXES,
     FLOAT_DTYPES,
@@ -109,7 +111,6 @@ from toptpu.frontends.qwen_vl import (
     DEFAULT_MAX_PIXELS,
     QWEN_TOKEN_IDS,
     QWEN_TOKENS,
-    QWEN_VL_CLASSES,
     QWEN_VL_TEXT_TYPES,
     DeepStackAdd,
     QwenVit,
@@ -118,32 +119,19 @@ from toptpu.frontends.qwen_vl import (
 )
 from toptpu.frontends.streaming import StreamedWeights, skeleton, to_f32
 
-#: model_type -> the vision family name used in model files
-VLM_MODEL_TYPES: dict[str, str] = {"internvl": "internvl", "minicpmv4_6": "minicpmv",
-                                   "minicpmv4_7": "minicpmv",
-                                   **{mt: "qwenvl" for mt in QWEN_VL_CLASSES}}
-#: model_type -> the transformers class of the whole VLM
-VLM_CLASSES = {"internvl": "InternVLForConditionalGeneration",
-               "minicpmv4_6": "MiniCPMV4_6ForConditionalGeneration",
-               "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration", **QWEN_VL_CLASSES}
-#: VLM model types whose text positions are a canvas of several axes (canvas M-RoPE)
-CANVAS_MODEL_TYPES = ("minicpmv4_7",)
+#: VLM model_type -> the transformers class of the whole VLM (the families' tables)
+VLM_CLASSES = {mt: family.model_types[mt] for mt, family in FAMILY_OF_VLM.items()}
 #: the tokenizer attribute (or text) of the token each canvas marker names
 _CANVAS_TOKENS = {"image_start_id": "image_start_token", "image_end_id": "image_end_token",
                   "slice_start_id": "slice_start_token", "slice_end_id": "slice_end_token"}
 
-#: the tokenizer attributes naming each family's image tokens (what its processor reads)
-REQUIRED_TOKENS = {kind: tokens for kind, (_, tokens, _) in VISION_KINDS.items()}
 
-_PROCESSORS = {kind: processor for kind, (processor, _, _) in VISION_KINDS.items()}
-
-
-def image_processor_class(kind: str) -> Any:
+def image_processor_class(family: VisionFamily) -> Any:
     """The model's own Pillow image processor class (the torchvision-based ones do not
     install beside torch 2.13)."""
     import transformers
 
-    return getattr(transformers, _PROCESSORS[kind])
+    return getattr(transformers, family.processor_class)
 
 
 # =========================================================================== detection
@@ -159,7 +147,7 @@ def vlm_model_type(source: Any) -> str | None:
             return None  # hf_loader reports a missing, broken or unreadable config.json
     else:
         mt = getattr(getattr(source, "config", None), "model_type", None)
-    return mt if mt in VLM_MODEL_TYPES else None
+    return mt if vlm_family_of(mt) is not None else None
 
 
 # =========================================================================== helpers
@@ -317,24 +305,113 @@ class MiniCPMVVit(torch.nn.Module):
 
 @dataclass
 class VisionModel:
-    """The vision half of a loaded VLM: its `vit` net and what the runtime needs."""
+    """The vision half of a loaded VLM: its `vit` net and what the runtime needs. The
+    compile side of a vision family (`toptpu.families`): one subclass per family."""
 
-    kind: str  # internvl | minicpmv
+    family: VisionFamily
     vlm: Any
     tokens: dict[str, str]
     token_ids: dict[str, int]
     processor: dict[str, Any]  # the image processor's config (JSON)
     image_size: int
     max_tiles: int
-    max_patches: int = 0  # MiniCPM-V: the static patch budget N
+    max_patches: int = 0  # MiniCPM-V, Qwen-VL: the static patch budget N
     #: MiniCPM-V 4.7: `CANVAS_MARKERS` -> token id (its canvas positions); empty otherwise
     canvas_markers: dict[str, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ shape facts
     @property
+    def kind(self) -> str:
+        """The family name model files carry (`vision.kind`)."""
+        return self.family.name
+
+    @property
     def patch_size(self) -> int:
         p = self.vlm.config.vision_config.patch_size
         return int(p[0] if isinstance(p, list | tuple) else p)
+
+    @property
+    def position_axes(self) -> int:
+        """The text nets' position axes: 3 for a canvas of T, H, W (MiniCPM-V 4.7), else 1
+        (`toptpu.backend.contract.POSITION_AXES`)."""
+        return 3 if self.canvas_markers else 1
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Rows of one vit run's output."""
+        raise NotImplementedError
+
+    def max_image_tokens(self) -> int:
+        """Placeholder tokens of an image at the most tiles (nominal slices for MiniCPM-V)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the net
+    def net_spec(self) -> NetSpec:
+        """The `vit` net: the wrapper and example inputs at the static shapes."""
+        raise NotImplementedError
+
+    def extra_specs(self, shapes: StaticShapes, act: str) -> list[NetSpec]:
+        """Nets besides `vit` the vision side needs (Qwen3-VL's `deepstack_add`)."""
+        return []
+
+    def check(self, spec: NetSpec) -> None:
+        """The wrapper computes what the model's own get_image_features computes."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ model file
+    def header(self) -> dict[str, Any]:
+        """What the runtime needs (the `vision` section of the model file header)."""
+        cfg = self.vlm.config
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "model_type": cfg.model_type,
+            "net": VISION_NET,
+            "image_token_id": int(cfg.image_token_id),
+            "tokens": dict(self.tokens),
+            "token_ids": dict(self.token_ids),
+            "processor_class": self.family.processor_class,
+            "processor": self.processor,
+            "image_size": self.image_size,
+            "patch_size": self.patch_size,
+            "max_tiles": self.max_tiles,
+            "tokens_per_tile": self.tokens_per_tile,
+            "config": json.loads(cfg.to_json_string(use_diff=False)),
+        }
+        if self.canvas_markers:
+            out["canvas_markers"] = dict(self.canvas_markers)
+        return out
+
+
+@dataclass
+class InternVLVisionModel(VisionModel):
+    """InternVL: one `vit` run per tile of the compiled size."""
+
+    @property
+    def tokens_per_tile(self) -> int:
+        r = float(self.vlm.config.downsample_ratio)
+        return int(round(self.image_size // self.patch_size * r)) ** 2
+
+    def max_image_tokens(self) -> int:
+        tiles = self.max_tiles + (1 if self.max_tiles > 1 else 0)
+        return tiles * self.tokens_per_tile
+
+    def net_spec(self) -> NetSpec:
+        g = torch.Generator().manual_seed(0)
+        s = self.image_size
+        module = InternVLVit(self.vlm, s).eval()
+        args = (torch.randn(1, 3, s, s, generator=g),)
+        return NetSpec(VISION_NET, module, args, [PIXEL_VALUES], [IMAGE_EMBEDS], False)
+
+    def check(self, spec: NetSpec) -> None:
+        with torch.no_grad():
+            ours = spec.module(*spec.args)
+            ref = self.vlm.model.get_image_features(pixel_values=spec.args[0]).pooler_output
+        _similar(ours, ref, "InternVL")
+
+
+@dataclass
+class MiniCPMVVisionModel(VisionModel):
+    """MiniCPM-V 4.6 / 4.7: one `vit` run per NaViT-packed slice over a patch budget."""
 
     @property
     def levels(self) -> list[tuple[int, int]]:
@@ -351,49 +428,26 @@ class VisionModel:
         return int(np.prod([kh * kw for kh, kw in self.levels]))
 
     @property
-    def position_axes(self) -> int:
-        """The text nets' position axes: 3 for a canvas of T, H, W (MiniCPM-V 4.7), else 1
-        (`toptpu.backend.contract.POSITION_AXES`)."""
-        return 3 if self.canvas_markers else 1
-
-    @property
     def tokens_per_tile(self) -> int:
-        """InternVL: image tokens per tile; MiniCPM-V: rows of the vit output (the budget)."""
-        if self.kind == "internvl":
-            r = float(self.vlm.config.downsample_ratio)
-            return int(round(self.image_size // self.patch_size * r)) ** 2
+        """Rows of the vit output (the budget)."""
         return self.max_patches // self.token_divisor
 
     def max_image_tokens(self) -> int:
-        """Placeholder tokens of an image at the most tiles (nominal slices for MiniCPM-V)."""
         tiles = self.max_tiles + (1 if self.max_tiles > 1 else 0)
-        if self.kind == "internvl":
-            return tiles * self.tokens_per_tile
         nominal = (self.image_size // self.patch_size) ** 2 // self.token_divisor
         return tiles * nominal
 
-    # ------------------------------------------------------------------ the net
     def net_spec(self) -> NetSpec:
-        """The `vit` net: the wrapper and example inputs at the static shapes."""
         g = torch.Generator().manual_seed(0)
-        if self.kind == "internvl":
-            s = self.image_size
-            module: torch.nn.Module = InternVLVit(self.vlm, s).eval()
-            args: tuple[torch.Tensor, ...] = (torch.randn(1, 3, s, s, generator=g),)
-            return NetSpec(VISION_NET, module, args, [PIXEL_VALUES], [IMAGE_EMBEDS], False)
         h, w = self._probe_grid()
         patches = torch.randn(3, self.patch_size, h * w * self.patch_size, generator=g)
         args = tuple(torch.from_numpy(a) for a in self.pack(patches.numpy(), h, w))
         return NetSpec(VISION_NET, MiniCPMVVit(self.vlm, self.levels).eval(), args,
                        [PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK], [IMAGE_EMBEDS], False)
 
-    def extra_specs(self, shapes: StaticShapes, act: str) -> list[NetSpec]:
-        """Nets besides `vit` the vision side needs (Qwen3-VL's `deepstack_add`)."""
-        return []
-
     def pack(self, patches: np.ndarray, h: int, w: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """MiniCPM-V: one slice's NaViT patches as the vit net's inputs (`pack_slice`)."""
+        """One slice's NaViT patches as the vit net's inputs (`pack_slice`)."""
         vc = self.vlm.config.vision_config
         return pack_slice(patches, h, w, self.max_patches, self.levels,
                           int(vc.image_size) // self.patch_size)
@@ -410,14 +464,9 @@ class VisionModel:
         return h, w
 
     def check(self, spec: NetSpec) -> None:
-        """The wrapper computes what the model's own get_image_features computes."""
         inner = self.vlm.model
         with torch.no_grad():
             ours = spec.module(*spec.args)
-            if self.kind == "internvl":
-                ref = inner.get_image_features(pixel_values=spec.args[0]).pooler_output
-                _similar(ours, ref, "InternVL")
-                return
             h, w = self._probe_grid()
             pixels, _, _ = spec.args
             n, p = h * w, self.patch_size
@@ -431,32 +480,12 @@ class VisionModel:
     def _order(self, h: int, w: int) -> np.ndarray:
         return merge_order(h, w, self.levels)
 
-    # ------------------------------------------------------------------ model file
     def header(self) -> dict[str, Any]:
-        """What the runtime needs (the `vision` section of the model file header)."""
+        out = super().header()
         cfg = self.vlm.config
-        out: dict[str, Any] = {
-            "kind": self.kind,
-            "model_type": cfg.model_type,
-            "net": VISION_NET,
-            "image_token_id": int(cfg.image_token_id),
-            "tokens": dict(self.tokens),
-            "token_ids": dict(self.token_ids),
-            "processor_class": _PROCESSORS[self.kind],
-            "processor": self.processor,
-            "image_size": self.image_size,
-            "patch_size": self.patch_size,
-            "max_tiles": self.max_tiles,
-            "tokens_per_tile": self.tokens_per_tile,
-            "config": json.loads(cfg.to_json_string(use_diff=False)),
-        }
-        if self.kind == "minicpmv":
-            out.update(max_patches=self.max_patches, merge_levels=[list(k) for k in
-                                                                   self.levels],
-                       token_divisor=self.token_divisor,
-                       position_side=int(cfg.vision_config.image_size) // self.patch_size)
-        if self.canvas_markers:
-            out["canvas_markers"] = dict(self.canvas_markers)
+        out.update(max_patches=self.max_patches, merge_levels=[list(k) for k in self.levels],
+                   token_divisor=self.token_divisor,
+                   position_side=int(cfg.vision_config.image_size) // self.patch_size)
         return out
 
 
@@ -607,10 +636,10 @@ class QwenVisionModel(VisionModel):
             "vision_start_token_id": int(cfg.vision_start_token_id),
             "vision_end_token_id": int(cfg.vision_end_token_id),
             "deepstack_levels": self.deepstack_levels,
-            "frames_apart": cfg.model_type != "qwen2_5_vl"}
+            "frames_apart": cfg.model_type not in QWEN_VL.spaced_video_types}
         if self.windowed:
             qwen["window_size"] = int(vc.window_size)
-        if cfg.model_type == "qwen2_5_vl":  # a video's frames spaced in time
+        if cfg.model_type in QWEN_VL.spaced_video_types:  # a video's frames spaced in time
             qwen["tokens_per_second"] = float(vc.tokens_per_second)
         if self.position_grid_side is not None:
             qwen["position_grid_side"] = self.position_grid_side
@@ -655,15 +684,15 @@ def _check_text_config(config: Any, where: str) -> str:
         raise ModelLoadError(f"{e}; the VLM's text model must be one of these") from e
 
 
-def _image_tokens(tok: Any, kind: str, config: Any, where: str
+def _image_tokens(tok: Any, family: VisionFamily, config: Any, where: str
                   ) -> tuple[dict[str, str], dict[str, int]]:
     tokens: dict[str, str] = {}
-    for attr in REQUIRED_TOKENS[kind]:
+    for attr in family.tokens:
         value = getattr(tok, attr, None)
         if not isinstance(value, str) or not value:
             raise ModelLoadError(
                 f"the tokenizer of {where} does not name its '{attr}' (tokenizer_config.json "
-                f"keys {', '.join(REQUIRED_TOKENS[kind])}): the {config.model_type} processor "
+                f"keys {', '.join(family.tokens)}): the {config.model_type} processor "
                 "needs them to lay out image tokens; use the tokenizer files of the checkpoint")
         tokens[attr] = value
     ids: dict[str, int] = {}
@@ -674,7 +703,7 @@ def _image_tokens(tok: Any, kind: str, config: Any, where: str
             raise ModelLoadError(f"the image token {t!r} ({attr}) of {where} is not in its "
                                  "tokenizer's vocabulary")
         ids[attr] = int(i)
-    image_attr = "context_image_token" if kind == "internvl" else "image_token"
+    image_attr = family.marker
     if ids[image_attr] != int(config.image_token_id):
         raise ModelLoadError(
             f"{where}: config.image_token_id is {config.image_token_id} but the tokenizer's "
@@ -693,50 +722,68 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
                  max_patches: int | None = None, max_pixels: tuple[int, int] | None = None
                  ) -> VisionModel:
     """The vision half of `vlm` at the compiled image size and tile limits (defaults: the
-    checkpoint's image processor config)."""
-    cfg = vlm.config
-    kind = VLM_MODEL_TYPES[cfg.model_type]
+    checkpoint's image processor config), by its family's builder (`VISION_MODELS`)."""
+    family = vlm_family_of(vlm.config.model_type)
+    assert family is not None, "load_vlm checks the model type"
     for name, v in (("--image-size", image_size), ("--max-tiles", max_tiles),
                     ("--max-patches", max_patches)):
         _positive(name, v)
-    if kind == "qwenvl":
-        given = [n for n, v in (("--image-size", image_size), ("--max-tiles", max_tiles))
-                 if v is not None]
-        if given:
-            raise ModelLoadError(f"{', '.join(given)} do not apply to a {cfg.model_type} model "
-                                 "(one vision net run per image over a patch budget): use "
-                                 "--max-pixels W,H or --max-patches N")
-        return _qwen_vision(vlm, tok, processor_cfg, where, max_patches, max_pixels)
+    return VISION_MODELS[family](vlm, tok, dict(processor_cfg or {}), where, image_size,
+                                 max_tiles, max_patches, max_pixels)
+
+
+def _tiled_only(cfg: Any, max_pixels: tuple[int, int] | None) -> None:
     if max_pixels is not None:
         raise ModelLoadError(f"--max-pixels applies to Qwen2.5-VL, Qwen3-VL and Qwen3.5; a "
                              f"{cfg.model_type} model takes --image-size and --max-tiles")
-    tokens, ids = _image_tokens(tok, kind, cfg, where)
-    proc_cls = image_processor_class(kind)
-    pc = dict(processor_cfg or {})
+
+
+def _patch_of(vc: Any) -> int:
+    return int(vc.patch_size[0] if isinstance(vc.patch_size, list | tuple) else vc.patch_size)
+
+
+def _internvl_vision(vlm: Any, tok: Any, pc: dict[str, Any], where: str,
+                     image_size: int | None, max_tiles: int | None, max_patches: int | None,
+                     max_pixels: tuple[int, int] | None) -> VisionModel:
+    """InternVL at `--image-size` (a tile's side) and `--max-tiles`."""
+    cfg = vlm.config
+    _tiled_only(cfg, max_pixels)
+    tokens, ids = _image_tokens(tok, INTERNVL, cfg, where)
     vc = cfg.vision_config
-    patch = vc.patch_size[0] if isinstance(vc.patch_size, list | tuple) else vc.patch_size
-    if kind == "internvl":
-        if cfg.vision_feature_layer != -1 or cfg.vision_feature_select_strategy != "default":
-            raise ModelLoadError(
-                f"{where}: vision_feature_layer {cfg.vision_feature_layer} / strategy "
-                f"'{cfg.vision_feature_select_strategy}' is not supported; toptpu's vit net "
-                "takes the last layer without the CLS token (-1, 'default'), as InternVL2.5/3 do")
-        size = pc.get("size") or {}
-        default = int(size.get("height") or vc.image_size[0])
-        s = image_size or default
-        per_side = s // patch
-        r = float(cfg.downsample_ratio)
-        if s % patch or abs(per_side * r - round(per_side * r)) > 1e-9 or round(1 / r) != 1 / r:
-            raise ModelLoadError(
-                f"--image-size {s} does not fit the vision tower: it must be a multiple of the "
-                f"patch size {patch} whose patch grid {per_side} the pixel shuffle (ratio {r}) "
-                "divides")
-        pc.update(size={"height": s, "width": s}, crop_to_patches=True)
-        tiles = max_tiles or int(pc.get("max_patches", 12))
-        pc["max_patches"] = tiles
-        proc = proc_cls(**pc)
-        return VisionModel(kind, vlm, tokens, ids, json.loads(proc.to_json_string()), s, tiles)
-    # MiniCPM-V
+    patch = _patch_of(vc)
+    if cfg.vision_feature_layer != -1 or cfg.vision_feature_select_strategy != "default":
+        raise ModelLoadError(
+            f"{where}: vision_feature_layer {cfg.vision_feature_layer} / strategy "
+            f"'{cfg.vision_feature_select_strategy}' is not supported; toptpu's vit net "
+            "takes the last layer without the CLS token (-1, 'default'), as InternVL2.5/3 do")
+    size = pc.get("size") or {}
+    default = int(size.get("height") or vc.image_size[0])
+    s = image_size or default
+    per_side = s // patch
+    r = float(cfg.downsample_ratio)
+    if s % patch or abs(per_side * r - round(per_side * r)) > 1e-9 or round(1 / r) != 1 / r:
+        raise ModelLoadError(
+            f"--image-size {s} does not fit the vision tower: it must be a multiple of the "
+            f"patch size {patch} whose patch grid {per_side} the pixel shuffle (ratio {r}) "
+            "divides")
+    pc.update(size={"height": s, "width": s}, crop_to_patches=True)
+    tiles = max_tiles or int(pc.get("max_patches", 12))
+    pc["max_patches"] = tiles
+    proc = image_processor_class(INTERNVL)(**pc)
+    return InternVLVisionModel(INTERNVL, vlm, tokens, ids, json.loads(proc.to_json_string()),
+                               s, tiles)
+
+
+def _minicpmv_vision(vlm: Any, tok: Any, pc: dict[str, Any], where: str,
+                     image_size: int | None, max_tiles: int | None, max_patches: int | None,
+                     max_pixels: tuple[int, int] | None) -> VisionModel:
+    """MiniCPM-V at `--image-size` (its scale resolution), `--max-tiles` slices and a patch
+    budget (`--max-patches`, default `patch_budget`)."""
+    cfg = vlm.config
+    _tiled_only(cfg, max_pixels)
+    tokens, ids = _image_tokens(tok, MINICPMV, cfg, where)
+    vc = cfg.vision_config
+    patch = _patch_of(vc)
     if cfg.downsample_mode not in ("16x", "4x"):
         raise ModelLoadError(f"{where}: unknown downsample_mode '{cfg.downsample_mode}'")
     if tuple(vc.window_kernel_size) != (2, 2) or tuple(cfg.merge_kernel_size) != (2, 2):
@@ -756,27 +803,33 @@ def vision_model(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
     if "max_slice_nums" not in pc or max_tiles:
         pc["max_slice_nums"] = max_tiles or 9
     tiles = int(pc["max_slice_nums"])
-    proc = proc_cls(**pc)
+    proc = image_processor_class(MINICPMV)(**pc)
     budget = max_patches or patch_budget(proc, s, int(patch), tiles, cfg.downsample_mode)
     if budget % div:
         raise ModelLoadError(f"--max-patches {budget} must be a multiple of {div} (the patches "
                              "merged into one token)")
-    return VisionModel(kind, vlm, tokens, ids, json.loads(proc.to_json_string()), s, tiles,
-                       budget, _canvas_markers(vlm, tok, tokens, where))
+    return MiniCPMVVisionModel(MINICPMV, vlm, tokens, ids, json.loads(proc.to_json_string()),
+                               s, tiles, budget, _canvas_markers(vlm, tok, tokens, where))
 
 
 #: image processor config keys that name classes, not settings
 _PROCESSOR_NAMES = ("image_processor_type", "processor_class", "auto_map")
 
 
-def _qwen_vision(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where: str,
-                 max_patches: int | None, max_pixels: tuple[int, int] | None
-                 ) -> QwenVisionModel:
+def _qwen_vision(vlm: Any, tok: Any, processor_cfg: dict[str, Any], where: str,
+                 image_size: int | None, max_tiles: int | None, max_patches: int | None,
+                 max_pixels: tuple[int, int] | None) -> VisionModel:
     """A Qwen VLM's vision half: the patch budget N (`--max-patches`, or `--max-pixels`
     W x H over the patch area, whole merge windows), the image processor resizing every
     image within it (its `longest_edge`, in pixels, is N patches; its `shortest_edge`
     capped there), the image tokens checked against the config."""
     cfg = vlm.config
+    given = [n for n, v in (("--image-size", image_size), ("--max-tiles", max_tiles))
+             if v is not None]
+    if given:
+        raise ModelLoadError(f"{', '.join(given)} do not apply to a {cfg.model_type} model "
+                             "(one vision net run per image over a patch budget): use "
+                             "--max-pixels W,H or --max-patches N")
     vc = cfg.vision_config
     patch, merge = int(vc.patch_size), int(vc.spatial_merge_size)
     temporal = int(vc.temporal_patch_size)
@@ -811,12 +864,12 @@ def _qwen_vision(vlm: Any, tok: Any, processor_cfg: dict[str, Any] | None, where
     pc.update(size={"shortest_edge": min(shortest, longest), "longest_edge": longest},
               patch_size=patch, merge_size=merge, temporal_patch_size=temporal)
     try:
-        proc = image_processor_class("qwenvl")(**pc)
+        proc = image_processor_class(QWEN_VL)(**pc)
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"{where}: the image processor config does not make a "
                              f"Qwen2VLImageProcessorPil: {e}") from e
     tokens, ids = _qwen_tokens(tok, cfg, where)
-    return QwenVisionModel("qwenvl", vlm, tokens, ids, json.loads(proc.to_json_string()),
+    return QwenVisionModel(QWEN_VL, vlm, tokens, ids, json.loads(proc.to_json_string()),
                            patch * merge, 1, budget)
 
 
@@ -847,7 +900,7 @@ def _canvas_markers(vlm: Any, tok: Any, tokens: dict[str, str], where: str) -> d
     token it names would misplace every image); {} for a model without a canvas. The text
     model must have a multi-axis rotary for the positions to mean anything."""
     cfg = vlm.config
-    if cfg.model_type not in CANVAS_MODEL_TYPES:
+    if cfg.model_type not in MINICPMV.canvas_model_types:
         return {}
     rotary = getattr(vlm.model.language_model, "rotary_emb", None)
     if not hasattr(rotary, "mrope_section"):
@@ -879,6 +932,10 @@ def _canvas_markers(vlm: Any, tok: Any, tokens: dict[str, str], where: str) -> d
         out[key] = value
     return out
 
+
+#: the compile side of each vision family (`toptpu.families`): its vision half's builder
+VISION_MODELS: dict[VisionFamily, Callable[..., VisionModel]] = {
+    INTERNVL: _internvl_vision, MINICPMV: _minicpmv_vision, QWEN_VL: _qwen_vision}
 
 #: the default MiniCPM-V patch budget takes every image up to this aspect ratio
 MAX_ASPECT = 10.0
@@ -921,7 +978,7 @@ def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
         return load(os.fspath(source), image_size, max_tiles, max_patches, max_pixels)
     vlm = source
     mt = getattr(vlm.config, "model_type", None)
-    if mt not in VLM_MODEL_TYPES:
+    if vlm_family_of(mt) is None:
         raise ModelLoadError(f"expected an InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL or "
                              f"Qwen3.5 model, got "
                              f"{type(vlm).__name__} ({mt})")

@@ -44,19 +44,22 @@ RULES: dict[str, tuple[str, ...]] = {
     "toptpu.errors": (),
     "toptpu.dialects": ("toptpu.backend.contract",),
     "toptpu.backend.contract": (),
+    # what differs per model family, torch-free: the runtime's host side reads it
+    "toptpu.families": ("toptpu.backend.contract",),
     "toptpu.backend.target": ("toptpu.dialects",),
     "toptpu.backend.reference": ("toptpu.dialects",),
     "toptpu.backend.formats": ("toptpu.dialects", "toptpu.backend.target",
-                               "toptpu.backend.contract"),
+                               "toptpu.backend.contract", "toptpu.families"),
     "toptpu.passes": ("toptpu.dialects", "toptpu.backend.target", "toptpu.backend.reference"),
-    "toptpu.frontends": ("toptpu.dialects", "toptpu.passes", "toptpu.backend.contract"),
+    "toptpu.frontends": ("toptpu.dialects", "toptpu.passes", "toptpu.backend.contract",
+                         "toptpu.families"),
     # codegen reads the passes' decisions through the dialect's typed annotations, never
     # through a pass module
     "toptpu.backend.codegen": ("toptpu.dialects", "toptpu.backend.target",
                                "toptpu.backend.formats"),
     "toptpu.backend.runtime": ("toptpu.dialects", "toptpu.backend.target",
                                "toptpu.backend.reference", "toptpu.backend.contract",
-                               "toptpu.backend.formats"),
+                               "toptpu.backend.formats", "toptpu.families"),
     "toptpu.backend": (),
     "toptpu": ("*",),
 }
@@ -73,7 +76,7 @@ LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
         "PEP 562 attribute of the package root, which runs before every submodule import",
     ("toptpu.llm_cli", "readline"):
         "importing readline turns on line editing for input(): only an interactive chat",
-    ("toptpu.backend.runtime.runtime", "jinja2"):
+    ("toptpu.backend.runtime.chat", "jinja2"):
         "chat templates render with transformers and jinja2, only when applied",
     ("toptpu.sweep", "ray"):
         "an optional extra (pyproject `ray`), imported only for `toptpu sweep --ray`",
@@ -81,16 +84,20 @@ LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
 
 #: the packages that run a model file
 RUNTIME_SIDE = ("toptpu.backend.contract", "toptpu.backend.formats", "toptpu.backend.target",
-                "toptpu.backend.reference", "toptpu.backend.runtime")
+                "toptpu.backend.reference", "toptpu.backend.runtime", "toptpu.families")
 #: what the runtime side never loads when imported
 NO_RUNTIME = ("torch", "transformers", "xdsl.transforms", "mlir", "PIL")
 #: (module, top-level package) -> why the runtime side needs it, lazily, at run time
 RUNTIME_LAZY: dict[tuple[str, str], str] = {
-    ("toptpu.backend.runtime.runtime", "transformers"):
+    ("toptpu.backend.runtime.chat", "transformers"):
         "chat templates (PreTrainedTokenizerFast.apply_chat_template)",
     ("toptpu.backend.runtime.vision", "transformers"):
         "the VLMs' own Pillow image processors and placeholder layouts",
     ("toptpu.backend.runtime.vision", "PIL"): "reading images",
+    ("toptpu.families.internvl", "transformers"):
+        "InternVL's placeholder layout by its processor's own replace_image_token",
+    ("toptpu.families.minicpmv", "transformers"):
+        "MiniCPM-V's placeholder layout by its processor's own replace_image_token",
     ("toptpu.backend.runtime.profile", "PIL"): "PNG timelines of `toptpu profile --png`",
     ("toptpu.backend.contract", "torch"):
         "MiniCPM-V position ids by the model's own function (image encoding only), "
@@ -354,7 +361,7 @@ def test_the_checkers_catch_a_planted_bad_module() -> None:
         "backend/runtime/planted.py:2: toptpu.backend.runtime.planted (toptpu.backend.runtime) "
         "imports toptpu.passes.layer_group (toptpu.passes); toptpu.backend.runtime may import "
         "only toptpu.dialects, toptpu.backend.target, toptpu.backend.reference, "
-        "toptpu.backend.contract, toptpu.backend.formats"]
+        "toptpu.backend.contract, toptpu.backend.formats, toptpu.families"]
     assert [i.target for i in planted if i.typing_only] == ["toptpu.backend.runtime.runtime"]
     light = light_function_level_imports(imports)
     assert len(light) == 1 and light[0].startswith(

@@ -149,7 +149,7 @@ def test_padded_chunk_leaves_the_state_of_its_real_tokens(tmp_path_factory) -> N
     for pad in (rt.pad_id, 7):
         rt.reset()
         rt.pad_id = pad
-        rt._prefill(ids)
+        rt.conversation.feed(ids)
         states.append([[rt.ex.read(rt.states[i][n]).copy() for n in (CONV_STATE,
                                                                      RECURRENT_STATE)]
                        for i in range(3)])
@@ -181,7 +181,7 @@ def test_states_are_net_io_updated_in_place(tmp_path_factory) -> None:
     assert "history_k" in {s["name"] for s in h["nets"]["block_cache@3"]["inputs"]}
     f.close()
     rt = Runtime.open(built.model_file)
-    bound = rt._state(0, True)
+    bound = rt.conversation.state_bindings(0, True)
     assert bound[CONV_STATE] is bound[PRESENT_CONV_STATE]
     assert bound[RECURRENT_STATE] is bound[PRESENT_RECURRENT_STATE]
     assert rt.cache_k[0] is None and rt.cache_k[3] is not None  # no KV cache for linear layers

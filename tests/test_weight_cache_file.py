@@ -263,7 +263,7 @@ def test_a_vocabulary_split_lm_head_reads_the_whole_form_from_the_cache(tmp_path
 
     def last_logits(rt: Runtime) -> tuple[list[int], np.ndarray]:
         ids = rt.generate(IDS[:5], 4, stop_on_eos=False).generated_ids
-        return ids, rt.ex.read(rt.b["logits"])  # the last decode step's lm_head
+        return ids, rt.ex.read(rt.sampler.logits)  # the last decode step's lm_head
 
     want_ids, want_logits = last_logits(Runtime.open(path, weight_cache=None))
     write_weight_cache(path)

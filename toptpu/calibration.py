@@ -50,6 +50,7 @@ from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError, ToptpuError
 from toptpu.estimate import STEP_NETS, CompiledCosts, compile_costs
+from toptpu.families import text_family
 from toptpu.paths import open_output, write_output
 from toptpu.request import CompileRequest
 
@@ -126,8 +127,7 @@ class Row:
         """A transformers config of this shape."""
         import transformers
 
-        cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "llama": transformers.LlamaConfig}[self.family]
+        cls = getattr(transformers, text_family(self.family).config_class)
         return cls(hidden_size=self.hidden, intermediate_size=self.intermediate,
                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,

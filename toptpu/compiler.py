@@ -507,16 +507,9 @@ def _vision_net(loaded: LoadedModel, mode: QuantMode, vision_mode: QuantMode | N
         return None
     vit_mode = vision_mode or activation_mode(mode)
     need = vision.max_image_tokens() + 2
-    if need > shapes.seq_length and vision.kind == "qwenvl":
-        raise CompileError(
-            f"an image at the vision net's budget of {vision.max_patches} patches needs about "
-            f"{need} tokens, more than --seq-length {shapes.seq_length}: raise --seq-length "
-            "or lower --max-pixels (or --max-patches)")
     if need > shapes.seq_length:
-        raise CompileError(
-            f"an image of up to {vision.max_tiles} tiles needs about {need} tokens, more than "
-            f"--seq-length {shapes.seq_length}: raise --seq-length or lower --max-tiles "
-            f"(or --image-size)")
+        raise CompileError(vision.family.budget_error(need, shapes.seq_length, vision.max_tiles,
+                                                      vision.max_patches))
     spec = vision.net_spec()
     vision.check(spec)
     return NetPlan(spec, vit_mode)

@@ -8,7 +8,10 @@ is reported as one (exit 70). Each layer's errors derive from it (often together
 built-in class they always were, `ValueError` for most), so a driver catches them with
 one `except ToptpuError`, never with a tuple that must list every module's class.
 
-A leaf module: every package may import it and it imports nothing of ours.
+A leaf module: every package may import it and it imports nothing of ours. The runtime's
+errors live here too (`GenerationError`, `ImageError`, re-exported by
+`toptpu.backend.runtime.errors` and `.vision`): the model families' host side
+(`toptpu.families`), below the runtime, raises them.
 """
 
 from __future__ import annotations
@@ -20,3 +23,12 @@ class ToptpuError(Exception):
 
 class CompileError(ToptpuError):
     """The model cannot be compiled as asked; the message names the problem and the fix."""
+
+
+class GenerationError(ToptpuError):
+    """Generation cannot proceed as asked; the message says why and what to do (the runtime
+    raises it, and a model family's host side: `toptpu.families`)."""
+
+
+class ImageError(GenerationError):
+    """An image that cannot be read or that the compiled shapes cannot take."""

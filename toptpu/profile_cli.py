@@ -46,6 +46,7 @@ from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
 from toptpu.cli_args import UsageError, int_at_least
 from toptpu.dialects import context, tpu
 from toptpu.dialects.ir_text import parse_ir
+from toptpu.families import vision_family
 from toptpu.paths import OutputPathError, check_output_dir, check_output_file
 
 #: sampling inputs a profile run feeds 1 (temperature 1, no penalty, top-k 1, top-p 1): zeros
@@ -272,7 +273,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if vision and vision["net"] in per:
             tile = per[vision["net"]]
             n = vision["max_tiles"] + (1 if vision["max_tiles"] > 1 else 0)
-            what = "tile" if vision["kind"] == "internvl" else "slice"
+            what = vision_family(vision["kind"]).run
             print(f"vision ({vision['net']}, {vision['mode']}): one {vision['image_size']} px "
                   f"{what} {tile * 1e3:.3f} ms modelled; an image of {n} {what}s "
                   f"{n * tile * 1e3:.3f} ms")

@@ -87,7 +87,6 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import (
-    CANVAS_MARKERS,
     FULL_ATTENTION,
     KNOWN_NETS,
     LAYER_TYPES,
@@ -97,7 +96,6 @@ from toptpu.backend.contract import (
     REPETITION_PENALTY_RANGE,
     TEXT_NETS,
     TOKENIZER_FILES,
-    VISION_KINDS,
     VISION_NET,
     ContractError,
     LinearWidths,
@@ -131,6 +129,8 @@ from toptpu.backend.formats.model_file import (
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
+from toptpu.families import VISION_FAMILIES, vision_family
+from toptpu.families.base import FAMILY_KEYS, VisionFamily
 
 KIND = "toptpu-llm"
 LLM_FORMAT = 3
@@ -459,7 +459,7 @@ class QwenVisionInfo:
 class VisionInfo:
     """What the runtime needs of a VLM's vision net (see `toptpu.backend.runtime.vision`)."""
 
-    kind: Annotated[str, OneOf(tuple(VISION_KINDS), "vision family")]
+    kind: Annotated[str, OneOf(tuple(VISION_FAMILIES), "vision family")]
     model_type: Name
     net: Literal["vit"]
     image_token_id: TokenId
@@ -473,7 +473,8 @@ class VisionInfo:
     tokens_per_tile: Count
     config: JsonObject
     mode: Mode
-    # MiniCPM-V only
+    # the keys only some families carry (`toptpu.families.base.FAMILY_KEYS`; each family's
+    # `header_keys` and `optional_keys`): MiniCPM-V's and Qwen-VL's patch budget and merge
     max_patches: Count | None = None
     merge_levels: tuple[tuple[Count, Count], ...] | None = None
     token_divisor: Count | None = None
@@ -485,12 +486,17 @@ class VisionInfo:
     qwen: QwenVisionInfo | None = None
 
     @property
+    def family(self) -> VisionFamily:
+        return vision_family(self.kind)
+
+    @property
     def position_axes(self) -> int:
         """The text nets' position axes (`contract.POSITION_AXES`)."""
-        return 3 if self.canvas_markers is not None or self.qwen is not None else 1
+        return self.family.position_axes(self)
 
     def check(self, vocab: int, where: str = "vision") -> None:
-        processor, required, marker = VISION_KINDS[self.kind]
+        family = self.family
+        processor, required, marker = family.processor_class, family.tokens, family.marker
         if self.processor_class != processor:
             raise HeaderError(f"{where}.processor_class", f"is {self.processor_class!r}; a "
                                                           f"{self.kind} model uses {processor}")
@@ -503,39 +509,18 @@ class VisionInfo:
         if self.image_token_id != self.token_ids[marker]:
             raise HeaderError(f"{where}.image_token_id", f"is {self.image_token_id}, the "
                                                          f"{marker} is {self.token_ids[marker]}")
-        for key, kinds in (("max_patches", ("minicpmv", "qwenvl")),
-                           ("token_divisor", ("minicpmv", "qwenvl")),
-                           ("merge_levels", ("minicpmv",)), ("position_side", ("minicpmv",)),
-                           ("qwen", ("qwenvl",))):
-            if (getattr(self, key) is None) == (self.kind in kinds):
-                raise HeaderError(f"{where}.{key}", "is missing" if self.kind in kinds
+        for key in FAMILY_KEYS:
+            if key in family.optional_keys:
+                continue
+            if (getattr(self, key) is None) == (key in family.header_keys):
+                raise HeaderError(f"{where}.{key}", "is missing" if key in family.header_keys
                                   else f"does not apply to a {self.kind} model")
-        if self.qwen is not None:
-            q = self.qwen
-            for key in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
-                _check_token(getattr(q, key), vocab, f"{where}.qwen.{key}")
-            if self.token_divisor != q.merge_size ** 2:
-                raise HeaderError(f"{where}.token_divisor",
-                                  f"is {self.token_divisor}; a merge of {q.merge_size}x"
-                                  f"{q.merge_size} patches makes {q.merge_size ** 2}")
-            if self.max_patches is not None and self.max_patches % self.token_divisor:
-                raise HeaderError(f"{where}.max_patches",
-                                  f"is {self.max_patches}, not a multiple of "
-                                  f"{self.token_divisor} (patches merged into a token)")
-        if self.canvas_markers is not None:
-            if self.kind != "minicpmv":
-                raise HeaderError(f"{where}.canvas_markers",
-                                  f"does not apply to a {self.kind} model")
-            if sorted(self.canvas_markers) != sorted(CANVAS_MARKERS):
-                raise HeaderError(f"{where}.canvas_markers",
-                                  f"names {sorted(self.canvas_markers)}, a canvas needs "
-                                  f"{sorted(CANVAS_MARKERS)}")
-            for name, token in self.canvas_markers.items():
-                _check_token(token, vocab, f"{where}.canvas_markers.{name}")
-            if self.token_divisor not in (4, 16):
-                raise HeaderError(f"{where}.token_divisor",
-                                  f"is {self.token_divisor}; a canvas merges 2x2 or 4x4 "
-                                  "patches into a token (4 or 16)")
+        problems = family.header_problems(self)
+        if problems:
+            key, problem = problems[0]
+            raise HeaderError(f"{where}.{key}", problem)
+        for key, token in family.header_token_ids(self).items():
+            _check_token(token, vocab, f"{where}.{key}")
 
 
 #: how a multi-device file spreads the model (`ParallelInfo.strategy`)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -43,7 +43,7 @@ from toptpu.backend.formats.commands import PeerCopy
 from toptpu.backend.formats.llm_file import LlmFile, WeightLayout
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.runtime.accounting import Costs, Ledger
-from toptpu.backend.runtime.executor import check_bindings, value_for
+from toptpu.backend.runtime.executor import Buffer, check_bindings, owned, value_for
 from toptpu.backend.runtime.machine import (
     Binding,
     LoadedNet,
@@ -198,48 +198,50 @@ class DeviceGroupExecutor(MachineExecutor):
         self.peer_copies = 0
 
     # ------------------------------------------------------------------ Executor
-    def alloc(self, shape: tuple[int, ...], dtype: str) -> DeviceBuffer:  # type: ignore[override]
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> Buffer:
         dt = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
         return DeviceBuffer(_Root(shape, dt), shape, dt)
 
-    def write(self, buf: DeviceBuffer, value: np.ndarray) -> None:  # type: ignore[override]
+    def write(self, buf: Buffer, value: np.ndarray) -> None:
         """Write every part the buffer has (one host transfer each); the host keeps the
         value too (`_Root.pending`: a device that binds the buffer later gets it from the
         host) until a net writes the buffer."""
-        value = value_for(buf, value, MachineExecutorError)  # type: ignore[arg-type]
-        root = buf.root
-        if root.pending is None and (not root.placed or buf.whole):
+        mine = owned(buf, DeviceBuffer, MachineExecutorError)
+        value = value_for(mine, value, MachineExecutorError)
+        root = mine.root
+        if root.pending is None and (not root.placed or mine.whole):
             root.pending = np.zeros(root.shape, root.dtype)
         if root.pending is not None:
-            root.pending[buf.window()] = value
+            root.pending[mine.window()] = value
         root.written = True
         for d in sorted(root.parts):
             piece = value if root.split is None else take_piece(value, root.split, d, self.n)
-            buf.part(d).array(write=True)[...] = piece
+            mine.part(d).array(write=True)[...] = piece
             self._transfer(int(piece.nbytes), to_chip=True)
-        if buf.whole:
+        if mine.whole:
             root.valid = set(root.parts)
 
-    def read(self, buf: DeviceBuffer) -> np.ndarray:  # type: ignore[override]
-        root = buf.root
+    def read(self, buf: Buffer) -> np.ndarray:
+        mine = owned(buf, DeviceBuffer, MachineExecutorError)
+        root = mine.root
         if not root.placed:
             whole = root.pending if root.pending is not None else \
                 np.zeros(root.shape, root.dtype)
-            return np.array(whole[buf.window()])
+            return np.array(whole[mine.window()])
         if root.split is None:
             d = min(root.valid)
-            self._transfer(buf.nbytes, to_chip=False)
-            return buf.part(d).array().copy()
+            self._transfer(mine.nbytes, to_chip=False)
+            return mine.part(d).array().copy()
         pieces = []
         for k in range(root.split.pieces):
             d = min(d for d in root.valid if piece_of(d, self.n, root.split.pieces) == k)
-            part = buf.part(d).array().copy()
+            part = mine.part(d).array().copy()
             self._transfer(int(part.nbytes), to_chip=False)
             pieces.append(part)
         return np.concatenate(pieces, axis=root.split.axis)
 
-    def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
+    def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
         info = self._nets.get(net)
         if info is None:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
@@ -258,6 +260,7 @@ class DeviceGroupExecutor(MachineExecutor):
                                        + (f" for layer {layer}" if layer is not None else ""))
         check_bindings(net, info, bindings, lambda b: isinstance(b, DeviceBuffer),
                        MachineExecutorError)
+        bindings = cast(Mapping[str, DeviceBuffer], bindings)  # checked just above
         splits = self.splits.get(net, {})
         for spec in info.inputs:
             self._place(bindings[spec.name], devs, splits.get(spec.name), spec, read=True)

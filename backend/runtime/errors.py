@@ -2,11 +2,9 @@
 vision encoder both raise it) and a trap of the reference machine; the CLI reports each as
 one line."""
 
-from toptpu.errors import ToptpuError
+from toptpu.errors import GenerationError, ToptpuError
 
-
-class GenerationError(ToptpuError):
-    """Generation cannot proceed as asked; the message says why and what to do."""
+__all__ = ["GenerationError", "MachineTrap"]
 
 
 class MachineTrap(ToptpuError):

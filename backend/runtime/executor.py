@@ -1,10 +1,19 @@
 """The interface between the LLM runtime and whatever runs the compiled nets.
 
-The runtime (prefill, decode, chat, sampling) is written once against `Executor`; two
-executors implement it:
+The runtime (prefill, decode, chat, sampling) is written once against `Executor`, an
+abstract base class; three executors derive from it:
 
-- the Tpu interpreter (numpy, op by op over the Tpu IR carried in the model file), and
-- the reference machine (command streams, local/global memory, timeline).
+- `InterpreterExecutor`: the Tpu interpreter (numpy, op by op over the Tpu IR carried in the
+  model file),
+- `MachineExecutor`: the reference machine (command streams, local/global memory, timeline),
+- `DeviceGroupExecutor` (a `MachineExecutor`): a file spread over several devices, one
+  machine per device.
+
+What every executor must do is abstract (`nets`, `alloc`, `write`, `read`, `run`); what
+only some can do is a method with a default, never a probe for an attribute: the cost model
+(`modelled_seconds` 0.0, `modelled_costs` None), planning ahead (`prepare`: nothing), the
+weight cache file (`use_weight_cache`: refused, `stored`: None) and a trace on the modelled
+clock (`start_recording`: refused).
 
 Memory is explicit: the runtime allocates device buffers (`alloc`), writes/reads them
 (`write`/`read`), takes sub-views (`Buffer.slot`, e.g. one token's slot of a KV cache), and
@@ -39,21 +48,28 @@ them; `toptpu.backend.runtime.interpreter_executor` is the reference implementat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from toptpu.backend.contract import NetInfo
-from toptpu.backend.formats.llm_file import LlmHeader
+from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.runtime.accounting import Costs
+from toptpu.backend.runtime.errors import GenerationError
+from toptpu.backend.runtime.run_trace import RunRecorder
+from toptpu.backend.runtime.weight_cache_file import StoredForms
 
 
 class Buffer(Protocol):
     """A region of device memory holding one tensor (shape, dtype)."""
 
-    shape: tuple[int, ...]
-    dtype: np.dtype
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
 
     def slot(self, axis: int, start: int, length: int) -> Buffer:
         """A view of `length` entries along `axis` from `start` (axis 1 of [1, SEQ, ...] is
@@ -61,34 +77,65 @@ class Buffer(Protocol):
         ...
 
 
-class Executor(Protocol):
-    """Runs the nets of one compiled model."""
+class Executor(ABC):
+    """Runs the nets of one compiled model file (see the module doc)."""
 
+    #: the model file it runs
+    file: LlmFile
     #: the validated model file header (`toptpu.backend.formats.llm_file.LlmHeader`): config,
     #: static shapes, generation config, ...
     meta: LlmHeader
-    header: dict  # its JSON form
+    header: dict[str, Any]  # its JSON form
 
-    def nets(self) -> Mapping[str, NetInfo]: ...
+    # ------------------------------------------------------------------ what every one does
+    @abstractmethod
+    def nets(self) -> Mapping[str, NetInfo]:
+        """The model file's nets by name."""
 
-    def alloc(self, shape: tuple[int, ...], dtype: str) -> Buffer: ...
+    @abstractmethod
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> Buffer:
+        """A zeroed device buffer."""
 
-    def write(self, buf: Buffer, value: np.ndarray) -> None: ...
+    @abstractmethod
+    def write(self, buf: Buffer, value: np.ndarray) -> None:
+        """Copy `value` from the host into `buf`, a buffer of this executor."""
 
-    def read(self, buf: Buffer) -> np.ndarray: ...
+    @abstractmethod
+    def read(self, buf: Buffer) -> np.ndarray:
+        """A host copy of `buf`, a buffer of this executor."""
 
+    @abstractmethod
     def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
         """Run `net` with each input/output name bound to a buffer; `layer` selects the
         weights of a per-layer net."""
-        ...
 
+    # ------------------------------------------------------------------ what some can do
     def modelled_seconds(self) -> float:
-        """Chip time modelled so far (0.0 for executors without a cost model)."""
-        ...
+        """Chip time modelled so far (0.0: no cost model)."""
+        return 0.0
 
     def modelled_costs(self) -> Costs | None:
-        """Chip time modelled so far by where it goes (None without a cost model)."""
-        ...
+        """Chip time modelled so far by where it goes (None: no cost model)."""
+        return None
+
+    def prepare(self, nets: Sequence[str]) -> None:  # noqa: B027 - an optional step
+        """Parse, check and plan `nets` now rather than on their first run (unknown names
+        are left out). By default each net is prepared on its first run."""
+
+    def use_weight_cache(self, stored: StoredForms | None) -> None:
+        """Read converted weights from this model file's weight cache file (None: stop)."""
+        raise GenerationError("this executor reads no weight cache file")
+
+    @property
+    def stored(self) -> StoredForms | None:
+        """The weight cache file in use (None: none)."""
+        return None
+
+    def start_recording(self) -> RunRecorder:
+        """Record every run and host transfer on the modelled clock from now on
+        (`toptpu.backend.runtime.run_trace`). Needs a cost model."""
+        raise GenerationError("a trace needs the machine executor (the Tpu interpreter has "
+                              "no cost model, so no timeline): use --executor machine")
 
 
 # ---------------------------------------------------------------------- the binding rules
@@ -130,3 +177,14 @@ def value_for(buf: Buffer, value: Any, error: type[Exception]) -> np.ndarray:
     if np.issubdtype(value.dtype, np.integer) != np.issubdtype(buf.dtype, np.integer):
         raise error(f"cannot write {value.dtype} into a {buf.dtype} buffer")
     return value.astype(buf.dtype, copy=False).reshape(buf.shape)
+
+
+BufferT = TypeVar("BufferT")
+
+
+def owned(buf: Buffer, kind: type[BufferT], error: type[Exception]) -> BufferT:
+    """`buf` as this executor's buffer type `kind`; `error` when it is another's."""
+    if not isinstance(buf, kind):
+        raise error(f"a {type(buf).__name__} is not a buffer of this executor (a "
+                    f"{kind.__name__})")
+    return buf

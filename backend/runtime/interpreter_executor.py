@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -54,7 +54,7 @@ from toptpu.backend.reference.interpreter import (
     evaluator_for,
     find_func,
 )
-from toptpu.backend.runtime.executor import check_bindings, value_for
+from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.dialects import top, tpu
@@ -164,7 +164,7 @@ class _Plan:
         self.size = len(ids)
 
 
-class InterpreterExecutor:
+class InterpreterExecutor(Executor):
     """Runs the nets of a model file with the numpy interpreter (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
@@ -182,13 +182,17 @@ class InterpreterExecutor:
         self._plans: dict[str, _Plan] = {}
         self._shared = self.file.shared_weights()
         self._layers: dict[int, dict[str, np.ndarray]] = {}
-        self.stored: StoredForms | None = None
+        self._stored: StoredForms | None = None
 
     def use_weight_cache(self, stored: StoredForms | None) -> None:
         """Read converted weights from this model file's weight cache file (None: stop)."""
         if stored is not None and stored.model is not self.file:
             raise ExecutorError("the weight cache file was opened for another model file")
-        self.stored = stored
+        self._stored = stored
+
+    @property
+    def stored(self) -> StoredForms | None:
+        return self._stored
 
     def _offset(self, layer: int | None, name: str) -> int:
         """The blob offset of weight `name` as layer `layer` reads it (None: shared)."""
@@ -204,19 +208,14 @@ class InterpreterExecutor:
     def alloc(self, shape: tuple[int, ...], dtype: str) -> ArrayBuffer:
         return ArrayBuffer(np.zeros(tuple(int(d) for d in shape), np.dtype(dtype)))
 
-    def write(self, buf: ArrayBuffer, value: np.ndarray) -> None:  # type: ignore[override]
-        np.copyto(buf.array, value_for(buf, value, ExecutorError))
+    def write(self, buf: Buffer, value: np.ndarray) -> None:
+        mine = owned(buf, ArrayBuffer, ExecutorError)
+        np.copyto(mine.array, value_for(mine, value, ExecutorError))
 
-    def read(self, buf: ArrayBuffer) -> np.ndarray:  # type: ignore[override]
-        return np.array(buf.array, copy=True)
+    def read(self, buf: Buffer) -> np.ndarray:
+        return np.array(owned(buf, ArrayBuffer, ExecutorError).array, copy=True)
 
-    def modelled_seconds(self) -> float:
-        return 0.0
-
-    def modelled_costs(self) -> None:
-        return None
-
-    def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
+    def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
         info = self._nets.get(net)
         if info is None:
             raise ExecutorError(f"the model has no net '{net}' (it has {sorted(self._nets)})")
@@ -226,9 +225,10 @@ class InterpreterExecutor:
         weights = self._weights_for(info, layer)
         plan = self._plan(net)
         check_bindings(net, info, bindings, lambda b: isinstance(b, ArrayBuffer), ExecutorError)
+        mine = cast(Mapping[str, ArrayBuffer], bindings)  # checked just above
         vals: list[Any] = [None] * plan.size
         for spec, i in zip(info.inputs, plan.inputs, strict=True):
-            vals[i] = bindings[spec.name].array.reshape(spec.shape)
+            vals[i] = mine[spec.name].array.reshape(spec.shape)
         for name, i, shape in plan.weights:
             arr = weights.get(name)
             if arr is None:
@@ -241,7 +241,7 @@ class InterpreterExecutor:
         for i, arr in plan.constants:
             vals[i] = arr
         # ops nested in regions (e.g. tpu.group bodies) read weights through the context
-        ctx = EvalContext(weights)  # type: ignore[arg-type] - a name -> array mapping
+        ctx = EvalContext(weights)  # type: ignore[arg-type]  # a name -> array mapping
         for step in plan.steps:
             args = [vals[a] if a is not None else None for a in step.args]
             if step.qweight is not None:
@@ -263,7 +263,7 @@ class InterpreterExecutor:
                 vals[r] = arr
         results = [vals[i] for i in plan.outputs]  # all computed before any write
         for spec, arr in zip(info.outputs, results, strict=True):
-            buf = bindings[spec.name]
+            buf = mine[spec.name]
             np.copyto(buf.array, np.asarray(arr).reshape(buf.shape))
 
     # ------------------------------------------------------------------ internals

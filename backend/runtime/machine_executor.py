@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -41,7 +41,7 @@ from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
 from toptpu.backend.runtime.accounting import Costs, Ledger
-from toptpu.backend.runtime.executor import check_bindings, value_for
+from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
 from toptpu.backend.runtime.machine import (
     Binding,
     LoadedNet,
@@ -112,7 +112,7 @@ class NetStats:
     timelines: list[Timeline] = field(default_factory=list)
 
 
-class MachineExecutor:
+class MachineExecutor(Executor):
     """Runs the nets of a model file on the reference machine (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, checked: bool = False,
@@ -155,19 +155,24 @@ class MachineExecutor:
     def nets(self) -> Mapping[str, NetInfo]:
         return self._nets
 
-    def alloc(self, shape: tuple[int, ...], dtype: str) -> MachineBuffer:
+    def alloc(self, shape: tuple[int, ...], dtype: str) -> Buffer:
+        return self._machine_buffer(shape, dtype)
+
+    def _machine_buffer(self, shape: tuple[int, ...], dtype: str) -> MachineBuffer:
         dt = np.dtype(dtype)
         nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         region = self.machine.gmem.alloc(f"buffer{len(self.machine.gmem.regions)}", nb)
         return MachineBuffer(self.machine, region.base, tuple(int(d) for d in shape), dt)
 
-    def write(self, buf: MachineBuffer, value: np.ndarray) -> None:  # type: ignore[override]
-        buf.array(write=True)[...] = value_for(buf, value, MachineExecutorError)
-        self._transfer(buf.nbytes, to_chip=True)
+    def write(self, buf: Buffer, value: np.ndarray) -> None:
+        mine = owned(buf, MachineBuffer, MachineExecutorError)
+        mine.array(write=True)[...] = value_for(mine, value, MachineExecutorError)
+        self._transfer(mine.nbytes, to_chip=True)
 
-    def read(self, buf: MachineBuffer) -> np.ndarray:  # type: ignore[override]
-        self._transfer(buf.nbytes, to_chip=False)
-        return buf.array().copy()
+    def read(self, buf: Buffer) -> np.ndarray:
+        mine = owned(buf, MachineBuffer, MachineExecutorError)
+        self._transfer(mine.nbytes, to_chip=False)
+        return mine.array().copy()
 
     def _transfer(self, nbytes: int, to_chip: bool) -> None:
         start = self.ledger.totals.total_s
@@ -181,7 +186,11 @@ class MachineExecutor:
     def modelled_costs(self) -> Costs:
         return self.ledger.totals
 
-    def run(self, net: str, bindings: Mapping[str, Any], layer: int | None = None) -> None:
+    def start_recording(self) -> RunRecorder:
+        self.recorder = RunRecorder(self.chip)
+        return self.recorder
+
+    def run(self, net: str, bindings: Mapping[str, Buffer], layer: int | None = None) -> None:
         info = self._nets.get(net)
         if info is None:
             raise MachineExecutorError(f"the model has no net '{net}' (it has "
@@ -193,7 +202,8 @@ class MachineExecutor:
         prog = loaded.program
         check_bindings(net, info, bindings, lambda b: isinstance(b, MachineBuffer) and
                        b.machine is self.machine, MachineExecutorError)
-        io = {spec.name: bindings[spec.name].addr for spec in (*info.inputs, *info.outputs)}
+        mine = cast(Mapping[str, MachineBuffer], bindings)  # checked just above
+        io = {spec.name: mine[spec.name].addr for spec in (*info.inputs, *info.outputs)}
         weights = self._weight_addresses(info, prog, layer)
         tl = self.machine.run(loaded, Binding(io, weights, self._act[net], self._const[net]))
         self._account(net, layer, tl)
@@ -245,7 +255,7 @@ class MachineExecutor:
         try:
             io = {}
             for spec in (*info.inputs, *info.outputs):
-                buf = self.alloc(tuple(spec.shape), spec.dtype)
+                buf = self._machine_buffer(tuple(spec.shape), spec.dtype)
                 if spec in info.inputs:
                     dt = np.dtype(spec.dtype)
                     buf.array(write=True)[...] = (

@@ -3,43 +3,15 @@ processor, run the `vit` net per tile, and lay out the image placeholder tokens.
 
 The model file's `vision` header section (written by `toptpu.frontends.vlm`) names the
 family, the image processor class and its config, the image special tokens and the static
-shapes of the `vit` net. For one image:
-
-- InternVL: `GotOcr2ImageProcessorPil` tiles the image into up to `max_tiles` tiles of the
-  compiled size plus a thumbnail (`crop_to_patches`, as `InternVLProcessor` asks it to) and
-  normalizes them; each tile runs `vit` once and gives `tokens_per_tile` rows. The prompt
-  text for the image is the processor's own `replace_image_token`:
-  `<img>` + `<IMG_CONTEXT>` x rows + `</img>`.
-- MiniCPM-V 4.6 and 4.7: `MiniCPMV4_6ImageProcessorPil` (4.7 uses 4.6's) makes the
-  source image and its slices
-  (its slice scheme, `max_slice_nums`), each NaViT-packed with its own patch grid; each
-  runs `vit` once, reordered and padded to the net's patch budget
-  (`toptpu.backend.contract.pack_slice`), and gives h*w/16 rows. The prompt text is
-  the processor's `replace_image_token` (image and slice start/end tokens, one row of
-  slices per line) with the `<image_id>i</image_id>` prefix of `use_image_id`. Each
-  crop's patch grid (`grids`) is kept: MiniCPM-V 4.7 lays its image tokens out on a canvas
-  of positions from them (`toptpu.backend.contract.canvas_position_ids`).
-
-- Qwen2.5-VL, Qwen3-VL and Qwen3.5 (`qwenvl`): `Qwen2VLImageProcessorPil` resizes the
-  image within the vit net's patch budget (its `longest_edge`, set at compile time) and
-  lays out its patches; one `vit` run per image over the budget
-  (`toptpu.backend.contract.qwen_vit_inputs`), its merged rows put back in the model's
-  order, and Qwen3-VL's DeepStack rows with them. The prompt text for the image is the
-  processor's: the image pad token once per merged row, inside the chat template's
-  `<|vision_start|>`/`<|vision_end|>`.
-- Video (`qwenvl`): the frames are given as images (a path or a PIL image each; no video
-  decoder is installed: the video processors of transformers need torchvision, which does
-  not install beside torch 2.13). All frames must have one size. They are resized with the
-  image processor (Pillow's bicubic, where the video processor resizes with torchvision:
-  the pixels may differ slightly from a decoded video's) so that the video's patches fit
-  the same budget (each frame gets an equal share), two consecutive frames make one
-  temporal patch (an odd last frame is repeated, as the video processor pads), and the
-  video runs the vit once. The placeholder is the processor's: Qwen2.5-VL's pad tokens
-  (its positions spaced by `tokens_per_second` x seconds per temporal patch, from
-  `fps`), Qwen3-VL's and Qwen3.5's `<t seconds>` timestamp and pads per temporal patch.
+shapes of the `vit` net. What differs between the families (InternVL's tiles, MiniCPM-V's
+NaViT-packed slices, Qwen-VL's patch budget and videos; the prompt text standing for an
+image) is each family's host side (`toptpu.families`, one module per family); this module
+opens the images, builds the processor, checks the net against the header and runs it.
 
 Nothing is resized or cropped beyond what the processor does: an image whose slice has
-more patches than the compiled budget is an `ImageError` naming both numbers.
+more patches than the compiled budget is an `ImageError` naming both numbers. Video frames
+are given as images (a path or a PIL image each; no video decoder is installed: the video
+processors of transformers need torchvision, which does not install beside torch 2.13).
 
 The processor objects and layouts come from `transformers` (Pillow backends: no
 torchvision), imported when the first image is encoded.
@@ -49,32 +21,21 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from toptpu.backend.contract import (
-    ATTENTION_MASK,
-    DEEPSTACK_EMBEDS,
-    IMAGE_EMBEDS,
-    PIXEL_VALUES,
-    POSITION_IDS_VIT,
-    VISION_KINDS,
-    ContractError,
-    pack_slice,
-    qwen_vit_inputs,
-)
+from toptpu.backend.contract import DEEPSTACK_EMBEDS, IMAGE_EMBEDS
 from toptpu.backend.runtime.accounting import Costs
-from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.executor import Buffer, Executor
+from toptpu.errors import GenerationError, ImageError
+from toptpu.families import vision_family
+from toptpu.families.base import PreparedImage, VideoPatches
 
-
-class ImageError(GenerationError):
-    """An image that cannot be read or that the compiled shapes cannot take."""
+__all__ = ["EncodedImage", "ImageError", "ImagePreprocessor", "PreparedImage", "VideoPatches",
+           "VisionEncoder", "load_image"]
 
 
 def load_image(image: Any) -> Any:
@@ -130,49 +91,14 @@ class EncodedImage:
         return int(self.embeds.shape[0])
 
 
-@dataclass
-class PreparedImage:
-    """One image preprocessed for the vision net (before any run)."""
-
-    feeds: list[dict[str, np.ndarray]]  # the vit inputs of each tile / slice
-    rows: list[int]  # how many leading output rows of each run are image tokens
-    placeholder: str
-    source: str = ""
-    size: tuple[int, int] = (0, 0)
-    grids: tuple[tuple[int, int], ...] = ()  # MiniCPM-V: each crop's patch grid (h, w)
-    #: Qwen-VL: the order that puts the net's rows in the model's (`QwenVitInputs.rows`),
-    #: the modality, the grid (t, h, w), a video's temporal step and frame count
-    order: np.ndarray | None = None
-    modality: str = "image"
-    grid_thw: tuple[int, int, int] | None = None
-    interval: float = 1.0
-    frames: int = 1
-
-
-@dataclass
-class VideoPatches:
-    """A video's frames through the image processor, as the video processor lays them out:
-    `patches` [t*h*w, C*T*P*P] in its order, the `grid` (t, h, w), the placeholder text,
-    the temporal position step of Qwen2.5-VL (`interval`: tokens_per_second x seconds per
-    temporal patch) and the number of frames given."""
-
-    patches: np.ndarray
-    grid: tuple[int, int, int]
-    placeholder: str
-    interval: float
-    frames: int
-    source: str
-    size: tuple[int, int]
-    what: str
-
-
 class ImagePreprocessor:
     """The host side of a model file's vision net: preprocessing and placeholder layout
-    from the header's `vision` section (no executor needed)."""
+    from the header's `vision` section (no executor needed), by its family's rules."""
 
     def __init__(self, info: dict[str, Any]) -> None:
         self.info = info
         self.kind: str = info["kind"]
+        self.family = vision_family(self.kind)
         self.net: str = info["net"]
         self.image_token_id = int(info["image_token_id"])
         self._processor: Any = None
@@ -181,64 +107,23 @@ class ImagePreprocessor:
     @property
     def marker(self) -> str:
         """The text that marks where an image goes in a prompt (the model's image token)."""
-        _, _, marker = VISION_KINDS[self.kind]
-        return str(self.info["tokens"][marker])
+        return self.family.marker_of(self.info, "image")
 
     def marker_of(self, modality: str) -> str:
         """The token that marks an image (or a Qwen-VL video) in a prompt."""
-        if modality == "video":
-            if self.kind != "qwenvl":
-                raise GenerationError(f"a {self.info['model_type']} model file takes images, "
-                                      "not videos")
-            return str(self.info["tokens"]["video_token"])
-        return self.marker
+        return self.family.marker_of(self.info, modality)
 
     def marker_text(self, modality: str) -> str:
         """What stands for an image (video) put before a prompt's text: the marker, inside
         the vision start/end tokens for Qwen-VL (as its chat template writes them)."""
-        marker = self.marker_of(modality)
-        if self.kind == "qwenvl":
-            t = self.info["tokens"]
-            return f"{t['vision_start_token']}{marker}{t['vision_end_token']}"
-        return marker + "\n"
+        return self.family.marker_text(self.info, modality)
 
     def expand(self, text: str, images: list[EncodedImage], first_index: int = 0) -> str:
         """Replace the i-th marker of `text` by the i-th image's placeholder text (with its
         image id for MiniCPM-V, counted from `first_index`). Markers and images must pair.
         Qwen-VL: image markers pair with the images, video markers with the videos, each in
         their order."""
-        if self.kind == "qwenvl":
-            return self._expand_qwen(text, images)
-        parts = text.split(self.marker)
-        if len(parts) - 1 != len(images):
-            raise GenerationError(
-                f"the prompt marks {len(parts) - 1} image(s) with {self.marker!r} but "
-                f"{len(images)} image(s) were given; put one marker per image (or none: the "
-                "images then go before the text)")
-        out = [parts[0]]
-        for i, (img, rest) in enumerate(zip(images, parts[1:], strict=True)):
-            out += [self._image_id(first_index + i) + img.placeholder, rest]
-        return "".join(out)
-
-    def _expand_qwen(self, text: str, items: list[EncodedImage]) -> str:
-        markers = {m: self.marker_of(m) for m in ("image", "video")}
-        pattern = re.compile("|".join(re.escape(t) for t in markers.values()))
-        queues = {m: [x for x in items if x.modality == m] for m in markers}
-        found = {m: text.count(t) for m, t in markers.items()}
-        for m, t in markers.items():
-            if found[m] != len(queues[m]):
-                raise GenerationError(
-                    f"the prompt marks {found[m]} {m}(s) with {t!r} but {len(queues[m])} "
-                    f"{m}(s) were given; put one marker per {m} (or none: they then go "
-                    "before the text)")
-        which = {t: m for m, t in markers.items()}
-        return pattern.sub(lambda match: queues[which[match.group()]].pop(0).placeholder, text)
-
-    def _image_id(self, index: int) -> str:
-        if self.kind != "minicpmv" or not self.info["processor"].get("use_image_id", True):
-            return ""
-        t = self.info["tokens"]
-        return f"{t['image_id_start_token']}{index}{t['image_id_end_token']}"
+        return self.family.expand(self.info, text, images, first_index)
 
     # ------------------------------------------------------------------ encoding
     @property
@@ -262,12 +147,7 @@ class ImagePreprocessor:
         source = str(image) if isinstance(image, str | os.PathLike) else "<image>"
         img = load_image(image)
         try:
-            if self.kind == "internvl":
-                prepared = self._internvl(img)
-            elif self.kind == "qwenvl":
-                prepared = self._qwen_image(img, source)
-            else:
-                prepared = self._minicpmv(img, source)
+            prepared = self.family.prepare(self.processor, self.info, img, source)
         except ImageError:
             raise
         except (ValueError, TypeError, OSError) as e:
@@ -276,60 +156,22 @@ class ImagePreprocessor:
         prepared.source, prepared.size = source, (img.width, img.height)
         return prepared
 
-    def _internvl(self, img: Any) -> PreparedImage:
-        from transformers.models.internvl.processing_internvl import InternVLProcessor
-
-        v = self.info
-        out = self.processor(img, crop_to_patches=True, max_patches=int(v["max_tiles"]),
-                             return_tensors=None)  # crop_to_patches: as InternVLProcessor
-        tiles = [np.asarray(t, np.float32) for t in out[PIXEL_VALUES]]
-        t = v["tokens"]
-        layout = SimpleNamespace(start_image_token=t["start_image_token"],
-                                 end_image_token=t["end_image_token"],
-                                 image_token=t["context_image_token"],
-                                 image_seq_length=int(v["tokens_per_tile"]))
-        placeholder = InternVLProcessor.replace_image_token(
-            layout, {"num_patches": [len(tiles)]}, 0)
-        return PreparedImage([{PIXEL_VALUES: x[None]} for x in tiles],
-                             [int(v["tokens_per_tile"])] * len(tiles), placeholder)
-
-    # ------------------------------------------------------------------ Qwen-VL
-    def _qwen_inputs(self, patches: np.ndarray, grid: tuple[int, int, int], what: str
-                     ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
-        v, q = self.info, self.info["qwen"]
-        try:
-            inputs = qwen_vit_inputs(patches, grid, int(v["max_patches"]), int(q["merge_size"]),
-                                     patch_size=int(v["patch_size"]),
-                                     window_size=q.get("window_size"),
-                                     position_grid_side=q.get("position_grid_side"))
-        except ContractError as e:
-            raise ImageError(f"{what}: {e}; recompile with a larger --max-pixels (or "
-                             "--max-patches)") from e
-        return inputs.feeds, inputs.rows, inputs.tokens
-
-    def _qwen_image(self, img: Any, source: str) -> PreparedImage:
-        out = self.processor(img, return_tensors=None)
-        pv = np.asarray(out[PIXEL_VALUES], np.float32)
-        t, h, w = (int(x) for x in np.asarray(out["image_grid_thw"]).reshape(-1))
-        what = f"image '{source}' ({img.width}x{img.height})"
-        feeds, order, tokens = self._qwen_inputs(pv, (t, h, w), what)
-        pad = self.info["tokens"]["image_token"]
-        return PreparedImage([feeds], [tokens], pad * tokens, order=order, grid_thw=(t, h, w))
-
     def prepare_video(self, frames: list[Any], fps: float) -> PreparedImage:
         """Preprocess a video given as its frames (paths or PIL images, `fps` frames a
-        second): see the module doc. No net runs."""
-        video = self.video_patches(frames, fps)
-        feeds, order, tokens = self._qwen_inputs(video.patches, video.grid, video.what)
-        return PreparedImage([feeds], [tokens], video.placeholder, video.source, video.size,
-                             order=order, modality="video", grid_thw=video.grid,
-                             interval=video.interval, frames=video.frames)
+        second; Qwen-VL: see `toptpu.families.qwen_vl`). No net runs."""
+        images, source = self._frames(frames, fps)
+        return self.family.prepare_video(self.processor, self.info, images, fps, source)
 
     def video_patches(self, frames: list[Any], fps: float) -> VideoPatches:
         """A video given as its frames through the image processor, as the video processor
-        lays it out (see the module doc): its patches in the processor's order, its grid,
-        placeholder text and temporal step."""
-        if self.kind != "qwenvl":
+        lays it out: its patches in the processor's order, its grid, placeholder text and
+        temporal step."""
+        images, source = self._frames(frames, fps)
+        return self.family.video_patches(self.processor, self.info, images, fps, source)
+
+    def _frames(self, frames: list[Any], fps: float) -> tuple[list[Any], str]:
+        """A video's frames opened (all of one size), and its name."""
+        if not self.family.takes_video:
             raise GenerationError(f"a {self.info['model_type']} model file takes images, not "
                                   "videos")
         if not frames:
@@ -342,87 +184,7 @@ class ImagePreprocessor:
         if len(sizes) != 1:
             raise ImageError(f"the frames of video '{source}' have different sizes "
                              f"{sorted(sizes)}; give frames of one size")
-        v, q = self.info, self.info["qwen"]
-        p, tp, merge = int(v["patch_size"]), int(q["temporal_patch_size"]), int(q["merge_size"])
-        steps = -(-len(images) // tp)
-        size = dict(self.processor.size)
-        share = int(v["max_patches"]) // steps * p * p  # each temporal patch an equal share
-        if share < (merge * p) ** 2:
-            raise ImageError(
-                f"video '{source}' of {len(images)} frames makes {steps} temporal patches; the "
-                f"vision net's budget of {v['max_patches']} patches leaves each less than one "
-                f"merged token; give at most {int(v['max_patches']) // merge ** 2 * tp} frames "
-                "or recompile with a larger --max-pixels")
-        want = {"shortest_edge": min(int(size["shortest_edge"]), share), "longest_edge": share}
-        try:
-            out = self.processor(images, size=want, return_tensors=None)
-        except (ValueError, TypeError, OSError) as e:
-            raise ImageError(f"the {v['processor_class']} cannot take the frames of video "
-                             f"'{source}': {e}") from e
-        grids = np.asarray(out["image_grid_thw"]).reshape(-1, 3)
-        _, h, w = (int(x) for x in grids[0])
-        c = len(v["processor"].get("image_mean") or [0, 0, 0])
-        # each frame's patches hold it twice in time (an image's temporal patch): keep one,
-        # then pair consecutive frames as the video processor does (the last one repeated)
-        frame = np.asarray(out[PIXEL_VALUES], np.float32).reshape(
-            len(images), h * w, c, tp, p, p)[:, :, :, 0]
-        frame = np.concatenate([frame, np.repeat(frame[-1:], steps * tp - len(images), 0)])
-        pv = frame.reshape(steps, tp, h * w, c, p, p).transpose(0, 2, 3, 1, 4, 5)
-        pv = np.ascontiguousarray(pv).reshape(steps * h * w, c * tp * p * p)
-        what = f"video '{source}' ({len(images)} frames)"
-        tokens = steps * h * w // merge ** 2
-        t = self.info["tokens"]
-        per_frame = tokens // steps
-        if q.get("frames_apart"):  # Qwen3-VL, Qwen3.5: a timestamp before each temporal patch
-            times = [i / fps for i in range(len(images))]
-            times += [times[-1]] * (steps * tp - len(images))
-            stamps = [(times[i] + times[i + tp - 1]) / 2 for i in range(0, len(times), tp)]
-            placeholder = "".join(f"<{s:.1f} seconds>{t['vision_start_token']}"
-                                  f"{t['video_token'] * per_frame}{t['vision_end_token']}"
-                                  for s in stamps)
-        else:
-            placeholder = t["video_token"] * tokens
-        interval = float(np.float32(q.get("tokens_per_second") or 1.0) * np.float32(tp / fps))
-        return VideoPatches(pv, (steps, h, w), placeholder, interval, len(images), source,
-                            images[0].size, what)
-
-    def _minicpmv(self, img: Any, source: str) -> PreparedImage:
-        from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
-
-        v = self.info
-        out = self.processor(img, return_tensors=None)
-        pv = np.asarray(out[PIXEL_VALUES], np.float32)[0]  # [C, P, total * P]
-        sizes = np.asarray(out["target_sizes"]).reshape(-1, 2)
-        p, budget, div = int(v["patch_size"]), int(v["max_patches"]), int(v["token_divisor"])
-        levels = [tuple(k) for k in v["merge_levels"]]
-        for h, w in sizes:
-            if h * w > budget:
-                raise ImageError(
-                    f"image '{source}' ({img.width}x{img.height}) becomes a slice of {h}x{w} = "
-                    f"{h * w} patches in the {v['processor_class']}, more than the vit net's "
-                    f"static budget of {budget} patches; recompile with --max-patches "
-                    f"{-(-int(h * w) // div) * div} or larger (or use an image of a less "
-                    "extreme aspect ratio)")
-        feeds, rows, start = [], [], 0
-        for h, w in sizes:
-            n = int(h * w)
-            packed = pack_slice(pv[:, :, start * p:(start + n) * p], int(h), int(w), budget,
-                                levels, int(v["position_side"]))
-            feeds.append(dict(zip((PIXEL_VALUES, POSITION_IDS_VIT, ATTENTION_MASK),
-                                  packed, strict=True)))
-            rows.append(n // div)
-            start += n
-        t = v["tokens"]
-        layout = SimpleNamespace(slice_mode=bool(v["processor"].get("slice_mode", True)),
-                                 **{k: t[k] for k in ("image_token", "image_start_token",
-                                                      "image_end_token", "slice_start_token",
-                                                      "slice_end_token")})
-        placeholder = MiniCPMV4_6Processor.replace_image_token(
-            layout, {"grids": out["grids"], "num_patches_per_image":
-                     out["num_patches_per_image"], "target_sizes": sizes}, 0,
-            image_token_divisor=div)
-        return PreparedImage(feeds, rows, placeholder,
-                             grids=tuple((int(h), int(w)) for h, w in sizes))
+        return images, source
 
 
 class VisionEncoder(ImagePreprocessor):
@@ -446,22 +208,7 @@ class VisionEncoder(ImagePreprocessor):
         """The header's numbers must be the net's static shapes (they are read back from
         the net; a file whose header disagrees is refused)."""
         shapes = {s.name: s.shape for s in (*self.net_info.inputs, *self.net_info.outputs)}
-        v = self.info
-        if self.kind == "internvl":
-            want = {PIXEL_VALUES: (1, 3, v["image_size"], v["image_size"]),
-                    IMAGE_EMBEDS: (1, v["tokens_per_tile"], shapes[IMAGE_EMBEDS][-1])}
-        elif self.kind == "qwenvl":
-            n, q = int(v["max_patches"]), v["qwen"]
-            rows = n // int(v["token_divisor"])
-            width = shapes[IMAGE_EMBEDS][-1]
-            want = {PIXEL_VALUES: (n, shapes[PIXEL_VALUES][-1]), POSITION_IDS_VIT: (n, 2),
-                    IMAGE_EMBEDS: (1, rows, width)}
-            if int(q["deepstack_levels"]):
-                want[DEEPSTACK_EMBEDS] = (rows, int(q["deepstack_levels"]), width)
-        else:
-            n, p = int(v["max_patches"]), int(v["patch_size"])
-            want = {PIXEL_VALUES: (1, 3, p, n * p), POSITION_IDS_VIT: (1, n),
-                    IMAGE_EMBEDS: (1, n // int(v["token_divisor"]), shapes[IMAGE_EMBEDS][-1])}
+        want = self.family.vit_shapes(self.info, shapes)
         bad = [f"{k} is {list(shapes.get(k, ()))}, the header says {list(s)}"
                for k, s in want.items() if tuple(shapes.get(k, ())) != tuple(s)]
         if bad:
