@@ -70,8 +70,9 @@ def gptq_tensors(name: str, qw: QuantizedWeights, bias: np.ndarray | None, fmt: 
     n, k = qw.qweight.shape
     out = {f"{name}.qweight": pack_rows(qw.qweight, bits),
            f"{name}.qzeros": pack_columns(zeros.T, bits),
-           f"{name}.scales": np.ascontiguousarray(qw.scales.T),
-           f"{name}.g_idx": (np.arange(k) // qw.scheme.group_length(k)).astype(np.int32)}
+           f"{name}.scales": np.ascontiguousarray(qw.scales.T)}
+    if fmt == "gptq":  # AutoGPTQ writes g_idx; the auto_round packing has none
+        out[f"{name}.g_idx"] = (np.arange(k) // qw.scheme.group_length(k)).astype(np.int32)
     if bias is not None:
         out[f"{name}.bias"] = np.asarray(bias, dtype=np.float32)
     return out

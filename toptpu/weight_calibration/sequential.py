@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -242,12 +242,15 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
               sequences: int = DEFAULT_SEQUENCES,
               sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
               tokenizer: Any = None,
-              progress: IO[str] | None = sys.stderr) -> CalibrationReport:
+              progress: IO[str] | None = sys.stderr,
+              on_layer: Callable[[int, dict[str, QuantizedWeights]], None] | None = None
+              ) -> CalibrationReport:
     """Calibrate `model` (a float checkpoint directory or GGUF file, streamed; or a
     transformers causal LM in memory with its `tokenizer`) on `data` (text files, tokenized
     with the model's tokenizer into `sequences` x `sequence_length`, or a `CalibrationData`)
     and write the calibrated checkpoint directory `output` (`export`). Progress (layers
-    done, time left) goes to `progress`."""
+    done, time left) goes to `progress`; `on_layer(index, quantized linears)` is called as
+    each layer is done."""
     t0 = time.perf_counter()
     source, files = _source_files(model, tokenizer)
     if not isinstance(data, CalibrationData):
@@ -286,6 +289,8 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
             writer.write_shard(layer_tensors(layer, f"model.layers.{i}.", results,
                                              request.export_format))
             report.quantized_linears += len(results)
+            if on_layer is not None:
+                on_layer(i, results)
             report.details.append(details)
             source.release(i)
             del layer, runner
