@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from quant_fixtures import build_model, build_tokenizer
 
-from tests.quant_fixtures import build_model, build_tokenizer
 from toptpu.frontends.quant import (
     read_quantized_checkpoint,
     unpack_int32_columns,
