@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from toptpu.weight_calibration.grid import CalibrationError
 
@@ -168,8 +169,6 @@ def calibration_data(files: Sequence[str], encode: Encode,
 def tokenizer_encoder(tokenizer_json: bytes) -> Encode:
     """The encoder of a model's `tokenizer.json` (the `tokenizers` library, as the runtime
     tokenizes), without special tokens."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
 
     def encode(text: str) -> list[int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from toptpu.errors import ToptpuError
@@ -73,8 +74,6 @@ class QuantScheme:
 
     @property
     def numpy_scale_dtype(self) -> np.dtype:
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16) if self.scale_dtype == "bfloat16" else \
             np.dtype(self.scale_dtype)
 

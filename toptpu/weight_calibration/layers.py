@@ -29,9 +29,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_layers import DecoderLayerWithRope, causal_mask
 from toptpu.frontends.hf_loader import LoadedModel
-from toptpu.frontends.streaming import materialize_layer, to_f32
+from toptpu.frontends.streaming import load_streaming, materialize_layer, to_f32
 from toptpu.weight_calibration.grid import CalibrationError
 
 FULL_ATTENTION = "full_attention"
@@ -238,9 +239,6 @@ def open_layers(model: Any) -> LayerSource:
     """The layers of `model`: a float checkpoint directory or GGUF file (streamed), a
     streamed `LoadedModel`, or a transformers causal LM in memory."""
     if isinstance(model, str | os.PathLike):
-        from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
-        from toptpu.frontends.streaming import load_streaming
-
         path = os.fspath(model)
         if gguf_file_of(path) is not None:
             return StreamedLayers(load_gguf(path, dequantize="f32"))
