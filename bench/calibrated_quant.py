@@ -115,8 +115,8 @@ def main() -> None:
     ref = os.path.join(a.work, "f32.toptpu")
     lines = ["| row | perplexity | top-1 vs f32 | mean KL vs f32 |", "|---|---|---|---|"]
     for row in a.rows.split(","):
-        method = row.rstrip("0123456789")
-        group = int(row[len(method):] or 0)
+        method = row if row == "f32" else row.rstrip("0123456789")
+        group = 0 if row == "f32" else int(row[len(method):])
         files: list[tuple[str, str, list[str]]] = []  # label, source, compile args
         if method == "f32":
             files = [("f32", gguf, ["--dequantize", "f32"])]
