@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.errors import ToptpuError
 
 #: weight bits a calibrated checkpoint may have (the GPTQ layout packs them into int32 words)
@@ -39,11 +40,12 @@ class CalibrationError(ToptpuError, ValueError):
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """How the weights are quantized: bits, group size (-1: one group per output row),
-    symmetric or not, and the scales' storage dtype."""
+    """How the weights are quantized: bits, group size (-1: one group per output row; by
+    default the compiler's round-to-nearest group size), symmetric or not, and the scales'
+    storage dtype."""
 
     bits: int = 4
-    group_size: int = 128
+    group_size: int = DEFAULT_GROUP_SIZE
     sym: bool = False
     scale_dtype: str = "float16"
 
