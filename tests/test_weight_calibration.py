@@ -353,3 +353,51 @@ def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, tmp_path
         theirs = consumer(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(ours_logits, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
     shutil.rmtree(out)
+
+
+def _qwen3() -> Any:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.Qwen3ForCausalLM(tf.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, tie_word_embeddings=False)).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,method", [("qwen3", "gptq"), ("qwen3", "awq"),
+                                           ("qwen3_5", "gptq"), ("qwen3_5", "awq")])
+def test_calibrated_families_compile_and_generate(family: str, method: str, tmp_path: Path,
+                                                  tokenizer: Any, text_file: str) -> None:
+    """Qwen3 (q/k norms) and Qwen3.5 (three linear-attention layers and one full-attention
+    layer) calibrate, compile with -q w4bf16 and generate; the w4f32 compile's logits follow
+    the float model's (cos >= 0.98 at every position). Qwen3.5's in_proj_b / in_proj_a (4
+    outputs: not whole int32 words of zero points) stay float, so AWQ leaves the linear
+    attention's input group unscaled."""
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+
+    model = _qwen3() if family == "qwen3" else build_model("qwen3_5")
+    out = str(tmp_path / "calibrated")
+    report = calibrate(model, out, CalibrationRequest(method, QuantScheme(4, 32, False)),
+                       [text_file], sequences=8, sequence_length=64, tokenizer=tokenizer,
+                       progress=None)
+    if family == "qwen3_5":
+        assert report.float_linears == [f"model.layers.{i}.linear_attn.in_proj_{p}"
+                                        for i in range(3) for p in "ba"]
+    else:
+        assert report.float_linears == []
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 250, 30)]
+    exact = str(tmp_path / "w4f32.toptpu")
+    compile_model(out, exact, mode="w4f32", seq_length=64, max_input_length=32, progress=None)
+    logits = Runtime.open(exact, "interpreter").sequence_logits(ids)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    cos = (logits * ref).sum(-1) / np.linalg.norm(logits, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert cos.min() >= 0.98, cos.min()
+    served = str(tmp_path / "w4bf16.toptpu")
+    compile_model(out, served, mode="w4bf16", seq_length=64, max_input_length=32,
+                  progress=None)
+    res = Runtime.open(served).generate(ids[:8], 8, stop_on_eos=False)
+    assert len(res.generated_ids) == 8
