@@ -401,3 +401,14 @@ def test_calibrated_families_compile_and_generate(family: str, method: str, tmp_
                   progress=None)
     res = Runtime.open(served).generate(ids[:8], 8, stop_on_eos=False)
     assert len(res.generated_ids) == 8
+
+
+def test_request_for_compile_mode() -> None:
+    """The request a compile's -q / --group-size / --symmetric imply; a float mode refused."""
+    from toptpu.weight_calibration import CalibrationError, request_for_mode
+
+    r = request_for_mode("gptq", "w4bf16")
+    assert r.scheme == QuantScheme(4, 64, False) and r.export_format == "auto_round"
+    assert request_for_mode("awq", "w8f16", -1, True).scheme == QuantScheme(8, -1, True)
+    with pytest.raises(CalibrationError, match="-q bf16 keeps them float"):
+        request_for_mode("gptq", "bf16")

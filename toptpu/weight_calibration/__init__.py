@@ -30,6 +30,7 @@ from toptpu.weight_calibration.sequential import (
     CalibrationReport,
     CalibrationRequest,
     calibrate,
+    request_for_mode,
 )
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "QuantScheme",
     "calibrate",
     "calibration_data",
+    "request_for_mode",
 ]

@@ -32,7 +32,9 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.frontends.hf_loader import LoadedModel, dir_bytes, load_model
+from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.weight_calibration.awq import AwqOptions, awq_layer
 from toptpu.weight_calibration.data import (
     DEFAULT_SEQUENCE_LENGTH,
@@ -87,6 +89,23 @@ class CalibrationRequest:
                                    f"{', '.join(EXPORT_FORMATS)}")
         if not 0 < self.percdamp <= 1:
             raise CalibrationError(f"damping {self.percdamp}: a fraction in (0, 1]")
+
+
+def request_for_mode(method: str, mode: str, group_size: int | None = None,
+                     symmetric: bool | None = None) -> CalibrationRequest:
+    """The request `toptpu compile -q MODE [--group-size G] [--symmetric] --calibrate METHOD`
+    implies: MODE's weight bits, the group size (default the compiler's, 64; -1 per channel),
+    asymmetric unless symmetric, exported in the `auto_round` format (`export`)."""
+    try:
+        bits = parse_mode(mode)[1]
+    except ValueError as e:
+        raise CalibrationError(str(e)) from None
+    if bits is None:
+        raise CalibrationError(f"--calibrate quantizes weights: -q {mode} keeps them float; "
+                               "choose a w4 or w8 mode")
+    scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
+                         bool(symmetric))
+    return CalibrationRequest(method, scheme)
 
 
 @dataclass
