@@ -6,8 +6,9 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
 - compiled in f32 (`--dequantize f32`): the reference;
 - rounded to nearest by the compiler (`--dequantize w4bf16 --group-size G`): RTN;
 - calibrated by `toptpu.weight_calibration` (GPTQ with act-order and static groups; AWQ with
-  duo scaling and clipping) from the GGUF, one layer at a time, into a checkpoint directory
-  compiled with `-q w4bf16`;
+  duo scaling and clipping, its search on `--awq-search-tokens` of the calibration tokens)
+  from the GGUF, one layer at a time, on `--sequences` x `--sequence-length` tokens, into a
+  checkpoint directory compiled with `-q w4bf16`;
 - quantized by auto-round (its default algorithm, sign-gradient rounding, `iters` and
   `nsamples` as given: the CPU cannot afford its defaults) from the same f32 model
   (transformers' GGUF loader) on the same calibration sequences, exported in its own
@@ -57,12 +58,14 @@ def toptpu(*argv: str) -> str:
 
 
 def calibrated(gguf: str, method: str, group: int, cal: str, a: argparse.Namespace) -> str:
-    from toptpu.weight_calibration import CalibrationRequest, QuantScheme, calibrate
+    from toptpu.weight_calibration import AwqOptions, CalibrationRequest, QuantScheme, calibrate
 
     out = os.path.join(a.work, f"{method}{group}-checkpoint")
     if not os.path.exists(out):
-        rep = calibrate(gguf, out, CalibrationRequest(method, QuantScheme(4, group, False)),
-                        [cal], sequences=a.sequences, sequence_length=a.sequence_length)
+        request = CalibrationRequest(method, QuantScheme(4, group, False),
+                                     awq=AwqOptions(search_tokens=a.awq_search_tokens))
+        rep = calibrate(gguf, out, request, [cal], sequences=a.sequences,
+                        sequence_length=a.sequence_length)
         print(f"{method} g{group}: {rep.layers} layers in {rep.seconds:.0f}s "
               f"({rep.seconds / rep.layers:.1f}s a layer)", flush=True)
     return out
@@ -102,6 +105,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("--sequence-length", type=int, default=256)
+    ap.add_argument("--awq-search-tokens", type=int, default=1024)
     ap.add_argument("--autoround-iters", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seq-length", type=int, default=256)
