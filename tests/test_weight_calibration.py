@@ -412,3 +412,35 @@ def test_request_for_compile_mode() -> None:
     assert request_for_mode("awq", "w8f16", -1, True).scheme == QuantScheme(8, -1, True)
     with pytest.raises(CalibrationError, match="-q bf16 keeps them float"):
         request_for_mode("gptq", "bf16")
+
+
+def test_streamed_checkpoint_calibrates_as_the_model_in_memory(tmp_path: Path, tokenizer: Any,
+                                                               text_file: str) -> None:
+    """A checkpoint directory read one layer at a time (bf16 shards: the streamed layers are
+    its exact float32 values) gives the very checkpoint the same model gives in memory."""
+    from safetensors.numpy import load_file
+
+    model = _outlier_model("qwen2").to(torch.bfloat16).float()
+    src = tmp_path / "float"
+    model.to(torch.bfloat16).save_pretrained(src)
+    model.float()
+    tokenizer.save_pretrained(src)
+    request = CalibrationRequest("gptq", QuantScheme(4, 32, False))
+    for name, source in (("memory", model), ("streamed", str(src))):
+        calibrate(source, str(tmp_path / name), request, [text_file], sequences=8,
+                  sequence_length=64, tokenizer=tokenizer, progress=None)
+
+    def tensors(d: str) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for f in sorted((tmp_path / d).glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    memory, streamed = tensors("memory"), tensors("streamed")
+    assert memory.keys() == streamed.keys()
+    for name, arr in memory.items():
+        other = streamed[name]
+        if name.startswith("model.layers."):
+            assert arr.dtype == other.dtype and np.array_equal(arr, other), name
+        else:  # outside the layers: as the source stores them (float32 / bf16)
+            assert np.array_equal(arr.astype(np.float32), other.astype(np.float32)), name
