@@ -49,7 +49,7 @@ from toptpu.weight_calibration.export import (
     gptq_tensors,
     quantization_config,
 )
-from toptpu.weight_calibration.gptq import HessianAccumulator, gptq
+from toptpu.weight_calibration.gptq import HessianAccumulator, gptq, prepare_hessian
 from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, QuantScheme, rtn
 from toptpu.weight_calibration.layers import (
     LayerPlan,
@@ -162,12 +162,12 @@ def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, quantized:
                     pass
         finally:
             handle.remove()
-        h = acc.hessian()
+        prepared = prepare_hessian(acc.hessian(), act_order=request.act_order,
+                                   percdamp=request.percdamp)
         for name in names:
             lin = _linear_weight(runner.layer, name)
-            res = gptq(lin.weight.detach().numpy(), h, request.scheme,
-                       act_order=request.act_order, block_size=request.block_size,
-                       percdamp=request.percdamp)
+            res = gptq(lin.weight.detach().numpy(), prepared, request.scheme,
+                       act_order=request.act_order, block_size=request.block_size)
             out[name] = res.weights
             losses[name] = res.loss
             lin.weight.data = torch.from_numpy(res.weights.dequantize())
