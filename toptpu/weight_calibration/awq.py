@@ -188,7 +188,7 @@ def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
             for m, w in zip(linears, originals, strict=True):
                 m.weight.data = fake_quantize(w * s[None, :], scheme) / s[None, :]
             out = _batched(runner, group.inspect, inspect_input)
-            loss = float((out - reference).double().pow(2).mean())
+            loss = float((out - reference).pow(2).mean(dtype=torch.float64))
             if best is None or loss < best[0]:
                 best = (loss, ratio, s.clone())
     finally:
@@ -214,13 +214,13 @@ def clip_weight(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, options: 
         wg = wb.reshape(-1, g, gs)
         org_max = wg.abs().amax(dim=-1, keepdim=True)
         reference = torch.einsum("tgj,ngj->ntg", xs, wg)
-        best_err = torch.full(org_max.shape[:2], float("inf"), dtype=torch.float64)
+        best_err = torch.full(org_max.shape[:2], float("inf"))
         best_max = org_max.clone()
         for i in range(int(options.max_shrink * options.clip_grid)):
             max_val = org_max * (1 - i / options.clip_grid)
             clipped = torch.clamp(wg, -max_val, max_val)
             q = fake_quantize(clipped.reshape(wb.shape), scheme).reshape(wg.shape)
-            err = (torch.einsum("tgj,ngj->ntg", xs, q) - reference).double().pow(2).mean(dim=1)
+            err = (torch.einsum("tgj,ngj->ntg", xs, q) - reference).pow(2).mean(dim=1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better[..., None], max_val, best_max)
