@@ -111,6 +111,13 @@ def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, rows: 
     return stages, x[torch.from_numpy(rows)]
 
 
+def _linear(runner: LayerRunner, name: str) -> torch.nn.Linear:
+    m = runner.layer.get_submodule(name)
+    if not isinstance(m, torch.nn.Linear):
+        raise CalibrationError(f"'{name}' is a {type(m).__name__}, not a linear")
+    return m
+
+
 def _stage_of(plan: LayerPlan, linear: str) -> str:
     return next(stage[0] for stage in plan.stages if linear in stage)
 
@@ -151,16 +158,18 @@ def _folder(runner: LayerRunner, group: ScalingGroup, k: int
 @torch.no_grad()
 def _fold_norm(norm: torch.nn.Module, s: torch.Tensor, name: str) -> None:
     """Divide a norm's output by s, found by probing its form: ``x * w`` or ``x * (1 + w)``."""
-    probe = torch.randn(2, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    weight: torch.Tensor = getattr(norm, "weight")  # noqa: B009 - a Module attribute
+    bias: torch.Tensor | None = getattr(norm, "bias", None)
+    probe = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0))
     want = norm(probe) / s
-    original = norm.weight.data.clone()
+    original = weight.data.clone()
     for candidate in (original / s, (1 + original) / s - 1):
-        norm.weight.data = candidate
+        weight.data = candidate
         if torch.allclose(norm(probe), want, rtol=1e-4, atol=1e-6):
-            if getattr(norm, "bias", None) is not None:
-                norm.bias.data /= s
+            if bias is not None:
+                bias.data /= s
             return
-    norm.weight.data = original
+    weight.data = original
     raise CalibrationError(f"'{name}' ({type(norm).__name__}) is not a norm AWQ can fold a "
                            "scale into (x * w or x * (1 + w))")
 
@@ -170,7 +179,7 @@ def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
                  inspect_input: torch.Tensor, scheme: QuantScheme, options: AwqOptions
                  ) -> tuple[torch.Tensor, float]:
     """The best scale of `group` (module doc, steps 1-2) and its ratio."""
-    linears = [runner.layer.get_submodule(n) for n in group.linears]
+    linears = [_linear(runner, n) for n in group.linears]
     originals = [m.weight.data.clone() for m in linears]
     x_mean = inputs.mean.to(torch.float32)
     w_mean = _w_mean(originals, scheme) if options.duo_scaling else None
@@ -258,7 +267,7 @@ def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, scheme: Qua
         inspect_input = layer_input if group.inspect == "" else search_inputs[stage]
         s, ratio = search_scale(runner, group, stages[stage], inspect_input, scheme, options)
         for name in group.linears:
-            runner.layer.get_submodule(name).weight.data *= s[None, :]
+            _linear(runner, name).weight.data *= s[None, :]
         fold(s)
         search_inputs[stage] = search_inputs[stage] / s
         report.ratios[group.prev] = ratio
@@ -266,7 +275,7 @@ def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, scheme: Qua
         for name in sorted(quantized):
             if name.rsplit(".", 1)[-1] in NOT_CLIPPED:
                 continue
-            m = runner.layer.get_submodule(name)
+            m = _linear(runner, name)
             xin = search_inputs[_stage_of(plan, name)]
             m.weight.data = clip_weight(m.weight.data, xin.reshape(-1, xin.shape[-1]), scheme,
                                         options)

@@ -134,8 +134,8 @@ class LayerRunner:
             return self.forward(x)
         if path == "self_attn":
             pe = self.block.rotary(x, self.position_ids)
-            out = self.layer.self_attn(hidden_states=x, position_embeddings=pe,
-                                       attention_mask=self.mask)
+            attention = self.layer.get_submodule("self_attn")
+            out = attention(hidden_states=x, position_embeddings=pe, attention_mask=self.mask)
             return out[0] if isinstance(out, tuple) else out
         return self.layer.get_submodule(path)(x)
 
