@@ -483,16 +483,68 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- op protocol
 
 
-class ShapedOp(IRDLOperation):
-    """Base of every Top/Tpu compute op.
+class Storage(StrEnum):
+    """How `convert-top-to-tpu` types a float operand or result of an op
+    (`ShapedOp.tpu_operand_storage`, `tpu_result_storage`); integer values keep their type."""
 
-    Subclasses implement `infer(operand_types, attributes)` (a classmethod, so builders can
-    compute result types before the op exists) and `flops()`. The verifier checks that
-    the op's result types equal the inferred ones.
+    #: the mode's activation type (f32 in the position math: float ops computed only from
+    #: integer inputs, weights and constants)
+    ACTIVATION = "activation"
+    #: f32 whatever the mode (norm weights, biases, a recurrent state)
+    F32 = "f32"
+    #: as it comes (a `where`'s condition, rope's cos/sin: f32 position math)
+    KEEP = "keep"
+
+
+class ShapedOp(IRDLOperation):
+    """Base of every Top/Tpu compute op: the interfaces every stage reads of an op.
+
+    - shape inference: `infer(operand_types, attributes)` (a classmethod, so builders can
+      compute result types before the op exists); the verifier checks that the op's
+      result types equal the inferred ones (`CHECK_INFERRED`);
+    - its FLOP count: `flops()`;
+    - its kernel binding, what the interpreters and the machine call
+      (`toptpu.backend.reference`): `KERNEL` names the function of `kernels.py` (by
+      default the op's kind: `top.rms_norm` -> `kernels.rms_norm`), called with
+      `kernel_arguments(operand values)`: by default the operand values in declaration
+      order (None for an absent optional operand) and `kernel_params()` as keywords (its
+      attributes and result element types). `STRUCTURAL` ops have no kernel: dedicated code
+      evaluates them (weights, constants, a layer group's loads and stores, collectives);
+    - a reduction a layer group may split in parts (`REDUCTION_KERNELS`, see there);
+    - its lowering to Tpu (`convert-top-to-tpu`): how it types its operands and results
+      (`tpu_operand_storage`, `tpu_result_storage`, each a `Storage`) and whether it
+      computes in f32 (`TPU_COMPUTES_F32`);
+    - what it is to the passes that treat op families alike: `SOURCE` (a value given to
+      the net: a weight, a constant), `INDEXES_TABLE` (it reads a table by index: its
+      result is data, not index math), `ELEMENTWISE`, `MULTIPLY_ACCUMULATE` (the cost
+      model's MAC ops, which run at their input type).
     """
 
     # operand groups as declared (optional operands may be absent)
     CHECK_INFERRED: ClassVar[bool] = True
+
+    #: the function of `toptpu.backend.reference.kernels` computing the op ("": its kind)
+    KERNEL: ClassVar[str] = ""
+    #: evaluated by dedicated code, not by a kernel binding (see the class doc)
+    STRUCTURAL: ClassVar[bool] = False
+    #: (fold, finish) kernels of a reduction a layer group splits in parts (`tpu.GroupOp`'s
+    #: three tile counts): `fold(acc, *args, **kw)` adds one part into the f32 accumulator
+    #: (`accumulator_type`; acc None for the first part) and returns it, `finish(acc, *args,
+    #: **kw)` gives the result after the last part; None: the op has no such reduction
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = None
+    #: convert-top-to-tpu: the Tpu op computes in f32 whatever its storage types (norms,
+    #: softmax, attention, rope, matmuls); else in its result's type
+    TPU_COMPUTES_F32: ClassVar[bool] = False
+    #: a value given to the net rather than computed: a weight or a constant
+    SOURCE: ClassVar[bool] = False
+    #: it reads a table by index (a gather): its result is data, not index math, and the
+    #: table it reads is looked up, not multiplied
+    INDEXES_TABLE: ClassVar[bool] = False
+    #: each result element depends only on the operand elements at its index (broadcast)
+    ELEMENTWISE: ClassVar[bool] = False
+    #: a multiply-accumulate op (matmuls, attention, convolution): runs at the throughput
+    #: of its input type, accumulating in f32
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = False
 
     @classmethod
     def op_kind(cls) -> str:
@@ -522,6 +574,54 @@ class ShapedOp(IRDLOperation):
 
     def flops(self) -> int:
         return 0
+
+    # ------------------------------------------------------------------ kernel binding
+    @classmethod
+    def kernel_name(cls) -> str:
+        """The name of the op's function in `toptpu.backend.reference.kernels`."""
+        return cls.KERNEL or cls.op_kind()
+
+    def result_dtype(self, index: int = 0) -> np.dtype:
+        """The numpy dtype of result `index` (what the kernel rounds its result to)."""
+        return numpy_dtype(elem_of(self.results[index]))
+
+    def kernel_params(self) -> dict[str, object]:
+        """The kernel's keyword arguments, from the op's attributes and result types."""
+        return {}
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The kernel's positional and keyword arguments for the operand values `operands`
+        (in `operand_groups` order, None for an absent optional operand)."""
+        return operands, self.kernel_params()
+
+    # ------------------------------------------------------------------ reductions in parts
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The fold kernel's arguments after the accumulator (`REDUCTION_KERNELS`) for part
+        `part` of the reduction, its operands' values `operands`."""
+        raise NotImplementedError(f"'{self.name}' has no reduction to split in parts")
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The finish kernel's arguments after the accumulator (`REDUCTION_KERNELS`), the
+        last part's operand values `operands`."""
+        raise NotImplementedError(f"'{self.name}' has no reduction to split in parts")
+
+    def accumulator_type(self) -> TensorType:
+        """The f32 accumulator of the reduction split in parts: by default the result's
+        shape (a matmul's product)."""
+        return tensor(shape_of(self.results[0]), f32)
+
+    # ------------------------------------------------------------------ lowering to Tpu
+    def tpu_operand_storage(self) -> list[Storage]:
+        """How convert-top-to-tpu types each operand group (`operand_groups` order; a
+        variadic group's operands alike): by default the activation type."""
+        return [Storage.ACTIVATION] * len(self.operand_groups())
+
+    def tpu_result_storage(self) -> list[Storage]:
+        """How convert-top-to-tpu types each result: by default the activation type."""
+        return [Storage.ACTIVATION] * len(self.results)
 
     def verify_(self) -> None:
         if not self.CHECK_INFERRED:

@@ -78,6 +78,15 @@ class CollectiveOp(ShapedOp):
 
     #: the collective's kind in the link model (`toptpu.backend.target.link.COLLECTIVES`)
     KIND: ClassVar[str] = ""
+    #: its kernel (`kernels.all_reduce`, `all_gather`: the op's kind) combines the values
+    #: of all devices: a device alone cannot evaluate it (`interpreter.run_spmd` does)
+    STRUCTURAL: ClassVar[bool] = True
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The kernel's arguments for `operands`, the input's value on every device in
+        device order."""
+        return [list(operands)], self.kernel_params()
 
     @property
     def device_count(self) -> int:
@@ -100,6 +109,9 @@ class AllReduceOp(CollectiveOp):
 
     name = "dev.all_reduce"
     KIND: ClassVar[str] = "all_reduce"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"algorithm": self.algorithm_name}
 
     def __init__(self, input: SSAValue, devices: int, algorithm: str) -> None:
         self.construct([input], {"devices": int_value_attr(f"{self.name} devices", devices),
@@ -129,6 +141,9 @@ class AllGatherOp(CollectiveOp):
     name = "dev.all_gather"
     KIND: ClassVar[str] = "all_gather"
     axis = attr_def(IntegerAttr)
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": self.gather_axis}
 
     def __init__(self, input: SSAValue, axis: int, devices: int, algorithm: str) -> None:
         self.construct([input], {"axis": int_value_attr(f"{self.name} axis", axis),

@@ -57,6 +57,7 @@ from toptpu.dialects.common import (
     ReduceMode,
     RopeMode,
     ShapedOp,
+    Storage,
     bool_attr,
     broadcast_shapes,
     dense_attr,
@@ -96,6 +97,8 @@ class WeightBase(ShapedOp):
 
     weight_name = attr_def(StringAttr, attr_name="name")
     output = result_def(AnyTensor)
+    STRUCTURAL: ClassVar[bool] = True  # read from the weight store
+    SOURCE: ClassVar[bool] = True
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -124,6 +127,8 @@ class ConstantBase(ShapedOp):
 
     value = attr_def(DenseIntOrFPElementsAttr)
     output = result_def(AnyTensor)
+    STRUCTURAL: ClassVar[bool] = True  # its value is its attribute
+    SOURCE: ClassVar[bool] = True
 
     def __init__(self, value: np.ndarray | DenseIntOrFPElementsAttr) -> None:
         """A constant holding `value` (an array: its dtype is the element type)."""
@@ -151,6 +156,10 @@ class UnaryOp(ShapedOp):
     input = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     FLOPS_PER_ELEMENT: ClassVar[int] = 1
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, *, result_type: TensorType | None = None) -> None:
         self.construct([input], {}, None if result_type is None else [result_type])
@@ -226,6 +235,7 @@ class SoftplusOp(UnaryOp, TopOp):
 
     name = "top.softplus"
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
+    TPU_COMPUTES_F32: ClassVar[bool] = True  # it feeds the delta rule's decay (f32)
 
 
 #: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
@@ -241,6 +251,9 @@ class GeluBase(UnaryOp):
 
     approximate = opt_attr_def(EnumAttr(GeluApproximation))
     FLOPS_PER_ELEMENT: ClassVar[int] = 8
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"approximate": str(self.approximation), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, approximate: GeluApproximation = GeluApproximation.NONE,
                  *, result_type: TensorType | None = None) -> None:
@@ -262,6 +275,10 @@ class PowBase(UnaryOp):
 
     exponent = attr_def(FloatAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 2
+    KERNEL: ClassVar[str] = "power"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"exponent": read_float(self.exponent), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, exponent: float, *,
                  result_type: TensorType | None = None) -> None:
@@ -279,6 +296,10 @@ class ConstBinaryOp(UnaryOp):
 
     value = attr_def(FloatAttr)
     reverse = opt_attr_def(BOOL_FLAG)
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"value": read_float(self.value), "reverse": read_bool(self.reverse),
+                "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, value: float, *, reverse: bool = False,
                  result_type: TensorType | None = None) -> None:
@@ -313,6 +334,10 @@ class BinaryOp(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, *,
                  result_type: TensorType | None = None) -> None:
@@ -355,11 +380,13 @@ class DivOp(BinaryOp, TopOp):
 @irdl_op_definition
 class MaxOp(BinaryOp, TopOp):
     name = "top.max"
+    KERNEL: ClassVar[str] = "maximum"
 
 
 @irdl_op_definition
 class MinOp(BinaryOp, TopOp):
     name = "top.min"
+    KERNEL: ClassVar[str] = "minimum"
 
 
 class CompareBase(ShapedOp):
@@ -370,6 +397,16 @@ class CompareBase(ShapedOp):
     rhs = operand_def(AnyTensor)
     predicate = attr_def(EnumAttr(ComparePredicate))
     output = result_def(AnyTensor)
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"predicate": str(self.compare_predicate)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """Floats compare in the activation type; integers (and what they compare with)
+        as they are."""
+        keep = not is_float(elem_of(self.lhs))
+        return [Storage.KEEP if keep else Storage.ACTIVATION] * 2
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, predicate: ComparePredicate) -> None:
         self.construct([lhs, rhs], {"predicate": ComparePredicate.parse(predicate).attr})
@@ -400,6 +437,13 @@ class WhereBase(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.KEEP, Storage.ACTIVATION, Storage.ACTIVATION]
 
     def __init__(self, cond: SSAValue, lhs: SSAValue, rhs: SSAValue, *,
                  result_type: TensorType | None = None) -> None:
@@ -428,6 +472,10 @@ class CastBase(ShapedOp):
     input = operand_def(AnyTensor)
     dtype = attr_def(ElementType)
     output = result_def(AnyTensor)
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, dtype: Attribute) -> None:
         """Convert `input` to the element type `dtype` (f32, bf16, i32, ...)."""
@@ -451,6 +499,11 @@ class CastOp(CastBase, TopOp):
 class SoftmaxBase(UnaryOp):
     axis = attr_def(IntegerAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
+    ELEMENTWISE: ClassVar[bool] = False
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, axis: int, *,
                  result_type: TensorType | None = None) -> None:
@@ -475,6 +528,11 @@ class ReduceBase(ShapedOp):
     axes = attr_def(DenseArrayBase)
     keepdims = attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"mode": str(self.reduce_mode), "axes": read_ints(self.axes),
+                "keepdims": read_bool(self.keepdims), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, mode: ReduceMode, axes: Sequence[int],
                  keepdims: bool) -> None:
@@ -522,6 +580,13 @@ class RmsNormBase(ShapedOp):
     weight = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
     output = result_def(AnyTensor)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"eps": read_float(self.eps), "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.F32]
 
     def __init__(self, input: SSAValue, weight: SSAValue | None, eps: float) -> None:
         self.construct([input, weight], {"eps": float_value_attr(f"{self.name} eps", eps)})
@@ -557,6 +622,14 @@ class LayerNormBase(ShapedOp):
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"eps": read_float(self.eps), "axis": read_int(self.axis),
+                "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.F32, Storage.F32]
 
     def __init__(self, input: SSAValue, weight: SSAValue | None, bias: SSAValue | None, *,
                  eps: float, axis: int) -> None:
@@ -602,6 +675,14 @@ class RopeBase(ShapedOp):
     sin = operand_def(AnyTensor)
     mode = attr_def(EnumAttr(RopeMode))
     output = result_def(AnyTensor)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"mode": str(self.rope_mode), "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """x in the activation type; cos/sin as they come (f32 position math)."""
+        return [Storage.ACTIVATION, Storage.KEEP, Storage.KEEP]
 
     def __init__(self, input: SSAValue, cos: SSAValue, sin: SSAValue, mode: RopeMode) -> None:
         self.construct([input, cos, sin], {"mode": RopeMode.parse(mode).attr})
@@ -648,6 +729,34 @@ class AttentionBase(ShapedOp):
     causal = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("attention_fold",
+                                                           "attention_result")
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        q, k, v, mask, history_k, history_v = operands
+        return (q, k, v, mask), {"scale": read_float(self.scale), "history_k": history_k,
+                                 "history_v": history_v, "causal": read_bool(self.causal),
+                                 "out_dtype": self.result_dtype()}
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of the keys (each part as many as `k` holds)."""
+        return operands[:4], {"scale": read_float(self.scale),
+                              "first_key": part * shape_of(self.k)[1]}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[:1], {"out_dtype": self.result_dtype()}
+
+    def accumulator_type(self) -> TensorType:
+        """The running state per KV head, query head of it and query row: max, sum and
+        weighted values, f32 [B, Hkv, Hq / Hkv, Sq, 2 + Dv] (`kernels.OnlineSoftmax`)."""
+        b, sq, hq, _ = shape_of(self.q)
+        hkv = shape_of(self.k)[2]
+        return tensor((b, hkv, hq // hkv, sq, 2 + shape_of(self.v)[3]), f32)
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, mask: SSAValue | None = None,
                  history_k: SSAValue | None = None, history_v: SSAValue | None = None, *,
@@ -741,6 +850,28 @@ class MatMulBase(ShapedOp):
     transpose_a = opt_attr_def(BOOL_FLAG)
     transpose_b = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("matmul_part", "matmul_finish")
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"transpose_a": read_bool(self.transpose_a),
+                "transpose_b": read_bool(self.transpose_b), "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """Activations and weights in the activation type, the bias in f32 (the
+        quantized weights of `tpu.a16_matmul` are convert-top-to-tpu's own pattern)."""
+        return [Storage.ACTIVATION, Storage.ACTIVATION, Storage.F32]
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of K: its columns of a and rows of b (without the bias)."""
+        return operands[:2], {"transpose_a": read_bool(self.transpose_a),
+                              "transpose_b": read_bool(self.transpose_b)}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[2:3], {"out_dtype": self.result_dtype(), "like": operands[0]}
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, bias: SSAValue | None = None, *,
                  transpose_a: bool = False, transpose_b: bool = False,
@@ -795,6 +926,13 @@ class GatherBase(ShapedOp):
     indices = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    INDEXES_TABLE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.KEEP]
 
     def __init__(self, table: SSAValue, indices: SSAValue, axis: int) -> None:
         self.construct([table, indices], {"axis": int_value_attr(f"{self.name} axis", axis)})
@@ -824,6 +962,10 @@ class TopKBase(ShapedOp):
     largest = opt_attr_def(BOOL_FLAG)
     values = result_def(AnyTensor)
     indices = result_def(AnyTensor)
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"k": read_int(self.k), "axis": read_int(self.axis),
+                "largest": read_bool(self.largest, True)}
 
     def __init__(self, input: SSAValue, k: int, axis: int, *, largest: bool = True) -> None:
         if not isinstance(largest, bool):
@@ -866,6 +1008,12 @@ class ScatterBase(ShapedOp):
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
 
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.KEEP, Storage.ACTIVATION]
+
     def __init__(self, input: SSAValue, indices: SSAValue, updates: SSAValue,
                  axis: int) -> None:
         self.construct([input, indices, updates],
@@ -906,6 +1054,10 @@ class CumSumBase(ShapedOp):
     input = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, axis: int) -> None:
         self.construct([input], {"axis": int_value_attr(f"{self.name} axis", axis)})
@@ -937,6 +1089,16 @@ class Conv2dBase(ShapedOp):
     dilations = attr_def(DenseArrayBase)
     groups = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"strides": read_ints(self.strides), "pads": read_ints(self.pads),
+                "dilations": read_ints(self.dilations), "groups": read_int(self.groups),
+                "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.ACTIVATION, Storage.F32]
 
     def __init__(self, input: SSAValue, weight: SSAValue, bias: SSAValue | None, *,
                  strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
@@ -1009,6 +1171,15 @@ class CausalConv1dBase(ShapedOp):
     valid = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     new_state = result_def(AnyTensor)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype(0), "state_dtype": self.result_dtype(1)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """The weight [C, K] in f32 in every mode (a depthwise conv's few taps, never
+        quantized); x, the state and valid in the activation type."""
+        return [Storage.ACTIVATION, Storage.F32, Storage.ACTIVATION, Storage.ACTIVATION]
 
     def __init__(self, x: SSAValue, weight: SSAValue, state: SSAValue | None,
                  valid: SSAValue) -> None:
@@ -1070,6 +1241,18 @@ class GatedDeltaRuleBase(ShapedOp):
     scale = attr_def(FloatAttr)
     output = result_def(AnyTensor)
     new_state = result_def(AnyTensor)
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"scale": read_float(self.scale), "out_dtype": self.result_dtype(0)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """q, k, v, g, beta in the activation type; the recurrent state f32 in every mode
+        (the runtime binds it and new_state to one f32 buffer)."""
+        return [*[Storage.ACTIVATION] * 5, Storage.F32]
+
+    def tpu_result_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.F32]
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, g: SSAValue, beta: SSAValue,
                  state: SSAValue | None, *, scale: float) -> None:
@@ -1131,6 +1314,9 @@ class ReshapeBase(ShapedOp):
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
 
+    def kernel_params(self) -> dict[str, object]:
+        return {"shape": read_ints(self.shape)}
+
     def __init__(self, input: SSAValue, shape: Sequence[int]) -> None:
         self.construct([input], {"shape": ints_value_attr(f"{self.name} shape", shape)})
 
@@ -1153,6 +1339,9 @@ class PermuteBase(ShapedOp):
     input = operand_def(AnyTensor)
     order = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"order": read_ints(self.order)}
 
     def __init__(self, input: SSAValue, order: Sequence[int]) -> None:
         self.construct([input], {"order": ints_value_attr(f"{self.name} order", order)})
@@ -1182,6 +1371,9 @@ class ExpandBase(ShapedOp):
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
 
+    def kernel_params(self) -> dict[str, object]:
+        return {"shape": read_ints(self.shape)}
+
     def __init__(self, input: SSAValue, shape: Sequence[int]) -> None:
         self.construct([input], {"shape": ints_value_attr(f"{self.name} shape", shape)})
 
@@ -1204,6 +1396,10 @@ class ConcatBase(ShapedOp):
     inputs = var_operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return [list(operands)], {"axis": read_int(self.axis)}
 
     def __init__(self, inputs: Sequence[SSAValue], axis: int) -> None:
         self.construct([list(inputs)], {"axis": int_value_attr(f"{self.name} axis", axis)})
@@ -1241,6 +1437,12 @@ class SliceBase(ShapedOp):
     end = attr_def(IntegerAttr)
     step = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    KERNEL: ClassVar[str] = "slice_"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": norm_axis(read_int(self.axis), len(shape_of(self.input))),
+                "start": read_int(self.start), "end": read_int(self.end),
+                "step": read_int(self.step)}
 
     def __init__(self, input: SSAValue, axis: int, start: int, end: int, step: int = 1) -> None:
         what = self.name

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from xdsl.dialects import func
 from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32, i64
@@ -67,6 +67,8 @@ from toptpu.dialects.common import (
     int_value_attr,
     is_float,
     numel,
+    read_bool,
+    read_float,
     read_int,
     read_ints,
     shape_of,
@@ -118,12 +120,11 @@ class TpuOp(ShapedOp):
         return []
 
 
-# =========================================================================== sources
+# =========================================================================== twins of Top ops
 
 
-@irdl_op_definition
-class WeightOp(top.WeightBase, TpuOp):
-    """A weight in the chip's storage format.
+class TpuWeight(top.WeightBase, TpuOp):
+    """A weight in the chip's storage format (`tpu.weight`, the twin of `top.weight`).
 
     `source` names the Top (float) weight it was derived from and `part` (a `WeightPart`)
     says how: "data" (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the
@@ -132,7 +133,6 @@ class WeightOp(top.WeightBase, TpuOp):
     layer derive its own weights for the same net.
     """
 
-    name = "tpu.weight"
     source = opt_attr_def(StringAttr)
     part = opt_attr_def(EnumAttr(WeightPart))
 
@@ -141,12 +141,10 @@ class WeightOp(top.WeightBase, TpuOp):
         return None if self.part is None else WeightPart.read(self.part)
 
 
-@irdl_op_definition
-class ConstantOp(top.ConstantBase, TpuOp):
-    """A small constant; `tpu.const_offset` (filled by address-assign) is its byte offset
-    in the net's constant pool."""
+class TpuConstant(top.ConstantBase, TpuOp):
+    """A small constant (`tpu.constant`, the twin of `top.constant`); `tpu.const_offset`
+    (filled by address-assign) is its byte offset in the net's constant pool."""
 
-    name = "tpu.constant"
     const_offset = opt_attr_def(IntegerAttr, attr_name="tpu.const_offset")
 
     @property
@@ -159,150 +157,116 @@ class ConstantOp(top.ConstantBase, TpuOp):
         self.const_offset = i64_attr(offset)
 
 
-# =========================================================================== elementwise
+#: the Tpu-only attributes of a twin, declared once: Top op -> the class its twin derives
+#: from (an op not listed derives from its Top base class and `TpuOp`)
+TPU_EXTRAS: dict[type[ShapedOp], type[TpuOp]] = {top.WeightOp: TpuWeight,
+                                                 top.ConstantOp: TpuConstant}
 
 
-def _unary_twin(op: type[top.UnaryOp]) -> type[TpuOp]:
-    """The Tpu counterpart of a Top op of `top.UNARY_ELEMENTWISE`: the same operand, shape
-    inference and FLOPs, plus the chip's attributes (`TpuOp`); named like it (`tpu.silu`,
-    class `SiluOp`)."""
+def _derive_twin(op: type[ShapedOp]) -> type[TpuOp]:
+    """The Tpu twin of Top op class `op`: its Top base classes (operands, attributes, shape
+    inference, FLOPs, kernel binding, lowering types) with the chip's attributes (`TpuOp`,
+    or its `TPU_EXTRAS`), its own class constants (`FLOPS_PER_ELEMENT`, `KERNEL`, ...), and
+    its name at the Tpu level (`top.silu` -> `tpu.silu`, class `SiluOp` of this module)."""
+    extras = TPU_EXTRAS.get(op)
+    bases = ((extras,) if extras is not None
+             else (*(b for b in op.__bases__ if b is not top.TopOp), TpuOp))
     kind = op.op_kind()
-    twin = type(op.__name__, (top.UnaryOp, TpuOp), {
-        "name": f"tpu.{kind}", "FLOPS_PER_ELEMENT": op.FLOPS_PER_ELEMENT,
-        "__annotations__": {"FLOPS_PER_ELEMENT": ClassVar[int]},
-        "__module__": __name__, "__qualname__": op.__name__,
-        "__doc__": f"`top.{kind}` on the chip (storage type in the result, `compute` type)."})
+    constants = {k: v for k, v in vars(op).items() if k.isupper()}
+    doc = (extras.__doc__ if extras is not None else
+           f"`top.{kind}` on the chip: its storage type in the result, its `compute` type.")
+    twin = type(op.__name__, bases, {
+        **constants, "name": f"tpu.{kind}",
+        "__annotations__": {k: ClassVar[type(v)] for k, v in constants.items()},
+        "__module__": __name__, "__qualname__": op.__name__, "__doc__": doc})
     return irdl_op_definition(twin)
 
 
-#: Top unary elementwise op -> its Tpu counterpart, derived (`top.UNARY_ELEMENTWISE`); each is
-#: also a module attribute by its class name (`tpu.SiluOp`, see `__getattr__`)
+#: Top op class -> its Tpu twin (same operands, attributes and shape semantics), derived
+#: for every op of the Top dialect
+TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
+    op: _derive_twin(op) for op in top.Top.operations if issubclass(op, ShapedOp)}
+
+B = TypeVar("B", bound=ShapedOp)
+
+
+def twin(op: type[ShapedOp]) -> type[TpuOp]:
+    """The Tpu twin of Top op class `op` (`TPU_OF_TOP`)."""
+    return TPU_OF_TOP[op]
+
+
+def _twin_as(op: type[ShapedOp], base: type[B]) -> type[B]:
+    """The Tpu twin of `op`, typed as `base`, a class it derives from (its Top base class:
+    what a type checker needs to see its operands and attributes)."""
+    t = TPU_OF_TOP[op]
+    assert issubclass(t, base), (t, base)
+    return t
+
+
+# The twins by class name, for code that names them (`tpu.MatMulOp`); a twin without a
+# line here (an op added later) is found by `__getattr__`.
+WeightOp = _twin_as(top.WeightOp, TpuWeight)
+ConstantOp = _twin_as(top.ConstantOp, TpuConstant)
+RsqrtOp = _twin_as(top.RsqrtOp, top.UnaryOp)
+SqrtOp = _twin_as(top.SqrtOp, top.UnaryOp)
+ExpOp = _twin_as(top.ExpOp, top.UnaryOp)
+CosOp = _twin_as(top.CosOp, top.UnaryOp)
+SinOp = _twin_as(top.SinOp, top.UnaryOp)
+TanhOp = _twin_as(top.TanhOp, top.UnaryOp)
+SigmoidOp = _twin_as(top.SigmoidOp, top.UnaryOp)
+SiluOp = _twin_as(top.SiluOp, top.UnaryOp)
+ReluOp = _twin_as(top.ReluOp, top.UnaryOp)
+SoftplusOp = _twin_as(top.SoftplusOp, top.UnaryOp)
+GeluOp = _twin_as(top.GeluOp, top.GeluBase)
+PowOp = _twin_as(top.PowOp, top.PowBase)
+AddConstOp = _twin_as(top.AddConstOp, top.ConstBinaryOp)
+SubConstOp = _twin_as(top.SubConstOp, top.ConstBinaryOp)
+MulConstOp = _twin_as(top.MulConstOp, top.ConstBinaryOp)
+DivConstOp = _twin_as(top.DivConstOp, top.ConstBinaryOp)
+AddOp = _twin_as(top.AddOp, top.BinaryOp)
+SubOp = _twin_as(top.SubOp, top.BinaryOp)
+MulOp = _twin_as(top.MulOp, top.BinaryOp)
+DivOp = _twin_as(top.DivOp, top.BinaryOp)
+MaxOp = _twin_as(top.MaxOp, top.BinaryOp)
+MinOp = _twin_as(top.MinOp, top.BinaryOp)
+CompareOp = _twin_as(top.CompareOp, top.CompareBase)
+WhereOp = _twin_as(top.WhereOp, top.WhereBase)
+CastOp = _twin_as(top.CastOp, top.CastBase)
+SoftmaxOp = _twin_as(top.SoftmaxOp, top.SoftmaxBase)
+ReduceOp = _twin_as(top.ReduceOp, top.ReduceBase)
+RmsNormOp = _twin_as(top.RmsNormOp, top.RmsNormBase)
+LayerNormOp = _twin_as(top.LayerNormOp, top.LayerNormBase)
+RopeOp = _twin_as(top.RopeOp, top.RopeBase)
+AttentionOp = _twin_as(top.AttentionOp, top.AttentionBase)
+MatMulOp = _twin_as(top.MatMulOp, top.MatMulBase)
+GatherOp = _twin_as(top.GatherOp, top.GatherBase)
+TopKOp = _twin_as(top.TopKOp, top.TopKBase)
+ScatterOp = _twin_as(top.ScatterOp, top.ScatterBase)
+CumSumOp = _twin_as(top.CumSumOp, top.CumSumBase)
+Conv2dOp = _twin_as(top.Conv2dOp, top.Conv2dBase)
+CausalConv1dOp = _twin_as(top.CausalConv1dOp, top.CausalConv1dBase)
+GatedDeltaRuleOp = _twin_as(top.GatedDeltaRuleOp, top.GatedDeltaRuleBase)
+ReshapeOp = _twin_as(top.ReshapeOp, top.ReshapeBase)
+PermuteOp = _twin_as(top.PermuteOp, top.PermuteBase)
+ExpandOp = _twin_as(top.ExpandOp, top.ExpandBase)
+ConcatOp = _twin_as(top.ConcatOp, top.ConcatBase)
+SliceOp = _twin_as(top.SliceOp, top.SliceBase)
+
+#: Top unary elementwise op -> its Tpu twin (`top.UNARY_ELEMENTWISE`)
 UNARY_ELEMENTWISE: dict[type[top.UnaryOp], type[TpuOp]] = {
-    op: _unary_twin(op) for op in top.UNARY_ELEMENTWISE}
+    op: TPU_OF_TOP[op] for op in top.UNARY_ELEMENTWISE}
 
 
 def __getattr__(name: str) -> type[TpuOp]:
-    """The derived unary ops by class name: `tpu.SiluOp` (PEP 562)."""
-    for op in UNARY_ELEMENTWISE.values():
+    """A twin by its class name where this module names none (PEP 562): `tpu.XOp` of a
+    Top op `top.XOp` added after these lines."""
+    for op in TPU_OF_TOP.values():
         if op.__name__ == name:
             return op
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@irdl_op_definition
-class GeluOp(top.GeluBase, TpuOp):
-    name = "tpu.gelu"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.GeluOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class PowOp(top.PowBase, TpuOp):
-    name = "tpu.pow"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.PowOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class AddConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.add_const"
-
-
-@irdl_op_definition
-class SubConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.sub_const"
-
-
-@irdl_op_definition
-class MulConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.mul_const"
-
-
-@irdl_op_definition
-class DivConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.div_const"
-
-
-@irdl_op_definition
-class AddOp(top.BinaryOp, TpuOp):
-    name = "tpu.add"
-
-
-@irdl_op_definition
-class SubOp(top.BinaryOp, TpuOp):
-    name = "tpu.sub"
-
-
-@irdl_op_definition
-class MulOp(top.BinaryOp, TpuOp):
-    name = "tpu.mul"
-
-
-@irdl_op_definition
-class DivOp(top.BinaryOp, TpuOp):
-    name = "tpu.div"
-
-
-@irdl_op_definition
-class MaxOp(top.BinaryOp, TpuOp):
-    name = "tpu.max"
-
-
-@irdl_op_definition
-class MinOp(top.BinaryOp, TpuOp):
-    name = "tpu.min"
-
-
-@irdl_op_definition
-class CompareOp(top.CompareBase, TpuOp):
-    name = "tpu.compare"
-
-
-@irdl_op_definition
-class WhereOp(top.WhereBase, TpuOp):
-    name = "tpu.where"
-
-
-@irdl_op_definition
-class CastOp(top.CastBase, TpuOp):
-    """Element type conversion (round to nearest even; float -> int truncates)."""
-
-    name = "tpu.cast"
-
-
-# =========================================================================== reductions, norms
-
-
-@irdl_op_definition
-class SoftmaxOp(top.SoftmaxBase, TpuOp):
-    name = "tpu.softmax"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.SoftmaxOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class ReduceOp(top.ReduceBase, TpuOp):
-    name = "tpu.reduce"
-
-
-@irdl_op_definition
-class RmsNormOp(top.RmsNormBase, TpuOp):
-    name = "tpu.rms_norm"
-
-
-@irdl_op_definition
-class LayerNormOp(top.LayerNormBase, TpuOp):
-    name = "tpu.layer_norm"
-
-
-# =========================================================================== LLM ops
-
-
-@irdl_op_definition
-class RopeOp(top.RopeBase, TpuOp):
-    name = "tpu.rope"
-
-
-@irdl_op_definition
-class AttentionOp(top.AttentionBase, TpuOp):
-    name = "tpu.attention"
+# =========================================================================== Tpu-only ops
 
 
 @irdl_op_definition
@@ -313,6 +277,17 @@ class AttentionPartOp(top.AttentionBase, TpuOp):
     [B, Sq, Hq, Dv + 1] (the last column); `tpu.attention_merge` combines the parts."""
 
     name = "tpu.attention_part"
+    KERNEL: ClassVar[str] = "attention_part"
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("attention_fold",
+                                                           "attention_part_result")
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[:4], {"scale": read_float(self.scale), "causal": read_bool(self.causal)}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[:1], {}
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -333,6 +308,10 @@ class AttentionMergeOp(TpuOp):
     output = result_def(AnyTensor)
     CHECK_INFERRED: ClassVar[bool] = False
 
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return [list(operands)], {"out_dtype": self.result_dtype()}
+
     def verify_(self) -> None:
         shapes = {shape_of(self.first), shape_of(self.second)}
         if len(shapes) != 1:
@@ -344,11 +323,6 @@ class AttentionMergeOp(TpuOp):
 
     def flops(self) -> int:
         return 8 * numel(shape_of(self.output))
-
-
-@irdl_op_definition
-class MatMulOp(top.MatMulBase, TpuOp):
-    name = "tpu.matmul"
 
 
 @irdl_op_definition
@@ -369,6 +343,27 @@ class A16MatMulOp(TpuOp):
 
     #: the weight's operands (qweight, scales, zeros, mins) in `operand_groups()` order
     WEIGHT_OPERANDS: ClassVar[slice] = slice(1, 5)
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("a16_matmul_part",
+                                                           "matmul_finish")
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        x, q, s, z, m, bias = operands
+        return (x, q, s, z, bias), {**self._weight_params(), "mins": m,
+                                    "out_dtype": self.result_dtype()}
+
+    def _weight_params(self) -> dict[str, object]:
+        return {"bits": read_int(self.weight_bits), "group_size": read_int(self.group_size)}
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of K (whole quantization groups): x's columns, the weights' rows."""
+        return operands[:4], {**self._weight_params(), "mins": operands[4]}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[5:6], {"out_dtype": self.result_dtype(), "like": operands[0]}
 
     def __init__(self, input: SSAValue, qweight: SSAValue, scales: SSAValue,
                  zeros: SSAValue | None, bias: SSAValue | None, *, weight_bits: int,
@@ -431,76 +426,6 @@ class A16MatMulOp(TpuOp):
         xs, qs = shape_of(self.input), shape_of(self.qweight)
         k = self.unpacked_k(qs, read_int(self.weight_bits))
         return 2 * numel(xs[:-1]) * k * qs[0]
-
-
-@irdl_op_definition
-class GatherOp(top.GatherBase, TpuOp):
-    name = "tpu.gather"
-
-
-@irdl_op_definition
-class TopKOp(top.TopKBase, TpuOp):
-    name = "tpu.topk"
-
-
-@irdl_op_definition
-class ScatterOp(top.ScatterBase, TpuOp):
-    name = "tpu.scatter"
-
-
-@irdl_op_definition
-class CumSumOp(top.CumSumBase, TpuOp):
-    name = "tpu.cumsum"
-
-
-@irdl_op_definition
-class Conv2dOp(top.Conv2dBase, TpuOp):
-    name = "tpu.conv2d"
-
-
-@irdl_op_definition
-class CausalConv1dOp(top.CausalConv1dBase, TpuOp):
-    """`top.causal_conv1d` on the chip: computed in f32 with an f32 weight [C, K] (a
-    depthwise conv's few taps, never quantized); x, y and the conv state in the
-    activation type."""
-
-    name = "tpu.causal_conv1d"
-
-
-@irdl_op_definition
-class GatedDeltaRuleOp(top.GatedDeltaRuleBase, TpuOp):
-    """`top.gated_delta_rule` on the chip: computed in f32; its state operand and
-    new_state result are f32 in every mode (the runtime binds them to one buffer)."""
-
-    name = "tpu.gated_delta_rule"
-
-
-# =========================================================================== data movement
-
-
-@irdl_op_definition
-class ReshapeOp(top.ReshapeBase, TpuOp):
-    name = "tpu.reshape"
-
-
-@irdl_op_definition
-class PermuteOp(top.PermuteBase, TpuOp):
-    name = "tpu.permute"
-
-
-@irdl_op_definition
-class ExpandOp(top.ExpandBase, TpuOp):
-    name = "tpu.expand"
-
-
-@irdl_op_definition
-class ConcatOp(top.ConcatBase, TpuOp):
-    name = "tpu.concat"
-
-
-@irdl_op_definition
-class SliceOp(top.SliceBase, TpuOp):
-    name = "tpu.slice"
 
 
 # =========================================================================== layer groups
@@ -572,7 +497,7 @@ class GroupOp(IRDLOperation):
                                       "blocks' loop is outer) or 1 (the output channels')")
             if len(rc) == 3:
                 _, computes, _ = self.template()
-                if len(computes) != 1 or not isinstance(computes[0], REDUCTION_OPS):
+                if len(computes) != 1 or not splits_reduction(computes[0]):
                     raise VerifyException(
                         "tpu.group with reduction parts computes one matmul, a16_matmul or "
                         "attention (without history), not "
@@ -674,20 +599,17 @@ class GroupOp(IRDLOperation):
 #: the loops of a 2-D tiled group: over row blocks and over output-channel blocks
 TILE_LOOPS = ("rows", "cols")
 
-#: the ops a tiled group may split the reduction of in parts (see `GroupOp`)
-REDUCTION_OPS = (MatMulOp, A16MatMulOp, AttentionOp, AttentionPartOp)
+def splits_reduction(op: Operation) -> bool:
+    """Whether a tiled group may split `op`'s reduction in parts (`GroupOp`): its class
+    declares the kernels (`ShapedOp.REDUCTION_KERNELS`)."""
+    return isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
 
 
 def accumulator_type(op: Operation) -> TensorType:
-    """The f32 accumulator of a reduction split in parts (`GroupOp` with three `tiles`): a
-    matmul's product [.., M, N]; an attention's running state per KV head, query head of
-    it and query row: max, sum and weighted values, [B, Hkv, Hq / Hkv, Sq, 2 + Dv]
-    (`kernels.OnlineSoftmax`)."""
-    if isinstance(op, top.AttentionBase):
-        b, sq, hq, _ = shape_of(op.q)
-        hkv = shape_of(op.k)[2]
-        return tensor((b, hkv, hq // hkv, sq, 2 + shape_of(op.v)[3]), f32)
-    return tensor(shape_of(op.results[0]), f32)
+    """The f32 accumulator of a reduction split in parts (`GroupOp` with three `tiles`;
+    `ShapedOp.accumulator_type`)."""
+    assert isinstance(op, ShapedOp)
+    return op.accumulator_type()
 
 
 @irdl_op_definition
@@ -708,6 +630,7 @@ class LoadOp(TpuOp):
     tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
     CHECK_INFERRED: ClassVar[bool] = False
+    STRUCTURAL: ClassVar[bool] = True  # run by its group
 
     def verify_(self) -> None:
         verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes)
@@ -724,6 +647,7 @@ class StoreOp(TpuOp):
     tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
     CHECK_INFERRED: ClassVar[bool] = False
+    STRUCTURAL: ClassVar[bool] = True  # run by its group
 
     def verify_(self) -> None:
         verify_slice(self.output, self.input, read_int(self.slice_axis), self, self.tile_axes)
@@ -815,51 +739,13 @@ def regions_of(fn: func.FuncOp) -> dict[str, int] | None:
     return attr.sizes() if isinstance(attr, RegionsAttr) else None
 
 
-#: Top op class -> its Tpu counterpart (same operands, attributes and shape semantics)
-TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
-    top.WeightOp: WeightOp,
-    top.ConstantOp: ConstantOp,
-    **UNARY_ELEMENTWISE,
-    top.GeluOp: GeluOp,
-    top.PowOp: PowOp,
-    top.AddConstOp: AddConstOp,
-    top.SubConstOp: SubConstOp,
-    top.MulConstOp: MulConstOp,
-    top.DivConstOp: DivConstOp,
-    top.AddOp: AddOp,
-    top.SubOp: SubOp,
-    top.MulOp: MulOp,
-    top.DivOp: DivOp,
-    top.MaxOp: MaxOp,
-    top.MinOp: MinOp,
-    top.CompareOp: CompareOp,
-    top.WhereOp: WhereOp,
-    top.CastOp: CastOp,
-    top.SoftmaxOp: SoftmaxOp,
-    top.ReduceOp: ReduceOp,
-    top.RmsNormOp: RmsNormOp,
-    top.LayerNormOp: LayerNormOp,
-    top.RopeOp: RopeOp,
-    top.AttentionOp: AttentionOp,
-    top.MatMulOp: MatMulOp,
-    top.GatherOp: GatherOp,
-    top.TopKOp: TopKOp,
-    top.ScatterOp: ScatterOp,
-    top.CumSumOp: CumSumOp,
-    top.Conv2dOp: Conv2dOp,
-    top.CausalConv1dOp: CausalConv1dOp,
-    top.GatedDeltaRuleOp: GatedDeltaRuleOp,
-    top.ReshapeOp: ReshapeOp,
-    top.PermuteOp: PermuteOp,
-    top.ExpandOp: ExpandOp,
-    top.ConcatOp: ConcatOp,
-    top.SliceOp: SliceOp,
-}
-
-
 Tpu = Dialect(
     "tpu",
     [*TPU_OF_TOP.values(), A16MatMulOp, AttentionPartOp, AttentionMergeOp, GroupOp, YieldOp,
      LoadOp, StoreOp],
     [RegionsAttr],
 )
+
+#: the Tpu ops a tiled group may split the reduction of in parts (`splits_reduction`)
+REDUCTION_OPS: tuple[type[ShapedOp], ...] = tuple(
+    op for op in Tpu.operations if issubclass(op, ShapedOp) and op.REDUCTION_KERNELS)

@@ -383,7 +383,7 @@ class LoadedNet:
         if isinstance(c, Gather):
             ins.insert(c.table_operand, c.table)
         if isinstance(c, Compute) and c.acc is not None:
-            if not isinstance(op, tpu.REDUCTION_OPS):
+            if not tpu.splits_reduction(op):
                 raise MachineTrap(f"command {c.id}: '{op.name}' has no reduction to split in "
                                   "parts")
             want_acc = tuple(tpu.accumulator_type(op).get_shape())

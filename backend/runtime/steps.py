@@ -26,7 +26,7 @@ from toptpu.backend.reference.interpreter import Evaluator, reduction_finish, re
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.local_memory import LiveBuffers, Local, local_trap
 from toptpu.backend.target.chips import Chip
-from toptpu.dialects import dev, top, tpu
+from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import read_int
 
 if TYPE_CHECKING:
@@ -184,8 +184,7 @@ class OpStep(Step):
         else:
             if self.special == "f32w":  # the part's weights upcast once (cached)
                 args = [args[0], self._f32_part(m, args[1]), *args[2:]]
-            acc = reduction_part(self.op, args, acc, self.part * self.ins[1].shape[1]
-                                 if isinstance(self.op, top.AttentionBase) else 0)  # type: ignore[union-attr]
+            acc = reduction_part(self.op, args, acc, self.part)
         m.free(self.free)
         if not self.last:
             local.write(self.acc, acc, who)
