@@ -569,6 +569,21 @@ class ShapedOp(IRDLOperation):
                 groups.extend(val)
         return groups
 
+    def grouped(self, values: Sequence[SSAValue | None]
+                ) -> list[SSAValue | Sequence[SSAValue] | None]:
+        """`values`, one per operand in `operand_groups` order, as `build` takes operands:
+        a variadic group's values as one list (the inverse of `operand_groups`)."""
+        out: list[SSAValue | Sequence[SSAValue] | None] = []
+        it = iter(values)
+        for fname, _ in type(self).get_irdl_definition().operands:
+            val = getattr(self, fname)
+            if val is None or isinstance(val, SSAValue):
+                out.append(next(it))
+            else:
+                group = [next(it) for _ in val]
+                out.append([v for v in group if v is not None])
+        return out
+
     def inferred_types(self) -> list[TensorType]:
         return type(self).infer(self.operand_groups(), self.attributes)
 
