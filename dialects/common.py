@@ -496,6 +496,21 @@ class Storage(StrEnum):
     KEEP = "keep"
 
 
+@dataclass(frozen=True)
+class ConvertedWeight:
+    """A weight an op's kernel converts to f32 at every run, which a runtime converts once
+    per weight and keeps instead (its weight cache, the weight cache file): `form` "a16"
+    (a `tpu.a16_matmul`'s packed integers with their scales and zero points or mins,
+    dequantized: `kernels.dequantize`, `bits`, `group_size`) or "f32" (an f16/bf16 matmul
+    weight, upcast); `operands` says where they are among the op's `operand_groups`
+    (qweight, scales, zeros, mins; or the one weight)."""
+
+    form: str
+    operands: tuple[int, ...]
+    bits: int = 0
+    group_size: int = 0
+
+
 class ShapedOp(IRDLOperation):
     """Base of every Top/Tpu compute op: the interfaces every stage reads of an op.
 
@@ -609,6 +624,10 @@ class ShapedOp(IRDLOperation):
         """The kernel's positional and keyword arguments for the operand values `operands`
         (in `operand_groups` order, None for an absent optional operand)."""
         return operands, self.kernel_params()
+
+    def converted_weight(self) -> ConvertedWeight | None:
+        """The weight operands the op's kernel converts at every run (None: none)."""
+        return None
 
     # ------------------------------------------------------------------ reductions in parts
     def reduction_part_arguments(self, operands: Sequence[object], part: int

@@ -51,6 +51,7 @@ from toptpu.dialects.common import (
     BOOL_FLAG,
     AnyTensor,
     ComparePredicate,
+    ConvertedWeight,
     ElementType,
     EnumAttr,
     GeluApproximation,
@@ -60,6 +61,7 @@ from toptpu.dialects.common import (
     Storage,
     bool_attr,
     broadcast_shapes,
+    constant_value,
     dense_attr,
     dtype_name,
     elem_of,
@@ -147,6 +149,20 @@ class ConstantBase(ShapedOp):
 @irdl_op_definition
 class ConstantOp(ConstantBase, TopOp):
     name = "top.constant"
+
+
+def weight_name(value: SSAValue | None) -> str | None:
+    """The tensor name of the weight (`top.weight`, `tpu.weight`) whose result `value` is;
+    None for any other value (or None)."""
+    owner = value.owner if value is not None else None
+    return owner.tensor_name if isinstance(owner, WeightBase) else None
+
+
+def constant_array(value: SSAValue | None) -> np.ndarray | None:
+    """The array of the constant (`top.constant`, `tpu.constant`) whose result `value` is;
+    None for any other value (or None)."""
+    owner = value.owner if value is not None else None
+    return constant_value(owner.value) if isinstance(owner, ConstantBase) else None
 
 
 # =========================================================================== elementwise
@@ -862,6 +878,11 @@ class MatMulBase(ShapedOp):
         """Activations and weights in the activation type, the bias in f32 (the
         quantized weights of `tpu.a16_matmul` are convert-top-to-tpu's own pattern)."""
         return [Storage.ACTIVATION, Storage.ACTIVATION, Storage.F32]
+
+    def converted_weight(self) -> ConvertedWeight | None:
+        """An f16/bf16 `rhs` (a float weight: the lm_head) is upcast at every run."""
+        return (ConvertedWeight("f32", (1,)) if dtype_name(elem_of(self.rhs)) in ("f16", "bf16")
+                else None)
 
     def reduction_part_arguments(self, operands: Sequence[object], part: int
                                  ) -> tuple[Sequence[object], Mapping[str, object]]:

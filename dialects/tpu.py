@@ -57,6 +57,7 @@ from xdsl.utils.exceptions import VerifyException
 from toptpu.dialects import top
 from toptpu.dialects.common import (
     AnyTensor,
+    ConvertedWeight,
     EnumAttr,
     ShapedOp,
     WeightPart,
@@ -352,6 +353,11 @@ class A16MatMulOp(TpuOp):
         x, q, s, z, m, bias = operands
         return (x, q, s, z, bias), {**self._weight_params(), "mins": m,
                                     "out_dtype": self.result_dtype()}
+
+    def converted_weight(self) -> ConvertedWeight:
+        """Its weight (qweight, scales, zeros, mins), dequantized at every run."""
+        return ConvertedWeight("a16", (1, 2, 3, 4), read_int(self.weight_bits),
+                               read_int(self.group_size))
 
     def _weight_params(self) -> dict[str, object]:
         return {"bits": read_int(self.weight_bits), "group_size": read_int(self.group_size)}
