@@ -36,6 +36,7 @@ from toptpu.dialects.common import (
     AnyTensor,
     ShapedOp,
     elem_of,
+    i64_attr,
     int_value_attr,
     is_float,
     norm_axis,
@@ -102,6 +103,20 @@ class CollectiveOp(ShapedOp):
         address-assign."""
         return None if self.gaddr is None else read_int(self.gaddr)
 
+    def result_offsets(self) -> list[int] | None:
+        """Its result's activation offset as a list (a stage's, as `tpu.GroupOp` has them:
+        `tpu.stages`), None before address-assign."""
+        return None if self.gaddr is None else [read_int(self.gaddr)]
+
+    def set_result_offsets(self, offsets: Sequence[int]) -> None:
+        """Record its result's activation offset (address-assign; -1: an output)."""
+        (self.gaddr,) = (i64_attr(o) for o in offsets)
+
+    @property
+    def link_axis(self) -> int:
+        """The axis its link command names: the concatenation's (0 for a sum)."""
+        return 0
+
 
 @irdl_op_definition
 class AllReduceOp(CollectiveOp):
@@ -163,6 +178,10 @@ class AllGatherOp(CollectiveOp):
     @property
     def gather_axis(self) -> int:
         return norm_axis(read_int(self.axis), len(shape_of(self.input)))
+
+    @property
+    def link_axis(self) -> int:
+        return self.gather_axis
 
 
 COLLECTIVES = (AllReduceOp, AllGatherOp)

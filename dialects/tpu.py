@@ -35,7 +35,15 @@ from typing import ClassVar, TypeVar
 
 from xdsl.dialects import func
 from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32, i64
-from xdsl.ir import Attribute, Dialect, Operation, ParametrizedAttribute, SSAValue, TypeAttribute
+from xdsl.ir import (
+    Attribute,
+    Block,
+    Dialect,
+    Operation,
+    ParametrizedAttribute,
+    SSAValue,
+    TypeAttribute,
+)
 from xdsl.irdl import (
     AttrSizedOperandSegments,
     IRDLOperation,
@@ -54,7 +62,7 @@ from xdsl.irdl import (
 from xdsl.traits import HasParent, IsolatedFromAbove, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
-from toptpu.dialects import top
+from toptpu.dialects import dev, top
 from toptpu.dialects.common import (
     AnyTensor,
     ConvertedWeight,
@@ -509,6 +517,17 @@ class GroupOp(IRDLOperation):
                         "attention (without history), not "
                         f"{', '.join(op.name for op in computes) or 'nothing'}")
 
+    def result_offsets(self) -> list[int] | None:
+        """The activation offsets of its results (`gaddrs`, address-assign's; -1 for a
+        result that is an output), None before address-assign."""
+        offsets = read_ints(self.gaddrs)
+        return offsets if self.gaddrs is not None and len(offsets) == len(self.outputs) \
+            else None
+
+    def set_result_offsets(self, offsets: Sequence[int]) -> None:
+        """Record the activation offsets of its results (address-assign)."""
+        self.gaddrs = i64_array(list(offsets))
+
     def tile_grid(self) -> tuple[int, int, str] | None:
         """(row blocks, output-channel blocks, the outer loop) of a 2-D tiled group, None
         for a group sliced along one axis (or not at all)."""
@@ -586,24 +605,36 @@ class GroupOp(IRDLOperation):
             n *= count
         return n
 
-    def template(self) -> tuple[list[LoadOp], list[Operation], list[StoreOp]]:
+    def template(self) -> tuple[list[LoadOp], list[TpuOp], list[StoreOp]]:
         """The body's loads, compute ops and stores, each in program order (the yield left
         out): the template every slice of the group runs."""
         loads: list[LoadOp] = []
-        computes: list[Operation] = []
+        computes: list[TpuOp] = []
         stores: list[StoreOp] = []
         for op in self.body.block.ops:
             if isinstance(op, LoadOp):
                 loads.append(op)
             elif isinstance(op, StoreOp):
                 stores.append(op)
-            elif not isinstance(op, YieldOp):
+            elif isinstance(op, TpuOp):
                 computes.append(op)
+            elif not isinstance(op, YieldOp):
+                raise VerifyException(f"tpu.group holds '{op.name}', not a Tpu op")
         return loads, computes, stores
 
 
 #: the loops of a 2-D tiled group: over row blocks and over output-channel blocks
 TILE_LOOPS = ("rows", "cols")
+
+#: a stage of a grouped function: a layer group, or a collective between two of them
+Stage = GroupOp | dev.CollectiveOp
+
+
+def stages(block: Block) -> list[Stage]:
+    """The stages of a grouped function's block in program order: its layer groups and
+    the collectives between them (what codegen emits and address-assign places)."""
+    return [op for op in block.ops if isinstance(op, GroupOp | dev.CollectiveOp)]
+
 
 def splits_reduction(op: Operation) -> bool:
     """Whether a tiled group may split `op`'s reduction in parts (`GroupOp`): its class

@@ -37,7 +37,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import set_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
-from toptpu.passes.util import named_like, require_level
+from toptpu.passes.util import named_like, producer, require_level
 
 
 class TransposeMatmulWeight(RewritePattern):
@@ -46,8 +46,8 @@ class TransposeMatmulWeight(RewritePattern):
 
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: tpu.MatMulOp, rewriter: PatternRewriter) -> None:
-        w = op.rhs.owner
-        if (not isinstance(w, tpu.WeightOp) or read_bool(op.transpose_b)
+        w = producer(op.rhs, tpu.TpuWeight)
+        if (w is None or read_bool(op.transpose_b)
                 or read_bool(op.transpose_a) or len(shape_of(op.rhs)) != 2):
             return
         name = f"{w.tensor_name}.t"
