@@ -113,7 +113,7 @@ from toptpu.compile_options import (
     kv_cache_size,
 )
 from toptpu.devices import balance_layers, devices_needed
-from toptpu.dialects import top, tpu
+from toptpu.dialects import top
 from toptpu.dialects.common import QuantMode, numpy_dtype
 from toptpu.dialects.naming import input_names, output_names
 from toptpu.dialects.output_file import write_output
@@ -126,6 +126,7 @@ from toptpu.dialects.sharding import (
     result_split,
     set_arg_split,
 )
+from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.errors import ToptpuError
 from toptpu.frontends.fx_importer import ImportError_, import_module
@@ -618,8 +619,8 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         # (its derived tensors stay: pack_weights checks the recipes against them)
         gone = [n for n in store.names() if stream.from_placeholder(n)]
         if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
-            read = {op.tensor_name for n in nets.values() for op in n.tpu.walk()
-                    if isinstance(op, tpu.WeightOp)}
+            read = {name for n in nets.values() for op in n.tpu.walk() if op.results
+                    and (name := weight_name(op.results[0])) is not None}
             gone += [n for n in stream.free_layers() if n not in read]
         for name in gone:
             if name in store:
