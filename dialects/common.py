@@ -40,7 +40,7 @@ from xdsl.dialects.builtin import (
     i32,
     i64,
 )
-from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.ir import Attribute, Block, Dialect, Region, SSAValue
 from xdsl.irdl import (
     AnyOf,
     AttrConstraint,
@@ -677,18 +677,33 @@ class ShapedOp(IRDLOperation):
             )
 
     @classmethod
-    def build(
+    def build(  # type: ignore[override]
         cls,
-        operands: Sequence[SSAValue | Sequence[SSAValue] | None],
+        operands: Sequence[SSAValue | Sequence[SSAValue] | None] = (),
         attrs: Mapping[str, Attribute | None] | None = None,
-        result_types: Sequence[Attribute] | None = None,
+        result_types: Sequence[Attribute | Sequence[Attribute]] | None = None,
+        *,
+        attributes: Mapping[str, Attribute | None] | None = None,
+        properties: Mapping[str, Attribute | None] | None = None,
+        successors: Sequence[Block | Sequence[Block] | None] | None = None,
+        regions: Sequence[Region | Sequence[Region]] | None = None,
     ) -> Self:
         """Create the op from operand groups (None for an absent optional operand) and
         attributes, inferring result types unless given. The generic form, for passes that
         rebuild any op of a family (`type(op).build(...)`); the commonly built ops have a
-        typed constructor (`top.MatMulOp(x, w, transpose_b=True)`) that ends here too."""
+        typed constructor (`top.MatMulOp(x, w, transpose_b=True)`) that ends here too.
+        Given `attributes` (the keywords of xDSL's own `build`, as a declarative assembly
+        format's parser calls it), the op is built as xDSL builds it, from exactly what
+        was parsed."""
         op = cls.__new__(cls)
-        op.construct(operands, attrs, result_types)
+        if attributes is None and properties is None and successors is None \
+                and regions is None:
+            op.construct(operands, attrs, result_types)  # type: ignore[arg-type]
+            return op
+        IRDLOperation.__init__(op, operands=[o if o is not None else [] for o in operands],
+                               result_types=result_types, attributes=attributes,
+                               properties=properties, successors=successors,
+                               regions=regions)  # type: ignore[arg-type]
         return op
 
     def construct(

@@ -99,6 +99,7 @@ class WeightBase(ShapedOp):
 
     weight_name = attr_def(StringAttr, attr_name="name")
     output = result_def(AnyTensor)
+    assembly_format = "$name attr-dict `:` type($output)"
     STRUCTURAL: ClassVar[bool] = True  # read from the weight store
     SOURCE: ClassVar[bool] = True
 
@@ -171,6 +172,7 @@ def constant_array(value: SSAValue | None) -> np.ndarray | None:
 class UnaryOp(ShapedOp):
     input = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     FLOPS_PER_ELEMENT: ClassVar[int] = 1
     ELEMENTWISE: ClassVar[bool] = True
 
@@ -350,6 +352,7 @@ class BinaryOp(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = "$lhs `,` $rhs attr-dict `:` type($lhs) `,` type($rhs) `->` type($output)"
     ELEMENTWISE: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -413,6 +416,7 @@ class CompareBase(ShapedOp):
     rhs = operand_def(AnyTensor)
     predicate = attr_def(EnumAttr(ComparePredicate))
     output = result_def(AnyTensor)
+    assembly_format = "$lhs `,` $rhs attr-dict `:` type($lhs) `,` type($rhs) `->` type($output)"
     ELEMENTWISE: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -453,6 +457,10 @@ class WhereBase(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$cond `,` $lhs `,` $rhs attr-dict `:` type($cond) `,` type($lhs) `,` "
+        "type($rhs) `->` type($output)"
+    )
     ELEMENTWISE: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -488,6 +496,7 @@ class CastBase(ShapedOp):
     input = operand_def(AnyTensor)
     dtype = attr_def(ElementType)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     ELEMENTWISE: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -544,6 +553,7 @@ class ReduceBase(ShapedOp):
     axes = attr_def(DenseArrayBase)
     keepdims = attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -596,6 +606,10 @@ class RmsNormBase(ShapedOp):
     weight = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input (`weight` $weight^)? attr-dict `:` type($input) (`weight` "
+        "type($weight)^)? `->` type($output)"
+    )
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -638,6 +652,10 @@ class LayerNormBase(ShapedOp):
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$input (`weight` $weight^)? (`bias` $bias^)? attr-dict `:` type($input) "
+        "(`weight` type($weight)^)? (`bias` type($bias)^)? `->` type($output)"
+    )
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -691,6 +709,10 @@ class RopeBase(ShapedOp):
     sin = operand_def(AnyTensor)
     mode = attr_def(EnumAttr(RopeMode))
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input `,` $cos `,` $sin attr-dict `:` type($input) `,` type($cos) `,` "
+        "type($sin) `->` type($output)"
+    )
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -745,6 +767,11 @@ class AttentionBase(ShapedOp):
     causal = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$q `,` $k `,` $v (`mask` $mask^)? (`history` $history_k^ `,` $history_v)? "
+        "attr-dict `:` type($q) `,` type($k) `,` type($v) (`mask` type($mask)^)? "
+        "(`history` type($history_k)^ `,` type($history_v))? `->` type($output)"
+    )
     MULTIPLY_ACCUMULATE: ClassVar[bool] = True
     TPU_COMPUTES_F32: ClassVar[bool] = True
     REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("attention_fold",
@@ -866,6 +893,10 @@ class MatMulBase(ShapedOp):
     transpose_a = opt_attr_def(BOOL_FLAG)
     transpose_b = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$lhs `,` $rhs (`bias` $bias^)? attr-dict `:` type($lhs) `,` type($rhs) (`bias` "
+        "type($bias)^)? `->` type($output)"
+    )
     MULTIPLY_ACCUMULATE: ClassVar[bool] = True
     TPU_COMPUTES_F32: ClassVar[bool] = True
     REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("matmul_part", "matmul_finish")
@@ -947,6 +978,10 @@ class GatherBase(ShapedOp):
     indices = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$table `,` $indices attr-dict `:` type($table) `,` type($indices) `->` "
+        "type($output)"
+    )
     INDEXES_TABLE: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -983,6 +1018,7 @@ class TopKBase(ShapedOp):
     largest = opt_attr_def(BOOL_FLAG)
     values = result_def(AnyTensor)
     indices = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($values) `,` type($indices)"
 
     def kernel_params(self) -> dict[str, object]:
         return {"k": read_int(self.k), "axis": read_int(self.axis),
@@ -1028,6 +1064,10 @@ class ScatterBase(ShapedOp):
     updates = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input `,` $indices `,` $updates attr-dict `:` type($input) `,` type($indices) "
+        "`,` type($updates) `->` type($output)"
+    )
 
     def kernel_params(self) -> dict[str, object]:
         return {"axis": read_int(self.axis)}
@@ -1075,6 +1115,7 @@ class CumSumBase(ShapedOp):
     input = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -1110,6 +1151,10 @@ class Conv2dBase(ShapedOp):
     dilations = attr_def(DenseArrayBase)
     groups = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input `,` $weight (`bias` $bias^)? attr-dict `:` type($input) `,` "
+        "type($weight) (`bias` type($bias)^)? `->` type($output)"
+    )
     MULTIPLY_ACCUMULATE: ClassVar[bool] = True
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
@@ -1192,6 +1237,11 @@ class CausalConv1dBase(ShapedOp):
     valid = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     new_state = result_def(AnyTensor)
+    assembly_format = (
+        "$x `,` $weight (`state` $state^)? `valid` $valid attr-dict `:` type($x) `,` "
+        "type($weight) (`state` type($state)^)? `valid` type($valid) `->` type($output) "
+        "`,` type($new_state)"
+    )
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -1262,6 +1312,11 @@ class GatedDeltaRuleBase(ShapedOp):
     scale = attr_def(FloatAttr)
     output = result_def(AnyTensor)
     new_state = result_def(AnyTensor)
+    assembly_format = (
+        "$q `,` $k `,` $v `,` $g `,` $beta (`state` $state^)? attr-dict `:` type($q) "
+        "`,` type($k) `,` type($v) `,` type($g) `,` type($beta) (`state` "
+        "type($state)^)? `->` type($output) `,` type($new_state)"
+    )
     TPU_COMPUTES_F32: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
@@ -1334,6 +1389,7 @@ class ReshapeBase(ShapedOp):
     input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
 
     def kernel_params(self) -> dict[str, object]:
         return {"shape": read_ints(self.shape)}
@@ -1360,6 +1416,7 @@ class PermuteBase(ShapedOp):
     input = operand_def(AnyTensor)
     order = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
 
     def kernel_params(self) -> dict[str, object]:
         return {"order": read_ints(self.order)}
@@ -1391,6 +1448,7 @@ class ExpandBase(ShapedOp):
     input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
 
     def kernel_params(self) -> dict[str, object]:
         return {"shape": read_ints(self.shape)}
@@ -1417,6 +1475,7 @@ class ConcatBase(ShapedOp):
     inputs = var_operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = "$inputs attr-dict `:` type($inputs) `->` type($output)"
 
     def kernel_arguments(self, operands: Sequence[object]
                          ) -> tuple[Sequence[object], Mapping[str, object]]:
@@ -1458,6 +1517,7 @@ class SliceBase(ShapedOp):
     end = attr_def(IntegerAttr)
     step = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     KERNEL: ClassVar[str] = "slice_"
 
     def kernel_params(self) -> dict[str, object]:

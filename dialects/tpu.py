@@ -315,6 +315,10 @@ class AttentionMergeOp(TpuOp):
     first = operand_def(AnyTensor)
     second = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$first `,` $second attr-dict `:` type($first) `,` type($second) `->` "
+        "type($output)"
+    )
     CHECK_INFERRED: ClassVar[bool] = False
 
     def kernel_arguments(self, operands: Sequence[object]
@@ -349,6 +353,12 @@ class A16MatMulOp(TpuOp):
     group_size = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$input `,` $qweight `,` $scales (`zeros` $zeros^)? (`mins` $mins^)? (`bias` "
+        "$bias^)? attr-dict `:` type($input) `,` type($qweight) `,` type($scales) "
+        "(`zeros` type($zeros)^)? (`mins` type($mins)^)? (`bias` type($bias)^)? `->` "
+        "type($output)"
+    )
 
     #: the weight's operands (qweight, scales, zeros, mins) in `operand_groups()` order
     WEIGHT_OPERANDS: ClassVar[slice] = slice(1, 5)
@@ -484,6 +494,7 @@ class GroupOp(IRDLOperation):
     tile_outer = opt_attr_def(IntegerAttr)
     acc = opt_attr_def(IntegerAttr)
     traits = traits_def(IsolatedFromAbove())
+    assembly_format = "`(` $inputs `)` attr-dict `:` functional-type($inputs, $outputs) $body"
 
     def verify_(self) -> None:
         block = self.body.block
@@ -654,6 +665,7 @@ class YieldOp(IRDLOperation):
     name = "tpu.yield"
     values = var_operand_def(AnyTensor)
     traits = traits_def(IsTerminator(), HasParent(GroupOp), Pure())
+    assembly_format = "attr-dict ($values^ `:` type($values))?"
 
 
 @irdl_op_definition
@@ -666,6 +678,7 @@ class LoadOp(TpuOp):
     slice_axis = attr_def(IntegerAttr)
     tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     CHECK_INFERRED: ClassVar[bool] = False
     STRUCTURAL: ClassVar[bool] = True  # run by its group
 
@@ -683,6 +696,7 @@ class StoreOp(TpuOp):
     slice_axis = attr_def(IntegerAttr)
     tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     CHECK_INFERRED: ClassVar[bool] = False
     STRUCTURAL: ClassVar[bool] = True  # run by its group
 

@@ -16,8 +16,8 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @shapes
-// CHECK-NEXT:    %0 = "top.permute"(%x) {order = array<i64: 2, 1, 0>} : (tensor<2x3x4xf32>) -> tensor<4x3x2xf32>
-// CHECK-NEXT:    %1 = "top.reshape"(%x) {shape = array<i64: 24>} : (tensor<2x3x4xf32>) -> tensor<24xf32>
+// CHECK-NEXT:    %0 = top.permute %x {order = array<i64: 2, 1, 0>} : tensor<2x3x4xf32> -> tensor<4x3x2xf32>
+// CHECK-NEXT:    %1 = top.reshape %x {shape = array<i64: 24>} : tensor<2x3x4xf32> -> tensor<24xf32>
 // CHECK-NEXT:    func.return %x, %0, %1
 
 // -----
@@ -33,7 +33,7 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @units
-// CHECK-NEXT:    %0 = "top.reshape"(%x) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    %0 = top.reshape %x {shape = array<i64: 1, 1, 8, 16>}
 // CHECK-NEXT:    func.return %0
 
 // -----
@@ -52,5 +52,5 @@ builtin.module {
 
 // CHECK-LABEL: func.func @consts
 // CHECK-NEXT:    [[C:%.*]] = "top.constant"() {value = dense<[3.000000e+00, 6.000000e+00]> : tensor<2xf32>}
-// CHECK-NEXT:    [[A:%.*]] = "top.add"(%x, [[C]])
+// CHECK-NEXT:    [[A:%.*]] = top.add %x, [[C]]
 // CHECK-NEXT:    func.return [[A]], [[A]]
