@@ -295,7 +295,7 @@ def _attrs(op: Operation) -> dict[str, Attribute]:
 def _result_types(lw: Lowering, op: ShapedOp) -> list[Attribute]:
     """The Tpu op's result types: the storage `op` declares for each (`tpu_result_storage`)
     in this mode; integer results keep their type."""
-    out = []
+    out: list[Attribute] = []
     for r, storage in zip(op.results, op.tpu_result_storage(), strict=True):
         t = r.type
         assert isinstance(t, TensorType)

@@ -25,7 +25,7 @@ from xdsl.pattern_rewriter import (
 )
 from xdsl.rewriter import InsertPoint
 
-from toptpu.dialects import tpu
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     WeightPart,
     bool_attr,
@@ -45,7 +45,8 @@ class TransposeMatmulWeight(RewritePattern):
         self.store = store
 
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: tpu.MatMulOp, rewriter: PatternRewriter) -> None:
+    def match_and_rewrite(self, op: top.MatMulBase, rewriter: PatternRewriter) -> None:
+        # (weight-reorder takes Tpu IR: every matmul is a tpu.matmul)
         w = producer(op.rhs, tpu.TpuWeight)
         if (w is None or read_bool(op.transpose_b)
                 or read_bool(op.transpose_a) or len(shape_of(op.rhs)) != 2):

@@ -210,8 +210,7 @@ def _uses(model: LlmFile, net: str) -> list[_Use]:
     """The weights net `net`'s Tpu IR converts (as the executors find them)."""
     out = []
     for op in model.net_module(net).walk():
-        conv = op.converted_weight() if isinstance(op, ShapedOp) else None
-        if conv is None:
+        if not isinstance(op, ShapedOp) or (conv := op.converted_weight()) is None:
             continue
         groups = op.operand_groups()
         values = [groups[i] for i in conv.operands]
