@@ -256,10 +256,10 @@ class SoftplusOp(UnaryOp, TopOp):
     TPU_COMPUTES_F32: ClassVar[bool] = True  # it feeds the delta rule's decay (f32)
 
 
-#: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
-#: the kind its name gives (`top.silu` -> "silu"). Listed here, an op gets its Tpu
-#: counterpart (`tpu.TPU_OF_TOP`), its interpreter evaluator, its lowering by
-#: `convert-top-to-tpu` and its place in the Top dialect; nothing else registers it.
+#: The unary elementwise ops without attributes: each computes the kernel its name gives
+#: (`top.silu` -> `kernels.silu`, its kernel binding). Listed here, an op gets its place in
+#: the Top dialect, hence its Tpu twin (`tpu.TPU_OF_TOP`) and its generic lowering by
+#: `convert-top-to-tpu`; nothing else registers it.
 UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
     RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp, ReluOp, SoftplusOp)
 
