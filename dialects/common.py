@@ -649,8 +649,9 @@ class ShapedOp(IRDLOperation):
 
     # ------------------------------------------------------------------ lowering to Tpu
     def tpu_operand_storage(self) -> list[Storage]:
-        """How convert-top-to-tpu types each operand group (`operand_groups` order; a
-        variadic group's operands alike): by default the activation type."""
+        """How convert-top-to-tpu types each operand, one per entry of `operand_groups`
+        (absent optional operands and each operand of a variadic group included): by
+        default the activation type."""
         return [Storage.ACTIVATION] * len(self.operand_groups())
 
     def tpu_result_storage(self) -> list[Storage]:
