@@ -1,8 +1,10 @@
 """The Tpu dialect: how this chip computes the model.
 
-Tpu ops are the chip-level counterparts of the Top ops: they share Top's operands,
-attributes, shape inference and FLOP counts (the `*Base` classes of `toptpu.dialects.top`)
-and add the chip's decisions:
+Each Top op has a Tpu twin derived from it (`TPU_OF_TOP`, `twin`): its operands, attributes,
+shape inference, FLOP count, kernel binding and assembly format (the `*Base` classes of
+`toptpu.dialects.top`), with the chip's decisions; the Tpu-only ops (`tpu.a16_matmul`,
+the attention parts, layer groups, loads and stores) are written here. The chip's
+decisions:
 
 - storage element types in the result types (f32, f16, bf16; i8/ui8 for packed weights);
 - `compute`: the element type the op computes in (f32 for norms, softmax, attention and rope
