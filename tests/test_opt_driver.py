@@ -91,7 +91,7 @@ def test_loads_are_named_after_what_they_load(top_ir: str) -> None:
     """A load of an earlier group's result is named after the op that computed it, never
     after the group (`group.X.load` said nothing of what was loaded)."""
     rc, out, err = _run(top_ir, "-p", "top-pipeline,tpu-pipeline{mode=bf16}", "--weights-out",
-                        os.devnull, "--print-debuginfo")
+                        os.devnull, "--print-debuginfo", "--print-op-generic")
     assert rc == 0, err
     names = re.findall(r'"tpu\.load".*loc\("([^"]+)"', out)
     assert names and not [n for n in names if n.startswith("group.")]

@@ -106,13 +106,13 @@ from toptpu.compile_options import (
     kv_cache_size,
 )
 from toptpu.devices import Parallel, balance_layers, devices_needed
-from toptpu.dialects import tpu
 from toptpu.dialects.common import QuantMode
 from toptpu.dialects.output_file import write_output
 from toptpu.dialects.sharding import (
     device_tensor,
     parse_shard_name,
 )
+from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
@@ -551,8 +551,8 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         # (its derived tensors stay: pack_weights checks the recipes against them)
         gone = [n for n in store.names() if stream.from_placeholder(n)]
         if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
-            read = {op.tensor_name for n in nets.values() for op in n.tpu.walk()
-                    if isinstance(op, tpu.WeightOp)}
+            read = {name for n in nets.values() for op in n.tpu.walk() if op.results
+                    and (name := weight_name(op.results[0])) is not None}
             gone += [n for n in stream.free_layers() if n not in read]
         for name in gone:
             if name in store:

@@ -72,8 +72,9 @@ from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime.steps import held_key, held_window
 from toptpu.dialects import tpu
-from toptpu.dialects.common import elem_of, numpy_dtype, read_int
+from toptpu.dialects.common import ShapedOp
 from toptpu.dialects.output_file import OutputPathError, output_target
+from toptpu.dialects.top import weight_name
 from toptpu.errors import ToptpuError
 
 #: the weight cache file of MODEL_FILE is MODEL_FILE + SUFFIX
@@ -209,20 +210,17 @@ def _uses(model: LlmFile, net: str) -> list[_Use]:
     """The weights net `net`'s Tpu IR converts (as the executors find them)."""
     out = []
     for op in model.net_module(net).walk():
-        if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp) \
-                and isinstance(op.scales.owner, tpu.WeightOp):
-            zeros = op.zeros.owner if op.zeros is not None else None
-            mins = op.mins.owner if op.mins is not None else None
-            if (op.zeros is not None and not isinstance(zeros, tpu.WeightOp)) or \
-                    (op.mins is not None and not isinstance(mins, tpu.WeightOp)):
-                continue  # not a weight the executors convert once
-            out.append(_Use("a16", op.qweight.owner.tensor_name, op.scales.owner.tensor_name,
-                            zeros.tensor_name if isinstance(zeros, tpu.WeightOp) else None,
-                            mins.tensor_name if isinstance(mins, tpu.WeightOp) else None,
-                            read_int(op.weight_bits), read_int(op.group_size)))
-        elif (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
-              and numpy_dtype(elem_of(op.rhs)).name in UPCAST_DTYPES):
-            out.append(_Use("f32", op.rhs.owner.tensor_name))
+        if not isinstance(op, ShapedOp) or (conv := op.converted_weight()) is None:
+            continue
+        groups = op.operand_groups()
+        values = [groups[i] for i in conv.operands]
+        names = [weight_name(v) for v in values]
+        if any(v is not None and n is None for v, n in zip(values, names, strict=True)):
+            continue  # not a weight the executors convert once
+        source, *annexes = names
+        assert source is not None
+        scales, zeros, mins = (*annexes, None, None, None)[:3]
+        out.append(_Use(conv.form, source, scales, zeros, mins, conv.bits, conv.group_size))
     return out
 
 

@@ -20,8 +20,8 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @shapes
-// CHECK-NEXT:    %0 = "top.permute"(%x) {order = array<i64: 2, 1, 0>} : (tensor<2x3x4xf32>) -> tensor<4x3x2xf32>
-// CHECK-NEXT:    %1 = "top.reshape"(%x) {shape = array<i64: 24>} : (tensor<2x3x4xf32>) -> tensor<24xf32>
+// CHECK-NEXT:    %0 = top.permute %x {order = array<i64: 2, 1, 0>} : tensor<2x3x4xf32> -> tensor<4x3x2xf32>
+// CHECK-NEXT:    %1 = top.reshape %x {shape = array<i64: 24>} : tensor<2x3x4xf32> -> tensor<24xf32>
 // CHECK-NEXT:    func.return %x, %0, %1
 
 // -----
@@ -37,7 +37,7 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @units
-// CHECK-NEXT:    %0 = "top.reshape"(%x) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    %0 = top.reshape %x {shape = array<i64: 1, 1, 8, 16>}
 // CHECK-NEXT:    func.return %0
 
 // -----
