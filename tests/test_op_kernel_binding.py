@@ -19,6 +19,7 @@ from xdsl.ir import Operation
 from toptpu.backend.reference import interpreter
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import EVALUATORS, Interpreter, evaluate_kernel
+from toptpu.backend.target.chips import get_chip
 from toptpu.dialects import dev, top, tpu
 from toptpu.dialects.common import ShapedOp, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir, print_generic
@@ -201,7 +202,7 @@ def test_a_grouped_net_prints_and_parses_back() -> None:
               rng.standard_normal((1, 8, 32)).astype(np.float32)]
     run_passes(module, [ConvertTopToTpuPass(mode="w8f32")], store=store)
     (want,) = Interpreter(module, store).run(inputs).outputs.values()
-    compile_for_machine(module, "bm1684x")
+    compile_for_machine(module, get_chip("bm1684x"))
     text = _round_trip(module)
     for name in ("tpu.group", "tpu.load", "tpu.store", "tpu.yield", "tpu.a16_matmul",
                  "tpu.rms_norm", "tpu.mul", "tpu.add"):
