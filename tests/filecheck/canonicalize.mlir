@@ -59,6 +59,6 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @tpu
-// CHECK-NEXT:    %0 = "tpu.mul_const"(%x) {value = 6.000000e+00 : f64}
-// CHECK-NEXT:    %1 = "tpu.reshape"(%0) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    %0 = tpu.mul_const %x {value = 6.000000e+00 : f64}
+// CHECK-NEXT:    %1 = tpu.reshape %0 {shape = array<i64: 1, 1, 8, 16>}
 // CHECK-NEXT:    func.return %1
