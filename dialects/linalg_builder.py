@@ -177,6 +177,10 @@ class Body:
         """Bitwise and (of i1 conditions or indices)."""
         return self._ins(arith.AndIOp(a, b))
 
+    def or_(self, a: SSAValue, b: SSAValue) -> SSAValue:
+        """Bitwise or (of i1 conditions)."""
+        return self._ins(arith.OrIOp(a, b))
+
     def xor(self, a: SSAValue, b: SSAValue) -> SSAValue:
         return self._ins(arith.XOrIOp(a, b))
 

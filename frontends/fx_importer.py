@@ -47,6 +47,7 @@ from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
 from toptpu.errors import ToptpuError
 from toptpu.frontends import linear_attention_ops  # noqa: F401 - registers torch.ops.toptpu
+from toptpu.frontends import moe, moe_ops  # noqa: F401 - moe_ops registers torch.ops.toptpu
 
 aten = torch.ops.aten
 
@@ -841,6 +842,58 @@ def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Any:
     op = im.emit(top.GatedDeltaRuleOp(q, k, v, g, beta, state, scale=scale))
     return tuple(im.cast_to(r, im.out_type(i).element_type, f"out{i}")
                  for i, r in enumerate(op.results))
+
+
+@builds(torch.ops.toptpu.moe_route.default)
+def _moe_route(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::moe_route` (frontends.moe_ops) -> top.moe_route; its weights and indices
+    are taken apart by the getitem nodes that follow it."""
+    logits = im.value(node.args[0])
+    top_k, normalize = _arg(node, 1, "top_k"), _arg(node, 2, "normalize")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not isinstance(normalize,
+                                                                               bool):
+        raise UnsupportedOpError("toptpu.moe_route needs a constant top_k and normalize")
+    valid_arg = _arg(node, 3, "valid")
+    valid = None if valid_arg is None else im.value(valid_arg)
+    op = im.emit(top.MoeRouteOp(logits, valid, k=top_k, normalize=normalize))
+    return tuple(im.cast_to(r, im.out_type(i).element_type, f"out{i}")
+                 for i, r in enumerate(op.results))
+
+
+@builds(torch.ops.toptpu.moe_experts.default)
+def _moe_experts(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::moe_experts` (frontends.moe_ops) -> top.moe_experts."""
+    x, gate_up, down, weights, indices = (im.value(a) for a in node.args[:5])
+    op = im.emit(top.MoeExpertsOp(x, gate_up, down, weights, indices))
+    return im.cast_to(op.results[0], im.out_type().element_type)
+
+
+@builds(torch.ops.toptpu.moe_experts_list.default)
+def _moe_experts_list(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::moe_experts_list` (a block whose experts are a list of modules) ->
+    top.moe_experts on the experts' weights stacked once, at import, under the name
+    transformers 5's fused module gives them (`frontends.moe.stacked_name`:
+    'layer.mlp.experts.3.gate_proj.weight' -> 'layer.mlp.experts.gate_up_proj')."""
+    x, weights, indices = im.value(node.args[0]), im.value(node.args[4]), im.value(node.args[5])
+    stacked: list[SSAValue] = []
+    for group in (node.args[1:3], node.args[3:4]):
+        names = [[top.weight_name(im.value(a)) for a in part] for part in group]
+        flat = [n for part in names for n in part]
+        hits = [moe.stacked_name(n) if n is not None else None for n in flat]
+        if any(h is None for h in hits) or len({h[0] for h in hits if h}) != 1:
+            raise UnsupportedOpError("toptpu.moe_experts_list needs the experts' own weights "
+                                     "(…experts.N.gate_proj.weight …), named alike")
+        target = hits[0][0] if hits[0] else ""
+        if target not in im.store:
+            im.store[target] = np.stack([np.concatenate([im.store[part[e]] for part in names])
+                                         for e in range(len(names[0]))])
+        arr = im.store[target]
+        op = top.WeightOp(target, tensor(arr.shape, element_type_of_numpy(arr.dtype)))
+        im.emit(op, target.rsplit(".", 1)[1])
+        op.location = make_loc(target)
+        stacked.append(op.results[0])
+    op = im.emit(top.MoeExpertsOp(x, stacked[0], stacked[1], weights, indices))
+    return im.cast_to(op.results[0], im.out_type().element_type)
 
 
 # =========================================================================== driver

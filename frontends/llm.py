@@ -85,6 +85,7 @@ from toptpu.backend.contract import (
 )
 from toptpu.dialects.common import QuantMode
 from toptpu.errors import ToptpuError
+from toptpu.frontends.moe import MoeError, MoeShape, is_moe_block, moe_forward, moe_shape
 
 
 class SplitError(ToptpuError, ValueError):
@@ -228,6 +229,38 @@ def text_rotary(rotary: torch.nn.Module, position_axes: int = 1) -> torch.nn.Mod
     return MultiAxisRotary(rotary) if position_axes == 3 else TextPositionRotary(rotary)
 
 
+def layer_moe(layer: torch.nn.Module) -> MoeShape | None:
+    """The MoE block of a decoder layer's MLP (`frontends.moe`), None for a dense MLP; a
+    SplitError naming what toptpu cannot compile."""
+    mlp = layer.mlp
+    if not is_moe_block(mlp):
+        return None
+    try:
+        return moe_shape(mlp)
+    except MoeError as e:
+        raise SplitError(str(e)) from None
+
+
+def real_rows(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """Which rows of a chunk are real, [1, S] (1.0 real, 0.0 padding: a padded row sees
+    no key), from its additive mask [1, 1, S, K]; None for a single row (decode: real).
+    keepdim: the reduction over a row's keys keeps the rows on a token axis, so a layer
+    group can slice the mask by rows."""
+    if hidden.shape[1] == 1:
+        return None
+    valid = (mask.amax(dim=-1, keepdim=True) > MASK_VALUE / 2).to(hidden.dtype)
+    return valid.reshape(1, -1)
+
+
+def layer_mlp(layer: torch.nn.Module, moe: MoeShape | None, x: torch.Tensor,
+              valid: torch.Tensor | None) -> torch.Tensor:
+    """The decoder layer's MLP on x: its own module, or its MoE block through the custom
+    ops (a padded row routes to no expert)."""
+    if moe is None:
+        return layer.mlp(x)
+    return moe_forward(layer.mlp, moe, x, valid)
+
+
 class Embedding(torch.nn.Module):
     """input_ids i32 [1, S] -> hidden [1, S, H] (the model's embed_tokens)."""
 
@@ -258,6 +291,7 @@ class Block(torch.nn.Module):
         self.scaling = float(layer.self_attn.scaling)
         # Qwen3.5's q_proj is twice as wide as the heads: each head's query, then its gate
         self.gated = layer.self_attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
+        self.moe = layer_moe(layer)
 
     def attend(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor, history_k: torch.Tensor | None,
@@ -282,7 +316,8 @@ class Block(torch.nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         h = residual + attn.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        valid = real_rows(attention_mask, hidden) if self.moe is not None else None
+        h = h + layer_mlp(layer, self.moe, layer.post_attention_layernorm(h), valid)
         return h, present_k, present_v
 
     def project(self, h: torch.Tensor
@@ -347,6 +382,7 @@ class LinearAttentionBlock(torch.nn.Module):
         self.w = widths
         self.history = history or cached
         self.cached = cached
+        self.moe = layer_moe(layer)
         mod = sys.modules[type(layer.linear_attn).__module__]
         self.l2norm = getattr(mod, "l2norm", None)
         self.act = getattr(mod, "ACT2FN", None)
@@ -379,7 +415,8 @@ class LinearAttentionBlock(torch.nn.Module):
                                             float(w.head_k_dim ** -0.5))
         o = la.norm(o.reshape(-1, w.head_v_dim), z.reshape(-1, w.head_v_dim))
         h = residual + la.out_proj(o.reshape(b, s, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + layer_mlp(layer, self.moe, layer.post_attention_layernorm(h),
+                          None if s == 1 else valid)
         return h, conv_out, state_out
 
     def forward(self, hidden: torch.Tensor, *rest: torch.Tensor

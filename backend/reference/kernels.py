@@ -840,6 +840,53 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
     return _out(out[None], out_dtype, v), s[None]
 
 
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def moe_route(logits: np.ndarray, valid: np.ndarray | None, k: int, normalize: bool,
+              out_dtype=None) -> tuple[np.ndarray, np.ndarray]:
+    """The router (`top.moe_route`): logits [T, E], valid [T] or None -> (weights [T, k]
+    in `out_dtype` (default: the logits'), indices i32 [T, k]). Per row: softmax in f32,
+    the k largest probabilities in descending order (ties: the lower index first, `topk`),
+    divided by their sum when `normalize`; a row whose `valid` is not > 0 routes nowhere
+    (indices -1, weights 0). Rows are independent: a slice of them computes the same
+    numbers."""
+    probs = softmax(logits, axis=-1, out_dtype=np.float32)
+    values, indices = topk(probs, k, axis=-1)
+    values = np.asarray(values, np.float32)
+    if normalize:
+        values = values / values.sum(axis=-1, keepdims=True, dtype=np.float32)
+    if valid is not None:
+        real = (f32(np.asarray(valid)).reshape(-1, 1) > 0)
+        values = np.where(real, values, np.float32(0))
+        indices = np.where(real, indices, np.int32(-1)).astype(np.int32)
+    return _out(values, out_dtype, logits), indices
+
+
+def moe_experts(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, weights: np.ndarray,
+                indices: np.ndarray, out_dtype=None) -> np.ndarray:
+    """The experts (`top.moe_experts`): x [T, H], gate_up [E, 2I, H], down [E, H, I],
+    weights [T, k], indices [T, k] -> y [T, H] in `out_dtype` (default: x's). Each expert
+    some token chose computes its tokens' rows at once (in f32): `g, u = x @ gate_up[e].T`
+    halves, `(silu(g) * u) @ down[e].T`, scaled by the token's routing weight and added
+    into an f32 accumulator, the experts in ascending order. Index -1 adds nothing; any
+    other index outside [0, E) is an IndexError. Rows are independent: a slice of them
+    computes the same numbers."""
+    idx = np.asarray(indices).astype(np.int64)
+    n, inter = gate_up.shape[0], down.shape[2]
+    if idx.size and (idx.min() < -1 or idx.max() >= n):
+        bad = int(idx[(idx < -1) | (idx >= n)].flat[0])
+        raise IndexError(f"moe_experts index {bad} is out of range for {n} experts")
+    fx, fw = f32(x), f32(weights)
+    acc = np.zeros(fx.shape, np.float32)
+    for e in np.unique(idx[idx >= 0]):
+        tokens, slots = np.nonzero(idx == e)
+        h = fx[tokens] @ f32(gate_up[e]).T  # [n, 2I]
+        act = silu(h[:, :inter]) * h[:, inter:]
+        acc[tokens] += (act @ f32(down[e]).T) * fw[tokens, slots][:, None]
+    return _out(acc, out_dtype, x)
+
+
 # --------------------------------------------------------------------------- data movement
 
 
