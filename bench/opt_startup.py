@@ -12,9 +12,11 @@ same way, `python -c "from TOOL import main; main()"` with this interpreter.
 
 - `--ir`: the Top IR to run (default: `toptpu compile --dump-ir` of the tiny default model,
   qwen2 with one layer, seq 64: its `block/00-import.mlir`, written to a temporary directory).
-- `--bytecode`: `cached` (the modules' bytecode written once and read back, as for any
-  installed package: a private `PYTHONPYCACHEPREFIX`), `off` (`PYTHONDONTWRITEBYTECODE=1`,
-  every module of an editable checkout compiled from source at each start), or both.
+- `--bytecode`: `cached` (every module's bytecode written once and read back, as for any
+  installed package: a private `PYTHONPYCACHEPREFIX`), `off` (toptpu's own modules compiled
+  from source at each start, the installed packages' read from their bytecode: an editable
+  checkout under `PYTHONDONTWRITEBYTECODE=1`, as on the hosts the issue was measured on; a
+  `__pycache__` some other run left in a checkout is not read), or both.
 - `--baseline`: another venv's python (main before a change); the same commands with its
   toptpu run interleaved, in more rows.
 """
@@ -31,6 +33,18 @@ import time
 
 XDSL_OPT = "import sys; from xdsl.tools.xdsl_opt import main; sys.exit(main())"
 TOPTPU_OPT = "import sys; from toptpu.opt import main; sys.exit(main())"
+#: prefixed to both tools' start in `--bytecode off`: toptpu's modules compiled from their
+#: source, whatever `__pycache__` lies beside them
+FROM_SOURCE = """\
+import importlib._bootstrap_external as _be
+_get_code = _be.SourceLoader.get_code
+def _from_source(self, fullname):
+    if fullname == "toptpu" or fullname.startswith("toptpu."):
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+    return _get_code(self, fullname)
+_be.SourceLoader.get_code = _from_source
+"""
 REFERENCE = "xdsl-opt empty module"
 
 
@@ -52,10 +66,15 @@ def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
-def _cases(py: str, ir: str, who: str) -> dict[str, list[str]]:
-    return {f"toptpu-opt -p top-pipeline ({who})": [py, "-c", TOPTPU_OPT, ir, "-p",
-                                                     "top-pipeline", "-o", os.devnull],
-            f"toptpu-opt --help ({who})": [py, "-c", TOPTPU_OPT, "--help"]}
+def _cases(py: str, ir: str, who: str, mode: str) -> dict[str, list[str]]:
+    opt = _launcher(TOPTPU_OPT, mode)
+    return {f"toptpu-opt -p top-pipeline ({who})": [py, "-c", opt, ir, "-p", "top-pipeline",
+                                                     "-o", os.devnull],
+            f"toptpu-opt --help ({who})": [py, "-c", opt, "--help"]}
+
+
+def _launcher(code: str, mode: str) -> str:
+    return FROM_SOURCE + code if mode == "off" else code
 
 
 def _env(mode: str, cache: str) -> dict[str, str]:
@@ -119,14 +138,14 @@ def main() -> None:
         empty = os.path.join(d, "empty.mlir")
         with open(empty, "w") as f:
             f.write("builtin.module {\n}\n")
-        cases = {"python -c pass": [sys.executable, "-c", "pass"],
-                 REFERENCE: [sys.executable, "-c", XDSL_OPT, empty]}
-        cases.update(_cases(sys.executable, ir, "this"))
-        if args.baseline:
-            cases.update(_cases(args.baseline, ir, "baseline"))
         print(f"one layer's Top IR: {ir} ({os.path.getsize(ir)} bytes); {args.repeat} runs "
               "each, medians; ratios run by run to the xdsl-opt run beside it")
         for mode in (("cached", "off") if args.bytecode == "both" else (args.bytecode,)):
+            cases = {"python -c pass": [sys.executable, "-c", "pass"],
+                     REFERENCE: [sys.executable, "-c", _launcher(XDSL_OPT, mode), empty]}
+            cases.update(_cases(sys.executable, ir, "this", mode))
+            if args.baseline:
+                cases.update(_cases(args.baseline, ir, "baseline", mode))
             print(f"bytecode {mode}:")
             report(measure(cases, _env(mode, os.path.join(d, "pycache")), args.repeat))
 
