@@ -237,7 +237,21 @@ def build_plugin(build_dir: str | None = None, jobs: int | None = None) -> str:
         if not os.path.exists(plugin):
             _build(export, sources, root, final, tblgen, cxx, mlir_inc, llvm_inc, mlir_lib,
                    llvm_lib, jobs)
+            _prune(root, keep=KEEP_BUILDS)
     return plugin
+
+
+#: the builds kept in a build directory (each ~12 MB: the plugin and its generated sources)
+KEEP_BUILDS = 3
+
+
+def _prune(root: str, keep: int) -> None:
+    """Remove all but the `keep` newest builds of `root`."""
+    builds = [os.path.join(root, n) for n in os.listdir(root)
+              if os.path.isfile(os.path.join(root, n, PLUGIN_NAME))]
+    builds.sort(key=os.path.getmtime, reverse=True)
+    for old in builds[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _build(export: OdsExport, sources: dict[str, str], root: str, final: str, tblgen: str,
@@ -268,6 +282,8 @@ def _build(export: OdsExport, sources: dict[str, str], root: str, final: str, tb
         _run([cxx, "-shared", "-o", PLUGIN_NAME, *(u + ".o" for u in units), "-L", mlir_lib,
               "-L", llvm_lib, "-lMLIR", "-lLLVM", f"-Wl,-rpath,{mlir_lib}:{llvm_lib}"],
              work, env, "linking the plugin")
+        for unit in units:  # the objects are in the plugin (~28 MB)
+            os.unlink(os.path.join(work, unit + ".o"))
         os.rename(work, final)
     finally:
         if os.path.isdir(work):
