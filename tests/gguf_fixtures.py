@@ -145,12 +145,19 @@ def random_blocks(shape: tuple[int, ...], qtype: str, seed: int = 0) -> np.ndarr
                                                 dtype=np.uint8)
 
 
+#: a metadata value `write_gguf` writes as given: (value, its GGUF type, the element type
+#: of an array); a `None` value drops the key
+Metadata = dict[str, tuple[Any, "gguf.GGUFValueType | None", "gguf.GGUFValueType | None"]]
+
+
 def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int = 0,
-               types: dict[str, str] | None = None, **overrides: Any) -> str:
+               types: dict[str, str] | None = None, metadata: Metadata | None = None,
+               **overrides: Any) -> str:
     """A tiny `family` model (llama2 / qwen2 / qwen3) as the GGUF file `path`: every 2-D weight in
     `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q6_K, ...; `types` by GGUF name overrides),
     norms and biases in F32, the tokenizer, its special ids and the chat template in the
-    metadata."""
+    metadata. `metadata` replaces or adds keys as the real writer writes them (a hostile
+    file made by the `gguf` package itself): `{key: (value, type, element type)}`."""
     arch = family if family in ("qwen2", "qwen3") else "llama"
     model = tiny_model(family, seed, **overrides)
     cfg = model.config
@@ -187,6 +194,12 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
     w.add_pad_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(tok.chat_template)
+    for key, (value, vtype, sub_type) in (metadata or {}).items():
+        if value is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            assert vtype is not None
+            w.add_key_value(key, value, vtype, sub_type)
     for name, t in gguf_tensors(model, arch).items():
         want = (types or {}).get(name, qtype if t.ndim == 2 else "F32")
         ty = gguf.GGMLQuantizationType[want]

@@ -20,3 +20,10 @@ class ToptpuError(Exception):
 
 class CompileError(ToptpuError):
     """The model cannot be compiled as asked; the message names the problem and the fix."""
+
+
+class AbortError(KeyboardInterrupt):
+    """A command that cannot go on, told asynchronously (a signal handler raised it: a file
+    the command maps was about to be truncated or written by another process). A
+    `KeyboardInterrupt`, so no `except Exception` on the way swallows it and every
+    `finally` runs; the command lines report its message as an error (exit status 1)."""

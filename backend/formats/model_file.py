@@ -46,6 +46,7 @@ from typing import Any, BinaryIO
 from toptpu.backend.contract import parse_strict_json
 from toptpu.dialects.output_file import (
     is_regular,
+    note_input,
     open_output,
 )
 from toptpu.dialects.output_file import (
@@ -288,6 +289,7 @@ class ModelFile:
             self._file = open(path, "rb")  # noqa: SIM115 - kept open for the mmap
         except OSError as e:
             raise ModelFileError(f"cannot open model file '{path}': {e.strerror}") from e
+        note_input(self._file.fileno(), path)  # never an output of this command
         self._map: mmap.mmap | None = None
         try:
             self._load(verify_checksums)
