@@ -96,3 +96,50 @@ def command_run() -> Iterator[None]:
     """A command's inputs noted and its stdout checked (see the module doc)."""
     with command_inputs(), checked_stdout():
         yield
+
+
+# --------------------------------------------------------------------------- bounded input
+
+#: a message's characters per token at most, times the longest token of the vocabulary:
+#: a normalizer may compose characters (NFC: three Hangul jamo into one syllable), so a
+#: token can stand for more text than its own length
+CHARS_PER_TOKEN_MARGIN = 4
+
+
+class LineTooLong(ValueError):
+    """An input line longer than the reader takes; what was read of it is dropped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the line is longer than {limit} characters")
+        self.limit = limit
+
+
+def message_limit(vocabulary: Any, seq_length: int) -> int:
+    """The most characters a message that fits `seq_length` tokens can have, for a
+    vocabulary (token text -> id; its longest token): anything longer cannot fit the KV
+    cache, so it is refused before it is tokenized (tokenizing takes ~200 bytes of memory
+    per character)."""
+    longest = max((len(t) for t in vocabulary), default=1)
+    return max(1, seq_length) * max(1, longest) * CHARS_PER_TOKEN_MARGIN
+
+
+def read_line(prompt: str, limit: int, stream: TextIO | None = None) -> str:
+    """`input(prompt)` that never holds more than `limit` characters of a line: a longer
+    line is read to its end and dropped (LineTooLong). A terminal goes through `input()`
+    (line editing; the terminal bounds its lines); EOFError at the end of the input."""
+    stream = sys.stdin if stream is None else stream
+    if stream is sys.stdin and stream.isatty():
+        line = input(prompt)
+        if len(line) > limit:
+            raise LineTooLong(limit)
+        return line
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = stream.readline(limit + 1)
+    if not line:
+        raise EOFError
+    if len(line) <= limit or (line.endswith("\n") and len(line) == limit + 1):
+        return line.removesuffix("\n")
+    while line and not line.endswith("\n"):  # the rest of the line, in bounded pieces
+        line = stream.readline(1 << 16)
+    raise LineTooLong(limit)

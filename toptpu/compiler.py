@@ -43,6 +43,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
 
 import numpy as np
+from jinja2 import TemplateSyntaxError
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr, TensorType
 from xdsl.ir import BlockArgument, Operation
@@ -531,8 +532,6 @@ def check_chat_template(files: dict[str, bytes], source: str) -> None:
     except TemplateLimitError as e:
         raise CompileError(f"{where}: {e}") from None
     except GenerationError as e:
-        from jinja2 import TemplateSyntaxError
-
         cause = e.__cause__
         if isinstance(cause, TemplateSyntaxError):  # no conversation could ever render
             raise CompileError(f"{where}: the chat template does not parse (line "
