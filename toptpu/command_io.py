@@ -5,6 +5,9 @@ each command:
 
 - its inputs are noted (`dialects.output_file.command_inputs`): no output of the command
   is written over a file it reads;
+- the files it maps (a model file, a weight cache file) are guarded by read leases
+  (`backend.formats.file_lease`): another process truncating one ends the command in one
+  line instead of a SIGBUS;
 - standard output is checked (`checked_stdout`): a write that fails — a full disk,
   `/dev/full`, an I/O error — is one `StdoutError` naming it, not an `OSError`
   traceback, and what is left unwritten is dropped (no second error when Python flushes
@@ -20,6 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from toptpu.backend.formats.file_lease import guard_mapped_files
 from toptpu.dialects.output_file import command_inputs
 from toptpu.errors import ToptpuError
 
@@ -93,8 +97,9 @@ def checked_stdout() -> Iterator[None]:
 
 @contextlib.contextmanager
 def command_run() -> Iterator[None]:
-    """A command's inputs noted and its stdout checked (see the module doc)."""
-    with command_inputs(), checked_stdout():
+    """A command's inputs noted, the files it maps guarded, its stdout checked (see the
+    module doc)."""
+    with command_inputs(), guard_mapped_files(), checked_stdout():
         yield
 
 

@@ -33,6 +33,7 @@ every section's checksum and the padding, and names what is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from toptpu.backend.contract import parse_strict_json
+from toptpu.backend.formats.file_lease import hold_read_lease, release_read_lease
 from toptpu.dialects.output_file import (
     is_regular,
     note_input,
@@ -310,6 +312,7 @@ class ModelFile:
         if size < _PREFIX.size:
             raise self._err(f"is not a toptpu model file (only {size} bytes)")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        hold_read_lease(self._file.fileno(), self.path)  # told before it is truncated
         magic, version, hlen = _PREFIX.unpack_from(self._map, 0)
         if magic != MAGIC:
             raise self._err(f"is not a toptpu model file (bad magic {magic!r}); compile one "
@@ -434,6 +437,8 @@ class ModelFile:
     def close(self) -> None:
         """Unmap and close; while zero-copy views of the map are alive the mapping stays
         until they are garbage collected."""
+        with contextlib.suppress(OSError, ValueError):
+            release_read_lease(self._file.fileno())
         try:
             if self._map is not None:
                 self._map.close()
