@@ -130,10 +130,11 @@ def message_limit(vocabulary: Any, seq_length: int) -> int:
 
 def read_line(prompt: str, limit: int, stream: TextIO | None = None) -> str:
     """`input(prompt)` that never holds more than `limit` characters of a line: a longer
-    line is read to its end and dropped (LineTooLong). A terminal goes through `input()`
-    (line editing; the terminal bounds its lines); EOFError at the end of the input."""
+    line is read to its end and dropped (LineTooLong). A file or pipe is read so; a
+    terminal (line editing; the terminal bounds its lines) or a stdin that is no file
+    goes through `input()`. EOFError at the end of the input."""
     stream = sys.stdin if stream is None else stream
-    if stream is sys.stdin and stream.isatty():
+    if stream is sys.stdin and not _is_file(stream):
         line = input(prompt)
         if len(line) > limit:
             raise LineTooLong(limit)
@@ -148,3 +149,11 @@ def read_line(prompt: str, limit: int, stream: TextIO | None = None) -> str:
     while line and not line.endswith("\n"):  # the rest of the line, in bounded pieces
         line = stream.readline(1 << 16)
     raise LineTooLong(limit)
+
+
+def _is_file(stream: Any) -> bool:
+    """Whether `stream` reads a file or a pipe (not a terminal, not a stand-in object)."""
+    try:
+        return stream.fileno() >= 0 and not stream.isatty()
+    except (OSError, ValueError, AttributeError):
+        return False

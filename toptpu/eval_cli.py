@@ -106,15 +106,13 @@ class TextFile:
             raise EvalError(f"--text '{path}' is a directory; pass a UTF-8 text file") from None
         except OSError as e:
             raise EvalError(f"cannot read --text '{path}': {e.strerror or e}") from None
-        self._file = os.fdopen(fd, "rb")
         st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            self.close()
-            raise EvalError(f"--text '{path}' is a directory; pass a UTF-8 text file")
         if not stat.S_ISREG(st.st_mode):
-            self.close()
-            kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else (
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
             raise EvalError(f"--text '{path}' is {kind}; pass a UTF-8 text file")
+        self._file = os.fdopen(fd, "rb")
         if whole and st.st_size > MAX_TEXT_BYTES:
             self.close()
             raise EvalError(f"--text '{path}' is {st.st_size} bytes, more than {MAX_TEXT_BYTES} "

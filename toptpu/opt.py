@@ -495,7 +495,8 @@ class ToptpuOptMain(xDSLOptMain):
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
-            if output_target(self.args.output_file)[1] == "through":
+            in_place = tuple(p for p in (self.args.input_file,) if p)
+            if output_target(self.args.output_file, replaces=in_place)[1] == "through":
                 raise OptInputError(
                     f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
                     f"{len(derived)} weight tensor(s) {what} needs: give --weights-out "
