@@ -1,20 +1,33 @@
 """A llama.cpp GGUF file (or a directory holding exactly one) as a streamed model.
 
-The file is untrusted input. `scan_gguf` walks its whole header first, in pure Python over
-the mapped bytes, with every field checked before it is used: the magic and version, the
-key/value and tensor counts against the bytes left, every string length, every value type,
-the alignment, every tensor's dimensions, type and data range (inside the file, aligned).
-Only then are the file's config and tokenizer read, as transformers' GGUF loader maps them
-(`AutoConfig` / `AutoTokenizer.from_pretrained(dir, gguf_file=...)`: llama and qwen2
-metadata to their HF configs, the GGUF vocabulary to a `tokenizers` tokenizer.json, its
-chat template and special ids), and the tensors by their names (names are data: looked up
-in a fixed table, never used as paths).
+The file is untrusted input, read as strictly as a safetensors checkpoint. `scan_gguf`
+walks its whole header first, in pure Python over the mapped bytes, with every field
+checked before it is used: the magic and version, the key/value and tensor counts against
+the bytes left, every string length, every value type, the alignment, every tensor's
+dimensions and type, and its data where llama.cpp requires it (`_tensor_infos`: each
+tensor's offset where the one before it ends, aligned — no overlap, no gap —, inside the
+file). Arrays are kept as `GGUFArray` (type, count, place), never read as a scalar, and
+bounded before anything reads them (`check_arrays`: the tokenizer's arrays one element per
+token and no more tokens than the embedding's rows, merges at most MERGES_PER_TOKEN a row,
+every other array OTHER_ARRAY_ELEMENTS in all, the special token ids among the tokens, and
+what reading them costs against the host's memory: gguf's reader, which transformers
+uses, keeps ~1.6 KB per element). `check_metadata` then checks that what transformers maps
+into the config and tokenizer is of its kind (a positive integer, a positive finite
+number, a string, a bool: a one-element array, which transformers takes as its element,
+is refused). Only then are the file's config and tokenizer read, as transformers' GGUF
+loader maps them (`AutoConfig` / `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
+llama and qwen2 metadata to their HF configs, the GGUF vocabulary to a `tokenizers`
+tokenizer.json, its chat template and special ids), and the tensors by their names (names
+are data: looked up in a fixed table, never used as paths). `gguf_text_config` gives the
+sizes the compile request is checked against before that (the context length bounds
+`--seq-length`).
 
 The tensors stream like a safetensors checkpoint's (`frontends.streaming`): a skeleton with
 layer 0 real and the embedding / lm_head as placeholders, every layer's tensors read from
-the mapped file (`gguf.GGUFReader`) one tensor at a time when its chunk is written, llama's
-q/k rows permuted back from llama.cpp's rope layout (what transformers'
-`LlamaTensorProcessor` does).
+the mapped file (`GGUFTensors.raw`: views of toptpu's own mapping, the file's size checked
+before each read) one tensor at a time when its chunk is written, llama's q/k rows permuted
+back from llama.cpp's rope layout (what transformers' `LlamaTensorProcessor` does). A
+tensor with NaN or infinity (a quantized type's scales or mins) is refused, naming it.
 
 Tensor types: F32, F16, BF16 as float; the decoder layers' linears of the types in
 `EXACT_TYPES` exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`, for
