@@ -357,3 +357,13 @@ def test_two_processes_writing_one_cache_end_with_one_complete_file(tmp_path_fac
                            text=True, timeout=300)
     assert check.returncode == 0 and "each equal to the model file's conversion" in \
         check.stdout, check.stderr
+
+
+def test_a_fifo_or_a_directory_named_as_a_model_file(tmp_path, capsys) -> None:
+    """`run x.toptpu` where x.toptpu is a FIFO hung on its open; a directory: one line."""
+    fifo = str(tmp_path / "x.toptpu")
+    os.mkfifo(fifo)
+    code, _, err = cli(["run", fifo, "--prompt", "hi"], capsys)
+    assert_one_error(code, err, "run", f"'{fifo}' is a FIFO, not a toptpu model file")
+    code, _, err = cli(["run", str(tmp_path), "--prompt", "hi"], capsys)
+    assert_one_error(code, err, "run", "is a directory, not a toptpu model file")

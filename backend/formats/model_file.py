@@ -38,6 +38,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -287,10 +288,18 @@ class ModelFile:
 
     def __init__(self, path: str, verify_checksums: bool = True) -> None:
         self.path = path
-        try:
-            self._file = open(path, "rb")  # noqa: SIM115 - kept open for the mmap
+        try:  # without blocking: a FIFO is refused below, never read (it would hang)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as e:
             raise ModelFileError(f"cannot open model file '{path}': {e.strerror}") from e
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else (
+                "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+            raise ModelFileError(f"'{path}' is {kind}, not a toptpu model file; pass the file "
+                                 "`toptpu compile` wrote")
+        self._file = os.fdopen(fd, "rb")  # kept open for the mmap
         note_input(self._file.fileno(), path)  # never an output of this command
         self._map: mmap.mmap | None = None
         try:
