@@ -72,9 +72,15 @@ from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseE
 from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
+from toptpu.command_io import StdoutError, command_run, drop_stdout
 from toptpu.dialects import all_dialects
 from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, verify_ir
-from toptpu.dialects.output_file import OutputPathError, output_target, write_output
+from toptpu.dialects.output_file import (
+    OutputPathError,
+    note_input,
+    output_target,
+    write_output,
+)
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -213,9 +219,9 @@ def _is_device(path: str) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
 
 
-def _write(path: str, text: str, what: str = "-o") -> None:
+def _write(path: str, text: str, what: str = "-o", replaces: tuple[str, ...] = ()) -> None:
     try:
-        write_output(path, text, what)
+        write_output(path, text, what, replaces)
     except OutputPathError as e:
         raise OptInputError(str(e)) from None
 
@@ -694,6 +700,12 @@ class ToptpuOptMain(xDSLOptMain):
                                + ("; nothing was written" if self.args.output_file else ""))
         if self.args.time_passes:
             print(self.timing_report(), file=sys.stderr)
+        in_place = tuple(p for p in (self.args.input_file,) if p)
+        if self._kept_output is not None:  # every output checked before any is written
+            try:
+                output_target(self.args.output_file, "-o", replaces=in_place)
+            except OutputPathError as e:
+                raise OptInputError(str(e)) from None
         if self._pending_weights is not None:
             pending = self._pending_weights
             try:
@@ -703,8 +715,8 @@ class ToptpuOptMain(xDSLOptMain):
             except OSError as e:
                 raise OptInputError(f"cannot write the weights file {pending.path}: "
                                     f"{e.strerror or e}") from None
-        if self._kept_output is not None:
-            _write(self.args.output_file, self._kept_output.getvalue())
+        if self._kept_output is not None:  # the input IR may be rewritten in place
+            _write(self.args.output_file, self._kept_output.getvalue(), replaces=in_place)
 
     def _run_chunks(self) -> tuple[int, int]:
         """Parse, run the passes on and print each chunk; (chunks failed, chunks). Without
@@ -771,7 +783,8 @@ class ToptpuOptMain(xDSLOptMain):
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
-            if output_target(self.args.output_file)[1] == "through":
+            in_place = tuple(p for p in (self.args.input_file,) if p)
+            if output_target(self.args.output_file, replaces=in_place)[1] == "through":
                 raise OptInputError(
                     f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
                     f"{len(derived)} weight tensor(s) {what} needs: give --weights-out "
@@ -801,8 +814,9 @@ class ToptpuOptMain(xDSLOptMain):
             raise OptInputError(
                 "the passes derived weights in more than one --split-input-file chunk, and "
                 "one weights file holds one module's tensors: run the chunks separately")
-        if self.args.weights_out is None:
-            _check_output_path(path, "the weights file")
+        # checked again now that the inputs are known: never over one (before any output)
+        _check_output_path(path, "the weights file" if self.args.weights_out is None
+                           else "--weights-out")
         self._pending_weights = _PendingWeights(store, sorted(self._companion_names), path)
 
     def parse_chunk(self, chunk: IO[bytes], file_extension: str,
@@ -812,14 +826,20 @@ class ToptpuOptMain(xDSLOptMain):
         name = self.get_input_name()
         if self.args.split_input_file:
             name = f"{name} (the chunk from line {start_offset + 1})"
+        if self.args.input_file is not None:
+            note_input(self.args.input_file)  # never an output of this command
         try:
-            return parse_ir(chunk.read(), name, self.ctx,
-                            implicit_module=not self.args.no_implicit_module,
-                            verify=not self.args.disable_verify)
+            module = parse_ir(chunk.read(), name, self.ctx,
+                              implicit_module=not self.args.no_implicit_module,
+                              verify=not self.args.disable_verify)
         except (ParseError, IRTextError, DiagnosticException):
             raise
         except Exception as e:  # noqa: BLE001 - parse errors are mapped: a verifier crashed
             raise InternalError("a verifier crashed", e) from e
+        store = module.attributes.get(STORE_ATTR)
+        if isinstance(store, StringAttr) and not store.data.startswith("memory:"):
+            note_input(store.data)  # the weight store it names: read, never written
+        return module
 
     # -- passes --------------------------------------------------------------------------------
     def apply_passes(self, prog: ModuleOp) -> None:
@@ -876,7 +896,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     name = tool.get_input_name()
     try:
-        tool.run()
+        with command_run():  # its inputs never written over, its stdout checked
+            tool.run()
+    except StdoutError as e:
+        print(f"toptpu-opt: {e}", file=sys.stderr)
     except ChunksFailed as e:
         print(f"toptpu-opt: {name}: {e}", file=sys.stderr)
     except (OptInputError, IRTextError, ParseError, DiagnosticException) as e:
@@ -887,6 +910,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
     except ValueError as e:  # xDSL's own checks of the command line (an unknown extension)
         print(f"toptpu-opt: error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`toptpu-opt ... | head`)
+        drop_stdout()
     except KeyboardInterrupt:
         print("toptpu-opt: interrupted", file=sys.stderr)
         return 130
