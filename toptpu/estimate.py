@@ -311,16 +311,17 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
                   group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
                   nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
                   position_axes: int = 1, build: Any = None, devices: int = 1,
-                  parallel: str | None = None) -> CompiledCosts:
+                  parallel: str | None = None, keep_float: str = "lm_head") -> CompiledCosts:
     """Compile `nets` of the model of `config` (one layer, placeholder weights) for `chip`
     (spread over `devices` by `parallel`, tp or pp, as `toptpu compile` spreads it) and
     keep their command costs. `position_axes` 3: the full-attention nets take M-RoPE
     positions (a VLM's text model, built by `build` where transformers has no causal LM
-    class for it)."""
+    class for it); `keep_float`: convert-top-to-tpu's (weights whose name has it stay in
+    the activation type; "" quantizes the lm_head too, as some published bmodels do)."""
     t0 = time.perf_counter()
     cut = devices if parallel == "tp" else 1
     programs = compile_programs(config, chip, mode, shapes, group_size, symmetric, nets,
-                                progress, cut, position_axes, build)
+                                progress, cut, position_axes, build, keep_float)
     out = spread_costs(programs, model_shape(config), mode, shapes, devices, parallel, chip,
                        position_axes)
     out.compile_s = time.perf_counter() - t0
@@ -330,8 +331,8 @@ def compile_costs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
 def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
                      group_size: int = DEFAULT_GROUP_SIZE, symmetric: bool | None = None,
                      nets: Sequence[str] = TEXT_NETS, progress: IO[str] | None = None,
-                     tp_devices: int = 1, position_axes: int = 1, build: Any = None
-                     ) -> dict[str, Program]:
+                     tp_devices: int = 1, position_axes: int = 1, build: Any = None,
+                     keep_float: str = "lm_head") -> dict[str, Program]:
     """The programs of `nets` of the model of `config` (one layer, placeholder weights) on
     `chip`, cut for `tp_devices` devices (tensor parallel) when more than one."""
     from toptpu.frontends.hf_loader import placeholder_model
@@ -367,7 +368,7 @@ def compile_programs(config: Any, chip: Chip, mode: str, shapes: StaticShapes,
         t = time.perf_counter()
         cut = tp_devices if NetName.parse(name).base in TP_NETS else 1
         programs[name] = net_program(specs[name], store, mode, group_size, symmetric, chip,
-                                     prefixes[name], cut)
+                                     prefixes[name], cut, keep_float)
         if progress is not None:
             progress.write(f"  {name}: {len(programs[name].commands)} commands "
                            f"({time.perf_counter() - t:.1f}s)\n")
@@ -403,7 +404,7 @@ TP_NETS = (*PER_LAYER_NETS, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
 
 def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
                 symmetric: bool | None, chip: Chip, weight_prefix: str = "",
-                devices: int = 1) -> Program:
+                devices: int = 1, keep_float: str = "lm_head") -> Program:
     """One net as `toptpu compile` compiles it, on any chip: its command streams (cut for
     `devices` devices by the tensor-parallel pass when more than one)."""
     from toptpu.frontends.fx_importer import import_module
@@ -421,6 +422,7 @@ def net_program(spec: Any, store: WeightStore, mode: str, group_size: int,
                 set_arg_split(fn, names.index(LOGITS), Split(1, devices))
             run_passes(module, [TensorParallelPass(devices, chip.name)], store=store)
         run_passes(module, tpu_pipeline_passes(spec.mode or mode, group_size, symmetric,
+                                               keep_float=keep_float,
                                                keep_input_types=spec.keep_input_types),
                    store=store)
     except ToptpuError as e:  # importing or lowering the net
