@@ -333,11 +333,6 @@ def csv_text(rows: Iterable[Mapping[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> None:
-    """The rows with `COLUMNS` (written atomically)."""
-    write_together([(path, csv_text(rows).encode(), "the sweep table")])
-
-
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM held off (blocked; delivered on leaving) in the main thread."""
