@@ -16,7 +16,7 @@ NOT_USER_ERRORS = {
     "toptpu.opt.InternalError": "toptpu-opt's report of a crashed pass: a bug (exit 70)",
     "toptpu.backend.reference.interpreter.NoEvaluatorError":
         "an op without a kernel reached the interpreter: a gap in toptpu",
-    "toptpu.passes.pipelines.InvalidPassOutput":
+    "toptpu.passes.top_pipeline.InvalidPassOutput":
         "a pass turned valid IR into invalid IR: a bug in the pass",
     "toptpu.backend.reference.interpreter.KernelBindingError":
         "an op class whose kernel binding names no function of kernels.py: a bug in the op "

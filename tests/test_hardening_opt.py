@@ -31,7 +31,7 @@ from helpers import decoder_layer_ir
 from toptpu import opt
 from toptpu.cli import main as toptpu_main
 from toptpu.memory_advice import out_of_memory_advice
-from toptpu.passes.pipelines import all_passes
+from toptpu.passes.registry import all_passes
 
 
 def run_opt(*argv: str) -> tuple[int, str, str]:

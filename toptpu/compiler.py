@@ -47,6 +47,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
 
 import numpy as np
+from jinja2 import TemplateSyntaxError
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.printer import Printer
 
@@ -457,20 +458,27 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
     """A chat template among the tokenizer files renders a probe conversation within the
     runtime's bounds (`runtime.TEMPLATE_MAX_CHARS`, `TEMPLATE_MAX_SECONDS`): a hostile
-    template is refused before a model file is written. Other rendering errors are left to
-    `toptpu chat`, which names them for the conversation at hand."""
+    template is refused before a model file is written, and so is one that does not parse.
+    Other rendering errors are left to `toptpu chat`, which names them for the conversation
+    at hand."""
     if "tokenizer.json" not in files:
         return
+    where = next((n for n in ("chat_template.jinja", "chat_template.json") if n in files),
+                 "tokenizer_config.json")
+    where = f"{source} (tokenizer.chat_template)" if os.path.isfile(source) else \
+        os.path.join(source, where)  # a GGUF file's metadata, or a directory's file
     try:
         tok = Tokenizer(files)
         if tok.has_chat_template:
             tok.apply_chat_template(_PROBE, add_generation_prompt=True)
     except TemplateLimitError as e:
-        where = next((n for n in ("chat_template.jinja", "chat_template.json") if n in files),
-                     "tokenizer_config.json")
-        raise CompileError(f"{os.path.join(source, where)}: {e}") from None
-    except GenerationError:
-        return
+        raise CompileError(f"{where}: {e}") from None
+    except GenerationError as e:
+        cause = e.__cause__
+        if isinstance(cause, TemplateSyntaxError):  # no conversation could ever render
+            raise CompileError(f"{where}: the chat template does not parse (line "
+                               f"{cause.lineno}: {cause.message}); fix it, or remove it "
+                               "to compile without one") from None
 
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
