@@ -44,6 +44,7 @@ from toptpu.backend.contract import (
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
 from toptpu.errors import ToptpuError
 from toptpu.families import TEXT_FAMILIES, TEXT_MODEL_TYPES, text_family, text_family_of
+from toptpu.frontends.moe import stacked_name, stacked_shapes
 from toptpu.frontends.quant import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
@@ -411,7 +412,11 @@ def check_checkpoint(config: Any, path: str,
     """Compare the checkpoint's tensors (name -> (shape, safetensors dtype); default: read
     from the headers in `path`) with the model's parameters; raise on any mismatch."""
     tensors = checkpoint_tensors(path) if tensors is None else tensors
-    have = {name: shape for name, (shape, _) in tensors.items()}
+    have, expert_problems = stacked_shapes({name: shape for name, (shape, _) in
+                                            tensors.items()})
+    if expert_problems:
+        raise ModelLoadError(f"the checkpoint in {path} does not hold its MoE experts "
+                             "whole: " + "; ".join(expert_problems))
     want, optional = expected_shapes(config)
     text = text_family_of(getattr(config, "model_type", None))
     skipped = text.skipped_prefixes if text is not None else ()
@@ -424,7 +429,8 @@ def check_checkpoint(config: Any, path: str,
             f"({config.model_type}, {config.num_hidden_layers} layers, hidden "
             f"{config.hidden_size}): " + "; ".join(problems)
             + ". Use the config.json that belongs to these weights.")
-    not_float = sorted(k for k in want if k in tensors and tensors[k][1] not in FLOAT_DTYPES)
+    not_float = sorted(k for k in tensors if (k in want or stacked_name(k) is not None)
+                       and tensors[k][1] not in FLOAT_DTYPES)
     if not_float:
         raise ModelLoadError(
             f"the checkpoint in {path} holds weights that are not floating point: " + _listing(

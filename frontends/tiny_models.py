@@ -62,7 +62,8 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
 
 def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, **overrides: Any
                 ) -> Any:
-    """A tiny config of a supported family: qwen2, qwen3, llama2, llama3."""
+    """A tiny config of a supported family: qwen2, qwen3, qwen3_5, qwen3_moe,
+    qwen3_moe_unnormalized, qwen2_moe, llama2, llama3."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -101,9 +102,25 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25},
             "num_hidden_layers": max(layers, 4), **overrides})
+    elif family in ("qwen3_moe", "qwen3_moe_unnormalized"):
+        # Qwen3-30B-A3B's structure (q/k norms, untied, top-k routing) with 8 experts of
+        # which each token takes 2; `qwen3_moe_unnormalized`: norm_topk_prob false
+        cfg = tf.Qwen3MoeConfig(**{
+            **common, "head_dim": 16, "tie_word_embeddings": False,
+            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": family == "qwen3_moe", "decoder_sparse_step": 1,
+            "mlp_only_layers": [], **overrides})
+    elif family == "qwen2_moe":
+        # Qwen1.5-MoE-A2.7B's structure (biased q/k/v, top-4 of the experts without
+        # renormalization, a shared expert with its sigmoid gate) with 8 experts
+        cfg = tf.Qwen2MoeConfig(**{
+            **common, "tie_word_embeddings": False, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96, "num_experts": 8,
+            "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], **overrides})
     else:
         raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, qwen3_5, "
-                         "llama2, llama3)")
+                         "qwen3_moe, qwen3_moe_unnormalized, qwen2_moe, llama2, llama3)")
     return cfg
 
 
