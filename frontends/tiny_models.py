@@ -134,6 +134,29 @@ def qwen3_5_small_config(layers: int = 4, **overrides: Any) -> Any:
         "linear_value_head_dim": 128, **overrides})
 
 
+def qwen3_moe_real_config(layers: int = 2, experts: int = 16, **overrides: Any) -> Any:
+    """Qwen3-30B-A3B's published shape (hidden 2048, 32 query and 4 KV heads of 128, experts
+    of intermediate 768, top-8 routing, norm_topk_prob) with its 128 experts cut to
+    `experts`, 48 layers to `layers` and the vocabulary to the tiny tokenizer's."""
+    return tiny_config("qwen3_moe", layers=layers, **{
+        "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
+        "num_experts": experts, "num_experts_per_tok": 8, "rope_theta": 1000000.0,
+        **overrides})
+
+
+def qwen2_moe_real_config(layers: int = 2, experts: int = 8, **overrides: Any) -> Any:
+    """Qwen1.5-MoE-A2.7B's published shape (hidden 2048, 16 heads of 128, experts of
+    intermediate 1408, top-4 routing without renormalization, a shared expert of 5632)
+    with its 60 experts cut to `experts`, 24 layers to `layers` and the vocabulary to the
+    tiny tokenizer's."""
+    return tiny_config("qwen2_moe", layers=layers, **{
+        "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_experts": experts,
+        "num_experts_per_tok": 4, "rope_theta": 1000000.0, **overrides})
+
+
 def tiny_model(family: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Any:
     """A `transformers` causal LM with seeded random weights (float32, eval mode)."""
     from transformers import AutoModelForCausalLM

@@ -51,7 +51,8 @@ def test_every_op_answers_the_slicing_interface() -> None:
         "top.sub_const", "top.mul_const", "top.div_const", "top.gelu", "top.pow",
         "top.compare", "top.where", "top.cast", "top.softmax", "top.reduce", "top.rms_norm",
         "top.layer_norm", "top.rope", "top.attention", "top.matmul", "top.gather",
-        "top.topk", "top.reshape", "top.permute", "top.expand", "top.concat", "top.slice"}
+        "top.topk", "top.reshape", "top.permute", "top.expand", "top.concat", "top.slice",
+        "top.moe_route", "top.moe_experts"}
     assert {c.name for c in TOP_OPS if c.row_rule is SlicingInterface.row_rule} == {
         "top.weight", "top.constant", "top.scatter", "top.cumsum", "top.conv2d",
         "top.causal_conv1d", "top.gated_delta_rule"}

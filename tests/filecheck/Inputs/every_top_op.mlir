@@ -49,8 +49,16 @@ builtin.module {
     %u4 = top.add %u3, %sc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u5 = top.add %u4, %mc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u6 = top.add %u5, %dc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %xr = top.reshape %x {shape = array<i64: 8, 8>} : tensor<2x4x8xf32> -> tensor<8x8xf32>
+    %rl = top.matmul %xr, %w {transpose_b = true} : tensor<8x8xf32>, tensor<6x8xf32> -> tensor<8x6xf32>
+    %rw:2 = top.moe_route %rl {k = 2 : i64, normalize = true} : tensor<8x6xf32> -> tensor<8x2xf32>, tensor<8x2xi32>
+    %gu = top.weight "moe.gate_up" : tensor<6x4x8xf32>
+    %dn = top.weight "moe.down" : tensor<6x8x2xf32>
+    %my = top.moe_experts %xr, %gu, %dn, %rw#0, %rw#1 : tensor<8x8xf32>, tensor<6x4x8xf32>, tensor<6x8x2xf32>, tensor<8x2xf32>, tensor<8x2xi32> -> tensor<8x8xf32>
+    %ym = top.reshape %my {shape = array<i64: 2, 4, 8>} : tensor<8x8xf32> -> tensor<2x4x8xf32>
+    %u7 = top.add %u6, %ym : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %cmp = top.compare %x, %a6 {predicate = "gt"} : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xi1>
-    %wh = top.where %cmp, %a6, %u6 : tensor<2x4x8xi1>, tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %wh = top.where %cmp, %a6, %u7 : tensor<2x4x8xi1>, tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %sm = top.softmax %wh {axis = -1 : i64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %rd = top.reduce %sm {mode = "max", axes = array<i64: 2>, keepdims = true} : tensor<2x4x8xf32> -> tensor<2x4x1xf32>
     %ci = top.cast %rd {dtype = i32} : tensor<2x4x1xf32> -> tensor<2x4x1xi32>
