@@ -2459,13 +2459,15 @@ class MoeExpertsBase(ShapedOp):
                 gate_up, [expert(b), b.index(2), b.index(3)])))))
 
         def gated(b: Body) -> SSAValue:
-            g = b.args[0]
+            """Both halves read by index (an input map over [T, k, I] of the [T, k, 2I]
+            projection would not match its shape)."""
+            g = b.extract(proj, [b.index(0), b.index(1), b.index(2)])
             up = b.extract(proj, [b.index(0), b.index(1), b.add(b.index(2), b.idx(inter))])
             sig = b.div(b.const(1.0, f32), b.add(b.const(1.0, f32),
                                                   b.math("exp", b.neg(g))))
             return b.mul(b.mul(g, sig), up)
 
-        act = e.map([(proj, amap(3, [dim(0), dim(1), dim(2)]))], (t, k, inter), f32, gated)
+        act = e.map([], (t, k, inter), f32, gated)
         # loop dims (t, j, o, i): o over H, i over I reduced
         slot_out = e.generic(
             [(act, amap(4, [dim(0), dim(1), dim(3)])), (indices, amap(4, [dim(0), dim(1)]))],
