@@ -2348,61 +2348,80 @@ class MoeRouteOp(MoeRouteBase, TopOp):
 
 class MoeExpertsBase(ShapedOp):
     """The experts of a sparse mixture-of-experts block (`frontends.moe_ops.moe_experts`
-    is the definition): x [T, H], the experts' weights stacked by expert — `gate_up`
-    [E, 2I, H] (expert e's gate projection in rows 0..I-1, its up projection in rows
-    I..2I-1: transformers' fused `gate_up_proj`) and `down` [E, H, I] — the routing
-    `weights` [T, k] (float) and `indices` [T, k] (integers) -> y [T, H] (x's element type).
+    is the definition): x [T, H], the experts' weights stacked by expert — `gate` [E, I, H]
+    and `up` [E, I, H] (each expert's gate and up projections: the halves of transformers'
+    fused `gate_up_proj`, the hub layout's per-expert `gate_proj`/`up_proj` stacked) and
+    `down` [E, H, I] — the routing `weights` [T, k] (float) and `indices` [T, k]
+    (integers) -> y [T, H] (x's element type).
 
-    `y[t] = sum over j of weights[t, j] * down[e] @ (silu(g) * u)`, `e = indices[t, j]`,
-    `g, u = gate_up[e] @ x[t]` split in halves: each token's weighted sum of its k experts'
-    SwiGLU MLPs, exact (no capacity: no token dropped). An index of -1 adds nothing (a
-    padded row routed nowhere by `top.moe_route`); any other index outside [0, E) is an
-    error. The contributions are added in f32 in ascending expert order, then rounded.
+    `y[t] = sum over j of weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t])`,
+    `e = indices[t, j]`: each token's weighted sum of its k experts' SwiGLU MLPs, exact (no
+    capacity: no token dropped). An index of -1 adds nothing (a padded row routed nowhere
+    by `top.moe_route`); any other index outside [0, E) is an error. The contributions
+    are added in f32, expert by expert in ascending order, then rounded.
+
+    The sum over the intermediate axis I is separable (SwiGLU is elementwise over I): a
+    layer group may cut it in reduction parts — each part its I/P rows of every expert's
+    gate and up and columns of its down, folded into an f32 accumulator — so an op whose
+    experts do not fit local memory streams them through it.
     """
 
     x = operand_def(AnyTensor)
-    gate_up = operand_def(AnyTensor)
+    gate = operand_def(AnyTensor)
+    up = operand_def(AnyTensor)
     down = operand_def(AnyTensor)
     weights = operand_def(AnyTensor)
     indices = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     assembly_format = (
-        "$x `,` $gate_up `,` $down `,` $weights `,` $indices attr-dict `:` type($x) `,` "
-        "type($gate_up) `,` type($down) `,` type($weights) `,` type($indices) `->` "
-        "type($output)"
+        "$x `,` $gate `,` $up `,` $down `,` $weights `,` $indices attr-dict `:` type($x) `,` "
+        "type($gate) `,` type($up) `,` type($down) `,` type($weights) `,` type($indices) "
+        "`->` type($output)"
     )
     TPU_COMPUTES_F32: ClassVar[bool] = True
     MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("moe_experts_part",
+                                                           "moe_experts_finish")
 
     def kernel_params(self) -> dict[str, object]:
         return {"out_dtype": self.result_dtype()}
 
-    def __init__(self, x: SSAValue, gate_up: SSAValue, down: SSAValue, weights: SSAValue,
-                 indices: SSAValue) -> None:
-        self.construct([x, gate_up, down, weights, indices], {})
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of I: every operand (gate, up and down cut to the part's rows)."""
+        return operands, {}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return (), {"out_dtype": self.result_dtype(), "like": operands[0]}
+
+    def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, down: SSAValue,
+                 weights: SSAValue, indices: SSAValue) -> None:
+        self.construct([x, gate, up, down, weights, indices], {})
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
-        x, gate_up, down, weights, indices = operands[:5]
-        assert x is not None and gate_up is not None and down is not None \
+        x, gate, up, down, weights, indices = operands[:6]
+        assert x is not None and gate is not None and up is not None and down is not None \
             and weights is not None and indices is not None
         name = cls.name
         xs = shape_of(x)
         if len(xs) != 2:
             raise VerifyException(f"{name} x is {list(xs)}; it must be [T, H] (a row per token)")
         t, h = xs
-        gs = shape_of(gate_up)
-        if len(gs) != 3 or gs[2] != h or gs[1] % 2 or gs[1] < 2:
-            raise VerifyException(f"{name} gate_up is {list(gs)}; it must be [E, 2I, {h}] "
-                                  "(each expert's gate and up projections stacked)")
-        e, inter = gs[0], gs[1] // 2
+        gs = shape_of(gate)
+        if len(gs) != 3 or gs[2] != h:
+            raise VerifyException(f"{name} gate is {list(gs)}; it must be [E, I, {h}] (each "
+                                  "expert's gate projection, stacked)")
+        e, inter = gs[0], gs[1]
+        _check_shape(name, "up", shape_of(up), (e, inter, h))
         _check_shape(name, "down", shape_of(down), (e, h, inter))
         ws = shape_of(weights)
         if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e:
             raise VerifyException(f"{name} weights is {list(ws)}; it must be [{t}, k] with k "
                                   f"from 1 to the {e} experts")
         _check_shape(name, "indices", shape_of(indices), ws)
-        for what, v in (("x", x), ("gate_up", gate_up), ("down", down),
+        for what, v in (("x", x), ("gate", gate), ("up", up), ("down", down),
                         ("weights", weights)):
             _check_float(name, what, v)
         if is_float(elem_of(indices)):
@@ -2411,7 +2430,7 @@ class MoeExpertsBase(ShapedOp):
 
     @property
     def experts(self) -> int:
-        return shape_of(self.gate_up)[0]
+        return shape_of(self.gate)[0]
 
     @property
     def top_k(self) -> int:
@@ -2419,10 +2438,10 @@ class MoeExpertsBase(ShapedOp):
 
     @property
     def intermediate(self) -> int:
-        return shape_of(self.down)[2]
+        return shape_of(self.gate)[1]
 
     def flops(self) -> int:
-        """The k experts each token computes: its gate/up and down products (2 FLOPs a
+        """The k experts each token computes: its gate, up and down products (2 FLOPs a
         MAC), silu and the gating product, the weighted sum."""
         t, h = shape_of(self.x)
         i = self.intermediate
@@ -2433,15 +2452,38 @@ class MoeExpertsBase(ShapedOp):
         experts' weights whole."""
         if axis != 0:
             return None
-        return RowRule((0, None, None, 0, 0), (0,))
+        return RowRule((0, None, None, None, 0, 0), (0,))
+
+    def tile_loop(self) -> SliceKind:
+        """Tiles are row blocks times reduction parts: the second loop is a heads loop of
+        one unit (no output channel of y is computed apart from the others)."""
+        return SliceKind.HEADS
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """The one unit of the second tile loop cuts nothing."""
+        return (None,) * 6
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (1,)
+
+    def reduction_sliceable(self) -> bool:
+        """Float experts: their intermediate axis."""
+        return all(is_float(elem_of(v)) for v in (self.x, self.gate, self.up, self.down))
+
+    def reduction_count(self) -> int:
+        return self.intermediate
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        """gate and up along their rows (1), down along its columns (2); the rest whole."""
+        return (None, 1, 1, 2, None, None)
 
     def lower_to_linalg(self, e: Emitter) -> SSAValue:
         """Dense over each token's k slots, the expert's weights read by index (clamped
-        into range; a slot of index -1 is weighted 0): gate/up [T, k, 2I] (a reduction over
-        H), silu(gate) * up [T, k, I] (the up half read by index), down [T, k, H] (a
-        reduction over I), then the weighted sum over the slots [T, H]."""
-        x, gate_up, down, weights, indices = (self.x, self.gate_up, self.down, self.weights,
-                                              self.indices)
+        into range; a slot of index -1 is weighted 0): gate and up [T, k, I] (reductions
+        over H), silu(gate) * up, down [T, k, H] (a reduction over I), then the weighted
+        sum over the slots [T, H]."""
+        x, gate, up, down, weights, indices = (self.x, self.gate, self.up, self.down,
+                                               self.weights, self.indices)
         t, h = shape_of(x)
         n, k, inter = self.experts, self.top_k, self.intermediate
         out = elem_of(self.output)
@@ -2450,24 +2492,25 @@ class MoeExpertsBase(ShapedOp):
             """The clamped expert index of the loop's slot (block arg 1: the index)."""
             return b.clamp(b.convert(b.args[1], IndexType()), 0, n - 1)
 
-        # loop dims (t, j, r, c): r over the 2I rows, c over H reduced
-        proj = e.generic(
-            [(x, amap(4, [dim(0), dim(3)])), (indices, amap(4, [dim(0), dim(1)]))],
-            e.fill((t, k, 2 * inter), f32, 0.0), amap(4, [dim(0), dim(1), dim(2)]),
-            ["parallel", "parallel", "parallel", "reduction"],
-            lambda b: b.add(b.args[2], b.mul(b.compute(b.args[0]), b.compute(b.extract(
-                gate_up, [expert(b), b.index(2), b.index(3)])))))
+        def project(w: SSAValue) -> SSAValue:
+            """[T, k, I]: loop dims (t, j, r, c), r over I, c over H reduced."""
+            return e.generic(
+                [(x, amap(4, [dim(0), dim(3)])), (indices, amap(4, [dim(0), dim(1)]))],
+                e.fill((t, k, inter), f32, 0.0), amap(4, [dim(0), dim(1), dim(2)]),
+                ["parallel", "parallel", "parallel", "reduction"],
+                lambda b: b.add(b.args[2], b.mul(b.compute(b.args[0]), b.compute(b.extract(
+                    w, [expert(b), b.index(2), b.index(3)])))))
+
+        g_proj, u_proj = project(gate), project(up)
+        slots = amap(3, [dim(0), dim(1), dim(2)])
 
         def gated(b: Body) -> SSAValue:
-            """Both halves read by index (an input map over [T, k, I] of the [T, k, 2I]
-            projection would not match its shape)."""
-            g = b.extract(proj, [b.index(0), b.index(1), b.index(2)])
-            up = b.extract(proj, [b.index(0), b.index(1), b.add(b.index(2), b.idx(inter))])
+            g, u = b.args[0], b.args[1]
             sig = b.div(b.const(1.0, f32), b.add(b.const(1.0, f32),
                                                   b.math("exp", b.neg(g))))
-            return b.mul(b.mul(g, sig), up)
+            return b.mul(b.mul(g, sig), u)
 
-        act = e.map([], (t, k, inter), f32, gated)
+        act = e.map([(g_proj, slots), (u_proj, slots)], (t, k, inter), f32, gated)
         # loop dims (t, j, o, i): o over H, i over I reduced
         slot_out = e.generic(
             [(act, amap(4, [dim(0), dim(1), dim(3)])), (indices, amap(4, [dim(0), dim(1)]))],

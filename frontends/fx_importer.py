@@ -860,39 +860,54 @@ def _moe_route(im: Importer, node: torch.fx.Node) -> Any:
                  for i, r in enumerate(op.results))
 
 
+def _stacked_weight(im: Importer, name: str, make: Callable[[], np.ndarray]) -> SSAValue:
+    """A top.weight of the experts' stacked tensor `name`, put in the store once (`make`)."""
+    if name not in im.store:
+        im.store[name] = make()
+    arr = im.store[name]
+    op = top.WeightOp(name, tensor(arr.shape, element_type_of_numpy(arr.dtype)))
+    im.emit(op, name.rsplit(".", 1)[1])
+    op.location = make_loc(name)
+    return op.results[0]
+
+
 @builds(torch.ops.toptpu.moe_experts.default)
 def _moe_experts(im: Importer, node: torch.fx.Node) -> Any:
-    """`toptpu::moe_experts` (frontends.moe_ops) -> top.moe_experts."""
+    """`toptpu::moe_experts` (frontends.moe_ops: transformers' fused [E, 2I, H] gate|up)
+    -> top.moe_experts on the gate and up halves, each stacked by expert under its name
+    (`frontends.moe.split_names`: '…experts.gate_up_proj' -> '…experts.gate_proj',
+    '…experts.up_proj'), which every layer's weights derive the same way."""
     x, gate_up, down, weights, indices = (im.value(a) for a in node.args[:5])
-    op = im.emit(top.MoeExpertsOp(x, gate_up, down, weights, indices))
+    fused = top.weight_name(gate_up)
+    names = moe.split_names(fused) if fused is not None else None
+    if fused is None or names is None:
+        raise UnsupportedOpError("toptpu.moe_experts needs the experts' fused weight "
+                                 "(…experts.gate_up_proj) as its gate_up")
+    inter = shape_of(gate_up)[1] // 2
+    gate, up = (_stacked_weight(im, n, lambda half=half: np.ascontiguousarray(
+        im.store[fused][:, half * inter:(half + 1) * inter])) for half, n in enumerate(names))
+    op = im.emit(top.MoeExpertsOp(x, gate, up, down, weights, indices))
     return im.cast_to(op.results[0], im.out_type().element_type)
 
 
 @builds(torch.ops.toptpu.moe_experts_list.default)
 def _moe_experts_list(im: Importer, node: torch.fx.Node) -> Any:
     """`toptpu::moe_experts_list` (a block whose experts are a list of modules) ->
-    top.moe_experts on the experts' weights stacked once, at import, under the name
-    transformers 5's fused module gives them (`frontends.moe.stacked_name`:
-    'layer.mlp.experts.3.gate_proj.weight' -> 'layer.mlp.experts.gate_up_proj')."""
+    top.moe_experts on the experts' gate, up and down weights each stacked once, at import,
+    under the name the experts' stacked tensors have (`frontends.moe.stacked_name`:
+    'layer.mlp.experts.3.gate_proj.weight' -> 'layer.mlp.experts.gate_proj')."""
     x, weights, indices = im.value(node.args[0]), im.value(node.args[4]), im.value(node.args[5])
     stacked: list[SSAValue] = []
-    for group in (node.args[1:3], node.args[3:4]):
-        names = [[top.weight_name(im.value(a)) for a in part] for part in group]
-        flat = [n for part in names for n in part]
-        hits = [moe.stacked_name(n) if n is not None else None for n in flat]
-        if any(h is None for h in hits) or len({h[0] for h in hits if h}) != 1:
+    for part in node.args[1:4]:
+        names = [top.weight_name(im.value(a)) for a in part]
+        hits = [moe.stacked_name(n) if n is not None else None for n in names]
+        targets = {h[0] for h in hits if h is not None}
+        if any(h is None for h in hits) or len(targets) != 1:
             raise UnsupportedOpError("toptpu.moe_experts_list needs the experts' own weights "
                                      "(…experts.N.gate_proj.weight …), named alike")
-        target = hits[0][0] if hits[0] else ""
-        if target not in im.store:
-            im.store[target] = np.stack([np.concatenate([im.store[part[e]] for part in names])
-                                         for e in range(len(names[0]))])
-        arr = im.store[target]
-        op = top.WeightOp(target, tensor(arr.shape, element_type_of_numpy(arr.dtype)))
-        im.emit(op, target.rsplit(".", 1)[1])
-        op.location = make_loc(target)
-        stacked.append(op.results[0])
-    op = im.emit(top.MoeExpertsOp(x, stacked[0], stacked[1], weights, indices))
+        stacked.append(_stacked_weight(im, targets.pop(), lambda names=names: np.stack(
+            [im.store[n] for n in names])))
+    op = im.emit(top.MoeExpertsOp(x, *stacked, weights, indices))
     return im.cast_to(op.results[0], im.out_type().element_type)
 
 

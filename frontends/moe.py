@@ -17,20 +17,20 @@ Both may carry a shared expert (Qwen2-MoE, Qwen3.5-MoE): `shared_expert` (a SwiG
 scaled by `sigmoid(shared_expert_gate(x))` and added to the experts' sum; it is exported
 as the ordinary ops it is made of.
 
-The nets read the experts as transformers 5's module holds them, whatever the form:
-`<layer>.mlp.experts.gate_up_proj` and `<layer>.mlp.experts.down_proj` (`STACKED`). The
-importer stacks a per-expert module's tensors under those names (`stack_expert_weights`),
-and every layer's are found the same way (`expert_tensor`): from a module's fused
-parameters, from its per-expert linears, or from a checkpoint's tensors in the hub layout
-that `save_pretrained` writes (`model.layers.N.mlp.experts.E.gate_proj.weight`, one tensor
-per expert and projection: transformers' own `qwen2_moe` conversion stacks them by expert
-and concatenates gate and up), one layer at a time.
+The nets read each projection of the experts stacked by expert:
+`<layer>.mlp.experts.gate_proj` and `…up_proj` [E, I, H], `…down_proj` [E, H, I] (apart,
+so that a layer group can cut the intermediate axis of all three in reduction parts). The
+importer makes them (the halves of a fused `gate_up_proj`, a list of modules' linears
+stacked), and every layer's are found the same way (`expert_tensor`): from a module's
+fused parameters, from its per-expert linears, or from a checkpoint's tensors — fused, or
+in the hub layout that `save_pretrained` writes (`model.layers.N.mlp.experts.E.gate_proj
+.weight`, one tensor per expert and projection) — one layer at a time.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,15 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from toptpu.errors import ToptpuError
-
-#: the stacked experts' tensors the nets read, by the name transformers 5's module gives
-#: them (after the layer's prefix): projection -> the per-expert linears it stacks, in the
-#: order concatenated along axis 1
-STACKED: dict[str, tuple[str, ...]] = {
-    "mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
-    "mlp.experts.down_proj": ("down_proj",),
-}
-
 
 class MoeError(ToptpuError, ValueError):
     """A mixture-of-experts block toptpu cannot compile as it is; the message says why."""
@@ -140,14 +131,6 @@ def moe_shape(mlp: torch.nn.Module) -> MoeShape:
     return MoeShape(n, top_k, normalize, int(h), int(two_i) // 2, fused, shared)
 
 
-def _per_expert(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A per-expert block's weights stacked as the fused module holds them."""
-    experts = mlp.experts
-    gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
-    down = torch.stack([e.down_proj.weight for e in experts])
-    return gate_up, down
-
-
 def moe_forward(mlp: torch.nn.Module, shape: MoeShape, x: torch.Tensor,
                 valid: torch.Tensor | None) -> torch.Tensor:
     """The MoE block `mlp` on x [B, S, H] through the custom ops: its router linear, then
@@ -194,14 +177,19 @@ class MoeMlp(torch.nn.Module):
 
 # =========================================================================== stacked tensors
 
+#: the projections of an expert, in the hub layout's names
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: transformers 5's fused module: gate and up concatenated along axis 1
+FUSED_GATE_UP = "gate_up_proj"
 
-def stacked_key(key: str) -> str | None:
-    """The `STACKED` name a per-layer key ends with ('mlp.experts.gate_up_proj'), None
-    for another key."""
-    for name in STACKED:
-        if key == name or key.endswith("." + name):
-            return name
-    return None
+
+def split_names(fused: str) -> tuple[str, str] | None:
+    """The stacked gate and up names the nets read for a fused '…experts.gate_up_proj'
+    ('…experts.gate_proj', '…experts.up_proj'); None for another name."""
+    base, _, last = fused.rpartition(".")
+    if last != FUSED_GATE_UP or not base.endswith("experts"):
+        return None
+    return f"{base}.gate_proj", f"{base}.up_proj"
 
 
 _EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|"
@@ -209,22 +197,21 @@ _EXPERT = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|
 
 
 def stacked_name(name: str) -> tuple[str, int, str] | None:
-    """A hub-layout expert tensor's name -> (the stacked name it goes into, its expert, its
-    projection): 'model.layers.3.mlp.experts.7.up_proj.weight' ->
-    ('model.layers.3.mlp.experts.gate_up_proj', 7, 'up_proj'); None for another name."""
+    """A hub-layout expert tensor's name -> (the stacked tensor of its projection, its
+    expert, its projection): 'model.layers.3.mlp.experts.7.up_proj.weight' ->
+    ('model.layers.3.mlp.experts.up_proj', 7, 'up_proj'); None for another name."""
     m = _EXPERT.match(name)
     if m is None:
         return None
-    proj = m["proj"]
-    stacked = "gate_up_proj" if proj in ("gate_proj", "up_proj") else "down_proj"
-    return f"{m['prefix']}.experts.{stacked}", int(m["e"]), proj
+    return f"{m['prefix']}.experts.{m['proj']}", int(m["e"]), m["proj"]
 
 
 def stacked_shapes(tensors: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]],
                                                                   list[str]]:
     """A checkpoint's tensors (name -> shape) with its hub-layout experts replaced by the
-    stacked tensors they make ([E, 2I, H] gate_up_proj, [E, H, I] down_proj), and the
-    problems found (an expert or projection missing, experts of unequal shapes)."""
+    fused tensors transformers' module holds ([E, 2I, H] '…experts.gate_up_proj', [E, H, I]
+    '…experts.down_proj'), and the problems found (an expert or projection missing,
+    experts of unequal shapes)."""
     out: dict[str, tuple[int, ...]] = {}
     groups: dict[str, dict[tuple[int, str], tuple[int, ...]]] = {}
     for name, shape in tensors.items():
@@ -232,72 +219,87 @@ def stacked_shapes(tensors: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple
         if hit is None:
             out[name] = shape
         else:
-            groups.setdefault(hit[0], {})[(hit[1], hit[2])] = shape
+            groups.setdefault(hit[0].rpartition(".")[0], {})[(hit[1], hit[2])] = shape
     problems = []
-    for name, parts in sorted(groups.items()):
-        projs = STACKED[f"mlp.experts.{name.rsplit('.', 1)[1]}"]
+    for base, parts in sorted(groups.items()):
         n = 1 + max(e for e, _ in parts)
-        missing = [f"{name.removesuffix(name.rsplit('.', 1)[1])}{e}.{p}.weight"
-                   for e in range(n) for p in projs if (e, p) not in parts]
-        shapes = {parts[(e, p)] for e in range(n) for p in projs if (e, p) in parts}
+        missing = [f"{base}.{e}.{p}.weight" for e in range(n) for p in PROJECTIONS
+                   if (e, p) not in parts]
         if missing:
             problems.append(f"missing expert tensors: {', '.join(missing[:4])}"
                             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
             continue
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            problems.append(f"the experts of {name} have unequal or non-2-D shapes "
-                            f"{sorted(shapes)[:3]}")
+        shapes = {p: {parts[(e, p)] for e in range(n)} for p in PROJECTIONS}
+        if any(len(v) != 1 or len(next(iter(v))) != 2 for v in shapes.values()):
+            problems.append(f"the experts of {base} have unequal or non-2-D shapes")
             continue
-        rows, cols = next(iter(shapes))
-        out[name] = (n, rows * len(projs), cols)
+        (gate,), (up,), (down,) = (shapes[p] for p in PROJECTIONS)
+        if gate != up or down != (gate[1], gate[0]):
+            problems.append(f"the experts of {base} are not SwiGLU MLPs: gate {list(gate)}, "
+                            f"up {list(up)}, down {list(down)}")
+            continue
+        out[f"{base}.{FUSED_GATE_UP}"] = (n, 2 * gate[0], gate[1])
+        out[f"{base}.down_proj"] = (n, down[0], down[1])
     return out, problems
 
 
-def hub_expert_names(name: str, experts: int) -> list[list[str]] | None:
-    """The hub-layout tensors a stacked tensor is made of ('…mlp.experts.gate_up_proj'):
-    per projection, its E experts' names in order; None for another name."""
-    for stacked, projs in STACKED.items():
-        if name.endswith("." + stacked.rsplit(".", 1)[1]) and ".experts." in name:
-            base = name.rsplit(".", 1)[0]
-            return [[f"{base}.{e}.{p}.weight" for e in range(experts)] for p in projs]
-    return None
+def _hub_count(base: str, proj: str, has: Callable[[str], bool]) -> int:
+    """How many experts of `base` ('…experts') the source holds projection `proj` of in
+    the hub layout (experts 0, 1, ... in a row)."""
+    n = 0
+    while has(f"{base}.{n}.{proj}.weight"):
+        n += 1
+    return n
 
 
-def assemble_stacked(name: str, experts: int, read: Callable[[str], np.ndarray]
-                     ) -> np.ndarray:
-    """The stacked tensor `name` from its hub-layout tensors, each read by `read` (float32)
-    and copied into place one at a time: [E, 2I, H] (each expert's gate rows, then its up
-    rows) or [E, H, I]."""
-    groups = hub_expert_names(name, experts)
-    assert groups is not None, name
+def expert_tensor(name: str, has: Callable[[str], bool], read: Callable[[str], np.ndarray]
+                  ) -> np.ndarray | None:
+    """A stacked experts' tensor by its name — '…experts.gate_proj', '…experts.up_proj'
+    ([E, I, H], what the nets read), '…experts.down_proj' ([E, H, I]) or
+    '…experts.gate_up_proj' ([E, 2I, H], transformers' fused form) — from whichever form
+    a source holds (`has`: the source has a tensor of that name, `read`: it in float32):
+    the tensor itself, the fused gate|up cut in halves, or the hub layout's one tensor per
+    expert stacked, one read at a time (transformers' own conversion of a `qwen2_moe`
+    checkpoint stacks them by expert and concatenates gate and up). None: `name` is no
+    experts' tensor or the source holds none of its forms."""
+    if has(name):
+        return read(name)
+    base, _, proj = name.rpartition(".")
+    if not base.endswith(".experts") and base != "experts":
+        return None
+    if proj in ("gate_proj", "up_proj") and has(f"{base}.{FUSED_GATE_UP}"):
+        fused = read(f"{base}.{FUSED_GATE_UP}")
+        inter = fused.shape[1] // 2
+        half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+        return np.ascontiguousarray(fused[:, half])
+    if proj == FUSED_GATE_UP:
+        halves = [expert_tensor(f"{base}.{p}", has, read) for p in ("gate_proj", "up_proj")]
+        if halves[0] is None or halves[1] is None:
+            return None
+        return np.concatenate(halves, axis=1)
+    if proj not in PROJECTIONS:
+        return None
+    n = _hub_count(base, proj, has)
+    if not n:
+        return None
     out: np.ndarray | None = None
-    for p, names in enumerate(groups):
-        for e, part in enumerate(names):
-            a = read(part)
-            if out is None:
-                out = np.empty((experts, a.shape[0] * len(groups), a.shape[1]), np.float32)
-            out[e, p * a.shape[0]:(p + 1) * a.shape[0]] = a
-    assert out is not None
+    for e in range(n):
+        a = read(f"{base}.{e}.{proj}.weight")
+        if out is None:
+            out = np.empty((n, *a.shape), np.float32)
+        out[e] = a
     return out
 
 
-def expert_count(names: Iterable[str], stacked: str) -> int:
-    """How many experts the hub-layout tensors of `stacked` in `names` hold."""
-    count = 0
-    for name in names:
-        hit = stacked_name(name)
-        if hit is not None and hit[0] == stacked:
-            count = max(count, hit[1] + 1)
-    return count
-
-
-def module_expert_tensor(layer: torch.nn.Module, key: str) -> torch.Tensor | None:
-    """A stacked experts' tensor (`STACKED` key) of a decoder layer module in either form;
-    None when the layer has no MoE block there."""
-    mlp = getattr(layer, "mlp", None)
-    if mlp is None or not is_moe_block(mlp) or stacked_key(key) != key:
-        return None
-    if isinstance(getattr(mlp.experts, "gate_up_proj", None), torch.Tensor):
-        return getattr(mlp.experts, key.rsplit(".", 1)[1])
-    gate_up, down = _per_expert(mlp)
-    return gate_up if key.endswith("gate_up_proj") else down
+def has_expert_tensor(name: str, has: Callable[[str], bool]) -> bool:
+    """`expert_tensor` would find `name` (without reading anything)."""
+    if has(name):
+        return True
+    base, _, proj = name.rpartition(".")
+    if not base.endswith(".experts") and base != "experts":
+        return False
+    if proj in ("gate_proj", "up_proj") and has(f"{base}.{FUSED_GATE_UP}"):
+        return True
+    if proj == FUSED_GATE_UP:
+        return all(has_expert_tensor(f"{base}.{p}", has) for p in ("gate_proj", "up_proj"))
+    return proj in PROJECTIONS and _hub_count(base, proj, has) > 0

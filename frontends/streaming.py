@@ -57,7 +57,7 @@ from toptpu.frontends.hf_loader import (
     tokenizer_files,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, layer_key
-from toptpu.frontends.moe import assemble_stacked, expert_count, hub_expert_names
+from toptpu.frontends.moe import expert_tensor, has_expert_tensor
 from toptpu.frontends.quant import (
     QuantizedCheckpoint,
     QuantizedCheckpointError,
@@ -137,28 +137,20 @@ def layer_tensor_name(layer: int, key: str) -> str:
 
 def has_tensor(reader: CheckpointReader, name: str) -> bool:
     """The checkpoint holds `name`, or (a MoE layer's stacked experts,
-    '…mlp.experts.gate_up_proj') the per-expert tensors it is made of."""
-    return name in reader or _hub_experts(reader, name) > 0
-
-
-def _hub_experts(reader: CheckpointReader, name: str) -> int:
-    """How many per-expert tensors (the hub layout `save_pretrained` writes) make the
-    stacked tensor `name`; 0 when `name` is no stacked experts' tensor or none is stored."""
-    if hub_expert_names(name, 1) is None:
-        return 0
-    return expert_count(reader.tensors, name)
+    '…mlp.experts.gate_proj') the tensors it is made of (`frontends.moe.expert_tensor`)."""
+    return has_expert_tensor(name, reader.__contains__)
 
 
 def _f32(reader: CheckpointReader, name: str) -> np.ndarray:
     """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once,
     and its pages are dropped from the resident set right after). A MoE layer's stacked
-    experts ('…mlp.experts.gate_up_proj' [E, 2I, H], '…down_proj' [E, H, I]) stored in the
-    hub layout (one tensor per expert and projection) are assembled from those, one at a
-    time (`frontends.moe.assemble_stacked`)."""
+    experts ('…mlp.experts.gate_proj' [E, I, H] ..., '…gate_up_proj' [E, 2I, H]) stored
+    otherwise (fused, or one tensor per expert and projection) are made from those, one at a
+    time (`frontends.moe.expert_tensor`)."""
     if name not in reader:
-        experts = _hub_experts(reader, name)
-        if experts:
-            return assemble_stacked(name, experts, lambda part: _f32(reader, part))
+        stacked = expert_tensor(name, reader.__contains__, lambda part: _f32(reader, part))
+        if stacked is not None:
+            return stacked
     try:
         out = to_f32(reader.tensor(name))
     except CheckpointError as e:

@@ -223,13 +223,14 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     mx = f.weight("moe_x", rng.standard_normal((6, 8)).astype(np.float32))
     logits = f.weight("moe_logits", rng.standard_normal((6, 5)).astype(np.float32))
     moe_valid = f.weight("moe_valid", np.array([1, 1, 1, 1, 1, 0], np.float32))
-    gate_up = f.weight("moe_gate_up", rng.standard_normal((5, 6, 8)).astype(np.float32))
+    gate = f.weight("moe_gate", rng.standard_normal((5, 3, 8)).astype(np.float32))
+    up = f.weight("moe_up", rng.standard_normal((5, 3, 8)).astype(np.float32))
     down = f.weight("moe_down", rng.standard_normal((5, 8, 3)).astype(np.float32))
     for name, valid, normalize in (("moe_norm_valid", moe_valid, True),
                                    ("moe_plain", None, False)):
         route = top.MoeRouteOp(logits, valid, k=2, normalize=normalize)
         f.block.add_op(route)
-        experts = top.MoeExpertsOp(mx, gate_up, down, route.weights, route.indices)
+        experts = top.MoeExpertsOp(mx, gate, up, down, route.weights, route.indices)
         f.block.add_op(experts)
         out[name + "_weights"], out[name + "_indices"] = route.results
         out[name] = experts.output

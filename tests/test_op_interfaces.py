@@ -41,7 +41,8 @@ def test_every_op_answers_the_slicing_interface() -> None:
     """Every Top and Tpu compute op is a SlicingInterface; which answer for themselves is
     the table layer-group plans with (rows: elementwise ops, norms, rope, matmuls,
     attention, gather, shape ops, reduce, softmax, topk; cols: the weight matmuls; heads:
-    attention and linear attention; reduction parts: matmuls and attention)."""
+    attention and linear attention; reduction parts: matmuls, attention and the MoE
+    experts)."""
     assert all(issubclass(c, SlicingInterface) for c in TOP_OPS)
     assert [c.name for c in TPU_OPS if not issubclass(c, SlicingInterface)] == [
         "tpu.group", "tpu.yield"]  # structure, not compute
@@ -59,7 +60,8 @@ def test_every_op_answers_the_slicing_interface() -> None:
     assert _own("col_sliceable", TOP_OPS) == ["top.matmul"]
     assert _own("heads_count", TOP_OPS) == ["top.attention", "top.causal_conv1d",
                                             "top.gated_delta_rule"]
-    assert _own("reduction_sliceable", TOP_OPS) == ["top.attention", "top.matmul"]
+    assert _own("reduction_sliceable", TOP_OPS) == ["top.attention", "top.matmul",
+                                                     "top.moe_experts"]
     assert _own("row_gather_table", TOP_OPS) == ["top.gather"]
     assert sorted(c.name for c in TOP_OPS if c.GLOBAL_SOURCE) == ["top.constant",
                                                                   "top.weight"]

@@ -863,28 +863,47 @@ def moe_route(logits: np.ndarray, valid: np.ndarray | None, k: int, normalize: b
     return _out(values, out_dtype, logits), indices
 
 
-def moe_experts(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, weights: np.ndarray,
-                indices: np.ndarray, out_dtype=None) -> np.ndarray:
-    """The experts (`top.moe_experts`): x [T, H], gate_up [E, 2I, H], down [E, H, I],
-    weights [T, k], indices [T, k] -> y [T, H] in `out_dtype` (default: x's). Each expert
-    some token chose computes its tokens' rows at once (in f32): `g, u = x @ gate_up[e].T`
-    halves, `(silu(g) * u) @ down[e].T`, scaled by the token's routing weight and added
-    into an f32 accumulator, the experts in ascending order. Index -1 adds nothing; any
-    other index outside [0, E) is an IndexError. Rows are independent: a slice of them
-    computes the same numbers."""
+def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up: np.ndarray,
+                     down: np.ndarray, weights: np.ndarray, indices: np.ndarray
+                     ) -> np.ndarray:
+    """One part of the experts (`top.moe_experts`) over the intermediate rows its `gate`
+    [E, i, H], `up` [E, i, H] and `down` [E, H, i] hold (all of them: the whole op), added
+    into the f32 accumulator `acc` [T, H] (None: the first part). Each expert some token
+    chose computes its tokens' rows at once, in f32: `silu(x @ gate[e].T) * (x @ up[e].T)`
+    `@ down[e].T`, scaled by the token's routing weight, the experts in ascending order.
+    Index -1 adds nothing; any other index outside [0, E) is an IndexError. Rows are
+    independent: a slice of them computes the same numbers."""
     idx = np.asarray(indices).astype(np.int64)
-    n, inter = gate_up.shape[0], down.shape[2]
+    n = gate.shape[0]
     if idx.size and (idx.min() < -1 or idx.max() >= n):
         bad = int(idx[(idx < -1) | (idx >= n)].flat[0])
         raise IndexError(f"moe_experts index {bad} is out of range for {n} experts")
     fx, fw = f32(x), f32(weights)
-    acc = np.zeros(fx.shape, np.float32)
+    out = np.zeros(fx.shape, np.float32) if acc is None else acc.copy()
     for e in np.unique(idx[idx >= 0]):
         tokens, slots = np.nonzero(idx == e)
-        h = fx[tokens] @ f32(gate_up[e]).T  # [n, 2I]
-        act = silu(h[:, :inter]) * h[:, inter:]
-        acc[tokens] += (act @ f32(down[e]).T) * fw[tokens, slots][:, None]
-    return _out(acc, out_dtype, x)
+        rows = np.ascontiguousarray(fx[tokens])
+        g = rows @ np.ascontiguousarray(f32(gate[e])).T
+        u = rows @ np.ascontiguousarray(f32(up[e])).T
+        y = (silu(g) * u) @ np.ascontiguousarray(f32(down[e])).T
+        out[tokens] += y * fw[tokens, slots][:, None]
+    return out
+
+
+def moe_experts_finish(acc: np.ndarray, out_dtype=None, like: np.ndarray | None = None
+                       ) -> np.ndarray:
+    """The experts' result from their f32 accumulator (`moe_experts_part`), rounded to the
+    output dtype (`like`'s when None)."""
+    return _out(acc, out_dtype, like if like is not None else acc)
+
+
+def moe_experts(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                weights: np.ndarray, indices: np.ndarray, out_dtype=None) -> np.ndarray:
+    """The experts (`top.moe_experts`): x [T, H], gate [E, I, H], up [E, I, H], down
+    [E, H, I], weights [T, k], indices [T, k] -> y [T, H] in `out_dtype` (default: x's):
+    one part over all of I (`moe_experts_part`), rounded."""
+    return moe_experts_finish(moe_experts_part(None, x, gate, up, down, weights, indices),
+                              out_dtype, x)
 
 
 # --------------------------------------------------------------------------- data movement

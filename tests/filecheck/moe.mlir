@@ -6,16 +6,17 @@
 
 // A sparse mixture-of-experts block (Qwen3-MoE's): the router's linear, top.moe_route (the
 // softmax's top 2 of 4 experts, renormalized; `valid` marks the chunk's real rows) and
-// top.moe_experts on the experts stacked by expert. Result types are left unranked for
+// top.moe_experts on the experts stacked by expert (gate and up [E, I, H], down [E, H, I]). Result types are left unranked for
 // shape-infer to derive.
 builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
   func.func @block(%x: tensor<5x8xf32>, %valid: tensor<5xf32>) -> tensor<*xf32> {
     %router = top.weight "router.weight" : tensor<4x8xf32>
-    %gate_up = top.weight "experts.gate_up_proj" : tensor<4x6x8xf32>
+    %gate = top.weight "experts.gate_proj" : tensor<4x3x8xf32>
+    %up = top.weight "experts.up_proj" : tensor<4x3x8xf32>
     %down = top.weight "experts.down_proj" : tensor<4x8x3xf32>
     %logits = top.matmul %x, %router {transpose_b = true} : tensor<5x8xf32>, tensor<4x8xf32> -> tensor<*xf32>
     %w, %i = "top.moe_route"(%logits, %valid) {k = 2 : i64, normalize = true, operandSegmentSizes = array<i32: 1, 1>} : (tensor<*xf32>, tensor<5xf32>) -> (tensor<*xf32>, tensor<*xi32>)
-    %y = "top.moe_experts"(%x, %gate_up, %down, %w, %i) : (tensor<5x8xf32>, tensor<4x6x8xf32>, tensor<4x8x3xf32>, tensor<*xf32>, tensor<*xi32>) -> tensor<*xf32>
+    %y = "top.moe_experts"(%x, %gate, %up, %down, %w, %i) : (tensor<5x8xf32>, tensor<4x3x8xf32>, tensor<4x3x8xf32>, tensor<4x8x3xf32>, tensor<*xf32>, tensor<*xi32>) -> tensor<*xf32>
     func.return %y : tensor<*xf32>
   }
   func.func @decode(%x: tensor<1x8xf32>) -> tensor<*xi32> {
@@ -30,7 +31,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // SHAPE-LABEL: func.func @block
 // SHAPE-SAME:    -> tensor<5x8xf32>
 // SHAPE:         %w, %i = top.moe_route %logits valid %valid {k = 2 : i64, normalize = true} : tensor<5x4xf32> valid tensor<5xf32> -> tensor<5x2xf32>, tensor<5x2xi32>
-// SHAPE-NEXT:    %y = top.moe_experts %x, %gate_up, %down, %w, %i : tensor<5x8xf32>, tensor<4x6x8xf32>, tensor<4x8x3xf32>, tensor<5x2xf32>, tensor<5x2xi32> -> tensor<5x8xf32>
+// SHAPE-NEXT:    %y = top.moe_experts %x, %gate, %up, %down, %w, %i : tensor<5x8xf32>, tensor<4x3x8xf32>, tensor<4x3x8xf32>, tensor<4x8x3xf32>, tensor<5x2xf32>, tensor<5x2xi32> -> tensor<5x8xf32>
 // SHAPE-LABEL: func.func @decode
 // SHAPE-SAME:    -> tensor<1x3xi32>
 // SHAPE:         top.moe_route %logits {k = 3 : i64} : tensor<1x4xf32> -> tensor<1x3xf32>, tensor<1x3xi32>
@@ -39,7 +40,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // weights take the activation type (the router is a matmul like any other)
 // BF16-LABEL: func.func @block(%x: tensor<5x8xbf16>, %valid: tensor<5xbf16>) -> tensor<5x8xbf16>
 // BF16:         tpu.moe_route {{.*}} {k = 2 : i64, normalize = true, compute = f32} : tensor<5x4xbf16> valid tensor<5xbf16> -> tensor<5x2xbf16>, tensor<5x2xi32>
-// BF16-NEXT:    tpu.moe_experts {{.*}} {compute = f32} : tensor<5x8xbf16>, tensor<4x6x8xbf16>, tensor<4x8x3xbf16>, tensor<5x2xbf16>, tensor<5x2xi32> -> tensor<5x8xbf16>
+// BF16-NEXT:    tpu.moe_experts {{.*}} {compute = f32} : tensor<5x8xbf16>, tensor<4x3x8xbf16>, tensor<4x3x8xbf16>, tensor<4x8x3xbf16>, tensor<5x2xbf16>, tensor<5x2xi32> -> tensor<5x8xbf16>
 // BF16-NOT:     top.
 
 // a weight-only mode quantizes the router's 2-D weight like every linear; the experts'
@@ -47,7 +48,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // W8-LABEL: func.func @block
 // W8:           tpu.a16_matmul
 // W8:           tpu.moe_route {{.*}} : tensor<5x4xf16> valid tensor<5xf16> -> tensor<5x2xf16>, tensor<5x2xi32>
-// W8-NEXT:      tpu.moe_experts {{.*}} : tensor<5x8xf16>, tensor<4x6x8xf16>, tensor<4x8x3xf16>, tensor<5x2xf16>, tensor<5x2xi32> -> tensor<5x8xf16>
+// W8-NEXT:      tpu.moe_experts {{.*}} : tensor<5x8xf16>, tensor<4x3x8xf16>, tensor<4x3x8xf16>, tensor<4x8x3xf16>, tensor<5x2xf16>, tensor<5x2xi32> -> tensor<5x8xf16>
 
 // convert-top-to-linalg: the softmax over the experts (max, sum of exponentials), each
 // expert's rank in its row (a reduction over a second expert loop, ties to the lower
@@ -55,7 +56,7 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // index -1 and weight 0; the experts dense over each token's k slots, their weights read
 // by the slot's (clamped) index, a slot of index -1 weighted 0
 // LINALG-LABEL: func.func @block(
-// LINALG-SAME:    %gate_up: tensor<4x6x8xf32> {top.weight = "experts.gate_up_proj", {{.*}}}, %down: tensor<4x8x3xf32> {top.weight = "experts.down_proj", {{.*}}})
+// LINALG-SAME:    %gate: tensor<4x3x8xf32> {top.weight = "experts.gate_proj", {{.*}}}, %up: tensor<4x3x8xf32> {{.*}}, %down: tensor<4x8x3xf32> {top.weight = "experts.down_proj", {{.*}}})
 // LINALG-NOT:     top.moe
 // LINALG:         math.exp
 // LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x4xi64>)
@@ -65,8 +66,10 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x2xi32>, tensor<5x2xf32>)
 // LINALG:         arith.divf
 // LINALG:         arith.constant -1 : i32
-// LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x2x6xf32>)
-// LINALG:           tensor.extract %gate_up[
+// LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x2x3xf32>)
+// LINALG:           tensor.extract %gate[
+// LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x2x3xf32>)
+// LINALG:           tensor.extract %up[
 // LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x2x8xf32>)
 // LINALG:           tensor.extract %down[
 // LINALG:         linalg.generic {{.*}}iterator_types = ["parallel", "parallel", "reduction"]} {{.*}} outs({{.*}} : tensor<5x8xf32>)
