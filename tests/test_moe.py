@@ -36,6 +36,14 @@ def _moe_block(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
     return tiny_model(family, seed=seed, layers=1).model.layers[0].mlp
 
 
+def _stacked(block: torch.nn.Module) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A fused block's experts as the nets read them: gate, up [E, I, H], down [E, H, I]."""
+    gate_up = block.experts.gate_up_proj.detach().numpy()
+    down = block.experts.down_proj.detach().numpy()
+    inter = down.shape[2]
+    return gate_up[:, :inter].copy(), gate_up[:, inter:].copy(), down
+
+
 def _x(t: int, h: int = 64, seed: int = 0) -> torch.Tensor:
     return torch.randn(t, h, generator=torch.Generator().manual_seed(seed))
 
@@ -72,8 +80,9 @@ def test_experts_kernel_equals_transformers_experts(family: str) -> None:
         _, w, i = block.gate(x)
         want = block.experts(x, i, w).numpy()
     gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
-    got = K.moe_experts(x.numpy(), gate_up.numpy(), down.numpy(), w.numpy(),
-                        i.numpy().astype(np.int32))
+    inter = down.shape[2]
+    got = K.moe_experts(x.numpy(), gate_up[:, :inter].numpy(), gate_up[:, inter:].numpy(),
+                        down.numpy(), w.numpy(), i.numpy().astype(np.int32))
     assert got.dtype == np.float32 and got.shape == x.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     defined = moe_ops.moe_experts(x, gate_up, down, w, i.to(torch.int32)).numpy()
@@ -91,22 +100,41 @@ def test_padded_rows_route_nowhere_and_add_nothing() -> None:
     assert (i[4:] == -1).all() and (w[4:] == 0).all() and (i[:4] >= 0).all()
     full_w, full_i = K.moe_route(logits, None, 2, True)
     assert np.array_equal(i[:4], full_i[:4]) and np.array_equal(w[:4], full_w[:4])
-    gate_up = block.experts.gate_up_proj.detach().numpy()
-    down = block.experts.down_proj.detach().numpy()
-    y = K.moe_experts(x.numpy(), gate_up, down, w, i)
+    gate, up, down = _stacked(block)
+    y = K.moe_experts(x.numpy(), gate, up, down, w, i)
     assert (y[4:] == 0).all()
-    real = K.moe_experts(x.numpy()[:4], gate_up, down, w[:4], i[:4])
+    real = K.moe_experts(x.numpy()[:4], gate, up, down, w[:4], i[:4])
     assert np.array_equal(y[:4], real)  # rows are independent: a slice gives the same bits
 
 
 def test_experts_kernel_refuses_an_index_out_of_range() -> None:
     x = np.zeros((2, 4), np.float32)
-    gate_up, down = np.zeros((3, 4, 4), np.float32), np.zeros((3, 4, 2), np.float32)
+    gate, down = np.zeros((3, 2, 4), np.float32), np.zeros((3, 4, 2), np.float32)
     w = np.ones((2, 1), np.float32)
     with pytest.raises(IndexError, match="index 3 is out of range for 3 experts"):
-        K.moe_experts(x, gate_up, down, w, np.array([[0], [3]], np.int32))
+        K.moe_experts(x, gate, gate, down, w, np.array([[0], [3]], np.int32))
     with pytest.raises(IndexError, match="index -2"):
-        K.moe_experts(x, gate_up, down, w, np.array([[-2], [0]], np.int32))
+        K.moe_experts(x, gate, gate, down, w, np.array([[-2], [0]], np.int32))
+
+
+def test_experts_in_parts_of_the_intermediate_axis() -> None:
+    """Reduction parts over I (what a layer group cuts): each part's rows of gate and up
+    and columns of down folded into the f32 accumulator give the whole op's numbers (to
+    f32 rounding of the partial sums)."""
+    block = _moe_block()
+    x = _x(9)
+    with torch.no_grad():
+        _, w, i = block.gate(x)
+    gate, up, down = _stacked(block)
+    whole = K.moe_experts(x.numpy(), gate, up, down, w.numpy(), i.numpy())
+    acc = None
+    for p in range(4):  # I = 32 in 4 parts of 8
+        rows = slice(8 * p, 8 * (p + 1))
+        acc = K.moe_experts_part(acc, x.numpy(), gate[:, rows], up[:, rows], down[:, :, rows],
+                                 w.numpy(), i.numpy())
+    parts = K.moe_experts_finish(acc, np.float32, x.numpy())
+    np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(parts, np.zeros_like(parts))
 
 
 def test_route_ties_go_to_the_lower_expert() -> None:
@@ -139,7 +167,8 @@ def test_route_verifier(shapes, message: str) -> None:
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"gate_up": (4, 7, 8)}, "gate_up is \\[4, 7, 8\\]; it must be \\[E, 2I, 8\\]"),
+    ({"gate": (4, 3, 7)}, "gate is \\[4, 3, 7\\]; it must be \\[E, I, 8\\]"),
+    ({"up": (4, 2, 8)}, "up"),
     ({"down": (4, 8, 2)}, "down"),
     ({"weights": (6, 5)}, "weights is \\[6, 5\\]; it must be \\[6, k\\] with k from 1 to the "
                           "4 experts"),
@@ -147,8 +176,8 @@ def test_route_verifier(shapes, message: str) -> None:
     ({"index_type": f32}, "indices must be integers"),
 ])
 def test_experts_verifier(edit: dict, message: str) -> None:
-    shapes = {"x": (6, 8), "gate_up": (4, 6, 8), "down": (4, 8, 3), "weights": (6, 2),
-              "indices": (6, 2)}
+    shapes = {"x": (6, 8), "gate": (4, 3, 8), "up": (4, 3, 8), "down": (4, 8, 3),
+              "weights": (6, 2), "indices": (6, 2)}
     shapes.update({k: v for k, v in edit.items() if k != "index_type"})
     index_type = edit.get("index_type", i32)
     vals = _args(*(tensor(s, index_type if n == "indices" else f32) for n, s in
@@ -158,11 +187,14 @@ def test_experts_verifier(edit: dict, message: str) -> None:
 
 
 def test_shapes_and_flops() -> None:
-    x, gu, dn, logits = _args(tensor((6, 8), f32), tensor((4, 6, 8), f32),
-                              tensor((4, 8, 3), f32), tensor((6, 4), f32))
+    x, g, u, dn, logits = _args(tensor((6, 8), f32), tensor((4, 3, 8), f32),
+                                tensor((4, 3, 8), f32), tensor((4, 8, 3), f32),
+                                tensor((6, 4), f32))
     route = top.MoeRouteOp(logits, None, k=2, normalize=False)
     assert [r.type for r in route.results] == [tensor((6, 2), f32), tensor((6, 2), i32)]
-    experts = top.MoeExpertsOp(x, gu, dn, route.weights, route.indices)
+    experts = top.MoeExpertsOp(x, g, u, dn, route.weights, route.indices)
+    assert experts.reduction_count() == 3 and experts.reduction_sliceable()
+    assert experts.reduction_operand_axes() == (None, 1, 1, 2, None, None)
     assert experts.output.type == tensor((6, 8), f32)
     # the k chosen experts of each token only: gate/up 2*8*2*3, down 2*3*8, silu/gating and
     # the weighted sum (not all 4 experts)
@@ -248,8 +280,12 @@ def test_importer_maps_transformers_block_to_the_two_ops(family: str) -> None:
     names = [op.name for op in module.walk()]
     assert names.count("top.moe_route") == 1 and names.count("top.moe_experts") == 1
     (experts,) = [op for op in module.walk() if isinstance(op, top.MoeExpertsOp)]
-    assert top.weight_name(experts.gate_up).endswith("experts.gate_up_proj")
-    assert top.weight_name(experts.down).endswith("experts.down_proj")
+    for operand, name in ((experts.gate, "gate_proj"), (experts.up, "up_proj"),
+                          (experts.down, "down_proj")):
+        assert top.weight_name(operand) == f"moe.mlp.experts.{name}"
+    gate, up, down = _stacked(block)
+    assert np.array_equal(store["moe.mlp.experts.gate_proj"], gate)
+    assert np.array_equal(store["moe.mlp.experts.up_proj"], up)
     (route,) = [op for op in module.walk() if isinstance(op, top.MoeRouteOp)]
     assert route.valid is not None
     got = Interpreter(module, store).run(feeds).outputs["y"][0]
@@ -269,9 +305,11 @@ def test_importer_stacks_a_list_of_expert_modules() -> None:
     assert moe.moe_shape(listed) == moe.MoeShape(8, 2, True, 64, 32, False, False)
     module, store, feeds, ref, n = _import_block(listed)
     (experts,) = [op for op in module.walk() if isinstance(op, top.MoeExpertsOp)]
-    name = top.weight_name(experts.gate_up)
-    assert name is not None and name.endswith("experts.gate_up_proj")
-    np.testing.assert_array_equal(store[name], fused.experts.gate_up_proj.detach().numpy())
+    for operand, want in zip((experts.gate, experts.up, experts.down), _stacked(fused),
+                             strict=True):
+        name = top.weight_name(operand)
+        assert name is not None and name.startswith("moe.mlp.experts.")
+        np.testing.assert_array_equal(store[name], want)
     got = Interpreter(module, store).run(feeds).outputs["y"][0]
     np.testing.assert_allclose(got[:n], ref[:n], rtol=1e-5, atol=1e-6)
 
@@ -320,25 +358,31 @@ def test_tpu_interpreter_and_machine(mode: str) -> None:
 
 
 def test_hub_layout_shapes_and_assembly() -> None:
-    """`save_pretrained`'s one tensor per expert and projection: the stacked shapes the
-    module holds, the stacked tensor assembled exactly, and a missing expert named."""
+    """`save_pretrained`'s one tensor per expert and projection: the fused shapes the
+    module holds (what the checkpoint is checked against), each stacked tensor the nets
+    read made exactly from either form, and a missing expert named."""
     block = _moe_block()
-    gate_up = block.experts.gate_up_proj.detach().numpy()
-    down = block.experts.down_proj.detach().numpy()
-    i = down.shape[2]
+    gate, up, down = _stacked(block)
+    fused = block.experts.gate_up_proj.detach().numpy()
     hub = {}
     for e in range(8):
-        hub[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :i]
-        hub[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, i:]
+        hub[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate[e]
+        hub[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = up[e]
         hub[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e]
     shapes, problems = moe.stacked_shapes({k: v.shape for k, v in hub.items()})
     assert problems == []
-    assert shapes == {"model.layers.0.mlp.experts.gate_up_proj": gate_up.shape,
+    assert shapes == {"model.layers.0.mlp.experts.gate_up_proj": fused.shape,
                       "model.layers.0.mlp.experts.down_proj": down.shape}
-    for name, want in (("model.layers.0.mlp.experts.gate_up_proj", gate_up),
-                       ("model.layers.0.mlp.experts.down_proj", down)):
-        got = moe.assemble_stacked(name, 8, lambda n: hub[n])
-        assert np.array_equal(got, want), name
+    fused_source = {"model.layers.0.mlp.experts.gate_up_proj": fused,
+                    "model.layers.0.mlp.experts.down_proj": down}
+    base = "model.layers.0.mlp.experts."
+    for source in (hub, fused_source):
+        for name, want in (("gate_proj", gate), ("up_proj", up), ("down_proj", down),
+                           ("gate_up_proj", fused)):
+            assert moe.has_expert_tensor(base + name, source.__contains__)
+            got = moe.expert_tensor(base + name, source.__contains__, source.__getitem__)
+            assert got is not None and np.array_equal(got, want), name
+    assert moe.expert_tensor(base + "other", hub.__contains__, hub.__getitem__) is None
     del hub["model.layers.0.mlp.experts.5.up_proj.weight"]
     _, problems = moe.stacked_shapes({k: v.shape for k, v in hub.items()})
     assert problems == ["missing expert tensors: model.layers.0.mlp.experts.5.up_proj.weight"]
@@ -389,9 +433,9 @@ def test_streamed_layer_assembles_the_hub_layout(tmp_path_factory) -> None:
     ref = hf_model(path)
     for layer in (0, 1):
         get = loaded.stream.float_of(layer)
-        for key in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
-            want = ref.model.layers[layer].mlp.experts.get_parameter(key.rsplit(".", 1)[1])
-            assert np.array_equal(get("layer." + key), want.detach().numpy()), (layer, key)
+        gate, up, down = _stacked(ref.model.layers[layer].mlp)
+        for key, want in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            assert np.array_equal(get("layer.mlp.experts." + key), want), (layer, key)
     skel = loaded.model.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(skel, ref.model.layers[0].mlp.experts.gate_up_proj)
 
