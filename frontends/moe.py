@@ -57,7 +57,7 @@ class MoeShape:
     shared: bool  # a shared expert with its sigmoid gate
 
 
-def is_moe_block(mlp: torch.nn.Module) -> bool:
+def is_moe_block(mlp: torch.nn.Module | None) -> bool:
     """Whether `mlp` is a sparse MoE block (experts and a router) rather than a dense MLP."""
     return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 

@@ -117,6 +117,7 @@ from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
+from toptpu.frontends.moe import is_moe_block
 from toptpu.frontends.llm import (
     LlmArch,
     check_block_matches_model,
@@ -438,8 +439,8 @@ _PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content":
 def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileRequest
                          ) -> None:
     """What a multi-device compile cannot take yet: a vision-language model; for tensor
-    parallelism a pre-quantized checkpoint (its packed integers are not cut yet) and
-    linear-attention layers."""
+    parallelism a pre-quantized checkpoint (its packed integers are not cut yet),
+    linear-attention layers and mixture-of-experts layers."""
     if request.parallel is None:
         return
     flag = f"--devices {request.devices} --parallel {request.parallel}"
@@ -453,6 +454,10 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
     if request.parallel is Parallel.TP and LINEAR_ATTENTION in arch.layer_types:
         raise CompileError(f"{flag}: {loaded.source} has linear-attention layers, which "
                            "toptpu does not cut over devices yet; use --parallel pp")
+    if request.parallel is Parallel.TP and any(is_moe_block(getattr(layer, "mlp", None))
+                                               for layer in loaded.model.model.layers[:1]):
+        raise CompileError(f"{flag}: {loaded.source} is a mixture of experts, whose "
+                           "experts toptpu does not cut over devices yet; use --parallel pp")
 
 
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
