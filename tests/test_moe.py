@@ -498,3 +498,80 @@ def test_model_file_from_the_command_line(tmp_path_factory) -> None:
     rt = Runtime.open(out, "machine")
     ids = rt.encode(LONG_PROMPT)
     assert rt.generate(ids, 32).generated_ids == hf_generate(built.model_dir, ids, 32)
+
+
+def _real_dir(tmp_path_factory: pytest.TempPathFactory, family: str) -> str:
+    """A model of `family`'s published shape (`tiny_models.qwen3_moe_real_config`,
+    `qwen2_moe_real_config`: hidden 2048, the real heads, expert widths and top-k; experts,
+    layers and vocabulary cut), saved by `save_pretrained` once per session."""
+    from filelock import FileLock
+    from transformers import GenerationConfig
+
+    from toptpu.frontends import tiny_models as tm
+    from toptpu.frontends.hf_loader import quiet_transformers
+
+    path = os.path.join(shared_dir(tmp_path_factory), f"{family}-real")
+    with FileLock(path + ".lock"):
+        if not os.path.exists(os.path.join(path, "done")):
+            config = (tm.qwen3_moe_real_config() if family == "qwen3_moe"
+                      else tm.qwen2_moe_real_config())
+            model = tm.tiny_model(config=config)
+            tok = tm.build_tokenizer(model.config.vocab_size)
+            model.generation_config = GenerationConfig(
+                eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>")],
+                pad_token_id=tok.pad_token_id, do_sample=False)
+            with quiet_transformers():
+                model.save_pretrained(path)
+                tok.save_pretrained(path)
+            open(os.path.join(path, "done"), "w").close()
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_published_shapes_equal_transformers(tmp_path_factory, family: str) -> None:
+    """At the published widths (Qwen3-30B-A3B: 16 of its 128 experts of 768, top-8;
+    Qwen1.5-MoE-A2.7B: 8 of its 60 experts of 1408, top-4, a shared expert of 5632) the
+    experts (100 MB and more per layer in f32) do not fit local memory: layer-group cuts
+    their intermediate axis in reduction parts. 32 greedy tokens on the machine after a
+    prompt of three chunks equal transformers' `generate`."""
+    from filelock import FileLock
+
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+
+    model_dir = _real_dir(tmp_path_factory, family)
+    path = os.path.join(shared_dir(tmp_path_factory), f"{family}-real-f32.toptpu")
+    with FileLock(path + ".lock"):
+        if not os.path.exists(path):
+            compile_model(model_dir, path, mode="f32", seq_length=160, max_input_length=16,
+                          progress=None)
+    rt = Runtime.open(path, "machine")
+    ids = rt.encode(LONG_PROMPT)
+    assert len(ids) > 2 * rt.L
+    res = rt.generate(ids, 32, stop_on_eos=False)
+    assert res.generated_ids == hf_generate(model_dir, ids, 32)
+
+
+def test_tensor_parallel_is_refused_for_experts(tmp_path_factory) -> None:
+    from toptpu.compiler import CompileError
+    from toptpu.compiler import compile as compile_model
+
+    model_dir = _saved(tmp_path_factory, "qwen3_moe")
+    out = os.path.join(shared_dir(tmp_path_factory), "never-written.toptpu")
+    with pytest.raises(CompileError, match="is a mixture of experts, whose experts toptpu "
+                       "does not cut over devices yet; use --parallel pp"):
+        compile_model(model_dir, out, mode="f32", seq_length=64, max_input_length=16,
+                      progress=None, devices=2, parallel="tp")
+    assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_gives_the_one_device_tokens(tmp_path_factory) -> None:
+    from toptpu.backend.runtime.runtime import Runtime
+
+    one = compiled(tmp_path_factory, "qwen3_moe")
+    two = compiled(tmp_path_factory, "qwen3_moe", devices=2, parallel="pp")
+    ids = Runtime.open(one.model_file).encode(LONG_PROMPT)
+    want = Runtime.open(one.model_file).generate(ids, 32).generated_ids
+    assert Runtime.open(two.model_file).generate(ids, 32).generated_ids == want
