@@ -46,8 +46,11 @@ from toptpu.dialects.common import (
 from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
 from toptpu.errors import ToptpuError
-from toptpu.frontends import linear_attention_ops  # noqa: F401 - registers torch.ops.toptpu
-from toptpu.frontends import moe, moe_ops  # noqa: F401 - moe_ops registers torch.ops.toptpu
+from toptpu.frontends import (  # noqa: F401 - moe_ops registers torch.ops.toptpu
+    linear_attention_ops,  # noqa: F401 - registers torch.ops.toptpu
+    moe,
+    moe_ops,
+)
 
 aten = torch.ops.aten
 

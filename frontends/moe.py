@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from toptpu.errors import ToptpuError
 
+
 class MoeError(ToptpuError, ValueError):
     """A mixture-of-experts block toptpu cannot compile as it is; the message says why."""
 
@@ -80,7 +81,7 @@ def _check_silu(act: Any, where: str) -> None:
                        "toptpu's experts op computes SwiGLU with silu")
 
 
-def moe_shape(mlp: torch.nn.Module) -> MoeShape:
+def moe_shape(mlp: Any) -> MoeShape:
     """The shape of MoE block `mlp` in either form (see the module doc); a MoeError naming
     what does not fit (biased or transposed experts, another activation, a router that is
     no linear)."""
@@ -131,7 +132,7 @@ def moe_shape(mlp: torch.nn.Module) -> MoeShape:
     return MoeShape(n, top_k, normalize, int(h), int(two_i) // 2, fused, shared)
 
 
-def moe_forward(mlp: torch.nn.Module, shape: MoeShape, x: torch.Tensor,
+def moe_forward(mlp: Any, shape: MoeShape, x: torch.Tensor,
                 valid: torch.Tensor | None) -> torch.Tensor:
     """The MoE block `mlp` on x [B, S, H] through the custom ops: its router linear, then
     `moe_route` (a padded row, `valid` <= 0, routes nowhere), `moe_experts`, then its shared
@@ -273,10 +274,11 @@ def expert_tensor(name: str, has: Callable[[str], bool], read: Callable[[str], n
         half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
         return np.ascontiguousarray(fused[:, half])
     if proj == FUSED_GATE_UP:
-        halves = [expert_tensor(f"{base}.{p}", has, read) for p in ("gate_proj", "up_proj")]
-        if halves[0] is None or halves[1] is None:
+        gate = expert_tensor(f"{base}.gate_proj", has, read)
+        up = expert_tensor(f"{base}.up_proj", has, read)
+        if gate is None or up is None:
             return None
-        return np.concatenate(halves, axis=1)
+        return np.concatenate([gate, up], axis=1)
     if proj not in PROJECTIONS:
         return None
     n = _hub_count(base, proj, has)

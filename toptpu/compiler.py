@@ -117,13 +117,13 @@ from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
-from toptpu.frontends.moe import is_moe_block
 from toptpu.frontends.llm import (
     LlmArch,
     check_block_matches_model,
     layer_key,
     split_model,
 )
+from toptpu.frontends.moe import is_moe_block
 from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
 from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
