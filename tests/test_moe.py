@@ -575,3 +575,24 @@ def test_pipeline_parallel_gives_the_one_device_tokens(tmp_path_factory) -> None
     ids = Runtime.open(one.model_file).encode(LONG_PROMPT)
     want = Runtime.open(one.model_file).generate(ids, 32).generated_ids
     assert Runtime.open(two.model_file).generate(ids, 32).generated_ids == want
+
+
+@pytest.mark.slow
+def test_an_in_memory_model_compiles_from_its_fused_experts(tmp_path) -> None:
+    """A transformers model object (its experts fused 3-D parameters, no checkpoint): every
+    layer's gate, up and down cut from them; 32 greedy tokens equal its `generate`."""
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.tiny_models import build_tokenizer
+
+    model = tiny_model("qwen3_moe_unnormalized", seed=3)
+    tok = build_tokenizer(model.config.vocab_size)
+    out = str(tmp_path / "m.toptpu")
+    compile_model(model, out, tokenizer=tok, mode="f32", seq_length=96, max_input_length=16,
+                  progress=None)
+    rt = Runtime.open(out, "machine")
+    ids = rt.encode(LONG_PROMPT)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None)[0, len(ids):].tolist()
+    assert rt.generate(ids, 32, stop_on_eos=False).generated_ids == want
