@@ -121,7 +121,8 @@ def _unknown_model_type(model_type: object, where: str) -> ModelLoadError:
                               f"{REFUSED_MODEL_TYPES[model_type]}")
     return ModelLoadError(
         f"unknown model_type '{model_type}' in {where}: toptpu compiles "
-        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Qwen3.5, Llama 2/3) "
+        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Qwen3.5, Llama 2/3, "
+        "Qwen3-MoE, Qwen2-MoE) "
         "models")
 
 
