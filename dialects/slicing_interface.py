@@ -164,7 +164,7 @@ class SlicingInterface:
 
     def heads_operand_axes(self) -> tuple[int | None, ...]:
         """For a heads slice, per operand: the axis of its units, None for whole."""
-        return tuple(None for _ in self._operands())
+        return tuple(None for _ in self._sliced_operands())
 
     def heads_result_axes(self) -> tuple[int, ...]:
         """For a heads slice, per result: the axis of its units."""
@@ -188,7 +188,7 @@ class SlicingInterface:
 
     def reduction_operand_axes(self) -> tuple[int | None, ...]:
         """Per operand, the axis the reduction parts cut (None: the same in every part)."""
-        return tuple(None for _ in self._operands())
+        return tuple(None for _ in self._sliced_operands())
 
     # ------------------------------------------------------------------ building a slice
     def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
@@ -198,6 +198,6 @@ class SlicingInterface:
         of the heads loop) and 1/`parts` of its reduction; {} (the default): none."""
         return {}
 
-    def _operands(self) -> Sequence[SSAValue]:
+    def _sliced_operands(self) -> Sequence[SSAValue]:
         assert isinstance(self, Operation)
         return self.operands

@@ -194,6 +194,7 @@ class Importer:
     def materialize(self, c: ConstValue) -> SSAValue:
         if c.ssa is None:
             arr = c.array
+            op: Operation
             if arr.size <= MAX_INLINE_CONSTANT:
                 op = top.ConstantOp(arr)
             else:
@@ -268,6 +269,20 @@ def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def _int_arg(node: torch.fx.Node, i: int) -> int:
+    """Positional argument `i` of `node`, an `int` of its aten schema."""
+    a = node.args[i]
+    assert isinstance(a, int), f"{node.target}: argument {i} is {a!r}, not an int"
+    return a
+
+
+def _list_arg(node: torch.fx.Node, i: int) -> list[Any]:
+    """Positional argument `i` of `node`, a list (`int[]`, `Tensor[]`) of its aten schema."""
+    a = node.args[i]
+    assert isinstance(a, list | tuple), f"{node.target}: argument {i} is {a!r}, not a list"
+    return list(a)
+
+
 @builds(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
         aten.sym_constrain_range_for_size.default)
 def _skip(im: Importer, node: torch.fx.Node) -> Any:
@@ -278,7 +293,9 @@ def _skip(im: Importer, node: torch.fx.Node) -> Any:
         aten.dropout.default, aten.lift_fresh_copy.default, aten.to.device,
         aten.feature_dropout.default)
 def _identity(im: Importer, node: torch.fx.Node) -> Any:
-    return im.env[node.args[0]]
+    x = node.args[0]
+    assert isinstance(x, torch.fx.Node), f"{node.target}: argument 0 is {x!r}, not a tensor"
+    return im.env[x]
 
 
 @builds(aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default)
@@ -391,7 +408,7 @@ def _softplus(im: Importer, node: torch.fx.Node) -> Any:
 def _gelu(im: Importer, node: torch.fx.Node) -> Any:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     try:
-        approx = GeluApproximation.parse(node.kwargs.get("approximate", "none"))
+        approx = GeluApproximation.parse(str(node.kwargs.get("approximate", "none")))
     except ValueError as e:
         raise UnsupportedOpError(f"aten.gelu: {e}") from None
     return im.emit(top.GeluOp(x, approx)).results[0]
@@ -418,7 +435,7 @@ def _compare(pred: ComparePredicate) -> Builder:
             assert isinstance(t, TensorType)
             c = im.emit(top.ConstantOp(arr.astype(numpy_dtype(t.element_type)).reshape(())),
                         "rhs")
-            y = c.results[0]
+            y: SSAValue = c.results[0]
         else:
             y = im.value(b)
         return im.emit(top.CompareOp(x, y, pred)).results[0]
@@ -491,7 +508,7 @@ def _t(im: Importer, node: torch.fx.Node) -> Any:
 def _transpose(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
     r = len(shape_of(x))
-    d0, d1 = node.args[1] % r, node.args[2] % r
+    d0, d1 = _int_arg(node, 1) % r, _int_arg(node, 2) % r
     order = list(range(r))
     order[d0], order[d1] = order[d1], order[d0]
     return im.permute(x, order, "")
@@ -501,7 +518,7 @@ def _transpose(im: Importer, node: torch.fx.Node) -> Any:
 def _permute(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
     r = len(shape_of(x))
-    return im.permute(x, [d % r for d in node.args[1]], "")
+    return im.permute(x, [d % r for d in _list_arg(node, 1)], "")
 
 
 @builds(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -522,7 +539,7 @@ def _expand(im: Importer, node: torch.fx.Node) -> Any:
 
 @builds(aten.cat.default, aten.concat.default)
 def _cat(im: Importer, node: torch.fx.Node) -> Any:
-    xs = _elementwise_operands(im, node, list(node.args[0]))
+    xs = _elementwise_operands(im, node, _list_arg(node, 0))
     xs = [x for x in xs if 0 not in shape_of(x)]
     dim = _arg(node, 1, "dim", 0)
     if len(xs) == 1:
@@ -566,8 +583,8 @@ def _slice(im: Importer, node: torch.fx.Node) -> Any:
 def _select(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
     shape = shape_of(x)
-    dim = node.args[1] % len(shape)
-    idx = node.args[2] % shape[dim]
+    dim = _int_arg(node, 1) % len(shape)
+    idx = _int_arg(node, 2) % shape[dim]
     y = _slice_value(im, x, dim, idx, idx + 1, 1, "slice")
     return im.reshape(y, im.out_shape(), "")
 
@@ -648,14 +665,14 @@ def _reduce_all(im: Importer, node: torch.fx.Node) -> Any:
 def _softmax(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
-    dim = node.args[1] % len(shape_of(x))
+    dim = _int_arg(node, 1) % len(shape_of(x))
     return im.emit(top.SoftmaxOp(x, dim)).results[0]
 
 
 @builds(aten.layer_norm.default)
 def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
-    nshape = node.args[1]
+    nshape = _list_arg(node, 1)
     w = _arg(node, 2, "weight")
     b = _arg(node, 3, "bias")
     eps = _arg(node, 4, "eps", 1e-5)
@@ -668,7 +685,7 @@ def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
 @builds(aten.rms_norm.default)
 def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
-    if len(node.args[1]) != 1:
+    if len(_list_arg(node, 1)) != 1:
         raise UnsupportedOpError("aten.rms_norm over more than the last axis")
     w = _arg(node, 2, "weight")
     eps = _arg(node, 3, "eps")
@@ -685,7 +702,7 @@ def _embedding(im: Importer, node: torch.fx.Node) -> Any:
 
 @builds(aten.index_select.default)
 def _index_select(im: Importer, node: torch.fx.Node) -> Any:
-    x, dim, idx = im.value(node.args[0]), node.args[1], im.value(node.args[2])
+    x, dim, idx = im.value(node.args[0]), _int_arg(node, 1), im.value(node.args[2])
     dim %= len(shape_of(x))
     return im.emit(top.GatherOp(x, idx, dim)).results[0]
 
@@ -693,7 +710,7 @@ def _index_select(im: Importer, node: torch.fx.Node) -> Any:
 @builds(aten.topk.default)
 def _topk(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
-    k = node.args[1]
+    k = _int_arg(node, 1)
     dim = _arg(node, 2, "dim", -1) % len(shape_of(x))
     largest = _arg(node, 3, "largest", True)
     op = im.emit(top.TopKOp(x, k, dim, largest=largest))
@@ -704,7 +721,7 @@ def _topk(im: Importer, node: torch.fx.Node) -> Any:
 @builds(aten.scatter.src)
 def _scatter(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
-    dim = node.args[1] % len(shape_of(x))
+    dim = _int_arg(node, 1) % len(shape_of(x))
     idx, src = im.value(node.args[2]), im.value(node.args[3])
     if _arg(node, 4, "reduce") is not None:
         raise UnsupportedOpError("aten.scatter with a reduction")
@@ -716,7 +733,7 @@ def _scatter(im: Importer, node: torch.fx.Node) -> Any:
 def _cumsum(im: Importer, node: torch.fx.Node) -> Any:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
-    dim = node.args[1] % len(shape_of(x))
+    dim = _int_arg(node, 1) % len(shape_of(x))
     return im.emit(top.CumSumOp(x, dim)).results[0]
 
 
@@ -743,7 +760,7 @@ def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
     if node.target == aten.convolution.default:
         if node.args[6]:
             raise UnsupportedOpError("transposed convolution")
-        groups = node.args[8]
+        groups = _int_arg(node, 8)
     else:
         groups = _arg(node, 6, "groups", 1)
     if len(shape_of(x)) != 4:
@@ -881,6 +898,7 @@ def _fold_with_torch(im: Importer, node: torch.fx.Node) -> ConstValue | None:
     if "device" in kwargs:
         kwargs["device"] = "cpu"
     with torch.no_grad():
+        assert callable(node.target), f"{node.target!r} is not an operator"
         res = node.target(*args, **kwargs)
     if not isinstance(res, torch.Tensor):
         return None
