@@ -234,7 +234,7 @@ def _bounded_environment(base: type) -> type:
     if getattr(base, "toptpu_bounded", False):
         return base
 
-    class BoundedEnvironment(base):  # type: ignore[misc, valid-type]
+    class BoundedEnvironment(base):
         toptpu_bounded = True
         intercepted_binops = frozenset({"*", "+", "**", "%"})
 
@@ -283,7 +283,7 @@ def _bounded_environment(base: type) -> type:
                 _check_expanding(getattr(__obj, "__name__", ""), owner, args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
-        def concat(self, chunks: Any) -> str:  # type: ignore[override]
+        def concat(self, chunks: Any) -> str:
             budget = _BUDGET.get()
             out: list[str] = []
             total = 0
