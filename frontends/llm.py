@@ -258,9 +258,10 @@ class Block(torch.nn.Module):
         self.rotary = rotary
         self.apply_rotary = apply_rotary
         self.head_dim = arch.head_dim
-        self.scaling = float(self.layer.self_attn.scaling)
+        attn = self.layer.self_attn
+        self.scaling = float(attn.scaling)
         # Qwen3.5's q_proj is twice as wide as the heads: each head's query, then its gate
-        self.gated = self.layer.self_attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
+        self.gated = attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
 
     def attend(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor, history_k: torch.Tensor | None,

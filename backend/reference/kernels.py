@@ -374,8 +374,9 @@ def reduce(x: np.ndarray, mode: str, axes: Sequence[int], keepdims: bool,
            out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x) if is_float_dtype(x.dtype) else x
     ax = tuple(axes)
-    fn: Callable[..., Any] = {"mean": np.mean, "sum": np.sum, "max": np.max,
-                              "min": np.min}[mode]
+    reductions: dict[str, Callable[..., Any]] = {"mean": np.mean, "sum": np.sum,
+                                                 "max": np.max, "min": np.min}
+    fn = reductions[mode]
     return _out(np.asarray(fn(fx, axis=ax, keepdims=keepdims)), out_dtype, x)
 
 
