@@ -421,6 +421,7 @@ class LowerMatMul(LoweringPattern):
             except QuantizationError as e:
                 raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
         (rt,) = _result_types(lw, op)
+        assert isinstance(rt, TensorType)
         new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
                               result_type=rt, mins=mins)
         named_like(new, op)

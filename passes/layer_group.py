@@ -26,7 +26,7 @@ import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Block, Operation, OpResult, Region, SSAValue
+from xdsl.ir import Attribute, Block, Operation, OpResult, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -415,7 +415,7 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     for outer in ("rows", "cols"):
         cost = _tile_costs(inputs, sizes, runs, (r, c, parts), outer, op_flops(op),
                            cost_dtype(op), chip)
-        for cell in np.flatnonzero(ok):
+        for cell in np.flatnonzero(ok).tolist():
             t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
             k = float(cost.flat[cell])
             if t not in best or k < best[t][0]:
@@ -515,7 +515,8 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
         arg.name_hint = v.name_hint
         axes = p.tile_axes[v]
         ax = p.input_axes[v]
-        attrs = {"slice_axis": i64_attr(-1 if ax is None else ax), "ts": i64_attr(0)}
+        attrs: dict[str, Attribute] = {"slice_axis": i64_attr(-1 if ax is None else ax),
+                                       "ts": i64_attr(0)}
         if ax is not None:
             attrs["tile_axes"] = i64_array(list(axes[:ndim]))
         ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)], attributes=attrs)
@@ -524,7 +525,8 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
         block.add_op(ld)
         local[v] = ld.output
     res = op.results[0]
-    attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
+    attrs: dict[str, Attribute] = {k: a for k, a in op.attributes.items()
+                                   if k not in ("lmem", "ts")}
     attrs["ts"] = i64_attr(1)
     assert isinstance(op, SlicingInterface)
     # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts
@@ -592,9 +594,9 @@ def build_group(p: Plan) -> tpu.GroupOp:
         operands = [local[v] for v in op.operands]
         new = type(op).create(operands=operands, result_types=result_types, attributes=attrs)
         new.location = op.location
-        for r, nr in zip(op.results, new.results, strict=True):
-            nr.name_hint = r.name_hint
-            local[r] = nr
+        for old, nr in zip(op.results, new.results, strict=True):
+            nr.name_hint = old.name_hint
+            local[old] = nr
         block.add_op(new)
     stored = []
     for r in p.outputs:

@@ -35,6 +35,7 @@ Progress goes to stderr; `dump_ir=DIR` writes every net's IR after every pass to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -851,8 +852,9 @@ class DeviceWeights:
                 runs.append([r])
         for run in runs:
             for d, p in enumerate(self.devices):
-                made = derive_weights(run, lambda src, d=d: device_tensor(src, whole, d, n),
-                                      checkpoint_of)
+                made = derive_weights(
+                    run, functools.partial(device_tensor, whole=whole, device=d, devices=n),
+                    checkpoint_of)
                 base = p.layout.layer_start(layer)
                 for r in run:
                     yield p.layout.section, base + chunk[r.name].offset, _bytes(made[r.name])

@@ -73,7 +73,7 @@ from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu.command_io import StdoutError, command_run, drop_stdout
-from toptpu.dialects import all_dialects
+from toptpu.dialects import all_dialects, dialect_factory
 from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, verify_ir
 from toptpu.dialects.output_file import (
     OutputPathError,
@@ -420,7 +420,7 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_dialects(self) -> None:
         ours = {d.name for d in all_dialects()}
         for d in all_dialects():
-            self.ctx.register_dialect(d.name, lambda d=d: d)
+            self.ctx.register_dialect(d.name, dialect_factory(d))
         for name, factory in Universe.get_multiverse().all_dialects.items():
             if name not in ours:
                 self.ctx.register_dialect(name, factory)

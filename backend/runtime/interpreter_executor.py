@@ -32,6 +32,7 @@ There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -248,7 +249,7 @@ class InterpreterExecutor(Executor):
                 stored = None if self.stored is None else self.stored.upcast(
                     self._offset(layer, step.float_weight))
                 args[1] = stored if stored is not None else self.cache.get(
-                    (layer, step.float_weight), lambda w=args[1]: K.f32(w))
+                    (layer, step.float_weight), functools.partial(K.f32, args[1]))
             try:
                 res = step.fn(step.op, args, ctx)
             except IndexError as e:  # a gather's index past its table (kernels.gather)
