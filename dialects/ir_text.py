@@ -387,9 +387,9 @@ def _use_problem(op: Operation, value: SSAValue, position: Callable[[Operation],
     if isinstance(value, BlockArgument):
         def_block, def_op = value.block, None
     else:
-        def_op = value.owner
-        assert isinstance(def_op, Operation)
-        def_block = def_op.parent_block()
+        owner = value.owner
+        assert isinstance(owner, Operation)
+        def_op, def_block = owner, owner.parent_block()
     if def_block is None:
         return f"uses {name}, which is not in the IR"
     if isinstance(def_block.parent_op(), ModuleOp):

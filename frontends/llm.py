@@ -254,11 +254,12 @@ class Block(torch.nn.Module):
                  apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                  arch: LlmArch) -> None:
         super().__init__()
-        self.layer: Any = layer  # a transformers decoder layer: its submodules are the family's
+        hf_layer: Any = layer  # a transformers decoder layer: its submodules are the family's
+        self.layer = hf_layer
         self.rotary = rotary
         self.apply_rotary = apply_rotary
         self.head_dim = arch.head_dim
-        attn = self.layer.self_attn
+        attn = hf_layer.self_attn
         self.scaling = float(attn.scaling)
         # Qwen3.5's q_proj is twice as wide as the heads: each head's query, then its gate
         self.gated = attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim

@@ -36,7 +36,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -135,7 +135,18 @@ def layer_tensor_name(layer: int, key: str) -> str:
     return f"model.layers.{layer}.{key}"
 
 
-def _f32(reader: CheckpointReader, name: str) -> np.ndarray:
+class TensorReader(Protocol):
+    """What the streamed weights read tensors from: a `CheckpointReader`, or a GGUF file's
+    `GGUFTensors`."""
+
+    def tensor(self, name: str) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _f32(reader: TensorReader, name: str) -> np.ndarray:
     """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once,
     and its pages are dropped from the resident set right after)."""
     try:
@@ -213,7 +224,7 @@ class StreamedWeights:
     """The tensors of a checkpoint as the compiler asks for them: a layer's by the Top
     names of the per-layer nets, the shared ones of placeholders by recipe."""
 
-    reader: CheckpointReader
+    reader: TensorReader
     #: id(skeleton parameter) -> checkpoint tensor name, for the placeholders
     placeholders: dict[int, str]
     #: Top weight name of a shared net -> checkpoint tensor name (`bind_shared`)

@@ -200,6 +200,10 @@ def _similar(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float = 1e-
 class InternVLVit(torch.nn.Module):
     """One InternVL tile: pixel_values [1, 3, S, S] -> image_embeds [1, T, H]."""
 
+    #: the model (set past torch's module registry), a buffer when `own_positions`
+    _owner: Any
+    position_embeddings: torch.Tensor
+
     def __init__(self, vlm: Any, image_size: int) -> None:
         super().__init__()
         inner = vlm.model
@@ -679,7 +683,7 @@ def _check_text_config(config: Any, where: str) -> str:
     if mt in _REFUSED_TEXT_MODELS:
         raise ModelLoadError(f"{where}: the text model is {mt}, {_REFUSED_TEXT_MODELS[mt]}")
     try:
-        return check_config(tc, f"{where} (text_config)", family=QWEN_VL_TEXT_TYPES.get(mt))
+        return check_config(tc, f"{where} (text_config)", family=QWEN_VL_TEXT_TYPES.get(str(mt)))
     except ModelLoadError as e:
         raise ModelLoadError(f"{e}; the VLM's text model must be one of these") from e
 

@@ -101,7 +101,7 @@ def kernel_of(cls: type[ShapedOp], which: str | None = None) -> Callable[..., ob
 
 def _results(out: object) -> Sequence[np.ndarray]:
     """A kernel's result as the op's results: an array, or a tuple of them."""
-    return out if isinstance(out, tuple) else (out,)  # type: ignore[return-value]
+    return out if isinstance(out, tuple) else (out,)
 
 
 def evaluate_kernel(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
