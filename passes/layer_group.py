@@ -525,8 +525,7 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
         block.add_op(ld)
         local[v] = ld.output
     res = op.results[0]
-    attrs: dict[str, Attribute] = {k: a for k, a in op.attributes.items()
-                                   if k not in ("lmem", "ts")}
+    attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
     attrs["ts"] = i64_attr(1)
     assert isinstance(op, SlicingInterface)
     # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts

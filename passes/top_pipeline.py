@@ -64,7 +64,7 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], ctx: Context | No
 def _weights_context(ctx: Context | None, store: WeightStore | None) -> WeightsContext:
     if isinstance(ctx, WeightsContext) and (store is None or ctx.weights is store):
         return ctx
-    if isinstance(ctx, WeightsContext) and ctx.weights is not None:
+    if isinstance(ctx, WeightsContext) and ctx.weights is not None and store is not None:
         raise WeightStoreError(f"run_passes was given the weight store '{store.uri}' and a "
                                f"context holding '{ctx.weights.uri}'")
     return WeightsContext.of(ctx or context(), store)

@@ -263,7 +263,7 @@ class PackedWeights:
 
 
 def _bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
 @dataclass

@@ -249,7 +249,7 @@ def pass_options(cls: type[ModulePass]) -> list[tuple[str, str, Any]]:
     """A pass's options as -p spells them: (name, what it takes, default)."""
     hints = get_type_hints(cls)
     return [(f.name.replace("_", "-"), _describe_type(hints[f.name]), f.default)
-            for f in dataclasses.fields(cls) if f.init and f.name != "name"]  # type: ignore[arg-type]
+            for f in dataclasses.fields(cls) if f.init and f.name != "name"]
 
 
 def passes_help() -> str:
@@ -504,7 +504,7 @@ class ToptpuOptMain(xDSLOptMain):
         elif nxt is not None and (args.mlir_print_ir_before_all
                                   or nxt.name in self._print_before):
             self._print_ir(f"IR Dump Before {nxt.name}", module)
-        self._pass_started = time.perf_counter()
+        self._pass_started: float = time.perf_counter()
 
     def _print_ir(self, title: str, module: ModuleOp) -> None:
         """The IR under `title` on stderr, naming a weight store that holds its tensors:
