@@ -1001,7 +1001,9 @@ def load_gguf(source: str, dequantize: str | None = None,
             tensors.dequantize = mode
     files = _tokenizer_files(path) if need_tokenizer else {}
     ck = GGUFCheckpoint(tensors)
-    stream = StreamedWeights(tensors, {}, checkpoint=ck if ck.layouts else None)
+    # GGUFCheckpoint has QuantizedCheckpoint's interface without deriving from it
+    stream = StreamedWeights(tensors, {},
+                             checkpoint=ck if ck.layouts else None)  # type: ignore[arg-type]
     get: Callable[[str], np.ndarray] = stream.tensor_f32
     model, stream.placeholders = skeleton(config, get)
     stream.materialized[LAYER_PREFIX] = model.model.layers[0]

@@ -186,6 +186,7 @@ def expose_values(fn: func.FuncOp) -> list[str]:
     seen = set(output_names(fn))
     names: list[str] = []
     values: list[SSAValue] = []
+    op: Operation  # xDSL's BlockOps iterates untyped
     for op in fn.body.block.ops:
         if not isinstance(op, LinalgLowering) or op.GLOBAL_SOURCE:  # weights, constants
             continue

@@ -663,7 +663,8 @@ def _gather_table(op: Operation) -> SSAValue | None:
 def compute_ops(fn: func.FuncOp) -> list[Operation]:
     """The ops layer groups compute: every Top/Tpu op but weights, constants and
     collectives (not groups, not the return)."""
-    return [op for op in fn.body.block.ops
+    ops: list[Operation] = list(fn.body.block.ops)  # xDSL's BlockOps iterates untyped
+    return [op for op in ops
             if isinstance(op, SlicingInterface) and not op.GLOBAL_SOURCE
             and not _is_collective(op)]
 

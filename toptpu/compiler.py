@@ -406,6 +406,7 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, request.vision_mode, shapes)
     if vit is not None:
+        assert vision is not None  # a vit net is a vision tower's
         nets.append(vit)
         nets += [NetPlan(spec, spec.mode or mode) for spec in vision.extra_specs(shapes, act)]
     # layers whose checkpoint quantization differs get per-layer nets of their own
@@ -723,10 +724,11 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
     unique: dict[tuple, str] = {}
     alias: dict[str, str] = {}
     for name in order:
-        r = from_placeholder.get(name)
-        key = (_digest(shared[name]),) if r is None else (
-            stream.placeholder_of(r.source), r.source.partition("@")[2], r.part, r.shape,
-            str(r.dtype), r.bits, r.group_size, r.symmetric, str(r.scale_dtype))
+        recipe = from_placeholder.get(name)
+        key = (_digest(shared[name]),) if recipe is None else (
+            stream.placeholder_of(recipe.source), recipe.source.partition("@")[2], recipe.part,
+            recipe.shape, str(recipe.dtype), recipe.bits, recipe.group_size, recipe.symmetric,
+            str(recipe.scale_dtype))
         alias[name] = unique.setdefault(key, name)
     specs = {nm: (tuple(shared[nm].shape), shared[nm].dtype.name) if nm in shared
              else (from_placeholder[nm].shape, from_placeholder[nm].dtype.name)

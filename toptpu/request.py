@@ -472,7 +472,8 @@ def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool
                                "choose such a mode")
 
 
-def check_devices(devices: int, parallel: Parallel | None, chip: Chip) -> Parallel | None:
+def check_devices(devices: int, parallel: Parallel | str | None, chip: Chip
+                  ) -> Parallel | None:
     """`--devices` within the chip's `max_devices`, `--parallel` given only with several;
     the strategy (tp by default for several devices, None for one)."""
     devices, parallel = _devices(devices), _parallel(parallel)

@@ -353,7 +353,7 @@ class _RowSlices:
         self.loads: list[tuple[int, LoadStep]] = []
         self.resident: set[int] = set()
 
-    def whole(self, srcs: list[Writer | None], axis: int | None = None
+    def whole(self, srcs: Sequence[Writer | None], axis: int | None = None
               ) -> WholeRows | None:
         """The whole of the buffers `srcs` wrote, one per slice; `axis`: the axis they
         are sliced along when it is not the rows' (an attention's mask), loads only."""
@@ -515,7 +515,8 @@ def _cols_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | 
                  for ld in loads]
         if parts and these != parts:
             return None
-        parts = these
+        # (..., rows) indexes the last axis whatever the rank: parts' slices but the first
+        parts = these  # type: ignore[assignment]
         sources.append(g)
     if not parts or any(s.outs[0].shape[-1] != p[-1].stop - p[-1].start
                         for (_, s), p in zip(chain, parts, strict=True)):

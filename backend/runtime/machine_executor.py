@@ -359,10 +359,10 @@ class MachineExecutor(Executor):
                     return f"command {c.id}, which {what} '{ref.name}' ({kind})"
                 want_shape, want_dtype = spec.shape, spec.dtype
             elif ref.space is Space.WEIGHT:
-                w = prog.weights.get(ref.name or "")
-                if w is None:
+                listed = prog.weights.get(ref.name or "")
+                if listed is None:
                     return f"command {c.id}, which reads weight '{ref.name}' it does not list"
-                want_shape, want_dtype = w.shape, w.dtype
+                want_shape, want_dtype = listed.shape, listed.dtype
             else:
                 continue
             if (tuple(shape), dtype) != (tuple(want_shape), want_dtype):

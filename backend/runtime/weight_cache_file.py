@@ -246,7 +246,7 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
 
 
 def _parts(model: LlmFile, net: str, uses: list[_Use]
-           ) -> list[tuple[_Use, tuple[int, int, int, int]]]:
+           ) -> list[tuple[_Use, tuple[int, ...]]]:
     """The reduction parts net `net`'s layer groups read of the weights it converts (a
     matmul's K split: each part's weights a window of the whole form, its columns): each
     use with its part of the form (rows start, rows, columns start, columns), as the
@@ -254,7 +254,7 @@ def _parts(model: LlmFile, net: str, uses: list[_Use]
     by_name = {u.source: u for u in uses}
     prog = Program.from_json(model.file.view(model.meta.nets[net].streams))
     writer: dict[int, Load] = {}  # local buffer -> the load that last wrote it
-    found: dict[tuple, tuple[_Use, tuple[int, int, int, int]]] = {}
+    found: dict[tuple, tuple[_Use, tuple[int, ...]]] = {}
     for c in prog.commands:
         if isinstance(c, Load):
             writer[c.local.buf] = c
