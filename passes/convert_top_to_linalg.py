@@ -75,6 +75,7 @@ from toptpu.dialects.linalg_interface import (
     op_where,
 )
 from toptpu.dialects.naming import NAME_ATTR, output_names, value_name
+from toptpu.dialects.slicing_interface import SlicingInterface
 from toptpu.passes.util import require_level
 
 __all__ = ["ConvertTopToLinalgPass", "LinalgLoweringError", "WEIGHT_ARG_ATTR"]
@@ -188,7 +189,8 @@ def expose_values(fn: func.FuncOp) -> list[str]:
     values: list[SSAValue] = []
     op: Operation  # xDSL's BlockOps iterates untyped
     for op in fn.body.block.ops:
-        if not isinstance(op, LinalgLowering) or op.GLOBAL_SOURCE:  # weights, constants
+        if not isinstance(op, LinalgLowering) or (  # weights, constants
+                isinstance(op, SlicingInterface) and op.GLOBAL_SOURCE):
             continue
         for r in op.results:
             n = value_name(r)
