@@ -21,7 +21,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -250,11 +250,15 @@ def _sanitize(name: str) -> str:
 
 # =========================================================================== builders
 
-Builder = Callable[[Importer, torch.fx.Node], Any]
-ATEN_BUILDERS: dict[Any, Builder] = {}
+#: what a builder gives for its node: the node's value, the values of its tuple result, or
+#: None (a node with no value: an assert)
+Built: TypeAlias = "SSAValue | tuple[SSAValue, ...] | None"
+Builder = Callable[[Importer, torch.fx.Node], Built]
+#: aten op overload (or Python operator) -> its builder
+ATEN_BUILDERS: dict[object, Builder] = {}
 
 
-def builds(*targets: Any) -> Callable[[Builder], Builder]:
+def builds(*targets: object) -> Callable[[Builder], Builder]:
     def deco(fn: Builder) -> Builder:
         for t in targets:
             ATEN_BUILDERS[t] = fn
@@ -285,21 +289,21 @@ def _list_arg(node: torch.fx.Node, i: int) -> list[Any]:
 
 @builds(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
         aten.sym_constrain_range_for_size.default)
-def _skip(im: Importer, node: torch.fx.Node) -> Any:
+def _skip(im: Importer, node: torch.fx.Node) -> Built:
     return None
 
 
 @builds(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
         aten.dropout.default, aten.lift_fresh_copy.default, aten.to.device,
         aten.feature_dropout.default)
-def _identity(im: Importer, node: torch.fx.Node) -> Any:
+def _identity(im: Importer, node: torch.fx.Node) -> Built:
     x = node.args[0]
     assert isinstance(x, torch.fx.Node), f"{node.target}: argument 0 is {x!r}, not a tensor"
     return im.env[x]
 
 
 @builds(aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default)
-def _to(im: Importer, node: torch.fx.Node) -> Any:
+def _to(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     return im.cast_to(x, im.out_type().element_type, "")
 
@@ -318,7 +322,7 @@ def _scalar(a: Any) -> float | None:
 
 
 def _binary(kind: str, tensor_op: type[top.BinaryOp], const_op: type[top.ConstBinaryOp]) -> Builder:
-    def build(im: Importer, node: torch.fx.Node) -> Any:
+    def build(im: Importer, node: torch.fx.Node) -> Built:
         a, b = node.args[0], node.args[1]
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
@@ -353,7 +357,7 @@ for _kind, _top, _const in (
 
 
 @builds(aten.rsub.Scalar)
-def _rsub(im: Importer, node: torch.fx.Node) -> Any:
+def _rsub(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     c = _scalar(node.args[1])
     assert c is not None
@@ -361,13 +365,13 @@ def _rsub(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.neg.default)
-def _neg(im: Importer, node: torch.fx.Node) -> Any:
+def _neg(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     return im.emit(top.MulConstOp(x, -1.0)).results[0]
 
 
 @builds(aten.maximum.default, aten.minimum.default)
-def _maxmin(im: Importer, node: torch.fx.Node) -> Any:
+def _maxmin(im: Importer, node: torch.fx.Node) -> Built:
     x, y = _elementwise_operands(im, node, node.args[:2])
     cls = top.MaxOp if node.target == aten.maximum.default else top.MinOp
     return im.emit(cls(x, y)).results[0]
@@ -387,13 +391,13 @@ _UNARY: dict[Any, type[top.UnaryOp]] = {
 
 
 @builds(*_UNARY)
-def _unary(im: Importer, node: torch.fx.Node) -> Any:
+def _unary(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     return im.emit(_UNARY[node.target](x)).results[0]
 
 
 @builds(aten.softplus.default)
-def _softplus(im: Importer, node: torch.fx.Node) -> Any:
+def _softplus(im: Importer, node: torch.fx.Node) -> Built:
     """F.softplus with torch's defaults (beta 1, threshold 20), the ones `top.softplus`
     computes; other parameters are refused."""
     beta, threshold = _arg(node, 1, "beta", 1.0), _arg(node, 2, "threshold", 20.0)
@@ -405,7 +409,7 @@ def _softplus(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.gelu.default)
-def _gelu(im: Importer, node: torch.fx.Node) -> Any:
+def _gelu(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     try:
         approx = GeluApproximation.parse(str(node.kwargs.get("approximate", "none")))
@@ -415,7 +419,7 @@ def _gelu(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.pow.Tensor_Scalar)
-def _pow(im: Importer, node: torch.fx.Node) -> Any:
+def _pow(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     e = _scalar(node.args[1])
     assert e is not None
@@ -423,7 +427,7 @@ def _pow(im: Importer, node: torch.fx.Node) -> Any:
 
 
 def _compare(pred: ComparePredicate) -> Builder:
-    def build(im: Importer, node: torch.fx.Node) -> Any:
+    def build(im: Importer, node: torch.fx.Node) -> Built:
         a, b = node.args[0], node.args[1]
         x = im.value(a)
         if _scalar(b) is not None:
@@ -449,14 +453,14 @@ for _p in ComparePredicate:  # aten.eq, aten.ne, ... are named like the predicat
 
 
 @builds(aten.where.self)
-def _where(im: Importer, node: torch.fx.Node) -> Any:
+def _where(im: Importer, node: torch.fx.Node) -> Built:
     c = im.value(node.args[0])
     x, y = _elementwise_operands(im, node, node.args[1:3])
     return im.emit(top.WhereOp(c, x, y)).results[0]
 
 
 @builds(aten.masked_fill.Scalar)
-def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
+def _masked_fill(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     m = im.value(node.args[1])
     v = _scalar(node.args[2])
@@ -470,7 +474,7 @@ def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.linear.default)
-def _linear(im: Importer, node: torch.fx.Node) -> Any:
+def _linear(im: Importer, node: torch.fx.Node) -> Built:
     x, w = im.value(node.args[0]), im.value(node.args[1])
     b = im.value(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
     op = top.MatMulOp(x, w, b, transpose_b=True)
@@ -478,7 +482,7 @@ def _linear(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.mm.default, aten.bmm.default, aten.matmul.default)
-def _mm(im: Importer, node: torch.fx.Node) -> Any:
+def _mm(im: Importer, node: torch.fx.Node) -> Built:
     a, b = im.value(node.args[0]), im.value(node.args[1])
     if len(shape_of(a)) == 1 or len(shape_of(b)) == 1:
         raise UnsupportedOpError("matmul with a rank-1 operand")
@@ -486,7 +490,7 @@ def _mm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.addmm.default)
-def _addmm(im: Importer, node: torch.fx.Node) -> Any:
+def _addmm(im: Importer, node: torch.fx.Node) -> Built:
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError("aten.addmm with beta/alpha != 1")
     bias, a, b = (im.value(x) for x in node.args[:3])
@@ -497,7 +501,7 @@ def _addmm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.t.default)
-def _t(im: Importer, node: torch.fx.Node) -> Any:
+def _t(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     if len(shape_of(x)) < 2:
         return x
@@ -505,7 +509,7 @@ def _t(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.transpose.int)
-def _transpose(im: Importer, node: torch.fx.Node) -> Any:
+def _transpose(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     r = len(shape_of(x))
     d0, d1 = _int_arg(node, 1) % r, _int_arg(node, 2) % r
@@ -515,7 +519,7 @@ def _transpose(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.permute.default)
-def _permute(im: Importer, node: torch.fx.Node) -> Any:
+def _permute(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     r = len(shape_of(x))
     return im.permute(x, [d % r for d in _list_arg(node, 1)], "")
@@ -524,12 +528,12 @@ def _permute(im: Importer, node: torch.fx.Node) -> Any:
 @builds(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
         aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default)
-def _reshape(im: Importer, node: torch.fx.Node) -> Any:
+def _reshape(im: Importer, node: torch.fx.Node) -> Built:
     return im.reshape(im.value(node.args[0]), im.out_shape(), "")
 
 
 @builds(aten.expand.default, aten.expand_as.default)
-def _expand(im: Importer, node: torch.fx.Node) -> Any:
+def _expand(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = im.out_shape()
     if shape_of(x) == shape:
@@ -538,7 +542,7 @@ def _expand(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.cat.default, aten.concat.default)
-def _cat(im: Importer, node: torch.fx.Node) -> Any:
+def _cat(im: Importer, node: torch.fx.Node) -> Built:
     xs = _elementwise_operands(im, node, _list_arg(node, 0))
     xs = [x for x in xs if 0 not in shape_of(x)]
     dim = _arg(node, 1, "dim", 0)
@@ -570,7 +574,7 @@ def _slice_value(im: Importer, x: SSAValue, dim: int, start: int, end: int, step
 
 
 @builds(aten.slice.Tensor)
-def _slice(im: Importer, node: torch.fx.Node) -> Any:
+def _slice(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 1, "dim", 0) % len(shape)
@@ -580,7 +584,7 @@ def _slice(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.select.int)
-def _select(im: Importer, node: torch.fx.Node) -> Any:
+def _select(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _int_arg(node, 1) % len(shape)
@@ -596,7 +600,7 @@ def _split_sizes(size: int, split: Any) -> list[int]:
 
 
 @builds(aten.split.Tensor, aten.split_with_sizes.default, aten.split.sizes)
-def _split(im: Importer, node: torch.fx.Node) -> Any:
+def _split(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 2, "dim", 0) % len(shape)
@@ -608,7 +612,7 @@ def _split(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.chunk.default)
-def _chunk(im: Importer, node: torch.fx.Node) -> Any:
+def _chunk(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 2, "dim", 0) % len(shape)
@@ -621,7 +625,7 @@ def _chunk(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.unbind.int)
-def _unbind(im: Importer, node: torch.fx.Node) -> Any:
+def _unbind(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 1, "dim", 0) % len(shape)
@@ -633,7 +637,7 @@ def _unbind(im: Importer, node: torch.fx.Node) -> Any:
 
 
 def _reduce(mode: ReduceMode) -> Builder:
-    def build(im: Importer, node: torch.fx.Node) -> Any:
+    def build(im: Importer, node: torch.fx.Node) -> Built:
         x = im.value(node.args[0])
         r = len(shape_of(x))
         dims = _arg(node, 1, "dim", None)
@@ -655,14 +659,14 @@ ATEN_BUILDERS[aten.amin.default] = _reduce(ReduceMode.MIN)
 
 
 @builds(aten.mean.default, aten.sum.default)
-def _reduce_all(im: Importer, node: torch.fx.Node) -> Any:
+def _reduce_all(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     mode = ReduceMode.MEAN if node.target == aten.mean.default else ReduceMode.SUM
     return im.emit(top.ReduceOp(x, mode, range(len(shape_of(x))), False)).results[0]
 
 
 @builds(aten.softmax.int, aten._softmax.default)
-def _softmax(im: Importer, node: torch.fx.Node) -> Any:
+def _softmax(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
     dim = _int_arg(node, 1) % len(shape_of(x))
@@ -670,7 +674,7 @@ def _softmax(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.layer_norm.default)
-def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
+def _layer_norm(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     nshape = _list_arg(node, 1)
     w = _arg(node, 2, "weight")
@@ -683,7 +687,7 @@ def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.rms_norm.default)
-def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
+def _rms_norm(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     if len(_list_arg(node, 1)) != 1:
         raise UnsupportedOpError("aten.rms_norm over more than the last axis")
@@ -695,20 +699,20 @@ def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.embedding.default)
-def _embedding(im: Importer, node: torch.fx.Node) -> Any:
+def _embedding(im: Importer, node: torch.fx.Node) -> Built:
     w, idx = im.value(node.args[0]), im.value(node.args[1])
     return im.emit(top.GatherOp(w, idx, 0)).results[0]
 
 
 @builds(aten.index_select.default)
-def _index_select(im: Importer, node: torch.fx.Node) -> Any:
+def _index_select(im: Importer, node: torch.fx.Node) -> Built:
     x, dim, idx = im.value(node.args[0]), _int_arg(node, 1), im.value(node.args[2])
     dim %= len(shape_of(x))
     return im.emit(top.GatherOp(x, idx, dim)).results[0]
 
 
 @builds(aten.topk.default)
-def _topk(im: Importer, node: torch.fx.Node) -> Any:
+def _topk(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     k = _int_arg(node, 1)
     dim = _arg(node, 2, "dim", -1) % len(shape_of(x))
@@ -719,7 +723,7 @@ def _topk(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.scatter.src)
-def _scatter(im: Importer, node: torch.fx.Node) -> Any:
+def _scatter(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     dim = _int_arg(node, 1) % len(shape_of(x))
     idx, src = im.value(node.args[2]), im.value(node.args[3])
@@ -730,7 +734,7 @@ def _scatter(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.cumsum.default)
-def _cumsum(im: Importer, node: torch.fx.Node) -> Any:
+def _cumsum(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
     dim = _int_arg(node, 1) % len(shape_of(x))
@@ -738,7 +742,7 @@ def _cumsum(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.argmax.default)
-def _argmax(im: Importer, node: torch.fx.Node) -> Any:
+def _argmax(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     dim = _arg(node, 1, "dim")
     if dim is None:
@@ -751,7 +755,7 @@ def _argmax(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)
-def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
+def _conv2d(im: Importer, node: torch.fx.Node) -> Built:
     x, w = im.value(node.args[0]), im.value(node.args[1])
     b = _arg(node, 2, "bias")
     stride = list(_arg(node, 3, "stride", [1, 1]))
@@ -785,7 +789,7 @@ def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.scaled_dot_product_attention.default)
-def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
+def _sdpa(im: Importer, node: torch.fx.Node) -> Built:
     """torch layout [B, H, S, D] -> sequence-major top.attention between permutes.
 
     A GQA repeat (k expanded to the query heads) is left in place here; the fuse pass
@@ -832,7 +836,7 @@ def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(torch.ops.toptpu.causal_conv1d.default)
-def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Any:
+def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Built:
     """`toptpu::causal_conv1d` (frontends.linear_attention_ops) -> top.causal_conv1d; its
     two results are taken apart by the getitem nodes that follow it."""
     x, w = im.value(node.args[0]), im.value(node.args[1])
@@ -845,7 +849,7 @@ def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(torch.ops.toptpu.gated_delta_rule.default)
-def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Any:
+def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Built:
     """`toptpu::gated_delta_rule` (frontends.linear_attention_ops) -> top.gated_delta_rule;
     a state of another float type is cast to f32 first (the definition computes in f32)."""
     q, k, v, g, beta = (im.value(a) for a in node.args[:5])
