@@ -82,7 +82,9 @@ _CONTROL_NAMES = {"\v": "vertical tab (\\0B)", "\f": "form feed (\\0C)"}
 def check_string_literal(source: Input[str], start: int) -> None:
     """Raise a ParseError unless the string literal opening at `start` closes legally.
     Linear in the literal's length."""
-    end = _STRING_PREFIX.match(source.content, start).end()  # type: ignore[union-attr]
+    opening = _STRING_PREFIX.match(source.content, start)
+    assert opening is not None, "check_string_literal called where no literal opens"
+    end = opening.end()
     char = source.at(end)
     if char == '"':
         return

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
+from xdsl.dialects.builtin import ShapedType
 from xdsl.ir import Attribute, Operation, SSAValue
 
 
@@ -83,7 +84,9 @@ def aligned_axis(operand_shape: Sequence[int], result_shape: Sequence[int],
 
 
 def _shape(v: SSAValue) -> tuple[int, ...]:
-    return tuple(v.type.get_shape())  # type: ignore[attr-defined]
+    t = v.type
+    assert isinstance(t, ShapedType), t
+    return tuple(t.get_shape())
 
 
 def broadcast_row_rule(op: Operation, r: int) -> RowRule | None:

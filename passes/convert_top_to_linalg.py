@@ -164,9 +164,11 @@ def own_buffers(ret: func.ReturnOp) -> None:
             e = Emitter(ret)
             v = e.map([(v, identity(len(shape_of(v))))], shape_of(v), _element_type(v),
                       lambda b: b.args[0])
+            block = ret.parent_block()
+            assert block is not None
             for o in e.ops:
                 o.location = ret.location
-                ret.parent_block().insert_op_before(o, ret)  # type: ignore[union-attr]
+                block.insert_op_before(o, ret)
         seen.add(v)
         operands.append(v)
     ret.operands = operands

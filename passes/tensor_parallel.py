@@ -238,7 +238,8 @@ class _Sharder:
             if op.bias is not None:
                 add = top.AddOp.build([total, op.bias])
                 set_name(add, f"{op_name(op)}.bias", like=op)
-                self.rewriter.insert_op(add, InsertPoint.after(total.owner))  # type: ignore[arg-type]
+                assert isinstance(total.owner, Operation)  # the all-reduce
+                self.rewriter.insert_op(add, InsertPoint.after(total.owner))
                 out = add.results[0]
             new.results[0].replace_uses_with_if(out, lambda u: u.operation is not total.owner)
             return
@@ -424,7 +425,8 @@ class _Sharder:
         op = dev.AllReduceOp(partial, self.devices, alg)
         set_name(op, f"{op_name(user) or user.name}.all_reduce", like=user)
         op.output.name_hint = f"{partial.name_hint or 'partial'}_sum"
-        self.rewriter.insert_op(op, InsertPoint.after(partial.owner))  # type: ignore[arg-type]
+        assert isinstance(partial.owner, Operation)  # the rebuilt op's result
+        self.rewriter.insert_op(op, InsertPoint.after(partial.owner))
         return op.output
 
     def gather(self, v: SSAValue, s: Split, name: str) -> dev.AllGatherOp:

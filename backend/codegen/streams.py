@@ -65,7 +65,8 @@ def nbytes_of(t: TensorType) -> int:
 
 def _dtype(v: SSAValue) -> str:
     t = v.type
-    return str(numpy_dtype(t.element_type))  # type: ignore[attr-defined]
+    assert isinstance(t, TensorType), t
+    return str(numpy_dtype(t.element_type))
 
 
 class _Emitter:
@@ -235,8 +236,9 @@ class _GroupEmitter:
         self.loads, self.computes, self.stores = g.template()
         self.slices = s = read_int(g.slices)
         self.outer: dict[SSAValue, SSAValue] = dict(zip(g.body.block.args, g.inputs, strict=True))
-        self.store_target = dict(zip(g.body.block.last_op.operands,  # type: ignore[union-attr]
-                                     g.outputs, strict=True))
+        yielded = g.body.block.last_op
+        assert yielded is not None  # a group's body ends with its yield
+        self.store_target = dict(zip(yielded.operands, g.outputs, strict=True))
         self.lmem: dict[SSAValue, list[int]] = {}
         for op in [*self.loads, *self.computes]:
             if not read_ints(op.lmem):
