@@ -686,7 +686,7 @@ class ShapedOp(IRDLOperation, SlicingInterface):
             )
 
     @classmethod
-    def build(  # type: ignore[override]
+    def build(  # type: ignore[override]  # also xDSL's keywords
         cls,
         operands: Sequence[SSAValue | Sequence[SSAValue] | None] = (),
         attrs: Mapping[str, Attribute | None] | None = None,
@@ -707,6 +707,7 @@ class ShapedOp(IRDLOperation, SlicingInterface):
         op = cls.__new__(cls)
         if attributes is None and properties is None and successors is None \
                 and regions is None:
+            # the ignore below: groups, as parsed
             op.construct(operands, attrs, result_types)  # type: ignore[arg-type]
             return op
         IRDLOperation.__init__(op, operands=[o if o is not None else [] for o in operands],

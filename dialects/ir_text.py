@@ -134,9 +134,9 @@ def _install_string_literal_guard() -> bool:
             return MLIRToken(MLIRTokenKind.STRING_LIT, token.span)
         return token
 
-    guarded.toptpu_guard = True  # type: ignore[attr-defined]
+    guarded.toptpu_guard = True  # type: ignore[attr-defined]  # a marker on the function
     guarded.__doc__ = original.__doc__
-    MLIRLexer._lex_string_literal = guarded  # type: ignore[method-assign]
+    MLIRLexer._lex_string_literal = guarded  # type: ignore[method-assign]  # guarded in place
     return True
 
 
@@ -164,8 +164,9 @@ def _install_integer_width_guard() -> bool:
                                  f"{MAX_INTEGER_WIDTH} bits", token.span)
         return original(self)
 
-    guarded.toptpu_guard = True  # type: ignore[attr-defined]
+    guarded.toptpu_guard = True  # type: ignore[attr-defined]  # a marker on the function
     guarded.__doc__ = original.__doc__
+    # the ignore below: guarded in place
     AttrParser._parse_optional_integer_or_float_type = guarded  # type: ignore[method-assign]
     return True
 

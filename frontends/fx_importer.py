@@ -327,7 +327,7 @@ def _binary(kind: str, tensor_op: type[top.BinaryOp], const_op: type[top.ConstBi
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
             if _scalar(b) is not None:
-                b = _scalar(b) * alpha  # type: ignore[operator]
+                b = _scalar(b) * alpha  # type: ignore[operator]  # a number, checked above
             else:
                 raise UnsupportedOpError(f"aten.{kind} with alpha={alpha}")
         sa, sb = _scalar(a), _scalar(b)

@@ -1001,8 +1001,8 @@ def load_gguf(source: str, dequantize: str | None = None,
             tensors.dequantize = mode
     files = _tokenizer_files(path) if need_tokenizer else {}
     ck = GGUFCheckpoint(tensors)
-    # GGUFCheckpoint has QuantizedCheckpoint's interface without deriving from it
     stream = StreamedWeights(tensors, {},
+                             # the ignore: QuantizedCheckpoint's interface, not its class
                              checkpoint=ck if ck.layouts else None)  # type: ignore[arg-type]
     get: Callable[[str], np.ndarray] = stream.tensor_f32
     model, stream.placeholders = skeleton(config, get)

@@ -319,6 +319,7 @@ class Block(torch.nn.Module):
 class BlockWithHistory(Block):
     """`Block` attending to a history KV cache first: prefill_kv and decode."""
 
+    # the ignore below: + history
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,  # type: ignore[override]
                 attention_mask: torch.Tensor, history_k: torch.Tensor,
                 history_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

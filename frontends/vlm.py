@@ -425,7 +425,7 @@ class MiniCPMVVisionModel(VisionModel):
         if cfg.downsample_mode != "4x":
             out.append(tuple(int(k) for k in cfg.vision_config.window_kernel_size))
         out += [tuple(int(k) for k in cfg.merge_kernel_size)] * int(cfg.merger_times)
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # the config's kernels are pairs
 
     @property
     def token_divisor(self) -> int:

@@ -233,7 +233,7 @@ class Lowering:
         src = top_weight.tensor_name
         key = (src, "checkpoint")
         if key in self._quantized:
-            return self._quantized[key]  # type: ignore[return-value]
+            return self._quantized[key]  # type: ignore[return-value]  # a checkpoint entry
         parts = checkpoint_parts_of_store(self.store, src)
         if parts is None:
             return None
@@ -254,7 +254,7 @@ class Lowering:
             values[part] = op.results[0]
         result = (values["qweight"], values["scales"], values.get("zeros"),
                   values.get("mins"), values.get("perm"), bits, gs)
-        self._quantized[key] = result  # type: ignore[assignment]
+        self._quantized[key] = result  # type: ignore[assignment]  # a checkpoint entry
         return result
 
     def operand(self, v: SSAValue, elem: Attribute | None, user: Operation,

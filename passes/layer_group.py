@@ -353,6 +353,7 @@ def _tile_operands(op: Operation) -> tuple[list[_TileOperand], _TileOperand, int
     for v, ax in zip(op.operands, axes, strict=True):
         shape = shape_of(v)
         inputs.append(_TileOperand(v, nbytes(v), ax,
+                                   # the ignore below: as long as ax
                                    tuple(shape[a] if a != -1 else 1 for a in ax)))  # type: ignore[arg-type]
     res = op.results[0]
     rows_axis, cols_axis = tile_result_axes(op)
@@ -730,7 +731,7 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
         counts.append((SliceKind.COLS, col_count(op)))
     if heads_sliceable(op):
         counts.append((SliceKind.HEADS, heads_count(op)))
-    best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
+    best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]  # inf: unbounded
     what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel",
             SliceKind.HEADS: op.HEADS_UNIT if isinstance(op, SlicingInterface) else "head"}
     for kind, n in counts:

@@ -338,6 +338,7 @@ class _Sharder:
                 self.gather_inputs(op)
                 return
             operands.append(self.shard_weight(w, Split(axis, s.pieces), op))
+        # the ignore below: an op of groups
         new = type(op).build(_groups(op, operands), _attrs(op))  # type: ignore[attr-defined]
         self.replace(op, new)
         for r in new.results:
@@ -458,7 +459,7 @@ def _groups(op: Operation, operands: list[SSAValue]) -> list[SSAValue | None]:
     operands as None)."""
     groups: list[SSAValue | None] = []
     it = iter(operands)
-    for g in op.operand_groups():  # type: ignore[attr-defined]
+    for g in op.operand_groups():  # type: ignore[attr-defined]  # an op of operand groups
         groups.append(None if g is None else next(it))
     return groups
 

@@ -119,6 +119,7 @@ def expand_pipelines(passes: Sequence[ModulePass]) -> list[ModulePass]:
     for p in passes:
         inner = getattr(p, "inner_passes", None)
         if callable(inner):
+            # the ignore below: a pipeline pass's LEVEL
             out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
             out.extend(expand_pipelines(inner()))
         else:

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
 from typecheck import ROOT, build_layout, run_mypy, source_path
+
+PACKAGE_DIRS = ("toptpu", "dialects", "passes", "frontends", "backend")
+IGNORE = re.compile(r"#\s*type:\s*ignore(?P<codes>\[[^\]]*\])?(?P<rest>.*)$")
 
 
 def test_the_strictness_is_stated_and_not_loosened() -> None:
@@ -30,6 +34,23 @@ def test_the_layout_is_the_installed_package(tmp_path) -> None:
     line = f"{layout.relative_to(ROOT) if layout.is_relative_to(ROOT) else layout}"
     assert source_path(f"{line}/toptpu/passes/fuse.py:3: error: x  [misc]") == (
         "passes/fuse.py:3: error: x  [misc]")
+
+
+def test_every_ignore_names_its_error_code_and_why() -> None:
+    """A `# type: ignore[code]` says why, after it or in a comment on the line above."""
+    bare = []
+    for folder in PACKAGE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            for i, line in enumerate(lines):
+                found = IGNORE.search(line)
+                if found is None:
+                    continue
+                above = lines[i - 1].strip() if i else ""
+                if not found["codes"] or not (found["rest"].strip().startswith("#")
+                                              or above.startswith("#")):
+                    bare.append(f"{path.relative_to(ROOT)}:{i + 1}: {line.strip()}")
+    assert not bare, "ignores without an error code or a reason:\n" + "\n".join(bare)
 
 
 @pytest.mark.slow

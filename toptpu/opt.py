@@ -377,6 +377,7 @@ def expand_marking_ends(passes: Sequence[ModulePass]
         if not callable(inner):
             out.append(p)
             continue
+        # the ignore below: a pipeline pass's LEVEL
         out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
         sub, sub_ends = expand_marking_ends(inner())
         for i, names in sub_ends.items():
@@ -635,6 +636,7 @@ class ToptpuOptMain(xDSLOptMain):
             arg_parser.epilog = passes_help()
             return format_help()
 
+        # the ignore below: this parser's help
         arg_parser.format_help = format_help_with_passes  # type: ignore[method-assign]
 
     # -- input and output ----------------------------------------------------------------------

@@ -1006,7 +1006,8 @@ class LlmFile:
             self.file.close()
             raise
         self.header: dict[str, Any] = self.meta.to_json()
-        #: the weight table of a one-device file (`device_layout` for several)
+        #: the weight table of a one-device file (`device_layout` for several); the ignore:
+        #: None in a multi-device file, whose readers use `device_layout`
         self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
 
     def device_layout(self, device: int) -> WeightLayout:

@@ -662,10 +662,11 @@ def run_together(machines: Sequence[Machine], net: LoadedNet, bindings: Sequence
             return net.plan(machines[0].chip).timeline
         if any(x is None for x in met) or len({id(x[0]) for x in met if x}) != 1:
             raise MachineTrap(f"net '{net.name}': its devices reached different collectives")
-        step = met[0][0]  # type: ignore[index]
+        step = met[0][0]  # type: ignore[index]  # no None: checked above
+        # the ignore below: no None: checked above
         parts = [views[step.src][0] for _, views in met]  # type: ignore[misc]
         whole = collective_result(step.op, parts)
-        for _, views in met:  # type: ignore[misc]
+        for _, views in met:  # type: ignore[misc]  # no None: checked above
             target, writable, _ = views[step.dst]
             if not writable:
                 raise MachineTrap(f"{step.who}: write to a read-only region")

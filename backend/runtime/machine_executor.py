@@ -450,8 +450,8 @@ class MachineExecutor(Executor):
             raise MachineExecutorError(f"net '{info.name}' is shared by all layers; run it "
                                        "without layer=")
         for name in prog.weights:
-            if info.per_layer and name in layout.chunk_of(layer):  # type: ignore[arg-type]
-                out[name] = self._blob + layout.layer_offset(layer, name)  # type: ignore[arg-type]
+            if info.per_layer and layer is not None and name in layout.chunk_of(layer):
+                out[name] = self._blob + layout.layer_offset(layer, name)
             elif name in layout.shared:
                 out[name] = self._blob + layout.shared[name].offset
             else:
