@@ -58,7 +58,7 @@ class ExpandSilu(RewritePattern):
             gate = named_like(top.AddConstOp(scaled.output, 0.5), op, ".gate")
             new = [half, tanh, scaled, gate]
         product = named_like(top.MulOp(x, gate.results[0]), op)
-        rewriter.replace_op(op, [*new, product], [product.output])
+        rewriter.replace(op, [*new, product], [product.output])
 
 
 @dataclass(frozen=True)
