@@ -28,7 +28,8 @@ Then the weights are packed as `toptpu compile` packs them: the shared tensors a
 representative layers from the dump's store (each representative layer checked bit for bit
 against its tensors derived again from the model, so an edited store cannot go unnoticed),
 every other layer derived by the nets' weight recipes from the model's own tensors, read one
-layer at a time from the checkpoint `compile.json` names (`--model PATH` when it moved). The
+layer at a time from the checkpoint `compile.json` names (or the MODEL given, when it
+moved). The
 header records each net's passes (`NetEntry.pipeline`) and where it was picked up
 (`CompileInfo.from_ir`).
 
@@ -48,6 +49,7 @@ from typing import IO, Any
 
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass
+from xdsl.utils.exceptions import DiagnosticException, ParseError
 
 from toptpu.backend.contract import TensorSpec
 from toptpu.backend.formats.llm_file import FromIrInfo, IrStageInfo
@@ -63,7 +65,7 @@ from toptpu.compiler import (
 )
 from toptpu.devices import Parallel
 from toptpu.dialects import context
-from toptpu.dialects.ir_text import IRTextError, parse_ir
+from toptpu.dialects.ir_text import IRTextError, one_line, parse_ir
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore, WeightStoreError
 from toptpu.errors import CompileError, ToptpuError
 from toptpu.ir_dump import COMPILE_FILE, COMPILE_FORMAT, WEIGHTS_FILE, DumpError, Stage, stages
@@ -189,8 +191,8 @@ def _load_module(stage: Stage, store: WeightStore) -> ModuleOp:
         raise CompileError(f"{stage.file}: cannot read it ({e.strerror or e})") from None
     except IRTextError as e:
         raise CompileError(str(e)) from None
-    except ToptpuError as e:
-        raise CompileError(f"{stage.file}: {e}") from None
+    except (ParseError, DiagnosticException) as e:  # located: file:line:column
+        raise CompileError(one_line(e)) from None
     module.attributes[STORE_ATTR] = StringAttr(store.uri)
     return module
 
@@ -263,10 +265,11 @@ def compile_from_ir(directory: str, output: str, *, model: str | None = None,
     source = model or dump.source
     if source is None:
         raise CompileError(f"{directory} was dumped from an in-memory model: give the model "
-                           "its other layers' weights come from (--model PATH)")
+                           "its other layers' weights come from (toptpu compile MODEL "
+                           "--from-ir DIR)")
     if not os.path.exists(source):
         raise CompileError(f"{directory}/{COMPILE_FILE} names the model {source}, which no "
-                           "longer exists: give it with --model PATH")
+                           "longer exists: give its path (toptpu compile MODEL --from-ir DIR)")
     try:
         request = CompileRequest.make(**{**dump.request, "dump_ir": None})
     except TypeError as e:
