@@ -97,7 +97,7 @@ from toptpu.expected_diagnostics import (
 )
 from toptpu.pass_pipeline import pass_options
 from toptpu.passes.pipelines import PIPELINES, PipelineEntry, all_passes
-from toptpu.plugins import ENTRY_POINT_GROUP, load_plugins
+from toptpu.plugins import ENTRY_POINT_GROUP, load_plugins, returning
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug): xDSL's
 #: diagnostics and toptpu's user-facing errors (`toptpu.errors.ToptpuError`)
@@ -366,12 +366,12 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_passes(self) -> None:
         ours = all_passes()
         for name, cls in ours.items():
-            self.register_pass(name, lambda cls=cls: cls)
+            self.register_pass(name, returning(cls))
         super().register_all_passes()
         for name, cls in ours.items():  # ours win where xDSL has a pass of the same name
-            self.register_pass(name, lambda cls=cls: cls)
+            self.register_pass(name, returning(cls))
         for name, (cls, _) in load_plugins().passes.items():  # names no other pass has
-            self.register_pass(name, lambda cls=cls: cls)
+            self.register_pass(name, returning(cls))
 
     def setup_pipeline(self) -> None:
         for problem in load_plugins().problems:  # one line each; the other passes go on

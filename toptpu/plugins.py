@@ -177,11 +177,17 @@ def available_passes(plugins: Plugins | None = None
     win over a same-named xDSL pass), and the plugins' (`load_plugins`)."""
     out: dict[str, Callable[[], type[ModulePass]]] = dict(get_all_passes())
     out.update(Universe.get_multiverse().all_passes)
-    for name, cls in all_passes().items():
-        out[name] = lambda cls=cls: cls
-    for name, (cls, _) in (plugins or load_plugins()).passes.items():
-        out[name] = lambda cls=cls: cls
+    ours = {**all_passes(),
+            **{name: cls for name, (cls, _) in (plugins or load_plugins()).passes.items()}}
+    for name, cls in ours.items():
+        out[name] = returning(cls)
     return out
+
+
+def returning(cls: type[ModulePass]) -> Callable[[], type[ModulePass]]:
+    """A pass registry's entry for `cls` (xDSL registers passes as functions returning
+    their class)."""
+    return lambda: cls
 
 
 def pass_origin(name: str) -> str | None:
