@@ -466,6 +466,11 @@ def _gelu(im: Importer, node: torch.fx.Node) -> Any:
 
 
 builds_from_schema(top.PowOp, aten.pow.Tensor_Scalar)
+builds_from_schema(top.ClampOp, aten.clamp.default, aten.clip.default, aten.clamp_min.default,
+                   aten.clamp_max.default)
+builds_from_schema(top.ClampOp, aten.hardtanh.default, renamed={"min_val": "min", "max_val": "max"})
+builds_from_schema(top.ClampOp, aten.relu6.default, fixed={"min": 0.0, "max": 6.0})
+
 
 def _compare(pred: ComparePredicate) -> Builder:
     def build(im: Importer, node: torch.fx.Node) -> Any:
