@@ -14,12 +14,13 @@ op and the model source line it came from.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -31,6 +32,7 @@ from xdsl.dialects.builtin import (
     TensorType,
 )
 from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
+from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
@@ -313,6 +315,72 @@ def _elementwise_operands(im: Importer, node: torch.fx.Node, args: Sequence[Any]
     return [im.cast_to(im.value(a), elem, f"cast{i}") for i, a in enumerate(args)]
 
 
+def _schema_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The node's arguments by their names in its aten op's schema, defaults filled in."""
+    values: dict[str, Any] = {}
+    for i, arg in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
+        if i < len(node.args) and not arg.kwarg_only:
+            values[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            values[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            values[arg.name] = arg.default_value
+    return values
+
+
+def builds_from_schema(op: Callable[..., Operation], *targets: Any,
+                       renamed: Mapping[str, str] | None = None,
+                       fixed: Mapping[str, object] | None = None) -> None:
+    """Import each aten op of `targets` as `op`, read from its schema: its tensor arguments
+    are the op's operands (in order, cast to the result's element type: an elementwise op),
+    its other arguments the keywords of the op's constructor of the same names (`renamed`:
+    schema name -> keyword), `fixed` keywords the aten op has no argument for (relu6's
+    bounds). A schema that does not fit the constructor fails here, when the module is
+    imported; a value the op refuses (a computed number, a NaN bound) is an
+    `UnsupportedOpError` naming the aten op and the op's reason."""
+    renamed, fixed = dict(renamed or {}), dict(fixed or {})
+    accepted = set(inspect.signature(op).parameters)
+    for target in targets:
+        for arg in target._schema.arguments:
+            if isinstance(arg.type, torch.TensorType):
+                continue
+            if isinstance(arg.type, torch.OptionalType):
+                kind = arg.type.getElementType()
+            else:
+                kind = arg.type
+            keyword = renamed.get(arg.name, arg.name)
+            if not isinstance(kind, torch.NumberType | torch.FloatType | torch.IntType
+                              | torch.BoolType | torch.StringType):
+                raise TypeError(f"builds_from_schema: {target} argument {arg.name} is a "
+                                f"{arg.type}; write a builder for it")
+            if keyword not in accepted:
+                raise TypeError(f"builds_from_schema: {target} argument {arg.name} is no "
+                                f"keyword of {getattr(op, '__name__', op)}")
+    for target in targets:
+        ATEN_BUILDERS[target] = functools.partial(_build_from_schema, op, renamed, fixed)
+
+
+def _build_from_schema(op: Callable[..., Operation], renamed: Mapping[str, str],
+                       fixed: Mapping[str, object], im: Importer, node: torch.fx.Node) -> Any:
+    values = _schema_arguments(node)
+    tensors: list[Any] = []
+    params: dict[str, object] = dict(fixed)
+    for arg in node.target._schema.arguments:  # type: ignore[union-attr]
+        value = values.get(arg.name)
+        if isinstance(arg.type, torch.TensorType):
+            tensors.append(value)
+        elif isinstance(value, torch.fx.Node):
+            raise UnsupportedOpError(f"{arg.name} is computed ({value.name}); give a number")
+        else:
+            params[renamed.get(arg.name, arg.name)] = value
+    operands = _elementwise_operands(im, node, tensors)
+    try:
+        built = op(*operands, **params)
+    except (VerifyException, TypeError, ValueError) as e:
+        raise UnsupportedOpError(str(e)) from None
+    return im.emit(built).results[0]
+
+
 def _scalar(a: Any) -> float | None:
     if isinstance(a, bool):
         return float(a)
@@ -418,12 +486,11 @@ def _gelu(im: Importer, node: torch.fx.Node) -> Built:
     return im.emit(top.GeluOp(x, approx)).results[0]
 
 
-@builds(aten.pow.Tensor_Scalar)
-def _pow(im: Importer, node: torch.fx.Node) -> Built:
-    (x,) = _elementwise_operands(im, node, [node.args[0]])
-    e = _scalar(node.args[1])
-    assert e is not None
-    return im.emit(top.PowOp(x, e)).results[0]
+builds_from_schema(top.PowOp, aten.pow.Tensor_Scalar)
+builds_from_schema(top.ClampOp, aten.clamp.default, aten.clip.default, aten.clamp_min.default,
+                   aten.clamp_max.default)
+builds_from_schema(top.ClampOp, aten.hardtanh.default, renamed={"min_val": "min", "max_val": "max"})
+builds_from_schema(top.ClampOp, aten.relu6.default, fixed={"min": 0.0, "max": 6.0})
 
 
 def _compare(pred: ComparePredicate) -> Builder:

@@ -350,10 +350,25 @@ def power(x: np.ndarray, *, out_dtype: OutDType = None, exponent: float = 1.0) -
     return _unary_out(r, out_dtype, x)
 
 
-def unary(kind: str, x: np.ndarray, out_dtype: OutDType = None, **kw: float | str) -> np.ndarray:
-    """The unary kernel of `kind` (`UNARY`: rsqrt, sqrt, exp, ..., gelu, pow), computed in
-    f32 and rounded to `out_dtype`; `kw` its parameters (gelu's `approximate`, pow's
-    `exponent`)."""
+@_elementwise(UNARY, "clamp")
+def clamp(x: np.ndarray, *, out_dtype: OutDType = None, min: float | None = None,
+          max: float | None = None) -> np.ndarray:
+    """torch.clamp: max(x, min), then min(that, max), a bound None where not given (a NaN
+    stays NaN; with min > max every element is max). f16/bf16 in f32, other types in their
+    own (exact: each element is x's or a bound rounded once to the output type)."""
+    v = f32(x) if x.dtype in HALF_TYPES else x
+    if min is not None:
+        v = np.maximum(v, v.dtype.type(min))
+    if max is not None:
+        v = np.minimum(v, v.dtype.type(max))
+    return _out(np.asarray(v), out_dtype, x)
+
+
+def unary(kind: str, x: np.ndarray, out_dtype: OutDType = None, **kw: float | str | None
+          ) -> np.ndarray:
+    """The unary kernel of `kind` (`UNARY`: rsqrt, sqrt, exp, ..., gelu, pow, clamp),
+    computed in f32 and rounded to `out_dtype`; `kw` its parameters (gelu's `approximate`,
+    pow's `exponent`, clamp's `min` and `max`)."""
     kernel = UNARY.get(kind)
     if kernel is None:
         raise ValueError(f"unknown unary kernel {kind}")
