@@ -318,6 +318,7 @@ def _elementwise_operands(im: Importer, node: torch.fx.Node, args: Sequence[Any]
 def _schema_arguments(node: torch.fx.Node) -> dict[str, Any]:
     """The node's arguments by their names in its aten op's schema, defaults filled in."""
     values: dict[str, Any] = {}
+    # the ignore below: an aten op overload's target (not a str)
     for i, arg in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
         if i < len(node.args) and not arg.kwarg_only:
             values[arg.name] = node.args[i]
@@ -361,10 +362,11 @@ def builds_from_schema(op: Callable[..., Operation], *targets: Any,
 
 
 def _build_from_schema(op: Callable[..., Operation], renamed: Mapping[str, str],
-                       fixed: Mapping[str, object], im: Importer, node: torch.fx.Node) -> Any:
+                       fixed: Mapping[str, object], im: Importer, node: torch.fx.Node) -> Built:
     values = _schema_arguments(node)
     tensors: list[Any] = []
     params: dict[str, object] = dict(fixed)
+    # the ignore below: an aten op overload's target (not a str)
     for arg in node.target._schema.arguments:  # type: ignore[union-attr]
         value = values.get(arg.name)
         if isinstance(arg.type, torch.TensorType):
