@@ -563,6 +563,9 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     #: it reads a table by index (a gather): its result is data, not index math, and the
     #: table it reads is looked up, not multiplied
     INDEXES_TABLE: ClassVar[bool] = False
+    #: the matmul producing its first operand keeps a float weight in every mode (the MoE
+    #: router: its logits choose the experts, so the weight-only modes leave it unquantized)
+    FLOAT_PRODUCER: ClassVar[bool] = False
     #: each result element depends only on the operand elements at its index (broadcast)
     ELEMENTWISE: ClassVar[bool] = False
     #: a multiply-accumulate op (matmuls, attention, convolution): runs at the throughput

@@ -2316,6 +2316,7 @@ class MoeRouteBase(ShapedOp):
         "`->` type($weights) `,` type($indices)"
     )
     TPU_COMPUTES_F32: ClassVar[bool] = True
+    FLOAT_PRODUCER: ClassVar[bool] = True
 
     def kernel_params(self) -> dict[str, object]:
         return {"k": read_int(self.k), "normalize": read_bool(self.normalize),

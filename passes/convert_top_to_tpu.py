@@ -280,8 +280,13 @@ class Lowering:
     def keep_matmul_float(self, w: top.WeightOp) -> bool:
         if any(k and k in w.tensor_name for k in self.keep_float):
             return True
-        return any(isinstance(u.operation, ShapedOp) and u.operation.INDEXES_TABLE
-                   for u in w.output.uses)
+        if any(isinstance(u.operation, ShapedOp) and u.operation.INDEXES_TABLE
+               for u in w.output.uses):
+            return True
+        # a matmul whose result a FLOAT_PRODUCER reads first (the MoE router's logits)
+        return any(isinstance(r.operation, ShapedOp) and r.operation.FLOAT_PRODUCER
+                   and r.index == 0 for u in w.output.uses for res in u.operation.results
+                   for r in res.uses)
 
 
 def tpu_elem_of_numpy(dt: np.dtype) -> Attribute:

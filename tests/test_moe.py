@@ -596,3 +596,16 @@ def test_an_in_memory_model_compiles_from_its_fused_experts(tmp_path) -> None:
         want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               eos_token_id=None)[0, len(ids):].tolist()
     assert rt.generate(ids, 32, stop_on_eos=False).generated_ids == want
+
+
+@pytest.mark.parametrize("mode", ["w8bf16", "w4f16"])
+def test_the_router_stays_float_in_weight_only_modes(mode: str) -> None:
+    """The router's linear keeps a float weight (its logits choose the experts); the shared
+    expert's linears are quantized as usual."""
+    module, store, _, _, _ = _import_block(_moe_block("qwen2_moe"))
+    run_passes(module, tpu_pipeline_passes(mode, group_size=32), store=store)
+    (route,) = [op for op in module.walk() if isinstance(op, tpu.MoeRouteOp)]
+    router = route.logits.owner
+    assert isinstance(router, tpu.MatMulOp), type(router)
+    assert dtype_name(elem_of(router.rhs)) == mode[2:]
+    assert any(isinstance(op, tpu.A16MatMulOp) for op in module.walk())

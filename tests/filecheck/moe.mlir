@@ -43,11 +43,13 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // BF16-NEXT:    tpu.moe_experts {{.*}} {compute = f32} : tensor<5x8xbf16>, tensor<4x3x8xbf16>, tensor<4x3x8xbf16>, tensor<4x8x3xbf16>, tensor<5x2xbf16>, tensor<5x2xi32> -> tensor<5x8xbf16>
 // BF16-NOT:     top.
 
-// a weight-only mode quantizes the router's 2-D weight like every linear; the experts'
-// 3-D stacks are not quantized yet: they stay in the activation type (docs/moe.md)
+// a weight-only mode leaves the router float (its logits choose the experts: moe_route
+// is a FLOAT_PRODUCER) in the activation type; the experts' 3-D stacks are not quantized
+// yet: they stay in the activation type too (docs/moe.md)
 // W8-LABEL: func.func @block
-// W8:           tpu.a16_matmul
-// W8:           tpu.moe_route {{.*}} : tensor<5x4xf16> valid tensor<5xf16> -> tensor<5x2xf16>, tensor<5x2xi32>
+// W8-NOT:       tpu.a16_matmul
+// W8:           %logits = tpu.matmul %x, %router {{.*}} : tensor<5x8xf16>, tensor<4x8xf16> -> tensor<5x4xf16>
+// W8-NEXT:      tpu.moe_route {{.*}} : tensor<5x4xf16> valid tensor<5xf16> -> tensor<5x2xf16>, tensor<5x2xi32>
 // W8-NEXT:      tpu.moe_experts {{.*}} : tensor<5x8xf16>, tensor<4x3x8xf16>, tensor<4x3x8xf16>, tensor<4x8x3xf16>, tensor<5x2xf16>, tensor<5x2xi32> -> tensor<5x8xf16>
 
 // convert-top-to-linalg: the softmax over the experts (max, sum of exponentials), each
