@@ -8,13 +8,15 @@ from xdsl.dialects.builtin import Builtin
 from xdsl.dialects.func import Func
 
 from toptpu.dialects.dev import Dev
+from toptpu.dialects.plugin_ops import extended
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
 
 
 def all_dialects() -> list:  # noqa: ANN201 - list[Dialect]
-    """The dialects toptpu's IR is made of: builtin, func and its own."""
-    return [Builtin, Func, Top, Tpu, Dev]
+    """The dialects toptpu's IR is made of: builtin, func and its own (Top and Tpu with
+    the ops of the plugins registered in this process: `plugin_ops.extended`)."""
+    return [Builtin, Func, extended(Top), extended(Tpu), Dev]
 
 
 def context() -> Context:
