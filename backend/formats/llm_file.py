@@ -129,6 +129,8 @@ from toptpu.backend.formats.model_file import (
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
+from toptpu.dialects.plugin_ops import PluginOpMissingError
+from toptpu.dialects.plugin_ops import require as require_plugin_ops
 from toptpu.families import VISION_FAMILIES, vision_family
 from toptpu.families.base import FAMILY_KEYS, VisionFamily
 
@@ -440,6 +442,15 @@ class FromIrInfo:
 
 
 @dataclass(frozen=True)
+class PluginOpInfo:
+    """An op of a plugin that the file's nets hold (`toptpu.dialects.plugin_ops`): the
+    plugin's name and its package ("toptpu-plugin-example 0.1.0") at compile time."""
+
+    plugin: str
+    package: str
+
+
+@dataclass(frozen=True)
 class CompileInfo:
     source: str
     toptpu_version: str
@@ -447,6 +458,9 @@ class CompileInfo:
     #: e.g. "--pass-after 'fuse=expand-silu'")
     pipeline: str | None = None
     from_ir: FromIrInfo | None = None
+    #: the plugins' ops the nets hold, by op name (`tpu.silu_mul`); opening the file
+    #: needs them registered (`LlmFile`, `plugin_ops.require`); None: none
+    plugin_ops: dict[Name, PluginOpInfo] | None = None
 
 
 @dataclass(frozen=True)
@@ -1021,7 +1035,11 @@ class LlmFile:
     `meta` is the typed header (`LlmHeader`); `header` is its JSON form (a dict rebuilt from
     the validated `meta`, for readers that index it)."""
 
-    def __init__(self, path: str, verify_checksums: bool = True) -> None:
+    def __init__(self, path: str, verify_checksums: bool = True,
+                 plugin_ops: bool = True) -> None:
+        """`plugin_ops`: make the plugin ops the nets hold known (`require_plugin_ops`),
+        what running the file needs (False: the header and sections only, as `info`
+        reads them)."""
         self.path = path
         self.file = ModelFile(path, verify_checksums)
         try:
@@ -1032,6 +1050,23 @@ class LlmFile:
         self.header: dict[str, Any] = self.meta.to_json()
         #: the weight table of a one-device file (`device_layout` for several)
         self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
+        if plugin_ops:
+            try:
+                self.require_plugin_ops()
+            except BaseException:
+                self.file.close()
+                raise
+
+    def require_plugin_ops(self) -> None:
+        """Make the plugin ops the nets hold (`compile.plugin_ops`) known to this process,
+        loading the installed plugins' ops (`plugin_ops.require`); ModelFileError naming
+        the op and its plugin when none declares it."""
+        ops = self.meta.compile.plugin_ops or {}
+        try:
+            require_plugin_ops({n: (i.plugin, i.package) for n, i in ops.items()},
+                               f"'{self.path}'")
+        except PluginOpMissingError as e:
+            raise ModelFileError(str(e)) from None
 
     def device_layout(self, device: int) -> WeightLayout:
         """Device `device`'s weight table (a multi-device file)."""
