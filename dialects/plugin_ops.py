@@ -87,9 +87,30 @@ def _kernel_problem(cls: type[ShapedOp]) -> str | None:
     return None
 
 
+def _why_not(cls: type[IRDLOperation], name: str) -> str | None:
+    """Why the op class `cls` named `name` (`top.<kind>`) cannot be taken (None: it can)."""
+    if not issubclass(cls, top.TopOp):
+        return "it does not derive from toptpu.dialects.top.TopOp"
+    try:
+        cls.get_irdl_definition()
+    except Exception:  # noqa: BLE001 - not made by irdl_op_definition
+        return "it is not an op definition (decorate it @irdl_op_definition)"
+    for taken, dialect in ((name, top.Top), (f"tpu.{cls.op_kind()}", tpu.Tpu)):
+        if any(op.name == taken for op in dialect.operations):
+            return f"toptpu already has an op '{taken}'"
+        other = _BY_NAME.get(taken)
+        if other is not None and other.top is not cls:
+            return f"{other.origin()} already has an op '{taken}'"
+    if cls.STRUCTURAL or cls.SOURCE:
+        return "it is structural or a source (a plugin's op is computed by its kernel)"
+    if getattr(cls.infer, "__func__", None) is ShapedOp.infer.__func__:  # type: ignore[attr-defined]
+        return "it has no shape inference (a classmethod infer)"
+    return _kernel_problem(cls)
+
+
 def declaration_problem(cls: object) -> str | None:
-    """Why `cls` cannot be a plugin's Top op (None: it can): it must be an xDSL op class
-    deriving from `top.TopOp`, named `top.<kind>` where neither `top.<kind>` nor
+    """Why `cls` cannot be a plugin's Top op, in one line (None: it can): it must be an xDSL
+    op class deriving from `top.TopOp`, named `top.<kind>` where neither `top.<kind>` nor
     `tpu.<kind>` is an op already, computed by a kernel (not structural, not a source)
     that resolves, with its own shape inference."""
     if not (isinstance(cls, type) and issubclass(cls, IRDLOperation)):
@@ -97,29 +118,8 @@ def declaration_problem(cls: object) -> str | None:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name.startswith("top.") or not name[4:].isidentifier():
         return f"the op class {cls.__name__} is named {name!r}, not 'top.<kind>'"
-    if not issubclass(cls, top.TopOp):
-        return f"the op '{name}' does not derive from toptpu.dialects.top.TopOp"
-    try:
-        cls.get_irdl_definition()
-    except Exception:  # noqa: BLE001 - not made by irdl_op_definition
-        return f"the op '{name}' is not an op definition (decorate it @irdl_op_definition)"
-    kind = cls.op_kind()
-    for taken_name, dialect in ((name, top.Top), (f"tpu.{kind}", tpu.Tpu)):
-        if any(op.name == taken_name for op in dialect.operations):
-            return f"the op '{name}' is not loaded: toptpu already has an op '{taken_name}'"
-        other = _BY_NAME.get(taken_name)
-        if other is not None and other.top is not cls:
-            return (f"the op '{name}' is not loaded: {other.origin()} already has an op "
-                    f"'{taken_name}'")
-    if cls.STRUCTURAL or cls.SOURCE:
-        return (f"the op '{name}' is structural or a source: a plugin's op is computed by "
-                "its kernel")
-    if getattr(cls.infer, "__func__", None) is ShapedOp.infer.__func__:  # type: ignore[attr-defined]
-        return f"the op '{name}' has no shape inference (a classmethod infer)"
-    problem = _kernel_problem(cls)
-    if problem is not None:
-        return f"the op '{name}' is not loaded: {problem}"
-    return None
+    why = _why_not(cls, name)
+    return None if why is None else f"the op '{name}' is not loaded: {why}"
 
 
 def register(ops: Sequence[object], plugin: str, package: str = "?"
@@ -135,7 +135,7 @@ def register(ops: Sequence[object], plugin: str, package: str = "?"
         problem = declaration_problem(cls)
         if problem is None and any(getattr(c, "name", None) == getattr(cls, "name", None)
                                    for c in fresh):
-            problem = f"the op '{cls.name}' is declared twice"  # type: ignore[attr-defined]
+            problem = f"the op '{cls.name}' is not loaded: it is declared twice"  # type: ignore[attr-defined]
         if problem is not None:
             raise OpDeclarationError(problem)
         fresh.append(cls)  # type: ignore[arg-type]
