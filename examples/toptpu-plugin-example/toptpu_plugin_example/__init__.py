@@ -103,7 +103,7 @@ class FuseSiluMul(RewritePattern):
                 continue
             fused = named_like(SiluMulOp(gate, up), op)
             rewriter.replace(op, fused, [fused.output])
-            rewriter.erase_op(silu)
+            rewriter.erase(silu)
             return
 
 
