@@ -214,6 +214,12 @@ def test_the_example_op_parses_prints_and_is_listed_in_toptpu_opt(
             "tensor<4x8xbf16>") in custom.stdout
     back = _opt(["-", "--print-op-generic"], env, custom.stdout)
     assert back.returncode == 0 and '"top.silu_mul"(%g, %u)' in back.stdout, back.stderr
+    # real MLIR verifies it too: the IRDL export holds the plugin's ops
+    ir = tmp_path / "silu_mul.mlir"
+    ir.write_text(custom.stdout)
+    res = subprocess.run([sys.executable, "-m", "toptpu.dialects.mlir_check", str(ir)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and f"{ir}: verifies in mlir-opt" in res.stdout, res.stderr
     # without the plugin the op is unknown, in one located error
     res = _opt(["-"], dict(os.environ), generic)
     assert res.returncode == 1 and "Operation top.silu_mul is not registered" in res.stderr
