@@ -188,12 +188,14 @@ def twin_of(cls: type[Operation]) -> type[ShapedOp] | None:
 
 
 def extended(dialect: Dialect) -> Dialect:
-    """`dialect` with the registered plugin ops of its name (itself when there are none)."""
+    """`dialect` with the registered plugin ops of its name it does not hold yet (itself
+    when there are none)."""
+    ops = list(dialect.operations)
     extra = [op for entry in _REGISTERED.values() for op in (entry.top, entry.tpu)
-             if Dialect.split_name(op.name)[0] == dialect.name]
+             if Dialect.split_name(op.name)[0] == dialect.name and op not in ops]
     if not extra:
         return dialect
-    return Dialect(dialect.name, [*dialect.operations, *extra], list(dialect.attributes))
+    return Dialect(dialect.name, [*ops, *extra], list(dialect.attributes))
 
 
 def used_in(modules: Iterable[Operation]) -> dict[str, PluginOp]:
