@@ -68,7 +68,7 @@ class PluginOp:
 
 
 #: Top op class -> its registration; `_BY_NAME`: both op names -> the same
-_REGISTERED: dict[type[ShapedOp], PluginOp] = {}
+_REGISTERED: dict[type, PluginOp] = {}
 _BY_NAME: dict[str, PluginOp] = {}
 
 
@@ -129,16 +129,17 @@ def register(ops: Sequence[object], plugin: str, package: str = "?"
     is kept as it is."""
     fresh: list[type[ShapedOp]] = []
     for cls in ops:
-        known = _REGISTERED.get(cls) if isinstance(cls, type) else None  # type: ignore[arg-type]
+        known = _REGISTERED.get(cls) if isinstance(cls, type) else None
         if known is not None and known.plugin == plugin:
             continue
         problem = declaration_problem(cls)
-        if problem is None and any(getattr(c, "name", None) == getattr(cls, "name", None)
-                                   for c in fresh):
-            problem = f"the op '{cls.name}' is not loaded: it is declared twice"  # type: ignore[attr-defined]
         if problem is not None:
             raise OpDeclarationError(problem)
-        fresh.append(cls)  # type: ignore[arg-type]
+        assert isinstance(cls, type) and issubclass(cls, ShapedOp)  # as checked
+        if any(c.name == cls.name for c in fresh):
+            raise OpDeclarationError(f"the op '{cls.name}' is not loaded: it is declared "
+                                     "twice")
+        fresh.append(cls)
     made: list[PluginOp] = []
     for cls in fresh:
         try:
@@ -151,7 +152,7 @@ def register(ops: Sequence[object], plugin: str, package: str = "?"
         _REGISTERED[entry.top] = entry
         _BY_NAME[entry.top.name] = entry
         _BY_NAME[entry.tpu.name] = entry
-    return tuple(_REGISTERED[cls] for cls in ops)  # type: ignore[index]
+    return tuple(_REGISTERED[cls] for cls in ops if isinstance(cls, type))
 
 
 def clear() -> None:
@@ -180,10 +181,12 @@ def is_plugin_op(cls: type[Operation]) -> bool:
 def twin_of(cls: type[Operation]) -> type[ShapedOp] | None:
     """The Tpu twin of Top op class `cls`: in-tree (`tpu.TPU_OF_TOP`) or a plugin's; None
     when it has none."""
-    found = tpu.TPU_OF_TOP.get(cls)  # type: ignore[call-overload]
+    if not issubclass(cls, ShapedOp):
+        return None
+    found = tpu.TPU_OF_TOP.get(cls)
     if found is not None:
         return found
-    entry = _REGISTERED.get(cls)  # type: ignore[call-overload]
+    entry = _REGISTERED.get(cls)
     return None if entry is None else entry.tpu
 
 

@@ -81,7 +81,7 @@ from toptpu.dialects.output_file import (
     output_target,
     write_output,
 )
-from toptpu.dialects.plugin_ops import twin_of
+from toptpu.dialects.plugin_ops import registered as registered_ops
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -244,8 +244,8 @@ def passes_help() -> str:
         title = (f"passes of the plugin '{entry.plugin.name}' ({entry.distribution}; "
                  f"entry point {ENTRY_POINT_GROUP}: {entry.entry_point})")
         groups.append((title, own))
-        plugin_ops[title] = [f"{op.name} (on the chip {twin_of(op).name})"  # type: ignore[union-attr]
-                             for op in entry.plugin.ops]
+        plugin_ops[title] = [f"{e.top.name} (on the chip {e.tpu.name})"
+                             for e in registered_ops() if e.plugin == entry.plugin.name]
     lines: list[str] = []
     w = max(len(n) for _, group in groups for n in group) + 2
     for title, group in groups:
