@@ -103,7 +103,7 @@ def _why_not(cls: type[IRDLOperation], name: str) -> str | None:
             return f"{other.origin()} already has an op '{taken}'"
     if cls.STRUCTURAL or cls.SOURCE:
         return "it is structural or a source (a plugin's op is computed by its kernel)"
-    if getattr(cls.infer, "__func__", None) is ShapedOp.infer.__func__:  # type: ignore[attr-defined]
+    if next(c for c in cls.__mro__ if "infer" in vars(c)) is ShapedOp:  # its default
         return "it has no shape inference (a classmethod infer)"
     return _kernel_problem(cls)
 
