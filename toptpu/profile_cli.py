@@ -92,7 +92,7 @@ def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
     """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
     own layers' weights, whose chunk may be laid out for another layer kind; `block:16@3`
     the layers of `block@3`)."""
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == full),
                default=0)
 

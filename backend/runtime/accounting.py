@@ -128,6 +128,12 @@ class Ledger:
         self.totals += c
         return c
 
+    def device_copy(self, nbytes: int) -> Costs:
+        """One copy of `nbytes` within the chip's memory; returns what it cost."""
+        c = device_copy_costs(self.chip, nbytes)
+        self.totals += c
+        return c
+
     def peer(self, nbytes: int, seconds: float) -> Costs:
         """One copy of `nbytes` from a device to another over the link, taking `seconds`;
         returns what it cost."""
@@ -151,6 +157,13 @@ def net_costs(chip: Chip, timing: NetTiming) -> Costs:
 def transfer_costs(chip: Chip, nbytes: int) -> Costs:
     return Costs(host_s=chip.host_transfer_us * 1e-6 + nbytes / (chip.host_gbps * 1e9),
                  transfers=1, transfer_bytes=nbytes)
+
+
+def device_copy_costs(chip: Chip, nbytes: int) -> Costs:
+    """One copy of `nbytes` from DDR to DDR (a runtime's device-to-device memcpy, one
+    launch): the bytes read and written at the sustained DDR bandwidth."""
+    return Costs(ddr_s=2 * nbytes / (chip.sustained_gbps * 1e9), launch_s=chip.launch_us * 1e-6,
+                 launches=1, dma_bytes=2 * nbytes)
 
 
 def send_costs(chip: Chip, nbytes: int) -> Costs:
