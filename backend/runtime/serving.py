@@ -617,16 +617,21 @@ class ServingEngine:
             return
         for job in jobs:
             t0, c0 = time.perf_counter(), rt.ex.modelled_costs()
-            self._guarded(job, self._step_one)
+            chosen: list[int] = []
+            self._guarded(job, lambda j, out=chosen: out.append(self._step_one(j)))
+            if not chosen:  # it failed
+                continue
             t1, c1 = time.perf_counter(), rt.ex.modelled_costs()
             self._charge([job], t1 - t0, c1 - c0 if c0 is not None and c1 is not None
                          else None)
+            self._guarded(job, lambda j, t=chosen[0]: self._accept(j, t))
 
-    def _step_one(self, job: Job) -> None:
+    def _step_one(self, job: Job) -> int:
+        """A decode step of the job's last token alone: its next token."""
         assert job.conv is not None
         job.recent.append(job.last)
         hidden = job.conv.step(job.last)
-        self._accept(job, self._choose_one(job, hidden))
+        return self._choose_one(job, hidden)
 
     def _charge(self, jobs: list[Job], host_s: float, costs: Costs | None) -> None:
         n = len(jobs)
