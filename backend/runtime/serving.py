@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from toptpu.backend.contract import BLOCK_CACHE, CONV_STATE, HISTORY_K, RECURRENT_STATE
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.runtime.accounting import Costs
 from toptpu.backend.runtime.batch import BatchDecoder, BatchRow
@@ -320,8 +321,6 @@ def _bytes_of(conv: Conversation) -> int:
 def conversation_bytes(rt: Runtime) -> int:
     """What one conversation of `rt`'s model file holds on the chip (from the nets'
     shapes, nothing allocated)."""
-    from toptpu.backend.contract import BLOCK_CACHE, CONV_STATE, HISTORY_K, RECURRENT_STATE
-
     nets = rt.shapes
     total = 0
     for i, lin in enumerate(nets.linear):
