@@ -111,8 +111,8 @@ def build(model: str, batch: int, where: str) -> str:
         compile_model(src, path, mode="f32", seq_length=512, max_input_length=64,
                       batch=batch, progress=None)
     else:
-        from toptpu.backend.runtime.weight_cache_file import write_weight_cache
         from toptpu.backend.formats.llm_file import LlmFile
+        from toptpu.backend.runtime.weight_cache_file import write_weight_cache
         from toptpu.demo_smollm2 import smollm2_gguf
 
         compile_model(smollm2_gguf(), path, mode="auto", seq_length=512, max_input_length=64,

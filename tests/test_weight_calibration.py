@@ -1,0 +1,446 @@
+"""Calibrated 4-bit quantization (`toptpu.weight_calibration`): GPTQ against a direct
+transcription of the paper's Algorithm 1, AWQ's folding against the float layer, calibrated
+error against round-to-nearest, the calibration data refusals, and the exported checkpoint
+in the real consumers (transformers with auto-round's CPU kernels; toptpu's own reader and
+compile) against the weights the calibration produced."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from quant_fixtures import build_model, build_tokenizer
+
+from toptpu.frontends.quant import (
+    read_quantized_checkpoint,
+    unpack_int32_columns,
+    unpack_int32_rows,
+)
+from toptpu.weight_calibration import (
+    AwqOptions,
+    CalibrationDataError,
+    CalibrationRequest,
+    QuantScheme,
+    calibrate,
+    calibration_data,
+)
+from toptpu.weight_calibration.awq import awq_layer
+from toptpu.weight_calibration.export import pack_columns, pack_rows
+from toptpu.weight_calibration.gptq import gptq
+from toptpu.weight_calibration.grid import QuantizedWeights, rtn
+from toptpu.weight_calibration.layers import FULL_ATTENTION, LayerRunner, layer_plan
+
+# ----------------------------------------------------------------------------- GPTQ
+
+def _paper_grid(w: np.ndarray, bits: int, sym: bool) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ's min-max grid per row (the reference code's Quantizer.find_params), the scale
+    rounded to float16 as the checkpoint stores it."""
+    maxq = 2 ** bits - 1
+    lo, hi = np.minimum(w.min(1), 0), np.maximum(w.max(1), 0)
+    if sym:
+        hi = np.maximum(-lo, hi)
+        lo = np.where(lo < 0, -hi, lo)
+    both_zero = (lo == 0) & (hi == 0)
+    lo[both_zero], hi[both_zero] = -1, 1
+    scale = ((hi - lo) / maxq).astype(np.float16).astype(np.float64)
+    zero = np.full_like(scale, (maxq + 1) / 2) if sym else np.clip(np.rint(-lo / scale), 0, maxq)
+    return scale, zero
+
+
+def _algorithm_1(weight: np.ndarray, hessian: np.ndarray, bits: int, group: int, sym: bool,
+                 act_order: bool, percdamp: float = 0.01
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ as the paper's Algorithm 1 states it, without lazy batches: every column's error
+    is spread over all later columns at once. Groups: without act-order a group's grid comes
+    from its columns as updated when its first column is reached; with act-order (columns
+    by descending diag(H)) from the original weights of its own channels (static groups)."""
+    w, h = weight.astype(np.float64).copy(), hessian.astype(np.float64).copy()
+    n, k = w.shape
+    group = k if group == -1 else group
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    scale, zero = np.zeros((n, k // group)), np.zeros((n, k // group))
+    if act_order or group == k:
+        for g in range(k // group):
+            scale[:, g], zero[:, g] = _paper_grid(w[:, g * group:(g + 1) * group], bits, sym)
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    w, h = w[:, order], h[order][:, order]
+    h += percdamp * np.mean(np.diag(h)) * np.eye(k)
+    hinv = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 <- Cholesky(H^-1)^T
+    q = np.zeros((n, k))
+    for j in range(k):
+        g = order[j] // group
+        if not act_order and group < k and j % group == 0:
+            scale[:, g], zero[:, g] = _paper_grid(w[:, j:j + group], bits, sym)
+        q[:, j] = np.clip(np.rint(w[:, j] / scale[:, g]) + zero[:, g], 0, 2 ** bits - 1)
+        err = (w[:, j] - (q[:, j] - zero[:, g]) * scale[:, g]) / hinv[j, j]
+        w[:, j:] -= np.outer(err, hinv[j, j:])
+    return q[:, np.argsort(order)], scale, zero
+
+
+def _structured_inputs(k: int, tokens: int, seed: int) -> np.ndarray:
+    """Correlated activations with per-channel magnitudes over two orders of magnitude and a
+    channel that is never active."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, 8)) @ rng.standard_normal((8, k))
+    x = (x + rng.standard_normal((tokens, k))) * np.exp(rng.standard_normal(k))
+    x[:, 3] = 0
+    return x
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_equals_algorithm_1(group: int, sym: bool, act_order: bool, bits: int) -> None:
+    rng = np.random.default_rng(group + 7 * sym + 11 * act_order + bits)
+    weight = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    x = _structured_inputs(256, 1024, 1)
+    hessian = 2 * x.T @ x / len(x)
+    got = gptq(weight, hessian, QuantScheme(bits, group, sym), act_order=act_order,
+               block_size=64)
+    q, scale, zero = _algorithm_1(weight, hessian, bits, group, sym, act_order)
+    assert np.array_equal(got.weights.qweight, q.astype(np.uint8))
+    assert np.array_equal(got.weights.scales.astype(np.float64), scale)
+    assert np.array_equal(got.weights.zeros, zero.astype(np.uint8))
+    assert got.percdamp == 0.01
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_calibrated_error_below_round_to_nearest(group: int) -> None:
+    """On a linear with structured activations the output error of GPTQ's integers is well
+    below round-to-nearest's on the same grid (and below toptpu's own RTN), on held-back
+    inputs of the same distribution."""
+    from toptpu.passes.quantize import quantize_rtn
+
+    rng = np.random.default_rng(group)
+    weight = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
+    x = _structured_inputs(256, 2048, 2)
+    fit, held = x[:1024], x[1024:]
+    scheme = QuantScheme(4, group, False)
+    ref = held @ weight.T
+    calibrated = gptq(weight, 2 * fit.T @ fit / len(fit), scheme, act_order=True)
+    err_gptq = np.mean((held @ calibrated.weights.dequantize().T - ref) ** 2)
+    err_rtn = np.mean((held @ rtn(weight, scheme).dequantize().T - ref) ** 2)
+    own = quantize_rtn(weight, 4, group, False, np.dtype(np.float16))
+    q = np.stack([own.qweight & 15, own.qweight >> 4], axis=-1).reshape(weight.shape)
+    g = np.arange(256) // group
+    own_w = (q.astype(np.float32) - own.zeros[:, g]) * own.scales.astype(np.float32)[:, g]
+    err_own = np.mean((held @ own_w.T - ref) ** 2)
+    assert err_gptq < 0.5 * err_rtn
+    assert err_gptq < 0.5 * err_own
+
+
+def test_pack_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    for bits in (4, 8):
+        q = rng.integers(0, 2 ** bits, (24, 64)).astype(np.uint8)
+        assert np.array_equal(unpack_int32_rows(pack_rows(q, bits), bits).T, q)
+        z = rng.integers(0, 2 ** bits, (4, 24)).astype(np.uint8)
+        assert np.array_equal(unpack_int32_columns(pack_columns(z, bits), bits), z)
+
+
+# ----------------------------------------------------------------------------- models
+
+WORDS = [f"w{i}" for i in range(240)]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("calibration") / "text.txt"
+    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(60)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+def _encode(tok: Any) -> Any:
+    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _outlier_model(arch: str) -> Any:
+    """A tiny model whose hidden channels differ in scale (a few large ones), as trained
+    models' activations do: the embedding's columns scaled."""
+    model = build_model(arch)
+    with torch.no_grad():
+        gain = torch.ones(model.config.hidden_size)
+        gain[::9] = 12.0
+        model.model.embed_tokens.weight *= gain
+    return model
+
+
+def _first_layer_setup(arch: str, tok: Any, text: str
+                       ) -> tuple[Any, torch.nn.Module, LayerRunner, torch.Tensor]:
+    model = _outlier_model(arch)
+    model.config._attn_implementation = "sdpa"
+    data = calibration_data([text], _encode(tok), 8, 64)
+    x = model.model.embed_tokens(torch.from_numpy(data.tokens)).detach()
+    layer = copy.deepcopy(model.model.layers[0])
+    runner = LayerRunner(layer, model.model.rotary_emb, FULL_ATTENTION, 64, 4096)
+    return model, layer, runner, x
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_awq_folded_layer_equals_the_float_layer(arch: str, tokenizer: Any,
+                                                 text_file: str) -> None:
+    """AWQ's searched scales folded into the norms and linears (no clipping) leave the layer's
+    float function as it was, to float32 rounding; the scales are not all 1."""
+    model, layer, runner, x = _first_layer_setup(arch, tokenizer, text_file)
+    before = runner.forward(x)
+    weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    report = awq_layer(runner, plan, x, QuantScheme(4, 32, False), AwqOptions(clip=False),
+                       set(plan.linears))
+    assert any(r > 0 for r in report.ratios.values())
+    changed = [n for n, p in layer.named_parameters() if not torch.equal(p, weights[n])]
+    assert "input_layernorm.weight" in changed and "mlp.down_proj.weight" in changed
+    after = runner.forward(x)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def _layer_error(method: str, arch: str, tok: Any, text: str, group: int) -> float:
+    """The first layer's output error (quantized vs float) on the calibration sequences."""
+    model, layer, runner, x = _first_layer_setup(arch, tok, text)
+    ref = runner.forward(x)
+    from toptpu.weight_calibration.sequential import calibrate_layer
+
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    calibrate_layer(runner, plan, x, set(plan.linears),
+                    CalibrationRequest(method, QuantScheme(4, group, False)))
+    return float((runner.forward(x) - ref).pow(2).mean())
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_layer_error_gptq_awq_below_rtn(group: int, tokenizer: Any, text_file: str) -> None:
+    """On a decoder layer with outlier channels, GPTQ's and AWQ's layer outputs are closer to
+    the float layer's than round-to-nearest's on the same grid."""
+    err = {m: _layer_error(m, "llama", tokenizer, text_file, group) for m in ("rtn", "gptq", "awq")}
+    assert err["gptq"] < err["rtn"], err
+    assert err["awq"] < err["rtn"], err
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_calibration_data_sequences(tmp_path: Path, tokenizer: Any, text_file: str) -> None:
+    data = calibration_data([text_file], _encode(tokenizer), 8, 64)
+    assert data.tokens.shape == (8, 64) and data.note is None
+    stream = _encode(tokenizer)(Path(text_file).read_text())
+    assert data.tokens.ravel().tolist() == stream[:8 * 64]
+    few = calibration_data([text_file], _encode(tokenizer), 1000, 64)
+    assert few.sequences == len(stream) // 64
+    assert few.note is not None and f"holds {few.sequences} sequences" in few.note
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("directory", "is a directory"),
+    ("missing", "no such file"),
+    ("empty", "is empty"),
+    ("spaces", "holds only whitespace"),
+    ("nul", "is binary (a NUL byte at byte 6)"),
+    ("latin1", "is not UTF-8 text (byte 3)"),
+    ("short", "fewer than one sequence of 64"),
+    ("fifo", "is not a regular file"),
+])
+def test_bad_calibration_data_refused(tmp_path: Path, tokenizer: Any, kind: str,
+                                      expected: str) -> None:
+    path = tmp_path / "data.txt"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "spaces":
+        path.write_bytes(b"  \n\n \t\n")
+    elif kind == "nul":
+        path.write_bytes(b"w1 w2 \0 w3")
+    elif kind == "latin1":
+        path.write_bytes(b"w1 \xe9 w2")  # latin-1
+    elif kind == "short":
+        path.write_text("w1 w2 w3 w4")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(CalibrationDataError) as e:
+        calibration_data([str(path)], _encode(tokenizer), 4, 64)
+    message = str(e.value)
+    assert expected in message and "\n" not in message
+    if kind != "short":
+        assert str(path) in message
+
+
+# ----------------------------------------------------------------------------- export
+
+def _load_with_autoround(path: str) -> Any:
+    """Our checkpoint in transformers through auto-round's CPU kernels (QuantLinear of
+    `auto_round_extension.torch`), in float32: auto-round casts a loaded model to float16,
+    so every float tensor is put back from the checkpoint and the scales widened (exactly:
+    they are float16 values)."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, AutoRoundConfig
+
+    kwargs = {}
+    if read_quantized_checkpoint(path).quant_method == "gptq":
+        kwargs["quantization_config"] = AutoRoundConfig(backend="torch")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu",
+                                                 **kwargs)
+    stored: dict[str, np.ndarray] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    for name, p in model.named_parameters():
+        p.data = torch.from_numpy(stored[name].astype(np.float32))
+    for name, b in model.named_buffers():
+        if name in stored:
+            arr = stored[name]
+            b.data = torch.from_numpy(arr.astype(np.float32) if arr.dtype.kind == "f" else arr)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model.eval()
+
+
+def _consumer_weight(module: torch.nn.Module, k: int) -> np.ndarray:
+    """The weight a QuantLinear computes with: its output for the identity, less its bias."""
+    with torch.no_grad():
+        out = module(torch.eye(k))
+        if module.bias is not None:
+            out = out - module.bias
+    return out.numpy().T
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,method,fmt,sym", [
+    ("qwen2", "gptq", "auto_round", False),
+    ("llama", "awq", "auto_round", False),
+    ("llama", "gptq", "gptq", True),
+])
+def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, tmp_path: Path,
+                           tokenizer: Any, text_file: str) -> None:
+    """The exported checkpoint in auto-round's loader and in toptpu's reader gives exactly the
+    calibration's dequantized weights; toptpu's w4f32 compile of it computes the logits of
+    transformers' model of it."""
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+
+    model = _outlier_model(arch)
+    produced: dict[str, QuantizedWeights] = {}
+    out = str(tmp_path / "calibrated")
+    calibrate(model, out, CalibrationRequest(method, QuantScheme(4, 32, sym), export_format=fmt),
+              [text_file], sequences=8, sequence_length=64, tokenizer=tokenizer, progress=None,
+              on_layer=lambda i, res: produced.update(
+                  {f"model.layers.{i}.{n}": q for n, q in res.items()}))
+    ck = read_quantized_checkpoint(out)
+    assert set(ck.linears) == set(produced) and len(produced) == 14
+    consumer = _load_with_autoround(out)
+    for name, q in produced.items():
+        ours = q.dequantize()
+        assert np.array_equal(ck.linears[name].dequantize(), ours), name
+        assert np.array_equal(_consumer_weight(consumer.get_submodule(name), ours.shape[1]),
+                              ours), name
+    model_file = str(tmp_path / "calibrated.toptpu")
+    compile_model(out, model_file, mode="w4f32", seq_length=64, max_input_length=32,
+                  progress=None)
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 250, 30)]
+    ours_logits = Runtime.open(model_file, "interpreter").sequence_logits(ids)
+    with torch.no_grad():
+        theirs = consumer(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(ours_logits, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
+    shutil.rmtree(out)
+
+
+def _qwen3() -> Any:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.Qwen3ForCausalLM(tf.Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, tie_word_embeddings=False)).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,method", [("qwen3", "gptq"), ("qwen3", "awq"),
+                                           ("qwen3_5", "gptq"), ("qwen3_5", "awq")])
+def test_calibrated_families_compile_and_generate(family: str, method: str, tmp_path: Path,
+                                                  tokenizer: Any, text_file: str) -> None:
+    """Qwen3 (q/k norms) and Qwen3.5 (three linear-attention layers and one full-attention
+    layer) calibrate, compile with -q w4bf16 and generate; the w4f32 compile's logits follow
+    the float model's (cos >= 0.98 at every position). Qwen3.5's in_proj_b / in_proj_a (4
+    outputs: not whole int32 words of zero points) stay float, so AWQ leaves the linear
+    attention's input group unscaled."""
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+
+    model = _qwen3() if family == "qwen3" else build_model("qwen3_5")
+    out = str(tmp_path / "calibrated")
+    report = calibrate(model, out, CalibrationRequest(method, QuantScheme(4, 32, False)),
+                       [text_file], sequences=8, sequence_length=64, tokenizer=tokenizer,
+                       progress=None)
+    if family == "qwen3_5":
+        assert report.float_linears == [f"model.layers.{i}.linear_attn.in_proj_{p}"
+                                        for i in range(3) for p in "ba"]
+    else:
+        assert report.float_linears == []
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 250, 30)]
+    exact = str(tmp_path / "w4f32.toptpu")
+    compile_model(out, exact, mode="w4f32", seq_length=64, max_input_length=32, progress=None)
+    logits = Runtime.open(exact, "interpreter").sequence_logits(ids)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    cos = (logits * ref).sum(-1) / np.linalg.norm(logits, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert cos.min() >= 0.98, cos.min()
+    served = str(tmp_path / "w4bf16.toptpu")
+    compile_model(out, served, mode="w4bf16", seq_length=64, max_input_length=32,
+                  progress=None)
+    res = Runtime.open(served).generate(ids[:8], 8, stop_on_eos=False)
+    assert len(res.generated_ids) == 8
+
+
+def test_request_for_compile_mode() -> None:
+    """The request a compile's -q / --group-size / --symmetric imply; a float mode refused."""
+    from toptpu.weight_calibration import CalibrationError, request_for_mode
+
+    r = request_for_mode("gptq", "w4bf16")
+    assert r.scheme == QuantScheme(4, 64, False) and r.export_format == "auto_round"
+    assert request_for_mode("awq", "w8f16", -1, True).scheme == QuantScheme(8, -1, True)
+    with pytest.raises(CalibrationError, match="-q bf16 keeps them float"):
+        request_for_mode("gptq", "bf16")
+
+
+def test_streamed_checkpoint_calibrates_as_the_model_in_memory(tmp_path: Path, tokenizer: Any,
+                                                               text_file: str) -> None:
+    """A checkpoint directory read one layer at a time (bf16 shards: the streamed layers are
+    its exact float32 values) gives the very checkpoint the same model gives in memory."""
+    from safetensors.numpy import load_file
+
+    model = _outlier_model("qwen2").to(torch.bfloat16).float()
+    src = tmp_path / "float"
+    model.to(torch.bfloat16).save_pretrained(src)
+    model.float()
+    tokenizer.save_pretrained(src)
+    request = CalibrationRequest("gptq", QuantScheme(4, 32, False))
+    for name, source in (("memory", model), ("streamed", str(src))):
+        calibrate(source, str(tmp_path / name), request, [text_file], sequences=8,
+                  sequence_length=64, tokenizer=tokenizer, progress=None)
+
+    def tensors(d: str) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for f in sorted((tmp_path / d).glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    memory, streamed = tensors("memory"), tensors("streamed")
+    assert memory.keys() == streamed.keys()
+    for name, arr in memory.items():
+        other = streamed[name]
+        if name.startswith("model.layers."):
+            assert arr.dtype == other.dtype and np.array_equal(arr, other), name
+        else:  # outside the layers: as the source stores them (float32 / bf16)
+            assert np.array_equal(arr.astype(np.float32), other.astype(np.float32)), name

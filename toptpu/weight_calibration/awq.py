@@ -1,0 +1,282 @@
+"""AWQ (Lin et al. 2023, "AWQ: Activation-aware Weight Quantization"), as AutoAWQ does it,
+on one decoder layer in float32 torch.
+
+For each scaling group (`layers.ScalingGroup`: the linears reading one input, the norm or
+linear before them, the module whose output is compared):
+
+1. ``x_mean``: the mean |x| of every input channel over all calibration tokens; with
+   duo scaling (AutoAWQ's default) also ``w_mean``: the mean over the linears' rows of
+   |w| / max|w| of its group.
+2. A grid of `grid` ratios r = 0, 1/grid, ...: ``s = x_mean^r / (w_mean^(1-r) + 1e-4)``
+   (``s = x_mean^r`` without duo scaling), clamped at 1e-4, normalized by
+   ``sqrt(max(s) min(s))``; the linears' weights become ``Q(W * s) / s`` (fake-quantized on
+   the checkpoint's grid, `grid.rtn`) and the inspected module's output on the search
+   tokens is compared with the float output (mean squared error). The best s is kept.
+3. s is folded: the linears' input channels times s, the norm's weight divided by s (a
+   ``(1 + weight)`` norm: ``(1 + weight) / s - 1``), or a linear's last output rows (and
+   bias) divided by s (v -> o only where v's outputs are o's inputs one to one, as AutoAWQ:
+   not under grouped-query attention). The layer computes the same function in float.
+4. Clipping (optional, AutoAWQ's `apply_clip`): per output row and group, the max |w| shrunk
+   by 0 .. `max_shrink` in steps of 1/`clip_grid` minimizing the error of that group's
+   partial products on `clip_tokens` tokens of the (scaled) input; the weights clamped to
+   it. Linears whose outputs are queries and keys are not clipped (AutoAWQ's rule).
+
+The scale search and the clipping use a subset of the calibration sequences (at most
+`search_tokens` tokens, spread over the set); ``x_mean`` uses them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from toptpu.weight_calibration.grid import CalibrationError, QuantScheme, rtn
+from toptpu.weight_calibration.layers import LayerPlan, LayerRunner, ScalingGroup
+
+#: linears AutoAWQ never clips (their outputs are attention queries and keys)
+NOT_CLIPPED = ("q_proj", "k_proj", "in_proj_qkv")
+
+
+@dataclass(frozen=True)
+class AwqOptions:
+    grid: int = 20
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = 20
+    max_shrink: float = 0.5
+    clip_tokens: int = 512
+    search_tokens: int = 4096
+
+
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """`w` [N, K] on the checkpoint's grid and back (float32)."""
+    return torch.from_numpy(rtn(w.detach().numpy(), scheme).dequantize())
+
+
+@dataclass
+class StageInputs:
+    """What the search needs of one input of the layer: the sum of |x| per channel over all
+    tokens, and the inputs of the search sequences."""
+
+    abs_sum: torch.Tensor
+    tokens: int
+    search: list[torch.Tensor]
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.abs_sum / max(self.tokens, 1)
+
+    def stacked(self) -> torch.Tensor:
+        return torch.cat(self.search)
+
+
+def search_rows(n: int, length: int, search_tokens: int) -> np.ndarray:
+    """The calibration sequences the search uses: at most `search_tokens` tokens' worth,
+    spread evenly over the `n` sequences."""
+    m = max(1, min(n, search_tokens // max(length, 1)))
+    return np.unique(np.linspace(0, n - 1, m).round().astype(np.int64))
+
+
+@torch.no_grad()
+def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, rows: np.ndarray
+                   ) -> tuple[dict[str, StageInputs], torch.Tensor]:
+    """One float forward of the layer over all sequences `x` [n, L, H]: each stage's input
+    statistics and search inputs (by its first linear), and the layer inputs of the search
+    sequences."""
+    stages = {stage[0]: StageInputs(torch.zeros(0), 0, []) for stage in plan.stages}
+    keep = torch.zeros(x.shape[0], dtype=torch.bool)
+    keep[torch.from_numpy(rows)] = True
+    current: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, rec in stages.items():
+        def hook(_m: torch.nn.Module, args: tuple, rec: StageInputs = rec) -> None:
+            inp = args[0].detach()
+            s = inp.abs().sum(dim=(0, 1)).to(torch.float64)
+            rec.abs_sum = s if rec.tokens == 0 else rec.abs_sum + s
+            rec.tokens += inp.shape[0] * inp.shape[1]
+            sel = current["keep"]
+            if bool(sel.any()):
+                rec.search.append(inp[sel].clone())
+        hooks.append(runner.layer.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        for b in runner.batches(x.shape[0]):
+            current["keep"] = keep[b]
+            runner.forward(x[b])
+    finally:
+        for h in hooks:
+            h.remove()
+    return stages, x[torch.from_numpy(rows)]
+
+
+def _linear(runner: LayerRunner, name: str) -> torch.nn.Linear:
+    m = runner.layer.get_submodule(name)
+    if not isinstance(m, torch.nn.Linear):
+        raise CalibrationError(f"'{name}' is a {type(m).__name__}, not a linear")
+    return m
+
+
+def _stage_of(plan: LayerPlan, linear: str) -> str:
+    return next(stage[0] for stage in plan.stages if linear in stage)
+
+
+def _batched(runner: LayerRunner, path: str, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([runner.call(path, x[b]) for b in runner.batches(x.shape[0])])
+
+
+def _w_mean(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    w = torch.cat(weights, dim=0)
+    gs = scheme.group_length(w.shape[1])
+    g = w.abs().reshape(-1, gs)
+    g = g / (g.amax(dim=1, keepdim=True) + 1e-6)
+    return g.reshape(w.shape).mean(dim=0)
+
+
+def _folder(runner: LayerRunner, group: ScalingGroup, k: int
+            ) -> Callable[[torch.Tensor], None] | None:
+    """How to divide `group.prev`'s output channels by s (None: it cannot absorb them)."""
+    prev = runner.layer.get_submodule(group.prev)
+    weight = getattr(prev, "weight", None)
+    if weight is None:
+        return None
+    if isinstance(prev, torch.nn.Linear):
+        if weight.shape[0] != k:
+            return None
+
+        def fold_linear(s: torch.Tensor) -> None:
+            prev.weight.data[-k:] /= s[:, None]
+            if prev.bias is not None:
+                prev.bias.data[-k:] /= s
+        return fold_linear
+    if weight.dim() != 1 or weight.shape[0] != k:
+        return None
+    return lambda s: _fold_norm(prev, s, group.prev)
+
+
+@torch.no_grad()
+def _fold_norm(norm: torch.nn.Module, s: torch.Tensor, name: str) -> None:
+    """Divide a norm's output by s, found by probing its form: ``x * w`` or ``x * (1 + w)``."""
+    weight: torch.Tensor = getattr(norm, "weight")  # noqa: B009 - a Module attribute
+    bias: torch.Tensor | None = getattr(norm, "bias", None)
+    probe = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    want = norm(probe) / s
+    original = weight.data.clone()
+    for candidate in (original / s, (1 + original) / s - 1):
+        weight.data = candidate
+        if torch.allclose(norm(probe), want, rtol=1e-4, atol=1e-6):
+            if bias is not None:
+                bias.data /= s
+            return
+    weight.data = original
+    raise CalibrationError(f"'{name}' ({type(norm).__name__}) is not a norm AWQ can fold a "
+                           "scale into (x * w or x * (1 + w))")
+
+
+@torch.no_grad()
+def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
+                 inspect_input: torch.Tensor, scheme: QuantScheme, options: AwqOptions
+                 ) -> tuple[torch.Tensor, float]:
+    """The best scale of `group` (module doc, steps 1-2) and its ratio."""
+    linears = [_linear(runner, n) for n in group.linears]
+    originals = [m.weight.data.clone() for m in linears]
+    x_mean = inputs.mean.to(torch.float32)
+    w_mean = _w_mean(originals, scheme) if options.duo_scaling else None
+    reference = _batched(runner, group.inspect, inspect_input)
+    best: tuple[float, float, torch.Tensor] | None = None
+    try:
+        for i in range(options.grid):
+            ratio = i / options.grid
+            if w_mean is not None:
+                s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+            else:
+                s = x_mean.pow(ratio).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            s[~torch.isfinite(s)] = 1
+            for m, w in zip(linears, originals, strict=True):
+                m.weight.data = fake_quantize(w * s[None, :], scheme) / s[None, :]
+            out = _batched(runner, group.inspect, inspect_input)
+            loss = float((out - reference).pow(2).mean(dtype=torch.float64))
+            if best is None or loss < best[0]:
+                best = (loss, ratio, s.clone())
+    finally:
+        for m, w in zip(linears, originals, strict=True):
+            m.weight.data = w
+    assert best is not None
+    return best[2], best[1]
+
+
+@torch.no_grad()
+def clip_weight(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, options: AwqOptions,
+                rows_per_batch: int = 256) -> torch.Tensor:
+    """`w` [N, K] clamped per (row, group) to the max |w| that best keeps the group's partial
+    products on inputs `x` [T, K] (module doc, step 4)."""
+    n, k = w.shape
+    gs = scheme.group_length(k)
+    g = k // gs
+    step = max(1, x.shape[0] // options.clip_tokens)
+    xs = x[::step].reshape(-1, g, gs)
+    out = torch.empty_like(w)
+    for r0 in range(0, n, rows_per_batch):
+        wb = w[r0:r0 + rows_per_batch]
+        wg = wb.reshape(-1, g, gs)
+        org_max = wg.abs().amax(dim=-1, keepdim=True)
+        reference = torch.einsum("tgj,ngj->ntg", xs, wg)
+        best_err = torch.full(org_max.shape[:2], float("inf"))
+        best_max = org_max.clone()
+        for i in range(int(options.max_shrink * options.clip_grid)):
+            max_val = org_max * (1 - i / options.clip_grid)
+            clipped = torch.clamp(wg, -max_val, max_val)
+            q = fake_quantize(clipped.reshape(wb.shape), scheme).reshape(wg.shape)
+            err = (torch.einsum("tgj,ngj->ntg", xs, q) - reference).pow(2).mean(dim=1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better[..., None], max_val, best_max)
+        out[r0:r0 + rows_per_batch] = torch.clamp(wg, -best_max, best_max).reshape(wb.shape)
+    return out
+
+
+@dataclass
+class AwqLayerReport:
+    #: scaling group prev -> the ratio chosen (groups that could not be folded are absent)
+    ratios: dict[str, float]
+    skipped: list[str]
+
+
+@torch.no_grad()
+def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, scheme: QuantScheme,
+              options: AwqOptions, quantized: set[str]) -> AwqLayerReport:
+    """AWQ's scales searched and folded into the layer, and its clipping applied (module doc):
+    the layer's float weights are changed in place; `quantized` are the linears that will be
+    quantized (the others are left out of the search)."""
+    rows = search_rows(x.shape[0], x.shape[1], options.search_tokens)
+    stages, layer_input = collect_inputs(runner, plan, x, rows)
+    search_inputs = {name: rec.stacked() for name, rec in stages.items()}
+    report = AwqLayerReport({}, [])
+    for group in plan.scaling:
+        if not set(group.linears) <= quantized:
+            report.skipped.append(group.prev)
+            continue
+        stage = _stage_of(plan, group.linears[0])
+        k = search_inputs[stage].shape[-1]
+        fold = _folder(runner, group, k)
+        if fold is None:
+            report.skipped.append(group.prev)
+            continue
+        inspect_input = layer_input if group.inspect == "" else search_inputs[stage]
+        s, ratio = search_scale(runner, group, stages[stage], inspect_input, scheme, options)
+        for name in group.linears:
+            _linear(runner, name).weight.data *= s[None, :]
+        fold(s)
+        search_inputs[stage] = search_inputs[stage] / s
+        report.ratios[group.prev] = ratio
+    if options.clip:
+        for name in sorted(quantized):
+            if name.rsplit(".", 1)[-1] in NOT_CLIPPED:
+                continue
+            m = _linear(runner, name)
+            xin = search_inputs[_stage_of(plan, name)]
+            m.weight.data = clip_weight(m.weight.data, xin.reshape(-1, xin.shape[-1]), scheme,
+                                        options)
+    return report
