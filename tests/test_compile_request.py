@@ -53,6 +53,12 @@ SAME_REQUESTS: list[tuple[list[str], dict[str, Any]]] = [
       "--max-patches", "1024", "--max-pixels", "448x448", "--dump-ir", "ir"],
      {"mode": "w4f16", "vision_mode": "bf16", "image_size": 448, "max_tiles": 4,
       "max_patches": 1024, "max_pixels": (448, 448), "dump_ir": "ir"}),
+    (["--top-pipeline", "builtin.module(top-pipeline,cse)", "--tpu-pipeline",
+      "canonicalize,weight-reorder", "--pass-after", "fuse=cse", "--pass-after",
+      "layer-group=canonicalize", "--pass-before", "convert-top-to-tpu=dce"],
+     {"top_pipeline": "top-pipeline,cse", "tpu_pipeline": "canonicalize,weight-reorder",
+      "pass_after": {"fuse": "cse", "layer-group": "canonicalize"},
+      "pass_before": "convert-top-to-tpu=dce"}),
 ]
 
 
@@ -132,6 +138,29 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                     "height of the pixel budget as two positive integers (W,H)")],
     "vision_mode": [({"vision_mode": "auto"},
                      "--vision-quantize: unknown quantization mode 'auto'")],
+    "top_pipeline": [({"top_pipeline": "shape-infer,fusee"}, "--top-pipeline "
+                      "'shape-infer,fusee': unknown pass 'fusee' (did you mean 'fuse'?)"),
+                     ({"top_pipeline": "fuse{max=2}"}, "--top-pipeline 'fuse{max=2}': pass "
+                      "'fuse' has no option 'max' (its options: none)"),
+                     ({"top_pipeline": "func.func(cse)"}, "pass pipeline 'func.func(cse)': "
+                      "'func.func(...)' nests passes under 'func.func'"),
+                     ({"top_pipeline": 3}, "--top-pipeline is pipeline text, not 3")],
+    "tpu_pipeline": [({"tpu_pipeline": "canonicalize{"}, "--tpu-pipeline 'canonicalize{': "
+                      "expected argument name at column 14"),
+                     ({"tpu_pipeline": "layer-group{chip}"}, "--tpu-pipeline "
+                      "'layer-group{chip}': option 'chip' of pass 'layer-group' needs a "
+                      "value")],
+    "pass_after": [({"pass_after": "fuse"}, "--pass-after 'fuse': give PASS=PIPELINE"),
+                   ({"pass_after": "fused=cse"}, "--pass-after 'fused=cse': the compile runs "
+                    "no pass 'fused'"),
+                   ({"pass_after": {"fuse": "no-such-pass"}}, "--pass-after "
+                    "'fuse=no-such-pass': unknown pass 'no-such-pass'"),
+                   ({"pass_after": "shape-infer=cse", "top_pipeline": "fuse"},
+                    "--pass-after 'shape-infer=cse': the compile runs no pass 'shape-infer'"),
+                   ({"pass_after": 7}, "--pass-after takes PASS=PIPELINE text (or a list of "
+                    "them), not 7")],
+    "pass_before": [({"pass_before": ["fuse=cse", "=cse"]}, "--pass-before '=cse': give "
+                     "PASS=PIPELINE")],
 }
 
 
@@ -177,6 +206,13 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
     (["--max-patches", "0"], 2, "--max-patches: must be an integer >= 1"),
     (["--max-pixels", "768"], 2, "--max-pixels: must be a width and a height"),
     (["--vision-quantize", "w3"], 1, "--vision-quantize: unknown quantization mode 'w3'"),
+    (["--top-pipeline", "shape-infer,,"], 1, "--top-pipeline 'shape-infer,,': expected "
+     "pass name at column 13"),
+    (["--tpu-pipeline", "expand-silu"], 1,
+     "--tpu-pipeline 'expand-silu': unknown pass 'expand-silu'"),
+    (["--pass-after", "fuse"], 1, "--pass-after 'fuse': give PASS=PIPELINE"),
+    (["--pass-before", "nothing=cse"], 1,
+     "--pass-before 'nothing=cse': the compile runs no pass 'nothing'"),
 ]
 
 

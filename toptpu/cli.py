@@ -37,6 +37,7 @@ from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import AbortError, ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.eval_cli import add_eval_parser
+from toptpu.info_cli import add_info_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_cache_args(w)
     w.set_defaults(fn=llm_cli.cmd_cache)
 
+    add_info_parser(sub)
     add_profile_parser(sub)
     add_run_ir_parser(sub)
     add_estimate_parser(sub)

@@ -911,7 +911,8 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
-    add_request_args(p, ("shapes", "batch", "devices", "parallel", "group_size", "symmetric"))
+    add_request_args(p, ("shapes", "batch", "devices", "parallel", "group_size", "symmetric",
+                         "pipeline"))  # the nets compiled with the passes a compile runs
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
                    "--max-input-length); its chunks run at the shortest prefill length "

@@ -55,11 +55,21 @@ RUN_JSON_SCHEMA = 2  # 2: `text` leaves special tokens out unless --special-toke
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory (config.json, *.safetensors, "
-                   "tokenizer.json), or a GGUF file (or a directory holding one)")
+    p.add_argument("model", nargs="?",
+                   help="Hugging Face model directory (config.json, *.safetensors, "
+                   "tokenizer.json), or a GGUF file (or a directory holding one); with "
+                   "--from-ir: the model the dump was made from, when it has moved")
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
     add_request_args(p)  # every option of the compile request (`toptpu.request`)
+    ir = p.add_argument_group("from IR (docs/usage.md: compile from a dump)")
+    ir.add_argument("--from-ir", metavar="DIR",
+                    help="compile from a --dump-ir directory whose IR may be edited at any "
+                    "stage: each net from its edited file (or its last Tpu stage) through "
+                    "the passes after it, with the dump's request and weight store")
+    ir.add_argument("--ir-stage", action="append", metavar="NET=STAGE",
+                    help="with --from-ir: pick NET up at STAGE (a file of DIR/NET, e.g. "
+                    "block=08-cse.mlir, or its number, block=08); repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -195,9 +205,34 @@ def stats_line(res: Any) -> str:
 # --------------------------------------------------------------------------- commands
 
 
+def _from_ir(args: argparse.Namespace) -> int:
+    """`toptpu compile --from-ir DIR`: the request is the dump's; a request option given
+    too is refused."""
+    from toptpu.from_ir import compile_from_ir
+
+    given = [o.flags[-1] for o in CompileRequest.options()
+             if getattr(args, o.keyword, o.default) != o.default]
+    if given:
+        raise UsageError(f"--from-ir compiles with the request of the dump (its "
+                         f"compile.json); drop {', '.join(given)}")
+    compile_from_ir(args.from_ir, args.output, model=args.model, ir_stages=args.ir_stage,
+                    progress=None if args.quiet else sys.stderr)
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
-    """Compile a Hugging Face model directory to a model file."""
+    """Compile a Hugging Face model directory (or a --dump-ir directory, edited) to a model
+    file."""
     from toptpu.compiler import compile as compile_model
+
+    if args.from_ir is not None:
+        return _from_ir(args)
+    if args.ir_stage:
+        raise UsageError("--ir-stage picks a net's stage of a --from-ir directory; give "
+                         "--from-ir DIR")
+    if args.model is None:
+        raise UsageError("give the model to compile (a Hugging Face directory or a GGUF "
+                         "file), or --from-ir DIR")
 
     compile_model(args.model, args.output, CompileRequest.from_args(args),
                   progress=None if args.quiet else sys.stderr)

@@ -40,6 +40,7 @@ from toptpu.cli_args import chunk_lengths, group_size, int_at_least, pixel_size
 from toptpu.devices import Parallel
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError
+from toptpu.pass_pipeline import DEFAULT_TOP, DEFAULT_TPU, CompilePipeline, PipelineTextError
 from toptpu.passes.convert_top_to_tpu import ConversionError, quant_mode
 
 
@@ -255,8 +256,20 @@ def _path(flag: str) -> Callable[[Any], str | None]:
     return parse
 
 
+def _pipeline(top_pipeline: Any, tpu_pipeline: Any, pass_after: Any, pass_before: Any
+              ) -> CompilePipeline:
+    """--top-pipeline, --tpu-pipeline, --pass-after, --pass-before: the passes of each net,
+    every text parsed and every pass found (the installed plugins' too)."""
+    try:
+        return CompilePipeline.make(top_pipeline, tpu_pipeline, pass_after, pass_before)
+    except PipelineTextError as e:
+        raise CompileError(str(e)) from None
+
+
 # ----------------------------------------------------------------------------- the request
 
+PIPELINES = ("pass pipelines (passes of installed plugins too: toptpu-opt --help lists "
+             "them; docs/your-first-pass.md)")
 VISION = ("vision-language models (InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL, "
           "Qwen3.5)")
 
@@ -362,6 +375,25 @@ class CompileRequest:
         "weight-only quantization is for the text model)", metavar="MODE", group=VISION),
         parse=_flag_mode("--vision-quantize"))
 
+    #: the passes each net runs (`toptpu.pass_pipeline`): the top and tpu stages' passes
+    #: replaced or passes inserted; the model file records them per net
+    pipeline: CompilePipeline = asked(
+        Option("top_pipeline", ("--top-pipeline",), None,
+               "the passes of the top stage (Top IR), as toptpu-opt's -p takes them, "
+               f"replacing the default '{DEFAULT_TOP}'", metavar="PIPELINE", group=PIPELINES),
+        Option("tpu_pipeline", ("--tpu-pipeline",), None,
+               "the passes of the tpu stage (Tpu IR, after convert-top-to-tpu and before "
+               f"the machine passes), replacing the default '{DEFAULT_TPU}'",
+               metavar="PIPELINE", group=PIPELINES),
+        Option("pass_after", ("--pass-after",), None,
+               "run PIPELINE after every run of PASS (any stage's pass: fuse, "
+               "convert-top-to-tpu, layer-group, ...); repeatable, e.g. --pass-after "
+               "fuse=expand-silu", action="append", metavar="PASS=PIPELINE", group=PIPELINES),
+        Option("pass_before", ("--pass-before",), None,
+               "run PIPELINE before every run of PASS; repeatable", action="append",
+               metavar="PASS=PIPELINE", group=PIPELINES),
+        parse=_pipeline)
+
     def __post_init__(self) -> None:
         if not isinstance(self.chip, Chip) or not isinstance(self.shapes, StaticShapes):
             raise TypeError("a CompileRequest's chip is a Chip and its shapes StaticShapes "
@@ -407,6 +439,29 @@ class CompileRequest:
         for f in fields(cls):
             if names is None or f.name in names:
                 yield from _asked(f).options
+
+    def keywords(self) -> dict[str, Any]:
+        """The Python keywords (`make`'s, every option) that ask for this request, as JSON
+        values: `make(**request.keywords())` is an equal request (a `--dump-ir` directory
+        records them for `toptpu compile --from-ir`). The chip must be a preset."""
+        if self.chip.name not in chip_names() or get_chip(self.chip.name) != self.chip:
+            raise CompileError(f"the chip '{self.chip.name}' is not a preset's figures; a "
+                               "request is written down with a preset chip only")
+        s = self.shapes
+
+        def text(v: Any) -> Any:
+            return None if v is None else str(v)
+
+        return {"mode": text(self.mode), "dequantize": text(self.dequantize),
+                "chip": self.chip.name, "seq_length": s.seq_length,
+                "max_input_length": s.max_input_length, "max_history": s.max_history,
+                "prefill_lengths": list(s.prefill_lengths), "devices": self.devices,
+                "parallel": text(self.parallel), "group_size": self.group_size,
+                "symmetric": self.symmetric, "dump_ir": self.dump_ir,
+                "image_size": self.image_size, "max_tiles": self.max_tiles,
+                "max_patches": self.max_patches,
+                "max_pixels": None if self.max_pixels is None else list(self.max_pixels),
+                "vision_mode": text(self.vision_mode), **self.pipeline.keywords()}
 
     def __repr__(self) -> str:
         """The fields, the chip by its name (and `*` when its figures differ from the

@@ -422,12 +422,37 @@ class NetEntry:
     consts: Name
     weights: tuple[Name, ...]
     commands: int
+    #: the passes that made the net, as pipeline text (top stage through codegen's machine
+    #: passes; `toptpu.pass_pipeline`); None in files written before it was recorded
+    pipeline: str | None = None
+
+
+@dataclass(frozen=True)
+class IrStageInfo:
+    """Where `toptpu compile --from-ir` picked a net up: the dump file (`block/08-cse.mlir`)
+    and whether it had been edited since the dump wrote it."""
+
+    file: str
+    edited: bool
+
+
+@dataclass(frozen=True)
+class FromIrInfo:
+    """A model file compiled from a `--dump-ir` directory: the directory and each net's
+    stage."""
+
+    directory: str
+    nets: dict[Name, IrStageInfo]
 
 
 @dataclass(frozen=True)
 class CompileInfo:
     source: str
     toptpu_version: str
+    #: the compile options that chose the passes (`CompilePipeline.describe`: 'default', or
+    #: e.g. "--pass-after 'fuse=expand-silu'")
+    pipeline: str | None = None
+    from_ir: FromIrInfo | None = None
 
 
 @dataclass(frozen=True)
