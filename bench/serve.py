@@ -51,6 +51,8 @@ import openai
 SYSTEM = ("You are the assistant of a tensor processor deployment. Keep every answer short. "
           "Name the nets that run when you explain a step, say which prompt was kept from an "
           "earlier request, and never invent numbers.")
+SESSIONS = ["Morning shift", "Quiet deployment", "Harbor project", "Evening build",
+            "Spare board"]
 QUESTIONS = ["What runs first?", "Which net decodes a token?", "Where is the KV cache?",
              "How is a prompt kept?", "What does the lm_head do?", "Why batch requests?"]
 PROMPTS = ["The river rises in the hills north of the town and",
@@ -148,7 +150,7 @@ def ttft_table(srv: Server, repeat: int) -> list[str]:
     rows: dict[str, list[dict[str, Any]]] = {"cold": [], "shared system prompt": [],
                                              "next chat turn": []}
     for r in range(repeat):
-        system = f"Session {r}. {SYSTEM}"
+        system = f"{SESSIONS[r % len(SESSIONS)]} {r}. {SYSTEM}"  # shares nothing before
         first = [{"role": "system", "content": system},
                  {"role": "user", "content": QUESTIONS[0]}]
         cold = first_token(srv, first)

@@ -281,6 +281,64 @@ def test_a_preloaded_system_prompt_is_kept(system_server: Server, model_file: st
     assert m["conversations"]["pinned"] == 1 and m["conversations"]["copied"] >= 1
 
 
+def test_a_shared_system_prompt_is_kept(server: Server, model_file: str, runtime: Any) -> None:
+    """Two chats that share a long system message (no --system-prompt-file): the second
+    starts from the first's caches (cached_tokens covers the system prompt) and generates
+    what a cold run of its whole prompt generates."""
+    client = server.client()
+    model = os.path.basename(model_file)
+    system = "You are a serving test. Every chat that starts with this prompt shares it."
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": question}]
+             for question in ("What is kept?", "Which tokens are prefilled again?")]
+    shared = len(os.path.commonprefix([chat_ids(runtime, m) for m in chats]))
+    assert shared > 30
+    for i, messages in enumerate(chats):
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                             extra_body={"return_token_ids": True})
+        ids = chat_ids(runtime, messages)
+        assert out.usage.prompt_tokens == len(ids)
+        kept = out.usage.prompt_tokens_details.cached_tokens
+        if i == 1:
+            assert shared - 1 <= kept <= shared, (kept, shared)
+            assert out.model_extra["toptpu"]["prefilled_tokens"] == len(ids) - kept
+        assert out.choices[0].model_extra["token_ids"] == cold(runtime, ids, 8)
+
+
+def test_sse_ends_with_done_and_sampling_follows_the_seed(server: Server, model_file: str,
+                                                          runtime: Any) -> None:
+    """The raw event stream is `data: {...}` events ending in `data: [DONE]`; a sampled
+    request with a seed gives what `Runtime.generate` gives with that seed, every time;
+    `max_completion_tokens` bounds a chat's answer."""
+    from toptpu.backend.runtime.runtime import SamplingConfig
+
+    model = os.path.basename(model_file)
+    req = urllib.request.Request(
+        server.url + "/v1/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": model, "prompt": PROMPTS[0], "max_tokens": 5,
+                         "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+    client = server.client()
+    ids = runtime.encode(PROMPTS[1])
+    want = list(runtime.generate(ids, 10, SamplingConfig(
+        temperature=0.9, top_k=0, top_p=0.95, repetition_penalty=1.0, seed=7)).generated_ids)
+    for _ in range(2):
+        out = client.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=10, temperature=0.9, top_p=0.95,
+            seed=7, extra_body={"return_token_ids": True, "top_k": 0,
+                                "repetition_penalty": 1.0})
+        assert out.choices[0].model_extra["token_ids"] == want
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count."}], max_completion_tokens=3,
+        extra_body={"ignore_eos": True})
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (3, "length")
+
+
 @pytest.mark.parametrize("which", ["batched", "unbatched"])
 def test_four_concurrent_clients(which: str, request: pytest.FixtureRequest, model_file: str,
                                  runtime: Any) -> None:
@@ -367,6 +425,12 @@ def test_bad_requests_are_4xx_and_the_server_stays_up(server: Server, model_file
         server.client().completions.create(model=model, prompt=long)
     assert f"of {SEQ} tokens" in str(e.value) and re.search(r"the prompt is \d+ tokens",
                                                              str(e.value))
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": long}])
+    assert f"of {SEQ} tokens" in str(e.value) and re.search(r"the prompt is \d+ tokens",
+                                                             str(e.value))
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
     # an oversized body: refused from its Content-Length before the body is sent, and
     # once more than the limit streamed in (chunked: no length declared)
     for declared in (True, False):

@@ -614,16 +614,21 @@ class ServingEngine:
             for job, token in zip(jobs, tokens, strict=True):
                 self._guarded(job, lambda j, t=token: self._accept(j, t))
             return
+        # one step each, in turn: a job waits for the whole round between its tokens, so
+        # the round's time is what each is charged (the rate its client sees)
+        stepped: list[tuple[Job, int]] = []
         for job in jobs:
-            t0, c0 = time.perf_counter(), rt.ex.modelled_costs()
             chosen: list[int] = []
             self._guarded(job, lambda j, out=chosen: out.append(self._step_one(j)))
-            if not chosen:  # it failed
-                continue
-            t1, c1 = time.perf_counter(), rt.ex.modelled_costs()
-            self._charge([job], t1 - t0, c1 - c0 if c0 is not None and c1 is not None
-                         else None)
-            self._guarded(job, lambda j, t=chosen[0]: self._accept(j, t))
+            if chosen:  # else it failed
+                stepped.append((job, chosen[0]))
+        if not stepped:
+            return
+        t1, c1 = time.perf_counter(), rt.ex.modelled_costs()
+        self._charge([job for job, _ in stepped], t1 - t0,
+                     c1 - c0 if c0 is not None and c1 is not None else None, batched=False)
+        for job, token in stepped:
+            self._guarded(job, lambda j, t=token: self._accept(j, t))
 
     def _step_one(self, job: Job) -> int:
         """A decode step of the job's last token alone: its next token."""
@@ -632,9 +637,13 @@ class ServingEngine:
         hidden = job.conv.step(job.last)
         return self._choose_one(job, hidden)
 
-    def _charge(self, jobs: list[Job], host_s: float, costs: Costs | None) -> None:
-        n = len(jobs)
-        self.totals.decode_steps[n] = self.totals.decode_steps.get(n, 0) + 1
+    def _charge(self, jobs: list[Job], host_s: float, costs: Costs | None,
+                batched: bool = True) -> None:
+        """The time of one decode round: one batched step of `jobs`, or (not `batched`)
+        one step of each in turn; every job is charged all of it (it waited for it)."""
+        n = len(jobs) if batched else 1
+        steps = 1 if batched else len(jobs)
+        self.totals.decode_steps[n] = self.totals.decode_steps.get(n, 0) + steps
         self.totals.decode_host_s += host_s
         if costs is not None:
             self.totals.decode_modelled_s += costs.total_s
