@@ -185,6 +185,32 @@ def test_a_batch_step_costs_what_the_step_model_charges(model_file: str, rt: Run
     assert steps.batch_step("greedy").total_s < 1.1 * steps.per_token("greedy").total_s
 
 
+@pytest.mark.slow
+def test_estimate_of_the_batch_nets_is_what_the_file_charges(
+        tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    """`toptpu estimate --batch B` from the config alone: the batch step's modelled time is
+    what the compiled file's batch step costs (`profile`'s step model); tok/s per user is
+    one over it, in total B over it."""
+    import json
+
+    from toptpu.cli import main
+    from toptpu.profile_cli import profile_model, step_model
+
+    built = compiled(tmp_path_factory, "qwen2", "f32", batch=BATCH)
+    steps = step_model(profile_model(built.model_file)[0])
+    assert main(["estimate", built.model_dir, "-q", "f32", "--seq-length", "160",
+                 "--max-input-length", "16", "--batch", str(BATCH), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["batch"]
+    step = steps.batch_step("greedy").total_s
+    assert out["batch"] == BATCH
+    assert out["step"]["total_s"] == pytest.approx(step, rel=1e-9)
+    assert out["tokens_per_s_per_user"] == pytest.approx(1 / step, rel=1e-9)
+    assert out["tokens_per_s_total"] == pytest.approx(BATCH / step, rel=1e-9)
+    assert main(["estimate", built.model_dir, "-q", "f32", "--seq-length", "160",
+                 "--max-input-length", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch"] is None
+
+
 # =========================================================================== the engine
 
 
@@ -243,6 +269,36 @@ def test_the_kept_conversations_are_bounded_and_reused(rt: Runtime) -> None:
         with pytest.raises(ServeError, match="max-queue"):
             small = ServingEngine(rt, slots=1, max_queue=0, max_conversations=1)
             small.submit(Job(Collector(), Prompt(prompts[0]), max_tokens=1))
+    finally:
+        engine.shutdown(0)
+        engine.join(30)
+
+
+@pytest.mark.slow
+def test_a_branch_inside_a_kept_prompt_keeps_both(rt: Runtime) -> None:
+    """Two prompts sharing a long start (a system prompt, then other questions): the second
+    copies the first's shared caches instead of cutting them, so the first's chat can still
+    continue from its whole prompt; every answer is a cold run's."""
+    import os
+
+    engine = ServingEngine(rt, slots=1, max_queue=4, max_conversations=3)
+    engine.start()
+    try:
+        system = rt.encode(LONG_PROMPT)
+        a = system + rt.encode(" The first question")
+        b = system + rt.encode(" Another question entirely")
+        shared = len(os.path.commonprefix([a, b]))
+        assert len(system) - 2 <= shared < len(a) - 1
+        first, _ = serve(engine, a, 4)
+        other, _ = serve(engine, b, 4)
+        assert other.cached_tokens == shared
+        assert other.token_ids == list(rt.generate(b, 4).generated_ids)
+        turn = a + first.token_ids + rt.encode(" And then?")
+        nxt, _ = serve(engine, turn, 4)
+        assert nxt.cached_tokens >= len(a)
+        assert nxt.token_ids == list(rt.generate(turn, 4).generated_ids)
+        m = engine.metrics()["conversations"]
+        assert (m["copied"], m["held"]) == (1, 2)
     finally:
         engine.shutdown(0)
         engine.join(30)

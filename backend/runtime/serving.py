@@ -200,6 +200,8 @@ class ConversationPool:
         self.busy: dict[int, Conversation] = {}
         self.pinned: list[Conversation] = []
         self.image_keys: dict[int, dict[int, tuple[str, int]]] = {}
+        #: the length of the prompt each conversation last took (what follows: its answer)
+        self.prompt_lengths: dict[int, int] = {}
         self.reused = self.copied = self.cold = self.evicted = 0
 
     @property
@@ -235,7 +237,11 @@ class ConversationPool:
         """A conversation for `prompt`, holding its first n tokens: (it, n). Uses the idle
         conversation sharing the longest prefix, or copies a longer one from a busy or
         pinned conversation, or resets the least recently used idle one (or makes a new
-        one while under `capacity`)."""
+        one while under `capacity`). An idle conversation the prompt branches from inside
+        its own earlier prompt (another question after a shared system prompt) is copied
+        too while under `capacity`, so both branches stay kept; one the prompt continues
+        past its earlier prompt (a chat's next turn, the same prompt again) is cut and
+        taken."""
         best_idle, n_idle = None, 0
         for conv in reversed(self.idle.values()):  # the most recent first on ties
             n = self.shared(conv, prompt)
@@ -246,7 +252,11 @@ class ConversationPool:
             n = self.shared(conv, prompt)
             if n > n_src:
                 source, n_src = conv, n
-        if best_idle is not None and n_idle >= n_src:
+        branches = best_idle is not None and self.count < self.capacity and \
+            n_idle + 1 < self.prompt_lengths.get(id(best_idle), 0)
+        if best_idle is not None and n_idle >= n_src and branches:
+            source, n_src = best_idle, n_idle
+        elif best_idle is not None and n_idle >= n_src:
             del self.idle[id(best_idle)]
             best_idle.truncate(n_idle)
             self._cut_keys(best_idle, n_idle)
@@ -264,6 +274,7 @@ class ConversationPool:
         else:
             conv.reset()
             self.image_keys.pop(id(conv), None)
+            self.prompt_lengths.pop(id(conv), None)
             self.cold += 1
             n = 0
         self.busy[id(conv)] = conv
@@ -288,6 +299,7 @@ class ConversationPool:
 
     def fed(self, conv: Conversation, prompt: Prompt, start: int) -> None:
         """`conv` now holds `prompt` from token `start` on: its image keys."""
+        self.prompt_lengths[id(conv)] = len(prompt.ids)
         keys = {p: k for p, k in prompt.image_keys.items() if p >= start}
         if keys:
             self.image_keys.setdefault(id(conv), {}).update(keys)
@@ -301,6 +313,7 @@ class ConversationPool:
         """`conv` is in no known state (a request failed in it): reset, kept idle."""
         conv.reset()
         self.image_keys.pop(id(conv), None)
+        self.prompt_lengths.pop(id(conv), None)
         self.release(conv)
         self.idle.move_to_end(id(conv), last=False)
 
