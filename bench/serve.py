@@ -20,16 +20,18 @@ Medians over `--repeat` rounds, each with its own system prompt.
 Throughput: N clients (1, 2, 4) each send `--requests` completions of `--new` tokens
 (`ignore_eos`) one after the other, all at once, to a server decoding with the batch nets
 and to one decoding the same requests one after the other (`--no-batch-nets`; both admit
-up to B requests). Host: generated tokens over the wall time of the whole run, in total and
-per client; modelled: the chip time of the decode steps (`/metrics`: generated tokens over
-the modelled seconds of the decode steps; per user: the requests' own
-`modelled_tokens_per_s`, the rate each client sees).
+up to B requests); both servers run at once and are measured in alternating order, round
+after round (`--rounds`, medians). Host: generated tokens over the wall time of the whole
+run, in total and per client; modelled: the chip time of the decode steps (`/metrics`:
+generated tokens over the modelled seconds of the decode steps; per user: the requests'
+own `modelled_tokens_per_s`, the rate each client sees: every decode round a request
+waited for, charged whole).
 
 The host is shared and noisy: compare the ratios of one run, not absolute times across
 runs.
 
 Run: python bench/serve.py [--model tiny|smollm2] [--batch 4] [--new 32] [--requests 2]
-         [--repeat 3] [--clients 1,2,4] [--keep DIR]
+         [--repeat 3] [--clients 1,2,4] [--rounds 3] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -223,6 +225,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--clients", default="1,2,4")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keep", default=None)
     args = ap.parse_args()
     where = args.keep or tempfile.mkdtemp(prefix="toptpu-bench-serve-")
@@ -235,31 +238,42 @@ def main() -> None:
     finally:
         srv.stop()
     counts = [int(c) for c in args.clients.split(",")]
-    results: dict[str, dict[int, dict[str, float]]] = {}
-    for name, extra in (("batch nets", ()), ("one after the other",
-                                             ("--no-batch-nets", "--max-batch",
-                                              str(args.batch)))):
-        srv = Server(path, *extra)
-        try:
-            results[name] = {n: throughput(srv, n, args.requests, args.new) for n in counts}
-        finally:
+    configs = {"batch nets": (), "one after the other": ("--no-batch-nets", "--max-batch",
+                                                         str(args.batch))}
+    # both servers up at once, the two measured in alternating order round after round
+    # (the host's load drifts: interleaving keeps it the same for both)
+    servers = {name: Server(path, *extra) for name, extra in configs.items()}
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {
+        name: {n: [] for n in counts} for name in configs}
+    try:
+        for r in range(args.rounds):
+            for n in counts:
+                order = list(configs) if r % 2 == 0 else list(reversed(configs))
+                for name in order:
+                    runs[name][n].append(throughput(servers[name], n, args.requests,
+                                                    args.new))
+    finally:
+        for srv in servers.values():
             srv.stop()
+    results = {name: {n: {k: statistics.median(x[k] for x in per[n]) for k in per[n][0]}
+                      for n in counts} for name, per in runs.items()}
     print(f"\n## {args.model}: decode throughput ({args.requests} requests of {args.new} "
-          f"tokens per client; batch nets at {args.batch})\n")
+          f"tokens per client; batch nets at {args.batch}; medians of {args.rounds} "
+          "interleaved rounds)\n")
     print("| clients | decode | host tok/s total | host tok/s per client | "
           "modelled tok/s total | modelled tok/s per user |")
     print("|---|---|---|---|---|---|")
     for n in counts:
         for name in results:
-            r = results[name][n]
-            print(f"| {n} | {name} | {r['host_total']:.1f} | {r['host_user']:.1f} | "
-                  f"{r['modelled_total']:.1f} | {r['modelled_user']:.1f} |")
+            x = results[name][n]
+            print(f"| {n} | {name} | {x['host_total']:.1f} | {x['host_user']:.1f} | "
+                  f"{x['modelled_total']:.1f} | {x['modelled_user']:.1f} |")
+    print()
     for n in counts[1:]:
         a, b = results["batch nets"][n], results["one after the other"][n]
-        print(f"\n{n} clients, batch nets / one after the other: host "
+        print(f"{n} clients, batch nets / one after the other: host "
               f"{a['host_total'] / b['host_total']:.2f}x, modelled "
-              f"{a['modelled_total'] / b['modelled_total']:.2f}x", end="")
-    print()
+              f"{a['modelled_total'] / b['modelled_total']:.2f}x  ")
 
 
 if __name__ == "__main__":
