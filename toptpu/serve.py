@@ -157,8 +157,10 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float,
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise bad(f"'{key}' must be a number, not {_type_name(v)}", key)
+    if not math.isfinite(v):  # 1e400 reads as infinity
+        raise bad(f"'{key}' must be a finite number, not {v}", key)
     if v < lo or v > hi or (lo_open and v == lo):
         left = "(" if lo_open else "["
         raise bad(f"'{key}' must be in {left}{lo:g}, {hi:g}], got {v}", key)
