@@ -130,6 +130,9 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "symmetric": [({"symmetric": "yes"}, "--symmetric is true, false or not given, not 'yes'"),
                   ({"symmetric": True, "mode": "f16"}, "--symmetric applies to "
                    "round-to-nearest weight quantization in the w4 and w8 modes")],
+    "keep_float": [({"keep_float": 3}, "--keep-float is a part of a weight's name, not 3"),
+                   ({"keep_float": "", "mode": "bf16"}, "--keep-float applies to weight "
+                    "quantization in the w4 and w8 modes; -q bf16 quantizes no weight")],
     "dump_ir": [({"dump_ir": 3}, "--dump-ir is a path, not 3")],
     "image_size": [({"image_size": 0}, "--image-size must be an integer >= 1, not 0")],
     "max_tiles": [({"max_tiles": -1}, "--max-tiles must be an integer >= 1, not -1")],
@@ -199,6 +202,8 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
     (["--parallel", "dp"], 2, "argument --parallel: invalid choice: 'dp'"),
     (["--parallel", "tp"], 1, "--parallel tp spreads a model over several chips"),
     (["--group-size", "-2"], 2, "positive integer or -1"),
+    (["--keep-float", "embed"], 1, "--keep-float applies to weight quantization in the w4 "
+     "and w8 modes; the default mode"),
     (["--symmetric", "-q", "bf16"], 1, "--symmetric applies to round-to-nearest"),
     (["--dump-ir", "{model}/ir"], 1, "--dump-ir '{model}/ir' is inside"),
     (["--image-size", "0"], 2, "--image-size: must be an integer >= 1"),

@@ -394,7 +394,8 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     hf = loaded.model
     mode = resolve_mode(request.mode, loaded)
     if loaded.checkpoint is not None:
-        check_quant_options(mode, request.group_size, request.symmetric, loaded.source)
+        check_quant_options(mode, request.group_size, request.symmetric, loaded.source,
+                            request.keep_float)
     arch = LlmArch.of(hf)
     check_parallel_model(loaded, arch, request)
     shapes = request.shapes

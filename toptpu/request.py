@@ -403,7 +403,8 @@ class CompileRequest:
                 raise CompileError(f"-q {self.mode} contradicts --dequantize "
                                    f"{self.dequantize}: give one of them")
             object.__setattr__(self, "mode", self.dequantize)  # frozen: set once, here
-        check_quant_options(self.mode, self.group_size, self.symmetric)
+        check_quant_options(self.mode, self.group_size, self.symmetric,
+                            keep_float=self.keep_float)
         object.__setattr__(self, "parallel",
                            check_devices(self.devices, self.parallel, self.chip))
         if self.batch > 1 and self.devices > 1:
@@ -516,11 +517,12 @@ _W4_MODES = ", ".join(QuantMode.names(bits=4))
 
 
 def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool | None,
-                        checkpoint: str | None = None) -> None:
-    """Refuse `group_size` / `symmetric` where they would be ignored: the group size shapes
-    round-to-nearest quantization in the w4 modes only (w8 is per channel), symmetric in
-    the w4 and w8 modes; a pre-quantized `checkpoint` keeps its own (None: not known yet).
-    None means "not given"."""
+                        checkpoint: str | None = None, keep_float: str = "lm_head") -> None:
+    """Refuse `group_size` / `symmetric` / `keep_float` where they would be ignored: the
+    group size shapes round-to-nearest quantization in the w4 modes only (w8 is per
+    channel), symmetric and the weights kept float in the w4 and w8 modes; a pre-quantized
+    `checkpoint` keeps its own (None: not known yet). None (for keep_float its default)
+    means "not given"."""
     if group_size is not None and group_size != -1 and group_size <= 0:
         raise CompileError(f"--group-size must be positive or -1 (per channel), not {group_size}")
     bits = weight_bits(mode)
@@ -528,15 +530,20 @@ def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool
                                            "or a pre-quantized checkpoint's own)")
     for flag, given, applies in (("--group-size", group_size is not None, bits == 4),
                                  ("--symmetric", bool(symmetric is not None),
-                                  bits in (4, 8))):
+                                  bits in (4, 8)),
+                                 ("--keep-float", keep_float != "lm_head", bits in (4, 8))):
         if not given:
             continue
         if checkpoint is not None:
             raise CompileError(f"{flag} does not apply to {checkpoint}: a pre-quantized "
-                               "checkpoint keeps its own group size and zero points; drop "
-                               f"{flag}")
+                               "checkpoint keeps its own quantization (group size, zero "
+                               f"points, the layers left float); drop {flag}")
         if not applies:
             modes = _W4_MODES if flag == "--group-size" else "w4 and w8 modes"
+            if flag == "--keep-float":
+                raise CompileError(f"--keep-float applies to weight quantization in the {modes}"
+                                   f"; {what} quantizes no weight: drop --keep-float or "
+                                   "choose such a mode")
             why = " (w8 quantizes per channel)" if flag == "--group-size" and bits == 8 else ""
             raise CompileError(f"{flag} applies to round-to-nearest weight quantization in "
                                f"the {modes}; {what} does not use it{why}: drop {flag} or "
