@@ -375,6 +375,52 @@ def test_four_concurrent_clients(which: str, request: pytest.FixtureRequest, mod
         assert set(grown) == {"1"}
 
 
+def test_a_vlm_chat_with_a_data_url_image(tmp_path_factory: pytest.TempPathFactory,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny MiniCPM-V: an image sent as a data: URL content part before the text gives
+    the tokens of `toptpu run --image --chat-template`; the same image and text again keep
+    the image's tokens; another image keeps nothing of the first one's."""
+    import base64
+
+    from vlm_fixtures import PROMPT, image_path, make_image, vlm_file
+
+    path = vlm_file(tmp_path_factory, "minicpmv")
+    image = image_path(tmp_path_factory, "minicpmv")
+    other = str(tmp_path_factory.mktemp("serve_vlm") / "other.png")
+    make_image(150, 260, seed=1).save(other)
+    model = os.path.basename(path)
+
+    def content(png: str) -> list[dict[str, Any]]:
+        with open(png, "rb") as f:
+            url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+        return [{"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": PROMPT}]
+
+    refs = [run_json(capsys, path, "--image", png, "--prompt", PROMPT, "--chat-template",
+                     "--max-new-tokens", "6") for png in (image, other)]
+    srv = Server(path)
+    try:
+        client = srv.client()
+        answers = []
+        for png in (image, image, other):
+            answers.append(client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": content(png)}],
+                max_tokens=6, extra_body={"return_token_ids": True}))
+        first, again, second = answers
+        for out, ref in ((first, refs[0]), (again, refs[0]), (second, refs[1])):
+            assert out.choices[0].model_extra["token_ids"] == ref["generated_ids"]
+            assert out.usage.prompt_tokens == len(ref["prompt_ids"])
+        assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+        # the two prompts' ids are the same (placeholders); the images tell them apart
+        assert refs[0]["prompt_ids"] == refs[1]["prompt_ids"]
+        from toptpu.backend.runtime.runtime import Runtime
+
+        image_start = refs[0]["prompt_ids"].index(int(Runtime.open(path).vision.image_token_id))
+        assert 0 < second.usage.prompt_tokens_details.cached_tokens <= image_start
+    finally:
+        assert srv.stop() == 0
+
+
 # --------------------------------------------------------------------------- bad requests
 
 
