@@ -35,6 +35,7 @@ Progress goes to stderr; `dump_ir=DIR` writes every net's IR after every pass to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -263,7 +264,7 @@ class PackedWeights:
 
 
 def _bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
 @dataclass
@@ -418,6 +419,7 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, request.vision_mode, shapes)
     if vit is not None:
+        assert vision is not None  # a vit net is a vision tower's
         nets.append(vit)
         nets += [NetPlan(spec, spec.mode or mode) for spec in vision.extra_specs(shapes, act)]
     # layers whose checkpoint quantization differs get per-layer nets of their own
@@ -704,10 +706,11 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
     unique: dict[tuple, str] = {}
     alias: dict[str, str] = {}
     for name in order:
-        r = from_placeholder.get(name)
-        key = (_digest(shared[name]),) if r is None else (
-            stream.placeholder_of(r.source), r.source.partition("@")[2], r.part, r.shape,
-            str(r.dtype), r.bits, r.group_size, r.symmetric, str(r.scale_dtype))
+        recipe = from_placeholder.get(name)
+        key = (_digest(shared[name]),) if recipe is None else (
+            stream.placeholder_of(recipe.source), recipe.source.partition("@")[2], recipe.part,
+            recipe.shape, str(recipe.dtype), recipe.bits, recipe.group_size, recipe.symmetric,
+            str(recipe.scale_dtype))
         alias[name] = unique.setdefault(key, name)
     specs = {nm: (tuple(shared[nm].shape), shared[nm].dtype.name) if nm in shared
              else (from_placeholder[nm].shape, from_placeholder[nm].dtype.name)
@@ -833,8 +836,9 @@ class DeviceWeights:
                 runs.append([r])
         for run in runs:
             for d, p in enumerate(self.devices):
-                made = derive_weights(run, lambda src, d=d: device_tensor(src, whole, d, n),
-                                      checkpoint_of)
+                made = derive_weights(
+                    run, functools.partial(device_tensor, whole=whole, device=d, devices=n),
+                    checkpoint_of)
                 base = p.layout.layer_start(layer)
                 for r in run:
                     yield p.layout.section, base + chunk[r.name].offset, _bytes(made[r.name])

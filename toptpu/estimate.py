@@ -218,7 +218,7 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        out = {"model": self.model.to_json(), "mode": self.mode.value,
+        out: dict[str, Any] = {"model": self.model.to_json(), "mode": self.mode.value,
                "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
                "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
                "compile_s": self.compile_s,
@@ -831,9 +831,9 @@ def read_checked_config(config_dir: str, request: CompileRequest) -> Any:
     check_config(_without_quantization(config), where)
     check_seq_length(raw, where, request.shapes.seq_length, mode)
     check_group_size(raw, where, mode, request.group_size)
-    check_parallel_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict)
-                          else raw, where, request.devices, request.parallel, mode,
-                          request.group_size)
+    text_config = raw.get("text_config")
+    check_parallel_config(text_config if isinstance(text_config, dict) else raw, where,
+                          request.devices, request.parallel, mode, request.group_size)
     return config
 
 

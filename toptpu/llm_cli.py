@@ -23,6 +23,7 @@ from toptpu.backend.runtime.run_trace import write_run_trace
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
     GenerationError,
+    GenerationResult,
     PromptTooLongError,
     Runtime,
     SamplingConfig,
@@ -156,7 +157,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "its heads can: greedy, or top-k between 1 and the head's K; else host)")
 
 
-def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
+def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]
+                       ) -> SamplingConfig:
     """The sampling settings: the arguments given, else the model file's generation config
     (greedy unless it samples)."""
     def stored(key: str, kind: type, default: float) -> Any:
@@ -191,7 +193,7 @@ def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def stats_line(res: Any) -> str:
+def stats_line(res: GenerationResult) -> str:
     vision = (f"vision {res.image_tokens} image tokens in {_fmt(res.vision_s, 's')} host, "
               f"{_fmt(res.vision_modelled_s, 's', 6)} modelled; " if res.image_tokens else "")
     return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; "
@@ -239,7 +241,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
+def _prompt_ids(rt: Runtime, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
     """The prompt's token ids (and encoded images) as the arguments give them."""
     if args.ids is not None:
         if args.chat_template or args.image or args.video:
@@ -256,7 +258,7 @@ def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]
     return rt.encode(args.prompt), []
 
 
-def run_json(res: Any, executor: str, weight_cache_file: str | None = None
+def run_json(res: GenerationResult, executor: str, weight_cache_file: str | None = None
              ) -> dict[str, Any]:
     """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in docs/usage.md)."""
     return {
@@ -295,7 +297,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_notes(rt: Any) -> None:
+def _print_notes(rt: Runtime) -> None:
     """What the runtime noted (a weight cache file left unused), once each, on stderr."""
     for note in rt.notes:
         print(f"toptpu: note: {note}", file=sys.stderr)
@@ -414,7 +416,7 @@ def _read_message(limit: int = 1 << 20) -> str | None:
             return line.strip()
 
 
-def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
+def _chat_loop(rt: Runtime, args: argparse.Namespace, sampling: SamplingConfig) -> int:
     images: list[Any] = []
     limit = message_limit(rt.tokenizer.backend.get_vocab(), rt.seq)
     while True:
@@ -453,7 +455,7 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
                 continue
             images.append(enc)
             print(f"[video {len(frames)} frames at {args.fps:g} fps: {enc.size[0]}x"
-                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw))}, "
+                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw or ()))}, "
                   f"{enc.image_tokens} video tokens]", file=sys.stderr)
             if not msg:
                 continue

@@ -73,7 +73,7 @@ from xdsl.xdsl_opt_main import xDSLOptMain
 
 from toptpu import pass_pipeline
 from toptpu.command_io import StdoutError, command_run, drop_stdout
-from toptpu.dialects import all_dialects
+from toptpu.dialects import all_dialects, dialect_factory
 from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, verify_ir
 from toptpu.dialects.output_file import (
     OutputPathError,
@@ -289,6 +289,7 @@ def expand_marking_ends(passes: Sequence[ModulePass]
         if not callable(inner):
             out.append(p)
             continue
+        # the ignore below: a pipeline pass's LEVEL
         out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
         sub, sub_ends = expand_marking_ends(inner())
         for i, names in sub_ends.items():
@@ -332,7 +333,7 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_dialects(self) -> None:
         ours = {d.name for d in all_dialects()}
         for d in all_dialects():
-            self.ctx.register_dialect(d.name, lambda d=d: d)
+            self.ctx.register_dialect(d.name, dialect_factory(d))
         for name, factory in Universe.get_multiverse().all_dialects.items():
             if name not in ours:
                 self.ctx.register_dialect(name, factory)
@@ -420,7 +421,7 @@ class ToptpuOptMain(xDSLOptMain):
         elif nxt is not None and (args.mlir_print_ir_before_all
                                   or nxt.name in self._print_before):
             self._print_ir(f"IR Dump Before {nxt.name}", module)
-        self._pass_started = time.perf_counter()
+        self._pass_started: float = time.perf_counter()
 
     def _print_ir(self, title: str, module: ModuleOp) -> None:
         """The IR under `title` on stderr, naming a weight store that holds its tensors:
@@ -551,6 +552,7 @@ class ToptpuOptMain(xDSLOptMain):
             arg_parser.epilog = passes_help()
             return format_help()
 
+        # the ignore below: this parser's help
         arg_parser.format_help = format_help_with_passes  # type: ignore[method-assign]
 
     # -- input and output ----------------------------------------------------------------------

@@ -76,7 +76,7 @@ def pass_options(cls: type[ModulePass]) -> list[tuple[str, str, Any]]:
     """A pass's options as -p spells them: (name, what it takes, default)."""
     hints = get_type_hints(cls)
     return [(f.name.replace("_", "-"), describe_type(hints[f.name]), f.default)
-            for f in dataclasses.fields(cls) if f.init and f.name != "name"]  # type: ignore[arg-type]
+            for f in dataclasses.fields(cls) if f.init and f.name != "name"]
 
 
 def _unknown_pass_hint(name: str, available: Mapping[str, Any]) -> str:
@@ -106,7 +106,7 @@ def check_pipeline_spec(spec: str, available: Mapping[str, Callable[[], type[Mod
             raise error(f"{flag} {shown_spec}: unknown pass '{s.name}'"
                         f"{_unknown_pass_hint(s.name, available)}; {help_hint}")
         cls = available[s.name]()
-        options = {f.name: f for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        options = {f.name: f for f in dataclasses.fields(cls)
                    if f.init and f.name != "name"}
         hints = get_type_hints(cls)
         for key, values in s.normalize_parameter_names().parameters.items():

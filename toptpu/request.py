@@ -32,7 +32,7 @@ import argparse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeGuard
 
 from toptpu.backend.contract import StaticShapes
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
@@ -157,24 +157,26 @@ def _flag_mode(flag: str) -> Callable[[Any], QuantMode | None]:
     return parse
 
 
-def _chip(chip: Any) -> Chip:
+def _chip(chip: object) -> Chip:
     """--chip: a preset's name, or a `Chip` (an estimate's chip with figures changed)."""
     if isinstance(chip, Chip):
         return chip
     names = chip_names()
-    if chip not in names:
+    if not isinstance(chip, str) or chip not in names:
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(names)}")
     return get_chip(chip)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _count(flag: str, lo: int = 1) -> Callable[[Any], int | None]:
+def _count(flag: str, lo: int = 1) -> Callable[[object], int | None]:
     """An integer >= lo, or None (not given)."""
-    def parse(value: Any) -> int | None:
-        if value is not None and (not _is_int(value) or value < lo):
+    def parse(value: object) -> int | None:
+        if value is None:
+            return None
+        if not _is_int(value) or value < lo:
             raise CompileError(f"{flag} must be an integer >= {lo}, not {value!r}")
         return value
 
@@ -197,26 +199,28 @@ def _shapes(seq_length: Any, max_input_length: Any, max_history: Any,
         raise CompileError(str(e)) from e
 
 
-def _group_size(value: Any) -> int | None:
-    if value is not None and (not _is_int(value) or (value != -1 and value <= 0)):
+def _group_size(value: object) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or (value != -1 and value <= 0):
         raise CompileError(f"--group-size must be positive or -1 (per channel), not {value!r}")
     return value
 
 
-def _keep_float(value: Any) -> str:
+def _keep_float(value: object) -> str:
     """--keep-float: a (possibly empty) part of a weight's name."""
     if not isinstance(value, str):
         raise CompileError(f"--keep-float is a part of a weight's name, not {value!r}")
     return value
 
 
-def _symmetric(value: Any) -> bool | None:
+def _symmetric(value: object) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise CompileError(f"--symmetric is true, false or not given, not {value!r}")
     return value
 
 
-def _devices(value: Any) -> int:
+def _devices(value: object) -> int:
     if not _is_int(value) or value < 1:
         raise CompileError(f"--devices must be an integer >= 1, not {value!r}")
     return value
@@ -237,7 +241,7 @@ def _parallel(value: Any) -> Parallel | None:
         raise CompileError(f"--parallel must be tp or pp, not {value!r}") from None
 
 
-def _max_pixels(value: Any) -> tuple[int, int] | None:
+def _max_pixels(value: object) -> tuple[int, int] | None:
     if value is None:
         return None
     if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) != 2 \
@@ -247,8 +251,8 @@ def _max_pixels(value: Any) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
-def _path(flag: str) -> Callable[[Any], str | None]:
-    def parse(value: Any) -> str | None:
+def _path(flag: str) -> Callable[[object], str | None]:
+    def parse(value: object) -> str | None:
         if value is not None and not isinstance(value, str):
             raise CompileError(f"{flag} is a path, not {value!r}")
         return value
@@ -550,7 +554,8 @@ def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool
                                "choose such a mode")
 
 
-def check_devices(devices: int, parallel: Parallel | None, chip: Chip) -> Parallel | None:
+def check_devices(devices: int, parallel: Parallel | str | None, chip: Chip
+                  ) -> Parallel | None:
     """`--devices` within the chip's `max_devices`, `--parallel` given only with several;
     the strategy (tp by default for several devices, None for one)."""
     devices, parallel = _devices(devices), _parallel(parallel)
