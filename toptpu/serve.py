@@ -457,7 +457,8 @@ def _auth(request: Request, state: ServeState) -> None:
 
 
 def _state(request: Request) -> ServeState:
-    return request.app.state.serve  # type: ignore[no-any-return]
+    state: ServeState = request.app.state.serve
+    return state
 
 
 async def _run_prep(state: ServeState, fn: Callable[[], Any]) -> Any:

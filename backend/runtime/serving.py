@@ -36,6 +36,7 @@ import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -497,7 +498,7 @@ class ServingEngine:
                             self._abort(job, 503, "the server shut down before the request "
                                         "finished", "shutting_down")
                         return
-                admit = []
+                admit: list[Job] = []
                 while self._queue and len(self._active) + len(admit) < self.slots:
                     admit.append(self._queue.popleft())
             for job in admit:
@@ -625,14 +626,14 @@ class ServingEngine:
             self._charge(jobs, t1 - t0, c1 - c0 if c0 is not None and c1 is not None
                          else None)
             for job, token in zip(jobs, tokens, strict=True):
-                self._guarded(job, lambda j, t=token: self._accept(j, t))
+                self._guarded(job, partial(self._accept, token=token))
             return
         # one step each, in turn: a job waits for the whole round between its tokens, so
         # the round's time is what each is charged (the rate its client sees)
         stepped: list[tuple[Job, int]] = []
         for job in jobs:
             chosen: list[int] = []
-            self._guarded(job, lambda j, out=chosen: out.append(self._step_one(j)))
+            self._guarded(job, partial(self._step_into, chosen))
             if chosen:  # else it failed
                 stepped.append((job, chosen[0]))
         if not stepped:
@@ -641,7 +642,10 @@ class ServingEngine:
         self._charge([job for job, _ in stepped], t1 - t0,
                      c1 - c0 if c0 is not None and c1 is not None else None, batched=False)
         for job, token in stepped:
-            self._guarded(job, lambda j, t=token: self._accept(j, t))
+            self._guarded(job, partial(self._accept, token=token))
+
+    def _step_into(self, out: list[int], job: Job) -> None:
+        out.append(self._step_one(job))
 
     def _step_one(self, job: Job) -> int:
         """A decode step of the job's last token alone: its next token."""
@@ -716,13 +720,14 @@ class ServingEngine:
 
     def _stats(self, job: Job) -> dict[str, Any]:
         """The request's timings: host and modelled (the `toptpu` field of a response)."""
+        assert job.prompt is not None
         decoded = len(job.generated) - 1
         first = job.modelled_first
         dec = job.modelled_decode
         host_decode = job.decode_host_s
-        stats = {
+        stats: dict[str, Any] = {
             "cached_tokens": job.cached,
-            "prefilled_tokens": len(job.prompt.ids) - job.cached if job.prompt else 0,
+            "prefilled_tokens": len(job.prompt.ids) - job.cached,
             "queue_s": job.admitted - job.submitted,
             "ttft_s": job.first_token - job.admitted,
             "modelled_ttft_s": first.total_s if first is not None else None,
