@@ -360,6 +360,7 @@ class BatchBlock(Block):
     own mask row. Returns the hidden rows and each row's new k/v (`present_k.b`,
     `present_v.b`)."""
 
+    # the ignore below: the single block's history_k/history_v become B caches (*caches)
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,  # type: ignore[override]
                 attention_mask: torch.Tensor, *caches: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:

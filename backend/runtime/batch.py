@@ -166,8 +166,9 @@ class BatchDecoder:
                     out[b] = sample_token(logits[b], r.recent, r.sampling, r.rng)
         if "sample" in kinds:
             self._sample(rows, out)
-        assert all(t is not None for t in out)
-        return [int(t) for t in out]  # type: ignore[arg-type]
+        chosen = [int(t) for t in out if t is not None]
+        assert len(chosen) == len(out)
+        return chosen
 
     def _sample(self, rows: Sequence[BatchRow], out: list[int | None]) -> None:
         """The rows sampled on the chip: `sample_head.bB`, each row with its parameters (a
