@@ -413,7 +413,10 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     act = mode.activation
     vision = getattr(loaded, "vision", None)
     axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
-    specs = split_model(hf, shapes, act=act, position_axes=axes)
+    if request.batch > 1 and LINEAR_ATTENTION in arch.layer_types:
+        raise CompileError(f"--batch {request.batch}: {arch.family}'s linear-attention layers "
+                           "have no batch decode net yet; compile it without --batch")
+    specs = split_model(hf, shapes, act=act, position_axes=axes, batch=request.batch)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, request.vision_mode, shapes)
@@ -426,7 +429,8 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     for rep in list(variants)[1:]:
         if loaded.stream is not None:  # the skeleton's representative layer made real
             loaded.stream.materialize(hf, rep, f"v{rep}.")
-        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes)
+        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes,
+                                batch=request.batch)
         if arch.layer_type(rep) != arch.layer_type(0):  # a layer kind of its own
             check_block_matches_model(hf, next(s for s in rep_specs if s.name == BLOCK),
                                       layer_index=rep)
