@@ -526,7 +526,8 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     - its FLOP count: `flops()`;
     - its kernel binding, what the interpreters and the machine call
       (`toptpu.backend.reference`): `KERNEL` names the function of `kernels.py` (by
-      default the op's kind: `top.rms_norm` -> `kernels.rms_norm`), called with
+      default the op's kind: `top.rms_norm` -> `kernels.rms_norm`; a plugin's op names
+      its own module, `KERNEL_MODULE`), called with
       `kernel_arguments(operand values)`: by default the operand values in declaration
       order (None for an absent optional operand) and `kernel_params()` as keywords (its
       attributes and result element types). `STRUCTURAL` ops have no kernel: dedicated code
@@ -546,8 +547,12 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     # operand groups as declared (optional operands may be absent)
     CHECK_INFERRED: ClassVar[bool] = True
 
-    #: the function of `toptpu.backend.reference.kernels` computing the op ("": its kind)
+    #: the function of `KERNEL_MODULE` computing the op ("": its kind)
     KERNEL: ClassVar[str] = ""
+    #: the module holding the op's kernels (`KERNEL`, `REDUCTION_KERNELS`): toptpu's
+    #: `kernels.py` for its own ops, the plugin's module for an op a plugin adds
+    #: (`dialects/plugin_ops.py`)
+    KERNEL_MODULE: ClassVar[str] = "toptpu.backend.reference.kernels"
     #: evaluated by dedicated code, not by a kernel binding (see the class doc)
     STRUCTURAL: ClassVar[bool] = False
     #: (fold, finish) kernels of a reduction a layer group splits in parts (`tpu.GroupOp`'s
@@ -619,7 +624,7 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     # ------------------------------------------------------------------ kernel binding
     @classmethod
     def kernel_name(cls) -> str:
-        """The name of the op's function in `toptpu.backend.reference.kernels`."""
+        """The name of the op's function in its `KERNEL_MODULE`."""
         return cls.KERNEL or cls.op_kind()
 
     def result_dtype(self, index: int = 0) -> np.dtype:

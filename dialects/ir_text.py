@@ -58,7 +58,7 @@ from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyExcepti
 from xdsl.utils.lexer import Input, Span
 from xdsl.utils.mlir_lexer import MLIRLexer, MLIRToken, MLIRTokenKind, StringLiteral
 
-from toptpu.dialects import context
+from toptpu.dialects import context, plugin_ops
 from toptpu.errors import ToptpuError
 
 
@@ -301,9 +301,42 @@ def parse_ir(data: bytes | str, name: str, ctx: Context | None = None, *,
     return module
 
 
+#: xDSL's parse error for an op name no dialect of the context holds
+_UNREGISTERED_OP = re.compile(r"Operation ((?:top|tpu)\.\w+) is not registered")
+
+
 def _parse(text: str, name: str, ctx: Context | None,
            implicit_module: bool) -> tuple[ModuleOp, OpStarts]:
-    parser = _LocatingParser(ctx if ctx is not None else context(), text, name)
+    ctx = ctx if ctx is not None else context()
+    try:
+        return _parse_once(text, name, ctx, implicit_module)
+    except ParseError as e:
+        if not _load_plugin_op(ctx, str(e)):
+            raise
+    return _parse_once(text, name, ctx, implicit_module)
+
+
+def _load_plugin_op(ctx: Context, error: str) -> bool:
+    """For a parse error at an unregistered `top.`/`tpu.` op: the installed plugins' ops
+    loaded (`plugin_ops.load_installed`) and, when one of them is that op, every plugin op
+    put in `ctx`; whether it was (then the text parses again)."""
+    found = _UNREGISTERED_OP.search(error)
+    if found is None:
+        return False
+    if plugin_ops.plugin_op(found.group(1)) is None:
+        plugin_ops.load_installed()
+        if plugin_ops.plugin_op(found.group(1)) is None:
+            return False
+    for entry in plugin_ops.registered():
+        for op in (entry.top, entry.tpu):
+            if ctx.get_optional_op(op.name) is None:
+                ctx.load_op(op)
+    return True
+
+
+def _parse_once(text: str, name: str, ctx: Context,
+                implicit_module: bool) -> tuple[ModuleOp, OpStarts]:
+    parser = _LocatingParser(ctx, text, name)
     try:
         return parser.parse_module(implicit_module), parser.op_starts
     except ParseError:

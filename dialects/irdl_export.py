@@ -119,6 +119,7 @@ from xdsl.irdl.operations import (
 )
 
 from toptpu.dialects.common import EnumAttr
+from toptpu.dialects.plugin_ops import extended
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
 from toptpu.errors import ToptpuError
@@ -485,7 +486,8 @@ def from_mlir_form(module: ModuleOp, dialects: Sequence[Dialect] | None = None) 
 
 
 def default_dialects() -> list[Dialect]:
-    return [Top, Tpu]
+    """Top and Tpu, with the ops plugins registered in this process (`plugin_ops`)."""
+    return [extended(Top), extended(Tpu)]
 
 
 def export_irdl(dialects: Sequence[Dialect] | None = None, unranked: bool = False

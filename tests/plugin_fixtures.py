@@ -24,6 +24,7 @@ import pytest
 from filelock import FileLock
 from llm_fixtures import shared_dir
 
+from toptpu.dialects import plugin_ops
 from toptpu.plugins import ENTRY_POINT_GROUP, load_plugins
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -65,10 +66,12 @@ def write_plugin(directory: str, package: str, source: str, entry: str = "plugin
 
 @contextlib.contextmanager
 def on_path(*directories: str) -> Iterator[None]:
-    """`directories` first on sys.path and the plugins loaded again; both undone after."""
+    """`directories` first on sys.path and the plugins (and their ops) loaded again; both
+    undone after."""
     saved = list(sys.path)
     sys.path[:0] = list(directories)
     load_plugins.cache_clear()
+    plugin_ops.clear()
     try:
         yield
     finally:
@@ -79,6 +82,7 @@ def on_path(*directories: str) -> Iterator[None]:
             if any(where.startswith(r) for r in roots):
                 del sys.modules[name]
         load_plugins.cache_clear()
+        plugin_ops.clear()  # the plugins' ops are gone with them
 
 
 def path_env(*directories: str) -> dict[str, str]:

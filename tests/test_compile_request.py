@@ -116,6 +116,9 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                          "--prefill-lengths 128 must be between 1 and --seq-length 64")],
     "devices": [({"devices": 0}, "--devices must be an integer >= 1, not 0"),
                 ({"devices": 9}, "--devices 9: a bm1684x deployment joins at most 8 chips")],
+    "batch": [({"batch": 0}, "--batch must be an integer >= 1, not 0"),
+              ({"batch": 4, "devices": 2}, "--batch 4 with --devices 2: the batch nets are "
+               "compiled for one chip; give one of them")],
     "parallel": [({"parallel": "dp", "devices": 2}, "--parallel must be tp or pp, not 'dp'"),
                  ({"parallel": "pp"}, "--parallel pp spreads a model over several chips; "
                   "give --devices 2 or more (or drop --parallel)")],
@@ -194,6 +197,8 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
      "--max-history 100 must be between 1 and --seq-length 64"),
     (["--prefill-lengths", "16,16"], 2, "16 is given twice"),
     (["--devices", "9"], 1, "--devices 9: a bm1684x deployment joins at most 8 chips"),
+    (["--batch", "0"], 2, "--batch: must be an integer >= 1"),
+    (["--batch", "2", "--devices", "2"], 1, "--batch 2 with --devices 2"),
     (["--parallel", "dp"], 2, "argument --parallel: invalid choice: 'dp'"),
     (["--parallel", "tp"], 1, "--parallel tp spreads a model over several chips"),
     (["--group-size", "-2"], 2, "positive integer or -1"),

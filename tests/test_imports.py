@@ -69,7 +69,7 @@ EVERYWHERE = ("toptpu.errors",)
 #: dependencies heavy enough to import only where used (seconds of import time, or
 #: optional in spirit: the runtime and the CLI's startup must not pay for them)
 HEAVY = ("torch", "transformers", "torchvision", "mlir", "PIL", "safetensors.torch",
-         "auto_round")
+         "auto_round", "starlette", "uvicorn")
 #: function-level imports of light modules that have a reason of their own
 LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("toptpu", "toptpu.backend.runtime.runtime"):

@@ -17,7 +17,7 @@ from typing import Any
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 
-from toptpu import llm_cli
+from toptpu import llm_cli, serve_cli
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.cli_args import (
     ArgumentParser,
@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("chat", help=llm_cli.cmd_chat.__doc__)
     llm_cli.add_chat_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
+
+    s = sub.add_parser("serve", help=serve_cli.cmd_serve.__doc__)
+    serve_cli.add_serve_args(s)
+    s.set_defaults(fn=serve_cli.cmd_serve)
 
     w = sub.add_parser("cache", help=llm_cli.cmd_cache.__doc__)
     llm_cli.add_cache_args(w)

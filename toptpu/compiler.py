@@ -41,7 +41,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
@@ -80,6 +80,7 @@ from toptpu.backend.formats.llm_file import (
     ModelInfo,
     NetEntry,
     ParallelInfo,
+    PluginOpInfo,
     TokenizerInfo,
     VisionInfo,
     WeightLayout,
@@ -107,6 +108,7 @@ from toptpu.compile_options import (
     kv_cache_size,
 )
 from toptpu.devices import Parallel, balance_layers, devices_needed
+from toptpu.dialects import plugin_ops
 from toptpu.dialects.common import QuantMode
 from toptpu.dialects.sharding import (
     device_tensor,
@@ -412,7 +414,10 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     act = mode.activation
     vision = getattr(loaded, "vision", None)
     axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
-    specs = split_model(hf, shapes, act=act, position_axes=axes)
+    if request.batch > 1 and LINEAR_ATTENTION in arch.layer_types:
+        raise CompileError(f"--batch {request.batch}: {arch.family}'s linear-attention layers "
+                           "have no batch decode net yet; compile it without --batch")
+    specs = split_model(hf, shapes, act=act, position_axes=axes, batch=request.batch)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, request.vision_mode, shapes)
@@ -425,7 +430,8 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     for rep in list(variants)[1:]:
         if loaded.stream is not None:  # the skeleton's representative layer made real
             loaded.stream.materialize(hf, rep, f"v{rep}.")
-        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes)
+        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes,
+                                batch=request.batch)
         if arch.layer_type(rep) != arch.layer_type(0):  # a layer kind of its own
             check_block_matches_model(hf, next(s for s in rep_specs if s.name == BLOCK),
                                       layer_index=rep)
@@ -936,7 +942,8 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights | Dev
                      if net.per_layer and NetName.parse(n) == NetName(n))}
     vision_info = (None if plan.vision is None
                    else {**plan.vision.header(), "mode": str(plan.vit_mode)})
-    header = _header(plan, nets, commands, packed, layer_nets, vision_info, from_ir)
+    header = _header(plan, nets, commands, packed, layer_nets, vision_info, from_ir,
+                     plugin_ops_in(net.tpu for net in nets.values()))
     blob = packed.section() if isinstance(packed, PackedWeights) else packed.group().members()
     try:
         write_llm_file(output, header, irs, plan.loaded.tokenizer_files, blob,
@@ -969,9 +976,16 @@ def _json_config(config: Any) -> dict[str, Any]:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def plugin_ops_in(modules: Iterable[ModuleOp]) -> dict[str, PluginOpInfo] | None:
+    """The plugins' ops the `modules` hold, as the header records them (None: none)."""
+    found = plugin_ops.used_in(modules)
+    return {name: PluginOpInfo(e.plugin, e.package) for name, e in found.items()} or None
+
+
 def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str, int],
             packed: PackedWeights | DeviceWeights, layer_nets: dict[str, list[str]],
-            vision: dict[str, Any] | None, from_ir: FromIrInfo | None = None) -> LlmHeader:
+            vision: dict[str, Any] | None, from_ir: FromIrInfo | None = None,
+            plugin_op_infos: dict[str, PluginOpInfo] | None = None) -> LlmHeader:
     """The model file header (`toptpu.backend.formats.llm_file.LlmHeader`). The parts the
     frontends give as JSON (generation config, vision section) are decoded with the
     schema, so a value the loader would refuse is a compile error naming the field."""
@@ -1012,7 +1026,8 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
         weights=packed.layout if isinstance(packed, PackedWeights) else None,
         parallel=None if isinstance(packed, PackedWeights) else _parallel_info(packed, nets),
         compile=CompileInfo(source=loaded.source, toptpu_version=toptpu_version,
-                            pipeline=plan.request.pipeline.describe(), from_ir=from_ir),
+                            pipeline=plan.request.pipeline.describe(), from_ir=from_ir,
+                            plugin_ops=plugin_op_infos),
         checkpoint=None if ck is None else CheckpointInfo(
             quant_method=ck.quant_method, packing_format=ck.packing_format,
             bits=checkpoint_bits(ck), quantized_layers=len(ck.layouts),

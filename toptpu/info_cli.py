@@ -5,7 +5,8 @@ inputs and outputs, and the passes that made each net (`NetEntry.pipeline`: the 
 actually run, the compile's `--top-pipeline`/`--tpu-pipeline`/`--pass-after`/`--pass-before`
 and plugin passes included), nets with the same passes listed together; for a file compiled
 from a dump (`toptpu compile --from-ir`), the stage each net was picked up at and whether it
-was edited. `--json` prints the whole header.
+was edited; the plugins' ops the nets hold (the file is described without their plugins).
+`--json` prints the whole header.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def describe(path: str, header: LlmHeader) -> str:
         lines.append(f"checkpoint: {ck.quant_method} ({ck.packing_format}), {ck.bits}-bit, "
                      f"{ck.quantized_layers} quantized linears")
     lines.append(f"pipeline options: {header.compile.pipeline or 'not recorded'}")
+    for op, info in (header.compile.plugin_ops or {}).items():
+        lines.append(f"plugin op: {op} of the plugin '{info.plugin}' ({info.package})")
     from_ir = header.compile.from_ir
     if from_ir is not None:
         edited = [f"{st.file}" for st in from_ir.nets.values() if st.edited]
@@ -76,7 +79,7 @@ def describe(path: str, header: LlmHeader) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     """Describe a model file from its header: model, chip, mode, shapes, nets and the passes
     that made each."""
-    f = LlmFile(args.model_file, verify_checksums=False)
+    f = LlmFile(args.model_file, verify_checksums=False, plugin_ops=False)
     try:
         if args.json:
             print(json.dumps(f.header, indent=1))

@@ -38,6 +38,7 @@ from toptpu.backend.contract import (
     ContractError,
     NetName,
     TensorSpec,
+    row_name,
 )
 from toptpu.backend.formats.program import Program
 from toptpu.devices import Parallel
@@ -271,6 +272,14 @@ def _contract_base(name: str) -> str | None:
         return None
 
 
+def _batch_of(name: str) -> int:
+    """The batch of a batch net (`block_cache.b4`: 4), else 0."""
+    try:
+        return NetName.parse(name).batch
+    except ContractError:
+        return 0
+
+
 def cut_for_devices(module: ModuleOp, request: CompileRequest, store: WeightStore,
                     on_step: OnStep | None) -> tuple[dict[str, Split], ModulePass]:
     """Run the tensor-parallel pass on a net (the heads take the lm_head's logits cut by
@@ -325,10 +334,16 @@ def check_reload_free(module: ModuleOp, net: str) -> None:
     names = input_names(fn)
     args = {names[a.index]: a for a in fn.body.block.args}
     atts = [op for op in module.walk() if isinstance(op, top.AttentionOp)]
-    ok = len(atts) == 1 and atts[0].history_k is args.get(HISTORY_K) and \
-        atts[0].history_v is args.get(HISTORY_V)
+    batch = _batch_of(net)
+    # a batch net's row r attends to its own cache (`history_k.r`)
+    caches = [(HISTORY_K, HISTORY_V)] if not batch else \
+        [(row_name(HISTORY_K, r), row_name(HISTORY_V, r)) for r in range(batch)]
+    ok = len(atts) == len(caches) and all(
+        att.history_k is args.get(k) and att.history_v is args.get(v)
+        for att, (k, v) in zip(atts, caches, strict=True))
+    cache_names = {n for pair in caches for n in pair}
     concat_of_cache = [op for op in module.walk() if isinstance(op, top.ConcatOp) and any(
-        isinstance(v, BlockArgument) and names[v.index] in (HISTORY_K, HISTORY_V)
+        isinstance(v, BlockArgument) and names[v.index] in cache_names
         for v in op.operands)]
     if not ok or concat_of_cache:
         raise CompileError(

@@ -81,6 +81,7 @@ from toptpu.dialects.output_file import (
     output_target,
     write_output,
 )
+from toptpu.dialects.plugin_ops import registered as registered_ops
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -237,14 +238,20 @@ def passes_help() -> str:
     groups: list[tuple[str, dict[str, type[ModulePass]]]] = [
         ("toptpu pipelines", {n: c for n, c in ours.items() if n in PIPELINE_NAMES}),
         ("toptpu passes", {n: c for n, c in ours.items() if n not in PIPELINE_NAMES})]
+    plugin_ops: dict[str, list[str]] = {}
     for entry in plugins.loaded:
         own = {n: c for n, (c, e) in plugins.passes.items() if e is entry}
-        groups.append((f"passes of the plugin '{entry.plugin.name}' ({entry.distribution}; "
-                       f"entry point {ENTRY_POINT_GROUP}: {entry.entry_point})", own))
+        title = (f"passes of the plugin '{entry.plugin.name}' ({entry.distribution}; "
+                 f"entry point {ENTRY_POINT_GROUP}: {entry.entry_point})")
+        groups.append((title, own))
+        plugin_ops[title] = [f"{e.top.name} (on the chip {e.tpu.name})"
+                             for e in registered_ops() if e.plugin == entry.plugin.name]
     lines: list[str] = []
     w = max(len(n) for _, group in groups for n in group) + 2
     for title, group in groups:
         lines.append(f"{title} (-p 'NAME{{option=value ...}}'):")
+        if plugin_ops.get(title):
+            lines.append(f"  its ops: {', '.join(plugin_ops[title])}")
         for name, cls in group.items():
             doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
             lines.append(f"  {name:<{w}} {doc}")
@@ -258,7 +265,8 @@ def passes_help() -> str:
     if plugins.problems:
         lines.append("")
     lines.append("xDSL's own passes run too: --list-xdsl-passes lists them. Plugins add passes "
-                 f"through the entry-point group {ENTRY_POINT_GROUP} (docs/your-first-pass.md).")
+                 f"and ops through the entry-point group {ENTRY_POINT_GROUP} "
+                 "(docs/your-first-pass.md).")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Plugins: passes (and, later, ops) an installed package adds to toptpu.
+"""Plugins: passes and ops an installed package adds to toptpu.
 
 A package declares one entry point in the group `toptpu.plugins` whose object is a
 `Plugin` (or a function of no arguments returning one):
@@ -10,7 +10,7 @@ my_plugin = "my_package:plugin"
 
 ```python
 from toptpu.plugins import Plugin
-plugin = Plugin("my-plugin", passes=(ExpandSiluPass,), description="...")
+plugin = Plugin("my-plugin", passes=(FuseSiluMulPass,), ops=(SiluMulOp,), description="...")
 ```
 
 Each of its `passes` is an xDSL `ModulePass` class with a `name` (how `-p` and the compile's
@@ -20,16 +20,22 @@ toptpu's own passes are. Once installed, a plugin's passes run everywhere a pipe
 --top-pipeline/--tpu-pipeline/--pass-after/--pass-before`, `toptpu estimate`, and the
 `--from-ir` compile of a dump that ran them.
 
-Loading is lazy (only commands that read pipeline text load plugins) and forgiving: a plugin
-whose module does not import, whose object is not a `Plugin`, or one of whose passes is not
-a pass or takes a name toptpu or xDSL already has, is one line (`PluginProblem.line`) that
-the command prints as a warning; its good passes, the other plugins and every other command
-go on.
+Each of its `ops` is a Top op class written as toptpu's own are (verifier, shape inference,
+kernel binding with the kernel in the plugin's module, slicing answers, linalg lowering);
+loading the plugin registers it and its derived Tpu twin (`toptpu.dialects.plugin_ops`): the
+IR of every command parses them, `convert-top-to-tpu` lowers the op to its twin, the
+interpreters and the machine run both through their kernel binding, and a model file
+records the plugin ops it holds, so that a process running it loads the installed plugins'
+ops (or refuses the file in one line naming the op and its plugin).
 
-Ops (`Plugin.ops`): the hook for a plugin's own Top ops, each with its kernel and lowering.
-An op becomes one class carrying all of that once the kernel binding lives on the op; until
-then a plugin that declares ops is refused as a whole (its passes may need its ops), with a
-line saying so.
+Loading is lazy (only commands that read pipeline text load plugins; running IR or a model
+file that holds a plugin's op loads the plugins' ops) and forgiving: a plugin whose module
+does not import, whose object is not a `Plugin`, one of whose passes is not a pass or takes
+a name toptpu or xDSL already has, or one of whose ops cannot be taken (no kernel, a name
+an op already has, ...: `plugin_ops.declaration_problem`) is one line
+(`PluginProblem.line`) that the command prints as a warning; the good passes of a plugin
+whose passes are broken, the other plugins and every other command go on. A plugin with an
+op that cannot be taken is not loaded at all (its passes may need its ops).
 """
 
 from __future__ import annotations
@@ -45,18 +51,21 @@ from xdsl.passes import ModulePass
 from xdsl.transforms import get_all_passes
 from xdsl.universe import Universe
 
+from toptpu.dialects.plugin_ops import (
+    ENTRY_POINT_GROUP,
+    OpDeclarationError,
+    distribution_of,
+)
+from toptpu.dialects.plugin_ops import register as register_ops
 from toptpu.passes.registry import PASSES
-
-#: the entry-point group a plugin package declares its `Plugin` in
-ENTRY_POINT_GROUP = "toptpu.plugins"
 
 
 @dataclass(frozen=True)
 class Plugin:
     """What a plugin package adds: `passes` (ModulePass classes, each with its `name` and
-    its options as dataclass fields) and, once toptpu can take them, `ops` (Top op classes
-    with their kernels and lowerings: see the module doc). `name` is how messages and
-    `toptpu-opt --help` call it."""
+    its options as dataclass fields) and `ops` (Top op classes with their kernels and
+    lowerings: see the module doc). `name` is how messages and `toptpu-opt --help` call
+    it."""
 
     name: str
     passes: tuple[type[ModulePass], ...] = ()
@@ -98,10 +107,7 @@ def _describe(ep: metadata.EntryPoint) -> str:
 
 
 def _distribution(ep: metadata.EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)
-    if dist is None:
-        return "?"
-    return f"{dist.metadata['Name']} {dist.version}"
+    return distribution_of(ep)
 
 
 def _one_line(e: BaseException) -> str:
@@ -130,11 +136,6 @@ def _load_one(ep: metadata.EntryPoint) -> Plugin:
     if not isinstance(obj, Plugin):
         raise TypeError(f"the entry point's object is {type(obj).__name__}, not a "
                         "toptpu.plugins.Plugin (or a function returning one)")
-    if obj.ops:
-        names = ", ".join(getattr(o, "name", getattr(o, "__name__", "?")) for o in obj.ops)
-        raise TypeError(f"it declares ops ({names}), which this toptpu cannot load yet "
-                        "(plugin ops wait for the kernel binding on the op class); the "
-                        "plugin is not loaded")
     return obj
 
 
@@ -157,6 +158,12 @@ def load_plugins() -> Plugins:
             plugin = _load_one(ep)
         except Exception as e:  # noqa: BLE001 - any failure of foreign code is one line
             problems.append(PluginProblem(where, f"failed to load: {_one_line(e)}"))
+            continue
+        try:  # its ops first: its passes may make them
+            register_ops(plugin.ops, plugin.name, _distribution(ep))
+        except OpDeclarationError as e:
+            problems.append(PluginProblem(where, f"{e}; the plugin is not loaded (its "
+                                                 "passes may need its ops)"))
             continue
         entry = LoadedPlugin(plugin, f"{ep.name} = {ep.value}", _distribution(ep))
         loaded.append(entry)

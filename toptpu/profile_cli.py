@@ -97,7 +97,7 @@ def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
     """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
     own layers' weights, whose chunk may be laid out for another layer kind; `block:16@3`
     the layers of `block@3`)."""
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == full),
                default=0)
 
@@ -171,6 +171,15 @@ def step_summary(steps: StepModel, prompt_tokens: int, sampler: str) -> str:
         f"{_figure(chip, 'host_gbps', f'{chip.host_gbps:g} GB/s')} on {chip.name} "
         "(docs/estimates.md)",
     ]
+    if steps.batch > 1:  # the batch nets: a decode step of B conversations
+        b = steps.batch
+        charges = steps.batch_step_charges(sampler)
+        step = total(charges).total_s
+        lines += [bill_table(charges, f"one decode step of {b} conversations on the batch "
+                                      "nets (`toptpu serve`):"),
+                  f"decode at batch {b}: {step * 1e3:.4f} ms per step = {1 / step:.1f} "
+                  f"tokens/s per user, {b / step:.1f} tokens/s in total "
+                  f"({b / step * t_per.total_s:.2f}x batch 1)"]
     return "\n".join(lines)
 
 
@@ -181,10 +190,16 @@ def steps_json(steps: StepModel, prompt_tokens: int, sampler: str) -> dict[str, 
                              "seconds": c.costs.total_s} for c in charges]}
 
     per = steps.per_token(sampler)
+    batch = None
+    if steps.batch > 1:
+        step = steps.batch_step(sampler).total_s
+        batch = {"batch": steps.batch, "step": bill(steps.batch_step_charges(sampler)),
+                 "tokens_per_s_per_user": 1 / step, "tokens_per_s_total": steps.batch / step}
     return {"sampler": sampler, "prompt_tokens": prompt_tokens,
             "first_token": bill(steps.first_token_charges(prompt_tokens, sampler)),
             "per_decoded_token": bill(steps.per_token_charges(sampler)),
-            "tokens_per_s": 1 / per.total_s if per.total_s else None}
+            "tokens_per_s": 1 / per.total_s if per.total_s else None,
+            "batch": batch}
 
 
 class ProfileIRError(ToptpuError):

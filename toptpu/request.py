@@ -22,8 +22,8 @@ not use, `--parallel` with one device, more devices than the chip joins, `-q` ag
 `toptpu.compile_options.check_compile_request`'s.
 
 A new option is one field here: e.g. `batch: int = asked(Option("batch", ("--batch",),
-1, "...", type=int_at_least(1)), parse=_count("--batch"))` reaches the CLI, the Python
-API and every step that takes the request.
+1, "...", type=int_at_least(1)), parse=_count("--batch"))` (the batch nets) reaches the
+CLI, the Python API and every step that takes the request.
 """
 
 from __future__ import annotations
@@ -226,6 +226,12 @@ def _devices(value: object) -> int:
     return value
 
 
+def _batch(value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise CompileError(f"--batch must be an integer >= 1, not {value!r}")
+    return value
+
+
 def _parallel(value: Any) -> Parallel | None:
     if value is None or isinstance(value, Parallel):
         return value
@@ -318,6 +324,13 @@ class CompileRequest:
         f"devices, collectives between) or {Parallel.PP} (pipeline parallel: contiguous "
         "layers per device, the hidden state sent on); default tp",
         choices=tuple(p.value for p in Parallel)), parse=_parallel)
+    #: conversations one decode step advances together (1: no batch nets)
+    batch: int = asked(Option(
+        "batch", ("--batch",), 1,
+        "also compile the decode nets (embedding_cache, block_cache, lm_head and the heads) "
+        "for B conversations at once, each with its own KV cache: `toptpu serve` advances B "
+        "requests in one step (default 1: none)", type=int_at_least(1), metavar="B"),
+        parse=_batch)
     #: as asked (None: DEFAULT_GROUP_SIZE in the w4 modes; `quant_group_size`)
     group_size: int | None = asked(Option(
         "group_size", ("--group-size",), None,
@@ -398,6 +411,9 @@ class CompileRequest:
                             keep_float=self.keep_float)
         object.__setattr__(self, "parallel",
                            check_devices(self.devices, self.parallel, self.chip))
+        if self.batch > 1 and self.devices > 1:
+            raise CompileError(f"--batch {self.batch} with --devices {self.devices}: the batch "
+                               "nets are compiled for one chip; give one of them")
 
     # --------------------------------------------------------------------- building
 

@@ -52,8 +52,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
   `block:16`, `block_kv:16`: every one of `PREFILL_NETS` at every length below
   `max_input_length`, and nothing else), and `block@3`-style variants (`NetName`) of the
   per-layer nets for layers of another kind or checkpoint quantization (`block:16@3` at a
-  shorter length: a variant has its nets at every length as layer 0's have). Nets of
-  different lengths read the same tensors of a layer's chunk: no byte is stored twice
+  shorter length: a variant has its nets at every length as layer 0's have); with
+  `toptpu compile --batch B`, every one of `BATCH_NETS` at batch B (`block_cache.b4`,
+  `lm_head.b4`, ...; each layer's `block_cache` variant too: `block_cache.b4@3`; IO
+  `contract.batch_net_io`). Nets of different lengths or batches read the same tensors of
+  a layer's chunk: no byte is stored twice
 - `layer_nets`: per-layer net -> the net each layer runs (itself or a variant), at
   `max_input_length` (at a shorter length the same variant: `block@3` -> `block:16@3`)
 - `weights`: `section`, `alignment`, `size`, `shared` (name -> {offset, shape, dtype,
@@ -87,6 +90,8 @@ import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import (
+    BATCH_NETS,
+    BLOCK_CACHE,
     FULL_ATTENTION,
     KNOWN_NETS,
     LAYER_TYPES,
@@ -103,6 +108,7 @@ from toptpu.backend.contract import (
     NetName,
     StaticShapes,
     TensorSpec,
+    batch_net_io,
     linear_net_io,
     net_io,
 )
@@ -129,6 +135,8 @@ from toptpu.backend.formats.model_file import (
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
+from toptpu.dialects.plugin_ops import PluginOpMissingError
+from toptpu.dialects.plugin_ops import require as require_plugin_ops
 from toptpu.families import VISION_FAMILIES, vision_family
 from toptpu.families.base import FAMILY_KEYS, VisionFamily
 
@@ -441,6 +449,15 @@ class FromIrInfo:
 
 
 @dataclass(frozen=True)
+class PluginOpInfo:
+    """An op of a plugin that the file's nets hold (`toptpu.dialects.plugin_ops`): the
+    plugin's name and its package ("toptpu-plugin-example 0.1.0") at compile time."""
+
+    plugin: str
+    package: str
+
+
+@dataclass(frozen=True)
 class CompileInfo:
     source: str
     toptpu_version: str
@@ -448,6 +465,9 @@ class CompileInfo:
     #: e.g. "--pass-after 'fuse=expand-silu'")
     pipeline: str | None = None
     from_ir: FromIrInfo | None = None
+    #: the plugins' ops the nets hold, by op name (`tpu.silu_mul`); opening the file
+    #: needs them registered (`LlmFile`, `plugin_ops.require`); None: none
+    plugin_ops: dict[Name, PluginOpInfo] | None = None
 
 
 @dataclass(frozen=True)
@@ -682,6 +702,7 @@ class LlmHeader:
         self._check_blobs()
         self._check_nets()
         self._check_layer_nets()
+        self._check_batch_layer_nets()
         self._check_net_weights()
         self._check_parallel()
         if self.vision is not None:
@@ -808,12 +829,24 @@ class LlmHeader:
             self.activation_dtype)
         required = [*TEXT_NETS, *(self.shapes.prefill_net(base, n)
                                   for n in self.shapes.shorter_lengths for base in PREFILL_NETS)]
+        batch = self.batch
+        if batch:
+            required += [str(NetName(n, batch=batch)) for n in BATCH_NETS]
+            contract.update(batch_net_io(self.shapes, self.model, self.activation_dtype, batch,
+                                         axes))
         missing = [n for n in required if n not in self.nets]
         if missing:
             raise HeaderError("nets", f"lacks the nets {missing}")
         for name, net in self.nets.items():
             where = f"nets.{name}"
             base = self._base_net(name, where)
+            if NetName.parse(name).batch not in (0, batch):
+                raise HeaderError(where, f"is a net at batch {NetName.parse(name).batch}, "
+                                         f"the file's batch nets are at {batch}")
+            if NetName.parse(name).batch and net.per_layer and \
+                    self._kind_of(name) == LINEAR_ATTENTION:
+                raise HeaderError(where, "is a batch net of a linear-attention layer, which "
+                                         "has none")
             contract_name = str(NetName.parse(name).at_layer(0))
             if net.per_layer != (base in PER_LAYER_NETS):
                 raise HeaderError(f"{where}.per_layer", f"is {net.per_layer} for a "
@@ -883,6 +916,20 @@ class LlmHeader:
                                          "variant has its nets at every prefill length)")
         return net.base
 
+    @property
+    def batch(self) -> int:
+        """The batch B of the file's batch nets (`block_cache.b4`: 4; the most common when
+        they disagree, which `check` refuses), 0 without."""
+        seen: dict[int, int] = {}
+        for name in self.nets:
+            try:
+                b = NetName.parse(name).batch
+            except ContractError:
+                continue
+            if b:
+                seen[b] = seen.get(b, 0) + 1
+        return max(seen, key=lambda b: seen[b]) if seen else 0
+
     def _kind_of(self, name: str) -> str:
         """The layer kind a per-layer net computes: its representative layer's."""
         return self.model.layer_type(NetName.parse(name).layer)
@@ -918,6 +965,17 @@ class LlmHeader:
                                           f"({self._weights_field(layout)}.chunks"
                                           f"[{layout.layers[local].chunk}])")
 
+    def _check_batch_layer_nets(self) -> None:
+        """With batch nets, each layer's `block_cache` has its batch net."""
+        batch = self.batch
+        if not batch:
+            return
+        for i, name in enumerate(self.layer_nets[BLOCK_CACHE]):
+            want = str(NetName.parse(name).at_batch(batch))
+            if want not in self.nets:
+                raise HeaderError(f"layer_nets.{BLOCK_CACHE}[{i}]",
+                                  f"is {name!r}, which has no batch net {want!r}")
+
     def net_chunks(self, net: str, blob: int = 0) -> list[int]:
         """The chunk layouts (indices into the `blob`-th blob's `chunks`: `weights`, or
         device `blob`'s) of the layers that run the per-layer net `net` (`layer_nets`; at a
@@ -926,7 +984,7 @@ class LlmHeader:
         layout, layers, _ = self.blobs()[blob]
         out: dict[int, None] = {}
         try:
-            net = str(NetName.parse(net).at_length(0))
+            net = str(NetName.parse(net).layer_net)
         except ContractError:
             return []
         for names in self.layer_nets.values():
@@ -1022,7 +1080,11 @@ class LlmFile:
     `meta` is the typed header (`LlmHeader`); `header` is its JSON form (a dict rebuilt from
     the validated `meta`, for readers that index it)."""
 
-    def __init__(self, path: str, verify_checksums: bool = True) -> None:
+    def __init__(self, path: str, verify_checksums: bool = True,
+                 plugin_ops: bool = True) -> None:
+        """`plugin_ops`: make the plugin ops the nets hold known (`require_plugin_ops`),
+        what running the file needs (False: the header and sections only, as `info`
+        reads them)."""
         self.path = path
         self.file = ModelFile(path, verify_checksums)
         try:
@@ -1034,6 +1096,23 @@ class LlmFile:
         #: the weight table of a one-device file (`device_layout` for several); the ignore:
         #: None in a multi-device file, whose readers use `device_layout`
         self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
+        if plugin_ops:
+            try:
+                self.require_plugin_ops()
+            except BaseException:
+                self.file.close()
+                raise
+
+    def require_plugin_ops(self) -> None:
+        """Make the plugin ops the nets hold (`compile.plugin_ops`) known to this process,
+        loading the installed plugins' ops (`plugin_ops.require`); ModelFileError naming
+        the op and its plugin when none declares it."""
+        ops = self.meta.compile.plugin_ops or {}
+        try:
+            require_plugin_ops({n: (i.plugin, i.package) for n, i in ops.items()},
+                               f"'{self.path}'")
+        except PluginOpMissingError as e:
+            raise ModelFileError(str(e)) from None
 
     def device_layout(self, device: int) -> WeightLayout:
         """Device `device`'s weight table (a multi-device file)."""

@@ -69,9 +69,9 @@ from toptpu.backend.formats.commands import (
 )
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference.interpreter import (
-    EVALUATORS,
     EvalContext,
     Evaluator,
+    bound_evaluator,
     collective_result,
 )
 from toptpu.backend.runtime.errors import MachineTrap
@@ -104,7 +104,7 @@ from toptpu.dialects.ir_text import parse_ir
 
 def evaluator_of(op: Operation) -> Evaluator | None:
     """The interpreters' evaluator of a template op (None: no kernel)."""
-    return EVALUATORS.get(type(op))
+    return bound_evaluator(type(op))
 
 
 def link_work(c: Collective) -> LinkWork:

@@ -41,7 +41,14 @@ from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
 from toptpu.backend.runtime.accounting import Costs, Ledger
-from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
+from toptpu.backend.runtime.executor import (
+    Buffer,
+    Executor,
+    check_bindings,
+    owned,
+    squeezed,
+    value_for,
+)
 from toptpu.backend.runtime.machine import (
     Binding,
     LoadedNet,
@@ -174,6 +181,23 @@ class MachineExecutor(Executor):
         self._transfer(mine.nbytes, to_chip=False)
         return mine.array().copy()
 
+    def copy(self, dst: Buffer, src: Buffer) -> None:
+        """A device-to-device copy in global memory, charged as one (`Ledger.device_copy`);
+        another executor's buffers (a device group's) go through the host."""
+        if not (isinstance(dst, MachineBuffer) and isinstance(src, MachineBuffer)
+                and dst.machine is self.machine and src.machine is self.machine):
+            super().copy(dst, src)
+            return
+        if squeezed(dst.shape) != squeezed(src.shape) or dst.dtype != src.dtype:
+            raise MachineExecutorError(f"cannot copy a {src.dtype} {list(src.shape)} buffer "
+                                       f"into a {dst.dtype} {list(dst.shape)} one")
+        dst.array(write=True)[...] = src.array().reshape(dst.shape)
+        start = self.ledger.totals.total_s
+        costs = self.ledger.device_copy(src.nbytes)
+        if self.recorder is not None:
+            self.recorder.span(f"device copy: {src.nbytes} bytes", start,
+                               start + costs.total_s, bytes=src.nbytes)
+
     def _transfer(self, nbytes: int, to_chip: bool) -> None:
         start = self.ledger.totals.total_s
         costs = self.ledger.transfer(nbytes)
@@ -246,7 +270,7 @@ class MachineExecutor(Executor):
         info = self._nets[net]
         layer = None
         if info.per_layer:  # the first layer that runs it
-            full = str(NetName.parse(net).at_length(0))
+            full = str(NetName.parse(net).layer_net)
             layer = min(i for names in self.meta.layer_nets.values()
                         for i, name in enumerate(names) if name == full)
         gmem = self.machine.gmem

@@ -237,7 +237,7 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
     shared = {n: e.offset for n, e in layout.shared.items()}
     if not meta.nets[net].per_layer:
         return [shared]
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     layers = [i for names in meta.layer_nets.values() for i, name in enumerate(names)
               if name == full]
     return [{**shared, **{n: layout.layer_start(i) + e.offset

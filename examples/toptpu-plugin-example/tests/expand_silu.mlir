@@ -14,17 +14,17 @@ builtin.module {
   }
 }
 
-// CHECK:      %[[SIG:.*]] = "top.sigmoid"(%gate) : (tensor<1x4x8xf32>) -> tensor<1x4x8xf32>
-// CHECK-NEXT: %[[S:.*]] = "top.mul"(%gate, %[[SIG]]) : (tensor<1x4x8xf32>, tensor<1x4x8xf32>) -> tensor<1x4x8xf32>
-// CHECK-NEXT: %{{.*}} = "top.mul"(%[[S]], %up)
+// CHECK:      %[[SIG:.*]] = top.sigmoid %gate : tensor<1x4x8xf32> -> tensor<1x4x8xf32>
+// CHECK-NEXT: %[[S:.*]] = top.mul %gate, %[[SIG]] : tensor<1x4x8xf32>, tensor<1x4x8xf32> -> tensor<1x4x8xf32>
+// CHECK-NEXT: %{{.*}} = top.mul %[[S]], %up
 // CHECK-NOT:  top.silu
 
-// TANH:      %[[H:.*]] = "top.mul_const"(%gate) {value = 5.000000e-01 : f64}
-// TANH-NEXT: %[[T:.*]] = "top.tanh"(%[[H]])
-// TANH-NEXT: %[[A:.*]] = "top.mul_const"(%[[T]]) {value = 5.000000e-01 : f64}
-// TANH-NEXT: %[[B:.*]] = "top.add_const"(%[[A]]) {value = 5.000000e-01 : f64}
-// TANH-NEXT: %[[S:.*]] = "top.mul"(%gate, %[[B]])
-// TANH-NEXT: "top.mul"(%[[S]], %up)
+// TANH:      %[[H:.*]] = top.mul_const %gate {value = 5.000000e-01 : f64}
+// TANH-NEXT: %[[T:.*]] = top.tanh %[[H]]
+// TANH-NEXT: %[[A:.*]] = top.mul_const %[[T]] {value = 5.000000e-01 : f64}
+// TANH-NEXT: %[[B:.*]] = top.add_const %[[A]] {value = 5.000000e-01 : f64}
+// TANH-NEXT: %[[S:.*]] = top.mul %gate, %[[B]]
+// TANH-NEXT: top.mul %[[S]], %up
 // TANH-NOT:  top.silu
 
 // Canonicalization does not fold the expansion back: silu stays expanded.

@@ -1,16 +1,20 @@
-"""An example toptpu plugin: one rewrite-pattern pass, `expand-silu`.
+"""An example toptpu plugin: two rewrite-pattern passes and one op.
 
-`expand-silu{form=sigmoid}` rewrites every `top.silu` into the ops of its definition,
-`x * sigmoid(x)` (`form=tanh`: `x * (0.5 * tanh(0.5 * x) + 0.5)`, the same function through
-tanh). The model computes the same function; each rewritten silu costs one (sigmoid) or four
-(tanh) more elementwise ops, and at bf16 the sigmoid is rounded to bf16 before the multiply.
+- `expand-silu{form=sigmoid}` rewrites every `top.silu` into the ops of its definition,
+  `x * sigmoid(x)` (`form=tanh`: `x * (0.5 * tanh(0.5 * x) + 0.5)`, the same function through
+  tanh). The model computes the same function; each rewritten silu costs one (sigmoid) or
+  four (tanh) more elementwise ops, and at bf16 the sigmoid is rounded to bf16 before the
+  multiply.
+- `fuse-silu-mul` rewrites SwiGLU's `top.mul(top.silu(gate), up)` into the plugin's op
+  `top.silu_mul(gate, up)` (`ops.py`; its kernel `kernels.silu_mul`): one elementwise op
+  instead of two, the silu's result never stored, rounded once instead of twice.
 
 The package is a toptpu plugin by its entry point (pyproject.toml):
 
     [project.entry-points."toptpu.plugins"]
     example = "toptpu_plugin_example:plugin"
 
-whose object, `plugin`, is a `toptpu.plugins.Plugin` listing the pass classes.
+whose object, `plugin`, is a `toptpu.plugins.Plugin` listing the pass and op classes.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from xdsl.pattern_rewriter import (
 
 from toptpu.dialects import top
 from toptpu.dialects.canonicalization import named_like
+from toptpu.dialects.common import elem_of, shape_of
 from toptpu.passes.util import require_level
 from toptpu.plugins import Plugin
+from toptpu_plugin_example.ops import SiluMulOp
 
 #: the forms expand-silu writes silu in
 FORMS = ("sigmoid", "tanh")
@@ -81,5 +87,38 @@ class ExpandSiluPass(ModulePass):
         PatternRewriteWalker(ExpandSilu(self.form)).rewrite_module(op)
 
 
-plugin = Plugin("example", passes=(ExpandSiluPass,),
-                description="expand-silu: silu written as x * sigmoid(x)")
+class FuseSiluMul(RewritePattern):
+    """mul(silu(gate), up) (either operand order) -> silu_mul(gate, up), where the silu has
+    no other use and gate, up and the product share one shape and type."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: top.MulOp, rewriter: PatternRewriter) -> None:
+        for gated, up in ((op.lhs, op.rhs), (op.rhs, op.lhs)):
+            silu = gated.owner
+            if not isinstance(silu, top.SiluOp) or not gated.has_one_use():
+                continue
+            gate = silu.input
+            if {(shape_of(v), elem_of(v)) for v in (gate, up, op.output)} != {
+                    (shape_of(op.output), elem_of(op.output))}:
+                continue
+            fused = named_like(SiluMulOp(gate, up), op)
+            rewriter.replace(op, fused, [fused.output])
+            rewriter.erase(silu)
+            return
+
+
+@dataclass(frozen=True)
+class FuseSiluMulPass(ModulePass):
+    """Fuse SwiGLU's silu(gate) * up into one top.silu_mul (the example plugin's op)."""
+
+    name = "fuse-silu-mul"
+    LEVEL: ClassVar[str] = "top"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, self.LEVEL, self.name)
+        PatternRewriteWalker(FuseSiluMul()).rewrite_module(op)
+
+
+plugin = Plugin("example", passes=(ExpandSiluPass, FuseSiluMulPass), ops=(SiluMulOp,),
+                description="expand-silu: silu written as x * sigmoid(x); fuse-silu-mul: "
+                            "silu(gate) * up as the op top.silu_mul")
