@@ -11,7 +11,9 @@ window of the whole form, stored contiguous so the machine multiplies by it as i
 `toptpu run` and `chat` map that file read-only when it is there (`StoredForms`), so the
 first token multiplies by them without converting anything. The file is optional:
 without it (or when it is refused) the weights are converted as before, with the same
-bits.
+bits. After such a run `toptpu run` and `chat` write it themselves (`write_if_missing`),
+saying so with its size, when it fits TOPTPU_WEIGHT_CACHE_FILE's limit (`AUTO_LIMIT` by
+default; `off`: never) and half the disk's free space.
 
 The file is untrusted input like the model file, and is never trusted unless it is the
 conversion of this very model file:
