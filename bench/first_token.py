@@ -33,7 +33,7 @@ over the repeats; the ratios are ours / eager (TTFT: lower is better; decode: hi
 `OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 python bench/first_token.py` runs every party on
 one thread (numpy's BLAS in the subprocesses, torch's in eager).
 
-Run: python bench/first_token.py [--layers 24] [--mode w4bf16] [--seq 512]
+Run: python bench/first_token.py [--layers 24] [--mode w4bf16] [--seq 512] [--eager-threads N]
          [--prompts 5,32,64,500] [--new 16] [--repeat 3]
          [--executors machine,interpreter] [--prefill-lengths 16,64,128] [--keep DIR]
          [--no-weight-cache] [--baseline NAME=PYTHON:FILE]
@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--no-weight-cache", action="store_true",
                     help="every run with TOPTPU_WEIGHT_CACHE_FILE=off: none writes the model "
                     "file's weight cache file, each converts its weights")
+    ap.add_argument("--eager-threads", type=int, default=None,
+                    help="torch threads of eager (default: torch's, one per core)")
     ap.add_argument("--keep", help="directory for the model file; reused when it exists")
     ap.add_argument("--baseline", action="append", default=[], metavar="NAME=PYTHON:FILE",
                     help="also run `PYTHON -m toptpu.cli run FILE` (another checkout's "
@@ -145,6 +147,8 @@ def main() -> None:
     lengths = [int(x) for x in a.prompts.split(",") if x.strip()]
     lengths = [n for n in lengths if 0 < n < a.seq]
 
+    if a.eager_threads is not None:
+        torch.set_num_threads(a.eager_threads)
     cfg = qwen25_05b_config(a.layers, eos_token_id=2)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
@@ -174,7 +178,9 @@ def main() -> None:
                if v in os.environ}
     print(f"model: Qwen2.5-0.5B shape, {a.layers} layers, {a.mode}, seq {a.seq}; "
           f"torch threads {torch.get_num_threads()}, numpy BLAS threads "
-          f"{threads or 'default (one per core)'}, host cores {os.cpu_count()}")
+          f"{threads or 'default (one per core)'}, TOPTPU_BLAS_THREADS "
+          f"{os.environ.get('TOPTPU_BLAS_THREADS', 'auto')}, host cores {os.cpu_count()}, "
+          f"load average (1 min) {os.getloadavg()[0]:.2f}")
 
     rng = np.random.default_rng(0)
     prompts = {n: [int(i) for i in rng.integers(3, 380, n)] for n in lengths}
