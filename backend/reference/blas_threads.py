@@ -22,7 +22,8 @@ The environment variable `TOPTPU_BLAS_THREADS` overrides the choice for the proc
 does). `set_policy` does the same from Python. Where numpy's BLAS is not an OpenBLAS this
 module can drive (it finds the library numpy loaded and its `*set_num_threads*` symbol),
 the products run with the BLAS's own threads whatever the policy says
-(`controllable()` is False).
+(`controllable()` is False). The count is the process's: products run at once by several
+Python threads may run on each other's choice (the same bits, another speed).
 """
 
 from __future__ import annotations
