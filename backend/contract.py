@@ -35,7 +35,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -345,10 +345,14 @@ def default_prefill_lengths(max_input_length: int) -> tuple[int, ...]:
 class ModelWidths(Protocol):
     """The model sizes the text nets' IO depends on (e.g. the header's `ModelInfo`)."""
 
-    hidden_size: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -387,7 +391,7 @@ def linear_net_io(shapes: StaticShapes, hidden_size: int, widths: LinearWidths, 
                 widths.conv_state(PRESENT_CONV_STATE, act),
                 widths.recurrent_state(PRESENT_RECURRENT_STATE))
 
-    out = {}
+    out: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {}
     for L in shapes.prefill_lengths:
         out[shapes.prefill_net(BLOCK, L)] = (
             (TensorSpec(HIDDEN, (1, L, H), act), TensorSpec(ATTENTION_MASK, (1, 1, L, L), act)),
@@ -416,7 +420,8 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
     def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
         return TensorSpec(name, shape, dtype)
 
-    def block(n: int, mask: int, history: int | None) -> tuple[tuple[TensorSpec, ...], ...]:
+    def block(n: int, mask: int, history: int | None
+              ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         inputs = [t(HIDDEN, 1, n, H), t(POSITION_IDS, position_axes, n, dtype="int32"),
                   t(ATTENTION_MASK, 1, 1, n, mask)]
         if history is not None:
@@ -424,7 +429,7 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
         return tuple(inputs), (t(HIDDEN_OUT, 1, n, H), t(PRESENT_K, 1, n, kv, D),
                                t(PRESENT_V, 1, n, kv, D))
 
-    def prefill(L: int) -> dict[str, tuple[tuple[TensorSpec, ...], ...]]:
+    def prefill(L: int) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
         return {
             shapes.prefill_net(EMBEDDING, L): ((t(INPUT_IDS, 1, L, dtype="int32"),),
                                                (t(HIDDEN, 1, L, H),)),
@@ -857,8 +862,9 @@ def mrope_position_ids(types: Sequence[int], image_grids: Sequence[tuple[int, in
     if frames_apart:
         videos = [(1, h, w) for t, h, w in videos for _ in range(t)]
         intervals = [1.0] * len(videos)
-    grids = {1: iter([(int(t), int(h), int(w)) for t, h, w in image_grids]),
-             2: iter(list(zip(videos, intervals, strict=True)))}
+    grids: dict[int, Iterator[tuple[tuple[int, int, int], float]]] = {
+        1: iter([((int(t), int(h), int(w)), 1.0) for t, h, w in image_grids]),
+        2: iter(list(zip(videos, intervals, strict=True)))}
     current, idx = start, 0
     for kind, run in itertools.groupby(types):
         length = len(list(run))
@@ -872,7 +878,7 @@ def mrope_position_ids(types: Sequence[int], image_grids: Sequence[tuple[int, in
                 what = "image" if kind == 1 else "video"
                 raise ContractError(f"the prompt has more {what} runs than {what} grids") \
                     from None
-            (t, h, w), interval = item if kind == 2 else (item, 1.0)
+            (t, h, w), interval = item
             gh, gw = h // merge, w // merge
             if t * gh * gw != length:
                 raise ContractError(f"a run of {length} vision tokens does not match its grid "

@@ -12,10 +12,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Self
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 from xdsl.dialects.builtin import (
     AnyFloat,
     BFloat16Type,
@@ -54,8 +55,11 @@ from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.slicing_interface import SlicingInterface
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
 #: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
-AnyTensor = AnyOf([BaseAttr(TensorType), BaseAttr(UnrankedTensorType)])
+AnyTensor = AnyOf((BaseAttr(TensorType), BaseAttr(UnrankedTensorType)))
 
 
 def is_ranked(value: SSAValue | Attribute) -> bool:
@@ -243,7 +247,7 @@ class EnumAttr(AttrConstraint[StringAttr]):
         return {StringAttr}
 
     def mapping_type_vars(
-        self, type_var_mapping: Mapping[object, AttrConstraint | IntConstraint]
+        self, type_var_mapping: Mapping[TypeVar, AttrConstraint | IntConstraint]
     ) -> AttrConstraint[StringAttr]:
         return self
 
@@ -682,7 +686,7 @@ class ShapedOp(IRDLOperation, SlicingInterface):
             )
 
     @classmethod
-    def build(  # type: ignore[override]
+    def build(  # type: ignore[override]  # also xDSL's keywords
         cls,
         operands: Sequence[SSAValue | Sequence[SSAValue] | None] = (),
         attrs: Mapping[str, Attribute | None] | None = None,
@@ -703,12 +707,13 @@ class ShapedOp(IRDLOperation, SlicingInterface):
         op = cls.__new__(cls)
         if attributes is None and properties is None and successors is None \
                 and regions is None:
+            # the ignore below: groups, as parsed
             op.construct(operands, attrs, result_types)  # type: ignore[arg-type]
             return op
         IRDLOperation.__init__(op, operands=[o if o is not None else [] for o in operands],
                                result_types=result_types, attributes=attributes,
                                properties=properties, successors=successors,
-                               regions=regions)  # type: ignore[arg-type]
+                               regions=regions)
         return op
 
     def construct(
@@ -767,7 +772,7 @@ def numpy_dtype(t: Attribute) -> np.dtype:
     return NUMPY_DTYPES[dtype_name(t)]
 
 
-def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
+def element_type_of_numpy(dt: DTypeLike) -> Attribute:
 
     dt = np.dtype(dt)
     table = {
@@ -786,14 +791,17 @@ def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
     return table[dt]
 
 
-def dense_attr(arr) -> DenseIntOrFPElementsAttr:  # noqa: ANN001 - a numpy array
-
+def dense_attr(arr: np.ndarray) -> DenseIntOrFPElementsAttr:
     elem = element_type_of_numpy(arr.dtype)
-    t = tensor(arr.shape, elem)
+    shape = [int(d) for d in arr.shape]
     data = arr.reshape(-1)
     if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
-        return DenseIntOrFPElementsAttr.from_list(t, [float(x) for x in data.astype(np.float64)])
-    return DenseIntOrFPElementsAttr.from_list(t, [int(x) for x in data.astype(np.int64)])
+        assert isinstance(elem, AnyFloat)
+        return DenseIntOrFPElementsAttr.from_list(TensorType(elem, shape),
+                                                  [float(x) for x in data.astype(np.float64)])
+    assert isinstance(elem, IntegerType)
+    return DenseIntOrFPElementsAttr.from_list(TensorType(elem, shape),
+                                              [int(x) for x in data.astype(np.int64)])
 
 
 def constant_value(attr: DenseIntOrFPElementsAttr) -> np.ndarray:

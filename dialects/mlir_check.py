@@ -49,7 +49,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, UnrankedTensorType
 from xdsl.universe import Universe
 
-from toptpu.dialects import all_dialects, context
+from toptpu.dialects import all_dialects, context, dialect_factory
 from toptpu.dialects.ir_text import parse_ir, print_generic
 from toptpu.dialects.irdl_export import MlirFormError, export_irdl, from_mlir_form, mlir_form
 from toptpu.errors import ToptpuError
@@ -109,13 +109,18 @@ def run_mlir_opt(module: ModuleOp, *args: str) -> subprocess.CompletedProcess[st
 _IRDL_FILES: dict[bool, str] = {}
 
 
+def _remove_if_present(path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
+
+
 def _irdl_file(unranked: bool) -> str:
     """The IRDL of top/tpu in a file of this process (mlir-opt reads it by path)."""
     if unranked not in _IRDL_FILES:
         fd, path = tempfile.mkstemp(prefix="toptpu-irdl-", suffix=".mlir")
         with os.fdopen(fd, "w") as f:
             f.write(irdl_text(unranked))
-        atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+        atexit.register(_remove_if_present, path)
         _IRDL_FILES[unranked] = path
     return _IRDL_FILES[unranked]
 
@@ -262,13 +267,13 @@ def _known_gaps_hint(message: str) -> str:
 # --------------------------------------------------------------------------- MLIR passes
 
 
-def xdsl_context_for_mlir() -> Any:  # xdsl.context.Context
+def xdsl_context_for_mlir() -> Context:
     """An xDSL context that reads what MLIR prints: toptpu's dialects and every dialect
     xDSL knows (loaded lazily)."""
     ctx = Context()
     ours = {d.name for d in all_dialects()}
     for d in all_dialects():
-        ctx.register_dialect(d.name, lambda d=d: d)
+        ctx.register_dialect(d.name, dialect_factory(d))
     for name, factory in Universe.get_multiverse().all_dialects.items():
         if name not in ours:
             ctx.register_dialect(name, factory)

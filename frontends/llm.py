@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,8 +163,9 @@ class TextPositionRotary(torch.nn.Module):
 
     def __init__(self, rotary: torch.nn.Module) -> None:
         super().__init__()
-        self.inv_freq = rotary.inv_freq
-        self.scaling = float(rotary.attention_scaling)
+        hf_rotary: Any = rotary  # a transformers rotary: its attributes are the family's
+        self.inv_freq: torch.Tensor = hf_rotary.inv_freq
+        self.scaling = float(hf_rotary.attention_scaling)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,10 +179,11 @@ def rotary_axes(rotary: torch.nn.Module) -> torch.Tensor:
     position from, read off the model's own `recomposition_frequencies` (Qwen3.5's and
     Qwen3-VL's interleave, Qwen2.5-VL's consecutive sections): it recomposes a probe whose
     axis a holds a everywhere."""
-    half = int(rotary.inv_freq.shape[0])
+    hf_rotary: Any = rotary  # a transformers rotary: its attributes are the family's
+    half = int(hf_rotary.inv_freq.shape[0])
     probe = torch.arange(3, dtype=torch.float32)[:, None, None, None].repeat(1, 1, 1, half)
     with torch.no_grad():
-        out = rotary.recomposition_frequencies(probe).reshape(-1)
+        out = hf_rotary.recomposition_frequencies(probe).reshape(-1)
     axis = out[:half].round().long()
     if out.numel() != 2 * half or not torch.equal(out[:half], out[half:]) or \
             not bool(((axis >= 0) & (axis <= 2)).all()) or \
@@ -202,8 +204,9 @@ class MultiAxisRotary(torch.nn.Module):
 
     def __init__(self, rotary: torch.nn.Module) -> None:
         super().__init__()
-        self.inv_freq = rotary.inv_freq
-        self.scaling = float(rotary.attention_scaling)
+        hf_rotary: Any = rotary  # a transformers rotary: its attributes are the family's
+        self.inv_freq: torch.Tensor = hf_rotary.inv_freq
+        self.scaling = float(hf_rotary.attention_scaling)
         axis = rotary_axes(rotary)
         # [3, 1, half]; a constant like inv_freq (not a buffer: the export lifts both alike,
         # whether the rotary is the model's or a streaming skeleton's)
@@ -251,13 +254,15 @@ class Block(torch.nn.Module):
                  apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                  arch: LlmArch) -> None:
         super().__init__()
-        self.layer = layer
+        hf_layer: Any = layer  # a transformers decoder layer: its submodules are the family's
+        self.layer = hf_layer
         self.rotary = rotary
         self.apply_rotary = apply_rotary
         self.head_dim = arch.head_dim
-        self.scaling = float(layer.self_attn.scaling)
+        attn = hf_layer.self_attn
+        self.scaling = float(attn.scaling)
         # Qwen3.5's q_proj is twice as wide as the heads: each head's query, then its gate
-        self.gated = layer.self_attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
+        self.gated = attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
 
     def attend(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor, history_k: torch.Tensor | None,
@@ -314,6 +319,7 @@ class Block(torch.nn.Module):
 class BlockWithHistory(Block):
     """`Block` attending to a history KV cache first: prefill_kv and decode."""
 
+    # the ignore below: + history
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,  # type: ignore[override]
                 attention_mask: torch.Tensor, history_k: torch.Tensor,
                 history_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -322,7 +328,7 @@ class BlockWithHistory(Block):
 
 def linear_widths(linear_attn: torch.nn.Module) -> LinearWidths:
     """The state sizes of a Gated DeltaNet module (`Qwen3_5GatedDeltaNet`)."""
-    la = linear_attn
+    la: Any = linear_attn  # transformers' Gated DeltaNet: its attributes are the family's
     return LinearWidths(int(la.conv_kernel_size), int(la.num_k_heads), int(la.num_v_heads),
                         int(la.head_k_dim), int(la.head_v_dim))
 
@@ -343,16 +349,17 @@ class LinearAttentionBlock(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module, widths: LinearWidths, history: bool = False,
                  cached: bool = False) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer: Any = layer  # a transformers decoder layer: its submodules are the family's
         self.w = widths
         self.history = history or cached
         self.cached = cached
         mod = sys.modules[type(layer.linear_attn).__module__]
-        self.l2norm = getattr(mod, "l2norm", None)
-        self.act = getattr(mod, "ACT2FN", None)
-        if self.l2norm is None or self.act is None:
+        l2norm, act = getattr(mod, "l2norm", None), getattr(mod, "ACT2FN", None)
+        if l2norm is None or act is None:
             raise SplitError(f"{mod.__name__} has no l2norm/ACT2FN; toptpu cannot split this "
                              "linear-attention layer")
+        self.l2norm: Callable[..., torch.Tensor] = l2norm
+        self.act: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = act
 
     def mix(self, hidden: torch.Tensor, valid: torch.Tensor, conv_state: torch.Tensor | None,
             recurrent_state: torch.Tensor | None

@@ -233,7 +233,7 @@ class Lowering:
         src = top_weight.tensor_name
         key = (src, "checkpoint")
         if key in self._quantized:
-            return self._quantized[key]  # type: ignore[return-value]
+            return self._quantized[key]  # type: ignore[return-value]  # a checkpoint entry
         parts = checkpoint_parts_of_store(self.store, src)
         if parts is None:
             return None
@@ -254,7 +254,7 @@ class Lowering:
             values[part] = op.results[0]
         result = (values["qweight"], values["scales"], values.get("zeros"),
                   values.get("mins"), values.get("perm"), bits, gs)
-        self._quantized[key] = result  # type: ignore[assignment]
+        self._quantized[key] = result  # type: ignore[assignment]  # a checkpoint entry
         return result
 
     def operand(self, v: SSAValue, elem: Attribute | None, user: Operation,
@@ -421,6 +421,7 @@ class LowerMatMul(LoweringPattern):
             except QuantizationError as e:
                 raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
         (rt,) = _result_types(lw, op)
+        assert isinstance(rt, TensorType)
         new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
                               result_type=rt, mins=mins)
         named_like(new, op)

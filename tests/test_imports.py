@@ -202,13 +202,14 @@ def package_of(module: str) -> str:
 @cache
 def loaded_at_import(module: str) -> frozenset[str]:
     """What importing `module` loads: its module-level imports, transitively through ours
-    (third-party modules as named, not their own imports)."""
+    (third-party modules as named, not their own imports; a typing-only import never runs)."""
     seen: set[str] = set()
     todo = [module]
     while todo:
         m = todo.pop()
         for i in all_imports():
-            if i.module == m and not i.in_function and i.target not in seen:
+            if i.module == m and not i.in_function and not i.typing_only \
+                    and i.target not in seen:
                 seen.add(i.target)
                 if ours(i.target):
                     todo.append(i.target)

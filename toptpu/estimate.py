@@ -210,7 +210,7 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        out = {"model": self.model.to_json(), "mode": self.mode.value,
+        out: dict[str, Any] = {"model": self.model.to_json(), "mode": self.mode.value,
                "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
                "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
                "compile_s": self.compile_s,
@@ -780,9 +780,9 @@ def read_checked_config(config_dir: str, request: CompileRequest) -> Any:
     check_config(_without_quantization(config), where)
     check_seq_length(raw, where, request.shapes.seq_length, mode)
     check_group_size(raw, where, mode, request.group_size)
-    check_parallel_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict)
-                          else raw, where, request.devices, request.parallel, mode,
-                          request.group_size)
+    text_config = raw.get("text_config")
+    check_parallel_config(text_config if isinstance(text_config, dict) else raw, where,
+                          request.devices, request.parallel, mode, request.group_size)
     return config
 
 
@@ -860,7 +860,8 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
-    add_request_args(p, ("shapes", "devices", "parallel", "group_size", "symmetric"))
+    add_request_args(p, ("shapes", "devices", "parallel", "group_size", "symmetric",
+                         "pipeline"))  # the nets compiled with the passes a compile runs
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
                    "--max-input-length); its chunks run at the shortest prefill length "

@@ -295,9 +295,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"chip": ex.chip.name, "layers": layers,
                           "nets": profiles_json(profiles),
-                          "steps": steps_json(steps, prompt, args.sampler) if steps else None},
+                          "steps": steps_json(steps, prompt, args.sampler) if steps else None,
+                          "pipeline": pipeline_json(ex.header)},
                          indent=1))
     else:
+        print(pipeline_line(ex.header))
         print(summary_table(profiles, ex.chip))
         if steps is not None:
             print(step_summary(steps, prompt, args.sampler))
@@ -317,6 +319,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _write_pictures(args, profiles, timelines, ex.chip,
                     [ex.program(p.net).commands for p in profiles])
     return 0
+
+
+def pipeline_json(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The passes that made the file's nets (`NetEntry.pipeline`) and the compile's
+    pipeline options, for `--json`."""
+    return {"options": header["compile"].get("pipeline"),
+            "from_ir": header["compile"].get("from_ir"),
+            "nets": {name: net.get("pipeline") for name, net in header["nets"].items()}}
+
+
+def pipeline_line(header: Mapping[str, Any]) -> str:
+    """One line: the pipeline options the file was compiled with (and the edited dump
+    files it was compiled from); `toptpu info` lists each net's passes."""
+    info = header["compile"]
+    line = f"compiled with pipeline options: {info.get('pipeline') or 'not recorded'}"
+    from_ir = info.get("from_ir")
+    if from_ir:
+        edited = [st["file"] for st in from_ir["nets"].values() if st["edited"]]
+        line += (f"; from the dump {from_ir['directory']}"
+                 + (f" (edited {', '.join(edited)})" if edited else ""))
+    return line + " (toptpu info FILE: each net's passes)"
 
 
 def _prompt_tokens(args: argparse.Namespace, ex: MachineExecutor) -> int:

@@ -80,7 +80,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -132,10 +132,10 @@ from toptpu.dialects.ir_text import parse_ir
 from toptpu.families import VISION_FAMILIES, vision_family
 from toptpu.families.base import FAMILY_KEYS, VisionFamily
 
-KIND = "toptpu-llm"
-LLM_FORMAT = 3
+KIND: Final = "toptpu-llm"
+LLM_FORMAT: Final = 3
 WEIGHTS_SECTION = "weights"
-WEIGHT_ALIGN = 64
+WEIGHT_ALIGN: Final = 64
 
 #: numpy dtype names of the element types toptpu knows
 KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
@@ -230,7 +230,8 @@ class WeightLayout:
         ones, then for layer i a chunk laid out as `chunks[layer_chunks[i]]`."""
         sh, end = cls._place(shared)
         placed = [cls._place(c) for c in chunks]
-        layers, offset = [], align(end)
+        layers: list[LayerChunk] = []
+        offset = align(end)
         for c in layer_chunks:
             if not 0 <= c < len(placed):
                 raise ValueError(f"layer {len(layers)}: chunk {c} of {len(placed)}")
@@ -416,12 +417,37 @@ class NetEntry:
     consts: Name
     weights: tuple[Name, ...]
     commands: int
+    #: the passes that made the net, as pipeline text (top stage through codegen's machine
+    #: passes; `toptpu.pass_pipeline`); None in files written before it was recorded
+    pipeline: str | None = None
+
+
+@dataclass(frozen=True)
+class IrStageInfo:
+    """Where `toptpu compile --from-ir` picked a net up: the dump file (`block/08-cse.mlir`)
+    and whether it had been edited since the dump wrote it."""
+
+    file: str
+    edited: bool
+
+
+@dataclass(frozen=True)
+class FromIrInfo:
+    """A model file compiled from a `--dump-ir` directory: the directory and each net's
+    stage."""
+
+    directory: str
+    nets: dict[Name, IrStageInfo]
 
 
 @dataclass(frozen=True)
 class CompileInfo:
     source: str
     toptpu_version: str
+    #: the compile options that chose the passes (`CompilePipeline.describe`: 'default', or
+    #: e.g. "--pass-after 'fuse=expand-silu'")
+    pipeline: str | None = None
+    from_ir: FromIrInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -960,19 +986,19 @@ def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
     sections: dict[str, Section] = {}
     for net, text in irs.items():
         sections[ir_section(net)] = text.encode()
-    for name, data in tokenizer_files.items():
-        sections[tokenizer_section(name)] = data
+    for name, content in tokenizer_files.items():
+        sections[tokenizer_section(name)] = content
     sections.update(extra_sections or {})
     blobs = blob if isinstance(blob, Mapping) else {WEIGHTS_SECTION: blob}
     for name, data in blobs.items():
         if isinstance(data, StreamedSection | GroupedSection):
             sections[name] = data
         else:
-            sections[name] = memoryview(np.ascontiguousarray(data, dtype=np.uint8))
+            sections[name] = np.ascontiguousarray(data, dtype=np.uint8).data
     for layout, _, _ in header.blobs():
-        size = sections.get(layout.section)
-        size = size.size if isinstance(size, StreamedSection | GroupedSection) \
-            else len(size or b"")
+        section = sections.get(layout.section)
+        size = section.size if isinstance(section, StreamedSection | GroupedSection) \
+            else len(section or b"")
         if size != layout.size:
             raise ValueError(f"the weight blob {layout.section} has {size} bytes, its "
                              f"weight table {layout.size}")
@@ -1005,7 +1031,8 @@ class LlmFile:
             self.file.close()
             raise
         self.header: dict[str, Any] = self.meta.to_json()
-        #: the weight table of a one-device file (`device_layout` for several)
+        #: the weight table of a one-device file (`device_layout` for several); the ignore:
+        #: None in a multi-device file, whose readers use `device_layout`
         self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
 
     def device_layout(self, device: int) -> WeightLayout:

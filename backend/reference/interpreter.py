@@ -101,7 +101,7 @@ def kernel_of(cls: type[ShapedOp], which: str | None = None) -> Callable[..., ob
 
 def _results(out: object) -> Sequence[np.ndarray]:
     """A kernel's result as the op's results: an array, or a tuple of them."""
-    return out if isinstance(out, tuple) else (out,)  # type: ignore[return-value]
+    return out if isinstance(out, tuple) else (out,)
 
 
 def evaluate_kernel(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
@@ -154,7 +154,7 @@ def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None, part: in
     assert isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
     positional, keywords = op.reduction_part_arguments(args, part)
     fold = kernel_of(type(op), op.REDUCTION_KERNELS[0])
-    return fold(acc, *positional, **keywords)  # type: ignore[return-value]
+    return fold(acc, *positional, **keywords)  # type: ignore[return-value]  # an array
 
 
 def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray:
@@ -164,7 +164,7 @@ def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray
     assert isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
     positional, keywords = op.reduction_finish_arguments(args)
     finish = kernel_of(type(op), op.REDUCTION_KERNELS[1])
-    return finish(acc, *positional, **keywords)  # type: ignore[return-value]
+    return finish(acc, *positional, **keywords)  # type: ignore[return-value]  # an array
 
 
 @evaluates(tpu.GroupOp)
@@ -243,6 +243,7 @@ def collective_result(op: dev.CollectiveOp, parts: Sequence[np.ndarray]) -> np.n
         raise CollectiveError(f"'{op.name}' joins {op.device_count} devices, {len(parts)} "
                               "ran it")
     positional, keywords = op.kernel_arguments(parts)
+    # the ignore below: a collective's kernel returns one array
     return kernel_of(type(op))(*positional, **keywords)  # type: ignore[return-value]
 
 

@@ -361,10 +361,10 @@ class MachineExecutor(Executor):
                     return f"command {c.id}, which {what} '{ref.name}' ({kind})"
                 want_shape, want_dtype = spec.shape, spec.dtype
             elif ref.space is Space.WEIGHT:
-                w = prog.weights.get(ref.name or "")
-                if w is None:
+                listed = prog.weights.get(ref.name or "")
+                if listed is None:
                     return f"command {c.id}, which reads weight '{ref.name}' it does not list"
-                want_shape, want_dtype = w.shape, w.dtype
+                want_shape, want_dtype = listed.shape, listed.dtype
             else:
                 continue
             if (tuple(shape), dtype) != (tuple(want_shape), want_dtype):
@@ -452,8 +452,8 @@ class MachineExecutor(Executor):
             raise MachineExecutorError(f"net '{info.name}' is shared by all layers; run it "
                                        "without layer=")
         for name in prog.weights:
-            if info.per_layer and name in layout.chunk_of(layer):  # type: ignore[arg-type]
-                out[name] = self._blob + layout.layer_offset(layer, name)  # type: ignore[arg-type]
+            if info.per_layer and layer is not None and name in layout.chunk_of(layer):
+                out[name] = self._blob + layout.layer_offset(layer, name)
             elif name in layout.shared:
                 out[name] = self._blob + layout.shared[name].offset
             else:
