@@ -452,7 +452,14 @@ def _use_problem(op: Operation, value: SSAValue, position: Callable[[Operation],
 
 
 def print_generic(module: ModuleOp, debuginfo: bool = True) -> str:
-    """The module in MLIR's generic form (what real MLIR parses; `loc(...)` kept)."""
+    """The module in MLIR's generic form (what real MLIR parses; `loc(...)` kept), each op's
+    attributes in the order of their names: the same IR prints the same bytes however it
+    was made (built by passes, or parsed from a custom form, whose parser adds
+    `operandSegmentSizes` last). The attribute dictionaries are reordered in place."""
+    for op in module.walk():
+        names = list(op.attributes)
+        if names != sorted(names):
+            op.attributes = dict(sorted(op.attributes.items()))
     out = io.StringIO()
     Printer(stream=out, print_generic_format=True, print_debuginfo=debuginfo).print_op(module)
     return out.getvalue()

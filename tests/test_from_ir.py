@@ -22,8 +22,9 @@ from toptpu.compiler import compile as compile_model
 
 pytestmark = pytest.mark.slow
 
-#: the block's silu in the Top IR after top-pipeline, and the hand edit: x * sigmoid(x)
-SILU = ('    %silu = "top.silu"(%linear_4) : (tensor<1x16x192xf32>) -> tensor<1x16x192xf32> '
+#: the block's silu in the Top IR after top-pipeline (as the dump prints it: its custom
+#: form), and the hand edit in the generic form: x * sigmoid(x)
+SILU = ('    %silu = top.silu %linear_4 : tensor<1x16x192xf32> -> tensor<1x16x192xf32> '
         'loc("layer.mlp.act_fn.silu"("transformers/activations.py":103:0))')
 EXPANDED = ('    %gate = "top.sigmoid"(%linear_4) : (tensor<1x16x192xf32>) -> '
             'tensor<1x16x192xf32> loc("layer.mlp.act_fn.sigmoid")\n'

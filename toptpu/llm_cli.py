@@ -30,8 +30,10 @@ from toptpu.backend.runtime.runtime import (
 )
 from toptpu.backend.runtime.vision import image_file
 from toptpu.backend.runtime.weight_cache_file import (
+    auto_limit,
     cache_path,
     open_weight_cache,
+    write_if_missing,
     write_weight_cache,
 )
 from toptpu.cli_args import (
@@ -304,6 +306,15 @@ def _print_notes(rt: Runtime) -> None:
     rt.notes.clear()
 
 
+def _keep_weight_cache(rt: Any) -> None:
+    """After a run that converted its weights: the model file's weight cache file written
+    for the next one, within TOPTPU_WEIGHT_CACHE_FILE's limit, its size said on stderr."""
+    if rt.meta.parallel is None:
+        write_if_missing(rt.ex.file, lambda line: print(f"toptpu: note: {line}",
+                                                         file=sys.stderr),
+                         rt.weight_cache_file)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt with a compiled model file (needs nothing else); VLMs take
     --image PATH (repeatable)."""
@@ -315,6 +326,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--trace '{args.trace}' is the model file; name another file")
     for path in [*(args.image or []), *(f for video in args.video or [] for f in video)]:
         image_file(path)  # each a regular file, before the model file is read
+    auto_limit()  # a bad TOPTPU_WEIGHT_CACHE_FILE: an error before any work
     rt = Runtime.open(args.model_file, args.executor)
     _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -347,6 +359,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(stats_line(res), file=sys.stderr)
     if recorder is not None:
         print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
+    _keep_weight_cache(rt)
     return 0
 
 
@@ -355,6 +368,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     /reset starts over, /exit (or end of input) quits, /help lists the commands, a message
     that starts with '/' is typed as '//...'; VLMs: /image PATH [message] attaches an image
     to the message (or to the next one). Ctrl-C quits (status 130)."""
+    auto_limit()  # a bad TOPTPU_WEIGHT_CACHE_FILE: an error before any work
     rt = Runtime.open(args.model_file, args.executor)
     _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -365,7 +379,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
           file=sys.stderr)
     _prepare_input()
     try:
-        return _chat_loop(rt, args, sampling)
+        code = _chat_loop(rt, args, sampling)
+        _keep_weight_cache(rt)
+        return code
     except KeyboardInterrupt:
         print()  # end the prompt or the reply's line; toptpu.cli prints why it stopped
         raise

@@ -3,6 +3,9 @@
 The Top interpreter, the Tpu interpreter, constant folding and the reference machine all
 call these functions; no other module re-implements an op's math.
 
+Every product is `np.matmul` on the BLAS threads `blas_threads` chooses for its size (the
+same bits on any count).
+
 Conventions: inputs are numpy arrays (float32, float16, ml_dtypes.bfloat16, ints);
 floating-point math is done in float32 (f32 accumulation, as the chip does) and the
 result is rounded to `out_dtype` (default: the dtype of the first input).
@@ -19,6 +22,8 @@ from typing import Any, TypeAlias
 import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
+
+from toptpu.backend.reference.blas_threads import matmul as _matmul
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
@@ -491,7 +496,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     scores = []
     for kk in parts_k:
         fk = f32(kk).transpose(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, Sk]
-        sc = np.matmul(fq, fk)  # [B, Hkv, rep, Sq, Sk]
+        sc = _matmul(fq, fk)  # [B, Hkv, rep, Sq, Sk]
         sc *= np.float32(scale)
         scores.append(sc)
     # the scores are a new array: masked, normalised and exponentiated in place
@@ -510,7 +515,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     for vv in parts_v:
         n = vv.shape[1]
         fv = f32(vv).transpose(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, Sk, Dv]
-        o = np.matmul(p[..., start : start + n], fv)
+        o = _matmul(p[..., start : start + n], fv)
         out = o if out is None else out + o
         start += n
     assert out is not None
@@ -566,7 +571,7 @@ def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.nda
     # local memory, and a BLAS may sum a strided operand in another order
     k, v = np.ascontiguousarray(f32(k)), np.ascontiguousarray(f32(v))
     fq = np.ascontiguousarray(f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d))
-    sc = np.matmul(fq, k.transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
+    sc = _matmul(fq, k.transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
     sc *= np.float32(scale)
     if mask is not None:
         sc += np.broadcast_to(f32(mask), (b, hq, sq, st)).reshape(b, hkv, rep, sq, st)
@@ -580,7 +585,7 @@ def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.nda
     np.exp(sc, out=sc)
     keep = np.exp(state.peak - safe)
     state.total = state.total * keep + np.sum(sc, axis=-1, keepdims=True)
-    state.acc = state.acc * keep + np.matmul(sc, v.transpose(0, 2, 1, 3)[:, :, None])
+    state.acc = state.acc * keep + _matmul(sc, v.transpose(0, 2, 1, 3)[:, :, None])
     state.peak = peak
 
 
@@ -679,7 +684,7 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
         fa = np.swapaxes(fa, -1, -2)
     if transpose_b:
         fb = np.swapaxes(fb, -1, -2)
-    r = np.matmul(fa, fb)
+    r = _matmul(fa, fb)
     if bias is not None:
         r = r + f32(bias).reshape(-1)
     return _out(r, out_dtype, a)
@@ -700,7 +705,7 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
         fa = np.swapaxes(fa, -1, -2)
     if transpose_b:
         fb = np.swapaxes(fb, -1, -2)
-    r = np.matmul(fa, fb).astype(np.float32, copy=False)
+    r = _matmul(fa, fb).astype(np.float32, copy=False)
     if acc is None:
         return r
     return np.add(acc, r, out=r)
@@ -855,10 +860,10 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
     decay = np.exp(fg)  # [T, Hv]
     for i in range(t):
         s *= decay[i][:, None, None]
-        kv = np.matmul(fk[i][:, None, :], s)[:, 0]  # [Hv, Dv]
+        kv = _matmul(fk[i][:, None, :], s)[:, 0]  # [Hv, Dv]
         delta = (fv[i] - kv) * fb[i][:, None]
         s += fk[i][:, :, None] * delta[:, None, :]
-        out[i] = np.matmul(fq[i][:, None, :], s)[:, 0]
+        out[i] = _matmul(fq[i][:, None, :], s)[:, 0]
     return _out(out[None], out_dtype, v), s[None]
 
 
@@ -1046,7 +1051,7 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
                     out=b, dtype=np.float32)
         if mf is not None:
             np.add(b, mf[r0:r0 + m, :, None], out=b)
-        r[..., r0:r0 + m] = np.matmul(fx, b.reshape(m, k).T)
+        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
     return _biased(r, bias, out_dtype, x)
 
 
@@ -1071,7 +1076,7 @@ def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray
                             ) -> np.ndarray:
     """`a16_matmul_part` with the part's weights dequantized (`dequantize`); contiguous
     operands, as `matmul_part`."""
-    r = np.matmul(np.ascontiguousarray(f32(x)), np.ascontiguousarray(w).T)
+    r = _matmul(np.ascontiguousarray(f32(x)), np.ascontiguousarray(w).T)
     if acc is None:
         return r
     return np.add(acc, r, out=r)
@@ -1081,7 +1086,7 @@ def matmul_dequantized(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None,
                        out_dtype: OutDType = None) -> np.ndarray:
     """The second half of `a16_matmul`: x @ w.T (+ bias) in f32 with `w` = `dequantize(...)`
     (callers that hold the same weights for many calls dequantize once)."""
-    return _biased(np.matmul(f32(x), w.T), bias, out_dtype, x)
+    return _biased(_matmul(f32(x), w.T), bias, out_dtype, x)
 
 
 def _biased(r: np.ndarray, bias: np.ndarray | None, out_dtype: OutDType, like: np.ndarray

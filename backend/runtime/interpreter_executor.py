@@ -46,6 +46,7 @@ from xdsl.ir import Operation, SSAValue
 from toptpu.backend.contract import NetInfo
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.reference import blas_threads
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import (
     EvalContext,
@@ -167,6 +168,7 @@ class InterpreterExecutor(Executor):
 
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
                  weight_cache_bytes: int | None = None) -> None:
+        blas_threads.policy()  # a bad TOPTPU_BLAS_THREADS is an error now, not mid-run
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
         if self.file.meta.parallel is not None:
             n = len(self.file.meta.parallel.devices)

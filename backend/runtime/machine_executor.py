@@ -40,6 +40,7 @@ from toptpu.backend.formats.commands import Gather, Load, Space, Store
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
+from toptpu.backend.reference import blas_threads
 from toptpu.backend.runtime.accounting import Costs, Ledger
 from toptpu.backend.runtime.executor import (
     Buffer,
@@ -125,6 +126,7 @@ class MachineExecutor(Executor):
     def __init__(self, model: str | LlmFile, checked: bool = False,
                  chip: Chip | None = None, keep_timelines: int = 4,
                  weight_cache_bytes: int | None = None) -> None:
+        blas_threads.policy()  # a bad TOPTPU_BLAS_THREADS is an error now, not mid-run
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
