@@ -140,6 +140,7 @@ from toptpu.prequantized import (
     layer_variants,
     resolve_mode,
 )
+from toptpu.progress import elapsed_line, progress_bar
 from toptpu.request import AskedMode, CompileRequest, activation_mode
 
 # ====================================================================== the steps' results
@@ -208,6 +209,8 @@ class PackedWeights:
     derive_shared: Callable[[list[WeightRecipe]], dict[str, np.ndarray]] | None = None
     #: called once a layer's tensors are written (a stream drops the pages it read)
     release: Callable[[], None] = lambda: None
+    #: called once a layer's tensors are written, after `release` (the progress line)
+    layer_written: Callable[[], None] = lambda: None
 
     #: the model's layers this blob holds (its chunk i is layer layers.start + i)
     layers: range | None = None
@@ -234,6 +237,7 @@ class PackedWeights:
             yield base + chunk[name].offset, _bytes(tensors[name])
         del tensors
         self.release()
+        self.layer_written()
 
     def shared_pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of the shared tensors, in blob order."""
@@ -351,7 +355,11 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     timings["weights"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    header = write(the_plan, compiled, packed, output)
+    with progress_bar(the_plan.num_layers, "toptpu compile: writing weights", unit="layer",
+                      stream=progress, shown=bar.tty) as layers_bar:
+        for p in [packed] if isinstance(packed, PackedWeights) else packed.devices:
+            p.layer_written = lambda: layers_bar.update(1)
+        header = write(the_plan, compiled, packed, output)
     timings["write"] = time.perf_counter() - t
     total = time.perf_counter() - t0
     timings["total"] = total
@@ -376,10 +384,13 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     no IR is dumped (the dumps' weights would be the skeleton's placeholders): the nets come
     from a skeleton, every layer's tensors from the shards when its chunk is written."""
     t = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else _load(
-        model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
-        request.vision_mode, stream=stream and request.dump_ir is None,
-        dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
+    tty = progress is not None and Progress(0, progress).tty
+    with elapsed_line(f"toptpu compile: loading {model if isinstance(model, str) else 'the model'}",
+                      stream=progress, shown=tty):
+        loaded = model if isinstance(model, LoadedModel) else _load(
+            model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
+            request.vision_mode, stream=stream and request.dump_ir is None,
+            dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
@@ -859,6 +870,7 @@ class DeviceWeights:
                 del made
         last.clear()
         self.devices[0].release()
+        self.devices[0].layer_written()
 
 
 def pack_device_weights(plan: CompilePlan, compiled: CompiledNets, placement: Placement

@@ -423,11 +423,13 @@ def form_part(window: tuple[slice, ...], shape: tuple[int, ...], special: str, b
 
 
 def write_weight_cache(model: str | LlmFile, output: str | None = None,
-                       progress: Callable[[str], None] | None = None) -> str:
+                       progress: Callable[[str], None] | None = None,
+                       planned: Callable[[int], None] | None = None) -> str:
     """Convert every weight the executors convert and write the forms to `output`
     (default `cache_path(model)`), atomically, one form at a time in memory. Returns the
     path written. WeightCacheFileError when the output cannot be written (a path that is
-    not a regular file is never replaced)."""
+    not a regular file is never replaced). `progress` is told each form once it is made,
+    `planned` how many there are before the first."""
     llm = model if isinstance(model, LlmFile) else LlmFile(model)
     _refuse_devices(llm)
     path = output or cache_path(llm.path)
@@ -450,6 +452,8 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     header = CacheHeader(KIND, CACHE_FORMAT, llm.file.digest, tuple(forms))
     header.check()
     blob, entries = _blob(llm), _entries(llm)
+    if planned is not None:
+        planned(len(forms))
 
     def section(form: FormEntry) -> StreamedSection:
         def pieces() -> Iterator[tuple[int, memoryview]]:

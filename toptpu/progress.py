@@ -1,0 +1,68 @@
+"""The live progress line of the long commands (compile's weights, cache, eval, compare,
+profile): `tqdm` on stderr, shown only on a terminal and never under `--quiet`.
+
+A progress line is for a person watching: a log, a pipe or a test reads stderr without it
+(those commands' own one-line-per-step reports stay as they are, see each command). The
+bar counts what the command knows the total of (layers written, weights converted,
+tokens scored, stages run, nets profiled) and tqdm adds the elapsed and remaining time.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+from tqdm import tqdm
+
+
+def progress_shown(quiet: bool = False, stream: IO[str] | None = None) -> bool:
+    """Whether a progress line is drawn: not `quiet` and `stream` (stderr) a terminal."""
+    stream = sys.stderr if stream is None else stream
+    if quiet or stream is None:
+        return False
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def progress_bar(total: int | None, desc: str, *, quiet: bool = False, unit: str = "it",
+                 stream: IO[str] | None = None, shown: bool | None = None) -> Any:
+    """A tqdm bar of `total` `unit`s labelled `desc` on `stream` (stderr), drawn only when
+    `progress_shown(quiet, stream)` (or `shown`, when given); a disabled bar otherwise,
+    whose calls do nothing. The bar is removed from the screen when closed (`leave=False`):
+    what the command prints afterwards stands alone."""
+    stream = sys.stderr if stream is None else stream
+    draw = progress_shown(quiet, stream) if shown is None else shown
+    return tqdm(total=total, desc=desc, unit=unit, file=stream, disable=not draw,
+                leave=False, dynamic_ncols=True, mininterval=0.2)
+
+
+@contextmanager
+def elapsed_line(desc: str, *, quiet: bool = False, stream: IO[str] | None = None,
+                 shown: bool | None = None, every: float = 0.5) -> Iterator[None]:
+    """For a step whose size is not known beforehand (loading a model): `desc` and the
+    time spent so far, redrawn every `every` seconds while the block runs (a daemon
+    thread), on the terms of `progress_bar`; removed when the block ends."""
+    bar = progress_bar(None, desc, quiet=quiet, stream=stream, shown=shown)
+    if bar.disable:
+        yield
+        return
+    bar.bar_format = "{desc} [{elapsed}]"
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(every):
+            bar.refresh()
+
+    ticker = threading.Thread(target=redraw, name="toptpu-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
