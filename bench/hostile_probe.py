@@ -335,7 +335,8 @@ def _full_disk_after(n: int) -> str:
     return ("import errno, os\nfrom toptpu.dialects import output_file\n"
             "real, calls = output_file._Raw._write_raw, [0]\n"
             "def write(self, b):\n    calls[0] += 1\n"
-            f"    if calls[0] > {n}:\n        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+            f"    if calls[0] > {n}:\n"
+            "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
             "    return real(self, b)\n"
             "output_file._Raw._write_raw = write\n")
 
@@ -453,7 +454,8 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
                  "real = r.Runtime.generate\n"
                  "def gen(self, *a, **k):\n"
                  f"    open({started!r}, 'w').close()\n"
-                 f"    threading.Thread(target=lambda: (time.sleep(0.5), os.truncate({cache!r}, 4096)), daemon=True).start()\n"
+                 "    threading.Thread(daemon=True, target=lambda: (\n"
+                 f"        time.sleep(0.5), os.truncate({cache!r}, 4096))).start()\n"
                  "    return real(self, *a, **k)\n"
                  "r.Runtime.generate = gen\n")
         return Run(patched(setup, "run", m, "--prompt", "Hello", "--max-new-tokens", "60",
