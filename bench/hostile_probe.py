@@ -93,6 +93,8 @@ class Run:
     out_fragment: str | None = None
     #: text that must not be in stdout (e.g. a special token)
     out_absent: str | None = None
+    #: fragments stderr must hold (a chat's bracketed answers)
+    err_has: tuple[str, ...] = ()
     timeout: float = 180
     #: send this signal once `when()` is true (a fault mid-work)
     signal_at: tuple[Callable[[], bool], int] | None = None
@@ -126,7 +128,9 @@ def run(r: Run, cwd: str) -> Outcome:
         rc: int | None = None
         usage = None
         sent = False
+        peak_kb = 0
         while True:
+            peak_kb = max(peak_kb, _hwm_kb(proc.pid))
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 rc = os.waitstatus_to_exitcode(status)
@@ -149,7 +153,20 @@ def run(r: Run, cwd: str) -> Outcome:
         stderr = f.read()
     os.unlink(out_path)
     os.unlink(err_path)
-    return Outcome(rc, stdout, stderr, int(usage.ru_maxrss / 1024) if usage else 0, seconds)
+    return Outcome(rc, stdout, stderr, peak_kb // 1024, seconds)
+
+
+def _hwm_kb(pid: int) -> int:
+    """The process's peak resident set so far (VmHWM, kB): its own since its exec (wait4's
+    ru_maxrss would keep the forking probe's resident set across the exec)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def judge(r: Run, o: Outcome) -> str:
@@ -166,11 +183,19 @@ def judge(r: Run, o: Outcome) -> str:
     if r.fragment is not None and r.fragment not in o.last:
         problems.append("unexpected message")
     if not r.ok_run and o.rc == 1:
-        errors = [line for line in o.stderr.splitlines() if ": error:" in line]
-        if len(errors) != 1 or not o.last.startswith("toptpu"):
+        lines = [line for line in o.stderr.splitlines() if line.strip()]
+        if o.last.startswith("toptpu-opt: "):  # mlir-opt's form: the tool, the message
+            one = len(lines) == 1
+        else:
+            one = sum(": error:" in line for line in lines) == 1 and \
+                o.last.startswith("toptpu ") and ": error: " in o.last
+        if not one:
             problems.append("not one error line")
     if r.out_fragment is not None and r.out_fragment not in o.stdout:
         problems.append(f"stdout lacks {r.out_fragment!r}")
+    for fragment in r.err_has:
+        if fragment not in o.stderr:
+            problems.append(f"stderr lacks {fragment!r}")
     if r.out_absent is not None and r.out_absent in o.stdout:
         problems.append(f"stdout has {r.out_absent!r}")
     bound = r.rss_mb if r.rss_mb is not None else (None if r.ok_run else REFUSAL_RSS_MB)
@@ -205,6 +230,10 @@ class Work:
                 save_tiny_model(self.tiny, "qwen2")
             if not os.path.exists(self.model):
                 compile_model(self.tiny, self.model, seq_length=64, max_input_length=16,
+                              progress=None)
+            self.model_w4 = os.path.join(root, "tiny-w4bf16.toptpu")
+            if not os.path.exists(self.model_w4):
+                compile_model(self.tiny, self.model_w4, mode="w4bf16", seq_length=256,
                               progress=None)
             vdir = os.path.join(root, "vlm")
             if not os.path.exists(os.path.join(vdir, "config.json")):
@@ -321,7 +350,7 @@ def _profile_edit(w: Work, d: str, case: str) -> str:
                              "machine-pipeline{chip=bm1684x}")):
             out = os.path.join(w.root, f"machine-{name}.mlir")
             if not os.path.exists(out):
-                assert opt_main([path, "-p", passes, "-o", out]) == 0
+                assert opt_main([path, "-p", passes, "--print-op-generic", "-o", out]) == 0
             irs[name] = open(out).read()
         w._machine_irs = irs  # type: ignore[attr-defined]
     net, edit, needle = t.CASES[case]
@@ -437,7 +466,7 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
         o = os.path.join(d, "o")
         return Run(patched(_full_disk_after(1), "sweep", w.tiny, "-o", o, "-q", "f32",
                            "--seq-length", "64", "--ddr-gbps", "16", "32", "--quiet"),
-                   fragment="No space left on device", files=lambda: (
+                   fragment="no space left on the device", files=lambda: (
                        f"left: {os.listdir(o)}" if os.path.exists(o) and os.listdir(o)
                        else ""), timeout=400, note="ENOSPC injected in the output writer")
 
@@ -445,7 +474,8 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
     @case("C1", "crash", "the weight cache file truncated while `run` reads it",
           "SIGBUS (rc -7)")
     def _(w: Work, d: str) -> Run:
-        m = w.model_copy(d)
+        m = os.path.join(d, "m.toptpu")
+        shutil.copyfile(w.model_w4, m)  # w4bf16: its weights converted, a cache to read
         subprocess.run(toptpu("cache", m, "--quiet"), check=True, timeout=300)
         cache = m + ".wcache"
         started = os.path.join(d, "started")
@@ -458,7 +488,7 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
                  f"        time.sleep(0.5), os.truncate({cache!r}, 4096))).start()\n"
                  "    return real(self, *a, **k)\n"
                  "r.Runtime.generate = gen\n")
-        return Run(patched(setup, "run", m, "--prompt", "Hello", "--max-new-tokens", "60",
+        return Run(patched(setup, "run", m, "--prompt", "Hello", "--max-new-tokens", "240",
                            "--ignore-eos"), rc=(1,),
                    fragment="is being written or truncated by another process",
                    note="the truncation from a thread of the run's own process, 0.5 s into "
@@ -484,8 +514,9 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
         fifo = os.path.join(d, "x.png")
         os.mkfifo(fifo)
         return Run(toptpu("chat", w.vlm, "--max-new-tokens", "2", "--executor",
-                          "interpreter"), stdin=f"/image {fifo}\n/exit\n", rc=(0,),
-                   ok_run=True, timeout=120,
+                          "interpreter"), stdin=f"/image {fifo}\nHello\n/exit\n", rc=(0,),
+                   ok_run=True, timeout=120, err_has=("is a FIFO, not an image file",
+                                                      "[2 tokens, stop:"),
                    files=lambda: "", note="the chat goes on: `[... is a FIFO, not an image "
                    "file]`, then /exit")
 
@@ -522,8 +553,9 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
         png = _png(os.path.join(d, "bomb.png"), 50000, 50000)
         return Run(toptpu("chat", w.vlm, "--max-new-tokens", "2", "--executor",
                           "interpreter"), stdin=f"/image {png}\nHello\n/exit\n", rc=(0,),
-                   ok_run=True, timeout=180, note="one bracketed line, then the next "
-                   "message is answered")
+                   ok_run=True, timeout=180, err_has=("more than toptpu decodes",
+                                                      "[2 tokens, stop:"),
+                   note="one bracketed line, then the next message is answered")
 
     @case("T3", "traceback", "`compile DIR --seq-length 100000000`",
           "torch's allocator: can't allocate 12800000000 bytes")
@@ -555,7 +587,7 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
             ("estimate", lambda w, d: toptpu("estimate", w.tiny, "--seq-length", "64")),
             ("toptpu-opt", lambda w, d: opt(w.ir(d)[0], "-p", "canonicalize")))):
         def make(w: Work, d: str, argv: Any = argv) -> Run:
-            return Run(["sh", "-c", shlex.join(argv(w, d)) + " > /dev/full"],
+            return Run(["sh", "-c", "exec " + shlex.join(argv(w, d)) + " > /dev/full"],
                        fragment="cannot write to standard output: No space left on device")
         out.append(Case(f"T5{'abcd'[i]}", "traceback", f"stdout on /dev/full in `{name}`",
                         "OSError: [Errno 28] traceback", make))
@@ -713,6 +745,8 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
         return Run(toptpu("chat", w.model, "--max-new-tokens", "2", "--executor",
                           "interpreter"), stdin="x" * 10_000_000 + "\nHello\n/exit\n",
                    rc=(0,), ok_run=True, rss_mb=REFUSAL_RSS_MB,
+                   err_has=("characters, more than fits the KV cache; not sent]",
+                            "[2 tokens, stop:"),
                    note="`[the line is longer than ... characters ...; not sent]`, then the "
                    "next message answered")
 
@@ -755,7 +789,7 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
     def _(w: Work, d: str) -> Run:
         m = w.model_copy(d)
         return Run(patched(_full_disk_after(0), "cache", m, "-o", os.path.join(d, "c.wcache"),
-                           "--quiet"), fragment="No space left on device",
+                           "--quiet"), fragment="the weight cache file",
                    files=both(unchanged(m), only(d, "m.toptpu")),
                    note="ENOSPC injected in the output writer; the line must name the "
                    "weight cache file, not 'the model file'")
