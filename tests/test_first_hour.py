@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import time
 from typing import Any
 
@@ -75,7 +76,7 @@ def test_the_elapsed_line_is_redrawn_while_a_step_of_unknown_size_runs() -> None
     with elapsed_line("toptpu compile: loading m.gguf", stream=log, every=0.02):
         time.sleep(0.05)
     assert tty.getvalue().count("toptpu compile: loading m.gguf") >= 3, tty.getvalue()
-    assert "[00:00]" in tty.getvalue()
+    assert "[00:00]" in tty.getvalue() and "it/s" not in tty.getvalue()
     assert log.getvalue() == ""
 
 
@@ -113,7 +114,7 @@ def test_compile_draws_its_load_and_weights_on_a_terminal_only(tmp_path_factory,
         compile_model(ck, str(tmp_path / f"{name}.toptpu"), seq_length=32,
                       max_input_length=8, progress=stream)
     assert f"toptpu compile: loading {ck}" in tty.getvalue()
-    assert "toptpu compile: writing weights" in tty.getvalue() and "2/2" in tty.getvalue()
+    assert re.search(r"toptpu compile: writing weights: +\d+%\|.*\| [012]/2 \[", tty.getvalue())
     assert "loading" not in log.getvalue() and "writing weights" not in log.getvalue()
     assert "\r" not in log.getvalue()  # a log gets one line per net, nothing redrawn
 

@@ -30,7 +30,8 @@ def progress_shown(quiet: bool = False, stream: IO[str] | None = None) -> bool:
 
 
 def progress_bar(total: int | None, desc: str, *, quiet: bool = False, unit: str = "it",
-                 stream: IO[str] | None = None, shown: bool | None = None) -> Any:
+                 stream: IO[str] | None = None, shown: bool | None = None,
+                 bar_format: str | None = None) -> Any:
     """A tqdm bar of `total` `unit`s labelled `desc` on `stream` (stderr), drawn only when
     `progress_shown(quiet, stream)` (or `shown`, when given); a disabled bar otherwise,
     whose calls do nothing. The bar is removed from the screen when closed (`leave=False`):
@@ -38,7 +39,7 @@ def progress_bar(total: int | None, desc: str, *, quiet: bool = False, unit: str
     stream = sys.stderr if stream is None else stream
     draw = progress_shown(quiet, stream) if shown is None else shown
     return tqdm(total=total, desc=desc, unit=unit, file=stream, disable=not draw,
-                leave=False, dynamic_ncols=True, mininterval=0.2)
+                leave=False, dynamic_ncols=True, mininterval=0.2, bar_format=bar_format)
 
 
 @contextmanager
@@ -47,11 +48,11 @@ def elapsed_line(desc: str, *, quiet: bool = False, stream: IO[str] | None = Non
     """For a step whose size is not known beforehand (loading a model): `desc` and the
     time spent so far, redrawn every `every` seconds while the block runs (a daemon
     thread), on the terms of `progress_bar`; removed when the block ends."""
-    bar = progress_bar(None, desc, quiet=quiet, stream=stream, shown=shown)
+    bar = progress_bar(None, desc, quiet=quiet, stream=stream, shown=shown,
+                       bar_format="{desc} [{elapsed}]")
     if bar.disable:
         yield
         return
-    bar.bar_format = "{desc} [{elapsed}]"
     done = threading.Event()
 
     def redraw() -> None:
