@@ -191,7 +191,7 @@ def judge(r: Run, o: Outcome) -> str:
                 o.last.startswith("toptpu ") and ": error: " in o.last
         if not one:
             problems.append("not one error line")
-    if r.out_fragment is not None and r.out_fragment not in o.stdout:
+    if r.out_fragment is not None and r.out_fragment not in " ".join(o.stdout.split()):
         problems.append(f"stdout lacks {r.out_fragment!r}")
     for fragment in r.err_has:
         if fragment not in o.stderr:

@@ -362,3 +362,56 @@ def test_the_mode_and_dequantize_help_say_what_a_gguf_file_does() -> None:
 def test_demo_help_names_its_directory() -> None:
     assert demo_dir.DEFAULT_DEMO_DIR in _help_of("demo", "--dir")
     assert "GGUF" in _help_of("demo", "--print-path")
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def test_a_foreign_reason_is_one_line_that_keeps_its_end() -> None:
+    from toptpu.errors import one_line_reason
+
+    reason = ValueError("Class validation error for validator 'validate_layer_type':\n"
+                        "    ValueError: `num_hidden_layers` (2) must be equal to the number "
+                        "of `layer_types` (1000000)")
+    assert one_line_reason(reason) == (
+        "Class validation error for validator 'validate_layer_type': ValueError: "
+        "`num_hidden_layers` (2) must be equal to the number of `layer_types` (1000000)")
+    long = one_line_reason("x" * 5000 + " the reason", limit=100)
+    assert len(long) == 100 and long.endswith("the reason") and " … " in long
+
+
+def test_a_config_with_a_million_layer_types_is_one_line_with_its_reason(
+        tmp_path_factory, tmp_path, capsys) -> None:
+    import json
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    shutil.copytree(tiny_dir(tmp_path_factory, "qwen2"), ck)
+    with open(os.path.join(ck, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["layer_types"] = ["full_attention"] * 10**6
+    with open(os.path.join(ck, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert main(["compile", ck, "-o", str(tmp_path / "m.toptpu")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("toptpu compile: error: "), err
+    assert "must be equal to the number of `layer_types` (1000000)" in err, err
+
+
+def test_a_full_disk_under_cache_names_the_weight_cache_file(model_file: str, tmp_path,
+                                                             monkeypatch, capsys) -> None:
+    import errno
+
+    from toptpu.dialects import output_file
+
+    def full(self: Any, b: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(output_file._Raw, "_write_raw", full)
+    out = str(tmp_path / "c.wcache")
+    assert main(["cache", model_file, "-o", out, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"toptpu cache: error: the weight cache file '{out}': no space "
+                          "left on the device"), err
+    assert os.listdir(tmp_path) == []

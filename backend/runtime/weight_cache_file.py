@@ -465,7 +465,8 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
         return StreamedSection(math.prod(form.shape) * 4, pieces)
 
     try:
-        write_model_file(path, encode(header), {f.section: section(f) for f in forms})
+        write_model_file(path, encode(header), {f.section: section(f) for f in forms},
+                         "the weight cache file")
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     return path
