@@ -900,11 +900,20 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
     @case("F10", "first hour", "progress on a long `compile`, `cache`, `eval`, `compare`, "
           "`sweep`, `profile`", "none (13 min of `compare --compare-all` without a word)")
     def _(w: Work, d: str) -> Run:
-        m = w.model_copy(d)
-        # `script` gives the command a terminal: the progress line is drawn there only
+        m = os.path.join(d, "m.toptpu")
+        shutil.copyfile(w.model_w4, m)  # w4bf16: weights to convert
+        typescript = os.path.join(d, "typescript")
+
+        def drawn() -> str:
+            text = open(typescript, errors="replace").read() if os.path.exists(
+                typescript) else ""
+            ok = "toptpu cache:" in text and "weight/s" in text and "\r" in text
+            return "" if ok else "no progress line on the terminal"
+        # `script` gives the command a terminal (its output in `typescript`): the progress
+        # line is drawn there only
         return Run(["script", "-qfec", shlex.join(toptpu("cache", m, "-o",
                                                          os.path.join(d, "c.wcache"))),
-                    "/dev/null"], rc=(0,), ok_run=True, out_fragment="toptpu cache",
+                    typescript], rc=(0,), ok_run=True, files=drawn,
                    note="`toptpu cache` on a terminal (script): the tqdm line; compile, eval, "
                    "compare, profile and sweep draw theirs the same way (tests/"
                    "test_first_hour.py)")

@@ -415,3 +415,20 @@ def test_a_full_disk_under_cache_names_the_weight_cache_file(model_file: str, tm
     assert err.startswith(f"toptpu cache: error: the weight cache file '{out}': no space "
                           "left on the device"), err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_terminal_of_no_size_still_gets_a_line(monkeypatch) -> None:
+    """A pty nobody sized (`script`, some CI) says 0 columns and rows; tqdm would draw
+    nothing there (it hides a bar below the last of -1 rows): 100 x 24 instead."""
+    from toptpu.progress import _terminal_size
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert _terminal_size(Terminal()) == (100, 24)  # no file descriptor: no size
+    monkeypatch.setenv("COLUMNS", "132")
+    assert _terminal_size(Terminal()) == (132, 24)
+    monkeypatch.setattr("os.get_terminal_size", lambda fd: os.terminal_size((0, 0)))
+    monkeypatch.setattr(Terminal, "fileno", lambda self: 2, raising=False)
+    assert _terminal_size(Terminal()) == (132, 24)
+    bar = progress_bar(3, "toptpu x", stream=Terminal())
+    assert bar.ncols == 132 and bar.nrows == 24
+    bar.close()

@@ -9,6 +9,8 @@ tokens scored, stages run, nets profiled) and tqdm adds the elapsed and remainin
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -38,8 +40,25 @@ def progress_bar(total: int | None, desc: str, *, quiet: bool = False, unit: str
     what the command prints afterwards stands alone."""
     stream = sys.stderr if stream is None else stream
     draw = progress_shown(quiet, stream) if shown is None else shown
+    # the terminal's size when it has one; a terminal that says 0 columns or rows (a pty
+    # nobody sized: `script`, some CI) gets 100 x 24, where tqdm would draw nothing
+    columns, rows = _terminal_size(stream)
     return tqdm(total=total, desc=desc, unit=unit, file=stream, disable=not draw,
-                leave=False, dynamic_ncols=True, mininterval=0.2, bar_format=bar_format)
+                leave=False, ncols=columns, nrows=rows, dynamic_ncols=False,
+                mininterval=0.2, bar_format=bar_format)
+
+
+def _terminal_size(stream: IO[str]) -> tuple[int, int]:
+    """(columns, rows) of the terminal `stream` writes to: its own size, else $COLUMNS,
+    else 100 columns; 24 rows unless it says more."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+        columns, rows = size.columns, size.lines
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        columns, rows = 0, 0
+    if columns <= 0 and os.environ.get("COLUMNS", "").isdigit():
+        columns = int(os.environ["COLUMNS"])
+    return (columns if columns > 0 else 100), (rows if rows > 0 else 24)
 
 
 @contextmanager
