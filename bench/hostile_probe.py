@@ -905,7 +905,7 @@ def cases() -> list[Case]:  # noqa: C901 - one entry per finding
         typescript = os.path.join(d, "typescript")
 
         def drawn() -> str:
-            text = open(typescript, errors="replace").read() if os.path.exists(
+            text = open(typescript, errors="replace", newline="").read() if os.path.exists(
                 typescript) else ""
             ok = "toptpu cache:" in text and "weight/s" in text and "\r" in text
             return "" if ok else "no progress line on the terminal"
