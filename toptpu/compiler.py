@@ -209,13 +209,13 @@ class PackedWeights:
     derive_shared: Callable[[list[WeightRecipe]], dict[str, np.ndarray]] | None = None
     #: called once a layer's tensors are written (a stream drops the pages it read)
     release: Callable[[], None] = lambda: None
-    #: called once a layer's tensors are written, after `release` (the progress line)
-    layer_written: Callable[[], None] = lambda: None
 
     #: the model's layers this blob holds (its chunk i is layer layers.start + i)
     layers: range | None = None
     #: the recipes of the per-layer tensors, by the layer variant's representative
     variant_recipes: dict[int, dict[str, WeightRecipe]] = field(default_factory=dict)
+    #: called once a layer's tensors are written, after `release` (the progress line)
+    layer_written: Callable[[], None] = lambda: None
 
     def pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of every stored tensor in blob order (the bytes between them are
