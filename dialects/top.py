@@ -29,6 +29,7 @@ from xdsl.dialects.builtin import (
     IndexType,
     IntegerAttr,
     IntegerType,
+    Signedness,
     StringAttr,
     TensorType,
     f32,
@@ -435,6 +436,85 @@ class PowBase(UnaryOp):
 @irdl_op_definition
 class PowOp(PowBase, TopOp):
     name = "top.pow"
+
+
+class ClampBase(UnaryOp):
+    """torch.clamp: max(x, min), then min(that, max), each bound optional (at least one
+    given, neither NaN). A NaN element stays NaN; with min > max every element is max.
+    Floats and signed integers (whose bounds are integers); the result is an element of x
+    or a bound, so nothing is computed but the rounding of a bound to the element type."""
+
+    min_value = opt_attr_def(FloatAttr, attr_name="min")
+    max_value = opt_attr_def(FloatAttr, attr_name="max")
+
+    def __init__(self, input: SSAValue, min: float | None = None, max: float | None = None,
+                 *, result_type: TensorType | None = None) -> None:
+        self.construct([input], {
+            "min": None if min is None else float_value_attr(f"{self.name} min", min),
+            "max": None if max is None else float_value_attr(f"{self.name} max", max)},
+            None if result_type is None else [result_type])
+
+    @property
+    def bounds(self) -> tuple[float | None, float | None]:
+        """(min, max), None where the bound is not given."""
+        return (None if self.min_value is None else read_float(self.min_value),
+                None if self.max_value is None else read_float(self.max_value))
+
+    def kernel_params(self) -> dict[str, object]:
+        lower, upper = self.bounds
+        return {"min": lower, "max": upper, "out_dtype": self.result_dtype()}
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        elem = elem_of(x)
+        bounds = [a.value.data for k in ("min", "max")
+                  if isinstance(a := attrs.get(k), FloatAttr)]
+        if not bounds:
+            raise VerifyException(f"{cls.name} has neither a min nor a max")
+        if any(math.isnan(v) for v in bounds):
+            raise VerifyException(f"{cls.name} bound is NaN; give a number")
+        if isinstance(elem, IntegerType):
+            if elem.width.data == 1 or elem.signedness.data == Signedness.UNSIGNED:
+                raise VerifyException(f"{cls.name} takes a float or signed integer tensor, "
+                                      f"not {elem}")
+            top_value = 2 ** (elem.width.data - 1)
+            if not all(float(v).is_integer() and -top_value <= v < top_value for v in bounds):
+                raise VerifyException(f"{cls.name} of an {elem} tensor has {elem} bounds, "
+                                      f"not {bounds}")
+        return [tensor(shape_of(x), elem)]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.output)) * sum(v is not None for v in self.bounds)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A clamp of a clamp is one clamp."""
+        return (ComposeClamps(),)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """One elementwise generic; f16/bf16 clamp in f32, other types in their own (an
+        integer exactly, as its kernel)."""
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        return e.elementwise([self.input], shape_of(self.output), out, lambda b: b.convert(
+            self.linalg_scalar(b, b.convert(b.args[0], ct)), out))
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        lower, upper = self.bounds
+        if lower is not None:
+            x = b.binary("max", x, b.const(lower, x.type))  # NaN-propagating, as torch
+        if upper is not None:
+            x = b.binary("min", x, b.const(upper, x.type))
+        return x
+
+
+@irdl_op_definition
+class ClampOp(ClampBase, TopOp):
+    name = "top.clamp"
 
 
 class ConstBinaryOp(UnaryOp):
@@ -2531,6 +2611,7 @@ Top = Dialect(
         *UNARY_ELEMENTWISE,
         GeluOp,
         PowOp,
+        ClampOp,
         AddConstOp,
         SubConstOp,
         MulConstOp,
@@ -2657,6 +2738,37 @@ class FoldIdentityScalarOp(RewritePattern):
         )
         if is_identity:
             rewriter.replace(op, [], [op.input])
+
+
+class ComposeClamps(RewritePattern):
+    """clamp(clamp(x, a, b), c, d) -> clamp(x, clamp(a, c, d), clamp(b, c, d)), a missing
+    bound infinite (and dropped again where the new one is): clamps are monotone, so the
+    outer clamp of the inner's bounds bounds the composition, for any a, b, c, d (min > max
+    included). Rounding a bound to the element type is monotone too, so the bits are the
+    two clamps' (tests/test_op_clamp.py checks every case against the kernel); a NaN stays
+    NaN in both."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ClampBase, rewriter: PatternRewriter) -> None:
+        inner = producer(op.input, type(op))
+        if inner is None or not inner.output.has_one_use():
+            return
+        (a, b), (c, d) = inner.bounds, op.bounds
+        lo, hi = -math.inf if c is None else c, math.inf if d is None else d
+
+        def outer(v: float) -> float:
+            return min(max(v, lo), hi)
+
+        lower, upper = outer(-math.inf if a is None else a), outer(math.inf if b is None else b)
+        if lower == -math.inf and upper == math.inf:  # neither clamp bounds anything
+            rewriter.replace(op, [], [inner.input])
+            return
+        attrs = {**attributes_of(op), "min": f64_attr(lower), "max": f64_attr(upper)}
+        if lower == -math.inf:
+            del attrs["min"]
+        if upper == math.inf:
+            del attrs["max"]
+        rewriter.replace(op, named_like(type(op).build([inner.input], attrs), op))
 
 
 class ComposeScalarMuls(RewritePattern):

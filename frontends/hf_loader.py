@@ -27,7 +27,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -140,11 +140,11 @@ _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 _TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
@@ -182,7 +182,8 @@ def check_config_values(raw: Any, where: str) -> None:
         raise ModelLoadError(
             f"{where}: hidden_size {raw['hidden_size']} is not a multiple of "
             f"num_attention_heads {heads} (and there is no head_dim); fix config.json")
-    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    rope_parameters = raw.get("rope_parameters")
+    rope = rope_parameters if isinstance(rope_parameters, dict) else {}
     for name in _POSITIVE_FLOATS:
         for key, v in ((name, raw.get(name)), (f"rope_parameters.{name}", rope.get(name))):
             if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
@@ -251,7 +252,7 @@ def check_config(config: Any, where: str = "the model", family: str | None = Non
             f"sequence length at run time; toptpu compiles static shapes and honours "
             f"{', '.join(STATIC_ROPE_TYPES)}")
     layer_types = getattr(config, "layer_types", None) or []
-    if (text_family(family) if family is not None else TEXT_MODEL_TYPES[mt]).hybrid:
+    if (text_family(family) if family is not None else TEXT_MODEL_TYPES[str(mt)]).hybrid:
         _check_hybrid(config, where)
     elif any(t != "full_attention" for t in layer_types) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",

@@ -31,11 +31,12 @@ made (`QuantizedCheckpoint.linear`, through `layer_weights.StreamedLayerWeights`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -134,7 +135,20 @@ def layer_tensor_name(layer: int, key: str) -> str:
     return f"model.layers.{layer}.{key}"
 
 
-def _f32(reader: CheckpointReader, name: str) -> np.ndarray:
+class TensorReader(Protocol):
+    """What the streamed weights read tensors from: a `CheckpointReader`, or a GGUF file's
+    `GGUFTensors`."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _f32(reader: TensorReader, name: str) -> np.ndarray:
     """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once,
     and its pages are dropped from the resident set right after)."""
     try:
@@ -212,7 +226,7 @@ class StreamedWeights:
     """The tensors of a checkpoint as the compiler asks for them: a layer's by the Top
     names of the per-layer nets, the shared ones of placeholders by recipe."""
 
-    reader: CheckpointReader
+    reader: TensorReader
     #: id(skeleton parameter) -> checkpoint tensor name, for the placeholders
     placeholders: dict[int, str]
     #: Top weight name of a shared net -> checkpoint tensor name (`bind_shared`)
@@ -348,7 +362,8 @@ class StreamedWeights:
             block = to_f32(stored[rows])
             self.reader.release()
             n = block.shape[0]
-            parts = derive_weights([_block_recipe(r, n) for r in recipes], lambda _, b=block: b)
+            parts = derive_weights([_block_recipe(r, n) for r in recipes],
+                                   functools.partial(_the_block, block))
             for r in recipes:
                 target = out[r.name]
                 if r.part.transposed:
@@ -364,6 +379,11 @@ def _row_blocks(shape: tuple[int, ...]) -> Iterator[slice]:
     step = max(1, BLOCK_ELEMENTS // max(row, 1))
     for start in range(0, shape[0], step):
         yield slice(start, min(start + step, shape[0]))
+
+
+def _the_block(block: np.ndarray, _source: str) -> np.ndarray:
+    """`derive_weights`' float tensor of every source: the rows block being derived."""
+    return block
 
 
 def _block_recipe(r: WeightRecipe, rows: int) -> WeightRecipe:

@@ -78,6 +78,7 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=0,
     )
+    cfg: tf.PretrainedConfig
     if family == "qwen2":
         cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
     elif family == "qwen3":

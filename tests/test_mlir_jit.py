@@ -104,6 +104,8 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     out["gelu_tanh"] = f.op(top.GeluOp, [x], {"approximate": str_attr("tanh")})
     out["pow2"] = f.op(top.PowOp, [x], {"exponent": f64_attr(2.0)})
     out["pow3"] = f.op(top.PowOp, [pos], {"exponent": f64_attr(1.5)})
+    out["clamp"] = f.op(top.ClampOp, [x], {"min": f64_attr(-0.5), "max": f64_attr(0.75)})
+    out["int_clamp"] = f.op(top.ClampOp, [ids], {"max": f64_attr(4.0)})
     for cls in (top.AddConstOp, top.SubConstOp, top.MulConstOp, top.DivConstOp):
         out[cls.name] = f.op(cls, [x], {"value": f64_attr(0.75), "reverse": bool_attr(True)})
         out[cls.name + "_fwd"] = f.op(cls, [x], {"value": f64_attr(-1.5)})

@@ -48,7 +48,7 @@ def test_every_op_answers_the_slicing_interface() -> None:
     unary = {"top." + c.op_kind() for c in top.UNARY_ELEMENTWISE}
     assert set(_own("row_rule", TOP_OPS)) == unary | {
         "top.add", "top.sub", "top.mul", "top.div", "top.max", "top.min", "top.add_const",
-        "top.sub_const", "top.mul_const", "top.div_const", "top.gelu", "top.pow",
+        "top.sub_const", "top.mul_const", "top.div_const", "top.gelu", "top.pow", "top.clamp",
         "top.compare", "top.where", "top.cast", "top.softmax", "top.reduce", "top.rms_norm",
         "top.layer_norm", "top.rope", "top.attention", "top.matmul", "top.gather",
         "top.topk", "top.reshape", "top.permute", "top.expand", "top.concat", "top.slice"}
@@ -208,6 +208,7 @@ def test_canonicalize_is_xdsls_and_runs_the_ops_patterns() -> None:
            for k in ("add", "sub", "mul", "div")},
         "top.cast": ["FoldNoOpShapeOp"], "top.expand": ["FoldNoOpShapeOp"],
         "top.slice": ["FoldNoOpShapeOp"], "top.concat": ["FoldSingleConcat"],
+        "top.clamp": ["ComposeClamps"],
         "top.reshape": ["FoldNoOpReshape", "ComposeReshapes"],
         "top.permute": ["FoldNoOpPermute", "ComposePermutes", "PermuteOfUnitAxesIsReshape"]}
     for name, pats in declared.items():

@@ -14,7 +14,10 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
-from toptpu import llm_cli
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.passes import ModulePass
+
+from toptpu import llm_cli, serve_cli
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.cli_args import (
     ArgumentParser,
@@ -39,6 +42,7 @@ from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import AbortError, ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.eval_cli import add_eval_parser
+from toptpu.info_cli import add_info_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
@@ -57,7 +61,7 @@ COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
 TINY_PROMPT = "Hello world! The tensor processor runs the model."
 
 
-def _op_histogram(module) -> str:  # noqa: ANN001
+def _op_histogram(module: ModuleOp) -> str:
     counts = Counter(op.name for op in module.walk() if op.name.startswith(("top.", "tpu.")))
     return ", ".join(f"{n.split('.', 1)[1]}×{c}" for n, c in sorted(counts.items()))
 
@@ -111,7 +115,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
              "attention_mask": mask.numpy()}
     before = Interpreter(module, store).run(feeds).outputs["logits"]
 
-    def progress(p, m) -> None:  # noqa: ANN001
+    def progress(p: ModulePass, m: ModuleOp) -> None:
         print(f"  pass {p.name:<13} -> {sum(1 for _ in m.walk())} ops")
 
     t = time.perf_counter()
@@ -160,7 +164,7 @@ def tiny_demo_next(directory: str) -> str:
             ]))
 
 
-def _load_causal_lm(path: str | None, layers: range | None = None):  # noqa: ANN202
+def _load_causal_lm(path: str | None, layers: range | None = None) -> Any:
     """The built-in tiny Qwen2, a model directory's float model (local files only;
     supported model types only; no tokenizer needed), or a GGUF file's, every quantized
     tensor dequantized as gguf does (checked as `compile` checks it; only the decoder
@@ -231,6 +235,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     check_seq_length(config, where, args.seq, request.mode, "--seq", kv_cache=False)
     if "tpu" in order:
         check_group_size(config, where, request.mode, request.group_size)
+    net: torch.nn.Module
     if args.what == "layer":
         net = decoder_layer(model, args.layer)
         hidden, pos, mask = layer_inputs(cfg.hidden_size, args.seq)
@@ -333,10 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_chat_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
 
+    s = sub.add_parser("serve", help=serve_cli.cmd_serve.__doc__)
+    serve_cli.add_serve_args(s)
+    s.set_defaults(fn=serve_cli.cmd_serve)
+
     w = sub.add_parser("cache", help=llm_cli.cmd_cache.__doc__)
     llm_cli.add_cache_args(w)
     w.set_defaults(fn=llm_cli.cmd_cache)
 
+    add_info_parser(sub)
     add_profile_parser(sub)
     add_run_ir_parser(sub)
     add_estimate_parser(sub)

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -208,6 +208,13 @@ def _row(name: str, x: np.ndarray, ref: np.ndarray, threshold: float) -> TensorR
                         s.cosine >= threshold or s.exact)
 
 
+def _save_npz(f: IO[bytes], arrays: Mapping[str, np.ndarray]) -> None:
+    """`arrays` as an .npz file by name (np.savez's keywords, none of them its options)."""
+    # Any: numpy's stub would take an array keyword for its allow_pickle option
+    named: dict[str, Any] = dict(arrays)
+    np.savez(f, **named)
+
+
 def compare_stages(a: Stage, b: Stage, inputs: Mapping[str, np.ndarray], threshold: float,
                    compare_all: bool = False, dump_dir: str | None = None) -> CompareReport:
     """Run `a` (the reference) and `b` on `inputs` and compare them tensor by tensor."""
@@ -220,21 +227,21 @@ def compare_stages(a: Stage, b: Stage, inputs: Mapping[str, np.ndarray], thresho
     tensors = []
     if compare_all:
         for name, x in rb.values.items():
-            ref = ra.values.get(name)
-            if ref is None or np.shape(ref) != np.shape(x) or name in inputs:
+            expected = ra.values.get(name)
+            if expected is None or np.shape(expected) != np.shape(x) or name in inputs:
                 continue
             tensors.append(_row(name, np.asarray(x, dtype=np.float32),
-                                np.asarray(ref, dtype=np.float32), threshold))
+                                np.asarray(expected, dtype=np.float32), threshold))
     report = CompareReport(a.name, b.name, threshold, outputs, tensors)
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
         with open_output(os.path.join(dump_dir, "inputs.npz"), "--dump") as f:
-            np.savez(f, **{k: np.asarray(v) for k, v in inputs.items()})
+            _save_npz(f, {k: np.asarray(v) for k, v in inputs.items()})
         for stage, res in ((a.name, ra), (b.name, rb)):
             arrays = {**{f"output:{k}": v for k, v in res.outputs.items()}, **res.values}
             with open_output(os.path.join(dump_dir, f"{stage}.npz"), "--dump") as f:
-                np.savez(f, **{k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
-                               for k, v in arrays.items()})
+                _save_npz(f, {k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
+                              for k, v in arrays.items()})
         write_output(os.path.join(dump_dir, "report.json"),
                      json.dumps(report.to_json(), indent=1), "--dump")
     return report

@@ -220,7 +220,7 @@ class ModelFileScorer:
     def __init__(self, path: str, executor: str) -> None:
         self.name = path
         self.rt = Runtime.open(path, executor)
-        self.seq = self.rt.seq
+        self.seq: int | None = self.rt.seq
         self.vocab_size = self.rt.meta.model.vocab_size
         self.mode = str(self.rt.header.get("mode"))
 
@@ -239,7 +239,7 @@ class HFScorer:
     """The float model of a Hugging Face directory in transformers (f32, local files)."""
 
     kind = "hf"
-    seq = None
+    seq: int | None = None
 
     def __init__(self, path: str) -> None:
         import torch

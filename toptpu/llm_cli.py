@@ -23,6 +23,7 @@ from toptpu.backend.runtime.run_trace import write_run_trace
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
     GenerationError,
+    GenerationResult,
     PromptTooLongError,
     Runtime,
     SamplingConfig,
@@ -57,11 +58,21 @@ RUN_JSON_SCHEMA = 2  # 2: `text` leaves special tokens out unless --special-toke
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory (config.json, *.safetensors, "
-                   "tokenizer.json), or a GGUF file (or a directory holding one)")
+    p.add_argument("model", nargs="?",
+                   help="Hugging Face model directory (config.json, *.safetensors, "
+                   "tokenizer.json), or a GGUF file (or a directory holding one); with "
+                   "--from-ir: the model the dump was made from, when it has moved")
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
     add_request_args(p)  # every option of the compile request (`toptpu.request`)
+    ir = p.add_argument_group("from IR (docs/usage.md: compile from a dump)")
+    ir.add_argument("--from-ir", metavar="DIR",
+                    help="compile from a --dump-ir directory whose IR may be edited at any "
+                    "stage: each net from its edited file (or its last Tpu stage) through "
+                    "the passes after it, with the dump's request and weight store")
+    ir.add_argument("--ir-stage", action="append", metavar="NET=STAGE",
+                    help="with --from-ir: pick NET up at STAGE (a file of DIR/NET, e.g. "
+                    "block=08-cse.mlir, or its number, block=08); repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -150,7 +161,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "its heads can: greedy, or top-k between 1 and the head's K; else host)")
 
 
-def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
+def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]
+                       ) -> SamplingConfig:
     """The sampling settings: the arguments given, else the model file's generation config
     (greedy unless it samples)."""
     def stored(key: str, kind: type, default: float) -> Any:
@@ -185,7 +197,7 @@ def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def stats_line(res: Any) -> str:
+def stats_line(res: GenerationResult) -> str:
     vision = (f"vision {res.image_tokens} image tokens in {_fmt(res.vision_s, 's')} host, "
               f"{_fmt(res.vision_modelled_s, 's', 6)} modelled; " if res.image_tokens else "")
     return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; "
@@ -199,16 +211,41 @@ def stats_line(res: Any) -> str:
 # --------------------------------------------------------------------------- commands
 
 
+def _from_ir(args: argparse.Namespace) -> int:
+    """`toptpu compile --from-ir DIR`: the request is the dump's; a request option given
+    too is refused."""
+    from toptpu.from_ir import compile_from_ir
+
+    given = [o.flags[-1] for o in CompileRequest.options()
+             if getattr(args, o.keyword, o.default) != o.default]
+    if given:
+        raise UsageError(f"--from-ir compiles with the request of the dump (its "
+                         f"compile.json); drop {', '.join(given)}")
+    compile_from_ir(args.from_ir, args.output, model=args.model, ir_stages=args.ir_stage,
+                    progress=None if args.quiet else sys.stderr)
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
-    """Compile a Hugging Face model directory to a model file."""
+    """Compile a Hugging Face model directory (or a --dump-ir directory, edited) to a model
+    file."""
     from toptpu.compiler import compile as compile_model
+
+    if args.from_ir is not None:
+        return _from_ir(args)
+    if args.ir_stage:
+        raise UsageError("--ir-stage picks a net's stage of a --from-ir directory; give "
+                         "--from-ir DIR")
+    if args.model is None:
+        raise UsageError("give the model to compile (a Hugging Face directory or a GGUF "
+                         "file), or --from-ir DIR")
 
     compile_model(args.model, args.output, CompileRequest.from_args(args),
                   progress=None if args.quiet else sys.stderr)
     return 0
 
 
-def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
+def _prompt_ids(rt: Runtime, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
     """The prompt's token ids (and encoded images) as the arguments give them."""
     if args.ids is not None:
         if args.chat_template or args.image or args.video:
@@ -225,7 +262,7 @@ def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]
     return rt.encode(args.prompt), []
 
 
-def run_json(res: Any, executor: str, weight_cache_file: str | None = None
+def run_json(res: GenerationResult, executor: str, weight_cache_file: str | None = None
              ) -> dict[str, Any]:
     """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in docs/usage.md)."""
     return {
@@ -271,7 +308,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_notes(rt: Any) -> None:
+def _print_notes(rt: Runtime) -> None:
     """What the runtime noted (a weight cache file left unused), once each, on stderr."""
     for note in rt.notes:
         print(f"toptpu: note: {note}", file=sys.stderr)
@@ -390,7 +427,7 @@ def _read_message(limit: int = 1 << 20) -> str | None:
             return line.strip()
 
 
-def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
+def _chat_loop(rt: Runtime, args: argparse.Namespace, sampling: SamplingConfig) -> int:
     images: list[Any] = []
     limit = message_limit(rt.tokenizer.backend.get_vocab(), rt.seq)
     while True:
@@ -429,7 +466,7 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
                 continue
             images.append(enc)
             print(f"[video {len(frames)} frames at {args.fps:g} fps: {enc.size[0]}x"
-                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw))}, "
+                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw or ()))}, "
                   f"{enc.image_tokens} video tokens]", file=sys.stderr)
             if not msg:
                 continue

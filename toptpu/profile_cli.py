@@ -109,7 +109,7 @@ def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
     """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
     own layers' weights, whose chunk may be laid out for another layer kind; `block:16@3`
     the layers of `block@3`)."""
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == full),
                default=0)
 
@@ -183,6 +183,15 @@ def step_summary(steps: StepModel, prompt_tokens: int, sampler: str) -> str:
         f"{_figure(chip, 'host_gbps', f'{chip.host_gbps:g} GB/s')} on {chip.name} "
         "(docs/estimates.md)",
     ]
+    if steps.batch > 1:  # the batch nets: a decode step of B conversations
+        b = steps.batch
+        charges = steps.batch_step_charges(sampler)
+        step = total(charges).total_s
+        lines += [bill_table(charges, f"one decode step of {b} conversations on the batch "
+                                      "nets (`toptpu serve`):"),
+                  f"decode at batch {b}: {step * 1e3:.4f} ms per step = {1 / step:.1f} "
+                  f"tokens/s per user, {b / step:.1f} tokens/s in total "
+                  f"({b / step * t_per.total_s:.2f}x batch 1)"]
     return "\n".join(lines)
 
 
@@ -193,10 +202,16 @@ def steps_json(steps: StepModel, prompt_tokens: int, sampler: str) -> dict[str, 
                              "seconds": c.costs.total_s} for c in charges]}
 
     per = steps.per_token(sampler)
+    batch = None
+    if steps.batch > 1:
+        step = steps.batch_step(sampler).total_s
+        batch = {"batch": steps.batch, "step": bill(steps.batch_step_charges(sampler)),
+                 "tokens_per_s_per_user": 1 / step, "tokens_per_s_total": steps.batch / step}
     return {"sampler": sampler, "prompt_tokens": prompt_tokens,
             "first_token": bill(steps.first_token_charges(prompt_tokens, sampler)),
             "per_decoded_token": bill(steps.per_token_charges(sampler)),
-            "tokens_per_s": 1 / per.total_s if per.total_s else None}
+            "tokens_per_s": 1 / per.total_s if per.total_s else None,
+            "batch": batch}
 
 
 class ProfileIRError(ToptpuError):
@@ -328,9 +343,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"chip": ex.chip.name, "layers": layers,
                           "nets": profiles_json(profiles),
-                          "steps": steps_json(steps, prompt, args.sampler) if steps else None},
+                          "steps": steps_json(steps, prompt, args.sampler) if steps else None,
+                          "pipeline": pipeline_json(ex.header)},
                          indent=1))
     else:
+        print(pipeline_line(ex.header))
         print(summary_table(profiles, ex.chip))
         if steps is not None:
             print(step_summary(steps, prompt, args.sampler))
@@ -350,6 +367,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _write_pictures(args, profiles, timelines, ex.chip,
                     [ex.program(p.net).commands for p in profiles])
     return 0
+
+
+def pipeline_json(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The passes that made the file's nets (`NetEntry.pipeline`) and the compile's
+    pipeline options, for `--json`."""
+    return {"options": header["compile"].get("pipeline"),
+            "from_ir": header["compile"].get("from_ir"),
+            "nets": {name: net.get("pipeline") for name, net in header["nets"].items()}}
+
+
+def pipeline_line(header: Mapping[str, Any]) -> str:
+    """One line: the pipeline options the file was compiled with (and the edited dump
+    files it was compiled from); `toptpu info` lists each net's passes."""
+    info = header["compile"]
+    line = f"compiled with pipeline options: {info.get('pipeline') or 'not recorded'}"
+    from_ir = info.get("from_ir")
+    if from_ir:
+        edited = [st["file"] for st in from_ir["nets"].values() if st["edited"]]
+        line += (f"; from the dump {from_ir['directory']}"
+                 + (f" (edited {', '.join(edited)})" if edited else ""))
+    return line + " (toptpu info FILE: each net's passes)"
 
 
 def _prompt_tokens(args: argparse.Namespace, ex: MachineExecutor) -> int:

@@ -43,7 +43,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 from toptpu.backend.contract import parse_strict_json
 from toptpu.backend.formats.file_lease import hold_read_lease, release_read_lease
@@ -211,7 +211,7 @@ def _header_and_offsets(header: Mapping[str, Any], names: list[str], sizes: list
         hbytes = new
 
 
-def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
+def _write_streamed(f: IO[bytes], name: str, section: StreamedSection) -> str:
     """Write a streamed section at the file's position; its sha256."""
     h = hashlib.sha256()
     at = 0
@@ -238,7 +238,7 @@ def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
     return h.hexdigest()
 
 
-def _write_group(f: BinaryIO, group: StreamedGroup, offsets: Mapping[str, int]
+def _write_group(f: IO[bytes], group: StreamedGroup, offsets: Mapping[str, int]
                  ) -> dict[str, str]:
     """Write every section of a streamed group at its offset in the file; their sha256s."""
     hashes = {name: hashlib.sha256() for name in group.sizes}

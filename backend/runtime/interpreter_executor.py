@@ -32,6 +32,7 @@ There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -245,10 +246,12 @@ class InterpreterExecutor(Executor):
                 vals[step.results[0]] = self._a16_matmul(step, args, layer)
                 continue
             if step.float_weight is not None:
+                weight = args[1]
+                assert weight is not None  # the matmul's weight operand
                 stored = None if self.stored is None else self.stored.upcast(
                     self._offset(layer, step.float_weight))
                 args[1] = stored if stored is not None else self.cache.get(
-                    (layer, step.float_weight), lambda w=args[1]: K.f32(w))
+                    (layer, step.float_weight), functools.partial(K.f32, weight))
             try:
                 res = step.fn(step.op, args, ctx)
             except IndexError as e:  # a gather's index past its table (kernels.gather)

@@ -49,7 +49,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import numpy as np
 
@@ -83,9 +83,9 @@ from toptpu.errors import ToptpuError
 
 #: the weight cache file of MODEL_FILE is MODEL_FILE + SUFFIX
 SUFFIX = ".wcache"
-KIND = "toptpu-weight-cache"
+KIND: Final = "toptpu-weight-cache"
 #: 2: forms of reduction parts (`FormEntry.part`)
-CACHE_FORMAT = 2
+CACHE_FORMAT: Final = 2
 #: how many rows of each form are converted again and compared on its first use
 SAMPLED_ROWS = 8
 #: most header bytes read to see what an existing file at the output path is
@@ -237,7 +237,7 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
     shared = {n: e.offset for n, e in layout.shared.items()}
     if not meta.nets[net].per_layer:
         return [shared]
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     layers = [i for names in meta.layer_nets.values() for i, name in enumerate(names)
               if name == full]
     return [{**shared, **{n: layout.layer_start(i) + e.offset
@@ -246,7 +246,7 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
 
 
 def _parts(model: LlmFile, net: str, uses: list[_Use]
-           ) -> list[tuple[_Use, tuple[int, int, int, int]]]:
+           ) -> list[tuple[_Use, tuple[int, ...]]]:
     """The reduction parts net `net`'s layer groups read of the weights it converts (a
     matmul's K split: each part's weights a window of the whole form, its columns): each
     use with its part of the form (rows start, rows, columns start, columns), as the
@@ -254,7 +254,7 @@ def _parts(model: LlmFile, net: str, uses: list[_Use]
     by_name = {u.source: u for u in uses}
     prog = Program.from_json(model.file.view(model.meta.nets[net].streams))
     writer: dict[int, Load] = {}  # local buffer -> the load that last wrote it
-    found: dict[tuple, tuple[_Use, tuple[int, int, int, int]]] = {}
+    found: dict[tuple, tuple[_Use, tuple[int, ...]]] = {}
     for c in prog.commands:
         if isinstance(c, Load):
             writer[c.local.buf] = c
@@ -460,7 +460,7 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
             arr = np.ascontiguousarray(convert(form, blob, entries), np.float32)
             if progress is not None:
                 progress(f"{form.section}: {form.form} {list(form.shape)}")
-            yield 0, memoryview(arr.reshape(-1).view(np.uint8))
+            yield 0, arr.reshape(-1).view(np.uint8).data
 
         return StreamedSection(math.prod(form.shape) * 4, pieces)
 

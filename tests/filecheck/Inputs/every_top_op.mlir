@@ -32,6 +32,7 @@ builtin.module {
     %sp = top.softplus %x : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %ge = top.gelu %x {approximate = "tanh"} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %pw = top.pow %x {exponent = 2.000000e+00 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %cl = top.clamp %x {min = -5.000000e-01 : f64, max = 7.500000e-01 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %sc = top.sub_const %x {value = 1.500000e+00 : f64, reverse = true} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %mc = top.mul_const %x {value = 2.000000e+00 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %dc = top.div_const %x {value = 4.000000e+00 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
@@ -45,7 +46,8 @@ builtin.module {
     %u0 = top.add %si, %re : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u1 = top.add %u0, %sp : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u2 = top.add %u1, %ge : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
-    %u3 = top.add %u2, %pw : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %pc = top.add %pw, %cl : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %u3 = top.add %u2, %pc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u4 = top.add %u3, %sc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u5 = top.add %u4, %mc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u6 = top.add %u5, %dc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
