@@ -45,7 +45,7 @@ from toptpu.errors import ToptpuError
 ENTRY_POINT_GROUP = "toptpu.plugins"
 
 
-class OpDeclarationError(ValueError):
+class OpDeclarationError(ToptpuError, ValueError):
     """A plugin's op class toptpu cannot take (the message says why, in one line)."""
 
 

@@ -75,6 +75,7 @@ import numpy as np
 
 from toptpu.backend.contract import ModelDirFileError, model_file_path
 from toptpu.dialects.output_file import note_input
+from toptpu.errors import one_line_reason
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -937,7 +938,7 @@ def _config(header: GGUFHeader) -> tuple[Any, str]:
             config = AutoConfig.from_pretrained(d, gguf_file=name, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise GGUFError(f"transformers cannot read the config of {path}: "
-                        f"{str(e)[:200]}") from None
+                        f"{one_line_reason(e)}") from None
     raw = config.to_dict()
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise GGUFError(f"{path}: model_type {raw.get('model_type')!r} is not supported")

@@ -42,7 +42,7 @@ from toptpu.backend.contract import (
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
-from toptpu.errors import ToptpuError
+from toptpu.errors import ToptpuError, one_line_reason
 from toptpu.families import TEXT_FAMILIES, TEXT_MODEL_TYPES, text_family, text_family_of
 from toptpu.frontends.moe import stacked_name, stacked_shapes
 from toptpu.frontends.quant import (
@@ -570,7 +570,8 @@ def read_config(path: str) -> tuple[Any, dict[str, Any]]:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+        raise ModelLoadError(f"transformers cannot read {cfg_path}: "
+                             f"{one_line_reason(e)}") from e
     return config, raw
 
 

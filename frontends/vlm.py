@@ -105,6 +105,7 @@ from toptpu.backend.contract import (
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.errors import one_line_reason
 from toptpu.families import INTERNVL, MINICPMV, QWEN_VL, vlm_family_of
 from toptpu.families import VLM_MODEL_TYPES as FAMILY_OF_VLM
 from toptpu.families.base import VisionFamily
@@ -1043,7 +1044,8 @@ def _read_vlm_dir(path: str) -> VlmDir:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+        raise ModelLoadError(f"transformers cannot read {cfg_path}: "
+                             f"{one_line_reason(e)}") from e
     family = _check_text_config(config, cfg_path)
     files = _read_tokenizer_files(path, required=True, what=path)
     try:

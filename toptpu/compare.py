@@ -165,20 +165,31 @@ class CompareReport:
         return next((r for r in self.tensors if not r.ok), None)
 
     def table(self) -> str:
+        """The report as text: every tensor's whole name (the column as wide as the longest),
+        the intermediates' count below the threshold and the first of them, and the
+        verdict, which judges the outputs only (an intermediate informs: quantization moves
+        some far more than the outputs it feeds)."""
+        width = max([52, *(len(r.name) for r in (*self.outputs, *self.tensors))])
         lines = [f"{self.stage_b} vs {self.stage_a} (cosine threshold {self.threshold})",
-                 f"{'tensor':<52} {'shape':<18} {'cosine':>9} {'euclid':>9} {'sqnr dB':>8}"]
+                 f"{'tensor':<{width}} {'shape':<18} {'cosine':>9} {'euclid':>9} "
+                 f"{'sqnr dB':>8}"]
         for title, rows in (("outputs", self.outputs), ("intermediates", self.tensors)):
             if not rows:
                 continue
             lines.append(f"-- {title}")
             for r in rows:
                 mark = "" if r.ok else "   <-- below threshold"
-                lines.append(f"{r.name[-52:]:<52} {str(r.shape):<18} {r.cosine:9.6f} "
+                lines.append(f"{r.name:<{width}} {str(r.shape):<18} {r.cosine:9.6f} "
                              f"{r.euclidean:9.6f} {r.sqnr_db:8.1f}{mark}")
         drop = self.first_drop
         if self.tensors:
-            lines.append(f"first tensor below threshold: {drop.name if drop else 'none'}")
-        lines.append("PASS" if self.ok else "FAIL")
+            below = sum(not r.ok for r in self.tensors)
+            lines.append(f"first tensor below threshold: {drop.name if drop else 'none'} "
+                         f"({below} of {len(self.tensors)} intermediates below; they inform, "
+                         "only the outputs are judged)")
+        bad = [r.name for r in self.outputs if not r.ok]
+        lines.append(f"PASS: every output at or above {self.threshold}" if self.ok else
+                     f"FAIL: output {', '.join(bad)} below {self.threshold}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

@@ -145,6 +145,7 @@ from toptpu.prequantized import (
     layer_variants,
     resolve_mode,
 )
+from toptpu.progress import elapsed_line, progress_bar
 from toptpu.request import AskedMode, CompileRequest, activation_mode
 
 # ====================================================================== the steps' results
@@ -218,6 +219,8 @@ class PackedWeights:
     layers: range | None = None
     #: the recipes of the per-layer tensors, by the layer variant's representative
     variant_recipes: dict[int, dict[str, WeightRecipe]] = field(default_factory=dict)
+    #: called once a layer's tensors are written, after `release` (the progress line)
+    layer_written: Callable[[], None] = lambda: None
 
     def pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of every stored tensor in blob order (the bytes between them are
@@ -239,6 +242,7 @@ class PackedWeights:
             yield base + chunk[name].offset, _bytes(tensors[name])
         del tensors
         self.release()
+        self.layer_written()
 
     def shared_pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of the shared tensors, in blob order."""
@@ -364,7 +368,11 @@ def finish(the_plan: CompilePlan, compiled: CompiledNets, output: str, bar: Prog
     timings["weights"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    header = write(the_plan, compiled, packed, output, from_ir)
+    with progress_bar(the_plan.num_layers, "toptpu compile: writing weights", unit="layer",
+                      stream=bar.stream, shown=bar.tty) as layers_bar:
+        for p in [packed] if isinstance(packed, PackedWeights) else packed.devices:
+            p.layer_written = lambda: layers_bar.update(1)
+        header = write(the_plan, compiled, packed, output, from_ir)
     timings["write"] = time.perf_counter() - t
     total = time.perf_counter() - t0
     timings["total"] = total
@@ -389,10 +397,13 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     no IR is dumped (the dumps' weights would be the skeleton's placeholders): the nets come
     from a skeleton, every layer's tensors from the shards when its chunk is written."""
     t = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else _load(
-        model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
-        request.vision_mode, stream=stream and request.dump_ir is None,
-        dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
+    tty = progress is not None and Progress(0, progress).tty
+    with elapsed_line(f"toptpu compile: loading {model if isinstance(model, str) else 'the model'}",
+                      stream=progress, shown=tty):
+        loaded = model if isinstance(model, LoadedModel) else _load(
+            model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
+            request.vision_mode, stream=stream and request.dump_ir is None,
+            dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
@@ -852,6 +863,7 @@ class DeviceWeights:
                 del made
         last.clear()
         self.devices[0].release()
+        self.devices[0].layer_written()
 
 
 def pack_device_weights(plan: CompilePlan, compiled: CompiledNets, placement: Placement

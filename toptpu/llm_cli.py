@@ -45,8 +45,10 @@ from toptpu.cli_args import (
     utf8_text,
 )
 from toptpu.command_io import LineTooLong, message_limit, read_line
+from toptpu.demo_dir import replaced_model_dir
 from toptpu.errors import ToptpuError
 from toptpu.paths import check_output_file
+from toptpu.progress import progress_bar
 from toptpu.request import CompileRequest, add_request_args
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
@@ -126,6 +128,8 @@ def add_chat_args(h: argparse.ArgumentParser) -> None:
                    help="start over when a turn no longer fits the KV cache (default: say so)")
     h.add_argument("--fps", type=finite_float(0.0, lo_open=True), default=2.0,
                    help="frames per second of /video frames (default 2)")
+    h.add_argument("--special-tokens", action="store_true",
+                   help="print special tokens (the end-of-turn marker, ...) in the replies")
     add_sampling_args(h)
 
 
@@ -292,8 +296,15 @@ def cmd_cache(args: argparse.Namespace) -> int:
         stored.close()
         return 0
     t = time.perf_counter()
-    note = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
-    written = write_weight_cache(llm, path, note)
+    with progress_bar(None, "toptpu cache", quiet=args.quiet, unit="weight") as bar:
+        if bar.disable:  # no terminal: one line per converted weight, unless --quiet
+            note = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
+            written = write_weight_cache(llm, path, note)
+        else:
+            def planned(n: int) -> None:
+                bar.reset(total=n)
+
+            written = write_weight_cache(llm, path, lambda _: bar.update(1), planned=planned)
     print(f"wrote {written} ({os.path.getsize(written) / 1e6:.1f} MB) in "
           f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
     return 0
@@ -488,7 +499,8 @@ def _chat_loop(rt: Runtime, args: argparse.Namespace, sampling: SamplingConfig) 
 
         try:
             res = rt.chat(msg, args.max_new_tokens, sampling, on_text=stream,
-                          system=args.system, reset_if_full=args.reset_if_full, images=images)
+                          system=args.system, reset_if_full=args.reset_if_full, images=images,
+                          skip_special_tokens=not args.special_tokens)
         except PromptTooLongError as e:
             print(f"[{e}]", file=sys.stderr)
             images = []
@@ -516,10 +528,28 @@ def _image_command(line: str, command: str = "/image") -> tuple[str, str]:
     return path, msg.strip()
 
 
-def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
-    """The end-to-end part of `toptpu demo`: compile the built-in tiny Qwen2 to a temporary
-    model file (f32 and w4bf16), generate from it, and compare greedy tokens with
+#: the tiny demo's model directory and model files, inside the demo's directory
+TINY_DEMO_MODEL = "tiny-qwen2"
+TINY_DEMO_MODES = ("f32", "w4bf16")
+
+
+def tiny_demo_file(mode: str) -> str:
+    return f"{TINY_DEMO_MODEL}-{mode}.toptpu"
+
+
+def demo_generation(prompt: str, max_new_tokens: int = 32,
+                    directory: str | None = None) -> bool:
+    """The end-to-end part of `toptpu demo`: save the built-in tiny Qwen2 as a Hugging Face
+    directory and compile it to model files (f32 and w4bf16) in `directory` (a temporary
+    one when None, removed afterwards), generate from each, and compare greedy tokens with
     transformers `generate`."""
+    if directory is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _demo_generation(prompt, max_new_tokens, tmp)
+    return _demo_generation(prompt, max_new_tokens, directory)
+
+
+def _demo_generation(prompt: str, max_new_tokens: int, directory: str) -> bool:
     import torch
 
     from toptpu.compiler import compile as compile_model
@@ -527,11 +557,13 @@ def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
     from toptpu.frontends.tiny_models import save_tiny_model
 
     ok = True
-    with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
-        model_dir = save_tiny_model(f"{tmp}/model", "qwen2")
+    with quiet_transformers():
+        with replaced_model_dir(directory, TINY_DEMO_MODEL) as tmp:
+            save_tiny_model(tmp, "qwen2")
+        model_dir = os.path.join(directory, TINY_DEMO_MODEL)
         outs: dict[str, list[int]] = {}
-        for mode in ("f32", "w4bf16"):
-            path = f"{tmp}/tiny-qwen2-{mode}.toptpu"
+        for mode in TINY_DEMO_MODES:
+            path = os.path.join(directory, tiny_demo_file(mode))
             t = time.perf_counter()
             res_c = compile_model(model_dir, path, mode=mode, seq_length=128,
                                   max_input_length=32, progress=None)
@@ -539,7 +571,7 @@ def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
                   f"model file in {time.perf_counter() - t:.1f}s")
             rt = Runtime.open(path)
             ids = rt.encode(prompt)
-            res = rt.generate(ids, max_new_tokens)
+            res = rt.generate(ids, max_new_tokens, skip_special_tokens=True)
             outs[mode] = res.generated_ids
             print(f"  {mode} generated: {res.text!r}")
             print(f"  {stats_line(res)}")

@@ -287,13 +287,16 @@ class CompileRequest:
     mode: AskedMode = asked(Option(
         "mode", ("-q", "--quantize"), None,
         f"{' | '.join(QuantMode.names())} | auto (a pre-quantized checkpoint's bits and "
-        "dtype); default: auto for GPTQ/AWQ/AutoRound checkpoints, f32 otherwise"),
+        "dtype); default: auto for GPTQ/AWQ/AutoRound checkpoints and GGUF files with "
+        "quantized linears, f32 otherwise"),
         parse=_mode)
     #: a GGUF file's quantized tensors dequantized and compiled in this mode (the mode then)
     dequantize: QuantMode | None = asked(Option(
         "dequantize", ("--dequantize",), None,
-        "a GGUF file's quantized tensors (Q4_1, Q4_K, ...): dequantize them and compile in "
-        "MODE (e.g. f32); without it they are refused", metavar="MODE"),
+        "a GGUF file: dequantize every quantized tensor and compile in MODE (e.g. f32); "
+        "without it the exact types (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) are "
+        "compiled as they are and any other type (Q2_K, Q3_K, IQ*, ...) is refused",
+        metavar="MODE"),
         parse=_flag_mode("--dequantize"))
     chip: Chip = asked(Option(
         "chip", ("--chip",), DEFAULT_CHIP, f"target chip preset ({', '.join(chip_names())})"),

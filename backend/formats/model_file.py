@@ -152,12 +152,13 @@ _ZEROS = bytes(1 << 20)
 
 
 def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str, Section],
-                     replaces: tuple[str, ...] = ()) -> None:
+                     replaces: tuple[str, ...] = (), what: str = "the model file") -> None:
     """Write `header` (JSON-serializable, without a `sections` key) and named byte sections
     to `path` atomically (see the module doc for the layout). A `StreamedSection` is hashed
     as it is written: the header, whose length does not depend on the digests (64 hex
     digits each), is written once every section is. `replaces`: inputs of the running
-    command this write may replace (`open_output`)."""
+    command this write may replace (`open_output`); `what` names the file in an error (a
+    weight cache file is written in the same container)."""
     if SECTIONS_KEY in header:
         raise ValueError(f"the header key '{SECTIONS_KEY}' is the container's own")
     names = list(sections)
@@ -168,8 +169,7 @@ def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str
              for n, s in sections.items()]
     offsets, _ = _header_and_offsets(header, names, sizes, digests)
     end = offsets[-1] + sizes[-1] if names else None
-    with open_output(path, "the model file", seekable=True, size=end,
-                     replaces=replaces) as f:
+    with open_output(path, what, seekable=True, size=end, replaces=replaces) as f:
         at = dict(zip(names, offsets, strict=True))
         for offset, name in zip(offsets, names, strict=True):
             f.seek(offset)

@@ -433,12 +433,15 @@ def form_part(window: tuple[slice, ...], shape: tuple[int, ...], special: str, b
 
 def write_weight_cache(model: str | LlmFile, output: str | None = None,
                        progress: Callable[[str], None] | None = None,
-                       replaces: tuple[str, ...] = ()) -> str:
+                       replaces: tuple[str, ...] = (),
+                       planned: Callable[[int], None] | None = None) -> str:
     """Convert every weight the executors convert and write the forms to `output`
     (default `cache_path(model)`), atomically, one form at a time in memory. Returns the
     path written. WeightCacheFileError when the output cannot be written (a path that is
     not a regular file is never replaced). `replaces`: a weight cache file the running
-    command opened (and refused, or found to differ) that this write may replace."""
+    command opened (and refused, or found to differ) that this write may replace.
+    `progress` is told each form once it is made, `planned` how many there are before the
+    first."""
     llm = model if isinstance(model, LlmFile) else LlmFile(model)
     _refuse_devices(llm)
     path = output or cache_path(llm.path)
@@ -461,6 +464,8 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     header = CacheHeader(KIND, CACHE_FORMAT, llm.file.digest, tuple(forms))
     header.check()
     blob, entries = _blob(llm), _entries(llm)
+    if planned is not None:
+        planned(len(forms))
 
     def section(form: FormEntry) -> StreamedSection:
         def pieces() -> Iterator[tuple[int, memoryview]]:
@@ -473,7 +478,7 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
 
     try:
         write_model_file(path, encode(header), {f.section: section(f) for f in forms},
-                         replaces)
+                         replaces, "the weight cache file")
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     return path
