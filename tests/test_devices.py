@@ -25,7 +25,8 @@ import pytest
 from llm_fixtures import LONG_PROMPT, compiled, hf_generate
 
 from toptpu.backend.formats.commands import Collective
-from toptpu.backend.formats.llm_file import LlmFile, WeightLayout
+from toptpu.backend.formats.header_schema import HeaderError
+from toptpu.backend.formats.llm_file import LlmFile, LlmHeader, WeightLayout
 from toptpu.backend.runtime.device_executor import DeviceGroupExecutor
 from toptpu.backend.runtime.run_trace import LINK, trace_events
 from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
@@ -111,6 +112,20 @@ def _whole(name: str) -> str:
     """The one-device file's name of a shard weight's tensor (`W@shard0-2:bf16.t` ->
     `W:bf16.t`)."""
     return re.sub(r"@shard\d+-\d+", "", name)
+
+
+def test_a_tp_header_with_a_device_lacking_a_cut_net_is_refused_when_opened(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tensor-parallel net (the lm_head, cut by vocabulary) run by fewer than all the
+    devices is refused from the header, before anything runs (issue 44's U3: it was refused
+    only mid-run, after printing a token)."""
+    f = LlmFile(compiled(tmp_path_factory, "qwen2", devices=2, parallel="tp").model_file)
+    data = f.meta.to_json()
+    data["parallel"]["devices"][1]["nets"] = [
+        n for n in data["parallel"]["devices"][1]["nets"] if n != "lm_head"]
+    with pytest.raises(HeaderError, match=r"parallel\.devices .*run the tensor-parallel net "
+                       r"'lm_head' on 1 of the 2 devices"):
+        LlmHeader.from_json(data)
 
 
 @pytest.mark.parametrize(("family", "devices"), [("qwen2", 4), ("llama3", 2)])

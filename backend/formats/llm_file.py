@@ -797,6 +797,12 @@ class LlmHeader:
             if entry is None or par.strategy != "tp":
                 raise HeaderError(f"parallel.splits.{net}", "names no net of this file"
                                   if entry is None else "apply to tensor parallelism only")
+            runs = par.runners(net)
+            if not entry.per_layer and len(runs) != n:
+                raise HeaderError("parallel.devices",
+                                  f"run the tensor-parallel net {net!r} on {len(runs)} of the "
+                                  f"{n} devices: its weights and inputs are cut in {n}, "
+                                  "every device runs its piece")
             specs = {s.name: s for s in (*entry.inputs, *entry.outputs)}
             for name, split in io.items():
                 where = f"parallel.splits.{net}.{name}"
