@@ -29,6 +29,7 @@ from toptpu.frontends.hf_loader import (
     check_model_dir,
     dir_bytes,
 )
+from toptpu.frontends.vlm import vlm_model_type
 from toptpu.paths import (
     OutputPathError,
     check_not_inside,
@@ -71,6 +72,8 @@ def check_compile_request(model: Any, output: str, request: CompileRequest | Non
     except OutputPathError as e:
         raise CompileError(str(e)) from e
     found = _text_config(model)
+    if request.calibration is not None:
+        _check_calibration(model, request, found)
     if found is not None:
         check_seq_length(*found, request.shapes.seq_length, request.mode)
         check_group_size(*found, request.mode, request.group_size)
@@ -124,6 +127,33 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
                 f"device's part of a row-parallel matmul's input ("
                 + ", ".join(f"{k} / {devices} = {v}" for k, v in bad.items())
                 + f" in {where}); use --group-size dividing it or -1 (per channel)")
+
+
+#: config keys whose positive value makes a model a mixture of experts
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_calibration(model: Any, request: CompileRequest,
+                       found: tuple[dict[str, Any], str] | None) -> None:
+    """`--calibrate` takes a text model without experts, and text files that can be read
+    (`weight_calibration.data.check_file`: each refused in one line naming it)."""
+    from toptpu.weight_calibration.data import check_file
+
+    assert request.calibration is not None
+    flag = f"--calibrate {request.calibration.method}"
+    if vlm_model_type(model) is not None:
+        what = f"'{os.fspath(model)}'" if isinstance(model, str | os.PathLike) else "the model"
+        raise CompileError(f"{flag}: {what} is a vision-language model, whose calibration "
+                           "toptpu does not do yet; compile it without --calibrate")
+    if found is not None:
+        cfg, where = found
+        experts = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
+        if experts is not None:
+            raise CompileError(f"{flag}: {where} is a mixture-of-experts model ({experts} "
+                               f"{cfg[experts]}), whose experts toptpu does not calibrate "
+                               "yet; compile it without --calibrate")
+    for path in request.calibration.data:
+        check_file(path)
 
 
 def _check_dequantize(model: Any, request: CompileRequest) -> None:

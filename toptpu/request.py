@@ -29,6 +29,7 @@ API and every step that takes the request.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
@@ -72,8 +73,8 @@ class Option:
     """One asked value of a request as the Python API and the command line spell it:
     `keyword` (the Python keyword and argparse's dest), `flags`, the `default` (both ways:
     what "not given" means), argparse's `type` and `choices` (a bad value ends in
-    argparse's one line, status 2), `action`, `metavar` and `help`, and the argparse
-    `group` it is listed in."""
+    argparse's one line, status 2), `action`, `nargs`, `metavar` and `help`, and the
+    argparse `group` it is listed in."""
 
     keyword: str
     flags: tuple[str, ...]
@@ -84,6 +85,7 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     group: str | None = None
+    nargs: str | None = None
 
     def add_to(self, parser: argparse.ArgumentParser | Any) -> None:
         kw: dict[str, Any] = {"dest": self.keyword, "default": self.default, "help": self.help}
@@ -95,6 +97,8 @@ class Option:
             kw["metavar"] = self.metavar
         if self.choices is not None:
             kw["choices"] = self.choices
+        if self.nargs is not None:
+            kw["nargs"] = self.nargs
         parser.add_argument(*self.flags, **kw)
 
 
@@ -242,6 +246,61 @@ def _path(flag: str) -> Callable[[Any], str | None]:
     return parse
 
 
+# ----------------------------------------------------------------------------- calibration
+
+#: the methods `--calibrate` takes (`toptpu.weight_calibration`)
+CALIBRATION_METHODS = ("gptq", "awq")
+#: the calibration set by default: sequences x tokens (as AutoGPTQ and AutoAWQ use)
+DEFAULT_CALIBRATION_SEQUENCES = 128
+DEFAULT_CALIBRATION_SEQ_LENGTH = 512
+CALIBRATION = "calibrated quantization (GPTQ / AWQ at compile time)"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """`--calibrate`: the method, the plain text files it runs on, and the calibration set
+    (`sequences` x `sequence_length` tokens of those files)."""
+
+    method: str
+    data: tuple[str, ...]
+    sequences: int = DEFAULT_CALIBRATION_SEQUENCES
+    sequence_length: int = DEFAULT_CALIBRATION_SEQ_LENGTH
+
+
+def _calibration(calibrate: Any, calibration_data: Any, calibration_sequences: Any,
+                 calibration_seq_length: Any) -> Calibration | None:
+    """--calibrate, --calibration-data, --calibration-sequences, --calibration-seq-length."""
+    if calibrate is None:
+        given = [flag for flag, v in (("--calibration-data", calibration_data),
+                                      ("--calibration-sequences", calibration_sequences),
+                                      ("--calibration-seq-length", calibration_seq_length))
+                 if v is not None]
+        if given:
+            raise CompileError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} "
+                               "the calibration of --calibrate; give --calibrate gptq|awq or "
+                               f"drop {' and '.join(given)}")
+        return None
+    if calibrate not in CALIBRATION_METHODS:
+        raise CompileError(f"--calibrate must be {' or '.join(CALIBRATION_METHODS)}, not "
+                           f"{calibrate!r}")
+    if calibration_data is None:
+        raise CompileError(f"--calibrate {calibrate} needs --calibration-data FILE...: the "
+                           "plain text files the calibration runs on")
+    files = [calibration_data] if isinstance(calibration_data, str | os.PathLike) \
+        else calibration_data
+    if isinstance(files, bytes) or not isinstance(files, Sequence) or not all(
+            isinstance(f, str | os.PathLike) and isinstance(os.fspath(f), str) for f in files):
+        raise CompileError(f"--calibration-data is text file paths, not {calibration_data!r}")
+    if not files:
+        raise CompileError("--calibration-data names no file; give one or more plain text "
+                           "files")
+    sequences = _count("--calibration-sequences")(calibration_sequences)
+    length = _count("--calibration-seq-length")(calibration_seq_length)
+    return Calibration(calibrate, tuple(os.fspath(f) for f in files),
+                       DEFAULT_CALIBRATION_SEQUENCES if sequences is None else sequences,
+                       DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length)
+
+
 # ----------------------------------------------------------------------------- the request
 
 VISION = ("vision-language models (InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL, "
@@ -336,6 +395,28 @@ class CompileRequest:
         "weight-only quantization is for the text model)", metavar="MODE", group=VISION),
         parse=_flag_mode("--vision-quantize"))
 
+    #: calibrated weight quantization (GPTQ / AWQ) instead of round-to-nearest
+    calibration: Calibration | None = asked(
+        Option("calibrate", ("--calibrate",), None,
+               "quantize the weights of the w4/w8 mode by a calibrated method instead of "
+               "rounding them to nearest: gptq or awq, one layer at a time on the outputs of "
+               "the layers before it as quantized (a float model; --group-size and "
+               "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
+               group=CALIBRATION),
+        Option("calibration_data", ("--calibration-data",), None,
+               "--calibrate: the plain UTF-8 text files to calibrate on (tokenized with the "
+               "model's tokenizer, in the order given)", action="extend", nargs="+",
+               metavar="FILE", group=CALIBRATION),
+        Option("calibration_sequences", ("--calibration-sequences",), None,
+               f"--calibrate: sequences in the calibration set (default "
+               f"{DEFAULT_CALIBRATION_SEQUENCES}; fewer when the text holds fewer)",
+               type=int_at_least(1), metavar="N", group=CALIBRATION),
+        Option("calibration_seq_length", ("--calibration-seq-length",), None,
+               f"--calibrate: tokens per calibration sequence (default "
+               f"{DEFAULT_CALIBRATION_SEQ_LENGTH})", type=int_at_least(1), metavar="L",
+               group=CALIBRATION),
+        parse=_calibration)
+
     def __post_init__(self) -> None:
         if not isinstance(self.chip, Chip) or not isinstance(self.shapes, StaticShapes):
             raise TypeError("a CompileRequest's chip is a Chip and its shapes StaticShapes "
@@ -348,6 +429,8 @@ class CompileRequest:
         check_quant_options(self.mode, self.group_size, self.symmetric)
         object.__setattr__(self, "parallel",
                            check_devices(self.devices, self.parallel, self.chip))
+        if self.calibration is not None:
+            check_calibration(self.calibration, self.mode, self.parallel)
 
     # --------------------------------------------------------------------- building
 
@@ -457,6 +540,25 @@ def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool
             raise CompileError(f"{flag} applies to round-to-nearest weight quantization in "
                                f"the {modes}; {what} does not use it{why}: drop {flag} or "
                                "choose such a mode")
+
+
+def check_calibration(calibration: Calibration, mode: AskedMode,
+                      parallel: Parallel | None) -> None:
+    """`--calibrate` quantizes the weights of a w4 or w8 mode, for one chip or a pipeline
+    (the calibrated integers are not cut over tensor-parallel devices yet)."""
+    if not isinstance(calibration, Calibration):
+        raise TypeError("a CompileRequest's calibration is a Calibration (CompileRequest.make "
+                        "takes it as asked)")
+    flag = f"--calibrate {calibration.method}"
+    if weight_bits(mode) is None:
+        what = "-q auto takes a pre-quantized checkpoint's own weights" if mode is AUTO else (
+            f"-q {mode} keeps the weights float" if mode is not None
+            else "the default mode (f32) keeps the weights float")
+        raise CompileError(f"{flag} quantizes weights: {what}; choose a w4 or w8 mode (e.g. "
+                           "-q w4bf16)")
+    if parallel is Parallel.TP:
+        raise CompileError(f"{flag} with --parallel tp: the calibrated integers are not cut "
+                           "over devices yet; use --parallel pp")
 
 
 def check_devices(devices: int, parallel: Parallel | None, chip: Chip) -> Parallel | None:

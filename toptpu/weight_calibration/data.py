@@ -24,11 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from toptpu.request import DEFAULT_CALIBRATION_SEQ_LENGTH, DEFAULT_CALIBRATION_SEQUENCES
 from toptpu.weight_calibration.grid import CalibrationError
 
-#: the calibration set asked for by default: sequences x tokens (as AutoGPTQ / AutoAWQ use)
-DEFAULT_SEQUENCES = 128
-DEFAULT_SEQUENCE_LENGTH = 512
+#: the calibration set asked for by default: sequences x tokens (`--calibration-sequences`,
+#: `--calibration-seq-length`)
+DEFAULT_SEQUENCES = DEFAULT_CALIBRATION_SEQUENCES
+DEFAULT_SEQUENCE_LENGTH = DEFAULT_CALIBRATION_SEQ_LENGTH
 #: bytes read from a file at a time
 READ_BLOCK = 1 << 20
 

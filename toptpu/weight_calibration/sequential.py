@@ -114,8 +114,10 @@ class CalibrationRequest:
 def request_for_mode(method: str, mode: str, group_size: int | None = None,
                      symmetric: bool | None = None) -> CalibrationRequest:
     """The request `toptpu compile -q MODE [--group-size G] [--symmetric] --calibrate METHOD`
-    implies: MODE's weight bits, the group size (default the compiler's, 64; -1 per channel),
-    asymmetric unless symmetric, exported in the `auto_round` format (`export`)."""
+    implies, as the compiler's own weight quantization would be shaped: w4 in groups
+    (default the compiler's, 64; -1 per channel), asymmetric unless symmetric; w8 per
+    channel and symmetric (the compiler's w8); exported in the `auto_round` format
+    (`export`)."""
     try:
         bits = parse_mode(mode)[1]
     except ValueError as e:
@@ -123,8 +125,12 @@ def request_for_mode(method: str, mode: str, group_size: int | None = None,
     if bits is None:
         raise CalibrationError(f"--calibrate quantizes weights: -q {mode} keeps them float; "
                                "choose a w4 or w8 mode")
-    scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
-                         bool(symmetric))
+    if bits == 8:
+        scheme = QuantScheme(8, -1 if group_size is None else group_size,
+                             True if symmetric is None else symmetric)
+    else:
+        scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
+                             bool(symmetric))
     return CalibrationRequest(method, scheme)
 
 
