@@ -1,16 +1,18 @@
 """Fit the chip presets to published speeds of real boards (toptpu.calibration).
 
-    python bench/calibrate.py                 # table of the rows with the presets as they are
-    python bench/calibrate.py --fit           # fit, print the table with the fitted figures
+    python bench/calibrate.py                 # tables of the rows with the presets as they are
+    python bench/calibrate.py --fit           # fit, print the tables with the fitted figures
     python bench/calibrate.py --fit --write   # ... and write them into chips.json
     python bench/calibrate.py --refresh       # compile the rows missing from the cache, or
                                               # compiled with other figures than the presets'
 
 Each row's nets are compiled from its shape as `toptpu estimate` compiles them (one layer,
-placeholder weights) and kept in bench/calibration/compiled_costs.json.gz; the fit and the
-table re-time those command streams with the step accounting. Prints, per row, the
-published and modelled decode tokens/s and time to first token with their errors, and
-the median absolute error (goal: <= 20%, no row off by more than 40%).
+placeholder weights; the lm_head quantized where the row's bmodel quantized it) and kept in
+bench/calibration/compiled_costs.json.gz; the fit and the tables re-time those command
+streams with the step accounting. The fit sees bench/calibration/bm168x_published.csv only;
+bm168x_heldout.csv (published rows the fit never sees) is the check of what it predicts.
+Prints, per row, the published and modelled decode tokens/s and time to first token with
+their errors, and the median absolute error (goal: <= 20%, no row off by more than 40%).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from typing import Any
 
 from toptpu.backend.target.chips import get_chip
 from toptpu.calibration import (
+    HELDOUT_CSV,
     Row,
     cache_entry,
     compile_row,
     compiled_rows,
     fit_chip,
+    fixed_cost_bounds,
     load_cache,
     read_rows,
     results,
@@ -49,10 +53,14 @@ def _compile(row: Row) -> tuple[str, dict[str, Any], float]:
 
 def refresh(rows: Sequence[Row], cache: dict[str, Any], force: bool, jobs: int) -> None:
     """Compile the rows missing from `cache` or compiled with other figures (all with
-    `force`), `jobs` at a time, saving the cache after each."""
-    todo = [r for r in rows if force or r.key not in cache
-            or cache[r.key]["figures"] != row_chip(r).figures()]
+    `force`), `jobs` at a time, saving the cache after each; entries of no row are
+    dropped."""
+    for key in set(cache) - {r.key for r in rows}:
+        del cache[key]
+    todo = list({r.key: r for r in rows if force or r.key not in cache
+                 or cache[r.key]["figures"] != row_chip(r).figures()}.values())
     if not todo:
+        save_cache(cache)
         return
     # the longest compile last time first, so the others run beside it
     todo.sort(key=lambda r: -cache.get(r.key, {}).get("costs", {}).get("compile_s", 0.0))
@@ -77,32 +85,40 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="rows compiled at a time")
     a = ap.parse_args()
     rows = read_rows()
+    held = read_rows(HELDOUT_CSV)
     cache = load_cache()
     if a.refresh:
-        refresh(rows, cache, a.force, a.jobs)
-    stale = [r.key for r in rows if r.key in cache
+        refresh([*rows, *held], cache, a.force, a.jobs)
+    stale = [r.key for r in [*rows, *held] if r.key in cache
              and cache[r.key]["figures"] != row_chip(r).figures()]
     if stale:
         print(f"note: {len(stale)} rows were compiled with other chip figures than the "
               "presets' (layer-group plans with them); --refresh recompiles them",
               file=sys.stderr)
-    compiled = compiled_rows(rows, cache)
+    compiled = compiled_rows([*rows, *held], cache)
     figures = None
+    chips = sorted({r.chip for r in rows})
+    bounds = {c: fixed_cost_bounds([r for r in rows if r.chip == c], compiled, get_chip(c))
+              for c in chips}
     if a.fit:
         t = time.perf_counter()
-        figures = {chip: fit_chip(rows, compiled, chip) for chip in sorted({r.chip
-                                                                           for r in rows})}
+        figures = {chip: fit_chip(rows, compiled, chip) for chip in chips}
         print(f"fitted in {time.perf_counter() - t:.1f}s:")
         for chip, fig in figures.items():
             before = get_chip(chip).figures()
             print(f"  {chip}: " + ", ".join(f"{k} {before[k]:g} -> {v:g}"
                                             for k, v in fig.items()))
+            print("    bounds: " + ", ".join(f"{k} [{lo:g}, {hi:.4g}]"
+                                              for k, (lo, hi) in bounds[chip].items()))
     res = results(rows, compiled, figures)
+    print("The rows the fit sees (bench/calibration/bm168x_published.csv):")
     print(table(res))
+    print("\nHeld-out rows, never fitted (bench/calibration/bm168x_heldout.csv):")
+    print(table(results(held, compiled, figures)))
     if a.write:
         if figures is None:
             ap.error("--write needs --fit")
-        write_presets(figures, res)
+        write_presets(figures, res, bounds)
         print("wrote the fitted figures into backend/target/chips.json")
 
 

@@ -338,7 +338,8 @@ def link_table(compiler: Compiler, mode: str, group: int, seq: int, name: str,
     pp, on 2, 4 and 8 devices; then where tp stops paying (decode and TTFT)."""
     shape, base = MODELS[name], compiler.chip
     values = {"link_gbps": [0.25, 0.5, 1.0, 2.0, 3.0, 6.0, 12.0, 24.0, 48.0],
-              "link_latency_us": [5.0, 20.0, 50.0, 100.0, 235.1, 500.0, 1000.0, 2000.0]}[figure]
+              "link_latency_us": sorted({5.0, 20.0, 50.0, 100.0, base.link_latency_us, 500.0,
+                                         1000.0, 2000.0})}[figure]  # the preset's among them
     other = ("link_latency_us", "us") if figure == "link_gbps" else ("link_gbps", "GB/s")
     print(f"{name} {mode}, seq {seq}: decode tok/s (TTFT s) over {figure} "
           f"({other[0]} {getattr(base, other[0]):g} {other[1]})\n")

@@ -47,6 +47,7 @@ from toptpu.backend.contract import (
     parse_strict_json,
     read_model_file,
 )
+from toptpu.dialects.output_file import note_input
 from toptpu.errors import ToptpuError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -112,6 +113,7 @@ class Shard:
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
+                note_input(f.fileno(), self.path)  # never an output of this command
                 self.tensors, self.size = self._read_header(f, size), size
         except FileNotFoundError:
             raise CheckpointError(f"shard '{name}' is missing from {directory}: copy the "

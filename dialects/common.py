@@ -40,7 +40,7 @@ from xdsl.dialects.builtin import (
     i32,
     i64,
 )
-from xdsl.ir import Attribute, Dialect, SSAValue
+from xdsl.ir import Attribute, Block, Dialect, Region, SSAValue
 from xdsl.irdl import (
     AnyOf,
     AttrConstraint,
@@ -485,16 +485,85 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- op protocol
 
 
-class ShapedOp(IRDLOperation, SlicingInterface):
-    """Base of every Top/Tpu compute op (each answers the `SlicingInterface`).
+class Storage(StrEnum):
+    """How `convert-top-to-tpu` types a float operand or result of an op
+    (`ShapedOp.tpu_operand_storage`, `tpu_result_storage`); integer values keep their type."""
 
-    Subclasses implement `infer(operand_types, attributes)` (a classmethod, so builders can
-    compute result types before the op exists) and `flops()`. The verifier checks that
-    the op's result types equal the inferred ones.
+    #: the mode's activation type (f32 in the position math: float ops computed only from
+    #: integer inputs, weights and constants)
+    ACTIVATION = "activation"
+    #: f32 whatever the mode (norm weights, biases, a recurrent state)
+    F32 = "f32"
+    #: as it comes (a `where`'s condition, rope's cos/sin: f32 position math)
+    KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class ConvertedWeight:
+    """A weight an op's kernel converts to f32 at every run, which a runtime converts once
+    per weight and keeps instead (its weight cache, the weight cache file): `form` "a16"
+    (a `tpu.a16_matmul`'s packed integers with their scales and zero points or mins,
+    dequantized: `kernels.dequantize`, `bits`, `group_size`) or "f32" (an f16/bf16 matmul
+    weight, upcast); `operands` says where they are among the op's `operand_groups`
+    (qweight, scales, zeros, mins; or the one weight)."""
+
+    form: str
+    operands: tuple[int, ...]
+    bits: int = 0
+    group_size: int = 0
+
+
+class ShapedOp(IRDLOperation, SlicingInterface):
+    """Base of every Top/Tpu compute op: the interfaces every stage reads of an op.
+
+    - shape inference: `infer(operand_types, attributes)` (a classmethod, so builders can
+      compute result types before the op exists); the verifier checks that the op's
+      result types equal the inferred ones (`CHECK_INFERRED`);
+    - its FLOP count: `flops()`;
+    - its kernel binding, what the interpreters and the machine call
+      (`toptpu.backend.reference`): `KERNEL` names the function of `kernels.py` (by
+      default the op's kind: `top.rms_norm` -> `kernels.rms_norm`), called with
+      `kernel_arguments(operand values)`: by default the operand values in declaration
+      order (None for an absent optional operand) and `kernel_params()` as keywords (its
+      attributes and result element types). `STRUCTURAL` ops have no kernel: dedicated code
+      evaluates them (weights, constants, a layer group's loads and stores, collectives);
+    - a reduction a layer group may split in parts (`REDUCTION_KERNELS`, see there);
+    - its lowering to Tpu (`convert-top-to-tpu`): how it types its operands and results
+      (`tpu_operand_storage`, `tpu_result_storage`, each a `Storage`) and whether it
+      computes in f32 (`TPU_COMPUTES_F32`);
+    - how a layer group may slice it: the `SlicingInterface` (rows, cols, heads, tiles,
+      reduction parts; `dialects/slicing_interface.py`);
+    - what it is to the passes that treat op families alike: `SOURCE` (a value given to
+      the net: a weight, a constant), `INDEXES_TABLE` (it reads a table by index: its
+      result is data, not index math), `ELEMENTWISE`, `MULTIPLY_ACCUMULATE` (the cost
+      model's MAC ops, which run at their input type).
     """
 
     # operand groups as declared (optional operands may be absent)
     CHECK_INFERRED: ClassVar[bool] = True
+
+    #: the function of `toptpu.backend.reference.kernels` computing the op ("": its kind)
+    KERNEL: ClassVar[str] = ""
+    #: evaluated by dedicated code, not by a kernel binding (see the class doc)
+    STRUCTURAL: ClassVar[bool] = False
+    #: (fold, finish) kernels of a reduction a layer group splits in parts (`tpu.GroupOp`'s
+    #: three tile counts): `fold(acc, *args, **kw)` adds one part into the f32 accumulator
+    #: (`accumulator_type`; acc None for the first part) and returns it, `finish(acc, *args,
+    #: **kw)` gives the result after the last part; None: the op has no such reduction
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = None
+    #: convert-top-to-tpu: the Tpu op computes in f32 whatever its storage types (norms,
+    #: softmax, attention, rope, matmuls); else in its result's type
+    TPU_COMPUTES_F32: ClassVar[bool] = False
+    #: a value given to the net rather than computed: a weight or a constant
+    SOURCE: ClassVar[bool] = False
+    #: it reads a table by index (a gather): its result is data, not index math, and the
+    #: table it reads is looked up, not multiplied
+    INDEXES_TABLE: ClassVar[bool] = False
+    #: each result element depends only on the operand elements at its index (broadcast)
+    ELEMENTWISE: ClassVar[bool] = False
+    #: a multiply-accumulate op (matmuls, attention, convolution): runs at the throughput
+    #: of its input type, accumulating in f32
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = False
 
     @classmethod
     def op_kind(cls) -> str:
@@ -519,11 +588,79 @@ class ShapedOp(IRDLOperation, SlicingInterface):
                 groups.extend(val)
         return groups
 
+    def grouped(self, values: Sequence[SSAValue | None]
+                ) -> list[SSAValue | Sequence[SSAValue] | None]:
+        """`values`, one per operand in `operand_groups` order, as `build` takes operands:
+        a variadic group's values as one list (the inverse of `operand_groups`)."""
+        out: list[SSAValue | Sequence[SSAValue] | None] = []
+        it = iter(values)
+        for fname, _ in type(self).get_irdl_definition().operands:
+            val = getattr(self, fname)
+            if val is None or isinstance(val, SSAValue):
+                out.append(next(it))
+            else:
+                group = [next(it) for _ in val]
+                out.append([v for v in group if v is not None])
+        return out
+
     def inferred_types(self) -> list[TensorType]:
         return type(self).infer(self.operand_groups(), self.attributes)
 
     def flops(self) -> int:
         return 0
+
+    # ------------------------------------------------------------------ kernel binding
+    @classmethod
+    def kernel_name(cls) -> str:
+        """The name of the op's function in `toptpu.backend.reference.kernels`."""
+        return cls.KERNEL or cls.op_kind()
+
+    def result_dtype(self, index: int = 0) -> np.dtype:
+        """The numpy dtype of result `index` (what the kernel rounds its result to)."""
+        return numpy_dtype(elem_of(self.results[index]))
+
+    def kernel_params(self) -> dict[str, object]:
+        """The kernel's keyword arguments, from the op's attributes and result types."""
+        return {}
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The kernel's positional and keyword arguments for the operand values `operands`
+        (in `operand_groups` order, None for an absent optional operand)."""
+        return operands, self.kernel_params()
+
+    def converted_weight(self) -> ConvertedWeight | None:
+        """The weight operands the op's kernel converts at every run (None: none)."""
+        return None
+
+    # ------------------------------------------------------------------ reductions in parts
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The fold kernel's arguments after the accumulator (`REDUCTION_KERNELS`) for part
+        `part` of the reduction, its operands' values `operands`."""
+        raise NotImplementedError(f"'{self.name}' has no reduction to split in parts")
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The finish kernel's arguments after the accumulator (`REDUCTION_KERNELS`), the
+        last part's operand values `operands`."""
+        raise NotImplementedError(f"'{self.name}' has no reduction to split in parts")
+
+    def accumulator_type(self) -> TensorType:
+        """The f32 accumulator of the reduction split in parts: by default the result's
+        shape (a matmul's product)."""
+        return tensor(shape_of(self.results[0]), f32)
+
+    # ------------------------------------------------------------------ lowering to Tpu
+    def tpu_operand_storage(self) -> list[Storage]:
+        """How convert-top-to-tpu types each operand, one per entry of `operand_groups`
+        (absent optional operands and each operand of a variadic group included): by
+        default the activation type."""
+        return [Storage.ACTIVATION] * len(self.operand_groups())
+
+    def tpu_result_storage(self) -> list[Storage]:
+        """How convert-top-to-tpu types each result: by default the activation type."""
+        return [Storage.ACTIVATION] * len(self.results)
 
     def verify_(self) -> None:
         if not self.CHECK_INFERRED:
@@ -545,18 +682,33 @@ class ShapedOp(IRDLOperation, SlicingInterface):
             )
 
     @classmethod
-    def build(
+    def build(  # type: ignore[override]
         cls,
-        operands: Sequence[SSAValue | Sequence[SSAValue] | None],
+        operands: Sequence[SSAValue | Sequence[SSAValue] | None] = (),
         attrs: Mapping[str, Attribute | None] | None = None,
-        result_types: Sequence[Attribute] | None = None,
+        result_types: Sequence[Attribute | Sequence[Attribute]] | None = None,
+        *,
+        attributes: Mapping[str, Attribute | None] | None = None,
+        properties: Mapping[str, Attribute | None] | None = None,
+        successors: Sequence[Block | Sequence[Block] | None] | None = None,
+        regions: Sequence[Region | Sequence[Region]] | None = None,
     ) -> Self:
         """Create the op from operand groups (None for an absent optional operand) and
         attributes, inferring result types unless given. The generic form, for passes that
         rebuild any op of a family (`type(op).build(...)`); the commonly built ops have a
-        typed constructor (`top.MatMulOp(x, w, transpose_b=True)`) that ends here too."""
+        typed constructor (`top.MatMulOp(x, w, transpose_b=True)`) that ends here too.
+        Given `attributes` (the keywords of xDSL's own `build`, as a declarative assembly
+        format's parser calls it), the op is built as xDSL builds it, from exactly what
+        was parsed."""
         op = cls.__new__(cls)
-        op.construct(operands, attrs, result_types)
+        if attributes is None and properties is None and successors is None \
+                and regions is None:
+            op.construct(operands, attrs, result_types)  # type: ignore[arg-type]
+            return op
+        IRDLOperation.__init__(op, operands=[o if o is not None else [] for o in operands],
+                               result_types=result_types, attributes=attributes,
+                               properties=properties, successors=successors,
+                               regions=regions)  # type: ignore[arg-type]
         return op
 
     def construct(

@@ -36,6 +36,7 @@ from toptpu.dialects.common import (
     AnyTensor,
     ShapedOp,
     elem_of,
+    i64_attr,
     int_value_attr,
     is_float,
     norm_axis,
@@ -78,6 +79,15 @@ class CollectiveOp(ShapedOp):
 
     #: the collective's kind in the link model (`toptpu.backend.target.link.COLLECTIVES`)
     KIND: ClassVar[str] = ""
+    #: its kernel (`kernels.all_reduce`, `all_gather`: the op's kind) combines the values
+    #: of all devices: a device alone cannot evaluate it (`interpreter.run_spmd` does)
+    STRUCTURAL: ClassVar[bool] = True
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """The kernel's arguments for `operands`, the input's value on every device in
+        device order."""
+        return [list(operands)], self.kernel_params()
 
     @property
     def device_count(self) -> int:
@@ -93,6 +103,20 @@ class CollectiveOp(ShapedOp):
         address-assign."""
         return None if self.gaddr is None else read_int(self.gaddr)
 
+    def result_offsets(self) -> list[int] | None:
+        """Its result's activation offset as a list (a stage's, as `tpu.GroupOp` has them:
+        `tpu.stages`), None before address-assign."""
+        return None if self.gaddr is None else [read_int(self.gaddr)]
+
+    def set_result_offsets(self, offsets: Sequence[int]) -> None:
+        """Record its result's activation offset (address-assign; -1: an output)."""
+        (self.gaddr,) = (i64_attr(o) for o in offsets)
+
+    @property
+    def link_axis(self) -> int:
+        """The axis its link command names: the concatenation's (0 for a sum)."""
+        return 0
+
 
 @irdl_op_definition
 class AllReduceOp(CollectiveOp):
@@ -100,6 +124,9 @@ class AllReduceOp(CollectiveOp):
 
     name = "dev.all_reduce"
     KIND: ClassVar[str] = "all_reduce"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"algorithm": self.algorithm_name}
 
     def __init__(self, input: SSAValue, devices: int, algorithm: str) -> None:
         self.construct([input], {"devices": int_value_attr(f"{self.name} devices", devices),
@@ -130,6 +157,9 @@ class AllGatherOp(CollectiveOp):
     KIND: ClassVar[str] = "all_gather"
     axis = attr_def(IntegerAttr)
 
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": self.gather_axis}
+
     def __init__(self, input: SSAValue, axis: int, devices: int, algorithm: str) -> None:
         self.construct([input], {"axis": int_value_attr(f"{self.name} axis", axis),
                                  "devices": int_value_attr(f"{self.name} devices", devices),
@@ -148,6 +178,10 @@ class AllGatherOp(CollectiveOp):
     @property
     def gather_axis(self) -> int:
         return norm_axis(read_int(self.axis), len(shape_of(self.input)))
+
+    @property
+    def link_axis(self) -> int:
+        return self.gather_axis
 
 
 COLLECTIVES = (AllReduceOp, AllGatherOp)

@@ -15,6 +15,15 @@ A full disk (ENOSPC, EDQUOT) or any other OS error while writing ends in one
 `OutputPathError` naming the path and, for a full disk, how many bytes the file needed;
 the temporary file is removed.
 
+Never over an input: while a command runs (`command_inputs()`, entered by the command
+lines), every file it reads is noted (`note_input`: the model file and its weight cache
+file, a checkpoint's shards, a GGUF file, an IR file and the weight store it names, an
+image, a text) by device and inode, and `open_output` refuses to write to a path that is
+one of them — through a symlink or a hard link too — naming both: `toptpu cache M -o M`,
+a `M.wcache` that links to M, `toptpu-opt X.mlir -o STORE` with the store X names. A
+write that replaces its input on purpose (`toptpu-opt X.mlir -o X.mlir`: the input is
+read whole first) names it in `replaces`.
+
 It lives in `toptpu.dialects` (standard library only) because that is the package every
 writer may import: the weight store, the model file format and the driver alike.
 """
@@ -43,14 +52,71 @@ class OutputPathError(ToptpuError):
 
 Kind = Literal["new", "file", "through"]
 
+#: the inputs of the commands running (innermost last): (device, inode) -> the path read
+_INPUTS: list[dict[tuple[int, int], str]] = []
 
-def output_target(path: str, what: str = "output", seekable: bool = False
-                  ) -> tuple[str, Kind]:
+
+@contextlib.contextmanager
+def command_inputs() -> Iterator[dict[tuple[int, int], str]]:
+    """While the block runs, the files noted by `note_input` are inputs `open_output`
+    never writes to (the command lines enter this around each command)."""
+    inputs: dict[tuple[int, int], str] = {}
+    _INPUTS.append(inputs)
+    try:
+        yield inputs
+    finally:
+        _INPUTS.remove(inputs)
+
+
+def note_input(source: str | os.PathLike[str] | int, name: str | None = None) -> None:
+    """Note a file the running command reads (a path, or an open file descriptor; `name`
+    how messages call it, default the path): `open_output` will not write to it. Outside
+    `command_inputs` (a library call) nothing is noted; a path that cannot be read is
+    ignored (its reader reports it)."""
+    if not _INPUTS:
+        return
+    try:
+        st = os.fstat(source) if isinstance(source, int) else os.stat(source)
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISREG(st.st_mode):  # a device (/dev/stdin) may be read and written
+        return
+    if name is None:
+        name = f"fd {source}" if isinstance(source, int) else os.fspath(source)
+        if isinstance(source, int):
+            with contextlib.suppress(OSError):
+                name = os.readlink(f"/proc/self/fd/{source}")
+    _INPUTS[-1].setdefault((st.st_dev, st.st_ino), name)
+
+
+def _input_at(real: str, replaces: tuple[str, ...]) -> str | None:
+    """The noted input the existing file `real` is (None: not one, or one of `replaces`)."""
+    if not _INPUTS:
+        return None
+    try:
+        st = os.stat(real)
+    except OSError:
+        return None
+    key = (st.st_dev, st.st_ino)
+    for path in replaces:
+        with contextlib.suppress(OSError):
+            other = os.stat(path)
+            if (other.st_dev, other.st_ino) == key:
+                return None
+    for inputs in reversed(_INPUTS):
+        if key in inputs:
+            return inputs[key]
+    return None
+
+
+def output_target(path: str, what: str = "output", seekable: bool = False,
+                  replaces: tuple[str, ...] = ()) -> tuple[str, Kind]:
     """Where a write of `path` lands (symlinks resolved) and how: `new` or `file` (a
     temporary file renamed over it) or `through` (a device or FIFO, written as it is).
     OutputPathError for a path that cannot be written: empty, a directory, a socket,
-    a missing or non-directory parent, a symlink loop, and a FIFO when the writer seeks
-    (`seekable`)."""
+    a missing or non-directory parent, a symlink loop, a FIFO when the writer seeks
+    (`seekable`), and a file the running command reads (`note_input`; but those in
+    `replaces`)."""
     if not path:
         raise OutputPathError(f"{what}: the path is empty; name the file to write")
     real = os.path.realpath(os.path.abspath(path))
@@ -69,6 +135,12 @@ def output_target(path: str, what: str = "output", seekable: bool = False
         raise OutputPathError(f"{what} '{path}' cannot be written: "
                               f"{e.strerror or e}") from None
     if stat.S_ISREG(mode):
+        source = _input_at(real, replaces)
+        if source is not None:
+            same = "" if os.path.abspath(path) == os.path.abspath(source) else \
+                f" ('{source}')"
+            raise OutputPathError(f"{what} '{path}' is a file this command reads{same}: "
+                                  "writing it would destroy its input; name another path")
         return real, "file"
     if stat.S_ISFIFO(mode) and seekable:
         raise OutputPathError(f"{what} '{path}' is a FIFO, and this file is written with "
@@ -185,13 +257,15 @@ def _error(path: str, what: str, e: OSError, raw: _Raw | None, size: int | None
 
 @contextlib.contextmanager
 def open_output(path: str, what: str = "output", *, seekable: bool = False,
-                size: int | None = None) -> Iterator[IO[bytes]]:
+                size: int | None = None, replaces: tuple[str, ...] = ()
+                ) -> Iterator[IO[bytes]]:
     """A binary file to write `path` through, by the rules of the module doc. `seekable`:
     the writer seeks (a FIFO is then refused, as is a device that cannot seek). `size`,
-    when known, is what a full disk reports as needed. On leaving the block the file is
-    flushed, synced and (a regular file) renamed into place; on an exception the
-    temporary file is removed and `path` is as it was."""
-    real, kind = output_target(path, what, seekable)
+    when known, is what a full disk reports as needed. `replaces`: inputs this write may
+    replace (read whole before). On leaving the block the file is flushed, synced and (a
+    regular file) renamed into place; on an exception the temporary file is removed and
+    `path` is as it was."""
+    real, kind = output_target(path, what, seekable, replaces)
     tmp = temp_path(real) if kind != "through" else None
     raw: _Raw | None = None
     f: io.BufferedWriter | None = None
@@ -232,10 +306,11 @@ def open_output(path: str, what: str = "output", *, seekable: bool = False,
                 os.unlink(tmp)
 
 
-def write_output(path: str, data: bytes | str, what: str = "output") -> None:
+def write_output(path: str, data: bytes | str, what: str = "output",
+                 replaces: tuple[str, ...] = ()) -> None:
     """Write `data` (text as UTF-8) to `path` by `open_output`."""
     payload = data.encode() if isinstance(data, str) else data
-    with open_output(path, what, size=len(payload)) as f:
+    with open_output(path, what, size=len(payload), replaces=replaces) as f:
         f.write(payload)
 
 

@@ -64,14 +64,17 @@ from toptpu.dialects.common import (
     BOOL_FLAG,
     AnyTensor,
     ComparePredicate,
+    ConvertedWeight,
     ElementType,
     EnumAttr,
     GeluApproximation,
     ReduceMode,
     RopeMode,
     ShapedOp,
+    Storage,
     bool_attr,
     broadcast_shapes,
+    constant_value,
     dense_attr,
     dtype_name,
     elem_of,
@@ -142,6 +145,9 @@ class WeightBase(ShapedOp):
 
     weight_name = attr_def(StringAttr, attr_name="name")
     output = result_def(AnyTensor)
+    assembly_format = "$name attr-dict `:` type($output)"
+    STRUCTURAL: ClassVar[bool] = True  # read from the weight store
+    SOURCE: ClassVar[bool] = True
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -176,6 +182,8 @@ class ConstantBase(ShapedOp):
 
     value = attr_def(DenseIntOrFPElementsAttr)
     output = result_def(AnyTensor)
+    STRUCTURAL: ClassVar[bool] = True  # its value is its attribute
+    SOURCE: ClassVar[bool] = True
 
     def __init__(self, value: np.ndarray | DenseIntOrFPElementsAttr) -> None:
         """A constant holding `value` (an array: its dtype is the element type)."""
@@ -204,13 +212,32 @@ class ConstantOp(ConstantBase, TopOp):
     name = "top.constant"
 
 
+def weight_name(value: SSAValue | None) -> str | None:
+    """The tensor name of the weight (`top.weight`, `tpu.weight`) whose result `value` is;
+    None for any other value (or None)."""
+    owner = value.owner if value is not None else None
+    return owner.tensor_name if isinstance(owner, WeightBase) else None
+
+
+def constant_array(value: SSAValue | None) -> np.ndarray | None:
+    """The array of the constant (`top.constant`, `tpu.constant`) whose result `value` is;
+    None for any other value (or None)."""
+    owner = value.owner if value is not None else None
+    return constant_value(owner.value) if isinstance(owner, ConstantBase) else None
+
+
 # =========================================================================== elementwise
 
 
 class UnaryOp(ShapedOp):
     input = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     FLOPS_PER_ELEMENT: ClassVar[int] = 1
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, *, result_type: TensorType | None = None) -> None:
         self.construct([input], {}, None if result_type is None else [result_type])
@@ -332,16 +359,17 @@ class SoftplusOp(UnaryOp, TopOp):
 
     name = "top.softplus"
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
+    TPU_COMPUTES_F32: ClassVar[bool] = True  # it feeds the delta rule's decay (f32)
 
     def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
         big = b.cmp("gt", x, b.const(20.0, x.type))  # x itself above the threshold 20
         return b.select(big, x, b.math("log1p", b.math("exp", x)))
 
 
-#: The unary elementwise ops without attributes: each computes `kernels.unary(kind, x)` of
-#: the kind its name gives (`top.silu` -> "silu"). Listed here, an op gets its Tpu
-#: counterpart (`tpu.TPU_OF_TOP`), its interpreter evaluator, its lowering by
-#: `convert-top-to-tpu` and its place in the Top dialect; nothing else registers it.
+#: The unary elementwise ops without attributes: each computes the kernel its name gives
+#: (`top.silu` -> `kernels.silu`, its kernel binding). Listed here, an op gets its place in
+#: the Top dialect, hence its Tpu twin (`tpu.TPU_OF_TOP`) and its generic lowering by
+#: `convert-top-to-tpu`; nothing else registers it.
 UNARY_ELEMENTWISE: tuple[type[UnaryOp], ...] = (
     RsqrtOp, SqrtOp, ExpOp, CosOp, SinOp, TanhOp, SigmoidOp, SiluOp, ReluOp, SoftplusOp)
 
@@ -351,6 +379,9 @@ class GeluBase(UnaryOp):
 
     approximate = opt_attr_def(EnumAttr(GeluApproximation))
     FLOPS_PER_ELEMENT: ClassVar[int] = 8
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"approximate": str(self.approximation), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, approximate: GeluApproximation = GeluApproximation.NONE,
                  *, result_type: TensorType | None = None) -> None:
@@ -384,6 +415,10 @@ class PowBase(UnaryOp):
 
     exponent = attr_def(FloatAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 2
+    KERNEL: ClassVar[str] = "power"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"exponent": read_float(self.exponent), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, exponent: float, *,
                  result_type: TensorType | None = None) -> None:
@@ -407,6 +442,10 @@ class ConstBinaryOp(UnaryOp):
 
     value = attr_def(FloatAttr)
     reverse = opt_attr_def(BOOL_FLAG)
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"value": read_float(self.value), "reverse": read_bool(self.reverse),
+                "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, value: float, *, reverse: bool = False,
                  result_type: TensorType | None = None) -> None:
@@ -463,6 +502,11 @@ class BinaryOp(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = "$lhs `,` $rhs attr-dict `:` type($lhs) `,` type($rhs) `->` type($output)"
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, *,
                  result_type: TensorType | None = None) -> None:
@@ -522,11 +566,13 @@ class DivOp(BinaryOp, TopOp):
 @irdl_op_definition
 class MaxOp(BinaryOp, TopOp):
     name = "top.max"
+    KERNEL: ClassVar[str] = "maximum"
 
 
 @irdl_op_definition
 class MinOp(BinaryOp, TopOp):
     name = "top.min"
+    KERNEL: ClassVar[str] = "minimum"
 
 
 class CompareBase(ShapedOp):
@@ -537,6 +583,17 @@ class CompareBase(ShapedOp):
     rhs = operand_def(AnyTensor)
     predicate = attr_def(EnumAttr(ComparePredicate))
     output = result_def(AnyTensor)
+    assembly_format = "$lhs `,` $rhs attr-dict `:` type($lhs) `,` type($rhs) `->` type($output)"
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"predicate": str(self.compare_predicate)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """Floats compare in the activation type; integers (and what they compare with)
+        as they are."""
+        keep = not is_float(elem_of(self.lhs))
+        return [Storage.KEEP if keep else Storage.ACTIVATION] * 2
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, predicate: ComparePredicate) -> None:
         self.construct([lhs, rhs], {"predicate": ComparePredicate.parse(predicate).attr})
@@ -576,6 +633,17 @@ class WhereBase(ShapedOp):
     lhs = operand_def(AnyTensor)
     rhs = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$cond `,` $lhs `,` $rhs attr-dict `:` type($cond) `,` type($lhs) `,` "
+        "type($rhs) `->` type($output)"
+    )
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.KEEP, Storage.ACTIVATION, Storage.ACTIVATION]
 
     def __init__(self, cond: SSAValue, lhs: SSAValue, rhs: SSAValue, *,
                  result_type: TensorType | None = None) -> None:
@@ -612,6 +680,11 @@ class CastBase(ShapedOp):
     input = operand_def(AnyTensor)
     dtype = attr_def(ElementType)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+    ELEMENTWISE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, dtype: Attribute) -> None:
         """Convert `input` to the element type `dtype` (f32, bf16, i32, ...)."""
@@ -650,6 +723,11 @@ class CastOp(CastBase, TopOp):
 class SoftmaxBase(UnaryOp):
     axis = attr_def(IntegerAttr)
     FLOPS_PER_ELEMENT: ClassVar[int] = 5
+    ELEMENTWISE: ClassVar[bool] = False
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, axis: int, *,
                  result_type: TensorType | None = None) -> None:
@@ -695,6 +773,12 @@ class ReduceBase(ShapedOp):
     axes = attr_def(DenseArrayBase)
     keepdims = attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"mode": str(self.reduce_mode), "axes": read_ints(self.axes),
+                "keepdims": read_bool(self.keepdims), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, mode: ReduceMode, axes: Sequence[int],
                  keepdims: bool) -> None:
@@ -775,6 +859,17 @@ class RmsNormBase(ShapedOp):
     weight = opt_operand_def(AnyTensor)
     eps = attr_def(FloatAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input (`weight` $weight^)? attr-dict `:` type($input) (`weight` "
+        "type($weight)^)? `->` type($output)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"eps": read_float(self.eps), "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.F32]
 
     def __init__(self, input: SSAValue, weight: SSAValue | None, eps: float) -> None:
         self.construct([input, weight], {"eps": float_value_attr(f"{self.name} eps", eps)})
@@ -838,6 +933,18 @@ class LayerNormBase(ShapedOp):
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$input (`weight` $weight^)? (`bias` $bias^)? attr-dict `:` type($input) "
+        "(`weight` type($weight)^)? (`bias` type($bias)^)? `->` type($output)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"eps": read_float(self.eps), "axis": read_int(self.axis),
+                "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.F32, Storage.F32]
 
     def __init__(self, input: SSAValue, weight: SSAValue | None, bias: SSAValue | None, *,
                  eps: float, axis: int) -> None:
@@ -925,6 +1032,18 @@ class RopeBase(ShapedOp):
     sin = operand_def(AnyTensor)
     mode = attr_def(EnumAttr(RopeMode))
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input `,` $cos `,` $sin attr-dict `:` type($input) `,` type($cos) `,` "
+        "type($sin) `->` type($output)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"mode": str(self.rope_mode), "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """x in the activation type; cos/sin as they come (f32 position math)."""
+        return [Storage.ACTIVATION, Storage.KEEP, Storage.KEEP]
 
     def __init__(self, input: SSAValue, cos: SSAValue, sin: SSAValue, mode: RopeMode) -> None:
         self.construct([input, cos, sin], {"mode": RopeMode.parse(mode).attr})
@@ -1003,6 +1122,39 @@ class AttentionBase(ShapedOp):
     causal = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$q `,` $k `,` $v (`mask` $mask^)? (`history` $history_k^ `,` $history_v)? "
+        "attr-dict `:` type($q) `,` type($k) `,` type($v) (`mask` type($mask)^)? "
+        "(`history` type($history_k)^ `,` type($history_v))? `->` type($output)"
+    )
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("attention_fold",
+                                                           "attention_result")
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        q, k, v, mask, history_k, history_v = operands
+        return (q, k, v, mask), {"scale": read_float(self.scale), "history_k": history_k,
+                                 "history_v": history_v, "causal": read_bool(self.causal),
+                                 "out_dtype": self.result_dtype()}
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of the keys (each part as many as `k` holds)."""
+        return operands[:4], {"scale": read_float(self.scale),
+                              "first_key": part * shape_of(self.k)[1]}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[:1], {"out_dtype": self.result_dtype()}
+
+    def accumulator_type(self) -> TensorType:
+        """The running state per KV head, query head of it and query row: max, sum and
+        weighted values, f32 [B, Hkv, Hq / Hkv, Sq, 2 + Dv] (`kernels.OnlineSoftmax`)."""
+        b, sq, hq, _ = shape_of(self.q)
+        hkv = shape_of(self.k)[2]
+        return tensor((b, hkv, hq // hkv, sq, 2 + shape_of(self.v)[3]), f32)
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, mask: SSAValue | None = None,
                  history_k: SSAValue | None = None, history_v: SSAValue | None = None, *,
@@ -1236,6 +1388,37 @@ class MatMulBase(ShapedOp):
     transpose_a = opt_attr_def(BOOL_FLAG)
     transpose_b = opt_attr_def(BOOL_FLAG)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$lhs `,` $rhs (`bias` $bias^)? attr-dict `:` type($lhs) `,` type($rhs) (`bias` "
+        "type($bias)^)? `->` type($output)"
+    )
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("matmul_part", "matmul_finish")
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"transpose_a": read_bool(self.transpose_a),
+                "transpose_b": read_bool(self.transpose_b), "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """Activations and weights in the activation type, the bias in f32 (the
+        quantized weights of `tpu.a16_matmul` are convert-top-to-tpu's own pattern)."""
+        return [Storage.ACTIVATION, Storage.ACTIVATION, Storage.F32]
+
+    def converted_weight(self) -> ConvertedWeight | None:
+        """An f16/bf16 `rhs` (a float weight: the lm_head) is upcast at every run."""
+        return (ConvertedWeight("f32", (1,)) if dtype_name(elem_of(self.rhs)) in ("f16", "bf16")
+                else None)
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of K: its columns of a and rows of b (without the bias)."""
+        return operands[:2], {"transpose_a": read_bool(self.transpose_a),
+                              "transpose_b": read_bool(self.transpose_b)}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[2:3], {"out_dtype": self.result_dtype(), "like": operands[0]}
 
     def __init__(self, lhs: SSAValue, rhs: SSAValue, bias: SSAValue | None = None, *,
                  transpose_a: bool = False, transpose_b: bool = False,
@@ -1340,6 +1523,17 @@ class GatherBase(ShapedOp):
     indices = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$table `,` $indices attr-dict `:` type($table) `,` type($indices) `->` "
+        "type($output)"
+    )
+    INDEXES_TABLE: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.KEEP]
 
     def __init__(self, table: SSAValue, indices: SSAValue, axis: int) -> None:
         self.construct([table, indices], {"axis": int_value_attr(f"{self.name} axis", axis)})
@@ -1403,6 +1597,11 @@ class TopKBase(ShapedOp):
     largest = opt_attr_def(BOOL_FLAG)
     values = result_def(AnyTensor)
     indices = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($values) `,` type($indices)"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"k": read_int(self.k), "axis": read_int(self.axis),
+                "largest": read_bool(self.largest, True)}
 
     def __init__(self, input: SSAValue, k: int, axis: int, *, largest: bool = True) -> None:
         if not isinstance(largest, bool):
@@ -1484,6 +1683,16 @@ class ScatterBase(ShapedOp):
     updates = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input `,` $indices `,` $updates attr-dict `:` type($input) `,` type($indices) "
+        "`,` type($updates) `->` type($output)"
+    )
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.KEEP, Storage.ACTIVATION]
 
     def __init__(self, input: SSAValue, indices: SSAValue, updates: SSAValue,
                  axis: int) -> None:
@@ -1541,6 +1750,11 @@ class CumSumBase(ShapedOp):
     input = operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": read_int(self.axis), "out_dtype": self.result_dtype()}
 
     def __init__(self, input: SSAValue, axis: int) -> None:
         self.construct([input], {"axis": int_value_attr(f"{self.name} axis", axis)})
@@ -1592,6 +1806,20 @@ class Conv2dBase(ShapedOp):
     dilations = attr_def(DenseArrayBase)
     groups = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$input `,` $weight (`bias` $bias^)? attr-dict `:` type($input) `,` "
+        "type($weight) (`bias` type($bias)^)? `->` type($output)"
+    )
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"strides": read_ints(self.strides), "pads": read_ints(self.pads),
+                "dilations": read_ints(self.dilations), "groups": read_int(self.groups),
+                "out_dtype": self.result_dtype()}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.ACTIVATION, Storage.F32]
 
     def __init__(self, input: SSAValue, weight: SSAValue, bias: SSAValue | None, *,
                  strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
@@ -1700,6 +1928,20 @@ class CausalConv1dBase(ShapedOp):
     valid = operand_def(AnyTensor)
     output = result_def(AnyTensor)
     new_state = result_def(AnyTensor)
+    assembly_format = (
+        "$x `,` $weight (`state` $state^)? `valid` $valid attr-dict `:` type($x) `,` "
+        "type($weight) (`state` type($state)^)? `valid` type($valid) `->` type($output) "
+        "`,` type($new_state)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype(0), "state_dtype": self.result_dtype(1)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """The weight [C, K] in f32 in every mode (a depthwise conv's few taps, never
+        quantized); x, the state and valid in the activation type."""
+        return [Storage.ACTIVATION, Storage.F32, Storage.ACTIVATION, Storage.ACTIVATION]
 
     def __init__(self, x: SSAValue, weight: SSAValue, state: SSAValue | None,
                  valid: SSAValue) -> None:
@@ -1822,6 +2064,23 @@ class GatedDeltaRuleBase(ShapedOp):
     scale = attr_def(FloatAttr)
     output = result_def(AnyTensor)
     new_state = result_def(AnyTensor)
+    assembly_format = (
+        "$q `,` $k `,` $v `,` $g `,` $beta (`state` $state^)? attr-dict `:` type($q) "
+        "`,` type($k) `,` type($v) `,` type($g) `,` type($beta) (`state` "
+        "type($state)^)? `->` type($output) `,` type($new_state)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"scale": read_float(self.scale), "out_dtype": self.result_dtype(0)}
+
+    def tpu_operand_storage(self) -> list[Storage]:
+        """q, k, v, g, beta in the activation type; the recurrent state f32 in every mode
+        (the runtime binds it and new_state to one f32 buffer)."""
+        return [*[Storage.ACTIVATION] * 5, Storage.F32]
+
+    def tpu_result_storage(self) -> list[Storage]:
+        return [Storage.ACTIVATION, Storage.F32]
 
     def __init__(self, q: SSAValue, k: SSAValue, v: SSAValue, g: SSAValue, beta: SSAValue,
                  state: SSAValue | None, *, scale: float) -> None:
@@ -1958,6 +2217,10 @@ class ReshapeBase(ShapedOp):
     input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"shape": read_ints(self.shape)}
 
     def __init__(self, input: SSAValue, shape: Sequence[int]) -> None:
         self.construct([input], {"shape": ints_value_attr(f"{self.name} shape", shape)})
@@ -2021,6 +2284,10 @@ class PermuteBase(ShapedOp):
     input = operand_def(AnyTensor)
     order = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"order": read_ints(self.order)}
 
     def __init__(self, input: SSAValue, order: Sequence[int]) -> None:
         self.construct([input], {"order": ints_value_attr(f"{self.name} order", order)})
@@ -2067,6 +2334,10 @@ class ExpandBase(ShapedOp):
     input = operand_def(AnyTensor)
     shape = attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"shape": read_ints(self.shape)}
 
     def __init__(self, input: SSAValue, shape: Sequence[int]) -> None:
         self.construct([input], {"shape": ints_value_attr(f"{self.name} shape", shape)})
@@ -2111,6 +2382,11 @@ class ConcatBase(ShapedOp):
     inputs = var_operand_def(AnyTensor)
     axis = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = "$inputs attr-dict `:` type($inputs) `->` type($output)"
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return [list(operands)], {"axis": read_int(self.axis)}
 
     def __init__(self, inputs: Sequence[SSAValue], axis: int) -> None:
         self.construct([list(inputs)], {"axis": int_value_attr(f"{self.name} axis", axis)})
@@ -2185,6 +2461,13 @@ class SliceBase(ShapedOp):
     end = attr_def(IntegerAttr)
     step = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
+    KERNEL: ClassVar[str] = "slice_"
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"axis": norm_axis(read_int(self.axis), len(shape_of(self.input))),
+                "start": read_int(self.start), "end": read_int(self.end),
+                "step": read_int(self.step)}
 
     def __init__(self, input: SSAValue, axis: int, start: int, end: int, step: int = 1) -> None:
         what = self.name

@@ -1,8 +1,10 @@
 """The Tpu dialect: how this chip computes the model.
 
-Tpu ops are the chip-level counterparts of the Top ops: they share Top's operands,
-attributes, shape inference and FLOP counts (the `*Base` classes of `toptpu.dialects.top`)
-and add the chip's decisions:
+Each Top op has a Tpu twin derived from it (`TPU_OF_TOP`, `twin`): its operands, attributes,
+shape inference, FLOP count, kernel binding and assembly format (the `*Base` classes of
+`toptpu.dialects.top`), with the chip's decisions; the Tpu-only ops (`tpu.a16_matmul`,
+the attention parts, layer groups, loads and stores) are written here. The chip's
+decisions:
 
 - storage element types in the result types (f32, f16, bf16; i8/ui8 for packed weights);
 - `compute`: the element type the op computes in (f32 for norms, softmax, attention and rope
@@ -31,11 +33,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from xdsl.dialects import func
 from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32, i64
-from xdsl.ir import Attribute, Dialect, Operation, ParametrizedAttribute, SSAValue, TypeAttribute
+from xdsl.ir import (
+    Attribute,
+    Block,
+    Dialect,
+    Operation,
+    ParametrizedAttribute,
+    SSAValue,
+    TypeAttribute,
+)
 from xdsl.irdl import (
     AttrSizedOperandSegments,
     IRDLOperation,
@@ -54,9 +64,10 @@ from xdsl.irdl import (
 from xdsl.traits import HasParent, IsolatedFromAbove, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
-from toptpu.dialects import top
+from toptpu.dialects import dev, top
 from toptpu.dialects.common import (
     AnyTensor,
+    ConvertedWeight,
     EnumAttr,
     ShapedOp,
     WeightPart,
@@ -67,6 +78,8 @@ from toptpu.dialects.common import (
     int_value_attr,
     is_float,
     numel,
+    read_bool,
+    read_float,
     read_int,
     read_ints,
     shape_of,
@@ -124,12 +137,11 @@ class TpuOp(ShapedOp):
         return []
 
 
-# =========================================================================== sources
+# =========================================================================== twins of Top ops
 
 
-@irdl_op_definition
-class WeightOp(top.WeightBase, TpuOp):
-    """A weight in the chip's storage format.
+class TpuWeight(top.WeightBase, TpuOp):
+    """A weight in the chip's storage format (`tpu.weight`, the twin of `top.weight`).
 
     `source` names the Top (float) weight it was derived from and `part` (a `WeightPart`)
     says how: "data" (a dtype conversion), "qweight", "scales" or "zeros" (quantized by the
@@ -138,7 +150,6 @@ class WeightOp(top.WeightBase, TpuOp):
     layer derive its own weights for the same net.
     """
 
-    name = "tpu.weight"
     source = opt_attr_def(StringAttr)
     part = opt_attr_def(EnumAttr(WeightPart))
 
@@ -147,12 +158,10 @@ class WeightOp(top.WeightBase, TpuOp):
         return None if self.part is None else WeightPart.read(self.part)
 
 
-@irdl_op_definition
-class ConstantOp(top.ConstantBase, TpuOp):
-    """A small constant; `tpu.const_offset` (filled by address-assign) is its byte offset
-    in the net's constant pool."""
+class TpuConstant(top.ConstantBase, TpuOp):
+    """A small constant (`tpu.constant`, the twin of `top.constant`); `tpu.const_offset`
+    (filled by address-assign) is its byte offset in the net's constant pool."""
 
-    name = "tpu.constant"
     const_offset = opt_attr_def(IntegerAttr, attr_name="tpu.const_offset")
 
     @property
@@ -165,150 +174,116 @@ class ConstantOp(top.ConstantBase, TpuOp):
         self.const_offset = i64_attr(offset)
 
 
-# =========================================================================== elementwise
+#: the Tpu-only attributes of a twin, declared once: Top op -> the class its twin derives
+#: from (an op not listed derives from its Top base class and `TpuOp`)
+TPU_EXTRAS: dict[type[ShapedOp], type[TpuOp]] = {top.WeightOp: TpuWeight,
+                                                 top.ConstantOp: TpuConstant}
 
 
-def _unary_twin(op: type[top.UnaryOp]) -> type[TpuOp]:
-    """The Tpu counterpart of a Top op of `top.UNARY_ELEMENTWISE`: the same operand, shape
-    inference and FLOPs, plus the chip's attributes (`TpuOp`); named like it (`tpu.silu`,
-    class `SiluOp`)."""
+def _derive_twin(op: type[ShapedOp]) -> type[TpuOp]:
+    """The Tpu twin of Top op class `op`: its Top base classes (operands, attributes, shape
+    inference, FLOPs, kernel binding, lowering types) with the chip's attributes (`TpuOp`,
+    or its `TPU_EXTRAS`), its own class constants (`FLOPS_PER_ELEMENT`, `KERNEL`, ...), and
+    its name at the Tpu level (`top.silu` -> `tpu.silu`, class `SiluOp` of this module)."""
+    extras = TPU_EXTRAS.get(op)
+    bases = ((extras,) if extras is not None
+             else (*(b for b in op.__bases__ if b is not top.TopOp), TpuOp))
     kind = op.op_kind()
-    twin = type(op.__name__, (top.UnaryOp, TpuOp), {
-        "name": f"tpu.{kind}", "FLOPS_PER_ELEMENT": op.FLOPS_PER_ELEMENT,
-        "__annotations__": {"FLOPS_PER_ELEMENT": ClassVar[int]},
-        "__module__": __name__, "__qualname__": op.__name__,
-        "__doc__": f"`top.{kind}` on the chip (storage type in the result, `compute` type)."})
+    constants = {k: v for k, v in vars(op).items() if k.isupper()}
+    doc = (extras.__doc__ if extras is not None else
+           f"`top.{kind}` on the chip: its storage type in the result, its `compute` type.")
+    twin = type(op.__name__, bases, {
+        **constants, "name": f"tpu.{kind}",
+        "__annotations__": {k: ClassVar[type(v)] for k, v in constants.items()},
+        "__module__": __name__, "__qualname__": op.__name__, "__doc__": doc})
     return irdl_op_definition(twin)
 
 
-#: Top unary elementwise op -> its Tpu counterpart, derived (`top.UNARY_ELEMENTWISE`); each is
-#: also a module attribute by its class name (`tpu.SiluOp`, see `__getattr__`)
+#: Top op class -> its Tpu twin (same operands, attributes and shape semantics), derived
+#: for every op of the Top dialect
+TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
+    op: _derive_twin(op) for op in top.Top.operations if issubclass(op, ShapedOp)}
+
+B = TypeVar("B", bound=ShapedOp)
+
+
+def twin(op: type[ShapedOp]) -> type[TpuOp]:
+    """The Tpu twin of Top op class `op` (`TPU_OF_TOP`)."""
+    return TPU_OF_TOP[op]
+
+
+def _twin_as(op: type[ShapedOp], base: type[B]) -> type[B]:
+    """The Tpu twin of `op`, typed as `base`, a class it derives from (its Top base class:
+    what a type checker needs to see its operands and attributes)."""
+    t = TPU_OF_TOP[op]
+    assert issubclass(t, base), (t, base)
+    return t
+
+
+# The twins by class name, for code that names them (`tpu.MatMulOp`); a twin without a
+# line here (an op added later) is found by `__getattr__`.
+WeightOp = _twin_as(top.WeightOp, TpuWeight)
+ConstantOp = _twin_as(top.ConstantOp, TpuConstant)
+RsqrtOp = _twin_as(top.RsqrtOp, top.UnaryOp)
+SqrtOp = _twin_as(top.SqrtOp, top.UnaryOp)
+ExpOp = _twin_as(top.ExpOp, top.UnaryOp)
+CosOp = _twin_as(top.CosOp, top.UnaryOp)
+SinOp = _twin_as(top.SinOp, top.UnaryOp)
+TanhOp = _twin_as(top.TanhOp, top.UnaryOp)
+SigmoidOp = _twin_as(top.SigmoidOp, top.UnaryOp)
+SiluOp = _twin_as(top.SiluOp, top.UnaryOp)
+ReluOp = _twin_as(top.ReluOp, top.UnaryOp)
+SoftplusOp = _twin_as(top.SoftplusOp, top.UnaryOp)
+GeluOp = _twin_as(top.GeluOp, top.GeluBase)
+PowOp = _twin_as(top.PowOp, top.PowBase)
+AddConstOp = _twin_as(top.AddConstOp, top.ConstBinaryOp)
+SubConstOp = _twin_as(top.SubConstOp, top.ConstBinaryOp)
+MulConstOp = _twin_as(top.MulConstOp, top.ConstBinaryOp)
+DivConstOp = _twin_as(top.DivConstOp, top.ConstBinaryOp)
+AddOp = _twin_as(top.AddOp, top.BinaryOp)
+SubOp = _twin_as(top.SubOp, top.BinaryOp)
+MulOp = _twin_as(top.MulOp, top.BinaryOp)
+DivOp = _twin_as(top.DivOp, top.BinaryOp)
+MaxOp = _twin_as(top.MaxOp, top.BinaryOp)
+MinOp = _twin_as(top.MinOp, top.BinaryOp)
+CompareOp = _twin_as(top.CompareOp, top.CompareBase)
+WhereOp = _twin_as(top.WhereOp, top.WhereBase)
+CastOp = _twin_as(top.CastOp, top.CastBase)
+SoftmaxOp = _twin_as(top.SoftmaxOp, top.SoftmaxBase)
+ReduceOp = _twin_as(top.ReduceOp, top.ReduceBase)
+RmsNormOp = _twin_as(top.RmsNormOp, top.RmsNormBase)
+LayerNormOp = _twin_as(top.LayerNormOp, top.LayerNormBase)
+RopeOp = _twin_as(top.RopeOp, top.RopeBase)
+AttentionOp = _twin_as(top.AttentionOp, top.AttentionBase)
+MatMulOp = _twin_as(top.MatMulOp, top.MatMulBase)
+GatherOp = _twin_as(top.GatherOp, top.GatherBase)
+TopKOp = _twin_as(top.TopKOp, top.TopKBase)
+ScatterOp = _twin_as(top.ScatterOp, top.ScatterBase)
+CumSumOp = _twin_as(top.CumSumOp, top.CumSumBase)
+Conv2dOp = _twin_as(top.Conv2dOp, top.Conv2dBase)
+CausalConv1dOp = _twin_as(top.CausalConv1dOp, top.CausalConv1dBase)
+GatedDeltaRuleOp = _twin_as(top.GatedDeltaRuleOp, top.GatedDeltaRuleBase)
+ReshapeOp = _twin_as(top.ReshapeOp, top.ReshapeBase)
+PermuteOp = _twin_as(top.PermuteOp, top.PermuteBase)
+ExpandOp = _twin_as(top.ExpandOp, top.ExpandBase)
+ConcatOp = _twin_as(top.ConcatOp, top.ConcatBase)
+SliceOp = _twin_as(top.SliceOp, top.SliceBase)
+
+#: Top unary elementwise op -> its Tpu twin (`top.UNARY_ELEMENTWISE`)
 UNARY_ELEMENTWISE: dict[type[top.UnaryOp], type[TpuOp]] = {
-    op: _unary_twin(op) for op in top.UNARY_ELEMENTWISE}
+    op: TPU_OF_TOP[op] for op in top.UNARY_ELEMENTWISE}
 
 
 def __getattr__(name: str) -> type[TpuOp]:
-    """The derived unary ops by class name: `tpu.SiluOp` (PEP 562)."""
-    for op in UNARY_ELEMENTWISE.values():
+    """A twin by its class name where this module names none (PEP 562): `tpu.XOp` of a
+    Top op `top.XOp` added after these lines."""
+    for op in TPU_OF_TOP.values():
         if op.__name__ == name:
             return op
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@irdl_op_definition
-class GeluOp(top.GeluBase, TpuOp):
-    name = "tpu.gelu"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.GeluOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class PowOp(top.PowBase, TpuOp):
-    name = "tpu.pow"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.PowOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class AddConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.add_const"
-
-
-@irdl_op_definition
-class SubConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.sub_const"
-
-
-@irdl_op_definition
-class MulConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.mul_const"
-
-
-@irdl_op_definition
-class DivConstOp(top.ConstBinaryOp, TpuOp):
-    name = "tpu.div_const"
-
-
-@irdl_op_definition
-class AddOp(top.BinaryOp, TpuOp):
-    name = "tpu.add"
-
-
-@irdl_op_definition
-class SubOp(top.BinaryOp, TpuOp):
-    name = "tpu.sub"
-
-
-@irdl_op_definition
-class MulOp(top.BinaryOp, TpuOp):
-    name = "tpu.mul"
-
-
-@irdl_op_definition
-class DivOp(top.BinaryOp, TpuOp):
-    name = "tpu.div"
-
-
-@irdl_op_definition
-class MaxOp(top.BinaryOp, TpuOp):
-    name = "tpu.max"
-
-
-@irdl_op_definition
-class MinOp(top.BinaryOp, TpuOp):
-    name = "tpu.min"
-
-
-@irdl_op_definition
-class CompareOp(top.CompareBase, TpuOp):
-    name = "tpu.compare"
-
-
-@irdl_op_definition
-class WhereOp(top.WhereBase, TpuOp):
-    name = "tpu.where"
-
-
-@irdl_op_definition
-class CastOp(top.CastBase, TpuOp):
-    """Element type conversion (round to nearest even; float -> int truncates)."""
-
-    name = "tpu.cast"
-
-
-# =========================================================================== reductions, norms
-
-
-@irdl_op_definition
-class SoftmaxOp(top.SoftmaxBase, TpuOp):
-    name = "tpu.softmax"
-    FLOPS_PER_ELEMENT: ClassVar[int] = top.SoftmaxOp.FLOPS_PER_ELEMENT
-
-
-@irdl_op_definition
-class ReduceOp(top.ReduceBase, TpuOp):
-    name = "tpu.reduce"
-
-
-@irdl_op_definition
-class RmsNormOp(top.RmsNormBase, TpuOp):
-    name = "tpu.rms_norm"
-
-
-@irdl_op_definition
-class LayerNormOp(top.LayerNormBase, TpuOp):
-    name = "tpu.layer_norm"
-
-
-# =========================================================================== LLM ops
-
-
-@irdl_op_definition
-class RopeOp(top.RopeBase, TpuOp):
-    name = "tpu.rope"
-
-
-@irdl_op_definition
-class AttentionOp(top.AttentionBase, TpuOp):
-    name = "tpu.attention"
+# =========================================================================== Tpu-only ops
 
 
 @irdl_op_definition
@@ -319,6 +294,17 @@ class AttentionPartOp(top.AttentionBase, TpuOp):
     [B, Sq, Hq, Dv + 1] (the last column); `tpu.attention_merge` combines the parts."""
 
     name = "tpu.attention_part"
+    KERNEL: ClassVar[str] = "attention_part"
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("attention_fold",
+                                                           "attention_part_result")
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[:4], {"scale": read_float(self.scale), "causal": read_bool(self.causal)}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[:1], {}
 
     @classmethod
     def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
@@ -337,7 +323,15 @@ class AttentionMergeOp(TpuOp):
     first = operand_def(AnyTensor)
     second = operand_def(AnyTensor)
     output = result_def(AnyTensor)
+    assembly_format = (
+        "$first `,` $second attr-dict `:` type($first) `,` type($second) `->` "
+        "type($output)"
+    )
     CHECK_INFERRED: ClassVar[bool] = False
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return [list(operands)], {"out_dtype": self.result_dtype()}
 
     def verify_(self) -> None:
         shapes = {shape_of(self.first), shape_of(self.second)}
@@ -357,11 +351,6 @@ class AttentionMergeOp(TpuOp):
 
 
 @irdl_op_definition
-class MatMulOp(top.MatMulBase, TpuOp):
-    name = "tpu.matmul"
-
-
-@irdl_op_definition
 class A16MatMulOp(TpuOp):
     """Activations (f16/bf16/f32) times 4/8-bit weights; see the module doc for the math."""
 
@@ -376,9 +365,41 @@ class A16MatMulOp(TpuOp):
     group_size = attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$input `,` $qweight `,` $scales (`zeros` $zeros^)? (`mins` $mins^)? (`bias` "
+        "$bias^)? attr-dict `:` type($input) `,` type($qweight) `,` type($scales) "
+        "(`zeros` type($zeros)^)? (`mins` type($mins)^)? (`bias` type($bias)^)? `->` "
+        "type($output)"
+    )
 
     #: the weight's operands (qweight, scales, zeros, mins) in `operand_groups()` order
     WEIGHT_OPERANDS: ClassVar[slice] = slice(1, 5)
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("a16_matmul_part",
+                                                           "matmul_finish")
+
+    def kernel_arguments(self, operands: Sequence[object]
+                         ) -> tuple[Sequence[object], Mapping[str, object]]:
+        x, q, s, z, m, bias = operands
+        return (x, q, s, z, bias), {**self._weight_params(), "mins": m,
+                                    "out_dtype": self.result_dtype()}
+
+    def converted_weight(self) -> ConvertedWeight:
+        """Its weight (qweight, scales, zeros, mins), dequantized at every run."""
+        return ConvertedWeight("a16", (1, 2, 3, 4), read_int(self.weight_bits),
+                               read_int(self.group_size))
+
+    def _weight_params(self) -> dict[str, object]:
+        return {"bits": read_int(self.weight_bits), "group_size": read_int(self.group_size)}
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of K (whole quantization groups): x's columns, the weights' rows."""
+        return operands[:4], {**self._weight_params(), "mins": operands[4]}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return operands[5:6], {"out_dtype": self.result_dtype(), "like": operands[0]}
 
     def __init__(self, input: SSAValue, qweight: SSAValue, scales: SSAValue,
                  zeros: SSAValue | None, bias: SSAValue | None, *, weight_bits: int,
@@ -471,76 +492,6 @@ class A16MatMulOp(TpuOp):
         return {}
 
 
-@irdl_op_definition
-class GatherOp(top.GatherBase, TpuOp):
-    name = "tpu.gather"
-
-
-@irdl_op_definition
-class TopKOp(top.TopKBase, TpuOp):
-    name = "tpu.topk"
-
-
-@irdl_op_definition
-class ScatterOp(top.ScatterBase, TpuOp):
-    name = "tpu.scatter"
-
-
-@irdl_op_definition
-class CumSumOp(top.CumSumBase, TpuOp):
-    name = "tpu.cumsum"
-
-
-@irdl_op_definition
-class Conv2dOp(top.Conv2dBase, TpuOp):
-    name = "tpu.conv2d"
-
-
-@irdl_op_definition
-class CausalConv1dOp(top.CausalConv1dBase, TpuOp):
-    """`top.causal_conv1d` on the chip: computed in f32 with an f32 weight [C, K] (a
-    depthwise conv's few taps, never quantized); x, y and the conv state in the
-    activation type."""
-
-    name = "tpu.causal_conv1d"
-
-
-@irdl_op_definition
-class GatedDeltaRuleOp(top.GatedDeltaRuleBase, TpuOp):
-    """`top.gated_delta_rule` on the chip: computed in f32; its state operand and
-    new_state result are f32 in every mode (the runtime binds them to one buffer)."""
-
-    name = "tpu.gated_delta_rule"
-
-
-# =========================================================================== data movement
-
-
-@irdl_op_definition
-class ReshapeOp(top.ReshapeBase, TpuOp):
-    name = "tpu.reshape"
-
-
-@irdl_op_definition
-class PermuteOp(top.PermuteBase, TpuOp):
-    name = "tpu.permute"
-
-
-@irdl_op_definition
-class ExpandOp(top.ExpandBase, TpuOp):
-    name = "tpu.expand"
-
-
-@irdl_op_definition
-class ConcatOp(top.ConcatBase, TpuOp):
-    name = "tpu.concat"
-
-
-@irdl_op_definition
-class SliceOp(top.SliceBase, TpuOp):
-    name = "tpu.slice"
-
-
 # =========================================================================== layer groups
 
 
@@ -583,6 +534,7 @@ class GroupOp(IRDLOperation):
     tile_outer = opt_attr_def(IntegerAttr)
     acc = opt_attr_def(IntegerAttr)
     traits = traits_def(IsolatedFromAbove())
+    assembly_format = "`(` $inputs `)` attr-dict `:` functional-type($inputs, $outputs) $body"
 
     def verify_(self) -> None:
         block = self.body.block
@@ -610,11 +562,22 @@ class GroupOp(IRDLOperation):
                                       "blocks' loop is outer) or 1 (the output channels')")
             if len(rc) == 3:
                 _, computes, _ = self.template()
-                if len(computes) != 1 or not isinstance(computes[0], REDUCTION_OPS):
+                if len(computes) != 1 or not splits_reduction(computes[0]):
                     raise VerifyException(
                         "tpu.group with reduction parts computes one matmul, a16_matmul or "
                         "attention (without history), not "
                         f"{', '.join(op.name for op in computes) or 'nothing'}")
+
+    def result_offsets(self) -> list[int] | None:
+        """The activation offsets of its results (`gaddrs`, address-assign's; -1 for a
+        result that is an output), None before address-assign."""
+        offsets = read_ints(self.gaddrs)
+        return offsets if self.gaddrs is not None and len(offsets) == len(self.outputs) \
+            else None
+
+    def set_result_offsets(self, offsets: Sequence[int]) -> None:
+        """Record the activation offsets of its results (address-assign)."""
+        self.gaddrs = i64_array(list(offsets))
 
     def tile_grid(self) -> tuple[int, int, str] | None:
         """(row blocks, output-channel blocks, the outer loop) of a 2-D tiled group, None
@@ -693,19 +656,21 @@ class GroupOp(IRDLOperation):
             n *= count
         return n
 
-    def template(self) -> tuple[list[LoadOp], list[Operation], list[StoreOp]]:
+    def template(self) -> tuple[list[LoadOp], list[TpuOp], list[StoreOp]]:
         """The body's loads, compute ops and stores, each in program order (the yield left
         out): the template every slice of the group runs."""
         loads: list[LoadOp] = []
-        computes: list[Operation] = []
+        computes: list[TpuOp] = []
         stores: list[StoreOp] = []
         for op in self.body.block.ops:
             if isinstance(op, LoadOp):
                 loads.append(op)
             elif isinstance(op, StoreOp):
                 stores.append(op)
-            elif not isinstance(op, YieldOp):
+            elif isinstance(op, TpuOp):
                 computes.append(op)
+            elif not isinstance(op, YieldOp):
+                raise VerifyException(f"tpu.group holds '{op.name}', not a Tpu op")
         return loads, computes, stores
 
     def computed_by(self, index: int) -> Operation | None:
@@ -721,20 +686,27 @@ class GroupOp(IRDLOperation):
 #: the loops of a 2-D tiled group: over row blocks and over output-channel blocks
 TILE_LOOPS = ("rows", "cols")
 
-#: the ops a tiled group may split the reduction of in parts (see `GroupOp`)
-REDUCTION_OPS = (MatMulOp, A16MatMulOp, AttentionOp, AttentionPartOp)
+#: a stage of a grouped function: a layer group, or a collective between two of them
+Stage = GroupOp | dev.CollectiveOp
+
+
+def stages(block: Block) -> list[Stage]:
+    """The stages of a grouped function's block in program order: its layer groups and
+    the collectives between them (what codegen emits and address-assign places)."""
+    return [op for op in block.ops if isinstance(op, GroupOp | dev.CollectiveOp)]
+
+
+def splits_reduction(op: Operation) -> bool:
+    """Whether a tiled group may split `op`'s reduction in parts (`GroupOp`): its class
+    declares the kernels (`ShapedOp.REDUCTION_KERNELS`)."""
+    return isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
 
 
 def accumulator_type(op: Operation) -> TensorType:
-    """The f32 accumulator of a reduction split in parts (`GroupOp` with three `tiles`): a
-    matmul's product [.., M, N]; an attention's running state per KV head, query head of
-    it and query row: max, sum and weighted values, [B, Hkv, Hq / Hkv, Sq, 2 + Dv]
-    (`kernels.OnlineSoftmax`)."""
-    if isinstance(op, top.AttentionBase):
-        b, sq, hq, _ = shape_of(op.q)
-        hkv = shape_of(op.k)[2]
-        return tensor((b, hkv, hq // hkv, sq, 2 + shape_of(op.v)[3]), f32)
-    return tensor(shape_of(op.results[0]), f32)
+    """The f32 accumulator of a reduction split in parts (`GroupOp` with three `tiles`;
+    `ShapedOp.accumulator_type`)."""
+    assert isinstance(op, ShapedOp)
+    return op.accumulator_type()
 
 
 @irdl_op_definition
@@ -742,6 +714,7 @@ class YieldOp(IRDLOperation):
     name = "tpu.yield"
     values = var_operand_def(AnyTensor)
     traits = traits_def(IsTerminator(), HasParent(GroupOp), Pure())
+    assembly_format = "attr-dict ($values^ `:` type($values))?"
 
 
 @irdl_op_definition
@@ -754,7 +727,9 @@ class LoadOp(TpuOp):
     slice_axis = attr_def(IntegerAttr)
     tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     CHECK_INFERRED: ClassVar[bool] = False
+    STRUCTURAL: ClassVar[bool] = True  # run by its group
 
     def verify_(self) -> None:
         verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes)
@@ -770,7 +745,9 @@ class StoreOp(TpuOp):
     slice_axis = attr_def(IntegerAttr)
     tile_axes = opt_attr_def(DenseArrayBase)
     output = result_def(AnyTensor)
+    assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     CHECK_INFERRED: ClassVar[bool] = False
+    STRUCTURAL: ClassVar[bool] = True  # run by its group
 
     def verify_(self) -> None:
         verify_slice(self.output, self.input, read_int(self.slice_axis), self, self.tile_axes)
@@ -862,51 +839,13 @@ def regions_of(fn: func.FuncOp) -> dict[str, int] | None:
     return attr.sizes() if isinstance(attr, RegionsAttr) else None
 
 
-#: Top op class -> its Tpu counterpart (same operands, attributes and shape semantics)
-TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
-    top.WeightOp: WeightOp,
-    top.ConstantOp: ConstantOp,
-    **UNARY_ELEMENTWISE,
-    top.GeluOp: GeluOp,
-    top.PowOp: PowOp,
-    top.AddConstOp: AddConstOp,
-    top.SubConstOp: SubConstOp,
-    top.MulConstOp: MulConstOp,
-    top.DivConstOp: DivConstOp,
-    top.AddOp: AddOp,
-    top.SubOp: SubOp,
-    top.MulOp: MulOp,
-    top.DivOp: DivOp,
-    top.MaxOp: MaxOp,
-    top.MinOp: MinOp,
-    top.CompareOp: CompareOp,
-    top.WhereOp: WhereOp,
-    top.CastOp: CastOp,
-    top.SoftmaxOp: SoftmaxOp,
-    top.ReduceOp: ReduceOp,
-    top.RmsNormOp: RmsNormOp,
-    top.LayerNormOp: LayerNormOp,
-    top.RopeOp: RopeOp,
-    top.AttentionOp: AttentionOp,
-    top.MatMulOp: MatMulOp,
-    top.GatherOp: GatherOp,
-    top.TopKOp: TopKOp,
-    top.ScatterOp: ScatterOp,
-    top.CumSumOp: CumSumOp,
-    top.Conv2dOp: Conv2dOp,
-    top.CausalConv1dOp: CausalConv1dOp,
-    top.GatedDeltaRuleOp: GatedDeltaRuleOp,
-    top.ReshapeOp: ReshapeOp,
-    top.PermuteOp: PermuteOp,
-    top.ExpandOp: ExpandOp,
-    top.ConcatOp: ConcatOp,
-    top.SliceOp: SliceOp,
-}
-
-
 Tpu = Dialect(
     "tpu",
     [*TPU_OF_TOP.values(), A16MatMulOp, AttentionPartOp, AttentionMergeOp, GroupOp, YieldOp,
      LoadOp, StoreOp],
     [RegionsAttr],
 )
+
+#: the Tpu ops a tiled group may split the reduction of in parts (`splits_reduction`)
+REDUCTION_OPS: tuple[type[ShapedOp], ...] = tuple(
+    op for op in Tpu.operations if issubclass(op, ShapedOp) and op.REDUCTION_KERNELS)

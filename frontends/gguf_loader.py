@@ -1,20 +1,33 @@
 """A llama.cpp GGUF file (or a directory holding exactly one) as a streamed model.
 
-The file is untrusted input. `scan_gguf` walks its whole header first, in pure Python over
-the mapped bytes, with every field checked before it is used: the magic and version, the
-key/value and tensor counts against the bytes left, every string length, every value type,
-the alignment, every tensor's dimensions, type and data range (inside the file, aligned).
-Only then are the file's config and tokenizer read, as transformers' GGUF loader maps them
-(`AutoConfig` / `AutoTokenizer.from_pretrained(dir, gguf_file=...)`: llama and qwen2
-metadata to their HF configs, the GGUF vocabulary to a `tokenizers` tokenizer.json, its
-chat template and special ids), and the tensors by their names (names are data: looked up
-in a fixed table, never used as paths).
+The file is untrusted input, read as strictly as a safetensors checkpoint. `scan_gguf`
+walks its whole header first, in pure Python over the mapped bytes, with every field
+checked before it is used: the magic and version, the key/value and tensor counts against
+the bytes left, every string length, every value type, the alignment, every tensor's
+dimensions and type, and its data where llama.cpp requires it (`_tensor_infos`: each
+tensor's offset where the one before it ends, aligned — no overlap, no gap —, inside the
+file). Arrays are kept as `GGUFArray` (type, count, place), never read as a scalar, and
+bounded before anything reads them (`check_arrays`: the tokenizer's arrays one element per
+token and no more tokens than the embedding's rows, merges at most MERGES_PER_TOKEN a row,
+every other array OTHER_ARRAY_ELEMENTS in all, the special token ids among the tokens, and
+what reading them costs against the host's memory: gguf's reader, which transformers
+uses, keeps ~1.6 KB per element). `check_metadata` then checks that what transformers maps
+into the config and tokenizer is of its kind (a positive integer, a positive finite
+number, a string, a bool: a one-element array, which transformers takes as its element,
+is refused). Only then are the file's config and tokenizer read, as transformers' GGUF
+loader maps them (`AutoConfig` / `AutoTokenizer.from_pretrained(dir, gguf_file=...)`:
+llama and qwen2 metadata to their HF configs, the GGUF vocabulary to a `tokenizers`
+tokenizer.json, its chat template and special ids), and the tensors by their names (names
+are data: looked up in a fixed table, never used as paths). `gguf_text_config` gives the
+sizes the compile request is checked against before that (the context length bounds
+`--seq-length`).
 
 The tensors stream like a safetensors checkpoint's (`frontends.streaming`): a skeleton with
 layer 0 real and the embedding / lm_head as placeholders, every layer's tensors read from
-the mapped file (`gguf.GGUFReader`) one tensor at a time when its chunk is written, llama's
-q/k rows permuted back from llama.cpp's rope layout (what transformers'
-`LlamaTensorProcessor` does).
+the mapped file (`GGUFTensors.raw`: views of toptpu's own mapping, the file's size checked
+before each read) one tensor at a time when its chunk is written, llama's q/k rows permuted
+back from llama.cpp's rope layout (what transformers' `LlamaTensorProcessor` does). A
+tensor with NaN or infinity (a quantized type's scales or mins) is refused, naming it.
 
 Tensor types: F32, F16, BF16 as float; the decoder layers' linears of the types in
 `EXACT_TYPES` exactly, as a pre-quantized checkpoint (`GGUFCheckpoint`, for
@@ -61,6 +74,7 @@ import gguf
 import numpy as np
 
 from toptpu.backend.contract import ModelDirFileError, model_file_path
+from toptpu.dialects.output_file import note_input
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -144,16 +158,37 @@ class GGUFTensorInfo:
 
 
 @dataclass(frozen=True)
+class GGUFArray:
+    """A metadata array, checked but not read: its element type id, its element count and
+    where its elements start in the file."""
+
+    etype: int
+    count: int
+    offset: int
+
+    @property
+    def type_name(self) -> str:
+        return _VALUE_TYPES[self.etype][0]
+
+    def __repr__(self) -> str:
+        return f"an array of {self.count} {self.type_name} element" + \
+            ("" if self.count == 1 else "s")
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     path: str
     version: int
-    fields: dict[str, Any]  # scalar and string values; arrays as their length
+    fields: dict[str, Any]  # scalar and string values; arrays as `GGUFArray`
     tensors: dict[str, GGUFTensorInfo]
+    data_start: int = 0  # where the tensor data starts (aligned)
 
 
 def gguf_file_of(source: Any) -> str | None:
     """The GGUF file `source` names: a file starting with the GGUF magic (or named *.gguf),
-    or a directory without config.json holding exactly one *.gguf file; None otherwise."""
+    or a directory without config.json holding exactly one *.gguf file; None otherwise.
+    A path named *.gguf that is missing or not a regular file (a FIFO, a device) is a
+    GGUFError saying so (never mistaken for a model directory)."""
     if not isinstance(source, str | os.PathLike):
         return None
     path = os.fspath(source)
@@ -175,10 +210,19 @@ def gguf_file_of(source: Any) -> str | None:
             raise GGUFError(str(e)) from None
         assert inside is not None
         return inside
+    if path.lower().endswith(".gguf"):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise GGUFError(f"the GGUF file '{path}' does not exist") from None
+        except OSError as e:
+            raise GGUFError(f"cannot read the GGUF file '{path}': {e.strerror or e}") from None
+        if not stat.S_ISREG(mode):
+            raise GGUFError(f"'{path}' is {_node_kind(mode)}, not a GGUF file: pass a "
+                            "regular file")
+        return path
     if not os.path.isfile(path):
         return None
-    if path.lower().endswith(".gguf"):
-        return path
     try:
         with open(path, "rb") as f:
             return path if f.read(4) == GGUF_MAGIC else None
@@ -186,7 +230,33 @@ def gguf_file_of(source: Any) -> str | None:
         return None
 
 
+def _node_kind(mode: int) -> str:
+    """What a file that is not a regular file is, as a message names it."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 # --------------------------------------------------------------------------- header scan
+
+#: the tokenizer's arrays: one element per token (tokens, scores, token types), or the BPE
+#: merges; every other array is bounded by OTHER_ARRAY_ELEMENTS in all
+TOKEN_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+MERGES = "tokenizer.ggml.merges"
+#: most elements of the arrays other than the tokenizer's, all together (real files hold a
+#: few: rope sections, tags, languages)
+OTHER_ARRAY_ELEMENTS = 1 << 16
+#: most BPE merges per row of the embedding (Llama 3: 280147 merges, 128256 rows: 2.2)
+MERGES_PER_TOKEN = 4
+#: what reading one metadata array element costs in memory: gguf's reader (which
+#: transformers uses for the config and the tokenizer) keeps a numpy view per element,
+#: measured at 0.7 KB for a number and 1.6 KB for a string, and transformers a Python value
+READ_BYTES_PER_ELEMENT = 2048
+#: the share of the host's available memory the metadata may take while it is read
+METADATA_MEMORY_SHARE = 0.5
 
 
 class _Cursor:
@@ -236,37 +306,48 @@ def _value(c: _Cursor, vtype: int, key: str) -> Any:
         esize = _VALUE_TYPES[etype][1]
         if count * (esize or 8) > c.size - c.pos:  # a string takes at least its length
             raise c.fail(f"metadata array '{key}' claims {count} elements")
+        at = c.pos
         if etype == _STRING:
             for i in range(count):
                 n = c.unpack("Q", f"the length of '{key}'[{i}]")
                 c.take(n, f"'{key}'[{i}]")
         else:
             c.take(count * esize, f"the elements of '{key}'")
-        return count
+        return GGUFArray(etype, count, at)
     fmt = {"uint8": "B", "int8": "b", "uint16": "H", "int16": "h", "uint32": "I",
            "int32": "i", "float32": "f", "bool": "?", "uint64": "Q", "int64": "q",
            "float64": "d"}[name]
     return c.unpack(fmt, f"the value of '{key}'")
 
 
-def scan_gguf(path: str) -> GGUFHeader:
-    """Read and check a GGUF file's whole header (see the module doc); a GGUFError naming
-    the file and the field otherwise. Bounded by the file's size: every count is checked
-    against the bytes left before anything is read for it."""
-    try:  # without blocking: a FIFO swapped in after the checks cannot hang
+def _open_mapped(path: str) -> mmap.mmap:
+    """The regular file `path` mapped read-only (opened without blocking: a FIFO swapped
+    in after the checks cannot hang)."""
+    try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise GGUFError(f"{path} is not a regular file")
+                raise GGUFError(f"'{path}' is {_node_kind(st.st_mode)}, not a GGUF file: pass "
+                                "a regular file")
+            note_input(f.fileno())
             size = st.st_size
             if size < 24:
                 raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header")
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise GGUFError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def scan_gguf(path: str) -> GGUFHeader:
+    """Read and check a GGUF file's whole header (see the module doc); a GGUFError naming
+    the file and the field otherwise. Bounded by the file's size: every count is checked
+    against the bytes left before anything is read for it; the arrays are bounded by the
+    vocabulary the embedding really holds (`check_arrays`)."""
+    buf = _open_mapped(path)
     try:
         c = _Cursor(buf, path)
+        size = c.size
         if bytes(buf[:4]) != GGUF_MAGIC:
             raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
         c.pos = 4
@@ -288,8 +369,7 @@ def scan_gguf(path: str) -> GGUFHeader:
             vtype = c.unpack("I", f"the type of '{key}'")
             fields[key] = _value(c, vtype, key)
         align = fields.get("general.alignment", 32)
-        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 \
-                or align & (align - 1) or align > 1 << 16:
+        if not _is_int(align) or align <= 0 or align & (align - 1) or align > 1 << 16:
             raise GGUFError(f"{path}: general.alignment {align!r} is not a power of two up "
                             "to 65536")
         infos: list[tuple[str, tuple[int, ...], int, int]] = []
@@ -303,31 +383,149 @@ def scan_gguf(path: str) -> GGUFHeader:
             offset = c.unpack("Q", f"the data offset of tensor '{name}'")
             infos.append((name, ne, ttype, offset))
         data_start = -(-c.pos // align) * align
-        tensors: dict[str, GGUFTensorInfo] = {}
-        for name, ne, ttype, offset in infos:
-            where = f"{path}: tensor '{name}'"
-            try:
-                qtype = gguf.GGMLQuantizationType(ttype)
-            except ValueError:
-                raise GGUFError(f"{where} has unknown type {ttype}") from None
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            if any(d <= 0 or d > size * block for d in ne):
-                raise GGUFError(f"{where} has dimensions {list(ne)}")
-            if ne[0] % block:
-                raise GGUFError(f"{where}: its rows of {ne[0]} are not a multiple of "
-                                f"{qtype.name}'s block of {block}")
-            nbytes = math.prod(ne) // block * type_size
-            at = data_start + offset
-            if offset % align or at + nbytes > size:
-                raise GGUFError(f"{where}: its {nbytes} bytes at offset {offset} lie outside "
-                                f"the file ({size} bytes, data from byte {data_start}) or are "
-                                f"not aligned to {align}")
-            if name in tensors:
-                raise GGUFError(f"{where} appears twice")
-            tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), qtype.name, at, nbytes)
-        return GGUFHeader(path, version, fields, tensors)
+        tensors = _tensor_infos(path, infos, data_start, align, size)
+        header = GGUFHeader(path, version, fields, tensors, data_start)
+        check_arrays(header)
+        return header
     finally:
         buf.close()
+
+
+def _tensor_infos(path: str, infos: list[tuple[str, tuple[int, ...], int, int]],
+                  data_start: int, align: int, size: int) -> dict[str, GGUFTensorInfo]:
+    """The tensor infos checked: a known type, dimensions a whole number of blocks, and the
+    data laid out as llama.cpp requires — each tensor's offset is where the one before it
+    ends, padded to the alignment (so no two tensors share a byte), inside the file."""
+    tensors: dict[str, GGUFTensorInfo] = {}
+    expected = 0  # where the next tensor's data must start (relative to data_start)
+    for name, ne, ttype, offset in infos:
+        where = f"{path}: tensor '{name}'"
+        if name in tensors:
+            raise GGUFError(f"{where} appears twice")
+        try:
+            qtype = gguf.GGMLQuantizationType(ttype)
+        except ValueError:
+            raise GGUFError(f"{where} has unknown type {ttype}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if any(d <= 0 or d > size * block for d in ne):
+            raise GGUFError(f"{where} has dimensions {list(ne)}")
+        if ne[0] % block:
+            raise GGUFError(f"{where}: its rows of {ne[0]} are not a multiple of "
+                            f"{qtype.name}'s block of {block}")
+        nbytes = math.prod(ne) // block * type_size
+        at = data_start + offset
+        if offset % align or at + nbytes > size:
+            raise GGUFError(f"{where}: its {nbytes} bytes at offset {offset} lie outside "
+                            f"the file ({size} bytes, data from byte {data_start}) or are "
+                            f"not aligned to {align}")
+        if offset != expected:
+            raise GGUFError(f"{where} has data offset {offset}, expected {expected} (where the "
+                            "tensor before it ends, aligned): tensor data must follow the "
+                            "tensor infos' order without gaps or overlaps, as llama.cpp "
+                            "requires; the file is corrupt or edited: re-convert it")
+        expected = offset + -(-nbytes // align) * align
+        tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), qtype.name, at, nbytes)
+    return tensors
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _array_problem(header: GGUFHeader, key: str, etypes: tuple[str, ...]) -> str | None:
+    v = header.fields.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, GGUFArray):
+        return f"metadata '{key}' is {_shown(v)}, an array of {' or '.join(etypes)} expected"
+    if v.type_name not in etypes:
+        return f"metadata '{key}' is {v!r}, an array of {' or '.join(etypes)} expected"
+    return None
+
+
+def _shown(v: Any) -> str:
+    """A metadata value as a message shows it (short)."""
+    if isinstance(v, GGUFArray):
+        return repr(v)
+    if isinstance(v, bool):
+        return f"the bool {str(v).lower()}"
+    if isinstance(v, str):
+        return f"the string {v[:40]!r}" + ("..." if len(v) > 40 else "")
+    return f"the {type(v).__name__} {v!r}"
+
+
+def check_arrays(header: GGUFHeader) -> None:
+    """The metadata arrays, before anything reads them: the tokenizer's of the types the
+    format gives them, one element per token and at most as many tokens as the embedding
+    has rows (token_embd.weight), the merges at most MERGES_PER_TOKEN per row, every other
+    array at most OTHER_ARRAY_ELEMENTS elements in all, the special token ids among the
+    tokens; and what reading them costs (READ_BYTES_PER_ELEMENT each) against the host's
+    available memory."""
+    path, fields = header.path, header.fields
+    for key, etypes in (("tokenizer.ggml.tokens", ("string",)),
+                        ("tokenizer.ggml.scores", ("float32",)),
+                        ("tokenizer.ggml.token_type", ("int32",)),
+                        (MERGES, ("string",))):
+        problem = _array_problem(header, key, etypes)
+        if problem:
+            raise GGUFError(f"{path}: {problem}")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.count if isinstance(tokens, GGUFArray) else None
+    embd = header.tensors.get("token_embd.weight")
+    rows = embd.shape[0] if embd is not None else None
+    if n_tokens is not None and rows is not None and n_tokens > rows:
+        raise GGUFError(f"{path}: its tokenizer has {n_tokens} tokens, more than the "
+                        f"{rows} rows of token_embd.weight (the vocabulary): ids from {rows} "
+                        "on would have no embedding; the file is corrupt or mismatched")
+    for key in TOKEN_ARRAYS[1:]:
+        v = fields.get(key)
+        if isinstance(v, GGUFArray) and v.count != n_tokens:
+            raise GGUFError(f"{path}: metadata '{key}' has {v.count} elements, "
+                            f"tokenizer.ggml.tokens {n_tokens}: one per token expected")
+    merges = fields.get(MERGES)
+    if isinstance(merges, GGUFArray) and rows is not None \
+            and merges.count > MERGES_PER_TOKEN * rows:
+        raise GGUFError(f"{path}: metadata '{MERGES}' has {merges.count} merges, more than "
+                        f"{MERGES_PER_TOKEN} per row of the {rows}-row embedding; the file is "
+                        "corrupt")
+    others = [(k, v) for k, v in fields.items()
+              if isinstance(v, GGUFArray) and k not in (*TOKEN_ARRAYS, MERGES)]
+    total = sum(v.count for _, v in others)
+    if total > OTHER_ARRAY_ELEMENTS:
+        key, v = max(others, key=lambda kv: kv[1].count)
+        raise GGUFError(f"{path}: metadata '{key}' is {v!r}; toptpu reads at most "
+                        f"{OTHER_ARRAY_ELEMENTS} elements of arrays other than the "
+                        "tokenizer's (tokens, scores, token types, merges) in all")
+    for key, v in fields.items():
+        if not (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")):
+            continue
+        if not _is_int(v) or v < 0:
+            raise GGUFError(f"{path}: metadata '{key}' is {_shown(v)}, a token id (an "
+                            "integer >= 0) expected")
+        if n_tokens is not None and v >= n_tokens:
+            raise GGUFError(f"{path}: metadata '{key}' is {v}, not one of the tokenizer's "
+                            f"{n_tokens} token ids (0 to {n_tokens - 1})")
+    elements = total + sum(v.count for k, v in fields.items()
+                           if isinstance(v, GGUFArray) and k in (*TOKEN_ARRAYS, MERGES))
+    need = elements * READ_BYTES_PER_ELEMENT
+    available = _mem_available()
+    if available is not None and need > METADATA_MEMORY_SHARE * available:
+        raise GGUFError(f"{path}: its metadata holds {elements} array elements, which take "
+                        f"about {need / 2**30:.1f} GiB to read ({READ_BYTES_PER_ELEMENT} bytes "
+                        f"each), more than half of this host's available memory "
+                        f"({available / 2**30:.1f} GiB)")
+
+
+def _mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's available memory in bytes (MemAvailable), None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 # --------------------------------------------------------------------------- tensors
@@ -366,13 +564,11 @@ class GGUFTensors:
                 raise GGUFError(f"{header.path}: tensor '{name[:200]}' is not a tensor of a "
                                 f"{arch} model toptpu knows")
             self.by_hf[hf] = info
-        try:
-            self.reader = gguf.GGUFReader(header.path, "r")
-        except Exception as e:  # noqa: BLE001 - the reader raises many types
-            raise GGUFError(f"{header.path}: gguf cannot read it: {str(e)[:200]}") from None
-        self.data = {t.name: t for t in self.reader.tensors}
-        if set(self.data) != set(header.tensors):
-            raise GGUFError(f"{header.path}: gguf's reader sees other tensors than its header")
+        self._map: mmap.mmap | None = _open_mapped(header.path)
+        if len(self._map) < max((i.offset + i.nbytes for i in header.tensors.values()),
+                                default=0):
+            raise GGUFError(f"{header.path} was truncated after its header was read: copy "
+                            "it again")
 
     @property
     def tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -409,18 +605,39 @@ class GGUFTensors:
                     "--dequantize MODE (e.g. --dequantize f32) to dequantize it and compile "
                     "in MODE")
 
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's data as gguf's reader gives it (a read-only view of the mapped
+        file): F32 / F16 as floats in HF order, every other type as bytes [rows..., bytes
+        per row]; checked to lie inside the file as it is now (a file truncated since it
+        was scanned is an error, never a SIGBUS)."""
+        if self._map is None:
+            raise GGUFError(f"{self.header.path} was closed")
+        try:
+            size = self._map.size()  # the file's size now (an fstat)
+        except (OSError, ValueError):
+            size = 0
+        if size < info.offset + info.nbytes:
+            raise GGUFError(f"{self.header.path} was truncated while it was being read "
+                            f"(tensor '{info.name}'): copy it again")
+        qtype = gguf.GGMLQuantizationType[info.type_name]
+        view = np.frombuffer(self._map, np.uint8, info.nbytes, info.offset)
+        if info.type_name in ("F32", "F16"):
+            return view.view(np.float32 if info.type_name == "F32" else np.float16).reshape(
+                info.shape)
+        return view.reshape(gguf.quants.quant_shape_to_byte_shape(info.shape, qtype))
+
     def tensor(self, name: str) -> np.ndarray:
         info = self.by_hf.get(name)
         if info is None:
             raise GGUFError(f"{self.header.path} has no tensor for '{name}'")
-        t = self.data[info.name]
+        data = self.raw(info)
         try:
             if info.type_name == "F32":
-                out = np.array(t.data, dtype=np.float32)
+                out = np.array(data, dtype=np.float32)
             elif info.type_name in ("F16", "BF16") or self.dequantize is not None \
                     or info.type_name in EXACT_TYPES:
-                out = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                                 dtype=np.float32)
+                out = np.asarray(gguf.quants.dequantize(
+                    data, gguf.GGMLQuantizationType[info.type_name]), dtype=np.float32)
             else:
                 self.check_types()
                 raise AssertionError("unreachable")
@@ -429,7 +646,18 @@ class GGUFTensors:
         except Exception as e:  # noqa: BLE001 - gguf's dequantizers raise many types
             raise GGUFError(f"{self.header.path}: tensor '{info.name}' ({info.type_name}) "
                             f"cannot be dequantized: {str(e)[:200]}") from None
+        self._check_finite(info, out)
         return np.ascontiguousarray(self.unpermuted(name, out.reshape(info.shape)))
+
+    def _check_finite(self, info: GGUFTensorInfo, *arrays: np.ndarray | None) -> None:
+        """NaN or infinity in a tensor (its values, or a quantized type's scales and mins)
+        is refused, naming the tensor: no weight of a model is not finite."""
+        for a in arrays:
+            if a is not None and not np.isfinite(a).all():
+                what = "values" if info.type_name in FLOAT_TYPES else "scales or mins"
+                raise GGUFError(f"{self.header.path}: tensor '{info.name}' "
+                                f"({info.type_name}) has NaN or infinite {what}: the file is "
+                                "damaged; re-download or re-convert it")
 
     def unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
         """`rows` (the rows of the tensor `name`, any trailing shape) in HF order: llama's
@@ -444,26 +672,31 @@ class GGUFTensors:
         """An exact linear's stored form (`ExactForm`, `decode_blocks`), rows in HF order."""
         info = self.by_hf[name]
         n, k = info.shape
-        raw = np.asarray(self.data[info.name].data, dtype=np.uint8).reshape(n, -1)
+        raw = np.asarray(self.raw(info), dtype=np.uint8).reshape(n, -1)
         try:
             form = decode_blocks(raw, info.type_name, k)
         except ValueError as e:
             raise GGUFError(f"{self.header.path}: tensor '{info.name}': {e}") from None
+        self._check_finite(info, form.scales, form.mins)
         parts = (form.q, form.scales, form.zeros, form.mins)
         return ExactForm(*(None if a is None else np.ascontiguousarray(self.unpermuted(name, a))
                            for a in parts))
 
     def release(self) -> None:
         """Drop the mapped pages read so far from the resident set."""
-        mm = getattr(self.reader.data, "_mmap", None)
-        if mm is not None:
+        if self._map is not None:
             try:
-                mm.madvise(mmap.MADV_DONTNEED)
+                self._map.madvise(mmap.MADV_DONTNEED)
             except (OSError, ValueError, AttributeError):
                 pass
 
     def close(self) -> None:
-        self.data.clear()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # views of it are alive: unmapped when they are collected
+                pass
+            self._map = None
 
 
 class GGUFCheckpoint:
@@ -615,24 +848,86 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 # --------------------------------------------------------------------------- loading
 
 
+#: the metadata transformers maps into the config and the tokenizer (its
+#: GGUF_TO_TRANSFORMERS_MAPPING for llama / qwen2 / qwen3), by the kind of value each must
+#: be: a one-element array taken as its element (what transformers does with every
+#: array) must never pass for a scalar
+_ARCH_INTS = ("context_length", "block_count", "feed_forward_length", "embedding_length",
+              "attention.head_count", "attention.head_count_kv", "rope.dimension_count",
+              "vocab_size", "attention.key_length", "attention.value_length")
+_REQUIRED_INTS = ("block_count", "embedding_length", "feed_forward_length",
+                  "attention.head_count")
+_ARCH_FLOATS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
+_STRINGS = ("general.architecture", "general.name", "tokenizer.ggml.model",
+            "tokenizer.ggml.pre", "tokenizer.chat_template")
+_BOOLS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+          "tokenizer.ggml.add_space_prefix")
+
+
+def check_metadata(header: GGUFHeader) -> str:
+    """The metadata the config and tokenizer are made of, each of the kind of value it must
+    be (a positive integer, a positive finite number, a string, a bool; never an array in
+    their place); the architecture."""
+    path, fields = header.path, header.fields
+
+    def refuse(key: str, want: str) -> GGUFError:
+        return GGUFError(f"{path}: metadata '{key}' is {_shown(fields[key])}, {want} "
+                         "expected; the file is corrupt or edited: re-convert it")
+
+    for key in _STRINGS:
+        if key in fields and not isinstance(fields[key], str):
+            raise refuse(key, "a string")
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: general.architecture {str(arch)[:60]!r}: toptpu compiles "
+                        f"GGUF {', '.join(ARCHITECTURES)} models")
+    for key in _ARCH_INTS:
+        name = f"{arch}.{key}"
+        if name not in fields:
+            if key in _REQUIRED_INTS:
+                raise GGUFError(f"{path}: metadata '{name}' is missing, a positive integer "
+                                "expected")
+            continue
+        if not _is_int(fields[name]) or fields[name] <= 0:
+            raise refuse(name, "a positive integer")
+    for key in _ARCH_FLOATS:
+        name = f"{arch}.{key}"
+        v = fields.get(name)
+        if name in fields and not (isinstance(v, int | float) and not isinstance(v, bool)
+                                   and math.isfinite(v) and v > 0):
+            raise refuse(name, "a positive finite number")
+    for key in _BOOLS:
+        if key in fields and not isinstance(fields[key], bool):
+            raise refuse(key, "a bool")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.model"):
+        if key not in fields:
+            raise GGUFError(f"{path} has no '{key}': toptpu takes the tokenizer from the "
+                            "GGUF metadata")
+    return str(arch)
+
+
+def gguf_text_config(path: str) -> tuple[dict[str, Any], str]:
+    """The sizes of a GGUF file's model as a config.json would give them (what the compile
+    request is checked against before any weight is read: `--seq-length` within the
+    context length, the KV cache within the chip), and where they are from."""
+    header = scan_gguf(path)
+    arch = check_metadata(header)
+    fields = header.fields
+    names = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+             "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+             "attention.head_count": "num_attention_heads",
+             "attention.head_count_kv": "num_key_value_heads",
+             "attention.key_length": "head_dim"}
+    cfg = {hf: fields[f"{arch}.{key}"] for key, hf in names.items()
+           if f"{arch}.{key}" in fields}
+    return cfg, f"{path} (its {arch}.context_length)"
+
+
 def _config(header: GGUFHeader) -> tuple[Any, str]:
     from transformers import AutoConfig
 
     path = header.path
-    arch = header.fields.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"{path}: general.architecture {str(arch)[:60]!r}: toptpu compiles "
-                        f"GGUF {', '.join(ARCHITECTURES)} models")
-    for key in ("block_count", "embedding_length", "feed_forward_length",
-                "attention.head_count"):
-        v = header.fields.get(f"{arch}.{key}")
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise GGUFError(f"{path}: metadata '{arch}.{key}' is {v!r}, a positive integer "
-                            "expected")
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.model"):
-        if key not in header.fields:
-            raise GGUFError(f"{path} has no '{key}': toptpu takes the tokenizer from the "
-                            "GGUF metadata")
+    arch = check_metadata(header)
     d, name = os.path.split(os.path.abspath(path))
     try:
         with quiet_transformers():
@@ -644,7 +939,7 @@ def _config(header: GGUFHeader) -> tuple[Any, str]:
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise GGUFError(f"{path}: model_type {raw.get('model_type')!r} is not supported")
     check_config_values(raw, path)
-    return config, str(arch)
+    return config, arch
 
 
 def _tokenizer_files(path: str) -> dict[str, bytes]:

@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import SSAValue
+from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
 
 from toptpu.backend.target.cost import nbytes
-from toptpu.dialects import dev, tpu
-from toptpu.dialects.common import i64_array, i64_attr
+from toptpu.dialects import tpu
+from toptpu.dialects.common import ShapedOp
+from toptpu.dialects.top import weight_name
 from toptpu.errors import ToptpuError
 from toptpu.passes.util import require_level
 
@@ -53,11 +54,10 @@ def assign_function(fn: func.FuncOp) -> dict[str, int]:
     assert isinstance(ret, func.ReturnOp)
     returned = set(ret.operands)
     # the stages in program order: layer groups and the collectives between them
-    stages = [op for op in block.ops if isinstance(op, tpu.GroupOp | dev.CollectiveOp)]
-    groups = [op for op in stages if isinstance(op, tpu.GroupOp)]
-    order = {g: i for i, g in enumerate(stages)}
-    ungrouped = [op.name for op in block.ops if not isinstance(
-        op, tpu.GroupOp | dev.CollectiveOp | tpu.WeightOp | tpu.ConstantOp | func.ReturnOp)]
+    stages = tpu.stages(block)
+    order: dict[Operation, int] = {g: i for i, g in enumerate(stages)}
+    ungrouped = [op.name for op in block.ops if op not in order and op is not ret
+                 and not (isinstance(op, ShapedOp) and op.SOURCE)]
     if ungrouped:
         raise AddressError(f"run layer-group first: ops outside groups {sorted(set(ungrouped))}")
     # activation tensors: stage results that are not function outputs
@@ -81,17 +81,15 @@ def assign_function(fn: func.FuncOp) -> dict[str, int]:
         placed.append((off, size, first, last))
         offsets[v] = off
     act = max((o + s for o, s, _, _ in placed), default=0)
-    for g in groups:
-        g.attributes["gaddrs"] = i64_array([offsets.get(r, -1) for r in g.outputs])
-    for c in stages:
-        if isinstance(c, dev.CollectiveOp):
-            c.attributes["gaddr"] = i64_attr(offsets.get(c.output, -1))
+    for g in stages:
+        g.set_result_offsets([offsets.get(r, -1) for r in g.results])
     const = 0
     for op in block.ops:
         if isinstance(op, tpu.ConstantOp):
             op.pool_offset = const
             const += _align(nbytes(op.output))
-    weights = sum(_align(nbytes(op.output)) for op in block.ops if isinstance(op, tpu.WeightOp))
+    weights = sum(_align(nbytes(op.results[0])) for op in block.ops
+                  if op.results and weight_name(op.results[0]) is not None)
     io = sum(_align(nbytes(a)) for a in block.args) + sum(_align(nbytes(v)) for v in returned)
     return tpu.set_regions(fn, act, const, weights, io).sizes()
 

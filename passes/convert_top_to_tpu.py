@@ -25,11 +25,16 @@ Lowers Top to Tpu, making the chip's type decisions:
 - casts are inserted only where an operand's type differs from what its consumer needs;
   redundant casts fold away.
 
-One rewrite pattern per op family; they share a `Lowering` (mode, weight store, caches).
+One generic pattern lowers every op to its Tpu twin (`tpu.TPU_OF_TOP`) by what the op
+declares (`ShapedOp.tpu_operand_storage`, `tpu_result_storage`, `TPU_COMPUTES_F32`); matmul
+(weight quantization into `tpu.a16_matmul`), cast (its target type is the mode's) and the
+collectives have patterns of their own. They share a `Lowering` (mode, weight store,
+caches).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +48,7 @@ from xdsl.pattern_rewriter import (
     PatternRewriter,
     PatternRewriteWalker,
     RewritePattern,
+    op_type_rewrite_pattern,
 )
 from xdsl.rewriter import InsertPoint
 from xdsl.transforms.dead_code_elimination import region_dce
@@ -52,6 +58,7 @@ from toptpu.dialects.common import (
     DEFAULT_GROUP_SIZE,
     QuantMode,
     ShapedOp,
+    Storage,
     constant_value,
     dtype_from_name,
     dtype_name,
@@ -111,17 +118,22 @@ def _index_derived_ops(fn: func.FuncOp) -> set[Operation]:
         if not is_float(elem_of(arg)):
             derived.add(arg)
     for op in fn.body.block.ops:
-        if isinstance(op, top.WeightOp | top.ConstantOp | top.GatherOp) or not op.results:
+        if not op.results or (isinstance(op, ShapedOp) and (op.SOURCE or op.INDEXES_TABLE)):
             continue  # a gather reads data by index: its result is not position math
         inputs = list(op.operands)
-        sources = [v for v in inputs if not (producer(v, top.WeightOp) or
-                                            producer(v, top.ConstantOp))]
+        sources = [v for v in inputs if not is_source(v)]
         if sources and all(v in derived for v in sources):
             for r in op.results:
                 derived.add(r)
             if any(is_float(elem_of(r)) for r in op.results):
                 ops.add(op)
     return ops
+
+
+def is_source(v: SSAValue) -> bool:
+    """Whether `v` is given to the net (a weight's, a constant's) rather than computed."""
+    owner = producer(v, ShapedOp)
+    return owner is not None and owner.SOURCE
 
 
 @dataclass
@@ -148,6 +160,12 @@ class Lowering:
     def wants(self, op: Operation) -> Attribute:
         """The float type `op`'s float operands must have."""
         return f32 if op in self.index_ops else self.act
+
+    def storage_type(self, op: Operation, storage: Storage) -> Attribute | None:
+        """The element type a float value `op` types as `storage` takes (None: its own)."""
+        if storage == Storage.KEEP:
+            return None
+        return f32 if storage == Storage.F32 else self.wants(op)
 
     # ------------------------------------------------------------------ operands
     def weight(self, top_weight: top.WeightOp, elem: Attribute, rewriter: PatternRewriter
@@ -262,7 +280,8 @@ class Lowering:
     def keep_matmul_float(self, w: top.WeightOp) -> bool:
         if any(k and k in w.tensor_name for k in self.keep_float):
             return True
-        return any(isinstance(u.operation, top.GatherOp) for u in w.output.uses)
+        return any(isinstance(u.operation, ShapedOp) and u.operation.INDEXES_TABLE
+                   for u in w.output.uses)
 
 
 def tpu_elem_of_numpy(dt: np.dtype) -> Attribute:
@@ -273,12 +292,17 @@ def _attrs(op: Operation) -> dict[str, Attribute]:
     return {k: v for k, v in op.attributes.items() if k != "operandSegmentSizes"}
 
 
-def _result_types(lw: Lowering, op: Operation) -> list[Attribute]:
-    out = []
-    for r in op.results:
+def _result_types(lw: Lowering, op: ShapedOp) -> list[Attribute]:
+    """The Tpu op's result types: the storage `op` declares for each (`tpu_result_storage`)
+    in this mode; integer results keep their type."""
+    out: list[Attribute] = []
+    for r, storage in zip(op.results, op.tpu_result_storage(), strict=True):
         t = r.type
         assert isinstance(t, TensorType)
-        out.append(tensor(shape_of(t), lw.result_elem(op, t.element_type)))
+        elem = t.element_type
+        if is_float(elem) and storage != Storage.KEEP:
+            elem = f32 if storage == Storage.F32 else lw.result_elem(op, elem)
+        out.append(tensor(shape_of(t), elem))
     return out
 
 
@@ -286,46 +310,62 @@ class LoweringPattern(RewritePattern):
     def __init__(self, lw: Lowering) -> None:
         self.lw = lw
 
-    def emit(self, op: ShapedOp, operands: list[SSAValue | list[SSAValue] | None],
+    def emit(self, op: ShapedOp, operands: Sequence[SSAValue | Sequence[SSAValue] | None],
              rewriter: PatternRewriter, compute: Attribute | None = None,
-             attrs: dict[str, Attribute] | None = None,
-             cls: type[tpu.TpuOp] | None = None) -> None:
-        cls = cls or tpu.TPU_OF_TOP[type(op)]
+             attrs: dict[str, Attribute] | None = None) -> None:
+        """Replace `op` by its Tpu twin over `operands`, with `op`'s attributes (or
+        `attrs`), its result types in this mode and `compute` (default: the op's
+        declaration, f32 or its result's type)."""
+        cls = tpu.TPU_OF_TOP[type(op)]
         a = _attrs(op) if attrs is None else attrs
         types = _result_types(self.lw, op)
-        a["compute"] = compute or elem_of(types[0])
+        a["compute"] = compute or (f32 if op.TPU_COMPUTES_F32 else elem_of(types[0]))
         new = cls.build(operands, a, types)
         named_like(new, op)
         rewriter.replace(op, new)
 
+    def lower(self, op: ShapedOp, rewriter: PatternRewriter) -> None:
+        """Lower `op` to its twin as it declares: each operand in the type of its
+        `Storage` (`tpu_operand_storage`), cast where it differs."""
+        lw = self.lw
+        groups = op.operand_groups()
+        names = _operand_names(op)
+        values: list[SSAValue | None] = [
+            None if v is None else lw.operand(v, lw.storage_type(op, storage), op, rewriter,
+                                              name)
+            for v, storage, name in zip(groups, op.tpu_operand_storage(), names,
+                                        strict=True)]
+        self.emit(op, op.grouped(values), rewriter)
 
-class LowerElementwise(LoweringPattern):
-    """Unary, binary, scalar, compare and where ops: float operands in the op's type."""
+
+def _operand_names(op: ShapedOp) -> list[str]:
+    """A name per operand in `operand_groups` order (its field; a variadic one's numbered),
+    for the casts inserted before it."""
+    names: list[str] = []
+    for fname, _ in type(op).get_irdl_definition().operands:
+        val = getattr(op, fname)
+        if val is None or isinstance(val, SSAValue):
+            names.append(fname)
+        else:
+            names.extend(f"{fname}{i}" for i in range(len(val)))
+    return names
+
+
+class LowerToTwin(LoweringPattern):
+    """Every Top op other than the sources (weights and constants, lowered where they are
+    used) to its Tpu twin, typed as it declares (`LoweringPattern.lower`)."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.UnaryOp | top.BinaryOp | top.CompareOp | top.WhereOp) \
-                or isinstance(op, tpu.TpuOp):  # (a Tpu op shares its Top op's base class)
+        if type(op) not in tpu.TPU_OF_TOP or not isinstance(op, ShapedOp) or op.SOURCE:
             return
-        if isinstance(op, top.SoftmaxOp):
-            return
-        lw = self.lw
-        want = lw.wants(op)
-        ops: list[SSAValue | list[SSAValue] | None] = []
-        for i, v in enumerate(op.operands):
-            if isinstance(op, top.WhereOp) and i == 0:
-                ops.append(lw.operand(v, None, op, rewriter, "cond"))
-            else:
-                ops.append(lw.operand(v, want, op, rewriter, f"in{i}"))
-        if isinstance(op, top.CompareOp) and not is_float(elem_of(op.lhs)):
-            ops = [lw.operand(v, None, op, rewriter) for v in op.operands]
-        # softplus feeds the delta rule's decay: computed in f32 like the rule itself
-        self.emit(op, ops, rewriter, compute=f32 if isinstance(op, top.SoftplusOp) else None)
+        self.lower(op, rewriter)
 
 
 class LowerCast(LoweringPattern):
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.CastOp):
-            return
+    """cast: to the type its target has in this mode; none where the operand has it."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: top.CastOp, rewriter: PatternRewriter) -> None:
         lw = self.lw
         x = lw.operand(op.input, None, op, rewriter)
         target = lw.result_elem(op, elem_of(op.output))
@@ -336,208 +376,53 @@ class LowerCast(LoweringPattern):
         self.emit(op, [x], rewriter, compute=target, attrs=attrs)
 
 
-class LowerNorms(LoweringPattern):
-    """rms_norm / layer_norm: activations in, f32 weights, f32 compute."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.RmsNormOp | top.LayerNormOp):
-            return
-        lw = self.lw
-        groups = op.operand_groups()
-        ops: list[SSAValue | list[SSAValue] | None] = [
-            lw.operand(groups[0], lw.wants(op), op, rewriter)
-        ]
-        for v in groups[1:]:
-            ops.append(lw.operand(v, f32, op, rewriter, "w") if v is not None else None)
-        self.emit(op, ops, rewriter, compute=f32)
-
-
-class LowerSoftmaxReduce(LoweringPattern):
-    """softmax, reduce, cumsum: in the activation type, accumulated in f32."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.SoftmaxOp | top.ReduceOp | top.CumSumOp):
-            return
-        x = self.lw.operand(op.operands[0], self.lw.wants(op), op, rewriter)
-        self.emit(op, [x], rewriter, compute=f32)
-
-
-class LowerRope(LoweringPattern):
-    """rope: x in the activation type; cos/sin as they come (f32 position math)."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.RopeOp):
-            return
-        lw = self.lw
-        x = lw.operand(op.input, lw.wants(op), op, rewriter)
-        cs = [lw.operand(v, None, op, rewriter) for v in (op.cos, op.sin)]
-        self.emit(op, [x, *cs], rewriter, compute=f32)
-
-
-class LowerAttention(LoweringPattern):
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.AttentionOp):
-            return
-        lw = self.lw
-        want = lw.wants(op)
-        ops: list[SSAValue | list[SSAValue] | None] = [
-            lw.operand(v, want, op, rewriter, f"in{i}") if v is not None else None
-            for i, v in enumerate(op.operand_groups())
-        ]
-        self.emit(op, ops, rewriter, compute=f32)
-
-
 class LowerMatMul(LoweringPattern):
     """matmul with a 2-D weight: quantized (a16_matmul) or in the activation type;
     activation x activation matmuls stay matmuls. Biases are f32."""
 
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.MatMulOp):
-            return
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: top.MatMulOp, rewriter: PatternRewriter) -> None:
         lw = self.lw
         want = lw.wants(op)
+        w = producer(op.rhs, top.WeightOp)
+        if (w is None or not read_bool(op.transpose_b) or read_bool(op.transpose_a)
+                or len(shape_of(op.rhs)) != 2):
+            self.lower(op, rewriter)
+            return
+        try:
+            ckpt = lw.checkpoint_weight(w, rewriter)
+        except QuantizationError as e:
+            raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
+        if ckpt is None and not (lw.bits is not None and op not in lw.index_ops
+                                 and CHECKPOINT_MODEL not in lw.store
+                                 and not lw.keep_matmul_float(w)):
+            self.lower(op, rewriter)
+            return
         x = lw.operand(op.lhs, want, op, rewriter, "x")
         bias = lw.operand(op.bias, f32, op, rewriter, "bias") if op.bias is not None else None
-        w = producer(op.rhs, top.WeightOp)
-        if (w is not None and read_bool(op.transpose_b) and not read_bool(op.transpose_a)
-                and len(shape_of(op.rhs)) == 2):
-            try:
-                ckpt = lw.checkpoint_weight(w, rewriter)
-            except QuantizationError as e:
-                raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
-            if ckpt is not None:
-                if lw.bits is None:
-                    raise ConversionError(
-                        f"'{w.tensor_name}' comes pre-quantized from the checkpoint: use a "
-                        "weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
-                        "are used as they are")
-                q, s, z, mins, perm, bits, gs = ckpt
-                if perm is not None:  # act-order: gather the input channels group by group
-                    rank = len(shape_of(x))
-                    g = tpu.GatherOp.build([x, perm], {"axis": i64_attr(rank - 1),
-                                                      "compute": elem_of(x)})
-                    named_like(g, op, ".act_order")
-                    rewriter.insert(g, InsertPoint.before(op))
-                    x = g.output
-                (rt,) = _result_types(lw, op)
-                new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
-                                      result_type=rt, mins=mins)
-                named_like(new, op)
-                rewriter.replace(op, new)
-                return
-        quantize = (
-            w is not None and lw.bits is not None and op not in lw.index_ops
-            and CHECKPOINT_MODEL not in lw.store
-            and len(shape_of(op.rhs)) == 2 and read_bool(op.transpose_b)
-            and not read_bool(op.transpose_a) and not lw.keep_matmul_float(w)
-        )
-        if quantize:
-            assert w is not None
+        mins = None
+        if ckpt is not None:
+            if lw.bits is None:
+                raise ConversionError(
+                    f"'{w.tensor_name}' comes pre-quantized from the checkpoint: use a "
+                    "weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
+                    "are used as they are")
+            q, s, z, mins, perm, bits, gs = ckpt
+            if perm is not None:  # act-order: gather the input channels group by group
+                rank = len(shape_of(x))
+                g = tpu.GatherOp.build([x, perm], {"axis": i64_attr(rank - 1),
+                                                  "compute": elem_of(x)})
+                named_like(g, op, ".act_order")
+                rewriter.insert(g, InsertPoint.before(op))
+                x = g.results[0]
+        else:
             try:
                 q, s, z, bits, gs = lw.quantized_weight(w, rewriter)
             except QuantizationError as e:
                 raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
-            (rt,) = _result_types(lw, op)
-            new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
-                                  result_type=rt)
-            named_like(new, op)
-            rewriter.replace(op, new)
-            return
-        rhs = lw.operand(op.rhs, want, op, rewriter, "w")
-        self.emit(op, [x, rhs, bias], rewriter, compute=f32)
-
-
-class LowerGather(LoweringPattern):
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.GatherOp):
-            return
-        lw = self.lw
-        t = lw.operand(op.table, lw.wants(op) if is_float(elem_of(op.table)) else None, op,
-                       rewriter)
-        idx = lw.operand(op.indices, None, op, rewriter)
-        self.emit(op, [t, idx], rewriter)
-
-
-class LowerScatter(LoweringPattern):
-    """scatter: input and updates in the op's type, indices as they are."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.ScatterOp):
-            return
-        lw = self.lw
-        want = lw.wants(op) if is_float(elem_of(op.input)) else None
-        self.emit(op, [lw.operand(op.input, want, op, rewriter),
-                       lw.operand(op.indices, None, op, rewriter, "indices"),
-                       lw.operand(op.updates, want, op, rewriter, "updates")], rewriter)
-
-
-class LowerDataMovement(LoweringPattern):
-    """reshape, permute, expand, concat, slice, topk: move data in its type."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        kinds = (top.ReshapeOp, top.PermuteOp, top.ExpandOp, top.ConcatOp, top.SliceOp,
-                 top.TopKOp)
-        if not isinstance(op, kinds):
-            return
-        lw = self.lw
-        want = lw.wants(op)
-        if isinstance(op, top.ConcatOp):
-            xs = [lw.operand(v, want, op, rewriter, f"in{i}") for i, v in enumerate(op.inputs)]
-            self.emit(op, [xs], rewriter)
-            return
-        x = lw.operand(op.operands[0], want, op, rewriter)
-        self.emit(op, [x], rewriter)
-
-
-class LowerConv2d(LoweringPattern):
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.Conv2dOp):
-            return
-        lw = self.lw
-        want = lw.wants(op)
-        x = lw.operand(op.input, want, op, rewriter)
-        w = lw.operand(op.weight, want, op, rewriter, "w")
-        b = lw.operand(op.bias, f32, op, rewriter, "bias") if op.bias is not None else None
-        self.emit(op, [x, w, b], rewriter, compute=f32)
-
-
-class LowerCausalConv1d(LoweringPattern):
-    """causal_conv1d: x, state, valid and both results in the activation type, computed in
-    f32; the weight [C, K] is stored f32 in every mode (a depthwise conv's few taps per
-    channel, not a matmul weight: never quantized)."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.CausalConv1dOp):
-            return
-        lw = self.lw
-        want = lw.wants(op)
-        x = lw.operand(op.x, want, op, rewriter, "x")
-        w = lw.operand(op.weight, f32, op, rewriter, "w")
-        state = (lw.operand(op.state, want, op, rewriter, "state")
-                 if op.state is not None else None)
-        valid = lw.operand(op.valid, want, op, rewriter, "valid")
-        self.emit(op, [x, w, state, valid], rewriter, compute=f32)
-
-
-class LowerGatedDeltaRule(LoweringPattern):
-    """gated_delta_rule: q, k, v, g, beta and the output in the activation type, computed
-    in f32; the recurrent state (operand and new_state) stays f32 in every mode."""
-
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, top.GatedDeltaRuleOp):
-            return
-        lw = self.lw
-        want = lw.wants(op)
-        ops: list[SSAValue | list[SSAValue] | None] = [
-            lw.operand(v, want, op, rewriter, name)
-            for v, name in ((op.q, "q"), (op.k, "k"), (op.v, "v"), (op.g, "g"),
-                            (op.beta, "beta"))]
-        ops.append(lw.operand(op.state, f32, op, rewriter, "state")
-                   if op.state is not None else None)
-        out, new_state = _result_types(lw, op)
-        assert isinstance(new_state, TensorType)
-        new = tpu.GatedDeltaRuleOp.build(ops, {**_attrs(op), "compute": f32},
-                                         [out, tensor(shape_of(new_state), f32)])
+        (rt,) = _result_types(lw, op)
+        new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
+                              result_type=rt, mins=mins)
         named_like(new, op)
         rewriter.replace(op, new)
 
@@ -547,9 +432,8 @@ class LowerCollective(LoweringPattern):
     type (the partial sums of a bf16 row-parallel matmul are summed in bf16, as the
     devices hold them)."""
 
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, dev.CollectiveOp):
-            return
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: dev.CollectiveOp, rewriter: PatternRewriter) -> None:
         x = op.input
         want = self.lw.wants(op) if is_float(elem_of(x)) else None
         x = self.lw.operand(x, want, op, rewriter)
@@ -560,22 +444,30 @@ class LowerCollective(LoweringPattern):
         rewriter.replace(op, new)
 
 
-def recurrent_state_args(fn: func.FuncOp) -> set[SSAValue]:
-    """The function arguments that are a gated_delta_rule's state operand: they keep f32
-    in every mode, as the state does (the runtime binds the argument and the returned
-    new_state to one f32 buffer). (An argument of another type reaches the rule through
-    a cast the importer made, and takes the activation type like any other.)"""
-    return {arg for arg in fn.body.block.args for use in arg.uses
-            if isinstance(use.operation, top.GatedDeltaRuleOp)
-            and use.operation.state is arg}
+def f32_args(fn: func.FuncOp) -> set[SSAValue]:
+    """The function arguments an op stores in f32 whatever the mode (`Storage.F32`: a
+    gated_delta_rule's recurrent state): they keep f32, as the op has them (the runtime
+    binds the state argument and the returned new_state to one f32 buffer). (An argument
+    of another type reaches such an operand through a cast the importer made, and takes
+    the activation type like any other.)"""
+    out: set[SSAValue] = set()
+    for arg in fn.body.block.args:
+        for use in arg.uses:
+            op = use.operation
+            if isinstance(op, ShapedOp):
+                present = [s for v, s in zip(op.operand_groups(), op.tpu_operand_storage(),
+                                             strict=True) if v is not None]
+                if present[use.index] == Storage.F32:
+                    out.add(arg)
+    return out
 
 
 class FoldRedundantCasts(RewritePattern):
     """cast to the same type; cast(cast(x)) through a wider float back to x's type."""
 
-    def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if not isinstance(op, tpu.CastOp):
-            return
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: top.CastBase, rewriter: PatternRewriter) -> None:
+        # (run after the lowering: every cast is a Tpu one)
         if op.input.type == op.output.type:
             rewriter.replace(op, [], [op.input])
             return
@@ -588,22 +480,7 @@ class FoldRedundantCasts(RewritePattern):
 
 
 def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
-    return [
-        LowerMatMul(lw),
-        LowerAttention(lw),
-        LowerRope(lw),
-        LowerNorms(lw),
-        LowerSoftmaxReduce(lw),
-        LowerCast(lw),
-        LowerGather(lw),
-        LowerScatter(lw),
-        LowerConv2d(lw),
-        LowerCausalConv1d(lw),
-        LowerGatedDeltaRule(lw),
-        LowerDataMovement(lw),
-        LowerElementwise(lw),
-        LowerCollective(lw),
-    ]
+    return [LowerMatMul(lw), LowerCast(lw), LowerToTwin(lw), LowerCollective(lw)]
 
 
 @dataclass(frozen=True)
@@ -626,7 +503,7 @@ class ConvertTopToTpuPass(ModulePass):
             lw = Lowering(act, bits, self.group_size, self.symmetric,
                           tuple(k.strip() for k in self.keep_float.split(",")), store,
                           _index_derived_ops(fn))
-            states = recurrent_state_args(fn)
+            states = f32_args(fn)
             for arg in fn.body.block.args:
                 t = arg.type
                 if (isinstance(t, TensorType) and is_float(t.element_type)
@@ -646,14 +523,15 @@ class ConvertTopToTpuPass(ModulePass):
                         f"({op_name(w) if w else 'constant'}); return a computed value"
                     )
             leftover = [o.name for o in fn.body.walk() if o.name.startswith("top.")
-                        and not isinstance(o, top.WeightOp | top.ConstantOp)]
+                        and not (isinstance(o, ShapedOp) and o.SOURCE)]
             if leftover:
                 raise ConversionError(f"no Tpu lowering for {sorted(set(leftover))}")
             fn.function_type = FunctionType.from_lists(
                 [a.type for a in fn.body.block.args], [v.type for v in ret.operands])
         PatternRewriteWalker(GreedyRewritePatternApplier([FoldRedundantCasts()]),
                              post_walk_func=region_dce).rewrite_module(op)
-        for o in list(op.walk()):
-            if isinstance(o, top.WeightOp | top.ConstantOp) and not o.results[0].uses:
+        for o in list(op.walk()):  # the Top sources the lowering left unused
+            if (o.name.startswith("top.") and isinstance(o, ShapedOp) and o.SOURCE
+                    and not o.results[0].uses):
                 o.detach()
                 o.erase()

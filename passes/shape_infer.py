@@ -15,9 +15,9 @@ from xdsl.ir import Operation
 from xdsl.passes import ModulePass
 from xdsl.utils.exceptions import VerifyException
 
-from toptpu.dialects import top
 from toptpu.dialects.common import ShapedOp, shape_of
 from toptpu.dialects.naming import op_name
+from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, weights_of
 from toptpu.passes.util import require_level
 
@@ -41,18 +41,18 @@ class ShapeInferPass(ModulePass):
             if not isinstance(fn, func.FuncOp):
                 continue
             for inner in fn.body.walk():
-                if isinstance(inner, top.WeightOp):
+                name = weight_name(inner.results[0]) if inner.results else None
+                if name is not None:
                     if store is not None:
-                        name = inner.tensor_name
                         if name not in store:
                             raise VerifyException(
                                 f"weight '{name}' is not in the weight store {store.uri}"
                             )
                         got = store.shape(name)
-                        if got != shape_of(inner.output):
+                        if got != shape_of(inner.results[0]):
                             raise VerifyException(
                                 f"weight '{name}' has shape {list(got)} in the store but "
-                                f"{list(shape_of(inner.output))} in the IR"
+                                f"{list(shape_of(inner.results[0]))} in the IR"
                             )
                     continue
                 if not isinstance(inner, ShapedOp) or not inner.CHECK_INFERRED:

@@ -45,6 +45,7 @@ are a `ShardingError` naming the op and the counts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +61,11 @@ from toptpu.backend.target.cost import nbytes
 from toptpu.backend.target.link import best_algorithm
 from toptpu.dialects import dev, top
 from toptpu.dialects.common import (
+    ShapedOp,
     elem_of,
     i32,
     ints_value_attr,
+    norm_axis,
     read_bool,
     read_float,
     read_int,
@@ -79,14 +82,12 @@ from toptpu.dialects.sharding import (
     shard_name,
     take_piece,
 )
+from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
 from toptpu.passes.util import producer, require_level
 
 #: ops a projection's output passes through on its way into an attention (traced back)
 _TRACE_THROUGH = (top.ReshapeOp, top.PermuteOp, top.RopeOp, top.RmsNormOp, top.CastOp)
-#: ops that follow the split of their (first) input unchanged when it is not on an axis
-#: they reduce over
-_ELEMENTWISE = (top.UnaryOp, top.CastOp, top.BinaryOp, top.CompareOp, top.WhereOp)
 
 
 def offsets_name(size: int, pieces: int) -> str:
@@ -127,10 +128,11 @@ class _Sharder:
         for op in list(block.ops):
             if isinstance(op, func.ReturnOp):
                 self.finish(op)
-            elif not isinstance(op, top.WeightOp | top.ConstantOp):
+            elif not (isinstance(op, ShapedOp) and op.SOURCE):
                 self.visit(op)
         for op in list(block.ops):  # the whole weights the shards replaced
-            if isinstance(op, top.WeightOp) and not op.output.uses:
+            if op.results and weight_name(op.results[0]) is not None \
+                    and not op.results[0].uses:
                 self.rewriter.erase_op(op)
 
     def finish(self, ret: func.ReturnOp) -> None:
@@ -172,32 +174,35 @@ class _Sharder:
     @staticmethod
     def projection(v: SSAValue) -> top.MatMulOp | None:
         while True:
+            mm = producer(v, top.MatMulOp)
+            if mm is not None:
+                return mm if producer(mm.rhs, top.WeightOp) is not None else None
             owner = v.owner if isinstance(v, OpResult) else None
-            if isinstance(owner, top.MatMulOp):
-                return owner if producer(owner.rhs, top.WeightOp) is not None else None
             if not isinstance(owner, _TRACE_THROUGH):
                 return None
             v = owner.operands[0]
 
     # ------------------------------------------------------------------ rewriting
+    # `visit` has a rule per op class that needs one (the op's class picks it, as xDSL's
+    # op_type_rewrite_pattern does); any other op follows its input's split when it is
+    # elementwise (`ShapedOp.ELEMENTWISE`) and takes its inputs whole otherwise
+    @functools.singledispatchmethod
     def visit(self, op: Operation) -> None:
-        if isinstance(op, top.MatMulOp):
-            self.matmul(op)
-        elif isinstance(op, top.AttentionOp):
-            self.attention(op)
-        elif isinstance(op, top.ReshapeOp):
-            self.reshape(op)
-        elif isinstance(op, top.PermuteOp):
-            self.permute(op)
-        elif isinstance(op, top.TopKOp) and self.split.get(op.input) is not None:
-            self.topk(op)
-        elif isinstance(op, top.RopeOp | top.RmsNormOp):
-            self.follow(op, reduce_last=True)
-        elif isinstance(op, _ELEMENTWISE):
-            self.follow(op, reduce_last=False)
+        if isinstance(op, ShapedOp) and op.ELEMENTWISE:
+            self.follow(op, reduced_axis=None)
         else:
             self.gather_inputs(op)
 
+    @visit.register
+    def _row_local(self, op: top.RopeOp | top.RmsNormOp) -> None:
+        """rope and rms_norm mix their last axis only."""
+        self.follow(op, reduced_axis=len(shape_of(op.output)) - 1)
+
+    @visit.register
+    def _softmax(self, op: top.SoftmaxOp) -> None:
+        self.follow(op, reduced_axis=norm_axis(read_int(op.axis), len(shape_of(op.input))))
+
+    @visit.register
     def matmul(self, op: top.MatMulOp) -> None:
         w = producer(op.rhs, top.WeightOp)
         x_split = self.split.get(op.lhs)
@@ -239,6 +244,7 @@ class _Sharder:
             return
         self.gather_inputs(op)
 
+    @visit.register
     def attention(self, op: top.AttentionOp) -> None:
         n = self.devices
         kv_pieces = self.kv_pieces(read_int(op.kv_heads), op_name(op) or op.name)
@@ -275,6 +281,7 @@ class _Sharder:
         set_arg_split(self.fn, v.index, split)
         self.split[v] = split
 
+    @visit.register
     def reshape(self, op: top.ReshapeOp) -> None:
         s = self.split.get(op.input)
         if s is None:
@@ -290,6 +297,7 @@ class _Sharder:
         self.replace(op, new)
         self.split[new.results[0]] = out
 
+    @visit.register
     def permute(self, op: top.PermuteOp) -> None:
         s = self.split.get(op.input)
         if s is None:
@@ -299,10 +307,10 @@ class _Sharder:
         self.replace(op, new)
         self.split[new.results[0]] = Split(order.index(s.axis), s.pieces)
 
-    def follow(self, op: Operation, reduce_last: bool) -> None:
+    def follow(self, op: Operation, reduced_axis: int | None) -> None:
         """An op computed piece by piece when its split operands share one split, its other
-        operands broadcast along that axis, and (`reduce_last`) the split is not its last
-        axis."""
+        operands broadcast along that axis, and the split is not the axis it reduces over
+        (`reduced_axis`, of its result; None: none)."""
         splits = {self.split[v] for v in op.operands if v in self.split}
         if not splits:
             return
@@ -311,7 +319,7 @@ class _Sharder:
             return
         s = splits.pop()
         rank = len(shape_of(op.results[0]))
-        if reduce_last and s.axis == rank - 1:
+        if s.axis == reduced_axis:
             self.gather_inputs(op)
             return
         operands: list[SSAValue] = []
@@ -334,9 +342,13 @@ class _Sharder:
         for r in new.results:
             self.split[r] = s
 
+    @visit.register
     def topk(self, op: top.TopKOp) -> None:
         """The top-1 over a split axis, merged across the devices."""
-        s = self.split[op.input]
+        s = self.split.get(op.input)
+        if s is None:
+            self.gather_inputs(op)
+            return
         shape = shape_of(op.input)  # the local piece's
         axis = read_int(op.axis) % len(shape)
         if (read_int(op.k) != 1 or s.axis != axis or s.pieces != self.devices

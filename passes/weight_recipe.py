@@ -19,17 +19,19 @@ from dataclasses import dataclass
 
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import Operation
 from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects import tpu
 from toptpu.dialects.common import (
+    ShapedOp,
     WeightPart,
     elem_of,
     numpy_dtype,
-    read_int,
     read_str,
     shape_of,
 )
+from toptpu.dialects.top import weight_name
 from toptpu.errors import ToptpuError
 from toptpu.passes.quantize import quantize_rtn
 
@@ -69,14 +71,18 @@ class WeightRecipe:
 
 def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
     """The recipe of every `tpu.weight` in `module`, in program order."""
-    quant: dict[tpu.WeightOp, tuple[int, int, bool, np.dtype]] = {}
+    quant: dict[Operation, tuple[int, int, bool, np.dtype]] = {}  # a weight -> its params
     for op in module.walk():
-        if isinstance(op, tpu.A16MatMulOp):
-            params = (read_int(op.weight_bits), read_int(op.group_size), op.zeros is None,
-                      numpy_dtype(elem_of(op.scales)))
-            for v in (op.qweight, op.scales, op.zeros, op.mins):
-                if v is not None and isinstance(v.owner, tpu.WeightOp):
-                    quant[v.owner] = params
+        if not isinstance(op, ShapedOp) or (conv := op.converted_weight()) is None:
+            continue
+        if conv.form == "a16":
+            q, scales, zeros, mins = (op.operand_groups()[i] for i in conv.operands)
+            assert scales is not None
+            params = (conv.bits, conv.group_size, zeros is None,
+                      numpy_dtype(elem_of(scales)))
+            for v in (q, scales, zeros, mins):
+                if v is not None and weight_name(v) is not None:
+                    quant[v.owner] = params  # type: ignore[index]
     out = []
     for op in module.walk():
         if not isinstance(op, tpu.WeightOp):

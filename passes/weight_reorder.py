@@ -25,7 +25,7 @@ from xdsl.pattern_rewriter import (
 )
 from xdsl.rewriter import InsertPoint
 
-from toptpu.dialects import tpu
+from toptpu.dialects import top, tpu
 from toptpu.dialects.common import (
     WeightPart,
     bool_attr,
@@ -37,7 +37,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import set_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
-from toptpu.passes.util import named_like, require_level
+from toptpu.passes.util import named_like, producer, require_level
 
 
 class TransposeMatmulWeight(RewritePattern):
@@ -45,9 +45,10 @@ class TransposeMatmulWeight(RewritePattern):
         self.store = store
 
     @op_type_rewrite_pattern
-    def match_and_rewrite(self, op: tpu.MatMulOp, rewriter: PatternRewriter) -> None:
-        w = op.rhs.owner
-        if (not isinstance(w, tpu.WeightOp) or read_bool(op.transpose_b)
+    def match_and_rewrite(self, op: top.MatMulBase, rewriter: PatternRewriter) -> None:
+        # (weight-reorder takes Tpu IR: every matmul is a tpu.matmul)
+        w = producer(op.rhs, tpu.TpuWeight)
+        if (w is None or read_bool(op.transpose_b)
                 or read_bool(op.transpose_a) or len(shape_of(op.rhs)) != 2):
             return
         name = f"{w.tensor_name}.t"

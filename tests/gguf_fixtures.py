@@ -145,12 +145,19 @@ def random_blocks(shape: tuple[int, ...], qtype: str, seed: int = 0) -> np.ndarr
                                                 dtype=np.uint8)
 
 
+#: a metadata value `write_gguf` writes as given: (value, its GGUF type, the element type
+#: of an array); a `None` value drops the key
+Metadata = dict[str, tuple[Any, "gguf.GGUFValueType | None", "gguf.GGUFValueType | None"]]
+
+
 def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int = 0,
-               types: dict[str, str] | None = None, **overrides: Any) -> str:
+               types: dict[str, str] | None = None, metadata: Metadata | None = None,
+               **overrides: Any) -> str:
     """A tiny `family` model (llama2 / qwen2 / qwen3) as the GGUF file `path`: every 2-D weight in
     `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q6_K, ...; `types` by GGUF name overrides),
     norms and biases in F32, the tokenizer, its special ids and the chat template in the
-    metadata."""
+    metadata. `metadata` replaces or adds keys as the real writer writes them (a hostile
+    file made by the `gguf` package itself): `{key: (value, type, element type)}`."""
     arch = family if family in ("qwen2", "qwen3") else "llama"
     model = tiny_model(family, seed, **overrides)
     cfg = model.config
@@ -187,6 +194,12 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
     w.add_pad_token_id(tok.convert_tokens_to_ids("<|endoftext|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(tok.chat_template)
+    for key, (value, vtype, sub_type) in (metadata or {}).items():
+        if value is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            assert vtype is not None
+            w.add_key_value(key, value, vtype, sub_type)
     for name, t in gguf_tensors(model, arch).items():
         want = (types or {}).get(name, qtype if t.ndim == 2 else "F32")
         ty = gguf.GGMLQuantizationType[want]
@@ -212,3 +225,46 @@ def gguf_dir(root: str, family: str = "llama2", qtype: str = "F32", **kw: Any) -
     os.makedirs(root, exist_ok=True)
     write_gguf(os.path.join(root, "model.gguf"), family, qtype, **kw)
     return root
+
+
+#: the metadata of `small_gguf`: a llama header with an 8-token vocabulary (no tokenizer
+#: conversion, no transformers: what the header checks read)
+SMALL_TOKENS = ["<unk>", "<s>", "</s>", "a", "b", "c", "ab", "bc"]
+
+
+def small_gguf(path: str, metadata: Metadata | None = None, vocab_rows: int = 8,
+               tensors: dict[str, np.ndarray] | None = None) -> str:
+    """A header-only llama GGUF written by the `gguf` package (no model behind it, so it
+    writes in milliseconds): the sizes transformers maps, an 8-token gpt2 tokenizer, and a
+    `token_embd.weight` of `vocab_rows` rows (or `tensors`); `metadata` replaces or adds
+    keys (`write_gguf`'s form). For the checks of the header and the metadata."""
+    V = gguf.GGUFValueType
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("small")
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_block_count(1)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(SMALL_TOKENS)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(SMALL_TOKENS))
+    w.add_token_merges(["a b", "b c"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for key, (value, vtype, sub_type) in (metadata or {}).items():
+        if value is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            w.add_key_value(key, value, vtype if vtype is not None else V.STRING, sub_type)
+    for name, t in (tensors if tensors is not None else
+                    {"token_embd.weight": np.zeros((vocab_rows, 32), np.float32)}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -16,8 +16,14 @@ NOT_USER_ERRORS = {
     "toptpu.opt.InternalError": "toptpu-opt's report of a crashed pass: a bug (exit 70)",
     "toptpu.backend.reference.interpreter.NoEvaluatorError":
         "an op without a kernel reached the interpreter: a gap in toptpu",
-    "toptpu.passes.pipelines.InvalidPassOutput":
+    "toptpu.passes.top_pipeline.InvalidPassOutput":
         "a pass turned valid IR into invalid IR: a bug in the pass",
+    "toptpu.backend.reference.interpreter.KernelBindingError":
+        "an op class whose kernel binding names no function of kernels.py: a bug in the op "
+        "class (ours or a plugin's)",
+    "toptpu.weight_calibration.sequential._StageSeen":
+        "control flow inside the calibration: stops a forward once a stage's input is seen, "
+        "caught where it is raised",
     "toptpu.backend.target.link.LinkError":
         "a collective the link model cannot time (unknown algorithm, no devices): a bug of "
         "the caller",

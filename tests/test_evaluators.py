@@ -45,7 +45,8 @@ def test_an_op_without_an_evaluator_is_named() -> None:
 
 def test_a_second_evaluator_for_an_op_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter, "EVALUATORS", dict(EVALUATORS))
-    with pytest.raises(ValueError, match="'top.rope' has two evaluators: _rope and other"):
+    with pytest.raises(ValueError, match="'top.rope' has two evaluators: evaluate_kernel "
+                                         "and other"):
         @evaluates(top.RopeOp)
         def other(*_: object) -> list[np.ndarray]:
             return []

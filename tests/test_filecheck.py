@@ -27,7 +27,7 @@ import pytest
 from xdsl.utils.arg_spec import parse_pipeline
 
 from toptpu.opt import OptInputError, module_pipeline
-from toptpu.passes.pipelines import all_passes
+from toptpu.passes.registry import all_passes
 
 FILECHECK_DIR = os.path.join(os.path.dirname(__file__), "filecheck")
 FILES = sorted(f for f in os.listdir(FILECHECK_DIR) if f.endswith(".mlir"))

@@ -31,7 +31,7 @@ from helpers import decoder_layer_ir
 from toptpu import opt
 from toptpu.cli import main as toptpu_main
 from toptpu.memory_advice import out_of_memory_advice
-from toptpu.passes.pipelines import all_passes
+from toptpu.passes.registry import all_passes
 
 
 def run_opt(*argv: str) -> tuple[int, str, str]:
@@ -96,7 +96,7 @@ def _edited(src: str, dst: str, old: str, new: str) -> str:
 @pytest.mark.parametrize("pipeline", ["tpu-pipeline", "convert-top-to-tpu", "top-pipeline"])
 def test_a_weight_missing_from_the_store_is_a_user_error(irs, tmp_path, pipeline) -> None:
     src = _edited(irs["top"], str(tmp_path / "missing.mlir"),
-                  'name = "layer.mlp.gate_proj.weight"}', 'name = "layer.mlp.nope.weight"}')
+                  'top.weight "layer.mlp.gate_proj.weight"', 'top.weight "layer.mlp.nope.weight"')
     out = tmp_path / "out.mlir"
     rc, _, err = run_opt(src, "-p", pipeline, "-o", str(out))
     assert_user_error(rc, err, "missing.mlir", "'layer.mlp.nope.weight'", irs["weights"],
@@ -133,7 +133,8 @@ def test_a_pass_taking_tpu_ir_refuses_top_ir(irs, tmp_path, pipeline) -> None:
 
 def test_tpu_passes_still_run_on_tpu_ir(tpu_irs, tmp_path) -> None:
     out = tmp_path / "out.mlir"
-    rc, _, err = run_opt(tpu_irs["tpu"], "-p", "machine-pipeline", "-o", str(out))
+    rc, _, err = run_opt(tpu_irs["tpu"], "-p", "machine-pipeline", "--print-op-generic", "-o",
+                         str(out))
     assert rc == 0, err
     assert '"tpu.group"' in out.read_text() and '"top.' not in out.read_text()
 

@@ -137,6 +137,44 @@ def test_every_file_of_a_dump_verifies_in_the_real_mlir_opt(float_dump: str) -> 
     assert grouped == 3 * nets and verified == len(files) - grouped and verified >= 8 * nets
 
 
+def test_every_file_of_a_dump_verifies_in_mlir_opt_with_the_plugin(float_dump: str) -> None:
+    """The real `mlir-opt` with toptpu's dialect plugin (ODS: ops with their traits,
+    `toptpu.dialects.mlir_plugin`) verifies every file of the dump as toptpu prints it, the
+    grouped and addressed stages included; and refuses a `tpu.group` body whose `tpu.yield`
+    is missing or not last (the terminator the IRDL export cannot give)."""
+    from toptpu.dialects.ir_text import print_generic
+    from toptpu.dialects.mlir_plugin import build_plugin, run_mlir_opt_with_plugin
+    from toptpu.dialects.tpu import GroupOp, YieldOp
+
+    plugin = build_plugin()
+    files = sorted(glob.glob(os.path.join(float_dump, "*", "*.mlir")))
+    grouped = 0
+    for path in files:
+        with open(path, "rb") as f:
+            module = parse_ir(f.read(), path, context())
+        res = run_mlir_opt_with_plugin(module, "-o", os.devnull, plugin=plugin)
+        assert res.returncode == 0, (path, res.stderr[-1500:])
+        grouped += any(isinstance(op, GroupOp) for op in module.walk())
+    nets = len(stages(float_dump))
+    assert len(files) >= 11 * nets and grouped == 3 * nets
+    with open(_stage(os.path.join(float_dump, "block"), "address-assign"), "rb") as f:
+        module = parse_ir(f.read(), "block", context())
+    (yield_op, *_) = [op for op in module.walk() if isinstance(op, YieldOp)]
+    block = yield_op.parent_block()
+    assert block is not None and block.last_op is yield_op
+    text = print_generic(module)
+    last = yield_op.prev_op
+    assert last is not None
+    yield_op.detach()
+    no_yield = run_mlir_opt_with_plugin(print_generic(module), "-o", os.devnull, plugin=plugin)
+    assert no_yield.returncode != 0 and "block with no terminator" in no_yield.stderr
+    block.insert_op_before(yield_op, last)
+    not_last = run_mlir_opt_with_plugin(print_generic(module), "-o", os.devnull, plugin=plugin)
+    assert not_last.returncode != 0 and "must be the last operation in the parent block" \
+        in not_last.stderr
+    assert run_mlir_opt_with_plugin(text, "-o", os.devnull, plugin=plugin).returncode == 0
+
+
 def test_run_ir_compares_the_imported_net_with_the_machines(float_dump: str, capsys,
                                                             tmp_path) -> None:
     """The dump's Top IR on the interpreter against its grouped, addressed Tpu IR on the

@@ -504,7 +504,7 @@ def test_opt_on_the_reported_hang_answers_in_seconds(layer_ir, tmp_path) -> None
     """The reported case, in a subprocess as a user runs it: a hole cut into a dumped line
     leaves a location's string open to the end of the file."""
     _, text = layer_ir
-    line = next(ln for ln in text.splitlines() if '"top.matmul"' in ln and 'loc("' in ln)
+    line = next(ln for ln in text.splitlines() if 'top.matmul ' in ln and 'loc("' in ln)
     cut = line.index('("', line.index("loc(")) + 12
     path = tmp_path / "hang.mlir"
     path.write_text(line[:cut] + line[cut + 40:].replace('"', ""))

@@ -22,7 +22,7 @@ from toptpu.dialects.naming import name_dicts
 from toptpu.dialects.slicing_interface import RowRule, SliceKind, SlicingInterface
 from toptpu.dialects.weight_store import WeightStore, attach_store
 from toptpu.passes.convert_top_to_linalg import ConvertTopToLinalgPass
-from toptpu.passes.pipelines import all_passes
+from toptpu.passes.registry import all_passes
 
 TOP_OPS = list(top.Top.operations)
 TPU_OPS = list(tpu.Tpu.operations)

@@ -91,7 +91,7 @@ def test_loads_are_named_after_what_they_load(top_ir: str) -> None:
     """A load of an earlier group's result is named after the op that computed it, never
     after the group (`group.X.load` said nothing of what was loaded)."""
     rc, out, err = _run(top_ir, "-p", "top-pipeline,tpu-pipeline{mode=bf16}", "--weights-out",
-                        os.devnull, "--print-debuginfo")
+                        os.devnull, "--print-debuginfo", "--print-op-generic")
     assert rc == 0, err
     names = re.findall(r'"tpu\.load".*loc\("([^"]+)"', out)
     assert names and not [n for n in names if n.startswith("group.")]
@@ -165,6 +165,54 @@ print(json.dumps({{"rc": [rc, rc2], "modules": sorted(sys.modules)}}))
     loaded = [m for m in report["modules"] if m.split(".")[0] in heavy]
     assert not loaded, f"toptpu-opt loaded {loaded[:5]}"
     assert "cycles=" in (tmp_path / "cmds.txt").read_text()
+
+
+#: what `toptpu-opt FILE -p top-pipeline` has no use for, and so never imports (its start-up,
+#: issue 43): the Tpu level's passes, the linalg lowering and the dialects it makes, the
+#: targets of -t commands / -t mlir-generic (codegen, the machine, the file formats, the IRDL
+#: export), the frontends and the driver
+TOP_PIPELINE_NEVER_LOADS = (
+    "toptpu.passes.convert_top_to_tpu", "toptpu.passes.weight_reorder",
+    "toptpu.passes.layer_group", "toptpu.passes.address_assign", "toptpu.passes.pipelines",
+    "toptpu.passes.convert_top_to_linalg", "toptpu.passes.mlir_pipeline",
+    "toptpu.passes.tensor_parallel", "xdsl.dialects.linalg", "xdsl.dialects.tensor",
+    "xdsl.dialects.math", "xdsl.dialects.arith", "toptpu.opt_targets",
+    "toptpu.backend.codegen", "toptpu.backend.formats", "toptpu.backend.runtime",
+    "toptpu.dialects.irdl_export", "toptpu.frontends", "toptpu.compiler",
+    "torch", "transformers", "mlir")
+
+
+def test_a_top_pipeline_imports_only_the_passes_it_runs(top_ir: str) -> None:
+    """In a fresh interpreter, `toptpu-opt FILE -p top-pipeline` imports the passes it runs
+    (the registry names the others: their modules are imported when named) and nothing of
+    `TOP_PIPELINE_NEVER_LOADS`; `-t commands` and `--help` still find what they need."""
+    script = f"""
+import json, sys
+from toptpu import opt
+rc = opt.main([{top_ir!r}, "-p", "top-pipeline", "-o", {os.devnull!r}])
+print(json.dumps({{"rc": rc, "modules": sorted(sys.modules)}}))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["rc"] == 0
+    assert {"toptpu.passes.shape_infer", "toptpu.passes.fold_constants",
+            "toptpu.passes.fuse"} <= set(report["modules"])  # the pipeline ran
+    loaded = [m for m in report["modules"] if any(
+        m == n or m.startswith(n + ".") for n in TOP_PIPELINE_NEVER_LOADS)]
+    assert not loaded, f"toptpu-opt -p top-pipeline loaded {loaded}"
+
+
+def test_the_pass_registry_names_each_pass_by_its_own_name() -> None:
+    """Every registered name imports the pass of that name; the named pipelines are the
+    passes with `inner_passes`."""
+    from toptpu.passes.registry import PASSES, PIPELINE_NAMES
+
+    for name, get in PASSES.items():
+        assert get().name == name
+    assert {n for n, get in PASSES.items() if hasattr(get(), "inner_passes")} == set(
+        PIPELINE_NAMES)
 
 
 def test_help_lists_mlir_opts_words() -> None:

@@ -265,3 +265,299 @@ def test_lines_on_top_of_each_other_say_so_and_failed_points_are_left_out(tmp_pa
     lines = series_of(rows, "ddr_gbps")  # the failed point is not drawn
     assert [len(s.points) for s in lines] == [2, 3] and lines[1].same_as is None
     assert write_plots(str(tmp_path), rows, "bm1684x")[0] == "vs_ddr_gbps.png"
+
+
+# --------------------------------------------------------------------------- the DDR axis
+
+
+@pytest.mark.parametrize("name", ["bm1684x", "bm1688"])
+def test_the_ddr_axis_moves_one_cores_dma_limit_with_it(name: str) -> None:
+    """Doubling the nominal DDR doubles what the cores draw (the sustained bandwidth and the
+    per-core limit both move), where the preset's per-core limit would cap it; a swept
+    --core-ddr-gbps is what the point gets."""
+    base = get_chip(name)
+    for ddr in (base.ddr_gbps, 2 * base.ddr_gbps, 4 * base.ddr_gbps):
+        chip = point_chip(base, {"ddr_gbps": ddr})
+        assert chip.core_ddr_gbps / chip.ddr_gbps == pytest.approx(
+            base.core_ddr_gbps / base.ddr_gbps)
+        assert chip.dma_gbps == pytest.approx(base.dma_gbps * ddr / base.ddr_gbps)
+    capped = base.with_figures(ddr_gbps=4 * base.ddr_gbps)  # one figure moved alone
+    assert capped.dma_gbps < point_chip(base, {"ddr_gbps": 4 * base.ddr_gbps}).dma_gbps
+    held = point_chip(base, {"ddr_gbps": 4 * base.ddr_gbps, "core_ddr_gbps": 8.0})
+    assert held.core_ddr_gbps == 8.0 and held.dma_gbps == pytest.approx(
+        min(base.cores * 8.0, held.sustained_gbps))
+
+
+def test_the_csv_and_the_fixed_line_say_what_the_ddr_axis_moves(tmp_path) -> None:
+    """Rows as the DDR axis makes them: core_ddr_gbps follows ddr_gbps, so it is no
+    parameter of its own (no picture, no line per value) and the line under the title says
+    it moved; swept on its own it is a parameter; held, the line gives its value."""
+    from toptpu.sweep_plots import fixed_description
+
+    base = get_chip("bm1684x")
+    rows = []
+    for ddr in (32.0, 64.0, 128.0):
+        chip = point_chip(base, {"ddr_gbps": ddr})
+        rows += [{**r, "ddr_gbps": ddr, "core_ddr_gbps": chip.core_ddr_gbps,
+                  "dma_gbps": chip.dma_gbps} for r in _grid_rows(ddr_gbps=[ddr])]
+    assert plotted_columns(rows) == ["ddr_gbps"]
+    assert [s.label for s in series_of(rows, "ddr_gbps")] == ["all points"]
+    line = fixed_description(rows, "bm1684x")
+    assert "core_ddr_gbps moved with ddr_gbps (1 x it)" in line
+    held = [{**r, "core_ddr_gbps": 64.0} for r in rows]
+    assert "core_ddr_gbps 64" in fixed_description(held, "bm1684x")
+    swept = [{**r, "core_ddr_gbps": c} for r, c in zip(rows, (16.0, 16.0, 32.0),
+                                                         strict=True)]
+    assert plotted_columns(swept) == ["ddr_gbps", "core_ddr_gbps"]
+    csv_header = __import__("toptpu.sweep", fromlist=["csv_text"]).csv_text(rows).split(
+        "\r\n")[0].split(",")
+    assert {"ddr_gbps", "core_ddr_gbps", "sustained_gbps", "dma_gbps"} <= set(csv_header)
+
+
+@pytest.mark.slow
+def test_a_ddr_sweep_above_the_presets_per_core_limit_keeps_getting_faster(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: str) -> None:
+    """The real command over 64 -> 128 -> 256 GB/s: each row's DMA rate is the sustained
+    bandwidth (never the preset's 64 GB/s per-core limit), and the DDR-bound part of the
+    decode step halves with each doubling."""
+    config = tiny_dir(tmp_path_factory, "qwen2")
+    out = os.path.join(str(tmp_path), "sweep")
+    assert main(["sweep", config, "-o", out, "-q", "f32", "--seq-length", "64",
+                 "--ddr-gbps", "64", "128", "256", "--jobs", "1", "--quiet"]) == 0
+    rows = _rows(out)
+    eff = get_chip("bm1684x").ddr_efficiency
+    for r in rows:
+        assert float(r["core_ddr_gbps"]) == float(r["ddr_gbps"])
+        assert float(r["dma_gbps"]) == pytest.approx(float(r["ddr_gbps"]) * eff)
+    ddr = [float(r["decode_ddr_s"]) + float(r["decode_compute_s"]) for r in rows]
+    assert ddr[0] > ddr[1] > ddr[2]
+
+
+# --------------------------------------------------------------------------- the grid's size
+
+
+def test_a_grid_over_the_limit_is_refused_before_anything_is_built(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: str,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """10^4 points (and 10^9: nothing is built, so no memory goes to it) end in one line
+    with the count and the flag that raises the limit; nothing written."""
+    import toptpu.sweep as sweep
+
+    config = tiny_dir(tmp_path_factory, "qwen2")
+    out = os.path.join(str(tmp_path), "o")
+
+    def no_grid(*a: object, **k: object) -> None:
+        raise AssertionError("the grid was built")
+
+    monkeypatch.setattr(sweep, "grid", no_grid)
+    values = [str(v) for v in range(1, 101)]
+    assert main(["sweep", config, "-o", out, "--ddr-gbps", *values, "--lanes", *values]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("toptpu sweep: error: the grid has 10000 points, over the limit of 1000 "
+                   "(each point compiles the model's nets, seconds each): narrow the grid, "
+                   "or raise the limit with --max-points 10000")
+    values = [str(v) for v in range(1, 1001)]
+    assert main(["sweep", config, "-o", out, "--ddr-gbps", *values, "--lanes", *values,
+                 "--tflops", *values]) == 1
+    assert "the grid has 1000000000 points" in capsys.readouterr().err
+    assert main(["sweep", config, "-o", out, "--ddr-gbps", "1", "2", "--max-points",
+                 "1"]) == 1
+    assert "--max-points 2" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+def test_progress_is_a_line_rewritten_in_place_and_silent_when_not_shown() -> None:
+    import io
+
+    from toptpu.sweep import Progress
+
+    shown = io.StringIO()
+    bar = Progress(3, True, shown)
+    bar.update()
+    bar.update(2)
+    bar.close()
+    frames = shown.getvalue().split("\r")[1:]
+    assert [f.split(",")[0] for f in frames] == [
+        "toptpu sweep: 0/3 points", "toptpu sweep: 1/3 points", "toptpu sweep: 3/3 points"]
+    assert "left" in frames[1] and shown.getvalue().endswith("\n")
+    quiet = io.StringIO()
+    bar = Progress(3, False, quiet)
+    bar.update(3)
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
+@pytest.mark.slow
+def test_no_progress_when_stderr_is_no_terminal_and_no_word_with_quiet(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    config = tiny_dir(tmp_path_factory, "qwen2")
+    out = os.path.join(str(tmp_path), "o")
+    args = ["sweep", config, "-o", out, "-q", "f32", "--seq-length", "64", "--jobs", "1"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err == "toptpu sweep: 1 points (1 local processes)\n"
+    assert main([*args, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------- whole or nothing
+
+
+def _previous(out: str) -> dict[str, bytes]:
+    """An earlier sweep's outputs in `out`."""
+    os.makedirs(out, exist_ok=True)
+    files = {CSV_NAME: b"config,mode\nold,old\n", "vs_ddr_gbps.png": b"old picture",
+             BREAKDOWN_PNG: b"old breakdown"}
+    for name, data in files.items():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
+    return files
+
+
+def _as_before(out: str, files: dict[str, bytes]) -> None:
+    assert sorted(os.listdir(out)) == sorted(files)  # no temporary file either
+    for name, data in files.items():
+        with open(os.path.join(out, name), "rb") as f:
+            assert f.read() == data, name
+
+
+def test_a_full_disk_changes_no_output_and_leaves_nothing(
+        tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third file of the set hits a full disk: the CSV and the first picture were in
+    their temporary files, not yet renamed; all go, the earlier outputs stay; a new
+    directory the sweep made is removed."""
+    import errno
+
+    from toptpu.dialects import output_file
+    from toptpu.dialects.output_file import OutputPathError
+    from toptpu.sweep import write_outputs
+
+    rows = _grid_rows(ddr_gbps=[16.0, 32.0])
+    out = os.path.join(str(tmp_path), "o")
+    files = _previous(out)
+    real, calls = output_file._Raw._write_raw, [0]
+
+    def full(self: object, b: object) -> object:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, b)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output_file._Raw, "_write_raw", full)
+    with pytest.raises(OutputPathError, match="no space left"):
+        write_outputs(out, rows, "bm1684x")
+    _as_before(out, files)
+    fresh = os.path.join(str(tmp_path), "new")
+    calls[0] = 0
+    with pytest.raises(OutputPathError, match="no space left"):
+        write_outputs(fresh, rows, "bm1684x")
+    assert not os.path.exists(fresh)
+    monkeypatch.undo()
+    assert write_outputs(fresh, rows, "bm1684x") == [CSV_NAME, "vs_ddr_gbps.png",
+                                                     BREAKDOWN_PNG]
+
+
+def test_a_signal_while_the_set_is_renamed_waits_for_the_whole_set(tmp_path: str,
+                                                                  monkeypatch) -> None:
+    """SIGTERM arrives as the first file is renamed into place: it is held off until every
+    file is in place, then interrupts."""
+    import signal
+
+    import toptpu.sweep as sweep
+    from toptpu.cli import Interrupted, signals_interrupt
+
+    rows = _grid_rows(ddr_gbps=[16.0, 32.0])
+    out = os.path.join(str(tmp_path), "o")
+    _previous(out)
+    real = os.replace
+    seen: list[str] = []
+
+    def replace(src: str, dst: str) -> None:
+        if not seen:
+            signal.raise_signal(signal.SIGTERM)
+        real(src, dst)
+        seen.append(os.path.basename(dst))
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Interrupted), signals_interrupt():
+        sweep.write_outputs(out, rows, "bm1684x")
+    assert sorted(seen) == sorted([CSV_NAME, "vs_ddr_gbps.png", BREAKDOWN_PNG])
+    assert _rows(out)[0]["config"] == "/m/qwen"  # the new table, not the old one
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+_HOLD = """
+import os, sys, time
+import toptpu.sweep as sweep
+flag, where = sys.argv[1], sys.argv[2]
+if where == "points":  # each point's process says it is at work, then works slowly
+    real_compile = sweep.compile_costs
+    def compile_costs(*a, **k):
+        open(f"{flag}.{os.getpid()}", "w").close()
+        time.sleep(120)
+        return real_compile(*a, **k)
+    sweep.compile_costs = compile_costs
+else:  # the second file of the set is complete in its temporary file: hold it there
+    real_fsync, calls = os.fsync, [0]
+    def fsync(fd):
+        real_fsync(fd)
+        calls[0] += 1
+        if calls[0] == 2:
+            open(flag, "w").close()
+            time.sleep(120)
+    os.fsync = fsync
+from toptpu.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow  # runs the command in processes, then kills it
+@pytest.mark.parametrize("where", ["points", "writing"])
+def test_sigterm_leaves_the_previous_outputs_and_no_process_or_file(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: str, where: str) -> None:
+    """The real command (two local processes), SIGTERM while the points run or while the
+    set's files sit in their temporary files: status 143, one line, the earlier outputs
+    byte for byte, no temporary file, no pool process left."""
+    import signal
+    import subprocess
+    import time
+
+    config = tiny_dir(tmp_path_factory, "qwen2")
+    out = os.path.join(str(tmp_path), "o")
+    files = _previous(out)
+    flag = os.path.join(str(tmp_path), "flag")
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, flag, where, "sweep", config, "-o",
+                             out, "-q", "f32", "--seq-length", "64", "--ddr-gbps", "16", "32",
+                             "--jobs", "2"], stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 300
+    workers: list[int] = []
+    while True:
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        if where == "points":
+            workers = [int(n.rsplit(".", 1)[1]) for n in os.listdir(str(tmp_path))
+                       if n.startswith("flag.")]
+            if len(workers) == 2:
+                break
+        elif os.path.exists(flag):
+            assert any(".tmp-" in n for n in os.listdir(out))  # the set is half-way
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "toptpu sweep: interrupted (SIGTERM)"
+    assert "Traceback" not in err
+    _as_before(out, files)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in workers)

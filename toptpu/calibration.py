@@ -2,13 +2,15 @@
 
 `bench/calibration/bm168x_published.csv` lists decode tokens/s (and time to first token)
 that Sophgo publishes for its own deployments on BM1684X and BM1688 boards, with each
-model's shape (sources in `bench/calibration/README.md`). For every row the model's nets
-are compiled from its shape as `toptpu estimate` compiles them (one layer, placeholder
-weights, the row's mode, `seq_length` SEQ, prefill chunk L = SEQ as LLM-TPU compiles its
-prefill) and the step accounting charges a decode step and a first token: the fit comes
-from the model's own accounting (the bytes, FLOPs and commands the compiled nets really
-make, one launch per net run, the host transfers the runtime makes), never from a formula
-outside it.
+model's shape and how its bmodel stores the lm_head (sources in
+`bench/calibration/README.md`); `bm168x_heldout.csv` lists more such rows that the fit
+never sees, the check of what it predicts. For every row the model's nets are compiled from
+its shape as `toptpu estimate` compiles them (one layer, placeholder weights, the row's
+mode, the lm_head quantized as the layers where the row's bmodel quantized it, `seq_length`
+SEQ, prefill chunk L = SEQ as LLM-TPU compiles its prefill) and the step accounting charges
+a decode step and a first token: the fit comes from the model's own accounting (the bytes,
+FLOPs and commands the compiled nets really make, one launch per net run, the host
+transfers the runtime makes), never from a formula outside it.
 
 The free figures of each chip, fitted to its rows:
 
@@ -18,9 +20,13 @@ The free figures of each chip, fitted to its rows:
 - time to first token: `compute_efficiency` (prefill is the compute-bound phase).
 
 Fitting minimizes the sum of squared relative errors: the efficiencies by a grid search
-(coarse, then fine), the fixed costs (linear in them) by non-negative least squares at each
-grid point. Compiling the rows takes minutes; `CACHE` keeps each row's compiled command
-costs (`estimate.CompiledCosts`) so a refit, the table and the test re-time them in seconds.
+(coarse, then fine), the fixed costs (linear in them) exactly at each grid point within
+their bounds (`fixed_cost_bounds`: a launch at least one interrupt, 0.1 ms as tpu-mlir's
+own estimator charges it, and at most what the published steps leave after their bytes at
+the nominal DDR bandwidth; a host copy at most one interrupt). `physics_floor_s` is the
+least time any work can take (its bytes at the nominal DDR bandwidth, its FLOPs at the
+peak). Compiling the rows takes minutes; `CACHE` keeps each row's compiled command costs
+(`estimate.CompiledCosts`) so a refit, the tables and the tests re-time them.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from toptpu.backend.contract import (
     LM_HEAD,
     StaticShapes,
 )
-from toptpu.backend.runtime.accounting import StepModel
+from toptpu.backend.runtime.accounting import Costs, StepModel
 from toptpu.backend.target.chips import PRESETS_PATH, Chip, get_chip
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError, ToptpuError
@@ -57,6 +63,8 @@ from toptpu.request import CompileRequest
 HERE = os.path.dirname(os.path.abspath(__file__))
 CALIBRATION_DIR = os.path.join(os.path.dirname(HERE), "bench", "calibration")
 ROWS_CSV = os.path.join(CALIBRATION_DIR, "bm168x_published.csv")
+#: published rows the fit never sees: the check of what it predicts
+HELDOUT_CSV = os.path.join(CALIBRATION_DIR, "bm168x_heldout.csv")
 CACHE = os.path.join(CALIBRATION_DIR, "compiled_costs.json.gz")
 
 #: the goal of the fit (issue 15): median absolute error and the largest one, decode tok/s
@@ -95,6 +103,7 @@ class Row:
     tied_embeddings: bool
     quant: str
     group_size: int
+    lm_head: str  # LM_HEAD_FORMS: half precision, or quantized as the layers are
     seq_length: int
     decode_tok_s: float
     ftl_s: float | None
@@ -102,16 +111,24 @@ class Row:
 
     @property
     def key(self) -> str:
+        lm = "/lmq" if self.lm_head == "quantized" else ""
         return (f"{self.chip}/{self.cores}c/{self.model}/{self.quant}/g{self.group_size}/"
-                f"s{self.seq_length}")
+                f"s{self.seq_length}{lm}")
+
+    @property
+    def keep_float(self) -> str:
+        """convert-top-to-tpu's keep-float for this row: the lm_head stays half precision
+        unless the row's bmodel quantized it."""
+        return "" if self.lm_head == "quantized" else "lm_head"
 
     @property
     def family(self) -> str:
-        """The supported family with this model's structure: Qwen3 (q/k norms), MiniCPM
-        (Llama's: no biases), and Qwen, GLM and DeepSeek-Qwen (biases on q/k/v) as Qwen2."""
+        """The supported family with this model's structure: Qwen3 (q/k norms), MiniCPM and
+        Baichuan2 (Llama's: no biases; Baichuan2's fused W_pack is q, k and v's bytes), and
+        Qwen, GLM and DeepSeek-Qwen (biases on q/k/v) as Qwen2."""
         if self.model.startswith("Qwen3"):
             return "qwen3"
-        if self.model.startswith("MiniCPM"):
+        if self.model.startswith(("MiniCPM", "Baichuan")):
             return "llama"
         return "qwen2"
 
@@ -124,14 +141,18 @@ class Row:
         return self.vocab - 1 if _is_prime(self.vocab) else self.vocab
 
     def config(self) -> Any:
-        """A transformers config of this shape."""
+        """A transformers config of this shape. A quantized lm_head of tied embeddings is
+        compiled untied: the published bmodels export the lm_head as a net of its own with
+        its own (quantized) copy of the table, and toptpu keeps a matmul whose weight also
+        feeds the embedding's gather in the activation type."""
         import transformers
 
         cls = getattr(transformers, text_family(self.family).config_class)
         return cls(hidden_size=self.hidden, intermediate_size=self.intermediate,
                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                   vocab_size=self.compiled_vocab, tie_word_embeddings=self.tied_embeddings,
+                   vocab_size=self.compiled_vocab,
+                   tie_word_embeddings=self.tied_embeddings and self.lm_head == "half",
                    max_position_embeddings=max(32768, self.seq_length))
 
     def shapes(self, chunk: int) -> StaticShapes:
@@ -156,6 +177,18 @@ def _is_prime(n: int) -> bool:
     return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
 
+#: how a row's bmodel stores its lm_head: half precision (`llm_convert.py`, and the samples
+#: that deploy it with --quantize F16), or quantized as the layers (the samples whose
+#: gen_bmodel.sh deploys lm_head.mlir with the blocks' --quantize)
+LM_HEAD_FORMS = ("half", "quantized")
+
+
+def _lm_head(value: str) -> str:
+    if value not in LM_HEAD_FORMS:
+        raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_FORMS)}, got {value!r}")
+    return value
+
+
 def read_rows(path: str = ROWS_CSV) -> list[Row]:
     rows = []
     with open(path, newline="") as f:
@@ -168,7 +201,8 @@ def read_rows(path: str = ROWS_CSV) -> list[Row]:
                     kv_heads=int(r["kv_heads"]), head_dim=int(r["head_dim"]),
                     vocab=int(r["vocab"]), tied_embeddings=r["tied_embeddings"] == "true",
                     quant=r["quant"], group_size=int(r["group_size"]),
-                    seq_length=int(r["seq_length"]), decode_tok_s=float(r["decode_tok_s"]),
+                    lm_head=_lm_head(r["lm_head"]), seq_length=int(r["seq_length"]),
+                    decode_tok_s=float(r["decode_tok_s"]),
                     ftl_s=float(r["ftl_s"]) if r["ftl_s"] else None, source=r["source"]))
             except (KeyError, ValueError) as e:
                 raise CalibrationError(f"{path} line {i}: {e}") from e
@@ -197,7 +231,8 @@ def compile_row(row: Row, chip: Chip | None = None, progress: Any = None) -> Com
             mode = QuantMode(row.quant)
             group = row.group_size if row.group_size > 0 else DEFAULT_GROUP_SIZE
             request = CompileRequest(mode=mode, chip=chip, shapes=row.shapes(chunk),
-                                     group_size=group if mode.weight_bits == 4 else None)
+                                     group_size=group if mode.weight_bits == 4 else None,
+                                     keep_float=row.keep_float)
             return compile_costs(config, request, nets=nets, progress=progress)
         except CompileError as e:
             if "local memory" not in str(e) or chunk == row.chunks[-1]:
@@ -241,11 +276,22 @@ def compiled_rows(rows: Sequence[Row], cache: Mapping[str, Any]) -> dict[str, Co
 
 @dataclass(frozen=True)
 class Modelled:
-    """A row's modelled decode speed and time to first token on a chip."""
+    """A row's modelled decode speed and time to first token on a chip, and the least
+    time physics allows each (`physics_floor_s`)."""
 
     tokens_per_s: float
     ttft_s: float
     decode_bound: str
+    decode_floor_s: float = 0.0
+    ttft_floor_s: float = 0.0
+
+
+def physics_floor_s(costs: Costs, chip: Chip) -> float:
+    """The least time work of `costs` can take on `chip`: its DMA bytes at the nominal DDR
+    bandwidth, or its FLOPs at the peak of all cores in the fastest compute type,
+    whichever is longer (no launch, no host transfer, no latency)."""
+    peak = chip.peak_flops_per_cycle * chip.freq_ghz * 1e9
+    return max(costs.dma_bytes / (chip.ddr_gbps * 1e9), costs.flops / peak)
 
 
 def modelled(row: Row, compiled: CompiledCosts, chip: Chip) -> Modelled:
@@ -254,7 +300,8 @@ def modelled(row: Row, compiled: CompiledCosts, chip: Chip) -> Modelled:
                       compiled.model.num_layers, compiled.model.layer_nets())
     per_token = steps.per_token("greedy")
     first = steps.first_token(row.seq_length, "greedy")
-    return Modelled(1.0 / per_token.total_s, first.total_s, per_token.bound)
+    return Modelled(1.0 / per_token.total_s, first.total_s, per_token.bound,
+                    physics_floor_s(per_token, chip), physics_floor_s(first, chip))
 
 
 def relative_error(model: float, published: float) -> float:
@@ -263,10 +310,28 @@ def relative_error(model: float, published: float) -> float:
 
 # =========================================================================== fitting
 
+#: the fixed costs' bounds, each with the source it rests on (chips.json's sources repeat
+#: them). A net launch costs at least one interrupt: tpu-mlir's own LLM estimator
+#: (`python/llm/LlmProfile.py`) charges 0.1 ms per PCIe interrupt, two per layer and step,
+#: and LLM-TPU's `models/Qwen2_5/python_demo_opt` exports all blocks as one net to cut
+#: that overhead. A host<->device copy of a few bytes (the token id, the position, the
+#: mask row, the token back) is one small DMA that completes with one such interrupt: at
+#: most 0.1 ms. The upper bound of a launch is what the published rows leave
+#: (`launch_ceiling_us`).
+LAUNCH_US_MIN = 100.0
+HOST_TRANSFER_US_MAX = 100.0
+BOUND_SOURCES = {
+    "launch_us": "at least one interrupt, 0.1 ms (tpu-mlir python/llm/LlmProfile.py "
+                 "pcie_avg_ms; LLM-TPU models/Qwen2_5/python_demo_opt merges the blocks into "
+                 "one net to cut it)",
+    "host_transfer_us": "at most one interrupt-completed DMA of a few bytes, 0.1 ms "
+                        "(tpu-mlir python/llm/LlmProfile.py)",
+}
+
 
 def _decode_parts(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], chip_of:
                   Callable[[Row], Chip]) -> np.ndarray:
-    """Per row: decode step seconds without fixed costs, launches, transfers."""
+    """Per row: decode step seconds without fixed costs, launches, transfers, DMA bytes."""
     out = []
     for r in rows:
         chip = chip_of(r).with_figures(launch_us=0.0, host_transfer_us=0.0)
@@ -274,29 +339,58 @@ def _decode_parts(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], ch
         steps = StepModel(chip, c.io(), c.timings(chip, DECODE_NETS), c.model.num_layers,
                           c.model.layer_nets())
         t = steps.per_token("greedy")
-        out.append((t.total_s, t.launches, t.transfers))
+        out.append((t.total_s, t.launches, t.transfers, t.dma_bytes))
     return np.array(out, dtype=np.float64)
 
 
-def _fixed_costs(parts: np.ndarray, target: np.ndarray) -> tuple[float, float, float]:
-    """Non-negative launch and transfer seconds minimizing the squared relative error of
-    parts[:, 0] + n_launch * a + n_transfer * b against `target`; returns (a, b, error)."""
-    base, nl, nt = parts[:, 0], parts[:, 1], parts[:, 2]
+def launch_ceiling_us(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], chip: Chip
+                      ) -> float:
+    """The most a launch can cost on `chip`: what the fastest-per-launch published step
+    leaves after moving its DMA bytes at the chip's nominal DDR bandwidth (no deployment
+    moves them faster), shared by its launches (the host transfers taken as free)."""
+    parts = _decode_parts(rows, compiled, row_chip)
+    left = [(1.0 / r.decode_tok_s - p[3] / (chip.ddr_gbps * 1e9)) / p[1]
+            for r, p in zip(rows, parts, strict=True)]
+    return max(LAUNCH_US_MIN, min(left) * 1e6)
+
+
+def fixed_cost_bounds(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], chip: Chip
+                      ) -> dict[str, tuple[float, float]]:
+    """The bounds (microseconds) the fit keeps `launch_us` and `host_transfer_us` in."""
+    return {"launch_us": (LAUNCH_US_MIN, launch_ceiling_us(rows, compiled, chip)),
+            "host_transfer_us": (0.0, HOST_TRANSFER_US_MAX)}
+
+
+def _bounded_fixed_costs(parts: np.ndarray, target: np.ndarray,
+                         bounds: tuple[tuple[float, float], tuple[float, float]]
+                         ) -> tuple[float, float, float]:
+    """Launch and transfer seconds (a, b) within `bounds` minimizing the squared relative
+    error of parts[:, 0] + n_launch * a + n_transfer * b against `target`; returns
+    (a, b, error). The error is a convex quadratic in (a, b): its minimum over the box is
+    the free minimum if inside, else on an edge (each edge a clipped 1-D minimum)."""
     w = 1.0 / target
-    best = (0.0, 0.0, math.inf)
-    for free in ((True, True), (True, False), (False, True), (False, False)):
-        cols = [x for x, f in zip((nl, nt), free, strict=True) if f]
-        coef = np.zeros(2)
-        if cols:
-            a = np.stack(cols, axis=1) * w[:, None]
-            sol, *_ = np.linalg.lstsq(a, (target - base) * w, rcond=None)
-            if np.any(sol < 0):
-                continue
-            coef[[i for i, f in enumerate(free) if f]] = sol
-        err = float(np.sum(((base + nl * coef[0] + nt * coef[1]) * w - 1.0) ** 2))
-        if err < best[2]:
-            best = (float(coef[0]), float(coef[1]), err)
-    return best
+    cols = np.stack([parts[:, 1] * w, parts[:, 2] * w], axis=1)
+    rhs = (target - parts[:, 0]) * w
+
+    def err(ab: np.ndarray) -> float:
+        return float(np.sum((cols @ ab - rhs) ** 2))
+
+    candidates = []
+    free, *_ = np.linalg.lstsq(cols, rhs, rcond=None)
+    candidates.append(free)
+    for i in (0, 1):  # the other variable at each of its bounds, this one clipped
+        j = 1 - i
+        for at in bounds[j]:
+            c = cols[:, i]
+            v = float(c @ (rhs - cols[:, j] * at) / (c @ c)) if c @ c > 0 else bounds[i][0]
+            ab = np.zeros(2)
+            ab[i], ab[j] = min(max(v, bounds[i][0]), bounds[i][1]), at
+            candidates.append(ab)
+    inside = [ab for ab in candidates
+              if all(lo - 1e-12 <= x <= hi + 1e-12 for x, (lo, hi) in zip(ab, bounds,
+                                                                          strict=True))]
+    best = min(inside, key=err)
+    return float(best[0]), float(best[1]), err(best)
 
 
 def _grid(lo: float, hi: float, n: int) -> np.ndarray:
@@ -306,16 +400,20 @@ def _grid(lo: float, hi: float, n: int) -> np.ndarray:
 def fit_decode(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], chip: Chip
                ) -> dict[str, float]:
     """ddr_efficiency, launch_us, host_transfer_us (and core_ddr_gbps with two cores) of
-    one chip from its rows' decode speeds."""
+    one chip from its rows' decode speeds; the fixed costs within their bounds
+    (`LAUNCH_US_MIN`, `launch_ceiling_us`, `HOST_TRANSFER_US_MAX`)."""
     target = np.array([1.0 / r.decode_tok_s for r in rows])
     multicore = chip.cores > 1
+    limits = fixed_cost_bounds(rows, compiled, chip)
+    bounds = ((limits["launch_us"][0] * 1e-6, limits["launch_us"][1] * 1e-6),
+              (limits["host_transfer_us"][0] * 1e-6, limits["host_transfer_us"][1] * 1e-6))
 
     def evaluate(eff: float, core: float) -> tuple[float, float, float]:
         figures = {"ddr_efficiency": eff}
         if multicore:
             figures["core_ddr_gbps"] = core
         parts = _decode_parts(rows, compiled, lambda r: row_chip(r, figures))
-        return _fixed_costs(parts, target)
+        return _bounded_fixed_costs(parts, target, bounds)
 
     effs = _grid(0.40, 1.0, 31)
     cores = _grid(0.1 * chip.ddr_gbps, chip.ddr_gbps, 19) if multicore else [chip.core_ddr_gbps]
@@ -331,7 +429,7 @@ def fit_decode(rows: Sequence[Row], compiled: Mapping[str, CompiledCosts], chip:
         effs = _grid(max(0.05, best[0] - de), min(1.0, best[0] + de), 21)
         if multicore:
             dc = cores[1] - cores[0]
-            cores = _grid(max(0.5, best[1] - dc), best[1] + dc, 21)
+            cores = _grid(max(0.5, best[1] - dc), min(chip.ddr_gbps, best[1] + dc), 21)
     assert best is not None
     e, c, (launch, host, _) = best
     out = {"ddr_efficiency": round(e, 4), "launch_us": round(launch * 1e6, 2),
@@ -438,8 +536,10 @@ def table(res: Sequence[Result]) -> str:
 
 
 def write_presets(fitted: Mapping[str, Mapping[str, float]], res: Sequence[Result],
+                  bounds: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
                   path: str = PRESETS_PATH) -> None:
-    """Put the fitted figures into chips.json, each with its source."""
+    """Put the fitted figures into chips.json, each with its source (a fixed cost with
+    the bounds it was fitted in, `fixed_cost_bounds`, and theirs)."""
     with open(path) as f:
         data = json.load(f)
     for chip, figures in fitted.items():
@@ -451,8 +551,19 @@ def write_presets(fitted: Mapping[str, Mapping[str, float]], res: Sequence[Resul
             what = (f"time to first token ({len(ttfts)} rows, median error "
                     f"{median_abs(ttfts):.0%})" if name in PREFILL_FIGURES else
                     f"decode tok/s ({len(mine)} rows, median error {dec:.0%})")
-            data[chip]["sources"][name] = (f"fitted by bench/calibrate.py to "
-                                           f"bench/calibration/bm168x_published.csv: {what}")
+            source = (f"fitted by bench/calibrate.py to "
+                      f"bench/calibration/bm168x_published.csv: {what}")
+            limits = (bounds or {}).get(chip, {}).get(name)
+            if limits is not None:
+                lo, hi = limits
+                at = " (at its lower bound)" if value <= lo + 0.005 else \
+                    " (at its upper bound)" if value >= hi - 0.005 else ""
+                ceiling = ("the upper, what the published step with the least time per "
+                           "launch leaves after its DMA bytes at the nominal DDR bandwidth"
+                           if name == "launch_us" else "")
+                source += (f"; within [{lo:g}, {hi:.4g}] us{at}: {BOUND_SOURCES[name]}"
+                           + (f"; {ceiling}" if ceiling else ""))
+            data[chip]["sources"][name] = source
     text = _presets_text(data)
 
     write_output(path, text, "the chip presets")

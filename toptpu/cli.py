@@ -15,7 +15,13 @@ from types import FrameType
 
 from toptpu import llm_cli
 from toptpu.backend.reference.interpreter import Interpreter
-from toptpu.cli_args import ArgumentParser, UsageError, int_at_least, utf8_text
+from toptpu.cli_args import (
+    ArgumentParser,
+    UsageError,
+    int_at_least,
+    utf8_text,
+)
+from toptpu.command_io import command_run, drop_stdout
 from toptpu.compare import (
     THRESHOLDS,
     IRStage,
@@ -28,7 +34,7 @@ from toptpu.compare import (
 from toptpu.demo_smollm2 import DEMO_PROMPT, SMOLLM2_INSTALL, demo_smollm2
 from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
-from toptpu.errors import ToptpuError
+from toptpu.errors import AbortError, ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.eval_cli import add_eval_parser
 from toptpu.llm_cli import demo_generation
@@ -314,7 +320,11 @@ def run_command(args: argparse.Namespace) -> int:
     cmd = f"toptpu {args.command}"
     with signals_interrupt():
         try:
-            return int(args.fn(args))
+            with command_run():  # its inputs never written over, its stdout checked
+                return int(args.fn(args))
+        except AbortError as e:  # raised asynchronously: a file in use changed under it
+            print(f"{cmd}: error: {e}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt as e:
             signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
             print(f"{cmd}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
@@ -326,8 +336,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"{cmd}: error: {out_of_memory_advice(e, args)}", file=sys.stderr)
             return 1
         except BrokenPipeError:  # the reader went away (`toptpu run ... | head`)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes
+            drop_stdout()  # no second error when Python flushes
             return 1
 
 

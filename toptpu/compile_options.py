@@ -16,11 +16,11 @@ import os
 from typing import Any
 
 from toptpu.backend.contract import parse_strict_json
-from toptpu.backend.target.chips import chip_names, get_chip
+from toptpu.backend.target.chips import Chip, chip_names, get_chip
 from toptpu.devices import Parallel
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError
-from toptpu.frontends.gguf_loader import gguf_file_of
+from toptpu.frontends.gguf_loader import gguf_file_of, gguf_text_config
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -77,6 +77,8 @@ def check_compile_request(model: Any, output: str, request: CompileRequest | Non
     if found is not None:
         check_seq_length(*found, request.shapes.seq_length, request.mode)
         check_group_size(*found, request.mode, request.group_size)
+        check_kv_cache_fits(*found, request.shapes.seq_length, request.mode, request.chip,
+                            request.devices)
         check_parallel_config(*found, request.devices, request.parallel, request.mode,
                               request.group_size)
     return request
@@ -191,8 +193,9 @@ def _check_outputs(model: Any, output: str, dump_ir: str | None) -> None:
 def _text_config(model: Any) -> tuple[dict[str, Any], str] | None:
     """The (text) model's config as a dict, and where it is from, without loading weights;
     None when it cannot be read (the loader then says why)."""
-    if gguf_file_of(model) is not None:
-        return None  # the GGUF loader checks its metadata
+    gguf_path = gguf_file_of(model)
+    if gguf_path is not None:
+        return gguf_text_config(gguf_path)  # its metadata, checked (not its tensors)
     if isinstance(model, str | os.PathLike):
         where = os.path.join(os.fspath(model), "config.json")
         check_model_dir(os.fspath(model))  # its files regular and inside it, before any read
@@ -228,9 +231,10 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} PB"
 
 
-def kv_cache_size(cfg: dict[str, Any], seq_length: int, mode: AskedMode) -> str | None:
-    """'the KV cache alone takes X (2 x layers x SEQ x kv heads x head_dim x bytes)' for a
-    config dict, None when the config lacks the sizes."""
+def _kv_cache_bytes(cfg: dict[str, Any], seq_length: int, mode: AskedMode
+                    ) -> tuple[int, str] | None:
+    """The KV cache's bytes for a config dict and how they add up ('2 x layers x SEQ x kv
+    heads x head_dim x bytes, dtype'); None when the config lacks the sizes."""
     layers, heads = _positive(cfg, "num_hidden_layers"), _positive(cfg, "num_attention_heads")
     hidden = _positive(cfg, "hidden_size")
     if layers is None or heads is None:
@@ -243,8 +247,37 @@ def kv_cache_size(cfg: dict[str, Any], seq_length: int, mode: AskedMode) -> str 
         "f16/bf16" if mode is AUTO else "f32")
     width = 4 if act == "f32" else 2
     total = 2 * layers * seq_length * kv * head_dim * width
-    return (f"{_human_bytes(total)} (2 x {layers} layers x {seq_length} positions x {kv} kv "
-            f"heads x {head_dim} x {width} bytes, {act})")
+    return total, (f"2 x {layers} layers x {seq_length} positions x {kv} kv heads x "
+                   f"{head_dim} x {width} bytes, {act}")
+
+
+def kv_cache_size(cfg: dict[str, Any], seq_length: int, mode: AskedMode) -> str | None:
+    """'X (2 x layers x SEQ x kv heads x head_dim x bytes)': the KV cache's size for a
+    config dict, None when the config lacks the sizes."""
+    found = _kv_cache_bytes(cfg, seq_length, mode)
+    return None if found is None else f"{_human_bytes(found[0])} ({found[1]})"
+
+
+def check_kv_cache_fits(cfg: dict[str, Any], where: str, seq_length: int,
+                        mode: AskedMode, chip: str | Chip, devices: int = 1) -> None:
+    """The KV cache of `seq_length` positions fits the chip's memory (spread over
+    `devices`, each holding its share at best), refused before anything is allocated for
+    it (the nets are exported with their KV inputs of that size); the compile's
+    `check_fits` later checks the weights and the cache of each device exactly."""
+    found = _kv_cache_bytes(cfg, seq_length, mode)
+    if found is None:
+        return
+    total, how = found
+    the_chip = chip if isinstance(chip, Chip) else get_chip(chip)
+    if total <= the_chip.ddr_bytes * devices:
+        return
+    per_position = total // seq_length
+    fits = the_chip.ddr_bytes * devices // per_position
+    on = f"a {the_chip.name}'s" if devices == 1 else f"{devices} {the_chip.name}s'"
+    raise CompileError(
+        f"--seq-length {seq_length}: the KV cache alone would take {_human_bytes(total)} "
+        f"({how}) for {where}, more than {on} {_human_bytes(the_chip.ddr_bytes * devices)} "
+        f"of memory; use --seq-length {fits} or less (the weights need room too)")
 
 
 def check_seq_length(cfg: dict[str, Any], where: str, seq_length: int, mode: AskedMode,

@@ -50,6 +50,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
 
 import numpy as np
+from jinja2 import TemplateSyntaxError
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.printer import Printer
 
@@ -109,13 +110,13 @@ from toptpu.compile_options import (
     kv_cache_size,
 )
 from toptpu.devices import Parallel, balance_layers, devices_needed
-from toptpu.dialects import tpu
 from toptpu.dialects.common import QuantMode
 from toptpu.dialects.output_file import write_output
 from toptpu.dialects.sharding import (
     device_tensor,
     parse_shard_name,
 )
+from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
 from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_loader import LoadedModel, ModelLoadError, load_model
@@ -548,20 +549,27 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
     """A chat template among the tokenizer files renders a probe conversation within the
     runtime's bounds (`runtime.TEMPLATE_MAX_CHARS`, `TEMPLATE_MAX_SECONDS`): a hostile
-    template is refused before a model file is written. Other rendering errors are left to
-    `toptpu chat`, which names them for the conversation at hand."""
+    template is refused before a model file is written, and so is one that does not parse.
+    Other rendering errors are left to `toptpu chat`, which names them for the conversation
+    at hand."""
     if "tokenizer.json" not in files:
         return
+    where = next((n for n in ("chat_template.jinja", "chat_template.json") if n in files),
+                 "tokenizer_config.json")
+    where = f"{source} (tokenizer.chat_template)" if os.path.isfile(source) else \
+        os.path.join(source, where)  # a GGUF file's metadata, or a directory's file
     try:
         tok = Tokenizer(files)
         if tok.has_chat_template:
             tok.apply_chat_template(_PROBE, add_generation_prompt=True)
     except TemplateLimitError as e:
-        where = next((n for n in ("chat_template.jinja", "chat_template.json") if n in files),
-                     "tokenizer_config.json")
-        raise CompileError(f"{os.path.join(source, where)}: {e}") from None
-    except GenerationError:
-        return
+        raise CompileError(f"{where}: {e}") from None
+    except GenerationError as e:
+        cause = e.__cause__
+        if isinstance(cause, TemplateSyntaxError):  # no conversation could ever render
+            raise CompileError(f"{where}: the chat template does not parse (line "
+                               f"{cause.lineno}: {cause.message}); fix it, or remove it "
+                               "to compile without one") from None
 
 
 def _load(model: Any, tokenizer: Any, image_size: int | None, max_tiles: int | None,
@@ -642,8 +650,8 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         # (its derived tensors stay: pack_weights checks the recipes against them)
         gone = [n for n in store.names() if stream.from_placeholder(n)]
         if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
-            read = {op.tensor_name for n in nets.values() for op in n.tpu.walk()
-                    if isinstance(op, tpu.WeightOp)}
+            read = {name for n in nets.values() for op in n.tpu.walk() if op.results
+                    and (name := weight_name(op.results[0])) is not None}
             gone += [n for n in stream.free_layers() if n not in read]
         for name in gone:
             if name in store:

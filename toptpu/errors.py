@@ -32,3 +32,10 @@ class GenerationError(ToptpuError):
 
 class ImageError(GenerationError):
     """An image that cannot be read or that the compiled shapes cannot take."""
+
+
+class AbortError(KeyboardInterrupt):
+    """A command that cannot go on, told asynchronously (a signal handler raised it: a file
+    the command maps was about to be truncated or written by another process). A
+    `KeyboardInterrupt`, so no `except Exception` on the way swallows it and every
+    `finally` runs; the command lines report its message as an error (exit status 1)."""

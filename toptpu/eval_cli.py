@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -34,13 +35,21 @@ import numpy as np
 
 from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.cli_args import int_at_least
+from toptpu.dialects.output_file import note_input
 from toptpu.errors import ToptpuError
 
 #: version of the `toptpu eval --json` object; bumped when a key changes meaning or goes away
 EVAL_JSON_SCHEMA = 1
 
-#: most bytes of --text read (a text for perplexity, not a corpus dump)
-MAX_TEXT_BYTES = 64 * 2**20
+#: most bytes of --text read (a text for perplexity, not a corpus dump: wikitext-2's test
+#: set is 1.3 MB): tokenizing takes ~230 bytes of memory per character, so 4 MiB ~ 1 GB
+MAX_TEXT_BYTES = 4 * 2**20
+#: with --max-tokens N, the text is read from its start in pieces of at least this many
+#: bytes per token (growing fourfold) until its tokens reach N + PREFIX_MARGIN
+PREFIX_BYTES_PER_TOKEN = 16
+#: tokens beyond N a prefix must give: the last tokens of a prefix cut at a line end may
+#: differ from the whole text's (a post-processor's end token, a merge across the cut)
+PREFIX_MARGIN = 16
 
 #: positions whose float64 log-probabilities are held at once (a 150k vocabulary: 77 MB)
 ROWS = 64
@@ -81,20 +90,52 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- the text
 
 
-def read_text(path: str) -> str:
-    """The text of `path`: a regular file of valid, non-blank UTF-8."""
-    if os.path.isdir(path):
-        raise EvalError(f"--text '{path}' is a directory; pass a UTF-8 text file")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TEXT_BYTES + 1)
-    except FileNotFoundError:
-        raise EvalError(f"--text '{path}' does not exist") from None
-    except OSError as e:
-        raise EvalError(f"cannot read --text '{path}': {e.strerror or e}") from None
-    if len(data) > MAX_TEXT_BYTES:
-        raise EvalError(f"--text '{path}' is larger than {MAX_TEXT_BYTES >> 20} MiB; pass a "
-                        "shorter text (--max-tokens bounds the tokens used, not the bytes read)")
+class TextFile:
+    """The --text file, checked before anything is read from it: a regular file (a FIFO
+    would block the read forever) and, when it is read `whole`, at most MAX_TEXT_BYTES (its
+    size from the file system, not from reading it; `--max-tokens` reads only the start
+    it needs, at most MAX_TEXT_BYTES of it)."""
+
+    def __init__(self, path: str, whole: bool = True) -> None:
+        self.path = path
+        try:  # without blocking: a FIFO is refused, never read
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise EvalError(f"--text '{path}' does not exist") from None
+        except IsADirectoryError:
+            raise EvalError(f"--text '{path}' is a directory; pass a UTF-8 text file") from None
+        except OSError as e:
+            raise EvalError(f"cannot read --text '{path}': {e.strerror or e}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else (
+                "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+            raise EvalError(f"--text '{path}' is {kind}; pass a UTF-8 text file")
+        self._file = os.fdopen(fd, "rb")
+        if whole and st.st_size > MAX_TEXT_BYTES:
+            self.close()
+            raise EvalError(f"--text '{path}' is {st.st_size} bytes, more than {MAX_TEXT_BYTES} "
+                            f"({MAX_TEXT_BYTES >> 20} MiB); pass a shorter text, or "
+                            "--max-tokens N to use its first N tokens")
+        note_input(fd, path)
+        self.size = st.st_size
+
+    def read(self, n: int | None = None) -> bytes:
+        """The first `n` bytes (all: None), at most MAX_TEXT_BYTES whatever the file does."""
+        self._file.seek(0)
+        data = self._file.read(min(MAX_TEXT_BYTES + 1, n if n is not None else 1 << 62))
+        if len(data) > MAX_TEXT_BYTES:  # it grew since it was checked, or tokens are scarce
+            raise EvalError(f"--text '{self.path}': more than {MAX_TEXT_BYTES >> 20} MiB of "
+                            "it would be read; pass a shorter text")
+        return data
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def decode_text(data: bytes, path: str) -> str:
+    """`data` as text: valid, non-blank UTF-8."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -103,6 +144,49 @@ def read_text(path: str) -> str:
     if not text.strip():
         raise EvalError(f"--text '{path}' is empty; pass a text of at least two tokens")
     return text
+
+
+def read_text(path: str) -> str:
+    """The text of `path`: a regular file of valid, non-blank UTF-8, at most
+    MAX_TEXT_BYTES."""
+    f = TextFile(path)
+    try:
+        return decode_text(f.read(), path)
+    finally:
+        f.close()
+
+
+def _line_cut(data: bytes) -> int:
+    """Where a prefix of the text ends: after its last line end followed by a character
+    that is not white space (a tokenizer splits there), 0 if there is none."""
+    at = len(data)
+    while (at := data.rfind(b"\n", 0, at)) >= 0:
+        if at + 1 < len(data) and not data[at + 1:at + 2].isspace():
+            return at + 1
+    return 0
+
+
+def text_tokens(f: TextFile, encode: Any, max_tokens: int | None) -> tuple[str, list[int]]:
+    """The text (what was read of it) and its tokens: all of them, or with `max_tokens` the
+    first N, from a prefix read in growing pieces and cut at a line end (see
+    PREFIX_BYTES_PER_TOKEN), never more of the file than those tokens need."""
+    if max_tokens is None:
+        text = decode_text(f.read(), f.path)
+        return text, encode(text)
+    want = max_tokens + PREFIX_MARGIN
+    n = PREFIX_BYTES_PER_TOKEN * want
+    while True:
+        if n >= f.size or n > MAX_TEXT_BYTES:
+            text = decode_text(f.read(), f.path)
+            return text, encode(text)[:max_tokens]
+        data = f.read(n)
+        cut = _line_cut(data)
+        if cut:
+            text = decode_text(data[:cut], f.path)
+            ids = encode(text)
+            if len(ids) >= want:
+                return text, ids[:max_tokens]
+        n *= 4
 
 
 def windows(n: int, size: int) -> list[tuple[int, int]]:
@@ -219,6 +303,18 @@ class Totals:
             self.agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
 
 
+def non_finite(logits: np.ndarray, name: str, start: int, window: int) -> str | None:
+    """Why a window's logits make no perplexity: the first position whose logits are NaN
+    or infinite (None: all finite)."""
+    bad = ~np.isfinite(logits).all(axis=-1)
+    if not bad.any():
+        return None
+    row = int(np.argmax(bad))
+    return (f"the logits of {name} are NaN or infinite at token {start + row} of the text "
+            f"(window {window + 1}): it computes non-finite numbers there (damaged weights, "
+            "or an overflow in its activation type), so there is no perplexity")
+
+
 def _ppl(nll_sum: float, n: int) -> float:
     return math.exp(nll_sum / n) if nll_sum / n < 700 else math.inf
 
@@ -259,12 +355,13 @@ def _open_reference(args: argparse.Namespace, model: ModelFileScorer, text: str,
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the evaluation `args` asks for; the `--json` object."""
-    text = read_text(args.text)
+    text_file = TextFile(args.text, whole=args.max_tokens is None)  # before the model
     progress = None if args.quiet else sys.stderr
-    model = ModelFileScorer(args.model_file, args.executor)
-    ids = model.encode(text)
-    if args.max_tokens is not None:
-        ids = ids[:args.max_tokens]
+    try:
+        model = ModelFileScorer(args.model_file, args.executor)
+        text, ids = text_tokens(text_file, model.encode, args.max_tokens)
+    finally:
+        text_file.close()
     if len(ids) < 2:
         raise EvalError(f"--text '{args.text}' is {len(ids)} token long: perplexity needs at "
                         "least two tokens (one to predict from, one to predict)")
@@ -273,11 +370,17 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     spans = windows(len(ids), window)
     tot = Totals()
     t0 = time.perf_counter()
+    problem = None
     for k, (s, e) in enumerate(spans):
         chunk = ids[s:e]
         targets = np.array(chunk[1:], np.int64)
         logits = model.logits(chunk)[:-1]
         ref_logits = ref.logits(chunk)[:-1] if ref else None
+        problem = non_finite(logits, model.name, s, k) or (
+            None if ref is None or ref_logits is None
+            else non_finite(ref_logits, ref.name, s, k))
+        if problem:
+            break
         for r in range(0, len(targets), ROWS):  # f64 in blocks: [rows, V] at a time
             tot.add(targets[r:r + ROWS], log_softmax(logits[r:r + ROWS]),
                     None if ref_logits is None else log_softmax(ref_logits[r:r + ROWS]))
@@ -290,9 +393,16 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "model_file": args.model_file, "mode": model.mode, "executor": args.executor,
         "text_tokens": len(ids), "window": window, "windows": len(spans),
         "predicted_tokens": tot.positions,
-        "nll": tot.nll / tot.positions, "perplexity": _ppl(tot.nll, tot.positions),
-        "reference": None,
+        "nll": None, "perplexity": None, "reference": None, "problem": problem,
     }
+    if problem is not None:
+        return out
+    out["nll"], out["perplexity"] = tot.nll / tot.positions, _ppl(tot.nll, tot.positions)
+    if not math.isfinite(out["perplexity"]):
+        out["problem"] = (f"the perplexity overflows a float (mean negative log-likelihood "
+                          f"{out['nll']:.1f} nats): the model predicts this text hopelessly")
+        out["perplexity"] = None
+        return out
     if ref is not None:
         out["reference"] = {
             "kind": ref.kind, "path": ref.name,
@@ -321,6 +431,18 @@ def _greedy(model: ModelFileScorer, ref: Scorer, ids: list[int], args: argparse.
             "model_ids": a, "reference_ids": b}
 
 
+def finite_or_null(value: Any) -> Any:
+    """`value` with every float that is not finite (NaN, infinity) replaced by None: what
+    JSON can hold."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def summary(res: dict[str, Any]) -> str:
     lines = [f"{res['model_file']} ({res['mode']}): perplexity {res['perplexity']:.4f} "
              f"(nll {res['nll']:.4f}) over {res['predicted_tokens']} predicted tokens of "
@@ -343,7 +465,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Perplexity of a model file on a text, and top-1 agreement, KL and greedy divergence
     against a reference model file or Hugging Face directory."""
     res = evaluate(args)
-    print(json.dumps(res) if args.json else summary(res))
+    if args.json:  # valid JSON whatever happened: a result that is not a number is null
+        print(json.dumps(finite_or_null(res), allow_nan=False))
+    if res["problem"] is not None:
+        raise EvalError(res["problem"])
+    if not args.json:
+        print(summary(res))
     return 0
 
 

@@ -27,6 +27,7 @@ from toptpu.backend.runtime.runtime import (
     Runtime,
     SamplingConfig,
 )
+from toptpu.backend.runtime.vision import image_file
 from toptpu.backend.runtime.weight_cache_file import (
     cache_path,
     open_weight_cache,
@@ -40,6 +41,7 @@ from toptpu.cli_args import (
     utf8_problem,
     utf8_text,
 )
+from toptpu.command_io import LineTooLong, message_limit, read_line
 from toptpu.errors import ToptpuError
 from toptpu.paths import check_output_file
 from toptpu.request import CompileRequest, add_request_args
@@ -274,6 +276,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_output_file(args.trace, "--trace", "trace.json")
         if os.path.exists(args.trace) and os.path.samefile(args.trace, args.model_file):
             raise UsageError(f"--trace '{args.trace}' is the model file; name another file")
+    for path in [*(args.image or []), *(f for video in args.video or [] for f in video)]:
+        image_file(path)  # each a regular file, before the model file is read
     rt = Runtime.open(args.model_file, args.executor)
     _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -354,15 +358,19 @@ def _prepare_input() -> None:
         pass
 
 
-def _read_message() -> str | None:
+def _read_message(limit: int = 1 << 20) -> str | None:
     """The next non-empty input line, stripped; None at the end of input. A line that is
-    not valid UTF-8 is refused (and not sent)."""
+    not valid UTF-8, or longer than `limit` characters (read to its end, never held), is
+    refused (and not sent)."""
     while True:
         try:
-            line = input(">>> ")
+            line = read_line(">>> ", limit)
         except EOFError:
             print(file=sys.stderr)
             return None
+        except LineTooLong as e:
+            print(f"[{e}, more than fits the KV cache; not sent]", file=sys.stderr)
+            continue
         problem = utf8_problem(line)
         if problem:
             print(f"[the line {problem}; not sent]", file=sys.stderr)
@@ -373,8 +381,9 @@ def _read_message() -> str | None:
 
 def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
     images: list[Any] = []
+    limit = message_limit(rt.tokenizer.backend.get_vocab(), rt.seq)
     while True:
-        msg = _read_message()
+        msg = _read_message(limit)
         if msg is None or msg == "/exit":
             return 0
         if msg.startswith("//"):  # the escape of a message that starts with '/'

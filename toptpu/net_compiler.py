@@ -145,6 +145,7 @@ def compile_net(net: NetPlan, request: CompileRequest, store: WeightStore, *,
     try:
         run_passes(module, tpu_pipeline_passes(net.mode, request.quant_group_size,
                                                request.symmetric,
+                                               keep_float=request.keep_float,
                                                keep_input_types=net.spec.keep_input_types),
                    after=after, store=store)
     except ToptpuError as e:  # lowering: a mode or weight the net cannot take

@@ -63,8 +63,6 @@ from dataclasses import dataclass
 from io import BytesIO, StringIO
 from typing import IO, Any, get_type_hints
 
-from xdsl.context import Context
-from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.printer import Printer
@@ -74,13 +72,15 @@ from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseE
 from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
-from toptpu.backend.codegen.streams import generate
-from toptpu.backend.runtime.machine import command_cycles, schedule
-from toptpu.backend.target.chips import DEFAULT_CHIP, get_chip
+from toptpu.command_io import StdoutError, command_run, drop_stdout
 from toptpu.dialects import all_dialects
-from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, print_generic, verify_ir
-from toptpu.dialects.irdl_export import MlirFormError, mlir_form
-from toptpu.dialects.output_file import OutputPathError, output_target, write_output
+from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, verify_ir
+from toptpu.dialects.output_file import (
+    OutputPathError,
+    note_input,
+    output_target,
+    write_output,
+)
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -95,7 +95,8 @@ from toptpu.expected_diagnostics import (
     check,
     parse_expectations,
 )
-from toptpu.passes.pipelines import PIPELINES, PipelineEntry, all_passes
+from toptpu.passes.registry import PASSES, PIPELINE_NAMES, all_passes
+from toptpu.passes.top_pipeline import PipelineEntry
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug): xDSL's
 #: diagnostics and toptpu's user-facing errors (`toptpu.errors.ToptpuError`)
@@ -218,9 +219,9 @@ def _is_device(path: str) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
 
 
-def _write(path: str, text: str, what: str = "-o") -> None:
+def _write(path: str, text: str, what: str = "-o", replaces: tuple[str, ...] = ()) -> None:
     try:
-        write_output(path, text, what)
+        write_output(path, text, what, replaces)
     except OutputPathError as e:
         raise OptInputError(str(e)) from None
 
@@ -255,8 +256,8 @@ def passes_help() -> str:
     """The epilog of --help: toptpu's pipelines, then its passes, each with a one-line
     description and its options (type and default), as mlir-opt lists its passes."""
     ours = all_passes()
-    groups = (("toptpu pipelines", [n for n, c in ours.items() if c in PIPELINES]),
-              ("toptpu passes", [n for n, c in ours.items() if c not in PIPELINES]))
+    groups = (("toptpu pipelines", [n for n in ours if n in PIPELINE_NAMES]),
+              ("toptpu passes", [n for n in ours if n not in PIPELINE_NAMES]))
     lines: list[str] = []
     w = max(len(n) for n in ours) + 2
     for title, names in groups:
@@ -385,45 +386,18 @@ def expand_marking_ends(passes: Sequence[ModulePass]
     return out, ends
 
 
-@dataclass(frozen=True)
-class CommandsTarget(Target):
-    """`-t commands{chip=NAME}`: the command streams of each function, as text."""
+def _commands_target() -> type[Target]:
+    """`-t commands`, imported when named: codegen and the machine."""
+    from toptpu.opt_targets import CommandsTarget
 
-    name = "commands"
-    chip: str = DEFAULT_CHIP
-
-    def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
-        try:
-            chip = get_chip(self.chip)
-            for fn in module.ops:
-                if isinstance(fn, func.FuncOp):
-                    prog = generate(module, fn, chip)
-                    events, _ = schedule(prog.commands, chip)
-                    total = max((e.end for e in events), default=0.0)
-                    busy = {k: sum(e.end - e.start for e in events if e.engine == k)
-                            for k in ("dma", "cmp")}
-                    timeline = (f"modelled on {chip.name}: {total:.0f} cycles "
-                                f"({total / (chip.freq_ghz * 1e3):.2f} us), dma busy "
-                                f"{busy['dma']:.0f}, compute busy {busy['cmp']:.0f}")
-                    print(prog.text([command_cycles(chip, c) for c in prog.commands],
-                                    timeline), file=output)
-        except ToptpuError as e:
-            raise ValueError(f"-t commands: {e}") from None
+    return CommandsTarget
 
 
-@dataclass(frozen=True)
-class MlirGenericTarget(Target):
-    """`-t mlir-generic`: the module as real MLIR reads it with the IRDL of top/tpu
-    (`python -m toptpu.dialects.irdl_export`): the generic form, with one operand / result
-    segment per value of a variadic group (MLIR 22's IRDL gives a variadic group one type)."""
+def _mlir_generic_target() -> type[Target]:
+    """`-t mlir-generic`, imported when named: the IRDL export."""
+    from toptpu.opt_targets import MlirGenericTarget
 
-    name = "mlir-generic"
-
-    def emit(self, ctx: Context, module: ModuleOp, output: IO[str]) -> None:
-        try:
-            output.write(print_generic(mlir_form(module), debuginfo=True))
-        except MlirFormError as e:
-            raise ValueError(f"-t mlir-generic: {e}") from None
+    return MlirGenericTarget
 
 
 @dataclass
@@ -452,12 +426,12 @@ class ToptpuOptMain(xDSLOptMain):
                 self.ctx.register_dialect(name, factory)
 
     def register_all_passes(self) -> None:
-        ours = all_passes()
-        for name, cls in ours.items():
-            self.register_pass(name, lambda cls=cls: cls)
+        # by name: a pass's module is imported when a pipeline names it (start-up)
+        for name, get in PASSES.items():
+            self.register_pass(name, get)
         super().register_all_passes()
-        for name, cls in ours.items():  # ours win where xDSL has a pass of the same name
-            self.register_pass(name, lambda cls=cls: cls)
+        for name, get in PASSES.items():  # ours win where xDSL has a pass of the same name
+            self.register_pass(name, get)
 
     def setup_pipeline(self) -> None:
         # mlir-opt's words: `-` is stdin (and stdout for -o), --pass-pipeline is -p, and a
@@ -581,8 +555,8 @@ class ToptpuOptMain(xDSLOptMain):
 
     def register_all_targets(self) -> None:
         super().register_all_targets()
-        self.available_targets[CommandsTarget.name] = lambda: CommandsTarget
-        self.available_targets[MlirGenericTarget.name] = lambda: MlirGenericTarget
+        self.available_targets["commands"] = _commands_target
+        self.available_targets["mlir-generic"] = _mlir_generic_target
 
     def register_all_arguments(self, arg_parser: argparse.ArgumentParser) -> None:
         super().register_all_arguments(arg_parser)
@@ -654,8 +628,14 @@ class ToptpuOptMain(xDSLOptMain):
             help="where the tensors the passes derive go (a .safetensors file; the result's "
                  f"top.weight_store points at it); default with -o OUT.mlir: "
                  f"OUT{WEIGHTS_SUFFIX}; required when the result goes to stdout")
-        arg_parser.epilog = passes_help()
         arg_parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        format_help = arg_parser.format_help
+
+        def format_help_with_passes() -> str:  # imports every pass: only when --help asks
+            arg_parser.epilog = passes_help()
+            return format_help()
+
+        arg_parser.format_help = format_help_with_passes  # type: ignore[method-assign]
 
     # -- input and output ----------------------------------------------------------------------
     def get_input_stream(self) -> tuple[IO[bytes], str]:
@@ -707,8 +687,7 @@ class ToptpuOptMain(xDSLOptMain):
 
     def run(self) -> None:
         if self.args.list_xdsl_passes:
-            ours = all_passes()
-            print("\n".join(n for n in sorted(self.available_passes) if n not in ours))
+            print("\n".join(n for n in sorted(self.available_passes) if n not in PASSES))
             return
         if self.args.output_file is not None and not self.args.strip_debuginfo:
             self.args.print_debuginfo = True  # a file keeps where each op came from
@@ -721,6 +700,12 @@ class ToptpuOptMain(xDSLOptMain):
                                + ("; nothing was written" if self.args.output_file else ""))
         if self.args.time_passes:
             print(self.timing_report(), file=sys.stderr)
+        in_place = tuple(p for p in (self.args.input_file,) if p)
+        if self._kept_output is not None:  # every output checked before any is written
+            try:
+                output_target(self.args.output_file, "-o", replaces=in_place)
+            except OutputPathError as e:
+                raise OptInputError(str(e)) from None
         if self._pending_weights is not None:
             pending = self._pending_weights
             try:
@@ -730,8 +715,8 @@ class ToptpuOptMain(xDSLOptMain):
             except OSError as e:
                 raise OptInputError(f"cannot write the weights file {pending.path}: "
                                     f"{e.strerror or e}") from None
-        if self._kept_output is not None:
-            _write(self.args.output_file, self._kept_output.getvalue())
+        if self._kept_output is not None:  # the input IR may be rewritten in place
+            _write(self.args.output_file, self._kept_output.getvalue(), replaces=in_place)
 
     def _run_chunks(self) -> tuple[int, int]:
         """Parse, run the passes on and print each chunk; (chunks failed, chunks). Without
@@ -798,7 +783,8 @@ class ToptpuOptMain(xDSLOptMain):
         if self.args.weights_out is not None:
             return self.args.weights_out
         if self.args.output_file is not None:
-            if output_target(self.args.output_file)[1] == "through":
+            in_place = tuple(p for p in (self.args.input_file,) if p)
+            if output_target(self.args.output_file, replaces=in_place)[1] == "through":
                 raise OptInputError(
                     f"-o {self.args.output_file} is a device or FIFO, and the passes derived "
                     f"{len(derived)} weight tensor(s) {what} needs: give --weights-out "
@@ -828,8 +814,9 @@ class ToptpuOptMain(xDSLOptMain):
             raise OptInputError(
                 "the passes derived weights in more than one --split-input-file chunk, and "
                 "one weights file holds one module's tensors: run the chunks separately")
-        if self.args.weights_out is None:
-            _check_output_path(path, "the weights file")
+        # checked again now that the inputs are known: never over one (before any output)
+        _check_output_path(path, "the weights file" if self.args.weights_out is None
+                           else "--weights-out")
         self._pending_weights = _PendingWeights(store, sorted(self._companion_names), path)
 
     def parse_chunk(self, chunk: IO[bytes], file_extension: str,
@@ -839,14 +826,20 @@ class ToptpuOptMain(xDSLOptMain):
         name = self.get_input_name()
         if self.args.split_input_file:
             name = f"{name} (the chunk from line {start_offset + 1})"
+        if self.args.input_file is not None:
+            note_input(self.args.input_file)  # never an output of this command
         try:
-            return parse_ir(chunk.read(), name, self.ctx,
-                            implicit_module=not self.args.no_implicit_module,
-                            verify=not self.args.disable_verify)
+            module = parse_ir(chunk.read(), name, self.ctx,
+                              implicit_module=not self.args.no_implicit_module,
+                              verify=not self.args.disable_verify)
         except (ParseError, IRTextError, DiagnosticException):
             raise
         except Exception as e:  # noqa: BLE001 - parse errors are mapped: a verifier crashed
             raise InternalError("a verifier crashed", e) from e
+        store = module.attributes.get(STORE_ATTR)
+        if isinstance(store, StringAttr) and not store.data.startswith("memory:"):
+            note_input(store.data)  # the weight store it names: read, never written
+        return module
 
     # -- passes --------------------------------------------------------------------------------
     def apply_passes(self, prog: ModuleOp) -> None:
@@ -860,7 +853,8 @@ class ToptpuOptMain(xDSLOptMain):
 
         def callback(prev: ModulePass | None, module: ModuleOp, nxt: ModulePass | None) -> None:
             state["running"], state["verifying_after"] = None, prev
-            if prev is not None and not self.args.disable_verify:
+            if (prev is not None and not self.args.disable_verify
+                    and not isinstance(prev, PipelineEntry)):  # a level check changes nothing
                 verify_ir(module)  # xDSL's verifier, and defined-before-use, which it skips
             if pipeline.callback is not None:  # times and prints between passes
                 pipeline.callback(prev, module, nxt)
@@ -902,7 +896,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     name = tool.get_input_name()
     try:
-        tool.run()
+        with command_run():  # its inputs never written over, its stdout checked
+            tool.run()
+    except StdoutError as e:
+        print(f"toptpu-opt: {e}", file=sys.stderr)
     except ChunksFailed as e:
         print(f"toptpu-opt: {name}: {e}", file=sys.stderr)
     except (OptInputError, IRTextError, ParseError, DiagnosticException) as e:
@@ -913,6 +910,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
     except ValueError as e:  # xDSL's own checks of the command line (an unknown extension)
         print(f"toptpu-opt: error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`toptpu-opt ... | head`)
+        drop_stdout()
     except KeyboardInterrupt:
         print("toptpu-opt: interrupted", file=sys.stderr)
         return 130

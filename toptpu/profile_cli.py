@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.utils.exceptions import DiagnosticException, ParseError
 
 from toptpu.backend.codegen.streams import generate
 from toptpu.backend.contract import PENALTY, TEMPERATURE, TOP_K, TOP_P, NetName
@@ -45,8 +47,11 @@ from toptpu.backend.runtime.profile import (
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
 from toptpu.cli_args import UsageError, int_at_least
 from toptpu.dialects import context, tpu
-from toptpu.dialects.ir_text import parse_ir
+from toptpu.dialects.ir_text import IRVerifyError, one_line, parse_ir
+from toptpu.dialects.output_file import note_input
+from toptpu.errors import ToptpuError
 from toptpu.families import vision_family
+from toptpu.passes.machine_verify import MachineIRError, verify_machine_ir
 from toptpu.paths import OutputPathError, check_output_dir, check_output_file
 
 #: sampling inputs a profile run feeds 1 (temperature 1, no penalty, top-k 1, top-p 1): zeros
@@ -182,26 +187,57 @@ def steps_json(steps: StepModel, prompt_tokens: int, sampler: str) -> dict[str, 
             "tokens_per_s": 1 / per.total_s if per.total_s else None}
 
 
-def profile_ir(path: str, chip_name: str) -> tuple[Chip, list[NetProfile], list[Timeline],
-                                                  list[Program]]:
-    """Profiles of every function of the Tpu IR file `path` on the chip `chip_name`."""
+class ProfileIRError(ToptpuError):
+    """IR that `toptpu profile FILE.mlir` does not time: it does not parse or verify, or it
+    is not IR the machine could run (the message names where and why)."""
+
+
+def read_machine_ir(path: str, chip: Chip) -> ModuleOp:
+    """The grouped, allocated, addressed Tpu IR of `path`, checked as the machine needs it
+    before anything is timed: it parses and verifies, every function has its addresses,
+    and `passes.machine_verify` (lmem-verify's local memory checks, the slices, the global
+    addresses against the regions, no empty tensor) holds. ProfileIRError otherwise."""
     if not os.path.isfile(path):
         raise UsageError(f"'{path}' is not a readable file")
     with open(path, "rb") as f:
-        module = parse_ir(f.read(), path, context())
+        note_input(f.fileno(), path)
+        data = f.read()
+    try:
+        module = parse_ir(data, path, context())
+    except (ParseError, IRVerifyError, DiagnosticException) as e:
+        line = one_line(e)
+        raise ProfileIRError(line if line.startswith(path) else f"{path}: {line}") from None
+    for fn in module.ops:
+        if isinstance(fn, func.FuncOp) and tpu.regions_of(fn) is None:
+            raise UsageError(f"{path}: @{fn.sym_name.data} is not grouped and addressed Tpu "
+                             "IR: profile the output of tpu-pipeline{chip=...} (or of "
+                             "machine-pipeline), e.g. the --dump-ir file after address-assign")
+    try:
+        verify_machine_ir(module, chip)
+    except MachineIRError as e:
+        raise ProfileIRError(f"{path}: {e}") from None
+    return module
+
+
+def profile_ir(path: str, chip_name: str) -> tuple[Chip, list[NetProfile], list[Timeline],
+                                                  list[Program]]:
+    """Profiles of every function of the Tpu IR file `path` on the chip `chip_name`, the IR
+    checked first (`read_machine_ir`), and each function's command streams too."""
     chip = get_chip(chip_name)
+    module = read_machine_ir(path, chip)
     net = os.path.basename(os.path.dirname(os.path.abspath(path))) or "main"
     profiles, timelines, programs = [], [], []
     for fn in module.ops:
         if not isinstance(fn, func.FuncOp):
             continue
-        if tpu.regions_of(fn) is None:
-            raise UsageError(f"{path}: @{fn.sym_name.data} is not grouped and addressed Tpu "
-                             "IR: profile the output of tpu-pipeline{chip=...} (or of "
-                             "machine-pipeline), e.g. the --dump-ir file after address-assign")
         prog = generate(module, fn, chip)
         name = net if len(module.ops) == 1 else f"{net}@{fn.sym_name.data}"
-        tl = LoadedNet(prog, name).plan(chip).timeline
+        try:
+            prog.check()  # the checks of a model file's command streams
+            tl = LoadedNet(prog, name).plan(chip).timeline
+        except ToptpuError as e:
+            raise ProfileIRError(f"{path}: @{fn.sym_name.data}: its command streams: "
+                                 f"{e}") from None
         profiles.append(profile_timeline(tl, chip, prog.inherent_bytes(), prog.flops))
         timelines.append(tl)
         programs.append(prog)

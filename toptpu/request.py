@@ -206,6 +206,13 @@ def _group_size(value: Any) -> int | None:
     return value
 
 
+def _keep_float(value: Any) -> str:
+    """--keep-float: a (possibly empty) part of a weight's name."""
+    if not isinstance(value, str):
+        raise CompileError(f"--keep-float is a part of a weight's name, not {value!r}")
+    return value
+
+
 def _symmetric(value: Any) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise CompileError(f"--symmetric is true, false or not given, not {value!r}")
@@ -362,6 +369,12 @@ class CompileRequest:
         "symmetric", ("--symmetric",), None,
         "w4/w8 modes: symmetric weight quantization (default: w8 symmetric, w4 asymmetric)",
         action="store_true"), parse=_symmetric)
+    #: weights whose name contains this stay in the activation type when quantizing
+    keep_float: str = asked(Option(
+        "keep_float", ("--keep-float",), "lm_head",
+        "w4/w8 modes: weights whose name contains TEXT stay in the activation type "
+        "(default: lm_head; '' quantizes the lm_head too, as some published bmodels do)",
+        metavar="TEXT"), parse=_keep_float)
     #: every net's IR after every pass is written there
     dump_ir: str | None = asked(Option(
         "dump_ir", ("--dump-ir",), None, "write every net's IR after every pass",

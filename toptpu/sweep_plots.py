@@ -13,6 +13,7 @@ Lines that lie on top of each other say so in the legend.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toptpu.backend.runtime.accounting import CATEGORIES
-from toptpu.paths import open_output
+from toptpu.paths import write_output
 
 #: the numeric columns a sweep can vary, with what their axis says
 NUMERIC = {
@@ -28,6 +29,7 @@ NUMERIC = {
     "lanes": ("NPU lanes per core", ""),
     "lane_bytes": ("local memory per lane", ""),  # the ticks say KiB / MiB
     "ddr_gbps": ("DDR bandwidth, nominal", "GB/s"),
+    "core_ddr_gbps": ("one core's DMA limit", "GB/s"),
     "tflops": ("bf16 peak per core, the other types scaled with it", "TFLOPS"),
     "cores": ("TPU cores", ""),
     "devices": ("devices the model is spread over", ""),
@@ -66,9 +68,32 @@ def _bytes(n: float) -> str:
     return f"{n:g} B"
 
 
+#: columns a sweep moves with another one (the DDR axis moves one core's DMA limit in
+#: proportion): not a parameter of their own while they follow it
+FOLLOWS = {"core_ddr_gbps": "ddr_gbps"}
+
+
+def _varies(rows: Sequence[Mapping[str, Any]], column: str) -> bool:
+    return len({str(r.get(column, "")) for r in rows}) > 1
+
+
+def follow_ratio(rows: Sequence[Mapping[str, Any]], column: str) -> float | None:
+    """The ratio `column` keeps to the column it follows (`FOLLOWS`) at every point, where
+    that column varies and this one moves with it in proportion; None otherwise."""
+    source = FOLLOWS.get(column)
+    if source is None or not rows or not _varies(rows, source):
+        return None
+    try:
+        ratios = [float(r[column]) / float(r[source]) for r in rows]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    same = all(math.isclose(x, ratios[0], rel_tol=1e-9) for x in ratios)
+    return ratios[0] if same else None
+
+
 def varying_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     keys = (*CATEGORICAL, *NUMERIC)
-    return [k for k in keys if len({str(r.get(k, "")) for r in rows}) > 1]
+    return [k for k in keys if _varies(rows, k) and follow_ratio(rows, k) is None]
 
 
 def plotted_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -282,8 +307,7 @@ def _panel(d: Any, box: tuple[int, int, int, int], axis: XAxis, series: Sequence
 WIDTH, LEFT, RIGHT, PANEL_TOP, PANEL_H, PANEL_GAP = 1000, 90, 970, 100, 300, 70
 
 
-def write_axis_png(path: str, rows: Sequence[Mapping[str, Any]], column: str,
-                   fixed: str) -> None:
+def axis_image(rows: Sequence[Mapping[str, Any]], column: str, fixed: str) -> Any:
     """Decode tokens/s and the time to first token against `column` (see the module doc);
     `fixed` says what the whole sweep holds constant (the chip preset, ...)."""
     from PIL import Image, ImageDraw, ImageFont
@@ -323,7 +347,7 @@ def write_axis_png(path: str, rows: Sequence[Mapping[str, Any]], column: str,
                                                    else "")
         d.text((left + 34, y), text, fill="black", font=small)
         y += 20
-    _save_png(img, path)
+    return img
 
 
 def _wrapped(d: Any, text: str, font: Any, width: float) -> list[str]:
@@ -339,16 +363,21 @@ def _wrapped(d: Any, text: str, font: Any, width: float) -> list[str]:
 
 
 def fixed_description(rows: Sequence[Mapping[str, Any]], chip: str) -> str:
-    """What every point of the sweep shares: the preset and the columns not varied."""
+    """What every point of the sweep shares: the preset and the columns not varied (a
+    column that moves with a varied one says so)."""
     varying = set(varying_columns(rows))
     parts = [f"chip preset {chip}"]
     if rows:
-        parts += [f"{k} {short(rows[0][k], k)}" for k in (*CATEGORICAL, *NUMERIC)
-                  if k not in varying and rows[0].get(k, "") != ""]
+        for k in (*CATEGORICAL, *NUMERIC):
+            ratio = follow_ratio(rows, k)
+            if ratio is not None:
+                parts.append(f"{k} moved with {FOLLOWS[k]} ({ratio:.3g} x it)")
+            elif k not in varying and rows[0].get(k, "") != "":
+                parts.append(f"{k} {short(rows[0][k], k)}")
     return "held fixed: " + ", ".join(parts)
 
 
-def write_breakdown_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+def breakdown_image(rows: Sequence[Mapping[str, Any]]) -> Any:
     """Each point's decode step as a bar split by where the time goes."""
     from PIL import Image, ImageDraw, ImageFont
 
@@ -384,20 +413,30 @@ def write_breakdown_png(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
             x += part
         d.text((x + 6, y + 2), f"{float(r['decode_step_s']) * 1e3:.3g}", fill="black",
                font=font)
-    _save_png(img, path)
+    return img
 
 
-def _save_png(img: Any, path: str) -> None:
-    with open_output(path, "the sweep plot") as f:
-        img.save(f, format="PNG")
+def _png(img: Any) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def render_plots(rows: Sequence[Mapping[str, Any]], chip: str) -> list[tuple[str, bytes]]:
+    """Every picture of the sweep: (file name, PNG bytes), nothing written."""
+    out = []
+    fixed = fixed_description(rows, chip)
+    for column in plotted_columns(rows):
+        out.append((plot_name(column), _png(axis_image(rows, column, fixed))))
+    out.append((BREAKDOWN_PNG, _png(breakdown_image(rows))))
+    return out
 
 
 def write_plots(out: str, rows: Sequence[Mapping[str, Any]], chip: str) -> list[str]:
-    """Every picture of the sweep in `out`; returns their file names."""
+    """Every picture of the sweep in `out`, each written atomically; returns their file
+    names (`toptpu sweep` writes them with the CSV as one set)."""
     names = []
-    fixed = fixed_description(rows, chip)
-    for column in plotted_columns(rows):
-        names.append(plot_name(column))
-        write_axis_png(os.path.join(out, names[-1]), rows, column, fixed)
-    write_breakdown_png(os.path.join(out, BREAKDOWN_PNG), rows)
-    return [*names, BREAKDOWN_PNG]
+    for name, data in render_plots(rows, chip):
+        write_output(os.path.join(out, name), data, "the sweep plot")
+        names.append(name)
+    return names

@@ -50,6 +50,7 @@ from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import dtype_bytes, numel, numpy_dtype, read_int, read_ints, shape_of
 from toptpu.dialects.ir_text import print_generic
 from toptpu.dialects.naming import input_names, op_name, output_names
+from toptpu.dialects.top import weight_name
 from toptpu.errors import ToptpuError
 
 
@@ -118,8 +119,8 @@ def _global_ref(v: SSAValue, fn_inputs: dict[SSAValue, str], fn_outputs: dict[SS
     if v in fn_outputs:
         return GlobalRef(Space.IO, fn_outputs[v])
     owner = v.owner
-    if isinstance(owner, tpu.WeightOp):
-        return GlobalRef(Space.WEIGHT, owner.tensor_name)
+    if (name := weight_name(v)) is not None:
+        return GlobalRef(Space.WEIGHT, name)
     if isinstance(owner, tpu.ConstantOp):
         if owner.pool_offset is None:
             raise CodegenError(f"constant {op_name(owner) or v.name_hint}: run address-assign")
@@ -153,28 +154,23 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
         if v in fn_outputs or v in fn_inputs:
             raise CodegenError(f"output '{n}' repeats another input/output; return distinct values")
         fn_outputs[v] = n
-    stages = [op for op in block.ops if isinstance(op, tpu.GroupOp | dev.CollectiveOp)]
+    stages = tpu.stages(block)
     act: dict[SSAValue, int] = {}
     for g in stages:
-        if isinstance(g, dev.CollectiveOp):
-            if g.result_offset is None:
-                raise CodegenError("run address-assign before codegen")
-            if g.result_offset >= 0:
-                act[g.output] = g.result_offset
-            continue
-        gaddrs = read_ints(g.gaddrs)
-        if len(gaddrs) != len(g.outputs):
+        offsets = g.result_offsets()
+        if offsets is None:
             raise CodegenError("run address-assign before codegen")
-        for r, off in zip(g.outputs, gaddrs, strict=True):
+        for r, off in zip(g.results, offsets, strict=True):
             if off >= 0:
                 act[r] = off
     # index every op of the grouped IR in walk order: compute commands refer to these
     op_index: dict[Operation, int] = {op: i for i, op in enumerate(fn.walk())}
     weights = {}
     for op in block.ops:
-        if isinstance(op, tpu.WeightOp):
-            weights[op.tensor_name] = WeightSpec(tuple(shape_of(op.output)), _dtype(op.output),
-                                                 nbytes(op.output))
+        name = weight_name(op.results[0]) if op.results else None
+        if name is not None:
+            (w,) = op.results
+            weights[name] = WeightSpec(tuple(shape_of(w)), _dtype(w), nbytes(w))
     em = _Emitter(chip)
     total_flops = 0
     for gi, g in enumerate(stages):
@@ -210,11 +206,10 @@ def _collective(em: _Emitter, op: dev.CollectiveOp, gi: int, op_index: dict[Oper
         lo = ref.offset if ref.space == Space.ACT else 0
         return (_gkey(ref), lo, lo + nbytes(v))
 
-    gather = isinstance(op, dev.AllGatherOp)
     em.add(Collective, [access(src, op.input)], [access(dst, op.output)],
            name=op_name(op) or op.name, op=op_index[op], kind=op.KIND,
            algorithm=op.algorithm_name, devices=op.device_count,
-           axis=op.gather_axis if gather else 0, src=src, src_shape=tuple(shape_of(op.input)),
+           axis=op.link_axis, src=src, src_shape=tuple(shape_of(op.input)),
            dst=dst, dst_shape=tuple(shape_of(op.output)), dtype=_dtype(op.output),
            flops=op.flops(), group=gi, slice=0)
     return op.flops()
@@ -244,7 +239,7 @@ class _GroupEmitter:
                                      g.outputs, strict=True))
         self.lmem: dict[SSAValue, list[int]] = {}
         for op in [*self.loads, *self.computes]:
-            if not isinstance(op, tpu.TpuOp) or not read_ints(op.lmem):
+            if not read_ints(op.lmem):
                 raise CodegenError(f"{op_name(op)} has no local address: run layer-group")
             for r in op.results:
                 self.lmem[r] = op.local_addresses(r, s > 1)
@@ -255,8 +250,9 @@ class _GroupEmitter:
         #: buffer instance -> its local range, from its last read until the command freeing it
         self.freed_range: dict[int, tuple] = {}
         computes = self.computes
-        self.uses_in_group = {v: sum(1 for u in v.uses if u.operation in computes or
-                                     isinstance(u.operation, tpu.StoreOp)) for v in self.lmem}
+        in_group = {*computes, *self.stores}
+        self.uses_in_group = {v: sum(1 for u in v.uses if u.operation in in_group)
+                              for v in self.lmem}
         self.resident = {ld.output for ld in self.loads if read_int(ld.slice_axis) == -1}
         #: slices one buffer instance serves (a tiled group's load kept for the inner loop)
         self.per_buffer = {ld.output: g.tiles_per_buffer(ld) for ld in self.loads}

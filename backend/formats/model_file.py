@@ -33,10 +33,12 @@ every section's checksum and the padding, and names what is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -44,8 +46,10 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from toptpu.backend.contract import parse_strict_json
+from toptpu.backend.formats.file_lease import hold_read_lease, release_read_lease
 from toptpu.dialects.output_file import (
     is_regular,
+    note_input,
     open_output,
 )
 from toptpu.dialects.output_file import (
@@ -284,10 +288,19 @@ class ModelFile:
 
     def __init__(self, path: str, verify_checksums: bool = True) -> None:
         self.path = path
-        try:
-            self._file = open(path, "rb")  # noqa: SIM115 - kept open for the mmap
+        try:  # without blocking: a FIFO is refused below, never read (it would hang)
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as e:
             raise ModelFileError(f"cannot open model file '{path}': {e.strerror}") from e
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else (
+                "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+            raise ModelFileError(f"'{path}' is {kind}, not a toptpu model file; pass the file "
+                                 "`toptpu compile` wrote")
+        self._file = os.fdopen(fd, "rb")  # kept open for the mmap
+        note_input(self._file.fileno(), path)  # never an output of this command
         self._map: mmap.mmap | None = None
         try:
             self._load(verify_checksums)
@@ -308,6 +321,7 @@ class ModelFile:
         if size < _PREFIX.size:
             raise self._err(f"is not a toptpu model file (only {size} bytes)")
         self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        hold_read_lease(self._file.fileno(), self.path)  # told before it is truncated
         magic, version, hlen = _PREFIX.unpack_from(self._map, 0)
         if magic != MAGIC:
             raise self._err(f"is not a toptpu model file (bad magic {magic!r}); compile one "
@@ -432,6 +446,8 @@ class ModelFile:
     def close(self) -> None:
         """Unmap and close; while zero-copy views of the map are alive the mapping stays
         until they are garbage collected."""
+        with contextlib.suppress(OSError, ValueError):
+            release_read_lease(self._file.fileno())
         try:
             if self._map is not None:
                 self._map.close()

@@ -2,20 +2,23 @@
 
 `Interpreter(module).run(inputs)` returns the function outputs by name and, with
 `keep_all=True`, every intermediate tensor by its location name (the names stage
-comparison uses). Evaluators are looked up in a table by op class (`EVALUATORS`,
-`evaluator_for`); a Tpu op shares the evaluator of its Top counterpart, the Tpu-only ops
-register their own.
+comparison uses). An op is evaluated through its kernel binding (`ShapedOp.KERNEL`,
+`kernel_arguments`: the function of `kernels` it names, called with its operand values and
+parameters; `evaluate_kernel`), a structural op (weights, constants, layer groups,
+collectives) by the evaluator registered for its class (`@evaluates`). `EVALUATORS` (op
+class -> evaluator, looked up with `evaluator_for`) is derived from both.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Operation, SSAValue
+from xdsl.ir import Dialect, Operation, SSAValue
 
 from toptpu.backend.reference import kernels as K
 from toptpu.dialects import dev, top, tpu
@@ -23,10 +26,7 @@ from toptpu.dialects.common import (
     ShapedOp,
     constant_value,
     numpy_dtype,
-    read_bool,
-    read_float,
     read_int,
-    read_ints,
     shape_of,
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
@@ -43,8 +43,9 @@ class EvalContext:
 
 Evaluator = Callable[[Operation, Arrays, EvalContext], Sequence[np.ndarray]]
 
-#: op class -> the function computing its results (a Tpu op shares its Top counterpart's,
-#: see `tpu.TPU_OF_TOP`); look ops up with `evaluator_for`
+#: op class -> the function computing its results: `evaluate_kernel` for every op of the
+#: dialects with a kernel binding, the registered evaluator (`@evaluates`) of a structural
+#: op; look ops up with `evaluator_for`
 EVALUATORS: dict[type[Operation], Evaluator] = {}
 
 
@@ -53,7 +54,8 @@ class NoEvaluatorError(NotImplementedError):
 
 
 def evaluates(*ops: type[Operation]) -> Callable[[Evaluator], Evaluator]:
-    """Register the decorated function as the evaluator of `ops` (op classes)."""
+    """Register the decorated function as the evaluator of `ops` (op classes without a
+    kernel binding: `ShapedOp.STRUCTURAL`, or ops of other dialects)."""
 
     def deco(fn: Evaluator) -> Evaluator:
         for op in ops:
@@ -72,18 +74,52 @@ def evaluator_for(op: Operation, table: Mapping[type[Operation], Evaluator] = EV
     fn = table.get(type(op))
     if fn is None:
         raise NoEvaluatorError(f"the interpreter has no evaluator for '{op.name}' "
-                               f"({type(op).__module__}.{type(op).__qualname__}); register "
-                               "one with @evaluates in backend/reference/interpreter.py")
+                               f"({type(op).__module__}.{type(op).__qualname__}); give its "
+                               "class a kernel binding (`ShapedOp.KERNEL`) or register one "
+                               "with @evaluates in backend/reference/interpreter.py")
     return fn
 
 
-def _out_dtype(op: Operation, i: int = 0) -> np.dtype:
-    t = op.results[i].type
-    assert isinstance(t, TensorType)
-    return numpy_dtype(t.element_type)
+# --------------------------------------------------------------------------- kernel binding
 
 
-# --------------------------------------------------------------------------- Top evaluators
+class KernelBindingError(LookupError):
+    """An op class that names a function `kernels` does not have."""
+
+
+@functools.cache
+def kernel_of(cls: type[ShapedOp], which: str | None = None) -> Callable[..., object]:
+    """The function of `kernels` op class `cls` names: its kernel (`ShapedOp.kernel_name`),
+    or `which` (one of its `REDUCTION_KERNELS`)."""
+    name = cls.kernel_name() if which is None else which
+    fn = getattr(K, name, None)
+    if not callable(fn):
+        raise KernelBindingError(f"'{cls.name}' names the kernel '{name}', which "
+                                 "backend/reference/kernels.py does not define")
+    return fn
+
+
+def _results(out: object) -> Sequence[np.ndarray]:
+    """A kernel's result as the op's results: an array, or a tuple of them."""
+    return out if isinstance(out, tuple) else (out,)  # type: ignore[return-value]
+
+
+def evaluate_kernel(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
+    """The evaluator of every op with a kernel binding: its kernel called with
+    `op.kernel_arguments(args)` (the result types are among its parameters)."""
+    assert isinstance(op, ShapedOp)
+    positional, keywords = op.kernel_arguments(args)
+    return _results(kernel_of(type(op))(*positional, **keywords))
+
+
+def _bound_ops() -> list[type[ShapedOp]]:
+    """The op classes of the dialects with a kernel binding."""
+    dialects: tuple[Dialect, ...] = (top.Top, tpu.Tpu, dev.Dev)
+    return [op for d in dialects for op in d.operations
+            if issubclass(op, ShapedOp) and not op.STRUCTURAL]
+
+
+# --------------------------------------------------------------------------- structural ops
 
 
 @evaluates(top.WeightOp, tpu.WeightOp)
@@ -101,286 +137,46 @@ def _weight(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarra
     return [arr]
 
 
-@evaluates(top.ConstantOp)
+@evaluates(top.ConstantOp, tpu.ConstantOp)
 def _constant(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     assert isinstance(op, top.ConstantBase)
     return [constant_value(op.value)]
 
 
-@evaluates(*top.UNARY_ELEMENTWISE)
-def _unary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    """Every op of `top.UNARY_ELEMENTWISE`: the kernel of its kind (`top.silu` -> "silu")."""
-    assert isinstance(op, top.UnaryOp) and args[0] is not None
-    return [K.unary(op.op_kind(), args[0], _out_dtype(op))]
-
-
-@evaluates(top.GeluOp)
-def _gelu(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.GeluBase) and args[0] is not None
-    return [K.unary("gelu", args[0], _out_dtype(op), approximate=op.approximation)]
-
-
-@evaluates(top.PowOp)
-def _pow(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.PowBase) and args[0] is not None
-    return [K.unary("pow", args[0], _out_dtype(op), exponent=read_float(op.exponent))]
-
-
-@evaluates(top.AddConstOp, top.SubConstOp, top.MulConstOp, top.DivConstOp)
-def _const_binary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.ConstBinaryOp) and args[0] is not None
-    kind = op.op_kind().removesuffix("_const")
-    return [K.binary_const(kind, args[0], read_float(op.value), read_bool(op.reverse),
-                           _out_dtype(op))]
-
-
-@evaluates(top.AddOp, top.SubOp, top.MulOp, top.DivOp, top.MaxOp, top.MinOp)
-def _binary(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.BinaryOp) and args[0] is not None and args[1] is not None
-    return [K.binary(op.op_kind(), args[0], args[1], _out_dtype(op))]
-
-
-@evaluates(top.CompareOp)
-def _compare(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.CompareBase) and args[0] is not None and args[1] is not None
-    return [K.compare(op.compare_predicate, args[0], args[1])]
-
-
-@evaluates(top.WhereOp)
-def _where(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    c, a, b = args
-    assert c is not None and a is not None and b is not None
-    return [K.where(c, a, b, _out_dtype(op))]
-
-
-@evaluates(top.CastOp)
-def _cast(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert args[0] is not None
-    return [K.cast(args[0], _out_dtype(op))]
-
-
-@evaluates(top.SoftmaxOp)
-def _softmax(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.SoftmaxBase) and args[0] is not None
-    return [K.softmax(args[0], read_int(op.axis), _out_dtype(op))]
-
-
-@evaluates(top.ReduceOp)
-def _reduce(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.ReduceBase) and args[0] is not None
-    return [K.reduce(args[0], op.reduce_mode, read_ints(op.axes), read_bool(op.keepdims),
-                     _out_dtype(op))]
-
-
-@evaluates(top.RmsNormOp)
-def _rms_norm(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.RmsNormBase) and args[0] is not None
-    return [K.rms_norm(args[0], args[1], read_float(op.eps), _out_dtype(op))]
-
-
-@evaluates(top.LayerNormOp)
-def _layer_norm(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.LayerNormBase) and args[0] is not None
-    return [K.layer_norm(args[0], args[1], args[2], read_float(op.eps), read_int(op.axis),
-                         _out_dtype(op))]
-
-
-@evaluates(top.RopeOp)
-def _rope(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, c, s = args
-    assert isinstance(op, top.RopeBase)
-    assert x is not None and c is not None and s is not None
-    return [K.rope(x, c, s, op.rope_mode, _out_dtype(op))]
-
-
-@evaluates(top.AttentionOp)
-def _attention(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    q, k, v, mask, hk, hv = args
-    assert isinstance(op, top.AttentionBase)
-    assert q is not None and k is not None and v is not None
-    return [K.attention(q, k, v, mask, read_float(op.scale), hk, hv, read_bool(op.causal),
-                        _out_dtype(op))]
-
-
-@evaluates(tpu.AttentionPartOp)
-def _attention_part(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    q, k, v, mask, _, _ = args
-    assert isinstance(op, tpu.AttentionPartOp)
-    assert q is not None and k is not None and v is not None
-    return [K.attention_part(q, k, v, mask, read_float(op.scale), read_bool(op.causal))]
-
-
-@evaluates(tpu.AttentionMergeOp)
-def _attention_merge(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, tpu.AttentionMergeOp)
-    parts = [a for a in args if a is not None]
-    return [K.attention_merge(parts, _out_dtype(op))]
-
-
-@evaluates(top.MatMulOp)
-def _matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    a, b, bias = args
-    assert isinstance(op, top.MatMulBase) and a is not None and b is not None
-    return [K.matmul(a, b, bias, read_bool(op.transpose_a), read_bool(op.transpose_b),
-                     _out_dtype(op))]
-
-
-@evaluates(top.GatherOp)
-def _gather(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    t, idx = args
-    assert isinstance(op, top.GatherBase) and t is not None and idx is not None
-    return [K.gather(t, idx, read_int(op.axis))]
-
-
-@evaluates(top.TopKOp)
-def _topk(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.TopKBase) and args[0] is not None
-    vals, idx = K.topk(args[0], read_int(op.k), read_int(op.axis),
-                       read_bool(op.largest, True))
-    return [vals, idx]
-
-
-@evaluates(top.ScatterOp)
-def _scatter(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, idx, upd = args
-    assert isinstance(op, top.ScatterBase) and x is not None and idx is not None \
-        and upd is not None
-    return [K.scatter(x, idx, upd, read_int(op.axis))]
-
-
-@evaluates(top.CumSumOp)
-def _cumsum(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.CumSumBase) and args[0] is not None
-    return [K.cumsum(args[0], read_int(op.axis), _out_dtype(op))]
-
-
-@evaluates(top.Conv2dOp)
-def _conv2d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, w, b = args
-    assert isinstance(op, top.Conv2dBase) and x is not None and w is not None
-    return [K.conv2d(x, w, b, read_ints(op.strides), read_ints(op.pads),
-                     read_ints(op.dilations), read_int(op.groups), _out_dtype(op))]
-
-
-@evaluates(top.CausalConv1dOp)
-def _causal_conv1d(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, w, state, valid = args
-    assert isinstance(op, top.CausalConv1dBase)
-    assert x is not None and w is not None and valid is not None
-    y, new_state = K.causal_conv1d(x, w, state, valid, _out_dtype(op, 0), _out_dtype(op, 1))
-    return [y, new_state]
-
-
-@evaluates(top.GatedDeltaRuleOp)
-def _gated_delta_rule(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    q, k, v, g, beta, state = args
-    assert isinstance(op, top.GatedDeltaRuleBase)
-    assert q is not None and k is not None and v is not None and g is not None \
-        and beta is not None
-    o, new_state = K.gated_delta_rule(q, k, v, g, beta, state, read_float(op.scale),
-                                      _out_dtype(op, 0))
-    return [o, new_state]
-
-
-@evaluates(top.ReshapeOp)
-def _reshape(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.ReshapeBase) and args[0] is not None
-    return [K.reshape(args[0], read_ints(op.shape))]
-
-
-@evaluates(top.PermuteOp)
-def _permute(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.PermuteBase) and args[0] is not None
-    return [K.permute(args[0], read_ints(op.order))]
-
-
-@evaluates(top.ExpandOp)
-def _expand(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.ExpandBase) and args[0] is not None
-    return [K.expand(args[0], read_ints(op.shape))]
-
-
-@evaluates(top.ConcatOp)
-def _concat(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.ConcatBase)
-    return [K.concat([a for a in args if a is not None], read_int(op.axis))]
-
-
-@evaluates(top.SliceOp)
-def _slice(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    assert isinstance(op, top.SliceBase) and args[0] is not None
-    axis = read_int(op.axis) % args[0].ndim
-    return [K.slice_(args[0], axis, read_int(op.start), read_int(op.end), read_int(op.step))]
-
-
-# --------------------------------------------------------------------------- Tpu evaluators
-
-# Tpu ops share Top's operands and attributes; the result type carries the storage dtype
-# the shared evaluators round to.
-for _top_op, _tpu_op in tpu.TPU_OF_TOP.items():
-    if _top_op in EVALUATORS and _tpu_op not in EVALUATORS:
-        EVALUATORS[_tpu_op] = EVALUATORS[_top_op]
-
-
-@evaluates(tpu.A16MatMulOp)
-def _a16_matmul(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
-    x, q, s, z, m, b = args
-    assert isinstance(op, tpu.A16MatMulOp)
-    assert x is not None and q is not None and s is not None
-    return [K.a16_matmul(x, q, s, z, b, read_int(op.weight_bits), read_int(op.group_size),
-                         _out_dtype(op), m)]
-
-
 # ------------------------------------------------------------------ reduction parts
 
 
-def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None,
-                   first_key: int = 0) -> np.ndarray:
-    """Fold one reduction part of `op` (one of `tpu.REDUCTION_OPS`, its operands `args` the
-    part's: K columns of a matmul, keys of an attention numbered from `first_key`) into its
-    f32 accumulator (`tpu.accumulator_type`; None: the first part); returns the new one."""
-    if isinstance(op, tpu.A16MatMulOp):
-        x, q, s, z, mins, _ = args
-        assert x is not None and q is not None and s is not None
-        return K.a16_matmul_part(acc, x, q, s, z, read_int(op.weight_bits),
-                                 read_int(op.group_size), mins)
-    if isinstance(op, top.MatMulBase):
-        a, b, _ = args
-        assert a is not None and b is not None
-        return K.matmul_part(acc, a, b, read_bool(op.transpose_a), read_bool(op.transpose_b))
-    assert isinstance(op, top.AttentionBase)
-    q, k, v, mask = args[:4]
-    assert q is not None and k is not None and v is not None
-    state = (K.attention_start(q, k, v.shape[-1]) if acc is None
-             else K.OnlineSoftmax.unpacked(acc))
-    K.attention_tile(state, q, k, v, mask, read_float(op.scale), first_key)
-    return state.packed()
+def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None, part: int = 0
+                   ) -> np.ndarray:
+    """Fold reduction part `part` of `op` (whose class declares `REDUCTION_KERNELS`, its
+    operands `args` the part's: K columns of a matmul, keys of an attention) into its f32
+    accumulator (`tpu.accumulator_type`; None: the first part); returns the new one."""
+    assert isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
+    positional, keywords = op.reduction_part_arguments(args, part)
+    fold = kernel_of(type(op), op.REDUCTION_KERNELS[0])
+    return fold(acc, *positional, **keywords)  # type: ignore[return-value]
 
 
 def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray:
     """The result of `op` from its accumulator after the last reduction part (`args`: that
     part's operands): a matmul's sum plus its bias, rounded; an attention's weighted
     values over the sum (with the log-sum-exp for a `tpu.attention_part`)."""
-    if isinstance(op, tpu.A16MatMulOp | top.MatMulBase):
-        x = args[0]
-        assert x is not None
-        bias = args[5] if isinstance(op, tpu.A16MatMulOp) else args[2]
-        return K.matmul_finish(acc, bias, _out_dtype(op), x)
-    q = args[0]
-    assert q is not None
-    state = K.OnlineSoftmax.unpacked(acc)
-    if isinstance(op, tpu.AttentionPartOp):
-        return K.attention_part_finish(state, q)
-    return K.attention_finish(state, q, _out_dtype(op))
+    assert isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
+    positional, keywords = op.reduction_finish_arguments(args)
+    finish = kernel_of(type(op), op.REDUCTION_KERNELS[1])
+    return finish(acc, *positional, **keywords)  # type: ignore[return-value]
 
 
 @evaluates(tpu.GroupOp)
 def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
     """Run a layer group slice by slice, as the machine does (without its memories): a
     group with reduction parts folds each part into its accumulator and has each tile's
-    result after its last part (`tpu.GroupOp`)."""
+    result after its last part (`tpu.GroupOp`). Each slice runs the group's template: its
+    loads, compute ops and stores, each in program order (a load reads only the group's
+    inputs, a store writes only its results)."""
     assert isinstance(op, tpu.GroupOp)
     block = op.body.block
+    loads, computes, stores = op.template()
     s = read_int(op.slices)
     parts = op.reduction_parts()
     env: dict[SSAValue, np.ndarray] = {}
@@ -392,47 +188,37 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     for i in range(s):
         local: dict[SSAValue, np.ndarray] = dict(env)
         at = op.reduction_part(i)
-        for inner in block.ops:
-            if isinstance(inner, tpu.LoadOp):
-                full = env[inner.input]
-                ax = read_int(inner.slice_axis)
-                local[inner.output] = full if ax == -1 else full[
-                    op.slice_window(inner, i, full.shape)]
-            elif parts > 1 and isinstance(inner, tpu.REDUCTION_OPS):
-                operands = operand_arrays(inner, local)
-                acc = reduction_part(inner, operands, None if at == 0 else acc,
-                                     at * _part_keys(inner))
+        for load in loads:
+            full = env[load.input]
+            local[load.output] = (full if read_int(load.slice_axis) == -1
+                                  else full[op.slice_window(load, i, full.shape)])
+        for inner in computes:
+            operands = operand_arrays(inner, local)
+            if parts > 1:  # the group's one op, a reduction split in parts
+                acc = reduction_part(inner, operands, None if at == 0 else acc, at)
                 if at == parts - 1:
                     local[inner.results[0]] = reduction_finish(inner, operands, acc)
-            elif isinstance(inner, tpu.StoreOp) and at < parts - 1:
-                pass  # the tile's result exists after its last part
-            elif isinstance(inner, tpu.StoreOp):
-                ax = read_int(inner.slice_axis)
-                if inner.output not in outs:
-                    t = inner.output.type
-                    assert isinstance(t, TensorType)
-                    outs[inner.output] = np.zeros(tuple(t.get_shape()),
-                                                  numpy_dtype(t.element_type))
-                dst = outs[inner.output]
-                part = local[inner.input]
-                if ax == -1:
-                    dst[...] = part
-                else:
-                    dst[op.slice_window(inner, i, dst.shape)] = part
-            elif isinstance(inner, tpu.YieldOp):
-                pass
+                continue
+            res = evaluate_op(inner, operands, ctx)
+            for r, arr in zip(inner.results, res, strict=True):
+                local[r] = arr
+        if at < parts - 1:
+            continue  # the tile's result exists after its last part
+        for store in stores:
+            if store.output not in outs:
+                t = store.output.type
+                assert isinstance(t, TensorType)
+                outs[store.output] = np.zeros(tuple(t.get_shape()),
+                                              numpy_dtype(t.element_type))
+            dst = outs[store.output]
+            part = local[store.input]
+            if read_int(store.slice_axis) == -1:
+                dst[...] = part
             else:
-                res = evaluate_op(inner, operand_arrays(inner, local), ctx)
-                for r, arr in zip(inner.results, res, strict=True):
-                    local[r] = arr
+                dst[op.slice_window(store, i, dst.shape)] = part
     term = block.last_op
     assert term is not None
     return [outs[v] for v in term.operands]
-
-
-def _part_keys(op: Operation) -> int:
-    """The keys of one reduction part of an attention (0 for a matmul: no key numbers)."""
-    return shape_of(op.k)[1] if isinstance(op, top.AttentionBase) else 0
 
 
 # --------------------------------------------------------------------------- collectives
@@ -452,14 +238,16 @@ def _collective_alone(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence
 
 def collective_result(op: dev.CollectiveOp, parts: Sequence[np.ndarray]) -> np.ndarray:
     """What every device holds after the collective `op` of `parts` (one per device, in
-    device order): the kernels' sum or concatenation."""
+    device order): its kernel's sum or concatenation."""
     if len(parts) != op.device_count:
         raise CollectiveError(f"'{op.name}' joins {op.device_count} devices, {len(parts)} "
                               "ran it")
-    if isinstance(op, dev.AllReduceOp):
-        return K.all_reduce(parts, op.algorithm_name)
-    assert isinstance(op, dev.AllGatherOp)
-    return K.all_gather(parts, op.gather_axis)
+    positional, keywords = op.kernel_arguments(parts)
+    return kernel_of(type(op))(*positional, **keywords)  # type: ignore[return-value]
+
+
+for _op in _bound_ops():
+    evaluates(_op)(evaluate_kernel)
 
 
 # --------------------------------------------------------------------------- driver

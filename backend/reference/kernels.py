@@ -10,6 +10,7 @@ result is rounded to `out_dtype` (default: the dtype of the first input).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,61 +111,136 @@ def is_float_dtype(dt: np.dtype) -> bool:
 
 # --------------------------------------------------------------------------- elementwise
 
+ElementwiseKernel = Callable[..., np.ndarray]
+
+#: kind -> kernel of the elementwise families (`unary`, `binary`, `binary_const`): each
+#: filled by its kernels' `@_elementwise(TABLE, kind)`
+UNARY: dict[str, ElementwiseKernel] = {}
+BINARY: dict[str, ElementwiseKernel] = {}
+BINARY_CONST: dict[str, ElementwiseKernel] = {}
+
+
+def _elementwise(table: dict[str, ElementwiseKernel], kind: str
+                 ) -> Callable[[ElementwiseKernel], ElementwiseKernel]:
+    """The decorated elementwise kernel (its arrays positional, its parameters keyword
+    only), computed in chunks where its inputs qualify (`_by_chunks`: the same bytes),
+    listed in `table` as `kind`."""
+
+    def deco(kernel: ElementwiseKernel) -> ElementwiseKernel:
+        @functools.wraps(kernel)
+        def run(*xs: np.ndarray, **kw: object) -> np.ndarray:
+            arrays = [np.asarray(x) for x in xs]
+            got = _by_chunks(lambda *c: kernel(*c, **kw), *arrays)
+            return kernel(*arrays, **kw) if got is None else got
+
+        table[kind] = run
+        return run
+
+    return deco
+
+
+def _float_operands(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Float operands in f32 (the chip's arithmetic), integer ones as they are."""
+    return (f32(a), f32(b)) if is_float_dtype(np.asarray(a).dtype) else (a, b)
+
+
+@_elementwise(BINARY, "add")
+def add(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fa, fb = _float_operands(a, b)
+    return _out(np.asarray(fa + fb), out_dtype, a)
+
+
+@_elementwise(BINARY, "sub")
+def sub(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fa, fb = _float_operands(a, b)
+    return _out(np.asarray(fa - fb), out_dtype, a)
+
+
+@_elementwise(BINARY, "mul")
+def mul(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fa, fb = _float_operands(a, b)
+    return _out(np.asarray(fa * fb), out_dtype, a)
+
+
+@_elementwise(BINARY, "div")
+def div(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    """a / b for floats; integers divide with floor (torch's floor_divide)."""
+    fa, fb = _float_operands(a, b)
+    r = fa / fb if is_float_dtype(np.asarray(a).dtype) else np.floor_divide(fa, fb)
+    return _out(np.asarray(r), out_dtype, a)
+
+
+@_elementwise(BINARY, "max")
+def maximum(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fa, fb = _float_operands(a, b)
+    return _out(np.asarray(np.maximum(fa, fb)), out_dtype, a)
+
+
+@_elementwise(BINARY, "min")
+def minimum(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fa, fb = _float_operands(a, b)
+    return _out(np.asarray(np.minimum(fa, fb)), out_dtype, a)
+
 
 def binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
-    a, b = np.asarray(a), np.asarray(b)
-    got = _by_chunks(lambda x, y: _binary(kind, x, y, out_dtype), a, b)
-    return _binary(kind, a, b, out_dtype) if got is None else got
-
-
-def _binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
-    fa, fb = (f32(a), f32(b)) if is_float_dtype(np.asarray(a).dtype) else (a, b)
-    if kind == "add":
-        r = fa + fb
-    elif kind == "sub":
-        r = fa - fb
-    elif kind == "mul":
-        r = fa * fb
-    elif kind == "div":
-        r = fa / fb if is_float_dtype(np.asarray(a).dtype) else np.floor_divide(fa, fb)
-    elif kind == "max":
-        r = np.maximum(fa, fb)
-    elif kind == "min":
-        r = np.minimum(fa, fb)
-    else:
+    """The binary kernel of `kind` (add, sub, mul, div, max, min)."""
+    kernel = BINARY.get(kind)
+    if kernel is None:
         raise ValueError(f"unknown binary kernel {kind}")
-    return _out(np.asarray(r), out_dtype, a)
+    return kernel(a, b, out_dtype=out_dtype)
+
+
+def _const_operands(x: np.ndarray, value: float, reverse: bool
+                    ) -> tuple[np.ndarray | np.floating | float, np.ndarray | np.floating | float]:
+    """x (in f32 if a float) and the scalar, in the order the op takes them."""
+    is_f = is_float_dtype(np.asarray(x).dtype)
+    fx = f32(x) if is_f else x
+    c = np.float32(value) if is_f else value
+    return (c, fx) if reverse else (fx, c)
+
+
+@_elementwise(BINARY_CONST, "add")
+def add_const(x: np.ndarray, *, value: float, reverse: bool = False,
+              out_dtype=None) -> np.ndarray:
+    a, b = _const_operands(x, value, reverse)
+    return _out(np.asarray(a + b), out_dtype, x)
+
+
+@_elementwise(BINARY_CONST, "sub")
+def sub_const(x: np.ndarray, *, value: float, reverse: bool = False,
+              out_dtype=None) -> np.ndarray:
+    a, b = _const_operands(x, value, reverse)
+    return _out(np.asarray(a - b), out_dtype, x)
+
+
+@_elementwise(BINARY_CONST, "mul")
+def mul_const(x: np.ndarray, *, value: float, reverse: bool = False,
+              out_dtype=None) -> np.ndarray:
+    a, b = _const_operands(x, value, reverse)
+    return _out(np.asarray(a * b), out_dtype, x)
+
+
+@_elementwise(BINARY_CONST, "div")
+def div_const(x: np.ndarray, *, value: float, reverse: bool = False,
+              out_dtype=None) -> np.ndarray:
+    a, b = _const_operands(x, value, reverse)
+    return _out(np.asarray(a / b), out_dtype, x)
 
 
 def binary_const(kind: str, x: np.ndarray, value: float, reverse: bool = False,
                  out_dtype=None) -> np.ndarray:
-    x = np.asarray(x)
-    got = _by_chunks(lambda c: _binary_const(kind, c, value, reverse, out_dtype), x)
-    return _binary_const(kind, x, value, reverse, out_dtype) if got is None else got
-
-
-def _binary_const(kind: str, x: np.ndarray, value: float, reverse: bool = False,
-                  out_dtype=None) -> np.ndarray:
-    fx = f32(x) if is_float_dtype(np.asarray(x).dtype) else x
-    c = np.float32(value) if is_float_dtype(np.asarray(x).dtype) else value
-    a, b = (c, fx) if reverse else (fx, c)
-    if kind == "add":
-        r = a + b
-    elif kind == "sub":
-        r = a - b
-    elif kind == "mul":
-        r = a * b
-    elif kind == "div":
-        r = a / b
-    else:
+    """The scalar kernel of `kind` (add, sub, mul, div): x (op) value, or value (op) x
+    when `reverse`."""
+    kernel = BINARY_CONST.get(kind)
+    if kernel is None:
         raise ValueError(f"unknown const kernel {kind}")
-    return _out(np.asarray(r), out_dtype, x)
+    return kernel(x, value=value, reverse=reverse, out_dtype=out_dtype)
 
 
-def compare(pred: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def compare(a: np.ndarray, b: np.ndarray, predicate: str) -> np.ndarray:
     ops = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
            "gt": np.greater, "ge": np.greater_equal}
-    return ops[pred](a, b)
+    return ops[predicate](a, b)
 
 
 def where(c: np.ndarray, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
@@ -183,51 +259,101 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
 
 
-def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
-    x = np.asarray(x)
-    got = _by_chunks(lambda c: _unary(kind, c, out_dtype, **kw), x)
-    return _unary(kind, x, out_dtype, **kw) if got is None else got
-
-
-def _unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
-    fx = f32(x)
-    if kind == "rsqrt":
-        r = 1.0 / np.sqrt(fx)
-    elif kind == "sqrt":
-        r = np.sqrt(fx)
-    elif kind == "exp":
-        r = np.exp(fx)
-    elif kind == "cos":
-        r = np.cos(fx)
-    elif kind == "sin":
-        r = np.sin(fx)
-    elif kind == "tanh":
-        r = np.tanh(fx)
-    elif kind == "sigmoid":
-        with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, 0
-            r = 1.0 / (1.0 + np.exp(-fx))
-    elif kind == "relu":
-        r = np.maximum(fx, np.float32(0))
-    elif kind == "silu":
-        with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, -0
-            r = fx / (1.0 + np.exp(-fx))
-    elif kind == "softplus":  # torch's F.softplus, beta 1, threshold 20
-        with np.errstate(over="ignore"):  # exp overflows only where x > 20 is taken
-            r = np.where(fx > np.float32(20), fx, np.log1p(np.exp(fx)))
-    elif kind == "gelu":
-        if kw.get("approximate", "none") == "tanh":
-            c = np.float32(math.sqrt(2.0 / math.pi))
-            r = 0.5 * fx * (1.0 + np.tanh(c * (fx + np.float32(0.044715) * fx * fx * fx)))
-        else:
-            r = (0.5 * fx.astype(np.float64) * (1.0 + _erf(fx / math.sqrt(2.0)))).astype(
-                np.float32
-            )
-    elif kind == "pow":
-        e = float(kw["exponent"])
-        r = fx * fx if e == 2.0 else np.power(fx, np.float32(e))
-    else:
-        raise ValueError(f"unknown unary kernel {kind}")
+def _unary_out(r: np.ndarray, out_dtype, x: np.ndarray) -> np.ndarray:
+    """A unary kernel's f32 result, rounded to `out_dtype` (x's dtype when None)."""
     return _out(np.asarray(r, dtype=np.float32), out_dtype, x)
+
+
+@_elementwise(UNARY, "rsqrt")
+def rsqrt(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(1.0 / np.sqrt(f32(x)), out_dtype, x)
+
+
+@_elementwise(UNARY, "sqrt")
+def sqrt(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(np.sqrt(f32(x)), out_dtype, x)
+
+
+@_elementwise(UNARY, "exp")
+def exp(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(np.exp(f32(x)), out_dtype, x)
+
+
+@_elementwise(UNARY, "cos")
+def cos(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(np.cos(f32(x)), out_dtype, x)
+
+
+@_elementwise(UNARY, "sin")
+def sin(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(np.sin(f32(x)), out_dtype, x)
+
+
+@_elementwise(UNARY, "tanh")
+def tanh(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(np.tanh(f32(x)), out_dtype, x)
+
+
+@_elementwise(UNARY, "sigmoid")
+def sigmoid(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fx = f32(x)
+    with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, 0
+        r = 1.0 / (1.0 + np.exp(-fx))
+    return _unary_out(r, out_dtype, x)
+
+
+@_elementwise(UNARY, "relu")
+def relu(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    return _unary_out(np.maximum(f32(x), np.float32(0)), out_dtype, x)
+
+
+@_elementwise(UNARY, "silu")
+def silu(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    fx = f32(x)
+    with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, -0
+        r = fx / (1.0 + np.exp(-fx))
+    return _unary_out(r, out_dtype, x)
+
+
+@_elementwise(UNARY, "softplus")
+def softplus(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    """torch's F.softplus, beta 1, threshold 20."""
+    fx = f32(x)
+    with np.errstate(over="ignore"):  # exp overflows only where x > 20 is taken
+        r = np.where(fx > np.float32(20), fx, np.log1p(np.exp(fx)))
+    return _unary_out(r, out_dtype, x)
+
+
+@_elementwise(UNARY, "gelu")
+def gelu(x: np.ndarray, *, out_dtype=None, approximate: str = "none") -> np.ndarray:
+    """GELU with erf (computed in f64), or its tanh approximation."""
+    fx = f32(x)
+    if approximate == "tanh":
+        c = np.float32(math.sqrt(2.0 / math.pi))
+        r = 0.5 * fx * (1.0 + np.tanh(c * (fx + np.float32(0.044715) * fx * fx * fx)))
+    else:
+        r = (0.5 * fx.astype(np.float64) * (1.0 + _erf(fx / math.sqrt(2.0)))).astype(
+            np.float32
+        )
+    return _unary_out(r, out_dtype, x)
+
+
+@_elementwise(UNARY, "pow")
+def power(x: np.ndarray, *, out_dtype=None, exponent: float = 1.0) -> np.ndarray:
+    fx = f32(x)
+    e = float(exponent)
+    r = fx * fx if e == 2.0 else np.power(fx, np.float32(e))
+    return _unary_out(r, out_dtype, x)
+
+
+def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
+    """The unary kernel of `kind` (`UNARY`: rsqrt, sqrt, exp, ..., gelu, pow), computed in
+    f32 and rounded to `out_dtype`; `kw` its parameters (gelu's `approximate`, pow's
+    `exponent`)."""
+    kernel = UNARY.get(kind)
+    if kernel is None:
+        raise ValueError(f"unknown unary kernel {kind}")
+    return kernel(x, out_dtype=out_dtype, **kw)
 
 
 # --------------------------------------------------------------------------- reductions, norms
@@ -484,6 +610,27 @@ def attention_part_finish(state: OnlineSoftmax, q: np.ndarray) -> np.ndarray:
     lse = state.peak + np.log(state.total)
     out = np.concatenate([state.acc / state.total, lse], axis=-1)
     return np.ascontiguousarray(out.reshape(b, hq, sq, -1).transpose(0, 2, 1, 3))
+
+
+def attention_fold(acc: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   mask: np.ndarray | None, *, scale: float, first_key: int = 0) -> np.ndarray:
+    """One part of an attention's keys (a layer group's reduction parts, keys numbered from
+    `first_key`) folded into the packed state `acc` (`OnlineSoftmax.packed`; None: the
+    first part); returns the new packed state."""
+    state = (attention_start(q, k, v.shape[-1]) if acc is None
+             else OnlineSoftmax.unpacked(acc))
+    attention_tile(state, q, k, v, mask, scale, first_key)
+    return state.packed()
+
+
+def attention_result(acc: np.ndarray, q: np.ndarray, *, out_dtype=None) -> np.ndarray:
+    """An attention's result from its packed state after its last part (`attention_fold`)."""
+    return attention_finish(OnlineSoftmax.unpacked(acc), q, out_dtype)
+
+
+def attention_part_result(acc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """`attention_part`'s result from its packed state after its last part."""
+    return attention_part_finish(OnlineSoftmax.unpacked(acc), q)
 
 
 def attention_merge(parts: Sequence[np.ndarray], out_dtype=None,

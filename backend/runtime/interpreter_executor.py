@@ -50,17 +50,16 @@ from toptpu.backend.reference.interpreter import (
     EvalContext,
     Evaluator,
     NoEvaluatorError,
-    constant_value,
     evaluator_for,
     find_func,
 )
 from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.runtime.weight_cache_file import StoredForms
-from toptpu.dialects import top, tpu
-from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, read_int, shape_of
+from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, shape_of
 from toptpu.dialects.ir_text import one_line
 from toptpu.dialects.naming import input_names, output_names
+from toptpu.dialects.top import constant_array, weight_name
 from toptpu.errors import ToptpuError
 
 
@@ -135,12 +134,13 @@ class _Plan:
             if isinstance(op, func.ReturnOp):
                 self.outputs = [vid(v) for v in op.operands]
                 break
-            if isinstance(op, top.WeightBase):
-                self.weights.append((op.tensor_name, vid(op.results[0]),
-                                     shape_of(op.results[0])))
-                continue
-            if isinstance(op, top.ConstantBase):
-                self.constants.append((vid(op.results[0]), constant_value(op.value)))
+            if isinstance(op, ShapedOp) and op.SOURCE:
+                (r,) = op.results
+                name, value = weight_name(r), constant_array(r)
+                if name is not None:
+                    self.weights.append((name, vid(r), shape_of(r)))
+                elif value is not None:
+                    self.constants.append((vid(r), value))
                 continue
             try:
                 fn_ = evaluator_for(op)
@@ -149,17 +149,14 @@ class _Plan:
             groups = op.operand_groups() if isinstance(op, ShapedOp) else list(op.operands)
             step = _Step(op, fn_, [vid(v) if v is not None else None for v in groups],
                          [vid(r) for r in op.results])
-            if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp):
-                step.qweight = op.qweight.owner.tensor_name
-                step.bits, step.group_size = read_int(op.weight_bits), read_int(op.group_size)
-                for attr, value in (("scales", op.scales), ("zeros", op.zeros),
-                                    ("mins", op.mins)):
-                    if value is not None and isinstance(value.owner, tpu.WeightOp):
-                        setattr(step, attr, value.owner.tensor_name)
-                step.out_dtype = numpy_dtype(elem_of(op.output))
-            if (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
-                    and numpy_dtype(elem_of(op.rhs)).name in ("float16", "bfloat16")):
-                step.float_weight = op.rhs.owner.tensor_name
+            conv = op.converted_weight() if isinstance(op, ShapedOp) else None
+            names = [] if conv is None else [weight_name(groups[i]) for i in conv.operands]
+            if conv is not None and conv.form == "a16" and names[0] is not None:
+                step.qweight, step.scales, step.zeros, step.mins = names
+                step.bits, step.group_size = conv.bits, conv.group_size
+                step.out_dtype = numpy_dtype(elem_of(op.results[0]))
+            elif conv is not None and conv.form == "f32" and names[0] is not None:
+                step.float_weight = names[0]
             self.steps.append(step)
         self.size = len(ids)
 
@@ -255,7 +252,7 @@ class InterpreterExecutor(Executor):
             try:
                 res = step.fn(step.op, args, ctx)
             except IndexError as e:  # a gather's index past its table (kernels.gather)
-                if not isinstance(step.op, top.GatherBase):
+                if not (isinstance(step.op, ShapedOp) and step.op.INDEXES_TABLE):
                     raise
                 raise ExecutorError(f"net '{net}': '{step.op.name}': {e}; the ids must be "
                                     "below the table's rows") from None

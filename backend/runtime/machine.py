@@ -332,11 +332,13 @@ class LoadedNet:
         self.module = module
         self.ops: list[Operation] = list(fns[0].walk())
         self.evaluators: dict[int, Evaluator] = {}
+        #: collective command id -> its op
+        self.collectives: dict[int, dev.CollectiveOp] = {}
         for c in program.commands:
             if isinstance(c, Compute | Gather):
                 self.evaluators[c.id] = self._evaluator(c)
             elif isinstance(c, Collective):
-                self._check_collective(c)
+                self.collectives[c.id] = self._collective_op(c)
         #: the devices its collectives join (None: a net of one device)
         self.devices = next((c.devices for c in program.commands
                              if isinstance(c, Collective)), None)
@@ -346,18 +348,21 @@ class LoadedNet:
                               "devices")
         self._plans: dict[Chip, Plan] = {}
 
-    def _check_collective(self, c: Collective) -> None:
-        """The command is the collective its op in the IR says, over the same devices."""
+    def _collective_op(self, c: Collective) -> dev.CollectiveOp:
+        """The collective op of command `c`, checked: the command is the collective its op
+        in the IR says, over the same devices."""
         if c.op >= len(self.ops):
             raise MachineTrap(f"command {c.id}: op {c.op} is not in the net's IR "
                               f"({len(self.ops)} ops)")
         op = self.ops[c.op]
-        if not isinstance(op, dev.CollectiveOp) or op.KIND != c.kind \
-                or op.device_count != c.devices or op.algorithm_name != c.algorithm:
+        coll = op if isinstance(op, dev.CollectiveOp) else None
+        if coll is None or coll.KIND != c.kind \
+                or coll.device_count != c.devices or coll.algorithm_name != c.algorithm:
             raise MachineTrap(f"command {c.id}: a {c.kind} ({c.algorithm}) over {c.devices} "
                               f"devices, but op {c.op} is '{op.name}'"
-                              + (f" ({op.algorithm_name}) over {op.device_count} devices"
-                                 if isinstance(op, dev.CollectiveOp) else ""))
+                              + (f" ({coll.algorithm_name}) over {coll.device_count} devices"
+                                 if coll is not None else ""))
+        return coll
 
     def _evaluator(self, c: Compute | Gather) -> Evaluator:
         if c.op >= len(self.ops):
@@ -383,7 +388,7 @@ class LoadedNet:
         if isinstance(c, Gather):
             ins.insert(c.table_operand, c.table)
         if isinstance(c, Compute) and c.acc is not None:
-            if not isinstance(op, tpu.REDUCTION_OPS):
+            if not tpu.splits_reduction(op):
                 raise MachineTrap(f"command {c.id}: '{op.name}' has no reduction to split in "
                                   "parts")
             want_acc = tuple(tpu.accumulator_type(op).get_shape())
@@ -449,9 +454,7 @@ class LoadedNet:
             elif isinstance(c, Collective):
                 src = operand(c.src, c.src_shape, c.dtype, False, who)
                 dst = operand(c.dst, c.dst_shape, c.dtype, True, who)
-                op = self.ops[c.op]
-                assert isinstance(op, dev.CollectiveOp)
-                step = CollectiveStep(c, op, src, dst)
+                step = CollectiveStep(c, self.collectives[c.id], src, dst)
             else:
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip)
             steps.append(step)

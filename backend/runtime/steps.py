@@ -26,8 +26,8 @@ from toptpu.backend.reference.interpreter import Evaluator, reduction_finish, re
 from toptpu.backend.runtime.errors import MachineTrap
 from toptpu.backend.runtime.local_memory import LiveBuffers, Local, local_trap
 from toptpu.backend.target.chips import Chip
-from toptpu.dialects import dev, top, tpu
-from toptpu.dialects.common import read_int
+from toptpu.dialects import dev, tpu
+from toptpu.dialects.common import ShapedOp
 
 if TYPE_CHECKING:
     from toptpu.backend.runtime.joins import SliceJoin, WholeRows
@@ -122,14 +122,13 @@ class OpStep(Step):
         self.acc = Local.of(c.acc, chip) if isinstance(c, Compute) and c.acc else None
         self.part = c.part if isinstance(c, Compute) else 0
         self.last = not isinstance(c, Compute) or c.last_part
-        if isinstance(op, tpu.A16MatMulOp) and self.table < 0 and len(self.ins) == 6:
-            self.special = "a16"
-            self.bits = read_int(op.attributes["weight_bits"])
-            self.group_size = read_int(op.attributes["group_size"])
-        elif (isinstance(op, tpu.MatMulOp) and self.table < 0 and len(self.ins) >= 2
-              and self.ins[1] is not None
-              and self.ins[1].dtype.name in ("float16", "bfloat16")):
-            self.special = "f32w"  # a f16/bf16 weight (the lm_head): upcast once
+        conv = op.converted_weight() if isinstance(op, ShapedOp) else None
+        if conv is not None and self.table < 0 and len(self.ins) > max(conv.operands) \
+                and self.ins[conv.operands[0]] is not None:
+            # its weight converted once (cached): a16's dequantized, a f16/bf16 weight
+            # (the lm_head) upcast
+            self.special = "a16" if conv.form == "a16" else "f32w"
+            self.bits, self.group_size = conv.bits, conv.group_size
 
     def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
         who, local = self.who, m.local
@@ -184,8 +183,7 @@ class OpStep(Step):
         else:
             if self.special == "f32w":  # the part's weights upcast once (cached)
                 args = [args[0], self._f32_part(m, args[1]), *args[2:]]
-            acc = reduction_part(self.op, args, acc, self.part * self.ins[1].shape[1]
-                                 if isinstance(self.op, top.AttentionBase) else 0)  # type: ignore[union-attr]
+            acc = reduction_part(self.op, args, acc, self.part)
         m.free(self.free)
         if not self.last:
             local.write(self.acc, acc, who)

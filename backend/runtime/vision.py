@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import stat
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,7 @@ import numpy as np
 from toptpu.backend.contract import DEEPSTACK_EMBEDS, IMAGE_EMBEDS
 from toptpu.backend.runtime.accounting import Costs
 from toptpu.backend.runtime.executor import Buffer, Executor
+from toptpu.dialects.output_file import note_input
 from toptpu.errors import GenerationError, ImageError
 from toptpu.families import vision_family
 from toptpu.families.base import PreparedImage, VideoPatches
@@ -38,26 +42,69 @@ __all__ = ["EncodedImage", "ImageError", "ImagePreprocessor", "PreparedImage", "
            "VisionEncoder", "load_image"]
 
 
+#: most pixels of an image toptpu decodes (8192 x 8192, 64 Mpx): the processors resize
+#: every image to the vision net's budget anyway, and an image file can claim any size in
+#: a few bytes (a 92-byte PNG of 50000 x 50000 would take 7.5 GB to decode)
+MAX_IMAGE_PIXELS = 8192 * 8192
+_BOMB_SIZE = re.compile(r"\((\d+) pixels\)")
+
+
+def image_file(path: str) -> str:
+    """`path` checked as an image file before anything is read from it: it exists and is
+    a regular file (a FIFO would block the read forever, a device never end); an
+    ImageError naming it otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ImageError(f"image '{path}' does not exist") from None
+    except OSError as e:
+        raise ImageError(f"image '{path}' cannot be read: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise ImageError(f"image '{path}' is a directory, not an image file")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise ImageError(f"image '{path}' is {kind}, not an image file: pass a regular file")
+    return path
+
+
 def load_image(image: Any) -> Any:
     """A PIL image from a path (or a PIL image as is), fully decoded: a missing file, a
-    file that is not an image, or a truncated one is an ImageError naming it."""
+    file that is not a regular file (a FIFO), not an image, or a truncated one is an
+    ImageError naming it, and so is one that claims more than MAX_IMAGE_PIXELS (refused
+    from its header, before it is decoded)."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
         return image
-    path = os.fspath(image)
-    if not os.path.exists(path):
-        raise ImageError(f"image '{path}' does not exist")
-    if os.path.isdir(path):
-        raise ImageError(f"image '{path}' is a directory, not an image file")
-    try:
-        img = Image.open(path)
-        img.load()  # decode now: a truncated file fails here, not in the processor
-    except UnidentifiedImageError as e:
-        raise ImageError(f"'{path}' is not an image Pillow can read (PNG, JPEG, WebP, ...): "
-                         f"{e}") from e
-    except (OSError, ValueError, SyntaxError) as e:
-        raise ImageError(f"image '{path}' is corrupt or truncated: {e}") from e
+    path = image_file(os.fspath(image))
+    too_big = (f"more than toptpu decodes ({MAX_IMAGE_PIXELS} pixels, 8192x8192): "
+               "downscale it first")
+    try:  # without blocking: a FIFO swapped in after the check cannot hang
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ImageError(f"image '{path}' cannot be read: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ImageError(f"image '{path}' is not a regular file: pass an image file")
+        note_input(fd, path)
+        try:
+            with warnings.catch_warnings():  # the size is checked here, not warned about
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(f)  # the header only
+                width, height = img.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise ImageError(f"image '{path}' is {width}x{height} "
+                                     f"({width * height} pixels), {too_big}")
+                img.load()  # decode now: a truncated file fails here, not in the processor
+        except Image.DecompressionBombError as e:  # beyond PIL's own limit: its header
+            m = _BOMB_SIZE.search(str(e))
+            size = f"{m.group(1)} pixels" if m else "a size"
+            raise ImageError(f"image '{path}' claims {size}, {too_big}") from None
+        except UnidentifiedImageError as e:
+            raise ImageError(f"'{path}' is not an image Pillow can read (PNG, JPEG, WebP, "
+                             f"...): {e}") from e
+        except (OSError, ValueError, SyntaxError) as e:
+            raise ImageError(f"image '{path}' is corrupt or truncated: {e}") from e
     if img.width < 1 or img.height < 1:
         raise ImageError(f"image '{path}' is empty ({img.width}x{img.height})")
     return img

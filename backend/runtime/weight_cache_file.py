@@ -43,6 +43,7 @@ weight blob per device and no weight cache file: writing or opening one for it i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -61,8 +62,11 @@ from toptpu.backend.formats.header_schema import (
     decode,
     encode,
 )
+from toptpu.backend.formats.llm_file import KIND as LLM_KIND
 from toptpu.backend.formats.llm_file import LlmFile, WeightEntry
 from toptpu.backend.formats.model_file import (
+    HEADER_OFFSET,
+    MAGIC,
     ModelFile,
     ModelFileError,
     StreamedSection,
@@ -72,8 +76,9 @@ from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime.steps import held_key, held_window
 from toptpu.dialects import tpu
-from toptpu.dialects.common import elem_of, numpy_dtype, read_int
+from toptpu.dialects.common import ShapedOp
 from toptpu.dialects.output_file import OutputPathError, output_target
+from toptpu.dialects.top import weight_name
 from toptpu.errors import ToptpuError
 
 #: the weight cache file of MODEL_FILE is MODEL_FILE + SUFFIX
@@ -83,6 +88,8 @@ KIND = "toptpu-weight-cache"
 CACHE_FORMAT = 2
 #: how many rows of each form are converted again and compared on its first use
 SAMPLED_ROWS = 8
+#: most header bytes read to see what an existing file at the output path is
+MAX_HEADER_READ = 64 << 20
 #: the float dtypes whose matmul weights the executors upcast to f32 once
 UPCAST_DTYPES = ("float16", "bfloat16")
 
@@ -209,20 +216,17 @@ def _uses(model: LlmFile, net: str) -> list[_Use]:
     """The weights net `net`'s Tpu IR converts (as the executors find them)."""
     out = []
     for op in model.net_module(net).walk():
-        if isinstance(op, tpu.A16MatMulOp) and isinstance(op.qweight.owner, tpu.WeightOp) \
-                and isinstance(op.scales.owner, tpu.WeightOp):
-            zeros = op.zeros.owner if op.zeros is not None else None
-            mins = op.mins.owner if op.mins is not None else None
-            if (op.zeros is not None and not isinstance(zeros, tpu.WeightOp)) or \
-                    (op.mins is not None and not isinstance(mins, tpu.WeightOp)):
-                continue  # not a weight the executors convert once
-            out.append(_Use("a16", op.qweight.owner.tensor_name, op.scales.owner.tensor_name,
-                            zeros.tensor_name if isinstance(zeros, tpu.WeightOp) else None,
-                            mins.tensor_name if isinstance(mins, tpu.WeightOp) else None,
-                            read_int(op.weight_bits), read_int(op.group_size)))
-        elif (isinstance(op, tpu.MatMulOp) and isinstance(op.rhs.owner, tpu.WeightOp)
-              and numpy_dtype(elem_of(op.rhs)).name in UPCAST_DTYPES):
-            out.append(_Use("f32", op.rhs.owner.tensor_name))
+        if not isinstance(op, ShapedOp) or (conv := op.converted_weight()) is None:
+            continue
+        groups = op.operand_groups()
+        values = [groups[i] for i in conv.operands]
+        names = [weight_name(v) for v in values]
+        if any(v is not None and n is None for v, n in zip(values, names, strict=True)):
+            continue  # not a weight the executors convert once
+        source, *annexes = names
+        assert source is not None
+        scales, zeros, mins = (*annexes, None, None, None)[:3]
+        out.append(_Use(conv.form, source, scales, zeros, mins, conv.bits, conv.group_size))
     return out
 
 
@@ -428,12 +432,20 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     _refuse_devices(llm)
     path = output or cache_path(llm.path)
     try:
-        _, kind = output_target(path, "the weight cache file")
+        real, kind = output_target(path, "the weight cache file")
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     if kind != "file" and kind != "new":
         raise WeightCacheFileError(f"the weight cache file '{path}' is not a regular file; "
                                    "it is left as it is: remove it or name another path")
+    if kind == "file":
+        other = _other_file(real)
+        if other is not None:
+            link = "" if real == os.path.abspath(path) else f" (a link to '{real}')"
+            raise WeightCacheFileError(
+                f"'{path}'{link} is {other}, not a weight cache file: toptpu cache replaces "
+                "only a weight cache file; it is left as it is: remove it or name another "
+                "path with -o")
     forms = planned_forms(llm)
     header = CacheHeader(KIND, CACHE_FORMAT, llm.file.digest, tuple(forms))
     header.check()
@@ -453,6 +465,29 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     return path
+
+
+def _other_file(path: str) -> str | None:
+    """What the existing file `path` is when `write_weight_cache` may not replace it: a
+    model file, or a file of another kind (a checkpoint, ...). None for an empty file or
+    a weight cache file (a damaged one too: its header unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(HEADER_OFFSET)
+            if not prefix:
+                return None
+            if not prefix.startswith(MAGIC) or len(prefix) < HEADER_OFFSET:
+                return "a file of another kind"
+            hlen = int.from_bytes(prefix[12:16], "little")
+            head = f.read(min(hlen, MAX_HEADER_READ))
+    except OSError:
+        return None  # the write reports it
+    try:
+        kind = json.loads(head).get("kind", "")
+    except (ValueError, AttributeError):
+        return None  # a header cut short: a damaged file, replaced
+    return None if kind == KIND else (
+        "a toptpu model file" if kind == LLM_KIND else f"a toptpu file of kind {kind!r}")
 
 
 # =========================================================================== reading

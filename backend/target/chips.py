@@ -9,13 +9,16 @@ A preset describes one chip as a deployment sees it:
   the one compute-bound phase, runs at ~50-65% of peak MACs on the real chips);
 - memory: `ddr_gbps` nominal DDR bandwidth, `ddr_efficiency` the sustained fraction of it
   (decode of large models reaches ~75-80%), `core_ddr_gbps` what one core's DMA can draw
-  (a second core adds bandwidth until the DDR is saturated), `ddr_bytes` capacity;
+  (a second core adds bandwidth until the DDR is saturated; a one-core chip's is its
+  nominal DDR bandwidth, above the sustained one, so it binds only where the DDR alone is
+  raised past it: `toptpu sweep --ddr-gbps` moves it with the DDR), `ddr_bytes` capacity;
 - per command: `dma_latency_cycles`, `compute_latency_cycles` (issue latency);
   `dma_burst_bytes`, the DDR's access granule: a transfer moves its window as contiguous
   runs (a strided window: one run per row it cuts), each run rounded up to whole bursts;
-- per step, outside the nets: `launch_us` per net launch (launch, sync, interrupt),
-  `host_transfer_us` fixed cost of one host<->device copy and `host_gbps` its bandwidth (the
-  position, mask and token ids each step);
+- per step, outside the nets: `launch_us` per net launch (launch, sync, interrupt: at least
+  the 0.1 ms per interrupt of tpu-mlir's own estimator), `host_transfer_us` fixed cost of one
+  host<->device copy (at most one such interrupt) and `host_gbps` its bandwidth (the
+  position, mask and token ids each step); both fitted within those bounds;
 - between chips (`LINK_FIGURES`, several devices): `link_gbps`, what one chip sends to
   another per direction over its chip-to-chip link, `link_latency_us`, the fixed cost of
   one transfer on it (DMA setup and the sync that ends it), `link_topology`, how the chips

@@ -30,7 +30,6 @@ from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.link import LinkWork, collective_seconds
-from toptpu.dialects import top, tpu
 from toptpu.dialects.common import ShapedOp, dtype_bytes, dtype_name, elem_of, numel, shape_of
 
 
@@ -42,7 +41,7 @@ def nbytes(v: SSAValue) -> int:
 def cost_dtype(op: Operation) -> str:
     """The element type whose throughput an op runs at: MAC ops run at their input type
     (accumulating in f32), others at their compute type."""
-    if isinstance(op, top.MatMulBase | tpu.A16MatMulOp | top.AttentionBase | top.Conv2dBase):
+    if isinstance(op, ShapedOp) and op.MULTIPLY_ACCUMULATE:
         return dtype_name(elem_of(op.operands[0]))
     c = op.attributes.get("compute")
     if c is not None:

@@ -62,11 +62,11 @@ builtin.module {
 // CHECK:      func.func @main(%x: tensor<1x8x64xf32>) -> tensor<1x8x32xf32> attributes {tpu.regions = #tpu.regions<4096 : i64, 192 : i64, 8192 : i64, 3072 : i64>}
 // CHECK:        "tpu.constant"() {value = dense<5.000000e-01> : tensor<32xf32>, tpu.const_offset = 0 : i64}
 // CHECK-NEXT:   "tpu.constant"() {value = dense<[1.000000e+00, 2.000000e+00]> : tensor<2xf32>, tpu.const_offset = 128 : i64}
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: 0>} : (tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: 2048>} : (tensor<1x8x64xf32>, tensor<32x64xf32>) -> tensor<1x8x32xf32>
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: 3072>} : (tensor<1x8x32xf32>, tensor<2xf32>) -> tensor<1x8x32xf32>
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: 2048>} : (tensor<1x8x64xf32>, tensor<1x8x32xf32>) -> tensor<1x8x32xf32>
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: -1>} : (tensor<1x8x32xf32>, tensor<32xf32>) -> tensor<1x8x32xf32>
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: 0>} : (tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: 2048>} : (tensor<1x8x64xf32>, tensor<32x64xf32>) -> tensor<1x8x32xf32>
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: 3072>} : (tensor<1x8x32xf32>, tensor<2xf32>) -> tensor<1x8x32xf32>
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: 2048>} : (tensor<1x8x64xf32>, tensor<1x8x32xf32>) -> tensor<1x8x32xf32>
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: -1>} : (tensor<1x8x32xf32>, tensor<32xf32>) -> tensor<1x8x32xf32>
 
 // -----
 
@@ -95,8 +95,8 @@ builtin.module {
 }
 
 // CHECK:      func.func @two({{.*}} attributes {tpu.regions = #tpu.regions<1024 : i64, 0 : i64, 0 : i64, 3072 : i64>}
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: -1, 0>}
-// CHECK:        }) {slices = 1 : i64, gaddrs = array<i64: -1>}
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: -1, 0>}
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, gaddrs = array<i64: -1>}
 
 // UNGROUPED: pass 'address-assign': run layer-group first: ops outside groups ['tpu.silu']
 // UNGROUPED-NOT: Traceback

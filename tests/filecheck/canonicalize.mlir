@@ -20,8 +20,8 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @shapes
-// CHECK-NEXT:    %0 = "top.permute"(%x) {order = array<i64: 2, 1, 0>} : (tensor<2x3x4xf32>) -> tensor<4x3x2xf32>
-// CHECK-NEXT:    %1 = "top.reshape"(%x) {shape = array<i64: 24>} : (tensor<2x3x4xf32>) -> tensor<24xf32>
+// CHECK-NEXT:    %0 = top.permute %x {order = array<i64: 2, 1, 0>} : tensor<2x3x4xf32> -> tensor<4x3x2xf32>
+// CHECK-NEXT:    %1 = top.reshape %x {shape = array<i64: 24>} : tensor<2x3x4xf32> -> tensor<24xf32>
 // CHECK-NEXT:    func.return %x, %0, %1
 
 // -----
@@ -37,7 +37,7 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @units
-// CHECK-NEXT:    %0 = "top.reshape"(%x) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    %0 = top.reshape %x {shape = array<i64: 1, 1, 8, 16>}
 // CHECK-NEXT:    func.return %0
 
 // -----
@@ -59,6 +59,6 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @tpu
-// CHECK-NEXT:    %0 = "tpu.mul_const"(%x) {value = 6.000000e+00 : f64}
-// CHECK-NEXT:    %1 = "tpu.reshape"(%0) {shape = array<i64: 1, 1, 8, 16>}
+// CHECK-NEXT:    %0 = tpu.mul_const %x {value = 6.000000e+00 : f64}
+// CHECK-NEXT:    %1 = tpu.reshape %0 {shape = array<i64: 1, 1, 8, 16>}
 // CHECK-NEXT:    func.return %1

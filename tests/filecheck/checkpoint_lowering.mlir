@@ -14,14 +14,14 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
   }
 }
 
-// CHECK-DAG: [[Q:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.qweight", source = "fc.weight", part = "checkpoint.qweight"} : () -> tensor<32x32xui8>
-// CHECK-DAG: [[S:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.scales", source = "fc.weight", part = "checkpoint.scales"} : () -> tensor<32x2xf16>
-// CHECK-DAG: [[Z:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.zeros", source = "fc.weight", part = "checkpoint.zeros"} : () -> tensor<32x2xui8>
-// CHECK-DAG: [[P:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.perm", source = "fc.weight", part = "checkpoint.perm"} : () -> tensor<64xi32>
-// CHECK-DAG: "tpu.weight"() {name = "proj.weight:bf16", source = "proj.weight", part = "data"} : () -> tensor<32x32xbf16>
-// CHECK:     [[G:%.*]] = "tpu.gather"(%x, [[P]]) {axis = 2 : i64, compute = bf16}
-// CHECK:     "tpu.a16_matmul"([[G]], [[Q]], [[S]], [[Z]]) {weight_bits = 4 : i64, group_size = 32 : i64
-// CHECK:     "tpu.matmul"
+// CHECK-DAG: [[Q:%.*]] = tpu.weight "fc.weight:ckpt.qweight" {source = "fc.weight", part = "checkpoint.qweight"} : tensor<32x32xui8>
+// CHECK-DAG: [[S:%.*]] = tpu.weight "fc.weight:ckpt.scales" {source = "fc.weight", part = "checkpoint.scales"} : tensor<32x2xf16>
+// CHECK-DAG: [[Z:%.*]] = tpu.weight "fc.weight:ckpt.zeros" {source = "fc.weight", part = "checkpoint.zeros"} : tensor<32x2xui8>
+// CHECK-DAG: [[P:%.*]] = tpu.weight "fc.weight:ckpt.perm" {source = "fc.weight", part = "checkpoint.perm"} : tensor<64xi32>
+// CHECK-DAG: tpu.weight "proj.weight:bf16" {source = "proj.weight", part = "data"} : tensor<32x32xbf16>
+// CHECK:     [[G:%.*]] = tpu.gather %x, [[P]] {axis = 2 : i64, compute = bf16}
+// CHECK:     tpu.a16_matmul [[G]], [[Q]], [[S]] zeros [[Z]] {weight_bits = 4 : i64, group_size = 32 : i64
+// CHECK:     tpu.matmul
 // CHECK-NOT: q4g
 
 // FLOAT: 'fc.weight' comes pre-quantized from the checkpoint: use a weight-only mode

@@ -12,10 +12,10 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
   }
 }
 
-// CHECK-DAG: [[Q:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.qweight", source = "fc.weight", part = "checkpoint.qweight"} : () -> tensor<32x32xui8>
-// CHECK-DAG: [[S:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.scales", source = "fc.weight", part = "checkpoint.scales"} : () -> tensor<32x2xf16>
-// CHECK-DAG: [[M:%.*]] = "tpu.weight"() {name = "fc.weight:ckpt.mins", source = "fc.weight", part = "checkpoint.mins"} : () -> tensor<32x2xf16>
-// CHECK:     "tpu.a16_matmul"(%x, [[Q]], [[S]], [[M]]) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32, operandSegmentSizes = array<i32: 1, 1, 1, 0, 1, 0>} : (tensor<1x4x64xf16>, tensor<32x32xui8>, tensor<32x2xf16>, tensor<32x2xf16>) -> tensor<1x4x32xf16>
+// CHECK-DAG: [[Q:%.*]] = tpu.weight "fc.weight:ckpt.qweight" {source = "fc.weight", part = "checkpoint.qweight"} : tensor<32x32xui8>
+// CHECK-DAG: [[S:%.*]] = tpu.weight "fc.weight:ckpt.scales" {source = "fc.weight", part = "checkpoint.scales"} : tensor<32x2xf16>
+// CHECK-DAG: [[M:%.*]] = tpu.weight "fc.weight:ckpt.mins" {source = "fc.weight", part = "checkpoint.mins"} : tensor<32x2xf16>
+// CHECK:     tpu.a16_matmul %x, [[Q]], [[S]] mins [[M]] {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32} : tensor<1x4x64xf16>, tensor<32x32xui8>, tensor<32x2xf16> mins tensor<32x2xf16> -> tensor<1x4x32xf16>
 // CHECK-NOT: zeros
 
 // CMD:      dma load     w:fc.weight:ckpt.mins 32x2xfloat16 [all] -> L[[MA:[0-9]+]]#[[MB:[0-9]+]]

@@ -34,30 +34,30 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // W4:      func.func @main(%ids: tensor<1x8xi32>, %pos: tensor<1x8xi64>, %mask: tensor<1x1x8x8xbf16>) -> tensor<1x8x32xbf16>
-// W4-DAG:    "tpu.weight"() {name = "embed.weight:bf16", source = "embed.weight", part = "data"} : () -> tensor<16x64xbf16>
-// W4-DAG:    "tpu.weight"() {name = "norm.weight", source = "norm.weight", part = "data"} : () -> tensor<64xf32>
-// W4-DAG:    [[Q:%.*]] = "tpu.weight"() {name = "fc.weight:q4g32a:bf16.qweight", source = "fc.weight", part = "qweight"} : () -> tensor<32x32xui8>
-// W4-DAG:    [[S:%.*]] = "tpu.weight"() {name = "fc.weight:q4g32a:bf16.scales", source = "fc.weight", part = "scales"} : () -> tensor<32x2xbf16>
-// W4-DAG:    [[Z:%.*]] = "tpu.weight"() {name = "fc.weight:q4g32a:bf16.zeros", source = "fc.weight", part = "zeros"} : () -> tensor<32x2xui8>
-// W4-DAG:    [[B:%.*]] = "tpu.weight"() {name = "fc.bias", source = "fc.bias", part = "data"} : () -> tensor<32xf32>
-// W4:        "tpu.cast"(%{{.*}}) {dtype = f32, compute = f32} : (tensor<1x8x1xi64>) -> tensor<1x8x1xf32>
-// W4:        "tpu.cos"(%{{.*}}) {compute = f32} : (tensor<1x8x16xf32>) -> tensor<1x8x16xf32>
-// W4:        "tpu.gather"(%{{.*}}, %ids) {axis = 0 : i64, compute = bf16} : (tensor<16x64xbf16>, tensor<1x8xi32>) -> tensor<1x8x64xbf16>
-// W4:        "tpu.rms_norm"({{.*}}) {eps = 1.000000e-06 : f64, compute = f32} : (tensor<1x8x64xbf16>, tensor<64xf32>) -> tensor<1x8x64xbf16>
-// W4:        "tpu.rope"({{.*}}) {mode = "half", compute = f32} : (tensor<1x8x4x16xbf16>, tensor<1x8x1x16xf32>, tensor<1x8x1x16xf32>) -> tensor<1x8x4x16xbf16>
-// W4:        "tpu.attention"({{.*}}, %mask) {{{.*}}compute = f32{{.*}}} : ({{.*}}tensor<1x1x8x8xbf16>) -> tensor<1x8x4x16xbf16>
-// W4:        "tpu.a16_matmul"(%{{.*}}, [[Q]], [[S]], [[Z]], [[B]]) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32
-// W4:        "tpu.silu"(%{{.*}}) {compute = bf16} : (tensor<1x8x32xbf16>) -> tensor<1x8x32xbf16>
+// W4-DAG:    tpu.weight "embed.weight:bf16" {source = "embed.weight", part = "data"} : tensor<16x64xbf16>
+// W4-DAG:    tpu.weight "norm.weight" {source = "norm.weight", part = "data"} : tensor<64xf32>
+// W4-DAG:    [[Q:%.*]] = tpu.weight "fc.weight:q4g32a:bf16.qweight" {source = "fc.weight", part = "qweight"} : tensor<32x32xui8>
+// W4-DAG:    [[S:%.*]] = tpu.weight "fc.weight:q4g32a:bf16.scales" {source = "fc.weight", part = "scales"} : tensor<32x2xbf16>
+// W4-DAG:    [[Z:%.*]] = tpu.weight "fc.weight:q4g32a:bf16.zeros" {source = "fc.weight", part = "zeros"} : tensor<32x2xui8>
+// W4-DAG:    [[B:%.*]] = tpu.weight "fc.bias" {source = "fc.bias", part = "data"} : tensor<32xf32>
+// W4:        tpu.cast %{{.*}} {dtype = f32, compute = f32} : tensor<1x8x1xi64> -> tensor<1x8x1xf32>
+// W4:        tpu.cos %{{.*}} {compute = f32} : tensor<1x8x16xf32> -> tensor<1x8x16xf32>
+// W4:        tpu.gather %{{.*}}, %ids {axis = 0 : i64, compute = bf16} : tensor<16x64xbf16>, tensor<1x8xi32> -> tensor<1x8x64xbf16>
+// W4:        tpu.rms_norm {{.*}} {eps = 1.000000e-06 : f64, compute = f32} : tensor<1x8x64xbf16> weight tensor<64xf32> -> tensor<1x8x64xbf16>
+// W4:        tpu.rope {{.*}} {mode = "half", compute = f32} : tensor<1x8x4x16xbf16>, tensor<1x8x1x16xf32>, tensor<1x8x1x16xf32> -> tensor<1x8x4x16xbf16>
+// W4:        tpu.attention {{.*}} mask %mask {{{.*}}compute = f32{{.*}}} : {{.*}} mask tensor<1x1x8x8xbf16> -> tensor<1x8x4x16xbf16>
+// W4:        tpu.a16_matmul %{{.*}}, [[Q]], [[S]] zeros [[Z]] bias [[B]] {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32
+// W4:        tpu.silu %{{.*}} {compute = bf16} : tensor<1x8x32xbf16> -> tensor<1x8x32xbf16>
 // W4-NOT:    top.
-// W4-NOT:    tpu.cast"(%{{.*}}) {dtype = bf16
+// W4-NOT:    tpu.cast %{{.*}} {dtype = bf16
 
-// W8:        "tpu.weight"() {name = "fc.weight:q8g64s:f16.qweight", source = "fc.weight", part = "qweight"} : () -> tensor<32x64xi8>
-// W8:        "tpu.weight"() {name = "fc.weight:q8g64s:f16.scales", source = "fc.weight", part = "scales"} : () -> tensor<32x1xf16>
+// W8:        tpu.weight "fc.weight:q8g64s:f16.qweight" {source = "fc.weight", part = "qweight"} : tensor<32x64xi8>
+// W8:        tpu.weight "fc.weight:q8g64s:f16.scales" {source = "fc.weight", part = "scales"} : tensor<32x1xf16>
 // W8-NOT:    part = "zeros"
-// W8:        "tpu.a16_matmul"({{.*}}) {weight_bits = 8 : i64, group_size = 64 : i64
+// W8:        tpu.a16_matmul {{.*}} {weight_bits = 8 : i64, group_size = 64 : i64
 
-// BF16:      "tpu.weight"() {name = "fc.weight:bf16", source = "fc.weight", part = "data"} : () -> tensor<32x64xbf16>
-// BF16:      "tpu.matmul"({{.*}}) {transpose_b = true, compute = f32{{.*}}} : (tensor<1x8x64xbf16>, tensor<32x64xbf16>, tensor<32xf32>) -> tensor<1x8x32xbf16>
+// BF16:      tpu.weight "fc.weight:bf16" {source = "fc.weight", part = "data"} : tensor<32x64xbf16>
+// BF16:      tpu.matmul {{.*}} {transpose_b = true, compute = f32{{.*}}} : tensor<1x8x64xbf16>, tensor<32x64xbf16> bias tensor<32xf32> -> tensor<1x8x32xbf16>
 
 // BADGROUP: group size 48 does not divide the input dimension K=64
 // BADGROUP-NOT: Traceback

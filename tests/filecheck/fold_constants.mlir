@@ -19,13 +19,13 @@ builtin.module {
 
 // CHECK-LABEL: func.func @consts
 // CHECK-NEXT:    [[C:%.*]] = "top.constant"() {value = dense<[3.000000e+00, 6.000000e+00]> : tensor<2xf32>}
-// CHECK-NEXT:    [[A:%.*]] = "top.add"(%x, [[C]])
+// CHECK-NEXT:    [[A:%.*]] = top.add %x, [[C]]
 // CHECK-NEXT:    func.return [[A]], [[A]]
 
 // NOCSE-LABEL: func.func @consts
 // NOCSE-NEXT:    [[C:%.*]] = "top.constant"() {value = dense<[3.000000e+00, 6.000000e+00]> : tensor<2xf32>}
-// NOCSE-NEXT:    [[A:%.*]] = "top.add"(%x, [[C]])
-// NOCSE-NEXT:    [[B:%.*]] = "top.add"(%x, [[C]])
+// NOCSE-NEXT:    [[A:%.*]] = top.add %x, [[C]]
+// NOCSE-NEXT:    [[B:%.*]] = top.add %x, [[C]]
 // NOCSE-NEXT:    func.return [[A]], [[B]]
 
 // -----
@@ -45,5 +45,5 @@ builtin.module {
 // CHECK-LABEL: func.func @tpu
 // CHECK-NEXT:    [[H:%.*]] = "tpu.constant"() {value = dense<[1.000000e+00, 3.005980e-03, 2.560000e+02]> : tensor<3xbf16>}
 // CHECK-NEXT:    [[Z:%.*]] = "tpu.constant"() {value = dense<1.000000e+00> : tensor<1xf32>}
-// CHECK-NEXT:    [[B:%.*]] = "tpu.expand"([[Z]]) {shape = array<i64: 4097>}
+// CHECK-NEXT:    [[B:%.*]] = tpu.expand [[Z]] {shape = array<i64: 4097>}
 // CHECK-NEXT:    func.return [[H]], [[B]]

@@ -14,7 +14,7 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @rms
-// CHECK-NEXT:    [[N:%.*]] = "top.rms_norm"(%x, %w) {eps = 1.000000e-06 : f64}
+// CHECK-NEXT:    [[N:%.*]] = top.rms_norm %x weight %w {eps = 1.000000e-06 : f64}
 // CHECK-NEXT:    func.return [[N]]
 
 // -----
@@ -34,7 +34,7 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @rope
-// CHECK-NEXT:    [[R:%.*]] = "top.rope"(%x, %cos, %sin) {mode = "half"}
+// CHECK-NEXT:    [[R:%.*]] = top.rope %x, %cos, %sin {mode = "half"}
 // CHECK-NEXT:    func.return [[R]]
 
 // -----
@@ -65,10 +65,10 @@ builtin.module {
 // CHECK-LABEL: func.func @gqa
 // CHECK-NOT:     top.permute
 // CHECK-NOT:     top.expand
-// CHECK:         [[C:%.*]] = "top.reshape"(%cos) {shape = array<i64: 1, 8, 1, 16>}
-// CHECK:         [[S:%.*]] = "top.reshape"(%sin) {shape = array<i64: 1, 8, 1, 16>}
-// CHECK:         [[R:%.*]] = "top.rope"(%q, [[C]], [[S]]) {mode = "half"}
-// CHECK:         [[A:%.*]] = "top.attention"([[R]], %k, %v, %mask) {{{.*}}kv_heads = 2 : i64
+// CHECK:         [[C:%.*]] = top.reshape %cos {shape = array<i64: 1, 8, 1, 16>}
+// CHECK:         [[S:%.*]] = top.reshape %sin {shape = array<i64: 1, 8, 1, 16>}
+// CHECK:         [[R:%.*]] = top.rope %q, [[C]], [[S]] {mode = "half"}
+// CHECK:         [[A:%.*]] = top.attention [[R]], %k, %v mask %mask {{{.*}}kv_heads = 2 : i64
 // CHECK-NEXT:    func.return [[A]]
 
 // -----
@@ -86,7 +86,7 @@ builtin.module {
 
 // CHECK-LABEL: func.func @history
 // CHECK-NOT:     top.concat
-// CHECK:         "top.attention"(%q, %k, %v, %mask, %hk, %hv) {{.*}}operandSegmentSizes = array<i32: 1, 1, 1, 1, 1, 1>
+// CHECK:         top.attention %q, %k, %v mask %mask history %hk, %hv {
 
 // -----
 
@@ -103,5 +103,5 @@ builtin.module {
 }
 
 // CHECK-LABEL: func.func @linear
-// CHECK-NEXT:    [[M:%.*]] = "top.matmul"(%x, %w, %b) {transpose_b = true
+// CHECK-NEXT:    [[M:%.*]] = top.matmul %x, %w bias %b {transpose_b = true
 // CHECK-NEXT:    func.return [[M]]

@@ -16,20 +16,20 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = #tpu.regions<0 : i64, 0 : i64, {{[0-9]+}} : i64, {{[0-9]+}} : i64>}
-// CHECK:        [[G:%.*]] = "tpu.group"(%x, {{.*}}) ({
+// CHECK:        [[G:%.*]] = tpu.group(%x, {{.*}}) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: -1>}
 // CHECK-NEXT:   ^{{.*}}(%{{.*}}: tensor<1x8x64xbf16>{{.*}}):
-// CHECK:          "tpu.load"(%{{.*}}) {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK:          "tpu.rms_norm"({{.*}}) {{{.*}}ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK:          "tpu.a16_matmul"({{.*}}) {{{.*}}ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK:          "tpu.silu"({{.*}}) {{{.*}}ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK:          [[S:%.*]] = "tpu.store"(%{{.*}}) {slice_axis = -1 : i64, ts = 2 : i64} : (tensor<1x8x32xbf16>) -> tensor<1x8x32xbf16>
-// CHECK-NEXT:     "tpu.yield"([[S]])
-// CHECK-NEXT:   }) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: -1>}
+// CHECK:          tpu.load %{{.*}} {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK:          tpu.rms_norm {{.*}} {{{.*}}ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK:          tpu.a16_matmul {{.*}} {{{.*}}ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK:          tpu.silu {{.*}} {{{.*}}ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK:          [[S:%.*]] = tpu.store %{{.*}} {slice_axis = -1 : i64, ts = 2 : i64} : tensor<1x8x32xbf16> -> tensor<1x8x32xbf16>
+// CHECK-NEXT:     tpu.yield [[S]]
+// CHECK-NEXT:   }
 // CHECK-NEXT:   func.return [[G]]
 
 // one op per group: the intermediates go through global memory (activations region)
 // SINGLE:       tpu.regions = #tpu.regions<{{[1-9][0-9]*}} : i64
-// SINGLE-COUNT-3: "tpu.group"
+// SINGLE-COUNT-3: tpu.group(
 
 // an op that cannot fit local memory even as one slice is refused by name
 // TOOBIG: pass 'layer-group': 'tpu.softmax' (probs) cannot run from local memory on bm1684x: even its finest slicing (one slice) still needs 1048576 B per lane, 786432 B more than a lane's 262144 B

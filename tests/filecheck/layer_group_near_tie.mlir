@@ -13,10 +13,10 @@ builtin.module {
   }
 }
 
-// CHECK:      "tpu.group"(%x, %w) ({
-// CHECK:        "tpu.load"(%{{.*}}) {slice_axis = -1 : i64
-// CHECK:        "tpu.load"(%{{.*}}) {slice_axis = 0 : i64
+// CHECK:      tpu.group(%x, %w) {slices = 64 : i64, cost = {{[0-9]+}} : i64}
+// CHECK-NOT:  acc =
+// CHECK:        tpu.load %{{.*}} {slice_axis = -1 : i64
+// CHECK:        tpu.load %{{.*}} {slice_axis = 0 : i64
 // CHECK-SAME:     -> tensor<2374x896xbf16>
-// CHECK:        "tpu.matmul"
-// CHECK:      }) {slices = 64 : i64, cost = {{[0-9]+}} : i64}
+// CHECK:        tpu.matmul
 // CHECK-NOT:  acc =

@@ -31,36 +31,36 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // its state [1, Hv, Dk, Dv] f32; the signatures follow
 // SHAPE-LABEL: func.func @carried
 // SHAPE-SAME:    -> (tensor<1x8x16xf32>, tensor<1x3x16xf32>, tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
-// SHAPE:         "top.causal_conv1d"(%x, %w, %conv_state, %valid) {{.*}} -> (tensor<1x8x16xf32>, tensor<1x3x16xf32>)
-// SHAPE:         "top.gated_delta_rule"(%q, %k, %v, %g, %beta, %recurrent_state) {{.*}} -> (tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
+// SHAPE:         top.causal_conv1d %x, %w state %conv_state valid %valid {{.*}} -> tensor<1x8x16xf32>, tensor<1x3x16xf32>
+// SHAPE:         top.gated_delta_rule %q, %k, %v, %g, %beta state %recurrent_state {{.*}} -> tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>
 // SHAPE-LABEL: func.func @zero_state
 // SHAPE-SAME:    -> (tensor<1x8x16xf32>, tensor<1x3x16xf32>, tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
-// SHAPE:         "top.causal_conv1d"(%x, %w, %valid) {{.*}} -> (tensor<1x8x16xf32>, tensor<1x3x16xf32>)
-// SHAPE:         "top.gated_delta_rule"(%q, %k, %v, %g, %beta) {{.*}} -> (tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>)
+// SHAPE:         top.causal_conv1d %x, %w valid %valid {{.*}} -> tensor<1x8x16xf32>, tensor<1x3x16xf32>
+// SHAPE:         top.gated_delta_rule %q, %k, %v, %g, %beta {{.*}} -> tensor<1x8x4x4xf32>, tensor<1x4x4x4xf32>
 
 // convert-top-to-tpu: both ops compute in f32; the conv taps stay an f32 weight and the
 // recurrent state f32 (the argument, the result and the function's signature) in every
 // mode; x, the conv state, q/k/v/g/beta and the output take the activation type
 // W4-LABEL: func.func @carried(%x: tensor<1x8x16xbf16>, %conv_state: tensor<1x3x16xbf16>, %valid: tensor<1x8xbf16>, %q: tensor<1x8x2x4xbf16>, %k: tensor<1x8x2x4xbf16>, %v: tensor<1x8x4x4xbf16>, %g: tensor<1x8x4xbf16>, %beta: tensor<1x8x4xbf16>, %recurrent_state: tensor<1x4x4x4xf32>)
 // W4-SAME:     -> (tensor<1x8x16xbf16>, tensor<1x3x16xbf16>, tensor<1x8x4x4xbf16>, tensor<1x4x4x4xf32>)
-// W4-NEXT:     [[W:%.*]] = "tpu.weight"() {name = "conv.weight", source = "conv.weight", part = "data"} : () -> tensor<16x4xf32>
-// W4-NEXT:     "tpu.causal_conv1d"(%x, [[W]], %conv_state, %valid) {compute = f32} : (tensor<1x8x16xbf16>, tensor<16x4xf32>, tensor<1x3x16xbf16>, tensor<1x8xbf16>) -> (tensor<1x8x16xbf16>, tensor<1x3x16xbf16>)
-// W4-NEXT:     "tpu.gated_delta_rule"(%q, %k, %v, %g, %beta, %recurrent_state) {scale = 5.000000e-01 : f64, compute = f32} : ({{.*}}, tensor<1x4x4x4xf32>) -> (tensor<1x8x4x4xbf16>, tensor<1x4x4x4xf32>)
+// W4-NEXT:     [[W:%.*]] = tpu.weight "conv.weight" {source = "conv.weight", part = "data"} : tensor<16x4xf32>
+// W4-NEXT:     tpu.causal_conv1d %x, [[W]] state %conv_state valid %valid {compute = f32} : tensor<1x8x16xbf16>, tensor<16x4xf32> state tensor<1x3x16xbf16> valid tensor<1x8xbf16> -> tensor<1x8x16xbf16>, tensor<1x3x16xbf16>
+// W4-NEXT:     tpu.gated_delta_rule %q, %k, %v, %g, %beta state %recurrent_state {scale = 5.000000e-01 : f64, compute = f32} : {{.*}} state tensor<1x4x4x4xf32> -> tensor<1x8x4x4xbf16>, tensor<1x4x4x4xf32>
 // W4-LABEL: func.func @zero_state
 // W4-SAME:     -> (tensor<1x8x16xbf16>, tensor<1x3x16xbf16>, tensor<1x8x4x4xbf16>, tensor<1x4x4x4xf32>)
-// W4-NEXT:     [[W0:%.*]] = "tpu.weight"() {name = "conv.weight", {{.*}}} : () -> tensor<16x4xf32>
-// W4-NEXT:     "tpu.causal_conv1d"(%x, [[W0]], %valid) {compute = f32}
-// W4-NEXT:     "tpu.gated_delta_rule"(%q, %k, %v, %g, %beta) {{.*}} -> (tensor<1x8x4x4xbf16>, tensor<1x4x4x4xf32>)
+// W4-NEXT:     [[W0:%.*]] = tpu.weight "conv.weight" {{{.*}}} : tensor<16x4xf32>
+// W4-NEXT:     tpu.causal_conv1d %x, [[W0]] valid %valid {compute = f32}
+// W4-NEXT:     tpu.gated_delta_rule %q, %k, %v, %g, %beta {{.*}} -> tensor<1x8x4x4xbf16>, tensor<1x4x4x4xf32>
 // softplus (the decay rate g's) computes in f32 in the activation type's tensors
 // W4-LABEL: func.func @decay_rate
-// W4-NEXT:     "tpu.softplus"(%a) {compute = f32} : (tensor<1x8x4xbf16>) -> tensor<1x8x4xbf16>
+// W4-NEXT:     tpu.softplus %a {compute = f32} : tensor<1x8x4xbf16> -> tensor<1x8x4xbf16>
 // W4-NOT:      top.
 
 // F16-LABEL: func.func @carried
 // F16-SAME:    %recurrent_state: tensor<1x4x4x4xf32>) -> (tensor<1x8x16xf16>, tensor<1x3x16xf16>, tensor<1x8x4x4xf16>, tensor<1x4x4x4xf32>)
-// F16:         "tpu.weight"() {name = "conv.weight", {{.*}}} : () -> tensor<16x4xf32>
-// F16:         "tpu.causal_conv1d"({{.*}}) {compute = f32} : (tensor<1x8x16xf16>, tensor<16x4xf32>, tensor<1x3x16xf16>, tensor<1x8xf16>)
-// F16:         "tpu.gated_delta_rule"({{.*}}) {{{.*}}compute = f32} : ({{.*}}tensor<1x8x4xf16>, tensor<1x4x4x4xf32>) -> (tensor<1x8x4x4xf16>, tensor<1x4x4x4xf32>)
+// F16:         tpu.weight "conv.weight" {{{.*}}} : tensor<16x4xf32>
+// F16:         tpu.causal_conv1d {{.*}} {compute = f32} : tensor<1x8x16xf16>, tensor<16x4xf32> state tensor<1x3x16xf16> valid tensor<1x8xf16> ->
+// F16:         tpu.gated_delta_rule {{.*}} {{{.*}}compute = f32} : {{.*}}tensor<1x8x4xf16> state tensor<1x4x4x4xf32> -> tensor<1x8x4x4xf16>, tensor<1x4x4x4xf32>
 
 // convert-top-to-linalg: the conv is a reduction over the taps reading cat(state, x) by
 // index; n = the count of valid > 0 (a [1, 1] i64 reduction) places the new state; the

@@ -22,8 +22,8 @@ builtin.module {
 }
 
 // CHECK:      func.func @ok
-// CHECK:        "tpu.load"(%{{.*}}) {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: 0>}
-// CHECK:        "tpu.silu"(%{{.*}}) {compute = f32, ts = 1 : i64, lmem = array<i64: 16384>}
+// CHECK:        tpu.load %{{.*}} {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: 0>}
+// CHECK:        tpu.silu %{{.*}} {compute = f32, ts = 1 : i64, lmem = array<i64: 16384>}
 
 // -----
 
@@ -45,7 +45,7 @@ builtin.module {
 }
 
 // CHECK:      func.func @reuse
-// CHECK:        "tpu.tanh"(%{{.*}}) {compute = f32, ts = 1 : i64, lmem = array<i64: 16384>}
+// CHECK:        tpu.tanh %{{.*}} {compute = f32, ts = 1 : i64, lmem = array<i64: 16384>}
 
 // -----
 

@@ -27,15 +27,14 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 
 // CHECK:      builtin.module attributes {top.weight_store = "{{.*}}.tpu.weights.safetensors"}
 // CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = #tpu.regions<1536 : i64, 0 : i64, 4480 : i64, 1536 : i64>}
-// CHECK:        "tpu.group"
-// CHECK:          "tpu.rms_norm"({{.*}}) {eps = 1.000000e-06 : f64, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK-NEXT:     "tpu.store"
-// CHECK:        }) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: 0>}
-// CHECK:        "tpu.group"
-// CHECK:          "tpu.matmul"({{.*}}) {transpose_b = true, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK-NEXT:     "tpu.store"
-// CHECK:        }) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: 1024>}
-// CHECK:        "tpu.group"
-// CHECK:          "tpu.silu"
-// CHECK:        }) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: -1>}
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: 0>}
+// CHECK:          tpu.rms_norm {{.*}} {eps = 1.000000e-06 : f64, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK-NEXT:     tpu.store
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: 1024>}
+// CHECK:          tpu.matmul {{.*}} {transpose_b = true, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK-NEXT:     tpu.store
+// CHECK:        tpu.group({{.*}}) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: -1>}
+// CHECK:          tpu.silu
+// CHECK:          tpu.yield
+// CHECK-NEXT:   }
 // CHECK-NEXT:   func.return

@@ -23,9 +23,9 @@ builtin.module attributes {top.weight_store = "weights.safetensors"} {
 // CHECK:      builtin.module attributes {top.weight_store = "weights.safetensors"} {
 // CHECK-NOT:    @unused
 // CHECK:        func.func @main(%{{.*}}: tensor<2x8xf32> loc(unknown)) -> (tensor<2x8xf32>, tensor<2x8xf32>) {
-// CHECK-NEXT:     [[P:%.*]] = "top.softmax"(%{{.*}}) {axis = 1 : i64} : (tensor<2x8xf32>) -> tensor<2x8xf32> loc("probs")
-// CHECK-NEXT:     [[A:%.*]] = "top.silu"([[P]]) : (tensor<2x8xf32>) -> tensor<2x8xf32> loc("act")
-// CHECK-NEXT:     [[B:%.*]] = "top.silu"([[P]]) : (tensor<2x8xf32>) -> tensor<2x8xf32> loc("act2")
+// CHECK-NEXT:     [[P:%.*]] = top.softmax %{{.*}} {axis = 1 : i64} : tensor<2x8xf32> -> tensor<2x8xf32> loc("probs")
+// CHECK-NEXT:     [[A:%.*]] = top.silu [[P]] : tensor<2x8xf32> -> tensor<2x8xf32> loc("act")
+// CHECK-NEXT:     [[B:%.*]] = top.silu [[P]] : tensor<2x8xf32> -> tensor<2x8xf32> loc("act2")
 // CHECK-NEXT:     func.return [[A]], [[B]]
 // CHECK-NOT:    arith.constant
 

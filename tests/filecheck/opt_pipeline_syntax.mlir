@@ -22,7 +22,7 @@ builtin.module {
 }
 
 // CHECK:      func.func @main(%x: tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
-// CHECK-NEXT:   %0 = "top.silu"(%x) : (tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
+// CHECK-NEXT:   %0 = top.silu %x : tensor<1x8x64xf32> -> tensor<1x8x64xf32>
 // CHECK-NEXT:   func.return %0
 
 // NESTED: toptpu-opt: error: pass pipeline 'builtin.module(func.func(canonicalize))': 'func.func(...)' nests passes under 'func.func': toptpu-opt runs module passes only

@@ -18,10 +18,10 @@ builtin.module {
 }
 
 // NAMED:      // -----// IR Dump After shape-infer //----- //
-// NAMED:      "top.silu"(%x) : (tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
-// NAMED:      "top.exp"
+// NAMED:      top.silu %x : tensor<1x8x64xf32> -> tensor<1x8x64xf32>
+// NAMED:      top.exp
 // NAMED:      // -----// IR Dump Before fuse //----- //
-// NAMED-NOT:  "top.exp"
+// NAMED-NOT:  top.exp
 // NAMED:      // -----// IR Dump After top-pipeline //----- //
 // NAMED:      func.func @main(%x: tensor<1x8x64xf32>) -> tensor<1x8x64xf32>
 // NAMED-NOT:  IR Dump

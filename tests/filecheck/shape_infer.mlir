@@ -13,9 +13,9 @@ builtin.module {
 }
 
 // CHECK:      func.func @main(%x: tensor<1x16x64xf32>, %w: tensor<64xf32>) -> tensor<1x16x4xf32>
-// CHECK-NEXT:   %0 = "top.rms_norm"(%x, %w) {eps = 1.000000e-06 : f64} : (tensor<1x16x64xf32>, tensor<64xf32>) -> tensor<1x16x64xf32>
-// CHECK-NEXT:   %1 = "top.reshape"(%0) {shape = array<i64: 1, 16, 4, 16>} : (tensor<1x16x64xf32>) -> tensor<1x16x4x16xf32>
-// CHECK-NEXT:   %2 = "top.reduce"(%1) {{.*}} : (tensor<1x16x4x16xf32>) -> tensor<1x16x4xf32>
+// CHECK-NEXT:   %0 = top.rms_norm %x weight %w {eps = 1.000000e-06 : f64} : tensor<1x16x64xf32> weight tensor<64xf32> -> tensor<1x16x64xf32>
+// CHECK-NEXT:   %1 = top.reshape %0 {shape = array<i64: 1, 16, 4, 16>} : tensor<1x16x64xf32> -> tensor<1x16x4x16xf32>
+// CHECK-NEXT:   %2 = top.reduce %1 {{.*}} : tensor<1x16x4x16xf32> -> tensor<1x16x4xf32>
 // CHECK-NEXT:   func.return %2 : tensor<1x16x4xf32>
 
 // GENERIC: "top.rms_norm"(%{{.*}}, %{{.*}}) {eps = 1.000000e-06 : f64}

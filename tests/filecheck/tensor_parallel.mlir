@@ -10,34 +10,34 @@
 // says so; the whole weights the shards replace are gone:
 // CHECK:      func.func @block({{.*}}-> (tensor<1x4x64xf32> {top.name = "y"}, tensor<1x4x1x8xf32> {top.name = "k", dev.split = array<i64: 2, 2>})
 // CHECK-NOT:  "fc.weight"}
-// CHECK:      %[[W:.*]] = "top.weight"() {name = "fc.weight@shard0-2"} : () -> tensor<16x64xf32>
-// CHECK-NEXT: %[[B:.*]] = "top.weight"() {name = "fc.bias@shard0-2"} : () -> tensor<16xf32>
-// CHECK-NEXT: "top.matmul"(%h, %[[W]], %[[B]]) {transpose_b = true} : ({{.*}}) -> tensor<1x4x16xf32>
-// CHECK:      "top.weight"() {name = "embed.weight@shard0-2"} : () -> tensor<8x64xf32>
-// CHECK:      "top.attention"({{.*}}) {scale = 2.500000e-01 : f64, q_heads = 2 : i64, kv_heads = 1 : i64, head_dim = 8 : i64
-// CHECK:      %o = "top.matmul"(%a3, %[[W]]) : (tensor<1x4x16xf32>, tensor<16x64xf32>) -> tensor<1x4x64xf32>
+// CHECK:      %[[W:.*]] = top.weight "fc.weight@shard0-2" : tensor<16x64xf32>
+// CHECK-NEXT: %[[B:.*]] = top.weight "fc.bias@shard0-2" : tensor<16xf32>
+// CHECK-NEXT: top.matmul %h, %[[W]] bias %[[B]] {transpose_b = true} : {{.*}} -> tensor<1x4x16xf32>
+// CHECK:      top.weight "embed.weight@shard0-2" : tensor<8x64xf32>
+// CHECK:      top.attention {{.*}} {scale = 2.500000e-01 : f64, q_heads = 2 : i64, kv_heads = 1 : i64, head_dim = 8 : i64
+// CHECK:      %o = top.matmul %a3, %[[W]] : tensor<1x4x16xf32>, tensor<16x64xf32> -> tensor<1x4x64xf32>
 // CHECK-NEXT: %[[S:.*]] = "dev.all_reduce"(%o) {devices = 2 : i64, algorithm = "tree"} : (tensor<1x4x64xf32>) -> tensor<1x4x64xf32>
-// CHECK-NEXT: %y = "top.add"(%x, %[[S]])
+// CHECK-NEXT: %y = top.add %x, %[[S]]
 //
 // The greedy head on split logits: a local top-1 made global by the piece's offset, both
 // gathered, a second top-1 picks the winning device and its id:
 // CHECK:      func.func @head(%logits: tensor<1x8xf32> {top.name = "logits", dev.split = array<i64: 1, 2>})
-// CHECK:      %[[OFF:.*]] = "top.weight"() {name = "tp.offsets.8x2@shard0-2"} : () -> tensor<1xi32>
-// CHECK-NEXT: %[[LV:.*]], %[[LI:.*]] = "top.topk"(%logits) {k = 1 : i64, axis = 1 : i64, largest = true} : (tensor<1x8xf32>)
-// CHECK-NEXT: %[[GI:.*]] = "top.add"(%[[LI]], %[[OFF]])
+// CHECK:      %[[OFF:.*]] = top.weight "tp.offsets.8x2@shard0-2" : tensor<1xi32>
+// CHECK-NEXT: %[[LV:.*]], %[[LI:.*]] = top.topk %logits {k = 1 : i64, axis = 1 : i64, largest = true} : tensor<1x8xf32> ->
+// CHECK-NEXT: %[[GI:.*]] = top.add %[[LI]], %[[OFF]]
 // CHECK-NEXT: %[[AV:.*]] = "dev.all_gather"(%[[LV]]) {axis = 1 : i64, devices = 2 : i64, algorithm = "tree"} : (tensor<1x1xf32>) -> tensor<1x2xf32>
 // CHECK-NEXT: %[[AI:.*]] = "dev.all_gather"(%[[GI]]) {axis = 1 : i64, devices = 2 : i64, algorithm = "tree"} : (tensor<1x1xi32>) -> tensor<1x2xi32>
-// CHECK-NEXT: %v, %[[WIN:.*]] = "top.topk"(%[[AV]])
-// CHECK-NEXT: %[[T:.*]] = "top.gather"(%[[AI]], %[[WIN]]) {axis = 1 : i64}
-// CHECK-NEXT: %i = "top.reshape"(%[[T]]) {shape = array<i64: 1, 1>}
+// CHECK-NEXT: %v, %[[WIN:.*]] = top.topk %[[AV]]
+// CHECK-NEXT: %[[T:.*]] = top.gather %[[AI]], %[[WIN]] {axis = 1 : i64}
+// CHECK-NEXT: %i = top.reshape %[[T]] {shape = array<i64: 1, 1>}
 //
 // (the head asks for logits in 4 pieces there)
 // Four devices and two KV heads: each KV head's k/v on two devices (k_proj cut in 2 pieces,
 // replicated), q in 4 pieces, the cache output in 2:
 // FOUR:      tensor<1x4x1x8xf32> {top.name = "k", dev.split = array<i64: 2, 2>}
-// FOUR:      "top.weight"() {name = "fc.weight@shard0-4"} : () -> tensor<8x64xf32>
-// FOUR:      "top.weight"() {name = "embed.weight@shard0-2"} : () -> tensor<8x64xf32>
-// FOUR:      "top.attention"({{.*}}) {{.*}} q_heads = 1 : i64, kv_heads = 1 : i64
+// FOUR:      top.weight "fc.weight@shard0-4" : tensor<8x64xf32>
+// FOUR:      top.weight "embed.weight@shard0-2" : tensor<8x64xf32>
+// FOUR:      top.attention {{.*}} {{.*}} q_heads = 1 : i64, kv_heads = 1 : i64
 // FOUR:      "dev.all_reduce"(%o) {devices = 4 : i64
 // FOUR:      "dev.all_gather"({{.*}}) {axis = 1 : i64, devices = 4 : i64, algorithm = "tree"} : (tensor<1x1xf32>) -> tensor<1x4xf32>
 //

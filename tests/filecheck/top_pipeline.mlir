@@ -31,11 +31,11 @@ builtin.module {
 }
 
 // CHECK:      func.func @main(%x: tensor<1x8x64xf32>) -> tensor<1x8x32xf32> {
-// CHECK-DAG:    [[NW:%.*]] = "top.weight"() {name = "norm.weight"} : () -> tensor<64xf32>
-// CHECK-DAG:    [[W:%.*]] = "top.weight"() {name = "fc.weight"} : () -> tensor<32x64xf32>
-// CHECK-DAG:    [[B:%.*]] = "top.weight"() {name = "fc.bias"} : () -> tensor<32xf32>
-// CHECK:        [[N:%.*]] = "top.rms_norm"(%x, [[NW]]) {eps = 1.000000e-06 : f64} : (tensor<1x8x64xf32>, tensor<64xf32>) -> tensor<1x8x64xf32>
-// CHECK-NEXT:   [[M:%.*]] = "top.matmul"([[N]], [[W]], [[B]]) {transpose_b = true{{.*}}} : (tensor<1x8x64xf32>, tensor<32x64xf32>, tensor<32xf32>) -> tensor<1x8x32xf32>
+// CHECK-DAG:    [[NW:%.*]] = top.weight "norm.weight" : tensor<64xf32>
+// CHECK-DAG:    [[W:%.*]] = top.weight "fc.weight" : tensor<32x64xf32>
+// CHECK-DAG:    [[B:%.*]] = top.weight "fc.bias" : tensor<32xf32>
+// CHECK:        [[N:%.*]] = top.rms_norm %x weight [[NW]] {eps = 1.000000e-06 : f64} : tensor<1x8x64xf32> weight tensor<64xf32> -> tensor<1x8x64xf32>
+// CHECK-NEXT:   [[M:%.*]] = top.matmul [[N]], [[W]] bias [[B]] {transpose_b = true{{.*}}} : tensor<1x8x64xf32>, tensor<32x64xf32> bias tensor<32xf32> -> tensor<1x8x32xf32>
 // CHECK-NEXT:   func.return [[M]] : tensor<1x8x32xf32>
 // CHECK-NOT:    top.exp
 // CHECK-NOT:    tensor<*xf32>

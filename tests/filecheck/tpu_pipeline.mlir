@@ -26,23 +26,23 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // CHECK:      func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> attributes {tpu.regions = #tpu.regions<0 : i64, 0 : i64, 4480 : i64, 1536 : i64>}
-// CHECK-DAG:    [[NW:%.*]] = "tpu.weight"() {name = "norm.weight", source = "norm.weight", part = "data"} : () -> tensor<64xf32>
-// CHECK-DAG:    [[W:%.*]] = "tpu.weight"() {name = "fc.weight:bf16", source = "fc.weight", part = "data"} : () -> tensor<32x64xbf16>
-// CHECK-DAG:    [[B:%.*]] = "tpu.weight"() {name = "fc.bias", source = "fc.bias", part = "data"} : () -> tensor<32xf32>
-// CHECK:        [[G:%.*]] = "tpu.group"(%x, [[NW]], [[W]], [[B]]) ({
-// CHECK:          "tpu.load"({{.*}}) {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: {{[0-9]+}}>} : (tensor<1x8x64xbf16>)
-// CHECK:          [[N:%.*]] = "tpu.rms_norm"({{.*}}) {eps = 1.000000e-06 : f64, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK-DAG:    [[NW:%.*]] = tpu.weight "norm.weight" {source = "norm.weight", part = "data"} : tensor<64xf32>
+// CHECK-DAG:    [[W:%.*]] = tpu.weight "fc.weight:bf16" {source = "fc.weight", part = "data"} : tensor<32x64xbf16>
+// CHECK-DAG:    [[B:%.*]] = tpu.weight "fc.bias" {source = "fc.bias", part = "data"} : tensor<32xf32>
+// CHECK:        [[G:%.*]] = tpu.group(%x, [[NW]], [[W]], [[B]]) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: -1>}
+// CHECK:          tpu.load {{.*}} {slice_axis = -1 : i64, ts = 0 : i64, lmem = array<i64: {{[0-9]+}}>} : tensor<1x8x64xbf16> ->
+// CHECK:          [[N:%.*]] = tpu.rms_norm {{.*}} {eps = 1.000000e-06 : f64, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
 // CHECK-NOT:      tpu.reshape
-// CHECK-NEXT:     [[Y:%.*]] = "tpu.matmul"([[N]], {{.*}}) {transpose_b = true, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>} : (tensor<1x8x64xbf16>, tensor<32x64xbf16>, tensor<32xf32>) -> tensor<1x8x32xbf16>
-// CHECK-NEXT:     [[Z:%.*]] = "tpu.silu"([[Y]]) {compute = bf16, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
-// CHECK-NEXT:     [[S:%.*]] = "tpu.store"([[Z]]) {slice_axis = -1 : i64, ts = 2 : i64} : (tensor<1x8x32xbf16>) -> tensor<1x8x32xbf16>
-// CHECK-NEXT:     "tpu.yield"([[S]])
-// CHECK-NEXT:   }) {slices = 1 : i64, cost = {{[0-9]+}} : i64, gaddrs = array<i64: -1>}
+// CHECK-NEXT:     [[Y:%.*]] = tpu.matmul [[N]], {{.*}} bias {{.*}} {transpose_b = true, compute = f32, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>} : tensor<1x8x64xbf16>, tensor<32x64xbf16> bias tensor<32xf32> -> tensor<1x8x32xbf16>
+// CHECK-NEXT:     [[Z:%.*]] = tpu.silu [[Y]] {compute = bf16, ts = 1 : i64, lmem = array<i64: {{[0-9]+}}>}
+// CHECK-NEXT:     [[S:%.*]] = tpu.store [[Z]] {slice_axis = -1 : i64, ts = 2 : i64} : tensor<1x8x32xbf16> -> tensor<1x8x32xbf16>
+// CHECK-NEXT:     tpu.yield [[S]]
+// CHECK-NEXT:   }
 // CHECK-NEXT:   func.return [[G]]
 // CHECK-NOT:    top.
 
 // NOCHIP:       func.func @main(%x: tensor<1x8x64xbf16>) -> tensor<1x8x32xbf16> {
-// NOCHIP:         "tpu.a16_matmul"({{.*}}) {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32
+// NOCHIP:         tpu.a16_matmul {{.*}} {weight_bits = 4 : i64, group_size = 32 : i64, compute = f32
 // NOCHIP-NOT:     tpu.group
 // NOCHIP-NOT:     tpu.regions
 

@@ -15,5 +15,5 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // CHECK:     tpu.regions = #tpu.regions<0 : i64, 0 : i64, 8192 : i64, 3072 : i64>
-// CHECK:     "tpu.weight"() {name = "fc.weight.t", part = "data.t", source = "fc.weight"} : () -> tensor<64x32xf32>
+// CHECK:     tpu.weight "fc.weight.t" {part = "data.t", source = "fc.weight"} : tensor<64x32xf32>
 // CHECK-NOT: name = "fc.weight", source = "fc.weight", part = "data"

@@ -14,7 +14,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 1):12:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': weight_bits must be 4 or 8, got 3
 
 // EXIT:      toptpu-opt: the IR does not verify:
@@ -31,7 +31,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 25):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': a16_matmul qweight must be [N, K] (8 bit) or [N, K/2] (4 bit)
 
 // -----
@@ -43,7 +43,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 37):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': 4-bit qweight must be ui8 (two nibbles per byte)
 
 // -----
@@ -55,7 +55,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 49):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': 8-bit weights are i8 without zero points or mins, ui8 with them
 
 // -----
@@ -67,7 +67,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 61):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': group_size 48 does not divide K=64
 
 // -----
@@ -79,7 +79,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 73):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': a16_matmul input K=32 but weights have K=64
 
 // -----
@@ -91,7 +91,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 85):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': scales [32, 1] must be [32, 2]
 
 // -----
@@ -103,7 +103,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 97):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': zeros must be ui8 [32, 2]
 
 // -----
@@ -115,7 +115,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 109):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': scales must be floating point
 
 // -----
@@ -127,7 +127,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 121):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': bias must be [32]
 
 // -----
@@ -139,7 +139,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 133):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.matmul"
+// CHECK-NEXT: tpu.matmul
 // CHECK:      'tpu.matmul': matmul contraction mismatch: [2, 8] @ [4, 16] (transpose_a=False, transpose_b=True)
 
 // -----
@@ -151,7 +151,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 145):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.silu"
+// CHECK-NEXT: tpu.silu
 // CHECK:      "f32" should be of attribute subclassing `TypeAttribute`
 
 // -----
@@ -168,7 +168,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 157):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.group"
+// CHECK-NEXT: tpu.group
 // CHECK:      tpu.group needs one block argument per input
 
 // -----
@@ -186,7 +186,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 174):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.group"
+// CHECK-NEXT: tpu.group
 // CHECK:      tpu.group block argument types must match the inputs
 
 // -----
@@ -203,7 +203,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 192):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.group"
+// CHECK-NEXT: tpu.group
 // CHECK:      tpu.yield types must match the group results
 
 // -----
@@ -220,7 +220,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 209):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.group"
+// CHECK-NEXT: tpu.group
 // CHECK:      tpu.group needs at least one slice
 
 // -----
@@ -237,8 +237,8 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 226):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.group"
-// CHECK:      Operation using value defined out of its IsolatedFromAbove parent: LoadOp(%l = "tpu.load"(%x)
+// CHECK-NEXT: tpu.group
+// CHECK:      Operation using value defined out of its IsolatedFromAbove parent: LoadOp(%l = tpu.load %x
 
 // -----
 // yield: only inside a group (here it ends a function)
@@ -248,7 +248,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 243):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.yield"
+// CHECK-NEXT: tpu.yield
 // CHECK:      'tpu.yield' expects parent op 'tpu.group'
 
 // -----
@@ -260,7 +260,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 254):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.load"
+// CHECK-NEXT: tpu.load
 // CHECK:      tpu.load cannot change the element type
 
 // -----
@@ -272,7 +272,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 266):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.load"
+// CHECK-NEXT: tpu.load
 // CHECK:      tpu.load of a whole tensor must keep its shape
 
 // -----
@@ -284,7 +284,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 278):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.load"
+// CHECK-NEXT: tpu.load
 // CHECK:      tpu.load slice_axis 3 is out of range
 
 // -----
@@ -296,7 +296,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 290):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.store"
+// CHECK-NEXT: tpu.store
 // CHECK:      tpu.store may only slice along axis 1
 
 // -----
@@ -308,7 +308,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 302):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.store"
+// CHECK-NEXT: tpu.store
 // CHECK:      tpu.store slice of 3 does not divide the axis of size 8
 
 // -----
@@ -320,7 +320,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 314):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.weight"
+// CHECK-NEXT: tpu.weight
 // CHECK:      weight part "data.t.t" is not one of data, qweight, scales, zeros, checkpoint.qweight, checkpoint.scales, checkpoint.zeros, checkpoint.mins, checkpoint.perm, data.t, qweight.t, scales.t, zeros.t, checkpoint.qweight.t, checkpoint.scales.t, checkpoint.zeros.t, checkpoint.mins.t, checkpoint.perm.t
 
 // -----
@@ -332,7 +332,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 326):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': a16_matmul takes zero points or mins, not both
 
 // -----
@@ -344,7 +344,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 338):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': mins must be floating point [32, 2]
 
 // -----
@@ -356,7 +356,7 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 350):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': mins must be floating point [32, 2]
 
 // -----
@@ -368,5 +368,5 @@ builtin.module {
   }
 }
 // CHECK:      verify_tpu.mlir (the chunk from line 362):5:{{[0-9]+}}
-// CHECK-NEXT: "tpu.a16_matmul"
+// CHECK-NEXT: tpu.a16_matmul
 // CHECK:      'tpu.a16_matmul': 8-bit weights are i8 without zero points or mins, ui8 with them

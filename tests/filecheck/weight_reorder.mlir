@@ -18,12 +18,12 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // CHECK:      func.func @main
-// CHECK:        [[W:%.*]] = "tpu.weight"() {name = "fc.weight", source = "fc.weight", part = "data"} : () -> tensor<32x64xf32>
-// CHECK:        [[B:%.*]] = "tpu.weight"() {name = "embed.weight", source = "embed.weight", part = "data"} : () -> tensor<16x64xf32>
-// CHECK:        [[T:%.*]] = "tpu.weight"() {name = "fc.weight.t", part = "data.t", source = "fc.weight"} : () -> tensor<64x32xf32>
-// CHECK-NEXT:   [[Y:%.*]] = "tpu.matmul"(%x, [[T]]) {compute = f32, transpose_b = true{{.*}}} : (tensor<1x8x32xf32>, tensor<64x32xf32>) -> tensor<1x8x64xf32>
-// CHECK-NEXT:   "tpu.matmul"(%h, [[W]]) {transpose_b = true, compute = f32{{.*}}} : (tensor<1x8x64xf32>, tensor<32x64xf32>) -> tensor<1x8x32xf32>
-// CHECK-NEXT:   "tpu.matmul"(%h, %e) {compute = f32{{.*}}} : (tensor<1x8x64xf32>, tensor<1x64x8xf32>) -> tensor<1x8x8xf32>
-// CHECK-NEXT:   "tpu.matmul"(%a, [[B]]) {transpose_a = true, compute = f32{{.*}}} : (tensor<16x8xf32>, tensor<16x64xf32>) -> tensor<8x64xf32>
-// CHECK-NOT:    "tpu.weight"
+// CHECK:        [[W:%.*]] = tpu.weight "fc.weight" {source = "fc.weight", part = "data"} : tensor<32x64xf32>
+// CHECK:        [[B:%.*]] = tpu.weight "embed.weight" {source = "embed.weight", part = "data"} : tensor<16x64xf32>
+// CHECK:        [[T:%.*]] = tpu.weight "fc.weight.t" {part = "data.t", source = "fc.weight"} : tensor<64x32xf32>
+// CHECK-NEXT:   [[Y:%.*]] = tpu.matmul %x, [[T]] {compute = f32, transpose_b = true{{.*}}} : tensor<1x8x32xf32>, tensor<64x32xf32> -> tensor<1x8x64xf32>
+// CHECK-NEXT:   tpu.matmul %h, [[W]] {transpose_b = true, compute = f32{{.*}}} : tensor<1x8x64xf32>, tensor<32x64xf32> -> tensor<1x8x32xf32>
+// CHECK-NEXT:   tpu.matmul %h, %e {compute = f32{{.*}}} : tensor<1x8x64xf32>, tensor<1x64x8xf32> -> tensor<1x8x8xf32>
+// CHECK-NEXT:   tpu.matmul %a, [[B]] {transpose_a = true, compute = f32{{.*}}} : tensor<16x8xf32>, tensor<16x64xf32> -> tensor<8x64xf32>
+// CHECK-NOT:    tpu.weight
 // CHECK:        func.return [[Y]],

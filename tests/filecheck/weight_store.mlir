@@ -32,14 +32,14 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 }
 
 // KEEP:       builtin.module attributes {top.weight_store = "{{.*}}/Inputs/weights.safetensors"}
-// KEEP:         "tpu.weight"() {name = "fc.weight", source = "fc.weight", part = "data"} : () -> tensor<32x64xf32>
+// KEEP:         tpu.weight "fc.weight" {source = "fc.weight", part = "data"} : tensor<32x64xf32>
 
 // BF16:       builtin.module attributes {top.weight_store = "{{.*}}/b.weights.safetensors"}
-// BF16:         "tpu.weight"() {name = "fc.weight:bf16", source = "fc.weight", part = "data"} : () -> tensor<32x64xbf16>
+// BF16:         tpu.weight "fc.weight:bf16" {source = "fc.weight", part = "data"} : tensor<32x64xbf16>
 
 // REORDER:    builtin.module attributes {top.weight_store = "{{.*}}/c.weights.safetensors"}
-// REORDER:      "tpu.weight"() {name = "fc.weight:bf16.t", part = "data.t", source = "fc.weight"} : () -> tensor<64x32xbf16>
-// REORDER-NOT:  "tpu.weight"
+// REORDER:      tpu.weight "fc.weight:bf16.t" {part = "data.t", source = "fc.weight"} : tensor<64x32xbf16>
+// REORDER-NOT:  tpu.weight
 
 // NAMES:      ['fc.weight:bf16.t']
 
