@@ -464,8 +464,11 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
 class CalibrationScratch:
     """The temporary directory of a calibrated compile: ``.OUTPUT.calibrating-XXXXXXXX``
     beside the output (the system's temporary directory when there is none), holding the
-    calibrated checkpoint (`checkpoint`) until the model file is written. `remove` removes
-    it; so does the garbage collector and the interpreter's exit, whichever comes first."""
+    default calibration text when no files are given and the calibrated checkpoint
+    (`checkpoint`) until the model file is written (unless `--save-calibrated` keeps it
+    elsewhere). `remove` removes it; so do the garbage collector and the interpreter's
+    exit, whichever comes first. (The layers' hidden states live in a file that has no
+    name from its creation on: `weight_calibration.activations`.)"""
 
     def __init__(self, output: str) -> None:
         parent = os.path.dirname(os.path.abspath(output)) if output else tempfile.gettempdir()
@@ -473,8 +476,8 @@ class CalibrationScratch:
         try:
             self.path = tempfile.mkdtemp(prefix=prefix, dir=parent)
         except OSError as e:
-            raise CompileError(f"cannot create the calibrated checkpoint's temporary "
-                               f"directory in '{parent}': {e.strerror or e}") from None
+            raise CompileError(f"cannot create the calibration's temporary directory in "
+                               f"'{parent}': {e.strerror or e}") from None
         self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)
 
     @property
@@ -487,26 +490,32 @@ class CalibrationScratch:
 
 def _calibrated_plan(model: Any, request: CompileRequest, *, tokenizer: Any, output: str,
                      progress: IO[str] | None, stream: bool) -> CompilePlan:
-    """`plan` of a `--calibrate` request: the model calibrated into a `CalibrationScratch`,
-    whose checkpoint is planned with the request's mode (the calibration's group size and
-    symmetry are in the checkpoint: the compile of a pre-quantized checkpoint takes none)."""
+    """`plan` of a `--calibrate` request: the model calibrated (`weight_calibration.
+    calibrate`, the request's mode, group size and symmetry: `request_for_mode`) into a
+    checkpoint in a `CalibrationScratch` (or the `--save-calibrated` directory), which is
+    then planned as any pre-quantized checkpoint with the request's mode: the request
+    without the calibration, group size and symmetry (those are the checkpoint's now)."""
     from toptpu.weight_calibration import calibrate, request_for_mode
+    from toptpu.weight_calibration.data import write_default_text
 
     cal = request.calibration
     assert cal is not None
     scratch = CalibrationScratch(output)
+    checkpoint = scratch.checkpoint if cal.save is None else cal.save
     try:
         t = time.perf_counter()
-        calibrate(model, scratch.checkpoint,
+        files = list(cal.data) or [write_default_text(os.path.join(scratch.path,
+                                                                   "calibration.txt"))]
+        calibrate(model, checkpoint,
                   request_for_mode(cal.method, str(request.mode), request.group_size,
                                    request.symmetric),
-                  list(cal.data), sequences=cal.sequences, sequence_length=cal.sequence_length,
+                  files, sequences=cal.samples, sequence_length=cal.sequence_length,
                   tokenizer=tokenizer, progress=progress,
                   dequantize=None if request.dequantize is None else str(request.dequantize))
         seconds = time.perf_counter() - t
         inner = replace(request, calibration=None, group_size=None, symmetric=None,
                         dequantize=None)
-        loaded = _load(scratch.checkpoint, None, request.image_size, request.max_tiles,
+        loaded = _load(checkpoint, None, request.image_size, request.max_tiles,
                        request.max_patches, request.vision_mode,
                        stream=stream and request.dump_ir is None,
                        max_pixels=request.max_pixels)

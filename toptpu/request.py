@@ -257,30 +257,37 @@ def _path(flag: str) -> Callable[[Any], str | None]:
 
 #: the methods `--calibrate` takes (`toptpu.weight_calibration`)
 CALIBRATION_METHODS = ("gptq", "awq")
-#: the calibration set by default: sequences x tokens (as AutoGPTQ and AutoAWQ use)
-DEFAULT_CALIBRATION_SEQUENCES = 128
+#: the calibration set by default: samples x tokens (as AutoGPTQ and AutoAWQ use)
+DEFAULT_CALIBRATION_SAMPLES = 128
 DEFAULT_CALIBRATION_SEQ_LENGTH = 512
+#: what the calibration runs on without --calibration-data (`weight_calibration.data`)
+DEFAULT_CALIBRATION_TEXT = "Python's own documentation (pydoc_data.topics, shipped with Python)"
 CALIBRATION = "calibrated quantization (GPTQ / AWQ at compile time)"
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """`--calibrate`: the method, the plain text files it runs on, and the calibration set
-    (`sequences` x `sequence_length` tokens of those files)."""
+    """`--calibrate`: the method, the plain text files it runs on (none: the default text,
+    `DEFAULT_CALIBRATION_TEXT`), the calibration set (`samples` x `sequence_length` tokens
+    of that text), and where the calibrated checkpoint is kept (None: removed once the
+    model file is written)."""
 
     method: str
-    data: tuple[str, ...]
-    sequences: int = DEFAULT_CALIBRATION_SEQUENCES
+    data: tuple[str, ...] = ()
+    samples: int = DEFAULT_CALIBRATION_SAMPLES
     sequence_length: int = DEFAULT_CALIBRATION_SEQ_LENGTH
+    save: str | None = None
 
 
-def _calibration(calibrate: Any, calibration_data: Any, calibration_sequences: Any,
-                 calibration_seq_length: Any) -> Calibration | None:
-    """--calibrate, --calibration-data, --calibration-sequences, --calibration-seq-length."""
+def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any,
+                 calibration_seq_length: Any, save_calibrated: Any) -> Calibration | None:
+    """--calibrate, --calibration-data, --calibration-samples, --calibration-seq-length,
+    --save-calibrated."""
     if calibrate is None:
         given = [flag for flag, v in (("--calibration-data", calibration_data),
-                                      ("--calibration-sequences", calibration_sequences),
-                                      ("--calibration-seq-length", calibration_seq_length))
+                                      ("--calibration-samples", calibration_samples),
+                                      ("--calibration-seq-length", calibration_seq_length),
+                                      ("--save-calibrated", save_calibrated))
                  if v is not None]
         if given:
             raise CompileError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} "
@@ -290,22 +297,23 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_sequences: A
     if calibrate not in CALIBRATION_METHODS:
         raise CompileError(f"--calibrate must be {' or '.join(CALIBRATION_METHODS)}, not "
                            f"{calibrate!r}")
-    if calibration_data is None:
-        raise CompileError(f"--calibrate {calibrate} needs --calibration-data FILE...: the "
-                           "plain text files the calibration runs on")
-    files = [calibration_data] if isinstance(calibration_data, str | os.PathLike) \
-        else calibration_data
+    files: Any = () if calibration_data is None else calibration_data
+    if isinstance(files, str | os.PathLike):
+        files = [files]
     if isinstance(files, bytes) or not isinstance(files, Sequence) or not all(
             isinstance(f, str | os.PathLike) and isinstance(os.fspath(f), str) for f in files):
         raise CompileError(f"--calibration-data is text file paths, not {calibration_data!r}")
-    if not files:
+    if calibration_data is not None and not files:
         raise CompileError("--calibration-data names no file; give one or more plain text "
-                           "files")
-    sequences = _count("--calibration-sequences")(calibration_sequences)
+                           "files (or drop it to calibrate on the default text)")
+    samples = _count("--calibration-samples")(calibration_samples)
     length = _count("--calibration-seq-length")(calibration_seq_length)
+    save = _path("--save-calibrated")(save_calibrated)
+    if save == "":
+        raise CompileError("--save-calibrated: the path is empty; name a new directory")
     return Calibration(calibrate, tuple(os.fspath(f) for f in files),
-                       DEFAULT_CALIBRATION_SEQUENCES if sequences is None else sequences,
-                       DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length)
+                       DEFAULT_CALIBRATION_SAMPLES if samples is None else samples,
+                       DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length, save)
 
 
 # ----------------------------------------------------------------------------- the request
@@ -417,17 +425,23 @@ class CompileRequest:
                "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
                group=CALIBRATION),
         Option("calibration_data", ("--calibration-data",), None,
-               "--calibrate: the plain UTF-8 text files to calibrate on (tokenized with the "
-               "model's tokenizer, in the order given)", action="extend", nargs="+",
-               metavar="FILE", group=CALIBRATION),
-        Option("calibration_sequences", ("--calibration-sequences",), None,
+               "--calibrate: the plain UTF-8 text files to calibrate on, tokenized with the "
+               "model's tokenizer in the order given (default: "
+               f"{DEFAULT_CALIBRATION_TEXT})", action="extend", nargs="+", metavar="FILE",
+               group=CALIBRATION),
+        Option("calibration_samples", ("--calibration-samples",), None,
                f"--calibrate: sequences in the calibration set (default "
-               f"{DEFAULT_CALIBRATION_SEQUENCES}; fewer when the text holds fewer)",
+               f"{DEFAULT_CALIBRATION_SAMPLES}; fewer when the text holds fewer)",
                type=int_at_least(1), metavar="N", group=CALIBRATION),
         Option("calibration_seq_length", ("--calibration-seq-length",), None,
                f"--calibrate: tokens per calibration sequence (default "
                f"{DEFAULT_CALIBRATION_SEQ_LENGTH})", type=int_at_least(1), metavar="L",
                group=CALIBRATION),
+        Option("save_calibrated", ("--save-calibrated",), None,
+               "--calibrate: keep the calibrated checkpoint in DIR, a new directory (GPTQ "
+               "layout, auto-round format: transformers and `toptpu compile DIR` load it); "
+               "without it the checkpoint is removed once the model file is written",
+               metavar="DIR", group=CALIBRATION),
         parse=_calibration)
 
     def __post_init__(self) -> None:
