@@ -37,6 +37,11 @@ def write_checkpoint(path: str, layers: int, vocab: int) -> None:
                             **SHAPES)
     model = tf.Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))  # a checkpoint carries one
 
 
 def child(spec: str) -> None:
@@ -74,7 +79,7 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     model = os.path.join(a.work, f"qwen2-7b-shaped-{a.layers}l")
-    if not os.path.exists(model):
+    if not os.path.exists(os.path.join(model, "tokenizer.json")):
         write_checkpoint(model, a.layers, a.vocab)
     out = os.path.join(a.work, f"{a.method}-{a.samples}x{a.seq_length}")
     spec = {"model": model, "output": out, "method": a.method, "vocab": a.vocab,

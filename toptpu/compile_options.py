@@ -46,6 +46,7 @@ from toptpu.request import (
     check_quant_options,
     weight_bits,
 )
+from toptpu.weight_calibration.data import check_file
 
 
 def known_chips() -> tuple[str, ...]:
@@ -141,8 +142,6 @@ def _check_calibration(model: Any, request: CompileRequest,
     """`--calibrate` takes a float text model without experts, text files that can be read
     (`weight_calibration.data.check_file`: each refused in one line naming it; noted as the
     command's inputs), and a new directory for `--save-calibrated` outside the model's."""
-    from toptpu.weight_calibration.data import check_file
-
     cal = request.calibration
     assert cal is not None
     flag = f"--calibrate {cal.method}"

@@ -144,6 +144,8 @@ from toptpu.prequantized import (
     resolve_mode,
 )
 from toptpu.request import AskedMode, CompileRequest, activation_mode
+from toptpu.weight_calibration import calibrate, request_for_mode
+from toptpu.weight_calibration.data import write_default_text
 
 # ====================================================================== the steps' results
 
@@ -495,9 +497,6 @@ def _calibrated_plan(model: Any, request: CompileRequest, *, tokenizer: Any, out
     checkpoint in a `CalibrationScratch` (or the `--save-calibrated` directory), which is
     then planned as any pre-quantized checkpoint with the request's mode: the request
     without the calibration, group size and symmetry (those are the checkpoint's now)."""
-    from toptpu.weight_calibration import calibrate, request_for_mode
-    from toptpu.weight_calibration.data import write_default_text
-
     cal = request.calibration
     assert cal is not None
     scratch = CalibrationScratch(output)

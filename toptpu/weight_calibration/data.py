@@ -36,6 +36,11 @@ from toptpu.request import (
 )
 from toptpu.weight_calibration.grid import CalibrationError
 
+try:
+    from pydoc_data.topics import topics as _PYDOC_TOPICS
+except ImportError:  # a Python built without its documentation topics
+    _PYDOC_TOPICS = None
+
 #: the calibration set asked for by default: sequences x tokens (`--calibration-samples`,
 #: `--calibration-seq-length`)
 DEFAULT_SEQUENCES = DEFAULT_CALIBRATION_SAMPLES
@@ -191,13 +196,11 @@ def tokenizer_encoder(tokenizer_json: bytes) -> Encode:
 def write_default_text(path: str) -> str:
     """Write the default calibration text (module doc) to the new file `path`; returns
     `path`."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # a Python built without its documentation topics
+    if _PYDOC_TOPICS is None:
         raise CalibrationDataError(
             f"the default calibration text, {DEFAULT_CALIBRATION_TEXT}, is missing from this "
-            "Python; give --calibration-data FILE...") from None
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+            "Python; give --calibration-data FILE...")
+    text = "\n\n".join(_PYDOC_TOPICS[k] for k in sorted(_PYDOC_TOPICS))
     try:
         with open(path, "x", encoding="utf-8") as f:
             f.write(text)
