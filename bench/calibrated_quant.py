@@ -174,6 +174,9 @@ def main() -> None:
             assert isinstance(timings, dict)
             calib = timings.get("calibrate")
             calib_s = "—" if calib is None else f"{calib:.0f} s"
+            if r and "f32" not in a.rows.split(",") and len(lines) == 2:
+                lines.append(f"| f32 (the evals' reference) | {r['perplexity']:.2f} | — | — "
+                             "| — | — | — |")
             lines.append(f"| {label} | {res['perplexity']:.2f} | {top1} | {kl} | {calib_s} | "
                          f"{m['seconds']:.0f} s | {m['peak_rss_mb']:.0f} MB |")
             print(lines[-1], flush=True)
