@@ -65,11 +65,13 @@ def compile_child(spec: str) -> None:
     the process's peak RSS as JSON."""
     import resource
 
+    from toptpu.cli import signals_interrupt
     from toptpu.compiler import compile as compile_model
 
     kw = json.loads(spec)
     t = time.perf_counter()
-    res = compile_model(kw.pop("model"), kw.pop("output"), progress=sys.stderr, **kw)
+    with signals_interrupt():  # SIGTERM cleans up as the command line does
+        res = compile_model(kw.pop("model"), kw.pop("output"), progress=sys.stderr, **kw)
     print(json.dumps({"seconds": time.perf_counter() - t, "timings": res.timings,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 

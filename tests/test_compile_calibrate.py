@@ -150,6 +150,36 @@ def test_interrupt_leaves_nothing(where: str, save: bool, float_model: str, text
     assert _left(work) == (["ck"] if save and where == "compiling" else [])
 
 
+def test_sigterm_to_the_command_leaves_nothing(float_model: str, text_file: str,
+                                              tmp_path: Path) -> None:
+    """`toptpu compile --calibrate` sent SIGTERM once its first layer is calibrated: status
+    143, one line, and nothing left beside the output (no model file, no temporary
+    directory, no half-written --save-calibrated checkpoint)."""
+    import signal
+    import subprocess
+    import sys
+
+    work = tmp_path / "out"
+    work.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "toptpu.cli", "compile", float_model, "-q", "w4bf16",
+         "--calibrate", "gptq", "--calibration-data", text_file, *CALIBRATION,
+         "--save-calibrated", str(work / "ck"), "-o", str(work / "m.toptpu"),
+         "--seq-length", "64", "--max-input-length", "32"],
+        stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "1/2 layers done" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=600) == 143, "".join(seen) + rest
+    assert rest.strip().splitlines()[-1] == "toptpu compile: interrupted (SIGTERM)", rest
+    assert _left(work) == []
+
+
 def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     code, err = _run(argv, capsys)
     assert code == 1, err
@@ -252,7 +282,7 @@ def test_smollm2_gptq_in_the_compile_beats_round_to_nearest(tmp_path: Path) -> N
     cal, held = tmp_path / "cal.txt", tmp_path / "held.txt"
     cal.write_text("\n\n".join(topics[k] for i, k in enumerate(keys) if i % 4 != 3))
     held.write_text("\n\n".join(topics[k] for i, k in enumerate(keys) if i % 4 == 3))
-    common = ["--dequantize", "w4bf16", "--seq-length", "256", "--quiet"]
+    common = ["--dequantize", "w4bf16", "--seq-length", "128", "--quiet"]
     ppl = {}
     for name, extra in (("rtn", []), ("gptq", ["--calibrate", "gptq", "--calibration-data",
                                                str(cal), "--calibration-samples", "16",
@@ -270,6 +300,6 @@ def _eval_json(model_file: str, text: str) -> dict[str, Any]:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert toptpu_main(["eval", model_file, "--text", text, "--max-tokens", "512",
+        assert toptpu_main(["eval", model_file, "--text", text, "--max-tokens", "384",
                             "--json", "--quiet"]) == 0
     return json.loads(buf.getvalue())
