@@ -21,10 +21,11 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Any
 
 #: Qwen2.5-7B's layer shapes
-SHAPES = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
-          "num_key_value_heads": 4, "head_dim": 128}
+SHAPES: dict[str, Any] = {"hidden_size": 3584, "intermediate_size": 18944,
+                          "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128}
 
 
 def write_checkpoint(path: str, layers: int, vocab: int) -> None:
@@ -35,7 +36,8 @@ def write_checkpoint(path: str, layers: int, vocab: int) -> None:
     config = tf.Qwen2Config(vocab_size=vocab, num_hidden_layers=layers,
                             max_position_embeddings=4096, tie_word_embeddings=False,
                             **SHAPES)
-    model = tf.Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model: Any = tf.Qwen2ForCausalLM(config)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(path)
     from tokenizers import Tokenizer, models, pre_tokenizers
 

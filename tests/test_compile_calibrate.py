@@ -141,7 +141,7 @@ def test_interrupt_leaves_nothing(where: str, save: bool, float_model: str, text
         monkeypatch.setattr(compiler, "compile_nets", stop)
     work = tmp_path / "out"
     work.mkdir()
-    extra = {"save_calibrated": str(work / "ck")} if save else {}
+    extra: dict[str, Any] = {"save_calibrated": str(work / "ck")} if save else {}
     with pytest.raises(KeyboardInterrupt):
         compile_model(float_model, str(work / "m.toptpu"), mode="w4bf16", calibrate="gptq",
                       calibration_data=[text_file], calibration_samples=8,
