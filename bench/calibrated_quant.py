@@ -36,7 +36,8 @@ import subprocess
 import sys
 import time
 
-ROWS = ("f32", "rtn64", "gptq64", "awq64", "rtn128", "gptq128", "awq128")
+#: group 128 does not divide SmolLM2's hidden size (576): its rows are refused by the compile
+ROWS = ("f32", "rtn64", "gptq64", "awq64")
 
 
 def texts(work: str) -> tuple[str, str]:
