@@ -15,8 +15,10 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
   format and compiled with `-q w4bf16` and `-q auto` (rows autoround64/128, not run by
   default);
 
-all asymmetric 4-bit at group sizes 64 and 128, and measured by `toptpu eval` (perplexity,
-top-1 agreement and mean KL against the f32 compile) on a held-back text. Every compile
+all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
+they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
+eval` (perplexity, top-1 agreement and mean KL against the f32 compile) on a held-back
+text. Every compile
 runs in a child process of its own: its wall time, the calibration's share of it, and its
 peak RSS (`ru_maxrss`) are reported. The calibration text and the held-back text default
 to two disjoint parts of Python's own documentation (`pydoc_data.topics`: every fourth
