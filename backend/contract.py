@@ -35,7 +35,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -115,6 +115,11 @@ KNOWN_NETS = (*TEXT_NETS, VISION_NET, DEEPSTACK_NET)
 PREFILL_NETS = (EMBEDDING, BLOCK, BLOCK_KV)
 
 
+#: the nets compiled at a batch B besides at 1 (`toptpu compile --batch B`): a decode step
+#: of B conversations at once, each with its own KV cache (`<net>.b<B>`: `block_cache.b4`)
+BATCH_NETS = (EMBEDDING_CACHE, BLOCK_CACHE, LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)
+
+
 def _decimal(text: str) -> int | None:
     """A positive decimal number without leading zeros (at most 9 digits), else None."""
     if text.isascii() and text.isdigit() and len(text) < 10 and str(int(text)) == text \
@@ -127,30 +132,39 @@ def _decimal(text: str) -> int | None:
 class NetName:
     """A net's name: a known net; a prefill net at a shorter chunk length
     `<prefill net>:<length>` (`block:16`: `block` compiled for chunks of 16 tokens; the
-    net without a length is the one at `max_input_length`); and a variant
-    `<per-layer net>[:<length>]@<layer>` compiled for the layers (from `layer` on) whose
-    kind or checkpoint quantization differs from layer 0's."""
+    net without a length is the one at `max_input_length`); a decode net at a batch
+    `<batch net>.b<B>` (`block_cache.b4`: a decode step of 4 conversations; `BATCH_NETS`);
+    and a variant `<per-layer net>[:<length>|.b<B>]@<layer>` compiled for the layers (from
+    `layer` on) whose kind or checkpoint quantization differs from layer 0's."""
 
     base: str
     layer: int = 0  # 0: the net every layer runs unless it has a variant
     length: int = 0  # 0: at max_input_length; else a shorter prefill chunk length
+    batch: int = 0  # 0: one conversation; else the batch B >= 2 of a batch net
 
     @classmethod
     def parse(cls, name: str) -> NetName:
-        """`block:16@3` -> NetName('block', 3, 16); `lm_head` -> NetName('lm_head').
-        ContractError for anything else (an unknown net, a variant of a net that is not
-        per-layer, a length of a net that is not a prefill net, a layer or length that is
-        not a positive decimal number without leading zeros)."""
+        """`block:16@3` -> NetName('block', 3, 16); `block_cache.b4` ->
+        NetName('block_cache', batch=4); `lm_head` -> NetName('lm_head'). ContractError for
+        anything else (an unknown net, a variant of a net that is not per-layer, a length
+        of a net that is not a prefill net, a batch of a net that is not a batch net or
+        below 2, a layer, length or batch that is not a positive decimal number without
+        leading zeros)."""
         head, at, layer_text = name.partition("@")
+        head, dot, batch_text = head.partition(".b")
         base, colon, length_text = head.partition(":")
         layer = _decimal(layer_text) if at else 0
         length = _decimal(length_text) if colon else 0
+        batch = _decimal(batch_text) if dot else 0
         ok = (base in KNOWN_NETS and layer is not None and length is not None
-              and (not at or base in PER_LAYER_NETS) and (not colon or base in PREFILL_NETS))
+              and batch is not None and (not at or base in PER_LAYER_NETS)
+              and (not colon or base in PREFILL_NETS)
+              and (not dot or (base in BATCH_NETS and batch >= 2)))
         if ok:
-            return cls(base, layer or 0, length or 0)
+            return cls(base, layer or 0, length or 0, batch or 0)
         raise ContractError(f"'{name}' is not a net name (nets: {', '.join(KNOWN_NETS)}, "
-                            "<prefill net>:<length>, or <per-layer net>[:<length>]@<layer>)")
+                            "<prefill net>:<length>, <batch net>.b<B>, or <per-layer net>"
+                            "[:<length>|.b<B>]@<layer>)")
 
     @property
     def is_variant(self) -> bool:
@@ -158,14 +172,25 @@ class NetName:
 
     def at_length(self, length: int) -> NetName:
         """This net compiled for chunks of `length` (0: at max_input_length)."""
-        return NetName(self.base, self.layer, length)
+        return NetName(self.base, self.layer, length, self.batch)
 
     def at_layer(self, layer: int) -> NetName:
         """This net as layer `layer`'s variant (0: the net of layer 0's kind)."""
-        return NetName(self.base, layer, self.length)
+        return NetName(self.base, layer, self.length, self.batch)
+
+    def at_batch(self, batch: int) -> NetName:
+        """This net compiled for a batch of `batch` conversations (0: one)."""
+        return NetName(self.base, self.layer, self.length, batch)
+
+    @property
+    def layer_net(self) -> NetName:
+        """The net `layer_nets` names for the layers that run this one (`block@3` for
+        `block:16@3` and `block_cache.b4@3`)."""
+        return NetName(self.base, self.layer)
 
     def __str__(self) -> str:
         name = f"{self.base}:{self.length}" if self.length else self.base
+        name = f"{name}.b{self.batch}" if self.batch else name
         return f"{name}@{self.layer}" if self.layer else name
 
 
@@ -345,10 +370,14 @@ def default_prefill_lengths(max_input_length: int) -> tuple[int, ...]:
 class ModelWidths(Protocol):
     """The model sizes the text nets' IO depends on (e.g. the header's `ModelInfo`)."""
 
-    hidden_size: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -387,7 +416,7 @@ def linear_net_io(shapes: StaticShapes, hidden_size: int, widths: LinearWidths, 
                 widths.conv_state(PRESENT_CONV_STATE, act),
                 widths.recurrent_state(PRESENT_RECURRENT_STATE))
 
-    out = {}
+    out: dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]] = {}
     for L in shapes.prefill_lengths:
         out[shapes.prefill_net(BLOCK, L)] = (
             (TensorSpec(HIDDEN, (1, L, H), act), TensorSpec(ATTENTION_MASK, (1, 1, L, L), act)),
@@ -416,7 +445,8 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
     def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
         return TensorSpec(name, shape, dtype)
 
-    def block(n: int, mask: int, history: int | None) -> tuple[tuple[TensorSpec, ...], ...]:
+    def block(n: int, mask: int, history: int | None
+              ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
         inputs = [t(HIDDEN, 1, n, H), t(POSITION_IDS, position_axes, n, dtype="int32"),
                   t(ATTENTION_MASK, 1, 1, n, mask)]
         if history is not None:
@@ -424,7 +454,7 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
         return tuple(inputs), (t(HIDDEN_OUT, 1, n, H), t(PRESENT_K, 1, n, kv, D),
                                t(PRESENT_V, 1, n, kv, D))
 
-    def prefill(L: int) -> dict[str, tuple[tuple[TensorSpec, ...], ...]]:
+    def prefill(L: int) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
         return {
             shapes.prefill_net(EMBEDDING, L): ((t(INPUT_IDS, 1, L, dtype="int32"),),
                                                (t(HIDDEN, 1, L, H),)),
@@ -446,6 +476,62 @@ def net_io(shapes: StaticShapes, model: ModelWidths, act: str, position_axes: in
                        t(TOP_K, 1, 1, dtype="int32"), t(TOP_P, 1, 1, dtype="float32")),
                       (t(PROBS, 1, K, dtype="float32"), t(TOKEN_IDS, 1, K, dtype="int32"))),
         **{name: io for L in shapes.shorter_lengths for name, io in prefill(L).items()},
+    }
+
+
+def row_name(name: str, row: int) -> str:
+    """The IO name of row `row`'s own tensor in a batch net (`history_k.2`)."""
+    return f"{name}.{row}"
+
+
+#: a batch `block_cache`'s tensors of each row: its KV cache in, its new k/v out
+ROW_INPUTS = (HISTORY_K, HISTORY_V)
+ROW_OUTPUTS = (PRESENT_K, PRESENT_V)
+
+
+def batch_net_io(shapes: StaticShapes, model: ModelWidths, act: str, batch: int,
+                 position_axes: int = 1
+                 ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """The inputs and outputs of the batch nets (`BATCH_NETS` at `batch` B): a decode step
+    of B conversations, row b of every batched tensor belonging to conversation b, each
+    with its own KV cache (`history_k.b`, `history_v.b` [1, SEQ, kvH, D] in; its new k/v
+    `present_k.b`, `present_v.b` [1, 1, kvH, D] out, written in place into its cache slot
+    as `block_cache` does):
+
+    - `embedding_cache.bB`: `input_ids` i32 [1, B] -> `hidden` [1, B, H]
+    - `block_cache.bB`: `hidden` [1, B, H], `position_ids` [axes, B], `attention_mask`
+      [1, 1, B, SEQ + 1] (row b: conversation b's decode mask), the rows' caches ->
+      `hidden_out` [1, B, H], the rows' new k/v
+    - `lm_head.bB`: [B, H] -> [B, V]; `greedy_head.bB`: [B, V] -> `token` [B, 1];
+      `sample_head.bB`: every input and output with B rows (each row its own penalty,
+      temperature, top-k and top-p)."""
+    if batch < 2:
+        raise ContractError(f"a batch net takes 2 or more conversations, not {batch}")
+    single = net_io(shapes, model, act, position_axes)
+    S = shapes.seq_length
+    H, kv, D = model.hidden_size, model.num_kv_heads, model.head_dim
+
+    def t(name: str, *shape: int, dtype: str = act) -> TensorSpec:
+        return TensorSpec(name, shape, dtype)
+
+    def rows(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        """The head's tensors [1, X] at B rows."""
+        return tuple(TensorSpec(s.name, (batch, *s.shape[1:]), s.dtype) for s in specs)
+
+    def name(base: str) -> str:
+        return str(NetName(base, batch=batch))
+
+    cache_in = [t(row_name(n, b), 1, S, kv, D) for b in range(batch) for n in ROW_INPUTS]
+    cache_out = [t(row_name(n, b), 1, 1, kv, D) for b in range(batch) for n in ROW_OUTPUTS]
+    return {
+        name(EMBEDDING_CACHE): ((t(INPUT_IDS, 1, batch, dtype="int32"),),
+                                (t(HIDDEN, 1, batch, H),)),
+        name(BLOCK_CACHE): ((t(HIDDEN, 1, batch, H),
+                             t(POSITION_IDS, position_axes, batch, dtype="int32"),
+                             t(ATTENTION_MASK, 1, 1, batch, S + 1), *cache_in),
+                            (t(HIDDEN_OUT, 1, batch, H), *cache_out)),
+        **{name(head): (rows(single[head][0]), rows(single[head][1]))
+           for head in (LM_HEAD, GREEDY_HEAD, SAMPLE_HEAD)},
     }
 
 
@@ -857,8 +943,9 @@ def mrope_position_ids(types: Sequence[int], image_grids: Sequence[tuple[int, in
     if frames_apart:
         videos = [(1, h, w) for t, h, w in videos for _ in range(t)]
         intervals = [1.0] * len(videos)
-    grids = {1: iter([(int(t), int(h), int(w)) for t, h, w in image_grids]),
-             2: iter(list(zip(videos, intervals, strict=True)))}
+    grids: dict[int, Iterator[tuple[tuple[int, int, int], float]]] = {
+        1: iter([((int(t), int(h), int(w)), 1.0) for t, h, w in image_grids]),
+        2: iter(list(zip(videos, intervals, strict=True)))}
     current, idx = start, 0
     for kind, run in itertools.groupby(types):
         length = len(list(run))
@@ -872,7 +959,7 @@ def mrope_position_ids(types: Sequence[int], image_grids: Sequence[tuple[int, in
                 what = "image" if kind == 1 else "video"
                 raise ContractError(f"the prompt has more {what} runs than {what} grids") \
                     from None
-            (t, h, w), interval = item if kind == 2 else (item, 1.0)
+            (t, h, w), interval = item
             gh, gw = h // merge, w // merge
             if t * gh * gw != length:
                 raise ContractError(f"a run of {length} vision tokens does not match its grid "

@@ -12,10 +12,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Self
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 from xdsl.dialects.builtin import (
     AnyFloat,
     BFloat16Type,
@@ -54,8 +55,11 @@ from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects.slicing_interface import SlicingInterface
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
 #: ranked tensors, or unranked ones whose shape `shape-infer` has yet to derive
-AnyTensor = AnyOf([BaseAttr(TensorType), BaseAttr(UnrankedTensorType)])
+AnyTensor = AnyOf((BaseAttr(TensorType), BaseAttr(UnrankedTensorType)))
 
 
 def is_ranked(value: SSAValue | Attribute) -> bool:
@@ -243,7 +247,7 @@ class EnumAttr(AttrConstraint[StringAttr]):
         return {StringAttr}
 
     def mapping_type_vars(
-        self, type_var_mapping: Mapping[object, AttrConstraint | IntConstraint]
+        self, type_var_mapping: Mapping[TypeVar, AttrConstraint | IntConstraint]
     ) -> AttrConstraint[StringAttr]:
         return self
 
@@ -522,7 +526,8 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     - its FLOP count: `flops()`;
     - its kernel binding, what the interpreters and the machine call
       (`toptpu.backend.reference`): `KERNEL` names the function of `kernels.py` (by
-      default the op's kind: `top.rms_norm` -> `kernels.rms_norm`), called with
+      default the op's kind: `top.rms_norm` -> `kernels.rms_norm`; a plugin's op names
+      its own module, `KERNEL_MODULE`), called with
       `kernel_arguments(operand values)`: by default the operand values in declaration
       order (None for an absent optional operand) and `kernel_params()` as keywords (its
       attributes and result element types). `STRUCTURAL` ops have no kernel: dedicated code
@@ -542,8 +547,12 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     # operand groups as declared (optional operands may be absent)
     CHECK_INFERRED: ClassVar[bool] = True
 
-    #: the function of `toptpu.backend.reference.kernels` computing the op ("": its kind)
+    #: the function of `KERNEL_MODULE` computing the op ("": its kind)
     KERNEL: ClassVar[str] = ""
+    #: the module holding the op's kernels (`KERNEL`, `REDUCTION_KERNELS`): toptpu's
+    #: `kernels.py` for its own ops, the plugin's module for an op a plugin adds
+    #: (`dialects/plugin_ops.py`)
+    KERNEL_MODULE: ClassVar[str] = "toptpu.backend.reference.kernels"
     #: evaluated by dedicated code, not by a kernel binding (see the class doc)
     STRUCTURAL: ClassVar[bool] = False
     #: (fold, finish) kernels of a reduction a layer group splits in parts (`tpu.GroupOp`'s
@@ -559,6 +568,9 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     #: it reads a table by index (a gather): its result is data, not index math, and the
     #: table it reads is looked up, not multiplied
     INDEXES_TABLE: ClassVar[bool] = False
+    #: the matmul producing its first operand keeps a float weight in every mode (the MoE
+    #: router: its logits choose the experts, so the weight-only modes leave it unquantized)
+    FLOAT_PRODUCER: ClassVar[bool] = False
     #: each result element depends only on the operand elements at its index (broadcast)
     ELEMENTWISE: ClassVar[bool] = False
     #: a multiply-accumulate op (matmuls, attention, convolution): runs at the throughput
@@ -612,7 +624,7 @@ class ShapedOp(IRDLOperation, SlicingInterface):
     # ------------------------------------------------------------------ kernel binding
     @classmethod
     def kernel_name(cls) -> str:
-        """The name of the op's function in `toptpu.backend.reference.kernels`."""
+        """The name of the op's function in its `KERNEL_MODULE`."""
         return cls.KERNEL or cls.op_kind()
 
     def result_dtype(self, index: int = 0) -> np.dtype:
@@ -682,7 +694,7 @@ class ShapedOp(IRDLOperation, SlicingInterface):
             )
 
     @classmethod
-    def build(  # type: ignore[override]
+    def build(  # type: ignore[override]  # also xDSL's keywords
         cls,
         operands: Sequence[SSAValue | Sequence[SSAValue] | None] = (),
         attrs: Mapping[str, Attribute | None] | None = None,
@@ -703,12 +715,13 @@ class ShapedOp(IRDLOperation, SlicingInterface):
         op = cls.__new__(cls)
         if attributes is None and properties is None and successors is None \
                 and regions is None:
+            # the ignore below: groups, as parsed
             op.construct(operands, attrs, result_types)  # type: ignore[arg-type]
             return op
         IRDLOperation.__init__(op, operands=[o if o is not None else [] for o in operands],
                                result_types=result_types, attributes=attributes,
                                properties=properties, successors=successors,
-                               regions=regions)  # type: ignore[arg-type]
+                               regions=regions)
         return op
 
     def construct(
@@ -767,7 +780,7 @@ def numpy_dtype(t: Attribute) -> np.dtype:
     return NUMPY_DTYPES[dtype_name(t)]
 
 
-def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
+def element_type_of_numpy(dt: DTypeLike) -> Attribute:
 
     dt = np.dtype(dt)
     table = {
@@ -786,14 +799,17 @@ def element_type_of_numpy(dt) -> Attribute:  # noqa: ANN001
     return table[dt]
 
 
-def dense_attr(arr) -> DenseIntOrFPElementsAttr:  # noqa: ANN001 - a numpy array
-
+def dense_attr(arr: np.ndarray) -> DenseIntOrFPElementsAttr:
     elem = element_type_of_numpy(arr.dtype)
-    t = tensor(arr.shape, elem)
+    shape = [int(d) for d in arr.shape]
     data = arr.reshape(-1)
     if np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16":
-        return DenseIntOrFPElementsAttr.from_list(t, [float(x) for x in data.astype(np.float64)])
-    return DenseIntOrFPElementsAttr.from_list(t, [int(x) for x in data.astype(np.int64)])
+        assert isinstance(elem, AnyFloat)
+        return DenseIntOrFPElementsAttr.from_list(TensorType(elem, shape),
+                                                  [float(x) for x in data.astype(np.float64)])
+    assert isinstance(elem, IntegerType)
+    return DenseIntOrFPElementsAttr.from_list(TensorType(elem, shape),
+                                              [int(x) for x in data.astype(np.int64)])
 
 
 def constant_value(attr: DenseIntOrFPElementsAttr) -> np.ndarray:

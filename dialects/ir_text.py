@@ -51,14 +51,14 @@ from collections.abc import Callable, Mapping
 
 from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp
-from xdsl.ir import Block, BlockArgument, Operation, SSAValue, TypeAttribute
+from xdsl.ir import Block, BlockArgument, Operation, OpResult, SSAValue, TypeAttribute
 from xdsl.parser import AttrParser, Parser
 from xdsl.printer import Printer
 from xdsl.utils.exceptions import DiagnosticException, ParseError, VerifyException
 from xdsl.utils.lexer import Input, Span
 from xdsl.utils.mlir_lexer import MLIRLexer, MLIRToken, MLIRTokenKind, StringLiteral
 
-from toptpu.dialects import context
+from toptpu.dialects import context, plugin_ops
 from toptpu.errors import ToptpuError
 
 
@@ -82,7 +82,9 @@ _CONTROL_NAMES = {"\v": "vertical tab (\\0B)", "\f": "form feed (\\0C)"}
 def check_string_literal(source: Input[str], start: int) -> None:
     """Raise a ParseError unless the string literal opening at `start` closes legally.
     Linear in the literal's length."""
-    end = _STRING_PREFIX.match(source.content, start).end()  # type: ignore[union-attr]
+    opening = _STRING_PREFIX.match(source.content, start)
+    assert opening is not None, "check_string_literal called where no literal opens"
+    end = opening.end()
     char = source.at(end)
     if char == '"':
         return
@@ -132,9 +134,9 @@ def _install_string_literal_guard() -> bool:
             return MLIRToken(MLIRTokenKind.STRING_LIT, token.span)
         return token
 
-    guarded.toptpu_guard = True  # type: ignore[attr-defined]
+    guarded.toptpu_guard = True  # type: ignore[attr-defined]  # a marker on the function
     guarded.__doc__ = original.__doc__
-    MLIRLexer._lex_string_literal = guarded  # type: ignore[method-assign]
+    MLIRLexer._lex_string_literal = guarded  # type: ignore[method-assign]  # guarded in place
     return True
 
 
@@ -162,8 +164,9 @@ def _install_integer_width_guard() -> bool:
                                  f"{MAX_INTEGER_WIDTH} bits", token.span)
         return original(self)
 
-    guarded.toptpu_guard = True  # type: ignore[attr-defined]
+    guarded.toptpu_guard = True  # type: ignore[attr-defined]  # a marker on the function
     guarded.__doc__ = original.__doc__
+    # the ignore below: guarded in place
     AttrParser._parse_optional_integer_or_float_type = guarded  # type: ignore[method-assign]
     return True
 
@@ -175,8 +178,10 @@ GUARDS_INSTALLED = _install_string_literal_guard() & _install_integer_width_guar
 # -- whole-file checks --------------------------------------------------------------------------
 
 def _line_col(data: bytes | str, offset: int) -> tuple[int, int]:
-    line = data.count(b"\n" if isinstance(data, bytes) else "\n", 0, offset) + 1
-    start = data.rfind(b"\n" if isinstance(data, bytes) else "\n", 0, offset) + 1
+    if isinstance(data, bytes):
+        line, start = data.count(b"\n", 0, offset) + 1, data.rfind(b"\n", 0, offset) + 1
+    else:
+        line, start = data.count("\n", 0, offset) + 1, data.rfind("\n", 0, offset) + 1
     return line, offset - start + 1
 
 
@@ -228,7 +233,7 @@ def one_line(e: BaseException) -> str:
     """A parse or verify error of `parse_ir` as one line: where (name:line:col) and what is
     wrong, without the quoted line and its carets (`str(e)` keeps them)."""
     if isinstance(e, ParseError):
-        where, reason = e.span.get_location(), e.msg
+        where, reason = str(e.span.get_location()), e.msg
     elif isinstance(e, IRVerifyError):
         where, reason = e.location, e.reason
     else:
@@ -276,7 +281,7 @@ class _LocatingParser(Parser):
     def parse_operation(self) -> Operation:
         start = self._current_token.span  # noqa: SLF001 - pinned xdsl 0.75.0
         op = super().parse_operation()
-        self.op_starts[op] = start  # type: ignore[assignment]
+        self.op_starts[op] = start
         return op
 
 
@@ -296,9 +301,42 @@ def parse_ir(data: bytes | str, name: str, ctx: Context | None = None, *,
     return module
 
 
+#: xDSL's parse error for an op name no dialect of the context holds
+_UNREGISTERED_OP = re.compile(r"Operation ((?:top|tpu)\.\w+) is not registered")
+
+
 def _parse(text: str, name: str, ctx: Context | None,
            implicit_module: bool) -> tuple[ModuleOp, OpStarts]:
-    parser = _LocatingParser(ctx if ctx is not None else context(), text, name)
+    ctx = ctx if ctx is not None else context()
+    try:
+        return _parse_once(text, name, ctx, implicit_module)
+    except ParseError as e:
+        if not _load_plugin_op(ctx, str(e)):
+            raise
+    return _parse_once(text, name, ctx, implicit_module)
+
+
+def _load_plugin_op(ctx: Context, error: str) -> bool:
+    """For a parse error at an unregistered `top.`/`tpu.` op: the installed plugins' ops
+    loaded (`plugin_ops.load_installed`) and, when one of them is that op, every plugin op
+    put in `ctx`; whether it was (then the text parses again)."""
+    found = _UNREGISTERED_OP.search(error)
+    if found is None:
+        return False
+    if plugin_ops.plugin_op(found.group(1)) is None:
+        plugin_ops.load_installed()
+        if plugin_ops.plugin_op(found.group(1)) is None:
+            return False
+    for entry in plugin_ops.registered():
+        for op in (entry.top, entry.tpu):
+            if ctx.get_optional_op(op.name) is None:
+                ctx.load_op(op)
+    return True
+
+
+def _parse_once(text: str, name: str, ctx: Context,
+                implicit_module: bool) -> tuple[ModuleOp, OpStarts]:
+    parser = _LocatingParser(ctx, text, name)
     try:
         return parser.parse_module(implicit_module), parser.op_starts
     except ParseError:
@@ -366,7 +404,8 @@ def _value_name(value: SSAValue, op_starts: OpStarts | None) -> str:
     if value.name_hint:
         return f"%{value.name_hint}"
     owner = value.owner
-    if op_starts is not None and isinstance(owner, Operation) and owner in op_starts:
+    if op_starts is not None and isinstance(value, OpResult) and isinstance(owner, Operation) \
+            and owner in op_starts:
         token = op_starts[owner].text
         if token.startswith("%"):
             return token if len(owner.results) == 1 else f"{token}#{value.index}"
@@ -379,12 +418,14 @@ def _use_problem(op: Operation, value: SSAValue, position: Callable[[Operation],
     elsewhere a value is used in its own block after its definition, or in blocks nested in it
     (uses from another block of a multi-block region are not checked: that is CFG dominance)."""
     name = _value_name(value, op_starts)
+    def_block: Block | None
+    def_op: Operation | None
     if isinstance(value, BlockArgument):
         def_block, def_op = value.block, None
     else:
-        def_op = value.owner
-        assert isinstance(def_op, Operation)
-        def_block = def_op.parent_block()
+        owner = value.owner
+        assert isinstance(owner, Operation)
+        def_op, def_block = owner, owner.parent_block()
     if def_block is None:
         return f"uses {name}, which is not in the IR"
     if isinstance(def_block.parent_op(), ModuleOp):
@@ -411,7 +452,14 @@ def _use_problem(op: Operation, value: SSAValue, position: Callable[[Operation],
 
 
 def print_generic(module: ModuleOp, debuginfo: bool = True) -> str:
-    """The module in MLIR's generic form (what real MLIR parses; `loc(...)` kept)."""
+    """The module in MLIR's generic form (what real MLIR parses; `loc(...)` kept), each op's
+    attributes in the order of their names: the same IR prints the same bytes however it
+    was made (built by passes, or parsed from a custom form, whose parser adds
+    `operandSegmentSizes` last). The attribute dictionaries are reordered in place."""
+    for op in module.walk():
+        names = list(op.attributes)
+        if names != sorted(names):
+            op.attributes = dict(sorted(op.attributes.items()))
     out = io.StringIO()
     Printer(stream=out, print_generic_format=True, print_debuginfo=debuginfo).print_op(module)
     return out.getvalue()

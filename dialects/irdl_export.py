@@ -119,6 +119,7 @@ from xdsl.irdl.operations import (
 )
 
 from toptpu.dialects.common import EnumAttr
+from toptpu.dialects.plugin_ops import extended
 from toptpu.dialects.top import Top
 from toptpu.dialects.tpu import Tpu
 from toptpu.errors import ToptpuError
@@ -298,6 +299,7 @@ class _OpExporter:
             where = f"{kind[:-1]} '{name}'"
             v = self._variadicity(d)
             if v.data != irdl.VariadicityEnum.VARIADIC:
+                # the ignore below: every def's constr
                 args.append(self.range_constraint(d.constr, where))  # type: ignore[attr-defined]
                 var.append(v)
                 names.append(StringAttr(name))
@@ -305,6 +307,7 @@ class _OpExporter:
             # one optional segment per value, each with a constraint value of its own
             optional = irdl.VariadicityAttr(irdl.VariadicityEnum.OPTIONAL)
             for i in range(VARIADIC_LIMIT):
+                # the ignore below: every def's constr
                 args.append(self.range_constraint(d.constr, where))  # type: ignore[attr-defined]
                 var.append(optional)
                 names.append(StringAttr(f"{name}_{i}"))
@@ -319,6 +322,7 @@ class _OpExporter:
                 self.gap(f"attribute '{name}'", "optional: MLIR checks neither presence "
                          "nor kind (IRDL has no optional attributes)")
                 continue
+            # the ignore below: every def's constr
             required[name] = self.constraint(d.constr, f"attribute '{name}'")  # type: ignore[attr-defined]
         if required:
             self.builder.insert(irdl.AttributesOp.get(required))
@@ -446,9 +450,9 @@ def mlir_form(module: ModuleOp, dialects: Sequence[Dialect] | None = None) -> Mo
     for op in out.walk():
         if not _exported(op, dialects):
             continue
-        opdef = op.get_irdl_definition()  # type: ignore[attr-defined]
+        opdef = op.get_irdl_definition()  # type: ignore[attr-defined]  # an IRDL op
         for kind, attr in SEGMENT_ATTRS.items():
-            sizes = _exported_segments(op, kind)  # type: ignore[arg-type]
+            sizes = _exported_segments(op, kind)  # type: ignore[arg-type]  # an IRDL op
             if sizes is not None:  # where the op keeps its own sizes, if it does
                 container = op.properties if attr in opdef.properties else op.attributes
                 container[attr] = DenseArrayBase.from_list(i32, sizes)
@@ -462,7 +466,7 @@ def from_mlir_form(module: ModuleOp, dialects: Sequence[Dialect] | None = None) 
     for op in module.walk():
         if not _exported(op, dialects):
             continue
-        opdef = op.get_irdl_definition()  # type: ignore[attr-defined]
+        opdef = op.get_irdl_definition()  # type: ignore[attr-defined]  # an IRDL op
         for kind, attr in SEGMENT_ATTRS.items():
             defs = opdef.operands if kind == "operands" else opdef.results
             if not any(_is_variadic(d) for _, d in defs):
@@ -482,7 +486,8 @@ def from_mlir_form(module: ModuleOp, dialects: Sequence[Dialect] | None = None) 
 
 
 def default_dialects() -> list[Dialect]:
-    return [Top, Tpu]
+    """Top and Tpu, with the ops plugins registered in this process (`plugin_ops`)."""
+    return [extended(Top), extended(Tpu)]
 
 
 def export_irdl(dialects: Sequence[Dialect] | None = None, unranked: bool = False

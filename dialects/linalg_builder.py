@@ -66,7 +66,8 @@ class Body:
 
     def __init__(self, block: Block, fast_math: bool = False) -> None:
         self.block = block
-        self.flags = arith.FastMathFlagsAttr(("reassoc", "contract")) if fast_math else None
+        self.flags = arith.FastMathFlagsAttr(
+            (arith.FastMathFlag.REASSOC, arith.FastMathFlag.ALLOW_CONTRACT)) if fast_math else None
         self.b = Builder(InsertPoint.at_end(block))
 
     @property
@@ -81,6 +82,7 @@ class Body:
     def const(self, value: float | int, t: Attribute) -> SSAValue:
         if is_float(t):
             return self._ins(arith.ConstantOp(FloatAttr(float(value), t)))
+        assert isinstance(t, IntegerType | IndexType), f"no constant of type {t}"
         return self._ins(arith.ConstantOp(IntegerAttr(int(value), t)))
 
     def idx(self, value: int) -> SSAValue:
@@ -103,7 +105,7 @@ class Body:
             if is_half(fr) and is_half(to):  # f16 <-> bf16 goes through f32
                 return self.convert(self.convert(v, f32), to)
             wider = FLOAT_BITS[type(to)] > FLOAT_BITS[type(fr)]
-            op = arith.ExtFOp(v, to) if wider else arith.TruncFOp(v, to)
+            op: Operation = arith.ExtFOp(v, to) if wider else arith.TruncFOp(v, to)
             return self._ins(op)
         if isinstance(fr, IntegerType) and is_float(to):
             op = arith.UIToFPOp(v, to) if fr == i1 else arith.SIToFPOp(v, to)
@@ -126,6 +128,7 @@ class Body:
     # ------------------------------------------------------------------ arithmetic
     def binary(self, kind: str, a: SSAValue, b: SSAValue) -> SSAValue:
         t = a.type
+        cls: Callable[..., Operation]
         if is_float(t):
             cls = {"add": arith.AddfOp, "sub": arith.SubfOp, "mul": arith.MulfOp,
                    "div": arith.DivfOp, "max": arith.MaximumfOp, "min": arith.MinimumfOp}[kind]
@@ -176,6 +179,10 @@ class Body:
     def and_(self, a: SSAValue, b: SSAValue) -> SSAValue:
         """Bitwise and (of i1 conditions or indices)."""
         return self._ins(arith.AndIOp(a, b))
+
+    def or_(self, a: SSAValue, b: SSAValue) -> SSAValue:
+        """Bitwise or (of i1 conditions)."""
+        return self._ins(arith.OrIOp(a, b))
 
     def xor(self, a: SSAValue, b: SSAValue) -> SSAValue:
         return self._ins(arith.XOrIOp(a, b))
@@ -334,7 +341,8 @@ class Emitter:
         return list(self.add(scf.ForOp(lb, ub, step, list(inits), block)).results)
 
 
-def _reassociation(groups: list[list[int]]) -> ArrayAttr:
+def _reassociation(groups: list[list[int]]
+                   ) -> ArrayAttr[ArrayAttr[IntegerAttr[IntegerType | IndexType]]]:
     return ArrayAttr([ArrayAttr([IntegerAttr(i, i64) for i in g]) for g in groups])
 
 

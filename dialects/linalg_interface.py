@@ -20,7 +20,7 @@ affine maps of the generics and the element types. It imports neither the builde
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeGuard
 
 from xdsl.dialects.builtin import (
     AffineMapAttr,
@@ -72,7 +72,7 @@ class LinalgLowering:
 # =========================================================================== types
 
 
-def is_float(t: Attribute) -> bool:
+def is_float(t: Attribute) -> TypeGuard[AnyFloat]:
     return isinstance(t, AnyFloat)
 
 

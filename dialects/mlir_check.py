@@ -49,7 +49,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, UnrankedTensorType
 from xdsl.universe import Universe
 
-from toptpu.dialects import all_dialects, context
+from toptpu.dialects import all_dialects, context, dialect_factory, plugin_ops
 from toptpu.dialects.ir_text import parse_ir, print_generic
 from toptpu.dialects.irdl_export import MlirFormError, export_irdl, from_mlir_form, mlir_form
 from toptpu.errors import ToptpuError
@@ -106,18 +106,31 @@ def run_mlir_opt(module: ModuleOp, *args: str) -> subprocess.CompletedProcess[st
                           env=mlir_tool_env(), timeout=600, check=False)
 
 
-_IRDL_FILES: dict[bool, str] = {}
+#: the exports cached per (unranked, the plugin ops registered: `plugin_ops`)
+ExportKey = tuple[bool, tuple[str, ...]]
+
+_IRDL_FILES: dict[ExportKey, str] = {}
+
+
+def _export_key(unranked: bool) -> ExportKey:
+    return unranked, tuple(e.top.name for e in plugin_ops.registered())
+
+
+def _remove_if_present(path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
 
 
 def _irdl_file(unranked: bool) -> str:
     """The IRDL of top/tpu in a file of this process (mlir-opt reads it by path)."""
-    if unranked not in _IRDL_FILES:
+    key = _export_key(unranked)
+    if key not in _IRDL_FILES:
         fd, path = tempfile.mkstemp(prefix="toptpu-irdl-", suffix=".mlir")
         with os.fdopen(fd, "w") as f:
             f.write(irdl_text(unranked))
-        atexit.register(lambda: os.path.exists(path) and os.unlink(path))
-        _IRDL_FILES[unranked] = path
-    return _IRDL_FILES[unranked]
+        atexit.register(_remove_if_present, path)
+        _IRDL_FILES[key] = path
+    return _IRDL_FILES[key]
 
 
 def mlir_parse_and_verify(text: str, allow_unregistered: bool = True) -> str:
@@ -156,14 +169,16 @@ def check_roundtrip(module: ModuleOp) -> ModuleOp:
 # --------------------------------------------------------------------------- IRDL
 
 
-_IRDL_TEXT: dict[bool, str] = {}
+_IRDL_TEXT: dict[ExportKey, str] = {}
 
 
 def irdl_text(unranked: bool = False) -> str:
-    """The IRDL of the top and tpu dialects (cached per process)."""
-    if unranked not in _IRDL_TEXT:
-        _IRDL_TEXT[unranked] = export_irdl(unranked=unranked).text
-    return _IRDL_TEXT[unranked]
+    """The IRDL of the top and tpu dialects, the plugins' ops included (cached per process
+    and set of plugin ops)."""
+    key = _export_key(unranked)
+    if key not in _IRDL_TEXT:
+        _IRDL_TEXT[key] = export_irdl(unranked=unranked).text
+    return _IRDL_TEXT[key]
 
 
 def mlir_context(unranked: bool = False) -> Any:  # mlir.ir.Context
@@ -182,14 +197,16 @@ def mlir_context(unranked: bool = False) -> Any:  # mlir.ir.Context
     return ctx
 
 
-_CONTEXTS: dict[bool, Any] = {}
+_CONTEXTS: dict[ExportKey, Any] = {}
 
 
 def _shared_context(unranked: bool) -> Any:
-    """One IRDL-loaded context per process for verification (parsing does not change it)."""
-    if unranked not in _CONTEXTS:
-        _CONTEXTS[unranked] = mlir_context(unranked)
-    return _CONTEXTS[unranked]
+    """One IRDL-loaded context per process (and set of plugin ops) for verification
+    (parsing does not change it)."""
+    key = _export_key(unranked)
+    if key not in _CONTEXTS:
+        _CONTEXTS[key] = mlir_context(unranked)
+    return _CONTEXTS[key]
 
 
 def mlir_text(module: ModuleOp, debuginfo: bool = True) -> str:
@@ -262,13 +279,13 @@ def _known_gaps_hint(message: str) -> str:
 # --------------------------------------------------------------------------- MLIR passes
 
 
-def xdsl_context_for_mlir() -> Any:  # xdsl.context.Context
+def xdsl_context_for_mlir() -> Context:
     """An xDSL context that reads what MLIR prints: toptpu's dialects and every dialect
     xDSL knows (loaded lazily)."""
     ctx = Context()
     ours = {d.name for d in all_dialects()}
     for d in all_dialects():
-        ctx.register_dialect(d.name, lambda d=d: d)
+        ctx.register_dialect(d.name, dialect_factory(d))
     for name, factory in Universe.get_multiverse().all_dialects.items():
         if name not in ours:
             ctx.register_dialect(name, factory)

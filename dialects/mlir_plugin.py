@@ -268,8 +268,8 @@ def _build(export: OdsExport, sources: dict[str, str], root: str, final: str, tb
             gen = [ex.submit(_run, [tblgen, *args, "-I", mlir_inc, "-o", out], work, env,
                              f"mlir-tblgen {args[0]} {args[-1]}")
                    for args, out in _tblgen_runs(export)]
-            for f in gen:
-                f.result()
+            for future in gen:
+                future.result()
             # the biggest first, so that two workers end together (Tpu's, then Top's)
             units = sorted((n for n in sources if n.endswith(".cpp")), key=lambda n: -len(
                 sources.get(n.replace("Dialect.cpp", "Ops.td"), "")))
@@ -277,8 +277,8 @@ def _build(export: OdsExport, sources: dict[str, str], root: str, final: str, tb
                                          llvm_inc, "-c", unit, "-o", unit + ".o"],
                                   work, env, f"compiling {unit}")
                         for unit in units]
-            for f in compiled:
-                f.result()
+            for future in compiled:
+                future.result()
         _run([cxx, "-shared", "-o", PLUGIN_NAME, *(u + ".o" for u in units), "-L", mlir_lib,
               "-L", llvm_lib, "-lMLIR", "-lLLVM", f"-Wl,-rpath,{mlir_lib}:{llvm_lib}"],
              work, env, "linking the plugin")

@@ -36,7 +36,7 @@ def op_name(op: Operation) -> str | None:
 
 def source_of(op: Operation) -> str | None:
     """'file:line' of the model source line the op came from, when known."""
-    loc = op.location
+    loc: Attribute = op.location
     if isinstance(loc, NameLoc):
         loc = loc.location
     if isinstance(loc, FileLineColLoc):
@@ -71,8 +71,9 @@ def _names_from(attrs: ArrayAttr | None, n: int, prefix: str) -> list[str]:
         name = None
         if attrs is not None and i < len(attrs.data):
             d = attrs.data[i]
-            if isinstance(d, DictionaryAttr) and isinstance(d.data.get(NAME_ATTR), StringAttr):
-                name = d.data[NAME_ATTR].data  # type: ignore[union-attr]
+            attr = d.data.get(NAME_ATTR) if isinstance(d, DictionaryAttr) else None
+            if isinstance(attr, StringAttr):
+                name = attr.data
         out.append(name or f"{prefix}{i}")
     return out
 
@@ -85,5 +86,5 @@ def output_names(fn: func.FuncOp) -> list[str]:
     return _names_from(fn.res_attrs, len(fn.function_type.outputs.data), "output")
 
 
-def name_dicts(names: list[str]) -> ArrayAttr:
+def name_dicts(names: list[str]) -> ArrayAttr[DictionaryAttr]:
     return ArrayAttr([DictionaryAttr({NAME_ATTR: StringAttr(n)}) for n in names])

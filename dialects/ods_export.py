@@ -178,7 +178,8 @@ class _Constraints:
         if isinstance(c, BaseAttr) and c.attr is UnrankedTensorType:
             return "AnyUnrankedTensor"
         if isinstance(c, AnyOf) and {type(m) for m in c.attr_constrs} == {BaseAttr} and {
-                m.attr for m in c.attr_constrs} == {TensorType, UnrankedTensorType}:
+                m.attr for m in c.attr_constrs if isinstance(m, BaseAttr)} == {
+                    TensorType, UnrankedTensorType}:
             return "AnyTensor"
         pred = self.predicate(c, where)
         return f'TT_Type<[{{ {pred} }}], "{_summary(c)}">'
@@ -314,7 +315,7 @@ def op_to_ods(op: type[IRDLOperation], prefix: str, dialect_of: dict[type, str],
         traits.append("AttrSizedOperandSegments")
     if sum(not _is_single(d) for _, d in opdef.results) > 1:
         traits.append("AttrSizedResultSegments")
-    args = [f"{_value(d, c.value_type(d.constr, f'operand {n!r}'))}:${n}"  # type: ignore[attr-defined]
+    args = [f"{_value(d, c.value_type(d.constr, f'operand {n!r}'))}:${n}"
             for n, d in opdef.operands]
     for name, d in opdef.attributes.items():
         if name in SEGMENT_ATTRS:
@@ -327,17 +328,17 @@ def op_to_ods(op: type[IRDLOperation], prefix: str, dialect_of: dict[type, str],
                   "checked")
             continue
         optional = isinstance(d, OptAttributeDef)
-        args.append(f"{c.attribute(d.constr, f'attribute {name!r}', optional)}:${name}")  # type: ignore[attr-defined]
+        args.append(f"{c.attribute(d.constr, f'attribute {name!r}', optional)}:${name}")
     for name in opdef.properties:
         c.gap(f"property {name!r}", "not exported")
-    results = [f"{_value(d, c.value_type(d.constr, f'result {n!r}'))}:${n}"  # type: ignore[attr-defined]
+    results = [f"{_value(d, c.value_type(d.constr, f'result {n!r}'))}:${n}"
                for n, d in opdef.results]
     regions = []
-    for name, d in opdef.regions:
-        if isinstance(d, VarRegionDef | OptRegionDef | VarSingleBlockRegionDef
+    for name, region in opdef.regions:
+        if isinstance(region, VarRegionDef | OptRegionDef | VarSingleBlockRegionDef
                       | OptSingleBlockRegionDef):
             c.gap(f"region {name!r}", "variadic/optional regions are exported as one region")
-        sized = isinstance(d, SingleBlockRegionDef | VarSingleBlockRegionDef
+        sized = isinstance(region, SingleBlockRegionDef | VarSingleBlockRegionDef
                            | OptSingleBlockRegionDef)
         regions.append(f"{'SizedRegion<1>' if sized else 'AnyRegion'}:${name}")
     if opdef.successors:

@@ -36,9 +36,12 @@ import io
 import os
 import stat
 from collections.abc import Iterator
-from typing import IO, Literal
+from typing import IO, TYPE_CHECKING, Literal
 
 from toptpu.errors import ToptpuError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 #: a temporary file of a write of `NAME` by process PID is `.NAME{TEMP_MARK}PID`
 TEMP_MARK = ".tmp-"
@@ -184,7 +187,7 @@ def remove_stale_temp_files(path: str) -> list[str]:
     `.NAME.tmp-PID` are touched; those of running processes are kept. Returns the paths
     removed."""
     directory, base = os.path.split(os.path.abspath(path))
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -209,7 +212,7 @@ class _Raw(io.FileIO):
 
     attempted = 0
 
-    def write(self, b: bytes | bytearray | memoryview) -> int | None:  # type: ignore[override]
+    def write(self, b: Buffer, /) -> int:
         n = memoryview(b).nbytes
         try:
             at = self.tell()
@@ -218,7 +221,7 @@ class _Raw(io.FileIO):
         self.attempted = max(self.attempted, at + n)
         return self._write_raw(b)
 
-    def _write_raw(self, b: bytes | bytearray | memoryview) -> int | None:
+    def _write_raw(self, b: Buffer) -> int:
         """The system call (what a test makes fail)."""
         return super().write(b)
 

@@ -134,10 +134,11 @@ def _split_of(attrs: ArrayAttr | None, i: int) -> Split | None:
     return Split(int(values[0]), int(values[1]))
 
 
-def _with_split(attrs: ArrayAttr | None, n: int, i: int, split: Split | None) -> ArrayAttr:
+def _with_split(attrs: ArrayAttr[DictionaryAttr] | None, n: int, i: int, split: Split | None
+                ) -> ArrayAttr[DictionaryAttr]:
     dicts = [attrs.data[j] if attrs is not None and j < len(attrs.data) else DictionaryAttr({})
              for j in range(n)]
-    d = dict(dicts[i].data)  # type: ignore[union-attr]
+    d = dict(dicts[i].data)
     if split is None:
         d.pop(SPLIT_ATTR, None)
     else:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar
 
+from xdsl.dialects.builtin import ShapedType
 from xdsl.ir import Attribute, Operation, SSAValue
 
 
@@ -83,7 +84,9 @@ def aligned_axis(operand_shape: Sequence[int], result_shape: Sequence[int],
 
 
 def _shape(v: SSAValue) -> tuple[int, ...]:
-    return tuple(v.type.get_shape())  # type: ignore[attr-defined]
+    t = v.type
+    assert isinstance(t, ShapedType), t
+    return tuple(t.get_shape())
 
 
 def broadcast_row_rule(op: Operation, r: int) -> RowRule | None:
@@ -164,7 +167,7 @@ class SlicingInterface:
 
     def heads_operand_axes(self) -> tuple[int | None, ...]:
         """For a heads slice, per operand: the axis of its units, None for whole."""
-        return tuple(None for _ in self._operands())
+        return tuple(None for _ in self._sliced_operands())
 
     def heads_result_axes(self) -> tuple[int, ...]:
         """For a heads slice, per result: the axis of its units."""
@@ -188,7 +191,7 @@ class SlicingInterface:
 
     def reduction_operand_axes(self) -> tuple[int | None, ...]:
         """Per operand, the axis the reduction parts cut (None: the same in every part)."""
-        return tuple(None for _ in self._operands())
+        return tuple(None for _ in self._sliced_operands())
 
     # ------------------------------------------------------------------ building a slice
     def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
@@ -198,6 +201,6 @@ class SlicingInterface:
         of the heads loop) and 1/`parts` of its reduction; {} (the default): none."""
         return {}
 
-    def _operands(self) -> Sequence[SSAValue]:
+    def _sliced_operands(self) -> Sequence[SSAValue]:
         assert isinstance(self, Operation)
         return self.operands

@@ -29,6 +29,7 @@ from xdsl.dialects.builtin import (
     IndexType,
     IntegerAttr,
     IntegerType,
+    Signedness,
     StringAttr,
     TensorType,
     f32,
@@ -435,6 +436,85 @@ class PowBase(UnaryOp):
 @irdl_op_definition
 class PowOp(PowBase, TopOp):
     name = "top.pow"
+
+
+class ClampBase(UnaryOp):
+    """torch.clamp: max(x, min), then min(that, max), each bound optional (at least one
+    given, neither NaN). A NaN element stays NaN; with min > max every element is max.
+    Floats and signed integers (whose bounds are integers); the result is an element of x
+    or a bound, so nothing is computed but the rounding of a bound to the element type."""
+
+    min_value = opt_attr_def(FloatAttr, attr_name="min")
+    max_value = opt_attr_def(FloatAttr, attr_name="max")
+
+    def __init__(self, input: SSAValue, min: float | None = None, max: float | None = None,
+                 *, result_type: TensorType | None = None) -> None:
+        self.construct([input], {
+            "min": None if min is None else float_value_attr(f"{self.name} min", min),
+            "max": None if max is None else float_value_attr(f"{self.name} max", max)},
+            None if result_type is None else [result_type])
+
+    @property
+    def bounds(self) -> tuple[float | None, float | None]:
+        """(min, max), None where the bound is not given."""
+        return (None if self.min_value is None else read_float(self.min_value),
+                None if self.max_value is None else read_float(self.max_value))
+
+    def kernel_params(self) -> dict[str, object]:
+        lower, upper = self.bounds
+        return {"min": lower, "max": upper, "out_dtype": self.result_dtype()}
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x = operands[0]
+        assert x is not None
+        elem = elem_of(x)
+        bounds = [a.value.data for k in ("min", "max")
+                  if isinstance(a := attrs.get(k), FloatAttr)]
+        if not bounds:
+            raise VerifyException(f"{cls.name} has neither a min nor a max")
+        if any(math.isnan(v) for v in bounds):
+            raise VerifyException(f"{cls.name} bound is NaN; give a number")
+        if isinstance(elem, IntegerType):
+            if elem.width.data == 1 or elem.signedness.data == Signedness.UNSIGNED:
+                raise VerifyException(f"{cls.name} takes a float or signed integer tensor, "
+                                      f"not {elem}")
+            top_value = 2 ** (elem.width.data - 1)
+            if not all(float(v).is_integer() and -top_value <= v < top_value for v in bounds):
+                raise VerifyException(f"{cls.name} of an {elem} tensor has {elem} bounds, "
+                                      f"not {bounds}")
+        return [tensor(shape_of(x), elem)]
+
+    def flops(self) -> int:
+        return numel(shape_of(self.output)) * sum(v is not None for v in self.bounds)
+
+    traits = traits_def(CanonicalizationPatterns())
+
+    @classmethod
+    def get_canonicalization_patterns(cls) -> tuple[RewritePattern, ...]:
+        """A clamp of a clamp is one clamp."""
+        return (ComposeClamps(),)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """One elementwise generic; f16/bf16 clamp in f32, other types in their own (an
+        integer exactly, as its kernel)."""
+        out = elem_of(self.output)
+        ct = compute_type(out)
+        return e.elementwise([self.input], shape_of(self.output), out, lambda b: b.convert(
+            self.linalg_scalar(b, b.convert(b.args[0], ct)), out))
+
+    def linalg_scalar(self, b: Body, x: SSAValue) -> SSAValue:
+        lower, upper = self.bounds
+        if lower is not None:
+            x = b.binary("max", x, b.const(lower, x.type))  # NaN-propagating, as torch
+        if upper is not None:
+            x = b.binary("min", x, b.const(upper, x.type))
+        return x
+
+
+@irdl_op_definition
+class ClampOp(ClampBase, TopOp):
+    name = "top.clamp"
 
 
 class ConstBinaryOp(UnaryOp):
@@ -2210,6 +2290,335 @@ class GatedDeltaRuleOp(GatedDeltaRuleBase, TopOp):
     name = "top.gated_delta_rule"
 
 
+# =========================================================================== mixture of experts
+
+
+class MoeRouteBase(ShapedOp):
+    """The router of a sparse mixture-of-experts block after its linear
+    (`frontends.moe_ops.moe_route` is the definition): router logits [T, E] and optionally
+    `valid` [T] (1.0 for a real token, 0.0 for a padded row of a static chunk) -> routing
+    weights [T, k] (the logits' element type) and expert indices i32 [T, k].
+
+    Per token: `p = softmax(logits)` in f32, the k largest in descending order (ties: the
+    lower expert index first), divided by their sum when `normalize` (`norm_topk_prob`),
+    rounded to the logits' type. A row with `valid` <= 0 routes nowhere: indices -1,
+    weights 0 (`top.moe_experts` adds nothing for it).
+    """
+
+    logits = operand_def(AnyTensor)
+    valid = opt_operand_def(AnyTensor)
+    k = attr_def(IntegerAttr)
+    normalize = opt_attr_def(BOOL_FLAG)
+    weights = result_def(AnyTensor)
+    indices = result_def(AnyTensor)
+    assembly_format = (
+        "$logits (`valid` $valid^)? attr-dict `:` type($logits) (`valid` type($valid)^)? "
+        "`->` type($weights) `,` type($indices)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+    FLOAT_PRODUCER: ClassVar[bool] = True
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"k": read_int(self.k), "normalize": read_bool(self.normalize),
+                "out_dtype": self.result_dtype(0)}
+
+    def __init__(self, logits: SSAValue, valid: SSAValue | None, *, k: int,
+                 normalize: bool) -> None:
+        self.construct([logits, valid], {
+            "k": int_value_attr(f"{self.name} k", k),
+            "normalize": flag_value_attr(f"{self.name} normalize", normalize)})
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        logits = operands[0]
+        valid = operands[1] if len(operands) > 1 else None
+        assert logits is not None
+        name = cls.name
+        ls = shape_of(logits)
+        if len(ls) != 2:
+            raise VerifyException(f"{name} logits is {list(ls)}; it must be [T, E] (a row of "
+                                  "router logits per token)")
+        t, e = ls
+        _check_float(name, "logits", logits)
+        k = read_int(attrs.get("k"))
+        if not 1 <= k <= e:
+            raise VerifyException(f"{name} k is {k}; it must be from 1 to the {e} experts")
+        if valid is not None:
+            _check_shape(name, "valid", shape_of(valid), (t,))
+            _check_float(name, "valid", valid)
+        return [tensor((t, k), elem_of(logits)), tensor((t, k), i32)]
+
+    def flops(self) -> int:
+        t, e = shape_of(self.logits)
+        k = read_int(self.k)
+        return 5 * t * e + t * e * k + 2 * t * k  # softmax, the k picks, the renormalization
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """Tokens are independent: every operand and result by its rows (axis 0)."""
+        if axis != 0:
+            return None
+        return RowRule(tuple(0 for _ in self.operands), (0, 0))
+
+    def lower_to_linalg(self, e: Emitter) -> list[SSAValue]:
+        """The softmax over the experts in f32 (max, sum of exponentials, quotient); each
+        expert's rank in its row (how many experts have a larger probability, or an equal
+        one at a lower index: a reduction over a second expert loop); slot j takes the
+        expert of rank j (index and probability: a reduction over the experts selecting
+        it); the renormalization divides by the slots' sum; a row whose `valid` is not
+        > 0 gets index -1 and weight 0."""
+        logits, valid = self.logits, self.valid
+        t, n = shape_of(logits)
+        k = read_int(self.k)
+        out = elem_of(self.weights)
+        idx_elem = elem_of(self.indices)
+        mx = e.reduce([(logits, identity(2))], (t, n), [1], False, f32, -math.inf,
+                      lambda b, acc: b.binary("max", acc, b.compute(b.args[0])))
+        row = amap(2, [dim(0)])
+        sm = e.reduce([(logits, identity(2)), (mx, row)], (t, n), [1], False, f32, 0.0,
+                      lambda b, acc: b.add(acc, b.math("exp", b.sub(b.compute(b.args[0]),
+                                                                     b.args[1]))))
+        probs = e.map([(logits, identity(2)), (mx, row), (sm, row)], (t, n), f32,
+                      lambda b: b.div(b.math("exp", b.sub(b.compute(b.args[0]), b.args[1])),
+                                      b.args[2]))
+
+        def before(b: Body, acc: SSAValue) -> SSAValue:
+            """Loop dims (t, e, e2): does expert e2 rank before expert e?"""
+            other, mine = b.args[0], b.args[1]
+            ahead = b.cmp("gt", other, mine)
+            tie_lower = b.and_(b.cmp("eq", other, mine), b.cmp("lt", b.index(2), b.index(1)))
+            one = b.select(b.or_(ahead, tie_lower), b.const(1, i64), b.const(0, i64))
+            return b.add(acc, one)
+
+        rank = e.reduce([(probs, amap(3, [dim(0), dim(2)])), (probs, amap(3, [dim(0), dim(1)]))],
+                        (t, n, n), [2], False, i64, 0, before)
+        slot_map = amap(3, [dim(0), dim(1)])  # loop dims (t, j, e), e reduced
+
+        def pick(b: Body) -> list[SSAValue]:
+            r, p, best_i, best_p = b.args[0], b.args[1], b.args[2], b.args[3]
+            hit = b.cmp("eq", r, b.index_cast(b.index(1), i64))
+            return [b.select(hit, b.index_cast(b.index(2), idx_elem), best_i),
+                    b.select(hit, p, best_p)]
+
+        chosen, top_p = e.generic_n(
+            [(rank, amap(3, [dim(0), dim(2)])), (probs, amap(3, [dim(0), dim(2)]))],
+            [(e.fill((t, k), idx_elem, 0), slot_map), (e.fill((t, k), f32, 0.0), slot_map)],
+            ["parallel", "parallel", "reduction"], pick)
+        if read_bool(self.normalize):
+            total = e.reduce([(top_p, identity(2))], (t, k), [1], False, f32, 0.0,
+                             lambda b, acc: b.add(acc, b.args[0]))
+            top_p = e.map([(top_p, identity(2)), (total, row)], (t, k), f32,
+                          lambda b: b.div(b.args[0], b.args[1]))
+        if valid is None:
+            return [e.convert(top_p, out), chosen]
+        vt = compute_type(elem_of(valid))
+
+        def real(b: Body) -> SSAValue:
+            return b.cmp("gt", b.compute(b.args[0]), b.const(0.0, vt))
+
+        weights = e.map([(valid, row), (top_p, identity(2))], (t, k), out, lambda b: b.convert(
+            b.select(real(b), b.args[1], b.const(0.0, f32)), out))
+        indices = e.map([(valid, row), (chosen, identity(2))], (t, k), idx_elem,
+                        lambda b: b.select(real(b), b.args[1], b.const(-1, idx_elem)))
+        return [weights, indices]
+
+
+@irdl_op_definition
+class MoeRouteOp(MoeRouteBase, TopOp):
+    name = "top.moe_route"
+
+
+class MoeExpertsBase(ShapedOp):
+    """The experts of a sparse mixture-of-experts block (`frontends.moe_ops.moe_experts`
+    is the definition): x [T, H], the experts' weights stacked by expert — `gate` [E, I, H]
+    and `up` [E, I, H] (each expert's gate and up projections: the halves of transformers'
+    fused `gate_up_proj`, the hub layout's per-expert `gate_proj`/`up_proj` stacked) and
+    `down` [E, H, I] — the routing `weights` [T, k] (float) and `indices` [T, k]
+    (integers) -> y [T, H] (x's element type).
+
+    `y[t] = sum over j of weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t])`,
+    `e = indices[t, j]`: each token's weighted sum of its k experts' SwiGLU MLPs, exact (no
+    capacity: no token dropped). An index of -1 adds nothing (a padded row routed nowhere
+    by `top.moe_route`); any other index outside [0, E) is an error. The contributions
+    are added in f32, expert by expert in ascending order, then rounded.
+
+    The sum over the intermediate axis I is separable (SwiGLU is elementwise over I): a
+    layer group may cut it in reduction parts — each part its I/P rows of every expert's
+    gate and up and columns of its down, folded into an f32 accumulator — so an op whose
+    experts do not fit local memory streams them through it.
+    """
+
+    x = operand_def(AnyTensor)
+    gate = operand_def(AnyTensor)
+    up = operand_def(AnyTensor)
+    down = operand_def(AnyTensor)
+    weights = operand_def(AnyTensor)
+    indices = operand_def(AnyTensor)
+    output = result_def(AnyTensor)
+    assembly_format = (
+        "$x `,` $gate `,` $up `,` $down `,` $weights `,` $indices attr-dict `:` type($x) `,` "
+        "type($gate) `,` type($up) `,` type($down) `,` type($weights) `,` type($indices) "
+        "`->` type($output)"
+    )
+    TPU_COMPUTES_F32: ClassVar[bool] = True
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("moe_experts_part",
+                                                           "moe_experts_finish")
+
+    def kernel_params(self) -> dict[str, object]:
+        return {"out_dtype": self.result_dtype()}
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of I: every operand (gate, up and down cut to the part's rows)."""
+        return operands, {}
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return (), {"out_dtype": self.result_dtype(), "like": operands[0]}
+
+    def __init__(self, x: SSAValue, gate: SSAValue, up: SSAValue, down: SSAValue,
+                 weights: SSAValue, indices: SSAValue) -> None:
+        self.construct([x, gate, up, down, weights, indices], {})
+
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, gate, up, down, weights, indices = operands[:6]
+        assert x is not None and gate is not None and up is not None and down is not None \
+            and weights is not None and indices is not None
+        name = cls.name
+        xs = shape_of(x)
+        if len(xs) != 2:
+            raise VerifyException(f"{name} x is {list(xs)}; it must be [T, H] (a row per token)")
+        t, h = xs
+        gs = shape_of(gate)
+        if len(gs) != 3 or gs[2] != h:
+            raise VerifyException(f"{name} gate is {list(gs)}; it must be [E, I, {h}] (each "
+                                  "expert's gate projection, stacked)")
+        e, inter = gs[0], gs[1]
+        _check_shape(name, "up", shape_of(up), (e, inter, h))
+        _check_shape(name, "down", shape_of(down), (e, h, inter))
+        ws = shape_of(weights)
+        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e:
+            raise VerifyException(f"{name} weights is {list(ws)}; it must be [{t}, k] with k "
+                                  f"from 1 to the {e} experts")
+        _check_shape(name, "indices", shape_of(indices), ws)
+        for what, v in (("x", x), ("gate", gate), ("up", up), ("down", down),
+                        ("weights", weights)):
+            _check_float(name, what, v)
+        if is_float(elem_of(indices)):
+            raise VerifyException(f"{name} indices must be integers, not {elem_of(indices)}")
+        return [tensor(xs, elem_of(x))]
+
+    @property
+    def experts(self) -> int:
+        return shape_of(self.gate)[0]
+
+    @property
+    def top_k(self) -> int:
+        return shape_of(self.weights)[1]
+
+    @property
+    def intermediate(self) -> int:
+        return shape_of(self.gate)[1]
+
+    def flops(self) -> int:
+        """The k experts each token computes: its gate, up and down products (2 FLOPs a
+        MAC), silu and the gating product, the weighted sum."""
+        t, h = shape_of(self.x)
+        i = self.intermediate
+        return t * self.top_k * (2 * h * 2 * i + 2 * i * h + 6 * i + 2 * h)
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """Tokens are independent: x, the weights, the indices and y by rows (axis 0), the
+        experts' weights whole."""
+        if axis != 0:
+            return None
+        return RowRule((0, None, None, None, 0, 0), (0,))
+
+    def tile_loop(self) -> SliceKind:
+        """Tiles are row blocks times reduction parts: the second loop is a heads loop of
+        one unit (no output channel of y is computed apart from the others)."""
+        return SliceKind.HEADS
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        """The one unit of the second tile loop cuts nothing."""
+        return (None,) * 6
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (1,)
+
+    def reduction_sliceable(self) -> bool:
+        """Float experts: their intermediate axis."""
+        return all(is_float(elem_of(v)) for v in (self.x, self.gate, self.up, self.down))
+
+    def reduction_count(self) -> int:
+        return self.intermediate
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        """gate and up along their rows (1), down along its columns (2); the rest whole."""
+        return (None, 1, 1, 2, None, None)
+
+    def lower_to_linalg(self, e: Emitter) -> SSAValue:
+        """Dense over each token's k slots, the expert's weights read by index (clamped
+        into range; a slot of index -1 is weighted 0): gate and up [T, k, I] (reductions
+        over H), silu(gate) * up, down [T, k, H] (a reduction over I), then the weighted
+        sum over the slots [T, H]."""
+        x, gate, up, down, weights, indices = (self.x, self.gate, self.up, self.down,
+                                               self.weights, self.indices)
+        t, h = shape_of(x)
+        n, k, inter = self.experts, self.top_k, self.intermediate
+        out = elem_of(self.output)
+
+        def expert(b: Body) -> SSAValue:
+            """The clamped expert index of the loop's slot (block arg 1: the index)."""
+            return b.clamp(b.convert(b.args[1], IndexType()), 0, n - 1)
+
+        def project(w: SSAValue) -> SSAValue:
+            """[T, k, I]: loop dims (t, j, r, c), r over I, c over H reduced."""
+            return e.generic(
+                [(x, amap(4, [dim(0), dim(3)])), (indices, amap(4, [dim(0), dim(1)]))],
+                e.fill((t, k, inter), f32, 0.0), amap(4, [dim(0), dim(1), dim(2)]),
+                ["parallel", "parallel", "parallel", "reduction"],
+                lambda b: b.add(b.args[2], b.mul(b.compute(b.args[0]), b.compute(b.extract(
+                    w, [expert(b), b.index(2), b.index(3)])))))
+
+        g_proj, u_proj = project(gate), project(up)
+        slots = amap(3, [dim(0), dim(1), dim(2)])
+
+        def gated(b: Body) -> SSAValue:
+            g, u = b.args[0], b.args[1]
+            sig = b.div(b.const(1.0, f32), b.add(b.const(1.0, f32),
+                                                  b.math("exp", b.neg(g))))
+            return b.mul(b.mul(g, sig), u)
+
+        act = e.map([(g_proj, slots), (u_proj, slots)], (t, k, inter), f32, gated)
+        # loop dims (t, j, o, i): o over H, i over I reduced
+        slot_out = e.generic(
+            [(act, amap(4, [dim(0), dim(1), dim(3)])), (indices, amap(4, [dim(0), dim(1)]))],
+            e.fill((t, k, h), f32, 0.0), amap(4, [dim(0), dim(1), dim(2)]),
+            ["parallel", "parallel", "parallel", "reduction"],
+            lambda b: b.add(b.args[2], b.mul(b.args[0], b.compute(b.extract(
+                down, [expert(b), b.index(2), b.index(3)])))))
+        it = elem_of(indices)
+
+        def weighted(b: Body, acc: SSAValue) -> SSAValue:
+            y, w, i = b.args[0], b.compute(b.args[1]), b.args[2]
+            w = b.select(b.cmp("ge", i, b.const(0, it)), w, b.const(0.0, f32))
+            return b.add(acc, b.mul(w, y))
+
+        # loop dims (t, o, j): j reduced
+        total = e.reduce([(slot_out, amap(3, [dim(0), dim(2), dim(1)])),
+                          (weights, amap(3, [dim(0), dim(2)])),
+                          (indices, amap(3, [dim(0), dim(2)]))],
+                         (t, h, k), [2], False, f32, 0.0, weighted)
+        return e.convert(total, out)
+
+
+@irdl_op_definition
+class MoeExpertsOp(MoeExpertsBase, TopOp):
+    name = "top.moe_experts"
+
+
 # =========================================================================== data movement
 
 
@@ -2531,6 +2940,7 @@ Top = Dialect(
         *UNARY_ELEMENTWISE,
         GeluOp,
         PowOp,
+        ClampOp,
         AddConstOp,
         SubConstOp,
         MulConstOp,
@@ -2558,6 +2968,8 @@ Top = Dialect(
         Conv2dOp,
         CausalConv1dOp,
         GatedDeltaRuleOp,
+        MoeRouteOp,
+        MoeExpertsOp,
         ReshapeOp,
         PermuteOp,
         ExpandOp,
@@ -2657,6 +3069,37 @@ class FoldIdentityScalarOp(RewritePattern):
         )
         if is_identity:
             rewriter.replace(op, [], [op.input])
+
+
+class ComposeClamps(RewritePattern):
+    """clamp(clamp(x, a, b), c, d) -> clamp(x, clamp(a, c, d), clamp(b, c, d)), a missing
+    bound infinite (and dropped again where the new one is): clamps are monotone, so the
+    outer clamp of the inner's bounds bounds the composition, for any a, b, c, d (min > max
+    included). Rounding a bound to the element type is monotone too, so the bits are the
+    two clamps' (tests/test_op_clamp.py checks every case against the kernel); a NaN stays
+    NaN in both."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: ClampBase, rewriter: PatternRewriter) -> None:
+        inner = producer(op.input, type(op))
+        if inner is None or not inner.output.has_one_use():
+            return
+        (a, b), (c, d) = inner.bounds, op.bounds
+        lo, hi = -math.inf if c is None else c, math.inf if d is None else d
+
+        def outer(v: float) -> float:
+            return min(max(v, lo), hi)
+
+        lower, upper = outer(-math.inf if a is None else a), outer(math.inf if b is None else b)
+        if lower == -math.inf and upper == math.inf:  # neither clamp bounds anything
+            rewriter.replace(op, [], [inner.input])
+            return
+        attrs = {**attributes_of(op), "min": f64_attr(lower), "max": f64_attr(upper)}
+        if lower == -math.inf:
+            del attrs["min"]
+        if upper == math.inf:
+            del attrs["max"]
+        rewriter.replace(op, named_like(type(op).build([inner.input], attrs), op))
 
 
 class ComposeScalarMuls(RewritePattern):

@@ -180,11 +180,12 @@ TPU_EXTRAS: dict[type[ShapedOp], type[TpuOp]] = {top.WeightOp: TpuWeight,
                                                  top.ConstantOp: TpuConstant}
 
 
-def _derive_twin(op: type[ShapedOp]) -> type[TpuOp]:
+def derive_twin(op: type[ShapedOp], module: str = __name__) -> type[TpuOp]:
     """The Tpu twin of Top op class `op`: its Top base classes (operands, attributes, shape
     inference, FLOPs, kernel binding, lowering types) with the chip's attributes (`TpuOp`,
     or its `TPU_EXTRAS`), its own class constants (`FLOPS_PER_ELEMENT`, `KERNEL`, ...), and
-    its name at the Tpu level (`top.silu` -> `tpu.silu`, class `SiluOp` of this module)."""
+    its name at the Tpu level (`top.silu` -> `tpu.silu`, class `SiluOp` of `module`: this
+    one; a plugin op's twin belongs to the plugin's module, `plugin_ops`)."""
     extras = TPU_EXTRAS.get(op)
     bases = ((extras,) if extras is not None
              else (*(b for b in op.__bases__ if b is not top.TopOp), TpuOp))
@@ -195,14 +196,14 @@ def _derive_twin(op: type[ShapedOp]) -> type[TpuOp]:
     twin = type(op.__name__, bases, {
         **constants, "name": f"tpu.{kind}",
         "__annotations__": {k: ClassVar[type(v)] for k, v in constants.items()},
-        "__module__": __name__, "__qualname__": op.__name__, "__doc__": doc})
+        "__module__": module, "__qualname__": op.__name__, "__doc__": doc})
     return irdl_op_definition(twin)
 
 
 #: Top op class -> its Tpu twin (same operands, attributes and shape semantics), derived
 #: for every op of the Top dialect
 TPU_OF_TOP: dict[type[ShapedOp], type[TpuOp]] = {
-    op: _derive_twin(op) for op in top.Top.operations if issubclass(op, ShapedOp)}
+    op: derive_twin(op) for op in top.Top.operations if issubclass(op, ShapedOp)}
 
 B = TypeVar("B", bound=ShapedOp)
 
@@ -263,6 +264,8 @@ CumSumOp = _twin_as(top.CumSumOp, top.CumSumBase)
 Conv2dOp = _twin_as(top.Conv2dOp, top.Conv2dBase)
 CausalConv1dOp = _twin_as(top.CausalConv1dOp, top.CausalConv1dBase)
 GatedDeltaRuleOp = _twin_as(top.GatedDeltaRuleOp, top.GatedDeltaRuleBase)
+MoeRouteOp = _twin_as(top.MoeRouteOp, top.MoeRouteBase)
+MoeExpertsOp = _twin_as(top.MoeExpertsOp, top.MoeExpertsBase)
 ReshapeOp = _twin_as(top.ReshapeOp, top.ReshapeBase)
 PermuteOp = _twin_as(top.PermuteOp, top.PermuteBase)
 ExpandOp = _twin_as(top.ExpandOp, top.ExpandBase)

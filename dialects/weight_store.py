@@ -27,6 +27,7 @@ import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
@@ -37,6 +38,9 @@ from toptpu.dialects import top
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader, serialize
 from toptpu.dialects.output_file import open_output
 from toptpu.errors import ToptpuError
+
+if TYPE_CHECKING:
+    import torch
 
 STORE_ATTR = "top.weight_store"
 #: the prefix of a store that lives in this process only
@@ -66,7 +70,7 @@ class MissingWeightError(WeightStoreError, KeyError):
 _COUNTER = itertools.count()
 
 
-def _torch_to_numpy(t) -> np.ndarray:  # noqa: ANN001 - torch is imported lazily
+def _torch_to_numpy(t: torch.Tensor) -> np.ndarray:
     import torch
 
     t = t.detach().cpu().contiguous()

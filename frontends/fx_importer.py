@@ -14,14 +14,15 @@ op and the model source line it came from.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from xdsl.dialects.builtin import (
     TensorType,
 )
 from xdsl.ir import Attribute, Block, Operation, Region, SSAValue
+from xdsl.utils.exceptions import VerifyException
 
 from toptpu.dialects import top
 from toptpu.dialects.common import (
@@ -46,7 +48,11 @@ from toptpu.dialects.common import (
 from toptpu.dialects.naming import make_loc, name_dicts
 from toptpu.dialects.weight_store import WeightStore, _torch_to_numpy, attach_store
 from toptpu.errors import ToptpuError
-from toptpu.frontends import linear_attention_ops  # noqa: F401 - registers torch.ops.toptpu
+from toptpu.frontends import (  # noqa: F401 - moe_ops registers torch.ops.toptpu
+    linear_attention_ops,  # noqa: F401 - registers torch.ops.toptpu
+    moe,
+    moe_ops,
+)
 
 aten = torch.ops.aten
 
@@ -194,6 +200,7 @@ class Importer:
     def materialize(self, c: ConstValue) -> SSAValue:
         if c.ssa is None:
             arr = c.array
+            op: Operation
             if arr.size <= MAX_INLINE_CONSTANT:
                 op = top.ConstantOp(arr)
             else:
@@ -249,11 +256,15 @@ def _sanitize(name: str) -> str:
 
 # =========================================================================== builders
 
-Builder = Callable[[Importer, torch.fx.Node], Any]
-ATEN_BUILDERS: dict[Any, Builder] = {}
+#: what a builder gives for its node: the node's value, the values of its tuple result, or
+#: None (a node with no value: an assert)
+Built: TypeAlias = "SSAValue | tuple[SSAValue, ...] | None"
+Builder = Callable[[Importer, torch.fx.Node], Built]
+#: aten op overload (or Python operator) -> its builder
+ATEN_BUILDERS: dict[object, Builder] = {}
 
 
-def builds(*targets: Any) -> Callable[[Builder], Builder]:
+def builds(*targets: object) -> Callable[[Builder], Builder]:
     def deco(fn: Builder) -> Builder:
         for t in targets:
             ATEN_BUILDERS[t] = fn
@@ -268,21 +279,37 @@ def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def _int_arg(node: torch.fx.Node, i: int) -> int:
+    """Positional argument `i` of `node`, an `int` of its aten schema."""
+    a = node.args[i]
+    assert isinstance(a, int), f"{node.target}: argument {i} is {a!r}, not an int"
+    return a
+
+
+def _list_arg(node: torch.fx.Node, i: int) -> list[Any]:
+    """Positional argument `i` of `node`, a list (`int[]`, `Tensor[]`) of its aten schema."""
+    a = node.args[i]
+    assert isinstance(a, list | tuple), f"{node.target}: argument {i} is {a!r}, not a list"
+    return list(a)
+
+
 @builds(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
         aten.sym_constrain_range_for_size.default)
-def _skip(im: Importer, node: torch.fx.Node) -> Any:
+def _skip(im: Importer, node: torch.fx.Node) -> Built:
     return None
 
 
 @builds(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
         aten.dropout.default, aten.lift_fresh_copy.default, aten.to.device,
         aten.feature_dropout.default)
-def _identity(im: Importer, node: torch.fx.Node) -> Any:
-    return im.env[node.args[0]]
+def _identity(im: Importer, node: torch.fx.Node) -> Built:
+    x = node.args[0]
+    assert isinstance(x, torch.fx.Node), f"{node.target}: argument 0 is {x!r}, not a tensor"
+    return im.env[x]
 
 
 @builds(aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default)
-def _to(im: Importer, node: torch.fx.Node) -> Any:
+def _to(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     return im.cast_to(x, im.out_type().element_type, "")
 
@@ -290,6 +317,74 @@ def _to(im: Importer, node: torch.fx.Node) -> Any:
 def _elementwise_operands(im: Importer, node: torch.fx.Node, args: Sequence[Any]) -> list[SSAValue]:
     elem = im.out_type().element_type
     return [im.cast_to(im.value(a), elem, f"cast{i}") for i, a in enumerate(args)]
+
+
+def _schema_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The node's arguments by their names in its aten op's schema, defaults filled in."""
+    values: dict[str, Any] = {}
+    # the ignore below: an aten op overload's target (not a str)
+    for i, arg in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
+        if i < len(node.args) and not arg.kwarg_only:
+            values[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            values[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            values[arg.name] = arg.default_value
+    return values
+
+
+def builds_from_schema(op: Callable[..., Operation], *targets: Any,
+                       renamed: Mapping[str, str] | None = None,
+                       fixed: Mapping[str, object] | None = None) -> None:
+    """Import each aten op of `targets` as `op`, read from its schema: its tensor arguments
+    are the op's operands (in order, cast to the result's element type: an elementwise op),
+    its other arguments the keywords of the op's constructor of the same names (`renamed`:
+    schema name -> keyword), `fixed` keywords the aten op has no argument for (relu6's
+    bounds). A schema that does not fit the constructor fails here, when the module is
+    imported; a value the op refuses (a computed number, a NaN bound) is an
+    `UnsupportedOpError` naming the aten op and the op's reason."""
+    renamed, fixed = dict(renamed or {}), dict(fixed or {})
+    accepted = set(inspect.signature(op).parameters)
+    for target in targets:
+        for arg in target._schema.arguments:
+            if isinstance(arg.type, torch.TensorType):
+                continue
+            if isinstance(arg.type, torch.OptionalType):
+                kind = arg.type.getElementType()
+            else:
+                kind = arg.type
+            keyword = renamed.get(arg.name, arg.name)
+            if not isinstance(kind, torch.NumberType | torch.FloatType | torch.IntType
+                              | torch.BoolType | torch.StringType):
+                raise TypeError(f"builds_from_schema: {target} argument {arg.name} is a "
+                                f"{arg.type}; write a builder for it")
+            if keyword not in accepted:
+                raise TypeError(f"builds_from_schema: {target} argument {arg.name} is no "
+                                f"keyword of {getattr(op, '__name__', op)}")
+    for target in targets:
+        ATEN_BUILDERS[target] = functools.partial(_build_from_schema, op, renamed, fixed)
+
+
+def _build_from_schema(op: Callable[..., Operation], renamed: Mapping[str, str],
+                       fixed: Mapping[str, object], im: Importer, node: torch.fx.Node) -> Built:
+    values = _schema_arguments(node)
+    tensors: list[Any] = []
+    params: dict[str, object] = dict(fixed)
+    # the ignore below: an aten op overload's target (not a str)
+    for arg in node.target._schema.arguments:  # type: ignore[union-attr]
+        value = values.get(arg.name)
+        if isinstance(arg.type, torch.TensorType):
+            tensors.append(value)
+        elif isinstance(value, torch.fx.Node):
+            raise UnsupportedOpError(f"{arg.name} is computed ({value.name}); give a number")
+        else:
+            params[renamed.get(arg.name, arg.name)] = value
+    operands = _elementwise_operands(im, node, tensors)
+    try:
+        built = op(*operands, **params)
+    except (VerifyException, TypeError, ValueError) as e:
+        raise UnsupportedOpError(str(e)) from None
+    return im.emit(built).results[0]
 
 
 def _scalar(a: Any) -> float | None:
@@ -301,12 +396,12 @@ def _scalar(a: Any) -> float | None:
 
 
 def _binary(kind: str, tensor_op: type[top.BinaryOp], const_op: type[top.ConstBinaryOp]) -> Builder:
-    def build(im: Importer, node: torch.fx.Node) -> Any:
+    def build(im: Importer, node: torch.fx.Node) -> Built:
         a, b = node.args[0], node.args[1]
         alpha = node.kwargs.get("alpha", 1)
         if alpha != 1:
             if _scalar(b) is not None:
-                b = _scalar(b) * alpha  # type: ignore[operator]
+                b = _scalar(b) * alpha  # type: ignore[operator]  # a number, checked above
             else:
                 raise UnsupportedOpError(f"aten.{kind} with alpha={alpha}")
         sa, sb = _scalar(a), _scalar(b)
@@ -336,7 +431,7 @@ for _kind, _top, _const in (
 
 
 @builds(aten.rsub.Scalar)
-def _rsub(im: Importer, node: torch.fx.Node) -> Any:
+def _rsub(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     c = _scalar(node.args[1])
     assert c is not None
@@ -344,13 +439,13 @@ def _rsub(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.neg.default)
-def _neg(im: Importer, node: torch.fx.Node) -> Any:
+def _neg(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     return im.emit(top.MulConstOp(x, -1.0)).results[0]
 
 
 @builds(aten.maximum.default, aten.minimum.default)
-def _maxmin(im: Importer, node: torch.fx.Node) -> Any:
+def _maxmin(im: Importer, node: torch.fx.Node) -> Built:
     x, y = _elementwise_operands(im, node, node.args[:2])
     cls = top.MaxOp if node.target == aten.maximum.default else top.MinOp
     return im.emit(cls(x, y)).results[0]
@@ -370,13 +465,13 @@ _UNARY: dict[Any, type[top.UnaryOp]] = {
 
 
 @builds(*_UNARY)
-def _unary(im: Importer, node: torch.fx.Node) -> Any:
+def _unary(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     return im.emit(_UNARY[node.target](x)).results[0]
 
 
 @builds(aten.softplus.default)
-def _softplus(im: Importer, node: torch.fx.Node) -> Any:
+def _softplus(im: Importer, node: torch.fx.Node) -> Built:
     """F.softplus with torch's defaults (beta 1, threshold 20), the ones `top.softplus`
     computes; other parameters are refused."""
     beta, threshold = _arg(node, 1, "beta", 1.0), _arg(node, 2, "threshold", 20.0)
@@ -388,25 +483,24 @@ def _softplus(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.gelu.default)
-def _gelu(im: Importer, node: torch.fx.Node) -> Any:
+def _gelu(im: Importer, node: torch.fx.Node) -> Built:
     (x,) = _elementwise_operands(im, node, [node.args[0]])
     try:
-        approx = GeluApproximation.parse(node.kwargs.get("approximate", "none"))
+        approx = GeluApproximation.parse(str(node.kwargs.get("approximate", "none")))
     except ValueError as e:
         raise UnsupportedOpError(f"aten.gelu: {e}") from None
     return im.emit(top.GeluOp(x, approx)).results[0]
 
 
-@builds(aten.pow.Tensor_Scalar)
-def _pow(im: Importer, node: torch.fx.Node) -> Any:
-    (x,) = _elementwise_operands(im, node, [node.args[0]])
-    e = _scalar(node.args[1])
-    assert e is not None
-    return im.emit(top.PowOp(x, e)).results[0]
+builds_from_schema(top.PowOp, aten.pow.Tensor_Scalar)
+builds_from_schema(top.ClampOp, aten.clamp.default, aten.clip.default, aten.clamp_min.default,
+                   aten.clamp_max.default)
+builds_from_schema(top.ClampOp, aten.hardtanh.default, renamed={"min_val": "min", "max_val": "max"})
+builds_from_schema(top.ClampOp, aten.relu6.default, fixed={"min": 0.0, "max": 6.0})
 
 
 def _compare(pred: ComparePredicate) -> Builder:
-    def build(im: Importer, node: torch.fx.Node) -> Any:
+    def build(im: Importer, node: torch.fx.Node) -> Built:
         a, b = node.args[0], node.args[1]
         x = im.value(a)
         if _scalar(b) is not None:
@@ -418,7 +512,7 @@ def _compare(pred: ComparePredicate) -> Builder:
             assert isinstance(t, TensorType)
             c = im.emit(top.ConstantOp(arr.astype(numpy_dtype(t.element_type)).reshape(())),
                         "rhs")
-            y = c.results[0]
+            y: SSAValue = c.results[0]
         else:
             y = im.value(b)
         return im.emit(top.CompareOp(x, y, pred)).results[0]
@@ -432,14 +526,14 @@ for _p in ComparePredicate:  # aten.eq, aten.ne, ... are named like the predicat
 
 
 @builds(aten.where.self)
-def _where(im: Importer, node: torch.fx.Node) -> Any:
+def _where(im: Importer, node: torch.fx.Node) -> Built:
     c = im.value(node.args[0])
     x, y = _elementwise_operands(im, node, node.args[1:3])
     return im.emit(top.WhereOp(c, x, y)).results[0]
 
 
 @builds(aten.masked_fill.Scalar)
-def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
+def _masked_fill(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     m = im.value(node.args[1])
     v = _scalar(node.args[2])
@@ -453,7 +547,7 @@ def _masked_fill(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.linear.default)
-def _linear(im: Importer, node: torch.fx.Node) -> Any:
+def _linear(im: Importer, node: torch.fx.Node) -> Built:
     x, w = im.value(node.args[0]), im.value(node.args[1])
     b = im.value(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
     op = top.MatMulOp(x, w, b, transpose_b=True)
@@ -461,7 +555,7 @@ def _linear(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.mm.default, aten.bmm.default, aten.matmul.default)
-def _mm(im: Importer, node: torch.fx.Node) -> Any:
+def _mm(im: Importer, node: torch.fx.Node) -> Built:
     a, b = im.value(node.args[0]), im.value(node.args[1])
     if len(shape_of(a)) == 1 or len(shape_of(b)) == 1:
         raise UnsupportedOpError("matmul with a rank-1 operand")
@@ -469,7 +563,7 @@ def _mm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.addmm.default)
-def _addmm(im: Importer, node: torch.fx.Node) -> Any:
+def _addmm(im: Importer, node: torch.fx.Node) -> Built:
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         raise UnsupportedOpError("aten.addmm with beta/alpha != 1")
     bias, a, b = (im.value(x) for x in node.args[:3])
@@ -480,7 +574,7 @@ def _addmm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.t.default)
-def _t(im: Importer, node: torch.fx.Node) -> Any:
+def _t(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     if len(shape_of(x)) < 2:
         return x
@@ -488,31 +582,31 @@ def _t(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.transpose.int)
-def _transpose(im: Importer, node: torch.fx.Node) -> Any:
+def _transpose(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     r = len(shape_of(x))
-    d0, d1 = node.args[1] % r, node.args[2] % r
+    d0, d1 = _int_arg(node, 1) % r, _int_arg(node, 2) % r
     order = list(range(r))
     order[d0], order[d1] = order[d1], order[d0]
     return im.permute(x, order, "")
 
 
 @builds(aten.permute.default)
-def _permute(im: Importer, node: torch.fx.Node) -> Any:
+def _permute(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     r = len(shape_of(x))
-    return im.permute(x, [d % r for d in node.args[1]], "")
+    return im.permute(x, [d % r for d in _list_arg(node, 1)], "")
 
 
 @builds(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
         aten.flatten.using_ints, aten.unflatten.int, aten.view_as.default)
-def _reshape(im: Importer, node: torch.fx.Node) -> Any:
+def _reshape(im: Importer, node: torch.fx.Node) -> Built:
     return im.reshape(im.value(node.args[0]), im.out_shape(), "")
 
 
 @builds(aten.expand.default, aten.expand_as.default)
-def _expand(im: Importer, node: torch.fx.Node) -> Any:
+def _expand(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = im.out_shape()
     if shape_of(x) == shape:
@@ -521,8 +615,8 @@ def _expand(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.cat.default, aten.concat.default)
-def _cat(im: Importer, node: torch.fx.Node) -> Any:
-    xs = _elementwise_operands(im, node, list(node.args[0]))
+def _cat(im: Importer, node: torch.fx.Node) -> Built:
+    xs = _elementwise_operands(im, node, _list_arg(node, 0))
     xs = [x for x in xs if 0 not in shape_of(x)]
     dim = _arg(node, 1, "dim", 0)
     if len(xs) == 1:
@@ -553,7 +647,7 @@ def _slice_value(im: Importer, x: SSAValue, dim: int, start: int, end: int, step
 
 
 @builds(aten.slice.Tensor)
-def _slice(im: Importer, node: torch.fx.Node) -> Any:
+def _slice(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 1, "dim", 0) % len(shape)
@@ -563,11 +657,11 @@ def _slice(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.select.int)
-def _select(im: Importer, node: torch.fx.Node) -> Any:
+def _select(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
-    dim = node.args[1] % len(shape)
-    idx = node.args[2] % shape[dim]
+    dim = _int_arg(node, 1) % len(shape)
+    idx = _int_arg(node, 2) % shape[dim]
     y = _slice_value(im, x, dim, idx, idx + 1, 1, "slice")
     return im.reshape(y, im.out_shape(), "")
 
@@ -579,7 +673,7 @@ def _split_sizes(size: int, split: Any) -> list[int]:
 
 
 @builds(aten.split.Tensor, aten.split_with_sizes.default, aten.split.sizes)
-def _split(im: Importer, node: torch.fx.Node) -> Any:
+def _split(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 2, "dim", 0) % len(shape)
@@ -591,7 +685,7 @@ def _split(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.chunk.default)
-def _chunk(im: Importer, node: torch.fx.Node) -> Any:
+def _chunk(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 2, "dim", 0) % len(shape)
@@ -604,7 +698,7 @@ def _chunk(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.unbind.int)
-def _unbind(im: Importer, node: torch.fx.Node) -> Any:
+def _unbind(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     shape = shape_of(x)
     dim = _arg(node, 1, "dim", 0) % len(shape)
@@ -616,7 +710,7 @@ def _unbind(im: Importer, node: torch.fx.Node) -> Any:
 
 
 def _reduce(mode: ReduceMode) -> Builder:
-    def build(im: Importer, node: torch.fx.Node) -> Any:
+    def build(im: Importer, node: torch.fx.Node) -> Built:
         x = im.value(node.args[0])
         r = len(shape_of(x))
         dims = _arg(node, 1, "dim", None)
@@ -638,24 +732,24 @@ ATEN_BUILDERS[aten.amin.default] = _reduce(ReduceMode.MIN)
 
 
 @builds(aten.mean.default, aten.sum.default)
-def _reduce_all(im: Importer, node: torch.fx.Node) -> Any:
+def _reduce_all(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     mode = ReduceMode.MEAN if node.target == aten.mean.default else ReduceMode.SUM
     return im.emit(top.ReduceOp(x, mode, range(len(shape_of(x))), False)).results[0]
 
 
 @builds(aten.softmax.int, aten._softmax.default)
-def _softmax(im: Importer, node: torch.fx.Node) -> Any:
+def _softmax(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
-    dim = node.args[1] % len(shape_of(x))
+    dim = _int_arg(node, 1) % len(shape_of(x))
     return im.emit(top.SoftmaxOp(x, dim)).results[0]
 
 
 @builds(aten.layer_norm.default)
-def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
+def _layer_norm(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
-    nshape = node.args[1]
+    nshape = _list_arg(node, 1)
     w = _arg(node, 2, "weight")
     b = _arg(node, 3, "bias")
     eps = _arg(node, 4, "eps", 1e-5)
@@ -666,9 +760,9 @@ def _layer_norm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.rms_norm.default)
-def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
+def _rms_norm(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
-    if len(node.args[1]) != 1:
+    if len(_list_arg(node, 1)) != 1:
         raise UnsupportedOpError("aten.rms_norm over more than the last axis")
     w = _arg(node, 2, "weight")
     eps = _arg(node, 3, "eps")
@@ -678,22 +772,22 @@ def _rms_norm(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.embedding.default)
-def _embedding(im: Importer, node: torch.fx.Node) -> Any:
+def _embedding(im: Importer, node: torch.fx.Node) -> Built:
     w, idx = im.value(node.args[0]), im.value(node.args[1])
     return im.emit(top.GatherOp(w, idx, 0)).results[0]
 
 
 @builds(aten.index_select.default)
-def _index_select(im: Importer, node: torch.fx.Node) -> Any:
-    x, dim, idx = im.value(node.args[0]), node.args[1], im.value(node.args[2])
+def _index_select(im: Importer, node: torch.fx.Node) -> Built:
+    x, dim, idx = im.value(node.args[0]), _int_arg(node, 1), im.value(node.args[2])
     dim %= len(shape_of(x))
     return im.emit(top.GatherOp(x, idx, dim)).results[0]
 
 
 @builds(aten.topk.default)
-def _topk(im: Importer, node: torch.fx.Node) -> Any:
+def _topk(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
-    k = node.args[1]
+    k = _int_arg(node, 1)
     dim = _arg(node, 2, "dim", -1) % len(shape_of(x))
     largest = _arg(node, 3, "largest", True)
     op = im.emit(top.TopKOp(x, k, dim, largest=largest))
@@ -702,9 +796,9 @@ def _topk(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.scatter.src)
-def _scatter(im: Importer, node: torch.fx.Node) -> Any:
+def _scatter(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
-    dim = node.args[1] % len(shape_of(x))
+    dim = _int_arg(node, 1) % len(shape_of(x))
     idx, src = im.value(node.args[2]), im.value(node.args[3])
     if _arg(node, 4, "reduce") is not None:
         raise UnsupportedOpError("aten.scatter with a reduction")
@@ -713,15 +807,15 @@ def _scatter(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.cumsum.default)
-def _cumsum(im: Importer, node: torch.fx.Node) -> Any:
+def _cumsum(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     x = im.cast_to(x, im.out_type().element_type)
-    dim = node.args[1] % len(shape_of(x))
+    dim = _int_arg(node, 1) % len(shape_of(x))
     return im.emit(top.CumSumOp(x, dim)).results[0]
 
 
 @builds(aten.argmax.default)
-def _argmax(im: Importer, node: torch.fx.Node) -> Any:
+def _argmax(im: Importer, node: torch.fx.Node) -> Built:
     x = im.value(node.args[0])
     dim = _arg(node, 1, "dim")
     if dim is None:
@@ -734,7 +828,7 @@ def _argmax(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.conv2d.default, aten.conv2d.padding, aten.convolution.default)
-def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
+def _conv2d(im: Importer, node: torch.fx.Node) -> Built:
     x, w = im.value(node.args[0]), im.value(node.args[1])
     b = _arg(node, 2, "bias")
     stride = list(_arg(node, 3, "stride", [1, 1]))
@@ -743,7 +837,7 @@ def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
     if node.target == aten.convolution.default:
         if node.args[6]:
             raise UnsupportedOpError("transposed convolution")
-        groups = node.args[8]
+        groups = _int_arg(node, 8)
     else:
         groups = _arg(node, 6, "groups", 1)
     if len(shape_of(x)) != 4:
@@ -768,7 +862,7 @@ def _conv2d(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(aten.scaled_dot_product_attention.default)
-def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
+def _sdpa(im: Importer, node: torch.fx.Node) -> Built:
     """torch layout [B, H, S, D] -> sequence-major top.attention between permutes.
 
     A GQA repeat (k expanded to the query heads) is left in place here; the fuse pass
@@ -815,7 +909,7 @@ def _sdpa(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(torch.ops.toptpu.causal_conv1d.default)
-def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Any:
+def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Built:
     """`toptpu::causal_conv1d` (frontends.linear_attention_ops) -> top.causal_conv1d; its
     two results are taken apart by the getitem nodes that follow it."""
     x, w = im.value(node.args[0]), im.value(node.args[1])
@@ -828,7 +922,7 @@ def _causal_conv1d(im: Importer, node: torch.fx.Node) -> Any:
 
 
 @builds(torch.ops.toptpu.gated_delta_rule.default)
-def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Any:
+def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Built:
     """`toptpu::gated_delta_rule` (frontends.linear_attention_ops) -> top.gated_delta_rule;
     a state of another float type is cast to f32 first (the definition computes in f32)."""
     q, k, v, g, beta = (im.value(a) for a in node.args[:5])
@@ -841,6 +935,83 @@ def _gated_delta_rule(im: Importer, node: torch.fx.Node) -> Any:
     op = im.emit(top.GatedDeltaRuleOp(q, k, v, g, beta, state, scale=scale))
     return tuple(im.cast_to(r, im.out_type(i).element_type, f"out{i}")
                  for i, r in enumerate(op.results))
+
+
+@builds(torch.ops.toptpu.moe_route.default)
+def _moe_route(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::moe_route` (frontends.moe_ops) -> top.moe_route; its weights and indices
+    are taken apart by the getitem nodes that follow it."""
+    logits = im.value(node.args[0])
+    top_k, normalize = _arg(node, 1, "top_k"), _arg(node, 2, "normalize")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not isinstance(normalize,
+                                                                               bool):
+        raise UnsupportedOpError("toptpu.moe_route needs a constant top_k and normalize")
+    valid_arg = _arg(node, 3, "valid")
+    valid = None if valid_arg is None else im.value(valid_arg)
+    op = im.emit(top.MoeRouteOp(logits, valid, k=top_k, normalize=normalize))
+    return tuple(im.cast_to(r, im.out_type(i).element_type, f"out{i}")
+                 for i, r in enumerate(op.results))
+
+
+def _stacked_weight(im: Importer, name: str, make: Callable[[], np.ndarray]) -> SSAValue:
+    """A top.weight of the experts' stacked tensor `name`, put in the store once (`make`)."""
+    if name not in im.store:
+        im.store[name] = make()
+    arr = im.store[name]
+    op = top.WeightOp(name, tensor(arr.shape, element_type_of_numpy(arr.dtype)))
+    im.emit(op, name.rsplit(".", 1)[1])
+    op.location = make_loc(name)
+    return op.results[0]
+
+
+@builds(torch.ops.toptpu.moe_experts.default)
+def _moe_experts(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::moe_experts` (frontends.moe_ops: transformers' fused [E, 2I, H] gate|up)
+    -> top.moe_experts on the gate and up halves, each stacked by expert under its name
+    (`frontends.moe.split_names`: '…experts.gate_up_proj' -> '…experts.gate_proj',
+    '…experts.up_proj'), which every layer's weights derive the same way."""
+    x, gate_up, down, weights, indices = (im.value(a) for a in node.args[:5])
+    fused = top.weight_name(gate_up)
+    names = moe.split_names(fused) if fused is not None else None
+    if fused is None or names is None:
+        raise UnsupportedOpError("toptpu.moe_experts needs the experts' fused weight "
+                                 "(…experts.gate_up_proj) as its gate_up")
+    inter = shape_of(gate_up)[1] // 2
+    stored = fused
+
+    def half(h: int) -> Callable[[], np.ndarray]:
+        return lambda: np.ascontiguousarray(im.store[stored][:, h * inter:(h + 1) * inter])
+
+    gate = _stacked_weight(im, names[0], half(0))
+    up = _stacked_weight(im, names[1], half(1))
+    op = im.emit(top.MoeExpertsOp(x, gate, up, down, weights, indices))
+    return im.cast_to(op.results[0], im.out_type().element_type)
+
+
+@builds(torch.ops.toptpu.moe_experts_list.default)
+def _moe_experts_list(im: Importer, node: torch.fx.Node) -> Any:
+    """`toptpu::moe_experts_list` (a block whose experts are a list of modules) ->
+    top.moe_experts on the experts' gate, up and down weights each stacked once, at import,
+    under the name the experts' stacked tensors have (`frontends.moe.stacked_name`:
+    'layer.mlp.experts.3.gate_proj.weight' -> 'layer.mlp.experts.gate_proj')."""
+    x, weights, indices = im.value(node.args[0]), im.value(node.args[4]), im.value(node.args[5])
+    def stack(names: list[str]) -> Callable[[], np.ndarray]:
+        return lambda: np.stack([im.store[n] for n in names])
+
+    stacked: list[SSAValue] = []
+    for part in node.args[1:4]:
+        assert isinstance(part, list | tuple)
+        found = [top.weight_name(im.value(a)) for a in part]
+        names = [n for n in found if n is not None]
+        hits = [moe.stacked_name(n) for n in names]
+        targets = {h[0] for h in hits if h is not None}
+        if len(names) != len(found) or None in hits or len(targets) != 1:
+            raise UnsupportedOpError("toptpu.moe_experts_list needs the experts' own weights "
+                                     "(…experts.N.gate_proj.weight …), named alike")
+        stacked.append(_stacked_weight(im, targets.pop(), stack(names)))
+    gate, up, down = stacked
+    op = im.emit(top.MoeExpertsOp(x, gate, up, down, weights, indices))
+    return im.cast_to(op.results[0], im.out_type().element_type)
 
 
 # =========================================================================== driver
@@ -881,6 +1052,7 @@ def _fold_with_torch(im: Importer, node: torch.fx.Node) -> ConstValue | None:
     if "device" in kwargs:
         kwargs["device"] = "cpu"
     with torch.no_grad():
+        assert callable(node.target), f"{node.target!r} is not an operator"
         res = node.target(*args, **kwargs)
     if not isinstance(res, torch.Tensor):
         return None

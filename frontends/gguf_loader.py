@@ -75,6 +75,7 @@ import numpy as np
 
 from toptpu.backend.contract import ModelDirFileError, model_file_path
 from toptpu.dialects.output_file import note_input
+from toptpu.errors import one_line_reason
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
     LoadedModel,
@@ -678,9 +679,12 @@ class GGUFTensors:
         except ValueError as e:
             raise GGUFError(f"{self.header.path}: tensor '{info.name}': {e}") from None
         self._check_finite(info, form.scales, form.mins)
-        parts = (form.q, form.scales, form.zeros, form.mins)
-        return ExactForm(*(None if a is None else np.ascontiguousarray(self.unpermuted(name, a))
-                           for a in parts))
+        def rows(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(self.unpermuted(name, a))
+
+        return ExactForm(rows(form.q), rows(form.scales),
+                         None if form.zeros is None else rows(form.zeros),
+                         None if form.mins is None else rows(form.mins))
 
     def release(self) -> None:
         """Drop the mapped pages read so far from the resident set."""
@@ -934,7 +938,7 @@ def _config(header: GGUFHeader) -> tuple[Any, str]:
             config = AutoConfig.from_pretrained(d, gguf_file=name, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise GGUFError(f"transformers cannot read the config of {path}: "
-                        f"{str(e)[:200]}") from None
+                        f"{one_line_reason(e)}") from None
     raw = config.to_dict()
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise GGUFError(f"{path}: model_type {raw.get('model_type')!r} is not supported")
@@ -998,7 +1002,8 @@ def load_gguf(source: str, dequantize: str | None = None,
             tensors.dequantize = mode
     files = _tokenizer_files(path) if need_tokenizer else {}
     ck = GGUFCheckpoint(tensors)
-    stream = StreamedWeights(tensors, {},  # type: ignore[arg-type] - a checkpoint reader
+    stream = StreamedWeights(tensors, {},
+                             # the ignore: QuantizedCheckpoint's interface, not its class
                              checkpoint=ck if ck.layouts else None)  # type: ignore[arg-type]
     get: Callable[[str], np.ndarray] = stream.tensor_f32
     model, stream.placeholders = skeleton(config, get)

@@ -30,7 +30,9 @@ class DecoderLayerWithRope(torch.nn.Module):
         self.rotary = text_rotary(rotary)
         self.linear: LinearAttentionBlock | None = None
         if hasattr(layer, "linear_attn"):
-            self.linear = LinearAttentionBlock(layer, linear_widths(layer.linear_attn))
+            linear_attn = layer.linear_attn
+            assert isinstance(linear_attn, torch.nn.Module)
+            self.linear = LinearAttentionBlock(layer, linear_widths(linear_attn))
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -42,8 +42,9 @@ from toptpu.backend.contract import (
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
-from toptpu.errors import ToptpuError
+from toptpu.errors import ToptpuError, one_line_reason
 from toptpu.families import TEXT_FAMILIES, TEXT_MODEL_TYPES, text_family, text_family_of
+from toptpu.frontends.moe import stacked_name, stacked_shapes
 from toptpu.frontends.quant import (
     QuantizedCheckpointError,
     read_quantized_checkpoint,
@@ -120,7 +121,8 @@ def _unknown_model_type(model_type: object, where: str) -> ModelLoadError:
                               f"{REFUSED_MODEL_TYPES[model_type]}")
     return ModelLoadError(
         f"unknown model_type '{model_type}' in {where}: toptpu compiles "
-        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Qwen3.5, Llama 2/3) "
+        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Qwen3.5, Llama 2/3, "
+        "Qwen3-MoE, Qwen2-MoE) "
         "models")
 
 
@@ -140,11 +142,11 @@ _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 _TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
@@ -182,7 +184,8 @@ def check_config_values(raw: Any, where: str) -> None:
         raise ModelLoadError(
             f"{where}: hidden_size {raw['hidden_size']} is not a multiple of "
             f"num_attention_heads {heads} (and there is no head_dim); fix config.json")
-    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    rope_parameters = raw.get("rope_parameters")
+    rope = rope_parameters if isinstance(rope_parameters, dict) else {}
     for name in _POSITIVE_FLOATS:
         for key, v in ((name, raw.get(name)), (f"rope_parameters.{name}", rope.get(name))):
             if v is not None and not (_is_number(v) and math.isfinite(v) and v > 0):
@@ -251,7 +254,7 @@ def check_config(config: Any, where: str = "the model", family: str | None = Non
             f"sequence length at run time; toptpu compiles static shapes and honours "
             f"{', '.join(STATIC_ROPE_TYPES)}")
     layer_types = getattr(config, "layer_types", None) or []
-    if (text_family(family) if family is not None else TEXT_MODEL_TYPES[mt]).hybrid:
+    if (text_family(family) if family is not None else TEXT_MODEL_TYPES[str(mt)]).hybrid:
         _check_hybrid(config, where)
     elif any(t != "full_attention" for t in layer_types) or (
             getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window",
@@ -411,7 +414,11 @@ def check_checkpoint(config: Any, path: str,
     """Compare the checkpoint's tensors (name -> (shape, safetensors dtype); default: read
     from the headers in `path`) with the model's parameters; raise on any mismatch."""
     tensors = checkpoint_tensors(path) if tensors is None else tensors
-    have = {name: shape for name, (shape, _) in tensors.items()}
+    have, expert_problems = stacked_shapes({name: shape for name, (shape, _) in
+                                            tensors.items()})
+    if expert_problems:
+        raise ModelLoadError(f"the checkpoint in {path} does not hold its MoE experts "
+                             "whole: " + "; ".join(expert_problems))
     want, optional = expected_shapes(config)
     text = text_family_of(getattr(config, "model_type", None))
     skipped = text.skipped_prefixes if text is not None else ()
@@ -424,7 +431,8 @@ def check_checkpoint(config: Any, path: str,
             f"({config.model_type}, {config.num_hidden_layers} layers, hidden "
             f"{config.hidden_size}): " + "; ".join(problems)
             + ". Use the config.json that belongs to these weights.")
-    not_float = sorted(k for k in want if k in tensors and tensors[k][1] not in FLOAT_DTYPES)
+    not_float = sorted(k for k in tensors if (k in want or stacked_name(k) is not None)
+                       and tensors[k][1] not in FLOAT_DTYPES)
     if not_float:
         raise ModelLoadError(
             f"the checkpoint in {path} holds weights that are not floating point: " + _listing(
@@ -562,7 +570,8 @@ def read_config(path: str) -> tuple[Any, dict[str, Any]]:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+        raise ModelLoadError(f"transformers cannot read {cfg_path}: "
+                             f"{one_line_reason(e)}") from e
     return config, raw
 
 

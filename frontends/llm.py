@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +64,7 @@ from toptpu.backend.contract import (
     FULL_ATTENTION,
     GREEDY_HEAD,
     HIDDEN,
+    HIDDEN_OUT,
     HISTORY_INPUTS,
     INPUT_IDS,
     LINEAR_ATTENTION,
@@ -73,18 +75,23 @@ from toptpu.backend.contract import (
     LM_HEAD,
     LOGITS,
     MASK_VALUE,
+    ROW_INPUTS,
+    ROW_OUTPUTS,
     SAMPLE_HEAD,
     SAMPLE_INPUTS,
     SAMPLE_OUTPUTS,
     TOKEN,
     LinearWidths,
+    NetName,
     StaticShapes,
     decode_mask,
     prefill_mask,
+    row_name,
     sample_k,
 )
 from toptpu.dialects.common import QuantMode
 from toptpu.errors import ToptpuError
+from toptpu.frontends.moe import MoeError, MoeShape, is_moe_block, moe_forward, moe_shape
 
 
 class SplitError(ToptpuError, ValueError):
@@ -163,8 +170,9 @@ class TextPositionRotary(torch.nn.Module):
 
     def __init__(self, rotary: torch.nn.Module) -> None:
         super().__init__()
-        self.inv_freq = rotary.inv_freq
-        self.scaling = float(rotary.attention_scaling)
+        hf_rotary: Any = rotary  # a transformers rotary: its attributes are the family's
+        self.inv_freq: torch.Tensor = hf_rotary.inv_freq
+        self.scaling = float(hf_rotary.attention_scaling)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,10 +186,11 @@ def rotary_axes(rotary: torch.nn.Module) -> torch.Tensor:
     position from, read off the model's own `recomposition_frequencies` (Qwen3.5's and
     Qwen3-VL's interleave, Qwen2.5-VL's consecutive sections): it recomposes a probe whose
     axis a holds a everywhere."""
-    half = int(rotary.inv_freq.shape[0])
+    hf_rotary: Any = rotary  # a transformers rotary: its attributes are the family's
+    half = int(hf_rotary.inv_freq.shape[0])
     probe = torch.arange(3, dtype=torch.float32)[:, None, None, None].repeat(1, 1, 1, half)
     with torch.no_grad():
-        out = rotary.recomposition_frequencies(probe).reshape(-1)
+        out = hf_rotary.recomposition_frequencies(probe).reshape(-1)
     axis = out[:half].round().long()
     if out.numel() != 2 * half or not torch.equal(out[:half], out[half:]) or \
             not bool(((axis >= 0) & (axis <= 2)).all()) or \
@@ -202,8 +211,9 @@ class MultiAxisRotary(torch.nn.Module):
 
     def __init__(self, rotary: torch.nn.Module) -> None:
         super().__init__()
-        self.inv_freq = rotary.inv_freq
-        self.scaling = float(rotary.attention_scaling)
+        hf_rotary: Any = rotary  # a transformers rotary: its attributes are the family's
+        self.inv_freq: torch.Tensor = hf_rotary.inv_freq
+        self.scaling = float(hf_rotary.attention_scaling)
         axis = rotary_axes(rotary)
         # [3, 1, half]; a constant like inv_freq (not a buffer: the export lifts both alike,
         # whether the rotary is the model's or a streaming skeleton's)
@@ -226,6 +236,38 @@ def text_rotary(rotary: torch.nn.Module, position_axes: int = 1) -> torch.nn.Mod
                              "positions have 3 needs a multi-axis (mrope) rotary")
         return rotary
     return MultiAxisRotary(rotary) if position_axes == 3 else TextPositionRotary(rotary)
+
+
+def layer_moe(layer: Any) -> MoeShape | None:
+    """The MoE block of a decoder layer's MLP (`frontends.moe`), None for a dense MLP; a
+    SplitError naming what toptpu cannot compile."""
+    mlp = layer.mlp
+    if not is_moe_block(mlp):
+        return None
+    try:
+        return moe_shape(mlp)
+    except MoeError as e:
+        raise SplitError(str(e)) from None
+
+
+def real_rows(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """Which rows of a chunk are real, [1, S] (1.0 real, 0.0 padding: a padded row sees
+    no key), from its additive mask [1, 1, S, K]; None for a single row (decode: real).
+    keepdim: the reduction over a row's keys keeps the rows on a token axis, so a layer
+    group can slice the mask by rows."""
+    if hidden.shape[1] == 1:
+        return None
+    valid = (mask.amax(dim=-1, keepdim=True) > MASK_VALUE / 2).to(hidden.dtype)
+    return valid.reshape(1, -1)
+
+
+def layer_mlp(layer: Any, moe: MoeShape | None, x: torch.Tensor,
+              valid: torch.Tensor | None) -> torch.Tensor:
+    """The decoder layer's MLP on x: its own module, or its MoE block through the custom
+    ops (a padded row routes to no expert)."""
+    if moe is None:
+        return layer.mlp(x)
+    return moe_forward(layer.mlp, moe, x, valid)
 
 
 class Embedding(torch.nn.Module):
@@ -251,39 +293,63 @@ class Block(torch.nn.Module):
                  apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                  arch: LlmArch) -> None:
         super().__init__()
-        self.layer = layer
+        hf_layer: Any = layer  # a transformers decoder layer: its submodules are the family's
+        self.layer = hf_layer
         self.rotary = rotary
         self.apply_rotary = apply_rotary
         self.head_dim = arch.head_dim
-        self.scaling = float(layer.self_attn.scaling)
+        attn = hf_layer.self_attn
+        self.scaling = float(attn.scaling)
         # Qwen3.5's q_proj is twice as wide as the heads: each head's query, then its gate
-        self.gated = layer.self_attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
+        self.gated = attn.q_proj.out_features == 2 * arch.num_heads * arch.head_dim
+        self.moe = layer_moe(hf_layer)
 
     def attend(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor, history_k: torch.Tensor | None,
                history_v: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        layer, attn = self.layer, self.layer.self_attn
-        b, s, _ = hidden.shape
-        residual = hidden
-        h = layer.input_layernorm(hidden)
+        q, k, v, gate = self.rotated(hidden, position_ids)
+        present_k, present_v = k.transpose(1, 2), v.transpose(1, 2)
+        o = self.attention(q, k, v, present_k, present_v, attention_mask, history_k,
+                           history_v)
+        valid = real_rows(attention_mask, hidden) if self.moe is not None else None
+        return self.output(hidden, o, gate, valid), present_k, present_v
+
+    def rotated(self, hidden: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rotated queries and keys and the values [b, heads, s, D] of `hidden`'s
+        tokens, and the output gate (Qwen3.5)."""
+        h = self.layer.input_layernorm(hidden)
         q, k, v, gate = self.project(h)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = self.rotary(hidden, position_ids)
         q, k = self.apply_rotary(q, k, cos, sin)
-        present_k, present_v = k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v, gate
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  present_k: torch.Tensor, present_v: torch.Tensor,
+                  attention_mask: torch.Tensor, history_k: torch.Tensor | None,
+                  history_v: torch.Tensor | None) -> torch.Tensor:
+        """The queries' attention over the history (when given: then over the new k/v in
+        the cache layout, `present_*`) and the new k/v."""
         if history_k is not None and history_v is not None:
             # in the cache layout: fuse turns this into attention history operands
             k = torch.cat([history_k, present_k], dim=1).transpose(1, 2)
             v = torch.cat([history_v, present_v], dim=1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
-                                           scale=self.scaling, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                              scale=self.scaling, enable_gqa=True)
+
+    def output(self, hidden: torch.Tensor, o: torch.Tensor, gate: torch.Tensor | None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output from the attention's [b, heads, s, D]: gate, o_proj, the
+        residual, the MLP (a MoE block's padded rows, `valid` 0, route nowhere)."""
+        layer = self.layer
+        b, s, _ = hidden.shape
         o = o.transpose(1, 2).reshape(b, s, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        h = residual + attn.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, present_k, present_v
+        h = hidden + layer.self_attn.o_proj(o)
+        return h + layer_mlp(layer, self.moe, layer.post_attention_layernorm(h), valid)
 
     def project(self, h: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -314,15 +380,60 @@ class Block(torch.nn.Module):
 class BlockWithHistory(Block):
     """`Block` attending to a history KV cache first: prefill_kv and decode."""
 
+    # the ignore below: + history
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,  # type: ignore[override]
                 attention_mask: torch.Tensor, history_k: torch.Tensor,
                 history_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.attend(hidden, position_ids, attention_mask, history_k, history_v)
 
 
+class BatchBlock(Block):
+    """`block_cache` over B conversations at once (`contract.batch_net_io`): their tokens
+    are the rows of `hidden` [1, B, H] and go through the norms, projections, rotary and
+    MLP together (the weights are read once for all B); each row's query attends to its
+    own conversation's cache (`history_k.b`, `history_v.b`) and its own new k/v, under its
+    own mask row. Returns the hidden rows and each row's new k/v (`present_k.b`,
+    `present_v.b`)."""
+
+    # the ignore below: the single block's history_k/history_v become B caches (*caches)
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,  # type: ignore[override]
+                attention_mask: torch.Tensor, *caches: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        q, k, v, gate = self.rotated(hidden, position_ids)
+        present_k, present_v = k.transpose(1, 2), v.transpose(1, 2)
+        outs, presents = [], []
+        for r in range(hidden.shape[1]):
+            pk, pv = present_k[:, r:r + 1], present_v[:, r:r + 1]
+            outs.append(self.attention(q[:, :, r:r + 1], k, v, pk, pv,
+                                       attention_mask[:, :, r:r + 1], caches[2 * r],
+                                       caches[2 * r + 1]))
+            presents += [pk, pv]
+        return (self.output(hidden, torch.cat(outs, dim=2), gate), *presents)
+
+
+class BatchSampleHead(torch.nn.Module):
+    """`sample_head` on B rows, each with its own recent ids and parameters: the rows one
+    after the other through `SampleHead` (its penalty gathers a row's own recent ids)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.head = SampleHead(k)
+
+    def forward(self, logits: torch.Tensor, recent_ids: torch.Tensor, penalty: torch.Tensor,
+                temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, ids = [], []
+        for r in range(logits.shape[0]):
+            p, i = self.head(*(x[r:r + 1] for x in (logits, recent_ids, penalty, temperature,
+                                                    top_k, top_p)))
+            probs.append(p)
+            ids.append(i)
+        return torch.cat(probs, dim=0), torch.cat(ids, dim=0)
+
+
 def linear_widths(linear_attn: torch.nn.Module) -> LinearWidths:
     """The state sizes of a Gated DeltaNet module (`Qwen3_5GatedDeltaNet`)."""
-    la = linear_attn
+    la: Any = linear_attn  # transformers' Gated DeltaNet: its attributes are the family's
     return LinearWidths(int(la.conv_kernel_size), int(la.num_k_heads), int(la.num_v_heads),
                         int(la.head_k_dim), int(la.head_v_dim))
 
@@ -343,16 +454,18 @@ class LinearAttentionBlock(torch.nn.Module):
     def __init__(self, layer: torch.nn.Module, widths: LinearWidths, history: bool = False,
                  cached: bool = False) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer: Any = layer  # a transformers decoder layer: its submodules are the family's
         self.w = widths
         self.history = history or cached
         self.cached = cached
+        self.moe = layer_moe(layer)
         mod = sys.modules[type(layer.linear_attn).__module__]
-        self.l2norm = getattr(mod, "l2norm", None)
-        self.act = getattr(mod, "ACT2FN", None)
-        if self.l2norm is None or self.act is None:
+        l2norm, act = getattr(mod, "l2norm", None), getattr(mod, "ACT2FN", None)
+        if l2norm is None or act is None:
             raise SplitError(f"{mod.__name__} has no l2norm/ACT2FN; toptpu cannot split this "
                              "linear-attention layer")
+        self.l2norm: Callable[..., torch.Tensor] = l2norm
+        self.act: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = act
 
     def mix(self, hidden: torch.Tensor, valid: torch.Tensor, conv_state: torch.Tensor | None,
             recurrent_state: torch.Tensor | None
@@ -379,7 +492,8 @@ class LinearAttentionBlock(torch.nn.Module):
                                             float(w.head_k_dim ** -0.5))
         o = la.norm(o.reshape(-1, w.head_v_dim), z.reshape(-1, w.head_v_dim))
         h = residual + la.out_proj(o.reshape(b, s, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + layer_mlp(layer, self.moe, layer.post_attention_layernorm(h),
+                          None if s == 1 else valid)
         return h, conv_out, state_out
 
     def forward(self, hidden: torch.Tensor, *rest: torch.Tensor
@@ -486,7 +600,7 @@ TORCH_ACTIVATIONS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.b
 
 
 def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f32",
-                position_axes: int = 1) -> list[NetSpec]:
+                position_axes: int = 1, batch: int = 1) -> list[NetSpec]:
     """The nets of `model` (a transformers causal LM, float32, eval) at `shapes`.
 
     Per-layer nets wrap layer `layer` (0 by default); every layer binds its own weights to
@@ -575,32 +689,62 @@ def split_model(model: Any, shapes: StaticShapes, layer: int = 0, act: str = "f3
                          rand(1, seq, kvh, D)),
                         list(HISTORY_INPUTS), list(BLOCK_OUTPUTS), True)
     emb_L, block_L, block_kv_L = prefill(L)
+    lm = LmHead(inner.norm, lm_head)
+    batched: list[NetSpec] = []
+    if batch > 1:
+        if kind == LINEAR_ATTENTION:
+            raise SplitError("a linear-attention layer has no batch decode net yet; "
+                             "compile this model without --batch")
+        B = batch
+        rows = [seq - 1 - b % seq for b in range(B)]  # each row at a position of its own
+        mask = torch.from_numpy(np.concatenate([decode_mask(p, seq) for p in rows], axis=2))
+        batch_pos = torch.cat([pos(1, p) for p in rows], dim=1)
+        caches = tuple(rand(1, seq, kvh, D) for _ in range(2 * B))
+        block_b = BatchBlock(inner.layers[layer], rotary, apply_rotary, arch).eval()
+        batched = [
+            NetSpec(str(NetName(EMBEDDING_CACHE, batch=B)), embedding, (ids(B),), [INPUT_IDS],
+                    [HIDDEN], False),
+            NetSpec(str(NetName(BLOCK_CACHE, batch=B)), block_b,
+                    (rand(1, B, H), batch_pos, mask, *caches),
+                    [*BLOCK_INPUTS, *(row_name(n, b) for b in range(B) for n in ROW_INPUTS)],
+                    [HIDDEN_OUT, *(row_name(n, b) for b in range(B) for n in ROW_OUTPUTS)],
+                    True),
+            NetSpec(str(NetName(LM_HEAD, batch=B)), lm, (rand(B, H),), [HIDDEN], [LOGITS],
+                    False),
+            *head_specs(arch.vocab_size, seq, act, B),
+        ]
     return [
         emb_L,
         NetSpec(EMBEDDING_CACHE, embedding, (ids(1),), [INPUT_IDS], [HIDDEN], False),
         block_L, block_kv_L, cache,
-        NetSpec(LM_HEAD, LmHead(inner.norm, lm_head), (rand(1, H),), [HIDDEN], [LOGITS],
-                False),
+        NetSpec(LM_HEAD, lm, (rand(1, H),), [HIDDEN], [LOGITS], False),
         *head_specs(arch.vocab_size, seq, act),
         # the prefill nets at the shorter chunk lengths share every weight with those at L
         *(spec for length in shapes.shorter_lengths for spec in prefill(length)),
+        *batched,
     ]
 
 
-def head_specs(vocab_size: int, seq_length: int, act: str = "f32") -> list[NetSpec]:
+def head_specs(vocab_size: int, seq_length: int, act: str = "f32", batch: int = 1
+               ) -> list[NetSpec]:
     """`greedy_head` and `sample_head` for a vocabulary, a KV capacity (the recent ids the
-    penalty sees) and the activation type of the logits; they compile in f32."""
+    penalty sees) and the activation type of the logits; they compile in f32. `batch` B
+    >= 2: the heads of the batch nets, on B rows (`greedy_head.bB`, `sample_head.bB`)."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, vocab_size, generator=g).to(TORCH_ACTIVATIONS[act])
-    recent = torch.randint(0, vocab_size, (1, seq_length), generator=g, dtype=torch.int32)
-    scalars = (torch.tensor([[1.1]]), torch.tensor([[0.7]]), torch.tensor([[5]], dtype=torch.int32),
-               torch.tensor([[0.9]]))
+    n = batch
+    logits = torch.randn(n, vocab_size, generator=g).to(TORCH_ACTIVATIONS[act])
+    recent = torch.randint(0, vocab_size, (n, seq_length), generator=g, dtype=torch.int32)
+    scalars = (torch.full((n, 1), 1.1), torch.full((n, 1), 0.7),
+               torch.full((n, 1), 5, dtype=torch.int32), torch.full((n, 1), 0.9))
+    k = sample_k(vocab_size)
+    name = {h: h if batch == 1 else str(NetName(h, batch=batch))
+            for h in (GREEDY_HEAD, SAMPLE_HEAD)}
     return [
-        NetSpec(GREEDY_HEAD, GreedyHead(), (logits,), [LOGITS], [TOKEN], False, mode=QuantMode.F32,
-                keep_input_types=True),
-        NetSpec(SAMPLE_HEAD, SampleHead(sample_k(vocab_size)), (logits, recent, *scalars),
-                list(SAMPLE_INPUTS), list(SAMPLE_OUTPUTS), False, mode=QuantMode.F32,
-                keep_input_types=True),
+        NetSpec(name[GREEDY_HEAD], GreedyHead(), (logits,), [LOGITS], [TOKEN], False,
+                mode=QuantMode.F32, keep_input_types=True),
+        NetSpec(name[SAMPLE_HEAD], SampleHead(k) if batch == 1 else BatchSampleHead(k),
+                (logits, recent, *scalars), list(SAMPLE_INPUTS), list(SAMPLE_OUTPUTS), False,
+                mode=QuantMode.F32, keep_input_types=True),
     ]
 
 

@@ -72,7 +72,9 @@ class TextCausalLM(torch.nn.Module):
         return self.lm_head
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        return self.model.embed_tokens
+        embed = self.model.embed_tokens
+        assert isinstance(embed, torch.nn.Module)
+        return embed
 
 
 def text_model_shell(text_config: Any) -> TextCausalLM:

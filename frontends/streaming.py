@@ -31,11 +31,12 @@ made (`QuantizedCheckpoint.linear`, through `layer_weights.StreamedLayerWeights`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -57,6 +58,7 @@ from toptpu.frontends.hf_loader import (
     tokenizer_files,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, layer_key
+from toptpu.frontends.moe import expert_tensor, has_expert_tensor
 from toptpu.frontends.quant import (
     QuantizedCheckpoint,
     QuantizedCheckpointError,
@@ -134,9 +136,35 @@ def layer_tensor_name(layer: int, key: str) -> str:
     return f"model.layers.{layer}.{key}"
 
 
-def _f32(reader: CheckpointReader, name: str) -> np.ndarray:
+class TensorReader(Protocol):
+    """What the streamed weights read tensors from: a `CheckpointReader`, or a GGUF file's
+    `GGUFTensors`."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> np.ndarray: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def has_tensor(reader: TensorReader, name: str) -> bool:
+    """The checkpoint holds `name`, or (a MoE layer's stacked experts,
+    '…mlp.experts.gate_proj') the tensors it is made of (`frontends.moe.expert_tensor`)."""
+    return has_expert_tensor(name, reader.__contains__)
+
+
+def _f32(reader: TensorReader, name: str) -> np.ndarray:
     """One checkpoint tensor converted to float32 (a copy; the stored dtype is read once,
-    and its pages are dropped from the resident set right after)."""
+    and its pages are dropped from the resident set right after). A MoE layer's stacked
+    experts ('…mlp.experts.gate_proj' [E, I, H] ..., '…gate_up_proj' [E, 2I, H]) stored
+    otherwise (fused, or one tensor per expert and projection) are made from those, one at a
+    time (`frontends.moe.expert_tensor`)."""
+    if name not in reader:
+        stacked = expert_tensor(name, reader.__contains__, lambda part: _f32(reader, part))
+        if stacked is not None:
+            return stacked
     try:
         out = to_f32(reader.tensor(name))
     except CheckpointError as e:
@@ -212,7 +240,7 @@ class StreamedWeights:
     """The tensors of a checkpoint as the compiler asks for them: a layer's by the Top
     names of the per-layer nets, the shared ones of placeholders by recipe."""
 
-    reader: CheckpointReader
+    reader: TensorReader
     #: id(skeleton parameter) -> checkpoint tensor name, for the placeholders
     placeholders: dict[int, str]
     #: Top weight name of a shared net -> checkpoint tensor name (`bind_shared`)
@@ -258,7 +286,7 @@ class StreamedWeights:
             name = layer_tensor_name(layer, key)
             quantized = self.checkpoint is not None and \
                 name.removesuffix(".weight") in self.checkpoint.layouts
-            if name not in self.reader and not quantized:
+            if not has_tensor(self.reader, name) and not quantized:
                 raise ModelLoadError(f"the checkpoint has no '{name}' (the per-layer nets read "
                                      f"'{source}'): its layers are not all alike")
             if name not in last:  # the quantized parts of one weight ask for it in a row
@@ -348,7 +376,8 @@ class StreamedWeights:
             block = to_f32(stored[rows])
             self.reader.release()
             n = block.shape[0]
-            parts = derive_weights([_block_recipe(r, n) for r in recipes], lambda _, b=block: b)
+            parts = derive_weights([_block_recipe(r, n) for r in recipes],
+                                   functools.partial(_the_block, block))
             for r in recipes:
                 target = out[r.name]
                 if r.part.transposed:
@@ -364,6 +393,11 @@ def _row_blocks(shape: tuple[int, ...]) -> Iterator[slice]:
     step = max(1, BLOCK_ELEMENTS // max(row, 1))
     for start in range(0, shape[0], step):
         yield slice(start, min(start + step, shape[0]))
+
+
+def _the_block(block: np.ndarray, _source: str) -> np.ndarray:
+    """`derive_weights`' float tensor of every source: the rows block being derived."""
+    return block
 
 
 def _block_recipe(r: WeightRecipe, rows: int) -> WeightRecipe:

@@ -62,7 +62,8 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
 
 def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, **overrides: Any
                 ) -> Any:
-    """A tiny config of a supported family: qwen2, qwen3, llama2, llama3."""
+    """A tiny config of a supported family: qwen2, qwen3, qwen3_5, qwen3_moe,
+    qwen3_moe_unnormalized, qwen2_moe, llama2, llama3."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -78,6 +79,7 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=0,
     )
+    cfg: tf.PretrainedConfig
     if family == "qwen2":
         cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
     elif family == "qwen3":
@@ -101,9 +103,25 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25},
             "num_hidden_layers": max(layers, 4), **overrides})
+    elif family in ("qwen3_moe", "qwen3_moe_unnormalized"):
+        # Qwen3-30B-A3B's structure (q/k norms, untied, top-k routing) with 8 experts of
+        # which each token takes 2; `qwen3_moe_unnormalized`: norm_topk_prob false
+        cfg = tf.Qwen3MoeConfig(**{
+            **common, "head_dim": 16, "tie_word_embeddings": False,
+            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": family == "qwen3_moe", "decoder_sparse_step": 1,
+            "mlp_only_layers": [], **overrides})
+    elif family == "qwen2_moe":
+        # Qwen1.5-MoE-A2.7B's structure (biased q/k/v, top-4 of the experts without
+        # renormalization, a shared expert with its sigmoid gate) with 8 experts
+        cfg = tf.Qwen2MoeConfig(**{
+            **common, "tie_word_embeddings": False, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96, "num_experts": 8,
+            "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], **overrides})
     else:
         raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, qwen3_5, "
-                         "llama2, llama3)")
+                         "qwen3_moe, qwen3_moe_unnormalized, qwen2_moe, llama2, llama3)")
     return cfg
 
 
@@ -115,6 +133,29 @@ def qwen3_5_small_config(layers: int = 4, **overrides: Any) -> Any:
         "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
         "linear_num_value_heads": 16, "linear_key_head_dim": 128,
         "linear_value_head_dim": 128, **overrides})
+
+
+def qwen3_moe_real_config(layers: int = 2, experts: int = 16, **overrides: Any) -> Any:
+    """Qwen3-30B-A3B's published shape (hidden 2048, 32 query and 4 KV heads of 128, experts
+    of intermediate 768, top-8 routing, norm_topk_prob) with its 128 experts cut to
+    `experts`, 48 layers to `layers` and the vocabulary to the tiny tokenizer's."""
+    return tiny_config("qwen3_moe", layers=layers, **{
+        "hidden_size": 2048, "intermediate_size": 6144, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
+        "num_experts": experts, "num_experts_per_tok": 8, "rope_theta": 1000000.0,
+        **overrides})
+
+
+def qwen2_moe_real_config(layers: int = 2, experts: int = 8, **overrides: Any) -> Any:
+    """Qwen1.5-MoE-A2.7B's published shape (hidden 2048, 16 heads of 128, experts of
+    intermediate 1408, top-4 routing without renormalization, a shared expert of 5632)
+    with its 60 experts cut to `experts`, 24 layers to `layers` and the vocabulary to the
+    tiny tokenizer's."""
+    return tiny_config("qwen2_moe", layers=layers, **{
+        "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_experts": experts,
+        "num_experts_per_tok": 4, "rope_theta": 1000000.0, **overrides})
 
 
 def tiny_model(family: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Any:

@@ -123,9 +123,9 @@ def tiny_vlm_config(family: str = "internvl", text: dict[str, Any] | None = None
     tok = vlm_tokenizer(family)
     tied = bool((text or {}).get("tie_word_embeddings", False))
     if family == "internvl":
-        vision = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      intermediate_size=128, image_size=56, patch_size=14,
-                      norm_type="layer_norm", layer_scale_init_value=0.5)
+        vision: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128, image_size=56, patch_size=14,
+                                      norm_type="layer_norm", layer_scale_init_value=0.5)
         vision.update(vision_overrides)
         return InternVLConfig(
             vision_config=vision, text_config=_text_config("qwen2", **(text or {})),
@@ -220,7 +220,7 @@ def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
 
         patch = int(config.vision_config.patch_size)
         mean = [0.5, 0.5, 0.5] if family != "qwen2_5_vl" else None  # Qwen3-VL's normalization
-        extra = {"image_mean": mean, "image_std": mean} if mean else {}
+        extra: dict[str, Any] = {"image_mean": mean, "image_std": mean} if mean else {}
         return Qwen2VLImageProcessorPil(
             size={"shortest_edge": 16 * patch * patch, "longest_edge": 1024 * patch * patch},
             patch_size=patch, temporal_patch_size=2, merge_size=2, **extra)
@@ -235,7 +235,8 @@ def _randomize(model: torch.nn.Module, seed: int, centred_image_rows: bool = Fal
     """Weights with a scale that keeps activations in a healthy range (Qwen3.5's text norms
     scale by 1 + weight: theirs are drawn around 0, but for the gated norm's)."""
     g = torch.Generator().manual_seed(seed)
-    centered = getattr(model.config.text_config, "model_type", "") == "qwen3_5_text"
+    config: Any = model.config  # a transformers VLM config: its fields are the family's
+    centered = getattr(config.text_config, "model_type", "") == "qwen3_5_text"
     # Qwen3.5's vision tower uses LayerNorm (weight around 1), like Qwen3-VL's
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -252,7 +253,7 @@ def _randomize(model: torch.nn.Module, seed: int, centred_image_rows: bool = Fal
             else:
                 fan_in = p[0].numel() if p.dim() >= 4 else p.shape[-1]  # conv: C*(kt)*kh*kw
                 p.copy_(torch.randn(p.shape, generator=g) / (fan_in ** 0.5))
-        if model.config.model_type in QWEN_VL_FAMILIES:
+        if config.model_type in QWEN_VL_FAMILIES:
             _image_rows_like_text(model, g, centred_image_rows)
 
 
@@ -262,13 +263,14 @@ def _image_rows_like_text(model: torch.nn.Module, g: torch.Generator, centred: b
     probe instead): with random weights they would otherwise drown the text and look alike,
     and the text model would answer every image with one token (at the published widths it
     still does unless `centred`)."""
-    visual = model.model.visual
-    vc = model.config.vision_config
+    hf: Any = model  # a transformers Qwen VLM: its submodules are the family's
+    visual = hf.model.visual
+    vc = hf.config.vision_config
     dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
     side = 4 * int(vc.spatial_merge_size)
     probe = torch.randn(side * side, dim, generator=g)
-    target = float(model.get_input_embeddings().weight.std())
-    out = model.model.get_image_features(probe, torch.tensor([[1, side, side]]))
+    target = float(hf.get_input_embeddings().weight.std())
+    out = hf.model.get_image_features(probe, torch.tensor([[1, side, side]]))
     rows = [torch.cat(list(out.pooler_output))]
     rows += [torch.cat(list(f)) for f in getattr(out, "deepstack_features", None) or []]
     for merger, feats in zip([visual.merger, *getattr(visual, "deepstack_merger_list", [])],

@@ -1,11 +1,21 @@
-"""Vision-language models: InternVL (HF-format InternVL2.5/3) and MiniCPM-V 4.6 / 4.7.
+"""Vision-language models, the compile side's torch part: the three vision families of
+`toptpu.families` — InternVL (HF-format InternVL2.5/3, `internvl`), MiniCPM-V 4.6 / 4.7
+(`minicpmv`) and Qwen-VL (Qwen2.5-VL, Qwen3-VL and Qwen3.5's vision tower, `qwenvl`; the
+vit wrapper and `deepstack_add` in `toptpu.frontends.qwen_vl`, its `VisionModel` here,
+`QwenVisionModel`) — each a `VisionModel` built by its entry in `VISION_MODELS`.
 
 A VLM is compiled as its text model — the existing LLM nets, through a causal-LM view
 that shares the VLM's own language model and lm_head (`text_causal_lm`) — plus one static
-`vit` net: the vision tower and projector for ONE tile (InternVL) or slice (MiniCPM-V),
-at the compiled image size. The runtime (`toptpu.backend.runtime.vision`) preprocesses an image
-with the model's own Pillow image processor, runs `vit` once per tile and writes the
-output rows over the embeddings of the image placeholder tokens, in order.
+`vit` net: the vision tower and projector for ONE tile (InternVL), slice (MiniCPM-V) or
+image or video over a patch budget (Qwen-VL), at the compiled size; Qwen3-VL adds its
+`deepstack_add` net. The runtime (`toptpu.backend.runtime.vision`, with the family's host
+side) preprocesses an image with the model's own Pillow image processor, runs `vit` once
+per tile, slice or image and writes the output rows over the embeddings of the image
+placeholder tokens, in order.
+
+Videos: Qwen-VL only (`VisionFamily.takes_video`), given as their frames (image files: no
+video decoder), one `vit` run over the frames' temporal patches within the same budget;
+InternVL and MiniCPM-V take images only (a video is refused naming the model type).
 
 `vit` nets (the net contract, `toptpu.backend.contract`):
 
@@ -47,8 +57,15 @@ axis T, H, W; `toptpu.backend.contract.canvas_position_ids`): its full-attention
 position_ids [3, n] (`split_model(position_axes=3)`, `VisionModel.position_axes`) and the
 header's vision section names the tokens the canvas is pinned to (`canvas_markers`).
 
-What is not supported, and why: a MiniCPM-V whose text model is a mixture of experts or
-Qwen3-Next (refused by name), InternVL `vision_feature_layer` other than -1, video inputs.
+The Qwen-VL `vit` net (`toptpu.frontends.qwen_vl.QwenVit`, `qwen_vit_spec`) takes the
+image processor's patches over a static budget of N patches with their rotary positions,
+frame-block key masks (Qwen2.5-VL: window masks too; Qwen3-VL and Qwen3.5: the learned
+position grid's bilinear taps) and gives the merged rows (Qwen3-VL: and the DeepStack rows);
+its text nets take M-RoPE positions [3, n].
+
+What is not supported: a MiniCPM-V whose text model is a mixture of experts or Qwen3-Next
+(refused by name), InternVL `vision_feature_layer` other than -1, videos for InternVL and
+MiniCPM-V, Qwen3-VL-MoE and Qwen2-VL (docs/limits.md).
 """
 
 from __future__ import annotations
@@ -88,6 +105,7 @@ from toptpu.backend.contract import (
     read_model_file,
 )
 from toptpu.dialects.checkpoint_reader import CheckpointError, CheckpointReader
+from toptpu.errors import one_line_reason
 from toptpu.families import INTERNVL, MINICPMV, QWEN_VL, vlm_family_of
 from toptpu.families import VLM_MODEL_TYPES as FAMILY_OF_VLM
 from toptpu.families.base import VisionFamily
@@ -199,6 +217,10 @@ def _similar(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float = 1e-
 
 class InternVLVit(torch.nn.Module):
     """One InternVL tile: pixel_values [1, 3, S, S] -> image_embeds [1, T, H]."""
+
+    #: the model (set past torch's module registry), a buffer when `own_positions`
+    _owner: Any
+    position_embeddings: torch.Tensor
 
     def __init__(self, vlm: Any, image_size: int) -> None:
         super().__init__()
@@ -421,7 +443,7 @@ class MiniCPMVVisionModel(VisionModel):
         if cfg.downsample_mode != "4x":
             out.append(tuple(int(k) for k in cfg.vision_config.window_kernel_size))
         out += [tuple(int(k) for k in cfg.merge_kernel_size)] * int(cfg.merger_times)
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # the config's kernels are pairs
 
     @property
     def token_divisor(self) -> int:
@@ -679,7 +701,7 @@ def _check_text_config(config: Any, where: str) -> str:
     if mt in _REFUSED_TEXT_MODELS:
         raise ModelLoadError(f"{where}: the text model is {mt}, {_REFUSED_TEXT_MODELS[mt]}")
     try:
-        return check_config(tc, f"{where} (text_config)", family=QWEN_VL_TEXT_TYPES.get(mt))
+        return check_config(tc, f"{where} (text_config)", family=QWEN_VL_TEXT_TYPES.get(str(mt)))
     except ModelLoadError as e:
         raise ModelLoadError(f"{e}; the VLM's text model must be one of these") from e
 
@@ -1022,7 +1044,8 @@ def _read_vlm_dir(path: str) -> VlmDir:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise ModelLoadError(f"transformers cannot read {cfg_path}: {e}") from e
+        raise ModelLoadError(f"transformers cannot read {cfg_path}: "
+                             f"{one_line_reason(e)}") from e
     family = _check_text_config(config, cfg_path)
     files = _read_tokenizer_files(path, required=True, what=path)
     try:

@@ -75,6 +75,7 @@ from toptpu.dialects.linalg_interface import (
     op_where,
 )
 from toptpu.dialects.naming import NAME_ATTR, output_names, value_name
+from toptpu.dialects.slicing_interface import SlicingInterface
 from toptpu.passes.util import require_level
 
 __all__ = ["ConvertTopToLinalgPass", "LinalgLoweringError", "WEIGHT_ARG_ATTR"]
@@ -163,9 +164,11 @@ def own_buffers(ret: func.ReturnOp) -> None:
             e = Emitter(ret)
             v = e.map([(v, identity(len(shape_of(v))))], shape_of(v), _element_type(v),
                       lambda b: b.args[0])
+            block = ret.parent_block()
+            assert block is not None
             for o in e.ops:
                 o.location = ret.location
-                ret.parent_block().insert_op_before(o, ret)  # type: ignore[union-attr]
+                block.insert_op_before(o, ret)
         seen.add(v)
         operands.append(v)
     ret.operands = operands
@@ -186,8 +189,10 @@ def expose_values(fn: func.FuncOp) -> list[str]:
     seen = set(output_names(fn))
     names: list[str] = []
     values: list[SSAValue] = []
+    op: Operation  # xDSL's BlockOps iterates untyped
     for op in fn.body.block.ops:
-        if not isinstance(op, LinalgLowering) or op.GLOBAL_SOURCE:  # weights, constants
+        if not isinstance(op, LinalgLowering) or (  # weights, constants
+                isinstance(op, SlicingInterface) and op.GLOBAL_SOURCE):
             continue
         for r in op.results:
             n = value_name(r)

@@ -25,8 +25,9 @@ Lowers Top to Tpu, making the chip's type decisions:
 - casts are inserted only where an operand's type differs from what its consumer needs;
   redundant casts fold away.
 
-One generic pattern lowers every op to its Tpu twin (`tpu.TPU_OF_TOP`) by what the op
-declares (`ShapedOp.tpu_operand_storage`, `tpu_result_storage`, `TPU_COMPUTES_F32`); matmul
+One generic pattern lowers every op to its Tpu twin (`tpu.TPU_OF_TOP`; a plugin's op, its
+plugin-registered twin: `plugin_ops.twin_of`) by what the op declares
+(`ShapedOp.tpu_operand_storage`, `tpu_result_storage`, `TPU_COMPUTES_F32`); matmul
 (weight quantization into `tpu.a16_matmul`), cast (its target type is the mode's) and the
 collectives have patterns of their own. They share a `Lowering` (mode, weight store,
 caches).
@@ -73,6 +74,7 @@ from toptpu.dialects.common import (
     tensor,
 )
 from toptpu.dialects.naming import op_name, set_name
+from toptpu.dialects.plugin_ops import twin_of
 from toptpu.dialects.weight_store import WeightStore, weights_of
 from toptpu.errors import ToptpuError
 from toptpu.passes.quantize import (
@@ -233,7 +235,7 @@ class Lowering:
         src = top_weight.tensor_name
         key = (src, "checkpoint")
         if key in self._quantized:
-            return self._quantized[key]  # type: ignore[return-value]
+            return self._quantized[key]  # type: ignore[return-value]  # a checkpoint entry
         parts = checkpoint_parts_of_store(self.store, src)
         if parts is None:
             return None
@@ -254,7 +256,7 @@ class Lowering:
             values[part] = op.results[0]
         result = (values["qweight"], values["scales"], values.get("zeros"),
                   values.get("mins"), values.get("perm"), bits, gs)
-        self._quantized[key] = result  # type: ignore[assignment]
+        self._quantized[key] = result  # type: ignore[assignment]  # a checkpoint entry
         return result
 
     def operand(self, v: SSAValue, elem: Attribute | None, user: Operation,
@@ -280,8 +282,13 @@ class Lowering:
     def keep_matmul_float(self, w: top.WeightOp) -> bool:
         if any(k and k in w.tensor_name for k in self.keep_float):
             return True
-        return any(isinstance(u.operation, ShapedOp) and u.operation.INDEXES_TABLE
-                   for u in w.output.uses)
+        if any(isinstance(u.operation, ShapedOp) and u.operation.INDEXES_TABLE
+               for u in w.output.uses):
+            return True
+        # a matmul whose result a FLOAT_PRODUCER reads first (the MoE router's logits)
+        return any(isinstance(r.operation, ShapedOp) and r.operation.FLOAT_PRODUCER
+                   and r.index == 0 for u in w.output.uses for res in u.operation.results
+                   for r in res.uses)
 
 
 def tpu_elem_of_numpy(dt: np.dtype) -> Attribute:
@@ -316,7 +323,8 @@ class LoweringPattern(RewritePattern):
         """Replace `op` by its Tpu twin over `operands`, with `op`'s attributes (or
         `attrs`), its result types in this mode and `compute` (default: the op's
         declaration, f32 or its result's type)."""
-        cls = tpu.TPU_OF_TOP[type(op)]
+        cls = twin_of(type(op))
+        assert cls is not None, op.name
         a = _attrs(op) if attrs is None else attrs
         types = _result_types(self.lw, op)
         a["compute"] = compute or (f32 if op.TPU_COMPUTES_F32 else elem_of(types[0]))
@@ -356,7 +364,7 @@ class LowerToTwin(LoweringPattern):
     used) to its Tpu twin, typed as it declares (`LoweringPattern.lower`)."""
 
     def match_and_rewrite(self, op: Operation, rewriter: PatternRewriter) -> None:
-        if type(op) not in tpu.TPU_OF_TOP or not isinstance(op, ShapedOp) or op.SOURCE:
+        if twin_of(type(op)) is None or not isinstance(op, ShapedOp) or op.SOURCE:
             return
         self.lower(op, rewriter)
 
@@ -421,6 +429,7 @@ class LowerMatMul(LoweringPattern):
             except QuantizationError as e:
                 raise ConversionError(f"{op_name(op) or op.name}: {e}") from e
         (rt,) = _result_types(lw, op)
+        assert isinstance(rt, TensorType)
         new = tpu.A16MatMulOp(x, q, s, z, bias, weight_bits=bits, group_size=gs,
                               result_type=rt, mins=mins)
         named_like(new, op)

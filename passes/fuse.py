@@ -161,7 +161,8 @@ class SinkPermuteBelowRope(RewritePattern):
             p = named_like(top.PermuteOp(v, inv), op, tag)
             new_ops.append(p)
             cs.append(p.output)
-        rope = named_like(top.RopeOp(perm.input, *cs, op.rope_mode), op)
+        cos, sin = cs
+        rope = named_like(top.RopeOp(perm.input, cos, sin, op.rope_mode), op)
         out = named_like(top.PermuteOp(rope.output, order), op, ".perm")
         rewriter.replace(op, [*new_ops, rope, out])
 
@@ -235,6 +236,7 @@ class FoldGqaRepeat(RewritePattern):
         new_ops = []
         kv = []
         for x, shape, tag in ((k, k_shape, ".k"), (v, v_shape, ".v")):
+            p: top.PermuteOp | top.ReshapeOp
             if len(shape_of(x)) == 4 and shape_of(x)[1] == shape[2]:
                 p = top.PermuteOp(x, [0, 2, 1, 3])
             else:  # one token: [B, H, 1, D] and [B, 1, H, D] share memory order

@@ -26,7 +26,7 @@ import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, TensorType
-from xdsl.ir import Block, Operation, OpResult, Region, SSAValue
+from xdsl.ir import Attribute, Block, Operation, OpResult, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
 
@@ -353,6 +353,7 @@ def _tile_operands(op: Operation) -> tuple[list[_TileOperand], _TileOperand, int
     for v, ax in zip(op.operands, axes, strict=True):
         shape = shape_of(v)
         inputs.append(_TileOperand(v, nbytes(v), ax,
+                                   # the ignore below: as long as ax
                                    tuple(shape[a] if a != -1 else 1 for a in ax)))  # type: ignore[arg-type]
     res = op.results[0]
     rows_axis, cols_axis = tile_result_axes(op)
@@ -415,7 +416,7 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     for outer in ("rows", "cols"):
         cost = _tile_costs(inputs, sizes, runs, (r, c, parts), outer, op_flops(op),
                            cost_dtype(op), chip)
-        for cell in np.flatnonzero(ok):
+        for cell in np.flatnonzero(ok).tolist():
             t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
             k = float(cost.flat[cell])
             if t not in best or k < best[t][0]:
@@ -515,7 +516,8 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
         arg.name_hint = v.name_hint
         axes = p.tile_axes[v]
         ax = p.input_axes[v]
-        attrs = {"slice_axis": i64_attr(-1 if ax is None else ax), "ts": i64_attr(0)}
+        attrs: dict[str, Attribute] = {"slice_axis": i64_attr(-1 if ax is None else ax),
+                                       "ts": i64_attr(0)}
         if ax is not None:
             attrs["tile_axes"] = i64_array(list(axes[:ndim]))
         ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)], attributes=attrs)
@@ -592,9 +594,9 @@ def build_group(p: Plan) -> tpu.GroupOp:
         operands = [local[v] for v in op.operands]
         new = type(op).create(operands=operands, result_types=result_types, attributes=attrs)
         new.location = op.location
-        for r, nr in zip(op.results, new.results, strict=True):
-            nr.name_hint = r.name_hint
-            local[r] = nr
+        for old, nr in zip(op.results, new.results, strict=True):
+            nr.name_hint = old.name_hint
+            local[old] = nr
         block.add_op(new)
     stored = []
     for r in p.outputs:
@@ -662,7 +664,8 @@ def _gather_table(op: Operation) -> SSAValue | None:
 def compute_ops(fn: func.FuncOp) -> list[Operation]:
     """The ops layer groups compute: every Top/Tpu op but weights, constants and
     collectives (not groups, not the return)."""
-    return [op for op in fn.body.block.ops
+    ops: list[Operation] = list(fn.body.block.ops)  # xDSL's BlockOps iterates untyped
+    return [op for op in ops
             if isinstance(op, SlicingInterface) and not op.GLOBAL_SOURCE
             and not _is_collective(op)]
 
@@ -728,7 +731,7 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
         counts.append((SliceKind.COLS, col_count(op)))
     if heads_sliceable(op):
         counts.append((SliceKind.HEADS, heads_count(op)))
-    best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]
+    best: tuple[int, str] = (math.inf, "one slice")  # type: ignore[assignment]  # inf: unbounded
     what = {SliceKind.ROWS: "row", SliceKind.COLS: "output-channel",
             SliceKind.HEADS: op.HEADS_UNIT if isinstance(op, SlicingInterface) else "head"}
     for kind, n in counts:

@@ -192,9 +192,9 @@ def allocate_group(group: tpu.GroupOp, chip: Chip) -> None:
     slices = read_int(group.slices)
     pairs = _bank_pairs(group, bufs)
     bank_partners: dict[int, set[int]] = {}
-    for a, b in pairs:
-        bank_partners.setdefault(a, set()).add(b)
-        bank_partners.setdefault(b, set()).add(a)
+    for first, second in pairs:
+        bank_partners.setdefault(first, set()).add(second)
+        bank_partners.setdefault(second, set()).add(first)
     items = [(i, c) for i, b in enumerate(bufs) for c in range(b.copies)]
     items.sort(key=lambda ic: (-bufs[ic[0]].per_lane, ic[0], ic[1]))
     placed: dict[tuple[int, int], int] = {}
@@ -202,17 +202,17 @@ def allocate_group(group: tpu.GroupOp, chip: Chip) -> None:
         b = bufs[i]
         size = b.per_lane
         blockers = []  # (start, end) byte ranges this copy must avoid
-        for (j, cj), addr in placed.items():
+        for (j, cj), at in placed.items():
             o = bufs[j]
             if _time_conflict(b, c, o, cj, slices):
-                blockers.append((addr, addr + o.per_lane))
+                blockers.append((at, at + o.per_lane))
             if j in bank_partners.get(i, ()):
                 if b.copies == 1 or o.copies == 1 or c == cj:
-                    lo = addr // chip.bank_bytes * chip.bank_bytes
-                    hi = -(-(addr + max(o.per_lane, 1)) // chip.bank_bytes) * chip.bank_bytes
+                    lo = at // chip.bank_bytes * chip.bank_bytes
+                    hi = -(-(at + max(o.per_lane, 1)) // chip.bank_bytes) * chip.bank_bytes
                     blockers.append((lo, hi))
         candidates = sorted({0, *(e for _, e in blockers)})
-        addr = None
+        addr: int | None = None
         for cand in candidates:
             cand = -(-cand // chip.align) * chip.align
             if cand + size > chip.lane_bytes:

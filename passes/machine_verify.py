@@ -69,10 +69,10 @@ def _check_sizes(fn: func.FuncOp) -> None:
     values: list[tuple[SSAValue, Operation | None]] = [(a, None) for a in fn.body.block.args]
     for op in fn.walk():
         values += [(r, op) for r in op.results]
-    for v, op in values:
+    for v, owner in values:
         if isinstance(v.type, TensorType) and numel(shape_of(v)) == 0:
-            what = "an argument" if op is None else "a result"
-            raise MachineIRError(f"{_where(fn, op)}: {what} of type {v.type} has no "
+            what = "an argument" if owner is None else "a result"
+            raise MachineIRError(f"{_where(fn, owner)}: {what} of type {v.type} has no "
                                  "elements; toptpu times nets whose tensors all have some")
 
 
@@ -155,10 +155,10 @@ def _check_addresses(fn: func.FuncOp) -> None:
     pool = regions["constants"]
     for op in block.ops:
         if isinstance(op, tpu.ConstantOp):
-            at, size = op.pool_offset, nbytes(op.output)
-            if at is None or at < 0 or at + size > pool:
+            offset, size = op.pool_offset, nbytes(op.output)
+            if offset is None or offset < 0 or offset + size > pool:
                 raise MachineIRError(f"{_where(fn, op)}: a constant of {size} bytes at pool "
-                                     f"offset {at} is not inside the constant pool of "
+                                     f"offset {offset} is not inside the constant pool of "
                                      f"{pool} bytes")
     for region, need in (
             ("weights", sum(_aligned(nbytes(op.output)) for op in block.ops

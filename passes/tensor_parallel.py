@@ -238,7 +238,8 @@ class _Sharder:
             if op.bias is not None:
                 add = top.AddOp.build([total, op.bias])
                 set_name(add, f"{op_name(op)}.bias", like=op)
-                self.rewriter.insert_op(add, InsertPoint.after(total.owner))  # type: ignore[arg-type]
+                assert isinstance(total.owner, Operation)  # the all-reduce
+                self.rewriter.insert_op(add, InsertPoint.after(total.owner))
                 out = add.results[0]
             new.results[0].replace_uses_with_if(out, lambda u: u.operation is not total.owner)
             return
@@ -337,6 +338,7 @@ class _Sharder:
                 self.gather_inputs(op)
                 return
             operands.append(self.shard_weight(w, Split(axis, s.pieces), op))
+        # the ignore below: an op of groups
         new = type(op).build(_groups(op, operands), _attrs(op))  # type: ignore[attr-defined]
         self.replace(op, new)
         for r in new.results:
@@ -424,7 +426,8 @@ class _Sharder:
         op = dev.AllReduceOp(partial, self.devices, alg)
         set_name(op, f"{op_name(user) or user.name}.all_reduce", like=user)
         op.output.name_hint = f"{partial.name_hint or 'partial'}_sum"
-        self.rewriter.insert_op(op, InsertPoint.after(partial.owner))  # type: ignore[arg-type]
+        assert isinstance(partial.owner, Operation)  # the rebuilt op's result
+        self.rewriter.insert_op(op, InsertPoint.after(partial.owner))
         return op.output
 
     def gather(self, v: SSAValue, s: Split, name: str) -> dev.AllGatherOp:
@@ -456,7 +459,7 @@ def _groups(op: Operation, operands: list[SSAValue]) -> list[SSAValue | None]:
     operands as None)."""
     groups: list[SSAValue | None] = []
     it = iter(operands)
-    for g in op.operand_groups():  # type: ignore[attr-defined]
+    for g in op.operand_groups():  # type: ignore[attr-defined]  # an op of operand groups
         groups.append(None if g is None else next(it))
     return groups
 

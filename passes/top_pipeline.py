@@ -64,7 +64,7 @@ def run_passes(module: ModuleOp, passes: Sequence[ModulePass], ctx: Context | No
 def _weights_context(ctx: Context | None, store: WeightStore | None) -> WeightsContext:
     if isinstance(ctx, WeightsContext) and (store is None or ctx.weights is store):
         return ctx
-    if isinstance(ctx, WeightsContext) and ctx.weights is not None:
+    if isinstance(ctx, WeightsContext) and ctx.weights is not None and store is not None:
         raise WeightStoreError(f"run_passes was given the weight store '{store.uri}' and a "
                                f"context holding '{ctx.weights.uri}'")
     return WeightsContext.of(ctx or context(), store)
@@ -119,6 +119,7 @@ def expand_pipelines(passes: Sequence[ModulePass]) -> list[ModulePass]:
     for p in passes:
         inner = getattr(p, "inner_passes", None)
         if callable(inner):
+            # the ignore below: a pipeline pass's LEVEL
             out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
             out.extend(expand_pipelines(inner()))
         else:

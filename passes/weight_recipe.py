@@ -82,7 +82,9 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
                       numpy_dtype(elem_of(scales)))
             for v in (q, scales, zeros, mins):
                 if v is not None and weight_name(v) is not None:
-                    quant[v.owner] = params  # type: ignore[index]
+                    owner = v.owner
+                    assert isinstance(owner, Operation)  # a named weight is an op's result
+                    quant[owner] = params
     out = []
     for op in module.walk():
         if not isinstance(op, tpu.WeightOp):

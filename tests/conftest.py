@@ -11,6 +11,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import fuzz  # noqa: E402,F401 - registers the hypothesis profiles before the plugin loads one
 
+# `toptpu run` and `chat` write a model file's weight cache file beside it after a run that
+# had none: the suite's model files are shared between tests, so it runs with that off
+# (and subprocesses inherit it); the tests of that behaviour turn it on for their files
+os.environ.setdefault("TOPTPU_WEIGHT_CACHE_FILE", "off")
+
 
 @pytest.fixture(scope="session")
 def tiny_models():

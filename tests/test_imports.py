@@ -69,7 +69,7 @@ EVERYWHERE = ("toptpu.errors",)
 #: dependencies heavy enough to import only where used (seconds of import time, or
 #: optional in spirit: the runtime and the CLI's startup must not pay for them)
 HEAVY = ("torch", "transformers", "torchvision", "mlir", "PIL", "safetensors.torch",
-         "auto_round")
+         "auto_round", "starlette", "uvicorn")
 #: function-level imports of light modules that have a reason of their own
 LAZY_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("toptpu", "toptpu.backend.runtime.runtime"):
@@ -202,13 +202,14 @@ def package_of(module: str) -> str:
 @cache
 def loaded_at_import(module: str) -> frozenset[str]:
     """What importing `module` loads: its module-level imports, transitively through ours
-    (third-party modules as named, not their own imports)."""
+    (third-party modules as named, not their own imports; a typing-only import never runs)."""
     seen: set[str] = set()
     todo = [module]
     while todo:
         m = todo.pop()
         for i in all_imports():
-            if i.module == m and not i.in_function and i.target not in seen:
+            if i.module == m and not i.in_function and not i.typing_only \
+                    and i.target not in seen:
                 seen.add(i.target)
                 if ours(i.target):
                     todo.append(i.target)

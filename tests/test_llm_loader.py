@@ -82,7 +82,8 @@ def test_in_memory_model_with_tokenizer() -> None:
 def test_unknown_model_type(tmp_path_factory, tmp_path) -> None:
     path = _copy(tmp_path_factory, tmp_path)
     _edit_config(path, model_type="mamba")
-    with pytest.raises(ModelLoadError, match="unknown model_type 'mamba'.*llama, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError, match="unknown model_type 'mamba'.*llama, qwen2, qwen2_moe, "
+                       "qwen3"):
         load_model(path)
 
 

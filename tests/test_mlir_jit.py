@@ -104,6 +104,8 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
     out["gelu_tanh"] = f.op(top.GeluOp, [x], {"approximate": str_attr("tanh")})
     out["pow2"] = f.op(top.PowOp, [x], {"exponent": f64_attr(2.0)})
     out["pow3"] = f.op(top.PowOp, [pos], {"exponent": f64_attr(1.5)})
+    out["clamp"] = f.op(top.ClampOp, [x], {"min": f64_attr(-0.5), "max": f64_attr(0.75)})
+    out["int_clamp"] = f.op(top.ClampOp, [ids], {"max": f64_attr(4.0)})
     for cls in (top.AddConstOp, top.SubConstOp, top.MulConstOp, top.DivConstOp):
         out[cls.name] = f.op(cls, [x], {"value": f64_attr(0.75), "reverse": bool_attr(True)})
         out[cls.name + "_fwd"] = f.op(cls, [x], {"value": f64_attr(-1.5)})
@@ -218,6 +220,22 @@ def test_every_lowered_op_matches_the_interpreter() -> None:
         rule = top.GatedDeltaRuleOp(rq, rk, rv, rg, rbeta, state, scale=0.4)
         f.block.add_op(rule)
         out[name], out[name + "_new_state"] = rule.results
+    # mixture of experts: the router's top 2 of 5 (renormalized or not, a padded row
+    # routed nowhere) and the experts on them (6 tokens, H 8, I 3)
+    mx = f.weight("moe_x", rng.standard_normal((6, 8)).astype(np.float32))
+    logits = f.weight("moe_logits", rng.standard_normal((6, 5)).astype(np.float32))
+    moe_valid = f.weight("moe_valid", np.array([1, 1, 1, 1, 1, 0], np.float32))
+    gate = f.weight("moe_gate", rng.standard_normal((5, 3, 8)).astype(np.float32))
+    up = f.weight("moe_up", rng.standard_normal((5, 3, 8)).astype(np.float32))
+    down = f.weight("moe_down", rng.standard_normal((5, 8, 3)).astype(np.float32))
+    for name, valid, normalize in (("moe_norm_valid", moe_valid, True),
+                                   ("moe_plain", None, False)):
+        route = top.MoeRouteOp(logits, valid, k=2, normalize=normalize)
+        f.block.add_op(route)
+        experts = top.MoeExpertsOp(mx, gate, up, down, route.weights, route.indices)
+        f.block.add_op(experts)
+        out[name + "_weights"], out[name + "_indices"] = route.results
+        out[name] = experts.output
     for largest in (True, False):  # topk with k = 1: argmax / argmin, ties to the lowest
         tk = top.TopKOp.build([f.op(top.MulConstOp, [x], {"value": f64_attr(3.0)})],
                               {"k": i64_attr(1), "axis": i64_attr(1),

@@ -462,7 +462,7 @@ def test_profile_on_a_missing_empty_or_truncated_file_is_one_line(small_file, tm
     short.write_bytes(open(small_file, "rb").read()[:20000])
     for path, message in ((tmp_path / "missing.toptpu", "No such file or directory"),
                           (empty, "is empty, not a toptpu model file"),
-                          (short, "is truncated"), (tmp_path, "Is a directory")):
+                          (short, "is truncated"), (tmp_path, "is a directory")):
         assert main(["profile", str(path)]) == 1
         out = capsys.readouterr()
         assert out.err.startswith("toptpu profile: error: ") and message in out.err

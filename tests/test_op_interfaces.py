@@ -41,24 +41,27 @@ def test_every_op_answers_the_slicing_interface() -> None:
     """Every Top and Tpu compute op is a SlicingInterface; which answer for themselves is
     the table layer-group plans with (rows: elementwise ops, norms, rope, matmuls,
     attention, gather, shape ops, reduce, softmax, topk; cols: the weight matmuls; heads:
-    attention and linear attention; reduction parts: matmuls and attention)."""
+    attention and linear attention; reduction parts: matmuls, attention and the MoE
+    experts)."""
     assert all(issubclass(c, SlicingInterface) for c in TOP_OPS)
     assert [c.name for c in TPU_OPS if not issubclass(c, SlicingInterface)] == [
         "tpu.group", "tpu.yield"]  # structure, not compute
     unary = {"top." + c.op_kind() for c in top.UNARY_ELEMENTWISE}
     assert set(_own("row_rule", TOP_OPS)) == unary | {
         "top.add", "top.sub", "top.mul", "top.div", "top.max", "top.min", "top.add_const",
-        "top.sub_const", "top.mul_const", "top.div_const", "top.gelu", "top.pow",
+        "top.sub_const", "top.mul_const", "top.div_const", "top.gelu", "top.pow", "top.clamp",
         "top.compare", "top.where", "top.cast", "top.softmax", "top.reduce", "top.rms_norm",
         "top.layer_norm", "top.rope", "top.attention", "top.matmul", "top.gather",
-        "top.topk", "top.reshape", "top.permute", "top.expand", "top.concat", "top.slice"}
+        "top.topk", "top.reshape", "top.permute", "top.expand", "top.concat", "top.slice",
+        "top.moe_route", "top.moe_experts"}
     assert {c.name for c in TOP_OPS if c.row_rule is SlicingInterface.row_rule} == {
         "top.weight", "top.constant", "top.scatter", "top.cumsum", "top.conv2d",
         "top.causal_conv1d", "top.gated_delta_rule"}
     assert _own("col_sliceable", TOP_OPS) == ["top.matmul"]
     assert _own("heads_count", TOP_OPS) == ["top.attention", "top.causal_conv1d",
                                             "top.gated_delta_rule"]
-    assert _own("reduction_sliceable", TOP_OPS) == ["top.attention", "top.matmul"]
+    assert _own("reduction_sliceable", TOP_OPS) == ["top.attention", "top.matmul",
+                                                     "top.moe_experts"]
     assert _own("row_gather_table", TOP_OPS) == ["top.gather"]
     assert sorted(c.name for c in TOP_OPS if c.GLOBAL_SOURCE) == ["top.constant",
                                                                   "top.weight"]
@@ -208,6 +211,7 @@ def test_canonicalize_is_xdsls_and_runs_the_ops_patterns() -> None:
            for k in ("add", "sub", "mul", "div")},
         "top.cast": ["FoldNoOpShapeOp"], "top.expand": ["FoldNoOpShapeOp"],
         "top.slice": ["FoldNoOpShapeOp"], "top.concat": ["FoldSingleConcat"],
+        "top.clamp": ["ComposeClamps"],
         "top.reshape": ["FoldNoOpReshape", "ComposeReshapes"],
         "top.permute": ["FoldNoOpPermute", "ComposePermutes", "PermuteOfUnitAxesIsReshape"]}
     for name, pats in declared.items():

@@ -94,7 +94,8 @@ def test_every_tpu_twin_is_derived_from_its_top_op() -> None:
 INPUTS = os.path.join(os.path.dirname(__file__), "filecheck", "Inputs")
 
 WEIGHTS = {"fc.weight": (6, 8), "fc.bias": (6,), "norm.weight": (8,), "embed.weight": (5, 8),
-           "conv.weight": (4, 3, 3, 3), "dconv.weight": (8, 3)}
+           "conv.weight": (4, 3, 3, 3), "dconv.weight": (8, 3), "moe.gate": (6, 2, 8),
+           "moe.up": (6, 2, 8), "moe.down": (6, 8, 2)}
 
 
 def _custom(module: Operation) -> str:

@@ -177,7 +177,9 @@ TOP_PIPELINE_NEVER_LOADS = (
     "toptpu.passes.convert_top_to_linalg", "toptpu.passes.mlir_pipeline",
     "toptpu.passes.tensor_parallel", "xdsl.dialects.linalg", "xdsl.dialects.tensor",
     "xdsl.dialects.math", "xdsl.dialects.arith", "toptpu.opt_targets",
-    "toptpu.backend.codegen", "toptpu.backend.formats", "toptpu.backend.runtime",
+    "toptpu.backend.codegen", "toptpu.backend.formats.model_file",
+    "toptpu.backend.formats.llm_file", "toptpu.backend.formats.program",
+    "toptpu.backend.formats.commands", "toptpu.backend.runtime",
     "toptpu.dialects.irdl_export", "toptpu.frontends", "toptpu.compiler",
     "torch", "transformers", "mlir")
 
@@ -211,6 +213,16 @@ def test_the_pass_registry_names_each_pass_by_its_own_name() -> None:
 
     for name, get in PASSES.items():
         assert get().name == name
+    from toptpu.pass_pipeline import (
+        CONVERT,
+        DEFAULT_TPU,
+        MACHINE_PASS_NAMES,
+        default_tpu_passes,
+        spec_text,
+    )
+
+    assert {CONVERT, *MACHINE_PASS_NAMES} <= set(PASSES)  # the compile's stages name them
+    assert DEFAULT_TPU == spec_text(default_tpu_passes())
     assert {n for n, get in PASSES.items() if hasattr(get(), "inner_passes")} == set(
         PIPELINE_NAMES)
 

@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from toptpu.backend.reference.interpreter import Interpreter
+from toptpu.dialects import top
 from toptpu.dialects.naming import source_of
-from toptpu.frontends.fx_importer import UnsupportedOpError, import_module
+from toptpu.frontends.fx_importer import (
+    ATEN_BUILDERS,
+    UnsupportedOpError,
+    builds_from_schema,
+    import_module,
+)
 from toptpu.frontends.hf_layers import decoder_layer, layer_inputs
 from toptpu.metrics import similarity
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes
@@ -104,3 +110,18 @@ def test_locations_name_source_files_by_import_path_not_install_path(tiny_models
     files = {where.rsplit(":", 1)[0] for op in module.walk() if (where := source_of(op))}
     assert "transformers/models/qwen2/modeling_qwen2.py" in files, files
     assert not any(os.path.isabs(f) for f in files), files
+
+
+def test_an_aten_schema_that_does_not_fit_the_op_is_refused_when_registered() -> None:
+    """builds_from_schema reads the aten op's schema: an argument the op's constructor has
+    no keyword for, or of a kind it cannot pass (a list), fails at registration, and
+    registers nothing."""
+    aten = torch.ops.aten
+    before = dict(ATEN_BUILDERS)
+    with pytest.raises(TypeError, match="aten.clamp.default argument min is no keyword of "
+                                        "PowOp"):
+        builds_from_schema(top.PowOp, aten.pow.Tensor_Scalar, aten.clamp.default)
+    with pytest.raises(TypeError,
+                       match=r"argument dim is a Optional\[List\[int\]\]; write a builder"):
+        builds_from_schema(top.PowOp, aten.mean.dim)
+    assert ATEN_BUILDERS == before

@@ -26,6 +26,7 @@ from toptpu.backend.runtime.weight_cache_file import (
     WeightCacheFileError,
     cache_path,
     open_weight_cache,
+    planned_bytes,
     planned_forms,
     write_weight_cache,
 )
@@ -339,7 +340,7 @@ def test_a_multi_device_file_has_no_weight_cache_file(tmp_path_factory, capsys) 
 
 def test_the_reduction_parts_a_net_reads_are_stored_contiguous(tmp_path) -> None:  # noqa: ANN001
     """Qwen2.5-0.5B's MLP widths (896, 4864) at 128 tokens: the down projection's K is
-    split in parts (2 blocks of output channels x 4 parts of its 4864 inputs). Each part's
+    split in parts (blocks of output channels x parts of its 4864 inputs). Each part's
     weights are a window of the whole form with rows of a few KB; the cache file stores
     every such part contiguous beside the whole forms, and the machine reads them there:
     nothing copied or converted in memory (fast and checked), the bits of converting, and
@@ -360,7 +361,13 @@ def test_the_reduction_parts_a_net_reads_are_stored_contiguous(tmp_path) -> None
                   progress=None)
     forms = planned_forms(LlmFile(path))
     parts = [f for f in forms if f.part]
-    assert len(parts) == 8 and {f.shape for f in parts} == {(448, 1216)}
+    # the parts tile the down projection: K (4864) cut in parts, the output channels in
+    # blocks (how many of each the layer group chooses by cost on the default chip)
+    (shape,) = {f.shape for f in parts}
+    assert shape[1] < 4864 and 4864 % shape[1] == 0 and 896 % shape[0] == 0
+    assert len(parts) == (896 // shape[0]) * (4864 // shape[1]) >= 4
+    assert sorted((f.part[0], f.part[2]) for f in parts) == sorted(
+        (r, c) for r in range(0, 896, shape[0]) for c in range(0, 4864, shape[1]))
     assert {f.source for f in parts} == {f.source for f in forms if not f.part
                                          and f.shape == (896, 4864)}  # the down projection
     ids = [3 + (i * 7) % 300 for i in range(100)]
@@ -377,9 +384,90 @@ def test_the_reduction_parts_a_net_reads_are_stored_contiguous(tmp_path) -> None
 
     def edit(h: dict, sections: dict) -> None:
         bad = next(f for f in h["forms"] if f["part"])
-        bad["part"] = [0, 448, 4096, 1216]  # past the 4864 columns
+        bad["part"] = [0, shape[0], 4096, shape[1]]  # past the 4864 columns
 
     _rewrite(write_weight_cache(path), edit)
-    with pytest.raises(WeightCacheFileError, match=r"has a part \[0, 448, 4096, 1216\] "
-                       r"outside the \[896, 4864\] form of a uint8 \[896, 2432\] weight"):
+    with pytest.raises(WeightCacheFileError, match=rf"has a part \[0, {shape[0]}, 4096, "
+                       rf"{shape[1]}\] outside the \[896, 4864\] form of a uint8 \[896, "
+                       r"2432\] weight"):
         open_weight_cache(LlmFile(path))
+
+
+# --------------------------------------------------------------------------- written by a run
+
+
+def _run_cli(model: str, **env: str) -> tuple[dict, str]:
+    """`toptpu run MODEL --json` in a fresh process with `env` added: (its JSON, stderr)."""
+    out = subprocess.run([sys.executable, "-m", "toptpu.cli", "run", model, "--ids",
+                          ",".join(map(str, IDS)), "--max-new-tokens", "4", "--json"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, **env})
+    return json.loads(out.stdout), out.stderr
+
+
+def test_a_run_writes_the_cache_for_the_next_run_and_says_its_size(model: str) -> None:
+    want_logits, want_ids = _uncached(model)
+    path = cache_path(model)
+    first, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
+    assert first["weight_cache_file"] is None  # this run converted its weights
+    size = planned_bytes(LlmFile(model))
+    assert f"writing the weight cache file '{path}' ({size / 1e9:.2f} GB" in err
+    assert "x the model file's" in err and "TOPTPU_WEIGHT_CACHE_FILE=off" in err
+    assert os.path.isfile(path) and size <= os.path.getsize(path) < size + (1 << 20)
+    second, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
+    assert second["weight_cache_file"] == path and err == ""  # read, not written again
+    assert second["generated_ids"] == first["generated_ids"] == want_ids[:4]
+    rt = Runtime.open(model)
+    assert rt.weight_cache_file == path
+    assert np.array_equal(rt.prompt_logits(IDS), want_logits)
+
+
+def test_the_off_switch_and_the_limit_are_honoured(model: str) -> None:
+    path = cache_path(model)
+    _, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="off")
+    assert err == "" and not os.path.exists(path)
+    size = planned_bytes(LlmFile(model))
+    limit = size - 1  # one byte short
+    _, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE=str(limit))
+    assert f"would take {size / 1e9:.2f} GB" in err and "not written" in err
+    assert f"toptpu cache {model}" in err and not os.path.exists(path)
+    _, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE=str(size))
+    assert "writing the weight cache file" in err and os.path.isfile(path)
+    bad = subprocess.run([sys.executable, "-m", "toptpu.cli", "run", model, "--ids", "3",
+                          "--max-new-tokens", "1"], capture_output=True, text=True,
+                         env={**os.environ, "TOPTPU_WEIGHT_CACHE_FILE": "lots"})
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "toptpu run: error: TOPTPU_WEIGHT_CACHE_FILE='lots' is not a setting: give auto, off "
+        "or the most bytes the weight cache file may take (e.g. 8G)"]
+
+
+def test_a_stale_cache_is_refused_and_replaced_after_the_model_file_changes(
+        model: str, tmp_path_factory) -> None:
+    """The model file recompiled in place: the run refuses the old file's forms (a note),
+    converts, and writes this file's; the next run reads those."""
+    path = cache_path(model)
+    write_weight_cache(model)
+    old = open_weight_cache(LlmFile(model), path).model.file.digest
+    other = compiled(tmp_path_factory, "qwen2", "w4bf16", seq=SEQ, input_len=16).model_file
+    shutil.copyfile(other, model)  # "recompiled"
+    assert LlmFile(model).file.digest != old
+    want_logits, _ = _uncached(model)
+    first, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
+    assert first["weight_cache_file"] is None
+    assert "was made from another model file" in err
+    assert "writing the weight cache file" in err
+    second, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
+    assert second["weight_cache_file"] == path and err == ""
+    rt = Runtime.open(model)
+    assert np.array_equal(rt.prompt_logits(IDS), want_logits)
+
+
+def test_a_file_of_another_kind_at_the_cache_path_is_left_alone(model: str) -> None:
+    path = cache_path(model)
+    with open(path, "wb") as f:
+        f.write(b"not a weight cache file")
+    _, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
+    assert "not written" in err and "not a weight cache file" in err
+    with open(path, "rb") as f:
+        assert f.read() == b"not a weight cache file"

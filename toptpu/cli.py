@@ -12,8 +12,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import FrameType
+from typing import Any
 
-from toptpu import llm_cli
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.passes import ModulePass
+
+from toptpu import llm_cli, serve_cli
 from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.cli_args import (
     ArgumentParser,
@@ -31,12 +35,14 @@ from toptpu.compare import (
     compare_stages,
     tpu_threshold,
 )
-from toptpu.demo_smollm2 import DEMO_PROMPT, SMOLLM2_INSTALL, demo_smollm2
+from toptpu.demo_dir import DEFAULT_DEMO_DIR, check_demo_dir, next_commands
+from toptpu.demo_smollm2 import DEMO_PROMPT, SMOLLM2_INSTALL, demo_smollm2, smollm2_gguf
 from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
 from toptpu.errors import AbortError, ToptpuError
 from toptpu.estimate import add_estimate_parser
 from toptpu.eval_cli import add_eval_parser
+from toptpu.info_cli import add_info_parser
 from toptpu.llm_cli import demo_generation
 from toptpu.memory_advice import out_of_memory_advice
 from toptpu.metrics import similarity
@@ -44,6 +50,7 @@ from toptpu.net_compiler import NetPlan, compile_net, top_net
 from toptpu.passes.pipelines import run_passes, top_pipeline_passes
 from toptpu.paths import check_not_inside, check_output_dir
 from toptpu.profile_cli import add_profile_parser
+from toptpu.progress import progress_bar
 from toptpu.request import CompileRequest, add_request_args
 from toptpu.run_ir import add_run_ir_parser
 from toptpu.sweep import add_sweep_parser
@@ -54,7 +61,7 @@ COMPARE_STAGES = ("torch", "mlir", "top", "tpu")
 TINY_PROMPT = "Hello world! The tensor processor runs the model."
 
 
-def _op_histogram(module) -> str:  # noqa: ANN001
+def _op_histogram(module: ModuleOp) -> str:
     counts = Counter(op.name for op in module.walk() if op.name.startswith(("top.", "tpu.")))
     return ", ".join(f"{n.split('.', 1)[1]}×{c}" for n, c in sorted(counts.items()))
 
@@ -64,8 +71,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     to a model file (f32 and w4bf16) and generated from, checked against transformers
     (`--model smollm2`: the real SmolLM2-135M-Instruct from its Q4_1 GGUF, answering a chat
     prompt, with a quality table of its f32 and Q4_1 compiles)."""
+    if args.print_path:
+        if args.model != "smollm2":
+            raise UsageError("--print-path prints the path of SmolLM2's GGUF file: give "
+                             "--model smollm2 too (the tiny model is built on the spot; "
+                             f"`toptpu demo` keeps its directory in {DEFAULT_DEMO_DIR}/"
+                             f"{llm_cli.TINY_DEMO_MODEL})")
+        print(smollm2_gguf())
+        return 0
+    directory = args.dir
     if args.model == "smollm2":
-        return 0 if demo_smollm2(args.prompt, args.max_new_tokens) else 1
+        return 0 if demo_smollm2(args.prompt, args.max_new_tokens, directory) else 1
+    check_demo_dir(directory, [llm_cli.tiny_demo_file(m) for m in llm_cli.TINY_DEMO_MODES],
+                   [llm_cli.TINY_DEMO_MODEL])
     import torch
 
     from toptpu.frontends.fx_importer import import_module
@@ -83,6 +101,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"model: built-in tiny {cfg.model_type} (hidden {cfg.hidden_size}, "
           f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/"
           f"{cfg.num_key_value_heads} q/kv heads, vocab {cfg.vocab_size}), prompt {n} tokens")
+    print("  its weights are seeded random numbers, so the text it generates is gibberish: "
+          "the demo checks the compiler, not the model. A real trained model: `toptpu demo "
+          "--model smollm2`")
     t = time.perf_counter()
     module, store = import_module(DecoderStack(model), (ids, pos, mask),
                                   input_names=["input_ids", "position_ids", "attention_mask"],
@@ -94,7 +115,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
              "attention_mask": mask.numpy()}
     before = Interpreter(module, store).run(feeds).outputs["logits"]
 
-    def progress(p, m) -> None:  # noqa: ANN001
+    def progress(p: ModulePass, m: ModuleOp) -> None:
         print(f"  pass {p.name:<13} -> {sum(1 for _ in m.walk())} ops")
 
     t = time.perf_counter()
@@ -116,19 +137,58 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"next-token argmax identical at all {n} positions: {bool(same)}")
 
     print("\n-- compile to a model file and generate")
-    generated_ok = demo_generation(prompt, args.max_new_tokens)
+    generated_ok = demo_generation(prompt, args.max_new_tokens, directory)
+    print()
+    print(tiny_demo_next(directory))
     return 0 if ok and same and generated_ok else 1
 
 
-def _load_causal_lm(path: str | None):  # noqa: ANN202
-    """The built-in tiny Qwen2, or a model directory's float model (local files only;
-    supported model types only; no tokenizer needed)."""
+def tiny_demo_next(directory: str) -> str:
+    """What the tiny demo kept in `directory`, and the commands to go on with."""
+    model = os.path.join(directory, llm_cli.TINY_DEMO_MODEL)
+    f32, w4 = (os.path.join(directory, llm_cli.tiny_demo_file(m))
+               for m in llm_cli.TINY_DEMO_MODES)
+    w8 = os.path.join(directory, llm_cli.tiny_demo_file("w8bf16"))
+    return (f"kept in {directory}/: the model directory {llm_cli.TINY_DEMO_MODEL}/ and the model "
+            f"files {os.path.basename(f32)}, {os.path.basename(w4)} (random weights: "
+            "gibberish text; `toptpu demo --model smollm2` for a real model)\n"
+            + next_commands([
+                ("generate from a model file", ["toptpu", "run", w4, "--prompt", "Hello",
+                                                "--max-new-tokens", "16"]),
+                ("chat with it (/exit quits)", ["toptpu", "chat", f32]),
+                ("its modelled time per net", ["toptpu", "profile", w4]),
+                ("compile in another mode", ["toptpu", "compile", model, "-q", "w8bf16",
+                                             "--seq-length", "128", "-o", w8]),
+                ("torch -> top -> tpu, tensor by tensor",
+                 ["toptpu", "compare", model, "-q", "w4bf16"]),
+            ]))
+
+
+def _load_causal_lm(path: str | None, layers: range | None = None) -> Any:
+    """The built-in tiny Qwen2, a model directory's float model (local files only;
+    supported model types only; no tokenizer needed), or a GGUF file's, every quantized
+    tensor dequantized as gguf does (checked as `compile` checks it; only the decoder
+    `layers` made real when given, the rest of the layers left unread)."""
+    from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
     from toptpu.frontends.hf_loader import load_model
+    from toptpu.frontends.streaming import materialize_layer
     from toptpu.frontends.tiny_models import tiny_model
 
     if path is None:
         return tiny_model("qwen2")
-    return load_model(path, need_tokenizer=False).model
+    gguf = gguf_file_of(path)
+    if gguf is None:
+        return load_model(path, need_tokenizer=False).model
+    loaded = load_gguf(gguf, dequantize="f32", need_tokenizer=False)
+    model, stream = loaded.model, loaded.stream
+    assert stream is not None  # a GGUF file always streams
+    n = model.config.num_hidden_layers
+    for i in range(n) if layers is None else layers:
+        if 0 < i < n:  # layer 0 is the skeleton's real one
+            materialize_layer(model, i, stream.tensor_f32)
+    if layers is None:
+        stream.fill_placeholders(model)
+    return model
 
 
 def _compare_stages(args: argparse.Namespace) -> tuple[list[str], CompileRequest]:
@@ -159,14 +219,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from toptpu.compiler import check_group_size, check_seq_length
     from toptpu.frontends.hf_layers import DecoderStack, decoder_layer, layer_inputs
-    from toptpu.frontends.llm import NetSpec
 
     order, request = _compare_stages(args)
     if args.dump:
         check_output_dir(args.dump, "--dump")
         if args.model is not None and os.path.isdir(args.model):
             check_not_inside(args.dump, args.model, "--dump")
-    model = _load_causal_lm(args.model)
+    model = _load_causal_lm(args.model, range(args.layer, args.layer + 1)
+                            if args.what == "layer" else None)
     cfg = model.config
     if args.what == "layer" and args.layer >= cfg.num_hidden_layers:
         raise UsageError(f"--layer {args.layer}: the model has {cfg.num_hidden_layers} "
@@ -175,6 +235,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     check_seq_length(config, where, args.seq, request.mode, "--seq", kv_cache=False)
     if "tpu" in order:
         check_group_size(config, where, request.mode, request.group_size)
+    net: torch.nn.Module
     if args.what == "layer":
         net = decoder_layer(model, args.layer)
         hidden, pos, mask = layer_inputs(cfg.hidden_size, args.seq)
@@ -189,9 +250,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
         mask = torch.triu(torch.full((args.seq, args.seq), -10000.0), 1)[None, None]
         feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
         outs = ["logits"]
+    # the steps: export, compile (or import), then each pair of stages run and compared
+    bar = progress_bar(2 + len(order) - 1, "toptpu compare", quiet=args.quiet, unit="step")
+    with bar:
+        ok = _compare_steps(args, order, request, net, feeds, outs, bar)
+    return 0 if ok else 1
+
+
+def _compare_steps(args: argparse.Namespace, order: list[str], request: CompileRequest,
+                   net: Any, feeds: dict[str, Any], outs: list[str], bar: Any) -> bool:
+    """The work of `toptpu compare` once its inputs are made: export `net`, compile its
+    stages, compare each pair in `order` (printing each table); whether all passed."""
+    import torch
+
+    from toptpu.frontends.llm import NetSpec
+
     names = list(feeds)
+    bar.set_postfix_str("torch.export", refresh=False)
     with torch.no_grad():
         ep = torch.export.export(net.eval(), tuple(feeds.values()), strict=False)
+    bar.update(1)
+    bar.set_postfix_str("compile", refresh=False)
     # the net as `toptpu compile` compiles one: import and top-pipeline, then tpu-pipeline
     spec = NetSpec(args.what, net, tuple(feeds.values()), names, outs, per_layer=False)
     store = WeightStore()
@@ -208,16 +287,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                 "mlir": MLIRStage("mlir", top_module, store)}
     if "tpu" in order:
         stages["tpu"] = IRStage(f"tpu-{mode}", compiled.tpu, store)
+    bar.update(1)
     arrays = {k: v.numpy() for k, v in feeds.items()}
     ok = True
     for a, b in zip(order, order[1:], strict=False):
         thr = THRESHOLDS["top-vs-torch"] if b in ("top", "mlir") or "tpu" not in order \
             else tpu_threshold(mode)
         dump = os.path.join(args.dump, f"{a}-vs-{b}") if args.dump else None
+        bar.set_postfix_str(f"{b} vs {a}", refresh=True)
         rep = compare_stages(stages[a], stages[b], arrays, thr, args.compare_all, dump)
+        bar.clear()
         print(rep.table())
+        bar.update(1)
         ok &= rep.ok
-    return 0 if ok else 1
+    return ok
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--print-ir", action="store_true", help="print the Top IR after the pipeline")
     d.add_argument("--max-new-tokens", type=int_at_least(1), default=32,
                    help="tokens to generate from each model file")
+    d.add_argument("--dir", default=DEFAULT_DEMO_DIR,
+                   help="the directory the demo keeps what it makes in (created if missing; "
+                   f"default ./{DEFAULT_DEMO_DIR}): the model directory and model files, "
+                   "replaced on the next run")
+    d.add_argument("--print-path", action="store_true",
+                   help="with --model smollm2: print the path of SmolLM2's GGUF file (to "
+                   "compile it yourself) and do nothing else")
     d.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("compile", help=llm_cli.cmd_compile.__doc__)
@@ -248,10 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     llm_cli.add_chat_args(h)
     h.set_defaults(fn=llm_cli.cmd_chat)
 
+    s = sub.add_parser("serve", help=serve_cli.cmd_serve.__doc__)
+    serve_cli.add_serve_args(s)
+    s.set_defaults(fn=serve_cli.cmd_serve)
+
     w = sub.add_parser("cache", help=llm_cli.cmd_cache.__doc__)
     llm_cli.add_cache_args(w)
     w.set_defaults(fn=llm_cli.cmd_cache)
 
+    add_info_parser(sub)
     add_profile_parser(sub)
     add_run_ir_parser(sub)
     add_estimate_parser(sub)
@@ -259,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
 
     c = sub.add_parser("compare", help=cmd_compare.__doc__)
-    c.add_argument("model", nargs="?", help="Hugging Face model directory (default: built-in)")
+    c.add_argument("model", nargs="?", help="Hugging Face model directory or GGUF file (its "
+                   "quantized tensors dequantized; default: the built-in tiny model)")
     c.add_argument("--stages", default="torch,top,tpu",
                    help="comma-separated stages compared pairwise in order (torch, mlir, top, "
                    "tpu)")
@@ -277,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare every intermediate tensor and name the first that drops")
     c.add_argument("--dump", metavar="DIR", help="write inputs, each stage's tensors (.npz) "
                    "and report.json")
+    c.add_argument("--quiet", action="store_true",
+                   help="no progress line (shown only when stderr is a terminal)")
     c.set_defaults(fn=cmd_compare)
     return ap
 

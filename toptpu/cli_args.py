@@ -152,7 +152,7 @@ def pixel_size(text: str) -> tuple[int, int]:
     if len(values) != 2 or any(v is None or v < 1 for v in values):
         raise argparse.ArgumentTypeError(
             f"must be a width and a height in pixels, W,H or WxH (e.g. 768,768), got {text!r}")
-    return int(values[0]), int(values[1])  # type: ignore[arg-type]
+    return int(values[0]), int(values[1])  # type: ignore[arg-type]  # None refused above
 
 
 def token_ids(text: str) -> list[int]:

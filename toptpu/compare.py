@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -165,20 +165,31 @@ class CompareReport:
         return next((r for r in self.tensors if not r.ok), None)
 
     def table(self) -> str:
+        """The report as text: every tensor's whole name (the column as wide as the longest),
+        the intermediates' count below the threshold and the first of them, and the
+        verdict, which judges the outputs only (an intermediate informs: quantization moves
+        some far more than the outputs it feeds)."""
+        width = max([52, *(len(r.name) for r in (*self.outputs, *self.tensors))])
         lines = [f"{self.stage_b} vs {self.stage_a} (cosine threshold {self.threshold})",
-                 f"{'tensor':<52} {'shape':<18} {'cosine':>9} {'euclid':>9} {'sqnr dB':>8}"]
+                 f"{'tensor':<{width}} {'shape':<18} {'cosine':>9} {'euclid':>9} "
+                 f"{'sqnr dB':>8}"]
         for title, rows in (("outputs", self.outputs), ("intermediates", self.tensors)):
             if not rows:
                 continue
             lines.append(f"-- {title}")
             for r in rows:
                 mark = "" if r.ok else "   <-- below threshold"
-                lines.append(f"{r.name[-52:]:<52} {str(r.shape):<18} {r.cosine:9.6f} "
+                lines.append(f"{r.name:<{width}} {str(r.shape):<18} {r.cosine:9.6f} "
                              f"{r.euclidean:9.6f} {r.sqnr_db:8.1f}{mark}")
         drop = self.first_drop
         if self.tensors:
-            lines.append(f"first tensor below threshold: {drop.name if drop else 'none'}")
-        lines.append("PASS" if self.ok else "FAIL")
+            below = sum(not r.ok for r in self.tensors)
+            lines.append(f"first tensor below threshold: {drop.name if drop else 'none'} "
+                         f"({below} of {len(self.tensors)} intermediates below; they inform, "
+                         "only the outputs are judged)")
+        bad = [r.name for r in self.outputs if not r.ok]
+        lines.append(f"PASS: every output at or above {self.threshold}" if self.ok else
+                     f"FAIL: output {', '.join(bad)} below {self.threshold}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -197,6 +208,13 @@ def _row(name: str, x: np.ndarray, ref: np.ndarray, threshold: float) -> TensorR
                         s.cosine >= threshold or s.exact)
 
 
+def _save_npz(f: IO[bytes], arrays: Mapping[str, np.ndarray]) -> None:
+    """`arrays` as an .npz file by name (np.savez's keywords, none of them its options)."""
+    # Any: numpy's stub would take an array keyword for its allow_pickle option
+    named: dict[str, Any] = dict(arrays)
+    np.savez(f, **named)
+
+
 def compare_stages(a: Stage, b: Stage, inputs: Mapping[str, np.ndarray], threshold: float,
                    compare_all: bool = False, dump_dir: str | None = None) -> CompareReport:
     """Run `a` (the reference) and `b` on `inputs` and compare them tensor by tensor."""
@@ -209,21 +227,21 @@ def compare_stages(a: Stage, b: Stage, inputs: Mapping[str, np.ndarray], thresho
     tensors = []
     if compare_all:
         for name, x in rb.values.items():
-            ref = ra.values.get(name)
-            if ref is None or np.shape(ref) != np.shape(x) or name in inputs:
+            expected = ra.values.get(name)
+            if expected is None or np.shape(expected) != np.shape(x) or name in inputs:
                 continue
             tensors.append(_row(name, np.asarray(x, dtype=np.float32),
-                                np.asarray(ref, dtype=np.float32), threshold))
+                                np.asarray(expected, dtype=np.float32), threshold))
     report = CompareReport(a.name, b.name, threshold, outputs, tensors)
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
         with open_output(os.path.join(dump_dir, "inputs.npz"), "--dump") as f:
-            np.savez(f, **{k: np.asarray(v) for k, v in inputs.items()})
+            _save_npz(f, {k: np.asarray(v) for k, v in inputs.items()})
         for stage, res in ((a.name, ra), (b.name, rb)):
             arrays = {**{f"output:{k}": v for k, v in res.outputs.items()}, **res.values}
             with open_output(os.path.join(dump_dir, f"{stage}.npz"), "--dump") as f:
-                np.savez(f, **{k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
-                               for k, v in arrays.items()})
+                _save_npz(f, {k: np.asarray(v, dtype=np.float32) if _is_halfish(v) else v
+                              for k, v in arrays.items()})
         write_output(os.path.join(dump_dir, "report.json"),
                      json.dumps(report.to_json(), indent=1), "--dump")
     return report

@@ -35,8 +35,8 @@ Progress goes to stderr; `dump_ir=DIR` writes every net's IR after every pass to
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -44,15 +44,14 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import IO, Any
 
 import numpy as np
 from jinja2 import TemplateSyntaxError
-from xdsl.dialects.builtin import ModuleOp, StringAttr
-from xdsl.printer import Printer
+from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import (
     BLOCK,
@@ -76,6 +75,7 @@ from toptpu.backend.formats.llm_file import (
     CheckpointInfo,
     CompileInfo,
     DeviceInfo,
+    FromIrInfo,
     Generation,
     IoSplit,
     LinearAttentionInfo,
@@ -83,6 +83,7 @@ from toptpu.backend.formats.llm_file import (
     ModelInfo,
     NetEntry,
     ParallelInfo,
+    PluginOpInfo,
     TokenizerInfo,
     VisionInfo,
     WeightLayout,
@@ -110,8 +111,8 @@ from toptpu.compile_options import (
     kv_cache_size,
 )
 from toptpu.devices import Parallel, balance_layers, devices_needed
+from toptpu.dialects import plugin_ops
 from toptpu.dialects.common import QuantMode
-from toptpu.dialects.output_file import write_output
 from toptpu.dialects.sharding import (
     device_tensor,
     parse_shard_name,
@@ -126,15 +127,19 @@ from toptpu.frontends.llm import (
     layer_key,
     split_model,
 )
+from toptpu.frontends.moe import is_moe_block
 from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
+from toptpu.ir_dump import DumpWriter, print_ir
 from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
 from toptpu.net_compiler import (
     CompiledNet,
     NetPlan,
+    OnStep,
     check_reload_free,
     check_state_in_place,
     compile_net,
+    io_specs,
 )
 from toptpu.passes.weight_recipe import WeightRecipe, derive_weights, weight_recipes
 from toptpu.prequantized import (
@@ -143,6 +148,7 @@ from toptpu.prequantized import (
     layer_variants,
     resolve_mode,
 )
+from toptpu.progress import elapsed_line, progress_bar
 from toptpu.request import AskedMode, CompileRequest, activation_mode
 from toptpu.weight_calibration import calibrate, request_for_mode
 from toptpu.weight_calibration.data import write_default_text
@@ -226,6 +232,8 @@ class PackedWeights:
     layers: range | None = None
     #: the recipes of the per-layer tensors, by the layer variant's representative
     variant_recipes: dict[int, dict[str, WeightRecipe]] = field(default_factory=dict)
+    #: called once a layer's tensors are written, after `release` (the progress line)
+    layer_written: Callable[[], None] = lambda: None
 
     def pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of every stored tensor in blob order (the bytes between them are
@@ -247,6 +255,7 @@ class PackedWeights:
             yield base + chunk[name].offset, _bytes(tensors[name])
         del tensors
         self.release()
+        self.layer_written()
 
     def shared_pieces(self) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) of the shared tensors, in blob order."""
@@ -275,7 +284,7 @@ class PackedWeights:
 
 
 def _bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
 @dataclass
@@ -355,7 +364,15 @@ def _compile_planned(the_plan: CompilePlan, output: str, progress: IO[str] | Non
     bar = Progress(len(the_plan.nets), progress)
     compiled = compile_nets(the_plan, bar, keep_top=keep_modules)
     timings.update({f"net:{name}": net.seconds for name, net in compiled.nets.items()})
+    return finish(the_plan, compiled, output, bar, timings, t0, keep_modules)
 
+
+def finish(the_plan: CompilePlan, compiled: CompiledNets, output: str, bar: Progress,
+           timings: dict[str, float], t0: float, keep_modules: bool = False,
+           from_ir: FromIrInfo | None = None) -> CompileResult:
+    """Steps 3 and 4 of a compile whose nets are compiled (by `compile_nets`, or picked up
+    from a dump by `toptpu.from_ir`): the weights packed (per device), checked to fit, and
+    the model file written."""
     t = time.perf_counter()
     packed: PackedWeights | DeviceWeights
     if the_plan.request.parallel is None:
@@ -375,7 +392,11 @@ def _compile_planned(the_plan: CompilePlan, output: str, progress: IO[str] | Non
     timings["weights"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    header = write(the_plan, compiled, packed, output)
+    with progress_bar(the_plan.num_layers, "toptpu compile: writing weights", unit="layer",
+                      stream=bar.stream, shown=bar.tty) as layers_bar:
+        for p in [packed] if isinstance(packed, PackedWeights) else packed.devices:
+            p.layer_written = lambda: layers_bar.update(1)
+        header = write(the_plan, compiled, packed, output, from_ir)
     timings["write"] = time.perf_counter() - t
     total = time.perf_counter() - t0
     timings["total"] = total
@@ -409,16 +430,20 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
         return _calibrated_plan(model, request, tokenizer=tokenizer, output=output,
                                 progress=progress, stream=stream)
     t = time.perf_counter()
-    loaded = model if isinstance(model, LoadedModel) else _load(
-        model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
-        request.vision_mode, stream=stream and request.dump_ir is None,
-        dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
+    tty = progress is not None and Progress(0, progress).tty
+    with elapsed_line(f"toptpu compile: loading {model if isinstance(model, str) else 'the model'}",
+                      stream=progress, shown=tty):
+        loaded = model if isinstance(model, LoadedModel) else _load(
+            model, tokenizer, request.image_size, request.max_tiles, request.max_patches,
+            request.vision_mode, stream=stream and request.dump_ir is None,
+            dequantize=request.dequantize, mode=request.mode, max_pixels=request.max_pixels)
     load_seconds = time.perf_counter() - t
     check_chat_template(loaded.tokenizer_files, loaded.source)
     hf = loaded.model
     mode = resolve_mode(request.mode, loaded)
     if loaded.checkpoint is not None:
-        check_quant_options(mode, request.group_size, request.symmetric, loaded.source)
+        check_quant_options(mode, request.group_size, request.symmetric, loaded.source,
+                            request.keep_float)
     arch = LlmArch.of(hf)
     check_parallel_model(loaded, arch, request)
     shapes = request.shapes
@@ -433,11 +458,15 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     act = mode.activation
     vision = getattr(loaded, "vision", None)
     axes = vision.position_axes if vision is not None else 1  # MiniCPM-V 4.7's canvas: 3
-    specs = split_model(hf, shapes, act=act, position_axes=axes)
+    if request.batch > 1 and LINEAR_ATTENTION in arch.layer_types:
+        raise CompileError(f"--batch {request.batch}: {arch.family}'s linear-attention layers "
+                           "have no batch decode net yet; compile it without --batch")
+    specs = split_model(hf, shapes, act=act, position_axes=axes, batch=request.batch)
     check_block_matches_model(hf, next(s for s in specs if s.name == BLOCK))
     nets = [NetPlan(spec, spec.mode or mode) for spec in specs]
     vit = _vision_net(loaded, mode, request.vision_mode, shapes)
     if vit is not None:
+        assert vision is not None  # a vit net is a vision tower's
         nets.append(vit)
         nets += [NetPlan(spec, spec.mode or mode) for spec in vision.extra_specs(shapes, act)]
     # layers whose checkpoint quantization differs get per-layer nets of their own
@@ -445,7 +474,8 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
     for rep in list(variants)[1:]:
         if loaded.stream is not None:  # the skeleton's representative layer made real
             loaded.stream.materialize(hf, rep, f"v{rep}.")
-        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes)
+        rep_specs = split_model(hf, shapes, layer=rep, act=act, position_axes=axes,
+                                batch=request.batch)
         if arch.layer_type(rep) != arch.layer_type(0):  # a layer kind of its own
             check_block_matches_model(hf, next(s for s in rep_specs if s.name == BLOCK),
                                       layer_index=rep)
@@ -537,8 +567,8 @@ _PROBE = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content":
 def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileRequest
                          ) -> None:
     """What a multi-device compile cannot take yet: a vision-language model; for tensor
-    parallelism a pre-quantized checkpoint (its packed integers are not cut yet) and
-    linear-attention layers."""
+    parallelism a pre-quantized checkpoint (its packed integers are not cut yet),
+    linear-attention layers and mixture-of-experts layers."""
     if request.parallel is None:
         return
     flag = f"--devices {request.devices} --parallel {request.parallel}"
@@ -552,6 +582,10 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
     if request.parallel is Parallel.TP and LINEAR_ATTENTION in arch.layer_types:
         raise CompileError(f"{flag}: {loaded.source} has linear-attention layers, which "
                            "toptpu does not cut over devices yet; use --parallel pp")
+    if request.parallel is Parallel.TP and any(is_moe_block(getattr(layer, "mlp", None))
+                                               for layer in loaded.model.model.layers[:1]):
+        raise CompileError(f"{flag}: {loaded.source} is a mixture of experts, whose "
+                           "experts toptpu does not cut over devices yet; use --parallel pp")
 
 
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
@@ -637,7 +671,7 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         add_checkpoint_tensors(store, [n.spec for n in plan.nets], plan.loaded.model,
                                plan.loaded.checkpoint,
                                {n.name: n.weight_prefix for n in plan.nets})
-    dump = IrDump.make(plan.request.dump_ir)
+    dump = DumpWriter.make(plan.request.dump_ir)
     nets = {}
     stream = plan.loaded.stream
     if dump is not None and stream is not None:  # (a GGUF file is streamed even then)
@@ -666,69 +700,37 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
                 del store[name]
     if dump is not None:
         store.save(dump.weights_path)
+        source = plan.loaded.source
+        dump.finish(os.path.abspath(source) if os.path.exists(source) else None,
+                    plan.request.keywords(),
+                    {name: (net.inputs, net.outputs) for name, net in nets.items()})
     return CompiledNets({n.name: nets[n.name] for n in plan.nets}, store)
 
 
-@dataclass
-class IrDump:
-    """`--dump-ir DIR`: DIR/<net>/NN-<pass>.mlir, every module pointing at
-    DIR/weights.safetensors; DIR/<net>/passes.json lists the net's files in order with the
-    pass (its toptpu-opt pipeline text, options included) that made each from the one
-    before it (`replay`: the import has none)."""
-
-    directory: str
-    weights_path: str
-
-    @classmethod
-    def make(cls, directory: str | None) -> IrDump | None:
-        if directory is None:
-            return None
-        os.makedirs(directory, exist_ok=True)
-        return cls(directory, os.path.abspath(os.path.join(directory, "weights.safetensors")))
-
-    def writer(self, net: str) -> Callable[..., None]:
-        """`(module, what, spec=None)` -> writes the net's next dump file (`spec`: the
-        pipeline text of the pass that made it, for passes.json)."""
-        step = [0]
-        stages: list[dict[str, str | None]] = []
-
-        def dump(module: ModuleOp, what: str, spec: str | None = None) -> None:
-            d = os.path.join(self.directory, net)
-            os.makedirs(d, exist_ok=True)
-            old = module.attributes.get(STORE_ATTR)
-            module.attributes[STORE_ATTR] = StringAttr(self.weights_path)
-            try:
-                text = print_ir(module, generic=False)
-            finally:
-                if old is not None:
-                    module.attributes[STORE_ATTR] = old
-            name = f"{step[0]:02d}-{what}.mlir"
-            write_output(os.path.join(d, name), text, "--dump-ir")
-            stages.append({"file": name, "pass": spec})
-            write_output(os.path.join(d, "passes.json"), json.dumps(stages, indent=1) + "\n",
-                         "--dump-ir")
-            step[0] += 1
-
-        return dump
-
-
 def _compile_net(net: NetPlan, plan: CompilePlan, store: WeightStore, bar: Progress,
-                 dump: IrDump | None, keep_top: bool) -> CompiledNet:
+                 dump: DumpWriter | None, keep_top: bool) -> CompiledNet:
     """`compile_net` with progress (and dumps) after the import and each pass."""
     bar.start(net.name)
-    last = [time.perf_counter()]
-    write_dump = dump.writer(net.name) if dump is not None else None
-
-    def on_step(what: str, module: ModuleOp, spec: str | None = None) -> None:
-        now = time.perf_counter()
-        bar.step(what, now - last[0])
-        last[0] = now
-        if write_dump is not None:
-            write_dump(module, what, spec)
+    on_step = progress_steps(bar, dump.writer(net.name, io_specs) if dump else None)
 
     compiled = compile_net(net, plan.request, store, on_step=on_step, keep_top=keep_top)
     bar.finish(compiled.seconds)
     return compiled
+
+
+def progress_steps(bar: Progress, write_dump: Callable[..., None] | None) -> OnStep:
+    """An `OnStep` that reports each step's time to `bar` (and writes its dump file)."""
+    last = [time.perf_counter()]
+
+    def on_step(what: str, module: ModuleOp, spec: str | None = None,
+                stage: str | None = None) -> None:
+        now = time.perf_counter()
+        bar.step(what, now - last[0])
+        last[0] = now
+        if write_dump is not None:
+            write_dump(module, what, spec, stage)
+
+    return on_step
 
 
 # ====================================================================== step 3: pack weights
@@ -821,10 +823,11 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
     unique: dict[tuple, str] = {}
     alias: dict[str, str] = {}
     for name in order:
-        r = from_placeholder.get(name)
-        key = (_digest(shared[name]),) if r is None else (
-            stream.placeholder_of(r.source), r.source.partition("@")[2], r.part, r.shape,
-            str(r.dtype), r.bits, r.group_size, r.symmetric, str(r.scale_dtype))
+        recipe = from_placeholder.get(name)
+        key = (_digest(shared[name]),) if recipe is None else (
+            stream.placeholder_of(recipe.source), recipe.source.partition("@")[2], recipe.part,
+            recipe.shape, str(recipe.dtype), recipe.bits, recipe.group_size, recipe.symmetric,
+            str(recipe.scale_dtype))
         alias[name] = unique.setdefault(key, name)
     specs = {nm: (tuple(shared[nm].shape), shared[nm].dtype.name) if nm in shared
              else (from_placeholder[nm].shape, from_placeholder[nm].dtype.name)
@@ -950,14 +953,16 @@ class DeviceWeights:
                 runs.append([r])
         for run in runs:
             for d, p in enumerate(self.devices):
-                made = derive_weights(run, lambda src, d=d: device_tensor(src, whole, d, n),
-                                      checkpoint_of)
+                made = derive_weights(
+                    run, functools.partial(device_tensor, whole=whole, device=d, devices=n),
+                    checkpoint_of)
                 base = p.layout.layer_start(layer)
                 for r in run:
                     yield p.layout.section, base + chunk[r.name].offset, _bytes(made[r.name])
                 del made
         last.clear()
         self.devices[0].release()
+        self.devices[0].layer_written()
 
 
 def pack_device_weights(plan: CompilePlan, compiled: CompiledNets, placement: Placement
@@ -1018,7 +1023,7 @@ def _digest(arr: np.ndarray) -> str:
 
 
 def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights | DeviceWeights,
-          output: str) -> LlmHeader:
+          output: str, from_ir: FromIrInfo | None = None) -> LlmHeader:
     """Write the model file at `output` (atomically): the header, each net's Tpu IR (generic
     form, without the compile-time store's name), command streams and constant pool, the
     tokenizer files and the weight blob, streamed piece by piece (`PackedWeights.pieces`;
@@ -1048,7 +1053,8 @@ def write(plan: CompilePlan, compiled: CompiledNets, packed: PackedWeights | Dev
                      if net.per_layer and NetName.parse(n) == NetName(n))}
     vision_info = (None if plan.vision is None
                    else {**plan.vision.header(), "mode": str(plan.vit_mode)})
-    header = _header(plan, nets, commands, packed, layer_nets, vision_info)
+    header = _header(plan, nets, commands, packed, layer_nets, vision_info, from_ir,
+                     plugin_ops_in(net.tpu for net in nets.values()))
     blob = packed.section() if isinstance(packed, PackedWeights) else packed.group().members()
     try:
         write_llm_file(output, header, irs, plan.loaded.tokenizer_files, blob,
@@ -1081,9 +1087,16 @@ def _json_config(config: Any) -> dict[str, Any]:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def plugin_ops_in(modules: Iterable[ModuleOp]) -> dict[str, PluginOpInfo] | None:
+    """The plugins' ops the `modules` hold, as the header records them (None: none)."""
+    found = plugin_ops.used_in(modules)
+    return {name: PluginOpInfo(e.plugin, e.package) for name, e in found.items()} or None
+
+
 def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str, int],
             packed: PackedWeights | DeviceWeights, layer_nets: dict[str, list[str]],
-            vision: dict[str, Any] | None) -> LlmHeader:
+            vision: dict[str, Any] | None, from_ir: FromIrInfo | None = None,
+            plugin_op_infos: dict[str, PluginOpInfo] | None = None) -> LlmHeader:
     """The model file header (`toptpu.backend.formats.llm_file.LlmHeader`). The parts the
     frontends give as JSON (generation config, vision section) are decoded with the
     schema, so a value the loader would refuse is a compile error naming the field."""
@@ -1118,12 +1131,14 @@ def _header(plan: CompilePlan, nets: dict[str, CompiledNet], commands: dict[str,
                              per_layer=n.per_layer, ir=ir_section(name),
                              streams=stream_section(name), consts=const_section(name),
                              weights=tuple(net_weights[name]),
-                             commands=commands[name])
+                             commands=commands[name], pipeline=n.pipeline or None)
               for name, n in nets.items()},
         layer_nets={base: tuple(names) for base, names in layer_nets.items()},
         weights=packed.layout if isinstance(packed, PackedWeights) else None,
         parallel=None if isinstance(packed, PackedWeights) else _parallel_info(packed, nets),
-        compile=CompileInfo(source=loaded.source, toptpu_version=toptpu_version),
+        compile=CompileInfo(source=loaded.source, toptpu_version=toptpu_version,
+                            pipeline=plan.request.pipeline.describe(), from_ir=from_ir,
+                            plugin_ops=plugin_op_infos),
         checkpoint=None if ck is None else CheckpointInfo(
             quant_method=ck.quant_method, packing_format=ck.packing_format,
             bits=checkpoint_bits(ck), quantized_layers=len(ck.layouts),
@@ -1174,14 +1189,6 @@ class Progress:
         if self.stream is not None:
             self.stream.write(text + "\n")
             self.stream.flush()
-
-
-def print_ir(module: ModuleOp, generic: bool) -> str:
-    out = io.StringIO()
-    Printer(stream=out, print_generic_format=generic, print_debuginfo=True).print_op(module)
-    out.write("\n")
-    return out.getvalue()
-
 
 
 __all__ = ["DEFAULT_GROUP_SIZE", "CompileError", "CompilePlan", "CompileRequest",

@@ -24,6 +24,8 @@ import time
 from typing import Any
 
 from toptpu.backend.runtime.runtime import Runtime
+from toptpu.demo_dir import check_demo_dir, next_commands
+from toptpu.dialects.output_file import write_output
 from toptpu.errors import ToptpuError
 from toptpu.eval_cli import evaluate
 from toptpu.llm_cli import stats_line
@@ -90,42 +92,81 @@ def quality_table(rows: list[tuple[str, dict[str, Any], int, float | None]]) -> 
     return "\n".join(lines)
 
 
-def demo_smollm2(prompt: str | None, max_new_tokens: int) -> bool:
-    """The demo (module doc); True when the f32 compile answers in English words and the
-    Q4_1 compile's perplexity is finite."""
+#: the files the demo keeps in its directory: model files by mode, the quality text
+SMOLLM2_FILES = {"f32": "smollm2-f32.toptpu", "auto": "smollm2-q4_1.toptpu"}
+SMOLLM2_TEXT = "smollm2-text.txt"
+
+
+def demo_smollm2(prompt: str | None, max_new_tokens: int, directory: str | None = None
+                 ) -> bool:
+    """The demo (module doc), its model files and text kept in `directory` (a temporary
+    one when None, removed afterwards), and the commands to go on with printed; True when
+    the f32 compile answers in English words and the Q4_1 compile's perplexity is
+    finite."""
+    gguf = smollm2_gguf()
+    if directory is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _demo(gguf, prompt, max_new_tokens, tmp)
+    check_demo_dir(directory, [*SMOLLM2_FILES.values(), SMOLLM2_TEXT])
+    os.makedirs(directory, exist_ok=True)
+    ok = _demo(gguf, prompt, max_new_tokens, directory)
+    print()
+    print(smollm2_next(directory, gguf))
+    return ok
+
+
+def smollm2_next(directory: str, gguf: str) -> str:
+    """What the SmolLM2 demo kept in `directory`, and the commands to go on with."""
+    f32, q41 = (os.path.join(directory, SMOLLM2_FILES[m]) for m in ("f32", "auto"))
+    text = os.path.join(directory, SMOLLM2_TEXT)
+    w8 = os.path.join(directory, "smollm2-w8bf16.toptpu")
+    return (f"kept in {directory}/: {SMOLLM2_FILES['f32']}, {SMOLLM2_FILES['auto']} and the "
+            f"quality text {SMOLLM2_TEXT}; the GGUF file: {gguf} (`toptpu demo --model "
+            "smollm2 --print-path`)\n"
+            + next_commands([
+                ("chat with SmolLM2 (/exit quits)", ["toptpu", "chat", q41]),
+                ("one answer", ["toptpu", "run", q41, "--chat-template", "--prompt",
+                                "Name three planets."]),
+                ("perplexity, KL against f32", ["toptpu", "eval", q41, "--text", text,
+                                                "--reference", f32]),
+                ("its modelled time per net", ["toptpu", "profile", q41]),
+                ("compile the GGUF in another mode",
+                 ["toptpu", "compile", gguf, "-q", "w8bf16", "--seq-length", "256", "-o", w8]),
+                ("torch -> top -> tpu on layer 0", ["toptpu", "compare", gguf]),
+            ]))
+
+
+def _demo(gguf: str, prompt: str | None, max_new_tokens: int, directory: str) -> bool:
     from toptpu.compiler import compile as compile_model
 
-    gguf = smollm2_gguf()
     message = prompt or DEMO_PROMPT
     print(f"model: SmolLM2-135M-Instruct, {gguf} ({os.path.getsize(gguf) / 1e6:.0f} MB)")
     answers: dict[str, str] = {}
     files: dict[str, tuple[str, float | None]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        text_file = os.path.join(tmp, "text.txt")
-        with open(text_file, "w", encoding="utf-8") as f:
-            f.write(DEMO_TEXT)
-        for label, mode in (("f32", "f32"), ("Q4_1 as it is (-q auto)", "auto")):
-            path = os.path.join(tmp, f"smollm2-{mode}.toptpu")
-            t = time.perf_counter()
-            compile_model(gguf, path, mode=mode, seq_length=DEMO_SEQ,
-                          max_input_length=DEMO_INPUT, progress=None)
-            rt = Runtime.open(path)
-            print(f"\ncompiled {label} ({rt.header.get('mode')}) to a "
-                  f"{os.path.getsize(path) / 1e6:.0f} MB model file in "
-                  f"{time.perf_counter() - t:.1f}s", flush=True)
-            res = rt.chat(message, max_new_tokens=max_new_tokens)
-            answers[mode] = res.text
-            print(f"  user: {message}\n  assistant: {res.text.strip()}")
-            print(f"  {stats_line(res)}", flush=True)
-            files[mode] = (path, res.modelled_tokens_per_s)
-        (f32, f32_tps), (q41, q41_tps) = files["f32"], files["auto"]
-        print(f"\nmeasuring perplexity on {len(rt.encode(DEMO_TEXT))} tokens of text ...",
-              flush=True)
-        quality = _eval(q41, text_file, f32)
-        ref = quality["reference"]
-        rows = [("f32", {"perplexity": ref["perplexity"], "reference": None},
-                 os.path.getsize(f32), f32_tps),
-                ("Q4_1 as it is (-q auto)", quality, os.path.getsize(q41), q41_tps)]
+    text_file = os.path.join(directory, SMOLLM2_TEXT)
+    write_output(text_file, DEMO_TEXT, "--dir")
+    for label, mode in (("f32", "f32"), ("Q4_1 as it is (-q auto)", "auto")):
+        path = os.path.join(directory, SMOLLM2_FILES[mode])
+        t = time.perf_counter()
+        compile_model(gguf, path, mode=mode, seq_length=DEMO_SEQ,
+                      max_input_length=DEMO_INPUT, progress=None)
+        rt = Runtime.open(path)
+        print(f"\ncompiled {label} ({rt.header.get('mode')}) to a "
+              f"{os.path.getsize(path) / 1e6:.0f} MB model file in "
+              f"{time.perf_counter() - t:.1f}s", flush=True)
+        res = rt.chat(message, max_new_tokens=max_new_tokens, skip_special_tokens=True)
+        answers[mode] = res.text
+        print(f"  user: {message}\n  assistant: {res.text.strip()}")
+        print(f"  {stats_line(res)}", flush=True)
+        files[mode] = (path, res.modelled_tokens_per_s)
+    (f32, f32_tps), (q41, q41_tps) = files["f32"], files["auto"]
+    print(f"\nmeasuring perplexity on {len(rt.encode(DEMO_TEXT))} tokens of text ...",
+          flush=True)
+    quality = _eval(q41, text_file, f32)
+    ref = quality["reference"]
+    rows = [("f32", {"perplexity": ref["perplexity"], "reference": None},
+             os.path.getsize(f32), f32_tps),
+            ("Q4_1 as it is (-q auto)", quality, os.path.getsize(q41), q41_tps)]
     print("\nquality on the demo text (toptpu eval; KL and top-1 against the f32 compile):\n")
     print(quality_table(rows))
     words = [w for w in answers["f32"].split() if w.isalpha()]

@@ -17,6 +17,18 @@ errors live here too (`GenerationError`, `ImageError`, re-exported by
 from __future__ import annotations
 
 
+def one_line_reason(e: BaseException | str, limit: int = 400) -> str:
+    """A foreign exception's message (transformers', a library's) as part of one error
+    line: its whitespace and line breaks folded to single spaces and, when longer than
+    `limit` characters, its middle left out — never its end, where such messages give the
+    reason ("... must be equal to the number of `layer_types` (1000000)")."""
+    text = " ".join(str(e).split())
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return f"{text[:head]} … {text[len(text) - (limit - head - 3):]}"
+
+
 class ToptpuError(Exception):
     """Bad input or a request toptpu cannot fulfil; the message says why and what to do."""
 

@@ -45,6 +45,7 @@ from typing import IO, Any
 
 from toptpu import vlm_estimate
 from toptpu.backend.contract import (
+    BATCH_NETS,
     BLOCK,
     BLOCK_CACHE,
     BLOCK_KV,
@@ -66,6 +67,7 @@ from toptpu.backend.contract import (
     NetName,
     StaticShapes,
     TensorSpec,
+    batch_net_io,
     linear_net_io,
     net_io,
 )
@@ -201,8 +203,14 @@ class CompiledCosts:
                       tuple(range(a, b) for a, b in self.device_layers)
                       if self.parallel is Parallel.PP else ())
 
+    @property
+    def batch(self) -> int:
+        """The batch of the batch nets compiled (`--batch B`), 1 without."""
+        return max((NetName.parse(n).batch for n in self.commands), default=0) or 1
+
     def io(self) -> dict[str, Any]:
-        return model_net_io(self.shapes, self.model, self.act, self.position_axes)
+        return model_net_io(self.shapes, self.model, self.act, self.position_axes,
+                            self.batch)
 
     def timings(self, chip: Chip, nets: Sequence[str] | None = None) -> dict[str, NetTiming]:
         """Each compiled net (or `nets`) timed on `chip`."""
@@ -210,7 +218,7 @@ class CompiledCosts:
                 for name in (self.commands if nets is None else nets)}
 
     def to_json(self) -> dict[str, Any]:
-        out = {"model": self.model.to_json(), "mode": self.mode.value,
+        out: dict[str, Any] = {"model": self.model.to_json(), "mode": self.mode.value,
                "shapes": asdict(self.shapes), "weight_bytes": self.weight_bytes,
                "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
                "compile_s": self.compile_s,
@@ -280,12 +288,15 @@ def model_shape(config: Any) -> ModelShape:
         layer_types=types if LINEAR_ATTENTION in types else (), linear=linear)
 
 
-def model_net_io(shapes: StaticShapes, model: ModelShape, act: str, position_axes: int = 1
+def model_net_io(shapes: StaticShapes, model: ModelShape, act: str, position_axes: int = 1,
+                 batch: int = 1
                  ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
-    """Each text net's IO (`contract.net_io`; `position_axes` rows of positions), the
-    per-layer nets of every layer kind under their names (a linear-attention kind's
-    `contract.linear_net_io`)."""
+    """Each text net's IO (`contract.net_io`; `position_axes` rows of positions; with the
+    batch nets at `batch` above 1, `contract.batch_net_io`), the per-layer nets of every
+    layer kind under their names (a linear-attention kind's `contract.linear_net_io`)."""
     io = net_io(shapes, model, act, position_axes)
+    if batch > 1:
+        io.update(batch_net_io(shapes, model, act, batch, position_axes))
     out = {name: spec for name, spec in io.items()
            if NetName.parse(name).base not in PER_LAYER_NETS}
     for rep in model.representatives:
@@ -331,13 +342,18 @@ def compile_programs(config: Any, request: CompileRequest, nets: Sequence[str] =
         raise EstimateError(f"--devices {request.devices} --parallel tp: the model has "
                             "linear-attention layers (Qwen3.5), which toptpu does not cut "
                             "over devices yet; use --parallel pp")
+    if request.batch > 1 and shape.linear is not None:  # as compile refuses
+        raise EstimateError(f"--batch {request.batch}: the model has linear-attention layers "
+                            "(Qwen3.5), which have no batch decode net yet")
     reps = shape.representatives  # the first layer of each kind
     model = placeholder_model(config, layers=max(reps) + 1, build=build)
-    shapes, act = request.shapes, mode.activation
+    shapes, act, batch = request.shapes, mode.activation, request.batch
     specs = {s.name: NetPlan(s, s.mode or mode)
-             for s in split_model(model, shapes, act=act, position_axes=position_axes)}
+             for s in split_model(model, shapes, act=act, position_axes=position_axes,
+                                  batch=batch)}
     for rep in reps[1:]:  # another layer kind: its per-layer nets, named as compile does
-        for s in split_model(model, shapes, layer=rep, act=act, position_axes=position_axes):
+        for s in split_model(model, shapes, layer=rep, act=act, position_axes=position_axes,
+                             batch=batch):
             if s.per_layer:
                 name = str(NetName.parse(s.name).at_layer(rep))
                 specs[name] = NetPlan(replace(s, name=name), s.mode or mode, f"v{rep}.")
@@ -506,6 +522,18 @@ class Estimate:
     first_token: Costs
     per_token: Costs
     nets: dict[str, NetTiming] = field(default_factory=dict)
+    #: one decode step of B conversations on the batch nets (None: none compiled)
+    batch_step: Costs | None = None
+
+    def batch_json(self) -> dict[str, Any] | None:
+        """The batch nets' decode: one step of B conversations, the tokens/s each of them
+        and all together get (None: no batch nets)."""
+        if self.batch_step is None:
+            return None
+        b, step = self.compiled.batch, self.batch_step.total_s
+        return {"batch": b, "step": self.batch_step.to_json(),
+                "tokens_per_s_per_user": 1 / step, "tokens_per_s_total": b / step,
+                "speedup_over_batch_1": b / step * self.per_token.total_s}
 
     @property
     def ttft_s(self) -> float:
@@ -560,6 +588,7 @@ class Estimate:
             "model": m.model.to_json(),
             "prompt_tokens": self.prompt_tokens,
             "sampler": self.sampler,
+            "batch": self.batch_json(),
         }
 
 
@@ -576,7 +605,7 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
                             f"{compiled.shapes.seq_length}")
     model = compiled.model
     layer_nets = model.layer_nets()
-    needed = [name for n in _needed_nets(tokens, compiled.shapes, sampler)
+    needed = [name for n in _needed_nets(tokens, compiled.shapes, sampler, compiled.batch)
               for name in ([model.layer_net(n, i) for i in range(model.num_layers)]
                            if NetName.parse(n).base in PER_LAYER_NETS else [n])]
     missing = sorted(set(needed) - set(compiled.commands))
@@ -586,10 +615,12 @@ def estimate(compiled: CompiledCosts, chip: Chip, prompt_tokens: int | None = No
     steps = StepModel(chip, compiled.io(), timings, compiled.model.num_layers, layer_nets,
                       spread=compiled.spread)
     return Estimate(chip, compiled, tokens, sampler, steps.first_token(tokens, sampler),
-                    steps.per_token(sampler), timings)
+                    steps.per_token(sampler), timings,
+                    steps.batch_step(sampler) if compiled.batch > 1 else None)
 
 
-def _needed_nets(tokens: int, shapes: StaticShapes, sampler: str) -> list[str]:
+def _needed_nets(tokens: int, shapes: StaticShapes, sampler: str, batch: int = 1
+                 ) -> list[str]:
     """The nets a generation from a prompt of `tokens` runs (`Runtime.generate`): each
     prefill chunk's embedding and block (the first) or block_kv at the shortest prefill
     length that holds it, the decode nets (also for prompt tokens past max_history), the
@@ -605,17 +636,24 @@ def _needed_nets(tokens: int, shapes: StaticShapes, sampler: str) -> list[str]:
             done += n
         else:
             done += 1
-    nets += {"greedy": [GREEDY_HEAD], "sample": [SAMPLE_HEAD], "host": []}[sampler]
+    heads = {"greedy": [GREEDY_HEAD], "sample": [SAMPLE_HEAD], "host": []}[sampler]
+    nets += heads
+    if batch > 1:  # a decode step of `batch` conversations
+        nets += [str(NetName(n, batch=batch)) for n in (EMBEDDING_CACHE, BLOCK_CACHE, LM_HEAD,
+                                                        *heads)]
     return list(dict.fromkeys(nets))
 
 
-def estimate_nets(shapes: StaticShapes, prompt_tokens: int | None, sampler: str) -> list[str]:
+def estimate_nets(shapes: StaticShapes, prompt_tokens: int | None, sampler: str,
+                  batch: int = 1) -> list[str]:
     """The nets `toptpu estimate` compiles: every net of a model file at its longest
-    prefill length, and the shorter prefill nets the prompt's chunks run."""
+    prefill length, the shorter prefill nets the prompt's chunks run, and with `batch`
+    above 1 the batch nets."""
     tokens = shapes.max_input_length if prompt_tokens is None else prompt_tokens
-    needed = _needed_nets(tokens, shapes, sampler) \
+    needed = _needed_nets(tokens, shapes, sampler, batch) \
         if 1 <= tokens <= shapes.seq_length and sampler in SAMPLERS else []
-    return list(dict.fromkeys([*TEXT_NETS, *needed]))
+    extra = [str(NetName(n, batch=batch)) for n in BATCH_NETS] if batch > 1 else []
+    return list(dict.fromkeys([*TEXT_NETS, *needed, *extra]))
 
 
 def all_prefill_nets(shapes: StaticShapes) -> list[str]:
@@ -653,6 +691,7 @@ def summary(est: Estimate) -> str:
         f"modelled ({_where(est.first_token)})",
         f"decode: {est.tokens_per_s:.2f} tokens/s modelled, {est.per_token.total_s * 1e3:.3f} "
         f"ms per token ({_where(est.per_token)})",
+        *_batch_lines(est),
         f"{'net':<16} {'runs/step':>9} {'ms/run':>9} {'bound':>8} {'MB moved':>9} "
         f"{'GFLOP':>8}",
     ]
@@ -661,6 +700,18 @@ def summary(est: Estimate) -> str:
                      f"{row['bound']:>8} {row['dma_bytes'] / 1e6:>9.2f} "
                      f"{row['flops'] / 1e9:>8.3f}")
     return "\n".join(lines)
+
+
+def _batch_lines(est: Estimate) -> list[str]:
+    """The batch nets' decode, when compiled."""
+    b = est.batch_json()
+    if b is None or est.batch_step is None:
+        return []
+    return [f"decode at batch {b['batch']} (the batch nets): one step of {b['batch']} "
+            f"conversations {est.batch_step.total_s * 1e3:.3f} ms "
+            f"({_where(est.batch_step)}): {b['tokens_per_s_per_user']:.2f} tokens/s per "
+            f"user, {b['tokens_per_s_total']:.2f} tokens/s in total "
+            f"({b['speedup_over_batch_1']:.2f}x batch 1)"]
 
 
 def _device_lines(est: Estimate) -> list[str]:
@@ -780,9 +831,9 @@ def read_checked_config(config_dir: str, request: CompileRequest) -> Any:
     check_config(_without_quantization(config), where)
     check_seq_length(raw, where, request.shapes.seq_length, mode)
     check_group_size(raw, where, mode, request.group_size)
-    check_parallel_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict)
-                          else raw, where, request.devices, request.parallel, mode,
-                          request.group_size)
+    text_config = raw.get("text_config")
+    check_parallel_config(text_config if isinstance(text_config, dict) else raw, where,
+                          request.devices, request.parallel, mode, request.group_size)
     return config
 
 
@@ -815,8 +866,8 @@ def cmd_estimate(args: Any) -> int:
     build = vlm_estimate.text_placeholder_builder(config) if vlm is not None else None
     shapes = request.shapes
     # a VLM's prompt holds an image's tokens too: every prefill length is compiled
-    nets = estimate_nets(shapes, args.prompt_tokens, args.sampler) if vlm is None \
-        else all_prefill_nets(shapes)
+    nets = estimate_nets(shapes, args.prompt_tokens, args.sampler, request.batch) \
+        if vlm is None else all_prefill_nets(shapes)
     compiled = compile_costs(config, request, nets=nets, progress=progress,
                              position_axes=3 if vlm is not None else 1, build=build)
     est = estimate(compiled, chip, args.prompt_tokens, args.sampler)
@@ -860,7 +911,8 @@ def add_estimate_parser(sub: Any) -> None:
     p.add_argument("--chip", choices=chip_names(), default=DEFAULT_CHIP,
                    help="the chip preset to model")
     p.add_argument("-q", "--mode", default="w4bf16", help="quantization mode (as compile)")
-    add_request_args(p, ("shapes", "devices", "parallel", "group_size", "symmetric"))
+    add_request_args(p, ("shapes", "batch", "devices", "parallel", "group_size", "symmetric",
+                         "pipeline"))  # the nets compiled with the passes a compile runs
     p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt length of the time to first token (default: one chunk, "
                    "--max-input-length); its chunks run at the shortest prefill length "

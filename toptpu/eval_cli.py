@@ -37,6 +37,7 @@ from toptpu.backend.runtime.runtime import Runtime, SamplingConfig
 from toptpu.cli_args import int_at_least
 from toptpu.dialects.output_file import note_input
 from toptpu.errors import ToptpuError
+from toptpu.progress import progress_bar
 
 #: version of the `toptpu eval --json` object; bumped when a key changes meaning or goes away
 EVAL_JSON_SCHEMA = 1
@@ -219,7 +220,7 @@ class ModelFileScorer:
     def __init__(self, path: str, executor: str) -> None:
         self.name = path
         self.rt = Runtime.open(path, executor)
-        self.seq = self.rt.seq
+        self.seq: int | None = self.rt.seq
         self.vocab_size = self.rt.meta.model.vocab_size
         self.mode = str(self.rt.header.get("mode"))
 
@@ -238,7 +239,7 @@ class HFScorer:
     """The float model of a Hugging Face directory in transformers (f32, local files)."""
 
     kind = "hf"
-    seq = None
+    seq: int | None = None
 
     def __init__(self, path: str) -> None:
         import torch
@@ -371,23 +372,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     tot = Totals()
     t0 = time.perf_counter()
     problem = None
-    for k, (s, e) in enumerate(spans):
-        chunk = ids[s:e]
-        targets = np.array(chunk[1:], np.int64)
-        logits = model.logits(chunk)[:-1]
-        ref_logits = ref.logits(chunk)[:-1] if ref else None
-        problem = non_finite(logits, model.name, s, k) or (
-            None if ref is None or ref_logits is None
-            else non_finite(ref_logits, ref.name, s, k))
-        if problem:
-            break
-        for r in range(0, len(targets), ROWS):  # f64 in blocks: [rows, V] at a time
-            tot.add(targets[r:r + ROWS], log_softmax(logits[r:r + ROWS]),
-                    None if ref_logits is None else log_softmax(ref_logits[r:r + ROWS]))
-        if progress:
-            print(f"toptpu eval: window {k + 1}/{len(spans)} ({e - s} tokens): perplexity so "
-                  f"far {_ppl(tot.nll, tot.positions):.4f} ({time.perf_counter() - t0:.1f}s)",
-                  file=progress, flush=True)
+    # a terminal: one progress line over the tokens; otherwise a line per window
+    bar = progress_bar(sum(e - s for s, e in spans), "toptpu eval", quiet=args.quiet,
+                       unit="tok")
+    try:
+        problem = _score_windows(model, ref, ids, spans, tot, bar, progress, t0)
+    finally:
+        bar.close()
     out: dict[str, Any] = {
         "schema": EVAL_JSON_SCHEMA,
         "model_file": args.model_file, "mode": model.mode, "executor": args.executor,
@@ -413,6 +404,36 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             "greedy": _greedy(model, ref, ids, args, progress),
         }
     return out
+
+
+def _score_windows(model: ModelFileScorer, ref: Scorer | None, ids: list[int],
+                   spans: list[tuple[int, int]], tot: Totals, bar: Any, progress: Any,
+                   t0: float) -> str | None:
+    """Score the text window by window into `tot`; the problem that stopped it (logits that
+    are not finite), None when every window was scored. `bar` (a live progress line, drawn
+    on a terminal) counts the tokens; without it, a line per window goes to `progress`."""
+    for k, (s, e) in enumerate(spans):
+        chunk = ids[s:e]
+        targets = np.array(chunk[1:], np.int64)
+        logits = model.logits(chunk)[:-1]
+        ref_logits = ref.logits(chunk)[:-1] if ref else None
+        problem = non_finite(logits, model.name, s, k) or (
+            None if ref is None or ref_logits is None
+            else non_finite(ref_logits, ref.name, s, k))
+        if problem:
+            return problem
+        for r in range(0, len(targets), ROWS):  # f64 in blocks: [rows, V] at a time
+            tot.add(targets[r:r + ROWS], log_softmax(logits[r:r + ROWS]),
+                    None if ref_logits is None else log_softmax(ref_logits[r:r + ROWS]))
+        if not bar.disable:
+            bar.set_postfix_str(f"perplexity so far {_ppl(tot.nll, tot.positions):.4f}",
+                                refresh=False)
+            bar.update(e - s)
+        elif progress:
+            print(f"toptpu eval: window {k + 1}/{len(spans)} ({e - s} tokens): perplexity so "
+                  f"far {_ppl(tot.nll, tot.positions):.4f} ({time.perf_counter() - t0:.1f}s)",
+                  file=progress, flush=True)
+    return None
 
 
 def _greedy(model: ModelFileScorer, ref: Scorer, ids: list[int], args: argparse.Namespace,

@@ -103,9 +103,9 @@ def parse_expectations(text: str) -> list[Expected]:
         kind, is_re, where, message = found.groups()
         try:
             regex = _regex_of(message) if is_re else None
-        except re.error as e:
+        except re.error as bad:
             raise ExpectationSyntaxError(f"line {number}: invalid regex in expected-{kind}-re: "
-                                         f"{e}") from None
+                                         f"{bad}") from None
         e = Expected(kind, number, message, regex, number)
         if where is None:  # the line the comment is on
             pass

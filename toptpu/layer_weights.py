@@ -19,6 +19,7 @@ import numpy as np
 from toptpu.compile_options import CompileError
 from toptpu.dialects.weight_store import _torch_to_numpy
 from toptpu.frontends.llm import layer_key
+from toptpu.frontends.moe import expert_tensor
 from toptpu.frontends.quant import QuantizedCheckpointError
 from toptpu.passes.quantize import QuantizationError, checkpoint_parts
 
@@ -75,6 +76,10 @@ def float_of_layer(model: Any, layer: int) -> FloatOf:
         if key is None:
             raise CompileError(f"'{source}' is not a per-layer weight")
         if key not in state:
+            stacked = expert_tensor(key, state.__contains__,
+                                    lambda k: _torch_to_numpy(state[k]))
+            if stacked is not None:  # a MoE layer's experts stacked as the nets read them
+                return stacked
             raise CompileError(f"layer {layer} has no tensor '{key}' (the net reads "
                                f"'{source}'); its layers are not all alike")
         return _torch_to_numpy(state[key])

@@ -23,14 +23,17 @@ from toptpu.backend.runtime.run_trace import write_run_trace
 from toptpu.backend.runtime.runtime import (
     SAMPLER_CHOICES,
     GenerationError,
+    GenerationResult,
     PromptTooLongError,
     Runtime,
     SamplingConfig,
 )
 from toptpu.backend.runtime.vision import image_file
 from toptpu.backend.runtime.weight_cache_file import (
+    auto_limit,
     cache_path,
     open_weight_cache,
+    write_if_missing,
     write_weight_cache,
 )
 from toptpu.cli_args import (
@@ -42,8 +45,10 @@ from toptpu.cli_args import (
     utf8_text,
 )
 from toptpu.command_io import LineTooLong, message_limit, read_line
+from toptpu.demo_dir import replaced_model_dir
 from toptpu.errors import ToptpuError
 from toptpu.paths import check_output_file
+from toptpu.progress import progress_bar
 from toptpu.request import CompileRequest, add_request_args
 
 #: version of the `toptpu run --json` object (docs/usage.md: "toptpu run --json"); bumped when a
@@ -55,11 +60,21 @@ RUN_JSON_SCHEMA = 2  # 2: `text` leaves special tokens out unless --special-toke
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Hugging Face model directory (config.json, *.safetensors, "
-                   "tokenizer.json), or a GGUF file (or a directory holding one)")
+    p.add_argument("model", nargs="?",
+                   help="Hugging Face model directory (config.json, *.safetensors, "
+                   "tokenizer.json), or a GGUF file (or a directory holding one); with "
+                   "--from-ir: the model the dump was made from, when it has moved")
     p.add_argument("-o", "--output", required=True,
                    help="the model file to write (not inside the model directory)")
     add_request_args(p)  # every option of the compile request (`toptpu.request`)
+    ir = p.add_argument_group("from IR (docs/usage.md: compile from a dump)")
+    ir.add_argument("--from-ir", metavar="DIR",
+                    help="compile from a --dump-ir directory whose IR may be edited at any "
+                    "stage: each net from its edited file (or its last Tpu stage) through "
+                    "the passes after it, with the dump's request and weight store")
+    ir.add_argument("--ir-stage", action="append", metavar="NET=STAGE",
+                    help="with --from-ir: pick NET up at STAGE (a file of DIR/NET, e.g. "
+                    "block=08-cse.mlir, or its number, block=08); repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -113,6 +128,8 @@ def add_chat_args(h: argparse.ArgumentParser) -> None:
                    help="start over when a turn no longer fits the KV cache (default: say so)")
     h.add_argument("--fps", type=finite_float(0.0, lo_open=True), default=2.0,
                    help="frames per second of /video frames (default 2)")
+    h.add_argument("--special-tokens", action="store_true",
+                   help="print special tokens (the end-of-turn marker, ...) in the replies")
     add_sampling_args(h)
 
 
@@ -146,7 +163,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "its heads can: greedy, or top-k between 1 and the head's K; else host)")
 
 
-def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]) -> Any:
+def sampling_from_args(args: argparse.Namespace, generation: dict[str, Any]
+                       ) -> SamplingConfig:
     """The sampling settings: the arguments given, else the model file's generation config
     (greedy unless it samples)."""
     def stored(key: str, kind: type, default: float) -> Any:
@@ -181,7 +199,7 @@ def _fmt(v: float | None, unit: str, digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def stats_line(res: Any) -> str:
+def stats_line(res: GenerationResult) -> str:
     vision = (f"vision {res.image_tokens} image tokens in {_fmt(res.vision_s, 's')} host, "
               f"{_fmt(res.vision_modelled_s, 's', 6)} modelled; " if res.image_tokens else "")
     return (f"[{len(res.generated_ids)} tokens, stop: {res.stop_reason}; "
@@ -195,16 +213,41 @@ def stats_line(res: Any) -> str:
 # --------------------------------------------------------------------------- commands
 
 
+def _from_ir(args: argparse.Namespace) -> int:
+    """`toptpu compile --from-ir DIR`: the request is the dump's; a request option given
+    too is refused."""
+    from toptpu.from_ir import compile_from_ir
+
+    given = [o.flags[-1] for o in CompileRequest.options()
+             if getattr(args, o.keyword, o.default) != o.default]
+    if given:
+        raise UsageError(f"--from-ir compiles with the request of the dump (its "
+                         f"compile.json); drop {', '.join(given)}")
+    compile_from_ir(args.from_ir, args.output, model=args.model, ir_stages=args.ir_stage,
+                    progress=None if args.quiet else sys.stderr)
+    return 0
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
-    """Compile a Hugging Face model directory to a model file."""
+    """Compile a Hugging Face model directory (or a --dump-ir directory, edited) to a model
+    file."""
     from toptpu.compiler import compile as compile_model
+
+    if args.from_ir is not None:
+        return _from_ir(args)
+    if args.ir_stage:
+        raise UsageError("--ir-stage picks a net's stage of a --from-ir directory; give "
+                         "--from-ir DIR")
+    if args.model is None:
+        raise UsageError("give the model to compile (a Hugging Face directory or a GGUF "
+                         "file), or --from-ir DIR")
 
     compile_model(args.model, args.output, CompileRequest.from_args(args),
                   progress=None if args.quiet else sys.stderr)
     return 0
 
 
-def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
+def _prompt_ids(rt: Runtime, args: argparse.Namespace) -> tuple[list[int], list[Any]]:
     """The prompt's token ids (and encoded images) as the arguments give them."""
     if args.ids is not None:
         if args.chat_template or args.image or args.video:
@@ -221,7 +264,7 @@ def _prompt_ids(rt: Any, args: argparse.Namespace) -> tuple[list[int], list[Any]
     return rt.encode(args.prompt), []
 
 
-def run_json(res: Any, executor: str, weight_cache_file: str | None = None
+def run_json(res: GenerationResult, executor: str, weight_cache_file: str | None = None
              ) -> dict[str, Any]:
     """The `toptpu run --json` object (schema RUN_JSON_SCHEMA, documented in docs/usage.md)."""
     return {
@@ -253,18 +296,34 @@ def cmd_cache(args: argparse.Namespace) -> int:
         stored.close()
         return 0
     t = time.perf_counter()
-    note = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
-    written = write_weight_cache(llm, path, note)
+    with progress_bar(None, "toptpu cache", quiet=args.quiet, unit="weight") as bar:
+        if bar.disable:  # no terminal: one line per converted weight, unless --quiet
+            note = None if args.quiet else (lambda line: print(f"  {line}", file=sys.stderr))
+            written = write_weight_cache(llm, path, note)
+        else:
+            def planned(n: int) -> None:
+                bar.reset(total=n)
+
+            written = write_weight_cache(llm, path, lambda _: bar.update(1), planned=planned)
     print(f"wrote {written} ({os.path.getsize(written) / 1e6:.1f} MB) in "
           f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
     return 0
 
 
-def _print_notes(rt: Any) -> None:
+def _print_notes(rt: Runtime) -> None:
     """What the runtime noted (a weight cache file left unused), once each, on stderr."""
     for note in rt.notes:
         print(f"toptpu: note: {note}", file=sys.stderr)
     rt.notes.clear()
+
+
+def _keep_weight_cache(rt: Any) -> None:
+    """After a run that converted its weights: the model file's weight cache file written
+    for the next one, within TOPTPU_WEIGHT_CACHE_FILE's limit, its size said on stderr."""
+    if rt.meta.parallel is None:
+        write_if_missing(rt.ex.file, lambda line: print(f"toptpu: note: {line}",
+                                                         file=sys.stderr),
+                         rt.weight_cache_file)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -278,6 +337,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--trace '{args.trace}' is the model file; name another file")
     for path in [*(args.image or []), *(f for video in args.video or [] for f in video)]:
         image_file(path)  # each a regular file, before the model file is read
+    auto_limit()  # a bad TOPTPU_WEIGHT_CACHE_FILE: an error before any work
     rt = Runtime.open(args.model_file, args.executor)
     _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -310,6 +370,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(stats_line(res), file=sys.stderr)
     if recorder is not None:
         print(f"wrote {args.trace} (open in https://ui.perfetto.dev)", file=sys.stderr)
+    _keep_weight_cache(rt)
     return 0
 
 
@@ -318,6 +379,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     /reset starts over, /exit (or end of input) quits, /help lists the commands, a message
     that starts with '/' is typed as '//...'; VLMs: /image PATH [message] attaches an image
     to the message (or to the next one). Ctrl-C quits (status 130)."""
+    auto_limit()  # a bad TOPTPU_WEIGHT_CACHE_FILE: an error before any work
     rt = Runtime.open(args.model_file, args.executor)
     _print_notes(rt)
     sampling = sampling_from_args(args, rt.header.get("generation", {}))
@@ -328,7 +390,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
           file=sys.stderr)
     _prepare_input()
     try:
-        return _chat_loop(rt, args, sampling)
+        code = _chat_loop(rt, args, sampling)
+        _keep_weight_cache(rt)
+        return code
     except KeyboardInterrupt:
         print()  # end the prompt or the reply's line; toptpu.cli prints why it stopped
         raise
@@ -379,7 +443,7 @@ def _read_message(limit: int = 1 << 20) -> str | None:
             return line.strip()
 
 
-def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
+def _chat_loop(rt: Runtime, args: argparse.Namespace, sampling: SamplingConfig) -> int:
     images: list[Any] = []
     limit = message_limit(rt.tokenizer.backend.get_vocab(), rt.seq)
     while True:
@@ -418,7 +482,7 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
                 continue
             images.append(enc)
             print(f"[video {len(frames)} frames at {args.fps:g} fps: {enc.size[0]}x"
-                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw))}, "
+                  f"{enc.size[1]}, grid {'x'.join(map(str, enc.grid_thw or ()))}, "
                   f"{enc.image_tokens} video tokens]", file=sys.stderr)
             if not msg:
                 continue
@@ -435,7 +499,8 @@ def _chat_loop(rt: Any, args: argparse.Namespace, sampling: Any) -> int:
 
         try:
             res = rt.chat(msg, args.max_new_tokens, sampling, on_text=stream,
-                          system=args.system, reset_if_full=args.reset_if_full, images=images)
+                          system=args.system, reset_if_full=args.reset_if_full, images=images,
+                          skip_special_tokens=not args.special_tokens)
         except PromptTooLongError as e:
             print(f"[{e}]", file=sys.stderr)
             images = []
@@ -463,10 +528,28 @@ def _image_command(line: str, command: str = "/image") -> tuple[str, str]:
     return path, msg.strip()
 
 
-def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
-    """The end-to-end part of `toptpu demo`: compile the built-in tiny Qwen2 to a temporary
-    model file (f32 and w4bf16), generate from it, and compare greedy tokens with
+#: the tiny demo's model directory and model files, inside the demo's directory
+TINY_DEMO_MODEL = "tiny-qwen2"
+TINY_DEMO_MODES = ("f32", "w4bf16")
+
+
+def tiny_demo_file(mode: str) -> str:
+    return f"{TINY_DEMO_MODEL}-{mode}.toptpu"
+
+
+def demo_generation(prompt: str, max_new_tokens: int = 32,
+                    directory: str | None = None) -> bool:
+    """The end-to-end part of `toptpu demo`: save the built-in tiny Qwen2 as a Hugging Face
+    directory and compile it to model files (f32 and w4bf16) in `directory` (a temporary
+    one when None, removed afterwards), generate from each, and compare greedy tokens with
     transformers `generate`."""
+    if directory is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _demo_generation(prompt, max_new_tokens, tmp)
+    return _demo_generation(prompt, max_new_tokens, directory)
+
+
+def _demo_generation(prompt: str, max_new_tokens: int, directory: str) -> bool:
     import torch
 
     from toptpu.compiler import compile as compile_model
@@ -474,11 +557,13 @@ def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
     from toptpu.frontends.tiny_models import save_tiny_model
 
     ok = True
-    with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
-        model_dir = save_tiny_model(f"{tmp}/model", "qwen2")
+    with quiet_transformers():
+        with replaced_model_dir(directory, TINY_DEMO_MODEL) as tmp:
+            save_tiny_model(tmp, "qwen2")
+        model_dir = os.path.join(directory, TINY_DEMO_MODEL)
         outs: dict[str, list[int]] = {}
-        for mode in ("f32", "w4bf16"):
-            path = f"{tmp}/tiny-qwen2-{mode}.toptpu"
+        for mode in TINY_DEMO_MODES:
+            path = os.path.join(directory, tiny_demo_file(mode))
             t = time.perf_counter()
             res_c = compile_model(model_dir, path, mode=mode, seq_length=128,
                                   max_input_length=32, progress=None)
@@ -486,7 +571,7 @@ def demo_generation(prompt: str, max_new_tokens: int = 32) -> bool:
                   f"model file in {time.perf_counter() - t:.1f}s")
             rt = Runtime.open(path)
             ids = rt.encode(prompt)
-            res = rt.generate(ids, max_new_tokens)
+            res = rt.generate(ids, max_new_tokens, skip_special_tokens=True)
             outs[mode] = res.generated_ids
             print(f"  {mode} generated: {res.text!r}")
             print(f"  {stats_line(res)}")

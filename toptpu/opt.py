@@ -50,7 +50,6 @@ printed module too: any of them can be cut out and run on its own.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import os
 import re
@@ -61,19 +60,20 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from io import BytesIO, StringIO
-from typing import IO, Any, get_type_hints
+from typing import IO, Any
 
 from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.passes import ModulePass, PassPipeline
 from xdsl.printer import Printer
 from xdsl.universe import Universe
-from xdsl.utils.arg_spec import _convert_arg_to_type, parse_pipeline, parse_spec
-from xdsl.utils.exceptions import ArgSpecParseError, DiagnosticException, ParseError
+from xdsl.utils.arg_spec import parse_spec
+from xdsl.utils.exceptions import DiagnosticException, ParseError
 from xdsl.utils.target import Target
 from xdsl.xdsl_opt_main import xDSLOptMain
 
+from toptpu import pass_pipeline
 from toptpu.command_io import StdoutError, command_run, drop_stdout
-from toptpu.dialects import all_dialects
+from toptpu.dialects import all_dialects, dialect_factory
 from toptpu.dialects.ir_text import IRTextError, IRVerifyError, parse_ir, verify_ir
 from toptpu.dialects.output_file import (
     OutputPathError,
@@ -81,6 +81,7 @@ from toptpu.dialects.output_file import (
     output_target,
     write_output,
 )
+from toptpu.dialects.plugin_ops import registered as registered_ops
 from toptpu.dialects.weight_store import (
     STORE_ATTR,
     WeightsContext,
@@ -95,8 +96,10 @@ from toptpu.expected_diagnostics import (
     check,
     parse_expectations,
 )
+from toptpu.pass_pipeline import pass_options
 from toptpu.passes.registry import PASSES, PIPELINE_NAMES, all_passes
 from toptpu.passes.top_pipeline import PipelineEntry
+from toptpu.plugins import ENTRY_POINT_GROUP, load_plugins, returning
 
 #: what a pass raises on purpose when it refuses valid IR (anything else is a bug): xDSL's
 #: diagnostics and toptpu's user-facing errors (`toptpu.errors.ToptpuError`)
@@ -226,44 +229,30 @@ def _write(path: str, text: str, what: str = "-o", replaces: tuple[str, ...] = (
         raise OptInputError(str(e)) from None
 
 
-def _spec_parse_problem(error: ArgSpecParseError) -> str:
-    """xDSL's located multi-line parse error of a pipeline, as one clause."""
-    text = str(error)
-    where = re.search(r"pass-pipeline:\d+:(\d+)", text)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    what = lines[-1].removesuffix(" here") if lines else "malformed"
-    what = what[:1].lower() + what[1:]
-    return f"{what} at column {where.group(1)}" if where else what
-
-
-def _describe_type(hint: Any) -> str:
-    text = str(hint)
-    for word, say in (("tuple", "a comma-separated list"), ("bool", "true or false"),
-                      ("float", "a number"), ("int", "an integer"), ("str", "a string")):
-        if word in text:
-            return say
-    return text
-
-
-def pass_options(cls: type[ModulePass]) -> list[tuple[str, str, Any]]:
-    """A pass's options as -p spells them: (name, what it takes, default)."""
-    hints = get_type_hints(cls)
-    return [(f.name.replace("_", "-"), _describe_type(hints[f.name]), f.default)
-            for f in dataclasses.fields(cls) if f.init and f.name != "name"]  # type: ignore[arg-type]
-
-
 def passes_help() -> str:
-    """The epilog of --help: toptpu's pipelines, then its passes, each with a one-line
-    description and its options (type and default), as mlir-opt lists its passes."""
+    """The epilog of --help: toptpu's pipelines, then its passes, then the installed plugins'
+    passes (`toptpu.plugins`), each with a one-line description and its options (type and
+    default), as mlir-opt lists its passes; a plugin that failed to load is named."""
     ours = all_passes()
-    groups = (("toptpu pipelines", [n for n in ours if n in PIPELINE_NAMES]),
-              ("toptpu passes", [n for n in ours if n not in PIPELINE_NAMES]))
+    plugins = load_plugins()
+    groups: list[tuple[str, dict[str, type[ModulePass]]]] = [
+        ("toptpu pipelines", {n: c for n, c in ours.items() if n in PIPELINE_NAMES}),
+        ("toptpu passes", {n: c for n, c in ours.items() if n not in PIPELINE_NAMES})]
+    plugin_ops: dict[str, list[str]] = {}
+    for entry in plugins.loaded:
+        own = {n: c for n, (c, e) in plugins.passes.items() if e is entry}
+        title = (f"passes of the plugin '{entry.plugin.name}' ({entry.distribution}; "
+                 f"entry point {ENTRY_POINT_GROUP}: {entry.entry_point})")
+        groups.append((title, own))
+        plugin_ops[title] = [f"{e.top.name} (on the chip {e.tpu.name})"
+                             for e in registered_ops() if e.plugin == entry.plugin.name]
     lines: list[str] = []
-    w = max(len(n) for n in ours) + 2
-    for title, names in groups:
+    w = max(len(n) for _, group in groups for n in group) + 2
+    for title, group in groups:
         lines.append(f"{title} (-p 'NAME{{option=value ...}}'):")
-        for name in names:
-            cls = ours[name]
+        if plugin_ops.get(title):
+            lines.append(f"  its ops: {', '.join(plugin_ops[title])}")
+        for name, cls in group.items():
             doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
             lines.append(f"  {name:<{w}} {doc}")
             for opt, takes, default in pass_options(cls):
@@ -271,76 +260,22 @@ def passes_help() -> str:
                     str(default).lower() if isinstance(default, bool) else default)
                 lines.append(f"  {'':<{w}}   {opt}: {takes} (default {shown})")
         lines.append("")
-    lines.append("xDSL's own passes run too: --list-xdsl-passes lists them.")
+    for problem in plugins.problems:
+        lines.append(f"not loaded: {problem.line()}")
+    if plugins.problems:
+        lines.append("")
+    lines.append("xDSL's own passes run too: --list-xdsl-passes lists them. Plugins add passes "
+                 f"and ops through the entry-point group {ENTRY_POINT_GROUP} "
+                 "(docs/your-first-pass.md).")
     return "\n".join(lines)
 
 
 def check_pipeline_spec(spec: str,
                         available: dict[str, Any]) -> None:
     """Refuse a `-p` pipeline that xDSL would refuse (or crash on), in one line naming the
-    problem: its syntax, an unknown pass, an unknown option or a value of the wrong type."""
-    shown_spec = f"'{spec}'" if spec.isprintable() else repr(spec)  # one line
-    try:
-        specs = list(parse_pipeline(spec))
-    except ArgSpecParseError as e:
-        raise OptInputError(f"-p {shown_spec}: {_spec_parse_problem(e)}") from None
-    for s in specs:
-        if s.name not in available:
-            close = difflib.get_close_matches(s.name, list(available), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise OptInputError(f"-p {shown_spec}: unknown pass '{s.name}'{hint}; "
-                                "toptpu-opt --help lists the passes")
-        cls = available[s.name]()
-        options = {f.name: f for f in dataclasses.fields(cls)
-                   if f.init and f.name != "name"}
-        hints = get_type_hints(cls)
-        for key, values in s.normalize_parameter_names().parameters.items():
-            shown = key.replace("_", "-")
-            if key not in options:
-                valid = ", ".join(o.replace("_", "-") for o in options) or "none"
-                raise OptInputError(f"-p {shown_spec}: pass '{s.name}' has no option '{shown}' "
-                                    f"(its options: {valid})")
-            if not values:
-                raise OptInputError(f"-p {shown_spec}: option '{shown}' of pass '{s.name}' "
-                                    f"needs a value ({shown}=...: "
-                                    f"{_describe_type(hints[key])})")
-            try:
-                _convert_arg_to_type(values, hints[key])
-            except ValueError:
-                given = ",".join(str(v) for v in values)
-                raise OptInputError(f"-p {shown_spec}: option '{shown}' of pass '{s.name}' "
-                                    f"takes {_describe_type(hints[key])}, not {given}") from None
-
-
-def _top_level_parens(spec: str) -> list[tuple[int, int]]:
-    """(open, close) of each parenthesis pair outside braces and quotes (options such as
-    `mlir{pipeline="func.func(cse)"}` keep theirs); raises OptInputError when they do not
-    pair up."""
-    pairs: list[tuple[int, int]] = []
-    opened: list[int] = []
-    braces, quote, escaped = 0, False, False
-    for i, c in enumerate(spec):
-        if quote:
-            quote = c != '"' or escaped
-            escaped = c == "\\" and not escaped
-            continue
-        if c == '"':
-            quote = True
-        elif c == "{":
-            braces += 1
-        elif c == "}":
-            braces -= 1
-        elif braces == 0 and c == "(":
-            opened.append(i)
-        elif braces == 0 and c == ")":
-            if not opened:
-                raise OptInputError(f"pass pipeline '{spec}': ')' at column {i + 1} closes "
-                                    "nothing")
-            pairs.append((opened.pop(), i))
-    if opened:
-        raise OptInputError(f"pass pipeline '{spec}': '(' at column {opened[-1] + 1} is not "
-                            "closed")
-    return pairs
+    problem: its syntax, an unknown pass, an unknown option or a value of the wrong type
+    (`toptpu.pass_pipeline.check_pipeline_spec`)."""
+    pass_pipeline.check_pipeline_spec(spec, available, "-p", OptInputError)
 
 
 def module_pipeline(spec: str) -> str:
@@ -348,22 +283,7 @@ def module_pipeline(spec: str) -> str:
     the list of passes toptpu-opt runs on the module (`pass1,pass2{opt=v}`); a plain list is
     returned as it is. Nesting under another op (`func.func(...)`) is refused: toptpu's passes
     are module passes."""
-    text = spec.strip()
-    while True:
-        pairs = _top_level_parens(text)
-        if not pairs:
-            return text
-        first_open = min(o for o, _ in pairs)
-        anchor = text[:first_open].strip()
-        whole = (first_open, len(text) - 1) in pairs
-        if anchor == "builtin.module" and whole:
-            text = text[first_open + 1:-1].strip()
-            continue
-        nested = text[:first_open].rsplit(",", 1)[-1].strip() or "?"
-        raise OptInputError(
-            f"pass pipeline '{spec}': '{nested}(...)' nests passes under '{nested}': "
-            "toptpu-opt runs module passes only; give them as builtin.module(pass1,pass2) "
-            "or pass1,pass2")
+    return pass_pipeline.module_pipeline(spec, OptInputError)
 
 
 def expand_marking_ends(passes: Sequence[ModulePass]
@@ -377,6 +297,7 @@ def expand_marking_ends(passes: Sequence[ModulePass]
         if not callable(inner):
             out.append(p)
             continue
+        # the ignore below: a pipeline pass's LEVEL
         out.append(PipelineEntry(p.name, p.LEVEL))  # type: ignore[attr-defined]
         sub, sub_ends = expand_marking_ends(inner())
         for i, names in sub_ends.items():
@@ -420,7 +341,7 @@ class ToptpuOptMain(xDSLOptMain):
     def register_all_dialects(self) -> None:
         ours = {d.name for d in all_dialects()}
         for d in all_dialects():
-            self.ctx.register_dialect(d.name, lambda d=d: d)
+            self.ctx.register_dialect(d.name, dialect_factory(d))
         for name, factory in Universe.get_multiverse().all_dialects.items():
             if name not in ours:
                 self.ctx.register_dialect(name, factory)
@@ -432,8 +353,12 @@ class ToptpuOptMain(xDSLOptMain):
         super().register_all_passes()
         for name, get in PASSES.items():  # ours win where xDSL has a pass of the same name
             self.register_pass(name, get)
+        for name, (cls, _) in load_plugins().passes.items():  # names no other pass has
+            self.register_pass(name, returning(cls))
 
     def setup_pipeline(self) -> None:
+        for problem in load_plugins().problems:  # one line each; the other passes go on
+            print(f"toptpu-opt: warning: {problem.line()}", file=sys.stderr)
         # mlir-opt's words: `-` is stdin (and stdout for -o), --pass-pipeline is -p, and a
         # pipeline may be written builtin.module(...)
         if self.args.input_file == "-":
@@ -504,7 +429,7 @@ class ToptpuOptMain(xDSLOptMain):
         elif nxt is not None and (args.mlir_print_ir_before_all
                                   or nxt.name in self._print_before):
             self._print_ir(f"IR Dump Before {nxt.name}", module)
-        self._pass_started = time.perf_counter()
+        self._pass_started: float = time.perf_counter()
 
     def _print_ir(self, title: str, module: ModuleOp) -> None:
         """The IR under `title` on stderr, naming a weight store that holds its tensors:
@@ -635,6 +560,7 @@ class ToptpuOptMain(xDSLOptMain):
             arg_parser.epilog = passes_help()
             return format_help()
 
+        # the ignore below: this parser's help
         arg_parser.format_help = format_help_with_passes  # type: ignore[method-assign]
 
     # -- input and output ----------------------------------------------------------------------
@@ -687,7 +613,8 @@ class ToptpuOptMain(xDSLOptMain):
 
     def run(self) -> None:
         if self.args.list_xdsl_passes:
-            print("\n".join(n for n in sorted(self.available_passes) if n not in PASSES))
+            ours = {**PASSES, **load_plugins().passes}
+            print("\n".join(n for n in sorted(self.available_passes) if n not in ours))
             return
         if self.args.output_file is not None and not self.args.strip_debuginfo:
             self.args.print_debuginfo = True  # a file keeps where each op came from

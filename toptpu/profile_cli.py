@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,8 +52,10 @@ from toptpu.dialects.ir_text import IRVerifyError, one_line, parse_ir
 from toptpu.dialects.output_file import note_input
 from toptpu.errors import ToptpuError
 from toptpu.families import vision_family
+from toptpu.ir_dump import PASSES_FILE
 from toptpu.passes.machine_verify import MachineIRError, verify_machine_ir
 from toptpu.paths import OutputPathError, check_output_dir, check_output_file
+from toptpu.progress import progress_bar
 
 #: sampling inputs a profile run feeds 1 (temperature 1, no penalty, top-k 1, top-p 1): zeros
 #: would divide 0 by 0 in sample_head; the timeline does not depend on the values
@@ -67,37 +70,46 @@ def _placeholder(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
-def profile_model(path: str, nets: list[str] | None = None
+def profile_model(path: str, nets: list[str] | None = None, quiet: bool = True,
                   ) -> tuple[MachineExecutor, list[NetProfile]]:
+    """Each net of the model file `path` (or those of `nets`) run once on the machine, and
+    its profile; a progress line over the nets on a terminal unless `quiet`."""
     ex = machine_executor(path)
     unknown = sorted(set(nets or []) - set(ex.nets()))
     if unknown:
         raise UsageError(f"--nets: the model file has no net {', '.join(unknown)}; it has "
                          f"{', '.join(ex.nets())}")
     profiles = []
-    for name, info in ex.nets().items():
-        if nets and name not in nets:
-            continue
-        bindings = {}
-        for spec in info.inputs:
-            buf = ex.alloc(spec.shape, spec.dtype)
-            ex.write(buf, _placeholder(spec.name, spec.shape, spec.dtype))
-            bindings[spec.name] = buf
-        for spec in info.outputs:
-            bindings[spec.name] = ex.alloc(spec.shape, spec.dtype)
-        ex.run(name, bindings, first_layer(ex.meta.layer_nets, name) if info.per_layer
-               else None)
-        prog = ex.program(name)
-        tl = ex.stats[name].timelines[-1]
-        profiles.append(profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops))
+    chosen = [(n, info) for n, info in ex.nets().items() if not nets or n in nets]
+    with progress_bar(len(chosen), "toptpu profile", quiet=quiet, unit="net") as bar:
+        for name, info in chosen:
+            bar.set_postfix_str(name, refresh=False)
+            profiles.append(_profile_net(ex, name, info))
+            bar.update(1)
     return ex, profiles
+
+
+def _profile_net(ex: MachineExecutor, name: str, info: Any) -> NetProfile:
+    """One net run once on placeholder inputs, and its profile."""
+    bindings = {}
+    for spec in info.inputs:
+        buf = ex.alloc(spec.shape, spec.dtype)
+        ex.write(buf, _placeholder(spec.name, spec.shape, spec.dtype))
+        bindings[spec.name] = buf
+    for spec in info.outputs:
+        bindings[spec.name] = ex.alloc(spec.shape, spec.dtype)
+    ex.run(name, bindings, first_layer(ex.meta.layer_nets, name) if info.per_layer
+           else None)
+    prog = ex.program(name)
+    tl = ex.stats[name].timelines[-1]
+    return profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops)
 
 
 def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
     """The first layer that runs the per-layer net `net` (a variant `block@3` runs with its
     own layers' weights, whose chunk may be laid out for another layer kind; `block:16@3`
     the layers of `block@3`)."""
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     return min((i for names in layer_nets.values() for i, n in enumerate(names) if n == full),
                default=0)
 
@@ -171,6 +183,15 @@ def step_summary(steps: StepModel, prompt_tokens: int, sampler: str) -> str:
         f"{_figure(chip, 'host_gbps', f'{chip.host_gbps:g} GB/s')} on {chip.name} "
         "(docs/estimates.md)",
     ]
+    if steps.batch > 1:  # the batch nets: a decode step of B conversations
+        b = steps.batch
+        charges = steps.batch_step_charges(sampler)
+        step = total(charges).total_s
+        lines += [bill_table(charges, f"one decode step of {b} conversations on the batch "
+                                      "nets (`toptpu serve`):"),
+                  f"decode at batch {b}: {step * 1e3:.4f} ms per step = {1 / step:.1f} "
+                  f"tokens/s per user, {b / step:.1f} tokens/s in total "
+                  f"({b / step * t_per.total_s:.2f}x batch 1)"]
     return "\n".join(lines)
 
 
@@ -181,10 +202,16 @@ def steps_json(steps: StepModel, prompt_tokens: int, sampler: str) -> dict[str, 
                              "seconds": c.costs.total_s} for c in charges]}
 
     per = steps.per_token(sampler)
+    batch = None
+    if steps.batch > 1:
+        step = steps.batch_step(sampler).total_s
+        batch = {"batch": steps.batch, "step": bill(steps.batch_step_charges(sampler)),
+                 "tokens_per_s_per_user": 1 / step, "tokens_per_s_total": steps.batch / step}
     return {"sampler": sampler, "prompt_tokens": prompt_tokens,
             "first_token": bill(steps.first_token_charges(prompt_tokens, sampler)),
             "per_decoded_token": bill(steps.per_token_charges(sampler)),
-            "tokens_per_s": 1 / per.total_s if per.total_s else None}
+            "tokens_per_s": 1 / per.total_s if per.total_s else None,
+            "batch": batch}
 
 
 class ProfileIRError(ToptpuError):
@@ -219,35 +246,55 @@ def read_machine_ir(path: str, chip: Chip) -> ModuleOp:
     return module
 
 
-def profile_ir(path: str, chip_name: str) -> tuple[Chip, list[NetProfile], list[Timeline],
-                                                  list[Program]]:
+def ir_file_net(path: str) -> str:
+    """The net an IR file holds, as its profile names it: the directory's name for a file of
+    a `--dump-ir` directory (`DIR/<net>/NN-<pass>.mlir`, beside its passes.json), the file's
+    own name without `.mlir` otherwise."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(folder, PASSES_FILE)):
+        return os.path.basename(folder)
+    stem = os.path.basename(path)
+    return stem.removesuffix(".mlir") or stem or "main"
+
+
+def png_file_name(net: str) -> str:
+    """The PNG file of a net's timeline: the net's name with every character that is not a
+    letter, digit, '.', '_', '-' or '@' replaced by '-' (`block:16` -> `block-16.png`; no
+    ':', which Windows and some tools refuse in a file name)."""
+    return re.sub(r"[^A-Za-z0-9._@-]", "-", net) + ".png"
+
+
+def profile_ir(path: str, chip_name: str, quiet: bool = True
+               ) -> tuple[Chip, list[NetProfile], list[Timeline], list[Program]]:
     """Profiles of every function of the Tpu IR file `path` on the chip `chip_name`, the IR
-    checked first (`read_machine_ir`), and each function's command streams too."""
+    checked first (`read_machine_ir`), and each function's command streams too; a progress
+    line over the functions on a terminal unless `quiet`."""
     chip = get_chip(chip_name)
     module = read_machine_ir(path, chip)
-    net = os.path.basename(os.path.dirname(os.path.abspath(path))) or "main"
+    net = ir_file_net(path)
     profiles, timelines, programs = [], [], []
-    for fn in module.ops:
-        if not isinstance(fn, func.FuncOp):
-            continue
-        prog = generate(module, fn, chip)
-        name = net if len(module.ops) == 1 else f"{net}@{fn.sym_name.data}"
-        try:
-            prog.check()  # the checks of a model file's command streams
-            tl = LoadedNet(prog, name).plan(chip).timeline
-        except ToptpuError as e:
-            raise ProfileIRError(f"{path}: @{fn.sym_name.data}: its command streams: "
-                                 f"{e}") from None
-        profiles.append(profile_timeline(tl, chip, prog.inherent_bytes(), prog.flops))
-        timelines.append(tl)
-        programs.append(prog)
+    functions = [fn for fn in module.ops if isinstance(fn, func.FuncOp)]
+    with progress_bar(len(functions), "toptpu profile", quiet=quiet, unit="function") as bar:
+        for fn in functions:
+            prog = generate(module, fn, chip)
+            name = net if len(module.ops) == 1 else f"{net}@{fn.sym_name.data}"
+            try:
+                prog.check()  # the checks of a model file's command streams
+                tl = LoadedNet(prog, name).plan(chip).timeline
+            except ToptpuError as e:
+                raise ProfileIRError(f"{path}: @{fn.sym_name.data}: its command streams: "
+                                     f"{e}") from None
+            profiles.append(profile_timeline(tl, chip, prog.inherent_bytes(), prog.flops))
+            timelines.append(tl)
+            programs.append(prog)
+            bar.update(1)
     if not profiles:
         raise UsageError(f"{path}: no function to profile")
     return chip, profiles, timelines, programs
 
 
 def _cmd_profile_ir(args: argparse.Namespace) -> int:
-    chip, profiles, timelines, programs = profile_ir(args.model_file, args.chip)
+    chip, profiles, timelines, programs = profile_ir(args.model_file, args.chip, args.quiet)
     if args.json:
         print(json.dumps({"chip": chip.name, "nets": profiles_json(profiles)}, indent=1))
     else:
@@ -264,7 +311,8 @@ def _write_pictures(args: argparse.Namespace, profiles: list[NetProfile],
     if args.png:
         os.makedirs(args.png, exist_ok=True)
         for p, tl, cmds in zip(profiles, timelines, commands, strict=True):
-            write_timeline_png(os.path.join(args.png, f"{p.net}.png"), tl, chip, p, cmds)
+            write_timeline_png(os.path.join(args.png, png_file_name(p.net)), tl, chip, p,
+                               cmds)
         print(f"wrote {len(profiles)} timelines to {args.png}/")
 
 
@@ -288,16 +336,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.model_file.endswith(".mlir"):
         return _cmd_profile_ir(args)
     nets = [n.strip() for n in args.nets.split(",")] if args.nets else None
-    ex, profiles = profile_model(args.model_file, nets)
+    ex, profiles = profile_model(args.model_file, nets, args.quiet)
     layers = ex.file.num_layers
     steps = step_model(ex) if nets is None else None  # the step needs every net's time
     prompt = _prompt_tokens(args, ex)
     if args.json:
         print(json.dumps({"chip": ex.chip.name, "layers": layers,
                           "nets": profiles_json(profiles),
-                          "steps": steps_json(steps, prompt, args.sampler) if steps else None},
+                          "steps": steps_json(steps, prompt, args.sampler) if steps else None,
+                          "pipeline": pipeline_json(ex.header)},
                          indent=1))
     else:
+        print(pipeline_line(ex.header))
         print(summary_table(profiles, ex.chip))
         if steps is not None:
             print(step_summary(steps, prompt, args.sampler))
@@ -317,6 +367,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _write_pictures(args, profiles, timelines, ex.chip,
                     [ex.program(p.net).commands for p in profiles])
     return 0
+
+
+def pipeline_json(header: Mapping[str, Any]) -> dict[str, Any]:
+    """The passes that made the file's nets (`NetEntry.pipeline`) and the compile's
+    pipeline options, for `--json`."""
+    return {"options": header["compile"].get("pipeline"),
+            "from_ir": header["compile"].get("from_ir"),
+            "nets": {name: net.get("pipeline") for name, net in header["nets"].items()}}
+
+
+def pipeline_line(header: Mapping[str, Any]) -> str:
+    """One line: the pipeline options the file was compiled with (and the edited dump
+    files it was compiled from); `toptpu info` lists each net's passes."""
+    info = header["compile"]
+    line = f"compiled with pipeline options: {info.get('pipeline') or 'not recorded'}"
+    from_ir = info.get("from_ir")
+    if from_ir:
+        edited = [st["file"] for st in from_ir["nets"].values() if st["edited"]]
+        line += (f"; from the dump {from_ir['directory']}"
+                 + (f" (edited {', '.join(edited)})" if edited else ""))
+    return line + " (toptpu info FILE: each net's passes)"
 
 
 def _prompt_tokens(args: argparse.Namespace, ex: MachineExecutor) -> int:
@@ -343,4 +414,6 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
                    help="the prompt of the time to first token (default: one chunk, the "
                    "model file's max_input_length)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress line (shown only when stderr is a terminal)")
     p.set_defaults(fn=cmd_profile)

@@ -22,8 +22,8 @@ not use, `--parallel` with one device, more devices than the chip joins, `-q` ag
 `toptpu.compile_options.check_compile_request`'s.
 
 A new option is one field here: e.g. `batch: int = asked(Option("batch", ("--batch",),
-1, "...", type=int_at_least(1)), parse=_count("--batch"))` reaches the CLI, the Python
-API and every step that takes the request.
+1, "...", type=int_at_least(1)), parse=_count("--batch"))` (the batch nets) reaches the
+CLI, the Python API and every step that takes the request.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeGuard
 
 from toptpu.backend.contract import StaticShapes
 from toptpu.backend.target.chips import DEFAULT_CHIP, Chip, chip_names, get_chip
@@ -41,6 +41,7 @@ from toptpu.cli_args import chunk_lengths, group_size, int_at_least, pixel_size
 from toptpu.devices import Parallel
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.errors import CompileError
+from toptpu.pass_pipeline import DEFAULT_TOP, DEFAULT_TPU, CompilePipeline, PipelineTextError
 from toptpu.passes.convert_top_to_tpu import ConversionError, quant_mode
 
 
@@ -160,24 +161,26 @@ def _flag_mode(flag: str) -> Callable[[Any], QuantMode | None]:
     return parse
 
 
-def _chip(chip: Any) -> Chip:
+def _chip(chip: object) -> Chip:
     """--chip: a preset's name, or a `Chip` (an estimate's chip with figures changed)."""
     if isinstance(chip, Chip):
         return chip
     names = chip_names()
-    if chip not in names:
+    if not isinstance(chip, str) or chip not in names:
         raise CompileError(f"unknown chip '{chip}'; choose one of {', '.join(names)}")
     return get_chip(chip)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _count(flag: str, lo: int = 1) -> Callable[[Any], int | None]:
+def _count(flag: str, lo: int = 1) -> Callable[[object], int | None]:
     """An integer >= lo, or None (not given)."""
-    def parse(value: Any) -> int | None:
-        if value is not None and (not _is_int(value) or value < lo):
+    def parse(value: object) -> int | None:
+        if value is None:
+            return None
+        if not _is_int(value) or value < lo:
             raise CompileError(f"{flag} must be an integer >= {lo}, not {value!r}")
         return value
 
@@ -200,28 +203,36 @@ def _shapes(seq_length: Any, max_input_length: Any, max_history: Any,
         raise CompileError(str(e)) from e
 
 
-def _group_size(value: Any) -> int | None:
-    if value is not None and (not _is_int(value) or (value != -1 and value <= 0)):
+def _group_size(value: object) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or (value != -1 and value <= 0):
         raise CompileError(f"--group-size must be positive or -1 (per channel), not {value!r}")
     return value
 
 
-def _keep_float(value: Any) -> str:
+def _keep_float(value: object) -> str:
     """--keep-float: a (possibly empty) part of a weight's name."""
     if not isinstance(value, str):
         raise CompileError(f"--keep-float is a part of a weight's name, not {value!r}")
     return value
 
 
-def _symmetric(value: Any) -> bool | None:
+def _symmetric(value: object) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise CompileError(f"--symmetric is true, false or not given, not {value!r}")
     return value
 
 
-def _devices(value: Any) -> int:
+def _devices(value: object) -> int:
     if not _is_int(value) or value < 1:
         raise CompileError(f"--devices must be an integer >= 1, not {value!r}")
+    return value
+
+
+def _batch(value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise CompileError(f"--batch must be an integer >= 1, not {value!r}")
     return value
 
 
@@ -234,7 +245,7 @@ def _parallel(value: Any) -> Parallel | None:
         raise CompileError(f"--parallel must be tp or pp, not {value!r}") from None
 
 
-def _max_pixels(value: Any) -> tuple[int, int] | None:
+def _max_pixels(value: object) -> tuple[int, int] | None:
     if value is None:
         return None
     if isinstance(value, str | bytes) or not isinstance(value, Sequence) or len(value) != 2 \
@@ -244,8 +255,8 @@ def _max_pixels(value: Any) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
-def _path(flag: str) -> Callable[[Any], str | None]:
-    def parse(value: Any) -> str | None:
+def _path(flag: str) -> Callable[[object], str | None]:
+    def parse(value: object) -> str | None:
         if value is not None and not isinstance(value, str):
             raise CompileError(f"{flag} is a path, not {value!r}")
         return value
@@ -316,8 +327,20 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any
                        DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length, save)
 
 
+def _pipeline(top_pipeline: Any, tpu_pipeline: Any, pass_after: Any, pass_before: Any
+              ) -> CompilePipeline:
+    """--top-pipeline, --tpu-pipeline, --pass-after, --pass-before: the passes of each net,
+    every text parsed and every pass found (the installed plugins' too)."""
+    try:
+        return CompilePipeline.make(top_pipeline, tpu_pipeline, pass_after, pass_before)
+    except PipelineTextError as e:
+        raise CompileError(str(e)) from None
+
+
 # ----------------------------------------------------------------------------- the request
 
+PIPELINES = ("pass pipelines (passes of installed plugins too: toptpu-opt --help lists "
+             "them; docs/your-first-pass.md)")
 VISION = ("vision-language models (InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL, "
           "Qwen3.5)")
 
@@ -331,13 +354,16 @@ class CompileRequest:
     mode: AskedMode = asked(Option(
         "mode", ("-q", "--quantize"), None,
         f"{' | '.join(QuantMode.names())} | auto (a pre-quantized checkpoint's bits and "
-        "dtype); default: auto for GPTQ/AWQ/AutoRound checkpoints, f32 otherwise"),
+        "dtype); default: auto for GPTQ/AWQ/AutoRound checkpoints and GGUF files with "
+        "quantized linears, f32 otherwise"),
         parse=_mode)
     #: a GGUF file's quantized tensors dequantized and compiled in this mode (the mode then)
     dequantize: QuantMode | None = asked(Option(
         "dequantize", ("--dequantize",), None,
-        "a GGUF file's quantized tensors (Q4_1, Q4_K, ...): dequantize them and compile in "
-        "MODE (e.g. f32); without it they are refused", metavar="MODE"),
+        "a GGUF file: dequantize every quantized tensor and compile in MODE (e.g. f32); "
+        "without it the exact types (Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) are "
+        "compiled as they are and any other type (Q2_K, Q3_K, IQ*, ...) is refused",
+        metavar="MODE"),
         parse=_flag_mode("--dequantize"))
     chip: Chip = asked(Option(
         "chip", ("--chip",), DEFAULT_CHIP, f"target chip preset ({', '.join(chip_names())})"),
@@ -368,6 +394,13 @@ class CompileRequest:
         f"devices, collectives between) or {Parallel.PP} (pipeline parallel: contiguous "
         "layers per device, the hidden state sent on); default tp",
         choices=tuple(p.value for p in Parallel)), parse=_parallel)
+    #: conversations one decode step advances together (1: no batch nets)
+    batch: int = asked(Option(
+        "batch", ("--batch",), 1,
+        "also compile the decode nets (embedding_cache, block_cache, lm_head and the heads) "
+        "for B conversations at once, each with its own KV cache: `toptpu serve` advances B "
+        "requests in one step (default 1: none)", type=int_at_least(1), metavar="B"),
+        parse=_batch)
     #: as asked (None: DEFAULT_GROUP_SIZE in the w4 modes; `quant_group_size`)
     group_size: int | None = asked(Option(
         "group_size", ("--group-size",), None,
@@ -444,6 +477,25 @@ class CompileRequest:
                metavar="DIR", group=CALIBRATION),
         parse=_calibration)
 
+    #: the passes each net runs (`toptpu.pass_pipeline`): the top and tpu stages' passes
+    #: replaced or passes inserted; the model file records them per net
+    pipeline: CompilePipeline = asked(
+        Option("top_pipeline", ("--top-pipeline",), None,
+               "the passes of the top stage (Top IR), as toptpu-opt's -p takes them, "
+               f"replacing the default '{DEFAULT_TOP}'", metavar="PIPELINE", group=PIPELINES),
+        Option("tpu_pipeline", ("--tpu-pipeline",), None,
+               "the passes of the tpu stage (Tpu IR, after convert-top-to-tpu and before "
+               f"the machine passes), replacing the default '{DEFAULT_TPU}'",
+               metavar="PIPELINE", group=PIPELINES),
+        Option("pass_after", ("--pass-after",), None,
+               "run PIPELINE after every run of PASS (any stage's pass: fuse, "
+               "convert-top-to-tpu, layer-group, ...); repeatable, e.g. --pass-after "
+               "fuse=expand-silu", action="append", metavar="PASS=PIPELINE", group=PIPELINES),
+        Option("pass_before", ("--pass-before",), None,
+               "run PIPELINE before every run of PASS; repeatable", action="append",
+               metavar="PASS=PIPELINE", group=PIPELINES),
+        parse=_pipeline)
+
     def __post_init__(self) -> None:
         if not isinstance(self.chip, Chip) or not isinstance(self.shapes, StaticShapes):
             raise TypeError("a CompileRequest's chip is a Chip and its shapes StaticShapes "
@@ -453,11 +505,15 @@ class CompileRequest:
                 raise CompileError(f"-q {self.mode} contradicts --dequantize "
                                    f"{self.dequantize}: give one of them")
             object.__setattr__(self, "mode", self.dequantize)  # frozen: set once, here
-        check_quant_options(self.mode, self.group_size, self.symmetric)
+        check_quant_options(self.mode, self.group_size, self.symmetric,
+                            keep_float=self.keep_float)
         object.__setattr__(self, "parallel",
                            check_devices(self.devices, self.parallel, self.chip))
         if self.calibration is not None:
             check_calibration(self.calibration, self.mode, self.parallel)
+        if self.batch > 1 and self.devices > 1:
+            raise CompileError(f"--batch {self.batch} with --devices {self.devices}: the batch "
+                               "nets are compiled for one chip; give one of them")
 
     # --------------------------------------------------------------------- building
 
@@ -488,6 +544,29 @@ class CompileRequest:
         for f in fields(cls):
             if names is None or f.name in names:
                 yield from _asked(f).options
+
+    def keywords(self) -> dict[str, Any]:
+        """The Python keywords (`make`'s, every option) that ask for this request, as JSON
+        values: `make(**request.keywords())` is an equal request (a `--dump-ir` directory
+        records them for `toptpu compile --from-ir`). The chip must be a preset."""
+        if self.chip.name not in chip_names() or get_chip(self.chip.name) != self.chip:
+            raise CompileError(f"the chip '{self.chip.name}' is not a preset's figures; a "
+                               "request is written down with a preset chip only")
+        s = self.shapes
+
+        def text(v: Any) -> Any:
+            return None if v is None else str(v)
+
+        return {"mode": text(self.mode), "dequantize": text(self.dequantize),
+                "chip": self.chip.name, "seq_length": s.seq_length,
+                "max_input_length": s.max_input_length, "max_history": s.max_history,
+                "prefill_lengths": list(s.prefill_lengths), "devices": self.devices,
+                "parallel": text(self.parallel), "group_size": self.group_size,
+                "symmetric": self.symmetric, "dump_ir": self.dump_ir,
+                "image_size": self.image_size, "max_tiles": self.max_tiles,
+                "max_patches": self.max_patches,
+                "max_pixels": None if self.max_pixels is None else list(self.max_pixels),
+                "vision_mode": text(self.vision_mode), **self.pipeline.keywords()}
 
     def __repr__(self) -> str:
         """The fields, the chip by its name (and `*` when its figures differ from the
@@ -542,11 +621,12 @@ _W4_MODES = ", ".join(QuantMode.names(bits=4))
 
 
 def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool | None,
-                        checkpoint: str | None = None) -> None:
-    """Refuse `group_size` / `symmetric` where they would be ignored: the group size shapes
-    round-to-nearest quantization in the w4 modes only (w8 is per channel), symmetric in
-    the w4 and w8 modes; a pre-quantized `checkpoint` keeps its own (None: not known yet).
-    None means "not given"."""
+                        checkpoint: str | None = None, keep_float: str = "lm_head") -> None:
+    """Refuse `group_size` / `symmetric` / `keep_float` where they would be ignored: the
+    group size shapes round-to-nearest quantization in the w4 modes only (w8 is per
+    channel), symmetric and the weights kept float in the w4 and w8 modes; a pre-quantized
+    `checkpoint` keeps its own (None: not known yet). None (for keep_float its default)
+    means "not given"."""
     if group_size is not None and group_size != -1 and group_size <= 0:
         raise CompileError(f"--group-size must be positive or -1 (per channel), not {group_size}")
     bits = weight_bits(mode)
@@ -554,15 +634,20 @@ def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool
                                            "or a pre-quantized checkpoint's own)")
     for flag, given, applies in (("--group-size", group_size is not None, bits == 4),
                                  ("--symmetric", bool(symmetric is not None),
-                                  bits in (4, 8))):
+                                  bits in (4, 8)),
+                                 ("--keep-float", keep_float != "lm_head", bits in (4, 8))):
         if not given:
             continue
         if checkpoint is not None:
             raise CompileError(f"{flag} does not apply to {checkpoint}: a pre-quantized "
-                               "checkpoint keeps its own group size and zero points; drop "
-                               f"{flag}")
+                               "checkpoint keeps its own quantization (group size, zero "
+                               f"points, the layers left float); drop {flag}")
         if not applies:
             modes = _W4_MODES if flag == "--group-size" else "w4 and w8 modes"
+            if flag == "--keep-float":
+                raise CompileError(f"--keep-float applies to weight quantization in the {modes}"
+                                   f"; {what} quantizes no weight: drop --keep-float or "
+                                   "choose such a mode")
             why = " (w8 quantizes per channel)" if flag == "--group-size" and bits == 8 else ""
             raise CompileError(f"{flag} applies to round-to-nearest weight quantization in "
                                f"the {modes}; {what} does not use it{why}: drop {flag} or "
@@ -588,7 +673,8 @@ def check_calibration(calibration: Calibration, mode: AskedMode,
                            "over devices yet; use --parallel pp")
 
 
-def check_devices(devices: int, parallel: Parallel | None, chip: Chip) -> Parallel | None:
+def check_devices(devices: int, parallel: Parallel | str | None, chip: Chip
+                  ) -> Parallel | None:
     """`--devices` within the chip's `max_devices`, `--parallel` given only with several;
     the strategy (tp by default for several devices, None for one)."""
     devices, parallel = _devices(devices), _parallel(parallel)

@@ -34,6 +34,7 @@ import os
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from xdsl.dialects import func
@@ -204,7 +205,8 @@ def gather_inputs(args: list[Arg], given: list[str], npz: str | None, seed: int
             raise UsageError(f"--input {item}: '{name}' is given twice")
         raw[name] = (_load_array(path, f"--input {name}"), path)
     rng = np.random.default_rng(seed)
-    out, made = {}, []
+    out: dict[str, np.ndarray] = {}
+    made: list[str] = []
     for a in args:  # the random ones drawn in argument order whatever was given
         drawn = random_input(a, rng)
         if a.name in raw:
@@ -259,7 +261,9 @@ def write_outputs(path: str, outputs: Mapping[str, np.ndarray]) -> list[str]:
     """`--output`: a .npz file, or a directory of NAME.npy files; the paths written."""
     if path.endswith(".npz"):
         buf = io.BytesIO()
-        np.savez(buf, **dict(outputs))
+        # Any: numpy's stub would take an array keyword for its allow_pickle option
+        named: dict[str, Any] = dict(outputs)
+        np.savez(buf, **named)
         write_output(path, buf.getvalue(), "--output")
         return [path]
     os.makedirs(path, exist_ok=True)

@@ -18,10 +18,15 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toptpu.backend.runtime.accounting import CATEGORIES
 from toptpu.paths import write_output
+
+if TYPE_CHECKING:
+    from PIL import Image, ImageDraw, ImageFont
+
+    Font = ImageFont.FreeTypeFont | ImageFont.ImageFont
 
 #: the numeric columns a sweep can vary, with what their axis says
 NUMERIC = {
@@ -252,8 +257,8 @@ def style(i: int) -> tuple[tuple[int, int, int], str]:
     return COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]
 
 
-def _marker(d: Any, kind: str, x: float, y: float, color: tuple[int, int, int], r: int = 4
-            ) -> None:
+def _marker(d: ImageDraw.ImageDraw, kind: str, x: float, y: float, color: tuple[int, int, int],
+            r: int = 4) -> None:
     if kind == "square":
         d.rectangle([x - r, y - r, x + r, y + r], fill=color)
     elif kind == "triangle":
@@ -264,8 +269,8 @@ def _marker(d: Any, kind: str, x: float, y: float, color: tuple[int, int, int], 
         d.ellipse([x - r, y - r, x + r, y + r], fill=color)
 
 
-def _panel(d: Any, box: tuple[int, int, int, int], axis: XAxis, series: Sequence[Series],
-           which: int, title: str, fonts: tuple[Any, Any]) -> None:
+def _panel(d: ImageDraw.ImageDraw, box: tuple[int, int, int, int], axis: XAxis,
+           series: Sequence[Series], which: int, title: str, fonts: tuple[Font, Font]) -> None:
     """One chart: `which` picks tokens/s (1) or TTFT (2) from each point."""
     font, small = fonts
     left, top, right, bottom = box
@@ -307,7 +312,7 @@ def _panel(d: Any, box: tuple[int, int, int, int], axis: XAxis, series: Sequence
 WIDTH, LEFT, RIGHT, PANEL_TOP, PANEL_H, PANEL_GAP = 1000, 90, 970, 100, 300, 70
 
 
-def axis_image(rows: Sequence[Mapping[str, Any]], column: str, fixed: str) -> Any:
+def axis_image(rows: Sequence[Mapping[str, Any]], column: str, fixed: str) -> Image.Image:
     """Decode tokens/s and the time to first token against `column` (see the module doc);
     `fixed` says what the whole sweep holds constant (the chip preset, ...)."""
     from PIL import Image, ImageDraw, ImageFont
@@ -350,7 +355,7 @@ def axis_image(rows: Sequence[Mapping[str, Any]], column: str, fixed: str) -> An
     return img
 
 
-def _wrapped(d: Any, text: str, font: Any, width: float) -> list[str]:
+def _wrapped(d: ImageDraw.ImageDraw, text: str, font: Font, width: float) -> list[str]:
     """`text` in lines of at most `width` pixels, broken after commas."""
     lines, line = [], ""
     for part in text.split(", "):
@@ -377,7 +382,7 @@ def fixed_description(rows: Sequence[Mapping[str, Any]], chip: str) -> str:
     return "held fixed: " + ", ".join(parts)
 
 
-def breakdown_image(rows: Sequence[Mapping[str, Any]]) -> Any:
+def breakdown_image(rows: Sequence[Mapping[str, Any]]) -> Image.Image:
     """Each point's decode step as a bar split by where the time goes."""
     from PIL import Image, ImageDraw, ImageFont
 
@@ -416,7 +421,7 @@ def breakdown_image(rows: Sequence[Mapping[str, Any]]) -> Any:
     return img
 
 
-def _png(img: Any) -> bytes:
+def _png(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()

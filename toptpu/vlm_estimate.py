@@ -43,7 +43,7 @@ from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.cost import NetTiming, net_timing
 from toptpu.dialects.common import QuantMode
 from toptpu.dialects.weight_store import WeightStore
-from toptpu.errors import CompileError
+from toptpu.errors import CompileError, one_line_reason
 from toptpu.net_compiler import NetPlan, compile_net
 from toptpu.request import CompileRequest
 
@@ -127,7 +127,8 @@ def vlm_config(config_dir: str) -> Any | None:
     try:
         return AutoConfig.from_pretrained(config_dir, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
-        raise ModelLoadError(f"transformers cannot read {config_dir}/config.json: {e}") from e
+        raise ModelLoadError(f"transformers cannot read {config_dir}/config.json: "
+                             f"{one_line_reason(e)}") from e
 
 
 def budget_of(config: Any, max_pixels: tuple[int, int] | None, max_patches: int | None

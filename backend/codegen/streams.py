@@ -65,7 +65,8 @@ def nbytes_of(t: TensorType) -> int:
 
 def _dtype(v: SSAValue) -> str:
     t = v.type
-    return str(numpy_dtype(t.element_type))  # type: ignore[attr-defined]
+    assert isinstance(t, TensorType), t
+    return str(numpy_dtype(t.element_type))
 
 
 class _Emitter:
@@ -148,7 +149,7 @@ def generate(module: ModuleOp, fn: func.FuncOp, chip: Chip) -> Program:
     assert isinstance(ret, func.ReturnOp)
     in_names = input_names(fn)
     out_names = output_names(fn)
-    fn_inputs = dict(zip(block.args, in_names, strict=True))
+    fn_inputs: dict[SSAValue, str] = dict(zip(block.args, in_names, strict=True))
     fn_outputs: dict[SSAValue, str] = {}
     for v, n in zip(ret.operands, out_names, strict=True):
         if v in fn_outputs or v in fn_inputs:
@@ -234,9 +235,10 @@ class _GroupEmitter:
         g = self.g
         self.loads, self.computes, self.stores = g.template()
         self.slices = s = read_int(g.slices)
-        self.outer = dict(zip(g.body.block.args, g.inputs, strict=True))
-        self.store_target = dict(zip(g.body.block.last_op.operands,  # type: ignore[union-attr]
-                                     g.outputs, strict=True))
+        self.outer: dict[SSAValue, SSAValue] = dict(zip(g.body.block.args, g.inputs, strict=True))
+        yielded = g.body.block.last_op
+        assert yielded is not None  # a group's body ends with its yield
+        self.store_target = dict(zip(yielded.operands, g.outputs, strict=True))
         self.lmem: dict[SSAValue, list[int]] = {}
         for op in [*self.loads, *self.computes]:
             if not read_ints(op.lmem):
@@ -255,7 +257,8 @@ class _GroupEmitter:
                               for v in self.lmem}
         self.resident = {ld.output for ld in self.loads if read_int(ld.slice_axis) == -1}
         #: slices one buffer instance serves (a tiled group's load kept for the inner loop)
-        self.per_buffer = {ld.output: g.tiles_per_buffer(ld) for ld in self.loads}
+        self.per_buffer: dict[SSAValue, int] = {
+            ld.output: g.tiles_per_buffer(ld) for ld in self.loads}
         self.loaded = {ld.output for ld in self.loads}
         #: a group with reduction parts: its op, accumulator (address, type), the slices a
         #: stored tile takes, and the accumulator instance of the tile being reduced

@@ -140,7 +140,7 @@ def decode(tp: Any, value: Any, where: str = "") -> Any:
         return _decode_tuple(get_args(tp), value, where)
     if origin is dict:
         return _decode_dict(get_args(tp), value, where)
-    if is_dataclass(tp):
+    if is_dataclass(tp) and isinstance(tp, type):
         return _decode_dataclass(tp, value, where)
     raise TypeError(f"unsupported schema type {tp}")
 

@@ -52,8 +52,11 @@ names the field, e.g. `nets.block.inputs[2].shape`):
   `block:16`, `block_kv:16`: every one of `PREFILL_NETS` at every length below
   `max_input_length`, and nothing else), and `block@3`-style variants (`NetName`) of the
   per-layer nets for layers of another kind or checkpoint quantization (`block:16@3` at a
-  shorter length: a variant has its nets at every length as layer 0's have). Nets of
-  different lengths read the same tensors of a layer's chunk: no byte is stored twice
+  shorter length: a variant has its nets at every length as layer 0's have); with
+  `toptpu compile --batch B`, every one of `BATCH_NETS` at batch B (`block_cache.b4`,
+  `lm_head.b4`, ...; each layer's `block_cache` variant too: `block_cache.b4@3`; IO
+  `contract.batch_net_io`). Nets of different lengths or batches read the same tensors of
+  a layer's chunk: no byte is stored twice
 - `layer_nets`: per-layer net -> the net each layer runs (itself or a variant), at
   `max_input_length` (at a shorter length the same variant: `block@3` -> `block:16@3`)
 - `weights`: `section`, `alignment`, `size`, `shared` (name -> {offset, shape, dtype,
@@ -80,13 +83,15 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
 from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import (
+    BATCH_NETS,
+    BLOCK_CACHE,
     FULL_ATTENTION,
     KNOWN_NETS,
     LAYER_TYPES,
@@ -103,6 +108,7 @@ from toptpu.backend.contract import (
     NetName,
     StaticShapes,
     TensorSpec,
+    batch_net_io,
     linear_net_io,
     net_io,
 )
@@ -129,13 +135,15 @@ from toptpu.backend.formats.model_file import (
 from toptpu.backend.target.chips import chip_names
 from toptpu.dialects.common import DTYPE_BY_NAME, QuantMode, numpy_dtype
 from toptpu.dialects.ir_text import parse_ir
+from toptpu.dialects.plugin_ops import PluginOpMissingError
+from toptpu.dialects.plugin_ops import require as require_plugin_ops
 from toptpu.families import VISION_FAMILIES, vision_family
 from toptpu.families.base import FAMILY_KEYS, VisionFamily
 
-KIND = "toptpu-llm"
-LLM_FORMAT = 3
+KIND: Final = "toptpu-llm"
+LLM_FORMAT: Final = 3
 WEIGHTS_SECTION = "weights"
-WEIGHT_ALIGN = 64
+WEIGHT_ALIGN: Final = 64
 
 #: numpy dtype names of the element types toptpu knows
 KNOWN_DTYPES = frozenset(numpy_dtype(t).name for t in DTYPE_BY_NAME.values())
@@ -230,7 +238,8 @@ class WeightLayout:
         ones, then for layer i a chunk laid out as `chunks[layer_chunks[i]]`."""
         sh, end = cls._place(shared)
         placed = [cls._place(c) for c in chunks]
-        layers, offset = [], align(end)
+        layers: list[LayerChunk] = []
+        offset = align(end)
         for c in layer_chunks:
             if not 0 <= c < len(placed):
                 raise ValueError(f"layer {len(layers)}: chunk {c} of {len(placed)}")
@@ -416,12 +425,49 @@ class NetEntry:
     consts: Name
     weights: tuple[Name, ...]
     commands: int
+    #: the passes that made the net, as pipeline text (top stage through codegen's machine
+    #: passes; `toptpu.pass_pipeline`); None in files written before it was recorded
+    pipeline: str | None = None
+
+
+@dataclass(frozen=True)
+class IrStageInfo:
+    """Where `toptpu compile --from-ir` picked a net up: the dump file (`block/08-cse.mlir`)
+    and whether it had been edited since the dump wrote it."""
+
+    file: str
+    edited: bool
+
+
+@dataclass(frozen=True)
+class FromIrInfo:
+    """A model file compiled from a `--dump-ir` directory: the directory and each net's
+    stage."""
+
+    directory: str
+    nets: dict[Name, IrStageInfo]
+
+
+@dataclass(frozen=True)
+class PluginOpInfo:
+    """An op of a plugin that the file's nets hold (`toptpu.dialects.plugin_ops`): the
+    plugin's name and its package ("toptpu-plugin-example 0.1.0") at compile time."""
+
+    plugin: str
+    package: str
 
 
 @dataclass(frozen=True)
 class CompileInfo:
     source: str
     toptpu_version: str
+    #: the compile options that chose the passes (`CompilePipeline.describe`: 'default', or
+    #: e.g. "--pass-after 'fuse=expand-silu'")
+    pipeline: str | None = None
+    from_ir: FromIrInfo | None = None
+    #: the plugins' ops the nets hold, by op name (`tpu.silu_mul`); opening the file
+    #: needs them registered (`LlmFile`, `plugin_ops.require`); None: none
+    plugin_ops: dict[Name, PluginOpInfo] | None = None
 
 
 @dataclass(frozen=True)
@@ -656,6 +702,7 @@ class LlmHeader:
         self._check_blobs()
         self._check_nets()
         self._check_layer_nets()
+        self._check_batch_layer_nets()
         self._check_net_weights()
         self._check_parallel()
         if self.vision is not None:
@@ -782,12 +829,24 @@ class LlmHeader:
             self.activation_dtype)
         required = [*TEXT_NETS, *(self.shapes.prefill_net(base, n)
                                   for n in self.shapes.shorter_lengths for base in PREFILL_NETS)]
+        batch = self.batch
+        if batch:
+            required += [str(NetName(n, batch=batch)) for n in BATCH_NETS]
+            contract.update(batch_net_io(self.shapes, self.model, self.activation_dtype, batch,
+                                         axes))
         missing = [n for n in required if n not in self.nets]
         if missing:
             raise HeaderError("nets", f"lacks the nets {missing}")
         for name, net in self.nets.items():
             where = f"nets.{name}"
             base = self._base_net(name, where)
+            if NetName.parse(name).batch not in (0, batch):
+                raise HeaderError(where, f"is a net at batch {NetName.parse(name).batch}, "
+                                         f"the file's batch nets are at {batch}")
+            if NetName.parse(name).batch and net.per_layer and \
+                    self._kind_of(name) == LINEAR_ATTENTION:
+                raise HeaderError(where, "is a batch net of a linear-attention layer, which "
+                                         "has none")
             contract_name = str(NetName.parse(name).at_layer(0))
             if net.per_layer != (base in PER_LAYER_NETS):
                 raise HeaderError(f"{where}.per_layer", f"is {net.per_layer} for a "
@@ -857,6 +916,20 @@ class LlmHeader:
                                          "variant has its nets at every prefill length)")
         return net.base
 
+    @property
+    def batch(self) -> int:
+        """The batch B of the file's batch nets (`block_cache.b4`: 4; the most common when
+        they disagree, which `check` refuses), 0 without."""
+        seen: dict[int, int] = {}
+        for name in self.nets:
+            try:
+                b = NetName.parse(name).batch
+            except ContractError:
+                continue
+            if b:
+                seen[b] = seen.get(b, 0) + 1
+        return max(seen, key=lambda b: seen[b]) if seen else 0
+
     def _kind_of(self, name: str) -> str:
         """The layer kind a per-layer net computes: its representative layer's."""
         return self.model.layer_type(NetName.parse(name).layer)
@@ -892,6 +965,17 @@ class LlmHeader:
                                           f"({self._weights_field(layout)}.chunks"
                                           f"[{layout.layers[local].chunk}])")
 
+    def _check_batch_layer_nets(self) -> None:
+        """With batch nets, each layer's `block_cache` has its batch net."""
+        batch = self.batch
+        if not batch:
+            return
+        for i, name in enumerate(self.layer_nets[BLOCK_CACHE]):
+            want = str(NetName.parse(name).at_batch(batch))
+            if want not in self.nets:
+                raise HeaderError(f"layer_nets.{BLOCK_CACHE}[{i}]",
+                                  f"is {name!r}, which has no batch net {want!r}")
+
     def net_chunks(self, net: str, blob: int = 0) -> list[int]:
         """The chunk layouts (indices into the `blob`-th blob's `chunks`: `weights`, or
         device `blob`'s) of the layers that run the per-layer net `net` (`layer_nets`; at a
@@ -900,7 +984,7 @@ class LlmHeader:
         layout, layers, _ = self.blobs()[blob]
         out: dict[int, None] = {}
         try:
-            net = str(NetName.parse(net).at_length(0))
+            net = str(NetName.parse(net).layer_net)
         except ContractError:
             return []
         for names in self.layer_nets.values():
@@ -960,19 +1044,19 @@ def write_llm_file(path: str, header: LlmHeader, irs: Mapping[str, str],
     sections: dict[str, Section] = {}
     for net, text in irs.items():
         sections[ir_section(net)] = text.encode()
-    for name, data in tokenizer_files.items():
-        sections[tokenizer_section(name)] = data
+    for name, content in tokenizer_files.items():
+        sections[tokenizer_section(name)] = content
     sections.update(extra_sections or {})
     blobs = blob if isinstance(blob, Mapping) else {WEIGHTS_SECTION: blob}
     for name, data in blobs.items():
         if isinstance(data, StreamedSection | GroupedSection):
             sections[name] = data
         else:
-            sections[name] = memoryview(np.ascontiguousarray(data, dtype=np.uint8))
+            sections[name] = np.ascontiguousarray(data, dtype=np.uint8).data
     for layout, _, _ in header.blobs():
-        size = sections.get(layout.section)
-        size = size.size if isinstance(size, StreamedSection | GroupedSection) \
-            else len(size or b"")
+        section = sections.get(layout.section)
+        size = section.size if isinstance(section, StreamedSection | GroupedSection) \
+            else len(section or b"")
         if size != layout.size:
             raise ValueError(f"the weight blob {layout.section} has {size} bytes, its "
                              f"weight table {layout.size}")
@@ -996,7 +1080,11 @@ class LlmFile:
     `meta` is the typed header (`LlmHeader`); `header` is its JSON form (a dict rebuilt from
     the validated `meta`, for readers that index it)."""
 
-    def __init__(self, path: str, verify_checksums: bool = True) -> None:
+    def __init__(self, path: str, verify_checksums: bool = True,
+                 plugin_ops: bool = True) -> None:
+        """`plugin_ops`: make the plugin ops the nets hold known (`require_plugin_ops`),
+        what running the file needs (False: the header and sections only, as `info`
+        reads them)."""
         self.path = path
         self.file = ModelFile(path, verify_checksums)
         try:
@@ -1005,8 +1093,26 @@ class LlmFile:
             self.file.close()
             raise
         self.header: dict[str, Any] = self.meta.to_json()
-        #: the weight table of a one-device file (`device_layout` for several)
+        #: the weight table of a one-device file (`device_layout` for several); the ignore:
+        #: None in a multi-device file, whose readers use `device_layout`
         self.layout: WeightLayout = self.meta.weights  # type: ignore[assignment]
+        if plugin_ops:
+            try:
+                self.require_plugin_ops()
+            except BaseException:
+                self.file.close()
+                raise
+
+    def require_plugin_ops(self) -> None:
+        """Make the plugin ops the nets hold (`compile.plugin_ops`) known to this process,
+        loading the installed plugins' ops (`plugin_ops.require`); ModelFileError naming
+        the op and its plugin when none declares it."""
+        ops = self.meta.compile.plugin_ops or {}
+        try:
+            require_plugin_ops({n: (i.plugin, i.package) for n, i in ops.items()},
+                               f"'{self.path}'")
+        except PluginOpMissingError as e:
+            raise ModelFileError(str(e)) from None
 
     def device_layout(self, device: int) -> WeightLayout:
         """Device `device`'s weight table (a multi-device file)."""

@@ -43,7 +43,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 from toptpu.backend.contract import parse_strict_json
 from toptpu.backend.formats.file_lease import hold_read_lease, release_read_lease
@@ -151,12 +151,14 @@ Section = BytesLike | StreamedSection | GroupedSection
 _ZEROS = bytes(1 << 20)
 
 
-def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str, Section]
-                     ) -> None:
+def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str, Section],
+                     replaces: tuple[str, ...] = (), what: str = "the model file") -> None:
     """Write `header` (JSON-serializable, without a `sections` key) and named byte sections
     to `path` atomically (see the module doc for the layout). A `StreamedSection` is hashed
     as it is written: the header, whose length does not depend on the digests (64 hex
-    digits each), is written once every section is."""
+    digits each), is written once every section is. `replaces`: inputs of the running
+    command this write may replace (`open_output`); `what` names the file in an error (a
+    weight cache file is written in the same container)."""
     if SECTIONS_KEY in header:
         raise ValueError(f"the header key '{SECTIONS_KEY}' is the container's own")
     names = list(sections)
@@ -167,7 +169,7 @@ def write_model_file(path: str, header: Mapping[str, Any], sections: Mapping[str
              for n, s in sections.items()]
     offsets, _ = _header_and_offsets(header, names, sizes, digests)
     end = offsets[-1] + sizes[-1] if names else None
-    with open_output(path, "the model file", seekable=True, size=end) as f:
+    with open_output(path, what, seekable=True, size=end, replaces=replaces) as f:
         at = dict(zip(names, offsets, strict=True))
         for offset, name in zip(offsets, names, strict=True):
             f.seek(offset)
@@ -210,7 +212,7 @@ def _header_and_offsets(header: Mapping[str, Any], names: list[str], sizes: list
         hbytes = new
 
 
-def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
+def _write_streamed(f: IO[bytes], name: str, section: StreamedSection) -> str:
     """Write a streamed section at the file's position; its sha256."""
     h = hashlib.sha256()
     at = 0
@@ -237,7 +239,7 @@ def _write_streamed(f: BinaryIO, name: str, section: StreamedSection) -> str:
     return h.hexdigest()
 
 
-def _write_group(f: BinaryIO, group: StreamedGroup, offsets: Mapping[str, int]
+def _write_group(f: IO[bytes], group: StreamedGroup, offsets: Mapping[str, int]
                  ) -> dict[str, str]:
     """Write every section of a streamed group at its offset in the file; their sha256s."""
     hashes = {name: hashlib.sha256() for name in group.sizes}

@@ -3,15 +3,18 @@
 `Interpreter(module).run(inputs)` returns the function outputs by name and, with
 `keep_all=True`, every intermediate tensor by its location name (the names stage
 comparison uses). An op is evaluated through its kernel binding (`ShapedOp.KERNEL`,
-`kernel_arguments`: the function of `kernels` it names, called with its operand values and
-parameters; `evaluate_kernel`), a structural op (weights, constants, layer groups,
-collectives) by the evaluator registered for its class (`@evaluates`). `EVALUATORS` (op
-class -> evaluator, looked up with `evaluator_for`) is derived from both.
+`kernel_arguments`: the function of `kernels` it names, or of its plugin's module for an
+op a plugin adds, called with its operand values and parameters; `evaluate_kernel`), a
+structural op (weights, constants, layer groups, collectives) by the evaluator registered
+for its class (`@evaluates`). `EVALUATORS` (op class -> evaluator, looked up with
+`evaluator_for`) is derived from both; a plugin's ops, registered later, are looked up as
+bound (`bound_evaluator`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +33,7 @@ from toptpu.dialects.common import (
     shape_of,
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
+from toptpu.dialects.plugin_ops import is_plugin_op
 from toptpu.dialects.weight_store import WeightStore, store_for
 from toptpu.errors import ToptpuError
 
@@ -68,10 +72,22 @@ def evaluates(*ops: type[Operation]) -> Callable[[Evaluator], Evaluator]:
     return deco
 
 
+def bound_evaluator(cls: type[Operation],
+                    table: Mapping[type[Operation], Evaluator] = EVALUATORS
+                    ) -> Evaluator | None:
+    """The evaluator of op class `cls`: the table's, or `evaluate_kernel` for an op a
+    plugin registered (`dialects/plugin_ops.py`: its kernel binding names the plugin's
+    kernel); None when it has none."""
+    fn = table.get(cls)
+    if fn is None and is_plugin_op(cls):
+        return evaluate_kernel
+    return fn
+
+
 def evaluator_for(op: Operation, table: Mapping[type[Operation], Evaluator] = EVALUATORS
                   ) -> Evaluator:
     """The evaluator of `op`'s class; NoEvaluatorError naming the op when it has none."""
-    fn = table.get(type(op))
+    fn = bound_evaluator(type(op), table)
     if fn is None:
         raise NoEvaluatorError(f"the interpreter has no evaluator for '{op.name}' "
                                f"({type(op).__module__}.{type(op).__qualname__}); give its "
@@ -84,24 +100,29 @@ def evaluator_for(op: Operation, table: Mapping[type[Operation], Evaluator] = EV
 
 
 class KernelBindingError(LookupError):
-    """An op class that names a function `kernels` does not have."""
+    """An op class that names a function its kernel module does not have."""
 
 
 @functools.cache
 def kernel_of(cls: type[ShapedOp], which: str | None = None) -> Callable[..., object]:
-    """The function of `kernels` op class `cls` names: its kernel (`ShapedOp.kernel_name`),
-    or `which` (one of its `REDUCTION_KERNELS`)."""
+    """The function of its `KERNEL_MODULE` (`kernels`, or a plugin's module) op class `cls`
+    names: its kernel (`ShapedOp.kernel_name`), or `which` (one of its
+    `REDUCTION_KERNELS`)."""
     name = cls.kernel_name() if which is None else which
-    fn = getattr(K, name, None)
+    where = ("backend/reference/kernels.py" if cls.KERNEL_MODULE == K.__name__
+             else cls.KERNEL_MODULE)
+    module = K if cls.KERNEL_MODULE == K.__name__ else importlib.import_module(
+        cls.KERNEL_MODULE)
+    fn = getattr(module, name, None)
     if not callable(fn):
         raise KernelBindingError(f"'{cls.name}' names the kernel '{name}', which "
-                                 "backend/reference/kernels.py does not define")
+                                 f"{where} does not define")
     return fn
 
 
 def _results(out: object) -> Sequence[np.ndarray]:
     """A kernel's result as the op's results: an array, or a tuple of them."""
-    return out if isinstance(out, tuple) else (out,)  # type: ignore[return-value]
+    return out if isinstance(out, tuple) else (out,)
 
 
 def evaluate_kernel(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray]:
@@ -154,7 +175,7 @@ def reduction_part(op: Operation, args: Arrays, acc: np.ndarray | None, part: in
     assert isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
     positional, keywords = op.reduction_part_arguments(args, part)
     fold = kernel_of(type(op), op.REDUCTION_KERNELS[0])
-    return fold(acc, *positional, **keywords)  # type: ignore[return-value]
+    return fold(acc, *positional, **keywords)  # type: ignore[return-value]  # an array
 
 
 def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray:
@@ -164,7 +185,7 @@ def reduction_finish(op: Operation, args: Arrays, acc: np.ndarray) -> np.ndarray
     assert isinstance(op, ShapedOp) and op.REDUCTION_KERNELS is not None
     positional, keywords = op.reduction_finish_arguments(args)
     finish = kernel_of(type(op), op.REDUCTION_KERNELS[1])
-    return finish(acc, *positional, **keywords)  # type: ignore[return-value]
+    return finish(acc, *positional, **keywords)  # type: ignore[return-value]  # an array
 
 
 @evaluates(tpu.GroupOp)
@@ -243,6 +264,7 @@ def collective_result(op: dev.CollectiveOp, parts: Sequence[np.ndarray]) -> np.n
         raise CollectiveError(f"'{op.name}' joins {op.device_count} devices, {len(parts)} "
                               "ran it")
     positional, keywords = op.kernel_arguments(parts)
+    # the ignore below: a collective's kernel returns one array
     return kernel_of(type(op))(*positional, **keywords)  # type: ignore[return-value]
 
 

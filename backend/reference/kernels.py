@@ -3,6 +3,9 @@
 The Top interpreter, the Tpu interpreter, constant folding and the reference machine all
 call these functions; no other module re-implements an op's math.
 
+Every product is `np.matmul` on the BLAS threads `blas_threads` chooses for its size (the
+same bits on any count).
+
 Conventions: inputs are numpy arrays (float32, float16, ml_dtypes.bfloat16, ints);
 floating-point math is done in float32 (f32 accumulation, as the chip does) and the
 result is rounded to `out_dtype` (default: the dtype of the first input).
@@ -14,12 +17,18 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
+
+from toptpu.backend.reference.blas_threads import matmul as _matmul
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
+#: a kernel's output dtype: None for its input's
+OutDType: TypeAlias = "DTypeLike | None"
 
 
 #: arrays of at most this many elements convert with one `astype` call: below it, the cost
@@ -79,7 +88,7 @@ def round_to(x: np.ndarray, dt: np.dtype) -> np.ndarray:
     return x.astype(dt)
 
 
-def _out(x: np.ndarray, out_dtype: np.dtype | type | None, like: np.ndarray) -> np.ndarray:
+def _out(x: np.ndarray, out_dtype: OutDType, like: np.ndarray) -> np.ndarray:
     dt = np.dtype(out_dtype) if out_dtype is not None else np.asarray(like).dtype
     return round_to(x, dt)
 
@@ -145,25 +154,25 @@ def _float_operands(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 @_elementwise(BINARY, "add")
-def add(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def add(a: np.ndarray, b: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fa, fb = _float_operands(a, b)
     return _out(np.asarray(fa + fb), out_dtype, a)
 
 
 @_elementwise(BINARY, "sub")
-def sub(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def sub(a: np.ndarray, b: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fa, fb = _float_operands(a, b)
     return _out(np.asarray(fa - fb), out_dtype, a)
 
 
 @_elementwise(BINARY, "mul")
-def mul(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def mul(a: np.ndarray, b: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fa, fb = _float_operands(a, b)
     return _out(np.asarray(fa * fb), out_dtype, a)
 
 
 @_elementwise(BINARY, "div")
-def div(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def div(a: np.ndarray, b: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     """a / b for floats; integers divide with floor (torch's floor_divide)."""
     fa, fb = _float_operands(a, b)
     r = fa / fb if is_float_dtype(np.asarray(a).dtype) else np.floor_divide(fa, fb)
@@ -171,18 +180,18 @@ def div(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
 
 
 @_elementwise(BINARY, "max")
-def maximum(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def maximum(a: np.ndarray, b: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fa, fb = _float_operands(a, b)
     return _out(np.asarray(np.maximum(fa, fb)), out_dtype, a)
 
 
 @_elementwise(BINARY, "min")
-def minimum(a: np.ndarray, b: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def minimum(a: np.ndarray, b: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fa, fb = _float_operands(a, b)
     return _out(np.asarray(np.minimum(fa, fb)), out_dtype, a)
 
 
-def binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
+def binary(kind: str, a: np.ndarray, b: np.ndarray, out_dtype: OutDType = None) -> np.ndarray:
     """The binary kernel of `kind` (add, sub, mul, div, max, min)."""
     kernel = BINARY.get(kind)
     if kernel is None:
@@ -201,34 +210,34 @@ def _const_operands(x: np.ndarray, value: float, reverse: bool
 
 @_elementwise(BINARY_CONST, "add")
 def add_const(x: np.ndarray, *, value: float, reverse: bool = False,
-              out_dtype=None) -> np.ndarray:
+              out_dtype: OutDType = None) -> np.ndarray:
     a, b = _const_operands(x, value, reverse)
     return _out(np.asarray(a + b), out_dtype, x)
 
 
 @_elementwise(BINARY_CONST, "sub")
 def sub_const(x: np.ndarray, *, value: float, reverse: bool = False,
-              out_dtype=None) -> np.ndarray:
+              out_dtype: OutDType = None) -> np.ndarray:
     a, b = _const_operands(x, value, reverse)
     return _out(np.asarray(a - b), out_dtype, x)
 
 
 @_elementwise(BINARY_CONST, "mul")
 def mul_const(x: np.ndarray, *, value: float, reverse: bool = False,
-              out_dtype=None) -> np.ndarray:
+              out_dtype: OutDType = None) -> np.ndarray:
     a, b = _const_operands(x, value, reverse)
     return _out(np.asarray(a * b), out_dtype, x)
 
 
 @_elementwise(BINARY_CONST, "div")
 def div_const(x: np.ndarray, *, value: float, reverse: bool = False,
-              out_dtype=None) -> np.ndarray:
+              out_dtype: OutDType = None) -> np.ndarray:
     a, b = _const_operands(x, value, reverse)
     return _out(np.asarray(a / b), out_dtype, x)
 
 
 def binary_const(kind: str, x: np.ndarray, value: float, reverse: bool = False,
-                 out_dtype=None) -> np.ndarray:
+                 out_dtype: OutDType = None) -> np.ndarray:
     """The scalar kernel of `kind` (add, sub, mul, div): x (op) value, or value (op) x
     when `reverse`."""
     kernel = BINARY_CONST.get(kind)
@@ -243,11 +252,11 @@ def compare(a: np.ndarray, b: np.ndarray, predicate: str) -> np.ndarray:
     return ops[predicate](a, b)
 
 
-def where(c: np.ndarray, a: np.ndarray, b: np.ndarray, out_dtype=None) -> np.ndarray:
+def where(c: np.ndarray, a: np.ndarray, b: np.ndarray, out_dtype: OutDType = None) -> np.ndarray:
     return _out(np.where(c.astype(bool), a, b), out_dtype, a)
 
 
-def cast(x: np.ndarray, dtype) -> np.ndarray:
+def cast(x: np.ndarray, dtype: DTypeLike) -> np.ndarray:
     dt = np.dtype(dtype)
     if np.issubdtype(dt, np.integer) and is_float_dtype(x.dtype):
         return np.trunc(f32(x)).astype(dt)
@@ -259,43 +268,43 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64))
 
 
-def _unary_out(r: np.ndarray, out_dtype, x: np.ndarray) -> np.ndarray:
+def _unary_out(r: np.ndarray, out_dtype: OutDType, x: np.ndarray) -> np.ndarray:
     """A unary kernel's f32 result, rounded to `out_dtype` (x's dtype when None)."""
     return _out(np.asarray(r, dtype=np.float32), out_dtype, x)
 
 
 @_elementwise(UNARY, "rsqrt")
-def rsqrt(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def rsqrt(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(1.0 / np.sqrt(f32(x)), out_dtype, x)
 
 
 @_elementwise(UNARY, "sqrt")
-def sqrt(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def sqrt(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(np.sqrt(f32(x)), out_dtype, x)
 
 
 @_elementwise(UNARY, "exp")
-def exp(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def exp(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(np.exp(f32(x)), out_dtype, x)
 
 
 @_elementwise(UNARY, "cos")
-def cos(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def cos(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(np.cos(f32(x)), out_dtype, x)
 
 
 @_elementwise(UNARY, "sin")
-def sin(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def sin(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(np.sin(f32(x)), out_dtype, x)
 
 
 @_elementwise(UNARY, "tanh")
-def tanh(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def tanh(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(np.tanh(f32(x)), out_dtype, x)
 
 
 @_elementwise(UNARY, "sigmoid")
-def sigmoid(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def sigmoid(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x)
     with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, 0
         r = 1.0 / (1.0 + np.exp(-fx))
@@ -303,12 +312,12 @@ def sigmoid(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
 
 
 @_elementwise(UNARY, "relu")
-def relu(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def relu(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     return _unary_out(np.maximum(f32(x), np.float32(0)), out_dtype, x)
 
 
 @_elementwise(UNARY, "silu")
-def silu(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def silu(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x)
     with np.errstate(over="ignore"):  # exp(-x) -> inf below -88: the limit, -0
         r = fx / (1.0 + np.exp(-fx))
@@ -316,7 +325,7 @@ def silu(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
 
 
 @_elementwise(UNARY, "softplus")
-def softplus(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def softplus(x: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     """torch's F.softplus, beta 1, threshold 20."""
     fx = f32(x)
     with np.errstate(over="ignore"):  # exp overflows only where x > 20 is taken
@@ -325,7 +334,7 @@ def softplus(x: np.ndarray, *, out_dtype=None) -> np.ndarray:
 
 
 @_elementwise(UNARY, "gelu")
-def gelu(x: np.ndarray, *, out_dtype=None, approximate: str = "none") -> np.ndarray:
+def gelu(x: np.ndarray, *, out_dtype: OutDType = None, approximate: str = "none") -> np.ndarray:
     """GELU with erf (computed in f64), or its tanh approximation."""
     fx = f32(x)
     if approximate == "tanh":
@@ -339,17 +348,32 @@ def gelu(x: np.ndarray, *, out_dtype=None, approximate: str = "none") -> np.ndar
 
 
 @_elementwise(UNARY, "pow")
-def power(x: np.ndarray, *, out_dtype=None, exponent: float = 1.0) -> np.ndarray:
+def power(x: np.ndarray, *, out_dtype: OutDType = None, exponent: float = 1.0) -> np.ndarray:
     fx = f32(x)
     e = float(exponent)
     r = fx * fx if e == 2.0 else np.power(fx, np.float32(e))
     return _unary_out(r, out_dtype, x)
 
 
-def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.ndarray:
-    """The unary kernel of `kind` (`UNARY`: rsqrt, sqrt, exp, ..., gelu, pow), computed in
-    f32 and rounded to `out_dtype`; `kw` its parameters (gelu's `approximate`, pow's
-    `exponent`)."""
+@_elementwise(UNARY, "clamp")
+def clamp(x: np.ndarray, *, out_dtype: OutDType = None, min: float | None = None,
+          max: float | None = None) -> np.ndarray:
+    """torch.clamp: max(x, min), then min(that, max), a bound None where not given (a NaN
+    stays NaN; with min > max every element is max). f16/bf16 in f32, other types in their
+    own (exact: each element is x's or a bound rounded once to the output type)."""
+    v = f32(x) if x.dtype in HALF_TYPES else x
+    if min is not None:
+        v = np.maximum(v, v.dtype.type(min))
+    if max is not None:
+        v = np.minimum(v, v.dtype.type(max))
+    return _out(np.asarray(v), out_dtype, x)
+
+
+def unary(kind: str, x: np.ndarray, out_dtype: OutDType = None, **kw: float | str | None
+          ) -> np.ndarray:
+    """The unary kernel of `kind` (`UNARY`: rsqrt, sqrt, exp, ..., gelu, pow, clamp),
+    computed in f32 and rounded to `out_dtype`; `kw` its parameters (gelu's `approximate`,
+    pow's `exponent`, clamp's `min` and `max`)."""
     kernel = UNARY.get(kind)
     if kernel is None:
         raise ValueError(f"unknown unary kernel {kind}")
@@ -359,7 +383,7 @@ def unary(kind: str, x: np.ndarray, out_dtype=None, **kw: float | str) -> np.nda
 # --------------------------------------------------------------------------- reductions, norms
 
 
-def softmax(x: np.ndarray, axis: int, out_dtype=None) -> np.ndarray:
+def softmax(x: np.ndarray, axis: int, out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x)
     m = np.max(fx, axis=axis, keepdims=True)
     e = np.exp(fx - m)
@@ -367,15 +391,17 @@ def softmax(x: np.ndarray, axis: int, out_dtype=None) -> np.ndarray:
 
 
 def reduce(x: np.ndarray, mode: str, axes: Sequence[int], keepdims: bool,
-           out_dtype=None) -> np.ndarray:
+           out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x) if is_float_dtype(x.dtype) else x
     ax = tuple(axes)
-    fn = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min}[mode]
+    reductions: dict[str, Callable[..., Any]] = {"mean": np.mean, "sum": np.sum,
+                                                 "max": np.max, "min": np.min}
+    fn = reductions[mode]
     return _out(np.asarray(fn(fx, axis=ax, keepdims=keepdims)), out_dtype, x)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float,
-             out_dtype=None) -> np.ndarray:
+             out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x)
     var = np.mean(fx * fx, axis=-1, keepdims=True)
     y = fx * (1.0 / np.sqrt(var + np.float32(eps)))
@@ -385,7 +411,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float,
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None,
-               eps: float, axis: int, out_dtype=None) -> np.ndarray:
+               eps: float, axis: int, out_dtype: OutDType = None) -> np.ndarray:
     fx = f32(x)
     axes = tuple(range(axis % fx.ndim, fx.ndim))
     mean = np.mean(fx, axis=axes, keepdims=True)
@@ -402,7 +428,7 @@ def layer_norm(x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str,
-         out_dtype=None) -> np.ndarray:
+         out_dtype: OutDType = None) -> np.ndarray:
     fx, c, s = f32(x), f32(cos), f32(sin)
     d = fx.shape[-1]
     if mode == "half":
@@ -449,7 +475,7 @@ def _seen_history(history_k: np.ndarray, history_v: np.ndarray, mask: np.ndarray
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
               scale: float, history_k: np.ndarray | None = None,
               history_v: np.ndarray | None = None, causal: bool = False,
-              out_dtype=None) -> np.ndarray:
+              out_dtype: OutDType = None) -> np.ndarray:
     """Sequence-major GQA attention: q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> [B,Sq,Hq,Dv].
 
     History keys (if any) come first; they are scored and weighted separately and never
@@ -470,7 +496,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     scores = []
     for kk in parts_k:
         fk = f32(kk).transpose(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, Sk]
-        sc = np.matmul(fq, fk)  # [B, Hkv, rep, Sq, Sk]
+        sc = _matmul(fq, fk)  # [B, Hkv, rep, Sq, Sk]
         sc *= np.float32(scale)
         scores.append(sc)
     # the scores are a new array: masked, normalised and exponentiated in place
@@ -489,7 +515,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     for vv in parts_v:
         n = vv.shape[1]
         fv = f32(vv).transpose(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, Sk, Dv]
-        o = np.matmul(p[..., start : start + n], fv)
+        o = _matmul(p[..., start : start + n], fv)
         out = o if out is None else out + o
         start += n
     assert out is not None
@@ -545,7 +571,7 @@ def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.nda
     # local memory, and a BLAS may sum a strided operand in another order
     k, v = np.ascontiguousarray(f32(k)), np.ascontiguousarray(f32(v))
     fq = np.ascontiguousarray(f32(q).transpose(0, 2, 1, 3).reshape(b, hkv, rep, sq, d))
-    sc = np.matmul(fq, k.transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
+    sc = _matmul(fq, k.transpose(0, 2, 3, 1)[:, :, None])  # [B, Hkv, rep, Sq, St]
     sc *= np.float32(scale)
     if mask is not None:
         sc += np.broadcast_to(f32(mask), (b, hq, sq, st)).reshape(b, hkv, rep, sq, st)
@@ -559,11 +585,12 @@ def attention_tile(state: OnlineSoftmax, q: np.ndarray, k: np.ndarray, v: np.nda
     np.exp(sc, out=sc)
     keep = np.exp(state.peak - safe)
     state.total = state.total * keep + np.sum(sc, axis=-1, keepdims=True)
-    state.acc = state.acc * keep + np.matmul(sc, v.transpose(0, 2, 1, 3)[:, :, None])
+    state.acc = state.acc * keep + _matmul(sc, v.transpose(0, 2, 1, 3)[:, :, None])
     state.peak = peak
 
 
-def attention_finish(state: OnlineSoftmax, q: np.ndarray, out_dtype=None) -> np.ndarray:
+def attention_finish(state: OnlineSoftmax, q: np.ndarray, out_dtype: OutDType = None
+                     ) -> np.ndarray:
     b, sq, hq, _ = q.shape
     out = state.acc / state.total
     res = out.reshape(b, hq, sq, out.shape[-1]).transpose(0, 2, 1, 3)
@@ -573,7 +600,7 @@ def attention_finish(state: OnlineSoftmax, q: np.ndarray, out_dtype=None) -> np.
 def attention_online(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
                      scale: float, history_k: np.ndarray | None = None,
                      history_v: np.ndarray | None = None, causal: bool = False,
-                     out_dtype=None, tile: int = 128) -> np.ndarray:
+                     out_dtype: OutDType = None, tile: int = 128) -> np.ndarray:
     """`attention` computed over tiles of `tile` keys (history first, then k) with a running
     max and sum (`OnlineSoftmax`): the same function, summed in another order (the scores'
     exponentials are rescaled per tile), so equal to `attention` within f32 rounding."""
@@ -623,7 +650,7 @@ def attention_fold(acc: np.ndarray | None, q: np.ndarray, k: np.ndarray, v: np.n
     return state.packed()
 
 
-def attention_result(acc: np.ndarray, q: np.ndarray, *, out_dtype=None) -> np.ndarray:
+def attention_result(acc: np.ndarray, q: np.ndarray, *, out_dtype: OutDType = None) -> np.ndarray:
     """An attention's result from its packed state after its last part (`attention_fold`)."""
     return attention_finish(OnlineSoftmax.unpacked(acc), q, out_dtype)
 
@@ -633,7 +660,7 @@ def attention_part_result(acc: np.ndarray, q: np.ndarray) -> np.ndarray:
     return attention_part_finish(OnlineSoftmax.unpacked(acc), q)
 
 
-def attention_merge(parts: Sequence[np.ndarray], out_dtype=None,
+def attention_merge(parts: Sequence[np.ndarray], out_dtype: OutDType = None,
                     like: np.ndarray | None = None) -> np.ndarray:
     """The attention over all keys from its parts (`attention_part`): each part's values
     weighted by exp(its log-sum-exp - the largest), over the sum of those weights."""
@@ -650,14 +677,14 @@ def attention_merge(parts: Sequence[np.ndarray], out_dtype=None,
 
 def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
            transpose_a: bool = False, transpose_b: bool = False,
-           out_dtype=None) -> np.ndarray:
+           out_dtype: OutDType = None) -> np.ndarray:
     fa = f32(a) if is_float_dtype(a.dtype) else a
     fb = f32(b) if is_float_dtype(b.dtype) else b
     if transpose_a:
         fa = np.swapaxes(fa, -1, -2)
     if transpose_b:
         fb = np.swapaxes(fb, -1, -2)
-    r = np.matmul(fa, fb)
+    r = _matmul(fa, fb)
     if bias is not None:
         r = r + f32(bias).reshape(-1)
     return _out(r, out_dtype, a)
@@ -678,13 +705,13 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
         fa = np.swapaxes(fa, -1, -2)
     if transpose_b:
         fb = np.swapaxes(fb, -1, -2)
-    r = np.matmul(fa, fb).astype(np.float32, copy=False)
+    r = _matmul(fa, fb).astype(np.float32, copy=False)
     if acc is None:
         return r
     return np.add(acc, r, out=r)
 
 
-def matmul_finish(acc: np.ndarray, bias: np.ndarray | None, out_dtype, like: np.ndarray
+def matmul_finish(acc: np.ndarray, bias: np.ndarray | None, out_dtype: OutDType, like: np.ndarray
                   ) -> np.ndarray:
     """A matmul's result from its f32 sum over all of K (`matmul_part`): plus `bias`,
     rounded to the output dtype (`like`'s when None), as `matmul` finishes its one sum."""
@@ -746,14 +773,14 @@ def scatter(x: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: int) 
     return out
 
 
-def cumsum(x: np.ndarray, axis: int, out_dtype=None) -> np.ndarray:
+def cumsum(x: np.ndarray, axis: int, out_dtype: OutDType = None) -> np.ndarray:
     """Inclusive prefix sum along `axis`, accumulated in order in f32."""
     return _out(np.cumsum(f32(x), axis=axis, dtype=np.float32), out_dtype, x)
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Sequence[int],
            pads: Sequence[int], dilations: Sequence[int], groups: int,
-           out_dtype=None) -> np.ndarray:
+           out_dtype: OutDType = None) -> np.ndarray:
     fx, fw = f32(x), f32(w)
     pt, pl, pb, pr = pads
     fx = np.pad(fx, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
@@ -786,7 +813,7 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Seque
 
 
 def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray | None,
-                  valid: np.ndarray, out_dtype=None, state_dtype=None
+                  valid: np.ndarray, out_dtype: OutDType = None, state_dtype: OutDType = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Depthwise causal conv over `cat(state, x)` (`top.causal_conv1d`): x [1, T, C],
     weight [C, K], state [1, K-1, C] or None (zeros), valid [1, T] (a prefix of n ones)
@@ -812,7 +839,7 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray | None,
 
 def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                      beta: np.ndarray, state: np.ndarray | None, scale: float,
-                     out_dtype=None) -> tuple[np.ndarray, np.ndarray]:
+                     out_dtype: OutDType = None) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule (`top.gated_delta_rule`), recurrent over the tokens in f32,
     vectorised over the value heads: q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta
     [1, T, Hv], state [1, Hv, Dk, Dv] or None (zeros) -> (o [1, T, Hv, Dv] in `out_dtype`
@@ -833,11 +860,78 @@ def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
     decay = np.exp(fg)  # [T, Hv]
     for i in range(t):
         s *= decay[i][:, None, None]
-        kv = np.matmul(fk[i][:, None, :], s)[:, 0]  # [Hv, Dv]
+        kv = _matmul(fk[i][:, None, :], s)[:, 0]  # [Hv, Dv]
         delta = (fv[i] - kv) * fb[i][:, None]
         s += fk[i][:, :, None] * delta[:, None, :]
-        out[i] = np.matmul(fq[i][:, None, :], s)[:, 0]
+        out[i] = _matmul(fq[i][:, None, :], s)[:, 0]
     return _out(out[None], out_dtype, v), s[None]
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def moe_route(logits: np.ndarray, valid: np.ndarray | None, k: int, normalize: bool,
+              out_dtype: OutDType = None) -> tuple[np.ndarray, np.ndarray]:
+    """The router (`top.moe_route`): logits [T, E], valid [T] or None -> (weights [T, k]
+    in `out_dtype` (default: the logits'), indices i32 [T, k]). Per row: softmax in f32,
+    the k largest probabilities in descending order (ties: the lower index first, `topk`),
+    divided by their sum when `normalize`; a row whose `valid` is not > 0 routes nowhere
+    (indices -1, weights 0). Rows are independent: a slice of them computes the same
+    numbers."""
+    probs = softmax(logits, axis=-1, out_dtype=np.float32)
+    values, indices = topk(probs, k, axis=-1)
+    values = np.asarray(values, np.float32)
+    if normalize:
+        values = values / values.sum(axis=-1, keepdims=True, dtype=np.float32)
+    if valid is not None:
+        real = (f32(np.asarray(valid)).reshape(-1, 1) > 0)
+        values = np.where(real, values, np.float32(0))
+        indices = np.where(real, indices, np.int32(-1)).astype(np.int32)
+    return _out(values, out_dtype, logits), indices
+
+
+def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up: np.ndarray,
+                     down: np.ndarray, weights: np.ndarray, indices: np.ndarray
+                     ) -> np.ndarray:
+    """One part of the experts (`top.moe_experts`) over the intermediate rows its `gate`
+    [E, i, H], `up` [E, i, H] and `down` [E, H, i] hold (all of them: the whole op), added
+    into the f32 accumulator `acc` [T, H] (None: the first part). Each expert some token
+    chose computes its tokens' rows at once, in f32: `silu(x @ gate[e].T) * (x @ up[e].T)`
+    `@ down[e].T`, scaled by the token's routing weight, the experts in ascending order.
+    Index -1 adds nothing; any other index outside [0, E) is an IndexError. Rows are
+    independent: a slice of them computes the same numbers."""
+    idx = np.asarray(indices).astype(np.int64)
+    n = gate.shape[0]
+    if idx.size and (idx.min() < -1 or idx.max() >= n):
+        bad = int(idx[(idx < -1) | (idx >= n)].flat[0])
+        raise IndexError(f"moe_experts index {bad} is out of range for {n} experts")
+    fx, fw = f32(x), f32(weights)
+    out = np.zeros(fx.shape, np.float32) if acc is None else acc.copy()
+    for e in np.unique(idx[idx >= 0]):
+        tokens, slots = np.nonzero(idx == e)
+        rows = np.ascontiguousarray(fx[tokens])
+        g = rows @ np.ascontiguousarray(f32(gate[e])).T
+        u = rows @ np.ascontiguousarray(f32(up[e])).T
+        y = (silu(g) * u) @ np.ascontiguousarray(f32(down[e])).T
+        out[tokens] += y * fw[tokens, slots][:, None]
+    return out
+
+
+def moe_experts_finish(acc: np.ndarray, out_dtype: OutDType = None,
+                       like: np.ndarray | None = None) -> np.ndarray:
+    """The experts' result from their f32 accumulator (`moe_experts_part`), rounded to the
+    output dtype (`like`'s when None)."""
+    return _out(acc, out_dtype, like if like is not None else acc)
+
+
+def moe_experts(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                weights: np.ndarray, indices: np.ndarray, out_dtype: OutDType = None
+                ) -> np.ndarray:
+    """The experts (`top.moe_experts`): x [T, H], gate [E, I, H], up [E, I, H], down
+    [E, H, I], weights [T, k], indices [T, k] -> y [T, H] in `out_dtype` (default: x's):
+    one part over all of I (`moe_experts_part`), rounded."""
+    return moe_experts_finish(moe_experts_part(None, x, gate, up, down, weights, indices),
+                              out_dtype, x)
 
 
 # --------------------------------------------------------------------------- data movement
@@ -933,7 +1027,7 @@ def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int,
 
 
 def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group_size: int,
-                   bias: np.ndarray | None, out_dtype=None, block_rows: int = 64,
+                   bias: np.ndarray | None, out_dtype: OutDType = None, block_rows: int = 64,
                    mins: np.ndarray | None = None) -> np.ndarray:
     """`matmul_dequantized(x, dequantize_offsets(offsets, scales, group_size, mins), bias)`
     without the whole f32 weight: `block_rows` of its rows at a time are expanded into one
@@ -957,13 +1051,13 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
                     out=b, dtype=np.float32)
         if mf is not None:
             np.add(b, mf[r0:r0 + m, :, None], out=b)
-        r[..., r0:r0 + m] = np.matmul(fx, b.reshape(m, k).T)
+        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
     return _biased(r, bias, out_dtype, x)
 
 
 def a16_matmul(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                zeros: np.ndarray | None, bias: np.ndarray | None, bits: int, group_size: int,
-               out_dtype=None, mins: np.ndarray | None = None) -> np.ndarray:
+               out_dtype: OutDType = None, mins: np.ndarray | None = None) -> np.ndarray:
     return matmul_dequantized(x, dequantize(qweight, scales, zeros, bits, group_size, mins),
                               bias, out_dtype)
 
@@ -982,20 +1076,21 @@ def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray
                             ) -> np.ndarray:
     """`a16_matmul_part` with the part's weights dequantized (`dequantize`); contiguous
     operands, as `matmul_part`."""
-    r = np.matmul(np.ascontiguousarray(f32(x)), np.ascontiguousarray(w).T)
+    r = _matmul(np.ascontiguousarray(f32(x)), np.ascontiguousarray(w).T)
     if acc is None:
         return r
     return np.add(acc, r, out=r)
 
 
 def matmul_dequantized(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None,
-                       out_dtype=None) -> np.ndarray:
+                       out_dtype: OutDType = None) -> np.ndarray:
     """The second half of `a16_matmul`: x @ w.T (+ bias) in f32 with `w` = `dequantize(...)`
     (callers that hold the same weights for many calls dequantize once)."""
-    return _biased(np.matmul(f32(x), w.T), bias, out_dtype, x)
+    return _biased(_matmul(f32(x), w.T), bias, out_dtype, x)
 
 
-def _biased(r: np.ndarray, bias: np.ndarray | None, out_dtype, like: np.ndarray) -> np.ndarray:
+def _biased(r: np.ndarray, bias: np.ndarray | None, out_dtype: OutDType, like: np.ndarray
+            ) -> np.ndarray:
     """A dequantized matmul's f32 product `r` plus `bias`, rounded to the output dtype."""
     if bias is not None:
         r = r + f32(bias)

@@ -128,6 +128,12 @@ class Ledger:
         self.totals += c
         return c
 
+    def device_copy(self, nbytes: int) -> Costs:
+        """One copy of `nbytes` within the chip's memory; returns what it cost."""
+        c = device_copy_costs(self.chip, nbytes)
+        self.totals += c
+        return c
+
     def peer(self, nbytes: int, seconds: float) -> Costs:
         """One copy of `nbytes` from a device to another over the link, taking `seconds`;
         returns what it cost."""
@@ -151,6 +157,13 @@ def net_costs(chip: Chip, timing: NetTiming) -> Costs:
 def transfer_costs(chip: Chip, nbytes: int) -> Costs:
     return Costs(host_s=chip.host_transfer_us * 1e-6 + nbytes / (chip.host_gbps * 1e9),
                  transfers=1, transfer_bytes=nbytes)
+
+
+def device_copy_costs(chip: Chip, nbytes: int) -> Costs:
+    """One copy of `nbytes` from DDR to DDR (a runtime's device-to-device memcpy, one
+    launch): the bytes read and written at the sustained DDR bandwidth."""
+    return Costs(ddr_s=2 * nbytes / (chip.sustained_gbps * 1e9), launch_s=chip.launch_us * 1e-6,
+                 launches=1, dma_bytes=2 * nbytes)
 
 
 def send_costs(chip: Chip, nbytes: int) -> Costs:
@@ -265,8 +278,9 @@ class StepModel:
         a shorter length `block:16`: its layers' nets at that length); [] where all run
         `net`."""
         name = NetName.parse(net)
-        names = self.layer_nets.get(str(name.at_length(0)), ())
-        return [str(NetName.parse(n).at_length(name.length)) for n in names]
+        names = self.layer_nets.get(str(name.layer_net), ())
+        return [str(NetName.parse(n).at_length(name.length).at_batch(name.batch))
+                for n in names]
 
     def _layer_names(self, net: str) -> Sequence[str]:
         return self._variants(net) or [net] * self.layers
@@ -367,6 +381,42 @@ class StepModel:
             logits = self._spec(LM_HEAD, LOGITS).nbytes
             return [*c, self._move(LM_HEAD, LOGITS, False, logits // pieces, pieces)]
         raise ValueError(f"unknown sampler '{sampler}' ({', '.join(SAMPLERS)})")
+
+    @property
+    def batch(self) -> int:
+        """The batch B of the batch nets (`block_cache.b4`), 1 without."""
+        return max((NetName.parse(n).batch for n in self.io), default=0) or 1
+
+    def batch_step_charges(self, sampler: str = "greedy") -> list[Charge]:
+        """One decode step of B conversations on the batch nets
+        (`toptpu.backend.runtime.batch.BatchDecoder.step`): the B ids, positions and mask
+        rows up, embedding_cache.bB, each layer's block_cache.bB, lm_head.bB, then the
+        tokens back from greedy_head.bB, or sample_head.bB's parameter rows up and its
+        candidates back, or the logits back to the host."""
+        B = self.batch
+        if B < 2:
+            raise ValueError("the nets have no batch nets (toptpu compile --batch B)")
+
+        def name(base: str) -> str:
+            return str(NetName(base, batch=B))
+
+        c = [*self._up(name(EMBEDDING_CACHE), INPUT_IDS), self._net(name(EMBEDDING_CACHE)),
+             *self._up(name(BLOCK_CACHE), POSITION_IDS, ATTENTION_MASK),
+             *self._layers(name(BLOCK_CACHE)), self._net(name(LM_HEAD))]
+        if sampler == "greedy":
+            c += [self._net(name(GREEDY_HEAD)), *self._down(name(GREEDY_HEAD), TOKEN)]
+        elif sampler == "sample":
+            head = name(SAMPLE_HEAD)
+            c += [*self._up(head, RECENT_IDS, PENALTY, TEMPERATURE, TOP_K, TOP_P),
+                  self._net(head), *self._down(head, PROBS, TOKEN_IDS)]
+        elif sampler == "host":
+            c += self._down(name(LM_HEAD), LOGITS)
+        else:
+            raise ValueError(f"unknown sampler '{sampler}' ({', '.join(SAMPLERS)})")
+        return merged(c)
+
+    def batch_step(self, sampler: str = "greedy") -> Costs:
+        return total(self.batch_step_charges(sampler))
 
     def sampling_setup_charges(self, sampler: str) -> list[Charge]:
         """Once per generation: sample_head's parameters up."""

@@ -234,7 +234,7 @@ def _bounded_environment(base: type) -> type:
     if getattr(base, "toptpu_bounded", False):
         return base
 
-    class BoundedEnvironment(base):  # type: ignore[misc, valid-type]
+    class BoundedEnvironment(base):
         toptpu_bounded = True
         intercepted_binops = frozenset({"*", "+", "**", "%"})
 
@@ -283,7 +283,7 @@ def _bounded_environment(base: type) -> type:
                 _check_expanding(getattr(__obj, "__name__", ""), owner, args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
-        def concat(self, chunks: Any) -> str:  # type: ignore[override]
+        def concat(self, chunks: Any) -> str:
             budget = _BUDGET.get()
             out: list[str] = []
             total = 0
@@ -362,6 +362,7 @@ def _install_bounds() -> None:
         raise GenerationError("this transformers has no sandboxed chat template environment "
                               "toptpu can bound; install the version pyproject.toml pins")
     if not getattr(env, "toptpu_bounded", False):
+        # the ignore below: bounded subclass
         ctu.ImmutableSandboxedEnvironment = _bounded_environment(env)  # type: ignore[misc, assignment]
         ctu._compile_jinja_template.cache_clear()  # noqa: SLF001 - compiled before the bounds
 

@@ -269,25 +269,34 @@ class Conversation:
         other.copy_from(self)
         return other
 
-    def copy_from(self, source: Conversation) -> None:
-        """Make this conversation hold what `source` holds (its caches' filled slots and
-        states copied on the executor)."""
+    def copy_from(self, source: Conversation, length: int | None = None) -> None:
+        """Make this conversation hold what `source` holds, or its first `length` tokens
+        (where `source` could truncate: `can_truncate`): the filled cache slots and the
+        states copied on the executor (`Executor.copy`, device to device where it can)."""
         if source.engine is not self.engine:
             raise GenerationError("a conversation copies only one of the same model file")
-        ex, n = self.engine.ex, len(source.tokens)
+        whole = len(source.tokens)
+        n = whole if length is None else length
+        if not source.can_truncate(n):
+            raise GenerationError(f"cannot copy the first {n} of a conversation's {whole} "
+                                  "tokens exactly (see can_truncate)")
+        ex = self.engine.ex
         if n:
             for mine, theirs in ((self.cache_k, source.cache_k), (self.cache_v, source.cache_v)):
                 for dst, src in zip(mine, theirs, strict=True):
                     if dst is not None and src is not None:
-                        ex.write(dst.slot(1, 0, n), ex.read(src.slot(1, 0, n)))
-            for st_dst, st_src in zip(self.states, source.states, strict=True):
-                if st_dst is not None and st_src is not None:
-                    for name, buf in st_dst.items():
-                        ex.write(buf, ex.read(st_src[name]))
+                        ex.copy(dst.slot(1, 0, n), src.slot(1, 0, n))
+            if n == whole:  # (a shorter copy takes the states of its checkpoint below)
+                for st_dst, st_src in zip(self.states, source.states, strict=True):
+                    if st_dst is not None and st_src is not None:
+                        for name, buf in st_dst.items():
+                            ex.copy(buf, st_src[name])
         self.tokens, self.pending = list(source.tokens), source.pending
         self.next_position = source.next_position
         self._positions_at = dict(source._positions_at)
         self._checkpoints = dict(source._checkpoints)
+        if n != whole:
+            self.truncate(n)
 
     # ------------------------------------------------------------------ steps
     def feed(self, ids: Sequence[int], layout: PromptLayout | None = None,
@@ -324,6 +333,32 @@ class Conversation:
         self.next_position += 1  # a generated token: the next one is one position later
         self._positions_at[len(self.tokens)] = self.next_position
         return out
+
+    # ------------------------------------------------------------------ a batch's step
+    # (`toptpu.backend.runtime.batch`: a decode step of several conversations in one run
+    # of the batch nets; each conversation's part of it)
+    def decode_slot(self) -> int:
+        """The cache slot the next decode step fills (GenerationError when it is full)."""
+        pos = len(self.tokens)
+        if pos >= self.engine.nets.seq:
+            raise GenerationError(f"the KV cache is full ({self.engine.nets.seq} tokens)")
+        return pos
+
+    def decode_positions(self) -> np.ndarray:
+        """position_ids [axes, 1] of the next generated token."""
+        return self._positions(len(self.tokens), 1, 1)
+
+    def kv_bindings(self, layer: int, slot: int) -> tuple[Buffer, Buffer, Buffer, Buffer]:
+        """Full-attention layer `layer`'s K and V caches (the history of a decode step) and
+        their cache slot `slot` (where its new k/v go)."""
+        k, v = self._kv(self.cache_k, layer), self._kv(self.cache_v, layer)
+        return k, v, k.slot(1, slot, 1), v.slot(1, slot, 1)
+
+    def stepped(self, token: int) -> None:
+        """A decode step of `token` ran (in a batch): it is cached at the next slot."""
+        self.tokens.append(int(token))
+        self.next_position += 1
+        self._positions_at[len(self.tokens)] = self.next_position
 
     def _feed(self, ids: list[int], rows: RowsHook | None) -> Buffer:
         nets, engine = self.engine.nets, self.engine

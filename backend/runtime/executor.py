@@ -11,9 +11,9 @@ abstract base class; three executors derive from it:
 
 What every executor must do is abstract (`nets`, `alloc`, `write`, `read`, `run`); what
 only some can do is a method with a default, never a probe for an attribute: the cost model
-(`modelled_seconds` 0.0, `modelled_costs` None), planning ahead (`prepare`: nothing), the
-weight cache file (`use_weight_cache`: refused, `stored`: None) and a trace on the modelled
-clock (`start_recording`: refused).
+(`modelled_seconds` 0.0, `modelled_costs` None), a copy between buffers (`copy`: through
+the host), planning ahead (`prepare`: nothing), the weight cache file (`use_weight_cache`:
+refused, `stored`: None) and a trace on the modelled clock (`start_recording`: refused).
 
 Memory is explicit: the runtime allocates device buffers (`alloc`), writes/reads them
 (`write`/`read`), takes sub-views (`Buffer.slot`, e.g. one token's slot of a KV cache), and
@@ -110,6 +110,12 @@ class Executor(ABC):
         weights of a per-layer net."""
 
     # ------------------------------------------------------------------ what some can do
+    def copy(self, dst: Buffer, src: Buffer) -> None:
+        """Copy `src` into `dst` (buffers of this executor, of one shape and dtype). By
+        default through the host (`read`, then `write`); an executor that can copies on the
+        device."""
+        self.write(dst, self.read(src))
+
     def modelled_seconds(self) -> float:
         """Chip time modelled so far (0.0: no cost model)."""
         return 0.0

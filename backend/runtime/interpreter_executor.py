@@ -32,6 +32,7 @@ There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -45,6 +46,7 @@ from xdsl.ir import Operation, SSAValue
 from toptpu.backend.contract import NetInfo
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
+from toptpu.backend.reference import blas_threads
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.reference.interpreter import (
     EvalContext,
@@ -166,6 +168,7 @@ class InterpreterExecutor(Executor):
 
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
                  weight_cache_bytes: int | None = None) -> None:
+        blas_threads.policy()  # a bad TOPTPU_BLAS_THREADS is an error now, not mid-run
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
         if self.file.meta.parallel is not None:
             n = len(self.file.meta.parallel.devices)
@@ -245,10 +248,12 @@ class InterpreterExecutor(Executor):
                 vals[step.results[0]] = self._a16_matmul(step, args, layer)
                 continue
             if step.float_weight is not None:
+                weight = args[1]
+                assert weight is not None  # the matmul's weight operand
                 stored = None if self.stored is None else self.stored.upcast(
                     self._offset(layer, step.float_weight))
                 args[1] = stored if stored is not None else self.cache.get(
-                    (layer, step.float_weight), lambda w=args[1]: K.f32(w))
+                    (layer, step.float_weight), functools.partial(K.f32, weight))
             try:
                 res = step.fn(step.op, args, ctx)
             except IndexError as e:  # a gather's index past its table (kernels.gather)

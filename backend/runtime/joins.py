@@ -75,7 +75,7 @@ class WholeRows:
         if any(a is None for a, c in zip(args, self.ins, strict=True) if c is not None):
             got = None
         elif isinstance(step.op, tpu.ReshapeOp):
-            got = args[0].reshape(self.shape)  # type: ignore[union-attr]
+            got = args[0].reshape(self.shape)  # type: ignore[union-attr]  # no None: checked above
         else:
             got = step.fn(step.op, args, m.context)[0]
         m.joined[self] = got
@@ -131,7 +131,7 @@ def _disjoint(views: list[tuple[np.ndarray, bool, int]], sources: Sequence[int |
               stores: Sequence[int]) -> bool:
     """Whether none of the `stores` operands overlaps a `sources` operand in memory."""
     for src in sources:
-        x_view, _, x_addr = views[src]  # type: ignore[index]
+        x_view, _, x_addr = views[src]  # type: ignore[index]  # a rows join's: no None
         x_end = x_addr + x_view.nbytes
         for g in stores:
             view, _, addr = views[g]
@@ -271,6 +271,7 @@ def _share_row_local_chains(steps: list[Step], inputs: dict[int, list[Writer | N
                 and step.part_of is None and step.join is None):
             chains.setdefault((step.cmd.group, step.cmd.op), []).append((pos, step))
     for chain in chains.values():
+        # the ignore below: OpSteps only
         if len(chain) < 2 or chain[0][1].part_of is not None:  # type: ignore[attr-defined]
             continue
         found = _RowSlices(inputs, wholes, products=True)
@@ -353,19 +354,19 @@ class _RowSlices:
         self.loads: list[tuple[int, LoadStep]] = []
         self.resident: set[int] = set()
 
-    def whole(self, srcs: list[Writer | None], axis: int | None = None
+    def whole(self, srcs: Sequence[Writer | None], axis: int | None = None
               ) -> WholeRows | None:
         """The whole of the buffers `srcs` wrote, one per slice; `axis`: the axis they
         are sliced along when it is not the rows' (an attention's mask), loads only."""
         if any(s is None for s in srcs):
             return None
-        ws: list[Writer] = srcs  # type: ignore[assignment]
+        ws: list[Writer] = srcs  # type: ignore[assignment]  # no None: checked above
         key = tuple(pos for pos, _ in ws)
         if all(isinstance(s, LoadStep) for _, s in ws):
             return self._loaded(ws, key, axis)
         if axis is not None or not all(isinstance(s, OpStep) for _, s in ws):
             return None
-        ops: list[OpStep] = [s for _, s in ws]  # type: ignore[misc]
+        ops: list[OpStep] = [s for _, s in ws]  # type: ignore[misc]  # all OpSteps: checked above
         if ops[0].join is not None:
             return self._product(ops, key) if self.products else None
         first = ops[0]
@@ -442,7 +443,7 @@ class _RowSlices:
 
     def _loaded(self, ws: list[Writer], key: tuple[int, ...], along: int | None = None
                 ) -> WholeRows | None:
-        loads: list[LoadStep] = [s for _, s in ws]  # type: ignore[misc]
+        loads: list[LoadStep] = [s for _, s in ws]  # type: ignore[misc]  # all LoadSteps (whole)
         g, c0 = loads[0].g, loads[0].cmd
         axis = c0.axis
         if (any(ld.g != g for ld in loads) or not 0 <= axis < len(c0.shape) - 1
@@ -452,14 +453,14 @@ class _RowSlices:
         if along is not None:  # another axis than the rows': the same rows, in order
             if axis != along or self.axis < 0 or parts != self.parts:
                 return None
-            self.loads.extend(ws)  # type: ignore[arg-type]
+            self.loads.extend(ws)  # type: ignore[arg-type]  # all LoadSteps (whole)
             return self.wholes.setdefault(key, WholeRows(g=g, shape=tuple(c0.shape)))
         lead = tuple(c0.shape[:axis])
         if self.axis < 0:
             self.axis, self.lead, self.parts = axis, lead, parts
         elif (axis, lead, parts) != (self.axis, self.lead, self.parts):
             return None
-        self.loads.extend(ws)  # type: ignore[arg-type]
+        self.loads.extend(ws)  # type: ignore[arg-type]  # all LoadSteps (whole)
         return self.wholes.setdefault(key, WholeRows(g=g, shape=tuple(c0.shape)))
 
 
@@ -506,6 +507,7 @@ def _cols_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | 
         found = [inputs[pos][k] if s.ins[k] is not None else None for pos, s in chain]
         if any(f is None or not isinstance(f[1], LoadStep) for f in found):
             return None
+        # the ignore below: all LoadSteps: checked
         loads: list[LoadStep] = [f[1] for f in found]  # type: ignore[index,misc]
         g = loads[0].g
         if (any(ld.g != g for ld in loads) or operands[g].write
@@ -515,7 +517,8 @@ def _cols_join(chain: list[tuple[int, OpStep]], inputs: dict[int, list[Writer | 
                  for ld in loads]
         if parts and these != parts:
             return None
-        parts = these
+        # (..., rows) indexes the last axis whatever the rank: parts' slices but the first
+        parts = these  # type: ignore[assignment]
         sources.append(g)
     if not parts or any(s.outs[0].shape[-1] != p[-1].stop - p[-1].start
                         for (_, s), p in zip(chain, parts, strict=True)):

@@ -48,6 +48,7 @@ import heapq
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import cast
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -68,9 +69,9 @@ from toptpu.backend.formats.commands import (
 )
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference.interpreter import (
-    EVALUATORS,
     EvalContext,
     Evaluator,
+    bound_evaluator,
     collective_result,
 )
 from toptpu.backend.runtime.errors import MachineTrap
@@ -103,7 +104,7 @@ from toptpu.dialects.ir_text import parse_ir
 
 def evaluator_of(op: Operation) -> Evaluator | None:
     """The interpreters' evaluator of a template op (None: no kernel)."""
-    return EVALUATORS.get(type(op))
+    return bound_evaluator(type(op))
 
 
 def link_work(c: Collective) -> LinkWork:
@@ -292,11 +293,11 @@ class Binding:
 
     def address(self, ref: GlobalRef, who: str) -> int:
         if ref.space == Space.IO:
-            if ref.name not in self.io:
+            if ref.name is None or ref.name not in self.io:
                 raise MachineTrap(f"{who}: IO tensor '{ref.name}' is not bound")
             return self.io[ref.name]
         if ref.space == Space.WEIGHT:
-            if ref.name not in self.weights:
+            if ref.name is None or ref.name not in self.weights:
                 raise MachineTrap(f"{who}: weight '{ref.name}' is not bound")
             return self.weights[ref.name]
         if ref.space == Space.ACT:
@@ -593,15 +594,15 @@ class Machine:
                     yield step, views
                 else:
                     step.run(self, views)
-            trap = local_trap(self.local.buffers, net.name)
-            if trap:
-                raise MachineTrap(trap)
+            problem = local_trap(self.local.buffers, net.name)
+            if problem:
+                raise MachineTrap(problem)
             return
         steps, trap = plan.steps, plan.local_trap
         for i in range(len(steps) if trap is None else trap[0]):
             step = steps[i]
             if step.__class__ is CollectiveStep:  # (not isinstance: an ABC's is slower)
-                yield step, views  # type: ignore[misc]
+                yield step, views
             else:
                 step.run(self, views)
         if trap is not None:
@@ -629,7 +630,8 @@ class Machine:
             hit = resolved[key] = (plan, [self._resolve(op, binding) if v is None else v
                                           for v, op in zip(base[1], plan.operands,
                                                            strict=True)])
-        return hit[1]
+        # the entry under `key` is resolved whole (only those under `fixed` hold None)
+        return cast(list[tuple[np.ndarray, bool, int]], hit[1])
 
     def _resolve(self, op: Operand, binding: Binding) -> tuple[np.ndarray, bool, int]:
         addr = binding.address(op.ref, op.who)
@@ -660,10 +662,11 @@ def run_together(machines: Sequence[Machine], net: LoadedNet, bindings: Sequence
             return net.plan(machines[0].chip).timeline
         if any(x is None for x in met) or len({id(x[0]) for x in met if x}) != 1:
             raise MachineTrap(f"net '{net.name}': its devices reached different collectives")
-        step = met[0][0]  # type: ignore[index]
+        step = met[0][0]  # type: ignore[index]  # no None: checked above
+        # the ignore below: no None: checked above
         parts = [views[step.src][0] for _, views in met]  # type: ignore[misc]
         whole = collective_result(step.op, parts)
-        for _, views in met:  # type: ignore[misc]
+        for _, views in met:  # type: ignore[misc]  # no None: checked above
             target, writable, _ = views[step.dst]
             if not writable:
                 raise MachineTrap(f"{step.who}: write to a read-only region")

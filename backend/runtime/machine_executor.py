@@ -40,8 +40,16 @@ from toptpu.backend.formats.commands import Gather, Load, Space, Store
 from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.formats.program import Program, StreamError
+from toptpu.backend.reference import blas_threads
 from toptpu.backend.runtime.accounting import Costs, Ledger
-from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
+from toptpu.backend.runtime.executor import (
+    Buffer,
+    Executor,
+    check_bindings,
+    owned,
+    squeezed,
+    value_for,
+)
 from toptpu.backend.runtime.machine import (
     Binding,
     LoadedNet,
@@ -118,6 +126,7 @@ class MachineExecutor(Executor):
     def __init__(self, model: str | LlmFile, checked: bool = False,
                  chip: Chip | None = None, keep_timelines: int = 4,
                  weight_cache_bytes: int | None = None) -> None:
+        blas_threads.policy()  # a bad TOPTPU_BLAS_THREADS is an error now, not mid-run
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
@@ -173,6 +182,23 @@ class MachineExecutor(Executor):
         mine = owned(buf, MachineBuffer, MachineExecutorError)
         self._transfer(mine.nbytes, to_chip=False)
         return mine.array().copy()
+
+    def copy(self, dst: Buffer, src: Buffer) -> None:
+        """A device-to-device copy in global memory, charged as one (`Ledger.device_copy`);
+        another executor's buffers (a device group's) go through the host."""
+        if not (isinstance(dst, MachineBuffer) and isinstance(src, MachineBuffer)
+                and dst.machine is self.machine and src.machine is self.machine):
+            super().copy(dst, src)
+            return
+        if squeezed(dst.shape) != squeezed(src.shape) or dst.dtype != src.dtype:
+            raise MachineExecutorError(f"cannot copy a {src.dtype} {list(src.shape)} buffer "
+                                       f"into a {dst.dtype} {list(dst.shape)} one")
+        dst.array(write=True)[...] = src.array().reshape(dst.shape)
+        start = self.ledger.totals.total_s
+        costs = self.ledger.device_copy(src.nbytes)
+        if self.recorder is not None:
+            self.recorder.span(f"device copy: {src.nbytes} bytes", start,
+                               start + costs.total_s, bytes=src.nbytes)
 
     def _transfer(self, nbytes: int, to_chip: bool) -> None:
         start = self.ledger.totals.total_s
@@ -246,7 +272,7 @@ class MachineExecutor(Executor):
         info = self._nets[net]
         layer = None
         if info.per_layer:  # the first layer that runs it
-            full = str(NetName.parse(net).at_length(0))
+            full = str(NetName.parse(net).layer_net)
             layer = min(i for names in self.meta.layer_nets.values()
                         for i, name in enumerate(names) if name == full)
         gmem = self.machine.gmem
@@ -359,10 +385,10 @@ class MachineExecutor(Executor):
                     return f"command {c.id}, which {what} '{ref.name}' ({kind})"
                 want_shape, want_dtype = spec.shape, spec.dtype
             elif ref.space is Space.WEIGHT:
-                w = prog.weights.get(ref.name or "")
-                if w is None:
+                listed = prog.weights.get(ref.name or "")
+                if listed is None:
                     return f"command {c.id}, which reads weight '{ref.name}' it does not list"
-                want_shape, want_dtype = w.shape, w.dtype
+                want_shape, want_dtype = listed.shape, listed.dtype
             else:
                 continue
             if (tuple(shape), dtype) != (tuple(want_shape), want_dtype):
@@ -450,8 +476,8 @@ class MachineExecutor(Executor):
             raise MachineExecutorError(f"net '{info.name}' is shared by all layers; run it "
                                        "without layer=")
         for name in prog.weights:
-            if info.per_layer and name in layout.chunk_of(layer):  # type: ignore[arg-type]
-                out[name] = self._blob + layout.layer_offset(layer, name)  # type: ignore[arg-type]
+            if info.per_layer and layer is not None and name in layout.chunk_of(layer):
+                out[name] = self._blob + layout.layer_offset(layer, name)
             elif name in layout.shared:
                 out[name] = self._blob + layout.shared[name].offset
             else:

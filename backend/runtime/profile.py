@@ -287,7 +287,7 @@ def write_timeline_png(path: str, tl: Timeline, chip: Chip, profile: NetProfile,
     for eng, name in (("dma", "DMA"), ("cmp", "compute")):
         entries = legends[eng][0]
         d.text((10, y), name, fill="black", font=small)
-        lx = left
+        lx: float = left
         for entry in entries or [LegendEntry("(none)", (255, 255, 255), 0.0)]:
             text = f"{entry.label} {entry.busy:.0%}" if entries else entry.label
             tw = d.textlength(text, font=small)

@@ -402,6 +402,8 @@ class Runtime:
         sampler = self.sampler.resolve(cfg)
 
         def text_of(ids: Sequence[int]) -> str:
+            if skip_special_tokens:  # an end-of-sequence id the tokenizer calls no special
+                ids = [i for i in ids if i not in self.eos_ids]
             return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
         # stop strings match the text with its special tokens; what is shown may leave them out
@@ -484,13 +486,15 @@ class Runtime:
              sampling: SamplingConfig | None = None, *,
              on_text: Callable[[str], None] | None = None, system: str | None = None,
              reset_if_full: bool = False, images: Sequence[Any] | None = None,
-             videos: Sequence[Sequence[Any]] | None = None, fps: float = 2.0
-             ) -> GenerationResult:
+             videos: Sequence[Sequence[Any]] | None = None, fps: float = 2.0,
+             skip_special_tokens: bool = False) -> GenerationResult:
         """One chat turn: the user `message` is appended to the conversation in the KV cache
         (rendered with the tokenizer's chat template) and the reply generated. `images`
         (VLMs: paths, PIL images or encoded images) go where the message marks them with
         the model's image token, or before the message; `videos` (Qwen-VL: each a list of
-        frames, `fps` frames a second) likewise with the video token."""
+        frames, `fps` frames a second) likewise with the video token. With
+        `skip_special_tokens` the streamed and returned text leaves out special tokens (the
+        end-of-turn marker, ...) as `generate`'s; the conversation keeps them."""
         tok, session, conv = self.tokenizer, self.session, self.conversation
         ids: list[int] = []
         encoded = self._encoded(images, videos, fps)
@@ -511,7 +515,7 @@ class Runtime:
             ids = self.encode(expand(session.first_turn(tok, message, system), 0),
                               add_special_tokens=False)
         res = self.generate(ids, max_new_tokens, sampling, on_text=on_text, keep_history=keep,
-                            images=encoded)
+                            images=encoded, skip_special_tokens=skip_special_tokens)
         reply = res.generated_ids[:-1] if res.stop_reason == "eos" else res.generated_ids
         session.replied(message, self.decode(reply), res.stop_reason == "eos")
         return res

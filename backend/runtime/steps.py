@@ -209,7 +209,7 @@ class OpStep(Step):
         return m.cache.get(("f32", key), lambda: np.ascontiguousarray(
             K.f32(w) if stored is None else stored))
 
-    def _weight_key(self, m: Machine) -> Hashable | None:
+    def _weight_key(self, m: Machine) -> tuple | None:
         """The cache key of what the weight buffers hold (`held_key`), None unless every
         one holds read-only bytes."""
         refs = self.ins[A16_WEIGHT] if self.special == "a16" else self.ins[1:2]
@@ -219,7 +219,7 @@ class OpStep(Step):
         return None
 
     def compute(self, m: Machine, args: list[np.ndarray | None],
-                weight_key: Hashable | None = None, keep: bool = True) -> Sequence[np.ndarray]:
+                weight_key: tuple | None = None, keep: bool = True) -> Sequence[np.ndarray]:
         """The op's kernel on `args`; a weight converted for it (dequantized, upcast) is
         the weight cache file's form where it has one (`Machine.stored_form`), else
         cached under `weight_key`, by default what the weight buffers hold (`held_key`);
@@ -241,6 +241,7 @@ class OpStep(Step):
             args = [args[0], stored, *args[2:]]
         elif weight_key is not None:
             w = args[1]
+            assert w is not None  # the matmul's weight operand
             args = [args[0], m.cache.get(("f32", weight_key), lambda: K.f32(w), keep),
                     *args[2:]]
         return self.fn(self.op, args, m.context)

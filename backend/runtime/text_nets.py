@@ -73,6 +73,9 @@ class TextNets:
         self.Hh = self.spec(self.attn_nets[BLOCK_KV], HISTORY_K).shape[1]
         #: sample_head's candidates
         self.sample_k = self.spec(SAMPLE_HEAD, PROBS).shape[1]
+        #: the batch B of the batch nets (`block_cache.b4`: a decode step of B
+        #: conversations; `toptpu compile --batch`), 1 without
+        self.batch = max((NetName.parse(name).batch for name in nets), default=0) or 1
 
     def spec(self, net: str, name: str) -> TensorSpec:
         """The tensor `name` of `net` (an input or an output)."""
@@ -88,6 +91,12 @@ class TextNets:
         (`block@3`, ...)."""
         table = self.layer_nets
         return table[net][layer] if net in table else net
+
+    def batch_net(self, net: str, layer: int | None = None) -> str:
+        """The batch net of `net` (`BATCH_NETS`; of layer `layer`'s variant for a per-layer
+        net): `block_cache.b4@3`."""
+        name = NetName.parse(net if layer is None else self.layer_net(net, layer))
+        return str(name.at_batch(self.batch))
 
     def chunk_length(self, n: int) -> int:
         """The prefill length a chunk of `n` tokens runs at: the shortest that holds it."""

@@ -26,7 +26,7 @@ import stat
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
@@ -37,6 +37,12 @@ from toptpu.dialects.output_file import note_input
 from toptpu.errors import GenerationError, ImageError
 from toptpu.families import vision_family
 from toptpu.families.base import PreparedImage, VideoPatches
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+#: an image as the runtime takes it: a path, or a PIL image
+ImageInput: TypeAlias = "str | os.PathLike[str] | Image.Image"
 
 __all__ = ["EncodedImage", "ImageError", "ImagePreprocessor", "PreparedImage", "VideoPatches",
            "VisionEncoder", "load_image"]
@@ -67,7 +73,7 @@ def image_file(path: str) -> str:
     return path
 
 
-def load_image(image: Any) -> Any:
+def load_image(image: ImageInput) -> Image.Image:
     """A PIL image from a path (or a PIL image as is), fully decoded: a missing file, a
     file that is not a regular file (a FIFO), not an image, or a truncated one is an
     ImageError naming it, and so is one that claims more than MAX_IMAGE_PIXELS (refused
@@ -188,7 +194,7 @@ class ImagePreprocessor:
                                       f"make a {cls.__name__}: {e}; recompile it") from e
         return self._processor
 
-    def prepare(self, image: Any) -> PreparedImage:
+    def prepare(self, image: ImageInput) -> PreparedImage:
         """Preprocess `image` (a path or a PIL image) with the model's image processor: the
         vit inputs of each tile and the image's placeholder text (no net runs)."""
         source = str(image) if isinstance(image, str | os.PathLike) else "<image>"
@@ -203,20 +209,20 @@ class ImagePreprocessor:
         prepared.source, prepared.size = source, (img.width, img.height)
         return prepared
 
-    def prepare_video(self, frames: list[Any], fps: float) -> PreparedImage:
+    def prepare_video(self, frames: list[ImageInput], fps: float) -> PreparedImage:
         """Preprocess a video given as its frames (paths or PIL images, `fps` frames a
         second; Qwen-VL: see `toptpu.families.qwen_vl`). No net runs."""
         images, source = self._frames(frames, fps)
         return self.family.prepare_video(self.processor, self.info, images, fps, source)
 
-    def video_patches(self, frames: list[Any], fps: float) -> VideoPatches:
+    def video_patches(self, frames: list[ImageInput], fps: float) -> VideoPatches:
         """A video given as its frames through the image processor, as the video processor
         lays it out: its patches in the processor's order, its grid, placeholder text and
         temporal step."""
         images, source = self._frames(frames, fps)
         return self.family.video_patches(self.processor, self.info, images, fps, source)
 
-    def _frames(self, frames: list[Any], fps: float) -> tuple[list[Any], str]:
+    def _frames(self, frames: list[ImageInput], fps: float) -> tuple[list[Image.Image], str]:
         """A video's frames opened (all of one size), and its name."""
         if not self.family.takes_video:
             raise GenerationError(f"a {self.info['model_type']} model file takes images, not "
@@ -275,13 +281,13 @@ class VisionEncoder(ImagePreprocessor):
         self.ex.run(self.net, b)
         return self.ex.read(b[IMAGE_EMBEDS]).astype(np.float32)
 
-    def encode(self, image: Any) -> EncodedImage:
+    def encode(self, image: ImageInput) -> EncodedImage:
         """Preprocess `image` and run the vision net on each tile: its embedding rows."""
         _ = self.processor  # imports transformers once; not part of the image's time
         t0, c0 = time.perf_counter(), self.ex.modelled_costs()
         return self._encoded(self.prepare(image), t0, c0)
 
-    def encode_video(self, frames: list[Any], fps: float) -> EncodedImage:
+    def encode_video(self, frames: list[ImageInput], fps: float) -> EncodedImage:
         """Preprocess a video given as frames (Qwen-VL) and run the vision net on it."""
         _ = self.processor
         t0, c0 = time.perf_counter(), self.ex.modelled_costs()

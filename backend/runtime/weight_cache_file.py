@@ -11,7 +11,9 @@ window of the whole form, stored contiguous so the machine multiplies by it as i
 `toptpu run` and `chat` map that file read-only when it is there (`StoredForms`), so the
 first token multiplies by them without converting anything. The file is optional:
 without it (or when it is refused) the weights are converted as before, with the same
-bits.
+bits. After such a run `toptpu run` and `chat` write it themselves (`write_if_missing`),
+saying so with its size, when it fits TOPTPU_WEIGHT_CACHE_FILE's limit (`AUTO_LIMIT` by
+default; `off`: never) and half the disk's free space.
 
 The file is untrusted input like the model file, and is never trusted unless it is the
 conversion of this very model file:
@@ -49,7 +51,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import numpy as np
 
@@ -75,6 +77,7 @@ from toptpu.backend.formats.model_file import (
 from toptpu.backend.formats.program import Program
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime.steps import held_key, held_window
+from toptpu.backend.runtime.weight_cache import parse_size
 from toptpu.dialects import tpu
 from toptpu.dialects.common import ShapedOp
 from toptpu.dialects.output_file import OutputPathError, output_target
@@ -83,15 +86,21 @@ from toptpu.errors import ToptpuError
 
 #: the weight cache file of MODEL_FILE is MODEL_FILE + SUFFIX
 SUFFIX = ".wcache"
-KIND = "toptpu-weight-cache"
+KIND: Final = "toptpu-weight-cache"
 #: 2: forms of reduction parts (`FormEntry.part`)
-CACHE_FORMAT = 2
+CACHE_FORMAT: Final = 2
 #: how many rows of each form are converted again and compared on its first use
 SAMPLED_ROWS = 8
 #: most header bytes read to see what an existing file at the output path is
 MAX_HEADER_READ = 64 << 20
 #: the float dtypes whose matmul weights the executors upcast to f32 once
 UPCAST_DTYPES = ("float16", "bfloat16")
+#: the environment variable that bounds (or turns off) the weight cache file `toptpu run`
+#: and `chat` write when there is none (`write_if_missing`)
+AUTO_ENV_VAR = "TOPTPU_WEIGHT_CACHE_FILE"
+#: the most bytes that file may take by default (a 24-layer Qwen2.5-0.5B in w4bf16:
+#: 2.39 GB; a 7B model's, ~28 GB, is not written unless asked for)
+AUTO_LIMIT = 4 << 30
 
 
 class WeightCacheFileError(ToptpuError):
@@ -237,7 +246,7 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
     shared = {n: e.offset for n, e in layout.shared.items()}
     if not meta.nets[net].per_layer:
         return [shared]
-    full = str(NetName.parse(net).at_length(0))
+    full = str(NetName.parse(net).layer_net)
     layers = [i for names in meta.layer_nets.values() for i, name in enumerate(names)
               if name == full]
     return [{**shared, **{n: layout.layer_start(i) + e.offset
@@ -246,7 +255,7 @@ def _tables(model: LlmFile, net: str) -> list[dict[str, int]]:
 
 
 def _parts(model: LlmFile, net: str, uses: list[_Use]
-           ) -> list[tuple[_Use, tuple[int, int, int, int]]]:
+           ) -> list[tuple[_Use, tuple[int, ...]]]:
     """The reduction parts net `net`'s layer groups read of the weights it converts (a
     matmul's K split: each part's weights a window of the whole form, its columns): each
     use with its part of the form (rows start, rows, columns start, columns), as the
@@ -254,7 +263,7 @@ def _parts(model: LlmFile, net: str, uses: list[_Use]
     by_name = {u.source: u for u in uses}
     prog = Program.from_json(model.file.view(model.meta.nets[net].streams))
     writer: dict[int, Load] = {}  # local buffer -> the load that last wrote it
-    found: dict[tuple, tuple[_Use, tuple[int, int, int, int]]] = {}
+    found: dict[tuple, tuple[_Use, tuple[int, ...]]] = {}
     for c in prog.commands:
         if isinstance(c, Load):
             writer[c.local.buf] = c
@@ -423,16 +432,21 @@ def form_part(window: tuple[slice, ...], shape: tuple[int, ...], special: str, b
 
 
 def write_weight_cache(model: str | LlmFile, output: str | None = None,
-                       progress: Callable[[str], None] | None = None) -> str:
+                       progress: Callable[[str], None] | None = None,
+                       replaces: tuple[str, ...] = (),
+                       planned: Callable[[int], None] | None = None) -> str:
     """Convert every weight the executors convert and write the forms to `output`
     (default `cache_path(model)`), atomically, one form at a time in memory. Returns the
     path written. WeightCacheFileError when the output cannot be written (a path that is
-    not a regular file is never replaced)."""
+    not a regular file is never replaced). `replaces`: a weight cache file the running
+    command opened (and refused, or found to differ) that this write may replace.
+    `progress` is told each form once it is made, `planned` how many there are before the
+    first."""
     llm = model if isinstance(model, LlmFile) else LlmFile(model)
     _refuse_devices(llm)
     path = output or cache_path(llm.path)
     try:
-        real, kind = output_target(path, "the weight cache file")
+        real, kind = output_target(path, "the weight cache file", replaces=replaces)
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     if kind != "file" and kind != "new":
@@ -450,21 +464,91 @@ def write_weight_cache(model: str | LlmFile, output: str | None = None,
     header = CacheHeader(KIND, CACHE_FORMAT, llm.file.digest, tuple(forms))
     header.check()
     blob, entries = _blob(llm), _entries(llm)
+    if planned is not None:
+        planned(len(forms))
 
     def section(form: FormEntry) -> StreamedSection:
         def pieces() -> Iterator[tuple[int, memoryview]]:
             arr = np.ascontiguousarray(convert(form, blob, entries), np.float32)
             if progress is not None:
                 progress(f"{form.section}: {form.form} {list(form.shape)}")
-            yield 0, memoryview(arr.reshape(-1).view(np.uint8))
+            yield 0, arr.reshape(-1).view(np.uint8).data
 
         return StreamedSection(math.prod(form.shape) * 4, pieces)
 
     try:
-        write_model_file(path, encode(header), {f.section: section(f) for f in forms})
+        write_model_file(path, encode(header), {f.section: section(f) for f in forms},
+                         replaces, "the weight cache file")
     except OutputPathError as e:
         raise WeightCacheFileError(str(e)) from None
     return path
+
+
+def auto_limit() -> int:
+    """The most bytes `write_if_missing` may write: TOPTPU_WEIGHT_CACHE_FILE (`auto` or
+    unset: AUTO_LIMIT; `off` or 0: never; a size such as 8G); WeightCacheFileError for
+    anything else."""
+    raw = os.environ.get(AUTO_ENV_VAR, "").strip()
+    if raw.lower() in ("", "auto"):
+        return AUTO_LIMIT
+    if raw.lower() == "off":
+        return 0
+    try:
+        return parse_size(raw)
+    except ValueError:
+        raise WeightCacheFileError(
+            f"{AUTO_ENV_VAR}={raw!r} is not a setting: give auto, off or the most bytes the "
+            "weight cache file may take (e.g. 8G)") from None
+
+
+def planned_bytes(model: LlmFile) -> int:
+    """The bytes of the forms `write_weight_cache` would write for `model`."""
+    return sum(math.prod(f.shape) * 4 for f in planned_forms(model))
+
+
+def write_if_missing(model: LlmFile, note: Callable[[str], None],
+                     in_use: str | None) -> str | None:
+    """After a run of `model` that read no weight cache file of it (`in_use`: the one it
+    read, if any): write `cache_path(model.path)` so that the next run converts nothing,
+    when TOPTPU_WEIGHT_CACHE_FILE allows it (`auto_limit`), its planned size is within
+    that limit and within half the free space of its disk; a stale weight cache file there
+    (another model file's, damaged, found to differ) is replaced, any other file left
+    alone. `note` says what was written and its size against the model file's, or why
+    nothing was. Returns the path written (None: nothing)."""
+    limit = auto_limit()
+    path = cache_path(model.path)
+    if limit == 0 or model.meta.parallel is not None or in_use is not None:
+        return None
+    size = planned_bytes(model)
+    model_size = os.path.getsize(model.path)
+    what = (f"the weight cache file '{path}' would take {size / 1e9:.2f} GB "
+            f"({size / model_size:.1f}x the model file)")
+    if size > limit:
+        note(f"{what}, over the {limit / 1e9:.2f} GB {AUTO_ENV_VAR} allows: not written, so "
+             f"each run converts the weights again; `toptpu cache {model.path}` writes it, "
+             f"or {AUTO_ENV_VAR}=SIZE raises the limit")
+        return None
+    try:
+        free = _free_bytes(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    if size > free // 2:
+        note(f"{what}, more than half the {free / 1e9:.2f} GB free on its disk: not written")
+        return None
+    note(f"writing the weight cache file '{path}' ({size / 1e9:.2f} GB, "
+         f"{size / model_size:.1f}x the model file's {model_size / 1e9:.2f} GB): later runs "
+         f"of this model file read its converted weights instead of converting them "
+         f"({AUTO_ENV_VAR}=off writes none; delete the file to free the space)")
+    try:
+        return write_weight_cache(model, path, replaces=(path,))
+    except WeightCacheFileError as e:
+        note(f"the weight cache file was not written: {e}")
+        return None
+
+
+def _free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def _other_file(path: str) -> str | None:

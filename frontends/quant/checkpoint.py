@@ -372,9 +372,13 @@ def read_quantized_checkpoint(model_dir: str | os.PathLike[str]) -> QuantizedChe
     """
     root, config = _root_and_config(model_dir)
     ck = _open(root, config, lambda: DictSource(load_tensors(root)))
+    source = ck.source
+    assert source is not None  # _open reads the tensors of a directory it was given
     for name in ck.layouts:
-        ck.linears[name] = ck.linear(name)
-    ck.float_tensors = {name: ck.source.array(name) for name in ck.float_names}
+        linear = ck.linear(name)
+        assert linear is not None  # every name of `layouts` is a quantized linear
+        ck.linears[name] = linear
+    ck.float_tensors = {name: source.array(name) for name in ck.float_names}
     ck.source = None  # the packed integers go: `linears` holds them unpacked
     return ck
 

@@ -32,6 +32,7 @@ builtin.module {
     %sp = top.softplus %x : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %ge = top.gelu %x {approximate = "tanh"} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %pw = top.pow %x {exponent = 2.000000e+00 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %cl = top.clamp %x {min = -5.000000e-01 : f64, max = 7.500000e-01 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %sc = top.sub_const %x {value = 1.500000e+00 : f64, reverse = true} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %mc = top.mul_const %x {value = 2.000000e+00 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %dc = top.div_const %x {value = 4.000000e+00 : f64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
@@ -45,12 +46,22 @@ builtin.module {
     %u0 = top.add %si, %re : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u1 = top.add %u0, %sp : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u2 = top.add %u1, %ge : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
-    %u3 = top.add %u2, %pw : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %pc = top.add %pw, %cl : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %u3 = top.add %u2, %pc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u4 = top.add %u3, %sc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u5 = top.add %u4, %mc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %u6 = top.add %u5, %dc : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %xr = top.reshape %x {shape = array<i64: 8, 8>} : tensor<2x4x8xf32> -> tensor<8x8xf32>
+    %rl = top.matmul %xr, %w {transpose_b = true} : tensor<8x8xf32>, tensor<6x8xf32> -> tensor<8x6xf32>
+    %rw:2 = top.moe_route %rl {k = 2 : i64, normalize = true} : tensor<8x6xf32> -> tensor<8x2xf32>, tensor<8x2xi32>
+    %eg = top.weight "moe.gate" : tensor<6x2x8xf32>
+    %eu = top.weight "moe.up" : tensor<6x2x8xf32>
+    %dn = top.weight "moe.down" : tensor<6x8x2xf32>
+    %my = top.moe_experts %xr, %eg, %eu, %dn, %rw#0, %rw#1 : tensor<8x8xf32>, tensor<6x2x8xf32>, tensor<6x2x8xf32>, tensor<6x8x2xf32>, tensor<8x2xf32>, tensor<8x2xi32> -> tensor<8x8xf32>
+    %ym = top.reshape %my {shape = array<i64: 2, 4, 8>} : tensor<8x8xf32> -> tensor<2x4x8xf32>
+    %u7 = top.add %u6, %ym : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %cmp = top.compare %x, %a6 {predicate = "gt"} : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xi1>
-    %wh = top.where %cmp, %a6, %u6 : tensor<2x4x8xi1>, tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
+    %wh = top.where %cmp, %a6, %u7 : tensor<2x4x8xi1>, tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %sm = top.softmax %wh {axis = -1 : i64} : tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %rd = top.reduce %sm {mode = "max", axes = array<i64: 2>, keepdims = true} : tensor<2x4x8xf32> -> tensor<2x4x1xf32>
     %ci = top.cast %rd {dtype = i32} : tensor<2x4x1xf32> -> tensor<2x4x1xi32>

@@ -45,3 +45,13 @@ save_file({
 save_file({
     "conv.weight": np.random.default_rng(1).standard_normal((16, 4)).astype(np.float32),
 }, os.path.join(os.path.dirname(__file__), "linear_attention.safetensors"))
+
+# a mixture-of-experts block's router [E, H] and its experts stacked by expert: gate and
+# up [E, I, H], down [E, H, I] (E 4, H 8, I 3; its own generator)
+moe_rng = np.random.default_rng(2)
+save_file({
+    "router.weight": moe_rng.standard_normal((4, 8)).astype(np.float32),
+    "experts.gate_proj": moe_rng.standard_normal((4, 3, 8)).astype(np.float32),
+    "experts.up_proj": moe_rng.standard_normal((4, 3, 8)).astype(np.float32),
+    "experts.down_proj": moe_rng.standard_normal((4, 8, 3)).astype(np.float32),
+}, os.path.join(os.path.dirname(__file__), "moe.safetensors"))
