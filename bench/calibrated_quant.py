@@ -5,22 +5,28 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
 
 - compiled in f32 (`--dequantize f32`): the reference;
 - rounded to nearest by the compiler (`--dequantize w4bf16 --group-size G`): RTN;
-- calibrated by `toptpu.weight_calibration` (GPTQ with act-order and static groups; AWQ with
-  duo scaling and clipping, its search on `--awq-search-tokens` of the calibration tokens)
-  from the GGUF, one layer at a time, on `--sequences` x `--sequence-length` tokens, into a
-  checkpoint directory compiled with `-q w4bf16`;
+- calibrated inside the compile (`toptpu compile GGUF --dequantize w4bf16 --group-size G
+  --calibrate gptq|awq --calibration-data CAL --calibration-samples N
+  --calibration-seq-length L`: GPTQ with act-order and static groups; AWQ with duo scaling
+  and clipping, its defaults), one layer at a time;
 - quantized by auto-round (its default algorithm, sign-gradient rounding, `iters` and
   `nsamples` as given: the CPU cannot afford its defaults) from the same f32 model
   (transformers' GGUF loader) on the same calibration sequences, exported in its own
-  format and compiled with `-q w4bf16` and `-q auto`;
+  format and compiled with `-q w4bf16` and `-q auto` (rows autoround64/128, not run by
+  default);
 
-all asymmetric 4-bit at group sizes 64 and 128, and measured by `toptpu eval` (perplexity,
-top-1 agreement and mean KL against the f32 compile) on a held-back text. The calibration
-text and the held-back text default to two disjoint parts of Python's own documentation
-(`pydoc_data.topics`: every fourth topic held back).
+all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
+they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
+eval` (perplexity, top-1 agreement and mean KL against the f32 compile) on a held-back
+text. Every compile
+runs in a child process of its own: its wall time, the calibration's share of it, and its
+peak RSS (`ru_maxrss`) are reported. The calibration text and the held-back text default
+to two disjoint parts of Python's own documentation (`pydoc_data.topics`: every fourth
+topic held back).
 
 Run: python bench/calibrated_quant.py [--work DIR] [--rows f32,rtn64,gptq64,...]
-Every step's output is kept in --work and reused by a later run.
+Every step's output is kept in --work and reused by a later run (its measurements in
+DIR/<file>.json).
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ import subprocess
 import sys
 import time
 
-ROWS = ("f32", "rtn64", "gptq64", "awq64", "autoround64", "rtn128", "gptq128", "awq128",
-        "autoround128")
+#: group 128 does not divide SmolLM2's hidden size (576): its rows are refused by the compile
+ROWS = ("f32", "rtn64", "gptq64", "awq64")
 
 
 def texts(work: str) -> tuple[str, str]:
@@ -57,18 +63,36 @@ def toptpu(*argv: str) -> str:
     return res.stdout
 
 
-def calibrated(gguf: str, method: str, group: int, cal: str, a: argparse.Namespace) -> str:
-    from toptpu.weight_calibration import AwqOptions, CalibrationRequest, QuantScheme, calibrate
+def compile_child(spec: str) -> None:
+    """In a child process: `toptpu.compile(**spec)`; prints its timings, wall time and
+    the process's peak RSS as JSON."""
+    import resource
 
-    out = os.path.join(a.work, f"{method}{group}-checkpoint")
+    from toptpu.cli import signals_interrupt
+    from toptpu.compiler import compile as compile_model
+
+    kw = json.loads(spec)
+    t = time.perf_counter()
+    with signals_interrupt():  # SIGTERM cleans up as the command line does
+        res = compile_model(kw.pop("model"), kw.pop("output"), progress=sys.stderr, **kw)
+    print(json.dumps({"seconds": time.perf_counter() - t, "timings": res.timings,
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def compiled(out: str, **spec: object) -> dict[str, object]:
+    """`out` compiled as `spec` asks (`toptpu.compile` keywords) in a child process, once;
+    its measurements (kept beside it)."""
+    meta = out + ".json"
     if not os.path.exists(out):
-        request = CalibrationRequest(method, QuantScheme(4, group, False),
-                                     awq=AwqOptions(search_tokens=a.awq_search_tokens))
-        rep = calibrate(gguf, out, request, [cal], sequences=a.sequences,
-                        sequence_length=a.sequence_length)
-        print(f"{method} g{group}: {rep.layers} layers in {rep.seconds:.0f}s "
-              f"({rep.seconds / rep.layers:.1f}s a layer)", flush=True)
-    return out
+        res = subprocess.run([sys.executable, __file__, "--child",
+                              json.dumps({"output": out, **spec})],
+                             stdout=subprocess.PIPE, text=True, check=False)
+        if res.returncode:
+            raise SystemExit(f"compile {out} failed")
+        with open(meta, "w", encoding="utf-8") as f:
+            f.write(res.stdout.strip().splitlines()[-1])
+    with open(meta, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace) -> str:
@@ -100,16 +124,17 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        compile_child(sys.argv[2])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="calibrated-quant")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("--sequence-length", type=int, default=256)
-    ap.add_argument("--awq-search-tokens", type=int, default=1024)
     ap.add_argument("--autoround-iters", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seq-length", type=int, default=256)
-    ap.add_argument("--only-checkpoints", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     from toptpu.demo_smollm2 import smollm2_gguf
@@ -117,32 +142,31 @@ def main() -> None:
     gguf = smollm2_gguf()
     cal, held = texts(a.work)
     ref = os.path.join(a.work, "f32.toptpu")
-    lines = ["| row | perplexity | top-1 vs f32 | mean KL vs f32 |", "|---|---|---|---|"]
+    lines = ["| row | perplexity | top-1 vs f32 | mean KL vs f32 | calibration | compile | "
+             "peak RSS |", "|---|---|---|---|---|---|---|"]
     for row in a.rows.split(","):
         method = row if row == "f32" else row.rstrip("0123456789")
         group = 0 if row == "f32" else int(row[len(method):])
-        files: list[tuple[str, str, list[str]]] = []  # label, source, compile args
+        base = {"model": gguf, "seq_length": a.seq_length}
+        files: list[tuple[str, str, dict[str, object]]] = []  # label, file, compile spec
         if method == "f32":
-            files = [("f32", gguf, ["--dequantize", "f32"])]
+            files = [("f32", ref, {**base, "dequantize": "f32"})]
         elif method == "rtn":
-            files = [(f"RTN w4bf16 g{group}", gguf,
-                      ["--dequantize", "w4bf16", "--group-size", str(group)])]
+            files = [(f"RTN g{group}", os.path.join(a.work, f"rtn{group}.toptpu"),
+                      {**base, "dequantize": "w4bf16", "group_size": group})]
         elif method in ("gptq", "awq"):
-            files = [(f"{method.upper()} g{group}, -q w4bf16",
-                      calibrated(gguf, method, group, cal, a), ["-q", "w4bf16"])]
+            files = [(f"{method.upper()} g{group}", os.path.join(a.work, f"{row}.toptpu"),
+                      {**base, "dequantize": "w4bf16", "group_size": group,
+                       "calibrate": method, "calibration_data": [cal],
+                       "calibration_samples": a.sequences,
+                       "calibration_seq_length": a.sequence_length,
+                       "save_calibrated": os.path.join(a.work, f"{row}-checkpoint")})]
         elif method == "autoround":
             ck = autoround_checkpoint(gguf, group, cal, a)
-            files = [(f"auto-round g{group}, -q w4bf16", ck, ["-q", "w4bf16"]),
-                     (f"auto-round g{group}, -q auto", ck, ["-q", "auto"])]
-        if a.only_checkpoints:
-            continue
-        for label, src, args in files:
-            out = os.path.join(a.work, label.replace(" ", "").replace(",", "_") + ".toptpu")
-            if label == "f32":
-                out = ref
-            if not os.path.exists(out):
-                toptpu("compile", src, *args, "--seq-length", str(a.seq_length), "-o", out,
-                       "--quiet")
+            files = [(f"auto-round g{group}, -q {m}", os.path.join(a.work, f"{row}-{m}.toptpu"),
+                      {**base, "model": ck, "mode": m}) for m in ("w4bf16", "auto")]
+        for label, out, spec in files:
+            m = compiled(out, **spec)
             ev = ["eval", out, "--text", held, "--max-tokens", str(a.max_tokens), "--json",
                   "--quiet"]
             if label != "f32":
@@ -151,7 +175,15 @@ def main() -> None:
             r = res.get("reference")
             top1 = "—" if not r else f"{100 * r['top1_agreement']:.1f} %"
             kl = "—" if not r else f"{r['mean_kl']:.3g}"
-            lines.append(f"| {label} | {res['perplexity']:.2f} | {top1} | {kl} |")
+            timings = m["timings"]
+            assert isinstance(timings, dict)
+            calib = timings.get("calibrate")
+            calib_s = "—" if calib is None else f"{calib:.0f} s"
+            if r and "f32" not in a.rows.split(",") and len(lines) == 2:
+                lines.append(f"| f32 (the evals' reference) | {r['perplexity']:.2f} | — | — "
+                             "| — | — | — |")
+            lines.append(f"| {label} | {res['perplexity']:.2f} | {top1} | {kl} | {calib_s} | "
+                         f"{m['seconds']:.0f} s | {m['peak_rss_mb']:.0f} MB |")
             print(lines[-1], flush=True)
     print("\n".join(lines))
 

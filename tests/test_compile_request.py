@@ -141,6 +141,32 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                     "height of the pixel budget as two positive integers (W,H)")],
     "vision_mode": [({"vision_mode": "auto"},
                      "--vision-quantize: unknown quantization mode 'auto'")],
+    "calibrate": [({"calibrate": "rtn", "mode": "w4bf16"},
+                   "--calibrate must be gptq or awq, not 'rtn'"),
+                  ({"calibrate": "gptq", "mode": "bf16"}, "--calibrate gptq quantizes "
+                   "weights: -q bf16 keeps the weights float; choose a w4 or w8 mode"),
+                  ({"calibrate": "awq", "mode": "auto"}, "--calibrate awq quantizes weights: "
+                   "-q auto takes a pre-quantized checkpoint's own weights"),
+                  ({"calibrate": "gptq", "mode": "w4bf16", "devices": 2, "parallel": "tp"},
+                   "--calibrate gptq with --parallel tp: the calibrated integers are not cut "
+                   "over devices yet; use --parallel pp")],
+    "calibration_data": [({"calibration_data": ["a.txt"]}, "--calibration-data shapes the "
+                          "calibration of --calibrate; give --calibrate gptq|awq or drop "
+                          "--calibration-data"),
+                         ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": [3]},
+                          "--calibration-data is text file paths, not [3]"),
+                         ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": []},
+                          "--calibration-data names no file")],
+    "calibration_samples": [({"calibrate": "gptq", "mode": "w4bf16",
+                              "calibration_samples": 0},
+                             "--calibration-samples must be an integer >= 1, not 0")],
+    "calibration_seq_length": [({"calibrate": "gptq", "mode": "w4bf16",
+                                 "calibration_seq_length": "512"},
+                                "--calibration-seq-length must be an integer >= 1, not '512'")],
+    "save_calibrated": [({"calibrate": "gptq", "mode": "w4bf16", "save_calibrated": 3},
+                         "--save-calibrated is a path, not 3"),
+                        ({"save_calibrated": "ck"}, "--save-calibrated shapes the "
+                         "calibration of --calibrate")],
     "top_pipeline": [({"top_pipeline": "shape-infer,fusee"}, "--top-pipeline "
                       "'shape-infer,fusee': unknown pass 'fusee' (did you mean 'fuse'?)"),
                      ({"top_pipeline": "fuse{max=2}"}, "--top-pipeline 'fuse{max=2}': pass "
@@ -211,6 +237,15 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
     (["--max-patches", "0"], 2, "--max-patches: must be an integer >= 1"),
     (["--max-pixels", "768"], 2, "--max-pixels: must be a width and a height"),
     (["--vision-quantize", "w3"], 1, "--vision-quantize: unknown quantization mode 'w3'"),
+    (["--calibrate", "rtn"], 2, "argument --calibrate: invalid choice: 'rtn'"),
+    (["--calibration-data", "{model}/config.json"], 1,
+     "--calibration-data shapes the calibration of --calibrate"),
+    (["--calibration-samples", "0", "--calibrate", "gptq", "-q", "w4bf16"], 2,
+     "--calibration-samples: must be an integer >= 1"),
+    (["--calibration-seq-length", "x", "--calibrate", "gptq", "-q", "w4bf16"], 2,
+     "--calibration-seq-length: must be an integer >= 1, got 'x'"),
+    (["--save-calibrated", "{model}/ck", "--calibrate", "gptq", "-q", "w4bf16"], 1,
+     "--save-calibrated '{model}/ck' is inside the input model directory"),
     (["--top-pipeline", "shape-infer,,"], 1, "--top-pipeline 'shape-infer,,': expected "
      "pass name at column 13"),
     (["--tpu-pipeline", "expand-silu"], 1,

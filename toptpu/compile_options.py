@@ -19,6 +19,7 @@ from toptpu.backend.contract import parse_strict_json
 from toptpu.backend.target.chips import Chip, chip_names, get_chip
 from toptpu.devices import Parallel
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
+from toptpu.dialects.output_file import note_input
 from toptpu.errors import CompileError
 from toptpu.frontends.gguf_loader import gguf_file_of, gguf_text_config
 from toptpu.frontends.hf_loader import (
@@ -29,6 +30,7 @@ from toptpu.frontends.hf_loader import (
     check_model_dir,
     dir_bytes,
 )
+from toptpu.frontends.vlm import vlm_model_type
 from toptpu.paths import (
     OutputPathError,
     check_not_inside,
@@ -44,6 +46,7 @@ from toptpu.request import (
     check_quant_options,
     weight_bits,
 )
+from toptpu.weight_calibration.data import check_file
 
 
 def known_chips() -> tuple[str, ...]:
@@ -71,6 +74,8 @@ def check_compile_request(model: Any, output: str, request: CompileRequest | Non
     except OutputPathError as e:
         raise CompileError(str(e)) from e
     found = _text_config(model)
+    if request.calibration is not None:
+        _check_calibration(model, request, found)
     if found is not None:
         check_seq_length(*found, request.shapes.seq_length, request.mode)
         check_group_size(*found, request.mode, request.group_size)
@@ -126,6 +131,62 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
                 f"device's part of a row-parallel matmul's input ("
                 + ", ".join(f"{k} / {devices} = {v}" for k, v in bad.items())
                 + f" in {where}); use --group-size dividing it or -1 (per channel)")
+
+
+#: config keys whose positive value makes a model a mixture of experts
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_calibration(model: Any, request: CompileRequest,
+                       found: tuple[dict[str, Any], str] | None) -> None:
+    """`--calibrate` takes a float text model without experts, text files that can be read
+    (`weight_calibration.data.check_file`: each refused in one line naming it; noted as the
+    command's inputs), and a new directory for `--save-calibrated` outside the model's."""
+    cal = request.calibration
+    assert cal is not None
+    flag = f"--calibrate {cal.method}"
+    if vlm_model_type(model) is not None:
+        what = f"'{os.fspath(model)}'" if isinstance(model, str | os.PathLike) else "the model"
+        raise CompileError(f"{flag}: {what} is a vision-language model, whose calibration "
+                           "toptpu does not do yet; compile it without --calibrate")
+    if found is not None:
+        cfg, where = found
+        experts = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
+        if experts is not None:
+            raise CompileError(f"{flag}: {where} is a mixture-of-experts model ({experts} "
+                               f"{cfg[experts]}), whose experts toptpu does not calibrate "
+                               "yet; compile it without --calibrate")
+        method = (cfg.get("quantization_config") or {}).get("quant_method") \
+            if isinstance(cfg.get("quantization_config"), dict) else None
+        if method is not None:
+            raise CompileError(f"{flag}: {where} is already quantized ({method}); calibration "
+                               "starts from float weights: compile it with -q auto, or "
+                               "calibrate its float original")
+    for path in cal.data:
+        check_file(path)
+        note_input(path, f"--calibration-data '{path}'")
+    if cal.save is not None:
+        _check_new_dir(cal.save, model)
+
+
+def _check_new_dir(path: str, model: Any) -> None:
+    """`--save-calibrated DIR`: a new directory in an existing, writable one, outside the
+    model's directory."""
+    what = "--save-calibrated"
+    if os.path.lexists(path):
+        raise CompileError(f"{what} '{path}' exists; name a new directory for the calibrated "
+                           "checkpoint")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CompileError(f"{what} '{path}': the directory '{parent}' does not exist; create "
+                           "it first")
+    try:
+        check_output_dir(path, what)
+        source = model.source if isinstance(model, LoadedModel) else model
+        if isinstance(source, str | os.PathLike) and os.path.isdir(source):
+            check_not_inside(path, os.fspath(source), what)
+    except OutputPathError as e:
+        raise CompileError(str(e)) from e
 
 
 def _check_dequantize(model: Any, request: CompileRequest) -> None:

@@ -39,8 +39,11 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -147,6 +150,8 @@ from toptpu.prequantized import (
 )
 from toptpu.progress import elapsed_line, progress_bar
 from toptpu.request import AskedMode, CompileRequest, activation_mode
+from toptpu.weight_calibration import calibrate, request_for_mode
+from toptpu.weight_calibration.data import write_default_text
 
 # ====================================================================== the steps' results
 
@@ -166,6 +171,14 @@ class CompilePlan:
     vision: Any = None  # a VLM's vision tower (`frontends.vlm`), None for an LLM
     vit_mode: QuantMode | None = None  # the vit net's mode
     load_seconds: float = 0.0
+    #: `--calibrate`: the temporary directory of the calibrated checkpoint compiled
+    scratch: CalibrationScratch | None = None
+    calibrate_seconds: float = 0.0
+
+    def release(self) -> None:
+        """Remove the calibrated checkpoint's temporary directory (`CalibrationScratch`)."""
+        if self.scratch is not None:
+            self.scratch.remove()
 
     @property
     def chip(self) -> Chip:
@@ -336,7 +349,18 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     request = check_compile_request(model, output, request, **keywords)
     the_plan = plan(model, request, tokenizer=tokenizer, output=output, progress=progress,
                     stream=not keep_modules)
+    try:
+        return _compile_planned(the_plan, output, progress, keep_modules, t0)
+    finally:
+        the_plan.release()
+
+
+def _compile_planned(the_plan: CompilePlan, output: str, progress: IO[str] | None,
+                     keep_modules: bool, t0: float) -> CompileResult:
+    """Steps 2-4 of `compile` on its plan."""
     timings = {"load": the_plan.load_seconds}
+    if the_plan.scratch is not None:
+        timings["calibrate"] = the_plan.calibrate_seconds
     bar = Progress(len(the_plan.nets), progress)
     compiled = compile_nets(the_plan, bar, keep_top=keep_modules)
     timings.update({f"net:{name}": net.seconds for name, net in compiled.nets.items()})
@@ -395,7 +419,16 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
 
     A float checkpoint directory is streamed (`frontends.streaming`) when `stream` is on and
     no IR is dumped (the dumps' weights would be the skeleton's placeholders): the nets come
-    from a skeleton, every layer's tensors from the shards when its chunk is written."""
+    from a skeleton, every layer's tensors from the shards when its chunk is written.
+
+    With `request.calibration` (`--calibrate`) the float model is first calibrated
+    (`toptpu.weight_calibration`) into a checkpoint in a temporary directory beside the
+    output (`CalibrationScratch`), which is then planned as any pre-quantized checkpoint;
+    `CompilePlan.release` (called by `compile` once the file is written, on an error and
+    on an interrupt; or when the plan is let go) removes it."""
+    if request.calibration is not None:
+        return _calibrated_plan(model, request, tokenizer=tokenizer, output=output,
+                                progress=progress, stream=stream)
     t = time.perf_counter()
     tty = progress is not None and Progress(0, progress).tty
     with elapsed_line(f"toptpu compile: loading {model if isinstance(model, str) else 'the model'}",
@@ -458,6 +491,72 @@ def plan(model: Any, request: CompileRequest, *, tokenizer: Any = None, output: 
                 loaded.stream.bind_shared(net.spec.module, net.weight_prefix)
     return CompilePlan(loaded, arch, request, mode, nets, variants, layers, vision,
                        vit.mode if vit else None, load_seconds)
+
+
+class CalibrationScratch:
+    """The temporary directory of a calibrated compile: ``.OUTPUT.calibrating-XXXXXXXX``
+    beside the output (the system's temporary directory when there is none), holding the
+    default calibration text when no files are given and the calibrated checkpoint
+    (`checkpoint`) until the model file is written (unless `--save-calibrated` keeps it
+    elsewhere). `remove` removes it; so do the garbage collector and the interpreter's
+    exit, whichever comes first. (The layers' hidden states live in a file that has no
+    name from its creation on: `weight_calibration.activations`.)"""
+
+    def __init__(self, output: str) -> None:
+        parent = os.path.dirname(os.path.abspath(output)) if output else tempfile.gettempdir()
+        prefix = f".{os.path.basename(output) or 'model'}.calibrating-"
+        try:
+            self.path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        except OSError as e:
+            raise CompileError(f"cannot create the calibration's temporary directory in "
+                               f"'{parent}': {e.strerror or e}") from None
+        self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    @property
+    def checkpoint(self) -> str:
+        return os.path.join(self.path, "checkpoint")
+
+    def remove(self) -> None:
+        self._remove()
+
+
+def _calibrated_plan(model: Any, request: CompileRequest, *, tokenizer: Any, output: str,
+                     progress: IO[str] | None, stream: bool) -> CompilePlan:
+    """`plan` of a `--calibrate` request: the model calibrated (`weight_calibration.
+    calibrate`, the request's mode, group size and symmetry: `request_for_mode`) into a
+    checkpoint in a `CalibrationScratch` (or the `--save-calibrated` directory), which is
+    then planned as any pre-quantized checkpoint with the request's mode: the request
+    without the calibration, group size and symmetry (those are the checkpoint's now)."""
+    cal = request.calibration
+    assert cal is not None
+    scratch = CalibrationScratch(output)
+    checkpoint = scratch.checkpoint if cal.save is None else cal.save
+    try:
+        t = time.perf_counter()
+        files = list(cal.data) or [write_default_text(os.path.join(scratch.path,
+                                                                   "calibration.txt"))]
+        calibrate(model, checkpoint,
+                  request_for_mode(cal.method, str(request.mode), request.group_size,
+                                   request.symmetric),
+                  files, sequences=cal.samples, sequence_length=cal.sequence_length,
+                  tokenizer=tokenizer, progress=progress,
+                  dequantize=None if request.dequantize is None else str(request.dequantize))
+        seconds = time.perf_counter() - t
+        inner = replace(request, calibration=None, group_size=None, symmetric=None,
+                        dequantize=None)
+        loaded = _load(checkpoint, None, request.image_size, request.max_tiles,
+                       request.max_patches, request.vision_mode,
+                       stream=stream and request.dump_ir is None,
+                       max_pixels=request.max_pixels)
+        loaded.source = (model.source if isinstance(model, LoadedModel) else
+                         os.fspath(model) if isinstance(model, str | os.PathLike)
+                         else "<memory>")
+        the_plan = plan(loaded, inner, output=output, progress=progress, stream=stream)
+        the_plan.scratch, the_plan.calibrate_seconds = scratch, seconds
+        return the_plan
+    except BaseException:
+        scratch.remove()
+        raise
 
 
 #: the conversation a chat template renders at compile time (what `toptpu chat` renders)

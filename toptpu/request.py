@@ -29,6 +29,7 @@ CLI, the Python API and every step that takes the request.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from enum import StrEnum
@@ -73,8 +74,8 @@ class Option:
     """One asked value of a request as the Python API and the command line spell it:
     `keyword` (the Python keyword and argparse's dest), `flags`, the `default` (both ways:
     what "not given" means), argparse's `type` and `choices` (a bad value ends in
-    argparse's one line, status 2), `action`, `metavar` and `help`, and the argparse
-    `group` it is listed in."""
+    argparse's one line, status 2), `action`, `nargs`, `metavar` and `help`, and the
+    argparse `group` it is listed in."""
 
     keyword: str
     flags: tuple[str, ...]
@@ -85,6 +86,7 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     group: str | None = None
+    nargs: str | None = None
 
     def add_to(self, parser: argparse.ArgumentParser | Any) -> None:
         kw: dict[str, Any] = {"dest": self.keyword, "default": self.default, "help": self.help}
@@ -96,6 +98,8 @@ class Option:
             kw["metavar"] = self.metavar
         if self.choices is not None:
             kw["choices"] = self.choices
+        if self.nargs is not None:
+            kw["nargs"] = self.nargs
         parser.add_argument(*self.flags, **kw)
 
 
@@ -260,6 +264,69 @@ def _path(flag: str) -> Callable[[object], str | None]:
     return parse
 
 
+# ----------------------------------------------------------------------------- calibration
+
+#: the methods `--calibrate` takes (`toptpu.weight_calibration`)
+CALIBRATION_METHODS = ("gptq", "awq")
+#: the calibration set by default: samples x tokens (as AutoGPTQ and AutoAWQ use)
+DEFAULT_CALIBRATION_SAMPLES = 128
+DEFAULT_CALIBRATION_SEQ_LENGTH = 512
+#: what the calibration runs on without --calibration-data (`weight_calibration.data`)
+DEFAULT_CALIBRATION_TEXT = "Python's own documentation (pydoc_data.topics, shipped with Python)"
+CALIBRATION = "calibrated quantization (GPTQ / AWQ at compile time)"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """`--calibrate`: the method, the plain text files it runs on (none: the default text,
+    `DEFAULT_CALIBRATION_TEXT`), the calibration set (`samples` x `sequence_length` tokens
+    of that text), and where the calibrated checkpoint is kept (None: removed once the
+    model file is written)."""
+
+    method: str
+    data: tuple[str, ...] = ()
+    samples: int = DEFAULT_CALIBRATION_SAMPLES
+    sequence_length: int = DEFAULT_CALIBRATION_SEQ_LENGTH
+    save: str | None = None
+
+
+def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any,
+                 calibration_seq_length: Any, save_calibrated: Any) -> Calibration | None:
+    """--calibrate, --calibration-data, --calibration-samples, --calibration-seq-length,
+    --save-calibrated."""
+    if calibrate is None:
+        given = [flag for flag, v in (("--calibration-data", calibration_data),
+                                      ("--calibration-samples", calibration_samples),
+                                      ("--calibration-seq-length", calibration_seq_length),
+                                      ("--save-calibrated", save_calibrated))
+                 if v is not None]
+        if given:
+            raise CompileError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} "
+                               "the calibration of --calibrate; give --calibrate gptq|awq or "
+                               f"drop {' and '.join(given)}")
+        return None
+    if calibrate not in CALIBRATION_METHODS:
+        raise CompileError(f"--calibrate must be {' or '.join(CALIBRATION_METHODS)}, not "
+                           f"{calibrate!r}")
+    files: Any = () if calibration_data is None else calibration_data
+    if isinstance(files, str | os.PathLike):
+        files = [files]
+    if isinstance(files, bytes) or not isinstance(files, Sequence) or not all(
+            isinstance(f, str | os.PathLike) and isinstance(os.fspath(f), str) for f in files):
+        raise CompileError(f"--calibration-data is text file paths, not {calibration_data!r}")
+    if calibration_data is not None and not files:
+        raise CompileError("--calibration-data names no file; give one or more plain text "
+                           "files (or drop it to calibrate on the default text)")
+    samples = _count("--calibration-samples")(calibration_samples)
+    length = _count("--calibration-seq-length")(calibration_seq_length)
+    save = _path("--save-calibrated")(save_calibrated)
+    if save == "":
+        raise CompileError("--save-calibrated: the path is empty; name a new directory")
+    return Calibration(calibrate, tuple(os.fspath(f) for f in files),
+                       DEFAULT_CALIBRATION_SAMPLES if samples is None else samples,
+                       DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length, save)
+
+
 def _pipeline(top_pipeline: Any, tpu_pipeline: Any, pass_after: Any, pass_before: Any
               ) -> CompilePipeline:
     """--top-pipeline, --tpu-pipeline, --pass-after, --pass-before: the passes of each net,
@@ -382,6 +449,34 @@ class CompileRequest:
         "weight-only quantization is for the text model)", metavar="MODE", group=VISION),
         parse=_flag_mode("--vision-quantize"))
 
+    #: calibrated weight quantization (GPTQ / AWQ) instead of round-to-nearest
+    calibration: Calibration | None = asked(
+        Option("calibrate", ("--calibrate",), None,
+               "quantize the weights of the w4/w8 mode by a calibrated method instead of "
+               "rounding them to nearest: gptq or awq, one layer at a time on the outputs of "
+               "the layers before it as quantized (a float model; --group-size and "
+               "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
+               group=CALIBRATION),
+        Option("calibration_data", ("--calibration-data",), None,
+               "--calibrate: the plain UTF-8 text files to calibrate on, tokenized with the "
+               "model's tokenizer in the order given (default: "
+               f"{DEFAULT_CALIBRATION_TEXT})", action="extend", nargs="+", metavar="FILE",
+               group=CALIBRATION),
+        Option("calibration_samples", ("--calibration-samples",), None,
+               f"--calibrate: sequences in the calibration set (default "
+               f"{DEFAULT_CALIBRATION_SAMPLES}; fewer when the text holds fewer)",
+               type=int_at_least(1), metavar="N", group=CALIBRATION),
+        Option("calibration_seq_length", ("--calibration-seq-length",), None,
+               f"--calibrate: tokens per calibration sequence (default "
+               f"{DEFAULT_CALIBRATION_SEQ_LENGTH})", type=int_at_least(1), metavar="L",
+               group=CALIBRATION),
+        Option("save_calibrated", ("--save-calibrated",), None,
+               "--calibrate: keep the calibrated checkpoint in DIR, a new directory (GPTQ "
+               "layout, auto-round format: transformers and `toptpu compile DIR` load it); "
+               "without it the checkpoint is removed once the model file is written",
+               metavar="DIR", group=CALIBRATION),
+        parse=_calibration)
+
     #: the passes each net runs (`toptpu.pass_pipeline`): the top and tpu stages' passes
     #: replaced or passes inserted; the model file records them per net
     pipeline: CompilePipeline = asked(
@@ -414,6 +509,8 @@ class CompileRequest:
                             keep_float=self.keep_float)
         object.__setattr__(self, "parallel",
                            check_devices(self.devices, self.parallel, self.chip))
+        if self.calibration is not None:
+            check_calibration(self.calibration, self.mode, self.parallel)
         if self.batch > 1 and self.devices > 1:
             raise CompileError(f"--batch {self.batch} with --devices {self.devices}: the batch "
                                "nets are compiled for one chip; give one of them")
@@ -555,6 +652,25 @@ def check_quant_options(mode: AskedMode, group_size: int | None, symmetric: bool
             raise CompileError(f"{flag} applies to round-to-nearest weight quantization in "
                                f"the {modes}; {what} does not use it{why}: drop {flag} or "
                                "choose such a mode")
+
+
+def check_calibration(calibration: Calibration, mode: AskedMode,
+                      parallel: Parallel | None) -> None:
+    """`--calibrate` quantizes the weights of a w4 or w8 mode, for one chip or a pipeline
+    (the calibrated integers are not cut over tensor-parallel devices yet)."""
+    if not isinstance(calibration, Calibration):
+        raise TypeError("a CompileRequest's calibration is a Calibration (CompileRequest.make "
+                        "takes it as asked)")
+    flag = f"--calibrate {calibration.method}"
+    if weight_bits(mode) is None:
+        what = "-q auto takes a pre-quantized checkpoint's own weights" if mode is AUTO else (
+            f"-q {mode} keeps the weights float" if mode is not None
+            else "the default mode (f32) keeps the weights float")
+        raise CompileError(f"{flag} quantizes weights: {what}; choose a w4 or w8 mode (e.g. "
+                           "-q w4bf16)")
+    if parallel is Parallel.TP:
+        raise CompileError(f"{flag} with --parallel tp: the calibrated integers are not cut "
+                           "over devices yet; use --parallel pp")
 
 
 def check_devices(devices: int, parallel: Parallel | str | None, chip: Chip

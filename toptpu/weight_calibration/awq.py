@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from toptpu.weight_calibration.grid import CalibrationError, QuantScheme, rtn
+from toptpu.weight_calibration.activations import LayerInputs, layer_inputs
+from toptpu.weight_calibration.grid import CalibrationError, QuantScheme
 from toptpu.weight_calibration.layers import LayerPlan, LayerRunner, ScalingGroup
 
 #: linears AutoAWQ never clips (their outputs are attention queries and keys)
@@ -51,9 +52,43 @@ class AwqOptions:
     search_tokens: int = 4096
 
 
+_TORCH_SCALE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """`w` [N, K] on the checkpoint's grid and back (float32)."""
-    return torch.from_numpy(rtn(w.detach().numpy(), scheme).dequantize())
+    """`w` [N, K] on the checkpoint's grid and back, in float32 torch: what the search and
+    the clipping compare. The grid is `grid.grid_params`' (min/max per group, the scale
+    rounded to its storage dtype first, the zero point an integer), the rounding in float32
+    (the stored integers are `grid.rtn`'s, from float64: they differ only where w / scale
+    lies within float32 rounding of a half)."""
+    n, k = w.shape
+    gs = scheme.group_length(k)
+    g = w.reshape(-1, gs)
+    maxq = scheme.maxq
+    lo = g.amin(dim=1).clamp(max=0).double()
+    hi = g.amax(dim=1).clamp(min=0).double()
+    if scheme.sym:
+        hi = torch.maximum(-lo, hi)
+        lo = torch.where(lo < 0, -hi, lo)
+    empty = (lo == 0) & (hi == 0)
+    lo = torch.where(empty, -1.0, lo)
+    hi = torch.where(empty, 1.0, hi)
+    scale = ((hi - lo) / maxq).to(_TORCH_SCALE[scheme.scale_dtype]).double()
+    scale = torch.where(scale == 0, _smallest(scheme), scale)
+    if scheme.sym:
+        zero = torch.full_like(scale, (maxq + 1) / 2)
+    else:
+        zero = torch.round(-lo / scale).clamp(0, maxq)
+    s32, z32 = scale.float()[:, None], zero.float()[:, None]
+    q = torch.round(g / s32).add_(z32).clamp_(0, maxq)
+    return q.sub_(z32).mul_(s32).reshape(n, k)
+
+
+def _smallest(scheme: QuantScheme) -> float:
+    """The smallest positive value of the scale's storage dtype (`grid.round_scale`)."""
+    dt = _TORCH_SCALE[scheme.scale_dtype]
+    bits = torch.int32 if dt == torch.float32 else torch.int16
+    return float(torch.tensor([1], dtype=bits).view(dt)[0])
 
 
 @dataclass
@@ -81,13 +116,14 @@ def search_rows(n: int, length: int, search_tokens: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, rows: np.ndarray
+def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: LayerInputs, rows: np.ndarray
                    ) -> tuple[dict[str, StageInputs], torch.Tensor]:
     """One float forward of the layer over all sequences `x` [n, L, H]: each stage's input
     statistics and search inputs (by its first linear), and the layer inputs of the search
     sequences."""
     stages = {stage[0]: StageInputs(torch.zeros(0), 0, []) for stage in plan.stages}
-    keep = torch.zeros(x.shape[0], dtype=torch.bool)
+    n = x.shape[0]
+    keep = torch.zeros(n, dtype=torch.bool)
     keep[torch.from_numpy(rows)] = True
     current: dict[str, torch.Tensor] = {}
     hooks = []
@@ -102,13 +138,13 @@ def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, rows: 
                 rec.search.append(inp[sel].clone())
         hooks.append(runner.layer.get_submodule(name).register_forward_pre_hook(hook))
     try:
-        for b in runner.batches(x.shape[0]):
+        for b in runner.batches(n):
             current["keep"] = keep[b]
-            runner.forward(x[b])
+            runner.forward(x.read(b))
     finally:
         for h in hooks:
             h.remove()
-    return stages, x[torch.from_numpy(rows)]
+    return stages, x.take(rows)
 
 
 def _linear(runner: LayerRunner, name: str) -> torch.nn.Linear:
@@ -245,11 +281,12 @@ class AwqLayerReport:
 
 
 @torch.no_grad()
-def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, scheme: QuantScheme,
-              options: AwqOptions, quantized: set[str]) -> AwqLayerReport:
+def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+              scheme: QuantScheme, options: AwqOptions, quantized: set[str]) -> AwqLayerReport:
     """AWQ's scales searched and folded into the layer, and its clipping applied (module doc):
     the layer's float weights are changed in place; `quantized` are the linears that will be
     quantized (the others are left out of the search)."""
+    x = layer_inputs(x)
     rows = search_rows(x.shape[0], x.shape[1], options.search_tokens)
     stages, layer_input = collect_inputs(runner, plan, x, rows)
     search_inputs = {name: rec.stacked() for name, rec in stages.items()}

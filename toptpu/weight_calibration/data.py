@@ -11,6 +11,11 @@ blocks and only as far as the sequences need, so a large file costs what is used
 Every file is untrusted: a missing path, a directory, a device or FIFO, an empty file, a file
 of whitespace only, and binary data (a NUL byte, or bytes that are not UTF-8) are refused
 with one line naming the file.
+
+Without files the calibration runs on a text every Python installation ships, nothing
+downloaded (`write_default_text`): Python's own documentation, the topics `help()` shows
+(`pydoc_data.topics`, about 465 kB of English prose and code examples; 100k tokens at
+SmolLM2's tokenizer, more than the default 128 x 512).
 """
 
 from __future__ import annotations
@@ -24,11 +29,22 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from toptpu.request import (
+    DEFAULT_CALIBRATION_SAMPLES,
+    DEFAULT_CALIBRATION_SEQ_LENGTH,
+    DEFAULT_CALIBRATION_TEXT,
+)
 from toptpu.weight_calibration.grid import CalibrationError
 
-#: the calibration set asked for by default: sequences x tokens (as AutoGPTQ / AutoAWQ use)
-DEFAULT_SEQUENCES = 128
-DEFAULT_SEQUENCE_LENGTH = 512
+try:
+    from pydoc_data.topics import topics as _PYDOC_TOPICS
+except ImportError:  # a Python built without its documentation topics
+    _PYDOC_TOPICS = None
+
+#: the calibration set asked for by default: sequences x tokens (`--calibration-samples`,
+#: `--calibration-seq-length`)
+DEFAULT_SEQUENCES = DEFAULT_CALIBRATION_SAMPLES
+DEFAULT_SEQUENCE_LENGTH = DEFAULT_CALIBRATION_SEQ_LENGTH
 #: bytes read from a file at a time
 READ_BLOCK = 1 << 20
 
@@ -175,3 +191,20 @@ def tokenizer_encoder(tokenizer_json: bytes) -> Encode:
         return tok.encode(text, add_special_tokens=False).ids
 
     return encode
+
+
+def write_default_text(path: str) -> str:
+    """Write the default calibration text (module doc) to the new file `path`; returns
+    `path`."""
+    if _PYDOC_TOPICS is None:
+        raise CalibrationDataError(
+            f"the default calibration text, {DEFAULT_CALIBRATION_TEXT}, is missing from this "
+            "Python; give --calibration-data FILE...")
+    text = "\n\n".join(_PYDOC_TOPICS[k] for k in sorted(_PYDOC_TOPICS))
+    try:
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise CalibrationDataError(f"cannot write the default calibration text to '{path}': "
+                                   f"{e.strerror or e}") from None
+    return path

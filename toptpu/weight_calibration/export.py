@@ -16,7 +16,10 @@ Linears left in float (a shape the layout cannot hold) stay ``weight`` tensors, 
 the config (GPTQ ``dynamic`` ``-:`` rules, AutoRound ``extra_config`` ``bits: 16``). The
 layers' other float tensors (norms, biases: AWQ may have changed them) are written in
 float32, exactly as calibrated; the tensors outside the layers as the source stores them.
-The directory is written under a temporary name and renamed when complete.
+The shards are written as safetensors files tensor by tensor from the arrays as they are
+(`write_safetensors`: no copy of a shard is made in memory; a tensor outside the layers gets
+a shard of its own, read from the source when its shard is written). The directory is
+written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import json
 import os
 import re
 import shutil
+import struct
 from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from toptpu.dialects.checkpoint_reader import INDEX_FILE, serialize
+from toptpu.dialects.checkpoint_reader import INDEX_FILE
 from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, QuantScheme
 
 EXPORT_FORMATS = ("gptq", "auto_round")
@@ -99,6 +104,39 @@ def quantization_config(scheme: QuantScheme, fmt: str, method: str, act_order: b
     return qc
 
 
+#: numpy dtype -> safetensors dtype name
+SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+                      np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float64): "F64",
+                      np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
+                      np.dtype(np.int16): "I16", np.dtype(np.int8): "I8",
+                      np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
+    """One safetensors file of `tensors` (in this order), written tensor by tensor from the
+    arrays' own memory (a non-contiguous array is copied one at a time): the header JSON
+    with each tensor's dtype, shape and data offsets, padded with spaces to 8 bytes, as
+    safetensors writes it."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, arr in tensors.items():
+        dtype = SAFETENSORS_DTYPES.get(np.dtype(arr.dtype))
+        if dtype is None:
+            raise CalibrationError(f"tensor '{name}' has dtype {arr.dtype}, which a "
+                                   "safetensors checkpoint does not hold")
+        header[name] = {"dtype": dtype, "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(data)))
+        f.write(data)
+        for arr in tensors.values():
+            if arr.size:
+                f.write(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+
+
 class CheckpointWriter:
     """Writes the directory (module doc): `write_shard` per layer, then `finish`."""
 
@@ -111,6 +149,8 @@ class CheckpointWriter:
         if not os.path.isdir(parent):
             raise CalibrationError(f"output '{output}': the directory '{parent}' does not "
                                    "exist; create it first")
+        #: the directory the checkpoint is written in (and its scratch files are made in)
+        self.directory = parent
         self.tmp = os.path.join(parent, f".{os.path.basename(self.output)}.tmp-{os.getpid()}")
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
@@ -121,8 +161,11 @@ class CheckpointWriter:
     def write_shard(self, tensors: Mapping[str, np.ndarray]) -> None:
         self.count += 1
         name = f"model-{self.count:05d}-of-{self.shards:05d}.safetensors"
-        with open(os.path.join(self.tmp, name), "wb") as f:
-            f.write(serialize(dict(tensors)))
+        try:
+            write_safetensors(os.path.join(self.tmp, name), tensors)
+        except OSError as e:
+            raise CalibrationError(f"cannot write the calibrated checkpoint in "
+                                   f"'{os.path.dirname(self.tmp)}': {e.strerror or e}") from None
         for t in tensors:
             if t in self.weight_map:
                 raise CalibrationError(f"tensor '{t}' written twice")

@@ -1,10 +1,10 @@
 """GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative
-Pre-trained Transformers"), as the GPTQ reference code and AutoGPTQ implement it, in float64.
+Pre-trained Transformers"), as the GPTQ reference code and AutoGPTQ implement it.
 
 For one linear ``y = x W^T`` (``W`` [N, K]) and its calibration inputs ``X`` [n, K]:
 
-1. ``H = 2/n X^T X`` (`HessianAccumulator`, summed batch by batch in float32 and carried in
-   float64). Channels never seen (``H[k, k] == 0``) get ``H[k, k] = 1`` and ``W[:, k] = 0``.
+1. ``H = 2/n X^T X`` (`HessianAccumulator`, summed batch by batch). Channels never seen
+   (``H[k, k] == 0``) get ``H[k, k] = 1`` and ``W[:, k] = 0``.
 2. act-order (optional): columns in descending ``diag(H)``. With act-order the groups are
    *static*: each group's scale and zero point come from the original weights of its own
    contiguous channels (``k // group``) before any column is quantized, so the stored groups
@@ -19,12 +19,21 @@ For one linear ``y = x W^T`` (``W`` [N, K]) and its calibration inputs ``X`` [n,
    ``e = (w - q) / U[j, j]`` spread over the block's remaining columns (``-e U[j, j:]``), and
    after the block the whole block's errors over the rest of the matrix at once.
 
+Precision: the dtype of the Hessian, float32 (as the reference code and AutoGPTQ, and what
+the calibration uses) or float64 (the exact check against a transcription of Algorithm 1).
+In float32 the Hessian, its permutation, damping and factor share one K x K matrix
+(`prepare_hessian` with ``overwrite``): 1.4 GB for Qwen2.5-7B's down_proj (K = 18944), where
+float64 and the copies of a plain factorization would take 2.9 GB each. The suite checks
+that float32 gives float64's integers but for a few near a rounding boundary.
+
 The integers, scales and zero points are exactly what the stored checkpoint holds (the grid
 of `grid`: scales rounded to their storage dtype first).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,25 +49,58 @@ from toptpu.weight_calibration.grid import (
 
 #: damping fractions tried in turn when H + damp is not positive definite
 DAMPING_STEPS = 4
+#: the dtypes GPTQ works in: float32 (the GPTQ reference code's and AutoGPTQ's) or float64
+GPTQ_DTYPES = ("float32", "float64")
+#: columns of the lazy batch update computed at a time (bounds its temporary)
+UPDATE_COLUMNS = 4096
+
+
+class NotPositiveDefinite(CalibrationError):
+    """``H + damp I`` is not positive definite at this damping (`prepare_hessian`)."""
+
+    def __init__(self, percdamp: float) -> None:
+        super().__init__(f"the Hessian is not positive definite with {percdamp:.0%} damping")
+        self.percdamp = percdamp
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for the duration (LAPACK's potri spins on a loaded
+    two-core host when given two: 15-20x slower than one, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class HessianAccumulator:
-    """``2/n X^T X`` over the input rows ``X`` added so far (float64)."""
+    """``2/n X^T X`` over the input rows ``X`` added so far, in `dtype`: float32 is summed in
+    place (one K x K matrix: K x K x 4 bytes, 1.4 GB for Qwen2.5-7B's down_proj); float64
+    adds each batch's float32 product to a float64 sum."""
 
-    def __init__(self, in_features: int) -> None:
-        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64)
+    def __init__(self, in_features: int, dtype: str = "float32") -> None:
+        if dtype not in GPTQ_DTYPES:
+            raise CalibrationError(f"GPTQ dtype '{dtype}': one of {', '.join(GPTQ_DTYPES)}")
+        self.sum = torch.zeros(in_features, in_features, dtype=getattr(torch, dtype))
         self.rows = 0
 
     def add(self, x: torch.Tensor) -> None:
-        """Rows of inputs ``[..., K]`` (a batch's product in float32, summed in float64)."""
+        """Rows of inputs ``[..., K]``."""
         x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-        self.sum += (x2.T @ x2).to(torch.float64)
+        if self.sum.dtype == torch.float32:
+            self.sum.addmm_(x2.T, x2)
+        else:
+            self.sum += (x2.T @ x2).to(torch.float64)
         self.rows += x2.shape[0]
 
     def hessian(self) -> np.ndarray:
+        """The Hessian, scaled in place: the accumulator's own memory (it is spent)."""
         if self.rows == 0:
             raise CalibrationError("no calibration inputs reached this linear")
-        return (self.sum * (2.0 / self.rows)).numpy()
+        self.sum.mul_(2.0 / self.rows)
+        return self.sum.numpy()
 
 
 @dataclass
@@ -70,26 +112,47 @@ class GptqResult:
     percdamp: float
 
 
-def inverse_cholesky_upper(h: np.ndarray, percdamp: float) -> tuple[np.ndarray, float]:
-    """``cholesky((H + damp I)^-1)`` as an upper triangle, with the damping fraction used
-    (raised tenfold while ``H + damp I`` is not positive definite). The inverse is
-    ``L^-T L^-1`` from a triangular solve (torch's `cholesky_inverse` is two orders of
-    magnitude slower multi-threaded on a loaded CPU)."""
-    ht = torch.from_numpy(np.array(h, dtype=np.float64))
-    eye = torch.eye(ht.shape[0], dtype=torch.float64)
-    mean_diag = float(torch.mean(torch.diag(ht)))
-    damp_fraction = percdamp
-    for _ in range(DAMPING_STEPS):
-        lower, info = torch.linalg.cholesky_ex(ht + damp_fraction * mean_diag * eye)
+def inverse_cholesky_upper(h: np.ndarray, percdamp: float) -> np.ndarray:
+    """``cholesky((H + damp I)^-1)`` as an upper triangle, computed in the memory of `h`
+    (C-contiguous, overwritten; returned): damping added to the diagonal, then LAPACK's
+    potrf, potri, potrf (torch's `cholesky_ex` and `cholesky_inverse` with ``out=`` the
+    input: no other K x K matrix is made; one torch thread, `torch_threads`). Raises
+    NotPositiveDefinite when ``H + damp I`` is not (`h` is spent then)."""
+    t = torch.from_numpy(h)
+    mean_diag = float(t.diagonal().mean(dtype=torch.float64))
+    t.diagonal().add_(percdamp * mean_diag)
+    info = torch.zeros((), dtype=torch.int32)
+    with torch_threads(1):
+        torch.linalg.cholesky_ex(t, out=(t, info))
         if int(info) == 0:
-            lower_inv = torch.linalg.solve_triangular(lower, eye, upper=False)
-            upper, info = torch.linalg.cholesky_ex(lower_inv.T @ lower_inv, upper=True)
-            if int(info) == 0:
-                return upper.numpy(), damp_fraction
-        damp_fraction = min(damp_fraction * 10, 1.0)
-    raise CalibrationError(f"the Hessian stays singular with {damp_fraction:.0%} damping: the "
-                           "calibration inputs do not determine this linear (more or more "
-                           "varied calibration text)")
+            torch.cholesky_inverse(t, out=t)
+            torch.linalg.cholesky_ex(t, upper=True, out=(t, info))
+    if int(info) != 0 or not bool(torch.isfinite(t.diagonal()).all()):
+        raise NotPositiveDefinite(percdamp)
+    return h
+
+
+def permute_symmetric(h: np.ndarray, perm: np.ndarray) -> None:
+    """``h <- h[perm][:, perm]`` in place: each block of rows permuted along its columns (a
+    block's temporary), then the rows moved along the permutation's cycles (a row's)."""
+    k = h.shape[0]
+    step = max(1, (1 << 24) // max(1, k * h.itemsize))
+    for r in range(0, k, step):
+        h[r:r + step] = h[r:r + step][:, perm]
+    done = np.zeros(k, dtype=bool)
+    for start in range(k):
+        if done[start]:
+            continue
+        done[start] = True
+        if perm[start] == start:
+            continue
+        first = h[start].copy()
+        i = start
+        while perm[i] != start:
+            h[i] = h[perm[i]]
+            i = int(perm[i])
+            done[i] = True
+        h[i] = first
 
 
 @dataclass
@@ -104,27 +167,59 @@ class PreparedHessian:
     percdamp: float
 
 
-def prepare_hessian(hessian: np.ndarray, *, act_order: bool = False, percdamp: float = 0.01
-                    ) -> PreparedHessian:
-    h = np.array(hessian, dtype=np.float64)
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(h.shape[0])
-    upper, used = inverse_cholesky_upper(h[perm][:, perm], percdamp)
-    return PreparedHessian(dead, perm, upper, used)
+def prepare_hessian(hessian: np.ndarray, *, act_order: bool = False, percdamp: float = 0.01,
+                    overwrite: bool = False) -> PreparedHessian:
+    """Dead channels, act-order's permutation, damping and the inverse's Cholesky factor of
+    `hessian` (in its dtype, float32 or float64). With `overwrite` the factor is made in the
+    Hessian's own memory (no copy: what bounds a 7B-shaped layer) and a damping too small
+    raises NotPositiveDefinite (the Hessian is spent: the caller makes it again and asks
+    with more damping); otherwise a copy is factored and the damping raised tenfold, up to
+    100 %, until ``H + damp I`` is positive definite."""
+    if hessian.dtype not in (np.float32, np.float64) or hessian.ndim != 2 \
+            or hessian.shape[0] != hessian.shape[1]:
+        raise CalibrationError(f"a Hessian of {hessian.dtype} {list(hessian.shape)}: a square "
+                               "float32 or float64 matrix")
+    diag = np.diag(hessian).copy()
+    dead = diag == 0
+    diag[dead] = 1.0
+    perm = np.argsort(-diag, kind="stable") if act_order else np.arange(hessian.shape[0])
+
+    def ready(h: np.ndarray) -> np.ndarray:
+        idx = np.flatnonzero(dead)
+        h[idx, idx] = 1.0
+        if act_order:
+            permute_symmetric(h, perm)
+        return h
+
+    if overwrite and hessian.flags.c_contiguous and hessian.flags.writeable:
+        upper = inverse_cholesky_upper(ready(hessian), percdamp)
+        return PreparedHessian(dead, perm, upper, percdamp)
+    damp = percdamp
+    for _ in range(DAMPING_STEPS):
+        try:
+            upper = inverse_cholesky_upper(ready(np.array(hessian, order="C")), damp)
+            return PreparedHessian(dead, perm, upper, damp)
+        except NotPositiveDefinite:
+            damp = min(damp * 10, 1.0)
+    raise CalibrationError(f"the Hessian stays singular with {damp:.0%} damping: the "
+                           "calibration inputs do not determine this linear (more or more "
+                           "varied calibration text)")
 
 
 def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: QuantScheme, *,
          act_order: bool = False, block_size: int = 128, percdamp: float = 0.01
          ) -> GptqResult:
     """GPTQ of `weight` [N, K] with the input Hessian `hessian` [K, K] (module doc), or its
-    `prepare_hessian` (made with the same `act_order` and `percdamp`)."""
-    w = np.array(weight, dtype=np.float64)
-    n, k = w.shape
+    `prepare_hessian` (made with the same `act_order` and `percdamp`), in the Hessian's
+    dtype (float32 or float64)."""
     prepared = hessian if isinstance(hessian, PreparedHessian) else prepare_hessian(
         hessian, act_order=act_order, percdamp=percdamp)
-    if prepared.upper.shape != (k, k):
-        raise CalibrationError(f"a Hessian of {list(prepared.upper.shape)} for a weight of "
+    upper = prepared.upper
+    dtype = upper.dtype
+    w = np.array(weight, dtype=dtype)
+    n, k = w.shape
+    if upper.shape != (k, k):
+        raise CalibrationError(f"a Hessian of {list(upper.shape)} for a weight of "
                                f"{list(w.shape)}")
     gs = scheme.group_length(k)
     if k % gs:
@@ -138,16 +233,17 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
     if act_order or gs == k:  # static grids: from the weights before any update
         for g in range(groups):
             scales[:, g], zeros[:, g] = grid_params(w[:, g * gs:(g + 1) * gs], scheme)
-    perm, upper = prepared.perm, prepared.upper
-    w = w[:, perm]
+    perm = prepared.perm
+    if act_order:
+        w = w[:, perm]
 
     block = block_size if gs == k else max(1, block_size // gs) * gs
-    q = np.zeros((n, k))
+    q = np.zeros((n, k), dtype=np.uint8)
     loss = 0.0
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1 = w[:, i1:i2].copy()
-        err = np.zeros((n, i2 - i1))
+        err = np.zeros((n, i2 - i1), dtype=dtype)
         u1 = upper[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
@@ -157,14 +253,16 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
             col = w1[:, i]
             qi = quantize_column(col, scales[:, g], zeros[:, g], maxq)
             dq = (qi - zeros[:, g]) * scales[:, g]
-            d = u1[i, i]
-            e = (col - dq) / d
+            e = (col - dq) / u1[i, i]
             loss += float(np.sum(e * e)) / 2
-            w1[:, i:] -= e[:, None] * u1[i, i:]
+            w1[:, i:] -= e.astype(dtype)[:, None] * u1[i, i:]
             err[:, i] = e
             q[:, j] = qi
-        w[:, i2:] -= err @ upper[i1:i2, i2:]
-    q = q[:, np.argsort(perm)]
-    qw = QuantizedWeights(q.astype(np.uint8), scales.astype(scheme.numpy_scale_dtype),
-                          zeros.astype(np.uint8), scheme)
+        for c1 in range(i2, k, UPDATE_COLUMNS):  # the block's errors over the rest, in parts
+            c2 = min(c1 + UPDATE_COLUMNS, k)
+            w[:, c1:c2] -= err @ upper[i1:i2, c1:c2]
+    if act_order:
+        q = q[:, np.argsort(perm)]
+    qw = QuantizedWeights(q, scales.astype(scheme.numpy_scale_dtype), zeros.astype(np.uint8),
+                          scheme)
     return GptqResult(qw, loss, prepared.percdamp)

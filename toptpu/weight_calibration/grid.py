@@ -139,14 +139,14 @@ class QuantizedWeights:
     scheme: QuantScheme
 
     def dequantize(self) -> np.ndarray:
-        """float32 ``[N, K]`` = ``(q - zero) * scale``, as `QuantizedLinear.dequantize`."""
+        """float32 ``[N, K]`` = ``(q - zero) * scale``, as `QuantizedLinear.dequantize`
+        (computed in the result's memory)."""
         n, k = self.qweight.shape
         gs = self.scheme.group_length(k)
-        groups = np.arange(k) // gs
-        q = self.qweight.astype(np.float32)
-        s = self.scales.astype(np.float32)[:, groups]
-        z = self.zeros.astype(np.float32)[:, groups]
-        return (q - z) * s
+        out = self.qweight.astype(np.float32).reshape(n, k // gs, gs)
+        out -= self.zeros.astype(np.float32)[:, :, None]
+        out *= self.scales.astype(np.float32)[:, :, None]
+        return out.reshape(n, k)
 
 
 def rtn(weight: np.ndarray, scheme: QuantScheme) -> QuantizedWeights:

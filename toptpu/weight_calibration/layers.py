@@ -105,16 +105,27 @@ def layer_plan(layer: torch.nn.Module, kind: str, where: str) -> LayerPlan:
 
 
 class LayerRunner:
-    """One real decoder layer on calibration sequences of `length` tokens (module doc)."""
+    """One real decoder layer on calibration sequences of `length` tokens (module doc).
+
+    A forward batch holds whole sequences: at most `batch_tokens` tokens, and at most
+    `batch_bytes` of the layer's activations (4 bytes for each output of each linear and
+    four hidden states per token): two 512-token sequences at Qwen2.5-7B's widths, sixteen
+    256-token ones at SmolLM2-135M's."""
 
     def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module, kind: str,
-                 length: int, batch_tokens: int) -> None:
+                 length: int, batch_tokens: int, batch_bytes: int = 1 << 28) -> None:
         self.layer, self.kind = layer, kind
         self.block = DecoderLayerWithRope(layer, rotary).eval()
         self.mask = causal_mask(length)
         self.position_ids = torch.arange(length, dtype=torch.int64)[None]
+        widths = sum(m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        hidden = next((m.in_features for m in layer.modules()
+                       if isinstance(m, torch.nn.Linear)), 0)
+        per_token = 4 * (widths + 4 * hidden)
+        fit = max(1, min(batch_tokens, batch_bytes // max(per_token, 1)) // length)
         #: sequences per batch (a linear-attention layer runs one sequence at a time)
-        self.batch = 1 if kind == LINEAR_ATTENTION else max(1, batch_tokens // length)
+        self.batch = 1 if kind == LINEAR_ATTENTION else fit
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def batches(self, n: int) -> Iterator[slice]:
         for start in range(0, n, self.batch):
@@ -127,15 +138,21 @@ class LayerRunner:
             return torch.cat([self.forward(x[i:i + 1]) for i in range(x.shape[0])])
         return self.block(x, self.position_ids, self.mask)
 
+    def rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's (cos, sin) at the sequence's positions (made once)."""
+        if self._rope is None:
+            self._rope = self.block.rotary(x[:1], self.position_ids)
+        return self._rope
+
     @torch.no_grad()
     def call(self, path: str, x: torch.Tensor) -> torch.Tensor:
         """The output of the module `path` of the layer ("" the layer itself) on its input."""
         if path == "":
             return self.forward(x)
         if path == "self_attn":
-            pe = self.block.rotary(x, self.position_ids)
             attention = self.layer.get_submodule("self_attn")
-            out = attention(hidden_states=x, position_embeddings=pe, attention_mask=self.mask)
+            out = attention(hidden_states=x, position_embeddings=self.rope(x),
+                            attention_mask=self.mask)
             return out[0] if isinstance(out, tuple) else out
         return self.layer.get_submodule(path)(x)
 
@@ -235,13 +252,23 @@ class StreamedLayers:
         return self.types[index]
 
 
-def open_layers(model: Any) -> LayerSource:
+def open_layers(model: Any, dequantize: str | None = "f32") -> LayerSource:
     """The layers of `model`: a float checkpoint directory or GGUF file (streamed), a
-    streamed `LoadedModel`, or a transformers causal LM in memory."""
+    streamed `LoadedModel`, or a transformers causal LM in memory. A GGUF file's quantized
+    tensors are dequantized when `dequantize` names a mode (None: such a file is refused,
+    as the compile refuses it without --dequantize)."""
     if isinstance(model, str | os.PathLike):
         path = os.fspath(model)
         if gguf_file_of(path) is not None:
-            return StreamedLayers(load_gguf(path, dequantize="f32"))
+            loaded = load_gguf(path, dequantize="f32" if dequantize else None)
+            if loaded.checkpoint is not None:
+                types = sorted({layout.source for layout in
+                                loaded.checkpoint.layouts.values()})
+                raise CalibrationError(
+                    f"{path} holds quantized linears ({', '.join(types)}); "
+                    "calibration starts from float weights: add --dequantize with the mode "
+                    "to calibrate their dequantized values")
+            return StreamedLayers(loaded)
         loaded = load_streaming(path)
         if loaded.checkpoint is not None:
             raise CalibrationError(f"{path} is already quantized ({loaded.checkpoint.quant_method}"

@@ -35,6 +35,11 @@ import torch
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE
 from toptpu.frontends.hf_loader import LoadedModel, dir_bytes, load_model
 from toptpu.passes.convert_top_to_tpu import parse_mode
+from toptpu.weight_calibration.activations import (
+    Activations,
+    LayerInputs,
+    layer_inputs,
+)
 from toptpu.weight_calibration.awq import AwqOptions, awq_layer
 from toptpu.weight_calibration.data import (
     DEFAULT_SEQUENCE_LENGTH,
@@ -49,7 +54,15 @@ from toptpu.weight_calibration.export import (
     gptq_tensors,
     quantization_config,
 )
-from toptpu.weight_calibration.gptq import HessianAccumulator, gptq, prepare_hessian
+from toptpu.weight_calibration.gptq import (
+    DAMPING_STEPS,
+    GPTQ_DTYPES,
+    HessianAccumulator,
+    NotPositiveDefinite,
+    PreparedHessian,
+    gptq,
+    prepare_hessian,
+)
 from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, QuantScheme, rtn
 from toptpu.weight_calibration.layers import (
     LayerPlan,
@@ -77,8 +90,12 @@ class CalibrationRequest:
     block_size: int = 128
     awq: AwqOptions = field(default_factory=AwqOptions)
     export_format: str = "auto_round"
-    #: tokens a forward batch holds (whole sequences)
+    #: GPTQ's dtype (`gptq`): float32 as the reference code, or float64
+    gptq_dtype: str = "float32"
+    #: a forward batch holds whole sequences: at most this many tokens and this many bytes
+    #: of activations (`layers.LayerRunner`)
     batch_tokens: int = 4096
+    batch_bytes: int = 1 << 28
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -87,6 +104,9 @@ class CalibrationRequest:
         if self.export_format not in EXPORT_FORMATS:
             raise CalibrationError(f"export format '{self.export_format}': one of "
                                    f"{', '.join(EXPORT_FORMATS)}")
+        if self.gptq_dtype not in GPTQ_DTYPES:
+            raise CalibrationError(f"GPTQ dtype '{self.gptq_dtype}': one of "
+                                   f"{', '.join(GPTQ_DTYPES)}")
         if not 0 < self.percdamp <= 1:
             raise CalibrationError(f"damping {self.percdamp}: a fraction in (0, 1]")
 
@@ -94,8 +114,10 @@ class CalibrationRequest:
 def request_for_mode(method: str, mode: str, group_size: int | None = None,
                      symmetric: bool | None = None) -> CalibrationRequest:
     """The request `toptpu compile -q MODE [--group-size G] [--symmetric] --calibrate METHOD`
-    implies: MODE's weight bits, the group size (default the compiler's, 64; -1 per channel),
-    asymmetric unless symmetric, exported in the `auto_round` format (`export`)."""
+    implies, as the compiler's own weight quantization would be shaped: w4 in groups
+    (default the compiler's, 64; -1 per channel), asymmetric unless symmetric; w8 per
+    channel and symmetric (the compiler's w8); exported in the `auto_round` format
+    (`export`)."""
     try:
         bits = parse_mode(mode)[1]
     except ValueError as e:
@@ -103,8 +125,12 @@ def request_for_mode(method: str, mode: str, group_size: int | None = None,
     if bits is None:
         raise CalibrationError(f"--calibrate quantizes weights: -q {mode} keeps them float; "
                                "choose a w4 or w8 mode")
-    scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
-                         bool(symmetric))
+    if bits == 8:
+        scheme = QuantScheme(8, -1 if group_size is None else group_size,
+                             True if symmetric is None else symmetric)
+    else:
+        scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
+                             bool(symmetric))
     return CalibrationRequest(method, scheme)
 
 
@@ -134,53 +160,88 @@ def _linear_weight(layer: torch.nn.Module, name: str) -> torch.nn.Linear:
     return m
 
 
+def _stage_hessian(runner: LayerRunner, first: torch.nn.Linear, x: LayerInputs,
+                   dtype: str) -> HessianAccumulator:
+    """The Hessian of the inputs of `first` over all sequences: each batch's forward is
+    stopped as soon as it has been seen."""
+    acc = HessianAccumulator(first.in_features, dtype)
+
+    def hook(_m: torch.nn.Module, args: tuple) -> None:
+        acc.add(args[0])
+        raise _StageSeen
+
+    handle = first.register_forward_pre_hook(hook)
+    try:
+        for b in runner.batches(x.shape[0]):
+            try:
+                runner.forward(x.read(b))
+            except _StageSeen:
+                pass
+    finally:
+        handle.remove()
+    return acc
+
+
+def _prepared_stage(runner: LayerRunner, first: str, x: LayerInputs,
+                    request: CalibrationRequest) -> PreparedHessian:
+    """The stage's Hessian prepared in its own memory (`gptq.prepare_hessian` with
+    overwrite); where the damping is too small, the Hessian is made again and the damping
+    raised tenfold (up to 100 %)."""
+    damp = request.percdamp
+    for _ in range(DAMPING_STEPS):
+        acc = _stage_hessian(runner, _linear_weight(runner.layer, first), x,
+                             request.gptq_dtype)
+        try:
+            return prepare_hessian(acc.hessian(), act_order=request.act_order,
+                                   percdamp=damp, overwrite=True)
+        except NotPositiveDefinite:
+            damp = min(damp * 10, 1.0)
+        finally:
+            del acc
+    raise CalibrationError(f"the Hessian of {first}'s inputs stays singular with {damp:.0%} "
+                           "damping: the calibration inputs do not determine this linear "
+                           "(more or more varied calibration text)")
+
+
 @torch.no_grad()
-def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor, quantized: set[str],
-               request: CalibrationRequest) -> tuple[dict[str, QuantizedWeights],
-                                                     dict[str, float]]:
-    """GPTQ of the layer's `quantized` linears, stage by stage (module doc); each linear's
-    weight is replaced by its dequantized integers as soon as it is quantized."""
+def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+               quantized: set[str], request: CalibrationRequest,
+               on_stage: Callable[[str], None] | None = None
+               ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
+    """GPTQ of the layer's `quantized` linears, stage by stage (module doc); each stage's
+    linears get their dequantized integers as soon as the stage is quantized. `on_stage`
+    is told the name of each stage's first linear as it starts."""
+    x = layer_inputs(x)
     out: dict[str, QuantizedWeights] = {}
     losses: dict[str, float] = {}
     for stage in plan.stages:
         names = [n for n in stage if n in quantized]
         if not names:
             continue
-        first = _linear_weight(runner.layer, stage[0])
-        acc = HessianAccumulator(first.in_features)
-
-        def hook(_m: torch.nn.Module, args: tuple, acc: HessianAccumulator = acc) -> None:
-            acc.add(args[0])
-            raise _StageSeen
-
-        handle = first.register_forward_pre_hook(hook)
-        try:
-            for b in runner.batches(x.shape[0]):
-                try:
-                    runner.forward(x[b])
-                except _StageSeen:
-                    pass
-        finally:
-            handle.remove()
-        prepared = prepare_hessian(acc.hessian(), act_order=request.act_order,
-                                   percdamp=request.percdamp)
+        if on_stage is not None:
+            on_stage(stage[0])
+        prepared = _prepared_stage(runner, stage[0], x, request)
         for name in names:
-            lin = _linear_weight(runner.layer, name)
-            res = gptq(lin.weight.detach().numpy(), prepared, request.scheme,
-                       act_order=request.act_order, block_size=request.block_size)
+            res = gptq(_linear_weight(runner.layer, name).weight.detach().numpy(), prepared,
+                       request.scheme, act_order=request.act_order,
+                       block_size=request.block_size)
             out[name] = res.weights
             losses[name] = res.loss
-            lin.weight.data = torch.from_numpy(res.weights.dequantize())
+        del prepared  # the stage's K x K matrix goes before its weights are dequantized
+        for name in names:
+            _linear_weight(runner.layer, name).weight.data = torch.from_numpy(
+                out[name].dequantize())
     return out, losses
 
 
-def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor,
-                    quantized: set[str], request: CalibrationRequest
+def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+                    quantized: set[str], request: CalibrationRequest,
+                    on_stage: Callable[[str], None] | None = None
                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
     """The layer's `quantized` linears by the request's method; afterwards the layer holds
     their dequantized weights (and AWQ's folded scales)."""
     if request.method == "gptq":
-        return gptq_layer(runner, plan, x, quantized, request)
+        return gptq_layer(runner, plan, x, quantized, request, on_stage)
     details: dict[str, float] = {}
     if request.method == "awq":
         report = awq_layer(runner, plan, x, request.scheme, request.awq, quantized)
@@ -194,11 +255,16 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor,
 
 
 @torch.no_grad()
-def layer_outputs(runner: LayerRunner, x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
+def layer_outputs(runner: LayerRunner, x: torch.Tensor | LayerInputs, where: str = "the layer"
+                  ) -> None:
+    """The layer's outputs written over its inputs `x`, batch by batch (a sequence's output
+    depends on that sequence alone); outputs that are not finite are refused."""
+    x = layer_inputs(x)
     for b in runner.batches(x.shape[0]):
-        out[b] = runner.forward(x[b])
-    return out
+        y = runner.forward(x.read(b))
+        if not bool(torch.isfinite(y).all()):
+            raise CalibrationError(f"{where}'s outputs are not finite after calibration")
+        x.write(b, y)
 
 
 def layer_tensors(layer: torch.nn.Module, prefix: str, results: dict[str, QuantizedWeights],
@@ -223,13 +289,57 @@ def _format_time(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def _source_files(model: Any, tokenizer: Any) -> tuple[LayerSource, dict[str, bytes]]:
+class LayerProgress:
+    """Layers done and time left on `stream` (None: quiet): on a terminal one live line,
+    updated as each layer (and each GPTQ stage within it) goes; otherwise one line per
+    layer."""
+
+    def __init__(self, stream: IO[str] | None, method: str, layers: int) -> None:
+        self.stream, self.method, self.layers = stream, method, layers
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.seconds: list[float] = []
+        self.started = time.perf_counter()
+
+    def _left(self, done: int) -> str:
+        if not self.seconds:
+            return "time left: after the first layer"
+        mean = sum(self.seconds) / len(self.seconds)
+        return f"about {_format_time(mean * (self.layers - done))} left"
+
+    def stage(self, layer: int, what: str) -> None:
+        if self.tty and self.stream is not None:
+            self.stream.write(f"\r\x1b[2Kcalibrate ({self.method}): layer {layer + 1}/"
+                              f"{self.layers} {what}, {self._left(layer)}")
+            self.stream.flush()
+
+    def layer_done(self, layer: int, seconds: float) -> None:
+        self.seconds.append(seconds)
+        if self.stream is None:
+            return
+        line = (f"calibrate ({self.method}): {layer + 1}/{self.layers} layers done (layer "
+                f"{layer} in {seconds:.1f}s), {self._left(layer + 1)}")
+        if self.tty:
+            self.stream.write(f"\r\x1b[2K{line}")
+            if layer + 1 == self.layers:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        if self.stream is not None:
+            self.stream.write(f"calibrate: {text}\n")
+            self.stream.flush()
+
+
+def _source_files(model: Any, tokenizer: Any, dequantize: str | None
+                  ) -> tuple[LayerSource, dict[str, bytes]]:
     """The layers of `model` and the files the checkpoint carries besides weights (tokenizer,
     generation config)."""
     if not isinstance(model, str | os.PathLike | LoadedModel):
         loaded = load_model(model, tokenizer)
         return ModelLayers(loaded.model), dict(loaded.tokenizer_files)
-    source = open_layers(model)
+    source = open_layers(model, dequantize)
     assert isinstance(source, StreamedLayers)
     files = dict(source.loaded.tokenizer_files)
     where = source.loaded.source
@@ -239,21 +349,31 @@ def _source_files(model: Any, tokenizer: Any) -> tuple[LayerSource, dict[str, by
     return source, files
 
 
-def _shared_tensors(source: LayerSource) -> dict[str, np.ndarray]:
-    """The tensors outside the decoder layers, as the source stores them."""
+def _shared_names(source: LayerSource) -> list[str]:
+    """The checkpoint tensors outside the decoder layers."""
     if isinstance(source, StreamedLayers):
-        reader = source.loaded.stream.reader
-        out = {name: np.array(reader.tensor(name)) for name in reader.tensors
-               if not name.startswith("model.layers.")}
-        reader.release()
-        return out
+        return sorted(n for n in source.loaded.stream.reader.tensors
+                      if not n.startswith("model.layers."))
     assert isinstance(source, ModelLayers)
     model = source.model
-    state = {n: p.detach().numpy().astype(np.float32) for n, p in model.named_parameters()
-             if not n.startswith("model.layers.")}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return state
+    names = [n for n, _ in model.named_parameters() if not n.startswith("model.layers.")]
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in names:
+        names.remove("lm_head.weight")
+    return sorted(names)
+
+
+def _shared_tensor(source: LayerSource, name: str) -> np.ndarray:
+    """A tensor outside the decoder layers, as the source stores it (a streamed one is read
+    when its shard is written)."""
+    if isinstance(source, StreamedLayers):
+        return source.loaded.stream.reader.tensor(name)
+    assert isinstance(source, ModelLayers)
+    return source.model.get_parameter(name).detach().numpy().astype(np.float32)
+
+
+def _release_shared(source: LayerSource) -> None:
+    if isinstance(source, StreamedLayers):
+        source.loaded.stream.reader.release()
 
 
 def calibrate(model: Any, output: str, request: CalibrationRequest,
@@ -262,65 +382,77 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
               sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
               tokenizer: Any = None,
               progress: IO[str] | None = sys.stderr,
-              on_layer: Callable[[int, dict[str, QuantizedWeights]], None] | None = None
+              on_layer: Callable[[int, dict[str, QuantizedWeights]], None] | None = None,
+              dequantize: str | None = "f32"
               ) -> CalibrationReport:
     """Calibrate `model` (a float checkpoint directory or GGUF file, streamed; or a
     transformers causal LM in memory with its `tokenizer`) on `data` (text files, tokenized
     with the model's tokenizer into `sequences` x `sequence_length`, or a `CalibrationData`)
     and write the calibrated checkpoint directory `output` (`export`). Progress (layers
-    done, time left) goes to `progress`; `on_layer(index, quantized linears)` is called as
-    each layer is done."""
+    done, time left: `LayerProgress`) goes to `progress`; `on_layer(index, quantized
+    linears)` is called as each layer is done. A GGUF file's quantized tensors are
+    dequantized unless `dequantize` is None (then such a file is refused). The layers'
+    hidden states live in a scratch file beside `output` (`activations`), removed however
+    the calibration ends."""
     t0 = time.perf_counter()
-    source, files = _source_files(model, tokenizer)
+    source, files = _source_files(model, tokenizer, dequantize)
     if not isinstance(data, CalibrationData):
         if "tokenizer.json" not in files:
             raise CalibrationError("the model has no tokenizer.json to tokenize the calibration "
                                    "text with")
         data = calibration_data(list(data), tokenizer_encoder(files["tokenizer.json"]),
                                 sequences, sequence_length)
-    if progress is not None and data.note:
-        progress.write(f"calibrate: {data.note}\n")
     n_layers = source.num_layers
-    writer = CheckpointWriter(output, n_layers + 1)
+    bar = LayerProgress(progress, request.method, n_layers)
+    if data.note:
+        bar.note(data.note)
+    shared = _shared_names(source)
+    writer = CheckpointWriter(output, n_layers + len(shared))
     scheme = request.scheme
     report = CalibrationReport(output, request.method, n_layers, data.sequences,
                                data.sequence_length, 0.0, [], 0, [], data.note)
+    hidden = int(source.config.hidden_size)
+    n, length = data.sequences, data.sequence_length
     try:
-        x = source.embed(data.tokens)
-        for i in range(n_layers):
-            t = time.perf_counter()
-            layer = source.layer(i)
-            kind = source.layer_type(i)
-            plan = layer_plan(layer, kind, f"layer {i}")
-            runner = LayerRunner(layer, source.rotary, kind, data.sequence_length,
-                                 request.batch_tokens)
-            quantized = set()
-            for name in plan.linears:
-                lin = _linear_weight(layer, name)
-                if scheme.fits(lin.out_features, lin.in_features):
-                    quantized.add(name)
-                else:
-                    report.float_linears.append(f"model.layers.{i}.{name}")
-            results, details = calibrate_layer(runner, plan, x, quantized, request)
-            x = layer_outputs(runner, x)
-            if not torch.isfinite(x).all():
-                raise CalibrationError(f"layer {i}'s outputs are not finite after calibration")
-            writer.write_shard(layer_tensors(layer, f"model.layers.{i}.", results,
-                                             request.export_format))
-            report.quantized_linears += len(results)
-            if on_layer is not None:
-                on_layer(i, results)
-            report.details.append(details)
-            source.release(i)
-            del layer, runner
-            report.layer_seconds.append(time.perf_counter() - t)
-            if progress is not None:
-                mean = sum(report.layer_seconds) / len(report.layer_seconds)
-                progress.write(f"calibrate ({request.method}): layer {i + 1}/{n_layers} done in "
-                               f"{report.layer_seconds[-1]:.1f}s, about "
-                               f"{_format_time(mean * (n_layers - i - 1))} left\n")
-                progress.flush()
-        writer.write_shard(_shared_tensors(source))
+        with Activations(n, length, hidden, writer.directory) as x:
+            step = max(1, request.batch_tokens // length)
+            for s0 in range(0, n, step):
+                rows = slice(s0, min(s0 + step, n))
+                x.write(rows, source.embed(data.tokens[rows]))
+            for i in range(n_layers):
+                t = time.perf_counter()
+                bar.stage(i, "loading")
+                layer = source.layer(i)
+                kind = source.layer_type(i)
+                plan = layer_plan(layer, kind, f"layer {i}")
+                runner = LayerRunner(layer, source.rotary, kind, length, request.batch_tokens,
+                                     request.batch_bytes)
+                quantized = set()
+                for name in plan.linears:
+                    lin = _linear_weight(layer, name)
+                    if scheme.fits(lin.out_features, lin.in_features):
+                        quantized.add(name)
+                    else:
+                        report.float_linears.append(f"model.layers.{i}.{name}")
+                bar.stage(i, "searching scales" if request.method == "awq" else "")
+                results, details = calibrate_layer(
+                    runner, plan, x, quantized, request,
+                    on_stage=lambda name, i=i: bar.stage(i, name))
+                bar.stage(i, "running the quantized layer")
+                layer_outputs(runner, x, f"layer {i}")
+                writer.write_shard(layer_tensors(layer, f"model.layers.{i}.", results,
+                                                 request.export_format))
+                report.quantized_linears += len(results)
+                if on_layer is not None:
+                    on_layer(i, results)
+                report.details.append(details)
+                source.release(i)
+                del layer, runner, results
+                report.layer_seconds.append(time.perf_counter() - t)
+                bar.layer_done(i, report.layer_seconds[-1])
+        for name in shared:
+            writer.write_shard({name: _shared_tensor(source, name)})
+            _release_shared(source)
         config = source.config.to_dict()
         config.pop("quantization_config", None)
         config["quantization_config"] = quantization_config(
@@ -332,8 +464,6 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
         writer.abort()
         raise
     report.seconds = time.perf_counter() - t0
-    if progress is not None:
-        progress.write(f"calibrate ({request.method}): wrote {output} ({n_layers} layers, "
-                       f"{report.quantized_linears} linears quantized) in "
-                       f"{_format_time(report.seconds)}\n")
+    bar.note(f"wrote {output} ({n_layers} layers, {report.quantized_linears} linears "
+             f"quantized by {request.method}) in {_format_time(report.seconds)}")
     return report
