@@ -50,7 +50,7 @@ class Activations:
         """The hidden states of the sequences `rows` (a contiguous run)."""
         start, stop = self._rows(rows)
         out = np.empty((stop - start, *self.shape[1:]), np.float32)
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         offset, done = start * self.row_bytes, 0
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], offset + done)
@@ -71,7 +71,7 @@ class Activations:
         if data.shape != (stop - start, *self.shape[1:]):
             raise ValueError(f"hidden states of shape {list(data.shape)} for rows "
                              f"{start}:{stop} of {list(self.shape)}")
-        view = memoryview(data).cast("B")
+        view = data.data.cast("B")
         offset, done = start * self.row_bytes, 0
         try:
             while done < len(view):

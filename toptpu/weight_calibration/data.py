@@ -36,8 +36,11 @@ from toptpu.request import (
 )
 from toptpu.weight_calibration.grid import CalibrationError
 
+_PYDOC_TOPICS: dict[str, str] | None
 try:
-    from pydoc_data.topics import topics as _PYDOC_TOPICS
+    from pydoc_data.topics import topics as _pydoc_topics
+
+    _PYDOC_TOPICS = _pydoc_topics
 except ImportError:  # a Python built without its documentation topics
     _PYDOC_TOPICS = None
 

@@ -134,7 +134,7 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
         f.write(data)
         for arr in tensors.values():
             if arr.size:
-                f.write(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+                f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
 
 
 class CheckpointWriter:

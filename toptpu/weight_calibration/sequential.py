@@ -22,6 +22,7 @@ embedding rows of the calibration tokens only (a streamed source).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -437,7 +438,7 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                 bar.stage(i, "searching scales" if request.method == "awq" else "")
                 results, details = calibrate_layer(
                     runner, plan, x, quantized, request,
-                    on_stage=lambda name, i=i: bar.stage(i, name))
+                    on_stage=functools.partial(bar.stage, i))
                 bar.stage(i, "running the quantized layer")
                 layer_outputs(runner, x, f"layer {i}")
                 writer.write_shard(layer_tensors(layer, f"model.layers.{i}.", results,
