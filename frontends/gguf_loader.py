@@ -74,6 +74,7 @@ import gguf
 import numpy as np
 
 from toptpu.backend.contract import ModelDirFileError, model_file_path
+from toptpu.dialects.host_memory import mem_available
 from toptpu.dialects.output_file import note_input
 from toptpu.errors import one_line_reason
 from toptpu.frontends.hf_loader import (
@@ -509,7 +510,7 @@ def check_arrays(header: GGUFHeader) -> None:
     elements = total + sum(v.count for k, v in fields.items()
                            if isinstance(v, GGUFArray) and k in (*TOKEN_ARRAYS, MERGES))
     need = elements * READ_BYTES_PER_ELEMENT
-    available = _mem_available()
+    available = mem_available()
     if available is not None and need > METADATA_MEMORY_SHARE * available:
         raise GGUFError(f"{path}: its metadata holds {elements} array elements, which take "
                         f"about {need / 2**30:.1f} GiB to read ({READ_BYTES_PER_ELEMENT} bytes "
@@ -517,15 +518,6 @@ def check_arrays(header: GGUFHeader) -> None:
                         f"({available / 2**30:.1f} GiB)")
 
 
-def _mem_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """The host's available memory in bytes (MemAvailable), None where unknown."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
     return None
 
 

@@ -200,7 +200,7 @@ def test_metadata_that_would_not_fit_memory_is_refused_before_reading(tmp_path,
     """What reading the arrays takes (gguf's reader and transformers, ~2 KB an element) is
     checked against the host's available memory first."""
     path = small_gguf(str(tmp_path / "m.gguf"))
-    monkeypatch.setattr(gguf_loader, "_mem_available", lambda: 40_000)
+    monkeypatch.setattr(gguf_loader, "mem_available", lambda: 40_000)
     message = _refused(path, "array elements, which take about", "available memory")
     assert "more than half" in message
 

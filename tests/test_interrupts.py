@@ -1,7 +1,7 @@
-"""SIGINT and SIGTERM during `compile` and `sweep` (issue 44): one line, status 130 / 143,
-no partial or temporary file, and the previous output byte for byte. The real command in a
-process, the signal sent while it works (mid-nets) or while its output sits complete in its
-temporary file (held there by a patched rename / fsync)."""
+"""SIGINT and SIGTERM during `compile` (issue 44): one line, status 130 / 143, no partial or
+temporary file, and the previous output byte for byte. The real command in a process, the
+signal sent while it works (mid-nets) or while its output sits complete in its temporary
+file (held there by a patched rename / fsync). `sweep`'s are in tests/test_sweep.py."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from llm_fixtures import tiny_dir
 from test_cli_errors import _SLOW_WRITE, _interrupted, _wait_for
-from test_sweep import _HOLD, _alive, _as_before, _previous
 
 from helpers import BIN
 
@@ -73,41 +71,3 @@ def test_a_signal_mid_compile_keeps_the_previous_file(tmp_path_factory, tmp_path
     err = "".join(progress) + proc.communicate(timeout=60)[1]
     _interrupted(proc, err, "compile", sig)
     _kept(out)
-
-
-@pytest.mark.slow  # runs the sweep in processes, then interrupts it
-@pytest.mark.parametrize("where", ["points", "writing"])
-def test_sigint_during_sweep_keeps_the_previous_outputs(tmp_path_factory, tmp_path,
-                                                        where: str) -> None:
-    """Ctrl-C as test_sweep's SIGTERM: status 130, one line, the earlier outputs byte for
-    byte, no temporary file, no pool process left."""
-    config = tiny_dir(tmp_path_factory, "qwen2")
-    out = os.path.join(str(tmp_path), "o")
-    files = _previous(out)
-    flag = os.path.join(str(tmp_path), "flag")
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, flag, where, "sweep", config, "-o",
-                             out, "-q", "f32", "--seq-length", "64", "--ddr-gbps", "16", "32",
-                             "--jobs", "2"], stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 300
-    workers: list[int] = []
-    while True:
-        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
-        if where == "points":
-            workers = [int(n.rsplit(".", 1)[1]) for n in os.listdir(str(tmp_path))
-                       if n.startswith("flag.")]
-            if len(workers) == 2:
-                break
-        elif os.path.exists(flag):
-            assert any(".tmp-" in n for n in os.listdir(out))  # the set is half-way
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=60)[1]
-    assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "toptpu sweep: interrupted (SIGINT)"
-    assert "Traceback" not in err
-    _as_before(out, files)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(p) for p in workers)

@@ -522,11 +522,13 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow  # runs the command in processes, then kills it
 @pytest.mark.parametrize("where", ["points", "writing"])
-def test_sigterm_leaves_the_previous_outputs_and_no_process_or_file(
-        tmp_path_factory: pytest.TempPathFactory, tmp_path: str, where: str) -> None:
-    """The real command (two local processes), SIGTERM while the points run or while the
-    set's files sit in their temporary files: status 143, one line, the earlier outputs
-    byte for byte, no temporary file, no pool process left."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_leaves_the_previous_outputs_and_no_process_or_file(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: str, where: str,
+        signame: str) -> None:
+    """The real command (two local processes), SIGTERM or SIGINT (Ctrl-C) while the points
+    run or while the set's files sit in their temporary files: status 143 / 130, one line,
+    the earlier outputs byte for byte, no temporary file, no pool process left."""
     import signal
     import subprocess
     import time
@@ -551,10 +553,11 @@ def test_sigterm_leaves_the_previous_outputs_and_no_process_or_file(
             assert any(".tmp-" in n for n in os.listdir(out))  # the set is half-way
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    sig = getattr(signal, signame)
+    proc.send_signal(sig)
     err = proc.communicate(timeout=60)[1]
-    assert proc.returncode == 143, err
-    assert err.strip().splitlines()[-1] == "toptpu sweep: interrupted (SIGTERM)"
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1] == f"toptpu sweep: interrupted ({signame})"
     assert "Traceback" not in err
     _as_before(out, files)
     deadline = time.monotonic() + 10

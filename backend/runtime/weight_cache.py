@@ -37,6 +37,7 @@ import numpy as np
 
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime.errors import GenerationError
+from toptpu.dialects.host_memory import mem_available
 
 ENV_VAR = "TOPTPU_WEIGHT_CACHE"
 #: the share of the host's available memory the cache may take by default
@@ -57,15 +58,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """The host's available memory in bytes (MemAvailable), None where unknown."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
     return None
 
 
