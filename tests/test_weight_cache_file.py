@@ -396,6 +396,11 @@ def test_the_reduction_parts_a_net_reads_are_stored_contiguous(tmp_path) -> None
 # --------------------------------------------------------------------------- written by a run
 
 
+def _shown(n: int) -> str:
+    """A size as the notes print it: GB from 1 GB, MB below."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _run_cli(model: str, **env: str) -> tuple[dict, str]:
     """`toptpu run MODEL --json` in a fresh process with `env` added: (its JSON, stderr)."""
     out = subprocess.run([sys.executable, "-m", "toptpu.cli", "run", model, "--ids",
@@ -411,7 +416,7 @@ def test_a_run_writes_the_cache_for_the_next_run_and_says_its_size(model: str) -
     first, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
     assert first["weight_cache_file"] is None  # this run converted its weights
     size = planned_bytes(LlmFile(model))
-    assert f"writing the weight cache file '{path}' ({size / 1e9:.2f} GB" in err
+    assert f"writing the weight cache file '{path}' ({_shown(size)}, " in err
     assert "x the model file's" in err and "TOPTPU_WEIGHT_CACHE_FILE=off" in err
     assert os.path.isfile(path) and size <= os.path.getsize(path) < size + (1 << 20)
     second, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE="auto")
@@ -429,7 +434,7 @@ def test_the_off_switch_and_the_limit_are_honoured(model: str) -> None:
     size = planned_bytes(LlmFile(model))
     limit = size - 1  # one byte short
     _, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE=str(limit))
-    assert f"would take {size / 1e9:.2f} GB" in err and "not written" in err
+    assert f"would take {_shown(size)} " in err and "not written" in err
     assert f"toptpu cache {model}" in err and not os.path.exists(path)
     _, err = _run_cli(model, TOPTPU_WEIGHT_CACHE_FILE=str(size))
     assert "writing the weight cache file" in err and os.path.isfile(path)

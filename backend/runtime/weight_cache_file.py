@@ -506,6 +506,11 @@ def planned_bytes(model: LlmFile) -> int:
     return sum(math.prod(f.shape) * 4 for f in planned_forms(model))
 
 
+def _shown(n: float) -> str:
+    """Bytes as a person reads them: GB from 1 GB, MB below."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def write_if_missing(model: LlmFile, note: Callable[[str], None],
                      in_use: str | None) -> str | None:
     """After a run of `model` that read no weight cache file of it (`in_use`: the one it
@@ -520,11 +525,13 @@ def write_if_missing(model: LlmFile, note: Callable[[str], None],
     if limit == 0 or model.meta.parallel is not None or in_use is not None:
         return None
     size = planned_bytes(model)
+    if size == 0:  # nothing a run converts
+        return None
     model_size = os.path.getsize(model.path)
-    what = (f"the weight cache file '{path}' would take {size / 1e9:.2f} GB "
+    what = (f"the weight cache file '{path}' would take {_shown(size)} "
             f"({size / model_size:.1f}x the model file)")
     if size > limit:
-        note(f"{what}, over the {limit / 1e9:.2f} GB {AUTO_ENV_VAR} allows: not written, so "
+        note(f"{what}, over the {_shown(limit)} {AUTO_ENV_VAR} allows: not written, so "
              f"each run converts the weights again; `toptpu cache {model.path}` writes it, "
              f"or {AUTO_ENV_VAR}=SIZE raises the limit")
         return None
@@ -533,10 +540,10 @@ def write_if_missing(model: LlmFile, note: Callable[[str], None],
     except OSError:
         return None
     if size > free // 2:
-        note(f"{what}, more than half the {free / 1e9:.2f} GB free on its disk: not written")
+        note(f"{what}, more than half the {_shown(free)} free on its disk: not written")
         return None
-    note(f"writing the weight cache file '{path}' ({size / 1e9:.2f} GB, "
-         f"{size / model_size:.1f}x the model file's {model_size / 1e9:.2f} GB): later runs "
+    note(f"writing the weight cache file '{path}' ({_shown(size)}, "
+         f"{size / model_size:.1f}x the model file's {_shown(model_size)}): later runs "
          f"of this model file read its converted weights instead of converting them "
          f"({AUTO_ENV_VAR}=off writes none; delete the file to free the space)")
     try:
