@@ -265,6 +265,9 @@ def test_a_field_error_names_the_field(parts, tmp_path) -> None:
         (lambda h: h["model"].__setitem__("num_layers", 2.0),
          r"model.num_layers is 2.0, not an integer"),
         (lambda h: h["shapes"].pop("max_history"), r"shapes.max_history is missing"),
+        (lambda h: h["nets"]["lm_head"].__setitem__("pipeline", None),  # found by hypothesis
+         r"nets.lm_head.pipeline is null: an optional field is left out when it has no "
+         r"value"),
         (lambda h: h["nets"].__setitem__("rm -rf", h["nets"]["lm_head"]),
          r"nets\['rm -rf'\] is 'rm -rf', not a name"),
     ]

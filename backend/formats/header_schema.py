@@ -226,6 +226,9 @@ def _decode_dataclass(cls: type, value: Any, where: str) -> Any:
             if f.default is MISSING:
                 raise HeaderError(join(where, f.name), "is missing")
             continue
+        if f.default is None and value[f.name] is None:  # `encode` writes it by leaving it out
+            raise HeaderError(join(where, f.name), "is null: an optional field is left out "
+                                                   "when it has no value")
         kwargs[f.name] = decode(hints[f.name], value[f.name], join(where, f.name))
     return cls(**kwargs)
 
