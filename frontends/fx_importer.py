@@ -980,7 +980,10 @@ def _moe_experts(im: Importer, node: torch.fx.Node) -> Any:
     stored = fused
 
     def half(h: int) -> Callable[[], np.ndarray]:
-        return lambda: np.ascontiguousarray(im.store[stored][:, h * inter:(h + 1) * inter])
+        # a view, not a copy: the fused tensor stays whole in the store (a streaming
+        # compile's is a placeholder on zero pages: a copy would make 2 x E x I x H x 4
+        # bytes resident; the conversions to the stored dtype read the view)
+        return lambda: im.store[stored][:, h * inter:(h + 1) * inter]
 
     gate = _stacked_weight(im, names[0], half(0))
     up = _stacked_weight(im, names[1], half(1))
