@@ -383,13 +383,15 @@ class StreamedWeights:
         """The checkpoint tensor a placeholder source (or a shard of one) stands for."""
         return self.shared_sources[base_name(source)]
 
-    def from_placeholder(self, name: str) -> bool:
-        """`name` (a weight-store tensor) is a placeholder (shared, or a layer's stacked
-        experts) or derived from one by a pass: the passes name what they derive from `W`
-        `W:…`, `W.…`, `W#…` or `W@…` (a shard)."""
+    def from_placeholder(self, name: str, layers: bool = True) -> bool:
+        """`name` (a weight-store tensor) is a placeholder (shared, or with `layers` a
+        layer's stacked experts) or derived from one by a pass: the passes name what they
+        derive from `W` `W:…`, `W.…`, `W#…` or `W@…` (a shard)."""
+        sources = (*self.shared_sources, *self.layer_placeholders) if layers \
+            else self.shared_sources
         return any(name == src or name.startswith((f"{src}:", f"{src}.", f"{src}#",
                                                    f"{src}@"))
-                   for src in (*self.shared_sources, *self.layer_placeholders))
+                   for src in sources)
 
     def shared(self, recipes: Iterable[WeightRecipe], device: int = 0, devices: int = 1
                ) -> dict[str, np.ndarray]:

@@ -690,11 +690,14 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         # a streaming compile lets go of what it will not write: what the placeholders
         # gave, and the skeleton's float32 layer 0 once the per-layer nets are compiled
         # (its derived tensors stay: pack_weights checks the recipes against them)
-        gone = [n for n in store.names() if stream.from_placeholder(n)]
+        # (a layer's placeholder experts, and what the passes made of them, stay for the
+        # next per-layer net)
+        gone = [n for n in store.names() if stream.from_placeholder(n, layers=False)]
         if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
             read = {name for n in nets.values() for op in n.tpu.walk() if op.results
                     and (name := weight_name(op.results[0])) is not None}
             gone += [n for n in stream.free_layers() if n not in read]
+            gone += [n for n in store.names() if stream.from_placeholder(n)]
         for name in gone:
             if name in store:
                 del store[name]
