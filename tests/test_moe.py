@@ -601,7 +601,9 @@ def test_pipeline_parallel_up_to_eight_devices(tmp_path_factory, devices: int) -
     assert [i for d in par.devices for i in d.layers] == list(range(8))
     ids = Runtime.open(one.model_file).encode(LONG_PROMPT)
     want = Runtime.open(one.model_file).generate(ids, 32, stop_on_eos=False).generated_ids
-    assert want == hf_generate(one.model_dir, ids, 32)
+    ref = hf_generate(one.model_dir, ids, 32)  # (transformers stops at eos)
+    assert ref and want[:len(ref)] == ref
+    assert len(ref) == 32 or ref[-1] in Runtime.open(one.model_file).eos_ids
     got = Runtime.open(spread.model_file).generate(ids, 32, stop_on_eos=False)
     assert got.generated_ids == want
 
