@@ -17,6 +17,11 @@ Random weights: sign and 7 mantissa bits uniform, the exponent fixed, so matrice
 have magnitudes in [1/64, 1/32) and norms in [1, 2): cheap to draw (integers, no float
 math), spread over every quantization group.
 
+Mixtures of experts (`qwen3-30B-A3B`, `35B-A3B-widths`: `QWEN3_MOE`, `qwen3_moe` configs)
+are written in the hub layout `save_pretrained` writes: one tensor per expert and
+projection (`model.layers.N.mlp.experts.E.gate_proj.weight`), 768 tensors a layer at 256
+experts.
+
 Compile: each size in its own subprocess (`toptpu.compile`, w4bf16, seq 512 by default,
 `--max-input-length` as compile's default unless given); wall time and the subprocess's
 peak RSS (getrusage RUSAGE_CHILDREN), and the machine's load average before and after (the
@@ -31,6 +36,7 @@ Run: python bench/scale.py [--sizes 0.5B,1.5B,7B] [--dir /work/scale-ckpt] [--mo
                                   size this host has; memory is per layer either way)
          [--devices 8 --parallel tp|pp]
      python bench/scale.py --sizes qwen3.5-9B --seq 2048 --max-input-length 1024
+     python bench/scale.py --sizes 35B-A3B-widths --layers 2     (and --layers 4)
 """
 
 from __future__ import annotations
