@@ -158,6 +158,15 @@ def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray 
     if bits not in (4, 8):
         raise QuantizationError(f"{where}: {bits}-bit weights are not supported (4 or 8)")
     q = np.asarray(qweight)
+    if q.ndim == 3:  # a mixture of experts' projection, stacked by expert [E, N, K]
+        if g_idx is not None:
+            raise QuantizationError(f"{where}: act-order experts are not supported")
+        experts = [checkpoint_parts(q[e], np.asarray(scales)[e],
+                                    None if zeros is None else np.asarray(zeros)[e], None,
+                                    bits, group_size, f"{where} expert {e}",
+                                    None if mins is None else np.asarray(mins)[e])
+                   for e in range(q.shape[0])]
+        return {f: np.stack([parts[f] for parts in experts]) for f in experts[0]}
     n, k = q.shape
     if q.size and int(q.max()) >= (1 << bits):
         raise QuantizationError(f"{where}: qweight has values >= 2**{bits}")
