@@ -445,25 +445,51 @@ class LowerMoeExperts(LoweringPattern):
     @op_type_rewrite_pattern
     def match_and_rewrite(self, op: top.MoeExpertsOp, rewriter: PatternRewriter) -> None:
         lw = self.lw
-        stacked = [producer(v, top.WeightOp) for v in (op.gate, op.up, op.down)]
-        if any(w is None for w in stacked) or lw.bits is None or op in lw.index_ops \
-                or CHECKPOINT_MODEL in lw.store \
-                or any(lw.keep_matmul_float(w) for w in stacked if w is not None):
+        where = op_name(op) or op.name
+        maybe = [producer(v, top.WeightOp) for v in (op.gate, op.up, op.down)]
+        stacked = [w for w in maybe if w is not None]
+        if len(stacked) != 3 or op in lw.index_ops:
             self.lower(op, rewriter)
             return
         projections: list[tuple[SSAValue, SSAValue, SSAValue | None, SSAValue | None]] = []
         bits: list[int] = []
         groups: list[int] = []
-        for w in stacked:
-            assert w is not None
+        if CHECKPOINT_MODEL in lw.store:  # pre-quantized: the checkpoint's experts as they are
             try:
-                q, s, z, b, gs = lw.quantized_weight(w, rewriter)
+                ckpts = [lw.checkpoint_weight(w, rewriter) for w in stacked]
             except QuantizationError as e:
-                raise ConversionError(f"{op_name(op) or op.name}: {w.tensor_name}: {e}"
-                                      ) from e
-            projections.append((q, s, z, None))
-            bits.append(b)
-            groups.append(gs)
+                raise ConversionError(f"{where}: {e}") from e
+            if all(c is None for c in ckpts):  # left float by the quantizer
+                self.lower(op, rewriter)
+                return
+            if lw.bits is None:
+                raise ConversionError(
+                    f"'{stacked[0].tensor_name}' comes pre-quantized from the checkpoint: use "
+                    "a weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
+                    "are used as they are")
+            for w, c in zip(stacked, ckpts, strict=True):
+                if c is None or c[4] is not None:
+                    raise ConversionError(
+                        f"{where}: '{w.tensor_name}' is "
+                        f"{'float' if c is None else 'act-order'} in the checkpoint while "
+                        "the other experts' projections are quantized; toptpu compiles a "
+                        "layer's experts quantized alike")
+                q, s, z, m, _, b, gs = c
+                projections.append((q, s, z, m))
+                bits.append(b)
+                groups.append(gs)
+        elif lw.bits is None or any(lw.keep_matmul_float(w) for w in stacked):
+            self.lower(op, rewriter)
+            return
+        else:
+            for w in stacked:
+                try:
+                    q, s, z, b, gs = lw.quantized_weight(w, rewriter)
+                except QuantizationError as e:
+                    raise ConversionError(f"{where}: {w.tensor_name}: {e}") from e
+                projections.append((q, s, z, None))
+                bits.append(b)
+                groups.append(gs)
         storage = op.tpu_operand_storage()
         x = lw.operand(op.x, lw.storage_type(op, storage[0]), op, rewriter, "x")
         weights = lw.operand(op.weights, lw.storage_type(op, storage[4]), op, rewriter,
