@@ -33,7 +33,7 @@ from toptpu.backend.reference.interpreter import Interpreter
 from toptpu.dialects import tpu
 from toptpu.dialects.common import dtype_name, elem_of, tensor
 from toptpu.passes.pipelines import run_passes, tpu_pipeline_passes
-from toptpu.passes.quantize import quantize_rtn
+from toptpu.passes.quantize import checkpoint_parts, quantize_rtn
 
 E, H, T, TOP_K = 6, 64, 10, 2
 I = 32  # noqa: E741  (the experts' intermediate size, as the docs call it)
@@ -352,3 +352,77 @@ def test_every_net_meets_its_threshold_against_top(tmp_path_factory, family: str
                 checked.append((name, layer, s.name))
     assert ("block_cache", 1, "hidden_states") in [(a, b, c) for a, b, c in checked] or \
         len(checked) >= 6
+
+
+# --------------------------------------------------------------------------- auto-round
+
+
+@pytest.fixture(scope="module")
+def autoround_moe(tmp_path_factory) -> dict:
+    """The MoE checkpoints auto-round writes (tests/moe_checkpoints.py), once a session."""
+    from pathlib import Path
+
+    from moe_checkpoints import make
+
+    return make(Path(shared_dir(tmp_path_factory)) / "autoround_moe")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_autoround_moe_checkpoint(tmp_path_factory, autoround_moe: dict, family: str) -> None:
+    """A MoE checkpoint auto-round wrote (one GPTQ-packed linear per expert, the router
+    float): the stacked experts toptpu reads dequantize to the fake-quantized reference's
+    experts bit for bit; `-q auto` (w4f16, the checkpoint's f16) and `w4f32` compiles give
+    the reference's 16 greedy tokens on the machine, logits close (cos >= 0.99), the
+    interpreter's logits bit for bit; transformers with auto-round's own loader (its
+    QuantLinear kernels) gives the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.quant import read_quantized_checkpoint
+    from toptpu.metrics import similarity
+
+    packed, fake = (autoround_moe["runs"][family][k] for k in ("packed", "fake"))
+    with quiet_transformers():
+        ref = AutoModelForCausalLM.from_pretrained(fake, dtype=torch.float32).eval()
+    ck = read_quantized_checkpoint(packed)
+    assert "model.layers.1.mlp.experts.7.down_proj" in ck.layouts
+    assert "model.layers.1.mlp.gate" not in ck.layouts  # the router stays float
+    for layer in (0, 1):
+        experts = ref.model.layers[layer].mlp.experts
+        gate_up = experts.gate_up_proj.detach().numpy()
+        inter = gate_up.shape[1] // 2
+        want = {"gate_proj": gate_up[:, :inter], "up_proj": gate_up[:, inter:],
+                "down_proj": experts.down_proj.detach().numpy()}
+        for proj, w in want.items():
+            stacked = ck.stacked_experts(f"model.layers.{layer}.mlp.experts.{proj}")
+            assert stacked is not None and stacked.qweight.shape[0] == 8
+            parts = checkpoint_parts(stacked.qweight, stacked.scales, stacked.zeros, None, 4,
+                                     32)  # as the lowering packs them
+            deq = np.stack([K.dequantize(parts["qweight"][e], parts["scales"][e],
+                                         parts["zeros"][e], 4, 32) for e in range(8)])
+            assert np.array_equal(deq, w), (layer, proj)
+    ids = list(range(3, 42))  # three prefill chunks of 16, the last padded
+    with torch.no_grad():
+        want_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                   eos_token_id=None)[0, len(ids):].tolist()
+        want_logits = ref(torch.tensor([ids])).logits[0, -1].numpy()
+    for mode in ("auto", "w4f32"):
+        path = os.path.join(shared_dir(tmp_path_factory), f"autoround-{family}-{mode}.toptpu")
+        compile_model(packed, path, mode=mode, seq_length=160, max_input_length=16,
+                      progress=None)
+        rt = Runtime.open(path, "machine")
+        assert rt.generate(ids, 16, stop_on_eos=False).generated_ids == want_tokens, mode
+        logits = rt.prompt_logits(ids)
+        got = np.asarray(logits, np.float32).reshape(-1)
+        assert similarity(got, want_logits).cosine >= 0.99, mode
+        other = Runtime.open(path, "interpreter").prompt_logits(ids)
+        assert np.array_equal(np.asarray(logits), np.asarray(other)), mode
+    with quiet_transformers():
+        loaded = AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = loaded.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=None)[0, len(ids):].tolist()
+    assert theirs == want_tokens
