@@ -80,9 +80,10 @@ def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
                 if isinstance(m, torch.nn.Linear):
                     q = checkpoint.layouts.get(f"model.layers.{i}.{lin}")
                     sig.append((lin, None if q is None else q.net_form))
-            for proj in ("gate_proj", "up_proj", "down_proj"):  # MoE experts, per expert
-                q = checkpoint.layouts.get(f"model.layers.{i}.mlp.experts.0.{proj}")
-                sig.append((proj, None if q is None else q.net_form))
+            for proj in ("gate_proj", "up_proj", "down_proj"):  # MoE experts: per expert
+                for form in (f"0.{proj}", proj):  # (auto-round) or stacked (GGUF)
+                    q = checkpoint.layouts.get(f"model.layers.{i}.mlp.experts.{form}")
+                    sig.append((form, None if q is None else q.net_form))
         return tuple(sig)
 
     groups: dict[tuple, list[int]] = {}
