@@ -426,3 +426,103 @@ def test_autoround_moe_checkpoint(tmp_path_factory, autoround_moe: dict, family:
         theirs = loaded.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
                                  eos_token_id=None)[0, len(ids):].tolist()
     assert theirs == want_tokens
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def _gguf_reference(model_dir: str, family: str) -> torch.nn.Module:
+    """transformers' own GGUF loader on the file (it dequantizes every tensor with
+    `gguf.quants.dequantize`). Its GGUF config mapping does not read the experts' width
+    (`expert_feed_forward_length`, `expert_shared_feed_forward_length`) and would build
+    experts of its default width: the config is completed from the file's metadata, as
+    toptpu's loader completes it."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from toptpu.frontends.hf_loader import quiet_transformers
+
+    path = os.path.join(model_dir, "model.gguf")
+    fields = gguf.GGUFReader(path).fields
+    arch = "qwen2moe" if family == "qwen2_moe" else "qwen3moe"
+
+    def meta(key: str) -> int:
+        return int(fields[f"{arch}.{key}"].contents())
+
+    with quiet_transformers():
+        cfg = AutoConfig.from_pretrained(model_dir, gguf_file="model.gguf")
+        cfg.moe_intermediate_size = meta("expert_feed_forward_length")
+        if arch == "qwen2moe":
+            cfg.shared_expert_intermediate_size = meta("expert_shared_feed_forward_length")
+        return AutoModelForCausalLM.from_pretrained(model_dir, gguf_file="model.gguf",
+                                                    config=cfg, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,qtype,mode", [
+    ("qwen3_moe", "Q8_0", "w8f32"), ("qwen3_moe", "Q4_0", "w4f32"),
+    ("qwen3_moe", "Q4_1", "w4f32"), ("qwen2_moe", "Q8_0", "auto"),
+    ("qwen2_moe", "Q5_0", "w8f32")])
+def test_gguf_moe_file(tmp_path, family: str, qtype: str, mode: str) -> None:
+    """A qwen3moe / qwen2moe GGUF file the `gguf` package writes (llama.cpp's tensor names:
+    `ffn_gate_exps` [E, I, H] ... 3-D, `ffn_gate_inp` the router in F32, the shared
+    expert's `ffn_*_shexp` and `ffn_gate_inp_shexp`): the experts are taken exactly
+    (their integers and scales, zero points or mins, in `tpu.a16_moe_experts`: the
+    dequantized stack equals `gguf.quants.dequantize` bit for bit) and the compiled model
+    gives the 16 greedy tokens of transformers' own GGUF loader, machine == interpreter."""
+    from gguf_fixtures import gguf_dir
+
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.gguf_loader import load_gguf
+
+    d = gguf_dir(str(tmp_path / "gguf"), family, qtype)
+    loaded = load_gguf(d)
+    ck = loaded.checkpoint
+    assert ck is not None and loaded.stream is not None
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{proj}"
+        stacked = ck.stacked_experts(name)
+        assert stacked is not None and stacked.qweight.ndim == 3
+        parts = checkpoint_parts(stacked.qweight, stacked.scales, stacked.zeros, None,
+                                 stacked.bits, stacked.group_size, name, stacked.mins)
+        deq = np.stack([K.dequantize(parts["qweight"][e], parts["scales"][e],
+                                     parts["zeros"][e] if "zeros" in parts else None,
+                                     stacked.bits, stacked.group_size,
+                                     parts["mins"][e] if "mins" in parts else None)
+                        for e in range(stacked.qweight.shape[0])])
+        assert np.array_equal(deq, loaded.stream.reader.tensor(name)), proj
+    loaded.stream.reader.close()
+    ref = _gguf_reference(d, family)
+    ids = list(range(3, 42))
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                            eos_token_id=None)[0, len(ids):].tolist()
+    path = str(tmp_path / "m.toptpu")
+    compile_model(d, path, mode=mode, seq_length=160, max_input_length=16, progress=None)
+    rt = Runtime.open(path, "machine")
+    assert rt.generate(ids, 16, stop_on_eos=False).generated_ids == want
+    a = rt.prompt_logits(ids)
+    b = Runtime.open(path, "interpreter").prompt_logits(ids)
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("metadata,message", [
+    ({"qwen3moe.expert_feed_forward_length": (None, None, None)},
+     "'qwen3moe.expert_feed_forward_length' is missing"),
+    ({"qwen3moe.expert_count": (0, "UINT32", None)},
+     "'qwen3moe.expert_count' is the int 0, a positive integer expected"),
+    ({"qwen3moe.expert_used_count": (9, "UINT32", None)},
+     "'qwen3moe.expert_used_count' \\(9\\) is more than its 8 experts"),
+])
+def test_gguf_moe_metadata_is_checked(tmp_path, metadata: dict, message: str) -> None:
+    import gguf
+    from gguf_fixtures import write_gguf
+
+    from toptpu.frontends.gguf_loader import GGUFError, load_gguf
+
+    typed = {k: (v, None if t is None else gguf.GGUFValueType[t], s)
+             for k, (v, t, s) in metadata.items()}
+    path = write_gguf(str(tmp_path / "m.gguf"), "qwen3_moe", "Q8_0", metadata=typed)
+    with pytest.raises(GGUFError, match=message):
+        load_gguf(path, need_tokenizer=False)
