@@ -334,7 +334,7 @@ class QuantizedCheckpoint:
         base, _, proj = name.rpartition(".")
         if not base.endswith("experts") or proj not in ("gate_proj", "up_proj", "down_proj"):
             return None
-        layouts = []
+        layouts: list[QuantizedLayout] = []
         while (lay := self.layouts.get(f"{base}.{len(layouts)}.{proj}")) is not None:
             layouts.append(lay)
         if not layouts:
