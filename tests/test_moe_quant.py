@@ -525,3 +525,32 @@ def test_gguf_moe_metadata_is_checked(tmp_path, metadata: dict, message: str) ->
     path = write_gguf(str(tmp_path / "m.gguf"), "qwen3_moe", "Q8_0", metadata=typed)
     with pytest.raises(GGUFError, match=message):
         load_gguf(path, need_tokenizer=False)
+
+
+@pytest.mark.slow
+def test_published_widths_w4f32_tokens_equal_transformers_on_the_dequantized_weights(
+        tmp_path_factory) -> None:
+    """Qwen3-30B-A3B's widths (16 of its 128 experts of 768, top-8, 2 layers): the w4
+    experts (group 64) do not fit local memory, layer-group cuts their intermediate axis
+    in reduction parts of whole groups; 32 greedy tokens on the machine equal
+    transformers' on the dequantized weights."""
+    from filelock import FileLock
+    from test_moe import _real_dir
+
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+
+    model_dir = _real_dir(tmp_path_factory, "qwen3_moe")
+    path = os.path.join(shared_dir(tmp_path_factory), "qwen3_moe-real-w4f32.toptpu")
+    with FileLock(path + ".lock"):
+        if not os.path.exists(path):
+            compile_model(model_dir, path, mode="w4f32", seq_length=160, max_input_length=16,
+                          progress=None)
+    rt = Runtime.open(path, "machine")
+    ids = rt.encode(LONG_PROMPT)
+    got = rt.generate(ids, 32, stop_on_eos=False).generated_ids
+    model = _fake_quantized(model_dir, 4, 64)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None)[0, len(ids):].tolist()
+    assert got == want
