@@ -62,7 +62,7 @@ from toptpu.frontends.hf_loader import (
     tokenizer_files,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, layer_key
-from toptpu.frontends.moe import expert_tensor, has_expert_tensor, split_names
+from toptpu.frontends.moe import expert_tensor, has_expert_tensor, split_names, stacked_shapes
 from toptpu.frontends.quant import (
     QuantizedCheckpoint,
     QuantizedCheckpointError,
@@ -118,7 +118,12 @@ def load_prequantized_streaming(d: ModelDir, need_tokenizer: bool = True) -> Loa
         del config.quantization_config
     family = check_config(config, os.path.join(path, "config.json"))
     want, tied = expected_shapes(config)
-    check_prequantized_shapes(ck.state_shapes(), want, tied, ck.quant_method, path)
+    have, expert_problems = stacked_shapes(ck.state_shapes())
+    if expert_problems:
+        reader.close()
+        raise ModelLoadError(f"the {ck.quant_method} checkpoint in {path} does not hold its "
+                             "MoE experts whole: " + "; ".join(expert_problems))
+    check_prequantized_shapes(have, want, tied, ck.quant_method, path)
     files = tokenizer_files(path, need_tokenizer)
     stream = StreamedWeights(reader, {}, checkpoint=ck)
     model, stream.placeholders = skeleton(config, stream.tensor_f32)
@@ -307,7 +312,18 @@ class StreamedWeights:
             out = linear.dequantize()
             self.reader.release()
             return out
+        if self.checkpoint is not None and name not in self.reader:
+            # a MoE layer's experts, quantized one linear per expert ('…experts.E.up_proj')
+            stacked = expert_tensor(name, self._has, self.tensor_f32)
+            if stacked is not None:
+                return stacked
         return _f32(self.reader, name)
+
+    def _has(self, name: str) -> bool:
+        """The checkpoint holds `name`: a stored tensor or a quantized linear's weight."""
+        return name in self.reader or (
+            self.checkpoint is not None and name.endswith(".weight")
+            and name.removesuffix(".weight") in self.checkpoint.layouts)
 
     def materialize(self, model: Any, layer: int, weight_prefix: str) -> None:
         """Make the skeleton's layer `layer` real (a layer variant's representative, whose
@@ -328,9 +344,7 @@ class StreamedWeights:
             if key is None:
                 raise ModelLoadError(f"'{source}' is not a per-layer weight")
             name = layer_tensor_name(layer, key)
-            quantized = self.checkpoint is not None and \
-                name.removesuffix(".weight") in self.checkpoint.layouts
-            if not has_tensor(self.reader, name) and not quantized:
+            if not has_expert_tensor(name, self._has):
                 raise ModelLoadError(f"the checkpoint has no '{name}' (the per-layer nets read "
                                      f"'{source}'): its layers are not all alike")
             if name not in last:  # the quantized parts of one weight ask for it in a row
