@@ -85,6 +85,8 @@ from toptpu.backend.runtime.local_memory import (
 )
 from toptpu.backend.runtime.steps import (
     CollectiveStep,
+    Fetched,
+    IndexedLoadStep,
     LoadStep,
     Operand,
     OpStep,
@@ -449,6 +451,9 @@ class LoadedNet:
                 g = operand(c.tensor, c.shape, c.dtype, isinstance(c, Store), who)
                 step: Step = (LoadStep(c, g, Local.of(c.local, chip)) if isinstance(c, Load)
                               else StoreStep(c, g, Local.of(c.local, chip)))
+                if isinstance(c, Load) and c.index is not None:
+                    step = IndexedLoadStep(c, g, Local.of(c.local, chip),
+                                           Local.of(c.index, chip))
             elif isinstance(c, Gather):
                 g = operand(c.table.tensor, c.table.shape, c.table.dtype, False, who)
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip, g)
@@ -496,6 +501,8 @@ class Machine:
         self.cache = WeightCache(weight_cache_bytes)
         self.run_cache: dict[Hashable, np.ndarray] = {}  # converted writable weights
         self.provenance: dict[int, tuple] = {}  # buf -> the read-only bytes it holds
+        #: what the indexed loads of the last net run read (which rows, bytes)
+        self.fetched: list[Fetched] = []
         self.joined: dict[SliceJoin | WholeRows, np.ndarray | None] = {}  # this run's wholes
         self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
         self.part_ok: dict[WholeRows, bool] = {}  # row-local slices' parts, the same way
@@ -586,6 +593,7 @@ class Machine:
         views = self.views(plan, binding)
         self.local.begin()
         self.provenance.clear()
+        self.fetched = []
         self.run_cache.clear()
         self.joined.clear()
         if isinstance(self.local, CheckedLocal):  # the checked mode tracks live buffers
