@@ -586,7 +586,8 @@ def build_group(p: Plan) -> tpu.GroupOp:
             local[v] = arg
             continue
         ax = p.input_axes[v] if s > 1 else None
-        attrs = {"slice_axis": i64_attr(-1 if ax is None else ax), "ts": i64_attr(0)}
+        attrs: dict[str, Attribute] = {"slice_axis": i64_attr(-1 if ax is None else ax),
+                                       "ts": i64_attr(0)}
         if _fetched_by_index(v, p.ops):
             attrs["by_index"] = UnitAttr()
         ld = tpu.LoadOp(operands=[arg], result_types=[_slice_type(v, ax, s)],

@@ -274,8 +274,8 @@ def schedule(commands: Sequence[Command], chip: Chip, moved: Mapping[int, int] |
     for c in commands:  # stream order per engine: times follow in one pass
         ready = max((end[d] for d in c.deps), default=0.0)
         start = max(free_at[c.engine], ready)
-        real = moved.get(c.id) if moved else None
-        finish = start + (command_cycles(chip, c) if real is None
+        real = moved.get(c.id) if moved and isinstance(c, Load) else None
+        finish = start + (command_cycles(chip, c) if real is None or not isinstance(c, Load)
                           else dma_cycles(chip, real, c.run) if real else 0.0)
         end[c.id] = free_at[c.engine] = finish
         timed.append((start, c.id))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -107,7 +107,8 @@ class IndexedLoadStep(LoadStep):
                               f"rows of {self.cmd.tensor}")
         part = np.zeros(self.local.shape, self.local.dtype)
         if rows.size:  # the rows read: only their window of the global tensor
-            part[rows] = whole[(rows, *self.window[1:])]
+            index: tuple[Any, ...] = (rows, *self.window[1:])
+            part[rows] = whole[index]
         m.local.write(self.local, part, self.who)
         m.provenance.pop(self.local.buf, None)
         row = self.cmd.row_nbytes
