@@ -30,7 +30,10 @@ def active_bytes(cfg: dict, weight_bytes: float, seq: int, kv_bytes: int = 2) ->
     kv_cache = 2 * seq * kv * d * kv_bytes
     head = cfg["vocab_size"] * h * weight_bytes + h * weight_bytes  # lm_head, one embedding row
     per_layer = attention + router + experts + kv_cache
+    weights = layers * (attention + router + all_experts) + 2 * cfg["vocab_size"] * h \
+        * weight_bytes  # (norms aside) the model file's weights: embedding and lm_head
     return {"per_layer": per_layer, "experts": experts, "all_experts": all_experts,
+            "weights": weights,
             "token": layers * per_layer + head, "token_all_experts":
             layers * (per_layer - experts + all_experts) + head}
 
@@ -54,7 +57,9 @@ def main() -> None:
               f"the k experts; {b['all_experts'] / 1e6:.1f} MB all experts) -> bound "
               f"{bw / b['token']:.2f} tok/s at {chip.sustained_gbps:.3g} GB/s; every expert "
               f"moved: {b['token_all_experts'] / 1e6:.0f} MB, {bw / b['token_all_experts']:.3f} "
-              "tok/s")
+              f"tok/s; weights {b['weights'] / 1e9:.1f} GB: at least "
+              f"{-(-b['weights'] // chip.ddr_bytes):.0f} {chip.name} of "
+              f"{chip.ddr_bytes / 2**30:.0f} GiB")
 
 
 if __name__ == "__main__":
