@@ -721,3 +721,48 @@ def test_experts_in_reduction_parts_are_fetched_by_index() -> None:
             assert all(b == one for b in fetched[proj].values()), (t, proj)
         if t == 1:
             assert sum(c.nbytes for c in indexed) == 4 * sum(per_expert.values())
+
+
+def test_profile_shows_the_experts_fetched() -> None:
+    """`profile`'s numbers of a decode step: the bytes its indexed loads moved (the k
+    chosen experts) beside those of every expert, a line in the summary; the run's
+    timeline moves those bytes and the roofline's own bytes count only them."""
+    from toptpu.backend.runtime.machine import LoadedNet
+    from toptpu.backend.runtime.profile import profile_timeline, summary_table
+
+    block = _moe_block("qwen3_moe")
+    program, machine, _, _ = _fetch_run(block, t=1, n_valid=1)
+    fetched = sum(f.nbytes for f in machine.fetched)
+    modelled, every = program.indexed_bytes()
+    e, k = block.experts.gate_up_proj.shape[0], block.gate.top_k
+    assert fetched == modelled and every == fetched * e // k
+    tl = machine.timeline_of_run(LoadedNet(program))
+    assert tl.dma_bytes == sum(c.nbytes for c in program.commands if c.engine == "dma")
+    whole = sum(w.nbytes for w in program.weights.values())
+    assert program.inherent_bytes() == whole - every + modelled + sum(
+        t.nbytes for t in (*program.inputs, *program.outputs))
+    p = profile_timeline(tl, CHIP, program.inherent_bytes(), program.flops,
+                         (fetched, every))
+    assert (p.fetched_bytes, p.fetched_all_bytes) == (fetched, every)
+    assert (f"experts fetched by index {fetched / 1e6:.2f} MB a run"
+            in summary_table([p], CHIP))
+
+
+def test_a_prefill_runs_timeline_moves_the_experts_it_read() -> None:
+    """A prefill chunk's command streams model the expected distinct experts (12 rows of
+    top-2 among 8: 8 * (1 - (3/4)^12)); the machine's run is timed with the experts its
+    tokens really chose."""
+    from toptpu.backend.runtime.machine import LoadedNet
+    from toptpu.backend.target.cost import expected_distinct
+
+    block = _moe_block("qwen3_moe")
+    program, machine, idx, _ = _fetch_run(block, t=12, n_valid=9)
+    indexed = [c for c in program.commands if getattr(c, "index", None) is not None]
+    assert expected_distinct(8, 12, 2) == pytest.approx(8 * (1 - 0.75 ** 12))
+    for c in indexed:
+        assert c.nbytes == round(expected_distinct(8, 12, 2) * c.row_nbytes)
+    others = sum(c.nbytes for c in program.commands if c.engine == "dma" and c not in indexed)
+    fetched = sum(f.nbytes for f in machine.fetched)
+    assert fetched == len({int(i) for i in idx.reshape(-1)}) * sum(
+        c.row_nbytes for c in indexed)
+    assert machine.timeline_of_run(LoadedNet(program)).dma_bytes == others + fetched
