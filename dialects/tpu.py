@@ -36,7 +36,15 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 from xdsl.dialects import func
-from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32, i64
+from xdsl.dialects.builtin import (
+    DenseArrayBase,
+    IntegerAttr,
+    StringAttr,
+    TensorType,
+    UnitAttr,
+    f32,
+    i64,
+)
 from xdsl.ir import (
     Attribute,
     Block,
@@ -88,6 +96,7 @@ from toptpu.dialects.common import (
 from toptpu.dialects.slicing_interface import (
     RowRule,
     SliceKind,
+    SlicingInterface,
     activation_rows,
     same_rows,
     weight_reduction_axes,
@@ -673,6 +682,13 @@ class A16MoeExpertsOp(TpuOp):
     def heads_result_axes(self) -> tuple[int, ...]:
         return (1,)
 
+    def fetched_by_index(self) -> dict[int, int]:
+        """Every stacked weight operand (the integers, scales, zero points and mins of gate,
+        up and down; flat positions 1 .. n-3) is read only at the experts the indices (the
+        last operand) name, as `top.moe_experts`'s."""
+        n = len(self.operands)
+        return {p: n - 1 for p in range(1, n - 2)}
+
     def reduction_sliceable(self) -> bool:
         return True
 
@@ -959,12 +975,19 @@ class YieldOp(IRDLOperation):
 @irdl_op_definition
 class LoadOp(TpuOp):
     """DMA global -> local: slice `s` of the global tensor along `slice_axis` (the whole
-    tensor, loaded once and kept resident, when `slice_axis` is -1)."""
+    tensor, loaded once and kept resident, when `slice_axis` is -1).
+
+    `by_index` (a load for an operand its consumer reads only at the rows its index operand
+    names: `SlicingInterface.fetched_by_index`, the MoE experts' stacked weights): an
+    indexed load — only the rows along axis 0 that the consumer's indices name move, each
+    once (the DMA reads the indices from the local buffer the consumer reads them from;
+    a negative index names none), the others are not read from global memory."""
 
     name = "tpu.load"
     input = operand_def(AnyTensor)
     slice_axis = attr_def(IntegerAttr)
     tile_axes = opt_attr_def(DenseArrayBase)
+    by_index = opt_attr_def(UnitAttr)
     output = result_def(AnyTensor)
     assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     CHECK_INFERRED: ClassVar[bool] = False
@@ -972,6 +995,22 @@ class LoadOp(TpuOp):
 
     def verify_(self) -> None:
         verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes)
+        if self.by_index is not None:
+            if read_int(self.slice_axis) == 0 or (
+                    self.tile_axes is not None and 0 in read_ints(self.tile_axes)):
+                raise VerifyException(f"{self.name} by_index loads rows along axis 0 by "
+                                      "index; it cannot also slice axis 0")
+            uses = list(self.output.uses)
+            for u in uses:
+                op = u.operation
+                if not (isinstance(op, SlicingInterface)
+                        and u.index in op.fetched_by_index()):
+                    raise VerifyException(f"{self.name} by_index: its result is operand "
+                                          f"{u.index} of {op.name}, which does not read it "
+                                          "by index")
+            if not uses:
+                raise VerifyException(f"{self.name} by_index needs a consumer reading its "
+                                      "rows by index")
 
 
 @irdl_op_definition
