@@ -222,11 +222,13 @@ def test_awq_fast_search_equals_the_definition(arch: str, group: int, tokenizer:
     plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
     scheme = QuantScheme(4, group, False)
     results = []
+    threads = torch.get_num_threads()
     for direct in (True, False):
         copy_of = copy.deepcopy(layer)
         run = LayerRunner(copy_of, runner.block.rotary, FULL_ATTENTION, 64, 4096)
         report = awq_layer(run, plan, x, scheme, AwqOptions(), set(plan.linears), direct)
         results.append((report.ratios, dict(copy_of.named_parameters())))
+    assert torch.get_num_threads() == threads  # AWQ's one thread is given back
     (ratios_direct, direct_weights), (ratios, weights) = results
     assert ratios == ratios_direct and len(ratios) >= 2
     for name, p in weights.items():
