@@ -12,7 +12,7 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
 - quantized by auto-round (its default algorithm, sign-gradient rounding, `iters` and
   `nsamples` as given: the CPU cannot afford its defaults) from the same f32 model
   (transformers' GGUF loader) on the same calibration sequences, exported in its own
-  format and compiled with `-q w4bf16` and `-q auto` (rows autoround64/128, not run by
+  format and compiled with `-q auto` (rows autoround64/128, not run by
   default);
 
 all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
@@ -104,22 +104,26 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from toptpu.weight_calibration.data import calibration_data
+    from toptpu.weight_calibration.data import calibration_data, tokenizer_encoder
+    from toptpu.weight_calibration.layers import open_layers
 
     d, name = os.path.dirname(gguf), os.path.basename(gguf)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    data = calibration_data([cal], lambda t: tok(t, add_special_tokens=False)["input_ids"],
-                            a.sequences, a.sequence_length)
-    samples = [tok.decode(row) for row in data.tokens.tolist()]
-    t = time.perf_counter()
+    # the token ids `toptpu compile --calibrate` calibrates on (its tokenizer, its sequences)
+    files = open_layers(gguf, "f32").loaded.tokenizer_files  # type: ignore[attr-defined]
+    data = calibration_data([cal], tokenizer_encoder(files["tokenizer.json"]), a.sequences,
+                            a.sequence_length)
+    samples = [torch.from_numpy(row[None].astype("int64")) for row in data.tokens]
+    t, cpu = time.perf_counter(), time.process_time()
     ar = AutoRound(model, tokenizer=tok, scheme="W4A16", group_size=group, sym=False,
                    iters=a.autoround_iters, dataset=samples, device_map="cpu",
                    seqlen=a.sequence_length, nsamples=len(samples), amp=False,
                    enable_torch_compile=False)
     ar.quantize_and_save(out, format="auto_round")
     print(f"auto-round g{group}: iters {a.autoround_iters}, {len(samples)} x "
-          f"{a.sequence_length} tokens, {time.perf_counter() - t:.0f}s", flush=True)
+          f"{a.sequence_length} tokens, {time.perf_counter() - t:.0f} s wall, "
+          f"{time.process_time() - cpu:.0f} s CPU", flush=True)
     return out
 
 
@@ -164,7 +168,7 @@ def main() -> None:
         elif method == "autoround":
             ck = autoround_checkpoint(gguf, group, cal, a)
             files = [(f"auto-round g{group}, -q {m}", os.path.join(a.work, f"{row}-{m}.toptpu"),
-                      {**base, "model": ck, "mode": m}) for m in ("w4bf16", "auto")]
+                      {**base, "model": ck, "mode": m}) for m in ("auto",)]
         for label, out, spec in files:
             m = compiled(out, **spec)
             ev = ["eval", out, "--text", held, "--max-tokens", str(a.max_tokens), "--json",

@@ -210,6 +210,48 @@ def test_awq_folded_layer_equals_the_float_layer(arch: str, tokenizer: Any,
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_awq_fast_search_equals_the_definition(arch: str, group: int, tokenizer: Any,
+                                               text_file: str) -> None:
+    """AWQ's search and clipping from the inputs' products (the default) choose what the
+    definitions choose (the inspected module rerun per ratio, each shrink's partial products
+    formed: `direct=True`): the same ratio for every scaling group and the same clipped
+    weights."""
+    _, layer, runner, x = _first_layer_setup(arch, tokenizer, text_file)
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    scheme = QuantScheme(4, group, False)
+    results = []
+    threads = torch.get_num_threads()
+    for direct in (True, False):
+        copy_of = copy.deepcopy(layer)
+        run = LayerRunner(copy_of, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+        report = awq_layer(run, plan, x, scheme, AwqOptions(), set(plan.linears), direct)
+        results.append((report.ratios, dict(copy_of.named_parameters())))
+    assert torch.get_num_threads() == threads  # AWQ's one thread is given back
+    (ratios_direct, direct_weights), (ratios, weights) = results
+    assert ratios == ratios_direct and len(ratios) >= 2
+    for name, p in weights.items():
+        torch.testing.assert_close(p, direct_weights[name], rtol=1e-6, atol=1e-7)
+
+
+def test_awq_clip_equals_the_definition() -> None:
+    """`clip_weight` (each group's input products) clamps every (row, group) where
+    `clip_weight_direct` (every shrink's partial products) does, on inputs with outlier
+    channels, and the clamp changes some weights."""
+    from toptpu.weight_calibration.awq import clip_weight, clip_weight_direct
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=gen)
+    w[:, 5] *= 8
+    x = torch.randn(700, 128, generator=gen) * (1 + 10 * (torch.arange(128) % 17 == 0))
+    for scheme in (QuantScheme(4, 32, False), QuantScheme(4, 64, True)):
+        fast = clip_weight(w, x, scheme, AwqOptions(), rows_per_batch=40)
+        direct = clip_weight_direct(w, x, scheme, AwqOptions(), rows_per_batch=40)
+        assert torch.equal(fast, direct)
+        assert not torch.equal(fast, w)
+
+
 def _layer_error(method: str, arch: str, tok: Any, text: str, group: int) -> float:
     """The first layer's output error (quantized vs float) on the calibration sequences."""
     model, layer, runner, x = _first_layer_setup(arch, tok, text)

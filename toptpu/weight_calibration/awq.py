@@ -50,6 +50,10 @@ class AwqOptions:
     max_shrink: float = 0.5
     clip_tokens: int = 512
     search_tokens: int = 4096
+    #: torch threads for the search and clipping (restored after): one, as measured on the
+    #: shared 2-core host (`bench/awq_speed.py`: two threads took 3x the CPU time and more
+    #: wall time); None leaves torch's setting
+    threads: int | None = 1
 
 
 _TORCH_SCALE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -210,44 +214,113 @@ def _fold_norm(norm: torch.nn.Module, s: torch.Tensor, name: str) -> None:
                            "scale into (x * w or x * (1 + w))")
 
 
-@torch.no_grad()
-def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
-                 inspect_input: torch.Tensor, scheme: QuantScheme, options: AwqOptions
+def _ratio_scale(ratio: float, x_mean: torch.Tensor, w_mean: torch.Tensor | None
+                 ) -> torch.Tensor:
+    """The candidate scale of one grid ratio (module doc, step 2)."""
+    if w_mean is not None:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+    else:
+        s = x_mean.pow(ratio).clamp(min=1e-4)
+    s = s / (s.max() * s.min()).sqrt()
+    s[~torch.isfinite(s)] = 1
+    return s
+
+
+def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, options: AwqOptions
+                ) -> list[tuple[float, torch.Tensor]]:
+    return [(i / options.grid, _ratio_scale(i / options.grid, x_mean, w_mean))
+            for i in range(options.grid)]
+
+
+def _scaled_quantized(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Q(W * s) / s: the weights the search tries for scale s."""
+    return fake_quantize(w * s[None, :], scheme) / s[None, :]
+
+
+def _first_least(losses: list[tuple[float, float, torch.Tensor]]
                  ) -> tuple[torch.Tensor, float]:
-    """The best scale of `group` (module doc, steps 1-2) and its ratio."""
+    """(scale, ratio) of the first candidate of least loss (ties go to the smaller ratio)."""
+    best = losses[0]
+    for candidate in losses[1:]:
+        if candidate[0] < best[0]:
+            best = candidate
+    return best[2], best[1]
+
+
+def _input_gram(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """X^T X in float64 of inputs `x` [T, K], accumulated over blocks of tokens."""
+    k = x.shape[-1]
+    gram = torch.zeros(k, k, dtype=torch.float64)
+    for t0 in range(0, x.shape[0], block):
+        xb = x[t0:t0 + block].double()
+        gram.addmm_(xb.T, xb)
+    return gram
+
+
+@torch.no_grad()
+def search_scale_direct(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
+                        inspect_input: torch.Tensor, scheme: QuantScheme, options: AwqOptions
+                        ) -> tuple[torch.Tensor, float]:
+    """The best scale of `group` and its ratio (module doc, steps 1-2), by definition: for
+    every ratio the linears get their fake-quantized weights and the inspected module runs
+    again on the search inputs; the loss is the mean squared difference of its output from
+    the float output. `search_scale` makes the same choice faster."""
     linears = [_linear(runner, n) for n in group.linears]
     originals = [m.weight.data.clone() for m in linears]
     x_mean = inputs.mean.to(torch.float32)
     w_mean = _w_mean(originals, scheme) if options.duo_scaling else None
     reference = _batched(runner, group.inspect, inspect_input)
-    best: tuple[float, float, torch.Tensor] | None = None
+    losses = []
     try:
-        for i in range(options.grid):
-            ratio = i / options.grid
-            if w_mean is not None:
-                s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
-            else:
-                s = x_mean.pow(ratio).clamp(min=1e-4)
-            s = s / (s.max() * s.min()).sqrt()
-            s[~torch.isfinite(s)] = 1
+        for ratio, s in _candidates(x_mean, w_mean, options):
             for m, w in zip(linears, originals, strict=True):
-                m.weight.data = fake_quantize(w * s[None, :], scheme) / s[None, :]
+                m.weight.data = _scaled_quantized(w, s, scheme)
             out = _batched(runner, group.inspect, inspect_input)
-            loss = float((out - reference).pow(2).mean(dtype=torch.float64))
-            if best is None or loss < best[0]:
-                best = (loss, ratio, s.clone())
+            losses.append((float((out - reference).pow(2).mean(dtype=torch.float64)), ratio, s))
     finally:
         for m, w in zip(linears, originals, strict=True):
             m.weight.data = w
-    assert best is not None
-    return best[2], best[1]
+    return _first_least(losses)
 
 
 @torch.no_grad()
-def clip_weight(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, options: AwqOptions,
-                rows_per_batch: int = 256) -> torch.Tensor:
+def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
+                 inspect_input: torch.Tensor, scheme: QuantScheme, options: AwqOptions
+                 ) -> tuple[torch.Tensor, float]:
+    """`search_scale_direct`'s choice. Where the inspected module is the group's one linear
+    (down_proj after up_proj; o_proj after v_proj), its output error on inputs X [T, K] is
+    linear in the weight error D = W' - W [N, K]: mean((X D^T)^2) = sum((D X^T X) * D) /
+    (T N) (a bias cancels). X^T X is formed once (float64) and a ratio costs N K^2 instead
+    of a forward's T N K. Other groups (the inspected module is not linear in the weights:
+    attention, the MLP) rerun the module per ratio, as by definition."""
+    if len(group.linears) != 1 or group.inspect != group.linears[0]:
+        return search_scale_direct(runner, group, inputs, inspect_input, scheme, options)
+    w = _linear(runner, group.inspect).weight.data
+    x = inspect_input.reshape(-1, inspect_input.shape[-1])
+    gram = _input_gram(x)
+    x_mean = inputs.mean.to(torch.float32)
+    w_mean = _w_mean([w], scheme) if options.duo_scaling else None
+    w64 = w.double()
+    denominator = x.shape[0] * w.shape[0]
+    losses = []
+    for ratio, s in _candidates(x_mean, w_mean, options):
+        d = _scaled_quantized(w, s, scheme).double().sub_(w64)
+        losses.append((float((d @ gram).mul_(d).sum()) / denominator, ratio, s))
+    return _first_least(losses)
+
+
+def _shrinks(org_max: torch.Tensor, options: AwqOptions) -> list[torch.Tensor]:
+    """The clipping candidates: max |w| times 1, 1 - 1/clip_grid, ... above 1 - max_shrink."""
+    return [org_max * (1 - i / options.clip_grid)
+            for i in range(int(options.max_shrink * options.clip_grid))]
+
+
+@torch.no_grad()
+def clip_weight_direct(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme,
+                       options: AwqOptions, rows_per_batch: int = 256) -> torch.Tensor:
     """`w` [N, K] clamped per (row, group) to the max |w| that best keeps the group's partial
-    products on inputs `x` [T, K] (module doc, step 4)."""
+    products on inputs `x` [T, K] (module doc, step 4), by definition: each shrink's partial
+    products computed and compared. `clip_weight` computes the same faster."""
     n, k = w.shape
     gs = scheme.group_length(k)
     g = k // gs
@@ -261,11 +334,44 @@ def clip_weight(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, options: 
         reference = torch.einsum("tgj,ngj->ntg", xs, wg)
         best_err = torch.full(org_max.shape[:2], float("inf"))
         best_max = org_max.clone()
-        for i in range(int(options.max_shrink * options.clip_grid)):
-            max_val = org_max * (1 - i / options.clip_grid)
+        for max_val in _shrinks(org_max, options):
             clipped = torch.clamp(wg, -max_val, max_val)
             q = fake_quantize(clipped.reshape(wb.shape), scheme).reshape(wg.shape)
             err = (torch.einsum("tgj,ngj->ntg", xs, q) - reference).pow(2).mean(dim=1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better[..., None], max_val, best_max)
+        out[r0:r0 + rows_per_batch] = torch.clamp(wg, -best_max, best_max).reshape(wb.shape)
+    return out
+
+
+@torch.no_grad()
+def clip_weight(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, options: AwqOptions,
+                rows_per_batch: int = 256) -> torch.Tensor:
+    """`clip_weight_direct`'s clamp from each group's input products: a group's partial-product
+    error on inputs X_g [T, gs] is mean_t((X_g d)^2) = d X_g^T X_g d / T for one row's
+    weight error d = q - w, so the gs x gs products are formed once per group (float64) and
+    a shrink costs gs^2 per (row, group) instead of T gs."""
+    n, k = w.shape
+    gs = scheme.group_length(k)
+    g = k // gs
+    step = max(1, x.shape[0] // options.clip_tokens)
+    xs = x[::step].reshape(-1, g, gs).double()
+    tokens = xs.shape[0]
+    grams = torch.einsum("tgj,tgk->gjk", xs, xs)
+    out = torch.empty_like(w)
+    for r0 in range(0, n, rows_per_batch):
+        wb = w[r0:r0 + rows_per_batch]
+        wg = wb.reshape(-1, g, gs)
+        w64 = wg.double()
+        org_max = wg.abs().amax(dim=-1, keepdim=True)
+        best_err = torch.full(org_max.shape[:2], float("inf"), dtype=torch.float64)
+        best_max = org_max.clone()
+        for max_val in _shrinks(org_max, options):
+            clipped = torch.clamp(wg, -max_val, max_val)
+            q = fake_quantize(clipped.reshape(wb.shape), scheme).reshape(wg.shape)
+            d = q.double() - w64
+            err = torch.einsum("ngj,gjk,ngk->ng", d, grams, d).div_(tokens)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better[..., None], max_val, best_max)
@@ -282,10 +388,26 @@ class AwqLayerReport:
 
 @torch.no_grad()
 def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
-              scheme: QuantScheme, options: AwqOptions, quantized: set[str]) -> AwqLayerReport:
+              scheme: QuantScheme, options: AwqOptions, quantized: set[str],
+              direct: bool = False) -> AwqLayerReport:
     """AWQ's scales searched and folded into the layer, and its clipping applied (module doc):
     the layer's float weights are changed in place; `quantized` are the linears that will be
-    quantized (the others are left out of the search)."""
+    quantized (the others are left out of the search). `direct`: by the definitions
+    (`search_scale_direct`, `clip_weight_direct`: slower, the same choices)."""
+    threads = torch.get_num_threads()
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    try:
+        return _awq_layer(runner, plan, x, scheme, options, quantized, direct)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+               scheme: QuantScheme, options: AwqOptions, quantized: set[str], direct: bool
+               ) -> AwqLayerReport:
+    search = search_scale_direct if direct else search_scale
+    clip = clip_weight_direct if direct else clip_weight
     x = layer_inputs(x)
     rows = search_rows(x.shape[0], x.shape[1], options.search_tokens)
     stages, layer_input = collect_inputs(runner, plan, x, rows)
@@ -302,7 +424,7 @@ def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInput
             report.skipped.append(group.prev)
             continue
         inspect_input = layer_input if group.inspect == "" else search_inputs[stage]
-        s, ratio = search_scale(runner, group, stages[stage], inspect_input, scheme, options)
+        s, ratio = search(runner, group, stages[stage], inspect_input, scheme, options)
         for name in group.linears:
             _linear(runner, name).weight.data *= s[None, :]
         fold(s)
@@ -314,6 +436,5 @@ def awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInput
                 continue
             m = _linear(runner, name)
             xin = search_inputs[_stage_of(plan, name)]
-            m.weight.data = clip_weight(m.weight.data, xin.reshape(-1, xin.shape[-1]), scheme,
-                                        options)
+            m.weight.data = clip(m.weight.data, xin.reshape(-1, xin.shape[-1]), scheme, options)
     return report
