@@ -114,6 +114,34 @@ def test_gptq_equals_algorithm_1(group: int, sym: bool, act_order: bool, bits: i
     assert got.percdamp == 0.01
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [5, 257, 700])
+def test_in_place_factor_is_torchs_bit_for_bit(dtype: type, k: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inverse's Cholesky factor made by LAPACK in the Hessian's own memory is exactly
+    what torch's cholesky / cholesky_inverse / cholesky(upper) give (zeros below)."""
+    from toptpu.weight_calibration import gptq as gptq_module
+
+    x = torch.from_numpy(_structured_inputs(k, 2 * k + 64, k).astype(dtype))
+    hessian = (2 * x.T @ x / len(x)).numpy()
+    expected = hessian.copy()
+    got = gptq_module.inverse_cholesky_upper(hessian, 0.01)
+    with monkeypatch.context() as m:  # this torch's own functions
+        m.setattr(gptq_module, "_lapack", lambda name: None)
+        expected = gptq_module.inverse_cholesky_upper(expected, 0.01)
+    assert got is hessian
+    assert np.array_equal(got, expected)
+    assert not np.tril(got, -1).any()
+
+
+def test_in_place_factor_refuses_a_matrix_not_positive_definite() -> None:
+    from toptpu.weight_calibration.gptq import NotPositiveDefinite, inverse_cholesky_upper
+
+    h = np.array([[1.0, 2.0], [2.0, 1.0]], np.float32)
+    with pytest.raises(NotPositiveDefinite):
+        inverse_cholesky_upper(h, 0.01)
+
+
 @pytest.mark.parametrize("group", [32, 128])
 def test_calibrated_error_below_round_to_nearest(group: int) -> None:
     """On a linear with structured activations the output error of GPTQ's integers is well
