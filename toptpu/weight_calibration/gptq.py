@@ -300,26 +300,29 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
         hessian, act_order=act_order, percdamp=percdamp)
     upper = prepared.upper
     dtype = upper.dtype
-    w = np.array(weight, dtype=dtype)
-    n, k = w.shape
+    n, k = weight.shape
     if upper.shape != (k, k):
         raise CalibrationError(f"a Hessian of {list(upper.shape)} for a weight of "
-                               f"{list(w.shape)}")
+                               f"{list(weight.shape)}")
     gs = scheme.group_length(k)
     if k % gs:
         raise CalibrationError(f"group size {gs} does not divide in_features {k}")
     groups = k // gs
     maxq = scheme.maxq
-    w[:, prepared.dead] = 0.0
+    dead = prepared.dead
 
     scales = np.zeros((n, groups))
     zeros = np.zeros((n, groups))
     if act_order or gs == k:  # static grids: from the weights before any update
         for g in range(groups):
-            scales[:, g], zeros[:, g] = grid_params(w[:, g * gs:(g + 1) * gs], scheme)
+            part = np.array(weight[:, g * gs:(g + 1) * gs], dtype=dtype)
+            part[:, dead[g * gs:(g + 1) * gs]] = 0.0
+            scales[:, g], zeros[:, g] = grid_params(part, scheme)
+            del part
     perm = prepared.perm
-    if act_order:
-        w = w[:, perm]
+    # the one working copy of the weights, in GPTQ's column order
+    w = np.asarray(weight[:, perm], dtype=dtype) if act_order else np.array(weight, dtype=dtype)
+    w[:, dead[perm]] = 0.0
 
     block = block_size if gs == k else max(1, block_size // gs) * gs
     q = np.zeros((n, k), dtype=np.uint8)
