@@ -259,6 +259,53 @@ def test_layer_error_gptq_awq_below_rtn(group: int, tokenizer: Any, text_file: s
     assert err["awq"] < err["rtn"], err
 
 
+def test_gptq_layer_holding_integers_gives_the_same_layer(tokenizer: Any, text_file: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """GPTQ through a layer with its quantized linears held as integers until they run
+    (`IntegersUntilRun`) gives exactly the integers, losses, float weights and outputs of
+    the same layer with their dequantized float32 weights kept in place throughout; while
+    down_proj is quantized, the MLP's gate/up hold no float weights."""
+    from toptpu.weight_calibration import sequential
+
+    request = CalibrationRequest("gptq", QuantScheme(4, 32, False))
+    seen: dict[str, int] = {}
+    gptq_of = sequential.gptq
+
+    def watching(weight: np.ndarray, *args: Any, **kw: Any) -> Any:
+        if weight.shape[1] == layer.mlp.down_proj.in_features:
+            seen["gate"] = layer.mlp.gate_proj.weight.numel()
+            seen["up"] = layer.mlp.up_proj.weight.numel()
+        return gptq_of(weight, *args, **kw)
+
+    runs = []
+    for hold in (True, False):
+        _, layer, runner, x = _first_layer_setup("qwen2", tokenizer, text_file)
+        plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+        with monkeypatch.context() as m:
+            m.setattr(sequential, "gptq", watching)
+            if not hold:  # the float32 weights set in place at once, as GPTQ's reference
+                m.setattr(sequential.IntegersUntilRun, "hold", lambda self, name, w: setattr(
+                    sequential._linear_weight(self.layer, name).weight, "data",
+                    torch.from_numpy(w.dequantize())))
+            out, losses = sequential.gptq_layer(runner, plan, x.clone(), set(plan.linears),
+                                                request)
+        if hold:
+            assert seen == {"gate": 0, "up": 0}
+        runs.append((out, losses, {n: p.detach().clone() for n, p in layer.named_parameters()},
+                     runner.forward(x)))
+    (held, held_losses, held_params, held_y), (ref, ref_losses, ref_params, ref_y) = runs
+    assert held.keys() == ref.keys() == set(plan.linears)
+    for name in ref:
+        assert np.array_equal(held[name].qweight, ref[name].qweight)
+        assert np.array_equal(held[name].scales, ref[name].scales)
+        assert np.array_equal(held[name].zeros, ref[name].zeros)
+    assert held_losses == ref_losses
+    assert all(torch.equal(held_params[n], ref_params[n]) for n in ref_params)
+    assert torch.equal(held_y, ref_y)
+    assert not layer._forward_pre_hooks and not layer.mlp.gate_proj._forward_pre_hooks
+
+
 # ----------------------------------------------------------------------------- data
 
 def test_calibration_data_sequences(tmp_path: Path, tokenizer: Any, text_file: str) -> None:
