@@ -430,6 +430,75 @@ def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, tmp_path
     shutil.rmtree(out)
 
 
+def _transformers_perplexity(model: Any, ids: list[int], window: int) -> float:
+    """Perplexity of `ids` in transformers, on `toptpu eval`'s windows (`eval_cli.windows`:
+    non-overlapping, the first token of each context only), log-softmax in float64."""
+    from toptpu.eval_cli import windows
+
+    nll, n = 0.0, 0
+    for s, e in windows(len(ids), window):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[s:e]])).logits[0].double()
+        lp = torch.log_softmax(logits, -1)[:-1]
+        nll -= float(lp[torch.arange(e - s - 1), torch.tensor(ids[s + 1:e])].sum())
+        n += e - s - 1
+    return float(np.exp(nll / n))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_export_perplexity_in_transformers_equals_toptpu_eval(
+        method: str, tmp_path: Path, tokenizer: Any, text_file: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`toptpu compile FLOAT -q w4f32 --calibrate METHOD --save-calibrated DIR`: the perplexity
+    of a held-back text in transformers loading DIR (auto-round's CPU kernels, float32) equals
+    `toptpu eval`'s of the `--calibrate` model file and of DIR's own w4f32 compile, to 1e-3
+    (absolute, on the same windows). The check is meaningful: the export's perplexity is
+    more than ten times that tolerance away from the float model's and from
+    round-to-nearest's on the same grid."""
+    import json
+
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.cli import main as toptpu_main
+
+    src = tmp_path / "float"
+    model = _outlier_model("qwen2")
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    rng = random.Random(1)
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(5)))
+    small = ["--seq-length", "64", "--max-input-length", "32", "--quiet"]
+    ck, calibrated, again = tmp_path / "ck", tmp_path / "cal.toptpu", tmp_path / "again.toptpu"
+    assert toptpu_main(["compile", str(src), "-q", "w4f32", "--group-size", "32",
+                        "--calibrate", method, "--calibration-data", text_file,
+                        "--calibration-samples", "8", "--calibration-seq-length", "64",
+                        "--save-calibrated", str(ck), "-o", str(calibrated), *small]) == 0
+    assert toptpu_main(["compile", str(ck), "-q", "w4f32", "-o", str(again), *small]) == 0
+    capsys.readouterr()
+
+    def toptpu_eval(path: Path) -> dict[str, Any]:
+        assert toptpu_main(["eval", str(path), "--text", str(held), "--json", "--quiet"]) == 0
+        return dict(json.loads(capsys.readouterr().out))
+
+    ours = [toptpu_eval(calibrated), toptpu_eval(again)]
+    ids = Runtime.open(str(calibrated), "interpreter").encode(held.read_text())
+    assert ours[0]["text_tokens"] == len(ids) > 3 * 64 and ours[0]["window"] == 64
+    theirs = _transformers_perplexity(_load_with_autoround(str(ck)), ids, 64)
+    for res in ours:
+        assert abs(res["perplexity"] - theirs) <= 1e-3, (res["perplexity"], theirs)
+    floating = _transformers_perplexity(model, ids, 64)
+    rtn_ck = str(tmp_path / "rtn")
+    calibrate(model, rtn_ck, CalibrationRequest("rtn", QuantScheme(4, 32, False)), [text_file],
+              sequences=8, sequence_length=64, tokenizer=tokenizer, progress=None)
+    rounded = _transformers_perplexity(_load_with_autoround(rtn_ck), ids, 64)
+    print(f"{method}: toptpu eval {ours[0]['perplexity']:.6f} (--calibrate file), "
+          f"{ours[1]['perplexity']:.6f} (export's compile); transformers {theirs:.6f}; "
+          f"float {floating:.6f}, RTN {rounded:.6f}")
+    assert abs(theirs - floating) > 1e-2 and abs(theirs - rounded) > 1e-2, \
+        (theirs, floating, rounded)
+
+
 def _qwen3() -> Any:
     import transformers as tf
 
