@@ -84,6 +84,10 @@ class PhaseTrace:
         row = self.rows[-1]
         row["peak_mb"] = max(row["peak_mb"], rss_mb())
         row["seconds"] = time.perf_counter() - row["t"]
+        if row["phase"] != "driver" or row["peak_mb"] - row["enter_mb"] > 50:
+            print(f"phase: {row['phase']:<24} enter {row['enter_mb']:6.0f} MB  peak "
+                  f"{row['peak_mb']:6.0f} MB  {row['seconds']:7.1f} s", file=sys.stderr,
+                  flush=True)  # as it goes: a long run shows where it is
         self._open(label)
 
     def close(self) -> list[dict[str, Any]]:
