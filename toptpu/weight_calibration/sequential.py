@@ -11,13 +11,18 @@ that input is seen). The forwards are torch float32 on the Hugging Face layer mo
 (`layers.LayerRunner`). The layer's shard of the checkpoint is written and the layer let go
 before the next one is read.
 
-Memory: one float32 layer, the layer inputs and outputs of the calibration set (2 x
-sequences x length x hidden x 4 bytes), one forward's activations of a batch
-(`batch_tokens`), and per method: GPTQ one Hessian at a time (K x K float64, K the widest
-input: the MLP's intermediate size for down_proj) and its factor; AWQ the inputs of each
-of the layer's linears for the search tokens (`AwqOptions.search_tokens` x (3 hidden +
-intermediate) x 4 bytes). The checkpoint outside the layer is never read whole: the
-embedding rows of the calibration tokens only (a streamed source).
+Memory (GPTQ): the float32 layer, its linears quantized so far held as their integers
+(`IntegersUntilRun`: 1 byte a weight; each dequantized only while it runs), one forward's
+activations of a batch (`batch_tokens`, `batch_bytes`), and one stage's Hessian (K x K
+float32, K its input width) factored in its own memory (`gptq.inverse_cholesky_upper`),
+with one working copy of the weights of the linear GPTQ is on. At Qwen2.5-7B's widths the
+peak is down_proj's stage: its 1.4 GB Hessian beside down_proj's own 0.27 GB of float32
+weights, one dequantized gate/up while the stage's inputs are taken, and the 0.2 GB of
+integers (`bench/calibration_memory_7b.py` measures it per phase). AWQ: the float32
+layer and the inputs of each of the layer's linears for the search tokens
+(`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes). The calibration set's
+hidden states live in a scratch file (`activations`); the checkpoint outside the layer is
+never read whole: the embedding rows of the calibration tokens only (a streamed source).
 """
 
 from __future__ import annotations
