@@ -436,8 +436,14 @@ def test_streamed_layer_assembles_the_hub_layout(tmp_path_factory) -> None:
         gate, up, down = _stacked(ref.model.layers[layer].mlp)
         for key, want in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             assert np.array_equal(get("layer.mlp.experts." + key), want), (layer, key)
+    # the skeleton's stacked experts are placeholders (zero pages) until filled, as the
+    # embedding's are; filled, they are transformers' tensors
+    experts = loaded.model.model.layers[0].mlp.experts
+    assert not experts.gate_up_proj.any() and not experts.down_proj.any()
+    loaded.stream.fill_placeholders(loaded.model)
     skel = loaded.model.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(skel, ref.model.layers[0].mlp.experts.gate_up_proj)
+    assert torch.equal(experts.down_proj, ref.model.layers[0].mlp.experts.down_proj)
 
 
 # --------------------------------------------------------------------------- generation
@@ -575,6 +581,31 @@ def test_pipeline_parallel_gives_the_one_device_tokens(tmp_path_factory) -> None
     ids = Runtime.open(one.model_file).encode(LONG_PROMPT)
     want = Runtime.open(one.model_file).generate(ids, 32).generated_ids
     assert Runtime.open(two.model_file).generate(ids, 32).generated_ids == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [4, 8])
+def test_pipeline_parallel_up_to_eight_devices(tmp_path_factory, devices: int) -> None:
+    """An 8-layer tiny Qwen3-MoE over 4 and 8 BM1684X (LLM-TPU deploys a 35B-A3B over 7):
+    every device holds its contiguous layers (8 devices: one each), and 32 greedy tokens
+    after a prompt of three chunks equal the one-device file's and transformers'."""
+    from toptpu.backend.formats.llm_file import LlmFile
+    from toptpu.backend.runtime.runtime import Runtime
+
+    one = compiled(tmp_path_factory, "qwen3_moe", layers=8)
+    spread = compiled(tmp_path_factory, "qwen3_moe", layers=8, devices=devices,
+                      parallel="pp")
+    par = LlmFile(spread.model_file).meta.parallel
+    assert par is not None and len(par.devices) == devices
+    assert all(len(d.layers) > 0 for d in par.devices)
+    assert [i for d in par.devices for i in d.layers] == list(range(8))
+    ids = Runtime.open(one.model_file).encode(LONG_PROMPT)
+    want = Runtime.open(one.model_file).generate(ids, 32, stop_on_eos=False).generated_ids
+    ref = hf_generate(one.model_dir, ids, 32)  # (transformers stops at eos)
+    assert ref and want[:len(ref)] == ref
+    assert len(ref) == 32 or ref[-1] in Runtime.open(one.model_file).eos_ids
+    got = Runtime.open(spread.model_file).generate(ids, 32, stop_on_eos=False)
+    assert got.generated_ids == want
 
 
 @pytest.mark.slow
