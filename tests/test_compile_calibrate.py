@@ -263,6 +263,65 @@ def test_calibration_refuses_a_quantized_checkpoint(float_model: str, text_file:
     assert "is already quantized (auto-round)" in line, line
 
 
+# ----------------------------------------------------------------------------- Qwen3.5
+
+def _qwen3_5_checkpoint(path: Path) -> Any:
+    """A tiny float Qwen3.5 (`qwen3_5_text`) checkpoint directory: three Gated DeltaNet
+    layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; a conv1d) and one gated
+    full-attention layer; eight value heads, so in_proj_b / in_proj_a (one output per value
+    head) fill whole int32 words of zero points and are quantized too."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, tie_word_embeddings=False, linear_num_key_heads=2,
+        linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"])).eval()
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_qwen3_5_calibrates_generates_and_evals(method: str, text_file: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`toptpu compile QWEN3.5 -q w4bf16 --calibrate METHOD` (the checkpoint streamed a layer
+    at a time): every linear of both layer kinds is calibrated into the checkpoint, and the
+    model file generates and `toptpu eval`s cleanly (finite perplexity, the float model's in
+    transformers beside it). Random weights: no claim on quality."""
+    src, ck, out = tmp_path / "float", tmp_path / "ck", tmp_path / "m.toptpu"
+    _qwen3_5_checkpoint(src)
+    code, err = _run(["compile", str(src), "-q", "w4bf16", "--group-size", "32",
+                      "--calibrate", method, "--calibration-data", text_file, *CALIBRATION,
+                      "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
+    assert code == 0, err
+    from toptpu.frontends.quant import read_quantized_checkpoint
+
+    config = json.loads((ck / "config.json").read_text())
+    assert config["quantization_config"].get("extra_config", {}) == {}  # nothing left float
+    linear = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    mlp = [f"mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+    expected = {f"model.layers.{i}.{n}" for i in range(3)
+                for n in [f"linear_attn.{p}" for p in linear] + mlp}
+    expected |= {f"model.layers.3.{n}" for n in [f"self_attn.{p}" for p in attention] + mlp}
+    assert set(read_quantized_checkpoint(str(ck)).linears) == expected
+    res = Runtime.open(str(out)).generate([5, 6, 7, 8], 6, stop_on_eos=False)
+    assert len(res.generated_ids) == 6
+    rng = random.Random(2)
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)))
+    assert toptpu_main(["eval", str(out), "--text", str(held), "--hf", str(src), "--json",
+                        "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["problem"] is None and result["predicted_tokens"] > 64
+    ppl, ref = result["perplexity"], result["reference"]["perplexity"]
+    assert np.isfinite(ppl) and np.isfinite(ref) and abs(ppl / ref - 1) < 0.05, (ppl, ref)
+
+
 # ----------------------------------------------------------------------------- real model
 
 @pytest.mark.slow

@@ -114,6 +114,34 @@ def test_gptq_equals_algorithm_1(group: int, sym: bool, act_order: bool, bits: i
     assert got.percdamp == 0.01
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [5, 257, 700])
+def test_in_place_factor_is_torchs_bit_for_bit(dtype: type, k: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inverse's Cholesky factor made by LAPACK in the Hessian's own memory is exactly
+    what torch's cholesky / cholesky_inverse / cholesky(upper) give (zeros below)."""
+    from toptpu.weight_calibration import gptq as gptq_module
+
+    x = torch.from_numpy(_structured_inputs(k, 2 * k + 64, k).astype(dtype))
+    hessian = (2 * x.T @ x / len(x)).numpy()
+    expected = hessian.copy()
+    got = gptq_module.inverse_cholesky_upper(hessian, 0.01)
+    with monkeypatch.context() as m:  # this torch's own functions
+        m.setattr(gptq_module, "_lapack", lambda name: None)
+        expected = gptq_module.inverse_cholesky_upper(expected, 0.01)
+    assert got is hessian
+    assert np.array_equal(got, expected)
+    assert not np.tril(got, -1).any()
+
+
+def test_in_place_factor_refuses_a_matrix_not_positive_definite() -> None:
+    from toptpu.weight_calibration.gptq import NotPositiveDefinite, inverse_cholesky_upper
+
+    h = np.array([[1.0, 2.0], [2.0, 1.0]], np.float32)
+    with pytest.raises(NotPositiveDefinite):
+        inverse_cholesky_upper(h, 0.01)
+
+
 @pytest.mark.parametrize("group", [32, 128])
 def test_calibrated_error_below_round_to_nearest(group: int) -> None:
     """On a linear with structured activations the output error of GPTQ's integers is well
@@ -273,6 +301,53 @@ def test_layer_error_gptq_awq_below_rtn(group: int, tokenizer: Any, text_file: s
     assert err["awq"] < err["rtn"], err
 
 
+def test_gptq_layer_holding_integers_gives_the_same_layer(tokenizer: Any, text_file: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """GPTQ through a layer with its quantized linears held as integers until they run
+    (`IntegersUntilRun`) gives exactly the integers, losses, float weights and outputs of
+    the same layer with their dequantized float32 weights kept in place throughout; while
+    down_proj is quantized, the MLP's gate/up hold no float weights."""
+    from toptpu.weight_calibration import sequential
+
+    request = CalibrationRequest("gptq", QuantScheme(4, 32, False))
+    seen: dict[str, int] = {}
+    gptq_of = sequential.gptq
+
+    def watching(weight: np.ndarray, *args: Any, **kw: Any) -> Any:
+        if weight.shape[1] == layer.mlp.down_proj.in_features:
+            seen["gate"] = layer.mlp.gate_proj.weight.numel()
+            seen["up"] = layer.mlp.up_proj.weight.numel()
+        return gptq_of(weight, *args, **kw)
+
+    runs = []
+    for hold in (True, False):
+        _, layer, runner, x = _first_layer_setup("qwen2", tokenizer, text_file)
+        plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+        with monkeypatch.context() as m:
+            m.setattr(sequential, "gptq", watching)
+            if not hold:  # the float32 weights set in place at once, as GPTQ's reference
+                m.setattr(sequential.IntegersUntilRun, "hold", lambda self, name, w: setattr(
+                    sequential._linear_weight(self.layer, name).weight, "data",
+                    torch.from_numpy(w.dequantize())))
+            out, losses = sequential.gptq_layer(runner, plan, x.clone(), set(plan.linears),
+                                                request)
+        if hold:
+            assert seen == {"gate": 0, "up": 0}
+        runs.append((out, losses, {n: p.detach().clone() for n, p in layer.named_parameters()},
+                     runner.forward(x)))
+    (held, held_losses, held_params, held_y), (ref, ref_losses, ref_params, ref_y) = runs
+    assert held.keys() == ref.keys() == set(plan.linears)
+    for name in ref:
+        assert np.array_equal(held[name].qweight, ref[name].qweight)
+        assert np.array_equal(held[name].scales, ref[name].scales)
+        assert np.array_equal(held[name].zeros, ref[name].zeros)
+    assert held_losses == ref_losses
+    assert all(torch.equal(held_params[n], ref_params[n]) for n in ref_params)
+    assert torch.equal(held_y, ref_y)
+    assert not layer._forward_pre_hooks and not layer.mlp.gate_proj._forward_pre_hooks
+
+
 # ----------------------------------------------------------------------------- data
 
 def test_calibration_data_sequences(tmp_path: Path, tokenizer: Any, text_file: str) -> None:
@@ -395,6 +470,75 @@ def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, tmp_path
         theirs = consumer(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(ours_logits, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
     shutil.rmtree(out)
+
+
+def _transformers_perplexity(model: Any, ids: list[int], window: int) -> float:
+    """Perplexity of `ids` in transformers, on `toptpu eval`'s windows (`eval_cli.windows`:
+    non-overlapping, the first token of each context only), log-softmax in float64."""
+    from toptpu.eval_cli import windows
+
+    nll, n = 0.0, 0
+    for s, e in windows(len(ids), window):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[s:e]])).logits[0].double()
+        lp = torch.log_softmax(logits, -1)[:-1]
+        nll -= float(lp[torch.arange(e - s - 1), torch.tensor(ids[s + 1:e])].sum())
+        n += e - s - 1
+    return float(np.exp(nll / n))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_export_perplexity_in_transformers_equals_toptpu_eval(
+        method: str, tmp_path: Path, tokenizer: Any, text_file: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`toptpu compile FLOAT -q w4f32 --calibrate METHOD --save-calibrated DIR`: the perplexity
+    of a held-back text in transformers loading DIR (auto-round's CPU kernels, float32) equals
+    `toptpu eval`'s of the `--calibrate` model file and of DIR's own w4f32 compile, to 1e-3
+    (absolute, on the same windows). The check is meaningful: the export's perplexity is
+    more than ten times that tolerance away from the float model's and from
+    round-to-nearest's on the same grid."""
+    import json
+
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.cli import main as toptpu_main
+
+    src = tmp_path / "float"
+    model = _outlier_model("qwen2")
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    rng = random.Random(1)
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(5)))
+    small = ["--seq-length", "64", "--max-input-length", "32", "--quiet"]
+    ck, calibrated, again = tmp_path / "ck", tmp_path / "cal.toptpu", tmp_path / "again.toptpu"
+    assert toptpu_main(["compile", str(src), "-q", "w4f32", "--group-size", "32",
+                        "--calibrate", method, "--calibration-data", text_file,
+                        "--calibration-samples", "8", "--calibration-seq-length", "64",
+                        "--save-calibrated", str(ck), "-o", str(calibrated), *small]) == 0
+    assert toptpu_main(["compile", str(ck), "-q", "w4f32", "-o", str(again), *small]) == 0
+    capsys.readouterr()
+
+    def toptpu_eval(path: Path) -> dict[str, Any]:
+        assert toptpu_main(["eval", str(path), "--text", str(held), "--json", "--quiet"]) == 0
+        return dict(json.loads(capsys.readouterr().out))
+
+    ours = [toptpu_eval(calibrated), toptpu_eval(again)]
+    ids = Runtime.open(str(calibrated), "interpreter").encode(held.read_text())
+    assert ours[0]["text_tokens"] == len(ids) > 3 * 64 and ours[0]["window"] == 64
+    theirs = _transformers_perplexity(_load_with_autoround(str(ck)), ids, 64)
+    for res in ours:
+        assert abs(res["perplexity"] - theirs) <= 1e-3, (res["perplexity"], theirs)
+    floating = _transformers_perplexity(model, ids, 64)
+    rtn_ck = str(tmp_path / "rtn")
+    calibrate(model, rtn_ck, CalibrationRequest("rtn", QuantScheme(4, 32, False)), [text_file],
+              sequences=8, sequence_length=64, tokenizer=tokenizer, progress=None)
+    rounded = _transformers_perplexity(_load_with_autoround(rtn_ck), ids, 64)
+    print(f"{method}: toptpu eval {ours[0]['perplexity']:.6f} (--calibrate file), "
+          f"{ours[1]['perplexity']:.6f} (export's compile); transformers {theirs:.6f}; "
+          f"float {floating:.6f}, RTN {rounded:.6f}")
+    assert abs(theirs - floating) > 1e-2 and abs(theirs - rounded) > 1e-2, \
+        (theirs, floating, rounded)
 
 
 def _qwen3() -> Any:

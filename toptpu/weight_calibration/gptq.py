@@ -33,8 +33,11 @@ of `grid`: scales rounded to their storage dtype first).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,15 +115,96 @@ class GptqResult:
     percdamp: float
 
 
+def _lapack(name: str) -> Any:
+    """LAPACK's Fortran routine `name` (e.g. 'spotrf_') from the library torch's own
+    cholesky and cholesky_inverse call (MKL, linked into libtorch_cpu), or None where this
+    torch does not export it."""
+    lib = _LAPACK.get("lib")
+    if lib is None:
+        try:
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                           "libtorch_cpu.so"))
+        except OSError:
+            lib = False
+        _LAPACK["lib"] = lib
+    return getattr(lib, name, None) if lib else None
+
+
+_LAPACK: dict[str, Any] = {}
+
+
+def _lapack_in_place(routine: str, uplo: bytes, a: np.ndarray) -> int:
+    """LAPACK's `routine` ('potrf' or 'potri', in `a`'s dtype) on the square C-contiguous
+    `a` taken as the column-major matrix ``a.T``, in its own memory; LAPACK's info."""
+    fn = _lapack(("s" if a.dtype == np.float32 else "d") + routine + "_")
+    n = ctypes.c_int(a.shape[0])
+    info = ctypes.c_int(0)
+    fn(ctypes.c_char_p(uplo), ctypes.byref(n), a.ctypes.data_as(ctypes.c_void_p),
+       ctypes.byref(n), ctypes.byref(info))
+    return int(info.value)
+
+
+def _rows_per_block(a: np.ndarray) -> int:
+    return max(1, (1 << 24) // max(1, a.shape[1] * a.itemsize))
+
+
+def _lower_from_upper(a: np.ndarray, zero: bool = False) -> None:
+    """``a``'s strict lower triangle set to its upper triangle's mirror (or to zero with
+    `zero`), a block of rows at a time (that block's temporary)."""
+    k = a.shape[0]
+    step = _rows_per_block(a)
+    for r0 in range(0, k, step):
+        r1 = min(r0 + step, k)
+        lower = np.arange(r1)[None, :] < np.arange(r0, r1)[:, None]
+        rows = a[r0:r1, :r1]
+        if zero:
+            rows[lower] = 0
+        else:
+            rows[lower] = a[:r1, r0:r1].T[lower]
+
+
 def inverse_cholesky_upper(h: np.ndarray, percdamp: float) -> np.ndarray:
-    """``cholesky((H + damp I)^-1)`` as an upper triangle, computed in the memory of `h`
-    (C-contiguous, overwritten; returned): damping added to the diagonal, then LAPACK's
-    potrf, potri, potrf (torch's `cholesky_ex` and `cholesky_inverse` with ``out=`` the
-    input: no other K x K matrix is made; one torch thread, `torch_threads`). Raises
-    NotPositiveDefinite when ``H + damp I`` is not (`h` is spent then)."""
+    """``cholesky((H + damp I)^-1)`` as an upper triangle (zeros below), computed in the
+    memory of `h` (C-contiguous, overwritten; returned): damping added to the diagonal,
+    then LAPACK's potrf, potri, potrf, called in place on `h` (no other K x K matrix is
+    made: torch's `cholesky_ex` and `cholesky_inverse` with ``out=`` the input each make
+    and copy back a K x K result, 1.4 GB at Qwen2.5-7B's down_proj). The routines and
+    triangles are those torch calls (MKL's, from libtorch_cpu; one thread, `torch_threads`),
+    so the factor is torch's bit for bit (tested); where this torch exports no LAPACK, its
+    functions are called instead. Raises NotPositiveDefinite when ``H + damp I`` is not (`h`
+    is spent then)."""
     t = torch.from_numpy(h)
     mean_diag = float(t.diagonal().mean(dtype=torch.float64))
     t.diagonal().add_(percdamp * mean_diag)
+    if _lapack("spotrf_") is None or _lapack("spotri_") is None:
+        return _inverse_cholesky_upper_torch(h, percdamp)
+    # h read as a column-major matrix is H^T. torch factors the lower triangle of H (a sum
+    # of products need not be symmetric to the last bit): mirrored into h's upper triangle,
+    # the column-major matrix is that. potrf('L') leaves L in its lower triangle (h's
+    # upper), potri('L') the inverse's lower triangle there; mirrored into h's lower
+    # triangle (the column-major upper one), potrf('U') leaves U in h's lower triangle as
+    # U^T, mirrored back, the rest zeroed.
+    _lower_from_upper(h.T)
+    with torch_threads(1):
+        info = _lapack_in_place("potrf", b"L", h)
+        if info == 0:
+            info = _lapack_in_place("potri", b"L", h)
+        if info == 0:
+            _lower_from_upper(h)
+            info = _lapack_in_place("potrf", b"U", h)
+    if info != 0:
+        raise NotPositiveDefinite(percdamp)
+    _lower_from_upper(h.T)
+    _lower_from_upper(h, zero=True)
+    if not bool(np.isfinite(np.diagonal(h)).all()):
+        raise NotPositiveDefinite(percdamp)
+    return h
+
+
+def _inverse_cholesky_upper_torch(h: np.ndarray, percdamp: float) -> np.ndarray:
+    """`inverse_cholesky_upper` by torch's functions (the damping already added): each makes
+    a K x K result of its own before copying it into `h`."""
+    t = torch.from_numpy(h)
     info = torch.zeros((), dtype=torch.int32)
     with torch_threads(1):
         torch.linalg.cholesky_ex(t, out=(t, info))
@@ -216,26 +300,29 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
         hessian, act_order=act_order, percdamp=percdamp)
     upper = prepared.upper
     dtype = upper.dtype
-    w = np.array(weight, dtype=dtype)
-    n, k = w.shape
+    n, k = weight.shape
     if upper.shape != (k, k):
         raise CalibrationError(f"a Hessian of {list(upper.shape)} for a weight of "
-                               f"{list(w.shape)}")
+                               f"{list(weight.shape)}")
     gs = scheme.group_length(k)
     if k % gs:
         raise CalibrationError(f"group size {gs} does not divide in_features {k}")
     groups = k // gs
     maxq = scheme.maxq
-    w[:, prepared.dead] = 0.0
+    dead = prepared.dead
 
     scales = np.zeros((n, groups))
     zeros = np.zeros((n, groups))
     if act_order or gs == k:  # static grids: from the weights before any update
         for g in range(groups):
-            scales[:, g], zeros[:, g] = grid_params(w[:, g * gs:(g + 1) * gs], scheme)
+            part = np.array(weight[:, g * gs:(g + 1) * gs], dtype=dtype)
+            part[:, dead[g * gs:(g + 1) * gs]] = 0.0
+            scales[:, g], zeros[:, g] = grid_params(part, scheme)
+            del part
     perm = prepared.perm
-    if act_order:
-        w = w[:, perm]
+    # the one working copy of the weights, in GPTQ's column order
+    w = np.asarray(weight[:, perm], dtype=dtype) if act_order else np.array(weight, dtype=dtype)
+    w[:, dead[perm]] = 0.0
 
     block = block_size if gs == k else max(1, block_size // gs) * gs
     q = np.zeros((n, k), dtype=np.uint8)

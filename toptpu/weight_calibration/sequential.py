@@ -11,13 +11,18 @@ that input is seen). The forwards are torch float32 on the Hugging Face layer mo
 (`layers.LayerRunner`). The layer's shard of the checkpoint is written and the layer let go
 before the next one is read.
 
-Memory: one float32 layer, the layer inputs and outputs of the calibration set (2 x
-sequences x length x hidden x 4 bytes), one forward's activations of a batch
-(`batch_tokens`), and per method: GPTQ one Hessian at a time (K x K float64, K the widest
-input: the MLP's intermediate size for down_proj) and its factor; AWQ the inputs of each
-of the layer's linears for the search tokens (`AwqOptions.search_tokens` x (3 hidden +
-intermediate) x 4 bytes). The checkpoint outside the layer is never read whole: the
-embedding rows of the calibration tokens only (a streamed source).
+Memory (GPTQ): the float32 layer, its linears quantized so far held as their integers
+(`IntegersUntilRun`: 1 byte a weight; each dequantized only while it runs), one forward's
+activations of a batch (`batch_tokens`, `batch_bytes`), and one stage's Hessian (K x K
+float32, K its input width) factored in its own memory (`gptq.inverse_cholesky_upper`),
+with one working copy of the weights of the linear GPTQ is on. At Qwen2.5-7B's widths the
+peak is down_proj's stage: its 1.4 GB Hessian beside down_proj's own 0.27 GB of float32
+weights, one dequantized gate/up while the stage's inputs are taken, and the 0.2 GB of
+integers (`bench/calibration_memory_7b.py` measures it per phase). AWQ: the float32
+layer and the inputs of each of the layer's linears for the search tokens
+(`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes). The calibration set's
+hidden states live in a scratch file (`activations`); the checkpoint outside the layer is
+never read whole: the embedding rows of the calibration tokens only (a streamed source).
 """
 
 from __future__ import annotations
@@ -204,6 +209,50 @@ def _prepared_stage(runner: LayerRunner, first: str, x: LayerInputs,
                            "(more or more varied calibration text)")
 
 
+class IntegersUntilRun:
+    """The layer's linears quantized so far, held as their integers while GPTQ goes on
+    through the layer: each one's float32 weights (its `QuantizedWeights.dequantize`, the
+    values the layer computes with) are made just before it runs and dropped after it
+    ran, so a stage's Hessian, factor and GPTQ share memory with one such linear at most,
+    not all of them (at Qwen2.5-7B's widths gate/up/q/o are 0.65 GB of float32 beside
+    down_proj's 1.4 GB Hessian). `restore` gives every linear its float32 weights back."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+        self.held: dict[str, QuantizedWeights] = {}
+        self.handles: list[Any] = []
+
+    def hold(self, name: str, weights: QuantizedWeights) -> None:
+        linear = _linear_weight(self.layer, name)
+        self.held[name] = weights
+
+        def made(module: torch.nn.Module, _args: tuple) -> None:
+            module.weight.data = torch.from_numpy(weights.dequantize())
+
+        def dropped(module: torch.nn.Module, _args: tuple, _out: Any) -> None:
+            module.weight.data = _NO_WEIGHTS
+
+        linear.weight.data = _NO_WEIGHTS
+        self.handles.append(linear.register_forward_pre_hook(made))
+        self.handles.append(linear.register_forward_hook(dropped))
+
+    def unhook(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def restore(self) -> None:
+        self.unhook()
+        for name, weights in self.held.items():
+            _linear_weight(self.layer, name).weight.data = torch.from_numpy(
+                weights.dequantize())
+        self.held.clear()
+
+
+#: the weights of a linear held as its integers (`IntegersUntilRun`)
+_NO_WEIGHTS = torch.empty(0)
+
+
 @torch.no_grad()
 def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
                quantized: set[str], request: CalibrationRequest,
@@ -215,23 +264,26 @@ def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
     x = layer_inputs(x)
     out: dict[str, QuantizedWeights] = {}
     losses: dict[str, float] = {}
-    for stage in plan.stages:
-        names = [n for n in stage if n in quantized]
-        if not names:
-            continue
-        if on_stage is not None:
-            on_stage(stage[0])
-        prepared = _prepared_stage(runner, stage[0], x, request)
-        for name in names:
-            res = gptq(_linear_weight(runner.layer, name).weight.detach().numpy(), prepared,
-                       request.scheme, act_order=request.act_order,
-                       block_size=request.block_size)
-            out[name] = res.weights
-            losses[name] = res.loss
-        del prepared  # the stage's K x K matrix goes before its weights are dequantized
-        for name in names:
-            _linear_weight(runner.layer, name).weight.data = torch.from_numpy(
-                out[name].dequantize())
+    integers = IntegersUntilRun(runner.layer)
+    try:
+        for stage in plan.stages:
+            names = [n for n in stage if n in quantized]
+            if not names:
+                continue
+            if on_stage is not None:
+                on_stage(stage[0])
+            prepared = _prepared_stage(runner, stage[0], x, request)
+            for name in names:
+                res = gptq(_linear_weight(runner.layer, name).weight.detach().numpy(),
+                           prepared, request.scheme, act_order=request.act_order,
+                           block_size=request.block_size)
+                out[name] = res.weights
+                losses[name] = res.loss
+                integers.hold(name, res.weights)
+            del prepared  # the stage's K x K matrix
+        integers.restore()  # the Hessians are gone: the layer's float32 weights back
+    finally:
+        integers.unhook()
     return out, losses
 
 
