@@ -120,3 +120,29 @@ def test_streaming_is_chosen_by_size_or_the_environment(monkeypatch) -> None:  #
     assert wc.default_budget(streaming=True) == wc.STREAMING_CAP
     monkeypatch.setenv(wc.ENV_VAR, "5G")
     assert wc.default_budget(streaming=True) == 5 << 30  # the environment's, uncapped
+
+
+def test_checksums_checked_a_window_at_a_time_still_find_a_flipped_byte(
+        tmp_path_factory, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The sections' sha256 hashed HASH_WINDOW bytes at a time (each window's pages
+    released after): a good file opens, a byte flipped in a later window is found."""
+    import shutil
+
+    from toptpu.backend.formats import model_file
+    from toptpu.backend.formats.model_file import ModelFileError
+
+    monkeypatch.setattr(model_file, "HASH_WINDOW", 3 * 4096 + 64)  # not a page multiple
+    src = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+    path = str(tmp_path / "m.toptpu")
+    shutil.copyfile(src, path)
+    with ModelFile(path) as f:
+        info = f.sections["weights"]
+    assert info.size > 4 * model_file.HASH_WINDOW
+    at = info.offset + info.size - 100  # in the last window
+    with open(path, "r+b") as out:
+        out.seek(at)
+        byte = out.read(1)
+        out.seek(at)
+        out.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ModelFileError, match="checksum mismatch in section 'weights'"):
+        ModelFile(path)
