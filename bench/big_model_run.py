@@ -11,16 +11,17 @@ weight byte once at numpy's pace (1.0: at the bound).
 
 Printed: the run's TTFT, decode tok/s and s/token, the process's peak RSS (os.wait4's
 ru_maxrss of that child: mapped file pages it held count), the bound and the ratio; with
-`--chat` one `toptpu chat` turn (its wall time and peak RSS); with
-`--eval-tokens N` a `toptpu eval` over the first N tokens of a text (one window when N is
-at most the model's sequence length), its wall time and peak RSS. The model files come
+`--parts ...,chat` one `toptpu chat` turn; with `--parts ...,eval --eval-tokens N` a
+`toptpu eval` over the first N tokens of a text (one window when N is at most the model's
+sequence length); each process's wall time, CPU seconds (on a loaded host the wall time is
+the CPU time over the share of a core it got) and peak RSS. The model files come
 from bench/scale.py (`--sizes 7B --keep`: Qwen2.5-7B-shaped, random weights).
 
 The host is shared (2 cores, other jobs): the load average before and after is printed; the
 bound is measured in the same run for that reason.
 
-Run: python bench/big_model_run.py FILE [--ids 8] [--new 4] [--chat] [--eval-tokens 512]
-         [--env NAME=VALUE ...]
+Run: python bench/big_model_run.py FILE [--ids 8] [--new 4] [--parts run,chat,eval]
+         [--eval-tokens 512] [--env NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def decode_step_bytes(path: str, position: int) -> dict[str, int]:
 
 
 def run_child(cmd: list[str], env: dict[str, str], stdin: bytes = b""
-              ) -> tuple[str, float, int, int]:
-    """Run `cmd` (`stdin` its input); its stdout, wall seconds, peak RSS bytes (its own,
-    os.wait4) and exit code."""
+              ) -> tuple[str, float, float, int, int]:
+    """Run `cmd` (`stdin` its input); its stdout, wall seconds, CPU seconds (user + system,
+    all its threads), peak RSS bytes (its own: os.wait4) and exit code."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as inp:
         inp.write(stdin)
         inp.seek(0)
@@ -97,7 +98,8 @@ def run_child(cmd: list[str], env: dict[str, str], stdin: bytes = b""
         wall = time.perf_counter() - t
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
-        return out.read().decode(), wall, usage.ru_maxrss * 1024, p.returncode
+        cpu = usage.ru_utime + usage.ru_stime
+        return out.read().decode(), wall, cpu, usage.ru_maxrss * 1024, p.returncode
 
 
 def main() -> None:
@@ -106,10 +108,12 @@ def main() -> None:
     ap.add_argument("--ids", type=int, default=8, help="prompt length (token ids)")
     ap.add_argument("--new", type=int, default=4, help="tokens generated")
     ap.add_argument("--eval-tokens", type=int, default=0,
-                    help="also time `toptpu eval` over this many tokens (0: not)")
-    ap.add_argument("--chat", action="store_true", help="also one `toptpu chat` turn")
+                    help="`toptpu eval` over this many tokens (with --parts ...,eval)")
+    ap.add_argument("--parts", default="run", help="comma-separated of run (`toptpu run`), "
+                    "chat (one `toptpu chat` turn), eval (`toptpu eval`, --eval-tokens)")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs")
     args = ap.parse_args()
+    args.parts = {p.strip() for p in args.parts.split(",")}
     env = dict(os.environ)
     for item in args.env:
         name, _, value = item.partition("=")
@@ -119,42 +123,44 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     read_bw, copy_bw = numpy_read_bandwidth(), numpy_copy_bandwidth()
     ids = ",".join(str(3 + (7 * i) % 300) for i in range(args.ids))
-    out, wall, rss, rc = run_child([*toptpu, "run", args.model_file, "--ids", ids,
-                                    "--max-new-tokens", str(args.new), "--ignore-eos",
-                                    "--json"], env)
-    if rc != 0:
-        sys.exit(f"toptpu run failed (exit {rc})")
-    res = json.loads(out)
-    ttft, tps = res["ttft_s"], res["tokens_per_s"]
-    step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
-    total = sum(step.values())
-    read_bw2 = numpy_read_bandwidth()
-    bw = max(read_bw, read_bw2)
-    bound = total / bw
-    s_per_token = 1 / tps if tps else float("nan")
     print(f"{args.model_file}: {size / 1e9:.2f} GB; {os.cpu_count()} CPUs, load average "
-          f"{load_before:.1f} before")
-    print(f"numpy read bandwidth {read_bw / 1e9:.2f} / {read_bw2 / 1e9:.2f} GB/s (before / "
-          f"after the run), copy {copy_bw / 1e9:.2f} GB/s moved")
-    print(f"decode step reads {total / 1e9:.3f} GB ("
-          + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in step.items())
-          + f"): bound {bound:.3f} s/token at {bw / 1e9:.2f} GB/s")
-    print(f"toptpu run ({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, decode "
-          f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
-          f"bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s")
-    if args.chat:
-        out, wall, rss, rc = run_child([*toptpu, "chat", args.model_file, "--max-new-tokens",
+          f"{load_before:.1f} before", flush=True)
+    if "run" in args.parts:
+        out, wall, cpu, rss, rc = run_child([*toptpu, "run", args.model_file, "--ids", ids,
+                                        "--max-new-tokens", str(args.new), "--ignore-eos",
+                                        "--json"], env)
+        if rc != 0:
+            sys.exit(f"toptpu run failed (exit {rc})")
+        res = json.loads(out)
+        ttft, tps = res["ttft_s"], res["tokens_per_s"]
+        step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
+        total = sum(step.values())
+        read_bw2 = numpy_read_bandwidth()
+        bw = max(read_bw, read_bw2)
+        bound = total / bw
+        s_per_token = 1 / tps if tps else float("nan")
+        print(f"numpy read bandwidth {read_bw / 1e9:.2f} / {read_bw2 / 1e9:.2f} GB/s (before "
+              f"/ after the run), copy {copy_bw / 1e9:.2f} GB/s moved")
+        print(f"decode step reads {total / 1e9:.3f} GB ("
+              + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in step.items())
+              + f"): bound {bound:.3f} s/token at {bw / 1e9:.2f} GB/s")
+        print(f"toptpu run ({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, decode "
+              f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
+              f"bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
+              f"{cpu:.1f} s CPU", flush=True)
+    if "chat" in args.parts:
+        out, wall, cpu, rss, rc = run_child([*toptpu, "chat", args.model_file, "--max-new-tokens",
                                         str(args.new)], env, b"hello there\n")
         if rc != 0:
             sys.exit(f"toptpu chat failed (exit {rc})")
-        print(f"toptpu chat (one turn, {args.new} new tokens at most): {wall:.1f} s, peak "
-              f"RSS {rss / 1e9:.2f} GB")
-    if args.eval_tokens:
+        print(f"toptpu chat (one turn, {args.new} new tokens at most): {wall:.1f} s wall, "
+              f"{cpu:.1f} s CPU, peak RSS {rss / 1e9:.2f} GB", flush=True)
+    if "eval" in args.parts and args.eval_tokens:
         text = " ".join(f"word{i % 97} and text {i}" for i in range(4 * args.eval_tokens))
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as t:
             t.write(text)
         try:
-            out, wall, rss, rc = run_child([*toptpu, "eval", args.model_file, "--text", t.name,
+            out, wall, cpu, rss, rc = run_child([*toptpu, "eval", args.model_file, "--text", t.name,
                                             "--max-tokens", str(args.eval_tokens), "--json",
                                             "--quiet"], env)
         finally:
@@ -163,7 +169,8 @@ def main() -> None:
             sys.exit(f"toptpu eval failed (exit {rc})")
         ev = json.loads(out)
         print(f"toptpu eval ({ev.get('text_tokens', args.eval_tokens)} tokens, "
-              f"{ev.get('windows', '?')} window(s)): {wall / 60:.1f} min, peak RSS "
+              f"{ev.get('windows', '?')} window(s)): {wall / 60:.1f} min wall, {cpu / 60:.1f} "
+              f"min CPU, peak RSS "
               f"{rss / 1e9:.2f} GB, perplexity {ev.get('perplexity')}")
     print(f"load average after {os.getloadavg()[0]:.1f}")
 
