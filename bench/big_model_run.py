@@ -13,8 +13,11 @@ Printed: the run's TTFT, decode tok/s and s/token, the process's peak RSS (os.wa
 ru_maxrss of that child: mapped file pages it held count), the bound and the ratio; with
 `--parts ...,chat` one `toptpu chat` turn; with `--parts ...,eval --eval-tokens N` a
 `toptpu eval` over the first N tokens of a text (one window when N is at most the model's
-sequence length); each process's wall time, CPU seconds (on a loaded host the wall time is
-the CPU time over the share of a core it got) and peak RSS. The model files come
+sequence length); with `--parts ...,phases` the model opened, the first token and `--new`
+decode steps timed apart in one process (wall and CPU: the decode step's CPU seconds
+against the bound hold on a loaded host); each process's wall time, CPU seconds (on a
+loaded host the wall time is the CPU time over the share of a core it got) and peak RSS.
+The model files come
 from bench/scale.py (`--sizes 7B --keep`: Qwen2.5-7B-shaped, random weights).
 
 The host is shared (2 cores, other jobs): the load average before and after is printed; the
@@ -102,7 +105,35 @@ def run_child(cmd: list[str], env: dict[str, str], stdin: bytes = b""
         return out.read().decode(), wall, cpu, usage.ru_maxrss * 1024, p.returncode
 
 
+def phases(path: str, ids: list[int], new: int) -> None:
+    """(In a child process) open `path`, the first token after `ids`, then `new` more
+    decode steps continuing it: each phase's wall and CPU seconds (process time: every
+    thread) as one JSON line."""
+    from toptpu.backend.runtime.runtime import Runtime
+
+    out: dict[str, float] = {}
+    w, c = time.perf_counter(), time.process_time()
+
+    def mark(name: str) -> None:
+        nonlocal w, c
+        out[f"{name}_wall_s"] = time.perf_counter() - w
+        out[f"{name}_cpu_s"] = time.process_time() - c
+        w, c = time.perf_counter(), time.process_time()
+
+    rt = Runtime.open(path)
+    mark("open")
+    rt.generate(ids, 1, stop_on_eos=False)
+    mark("first_token")
+    rt.generate([], new, stop_on_eos=False, keep_history=True)  # the pending token fed first
+    mark("decode")
+    out["decode_steps"] = new
+    print(json.dumps(out))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--phases-child"]:
+        phases(sys.argv[2], [int(i) for i in sys.argv[3].split(",")], int(sys.argv[4]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_file")
     ap.add_argument("--ids", type=int, default=8, help="prompt length (token ids)")
@@ -110,7 +141,9 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=0,
                     help="`toptpu eval` over this many tokens (with --parts ...,eval)")
     ap.add_argument("--parts", default="run", help="comma-separated of run (`toptpu run`), "
-                    "chat (one `toptpu chat` turn), eval (`toptpu eval`, --eval-tokens)")
+                    "phases (open, first token and decode timed apart, wall and CPU, in "
+                    "one process), chat (one `toptpu chat` turn), eval (`toptpu eval`, "
+                    "--eval-tokens)")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs")
     args = ap.parse_args()
     args.parts = {p.strip() for p in args.parts.split(",")}
@@ -148,6 +181,23 @@ def main() -> None:
               f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
               f"bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
               f"{cpu:.1f} s CPU", flush=True)
+    if "phases" in args.parts:
+        out, wall, cpu, rss, rc = run_child([sys.executable, os.path.abspath(__file__),
+                                             "--phases-child", args.model_file, ids,
+                                             str(args.new)], env)
+        if rc != 0:
+            sys.exit(f"the phases child failed (exit {rc})")
+        ph = json.loads(out.strip().splitlines()[-1])
+        step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
+        bw = max(read_bw, numpy_read_bandwidth())
+        bound = sum(step.values()) / bw
+        n = ph["decode_steps"]
+        wall_tok, cpu_tok = ph["decode_wall_s"] / n, ph["decode_cpu_s"] / n
+        print(f"phases (Runtime in one process): open {ph['open_wall_s']:.1f} s wall / "
+              f"{ph['open_cpu_s']:.1f} s CPU; first token {ph['first_token_wall_s']:.1f} / "
+              f"{ph['first_token_cpu_s']:.1f}; decode {wall_tok:.2f} s/token wall "
+              f"({wall_tok / bound:.2f}x the bound {bound:.3f} s), {cpu_tok:.2f} s/token CPU "
+              f"({cpu_tok / bound:.2f}x); peak RSS {rss / 1e9:.2f} GB", flush=True)
     if "chat" in args.parts:
         out, wall, cpu, rss, rc = run_child([*toptpu, "chat", args.model_file, "--max-new-tokens",
                                         str(args.new)], env, b"hello there\n")
