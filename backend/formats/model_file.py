@@ -73,6 +73,8 @@ _ENTRY_KEYS = ("name", "offset", "size", "sha256")
 #: the bytes of a section hashed at a time when a file is checked (each window's pages
 #: released after: `ModelFile._section_digest`)
 HASH_WINDOW = 64 << 20
+#: files larger than this have each hashed window's pages released (a 7B model's)
+RELEASE_CHECKED_ABOVE = 4 << 30
 
 
 class ModelFileError(ToptpuError):
@@ -366,14 +368,17 @@ class ModelFile:
                     raise self._err(f"is corrupt: checksum mismatch in section '{info.name}'")
 
     def _section_digest(self, info: SectionInfo) -> str:
-        """A section's sha256, hashed a window of HASH_WINDOW bytes at a time, each window's
-        pages released once hashed (`release`): checking a 6 GB weight blob keeps one
-        window of it resident, not the blob."""
+        """A section's sha256, hashed a window of HASH_WINDOW bytes at a time; in a file
+        larger than RELEASE_CHECKED_ABOVE each window's pages are released once hashed
+        (`release`): checking a 6 GB weight blob keeps one window of it resident, not the
+        blob (a smaller file's pages stay mapped: its runs read them again soon)."""
         h = hashlib.sha256()
         view = self.view(info.name)
+        release = len(self._map or b"") > RELEASE_CHECKED_ABOVE
         for start in range(0, info.size, HASH_WINDOW):
             h.update(view[start:start + HASH_WINDOW])
-            self.release(info.offset + start, min(HASH_WINDOW, info.size - start))
+            if release:
+                self.release(info.offset + start, min(HASH_WINDOW, info.size - start))
         return h.hexdigest()
 
     def release(self, offset: int, nbytes: int) -> int:
