@@ -70,6 +70,11 @@ HEADER_OFFSET = _PREFIX.size + _DIGEST_SIZE
 #: the header key of the container's own section table
 SECTIONS_KEY = "sections"
 _ENTRY_KEYS = ("name", "offset", "size", "sha256")
+#: the bytes of a section hashed at a time when a file is checked (each window's pages
+#: released after: `ModelFile._section_digest`)
+HASH_WINDOW = 64 << 20
+#: files larger than this have each hashed window's pages released (a 7B model's)
+RELEASE_CHECKED_ABOVE = 4 << 30
 
 
 class ModelFileError(ToptpuError):
@@ -359,8 +364,37 @@ class ModelFile:
         self._check_extent(size, hlen)
         if verify_checksums:
             for info in self.sections.values():
-                if hashlib.sha256(self.view(info.name)).hexdigest() != info.sha256:
+                if self._section_digest(info) != info.sha256:
                     raise self._err(f"is corrupt: checksum mismatch in section '{info.name}'")
+
+    def _section_digest(self, info: SectionInfo) -> str:
+        """A section's sha256, hashed a window of HASH_WINDOW bytes at a time; in a file
+        larger than RELEASE_CHECKED_ABOVE each window's pages are released once hashed
+        (`release`): checking a 6 GB weight blob keeps one window of it resident, not the
+        blob (a smaller file's pages stay mapped: its runs read them again soon)."""
+        h = hashlib.sha256()
+        view = self.view(info.name)
+        release = len(self._map or b"") > RELEASE_CHECKED_ABOVE
+        for start in range(0, info.size, HASH_WINDOW):
+            h.update(view[start:start + HASH_WINDOW])
+            if release:
+                self.release(info.offset + start, min(HASH_WINDOW, info.size - start))
+        return h.hexdigest()
+
+    def release(self, offset: int, nbytes: int) -> int:
+        """Drop this process's mapping of the whole pages within bytes [offset, offset +
+        nbytes) of the file (madvise MADV_DONTNEED: they leave its resident set and stay in
+        the page cache; a later read maps them again, the same bytes). Returns the bytes
+        released (0 where the platform has no madvise)."""
+        if self._map is None or not hasattr(self._map, "madvise") \
+                or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = min(offset + nbytes, len(self._map)) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end <= start:
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return end - start
 
     def _section_table(self, table: Any, hlen: int) -> dict[str, SectionInfo]:
         where = f"header field '{SECTIONS_KEY}'"

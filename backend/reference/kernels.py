@@ -1015,7 +1015,11 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     q_lo, q_hi = (0, 15) if bits == 4 else (int(info.min), int(info.max))
     qg = q.reshape(n, g, group_size)
     if -128 <= q_lo - z_hi and q_hi - z_lo <= 127 and q_hi <= 127 and z_hi <= 127:
-        # every operand and every difference is an int8: one narrow pass
+        # every operand and every difference is an int8: one narrow pass (in place into
+        # a 4-bit weight's unpacked bytes, a new array: about half the time)
+        if bits == 4:
+            d = qg.view(np.int8)
+            return np.subtract(d, z.astype(np.int8), out=d).reshape(n, k)
         return np.subtract(qg.astype(np.int8, copy=False), z.astype(np.int8),
                            dtype=np.int8).reshape(n, k)
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)

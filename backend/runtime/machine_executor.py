@@ -21,13 +21,21 @@ a `toptpu.backend.formats.program.Program`, and `const:<net>`, its constant pool
 
 The machine runs in its fast mode by default (`checked=True`: the byte-exact checked mode;
 both give the same numbers and traps, see `toptpu.backend.runtime.machine`); converted
-weights are cached within `weight_cache_bytes` (default: from the host's free memory, see
-`toptpu.backend.runtime.weight_cache`).
+weights are cached within `weight_cache_bytes` (default: from the host's free memory, capped
+for a streamed blob, see `toptpu.backend.runtime.weight_cache`).
+
+Weights streamed (`stream_weights`; by default where the weight blob is larger than
+`weight_cache.STREAM_ABOVE`, `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides): after each
+run, the mapped pages of the weights it read are released (`ModelFile.release`: they leave
+the process's resident set, stay in the page cache, and the next run of that layer maps
+them again), so a run of a 7B file holds one layer's weight bytes, not the blob's 6 GB.
+`released_bytes` counts them.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -59,6 +67,7 @@ from toptpu.backend.runtime.machine import (
 )
 from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.steps import OpStep
+from toptpu.backend.runtime.weight_cache import STREAM_ABOVE, STREAM_ENV_VAR, default_budget
 from toptpu.backend.runtime.weight_cache_file import StoredForms
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
@@ -70,6 +79,19 @@ from toptpu.errors import ToptpuError
 
 class MachineExecutorError(ToptpuError, RuntimeError):
     pass
+
+
+def streams_weights(blob_bytes: int) -> bool:
+    """Whether a weight blob of `blob_bytes` is streamed (its pages released after each
+    run): TOPTPU_STREAM_WEIGHTS `on`/`off`, else (`auto`, unset) above STREAM_ABOVE."""
+    raw = os.environ.get(STREAM_ENV_VAR, "auto").strip().lower()
+    if raw in ("on", "1", "yes"):
+        return True
+    if raw in ("off", "0", "no"):
+        return False
+    if raw != "auto":
+        raise MachineExecutorError(f"{STREAM_ENV_VAR}={raw!r}: give auto, on or off")
+    return blob_bytes > STREAM_ABOVE
 
 
 @dataclass
@@ -125,17 +147,27 @@ class MachineExecutor(Executor):
 
     def __init__(self, model: str | LlmFile, checked: bool = False,
                  chip: Chip | None = None, keep_timelines: int = 4,
-                 weight_cache_bytes: int | None = None) -> None:
+                 weight_cache_bytes: int | None = None,
+                 stream_weights: bool | None = None) -> None:
         blas_threads.policy()  # a bad TOPTPU_BLAS_THREADS is an error now, not mid-run
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
         self.chip = chip or get_chip(self.meta.chip)
-        self.machine = Machine(self.chip, checked, weight_cache_bytes)
+        section = self.file.file.sections["weights"]
+        #: where the weight blob starts in the file (what `ModelFile.release` takes)
+        self._blob_at = section.offset
+        self.stream_weights = (streams_weights(section.size) if stream_weights is None
+                               else stream_weights)
+        budget = (default_budget(self.stream_weights) if weight_cache_bytes is None
+                  else weight_cache_bytes)
+        self.machine = Machine(self.chip, checked, budget)
         self.keep_timelines = keep_timelines
         self._nets = self.file.net_infos()
         blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
         self._blob = self.machine.gmem.map("weights", blob, writable=False).base
+        self.released_bytes = 0  # mapped weight pages released after runs (streaming)
+        self._spans: dict[tuple, tuple[int, int]] = {}  # (net, program, layer) -> bytes read
         self._programs: dict[str, Program] = {}
         for net in self._nets:  # every stream decoded and checked against the header now
             self._programs[net] = self._decode(net)
@@ -231,8 +263,31 @@ class MachineExecutor(Executor):
         mine = cast(Mapping[str, MachineBuffer], bindings)  # checked just above
         io = {spec.name: mine[spec.name].addr for spec in (*info.inputs, *info.outputs)}
         weights = self._weight_addresses(info, prog, layer)
-        tl = self.machine.run(loaded, Binding(io, weights, self._act[net], self._const[net]))
+        try:
+            tl = self.machine.run(loaded, Binding(io, weights, self._act[net],
+                                                  self._const[net]))
+        finally:
+            if self.stream_weights:
+                self._release_weights(info, prog, layer)
         self._account(net, layer, tl)
+
+    def _release_weights(self, info: NetInfo, prog: Program, layer: int | None) -> None:
+        """Release the mapped pages of the weights a run of `prog` at `layer` read: one span
+        from the first weight's start to the last one's end (a layer's weights are one
+        chunk of the blob)."""
+        key = (info.name, id(prog), layer)
+        span = self._spans.get(key)
+        if span is None:
+            addresses = self._weight_addresses(info, prog, layer)
+            if not addresses:
+                span = (0, 0)
+            else:
+                start = min(addresses.values())
+                end = max(addresses[n] + prog.weights[n].nbytes for n in addresses)
+                span = (self._blob_at + start - self._blob, end - start)
+            self._spans[key] = span
+        if span[1]:
+            self.released_bytes += self.file.file.release(*span)
 
     def _account(self, net: str, layer: int | None, tl: Timeline) -> None:
         """A run of `net` (of `layer`) that took `tl`: its stats (the last `keep_timelines`
@@ -294,6 +349,8 @@ class MachineExecutor(Executor):
             pass  # a trap of these values: a request's run meets its own, with its inputs
         finally:
             gmem.release(mark)
+            if self.stream_weights:
+                self._release_weights(info, loaded.program, layer)
 
     # ------------------------------------------------------------------ internals
     def program(self, net: str) -> Program:

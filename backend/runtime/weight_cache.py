@@ -5,7 +5,10 @@ weight is exactly what the kernel would compute again.
 
 The cache is bounded by a byte budget sized from the host's free memory: by default half of
 `MemAvailable` (/proc/meminfo) read when the executor starts (2 GiB where that is not
-known); the environment variable `TOPTPU_WEIGHT_CACHE` (bytes, or a number with K, M or G:
+known), for an executor that streams its weights (below: a blob above STREAM_ABOVE) at
+most STREAMING_CAP (2.5 GiB: a 7B model's run stays within 6 GB; the weights that do not
+fit are kept in no converted form and multiplied straight from the mapped file); the
+environment variable `TOPTPU_WEIGHT_CACHE` (bytes, or a number with K, M or G:
 `TOPTPU_WEIGHT_CACHE=3G`; 0 turns the cache off) or the executors' `weight_cache_bytes`
 argument override it. A weight that does not fit the rest of the budget is converted for
 each use and not kept (a decode step visits the weights cyclically: keeping the ones that
@@ -23,7 +26,14 @@ the offsets of all fit: f32 for the first weights, offsets for the rest. A conve
 no smaller form (the f32 form of a bf16 lm_head) may take the room of quantized weights'
 f32 forms the same way. A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
-form to memory (about 2x faster), once that was found bit-identical for the shape.
+form to memory (about 2x faster), once that was found bit-identical for the shape. A
+decode step's product with a weight kept in no form (the budget is full) is made the same
+way from the packed bytes, STREAM_ROWS rows' offsets at a time (`streamed_product`: the
+same blocks, so the same bits), never holding the weight's offsets or f32 form whole.
+
+Weight pages: an executor whose weight blob is larger than STREAM_ABOVE releases the mapped
+pages of the weights each run read once it is done (TOPTPU_STREAM_WEIGHTS=auto|on|off;
+`machine_executor.MachineExecutor`), so the mapped file does not stay resident either.
 """
 
 from __future__ import annotations
@@ -44,6 +54,16 @@ ENV_VAR = "TOPTPU_WEIGHT_CACHE"
 DEFAULT_FRACTION = 0.5
 #: the budget where the available memory is not known
 FALLBACK_BYTES = 2 << 30
+#: the default budget's cap for an executor that streams its weights (TOPTPU_WEIGHT_CACHE
+#: sets any other budget)
+STREAMING_CAP = 5 << 29
+#: weight blobs above this many bytes are streamed by default (their pages released after
+#: each run); TOPTPU_STREAM_WEIGHTS=on|off|auto overrides
+STREAM_ABOVE = 2 << 30
+STREAM_ENV_VAR = "TOPTPU_STREAM_WEIGHTS"
+#: the rows of a weight kept in no form whose offsets a decode step's product makes at a
+#: time (a multiple of `kernels.matmul_offsets`' block: the same blocks as the whole's)
+STREAM_ROWS = 1024
 #: products with weights kept as offsets expand them a block at a time (no whole f32
 #: weight) for inputs of at most this many rows: a decode step's
 FUSED_ROWS = 8
@@ -61,8 +81,9 @@ def parse_size(text: str) -> int:
     return None
 
 
-def default_budget() -> int:
-    """The cache budget: TOPTPU_WEIGHT_CACHE if set, else half the available memory."""
+def default_budget(streaming: bool = False) -> int:
+    """The cache budget: TOPTPU_WEIGHT_CACHE if set, else half the available memory (at
+    most STREAMING_CAP for an executor that streams its weights)."""
     raw = os.environ.get(ENV_VAR)
     if raw is not None:
         try:
@@ -71,7 +92,12 @@ def default_budget() -> int:
             raise GenerationError(f"{ENV_VAR}={raw!r} is not a size: give bytes or a number "
                                   "with K, M or G (e.g. 3G; 0 turns the cache off)") from None
     avail = mem_available()
-    return FALLBACK_BYTES if avail is None else int(avail * DEFAULT_FRACTION)
+    budget = FALLBACK_BYTES if avail is None else int(avail * DEFAULT_FRACTION)
+    return min(budget, STREAMING_CAP) if streaming else budget
+
+
+def _rows(a: np.ndarray | None, start: int, end: int) -> np.ndarray | None:
+    return None if a is None else a[start:end]
 
 
 class WeightCache:
@@ -93,6 +119,7 @@ class WeightCache:
         self._reserved_total = 0
         #: whether `kernels.matmul_offsets` gives `matmul_dequantized`'s bits, by shape
         self.fused_ok: dict[tuple, bool] = {}
+        self.streamed = 0  # decode products made from packed weights kept in no form
 
     def get(self, key: Hashable, make: Callable[[], np.ndarray],
             keep: bool = True) -> np.ndarray:
@@ -146,6 +173,10 @@ class WeightCache:
         (the first product of each shape computes both; `fused_ok` holds the verdicts)."""
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
+        if off is None and rows <= FUSED_ROWS and key not in self._items \
+                and not self._room_for_offsets(key, qweight, bits, keep):
+            return self.streamed_product(x, qweight, scales, zeros, bits, group_size, bias,
+                                         out_dtype, mins)
         if off is None or rows > FUSED_ROWS:  # (a weight kept as offsets has no f32 form)
             w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep, mins)
             return K.matmul_dequantized(x, w, bias, out_dtype)
@@ -161,6 +192,66 @@ class WeightCache:
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole
+
+    def _room_for_offsets(self, key: Hashable, qweight: np.ndarray, bits: int,
+                          keep: bool) -> bool:
+        """Whether `dequantized` would keep the weight under `key` in some form: its f32
+        form or (after giving up others' f32 forms) its offsets, int8 for 4-bit weights
+        (an int16 form, which only wide zero points make, is counted as int8: the
+        product then keeps it or not as `dequantized` decides)."""
+        if not keep:
+            return False
+        n = qweight.shape[0]
+        k = qweight.shape[-1] * (2 if bits == 4 else 1)
+        return self._free() + self._givable + self._reserved.get(key, 0) >= n * k
+
+    def streamed_product(self, x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
+                         zeros: np.ndarray | None, bits: int, group_size: int,
+                         bias: np.ndarray | None, out_dtype: np.dtype | None,
+                         mins: np.ndarray | None = None) -> np.ndarray:
+        """`kernels.a16_matmul` of a few rows `x` without keeping anything of the weight:
+        STREAM_ROWS rows' offsets (`kernels.weight_offsets`) at a time multiplied by
+        `kernels.matmul_offsets`, whose blocks of rows are then those of the whole
+        offsets' product, so its bits are `matmul_offsets`' (checked once per shape
+        against the whole f32 weight's product, as `a16_product` checks; a shape whose
+        bits differ is computed whole)."""
+        self.streamed += 1
+        n = qweight.shape[0]
+        first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS), bits,
+                                 group_size, mins is not None)
+        k = first.shape[1]
+        shape = (x.shape, (n, k), first.dtype.str, group_size, scales.dtype.str,
+                 None if mins is None else mins.dtype.str, None if bias is None else bias.shape)
+        verdict = self.fused_ok.get(shape)
+        if not verdict:
+            whole = K.matmul_dequantized(
+                x, K.dequantize(qweight, scales, zeros, bits, group_size, mins), bias,
+                out_dtype)
+            if verdict is None:
+                fused = self._streamed(x, first, qweight, scales, zeros, bits, group_size,
+                                       bias, out_dtype, mins)
+                self.fused_ok[shape] = (fused.dtype == whole.dtype
+                                        and fused.tobytes() == whole.tobytes())
+            return whole
+        return self._streamed(x, first, qweight, scales, zeros, bits, group_size, bias,
+                              out_dtype, mins)
+
+    @staticmethod
+    def _streamed(x: np.ndarray, first: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
+                  zeros: np.ndarray | None, bits: int, group_size: int,
+                  bias: np.ndarray | None, out_dtype: np.dtype | None,
+                  mins: np.ndarray | None) -> np.ndarray:
+        """`streamed_product`'s blocks, the first block's offsets `first` given."""
+        n = qweight.shape[0]
+        out = np.empty((*x.shape[:-1], n), np.float32)
+        for r0 in range(0, n, STREAM_ROWS):
+            r1 = min(n, r0 + STREAM_ROWS)
+            off = first if r0 == 0 else K.weight_offsets(
+                qweight[r0:r1], _rows(zeros, r0, r1), bits, group_size, mins is not None)
+            out[..., r0:r1] = K.matmul_offsets(x, off, scales[r0:r1], group_size, None,
+                                               np.dtype(np.float32),
+                                               mins=_rows(mins, r0, r1))
+        return K._biased(out, bias, out_dtype, x)
 
     def _keep(self, store: dict[Hashable, np.ndarray], key: Hashable,
               value: np.ndarray) -> bool:

@@ -1,0 +1,229 @@
+"""A big model file run as a user runs it (`toptpu run`, `toptpu eval`, each a fresh process),
+its decode time per token against this host's own limit, measured in the same run.
+
+The limit: the bytes one decode step must read from memory — every layer's weights as the
+model file stores them (packed 4-bit weights, scales, zero points), the lm_head and final
+norm, one embedding row, the KV cache up to the step — over numpy's memory bandwidth,
+measured here just before and just after the runs (the best of a few passes of a sum over
+an array of BANDWIDTH_BYTES, far larger than any cache: read bandwidth, what a decode step
+needs). `decode s/token / bound` is how far the reference machine is from reading each
+weight byte once at numpy's pace (1.0: at the bound).
+
+Printed: the run's TTFT, decode tok/s and s/token, the process's peak RSS (os.wait4's
+ru_maxrss of that child: mapped file pages it held count), the bound and the ratio; with
+`--parts ...,chat` one `toptpu chat` turn; with `--parts ...,eval --eval-tokens N` a
+`toptpu eval` over the first N tokens of a text (one window when N is at most the model's
+sequence length); with `--parts ...,phases` the model opened, the first token and `--new`
+decode steps timed apart in one process (wall and CPU: the decode step's CPU seconds
+against the bound hold on a loaded host); each process's wall time, CPU seconds (on a
+loaded host the wall time is the CPU time over the share of a core it got) and peak RSS.
+The model files come
+from bench/scale.py (`--sizes 7B --keep`: Qwen2.5-7B-shaped, random weights).
+
+The host is shared (2 cores, other jobs): the load average before and after is printed; the
+bound is measured in the same run for that reason.
+
+Run: python bench/big_model_run.py FILE [--ids 8] [--new 4] [--parts run,chat,eval]
+         [--eval-tokens 512] [--env NAME=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from toptpu.backend.formats.llm_file import LlmFile
+
+#: the array numpy's bandwidth is measured on (far beyond any cache)
+BANDWIDTH_BYTES = 512 << 20
+
+
+def numpy_read_bandwidth(repeat: int = 5) -> float:
+    """numpy's read bandwidth in bytes/s: the best of `repeat` sums over BANDWIDTH_BYTES of
+    float32 (one pass reading each byte once)."""
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        a.sum(dtype=np.float32)
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best
+
+
+def numpy_copy_bandwidth(repeat: int = 5) -> float:
+    """numpy's copy bandwidth in bytes/s moved (read + write), the best of `repeat`."""
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.nbytes / best
+
+
+def decode_step_bytes(path: str, position: int) -> dict[str, int]:
+    """The bytes a decode step at `position` reads: the layers' weights, the shared ones but
+    the embedding table (one row of it), the KV cache of every layer up to `position`."""
+    f = LlmFile(path, verify_checksums=False)
+    try:
+        layout, m = f.layout, f.meta.model
+        layers = sum(layout.layer_size(i) for i in range(layout.num_layers))
+        shared = sum(t.nbytes for t in layout.shared.values())
+        row = 0
+        embeds = [t for n, t in layout.shared.items() if "embed" in n]
+        if embeds and any("lm_head" in n for n in layout.shared):  # untied: one row read
+            shared -= embeds[0].nbytes
+            row = embeds[0].nbytes // embeds[0].shape[0]
+        kv = 2 * m.num_layers * position * m.num_kv_heads * m.head_dim * 2  # bf16 K and V
+        return {"layers": layers, "shared": shared, "embedding_row": row, "kv": kv}
+    finally:
+        f.close()
+
+
+def run_child(cmd: list[str], env: dict[str, str], stdin: bytes = b""
+              ) -> tuple[str, float, float, int, int]:
+    """Run `cmd` (`stdin` its input); its stdout, wall seconds, CPU seconds (user + system,
+    all its threads), peak RSS bytes (its own: os.wait4) and exit code."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as inp:
+        inp.write(stdin)
+        inp.seek(0)
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stdin=inp, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        cpu = usage.ru_utime + usage.ru_stime
+        return out.read().decode(), wall, cpu, usage.ru_maxrss * 1024, p.returncode
+
+
+def phases(path: str, ids: list[int], new: int) -> None:
+    """(In a child process) open `path`, the first token after `ids`, then `new` more
+    decode steps continuing it: each phase's wall and CPU seconds (process time: every
+    thread) as one JSON line."""
+    from toptpu.backend.runtime.runtime import Runtime
+
+    out: dict[str, float] = {}
+    w, c = time.perf_counter(), time.process_time()
+
+    def mark(name: str) -> None:
+        nonlocal w, c
+        out[f"{name}_wall_s"] = time.perf_counter() - w
+        out[f"{name}_cpu_s"] = time.process_time() - c
+        w, c = time.perf_counter(), time.process_time()
+
+    rt = Runtime.open(path)
+    mark("open")
+    rt.generate(ids, 1, stop_on_eos=False)
+    mark("first_token")
+    rt.generate([], new, stop_on_eos=False, keep_history=True)  # the pending token fed first
+    mark("decode")
+    out["decode_steps"] = new
+    print(json.dumps(out))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--phases-child"]:
+        phases(sys.argv[2], [int(i) for i in sys.argv[3].split(",")], int(sys.argv[4]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_file")
+    ap.add_argument("--ids", type=int, default=8, help="prompt length (token ids)")
+    ap.add_argument("--new", type=int, default=4, help="tokens generated")
+    ap.add_argument("--eval-tokens", type=int, default=0,
+                    help="`toptpu eval` over this many tokens (with --parts ...,eval)")
+    ap.add_argument("--parts", default="run", help="comma-separated of run (`toptpu run`), "
+                    "phases (open, first token and decode timed apart, wall and CPU, in "
+                    "one process), chat (one `toptpu chat` turn), eval (`toptpu eval`, "
+                    "--eval-tokens)")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs")
+    args = ap.parse_args()
+    args.parts = {p.strip() for p in args.parts.split(",")}
+    env = dict(os.environ)
+    for item in args.env:
+        name, _, value = item.partition("=")
+        env[name] = value
+    toptpu = [sys.executable, "-m", "toptpu.cli"]
+    size = os.path.getsize(args.model_file)
+    load_before = os.getloadavg()[0]
+    read_bw, copy_bw = numpy_read_bandwidth(), numpy_copy_bandwidth()
+    ids = ",".join(str(3 + (7 * i) % 300) for i in range(args.ids))
+    print(f"{args.model_file}: {size / 1e9:.2f} GB; {os.cpu_count()} CPUs, load average "
+          f"{load_before:.1f} before", flush=True)
+    if "run" in args.parts:
+        out, wall, cpu, rss, rc = run_child([*toptpu, "run", args.model_file, "--ids", ids,
+                                        "--max-new-tokens", str(args.new), "--ignore-eos",
+                                        "--json"], env)
+        if rc != 0:
+            sys.exit(f"toptpu run failed (exit {rc})")
+        res = json.loads(out)
+        ttft, tps = res["ttft_s"], res["tokens_per_s"]
+        step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
+        total = sum(step.values())
+        read_bw2 = numpy_read_bandwidth()
+        bw = max(read_bw, read_bw2)
+        bound = total / bw
+        s_per_token = 1 / tps if tps else float("nan")
+        print(f"numpy read bandwidth {read_bw / 1e9:.2f} / {read_bw2 / 1e9:.2f} GB/s (before "
+              f"/ after the run), copy {copy_bw / 1e9:.2f} GB/s moved")
+        print(f"decode step reads {total / 1e9:.3f} GB ("
+              + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in step.items())
+              + f"): bound {bound:.3f} s/token at {bw / 1e9:.2f} GB/s")
+        print(f"toptpu run ({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, decode "
+              f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
+              f"bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
+              f"{cpu:.1f} s CPU", flush=True)
+    if "phases" in args.parts:
+        out, wall, cpu, rss, rc = run_child([sys.executable, os.path.abspath(__file__),
+                                             "--phases-child", args.model_file, ids,
+                                             str(args.new)], env)
+        if rc != 0:
+            sys.exit(f"the phases child failed (exit {rc})")
+        ph = json.loads(out.strip().splitlines()[-1])
+        step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
+        bw = max(read_bw, numpy_read_bandwidth())
+        bound = sum(step.values()) / bw
+        n = ph["decode_steps"]
+        wall_tok, cpu_tok = ph["decode_wall_s"] / n, ph["decode_cpu_s"] / n
+        print(f"phases (Runtime in one process): open {ph['open_wall_s']:.1f} s wall / "
+              f"{ph['open_cpu_s']:.1f} s CPU; first token {ph['first_token_wall_s']:.1f} / "
+              f"{ph['first_token_cpu_s']:.1f}; decode {wall_tok:.2f} s/token wall "
+              f"({wall_tok / bound:.2f}x the bound {bound:.3f} s), {cpu_tok:.2f} s/token CPU "
+              f"({cpu_tok / bound:.2f}x); peak RSS {rss / 1e9:.2f} GB", flush=True)
+    if "chat" in args.parts:
+        out, wall, cpu, rss, rc = run_child([*toptpu, "chat", args.model_file, "--max-new-tokens",
+                                        str(args.new)], env, b"hello there\n")
+        if rc != 0:
+            sys.exit(f"toptpu chat failed (exit {rc})")
+        print(f"toptpu chat (one turn, {args.new} new tokens at most): {wall:.1f} s wall, "
+              f"{cpu:.1f} s CPU, peak RSS {rss / 1e9:.2f} GB", flush=True)
+    if "eval" in args.parts and args.eval_tokens:
+        text = " ".join(f"word{i % 97} and text {i}" for i in range(4 * args.eval_tokens))
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as t:
+            t.write(text)
+        try:
+            out, wall, cpu, rss, rc = run_child([*toptpu, "eval", args.model_file, "--text", t.name,
+                                            "--max-tokens", str(args.eval_tokens), "--json",
+                                            "--quiet"], env)
+        finally:
+            os.unlink(t.name)
+        if rc != 0:
+            sys.exit(f"toptpu eval failed (exit {rc})")
+        ev = json.loads(out)
+        print(f"toptpu eval ({ev.get('text_tokens', args.eval_tokens)} tokens, "
+              f"{ev.get('windows', '?')} window(s)): {wall / 60:.1f} min wall, {cpu / 60:.1f} "
+              f"min CPU, peak RSS "
+              f"{rss / 1e9:.2f} GB, perplexity {ev.get('perplexity')}")
+    print(f"load average after {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Weights streamed from the mapped model file (a 7B's run within 6 GB): a weight cache
+smaller than the model and the mapped weight pages released after every run give the
+logits of an unbounded cache bit for bit; what is released and what is made straight from
+the packed bytes is counted (no RSS measured: the checks hold on any host)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from llm_fixtures import compiled
+
+from toptpu.backend.formats.model_file import ModelFile
+from toptpu.backend.reference import kernels as K
+from toptpu.backend.runtime import machine_executor
+from toptpu.backend.runtime import weight_cache as wc
+from toptpu.backend.runtime.machine_executor import MachineExecutor, MachineExecutorError
+from toptpu.backend.runtime.runtime import Runtime
+
+IDS = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+def _logits(rt: Runtime) -> np.ndarray:
+    """The prompt's teacher-forced logits, then those of 4 greedy decode steps."""
+    prompt = rt.sequence_logits(IDS)
+    gen = rt.generate(IDS, 4, stop_on_eos=False)
+    return np.concatenate([prompt.reshape(-1), np.asarray(gen.generated_ids, np.float32)])
+
+
+@pytest.mark.parametrize("budget_share", [0, 20])
+def test_a_budget_below_the_model_and_released_pages_give_the_same_logits(
+        tmp_path_factory, budget_share: int) -> None:
+    path = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+    full = Runtime(MachineExecutor(path, weight_cache_bytes=1 << 40, stream_weights=False))
+    want = _logits(full)
+    want_again = _logits(full)  # (with every converted form kept)
+    assert want.tobytes() == want_again.tobytes()
+    used = full.ex.machine.cache.used  # type: ignore[attr-defined]
+    assert full.ex.released_bytes == 0  # type: ignore[attr-defined]
+    budget = used // budget_share if budget_share else 0
+    ex = MachineExecutor(path, weight_cache_bytes=budget, stream_weights=True)
+    small = Runtime(ex)
+    for _ in range(2):
+        got = _logits(small)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    cache = ex.machine.cache
+    assert cache.used <= cache.budget
+    assert cache.streamed > 0  # decode products made from the packed bytes
+    assert ex.released_bytes > 0
+    # every run releases the pages of the weights it read (a whole chunk at least a page)
+    assert ex.released_bytes >= sum(ex.stats[n].runs for n in ex.stats
+                                    if ex.nets()[n].per_layer) * 4096
+
+
+def test_streamed_products_are_the_cached_ones_bit_for_bit(monkeypatch) -> None:  # noqa: ANN001
+    """A decode product with a weight kept in no form (cache budget 0) is made a few rows'
+    offsets at a time from the packed bytes, several blocks of STREAM_ROWS with a partial
+    last one: `a16_matmul`'s bytes, with and without zero points, bias, mins; a prefill
+    product takes the whole weight; a BLAS whose blocked products differ in a bit leaves
+    every product whole."""
+    monkeypatch.setattr(wc, "STREAM_ROWS", 128)
+    rng = np.random.default_rng(5)
+    n, k, gs = 300, 256, 32
+    q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    s = (rng.standard_normal((n, k // gs)) * 1e-2).astype(np.float16)
+    z = rng.integers(0, 16, (n, k // gs), dtype=np.uint8)
+    m = (rng.standard_normal((n, k // gs)) * 1e-1).astype(np.float16)
+    bias = np.linspace(-1, 1, n).astype(np.float32)
+    for zeros, mins, b in ((z, None, bias), (None, None, None), (None, m, None)):
+        cache = wc.WeightCache(0)
+        for rows in (1, 16, 1, 1):
+            x = K.to_bf16(rng.standard_normal((1, rows, k)).astype(np.float32))
+            want = K.a16_matmul(x, q, s, zeros, b, 4, gs, None, mins)
+            got = cache.a16_product("w", x, q, s, zeros, 4, gs, b, None, mins=mins)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        assert cache.streamed == 3 and len(cache) == 0 and cache.used == 0
+    real = K.matmul_offsets
+
+    def bit_flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+        r = real(*args, **kw).copy()
+        r.reshape(-1).view(np.uint32)[0] ^= 1 << 22  # (kept by the bf16 rounding)
+        return r
+
+    monkeypatch.setattr(K, "matmul_offsets", bit_flipped)
+    cache = wc.WeightCache(0)
+    for _ in range(3):
+        x = K.to_bf16(rng.standard_normal((1, 1, k)).astype(np.float32))
+        want = K.a16_matmul(x, q, s, z, None, 4, gs)
+        assert cache.a16_product("w", x, q, s, z, 4, gs, None, None).tobytes() == \
+            want.tobytes()
+    assert list(cache.fused_ok.values()) == [False]
+
+
+def test_release_drops_whole_pages_of_a_range_and_reads_stay_the_same(
+        tmp_path_factory) -> None:
+    path = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+    with ModelFile(path) as f:
+        info = f.sections["weights"]
+        before = f.read("weights")
+        page = 4096
+        assert f.release(info.offset + 1, page) == 0  # no whole page inside
+        assert f.release(info.offset, info.size) == info.size // page * page
+        assert f.release(0, 0) == 0
+        assert f.read("weights") == before
+
+
+def test_streaming_is_chosen_by_size_or_the_environment(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.delenv(wc.STREAM_ENV_VAR, raising=False)
+    assert not machine_executor.streams_weights(wc.STREAM_ABOVE)
+    assert machine_executor.streams_weights(wc.STREAM_ABOVE + 1)
+    monkeypatch.setenv(wc.STREAM_ENV_VAR, "on")
+    assert machine_executor.streams_weights(1)
+    monkeypatch.setenv(wc.STREAM_ENV_VAR, "off")
+    assert not machine_executor.streams_weights(1 << 40)
+    monkeypatch.setenv(wc.STREAM_ENV_VAR, "sometimes")
+    with pytest.raises(MachineExecutorError, match="give auto, on or off"):
+        machine_executor.streams_weights(1)
+    monkeypatch.delenv(wc.ENV_VAR, raising=False)
+    monkeypatch.setattr(wc, "mem_available", lambda: 16 << 30)
+    assert wc.default_budget() == 8 << 30  # half of what is available
+    assert wc.default_budget(streaming=True) == wc.STREAMING_CAP
+    monkeypatch.setenv(wc.ENV_VAR, "5G")
+    assert wc.default_budget(streaming=True) == 5 << 30  # the environment's, uncapped
+
+
+def test_checksums_checked_a_window_at_a_time_still_find_a_flipped_byte(
+        tmp_path_factory, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The sections' sha256 hashed HASH_WINDOW bytes at a time (each window's pages
+    released after): a good file opens, a byte flipped in a later window is found."""
+    import shutil
+
+    from toptpu.backend.formats import model_file
+    from toptpu.backend.formats.model_file import ModelFileError
+
+    monkeypatch.setattr(model_file, "HASH_WINDOW", 3 * 4096 + 64)  # not a page multiple
+    monkeypatch.setattr(model_file, "RELEASE_CHECKED_ABOVE", 0)  # released as a 7B's
+    src = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+    path = str(tmp_path / "m.toptpu")
+    shutil.copyfile(src, path)
+    with ModelFile(path) as f:
+        info = f.sections["weights"]
+    assert info.size > 4 * model_file.HASH_WINDOW
+    at = info.offset + info.size - 100  # in the last window
+    with open(path, "r+b") as out:
+        out.seek(at)
+        byte = out.read(1)
+        out.seek(at)
+        out.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ModelFileError, match="checksum mismatch in section 'weights'"):
+        ModelFile(path)
