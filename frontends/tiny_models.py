@@ -63,7 +63,7 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
 def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, **overrides: Any
                 ) -> Any:
     """A tiny config of a supported family: qwen2, qwen3, qwen3_5, qwen3_moe,
-    qwen3_moe_unnormalized, qwen2_moe, llama2, llama3."""
+    qwen3_moe_unnormalized, qwen2_moe, qwen3_5_moe, llama2, llama3."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -103,6 +103,18 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25},
             "num_hidden_layers": max(layers, 4), **overrides})
+    elif family == "qwen3_5_moe":
+        # Qwen3.5-35B-A3B's structure (Qwen3.5's hybrid layers, every MLP a MoE block: top-k
+        # renormalized, a shared expert with its sigmoid gate) with 8 experts, top-2
+        cfg = tf.Qwen3_5MoeTextConfig(**{
+            **common, "head_dim": 16, "tie_word_embeddings": False, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25},
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+            "num_experts": 8, "num_experts_per_tok": 2,
+            "num_hidden_layers": max(layers, 4), **overrides})
     elif family in ("qwen3_moe", "qwen3_moe_unnormalized"):
         # Qwen3-30B-A3B's structure (q/k norms, untied, top-k routing) with 8 experts of
         # which each token takes 2; `qwen3_moe_unnormalized`: norm_topk_prob false
@@ -121,7 +133,8 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
             "mlp_only_layers": [], **overrides})
     else:
         raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, qwen3_5, "
-                         "qwen3_moe, qwen3_moe_unnormalized, qwen2_moe, llama2, llama3)")
+                         "qwen3_moe, qwen3_moe_unnormalized, qwen2_moe, qwen3_5_moe, llama2, "
+                         "llama3)")
     return cfg
 
 
