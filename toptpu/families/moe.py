@@ -17,4 +17,10 @@ QWEN3_MOE = TextFamily("qwen3_moe", "Qwen3-MoE", ("qwen3_moe",), "Qwen3MoeConfig
 QWEN2_MOE = TextFamily("qwen2_moe", "Qwen2-MoE", ("qwen2_moe",), "Qwen2MoeConfig")
 QWEN3_5_MOE = TextFamily(
     "qwen3_5_moe", "Qwen3.5-MoE", ("qwen3_5_moe_text",), "Qwen3_5MoeTextConfig", hybrid=True,
-    skipped_prefixes=("mtp.",))
+    skipped_prefixes=("mtp.",),
+    refused={
+        "qwen3_5_moe": "this is a Qwen3.5-MoE vision-language checkpoint, which `toptpu "
+                       "compile` takes as a VLM (its vision tower and hybrid MoE text model) "
+                       "from its directory; a text model alone is model_type "
+                       "qwen3_5_moe_text",
+    })

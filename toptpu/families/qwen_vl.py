@@ -56,7 +56,9 @@ class QwenVL(VisionFamily):
     title = "Qwen-VL"
     model_types = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                   "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+                   "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                   "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
     #: the model types whose videos space their frames in time (`tokens_per_second`);
     #: the others lay out each temporal patch as a grid of its own (`frames_apart`)
     spaced_video_types = ("qwen2_5_vl",)
