@@ -63,9 +63,15 @@ frame-block key masks (Qwen2.5-VL: window masks too; Qwen3-VL and Qwen3.5: the l
 position grid's bilinear taps) and gives the merged rows (Qwen3-VL: and the DeepStack rows);
 its text nets take M-RoPE positions [3, n].
 
-What is not supported: a MiniCPM-V whose text model is a mixture of experts or Qwen3-Next
-(refused by name), InternVL `vision_feature_layer` other than -1, videos for InternVL and
-MiniCPM-V, Qwen3-VL-MoE and Qwen2-VL (docs/limits.md).
+The mixtures of experts Qwen3-VL-MoE (a Qwen3-MoE text model) and Qwen3.5-MoE (the hybrid
+MoE text model) are Qwen-VL models like the others; their checkpoints may hold the experts
+one tensor per expert (`save_pretrained`'s hub layout, merged by transformers on loading) or
+fused, Qwen3-VL-MoE's published ones with the last two axes swapped (transposed by
+transformers on loading): the streaming compile reads all three (`_checkpoint_names`).
+
+What is not supported: a VLM whose text model is Qwen3-Next (refused by name), InternVL
+`vision_feature_layer` other than -1, videos for InternVL and MiniCPM-V, and Qwen2-VL
+(docs/limits.md).
 """
 
 from __future__ import annotations
@@ -1001,9 +1007,8 @@ def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
     vlm = source
     mt = getattr(vlm.config, "model_type", None)
     if vlm_family_of(mt) is None:
-        raise ModelLoadError(f"expected an InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL or "
-                             f"Qwen3.5 model, got "
-                             f"{type(vlm).__name__} ({mt})")
+        raise ModelLoadError(f"expected an InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL "
+                             f"(-MoE) or Qwen3.5 (-MoE) model, got {type(vlm).__name__} ({mt})")
     where = f"the {type(vlm).__name__}"
     family = _check_text_config(vlm.config, where)
     if tokenizer is None:

@@ -1,4 +1,5 @@
-"""Qwen-VL: Qwen2.5-VL, Qwen3-VL and Qwen3.5 (images and videos, M-RoPE positions).
+"""Qwen-VL: Qwen2.5-VL, Qwen3-VL and Qwen3.5, and the mixtures of experts Qwen3-VL-MoE and
+Qwen3.5-MoE (images and videos, M-RoPE positions; the host side is the same for a MoE).
 
 - An image: `Qwen2VLImageProcessorPil` resizes it within the vit net's patch budget (its
   `longest_edge`, set at compile time) and lays out its patches; one `vit` run per image
