@@ -1239,6 +1239,9 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> Checkpoi
     if expert_problems:
         raise ModelLoadError(f"the checkpoint in {d.path} does not hold its MoE experts "
                              "whole: " + "; ".join(expert_problems))
+    by_module: dict[str, list[str]] = {}  # '…experts' -> its hub-layout tensors
+    for key in hub:
+        by_module.setdefault(key.rpartition(".experts.")[0] + ".experts", []).append(key)
     stacked: dict[str, tuple[int, ...]] = {}  # a fused parameter the hub layout holds
     for name, shape in fused.items():
         new, _ = rename_source_key(name, renamings, [], vlm.base_model_prefix, want)
@@ -1247,9 +1250,8 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> Checkpoi
             continue
         stacked[new] = shape
         base, source_base = new.rpartition(".")[0], name.rpartition(".")[0]
-        for key in hub:
-            if key.startswith(source_base + "."):
-                found.experts[base + key[len(source_base):]] = key
+        for key in by_module[source_base]:
+            found.experts[base + key[len(source_base):]] = key
     optional = {"lm_head.weight"} if _tied(vlm) else set()
     missing = sorted(k for k in want if k not in names and k not in stacked
                      and k not in optional)

@@ -351,13 +351,26 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", VLMS)
 def test_vlm_machine_equals_interpreter_bit_for_bit(tmp_path_factory, family: str) -> None:
-    """With the same image rows, the machine's tokens and every KV cache after the image
-    turn are the interpreter's bits (the chunks at L; the prompt's last chunk runs the
-    16-row prefill net, whose rows agree to f32 rounding only: docs/limits.md). The vit's
-    own rows are the interpreter's bits where its plan keeps every reduction whole, else
-    (a layer group summing a matmul's K in parts) within cos >= 0.99999 (docs/machine.md)."""
+    """With the same image rows, the machine's tokens are the interpreter's, and every KV
+    cache after the image turn is the interpreter's bits (the chunks at L; the prompt's
+    last chunk runs the 16-row prefill net, whose rows agree to f32 rounding only:
+    docs/limits.md) where the prefill nets at L keep every reduction whole; where a layer
+    group cuts the experts' intermediate axis in reduction parts (Qwen3.5-MoE's hidden 1024:
+    8 parts on bm1684x) the partial sums round apart and the caches agree within 1e-5 of
+    the largest value (docs/machine.md). The vit's own rows likewise: the interpreter's
+    bits where its plan keeps every reduction whole, else within cos >= 0.99999."""
+    from toptpu.backend.formats.llm_file import LlmFile
     from toptpu.backend.runtime.machine_executor import MachineExecutor
 
+    path = _vlm_file(tmp_path_factory, family)
+    machine = MachineExecutor(path)
+
+    def parts(net: str) -> int:
+        return sum(getattr(c, "parts", 1) > 1 for c in machine.program(net).commands)
+
+    at_l_nets = [n for n in LlmFile(path).header["nets"] if n.split("@")[0] in
+                 ("block", "block_kv")]
+    cut = sum(parts(net) for net in at_l_nets)  # the plan's choice (the cost model's)
     a = _image_turn(tmp_path_factory, family, "machine", rows_of="interpreter")
     b = _image_turn(tmp_path_factory, family, "interpreter")
     assert a["ids"] == b["ids"] and a["tokens"] == b["tokens"]
@@ -367,14 +380,13 @@ def test_vlm_machine_equals_interpreter_bit_for_bit(tmp_path_factory, family: st
     assert n % L <= 16 < L  # the last chunk runs at 16
     for key, cache in a["caches"].items():
         want = b["caches"][key]
-        assert np.array_equal(cache[:, :at_l], want[:, :at_l]), key
+        assert np.array_equal(cache[:, :at_l], want[:, :at_l]) or cut, key
         assert np.abs(cache - want).max() <= 1e-5 * np.abs(want).max(), key
     own = _image_turn(tmp_path_factory, family, "machine")  # the machine's vit rows
-    parts = sum(c.parts > 1 for c in MachineExecutor(_vlm_file(tmp_path_factory, family))
-                .program("vit").commands if hasattr(c, "parts"))
+    vit_parts = parts("vit")
     pairs = [(own["rows"], b["rows"])]
     if own["deepstack"] is not None:
         pairs.append((own["deepstack"], b["deepstack"]))
     for ours, theirs in pairs:
         assert _cos(ours, theirs) >= 0.99999
-        assert np.array_equal(ours, theirs) or parts > 0
+        assert np.array_equal(ours, theirs) or vit_parts > 0
