@@ -71,6 +71,20 @@ def test_qwen3_5_moe_block_is_recognized_and_equals_the_kernels() -> None:
     np.testing.assert_allclose(ours, whole, rtol=1e-5, atol=1e-6)
 
 
+def test_a_moe_config_needs_no_intermediate_size() -> None:
+    """Qwen3.5-MoE's config.json has no intermediate_size (no dense MLP): accepted when
+    the experts' size is given, still required of a dense config."""
+    from toptpu.frontends.hf_loader import ModelLoadError, check_config_values
+    from toptpu.frontends.tiny_models import tiny_config
+
+    raw = tiny_config("qwen3_5_moe").to_dict()
+    assert "intermediate_size" not in raw
+    check_config_values(raw, "config.json")
+    raw.pop("moe_intermediate_size")
+    with pytest.raises(ModelLoadError, match="intermediate_size is missing"):
+        check_config_values(raw, "config.json")
+
+
 # =========================================================================== checkpoints
 
 
