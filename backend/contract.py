@@ -353,17 +353,17 @@ class StaticShapes:
         return str(NetName(base, 0, 0 if length == self.max_input_length else length))
 
 
-#: the chunk lengths compiled below L by default: powers of 4 from 16 (16, 64, 256, ...)
+#: the chunk lengths compiled below L by default: powers of 2 from 16 (16, 32, 64, ...)
 DEFAULT_PREFILL_BASE = 16
 
 
 def default_prefill_lengths(max_input_length: int) -> tuple[int, ...]:
-    """16, 64, 256, ... below `max_input_length`, and `max_input_length` itself: a short
-    prompt runs a chunk at most 4x its length (at least 16), a long one chunks of L."""
+    """16, 32, 64, ... below `max_input_length`, and `max_input_length` itself: a prompt
+    runs a chunk at most twice its length (at least 16), a long one chunks of L."""
     out, n = [], DEFAULT_PREFILL_BASE
     while n < max_input_length:
         out.append(n)
-        n *= 4
+        n *= 2
     return (*out, max_input_length)
 
 

@@ -112,25 +112,25 @@ def test_the_estimate_from_a_config_is_what_the_machine_charges_the_compiled_fil
 
 
 def test_estimate_and_run_agree_at_every_prefill_length(tmp_path_factory) -> None:
-    """A file with prefill lengths 16 and 48: the modelled time to first token of prompts
-    at 16, at 48, and of 48 + 5 (block_kv at 16) is what the machine charges, and a short
-    prompt costs less than one that needs the longer chunk."""
+    """A file with prefill lengths 16, 32 and 48: the modelled time to first token of prompts
+    at 16, at 32, at 48, and of 48 + 5 (block_kv at 16) is what the machine charges, and a
+    short prompt costs less than one that needs a longer chunk."""
     seq, chunk = 96, 48
     built = compiled(tmp_path_factory, "qwen2", "w4bf16", seq=seq, input_len=chunk)
     rt = Runtime.open(built.model_file)
     chip = rt.ex.chip
     shapes = StaticShapes.make(seq, chunk)
-    assert shapes.prefill_lengths == (16, chunk)
+    assert shapes.prefill_lengths == (16, 32, chunk)
     request = CompileRequest(mode=QuantMode.W4BF16, chip=chip, shapes=shapes)
     config = read_checked_config(built.model_dir, request)
     costs = compile_costs(config, request, nets=list(rt.ex.nets()))
     ttft = {}
-    for n in (5, 20, chunk + 5):
+    for n in (5, 20, 40, chunk + 5):
         res = rt.generate(list(range(3, 3 + n)), 3, stop_on_eos=False)
         est = estimate(costs, chip, prompt_tokens=n, sampler=res.sampler)
         assert res.modelled_ttft_s == pytest.approx(est.ttft_s, rel=1e-9), n
         ttft[n] = est.ttft_s
-    assert ttft[5] < ttft[20] < ttft[chunk + 5]
+    assert ttft[5] < ttft[20] < ttft[40] < ttft[chunk + 5]
 
 
 def test_estimate_json_has_the_issue_keys(tmp_path_factory: pytest.TempPathFactory,

@@ -23,7 +23,7 @@ from toptpu.backend.runtime.runtime import Runtime
 
 pytestmark = pytest.mark.slow  # compiles model files and generates against transformers
 
-SEQ, L = 96, 48  # default prefill lengths: 16 and 48
+SEQ, L = 96, 48  # default prefill lengths: 16, 32 and 48
 
 
 def _recording(rt: Runtime) -> list[str]:
@@ -47,10 +47,10 @@ def _prefill_nets(ran: list[str]) -> list[str]:
 
 def test_default_lengths_and_the_shortest_that_holds_a_chunk() -> None:
     shapes = StaticShapes.make(SEQ, L)
-    assert shapes.prefill_lengths == (16, 48)
-    assert [shapes.chunk_length(n) for n in (1, 16, 17, 48)] == [16, 16, 48, 48]
-    assert StaticShapes.make(512).prefill_lengths == (16, 64, 128)
-    assert StaticShapes.make(2048, 1024).prefill_lengths == (16, 64, 256, 1024)
+    assert shapes.prefill_lengths == (16, 32, 48)
+    assert [shapes.chunk_length(n) for n in (1, 16, 17, 32, 33, 48)] == [16, 16, 32, 32, 48, 48]
+    assert StaticShapes.make(512).prefill_lengths == (16, 32, 64, 128)
+    assert StaticShapes.make(2048, 1024).prefill_lengths == (16, 32, 64, 128, 256, 512, 1024)
     assert StaticShapes.make(64, 16).prefill_lengths == (16,)
     assert StaticShapes.make(512, prefill_lengths=[32, 256]).max_input_length == 256
     assert StaticShapes.make(512, 128, prefill_lengths=[8]).prefill_lengths == (8, 128)
@@ -68,11 +68,13 @@ def test_the_runtime_runs_each_chunk_at_the_shortest_length(tmp_path_factory) ->
     second turn: the nets each runs, and greedy tokens equal transformers'."""
     built = compiled(tmp_path_factory, "qwen2", "f32", seq=SEQ, input_len=L)
     rt = Runtime.open(built.model_file)
-    assert rt.lengths == [16, L]
+    assert rt.lengths == [16, 32, L]
     expect = {5: ["embedding:16", "block:16"], 16: ["embedding:16", "block:16"],
-              17: ["embedding", "block"], L: ["embedding", "block"],
+              17: ["embedding:32", "block:32"], 33: ["embedding", "block"],
+              L: ["embedding", "block"],
               L + 5: ["embedding", "block", "embedding:16", "block_kv:16"],
-              L + 17: ["embedding", "block", "embedding", "block_kv"]}
+              L + 17: ["embedding", "block", "embedding:32", "block_kv:32"],
+              L + 33: ["embedding", "block", "embedding", "block_kv"]}
     for n, nets in expect.items():
         ids = [3 + (i * 7) % 300 for i in range(n)]
         ran = _recording(rt)
@@ -96,7 +98,7 @@ def test_machine_equals_interpreter_at_every_length(tmp_path_factory, mode: str)
     built = compiled(tmp_path_factory, "qwen2", mode, seq=SEQ, input_len=L)
     machine = Runtime.open(built.model_file, "machine")
     interp = Runtime.open(built.model_file, "interpreter")
-    for n in (5, 16, 17, L, L + 5, L + 17):
+    for n in (5, 16, 17, 33, L, L + 5, L + 17, L + 33):
         ids = [3 + (i * 5) % 300 for i in range(n)]
         a, b = machine.prompt_logits(ids), interp.prompt_logits(ids)
         assert a.dtype == b.dtype and np.array_equal(a, b), n
@@ -245,7 +247,7 @@ def test_several_devices_run_each_length_as_one_device_does(
                     devices=2, parallel=parallel)
     rt, ref = Runtime.open(many.model_file), Runtime.open(one.model_file)
     ex = rt.ex
-    assert isinstance(ex, DeviceGroupExecutor) and rt.lengths == [16, input_len]
+    assert isinstance(ex, DeviceGroupExecutor) and rt.lengths == sorted({16, 32, input_len})
     par = ex.parallel
     for net in ("block:16", "block_kv:16"):  # each layer's net at 16 on its devices
         for layer in range(layers):

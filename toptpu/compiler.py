@@ -324,7 +324,7 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     `chip`: a preset's name. Static shapes: `seq_length` (KV capacity, default 512),
     `max_input_length` (prefill chunk, default min(SEQ, 128)), `max_history` (history of
     prefill_kv, default SEQ), `prefill_lengths` (the chunk lengths the prefill nets are
-    compiled at besides `max_input_length`; default 16, 64, 256, ... below it: a short
+    compiled at besides `max_input_length`; default 16, 32, 64, ... below it: a short
     prompt runs the shortest that holds it). `group_size` (w4 modes only; default 64, -1 per
     channel) and `symmetric` (w4/w8 modes) shape round-to-nearest quantization and are
     refused where they would be ignored (float modes, w8's per-channel scales,

@@ -379,7 +379,7 @@ class CompileRequest:
                type=int_at_least(1)),
         Option("prefill_lengths", ("--prefill-lengths",), None,
                "the chunk lengths the prefill nets are also compiled at; a prompt chunk runs "
-               "the shortest that holds it (default 16, 64, 256, ... below L; the longest is "
+               "the shortest that holds it (default 16, 32, 64, ... below L; the longest is "
                "L, or L is their largest when --max-input-length is not given)",
                type=chunk_lengths, metavar="N,N,..."),
         parse=_shapes)
