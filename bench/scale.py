@@ -17,6 +17,11 @@ Random weights: sign and 7 mantissa bits uniform, the exponent fixed, so matrice
 have magnitudes in [1/64, 1/32) and norms in [1, 2): cheap to draw (integers, no float
 math), spread over every quantization group.
 
+Mixtures of experts (`qwen3-30B-A3B`, `35B-A3B-widths`: `QWEN3_MOE`, `qwen3_moe` configs)
+are written in the hub layout `save_pretrained` writes: one tensor per expert and
+projection (`model.layers.N.mlp.experts.E.gate_proj.weight`), 768 tensors a layer at 256
+experts.
+
 Compile: each size in its own subprocess (`toptpu.compile`, w4bf16, seq 512 by default,
 `--max-input-length` as compile's default unless given); wall time and the subprocess's
 peak RSS (getrusage RUSAGE_CHILDREN), and the machine's load average before and after (the
@@ -31,6 +36,7 @@ Run: python bench/scale.py [--sizes 0.5B,1.5B,7B] [--dir /work/scale-ckpt] [--mo
                                   size this host has; memory is per layer either way)
          [--devices 8 --parallel tp|pp]
      python bench/scale.py --sizes qwen3.5-9B --seq 2048 --max-input-length 1024
+     python bench/scale.py --sizes 35B-A3B-widths --layers 2     (and --layers 4)
 """
 
 from __future__ import annotations
@@ -75,6 +81,25 @@ QWEN25: dict[str, dict[str, Any]] = {
 }
 #: the Qwen3.5 text configs (bench/configs/<name>/config.json, their sources in its README)
 QWEN35 = ("qwen3.5-2B", "qwen3.5-4B", "qwen3.5-9B")
+#: mixtures of experts as `qwen3_moe` configs: Qwen3-30B-A3B's published config, and
+#: Qwen3.5-35B-A3B's text widths (hidden 2048, 16/2 heads of 256, 256 experts of 512, top-8,
+#: vocabulary 248320) in a Qwen3-MoE config (its linear-attention layers and shared expert
+#: are not modelled: every layer full attention, no shared expert)
+QWEN3_MOE: dict[str, dict[str, Any]] = {
+    "qwen3-30B-A3B": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, norm_topk_prob=True, rope_theta=1000000.0,
+                          max_position_embeddings=40960, tie_word_embeddings=False,
+                          rms_norm_eps=1e-6),
+    "35B-A3B-widths": dict(hidden_size=2048, intermediate_size=6144,
+                           moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                           num_hidden_layers=40, num_attention_heads=16,
+                           num_key_value_heads=2, head_dim=256, vocab_size=248320,
+                           norm_topk_prob=True, rope_theta=10000000.0,
+                           max_position_embeddings=262144, tie_word_embeddings=False,
+                           rms_norm_eps=1e-6),
+}
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 #: what every Qwen2.5 base config shares
 QWEN25_COMMON: dict[str, Any] = dict(
@@ -121,8 +146,25 @@ def qwen35_config(name: str) -> Any:
     return tf.Qwen3_5TextConfig(**raw)
 
 
+def qwen3_moe_config(name: str) -> Any:
+    """A transformers Qwen3MoeConfig of `QWEN3_MOE[name]`, eos and pad the tiny
+    tokenizer's."""
+    import transformers as tf
+
+    from toptpu.frontends.tiny_models import SPECIAL_TOKENS
+
+    dims = dict(QWEN3_MOE[name])
+    theta = dims.pop("rope_theta")
+    return tf.Qwen3MoeConfig(**dims, rope_parameters={"rope_type": "default",
+                                                      "rope_theta": theta},
+                             bos_token_id=None, eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+                             pad_token_id=0, dtype="bfloat16")
+
+
 def model_config(size: str) -> Any:
-    """The config of a size of `--sizes` (a Qwen2.5 size or a Qwen3.5 name)."""
+    """The config of a size of `--sizes` (a Qwen2.5 size, a Qwen3.5 or a MoE name)."""
+    if size in QWEN3_MOE:
+        return qwen3_moe_config(size)
     return qwen35_config(size) if size in QWEN35 else qwen25_config(size)
 
 
@@ -132,7 +174,27 @@ def checkpoint_tensors(config: Any) -> dict[str, tuple[int, ...]]:
     from toptpu.frontends.hf_loader import expected_shapes
 
     shapes, tied = expected_shapes(config)
-    return {n: s for n, s in shapes.items() if n not in tied}
+    return hub_layout({n: s for n, s in shapes.items() if n not in tied})
+
+
+def hub_layout(tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The module's fused experts ('…experts.gate_up_proj' [E, 2I, H], '…experts.down_proj'
+    [E, H, I]) as `save_pretrained` writes them: one tensor per expert and projection
+    ('…experts.7.gate_proj.weight' [I, H], up [I, H], down [H, I]), experts in order."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in tensors.items():
+        base, _, last = name.rpartition(".")
+        if base.endswith(".experts") and last == "gate_up_proj":
+            experts, inter, hidden = shape[0], shape[1] // 2, shape[2]
+            for e in range(experts):
+                out[f"{base}.{e}.gate_proj.weight"] = (inter, hidden)
+                out[f"{base}.{e}.up_proj.weight"] = (inter, hidden)
+                out[f"{base}.{e}.down_proj.weight"] = (hidden, inter)
+        elif base.endswith(".experts") and last == "down_proj":
+            continue  # written with the gate and up above, expert by expert
+        else:
+            out[name] = shape
+    return out
 
 
 def plan_shards(tensors: dict[str, tuple[int, ...]], shard_bytes: int = SHARD_BYTES
@@ -296,7 +358,8 @@ def compile_measured(model_dir: str, output: str, mode: str, seq: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1.5B,7B",
-                    help=f"comma-separated, of {', '.join((*QWEN25, *QWEN35))} (increasing "
+                    help=f"comma-separated, of {', '.join((*QWEN25, *QWEN35, *QWEN3_MOE))} "
+                    "(increasing "
                     "order)")
     ap.add_argument("--dir", default="/work/scale-ckpt", help="checkpoints and model files")
     ap.add_argument("--mode", default="w4bf16")
@@ -313,12 +376,13 @@ def main() -> None:
     if args.devices > 1 and args.parallel is None:
         args.parallel = "tp"
     sizes = args.sizes.split(",")
-    unknown = [s for s in sizes if s not in QWEN25 and s not in QWEN35]
+    known = (*QWEN25, *QWEN35, *QWEN3_MOE)
+    unknown = [s for s in sizes if s not in known]
     if unknown:
-        ap.error(f"unknown size(s) {unknown}; choose from {', '.join((*QWEN25, *QWEN35))}")
+        ap.error(f"unknown size(s) {unknown}; choose from {', '.join(known)}")
     rows = []
     for size in sizes:
-        name = size if size in QWEN35 else f"qwen2.5-{size}"
+        name = size if size in QWEN35 or size in QWEN3_MOE else f"qwen2.5-{size}"
         tag = "" if args.layers is None else f"-{args.layers}l"
         ckpt = os.path.join(args.dir, f"{name}{tag}")
         output = os.path.join(args.dir, f"{name}{tag}-{args.mode}.toptpu")

@@ -645,6 +645,13 @@ class ShapedOp(IRDLOperation, SlicingInterface):
         """The weight operands the op's kernel converts at every run (None: none)."""
         return None
 
+    def quantized_weights(self) -> list[ConvertedWeight]:
+        """Its quantized weights (form "a16"), each with the parameters its recipe
+        quantizes another layer's float weight by (`passes.weight_recipe`): by default
+        the one `converted_weight` (a `tpu.a16_matmul`'s), none for a float op."""
+        conv = self.converted_weight()
+        return [conv] if conv is not None and conv.form == "a16" else []
+
     # ------------------------------------------------------------------ reductions in parts
     def reduction_part_arguments(self, operands: Sequence[object], part: int
                                  ) -> tuple[Sequence[object], Mapping[str, object]]:

@@ -154,6 +154,14 @@ class SlicingInterface:
         the group (an embedding table), never loaded whole; None (the default): none."""
         return None
 
+    def fetched_by_index(self) -> dict[int, int]:
+        """The operands of which the op reads only the rows (along axis 0) its index
+        operand names, by operand position -> the index operand's position (a MoE experts
+        op's stacked expert weights, read at the router's expert indices; negative entries
+        name no row). A group loads such an operand by index (`tpu.load` with
+        `by_index`): only those rows move. Empty (the default): none."""
+        return {}
+
     # ------------------------------------------------------------------ cols
     def col_sliceable(self) -> bool:
         """Whether the op computes a range of output channels at a time: its first operand

@@ -2558,6 +2558,11 @@ class MoeExpertsBase(ShapedOp):
         """gate and up along their rows (1), down along its columns (2); the rest whole."""
         return (None, 1, 1, 2, None, None)
 
+    def fetched_by_index(self) -> dict[int, int]:
+        """gate, up and down: only the experts the indices name are read (an expert
+        nobody chose is never fetched)."""
+        return {1: 5, 2: 5, 3: 5}
+
     def lower_to_linalg(self, e: Emitter) -> SSAValue:
         """Dense over each token's k slots, the expert's weights read by index (clamped
         into range; a slot of index -1 is weighted 0): gate and up [T, k, I] (reductions

@@ -36,7 +36,15 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 from xdsl.dialects import func
-from xdsl.dialects.builtin import DenseArrayBase, IntegerAttr, StringAttr, TensorType, f32, i64
+from xdsl.dialects.builtin import (
+    DenseArrayBase,
+    IntegerAttr,
+    StringAttr,
+    TensorType,
+    UnitAttr,
+    f32,
+    i64,
+)
 from xdsl.ir import (
     Attribute,
     Block,
@@ -87,6 +95,8 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.slicing_interface import (
     RowRule,
+    SliceKind,
+    SlicingInterface,
     activation_rows,
     same_rows,
     weight_reduction_axes,
@@ -495,6 +505,248 @@ class A16MatMulOp(TpuOp):
         return {}
 
 
+#: the projections of `tpu.a16_moe_experts`, in operand order
+MOE_PROJECTIONS = ("gate", "up", "down")
+
+
+@irdl_op_definition
+class A16MoeExpertsOp(TpuOp):
+    """`top.moe_experts` with quantized experts: each projection (gate [E, I, H], up
+    [E, I, H], down [E, H, I]) stacked by expert in `tpu.a16_matmul`'s layout — expert e's
+    qweight [N, K/2] (4 bit) or [N, K] (8 bit), scales [N, G] and zero points or mins
+    [N, G] are element e of the operands (groups along each expert's input dimension:
+    H for gate and up, I for down). `weight_bits` and `group_size` hold one value per
+    projection (gate, up, down). y = the float op's arithmetic on the dequantized experts
+    (`kernels.dequantize`, the a16_matmul's own): only the experts some token chose are
+    dequantized. The router's weights and indices are as for `top.moe_experts`."""
+
+    name = "tpu.a16_moe_experts"
+    x = operand_def(AnyTensor)
+    gate_qweight = operand_def(AnyTensor)
+    gate_scales = operand_def(AnyTensor)
+    gate_zeros = opt_operand_def(AnyTensor)
+    gate_mins = opt_operand_def(AnyTensor)
+    up_qweight = operand_def(AnyTensor)
+    up_scales = operand_def(AnyTensor)
+    up_zeros = opt_operand_def(AnyTensor)
+    up_mins = opt_operand_def(AnyTensor)
+    down_qweight = operand_def(AnyTensor)
+    down_scales = operand_def(AnyTensor)
+    down_zeros = opt_operand_def(AnyTensor)
+    down_mins = opt_operand_def(AnyTensor)
+    weights = operand_def(AnyTensor)
+    indices = operand_def(AnyTensor)
+    weight_bits = attr_def(DenseArrayBase)
+    group_size = attr_def(DenseArrayBase)
+    output = result_def(AnyTensor)
+    irdl_options = (AttrSizedOperandSegments(),)
+    assembly_format = (
+        "$x `,` `gate` `(` $gate_qweight `,` $gate_scales (`zeros` $gate_zeros^)? (`mins` "
+        "$gate_mins^)? `)` `,` `up` `(` $up_qweight `,` $up_scales (`zeros` $up_zeros^)? "
+        "(`mins` $up_mins^)? `)` `,` `down` `(` $down_qweight `,` $down_scales (`zeros` "
+        "$down_zeros^)? (`mins` $down_mins^)? `)` `,` $weights `,` $indices attr-dict `:` "
+        "type($x) `,` `gate` `(` type($gate_qweight) `,` type($gate_scales) (`zeros` "
+        "type($gate_zeros)^)? (`mins` type($gate_mins)^)? `)` `,` `up` `(` "
+        "type($up_qweight) `,` type($up_scales) (`zeros` type($up_zeros)^)? (`mins` "
+        "type($up_mins)^)? `)` `,` `down` `(` type($down_qweight) `,` type($down_scales) "
+        "(`zeros` type($down_zeros)^)? (`mins` type($down_mins)^)? `)` `,` type($weights) "
+        "`,` type($indices) `->` type($output)"
+    )
+    MULTIPLY_ACCUMULATE: ClassVar[bool] = True
+    REDUCTION_KERNELS: ClassVar[tuple[str, str] | None] = ("a16_moe_experts_part",
+                                                           "moe_experts_finish")
+
+    def __init__(self, x: SSAValue,
+                 projections: Sequence[tuple[SSAValue, SSAValue, SSAValue | None,
+                                             SSAValue | None]],
+                 weights: SSAValue, indices: SSAValue, *, weight_bits: Sequence[int],
+                 group_size: Sequence[int], result_type: TensorType | None = None) -> None:
+        """`projections`: (qweight, scales, zeros, mins) of gate, up and down."""
+        flat: list[SSAValue | None] = [x]
+        for proj in projections:
+            flat.extend(proj)
+        self.construct([*flat, weights, indices], {
+            "weight_bits": i64_array(list(weight_bits)),
+            "group_size": i64_array(list(group_size)), "compute": f32},
+            None if result_type is None else [result_type])
+
+    # ------------------------------------------------------------------ kernel binding
+    def _params(self) -> dict[str, object]:
+        return {"bits": tuple(read_ints(self.weight_bits)),
+                "group_sizes": tuple(read_ints(self.group_size))}
+
+    def kernel_params(self) -> dict[str, object]:
+        return {**self._params(), "out_dtype": self.result_dtype()}
+
+    def quantized_weights(self) -> list[ConvertedWeight]:
+        """Its three projections' (qweight, scales, zeros, mins) in `operand_groups`."""
+        bits, groups = read_ints(self.weight_bits), read_ints(self.group_size)
+        return [ConvertedWeight("a16", tuple(range(1 + 4 * p, 5 + 4 * p)), bits[p], groups[p])
+                for p in range(3)]
+
+    def reduction_part_arguments(self, operands: Sequence[object], part: int
+                                 ) -> tuple[Sequence[object], Mapping[str, object]]:
+        """Part `part` of I: every operand (gate and up cut to the part's rows, down to
+        its columns: whole groups)."""
+        return operands, self._params()
+
+    def reduction_finish_arguments(self, operands: Sequence[object]
+                                   ) -> tuple[Sequence[object], Mapping[str, object]]:
+        return (), {"out_dtype": self.result_dtype(), "like": operands[0]}
+
+    # ------------------------------------------------------------------ shapes
+    @classmethod
+    def infer(cls, operands: Operands, attrs: Attrs) -> list[TensorType]:
+        x, weights, indices = operands[0], operands[13], operands[14]
+        assert x is not None and weights is not None and indices is not None
+        name = cls.name
+        bits, groups = read_ints(attrs.get("weight_bits")), read_ints(attrs.get("group_size"))
+        if len(bits) != 3 or len(groups) != 3:
+            raise VerifyException(f"{name} needs weight_bits and group_size for gate, up "
+                                  "and down (three each)")
+        xs = shape_of(x)
+        if len(xs) != 2:
+            raise VerifyException(f"{name} x is {list(xs)}; it must be [T, H]")
+        t, h = xs
+        shapes: list[tuple[int, int, int]] = []
+        for p, what in enumerate(MOE_PROJECTIONS):
+            q, s, z, m = operands[1 + 4 * p: 5 + 4 * p]
+            assert q is not None and s is not None
+            shapes.append(_stacked_quantized_shape(name, what, q, s, z, m, bits[p], groups[p]))
+        (e, i, hk), (eu, iu, hu), (ed, hd, idn) = shapes
+        if (hk, hu, hd) != (h, h, h) or (eu, ed) != (e, e) or (iu, idn) != (i, i):
+            raise VerifyException(
+                f"{name} experts are gate {list(shapes[0])}, up {list(shapes[1])}, down "
+                f"{list(shapes[2])} (unpacked); for x [{t}, {h}] they must be [E, I, {h}], "
+                f"[E, I, {h}], [E, {h}, I]")
+        ws = shape_of(weights)
+        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e or shape_of(indices) != ws:
+            raise VerifyException(f"{name} weights and indices must be [{t}, k] with k from 1 "
+                                  f"to the {e} experts")
+        if not is_float(elem_of(x)) or not is_float(elem_of(weights)) \
+                or is_float(elem_of(indices)):
+            raise VerifyException(f"{name} takes float x and weights, integer indices")
+        return [tensor(xs, elem_of(x))]
+
+    @property
+    def experts(self) -> int:
+        return shape_of(self.gate_scales)[0]
+
+    @property
+    def intermediate(self) -> int:
+        return shape_of(self.gate_scales)[1]
+
+    @property
+    def top_k(self) -> int:
+        return shape_of(self.weights)[1]
+
+    def flops(self) -> int:
+        """As `top.moe_experts`: the k experts each token computes."""
+        t, h = shape_of(self.x)
+        i = self.intermediate
+        return t * self.top_k * (2 * h * 2 * i + 2 * i * h + 6 * i + 2 * h)
+
+    # ------------------------------------------------------------------ slicing
+    def _flat_axes(self, x: int | None, gate_up: int | None, down: int | None,
+                   routing: int | None) -> tuple[int | None, ...]:
+        """An axis per present operand (flat order): x's, every gate/up weight operand's,
+        every down operand's, the routing weights' and indices'."""
+        axes: list[int | None] = []
+        groups = self.operand_groups()
+        for n, v in enumerate(groups):
+            if v is None:
+                continue
+            if n == 0:
+                axes.append(x)
+            elif n < 9:
+                axes.append(gate_up)
+            elif n < 13:
+                axes.append(down)
+            else:
+                axes.append(routing)
+        return tuple(axes)
+
+    def row_rule(self, axis: int) -> RowRule | None:
+        """Tokens are independent: x, the routing and y by rows, the experts whole."""
+        if axis != 0:
+            return None
+        return RowRule(self._flat_axes(0, None, None, 0), (0,))
+
+    def tile_loop(self) -> SliceKind:
+        """Row blocks times reduction parts (as `top.moe_experts`)."""
+        return SliceKind.HEADS
+
+    def heads_operand_axes(self) -> tuple[int | None, ...]:
+        return self._flat_axes(None, None, None, None)
+
+    def heads_result_axes(self) -> tuple[int, ...]:
+        return (1,)
+
+    def fetched_by_index(self) -> dict[int, int]:
+        """Every stacked weight operand (the integers, scales, zero points and mins of gate,
+        up and down; flat positions 1 .. n-3) is read only at the experts the indices (the
+        last operand) name, as `top.moe_experts`'s."""
+        n = len(self.operands)
+        return {p: n - 1 for p in range(1, n - 2)}
+
+    def reduction_sliceable(self) -> bool:
+        return True
+
+    def reduction_count(self) -> int:
+        """down's quantization groups along I (a group stays whole), or, for a down with
+        one group over all of I, I (half of I at 4 bits: a part's bytes stay whole)."""
+        i = self.intermediate
+        bits, gs = read_ints(self.weight_bits)[2], read_ints(self.group_size)[2]
+        if gs < i:
+            return i // gs
+        return i // 2 if bits == 4 else i
+
+    def reduction_operand_axes(self) -> tuple[int | None, ...]:
+        """gate and up (their integers, scales, zero points, mins) along their rows (1),
+        down's along their columns (2: I, its bytes or groups)."""
+        return self._flat_axes(None, 1, 2, None)
+
+    def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
+                          parts: int = 1) -> dict[str, Attribute]:
+        """A part of a down with one group over I has one group of I / `parts`."""
+        groups = read_ints(self.group_size)
+        if parts > 1 and groups[2] == self.intermediate:
+            return {"group_size": i64_array([groups[0], groups[1], groups[2] // parts])}
+        return {}
+
+
+def _stacked_quantized_shape(name: str, what: str, q: SSAValue, s: SSAValue,
+                             z: SSAValue | None, m: SSAValue | None, bits: int, gs: int
+                             ) -> tuple[int, int, int]:
+    """[E, N, K] of one stacked quantized projection, checked as `tpu.a16_matmul` checks
+    its weight (per expert)."""
+    if bits not in (4, 8):
+        raise VerifyException(f"{name} {what}: weight bits must be 4 or 8, got {bits}")
+    qs = shape_of(q)
+    if len(qs) != 3:
+        raise VerifyException(f"{name} {what} qweight must be [E, N, K] (8 bit) or "
+                              "[E, N, K/2] (4 bit)")
+    e, n, k = qs[0], qs[1], A16MatMulOp.unpacked_k(qs, bits)
+    qname = dtype_name(elem_of(q))
+    if (bits == 4 and qname != "ui8") or (bits == 8 and qname not in ("i8", "ui8")):
+        raise VerifyException(f"{name} {what}: {bits}-bit qweight cannot be {qname}")
+    if z is not None and m is not None:
+        raise VerifyException(f"{name} {what} takes zero points or mins, not both")
+    if bits == 8 and (qname == "ui8") != (z is not None or m is not None):
+        raise VerifyException(f"{name} {what}: 8-bit weights are i8 without zero points or "
+                              "mins, ui8 with them")
+    if gs <= 0 or k % gs:
+        raise VerifyException(f"{name} {what}: group_size {gs} does not divide K={k}")
+    g = (e, n, k // gs)
+    if shape_of(s) != g or not is_float(elem_of(s)):
+        raise VerifyException(f"{name} {what} scales must be float {list(g)}")
+    if z is not None and (shape_of(z) != g or dtype_name(elem_of(z)) != "ui8"):
+        raise VerifyException(f"{name} {what} zeros must be ui8 {list(g)}")
+    if m is not None and (shape_of(m) != g or not is_float(elem_of(m))):
+        raise VerifyException(f"{name} {what} mins must be float {list(g)}")
+    return e, n, k
+
+
 # =========================================================================== layer groups
 
 
@@ -723,12 +975,19 @@ class YieldOp(IRDLOperation):
 @irdl_op_definition
 class LoadOp(TpuOp):
     """DMA global -> local: slice `s` of the global tensor along `slice_axis` (the whole
-    tensor, loaded once and kept resident, when `slice_axis` is -1)."""
+    tensor, loaded once and kept resident, when `slice_axis` is -1).
+
+    `by_index` (a load for an operand its consumer reads only at the rows its index operand
+    names: `SlicingInterface.fetched_by_index`, the MoE experts' stacked weights): an
+    indexed load — only the rows along axis 0 that the consumer's indices name move, each
+    once (the DMA reads the indices from the local buffer the consumer reads them from;
+    a negative index names none), the others are not read from global memory."""
 
     name = "tpu.load"
     input = operand_def(AnyTensor)
     slice_axis = attr_def(IntegerAttr)
     tile_axes = opt_attr_def(DenseArrayBase)
+    by_index = opt_attr_def(UnitAttr)
     output = result_def(AnyTensor)
     assembly_format = "$input attr-dict `:` type($input) `->` type($output)"
     CHECK_INFERRED: ClassVar[bool] = False
@@ -736,6 +995,22 @@ class LoadOp(TpuOp):
 
     def verify_(self) -> None:
         verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes)
+        if self.by_index is not None:
+            if read_int(self.slice_axis) == 0 or (
+                    self.tile_axes is not None and 0 in read_ints(self.tile_axes)):
+                raise VerifyException(f"{self.name} by_index loads rows along axis 0 by "
+                                      "index; it cannot also slice axis 0")
+            uses = list(self.output.uses)
+            for u in uses:
+                op = u.operation
+                if not (isinstance(op, SlicingInterface)
+                        and u.index in op.fetched_by_index()):
+                    raise VerifyException(f"{self.name} by_index: its result is operand "
+                                          f"{u.index} of {op.name}, which does not read it "
+                                          "by index")
+            if not uses:
+                raise VerifyException(f"{self.name} by_index needs a consumer reading its "
+                                      "rows by index")
 
 
 @irdl_op_definition
@@ -844,8 +1119,8 @@ def regions_of(fn: func.FuncOp) -> dict[str, int] | None:
 
 Tpu = Dialect(
     "tpu",
-    [*TPU_OF_TOP.values(), A16MatMulOp, AttentionPartOp, AttentionMergeOp, GroupOp, YieldOp,
-     LoadOp, StoreOp],
+    [*TPU_OF_TOP.values(), A16MatMulOp, A16MoeExpertsOp, AttentionPartOp, AttentionMergeOp,
+     GroupOp, YieldOp, LoadOp, StoreOp],
     [RegionsAttr],
 )
 

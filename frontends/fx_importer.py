@@ -980,7 +980,14 @@ def _moe_experts(im: Importer, node: torch.fx.Node) -> Any:
     stored = fused
 
     def half(h: int) -> Callable[[], np.ndarray]:
-        return lambda: np.ascontiguousarray(im.store[stored][:, h * inter:(h + 1) * inter])
+        def make() -> np.ndarray:
+            whole = im.store[stored]
+            part = whole[:, h * inter:(h + 1) * inter]
+            if not whole.any():  # all zeros (a streaming compile's placeholder experts,
+                # on untouched pages): zeros on untouched pages, not E x I x H written ones
+                return np.zeros(part.shape, part.dtype)
+            return part
+        return make
 
     gate = _stacked_weight(im, names[0], half(0))
     up = _stacked_weight(im, names[1], half(1))

@@ -133,11 +133,21 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # mixture of experts (qwen2moe, qwen3moe): the router, the experts stacked by expert
+    # (3-D: ggml's {H, I, E} is [E, I, H] here, the nets' own stacked form) and the
+    # shared expert with its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+#: the experts' stacked tensors: their HF names are the nets' stacked ones (no '.weight')
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 #: GGUF architectures (general.architecture) toptpu compiles
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 class GGUFError(ModelLoadError):
@@ -536,7 +546,31 @@ def hf_name(gguf_name: str, num_layers: int) -> str | None:
     layer = int(parts[1])
     if layer >= num_layers or str(layer) != parts[1]:
         return None
+    if parts[2] in EXPERT_TENSORS:
+        return None if parts[3] != "weight" else f"model.layers.{layer}.{LAYER_TENSORS[parts[2]]}"
     return f"model.layers.{layer}.{LAYER_TENSORS[parts[2]]}.{parts[3]}"
+
+
+def hf_shapes(tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The file's tensors (HF name -> shape) as the model's parameters are shaped: a MoE
+    layer's stacked gate and up as transformers' fused `experts.gate_up_proj` [E, 2I, H]
+    (the two must be alike), Qwen2-MoE's shared expert gate, a vector [H] in llama.cpp,
+    as [1, H]."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in tensors.items():
+        if name.endswith("experts.gate_proj"):
+            base = name.rpartition(".")[0]
+            up = tensors.get(f"{base}.up_proj")
+            out[f"{base}.gate_up_proj"] = (*shape[:1], 2 * shape[1], *shape[2:]) \
+                if up == shape and len(shape) == 3 else shape
+        elif name.endswith("experts.up_proj") and \
+                f"{name.rpartition('.')[0]}.gate_proj" in tensors:
+            continue
+        elif name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            out[name] = (1, shape[0])
+        else:
+            out[name] = shape
+    return out
 
 
 class GGUFTensors:
@@ -576,7 +610,7 @@ class GGUFTensors:
         if self.dequantize is not None:
             return {}
         return {hf.removesuffix(".weight"): info for hf, info in self.by_hf.items()
-                if hf.startswith("model.layers.") and hf.endswith("_proj.weight")
+                if hf.startswith("model.layers.") and hf.endswith(("_proj.weight", "_proj"))
                 and info.type_name in EXACT_TYPES}
 
     def check_types(self) -> None:
@@ -585,7 +619,7 @@ class GGUFTensors:
         their exactly dequantized values."""
         if self.dequantize is not None:
             return
-        exact = {f"{m}.weight" for m in self.exact_linears()}
+        exact = {f"{m}.weight" for m in self.exact_linears()} | set(self.exact_linears())
         for hf, info in self.by_hf.items():
             if info.type_name in EXACT_TYPES and (hf in exact or not hf.startswith(
                     "model.layers.")):
@@ -640,7 +674,10 @@ class GGUFTensors:
             raise GGUFError(f"{self.header.path}: tensor '{info.name}' ({info.type_name}) "
                             f"cannot be dequantized: {str(e)[:200]}") from None
         self._check_finite(info, out)
-        return np.ascontiguousarray(self.unpermuted(name, out.reshape(info.shape)))
+        shape = info.shape
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # llama.cpp's vector [H], transformers' linear [1, H]
+        return np.ascontiguousarray(self.unpermuted(name, out.reshape(shape)))
 
     def _check_finite(self, info: GGUFTensorInfo, *arrays: np.ndarray | None) -> None:
         """NaN or infinity in a tensor (its values, or a quantized type's scales and mins)
@@ -664,15 +701,16 @@ class GGUFTensors:
     def blocks(self, name: str) -> ExactForm:
         """An exact linear's stored form (`ExactForm`, `decode_blocks`), rows in HF order."""
         info = self.by_hf[name]
-        n, k = info.shape
-        raw = np.asarray(self.raw(info), dtype=np.uint8).reshape(n, -1)
+        *lead, k = info.shape  # [N, K], or a MoE layer's experts [E, N, K]
+        raw = np.asarray(self.raw(info), dtype=np.uint8).reshape(math.prod(lead), -1)
         try:
             form = decode_blocks(raw, info.type_name, k)
         except ValueError as e:
             raise GGUFError(f"{self.header.path}: tensor '{info.name}': {e}") from None
         self._check_finite(info, form.scales, form.mins)
+
         def rows(a: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(self.unpermuted(name, a))
+            return np.ascontiguousarray(self.unpermuted(name, a.reshape(*lead, -1)))
 
         return ExactForm(rows(form.q), rows(form.scales),
                          None if form.zeros is None else rows(form.zeros),
@@ -709,7 +747,7 @@ class GGUFCheckpoint:
         self.layouts: dict[str, QuantizedLayout] = {}
         for module, info in tensors.exact_linears().items():
             t = EXACT_TYPES[info.type_name]
-            n, k = info.shape
+            n, k = info.shape[-2:]  # a MoE layer's experts [E, N, K]: each expert's
             self.layouts[module] = QuantizedLayout(
                 module, t.bits, t.group, t.zero is not None, k, n, False,
                 {"qweight": info.name}, info.type_name, mins=t.zero is None,
@@ -719,9 +757,14 @@ class GGUFCheckpoint:
         layout = self.layouts.get(name)
         if layout is None:
             return None
-        form = self.tensors.blocks(f"{name}.weight")
+        form = self.tensors.blocks(name if name in self.tensors else f"{name}.weight")
         return QuantizedLinear(name, layout.bits, layout.group_size, form.q, form.scales,
                                form.zeros, None, None, layout.sym, form.mins)
+
+    def stacked_experts(self, name: str) -> QuantizedLinear | None:
+        """A MoE layer's experts ('…experts.gate_proj'), stored stacked [E, N, K]: the
+        integers, scales and zero points or mins with their leading expert axis."""
+        return self.linear(name) if name in self.tensors else None
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: i.shape for n, i in self.tensors.by_hf.items()}
@@ -850,9 +893,17 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 #: array) must never pass for a scalar
 _ARCH_INTS = ("context_length", "block_count", "feed_forward_length", "embedding_length",
               "attention.head_count", "attention.head_count_kv", "rope.dimension_count",
-              "vocab_size", "attention.key_length", "attention.value_length")
+              "vocab_size", "attention.key_length", "attention.value_length",
+              "expert_count", "expert_used_count", "expert_feed_forward_length",
+              "expert_shared_feed_forward_length")
 _REQUIRED_INTS = ("block_count", "embedding_length", "feed_forward_length",
                   "attention.head_count")
+#: what a mixture-of-experts architecture's metadata must have (llama.cpp reads them all)
+_MOE_INTS: dict[str, tuple[str, ...]] = {
+    "qwen3moe": ("expert_count", "expert_used_count", "expert_feed_forward_length"),
+    "qwen2moe": ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                 "expert_shared_feed_forward_length"),
+}
 _ARCH_FLOATS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
 _STRINGS = ("general.architecture", "general.name", "tokenizer.ggml.model",
             "tokenizer.ggml.pre", "tokenizer.chat_template")
@@ -880,7 +931,7 @@ def check_metadata(header: GGUFHeader) -> str:
     for key in _ARCH_INTS:
         name = f"{arch}.{key}"
         if name not in fields:
-            if key in _REQUIRED_INTS:
+            if key in _REQUIRED_INTS or key in _MOE_INTS.get(str(arch), ()):
                 raise GGUFError(f"{path}: metadata '{name}' is missing, a positive integer "
                                 "expected")
             continue
@@ -931,6 +982,20 @@ def _config(header: GGUFHeader) -> tuple[Any, str]:
     except Exception as e:  # noqa: BLE001 - transformers raises many types here
         raise GGUFError(f"transformers cannot read the config of {path}: "
                         f"{one_line_reason(e)}") from None
+    fields = header.fields
+    if arch in _MOE_INTS:  # what transformers' GGUF mapping leaves at its defaults
+        if fields[f"{arch}.expert_used_count"] > fields[f"{arch}.expert_count"]:
+            raise GGUFError(f"{path}: metadata '{arch}.expert_used_count' "
+                            f"({fields[f'{arch}.expert_used_count']}) is more than its "
+                            f"{fields[f'{arch}.expert_count']} experts: re-convert it")
+        config.moe_intermediate_size = int(fields[f"{arch}.expert_feed_forward_length"])
+        if arch == "qwen2moe":
+            config.shared_expert_intermediate_size = int(
+                fields[f"{arch}.expert_shared_feed_forward_length"])
+            config.norm_topk_prob = False  # llama.cpp's qwen2moe: the top-k weights as they are
+        else:
+            config.norm_topk_prob = True  # llama.cpp's qwen3moe renormalizes them
+        config.mlp_only_layers, config.decoder_sparse_step = [], 1  # every layer a MoE
     raw = config.to_dict()
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise GGUFError(f"{path}: model_type {raw.get('model_type')!r} is not supported")
@@ -977,7 +1042,7 @@ def load_gguf(source: str, dequantize: str | None = None,
     family = check_config(config, path)
     tensors = GGUFTensors(header, config, arch, dequantize)
     want, tied = expected_shapes(config)
-    have = {n: i.shape for n, i in tensors.by_hf.items()}
+    have = hf_shapes({n: i.shape for n, i in tensors.by_hf.items()})
     problems = shape_mismatches(have, want, tied, set())
     if problems:
         raise GGUFError(f"the tensors of {path} do not match its metadata: "

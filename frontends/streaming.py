@@ -7,7 +7,11 @@ be in memory: `load_streaming` builds a *skeleton* — the transformers model on
 device, with
 
 - layer 0 materialized in float32 from the checkpoint (the per-layer nets are exported and
-  checked against it, and its recipes are checked against what the compiler stored),
+  checked against it, and its recipes are checked against what the compiler stored) — but
+  a MoE layer's stacked experts (3-D `…mlp.experts.gate_up_proj` / `…down_proj`: 3.2 GB in
+  float32 at Qwen3.5-35B-A3B's 256 experts) are placeholders on zero pages like the
+  embedding, derived from the checkpoint only when the layer's chunk is written (the nets'
+  IR depends on their shape, not their values; `StreamedWeights.layer_placeholders`),
 - the final norm and the rotary embedding real (small),
 - the embedding and the lm_head as float32 *placeholders* of their real shape backed by
   untouched zero pages (`np.zeros`: the kernel maps them lazily, so they take no memory
@@ -58,7 +62,7 @@ from toptpu.frontends.hf_loader import (
     tokenizer_files,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, layer_key
-from toptpu.frontends.moe import expert_tensor, has_expert_tensor
+from toptpu.frontends.moe import expert_tensor, has_expert_tensor, split_names, stacked_shapes
 from toptpu.frontends.quant import (
     QuantizedCheckpoint,
     QuantizedCheckpointError,
@@ -83,11 +87,13 @@ def load_streaming(path: str, need_tokenizer: bool = True) -> LoadedModel:
     reader = _open_reader(path)
     check_checkpoint(d.config, path, {n: (t.shape, t.dtype) for n, t in reader.tensors.items()})
     files = tokenizer_files(path, need_tokenizer)
-    model, placeholders = skeleton(d.config, lambda name: _f32(reader, name))
+    model, placeholders = skeleton(d.config, lambda name: _f32(reader, name),
+                                   expert_placeholders=True)
+    stream = StreamedWeights(reader, placeholders, materialized={
+        LAYER_PREFIX: model.model.layers[0]}, expert_placeholders=True)
+    stream.layer_placeholders |= expert_top_names(model.model.layers[0], LAYER_PREFIX)
     return LoadedModel(model, family, files,
-                       generation_settings(d.generation, d.config), path,
-                       stream=StreamedWeights(reader, placeholders, materialized={
-                           LAYER_PREFIX: model.model.layers[0]}))
+                       generation_settings(d.generation, d.config), path, stream=stream)
 
 
 def load_prequantized_streaming(d: ModelDir, need_tokenizer: bool = True) -> LoadedModel:
@@ -112,7 +118,12 @@ def load_prequantized_streaming(d: ModelDir, need_tokenizer: bool = True) -> Loa
         del config.quantization_config
     family = check_config(config, os.path.join(path, "config.json"))
     want, tied = expected_shapes(config)
-    check_prequantized_shapes(ck.state_shapes(), want, tied, ck.quant_method, path)
+    have, expert_problems = stacked_shapes(ck.state_shapes())
+    if expert_problems:
+        reader.close()
+        raise ModelLoadError(f"the {ck.quant_method} checkpoint in {path} does not hold its "
+                             "MoE experts whole: " + "; ".join(expert_problems))
+    check_prequantized_shapes(have, want, tied, ck.quant_method, path)
     files = tokenizer_files(path, need_tokenizer)
     stream = StreamedWeights(reader, {}, checkpoint=ck)
     model, stream.placeholders = skeleton(config, stream.tensor_f32)
@@ -183,25 +194,28 @@ def to_f32(stored: np.ndarray) -> np.ndarray:
 
 
 def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | None = None,
-             build: Callable[[Any], Any] | None = None) -> tuple[Any, dict[int, str]]:
+             build: Callable[[Any], Any] | None = None, expert_placeholders: bool = False
+             ) -> tuple[Any, dict[int, str]]:
     """The skeleton model (see the module doc), its real tensors from `tensor_f32`
     (checkpoint name -> float32), and its placeholders: id(parameter) -> the checkpoint
     tensor it stands for. `tied`: the lm_head is the embedding (default: the config's
     tie_word_embeddings; a VLM's own config decides for its text model). `build`: makes
     the causal LM of `config` (default transformers' `AutoModelForCausalLM`; a VLM's text
-    model without such a class has a view of its own), on the meta device."""
+    model without such a class has a view of its own), on the meta device.
+    `expert_placeholders`: layer 0's stacked experts are placeholders too (`is_stacked_
+    experts`)."""
     from transformers import AutoModelForCausalLM
 
     with quiet_transformers(), torch.device("meta"):
         model = build(config) if build is not None else AutoModelForCausalLM.from_config(
             config, dtype=torch.float32)
     inner = model.model
-    materialize_layer(model, 0, tensor_f32)
+    placeholders: dict[int, str] = {}
+    materialize_layer(model, 0, tensor_f32, placeholders if expert_placeholders else None)
     norm = inner.norm.to_empty(device="cpu")
     for name, p in norm.named_parameters():
         p.data = torch.from_numpy(tensor_f32(f"model.norm.{name}"))
     inner.rotary_emb = type(inner.rotary_emb)(config=config)
-    placeholders: dict[int, str] = {}
     embed = _placeholder(inner.embed_tokens.weight.shape)
     inner.embed_tokens.weight = embed
     placeholders[id(embed)] = "model.embed_tokens.weight"
@@ -217,16 +231,43 @@ def skeleton(config: Any, tensor_f32: Callable[[str], np.ndarray], tied: bool | 
     return model.eval(), placeholders
 
 
-def materialize_layer(model: Any, layer: int, tensor_f32: Callable[[str], np.ndarray]
-                      ) -> torch.nn.Module:
-    """The skeleton's decoder layer `layer` made real in float32 from `tensor_f32`."""
+def materialize_layer(model: Any, layer: int, tensor_f32: Callable[[str], np.ndarray],
+                      placeholders: dict[int, str] | None = None) -> torch.nn.Module:
+    """The skeleton's decoder layer `layer` made real in float32 from `tensor_f32`; with
+    `placeholders` (id(parameter) -> checkpoint name, added to), its stacked experts are
+    placeholders on zero pages instead (`is_stacked_experts`)."""
     mod = model.model.layers[layer].to_empty(device="cpu")
     if any(True for _ in mod.buffers()):
         raise ModelLoadError(f"{type(mod).__name__} has buffers, which the streaming "
                              "compile cannot rebuild from the checkpoint")
     for name, p in mod.named_parameters():
+        if placeholders is not None and is_stacked_experts(name, p):
+            p.data = torch.from_numpy(np.zeros(tuple(p.shape), np.float32))
+            placeholders[id(p)] = layer_tensor_name(layer, name)
+            continue
         p.data = torch.from_numpy(tensor_f32(layer_tensor_name(layer, name)))
     return mod
+
+
+def is_stacked_experts(name: str, param: torch.nn.Parameter) -> bool:
+    """A decoder layer's parameter `name` is a MoE block's experts stacked in one 3-D tensor
+    (transformers 5's fused '…mlp.experts.gate_up_proj' [E, 2I, H], '…experts.down_proj')."""
+    base, _, last = name.rpartition(".")
+    return param.dim() == 3 and (base == "experts" or base.endswith(".experts")) \
+        and last in ("gate_up_proj", "down_proj")
+
+
+def expert_top_names(layer: torch.nn.Module, prefix: str) -> set[str]:
+    """The Top weight names the per-layer nets give `layer`'s stacked experts (its
+    parameters under `prefix`, 'layer.'), and the gate and up halves the importer makes
+    of a fused gate|up (`frontends.moe.split_names`)."""
+    names = set()
+    for name, p in layer.named_parameters():
+        if is_stacked_experts(name, p):
+            names.add(prefix + name)
+            halves = split_names(prefix + name)
+            names.update(halves or ())
+    return names
 
 
 def _placeholder(shape: torch.Size) -> torch.nn.Parameter:
@@ -251,6 +292,11 @@ class StreamedWeights:
     #: the skeleton's real decoder layers by the Top name prefix of their weights (layer 0:
     #: 'layer.'; a layer variant's representative: 'v3.layer.'), until the nets are compiled
     materialized: dict[str, torch.nn.Module] = field(default_factory=dict)
+    #: the skeleton's real layers hold their stacked experts as placeholders
+    #: (`materialize_layer`): the Top names of those (and of what the importer makes of
+    #: them), whose compile-time tensors are zeros and are derived per layer when written
+    expert_placeholders: bool = False
+    layer_placeholders: set[str] = field(default_factory=set)
 
     def tensor_f32(self, name: str) -> np.ndarray:
         """The checkpoint tensor `name` in float32; a quantized linear's 'weight' dequantized
@@ -266,13 +312,27 @@ class StreamedWeights:
             out = linear.dequantize()
             self.reader.release()
             return out
+        if self.checkpoint is not None and name not in self.reader:
+            # a MoE layer's experts, quantized one linear per expert ('…experts.E.up_proj')
+            stacked = expert_tensor(name, self._has, self.tensor_f32)
+            if stacked is not None:
+                return stacked
         return _f32(self.reader, name)
+
+    def _has(self, name: str) -> bool:
+        """The checkpoint holds `name`: a stored tensor or a quantized linear's weight."""
+        return name in self.reader or (
+            self.checkpoint is not None and name.endswith(".weight")
+            and name.removesuffix(".weight") in self.checkpoint.layouts)
 
     def materialize(self, model: Any, layer: int, weight_prefix: str) -> None:
         """Make the skeleton's layer `layer` real (a layer variant's representative, whose
         nets are exported from it); its weights are named `weight_prefix` + 'layer.…'."""
-        self.materialized[weight_prefix + LAYER_PREFIX] = materialize_layer(
-            model, layer, self.tensor_f32)
+        self.materialized[weight_prefix + LAYER_PREFIX] = mod = materialize_layer(
+            model, layer, self.tensor_f32,
+            self.placeholders if self.expert_placeholders else None)
+        if self.expert_placeholders:
+            self.layer_placeholders |= expert_top_names(mod, weight_prefix + LAYER_PREFIX)
 
     # ------------------------------------------------------------------ layers
     def float_of(self, layer: int) -> Callable[[str], np.ndarray]:
@@ -284,9 +344,7 @@ class StreamedWeights:
             if key is None:
                 raise ModelLoadError(f"'{source}' is not a per-layer weight")
             name = layer_tensor_name(layer, key)
-            quantized = self.checkpoint is not None and \
-                name.removesuffix(".weight") in self.checkpoint.layouts
-            if not has_tensor(self.reader, name) and not quantized:
+            if not has_expert_tensor(name, self._has):
                 raise ModelLoadError(f"the checkpoint has no '{name}' (the per-layer nets read "
                                      f"'{source}'): its layers are not all alike")
             if name not in last:  # the quantized parts of one weight ask for it in a row
@@ -339,12 +397,15 @@ class StreamedWeights:
         """The checkpoint tensor a placeholder source (or a shard of one) stands for."""
         return self.shared_sources[base_name(source)]
 
-    def from_placeholder(self, name: str) -> bool:
-        """`name` (a weight-store tensor) is a placeholder or derived from one by a pass:
-        the passes name what they derive from `W` `W:…`, `W.…`, `W#…` or `W@…` (a shard)."""
+    def from_placeholder(self, name: str, layers: bool = True) -> bool:
+        """`name` (a weight-store tensor) is a placeholder (shared, or with `layers` a
+        layer's stacked experts) or derived from one by a pass: the passes name what they
+        derive from `W` `W:…`, `W.…`, `W#…` or `W@…` (a shard)."""
+        sources = (*self.shared_sources, *self.layer_placeholders) if layers \
+            else self.shared_sources
         return any(name == src or name.startswith((f"{src}:", f"{src}.", f"{src}#",
                                                    f"{src}@"))
-                   for src in self.shared_sources)
+                   for src in sources)
 
     def shared(self, recipes: Iterable[WeightRecipe], device: int = 0, devices: int = 1
                ) -> dict[str, np.ndarray]:

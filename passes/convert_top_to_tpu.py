@@ -197,7 +197,7 @@ class Lowering:
         assert self.bits is not None
         src = top_weight.tensor_name
         w = self.store[src]
-        k = w.shape[1]
+        k = w.shape[-1]
         sym = self.symmetric if self.symmetric is not None else (self.bits == 8)
         gs = resolve_group_size(k, self.group_size, self.bits)
         tag = f"q{self.bits}g{gs}{'s' if sym else 'a'}:{dtype_name(self.act)}"
@@ -436,6 +436,73 @@ class LowerMatMul(LoweringPattern):
         rewriter.replace(op, new)
 
 
+class LowerMoeExperts(LoweringPattern):
+    """moe_experts: in a weight-only mode (or a pre-quantized model whose experts come
+    quantized) the stacked experts are quantized expert by expert into
+    `tpu.a16_moe_experts` (each projection's groups along its input dimension, the
+    parameters of the mode's `a16_matmul`s); else its float twin."""
+
+    @op_type_rewrite_pattern
+    def match_and_rewrite(self, op: top.MoeExpertsOp, rewriter: PatternRewriter) -> None:
+        lw = self.lw
+        where = op_name(op) or op.name
+        maybe = [producer(v, top.WeightOp) for v in (op.gate, op.up, op.down)]
+        stacked = [w for w in maybe if w is not None]
+        if len(stacked) != 3 or op in lw.index_ops:
+            self.lower(op, rewriter)
+            return
+        projections: list[tuple[SSAValue, SSAValue, SSAValue | None, SSAValue | None]] = []
+        bits: list[int] = []
+        groups: list[int] = []
+        if CHECKPOINT_MODEL in lw.store:  # pre-quantized: the checkpoint's experts as they are
+            try:
+                ckpts = [lw.checkpoint_weight(w, rewriter) for w in stacked]
+            except QuantizationError as e:
+                raise ConversionError(f"{where}: {e}") from e
+            if all(c is None for c in ckpts):  # left float by the quantizer
+                self.lower(op, rewriter)
+                return
+            if lw.bits is None:
+                raise ConversionError(
+                    f"'{stacked[0].tensor_name}' comes pre-quantized from the checkpoint: use "
+                    "a weight-only mode (-q auto, w4bf16, w4f16, w4f32, ...) so its integers "
+                    "are used as they are")
+            for w, c in zip(stacked, ckpts, strict=True):
+                if c is None or c[4] is not None:
+                    raise ConversionError(
+                        f"{where}: '{w.tensor_name}' is "
+                        f"{'float' if c is None else 'act-order'} in the checkpoint while "
+                        "the other experts' projections are quantized; toptpu compiles a "
+                        "layer's experts quantized alike")
+                q, s, z, m, _, b, gs = c
+                projections.append((q, s, z, m))
+                bits.append(b)
+                groups.append(gs)
+        elif lw.bits is None or any(lw.keep_matmul_float(w) for w in stacked):
+            self.lower(op, rewriter)
+            return
+        else:
+            for w in stacked:
+                try:
+                    q, s, z, b, gs = lw.quantized_weight(w, rewriter)
+                except QuantizationError as e:
+                    raise ConversionError(f"{where}: {w.tensor_name}: {e}") from e
+                projections.append((q, s, z, None))
+                bits.append(b)
+                groups.append(gs)
+        storage = op.tpu_operand_storage()
+        x = lw.operand(op.x, lw.storage_type(op, storage[0]), op, rewriter, "x")
+        weights = lw.operand(op.weights, lw.storage_type(op, storage[4]), op, rewriter,
+                             "weights")
+        indices = lw.operand(op.indices, None, op, rewriter, "indices")
+        (rt,) = _result_types(lw, op)
+        assert isinstance(rt, TensorType)
+        new = tpu.A16MoeExpertsOp(x, projections, weights, indices, weight_bits=bits,
+                                  group_size=groups, result_type=rt)
+        named_like(new, op)
+        rewriter.replace(op, new)
+
+
 class LowerCollective(LoweringPattern):
     """A collective (`dev.*`) stays, over its operand as lowered: a float in the activation
     type (the partial sums of a bf16 row-parallel matmul are summed in bf16, as the
@@ -489,7 +556,8 @@ class FoldRedundantCasts(RewritePattern):
 
 
 def lowering_patterns(lw: Lowering) -> list[RewritePattern]:
-    return [LowerMatMul(lw), LowerCast(lw), LowerToTwin(lw), LowerCollective(lw)]
+    return [LowerMatMul(lw), LowerMoeExperts(lw), LowerCast(lw), LowerToTwin(lw),
+            LowerCollective(lw)]
 
 
 @dataclass(frozen=True)

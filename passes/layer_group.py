@@ -25,7 +25,7 @@ from typing import Self
 import numpy as np
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, TensorType
+from xdsl.dialects.builtin import ModuleOp, TensorType, UnitAttr
 from xdsl.ir import Attribute, Block, Operation, OpResult, Region, SSAValue
 from xdsl.passes import ModulePass
 from xdsl.rewriter import InsertPoint, Rewriter
@@ -520,6 +520,8 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
                                        "ts": i64_attr(0)}
         if ax is not None:
             attrs["tile_axes"] = i64_array(list(axes[:ndim]))
+        if _fetched_by_index(v, p.ops):
+            attrs["by_index"] = UnitAttr()
         ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)], attributes=attrs)
         set_name(ld, f"{_value_name(v)}.load")
         ld.output.name_hint = v.name_hint
@@ -556,6 +558,14 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
 # ------------------------------------------------------------------------------ IR building
 
 
+def _fetched_by_index(v: SSAValue, ops: list[Operation]) -> bool:
+    """Whether every use of `v` by the group's `ops` reads it by index
+    (`SlicingInterface.fetched_by_index`): its load is then an indexed load."""
+    uses = [u for u in v.uses if u.operation in ops]
+    return bool(uses) and all(isinstance(u.operation, SlicingInterface)
+                              and u.index in u.operation.fetched_by_index() for u in uses)
+
+
 def _slice_type(v: SSAValue, ax: int | None, s: int) -> TensorType:
     shape = list(shape_of(v))
     if ax is not None and s > 1:
@@ -576,9 +586,12 @@ def build_group(p: Plan) -> tpu.GroupOp:
             local[v] = arg
             continue
         ax = p.input_axes[v] if s > 1 else None
+        attrs: dict[str, Attribute] = {"slice_axis": i64_attr(-1 if ax is None else ax),
+                                       "ts": i64_attr(0)}
+        if _fetched_by_index(v, p.ops):
+            attrs["by_index"] = UnitAttr()
         ld = tpu.LoadOp(operands=[arg], result_types=[_slice_type(v, ax, s)],
-                        attributes={"slice_axis": i64_attr(-1 if ax is None else ax),
-                                    "ts": i64_attr(0)})
+                        attributes=attrs)
         set_name(ld, f"{_value_name(v)}.load")
         ld.output.name_hint = v.name_hint
         block.add_op(ld)

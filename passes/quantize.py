@@ -64,12 +64,23 @@ QUANT_BLOCK_ELEMENTS = 1 << 20
 
 def quantize_rtn(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
                  scale_dtype: np.dtype) -> QuantizedWeight:
-    """Quantize a float weight [N, K] (nn.Linear layout) round-to-nearest."""
+    """Quantize a float weight [N, K] (nn.Linear layout) round-to-nearest; a stack of
+    them [E, N, K] (a mixture of experts' projection) is quantized expert by expert,
+    each of its parts [E, N, ...] (the groups lie along K, so the stack's rows are
+    quantized as the rows of one [E * N, K] weight)."""
     if bits not in (4, 8):
         raise QuantizationError(f"weight bits must be 4 or 8, got {bits}")
     w = np.asarray(w, dtype=np.float32)
+    if w.ndim == 3:
+        e, n, k = w.shape
+        flat = quantize_rtn(w.reshape(e * n, k), bits, group_size, symmetric, scale_dtype)
+        return QuantizedWeight(
+            flat.qweight.reshape(e, n, -1), flat.scales.reshape(e, n, -1),
+            None if flat.zeros is None else flat.zeros.reshape(e, n, -1), bits,
+            flat.group_size)
     if w.ndim != 2:
-        raise QuantizationError(f"only 2-D weights can be quantized, got {list(w.shape)}")
+        raise QuantizationError(f"only 2-D weights (or stacks of them) can be quantized, "
+                                f"got {list(w.shape)}")
     n, k = w.shape
     gs = resolve_group_size(k, group_size, bits)
     step = max(1, QUANT_BLOCK_ELEMENTS // max(k, 1))
@@ -147,6 +158,15 @@ def checkpoint_parts(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray 
     if bits not in (4, 8):
         raise QuantizationError(f"{where}: {bits}-bit weights are not supported (4 or 8)")
     q = np.asarray(qweight)
+    if q.ndim == 3:  # a mixture of experts' projection, stacked by expert [E, N, K]
+        if g_idx is not None:
+            raise QuantizationError(f"{where}: act-order experts are not supported")
+        experts = [checkpoint_parts(q[e], np.asarray(scales)[e],
+                                    None if zeros is None else np.asarray(zeros)[e], None,
+                                    bits, group_size, f"{where} expert {e}",
+                                    None if mins is None else np.asarray(mins)[e])
+                   for e in range(q.shape[0])]
+        return {f: np.stack([parts[f] for parts in experts]) for f in experts[0]}
     n, k = q.shape
     if q.size and int(q.max()) >= (1 << bits):
         raise QuantizationError(f"{where}: qweight has values >= 2**{bits}")

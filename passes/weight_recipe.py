@@ -73,9 +73,9 @@ def weight_recipes(module: ModuleOp) -> list[WeightRecipe]:
     """The recipe of every `tpu.weight` in `module`, in program order."""
     quant: dict[Operation, tuple[int, int, bool, np.dtype]] = {}  # a weight -> its params
     for op in module.walk():
-        if not isinstance(op, ShapedOp) or (conv := op.converted_weight()) is None:
+        if not isinstance(op, ShapedOp):
             continue
-        if conv.form == "a16":
+        for conv in op.quantized_weights():
             q, scales, zeros, mins = (op.operand_groups()[i] for i in conv.operands)
             assert scales is not None
             params = (conv.bits, conv.group_size, zeros is None,

@@ -30,7 +30,14 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    # mixture of experts: llama.cpp's names (src/llama-arch.cpp), the experts 3-D
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+#: the GGUF architecture of a tiny model family
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "qwen3_moe_unnormalized": "qwen3moe", "qwen2_moe": "qwen2moe"}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -52,6 +59,14 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
                 out["output.weight"] = w
+        elif name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate | up
+            layer, inter = name.split(".")[2], w.shape[1] // 2
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = np.ascontiguousarray(w[:, :inter])
+            out[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(w[:, inter:])
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            out[f"blk.{name.split('.')[2]}.ffn_down_exps.weight"] = w
+        elif name.endswith("mlp.shared_expert_gate.weight"):  # llama.cpp: a vector {H}
+            out[f"blk.{name.split('.')[2]}.ffn_gate_inp_shexp.weight"] = w.reshape(-1)
         else:
             parts = name.split(".")  # model.layers.N.<module...>.weight|bias
             layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
@@ -158,7 +173,7 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
     norms and biases in F32, the tokenizer, its special ids and the chat template in the
     metadata. `metadata` replaces or adds keys as the real writer writes them (a hostile
     file made by the `gguf` package itself): `{key: (value, type, element type)}`."""
-    arch = family if family in ("qwen2", "qwen3") else "llama"
+    arch = GGUF_ARCH.get(family, "llama")
     model = tiny_model(family, seed, **overrides)
     cfg = model.config
     tok = build_tokenizer(cfg.vocab_size)
@@ -170,7 +185,13 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
     w.add_feed_forward_length(cfg.intermediate_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if arch in ("qwen3moe", "qwen2moe"):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch in ("qwen3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_head_count(cfg.num_attention_heads)
@@ -201,14 +222,17 @@ def write_gguf(path: str, family: str = "llama2", qtype: str = "F32", seed: int 
             assert vtype is not None
             w.add_key_value(key, value, vtype, sub_type)
     for name, t in gguf_tensors(model, arch).items():
-        want = (types or {}).get(name, qtype if t.ndim == 2 else "F32")
+        want = (types or {}).get(name, qtype if t.ndim in (2, 3) else "F32")
+        if name.endswith("ffn_gate_inp.weight") and want not in ("F16", "BF16"):
+            want = "F32"  # the router: llama.cpp's converter keeps it float
         ty = gguf.GGMLQuantizationType[want]
         if ty == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, t)
         elif ty == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, t.astype(np.float16))
         elif want in K_TYPES:
-            w.add_tensor(name, quantize_k(t, want), raw_dtype=ty)
+            blocks = quantize_k(t.reshape(-1, t.shape[-1]), want)
+            w.add_tensor(name, blocks.reshape(*t.shape[:-1], -1), raw_dtype=ty)
         elif want in RANDOM_BLOCK_TYPES:
             w.add_tensor(name, random_blocks(t.shape, want, seed), raw_dtype=ty)
         else:

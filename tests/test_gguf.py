@@ -365,7 +365,8 @@ def test_an_unknown_architecture_is_refused(tmp_path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelLoadError, match=r"general.architecture 'gpt2': toptpu compiles "
-                                             r"GGUF llama, qwen2, qwen3 models"):
+                                             r"GGUF llama, qwen2, qwen3, qwen2moe, "
+                                             r"qwen3moe models"):
         load_gguf(path)
 
 

@@ -436,8 +436,14 @@ def test_streamed_layer_assembles_the_hub_layout(tmp_path_factory) -> None:
         gate, up, down = _stacked(ref.model.layers[layer].mlp)
         for key, want in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             assert np.array_equal(get("layer.mlp.experts." + key), want), (layer, key)
+    # the skeleton's stacked experts are placeholders (zero pages) until filled, as the
+    # embedding's are; filled, they are transformers' tensors
+    experts = loaded.model.model.layers[0].mlp.experts
+    assert not experts.gate_up_proj.any() and not experts.down_proj.any()
+    loaded.stream.fill_placeholders(loaded.model)
     skel = loaded.model.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(skel, ref.model.layers[0].mlp.experts.gate_up_proj)
+    assert torch.equal(experts.down_proj, ref.model.layers[0].mlp.experts.down_proj)
 
 
 # --------------------------------------------------------------------------- generation
@@ -578,6 +584,31 @@ def test_pipeline_parallel_gives_the_one_device_tokens(tmp_path_factory) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("devices", [4, 8])
+def test_pipeline_parallel_up_to_eight_devices(tmp_path_factory, devices: int) -> None:
+    """An 8-layer tiny Qwen3-MoE over 4 and 8 BM1684X (LLM-TPU deploys a 35B-A3B over 7):
+    every device holds its contiguous layers (8 devices: one each), and 32 greedy tokens
+    after a prompt of three chunks equal the one-device file's and transformers'."""
+    from toptpu.backend.formats.llm_file import LlmFile
+    from toptpu.backend.runtime.runtime import Runtime
+
+    one = compiled(tmp_path_factory, "qwen3_moe", layers=8)
+    spread = compiled(tmp_path_factory, "qwen3_moe", layers=8, devices=devices,
+                      parallel="pp")
+    par = LlmFile(spread.model_file).meta.parallel
+    assert par is not None and len(par.devices) == devices
+    assert all(len(d.layers) > 0 for d in par.devices)
+    assert [i for d in par.devices for i in d.layers] == list(range(8))
+    ids = Runtime.open(one.model_file).encode(LONG_PROMPT)
+    want = Runtime.open(one.model_file).generate(ids, 32, stop_on_eos=False).generated_ids
+    ref = hf_generate(one.model_dir, ids, 32)  # (transformers stops at eos)
+    assert ref and want[:len(ref)] == ref
+    assert len(ref) == 32 or ref[-1] in Runtime.open(one.model_file).eos_ids
+    got = Runtime.open(spread.model_file).generate(ids, 32, stop_on_eos=False)
+    assert got.generated_ids == want
+
+
+@pytest.mark.slow
 def test_an_in_memory_model_compiles_from_its_fused_experts(tmp_path) -> None:
     """A transformers model object (its experts fused 3-D parameters, no checkpoint): every
     layer's gate, up and down cut from them; 32 greedy tokens equal its `generate`."""
@@ -609,3 +640,160 @@ def test_the_router_stays_float_in_weight_only_modes(mode: str) -> None:
     assert isinstance(router, tpu.MatMulOp), type(router)
     assert dtype_name(elem_of(router.rhs)) == mode[2:]
     assert any(isinstance(op, tpu.A16MatMulOp) for op in module.walk())
+
+
+# --------------------------------------------------------------------------- indexed fetch
+
+
+def _fetch_run(block: torch.nn.Module, t: int, n_valid: int, h: int = 64):
+    """The block's Tpu f32 net for `t` rows (`n_valid` real) run on a checked machine:
+    the program, the machine (its `fetched` records), the router's indices per row (the
+    kernel on Top's router logits) and the machine's and the interpreter's results."""
+    from toptpu.backend.runtime.machine import Machine
+    from toptpu.backend.runtime.simulate import simulate
+    from toptpu.machine_pipeline import compile_for_machine
+
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3))[None]
+    valid = (torch.arange(t) < n_valid).float()[None]
+    module, store = import_module(BlockNet(block).eval(), (x, valid),
+                                  input_names=["x", "valid"], output_names=["y"])
+    feeds = {"x": x.numpy(), "valid": valid.numpy()}
+    run_passes(module, tpu_pipeline_passes("f32"), store=store)
+    want = Interpreter(module, store).run(feeds).outputs["y"]
+    program = compile_for_machine(module, CHIP)
+    machine = Machine(CHIP, checked=True)
+    got = simulate(program, store, feeds, CHIP, machine=machine).outputs["y"]
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x[0], block.gate.weight)
+        _, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float32),
+                            block.gate.top_k, dim=-1)
+    return program, machine, idx[:n_valid].numpy(), (got, want)
+
+
+def _expert_bytes(block: torch.nn.Module) -> dict[str, int]:
+    """Bytes of one expert of each stacked projection (f32)."""
+    e, two_i, h = block.experts.gate_up_proj.shape
+    one = two_i // 2 * h * 4
+    return {"gate_proj": one, "up_proj": one, "down_proj": one}
+
+
+def _fetched_per_expert(machine, names: dict[str, int]) -> dict[str, dict[int, int]]:
+    """Bytes the machine read per projection and expert, from its indexed loads."""
+    out: dict[str, dict[int, int]] = {n: {} for n in names}
+    for f in machine.fetched:
+        proj = str(f.tensor.name).rsplit(".", 1)[-1]
+        per_row = f.nbytes // len(f.rows) if f.rows else 0
+        for r in f.rows:
+            out[proj][r] = out[proj].get(r, 0) + per_row
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_decode_step_fetches_the_selected_experts_only(family: str) -> None:
+    """A decode step (one token): the experts' loads are indexed loads by the router's
+    indices; the machine reads exactly the k chosen experts of each projection from
+    global memory (k x an expert's bytes, never the other E - k), the program's modelled
+    bytes are those k experts', and the result is the interpreter's bit for bit."""
+    block = _moe_block(family)
+    program, machine, idx, (got, want) = _fetch_run(block, t=1, n_valid=1)
+    assert np.array_equal(got, want)
+    k = block.gate.top_k
+    chosen = sorted(int(i) for i in idx[0])
+    assert len(chosen) == k
+    per_expert = _expert_bytes(block)
+    fetched = _fetched_per_expert(machine, per_expert)
+    for proj, one in per_expert.items():
+        assert sorted(fetched[proj]) == chosen, proj
+        assert all(b == one for b in fetched[proj].values()), proj
+    assert sum(f.nbytes for f in machine.fetched) == k * sum(per_expert.values())
+    indexed = [c for c in program.commands if getattr(c, "index", None) is not None]
+    assert len(indexed) == 3  # gate, up, down: whole (the tiny experts fit)
+    assert sum(c.nbytes for c in indexed) == k * sum(per_expert.values())
+    e = block.experts.gate_up_proj.shape[0]
+    assert sum(c.local.nbytes for c in indexed) == e * sum(per_expert.values())
+
+
+def test_a_prefill_chunk_loads_each_chosen_expert_once() -> None:
+    """A prefill chunk of 12 rows, 9 real: the experts some real token chose are read
+    once each (their bytes once, whatever how many tokens chose them); an expert only
+    padded rows would pick, or none, is not read."""
+    block = _moe_block("qwen3_moe")
+    _, machine, idx, (got, want) = _fetch_run(block, t=12, n_valid=9)
+    assert np.array_equal(got, want)
+    chosen = sorted({int(i) for i in idx.reshape(-1)})
+    per_expert = _expert_bytes(block)
+    fetched = _fetched_per_expert(machine, per_expert)
+    for proj, one in per_expert.items():
+        assert sorted(fetched[proj]) == chosen, proj
+        assert all(b == one for b in fetched[proj].values()), proj
+
+
+@pytest.mark.slow
+def test_experts_in_reduction_parts_are_fetched_by_index() -> None:
+    """Experts too large for local memory (64 of 512 x 256 f32: 100 MB) stream through
+    it in reduction parts of I: each part's load is an indexed load; a decode step reads
+    exactly each chosen expert's bytes once over the parts, a prefill chunk each chosen
+    expert once. The parts sum I in another order than the interpreter's whole op (as
+    they did when every expert was loaded: the indexed load changes no bit of the
+    machine's result), so the results agree to f32 rounding."""
+    block = tiny_model("qwen3_moe", layers=1, hidden_size=256, moe_intermediate_size=512,
+                       num_experts=64, num_experts_per_tok=4).model.layers[0].mlp
+    for t, n_valid in ((1, 1), (8, 6)):
+        program, machine, idx, (got, want) = _fetch_run(block, t=t, n_valid=n_valid, h=256)
+        np.testing.assert_allclose(got[0, :n_valid], want[0, :n_valid], rtol=1e-4,
+                                   atol=1e-5)
+        indexed = [c for c in program.commands if getattr(c, "index", None) is not None]
+        assert len(indexed) > 3  # parts
+        chosen = sorted({int(i) for i in idx.reshape(-1)})
+        per_expert = _expert_bytes(block)
+        fetched = _fetched_per_expert(machine, per_expert)
+        for proj, one in per_expert.items():
+            assert sorted(fetched[proj]) == chosen, (t, proj)
+            assert all(b == one for b in fetched[proj].values()), (t, proj)
+        if t == 1:
+            assert sum(c.nbytes for c in indexed) == 4 * sum(per_expert.values())
+
+
+def test_profile_shows_the_experts_fetched() -> None:
+    """`profile`'s numbers of a decode step: the bytes its indexed loads moved (the k
+    chosen experts) beside those of every expert, a line in the summary; the run's
+    timeline moves those bytes and the roofline's own bytes count only them."""
+    from toptpu.backend.runtime.machine import LoadedNet
+    from toptpu.backend.runtime.profile import profile_timeline, summary_table
+
+    block = _moe_block("qwen3_moe")
+    program, machine, _, _ = _fetch_run(block, t=1, n_valid=1)
+    fetched = sum(f.nbytes for f in machine.fetched)
+    modelled, every = program.indexed_bytes()
+    e, k = block.experts.gate_up_proj.shape[0], block.gate.top_k
+    assert fetched == modelled and every == fetched * e // k
+    tl = machine.timeline_of_run(LoadedNet(program))
+    assert tl.dma_bytes == sum(c.nbytes for c in program.commands if c.engine == "dma")
+    whole = sum(w.nbytes for w in program.weights.values())
+    assert program.inherent_bytes() == whole - every + modelled + sum(
+        t.nbytes for t in (*program.inputs, *program.outputs))
+    p = profile_timeline(tl, CHIP, program.inherent_bytes(), program.flops,
+                         (fetched, every))
+    assert (p.fetched_bytes, p.fetched_all_bytes) == (fetched, every)
+    assert (f"experts fetched by index {fetched / 1e6:.2f} MB a run"
+            in summary_table([p], CHIP))
+
+
+def test_a_prefill_runs_timeline_moves_the_experts_it_read() -> None:
+    """A prefill chunk's command streams model the expected distinct experts (12 rows of
+    top-2 among 8: 8 * (1 - (3/4)^12)); the machine's run is timed with the experts its
+    tokens really chose."""
+    from toptpu.backend.runtime.machine import LoadedNet
+    from toptpu.backend.target.cost import expected_distinct
+
+    block = _moe_block("qwen3_moe")
+    program, machine, idx, _ = _fetch_run(block, t=12, n_valid=9)
+    indexed = [c for c in program.commands if getattr(c, "index", None) is not None]
+    assert expected_distinct(8, 12, 2) == pytest.approx(8 * (1 - 0.75 ** 12))
+    for c in indexed:
+        assert c.nbytes == round(expected_distinct(8, 12, 2) * c.row_nbytes)
+    others = sum(c.nbytes for c in program.commands if c.engine == "dma" and c not in indexed)
+    fetched = sum(f.nbytes for f in machine.fetched)
+    assert fetched == len({int(i) for i in idx.reshape(-1)}) * sum(
+        c.row_nbytes for c in indexed)
+    assert machine.timeline_of_run(LoadedNet(program)).dma_bytes == others + fetched

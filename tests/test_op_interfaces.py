@@ -68,9 +68,10 @@ def test_every_op_answers_the_slicing_interface() -> None:
     # the Tpu-only ops answer for themselves where they slice
     top_names = {c.op_kind() for c in TOP_OPS}
     tpu_only = [c for c in TPU_OPS if issubclass(c, ShapedOp) and c.op_kind() not in top_names]
-    assert _own("row_rule", tpu_only) == ["tpu.a16_matmul", "tpu.attention_merge",
-                                          "tpu.attention_part"]
-    assert _own("reduction_sliceable", tpu_only) == ["tpu.a16_matmul", "tpu.attention_part"]
+    assert _own("row_rule", tpu_only) == ["tpu.a16_matmul", "tpu.a16_moe_experts",
+                                          "tpu.attention_merge", "tpu.attention_part"]
+    assert _own("reduction_sliceable", tpu_only) == ["tpu.a16_matmul", "tpu.a16_moe_experts",
+                                                     "tpu.attention_part"]
 
 
 def test_ops_answer_how_they_slice() -> None:

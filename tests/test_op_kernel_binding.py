@@ -94,8 +94,8 @@ def test_every_tpu_twin_is_derived_from_its_top_op() -> None:
 INPUTS = os.path.join(os.path.dirname(__file__), "filecheck", "Inputs")
 
 WEIGHTS = {"fc.weight": (6, 8), "fc.bias": (6,), "norm.weight": (8,), "embed.weight": (5, 8),
-           "conv.weight": (4, 3, 3, 3), "dconv.weight": (8, 3), "moe.gate": (6, 2, 8),
-           "moe.up": (6, 2, 8), "moe.down": (6, 8, 2)}
+           "conv.weight": (4, 3, 3, 3), "dconv.weight": (8, 3), "moe.gate": (6, 8, 8),
+           "moe.up": (6, 8, 8), "moe.down": (6, 8, 8)}
 
 
 def _custom(module: Operation) -> str:
@@ -188,6 +188,7 @@ def test_the_custom_forms_print_and_parse_back_at_every_level() -> None:
     tpu_text = _round_trip(lowered)
     assert re.search(r"tpu\.a16_matmul %\w+, %\w+, %\w+ zeros %\w+ bias %\w+ \{weight_bits = 4",
                      tpu_text)
+    assert re.search(r"tpu\.a16_moe_experts %\w+, gate\(%\w+, %\w+ zeros %\w+\), up\(", tpu_text)
     assert not {m for m in re.findall(r'"((?:top|tpu)\.\w+)"\(', tpu_text)} & set(READABLE)
 
 

@@ -63,6 +63,35 @@ def test_bench_writer_is_a_checkpoint_transformers_loads(tmp_path):
     assert 0.3 < float((q > 0).float().mean()) < 0.7  # signs drawn, not constant
 
 
+def test_bench_writer_moe_is_the_hub_layout(tmp_path):
+    """A MoE checkpoint of bench/scale.py (a Qwen3-MoE config of the 35B-A3B's structure,
+    widths cut) holds one tensor per expert and projection as `save_pretrained` writes
+    them, and transformers loads it with every expert's values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toptpu.frontends.hf_loader import quiet_transformers
+
+    scale = bench_scale()
+    cfg = scale.qwen3_moe_config("35B-A3B-widths")
+    for k, v in dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, head_dim=16,
+                     num_attention_heads=4, vocab_size=512, num_hidden_layers=2).items():
+        setattr(cfg, k, v)
+    path = str(tmp_path / "moe")
+    total = scale.write_checkpoint(path, cfg, shard_bytes=40_000)
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        names = set(json.load(f)["weight_map"])
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in names)
+    assert sum(n.startswith("model.layers.0.mlp.experts.") for n in names) == 8 * 3
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    state = model.state_dict()
+    assert sum(t.numel() * 2 for t in state.values()) == total
+    fused = state["model.layers.1.mlp.experts.gate_up_proj"].float().abs()
+    assert float(fused.min()) >= 1 / 64 and float(fused.max()) < 1 / 32  # all written
+
+
 def test_bench_random_bf16_is_bf16_bits():
     scale = bench_scale()
     x = scale.random_bf16(np.random.default_rng(0), (1000,), norm=False)
@@ -375,7 +404,8 @@ def _compile_in_subprocess(model_dir: str, out: str, mode: str, seq: int = 64,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mode", [("qwen2", "f32"), ("qwen2", "w4bf16"),
-                                          ("qwen3", "w4bf16"), ("qwen3_5", "w4bf16")])
+                                          ("qwen3", "w4bf16"), ("qwen3_5", "w4bf16"),
+                                          ("qwen3_moe", "w4bf16")])
 def test_streamed_compile_gives_the_bytes_of_the_in_memory_compile(tmp_path, family, mode):
     """A sharded bf16 checkpoint compiled by streaming (a directory) == the same weights
     loaded whole into a float32 transformers model and compiled in memory, byte for byte;

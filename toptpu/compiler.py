@@ -690,11 +690,14 @@ def compile_nets(plan: CompilePlan, progress: Progress | None = None, *,
         # a streaming compile lets go of what it will not write: what the placeholders
         # gave, and the skeleton's float32 layer 0 once the per-layer nets are compiled
         # (its derived tensors stay: pack_weights checks the recipes against them)
-        gone = [n for n in store.names() if stream.from_placeholder(n)]
+        # (a layer's placeholder experts, and what the passes made of them, stay for the
+        # next per-layer net)
+        gone = [n for n in store.names() if stream.from_placeholder(n, layers=False)]
         if i == last_per_layer:  # (a source the nets read as it is, e.g. a bias, stays)
             read = {name for n in nets.values() for op in n.tpu.walk() if op.results
                     and (name := weight_name(op.results[0])) is not None}
             gone += [n for n in stream.free_layers() if n not in read]
+            gone += [n for n in store.names() if stream.from_placeholder(n)]
         for name in gone:
             if name in store:
                 del store[name]
@@ -807,12 +810,19 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
 
     # each variant's own layer from the recipes must be exactly what the compiler stored
     # (device 0's pieces, which the passes stored, for a multi-device compile)
+    # (a streaming compile's placeholder experts are zeros in the store: not compared, and
+    # the layer derived again when written rather than held with its experts)
     checked: dict[int, dict[str, np.ndarray]] = {}
     for rep in plan.variants:
         if rep not in layers or (device or 0) != 0:
             continue
-        checked[rep] = derive(rep)
-        for name, arr in checked[rep].items():
+        recipes = variant_recipes[rep].values()
+        real = [r for r in recipes if stream is None or not stream.from_placeholder(r.source)]
+        made = derive_weights(real, cut(plan.layers.float_of(rep)),
+                              plan.layers.checkpoint_of(rep))
+        if len(real) == len(recipes):
+            checked[rep] = made
+        for name, arr in made.items():
             ref = store[name]
             if arr.dtype != ref.dtype or not np.array_equal(
                     arr.view(np.uint8), np.ascontiguousarray(ref).view(np.uint8)):

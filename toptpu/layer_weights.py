@@ -98,6 +98,8 @@ def checkpoint_of_layer(checkpoint: Any, layer: int) -> CheckpointOf:
         name = f"model.layers.{layer}.{key}".removesuffix(".weight")
         try:
             ql = checkpoint.linear(name)
+            if ql is None:  # a MoE layer's stacked experts ('…experts.gate_proj'), or float
+                ql = checkpoint.stacked_experts(name)
             if ql is None:
                 return None
             return checkpoint_parts(ql.qweight, ql.scales, ql.zeros, ql.g_idx, ql.bits,

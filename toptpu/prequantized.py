@@ -80,6 +80,10 @@ def layer_variants(hf: Any, checkpoint: Any) -> dict[int, list[int]]:
                 if isinstance(m, torch.nn.Linear):
                     q = checkpoint.layouts.get(f"model.layers.{i}.{lin}")
                     sig.append((lin, None if q is None else q.net_form))
+            for proj in ("gate_proj", "up_proj", "down_proj"):  # MoE experts: per expert
+                for form in (f"0.{proj}", proj):  # (auto-round) or stacked (GGUF)
+                    q = checkpoint.layouts.get(f"model.layers.{i}.mlp.experts.{form}")
+                    sig.append((form, None if q is None else q.net_form))
         return tuple(sig)
 
     groups: dict[tuple, list[int]] = {}
@@ -98,13 +102,28 @@ def add_checkpoint_tensors(store: WeightStore, specs: list[NetSpec], hf: Any,
     for spec in specs:
         for top_name, p in spec.module.named_parameters():
             hf_name = hf_names.get(id(p), "")
-            if not hf_name.endswith(".weight"):
-                continue
-            ql = checkpoint.linear(hf_name.removesuffix(".weight"))
-            if ql is None:
-                continue
-            for fld, arr in _checkpoint_fields(ql).items():
-                store[checkpoint_key(prefixes[spec.name] + top_name, fld)] = arr
+            for weight, ql in _quantized_weights(checkpoint, prefixes[spec.name] + top_name,
+                                                 hf_name):
+                for fld, arr in _checkpoint_fields(ql).items():
+                    store[checkpoint_key(weight, fld)] = arr
+
+
+def _quantized_weights(checkpoint: Any, top_name: str, hf_name: str) -> list[tuple[str, Any]]:
+    """The Top weights a model parameter gives the nets, with their quantized linears: a
+    linear's weight; a MoE layer's fused `experts.gate_up_proj` the stacked gate and up
+    projections (`…experts.gate_proj`, `…experts.up_proj`), its `experts.down_proj` itself,
+    each from the checkpoint's per-expert linears (`QuantizedCheckpoint.stacked_experts`)."""
+    if hf_name.endswith(".weight"):
+        ql = checkpoint.linear(hf_name.removesuffix(".weight"))
+        return [] if ql is None else [(top_name, ql)]
+    pairs: list[tuple[str, str]] = []
+    if hf_name.endswith("experts.gate_up_proj"):
+        top_base, hf_base = top_name.rpartition(".")[0], hf_name.rpartition(".")[0]
+        pairs = [(f"{top_base}.{p}", f"{hf_base}.{p}") for p in ("gate_proj", "up_proj")]
+    elif hf_name.endswith("experts.down_proj"):
+        pairs = [(top_name, hf_name)]
+    found = [(top, checkpoint.stacked_experts(hf)) for top, hf in pairs]
+    return [(top, ql) for top, ql in found if ql is not None]
 
 
 def _checkpoint_fields(ql: Any) -> dict[str, np.ndarray]:

@@ -102,7 +102,9 @@ def _profile_net(ex: MachineExecutor, name: str, info: Any) -> NetProfile:
            else None)
     prog = ex.program(name)
     tl = ex.stats[name].timelines[-1]
-    return profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops)
+    fetched = ex.machine.fetched  # what the run's indexed loads read
+    return profile_timeline(tl, ex.chip, prog.inherent_bytes(), prog.flops,
+                            (sum(f.nbytes for f in fetched), prog.indexed_bytes()[1]))
 
 
 def first_layer(layer_nets: Mapping[str, Sequence[str]], net: str) -> int:
@@ -284,7 +286,8 @@ def profile_ir(path: str, chip_name: str, quiet: bool = True
             except ToptpuError as e:
                 raise ProfileIRError(f"{path}: @{fn.sym_name.data}: its command streams: "
                                      f"{e}") from None
-            profiles.append(profile_timeline(tl, chip, prog.inherent_bytes(), prog.flops))
+            profiles.append(profile_timeline(tl, chip, prog.inherent_bytes(), prog.flops,
+                                             prog.indexed_bytes()))
             timelines.append(tl)
             programs.append(prog)
             bar.update(1)

@@ -276,12 +276,47 @@ class _GroupEmitter:
         self.store_every = self.parts
         if self.reducing is not None:  # its result: one instance per tile
             self.per_buffer.update({r: self.parts for r in self.reducing.results})
+        self._index_loads()
+
+    def _index_loads(self) -> None:
+        """The indexed loads (`tpu.load` `by_index`): the index value each reads (its
+        consumer's index operand) in `index_of`. One whose index the group computes is
+        loaded per slice right before its consumer (`deferred`); one whose index is
+        loaded is loaded after that index (the index loads go first), and each buffer
+        instance must serve only slices that read one instance of the index."""
+        self.index_of: dict[SSAValue, SSAValue] = {}
+        for ld in self.loads:
+            if ld.by_index is None:
+                continue
+            picks = {u.operation.operands[u.operation.fetched_by_index()[u.index]]
+                     for u in ld.output.uses}
+            if len(picks) != 1:
+                raise CodegenError(f"{op_name(ld)}: its consumers read it by different "
+                                   "indices")
+            self.index_of[ld.output] = picks.pop()
+        self.deferred = {v for v, idx in self.index_of.items() if idx not in self.loaded}
+        for v in self.deferred:
+            if v not in self.resident:
+                raise CodegenError(f"{v.name_hint}: an indexed load sliced by the group "
+                                   "reads indices the group computes; group the op apart")
+            self.resident.discard(v)
+            self.per_buffer[v] = 1
+        for v, idx in self.index_of.items():
+            if v in self.deferred or idx in self.resident:
+                continue
+            if v in self.resident or self.per_buffer[idx] % self.per_buffer[v]:
+                raise CodegenError(f"{v.name_hint}: a buffer of an indexed load would serve "
+                                   "slices of different indices")
+        # the loads of indices first: an indexed load reads them
+        picked = set(self.index_of.values())
+        self.loads.sort(key=lambda ld: ld.output not in picked)
 
     def emit(self) -> int:
         """Emit every command of the group; return its FLOPs (each slice runs the
         slice-shaped template ops)."""
         s = self.slices
-        sliced_loads = [ld for ld in self.loads if ld.output not in self.resident]
+        sliced_loads = [ld for ld in self.loads
+                        if ld.output not in self.resident and ld.output not in self.deferred]
         for ld in self.loads:
             if ld.output in self.resident:
                 self.load(ld, 0)
@@ -355,13 +390,22 @@ class _GroupEmitter:
         # the whole tensor counts as read (today's dependency rule: a named tensor from 0)
         read = (_gkey(ref), ref.offset, ref.offset + nbytes(src)) if ref.space == Space.ACT \
             else (_gkey(ref), 0, nbytes(src))
-        self.em.add(Load, [read], [self.lrange(ld.output, i)],
+        reads = [read]
+        index = None
+        if (picks := self.index_of.get(ld.output)) is not None:
+            index = self.local_ref(picks, i)
+            reads.append(self.lrange(picks, i))
+        self.em.add(Load, reads, [self.lrange(ld.output, i)], index=index,
                     name=op_name(ld) or "load", tensor=ref, shape=tuple(full),
                     dtype=_dtype(src), axis=ax, start=part.start, length=part.stop - part.start,
                     cuts=_cuts(window, ax), local=self.local_ref(ld.output, i), group=self.gi,
                     slice=i)
 
     def compute(self, op: Operation, i: int) -> None:
+        for ld in self.loads:  # indexed loads by indices computed in the group
+            if ld.output in self.deferred and ld.output in op.operands \
+                    and (ld.output, i) not in self.inst:
+                self.load(ld, i)
         if op is self.reducing:
             self.reduce(op, i)
             return

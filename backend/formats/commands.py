@@ -36,14 +36,14 @@ import numpy as np
 
 from toptpu.backend.formats.header_schema import HeaderError, Name, OneOf, Range, join
 from toptpu.backend.formats.llm_file import MAX_ELEMENTS, DType
-from toptpu.backend.target.cost import run_bytes
+from toptpu.backend.target.cost import expected_distinct, run_bytes
 from toptpu.dialects.common import DTYPE_BY_NAME
 
 #: the version of the command records; programs of another version are refused.
 #: 1: dicts with keys `e`, `g`, `ax`, `sp`, ... (no version field); 2: these records;
 #: 3: transfers cut along further axes (`Cut`), reduction parts of a compute (`k_part`).
-#: 4: `Collective` added (a transfer between devices).
-STREAM_SCHEMA = 4
+#: 4: `Collective` added (a transfer between devices). 5: a load by index (`Load.index`).
+STREAM_SCHEMA = 5
 
 Dim = Annotated[int, Range(0, MAX_ELEMENTS)]
 Shape = tuple[Dim, ...]
@@ -167,9 +167,38 @@ class _Transfer(_Command):
 
 @dataclass(frozen=True, kw_only=True)
 class Load(_Transfer):
-    """DMA: global tensor (or a slice of it) -> local buffer."""
+    """DMA: global tensor (or a slice of it) -> local buffer.
+
+    With `index` (an indexed load, `tpu.load` `by_index`: a MoE layer's experts): the
+    local buffer holds the part's rows along axis 0 as the tensor does, but only the rows
+    the integers in the local buffer `index` name are read from global memory, each once
+    (negative entries name none); the others are zero. What it moves depends on the
+    indices: `nbytes` is the modelled count (`cost.expected_distinct` of the index's
+    [T, k]: exactly k rows for one token), the machine records the rows it really read."""
 
     cmd: Literal["load"] = "load"
+    index: LocalRef | None = None
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (along axis 0) of the part moved."""
+        return self.local.nbytes // max(self.part_shape()[0], 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved: the whole part, or (by index) the modelled rows of it."""
+        if self.index is None:
+            return self.local.nbytes
+        shape = self.index.shape
+        tokens = numel(shape[:-1]) if len(shape) > 1 else 1
+        rows = expected_distinct(self.part_shape()[0], tokens, shape[-1] if shape else 1)
+        return round(rows * self.row_nbytes)
+
+    @property
+    def run(self) -> int:
+        """An indexed load's runs: at most one row's part."""
+        whole = super().run
+        return min(whole, self.row_nbytes) if self.index is not None else whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,6 +371,14 @@ def check_command(c: Command, index: int, where: str) -> None:
             raise HeaderError(join(where, "local"),
                               f"is {c.local.dtype} {list(c.local.shape)}, the part moved is "
                               f"{c.dtype} {list(c.part_shape())}")
+        if isinstance(c, Load) and c.index is not None:
+            _check_local(c.index, join(where, "index"))
+            if np.dtype(c.index.dtype).kind not in "iu":
+                raise HeaderError(join(join(where, "index"), "dtype"),
+                                  f"is {c.index.dtype}; indices are integers")
+            if c.axis == 0 or any(cut.axis == 0 for cut in c.cuts) or not c.shape:
+                raise HeaderError(join(where, "index"), "an indexed load picks rows along "
+                                                        "axis 0, which it must not slice")
         return
     if isinstance(c, Collective):
         _check_global(c.src, join(where, "src"))
@@ -412,6 +449,8 @@ def command_text(c: Command) -> str:
         what = ",".join(":" if s == slice(None) else f"{s.start}:{s.stop}" for s in c.window())
         sl = f"[{what}]" if c.axis >= 0 else "[all]"
         arrow = f"-> {c.local}" if isinstance(c, Load) else f"<- {c.local}"
+        if isinstance(c, Load) and c.index is not None:  # e.g. `by L3328#11`
+            sl += f" by {c.index}"
         return (f"{head}{c.cmd:<8} {c.tensor} {_shape(c.shape, c.dtype)} {sl} {arrow} "
                 f"g{c.group}.s{c.slice} deps={_deps(c)}{_freed(c)}")
     if isinstance(c, Collective):

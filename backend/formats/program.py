@@ -91,7 +91,11 @@ class Program:
         gathered: dict[str, int] = {}  # weight -> bytes gathers read of it
         loaded: set[str] = set()  # weights a load reads (whole or sliced)
         for c in self.commands:
-            if isinstance(c, Load) and c.tensor.space is Space.WEIGHT and c.tensor.name:
+            if isinstance(c, Load) and c.tensor.space is Space.WEIGHT and c.tensor.name \
+                    and c.index is not None:  # an indexed load: its modelled rows
+                key = c.tensor.name
+                gathered[key] = gathered.get(key, 0) + c.nbytes
+            elif isinstance(c, Load) and c.tensor.space is Space.WEIGHT and c.tensor.name:
                 loaded.add(c.tensor.name)
             elif isinstance(c, Gather) and c.table.tensor.space is Space.WEIGHT \
                     and c.table.tensor.name:
@@ -100,6 +104,12 @@ class Program:
         return (sum(min(w.nbytes, gathered[n]) if n in gathered and n not in loaded
                     else w.nbytes for n, w in self.weights.items())
                 + sum(t.nbytes for t in (*self.inputs, *self.outputs)))
+
+    def indexed_bytes(self) -> tuple[int, int]:
+        """The bytes its indexed loads (`Load.index`: a MoE layer's experts) are modelled
+        to move, and what they would move if every row (expert) moved."""
+        loads = [c for c in self.commands if isinstance(c, Load) and c.index is not None]
+        return sum(c.nbytes for c in loads), sum(c.local.nbytes for c in loads)
 
     def to_json(self) -> bytes:
         return json.dumps(encode(self), separators=(",", ":")).encode()

@@ -900,8 +900,17 @@ def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up
     `@ down[e].T`, scaled by the token's routing weight, the experts in ascending order.
     Index -1 adds nothing; any other index outside [0, E) is an IndexError. Rows are
     independent: a slice of them computes the same numbers."""
+    return _experts_fold(acc, x, weights, indices, gate.shape[0],
+                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])))
+
+
+def _experts_fold(acc: np.ndarray | None, x: np.ndarray, weights: np.ndarray,
+                  indices: np.ndarray, n: int,
+                  expert: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                  ) -> np.ndarray:
+    """The arithmetic of `moe_experts_part` and `a16_moe_experts_part`: `expert(e)` gives
+    expert e's gate, up and down in f32, asked only for the experts some token chose."""
     idx = np.asarray(indices).astype(np.int64)
-    n = gate.shape[0]
     if idx.size and (idx.min() < -1 or idx.max() >= n):
         bad = int(idx[(idx < -1) | (idx >= n)].flat[0])
         raise IndexError(f"moe_experts index {bad} is out of range for {n} experts")
@@ -910,9 +919,10 @@ def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up
     for e in np.unique(idx[idx >= 0]):
         tokens, slots = np.nonzero(idx == e)
         rows = np.ascontiguousarray(fx[tokens])
-        g = rows @ np.ascontiguousarray(f32(gate[e])).T
-        u = rows @ np.ascontiguousarray(f32(up[e])).T
-        y = (silu(g) * u) @ np.ascontiguousarray(f32(down[e])).T
+        gate_e, up_e, down_e = expert(int(e))
+        g = rows @ np.ascontiguousarray(gate_e).T
+        u = rows @ np.ascontiguousarray(up_e).T
+        y = (silu(g) * u) @ np.ascontiguousarray(down_e).T
         out[tokens] += y * fw[tokens, slots][:, None]
     return out
 
@@ -1070,6 +1080,46 @@ def a16_matmul_part(acc: np.ndarray | None, x: np.ndarray, qweight: np.ndarray,
     the scale-and-min form's part (`dequantize`)."""
     return matmul_dequantized_part(acc, x, dequantize(qweight, scales, zeros, bits,
                                                       group_size, mins))
+
+
+def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
+                         gate_q: np.ndarray, gate_s: np.ndarray, gate_z: np.ndarray | None,
+                         gate_m: np.ndarray | None,
+                         up_q: np.ndarray, up_s: np.ndarray, up_z: np.ndarray | None,
+                         up_m: np.ndarray | None,
+                         down_q: np.ndarray, down_s: np.ndarray, down_z: np.ndarray | None,
+                         down_m: np.ndarray | None,
+                         weights: np.ndarray, indices: np.ndarray, *, bits: Sequence[int],
+                         group_sizes: Sequence[int]) -> np.ndarray:
+    """`moe_experts_part` with quantized experts (`tpu.a16_moe_experts`): each projection
+    stacked by expert in `tpu.a16_matmul`'s layout (qweight [E, N, K/2] or [E, N, K],
+    scales [E, N, G], zero points or mins [E, N, G] or None), `bits` and `group_sizes`
+    per projection (gate, up, down). Only the experts some token chose are dequantized
+    (`dequantize`, the a16_matmul's own), then computed as the float experts are."""
+    stacked = ((gate_q, gate_s, gate_z, gate_m), (up_q, up_s, up_z, up_m),
+               (down_q, down_s, down_z, down_m))
+
+    def expert(e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g, u, d = (dequantize(q[e], s[e], None if z is None else z[e], b, gs,
+                              None if m is None else m[e])
+                   for (q, s, z, m), b, gs in zip(stacked, bits, group_sizes, strict=True))
+        return g, u, d
+
+    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert)
+
+
+def a16_moe_experts(x: np.ndarray, gate_q: np.ndarray, gate_s: np.ndarray,
+                    gate_z: np.ndarray | None, gate_m: np.ndarray | None, up_q: np.ndarray,
+                    up_s: np.ndarray, up_z: np.ndarray | None, up_m: np.ndarray | None,
+                    down_q: np.ndarray, down_s: np.ndarray, down_z: np.ndarray | None,
+                    down_m: np.ndarray | None, weights: np.ndarray, indices: np.ndarray, *,
+                    bits: Sequence[int], group_sizes: Sequence[int],
+                    out_dtype: OutDType = None) -> np.ndarray:
+    """The quantized experts (`tpu.a16_moe_experts`): one part over all of I
+    (`a16_moe_experts_part`), rounded to `out_dtype` (default: x's)."""
+    return moe_experts_finish(a16_moe_experts_part(
+        None, x, gate_q, gate_s, gate_z, gate_m, up_q, up_s, up_z, up_m, down_q, down_s,
+        down_z, down_m, weights, indices, bits=bits, group_sizes=group_sizes), out_dtype, x)
 
 
 def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray

@@ -85,6 +85,8 @@ from toptpu.backend.runtime.local_memory import (
 )
 from toptpu.backend.runtime.steps import (
     CollectiveStep,
+    Fetched,
+    IndexedLoadStep,
     LoadStep,
     Operand,
     OpStep,
@@ -259,10 +261,12 @@ class Timeline:
         return sum(e.flops for e in self.events)
 
 
-def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list[int]]:
+def schedule(commands: Sequence[Command], chip: Chip, moved: Mapping[int, int] | None = None
+             ) -> tuple[list[Event], list[int]]:
     """The timeline of a command stream (each engine runs its commands in stream order; a
     command starts when its engine is free and its dependencies have finished) and the
-    order the commands execute in (by start time)."""
+    order the commands execute in (by start time). `moved`: the bytes a run's indexed
+    loads really moved, by command id, in place of their modelled bytes."""
     end: dict[int, float] = {}
     free_at = {"dma": 0.0, "cmp": 0.0, "link": 0.0}
     timed: list[tuple[float, int]] = []
@@ -270,13 +274,15 @@ def schedule(commands: Sequence[Command], chip: Chip) -> tuple[list[Event], list
     for c in commands:  # stream order per engine: times follow in one pass
         ready = max((end[d] for d in c.deps), default=0.0)
         start = max(free_at[c.engine], ready)
-        finish = start + command_cycles(chip, c)
+        real = moved.get(c.id) if moved and isinstance(c, Load) else None
+        finish = start + (command_cycles(chip, c) if real is None or not isinstance(c, Load)
+                          else dma_cycles(chip, real, c.run) if real else 0.0)
         end[c.id] = free_at[c.engine] = finish
         timed.append((start, c.id))
         part = f"{c.part}/{c.parts}" if isinstance(c, Compute) and c.parts > 1 else ""
-        moved = (link_work(c).link_bytes() if isinstance(c, Collective)
-                 else c.nbytes if c.engine == "dma" else 0)
-        events.append(Event(c.id, c.engine, start, finish, c.name, moved, c.flops, c.dtype,
+        nbytes = (link_work(c).link_bytes() if isinstance(c, Collective)
+                  else real if real is not None else c.nbytes if c.engine == "dma" else 0)
+        events.append(Event(c.id, c.engine, start, finish, c.name, nbytes, c.flops, c.dtype,
                             c.group, c.slice, part))
     heapq.heapify(timed)
     return events, [heapq.heappop(timed)[1] for _ in range(len(timed))]
@@ -449,6 +455,9 @@ class LoadedNet:
                 g = operand(c.tensor, c.shape, c.dtype, isinstance(c, Store), who)
                 step: Step = (LoadStep(c, g, Local.of(c.local, chip)) if isinstance(c, Load)
                               else StoreStep(c, g, Local.of(c.local, chip)))
+                if isinstance(c, Load) and c.index is not None:
+                    step = IndexedLoadStep(c, g, Local.of(c.local, chip),
+                                           Local.of(c.index, chip))
             elif isinstance(c, Gather):
                 g = operand(c.table.tensor, c.table.shape, c.table.dtype, False, who)
                 step = OpStep(c, self.ops[c.op], self.evaluators[c.id], chip, g)
@@ -496,6 +505,8 @@ class Machine:
         self.cache = WeightCache(weight_cache_bytes)
         self.run_cache: dict[Hashable, np.ndarray] = {}  # converted writable weights
         self.provenance: dict[int, tuple] = {}  # buf -> the read-only bytes it holds
+        #: what the indexed loads of the last net run read (which rows, bytes)
+        self.fetched: list[Fetched] = []
         self.joined: dict[SliceJoin | WholeRows, np.ndarray | None] = {}  # this run's wholes
         self.join_ok: dict[SliceJoin, bool] = {}  # joins checked bit for bit on this host
         self.part_ok: dict[WholeRows, bool] = {}  # row-local slices' parts, the same way
@@ -576,7 +587,18 @@ class Machine:
                               "run it on all of them together")
         for _ in self.steps(net, binding):
             pass
-        return net.plan(self.chip).timeline
+        return self.timeline_of_run(net)
+
+    def timeline_of_run(self, net: LoadedNet) -> Timeline:
+        """The timeline of the run just made: the plan's, unless its indexed loads moved
+        other bytes than modelled (a prefill chunk's experts: the distinct ones its
+        tokens chose), then the stream timed with what they moved."""
+        plan = net.plan(self.chip)
+        cmds = net.program.commands
+        moved = {f.command: f.nbytes for f in self.fetched}
+        if all(cmds[i].nbytes == b for i, b in moved.items()):
+            return plan.timeline
+        return Timeline(net.name, tuple(schedule(cmds, self.chip, moved)[0]))
 
     def steps(self, net: LoadedNet, binding: Binding
               ) -> Iterator[tuple[CollectiveStep, list[tuple[np.ndarray, bool, int]]]]:
@@ -586,6 +608,7 @@ class Machine:
         views = self.views(plan, binding)
         self.local.begin()
         self.provenance.clear()
+        self.fetched = []
         self.run_cache.clear()
         self.joined.clear()
         if isinstance(self.local, CheckedLocal):  # the checked mode tracks live buffers

@@ -46,6 +46,10 @@ class NetProfile:
     roofline_cycles: float
     roofline_ratio: float
     runs: int = 1
+    #: bytes the indexed loads (a MoE layer's experts) moved in the run, and what loading
+    #: every expert would move (0, 0: no indexed load)
+    fetched_bytes: int = 0
+    fetched_all_bytes: int = 0
 
     def row(self, width: int = 14) -> str:
         """The net's line of `summary_table`, its name in a column `width` wide."""
@@ -73,10 +77,11 @@ def compute_dtype(tl: Timeline) -> str | None:
     return max(sorted(flops), key=lambda t: flops[t]) if flops else None
 
 
-def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int | None = None
-                     ) -> NetProfile:
+def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int | None = None,
+                     fetched: tuple[int, int] = (0, 0)) -> NetProfile:
     """Numbers of one run. The roofline's compute side counts every command's FLOPs at the
-    peak of the type it computes in (a bf16 matmul at the bf16 peak, an f32 norm at f32)."""
+    peak of the type it computes in (a bf16 matmul at the bf16 peak, an f32 norm at f32).
+    `fetched`: the bytes the run's indexed loads moved and those of every row (expert)."""
     cycles = tl.cycles
     f = tl.flops if flops is None else flops
     bw = chip.sustained_bytes_per_cycle
@@ -100,6 +105,8 @@ def profile_timeline(tl: Timeline, chip: Chip, inherent_bytes: int, flops: int |
         compute_fraction=f / (cycles * peak) if cycles and peak else 0.0,
         roofline_cycles=roof,
         roofline_ratio=roof / cycles if cycles else 0.0,
+        fetched_bytes=fetched[0],
+        fetched_all_bytes=fetched[1],
     )
 
 
@@ -115,6 +122,11 @@ def summary_table(profiles: list[NetProfile], chip: Chip) -> str:
     lines.append("dma/cmp: engine busy fraction; ddr/peak: achieved fraction of the sustained "
                  "DDR bandwidth and of the peak of the net's compute type; roof: roofline "
                  "bound / modelled time; type: the type most FLOPs are computed in")
+    for p in profiles:
+        if p.fetched_all_bytes:
+            lines.append(f"{p.net}: experts fetched by index {p.fetched_bytes / 1e6:.2f} MB "
+                         f"a run (the experts the tokens chose), "
+                         f"{p.fetched_all_bytes / 1e6:.2f} MB if every expert moved")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
 import numpy as np
@@ -73,6 +73,47 @@ class LoadStep(Step):
             m.provenance.pop(self.local.buf, None)
         else:  # read-only bytes: what the buffer holds is known across runs
             m.provenance[self.local.buf] = (addr, *self.prov)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What one indexed load (`Load.index`) of a run read from global memory: the rows
+    along axis 0 of its tensor (ascending, each once) and their bytes."""
+
+    command: int
+    tensor: GlobalRef
+    rows: tuple[int, ...]
+    nbytes: int
+    all_nbytes: int  # the part's bytes of every row (what a load of the whole moves)
+
+
+class IndexedLoadStep(LoadStep):
+    """An indexed load: only the rows its index buffer names are read from global
+    memory (each once, in ascending order), the others of the local buffer are zero;
+    recorded in `Machine.fetched`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, c: Load, g: int, local: Local, index: Local) -> None:
+        super().__init__(c, g, local)
+        self.index = index
+
+    def run(self, m: Machine, views: list[tuple[np.ndarray, bool, int]]) -> None:
+        whole = views[self.g][0]
+        picks = m.local.read(self.index, self.who)
+        rows = np.unique(picks[picks >= 0]).astype(np.int64)
+        if rows.size and rows[-1] >= whole.shape[0]:
+            raise MachineTrap(f"{self.who}: index {int(rows[-1])} past the {whole.shape[0]} "
+                              f"rows of {self.cmd.tensor}")
+        part = np.zeros(self.local.shape, self.local.dtype)
+        if rows.size:  # the rows read: only their window of the global tensor
+            index: tuple[Any, ...] = (rows, *self.window[1:])
+            part[rows] = whole[index]
+        m.local.write(self.local, part, self.who)
+        m.provenance.pop(self.local.buf, None)
+        row = self.cmd.row_nbytes
+        m.fetched.append(Fetched(self.cmd.id, self.cmd.tensor, tuple(int(r) for r in rows),
+                                 row * int(rows.size), self.cmd.local.nbytes))
 
 
 class StoreStep(Step):
@@ -303,6 +344,8 @@ def first_local_trap(steps: Sequence[Step], net: str) -> tuple[int, str] | None:
     for i, step in enumerate(steps):
         try:
             if isinstance(step, LoadStep):
+                if isinstance(step, IndexedLoadStep):
+                    live.entry(step.index, step.who)
                 live.claim(step.local, step.who, None)
             elif isinstance(step, StoreStep):
                 live.entry(step.local, step.who)

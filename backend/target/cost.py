@@ -83,6 +83,17 @@ def run_bytes(shape: Sequence[int], part: Sequence[Any], itemsize: int) -> Any:
     return int(run) if np.ndim(run) == 0 else run
 
 
+def expected_distinct(rows: int, tokens: int, picks: int) -> float:
+    """How many distinct rows of `rows` an indexed load moves when `tokens` tokens each
+    pick `picks` distinct rows (a MoE layer's experts: E experts, T tokens, top-k), under
+    uniform routing: E * (1 - (1 - k/E)^T). One token moves exactly its k; the modelled
+    prefill chunk (all its rows taken as real tokens) the expected count. The machine
+    counts what a run really moved (`Machine.fetched`)."""
+    if tokens <= 1 or picks >= rows:
+        return float(min(rows, picks * max(tokens, 0)))
+    return rows * (1.0 - (1.0 - picks / rows) ** tokens)
+
+
 def compute_cycles(chip: Chip, flops: int, dtype: str) -> float:
     """Cycles one compute command takes: issue latency plus work over the sustained
     throughput of its type (peak of all cores x compute efficiency)."""

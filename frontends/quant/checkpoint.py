@@ -323,6 +323,54 @@ class QuantizedCheckpoint:
             self.model_dir, self.packing_format, name, layout.tensors, self.source, self.desc_act
         ).read(layout)
 
+    def stacked_experts(self, name: str) -> QuantizedLinear | None:
+        """A mixture-of-experts layer's projection stacked by expert, as the nets read it
+        ('model.layers.N.mlp.experts.gate_proj', `up_proj` or `down_proj`), from the
+        per-expert linears the checkpoint quantizes ('…experts.E.gate_proj', the layout
+        auto-round writes): one `QuantizedLinear` whose qweight, scales and zero points
+        (or mins) have a leading expert axis. None when no expert of `name` is quantized.
+        Experts quantized in different forms, some left float, or act-order experts are
+        refused."""
+        base, _, proj = name.rpartition(".")
+        if not base.endswith("experts") or proj not in ("gate_proj", "up_proj", "down_proj"):
+            return None
+        layouts: list[QuantizedLayout] = []
+        while (lay := self.layouts.get(f"{base}.{len(layouts)}.{proj}")) is not None:
+            layouts.append(lay)
+        if not layouts:
+            return None
+        n = len(layouts)
+        floats = [k for k in self.float_names
+                  if k.startswith(f"{base}.") and k.endswith(f".{proj}.weight")]
+        if floats or f"{base}.{n + 1}.{proj}" in self.layouts:
+            raise QuantizedCheckpointError(
+                f"{self.model_dir}: the experts of '{base}' ({proj}) are partly quantized "
+                f"(expert {n} is not); toptpu compiles a layer's experts in one form")
+        forms = {(lay.bits, lay.group_size, lay.sym, lay.mins, lay.scale_dtype)
+                 for lay in layouts}
+        if len(forms) != 1:
+            raise QuantizedCheckpointError(
+                f"{self.model_dir}: the experts of '{base}' ({proj}) are quantized in "
+                f"{len(forms)} different forms; toptpu compiles a layer's experts in one form")
+        if any(lay.act_order for lay in layouts):
+            raise QuantizedCheckpointError(
+                f"{self.model_dir}: the experts of '{base}' ({proj}) are act-order (desc_act) "
+                "quantized, which toptpu does not compile for experts; re-export without "
+                "desc_act")
+        linears = [self.linear(f"{base}.{e}.{proj}") for e in range(n)]
+        assert all(lin is not None for lin in linears)  # every one has a layout
+        first = linears[0]
+        assert first is not None
+
+        def stack(field_name: str) -> np.ndarray | None:
+            parts = [getattr(lin, field_name) for lin in linears]
+            return None if parts[0] is None else np.stack(parts)
+
+        qweight, scales = stack("qweight"), stack("scales")
+        assert qweight is not None and scales is not None
+        return QuantizedLinear(name, first.bits, first.group_size, qweight, scales,
+                               stack("zeros"), None, None, first.sym, stack("mins"))
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shapes of `dequantized_state_dict` (of an opened checkpoint, from the shard
         headers: nothing is read)."""

@@ -44,13 +44,18 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // BF16-NOT:     top.
 
 // a weight-only mode leaves the router float (its logits choose the experts: moe_route
-// is a FLOAT_PRODUCER) in the activation type; the experts' 3-D stacks are not quantized
-// yet: they stay in the activation type too (docs/moe.md)
+// is a FLOAT_PRODUCER) in the activation type; the experts' 3-D stacks are quantized
+// expert by expert into tpu.a16_moe_experts (w8: i8 per channel, each projection's
+// channel along its own input: H for gate and up, I for down), their weights named by
+// their source and part
 // W8-LABEL: func.func @block
 // W8-NOT:       tpu.a16_matmul
+// W8-DAG:       = tpu.weight "experts.gate_proj:q8g8s:f16.qweight" {source = "experts.gate_proj", part = "qweight"} : tensor<4x3x8xi8>
+// W8-DAG:       = tpu.weight "experts.down_proj:q8g3s:f16.scales" {source = "experts.down_proj", part = "scales"} : tensor<4x8x1xf16>
 // W8:           %logits = tpu.matmul %x, %router {{.*}} : tensor<5x8xf16>, tensor<4x8xf16> -> tensor<5x4xf16>
 // W8-NEXT:      tpu.moe_route {{.*}} : tensor<5x4xf16> valid tensor<5xf16> -> tensor<5x2xf16>, tensor<5x2xi32>
-// W8-NEXT:      tpu.moe_experts {{.*}} : tensor<5x8xf16>, tensor<4x3x8xf16>, tensor<4x3x8xf16>, tensor<4x8x3xf16>, tensor<5x2xf16>, tensor<5x2xi32> -> tensor<5x8xf16>
+// W8:           tpu.a16_moe_experts %x, gate(%{{.*}}, %{{.*}}), up(%{{.*}}, %{{.*}}), down(%{{.*}}, %{{.*}}), %w, %w_1 {weight_bits = array<i64: 8, 8, 8>, group_size = array<i64: 8, 8, 3>, compute = f32} : tensor<5x8xf16>, gate(tensor<4x3x8xi8>, tensor<4x3x1xf16>), up(tensor<4x3x8xi8>, tensor<4x3x1xf16>), down(tensor<4x8x3xi8>, tensor<4x8x1xf16>), tensor<5x2xf16>, tensor<5x2xi32> -> tensor<5x8xf16>
+// W8-NOT:       tpu.moe_experts
 
 // convert-top-to-linalg: the softmax over the experts (max, sum of exponentials), each
 // expert's rank in its row (a reduction over a second expert loop, ties to the lower

@@ -54,10 +54,10 @@ builtin.module {
     %xr = top.reshape %x {shape = array<i64: 8, 8>} : tensor<2x4x8xf32> -> tensor<8x8xf32>
     %rl = top.matmul %xr, %w {transpose_b = true} : tensor<8x8xf32>, tensor<6x8xf32> -> tensor<8x6xf32>
     %rw:2 = top.moe_route %rl {k = 2 : i64, normalize = true} : tensor<8x6xf32> -> tensor<8x2xf32>, tensor<8x2xi32>
-    %eg = top.weight "moe.gate" : tensor<6x2x8xf32>
-    %eu = top.weight "moe.up" : tensor<6x2x8xf32>
-    %dn = top.weight "moe.down" : tensor<6x8x2xf32>
-    %my = top.moe_experts %xr, %eg, %eu, %dn, %rw#0, %rw#1 : tensor<8x8xf32>, tensor<6x2x8xf32>, tensor<6x2x8xf32>, tensor<6x8x2xf32>, tensor<8x2xf32>, tensor<8x2xi32> -> tensor<8x8xf32>
+    %eg = top.weight "moe.gate" : tensor<6x8x8xf32>
+    %eu = top.weight "moe.up" : tensor<6x8x8xf32>
+    %dn = top.weight "moe.down" : tensor<6x8x8xf32>
+    %my = top.moe_experts %xr, %eg, %eu, %dn, %rw#0, %rw#1 : tensor<8x8xf32>, tensor<6x8x8xf32>, tensor<6x8x8xf32>, tensor<6x8x8xf32>, tensor<8x2xf32>, tensor<8x2xi32> -> tensor<8x8xf32>
     %ym = top.reshape %my {shape = array<i64: 2, 4, 8>} : tensor<8x8xf32> -> tensor<2x4x8xf32>
     %u7 = top.add %u6, %ym : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xf32>
     %cmp = top.compare %x, %a6 {predicate = "gt"} : tensor<2x4x8xf32>, tensor<2x4x8xf32> -> tensor<2x4x8xi1>
