@@ -122,8 +122,7 @@ def _unknown_model_type(model_type: object, where: str) -> ModelLoadError:
     return ModelLoadError(
         f"unknown model_type '{model_type}' in {where}: toptpu compiles "
         f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (Qwen2/2.5, Qwen3, Qwen3.5, Llama 2/3, "
-        "Qwen3-MoE, Qwen2-MoE) "
-        "models")
+        "Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE) models")
 
 
 #: activations (`hidden_act`) the compiled nets implement
@@ -135,7 +134,11 @@ _SIZE_FIELDS: dict[str, tuple[bool, int]] = {
     "intermediate_size": (True, 1 << 20), "num_hidden_layers": (True, 4096),
     "num_attention_heads": (True, 4096), "num_key_value_heads": (False, 4096),
     "head_dim": (False, 1 << 14), "max_position_embeddings": (False, 1 << 31),
+    "moe_intermediate_size": (False, 1 << 20), "num_experts": (False, 1 << 16),
 }
+#: size fields a mixture of experts may leave out: a MoE config without dense MLPs
+#: (Qwen3.5-MoE) has no intermediate_size
+_DENSE_ONLY_FIELDS = ("intermediate_size",)
 #: config fields that are positive finite floats
 _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 #: config fields that are token ids (an int, a list of ints, or null)
@@ -167,7 +170,8 @@ def check_config_values(raw: Any, where: str) -> None:
 
     for name, (required, limit) in _SIZE_FIELDS.items():
         v = raw.get(name)
-        if v is None and not required:
+        if v is None and (not required or (name in _DENSE_ONLY_FIELDS
+                                           and "moe_intermediate_size" in raw)):
             continue
         if v is None and name not in raw:
             raise ModelLoadError(f"{where}: {name} is missing, expected a positive integer; "

@@ -305,3 +305,39 @@ def has_expert_tensor(name: str, has: Callable[[str], bool]) -> bool:
     if proj == FUSED_GATE_UP:
         return all(has_expert_tensor(f"{base}.{p}", has) for p in ("gate_proj", "up_proj"))
     return proj in PROJECTIONS and _hub_count(base, proj, has) > 0
+
+
+#: the fused expert parameters, by the last part of their names
+FUSED_PARAMETERS = (FUSED_GATE_UP, "down_proj")
+
+
+def is_fused_parameter(name: str) -> bool:
+    """'…mlp.experts.gate_up_proj' or '…mlp.experts.down_proj': a fused module's 3-D
+    experts parameter."""
+    base, _, last = name.rpartition(".")
+    return last in FUSED_PARAMETERS and base.endswith(".experts")
+
+
+class SwappedExperts:
+    """A tensor reader (`frontends.streaming.TensorReader`) over `reader` whose tensors
+    `names` are fused experts stored with their last two axes swapped — Qwen3-VL-MoE's
+    published checkpoints hold `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H], which
+    transformers transposes on loading (its `Transpose(1, 2)` conversion) — given in the
+    module's layout, [E, 2I, H] and [E, H, I]."""
+
+    def __init__(self, reader: Any, names: set[str]) -> None:
+        self.reader = reader
+        self.names = names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader
+
+    def tensor(self, name: str) -> np.ndarray:
+        a = self.reader.tensor(name)
+        return np.ascontiguousarray(a.swapaxes(1, 2)) if name in self.names else a
+
+    def release(self) -> None:
+        self.reader.release()
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,4 +1,5 @@
-"""Qwen's vision-language models: Qwen2.5-VL, Qwen3-VL and Qwen3.5 (the torch side).
+"""Qwen's vision-language models: Qwen2.5-VL, Qwen3-VL and Qwen3.5, and their mixtures of
+experts Qwen3-VL-MoE and Qwen3.5-MoE (the torch side).
 
 A Qwen VLM compiles as its text model (the LLM splitter's nets, with M-RoPE positions
 [3, n] in its full-attention nets: `split_model(position_axes=3)`) plus one static `vit`
@@ -26,8 +27,9 @@ net over a budget of N patches, and, for Qwen3-VL, the `deepstack_add` net:
   zeros elsewhere, which is the model's `_deepstack_process`.
 
 transformers has no causal-LM class for the text models of Qwen2.5-VL and Qwen3-VL
-(`qwen2_5_vl_text`, `qwen3_vl_text`): `TextCausalLM` is the view the splitter takes (the
-VLM's own language model and lm_head). Qwen3.5's text model is `qwen3_5_text`.
+(`qwen2_5_vl_text`, `qwen3_vl_text`, `qwen3_vl_moe_text`): `TextCausalLM` is the view the
+splitter takes (the VLM's own language model and lm_head). Qwen3.5's text models are
+`qwen3_5_text` and `qwen3_5_moe_text`.
 """
 
 from __future__ import annotations

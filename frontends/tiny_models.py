@@ -63,7 +63,7 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
 def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, **overrides: Any
                 ) -> Any:
     """A tiny config of a supported family: qwen2, qwen3, qwen3_5, qwen3_moe,
-    qwen3_moe_unnormalized, qwen2_moe, llama2, llama3."""
+    qwen3_moe_unnormalized, qwen2_moe, qwen3_5_moe, llama2, llama3."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -103,6 +103,20 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25},
             "num_hidden_layers": max(layers, 4), **overrides})
+    elif family == "qwen3_5_moe":
+        # Qwen3.5-35B-A3B's structure (Qwen3.5's hybrid layers, every MLP a MoE block: top-k
+        # renormalized, a shared expert with its sigmoid gate) with 8 experts, top-2; no
+        # dense MLP, so no intermediate_size (as its config.json)
+        dense = {k: v for k, v in common.items() if k != "intermediate_size"}
+        cfg = tf.Qwen3_5MoeTextConfig(**{
+            **dense, "head_dim": 16, "tie_word_embeddings": False, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25},
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+            "num_experts": 8, "num_experts_per_tok": 2,
+            "num_hidden_layers": max(layers, 4), **overrides})
     elif family in ("qwen3_moe", "qwen3_moe_unnormalized"):
         # Qwen3-30B-A3B's structure (q/k norms, untied, top-k routing) with 8 experts of
         # which each token takes 2; `qwen3_moe_unnormalized`: norm_topk_prob false
@@ -121,7 +135,8 @@ def tiny_config(family: str = "qwen2", vocab_size: int = 384, layers: int = 2, *
             "mlp_only_layers": [], **overrides})
     else:
         raise ValueError(f"unknown tiny model family '{family}' (qwen2, qwen3, qwen3_5, "
-                         "qwen3_moe, qwen3_moe_unnormalized, qwen2_moe, llama2, llama3)")
+                         "qwen3_moe, qwen3_moe_unnormalized, qwen2_moe, qwen3_5_moe, llama2, "
+                         "llama3)")
     return cfg
 
 
@@ -156,6 +171,22 @@ def qwen2_moe_real_config(layers: int = 2, experts: int = 8, **overrides: Any) -
         "num_key_value_heads": 16, "moe_intermediate_size": 1408,
         "shared_expert_intermediate_size": 5632, "num_experts": experts,
         "num_experts_per_tok": 4, "rope_theta": 1000000.0, **overrides})
+
+
+def qwen3_5_moe_real_config(layers: int = 4, experts: int = 16, **overrides: Any) -> Any:
+    """Qwen3.5-35B-A3B's published shape (transformers' `Qwen3_5MoeTextConfig` defaults:
+    hidden 2048, 16 query and 2 KV heads of 256 with partial rotary 0.25, 16 key and 32
+    value linear-attention heads of 128, experts of intermediate 512, top-8, a shared
+    expert of 512) with its 256 experts cut to `experts`, 40 layers to `layers` (every
+    fourth full attention) and the vocabulary to the tiny tokenizer's."""
+    return tiny_config("qwen3_5_moe", layers=layers, **{
+        "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "num_experts": experts, "num_experts_per_tok": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25}, **overrides})
 
 
 def tiny_model(family: str = "qwen2", seed: int = 0, **config_overrides: Any) -> Any:

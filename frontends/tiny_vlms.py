@@ -39,11 +39,15 @@ QWEN_VL_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"
 #: the tiny families: internvl (Qwen2 text), minicpmv (MiniCPM-V 4.6 with a Qwen3 text
 #: model), MiniCPM-V 4.6 and 4.7 as released: a Qwen3.5 hybrid text model
 #: (minicpmv4_6, minicpmv4_7), and Qwen's: qwen2_5_vl, qwen3_vl and qwen3_5 (Qwen3.5's
-#: vision tower with its hybrid text model)
+#: vision tower with its hybrid text model), and the mixtures of experts qwen3_vl_moe
+#: (Qwen3-VL's vision with a Qwen3-MoE text model) and qwen3_5_moe (Qwen3.5's with its
+#: hybrid MoE text model)
 TINY_VLM_FAMILIES = ("internvl", "minicpmv", "minicpmv4_6", "minicpmv4_7", "qwen2_5_vl",
-                     "qwen3_vl", "qwen3_5")
+                     "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 #: the Qwen-VL families (one image processor, one set of image tokens, M-RoPE positions)
-QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN_VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+#: the text model types of Qwen3.5's hybrid layers (norms that scale by 1 + weight)
+_CENTERED_TEXT = ("qwen3_5_text", "qwen3_5_moe_text")
 #: the MiniCPM-V families (one vision tower, one image processor, one set of image tokens)
 MINICPMV_FAMILIES = ("minicpmv", "minicpmv4_6", "minicpmv4_7")
 
@@ -86,7 +90,7 @@ def _text_config(model_type: str, **overrides: Any) -> dict[str, Any]:
         tie_word_embeddings=False)
     if model_type == "qwen3":
         cfg["head_dim"] = 16
-    if model_type == "qwen3_5_text":
+    if model_type in _CENTERED_TEXT:
         # Qwen3.5-0.8B's shapes (MiniCPM-V 4.6/4.7's text model) at four layers, three
         # Gated DeltaNet layers to one gated full-attention layer; its multi-axis rotary
         # (interleaved sections 11/11/10 of the 32 rotated frequency pairs)
@@ -98,8 +102,14 @@ def _text_config(model_type: str, **overrides: Any) -> dict[str, Any]:
                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                     "partial_rotary_factor": 0.25,
                                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    if model_type == "qwen3_5_moe_text":
+        # Qwen3.5-35B-A3B's MoE block (renormalized top-k, a shared expert with its sigmoid
+        # gate) with 8 experts of 128, top-2, a shared expert of 128
+        cfg.update(moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                   num_experts=8, num_experts_per_tok=2)
+        del cfg["intermediate_size"]
     cfg.update(overrides)
-    if model_type == "qwen3_5_text" and "num_hidden_layers" in overrides and \
+    if model_type in _CENTERED_TEXT and "num_hidden_layers" in overrides and \
             "layer_types" not in overrides:  # every fourth layer full attention
         n = int(overrides["num_hidden_layers"])
         cfg["layer_types"] = ["full_attention" if i % 4 == 3 else "linear_attention"
@@ -164,7 +174,13 @@ def _qwen_vl_config(family: str, tok: Any, text: dict[str, Any] | None, tied: bo
     dims, patch and merge sizes, Qwen2.5-VL's 112-pixel windows with full attention in some
     layers, Qwen3-VL's 48x48 learned position grid, its DeepStack levels, the text models'
     M-RoPE sections at head_dim 128), narrowed and cut to a few layers."""
-    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3VLConfig,
+        Qwen3VLMoeConfig,
+    )
 
     ids = {key: tok.convert_tokens_to_ids(QWEN_VL_TOKENS[attr]) for attr, key in (
         ("image_token", "image_token_id"), ("video_token", "video_token_id"),
@@ -184,11 +200,17 @@ def _qwen_vl_config(family: str, tok: Any, text: dict[str, Any] | None, tied: bo
         vision.update(vision_overrides)
         return Qwen2_5_VLConfig(text_config=tc, vision_config=vision, tie_word_embeddings=tied,
                                 **ids)
-    if family == "qwen3_vl":  # Qwen3-VL-4B: vision head_dim 64, DeepStack, text head_dim 128
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
+        # Qwen3-VL-4B: vision head_dim 64, DeepStack, text head_dim 128; Qwen3-VL-30B-A3B's
+        # text model a Qwen3-MoE one: 8 experts of 128, top-2, renormalized
+        moe = family == "qwen3_vl_moe"
+        experts = {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+                   "decoder_sparse_step": 1, "mlp_only_layers": []} if moe else {}
         tc = _text_config("qwen3", **{"hidden_size": 512, "intermediate_size": 1024,
                                       "num_attention_heads": 4, "num_key_value_heads": 2,
-                                      "head_dim": 128, "num_hidden_layers": 3, **text})
-        tc.update(model_type="qwen3_vl_text", rope_parameters={
+                                      "head_dim": 128, "num_hidden_layers": 3, **experts,
+                                      **text})
+        tc.update(model_type="qwen3_vl_moe_text" if moe else "qwen3_vl_text", rope_parameters={
             "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
             "mrope_interleaved": True})
         vision = dict(depth=4, hidden_size=256, num_heads=4, intermediate_size=512,
@@ -196,14 +218,17 @@ def _qwen_vl_config(family: str, tok: Any, text: dict[str, Any] | None, tied: bo
                       num_position_embeddings=2304, deepstack_visual_indexes=[1, 2],
                       spatial_merge_size=2, temporal_patch_size=2)
         vision.update(vision_overrides)
-        return Qwen3VLConfig(text_config=tc, vision_config=vision, tie_word_embeddings=tied,
-                             **ids)
-    tc = _text_config("qwen3_5_text", **text)  # Qwen3.5-0.8B's text shapes, 4 layers
+        return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
+            text_config=tc, vision_config=vision, tie_word_embeddings=tied, **ids)
+    # Qwen3.5-0.8B's text shapes, 4 layers (qwen3_5_moe: with MoE blocks)
+    tc = _text_config("qwen3_5_moe_text" if family == "qwen3_5_moe" else "qwen3_5_text",
+                      **text)
     vision = dict(depth=2, hidden_size=256, num_heads=4, intermediate_size=512,
                   out_hidden_size=tc["hidden_size"], patch_size=16,
                   num_position_embeddings=2304, spatial_merge_size=2, temporal_patch_size=2)
     vision.update(vision_overrides)
-    return Qwen3_5Config(text_config=tc, vision_config=vision, tie_word_embeddings=tied, **ids)
+    return (Qwen3_5MoeConfig if family == "qwen3_5_moe" else Qwen3_5Config)(
+        text_config=tc, vision_config=vision, tie_word_embeddings=tied, **ids)
 
 
 def tiny_image_processor(family: str, config: Any, max_tiles: int = 4) -> Any:
@@ -236,7 +261,7 @@ def _randomize(model: torch.nn.Module, seed: int, centred_image_rows: bool = Fal
     scale by 1 + weight: theirs are drawn around 0, but for the gated norm's)."""
     g = torch.Generator().manual_seed(seed)
     config: Any = model.config  # a transformers VLM config: its fields are the family's
-    centered = getattr(config.text_config, "model_type", "") == "qwen3_5_text"
+    centered = getattr(config.text_config, "model_type", "") in _CENTERED_TEXT
     # Qwen3.5's vision tower uses LayerNorm (weight around 1), like Qwen3-VL's
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -339,7 +364,9 @@ def tiny_vlm(family: str = "internvl", seed: int = 0, text: dict[str, Any] | Non
                                  "minicpmv4_7": "MiniCPMV4_7ForConditionalGeneration",
                                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                                  "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                                 "qwen3_5": "Qwen3_5ForConditionalGeneration"}[
+                                 "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                                 "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}[
         cfg.model_type])
     model = cls(cfg).to(torch.float32)
     _randomize(model, seed, centred_image_rows)

@@ -63,9 +63,15 @@ frame-block key masks (Qwen2.5-VL: window masks too; Qwen3-VL and Qwen3.5: the l
 position grid's bilinear taps) and gives the merged rows (Qwen3-VL: and the DeepStack rows);
 its text nets take M-RoPE positions [3, n].
 
-What is not supported: a MiniCPM-V whose text model is a mixture of experts or Qwen3-Next
-(refused by name), InternVL `vision_feature_layer` other than -1, videos for InternVL and
-MiniCPM-V, Qwen3-VL-MoE and Qwen2-VL (docs/limits.md).
+The mixtures of experts Qwen3-VL-MoE (a Qwen3-MoE text model) and Qwen3.5-MoE (the hybrid
+MoE text model) are Qwen-VL models like the others; their checkpoints may hold the experts
+one tensor per expert (`save_pretrained`'s hub layout, merged by transformers on loading) or
+fused, Qwen3-VL-MoE's published ones with the last two axes swapped (transposed by
+transformers on loading): the streaming compile reads all three (`_checkpoint_names`).
+
+What is not supported: a VLM whose text model is Qwen3-Next (refused by name), InternVL
+`vision_feature_layer` other than -1, videos for InternVL and MiniCPM-V, and Qwen2-VL
+(docs/limits.md).
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ from toptpu.frontends.hf_loader import (
     read_generation_config,
 )
 from toptpu.frontends.llm import LAYER_PREFIX, TORCH_ACTIVATIONS, NetSpec, SplitError
+from toptpu.frontends.moe import SwappedExperts, is_fused_parameter, stacked_name, stacked_shapes
 from toptpu.frontends.qwen_vl import (
     DEFAULT_MAX_PIXELS,
     QWEN_TOKEN_IDS,
@@ -682,10 +689,9 @@ class LoadedVlm(LoadedModel):
 
 #: text models of a VLM that toptpu knows of and does not compile (yet)
 _REFUSED_TEXT_MODELS = {
-    "qwen3_5_moe_text": "Qwen3.5-MoE (mixture of experts), which toptpu does not compile yet; "
-                        "MiniCPM-V's dense Qwen3.5 text model (qwen3_5_text) compiles",
     "qwen3_next": "Qwen3-Next (a mixture of experts with linear attention), which toptpu does "
-                  "not compile yet; a dense Qwen3.5 text model (qwen3_5_text) compiles",
+                  "not compile yet; a Qwen3.5 text model (qwen3_5_text, qwen3_5_moe_text) "
+                  "compiles",
 }
 
 
@@ -1001,9 +1007,8 @@ def load_vlm(source: Any, tokenizer: Any = None, image_processor: Any = None, *,
     vlm = source
     mt = getattr(vlm.config, "model_type", None)
     if vlm_family_of(mt) is None:
-        raise ModelLoadError(f"expected an InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL or "
-                             f"Qwen3.5 model, got "
-                             f"{type(vlm).__name__} ({mt})")
+        raise ModelLoadError(f"expected an InternVL, MiniCPM-V 4.6/4.7, Qwen2.5-VL, Qwen3-VL "
+                             f"(-MoE) or Qwen3.5 (-MoE) model, got {type(vlm).__name__} ({mt})")
     where = f"the {type(vlm).__name__}"
     family = _check_text_config(vlm.config, where)
     if tokenizer is None:
@@ -1131,9 +1136,13 @@ def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
         raise ModelLoadError(str(e)) from e
     with quiet_transformers(), torch.device("meta"):
         vlm = d.model_class._from_config(d.config, dtype=torch.float32)  # noqa: SLF001
-    names = _checkpoint_names(d, vlm, reader)
-    text = {lm: names[key] for key in names if (lm := text_name(key)) is not None}
-    view = reader.renamed(text)
+    found = _checkpoint_names(d, vlm, reader)
+    text = {lm: key for name, key in (*found.names.items(), *found.experts.items())
+            if (lm := text_name(name)) is not None}
+    view: Any = reader.renamed(text)
+    if found.swapped:
+        view = SwappedExperts(view, {lm for name in found.swapped
+                                     if (lm := text_name(name)) is not None})
     stream = StreamedWeights(view, {})
     shell = text_model_shell if d.config.text_config.model_type in QWEN_VL_TEXT_TYPES \
         else None
@@ -1141,7 +1150,7 @@ def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
                                           tied=_tied(vlm), build=shell)
     stream.materialized[LAYER_PREFIX] = model.model.layers[0]
     try:
-        _read_vision(vlm, reader, names)
+        _read_vision(vlm, reader, found.names)
     except CheckpointError as e:
         raise ModelLoadError(str(e)) from e
     vision = vision_model(vlm.eval(), d.tokenizer, d.processor, path, image_size=image_size,
@@ -1150,11 +1159,40 @@ def _stream_dir(path: str, image_size: int | None, max_tiles: int | None,
                      stream=stream, vision=vision)
 
 
-def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str, str]:
+@dataclass
+class CheckpointNames:
+    """Where each parameter of a VLM is in its checkpoint."""
+
+    #: parameter -> the checkpoint tensor that holds it
+    names: dict[str, str]
+    #: a MoE layer's experts held one tensor per expert and projection (the hub layout
+    #: `save_pretrained` writes; transformers merges them into the fused parameters on
+    #: loading): '<parameter's module>.<e>.<projection>.weight' -> the checkpoint tensor
+    #: (the text stream stacks them itself, `frontends.moe.expert_tensor`)
+    experts: dict[str, str] = field(default_factory=dict)
+    #: fused expert parameters stored with their last two axes swapped (Qwen3-VL-MoE's
+    #: published checkpoints; `frontends.moe.SwappedExperts`)
+    swapped: set[str] = field(default_factory=set)
+
+
+def _expert_transpose(converter: Any, new: str) -> bool:
+    """`converter` (transformers' conversion of a checkpoint tensor into parameter `new`)
+    only swaps the last two axes of a fused experts parameter (Qwen3-VL-MoE's)."""
+    from transformers.core_model_loading import Transpose
+
+    ops = getattr(converter, "operations", None) or []
+    return is_fused_parameter(new) and len(ops) == 1 and isinstance(ops[0], Transpose) \
+        and {ops[0].dim0, ops[0].dim1} == {1, 2}
+
+
+def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> CheckpointNames:
     """The VLM's parameter name -> the checkpoint tensor that holds it, by transformers'
     own renaming of checkpoint names (InternVL checkpoints name the text model
     'language_model.model.…'); every tensor checked against the model (name, shape,
-    floating-point dtype) from the shard headers, as `from_pretrained` would."""
+    floating-point dtype) from the shard headers, as `from_pretrained` would. A MoE
+    layer's experts may be held one tensor per expert (checked as the fused parameter
+    they make) or, as transformers' conversion of Qwen3-VL-MoE's checkpoints allows, with
+    the last two axes of the fused parameter swapped."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -1166,9 +1204,14 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str
     mapping = get_model_conversion_mapping(vlm)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    names: dict[str, str] = {}
+    found = CheckpointNames({})
+    names = found.names
     extra = []
+    hub: dict[str, tuple[int, ...]] = {}
     for key in sorted(reader.names()):
+        if stacked_name(key) is not None:
+            hub[key] = tuple(reader.info(key).shape)
+            continue
         new, converted = rename_source_key(key, renamings, converters, vlm.base_model_prefix,
                                            want)
         if new not in want and key in want:  # as from_pretrained: kept as it is
@@ -1178,30 +1221,62 @@ def _checkpoint_names(d: VlmDir, vlm: Any, reader: CheckpointReader) -> dict[str
                 extra.append(key)
             continue
         if converted is not None:
-            raise ModelLoadError(
-                f"{d.path}: tensor '{key}' is stored in a layout transformers converts when "
-                f"loading ('{converted}'), which the streaming compile does not do; compile "
-                "the model in memory (toptpu.compile(load_vlm(path), ...))")
+            converter = next((c for c in converters if converted in c.source_patterns), None)
+            if not _expert_transpose(converter, new):
+                raise ModelLoadError(
+                    f"{d.path}: tensor '{key}' is stored in a layout transformers converts "
+                    f"when loading ('{converted}'), which the streaming compile does not do; "
+                    "compile the model in memory (toptpu.compile(load_vlm(path), ...))")
+            shape = tuple(reader.info(key).shape)
+            if shape != want[new] and len(shape) == 3 and \
+                    (shape[0], shape[2], shape[1]) == want[new]:  # as transformers' check_dims
+                found.swapped.add(new)
         if new in names:
             raise ModelLoadError(f"{d.path}: tensors '{names[new]}' and '{key}' both hold "
                                  f"'{new}': the checkpoint is inconsistent")
         names[new] = key
+    fused, expert_problems = stacked_shapes(hub)
+    if expert_problems:
+        raise ModelLoadError(f"the checkpoint in {d.path} does not hold its MoE experts "
+                             "whole: " + "; ".join(expert_problems))
+    by_module: dict[str, list[str]] = {}  # '…experts' -> its hub-layout tensors
+    for key in hub:
+        by_module.setdefault(key.rpartition(".experts.")[0] + ".experts", []).append(key)
+    stacked: dict[str, tuple[int, ...]] = {}  # a fused parameter the hub layout holds
+    for name, shape in fused.items():
+        new, _ = rename_source_key(name, renamings, [], vlm.base_model_prefix, want)
+        if new not in want or new in names:
+            extra.append(f"{name.rpartition('.')[0]}.*")
+            continue
+        stacked[new] = shape
+        base, source_base = new.rpartition(".")[0], name.rpartition(".")[0]
+        for key in by_module[source_base]:
+            found.experts[base + key[len(source_base):]] = key
     optional = {"lm_head.weight"} if _tied(vlm) else set()
-    missing = sorted(k for k in want if k not in names and k not in optional)
+    missing = sorted(k for k in want if k not in names and k not in stacked
+                     and k not in optional)
+
+    def stored(k: str, key: str) -> tuple[int, ...]:
+        s = tuple(reader.info(key).shape)
+        return (s[0], s[2], s[1]) if k in found.swapped else s
+
     bad = [f"{key} is {list(reader.info(key).shape)}, expected {list(want[k])}"
-           for k, key in sorted(names.items()) if reader.info(key).shape != want[k]]
-    problems = [f"{what}: {_listing(found)}" for what, found in (
+           for k, key in sorted(names.items()) if stored(k, key) != want[k]]
+    bad += [f"the experts of {k} make {list(s)}, expected {list(want[k])}"
+            for k, s in sorted(stacked.items()) if s != want[k]]
+    problems = [f"{what}: {_listing(items)}" for what, items in (
         ("missing tensors", missing), ("unexpected tensors", extra),
-        ("mis-shaped tensors", bad)) if found]
+        ("mis-shaped tensors", bad)) if items]
     if problems:
         raise _mismatch(d, problems)
-    not_float = [f"{key} is {reader.info(key).dtype}" for key in sorted(names.values())
+    not_float = [f"{key} is {reader.info(key).dtype}" for key in
+                 sorted({*names.values(), *found.experts.values()})
                  if reader.info(key).dtype not in FLOAT_DTYPES]
     if not_float:
         raise ModelLoadError(
             f"the checkpoint in {d.path} holds weights that are not floating point: "
             f"{_listing(not_float)}. A float checkpoint holds {'/'.join(FLOAT_DTYPES)} tensors")
-    return names
+    return found
 
 
 def _tied(vlm: Any) -> bool:

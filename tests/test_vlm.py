@@ -306,8 +306,8 @@ def test_vlm_load_and_compile_errors(tmp_path_factory, tmp_path) -> None:
     # Qwen3.5, compiles: tests/test_vlm_qwen3_5.py)
     d = tmp_path / "minicpmv46"
     MiniCPMV4_6Config(vision_config={"num_hidden_layers": 1},
-                      text_config={"model_type": "qwen3_5_moe_text"}).save_pretrained(d)
-    with pytest.raises(ModelLoadError, match="qwen3_5_moe_text, Qwen3.5-MoE"):
+                      text_config={"model_type": "qwen3_next"}).save_pretrained(d)
+    with pytest.raises(ModelLoadError, match="qwen3_next, Qwen3-Next"):
         load_vlm(str(d))
     model_dir = vlm_dir(tmp_path_factory, "internvl")
     with pytest.raises(ModelLoadError, match="--image-size 50 does not fit"):

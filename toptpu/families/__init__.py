@@ -2,8 +2,8 @@
 family is one entry here and one module beside this one.
 
 - Text families (`base.TextFamily`, data): `decoder` (Qwen2, Qwen3, Llama), `qwen3_5`
-  (the hybrid of full and linear attention) and `moe` (Qwen3-MoE, Qwen2-MoE: mixtures of
-  experts).
+  (the hybrid of full and linear attention) and `moe` (Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE:
+  mixtures of experts).
 - Vision families (`base.VisionFamily`, a class each): `internvl`, `minicpmv`, `qwen_vl`.
   Each carries its `vision` header section (which keys, their checks), its host side
   (preprocessing an image, the prompt text standing for it, the prompt's layout: image rows
@@ -22,12 +22,13 @@ from toptpu.errors import GenerationError
 from toptpu.families import internvl, minicpmv, qwen_vl
 from toptpu.families.base import TextFamily, VisionFamily
 from toptpu.families.decoder import LLAMA, QWEN2, QWEN3
-from toptpu.families.moe import QWEN2_MOE, QWEN3_MOE
+from toptpu.families.moe import QWEN2_MOE, QWEN3_5_MOE, QWEN3_MOE
 from toptpu.families.qwen3_5 import QWEN3_5
 
 #: the text families, by the name model files carry
 TEXT_FAMILIES: dict[str, TextFamily] = {f.name: f for f in (QWEN2, QWEN3, LLAMA, QWEN3_5,
-                                                                 QWEN3_MOE, QWEN2_MOE)}
+                                                                 QWEN3_MOE, QWEN2_MOE,
+                                                                 QWEN3_5_MOE)}
 #: the vision families, by the name model files carry (`vision.kind`)
 VISION_FAMILIES: dict[str, VisionFamily] = {
     f.name: f for f in (internvl.FAMILY, minicpmv.FAMILY, qwen_vl.FAMILY)}

@@ -12,8 +12,6 @@ QWEN3_5 = TextFamily(
     "qwen3_5", "Qwen3.5", ("qwen3_5_text",), "Qwen3_5TextConfig", hybrid=True,
     skipped_prefixes=("mtp.",),
     refused={
-        "qwen3_5_moe": "Qwen3.5-MoE (mixture of experts) is not supported yet; the dense "
-                       "Qwen3.5 models (model_type qwen3_5_text) are",
         "qwen3_5": "this is a Qwen3.5 vision-language checkpoint, which `toptpu compile` "
                    "takes as a VLM (its vision tower and hybrid text model) from its "
                    "directory; a text model alone is model_type qwen3_5_text",

@@ -1,4 +1,5 @@
-"""Qwen-VL: Qwen2.5-VL, Qwen3-VL and Qwen3.5 (images and videos, M-RoPE positions).
+"""Qwen-VL: Qwen2.5-VL, Qwen3-VL and Qwen3.5, and the mixtures of experts Qwen3-VL-MoE and
+Qwen3.5-MoE (images and videos, M-RoPE positions; the host side is the same for a MoE).
 
 - An image: `Qwen2VLImageProcessorPil` resizes it within the vit net's patch budget (its
   `longest_edge`, set at compile time) and lays out its patches; one `vit` run per image
@@ -56,7 +57,9 @@ class QwenVL(VisionFamily):
     title = "Qwen-VL"
     model_types = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-                   "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+                   "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                   "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
     #: the model types whose videos space their frames in time (`tokens_per_second`);
     #: the others lay out each temporal patch as a grid of its own (`frames_apart`)
     spaced_video_types = ("qwen2_5_vl",)
