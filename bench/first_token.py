@@ -4,7 +4,7 @@ measured side by side in one run.
 
 The model has Qwen2.5-0.5B's public shape (24 layers, hidden 896, vocab 151936; seeded random
 weights, nothing downloaded) with toptpu's tiny built-in tokenizer, compiled once (default
-w4bf16, seq 512, the default prefill lengths 16, 64, 128). The path is the default one, as a
+w4bf16, seq 512, the default prefill lengths 16, 32, 64, 128). The path is the default one, as a
 user meets it: the bench writes no weight cache file (and removes one left beside the model
 file); the first `toptpu run` writes it itself (TOPTPU_WEIGHT_CACHE_FILE's default) and is
 measured apart — its TTFT, its whole process with the write, the file's size against the
