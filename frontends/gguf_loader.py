@@ -967,7 +967,7 @@ def gguf_text_config(path: str) -> tuple[dict[str, Any], str]:
              "attention.key_length": "head_dim"}
     cfg = {hf: fields[f"{arch}.{key}"] for key, hf in names.items()
            if f"{arch}.{key}" in fields}
-    return cfg, f"{path} (its {arch}.context_length)"
+    return cfg, f"{path} (its {arch}.* metadata)"
 
 
 def _config(header: GGUFHeader) -> tuple[Any, str]:
