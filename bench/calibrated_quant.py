@@ -9,11 +9,12 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
   --calibrate gptq|awq --calibration-data CAL --calibration-samples N
   --calibration-seq-length L`: GPTQ with act-order and static groups; AWQ with duo scaling
   and clipping, its defaults), one layer at a time;
-- quantized by auto-round (its default algorithm, sign-gradient rounding, `iters` and
-  `nsamples` as given: the CPU cannot afford its defaults) from the same f32 model
-  (transformers' GGUF loader) on the same calibration sequences, exported in its own
-  format and compiled with `-q auto` (rows autoround64/128, not run by
-  default);
+- quantized by auto-round (row autoround64, not run by default: hours on a CPU) with its
+  default algorithm (SignRound: `iters` 200, `lr` 1/iters, min-max tuning on, batch 8)
+  from the same f32 model (transformers' GGUF loader) on the same calibration token ids
+  (`nsamples` × `seqlen` = --sequences × --sequence-length), W4A16 asymmetric, exported
+  in its own format (`auto_round`, which packs 4-bit asymmetric as auto_round:auto_awq)
+  and compiled with `-q auto`;
 
 all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
 they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
@@ -116,12 +117,19 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
                             a.sequence_length)
     samples = [torch.from_numpy(row[None].astype("int64")) for row in data.tokens]
     t, cpu = time.perf_counter(), time.process_time()
-    ar = AutoRound(model, tokenizer=tok, scheme="W4A16", group_size=group, sym=False,
-                   iters=a.autoround_iters, dataset=samples, device_map="cpu",
-                   seqlen=a.sequence_length, nsamples=len(samples), amp=False,
-                   enable_torch_compile=False)
+    kwargs: dict[str, object] = {
+        "scheme": "W4A16", "group_size": group, "sym": False, "seqlen": a.sequence_length,
+        "nsamples": len(samples), "device_map": "cpu", "amp": False,
+        "enable_torch_compile": False}
+    if a.autoround_iters is not None:  # otherwise auto-round's default (200)
+        kwargs["iters"] = a.autoround_iters
+    print(f"AutoRound(model, tokenizer, dataset=<{len(samples)} x {a.sequence_length} ids>, "
+          + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+          + ').quantize_and_save(out, format="auto_round")', flush=True)
+    ar = AutoRound(model, tokenizer=tok, dataset=samples, **kwargs)  # type: ignore[arg-type]
     ar.quantize_and_save(out, format="auto_round")
-    print(f"auto-round g{group}: iters {a.autoround_iters}, {len(samples)} x "
+    iters = "200 (default)" if a.autoround_iters is None else a.autoround_iters
+    print(f"auto-round g{group}: iters {iters}, {len(samples)} x "
           f"{a.sequence_length} tokens, {time.perf_counter() - t:.0f} s wall, "
           f"{time.process_time() - cpu:.0f} s CPU", flush=True)
     return out
@@ -136,7 +144,8 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("--sequence-length", type=int, default=256)
-    ap.add_argument("--autoround-iters", type=int, default=50)
+    ap.add_argument("--autoround-iters", type=int, default=None,
+                    help="auto-round's iters (default: auto-round's own, 200)")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seq-length", type=int, default=256)
     a = ap.parse_args()

@@ -135,11 +135,14 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
 
 #: config keys whose positive value makes a model a mixture of experts
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+#: the mixture-of-experts families whose routed experts `--calibrate gptq` calibrates
+CALIBRATED_MOE = ("qwen3_moe", "qwen2_moe")
 
 
 def _check_calibration(model: Any, request: CompileRequest,
                        found: tuple[dict[str, Any], str] | None) -> None:
-    """`--calibrate` takes a float text model without experts, text files that can be read
+    """`--calibrate` takes a float text model (a MoE one of `CALIBRATED_MOE` with gptq
+    only), text files that can be read
     (`weight_calibration.data.check_file`: each refused in one line naming it; noted as the
     command's inputs), and a new directory for `--save-calibrated` outside the model's."""
     cal = request.calibration
@@ -153,9 +156,16 @@ def _check_calibration(model: Any, request: CompileRequest,
         cfg, where = found
         experts = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
         if experts is not None:
-            raise CompileError(f"{flag}: {where} is a mixture-of-experts model ({experts} "
-                               f"{cfg[experts]}), whose experts toptpu does not calibrate "
-                               "yet; compile it without --calibrate")
+            moe = f"{where} is a mixture-of-experts model ({experts} {cfg[experts]})"
+            if cfg.get("model_type") not in CALIBRATED_MOE:
+                raise CompileError(f"{flag}: {moe} of type '{cfg.get('model_type')}', whose "
+                                   "experts toptpu does not calibrate (it calibrates "
+                                   f"{' and '.join(CALIBRATED_MOE)}); compile it without "
+                                   "--calibrate")
+            if cal.method != "gptq":
+                raise CompileError(f"{flag}: {moe}; AWQ does not calibrate routed experts "
+                                   "(their input scales would fold into the norm the router "
+                                   "and every expert share): use --calibrate gptq")
         method = (cfg.get("quantization_config") or {}).get("quant_method") \
             if isinstance(cfg.get("quantization_config"), dict) else None
         if method is not None:

@@ -4,8 +4,10 @@
 read one input, quantized together before the next stage's inputs are taken) and AWQ's
 scaling groups (`ScalingGroup`: the linears whose input channels are scaled, the norm or
 linear whose output channels absorb the inverse scale, and the module whose output the
-scale search compares). A layer with a linear no plan names is refused (MoE experts are not
-calibrated yet).
+scale search compares). A layer with a linear no plan names is refused. A mixture-of-experts
+layer (Qwen3-MoE, Qwen2-MoE) has its attention's stages, its shared expert's (Qwen2-MoE:
+`shared_expert` gate/up with `shared_expert_gate`, then down) and its fused routed experts
+(`LayerPlan.experts`, calibrated per expert by `experts`); the router stays float.
 
 `LayerRunner` runs one real float32 decoder layer (`frontends.hf_layers.DecoderLayerWithRope`:
 the layer with its rotary embedding and an explicit causal mask, as the compiler exports it;
@@ -33,6 +35,7 @@ from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_layers import DecoderLayerWithRope, causal_mask
 from toptpu.frontends.hf_loader import LoadedModel
 from toptpu.frontends.streaming import load_streaming, materialize_layer, to_f32
+from toptpu.weight_calibration.experts import EXPERTS, fused_experts
 from toptpu.weight_calibration.grid import CalibrationError
 
 FULL_ATTENTION = "full_attention"
@@ -56,6 +59,8 @@ class LayerPlan:
     #: GPTQ's sequential stages: the linears of one input, in the order the layer runs them
     stages: tuple[tuple[str, ...], ...]
     scaling: tuple[ScalingGroup, ...]
+    #: the path of the layer's fused routed experts (`experts`), None without them
+    experts: str | None = None
 
     @property
     def linears(self) -> tuple[str, ...]:
@@ -86,18 +91,33 @@ PLANS: dict[str, LayerPlan] = {
 }
 
 
+_SHARED_EXPERT_STAGES = (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+                          "mlp.shared_expert_gate"), ("mlp.shared_expert.down_proj",))
+
+
+def _moe_plan(plan: LayerPlan, layer: torch.nn.Module) -> LayerPlan:
+    """`plan` for a layer whose MLP is a mixture of experts: the attention's stages, the
+    shared expert's if it has one, and the fused experts; AWQ's scaling groups of the
+    attention only (`experts` module doc)."""
+    attention = plan.stages[:-len(_MLP_STAGES)]
+    shared = _SHARED_EXPERT_STAGES if hasattr(layer.mlp, "shared_expert") else ()
+    scaling = tuple(g for g in plan.scaling if g not in _MLP_SCALING)
+    return LayerPlan(plan.kind, (*attention, *shared), scaling, EXPERTS)
+
+
 def layer_plan(layer: torch.nn.Module, kind: str, where: str) -> LayerPlan:
     """The plan of `layer` (of kind `kind`), checked: every linear it names exists, and the
     layer has no linear it does not name."""
     plan = PLANS.get(kind)
     if plan is None:
         raise CalibrationError(f"{where}: layers of kind '{kind}' cannot be calibrated")
+    if fused_experts(layer) is not None:
+        plan = _moe_plan(plan, layer)
     linears = {name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     unknown = sorted(linears - set(plan.linears))
     if unknown:
         listed = ", ".join(unknown[:4]) + (" ..." if len(unknown) > 4 else "")
-        raise CalibrationError(f"{where}: linears the calibration does not know ({listed}); "
-                               "mixture-of-experts layers are not calibrated yet")
+        raise CalibrationError(f"{where}: linears the calibration does not know ({listed})")
     missing = sorted(set(plan.linears) - linears)
     if missing:
         raise CalibrationError(f"{where}: no {', '.join(missing)} in this {kind} layer")

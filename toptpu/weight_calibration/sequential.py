@@ -54,6 +54,13 @@ from toptpu.weight_calibration.data import (
     calibration_data,
     tokenizer_encoder,
 )
+from toptpu.weight_calibration.experts import (
+    EXPERTS,
+    ExpertsResult,
+    calibrate_experts,
+    experts_fit,
+    fused_experts,
+)
 from toptpu.weight_calibration.export import (
     EXPORT_FORMATS,
     CheckpointWriter,
@@ -154,6 +161,8 @@ class CalibrationReport:
     note: str | None = None
     #: per layer: GPTQ's loss per linear, or AWQ's ratio per scaling group
     details: list[dict[str, float]] = field(default_factory=list)
+    #: MoE experts no calibration token was routed to: rounded to nearest under GPTQ
+    rtn_experts: list[str] = field(default_factory=list)
 
 
 class _StageSeen(Exception):
@@ -256,11 +265,14 @@ _NO_WEIGHTS = torch.empty(0)
 @torch.no_grad()
 def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
                quantized: set[str], request: CalibrationRequest,
-               on_stage: Callable[[str], None] | None = None
+               on_stage: Callable[[str], None] | None = None,
+               experts_out: list[ExpertsResult] | None = None
                ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
     """GPTQ of the layer's `quantized` linears, stage by stage (module doc); each stage's
     linears get their dequantized integers as soon as the stage is quantized. `on_stage`
-    is told the name of each stage's first linear as it starts."""
+    is told the name of each stage's first linear as it starts. A MoE layer's routed
+    experts (`plan.experts`, when in `quantized`) come last, per expert
+    (`experts.calibrate_experts`); their result is appended to `experts_out`."""
     x = layer_inputs(x)
     out: dict[str, QuantizedWeights] = {}
     losses: dict[str, float] = {}
@@ -281,20 +293,46 @@ def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
                 losses[name] = res.loss
                 integers.hold(name, res.weights)
             del prepared  # the stage's K x K matrix
+        if plan.experts is not None and plan.experts in quantized:
+            if on_stage is not None:
+                on_stage(plan.experts)
+            _experts(runner, plan.experts, x, request, "gptq", out, losses, experts_out)
         integers.restore()  # the Hessians are gone: the layer's float32 weights back
     finally:
         integers.unhook()
     return out, losses
 
 
+def _experts(runner: LayerRunner, path: str, x: LayerInputs, request: CalibrationRequest,
+             method: str, out: dict[str, QuantizedWeights], losses: dict[str, float],
+             experts_out: list[ExpertsResult] | None) -> None:
+    experts = runner.layer.get_submodule(path)
+    res = calibrate_experts(runner, x, experts, request.scheme, method,
+                            act_order=request.act_order, percdamp=request.percdamp,
+                            block_size=request.block_size, dtype=request.gptq_dtype,
+                            prefix=path)
+    out.update(res.weights)
+    losses.update(res.losses)
+    if experts_out is not None:
+        experts_out.append(res)
+
+
 def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
                     quantized: set[str], request: CalibrationRequest,
-                    on_stage: Callable[[str], None] | None = None
+                    on_stage: Callable[[str], None] | None = None,
+                    experts_out: list[ExpertsResult] | None = None
                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
     """The layer's `quantized` linears by the request's method; afterwards the layer holds
-    their dequantized weights (and AWQ's folded scales)."""
+    their dequantized weights (and AWQ's folded scales). A MoE layer's routed experts:
+    GPTQ per expert, or rounded to nearest (`rtn`); AWQ is refused for them (their
+    inputs' scales could only be folded into the norm the router and every expert share)."""
     if request.method == "gptq":
-        return gptq_layer(runner, plan, x, quantized, request, on_stage)
+        return gptq_layer(runner, plan, x, quantized, request, on_stage, experts_out)
+    experts = plan.experts is not None and plan.experts in quantized
+    if experts and request.method == "awq":
+        raise CalibrationError("AWQ does not calibrate mixture-of-experts layers (the routed "
+                               "experts' input scales would fold into the norm the router "
+                               "and every expert share); use --calibrate gptq")
     details: dict[str, float] = {}
     if request.method == "awq":
         report = awq_layer(runner, plan, x, request.scheme, request.awq, quantized)
@@ -304,6 +342,8 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
         lin = _linear_weight(runner.layer, name)
         out[name] = rtn(lin.weight.detach().numpy(), request.scheme)
         lin.weight.data = torch.from_numpy(out[name].dequantize())
+    if experts and plan.experts is not None:
+        _experts(runner, plan.experts, layer_inputs(x), request, "rtn", out, {}, experts_out)
     return out, details
 
 
@@ -325,13 +365,20 @@ def layer_tensors(layer: torch.nn.Module, prefix: str, results: dict[str, Quanti
     """The checkpoint tensors of a calibrated layer: its quantized linears in the GPTQ layout,
     every other parameter in float32 (module doc of `export`)."""
     tensors: dict[str, np.ndarray] = {}
+    # a MoE layer's routed experts quantized: one linear per expert (no bias), in place
+    # of the fused parameters
+    fused = EXPERTS if fused_experts(layer) is not None and any(
+        r.startswith(EXPERTS + ".") for r in results) else None
     for name, qw in results.items():
-        lin = _linear_weight(layer, name)
-        bias = None if lin.bias is None else lin.bias.detach().numpy()
+        if fused is not None and name.startswith(fused + "."):
+            bias = None
+        else:
+            lin = _linear_weight(layer, name)
+            bias = None if lin.bias is None else lin.bias.detach().numpy()
         tensors.update(gptq_tensors(prefix + name, qw, bias, fmt))
     for pname, p in layer.named_parameters():
         module = pname.rsplit(".", 1)[0]
-        if module in results:
+        if module in results or module == fused:
             continue
         tensors[prefix + pname] = p.detach().numpy().astype(np.float32)
     return tensors
@@ -487,10 +534,27 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                         quantized.add(name)
                     else:
                         report.float_linears.append(f"model.layers.{i}.{name}")
+                if plan.experts is not None:
+                    experts = layer.get_submodule(plan.experts)
+                    if not experts_fit(experts, scheme):
+                        raise CalibrationError(
+                            f"layer {i}: its experts ({tuple(experts.down_proj.shape[1:])}) "
+                            f"do not fit {scheme.bits}-bit groups of {scheme.group_size}; "
+                            "choose a group size that divides the expert widths")
+                    quantized.add(plan.experts)
                 bar.stage(i, "searching scales" if request.method == "awq" else "")
+                routed: list[ExpertsResult] = []
                 results, details = calibrate_layer(
                     runner, plan, x, quantized, request,
-                    on_stage=functools.partial(bar.stage, i))
+                    on_stage=functools.partial(bar.stage, i), experts_out=routed)
+                for res in routed:
+                    if res.unrouted and request.method == "gptq":
+                        names = [f"model.layers.{i}.{plan.experts}.{e}" for e in res.unrouted]
+                        report.rtn_experts += names
+                        bar.note(f"layer {i}: {len(res.unrouted)} of {len(res.tokens)} experts "
+                                 f"chosen by no calibration token (experts "
+                                 f"{', '.join(map(str, res.unrouted))}): rounded to nearest, "
+                                 "not calibrated")
                 bar.stage(i, "running the quantized layer")
                 layer_outputs(runner, x, f"layer {i}")
                 writer.write_shard(layer_tensors(layer, f"model.layers.{i}.", results,
@@ -511,7 +575,8 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
         config["quantization_config"] = quantization_config(
             scheme, request.export_format, request.method,
             request.act_order and request.method == "gptq", report.float_linears,
-            {"sequences": data.sequences, "sequence_length": data.sequence_length})
+            {"sequences": data.sequences, "sequence_length": data.sequence_length,
+             **({"rtn_experts": report.rtn_experts} if report.rtn_experts else {})})
         writer.finish(config, files)
     except BaseException:
         writer.abort()
