@@ -362,3 +362,74 @@ def _eval_json(model_file: str, text: str) -> dict[str, Any]:
         assert toptpu_main(["eval", model_file, "--text", text, "--max-tokens", "384",
                             "--json", "--quiet"]) == 0
     return json.loads(buf.getvalue())
+
+
+# ----------------------------------------------------------------------------- MoE
+
+def _moe_checkpoint(arch: str, path: Path) -> Any:
+    """A tiny float Qwen3-MoE / Qwen2-MoE checkpoint directory (8 experts; Qwen2-MoE with
+    a shared expert and its gate) with the tokenizer."""
+    from moe_checkpoints import build_model as build_moe
+
+    model = build_moe(arch)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_calibrates_generates_and_evals(arch: str, text_file: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`toptpu compile MOE -q w4bf16 --calibrate gptq`: every expert of every layer is
+    calibrated into the checkpoint as a linear of its own (the attention and Qwen2-MoE's
+    shared expert too; the router and the shared expert's one-output gate stay float), and
+    the model file generates and `toptpu eval`s cleanly next to the float model in
+    transformers. Random weights: no claim on quality."""
+    from toptpu.frontends.quant import read_quantized_checkpoint
+
+    src, ck, out = tmp_path / "float", tmp_path / "ck", tmp_path / "m.toptpu"
+    model = _moe_checkpoint(arch, src)
+    code, err = _run(["compile", str(src), "-q", "w4bf16", "--group-size", "32",
+                      "--calibrate", "gptq", "--calibration-data", text_file, *CALIBRATION,
+                      "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
+    assert code == 0, err
+    attention = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    experts = [f"mlp.experts.{e}.{p}" for e in range(8)
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")] \
+        if arch == "qwen2_moe" else []
+    checkpoint = read_quantized_checkpoint(str(ck))
+    assert set(checkpoint.linears) == {f"model.layers.{i}.{n}" for i in range(2)
+                                       for n in attention + experts + shared}
+    for i in range(2):  # the router as it was
+        assert np.array_equal(checkpoint.float_tensors[f"model.layers.{i}.mlp.gate.weight"],
+                              model.model.layers[i].mlp.gate.weight.detach().numpy())
+    float_left = json.loads((ck / "config.json").read_text())["quantization_config"].get(
+        "extra_config", {})
+    assert sorted(float_left) == ([f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]
+                                  if arch == "qwen2_moe" else [])
+    res = Runtime.open(str(out)).generate([5, 6, 7, 8], 6, stop_on_eos=False)
+    assert len(res.generated_ids) == 6
+    rng = random.Random(2)
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)))
+    assert toptpu_main(["eval", str(out), "--text", str(held), "--hf", str(src), "--json",
+                        "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["problem"] is None and result["predicted_tokens"] > 64
+    ppl, ref = result["perplexity"], result["reference"]["perplexity"]
+    assert np.isfinite(ppl) and np.isfinite(ref) and abs(ppl / ref - 1) < 0.05, (ppl, ref)
+
+
+def test_moe_awq_is_refused_in_one_line(text_file: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """AWQ does not calibrate routed experts: `--calibrate awq` on a MoE is one line, before
+    any work, naming gptq."""
+    src, out = tmp_path / "float", tmp_path / "m.toptpu"
+    _moe_checkpoint("qwen3_moe", src)
+    capsys.readouterr()  # transformers' progress while saving it
+    line = _error(["compile", str(src), "-q", "w4bf16", "--calibrate", "awq",
+                   "--calibration-data", text_file, "-o", str(out), *SMALL], capsys)
+    assert "AWQ does not calibrate routed experts" in line and "--calibrate gptq" in line, line
+    assert not out.exists()

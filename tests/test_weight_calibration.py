@@ -630,3 +630,124 @@ def test_streamed_checkpoint_calibrates_as_the_model_in_memory(tmp_path: Path, t
             assert arr.dtype == other.dtype and np.array_equal(arr, other), name
         else:  # outside the layers: as the source stores them (float32 / bf16)
             assert np.array_equal(arr.astype(np.float32), other.astype(np.float32)), name
+
+
+# ----------------------------------------------------------------------------- MoE experts
+
+def _moe_first_layer(tok: Any, text: str, sequences: int = 8, length: int = 64
+                     ) -> tuple[Any, LayerRunner, torch.Tensor]:
+    """Layer 0 of the tiny Qwen3-MoE (8 experts, top-2), a copy, its runner and inputs."""
+    from moe_checkpoints import build_model as build_moe
+
+    model = build_moe("qwen3_moe")
+    model.config._attn_implementation = "sdpa"
+    data = calibration_data([text], _encode(tok), sequences, length)
+    x = model.model.embed_tokens(torch.from_numpy(data.tokens)).detach()
+    layer = copy.deepcopy(model.model.layers[0])
+    return layer, LayerRunner(layer, model.model.rotary_emb, FULL_ATTENTION, length, 4096), x
+
+
+def _routed_inputs(runner: LayerRunner, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' call as the float layer makes it: (hidden [T, H], top-k [T, k])."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    experts = runner.layer.get_submodule("mlp.experts")
+    handle = experts.register_forward_pre_hook(
+        lambda _m, args: seen.append((args[0].clone(), args[1].clone())))
+    try:
+        with torch.no_grad():
+            runner.forward(x)
+    finally:
+        handle.remove()
+    (hidden, index), = seen
+    return hidden, index
+
+
+def test_gptq_expert_equals_algorithm_1_on_its_routed_inputs(tokenizer: Any,
+                                                             text_file: str) -> None:
+    """GPTQ of each routed expert of a tiny Qwen3-MoE layer (the attention left float, so
+    the experts' inputs are the float layer's) equals the transcription of Algorithm 1 on
+    the Hessian of the tokens the router sent that expert: gate and up on those tokens'
+    hidden states, down on act(x gate_q^T) * (x up_q^T) with the expert's quantized gate and
+    up; the router is not changed."""
+    from toptpu.weight_calibration.experts import calibrate_experts
+
+    layer, runner, x = _moe_first_layer(tokenizer, text_file)
+    hidden, index = _routed_inputs(runner, x)
+    experts = layer.get_submodule("mlp.experts")
+    float_gate_up = experts.gate_up_proj.detach().clone()
+    float_down = experts.down_proj.detach().clone()
+    router = layer.mlp.gate.weight.detach().clone()
+    scheme = QuantScheme(4, 32, False)
+    res = calibrate_experts(runner, x, experts, scheme, "gptq", act_order=True,
+                            dtype="float64")
+    assert res.unrouted == []
+    assert torch.equal(layer.mlp.gate.weight, router)
+    inter = experts.gate_up_proj.shape[1] // 2
+    checked = 0
+    for e in range(experts.gate_up_proj.shape[0]):
+        rows = torch.nonzero((index == e).any(-1)).reshape(-1)
+        xe = hidden[rows]
+        assert res.tokens[e] == len(rows) > 0
+
+        def hessian(inputs: torch.Tensor) -> np.ndarray:
+            return ((inputs.T @ inputs).double() * (2.0 / len(inputs))).numpy()
+
+        h = hessian(xe)
+        for proj, w in (("gate_proj", float_gate_up[e, :inter]),
+                        ("up_proj", float_gate_up[e, inter:])):
+            q, scale, zero = _algorithm_1(w.numpy(), h, 4, 32, False, True)
+            got = res.weights[f"mlp.experts.{e}.{proj}"]
+            assert np.array_equal(got.qweight, q.astype(np.uint8)), (e, proj)
+            assert np.array_equal(got.scales.astype(np.float64), scale)
+            assert np.array_equal(got.zeros, zero.astype(np.uint8))
+        gate_up_q = torch.from_numpy(np.concatenate(
+            [res.weights[f"mlp.experts.{e}.{p}"].dequantize() for p in ("gate_proj", "up_proj")]))
+        g, u = torch.nn.functional.linear(xe, gate_up_q).chunk(2, dim=-1)
+        q, scale, zero = _algorithm_1(float_down[e].numpy(),
+                                      hessian(torch.nn.functional.silu(g) * u), 4, 32, False,
+                                      True)
+        got = res.weights[f"mlp.experts.{e}.down_proj"]
+        assert np.array_equal(got.qweight, q.astype(np.uint8)), e
+        assert np.array_equal(got.scales.astype(np.float64), scale)
+        # the layer now computes with the dequantized integers
+        assert torch.equal(experts.down_proj[e], torch.from_numpy(got.dequantize()))
+        checked += 1
+    assert checked == 8
+
+
+def test_expert_no_token_chose_is_rounded_to_nearest_and_named(tmp_path: Path,
+                                                               tokenizer: Any,
+                                                               text_file: str) -> None:
+    """Calibrated on one 4-token sequence (top-2 of 8 experts: some experts get no token),
+    the experts no token was routed to are rounded to nearest (`rtn` on their float
+    weights), named on the progress stream and in the checkpoint's config; the others are
+    GPTQ's."""
+    import io
+    import json
+
+    from moe_checkpoints import build_model as build_moe
+
+    model = build_moe("qwen3_moe")
+    progress = io.StringIO()
+    out = tmp_path / "ck"
+    scheme = QuantScheme(4, 32, False)
+    report = calibrate(model, str(out), CalibrationRequest("gptq", scheme), [text_file],
+                       sequences=1, sequence_length=4, tokenizer=tokenizer, progress=progress)
+    assert report.rtn_experts, "every expert was chosen by 4 tokens' top-2"
+    assert "rounded to nearest, not calibrated" in progress.getvalue()
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["calibration"]["rtn_experts"] == report.rtn_experts
+    ck = read_quantized_checkpoint(str(out))
+    inter = model.config.moe_intermediate_size
+    for name in report.rtn_experts:  # RTN of the model's own float weights
+        i, e = int(name.split(".")[2]), int(name.split(".")[-1])
+        fused = model.model.layers[i].mlp.experts
+        for proj, w in (("gate_proj", fused.gate_up_proj[e, :inter]),
+                        ("up_proj", fused.gate_up_proj[e, inter:]),
+                        ("down_proj", fused.down_proj[e])):
+            got = ck.linear(f"{name}.{proj}")
+            assert got is not None
+            assert np.array_equal(got.dequantize(),
+                                  rtn(w.detach().numpy(), scheme).dequantize()), (name, proj)
+    chosen = [e for e in range(8) if f"model.layers.0.mlp.experts.{e}" not in report.rtn_experts]
+    assert chosen, "no expert of layer 0 was chosen"

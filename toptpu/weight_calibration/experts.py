@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from toptpu.weight_calibration.activations import LayerInputs
+from toptpu.weight_calibration.activations import LayerInputs, layer_inputs
 from toptpu.weight_calibration.gptq import HessianAccumulator, gptq, prepare_hessian
 from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, QuantScheme, rtn
 
@@ -133,13 +133,14 @@ def _accumulate(runner: LayerRunner, x: LayerInputs, experts: torch.nn.Module,
 
 
 @torch.no_grad()
-def calibrate_experts(runner: LayerRunner, x: LayerInputs, experts: torch.nn.Module,
+def calibrate_experts(runner: LayerRunner, x: torch.Tensor | LayerInputs, experts: torch.nn.Module,
                       scheme: QuantScheme, method: str = "gptq", *, act_order: bool = True,
                       percdamp: float = 0.01, block_size: int = 128, dtype: str = "float32",
                       hessian_bytes: int = 1 << 28, prefix: str = EXPERTS) -> ExpertsResult:
     """The routed `experts` of the layer `runner` runs quantized (module doc) by GPTQ
     (`method` "gptq", on the layer's inputs `x`) or rounded to nearest ("rtn");
     afterwards the fused parameters hold the dequantized weights."""
+    x = layer_inputs(x)
     n_exp, inter, hidden = expert_shapes(experts)
     if not experts_fit(experts, scheme):
         raise CalibrationError(f"{prefix}: experts of {inter} x {hidden} do not fit "
