@@ -26,8 +26,9 @@ writes and `frontends.quant` stacks back by expert).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -55,9 +56,16 @@ def fused_experts(layer: torch.nn.Module) -> torch.nn.Module | None:
     return experts
 
 
+def fused_parameter(experts: torch.nn.Module, name: str) -> torch.Tensor:
+    """The fused experts' `gate_up_proj` or `down_proj`."""
+    t = getattr(experts, name)
+    assert isinstance(t, torch.Tensor)
+    return t
+
+
 def expert_shapes(experts: torch.nn.Module) -> tuple[int, int, int]:
     """(experts, intermediate I, hidden H)."""
-    e, two_i, h = experts.gate_up_proj.shape
+    e, two_i, h = fused_parameter(experts, "gate_up_proj").shape
     return int(e), int(two_i) // 2, int(h)
 
 
@@ -99,8 +107,10 @@ def expert_intermediate(experts: torch.nn.Module, expert: int, x: torch.Tensor
                         ) -> torch.Tensor:
     """``act(x gate^T) * (x up^T)`` of `expert` on its rows `x` (down_proj's input), with
     the fused parameters as they are now."""
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
-    return experts.act_fn(gate) * up
+    gate_up = fused_parameter(experts, "gate_up_proj")[expert]
+    gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    act = cast(Callable[[torch.Tensor], torch.Tensor], experts.act_fn)
+    return act(gate) * up
 
 
 def _accumulate(runner: LayerRunner, x: LayerInputs, experts: torch.nn.Module,
@@ -147,8 +157,8 @@ def calibrate_experts(runner: LayerRunner, x: torch.Tensor | LayerInputs, expert
                                f"{scheme.bits}-bit groups of {scheme.group_length(hidden)} "
                                f"/ {scheme.group_length(inter)}")
     out = ExpertsResult(tokens=[0] * n_exp)
-    gate_up = experts.gate_up_proj.data
-    down_w = experts.down_proj.data
+    gate_up = fused_parameter(experts, "gate_up_proj").data
+    down_w = fused_parameter(experts, "down_proj").data
 
     def put(e: int, proj: str, qw: QuantizedWeights, loss: float | None) -> None:
         name = f"{prefix}.{e}.{proj}"

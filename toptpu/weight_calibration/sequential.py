@@ -58,6 +58,7 @@ from toptpu.weight_calibration.experts import (
     EXPERTS,
     ExpertsResult,
     calibrate_experts,
+    expert_shapes,
     experts_fit,
     fused_experts,
 )
@@ -538,7 +539,8 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                     experts = layer.get_submodule(plan.experts)
                     if not experts_fit(experts, scheme):
                         raise CalibrationError(
-                            f"layer {i}: its experts ({tuple(experts.down_proj.shape[1:])}) "
+                            f"layer {i}: its experts ({expert_shapes(experts)[1]} x "
+                            f"{expert_shapes(experts)[2]}) "
                             f"do not fit {scheme.bits}-bit groups of {scheme.group_size}; "
                             "choose a group size that divides the expert widths")
                     quantized.add(plan.experts)
