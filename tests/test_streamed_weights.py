@@ -90,6 +90,68 @@ def test_streamed_products_are_the_cached_ones_bit_for_bit(monkeypatch) -> None:
     assert list(cache.fused_ok.values()) == [False]
 
 
+def test_an_lm_head_over_the_cache_is_multiplied_a_block_of_rows_at_a_time(
+        tmp_path_factory, monkeypatch) -> None:  # noqa: ANN001
+    """A bf16 lm_head whose f32 form the cache does not keep (budget 0 here; a 14B model's
+    3.1 GB f32 lm_head over the 2.5 GiB cap) is converted and multiplied STREAM_ROWS rows of
+    the vocabulary at a time, never whole: the prompt's and the decode steps' logits are
+    those of the whole f32 form kept in an unbounded cache, bit for bit (several blocks
+    and the first check on a prefix of the vocabulary: CHECK_ROWS below its 384 rows)."""
+    monkeypatch.setattr(wc, "STREAM_ROWS", 16)
+    monkeypatch.setattr(wc, "CHECK_ROWS", 48)
+    path = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+    full = Runtime(MachineExecutor(path, weight_cache_bytes=1 << 40, stream_weights=False))
+    want = _logits(full)
+    assert full.ex.machine.cache.blocked == 0  # type: ignore[attr-defined]
+    ex = MachineExecutor(path, weight_cache_bytes=0, stream_weights=True)
+    small = Runtime(ex)
+    for _ in range(2):
+        got = _logits(small)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    cache = ex.machine.cache
+    assert cache.blocked > 0 and len(cache) == 0
+    checked = [v for k, v in cache.fused_ok.items() if k[0] == "f32w"]
+    assert checked and all(checked)  # a prompt's shape and a decode step's at least
+
+
+def test_blocked_float_products_are_the_whole_ones_and_refused_where_they_differ(
+        monkeypatch) -> None:  # noqa: ANN001
+    """`f32_rows_product`: a bf16 weight [N, K] not kept (no f32 form made whole) times
+    one row: `matmul(x, w, transpose_b=True)`'s f32 bytes, with a partial last block;
+    several rows: None (the caller's whole product); the first product of a shape is
+    checked (on the first CHECK_ROWS rows): a BLAS whose blocked products differ in a bit
+    gets None from then on."""
+    monkeypatch.setattr(wc, "STREAM_ROWS", 32)
+    monkeypatch.setattr(wc, "CHECK_ROWS", 96)
+    rng = np.random.default_rng(11)
+    w = K.to_bf16(rng.standard_normal((300, 128)).astype(np.float32))
+    cache = wc.WeightCache(0)
+    assert cache.f32_form("head", w) is None and cache.f32_form("head", w, keep=False) is None
+    for shape in ((1, 128), (1, 1, 128), (1, 128), (1, 1, 128)):
+        x = K.to_bf16(rng.standard_normal(shape).astype(np.float32))
+        want = K.matmul(x, w, transpose_b=True, out_dtype=np.float32)
+        got = cache.f32_rows_product(x, w)
+        assert got is not None and got.tobytes() == want.tobytes()
+    assert cache.blocked == 4 and cache.used == 0 and len(cache.fused_ok) == 2
+    x5 = K.to_bf16(rng.standard_normal((1, 5, 128)).astype(np.float32))
+    assert cache.f32_rows_product(x5, w) is None and cache.blocked == 4
+    roomy = wc.WeightCache(1 << 20)  # the f32 form fits: kept, as before
+    form = roomy.f32_form("head", w)
+    assert form is not None and form.tobytes() == K.f32(w).tobytes() and len(roomy) == 1
+    real = K.matmul_weight_rows
+
+    def bit_flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+        r = real(*args, **kw)
+        r.reshape(-1).view(np.uint32)[0] ^= 1
+        return r
+
+    monkeypatch.setattr(K, "matmul_weight_rows", bit_flipped)
+    cache = wc.WeightCache(0)
+    x = K.to_bf16(rng.standard_normal((1, 128)).astype(np.float32))
+    assert cache.f32_rows_product(x, w) is None and cache.f32_rows_product(x, w) is None
+    assert list(cache.fused_ok.values()) == [False] and cache.blocked == 0
+
+
 def test_release_drops_whole_pages_of_a_range_and_reads_stay_the_same(
         tmp_path_factory) -> None:
     path = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file

@@ -711,6 +711,23 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
     return np.add(acc, r, out=r)
 
 
+def matmul_weight_rows(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndarray:
+    """a @ f32(w).T in f32 without the bias, for a float weight `w` [N, K] (a bf16
+    lm_head) whose f32 form is never made whole: `block_rows` of its rows are converted at
+    a time (contiguous) and multiplied while in cache, each block's outputs written into
+    the result. Each output is the same dot product as in `matmul(a, w,
+    transpose_b=True)`'s one product (and `matmul_part`'s, `a` contiguous); whether a BLAS
+    gives it the same bits when it computes fewer outputs together depends on the BLAS,
+    so a caller checks it per shape (`WeightCache.f32_rows_product`)."""
+    fa = np.ascontiguousarray(f32(a))
+    n = w.shape[0]
+    r = np.empty((*fa.shape[:-1], n), np.float32)
+    for r0 in range(0, n, max(1, block_rows)):
+        block = np.ascontiguousarray(f32(w[r0:r0 + block_rows]))
+        r[..., r0:r0 + block.shape[0]] = _matmul(fa, block.T)
+    return r
+
+
 def matmul_finish(acc: np.ndarray, bias: np.ndarray | None, out_dtype: OutDType, like: np.ndarray
                   ) -> np.ndarray:
     """A matmul's result from its f32 sum over all of K (`matmul_part`): plus `bias`,

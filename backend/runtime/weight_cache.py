@@ -64,6 +64,9 @@ STREAM_ENV_VAR = "TOPTPU_STREAM_WEIGHTS"
 #: the rows of a weight kept in no form whose offsets a decode step's product makes at a
 #: time (a multiple of `kernels.matmul_offsets`' block: the same blocks as the whole's)
 STREAM_ROWS = 1024
+#: the first product of a shape made from a float weight's blocks of rows (`f32_rows_product`)
+#: is checked against one product over this many of the weight's first rows
+CHECK_ROWS = 4 * STREAM_ROWS
 #: products with weights kept as offsets expand them a block at a time (no whole f32
 #: weight) for inputs of at most this many rows: a decode step's
 FUSED_ROWS = 8
@@ -120,6 +123,8 @@ class WeightCache:
         #: whether `kernels.matmul_offsets` gives `matmul_dequantized`'s bits, by shape
         self.fused_ok: dict[tuple, bool] = {}
         self.streamed = 0  # decode products made from packed weights kept in no form
+        #: products with float weights whose f32 form is not kept, made a block at a time
+        self.blocked = 0
 
     def get(self, key: Hashable, make: Callable[[], np.ndarray],
             keep: bool = True) -> np.ndarray:
@@ -136,6 +141,47 @@ class WeightCache:
             self._make_room(hit.nbytes)
             self._keep(self._items, key, hit)
         return hit
+
+    def f32_form(self, key: Hashable, w: np.ndarray, keep: bool = True) -> np.ndarray | None:
+        """The f32 form of the float weight `w` under `key` (`kernels.f32`) where it is
+        kept, or where the budget keeps it (made and kept now, `get`); None where it would
+        not be kept (larger than the budget allows: a 14B model's bf16 lm_head, 3.1 GB in
+        f32; or `keep=False` and not kept): its products are then made a block of rows
+        at a time (`f32_rows_product`), never holding the whole f32 form."""
+        hit = self._items.get(key)
+        if hit is not None:
+            return hit
+        if keep and self._free() + self._givable >= 4 * w.size:
+            return self.get(key, lambda: np.ascontiguousarray(K.f32(w)))
+        return None
+
+    def f32_rows_product(self, x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
+        """x @ f32(w).T in f32 (no bias) for one row `x` (the lm_head net's: a decode
+        step's, or each row of `sequence_logits`) and a weight `w` [N, K] whose f32 form is
+        not kept: STREAM_ROWS rows converted at a time (`kernels.matmul_weight_rows`). The
+        first product of each shape is checked against one product over the first
+        CHECK_ROWS rows of the weight (the whole where it has no more; its whole f32 form
+        is what this avoids): None where the bits differ (`fused_ok` keeps the verdict),
+        for the caller to make the product whole as before. None too for an `x` of several
+        rows: this host's BLAS (OpenBLAS 0.3.31) gives such products other bits for
+        fewer output columns at small sizes (a one-row product's outputs were the same at
+        every size tried: vocabularies of 96-152064, widths 128-5120)."""
+        if not (x.flags.c_contiguous and w.ndim == 2 and math.prod(x.shape[:-1]) == 1):
+            return None
+        shape = ("f32w", x.shape, x.dtype.str, w.shape, w.dtype.str)
+        verdict = self.fused_ok.get(shape)
+        if verdict is False:
+            return None
+        if verdict is None:
+            p = min(w.shape[0], CHECK_ROWS)
+            head = w[:p]
+            one = K.matmul(x, K.f32(head), transpose_b=True, out_dtype=np.float32)
+            blocked = K.matmul_weight_rows(x, head, STREAM_ROWS)
+            self.fused_ok[shape] = ok = one.tobytes() == blocked.tobytes()
+            if not ok:
+                return None
+        self.blocked += 1
+        return K.matmul_weight_rows(x, w, STREAM_ROWS)
 
     def dequantized(self, key: Hashable, qweight: np.ndarray, scales: np.ndarray,
                     zeros: np.ndarray | None, bits: int, group_size: int,
