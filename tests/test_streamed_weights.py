@@ -73,14 +73,16 @@ def test_streamed_products_are_the_cached_ones_bit_for_bit(monkeypatch) -> None:
             got = cache.a16_product("w", x, q, s, zeros, 4, gs, b, None, mins=mins)
             assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
         assert cache.streamed == 3 and len(cache) == 0 and cache.used == 0
-    real = K.matmul_offsets
+    def bit_flipped(real):  # noqa: ANN001, ANN202
+        def flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+            r = real(*args, **kw).copy()
+            r.reshape(-1).view(np.uint32)[0] ^= 1 << 22  # (kept by the bf16 rounding)
+            return r
+        return flipped
 
-    def bit_flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
-        r = real(*args, **kw).copy()
-        r.reshape(-1).view(np.uint32)[0] ^= 1 << 22  # (kept by the bf16 rounding)
-        return r
-
-    monkeypatch.setattr(K, "matmul_offsets", bit_flipped)
+    # the blocked products from offsets and from packed bytes (the same blocks)
+    monkeypatch.setattr(K, "matmul_offsets", bit_flipped(K.matmul_offsets))
+    monkeypatch.setattr(K, "matmul_packed", bit_flipped(K.matmul_packed))
     cache = wc.WeightCache(0)
     for _ in range(3):
         x = K.to_bf16(rng.standard_normal((1, 1, k)).astype(np.float32))
@@ -88,6 +90,46 @@ def test_streamed_products_are_the_cached_ones_bit_for_bit(monkeypatch) -> None:
         assert cache.a16_product("w", x, q, s, z, 4, gs, None, None).tobytes() == \
             want.tobytes()
     assert list(cache.fused_ok.values()) == [False]
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_products_from_packed_bytes_are_matmul_offsets_bit_for_bit(gs: int) -> None:
+    """`kernels.matmul_packed` (each block's offsets made from the packed bytes in cache)
+    gives `matmul_offsets` of the weight's offsets byte for byte: zero points over the
+    whole int8-safe range (-112..127), the implied 8, mins instead; one row and several,
+    a partial last block, bias, an output dtype; None (the caller's offsets) where q - z
+    leaves int8."""
+    rng = np.random.default_rng(gs)
+    n, k = 203, 512
+    q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    s = (rng.standard_normal((n, k // gs)) * 1e-2).astype(K.BF16)
+    m = (rng.standard_normal((n, k // gs)) * 1e-1).astype(np.float16)
+    cases = [(rng.integers(0, 16, (n, k // gs), dtype=np.uint8), None),
+             (rng.integers(-112, 128, (n, k // gs)).astype(np.int32), None),
+             (None, None), (None, m)]
+    bias = np.linspace(-1, 1, n).astype(np.float32)
+    for zeros, mins in cases:
+        off = K.weight_offsets(q, zeros, 4, gs, mins is not None)
+        assert off.dtype == np.int8
+        for shape, b, out in (((1, k), None, None), ((1, 1, k), bias, np.float32),
+                              ((3, k), bias, None)):
+            x = K.to_bf16(rng.standard_normal(shape).astype(np.float32))
+            for rows in (64, 50):
+                want = K.matmul_offsets(x, off, s, gs, b, out, block_rows=rows, mins=mins)
+                got = K.matmul_packed(x, q, s, zeros, gs, b, out, block_rows=rows,
+                                      mins=mins)
+                assert got is not None and got.dtype == want.dtype
+                assert got.tobytes() == want.tobytes()
+    x = K.to_bf16(rng.standard_normal((1, k)).astype(np.float32))
+    for bad in (128, -113):
+        zeros = np.full((n, k // gs), 3, np.int32)
+        zeros[7, 0] = bad
+        assert K.matmul_packed(x, q, s, zeros, gs, None) is None
+        assert not wc.packed_int8(zeros)
+        cache = wc.WeightCache(0)  # streamed from offsets (int16) instead, same bytes
+        for _ in range(2):
+            got = cache.a16_product("w", x, q, s, zeros, 4, gs, None, None)
+            assert got.tobytes() == K.a16_matmul(x, q, s, zeros, None, 4, gs).tobytes()
 
 
 def test_an_lm_head_over_the_cache_is_multiplied_a_block_of_rows_at_a_time(

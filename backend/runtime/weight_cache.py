@@ -99,6 +99,14 @@ def default_budget(streaming: bool = False) -> int:
     return min(budget, STREAMING_CAP) if streaming else budget
 
 
+def packed_int8(zeros: np.ndarray | None) -> bool:
+    """Whether a 4-bit weight's offsets q - z are int8 for these zero points (None: the
+    implied 8, or 0 with mins): what `kernels.matmul_packed` takes."""
+    if zeros is None or zeros.size == 0:
+        return True
+    return -112 <= int(zeros.min()) and int(zeros.max()) <= 127
+
+
 def _rows(a: np.ndarray | None, start: int, end: int) -> np.ndarray | None:
     return None if a is None else a[start:end]
 
@@ -263,10 +271,14 @@ class WeightCache:
         bits differ is computed whole)."""
         self.streamed += 1
         n = qweight.shape[0]
-        first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS), bits,
-                                 group_size, mins is not None)
-        k = first.shape[1]
-        shape = (x.shape, (n, k), first.dtype.str, group_size, scales.dtype.str,
+        first: np.ndarray | None = None
+        if bits == 4 and packed_int8(zeros):
+            k, dtype = 2 * qweight.shape[-1], np.dtype(np.int8)  # weight_offsets' too
+        else:
+            first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
+                                     bits, group_size, mins is not None)
+            k, dtype = first.shape[1], first.dtype
+        shape = (x.shape, (n, k), dtype.str, group_size, scales.dtype.str,
                  None if mins is None else mins.dtype.str, None if bias is None else bias.shape)
         verdict = self.fused_ok.get(shape)
         if not verdict:
@@ -283,11 +295,20 @@ class WeightCache:
                               out_dtype, mins)
 
     @staticmethod
-    def _streamed(x: np.ndarray, first: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
-                  zeros: np.ndarray | None, bits: int, group_size: int,
+    def _streamed(x: np.ndarray, first: np.ndarray | None, qweight: np.ndarray,
+                  scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int,
                   bias: np.ndarray | None, out_dtype: np.dtype | None,
                   mins: np.ndarray | None) -> np.ndarray:
-        """`streamed_product`'s blocks, the first block's offsets `first` given."""
+        """`streamed_product`'s blocks: a 4-bit weight's from its packed bytes a block at a
+        time (`kernels.matmul_packed`: `matmul_offsets`' blocks and bits) where `first` is
+        None; else STREAM_ROWS rows' offsets at a time, the first block's `first`."""
+        if first is None:
+            got = K.matmul_packed(x, qweight, scales, zeros, group_size, bias, out_dtype,
+                                  mins=mins)
+            if got is not None:
+                return got
+            first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
+                                     bits, group_size, mins is not None)
         n = qweight.shape[0]
         out = np.empty((*x.shape[:-1], n), np.float32)
         for r0 in range(0, n, STREAM_ROWS):
