@@ -222,16 +222,16 @@ class OpStep(Step):
                                                           self.group_size, mins))
             acc = K.matmul_dequantized_part(acc, x, w)
         else:
+            blocked = None
             if self.special == "f32w":  # the part's weights upcast once (cached)
                 w = args[1]
                 form = self._f32_part(m, w)
-                blocked = None if form is not None or w is None else \
-                    self._rows_product(m, args[0], w)
-                if blocked is not None:  # (form None: not kept, too large for the cache)
-                    acc = blocked if acc is None else np.add(acc, blocked, out=blocked)
-                else:
-                    args = [args[0], K.f32(w) if form is None else form, *args[2:]]
-                    acc = reduction_part(self.op, args, acc, self.part)
+                if form is None and w is not None:  # not kept: too large for the cache
+                    blocked = self._rows_product(m, args[0], w)
+                    form = K.f32(w) if blocked is None else None
+                args = [args[0], form, *args[2:]]
+            if blocked is not None:
+                acc = blocked if acc is None else np.add(acc, blocked, out=blocked)
             else:
                 acc = reduction_part(self.op, args, acc, self.part)
         m.free(self.free)
@@ -297,8 +297,9 @@ class OpStep(Step):
             if form is None:
                 blocked = self._rows_product(m, args[0], w)
                 if blocked is not None:
-                    params = self.op.kernel_params()  # (a top.matmul: the lm_head)
-                    return [K.matmul_finish(blocked, args[2], params["out_dtype"], args[0])]
+                    x = args[0]
+                    assert x is not None  # (a blocked product's)
+                    return [K.matmul_finish(blocked, args[2], self.out_dtype, x)]
                 form = K.f32(w)  # the whole f32 form, not kept (as the cache decides)
             args = [args[0], form, *args[2:]]
         return self.fn(self.op, args, m.context)
@@ -309,8 +310,10 @@ class OpStep(Step):
         `top.matmul` with a transposed weight (the lm_head: [vocab, hidden]) whose f32 form
         the cache does not keep (`WeightCache.f32_rows_product`); None for another matmul
         or where the blocks' bits differ on this host."""
+        if x is None or not isinstance(self.op, ShapedOp):
+            return None
         params = self.op.kernel_params()
-        if x is None or params.get("transpose_a") or not params.get("transpose_b"):
+        if params.get("transpose_a") or not params.get("transpose_b"):
             return None
         return m.cache.f32_rows_product(x, w)
 
