@@ -28,8 +28,12 @@ f32 forms the same way. A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
 form to memory (about 2x faster), once that was found bit-identical for the shape. A
 decode step's product with a weight kept in no form (the budget is full) is made the same
-way from the packed bytes, STREAM_ROWS rows' offsets at a time (`streamed_product`: the
-same blocks, so the same bits), never holding the weight's offsets or f32 form whole.
+way from the packed bytes (`streamed_product`: a 4-bit weight's offsets made a block at a
+time in cache, `kernels.matmul_packed`; others' STREAM_ROWS rows' offsets at a time: the
+same blocks, so the same bits), never holding the weight's offsets or f32 form whole. A
+float weight whose f32 form does not fit (`f32_form`: a 14B model's bf16 lm_head, 3.1 GB
+in f32) is multiplied by one row STREAM_ROWS of its rows at a time, each block converted
+in cache (`f32_rows_product`, checked per shape), never converted whole.
 
 Weight pages: an executor whose weight blob is larger than STREAM_ABOVE releases the mapped
 pages of the weights each run read once it is done (TOPTPU_STREAM_WEIGHTS=auto|on|off;
