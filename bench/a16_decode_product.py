@@ -20,7 +20,13 @@ clock measures the share of a core the process got) and wall seconds, the best o
 sums over 512 MB of float32 (far beyond any cache), timed both ways, before and after.
 `x28` is a 7B decode step's layers (the lm_head and attention not included).
 
-Run: python bench/a16_decode_product.py [--repeat 3]
+`--lm-head`: the lm_head's one-row product at Qwen2.5-14B's widths (152064 × 5120, bf16)
+as the machine made it before when its f32 form does not fit the weight cache (the whole
+f32 form, 3.1 GB, converted for the product) and now (`kernels.matmul_weight_rows`: 1024
+rows converted at a time), their bytes compared (the machine checks a prefix of the rows
+at run time; this checks the whole), CPU and wall seconds; it needs ~5 GB.
+
+Run: python bench/a16_decode_product.py [--repeat 3] [--lm-head]
 """
 
 from __future__ import annotations
@@ -92,10 +98,44 @@ def bandwidth() -> tuple[float, float]:
     return a.nbytes / cpu, a.nbytes / wall
 
 
+def lm_head(repeat: int) -> None:
+    """The 14B lm_head's one-row product: whole f32 form vs 1024 rows at a time."""
+    vocab, hidden, block = 152064, 5120, 1024
+    rng = np.random.default_rng(1)
+    w = np.empty((vocab, hidden), K.BF16)
+    for r0 in range(0, vocab, 8192):  # drawn in blocks: no f32 copy of the whole
+        w[r0:r0 + 8192] = K.to_bf16(
+            rng.standard_normal((min(8192, vocab - r0), hidden)).astype(np.float32) * 0.02)
+    x = K.to_bf16(rng.standard_normal((1, hidden)).astype(np.float32))
+    times: dict[str, tuple[float, float]] = {}
+    results: dict[str, np.ndarray] = {}
+    for _ in range(repeat):
+        for name, fn in (("whole f32 form (before)", lambda: K.matmul(
+                x, K.f32(w), transpose_b=True, out_dtype=np.float32)),
+                         ("1024 rows at a time (now)",
+                          lambda: K.matmul_weight_rows(x, w, block))):
+            c, t = time.process_time(), time.perf_counter()
+            results[name] = fn()
+            cpu, wall = time.process_time() - c, time.perf_counter() - t
+            old = times.get(name, (float("inf"), float("inf")))
+            times[name] = (min(old[0], cpu), min(old[1], wall))
+    a, b = results.values()
+    print(f"lm_head {vocab} x {hidden} bf16 ({w.nbytes / 1e9:.2f} GB; f32 form "
+          f"{4 * w.size / 1e9:.2f} GB), one row, best of {repeat}: bytes equal "
+          f"{a.tobytes() == b.tobytes()}")
+    for name, (cpu, wall) in times.items():
+        print(f"  {name:28s} {cpu:7.2f} s CPU {wall:7.2f} s wall")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--lm-head", action="store_true",
+                    help="the 14B lm_head's product, whole f32 form vs blocked (~5 GB)")
     args = ap.parse_args()
+    if args.lm_head:
+        lm_head(args.repeat)
+        return
     rng = np.random.default_rng(0)
     x = K.to_bf16(rng.standard_normal((1, HIDDEN)).astype(np.float32))
     xs: dict[int, np.ndarray] = {HIDDEN: x, MLP: K.to_bf16(
