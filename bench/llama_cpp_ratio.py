@@ -10,11 +10,12 @@ blocks kept, as `docs/gguf.md` says). For each repeat, alternately:
   its decode tok/s (the tokens after the first) and its TTFT;
 - llama.cpp: the same ids through `llama-cpp-python` (`Llama(n_threads=1,
   n_threads_batch=1)`, greedy by the logits' argmax, one token a call to `eval`), in a fresh
-  process of the Python given by `--llama-cpp-python` (`logits_all=True`: llama-cpp-python
-  0.3 fills `scores` only so; it makes llama.cpp's prompt compute the lm_head for every prompt
-  row, its TTFT slightly pessimistic; a decode step has one row either way) (llama.cpp is not a dependency of
+  process of the Python given by `--llama-cpp-python` (llama.cpp is not a dependency of
   toptpu: install it in another environment, e.g. `python3 -m venv /opt/lcp &&
   /opt/lcp/bin/pip install llama-cpp-python`); its decode tok/s and prompt time.
+  `logits_all=True`: llama-cpp-python 0.3 fills `scores` only so; it makes llama.cpp's
+  prompt compute the lm_head for every prompt row (its TTFT slightly pessimistic); a decode
+  step has one row either way.
 
 Medians over the repeats; the ratio is ours / llama.cpp (decode: higher is better). The
 greedy tokens of both are printed with how many agree: llama.cpp multiplies Q4_1 blocks by
@@ -127,7 +128,8 @@ def main() -> None:
     print("party       decode tok/s   TTFT s")
     print(f"toptpu      {med(ours, 'tokens_per_s'):12.2f} {med(ours, 'ttft_s'):8.3f}")
     print(f"llama.cpp   {med(theirs, 'tokens_per_s'):12.2f} {med(theirs, 'ttft_s'):8.3f}")
-    print(f"ratio toptpu / llama.cpp: decode {med(ours, 'tokens_per_s') / med(theirs, 'tokens_per_s'):.2f}x, "
+    decode = med(ours, "tokens_per_s") / med(theirs, "tokens_per_s")
+    print(f"ratio toptpu / llama.cpp: decode {decode:.2f}x, "
           f"TTFT {med(ours, 'ttft_s') / med(theirs, 'ttft_s'):.2f}x")
     print(f"greedy tokens: the first {agree} of {len(a)} agree")
 
