@@ -582,10 +582,18 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
     if request.parallel is Parallel.TP and LINEAR_ATTENTION in arch.layer_types:
         raise CompileError(f"{flag}: {loaded.source} has linear-attention layers, which "
                            "toptpu does not cut over devices yet; use --parallel pp")
-    if request.parallel is Parallel.TP and any(is_moe_block(getattr(layer, "mlp", None))
-                                               for layer in loaded.model.model.layers[:1]):
+    moe = any(is_moe_block(getattr(layer, "mlp", None)) for layer in loaded.model.model.layers)
+    if request.parallel is Parallel.TP and moe:
         raise CompileError(f"{flag}: {loaded.source} is a mixture of experts, whose "
-                           "experts toptpu does not cut over devices yet; use --parallel pp")
+                           "experts toptpu does not cut over devices by tensor parallelism; "
+                           "use --parallel ep or pp")
+    if request.parallel is Parallel.EP and not moe:
+        raise CompileError(f"{flag}: {loaded.source} has no mixture-of-experts layers to "
+                           "spread expert by expert; use --parallel tp or pp")
+    if request.parallel is Parallel.EP and loaded.checkpoint is not None:
+        raise CompileError(f"{flag}: {loaded.source} is a pre-quantized checkpoint, whose "
+                           "packed expert integers toptpu does not cut over devices yet; use "
+                           "--parallel pp")
 
 
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
@@ -892,6 +900,9 @@ def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
         return Placement(Parallel.TP, [range(layers)] * n,
                          [tuple(names) if d == 0 else tuple(per_layer + heads)
                           for d in range(n)])
+    if plan.request.parallel is Parallel.EP:  # the embeddings and heads whole on device 0
+        return Placement(Parallel.EP, [range(layers)] * n,
+                         [tuple(names) if d == 0 else tuple(per_layer) for d in range(n)])
     chip = plan.chip
 
     def seconds(net: str) -> float:
@@ -931,7 +942,7 @@ class DeviceWeights:
             for offset, data in p.shared_pieces():
                 yield p.layout.section, offset, data
         for layer in range(self.plan.num_layers):
-            if self.placement.strategy is Parallel.TP:
+            if self.placement.strategy in (Parallel.TP, Parallel.EP):
                 yield from self._tp_layer(layer)
                 continue
             (p,) = [p for p in self.devices if p.layers is not None and layer in p.layers]
