@@ -535,6 +535,9 @@ class _ExpertSharder(_Sharder):
         where = op_name(op) or op.name
         if e % n:
             raise ShardingError(f"{where}: {e} experts do not divide among {n} devices")
+        if op.top_k > e // n:
+            raise ShardingError(f"{where}: a token's {op.top_k} experts exceed the {e // n} "
+                                f"each of {n} devices would hold")
         stacked = [producer(v, top.WeightOp) for v in (op.gate, op.up, op.down)]
         if any(w is None for w in stacked):
             raise ShardingError(f"{where}: its experts are not weights (top.weight) to cut "

@@ -154,6 +154,13 @@ def check_expert_parallel_config(cfg: dict[str, Any], where: str, devices: int) 
         raise CompileError(f"{flag}: {key} {experts} of {where} does not divide among "
                            f"{devices} devices; use --devices "
                            f"{' or '.join(map(str, fits))}, or --parallel pp")
+    k = _positive(cfg, "num_experts_per_tok")
+    if k is not None and k > experts // devices:
+        most = max((n for n in range(2, experts // k + 1) if experts % n == 0), default=None)
+        use = f"--devices {most} or fewer" if most is not None else "--parallel pp"
+        raise CompileError(f"{flag}: num_experts_per_tok {k} of {where} exceeds the "
+                           f"{experts // devices} experts a device would hold (the experts op "
+                           f"takes k up to its experts); use {use}")
 
 
 def _check_calibration(model: Any, request: CompileRequest,
