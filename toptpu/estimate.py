@@ -449,9 +449,10 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
     """Each device's layers, weight blob, KV cache and linear-attention state, as
     a multi-device compile lays them out (`toptpu.compiler.place`): tp, every layer's
     pieces on every device, the embedding on device 0; ep, every layer on every device
-    with its share of the experts, the embeddings and heads on device 0; pp, contiguous layers balanced by
-    each layer's decode net's time, the embeddings on the first device, the lm_head and
-    heads on the last, each stage the per-layer nets of its layers' kinds only."""
+    with its share of the experts, the embeddings and heads on device 0; pp, contiguous
+    layers balanced by each layer's decode net's time, the embeddings on the first device,
+    the lm_head and heads on the last, each stage the per-layer nets of its layers' kinds
+    only."""
     layers = shape.num_layers
 
     def cache(layer: int, names: Sequence[str]) -> int:
