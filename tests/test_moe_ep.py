@@ -228,3 +228,49 @@ def test_a_weight_only_mode_under_ep(tmp_path_factory) -> None:
     ids = one.encode(LONG_PROMPT)
     assert two.generate(ids, 32, stop_on_eos=False).generated_ids == \
         one.generate(ids, 32, stop_on_eos=False).generated_ids
+
+
+@pytest.mark.slow
+def test_estimate_charges_the_all_reduce_and_each_chips_own_experts(tmp_path_factory
+                                                                     ) -> None:
+    """`toptpu estimate --parallel ep` (the nets compiled as the compile cuts them): the
+    decode net of a layer holds one all-reduce of the token's [1, H] over the devices on the
+    link, a decode step is charged the link's time for it in every layer plus the hidden
+    state's sends from device 0, a device's decode net fetches its expected share of the
+    k experts (k / N of them), and device 1 holds its 1/N of the experts and no
+    embeddings."""
+    from toptpu.backend.runtime.accounting import Costs
+    from toptpu.backend.target.chips import get_chip
+    from toptpu.backend.target.link import LinkWork, collective_seconds
+    from toptpu.estimate import compile_costs, estimate
+    from toptpu.frontends.hf_loader import read_config
+    from toptpu.request import CompileRequest
+
+    config, raw = read_config(_moe_dir(tmp_path_factory, "qwen3_moe"))
+    chip = get_chip("bm1684x")
+    nets = ("embedding", "embedding_cache", "block", "block_cache", "lm_head",
+            "greedy_head")
+
+    def costs(devices: int):
+        req = CompileRequest.make(mode="f32", seq_length=64, max_input_length=16,
+                                  devices=devices, parallel=None if devices == 1 else "ep")
+        return compile_costs(config, req, nets=nets)
+
+    one, two = costs(1), costs(2)
+    h = raw["hidden_size"]
+    links = [c for c in two.commands["block_cache"] if c.link is not None]
+    assert [(c.link, c.nbytes) for c in links] == [(("all_reduce", "tree", 2), h * 4)]
+    assert not any(c.link for c in one.commands["block_cache"])
+    per_token: Costs = estimate(two, chip, 16).per_token
+    layers = raw["num_hidden_layers"]
+    reduce = collective_seconds(chip, LinkWork("all_reduce", "tree", 2, h * 4))
+    send = collective_seconds(chip, LinkWork("send", "tree", 2, h * 4))
+    assert per_token.link_s == pytest.approx(layers * reduce + send, rel=1e-9)
+    expert = 3 * raw["moe_intermediate_size"] * h * 4  # gate, up and down of one, f32
+    k = raw["num_experts_per_tok"]
+    fetched = sum(c.nbytes for c in two.commands["block_cache"] if c.dma) \
+        - sum(c.nbytes for c in one.commands["block_cache"] if c.dma)
+    assert fetched == pytest.approx(-k * expert / 2, rel=1e-6)
+    w0, w1 = two.device_weight_bytes
+    assert w0 - w1 > 2 * raw["vocab_size"] * h * 4 * 0.99  # the embeddings and lm_head
+    assert one.weight_bytes - w0 == pytest.approx(layers * EXPERTS // 2 * expert, rel=1e-3)
