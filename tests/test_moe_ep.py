@@ -270,7 +270,8 @@ def test_estimate_charges_the_all_reduce_and_each_chips_own_experts(tmp_path_fac
     k = raw["num_experts_per_tok"]
     fetched = sum(c.nbytes for c in two.commands["block_cache"] if c.dma) \
         - sum(c.nbytes for c in one.commands["block_cache"] if c.dma)
-    assert fetched == pytest.approx(-k * expert / 2, rel=1e-6)
+    # (k / 2 experts fewer; the local indices' few bytes more)
+    assert fetched == pytest.approx(-k * expert / 2, abs=0.05 * expert)
     w0, w1 = two.device_weight_bytes
     assert w0 - w1 > 2 * raw["vocab_size"] * h * 4 * 0.99  # the embeddings and lm_head
     assert one.weight_bytes - w0 == pytest.approx(layers * EXPERTS // 2 * expert, rel=1e-3)
