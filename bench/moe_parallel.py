@@ -72,7 +72,7 @@ def executed(experts: int, devices: int, tokens: int, work: str) -> None:
         rec = rt.start_trace()
         res = rt.generate(ids, tokens, stop_on_eos=False)
         assert res.modelled_tokens_per_s is not None and res.modelled_breakdown is not None
-        per = res.modelled_breakdown["per_token"]
+        per = res.modelled_breakdown["per_decoded_token"]
         last = [r for r in rec.runs if r.net.startswith("block_cache")][-2:]  # 2 layers
         moved = sum(r.timeline.dma_bytes for r in last) / 1e6
         print(f"| {strategy} | {n} | {1e3 / res.modelled_tokens_per_s:.2f} "
