@@ -145,6 +145,8 @@ def check_expert_parallel_config(cfg: dict[str, Any], where: str, devices: int) 
     devices (each device holds E / N of every layer's experts)."""
     flag = f"--devices {devices} --parallel ep"
     key = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
+    if key is None and "model_type" not in cfg:
+        return  # a GGUF's metadata read so far: the loaded model is checked (compiler)
     if key is None:
         raise CompileError(f"{flag}: {where} has no mixture-of-experts layers to spread "
                            "expert by expert; use --parallel tp or pp")
