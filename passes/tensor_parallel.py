@@ -71,6 +71,7 @@ from toptpu.backend.target.cost import nbytes
 from toptpu.backend.target.link import best_algorithm
 from toptpu.dialects import dev, top
 from toptpu.dialects.common import (
+    ComparePredicate,
     ShapedOp,
     elem_of,
     i32,
@@ -523,8 +524,8 @@ class _ExpertSharder(_Sharder):
     """Cuts a function's experts over the devices (see the module doc), nothing else."""
 
     def run(self) -> None:
-        for op in [o for o in self.fn.body.block.ops if isinstance(o, top.MoeExpertsOp)]:
-            self.experts(op)
+        for experts in [o for o in self.fn.body.block.ops if isinstance(o, top.MoeExpertsOp)]:
+            self.experts(experts)
         for op in list(self.fn.body.block.ops):  # the whole experts the shards replaced
             if op.results and weight_name(op.results[0]) is not None \
                     and not op.results[0].uses:
@@ -553,7 +554,7 @@ class _ExpertSharder(_Sharder):
                                 "router's i32")
         const = {v: top.ConstantOp(np.array([v], np.int32)) for v in (per, -1)}
         rel = top.SubOp.build([op.indices, first])
-        mine = top.CompareOp(rel.results[0], const[per].output, "lt")
+        mine = top.CompareOp(rel.results[0], const[per].output, ComparePredicate.LT)
         kept = top.WhereOp(mine.output, rel.results[0], const[-1].output)
         local = top.ClampOp(kept.output, min=-1)
         name = f"{where}.local_indices"
