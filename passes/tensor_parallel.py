@@ -543,30 +543,27 @@ class _ExpertSharder(_Sharder):
         if any(w is None for w in stacked):
             raise ShardingError(f"{where}: its experts are not weights (top.weight) to cut "
                                 "over the devices")
+        if elem_of(op.indices) != i32:
+            raise ShardingError(f"{where}: its indices are {elem_of(op.indices)}, not the "
+                                "router's i32")
         gate, up, down = (self.shard_weight(w, Split(0, n), op) for w in stacked if w)
         per = e // n
         base = offsets_name(per, n)
         self.store[base] = np.arange(n, dtype=np.int32) * per
         first = self.new_weight(shard_name(base, Split(0, n)), (1,), i32, op,
                                 take_piece(self.store[base], Split(0, n), 0, n))
-        if elem_of(op.indices) != i32:
-            raise ShardingError(f"{where}: its indices are {elem_of(op.indices)}, not the "
-                                "router's i32")
         const = {v: top.ConstantOp(np.array([v], np.int32)) for v in (per, -1)}
         rel = top.SubOp.build([op.indices, first])
         mine = top.CompareOp(rel.results[0], const[per].output, ComparePredicate.LT)
         kept = top.WhereOp(mine.output, rel.results[0], const[-1].output)
         local = top.ClampOp(kept.output, min=-1)
         name = f"{where}.local_indices"
-        for o, label in ((const[per], "experts_per_device"), (const[-1], "nowhere"),
-                         (rel, "relative"), (mine, "held"), (kept, "held_or_nowhere"),
-                         (local, "")):
-            set_name(o, name if not label else f"{name}.{label}", like=op)
         first.name_hint = "first_expert"
-        for o, hint in ((const[per], "experts_per_device"), (const[-1], "nowhere"),
-                        (rel, "relative_indices"), (mine, "held"), (kept, "held_or_nowhere"),
-                        (local, "local_indices")):
-            o.results[0].name_hint = hint
+        for o, label in ((const[per], "experts_per_device"), (const[-1], "nowhere"),
+                         (rel, "relative_indices"), (mine, "held"),
+                         (kept, "held_or_nowhere"), (local, "")):
+            set_name(o, f"{name}.{label}" if label else name, like=op)
+            o.results[0].name_hint = label or "local_indices"
         self.rewriter.insert_op([*const.values(), rel, mine, kept, local],
                                 InsertPoint.before(op))
         new = type(op)(op.x, gate, up, down, op.weights, local.output)

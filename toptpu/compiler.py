@@ -341,8 +341,8 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     A GGUF file (or a directory holding one, `frontends.gguf_loader`) compiles from its
     F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
     compiles in that mode. `devices` > 1 spreads the model over that many chips,
-    `parallel` "tp" (tensor parallel, the default) or "pp" (pipeline parallel): see
-    `toptpu.devices`. Every device's weights and KV cache must fit its memory
+    `parallel` "tp" (tensor parallel, the default), "pp" (pipeline parallel) or "ep"
+    (expert parallel, a mixture of experts): see `toptpu.devices`. Every device's weights and KV cache must fit its memory
     (`Chip.ddr_bytes`): a model that does not is refused with the device count it needs.
     """
     t0 = time.perf_counter()
@@ -568,7 +568,8 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
                          ) -> None:
     """What a multi-device compile cannot take yet: a vision-language model; for tensor
     parallelism a pre-quantized checkpoint (its packed integers are not cut yet),
-    linear-attention layers and mixture-of-experts layers."""
+    linear-attention layers and mixture-of-experts layers; for expert parallelism a model
+    without experts and a pre-quantized checkpoint."""
     if request.parallel is None:
         return
     flag = f"--devices {request.devices} --parallel {request.parallel}"
