@@ -342,8 +342,9 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
     compiles in that mode. `devices` > 1 spreads the model over that many chips,
     `parallel` "tp" (tensor parallel, the default), "pp" (pipeline parallel) or "ep"
-    (expert parallel, a mixture of experts): see `toptpu.devices`. Every device's weights and KV cache must fit its memory
-    (`Chip.ddr_bytes`): a model that does not is refused with the device count it needs.
+    (expert parallel, a mixture of experts): see `toptpu.devices`. Every device's weights
+    and KV cache must fit its memory (`Chip.ddr_bytes`): a model that does not is refused
+    with the device count it needs.
     """
     t0 = time.perf_counter()
     request = check_compile_request(model, output, request, **keywords)
