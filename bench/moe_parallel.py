@@ -59,7 +59,8 @@ def executed(experts: int, devices: int, tokens: int, work: str) -> None:
           "last decode step's 2 layer nets moved (the slowest chip's) | compile s |")
     print("|---|---|---|---|---|---|")
     ids = list(range(3, 23))
-    for strategy, n in (("one", 1), ("pp", devices), ("ep", devices)):
+    # (pp over at most the file's 2 layers)
+    for strategy, n in (("one", 1), ("pp", min(devices, 2)), ("ep", devices)):
         path = os.path.join(work, f"q30-e{experts}-{strategy}{n}.toptpu")
         t = time.perf_counter()
         if not os.path.exists(path):
