@@ -566,7 +566,7 @@ def test_tensor_parallel_is_refused_for_experts(tmp_path_factory) -> None:
     model_dir = _saved(tmp_path_factory, "qwen3_moe")
     out = os.path.join(shared_dir(tmp_path_factory), "never-written.toptpu")
     with pytest.raises(CompileError, match="is a mixture of experts, whose experts toptpu "
-                       "does not cut over devices yet; use --parallel pp"):
+                       "does not cut over devices by tensor parallelism; use --parallel ep or pp"):
         compile_model(model_dir, out, mode="f32", seq_length=64, max_input_length=16,
                       progress=None, devices=2, parallel="tp")
     assert not os.path.exists(out)
