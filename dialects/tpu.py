@@ -682,6 +682,13 @@ class A16MoeExpertsOp(TpuOp):
     def heads_result_axes(self) -> tuple[int, ...]:
         return (1,)
 
+    def fetched_by_index(self) -> dict[int, int]:
+        """Every stacked weight operand (the integers, scales, zero points and mins of gate,
+        up and down; flat positions 1 .. n-3) is read only at the experts the indices (the
+        last operand) name, as `top.moe_experts`'s."""
+        n = len(self.operands)
+        return {p: n - 1 for p in range(1, n - 2)}
+
     def reduction_sliceable(self) -> bool:
         return True
 
