@@ -269,6 +269,25 @@ def _stacked_expert_loads(program) -> tuple[list, dict[str, int]]:
     return loads, one
 
 
+def _experts_fetched_by_index(rt, fields: set[str]) -> None:
+    """In every text net of the machine runtime `rt`'s model file, each load of a stacked
+    expert tensor is an indexed load, the tensors' `fields` (qweight, scales, zeros,
+    mins) all among them; a decode step (`block_cache`) is modelled to move k of the E
+    experts of each."""
+    from toptpu.backend.formats.commands import Load
+
+    for net in ("block", "block_kv", "block_cache"):
+        program = rt.ex.program(net)
+        loads, _ = _stacked_expert_loads(program)
+        assert loads and all(c.index is not None for c in loads), net
+        assert {str(c.tensor.name).rsplit(".", 1)[1] for c in loads} == fields, net
+        if net == "block_cache":
+            (k,) = {c.index.shape[-1] for c in loads if isinstance(c, Load) and c.index}
+            (e,) = {c.shape[0] for c in loads}
+            modelled, every = program.indexed_bytes()
+            assert modelled * e == every * k, (modelled, every)
+
+
 @pytest.mark.parametrize("mode", ["w8f16", "w4bf16"])
 def test_a_decode_step_fetches_the_selected_quantized_experts_only(mode: str) -> None:
     """A decode step (one token) of the quantized experts: every stacked tensor's load (the
@@ -425,6 +444,7 @@ def test_tokens_equal_transformers_on_the_quantized_weights(tmp_path_factory, fa
                               do_sample=False)[0, len(ids):].tolist()
     got = rt.generate(ids, 32).generated_ids
     assert got == want
+    _experts_fetched_by_index(rt, {"qweight", "scales"} | ({"zeros"} if bits == 4 else set()))
     interp = Runtime.open(path, "interpreter")
     a, b = rt.prompt_logits(ids), interp.prompt_logits(ids)
     assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -536,6 +556,7 @@ def test_autoround_moe_checkpoint(tmp_path_factory, autoround_moe: dict, family:
                       progress=None)
         rt = Runtime.open(path, "machine")
         assert rt.generate(ids, 16, stop_on_eos=False).generated_ids == want_tokens, mode
+        _experts_fetched_by_index(rt, {"qweight", "scales", "zeros"})
         logits = rt.prompt_logits(ids)
         got = np.asarray(logits, np.float32).reshape(-1)
         assert similarity(got, want_logits).cosine >= 0.99, mode
@@ -623,6 +644,8 @@ def test_gguf_moe_file(tmp_path, family: str, qtype: str, mode: str) -> None:
     compile_model(d, path, mode=mode, seq_length=160, max_input_length=16, progress=None)
     rt = Runtime.open(path, "machine")
     assert rt.generate(ids, 16, stop_on_eos=False).generated_ids == want
+    # the file's zero points (Q8_0's 128, Q4_0's 8, Q5_0's 16) or Q4_1's mins
+    _experts_fetched_by_index(rt, {"qweight", "scales", "mins" if qtype == "Q4_1" else "zeros"})
     a = rt.prompt_logits(ids)
     b = Runtime.open(path, "interpreter").prompt_logits(ids)
     assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -654,8 +677,8 @@ def test_published_widths_w4f32_tokens_equal_transformers_on_the_dequantized_wei
         tmp_path_factory) -> None:
     """Qwen3-30B-A3B's widths (16 of its 128 experts of 768, top-8, 2 layers): the w4
     experts (group 64) do not fit local memory, layer-group cuts their intermediate axis
-    in reduction parts of whole groups; 32 greedy tokens on the machine equal
-    transformers' on the dequantized weights."""
+    in reduction parts of whole groups, each part's loads fetched by index; 32 greedy
+    tokens on the machine equal transformers' on the dequantized weights."""
     from filelock import FileLock
     from test_moe import _real_dir
 
@@ -669,6 +692,7 @@ def test_published_widths_w4f32_tokens_equal_transformers_on_the_dequantized_wei
             compile_model(model_dir, path, mode="w4f32", seq_length=160, max_input_length=16,
                           progress=None)
     rt = Runtime.open(path, "machine")
+    _experts_fetched_by_index(rt, {"qweight", "scales", "zeros"})
     ids = rt.encode(LONG_PROMPT)
     got = rt.generate(ids, 32, stop_on_eos=False).generated_ids
     model = _fake_quantized(model_dir, 4, 64)
