@@ -134,6 +134,26 @@ def test_kernel_in_parts_of_the_intermediate_axis() -> None:
                                atol=1e-6)
 
 
+def test_kernel_in_parts_with_a_per_channel_down() -> None:
+    """8 bits per channel (one group over all of I for down): each part of I takes down's
+    columns and its whole scales (every part shares a channel's scale, one group of I /
+    parts: `sliced_attributes`); the parts add up to the whole op."""
+    parts, _, groups = _stacked(8, -1, True, 0)
+    assert parts[2][1].shape == (E, H, 1) and groups[2] == I
+    x, w, idx = _routing(1)
+    whole = K.a16_moe_experts(x, *[a for p in parts for a in p], w, idx, bits=(8, 8, 8),
+                              group_sizes=groups)
+    acc = None
+    for lo, hi in ((0, 16), (16, 32)):
+        cut = [(q[:, lo:hi], s[:, lo:hi], None, None) for q, s, _, _ in parts[:2]]
+        cut.append((parts[2][0][:, :, lo:hi], parts[2][1], None, None))
+        acc = K.a16_moe_experts_part(acc, x, *[a for p in cut for a in p], w, idx,
+                                     bits=(8, 8, 8), group_sizes=(*groups[:2], hi - lo))
+    assert acc is not None
+    np.testing.assert_allclose(K.moe_experts_finish(acc, np.float32), whole, rtol=1e-5,
+                               atol=1e-6)
+
+
 # --------------------------------------------------------------------------- the op
 
 
@@ -164,7 +184,7 @@ def test_op_shapes_flops_and_reduction_count() -> None:
     assert op.flops() == T * TOP_K * (2 * H * 2 * I + 2 * I * H + 6 * I + 2 * H)
     assert op.reduction_count() == I // 16
     assert op.row_rule(0) is not None
-    assert len(op.reduction_operand_axes()) == len(op.operands)
+    assert op.reduction_operand_axes() == (None, 1, 1, 1, 1, 1, 1, 2, 2, 2, None, None)
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -321,7 +341,7 @@ def test_a_decode_step_fetches_the_selected_quantized_experts_only(mode: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,group", [("w4bf16", 64), ("w4f32", 64)])
+@pytest.mark.parametrize("mode,group", [("w4bf16", 64), ("w4f32", 64), ("w8bf16", -1)])
 def test_published_widths_in_reduction_parts_fetch_the_selected_experts(
         monkeypatch, mode: str, group: int) -> None:
     """Qwen3-30B-A3B's widths (H 2048, 16 experts of 768, top-8) quantized: the experts
@@ -329,9 +349,11 @@ def test_published_widths_in_reduction_parts_fetch_the_selected_experts(
     stacked tensor: gate's and up's rows, down's packed columns and groups). A decode
     step's parts are indexed loads reading, over the parts, each chosen expert's bytes of
     every tensor once: k / E of what moving every expert would (w4bf16 g64: 20.6 of
-    41.3 MB). The indexed load changes no bit: the machine's result equals that of the
-    same block compiled with its experts loaded whole; the parts sum I in another order
-    than the interpreter's whole op, so that one agrees to f32 rounding."""
+    41.3 MB). At 8 bits per channel, down's scales (one group over I) are whole in every
+    part, each part's loads fetched by index. The indexed load changes no bit: the
+    machine's result equals that of the same block compiled with its experts loaded
+    whole; the parts sum I in another order than the interpreter's whole op, so that one
+    agrees to f32 rounding."""
     from test_moe import _fetch_run
 
     from toptpu.frontends.tiny_models import tiny_model
