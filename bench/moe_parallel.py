@@ -1,59 +1,140 @@
-"""Modelled decode time of a token of a MoE model over several BM1684X: one chip, pipeline
-parallel and expert parallel (`toptpu.expert_parallel`: attention and router replicated,
-E/N experts a chip, the [1, H] partial sums all-reduced after every layer's experts), from
-the model's widths alone (bf16 weights; a decode step is bound by the weight bytes each chip
-reads from DDR, plus the link's collectives).
+"""A MoE's decode over several BM1684X: one chip, pipeline parallel (`--parallel pp`) and
+expert parallel (`--parallel ep`), from compiled nets — no second model of the step.
 
-Two cases: every expert a chip holds moves each step (today's machine: no indexed fetch),
-and only the chosen ones (the indexed fetch; a chip's share of the k choices spread evenly).
+1. **The compiled file, executed.** A Qwen3-30B-A3B-shaped model (`tiny_models.
+   qwen3_moe_real_config`: hidden 2048, 32/4 heads of 128, experts of 768, top-8; its 128
+   experts cut to `--experts`, 48 layers to 2, the vocabulary to the tiny tokenizer's) is
+   saved, compiled in bf16 for one chip, pp over N and ep over N, and each file generates
+   `--tokens` greedy tokens on the device-group executor (one reference machine per chip).
+   Printed: the modelled decode ms/token (the step accounting over the machines' timelines:
+   under ep a layer's net takes its slowest chip's time, timed with the experts its loads
+   really fetched, plus the all-reduce on the link) and the bytes each chip's DMA moved in
+   the last decode step's layer nets.
+2. **`toptpu estimate` at 48 layers** (`estimate.compile_costs`: one layer compiled with
+   placeholder weights as the compile cuts it, the step accounting of the device group):
+   decode ms/token, the link's share, a chip's weights, and the decode net's MB a layer on
+   one chip — the same cost model the executed run uses.
 
-Run: python bench/moe_parallel.py [--chip bm1684x] [--devices 2,4,8]
+Run: python bench/moe_parallel.py [--experts 16] [--devices 2] [--tokens 8]
+     [--skip-run] [--skip-estimate]
+(ep needs k = 8 of a chip's E/N experts: 16 experts over 2 chips, 32 over 4, 64 over 8.)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+import time
 
 from toptpu.backend.target.chips import get_chip
-from toptpu.expert_parallel import ExpertParallelLayer, token_table
 
-#: widths (hidden, heads, kv heads, head dim, experts, top-k, expert intermediate, layers,
-#: vocabulary) of the published configs
-MODELS = {
-    "Qwen3-30B-A3B": (2048, 32, 4, 128, 128, 8, 768, 48, 151936),
-    "Qwen3.5-35B-A3B widths": (2048, 16, 2, 256, 256, 8, 512, 40, 248320),
-}
+CONFIG = os.path.join(os.path.dirname(__file__), "configs", "qwen3-30B-A3B", "config.json")
+
+
+def _save(path: str, experts: int) -> None:
+    from transformers import GenerationConfig
+
+    from toptpu.frontends import tiny_models as tm
+    from toptpu.frontends.hf_loader import quiet_transformers
+
+    model = tm.tiny_model(config=tm.qwen3_moe_real_config(layers=2, experts=experts))
+    tok = tm.build_tokenizer(model.config.vocab_size)
+    model.generation_config = GenerationConfig(do_sample=False)
+    with quiet_transformers():
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+
+
+def executed(experts: int, devices: int, tokens: int, work: str) -> None:
+    from toptpu.backend.runtime.runtime import Runtime
+    from toptpu.compiler import compile as compile_model
+
+    model_dir = os.path.join(work, f"q30-e{experts}")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        _save(model_dir, experts)
+    print(f"\n1. compiled file: Qwen3-30B-A3B widths, {experts} experts, 2 layers, bf16; "
+          f"{tokens} decode tokens after a 20-token prompt")
+    print("| strategy | chips | decode ms/token (modelled) | of which link ms | MB the "
+          "last decode step's 2 layer nets moved (the slowest chip's) | compile s |")
+    print("|---|---|---|---|---|---|")
+    ids = list(range(3, 23))
+    # (pp over at most the file's 2 layers)
+    for strategy, n in (("one", 1), ("pp", min(devices, 2)), ("ep", devices)):
+        path = os.path.join(work, f"q30-e{experts}-{strategy}{n}.toptpu")
+        t = time.perf_counter()
+        if not os.path.exists(path):
+            compile_model(model_dir, path, mode="bf16", seq_length=64, max_input_length=16,
+                          progress=None, devices=n,
+                          parallel=None if strategy == "one" else strategy)
+        secs = time.perf_counter() - t
+        rt = Runtime.open(path)
+        rt.generate(ids, 2, stop_on_eos=False)  # warm
+        rec = rt.start_trace()
+        res = rt.generate(ids, tokens, stop_on_eos=False)
+        assert res.modelled_tokens_per_s is not None and res.modelled_breakdown is not None
+        per = res.modelled_breakdown["per_decoded_token"]
+        last = [r for r in rec.runs if r.net.startswith("block_cache")][-2:]  # 2 layers
+        moved = sum(r.timeline.dma_bytes for r in last) / 1e6
+        print(f"| {strategy} | {n} | {1e3 / res.modelled_tokens_per_s:.2f} "
+              f"| {per.get('link_s', 0.0) * 1e3:.2f} | "
+              f"{moved:.1f} | {secs:.0f} |")
+
+
+def estimated(experts: int, devices: int, work: str) -> None:
+    import json
+
+    from toptpu.compile_options import check_parallel_config
+    from toptpu.devices import Parallel
+    from toptpu.estimate import compile_costs, estimate, estimate_nets
+    from toptpu.frontends.hf_loader import read_config
+    from toptpu.request import CompileRequest
+
+    with open(CONFIG) as f:
+        raw = json.load(f)
+    raw["num_experts"] = experts
+    config_dir = os.path.join(work, f"config-e{experts}")
+    os.makedirs(config_dir, exist_ok=True)
+    with open(os.path.join(config_dir, "config.json"), "w") as f:
+        json.dump(raw, f)
+    config, _ = read_config(config_dir)
+    chip = get_chip("bm1684x")
+    print(f"\n2. toptpu estimate: Qwen3-30B-A3B (48 layers), {experts} of its 128 experts, "
+          "bf16, seq 512, bm1684x")
+    print("| strategy | chips | decode ms/token | of which link ms | weights GB on the "
+          "fullest chip | block_cache MB a layer on a chip |")
+    print("|---|---|---|---|---|---|")
+    for strategy, n in (("one", 1), ("pp", devices), ("ep", devices)):
+        par = None if strategy == "one" else Parallel(strategy)
+        req = CompileRequest.make(mode="bf16", seq_length=512, max_input_length=128,
+                                  devices=n, parallel=par)
+        check_parallel_config(raw, "config", n, par, "bf16", None)
+        nets = estimate_nets(req.shapes, 16, "greedy")
+        est = estimate(compile_costs(config, req, nets=nets), chip, 16, "greedy")
+        t = est.per_token
+        cache = est.nets["block_cache"].dma_bytes / 1e6
+        print(f"| {strategy} | {n} | {t.total_s * 1e3:.2f} | {t.link_s * 1e3:.2f} "
+              f"| {max(est.compiled.device_weight_bytes or [est.compiled.weight_bytes]) / 1e9:.2f}"
+              f" | {cache:.1f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chip", default="bm1684x")
-    ap.add_argument("--devices", default="2,4,8")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--work", default=None, help="directory for the model and its files")
+    ap.add_argument("--skip-run", action="store_true")
+    ap.add_argument("--skip-estimate", action="store_true")
     args = ap.parse_args()
-    chip = get_chip(args.chip)
-    counts = [int(n) for n in args.devices.split(",")]
-    print(f"{chip.name}: sustained DDR {chip.sustained_gbps:.1f} GB/s, link "
-          f"{chip.link_gbps} GB/s + {chip.link_latency_us} us a step; bf16 weights\n")
-    print("| model | experts move | strategy | chips | ms / token | of which link ms "
-          "| link bytes / token | weights GB on the fullest chip |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (h, q, kv, d, e, k, i, layers, vocab) in MODELS.items():
-        dense = 2 * (h * q * d * 2 + h * kv * d * 2 + e * h + 2 * h + 2 * d)
-        for every in (True, False):
-            layer = ExpertParallelLayer(e, k, 3 * i * h * 2, dense, h, 2, 1,
-                                        all_experts_move=every)
-            head = vocab * h * 2
-            for t in token_table(chip, layer, layers, head, counts):
-                n = t.devices
-                experts = e * 3 * i * h * 2
-                if t.strategy == "ep":  # every layer's dense part, E/N experts, embeddings
-                    held = layers * (dense + experts // n) + 2 * head
-                else:  # one chip, or pp's stages: the layers over N (and the embeddings)
-                    held = -(-layers // n) * (dense + experts) + 2 * head
-                over = " (over its memory)" if held > chip.ddr_bytes else ""
-                print(f"| {name} | {'all' if every else 'chosen'} | {t.strategy} "
-                      f"| {n} | {t.seconds * 1e3:.2f} | {t.link_seconds * 1e3:.2f} "
-                      f"| {t.link_bytes} | {held / 1e9:.1f}{over} |")
+    chip = get_chip("bm1684x")
+    print(f"{chip.name}: sustained DDR {chip.sustained_gbps:.1f} GB/s, link {chip.link_gbps} "
+          f"GB/s + {chip.link_latency_us} us a step")
+    work = args.work or tempfile.mkdtemp(prefix="moe-parallel-")
+    if not args.skip_run:
+        executed(args.experts, args.devices, args.tokens, work)
+    if not args.skip_estimate:
+        estimated(args.experts, args.devices, work)
 
 
 if __name__ == "__main__":

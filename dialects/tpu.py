@@ -682,6 +682,13 @@ class A16MoeExpertsOp(TpuOp):
     def heads_result_axes(self) -> tuple[int, ...]:
         return (1,)
 
+    def fetched_by_index(self) -> dict[int, int]:
+        """Every stacked weight operand (the integers, scales, zero points and mins of gate,
+        up and down; flat positions 1 .. n-3) is read only at the experts the indices (the
+        last operand) name, as `top.moe_experts`'s."""
+        n = len(self.operands)
+        return {p: n - 1 for p in range(1, n - 2)}
+
     def reduction_sliceable(self) -> bool:
         return True
 
@@ -696,8 +703,12 @@ class A16MoeExpertsOp(TpuOp):
 
     def reduction_operand_axes(self) -> tuple[int | None, ...]:
         """gate and up (their integers, scales, zero points, mins) along their rows (1),
-        down's along their columns (2: I, its bytes or groups)."""
-        return self._flat_axes(None, 1, 2, None)
+        down's along their columns (2: I, its bytes or groups); a per-channel down's
+        scales, zero points or mins ([E, H, 1]: one group over all of I) whole, shared by
+        every part (as `tpu.a16_matmul`'s per-channel scales)."""
+        axes = self._flat_axes(None, 1, 2, None)
+        return tuple(None if a == 2 and shape_of(v)[2] == 1 else a
+                     for a, v in zip(axes, self.operands, strict=True))
 
     def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
                           parts: int = 1) -> dict[str, Attribute]:

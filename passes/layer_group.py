@@ -520,7 +520,7 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
                                        "ts": i64_attr(0)}
         if ax is not None:
             attrs["tile_axes"] = i64_array(list(axes[:ndim]))
-        if _fetched_by_index(v, p.ops):
+        if _fetched_by_index(v, p.ops) and not _shared_by_tiles_of_other_indices(v, op, p):
             attrs["by_index"] = UnitAttr()
         ld = tpu.LoadOp(operands=[arg], result_types=[part_type(v)], attributes=attrs)
         set_name(ld, f"{_value_name(v)}.load")
@@ -564,6 +564,18 @@ def _fetched_by_index(v: SSAValue, ops: list[Operation]) -> bool:
     uses = [u for u in v.uses if u.operation in ops]
     return bool(uses) and all(isinstance(u.operation, SlicingInterface)
                               and u.index in u.operation.fetched_by_index() for u in uses)
+
+
+def _shared_by_tiles_of_other_indices(v: SSAValue, op: Operation, p: Plan) -> bool:
+    """Whether `v`, an operand `op` reads by index, is cut by none of the tiles plan's
+    loops (one buffer for every tile: a per-channel down's scales in reduction parts)
+    while its indices are (row blocks of a prefill chunk): its one load would serve tiles
+    of different indices, so it is loaded whole."""
+    assert isinstance(op, SlicingInterface)
+    picks = {op.operands[op.fetched_by_index()[u.index]] for u in v.uses
+             if u.operation is op}
+    return all(a == -1 for a in p.tile_axes[v]) and any(
+        a != -1 for idx in picks for a in p.tile_axes[idx])
 
 
 def _slice_type(v: SSAValue, ax: int | None, s: int) -> TensorType:

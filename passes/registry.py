@@ -95,6 +95,12 @@ def _mlir_pipeline() -> type[ModulePass]:
     return MLIRPipelinePass
 
 
+def _expert_parallel() -> type[ModulePass]:
+    from toptpu.passes.tensor_parallel import ExpertParallelPass
+
+    return ExpertParallelPass
+
+
 def _tensor_parallel() -> type[ModulePass]:
     from toptpu.passes.tensor_parallel import TensorParallelPass
 
@@ -118,6 +124,7 @@ PASSES: dict[str, Callable[[], type[ModulePass]]] = {
     "convert-top-to-linalg": _convert_top_to_linalg,
     "mlir": _mlir_pipeline,
     "tensor-parallel": _tensor_parallel,
+    "expert-parallel": _expert_parallel,
 }
 
 #: the named pipelines (each runs a sequence of the passes above)

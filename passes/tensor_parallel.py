@@ -41,6 +41,16 @@ way, `sharding.take_piece`). Function arguments and results that end up split ca
 Every device runs the same program; what differs is its weights and its pieces of the
 split inputs. Ops whose values cannot be cut as the model needs (heads that do not divide)
 are a `ShardingError` naming the op and the counts.
+
+**expert-parallel{devices=N chip=...}** (`ExpertParallelPass`, `--parallel ep`) cuts only a
+mixture of experts' experts, with the same building blocks: every `top.moe_experts` reads
+its E/N experts (gate, up and down cut along axis 0, `W@shard0-<N>`: device d holds experts
+[d E/N, (d+1) E/N)), the routing indices are made local on each device — minus the device's
+first expert (a one-element shard weight, `tp.offsets.<E/N>x<N>@shard0-<N>`, as the
+merged top-1's), any index outside [0, E/N) (another device's expert, or a padded row's -1)
+made -1, which adds nothing — and a `dev.all_reduce` sums the devices' partial results
+after it. Everything else (attention, norms, the router, a shared expert) stays whole and
+is computed on every device alike; no net input or output is split.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ from toptpu.backend.target.cost import nbytes
 from toptpu.backend.target.link import best_algorithm
 from toptpu.dialects import dev, top
 from toptpu.dialects.common import (
+    ComparePredicate,
     ShapedOp,
     elem_of,
     i32,
@@ -503,3 +514,78 @@ class TensorParallelPass(ModulePass):
         store = weights_of(ctx, op)
         for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
             _Sharder(fn, store, self.devices, self.chip).run()
+
+
+# ====================================================================== expert parallel
+
+
+@dataclass
+class _ExpertSharder(_Sharder):
+    """Cuts a function's experts over the devices (see the module doc), nothing else."""
+
+    def run(self) -> None:
+        for experts in [o for o in self.fn.body.block.ops if isinstance(o, top.MoeExpertsOp)]:
+            self.experts(experts)
+        for op in list(self.fn.body.block.ops):  # the whole experts the shards replaced
+            if op.results and weight_name(op.results[0]) is not None \
+                    and not op.results[0].uses:
+                self.rewriter.erase_op(op)
+
+    def experts(self, op: top.MoeExpertsOp) -> None:
+        n, e = self.devices, op.experts
+        where = op_name(op) or op.name
+        if e % n:
+            raise ShardingError(f"{where}: {e} experts do not divide among {n} devices")
+        if op.top_k > e // n:
+            raise ShardingError(f"{where}: a token's {op.top_k} experts exceed the {e // n} "
+                                f"each of {n} devices would hold")
+        stacked = [producer(v, top.WeightOp) for v in (op.gate, op.up, op.down)]
+        if any(w is None for w in stacked):
+            raise ShardingError(f"{where}: its experts are not weights (top.weight) to cut "
+                                "over the devices")
+        if elem_of(op.indices) != i32:
+            raise ShardingError(f"{where}: its indices are {elem_of(op.indices)}, not the "
+                                "router's i32")
+        gate, up, down = (self.shard_weight(w, Split(0, n), op) for w in stacked if w)
+        per = e // n
+        base = offsets_name(per, n)
+        self.store[base] = np.arange(n, dtype=np.int32) * per
+        first = self.new_weight(shard_name(base, Split(0, n)), (1,), i32, op,
+                                take_piece(self.store[base], Split(0, n), 0, n))
+        const = {v: top.ConstantOp(np.array([v], np.int32)) for v in (per, -1)}
+        rel = top.SubOp.build([op.indices, first])
+        mine = top.CompareOp(rel.results[0], const[per].output, ComparePredicate.LT)
+        kept = top.WhereOp(mine.output, rel.results[0], const[-1].output)
+        local = top.ClampOp(kept.output, min=-1)
+        name = f"{where}.local_indices"
+        first.name_hint = "first_expert"
+        for o, label in ((const[per], "experts_per_device"), (const[-1], "nowhere"),
+                         (rel, "relative_indices"), (mine, "held"),
+                         (kept, "held_or_nowhere"), (local, "")):
+            set_name(o, f"{name}.{label}" if label else name, like=op)
+            o.results[0].name_hint = label or "local_indices"
+        self.rewriter.insert_op([*const.values(), rel, mine, kept, local],
+                                InsertPoint.before(op))
+        new = type(op)(op.x, gate, up, down, op.weights, local.output)
+        self.replace(op, new)
+        total = self.all_reduce(new.output, new)
+        new.output.replace_uses_with_if(total, lambda u: u.operation is not total.owner)
+
+
+@dataclass(frozen=True)
+class ExpertParallelPass(ModulePass):
+    """Cut every function's experts over `devices` devices (expert parallel), an all-reduce
+    after each experts op."""
+
+    name = "expert-parallel"
+
+    devices: int = 2
+    chip: str = DEFAULT_CHIP
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        require_level(op, "top", self.name)
+        if self.devices < 2:
+            raise ShardingError(f"expert-parallel needs at least 2 devices, not {self.devices}")
+        store = weights_of(ctx, op)
+        for fn in [f for f in op.ops if isinstance(f, func.FuncOp)]:
+            _ExpertSharder(fn, store, self.devices, self.chip).run()

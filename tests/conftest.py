@@ -10,6 +10,34 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Compiled modules are kept (in __pycache__/, as Python does by default) even where the
+# environment says PYTHONDONTWRITEBYTECODE: otherwise every `toptpu` subprocess of the suite
+# compiles the package's sources again (+1.5 s CPU for `toptpu --help` alone, measured) and
+# each xdist worker rewrites every test module's asserts anew (7 s of its collection's 12 s)
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+
+def _threads_per_worker() -> int | None:
+    """torch's threads for one pytest-xdist worker: the cores shared among the workers (None
+    outside xdist). Each worker left at torch's default (every core) oversubscribes the host
+    `-n` times over, and OpenMP's waiting threads spin: two workers of two threads on two
+    cores spent 4.7x the CPU of one thread each on the same torch products (measured)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not workers:
+        return None
+    return max(1, (os.cpu_count() or 1) // int(workers))
+
+
+_THREADS = _threads_per_worker()
+if _THREADS is not None:
+    # before torch is imported (it reads them once), inherited by the tests' subprocesses;
+    # OpenBLAS (numpy) is left alone: toptpu chooses its threads per product
+    # (backend/reference/blas_threads.py), and OMP_NUM_THREADS would cap its own count
+    os.environ.setdefault("MKL_NUM_THREADS", str(_THREADS))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(_THREADS)
+
 import fuzz  # noqa: E402,F401 - registers the hypothesis profiles before the plugin loads one
 
 # `toptpu run` and `chat` write a model file's weight cache file beside it after a run that

@@ -119,7 +119,7 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "batch": [({"batch": 0}, "--batch must be an integer >= 1, not 0"),
               ({"batch": 4, "devices": 2}, "--batch 4 with --devices 2: the batch nets are "
                "compiled for one chip; give one of them")],
-    "parallel": [({"parallel": "dp", "devices": 2}, "--parallel must be tp or pp, not 'dp'"),
+    "parallel": [({"parallel": "dp", "devices": 2}, "--parallel must be tp, pp or ep, not 'dp'"),
                  ({"parallel": "pp"}, "--parallel pp spreads a model over several chips; "
                   "give --devices 2 or more (or drop --parallel)")],
     "group_size": [({"group_size": 0, "mode": "w4bf16"},

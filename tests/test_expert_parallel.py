@@ -1,9 +1,8 @@
 """Expert parallelism (`toptpu.expert_parallel`): the experts split over chips, each chip's
 share of every token's sum by the numpy kernels, combined by the all-reduce kernel, against
 transformers' own experts; greedy generation of a tiny Qwen3-MoE whose experts run so over
-2 and 4 chips against the model's own; the modelled decode step (link and DDR) against
-`backend.target.link`'s collective times. `--parallel ep` in the compiler and the device
-executor is not built (the module doc says what is missing)."""
+2 and 4 chips against the model's own. The compiled and executed `--parallel ep`, and its
+modelled step, are tests/test_moe_ep.py's."""
 
 from __future__ import annotations
 
@@ -12,19 +11,12 @@ import pytest
 import torch
 
 from toptpu.backend.reference import kernels as K
-from toptpu.backend.target.chips import get_chip
-from toptpu.backend.target.link import LinkWork, collective_seconds
 from toptpu.expert_parallel import (
-    ExpertParallelLayer,
-    decode_token,
     expert_parallel_experts,
     expert_range,
     local_routing,
-    token_table,
 )
 from toptpu.frontends.tiny_models import tiny_model
-
-CHIP = get_chip("bm1684x")
 
 
 def test_expert_ranges_tile_the_experts() -> None:
@@ -113,32 +105,3 @@ def test_greedy_tokens_with_experts_over_chips(devices: int) -> None:
                              eos_token_id=None)[0, 40:].tolist()
     assert calls >= 4 * 32  # every layer's experts went through the shares
     assert got == want
-
-
-def test_the_modelled_step_charges_the_link_collective() -> None:
-    """35B-A3B widths, bf16: one chip moves all 256 experts of a layer today; over N chips
-    each moves its E/N and the layer adds the all-reduce of the token's [1, H] (the link
-    model's time); with only the chosen experts moved (the indexed fetch) a chip moves
-    ceil(k / N) of them."""
-    expert = 3 * 512 * 2048 * 2
-    one = ExpertParallelLayer(256, 8, expert, 37 * 2**20, 2048, 2, 1)
-    assert one.link_seconds(CHIP) == 0.0 and one.chip_expert_bytes() == 256 * expert
-    for n in (2, 4, 8):
-        layer = ExpertParallelLayer(256, 8, expert, 37 * 2**20, 2048, 2, n)
-        work = layer.combine(CHIP)
-        assert work.kind == "all_reduce" and work.nbytes == 2048 * 2 and work.devices == n
-        assert layer.link_seconds(CHIP) == collective_seconds(CHIP, work)
-        assert layer.chip_expert_bytes() == 256 // n * expert
-        fetched = ExpertParallelLayer(256, 8, expert, 37 * 2**20, 2048, 2, n,
-                                      all_experts_move=False)
-        assert fetched.chip_expert_bytes() == -(-8 // n) * expert
-        t = decode_token(CHIP, layer, 40, 2 * 248320 * 2048, "ep")
-        bcast = LinkWork("broadcast", "tree", n, 2048 * 2)
-        assert t.link_seconds == pytest.approx(40 * collective_seconds(CHIP, work)
-                                               + collective_seconds(CHIP, bcast))
-        assert t.link_bytes == 40 * work.link_bytes() + bcast.link_bytes()
-    rows = token_table(CHIP, one, 40, 2 * 248320 * 2048, [2, 4, 8])
-    assert [(r.strategy, r.devices) for r in rows] == [
-        ("one", 1), ("pp", 2), ("ep", 2), ("pp", 4), ("ep", 4), ("pp", 8), ("ep", 8)]
-    # all experts moving: ep divides the expert bytes, pp does not
-    assert rows[2].seconds < rows[1].seconds and rows[6].seconds < rows[4].seconds

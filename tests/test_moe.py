@@ -566,7 +566,7 @@ def test_tensor_parallel_is_refused_for_experts(tmp_path_factory) -> None:
     model_dir = _saved(tmp_path_factory, "qwen3_moe")
     out = os.path.join(shared_dir(tmp_path_factory), "never-written.toptpu")
     with pytest.raises(CompileError, match="is a mixture of experts, whose experts toptpu "
-                       "does not cut over devices yet; use --parallel pp"):
+                       "does not cut over devices by tensor parallelism; use --parallel ep or pp"):
         compile_model(model_dir, out, mode="f32", seq_length=64, max_input_length=16,
                       progress=None, devices=2, parallel="tp")
     assert not os.path.exists(out)
@@ -645,10 +645,12 @@ def test_the_router_stays_float_in_weight_only_modes(mode: str) -> None:
 # --------------------------------------------------------------------------- indexed fetch
 
 
-def _fetch_run(block: torch.nn.Module, t: int, n_valid: int, h: int = 64):
-    """The block's Tpu f32 net for `t` rows (`n_valid` real) run on a checked machine:
-    the program, the machine (its `fetched` records), the router's indices per row (the
-    kernel on Top's router logits) and the machine's and the interpreter's results."""
+def _fetch_run(block: torch.nn.Module, t: int, n_valid: int, h: int = 64, mode: str = "f32",
+               group: int | None = None):
+    """The block's Tpu net in `mode` (`group`: its group size) for `t` rows (`n_valid`
+    real) run on a checked machine: the program, the machine (its `fetched` records), the
+    router's indices per row (the kernel on Top's router logits) and the machine's and
+    the interpreter's results."""
     from toptpu.backend.runtime.machine import Machine
     from toptpu.backend.runtime.simulate import simulate
     from toptpu.machine_pipeline import compile_for_machine
@@ -657,8 +659,11 @@ def _fetch_run(block: torch.nn.Module, t: int, n_valid: int, h: int = 64):
     valid = (torch.arange(t) < n_valid).float()[None]
     module, store = import_module(BlockNet(block).eval(), (x, valid),
                                   input_names=["x", "valid"], output_names=["y"])
-    feeds = {"x": x.numpy(), "valid": valid.numpy()}
-    run_passes(module, tpu_pipeline_passes("f32"), store=store)
+    activations = mode[2:] if mode.startswith("w") else mode  # w4bf16: bf16
+    act = {"f32": np.float32, "f16": np.float16, "bf16": K.BF16}[activations]
+    feeds = {"x": x.numpy().astype(act), "valid": valid.numpy().astype(act)}
+    run_passes(module, tpu_pipeline_passes(mode, **({} if group is None else
+                                                     {"group_size": group})), store=store)
     want = Interpreter(module, store).run(feeds).outputs["y"]
     program = compile_for_machine(module, CHIP)
     machine = Machine(CHIP, checked=True)

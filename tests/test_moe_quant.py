@@ -134,6 +134,26 @@ def test_kernel_in_parts_of_the_intermediate_axis() -> None:
                                atol=1e-6)
 
 
+def test_kernel_in_parts_with_a_per_channel_down() -> None:
+    """8 bits per channel (one group over all of I for down): each part of I takes down's
+    columns and its whole scales (every part shares a channel's scale, one group of I /
+    parts: `sliced_attributes`); the parts add up to the whole op."""
+    parts, _, groups = _stacked(8, -1, True, 0)
+    assert parts[2][1].shape == (E, H, 1) and groups[2] == I
+    x, w, idx = _routing(1)
+    whole = K.a16_moe_experts(x, *[a for p in parts for a in p], w, idx, bits=(8, 8, 8),
+                              group_sizes=groups)
+    acc = None
+    for lo, hi in ((0, 16), (16, 32)):
+        cut = [(q[:, lo:hi], s[:, lo:hi], None, None) for q, s, _, _ in parts[:2]]
+        cut.append((parts[2][0][:, :, lo:hi], parts[2][1], None, None))
+        acc = K.a16_moe_experts_part(acc, x, *[a for p in cut for a in p], w, idx,
+                                     bits=(8, 8, 8), group_sizes=(*groups[:2], hi - lo))
+    assert acc is not None
+    np.testing.assert_allclose(K.moe_experts_finish(acc, np.float32), whole, rtol=1e-5,
+                               atol=1e-6)
+
+
 # --------------------------------------------------------------------------- the op
 
 
@@ -164,7 +184,7 @@ def test_op_shapes_flops_and_reduction_count() -> None:
     assert op.flops() == T * TOP_K * (2 * H * 2 * I + 2 * I * H + 6 * I + 2 * H)
     assert op.reduction_count() == I // 16
     assert op.row_rule(0) is not None
-    assert len(op.reduction_operand_axes()) == len(op.operands)
+    assert op.reduction_operand_axes() == (None, 1, 1, 1, 1, 1, 1, 2, 2, 2, None, None)
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -227,8 +247,152 @@ def test_block_on_interpreter_and_machine(family: str, mode: str) -> None:
     got = simulate(program, store, feeds, CHIP, machine=machine).outputs["y"]
     assert dtype_name(elem_of(experts.output)) == act
     assert got.dtype == y.dtype and np.array_equal(got.view(np.uint8), y.view(np.uint8))
-    # the quantized experts are not fetched by index yet: every expert's integers move
-    assert not machine.fetched
+    # the stacked quantized weights are fetched by index: each expert some real row chose
+    # is read once from every stacked operand (integers, scales, zero points), no other
+    stacked = {op.tensor_name: store[op.tensor_name] for v in experts.operands[1:-2]
+               if isinstance(op := v.owner, tpu.WeightOp)}
+    assert len(stacked) == (6 if bits == 8 else 9)  # zero points at 4 bits (asymmetric)
+    chosen = _chosen_experts(block, feeds["x"][0, :n].astype(np.float32))
+    rows: dict[str, list[int]] = {name: [] for name in stacked}
+    for f in machine.fetched:
+        rows[str(f.tensor.name)] += list(f.rows)
+        one = stacked[str(f.tensor.name)][0].nbytes
+        assert f.nbytes == len(f.rows) * one, f.tensor.name
+    assert all(sorted(r) == chosen for r in rows.values()), (rows, chosen)
+    assert sum(f.nbytes for f in machine.fetched) == len(chosen) * sum(
+        a[0].nbytes for a in stacked.values())
+
+
+def _chosen_experts(block: torch.nn.Module, x: np.ndarray) -> list[int]:
+    """The experts the block's router chooses for the rows `x` (the union, ascending)."""
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(torch.from_numpy(x), block.gate.weight)
+        _, idx = torch.topk(torch.softmax(logits, -1, dtype=torch.float32),
+                            block.gate.top_k, dim=-1)
+    return sorted({int(i) for i in idx.reshape(-1)})
+
+
+def _stacked_expert_loads(program) -> tuple[list, dict[str, int]]:
+    """A program's loads of the stacked experts' tensors (`layer.mlp.experts.*`, or the
+    block net's `experts.*`) and each such tensor's bytes of one expert."""
+    from toptpu.backend.formats.commands import Load
+
+    def expert_tensor(name: str) -> bool:
+        return "experts." in name and "shared" not in name
+
+    loads = [c for c in program.commands if isinstance(c, Load)
+             and expert_tensor(str(c.tensor.name))]
+    one = {}
+    for c in loads:
+        name = str(c.tensor.name)
+        one[name] = program.weights[name].nbytes // c.shape[0]
+    return loads, one
+
+
+def _experts_fetched_by_index(rt, fields: set[str]) -> None:
+    """In every text net of the machine runtime `rt`'s model file, each load of a stacked
+    expert tensor is an indexed load, the tensors' `fields` (qweight, scales, zeros,
+    mins) all among them; a decode step (`block_cache`) is modelled to move k of the E
+    experts of each. (One exception: a per-channel down's scales [E, H, 1], whole in
+    every reduction part, are loaded whole once where a prefill chunk's row blocks read
+    them at different indices.)"""
+    from toptpu.backend.formats.commands import Load
+
+    for net in ("block", "block_kv", "block_cache"):
+        program = rt.ex.program(net)
+        loads, _ = _stacked_expert_loads(program)
+        assert loads and all(
+            c.index is not None or (net != "block_cache" and c.shape[2] == 1
+                                    and ".down_proj" in str(c.tensor.name))
+            for c in loads), net
+        assert {str(c.tensor.name).rsplit(".", 1)[1] for c in loads} == fields, net
+        if net == "block_cache":
+            (k,) = {c.index.shape[-1] for c in loads if isinstance(c, Load) and c.index}
+            (e,) = {c.shape[0] for c in loads}
+            modelled, every = program.indexed_bytes()
+            assert modelled * e == every * k, (modelled, every)
+
+
+@pytest.mark.parametrize("mode", ["w8f16", "w4bf16"])
+def test_a_decode_step_fetches_the_selected_quantized_experts_only(mode: str) -> None:
+    """A decode step (one token) of the quantized experts: every stacked tensor's load (the
+    integers, scales and, asymmetric, zero points of gate, up and down) is an indexed load
+    by the router's indices; the machine reads exactly the k chosen experts' bytes of each
+    (never the other E - k), the program's modelled bytes are those k experts', and the
+    result is the interpreter's bit for bit."""
+    from test_moe import _fetch_run
+
+    block = _moe_block("qwen3_moe")
+    program, machine, idx, (got, want) = _fetch_run(block, t=1, n_valid=1, mode=mode,
+                                                    group=32)
+    assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    e, k = block.experts.gate_up_proj.shape[0], block.gate.top_k
+    chosen = sorted(int(i) for i in idx[0])
+    assert len(chosen) == k
+    loads, one = _stacked_expert_loads(program)
+    assert len(one) == (6 if mode.startswith("w8") else 9)
+    assert all(c.index is not None for c in loads)
+    rows: dict[str, dict[int, int]] = {name: {} for name in one}
+    for f in machine.fetched:
+        per_row = f.nbytes // len(f.rows)
+        for r in f.rows:
+            rows[str(f.tensor.name)][r] = rows[str(f.tensor.name)].get(r, 0) + per_row
+    for name, per_expert in one.items():
+        assert sorted(rows[name]) == chosen, name
+        assert all(b == per_expert for b in rows[name].values()), name
+    assert sum(f.nbytes for f in machine.fetched) == k * sum(one.values())
+    assert sum(c.nbytes for c in loads) == k * sum(one.values())
+    assert sum(c.local.nbytes for c in loads) == e * sum(one.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,group", [("w4bf16", 64), ("w4f32", 64), ("w8bf16", -1)])
+def test_published_widths_in_reduction_parts_fetch_the_selected_experts(
+        monkeypatch, mode: str, group: int) -> None:
+    """Qwen3-30B-A3B's widths (H 2048, 16 experts of 768, top-8) quantized: the experts
+    do not fit local memory and stream through it in reduction parts of I (a part of each
+    stacked tensor: gate's and up's rows, down's packed columns and groups). A decode
+    step's parts are indexed loads reading, over the parts, each chosen expert's bytes of
+    every tensor once: k / E of what moving every expert would (w4bf16 g64: 20.6 of
+    41.3 MB). At 8 bits per channel, down's scales (one group over I) are whole in every
+    part, each part's loads fetched by index. The indexed load changes no bit: the
+    machine's result equals that of the same block compiled with its experts loaded
+    whole; the parts sum I in another order than the interpreter's whole op, so that one
+    agrees to f32 rounding."""
+    from test_moe import _fetch_run
+
+    from toptpu.frontends.tiny_models import tiny_model
+
+    block = tiny_model("qwen3_moe", layers=1, hidden_size=2048, moe_intermediate_size=768,
+                       num_experts=16, num_experts_per_tok=8).model.layers[0].mlp
+    program, machine, idx, (got, want) = _fetch_run(block, t=1, n_valid=1, h=2048,
+                                                    mode=mode, group=group)
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2,
+                               atol=1e-2 if mode.endswith("bf16") else 1e-5)
+    chosen = sorted(int(i) for i in idx[0])
+    loads, one = _stacked_expert_loads(program)
+    assert all(c.index is not None for c in loads)
+    assert len(loads) > len(one)  # reduction parts
+    rows: dict[str, dict[int, int]] = {name: {} for name in one}
+    for f in machine.fetched:
+        per_row = f.nbytes // len(f.rows)
+        for r in f.rows:
+            rows[str(f.tensor.name)][r] = rows[str(f.tensor.name)].get(r, 0) + per_row
+    for name, per_expert in one.items():
+        assert sorted(rows[name]) == chosen, name
+        assert all(b == per_expert for b in rows[name].values()), name
+    every = sum(c.local.nbytes for c in loads)
+    assert sum(f.nbytes for f in machine.fetched) == sum(c.nbytes for c in loads) \
+        == 8 * sum(one.values()) == every // 2
+    if mode == "w4bf16":  # 3 x 768 x 2048 weights an expert: half a byte each, a bf16
+        # scale and a ui8 zero point a group of 64
+        assert sum(one.values()) == 3 * 768 * 2048 // 2 + 3 * 768 * 2048 // 64 * (2 + 1)
+    monkeypatch.setattr(tpu.A16MoeExpertsOp, "fetched_by_index", lambda self: {})
+    whole_program, whole_machine, _, (whole, _) = _fetch_run(block, t=1, n_valid=1, h=2048,
+                                                            mode=mode, group=group)
+    assert not whole_machine.fetched and not any(
+        getattr(c, "index", None) is not None for c in whole_program.commands)
+    assert np.array_equal(got.view(np.uint8), whole.view(np.uint8))
 
 
 def test_a_group_size_that_does_not_divide_the_experts_is_refused() -> None:
@@ -307,6 +471,7 @@ def test_tokens_equal_transformers_on_the_quantized_weights(tmp_path_factory, fa
                               do_sample=False)[0, len(ids):].tolist()
     got = rt.generate(ids, 32).generated_ids
     assert got == want
+    _experts_fetched_by_index(rt, {"qweight", "scales"} | ({"zeros"} if bits == 4 else set()))
     interp = Runtime.open(path, "interpreter")
     a, b = rt.prompt_logits(ids), interp.prompt_logits(ids)
     assert a.dtype == b.dtype and np.array_equal(a, b)
@@ -418,6 +583,7 @@ def test_autoround_moe_checkpoint(tmp_path_factory, autoround_moe: dict, family:
                       progress=None)
         rt = Runtime.open(path, "machine")
         assert rt.generate(ids, 16, stop_on_eos=False).generated_ids == want_tokens, mode
+        _experts_fetched_by_index(rt, {"qweight", "scales", "zeros"})
         logits = rt.prompt_logits(ids)
         got = np.asarray(logits, np.float32).reshape(-1)
         assert similarity(got, want_logits).cosine >= 0.99, mode
@@ -505,6 +671,8 @@ def test_gguf_moe_file(tmp_path, family: str, qtype: str, mode: str) -> None:
     compile_model(d, path, mode=mode, seq_length=160, max_input_length=16, progress=None)
     rt = Runtime.open(path, "machine")
     assert rt.generate(ids, 16, stop_on_eos=False).generated_ids == want
+    # the file's zero points (Q8_0's 128, Q4_0's 8, Q5_0's 16) or Q4_1's mins
+    _experts_fetched_by_index(rt, {"qweight", "scales", "mins" if qtype == "Q4_1" else "zeros"})
     a = rt.prompt_logits(ids)
     b = Runtime.open(path, "interpreter").prompt_logits(ids)
     assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -536,8 +704,22 @@ def test_published_widths_w4f32_tokens_equal_transformers_on_the_dequantized_wei
         tmp_path_factory) -> None:
     """Qwen3-30B-A3B's widths (16 of its 128 experts of 768, top-8, 2 layers): the w4
     experts (group 64) do not fit local memory, layer-group cuts their intermediate axis
-    in reduction parts of whole groups; 32 greedy tokens on the machine equal
-    transformers' on the dequantized weights."""
+    in reduction parts of whole groups, each part's loads fetched by index; 32 greedy
+    tokens on the machine equal transformers' on the dequantized weights."""
+    _published_widths_tokens(tmp_path_factory, 4)
+
+
+@pytest.mark.slow
+def test_published_widths_w8f32_tokens_equal_transformers_on_the_dequantized_weights(
+        tmp_path_factory) -> None:
+    """The same at 8 bits per channel: down's scales (one group over I) whole in each
+    reduction part, every part's loads fetched by index."""
+    _published_widths_tokens(tmp_path_factory, 8)
+
+
+def _published_widths_tokens(tmp_path_factory, bits: int) -> None:
+    """32 greedy tokens of Qwen3-30B-A3B's widths compiled w{bits}f32 (group 64 at 4 bits,
+    per channel at 8) on the machine == transformers' on the dequantized weights."""
     from filelock import FileLock
     from test_moe import _real_dir
 
@@ -545,15 +727,16 @@ def test_published_widths_w4f32_tokens_equal_transformers_on_the_dequantized_wei
     from toptpu.compiler import compile as compile_model
 
     model_dir = _real_dir(tmp_path_factory, "qwen3_moe")
-    path = os.path.join(shared_dir(tmp_path_factory), "qwen3_moe-real-w4f32.toptpu")
+    path = os.path.join(shared_dir(tmp_path_factory), f"qwen3_moe-real-w{bits}f32.toptpu")
     with FileLock(path + ".lock"):
         if not os.path.exists(path):
-            compile_model(model_dir, path, mode="w4f32", seq_length=160, max_input_length=16,
-                          progress=None)
+            compile_model(model_dir, path, mode=f"w{bits}f32", seq_length=160,
+                          max_input_length=16, progress=None)
     rt = Runtime.open(path, "machine")
+    _experts_fetched_by_index(rt, {"qweight", "scales"} | ({"zeros"} if bits == 4 else set()))
     ids = rt.encode(LONG_PROMPT)
     got = rt.generate(ids, 32, stop_on_eos=False).generated_ids
-    model = _fake_quantized(model_dir, 4, 64)
+    model = _fake_quantized(model_dir, bits, 64 if bits == 4 else -1)
     with torch.no_grad():
         want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               eos_token_id=None)[0, len(ids):].tolist()

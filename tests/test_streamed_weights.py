@@ -73,14 +73,16 @@ def test_streamed_products_are_the_cached_ones_bit_for_bit(monkeypatch) -> None:
             got = cache.a16_product("w", x, q, s, zeros, 4, gs, b, None, mins=mins)
             assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
         assert cache.streamed == 3 and len(cache) == 0 and cache.used == 0
-    real = K.matmul_offsets
+    def bit_flipped(real):  # noqa: ANN001, ANN202
+        def flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+            r = real(*args, **kw).copy()
+            r.reshape(-1).view(np.uint32)[0] ^= 1 << 22  # (kept by the bf16 rounding)
+            return r
+        return flipped
 
-    def bit_flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
-        r = real(*args, **kw).copy()
-        r.reshape(-1).view(np.uint32)[0] ^= 1 << 22  # (kept by the bf16 rounding)
-        return r
-
-    monkeypatch.setattr(K, "matmul_offsets", bit_flipped)
+    # the blocked products from offsets and from packed bytes (the same blocks)
+    monkeypatch.setattr(K, "matmul_offsets", bit_flipped(K.matmul_offsets))
+    monkeypatch.setattr(K, "matmul_packed", bit_flipped(K.matmul_packed))
     cache = wc.WeightCache(0)
     for _ in range(3):
         x = K.to_bf16(rng.standard_normal((1, 1, k)).astype(np.float32))
@@ -88,6 +90,108 @@ def test_streamed_products_are_the_cached_ones_bit_for_bit(monkeypatch) -> None:
         assert cache.a16_product("w", x, q, s, z, 4, gs, None, None).tobytes() == \
             want.tobytes()
     assert list(cache.fused_ok.values()) == [False]
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_products_from_packed_bytes_are_matmul_offsets_bit_for_bit(gs: int) -> None:
+    """`kernels.matmul_packed` (each block's offsets made from the packed bytes in cache)
+    gives `matmul_offsets` of the weight's offsets byte for byte: zero points over the
+    whole int8-safe range (-112..127), the implied 8, mins instead; one row and several,
+    a partial last block, bias, an output dtype; None (the caller's offsets) where q - z
+    leaves int8."""
+    rng = np.random.default_rng(gs)
+    n, k = 203, 512
+    q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    s = (rng.standard_normal((n, k // gs)) * 1e-2).astype(K.BF16)
+    m = (rng.standard_normal((n, k // gs)) * 1e-1).astype(np.float16)
+    cases = [(rng.integers(0, 16, (n, k // gs), dtype=np.uint8), None),
+             (rng.integers(-112, 128, (n, k // gs)).astype(np.int32), None),
+             (None, None), (None, m)]
+    bias = np.linspace(-1, 1, n).astype(np.float32)
+    for zeros, mins in cases:
+        off = K.weight_offsets(q, zeros, 4, gs, mins is not None)
+        assert off.dtype == np.int8
+        for shape, b, out in (((1, k), None, None), ((1, 1, k), bias, np.float32),
+                              ((3, k), bias, None)):
+            x = K.to_bf16(rng.standard_normal(shape).astype(np.float32))
+            for rows in (64, 50):
+                want = K.matmul_offsets(x, off, s, gs, b, out, block_rows=rows, mins=mins)
+                got = K.matmul_packed(x, q, s, zeros, gs, b, out, block_rows=rows,
+                                      mins=mins)
+                assert got is not None and got.dtype == want.dtype
+                assert got.tobytes() == want.tobytes()
+    x = K.to_bf16(rng.standard_normal((1, k)).astype(np.float32))
+    for bad in (128, -113):
+        zeros = np.full((n, k // gs), 3, np.int32)
+        zeros[7, 0] = bad
+        assert K.matmul_packed(x, q, s, zeros, gs, None) is None
+        assert not wc.packed_int8(zeros)
+        cache = wc.WeightCache(0)  # streamed from offsets (int16) instead, same bytes
+        for _ in range(2):
+            got = cache.a16_product("w", x, q, s, zeros, 4, gs, None, None)
+            assert got.tobytes() == K.a16_matmul(x, q, s, zeros, None, 4, gs).tobytes()
+
+
+def test_an_lm_head_over_the_cache_is_multiplied_a_block_of_rows_at_a_time(
+        tmp_path_factory, monkeypatch) -> None:  # noqa: ANN001
+    """A bf16 lm_head whose f32 form the cache does not keep (budget 0 here; a 14B model's
+    3.1 GB f32 lm_head over the 2.5 GiB cap) is converted and multiplied STREAM_ROWS rows of
+    the vocabulary at a time, never whole: the prompt's and the decode steps' logits are
+    those of the whole f32 form kept in an unbounded cache, bit for bit (several blocks
+    and the first check on a prefix of the vocabulary: CHECK_ROWS below its 384 rows)."""
+    monkeypatch.setattr(wc, "STREAM_ROWS", 16)
+    monkeypatch.setattr(wc, "CHECK_ROWS", 48)
+    path = compiled(tmp_path_factory, "qwen2", "w4bf16").model_file
+    full = Runtime(MachineExecutor(path, weight_cache_bytes=1 << 40, stream_weights=False))
+    want = _logits(full)
+    assert full.ex.machine.cache.blocked == 0  # type: ignore[attr-defined]
+    ex = MachineExecutor(path, weight_cache_bytes=0, stream_weights=True)
+    small = Runtime(ex)
+    for _ in range(2):
+        got = _logits(small)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    cache = ex.machine.cache
+    assert cache.blocked > 0 and len(cache) == 0
+    checked = [v for k, v in cache.fused_ok.items() if k[0] == "f32w"]
+    assert checked and all(checked)  # a prompt's shape and a decode step's at least
+
+
+def test_blocked_float_products_are_the_whole_ones_and_refused_where_they_differ(
+        monkeypatch) -> None:  # noqa: ANN001
+    """`f32_rows_product`: a bf16 weight [N, K] not kept (no f32 form made whole) times
+    one row: `matmul(x, w, transpose_b=True)`'s f32 bytes, with a partial last block;
+    several rows: None (the caller's whole product); the first product of a shape is
+    checked (on the first CHECK_ROWS rows): a BLAS whose blocked products differ in a bit
+    gets None from then on."""
+    monkeypatch.setattr(wc, "STREAM_ROWS", 32)
+    monkeypatch.setattr(wc, "CHECK_ROWS", 96)
+    rng = np.random.default_rng(11)
+    w = K.to_bf16(rng.standard_normal((300, 128)).astype(np.float32))
+    cache = wc.WeightCache(0)
+    assert cache.f32_form("head", w) is None and cache.f32_form("head", w, keep=False) is None
+    for shape in ((1, 128), (1, 1, 128), (1, 128), (1, 1, 128)):
+        x = K.to_bf16(rng.standard_normal(shape).astype(np.float32))
+        want = K.matmul(x, w, transpose_b=True, out_dtype=np.float32)
+        got = cache.f32_rows_product(x, w)
+        assert got is not None and got.tobytes() == want.tobytes()
+    assert cache.blocked == 4 and cache.used == 0 and len(cache.fused_ok) == 2
+    x5 = K.to_bf16(rng.standard_normal((1, 5, 128)).astype(np.float32))
+    assert cache.f32_rows_product(x5, w) is None and cache.blocked == 4
+    roomy = wc.WeightCache(1 << 20)  # the f32 form fits: kept, as before
+    form = roomy.f32_form("head", w)
+    assert form is not None and form.tobytes() == K.f32(w).tobytes() and len(roomy) == 1
+    real = K.matmul_weight_rows
+
+    def bit_flipped(*args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+        r = real(*args, **kw)
+        r.reshape(-1).view(np.uint32)[0] ^= 1
+        return r
+
+    monkeypatch.setattr(K, "matmul_weight_rows", bit_flipped)
+    cache = wc.WeightCache(0)
+    x = K.to_bf16(rng.standard_normal((1, 128)).astype(np.float32))
+    assert cache.f32_rows_product(x, w) is None and cache.f32_rows_product(x, w) is None
+    assert list(cache.fused_ok.values()) == [False] and cache.blocked == 0
 
 
 def test_release_drops_whole_pages_of_a_range_and_reads_stay_the_same(

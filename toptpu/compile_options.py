@@ -101,6 +101,9 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
             raise CompileError(f"--devices {devices} --parallel pp: {where} has {layers} "
                                f"layers, fewer than the devices")
         return
+    if parallel is Parallel.EP:
+        check_expert_parallel_config(cfg, where, devices)
+        return
     if "linear_attention" in (cfg.get("layer_types") or []):
         raise CompileError(f"--devices {devices} --parallel tp: {where} has linear-attention "
                            "layers (Qwen3.5), which toptpu does not cut over devices yet; use "
@@ -137,6 +140,31 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 #: the mixture-of-experts families whose routed experts `--calibrate gptq` calibrates
 CALIBRATED_MOE = ("qwen3_moe", "qwen2_moe")
+
+
+def check_expert_parallel_config(cfg: dict[str, Any], where: str, devices: int) -> None:
+    """Expert parallelism needs a mixture of experts whose experts divide among the
+    devices (each device holds E / N of every layer's experts)."""
+    flag = f"--devices {devices} --parallel ep"
+    key = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
+    if key is None and "model_type" not in cfg:
+        return  # a GGUF's metadata read so far: the loaded model is checked (compiler)
+    if key is None:
+        raise CompileError(f"{flag}: {where} has no mixture-of-experts layers to spread "
+                           "expert by expert; use --parallel tp or pp")
+    experts = cfg[key]
+    if experts % devices:
+        fits = [n for n in range(2, experts + 1) if experts % n == 0][:4]
+        raise CompileError(f"{flag}: {key} {experts} of {where} does not divide among "
+                           f"{devices} devices; use --devices "
+                           f"{' or '.join(map(str, fits))}, or --parallel pp")
+    k = _positive(cfg, "num_experts_per_tok")
+    if k is not None and k > experts // devices:
+        most = max((n for n in range(2, experts // k + 1) if experts % n == 0), default=None)
+        use = f"--devices {most} or fewer" if most is not None else "--parallel pp"
+        raise CompileError(f"{flag}: num_experts_per_tok {k} of {where} exceeds the "
+                           f"{experts // devices} experts a device would hold (the experts op "
+                           f"takes k up to its experts); use {use}")
 
 
 def _check_calibration(model: Any, request: CompileRequest,
@@ -353,6 +381,6 @@ def check_group_size(cfg: dict[str, Any], where: str, mode: AskedMode,
 
 
 
-__all__ = ["CompileRequest", "check_compile_request", "check_devices", "check_group_size",
-           "check_parallel_config", "check_quant_options", "check_seq_length", "known_chips",
-           "kv_cache_size"]
+__all__ = ["CompileRequest", "check_compile_request", "check_devices",
+           "check_expert_parallel_config", "check_group_size", "check_parallel_config",
+           "check_quant_options", "check_seq_length", "known_chips", "kv_cache_size"]

@@ -341,9 +341,10 @@ def compile(  # noqa: A001 - the public API is toptpu.compile
     A GGUF file (or a directory holding one, `frontends.gguf_loader`) compiles from its
     F32/F16/BF16 tensors; `dequantize` (a mode) dequantizes its quantized tensors and
     compiles in that mode. `devices` > 1 spreads the model over that many chips,
-    `parallel` "tp" (tensor parallel, the default) or "pp" (pipeline parallel): see
-    `toptpu.devices`. Every device's weights and KV cache must fit its memory
-    (`Chip.ddr_bytes`): a model that does not is refused with the device count it needs.
+    `parallel` "tp" (tensor parallel, the default), "pp" (pipeline parallel) or "ep"
+    (expert parallel, a mixture of experts): see `toptpu.devices`. Every device's weights
+    and KV cache must fit its memory (`Chip.ddr_bytes`): a model that does not is refused
+    with the device count it needs.
     """
     t0 = time.perf_counter()
     request = check_compile_request(model, output, request, **keywords)
@@ -568,7 +569,8 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
                          ) -> None:
     """What a multi-device compile cannot take yet: a vision-language model; for tensor
     parallelism a pre-quantized checkpoint (its packed integers are not cut yet),
-    linear-attention layers and mixture-of-experts layers."""
+    linear-attention layers and mixture-of-experts layers; for expert parallelism a model
+    without experts and a pre-quantized checkpoint."""
     if request.parallel is None:
         return
     flag = f"--devices {request.devices} --parallel {request.parallel}"
@@ -582,10 +584,18 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
     if request.parallel is Parallel.TP and LINEAR_ATTENTION in arch.layer_types:
         raise CompileError(f"{flag}: {loaded.source} has linear-attention layers, which "
                            "toptpu does not cut over devices yet; use --parallel pp")
-    if request.parallel is Parallel.TP and any(is_moe_block(getattr(layer, "mlp", None))
-                                               for layer in loaded.model.model.layers[:1]):
+    moe = any(is_moe_block(getattr(layer, "mlp", None)) for layer in loaded.model.model.layers)
+    if request.parallel is Parallel.TP and moe:
         raise CompileError(f"{flag}: {loaded.source} is a mixture of experts, whose "
-                           "experts toptpu does not cut over devices yet; use --parallel pp")
+                           "experts toptpu does not cut over devices by tensor parallelism; "
+                           "use --parallel ep or pp")
+    if request.parallel is Parallel.EP and not moe:
+        raise CompileError(f"{flag}: {loaded.source} has no mixture-of-experts layers to "
+                           "spread expert by expert; use --parallel tp or pp")
+    if request.parallel is Parallel.EP and loaded.checkpoint is not None:
+        raise CompileError(f"{flag}: {loaded.source} is a pre-quantized checkpoint, whose "
+                           "packed expert integers toptpu does not cut over devices yet; use "
+                           "--parallel pp")
 
 
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
@@ -892,6 +902,9 @@ def place(plan: CompilePlan, compiled: CompiledNets) -> Placement:
         return Placement(Parallel.TP, [range(layers)] * n,
                          [tuple(names) if d == 0 else tuple(per_layer + heads)
                           for d in range(n)])
+    if plan.request.parallel is Parallel.EP:  # the embeddings and heads whole on device 0
+        return Placement(Parallel.EP, [range(layers)] * n,
+                         [tuple(names) if d == 0 else tuple(per_layer) for d in range(n)])
     chip = plan.chip
 
     def seconds(net: str) -> float:
@@ -931,7 +944,7 @@ class DeviceWeights:
             for offset, data in p.shared_pieces():
                 yield p.layout.section, offset, data
         for layer in range(self.plan.num_layers):
-            if self.placement.strategy is Parallel.TP:
+            if self.placement.strategy in (Parallel.TP, Parallel.EP):
                 yield from self._tp_layer(layer)
                 continue
             (p,) = [p for p in self.devices if p.layers is not None and layer in p.layers]

@@ -7,7 +7,11 @@ The compiler (`toptpu.compiler`) spreads a model over `--devices N` chips:
   embeddings run on device 0, whose hidden state the others receive;
 - **pipeline parallel** (`pp`): contiguous layers per device (`balance_layers`), the
   embeddings on the first, the lm_head and the heads on the last; the hidden state is sent
-  from device to device where a stage ends.
+  from device to device where a stage ends;
+- **expert parallel** (`ep`, mixtures of experts): every layer on every device, attention,
+  norms, router and shared expert replicated, each device its E/N of the stacked experts
+  (`toptpu.passes.tensor_parallel.ExpertParallelPass`) and an all-reduce of the experts'
+  partial sums; the embeddings, the lm_head and the heads on device 0.
 
 Every device's weights and KV cache must fit its memory: a model that does not is refused
 with the number of devices it needs (`devices_needed`).
@@ -27,6 +31,7 @@ class Parallel(StrEnum):
 
     TP = "tp"  # tensor parallel
     PP = "pp"  # pipeline parallel
+    EP = "ep"  # expert parallel (mixtures of experts)
 
 
 def balance_layers(costs: Sequence[float], first: float, last: float, devices: int

@@ -448,9 +448,11 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
                  parallel: Parallel, chip: Chip) -> DeviceShares:
     """Each device's layers, weight blob, KV cache and linear-attention state, as
     a multi-device compile lays them out (`toptpu.compiler.place`): tp, every layer's
-    pieces on every device, the embedding on device 0; pp, contiguous layers balanced by
-    each layer's decode net's time, the embeddings on the first device, the lm_head and
-    heads on the last, each stage the per-layer nets of its layers' kinds only."""
+    pieces on every device, the embedding on device 0; ep, every layer on every device
+    with its share of the experts, the embeddings and heads on device 0; pp, contiguous
+    layers balanced by each layer's decode net's time, the embeddings on the first device,
+    the lm_head and heads on the last, each stage the per-layer nets of its layers' kinds
+    only."""
     layers = shape.num_layers
 
     def cache(layer: int, names: Sequence[str]) -> int:
@@ -466,6 +468,9 @@ def device_bytes(programs: Mapping[str, Program], shape: ModelShape, devices: in
     if parallel is Parallel.TP:
         ranges = [range(layers)] * devices
         nets = [embeddings + per_layer + heads] + [per_layer + heads] * (devices - 1)
+    elif parallel is Parallel.EP:
+        ranges = [range(layers)] * devices
+        nets = [embeddings + per_layer + heads] + [per_layer] * (devices - 1)
     else:
         def seconds(net: str) -> float:
             return net_timing(command_costs(programs[net].commands), chip).seconds(chip) \

@@ -33,8 +33,8 @@ moved). The
 header records each net's passes (`NetEntry.pipeline`) and where it was picked up
 (`CompileInfo.from_ir`).
 
-Not supported (refused in one line): a dump of a tensor-parallel compile (its nets' cuts are
-not re-derived from IR yet), a dump written before passes.json recorded stages.
+Not supported (refused in one line): a dump of a tensor- or expert-parallel compile (its
+nets' cuts are not re-derived from IR yet), a dump written before passes.json recorded stages.
 """
 
 from __future__ import annotations
@@ -275,8 +275,9 @@ def compile_from_ir(directory: str, output: str, *, model: str | None = None,
     except TypeError as e:
         raise CompileError(f"{directory}/{COMPILE_FILE}: its request is not one this toptpu "
                            f"takes ({e})") from None
-    if request.parallel is Parallel.TP:
-        raise CompileError(f"{directory} is the dump of a tensor-parallel compile; --from-ir "
+    if request.parallel in (Parallel.TP, Parallel.EP):
+        what = "tensor" if request.parallel is Parallel.TP else "expert"
+        raise CompileError(f"{directory} is the dump of a {what}-parallel compile; --from-ir "
                            "does not cut nets over devices yet")
     request = check_compile_request(source, output, request)
     if os.path.abspath(output) == os.path.abspath(dump.weights_path):

@@ -58,7 +58,7 @@ from toptpu.machine_pipeline import compile_for_machine
 from toptpu.pass_pipeline import CompilePipeline, Stage, spec_text
 from toptpu.passes.convert_top_to_tpu import ConvertTopToTpuPass
 from toptpu.passes.pipelines import machine_passes, run_passes
-from toptpu.passes.tensor_parallel import TensorParallelPass
+from toptpu.passes.tensor_parallel import ExpertParallelPass, TensorParallelPass
 from toptpu.request import CompileRequest
 
 if TYPE_CHECKING:
@@ -213,6 +213,8 @@ def compile_net(net: NetPlan, request: CompileRequest, store: WeightStore, *,
     if request.parallel is Parallel.TP and _contract_base(net.name) in TP_NETS:
         splits, cut = cut_for_devices(module, request, store, on_step)
         ran.append(cut)
+    elif request.parallel is Parallel.EP and net.spec.per_layer:
+        ran.append(cut_experts(module, request, store, on_step))
     top_module = module.clone() if keep_top else None
     try:
         # the conversion chooses the Tpu types of the inputs and outputs: the tpu stage
@@ -304,6 +306,22 @@ def cut_for_devices(module: ModuleOp, request: CompileRequest, store: WeightStor
     out.update({name: s for i, name in enumerate(output_names(fn))
                 if (s := result_split(fn, i)) is not None})
     return out, cut
+
+
+def cut_experts(module: ModuleOp, request: CompileRequest, store: WeightStore,
+                on_step: OnStep | None) -> ModulePass:
+    """Run the expert-parallel pass on a per-layer net (its IO stays whole); the pass."""
+    cut = ExpertParallelPass(request.devices, request.chip.name)
+
+    def after(p: ModulePass, m: ModuleOp) -> None:
+        if on_step is not None:
+            on_step(p.name, m, str(p.pipeline_pass_spec()), "tensor-parallel")
+
+    try:
+        run_passes(module, [cut], after=after, store=store)
+    except ShardingError as e:
+        raise CompileError(f"--parallel ep: {e}") from e
+    return cut
 
 
 def _whole(specs: list[TensorSpec], splits: dict[str, Split]) -> list[TensorSpec]:

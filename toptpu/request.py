@@ -242,7 +242,7 @@ def _parallel(value: Any) -> Parallel | None:
     try:
         return Parallel(value)
     except ValueError:
-        raise CompileError(f"--parallel must be tp or pp, not {value!r}") from None
+        raise CompileError(f"--parallel must be tp, pp or ep, not {value!r}") from None
 
 
 def _max_pixels(value: object) -> tuple[int, int] | None:
@@ -391,8 +391,10 @@ class CompileRequest:
     parallel: Parallel | None = asked(Option(
         "parallel", ("--parallel",), None,
         f"with --devices 2 or more: {Parallel.TP} (tensor parallel: every layer cut over all "
-        f"devices, collectives between) or {Parallel.PP} (pipeline parallel: contiguous "
-        "layers per device, the hidden state sent on); default tp",
+        f"devices, collectives between), {Parallel.PP} (pipeline parallel: contiguous "
+        f"layers per device, the hidden state sent on) or {Parallel.EP} (expert parallel, "
+        "mixtures of experts: each device its share of every layer's experts, the rest "
+        "replicated); default tp",
         choices=tuple(p.value for p in Parallel)), parse=_parallel)
     #: conversations one decode step advances together (1: no batch nets)
     batch: int = asked(Option(

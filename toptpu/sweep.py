@@ -452,7 +452,7 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--devices", type=int_at_least(1), help="chips the model is spread over "
                    "(default 1)", **many)
     p.add_argument("--parallel", choices=PARALLEL_STRATEGIES, action="append",
-                   help="with --devices above 1: tp and/or pp (repeatable; default tp)")
+                   help="with --devices above 1: tp, pp and/or ep (repeatable; default tp)")
     p.add_argument("--jobs", type=int_at_least(1), default=os.cpu_count() or 1,
                    help="local processes (default: the CPUs)")
     p.add_argument("--max-points", type=int_at_least(1), default=MAX_POINTS,

@@ -27,6 +27,7 @@ named in the error) and checked across fields (`check_command`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, ClassVar, Literal
@@ -165,6 +166,17 @@ class _Transfer(_Command):
         return run_bytes(self.shape, self.part_shape(), np.dtype(self.dtype).itemsize)
 
 
+_SHARD0 = re.compile(r"@shard0-(\d+)(?![0-9])")
+
+
+def _device_share(name: str | None) -> int:
+    """How many devices share a tensor's rows: N for a weight cut along axis 0 in N
+    pieces (`toptpu.dialects.sharding.shard_name`; a derived tensor keeps the cut in its
+    name), else 1."""
+    m = _SHARD0.search(name or "")
+    return int(m.group(1)) if m else 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class Load(_Transfer):
     """DMA: global tensor (or a slice of it) -> local buffer.
@@ -191,7 +203,11 @@ class Load(_Transfer):
             return self.local.nbytes
         shape = self.index.shape
         tokens = numel(shape[:-1]) if len(shape) > 1 else 1
-        rows = expected_distinct(self.part_shape()[0], tokens, shape[-1] if shape else 1)
+        held, share = self.part_shape()[0], _device_share(self.tensor.name)
+        # one device's share of experts cut over `share` devices (`W@shard0-<N>`, expert
+        # parallelism): the tokens pick among all held x share rows, this device moves
+        # its expected part of them
+        rows = expected_distinct(held * share, tokens, shape[-1] if shape else 1) / share
         return round(rows * self.row_nbytes)
 
     @property

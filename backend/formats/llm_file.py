@@ -570,7 +570,7 @@ class VisionInfo:
 
 
 #: how a multi-device file spreads the model (`ParallelInfo.strategy`)
-STRATEGIES = ("tp", "pp")
+STRATEGIES = ("tp", "pp", "ep")
 
 
 @dataclass(frozen=True)
@@ -603,10 +603,13 @@ class DeviceInfo:
 @dataclass(frozen=True)
 class ParallelInfo:
     """A model spread over several devices: `tp` (tensor parallel: every device every layer,
-    each its piece of each weight; the nets that all devices run together hold collectives)
-    or `pp` (pipeline parallel: contiguous layers per device, the embedding on the first,
-    the lm_head and heads on the last). `splits`: net -> IO name -> how each device's
-    part is cut (tp; an IO not named is whole on every device)."""
+    each its piece of each weight; the nets that all devices run together hold collectives),
+    `pp` (pipeline parallel: contiguous layers per device, the embedding on the first,
+    the lm_head and heads on the last) or `ep` (expert parallel: every device every layer,
+    its share of each layer's experts, the rest whole; the per-layer nets hold an
+    all-reduce after the experts; the embeddings and heads on device 0). `splits`: net ->
+    IO name -> how each device's part is cut (tp; an IO not named is whole on every
+    device)."""
 
     strategy: Annotated[str, OneOf(STRATEGIES, "parallel strategy")]
     devices: tuple[DeviceInfo, ...]
@@ -765,9 +768,11 @@ class LlmHeader:
         end = 0
         for d, dev in enumerate(par.devices):
             where = f"parallel.devices[{d}]"
-            if par.strategy == "tp" and (dev.first_layer, dev.end_layer) != (0, layers):
+            if par.strategy in ("tp", "ep") \
+                    and (dev.first_layer, dev.end_layer) != (0, layers):
+                what = "a tensor-parallel" if par.strategy == "tp" else "an expert-parallel"
                 raise HeaderError(where, f"holds layers [{dev.first_layer}, {dev.end_layer});"
-                                         f" a tensor-parallel device holds all {layers}")
+                                         f" {what} device holds all {layers}")
             if par.strategy == "pp" and not (dev.first_layer == end < dev.end_layer):
                 raise HeaderError(f"{where}.first_layer",
                                   f"is {dev.first_layer} (to {dev.end_layer}); pipeline "

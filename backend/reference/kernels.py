@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -711,6 +712,23 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
     return np.add(acc, r, out=r)
 
 
+def matmul_weight_rows(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndarray:
+    """a @ f32(w).T in f32 without the bias, for a float weight `w` [N, K] (a bf16
+    lm_head) whose f32 form is never made whole: `block_rows` of its rows are converted at
+    a time (contiguous) and multiplied while in cache, each block's outputs written into
+    the result. Each output is the same dot product as in `matmul(a, w,
+    transpose_b=True)`'s one product (and `matmul_part`'s, `a` contiguous); whether a BLAS
+    gives it the same bits when it computes fewer outputs together depends on the BLAS,
+    so a caller checks it per shape (`WeightCache.f32_rows_product`)."""
+    fa = np.ascontiguousarray(f32(a))
+    n = w.shape[0]
+    r = np.empty((*fa.shape[:-1], n), np.float32)
+    for r0 in range(0, n, max(1, block_rows)):
+        block = np.ascontiguousarray(f32(w[r0:r0 + block_rows]))
+        r[..., r0:r0 + block.shape[0]] = _matmul(fa, block.T)
+    return r
+
+
 def matmul_finish(acc: np.ndarray, bias: np.ndarray | None, out_dtype: OutDType, like: np.ndarray
                   ) -> np.ndarray:
     """A matmul's result from its f32 sum over all of K (`matmul_part`): plus `bias`,
@@ -1061,10 +1079,71 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
         b = block[:m]
-        np.multiply(offsets[r0:r0 + m].reshape(m, g, group_size), sf[r0:r0 + m, :, None],
-                    out=b, dtype=np.float32)
-        if mf is not None:
-            np.add(b, mf[r0:r0 + m, :, None], out=b)
+        np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
+        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    return _biased(r, bias, out_dtype, x)
+
+
+def _scale_block(b: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> None:
+    """A block [m, G, group] of integer offsets in f32 (exact) times its f32 scales [m, G]
+    (+ mins) in place: `dequantize_offsets`' one rounding per product (and per sum)."""
+    np.multiply(b, scales[:, :, None], out=b)
+    if mins is not None:
+        np.add(b, mins[:, :, None], out=b)
+
+
+def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
+                  zeros: np.ndarray | None, group_size: int, bias: np.ndarray | None,
+                  out_dtype: OutDType = None, block_rows: int = 64,
+                  mins: np.ndarray | None = None) -> np.ndarray | None:
+    """`matmul_offsets(x, weight_offsets(qweight, zeros, 4, group_size, mins is not None),
+    scales, group_size, bias, out_dtype, block_rows, mins)` for a 4-bit weight, each
+    block's offsets made from its packed bytes while in cache instead of the weight's
+    (or a slice's) offsets written to memory first: the same blocks, the same f32 weights
+    (the same integers, widened exactly, times the same scales), the same products — its
+    bits. Per block, in fewer and cheaper passes than `weight_offsets`: the packed bytes
+    widened to uint16 and their two nibbles spread to the two bytes of each (`b | b << 4`
+    masked with 0x0F0F: low nibble in the low byte, what `unpack_int4` writes at k = 2j on a
+    little-endian host) in contiguous passes, instead of two strided byte writes; the
+    zero point subtracted in int8; widened to f32, scaled. None where the offsets of
+    some zero point do not fit int8 (`weight_offsets` makes int16 ones) or on a
+    big-endian host: the caller uses `weight_offsets`."""
+    if sys.byteorder != "little":
+        return None
+    fx = f32(x)
+    n, half = qweight.shape
+    k = 2 * half
+    g = k // group_size
+    if zeros is None:
+        z: np.ndarray | int = 0 if mins is not None else 8
+    else:
+        zs = np.asarray(zeros)
+        if zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
+            return None  # q - z outside int8 (weight_offsets: int16)
+        z = (zs.view(np.int8) if zs.dtype == np.uint8 else zs.astype(np.int8))[:, :, None]
+    sf = f32(scales)
+    mf = None if mins is None else f32(mins)
+    rows = max(1, min(block_rows, n))
+    wide = np.empty((rows, half), np.uint16)
+    shifted = np.empty_like(wide)
+    block = np.empty((rows, g, group_size), np.float32)
+    r = np.empty((*fx.shape[:-1], n), np.float32)
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        v, t = wide[:m], shifted[:m]
+        np.copyto(v, qweight[r0:r0 + m])
+        np.left_shift(v, 4, out=t)
+        np.bitwise_or(v, t, out=v)
+        np.bitwise_and(v, 0x0F0F, out=v)
+        d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
+        if isinstance(z, np.ndarray):
+            np.subtract(d, z[r0:r0 + m], out=d)
+        elif z:
+            np.subtract(d, np.int8(z), out=d)
+        b = block[:m]
+        np.copyto(b, d)
+        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
         r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
     return _biased(r, bias, out_dtype, x)
 

@@ -184,7 +184,11 @@ class Spread:
       stage's layers on its device: the host writes the per-layer nets' inputs to every
       stage whose layers' nets take them (`stages`: each device's layers; a hybrid model's
       linear-attention layers take no position ids or mask; none given: every stage), the
-      hidden state goes from stage to stage (a send per boundary)."""
+      hidden state goes from stage to stage (a send per boundary);
+    - `ep`: the embeddings, the lm_head and the heads on device 0, every per-layer net on
+      all `devices` (each its share of the experts; the all-reduce inside the net): the
+      host writes a per-layer net's inputs to every device, device 0's embedding goes to
+      the other devices (a send each), the logits are read whole from device 0."""
 
     strategy: str
     devices: int
@@ -195,7 +199,7 @@ class Spread:
         base = NetName.parse(net).base  # `block:16` is a `block`
         if base in (EMBEDDING, EMBEDDING_CACHE):
             return 1
-        if self.strategy == "pp" and base not in PER_LAYER_NETS:
+        if self.strategy in ("pp", "ep") and base not in PER_LAYER_NETS:
             return 1
         return self.devices
 
@@ -325,7 +329,7 @@ class StepModel:
         if self.spread is None:
             return []
         n = self.spread.hidden_sends
-        to = "the other devices" if self.spread.strategy == "tp" else "the next stage"
+        to = "the next stage" if self.spread.strategy == "pp" else "the other devices"
         return [Charge("send", f"{name} to {to}", n,
                        send_costs(self.chip, self._spec(net, name).nbytes).times(n))]
 
@@ -460,14 +464,19 @@ class StepModel:
             # cache cut by heads: each device's piece)
             scratch = self._spec(block, PRESENT_K)
             rows = scratch.nbytes // scratch.shape[1] * n
-            parts = 1 if self.spread is None or self.spread.strategy != "tp" \
-                else self.spread.devices
-            caches = 2 * parts * sum(any(s.name == PRESENT_K for s in self.io[name][1])
-                                     for name in self._layer_names(net))
+            # (tp: each device's piece; ep: every device's whole copy written)
+            strategy = None if self.spread is None else self.spread.strategy
+            parts = self.spread.devices if self.spread is not None and strategy == "tp" \
+                else 1
+            copies = self.spread.devices if self.spread is not None and strategy == "ep" \
+                else 1
+            layers = sum(any(s.name == PRESENT_K for s in self.io[name][1])
+                         for name in self._layer_names(net))
+            caches = 2 * parts * layers
             c += [Charge("transfer", "present_k/v to the host (past SEQ)", caches,
                          transfer_costs(self.chip, scratch.nbytes // parts).times(caches)),
-                  Charge("transfer", "present_k/v rows to the cache", caches,
-                         transfer_costs(self.chip, rows // parts).times(caches))]
+                  Charge("transfer", "present_k/v rows to the cache", caches * copies,
+                         transfer_costs(self.chip, rows // parts).times(caches * copies))]
         return c
 
     def first_token_charges(self, prompt_tokens: int, sampler: str,

@@ -671,7 +671,10 @@ def run_together(machines: Sequence[Machine], net: LoadedNet, bindings: Sequence
     destination, and all go on. The devices run the same program, so they meet the same
     collectives in the same order, and the timeline (with the collectives on the link
     engine) is every device's. (A net cut without collectives, the lm_head's split logits,
-    runs on each device alone.)"""
+    runs on each device alone.) Where the devices' indexed loads moved different bytes
+    (expert parallelism: each device the experts its tokens chose among its own), the
+    timeline is the slowest device's, timed with what it moved: the collectives wait for
+    it."""
     if net.devices not in (None, len(machines)) or len(bindings) != len(machines):
         raise MachineTrap(f"net '{net.name}' joins {net.devices} devices in collectives; "
                           f"it was run on {len(machines)}")
@@ -682,7 +685,7 @@ def run_together(machines: Sequence[Machine], net: LoadedNet, bindings: Sequence
     while True:
         met = [next(r, None) for r in runs]
         if all(x is None for x in met):
-            return net.plan(machines[0].chip).timeline
+            return max((m.timeline_of_run(net) for m in machines), key=lambda t: t.cycles)
         if any(x is None for x in met) or len({id(x[0]) for x in met if x}) != 1:
             raise MachineTrap(f"net '{net.name}': its devices reached different collectives")
         step = met[0][0]  # type: ignore[index]  # no None: checked above

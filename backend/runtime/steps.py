@@ -222,9 +222,18 @@ class OpStep(Step):
                                                           self.group_size, mins))
             acc = K.matmul_dequantized_part(acc, x, w)
         else:
+            blocked = None
             if self.special == "f32w":  # the part's weights upcast once (cached)
-                args = [args[0], self._f32_part(m, args[1]), *args[2:]]
-            acc = reduction_part(self.op, args, acc, self.part)
+                w = args[1]
+                form = self._f32_part(m, w)
+                if form is None and w is not None:  # not kept: too large for the cache
+                    blocked = self._rows_product(m, args[0], w)
+                    form = K.f32(w) if blocked is None else None
+                args = [args[0], form, *args[2:]]
+            if blocked is not None:
+                acc = blocked if acc is None else np.add(acc, blocked, out=blocked)
+            else:
+                acc = reduction_part(self.op, args, acc, self.part)
         m.free(self.free)
         if not self.last:
             local.write(self.acc, acc, who)
@@ -247,8 +256,9 @@ class OpStep(Step):
             stored = None
         if stored is not None and stored.flags.c_contiguous:
             return stored
-        return m.cache.get(("f32", key), lambda: np.ascontiguousarray(
-            K.f32(w) if stored is None else stored))
+        if stored is None:
+            return m.cache.f32_form(("f32", key), w)
+        return m.cache.get(("f32", key), lambda: np.ascontiguousarray(stored))
 
     def _weight_key(self, m: Machine) -> tuple | None:
         """The cache key of what the weight buffers hold (`held_key`), None unless every
@@ -283,9 +293,29 @@ class OpStep(Step):
         elif weight_key is not None:
             w = args[1]
             assert w is not None  # the matmul's weight operand
-            args = [args[0], m.cache.get(("f32", weight_key), lambda: K.f32(w), keep),
-                    *args[2:]]
+            form = m.cache.f32_form(("f32", weight_key), w, keep)
+            if form is None:
+                blocked = self._rows_product(m, args[0], w)
+                if blocked is not None:
+                    x = args[0]
+                    assert x is not None  # (a blocked product's)
+                    return [K.matmul_finish(blocked, args[2], self.out_dtype, x)]
+                form = K.f32(w)  # the whole f32 form, not kept (as the cache decides)
+            args = [args[0], form, *args[2:]]
         return self.fn(self.op, args, m.context)
+
+    def _rows_product(self, m: Machine, x: np.ndarray | None, w: np.ndarray
+                      ) -> np.ndarray | None:
+        """x @ f32(w).T (f32, no bias) a block of the weight's rows at a time for a
+        `top.matmul` with a transposed weight (the lm_head: [vocab, hidden]) whose f32 form
+        the cache does not keep (`WeightCache.f32_rows_product`); None for another matmul
+        or where the blocks' bits differ on this host."""
+        if x is None or not isinstance(self.op, ShapedOp):
+            return None
+        params = self.op.kernel_params()
+        if params.get("transpose_a") or not params.get("transpose_b"):
+            return None
+        return m.cache.f32_rows_product(x, w)
 
     def _a16_matmul(self, m: Machine, args: list[np.ndarray | None],
                     weight_key: Hashable | None, keep: bool) -> np.ndarray:

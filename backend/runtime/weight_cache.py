@@ -28,8 +28,12 @@ f32 forms the same way. A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
 form to memory (about 2x faster), once that was found bit-identical for the shape. A
 decode step's product with a weight kept in no form (the budget is full) is made the same
-way from the packed bytes, STREAM_ROWS rows' offsets at a time (`streamed_product`: the
-same blocks, so the same bits), never holding the weight's offsets or f32 form whole.
+way from the packed bytes (`streamed_product`: a 4-bit weight's offsets made a block at a
+time in cache, `kernels.matmul_packed`; others' STREAM_ROWS rows' offsets at a time: the
+same blocks, so the same bits), never holding the weight's offsets or f32 form whole. A
+float weight whose f32 form does not fit (`f32_form`: a 14B model's bf16 lm_head, 3.1 GB
+in f32) is multiplied by one row STREAM_ROWS of its rows at a time, each block converted
+in cache (`f32_rows_product`, checked per shape), never converted whole.
 
 Weight pages: an executor whose weight blob is larger than STREAM_ABOVE releases the mapped
 pages of the weights each run read once it is done (TOPTPU_STREAM_WEIGHTS=auto|on|off;
@@ -64,6 +68,9 @@ STREAM_ENV_VAR = "TOPTPU_STREAM_WEIGHTS"
 #: the rows of a weight kept in no form whose offsets a decode step's product makes at a
 #: time (a multiple of `kernels.matmul_offsets`' block: the same blocks as the whole's)
 STREAM_ROWS = 1024
+#: the first product of a shape made from a float weight's blocks of rows (`f32_rows_product`)
+#: is checked against one product over this many of the weight's first rows
+CHECK_ROWS = 4 * STREAM_ROWS
 #: products with weights kept as offsets expand them a block at a time (no whole f32
 #: weight) for inputs of at most this many rows: a decode step's
 FUSED_ROWS = 8
@@ -96,6 +103,14 @@ def default_budget(streaming: bool = False) -> int:
     return min(budget, STREAMING_CAP) if streaming else budget
 
 
+def packed_int8(zeros: np.ndarray | None) -> bool:
+    """Whether a 4-bit weight's offsets q - z are int8 for these zero points (None: the
+    implied 8, or 0 with mins): what `kernels.matmul_packed` takes."""
+    if zeros is None or zeros.size == 0:
+        return True
+    return -112 <= int(zeros.min()) and int(zeros.max()) <= 127
+
+
 def _rows(a: np.ndarray | None, start: int, end: int) -> np.ndarray | None:
     return None if a is None else a[start:end]
 
@@ -120,6 +135,8 @@ class WeightCache:
         #: whether `kernels.matmul_offsets` gives `matmul_dequantized`'s bits, by shape
         self.fused_ok: dict[tuple, bool] = {}
         self.streamed = 0  # decode products made from packed weights kept in no form
+        #: products with float weights whose f32 form is not kept, made a block at a time
+        self.blocked = 0
 
     def get(self, key: Hashable, make: Callable[[], np.ndarray],
             keep: bool = True) -> np.ndarray:
@@ -136,6 +153,47 @@ class WeightCache:
             self._make_room(hit.nbytes)
             self._keep(self._items, key, hit)
         return hit
+
+    def f32_form(self, key: Hashable, w: np.ndarray, keep: bool = True) -> np.ndarray | None:
+        """The f32 form of the float weight `w` under `key` (`kernels.f32`) where it is
+        kept, or where the budget keeps it (made and kept now, `get`); None where it would
+        not be kept (larger than the budget allows: a 14B model's bf16 lm_head, 3.1 GB in
+        f32; or `keep=False` and not kept): its products are then made a block of rows
+        at a time (`f32_rows_product`), never holding the whole f32 form."""
+        hit = self._items.get(key)
+        if hit is not None:
+            return hit
+        if keep and self._free() + self._givable >= 4 * w.size:
+            return self.get(key, lambda: np.ascontiguousarray(K.f32(w)))
+        return None
+
+    def f32_rows_product(self, x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
+        """x @ f32(w).T in f32 (no bias) for one row `x` (the lm_head net's: a decode
+        step's, or each row of `sequence_logits`) and a weight `w` [N, K] whose f32 form is
+        not kept: STREAM_ROWS rows converted at a time (`kernels.matmul_weight_rows`). The
+        first product of each shape is checked against one product over the first
+        CHECK_ROWS rows of the weight (the whole where it has no more; its whole f32 form
+        is what this avoids): None where the bits differ (`fused_ok` keeps the verdict),
+        for the caller to make the product whole as before. None too for an `x` of several
+        rows: this host's BLAS (OpenBLAS 0.3.31) gives such products other bits for
+        fewer output columns at small sizes (a one-row product's outputs were the same at
+        every size tried: vocabularies of 96-152064, widths 128-5120)."""
+        if not (x.flags.c_contiguous and w.ndim == 2 and math.prod(x.shape[:-1]) == 1):
+            return None
+        shape = ("f32w", x.shape, x.dtype.str, w.shape, w.dtype.str)
+        verdict = self.fused_ok.get(shape)
+        if verdict is False:
+            return None
+        if verdict is None:
+            p = min(w.shape[0], CHECK_ROWS)
+            head = w[:p]
+            one = K.matmul(x, K.f32(head), transpose_b=True, out_dtype=np.float32)
+            blocked = K.matmul_weight_rows(x, head, STREAM_ROWS)
+            self.fused_ok[shape] = ok = one.tobytes() == blocked.tobytes()
+            if not ok:
+                return None
+        self.blocked += 1
+        return K.matmul_weight_rows(x, w, STREAM_ROWS)
 
     def dequantized(self, key: Hashable, qweight: np.ndarray, scales: np.ndarray,
                     zeros: np.ndarray | None, bits: int, group_size: int,
@@ -217,10 +275,14 @@ class WeightCache:
         bits differ is computed whole)."""
         self.streamed += 1
         n = qweight.shape[0]
-        first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS), bits,
-                                 group_size, mins is not None)
-        k = first.shape[1]
-        shape = (x.shape, (n, k), first.dtype.str, group_size, scales.dtype.str,
+        first: np.ndarray | None = None
+        if bits == 4 and packed_int8(zeros):
+            k, dtype = 2 * qweight.shape[-1], np.dtype(np.int8)  # weight_offsets' too
+        else:
+            first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
+                                     bits, group_size, mins is not None)
+            k, dtype = first.shape[1], first.dtype
+        shape = (x.shape, (n, k), dtype.str, group_size, scales.dtype.str,
                  None if mins is None else mins.dtype.str, None if bias is None else bias.shape)
         verdict = self.fused_ok.get(shape)
         if not verdict:
@@ -237,11 +299,20 @@ class WeightCache:
                               out_dtype, mins)
 
     @staticmethod
-    def _streamed(x: np.ndarray, first: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
-                  zeros: np.ndarray | None, bits: int, group_size: int,
+    def _streamed(x: np.ndarray, first: np.ndarray | None, qweight: np.ndarray,
+                  scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int,
                   bias: np.ndarray | None, out_dtype: np.dtype | None,
                   mins: np.ndarray | None) -> np.ndarray:
-        """`streamed_product`'s blocks, the first block's offsets `first` given."""
+        """`streamed_product`'s blocks: a 4-bit weight's from its packed bytes a block at a
+        time (`kernels.matmul_packed`: `matmul_offsets`' blocks and bits) where `first` is
+        None; else STREAM_ROWS rows' offsets at a time, the first block's `first`."""
+        if first is None:
+            got = K.matmul_packed(x, qweight, scales, zeros, group_size, bias, out_dtype,
+                                  mins=mins)
+            if got is not None:
+                return got
+            first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
+                                     bits, group_size, mins is not None)
         n = qweight.shape[0]
         out = np.empty((*x.shape[:-1], n), np.float32)
         for r0 in range(0, n, STREAM_ROWS):
