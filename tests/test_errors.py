@@ -24,6 +24,9 @@ NOT_USER_ERRORS = {
     "toptpu.weight_calibration.sequential._StageSeen":
         "control flow inside the calibration: stops a forward once a stage's input is seen, "
         "caught where it is raised",
+    "toptpu.weight_calibration.experts._ExpertsSeen":
+        "control flow inside the experts' calibration: stops a forward once the experts' "
+        "inputs are seen, caught where it is raised",
     "toptpu.command_io.LineTooLong":
         "a chat line longer than the reader takes: caught by the chat loop, which says so "
         "and reads the next line",

@@ -265,7 +265,7 @@ def test_the_context_length_bounds_seq_length(tmp_path) -> None:
     out = str(tmp_path / "m.toptpu")
     _request(path, out, 64)
     with pytest.raises(CompileError, match=r"--seq-length 65 exceeds max_position_embeddings "
-                                           r"64 of .*c\.gguf \(its llama\.context_length\)"):
+                                           r"64 of .*c\.gguf \(its llama\.\* metadata\)"):
         _request(path, out, 65)
     one = small_gguf(str(tmp_path / "one.gguf"), {"llama.context_length": (1, V.UINT32, None)})
     with pytest.raises(CompileError, match="exceeds max_position_embeddings 1 of"):

@@ -21,6 +21,7 @@ from toptpu.devices import Parallel
 from toptpu.dialects.common import DEFAULT_GROUP_SIZE, QuantMode
 from toptpu.dialects.output_file import note_input
 from toptpu.errors import CompileError
+from toptpu.families import QWEN2_MOE, QWEN3_MOE, text_family_of
 from toptpu.frontends.gguf_loader import gguf_file_of, gguf_text_config
 from toptpu.frontends.hf_loader import (
     SUPPORTED_MODEL_TYPES,
@@ -139,7 +140,7 @@ def check_parallel_config(cfg: dict[str, Any], where: str, devices: int,
 #: config keys whose positive value makes a model a mixture of experts
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 #: the mixture-of-experts families whose routed experts `--calibrate gptq` calibrates
-CALIBRATED_MOE = ("qwen3_moe", "qwen2_moe")
+CALIBRATED_MOE = (QWEN3_MOE, QWEN2_MOE)
 
 
 def check_expert_parallel_config(cfg: dict[str, Any], where: str, devices: int) -> None:
@@ -185,11 +186,11 @@ def _check_calibration(model: Any, request: CompileRequest,
         experts = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
         if experts is not None:
             moe = f"{where} is a mixture-of-experts model ({experts} {cfg[experts]})"
-            if cfg.get("model_type") not in CALIBRATED_MOE:
+            if text_family_of(cfg.get("model_type")) not in CALIBRATED_MOE:
                 raise CompileError(f"{flag}: {moe} of type '{cfg.get('model_type')}', whose "
                                    "experts toptpu does not calibrate (it calibrates "
-                                   f"{' and '.join(CALIBRATED_MOE)}); compile it without "
-                                   "--calibrate")
+                                   f"{' and '.join(f.name for f in CALIBRATED_MOE)}); "
+                                   "compile it without --calibrate")
             if cal.method != "gptq":
                 raise CompileError(f"{flag}: {moe}; AWQ does not calibrate routed experts "
                                    "(their input scales would fold into the norm the router "
