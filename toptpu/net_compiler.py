@@ -292,15 +292,7 @@ def cut_for_devices(module: ModuleOp, request: CompileRequest, store: WeightStor
     if LOGITS in names:  # the heads read the lm_head's logits, cut by vocabulary
         set_arg_split(fn, names.index(LOGITS), Split(1, n))
     cut = TensorParallelPass(n, request.chip.name)
-
-    def after(p: ModulePass, m: ModuleOp) -> None:
-        if on_step is not None:
-            on_step(p.name, m, str(p.pipeline_pass_spec()), "tensor-parallel")
-
-    try:
-        run_passes(module, [cut], after=after, store=store)
-    except ShardingError as e:
-        raise CompileError(f"--parallel tp: {e}") from e
+    _run_cut(module, cut, "tp", store, on_step)
     out = {name: s for i, name in enumerate(input_names(fn))
            if (s := arg_split(fn, i)) is not None}
     out.update({name: s for i, name in enumerate(output_names(fn))
@@ -312,6 +304,14 @@ def cut_experts(module: ModuleOp, request: CompileRequest, store: WeightStore,
                 on_step: OnStep | None) -> ModulePass:
     """Run the expert-parallel pass on a per-layer net (its IO stays whole); the pass."""
     cut = ExpertParallelPass(request.devices, request.chip.name)
+    _run_cut(module, cut, "ep", store, on_step)
+    return cut
+
+
+def _run_cut(module: ModuleOp, cut: ModulePass, strategy: str, store: WeightStore,
+             on_step: OnStep | None) -> None:
+    """Run a cut over devices on a net, each step reported to `on_step` (under the
+    tensor-parallel stage, as the dumps name it); a ShardingError as `--parallel`'s."""
 
     def after(p: ModulePass, m: ModuleOp) -> None:
         if on_step is not None:
@@ -320,8 +320,7 @@ def cut_experts(module: ModuleOp, request: CompileRequest, store: WeightStore,
     try:
         run_passes(module, [cut], after=after, store=store)
     except ShardingError as e:
-        raise CompileError(f"--parallel ep: {e}") from e
-    return cut
+        raise CompileError(f"--parallel {strategy}: {e}") from e
 
 
 def _whole(specs: list[TensorSpec], splits: dict[str, Split]) -> list[TensorSpec]:
