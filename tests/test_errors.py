@@ -21,12 +21,9 @@ NOT_USER_ERRORS = {
     "toptpu.backend.reference.interpreter.KernelBindingError":
         "an op class whose kernel binding names no function of kernels.py: a bug in the op "
         "class (ours or a plugin's)",
-    "toptpu.weight_calibration.sequential._StageSeen":
-        "control flow inside the calibration: stops a forward once a stage's input is seen, "
-        "caught where it is raised",
-    "toptpu.weight_calibration.experts._ExpertsSeen":
-        "control flow inside the experts' calibration: stops a forward once the experts' "
-        "inputs are seen, caught where it is raised",
+    "toptpu.weight_calibration.layers._InputsSeen":
+        "control flow inside the calibration: stops a forward once a module's inputs are "
+        "seen, caught where it is raised",
     "toptpu.command_io.LineTooLong":
         "a chat line longer than the reader takes: caught by the chat loop, which says so "
         "and reads the next line",

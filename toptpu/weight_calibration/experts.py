@@ -87,10 +87,6 @@ class ExpertsResult:
     tokens: list[int] = field(default_factory=list)
 
 
-class _ExpertsSeen(Exception):
-    """Stops a forward once the experts' inputs have been seen."""
-
-
 def _routed(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden [T, H], top-k expert indices [T, k]) of the experts' call."""
     names = ("hidden_states", "top_k_index")
@@ -128,17 +124,8 @@ def _accumulate(runner: LayerRunner, x: LayerInputs, experts: torch.nn.Module,
             if rows.numel():
                 xe = x[rows]
                 acc.add(expert_intermediate(experts, e, xe) if down else xe)
-        raise _ExpertsSeen
 
-    handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for b in runner.batches(x.shape[0]):
-            try:
-                runner.forward(x.read(b))
-            except _ExpertsSeen:
-                pass
-    finally:
-        handle.remove()
+    runner.see_inputs(experts, x, hook, with_kwargs=True)
     return accs
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from toptpu.frontends.gguf_loader import gguf_file_of, load_gguf
 from toptpu.frontends.hf_layers import DecoderLayerWithRope, causal_mask
 from toptpu.frontends.hf_loader import LoadedModel
 from toptpu.frontends.streaming import load_streaming, materialize_layer, to_f32
+from toptpu.weight_calibration.activations import LayerInputs
 from toptpu.weight_calibration.experts import EXPERTS, fused_experts
 from toptpu.weight_calibration.grid import CalibrationError
 
@@ -124,6 +125,10 @@ def layer_plan(layer: torch.nn.Module, kind: str, where: str) -> LayerPlan:
     return plan
 
 
+class _InputsSeen(Exception):
+    """Stops a forward once a module's inputs have been seen (`LayerRunner.see_inputs`)."""
+
+
 class LayerRunner:
     """One real decoder layer on calibration sequences of `length` tokens (module doc).
 
@@ -157,6 +162,25 @@ class LayerRunner:
         if self.kind == LINEAR_ATTENTION and x.shape[0] != 1:
             return torch.cat([self.forward(x[i:i + 1]) for i in range(x.shape[0])])
         return self.block(x, self.position_ids, self.mask)
+
+    def see_inputs(self, module: torch.nn.Module, x: LayerInputs,
+                   see: Callable[..., None], with_kwargs: bool = False) -> None:
+        """Call `see` (a forward pre-hook's signature) with `module`'s inputs in each batch of
+        `x`, every batch's forward stopped there."""
+
+        def hook(*args: Any) -> None:
+            see(*args)
+            raise _InputsSeen
+
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        try:
+            for b in self.batches(x.shape[0]):
+                try:
+                    self.forward(x.read(b))
+                except _InputsSeen:
+                    pass
+        finally:
+            handle.remove()
 
     def rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's (cos, sin) at the sequence's positions (made once)."""

@@ -166,10 +166,6 @@ class CalibrationReport:
     rtn_experts: list[str] = field(default_factory=list)
 
 
-class _StageSeen(Exception):
-    """Stops a forward once the input of a GPTQ stage has been seen."""
-
-
 def _linear_weight(layer: torch.nn.Module, name: str) -> torch.nn.Linear:
     m = layer.get_submodule(name)
     assert isinstance(m, torch.nn.Linear)
@@ -184,17 +180,8 @@ def _stage_hessian(runner: LayerRunner, first: torch.nn.Linear, x: LayerInputs,
 
     def hook(_m: torch.nn.Module, args: tuple) -> None:
         acc.add(args[0])
-        raise _StageSeen
 
-    handle = first.register_forward_pre_hook(hook)
-    try:
-        for b in runner.batches(x.shape[0]):
-            try:
-                runner.forward(x.read(b))
-            except _StageSeen:
-                pass
-    finally:
-        handle.remove()
+    runner.see_inputs(first, x, hook)
     return acc
 
 
