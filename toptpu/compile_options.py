@@ -191,10 +191,6 @@ def _check_calibration(model: Any, request: CompileRequest,
                                    "experts toptpu does not calibrate (it calibrates "
                                    f"{' and '.join(f.name for f in CALIBRATED_MOE)}); "
                                    "compile it without --calibrate")
-            if cal.method != "gptq":
-                raise CompileError(f"{flag}: {moe}; AWQ does not calibrate routed experts "
-                                   "(their input scales would fold into the norm the router "
-                                   "and every expert share): use --calibrate gptq")
         method = (cfg.get("quantization_config") or {}).get("quant_method") \
             if isinstance(cfg.get("quantization_config"), dict) else None
         if method is not None:

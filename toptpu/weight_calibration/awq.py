@@ -23,17 +23,48 @@ linear before them, the module whose output is compared):
 
 The scale search and the clipping use a subset of the calibration sequences (at most
 `search_tokens` tokens, spread over the set); ``x_mean`` uses them all.
+
+Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE; `layers._moe_scaling`), as AutoAWQ's
+qwen2_moe / qwen3_moe / mixtral models group them, with one difference:
+
+- one scale s for every routed expert's gate and up (and Qwen2-MoE's shared expert's),
+  searched on the MoE block's input (x_mean over all tokens; w_mean over all those
+  linears), the loss the MoE block's output with those linears fake-quantized, folded into
+  post_attention_layernorm. The router's weight (and Qwen2-MoE's one-output
+  ``shared_expert_gate``) is multiplied by the same s and stays float, so its logits, and
+  which experts each token goes to, are the float model's before rounding (AutoAWQ leaves
+  the router out of the group: its input then changes by 1/s);
+- each routed expert's down, scaled with that expert's up as the previous op, on the
+  tokens of the search sequences the router sent that expert (x_mean over all the
+  calibration tokens it was sent), the loss down's own output; the shared expert's down
+  likewise on every token. Clipping: each expert's linears on its routed search tokens.
+
+An expert no search token was routed to has no inputs to search on: its gate and up take
+the shared s (the norm they read is shared) and its down no scale, none of its linears is
+clipped, and all three are rounded to nearest (`AwqLayerReport.unscaled_experts`, named by
+the calibration as GPTQ names its unrouted experts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from toptpu.weight_calibration.activations import LayerInputs, layer_inputs
+from toptpu.weight_calibration.experts import (
+    MOE_BLOCK,
+    expert_intermediate,
+    expert_linear,
+    expert_linears,
+    expert_shapes,
+    expert_weight,
+    routed_inputs,
+    routed_rows,
+)
 from toptpu.weight_calibration.grid import CalibrationError, QuantScheme
 from toptpu.weight_calibration.layers import LayerPlan, LayerRunner, ScalingGroup
 
@@ -119,21 +150,60 @@ def search_rows(n: int, length: int, search_tokens: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, m).round().astype(np.int64))
 
 
+def _input_modules(plan: LayerPlan) -> list[str]:
+    """The modules whose inputs the search needs: each stage's first linear, and the
+    scaling groups' own `inputs` that are modules (a MoE layer's block)."""
+    keys = [stage[0] for stage in plan.stages]
+    for group in plan.scaling:
+        if group.inputs and expert_linear(group.inputs) is None and group.inputs not in keys:
+            keys.append(group.inputs)
+    return keys
+
+
+def _down_key(plan: LayerPlan, expert: int) -> str:
+    return f"{plan.experts}.{expert}.down_proj"
+
+
 @torch.no_grad()
 def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: LayerInputs, rows: np.ndarray
-                   ) -> tuple[dict[str, StageInputs], torch.Tensor]:
+                   ) -> tuple[dict[str, StageInputs], torch.Tensor, torch.Tensor | None]:
     """One float forward of the layer over all sequences `x` [n, L, H]: each stage's input
     statistics and search inputs (by its first linear), and the layer inputs of the search
-    sequences."""
-    stages = {stage[0]: StageInputs(torch.zeros(0), 0, []) for stage in plan.stages}
-    n = x.shape[0]
+    sequences. A MoE layer also: the top-k experts of each search token ([T, k], in the
+    order of the MoE block's search inputs), and for each expert the statistics of its
+    down's inputs over every token routed to it (`_down_key`; their search inputs are made
+    when that expert is searched)."""
+    stages = {key: StageInputs(torch.zeros(0), 0, []) for key in _input_modules(plan)}
+    n, length = x.shape[0], x.shape[1]
     keep = torch.zeros(n, dtype=torch.bool)
     keep[torch.from_numpy(rows)] = True
     current: dict[str, torch.Tensor] = {}
     hooks = []
-    for name, rec in stages.items():
+    routing: list[torch.Tensor] = []
+    if plan.experts is not None:
+        experts = runner.layer.get_submodule(plan.experts)
+        n_experts, inter, _ = expert_shapes(experts)
+        downs = {e: StageInputs(torch.zeros(inter, dtype=torch.float64), 0, [])
+                 for e in range(n_experts)}
+
+        def route(_m: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            hidden, index = routed_inputs(args, kwargs)
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            routing.append(index[current["keep"].repeat_interleave(length)].clone())
+            for e, rec in downs.items():
+                sent = routed_rows(index, e)
+                if sent.numel():
+                    inner = expert_intermediate(experts, e, hidden[sent])
+                    rec.abs_sum += inner.abs().sum(dim=0).to(torch.float64)
+                    rec.tokens += int(sent.numel())
+        hooks.append(experts.register_forward_pre_hook(route, with_kwargs=True))
+        stages.update({_down_key(plan, e): rec for e, rec in downs.items()})
+    for name in _input_modules(plan):
+        rec = stages[name]
+
         def hook(_m: torch.nn.Module, args: tuple, rec: StageInputs = rec) -> None:
             inp = args[0].detach()
+            inp = inp.reshape(-1, length, inp.shape[-1])  # a MoE block's [T, K] per sequence
             s = inp.abs().sum(dim=(0, 1)).to(torch.float64)
             rec.abs_sum = s if rec.tokens == 0 else rec.abs_sum + s
             rec.tokens += inp.shape[0] * inp.shape[1]
@@ -148,14 +218,22 @@ def collect_inputs(runner: LayerRunner, plan: LayerPlan, x: LayerInputs, rows: n
     finally:
         for h in hooks:
             h.remove()
-    return stages, x.take(rows)
+    return stages, x.take(rows), torch.cat(routing) if routing else None
 
 
-def _linear(runner: LayerRunner, name: str) -> torch.nn.Linear:
+def _weight(runner: LayerRunner, name: str) -> torch.Tensor:
+    """The weight [N, K] of the linear `name` (a routed expert's: a view into the fused
+    parameters, `experts.expert_weight`; the router's parameter): writing it writes the
+    layer's."""
+    expert = expert_linear(name)
+    if expert is not None:
+        fused = runner.layer.get_submodule(name.rsplit(".", 2)[0])
+        return expert_weight(fused, *expert)
     m = runner.layer.get_submodule(name)
-    if not isinstance(m, torch.nn.Linear):
+    weight = getattr(m, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise CalibrationError(f"'{name}' is a {type(m).__name__}, not a linear")
-    return m
+    return weight.data
 
 
 def _stage_of(plan: LayerPlan, linear: str) -> str:
@@ -177,6 +255,14 @@ def _w_mean(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
 def _folder(runner: LayerRunner, group: ScalingGroup, k: int
             ) -> Callable[[torch.Tensor], None] | None:
     """How to divide `group.prev`'s output channels by s (None: it cannot absorb them)."""
+    if expert_linear(group.prev) is not None:  # a routed expert's up: all its rows
+        up = _weight(runner, group.prev)
+        if up.shape[0] != k:
+            return None
+
+        def fold_up(s: torch.Tensor) -> None:
+            up.div_(s[:, None])
+        return fold_up
     prev = runner.layer.get_submodule(group.prev)
     weight = getattr(prev, "weight", None)
     if weight is None:
@@ -265,21 +351,21 @@ def search_scale_direct(runner: LayerRunner, group: ScalingGroup, inputs: StageI
     every ratio the linears get their fake-quantized weights and the inspected module runs
     again on the search inputs; the loss is the mean squared difference of its output from
     the float output. `search_scale` makes the same choice faster."""
-    linears = [_linear(runner, n) for n in group.linears]
-    originals = [m.weight.data.clone() for m in linears]
+    weights = [_weight(runner, n) for n in group.linears]
+    originals = [w.clone() for w in weights]
     x_mean = inputs.mean.to(torch.float32)
     w_mean = _w_mean(originals, scheme) if options.duo_scaling else None
     reference = _batched(runner, group.inspect, inspect_input)
     losses = []
     try:
         for ratio, s in _candidates(x_mean, w_mean, options):
-            for m, w in zip(linears, originals, strict=True):
-                m.weight.data = _scaled_quantized(w, s, scheme)
+            for weight, w in zip(weights, originals, strict=True):
+                weight.copy_(_scaled_quantized(w, s, scheme))
             out = _batched(runner, group.inspect, inspect_input)
             losses.append((float((out - reference).pow(2).mean(dtype=torch.float64)), ratio, s))
     finally:
-        for m, w in zip(linears, originals, strict=True):
-            m.weight.data = w
+        for weight, w in zip(weights, originals, strict=True):
+            weight.copy_(w)
     return _first_least(losses)
 
 
@@ -295,7 +381,7 @@ def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
     attention, the MLP) rerun the module per ratio, as by definition."""
     if len(group.linears) != 1 or group.inspect != group.linears[0]:
         return search_scale_direct(runner, group, inputs, inspect_input, scheme, options)
-    w = _linear(runner, group.inspect).weight.data
+    w = _weight(runner, group.inspect)
     x = inspect_input.reshape(-1, inspect_input.shape[-1])
     gram = _input_gram(x)
     x_mean = inputs.mean.to(torch.float32)
@@ -384,6 +470,10 @@ class AwqLayerReport:
     #: scaling group prev -> the ratio chosen (groups that could not be folded are absent)
     ratios: dict[str, float]
     skipped: list[str]
+    #: a MoE layer's experts no search token was routed to (module doc)
+    unscaled_experts: list[int] = field(default_factory=list)
+    #: a MoE layer's calibration tokens routed to each expert
+    expert_tokens: list[int] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -410,31 +500,70 @@ def _awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
     clip = clip_weight_direct if direct else clip_weight
     x = layer_inputs(x)
     rows = search_rows(x.shape[0], x.shape[1], options.search_tokens)
-    stages, layer_input = collect_inputs(runner, plan, x, rows)
-    search_inputs = {name: rec.stacked() for name, rec in stages.items()}
+    stages, layer_input, routing = collect_inputs(runner, plan, x, rows)
+    search_inputs = {name: rec.stacked() for name, rec in stages.items() if rec.search}
+    names = _quantized_names(runner, plan, quantized)
     report = AwqLayerReport({}, [])
+    if plan.experts is not None:
+        n_experts = expert_shapes(runner.layer.get_submodule(plan.experts))[0]
+        report.expert_tokens = [stages[_down_key(plan, e)].tokens for e in range(n_experts)]
+
+    def routed_search_inputs(expert: int) -> torch.Tensor | None:
+        """The MoE block's search inputs [T_e, H] the router sent `expert` (None: none)."""
+        sent = routed_rows(routing, expert) if routing is not None else None
+        if sent is None or sent.numel() == 0:
+            return None
+        block = search_inputs[MOE_BLOCK]
+        return block.reshape(-1, block.shape[-1])[sent]
+
     for group in plan.scaling:
-        if not set(group.linears) <= quantized:
+        if not set(group.linears) <= names:
             report.skipped.append(group.prev)
             continue
-        stage = _stage_of(plan, group.linears[0])
-        k = search_inputs[stage].shape[-1]
+        key = group.inputs or _stage_of(plan, group.linears[0])
+        expert = expert_linear(key)
+        if expert is not None and key not in search_inputs:  # a routed expert's down
+            routed = routed_search_inputs(expert[0])
+            if routed is None:
+                report.unscaled_experts.append(expert[0])
+                report.skipped.append(group.prev)
+                continue
+            fused = runner.layer.get_submodule(key.rsplit(".", 2)[0])
+            search_inputs[key] = expert_intermediate(fused, expert[0], routed)
+        k = search_inputs[key].shape[-1]
         fold = _folder(runner, group, k)
         if fold is None:
             report.skipped.append(group.prev)
             continue
-        inspect_input = layer_input if group.inspect == "" else search_inputs[stage]
-        s, ratio = search(runner, group, stages[stage], inspect_input, scheme, options)
-        for name in group.linears:
-            _linear(runner, name).weight.data *= s[None, :]
+        inspect_input = layer_input if group.inspect == "" else search_inputs[key]
+        s, ratio = search(runner, group, stages[key], inspect_input, scheme, options)
+        for name in (*group.linears, *group.float_scaled):
+            _weight(runner, name).mul_(s[None, :])
         fold(s)
-        search_inputs[stage] = search_inputs[stage] / s
+        search_inputs[key] = search_inputs[key] / s
         report.ratios[group.prev] = ratio
     if options.clip:
-        for name in sorted(quantized):
+        reads = {name: group.inputs for group in plan.scaling if group.inputs
+                 for name in group.linears}
+        for name in sorted(names):
             if name.rsplit(".", 1)[-1] in NOT_CLIPPED:
                 continue
-            m = _linear(runner, name)
-            xin = search_inputs[_stage_of(plan, name)]
-            m.weight.data = clip(m.weight.data, xin.reshape(-1, xin.shape[-1]), scheme, options)
+            expert = expert_linear(name)
+            if expert is not None and expert[1] != "down_proj":
+                xin = routed_search_inputs(expert[0])
+            else:
+                xin = search_inputs.get(reads.get(name) or _stage_of(plan, name))
+            if xin is None:  # an expert no search token was routed to
+                continue
+            w = _weight(runner, name)
+            w.copy_(clip(w, xin.reshape(-1, xin.shape[-1]), scheme, options))
     return report
+
+
+def _quantized_names(runner: LayerRunner, plan: LayerPlan, quantized: set[str]) -> set[str]:
+    """`quantized` with a MoE layer's fused experts (`plan.experts`) as their per-expert
+    linears."""
+    if plan.experts is None or plan.experts not in quantized:
+        return set(quantized)
+    fused = runner.layer.get_submodule(plan.experts)
+    return (set(quantized) - {plan.experts}) | set(expert_linears(fused, plan.experts))

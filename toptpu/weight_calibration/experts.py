@@ -39,8 +39,9 @@ from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, Q
 if TYPE_CHECKING:
     from toptpu.weight_calibration.layers import LayerRunner
 
-#: the path of a MoE layer's fused experts
-EXPERTS = "mlp.experts"
+#: the path of a MoE layer's MoE block (router, experts, shared expert) and fused experts
+MOE_BLOCK = "mlp"
+EXPERTS = f"{MOE_BLOCK}.experts"
 #: the per-expert linears, in the order they are calibrated
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -69,6 +70,31 @@ def expert_shapes(experts: torch.nn.Module) -> tuple[int, int, int]:
     return int(e), int(two_i) // 2, int(h)
 
 
+def expert_weight(experts: torch.nn.Module, expert: int, proj: str) -> torch.Tensor:
+    """A view of `expert`'s `proj` (`PROJECTIONS`) weight in the fused parameters: gate and
+    up [I, H] (rows of ``gate_up_proj``), down [H, I]; writing it writes the layer's."""
+    _, inter, _ = expert_shapes(experts)
+    if proj == "down_proj":
+        return fused_parameter(experts, "down_proj").data[expert]
+    rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+    return fused_parameter(experts, "gate_up_proj").data[expert, rows]
+
+
+def expert_linear(name: str, prefix: str = EXPERTS) -> tuple[int, str] | None:
+    """(expert, projection) of a per-expert linear name ``{prefix}.E.gate_proj`` ..., or
+    None for any other name."""
+    head, _, rest = name.partition(prefix + ".")
+    parts = rest.split(".")
+    if head or len(parts) != 2 or not parts[0].isdigit() or parts[1] not in PROJECTIONS:
+        return None
+    return int(parts[0]), parts[1]
+
+
+def expert_linears(experts: torch.nn.Module, prefix: str = EXPERTS) -> list[str]:
+    """Every per-expert linear name of the fused `experts` (export order)."""
+    return [f"{prefix}.{e}.{p}" for e in range(expert_shapes(experts)[0]) for p in PROJECTIONS]
+
+
 def experts_fit(experts: torch.nn.Module, scheme: QuantScheme) -> bool:
     """Whether the GPTQ layout holds each expert's gate/up [I, H] and down [H, I]."""
     _, i, h = expert_shapes(experts)
@@ -87,7 +113,7 @@ class ExpertsResult:
     tokens: list[int] = field(default_factory=list)
 
 
-def _routed(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_inputs(args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden [T, H], top-k expert indices [T, k]) of the experts' call."""
     names = ("hidden_states", "top_k_index")
     vals = [args[i] if len(args) > i else kwargs[n] for i, n in enumerate(names)]
@@ -117,7 +143,7 @@ def _accumulate(runner: LayerRunner, x: LayerInputs, experts: torch.nn.Module,
     accs = {e: HessianAccumulator(width, dtype) for e in chosen}
 
     def hook(_m: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden, index = _routed(args, kwargs)
+        hidden, index = routed_inputs(args, kwargs)
         x = hidden.reshape(-1, hidden.shape[-1])
         for e, acc in accs.items():
             rows = routed_rows(index, e)

@@ -36,7 +36,7 @@ from toptpu.frontends.hf_layers import DecoderLayerWithRope, causal_mask
 from toptpu.frontends.hf_loader import LoadedModel
 from toptpu.frontends.streaming import load_streaming, materialize_layer, to_f32
 from toptpu.weight_calibration.activations import LayerInputs
-from toptpu.weight_calibration.experts import EXPERTS, fused_experts
+from toptpu.weight_calibration.experts import EXPERTS, MOE_BLOCK, fused_experts
 from toptpu.weight_calibration.grid import CalibrationError
 
 FULL_ATTENTION = "full_attention"
@@ -52,6 +52,12 @@ class ScalingGroup:
     prev: str
     linears: tuple[str, ...]
     inspect: str
+    #: modules reading the same input whose weights take s too but stay float (a MoE
+    #: layer's router and Qwen2-MoE's shared-expert gate: their outputs stay as they were)
+    float_scaled: tuple[str, ...] = ()
+    #: the module whose inputs the linears read, where not the first linear's stage (a MoE
+    #: layer's "mlp"; "mlp.experts.E.down_proj" for one routed expert's down)
+    inputs: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,40 @@ _SHARED_EXPERT_STAGES = (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_p
                           "mlp.shared_expert_gate"), ("mlp.shared_expert.down_proj",))
 
 
+def _moe_scaling(layer: torch.nn.Module) -> tuple[ScalingGroup, ...]:
+    """AWQ's scaling groups of a MoE layer's MLP (`awq` module doc): one scale for every
+    routed expert's gate/up and the shared expert's, folded into post_attention_layernorm,
+    the router (and the shared expert's gate) scaled with them and left float, the whole
+    MoE block inspected; then each expert's down scaled with its up as the previous op,
+    on that expert's routed tokens; the shared expert's down likewise on every token."""
+    experts = layer.get_submodule(EXPERTS)
+    n_experts = int(experts.gate_up_proj.shape[0])
+    shared = hasattr(layer.mlp, "shared_expert")
+    gate_up = tuple(f"{EXPERTS}.{e}.{p}" for e in range(n_experts)
+                    for p in ("gate_proj", "up_proj"))
+    shared_gate_up = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj") if shared \
+        else ()
+    router = ("mlp.gate", "mlp.shared_expert_gate") if shared else ("mlp.gate",)
+    groups = [ScalingGroup("post_attention_layernorm", gate_up + shared_gate_up, MOE_BLOCK,
+                           router, MOE_BLOCK)]
+    for e in range(n_experts):
+        down = f"{EXPERTS}.{e}.down_proj"
+        groups.append(ScalingGroup(f"{EXPERTS}.{e}.up_proj", (down,), down, (), down))
+    if shared:
+        groups.append(ScalingGroup("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",),
+                                   "mlp.shared_expert.down_proj"))
+    return tuple(groups)
+
+
 def _moe_plan(plan: LayerPlan, layer: torch.nn.Module) -> LayerPlan:
     """`plan` for a layer whose MLP is a mixture of experts: the attention's stages, the
     shared expert's if it has one, and the fused experts; AWQ's scaling groups of the
-    attention only (`experts` module doc)."""
+    attention and of the MoE block (`_moe_scaling`)."""
     attention = plan.stages[:-len(_MLP_STAGES)]
     shared = _SHARED_EXPERT_STAGES if hasattr(layer.mlp, "shared_expert") else ()
     scaling = tuple(g for g in plan.scaling if g not in _MLP_SCALING)
-    return LayerPlan(plan.kind, (*attention, *shared), scaling, EXPERTS)
+    return LayerPlan(plan.kind, (*attention, *shared), (*scaling, *_moe_scaling(layer)),
+                     EXPERTS)
 
 
 def layer_plan(layer: torch.nn.Module, kind: str, where: str) -> LayerPlan:

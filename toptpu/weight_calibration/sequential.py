@@ -162,7 +162,8 @@ class CalibrationReport:
     note: str | None = None
     #: per layer: GPTQ's loss per linear, or AWQ's ratio per scaling group
     details: list[dict[str, float]] = field(default_factory=list)
-    #: MoE experts no calibration token was routed to: rounded to nearest under GPTQ
+    #: MoE experts rounded to nearest: under GPTQ those no calibration token was routed
+    #: to, under AWQ those no search token was (`awq` module doc)
     rtn_experts: list[str] = field(default_factory=list)
 
 
@@ -312,26 +313,29 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
     """The layer's `quantized` linears by the request's method; afterwards the layer holds
     their dequantized weights (and AWQ's folded scales). A MoE layer's routed experts:
-    GPTQ per expert, or rounded to nearest (`rtn`); AWQ is refused for them (their
-    inputs' scales could only be folded into the norm the router and every expert share)."""
+    GPTQ per expert; AWQ's scales (`awq` module doc) then rounded to nearest; or rounded
+    to nearest (`rtn`). Under AWQ the experts no search token was routed to are the
+    result's `unrouted` (appended to `experts_out`)."""
     if request.method == "gptq":
         return gptq_layer(runner, plan, x, quantized, request, on_stage, experts_out)
-    experts = plan.experts is not None and plan.experts in quantized
-    if experts and request.method == "awq":
-        raise CalibrationError("AWQ does not calibrate mixture-of-experts layers (the routed "
-                               "experts' input scales would fold into the norm the router "
-                               "and every expert share); use --calibrate gptq")
     details: dict[str, float] = {}
+    unscaled: list[int] = []
+    tokens: list[int] = []
     if request.method == "awq":
         report = awq_layer(runner, plan, x, request.scheme, request.awq, quantized)
         details = {f"ratio:{k}": v for k, v in report.ratios.items()}
+        unscaled, tokens = report.unscaled_experts, report.expert_tokens
     out = {}
-    for name in sorted(quantized):
+    for name in sorted(quantized - {plan.experts}):
         lin = _linear_weight(runner.layer, name)
         out[name] = rtn(lin.weight.detach().numpy(), request.scheme)
         lin.weight.data = torch.from_numpy(out[name].dequantize())
-    if experts and plan.experts is not None:
-        _experts(runner, plan.experts, layer_inputs(x), request, "rtn", out, {}, experts_out)
+    if plan.experts is not None and plan.experts in quantized:
+        routed: list[ExpertsResult] = []
+        _experts(runner, plan.experts, layer_inputs(x), request, "rtn", out, {}, routed)
+        routed[0].unrouted, routed[0].tokens = unscaled, tokens
+        if experts_out is not None:
+            experts_out.extend(routed)
     return out, details
 
 
@@ -537,13 +541,16 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                     runner, plan, x, quantized, request,
                     on_stage=functools.partial(bar.stage, i), experts_out=routed)
                 for res in routed:
-                    if res.unrouted and request.method == "gptq":
+                    if res.unrouted and request.method in ("gptq", "awq"):
                         names = [f"model.layers.{i}.{plan.experts}.{e}" for e in res.unrouted]
                         report.rtn_experts += names
+                        what = ("calibration token", "rounded to nearest, not calibrated") \
+                            if request.method == "gptq" else \
+                            ("search token", "rounded to nearest, not calibrated (gate/up "
+                             "under the layer's shared scale, down unscaled, none clipped)")
                         bar.note(f"layer {i}: {len(res.unrouted)} of {len(res.tokens)} experts "
-                                 f"chosen by no calibration token (experts "
-                                 f"{', '.join(map(str, res.unrouted))}): rounded to nearest, "
-                                 "not calibrated")
+                                 f"chosen by no {what[0]} (experts "
+                                 f"{', '.join(map(str, res.unrouted))}): {what[1]}")
                 bar.stage(i, "running the quantized layer")
                 layer_outputs(runner, x, f"layer {i}")
                 writer.write_shard(layer_tensors(layer, f"model.layers.{i}.", results,
