@@ -241,6 +241,10 @@ def _stage_of(plan: LayerPlan, linear: str) -> str:
 
 
 def _batched(runner: LayerRunner, path: str, x: torch.Tensor) -> torch.Tensor:
+    """The output of the module `path` on `x` (a routed expert's linear: its weight's
+    product, on its tokens [T, K])."""
+    if expert_linear(path) is not None:
+        return torch.nn.functional.linear(x, _weight(runner, path))
     return torch.cat([runner.call(path, x[b]) for b in runner.batches(x.shape[0])])
 
 
