@@ -170,9 +170,10 @@ def check_expert_parallel_config(cfg: dict[str, Any], where: str, devices: int) 
 
 def _check_calibration(model: Any, request: CompileRequest,
                        found: tuple[dict[str, Any], str] | None) -> None:
-    """`--calibrate` takes a float text model (a MoE one of `CALIBRATED_MOE`), text files that can be read
-    (`weight_calibration.data.check_file`: each refused in one line naming it; noted as the
-    command's inputs), and a new directory for `--save-calibrated` outside the model's."""
+    """`--calibrate` takes a float text model (a MoE one of `CALIBRATED_MOE`), text files
+    that can be read (`weight_calibration.data.check_file`: each refused in one line naming
+    it; noted as the command's inputs), and a new directory for `--save-calibrated` outside
+    the model's."""
     cal = request.calibration
     assert cal is not None
     flag = f"--calibrate {cal.method}"
