@@ -36,7 +36,7 @@ from toptpu.frontends.hf_layers import DecoderLayerWithRope, causal_mask
 from toptpu.frontends.hf_loader import LoadedModel
 from toptpu.frontends.streaming import load_streaming, materialize_layer, to_f32
 from toptpu.weight_calibration.activations import LayerInputs
-from toptpu.weight_calibration.experts import EXPERTS, MOE_BLOCK, fused_experts
+from toptpu.weight_calibration.experts import EXPERTS, MOE_BLOCK, expert_shapes, fused_experts
 from toptpu.weight_calibration.grid import CalibrationError
 
 FULL_ATTENTION = "full_attention"
@@ -108,8 +108,7 @@ def _moe_scaling(layer: torch.nn.Module) -> tuple[ScalingGroup, ...]:
     the router (and the shared expert's gate) scaled with them and left float, the whole
     MoE block inspected; then each expert's down scaled with its up as the previous op,
     on that expert's routed tokens; the shared expert's down likewise on every token."""
-    experts = layer.get_submodule(EXPERTS)
-    n_experts = int(experts.gate_up_proj.shape[0])
+    n_experts = expert_shapes(layer.get_submodule(EXPERTS))[0]
     shared = hasattr(layer.mlp, "shared_expert")
     gate_up = tuple(f"{EXPERTS}.{e}.{p}" for e in range(n_experts)
                     for p in ("gate_proj", "up_proj"))
