@@ -7,7 +7,7 @@ checkpoint (`frontends.quant`): its integers go into `tpu.a16_matmul` as they ar
 
 - `grid`: the integer grid (GPTQ's), `QuantScheme`, round to nearest;
 - `gptq`: GPTQ on one linear (Hessian, damping, act-order with static groups, lazy batches);
-- `awq`: AWQ's scale search, folding and clipping on one layer;
+- `awq`: AWQ's scale search, folding and clipping on one layer (a MoE layer's experts too);
 - `experts`: a mixture-of-experts layer's routed experts, GPTQ per expert on its tokens;
 - `data`: calibration text files -> token sequences, bad data refused;
 - `layers`: what is calibrated in a layer (`LayerPlan`), running a layer, the layer sources;

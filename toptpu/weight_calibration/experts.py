@@ -22,6 +22,9 @@ activations and that budget whatever the number of experts. The dequantized inte
 written into the fused parameters (the layer then computes with them); the integers are
 exported one GPTQ linear per expert (``mlp.experts.E.gate_proj`` ..., the layout auto-round
 writes and `frontends.quant` stacks back by expert).
+
+AWQ of the experts is `awq`'s (its module doc); it reads them through the helpers here
+(`expert_weight`: one expert's linear as a view of the fused parameters).
 """
 
 from __future__ import annotations

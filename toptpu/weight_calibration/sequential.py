@@ -20,7 +20,9 @@ peak is down_proj's stage: its 1.4 GB Hessian beside down_proj's own 0.27 GB of 
 weights, one dequantized gate/up while the stage's inputs are taken, and the 0.2 GB of
 integers (`bench/calibration_memory_7b.py` measures it per phase). AWQ: the float32
 layer and the inputs of each of the layer's linears for the search tokens
-(`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes). The calibration set's
+(`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes); a MoE layer's also a
+copy of every expert's gate/up while their shared scale is searched, and each expert's
+down inputs on its routed search tokens (`awq` module doc). The calibration set's
 hidden states live in a scratch file (`activations`); the checkpoint outside the layer is
 never read whole: the embedding rows of the calibration tokens only (a streamed source).
 """
