@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from llm_fixtures import LONG_PROMPT, compiled
 
+from toptpu.backend.formats import model_file
 from toptpu.backend.formats.llm_file import WeightLayout
 from toptpu.backend.formats.model_file import ModelFile
 from toptpu.backend.runtime import weight_cache as wc
@@ -106,9 +107,7 @@ def test_the_streaming_switch_and_budget_reach_the_device_group(
     assert [m.cache.budget for m in ex.machines] == [(32 << 30) // 2] * 2
     sizes = sum(ex.file.file.sections[d.weights.section].size
                 for d in ex.parallel.devices)
-    monkeypatch.setattr(wc, "STREAM_ABOVE", sizes - 1)
-    from toptpu.backend.runtime import weight_pages
-    monkeypatch.setattr(weight_pages, "STREAM_ABOVE", sizes - 1)
+    monkeypatch.setattr(model_file, "STREAM_ABOVE", sizes - 1)
     assert DeviceGroupExecutor(path).stream_weights  # the devices' blobs together
 
 
@@ -269,3 +268,20 @@ def test_resident_weight_pages_do_not_grow_with_the_layers(
     assert peaks[LONG, True] <= peaks[SHORT, True] + slack
     assert peaks[LONG, True] <= peaks[LONG, False] - more + slack
     print(f"resident weight pages, {executor} {parallel or ''}: {peaks}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="reads the page map")
+def test_checking_a_streamed_files_checksums_leaves_its_weights_released(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a file checks every section's checksum through the mapping: a streamed
+    file's windows are released once hashed, so its first run starts from none of its
+    weights resident (else the open alone would hold the whole blob, up to 4 GiB)."""
+    path = compiled(tmp_path_factory, "qwen2", "w4bf16", layers=LONG).model_file
+    resident = {}
+    for setting in ("off", "on"):
+        monkeypatch.setenv(wc.STREAM_ENV_VAR, setting)
+        with ModelFile(path) as f:
+            resident[setting] = _resident([f.view("weights")])
+            size = f.sections["weights"].size
+    assert resident["off"] >= size - 2 * PAGE
+    assert resident["on"] <= 2 * PAGE

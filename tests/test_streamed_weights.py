@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from llm_fixtures import compiled
 
-from toptpu.backend.formats.model_file import ModelFile
+from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime import weight_cache as wc
 from toptpu.backend.runtime import weight_pages
-from toptpu.backend.runtime.errors import GenerationError
 from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.runtime import Runtime
 
@@ -217,7 +216,7 @@ def test_streaming_is_chosen_by_size_or_the_environment(monkeypatch) -> None:  #
     monkeypatch.setenv(wc.STREAM_ENV_VAR, "off")
     assert not weight_pages.streams_weights(1 << 40)
     monkeypatch.setenv(wc.STREAM_ENV_VAR, "sometimes")
-    with pytest.raises(GenerationError, match="give auto, on or off"):
+    with pytest.raises(ModelFileError, match="give auto, on or off"):
         weight_pages.streams_weights(1)
     monkeypatch.delenv(wc.ENV_VAR, raising=False)
     monkeypatch.setattr(wc, "mem_available", lambda: 16 << 30)

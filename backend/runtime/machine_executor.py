@@ -25,7 +25,7 @@ weights are cached within `weight_cache_bytes` (default: from the host's free me
 for a streamed blob, see `toptpu.backend.runtime.weight_cache`).
 
 Weights streamed (`stream_weights`; by default where the weight blob is larger than
-`weight_cache.STREAM_ABOVE`, `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides): after each
+`model_file.STREAM_ABOVE`, `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides): after each
 run, the mapped pages of the weights it read are released (`weight_pages.WeightPages`, the
 one mechanism of every executor: they leave the process's resident set, stay in the page
 cache, and the next run of that layer maps them again), so a run of a 7B file holds one

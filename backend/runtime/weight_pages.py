@@ -5,11 +5,13 @@ of a multi-device file) is memory mapped, and a net run reads its weights straig
 mapping. Left alone, every page a run touched stays in the process's resident set, so a
 run of the whole model holds the whole blob. When the weights are streamed (`WeightPages`
 enabled: by default where the blobs the process maps are larger than
-`weight_cache.STREAM_ABOVE`; `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides), after each net
+`model_file.STREAM_ABOVE`; `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides), after each net
 run the pages of the weights it read are released (`ModelFile.release`, madvise
 `MADV_DONTNEED`: they leave the resident set and stay in the page cache; the next run of
 that layer maps them again, the same bytes), so the process holds one run's weights at a
-time: one layer's chunk (on each device that runs it), not the model. The converted-weight
+time: one layer's chunk (on each device that runs it), not the model; checking the file's
+checksums when it is opened releases each window it hashed the same way
+(`model_file.streams_weights`, where the setting is read). The converted-weight
 cache of a streaming executor is capped as well (`weight_cache.default_budget(True)`,
 `STREAMING_CAP` in all: a device group splits it over its devices), and what it does not
 keep is multiplied from the mapped bytes (`weight_cache.WeightCache`).
@@ -22,28 +24,15 @@ what is released and how much (`released_bytes`) is counted here, once.
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Callable, Hashable, Iterable
 
-from toptpu.backend.formats.model_file import ModelFile
-from toptpu.backend.runtime.errors import GenerationError
-from toptpu.backend.runtime.weight_cache import STREAM_ABOVE, STREAM_ENV_VAR, default_budget
+from toptpu.backend.formats.model_file import ModelFile, streams_weights
+from toptpu.backend.runtime.weight_cache import default_budget
+
+__all__ = ["Extents", "WeightPages", "spans", "streams_weights"]
 
 #: (file offset, bytes) of each weight a run read
 Extents = Iterable[tuple[int, int]]
-
-
-def streams_weights(blob_bytes: int) -> bool:
-    """Whether weight blobs of `blob_bytes` in all are streamed (their pages released after
-    each run): TOPTPU_STREAM_WEIGHTS `on`/`off`, else (`auto`, unset) above STREAM_ABOVE."""
-    raw = os.environ.get(STREAM_ENV_VAR, "auto").strip().lower()
-    if raw in ("on", "1", "yes"):
-        return True
-    if raw in ("off", "0", "no"):
-        return False
-    if raw != "auto":
-        raise GenerationError(f"{STREAM_ENV_VAR}={raw!r}: give auto, on or off")
-    return blob_bytes > STREAM_ABOVE
 
 
 def spans(extents: Extents) -> tuple[tuple[int, int], ...]:
