@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from llm_fixtures import LONG_PROMPT, compiled
+from llm_fixtures import LONG_PROMPT, compiled, shared_dir
 
 from toptpu.backend.formats import model_file
 from toptpu.backend.formats.llm_file import WeightLayout
@@ -87,6 +87,48 @@ def test_a_streamed_multi_device_file_gives_the_one_device_tokens(
         # device a layer, tp every device (a chunk is at least a page here)
         runners = 1 if parallel == "pp" else devices
         assert ex.released_bytes >= _per_layer_runs(ex) * runners * PAGE
+
+
+def _moe_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Tiny Qwen3-MoE (16 experts, f32) for one device and for ep over 2 (the files
+    tests/test_moe_ep.py compiles, under the same names)."""
+    from filelock import FileLock
+
+    from toptpu.compiler import compile as compile_model
+    from toptpu.frontends.hf_loader import quiet_transformers
+    from toptpu.frontends.tiny_models import save_tiny_model
+
+    model_dir = os.path.join(shared_dir(tmp_path_factory), "qwen3_moe-e16")
+    with FileLock(model_dir + ".lock"):
+        if not os.path.exists(os.path.join(model_dir, "done")):
+            with quiet_transformers():
+                save_tiny_model(model_dir, "qwen3_moe", layers=2, num_experts=16)
+            open(os.path.join(model_dir, "done"), "w").close()
+    paths = []
+    for devices in (1, 2):
+        spread = "" if devices == 1 else f"-ep{devices}"
+        path = os.path.join(shared_dir(tmp_path_factory), f"qwen3_moe-e16-f32{spread}.toptpu")
+        with FileLock(path + ".lock"):
+            if not os.path.exists(path):
+                compile_model(model_dir, path, mode="f32", seq_length=160,
+                              max_input_length=16, progress=None, devices=devices,
+                              parallel=None if devices == 1 else "ep")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@pytest.mark.slow  # compiles a mixture of experts for one device and for two
+def test_a_streamed_expert_parallel_file_gives_the_one_device_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    one, ep = _moe_files(tmp_path_factory)
+    rt1 = Runtime.open(one)
+    ids = rt1.encode(LONG_PROMPT)
+    want = rt1.generate(ids, 16, stop_on_eos=False).generated_ids
+    ex = machine_executor(ep, weight_cache_bytes=0, stream_weights=True)
+    assert isinstance(ex, DeviceGroupExecutor) and ex.parallel.strategy == "ep"
+    assert Runtime(ex).generate(ids, 16, stop_on_eos=False).generated_ids == want
+    # every device runs every layer's nets under ep, and releases its experts' pages
+    assert ex.released_bytes >= _per_layer_runs(ex) * 2 * PAGE
 
 
 def test_the_streaming_switch_and_budget_reach_the_device_group(
