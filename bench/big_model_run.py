@@ -127,10 +127,11 @@ RUNNERS = (("one device, machine", "one", "machine"),
 
 
 def runners(one: str, pp: str, ids: str, new: int, budget: str, before: str | None,
-            env: dict[str, str]) -> None:
+            env: dict[str, str], only: frozenset[str] = frozenset()) -> None:
     """`--parts runners`: every runner of RUNNERS not streamed and streamed at `budget`,
     streamed at the default budget, and (`before`) streamed with another toptpu; a table
-    of peak RSS, TTFT, decode tok/s and token equality (see the module doc)."""
+    of peak RSS, TTFT, decode tok/s and token equality with the first runner's first row
+    (see the module doc). `only`: the runners of these files (one, pp) or executors."""
     base = {**env, "TOPTPU_WEIGHT_CACHE_FILE": "off"}
     base.pop("TOPTPU_WEIGHT_CACHE", None)
     configs: list[tuple[str, dict[str, str], str | None]] = [
@@ -145,6 +146,8 @@ def runners(one: str, pp: str, ids: str, new: int, budget: str, before: str | No
     reference: list[int] | None = None
     rows = []
     for name, which, executor in RUNNERS:
+        if only and which not in only and executor not in only:
+            continue
         for label, extra, package in configs:
             cmd = [sys.executable, "-m", "toptpu.cli", "run", files[which], "--ids", ids,
                    "--max-new-tokens", str(new), "--ignore-eos", "--json",
@@ -163,8 +166,8 @@ def runners(one: str, pp: str, ids: str, new: int, budget: str, before: str | No
             same = "yes" if res["generated_ids"] == reference else "NO"
             rows.append((name, label, rss, res["ttft_s"], res["tokens_per_s"], wall, cpu,
                          same))
-            print(f"  {name}, {label}: peak RSS {rss / 1e9:.2f} GB", file=sys.stderr,
-                  flush=True)
+            print(f"  {name}, {label}: peak RSS {rss / 1e9:.2f} GB, ids "
+                  f"{res['generated_ids']}", file=sys.stderr, flush=True)
     print(f"\nruns of {os.path.basename(one)} ({os.path.getsize(one) / 1e9:.2f} GB) and "
           f"{os.path.basename(pp)} ({os.path.getsize(pp) / 1e9:.2f} GB): {len(ids.split(','))} "
           f"ids, {new} new tokens\n")
@@ -220,6 +223,9 @@ def main() -> None:
                     "--parallel pp")
     ap.add_argument("--budget", default="1G", help="(--parts runners) the converted-weight "
                     "budget of the rows not streamed and streamed (TOPTPU_WEIGHT_CACHE)")
+    ap.add_argument("--only", default="", help="(--parts runners) comma-separated: only "
+                    "the runners of these files (one, pp) or executors (machine, "
+                    "interpreter)")
     ap.add_argument("--before", help="(--parts runners) a package directory of another "
                     "toptpu tree to run the streamed rows with too (see the module doc)")
     args = ap.parse_args()
@@ -262,7 +268,8 @@ def main() -> None:
         if not args.pp:
             ap.error("--parts runners needs --pp PP_FILE")
         runners(args.model_file, args.pp, ids, args.new, args.budget,
-                os.path.abspath(args.before) if args.before else None, env)
+                os.path.abspath(args.before) if args.before else None, env,
+                frozenset(w for w in args.only.split(",") if w))
     if "phases" in args.parts:
         out, wall, cpu, rss, rc = run_child([sys.executable, os.path.abspath(__file__),
                                              "--phases-child", args.model_file, ids,
