@@ -964,7 +964,8 @@ def gguf_text_config(path: str) -> tuple[dict[str, Any], str]:
              "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
              "attention.head_count": "num_attention_heads",
              "attention.head_count_kv": "num_key_value_heads",
-             "attention.key_length": "head_dim"}
+             "attention.key_length": "head_dim", "expert_count": "num_experts",
+             "expert_used_count": "num_experts_per_tok"}
     cfg = {hf: fields[f"{arch}.{key}"] for key, hf in names.items()
            if f"{arch}.{key}" in fields}
     return cfg, f"{path} (its {arch}.* metadata)"
