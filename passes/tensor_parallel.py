@@ -50,7 +50,11 @@ first expert (a one-element shard weight, `tp.offsets.<E/N>x<N>@shard0-<N>`, as 
 merged top-1's), any index outside [0, E/N) (another device's expert, or a padded row's -1)
 made -1, which adds nothing — and a `dev.all_reduce` sums the devices' partial results
 after it. Everything else (attention, norms, the router, a shared expert) stays whole and
-is computed on every device alike; no net input or output is split.
+is computed on every device alike; no net input or output is split. A pre-quantized
+checkpoint's tensors of a stacked projection (`passes.quantize.checkpoint_key` annexes:
+integers, scales, zero points or mins, each stacked by expert) are cut along E with it, so
+the lowering takes each device's experts' integers as they are. A token's k may exceed
+E/N: the local op's slots naming other devices' experts are -1.
 """
 
 from __future__ import annotations
