@@ -100,7 +100,7 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
     """auto-round on the f32 model, on the calibration sequences our methods use."""
     out = os.path.join(a.work, f"autoround{group}-checkpoint")
     if os.path.exists(out):
-        return out
+        return saved_model_dir(out)
     import torch
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,7 +132,19 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
     print(f"auto-round g{group}: iters {iters}, {len(samples)} x "
           f"{a.sequence_length} tokens, {time.perf_counter() - t:.0f} s wall, "
           f"{time.process_time() - cpu:.0f} s CPU", flush=True)
-    return out
+    return saved_model_dir(out)
+
+
+def saved_model_dir(out: str) -> str:
+    """The directory auto-round saved the model in: `out`, or the one subdirectory of it
+    holding a config.json (auto-round 0.16 saves into `out/<model name>-w<bits>g<group>`)."""
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    inner = [os.path.join(out, d) for d in sorted(os.listdir(out))
+             if os.path.isfile(os.path.join(out, d, "config.json"))]
+    if len(inner) != 1:
+        raise SystemExit(f"{out}: no (or more than one) saved model directory in it")
+    return inner[0]
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ expert parallel (`--parallel ep`), from compiled nets — no second model of the
 
 Run: python bench/moe_parallel.py [--experts 16] [--devices 2] [--tokens 8]
      [--skip-run] [--skip-estimate]
-(ep needs k = 8 of a chip's E/N experts: 16 experts over 2 chips, 32 over 4, 64 over 8.)
+(ep needs E divisible by the chips; a chip may hold fewer than the k = 8 experts a token
+takes: 16 experts over 4 chips hold 4 each.)
 """
 
 from __future__ import annotations
