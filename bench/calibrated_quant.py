@@ -14,7 +14,8 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
   from the same f32 model (transformers' GGUF loader) on the same calibration token ids
   (`nsamples` × `seqlen` = --sequences × --sequence-length), W4A16 asymmetric, exported
   in its own format (`auto_round`, which packs 4-bit asymmetric as auto_round:auto_awq)
-  and compiled with `-q auto`;
+  and compiled with `-q auto` (the activations its config names: f16) and with `-q
+  w4bf16` (bf16 activations, as the other 4-bit rows);
 
 all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
 they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
@@ -189,7 +190,7 @@ def main() -> None:
         elif method == "autoround":
             ck = autoround_checkpoint(gguf, group, cal, a)
             files = [(f"auto-round g{group}, -q {m}", os.path.join(a.work, f"{row}-{m}.toptpu"),
-                      {**base, "model": ck, "mode": m}) for m in ("auto",)]
+                      {**base, "model": ck, "mode": m}) for m in ("auto", "w4bf16")]
         for label, out, spec in files:
             m = compiled(out, **spec)
             ev = ["eval", out, "--text", held, "--max-tokens", str(a.max_tokens), "--json",
