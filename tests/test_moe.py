@@ -714,8 +714,11 @@ def test_a_decode_step_fetches_the_selected_experts_only(family: str) -> None:
     indexed = [c for c in program.commands if getattr(c, "index", None) is not None]
     assert len(indexed) == 3  # gate, up, down: whole (the tiny experts fit)
     assert sum(c.nbytes for c in indexed) == k * sum(per_expert.values())
+    # the experts' local buffers hold the k experts a step fetches, not all E
     e = block.experts.gate_up_proj.shape[0]
-    assert sum(c.local.nbytes for c in indexed) == e * sum(per_expert.values())
+    assert k < e
+    assert sum(c.all_nbytes for c in indexed) == e * sum(per_expert.values())
+    assert sum(c.local.nbytes for c in indexed) == k * sum(per_expert.values())
 
 
 def test_a_prefill_chunk_loads_each_chosen_expert_once() -> None:
