@@ -2505,11 +2505,12 @@ class MoeExpertsBase(ShapedOp):
         _check_shape(name, "up", shape_of(up), (e, inter, h))
         _check_shape(name, "down", shape_of(down), (e, h, inter))
         ws = shape_of(weights)
-        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e:
-            raise VerifyException(f"{name} weights is {list(ws)}; it must be [{t}, k] with k "
-                                  f"from 1 to the {e} experts")
-        _check_shape(name, "indices", shape_of(indices), ws)
         check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        span = fetched_span(e, attrs.get("fetched_from"))
+        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= span:
+            raise VerifyException(f"{name} weights is {list(ws)}; it must be [{t}, k] with k "
+                                  f"from 1 to the {span} experts")
+        _check_shape(name, "indices", shape_of(indices), ws)
         for what, v in (("x", x), ("gate", gate), ("up", up), ("down", down),
                         ("weights", weights)):
             _check_float(name, what, v)
@@ -2633,6 +2634,12 @@ def fetched_rows_needed(experts: int, indices_shape: Sequence[int]) -> int:
     return min(experts, numel(indices_shape))
 
 
+def fetched_span(held: int, attr: Attribute | None) -> int:
+    """The experts an experts op's indices range over: `fetched_from`, else the `held` rows
+    of its weights."""
+    return held if not isinstance(attr, IntegerAttr) else read_int(attr)
+
+
 def fetched_param(attr: Attribute | None) -> dict[str, object]:
     """The experts kernels' `fetched_from` keyword (none when the op holds every expert)."""
     return {} if attr is None else {"fetched_from": read_int(attr)}
@@ -2648,6 +2655,8 @@ def check_fetched_rows(name: str, held: int, indices_shape: Sequence[int],
     if not isinstance(attr, IntegerAttr):
         raise VerifyException(f"{name} fetched_from must be an integer")
     n = read_int(attr)
+    if len(indices_shape) != 2:
+        raise VerifyException(f"{name} indices are {list(indices_shape)}; they must be [T, k]")
     need = fetched_rows_needed(n, indices_shape)
     if not need <= held < n:
         raise VerifyException(f"{name} holds {held} of its {n} experts (fetched_from); its "

@@ -624,10 +624,11 @@ class A16MoeExpertsOp(TpuOp):
                 f"{list(shapes[2])} (unpacked); for x [{t}, {h}] they must be [E, I, {h}], "
                 f"[E, I, {h}], [E, {h}, I]")
         ws = shape_of(weights)
-        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e or shape_of(indices) != ws:
+        top.check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        span = top.fetched_span(e, attrs.get("fetched_from"))
+        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= span or shape_of(indices) != ws:
             raise VerifyException(f"{name} weights and indices must be [{t}, k] with k from 1 "
-                                  f"to the {e} experts")
-        top.check_fetched_rows(name, e, ws, attrs.get("fetched_from"))
+                                  f"to the {span} experts")
         if not is_float(elem_of(x)) or not is_float(elem_of(weights)) \
                 or is_float(elem_of(indices)):
             raise VerifyException(f"{name} takes float x and weights, integer indices")
