@@ -181,6 +181,74 @@ def buffers(experts_list: list[int], work: str) -> None:
                   flush=True)
 
 
+def _peak_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def table(config_dirs: list[str], devices: list[int], prompt: int) -> None:
+    """README's MoE table: `toptpu estimate`'s model of each config at its published
+    expert count (bf16, bm1684x, seq 512, a `prompt`-token prompt): one compile for one
+    chip and pp (the programs serve every device count), one per device count for ep
+    (each chip E/N of the experts); decode tok/s and time to first token beside the bound
+    (`moe_bound.active_bytes` over the sustained DDR bandwidth), the weights on the
+    fullest chip; the wall time of each compile and this process's peak RSS so far."""
+    import json
+
+    from moe_bound import active_bytes
+
+    from toptpu.compile_options import check_parallel_config
+    from toptpu.devices import Parallel
+    from toptpu.estimate import (
+        compile_programs,
+        estimate,
+        estimate_nets,
+        model_shape,
+        spread_costs,
+    )
+    from toptpu.frontends.hf_loader import read_config
+    from toptpu.request import CompileRequest
+
+    chip = get_chip("bm1684x")
+    bw = chip.sustained_gbps * 1e9
+    print(f"\n4. toptpu estimate at the published expert counts: bf16, {chip.name}, seq 512, "
+          f"a {prompt}-token prompt")
+    print("| model | chips | parallel | decode (modelled) | bound: active bytes / DDR | TTFT "
+          "(modelled) | weights GB on the fullest chip | compile s | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in config_dirs:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        config, _ = read_config(path)
+        bound = bw / active_bytes(raw, 2.0, 512)["token"]
+        name = os.path.basename(path.rstrip("/"))
+        shape = model_shape(config)
+        runs: list[tuple[str, list[int]]] = [("pp", devices)]
+        runs += [("ep", [n]) for n in devices
+                 if n > 1 and raw["num_experts"] % n == 0
+                 and raw["num_experts_per_tok"] <= raw["num_experts"] // n]
+        for strategy, counts in runs:
+            par = Parallel(strategy)
+            req = CompileRequest.make(mode="bf16", seq_length=512, max_input_length=128,
+                                      devices=counts[0] if strategy == "ep" else 1,
+                                      parallel=par if strategy == "ep" else None)
+            nets = estimate_nets(req.shapes, prompt, "greedy")
+            t = time.perf_counter()
+            programs = compile_programs(config, req, nets)
+            secs = time.perf_counter() - t
+            for n in counts:
+                p = par if n > 1 else None
+                check_parallel_config(raw, "config", n, p, "bf16", None)
+                costs = spread_costs(programs, shape, req.fixed_mode("estimate"), req.shapes,
+                                     n, p, chip)
+                est = estimate(costs, chip, prompt, "greedy")
+                fullest = max(costs.device_weight_bytes or [costs.weight_bytes]) / 1e9
+                print(f"| {name} | {n} | {strategy if n > 1 else '-'} | "
+                      f"{est.tokens_per_s:.2f} tok/s | {bound:.2f} tok/s | {est.ttft_s:.2f} s | "
+                      f"{fullest:.1f} | {secs:.0f} | {_peak_gb():.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=16)
@@ -192,7 +260,14 @@ def main() -> None:
     ap.add_argument("--buffers", type=int, nargs="*", default=None,
                     help="only compare the experts' buffers of the fetched experts with "
                     "buffers of all E, at these expert counts (e.g. 16 32 64)")
+    ap.add_argument("--table", nargs="*", default=None, metavar="CONFIG_DIR",
+                    help="only print README's MoE table for these config directories")
+    ap.add_argument("--table-devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--prompt", type=int, default=128)
     args = ap.parse_args()
+    if args.table:
+        table(args.table, args.table_devices, args.prompt)
+        return
     chip = get_chip("bm1684x")
     print(f"{chip.name}: sustained DDR {chip.sustained_gbps:.1f} GB/s, link {chip.link_gbps} "
           f"GB/s + {chip.link_latency_us} us a step")
