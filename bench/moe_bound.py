@@ -28,10 +28,12 @@ def _layer_kinds(cfg: dict) -> tuple[int, int]:
     return full, layers - full
 
 
-def active_bytes(cfg: dict, weight_bytes: float, seq: int, kv_bytes: int = 2) -> dict:
+def active_bytes(cfg: dict, weight_bytes: float, seq: int, kv_bytes: int = 2,
+                 expert_share: float = 1.0) -> dict:
     """Bytes one decode token moves at least, by part (weights at `weight_bytes` each;
     the KV cache and the conv state at `kv_bytes`, the recurrent state f32, read and
-    written)."""
+    written). `expert_share` 1/N: what one chip of N moves under expert parallelism (its
+    expected k/N of the k experts; the rest replicated, the lm_head on chip 0)."""
     h = cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
@@ -51,7 +53,7 @@ def active_bytes(cfg: dict, weight_bytes: float, seq: int, kv_bytes: int = 2) ->
         linear_weights = state = 0
     router = h * e * weight_bytes  # the router stays float (the activation type)
     shared = (3 * shared_inter * h + h) * weight_bytes if shared_inter else 0  # and its gate
-    experts = k * 3 * inter * h * weight_bytes
+    experts = k * 3 * inter * h * weight_bytes * expert_share
     all_experts = e * 3 * inter * h * weight_bytes
     head = cfg["vocab_size"] * h * weight_bytes + h * weight_bytes  # lm_head, one embedding row
     moe = router + shared + experts

@@ -192,7 +192,8 @@ def table(config_dirs: list[str], devices: list[int], prompt: int) -> None:
     expert count (bf16, bm1684x, seq 512, a `prompt`-token prompt): one compile for one
     chip and pp (the programs serve every device count), one per device count for ep
     (each chip E/N of the experts); decode tok/s and time to first token beside the bound
-    (`moe_bound.active_bytes` over the sustained DDR bandwidth), the weights on the
+    (`moe_bound.active_bytes` over one chip's sustained DDR bandwidth; under ep the bytes
+    of the chip holding the lm_head, its k/N share of the experts), the weights on the
     fullest chip; the wall time of each compile and this process's peak RSS so far."""
     import json
 
@@ -221,7 +222,6 @@ def table(config_dirs: list[str], devices: list[int], prompt: int) -> None:
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
         config, _ = read_config(path)
-        bound = bw / active_bytes(raw, 2.0, 512)["token"]
         name = os.path.basename(path.rstrip("/"))
         shape = model_shape(config)
         runs: list[tuple[str, list[int]]] = [("pp", devices)]
@@ -239,6 +239,9 @@ def table(config_dirs: list[str], devices: list[int], prompt: int) -> None:
             secs = time.perf_counter() - t
             for n in counts:
                 p = par if n > 1 else None
+                # a chip's bound: under ep it moves its k/N share of the experts
+                share = 1 / n if strategy == "ep" else 1.0
+                bound = bw / active_bytes(raw, 2.0, 512, expert_share=share)["token"]
                 check_parallel_config(raw, "config", n, p, "bf16", None)
                 costs = spread_costs(programs, shape, req.fixed_mode("estimate"), req.shapes,
                                      n, p, chip)
