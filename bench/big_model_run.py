@@ -25,6 +25,8 @@ bound is measured in the same run for that reason.
 
 Run: python bench/big_model_run.py FILE [--ids 8] [--new 4] [--parts run,chat,eval]
          [--eval-tokens 512] [--env NAME=VALUE ...]
+     python bench/big_model_run.py FILE --parts runners --pp PP_FILE [--budget 1G]
+         [--before PKG]
 """
 
 from __future__ import annotations
@@ -101,21 +103,80 @@ def decode_step_bytes(path: str, position: int) -> dict[str, int]:
         f.close()
 
 
-def run_child(cmd: list[str], env: dict[str, str], stdin: bytes = b""
-              ) -> tuple[str, float, float, int, int]:
-    """Run `cmd` (`stdin` its input); its stdout, wall seconds, CPU seconds (user + system,
-    all its threads), peak RSS bytes (its own: os.wait4) and exit code."""
+def run_child(cmd: list[str], env: dict[str, str], stdin: bytes = b"",
+              cwd: str | None = None) -> tuple[str, float, float, int, int]:
+    """Run `cmd` (`stdin` its input, in `cwd`); its stdout, wall seconds, CPU seconds (user
+    + system, all its threads), peak RSS bytes (its own: os.wait4) and exit code."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as inp:
         inp.write(stdin)
         inp.seek(0)
         t = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stdin=inp, env=env)
+        p = subprocess.Popen(cmd, stdout=out, stdin=inp, env=env, cwd=cwd)
         _, status, usage = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         cpu = usage.ru_utime + usage.ru_stime
         return out.read().decode(), wall, cpu, usage.ru_maxrss * 1024, p.returncode
+
+
+#: the runners `--parts runners` sets side by side: (name, which file, executor)
+RUNNERS = (("one device, machine", "one", "machine"),
+           ("one device, interpreter", "one", "interpreter"),
+           ("pp over 2, machine", "pp", "machine"))
+
+
+def runners(one: str, pp: str, ids: str, new: int, budget: str, before: str | None,
+            env: dict[str, str], only: frozenset[str] = frozenset()) -> None:
+    """`--parts runners`: every runner of RUNNERS not streamed and streamed at `budget`,
+    streamed at the default budget, and (`before`) streamed with another toptpu; a table
+    of peak RSS, TTFT, decode tok/s and token equality with the first runner's first row
+    (see the module doc). `only`: the runners of these files (one, pp) or executors."""
+    base = {**env, "TOPTPU_WEIGHT_CACHE_FILE": "off"}
+    base.pop("TOPTPU_WEIGHT_CACHE", None)
+    configs: list[tuple[str, dict[str, str], str | None]] = [
+        (f"not streamed, cache {budget}",
+         {"TOPTPU_STREAM_WEIGHTS": "off", "TOPTPU_WEIGHT_CACHE": budget}, None),
+        (f"streamed, cache {budget}",
+         {"TOPTPU_STREAM_WEIGHTS": "on", "TOPTPU_WEIGHT_CACHE": budget}, None),
+        ("streamed, default cache", {"TOPTPU_STREAM_WEIGHTS": "on"}, None)]
+    if before is not None:
+        configs.insert(2, (f"streamed, cache {budget}, before", configs[1][1], before))
+    files = {"one": one, "pp": pp}
+    reference: list[int] | None = None
+    rows = []
+    for name, which, executor in RUNNERS:
+        if only and which not in only and executor not in only:
+            continue
+        for label, extra, package in configs:
+            cmd = [sys.executable, "-m", "toptpu.cli", "run", files[which], "--ids", ids,
+                   "--max-new-tokens", str(new), "--ignore-eos", "--json",
+                   "--executor", executor]
+            child = {**base, **extra}
+            cwd = None
+            if package is not None:  # the other tree, imported from a neutral directory
+                child["PYTHONPATH"] = package
+                cwd = tempfile.gettempdir()
+            out, wall, cpu, rss, rc = run_child(cmd, child, cwd=cwd)
+            if rc != 0:
+                sys.exit(f"toptpu run ({name}, {label}) failed (exit {rc})")
+            res = json.loads(out)
+            if reference is None:
+                reference = res["generated_ids"]
+            same = "yes" if res["generated_ids"] == reference else "NO"
+            rows.append((name, label, rss, res["ttft_s"], res["tokens_per_s"], wall, cpu,
+                         same))
+            print(f"  {name}, {label}: peak RSS {rss / 1e9:.2f} GB, ids "
+                  f"{res['generated_ids']}", file=sys.stderr, flush=True)
+    print(f"\nruns of {os.path.basename(one)} ({os.path.getsize(one) / 1e9:.2f} GB) and "
+          f"{os.path.basename(pp)} ({os.path.getsize(pp) / 1e9:.2f} GB): {len(ids.split(','))} "
+          f"ids, {new} new tokens\n")
+    print("| runner | weights | peak RSS GB | TTFT s | decode tok/s | process s wall / CPU "
+          "| ids = one device's |")
+    print("|---|---|---|---|---|---|---|")
+    for name, label, rss, ttft, tps, wall, cpu, same in rows:
+        print(f"| {name} | {label} | {rss / 1e9:.2f} | {ttft:.1f} | {tps:.3f} | "
+              f"{wall:.0f} / {cpu:.0f} | {same} |")
 
 
 def phases(path: str, ids: list[int], new: int) -> None:
@@ -158,6 +219,15 @@ def main() -> None:
                     "one process), chat (one `toptpu chat` turn), eval (`toptpu eval`, "
                     "--eval-tokens)")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the runs")
+    ap.add_argument("--pp", help="(--parts runners) the same model compiled --devices 2 "
+                    "--parallel pp")
+    ap.add_argument("--budget", default="1G", help="(--parts runners) the converted-weight "
+                    "budget of the rows not streamed and streamed (TOPTPU_WEIGHT_CACHE)")
+    ap.add_argument("--only", default="", help="(--parts runners) comma-separated: only "
+                    "the runners of these files (one, pp) or executors (machine, "
+                    "interpreter)")
+    ap.add_argument("--before", help="(--parts runners) a package directory of another "
+                    "toptpu tree to run the streamed rows with too (see the module doc)")
     args = ap.parse_args()
     args.parts = {p.strip() for p in args.parts.split(",")}
     env = dict(os.environ)
@@ -194,6 +264,12 @@ def main() -> None:
               f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
               f"bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
               f"{cpu:.1f} s CPU", flush=True)
+    if "runners" in args.parts:
+        if not args.pp:
+            ap.error("--parts runners needs --pp PP_FILE")
+        runners(args.model_file, args.pp, ids, args.new, args.budget,
+                os.path.abspath(args.before) if args.before else None, env,
+                frozenset(w for w in args.only.split(",") if w))
     if "phases" in args.parts:
         out, wall, cpu, rss, rc = run_child([sys.executable, os.path.abspath(__file__),
                                              "--phases-child", args.model_file, ids,

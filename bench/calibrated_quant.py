@@ -14,7 +14,8 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
   from the same f32 model (transformers' GGUF loader) on the same calibration token ids
   (`nsamples` × `seqlen` = --sequences × --sequence-length), W4A16 asymmetric, exported
   in its own format (`auto_round`, which packs 4-bit asymmetric as auto_round:auto_awq)
-  and compiled with `-q auto`;
+  and compiled with `-q auto` (the activations its config names: f16) and with `-q
+  w4bf16` (bf16 activations, as the other 4-bit rows);
 
 all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
 they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
@@ -100,7 +101,7 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
     """auto-round on the f32 model, on the calibration sequences our methods use."""
     out = os.path.join(a.work, f"autoround{group}-checkpoint")
     if os.path.exists(out):
-        return out
+        return saved_model_dir(out)
     import torch
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,7 +133,19 @@ def autoround_checkpoint(gguf: str, group: int, cal: str, a: argparse.Namespace)
     print(f"auto-round g{group}: iters {iters}, {len(samples)} x "
           f"{a.sequence_length} tokens, {time.perf_counter() - t:.0f} s wall, "
           f"{time.process_time() - cpu:.0f} s CPU", flush=True)
-    return out
+    return saved_model_dir(out)
+
+
+def saved_model_dir(out: str) -> str:
+    """The directory auto-round saved the model in: `out`, or the one subdirectory of it
+    holding a config.json (auto-round 0.16 saves into `out/<model name>-w<bits>g<group>`)."""
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    inner = [os.path.join(out, d) for d in sorted(os.listdir(out))
+             if os.path.isfile(os.path.join(out, d, "config.json"))]
+    if len(inner) != 1:
+        raise SystemExit(f"{out}: no (or more than one) saved model directory in it")
+    return inner[0]
 
 
 def main() -> None:
@@ -177,7 +190,7 @@ def main() -> None:
         elif method == "autoround":
             ck = autoround_checkpoint(gguf, group, cal, a)
             files = [(f"auto-round g{group}, -q {m}", os.path.join(a.work, f"{row}-{m}.toptpu"),
-                      {**base, "model": ck, "mode": m}) for m in ("auto",)]
+                      {**base, "model": ck, "mode": m}) for m in ("auto", "w4bf16")]
         for label, out, spec in files:
             m = compiled(out, **spec)
             ev = ["eval", out, "--text", held, "--max-tokens", str(a.max_tokens), "--json",

@@ -17,7 +17,8 @@ expert parallel (`--parallel ep`), from compiled nets — no second model of the
 
 Run: python bench/moe_parallel.py [--experts 16] [--devices 2] [--tokens 8]
      [--skip-run] [--skip-estimate]
-(ep needs k = 8 of a chip's E/N experts: 16 experts over 2 chips, 32 over 4, 64 over 8.)
+(ep needs E divisible by the chips; a chip may hold fewer than the k = 8 experts a token
+takes: 16 experts over 4 chips hold 4 each.)
 """
 
 from __future__ import annotations
@@ -118,6 +119,140 @@ def estimated(experts: int, devices: int, work: str) -> None:
               f" | {cache:.1f} |")
 
 
+def _experts_config(experts: int, work: str) -> tuple[object, dict]:
+    """Qwen3-30B-A3B's config.json with its experts cut to `experts` (transformers' config
+    read from a copy in `work`) and the raw dict."""
+    import json
+
+    from toptpu.frontends.hf_loader import read_config
+
+    with open(CONFIG) as f:
+        raw = json.load(f)
+    raw["num_experts"] = experts
+    config_dir = os.path.join(work, f"config-e{experts}")
+    os.makedirs(config_dir, exist_ok=True)
+    with open(os.path.join(config_dir, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return read_config(config_dir)[0], raw
+
+
+def buffers(experts_list: list[int], work: str) -> None:
+    """The experts' local buffers sized for the experts a decode step fetches (k rows)
+    against buffers of all E (the layer group as it was: `layer_group._fetched_ops`
+    returning nothing), both compiled in this one run: the decode net's reduction parts
+    of the experts op, its experts' local bytes, and the modelled one-chip decode ms/token
+    at 48 layers (`toptpu estimate`'s model)."""
+    from unittest import mock
+
+    from toptpu.backend.formats.commands import Compute, Load
+    from toptpu.estimate import compile_programs, estimate, estimate_nets, model_shape, spread_costs
+    from toptpu.passes import layer_group
+    from toptpu.request import CompileRequest
+
+    chip = get_chip("bm1684x")
+    print("\n3. local buffers of the fetched experts vs of all E: Qwen3-30B-A3B widths, "
+          "48 layers, bf16, one bm1684x, seq 512, a 16-token prompt")
+    print("| experts | buffers | decode experts op: parts | its experts' local MB a part "
+          "| block_cache MB moved | decode ms/token | TTFT s | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for experts in experts_list:
+        config, _ = _experts_config(experts, work)
+        req = CompileRequest.make(mode="bf16", seq_length=512, max_input_length=128)
+        nets = estimate_nets(req.shapes, 16, "greedy")
+        for how in ("all E", "fetched"):
+            t = time.perf_counter()
+            with mock.patch.object(layer_group, "_fetched_ops",
+                                   (lambda p: {}) if how == "all E"
+                                   else layer_group._fetched_ops):
+                programs = compile_programs(config, req, nets)
+            secs = time.perf_counter() - t
+            costs = spread_costs(programs, model_shape(config), req.fixed_mode("estimate"),
+                                 req.shapes, req.devices, req.parallel, req.chip)
+            est = estimate(costs, chip, 16, "greedy")
+            prog = programs["block_cache"]
+            parts = max((c.parts for c in prog.commands
+                         if isinstance(c, Compute) and c.kind.endswith("moe_experts")),
+                        default=0)
+            local = sum(c.local.nbytes for c in prog.commands
+                        if isinstance(c, Load) and c.index is not None)
+            n = max(parts, 1)
+            print(f"| {experts} | {how} | {parts} | {local / n / 1e6:.2f} "
+                  f"| {est.nets['block_cache'].dma_bytes / 1e6:.1f} "
+                  f"| {est.per_token.total_s * 1e3:.2f} | {est.ttft_s:.3f} | {secs:.0f} |",
+                  flush=True)
+
+
+def _peak_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def table(config_dirs: list[str], devices: list[int], prompt: int) -> None:
+    """README's MoE table: `toptpu estimate`'s model of each config at its published
+    expert count (bf16, bm1684x, seq 512, a `prompt`-token prompt): one compile for one
+    chip and pp (the programs serve every device count), one per device count for ep
+    (each chip E/N of the experts); decode tok/s and time to first token beside the bound
+    (`moe_bound.active_bytes` over one chip's sustained DDR bandwidth; under ep the bytes
+    of the chip holding the lm_head, its k/N share of the experts), the weights on the
+    fullest chip; the wall time of each compile and this process's peak RSS so far."""
+    import json
+
+    from moe_bound import active_bytes
+
+    from toptpu.compile_options import check_parallel_config
+    from toptpu.devices import Parallel
+    from toptpu.estimate import (
+        compile_programs,
+        estimate,
+        estimate_nets,
+        model_shape,
+        spread_costs,
+    )
+    from toptpu.frontends.hf_loader import read_config
+    from toptpu.request import CompileRequest
+
+    chip = get_chip("bm1684x")
+    bw = chip.sustained_gbps * 1e9
+    print(f"\n4. toptpu estimate at the published expert counts: bf16, {chip.name}, seq 512, "
+          f"a {prompt}-token prompt")
+    print("| model | chips | parallel | decode (modelled) | bound: active bytes / DDR | TTFT "
+          "(modelled) | weights GB on the fullest chip | compile s | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in config_dirs:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        config, _ = read_config(path)
+        name = os.path.basename(path.rstrip("/"))
+        shape = model_shape(config)
+        runs: list[tuple[str, list[int]]] = [("pp", devices)]
+        runs += [("ep", [n]) for n in devices
+                 if n > 1 and raw["num_experts"] % n == 0
+                 and raw["num_experts_per_tok"] <= raw["num_experts"] // n]
+        for strategy, counts in runs:
+            par = Parallel(strategy)
+            req = CompileRequest.make(mode="bf16", seq_length=512, max_input_length=128,
+                                      devices=counts[0] if strategy == "ep" else 1,
+                                      parallel=par if strategy == "ep" else None)
+            nets = estimate_nets(req.shapes, prompt, "greedy")
+            t = time.perf_counter()
+            programs = compile_programs(config, req, nets)
+            secs = time.perf_counter() - t
+            for n in counts:
+                p = par if n > 1 else None
+                # a chip's bound: under ep it moves its k/N share of the experts
+                share = 1 / n if strategy == "ep" else 1.0
+                bound = bw / active_bytes(raw, 2.0, 512, expert_share=share)["token"]
+                check_parallel_config(raw, "config", n, p, "bf16", None)
+                costs = spread_costs(programs, shape, req.fixed_mode("estimate"), req.shapes,
+                                     n, p, chip)
+                est = estimate(costs, chip, prompt, "greedy")
+                fullest = max(costs.device_weight_bytes or [costs.weight_bytes]) / 1e9
+                print(f"| {name} | {n} | {strategy if n > 1 else '-'} | "
+                      f"{est.tokens_per_s:.2f} tok/s | {bound:.2f} tok/s | {est.ttft_s:.2f} s | "
+                      f"{fullest:.1f} | {secs:.0f} | {_peak_gb():.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=16)
@@ -126,11 +261,24 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="directory for the model and its files")
     ap.add_argument("--skip-run", action="store_true")
     ap.add_argument("--skip-estimate", action="store_true")
+    ap.add_argument("--buffers", type=int, nargs="*", default=None,
+                    help="only compare the experts' buffers of the fetched experts with "
+                    "buffers of all E, at these expert counts (e.g. 16 32 64)")
+    ap.add_argument("--table", nargs="*", default=None, metavar="CONFIG_DIR",
+                    help="only print README's MoE table for these config directories")
+    ap.add_argument("--table-devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--prompt", type=int, default=128)
     args = ap.parse_args()
+    if args.table:
+        table(args.table, args.table_devices, args.prompt)
+        return
     chip = get_chip("bm1684x")
     print(f"{chip.name}: sustained DDR {chip.sustained_gbps:.1f} GB/s, link {chip.link_gbps} "
           f"GB/s + {chip.link_latency_us} us a step")
     work = args.work or tempfile.mkdtemp(prefix="moe-parallel-")
+    if args.buffers:
+        buffers(args.buffers, work)
+        return
     if not args.skip_run:
         executed(args.experts, args.devices, args.tokens, work)
     if not args.skip_estimate:

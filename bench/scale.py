@@ -332,9 +332,11 @@ print(json.dumps({"layer_stride": stride, "size": max(w["size"] for w in blobs),
 def compile_measured(model_dir: str, output: str, mode: str, seq: int,
                      max_input_length: int | None = None, devices: int = 1,
                      parallel: str | None = None) -> dict[str, Any]:
-    """Compile in a subprocess: wall seconds, its peak RSS, the load average before and
-    after, and what it reports."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Compile in a subprocess: wall seconds, CPU seconds (user + system: what a shared
+    host's load does not inflate), its peak RSS, the load average before and after, and
+    what it reports."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before, cpu_before = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
     load_before = os.getloadavg()[0]
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _COMPILE, model_dir, output, mode, str(seq),
@@ -343,14 +345,15 @@ def compile_measured(model_dir: str, output: str, mode: str, seq: int,
                           capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
     load_after = os.getloadavg()[0]
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_kb, cpu = usage.ru_maxrss, usage.ru_utime + usage.ru_stime - cpu_before
     if proc.returncode:
         raise SystemExit(f"compile of {model_dir} failed:\n{proc.stderr[-4000:]}")
     if peak_kb <= before:
         print(f"note: peak RSS of {model_dir}'s compile is not above an earlier child's "
               f"({before / 1e6:.2f} GB); run the sizes in increasing order", file=sys.stderr)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out.update(wall=wall, peak_rss=peak_kb * 1024, file=os.path.getsize(output),
+    out.update(wall=wall, cpu=cpu, peak_rss=peak_kb * 1024, file=os.path.getsize(output),
                load=(load_before, load_after))
     return out
 
@@ -407,7 +410,8 @@ def main() -> None:
         if not args.keep and os.path.exists(output):
             os.unlink(output)
         rows.append((size, weights, r))
-        print(f"{size}: compiled in {r['wall']:.1f}s, peak RSS {r['peak_rss'] / 1e9:.2f} GB, "
+        print(f"{size}: compiled in {r['wall']:.1f}s ({r['cpu']:.1f}s CPU), peak RSS "
+              f"{r['peak_rss'] / 1e9:.2f} GB, "
               f"timings {json.dumps({k: round(v, 1) for k, v in r['timings'].items()})}",
               file=sys.stderr, flush=True)
     if not rows:
@@ -418,19 +422,22 @@ def main() -> None:
     print(f"\n{args.mode}, seq {args.seq}{chunk}{spread}: checkpoints of the published "
           f"shapes{layers}, random bf16 weights (largest layer: of the largest device's "
           f"blob); {os.cpu_count()} CPUs\n")
-    print("| size | weights GB | compile s | peak RSS GB | file GB | largest layer MB "
-          "| load avg before / after |")
-    print("|---|---|---|---|---|---|---|")
+    print("| size | weights GB | compile s | compile CPU s | peak RSS GB | file GB "
+          "| largest layer MB | load avg before / after |")
+    print("|---|---|---|---|---|---|---|---|")
     for size, weights, r in rows:
-        print(f"| {size} | {weights / 1e9:.2f} | {r['wall']:.1f} | {r['peak_rss'] / 1e9:.2f} "
+        print(f"| {size} | {weights / 1e9:.2f} | {r['wall']:.1f} | {r['cpu']:.1f} "
+              f"| {r['peak_rss'] / 1e9:.2f} "
               f"| {r['file'] / 1e9:.2f} | {r['layer_stride'] / 1e6:.1f} "
               f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     by = {size: (weights, r) for size, weights, r in rows}
     if "1.5B" in by and "7B" in by:
         (w15, r15), (w7, r7) = by["1.5B"], by["7B"]
         time_ratio, weight_ratio = r7["wall"] / r15["wall"], w7 / w15
-        print(f"\n7B / 1.5B: time x{time_ratio:.2f}, weights x{weight_ratio:.2f} "
-              f"(time ratio / weight ratio = {time_ratio / weight_ratio:.2f})")
+        cpu_ratio = r7["cpu"] / r15["cpu"]
+        print(f"\n7B / 1.5B: time x{time_ratio:.2f} (CPU x{cpu_ratio:.2f}), weights "
+              f"x{weight_ratio:.2f} (time ratio / weight ratio = "
+              f"{time_ratio / weight_ratio:.2f}, CPU {cpu_ratio / weight_ratio:.2f})")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,13 @@ from xdsl.universe import Universe
 
 from toptpu.dialects import all_dialects, context, dialect_factory, plugin_ops
 from toptpu.dialects.ir_text import parse_ir, print_generic
-from toptpu.dialects.irdl_export import MlirFormError, export_irdl, from_mlir_form, mlir_form
+from toptpu.dialects.irdl_export import (
+    IrdlGap,
+    MlirFormError,
+    export_irdl,
+    from_mlir_form,
+    mlir_form,
+)
 from toptpu.errors import ToptpuError
 
 
@@ -268,10 +274,22 @@ def verify_with_irdl(module: ModuleOp | str) -> None:
             raise MlirCheckError("MLIR (top/tpu from IRDL): verification failed")
 
 
+_IRDL_GAPS: dict[ExportKey, list[IrdlGap]] = {}
+
+
+def _irdl_gaps() -> list[IrdlGap]:
+    """The gaps of the (ranked) IRDL export, cached per process and set of plugin ops: an
+    export builds every op's constraints anew (~0.1 s, once per rejected module otherwise)."""
+    key = _export_key(False)
+    if key not in _IRDL_GAPS:
+        _IRDL_GAPS[key] = export_irdl().gaps
+    return _IRDL_GAPS[key]
+
+
 def _known_gaps_hint(message: str) -> str:
     """Name the documented IRDL gaps of the ops an MLIR error mentions."""
     named = set(re.findall(r"'((?:top|tpu)\.\w+)'", message))
-    hints = [f"  known IRDL gap: {g}" for g in export_irdl().gaps
+    hints = [f"  known IRDL gap: {g}" for g in _irdl_gaps()
              if g.op in named and "variadic" in g.detail]
     return ("\n" + "\n".join(hints)) if hints else ""
 

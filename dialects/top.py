@@ -2445,6 +2445,12 @@ class MoeExpertsBase(ShapedOp):
     layer group may cut it in reduction parts — each part its I/P rows of every expert's
     gate and up and columns of its down, folded into an f32 accumulator — so an op whose
     experts do not fit local memory streams them through it.
+
+    `fetched_from` (inside a layer group only: `tpu.load` `by_index` into buffers of the
+    fetched experts): the indices range over that many experts E, and gate, up and down
+    hold S < E rows, the experts the indices name in ascending order in their first rows
+    (`fetched_rows_needed`: S is at least min(E, the entries of the indices), so every
+    chosen expert has its row — no token dropped).
     """
 
     x = operand_def(AnyTensor)
@@ -2453,6 +2459,7 @@ class MoeExpertsBase(ShapedOp):
     down = operand_def(AnyTensor)
     weights = operand_def(AnyTensor)
     indices = operand_def(AnyTensor)
+    fetched_from = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     assembly_format = (
         "$x `,` $gate `,` $up `,` $down `,` $weights `,` $indices attr-dict `:` type($x) `,` "
@@ -2465,12 +2472,12 @@ class MoeExpertsBase(ShapedOp):
                                                            "moe_experts_finish")
 
     def kernel_params(self) -> dict[str, object]:
-        return {"out_dtype": self.result_dtype()}
+        return {"out_dtype": self.result_dtype(), **fetched_param(self.fetched_from)}
 
     def reduction_part_arguments(self, operands: Sequence[object], part: int
                                  ) -> tuple[Sequence[object], Mapping[str, object]]:
         """Part `part` of I: every operand (gate, up and down cut to the part's rows)."""
-        return operands, {}
+        return operands, fetched_param(self.fetched_from)
 
     def reduction_finish_arguments(self, operands: Sequence[object]
                                    ) -> tuple[Sequence[object], Mapping[str, object]]:
@@ -2498,9 +2505,10 @@ class MoeExpertsBase(ShapedOp):
         _check_shape(name, "up", shape_of(up), (e, inter, h))
         _check_shape(name, "down", shape_of(down), (e, h, inter))
         ws = shape_of(weights)
-        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e:
+        check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        if len(ws) != 2 or ws[0] != t or ws[1] < 1:
             raise VerifyException(f"{name} weights is {list(ws)}; it must be [{t}, k] with k "
-                                  f"from 1 to the {e} experts")
+                                  "at least 1")
         _check_shape(name, "indices", shape_of(indices), ws)
         for what, v in (("x", x), ("gate", gate), ("up", up), ("down", down),
                         ("weights", weights)):
@@ -2522,11 +2530,13 @@ class MoeExpertsBase(ShapedOp):
         return shape_of(self.gate)[1]
 
     def flops(self) -> int:
-        """The k experts each token computes: its gate, up and down products (2 FLOPs a
-        MAC), silu and the gating product, the weighted sum."""
+        """The k experts each token computes (at most the E the op holds: an expert
+        parallel device's local op may take a k above its E, the slots naming other
+        devices' experts -1): its gate, up and down products (2 FLOPs a MAC), silu and the
+        gating product, the weighted sum."""
         t, h = shape_of(self.x)
         i = self.intermediate
-        return t * self.top_k * (2 * h * 2 * i + 2 * i * h + 6 * i + 2 * h)
+        return t * min(self.top_k, self.experts) * (2 * h * 2 * i + 2 * i * h + 6 * i + 2 * h)
 
     def row_rule(self, axis: int) -> RowRule | None:
         """Tokens are independent: x, the weights, the indices and y by rows (axis 0), the
@@ -2617,6 +2627,36 @@ class MoeExpertsBase(ShapedOp):
                           (indices, amap(3, [dim(0), dim(2)]))],
                          (t, h, k), [2], False, f32, 0.0, weighted)
         return e.convert(total, out)
+
+
+def fetched_rows_needed(experts: int, indices_shape: Sequence[int]) -> int:
+    """The rows a buffer of fetched experts needs (`MoeExpertsBase.fetched_from`): the
+    distinct experts indices of `indices_shape` ([T, k]) can name, min(E, T x k)."""
+    return min(experts, numel(indices_shape))
+
+
+def fetched_param(attr: Attribute | None) -> dict[str, object]:
+    """The experts kernels' `fetched_from` keyword (none when the op holds every expert)."""
+    return {} if attr is None else {"fetched_from": read_int(attr)}
+
+
+def check_fetched_rows(name: str, held: int, indices_shape: Sequence[int],
+                       attr: Attribute | None) -> None:
+    """An experts op's weights holding `held` rows of the experts its `fetched_from`
+    attribute names hold fewer than all of them and at least every expert the indices can
+    name (no chosen expert without its row)."""
+    if attr is None:
+        return
+    if not isinstance(attr, IntegerAttr):
+        raise VerifyException(f"{name} fetched_from must be an integer")
+    n = read_int(attr)
+    if len(indices_shape) != 2:
+        raise VerifyException(f"{name} indices are {list(indices_shape)}; they must be [T, k]")
+    need = fetched_rows_needed(n, indices_shape)
+    if not need <= held < n:
+        raise VerifyException(f"{name} holds {held} of its {n} experts (fetched_from); its "
+                              f"indices {list(indices_shape)} can name {need}: it must hold "
+                              f"from {need} to {n - 1}")
 
 
 @irdl_op_definition

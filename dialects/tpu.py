@@ -538,6 +538,9 @@ class A16MoeExpertsOp(TpuOp):
     indices = operand_def(AnyTensor)
     weight_bits = attr_def(DenseArrayBase)
     group_size = attr_def(DenseArrayBase)
+    #: as `top.moe_experts`'s: the experts the indices range over, the weight operands
+    #: holding only the ones they name (a layer group's buffers of the fetched experts)
+    fetched_from = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
     assembly_format = (
@@ -573,7 +576,8 @@ class A16MoeExpertsOp(TpuOp):
     # ------------------------------------------------------------------ kernel binding
     def _params(self) -> dict[str, object]:
         return {"bits": tuple(read_ints(self.weight_bits)),
-                "group_sizes": tuple(read_ints(self.group_size))}
+                "group_sizes": tuple(read_ints(self.group_size)),
+                **top.fetched_param(self.fetched_from)}
 
     def kernel_params(self) -> dict[str, object]:
         return {**self._params(), "out_dtype": self.result_dtype()}
@@ -620,9 +624,10 @@ class A16MoeExpertsOp(TpuOp):
                 f"{list(shapes[2])} (unpacked); for x [{t}, {h}] they must be [E, I, {h}], "
                 f"[E, I, {h}], [E, {h}, I]")
         ws = shape_of(weights)
-        if len(ws) != 2 or ws[0] != t or not 1 <= ws[1] <= e or shape_of(indices) != ws:
-            raise VerifyException(f"{name} weights and indices must be [{t}, k] with k from 1 "
-                                  f"to the {e} experts")
+        top.check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        if len(ws) != 2 or ws[0] != t or ws[1] < 1 or shape_of(indices) != ws:
+            raise VerifyException(f"{name} weights and indices must be [{t}, k] with k at "
+                                  "least 1")
         if not is_float(elem_of(x)) or not is_float(elem_of(weights)) \
                 or is_float(elem_of(indices)):
             raise VerifyException(f"{name} takes float x and weights, integer indices")
@@ -641,10 +646,10 @@ class A16MoeExpertsOp(TpuOp):
         return shape_of(self.weights)[1]
 
     def flops(self) -> int:
-        """As `top.moe_experts`: the k experts each token computes."""
+        """As `top.moe_experts`: the k experts each token computes (at most E)."""
         t, h = shape_of(self.x)
         i = self.intermediate
-        return t * self.top_k * (2 * h * 2 * i + 2 * i * h + 6 * i + 2 * h)
+        return t * min(self.top_k, self.experts) * (2 * h * 2 * i + 2 * i * h + 6 * i + 2 * h)
 
     # ------------------------------------------------------------------ slicing
     def _flat_axes(self, x: int | None, gate_up: int | None, down: int | None,
@@ -985,7 +990,11 @@ class LoadOp(TpuOp):
     names: `SlicingInterface.fetched_by_index`, the MoE experts' stacked weights): an
     indexed load — only the rows along axis 0 that the consumer's indices name move, each
     once (the DMA reads the indices from the local buffer the consumer reads them from;
-    a negative index names none), the others are not read from global memory."""
+    a negative index names none), the others are not read from global memory. Its
+    buffer holds all the rows of the part (each at its place, the others zero), or fewer
+    (a result with fewer rows along axis 0 than its input: a buffer of the fetched
+    experts): the named rows in ascending order in its first rows, its consumers reading
+    them as `fetched_from` the input's rows (`top.moe_experts`)."""
 
     name = "tpu.load"
     input = operand_def(AnyTensor)
@@ -998,8 +1007,10 @@ class LoadOp(TpuOp):
     STRUCTURAL: ClassVar[bool] = True  # run by its group
 
     def verify_(self) -> None:
-        verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes)
+        verify_slice(self.input, self.output, read_int(self.slice_axis), self, self.tile_axes,
+                     fetched_rows=self.by_index is not None)
         if self.by_index is not None:
+            self._verify_fetched()
             if read_int(self.slice_axis) == 0 or (
                     self.tile_axes is not None and 0 in read_ints(self.tile_axes)):
                 raise VerifyException(f"{self.name} by_index loads rows along axis 0 by "
@@ -1015,6 +1026,20 @@ class LoadOp(TpuOp):
             if not uses:
                 raise VerifyException(f"{self.name} by_index needs a consumer reading its "
                                       "rows by index")
+
+    def _verify_fetched(self) -> None:
+        """A buffer of the fetched rows (fewer rows than the input) is read by consumers
+        that know it (`fetched_from` the input's rows); a buffer of every row by ones that
+        read rows at their places."""
+        full, held = shape_of(self.input)[0], shape_of(self.output)[0]
+        for u in self.output.uses:
+            attr = u.operation.attributes.get("fetched_from")
+            got = None if attr is None else read_int(attr)
+            if got != (None if held == full else full):
+                raise VerifyException(
+                    f"{self.name} by_index holds {held} of {full} rows; its consumer "
+                    f"{u.operation.name} reads them as "
+                    f"{'every row' if got is None else f'fetched from {got}'}")
 
 
 @irdl_op_definition
@@ -1045,8 +1070,15 @@ def tile_axes_of(op: LoadOp | StoreOp) -> tuple[int, ...] | None:
 
 
 def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation,
-                 tile_axes: DenseArrayBase | None = None) -> None:
+                 tile_axes: DenseArrayBase | None = None, fetched_rows: bool = False) -> None:
+    """`part` is slice `axis` (or tiles `tile_axes`) of `full`; `fetched_rows` (an indexed
+    load): its axis 0 holds from 1 to all of `full`'s rows, the rest sliced as said."""
     fs, ps = shape_of(full), shape_of(part)
+    if fetched_rows and len(fs) == len(ps) and len(fs) > 0 and ps[0] != fs[0]:
+        if not 1 <= ps[0] < fs[0]:
+            raise VerifyException(f"{op.name} by_index holds {ps[0]} of the {fs[0]} rows; it "
+                                  f"must hold from 1 to {fs[0]}")
+        ps = (fs[0], *ps[1:])
     if elem_of(full) != elem_of(part):
         raise VerifyException(f"{op.name} cannot change the element type")
     if tile_axes is not None:

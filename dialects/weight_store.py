@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,8 +97,12 @@ class WeightStore:
     mapped) and by arrays in memory. Tensors set after construction are *derived*
     (`derived_names`): a file-backed store knows what its file does not hold."""
 
-    def __init__(self, uri: str | None = None) -> None:
+    def __init__(self, uri: str | None = None, placeholders: bool = False) -> None:
         self.uri = uri or f"{MEMORY}{os.getpid()}-{next(_COUNTER)}"
+        #: a store of placeholder weights (`toptpu estimate`: zeros, of which only the
+        #: shapes matter): a tensor derived from them is zeros too, never computed
+        #: (`derive`), so no pass writes a page of it
+        self.placeholders = placeholders
         self._arrays: dict[str, np.ndarray] = {}
         self._file: CheckpointReader | None = None  # the file of the lazy tensors
         self._lazy: set[str] = set()  # names still only in the file
@@ -161,6 +165,19 @@ class WeightStore:
         self._arrays[name] = np.ascontiguousarray(value)
         self._lazy.discard(name)
         self._derived.add(name)
+
+    def derive(self, shape: tuple[int, ...], dtype: np.dtype | type,
+               make: Callable[[], np.ndarray]) -> np.ndarray:
+        """A tensor a pass derives from the store's: `make()`, or in a store of
+        `placeholders` zeros of `shape` and `dtype` on untouched pages (no memory until
+        read: the estimate's experts cost no memory per expert)."""
+        if self.placeholders:
+            return np.zeros(shape, dtype)
+        value = make()
+        if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
+            raise WeightStoreError(f"a derived tensor is {value.dtype} {list(value.shape)}, "
+                                   f"not the {np.dtype(dtype)} {list(shape)} said")
+        return value
 
     def names(self) -> list[str]:
         return sorted(set(self._arrays) | set(self._lazy))

@@ -983,8 +983,9 @@ def _moe_experts(im: Importer, node: torch.fx.Node) -> Any:
         def make() -> np.ndarray:
             whole = im.store[stored]
             part = whole[:, h * inter:(h + 1) * inter]
-            if not whole.any():  # all zeros (a streaming compile's placeholder experts,
-                # on untouched pages): zeros on untouched pages, not E x I x H written ones
+            # all zeros (the estimate's placeholders, a streaming compile's placeholder
+            # experts, on untouched pages): zeros on untouched pages, not E x I x H written
+            if im.store.placeholders or not whole.any():
                 return np.zeros(part.shape, part.dtype)
             return part
         return make

@@ -59,6 +59,7 @@ transformers does) and compiled in the requested mode.
 
 from __future__ import annotations
 
+import copy
 import math
 import mmap
 import os
@@ -964,13 +965,36 @@ def gguf_text_config(path: str) -> tuple[dict[str, Any], str]:
              "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
              "attention.head_count": "num_attention_heads",
              "attention.head_count_kv": "num_key_value_heads",
-             "attention.key_length": "head_dim"}
+             "attention.key_length": "head_dim", "expert_count": "num_experts",
+             "expert_used_count": "num_experts_per_tok"}
     cfg = {hf: fields[f"{arch}.{key}"] for key, hf in names.items()
            if f"{arch}.{key}" in fields}
     return cfg, f"{path} (its {arch}.* metadata)"
 
 
+#: what transformers made of a GGUF's metadata, per file (its identity and size and
+#: modification time): transformers parses every metadata field, the tokenizer's vocabulary
+#: included, for the config and again for the tokenizer (~3.5 s CPU each for SmolLM2-135M's
+#: 49k tokens); a process that compiles one file again (a sweep, the tests) reads it once
+_CONFIGS: dict[tuple[str, int, int, int, int], tuple[Any, str]] = {}
+_TOKENIZER_FILES: dict[tuple[str, int, int, int, int], dict[str, bytes]] = {}
+
+
+def _file_identity(path: str) -> tuple[str, int, int, int, int]:
+    st = os.stat(path)
+    return os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _config(header: GGUFHeader) -> tuple[Any, str]:
+    """transformers' config of the GGUF (a copy of this process's first read of the file)."""
+    key = _file_identity(header.path)
+    if key not in _CONFIGS:
+        _CONFIGS[key] = _read_config(header)
+    config, arch = _CONFIGS[key]
+    return copy.deepcopy(config), arch
+
+
+def _read_config(header: GGUFHeader) -> tuple[Any, str]:
     from transformers import AutoConfig
 
     path = header.path
@@ -1004,6 +1028,15 @@ def _config(header: GGUFHeader) -> tuple[Any, str]:
 
 
 def _tokenizer_files(path: str) -> dict[str, bytes]:
+    """The tokenizer files transformers converts the GGUF's metadata to (cached as the
+    config is)."""
+    key = _file_identity(path)
+    if key not in _TOKENIZER_FILES:
+        _TOKENIZER_FILES[key] = _read_tokenizer_files(path)
+    return dict(_TOKENIZER_FILES[key])
+
+
+def _read_tokenizer_files(path: str) -> dict[str, bytes]:
     from transformers import AutoTokenizer
 
     d, name = os.path.split(os.path.abspath(path))

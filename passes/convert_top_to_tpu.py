@@ -81,6 +81,7 @@ from toptpu.passes.quantize import (
     CHECKPOINT_MODEL,
     QuantizationError,
     checkpoint_parts_of_store,
+    placeholder_quantized,
     quantize_rtn,
     resolve_group_size,
 )
@@ -181,7 +182,7 @@ class Lowering:
         want = numpy_dtype(elem)
         name = src if arr.dtype == want else f"{src}:{dtype_name(elem)}"
         if name not in self.store:
-            self.store[name] = arr.astype(want)
+            self.store[name] = self.store.derive(arr.shape, want, lambda: arr.astype(want))
         op = tpu.WeightOp(
             attributes={"name": str_attr(name), "source": str_attr(src), "part": str_attr("data")},
             result_types=[tensor(arr.shape, elem)],
@@ -204,7 +205,10 @@ class Lowering:
         key = (src, tag)
         if key in self._quantized:
             return self._quantized[key]
-        qw = quantize_rtn(w, self.bits, gs, sym, numpy_dtype(self.act))
+        if self.store.placeholders:  # zeros of the shapes one row's quantization has
+            qw = placeholder_quantized(w, self.bits, gs, sym, numpy_dtype(self.act))
+        else:
+            qw = quantize_rtn(w, self.bits, gs, sym, numpy_dtype(self.act))
         parts = {"qweight": qw.qweight, "scales": qw.scales}
         if qw.zeros is not None:
             parts["zeros"] = qw.zeros

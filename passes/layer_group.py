@@ -36,6 +36,7 @@ from toptpu.backend.target.cost import (
     cost_dtype,
     ddr_bytes,
     dma_cycles,
+    expected_distinct,
     nbytes,
     op_flops,
     run_bytes,
@@ -55,6 +56,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import op_name, set_name
 from toptpu.dialects.slicing_interface import SlicingInterface
+from toptpu.dialects.top import fetched_rows_needed
 from toptpu.errors import ToptpuError
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
@@ -260,11 +262,13 @@ def _lane_bytes_bound(p: Plan, chip: Chip) -> int:
     """A safe upper bound of the per-lane bytes the group needs (no reuse assumed)."""
     total = 0
     copies = 2 if p.slices > 1 else 1
+    fetched = _fetched_buffers(p)
     for v in p.inputs:
         if v in p.gather_tables:
             continue
         ax = p.input_axes[v]
-        total += chip.per_lane(_slice_bytes(v, ax, p.slices)) * (copies if ax is not None else 1)
+        n = fetched.get(v, _slice_bytes(v, ax, p.slices))
+        total += chip.per_lane(n) * (copies if ax is not None else 1)
     outs = set(p.outputs)
     for op in p.ops:
         for r in op.results:
@@ -282,12 +286,33 @@ def _slice_cycles(v: SSAValue, ax: int | None, s: int, chip: Chip) -> float:
                       run_bytes(shape, part, dtype_bytes(elem_of(v))))
 
 
+def _fetched_moved(p: Plan, chip: Chip) -> dict[SSAValue, float]:
+    """Cycles of the indexed loads of a plan's whole by-index operands (the MoE experts):
+    their expected distinct rows (`cost.expected_distinct` of a slice's indices [T, k]),
+    in runs of at most one row, once per slice of indices."""
+    out = {}
+    for op in p.ops:
+        for v, idx in _by_index_operands(op):
+            if v not in p.input_axes or p.input_axes[v] is not None \
+                    or not _fetched_by_index(v, p.ops):
+                continue
+            ax = p.result_axes[idx] if idx in p.result_axes else p.input_axes.get(idx)
+            loads = p.slices if ax is not None else 1
+            shape = shape_of(_slice_type(idx, ax, p.slices))
+            e = shape_of(v)[0]
+            row = nbytes(v) // e
+            rows = expected_distinct(e, numel(shape[:-1]), shape[-1])
+            out[v] = loads * dma_cycles(chip, round(row * rows), row)
+    return out
+
+
 def _pipeline_cost(p: Plan, chip: Chip) -> float:
     """Modelled cycles: resident loads, then slices with load(i+1)+store(i-1) overlapping
     compute(i) (one DMA engine, one compute engine)."""
     s = p.slices
-    resident = sum(_slice_cycles(v, None, s, chip) for v in p.inputs
-                   if v not in p.gather_tables and p.input_axes[v] is None)
+    moved = _fetched_moved(p, chip)
+    resident = sum(moved[v] if v in moved else _slice_cycles(v, None, s, chip)
+                   for v in p.inputs if v not in p.gather_tables and p.input_axes[v] is None)
     load = sum(_slice_cycles(v, p.input_axes[v], s, chip) for v in p.inputs
                if v not in p.gather_tables and p.input_axes[v] is not None)
     gathers = 0.0
@@ -408,14 +433,15 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
                 n = n * count
         sizes.append(v.nbytes // n)
         runs.append(_tile_runs(v, (r, c, parts)))
-    lane = 2 * sum(_per_lane(n, chip) for n in sizes)
+    held, moved = _fetched_tile_sizes(op, inputs, sizes, runs, r)
+    lane = 2 * sum(_per_lane(n, chip) for n in [*held, sizes[-1]])
     if reduce:
         lane = lane + _per_lane(acc // (r * c), chip)
     ok &= lane <= chip.lane_bytes
     best: dict[int, tuple[float, int, str]] = {}  # slices -> (cost, cell, outer)
     for outer in ("rows", "cols"):
-        cost = _tile_costs(inputs, sizes, runs, (r, c, parts), outer, op_flops(op),
-                           cost_dtype(op), chip)
+        cost = _tile_costs(inputs, [*moved, sizes[-1]], runs, (r, c, parts), outer,
+                           op_flops(op), cost_dtype(op), chip)
         for cell in np.flatnonzero(ok).tolist():
             t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
             k = float(cost.flat[cell])
@@ -433,6 +459,50 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
         p.result_axes[result.value] = result.axes[1]
         plans.append(p)
     return plans
+
+
+def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[np.ndarray],
+                        runs: list[np.ndarray], r: np.ndarray
+                        ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The bytes each input's local buffer holds and a load of it moves, over the grid
+    (`sizes` the whole parts; `runs` made at most one row for an indexed load, in place).
+    An operand `op` reads by index (the MoE experts) is an indexed load where no tile
+    loop shares it between row blocks of other indices (`_shared_by_tiles_of_other_
+    indices`); it then moves its expected distinct rows (`cost.expected_distinct` of the
+    row block's [T, k] indices), and its buffer holds the rows they can name,
+    min(E, T x k), when every such operand of `op` is an indexed load
+    (`_fetched_buffers`)."""
+    held, moved = list(sizes[:len(inputs)]), [np.asarray(n, np.float64)
+                                               for n in sizes[:len(inputs)]]
+    by_index = _by_index_operands(op)
+    if not by_index:
+        return held, moved
+    pos = {v.value: i for i, v in enumerate(inputs)}
+    idx = inputs[pos[by_index[0][1]]]
+    t, k = numel(shape_of(idx.value)[:-1]), shape_of(idx.value)[-1]
+    tokens = t // r if idx.axes[0] != -1 else np.full_like(r, t)
+    # a row block's indexed load of an operand no loop cuts would serve other row blocks
+    shared = (r > 1) & (idx.axes[0] != -1) & any(
+        all(a == -1 for a in inputs[pos[v]].axes) for v, _ in by_index)
+    every = ~shared  # every by-index operand an indexed load
+    for v, _ in by_index:
+        i = pos[v]
+        e = shape_of(v)[0]
+        row = sizes[i] // e
+        rows = np.minimum(e, tokens * k)
+        expect = np.vectorize(lambda n, e=e: expected_distinct(e, int(n), k),
+                              otypes=[np.float64])(tokens)
+        held[i] = np.where(every, row * rows, sizes[i])
+        moved[i] = np.where(every, row * expect, sizes[i])
+        runs[i] = np.where(every, np.minimum(runs[i], row), runs[i])
+    return held, moved
+
+
+def _by_index_operands(op: Operation) -> list[tuple[SSAValue, SSAValue]]:
+    """(operand, its index operand) for each operand `op` reads by index."""
+    if not isinstance(op, SlicingInterface):
+        return []
+    return [(op.operands[p], op.operands[i]) for p, i in op.fetched_by_index().items()]
 
 
 def _tile_runs(v: _TileOperand, counts: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -461,7 +531,9 @@ def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
     assert found is not None
     inputs, result, acc = found
     counts = (*p.tiles, p.parts)
-    total = sum(2 * chip.per_lane(v.part(counts) or 0) for v in [*inputs, result])
+    fetched = _fetched_buffers(p)
+    total = sum(2 * chip.per_lane(fetched.get(v.value, v.part(counts) or 0))
+                for v in [*inputs, result])
     return total + (chip.per_lane(acc // (p.tiles[0] * p.tiles[1])) if p.parts > 1 else 0)
 
 
@@ -503,11 +575,15 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     counts = (r, c, p.parts)
     ndim = 3 if p.parts > 1 else 2  # tile_axes: rows, second loop (, reduction)
 
+    fetched = _fetched_rows(p)
+
     def part_type(v: SSAValue) -> TensorType:
         shape = list(shape_of(v))
         for a, n in zip(p.tile_axes[v], counts, strict=True):
             if a != -1:
                 shape[a] //= n
+        if v in fetched:
+            shape[0] = fetched[v]
         return tensor(shape, elem_of(v))
 
     block = Block(arg_types=[v.type for v in p.inputs])
@@ -530,6 +606,8 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     res = op.results[0]
     attrs = {k: a for k, a in op.attributes.items() if k not in ("lmem", "ts")}
     attrs["ts"] = i64_attr(1)
+    if fetched:
+        attrs["fetched_from"] = i64_attr(_experts_of(op))
     assert isinstance(op, SlicingInterface)
     # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts
     heads = c if op.tile_loop() == SliceKind.HEADS else 1
@@ -574,8 +652,71 @@ def _shared_by_tiles_of_other_indices(v: SSAValue, op: Operation, p: Plan) -> bo
     assert isinstance(op, SlicingInterface)
     picks = {op.operands[op.fetched_by_index()[u.index]] for u in v.uses
              if u.operation is op}
+    counts = (*p.tiles, p.parts)
     return all(a == -1 for a in p.tile_axes[v]) and any(
-        a != -1 for idx in picks for a in p.tile_axes[idx])
+        a != -1 and n > 1 for idx in picks
+        for a, n in zip(p.tile_axes[idx], counts, strict=False))
+
+
+def _experts_of(op: Operation) -> int:
+    """The rows along axis 0 of the operands `op` reads by index (its experts)."""
+    return shape_of(_by_index_operands(op)[0][0])[0]
+
+
+def _fetched_rows(p: Plan) -> dict[SSAValue, int]:
+    """The inputs whose local buffer holds only the experts its loads fetch, and its
+    rows (`_fetched_ops`)."""
+    return {v: rows for _, (pairs, rows) in _fetched_ops(p).items() for v, _ in pairs}
+
+
+def _fetched_ops(p: Plan) -> dict[Operation, tuple[list[tuple[SSAValue, SSAValue]], int]]:
+    """The ops of the plan whose by-index operands (the MoE experts) get buffers of the
+    fetched experts, with those operands and the buffers' rows: every operand the op reads
+    by index is an indexed load (a group input only it reads, not shared by row blocks of
+    other indices) and its slice's indices [T, k] can name fewer than the E experts:
+    min(E, T x k) rows — each distinct expert the slice's tokens chose has its row, none
+    is dropped (a prefill chunk of T rows needs min(E, T k), all E at the chunk sizes
+    used unless E > T k)."""
+    out = {}
+    for op in p.ops:
+        pairs = _by_index_operands(op)
+        if not pairs or any(v not in p.input_axes or not _fetched_by_index(v, p.ops)
+                            or any(u.operation is not op for u in v.uses
+                                   if u.operation in p.ops) for v, _ in pairs):
+            continue
+        idx = pairs[0][1]
+        if p.kind == SliceKind.TILES:
+            if any(_shared_by_tiles_of_other_indices(v, op, p) for v, _ in pairs):
+                continue
+            shape = list(shape_of(idx))
+            if p.tile_axes[idx][0] != -1:
+                shape[p.tile_axes[idx][0]] //= p.tiles[0]
+        else:
+            if any(p.input_axes[v] is not None for v, _ in pairs):
+                continue  # sliced buffers of every row (not built today)
+            ax = p.result_axes[idx] if idx in p.result_axes else p.input_axes.get(idx)
+            shape = list(shape_of(_slice_type(idx, ax, p.slices)))
+        e = _experts_of(op)
+        rows = fetched_rows_needed(e, shape)
+        if rows < e:
+            out[op] = (pairs, rows)
+    return out
+
+
+def _fetched_buffers(p: Plan) -> dict[SSAValue, int]:
+    """The bytes of the buffers `_fetched_rows` makes (a slice or tile's part)."""
+    fetched = _fetched_rows(p)
+    out = {}
+    for v, rows in fetched.items():
+        if p.kind == SliceKind.TILES:
+            n = 1
+            for a, count in zip(p.tile_axes[v], (*p.tiles, p.parts), strict=True):
+                if a != -1:
+                    n *= count
+        else:
+            n = 1
+        out[v] = nbytes(v) // n // shape_of(v)[0] * rows
+    return out
 
 
 def _slice_type(v: SSAValue, ax: int | None, s: int) -> TensorType:
@@ -590,6 +731,8 @@ def build_group(p: Plan) -> tpu.GroupOp:
     if p.kind == SliceKind.TILES:
         return build_tile_group(p)
     s = p.slices
+    fetched_ops = _fetched_ops(p)
+    fetched = _fetched_rows(p)
     block = Block(arg_types=[v.type for v in p.inputs])
     local: dict[SSAValue, SSAValue] = {}
     for v, arg in zip(p.inputs, block.args, strict=True):
@@ -602,7 +745,10 @@ def build_group(p: Plan) -> tpu.GroupOp:
                                        "ts": i64_attr(0)}
         if _fetched_by_index(v, p.ops):
             attrs["by_index"] = UnitAttr()
-        ld = tpu.LoadOp(operands=[arg], result_types=[_slice_type(v, ax, s)],
+        part = _slice_type(v, ax, s)
+        if v in fetched:
+            part = tensor([fetched[v], *shape_of(part)[1:]], elem_of(v))
+        ld = tpu.LoadOp(operands=[arg], result_types=[part],
                         attributes=attrs)
         set_name(ld, f"{_value_name(v)}.load")
         ld.output.name_hint = v.name_hint
@@ -616,6 +762,8 @@ def build_group(p: Plan) -> tpu.GroupOp:
             attrs.update(op.sliced_attributes(
                 result_types, heads=s if p.kind == SliceKind.HEADS else 1))
         attrs["ts"] = i64_attr(1)
+        if op in fetched_ops:
+            attrs["fetched_from"] = i64_attr(_experts_of(op))
         operands = [local[v] for v in op.operands]
         new = type(op).create(operands=operands, result_types=result_types, attributes=attrs)
         new.location = op.location

@@ -93,6 +93,23 @@ def quantize_rtn(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
                            np.concatenate([b.scales for b in blocks]), zeros, bits, gs)
 
 
+def placeholder_quantized(w: np.ndarray, bits: int, group_size: int, symmetric: bool,
+                          scale_dtype: np.dtype) -> QuantizedWeight:
+    """`quantize_rtn`'s result for a placeholder weight (a store of `placeholders`: only
+    the shapes matter): zeros on untouched pages of the shapes and types that quantizing
+    one row gives, for every row of `w` (its leading axes kept)."""
+    one = quantize_rtn(np.zeros((1, w.shape[-1]), np.float32), bits, group_size, symmetric,
+                       scale_dtype)
+    lead = tuple(w.shape[:-1])
+
+    def like(a: np.ndarray) -> np.ndarray:
+        return np.zeros((*lead, a.shape[-1]), a.dtype)
+
+    return QuantizedWeight(like(one.qweight), like(one.scales),
+                           None if one.zeros is None else like(one.zeros), bits,
+                           one.group_size)
+
+
 def _quantize_rows(w: np.ndarray, bits: int, gs: int, symmetric: bool,
                    scale_dtype: np.dtype) -> QuantizedWeight:
     """`quantize_rtn` of some rows of a weight (group size resolved)."""

@@ -50,7 +50,11 @@ first expert (a one-element shard weight, `tp.offsets.<E/N>x<N>@shard0-<N>`, as 
 merged top-1's), any index outside [0, E/N) (another device's expert, or a padded row's -1)
 made -1, which adds nothing — and a `dev.all_reduce` sums the devices' partial results
 after it. Everything else (attention, norms, the router, a shared expert) stays whole and
-is computed on every device alike; no net input or output is split.
+is computed on every device alike; no net input or output is split. A pre-quantized
+checkpoint's tensors of a stacked projection (`passes.quantize.checkpoint_key` annexes:
+integers, scales, zero points or mins, each stacked by expert) are cut along E with it, so
+the lowering takes each device's experts' integers as they are. A token's k may exceed
+E/N: the local op's slots naming other devices' experts are -1.
 """
 
 from __future__ import annotations
@@ -95,7 +99,12 @@ from toptpu.dialects.sharding import (
 )
 from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import WeightStore, weights_of
+from toptpu.passes.quantize import checkpoint_key
 from toptpu.passes.util import producer, require_level
+
+#: a pre-quantized checkpoint's tensors of a weight (`passes.quantize.CHECKPOINT_TAG`); all
+#: but `meta` (bits and group size) stacked by expert for a MoE projection
+CHECKPOINT_FIELDS = ("qweight", "scales", "zeros", "mins", "meta")
 
 #: ops a projection's output passes through on its way into an attention (traced back)
 _TRACE_THROUGH = (top.ReshapeOp, top.PermuteOp, top.RopeOp, top.RmsNormOp, top.CastOp)
@@ -536,9 +545,6 @@ class _ExpertSharder(_Sharder):
         where = op_name(op) or op.name
         if e % n:
             raise ShardingError(f"{where}: {e} experts do not divide among {n} devices")
-        if op.top_k > e // n:
-            raise ShardingError(f"{where}: a token's {op.top_k} experts exceed the {e // n} "
-                                f"each of {n} devices would hold")
         stacked = [producer(v, top.WeightOp) for v in (op.gate, op.up, op.down)]
         if any(w is None for w in stacked):
             raise ShardingError(f"{where}: its experts are not weights (top.weight) to cut "
@@ -546,7 +552,7 @@ class _ExpertSharder(_Sharder):
         if elem_of(op.indices) != i32:
             raise ShardingError(f"{where}: its indices are {elem_of(op.indices)}, not the "
                                 "router's i32")
-        gate, up, down = (self.shard_weight(w, Split(0, n), op) for w in stacked if w)
+        gate, up, down = (self.shard_experts(w, op) for w in stacked if w)
         per = e // n
         base = offsets_name(per, n)
         self.store[base] = np.arange(n, dtype=np.int32) * per
@@ -570,6 +576,25 @@ class _ExpertSharder(_Sharder):
         self.replace(op, new)
         total = self.all_reduce(new.output, new)
         new.output.replace_uses_with_if(total, lambda u: u.operation is not total.owner)
+
+    def shard_experts(self, w: top.WeightOp, op: top.MoeExpertsOp) -> SSAValue:
+        """The device's experts of a stacked projection (cut along E); a pre-quantized
+        checkpoint's tensors of it (`passes.quantize.checkpoint_key` annexes: the integers,
+        scales, zero points or mins, each stacked by expert) cut alike, so the lowering
+        takes the device's experts' integers as they are."""
+        split = Split(0, self.devices)
+        cut = self.shard_weight(w, split, op)
+        shard = shard_name(w.tensor_name, split)
+        if checkpoint_key(w.tensor_name, "g_idx") in self.store:
+            raise ShardingError(f"{op_name(op) or op.name}: its experts are act-order "
+                                "(g_idx), which toptpu does not take for experts")
+        for field in CHECKPOINT_FIELDS:
+            key = checkpoint_key(w.tensor_name, field)
+            if key in self.store and checkpoint_key(shard, field) not in self.store:
+                whole = self.store[key]
+                self.store[checkpoint_key(shard, field)] = whole if field == "meta" else \
+                    np.ascontiguousarray(take_piece(whole, split, 0, self.devices))
+        return cut
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,9 @@ class TransposeMatmulWeight(RewritePattern):
             return
         name = f"{w.tensor_name}.t"
         if name not in self.store:
-            self.store[name] = np.ascontiguousarray(self.store[w.tensor_name].T)
+            src = self.store[w.tensor_name]
+            self.store[name] = self.store.derive(src.shape[::-1], src.dtype,
+                                                 lambda: np.ascontiguousarray(src.T))
         k, n = shape_of(w.output)
         part = (w.weight_part or WeightPart.DATA).transpose()
         attrs = {"name": str_attr(name), "part": part.attr}

@@ -82,27 +82,6 @@ def test_experts_that_do_not_divide_among_the_devices_are_refused(tmp_path_facto
              devices=3, parallel="ep")
 
 
-def test_more_experts_a_token_than_a_device_holds_is_refused(tmp_path_factory,
-                                                             tmp_path) -> None:
-    """Qwen2-MoE's top-4 of 8 experts over 4 devices (2 each): the experts op takes k up
-    to the experts it holds."""
-    _refused(tiny_dir(tmp_path_factory, "qwen2_moe"), tmp_path,
-             r"--devices 4 --parallel ep: num_experts_per_tok 4 of .*config.json exceeds "
-             r"the 2 experts a device would hold \(the experts op takes k up to its "
-             r"experts\); use --devices 2 or fewer", devices=4, parallel="ep")
-
-
-@pytest.mark.slow
-def test_a_prequantized_moe_checkpoint_under_ep_is_refused(tmp_path) -> None:
-    """A GGUF qwen3moe of Q8_0 experts (their packed integers) is not cut over devices."""
-    from gguf_fixtures import gguf_dir
-
-    d = gguf_dir(str(tmp_path / "gguf"), "qwen3_moe", "Q8_0")
-    _refused(d, tmp_path, r"--devices 2 --parallel ep: .* is a pre-quantized checkpoint, "
-             "whose packed expert integers toptpu does not cut over devices yet; use "
-             "--parallel pp", mode="w8f32", devices=2, parallel="ep")
-
-
 def test_the_command_line_refuses_ep_in_one_line(tmp_path_factory, tmp_path) -> None:
     out = str(tmp_path / "never.toptpu")
     res = subprocess.run([sys.executable, "-m", "toptpu.cli", "compile",

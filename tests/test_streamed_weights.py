@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from llm_fixtures import compiled
 
-from toptpu.backend.formats.model_file import ModelFile
+from toptpu.backend.formats.model_file import ModelFile, ModelFileError
 from toptpu.backend.reference import kernels as K
-from toptpu.backend.runtime import machine_executor
 from toptpu.backend.runtime import weight_cache as wc
-from toptpu.backend.runtime.machine_executor import MachineExecutor, MachineExecutorError
+from toptpu.backend.runtime import weight_pages
+from toptpu.backend.runtime.machine_executor import MachineExecutor
 from toptpu.backend.runtime.runtime import Runtime
 
 IDS = [3, 14, 15, 92, 65, 35, 89, 79]
@@ -209,15 +209,15 @@ def test_release_drops_whole_pages_of_a_range_and_reads_stay_the_same(
 
 def test_streaming_is_chosen_by_size_or_the_environment(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.delenv(wc.STREAM_ENV_VAR, raising=False)
-    assert not machine_executor.streams_weights(wc.STREAM_ABOVE)
-    assert machine_executor.streams_weights(wc.STREAM_ABOVE + 1)
+    assert not weight_pages.streams_weights(wc.STREAM_ABOVE)
+    assert weight_pages.streams_weights(wc.STREAM_ABOVE + 1)
     monkeypatch.setenv(wc.STREAM_ENV_VAR, "on")
-    assert machine_executor.streams_weights(1)
+    assert weight_pages.streams_weights(1)
     monkeypatch.setenv(wc.STREAM_ENV_VAR, "off")
-    assert not machine_executor.streams_weights(1 << 40)
+    assert not weight_pages.streams_weights(1 << 40)
     monkeypatch.setenv(wc.STREAM_ENV_VAR, "sometimes")
-    with pytest.raises(MachineExecutorError, match="give auto, on or off"):
-        machine_executor.streams_weights(1)
+    with pytest.raises(ModelFileError, match="give auto, on or off"):
+        weight_pages.streams_weights(1)
     monkeypatch.delenv(wc.ENV_VAR, raising=False)
     monkeypatch.setattr(wc, "mem_available", lambda: 16 << 30)
     assert wc.default_budget() == 8 << 30  # half of what is available

@@ -116,6 +116,7 @@ from toptpu.dialects.common import QuantMode
 from toptpu.dialects.sharding import (
     device_tensor,
     parse_shard_name,
+    take_piece,
 )
 from toptpu.dialects.top import weight_name
 from toptpu.dialects.weight_store import STORE_ATTR, WeightStore
@@ -131,7 +132,12 @@ from toptpu.frontends.moe import is_moe_block
 from toptpu.frontends.streaming import load_streaming
 from toptpu.frontends.vlm import load_vlm, vlm_model_type
 from toptpu.ir_dump import DumpWriter, print_ir
-from toptpu.layer_weights import LayerWeights, ModelLayerWeights, StreamedLayerWeights
+from toptpu.layer_weights import (
+    CheckpointOf,
+    LayerWeights,
+    ModelLayerWeights,
+    StreamedLayerWeights,
+)
 from toptpu.net_compiler import (
     CompiledNet,
     NetPlan,
@@ -570,7 +576,7 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
     """What a multi-device compile cannot take yet: a vision-language model; for tensor
     parallelism a pre-quantized checkpoint (its packed integers are not cut yet),
     linear-attention layers and mixture-of-experts layers; for expert parallelism a model
-    without experts and a pre-quantized checkpoint."""
+    without experts."""
     if request.parallel is None:
         return
     flag = f"--devices {request.devices} --parallel {request.parallel}"
@@ -592,10 +598,6 @@ def check_parallel_model(loaded: LoadedModel, arch: LlmArch, request: CompileReq
     if request.parallel is Parallel.EP and not moe:
         raise CompileError(f"{flag}: {loaded.source} has no mixture-of-experts layers to "
                            "spread expert by expert; use --parallel tp or pp")
-    if request.parallel is Parallel.EP and loaded.checkpoint is not None:
-        raise CompileError(f"{flag}: {loaded.source} is a pre-quantized checkpoint, whose "
-                           "packed expert integers toptpu does not cut over devices yet; use "
-                           "--parallel pp")
 
 
 def check_chat_template(files: dict[str, bytes], source: str) -> None:
@@ -763,6 +765,27 @@ def pack_weights(plan: CompilePlan, compiled: CompiledNets) -> PackedWeights:
     return _pack(plan, compiled, None, range(plan.num_layers), None, weights_section())
 
 
+def device_checkpoint(whole: CheckpointOf | None, device: int | None, devices: int
+                      ) -> CheckpointOf | None:
+    """A checkpoint lookup giving device `device`'s experts of a shard weight's parts (the
+    expert-parallel cut: every part of a MoE projection stacked by expert, cut along E as
+    its float weight is); `whole` itself for one device."""
+    if device is None or whole is None:
+        return whole
+
+    def get(src: str) -> dict[str, np.ndarray] | None:
+        parsed = parse_shard_name(src)
+        if parsed is None:
+            return whole(src)
+        base, split = parsed
+        parts = whole(base)
+        return None if parts is None else {
+            f: np.ascontiguousarray(take_piece(a, split, device, devices))
+            for f, a in parts.items()}
+
+    return get
+
+
 def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | None,
           layers: range, device: int | None, section: str) -> PackedWeights:
     """`pack_weights` for one blob: of the nets `nets` (None: all), the layers `layers`, the
@@ -816,7 +839,7 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
     def derive(layer: int) -> dict[str, np.ndarray]:
         return derive_weights(variant_recipes[plan.variant_of(layer)].values(),
                               cut(plan.layers.float_of(layer)),
-                              plan.layers.checkpoint_of(layer))
+                              device_checkpoint(plan.layers.checkpoint_of(layer), device, n))
 
     # each variant's own layer from the recipes must be exactly what the compiler stored
     # (device 0's pieces, which the passes stored, for a multi-device compile)
@@ -829,7 +852,7 @@ def _pack(plan: CompilePlan, compiled: CompiledNets, nets: Collection[str] | Non
         recipes = variant_recipes[rep].values()
         real = [r for r in recipes if stream is None or not stream.from_placeholder(r.source)]
         made = derive_weights(real, cut(plan.layers.float_of(rep)),
-                              plan.layers.checkpoint_of(rep))
+                              device_checkpoint(plan.layers.checkpoint_of(rep), device, n))
         if len(real) == len(recipes):
             checked[rep] = made
         for name, arr in made.items():
@@ -961,12 +984,20 @@ class DeviceWeights:
         ordered = sorted(recipes.values(), key=lambda r: chunk[r.name].offset)
         float_of, checkpoint_of = plan.layers.float_of(layer), plan.layers.checkpoint_of(layer)
         last: dict[str, np.ndarray] = {}
+        last_parts: dict[str, dict[str, np.ndarray] | None] = {}
 
         def whole(src: str) -> np.ndarray:
             if src not in last:
                 last.clear()
                 last[src] = float_of(src)
             return last[src]
+
+        def whole_parts(src: str) -> dict[str, np.ndarray] | None:
+            assert checkpoint_of is not None
+            if src not in last_parts:
+                last_parts.clear()
+                last_parts[src] = checkpoint_of(src)
+            return last_parts[src]
 
         runs: list[list[WeightRecipe]] = []
         for r in ordered:  # the recipes of one source in a row derive together
@@ -978,12 +1009,13 @@ class DeviceWeights:
             for d, p in enumerate(self.devices):
                 made = derive_weights(
                     run, functools.partial(device_tensor, whole=whole, device=d, devices=n),
-                    checkpoint_of)
+                    device_checkpoint(None if checkpoint_of is None else whole_parts, d, n))
                 base = p.layout.layer_start(layer)
                 for r in run:
                     yield p.layout.section, base + chunk[r.name].offset, _bytes(made[r.name])
                 del made
         last.clear()
+        last_parts.clear()
         self.devices[0].release()
         self.devices[0].layer_written()
 

@@ -364,7 +364,7 @@ def compile_programs(config: Any, request: CompileRequest, nets: Sequence[str] =
     wanted = list(dict.fromkeys(
         name for n in nets for name in ([str(NetName.parse(n).at_layer(r)) for r in reps]
                                         if NetName.parse(n).base in PER_LAYER_NETS else [n])))
-    store = WeightStore()
+    store = WeightStore(placeholders=True)  # shapes only: nothing derived is computed
     programs: dict[str, Program] = {}
     for name in wanted:
         t = time.perf_counter()

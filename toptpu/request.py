@@ -513,9 +513,10 @@ class CompileRequest:
                            check_devices(self.devices, self.parallel, self.chip))
         if self.calibration is not None:
             check_calibration(self.calibration, self.mode, self.parallel)
-        if self.batch > 1 and self.devices > 1:
+        if self.batch > 1 and self.devices > 1 and self.parallel is not Parallel.EP:
             raise CompileError(f"--batch {self.batch} with --devices {self.devices}: the batch "
-                               "nets are compiled for one chip; give one of them")
+                               "nets are compiled for one chip; give one of them (or "
+                               "--parallel ep for a mixture of experts)")
 
     # --------------------------------------------------------------------- building
 

@@ -44,7 +44,8 @@ from toptpu.dialects.common import DTYPE_BY_NAME
 #: 1: dicts with keys `e`, `g`, `ax`, `sp`, ... (no version field); 2: these records;
 #: 3: transfers cut along further axes (`Cut`), reduction parts of a compute (`k_part`).
 #: 4: `Collective` added (a transfer between devices). 5: a load by index (`Load.index`).
-STREAM_SCHEMA = 5
+#: 6: an indexed load's buffer may hold only the rows it fetches (fewer than the part's).
+STREAM_SCHEMA = 6
 
 Dim = Annotated[int, Range(0, MAX_ELEMENTS)]
 Shape = tuple[Dim, ...]
@@ -193,8 +194,16 @@ class Load(_Transfer):
 
     @property
     def row_nbytes(self) -> int:
-        """Bytes of one row (along axis 0) of the part moved."""
-        return self.local.nbytes // max(self.part_shape()[0], 1)
+        """Bytes of one row (along axis 0) of the part moved (its buffer holds all the
+        part's rows, or with `index` possibly fewer: the fetched ones)."""
+        return self.local.nbytes // max(self.local.shape[0], 1)
+
+    @property
+    def all_nbytes(self) -> int:
+        """Bytes of the whole part: what it moves without an index, or if every row
+        moved (its buffer may hold fewer rows: the fetched ones)."""
+        return self.row_nbytes * self.part_shape()[0] if self.index is not None \
+            else self.local.nbytes
 
     @property
     def nbytes(self) -> int:
@@ -383,7 +392,11 @@ def check_command(c: Command, index: int, where: str) -> None:
                                   f"slice [{cut.start}, {cut.start + cut.length}) is outside "
                                   f"an axis of {c.shape[cut.axis]}")
             seen.add(cut.axis)
-        if numel(c.part_shape()) != numel(c.local.shape) or c.dtype != c.local.dtype:
+        part = c.part_shape()
+        fetched = (isinstance(c, Load) and c.index is not None and len(part) > 1
+                   and len(c.local.shape) == len(part) and c.local.shape[1:] == part[1:]
+                   and 1 <= c.local.shape[0] < part[0])  # a buffer of the fetched rows
+        if (numel(part) != numel(c.local.shape) and not fetched) or c.dtype != c.local.dtype:
             raise HeaderError(join(where, "local"),
                               f"is {c.local.dtype} {list(c.local.shape)}, the part moved is "
                               f"{c.dtype} {list(c.part_shape())}")

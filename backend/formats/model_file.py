@@ -73,12 +73,32 @@ _ENTRY_KEYS = ("name", "offset", "size", "sha256")
 #: the bytes of a section hashed at a time when a file is checked (each window's pages
 #: released after: `ModelFile._section_digest`)
 HASH_WINDOW = 64 << 20
-#: files larger than this have each hashed window's pages released (a 7B model's)
+#: files larger than this have each hashed window's pages released (a 7B model's), and so
+#: has a file whose weights are streamed (`streams_weights`)
 RELEASE_CHECKED_ABOVE = 4 << 30
+#: weight blobs above this many bytes are streamed by default: the runners release the
+#: mapped pages of the weights each run read (`toptpu.backend.runtime.weight_pages`)
+STREAM_ABOVE = 2 << 30
+#: the environment variable that says whether they are: auto (by STREAM_ABOVE), on, off
+STREAM_ENV_VAR = "TOPTPU_STREAM_WEIGHTS"
 
 
 class ModelFileError(ToptpuError):
     """A model file that cannot be used; the message names the problem."""
+
+
+def streams_weights(blob_bytes: int) -> bool:
+    """Whether weight blobs of `blob_bytes` in all are streamed (their pages released after
+    each run, and while their checksums are checked): TOPTPU_STREAM_WEIGHTS `on`/`off`,
+    else (`auto`, unset) above STREAM_ABOVE."""
+    raw = os.environ.get(STREAM_ENV_VAR, "auto").strip().lower()
+    if raw in ("on", "1", "yes"):
+        return True
+    if raw in ("off", "0", "no"):
+        return False
+    if raw != "auto":
+        raise ModelFileError(f"{STREAM_ENV_VAR}={raw!r}: give auto, on or off")
+    return blob_bytes > STREAM_ABOVE
 
 
 @dataclass(frozen=True)
@@ -369,12 +389,15 @@ class ModelFile:
 
     def _section_digest(self, info: SectionInfo) -> str:
         """A section's sha256, hashed a window of HASH_WINDOW bytes at a time; in a file
-        larger than RELEASE_CHECKED_ABOVE each window's pages are released once hashed
-        (`release`): checking a 6 GB weight blob keeps one window of it resident, not the
-        blob (a smaller file's pages stay mapped: its runs read them again soon)."""
+        larger than RELEASE_CHECKED_ABOVE or whose weights are streamed (`streams_weights`
+        of its size) each window's pages are released once hashed (`release`): checking a
+        6 GB weight blob keeps one window of it resident, not the blob, and a streamed
+        run starts from none of it (a smaller file's pages stay mapped: its runs read them
+        again soon)."""
         h = hashlib.sha256()
         view = self.view(info.name)
-        release = len(self._map or b"") > RELEASE_CHECKED_ABOVE
+        size = len(self._map or b"")
+        release = size > RELEASE_CHECKED_ABOVE or streams_weights(size)
         for start in range(0, info.size, HASH_WINDOW):
             h.update(view[start:start + HASH_WINDOW])
             if release:

@@ -109,7 +109,7 @@ class Program:
         """The bytes its indexed loads (`Load.index`: a MoE layer's experts) are modelled
         to move, and what they would move if every row (expert) moved."""
         loads = [c for c in self.commands if isinstance(c, Load) and c.index is not None]
-        return sum(c.nbytes for c in loads), sum(c.local.nbytes for c in loads)
+        return sum(c.nbytes for c in loads), sum(c.all_nbytes for c in loads)
 
     def to_json(self) -> bytes:
         return json.dumps(encode(self), separators=(",", ":")).encode()

@@ -34,6 +34,7 @@ from toptpu.dialects.common import (
 )
 from toptpu.dialects.naming import input_names, output_names, value_name
 from toptpu.dialects.plugin_ops import is_plugin_op
+from toptpu.dialects.slicing_interface import SlicingInterface
 from toptpu.dialects.weight_store import WeightStore, store_for
 from toptpu.errors import ToptpuError
 
@@ -209,11 +210,19 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     for i in range(s):
         local: dict[SSAValue, np.ndarray] = dict(env)
         at = op.reduction_part(i)
+        fetched = []  # buffers of the fetched experts: filled once their indices exist
         for load in loads:
             full = env[load.input]
-            local[load.output] = (full if read_int(load.slice_axis) == -1
-                                  else full[op.slice_window(load, i, full.shape)])
+            window = (full if read_int(load.slice_axis) == -1
+                      else full[op.slice_window(load, i, full.shape)])
+            if load.by_index is not None and shape_of(load.output)[0] != window.shape[0]:
+                fetched.append((load, window))
+            else:
+                local[load.output] = window
         for inner in computes:
+            for load, window in fetched:
+                if load.output not in local and load.output in inner.operands:
+                    local[load.output] = fetched_rows(load, window, local)
             operands = operand_arrays(inner, local)
             if parts > 1:  # the group's one op, a reduction split in parts
                 acc = reduction_part(inner, operands, None if at == 0 else acc, at)
@@ -240,6 +249,25 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     term = block.last_op
     assert term is not None
     return [outs[v] for v in term.operands]
+
+
+def fetched_rows(load: tpu.LoadOp, window: np.ndarray, local: Mapping[SSAValue, np.ndarray]
+                 ) -> np.ndarray:
+    """A buffer of the fetched experts (`tpu.load` `by_index` with fewer rows than its
+    input): the rows of `window` its consumer's indices name, ascending, in its first rows,
+    the others zero (what the machine's indexed load writes)."""
+    (use, *_) = load.output.uses
+    consumer = use.operation
+    assert isinstance(consumer, SlicingInterface)
+    index = consumer.operands[consumer.fetched_by_index()[use.index]]
+    picks = np.asarray(local[index]).astype(np.int64)
+    rows = np.unique(picks[picks >= 0])
+    out = np.zeros((shape_of(load.output)[0], *window.shape[1:]), window.dtype)
+    if rows.size > out.shape[0]:
+        raise IndexError(f"{load.name}: the indices name {rows.size} rows, its buffer holds "
+                         f"{out.shape[0]}")
+    out[:rows.size] = window[rows]
+    return out
 
 
 # --------------------------------------------------------------------------- collectives

@@ -909,35 +909,47 @@ def moe_route(logits: np.ndarray, valid: np.ndarray | None, k: int, normalize: b
 
 
 def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up: np.ndarray,
-                     down: np.ndarray, weights: np.ndarray, indices: np.ndarray
-                     ) -> np.ndarray:
+                     down: np.ndarray, weights: np.ndarray, indices: np.ndarray,
+                     fetched_from: int | None = None) -> np.ndarray:
     """One part of the experts (`top.moe_experts`) over the intermediate rows its `gate`
     [E, i, H], `up` [E, i, H] and `down` [E, H, i] hold (all of them: the whole op), added
     into the f32 accumulator `acc` [T, H] (None: the first part). Each expert some token
     chose computes its tokens' rows at once, in f32: `silu(x @ gate[e].T) * (x @ up[e].T)`
     `@ down[e].T`, scaled by the token's routing weight, the experts in ascending order.
     Index -1 adds nothing; any other index outside [0, E) is an IndexError. Rows are
-    independent: a slice of them computes the same numbers."""
+    independent: a slice of them computes the same numbers.
+
+    `fetched_from` (a layer group's buffers of the fetched experts, `tpu.load` `by_index`):
+    the indices range over that many experts, and gate, up and down hold only the ones they
+    name, in ascending order, in their first rows (the same numbers, the same order)."""
     return _experts_fold(acc, x, weights, indices, gate.shape[0],
-                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])))
+                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])), fetched_from)
 
 
 def _experts_fold(acc: np.ndarray | None, x: np.ndarray, weights: np.ndarray,
                   indices: np.ndarray, n: int,
-                  expert: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
-                  ) -> np.ndarray:
-    """The arithmetic of `moe_experts_part` and `a16_moe_experts_part`: `expert(e)` gives
-    expert e's gate, up and down in f32, asked only for the experts some token chose."""
+                  expert: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                  fetched_from: int | None = None) -> np.ndarray:
+    """The arithmetic of `moe_experts_part` and `a16_moe_experts_part`: `expert(r)` gives
+    the gate, up and down in f32 of the expert at row r of the `n` rows the weights hold,
+    asked only for the experts some token chose. Row r is expert r, or with `fetched_from`
+    (the indices' range; the weights hold the chosen experts only, ascending) the r-th
+    chosen expert; more chosen experts than the `n` rows is an IndexError."""
     idx = np.asarray(indices).astype(np.int64)
-    if idx.size and (idx.min() < -1 or idx.max() >= n):
-        bad = int(idx[(idx < -1) | (idx >= n)].flat[0])
-        raise IndexError(f"moe_experts index {bad} is out of range for {n} experts")
+    span = n if fetched_from is None else fetched_from
+    if idx.size and (idx.min() < -1 or idx.max() >= span):
+        bad = int(idx[(idx < -1) | (idx >= span)].flat[0])
+        raise IndexError(f"moe_experts index {bad} is out of range for {span} experts")
     fx, fw = f32(x), f32(weights)
     out = np.zeros(fx.shape, np.float32) if acc is None else acc.copy()
-    for e in np.unique(idx[idx >= 0]):
+    chosen = np.unique(idx[idx >= 0])
+    if fetched_from is not None and chosen.size > n:
+        raise IndexError(f"moe_experts: the indices name {chosen.size} experts, its weights "
+                         f"hold {n}")
+    for row, e in enumerate(chosen):
         tokens, slots = np.nonzero(idx == e)
         rows = np.ascontiguousarray(fx[tokens])
-        gate_e, up_e, down_e = expert(int(e))
+        gate_e, up_e, down_e = expert(int(e) if fetched_from is None else row)
         g = rows @ np.ascontiguousarray(gate_e).T
         u = rows @ np.ascontiguousarray(up_e).T
         y = (silu(g) * u) @ np.ascontiguousarray(down_e).T
@@ -953,13 +965,13 @@ def moe_experts_finish(acc: np.ndarray, out_dtype: OutDType = None,
 
 
 def moe_experts(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                weights: np.ndarray, indices: np.ndarray, out_dtype: OutDType = None
-                ) -> np.ndarray:
+                weights: np.ndarray, indices: np.ndarray, out_dtype: OutDType = None,
+                fetched_from: int | None = None) -> np.ndarray:
     """The experts (`top.moe_experts`): x [T, H], gate [E, I, H], up [E, I, H], down
     [E, H, I], weights [T, k], indices [T, k] -> y [T, H] in `out_dtype` (default: x's):
     one part over all of I (`moe_experts_part`), rounded."""
-    return moe_experts_finish(moe_experts_part(None, x, gate, up, down, weights, indices),
-                              out_dtype, x)
+    return moe_experts_finish(moe_experts_part(None, x, gate, up, down, weights, indices,
+                                               fetched_from), out_dtype, x)
 
 
 # --------------------------------------------------------------------------- data movement
@@ -1173,12 +1185,14 @@ def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
                          down_q: np.ndarray, down_s: np.ndarray, down_z: np.ndarray | None,
                          down_m: np.ndarray | None,
                          weights: np.ndarray, indices: np.ndarray, *, bits: Sequence[int],
-                         group_sizes: Sequence[int]) -> np.ndarray:
+                         group_sizes: Sequence[int], fetched_from: int | None = None
+                         ) -> np.ndarray:
     """`moe_experts_part` with quantized experts (`tpu.a16_moe_experts`): each projection
     stacked by expert in `tpu.a16_matmul`'s layout (qweight [E, N, K/2] or [E, N, K],
     scales [E, N, G], zero points or mins [E, N, G] or None), `bits` and `group_sizes`
     per projection (gate, up, down). Only the experts some token chose are dequantized
-    (`dequantize`, the a16_matmul's own), then computed as the float experts are."""
+    (`dequantize`, the a16_matmul's own), then computed as the float experts are
+    (`fetched_from` as there)."""
     stacked = ((gate_q, gate_s, gate_z, gate_m), (up_q, up_s, up_z, up_m),
                (down_q, down_s, down_z, down_m))
 
@@ -1188,7 +1202,7 @@ def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
                    for (q, s, z, m), b, gs in zip(stacked, bits, group_sizes, strict=True))
         return g, u, d
 
-    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert)
+    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert, fetched_from)
 
 
 def a16_moe_experts(x: np.ndarray, gate_q: np.ndarray, gate_s: np.ndarray,
@@ -1197,12 +1211,14 @@ def a16_moe_experts(x: np.ndarray, gate_q: np.ndarray, gate_s: np.ndarray,
                     down_q: np.ndarray, down_s: np.ndarray, down_z: np.ndarray | None,
                     down_m: np.ndarray | None, weights: np.ndarray, indices: np.ndarray, *,
                     bits: Sequence[int], group_sizes: Sequence[int],
-                    out_dtype: OutDType = None) -> np.ndarray:
+                    out_dtype: OutDType = None, fetched_from: int | None = None
+                    ) -> np.ndarray:
     """The quantized experts (`tpu.a16_moe_experts`): one part over all of I
     (`a16_moe_experts_part`), rounded to `out_dtype` (default: x's)."""
     return moe_experts_finish(a16_moe_experts_part(
         None, x, gate_q, gate_s, gate_z, gate_m, up_q, up_s, up_z, up_m, down_q, down_s,
-        down_z, down_m, weights, indices, bits=bits, group_sizes=group_sizes), out_dtype, x)
+        down_z, down_m, weights, indices, bits=bits, group_sizes=group_sizes,
+        fetched_from=fetched_from), out_dtype, x)
 
 
 def matmul_dequantized_part(acc: np.ndarray | None, x: np.ndarray, w: np.ndarray

@@ -394,7 +394,8 @@ class StepModel:
     def batch_step_charges(self, sampler: str = "greedy") -> list[Charge]:
         """One decode step of B conversations on the batch nets
         (`toptpu.backend.runtime.batch.BatchDecoder.step`): the B ids, positions and mask
-        rows up, embedding_cache.bB, each layer's block_cache.bB, lm_head.bB, then the
+        rows up, embedding_cache.bB (expert parallel: its B hidden rows sent from device 0
+        to the others), each layer's block_cache.bB, lm_head.bB, then the
         tokens back from greedy_head.bB, or sample_head.bB's parameter rows up and its
         candidates back, or the logits back to the host."""
         B = self.batch
@@ -406,6 +407,7 @@ class StepModel:
 
         c = [*self._up(name(EMBEDDING_CACHE), INPUT_IDS), self._net(name(EMBEDDING_CACHE)),
              *self._up(name(BLOCK_CACHE), POSITION_IDS, ATTENTION_MASK),
+             *self._sends(name(EMBEDDING_CACHE), HIDDEN),
              *self._layers(name(BLOCK_CACHE)), self._net(name(LM_HEAD))]
         if sampler == "greedy":
             c += [self._net(name(GREEDY_HEAD)), *self._down(name(GREEDY_HEAD), TOKEN)]

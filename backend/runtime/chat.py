@@ -362,8 +362,7 @@ def _install_bounds() -> None:
         raise GenerationError("this transformers has no sandboxed chat template environment "
                               "toptpu can bound; install the version pyproject.toml pins")
     if not getattr(env, "toptpu_bounded", False):
-        # the ignore below: bounded subclass
-        ctu.ImmutableSandboxedEnvironment = _bounded_environment(env)  # type: ignore[misc, assignment]
+        ctu.ImmutableSandboxedEnvironment = _bounded_environment(env)
         ctu._compile_jinja_template.cache_clear()  # noqa: SLF001 - compiled before the bounds
 
 

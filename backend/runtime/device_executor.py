@@ -58,7 +58,7 @@ from toptpu.backend.runtime.machine_executor import (
     NetStats,
 )
 from toptpu.backend.runtime.run_trace import RunRecorder
-from toptpu.backend.runtime.weight_cache import default_budget
+from toptpu.backend.runtime.weight_pages import WeightPages
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.link import LinkWork, collective_seconds
 from toptpu.dialects.sharding import Split, piece_of, take_piece
@@ -161,7 +161,8 @@ class DeviceGroupExecutor(MachineExecutor):
 
     def __init__(self, model: str | LlmFile, checked: bool = False,
                  chip: Chip | None = None, keep_timelines: int = 4,
-                 weight_cache_bytes: int | None = None) -> None:
+                 weight_cache_bytes: int | None = None,
+                 stream_weights: bool | None = None) -> None:
         self.file = model if isinstance(model, LlmFile) else LlmFile(model)
         self.meta = self.file.meta
         self.header: dict[str, Any] = self.file.header
@@ -175,7 +176,15 @@ class DeviceGroupExecutor(MachineExecutor):
         self.splits = {net: {io: Split(c.axis, c.pieces) for io, c in cuts.items()}
                        for net, cuts in par.splits.items()}
         self.chip = chip or get_chip(self.meta.chip)
-        budget = default_budget() if weight_cache_bytes is None else weight_cache_bytes
+        sections = [self.file.file.sections[dev.weights.section] for dev in par.devices]
+        #: where each device's weight blob starts in the file (what `ModelFile.release` takes)
+        self._blobs_at = [section.offset for section in sections]
+        #: the weight pages released after each run when streaming (`weight_pages`): every
+        #: device's blob is mapped in this one process, so their sum decides, and the
+        #: converted-weight budget is split over the devices
+        self.pages = WeightPages(self.file.file, sum(section.size for section in sections),
+                                 stream_weights)
+        budget = self.pages.cache_budget(weight_cache_bytes)
         self.machines = [Machine(self.chip, checked, budget // self.n) for _ in range(self.n)]
         self.machine = self.machines[0]
         self.group = DeviceGroup(self.machines)
@@ -272,10 +281,14 @@ class DeviceGroupExecutor(MachineExecutor):
             io = {s.name: bindings[s.name].part(d).addr for s in (*info.inputs, *info.outputs)}
             weights = self._device_weights(net, loaded, d, layer)
             binds.append(Binding(io, weights, self._dev_act[net, d], self._dev_const[net, d]))
-        if len(devs) == 1:
-            tl = self.machines[devs[0]].run(loaded, binds[0])
-        else:
-            tl = run_together([self.machines[d] for d in devs], loaded, binds)
+        try:
+            if len(devs) == 1:
+                tl = self.machines[devs[0]].run(loaded, binds[0])
+            else:
+                tl = run_together([self.machines[d] for d in devs], loaded, binds)
+        finally:
+            for d in devs:
+                self._release_device_weights(net, loaded, d, layer)
         for spec in info.outputs:
             buf = bindings[spec.name]
             root = buf.root
@@ -381,6 +394,17 @@ class DeviceGroupExecutor(MachineExecutor):
                                      f"which device {d}'s weight table does not have")
         return out
 
+    def _release_device_weights(self, net: str, loaded: LoadedNet, d: int,
+                                layer: int | None) -> None:
+        """Release the mapped pages of the weights device `d` read in a run of `net` at
+        `layer` (when streaming: `WeightPages`, as the one-device machine)."""
+        def extents() -> list[tuple[int, int]]:
+            weights = self._device_weights(net, loaded, d, layer)
+            return [(self._blobs_at[d] + a - self._blobs[d],
+                     loaded.program.weights[n].nbytes) for n, a in weights.items()]
+
+        self.pages.release((net, d, layer), extents)
+
     # ------------------------------------------------------------------ checks (hooks)
     def _heads(self, net: str) -> tuple[int, int, str]:
         m = self.meta.model
@@ -421,10 +445,14 @@ def _cut(split: Split | None) -> str:
 
 
 def machine_executor(path: str | LlmFile, checked: bool = False,
-                     weight_cache_bytes: int | None = None) -> MachineExecutor:
+                     weight_cache_bytes: int | None = None,
+                     stream_weights: bool | None = None) -> MachineExecutor:
     """The machine executor of a model file: one machine, or one per device of a file
-    spread over several (`DeviceGroupExecutor`)."""
+    spread over several (`DeviceGroupExecutor`); both stream their weights the same way
+    (`stream_weights`, None: by the blobs' size and TOPTPU_STREAM_WEIGHTS)."""
     f = path if isinstance(path, LlmFile) else LlmFile(path)
     if f.meta.parallel is None:
-        return MachineExecutor(f, checked, weight_cache_bytes=weight_cache_bytes)
-    return DeviceGroupExecutor(f, checked, weight_cache_bytes=weight_cache_bytes)
+        return MachineExecutor(f, checked, weight_cache_bytes=weight_cache_bytes,
+                               stream_weights=stream_weights)
+    return DeviceGroupExecutor(f, checked, weight_cache_bytes=weight_cache_bytes,
+                               stream_weights=stream_weights)

@@ -32,7 +32,6 @@ There is no cost model: `modelled_seconds()` is 0.0 (the runtime prints "n/a").
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -44,7 +43,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
 from toptpu.backend.contract import NetInfo
-from toptpu.backend.formats.llm_file import LlmFile, LlmHeader
+from toptpu.backend.formats.llm_file import WEIGHTS_SECTION, LlmFile, LlmHeader
 from toptpu.backend.formats.model_file import ModelFileError
 from toptpu.backend.reference import blas_threads
 from toptpu.backend.reference import kernels as K
@@ -58,6 +57,7 @@ from toptpu.backend.reference.interpreter import (
 from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.runtime.weight_cache_file import StoredForms
+from toptpu.backend.runtime.weight_pages import WeightPages
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, shape_of
 from toptpu.dialects.ir_text import one_line
 from toptpu.dialects.naming import input_names, output_names
@@ -105,6 +105,7 @@ class _Step:
     zeros: str | None = None
     mins: str | None = None
     float_weight: str | None = None  # matmul with a f16/bf16 weight operand: its name
+    rows_product: bool = False  # ... x @ w.T: made a block of w's rows at a time if not kept
     bits: int = 0
     group_size: int = 0
     out_dtype: np.dtype | None = None
@@ -159,15 +160,24 @@ class _Plan:
                 step.out_dtype = numpy_dtype(elem_of(op.results[0]))
             elif conv is not None and conv.form == "f32" and names[0] is not None:
                 step.float_weight = names[0]
+                step.out_dtype = numpy_dtype(elem_of(op.results[0]))
+                params = op.kernel_params() if isinstance(op, ShapedOp) else {}
+                step.rows_product = bool(params.get("transpose_b")
+                                         and not params.get("transpose_a"))
             self.steps.append(step)
         self.size = len(ids)
+        #: every weight the function reads, layer group bodies included
+        self.read_weights = sorted({name for op in fn.walk()
+                                    if isinstance(op, ShapedOp) and op.SOURCE
+                                    and (name := weight_name(op.results[0])) is not None})
 
 
 class InterpreterExecutor(Executor):
     """Runs the nets of a model file with the numpy interpreter (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
-                 weight_cache_bytes: int | None = None) -> None:
+                 weight_cache_bytes: int | None = None,
+                 stream_weights: bool | None = None) -> None:
         blas_threads.policy()  # a bad TOPTPU_BLAS_THREADS is an error now, not mid-run
         self.file = model if isinstance(model, LlmFile) else LlmFile(model, verify_checksums)
         if self.file.meta.parallel is not None:
@@ -175,7 +185,12 @@ class InterpreterExecutor(Executor):
             raise ExecutorError(
                 f"'{self.file.path}' is spread over {n} devices; the interpreter runs one: "
                 "run it on the machine (executor 'machine')")
-        self.cache = WeightCache(weight_cache_bytes)
+        section = self.file.file.sections[WEIGHTS_SECTION]
+        self._blob_at = section.offset  # where the weight blob starts in the file
+        #: the weight pages released after each run when streaming (`weight_pages`: the
+        #: machine's mechanism), and the converted-weight budget capped then as the machine's
+        self.pages = WeightPages(self.file.file, section.size, stream_weights)
+        self.cache = WeightCache(self.pages.cache_budget(weight_cache_bytes))
         self.meta: LlmHeader = self.file.meta
         self.header: dict[str, Any] = self.file.header  # the JSON form of `meta`
         self._nets = self.file.net_infos()
@@ -193,6 +208,16 @@ class InterpreterExecutor(Executor):
     @property
     def stored(self) -> StoredForms | None:
         return self._stored
+
+    @property
+    def stream_weights(self) -> bool:
+        """Whether each run's weight pages are released after it (`weight_pages`)."""
+        return self.pages.enabled
+
+    @property
+    def released_bytes(self) -> int:
+        """The bytes of mapped weight pages released after runs so far."""
+        return self.pages.released_bytes
 
     def _offset(self, layer: int | None, name: str) -> int:
         """The blob offset of weight `name` as layer `layer` reads it (None: shared)."""
@@ -226,6 +251,13 @@ class InterpreterExecutor(Executor):
         plan = self._plan(net)
         check_bindings(net, info, bindings, lambda b: isinstance(b, ArrayBuffer), ExecutorError)
         mine = cast(Mapping[str, ArrayBuffer], bindings)  # checked just above
+        try:
+            self._run(net, info, plan, mine, weights, layer)
+        finally:
+            self._release_weights(net, plan, weights, layer)
+
+    def _run(self, net: str, info: NetInfo, plan: _Plan, mine: Mapping[str, ArrayBuffer],
+             weights: Mapping[str, np.ndarray], layer: int | None) -> None:
         vals: list[Any] = [None] * plan.size
         for spec, i in zip(info.inputs, plan.inputs, strict=True):
             vals[i] = mine[spec.name].array.reshape(spec.shape)
@@ -248,12 +280,10 @@ class InterpreterExecutor(Executor):
                 vals[step.results[0]] = self._a16_matmul(step, args, layer)
                 continue
             if step.float_weight is not None:
-                weight = args[1]
-                assert weight is not None  # the matmul's weight operand
-                stored = None if self.stored is None else self.stored.upcast(
-                    self._offset(layer, step.float_weight))
-                args[1] = stored if stored is not None else self.cache.get(
-                    (layer, step.float_weight), functools.partial(K.f32, weight))
+                blocked = self._float_matmul(step, args, layer)
+                if blocked is not None:
+                    vals[step.results[0]] = blocked
+                    continue
             try:
                 res = step.fn(step.op, args, ctx)
             except IndexError as e:  # a gather's index past its table (kernels.gather)
@@ -269,6 +299,41 @@ class InterpreterExecutor(Executor):
             np.copyto(buf.array, np.asarray(arr).reshape(buf.shape))
 
     # ------------------------------------------------------------------ internals
+    def _release_weights(self, net: str, plan: _Plan, weights: Mapping[str, np.ndarray],
+                         layer: int | None) -> None:
+        """Release the mapped pages of the weights a run of `net` at `layer` read (when
+        streaming: `WeightPages`, as the machine)."""
+        def extents() -> list[tuple[int, int]]:
+            return [(self._blob_at + self._offset(layer, name), weights[name].nbytes)
+                    for name in plan.read_weights if name in weights]
+
+        self.pages.release((net, layer), extents)
+
+    def _float_matmul(self, step: _Step, args: list[Any], layer: int | None
+                      ) -> np.ndarray | None:
+        """A matmul's f16/bf16 weight in f32 as the machine takes it: the weight cache
+        file's form, the cache's (kept while the budget allows), or where the cache keeps
+        none the product itself made a block of the weight's rows at a time (returned:
+        `WeightCache.f32_rows_product`, a 14B lm_head never converted whole), else the
+        whole f32 form made for this call. Sets `args[1]` to the form, or returns the
+        product."""
+        assert step.float_weight is not None
+        weight = args[1]
+        assert weight is not None  # the matmul's weight operand
+        stored = None if self.stored is None else self.stored.upcast(
+            self._offset(layer, step.float_weight))
+        if stored is not None:
+            args[1] = stored
+            return None
+        form = self.cache.f32_form((layer, step.float_weight), weight)
+        if form is None and step.rows_product:
+            x = args[0]
+            blocked = self.cache.f32_rows_product(x, weight)
+            if blocked is not None:
+                return K.matmul_finish(blocked, args[2], step.out_dtype, x)
+        args[1] = K.f32(weight) if form is None else form
+        return None
+
     def _a16_matmul(self, step: _Step, args: list[Any], layer: int | None) -> np.ndarray:
         """`kernels.a16_matmul` in its two halves, the dequantized weight kept per layer."""
         x, q, s, z, m, bias = args

@@ -25,17 +25,16 @@ weights are cached within `weight_cache_bytes` (default: from the host's free me
 for a streamed blob, see `toptpu.backend.runtime.weight_cache`).
 
 Weights streamed (`stream_weights`; by default where the weight blob is larger than
-`weight_cache.STREAM_ABOVE`, `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides): after each
-run, the mapped pages of the weights it read are released (`ModelFile.release`: they leave
-the process's resident set, stay in the page cache, and the next run of that layer maps
-them again), so a run of a 7B file holds one layer's weight bytes, not the blob's 6 GB.
-`released_bytes` counts them.
+`model_file.STREAM_ABOVE`, `TOPTPU_STREAM_WEIGHTS=auto|on|off` overrides): after each
+run, the mapped pages of the weights it read are released (`weight_pages.WeightPages`, the
+one mechanism of every executor: they leave the process's resident set, stay in the page
+cache, and the next run of that layer maps them again), so a run of a 7B file holds one
+layer's weight bytes, not the blob's 6 GB. `released_bytes` counts them.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -67,8 +66,8 @@ from toptpu.backend.runtime.machine import (
 )
 from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.steps import OpStep
-from toptpu.backend.runtime.weight_cache import STREAM_ABOVE, STREAM_ENV_VAR, default_budget
 from toptpu.backend.runtime.weight_cache_file import StoredForms
+from toptpu.backend.runtime.weight_pages import WeightPages
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
 from toptpu.dialects import tpu
@@ -79,19 +78,6 @@ from toptpu.errors import ToptpuError
 
 class MachineExecutorError(ToptpuError, RuntimeError):
     pass
-
-
-def streams_weights(blob_bytes: int) -> bool:
-    """Whether a weight blob of `blob_bytes` is streamed (its pages released after each
-    run): TOPTPU_STREAM_WEIGHTS `on`/`off`, else (`auto`, unset) above STREAM_ABOVE."""
-    raw = os.environ.get(STREAM_ENV_VAR, "auto").strip().lower()
-    if raw in ("on", "1", "yes"):
-        return True
-    if raw in ("off", "0", "no"):
-        return False
-    if raw != "auto":
-        raise MachineExecutorError(f"{STREAM_ENV_VAR}={raw!r}: give auto, on or off")
-    return blob_bytes > STREAM_ABOVE
 
 
 @dataclass
@@ -157,17 +143,13 @@ class MachineExecutor(Executor):
         section = self.file.file.sections["weights"]
         #: where the weight blob starts in the file (what `ModelFile.release` takes)
         self._blob_at = section.offset
-        self.stream_weights = (streams_weights(section.size) if stream_weights is None
-                               else stream_weights)
-        budget = (default_budget(self.stream_weights) if weight_cache_bytes is None
-                  else weight_cache_bytes)
-        self.machine = Machine(self.chip, checked, budget)
+        #: the weight pages released after each run when streaming (`weight_pages`)
+        self.pages = WeightPages(self.file.file, section.size, stream_weights)
+        self.machine = Machine(self.chip, checked, self.pages.cache_budget(weight_cache_bytes))
         self.keep_timelines = keep_timelines
         self._nets = self.file.net_infos()
         blob = np.frombuffer(self.file.file.view("weights"), np.uint8)
         self._blob = self.machine.gmem.map("weights", blob, writable=False).base
-        self.released_bytes = 0  # mapped weight pages released after runs (streaming)
-        self._spans: dict[tuple, tuple[int, int]] = {}  # (net, program, layer) -> bytes read
         self._programs: dict[str, Program] = {}
         for net in self._nets:  # every stream decoded and checked against the header now
             self._programs[net] = self._decode(net)
@@ -191,6 +173,16 @@ class MachineExecutor(Executor):
     @property
     def stored(self) -> StoredForms | None:
         return self.machine.stored
+
+    @property
+    def stream_weights(self) -> bool:
+        """Whether each run's weight pages are released after it (`weight_pages`)."""
+        return self.pages.enabled
+
+    @property
+    def released_bytes(self) -> int:
+        """The bytes of mapped weight pages released after runs so far."""
+        return self.pages.released_bytes
 
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:
@@ -267,27 +259,18 @@ class MachineExecutor(Executor):
             tl = self.machine.run(loaded, Binding(io, weights, self._act[net],
                                                   self._const[net]))
         finally:
-            if self.stream_weights:
-                self._release_weights(info, prog, layer)
+            self._release_weights(info, prog, layer)
         self._account(net, layer, tl)
 
     def _release_weights(self, info: NetInfo, prog: Program, layer: int | None) -> None:
-        """Release the mapped pages of the weights a run of `prog` at `layer` read: one span
-        from the first weight's start to the last one's end (a layer's weights are one
-        chunk of the blob)."""
-        key = (info.name, id(prog), layer)
-        span = self._spans.get(key)
-        if span is None:
+        """Release the mapped pages of the weights a run of `prog` at `layer` read (when
+        streaming: `WeightPages`)."""
+        def extents() -> list[tuple[int, int]]:
             addresses = self._weight_addresses(info, prog, layer)
-            if not addresses:
-                span = (0, 0)
-            else:
-                start = min(addresses.values())
-                end = max(addresses[n] + prog.weights[n].nbytes for n in addresses)
-                span = (self._blob_at + start - self._blob, end - start)
-            self._spans[key] = span
-        if span[1]:
-            self.released_bytes += self.file.file.release(*span)
+            return [(self._blob_at + a - self._blob, prog.weights[n].nbytes)
+                    for n, a in addresses.items()]
+
+        self.pages.release((info.name, id(prog), layer), extents)
 
     def _account(self, net: str, layer: int | None, tl: Timeline) -> None:
         """A run of `net` (of `layer`) that took `tl`: its stats (the last `keep_timelines`
@@ -349,8 +332,7 @@ class MachineExecutor(Executor):
             pass  # a trap of these values: a request's run meets its own, with its inputs
         finally:
             gmem.release(mark)
-            if self.stream_weights:
-                self._release_weights(info, loaded.program, layer)
+            self._release_weights(info, loaded.program, layer)
 
     # ------------------------------------------------------------------ internals
     def program(self, net: str) -> Program:

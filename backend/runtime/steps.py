@@ -106,14 +106,22 @@ class IndexedLoadStep(LoadStep):
             raise MachineTrap(f"{self.who}: index {int(rows[-1])} past the {whole.shape[0]} "
                               f"rows of {self.cmd.tensor}")
         part = np.zeros(self.local.shape, self.local.dtype)
+        held = self.local.shape[0]
+        fetched = held < whole.shape[0]  # a buffer of the fetched rows, ascending
+        if fetched and rows.size > held:
+            raise MachineTrap(f"{self.who}: its index names {rows.size} rows of "
+                              f"{self.cmd.tensor}; its buffer holds {held}")
         if rows.size:  # the rows read: only their window of the global tensor
             index: tuple[Any, ...] = (rows, *self.window[1:])
-            part[rows] = whole[index]
+            if fetched:
+                part[:rows.size] = whole[index]
+            else:
+                part[rows] = whole[index]
         m.local.write(self.local, part, self.who)
         m.provenance.pop(self.local.buf, None)
         row = self.cmd.row_nbytes
         m.fetched.append(Fetched(self.cmd.id, self.cmd.tensor, tuple(int(r) for r in rows),
-                                 row * int(rows.size), self.cmd.local.nbytes))
+                                 row * int(rows.size), self.cmd.all_nbytes))
 
 
 class StoreStep(Step):

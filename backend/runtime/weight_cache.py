@@ -49,6 +49,10 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from toptpu.backend.formats.model_file import (  # noqa: F401 - where streaming is decided
+    STREAM_ABOVE,
+    STREAM_ENV_VAR,
+)
 from toptpu.backend.reference import kernels as K
 from toptpu.backend.runtime.errors import GenerationError
 from toptpu.dialects.host_memory import mem_available
@@ -61,10 +65,6 @@ FALLBACK_BYTES = 2 << 30
 #: the default budget's cap for an executor that streams its weights (TOPTPU_WEIGHT_CACHE
 #: sets any other budget)
 STREAMING_CAP = 5 << 29
-#: weight blobs above this many bytes are streamed by default (their pages released after
-#: each run); TOPTPU_STREAM_WEIGHTS=on|off|auto overrides
-STREAM_ABOVE = 2 << 30
-STREAM_ENV_VAR = "TOPTPU_STREAM_WEIGHTS"
 #: the rows of a weight kept in no form whose offsets a decode step's product makes at a
 #: time (a multiple of `kernels.matmul_offsets`' block: the same blocks as the whole's)
 STREAM_ROWS = 1024

@@ -1,7 +1,7 @@
 // RUN: rm -rf %t && mkdir -p %t
 // RUN: sed 's|@WEIGHTS@|%S/Inputs/moe.safetensors|' %s > %t/a.mlir
 // RUN: toptpu-opt %t/a.mlir -p 'expert-parallel{devices=2}' --weights-out %t/w.safetensors | filecheck %s
-// RUN: not toptpu-opt %t/a.mlir -p 'expert-parallel{devices=4}' --weights-out %t/w4.safetensors 2>&1 | filecheck %s --check-prefix=FOUR
+// RUN: toptpu-opt %t/a.mlir -p 'expert-parallel{devices=4}' --weights-out %t/w4.safetensors | filecheck %s --check-prefix=FOUR
 // RUN: not toptpu-opt %t/a.mlir -p 'expert-parallel{devices=3}' --weights-out %t/w3.safetensors 2>&1 | filecheck %s --check-prefix=THREE
 
 // Expert parallelism: the router and everything else stay whole; the experts op reads
@@ -42,8 +42,11 @@ builtin.module attributes {top.weight_store = "@WEIGHTS@"} {
 // CHECK-NEXT:  %[[S:.*]] = "dev.all_reduce"(%[[Y]]) {devices = 2 : i64, algorithm = "tree"} : (tensor<1x8xf32>) -> tensor<1x8xf32>
 // CHECK-NEXT:  %out = top.add %x, %[[S]]
 
-// (the experts op takes k up to the experts it holds: a token's 2 of 4 over 4 devices,
-// one each, is refused)
-// FOUR:        a token's 2 experts exceed the 1 each of 4 devices would hold
+// A token's 2 experts over 4 devices of one expert each: the local op takes k = 2 over
+// its one expert (a slot naming another device's expert is -1 there)
+// FOUR:        top.weight "experts.gate_proj@shard0-4" : tensor<1x3x8xf32>
+// FOUR:        %[[PER:.*]] = "top.constant"() {value = dense<1> : tensor<1xi32>}
+// FOUR:        top.moe_experts {{.*}} : tensor<1x8xf32>, tensor<1x3x8xf32>, tensor<1x3x8xf32>, tensor<1x8x3xf32>, tensor<1x2xf32>, tensor<1x2xi32> -> tensor<1x8xf32>
+// FOUR-NEXT:   "dev.all_reduce"({{.*}}) {devices = 4 : i64
 
 // THREE:       4 experts do not divide among 3 devices

@@ -47,8 +47,7 @@ class InternVL(VisionFamily):
                                  image_token=t["context_image_token"],
                                  image_seq_length=int(info["tokens_per_tile"]))
         placeholder = InternVLProcessor.replace_image_token(
-            # the ignore below: transformers' stub
-            layout, {"num_patches": [len(tiles)]}, 0)  # type: ignore[arg-type]
+            layout, {"num_patches": [len(tiles)]}, 0)
         return PreparedImage([{PIXEL_VALUES: x[None]} for x in tiles],
                              [int(info["tokens_per_tile"])] * len(tiles), placeholder)
 

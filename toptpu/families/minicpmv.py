@@ -120,8 +120,7 @@ class MiniCPMV(VisionFamily):
                                                       "image_end_token", "slice_start_token",
                                                       "slice_end_token")})
         placeholder = MiniCPMV4_6Processor.replace_image_token(
-            # the ignore below: HF stub
-            layout, {"grids": out["grids"], "num_patches_per_image":  # type: ignore[arg-type]
+            layout, {"grids": out["grids"], "num_patches_per_image":
                      out["num_patches_per_image"], "target_sizes": sizes}, 0,
             image_token_divisor=div)
         return PreparedImage(feeds, rows, placeholder,

@@ -55,3 +55,19 @@ save_file({
     "experts.up_proj": moe_rng.standard_normal((4, 3, 8)).astype(np.float32),
     "experts.down_proj": moe_rng.standard_normal((4, 8, 3)).astype(np.float32),
 }, os.path.join(os.path.dirname(__file__), "moe.safetensors"))
+
+# the same block's experts pre-quantized (as the compiler stores a MoE checkpoint's
+# tensors: each projection's integers, scales and zero points stacked by expert; 4-bit,
+# group 32; E 4, H 32, I 32; the router float; its own generator)
+ck_rng = np.random.default_rng(3)
+moe_ck: dict[str, np.ndarray] = {"#checkpoint": np.ones(1, np.int8),
+                                 "router.weight": ck_rng.standard_normal((4, 32)).astype(
+                                     np.float32)}
+for proj in ("gate_proj", "up_proj", "down_proj"):
+    w = f"experts.{proj}"
+    moe_ck[w] = np.zeros((4, 32, 32), np.float32)  # the float weight the IR names
+    moe_ck[f"{w}#checkpoint.qweight"] = ck_rng.integers(0, 16, (4, 32, 32)).astype(np.uint8)
+    moe_ck[f"{w}#checkpoint.scales"] = (ck_rng.random((4, 32, 1)) * 0.1).astype(np.float16)
+    moe_ck[f"{w}#checkpoint.zeros"] = np.full((4, 32, 1), 8, np.uint8)
+    moe_ck[f"{w}#checkpoint.meta"] = np.array([4, 32], np.int32)
+save_file(moe_ck, os.path.join(os.path.dirname(__file__), "moe_checkpoint.safetensors"))
