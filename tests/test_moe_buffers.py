@@ -48,6 +48,34 @@ def test_a_prefill_chunk_of_few_tokens_holds_the_experts_they_can_name() -> None
             assert list(f.rows) == chosen
 
 
+def test_row_slices_of_loaded_indices_fetch_their_own_experts(monkeypatch) -> None:
+    """A group that slices the chunk's rows while the experts' weights are not sliced
+    (here: a chip of 3584 B per lane, 32 rows of top-2 over 8 experts) holds, per slice, the experts the slice's rows can name (4 of 8): the
+    indexed loads are issued again for each slice's indices (before, codegen refused the
+    plan: "a buffer of an indexed load would serve slices of different indices", as it
+    did for Qwen3.5-35B-A3B's widths in w4bf16). The machine's result is the interpreter's
+    on the grouped net bit for bit; every fetch reads chosen experts only, all of them."""
+    import dataclasses
+
+    import test_moe
+
+    block = _moe_block("qwen3_moe")
+    e, k = block.experts.gate_up_proj.shape[0], block.gate.top_k
+    monkeypatch.setattr(test_moe, "CHIP", dataclasses.replace(test_moe.CHIP, lane_bytes=3584))
+    program, machine, idx, (got, _, grouped) = _fetch_run(block, t=32, n_valid=29,
+                                                          grouped=True)
+    assert np.array_equal(got, grouped)
+    loads = _indexed(program)
+    assert len(loads) > 3 and all(ld.local.shape[0] < e == ld.part_shape()[0]
+                                  for ld in loads)
+    chosen = {int(i) for i in idx.reshape(-1)}
+    fetched = [set(f.rows) for f in machine.fetched]
+    assert len(fetched) == len(loads)
+    assert all(f <= chosen and len(f) <= loads[0].local.shape[0] for f in fetched)
+    assert set().union(*fetched) == chosen
+    assert loads[0].local.shape[0] % k == 0
+
+
 def test_the_experts_kernel_reads_fetched_rows_in_ascending_order() -> None:
     """`fetched_from`: the weights' rows are the chosen experts in ascending order; the
     result is the one over every expert's rows bit for bit; more chosen experts than rows

@@ -294,7 +294,11 @@ class _GroupEmitter:
                 raise CodegenError(f"{op_name(ld)}: its consumers read it by different "
                                    "indices")
             self.index_of[ld.output] = picks.pop()
-        self.deferred = {v for v, idx in self.index_of.items() if idx not in self.loaded}
+        # deferred: an indexed load whose indices the group computes, or whose indices are
+        # loaded slice by slice while it is not sliced (one buffer of the experts a slice
+        # chose, fetched again for each slice's indices)
+        self.deferred = {v for v, idx in self.index_of.items() if idx not in self.loaded
+                         or (idx not in self.resident and v in self.resident)}
         for v in self.deferred:
             if v not in self.resident:
                 raise CodegenError(f"{v.name_hint}: an indexed load sliced by the group "
