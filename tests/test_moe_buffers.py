@@ -54,8 +54,8 @@ def test_row_slices_of_loaded_indices_fetch_their_own_experts(monkeypatch) -> No
     the experts the slice's rows can name (4 of 8): the indexed loads are issued again
     for each slice's indices (before, codegen refused the plan: "a buffer of an indexed
     load would serve slices of different indices", as it did for Qwen3.5-35B-A3B's
-    widths in w4bf16). The machine's result is the interpreter's
-on the grouped net bit for bit; every fetch reads chosen experts only, all of them."""
+    widths in w4bf16). The machine's result is the interpreter's on the grouped net bit
+    for bit; every fetch reads chosen experts only, all of them."""
     import dataclasses
 
     import test_moe
