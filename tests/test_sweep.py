@@ -123,6 +123,30 @@ def test_a_sweep_over_devices_and_the_link(tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.slow
+def test_a_sweep_of_a_mixture_of_experts_over_expert_parallel_chips(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: str) -> None:
+    """A MoE config (tiny Qwen3-MoE: 8 experts, top-2) swept over one chip and ep over 2 at
+    two DDR bandwidths: every point compiles; the link time is the ep rows' alone; more DDR
+    bandwidth gives a faster decode on each; ep's decode moves half the experts a chip
+    holds, so its weights on the fullest chip are below one chip's."""
+    config = tiny_dir(tmp_path_factory, "qwen3_moe")
+    out = os.path.join(str(tmp_path), "sweep")
+    assert main(["sweep", config, "-o", out, "-q", "f32", "--seq-length", "64",
+                 "--devices", "1", "2", "--parallel", "ep", "--ddr-gbps", "8", "64",
+                 "--quiet"]) == 0
+    rows = _rows(out)
+    assert [(r["devices"], r["parallel"], r["ddr_gbps"]) for r in rows] == [
+        ("1", "", "8.0"), ("1", "", "64.0"), ("2", "ep", "8.0"), ("2", "ep", "64.0")]
+    assert all(not r["error"] for r in rows)
+    by = {(r["devices"], r["ddr_gbps"]): r for r in rows}
+    assert float(by[("1", "8.0")]["decode_link_s"]) == 0
+    assert float(by[("2", "8.0")]["decode_link_s"]) > 0
+    for d in ("1", "2"):
+        assert float(by[(d, "64.0")]["tokens_per_s"]) > float(by[(d, "8.0")]["tokens_per_s"])
+    assert int(by[("2", "8.0")]["device_bytes"]) < int(by[("1", "8.0")]["device_bytes"])
+
+
+@pytest.mark.slow
 def test_a_point_that_does_not_fit_keeps_its_row_with_the_error(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     config = tiny_dir(tmp_path_factory, "qwen2")
