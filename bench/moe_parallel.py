@@ -83,22 +83,13 @@ def executed(experts: int, devices: int, tokens: int, work: str) -> None:
 
 
 def estimated(experts: int, devices: int, work: str) -> None:
-    import json
 
     from toptpu.compile_options import check_parallel_config
     from toptpu.devices import Parallel
     from toptpu.estimate import compile_costs, estimate, estimate_nets
-    from toptpu.frontends.hf_loader import read_config
     from toptpu.request import CompileRequest
 
-    with open(CONFIG) as f:
-        raw = json.load(f)
-    raw["num_experts"] = experts
-    config_dir = os.path.join(work, f"config-e{experts}")
-    os.makedirs(config_dir, exist_ok=True)
-    with open(os.path.join(config_dir, "config.json"), "w") as f:
-        json.dump(raw, f)
-    config, _ = read_config(config_dir)
+    config, raw = _experts_config(experts, work)
     chip = get_chip("bm1684x")
     print(f"\n2. toptpu estimate: Qwen3-30B-A3B (48 layers), {experts} of its 128 experts, "
           "bf16, seq 512, bm1684x")

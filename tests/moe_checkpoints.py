@@ -34,6 +34,18 @@ ARCHS = ("qwen3_moe", "qwen2_moe")
 GROUP = 32
 
 
+def calibrated_linears(arch: str, layers: int = 2, experts: int = 8) -> set[str]:
+    """The quantized linears a calibrated tiny MoE checkpoint of `arch` holds: each layer's
+    attention projections, every routed expert's three and (Qwen2-MoE) the shared
+    expert's three."""
+    attention = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    routed = [f"mlp.experts.{e}.{p}" for e in range(experts)
+              for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")] \
+        if arch == "qwen2_moe" else []
+    return {f"model.layers.{i}.{n}" for i in range(layers) for n in attention + routed + shared}
+
+
 def cache_key() -> dict[str, str]:
     return {"file": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
             **{p: version(p) for p in ("auto-round", "torch", "transformers")}}

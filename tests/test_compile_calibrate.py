@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from moe_checkpoints import calibrated_linears
 from quant_fixtures import build_model, build_tokenizer
 
 from toptpu.backend.runtime.runtime import Runtime
@@ -394,14 +395,8 @@ def test_moe_calibrates_generates_and_evals(arch: str, text_file: str, tmp_path:
                       "--calibrate", "gptq", "--calibration-data", text_file, *CALIBRATION,
                       "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
     assert code == 0, err
-    attention = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    experts = [f"mlp.experts.{e}.{p}" for e in range(8)
-               for p in ("gate_proj", "up_proj", "down_proj")]
-    shared = [f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")] \
-        if arch == "qwen2_moe" else []
     checkpoint = read_quantized_checkpoint(str(ck))
-    assert set(checkpoint.linears) == {f"model.layers.{i}.{n}" for i in range(2)
-                                       for n in attention + experts + shared}
+    assert set(checkpoint.linears) == calibrated_linears(arch)
     for i in range(2):  # the router as it was
         assert np.array_equal(checkpoint.float_tensors[f"model.layers.{i}.mlp.gate.weight"],
                               model.model.layers[i].mlp.gate.weight.detach().numpy())

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from moe_checkpoints import build_model as build_moe
+from moe_checkpoints import calibrated_linears
 from quant_fixtures import build_tokenizer
 
 from toptpu.backend.runtime.runtime import Runtime
@@ -277,14 +278,8 @@ def test_awq_moe_compile_equals_its_checkpoint_generates_and_evals(
                         "--calibrate", "awq", "--calibration-data", text_file,
                         "--calibration-samples", "8", "--calibration-seq-length", "64",
                         "--save-calibrated", str(ck), "-o", str(out), *small]) == 0
-    attention = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    experts = [f"mlp.experts.{e}.{p}" for e in range(8)
-               for p in ("gate_proj", "up_proj", "down_proj")]
-    shared = [f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")] \
-        if arch == "qwen2_moe" else []
     checkpoint = read_quantized_checkpoint(str(ck))
-    assert set(checkpoint.linears) == {f"model.layers.{i}.{n}" for i in range(2)
-                                       for n in attention + experts + shared}
+    assert set(checkpoint.linears) == calibrated_linears(arch)
     config = json.loads((ck / "config.json").read_text())["quantization_config"]
     assert sorted(config.get("extra_config", {})) == (
         [f"model.layers.{i}.mlp.shared_expert_gate" for i in range(2)]

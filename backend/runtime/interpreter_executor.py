@@ -57,7 +57,7 @@ from toptpu.backend.reference.interpreter import (
 from toptpu.backend.runtime.executor import Buffer, Executor, check_bindings, owned, value_for
 from toptpu.backend.runtime.weight_cache import WeightCache
 from toptpu.backend.runtime.weight_cache_file import StoredForms
-from toptpu.backend.runtime.weight_pages import WeightPages
+from toptpu.backend.runtime.weight_pages import StreamedWeights, WeightPages
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype, shape_of
 from toptpu.dialects.ir_text import one_line
 from toptpu.dialects.naming import input_names, output_names
@@ -172,7 +172,7 @@ class _Plan:
                                     and (name := weight_name(op.results[0])) is not None})
 
 
-class InterpreterExecutor(Executor):
+class InterpreterExecutor(StreamedWeights, Executor):
     """Runs the nets of a model file with the numpy interpreter (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, verify_checksums: bool = True,
@@ -208,16 +208,6 @@ class InterpreterExecutor(Executor):
     @property
     def stored(self) -> StoredForms | None:
         return self._stored
-
-    @property
-    def stream_weights(self) -> bool:
-        """Whether each run's weight pages are released after it (`weight_pages`)."""
-        return self.pages.enabled
-
-    @property
-    def released_bytes(self) -> int:
-        """The bytes of mapped weight pages released after runs so far."""
-        return self.pages.released_bytes
 
     def _offset(self, layer: int | None, name: str) -> int:
         """The blob offset of weight `name` as layer `layer` reads it (None: shared)."""

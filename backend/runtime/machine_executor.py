@@ -67,7 +67,7 @@ from toptpu.backend.runtime.machine import (
 from toptpu.backend.runtime.run_trace import RunRecorder
 from toptpu.backend.runtime.steps import OpStep
 from toptpu.backend.runtime.weight_cache_file import StoredForms
-from toptpu.backend.runtime.weight_pages import WeightPages
+from toptpu.backend.runtime.weight_pages import StreamedWeights, WeightPages
 from toptpu.backend.target.chips import Chip, get_chip
 from toptpu.backend.target.cost import NetTiming
 from toptpu.dialects import tpu
@@ -128,7 +128,7 @@ class NetStats:
     timelines: list[Timeline] = field(default_factory=list)
 
 
-class MachineExecutor(Executor):
+class MachineExecutor(StreamedWeights, Executor):
     """Runs the nets of a model file on the reference machine (see the module doc)."""
 
     def __init__(self, model: str | LlmFile, checked: bool = False,
@@ -173,16 +173,6 @@ class MachineExecutor(Executor):
     @property
     def stored(self) -> StoredForms | None:
         return self.machine.stored
-
-    @property
-    def stream_weights(self) -> bool:
-        """Whether each run's weight pages are released after it (`weight_pages`)."""
-        return self.pages.enabled
-
-    @property
-    def released_bytes(self) -> int:
-        """The bytes of mapped weight pages released after runs so far."""
-        return self.pages.released_bytes
 
     # ------------------------------------------------------------------ Executor
     def nets(self) -> Mapping[str, NetInfo]:

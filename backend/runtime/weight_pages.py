@@ -74,3 +74,20 @@ class WeightPages:
             where = self._spans[run] = spans(extents())
         for offset, nbytes in where:
             self.released_bytes += self.file.release(offset, nbytes)
+
+
+class StreamedWeights:
+    """An executor whose mapped weight pages a `WeightPages` (`pages`) releases after each
+    run: what it tells of that."""
+
+    pages: WeightPages
+
+    @property
+    def stream_weights(self) -> bool:
+        """Whether each run's weight pages are released after it (`weight_pages`)."""
+        return self.pages.enabled
+
+    @property
+    def released_bytes(self) -> int:
+        """The bytes of mapped weight pages released after runs so far."""
+        return self.pages.released_bytes
