@@ -351,3 +351,14 @@ def quant_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> QuantCheckpoi
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+#: the words of the calibration and held-back texts the tests write (each a token of the tiny
+#: tokenizer `build_tokenizer` trains)
+WORDS = [f"w{i}" for i in range(240)]
+
+
+def write_words(path: Any, rng: Any, lines: int) -> None:
+    """`lines` lines of 40 words drawn by `rng` (a random.Random) from WORDS into `path`."""
+    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40))
+                              for _ in range(lines)))

@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 import torch
 from moe_checkpoints import calibrated_linears
-from quant_fixtures import build_model, build_tokenizer
+from quant_fixtures import build_model, build_tokenizer, write_words
 
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.cli import main as toptpu_main
 from toptpu.compiler import compile as compile_model
 
-WORDS = [f"w{i}" for i in range(240)]
 SMALL = ["--seq-length", "64", "--max-input-length", "32", "--quiet"]
 CALIBRATION = ["--calibration-samples", "8", "--calibration-seq-length", "64"]
 
@@ -33,7 +32,7 @@ CALIBRATION = ["--calibration-samples", "8", "--calibration-seq-length", "64"]
 def text_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(60)))
+    write_words(path, rng, 60)
     return str(path)
 
 
@@ -314,7 +313,7 @@ def test_qwen3_5_calibrates_generates_and_evals(method: str, text_file: str, tmp
     assert len(res.generated_ids) == 6
     rng = random.Random(2)
     held = tmp_path / "held.txt"
-    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)))
+    write_words(held, rng, 4)
     assert toptpu_main(["eval", str(out), "--text", str(held), "--hf", str(src), "--json",
                         "--quiet"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -408,7 +407,7 @@ def test_moe_calibrates_generates_and_evals(arch: str, text_file: str, tmp_path:
     assert len(res.generated_ids) == 6
     rng = random.Random(2)
     held = tmp_path / "held.txt"
-    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)))
+    write_words(held, rng, 4)
     assert toptpu_main(["eval", str(out), "--text", str(held), "--hf", str(src), "--json",
                         "--quiet"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from moe_checkpoints import build_model as build_moe
 from moe_checkpoints import calibrated_linears
-from quant_fixtures import build_tokenizer
+from quant_fixtures import build_tokenizer, write_words
 
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.cli import main as toptpu_main
@@ -36,7 +36,6 @@ from toptpu.weight_calibration.awq import awq_layer
 from toptpu.weight_calibration.grid import rtn
 from toptpu.weight_calibration.layers import FULL_ATTENTION, LayerRunner, layer_plan
 
-WORDS = [f"w{i}" for i in range(240)]
 LENGTH = 64
 ARCHS = ["qwen3_moe", "qwen2_moe"]
 
@@ -50,7 +49,7 @@ def tokenizer() -> Any:
 def text_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("calibration") / "text.txt"
-    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(60)))
+    write_words(path, rng, 60)
     return str(path)
 
 
@@ -295,7 +294,7 @@ def test_awq_moe_compile_equals_its_checkpoint_generates_and_evals(
     assert len(res.generated_ids) == 6
     rng = random.Random(2)
     held = tmp_path / "held.txt"
-    held.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)))
+    write_words(held, rng, 4)
     capsys.readouterr()
     assert toptpu_main(["eval", str(out), "--text", str(held), "--hf", str(src), "--json",
                         "--quiet"]) == 0
