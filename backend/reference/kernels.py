@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from toptpu.backend.reference.blas_threads import matmul as _matmul
+from toptpu.backend.reference.blas_threads import products as _products
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
@@ -1088,13 +1089,25 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
     rows = max(1, min(block_rows, n))
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        b = block[:m]
-        np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
-        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
-        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    with _products(math.prod(fx.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            b = block[:m]
+            np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
+            _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+            _block_product(fx, b.reshape(m, k), r, r0)
     return _biased(r, bias, out_dtype, x)
+
+
+def _block_product(fx: np.ndarray, block: np.ndarray, r: np.ndarray, r0: int) -> None:
+    """r[..., r0:r0 + m] = fx @ block.T for a block [m, K] of a weight's rows, written in
+    place where that slice of `r` is one contiguous run (one row of x), on the threads
+    the caller set (`blas_threads.products`, once for all blocks)."""
+    m = block.shape[0]
+    if math.prod(r.shape[:-1]) == 1:
+        np.matmul(fx.reshape(1, -1), block.T, out=r.reshape(1, -1)[:, r0:r0 + m])
+    else:
+        r[..., r0:r0 + m] = np.matmul(fx, block.T)
 
 
 def _scale_block(b: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> None:
@@ -1139,24 +1152,31 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     rows = max(1, min(block_rows, n))
     wide = np.empty((rows, half), np.uint16)
     shifted = np.empty_like(wide)
+    # the spread's passes over 8 bytes at a time (4 packed bytes: no bit crosses from one
+    # uint16 to the next, each holds a byte) where a row is whole uint64s
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    four = lanes(4)
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        v, t = wide[:m], shifted[:m]
-        np.copyto(v, qweight[r0:r0 + m])
-        np.left_shift(v, 4, out=t)
-        np.bitwise_or(v, t, out=v)
-        np.bitwise_and(v, 0x0F0F, out=v)
-        d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
-        if isinstance(z, np.ndarray):
-            np.subtract(d, z[r0:r0 + m], out=d)
-        elif z:
-            np.subtract(d, np.int8(z), out=d)
-        b = block[:m]
-        np.copyto(b, d)
-        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
-        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    with _products(math.prod(fx.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            v, t = wide[:m], shifted[:m]
+            np.copyto(v, qweight[r0:r0 + m])
+            vl, tl = v.view(lanes), t.view(lanes)
+            np.left_shift(vl, four, out=tl)
+            np.bitwise_or(vl, tl, out=vl)
+            np.bitwise_and(vl, mask, out=vl)
+            d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
+            if isinstance(z, np.ndarray):
+                np.subtract(d, z[r0:r0 + m], out=d)
+            elif z:
+                np.subtract(d, np.int8(z), out=d)
+            b = block[:m]
+            np.copyto(b, d)
+            _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+            _block_product(fx, b.reshape(m, k), r, r0)
     return _biased(r, bias, out_dtype, x)
 
 
