@@ -713,20 +713,40 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
     return np.add(acc, r, out=r)
 
 
+#: the f32 bytes of a float weight's rows `matmul_weight_rows` converts at a time: about
+#: this host's L2 (2 MiB a core), so the block is converted and multiplied in cache
+WEIGHT_ROWS_TILE_BYTES = 2 << 20
+
+
 def matmul_weight_rows(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndarray:
     """a @ f32(w).T in f32 without the bias, for a float weight `w` [N, K] (a bf16
-    lm_head) whose f32 form is never made whole: `block_rows` of its rows are converted at
-    a time (contiguous) and multiplied while in cache, each block's outputs written into
-    the result. Each output is the same dot product as in `matmul(a, w,
-    transpose_b=True)`'s one product (and `matmul_part`'s, `a` contiguous); whether a BLAS
-    gives it the same bits when it computes fewer outputs together depends on the BLAS,
-    so a caller checks it per shape (`WeightCache.f32_rows_product`)."""
+    lm_head) whose f32 form is never made whole: at most `block_rows` of its rows (fewer
+    where their f32 form is over WEIGHT_ROWS_TILE_BYTES: a multiple of 16 rows) are
+    converted at a time into one reused buffer (a bf16's bits shifted into the upper half
+    of a uint32: `f32`'s bits) and multiplied while in cache, on the threads set once for
+    all blocks, each block's outputs written into the result. Each output is the same dot
+    product as in `matmul(a, w, transpose_b=True)`'s one product (and `matmul_part`'s, `a`
+    contiguous); whether a BLAS gives it the same bits when it computes fewer outputs
+    together depends on the BLAS, so a caller checks it per shape
+    (`WeightCache.f32_rows_product`)."""
     fa = np.ascontiguousarray(f32(a))
-    n = w.shape[0]
+    n, k = w.shape
+    rows = max(1, min(block_rows, n))
+    fit = WEIGHT_ROWS_TILE_BYTES // (4 * max(1, k)) // 16 * 16
+    if fit and rows > fit:
+        rows = fit
     r = np.empty((*fa.shape[:-1], n), np.float32)
-    for r0 in range(0, n, max(1, block_rows)):
-        block = np.ascontiguousarray(f32(w[r0:r0 + block_rows]))
-        r[..., r0:r0 + block.shape[0]] = _matmul(fa, block.T)
+    bf16 = w.dtype == BF16
+    buf = np.empty((rows, k), np.uint32 if bf16 else np.float32)
+    src = w.view(np.uint16) if bf16 else w
+    with _products(math.prod(fa.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            b = buf[:m]
+            np.copyto(b, src[r0:r0 + m])
+            if bf16:
+                np.left_shift(b, 16, out=b)
+            _block_product(fa, b.view(np.float32), r, r0)
     return r
 
 
