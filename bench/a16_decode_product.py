@@ -37,10 +37,11 @@ One layer of Qwen2.5-7B's widths (hidden 3584, MLP 18944, 28 query and 4 KV head
 bf16 scales, uint8 zero points), random values; x one bf16 row.
 
 `--lm-head`: the lm_head's one-row product at Qwen2.5-14B's widths (152064 × 5120, bf16)
-as the machine made it before when its f32 form does not fit the weight cache (the whole
-f32 form, 3.1 GB, converted for the product) and now (`kernels.matmul_weight_rows`: 1024
-rows converted at a time), their bytes compared (the machine checks a prefix of the rows
-at run time; this checks the whole), CPU and wall seconds; it needs ~5 GB.
+when its f32 form does not fit the weight cache: the whole f32 form (3.1 GB) converted
+for the product, 1024 rows converted to a new array at a time (`matmul_weight_rows`
+before) and now (`kernels.matmul_weight_rows`: a cache-sized tile of rows at a time into
+one reused buffer), their bytes compared (the machine checks a prefix of the rows at run
+time; this checks the whole), CPU and wall seconds; it needs ~5 GB.
 
 Run: python bench/a16_decode_product.py [--repeat 3] [--lm-head]
 """
@@ -175,6 +176,18 @@ def bandwidths() -> dict[str, tuple[float, float]]:
     return out
 
 
+def weight_rows_before(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndarray:
+    """`kernels.matmul_weight_rows` as it was: `block_rows` rows converted to a new f32
+    array at a time, each block's product through `blas_threads.matmul`."""
+    fa = np.ascontiguousarray(K.f32(a))
+    n = w.shape[0]
+    r = np.empty((*fa.shape[:-1], n), np.float32)
+    for r0 in range(0, n, max(1, block_rows)):
+        block = np.ascontiguousarray(K.f32(w[r0:r0 + block_rows]))
+        r[..., r0:r0 + block.shape[0]] = blas_matmul(fa, block.T)
+    return r
+
+
 def lm_head(repeat: int) -> None:
     """The 14B lm_head's one-row product: whole f32 form vs 1024 rows at a time."""
     vocab, hidden, block = 152064, 5120, 1024
@@ -187,19 +200,21 @@ def lm_head(repeat: int) -> None:
     times: dict[str, tuple[float, float]] = {}
     results: dict[str, np.ndarray] = {}
     for _ in range(repeat):
-        for name, fn in (("whole f32 form (before)", lambda: K.matmul(
+        for name, fn in (("whole f32 form", lambda: K.matmul(
                 x, K.f32(w), transpose_b=True, out_dtype=np.float32)),
-                         ("1024 rows at a time (now)",
+                         ("1024 rows at a time (before)",
+                          lambda: weight_rows_before(x, w, block)),
+                         ("tiles in cache (now)",
                           lambda: K.matmul_weight_rows(x, w, block))):
             c, t = time.process_time(), time.perf_counter()
             results[name] = fn()
             cpu, wall = time.process_time() - c, time.perf_counter() - t
             old = times.get(name, (float("inf"), float("inf")))
             times[name] = (min(old[0], cpu), min(old[1], wall))
-    a, b = results.values()
+    a, *others = results.values()
     print(f"lm_head {vocab} x {hidden} bf16 ({w.nbytes / 1e9:.2f} GB; f32 form "
           f"{4 * w.size / 1e9:.2f} GB), one row, best of {repeat}: bytes equal "
-          f"{a.tobytes() == b.tobytes()}")
+          f"{all(a.tobytes() == b.tobytes() for b in others)}")
     for name, (cpu, wall) in times.items():
         print(f"  {name:28s} {cpu:7.2f} s CPU {wall:7.2f} s wall")
 
