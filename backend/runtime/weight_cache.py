@@ -231,10 +231,17 @@ class WeightCache:
         (the first product of each shape computes both; `fused_ok` holds the verdicts)."""
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
-        if off is None and rows <= FUSED_ROWS and key not in self._items \
-                and not self._room_for_offsets(key, qweight, bits, keep):
-            return self.streamed_product(x, qweight, scales, zeros, bits, group_size, bias,
-                                         out_dtype, mins)
+        if off is None and rows <= FUSED_ROWS and key not in self._items:
+            if not self._room_for_offsets(key, qweight, bits, keep):
+                return self.streamed_product(x, qweight, scales, zeros, bits, group_size,
+                                             bias, out_dtype, mins)
+            if not self._f32_fits(key, qweight, bits):
+                # kept as offsets (as `dequantized` would keep it), and this product made
+                # from them a block at a time: its whole f32 form is never made
+                off = K.weight_offsets(qweight, zeros, bits, group_size, mins is not None)
+                self._reserved_total -= self._reserved.pop(key, 0)
+                self._make_room(off.nbytes)
+                self._keep(self._offsets, key, off)
         if off is None or rows > FUSED_ROWS:  # (a weight kept as offsets has no f32 form)
             w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep, mins)
             return K.matmul_dequantized(x, w, bias, out_dtype)
@@ -250,6 +257,16 @@ class WeightCache:
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole
+
+    def _f32_fits(self, key: Hashable, qweight: np.ndarray, bits: int) -> bool:
+        """Whether `dequantized` would keep the weight under `key` as its f32 form: not
+        given up before, and its f32 bytes within the free budget (its own reservation
+        counted free, as `dequantized` releases it first)."""
+        if key in self._given_up:
+            return False
+        n = qweight.shape[0]
+        k = qweight.shape[-1] * (2 if bits == 4 else 1)
+        return self._free() + self._reserved.get(key, 0) >= 4 * n * k
 
     def _room_for_offsets(self, key: Hashable, qweight: np.ndarray, bits: int,
                           keep: bool) -> bool:
