@@ -29,8 +29,12 @@ from bench/scale.py (`--sizes 7B --keep`: Qwen2.5-7B-shaped, random weights).
 The host is shared (2 cores, other jobs): the load average before and after is printed; the
 bound is measured in the same run for that reason.
 
+`--before-python PY --rounds N`: the `toptpu run` of another tree too (its environment's
+Python runs its own code), before this tree's in each of N rounds, both from a neutral
+directory, against the same bounds.
+
 Run: python bench/big_model_run.py FILE [--ids 8] [--new 4] [--parts run,chat,eval]
-         [--eval-tokens 512] [--env NAME=VALUE ...]
+         [--eval-tokens 512] [--env NAME=VALUE ...] [--before-python PY --rounds 2]
      python bench/big_model_run.py FILE --parts runners --pp PP_FILE [--budget 1G]
          [--before PKG]
 """
@@ -265,6 +269,10 @@ def main() -> None:
     ap.add_argument("--only", default="", help="(--parts runners) comma-separated: only "
                     "the runners of these files (one, pp) or executors (machine, "
                     "interpreter)")
+    ap.add_argument("--before-python", help="(--parts run) the Python of another toptpu "
+                    "tree's environment (e.g. /work/main/.venv/bin/python): its `toptpu run` "
+                    "too, before this tree's in each round")
+    ap.add_argument("--rounds", type=int, default=1, help="(--parts run) rounds of runs")
     ap.add_argument("--before", help="(--parts runners) a package directory of another "
                     "toptpu tree to run the streamed rows with too (see the module doc)")
     args = ap.parse_args()
@@ -281,13 +289,19 @@ def main() -> None:
     print(f"{args.model_file}: {size / 1e9:.2f} GB; {os.cpu_count()} CPUs, load average "
           f"{load_before:.1f} before", flush=True)
     if "run" in args.parts:
-        out, wall, cpu, rss, rc = run_child([*toptpu, "run", args.model_file, "--ids", ids,
-                                        "--max-new-tokens", str(args.new), "--ignore-eos",
-                                        "--json"], env)
-        if rc != 0:
-            sys.exit(f"toptpu run failed (exit {rc})")
-        res = json.loads(out)
-        ttft, tps = res["ttft_s"], res["tokens_per_s"]
+        trees = [("now", sys.executable)]
+        if args.before_python:
+            trees.insert(0, ("before", args.before_python))
+        runs = []
+        for rnd in range(args.rounds):
+            for label, python in trees:  # each tree's own interpreter runs its own code
+                out, wall, cpu, rss, rc = run_child(
+                    [python, "-m", "toptpu.cli", "run", os.path.abspath(args.model_file),
+                     "--ids", ids, "--max-new-tokens", str(args.new), "--ignore-eos",
+                     "--json"], env, cwd=tempfile.gettempdir())
+                if rc != 0:
+                    sys.exit(f"toptpu run ({label}) failed (exit {rc})")
+                runs.append((label, rnd, json.loads(out), wall, cpu, rss, os.getloadavg()[0]))
         step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
         total = sum(step.values())
         f32_bytes = decode_step_f32_bytes(args.model_file)
@@ -295,19 +309,23 @@ def main() -> None:
         bw, cbw = max(read_bw, read_bw2), max(copy_bw, copy_bw2)
         bound = total / bw
         conv = bound + 2 * f32_bytes / cbw
-        s_per_token = 1 / tps if tps else float("nan")
         print(f"numpy read bandwidth {read_bw / 1e9:.2f} / {read_bw2 / 1e9:.2f} GB/s, copy "
               f"{copy_bw / 1e9:.2f} / {copy_bw2 / 1e9:.2f} GB/s moved (before / after the "
-              "run)")
+              "runs)")
         print(f"decode step reads {total / 1e9:.3f} GB ("
               + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in step.items())
               + f"): read bound {bound:.3f} s/token at {bw / 1e9:.2f} GB/s; converts "
               f"{f32_bytes / 1e9:.2f} GB of f32 weights: conversion bound {conv:.3f} s/token "
               f"(+ written and read once at {cbw / 1e9:.2f} GB/s moved)")
-        print(f"toptpu run ({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, decode "
-              f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
-              f"read bound, {s_per_token / conv:.2f}x the conversion bound; peak RSS "
-              f"{rss / 1e9:.2f} GB; process {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+        for label, rnd, res, wall, cpu, rss, load in runs:
+            ttft, tps = res["ttft_s"], res["tokens_per_s"]
+            s_per_token = 1 / tps if tps else float("nan")
+            tree = f"{label} (round {rnd + 1}) " if len(runs) > 1 else ""
+            print(f"toptpu run {tree}({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, "
+                  f"decode {tps:.3f} tok/s = {s_per_token:.2f} s/token = "
+                  f"{s_per_token / bound:.2f}x the read bound, {s_per_token / conv:.2f}x the "
+                  f"conversion bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
+                  f"{cpu:.1f} s CPU; load {load:.1f}", flush=True)
     if "runners" in args.parts:
         if not args.pp:
             ap.error("--parts runners needs --pp PP_FILE")
