@@ -26,7 +26,8 @@ the offsets of all fit: f32 for the first weights, offsets for the rest. A conve
 no smaller form (the f32 form of a bf16 lm_head) may take the room of quantized weights'
 f32 forms the same way. A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
-form to memory (about 2x faster), once that was found bit-identical for the shape. A
+form to memory (about 2x faster), once that was found bit-identical for the shape — from
+the product that first keeps the offsets on (that product makes no whole f32 form). A
 decode step's product with a weight kept in no form (the budget is full) is made the same
 way from the packed bytes (`streamed_product`: a 4-bit weight's offsets made a block at a
 time in cache, `kernels.matmul_packed`; others' STREAM_ROWS rows' offsets at a time: the
@@ -228,7 +229,10 @@ class WeightCache:
         is kept as offsets and `x` has at most FUSED_ROWS rows (a decode step), the product
         expands the weight a block of rows at a time (`kernels.matmul_offsets`), once its
         bits were found equal to the whole weight's product for this shape on this host
-        (the first product of each shape computes both; `fused_ok` holds the verdicts)."""
+        (the first product of each shape computes both; `fused_ok` holds the verdicts). A
+        decode step's product with a weight kept in no form yet that `dequantized` would
+        keep as offsets (its f32 form does not fit) keeps the offsets itself and is made
+        from them the same way: its whole f32 form is not made for it."""
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
         if off is None and rows <= FUSED_ROWS and key not in self._items:
