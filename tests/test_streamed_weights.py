@@ -140,9 +140,10 @@ def test_a_tiled_decode_product_is_the_whole_weights_product(k: int, gs: int) ->
     output is the same dot product of the same f32 weights, so within 1e-6 relative at any
     tile height, and bit for bit wherever this host's BLAS gives that many output columns
     the whole product's bits (checked here on the f32 weights themselves, as the weight
-    cache checks each shape at run time). Both spreads of the nibbles: whole uint64 lanes
-    (K/2 a multiple of 4) and uint16 lanes (K = 12); zero points, the implied 8, mins; a
-    partial last tile."""
+    cache checks each shape at run time). Both spreads of the nibbles (in `weight_offsets`
+    too, checked against unpacking the nibbles one by one): whole uint64 lanes (K/2 a
+    multiple of 4) and uint16 lanes (K = 12); zero points, the implied 8, mins; a partial
+    last tile."""
     rng = np.random.default_rng(k)
     n = 203
     q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
@@ -155,6 +156,10 @@ def test_a_tiled_decode_product_is_the_whole_weights_product(k: int, gs: int) ->
         w = K.dequantize(q, s, zeros, 4, gs, mins)
         whole = K.a16_matmul(x, q, s, zeros, None, 4, gs, np.float32, mins)
         off = K.weight_offsets(q, zeros, 4, gs, mins is not None)
+        z = (0 if mins is not None else 8) if zeros is None else \
+            zeros.astype(np.int16)[:, :, None]
+        unpacked = K.unpack_int4(q).astype(np.int16).reshape(n, -1, gs)  # the reference
+        assert off.dtype == np.int8 and np.array_equal(off.reshape(n, -1, gs), unpacked - z)
         for rows in (64, 16, 4, 7, 1):
             same_bits = all(
                 (fx @ w[r0:r0 + rows].T).tobytes() == whole[:, r0:r0 + rows].tobytes()

@@ -1052,6 +1052,11 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     without zero points; 0 for weights with mins, `with_mins`), exact, as int8 where every
     q - z the dtypes allow fits (4-bit weights with zero points up to 127), else int16: the
     integer half of `dequantize`, a new array (never a view of `qweight`)."""
+    if bits == 4 and sys.byteorder == "little":
+        implied = 0 if with_mins else 8
+        fast = _offsets_4bit(np.asarray(qweight), zeros, implied, group_size)
+        if fast is not None:
+            return fast
     q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
     n, k = q.shape
     g = k // group_size
@@ -1074,6 +1079,50 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
         return np.subtract(qg.astype(np.int8, copy=False), z.astype(np.int8),
                            dtype=np.int8).reshape(n, k)
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)
+
+
+def _offsets_4bit(qweight: np.ndarray, zeros: np.ndarray | None, implied: int,
+                  group_size: int, block_rows: int = 64) -> np.ndarray | None:
+    """`weight_offsets` of a 4-bit weight as int8 on a little-endian host, made from the
+    packed bytes a block of rows at a time in the result itself (`matmul_packed`'s spread:
+    each packed byte widened to the uint16 of its two weights, its high nibble moved to the
+    high byte, over uint64 lanes where a row is whole uint64s; the zero point subtracted in
+    int8): the same integers as unpacking first, in fewer passes. None where some q - z
+    leaves int8 (zero points below -112 or above 127: `weight_offsets` makes int16)."""
+    n, half = qweight.shape
+    k = 2 * half
+    if group_size <= 0 or k % group_size:
+        return None
+    if zeros is not None:
+        zs = np.asarray(zeros)
+        if zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
+            return None
+        z: np.ndarray | None = (zs.view(np.int8) if zs.dtype == np.uint8
+                                else zs.astype(np.int8))[:, :, None]
+    else:
+        z = None
+    g = k // group_size
+    out = np.empty((n, k), np.int8)
+    wide = out.view(np.uint16)  # [n, half]: one packed byte's two weights each
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    four = lanes(4)
+    rows = max(1, min(block_rows, n))
+    shifted = np.empty((rows, half), np.uint16)
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        v = wide[r0:r0 + m]
+        np.copyto(v, qweight[r0:r0 + m])
+        vl, tl = v.view(lanes), shifted[:m].view(lanes)
+        np.left_shift(vl, four, out=tl)
+        np.bitwise_or(vl, tl, out=vl)
+        np.bitwise_and(vl, mask, out=vl)
+        d = out[r0:r0 + m].reshape(m, g, group_size)
+        if z is not None:
+            np.subtract(d, z[r0:r0 + m], out=d)
+        elif implied:
+            np.subtract(d, np.int8(implied), out=d)
+    return out
 
 
 def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int,
