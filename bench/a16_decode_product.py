@@ -14,6 +14,9 @@ numeric truth, before it is timed):
 - from a weight's int8 offsets kept in the weight cache: `offsets before` / `offsets now`
   (`kernels.matmul_offsets` as it was / now: the same change of threads and output);
 - `f32 kept`: from its f32 form kept (one BLAS product over 4 bytes a weight).
+Then the layer's whole forms (what a prefill product multiplies by and the weight cache
+keeps): its int8 offsets and its f32 form, before (the nibbles unpacked first) and now
+(`weight_offsets` spreading the packed bytes a block of rows at a time), bytes compared.
 
 The two limits, each the bytes a step moves over numpy's bandwidth measured here (the best
 of 5 passes over 512 MB of float32, far beyond any cache, before and after the products):
@@ -95,12 +98,13 @@ def offsets_blocks_1024(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray,
 def packed_1024_rows(x: np.ndarray, q: np.ndarray, s: np.ndarray, z: np.ndarray
                      ) -> np.ndarray:
     """`WeightCache.streamed_product`'s blocks as they were first: OLD_STREAM_ROWS rows'
-    offsets (`weight_offsets`) at a time, each multiplied by `offsets_blocks_1024`."""
+    offsets (`weight_offsets` as it was: `offsets_unpacked_first`) at a time, each
+    multiplied by `offsets_blocks_1024`."""
     n = q.shape[0]
     out = np.empty((*x.shape[:-1], n), np.float32)
     for r0 in range(0, n, OLD_STREAM_ROWS):
         r1 = min(n, r0 + OLD_STREAM_ROWS)
-        off = K.weight_offsets(q[r0:r1], z[r0:r1], 4, GROUP)
+        off = offsets_unpacked_first(q[r0:r1], z[r0:r1])
         out[..., r0:r1] = offsets_blocks_1024(x, off, s[r0:r1], GROUP)
     return out
 
@@ -156,6 +160,14 @@ def packed_before(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
         np.multiply(b, sf[r0:r0 + m, :, None], out=b)
         r[..., r0:r0 + m] = blas_matmul(fx, b.reshape(m, k).T)
     return r
+
+
+def offsets_unpacked_first(q: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """`kernels.weight_offsets` of a 4-bit weight as it was: the nibbles unpacked
+    (`unpack_int4`: two strided byte writes), then the zero points subtracted in place."""
+    n, half = q.shape
+    d = K.unpack_int4(q).view(np.int8).reshape(n, -1, GROUP)
+    return np.subtract(d, z.astype(np.int8)[:, :, None], out=d).reshape(n, 2 * half)
 
 
 def bandwidths() -> dict[str, tuple[float, float]]:
@@ -335,6 +347,39 @@ def main() -> None:
     print(f"packed now: {now / read_bound[0]:.1f}x the read bound, "
           f"{now / conv_bound[0]:.2f}x the conversion bound (CPU-timed), "
           f"{now / totals['f32 kept'][0]:.2f}x the kept f32 form's product")
+    whole_forms(weights, args.repeat)
+
+
+def whole_forms(weights: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+                repeat: int) -> None:
+    """The layer's whole converted forms (what a prefill product multiplies by and what
+    the weight cache keeps): the int8 offsets (`weight_offsets`) and the f32 form
+    (`dequantize`: the offsets, then one product a weight), before (the nibbles unpacked
+    first) and now (`weight_offsets` spreading a block of rows at a time in its result),
+    their bytes compared; CPU seconds, best of `repeat`, interleaved."""
+    fns: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
+        "offsets before": lambda q, s, z: offsets_unpacked_first(q, z),
+        "offsets now": lambda q, s, z: K.weight_offsets(q, z, 4, GROUP),
+        "f32 form before": lambda q, s, z: K.dequantize_offsets(
+            offsets_unpacked_first(q, z), s, GROUP),
+        "f32 form now": lambda q, s, z: K.dequantize(q, s, z, 4, GROUP)}
+    for (q, s, z) in weights.values():
+        for a, b in (("offsets before", "offsets now"), ("f32 form before", "f32 form now")):
+            if fns[a](q, s, z).tobytes() != fns[b](q, s, z).tobytes():
+                raise SystemExit(f"{b} differs from {a}")
+    best = dict.fromkeys(fns, 0.0)
+    for name in fns:
+        for (q, s, z) in weights.values():
+            t = float("inf")
+            for _ in range(repeat):
+                c = time.process_time()
+                fns[name](q, s, z)
+                t = min(t, time.process_time() - c)
+            best[name] += t
+    print("the layer's whole forms (ms CPU, best of each): " + ", ".join(
+        f"{name} {t * 1e3:.1f}" for name, t in best.items())
+          + f"; offsets {best['offsets before'] / best['offsets now']:.2f}x, f32 form "
+          f"{best['f32 form before'] / best['f32 form now']:.2f}x")
 
 if __name__ == "__main__":
     main()
