@@ -302,6 +302,7 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
         for name, t in tuned.items():
             lin = layer.get_submodule(name)
             parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+            assert isinstance(lin, torch.nn.Linear)
             t.load(best[name])
             out[name] = quantized_weights(lin.weight.detach(), t.offset, t.max_factor,
                                           t.min_factor, scheme)
