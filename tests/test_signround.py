@@ -208,3 +208,35 @@ def test_batches_are_seeded_shuffles() -> None:
 def test_bad_iterations_refused(value: Any) -> None:
     with pytest.raises(CalibrationError, match="SignRound iterations"):
         SignRoundOptions(iterations=value)
+
+
+def test_linear_attention_ops_backpropagate_as_their_definitions() -> None:
+    """Qwen3.5's two fused ops (torch custom ops) carry their definitions' gradients: the
+    op's gradients equal autograd through the definition run directly."""
+    from toptpu.frontends import linear_attention_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs() -> list[torch.Tensor]:
+        gen.manual_seed(0)
+        return [torch.randn(1, 5, 2, 4, generator=gen), torch.randn(1, 5, 2, 4, generator=gen),
+                torch.randn(1, 5, 4, 3, generator=gen).requires_grad_(),
+                (-torch.rand(1, 5, 4, generator=gen)).requires_grad_(),
+                torch.rand(1, 5, 4, generator=gen).requires_grad_()]
+
+    grads = []
+    for fn in (ops.gated_delta_rule, ops._gated_delta_rule):
+        args = inputs()
+        o, s = fn(*args, None, 0.5)
+        (o.square().sum() + s.sum()).backward()
+        grads.append([a.grad for a in args[2:]])
+    for ours, theirs in zip(*grads, strict=True):
+        assert ours is not None and torch.equal(ours, theirs)
+    conv = []
+    for fn in (ops.causal_conv1d, ops._causal_conv1d):
+        x = torch.randn(1, 6, 3, generator=gen.manual_seed(1)).requires_grad_()
+        y, state = fn(x, torch.randn(3, 4, generator=gen.manual_seed(2)), None,
+                      torch.ones(1, 6))
+        (y.square().sum() + 3 * state.sum()).backward()
+        conv.append(x.grad)
+    assert conv[0] is not None and torch.equal(conv[0], conv[1])
