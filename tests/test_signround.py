@@ -150,6 +150,26 @@ def test_tuning_equals_the_published_update_rule() -> None:
                               res.weights[name].dequantize())
 
 
+def test_tuning_is_deterministic() -> None:
+    """Batches of 2 of 4 sequences (sampled): the same seed gives the same integers."""
+    torch.manual_seed(5)
+    x = torch.randn(4, 16, 64)
+    results = []
+    for _ in range(2):
+        block = _Mlp()
+        with torch.no_grad():
+            y = block(x)
+        runner = SimpleNamespace(layer=block, kind=FULL_ATTENTION, block=block,
+                                 position_ids=None, mask=None)
+        res = tune_layer(runner, x, y, ["gate", "up", "down"],  # type: ignore[arg-type]
+                         QuantScheme(4, 32, False), SignRoundOptions(iterations=6, batch_size=2),
+                         seed=3)
+        results.append(res)
+    assert results[0].best_loss == results[1].best_loss
+    for name in ("gate", "up", "down"):
+        assert np.array_equal(results[0].weights[name].qweight, results[1].weights[name].qweight)
+
+
 # ----------------------------------------------------------------------------- a real layer
 
 def _qwen3_layer() -> tuple[LayerRunner, Any, torch.Tensor]:
