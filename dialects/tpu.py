@@ -541,6 +541,8 @@ class A16MoeExpertsOp(TpuOp):
     #: as `top.moe_experts`'s: the experts the indices range over, the weight operands
     #: holding only the ones they name (a layer group's buffers of the fetched experts)
     fetched_from = opt_attr_def(IntegerAttr)
+    #: as `top.moe_experts`'s: the reduction parts are blocks of experts
+    expert_blocks = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
     assembly_format = (
@@ -591,8 +593,10 @@ class A16MoeExpertsOp(TpuOp):
     def reduction_part_arguments(self, operands: Sequence[object], part: int
                                  ) -> tuple[Sequence[object], Mapping[str, object]]:
         """Part `part` of I: every operand (gate and up cut to the part's rows, down to
-        its columns: whole groups)."""
-        return operands, self._params()
+        its columns: whole groups); or with `expert_blocks`, block `part` of the
+        experts."""
+        return operands, {**self._params(), **top.expert_block_param(
+            self.fetched_from, self.expert_blocks, part)}
 
     def reduction_finish_arguments(self, operands: Sequence[object]
                                    ) -> tuple[Sequence[object], Mapping[str, object]]:
@@ -624,7 +628,8 @@ class A16MoeExpertsOp(TpuOp):
                 f"{list(shapes[2])} (unpacked); for x [{t}, {h}] they must be [E, I, {h}], "
                 f"[E, I, {h}], [E, {h}, I]")
         ws = shape_of(weights)
-        top.check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        top.check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"),
+                               attrs.get("expert_blocks"))
         if len(ws) != 2 or ws[0] != t or ws[1] < 1 or shape_of(indices) != ws:
             raise VerifyException(f"{name} weights and indices must be [{t}, k] with k at "
                                   "least 1")
@@ -693,6 +698,10 @@ class A16MoeExpertsOp(TpuOp):
         last operand) name, as `top.moe_experts`'s."""
         n = len(self.operands)
         return {p: n - 1 for p in range(1, n - 2)}
+
+    def expert_block_axes(self) -> tuple[int | None, ...] | None:
+        """Blocks of experts: every stacked weight operand along E (0); the rest whole."""
+        return self._flat_axes(None, 0, 0, None)
 
     def reduction_sliceable(self) -> bool:
         return True
@@ -1011,10 +1020,21 @@ class LoadOp(TpuOp):
                      fetched_rows=self.by_index is not None)
         if self.by_index is not None:
             self._verify_fetched()
-            if read_int(self.slice_axis) == 0 or (
-                    self.tile_axes is not None and 0 in read_ints(self.tile_axes)):
+            axes = read_ints(self.tile_axes) if self.tile_axes is not None else []
+            # a block of experts: the reduction parts (third tile axis) cut axis 0, read by
+            # consumers that add only their block's experts (`expert_blocks`)
+            blocks = len(axes) == 3 and axes[2] == 0 and 0 not in axes[:2]
+            if blocks:
+                for u in self.output.uses:
+                    if u.operation.attributes.get("expert_blocks") is None:
+                        raise VerifyException(
+                            f"{self.name} by_index loads blocks of rows along axis 0; its "
+                            f"consumer {u.operation.name} does not read them as "
+                            "expert_blocks")
+            elif read_int(self.slice_axis) == 0 or 0 in axes:
                 raise VerifyException(f"{self.name} by_index loads rows along axis 0 by "
-                                      "index; it cannot also slice axis 0")
+                                      "index; it cannot also slice axis 0 (but in blocks "
+                                      "of experts: the reduction parts' axis)")
             uses = list(self.output.uses)
             for u in uses:
                 op = u.operation

@@ -109,6 +109,9 @@ class Plan:
     tile_axes: dict[SSAValue, tuple[int, int, int]] = field(default_factory=dict)
     #: a tiles plan's reduction parts (a third loop, inside the others; 1: none)
     parts: int = 1
+    #: the parts are blocks of consecutive experts (`expert_block_axes`: the MoE experts'
+    #: expert-major schedule), not parts of the op's reduction axis
+    expert_blocks: bool = False
 
 
 def nbytes_of_type(t: TensorType) -> int:
@@ -366,14 +369,24 @@ class _TileOperand:
         return 1 if outer_axis != -1 else 0
 
 
-def _tile_operands(op: Operation) -> tuple[list[_TileOperand], _TileOperand, int] | None:
+def _tile_operands(op: Operation, blocks: bool = False
+                   ) -> tuple[list[_TileOperand], _TileOperand, int] | None:
     """The tile operands of `op` (inputs, result) and its accumulator's bytes (whole op; 0
-    when its reduction cannot be cut), None when `op` does not tile."""
+    when its reduction cannot be cut), None when `op` does not tile. `blocks`: the third
+    loop cuts blocks of experts (`expert_block_axes`; None when the op has none)."""
     reducible = reduction_sliceable(op)
     if not (tile_sliceable(op) or reducible) or len(set(op.operands)) != len(op.operands):
         return None
-    axes = (reduction_tile_axes(op) if reducible
-            else tuple((*a, -1) for a in tile_operand_axes(op)))
+    block_axes = _expert_block_axes(op)
+    if blocks:
+        if block_axes is None:
+            return None
+        reducible = True
+        axes = tuple((*a, -1 if b is None else b)
+                     for a, b in zip(tile_operand_axes(op), block_axes, strict=True))
+    else:
+        axes = (reduction_tile_axes(op) if reducible
+                else tuple((*a, -1) for a in tile_operand_axes(op)))
     inputs = []
     for v, ax in zip(op.operands, axes, strict=True):
         shape = shape_of(v)
@@ -410,16 +423,42 @@ def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None,
     return found if only is None else [p for p in found if p.slices == only]
 
 
+def _expert_block_axes(op: Operation) -> tuple[int | None, ...] | None:
+    """The axes blocks of experts cut (`SlicingInterface.expert_block_axes`), None for an
+    op without experts."""
+    return op.expert_block_axes() if isinstance(op, SlicingInterface) else None
+
+
 def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     """The plans of `_tile_candidates`, the cheapest for each slice count, by cost: every
-    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid)."""
-    found = _tile_operands(op)
+    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid). Without
+    `reduce`, an op with experts also has plans whose parts are blocks of its experts
+    (the expert-major schedule: each block's chosen experts loaded once per row block);
+    they keep the numbers (each token's experts added in the same order), so they compete
+    with the plans without reduction parts, the cheaper by the cost model for each slice
+    count kept."""
+    if reduce:
+        return _grid_plans(op, chip, reduce, blocks=False)
+    found = _grid_plans(op, chip, reduce, blocks=False)
+    if _expert_block_axes(op) is not None:
+        found = found + _grid_plans(op, chip, True, blocks=True)
+    best: dict[int, Plan] = {}
+    for p in found:
+        if p.slices not in best or p.cost < best[p.slices].cost:
+            best[p.slices] = p
+    return sorted(best.values(), key=lambda p: p.cost)
+
+
+def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool) -> list[Plan]:
+    """`_find_tile_plans` with the parts of the reduction (`blocks`: of the experts)."""
+    found = _tile_operands(op, blocks)
     if found is None or (reduce and not found[2]):
         return []
     inputs, result, acc = found
     if not reduce:  # the whole reduction in every tile: no operand is cut along it
         inputs = [replace(v, axes=(*v.axes[:2], -1)) for v in inputs]
-    parts_ = np.array(divisors(reduction_count(op))[1:] if reduce else [1], np.int64)
+    count = _experts_of(op) if blocks else reduction_count(op)
+    parts_ = np.array(divisors(count)[1:] if reduce else [1], np.int64)
     rows_ = np.array(divisors(result.sizes[0]), np.int64)
     cols_ = np.array(divisors(tile_count(op)), np.int64)
     r, c, parts = np.meshgrid(rows_, cols_, parts_, indexing="ij")
@@ -433,7 +472,8 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
                 n = n * count
         sizes.append(v.nbytes // n)
         runs.append(_tile_runs(v, (r, c, parts)))
-    held, moved = _fetched_tile_sizes(op, inputs, sizes, runs, r)
+    held, moved = _fetched_tile_sizes(op, inputs, sizes, runs, r,
+                                      parts if blocks else None)
     lane = 2 * sum(_per_lane(n, chip) for n in [*held, sizes[-1]])
     if reduce:
         lane = lane + _per_lane(acc // (r * c), chip)
@@ -451,7 +491,7 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     for t, (k, cell, outer) in sorted(best.items(), key=lambda item: item[1][0]):
         p = Plan([op], SliceKind.TILES, t, cost=k, inputs=list(op.operands),
                  outputs=[op.results[0]], tiles=(int(r.flat[cell]), int(c.flat[cell])),
-                 outer=outer, parts=int(parts.flat[cell]))
+                 outer=outer, parts=int(parts.flat[cell]), expert_blocks=blocks)
         for v in inputs:
             p.tile_axes[v.value] = v.axes
             p.input_axes[v.value] = next((a for a in v.axes if a != -1), None)
@@ -462,7 +502,7 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
 
 
 def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[np.ndarray],
-                        runs: list[np.ndarray], r: np.ndarray
+                        runs: list[np.ndarray], r: np.ndarray, blocks: np.ndarray | None
                         ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The bytes each input's local buffer holds and a load of it moves, over the grid
     (`sizes` the whole parts; `runs` made at most one row for an indexed load, in place).
@@ -471,7 +511,10 @@ def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[n
     indices`); it then moves its expected distinct rows (`cost.expected_distinct` of the
     row block's [T, k] indices), and its buffer holds the rows they can name,
     min(E, T x k), when every such operand of `op` is an indexed load
-    (`_fetched_buffers`)."""
+    (`_fetched_buffers`). `blocks` (the third loop's counts P, when it cuts blocks of
+    experts): a load is one block's, E/P experts — its buffer min(E/P, T x k) rows, what
+    it moves the block's share E/P of the row block's expected distinct experts (over
+    the P blocks: each chosen expert once)."""
     held, moved = list(sizes[:len(inputs)]), [np.asarray(n, np.float64)
                                                for n in sizes[:len(inputs)]]
     by_index = _by_index_operands(op)
@@ -488,10 +531,11 @@ def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[n
     for v, _ in by_index:
         i = pos[v]
         e = shape_of(v)[0]
-        row = sizes[i] // e
-        rows = np.minimum(e, tokens * k)
+        block = e // blocks if blocks is not None else np.full_like(r, e)
+        row = sizes[i] // block
+        rows = np.minimum(block, tokens * k)
         expect = np.vectorize(lambda n, e=e: expected_distinct(e, int(n), k),
-                              otypes=[np.float64])(tokens)
+                              otypes=[np.float64])(tokens) * block / e
         held[i] = np.where(every, row * rows, sizes[i])
         moved[i] = np.where(every, row * expect, sizes[i])
         runs[i] = np.where(every, np.minimum(runs[i], row), runs[i])
@@ -527,7 +571,7 @@ def _per_lane(nbytes: np.ndarray, chip: Chip) -> np.ndarray:
 def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
     """Per-lane bytes of a tiles group: two copies of every input's part and of the
     result's tile, and the accumulator of a tile's reduction parts."""
-    found = _tile_operands(p.ops[0])
+    found = _tile_operands(p.ops[0], p.expert_blocks)
     assert found is not None
     inputs, result, acc = found
     counts = (*p.tiles, p.parts)
@@ -608,10 +652,13 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     attrs["ts"] = i64_attr(1)
     if fetched:
         attrs["fetched_from"] = i64_attr(_experts_of(op))
+    if p.expert_blocks:
+        attrs["expert_blocks"] = i64_attr(p.parts)
     assert isinstance(op, SlicingInterface)
     # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts
     heads = c if op.tile_loop() == SliceKind.HEADS else 1
-    attrs.update(op.sliced_attributes([part_type(res)], heads=heads, parts=p.parts))
+    attrs.update(op.sliced_attributes([part_type(res)], heads=heads,
+                                      parts=1 if p.expert_blocks else p.parts))
     new = type(op).create(operands=[local[v] for v in op.operands],
                           result_types=[part_type(res)], attributes=attrs)
     new.location = op.location
@@ -691,6 +738,9 @@ def _fetched_ops(p: Plan) -> dict[Operation, tuple[list[tuple[SSAValue, SSAValue
             shape = list(shape_of(idx))
             if p.tile_axes[idx][0] != -1:
                 shape[p.tile_axes[idx][0]] //= p.tiles[0]
+            if p.expert_blocks:  # a block's experts, always in a buffer of their own
+                out[op] = (pairs, fetched_rows_needed(_experts_of(op) // p.parts, shape))
+                continue
         else:
             if any(p.input_axes[v] is not None for v, _ in pairs):
                 continue  # sliced buffers of every row (not built today)
@@ -708,13 +758,11 @@ def _fetched_buffers(p: Plan) -> dict[SSAValue, int]:
     fetched = _fetched_rows(p)
     out = {}
     for v, rows in fetched.items():
+        n = 1  # the parts of a row (along the axes after 0)
         if p.kind == SliceKind.TILES:
-            n = 1
             for a, count in zip(p.tile_axes[v], (*p.tiles, p.parts), strict=True):
-                if a != -1:
+                if a not in (-1, 0):
                     n *= count
-        else:
-            n = 1
         out[v] = nbytes(v) // n // shape_of(v)[0] * rows
     return out
 
@@ -926,11 +974,27 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
 def _realize(plan: Plan, chip: Chip, split: str = "cost") -> list[tuple[tpu.GroupOp, Plan]]:
     """Build and allocate `plan`; slice further or split when the allocation fails."""
     tries = [plan]
-    for kind in SliceKind:
-        tries += sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
+    kinds = [sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
+             for kind in SliceKind]
+    if any(q.expert_blocks for k in kinds for q in k):
+        # an op with experts: its blocks of experts or its row slices, the cheaper first
+        # (a row slice fetches again the experts its rows chose)
+        tries += sorted((q for k in kinds for q in k), key=lambda q: q.cost)
+    else:
+        tries += [q for k in kinds for q in k]
     tries += sorted(_reduction_plans(plan.ops, chip, None), key=lambda q: q.cost)
+    split_cost = math.inf
+    if len(plan.ops) > 1 and any(_expert_block_axes(op) is not None for op in plan.ops):
+        # a span with experts: alone they may stream in blocks of experts, each chosen
+        # expert loaded once, where the span's row slices fetch them again per slice: a
+        # try dearer than the ops planned one by one gives way to them
+        singles = [plan_span([op], chip, split=split) for op in plan.ops]
+        if all(q is not None for q in singles):
+            split_cost = sum(q.cost for q in singles if q is not None)
     for p in tries:
         if p.slices < plan.slices and p.kind == plan.kind:
+            continue
+        if p is not plan and p.cost > split_cost:
             continue
         group = build_group(p)
         try:
