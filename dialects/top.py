@@ -2658,11 +2658,12 @@ def fetched_param(attr: Attribute | None) -> dict[str, object]:
 def expert_block_param(fetched_from: Attribute | None, blocks: Attribute | None, part: int
                        ) -> dict[str, object]:
     """The experts part kernels' `block` keyword of reduction part `part` of an op with
-    `expert_blocks` (first expert, experts a block), none without."""
+    `expert_blocks` P (first expert, experts a block): block `part` mod P (the parts of a
+    group with parts of I too: `tpu.GroupOp.part_blocks`), none without."""
     if blocks is None or fetched_from is None:
         return {}
     count = read_int(fetched_from) // read_int(blocks)
-    return {"block": (part * count, count)}
+    return {"block": (part % read_int(blocks) * count, count)}
 
 
 def check_fetched_rows(name: str, held: int, indices_shape: Sequence[int],

@@ -70,6 +70,7 @@ from toptpu.passes.slicing import (
     heads_result_axes,
     heads_sliceable,
     reduction_count,
+    reduction_operand_axes,
     reduction_sliceable,
     reduction_tile_axes,
     row_rule,
@@ -110,8 +111,9 @@ class Plan:
     #: a tiles plan's reduction parts (a third loop, inside the others; 1: none)
     parts: int = 1
     #: the parts are blocks of consecutive experts (`expert_block_axes`: the MoE experts'
-    #: expert-major schedule), not parts of the op's reduction axis
-    expert_blocks: bool = False
+    #: expert-major schedule), this many, each block's experts in `parts` / this parts of
+    #: the op's reduction axis (the intermediate axis I); 0: parts of that axis only
+    expert_blocks: int = 0
 
 
 def nbytes_of_type(t: TensorType) -> int:
@@ -344,6 +346,9 @@ class _TileOperand:
     nbytes: int
     axes: tuple[int, int, int]
     sizes: tuple[int, int, int]
+    #: a second axis the reduction parts cut and its count (blocks of experts times
+    #: parts of I: the parts of I's axis; `nbytes` is then already one part's), -1: none
+    also: tuple[int, int] = (-1, 1)
 
     def part(self, counts: tuple[int, int, int]) -> int | None:
         """Bytes of one tile's part (None when a count does not divide its axis)."""
@@ -362,7 +367,7 @@ class _TileOperand:
         # axes[1] (`tpu.GroupOp.tile_blocks`)
         outer_axis, inner_axis = ((self.axes[0], self.axes[1]) if outer == "rows"
                                   else (self.axes[1], self.axes[0]))
-        if self.axes[2] != -1:
+        if self.axes[2] != -1 or self.also[0] != -1:
             return 3
         if inner_axis != -1:
             return 2
@@ -441,7 +446,11 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
         return _grid_plans(op, chip, reduce, blocks=False)
     found = _grid_plans(op, chip, reduce, blocks=False)
     if _expert_block_axes(op) is not None:
-        found = found + _grid_plans(op, chip, True, blocks=True)
+        # each block's experts whole, or in parts of I (experts too large for local
+        # memory one by one: each chosen expert still loaded once, a part at a time)
+        i_parts = divisors(reduction_count(op)) if reduction_sliceable(op) else [1]
+        for q in i_parts:
+            found = found + _grid_plans(op, chip, True, blocks=True, i_parts=q)
     best: dict[int, Plan] = {}
     for p in found:
         if p.slices not in best or p.cost < best[p.slices].cost:
@@ -449,12 +458,23 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     return sorted(best.values(), key=lambda p: p.cost)
 
 
-def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool) -> list[Plan]:
-    """`_find_tile_plans` with the parts of the reduction (`blocks`: of the experts)."""
+def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool, i_parts: int = 1
+                ) -> list[Plan]:
+    """`_find_tile_plans` with the parts of the reduction (`blocks`: of the experts, each
+    block's in `i_parts` parts of the reduction axis)."""
     found = _tile_operands(op, blocks)
     if found is None or (reduce and not found[2]):
         return []
     inputs, result, acc = found
+    if i_parts > 1:
+        cut = []
+        for v, ax in zip(inputs, reduction_operand_axes(op), strict=True):
+            if ax is not None:
+                if shape_of(v.value)[ax] % i_parts:
+                    return []
+                v = replace(v, nbytes=v.nbytes // i_parts, also=(ax, i_parts))
+            cut.append(v)
+        inputs = cut
     if not reduce:  # the whole reduction in every tile: no operand is cut along it
         inputs = [replace(v, axes=(*v.axes[:2], -1)) for v in inputs]
     count = _experts_of(op) if blocks else reduction_count(op)
@@ -474,16 +494,17 @@ def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool) -> list[P
         runs.append(_tile_runs(v, (r, c, parts)))
     held, moved = _fetched_tile_sizes(op, inputs, sizes, runs, r,
                                       parts if blocks else None)
+    parts_all = parts * i_parts  # the reduction loop: blocks of experts x parts of I
     lane = 2 * sum(_per_lane(n, chip) for n in [*held, sizes[-1]])
     if reduce:
         lane = lane + _per_lane(acc // (r * c), chip)
     ok &= lane <= chip.lane_bytes
     best: dict[int, tuple[float, int, str]] = {}  # slices -> (cost, cell, outer)
     for outer in ("rows", "cols"):
-        cost = _tile_costs(inputs, [*moved, sizes[-1]], runs, (r, c, parts), outer,
+        cost = _tile_costs(inputs, [*moved, sizes[-1]], runs, (r, c, parts_all), outer,
                            op_flops(op), cost_dtype(op), chip)
         for cell in np.flatnonzero(ok).tolist():
-            t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
+            t = int(r.flat[cell] * c.flat[cell] * parts_all.flat[cell])
             k = float(cost.flat[cell])
             if t not in best or k < best[t][0]:
                 best[t] = (k, int(cell), outer)
@@ -491,11 +512,12 @@ def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool) -> list[P
     for t, (k, cell, outer) in sorted(best.items(), key=lambda item: item[1][0]):
         p = Plan([op], SliceKind.TILES, t, cost=k, inputs=list(op.operands),
                  outputs=[op.results[0]], tiles=(int(r.flat[cell]), int(c.flat[cell])),
-                 outer=outer, parts=int(parts.flat[cell]), expert_blocks=blocks)
+                 outer=outer, parts=int(parts_all.flat[cell]),
+                 expert_blocks=int(parts.flat[cell]) if blocks else 0)
         for v in inputs:
-            p.tile_axes[v.value] = v.axes
-            p.input_axes[v.value] = next((a for a in v.axes if a != -1), None)
-        p.tile_axes[result.value] = result.axes
+            p.tile_axes[v.value] = (*v.axes, v.also[0]) if i_parts > 1 else v.axes
+            p.input_axes[v.value] = next((a for a in (*v.axes, v.also[0]) if a != -1), None)
+        p.tile_axes[result.value] = (*result.axes, -1) if i_parts > 1 else result.axes
         p.result_axes[result.value] = result.axes[1]
         plans.append(p)
     return plans
@@ -558,6 +580,8 @@ def _tile_runs(v: _TileOperand, counts: tuple[np.ndarray, ...]) -> np.ndarray:
     for a, count in zip(v.axes, counts, strict=True):
         if a != -1:
             part[a] = shape[a] // count
+    if v.also[0] != -1:
+        part[v.also[0]] = shape[v.also[0]] // v.also[1]
     run = run_bytes(shape, part, dtype_bytes(elem_of(v.value)))
     return np.broadcast_to(np.asarray(run, np.int64), counts[0].shape)
 
@@ -571,7 +595,7 @@ def _per_lane(nbytes: np.ndarray, chip: Chip) -> np.ndarray:
 def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
     """Per-lane bytes of a tiles group: two copies of every input's part and of the
     result's tile, and the accumulator of a tile's reduction parts."""
-    found = _tile_operands(p.ops[0], p.expert_blocks)
+    found = _tile_operands(p.ops[0], bool(p.expert_blocks))
     assert found is not None
     inputs, result, acc = found
     counts = (*p.tiles, p.parts)
@@ -615,9 +639,9 @@ def _tile_costs(inputs: list[_TileOperand], sizes: list[np.ndarray], runs: list[
 def build_tile_group(p: Plan) -> tpu.GroupOp:
     """Replace a tiles plan's op by a tpu.group of its tiles (not yet allocated)."""
     (op,) = p.ops
-    r, c = p.tiles
-    counts = (r, c, p.parts)
-    ndim = 3 if p.parts > 1 else 2  # tile_axes: rows, second loop (, reduction)
+    counts = _tile_counts(p)
+    # tile_axes: rows, second loop (, reduction parts (, the parts' second axis))
+    ndim = len(counts) if p.parts > 1 else 2
 
     fetched = _fetched_rows(p)
 
@@ -653,12 +677,12 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     if fetched:
         attrs["fetched_from"] = i64_attr(_experts_of(op))
     if p.expert_blocks:
-        attrs["expert_blocks"] = i64_attr(p.parts)
+        attrs["expert_blocks"] = i64_attr(p.expert_blocks)
     assert isinstance(op, SlicingInterface)
     # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts
-    heads = c if op.tile_loop() == SliceKind.HEADS else 1
-    attrs.update(op.sliced_attributes([part_type(res)], heads=heads,
-                                      parts=1 if p.expert_blocks else p.parts))
+    heads = p.tiles[1] if op.tile_loop() == SliceKind.HEADS else 1
+    i_parts = p.parts // p.expert_blocks if p.expert_blocks else p.parts
+    attrs.update(op.sliced_attributes([part_type(res)], heads=heads, parts=i_parts))
     new = type(op).create(operands=[local[v] for v in op.operands],
                           result_types=[part_type(res)], attributes=attrs)
     new.location = op.location
@@ -699,10 +723,18 @@ def _shared_by_tiles_of_other_indices(v: SSAValue, op: Operation, p: Plan) -> bo
     assert isinstance(op, SlicingInterface)
     picks = {op.operands[op.fetched_by_index()[u.index]] for u in v.uses
              if u.operation is op}
-    counts = (*p.tiles, p.parts)
+    counts = _tile_counts(p)
     return all(a == -1 for a in p.tile_axes[v]) and any(
         a != -1 and n > 1 for idx in picks
         for a, n in zip(p.tile_axes[idx], counts, strict=False))
+
+
+def _tile_counts(p: Plan) -> tuple[int, ...]:
+    """The counts of a tiles plan's loops per tile axis: (R, C, P), or with blocks of
+    experts in parts of I (R, C, the blocks, I's parts) (`tpu.GroupOp.part_counts`)."""
+    if p.expert_blocks and p.parts > p.expert_blocks:
+        return (*p.tiles, p.expert_blocks, p.parts // p.expert_blocks)
+    return (*p.tiles, p.parts)
 
 
 def _experts_of(op: Operation) -> int:
@@ -739,7 +771,8 @@ def _fetched_ops(p: Plan) -> dict[Operation, tuple[list[tuple[SSAValue, SSAValue
             if p.tile_axes[idx][0] != -1:
                 shape[p.tile_axes[idx][0]] //= p.tiles[0]
             if p.expert_blocks:  # a block's experts, always in a buffer of their own
-                out[op] = (pairs, fetched_rows_needed(_experts_of(op) // p.parts, shape))
+                out[op] = (pairs, fetched_rows_needed(_experts_of(op) // p.expert_blocks,
+                                                      shape))
                 continue
         else:
             if any(p.input_axes[v] is not None for v, _ in pairs):
@@ -760,7 +793,7 @@ def _fetched_buffers(p: Plan) -> dict[SSAValue, int]:
     for v, rows in fetched.items():
         n = 1  # the parts of a row (along the axes after 0)
         if p.kind == SliceKind.TILES:
-            for a, count in zip(p.tile_axes[v], (*p.tiles, p.parts), strict=True):
+            for a, count in zip(p.tile_axes[v], _tile_counts(p), strict=True):
                 if a not in (-1, 0):
                     n *= count
         out[v] = nbytes(v) // n // shape_of(v)[0] * rows

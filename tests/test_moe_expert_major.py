@@ -116,3 +116,31 @@ def test_expert_blocks_folded_in_order_are_the_whole_op_bit_for_bit() -> None:
                                        block=(first, count))
         assert np.array_equal(K.moe_experts_finish(acc, like=x), whole), count
         assert np.array_equal(K.moe_experts_finish(acc_packed, like=x), whole), count
+
+
+def test_experts_too_large_for_local_memory_stream_in_blocks_times_parts_of_i(
+        monkeypatch) -> None:
+    """f32 experts of 256 over hidden 64 (192 KB an expert, 3 KB a lane) on a chip of
+    4096 B a lane: not one expert fits twice, so each block of experts streams in parts of
+    its intermediate axis (`tiles` R, C, blocks, parts of I): each chosen expert's every
+    part is read once — the chunk's expert bytes are the chosen experts' bytes once, the
+    unchosen's none; machine = interpreter on the grouped net bit for bit."""
+    monkeypatch.setattr(test_moe, "CHIP", dataclasses.replace(test_moe.CHIP, lane_bytes=4096))
+    block = _block(256)
+    program, machine, idx, (got, want, grouped) = _fetch_run(block, t=32, n_valid=5,
+                                                            grouped=True)
+    assert np.array_equal(got, grouped)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # parts of I: f32 sums
+    ops = [c for c in program.commands
+           if isinstance(c, Compute) and c.kind.endswith("moe_experts")]
+    assert ops[0].parts > 8  # 8 blocks of one expert, each in parts of I
+    chosen = {int(i) for i in idx.reshape(-1) if i >= 0}
+    assert len(chosen) < 8
+    expert = 256 * 64 * 4  # bytes of one expert's gate, up or down
+    moved: Counter = Counter()
+    for f in machine.fetched:
+        assert set(f.rows) <= chosen
+        moved[str(f.tensor.name)] += f.nbytes
+    assert len(moved) == 3 and set(moved.values()) == {len(chosen) * expert}
+    reads = Counter((str(f.tensor.name), r) for f in machine.fetched for r in f.rows)
+    assert set(reads.values()) == {ops[0].parts // 8}  # each part of I once
