@@ -445,7 +445,11 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     if reduce:
         return _grid_plans(op, chip, reduce, blocks=False)
     found = _grid_plans(op, chip, reduce, blocks=False)
-    if _expert_block_axes(op) is not None:
+    # one token (decode) loads each chosen expert once already (the buffers of its k
+    # fetched experts): blocks would only add loads
+    pairs = _by_index_operands(op)
+    if _expert_block_axes(op) is not None and pairs \
+            and numel(shape_of(pairs[0][1])[:-1]) > 1:
         # each block's experts whole, or in parts of I (experts too large for local
         # memory one by one: each chosen expert still loaded once, a part at a time)
         i_parts = divisors(reduction_count(op)) if reduction_sliceable(op) else [1]
