@@ -227,9 +227,11 @@ def expert_major(config_dirs: list[str], modes: list[str], prompt: int) -> None:
                 ops = [c for c in prog.commands
                        if isinstance(c, Compute) and c.kind.endswith("moe_experts")]
                 parts = ops[0].parts if ops else 1
-                blocks = any(c.part_first_row > 0 for c in loads)
-                tiles = (f"{len(ops) // parts} x {parts} "
-                         f"{'expert blocks' if blocks else 'parts of I'}")
+                first = next(iter(tensors)).tensor.name
+                blocks = len({c.part_first_row for c in loads if c.tensor.name == first})
+                tiles = (f"{len(ops) // parts} x {blocks} expert blocks x {parts // blocks} "
+                         "parts of I" if blocks > 1
+                         else f"{len(ops) // parts} x {parts} parts of I")
                 block_s = net_timing(command_costs(prog.commands), chip).seconds(chip)
                 print(f"| {name} | {mode} | {how} | {tiles} | {moved / 1e9:.2f} | "
                       f"{moved / whole:.2f}x | {block_s * 1e3:.1f} | {est.ttft_s:.2f} | "
