@@ -17,6 +17,8 @@ from test_moe import _fetch_run
 
 from toptpu.backend.formats.commands import Compute, Load
 from toptpu.backend.reference import kernels as K
+from toptpu.backend.runtime.machine import LoadedNet
+from toptpu.backend.runtime.profile import profile_timeline, summary_table
 from toptpu.frontends.tiny_models import tiny_model
 
 
@@ -32,6 +34,7 @@ def _indexed(program) -> list[Load]:
 def _check_each_chosen_expert_once(program, machine, idx: np.ndarray, tensors: int) -> None:
     """Every indexed load is one block's (its rows a block of the experts), each chosen
     expert read exactly once per stacked tensor over the chunk, no other expert read."""
+    program.check()  # a model file's checks of its command streams
     loads = _indexed(program)
     assert any(ld.part_first_row > 0 for ld in loads)  # blocks of experts
     chosen = {int(i) for i in idx.reshape(-1) if i >= 0}
@@ -43,10 +46,20 @@ def _check_each_chosen_expert_once(program, machine, idx: np.ndarray, tensors: i
         assert set(count) == chosen, name
         assert set(count.values()) == {1}, name  # each once
     # what the loads hold of every expert: the experts once (the profile's denominator)
-    all_rows = Counter()
+    all_rows: Counter = Counter()
     for ld in loads:
         all_rows[str(ld.tensor.name)] += ld.part_shape()[0]
     assert set(all_rows.values()) == {8}
+    # `profile`'s expert bytes of the step: what the run read, of a layer's experts once
+    read = sum(f.nbytes for f in machine.fetched)
+    every = sum(np.prod(ld.shape) * np.dtype(ld.dtype).itemsize
+                for ld in {ld.tensor.name: ld for ld in loads}.values())
+    p = profile_timeline(machine.timeline_of_run(LoadedNet(program)), test_moe.CHIP,
+                         program.inherent_bytes(), program.flops,
+                         (read, program.indexed_bytes()[1]))
+    assert (p.fetched_bytes, p.fetched_all_bytes) == (read, every)
+    assert f"experts fetched by index {read / 1e6:.2f} MB a run" in summary_table(
+        [p], test_moe.CHIP)
 
 
 @pytest.mark.parametrize("valid", [29, 3])

@@ -412,9 +412,10 @@ def check_command(c: Command, index: int, where: str) -> None:
             if np.dtype(c.index.dtype).kind not in "iu":
                 raise HeaderError(join(join(where, "index"), "dtype"),
                                   f"is {c.index.dtype}; indices are integers")
-            if c.axis == 0 or any(cut.axis == 0 for cut in c.cuts) or not c.shape:
+            # (a part along axis 0 is a block of rows: of those only the picked ones move)
+            if not c.shape:
                 raise HeaderError(join(where, "index"), "an indexed load picks rows along "
-                                                        "axis 0, which it must not slice")
+                                                        "axis 0, which its tensor must have")
         return
     if isinstance(c, Collective):
         _check_global(c.src, join(where, "src"))
