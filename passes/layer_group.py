@@ -436,25 +436,27 @@ def _expert_block_axes(op: Operation) -> tuple[int | None, ...] | None:
 
 def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     """The plans of `_tile_candidates`, the cheapest for each slice count, by cost: every
-    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid). Without
-    `reduce`, an op with experts also has plans whose parts are blocks of its experts
-    (the expert-major schedule: each block's chosen experts loaded once per row block);
-    they keep the numbers (each token's experts added in the same order), so they compete
-    with the plans without reduction parts, the cheaper by the cost model for each slice
-    count kept."""
-    if reduce:
-        return _grid_plans(op, chip, reduce, blocks=False)
+    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid). An op
+    with experts, in a chunk of more than one token, also has plans whose parts are blocks
+    of its experts (the expert-major schedule: each block's chosen experts loaded once per
+    row block): without `reduce` blocks of whole experts — they keep the numbers (each
+    token's experts added in the same order), so they compete with the plans without
+    reduction parts —, with `reduce` blocks each in parts of I (a split reduction); the
+    cheaper by the cost model for each slice count kept."""
     found = _grid_plans(op, chip, reduce, blocks=False)
     # one token (decode) loads each chosen expert once already (the buffers of its k
     # fetched experts): blocks would only add loads
     pairs = _by_index_operands(op)
-    if _expert_block_axes(op) is not None and pairs \
-            and numel(shape_of(pairs[0][1])[:-1]) > 1:
-        # each block's experts whole, or in parts of I (experts too large for local
-        # memory one by one: each chosen expert still loaded once, a part at a time)
-        i_parts = divisors(reduction_count(op)) if reduction_sliceable(op) else [1]
-        for q in i_parts:
-            found = found + _grid_plans(op, chip, True, blocks=True, i_parts=q)
+    if _expert_block_axes(op) is None or not pairs \
+            or numel(shape_of(pairs[0][1])[:-1]) < 2:
+        return found
+    # each block's experts whole (the same numbers: beside the plans without parts), or in
+    # parts of I (experts too large for local memory one by one, each chosen expert still
+    # loaded once, a part at a time: a split reduction, with the others)
+    i_parts = divisors(reduction_count(op))[1:] if reduction_sliceable(op) else []
+    blocks = [p for q in (i_parts if reduce else [1])
+              for p in _grid_plans(op, chip, True, blocks=True, i_parts=q)]
+    found = blocks + found  # a tie: the blocks (an expert's rows stay contiguous)
     best: dict[int, Plan] = {}
     for p in found:
         if p.slices not in best or p.cost < best[p.slices].cost:
