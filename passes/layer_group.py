@@ -107,7 +107,7 @@ class Plan:
     #: result the (row, output-channel, reduction) axes each loop slices (-1: none)
     tiles: tuple[int, int] = (1, 1)
     outer: str = ""
-    tile_axes: dict[SSAValue, tuple[int, int, int]] = field(default_factory=dict)
+    tile_axes: dict[SSAValue, tuple[int, ...]] = field(default_factory=dict)
     #: a tiles plan's reduction parts (a third loop, inside the others; 1: none)
     parts: int = 1
     #: the parts are blocks of consecutive experts (`expert_block_axes`: the MoE experts'
@@ -483,8 +483,8 @@ def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool, i_parts: 
         inputs = cut
     if not reduce:  # the whole reduction in every tile: no operand is cut along it
         inputs = [replace(v, axes=(*v.axes[:2], -1)) for v in inputs]
-    count = _experts_of(op) if blocks else reduction_count(op)
-    parts_ = np.array(divisors(count)[1:] if reduce else [1], np.int64)
+    most = _experts_of(op) if blocks else reduction_count(op)
+    parts_ = np.array(divisors(most)[1:] if reduce else [1], np.int64)
     rows_ = np.array(divisors(result.sizes[0]), np.int64)
     cols_ = np.array(divisors(tile_count(op)), np.int64)
     r, c, parts = np.meshgrid(rows_, cols_, parts_, indexing="ij")
