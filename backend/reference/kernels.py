@@ -931,7 +931,8 @@ def moe_route(logits: np.ndarray, valid: np.ndarray | None, k: int, normalize: b
 
 def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up: np.ndarray,
                      down: np.ndarray, weights: np.ndarray, indices: np.ndarray,
-                     fetched_from: int | None = None) -> np.ndarray:
+                     fetched_from: int | None = None, block: tuple[int, int] | None = None
+                     ) -> np.ndarray:
     """One part of the experts (`top.moe_experts`) over the intermediate rows its `gate`
     [E, i, H], `up` [E, i, H] and `down` [E, H, i] hold (all of them: the whole op), added
     into the f32 accumulator `acc` [T, H] (None: the first part). Each expert some token
@@ -942,35 +943,49 @@ def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up
 
     `fetched_from` (a layer group's buffers of the fetched experts, `tpu.load` `by_index`):
     the indices range over that many experts, and gate, up and down hold only the ones they
-    name, in ascending order, in their first rows (the same numbers, the same order)."""
+    name, in ascending order, in their first rows (the same numbers, the same order).
+
+    `block` (first, count): a part of the experts instead (a layer group's expert blocks):
+    only the experts first .. first + count - 1 are added, the weights hold that block —
+    row e - first is expert e, or with fewer than `count` rows its chosen experts packed
+    in ascending order. Folding the blocks in ascending order into one accumulator adds
+    each token's experts in the whole op's order: the same bits."""
     return _experts_fold(acc, x, weights, indices, gate.shape[0],
-                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])), fetched_from)
+                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])), fetched_from,
+                         block)
 
 
 def _experts_fold(acc: np.ndarray | None, x: np.ndarray, weights: np.ndarray,
                   indices: np.ndarray, n: int,
                   expert: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
-                  fetched_from: int | None = None) -> np.ndarray:
+                  fetched_from: int | None = None, block: tuple[int, int] | None = None
+                  ) -> np.ndarray:
     """The arithmetic of `moe_experts_part` and `a16_moe_experts_part`: `expert(r)` gives
     the gate, up and down in f32 of the expert at row r of the `n` rows the weights hold,
     asked only for the experts some token chose. Row r is expert r, or with `fetched_from`
     (the indices' range; the weights hold the chosen experts only, ascending) the r-th
-    chosen expert; more chosen experts than the `n` rows is an IndexError."""
+    chosen expert; more chosen experts than the `n` rows is an IndexError. With `block`
+    (first, count; the indices range over `fetched_from`) only that block's experts are
+    added: row r is expert first + r, or with n < count the r-th chosen of the block."""
     idx = np.asarray(indices).astype(np.int64)
     span = n if fetched_from is None else fetched_from
     if idx.size and (idx.min() < -1 or idx.max() >= span):
         bad = int(idx[(idx < -1) | (idx >= span)].flat[0])
         raise IndexError(f"moe_experts index {bad} is out of range for {span} experts")
+    first, count = (0, span) if block is None else block
+    packed = fetched_from is not None and (block is None or n < count)
+    if block is not None and not packed and n != count:
+        raise IndexError(f"moe_experts: a block of {count} experts, its weights hold {n}")
     fx, fw = f32(x), f32(weights)
     out = np.zeros(fx.shape, np.float32) if acc is None else acc.copy()
-    chosen = np.unique(idx[idx >= 0])
-    if fetched_from is not None and chosen.size > n:
+    chosen = np.unique(idx[(idx >= first) & (idx < first + count)])
+    if packed and chosen.size > n:
         raise IndexError(f"moe_experts: the indices name {chosen.size} experts, its weights "
                          f"hold {n}")
     for row, e in enumerate(chosen):
         tokens, slots = np.nonzero(idx == e)
         rows = np.ascontiguousarray(fx[tokens])
-        gate_e, up_e, down_e = expert(int(e) if fetched_from is None else row)
+        gate_e, up_e, down_e = expert(row if packed else int(e) - first)
         g = rows @ np.ascontiguousarray(gate_e).T
         u = rows @ np.ascontiguousarray(up_e).T
         y = (silu(g) * u) @ np.ascontiguousarray(down_e).T
@@ -1274,14 +1289,14 @@ def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
                          down_q: np.ndarray, down_s: np.ndarray, down_z: np.ndarray | None,
                          down_m: np.ndarray | None,
                          weights: np.ndarray, indices: np.ndarray, *, bits: Sequence[int],
-                         group_sizes: Sequence[int], fetched_from: int | None = None
-                         ) -> np.ndarray:
+                         group_sizes: Sequence[int], fetched_from: int | None = None,
+                         block: tuple[int, int] | None = None) -> np.ndarray:
     """`moe_experts_part` with quantized experts (`tpu.a16_moe_experts`): each projection
     stacked by expert in `tpu.a16_matmul`'s layout (qweight [E, N, K/2] or [E, N, K],
     scales [E, N, G], zero points or mins [E, N, G] or None), `bits` and `group_sizes`
     per projection (gate, up, down). Only the experts some token chose are dequantized
     (`dequantize`, the a16_matmul's own), then computed as the float experts are
-    (`fetched_from` as there)."""
+    (`fetched_from` and `block` as there)."""
     stacked = ((gate_q, gate_s, gate_z, gate_m), (up_q, up_s, up_z, up_m),
                (down_q, down_s, down_z, down_m))
 
@@ -1291,7 +1306,8 @@ def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
                    for (q, s, z, m), b, gs in zip(stacked, bits, group_sizes, strict=True))
         return g, u, d
 
-    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert, fetched_from)
+    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert, fetched_from,
+                         block)
 
 
 def a16_moe_experts(x: np.ndarray, gate_q: np.ndarray, gate_s: np.ndarray,
