@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from toptpu.backend.reference.blas_threads import matmul as _matmul
+from toptpu.backend.reference.blas_threads import products as _products
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
@@ -712,20 +713,40 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
     return np.add(acc, r, out=r)
 
 
+#: the f32 bytes of a float weight's rows `matmul_weight_rows` converts at a time: about
+#: this host's L2 (2 MiB a core), so the block is converted and multiplied in cache
+WEIGHT_ROWS_TILE_BYTES = 2 << 20
+
+
 def matmul_weight_rows(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndarray:
     """a @ f32(w).T in f32 without the bias, for a float weight `w` [N, K] (a bf16
-    lm_head) whose f32 form is never made whole: `block_rows` of its rows are converted at
-    a time (contiguous) and multiplied while in cache, each block's outputs written into
-    the result. Each output is the same dot product as in `matmul(a, w,
-    transpose_b=True)`'s one product (and `matmul_part`'s, `a` contiguous); whether a BLAS
-    gives it the same bits when it computes fewer outputs together depends on the BLAS,
-    so a caller checks it per shape (`WeightCache.f32_rows_product`)."""
+    lm_head) whose f32 form is never made whole: at most `block_rows` of its rows (fewer
+    where their f32 form is over WEIGHT_ROWS_TILE_BYTES: a multiple of 16 rows) are
+    converted at a time into one reused buffer (a bf16's bits shifted into the upper half
+    of a uint32: `f32`'s bits) and multiplied while in cache, on the threads set once for
+    all blocks, each block's outputs written into the result. Each output is the same dot
+    product as in `matmul(a, w, transpose_b=True)`'s one product (and `matmul_part`'s, `a`
+    contiguous); whether a BLAS gives it the same bits when it computes fewer outputs
+    together depends on the BLAS, so a caller checks it per shape
+    (`WeightCache.f32_rows_product`)."""
     fa = np.ascontiguousarray(f32(a))
-    n = w.shape[0]
+    n, k = w.shape
+    rows = max(1, min(block_rows, n))
+    fit = WEIGHT_ROWS_TILE_BYTES // (4 * max(1, k)) // 16 * 16
+    if fit and rows > fit:
+        rows = fit
     r = np.empty((*fa.shape[:-1], n), np.float32)
-    for r0 in range(0, n, max(1, block_rows)):
-        block = np.ascontiguousarray(f32(w[r0:r0 + block_rows]))
-        r[..., r0:r0 + block.shape[0]] = _matmul(fa, block.T)
+    bf16 = w.dtype == BF16
+    buf = np.empty((rows, k), np.uint32 if bf16 else np.float32)
+    src = w.view(np.uint16) if bf16 else w
+    with _products(math.prod(fa.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            b = buf[:m]
+            np.copyto(b, src[r0:r0 + m])
+            if bf16:
+                np.left_shift(b, 16, out=b)
+            _block_product(fa, b.view(np.float32), r, r0)
     return r
 
 
@@ -1046,6 +1067,11 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     without zero points; 0 for weights with mins, `with_mins`), exact, as int8 where every
     q - z the dtypes allow fits (4-bit weights with zero points up to 127), else int16: the
     integer half of `dequantize`, a new array (never a view of `qweight`)."""
+    if bits == 4 and sys.byteorder == "little":
+        implied = 0 if with_mins else 8
+        fast = _offsets_4bit(np.asarray(qweight), zeros, implied, group_size)
+        if fast is not None:
+            return fast
     q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
     n, k = q.shape
     g = k // group_size
@@ -1068,6 +1094,50 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
         return np.subtract(qg.astype(np.int8, copy=False), z.astype(np.int8),
                            dtype=np.int8).reshape(n, k)
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)
+
+
+def _offsets_4bit(qweight: np.ndarray, zeros: np.ndarray | None, implied: int,
+                  group_size: int, block_rows: int = 64) -> np.ndarray | None:
+    """`weight_offsets` of a 4-bit weight as int8 on a little-endian host, made from the
+    packed bytes a block of rows at a time in the result itself (`matmul_packed`'s spread:
+    each packed byte widened to the uint16 of its two weights, its high nibble moved to the
+    high byte, over uint64 lanes where a row is whole uint64s; the zero point subtracted in
+    int8): the same integers as unpacking first, in fewer passes. None where some q - z
+    leaves int8 (zero points below -112 or above 127: `weight_offsets` makes int16)."""
+    n, half = qweight.shape
+    k = 2 * half
+    if group_size <= 0 or k % group_size:
+        return None
+    if zeros is not None:
+        zs = np.asarray(zeros)
+        if zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
+            return None
+        z: np.ndarray | None = (zs.view(np.int8) if zs.dtype == np.uint8
+                                else zs.astype(np.int8))[:, :, None]
+    else:
+        z = None
+    g = k // group_size
+    out = np.empty((n, k), np.int8)
+    wide = out.view(np.uint16)  # [n, half]: one packed byte's two weights each
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    four = lanes(4)
+    rows = max(1, min(block_rows, n))
+    shifted = np.empty((rows, half), np.uint16)
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        v = wide[r0:r0 + m]
+        np.copyto(v, qweight[r0:r0 + m])
+        vl, tl = v.view(lanes), shifted[:m].view(lanes)
+        np.left_shift(vl, four, out=tl)
+        np.bitwise_or(vl, tl, out=vl)
+        np.bitwise_and(vl, mask, out=vl)
+        d = out[r0:r0 + m].reshape(m, g, group_size)
+        if z is not None:
+            np.subtract(d, z[r0:r0 + m], out=d)
+        elif implied:
+            np.subtract(d, np.int8(implied), out=d)
+    return out
 
 
 def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int,
@@ -1103,13 +1173,25 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
     rows = max(1, min(block_rows, n))
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        b = block[:m]
-        np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
-        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
-        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    with _products(math.prod(fx.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            b = block[:m]
+            np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
+            _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+            _block_product(fx, b.reshape(m, k), r, r0)
     return _biased(r, bias, out_dtype, x)
+
+
+def _block_product(fx: np.ndarray, block: np.ndarray, r: np.ndarray, r0: int) -> None:
+    """r[..., r0:r0 + m] = fx @ block.T for a block [m, K] of a weight's rows, written in
+    place where that slice of `r` is one contiguous run (one row of x), on the threads
+    the caller set (`blas_threads.products`, once for all blocks)."""
+    m = block.shape[0]
+    if math.prod(r.shape[:-1]) == 1:
+        np.matmul(fx.reshape(1, -1), block.T, out=r.reshape(1, -1)[:, r0:r0 + m])
+    else:
+        r[..., r0:r0 + m] = np.matmul(fx, block.T)
 
 
 def _scale_block(b: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> None:
@@ -1154,24 +1236,31 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     rows = max(1, min(block_rows, n))
     wide = np.empty((rows, half), np.uint16)
     shifted = np.empty_like(wide)
+    # the spread's passes over 8 bytes at a time (4 packed bytes: no bit crosses from one
+    # uint16 to the next, each holds a byte) where a row is whole uint64s
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    four = lanes(4)
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        v, t = wide[:m], shifted[:m]
-        np.copyto(v, qweight[r0:r0 + m])
-        np.left_shift(v, 4, out=t)
-        np.bitwise_or(v, t, out=v)
-        np.bitwise_and(v, 0x0F0F, out=v)
-        d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
-        if isinstance(z, np.ndarray):
-            np.subtract(d, z[r0:r0 + m], out=d)
-        elif z:
-            np.subtract(d, np.int8(z), out=d)
-        b = block[:m]
-        np.copyto(b, d)
-        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
-        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    with _products(math.prod(fx.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            v, t = wide[:m], shifted[:m]
+            np.copyto(v, qweight[r0:r0 + m])
+            vl, tl = v.view(lanes), t.view(lanes)
+            np.left_shift(vl, four, out=tl)
+            np.bitwise_or(vl, tl, out=vl)
+            np.bitwise_and(vl, mask, out=vl)
+            d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
+            if isinstance(z, np.ndarray):
+                np.subtract(d, z[r0:r0 + m], out=d)
+            elif z:
+                np.subtract(d, np.int8(z), out=d)
+            b = block[:m]
+            np.copyto(b, d)
+            _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+            _block_product(fx, b.reshape(m, k), r, r0)
     return _biased(r, bias, out_dtype, x)
 
 
