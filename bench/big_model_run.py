@@ -1,13 +1,19 @@
 """A big model file run as a user runs it (`toptpu run`, `toptpu eval`, each a fresh process),
-its decode time per token against this host's own limit, measured in the same run.
+its decode time per token against this host's own limits, measured in the same run.
 
-The limit: the bytes one decode step must read from memory — every layer's weights as the
-model file stores them (packed 4-bit weights, scales, zero points), the lm_head and final
-norm, one embedding row, the KV cache up to the step — over numpy's memory bandwidth,
-measured here just before and just after the runs (the best of a few passes of a sum over
-an array of BANDWIDTH_BYTES, far larger than any cache: read bandwidth, what a decode step
-needs). `decode s/token / bound` is how far the reference machine is from reading each
-weight byte once at numpy's pace (1.0: at the bound).
+The limits, each the bytes one decode step moves over numpy's bandwidth measured here just
+before and just after the runs (the best of a few passes over an array of BANDWIDTH_BYTES,
+far larger than any cache):
+- **read bound**: the bytes the step must read as the file stores them — every layer's
+  weights (packed 4-bit weights, scales, zero points), the lm_head and final norm, one
+  embedding row, the KV cache up to the step — over numpy's read bandwidth (a sum);
+- **conversion bound**: the read bound plus the f32 form of every weight the step
+  multiplies that the file does not store in f32 (each 4-bit weight, the bf16 lm_head: a
+  numpy host cannot multiply them as stored, it must make a float of each), written once
+  and read once, over numpy's copy bandwidth (`np.copyto`, bytes moved: read + written).
+  It is the cost of converting through memory: a product that converts a cache-sized
+  block at a time, or a weight whose f32 form the cache keeps, may go below it.
+`decode s/token / bound` is how far the reference machine is from each (1.0: at it).
 
 Printed: the run's TTFT, decode tok/s and s/token, the process's peak RSS (os.wait4's
 ru_maxrss of that child: mapped file pages it held count), the bound and the ratio; with
@@ -23,8 +29,12 @@ from bench/scale.py (`--sizes 7B --keep`: Qwen2.5-7B-shaped, random weights).
 The host is shared (2 cores, other jobs): the load average before and after is printed; the
 bound is measured in the same run for that reason.
 
+`--before-python PY --rounds N`: the `toptpu run` of another tree too (its environment's
+Python runs its own code), before this tree's in each of N rounds, both from a neutral
+directory, against the same bounds.
+
 Run: python bench/big_model_run.py FILE [--ids 8] [--new 4] [--parts run,chat,eval]
-         [--eval-tokens 512] [--env NAME=VALUE ...]
+         [--eval-tokens 512] [--env NAME=VALUE ...] [--before-python PY --rounds 2]
      python bench/big_model_run.py FILE --parts runners --pp PP_FILE [--budget 1G]
          [--before PKG]
 """
@@ -84,6 +94,18 @@ def numpy_copy_bandwidth(repeat: int = 5) -> float:
     return 2 * a.nbytes / best
 
 
+def numpy_copy_bandwidth_cpu(repeat: int = 5) -> float:
+    """`numpy_copy_bandwidth` timed in this process's CPU seconds."""
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.process_time()
+        np.copyto(b, a)
+        best = min(best, time.process_time() - t)
+    return 2 * a.nbytes / best
+
+
 def decode_step_bytes(path: str, position: int) -> dict[str, int]:
     """The bytes a decode step at `position` reads: the layers' weights, the shared ones but
     the embedding table (one row of it), the KV cache of every layer up to `position`."""
@@ -99,6 +121,27 @@ def decode_step_bytes(path: str, position: int) -> dict[str, int]:
             row = embeds[0].nbytes // embeds[0].shape[0]
         kv = 2 * m.num_layers * position * m.num_kv_heads * m.head_dim * 2  # bf16 K and V
         return {"layers": layers, "shared": shared, "embedding_row": row, "kv": kv}
+    finally:
+        f.close()
+
+
+def decode_step_f32_bytes(path: str) -> int:
+    """The bytes of the f32 forms a decode step multiplies by that the file stores in
+    another form: every quantized weight (a `.qweight` tensor: 2 weights a byte in a w4
+    mode, 1 in a w8 mode) and the f16/bf16 lm_head (or the tied embedding table), 4 bytes
+    a weight."""
+    f = LlmFile(path, verify_checksums=False)
+    try:
+        layout = f.layout
+        per_byte = 2 if str(f.meta.mode).startswith("w4") else 1
+        weights = sum(per_byte * e.nbytes for i in range(layout.num_layers)
+                      for n, e in layout.chunk_of(i).items() if n.endswith(".qweight"))
+        heads = [e for n, e in layout.shared.items() if "lm_head" in n] or [
+            e for n, e in layout.shared.items() if "embed" in n]
+        head = heads[0] if heads else None
+        if head is not None and head.dtype in ("bfloat16", "float16"):
+            weights += head.nbytes // 2
+        return 4 * weights
     finally:
         f.close()
 
@@ -226,6 +269,10 @@ def main() -> None:
     ap.add_argument("--only", default="", help="(--parts runners) comma-separated: only "
                     "the runners of these files (one, pp) or executors (machine, "
                     "interpreter)")
+    ap.add_argument("--before-python", help="(--parts run) the Python of another toptpu "
+                    "tree's environment (e.g. /work/main/.venv/bin/python): its `toptpu run` "
+                    "too, before this tree's in each round")
+    ap.add_argument("--rounds", type=int, default=1, help="(--parts run) rounds of runs")
     ap.add_argument("--before", help="(--parts runners) a package directory of another "
                     "toptpu tree to run the streamed rows with too (see the module doc)")
     args = ap.parse_args()
@@ -242,28 +289,43 @@ def main() -> None:
     print(f"{args.model_file}: {size / 1e9:.2f} GB; {os.cpu_count()} CPUs, load average "
           f"{load_before:.1f} before", flush=True)
     if "run" in args.parts:
-        out, wall, cpu, rss, rc = run_child([*toptpu, "run", args.model_file, "--ids", ids,
-                                        "--max-new-tokens", str(args.new), "--ignore-eos",
-                                        "--json"], env)
-        if rc != 0:
-            sys.exit(f"toptpu run failed (exit {rc})")
-        res = json.loads(out)
-        ttft, tps = res["ttft_s"], res["tokens_per_s"]
+        trees = [("now", sys.executable)]
+        if args.before_python:
+            trees.insert(0, ("before", args.before_python))
+        runs = []
+        for rnd in range(args.rounds):
+            for label, python in trees:  # each tree's own interpreter runs its own code
+                out, wall, cpu, rss, rc = run_child(
+                    [python, "-m", "toptpu.cli", "run", os.path.abspath(args.model_file),
+                     "--ids", ids, "--max-new-tokens", str(args.new), "--ignore-eos",
+                     "--json"], env, cwd=tempfile.gettempdir())
+                if rc != 0:
+                    sys.exit(f"toptpu run ({label}) failed (exit {rc})")
+                runs.append((label, rnd, json.loads(out), wall, cpu, rss, os.getloadavg()[0]))
         step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
         total = sum(step.values())
-        read_bw2 = numpy_read_bandwidth()
-        bw = max(read_bw, read_bw2)
+        f32_bytes = decode_step_f32_bytes(args.model_file)
+        read_bw2, copy_bw2 = numpy_read_bandwidth(), numpy_copy_bandwidth()
+        bw, cbw = max(read_bw, read_bw2), max(copy_bw, copy_bw2)
         bound = total / bw
-        s_per_token = 1 / tps if tps else float("nan")
-        print(f"numpy read bandwidth {read_bw / 1e9:.2f} / {read_bw2 / 1e9:.2f} GB/s (before "
-              f"/ after the run), copy {copy_bw / 1e9:.2f} GB/s moved")
+        conv = bound + 2 * f32_bytes / cbw
+        print(f"numpy read bandwidth {read_bw / 1e9:.2f} / {read_bw2 / 1e9:.2f} GB/s, copy "
+              f"{copy_bw / 1e9:.2f} / {copy_bw2 / 1e9:.2f} GB/s moved (before / after the "
+              "runs)")
         print(f"decode step reads {total / 1e9:.3f} GB ("
               + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in step.items())
-              + f"): bound {bound:.3f} s/token at {bw / 1e9:.2f} GB/s")
-        print(f"toptpu run ({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, decode "
-              f"{tps:.3f} tok/s = {s_per_token:.2f} s/token = {s_per_token / bound:.2f}x the "
-              f"bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
-              f"{cpu:.1f} s CPU", flush=True)
+              + f"): read bound {bound:.3f} s/token at {bw / 1e9:.2f} GB/s; converts "
+              f"{f32_bytes / 1e9:.2f} GB of f32 weights: conversion bound {conv:.3f} s/token "
+              f"(+ written and read once at {cbw / 1e9:.2f} GB/s moved)")
+        for label, rnd, res, wall, cpu, rss, load in runs:
+            ttft, tps = res["ttft_s"], res["tokens_per_s"]
+            s_per_token = 1 / tps if tps else float("nan")
+            tree = f"{label} (round {rnd + 1}) " if len(runs) > 1 else ""
+            print(f"toptpu run {tree}({args.ids} ids, {args.new} new): TTFT {ttft:.1f} s, "
+                  f"decode {tps:.3f} tok/s = {s_per_token:.2f} s/token = "
+                  f"{s_per_token / bound:.2f}x the read bound, {s_per_token / conv:.2f}x the "
+                  f"conversion bound; peak RSS {rss / 1e9:.2f} GB; process {wall:.1f} s wall, "
+                  f"{cpu:.1f} s CPU; load {load:.1f}", flush=True)
     if "runners" in args.parts:
         if not args.pp:
             ap.error("--parts runners needs --pp PP_FILE")
@@ -279,18 +341,24 @@ def main() -> None:
         ph = json.loads(out.strip().splitlines()[-1])
         step = decode_step_bytes(args.model_file, args.ids + args.new // 2)
         bw = max(read_bw, numpy_read_bandwidth())
+        cbw = max(copy_bw, numpy_copy_bandwidth())
+        f32_bytes = decode_step_f32_bytes(args.model_file)
         bound = sum(step.values()) / bw
-        cpu_bw = numpy_read_bandwidth_cpu()
+        conv = bound + 2 * f32_bytes / cbw
+        cpu_bw, cpu_cbw = numpy_read_bandwidth_cpu(), numpy_copy_bandwidth_cpu()
         cpu_bound = sum(step.values()) / cpu_bw
+        cpu_conv = cpu_bound + 2 * f32_bytes / cpu_cbw
         n = ph["decode_steps"]
         wall_tok, cpu_tok = ph["decode_wall_s"] / n, ph["decode_cpu_s"] / n
         print(f"phases (Runtime in one process): open {ph['open_wall_s']:.1f} s wall / "
               f"{ph['open_cpu_s']:.1f} s CPU; first token {ph['first_token_wall_s']:.1f} / "
               f"{ph['first_token_cpu_s']:.1f}; decode {wall_tok:.2f} s/token wall "
-              f"({wall_tok / bound:.2f}x the bound {bound:.3f} s), {cpu_tok:.2f} s/token CPU "
-              f"({cpu_tok / bound:.2f}x; {cpu_tok / cpu_bound:.2f}x the CPU-timed bound "
-              f"{cpu_bound:.3f} s at {cpu_bw / 1e9:.2f} GB/s); peak RSS {rss / 1e9:.2f} GB",
-              flush=True)
+              f"({wall_tok / bound:.2f}x the read bound {bound:.3f} s, {wall_tok / conv:.2f}x "
+              f"the conversion bound {conv:.3f} s), {cpu_tok:.2f} s/token CPU "
+              f"({cpu_tok / cpu_bound:.2f}x the CPU-timed read bound {cpu_bound:.3f} s at "
+              f"{cpu_bw / 1e9:.2f} GB/s, {cpu_tok / cpu_conv:.2f}x the CPU-timed conversion "
+              f"bound {cpu_conv:.3f} s at {cpu_cbw / 1e9:.2f} GB/s moved); peak RSS "
+              f"{rss / 1e9:.2f} GB", flush=True)
     if "chat" in args.parts:
         out, wall, cpu, rss, rc = run_child([*toptpu, "chat", args.model_file, "--max-new-tokens",
                                         str(args.new)], env, b"hello there\n")

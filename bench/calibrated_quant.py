@@ -6,9 +6,11 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
 - compiled in f32 (`--dequantize f32`): the reference;
 - rounded to nearest by the compiler (`--dequantize w4bf16 --group-size G`): RTN;
 - calibrated inside the compile (`toptpu compile GGUF --dequantize w4bf16 --group-size G
-  --calibrate gptq|awq --calibration-data CAL --calibration-samples N
+  --calibrate gptq|awq|signround --calibration-data CAL --calibration-samples N
   --calibration-seq-length L`: GPTQ with act-order and static groups; AWQ with duo scaling
-  and clipping, its defaults), one layer at a time;
+  and clipping, its defaults; SignRound with min-max tuning, `--calibration-iterations`
+  from --signround-iters, default 200 as auto-round), one layer at a time (the
+  calibration's CPU seconds are measured too: the host is shared);
 - quantized by auto-round (row autoround64, not run by default: hours on a CPU) with its
   default algorithm (SignRound: `iters` 200, `lr` 1/iters, min-max tuning on, batch 8)
   from the same f32 model (transformers' GGUF loader) on the same calibration token ids
@@ -74,10 +76,11 @@ def compile_child(spec: str) -> None:
     from toptpu.compiler import compile as compile_model
 
     kw = json.loads(spec)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     with signals_interrupt():  # SIGTERM cleans up as the command line does
         res = compile_model(kw.pop("model"), kw.pop("output"), progress=sys.stderr, **kw)
     print(json.dumps({"seconds": time.perf_counter() - t, "timings": res.timings,
+                      "cpu_seconds": time.process_time() - cpu,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -159,6 +162,8 @@ def main() -> None:
     ap.add_argument("--sequence-length", type=int, default=256)
     ap.add_argument("--autoround-iters", type=int, default=None,
                     help="auto-round's iters (default: auto-round's own, 200)")
+    ap.add_argument("--signround-iters", type=int, default=200,
+                    help="the signround rows' --calibration-iterations (default 200)")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seq-length", type=int, default=256)
     a = ap.parse_args()
@@ -168,8 +173,8 @@ def main() -> None:
     gguf = smollm2_gguf()
     cal, held = texts(a.work)
     ref = os.path.join(a.work, "f32.toptpu")
-    lines = ["| row | perplexity | top-1 vs f32 | mean KL vs f32 | calibration | compile | "
-             "peak RSS |", "|---|---|---|---|---|---|---|"]
+    lines = ["| row | perplexity | top-1 vs f32 | mean KL vs f32 | calibration | compile "
+             "(CPU) | peak RSS |", "|---|---|---|---|---|---|---|"]
     for row in a.rows.split(","):
         method = row if row == "f32" else row.rstrip("0123456789")
         group = 0 if row == "f32" else int(row[len(method):])
@@ -180,13 +185,19 @@ def main() -> None:
         elif method == "rtn":
             files = [(f"RTN g{group}", os.path.join(a.work, f"rtn{group}.toptpu"),
                       {**base, "dequantize": "w4bf16", "group_size": group})]
-        elif method in ("gptq", "awq"):
-            files = [(f"{method.upper()} g{group}", os.path.join(a.work, f"{row}.toptpu"),
+        elif method in ("gptq", "awq", "signround"):
+            iters = {"calibration_iterations": a.signround_iters} \
+                if method == "signround" else {}
+            tag = "" if method != "signround" or a.signround_iters == 200 \
+                else f"-{a.signround_iters}it"
+            label = {"signround": "SignRound"}.get(method, method.upper())
+            files = [(f"{label} g{group}{tag.replace('-', ', ').replace('it', ' iterations')}",
+                      os.path.join(a.work, f"{row}{tag}.toptpu"),
                       {**base, "dequantize": "w4bf16", "group_size": group,
                        "calibrate": method, "calibration_data": [cal],
                        "calibration_samples": a.sequences,
-                       "calibration_seq_length": a.sequence_length,
-                       "save_calibrated": os.path.join(a.work, f"{row}-checkpoint")})]
+                       "calibration_seq_length": a.sequence_length, **iters,
+                       "save_calibrated": os.path.join(a.work, f"{row}{tag}-checkpoint")})]
         elif method == "autoround":
             ck = autoround_checkpoint(gguf, group, cal, a)
             files = [(f"auto-round g{group}, -q {m}", os.path.join(a.work, f"{row}-{m}.toptpu"),
@@ -208,8 +219,10 @@ def main() -> None:
             if r and "f32" not in a.rows.split(",") and len(lines) == 2:
                 lines.append(f"| f32 (the evals' reference) | {r['perplexity']:.2f} | — | — "
                              "| — | — | — |")
+            cpu = m.get("cpu_seconds")
+            cpu_s = "" if cpu is None else f" ({cpu:.0f} s CPU)"
             lines.append(f"| {label} | {res['perplexity']:.2f} | {top1} | {kl} | {calib_s} | "
-                         f"{m['seconds']:.0f} s | {m['peak_rss_mb']:.0f} MB |")
+                         f"{m['seconds']:.0f} s{cpu_s} | {m['peak_rss_mb']:.0f} MB |")
             print(lines[-1], flush=True)
     print("\n".join(lines))
 

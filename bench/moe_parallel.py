@@ -173,6 +173,71 @@ def buffers(experts_list: list[int], work: str) -> None:
                   flush=True)
 
 
+def expert_major(config_dirs: list[str], modes: list[str], prompt: int) -> None:
+    """A prefill chunk's experts (the `block` net, 128 rows) at the published widths, the
+    layer group with blocks of experts (the expert-major schedule: each chosen expert
+    loaded once per row block) against without them (`layer_group._expert_block_axes`
+    answering None: row blocks that each fetch their rows' experts, the plan before),
+    both compiled in this one run with `toptpu estimate`'s placeholder weights: the
+    experts op's plan, the modelled bytes its indexed loads move per chunk and layer
+    (`Load.nbytes`: each block's share of the expected distinct experts the chunk
+    chooses) over one layer's experts, the block net's modelled ms a layer and the time
+    to first token of a `prompt`-token prompt (48/40/94 layers)."""
+    from unittest import mock
+
+    import numpy as np
+
+    from toptpu.backend.formats.commands import Compute, Load
+    from toptpu.backend.runtime.machine import command_costs
+    from toptpu.backend.target.cost import net_timing
+    from toptpu.estimate import compile_programs, estimate, estimate_nets, model_shape, spread_costs
+    from toptpu.frontends.hf_loader import read_config
+    from toptpu.passes import layer_group
+    from toptpu.request import CompileRequest
+
+    chip = get_chip("bm1684x")
+    print(f"\n5. a prefill chunk's experts, blocks of experts vs row blocks: {chip.name}, "
+          f"seq 512, 128-row chunk, a {prompt}-token prompt")
+    print("| model | mode | schedule | experts op: row blocks x parts | expert bytes "
+          "a chunk and layer, GB | x a layer's experts | block net ms a layer | TTFT s "
+          "| compile s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in config_dirs:
+        config, _ = read_config(path)
+        name = os.path.basename(path.rstrip("/"))
+        for mode in modes:
+            req = CompileRequest.make(mode=mode, seq_length=512, max_input_length=128)
+            nets = estimate_nets(req.shapes, prompt, "greedy")
+            for how in ("row blocks", "expert blocks"):
+                t = time.perf_counter()
+                with mock.patch.object(layer_group, "_expert_block_axes",
+                                       (lambda op: None) if how == "row blocks"
+                                       else layer_group._expert_block_axes):
+                    programs = compile_programs(config, req, nets)
+                secs = time.perf_counter() - t
+                costs = spread_costs(programs, model_shape(config), req.fixed_mode("estimate"),
+                                     req.shapes, req.devices, req.parallel, req.chip)
+                est = estimate(costs, chip, prompt, "greedy")
+                prog = programs["block"]
+                loads = [c for c in prog.commands if isinstance(c, Load) and c.index is not None]
+                moved = sum(c.nbytes for c in loads)
+                tensors = {c.tensor.name: c for c in loads}.values()  # a layer's experts
+                whole = sum(int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize
+                            for c in tensors)
+                ops = [c for c in prog.commands
+                       if isinstance(c, Compute) and c.kind.endswith("moe_experts")]
+                parts = ops[0].parts if ops else 1
+                first = next(iter(tensors)).tensor.name
+                blocks = len({c.part_first_row for c in loads if c.tensor.name == first})
+                tiles = (f"{len(ops) // parts} x {blocks} expert blocks x {parts // blocks} "
+                         "parts of I" if blocks > 1
+                         else f"{len(ops) // parts} x {parts} parts of I")
+                block_s = net_timing(command_costs(prog.commands), chip).seconds(chip)
+                print(f"| {name} | {mode} | {how} | {tiles} | {moved / 1e9:.2f} | "
+                      f"{moved / whole:.2f}x | {block_s * 1e3:.1f} | {est.ttft_s:.2f} | "
+                      f"{secs:.0f} |", flush=True)
+
+
 def _peak_gb() -> float:
     import resource
 
@@ -258,10 +323,18 @@ def main() -> None:
     ap.add_argument("--table", nargs="*", default=None, metavar="CONFIG_DIR",
                     help="only print README's MoE table for these config directories")
     ap.add_argument("--table-devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--expert-major", nargs="*", default=None, metavar="CONFIG_DIR",
+                    help="only compare a prefill chunk's experts in blocks of experts with "
+                    "row blocks, for these config directories")
+    ap.add_argument("--modes", nargs="+", default=["bf16"],
+                    help="the modes of --expert-major")
     ap.add_argument("--prompt", type=int, default=128)
     args = ap.parse_args()
     if args.table:
         table(args.table, args.table_devices, args.prompt)
+        return
+    if args.expert_major:
+        expert_major(args.expert_major, args.modes, args.prompt)
         return
     chip = get_chip("bm1684x")
     print(f"{chip.name}: sustained DDR {chip.sustained_gbps:.1f} GB/s, link {chip.link_gbps} "

@@ -201,6 +201,13 @@ class SlicingInterface:
         """Per operand, the axis the reduction parts cut (None: the same in every part)."""
         return tuple(None for _ in self._sliced_operands())
 
+    def expert_block_axes(self) -> tuple[int | None, ...] | None:
+        """A second way to cut the reduction in parts, for an op whose sum runs over the
+        experts its indices name (`fetched_by_index`): blocks of consecutive experts, per
+        operand the axis a block cuts (None: the same in every part). None (the default):
+        the op has none."""
+        return None
+
     # ------------------------------------------------------------------ building a slice
     def sliced_attributes(self, result_types: Sequence[Attribute], heads: int = 1,
                           parts: int = 1) -> dict[str, Attribute]:

@@ -2451,6 +2451,13 @@ class MoeExpertsBase(ShapedOp):
     hold S < E rows, the experts the indices name in ascending order in their first rows
     (`fetched_rows_needed`: S is at least min(E, the entries of the indices), so every
     chosen expert has its row — no token dropped).
+
+    `expert_blocks` P (inside a layer group only, with `fetched_from`: the expert-major
+    schedule): the group's reduction parts are blocks of E/P consecutive experts instead
+    of parts of I; part p holds experts [p E/P, (p+1) E/P) — those the indices name, each
+    loaded once for the rows of the tile — and adds only theirs. The blocks fold into one
+    f32 accumulator in ascending order: each token's experts are added in the whole op's
+    order (the same bits).
     """
 
     x = operand_def(AnyTensor)
@@ -2460,6 +2467,7 @@ class MoeExpertsBase(ShapedOp):
     weights = operand_def(AnyTensor)
     indices = operand_def(AnyTensor)
     fetched_from = opt_attr_def(IntegerAttr)
+    expert_blocks = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     assembly_format = (
         "$x `,` $gate `,` $up `,` $down `,` $weights `,` $indices attr-dict `:` type($x) `,` "
@@ -2476,8 +2484,10 @@ class MoeExpertsBase(ShapedOp):
 
     def reduction_part_arguments(self, operands: Sequence[object], part: int
                                  ) -> tuple[Sequence[object], Mapping[str, object]]:
-        """Part `part` of I: every operand (gate, up and down cut to the part's rows)."""
-        return operands, fetched_param(self.fetched_from)
+        """Part `part` of I: every operand (gate, up and down cut to the part's rows); or
+        with `expert_blocks`, block `part` of the experts."""
+        return operands, {**fetched_param(self.fetched_from),
+                          **expert_block_param(self.fetched_from, self.expert_blocks, part)}
 
     def reduction_finish_arguments(self, operands: Sequence[object]
                                    ) -> tuple[Sequence[object], Mapping[str, object]]:
@@ -2505,7 +2515,8 @@ class MoeExpertsBase(ShapedOp):
         _check_shape(name, "up", shape_of(up), (e, inter, h))
         _check_shape(name, "down", shape_of(down), (e, h, inter))
         ws = shape_of(weights)
-        check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"),
+                           attrs.get("expert_blocks"))
         if len(ws) != 2 or ws[0] != t or ws[1] < 1:
             raise VerifyException(f"{name} weights is {list(ws)}; it must be [{t}, k] with k "
                                   "at least 1")
@@ -2572,6 +2583,10 @@ class MoeExpertsBase(ShapedOp):
         """gate, up and down: only the experts the indices name are read (an expert
         nobody chose is never fetched)."""
         return {1: 5, 2: 5, 3: 5}
+
+    def expert_block_axes(self) -> tuple[int | None, ...] | None:
+        """Blocks of experts: gate, up and down along E (0); the rest whole."""
+        return (None, 0, 0, 0, None, None)
 
     def lower_to_linalg(self, e: Emitter) -> SSAValue:
         """Dense over each token's k slots, the expert's weights read by index (clamped
@@ -2640,11 +2655,38 @@ def fetched_param(attr: Attribute | None) -> dict[str, object]:
     return {} if attr is None else {"fetched_from": read_int(attr)}
 
 
+def expert_block_param(fetched_from: Attribute | None, blocks: Attribute | None, part: int
+                       ) -> dict[str, object]:
+    """The experts part kernels' `block` keyword of reduction part `part` of an op with
+    `expert_blocks` P (first expert, experts a block): block `part` mod P (the parts of a
+    group with parts of I too: `tpu.GroupOp.part_blocks`), none without."""
+    if blocks is None or fetched_from is None:
+        return {}
+    count = read_int(fetched_from) // read_int(blocks)
+    return {"block": (part % read_int(blocks) * count, count)}
+
+
 def check_fetched_rows(name: str, held: int, indices_shape: Sequence[int],
-                       attr: Attribute | None) -> None:
+                       attr: Attribute | None, blocks: Attribute | None = None) -> None:
     """An experts op's weights holding `held` rows of the experts its `fetched_from`
     attribute names hold fewer than all of them and at least every expert the indices can
-    name (no chosen expert without its row)."""
+    name (no chosen expert without its row); with `expert_blocks` P, of a block's E/P
+    experts (at most E/P, at least what the indices can name of them)."""
+    if blocks is not None:
+        if not isinstance(blocks, IntegerAttr) or attr is None:
+            raise VerifyException(f"{name} expert_blocks must be an integer, with "
+                                  "fetched_from")
+        p = read_int(blocks)
+        if p < 2 or not isinstance(attr, IntegerAttr) or read_int(attr) % p:
+            raise VerifyException(f"{name} expert_blocks {p} must divide its experts "
+                                  "(fetched_from) in blocks, at least 2")
+        count = read_int(attr) // p
+        need = fetched_rows_needed(count, indices_shape)
+        if len(indices_shape) != 2 or not need <= held <= count:
+            raise VerifyException(f"{name} holds {held} rows of a block of {count} experts "
+                                  f"(expert_blocks {p}); its indices {list(indices_shape)} "
+                                  f"can name {need}: it must hold from {need} to {count}")
+        return
     if attr is None:
         return
     if not isinstance(attr, IntegerAttr):

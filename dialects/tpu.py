@@ -541,6 +541,8 @@ class A16MoeExpertsOp(TpuOp):
     #: as `top.moe_experts`'s: the experts the indices range over, the weight operands
     #: holding only the ones they name (a layer group's buffers of the fetched experts)
     fetched_from = opt_attr_def(IntegerAttr)
+    #: as `top.moe_experts`'s: the reduction parts are blocks of experts
+    expert_blocks = opt_attr_def(IntegerAttr)
     output = result_def(AnyTensor)
     irdl_options = (AttrSizedOperandSegments(),)
     assembly_format = (
@@ -591,8 +593,10 @@ class A16MoeExpertsOp(TpuOp):
     def reduction_part_arguments(self, operands: Sequence[object], part: int
                                  ) -> tuple[Sequence[object], Mapping[str, object]]:
         """Part `part` of I: every operand (gate and up cut to the part's rows, down to
-        its columns: whole groups)."""
-        return operands, self._params()
+        its columns: whole groups); or with `expert_blocks`, block `part` of the
+        experts."""
+        return operands, {**self._params(), **top.expert_block_param(
+            self.fetched_from, self.expert_blocks, part)}
 
     def reduction_finish_arguments(self, operands: Sequence[object]
                                    ) -> tuple[Sequence[object], Mapping[str, object]]:
@@ -624,7 +628,8 @@ class A16MoeExpertsOp(TpuOp):
                 f"{list(shapes[2])} (unpacked); for x [{t}, {h}] they must be [E, I, {h}], "
                 f"[E, I, {h}], [E, {h}, I]")
         ws = shape_of(weights)
-        top.check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"))
+        top.check_fetched_rows(name, e, shape_of(indices), attrs.get("fetched_from"),
+                               attrs.get("expert_blocks"))
         if len(ws) != 2 or ws[0] != t or ws[1] < 1 or shape_of(indices) != ws:
             raise VerifyException(f"{name} weights and indices must be [{t}, k] with k at "
                                   "least 1")
@@ -693,6 +698,10 @@ class A16MoeExpertsOp(TpuOp):
         last operand) name, as `top.moe_experts`'s."""
         n = len(self.operands)
         return {p: n - 1 for p in range(1, n - 2)}
+
+    def expert_block_axes(self) -> tuple[int | None, ...] | None:
+        """Blocks of experts: every stacked weight operand along E (0); the rest whole."""
+        return self._flat_axes(None, 0, 0, None)
 
     def reduction_sliceable(self) -> bool:
         return True
@@ -785,6 +794,11 @@ class GroupOp(IRDLOperation):
     address `acc` (`accumulator_type`: the matmul's f32 product, the attention's running
     max, sum and weighted values: online softmax), and the tile's result exists after its
     last part, when it is stored. The loads and stores then name three axes per tile loop.
+
+    A fourth count, `tiles = array<i64: R, C, P, Q>` (the experts op's blocks of experts
+    times parts of its intermediate axis, `expert_blocks`): the reduction's P x Q parts,
+    part q cutting the third axis its loads name at block q mod P and the fourth at q div
+    P (`part_blocks`).
     """
 
     name = "tpu.group"
@@ -816,15 +830,21 @@ class GroupOp(IRDLOperation):
             raise VerifyException("tpu.group needs at least one slice")
         if self.tiles is not None:
             rc = read_ints(self.tiles)
-            if (len(rc) not in (2, 3) or min(rc) < 1 or math.prod(rc) != read_int(self.slices)
-                    or (len(rc) == 3 and rc[2] < 2)):
+            if (len(rc) not in (2, 3, 4) or min(rc) < 1
+                    or math.prod(rc) != read_int(self.slices)
+                    or (len(rc) >= 3 and rc[2] < 2) or (len(rc) == 4 and rc[3] < 2)):
                 raise VerifyException(
                     f"tpu.group tiles {list(rc)} must be two counts (and reduction parts, "
                     f"more than one) whose product is its {read_int(self.slices)} slices")
             if self.tile_outer is None or read_int(self.tile_outer) not in (0, 1):
                 raise VerifyException("tpu.group with tiles needs tile_outer, 0 (the row "
                                       "blocks' loop is outer) or 1 (the output channels')")
-            if len(rc) == 3:
+            if len(rc) == 4:
+                _, computes, _ = self.template()
+                if len(computes) != 1 or "expert_blocks" not in computes[0].attributes:
+                    raise VerifyException("tpu.group with four tiles counts computes one "
+                                          "experts op in blocks of experts (expert_blocks)")
+            if len(rc) >= 3:
                 _, computes, _ = self.template()
                 if len(computes) != 1 or not splits_reduction(computes[0]):
                     raise VerifyException(
@@ -852,9 +872,20 @@ class GroupOp(IRDLOperation):
         return r, c, TILE_LOOPS[read_int(self.tile_outer)]
 
     def reduction_parts(self) -> int:
-        """P of a group whose reduction is split in parts (`tiles` R, C, P), else 1."""
+        """P of a group whose reduction is split in parts (`tiles` R, C, P; P x Q with a
+        fourth count), else 1."""
+        return math.prod(self.part_counts())
+
+    def part_counts(self) -> tuple[int, ...]:
+        """The counts of the reduction parts' loop per axis its loads name: (P,) or
+        (P, Q) (`tiles` after R and C), (1,) without parts."""
         rc = read_ints(self.tiles) if self.tiles is not None else []
-        return rc[2] if len(rc) == 3 else 1
+        return tuple(rc[2:]) if len(rc) >= 3 else (1,)
+
+    def part_blocks(self, t: int) -> tuple[int, ...]:
+        """The block of each part axis slice `t` computes: (q,) or (q mod P, q div P)."""
+        q, counts = self.reduction_part(t), self.part_counts()
+        return (q % counts[0], q // counts[0]) if len(counts) == 2 else (q,)
 
     def reduction_part(self, t: int) -> int:
         """The reduction part slice `t` computes (0 without reduction parts)."""
@@ -887,8 +918,8 @@ class GroupOp(IRDLOperation):
             n = shape[ax] // read_int(self.slices)
             index[ax] = slice(t * n, (t + 1) * n)
             return tuple(index)
-        counts = (*grid[:2], self.reduction_parts())
-        blocks = (*self.tile_blocks(t), self.reduction_part(t))
+        counts = (*grid[:2], *self.part_counts())
+        blocks = (*self.tile_blocks(t), *self.part_blocks(t))
         for a, count, b in zip(axes, counts, blocks, strict=False):
             if a != -1:
                 n = shape[a] // count
@@ -909,7 +940,7 @@ class GroupOp(IRDLOperation):
             return 1
         r, c, outer = grid
         parts = self.reduction_parts()
-        sliced = (axes[0] != -1, axes[1] != -1, len(axes) > 2 and axes[2] != -1)
+        sliced = (axes[0] != -1, axes[1] != -1, any(a != -1 for a in axes[2:]))
         # the loops outside in: (sliced?, count)
         loops = ([(sliced[0], r), (sliced[1], c)] if outer == "rows"
                  else [(sliced[1], c), (sliced[0], r)]) + [(sliced[2], parts)]
@@ -1011,10 +1042,21 @@ class LoadOp(TpuOp):
                      fetched_rows=self.by_index is not None)
         if self.by_index is not None:
             self._verify_fetched()
-            if read_int(self.slice_axis) == 0 or (
-                    self.tile_axes is not None and 0 in read_ints(self.tile_axes)):
+            axes = read_ints(self.tile_axes) if self.tile_axes is not None else []
+            # a block of experts: the reduction parts (third tile axis) cut axis 0, read by
+            # consumers that add only their block's experts (`expert_blocks`)
+            blocks = len(axes) >= 3 and axes[2] == 0 and 0 not in (*axes[:2], *axes[3:])
+            if blocks:
+                for u in self.output.uses:
+                    if u.operation.attributes.get("expert_blocks") is None:
+                        raise VerifyException(
+                            f"{self.name} by_index loads blocks of rows along axis 0; its "
+                            f"consumer {u.operation.name} does not read them as "
+                            "expert_blocks")
+            elif read_int(self.slice_axis) == 0 or 0 in axes:
                 raise VerifyException(f"{self.name} by_index loads rows along axis 0 by "
-                                      "index; it cannot also slice axis 0")
+                                      "index; it cannot also slice axis 0 (but in blocks "
+                                      "of experts: the reduction parts' axis)")
             uses = list(self.output.uses)
             for u in uses:
                 op = u.operation
@@ -1083,10 +1125,10 @@ def verify_slice(full: SSAValue, part: SSAValue, axis: int, op: IRDLOperation,
         raise VerifyException(f"{op.name} cannot change the element type")
     if tile_axes is not None:
         axes = [a for a in read_ints(tile_axes) if a != -1]
-        if len(read_ints(tile_axes)) not in (2, 3) or not axes or len(set(axes)) != len(axes) \
+        if len(read_ints(tile_axes)) not in (2, 3, 4) or not axes or len(set(axes)) != len(axes) \
                 or axis not in axes:
             raise VerifyException(f"{op.name} tile_axes {list(read_ints(tile_axes))} must be "
-                                  f"two or three axes (-1: none), one of them slice_axis "
+                                  f"two to four axes (-1: none), one of them slice_axis "
                                   f"{axis}")
         if len(fs) != len(ps) or any(not 0 <= a < len(fs) for a in axes):
             raise VerifyException(f"{op.name} tile_axes {axes} are out of range")

@@ -27,19 +27,50 @@ padded static chunk leave it:
 
 The torch implementations here are the definitions (the numpy kernels in
 `toptpu.backend.reference.kernels` compute the same); importing this module registers the
-ops.
+ops. Each op's gradient is its definition's, by autograd through the definition run again
+(`_differentiable`): what SignRound's tuning backpropagates through a linear-attention layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 _LIB = "toptpu"
 
 
-@torch.library.custom_op(f"{_LIB}::causal_conv1d", mutates_args=())
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
-                  valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _differentiable(op: Any, definition: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+    """`op`'s gradient: autograd through `definition` (the op's own function) run again on
+    the saved inputs, for every floating-point tensor input (None for the others)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.inputs = inputs
+
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        args = list(ctx.inputs)
+        slots = [i for i, a in enumerate(args)
+                 if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        with torch.enable_grad():
+            for i in slots:
+                args[i] = args[i].detach().requires_grad_()
+            outs = definition(*args)
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+                     if g is not None and o.requires_grad]
+            got = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in slots],
+                                      [g for _, g in pairs], allow_unused=True) \
+                if pairs else (None,) * len(slots)
+        out: list[torch.Tensor | None] = [None] * len(args)
+        for i, g in zip(slots, got, strict=True):
+            out[i] = g
+        return tuple(out)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def _causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, t, c = x.shape
     k = weight.shape[1]
     if state is None:
@@ -51,6 +82,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | N
     return y.contiguous(), xs[:, n:n + k - 1].contiguous()
 
 
+causal_conv1d = torch.library.custom_op(f"{_LIB}::causal_conv1d", _causal_conv1d,
+                                        mutates_args=())
+_differentiable(causal_conv1d, _causal_conv1d)
+
+
 @causal_conv1d.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
       valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +94,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
     return x.new_empty(x.shape), x.new_empty(1, k - 1, x.shape[2])
 
 
-@torch.library.custom_op(f"{_LIB}::gated_delta_rule", mutates_args=())
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor | None, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def _gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, state: torch.Tensor | None, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     _, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     r = hv // hk
@@ -78,6 +113,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         s = s + k[:, i, :, :, None] * delta[:, :, None, :]
         out[:, i] = (s * q[:, i, :, :, None]).sum(dim=-2)
     return out.to(v.dtype), s
+
+
+gated_delta_rule = torch.library.custom_op(f"{_LIB}::gated_delta_rule", _gated_delta_rule,
+                                           mutates_args=())
+_differentiable(gated_delta_rule, _gated_delta_rule)
 
 
 @gated_delta_rule.register_fake

@@ -70,6 +70,7 @@ from toptpu.passes.slicing import (
     heads_result_axes,
     heads_sliceable,
     reduction_count,
+    reduction_operand_axes,
     reduction_sliceable,
     reduction_tile_axes,
     row_rule,
@@ -106,9 +107,13 @@ class Plan:
     #: result the (row, output-channel, reduction) axes each loop slices (-1: none)
     tiles: tuple[int, int] = (1, 1)
     outer: str = ""
-    tile_axes: dict[SSAValue, tuple[int, int, int]] = field(default_factory=dict)
+    tile_axes: dict[SSAValue, tuple[int, ...]] = field(default_factory=dict)
     #: a tiles plan's reduction parts (a third loop, inside the others; 1: none)
     parts: int = 1
+    #: the parts are blocks of consecutive experts (`expert_block_axes`: the MoE experts'
+    #: expert-major schedule), this many, each block's experts in `parts` / this parts of
+    #: the op's reduction axis (the intermediate axis I); 0: parts of that axis only
+    expert_blocks: int = 0
 
 
 def nbytes_of_type(t: TensorType) -> int:
@@ -341,6 +346,9 @@ class _TileOperand:
     nbytes: int
     axes: tuple[int, int, int]
     sizes: tuple[int, int, int]
+    #: a second axis the reduction parts cut and its count (blocks of experts times
+    #: parts of I: the parts of I's axis; `nbytes` is then already one part's), -1: none
+    also: tuple[int, int] = (-1, 1)
 
     def part(self, counts: tuple[int, int, int]) -> int | None:
         """Bytes of one tile's part (None when a count does not divide its axis)."""
@@ -359,21 +367,31 @@ class _TileOperand:
         # axes[1] (`tpu.GroupOp.tile_blocks`)
         outer_axis, inner_axis = ((self.axes[0], self.axes[1]) if outer == "rows"
                                   else (self.axes[1], self.axes[0]))
-        if self.axes[2] != -1:
+        if self.axes[2] != -1 or self.also[0] != -1:
             return 3
         if inner_axis != -1:
             return 2
         return 1 if outer_axis != -1 else 0
 
 
-def _tile_operands(op: Operation) -> tuple[list[_TileOperand], _TileOperand, int] | None:
+def _tile_operands(op: Operation, blocks: bool = False
+                   ) -> tuple[list[_TileOperand], _TileOperand, int] | None:
     """The tile operands of `op` (inputs, result) and its accumulator's bytes (whole op; 0
-    when its reduction cannot be cut), None when `op` does not tile."""
+    when its reduction cannot be cut), None when `op` does not tile. `blocks`: the third
+    loop cuts blocks of experts (`expert_block_axes`; None when the op has none)."""
     reducible = reduction_sliceable(op)
     if not (tile_sliceable(op) or reducible) or len(set(op.operands)) != len(op.operands):
         return None
-    axes = (reduction_tile_axes(op) if reducible
-            else tuple((*a, -1) for a in tile_operand_axes(op)))
+    block_axes = _expert_block_axes(op)
+    if blocks:
+        if block_axes is None:
+            return None
+        reducible = True
+        axes = tuple((*a, -1 if b is None else b)
+                     for a, b in zip(tile_operand_axes(op), block_axes, strict=True))
+    else:
+        axes = (reduction_tile_axes(op) if reducible
+                else tuple((*a, -1) for a in tile_operand_axes(op)))
     inputs = []
     for v, ax in zip(op.operands, axes, strict=True):
         shape = shape_of(v)
@@ -410,16 +428,63 @@ def _tile_candidates(ops: list[Operation], chip: Chip, only: int | None,
     return found if only is None else [p for p in found if p.slices == only]
 
 
+def _expert_block_axes(op: Operation) -> tuple[int | None, ...] | None:
+    """The axes blocks of experts cut (`SlicingInterface.expert_block_axes`), None for an
+    op without experts."""
+    return op.expert_block_axes() if isinstance(op, SlicingInterface) else None
+
+
 def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     """The plans of `_tile_candidates`, the cheapest for each slice count, by cost: every
-    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid)."""
-    found = _tile_operands(op)
+    (R, C, P) of divisors is costed at once (`_tile_costs`, numpy over the grid). An op
+    with experts, in a chunk of more than one token, also has plans whose parts are blocks
+    of its experts (the expert-major schedule: each block's chosen experts loaded once per
+    row block): without `reduce` blocks of whole experts — they keep the numbers (each
+    token's experts added in the same order), so they compete with the plans without
+    reduction parts —, with `reduce` blocks each in parts of I (a split reduction); the
+    cheaper by the cost model for each slice count kept."""
+    found = _grid_plans(op, chip, reduce, blocks=False)
+    # one token (decode) loads each chosen expert once already (the buffers of its k
+    # fetched experts): blocks would only add loads
+    pairs = _by_index_operands(op)
+    if _expert_block_axes(op) is None or not pairs \
+            or numel(shape_of(pairs[0][1])[:-1]) < 2:
+        return found
+    # each block's experts whole (the same numbers: beside the plans without parts), or in
+    # parts of I (experts too large for local memory one by one, each chosen expert still
+    # loaded once, a part at a time: a split reduction, with the others)
+    i_parts = divisors(reduction_count(op))[1:] if reduction_sliceable(op) else []
+    blocks = [p for q in (i_parts if reduce else [1])
+              for p in _grid_plans(op, chip, True, blocks=True, i_parts=q)]
+    found = blocks + found  # a tie: the blocks (an expert's rows stay contiguous)
+    best: dict[int, Plan] = {}
+    for p in found:
+        if p.slices not in best or p.cost < best[p.slices].cost:
+            best[p.slices] = p
+    return sorted(best.values(), key=lambda p: p.cost)
+
+
+def _grid_plans(op: Operation, chip: Chip, reduce: bool, blocks: bool, i_parts: int = 1
+                ) -> list[Plan]:
+    """`_find_tile_plans` with the parts of the reduction (`blocks`: of the experts, each
+    block's in `i_parts` parts of the reduction axis)."""
+    found = _tile_operands(op, blocks)
     if found is None or (reduce and not found[2]):
         return []
     inputs, result, acc = found
+    if i_parts > 1:
+        cut = []
+        for v, ax in zip(inputs, reduction_operand_axes(op), strict=True):
+            if ax is not None:
+                if shape_of(v.value)[ax] % i_parts:
+                    return []
+                v = replace(v, nbytes=v.nbytes // i_parts, also=(ax, i_parts))
+            cut.append(v)
+        inputs = cut
     if not reduce:  # the whole reduction in every tile: no operand is cut along it
         inputs = [replace(v, axes=(*v.axes[:2], -1)) for v in inputs]
-    parts_ = np.array(divisors(reduction_count(op))[1:] if reduce else [1], np.int64)
+    most = _experts_of(op) if blocks else reduction_count(op)
+    parts_ = np.array(divisors(most)[1:] if reduce else [1], np.int64)
     rows_ = np.array(divisors(result.sizes[0]), np.int64)
     cols_ = np.array(divisors(tile_count(op)), np.int64)
     r, c, parts = np.meshgrid(rows_, cols_, parts_, indexing="ij")
@@ -433,17 +498,19 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
                 n = n * count
         sizes.append(v.nbytes // n)
         runs.append(_tile_runs(v, (r, c, parts)))
-    held, moved = _fetched_tile_sizes(op, inputs, sizes, runs, r)
+    held, moved = _fetched_tile_sizes(op, inputs, sizes, runs, r,
+                                      parts if blocks else None)
+    parts_all = parts * i_parts  # the reduction loop: blocks of experts x parts of I
     lane = 2 * sum(_per_lane(n, chip) for n in [*held, sizes[-1]])
     if reduce:
         lane = lane + _per_lane(acc // (r * c), chip)
     ok &= lane <= chip.lane_bytes
     best: dict[int, tuple[float, int, str]] = {}  # slices -> (cost, cell, outer)
     for outer in ("rows", "cols"):
-        cost = _tile_costs(inputs, [*moved, sizes[-1]], runs, (r, c, parts), outer,
+        cost = _tile_costs(inputs, [*moved, sizes[-1]], runs, (r, c, parts_all), outer,
                            op_flops(op), cost_dtype(op), chip)
         for cell in np.flatnonzero(ok).tolist():
-            t = int(r.flat[cell] * c.flat[cell] * parts.flat[cell])
+            t = int(r.flat[cell] * c.flat[cell] * parts_all.flat[cell])
             k = float(cost.flat[cell])
             if t not in best or k < best[t][0]:
                 best[t] = (k, int(cell), outer)
@@ -451,18 +518,19 @@ def _find_tile_plans(op: Operation, chip: Chip, reduce: bool) -> list[Plan]:
     for t, (k, cell, outer) in sorted(best.items(), key=lambda item: item[1][0]):
         p = Plan([op], SliceKind.TILES, t, cost=k, inputs=list(op.operands),
                  outputs=[op.results[0]], tiles=(int(r.flat[cell]), int(c.flat[cell])),
-                 outer=outer, parts=int(parts.flat[cell]))
+                 outer=outer, parts=int(parts_all.flat[cell]),
+                 expert_blocks=int(parts.flat[cell]) if blocks else 0)
         for v in inputs:
-            p.tile_axes[v.value] = v.axes
-            p.input_axes[v.value] = next((a for a in v.axes if a != -1), None)
-        p.tile_axes[result.value] = result.axes
+            p.tile_axes[v.value] = (*v.axes, v.also[0]) if i_parts > 1 else v.axes
+            p.input_axes[v.value] = next((a for a in (*v.axes, v.also[0]) if a != -1), None)
+        p.tile_axes[result.value] = (*result.axes, -1) if i_parts > 1 else result.axes
         p.result_axes[result.value] = result.axes[1]
         plans.append(p)
     return plans
 
 
 def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[np.ndarray],
-                        runs: list[np.ndarray], r: np.ndarray
+                        runs: list[np.ndarray], r: np.ndarray, blocks: np.ndarray | None
                         ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The bytes each input's local buffer holds and a load of it moves, over the grid
     (`sizes` the whole parts; `runs` made at most one row for an indexed load, in place).
@@ -471,7 +539,10 @@ def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[n
     indices`); it then moves its expected distinct rows (`cost.expected_distinct` of the
     row block's [T, k] indices), and its buffer holds the rows they can name,
     min(E, T x k), when every such operand of `op` is an indexed load
-    (`_fetched_buffers`)."""
+    (`_fetched_buffers`). `blocks` (the third loop's counts P, when it cuts blocks of
+    experts): a load is one block's, E/P experts — its buffer min(E/P, T x k) rows, what
+    it moves the block's share E/P of the row block's expected distinct experts (over
+    the P blocks: each chosen expert once)."""
     held, moved = list(sizes[:len(inputs)]), [np.asarray(n, np.float64)
                                                for n in sizes[:len(inputs)]]
     by_index = _by_index_operands(op)
@@ -488,10 +559,11 @@ def _fetched_tile_sizes(op: Operation, inputs: list[_TileOperand], sizes: list[n
     for v, _ in by_index:
         i = pos[v]
         e = shape_of(v)[0]
-        row = sizes[i] // e
-        rows = np.minimum(e, tokens * k)
+        block = e // blocks if blocks is not None else np.full_like(r, e)
+        row = sizes[i] // block
+        rows = np.minimum(block, tokens * k)
         expect = np.vectorize(lambda n, e=e: expected_distinct(e, int(n), k),
-                              otypes=[np.float64])(tokens)
+                              otypes=[np.float64])(tokens) * block / e
         held[i] = np.where(every, row * rows, sizes[i])
         moved[i] = np.where(every, row * expect, sizes[i])
         runs[i] = np.where(every, np.minimum(runs[i], row), runs[i])
@@ -514,6 +586,8 @@ def _tile_runs(v: _TileOperand, counts: tuple[np.ndarray, ...]) -> np.ndarray:
     for a, count in zip(v.axes, counts, strict=True):
         if a != -1:
             part[a] = shape[a] // count
+    if v.also[0] != -1:
+        part[v.also[0]] = shape[v.also[0]] // v.also[1]
     run = run_bytes(shape, part, dtype_bytes(elem_of(v.value)))
     return np.broadcast_to(np.asarray(run, np.int64), counts[0].shape)
 
@@ -527,7 +601,7 @@ def _per_lane(nbytes: np.ndarray, chip: Chip) -> np.ndarray:
 def _tile_lane_bytes(p: Plan, chip: Chip) -> int:
     """Per-lane bytes of a tiles group: two copies of every input's part and of the
     result's tile, and the accumulator of a tile's reduction parts."""
-    found = _tile_operands(p.ops[0])
+    found = _tile_operands(p.ops[0], bool(p.expert_blocks))
     assert found is not None
     inputs, result, acc = found
     counts = (*p.tiles, p.parts)
@@ -571,9 +645,9 @@ def _tile_costs(inputs: list[_TileOperand], sizes: list[np.ndarray], runs: list[
 def build_tile_group(p: Plan) -> tpu.GroupOp:
     """Replace a tiles plan's op by a tpu.group of its tiles (not yet allocated)."""
     (op,) = p.ops
-    r, c = p.tiles
-    counts = (r, c, p.parts)
-    ndim = 3 if p.parts > 1 else 2  # tile_axes: rows, second loop (, reduction)
+    counts = _tile_counts(p)
+    # tile_axes: rows, second loop (, reduction parts (, the parts' second axis))
+    ndim = len(counts) if p.parts > 1 else 2
 
     fetched = _fetched_rows(p)
 
@@ -608,10 +682,13 @@ def build_tile_group(p: Plan) -> tpu.GroupOp:
     attrs["ts"] = i64_attr(1)
     if fetched:
         attrs["fetched_from"] = i64_attr(_experts_of(op))
+    if p.expert_blocks:
+        attrs["expert_blocks"] = i64_attr(p.expert_blocks)
     assert isinstance(op, SlicingInterface)
     # the second loop's blocks (c) of KV heads, each with its q heads; the reduction's parts
-    heads = c if op.tile_loop() == SliceKind.HEADS else 1
-    attrs.update(op.sliced_attributes([part_type(res)], heads=heads, parts=p.parts))
+    heads = p.tiles[1] if op.tile_loop() == SliceKind.HEADS else 1
+    i_parts = p.parts // p.expert_blocks if p.expert_blocks else p.parts
+    attrs.update(op.sliced_attributes([part_type(res)], heads=heads, parts=i_parts))
     new = type(op).create(operands=[local[v] for v in op.operands],
                           result_types=[part_type(res)], attributes=attrs)
     new.location = op.location
@@ -652,10 +729,18 @@ def _shared_by_tiles_of_other_indices(v: SSAValue, op: Operation, p: Plan) -> bo
     assert isinstance(op, SlicingInterface)
     picks = {op.operands[op.fetched_by_index()[u.index]] for u in v.uses
              if u.operation is op}
-    counts = (*p.tiles, p.parts)
+    counts = _tile_counts(p)
     return all(a == -1 for a in p.tile_axes[v]) and any(
         a != -1 and n > 1 for idx in picks
         for a, n in zip(p.tile_axes[idx], counts, strict=False))
+
+
+def _tile_counts(p: Plan) -> tuple[int, ...]:
+    """The counts of a tiles plan's loops per tile axis: (R, C, P), or with blocks of
+    experts in parts of I (R, C, the blocks, I's parts) (`tpu.GroupOp.part_counts`)."""
+    if p.expert_blocks and p.parts > p.expert_blocks:
+        return (*p.tiles, p.expert_blocks, p.parts // p.expert_blocks)
+    return (*p.tiles, p.parts)
 
 
 def _experts_of(op: Operation) -> int:
@@ -691,6 +776,10 @@ def _fetched_ops(p: Plan) -> dict[Operation, tuple[list[tuple[SSAValue, SSAValue
             shape = list(shape_of(idx))
             if p.tile_axes[idx][0] != -1:
                 shape[p.tile_axes[idx][0]] //= p.tiles[0]
+            if p.expert_blocks:  # a block's experts, always in a buffer of their own
+                out[op] = (pairs, fetched_rows_needed(_experts_of(op) // p.expert_blocks,
+                                                      shape))
+                continue
         else:
             if any(p.input_axes[v] is not None for v, _ in pairs):
                 continue  # sliced buffers of every row (not built today)
@@ -708,13 +797,11 @@ def _fetched_buffers(p: Plan) -> dict[SSAValue, int]:
     fetched = _fetched_rows(p)
     out = {}
     for v, rows in fetched.items():
+        n = 1  # the parts of a row (along the axes after 0)
         if p.kind == SliceKind.TILES:
-            n = 1
-            for a, count in zip(p.tile_axes[v], (*p.tiles, p.parts), strict=True):
-                if a != -1:
+            for a, count in zip(p.tile_axes[v], _tile_counts(p), strict=True):
+                if a not in (-1, 0):
                     n *= count
-        else:
-            n = 1
         out[v] = nbytes(v) // n // shape_of(v)[0] * rows
     return out
 
@@ -926,11 +1013,27 @@ def _finest(op: Operation, chip: Chip) -> tuple[int, str]:
 def _realize(plan: Plan, chip: Chip, split: str = "cost") -> list[tuple[tpu.GroupOp, Plan]]:
     """Build and allocate `plan`; slice further or split when the allocation fails."""
     tries = [plan]
-    for kind in SliceKind:
-        tries += sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
+    kinds = [sorted(_candidates(plan.ops, kind, chip, None), key=lambda q: q.cost)
+             for kind in SliceKind]
+    if any(q.expert_blocks for k in kinds for q in k):
+        # an op with experts: its blocks of experts or its row slices, the cheaper first
+        # (a row slice fetches again the experts its rows chose)
+        tries += sorted((q for k in kinds for q in k), key=lambda q: q.cost)
+    else:
+        tries += [q for k in kinds for q in k]
     tries += sorted(_reduction_plans(plan.ops, chip, None), key=lambda q: q.cost)
+    split_cost = math.inf
+    if len(plan.ops) > 1 and any(_expert_block_axes(op) is not None for op in plan.ops):
+        # a span with experts: alone they may stream in blocks of experts, each chosen
+        # expert loaded once, where the span's row slices fetch them again per slice: a
+        # try dearer than the ops planned one by one gives way to them
+        singles = [plan_span([op], chip, split=split) for op in plan.ops]
+        if all(q is not None for q in singles):
+            split_cost = sum(q.cost for q in singles if q is not None)
     for p in tries:
         if p.slices < plan.slices and p.kind == plan.kind:
+            continue
+        if p is not plan and p.cost > split_cost:
             continue
         group = build_group(p)
         try:

@@ -80,7 +80,7 @@ def _check_slices(fn: func.FuncOp, group: tpu.GroupOp) -> None:
     """Each sliced load and store of `group` moves the part its slices say."""
     slices = read_int(group.slices)
     grid = group.tile_grid()
-    counts = None if grid is None else (*grid[:2], group.reduction_parts())
+    counts = None if grid is None else (*grid[:2], *group.part_counts())
     sliced = False
     for op in group.body.block.ops:
         if not isinstance(op, tpu.LoadOp | tpu.StoreOp):

@@ -1,4 +1,5 @@
-"""`toptpu compile MODEL -q MODE --calibrate gptq|awq`: calibration inside the compile.
+"""`toptpu compile MODEL -q MODE --calibrate gptq|awq|signround`: calibration inside the
+compile.
 
 The calibrated model file equals the compile of the checkpoint the calibration exports
 (`--save-calibrated`, compiled as any pre-quantized checkpoint); bad values end in one line;
@@ -26,6 +27,8 @@ from toptpu.compiler import compile as compile_model
 
 SMALL = ["--seq-length", "64", "--max-input-length", "32", "--quiet"]
 CALIBRATION = ["--calibration-samples", "8", "--calibration-seq-length", "64"]
+#: SignRound's steps in these tests (its default, 200, is the measured bench's)
+SIGNROUND = ["--calibration-iterations", "12"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def _left(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "signround"])
 def test_calibrated_compile_equals_the_exported_checkpoints(
         method: str, float_model: str, text_file: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,13 +76,15 @@ def test_calibrated_compile_equals_the_exported_checkpoints(
     records the float source; nothing but the outputs is left; the logits follow the float
     model's."""
     out, ck, again = tmp_path / "calibrated.toptpu", tmp_path / "ck", tmp_path / "again.toptpu"
+    steps = SIGNROUND if method == "signround" else []
     code, err = _run(["compile", float_model, "-q", "w4f32", "--group-size", "32",
                       "--calibrate", method, "--calibration-data", text_file, *CALIBRATION,
-                      "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
+                      *steps, "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
     assert code == 0, err
     assert _left(tmp_path) == ["calibrated.toptpu", "ck"]
     config = json.loads((ck / "config.json").read_text())
     assert config["quantization_config"]["group_size"] == 32
+    assert config["quantization_config"]["calibration"]["method"] == method
     code, err = _run(["compile", str(ck), "-q", "w4f32", "-o", str(again), *SMALL], capsys)
     assert code == 0, err
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 250, 30)]
@@ -201,6 +206,9 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     ("saved exists", "exists; name a new directory"),
     ("saved inside model", "is inside the input model directory"),
     ("group size w8", "--group-size applies to round-to-nearest"),
+    ("iterations for gptq", "--calibration-iterations: the tuning steps of --calibrate "
+                            "signround; --calibrate gptq has none"),
+    ("iterations without calibrate", "--calibration-iterations shapes the calibration"),
 ])
 def test_bad_calibration_values_are_one_line(case: str, expected: str, float_model: str,
                                              text_file: str, tmp_path: Path,
@@ -234,11 +242,61 @@ def test_bad_calibration_values_are_one_line(case: str, expected: str, float_mod
     elif case == "group size w8":
         args[1] = "w8bf16"
         args += ["--group-size", "64"]
+    elif case == "iterations for gptq":
+        args += ["--calibration-iterations", "50"]
+    elif case == "iterations without calibrate":
+        args = ["-q", "w4bf16", "--calibration-iterations", "50"]
     out = tmp_path / "m.toptpu"
     line = _error(["compile", float_model, *args, "-o", str(out), *SMALL], capsys)
     assert expected in line, line
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if ".calibrating-" in p.name]
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many", "2.5"])
+def test_bad_signround_iterations_refused(value: str, float_model: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --calibration-iterations ends the command line in argparse's one error line (and
+    the Python keyword in one CompileError line), before any work."""
+    out = tmp_path / "m.toptpu"
+    code, err = _run(["compile", float_model, "-q", "w4bf16", "--calibrate", "signround",
+                      "--calibration-iterations", value, "-o", str(out)], capsys)
+    errors = [line for line in err.strip().splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1, err
+    assert f"--calibration-iterations: must be an integer >= 1, got '{value}'" in errors[0]
+    from toptpu.errors import CompileError
+
+    with pytest.raises(CompileError, match=r"^--calibration-iterations must be an integer >= "
+                       r"1, not 0$"):
+        compile_model(float_model, str(out), mode="w4bf16", calibrate="signround",
+                      calibration_iterations=0, progress=None)
+    assert not out.exists() and _left(tmp_path) == []
+
+
+def test_signround_compiles_generates_and_evals(float_model: str, text_file: str,
+                                                tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`-q w4bf16 --calibrate signround`: the model file generates and `toptpu eval`s
+    cleanly, its perplexity near the float model's in transformers (5 %); the checkpoint
+    records SignRound's steps."""
+    out, ck = tmp_path / "m.toptpu", tmp_path / "ck"
+    code, err = _run(["compile", float_model, "-q", "w4bf16", "--group-size", "32",
+                      "--calibrate", "signround", "--calibration-data", text_file,
+                      *CALIBRATION, *SIGNROUND, "--save-calibrated", str(ck), "-o", str(out),
+                      *SMALL], capsys)
+    assert code == 0, err
+    tool = json.loads((ck / "config.json").read_text())["quantization_config"]["calibration"]
+    assert tool["method"] == "signround" and tool["iterations"] == 12
+    res = Runtime.open(str(out)).generate([5, 6, 7, 8], 6, stop_on_eos=False)
+    assert len(res.generated_ids) == 6
+    held = tmp_path / "held.txt"
+    write_words(held, random.Random(2), 4)
+    assert toptpu_main(["eval", str(out), "--text", str(held), "--hf", float_model, "--json",
+                        "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["problem"] is None and result["predicted_tokens"] > 64
+    ppl, ref = result["perplexity"], result["reference"]["perplexity"]
+    assert np.isfinite(ppl) and np.isfinite(ref) and abs(ppl / ref - 1) < 0.05, (ppl, ref)
 
 
 def test_unknown_method_is_argparse_usage(float_model: str, capsys: pytest.CaptureFixture[str]
@@ -285,7 +343,7 @@ def _qwen3_5_checkpoint(path: Path) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "signround"])
 def test_qwen3_5_calibrates_generates_and_evals(method: str, text_file: str, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """`toptpu compile QWEN3.5 -q w4bf16 --calibrate METHOD` (the checkpoint streamed a layer
@@ -296,6 +354,8 @@ def test_qwen3_5_calibrates_generates_and_evals(method: str, text_file: str, tmp
     _qwen3_5_checkpoint(src)
     code, err = _run(["compile", str(src), "-q", "w4bf16", "--group-size", "32",
                       "--calibrate", method, "--calibration-data", text_file, *CALIBRATION,
+                      # 3 steps: the delta rule's token loop runs again in each backward
+                      *(["--calibration-iterations", "3"] if method == "signround" else []),
                       "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
     assert code == 0, err
     from toptpu.frontends.quant import read_quantized_checkpoint

@@ -142,7 +142,7 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "vision_mode": [({"vision_mode": "auto"},
                      "--vision-quantize: unknown quantization mode 'auto'")],
     "calibrate": [({"calibrate": "rtn", "mode": "w4bf16"},
-                   "--calibrate must be gptq or awq, not 'rtn'"),
+                   "--calibrate must be gptq or awq or signround, not 'rtn'"),
                   ({"calibrate": "gptq", "mode": "bf16"}, "--calibrate gptq quantizes "
                    "weights: -q bf16 keeps the weights float; choose a w4 or w8 mode"),
                   ({"calibrate": "awq", "mode": "auto"}, "--calibrate awq quantizes weights: "
@@ -151,7 +151,7 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                    "--calibrate gptq with --parallel tp: the calibrated integers are not cut "
                    "over devices yet; use --parallel pp")],
     "calibration_data": [({"calibration_data": ["a.txt"]}, "--calibration-data shapes the "
-                          "calibration of --calibrate; give --calibrate gptq|awq or drop "
+                          "calibration of --calibrate; give --calibrate gptq|awq|signround or drop "
                           "--calibration-data"),
                          ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": [3]},
                           "--calibration-data is text file paths, not [3]"),
@@ -167,6 +167,15 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                          "--save-calibrated is a path, not 3"),
                         ({"save_calibrated": "ck"}, "--save-calibrated shapes the "
                          "calibration of --calibrate")],
+    "calibration_iterations": [({"calibrate": "signround", "mode": "w4bf16",
+                                 "calibration_iterations": 0},
+                                "--calibration-iterations must be an integer >= 1, not 0"),
+                               ({"calibrate": "gptq", "mode": "w4bf16",
+                                 "calibration_iterations": 50},
+                                "--calibration-iterations: the tuning steps of --calibrate "
+                                "signround; --calibrate gptq has none (drop it)"),
+                               ({"calibration_iterations": 50}, "--calibration-iterations "
+                                "shapes the calibration of --calibrate")],
     "top_pipeline": [({"top_pipeline": "shape-infer,fusee"}, "--top-pipeline "
                       "'shape-infer,fusee': unknown pass 'fusee' (did you mean 'fuse'?)"),
                      ({"top_pipeline": "fuse{max=2}"}, "--top-pipeline 'fuse{max=2}': pass "
@@ -246,6 +255,8 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
      "--calibration-seq-length: must be an integer >= 1, got 'x'"),
     (["--save-calibrated", "{model}/ck", "--calibrate", "gptq", "-q", "w4bf16"], 1,
      "--save-calibrated '{model}/ck' is inside the input model directory"),
+    (["--calibration-iterations", "0", "--calibrate", "signround", "-q", "w4bf16"], 2,
+     "--calibration-iterations: must be an integer >= 1, got '0'"),
     (["--top-pipeline", "shape-infer,,"], 1, "--top-pipeline 'shape-infer,,': expected "
      "pass name at column 13"),
     (["--tpu-pipeline", "expand-silu"], 1,

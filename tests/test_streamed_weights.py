@@ -132,6 +132,48 @@ def test_products_from_packed_bytes_are_matmul_offsets_bit_for_bit(gs: int) -> N
             assert got.tobytes() == K.a16_matmul(x, q, s, zeros, None, 4, gs).tobytes()
 
 
+@pytest.mark.parametrize(("k", "gs"), [(512, 64), (12, 4)])
+def test_a_tiled_decode_product_is_the_whole_weights_product(k: int, gs: int) -> None:
+    """A decode step's product converted a tile of rows at a time in cache
+    (`kernels.matmul_packed`, from the packed bytes; `kernels.matmul_offsets`, from kept
+    offsets) against the whole weight's f32 form multiplied at once (`a16_matmul`): every
+    output is the same dot product of the same f32 weights, so within 1e-6 relative at any
+    tile height, and bit for bit wherever this host's BLAS gives that many output columns
+    the whole product's bits (checked here on the f32 weights themselves, as the weight
+    cache checks each shape at run time). Both spreads of the nibbles (in `weight_offsets`
+    too, checked against unpacking the nibbles one by one): whole uint64 lanes (K/2 a
+    multiple of 4) and uint16 lanes (K = 12); zero points, the implied 8, mins; a partial
+    last tile."""
+    rng = np.random.default_rng(k)
+    n = 203
+    q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    s = (rng.random((n, k // gs)) * 1e-2 + 1e-3).astype(K.BF16)
+    m = (rng.standard_normal((n, k // gs)) * 1e-1).astype(np.float16)
+    x = K.to_bf16(rng.standard_normal((1, k)).astype(np.float32))
+    fx = K.f32(x)
+    for zeros, mins in ((rng.integers(0, 16, (n, k // gs), dtype=np.uint8), None),
+                        (None, None), (None, m)):
+        w = K.dequantize(q, s, zeros, 4, gs, mins)
+        whole = K.a16_matmul(x, q, s, zeros, None, 4, gs, np.float32, mins)
+        off = K.weight_offsets(q, zeros, 4, gs, mins is not None)
+        z = (0 if mins is not None else 8) if zeros is None else \
+            zeros.astype(np.int16)[:, :, None]
+        unpacked = K.unpack_int4(q).astype(np.int16).reshape(n, -1, gs)  # the reference
+        assert off.dtype == np.int8 and np.array_equal(off.reshape(n, -1, gs), unpacked - z)
+        for rows in (64, 16, 4, 7, 1):
+            same_bits = all(
+                (fx @ w[r0:r0 + rows].T).tobytes() == whole[:, r0:r0 + rows].tobytes()
+                for r0 in range(0, n, rows))
+            for tiled in (K.matmul_packed(x, q, s, zeros, gs, None, np.float32, rows, mins),
+                          K.matmul_offsets(x, off, s, gs, None, np.float32, rows, mins)):
+                assert tiled is not None and tiled.shape == whole.shape
+                np.testing.assert_allclose(tiled, whole, rtol=1e-6,
+                                           atol=1e-6 * float(np.abs(whole).max()))
+                if same_bits:
+                    assert tiled.tobytes() == whole.tobytes(), (rows, zeros is None)
+        assert (fx @ w[:64].T).tobytes() == whole[:, :64].tobytes()  # (this host: 64 rows)
+
+
 def test_an_lm_head_over_the_cache_is_multiplied_a_block_of_rows_at_a_time(
         tmp_path_factory, monkeypatch) -> None:  # noqa: ANN001
     """A bf16 lm_head whose f32 form the cache does not keep (budget 0 here; a 14B model's

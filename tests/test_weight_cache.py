@@ -168,9 +168,55 @@ def test_decode_products_with_offsets_expand_a_block_at_a_time_once_checked(
         assert cache.forms() == {"converted": 0, "offsets": 1}
         (verdict,) = cache.fused_ok.values()  # one shape checked: the one-row one
         assert not (flip and verdict)
-        # the check's blocked product, then the last one-row product's if it matched
-        assert len(blocked) == 1 + verdict, (flip, verdict)
+        # the first one-row product (which kept the offsets) is the check's blocked one;
+        # then the two later one-row products' if it matched
+        assert len(blocked) == 1 + 2 * verdict, (flip, verdict)
         blocked.clear()
+
+
+def test_a_decode_product_that_keeps_offsets_never_makes_the_whole_f32_form(
+        monkeypatch) -> None:  # noqa: ANN001
+    """Decode products (one row) cycling over 8 weights of one shape with room for some
+    f32 forms and then offsets: the cache keeps the same weights in the same forms as
+    when every such product went through `dequantized` (which makes the whole f32 form
+    first, then keeps it or the offsets), every result is `a16_matmul`'s bytes, and a
+    weight kept as offsets is multiplied from them a block at a time from its first
+    product on: no whole f32 form is made for it (only the first product of the shape,
+    the check, makes one)."""
+    weights = _quantized(8)
+    f32_bytes = 64 * 128 * 4
+    budget = int(4.0 * f32_bytes)
+    x1 = K.to_bf16(np.random.default_rng(4).standard_normal((1, 1, 128)).astype(np.float32))
+    whole: list[int] = []
+    real = K.dequantize_offsets
+
+    def counted(off, *a, **kw) -> np.ndarray:  # noqa: ANN001, ANN002, ANN003
+        whole.append(off.shape[0])
+        return real(off, *a, **kw)
+
+    through = WeightCache(budget=budget)  # every product through `dequantized`
+    monkeypatch.setattr(through, "_f32_fits", lambda *a: True)
+    cache = WeightCache(budget=budget)
+    made: list[int] = []
+    for c in (through, cache):
+        whole.clear()
+        monkeypatch.setattr(K, "dequantize_offsets", counted)
+        for _ in range(3):
+            for i, (q, s, z) in enumerate(weights):
+                got = c.a16_product(("w", i), x1, q, s, z, 4, 32, None, None)
+                monkeypatch.setattr(K, "dequantize_offsets", real)
+                want = K.a16_matmul(x1, q, s, z, None, 4, 32)
+                monkeypatch.setattr(K, "dequantize_offsets", counted)
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+                assert c.used <= c.budget
+        made.append(len(whole))
+    assert cache.forms() == through.forms() == {"converted": 2, "offsets": 6}
+    assert set(cache._items) == set(through._items)
+    assert set(cache._offsets) == set(through._offsets)
+    # whole f32 forms made over the 3 passes: through `dequantized`, the 4 made while they
+    # fit (2 given up later), one for each of the 6 weights when it first keeps offsets,
+    # and the shape's check; now the 4 and the check only
+    assert made == [4 + 6 + 1, 4 + 1], made
 
 
 def test_the_blocked_product_is_the_whole_products_math() -> None:

@@ -28,6 +28,7 @@ from toptpu.weight_calibration import (
     CalibrationDataError,
     CalibrationRequest,
     QuantScheme,
+    SignRoundOptions,
     calibrate,
     calibration_data,
 )
@@ -553,6 +554,7 @@ def _qwen3() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,method", [("qwen3", "gptq"), ("qwen3", "awq"),
+                                           ("qwen3", "signround"),
                                            ("qwen3_5", "gptq"), ("qwen3_5", "awq")])
 def test_calibrated_families_compile_and_generate(family: str, method: str, tmp_path: Path,
                                                   tokenizer: Any, text_file: str) -> None:
@@ -566,9 +568,10 @@ def test_calibrated_families_compile_and_generate(family: str, method: str, tmp_
 
     model = _qwen3() if family == "qwen3" else build_model("qwen3_5")
     out = str(tmp_path / "calibrated")
-    report = calibrate(model, out, CalibrationRequest(method, QuantScheme(4, 32, False)),
-                       [text_file], sequences=8, sequence_length=64, tokenizer=tokenizer,
-                       progress=None)
+    request = CalibrationRequest(method, QuantScheme(4, 32, False),
+                                 signround=SignRoundOptions(iterations=10))
+    report = calibrate(model, out, request, [text_file], sequences=8, sequence_length=64,
+                       tokenizer=tokenizer, progress=None)
     if family == "qwen3_5":
         assert report.float_linears == [f"model.layers.{i}.linear_attn.in_proj_{p}"
                                         for i in range(3) for p in "ba"]

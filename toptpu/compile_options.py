@@ -181,6 +181,9 @@ def _check_calibration(model: Any, request: CompileRequest,
         experts = next((k for k in _EXPERT_KEYS if (_positive(cfg, k) or 0) > 0), None)
         if experts is not None:
             moe = f"{where} is a mixture-of-experts model ({experts} {cfg[experts]})"
+            if cal.method == "signround":
+                raise CompileError(f"{flag}: {moe}; SignRound does not tune routed experts: "
+                                   "calibrate it with gptq or awq")
             if text_family_of(cfg.get("model_type")) not in CALIBRATED_MOE:
                 raise CompileError(f"{flag}: {moe} of type '{cfg.get('model_type')}', whose "
                                    "experts toptpu does not calibrate (it calibrates "

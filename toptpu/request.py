@@ -267,13 +267,13 @@ def _path(flag: str) -> Callable[[object], str | None]:
 # ----------------------------------------------------------------------------- calibration
 
 #: the methods `--calibrate` takes (`toptpu.weight_calibration`)
-CALIBRATION_METHODS = ("gptq", "awq")
+CALIBRATION_METHODS = ("gptq", "awq", "signround")
 #: the calibration set by default: samples x tokens (as AutoGPTQ and AutoAWQ use)
 DEFAULT_CALIBRATION_SAMPLES = 128
 DEFAULT_CALIBRATION_SEQ_LENGTH = 512
 #: what the calibration runs on without --calibration-data (`weight_calibration.data`)
 DEFAULT_CALIBRATION_TEXT = "Python's own documentation (pydoc_data.topics, shipped with Python)"
-CALIBRATION = "calibrated quantization (GPTQ / AWQ at compile time)"
+CALIBRATION = "calibrated quantization (GPTQ / AWQ / SignRound at compile time)"
 
 
 @dataclass(frozen=True)
@@ -288,22 +288,26 @@ class Calibration:
     samples: int = DEFAULT_CALIBRATION_SAMPLES
     sequence_length: int = DEFAULT_CALIBRATION_SEQ_LENGTH
     save: str | None = None
+    #: SignRound's tuning steps per layer (None: its default, 200)
+    iterations: int | None = None
 
 
 def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any,
-                 calibration_seq_length: Any, save_calibrated: Any) -> Calibration | None:
+                 calibration_seq_length: Any, save_calibrated: Any,
+                 calibration_iterations: Any) -> Calibration | None:
     """--calibrate, --calibration-data, --calibration-samples, --calibration-seq-length,
-    --save-calibrated."""
+    --save-calibrated, --calibration-iterations."""
     if calibrate is None:
         given = [flag for flag, v in (("--calibration-data", calibration_data),
                                       ("--calibration-samples", calibration_samples),
                                       ("--calibration-seq-length", calibration_seq_length),
-                                      ("--save-calibrated", save_calibrated))
+                                      ("--save-calibrated", save_calibrated),
+                                      ("--calibration-iterations", calibration_iterations))
                  if v is not None]
         if given:
             raise CompileError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} "
-                               "the calibration of --calibrate; give --calibrate gptq|awq or "
-                               f"drop {' and '.join(given)}")
+                               "the calibration of --calibrate; give --calibrate "
+                               f"{'|'.join(CALIBRATION_METHODS)} or drop {' and '.join(given)}")
         return None
     if calibrate not in CALIBRATION_METHODS:
         raise CompileError(f"--calibrate must be {' or '.join(CALIBRATION_METHODS)}, not "
@@ -317,6 +321,10 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any
     if calibration_data is not None and not files:
         raise CompileError("--calibration-data names no file; give one or more plain text "
                            "files (or drop it to calibrate on the default text)")
+    iterations = _count("--calibration-iterations")(calibration_iterations)
+    if iterations is not None and calibrate != "signround":
+        raise CompileError(f"--calibration-iterations: the tuning steps of --calibrate "
+                           f"signround; --calibrate {calibrate} has none (drop it)")
     samples = _count("--calibration-samples")(calibration_samples)
     length = _count("--calibration-seq-length")(calibration_seq_length)
     save = _path("--save-calibrated")(save_calibrated)
@@ -324,7 +332,8 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any
         raise CompileError("--save-calibrated: the path is empty; name a new directory")
     return Calibration(calibrate, tuple(os.fspath(f) for f in files),
                        DEFAULT_CALIBRATION_SAMPLES if samples is None else samples,
-                       DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length, save)
+                       DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length, save,
+                       iterations)
 
 
 def _pipeline(top_pipeline: Any, tpu_pipeline: Any, pass_after: Any, pass_before: Any
@@ -455,7 +464,8 @@ class CompileRequest:
     calibration: Calibration | None = asked(
         Option("calibrate", ("--calibrate",), None,
                "quantize the weights of the w4/w8 mode by a calibrated method instead of "
-               "rounding them to nearest: gptq or awq, one layer at a time on the outputs of "
+               "rounding them to nearest: gptq, awq or signround (tuned rounding and "
+               "ranges), one layer at a time on the outputs of "
                "the layers before it as quantized (a float model; --group-size and "
                "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
                group=CALIBRATION),
@@ -477,6 +487,10 @@ class CompileRequest:
                "layout, auto-round format: transformers and `toptpu compile DIR` load it); "
                "without it the checkpoint is removed once the model file is written",
                metavar="DIR", group=CALIBRATION),
+        Option("calibration_iterations", ("--calibration-iterations",), None,
+               "--calibrate signround: signed-gradient steps per layer (default 200, as "
+               "the paper and auto-round)", type=int_at_least(1), metavar="N",
+               group=CALIBRATION),
         parse=_calibration)
 
     #: the passes each net runs (`toptpu.pass_pipeline`): the top and tpu stages' passes

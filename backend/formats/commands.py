@@ -206,18 +206,25 @@ class Load(_Transfer):
             else self.local.nbytes
 
     @property
+    def part_first_row(self) -> int:
+        """The first row along axis 0 of the part moved (0 unless it cuts axis 0: a block
+        of experts)."""
+        start = self.window()[0].start
+        return 0 if start is None else int(start)
+
+    @property
     def nbytes(self) -> int:
         """Bytes moved: the whole part, or (by index) the modelled rows of it."""
         if self.index is None:
             return self.local.nbytes
         shape = self.index.shape
         tokens = numel(shape[:-1]) if len(shape) > 1 else 1
-        held, share = self.part_shape()[0], _device_share(self.tensor.name)
+        whole, share = self.shape[0], _device_share(self.tensor.name)
         # one device's share of experts cut over `share` devices (`W@shard0-<N>`, expert
-        # parallelism): the tokens pick among all held x share rows, this device moves
-        # its expected part of them
-        rows = expected_distinct(held * share, tokens, shape[-1] if shape else 1) / share
-        return round(rows * self.row_nbytes)
+        # parallelism): the tokens pick among all whole x share rows, this device moves
+        # its expected part of them; a part of the rows (a block of experts) its share
+        rows = expected_distinct(whole * share, tokens, shape[-1] if shape else 1) / share
+        return round(rows * self.part_shape()[0] / whole * self.row_nbytes)
 
     @property
     def run(self) -> int:
@@ -405,9 +412,10 @@ def check_command(c: Command, index: int, where: str) -> None:
             if np.dtype(c.index.dtype).kind not in "iu":
                 raise HeaderError(join(join(where, "index"), "dtype"),
                                   f"is {c.index.dtype}; indices are integers")
-            if c.axis == 0 or any(cut.axis == 0 for cut in c.cuts) or not c.shape:
+            # (a part along axis 0 is a block of rows: of those only the picked ones move)
+            if not c.shape:
                 raise HeaderError(join(where, "index"), "an indexed load picks rows along "
-                                                        "axis 0, which it must not slice")
+                                                        "axis 0, which its tensor must have")
         return
     if isinstance(c, Collective):
         _check_global(c.src, join(where, "src"))

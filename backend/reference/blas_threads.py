@@ -31,7 +31,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,6 +198,23 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     blas.set(threads)
     try:
         return np.matmul(a, b)
+    finally:
+        blas.set(blas.inherited)
+
+
+@contextmanager
+def products(m: int, k: int, n: int) -> Iterator[None]:
+    """Within: numpy's products run on the threads `threads_for(m, k, n)` chooses (the
+    BLAS's count restored after), set once for many products of that size (a tiled
+    product's tiles: `matmul` sets and restores the count around each product)."""
+    threads = threads_for(m, k, n)
+    blas = _the_blas()
+    if threads == 0 or blas._set is None or threads == blas.inherited:
+        yield
+        return
+    blas.set(threads)
+    try:
+        yield
     finally:
         blas.set(blas.inherited)
 

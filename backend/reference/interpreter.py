@@ -213,16 +213,19 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
         fetched = []  # buffers of the fetched experts: filled once their indices exist
         for load in loads:
             full = env[load.input]
-            window = (full if read_int(load.slice_axis) == -1
-                      else full[op.slice_window(load, i, full.shape)])
+            at_window = (tuple(slice(None) for _ in full.shape)
+                         if read_int(load.slice_axis) == -1
+                         else op.slice_window(load, i, full.shape))
+            window = full[at_window]
+            first = (at_window[0].start or 0) if at_window else 0  # a block's first row
             if load.by_index is not None and shape_of(load.output)[0] != window.shape[0]:
-                fetched.append((load, window))
+                fetched.append((load, window, first))
             else:
                 local[load.output] = window
         for inner in computes:
-            for load, window in fetched:
+            for load, window, first in fetched:
                 if load.output not in local and load.output in inner.operands:
-                    local[load.output] = fetched_rows(load, window, local)
+                    local[load.output] = fetched_rows(load, window, local, first)
             operands = operand_arrays(inner, local)
             if parts > 1:  # the group's one op, a reduction split in parts
                 acc = reduction_part(inner, operands, None if at == 0 else acc, at)
@@ -251,17 +254,18 @@ def _group(op: Operation, args: Arrays, ctx: EvalContext) -> Sequence[np.ndarray
     return [outs[v] for v in term.operands]
 
 
-def fetched_rows(load: tpu.LoadOp, window: np.ndarray, local: Mapping[SSAValue, np.ndarray]
-                 ) -> np.ndarray:
+def fetched_rows(load: tpu.LoadOp, window: np.ndarray, local: Mapping[SSAValue, np.ndarray],
+                 first: int = 0) -> np.ndarray:
     """A buffer of the fetched experts (`tpu.load` `by_index` with fewer rows than its
-    input): the rows of `window` its consumer's indices name, ascending, in its first rows,
-    the others zero (what the machine's indexed load writes)."""
+    window, the rows `first` .. of its input): the rows of `window` its consumer's indices
+    name, ascending, in its first rows, the others zero (what the machine's indexed load
+    writes)."""
     (use, *_) = load.output.uses
     consumer = use.operation
     assert isinstance(consumer, SlicingInterface)
     index = consumer.operands[consumer.fetched_by_index()[use.index]]
     picks = np.asarray(local[index]).astype(np.int64)
-    rows = np.unique(picks[picks >= 0])
+    rows = np.unique(picks[(picks >= first) & (picks < first + window.shape[0])]) - first
     out = np.zeros((shape_of(load.output)[0], *window.shape[1:]), window.dtype)
     if rows.size > out.shape[0]:
         raise IndexError(f"{load.name}: the indices name {rows.size} rows, its buffer holds "

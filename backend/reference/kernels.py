@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from toptpu.backend.reference.blas_threads import matmul as _matmul
+from toptpu.backend.reference.blas_threads import products as _products
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
@@ -712,20 +713,40 @@ def matmul_part(acc: np.ndarray | None, a: np.ndarray, b: np.ndarray,
     return np.add(acc, r, out=r)
 
 
+#: the f32 bytes of a float weight's rows `matmul_weight_rows` converts at a time: about
+#: this host's L2 (2 MiB a core), so the block is converted and multiplied in cache
+WEIGHT_ROWS_TILE_BYTES = 2 << 20
+
+
 def matmul_weight_rows(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndarray:
     """a @ f32(w).T in f32 without the bias, for a float weight `w` [N, K] (a bf16
-    lm_head) whose f32 form is never made whole: `block_rows` of its rows are converted at
-    a time (contiguous) and multiplied while in cache, each block's outputs written into
-    the result. Each output is the same dot product as in `matmul(a, w,
-    transpose_b=True)`'s one product (and `matmul_part`'s, `a` contiguous); whether a BLAS
-    gives it the same bits when it computes fewer outputs together depends on the BLAS,
-    so a caller checks it per shape (`WeightCache.f32_rows_product`)."""
+    lm_head) whose f32 form is never made whole: at most `block_rows` of its rows (fewer
+    where their f32 form is over WEIGHT_ROWS_TILE_BYTES: a multiple of 16 rows) are
+    converted at a time into one reused buffer (a bf16's bits shifted into the upper half
+    of a uint32: `f32`'s bits) and multiplied while in cache, on the threads set once for
+    all blocks, each block's outputs written into the result. Each output is the same dot
+    product as in `matmul(a, w, transpose_b=True)`'s one product (and `matmul_part`'s, `a`
+    contiguous); whether a BLAS gives it the same bits when it computes fewer outputs
+    together depends on the BLAS, so a caller checks it per shape
+    (`WeightCache.f32_rows_product`)."""
     fa = np.ascontiguousarray(f32(a))
-    n = w.shape[0]
+    n, k = w.shape
+    rows = max(1, min(block_rows, n))
+    fit = WEIGHT_ROWS_TILE_BYTES // (4 * max(1, k)) // 16 * 16
+    if fit and rows > fit:
+        rows = fit
     r = np.empty((*fa.shape[:-1], n), np.float32)
-    for r0 in range(0, n, max(1, block_rows)):
-        block = np.ascontiguousarray(f32(w[r0:r0 + block_rows]))
-        r[..., r0:r0 + block.shape[0]] = _matmul(fa, block.T)
+    bf16 = w.dtype == BF16
+    buf = np.empty((rows, k), np.uint32 if bf16 else np.float32)
+    src = w.view(np.uint16) if bf16 else w
+    with _products(math.prod(fa.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            b = buf[:m]
+            np.copyto(b, src[r0:r0 + m])
+            if bf16:
+                np.left_shift(b, 16, out=b)
+            _block_product(fa, b.view(np.float32), r, r0)
     return r
 
 
@@ -910,7 +931,8 @@ def moe_route(logits: np.ndarray, valid: np.ndarray | None, k: int, normalize: b
 
 def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up: np.ndarray,
                      down: np.ndarray, weights: np.ndarray, indices: np.ndarray,
-                     fetched_from: int | None = None) -> np.ndarray:
+                     fetched_from: int | None = None, block: tuple[int, int] | None = None
+                     ) -> np.ndarray:
     """One part of the experts (`top.moe_experts`) over the intermediate rows its `gate`
     [E, i, H], `up` [E, i, H] and `down` [E, H, i] hold (all of them: the whole op), added
     into the f32 accumulator `acc` [T, H] (None: the first part). Each expert some token
@@ -921,35 +943,49 @@ def moe_experts_part(acc: np.ndarray | None, x: np.ndarray, gate: np.ndarray, up
 
     `fetched_from` (a layer group's buffers of the fetched experts, `tpu.load` `by_index`):
     the indices range over that many experts, and gate, up and down hold only the ones they
-    name, in ascending order, in their first rows (the same numbers, the same order)."""
+    name, in ascending order, in their first rows (the same numbers, the same order).
+
+    `block` (first, count): a part of the experts instead (a layer group's expert blocks):
+    only the experts first .. first + count - 1 are added, the weights hold that block —
+    row e - first is expert e, or with fewer than `count` rows its chosen experts packed
+    in ascending order. Folding the blocks in ascending order into one accumulator adds
+    each token's experts in the whole op's order: the same bits."""
     return _experts_fold(acc, x, weights, indices, gate.shape[0],
-                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])), fetched_from)
+                         lambda e: (f32(gate[e]), f32(up[e]), f32(down[e])), fetched_from,
+                         block)
 
 
 def _experts_fold(acc: np.ndarray | None, x: np.ndarray, weights: np.ndarray,
                   indices: np.ndarray, n: int,
                   expert: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
-                  fetched_from: int | None = None) -> np.ndarray:
+                  fetched_from: int | None = None, block: tuple[int, int] | None = None
+                  ) -> np.ndarray:
     """The arithmetic of `moe_experts_part` and `a16_moe_experts_part`: `expert(r)` gives
     the gate, up and down in f32 of the expert at row r of the `n` rows the weights hold,
     asked only for the experts some token chose. Row r is expert r, or with `fetched_from`
     (the indices' range; the weights hold the chosen experts only, ascending) the r-th
-    chosen expert; more chosen experts than the `n` rows is an IndexError."""
+    chosen expert; more chosen experts than the `n` rows is an IndexError. With `block`
+    (first, count; the indices range over `fetched_from`) only that block's experts are
+    added: row r is expert first + r, or with n < count the r-th chosen of the block."""
     idx = np.asarray(indices).astype(np.int64)
     span = n if fetched_from is None else fetched_from
     if idx.size and (idx.min() < -1 or idx.max() >= span):
         bad = int(idx[(idx < -1) | (idx >= span)].flat[0])
         raise IndexError(f"moe_experts index {bad} is out of range for {span} experts")
+    first, count = (0, span) if block is None else block
+    packed = fetched_from is not None and (block is None or n < count)
+    if block is not None and not packed and n != count:
+        raise IndexError(f"moe_experts: a block of {count} experts, its weights hold {n}")
     fx, fw = f32(x), f32(weights)
     out = np.zeros(fx.shape, np.float32) if acc is None else acc.copy()
-    chosen = np.unique(idx[idx >= 0])
-    if fetched_from is not None and chosen.size > n:
+    chosen = np.unique(idx[(idx >= first) & (idx < first + count)])
+    if packed and chosen.size > n:
         raise IndexError(f"moe_experts: the indices name {chosen.size} experts, its weights "
                          f"hold {n}")
     for row, e in enumerate(chosen):
         tokens, slots = np.nonzero(idx == e)
         rows = np.ascontiguousarray(fx[tokens])
-        gate_e, up_e, down_e = expert(int(e) if fetched_from is None else row)
+        gate_e, up_e, down_e = expert(row if packed else int(e) - first)
         g = rows @ np.ascontiguousarray(gate_e).T
         u = rows @ np.ascontiguousarray(up_e).T
         y = (silu(g) * u) @ np.ascontiguousarray(down_e).T
@@ -1031,6 +1067,11 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     without zero points; 0 for weights with mins, `with_mins`), exact, as int8 where every
     q - z the dtypes allow fits (4-bit weights with zero points up to 127), else int16: the
     integer half of `dequantize`, a new array (never a view of `qweight`)."""
+    if bits == 4 and sys.byteorder == "little":
+        implied = 0 if with_mins else 8
+        fast = _offsets_4bit(np.asarray(qweight), zeros, implied, group_size)
+        if fast is not None:
+            return fast
     q = unpack_int4(qweight) if bits == 4 else np.asarray(qweight)
     n, k = q.shape
     g = k // group_size
@@ -1053,6 +1094,50 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
         return np.subtract(qg.astype(np.int8, copy=False), z.astype(np.int8),
                            dtype=np.int8).reshape(n, k)
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)
+
+
+def _offsets_4bit(qweight: np.ndarray, zeros: np.ndarray | None, implied: int,
+                  group_size: int, block_rows: int = 64) -> np.ndarray | None:
+    """`weight_offsets` of a 4-bit weight as int8 on a little-endian host, made from the
+    packed bytes a block of rows at a time in the result itself (`matmul_packed`'s spread:
+    each packed byte widened to the uint16 of its two weights, its high nibble moved to the
+    high byte, over uint64 lanes where a row is whole uint64s; the zero point subtracted in
+    int8): the same integers as unpacking first, in fewer passes. None where some q - z
+    leaves int8 (zero points below -112 or above 127: `weight_offsets` makes int16)."""
+    n, half = qweight.shape
+    k = 2 * half
+    if group_size <= 0 or k % group_size:
+        return None
+    if zeros is not None:
+        zs = np.asarray(zeros)
+        if zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
+            return None
+        z: np.ndarray | None = (zs.view(np.int8) if zs.dtype == np.uint8
+                                else zs.astype(np.int8))[:, :, None]
+    else:
+        z = None
+    g = k // group_size
+    out = np.empty((n, k), np.int8)
+    wide = out.view(np.uint16)  # [n, half]: one packed byte's two weights each
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    four = lanes(4)
+    rows = max(1, min(block_rows, n))
+    shifted = np.empty((rows, half), np.uint16)
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        v = wide[r0:r0 + m]
+        np.copyto(v, qweight[r0:r0 + m])
+        vl, tl = v.view(lanes), shifted[:m].view(lanes)
+        np.left_shift(vl, four, out=tl)
+        np.bitwise_or(vl, tl, out=vl)
+        np.bitwise_and(vl, mask, out=vl)
+        d = out[r0:r0 + m].reshape(m, g, group_size)
+        if z is not None:
+            np.subtract(d, z[r0:r0 + m], out=d)
+        elif implied:
+            np.subtract(d, np.int8(implied), out=d)
+    return out
 
 
 def dequantize_offsets(offsets: np.ndarray, scales: np.ndarray, group_size: int,
@@ -1088,13 +1173,25 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
     rows = max(1, min(block_rows, n))
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        b = block[:m]
-        np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
-        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
-        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    with _products(math.prod(fx.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            b = block[:m]
+            np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
+            _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+            _block_product(fx, b.reshape(m, k), r, r0)
     return _biased(r, bias, out_dtype, x)
+
+
+def _block_product(fx: np.ndarray, block: np.ndarray, r: np.ndarray, r0: int) -> None:
+    """r[..., r0:r0 + m] = fx @ block.T for a block [m, K] of a weight's rows, written in
+    place where that slice of `r` is one contiguous run (one row of x), on the threads
+    the caller set (`blas_threads.products`, once for all blocks)."""
+    m = block.shape[0]
+    if math.prod(r.shape[:-1]) == 1:
+        np.matmul(fx.reshape(1, -1), block.T, out=r.reshape(1, -1)[:, r0:r0 + m])
+    else:
+        r[..., r0:r0 + m] = np.matmul(fx, block.T)
 
 
 def _scale_block(b: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> None:
@@ -1139,24 +1236,31 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     rows = max(1, min(block_rows, n))
     wide = np.empty((rows, half), np.uint16)
     shifted = np.empty_like(wide)
+    # the spread's passes over 8 bytes at a time (4 packed bytes: no bit crosses from one
+    # uint16 to the next, each holds a byte) where a row is whole uint64s
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    four = lanes(4)
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        v, t = wide[:m], shifted[:m]
-        np.copyto(v, qweight[r0:r0 + m])
-        np.left_shift(v, 4, out=t)
-        np.bitwise_or(v, t, out=v)
-        np.bitwise_and(v, 0x0F0F, out=v)
-        d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
-        if isinstance(z, np.ndarray):
-            np.subtract(d, z[r0:r0 + m], out=d)
-        elif z:
-            np.subtract(d, np.int8(z), out=d)
-        b = block[:m]
-        np.copyto(b, d)
-        _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
-        r[..., r0:r0 + m] = _matmul(fx, b.reshape(m, k).T)
+    with _products(math.prod(fx.shape[:-1]), k, rows):
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            v, t = wide[:m], shifted[:m]
+            np.copyto(v, qweight[r0:r0 + m])
+            vl, tl = v.view(lanes), t.view(lanes)
+            np.left_shift(vl, four, out=tl)
+            np.bitwise_or(vl, tl, out=vl)
+            np.bitwise_and(vl, mask, out=vl)
+            d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
+            if isinstance(z, np.ndarray):
+                np.subtract(d, z[r0:r0 + m], out=d)
+            elif z:
+                np.subtract(d, np.int8(z), out=d)
+            b = block[:m]
+            np.copyto(b, d)
+            _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
+            _block_product(fx, b.reshape(m, k), r, r0)
     return _biased(r, bias, out_dtype, x)
 
 
@@ -1185,14 +1289,14 @@ def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
                          down_q: np.ndarray, down_s: np.ndarray, down_z: np.ndarray | None,
                          down_m: np.ndarray | None,
                          weights: np.ndarray, indices: np.ndarray, *, bits: Sequence[int],
-                         group_sizes: Sequence[int], fetched_from: int | None = None
-                         ) -> np.ndarray:
+                         group_sizes: Sequence[int], fetched_from: int | None = None,
+                         block: tuple[int, int] | None = None) -> np.ndarray:
     """`moe_experts_part` with quantized experts (`tpu.a16_moe_experts`): each projection
     stacked by expert in `tpu.a16_matmul`'s layout (qweight [E, N, K/2] or [E, N, K],
     scales [E, N, G], zero points or mins [E, N, G] or None), `bits` and `group_sizes`
     per projection (gate, up, down). Only the experts some token chose are dequantized
     (`dequantize`, the a16_matmul's own), then computed as the float experts are
-    (`fetched_from` as there)."""
+    (`fetched_from` and `block` as there)."""
     stacked = ((gate_q, gate_s, gate_z, gate_m), (up_q, up_s, up_z, up_m),
                (down_q, down_s, down_z, down_m))
 
@@ -1202,7 +1306,8 @@ def a16_moe_experts_part(acc: np.ndarray | None, x: np.ndarray,
                    for (q, s, z, m), b, gs in zip(stacked, bits, group_sizes, strict=True))
         return g, u, d
 
-    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert, fetched_from)
+    return _experts_fold(acc, x, weights, indices, gate_q.shape[0], expert, fetched_from,
+                         block)
 
 
 def a16_moe_experts(x: np.ndarray, gate_q: np.ndarray, gate_s: np.ndarray,

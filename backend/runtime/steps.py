@@ -105,9 +105,13 @@ class IndexedLoadStep(LoadStep):
         if rows.size and rows[-1] >= whole.shape[0]:
             raise MachineTrap(f"{self.who}: index {int(rows[-1])} past the {whole.shape[0]} "
                               f"rows of {self.cmd.tensor}")
+        # the part's rows along axis 0 (a block of experts, or all of them): only the
+        # picked rows inside it are read
+        first, count = self.cmd.part_first_row, self.cmd.part_shape()[0]
+        rows = rows[(rows >= first) & (rows < first + count)]
         part = np.zeros(self.local.shape, self.local.dtype)
         held = self.local.shape[0]
-        fetched = held < whole.shape[0]  # a buffer of the fetched rows, ascending
+        fetched = held < count  # a buffer of the fetched rows, ascending
         if fetched and rows.size > held:
             raise MachineTrap(f"{self.who}: its index names {rows.size} rows of "
                               f"{self.cmd.tensor}; its buffer holds {held}")
@@ -116,7 +120,7 @@ class IndexedLoadStep(LoadStep):
             if fetched:
                 part[:rows.size] = whole[index]
             else:
-                part[rows] = whole[index]
+                part[rows - first] = whole[index]
         m.local.write(self.local, part, self.who)
         m.provenance.pop(self.local.buf, None)
         row = self.cmd.row_nbytes

@@ -26,7 +26,8 @@ the offsets of all fit: f32 for the first weights, offsets for the rest. A conve
 no smaller form (the f32 form of a bf16 lm_head) may take the room of quantized weights'
 f32 forms the same way. A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
-form to memory (about 2x faster), once that was found bit-identical for the shape. A
+form to memory (about 2x faster), once that was found bit-identical for the shape — from
+the product that first keeps the offsets on (that product makes no whole f32 form). A
 decode step's product with a weight kept in no form (the budget is full) is made the same
 way from the packed bytes (`streamed_product`: a 4-bit weight's offsets made a block at a
 time in cache, `kernels.matmul_packed`; others' STREAM_ROWS rows' offsets at a time: the
@@ -228,13 +229,23 @@ class WeightCache:
         is kept as offsets and `x` has at most FUSED_ROWS rows (a decode step), the product
         expands the weight a block of rows at a time (`kernels.matmul_offsets`), once its
         bits were found equal to the whole weight's product for this shape on this host
-        (the first product of each shape computes both; `fused_ok` holds the verdicts)."""
+        (the first product of each shape computes both; `fused_ok` holds the verdicts). A
+        decode step's product with a weight kept in no form yet that `dequantized` would
+        keep as offsets (its f32 form does not fit) keeps the offsets itself and is made
+        from them the same way: its whole f32 form is not made for it."""
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
-        if off is None and rows <= FUSED_ROWS and key not in self._items \
-                and not self._room_for_offsets(key, qweight, bits, keep):
-            return self.streamed_product(x, qweight, scales, zeros, bits, group_size, bias,
-                                         out_dtype, mins)
+        if off is None and rows <= FUSED_ROWS and key not in self._items:
+            if not self._room_for_offsets(key, qweight, bits, keep):
+                return self.streamed_product(x, qweight, scales, zeros, bits, group_size,
+                                             bias, out_dtype, mins)
+            if not self._f32_fits(key, qweight, bits):
+                # kept as offsets (as `dequantized` would keep it), and this product made
+                # from them a block at a time: its whole f32 form is never made
+                off = K.weight_offsets(qweight, zeros, bits, group_size, mins is not None)
+                self._reserved_total -= self._reserved.pop(key, 0)
+                self._make_room(off.nbytes)
+                self._keep(self._offsets, key, off)
         if off is None or rows > FUSED_ROWS:  # (a weight kept as offsets has no f32 form)
             w = self.dequantized(key, qweight, scales, zeros, bits, group_size, keep, mins)
             return K.matmul_dequantized(x, w, bias, out_dtype)
@@ -250,6 +261,16 @@ class WeightCache:
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole
+
+    def _f32_fits(self, key: Hashable, qweight: np.ndarray, bits: int) -> bool:
+        """Whether `dequantized` would keep the weight under `key` as its f32 form: not
+        given up before, and its f32 bytes within the free budget (its own reservation
+        counted free, as `dequantized` releases it first)."""
+        if key in self._given_up:
+            return False
+        n = qweight.shape[0]
+        k = qweight.shape[-1] * (2 if bits == 4 else 1)
+        return self._free() + self._reserved.get(key, 0) >= 4 * n * k
 
     def _room_for_offsets(self, key: Hashable, qweight: np.ndarray, bits: int,
                           keep: bool) -> bool:

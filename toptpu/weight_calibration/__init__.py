@@ -1,4 +1,5 @@
-"""Calibrated weight quantization at compile time: GPTQ and AWQ, one layer at a time.
+"""Calibrated weight quantization at compile time: GPTQ, AWQ and SignRound, one layer at a
+time.
 
 A float model (a checkpoint directory or GGUF file, read one layer at a time; or a
 transformers model in memory) and plain text files in, a pre-quantized checkpoint directory
@@ -8,6 +9,8 @@ checkpoint (`frontends.quant`): its integers go into `tpu.a16_matmul` as they ar
 - `grid`: the integer grid (GPTQ's), `QuantScheme`, round to nearest;
 - `gptq`: GPTQ on one linear (Hessian, damping, act-order with static groups, lazy batches);
 - `awq`: AWQ's scale search, folding and clipping on one layer (a MoE layer's experts too);
+- `signround`: SignRound's tuned rounding offsets and group ranges (signed gradient descent
+  on the layer's output error, in torch);
 - `experts`: a mixture-of-experts layer's routed experts, GPTQ per expert on its tokens;
 - `data`: calibration text files -> token sequences, bad data refused;
 - `layers`: what is calibrated in a layer (`LayerPlan`), running a layer, the layer sources;
@@ -33,6 +36,7 @@ from toptpu.weight_calibration.sequential import (
     calibrate,
     request_for_mode,
 )
+from toptpu.weight_calibration.signround import SignRoundOptions
 
 __all__ = [
     "DEFAULT_SEQUENCES",
@@ -45,6 +49,7 @@ __all__ = [
     "CalibrationReport",
     "CalibrationRequest",
     "QuantScheme",
+    "SignRoundOptions",
     "calibrate",
     "calibration_data",
     "request_for_mode",

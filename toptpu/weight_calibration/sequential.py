@@ -22,13 +22,18 @@ integers (`bench/calibration_memory_7b.py` measures it per phase). AWQ: the floa
 layer and the inputs of each of the layer's linears for the search tokens
 (`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes); a MoE layer's also a
 copy of every expert's gate/up while their shared scale is searched, and each expert's
-down inputs on its routed search tokens (`awq` module doc). The calibration set's
+down inputs on its routed search tokens (`awq` module doc). SignRound: the float32 layer,
+three float32 copies of its quantized weights (offsets, their gradient, the best offsets)
+and one batch's activations with their gradients (`signround` module doc); its targets are
+the float model's own hidden states, kept in a second scratch file beside the quantized
+ones and run through each float layer before it is tuned. The calibration set's
 hidden states live in a scratch file (`activations`); the checkpoint outside the layer is
 never read whole: the embedding rows of the calibration tokens only (a streamed source).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -45,6 +50,7 @@ from toptpu.frontends.hf_loader import LoadedModel, dir_bytes, load_model
 from toptpu.passes.convert_top_to_tpu import parse_mode
 from toptpu.weight_calibration.activations import (
     Activations,
+    InMemory,
     LayerInputs,
     layer_inputs,
 )
@@ -89,15 +95,17 @@ from toptpu.weight_calibration.layers import (
     layer_plan,
     open_layers,
 )
+from toptpu.weight_calibration.signround import SignRoundOptions, tune_layer
 
-METHODS = ("gptq", "awq", "rtn")
+METHODS = ("gptq", "awq", "signround", "rtn")
 
 
 @dataclass(frozen=True)
 class CalibrationRequest:
-    """What to calibrate and how. `method`: gptq | awq | rtn (the same grid and export,
-    round to nearest: the baseline). GPTQ: `act_order` (static groups), `percdamp`,
-    `block_size`; AWQ: `awq`. `export_format`: gptq | auto_round (`export`)."""
+    """What to calibrate and how. `method`: gptq | awq | signround | rtn (the same grid and
+    export, round to nearest: the baseline). GPTQ: `act_order` (static groups), `percdamp`,
+    `block_size`; AWQ: `awq`; SignRound: `signround`. `export_format`: gptq | auto_round
+    (`export`)."""
 
     method: str = "gptq"
     scheme: QuantScheme = field(default_factory=QuantScheme)
@@ -105,6 +113,7 @@ class CalibrationRequest:
     percdamp: float = 0.01
     block_size: int = 128
     awq: AwqOptions = field(default_factory=AwqOptions)
+    signround: SignRoundOptions = field(default_factory=SignRoundOptions)
     export_format: str = "auto_round"
     #: GPTQ's dtype (`gptq`): float32 as the reference code, or float64
     gptq_dtype: str = "float32"
@@ -128,12 +137,13 @@ class CalibrationRequest:
 
 
 def request_for_mode(method: str, mode: str, group_size: int | None = None,
-                     symmetric: bool | None = None) -> CalibrationRequest:
-    """The request `toptpu compile -q MODE [--group-size G] [--symmetric] --calibrate METHOD`
-    implies, as the compiler's own weight quantization would be shaped: w4 in groups
-    (default the compiler's, 64; -1 per channel), asymmetric unless symmetric; w8 per
-    channel and symmetric (the compiler's w8); exported in the `auto_round` format
-    (`export`)."""
+                     symmetric: bool | None = None, iterations: int | None = None
+                     ) -> CalibrationRequest:
+    """The request `toptpu compile -q MODE [--group-size G] [--symmetric] --calibrate METHOD
+    [--calibration-iterations N]` implies, as the compiler's own weight quantization would
+    be shaped: w4 in groups (default the compiler's, 64; -1 per channel), asymmetric unless
+    symmetric; w8 per channel and symmetric (the compiler's w8); SignRound's steps per layer
+    `iterations` (None: its default); exported in the `auto_round` format (`export`)."""
     try:
         bits = parse_mode(mode)[1]
     except ValueError as e:
@@ -147,7 +157,8 @@ def request_for_mode(method: str, mode: str, group_size: int | None = None,
     else:
         scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
                              bool(symmetric))
-    return CalibrationRequest(method, scheme)
+    options = SignRoundOptions() if iterations is None else SignRoundOptions(iterations)
+    return CalibrationRequest(method, scheme, signround=options)
 
 
 @dataclass
@@ -311,15 +322,20 @@ def _experts(runner: LayerRunner, path: str, x: LayerInputs, request: Calibratio
 def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
                     quantized: set[str], request: CalibrationRequest,
                     on_stage: Callable[[str], None] | None = None,
-                    experts_out: list[ExpertsResult] | None = None
+                    experts_out: list[ExpertsResult] | None = None,
+                    targets: torch.Tensor | LayerInputs | None = None, index: int = 0
                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
     """The layer's `quantized` linears by the request's method; afterwards the layer holds
     their dequantized weights (and AWQ's folded scales). A MoE layer's routed experts:
     GPTQ per expert; AWQ's scales (`awq` module doc) then rounded to nearest; or rounded
-    to nearest (`rtn`). Under AWQ the experts no search token was routed to are the
-    result's `unrouted` (appended to `experts_out`)."""
+    to nearest (`rtn`); SignRound refuses them. Under AWQ the experts no search token was
+    routed to are the result's `unrouted` (appended to `experts_out`). SignRound tunes
+    against `targets` (the float layer's outputs; None: the layer's own float outputs on
+    `x`), its batches seeded with the layer's `index`."""
     if request.method == "gptq":
         return gptq_layer(runner, plan, x, quantized, request, on_stage, experts_out)
+    if request.method == "signround":
+        return _signround_layer(runner, plan, x, quantized, request, on_stage, targets, index)
     details: dict[str, float] = {}
     unscaled: list[int] = []
     tokens: list[int] = []
@@ -339,6 +355,32 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
         if experts_out is not None:
             experts_out.extend(routed)
     return out, details
+
+
+def _signround_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+                     quantized: set[str], request: CalibrationRequest,
+                     on_stage: Callable[[str], None] | None,
+                     targets: torch.Tensor | LayerInputs | None, index: int
+                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
+    if plan.experts is not None and plan.experts in quantized:
+        raise CalibrationError("--calibrate signround does not tune a mixture-of-experts "
+                               "layer's routed experts; calibrate this model with gptq or awq")
+    x = layer_inputs(x)
+    if targets is None:
+        targets = InMemory(torch.empty(x.shape))
+        for b in runner.batches(x.shape[0]):
+            targets.write(b, runner.forward(x.read(b)))
+    options = request.signround
+    every = max(1, options.iterations // 20)
+
+    def step(i: int) -> None:
+        if on_stage is not None and ((i + 1) % every == 0 or i + 1 == options.iterations):
+            on_stage(f"tuning step {i + 1}/{options.iterations}")
+
+    res = tune_layer(runner, x, targets, sorted(quantized), request.scheme, options,
+                     seed=index, on_iteration=step)
+    return res.weights, {"loss:rtn": res.initial_loss, "loss:best": res.best_loss,
+                         "best_iteration": float(res.best_iteration)}
 
 
 @torch.no_grad()
@@ -508,11 +550,18 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
     hidden = int(source.config.hidden_size)
     n, length = data.sequences, data.sequence_length
     try:
-        with Activations(n, length, hidden, writer.directory) as x:
+        with contextlib.ExitStack() as scratch:
+            x = scratch.enter_context(Activations(n, length, hidden, writer.directory))
+            # SignRound's targets: the float model's own hidden states (`signround`)
+            xf = scratch.enter_context(Activations(n, length, hidden, writer.directory)) \
+                if request.method == "signround" else None
             step = max(1, request.batch_tokens // length)
             for s0 in range(0, n, step):
                 rows = slice(s0, min(s0 + step, n))
-                x.write(rows, source.embed(data.tokens[rows]))
+                embedded = source.embed(data.tokens[rows])
+                x.write(rows, embedded)
+                if xf is not None:
+                    xf.write(rows, embedded)
             for i in range(n_layers):
                 t = time.perf_counter()
                 bar.stage(i, "loading")
@@ -537,11 +586,15 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                             f"do not fit {scheme.bits}-bit groups of {scheme.group_size}; "
                             "choose a group size that divides the expert widths")
                     quantized.add(plan.experts)
+                if xf is not None:
+                    bar.stage(i, "running the float layer")
+                    layer_outputs(runner, xf, f"the float layer {i}")
                 bar.stage(i, "searching scales" if request.method == "awq" else "")
                 routed: list[ExpertsResult] = []
                 results, details = calibrate_layer(
                     runner, plan, x, quantized, request,
-                    on_stage=functools.partial(bar.stage, i), experts_out=routed)
+                    on_stage=functools.partial(bar.stage, i), experts_out=routed,
+                    targets=xf, index=i)
                 for res in routed:
                     if res.unrouted and request.method in ("gptq", "awq"):
                         names = [f"model.layers.{i}.{plan.experts}.{e}" for e in res.unrouted]
@@ -574,7 +627,10 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
             scheme, request.export_format, request.method,
             request.act_order and request.method == "gptq", report.float_linears,
             {"sequences": data.sequences, "sequence_length": data.sequence_length,
-             **({"rtn_experts": report.rtn_experts} if report.rtn_experts else {})})
+             **({"rtn_experts": report.rtn_experts} if report.rtn_experts else {}),
+             **({"iterations": request.signround.iterations,
+                 "batch_size": request.signround.batch_size}
+                if request.method == "signround" else {})})
         writer.finish(config, files)
     except BaseException:
         writer.abort()

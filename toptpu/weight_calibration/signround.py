@@ -1,0 +1,319 @@
+"""SignRound (Cheng et al., "Optimize Weight Rounding via Signed Gradient Descent for the
+Quantization of LLMs", arXiv 2309.05516), with auto-round's min-max tuning: the rounding of
+every weight and the range of every group tuned per decoder layer, in torch (float32).
+
+For each quantized linear (``W`` [N, K], groups of ``g`` input channels) the trainable
+parameters are a rounding offset ``V`` [N, K] (starts 0, kept in [-0.5, 0.5]) and two range
+factors per group, ``alpha`` for the maximum and ``beta`` for the minimum (start 1, kept in
+[0, 1], as auto-round's ``minmax_scale_bound``). The dequantized weight the layer computes
+with (`tuned_grid`, the grid of `grid` with the factors and the offset):
+
+    lo = min(min(w), 0) * beta        hi = max(max(w), 0) * alpha
+    scale = (hi - lo) / maxq, rounded to the scales' storage dtype (float16)
+    zero  = clamp(round(-lo / scale), 0, maxq)
+    q     = clamp(round(w / scale + V) + zero, 0, maxq)       w~ = (q - zero) * scale
+
+(symmetric: ``hi = max(-lo, hi)``, ``zero = (maxq + 1) / 2``). Every ``round`` is
+straight-through (its gradient the identity). With ``V = 0`` and the factors 1 this is round
+to nearest, bit for bit (`grid.rtn`).
+
+The loss is the mean squared error between the layer's output with every quantized linear
+so tuned and the float layer's output (`tune_layer`). Its inputs are the previous layers'
+outputs *as quantized*; its target the float layer's output on the float model's own
+hidden states at that layer (auto-round's ``enable_quanted_input``: the driver keeps both
+streams, `sequential`). Each iteration takes a batch of calibration sequences (`batch_size`,
+default 8 as auto-round; sequences drawn from a seeded shuffle, reshuffled when fewer than
+a batch are left), computes the loss and its gradient, keeps the parameters if the loss is
+the lowest seen so far, then takes one signed-gradient step ``p -= lr_i * sign(dL/dp)`` with
+``lr_i = lr * (1 - i / iterations)`` (linear decay to 0; ``lr`` default ``1 / iterations``
+for the offsets and the factors alike) and projects the parameters into their ranges. After
+`iterations` steps the best-loss parameters give the integers, scales and zero points
+(`QuantizedWeights`), which go into the checkpoint as GPTQ's do.
+
+Memory, per layer: the float32 layer, for each linear ``V``, its gradient and the best
+``V`` (three float32 copies of the weights), the dequantized weights of a forward, and one
+batch's activations with their gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn.utils import parametrize
+
+from toptpu.weight_calibration.activations import LayerInputs, layer_inputs
+from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, QuantScheme
+from toptpu.weight_calibration.layers import LINEAR_ATTENTION, LayerRunner
+
+#: auto-round's (and the paper's) default number of tuning steps per layer
+DEFAULT_ITERATIONS = 200
+#: auto-round's default batch of calibration sequences per step
+DEFAULT_BATCH_SIZE = 8
+#: the bounds of the rounding offsets and of the range factors
+OFFSET_BOUND = 0.5
+FACTOR_BOUNDS = (0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class SignRoundOptions:
+    """`iterations` signed-gradient steps per layer on batches of `batch_size` sequences,
+    learning rate `learning_rate` (None: ``1 / iterations``) for the offsets and
+    `minmax_learning_rate` (None: the same) for the range factors, tuned only with
+    `minmax_tuning`; the batches drawn with `seed`; torch's intra-op threads set to
+    `threads` while tuning (two spin against each other on a loaded two-core host)."""
+
+    iterations: int = DEFAULT_ITERATIONS
+    batch_size: int = DEFAULT_BATCH_SIZE
+    learning_rate: float | None = None
+    minmax_learning_rate: float | None = None
+    minmax_tuning: bool = True
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) \
+                or self.iterations < 1:
+            raise CalibrationError(f"SignRound iterations {self.iterations!r}: a whole number "
+                                   "of steps, at least 1")
+        if self.batch_size < 1:
+            raise CalibrationError(f"SignRound batch size {self.batch_size}: at least 1")
+        for name, lr in (("learning rate", self.learning_rate),
+                         ("min-max learning rate", self.minmax_learning_rate)):
+            if lr is not None and not (np.isfinite(lr) and lr > 0):
+                raise CalibrationError(f"SignRound {name} {lr}: a positive number")
+        if self.threads < 1:
+            raise CalibrationError(f"SignRound threads {self.threads}: at least 1")
+
+    @property
+    def lr(self) -> float:
+        return 1.0 / self.iterations if self.learning_rate is None else self.learning_rate
+
+    @property
+    def minmax_lr(self) -> float:
+        return self.lr if self.minmax_learning_rate is None else self.minmax_learning_rate
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) (half to even) with the identity's gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _scale_dtype(scheme: QuantScheme) -> torch.dtype:
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float32": torch.float32}[scheme.scale_dtype]
+
+
+def _smallest_scale(scheme: QuantScheme) -> float:
+    """The storage dtype's smallest positive value (`grid.round_scale`'s)."""
+    dt = _scale_dtype(scheme)
+    bits = torch.int32 if dt == torch.float32 else torch.int16
+    return float(torch.tensor(1, dtype=bits).view(dt).float())
+
+
+def tuned_grid(weight: torch.Tensor, offset: torch.Tensor | None, max_factor: torch.Tensor | None,
+               min_factor: torch.Tensor | None, scheme: QuantScheme
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(integers q [N, G, g], scale [N, G, 1], zero [N, G, 1]) of `weight` [N, K] on the
+    grid tuned by `offset` [N, K] and the factors [N, G] (module doc; None: 0 and 1), in
+    the weight's dtype, differentiable in the parameters through straight-through rounding.
+    The grid is `grid.grid_params`' (empty groups -1..1, scales rounded to their storage
+    dtype, a scale of 0 its smallest positive value)."""
+    n, k = weight.shape
+    gs = scheme.group_length(k)
+    w = weight.reshape(n, k // gs, gs)
+    maxq = scheme.maxq
+    lo = torch.clamp(w.amin(dim=-1), max=0.0)
+    hi = torch.clamp(w.amax(dim=-1), min=0.0)
+    empty = (lo == 0) & (hi == 0)
+    if min_factor is not None:
+        lo = lo * min_factor
+    if max_factor is not None:
+        hi = hi * max_factor
+    if scheme.sym:
+        hi = torch.maximum(-lo, hi)
+        lo = torch.where(lo < 0, -hi, lo)
+    lo = torch.where(empty, torch.full_like(lo, -1.0), lo)
+    hi = torch.where(empty, torch.full_like(hi, 1.0), hi)
+    scale = ((hi - lo) / maxq).to(_scale_dtype(scheme)).to(weight.dtype)
+    scale = torch.clamp(scale, min=_smallest_scale(scheme))
+    if scheme.sym:
+        zero = torch.full_like(scale, (maxq + 1) / 2)
+    else:
+        zero = torch.clamp(_round_ste(-lo / scale), 0, maxq)
+    scale, zero = scale[..., None], zero[..., None]
+    t = w / scale
+    if offset is not None:
+        t = t + offset.reshape(n, k // gs, gs)
+    q = torch.clamp(_round_ste(t) + zero, 0, maxq)
+    return q, scale, zero
+
+
+def dequantized(weight: torch.Tensor, offset: torch.Tensor | None,
+                max_factor: torch.Tensor | None, min_factor: torch.Tensor | None,
+                scheme: QuantScheme) -> torch.Tensor:
+    """The weights [N, K] the tuned grid gives (``(q - zero) * scale``)."""
+    q, scale, zero = tuned_grid(weight, offset, max_factor, min_factor, scheme)
+    return ((q - zero) * scale).reshape(weight.shape)
+
+
+def quantized_weights(weight: torch.Tensor, offset: torch.Tensor | None,
+                      max_factor: torch.Tensor | None, min_factor: torch.Tensor | None,
+                      scheme: QuantScheme) -> QuantizedWeights:
+    """The stored form of the tuned grid: uint8 integers, scales in their storage dtype,
+    uint8 zero points; its `dequantize` is `dequantized` exactly."""
+    with torch.no_grad():
+        q, scale, zero = tuned_grid(weight, offset, max_factor, min_factor, scheme)
+    n, k = weight.shape
+    return QuantizedWeights(
+        q.reshape(n, k).numpy().astype(np.uint8),
+        scale[..., 0].double().numpy().astype(scheme.numpy_scale_dtype),
+        zero[..., 0].numpy().astype(np.uint8), scheme)
+
+
+class TunedRounding(torch.nn.Module):
+    """A linear's weight parametrized by SignRound's offset and range factors (module doc):
+    `torch.nn.utils.parametrize` calls it with the float weight."""
+
+    def __init__(self, out_features: int, in_features: int, scheme: QuantScheme,
+                 minmax_tuning: bool) -> None:
+        super().__init__()
+        self.scheme = scheme
+        groups = in_features // scheme.group_length(in_features)
+        self.offset = torch.nn.Parameter(torch.zeros(out_features, in_features))
+        self.max_factor = torch.nn.Parameter(torch.ones(out_features, groups),
+                                             requires_grad=minmax_tuning)
+        self.min_factor = torch.nn.Parameter(torch.ones(out_features, groups),
+                                             requires_grad=minmax_tuning)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return dequantized(weight, self.offset, self.max_factor, self.min_factor, self.scheme)
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.offset.detach().clone(), self.max_factor.detach().clone(),
+                self.min_factor.detach().clone())
+
+    @torch.no_grad()
+    def load(self, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.offset.copy_(state[0])
+        self.max_factor.copy_(state[1])
+        self.min_factor.copy_(state[2])
+
+    @torch.no_grad()
+    def step(self, lr: float, minmax_lr: float) -> None:
+        """One signed-gradient step, then the parameters projected into their ranges."""
+        if self.offset.grad is not None:
+            self.offset.sub_(lr * torch.sign(self.offset.grad))
+            self.offset.clamp_(-OFFSET_BOUND, OFFSET_BOUND)
+        for p in (self.max_factor, self.min_factor):
+            if p.requires_grad and p.grad is not None:
+                p.sub_(minmax_lr * torch.sign(p.grad))
+                p.clamp_(*FACTOR_BOUNDS)
+        for p in (self.offset, self.max_factor, self.min_factor):
+            p.grad = None
+
+
+class BatchSampler:
+    """Batches of `batch` sequence indices out of `n`: consecutive runs of a shuffle
+    (numpy's generator seeded with `seed`), reshuffled when fewer than a batch are left."""
+
+    def __init__(self, n: int, batch: int, seed: int) -> None:
+        self.n, self.batch = n, min(batch, n)
+        self.rng = np.random.default_rng(seed)
+        self.order = self.rng.permutation(n)
+        self.at = 0
+
+    def next(self) -> np.ndarray:
+        if self.at + self.batch > self.n:
+            self.order, self.at = self.rng.permutation(self.n), 0
+        out = np.sort(self.order[self.at:self.at + self.batch])
+        self.at += self.batch
+        return out
+
+
+def _forward(runner: LayerRunner, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output on `x` [B, L, H] with gradients (a linear-attention layer one
+    sequence at a time, as `LayerRunner.forward`)."""
+    if runner.kind == LINEAR_ATTENTION and x.shape[0] != 1:
+        return torch.cat([_forward(runner, x[i:i + 1]) for i in range(x.shape[0])])
+    return runner.block(x, runner.position_ids, runner.mask)
+
+
+@dataclass
+class SignRoundResult:
+    weights: dict[str, QuantizedWeights]
+    #: the loss at round to nearest (iteration 0's batch), the best loss and its iteration
+    initial_loss: float
+    best_loss: float
+    best_iteration: int
+
+
+def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
+               targets: torch.Tensor | LayerInputs, linears: list[str], scheme: QuantScheme,
+               options: SignRoundOptions, seed: int = 0,
+               on_iteration: Callable[[int], None] | None = None) -> SignRoundResult:
+    """SignRound on the `linears` of `runner`'s layer (module doc): `inputs` the layer's
+    (quantized) inputs, `targets` the float layer's outputs, both [n, L, H]. Afterwards each
+    linear holds its dequantized tuned weights (the layer computes as quantized). The
+    batches are drawn with ``options.seed + seed`` (the driver passes the layer's index)."""
+    x, y = layer_inputs(inputs), layer_inputs(targets)
+    layer = runner.layer
+    before = torch.get_num_threads()
+    torch.set_num_threads(options.threads)
+    grads = [(p, p.requires_grad) for p in layer.parameters()]
+    layer.requires_grad_(False)
+    tuned: dict[str, TunedRounding] = {}
+    try:
+        for name in linears:
+            lin = layer.get_submodule(name)
+            assert isinstance(lin, torch.nn.Linear)
+            if lin.in_features % scheme.group_length(lin.in_features):
+                raise CalibrationError(f"{name}: group size {scheme.group_size} does not divide "
+                                       f"its {lin.in_features} inputs")
+            tuned[name] = TunedRounding(lin.out_features, lin.in_features, scheme,
+                                        options.minmax_tuning)
+            parametrize.register_parametrization(lin, "weight", tuned[name], unsafe=True)
+        sampler = BatchSampler(x.shape[0], options.batch_size, options.seed + seed)
+        best_loss, best_iteration, initial = float("inf"), 0, float("nan")
+        best = {name: t.state() for name, t in tuned.items()}
+        for i in range(options.iterations):
+            index = sampler.next()
+            with torch.enable_grad():
+                loss = torch.nn.functional.mse_loss(_forward(runner, x.take(index)),
+                                                    y.take(index))
+                loss.backward()
+            value = float(loss.detach())
+            if not np.isfinite(value):
+                raise CalibrationError(f"SignRound's loss is not finite at step {i} (linears "
+                                       f"{', '.join(linears)})")
+            if i == 0:
+                initial = value
+            if value < best_loss:
+                best_loss, best_iteration = value, i
+                best = {name: t.state() for name, t in tuned.items()}
+            decay = 1.0 - i / options.iterations
+            for t in tuned.values():
+                t.step(options.lr * decay, options.minmax_lr * decay)
+            if on_iteration is not None:
+                on_iteration(i)
+        out: dict[str, QuantizedWeights] = {}
+        for name, t in tuned.items():
+            lin = layer.get_submodule(name)
+            parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+            assert isinstance(lin, torch.nn.Linear)
+            t.load(best[name])
+            out[name] = quantized_weights(lin.weight.detach(), t.offset, t.max_factor,
+                                          t.min_factor, scheme)
+            lin.weight.data = torch.from_numpy(out[name].dequantize())
+        tuned.clear()
+        return SignRoundResult(out, initial, best_loss, best_iteration)
+    finally:
+        for name in tuned:  # an error: the float weights back
+            lin = layer.get_submodule(name)
+            if parametrize.is_parametrized(lin, "weight"):
+                parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+        for p, g in grads:
+            p.requires_grad_(g)
+        torch.set_num_threads(before)
