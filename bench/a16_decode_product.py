@@ -79,6 +79,14 @@ def offsets_blocks_1024(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray,
                         group_size: int, block_rows: int = 64) -> np.ndarray:
     """`kernels.matmul_offsets` as `packed, 1024 rows` used it: each block widened and
     scaled by one mixed-type multiply (int8 times f32 into f32)."""
+    return _offsets_blocks(x, offsets, scales, group_size, block_rows, mixed_multiply=True)
+
+
+def _offsets_blocks(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray,
+                    group_size: int, block_rows: int, mixed_multiply: bool) -> np.ndarray:
+    """The old blocked products: each block of offsets widened and scaled (by one mixed-type
+    multiply, or copied to f32 then scaled in place), its product into a new array copied
+    into the result."""
     fx = K.f32(x)
     n, k = offsets.shape
     g = k // group_size
@@ -89,8 +97,12 @@ def offsets_blocks_1024(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray,
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
         b = block[:m]
-        np.multiply(offsets[r0:r0 + m].reshape(m, g, group_size), sf[r0:r0 + m, :, None],
-                    out=b, dtype=np.float32)
+        if mixed_multiply:
+            np.multiply(offsets[r0:r0 + m].reshape(m, g, group_size), sf[r0:r0 + m, :, None],
+                        out=b, dtype=np.float32)
+        else:
+            np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))
+            np.multiply(b, sf[r0:r0 + m, :, None], out=b)
         r[..., r0:r0 + m] = blas_matmul(fx, b.reshape(m, k).T)
     return r
 
@@ -114,20 +126,7 @@ def offsets_before(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray,
     """`kernels.matmul_offsets` (no bias, no mins) as it was before this bench's `now`:
     each block's product through `blas_threads.matmul` (the threads set and restored
     around each) into a new array, then copied into the result."""
-    fx = K.f32(x)
-    n, k = offsets.shape
-    g = k // group_size
-    sf = K.f32(scales)
-    rows = max(1, min(block_rows, n))
-    block = np.empty((rows, g, group_size), np.float32)
-    r = np.empty((*fx.shape[:-1], n), np.float32)
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        b = block[:m]
-        np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))
-        np.multiply(b, sf[r0:r0 + m, :, None], out=b)
-        r[..., r0:r0 + m] = blas_matmul(fx, b.reshape(m, k).T)
-    return r
+    return _offsets_blocks(x, offsets, scales, group_size, block_rows, mixed_multiply=False)
 
 
 def packed_before(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,

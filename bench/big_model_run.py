@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,53 +58,43 @@ from toptpu.backend.formats.llm_file import LlmFile
 BANDWIDTH_BYTES = 512 << 20
 
 
-def numpy_read_bandwidth(repeat: int = 5) -> float:
-    """numpy's read bandwidth in bytes/s: the best of `repeat` sums over BANDWIDTH_BYTES of
-    float32 (one pass reading each byte once)."""
-    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+def _best_pass(pass_: Callable[[], object], clock: Callable[[], float], repeat: int
+               ) -> float:
+    """The shortest of `repeat` runs of `pass_` on `clock`."""
     best = float("inf")
     for _ in range(repeat):
-        t = time.perf_counter()
-        a.sum(dtype=np.float32)
-        best = min(best, time.perf_counter() - t)
-    return a.nbytes / best
+        t = clock()
+        pass_()
+        best = min(best, clock() - t)
+    return best
+
+
+def numpy_read_bandwidth(repeat: int = 5, clock: Callable[[], float] = time.perf_counter
+                         ) -> float:
+    """numpy's read bandwidth in bytes/s: the best of `repeat` sums over BANDWIDTH_BYTES of
+    float32 (one pass reading each byte once), on the wall clock by default."""
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+    return a.nbytes / _best_pass(lambda: a.sum(dtype=np.float32), clock, repeat)
 
 
 def numpy_read_bandwidth_cpu(repeat: int = 5) -> float:
     """`numpy_read_bandwidth` timed in this process's CPU seconds (on a loaded host a wall
     clock also counts the time the process waited for a core): the bound to set against a
     decode step's CPU seconds."""
-    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.process_time()
-        a.sum(dtype=np.float32)
-        best = min(best, time.process_time() - t)
-    return a.nbytes / best
+    return numpy_read_bandwidth(repeat, time.process_time)
 
 
-def numpy_copy_bandwidth(repeat: int = 5) -> float:
+def numpy_copy_bandwidth(repeat: int = 5, clock: Callable[[], float] = time.perf_counter
+                         ) -> float:
     """numpy's copy bandwidth in bytes/s moved (read + write), the best of `repeat`."""
     a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
     b = np.empty_like(a)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * a.nbytes / best
+    return 2 * a.nbytes / _best_pass(lambda: np.copyto(b, a), clock, repeat)
 
 
 def numpy_copy_bandwidth_cpu(repeat: int = 5) -> float:
     """`numpy_copy_bandwidth` timed in this process's CPU seconds."""
-    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
-    b = np.empty_like(a)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.process_time()
-        np.copyto(b, a)
-        best = min(best, time.process_time() - t)
-    return 2 * a.nbytes / best
+    return numpy_copy_bandwidth(repeat, time.process_time)
 
 
 def decode_step_bytes(path: str, position: int) -> dict[str, int]:
