@@ -1096,6 +1096,21 @@ def weight_offsets(qweight: np.ndarray, zeros: np.ndarray | None, bits: int,
     return np.subtract(qg, z, dtype=np.int16).reshape(n, k)
 
 
+def _spread_nibbles(v: np.ndarray, packed: np.ndarray, shifted: np.ndarray) -> None:
+    """Each packed byte of `packed` [m, half] widened into `v` [m, half] (uint16, rows
+    contiguous) as its two 4-bit weights, the low nibble in the low byte and the high one
+    in the high byte (`v.view(np.int8)`: q of each weight, k in order); `shifted` a uint16
+    scratch of v's shape. The passes run over 8 bytes at a time (4 packed bytes: no bit
+    crosses from one uint16 to the next) where a row is whole uint64s."""
+    np.copyto(v, packed)
+    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if v.shape[-1] % 4 == 0 else \
+        (np.uint16, np.uint16(0x0F0F))
+    vl, tl = v.view(lanes), shifted.view(lanes)
+    np.left_shift(vl, lanes(4), out=tl)
+    np.bitwise_or(vl, tl, out=vl)
+    np.bitwise_and(vl, mask, out=vl)
+
+
 def _offsets_4bit(qweight: np.ndarray, zeros: np.ndarray | None, implied: int,
                   group_size: int, block_rows: int = 64) -> np.ndarray | None:
     """`weight_offsets` of a 4-bit weight as int8 on a little-endian host, made from the
@@ -1119,19 +1134,11 @@ def _offsets_4bit(qweight: np.ndarray, zeros: np.ndarray | None, implied: int,
     g = k // group_size
     out = np.empty((n, k), np.int8)
     wide = out.view(np.uint16)  # [n, half]: one packed byte's two weights each
-    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
-        (np.uint16, np.uint16(0x0F0F))
-    four = lanes(4)
     rows = max(1, min(block_rows, n))
     shifted = np.empty((rows, half), np.uint16)
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
-        v = wide[r0:r0 + m]
-        np.copyto(v, qweight[r0:r0 + m])
-        vl, tl = v.view(lanes), shifted[:m].view(lanes)
-        np.left_shift(vl, four, out=tl)
-        np.bitwise_or(vl, tl, out=vl)
-        np.bitwise_and(vl, mask, out=vl)
+        _spread_nibbles(wide[r0:r0 + m], qweight[r0:r0 + m], shifted[:m])
         d = out[r0:r0 + m].reshape(m, g, group_size)
         if z is not None:
             np.subtract(d, z[r0:r0 + m], out=d)
@@ -1236,22 +1243,13 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     rows = max(1, min(block_rows, n))
     wide = np.empty((rows, half), np.uint16)
     shifted = np.empty_like(wide)
-    # the spread's passes over 8 bytes at a time (4 packed bytes: no bit crosses from one
-    # uint16 to the next, each holds a byte) where a row is whole uint64s
-    lanes, mask = (np.uint64, np.uint64(0x0F0F0F0F0F0F0F0F)) if half % 4 == 0 else \
-        (np.uint16, np.uint16(0x0F0F))
-    four = lanes(4)
     block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
     with _products(math.prod(fx.shape[:-1]), k, rows):
         for r0 in range(0, n, rows):
             m = min(rows, n - r0)
-            v, t = wide[:m], shifted[:m]
-            np.copyto(v, qweight[r0:r0 + m])
-            vl, tl = v.view(lanes), t.view(lanes)
-            np.left_shift(vl, four, out=tl)
-            np.bitwise_or(vl, tl, out=vl)
-            np.bitwise_and(vl, mask, out=vl)
+            v = wide[:m]
+            _spread_nibbles(v, qweight[r0:r0 + m], shifted[:m])
             d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
             if isinstance(z, np.ndarray):
                 np.subtract(d, z[r0:r0 + m], out=d)
