@@ -214,9 +214,13 @@ def runners(one: str, pp: str, ids: str, new: int, budget: str, before: str | No
 
 
 def phases(path: str, ids: list[int], new: int) -> None:
-    """(In a child process) open `path`, the first token after `ids`, then `new` more
-    decode steps continuing it: each phase's wall and CPU seconds (process time: every
-    thread) as one JSON line."""
+    """(In a child process) open `path`; the first token after `ids`; then, the
+    conversation reset, the same prompt with `new` more tokens decoded after the first:
+    each phase's wall and CPU seconds (process time: every thread) as one JSON line. The
+    decode phase is the second generation's own decode time (after its first token); its
+    CPU is the second generation's less the first's. (Continuing the first generation
+    instead would feed its pending token through the prefill net first: a prefill_kv chunk,
+    not a decode step.)"""
     from toptpu.backend.runtime.runtime import Runtime
 
     out: dict[str, float] = {}
@@ -232,8 +236,10 @@ def phases(path: str, ids: list[int], new: int) -> None:
     mark("open")
     rt.generate(ids, 1, stop_on_eos=False)
     mark("first_token")
-    rt.generate([], new, stop_on_eos=False, keep_history=True)  # the pending token fed first
-    mark("decode")
+    res = rt.generate(ids, 1 + new, stop_on_eos=False)  # keep_history False: a fresh start
+    mark("again")
+    out["decode_wall_s"] = res.timings["decode_s"]
+    out["decode_cpu_s"] = out["again_cpu_s"] - out["first_token_cpu_s"]
     out["decode_steps"] = new
     print(json.dumps(out))
 
