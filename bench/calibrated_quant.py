@@ -41,9 +41,34 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 #: group 128 does not divide SmolLM2's hidden size (576): its rows are refused by the compile
 ROWS = ("f32", "rtn64", "gptq64", "awq64")
+
+
+def validation_text(work: str, cal: str) -> str:
+    """The validation text: the calibration text's last 60000 characters, from a paragraph
+    start (the calibration reads the calibration text's first sequences x length tokens:
+    32 x 256 take its first ~35 kB of 398 kB), for choosing settings without the held-back
+    text."""
+    path = os.path.join(work, "validation.txt")
+    if not os.path.exists(path):
+        with open(cal, encoding="utf-8") as f:
+            text = f.read()
+        start = text.index("\n\n", len(text) - 60000) + 2
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text[start:])
+    return path
+
+
+#: rows besides f32/rtn/autoround: --calibrate method and --calibration-ranges
+CALIBRATED = {"gptq": ("gptq", None), "gptqmse": ("gptq", "mse"), "awq": ("awq", None),
+              "signround": ("signround", None), "awqgptq": ("awq,gptq", None),
+              "awqgptqmse": ("awq,gptq", "mse")}
+LABELS = {"gptq": "GPTQ", "gptqmse": "GPTQ, MSE ranges", "awq": "AWQ",
+          "signround": "SignRound", "awqgptq": "AWQ then GPTQ",
+          "awqgptqmse": "AWQ then GPTQ, MSE ranges"}
 
 
 def texts(work: str) -> tuple[str, str]:
@@ -166,12 +191,19 @@ def main() -> None:
                     help="the signround rows' --calibration-iterations (default 200)")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--validation", action="store_true",
+                    help="also evaluate on the validation text (the calibration text's tail)")
+    ap.add_argument("--validation-only", action="store_true",
+                    help="evaluate on the validation text only (choosing settings)")
     a = ap.parse_args()
+    a.validation = a.validation or a.validation_only
     os.makedirs(a.work, exist_ok=True)
     from toptpu.demo_smollm2 import smollm2_gguf
 
     gguf = smollm2_gguf()
     cal, held = texts(a.work)
+    val = validation_text(a.work, cal)
+    val_lines: list[str] = []
     ref = os.path.join(a.work, "f32.toptpu")
     lines = ["| row | perplexity | top-1 vs f32 | mean KL vs f32 | calibration | compile "
              "(CPU) | peak RSS |", "|---|---|---|---|---|---|---|"]
@@ -185,16 +217,19 @@ def main() -> None:
         elif method == "rtn":
             files = [(f"RTN g{group}", os.path.join(a.work, f"rtn{group}.toptpu"),
                       {**base, "dequantize": "w4bf16", "group_size": group})]
-        elif method in ("gptq", "awq", "signround"):
-            iters = {"calibration_iterations": a.signround_iters} \
+        elif method in CALIBRATED:
+            calibrate, ranges = CALIBRATED[method]
+            iters: dict[str, object] = {"calibration_iterations": a.signround_iters} \
                 if method == "signround" else {}
+            if ranges is not None:
+                iters["calibration_ranges"] = ranges
             tag = "" if method != "signround" or a.signround_iters == 200 \
                 else f"-{a.signround_iters}it"
-            label = {"signround": "SignRound"}.get(method, method.upper())
+            label = LABELS[method]
             files = [(f"{label} g{group}{tag.replace('-', ', ').replace('it', ' iterations')}",
                       os.path.join(a.work, f"{row}{tag}.toptpu"),
                       {**base, "dequantize": "w4bf16", "group_size": group,
-                       "calibrate": method, "calibration_data": [cal],
+                       "calibrate": calibrate, "calibration_data": [cal],
                        "calibration_samples": a.sequences,
                        "calibration_seq_length": a.sequence_length, **iters,
                        "save_calibrated": os.path.join(a.work, f"{row}{tag}-checkpoint")})]
@@ -204,11 +239,17 @@ def main() -> None:
                       {**base, "model": ck, "mode": m}) for m in ("auto", "w4bf16")]
         for label, out, spec in files:
             m = compiled(out, **spec)
-            ev = ["eval", out, "--text", held, "--max-tokens", str(a.max_tokens), "--json",
-                  "--quiet"]
-            if label != "f32":
-                ev += ["--reference", ref]
-            res = json.loads(toptpu(*ev))
+            if a.validation:
+                v = evaluated(out, val, ref, a.max_tokens, label == "f32")
+                vr = v.get("reference")
+                vline = (f"| {label} | {v['perplexity']:.3f} | "
+                         + ("— | — |" if not vr else
+                            f"{100 * vr['top1_agreement']:.1f} % | {vr['mean_kl']:.4f} |"))
+                val_lines.append(vline)
+                print("validation " + vline, flush=True)
+                if a.validation_only:
+                    continue
+            res = evaluated(out, held, ref, a.max_tokens, label == "f32")
             r = res.get("reference")
             top1 = "—" if not r else f"{100 * r['top1_agreement']:.1f} %"
             kl = "—" if not r else f"{r['mean_kl']:.3g}"
@@ -224,7 +265,22 @@ def main() -> None:
             lines.append(f"| {label} | {res['perplexity']:.2f} | {top1} | {kl} | {calib_s} | "
                          f"{m['seconds']:.0f} s{cpu_s} | {m['peak_rss_mb']:.0f} MB |")
             print(lines[-1], flush=True)
-    print("\n".join(lines))
+    if val_lines:
+        print("validation text (the calibration text's tail):")
+        print("\n".join(["| row | perplexity | top-1 vs f32 | mean KL vs f32 |",
+                         "|---|---|---|---|", *val_lines]))
+    if not a.validation_only:
+        print("\n".join(lines))
+
+
+def evaluated(out: str, text: str, ref: str, max_tokens: int, is_ref: bool
+              ) -> dict[str, Any]:
+    """`toptpu eval` of `out` on `text` (against `ref` unless it is the reference)."""
+    ev = ["eval", out, "--text", text, "--max-tokens", str(max_tokens), "--json", "--quiet"]
+    if not is_ref:
+        ev += ["--reference", ref]
+    res: dict[str, Any] = json.loads(toptpu(*ev))
+    return res
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def _left(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "signround"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "signround", "awq,gptq"])
 def test_calibrated_compile_equals_the_exported_checkpoints(
         method: str, float_model: str, text_file: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,7 +76,8 @@ def test_calibrated_compile_equals_the_exported_checkpoints(
     records the float source; nothing but the outputs is left; the logits follow the float
     model's."""
     out, ck, again = tmp_path / "calibrated.toptpu", tmp_path / "ck", tmp_path / "again.toptpu"
-    steps = SIGNROUND if method == "signround" else []
+    steps = SIGNROUND if method == "signround" else \
+        ["--calibration-ranges", "mse"] if method == "awq,gptq" else []
     code, err = _run(["compile", float_model, "-q", "w4f32", "--group-size", "32",
                       "--calibrate", method, "--calibration-data", text_file, *CALIBRATION,
                       *steps, "--save-calibrated", str(ck), "-o", str(out), *SMALL], capsys)
@@ -85,6 +86,8 @@ def test_calibrated_compile_equals_the_exported_checkpoints(
     config = json.loads((ck / "config.json").read_text())
     assert config["quantization_config"]["group_size"] == 32
     assert config["quantization_config"]["calibration"]["method"] == method
+    if method == "awq,gptq":
+        assert config["quantization_config"]["calibration"]["ranges"] == "mse"
     code, err = _run(["compile", str(ck), "-q", "w4f32", "-o", str(again), *SMALL], capsys)
     assert code == 0, err
     ids = [int(i) for i in np.random.default_rng(0).integers(3, 250, 30)]
@@ -209,6 +212,9 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     ("iterations for gptq", "--calibration-iterations: the tuning steps of --calibrate "
                             "signround; --calibrate gptq has none"),
     ("iterations without calibrate", "--calibration-iterations shapes the calibration"),
+    ("ranges for awq", "--calibration-ranges mse: GPTQ's range search; --calibrate awq finds "
+                       "its ranges its own way"),
+    ("ranges without calibrate", "--calibration-ranges shapes the calibration"),
 ])
 def test_bad_calibration_values_are_one_line(case: str, expected: str, float_model: str,
                                              text_file: str, tmp_path: Path,
@@ -246,6 +252,11 @@ def test_bad_calibration_values_are_one_line(case: str, expected: str, float_mod
         args += ["--calibration-iterations", "50"]
     elif case == "iterations without calibrate":
         args = ["-q", "w4bf16", "--calibration-iterations", "50"]
+    elif case == "ranges for awq":
+        args[3] = "awq"
+        args += ["--calibration-ranges", "mse"]
+    elif case == "ranges without calibrate":
+        args = ["-q", "w4bf16", "--calibration-ranges", "mse"]
     out = tmp_path / "m.toptpu"
     line = _error(["compile", float_model, *args, "-o", str(out), *SMALL], capsys)
     assert expected in line, line
@@ -304,6 +315,26 @@ def test_unknown_method_is_argparse_usage(float_model: str, capsys: pytest.Captu
     code, err = _run(["compile", float_model, "-q", "w4bf16", "--calibrate", "rtn", "-o",
                       "x.toptpu"], capsys)
     assert code == 2 and "--calibrate: invalid choice: 'rtn'" in err
+
+
+def test_other_method_combinations_refused(float_model: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`--calibrate` combines only awq,gptq: another combination is argparse's one usage
+    line on the command line and one CompileError line naming the combination from Python;
+    nothing is written."""
+    out = tmp_path / "m.toptpu"
+    code, err = _run(["compile", float_model, "-q", "w4bf16", "--calibrate", "gptq,awq", "-o",
+                      str(out)], capsys)
+    assert code == 2 and "--calibrate: invalid choice: 'gptq,awq'" in err
+    from toptpu.errors import CompileError
+
+    for method in ("gptq,awq", "awq,signround", "awq,gptq,gptq"):
+        with pytest.raises(CompileError, match=rf"^--calibrate {method}: the one combination "
+                           r"is awq,gptq \(AWQ's scales folded, then GPTQ on the scaled "
+                           r"weights\)$"):
+            compile_model(float_model, str(out), mode="w4bf16", calibrate=method,
+                          progress=None)
+    assert _left(tmp_path) == []
 
 
 def test_calibration_refuses_a_quantized_checkpoint(float_model: str, text_file: str,
@@ -500,4 +531,21 @@ def test_moe_awq_passes_the_checks_and_reaches_the_calibration(
         toptpu_main(["compile", str(src), "-q", "w4bf16", "--calibrate", "awq",
                      "--calibration-data", text_file, "-o", str(out), *SMALL])
     assert asked == ["awq"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("method,what", [("signround", "SignRound does not tune routed experts"),
+                                         ("awq,gptq", "awq,gptq does not calibrate routed "
+                                                      "experts")])
+def test_moe_refused_by_the_methods_without_experts(method: str, what: str, text_file: str,
+                                                    tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The methods that do not calibrate routed experts refuse a MoE in one line naming the
+    methods that do, before any work; nothing is written."""
+    src, out = tmp_path / "float", tmp_path / "m.toptpu"
+    _moe_checkpoint("qwen3_moe", src)
+    capsys.readouterr()
+    line = _error(["compile", str(src), "-q", "w4bf16", "--calibrate", method,
+                   "--calibration-data", text_file, "-o", str(out), *SMALL], capsys)
+    assert what in line and "calibrate it with gptq or awq" in line, line
     assert not out.exists()

@@ -35,7 +35,7 @@ from toptpu.weight_calibration import (
 from toptpu.weight_calibration.awq import awq_layer
 from toptpu.weight_calibration.export import pack_columns, pack_rows
 from toptpu.weight_calibration.gptq import gptq
-from toptpu.weight_calibration.grid import QuantizedWeights, rtn
+from toptpu.weight_calibration.grid import QuantizedWeights, grid_params, mse_grid_params, rtn
 from toptpu.weight_calibration.layers import FULL_ATTENTION, LayerRunner, layer_plan
 
 # ----------------------------------------------------------------------------- GPTQ
@@ -55,13 +55,46 @@ def _paper_grid(w: np.ndarray, bits: int, sym: bool) -> tuple[np.ndarray, np.nda
     return scale, zero
 
 
+def _reference_mse_grid(w: np.ndarray, bits: int, sym: bool, grid: int = 100,
+                        maxshrink: float = 0.8, norm: float = 2.4
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The GPTQ reference code's `Quantizer.find_params` with ``mse=True`` (its defaults:
+    grid 100, maxshrink 0.8, norm 2.4), row by row in plain Python: the min/max range
+    shrunk by p = 1 - i / grid, the first p with the least sum |dequantized - w|^norm
+    kept; the scale rounded to float16 before the zero point (the grid's one change)."""
+    maxq = 2 ** bits - 1
+    scales, zeros = [], []
+    for row in np.asarray(w, dtype=np.float64):
+        xmin, xmax = min(row.min(), 0.0), max(row.max(), 0.0)
+        if sym:
+            xmax = max(abs(xmin), xmax)
+            if xmin < 0:
+                xmin = -xmax
+        if xmin == 0 and xmax == 0:
+            xmin, xmax = -1.0, 1.0
+        best, chosen = float("inf"), (0.0, 0.0)
+        for i in range(int(maxshrink * grid)):
+            p = 1 - i / grid
+            xmin1, xmax1 = p * xmin, p * xmax
+            scale1 = float(np.float16((xmax1 - xmin1) / maxq))
+            zero1 = (maxq + 1) / 2 if sym else float(np.rint(-xmin1 / scale1))
+            q = np.clip(np.rint(row / scale1) + zero1, 0, maxq)
+            err = float(np.sum(np.abs(scale1 * (q - zero1) - row) ** norm))
+            if err < best:
+                best, chosen = err, (scale1, zero1)
+        scales.append(chosen[0])
+        zeros.append(chosen[1])
+    return np.array(scales), np.array(zeros)
+
+
 def _algorithm_1(weight: np.ndarray, hessian: np.ndarray, bits: int, group: int, sym: bool,
-                 act_order: bool, percdamp: float = 0.01
+                 act_order: bool, percdamp: float = 0.01, grid: Any = _paper_grid
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPTQ as the paper's Algorithm 1 states it, without lazy batches: every column's error
     is spread over all later columns at once. Groups: without act-order a group's grid comes
     from its columns as updated when its first column is reached; with act-order (columns
-    by descending diag(H)) from the original weights of its own channels (static groups)."""
+    by descending diag(H)) from the original weights of its own channels (static groups);
+    each grid by `grid` (the min/max rule, or `_reference_mse_grid`)."""
     w, h = weight.astype(np.float64).copy(), hessian.astype(np.float64).copy()
     n, k = w.shape
     group = k if group == -1 else group
@@ -71,7 +104,7 @@ def _algorithm_1(weight: np.ndarray, hessian: np.ndarray, bits: int, group: int,
     scale, zero = np.zeros((n, k // group)), np.zeros((n, k // group))
     if act_order or group == k:
         for g in range(k // group):
-            scale[:, g], zero[:, g] = _paper_grid(w[:, g * group:(g + 1) * group], bits, sym)
+            scale[:, g], zero[:, g] = grid(w[:, g * group:(g + 1) * group], bits, sym)
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
     w, h = w[:, order], h[order][:, order]
     h += percdamp * np.mean(np.diag(h)) * np.eye(k)
@@ -80,7 +113,7 @@ def _algorithm_1(weight: np.ndarray, hessian: np.ndarray, bits: int, group: int,
     for j in range(k):
         g = order[j] // group
         if not act_order and group < k and j % group == 0:
-            scale[:, g], zero[:, g] = _paper_grid(w[:, j:j + group], bits, sym)
+            scale[:, g], zero[:, g] = grid(w[:, j:j + group], bits, sym)
         q[:, j] = np.clip(np.rint(w[:, j] / scale[:, g]) + zero[:, g], 0, 2 ** bits - 1)
         err = (w[:, j] - (q[:, j] - zero[:, g]) * scale[:, g]) / hinv[j, j]
         w[:, j:] -= np.outer(err, hinv[j, j:])
@@ -113,6 +146,56 @@ def test_gptq_equals_algorithm_1(group: int, sym: bool, act_order: bool, bits: i
     assert np.array_equal(got.weights.scales.astype(np.float64), scale)
     assert np.array_equal(got.weights.zeros, zero.astype(np.uint8))
     assert got.percdamp == 0.01
+
+
+@pytest.mark.parametrize("bits,sym", [(4, False), (4, True), (8, False)])
+def test_mse_grid_equals_the_reference_rule(bits: int, sym: bool) -> None:
+    """`mse_grid_params` chooses each group's scale and zero point as a plain transcription
+    of the GPTQ reference's MSE grid does, on groups with outliers, one sign only, or all
+    zeros; at 4 bits it shrinks half the groups' ranges or more (the min/max grid is its
+    p = 1); it never raises a group's |error|^2.4 sum."""
+    rng = np.random.default_rng(bits + sym)
+    w = rng.standard_normal((40, 64)) * 0.05
+    w[::5, 7] *= 12  # an outlier in some groups
+    w[3] = np.abs(w[3])
+    w[4] = -np.abs(w[4])
+    w[6] = 0.0
+    scheme = QuantScheme(bits, 64, sym)
+    scale, zero = mse_grid_params(w, scheme)
+    ref_scale, ref_zero = _reference_mse_grid(w, bits, sym)
+    assert np.array_equal(scale, ref_scale) and np.array_equal(zero, ref_zero)
+    assert np.array_equal(grid_params(w, scheme, "mse")[0], scale)
+    minmax_scale, minmax_zero = grid_params(w, scheme)
+    if bits == 4:  # at 8 bits a shrunk range seldom pays
+        assert (scale < minmax_scale).sum() >= 20
+
+    def err(s: np.ndarray, z: np.ndarray) -> np.ndarray:
+        q = np.clip(np.rint(w / s[:, None]) + z[:, None], 0, scheme.maxq)
+        return np.sum(np.abs((q - z[:, None]) * s[:, None] - w) ** 2.4, axis=1)
+
+    assert np.all(err(scale, zero) <= err(minmax_scale, minmax_zero))
+
+
+@pytest.mark.parametrize("group", [32, -1])
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_mse_ranges_equals_algorithm_1(group: int, sym: bool, act_order: bool) -> None:
+    """GPTQ with ``ranges="mse"``: Algorithm 1 with each group's grid by the reference's MSE
+    rule (static groups: on the original weights; otherwise on the columns as updated when
+    the group's first column is reached), integers and grids exactly; not min/max's."""
+    rng = np.random.default_rng(abs(group) + 5 * sym + 3 * act_order)
+    weight = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    x = _structured_inputs(256, 1024, 2)
+    hessian = 2 * x.T @ x / len(x)
+    scheme = QuantScheme(4, group, sym)
+    got = gptq(weight, hessian, scheme, act_order=act_order, block_size=64, ranges="mse")
+    q, scale, zero = _algorithm_1(weight, hessian, 4, group, sym, act_order,
+                                  grid=_reference_mse_grid)
+    assert np.array_equal(got.weights.qweight, q.astype(np.uint8))
+    assert np.array_equal(got.weights.scales.astype(np.float64), scale)
+    assert np.array_equal(got.weights.zeros, zero.astype(np.uint8))
+    minmax = gptq(weight, hessian, scheme, act_order=act_order, block_size=64)
+    assert not np.array_equal(minmax.weights.scales, got.weights.scales)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -302,6 +385,39 @@ def test_layer_error_gptq_awq_below_rtn(group: int, tokenizer: Any, text_file: s
     assert err["awq"] < err["rtn"], err
 
 
+def test_awq_gptq_is_gptq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str) -> None:
+    """``awq,gptq``: AWQ's scales (no clipping) folded first leave the layer's float function
+    as it was; the integers and grids are then GPTQ's on that scaled layer (its weights and
+    its inputs), linear for linear, and the layer's norms are the scaled layer's; its
+    output error is below round-to-nearest's."""
+    from toptpu.weight_calibration.sequential import calibrate_layer, gptq_layer
+
+    _, layer, runner, x = _first_layer_setup("llama", tokenizer, text_file)
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    scheme = QuantScheme(4, 32, False)
+    float_out = runner.forward(x)
+    scaled = copy.deepcopy(layer)
+    by_hand = LayerRunner(scaled, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+    report = awq_layer(by_hand, plan, x, scheme, AwqOptions(clip=False), set(plan.linears))
+    assert any(r > 0 for r in report.ratios.values())
+    torch.testing.assert_close(by_hand.forward(x), float_out, rtol=1e-5, atol=1e-5)
+    expected, _ = gptq_layer(by_hand, plan, x, set(plan.linears),
+                             CalibrationRequest("gptq", scheme))
+    got, details = calibrate_layer(runner, plan, x, set(plan.linears),
+                                   CalibrationRequest("awq,gptq", scheme))
+    assert sorted(got) == sorted(expected) and len(got) == 7
+    for name, q in got.items():
+        assert np.array_equal(q.qweight, expected[name].qweight), name
+        assert np.array_equal(q.scales, expected[name].scales), name
+        assert np.array_equal(q.zeros, expected[name].zeros), name
+    assert {k: v for k, v in details.items() if k.startswith("ratio:")} == \
+        {f"ratio:{k}": v for k, v in report.ratios.items()}
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p, scaled.get_parameter(name), rtol=0, atol=0)
+    rtn_error = _layer_error("rtn", "llama", tokenizer, text_file, 32)
+    assert float((runner.forward(x) - float_out).pow(2).mean()) < rtn_error
+
+
 def test_gptq_layer_holding_integers_gives_the_same_layer(tokenizer: Any, text_file: str,
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
@@ -434,13 +550,15 @@ def _consumer_weight(module: torch.nn.Module, k: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,method,fmt,sym", [
-    ("qwen2", "gptq", "auto_round", False),
-    ("llama", "awq", "auto_round", False),
-    ("llama", "gptq", "gptq", True),
+@pytest.mark.parametrize("arch,method,fmt,sym,ranges", [
+    ("qwen2", "gptq", "auto_round", False, "minmax"),
+    ("llama", "awq", "auto_round", False, "minmax"),
+    ("llama", "gptq", "gptq", True, "minmax"),
+    ("qwen2", "awq,gptq", "auto_round", False, "mse"),
+    ("llama", "awq,gptq", "gptq", False, "minmax"),
 ])
-def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, tmp_path: Path,
-                           tokenizer: Any, text_file: str) -> None:
+def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, ranges: str,
+                           tmp_path: Path, tokenizer: Any, text_file: str) -> None:
     """The exported checkpoint in auto-round's loader and in toptpu's reader gives exactly the
     calibration's dequantized weights; toptpu's w4f32 compile of it computes the logits of
     transformers' model of it."""
@@ -450,7 +568,8 @@ def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, tmp_path
     model = _outlier_model(arch)
     produced: dict[str, QuantizedWeights] = {}
     out = str(tmp_path / "calibrated")
-    calibrate(model, out, CalibrationRequest(method, QuantScheme(4, 32, sym), export_format=fmt),
+    calibrate(model, out, CalibrationRequest(method, QuantScheme(4, 32, sym), export_format=fmt,
+                                             ranges=ranges),
               [text_file], sequences=8, sequence_length=64, tokenizer=tokenizer, progress=None,
               on_layer=lambda i, res: produced.update(
                   {f"model.layers.{i}.{n}": q for n, q in res.items()}))
@@ -598,6 +717,13 @@ def test_request_for_compile_mode() -> None:
 
     r = request_for_mode("gptq", "w4bf16")
     assert r.scheme == QuantScheme(4, 64, False) and r.export_format == "auto_round"
+    assert r.ranges == "minmax"
+    assert request_for_mode("awq,gptq", "w4bf16", ranges="mse").ranges == "mse"
+    with pytest.raises(CalibrationError, match="the range search 'mse' is GPTQ's; "
+                       "--calibrate awq finds its ranges its own way"):
+        request_for_mode("awq", "w4bf16", ranges="mse")
+    with pytest.raises(CalibrationError, match="range search 'max': one of minmax, mse"):
+        CalibrationRequest("gptq", ranges="max")
     assert request_for_mode("awq", "w8f16", -1, True).scheme == QuantScheme(8, -1, True)
     with pytest.raises(CalibrationError, match="-q bf16 keeps them float"):
         request_for_mode("gptq", "bf16")

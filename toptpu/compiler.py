@@ -544,7 +544,7 @@ def _calibrated_plan(model: Any, request: CompileRequest, *, tokenizer: Any, out
                                                                    "calibration.txt"))]
         calibrate(model, checkpoint,
                   request_for_mode(cal.method, str(request.mode), request.group_size,
-                                   request.symmetric, cal.iterations),
+                                   request.symmetric, cal.iterations, cal.ranges),
                   files, sequences=cal.samples, sequence_length=cal.sequence_length,
                   tokenizer=tokenizer, progress=progress,
                   dequantize=None if request.dequantize is None else str(request.dequantize))

@@ -267,7 +267,9 @@ def _path(flag: str) -> Callable[[object], str | None]:
 # ----------------------------------------------------------------------------- calibration
 
 #: the methods `--calibrate` takes (`toptpu.weight_calibration`)
-CALIBRATION_METHODS = ("gptq", "awq", "signround")
+CALIBRATION_METHODS = ("gptq", "awq", "signround", "awq,gptq")
+#: `--calibration-ranges`: each group's range as min/max, or GPTQ's MSE grid (gptq methods)
+CALIBRATION_RANGES = ("minmax", "mse")
 #: the calibration set by default: samples x tokens (as AutoGPTQ and AutoAWQ use)
 DEFAULT_CALIBRATION_SAMPLES = 128
 DEFAULT_CALIBRATION_SEQ_LENGTH = 512
@@ -290,28 +292,42 @@ class Calibration:
     save: str | None = None
     #: SignRound's tuning steps per layer (None: its default, 200)
     iterations: int | None = None
+    #: GPTQ's range search per group (None: min/max; `CALIBRATION_RANGES`)
+    ranges: str | None = None
 
 
 def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any,
                  calibration_seq_length: Any, save_calibrated: Any,
-                 calibration_iterations: Any) -> Calibration | None:
+                 calibration_iterations: Any, calibration_ranges: Any = None
+                 ) -> Calibration | None:
     """--calibrate, --calibration-data, --calibration-samples, --calibration-seq-length,
-    --save-calibrated, --calibration-iterations."""
+    --save-calibrated, --calibration-iterations, --calibration-ranges."""
     if calibrate is None:
         given = [flag for flag, v in (("--calibration-data", calibration_data),
                                       ("--calibration-samples", calibration_samples),
                                       ("--calibration-seq-length", calibration_seq_length),
                                       ("--save-calibrated", save_calibrated),
-                                      ("--calibration-iterations", calibration_iterations))
+                                      ("--calibration-iterations", calibration_iterations),
+                                      ("--calibration-ranges", calibration_ranges))
                  if v is not None]
         if given:
             raise CompileError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} "
                                "the calibration of --calibrate; give --calibrate "
                                f"{'|'.join(CALIBRATION_METHODS)} or drop {' and '.join(given)}")
         return None
+    if isinstance(calibrate, str) and "," in calibrate and calibrate not in CALIBRATION_METHODS:
+        raise CompileError(f"--calibrate {calibrate}: the one combination is awq,gptq (AWQ's "
+                           "scales folded, then GPTQ on the scaled weights)")
     if calibrate not in CALIBRATION_METHODS:
         raise CompileError(f"--calibrate must be {' or '.join(CALIBRATION_METHODS)}, not "
                            f"{calibrate!r}")
+    if calibration_ranges is not None and calibration_ranges not in CALIBRATION_RANGES:
+        raise CompileError(f"--calibration-ranges must be {' or '.join(CALIBRATION_RANGES)}, "
+                           f"not {calibration_ranges!r}")
+    if calibration_ranges not in (None, "minmax") and "gptq" not in calibrate:
+        raise CompileError(f"--calibration-ranges {calibration_ranges}: GPTQ's range search; "
+                           f"--calibrate {calibrate} finds its ranges its own way (drop it or "
+                           "use --calibrate gptq or awq,gptq)")
     files: Any = () if calibration_data is None else calibration_data
     if isinstance(files, str | os.PathLike):
         files = [files]
@@ -333,7 +349,7 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any
     return Calibration(calibrate, tuple(os.fspath(f) for f in files),
                        DEFAULT_CALIBRATION_SAMPLES if samples is None else samples,
                        DEFAULT_CALIBRATION_SEQ_LENGTH if length is None else length, save,
-                       iterations)
+                       iterations, calibration_ranges)
 
 
 def _pipeline(top_pipeline: Any, tpu_pipeline: Any, pass_after: Any, pass_before: Any
@@ -464,8 +480,9 @@ class CompileRequest:
     calibration: Calibration | None = asked(
         Option("calibrate", ("--calibrate",), None,
                "quantize the weights of the w4/w8 mode by a calibrated method instead of "
-               "rounding them to nearest: gptq, awq or signround (tuned rounding and "
-               "ranges), one layer at a time on the outputs of "
+               "rounding them to nearest: gptq, awq, signround (tuned rounding and "
+               "ranges) or awq,gptq (AWQ's scales, then GPTQ), one layer at a time on the "
+               "outputs of "
                "the layers before it as quantized (a float model; --group-size and "
                "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
                group=CALIBRATION),
@@ -491,6 +508,11 @@ class CompileRequest:
                "--calibrate signround: signed-gradient steps per layer (default 200, as "
                "the paper and auto-round)", type=int_at_least(1), metavar="N",
                group=CALIBRATION),
+        Option("calibration_ranges", ("--calibration-ranges",), None,
+               "--calibrate gptq or awq,gptq: each group's range: minmax (default: its "
+               "min and max) or mse (the GPTQ reference's grid: the range times 1, 0.99, ..., "
+               "0.21, keeping the least sum of |error|^2.4)",
+               choices=CALIBRATION_RANGES, metavar="R", group=CALIBRATION),
         parse=_calibration)
 
     #: the passes each net runs (`toptpu.pass_pipeline`): the top and tpu stages' passes

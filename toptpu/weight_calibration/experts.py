@@ -162,9 +162,11 @@ def _accumulate(runner: LayerRunner, x: LayerInputs, experts: torch.nn.Module,
 def calibrate_experts(runner: LayerRunner, x: torch.Tensor | LayerInputs, experts: torch.nn.Module,
                       scheme: QuantScheme, method: str = "gptq", *, act_order: bool = True,
                       percdamp: float = 0.01, block_size: int = 128, dtype: str = "float32",
-                      hessian_bytes: int = 1 << 28, prefix: str = EXPERTS) -> ExpertsResult:
+                      hessian_bytes: int = 1 << 28, prefix: str = EXPERTS,
+                      ranges: str = "minmax") -> ExpertsResult:
     """The routed `experts` of the layer `runner` runs quantized (module doc) by GPTQ
-    (`method` "gptq", on the layer's inputs `x`) or rounded to nearest ("rtn");
+    (`method` "gptq", on the layer's inputs `x`; its grids by `ranges`) or rounded to
+    nearest ("rtn");
     afterwards the fused parameters hold the dequantized weights."""
     x = layer_inputs(x)
     n_exp, inter, hidden = expert_shapes(experts)
@@ -206,7 +208,7 @@ def calibrate_experts(runner: LayerRunner, x: torch.Tensor | LayerInputs, expert
         prepared = prepare_hessian(acc.hessian(), act_order=act_order, percdamp=percdamp)
         for proj in projs:
             res = gptq(weight(e, proj), prepared, scheme, act_order=act_order,
-                       block_size=block_size)
+                       block_size=block_size, ranges=ranges)
             put(e, proj, res.weights, res.loss)
 
     for width, projs, down in ((hidden, ("gate_proj", "up_proj"), False),

@@ -10,7 +10,9 @@ For one linear ``y = x W^T`` (``W`` [N, K]) and its calibration inputs ``X`` [n,
    contiguous channels (``k // group``) before any column is quantized, so the stored groups
    stay contiguous and ``g_idx`` is trivial once the integers are put back in channel order.
    Without act-order a group's grid is found from its columns as updated so far, when its
-   first column is reached.
+   first column is reached. A grid is the group's min/max or, with ``ranges="mse"``, the
+   reference code's MSE grid over shrunk ranges (`grid.mse_grid_params`), found on the same
+   weights.
 3. Damping: ``H += percdamp * mean(diag(H)) * I``; if ``H`` is still not positive definite
    the damping is raised tenfold (to at most 100 %) and the result says which was used.
 4. ``U = cholesky(H^-1)^T`` (upper); then Algorithm 1 with lazy batch updates: columns in
@@ -291,11 +293,11 @@ def prepare_hessian(hessian: np.ndarray, *, act_order: bool = False, percdamp: f
 
 
 def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: QuantScheme, *,
-         act_order: bool = False, block_size: int = 128, percdamp: float = 0.01
-         ) -> GptqResult:
+         act_order: bool = False, block_size: int = 128, percdamp: float = 0.01,
+         ranges: str = "minmax") -> GptqResult:
     """GPTQ of `weight` [N, K] with the input Hessian `hessian` [K, K] (module doc), or its
     `prepare_hessian` (made with the same `act_order` and `percdamp`), in the Hessian's
-    dtype (float32 or float64)."""
+    dtype (float32 or float64); each group's grid by `ranges` (`grid.RANGE_SEARCHES`)."""
     prepared = hessian if isinstance(hessian, PreparedHessian) else prepare_hessian(
         hessian, act_order=act_order, percdamp=percdamp)
     upper = prepared.upper
@@ -317,7 +319,7 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
         for g in range(groups):
             part = np.array(weight[:, g * gs:(g + 1) * gs], dtype=dtype)
             part[:, dead[g * gs:(g + 1) * gs]] = 0.0
-            scales[:, g], zeros[:, g] = grid_params(part, scheme)
+            scales[:, g], zeros[:, g] = grid_params(part, scheme, ranges)
             del part
     perm = prepared.perm
     # the one working copy of the weights, in GPTQ's column order
@@ -336,7 +338,8 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
             j = i1 + i
             g = perm[j] // gs
             if not act_order and gs < k and j % gs == 0:
-                scales[:, g], zeros[:, g] = grid_params(w1[:, i:i + gs], scheme)
+                scales[:, g], zeros[:, g] = grid_params(w1[:, i:i + gs], scheme,
+                                                           ranges)
             col = w1[:, i]
             qi = quantize_column(col, scales[:, g], zeros[:, g], maxq)
             dq = (qi - zeros[:, g]) * scales[:, g]

@@ -10,6 +10,12 @@ The grid is GPTQ's (`Quantizer.find_params` of the GPTQ reference code and AutoG
 - a group of zeros gets ``lo, hi = -1, 1``;
 - ``q = clamp(round(w / scale) + zero, 0, maxq)`` (round half to even).
 
+With the range search ``mse`` (`RANGE_SEARCHES`; the GPTQ reference code's
+``Quantizer(mse=True)`` with its defaults ``grid=100``, ``maxshrink=0.8``, ``norm=2.4``) the
+range ``lo, hi`` above is shrunk to ``p lo, p hi`` for ``p = 1, 0.99, ..., 0.21`` and each
+group keeps the first ``p`` whose grid gives the least ``sum |dequantized - w|^2.4``
+(`mse_grid_params`); ``minmax`` (the default) keeps ``p = 1``.
+
 One change from the reference: the scale is rounded to its storage dtype (float16 by
 default, as GPTQ checkpoints store it) *before* the zero point and the integers are computed,
 so the integers are the best ones for the scale a kernel really reads, and dequantizing the
@@ -32,6 +38,13 @@ from toptpu.errors import ToptpuError
 CALIBRATED_BITS = (4, 8)
 #: group sizes besides -1 (one group per output row)
 GROUP_SIZES = (32, 64, 128)
+#: how a group's range is found: its min/max, or the GPTQ reference's MSE grid over shrunk
+#: ranges (module doc)
+RANGE_SEARCHES = ("minmax", "mse")
+#: the MSE grid's defaults in the GPTQ reference code (`Quantizer.configure`)
+MSE_GRID = 100
+MSE_MAX_SHRINK = 0.8
+MSE_NORM = 2.4
 
 
 class CalibrationError(ToptpuError, ValueError):
@@ -99,24 +112,64 @@ def _smallest_positive(dt: np.dtype) -> float:
     return float(np.array([1], np.uint32).view(np.float32)[0])
 
 
-def grid_params(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, zero) for each row of `w` [N, g] (one group per row): float64 scales holding
-    storage-dtype values, float64 integer zero points."""
-    w = np.asarray(w, dtype=np.float64)
-    maxq = scheme.maxq
+def _group_range(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of each row of `w` [N, g] (float64): GPTQ's range, zero inside it."""
     lo = np.minimum(w.min(axis=1), 0.0)
     hi = np.maximum(w.max(axis=1), 0.0)
     if scheme.sym:
         hi = np.maximum(-lo, hi)
         lo = np.where(lo < 0, -hi, lo)
     empty = (lo == 0) & (hi == 0)
-    lo = np.where(empty, -1.0, lo)
-    hi = np.where(empty, 1.0, hi)
+    return np.where(empty, -1.0, lo), np.where(empty, 1.0, hi)
+
+
+def _grid_of_range(lo: np.ndarray, hi: np.ndarray, scheme: QuantScheme
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    maxq = scheme.maxq
     scale = round_scale((hi - lo) / maxq, scheme)
     if scheme.sym:
         zero = np.full_like(scale, (maxq + 1) / 2)
     else:
         zero = np.clip(np.rint(-lo / scale), 0, maxq)
+    return scale, zero
+
+
+def grid_params(w: np.ndarray, scheme: QuantScheme, ranges: str = "minmax"
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, zero) for each row of `w` [N, g] (one group per row): float64 scales holding
+    storage-dtype values, float64 integer zero points; `ranges` ``mse``: `mse_grid_params`."""
+    if ranges == "mse":
+        return mse_grid_params(w, scheme)
+    if ranges != "minmax":
+        raise CalibrationError(f"range search '{ranges}': one of {', '.join(RANGE_SEARCHES)}")
+    w = np.asarray(w, dtype=np.float64)
+    return _grid_of_range(*_group_range(w, scheme), scheme)
+
+
+def mse_grid_params(w: np.ndarray, scheme: QuantScheme, grid: int = MSE_GRID,
+                    max_shrink: float = MSE_MAX_SHRINK, norm: float = MSE_NORM
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """`grid_params` of the range shrunk by the GPTQ reference's MSE grid (module doc): for
+    ``i`` in ``0 .. int(max_shrink * grid) - 1`` the range times ``p = 1 - i / grid`` (the
+    scale rounded to its storage dtype, as every grid here), each row keeping the grid of
+    the first ``p`` with the least ``sum |(q - zero) scale - w|^norm``."""
+    w = np.asarray(w)
+    scale = np.zeros(w.shape[0])
+    zero = np.zeros(w.shape[0])
+    rows = max(1, (1 << 21) // max(1, w.shape[1]))  # a block's temporaries: 16 MB each
+    for r0 in range(0, w.shape[0], rows):
+        part = np.asarray(w[r0:r0 + rows], dtype=np.float64)
+        lo, hi = _group_range(part, scheme)
+        best = np.full(part.shape[0], np.inf)
+        for i in range(int(max_shrink * grid)):
+            p = 1 - i / grid
+            s1, z1 = _grid_of_range(p * lo, p * hi, scheme)
+            q = quantize_column(part, s1[:, None], z1[:, None], scheme.maxq)
+            err = np.sum(np.abs((q - z1[:, None]) * s1[:, None] - part) ** norm, axis=1)
+            better = err < best
+            best[better] = err[better]
+            scale[r0:r0 + rows][better] = s1[better]
+            zero[r0:r0 + rows][better] = z1[better]
     return scale, zero
 
 

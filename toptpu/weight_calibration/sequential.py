@@ -39,7 +39,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import numpy as np
@@ -85,7 +85,13 @@ from toptpu.weight_calibration.gptq import (
     gptq,
     prepare_hessian,
 )
-from toptpu.weight_calibration.grid import CalibrationError, QuantizedWeights, QuantScheme, rtn
+from toptpu.weight_calibration.grid import (
+    RANGE_SEARCHES,
+    CalibrationError,
+    QuantizedWeights,
+    QuantScheme,
+    rtn,
+)
 from toptpu.weight_calibration.layers import (
     LayerPlan,
     LayerRunner,
@@ -97,21 +103,27 @@ from toptpu.weight_calibration.layers import (
 )
 from toptpu.weight_calibration.signround import SignRoundOptions, tune_layer
 
-METHODS = ("gptq", "awq", "signround", "rtn")
+#: "awq,gptq": AWQ's scales searched and folded, then GPTQ on the scaled weights
+#: (`calibrate_layer`)
+METHODS = ("gptq", "awq", "signround", "rtn", "awq,gptq")
+#: the methods GPTQ quantizes with (and `CalibrationRequest.ranges` shapes)
+GPTQ_METHODS = ("gptq", "awq,gptq")
 
 
 @dataclass(frozen=True)
 class CalibrationRequest:
     """What to calibrate and how. `method`: gptq | awq | signround | rtn (the same grid and
-    export, round to nearest: the baseline). GPTQ: `act_order` (static groups), `percdamp`,
-    `block_size`; AWQ: `awq`; SignRound: `signround`. `export_format`: gptq | auto_round
-    (`export`)."""
+    export, round to nearest: the baseline) | awq,gptq (`calibrate_layer`). GPTQ:
+    `act_order` (static groups), `percdamp`, `block_size`, `ranges` (each group's range:
+    min/max or the MSE grid, `grid.RANGE_SEARCHES`); AWQ: `awq`; SignRound: `signround`.
+    `export_format`: gptq | auto_round (`export`)."""
 
     method: str = "gptq"
     scheme: QuantScheme = field(default_factory=QuantScheme)
     act_order: bool = True
     percdamp: float = 0.01
     block_size: int = 128
+    ranges: str = "minmax"
     awq: AwqOptions = field(default_factory=AwqOptions)
     signround: SignRoundOptions = field(default_factory=SignRoundOptions)
     export_format: str = "auto_round"
@@ -132,18 +144,25 @@ class CalibrationRequest:
         if self.gptq_dtype not in GPTQ_DTYPES:
             raise CalibrationError(f"GPTQ dtype '{self.gptq_dtype}': one of "
                                    f"{', '.join(GPTQ_DTYPES)}")
+        if self.ranges not in RANGE_SEARCHES:
+            raise CalibrationError(f"range search '{self.ranges}': one of "
+                                   f"{', '.join(RANGE_SEARCHES)}")
+        if self.ranges != "minmax" and self.method not in GPTQ_METHODS:
+            raise CalibrationError(f"the range search '{self.ranges}' is GPTQ's; --calibrate "
+                                   f"{self.method} finds its ranges its own way (drop it)")
         if not 0 < self.percdamp <= 1:
             raise CalibrationError(f"damping {self.percdamp}: a fraction in (0, 1]")
 
 
 def request_for_mode(method: str, mode: str, group_size: int | None = None,
-                     symmetric: bool | None = None, iterations: int | None = None
-                     ) -> CalibrationRequest:
+                     symmetric: bool | None = None, iterations: int | None = None,
+                     ranges: str | None = None) -> CalibrationRequest:
     """The request `toptpu compile -q MODE [--group-size G] [--symmetric] --calibrate METHOD
-    [--calibration-iterations N]` implies, as the compiler's own weight quantization would
-    be shaped: w4 in groups (default the compiler's, 64; -1 per channel), asymmetric unless
-    symmetric; w8 per channel and symmetric (the compiler's w8); SignRound's steps per layer
-    `iterations` (None: its default); exported in the `auto_round` format (`export`)."""
+    [--calibration-iterations N] [--calibration-ranges R]` implies, as the compiler's own
+    weight quantization would be shaped: w4 in groups (default the compiler's, 64; -1 per
+    channel), asymmetric unless symmetric; w8 per channel and symmetric (the compiler's w8);
+    SignRound's steps per layer `iterations` (None: its default); GPTQ's range search
+    `ranges` (None: min/max); exported in the `auto_round` format (`export`)."""
     try:
         bits = parse_mode(mode)[1]
     except ValueError as e:
@@ -158,7 +177,8 @@ def request_for_mode(method: str, mode: str, group_size: int | None = None,
         scheme = QuantScheme(bits, DEFAULT_GROUP_SIZE if group_size is None else group_size,
                              bool(symmetric))
     options = SignRoundOptions() if iterations is None else SignRoundOptions(iterations)
-    return CalibrationRequest(method, scheme, signround=options)
+    return CalibrationRequest(method, scheme, signround=options,
+                              ranges="minmax" if ranges is None else ranges)
 
 
 @dataclass
@@ -290,7 +310,7 @@ def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
             for name in names:
                 res = gptq(_linear_weight(runner.layer, name).weight.detach().numpy(),
                            prepared, request.scheme, act_order=request.act_order,
-                           block_size=request.block_size)
+                           block_size=request.block_size, ranges=request.ranges)
                 out[name] = res.weights
                 losses[name] = res.loss
                 integers.hold(name, res.weights)
@@ -312,7 +332,7 @@ def _experts(runner: LayerRunner, path: str, x: LayerInputs, request: Calibratio
     res = calibrate_experts(runner, x, experts, request.scheme, method,
                             act_order=request.act_order, percdamp=request.percdamp,
                             block_size=request.block_size, dtype=request.gptq_dtype,
-                            prefix=path)
+                            prefix=path, ranges=request.ranges)
     out.update(res.weights)
     losses.update(res.losses)
     if experts_out is not None:
@@ -334,6 +354,8 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
     `x`), its batches seeded with the layer's `index`."""
     if request.method == "gptq":
         return gptq_layer(runner, plan, x, quantized, request, on_stage, experts_out)
+    if request.method == "awq,gptq":
+        return _awq_gptq_layer(runner, plan, x, quantized, request, on_stage)
     if request.method == "signround":
         return _signround_layer(runner, plan, x, quantized, request, on_stage, targets, index)
     details: dict[str, float] = {}
@@ -355,6 +377,24 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
         if experts_out is not None:
             experts_out.extend(routed)
     return out, details
+
+
+def _awq_gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+                    quantized: set[str], request: CalibrationRequest,
+                    on_stage: Callable[[str], None] | None
+                    ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
+    """AWQ then GPTQ (the recipe llm-compressor runs as an AWQ modifier before a GPTQ one):
+    AWQ's scales searched and folded (`awq.awq_layer`, its clipping left to GPTQ, which
+    chooses the integers and, with ``ranges="mse"``, the ranges itself), so the layer
+    computes the same float function; then GPTQ on the scaled weights, its Hessians from
+    the scaled layer's inputs (`gptq_layer`)."""
+    if plan.experts is not None and plan.experts in quantized:
+        raise CalibrationError("--calibrate awq,gptq does not calibrate a mixture-of-experts "
+                               "layer's routed experts; calibrate this model with gptq or awq")
+    report = awq_layer(runner, plan, x, request.scheme, replace(request.awq, clip=False),
+                       quantized)
+    out, losses = gptq_layer(runner, plan, x, quantized, request, on_stage)
+    return out, {**{f"ratio:{k}": v for k, v in report.ratios.items()}, **losses}
 
 
 def _signround_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
@@ -589,7 +629,7 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                 if xf is not None:
                     bar.stage(i, "running the float layer")
                     layer_outputs(runner, xf, f"the float layer {i}")
-                bar.stage(i, "searching scales" if request.method == "awq" else "")
+                bar.stage(i, "searching scales" if request.method.startswith("awq") else "")
                 routed: list[ExpertsResult] = []
                 results, details = calibrate_layer(
                     runner, plan, x, quantized, request,
@@ -625,8 +665,9 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
         config.pop("quantization_config", None)
         config["quantization_config"] = quantization_config(
             scheme, request.export_format, request.method,
-            request.act_order and request.method == "gptq", report.float_linears,
+            request.act_order and request.method in GPTQ_METHODS, report.float_linears,
             {"sequences": data.sequences, "sequence_length": data.sequence_length,
+             **({"ranges": request.ranges} if request.method in GPTQ_METHODS else {}),
              **({"rtn_experts": report.rtn_experts} if report.rtn_experts else {}),
              **({"iterations": request.signround.iterations,
                  "batch_size": request.signround.batch_size}
