@@ -65,10 +65,12 @@ def validation_text(work: str, cal: str) -> str:
 #: rows besides f32/rtn/autoround: --calibrate method and --calibration-ranges
 CALIBRATED = {"gptq": ("gptq", None), "gptqmse": ("gptq", "mse"), "awq": ("awq", None),
               "signround": ("signround", None), "awqgptq": ("awq,gptq", None),
-              "awqgptqmse": ("awq,gptq", "mse")}
+              "awqgptqmse": ("awq,gptq", "mse"), "gptaq": ("gptaq", None),
+              "gptaqmse": ("gptaq", "mse")}
 LABELS = {"gptq": "GPTQ", "gptqmse": "GPTQ, MSE ranges", "awq": "AWQ",
           "signround": "SignRound", "awqgptq": "AWQ then GPTQ",
-          "awqgptqmse": "AWQ then GPTQ, MSE ranges"}
+          "awqgptqmse": "AWQ then GPTQ, MSE ranges", "gptaq": "GPTAQ",
+          "gptaqmse": "GPTAQ, MSE ranges"}
 
 
 def texts(work: str) -> tuple[str, str]:

@@ -67,7 +67,7 @@ def _left(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "signround", "awq,gptq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "signround", "awq,gptq", "gptaq"])
 def test_calibrated_compile_equals_the_exported_checkpoints(
         method: str, float_model: str, text_file: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -536,7 +536,8 @@ def test_moe_awq_passes_the_checks_and_reaches_the_calibration(
 
 @pytest.mark.parametrize("method,what", [("signround", "SignRound does not tune routed experts"),
                                          ("awq,gptq", "awq,gptq does not calibrate routed "
-                                                      "experts")])
+                                                      "experts"),
+                                         ("gptaq", "gptaq does not calibrate routed experts")])
 def test_moe_refused_by_the_methods_without_experts(method: str, what: str, text_file: str,
                                                     tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -198,6 +198,88 @@ def test_gptq_mse_ranges_equals_algorithm_1(group: int, sym: bool, act_order: bo
     assert not np.array_equal(minmax.weights.scales, got.weights.scales)
 
 
+def _gptaq_reference(weight: np.ndarray, hessian: np.ndarray, cross: np.ndarray, bits: int,
+                     group: int, sym: bool, act_order: bool, block: int,
+                     percdamp: float = 0.01, alpha: float = 0.25
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTAQ as its reference code's `fasterquant` does it, in float64 numpy: ``P = alpha
+    triu(dXX^T U^T, 1) U``; lazy batches of `block` columns, within a block each column's
+    update ``e U[j, j:] - w P[j, j:]`` (w before rounding), after it ``Err U - W1 P`` (W1 the
+    block's columns, rounded by then). Static groups or one group per row."""
+    w, h, d = weight.astype(np.float64).copy(), hessian.copy(), cross.copy()
+    n, k = w.shape
+    group = k if group == -1 else group
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    d[:, dead] = 0
+    scale, zero = np.zeros((n, k // group)), np.zeros((n, k // group))
+    for g in range(k // group):
+        scale[:, g], zero[:, g] = _paper_grid(w[:, g * group:(g + 1) * group], bits, sym)
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    w, h, d = w[:, order], h[order][:, order], d[order][:, order]
+    h += percdamp * np.mean(np.diag(h)) * np.eye(k)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    p = alpha * np.triu(d @ u.T, 1) @ u
+    q = np.zeros((n, k))
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1, err1 = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
+        for i in range(i2 - i1):
+            j, col = i1 + i, w1[:, i].copy()
+            g = order[j] // group
+            q[:, j] = np.clip(np.rint(col / scale[:, g]) + zero[:, g], 0, 2 ** bits - 1)
+            err1[:, i] = (col - (q[:, j] - zero[:, g]) * scale[:, g]) / u[j, j]
+            w1[:, i:] -= np.outer(err1[:, i], u[j, j:i2]) - np.outer(col, p[j, j:i2])
+        w[:, i2:] -= err1 @ u[i1:i2, i2:] - w1 @ p[i1:i2, i2:]
+    return q[:, np.argsort(order)], scale, zero
+
+
+@pytest.mark.parametrize("act_order,group,sym", [(True, 32, False), (True, 64, True),
+                                                 (False, -1, False)])
+def test_gptaq_equals_its_reference_algorithm(act_order: bool, group: int, sym: bool) -> None:
+    """GPTQ with GPTAQ's asymmetry term (`asymmetry_term` of ``dXX^T`` summed by
+    `AsymmetryAccumulator` over two batches) gives exactly the integers and grids of a
+    transcription of GPTAQ's reference `fasterquant`; against the float model's outputs
+    ``X_float W^T`` its error is below plain GPTQ's on the same inputs."""
+    from toptpu.weight_calibration.gptq import (
+        AsymmetryAccumulator,
+        HessianAccumulator,
+        asymmetry_term,
+        prepare_hessian,
+    )
+
+    rng = np.random.default_rng(abs(group) + act_order)
+    weight = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    x_float = _structured_inputs(256, 1024, 4).astype(np.float32)
+    x = (x_float * (1 + 0.1 * rng.standard_normal(256))
+         + 0.2 * rng.standard_normal(x_float.shape)).astype(np.float32)
+    x[:, 3] = 0
+    acc, cross_acc = HessianAccumulator(256, "float64"), AsymmetryAccumulator(256)
+    for rows in (slice(0, 600), slice(600, 1024)):
+        acc.add(torch.from_numpy(x[rows]))
+        cross_acc.add(torch.from_numpy(x_float[rows]), torch.from_numpy(x[rows]))
+    hessian, cross = acc.hessian(), cross_acc.cross().astype(np.float64)
+    x64, xf64 = x.astype(np.float64), x_float.astype(np.float64)
+    np.testing.assert_allclose(cross, 2 * (xf64 - x64).T @ x64 / 1024, rtol=1e-5,
+                               atol=1e-5 * np.abs(cross).max())
+    scheme = QuantScheme(4, group, sym)
+    prepared = prepare_hessian(hessian, act_order=act_order)
+    got = gptq(weight, prepared, scheme, act_order=act_order, block_size=64,
+               asymmetry=asymmetry_term(cross.copy(), prepared))
+    q, scale, zero = _gptaq_reference(weight, hessian, cross, 4, group, sym, act_order, 64)
+    assert np.array_equal(got.weights.qweight, q.astype(np.uint8))
+    assert np.array_equal(got.weights.scales.astype(np.float64), scale)
+    assert np.array_equal(got.weights.zeros, zero.astype(np.uint8))
+    plain = gptq(weight, prepared, scheme, act_order=act_order, block_size=64)
+    target = xf64 @ weight.T.astype(np.float64)
+
+    def error(qw: QuantizedWeights) -> float:
+        return float(np.mean((x64 @ qw.dequantize().T.astype(np.float64) - target) ** 2))
+
+    assert error(got.weights) < error(plain.weights)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("k", [5, 257, 700])
 def test_in_place_factor_is_torchs_bit_for_bit(dtype: type, k: int,
@@ -418,6 +500,64 @@ def test_awq_gptq_is_gptq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str
     assert float((runner.forward(x) - float_out).pow(2).mean()) < rtn_error
 
 
+def test_gptaq_layer_is_gptaq_on_each_stages_two_inputs(tokenizer: Any, text_file: str) -> None:
+    """``gptaq`` on a layer: o_proj's integers are GPTAQ's (`gptq` with `asymmetry_term`)
+    on its inputs in the layer with q/k/v as quantized, matched to its inputs in the float
+    layer on the float model's hidden states; those hidden states are then advanced
+    through the float layer; the layer's error against the float layer's outputs on the
+    float hidden states is below plain GPTQ's."""
+    from toptpu.weight_calibration.activations import InMemory
+    from toptpu.weight_calibration.gptq import (
+        AsymmetryAccumulator,
+        HessianAccumulator,
+        asymmetry_term,
+        prepare_hessian,
+    )
+    from toptpu.weight_calibration.sequential import calibrate_layer
+
+    _, layer, runner, x = _first_layer_setup("llama", tokenizer, text_file)
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    scheme = QuantScheme(4, 32, False)
+    float_layer = copy.deepcopy(layer)
+    gptq_layer_copy = copy.deepcopy(layer)
+    float_runner = LayerRunner(float_layer, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+    xf = x * (1 + 0.05 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(0)))
+    float_out = float_runner.forward(xf)
+    targets = InMemory(xf.clone())
+    got, _ = calibrate_layer(runner, plan, x, set(plan.linears),
+                             CalibrationRequest("gptaq", scheme), targets=targets)
+    torch.testing.assert_close(targets.x, float_out, rtol=0, atol=0)
+    partial = copy.deepcopy(float_layer)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        partial.get_submodule(name).weight.data = torch.from_numpy(got[name].dequantize())
+    partial_runner = LayerRunner(partial, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+
+    def o_inputs(run: LayerRunner, xin: torch.Tensor) -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        run.see_inputs(run.layer.get_submodule("self_attn.o_proj"), InMemory(xin),
+                       lambda _m, args: seen.append(args[0]))
+        return torch.cat(seen)
+
+    assert x.shape[0] <= runner.batch  # one batch: the sums below are the calibration's
+    xq_o, xf_o = o_inputs(partial_runner, x), o_inputs(float_runner, xf)
+    acc, cross = HessianAccumulator(xq_o.shape[-1]), AsymmetryAccumulator(xq_o.shape[-1])
+    acc.add(xq_o)
+    cross.add(xf_o, xq_o)
+    prepared = prepare_hessian(acc.hessian(), act_order=True)
+    expected = gptq(float_layer.get_submodule("self_attn.o_proj").weight.detach().numpy(),
+                    prepared, scheme, act_order=True,
+                    asymmetry=asymmetry_term(cross.cross(), prepared))
+    assert np.array_equal(got["self_attn.o_proj"].qweight, expected.weights.qweight)
+    assert np.array_equal(got["self_attn.o_proj"].scales, expected.weights.scales)
+    gptq_runner = LayerRunner(gptq_layer_copy, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+    calibrate_layer(gptq_runner, plan, x, set(plan.linears), CalibrationRequest("gptq", scheme))
+
+    def error(run: LayerRunner) -> float:
+        return float((run.forward(x) - float_out).pow(2).mean())
+
+    assert error(runner) < error(gptq_runner)
+
+
 def test_gptq_layer_holding_integers_gives_the_same_layer(tokenizer: Any, text_file: str,
                                                           monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
@@ -556,6 +696,7 @@ def _consumer_weight(module: torch.nn.Module, k: int) -> np.ndarray:
     ("llama", "gptq", "gptq", True, "minmax"),
     ("qwen2", "awq,gptq", "auto_round", False, "mse"),
     ("llama", "awq,gptq", "gptq", False, "minmax"),
+    ("qwen2", "gptaq", "auto_round", False, "minmax"),
 ])
 def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, ranges: str,
                            tmp_path: Path, tokenizer: Any, text_file: str) -> None:

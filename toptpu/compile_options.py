@@ -184,8 +184,8 @@ def _check_calibration(model: Any, request: CompileRequest,
             if cal.method == "signround":
                 raise CompileError(f"{flag}: {moe}; SignRound does not tune routed experts: "
                                    "calibrate it with gptq or awq")
-            if cal.method == "awq,gptq":
-                raise CompileError(f"{flag}: {moe}; awq,gptq does not calibrate routed "
+            if cal.method in ("awq,gptq", "gptaq"):
+                raise CompileError(f"{flag}: {moe}; {cal.method} does not calibrate routed "
                                    "experts: calibrate it with gptq or awq")
             if text_family_of(cfg.get("model_type")) not in CALIBRATED_MOE:
                 raise CompileError(f"{flag}: {moe} of type '{cfg.get('model_type')}', whose "

@@ -267,7 +267,9 @@ def _path(flag: str) -> Callable[[object], str | None]:
 # ----------------------------------------------------------------------------- calibration
 
 #: the methods `--calibrate` takes (`toptpu.weight_calibration`)
-CALIBRATION_METHODS = ("gptq", "awq", "signround", "awq,gptq")
+CALIBRATION_METHODS = ("gptq", "awq", "signround", "awq,gptq", "gptaq")
+#: the methods `--calibration-ranges` shapes (GPTQ's grids)
+GPTQ_CALIBRATIONS = ("gptq", "awq,gptq", "gptaq")
 #: `--calibration-ranges`: each group's range as min/max, or GPTQ's MSE grid (gptq methods)
 CALIBRATION_RANGES = ("minmax", "mse")
 #: the calibration set by default: samples x tokens (as AutoGPTQ and AutoAWQ use)
@@ -324,10 +326,10 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any
     if calibration_ranges is not None and calibration_ranges not in CALIBRATION_RANGES:
         raise CompileError(f"--calibration-ranges must be {' or '.join(CALIBRATION_RANGES)}, "
                            f"not {calibration_ranges!r}")
-    if calibration_ranges not in (None, "minmax") and "gptq" not in calibrate:
+    if calibration_ranges not in (None, "minmax") and calibrate not in GPTQ_CALIBRATIONS:
         raise CompileError(f"--calibration-ranges {calibration_ranges}: GPTQ's range search; "
                            f"--calibrate {calibrate} finds its ranges its own way (drop it or "
-                           "use --calibrate gptq or awq,gptq)")
+                           f"use --calibrate {', '.join(GPTQ_CALIBRATIONS)})")
     files: Any = () if calibration_data is None else calibration_data
     if isinstance(files, str | os.PathLike):
         files = [files]
@@ -481,8 +483,8 @@ class CompileRequest:
         Option("calibrate", ("--calibrate",), None,
                "quantize the weights of the w4/w8 mode by a calibrated method instead of "
                "rounding them to nearest: gptq, awq, signround (tuned rounding and "
-               "ranges) or awq,gptq (AWQ's scales, then GPTQ), one layer at a time on the "
-               "outputs of "
+               "ranges), awq,gptq (AWQ's scales, then GPTQ) or gptaq (GPTQ matching the "
+               "float model's outputs), one layer at a time on the outputs of "
                "the layers before it as quantized (a float model; --group-size and "
                "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
                group=CALIBRATION),
@@ -509,7 +511,7 @@ class CompileRequest:
                "the paper and auto-round)", type=int_at_least(1), metavar="N",
                group=CALIBRATION),
         Option("calibration_ranges", ("--calibration-ranges",), None,
-               "--calibrate gptq or awq,gptq: each group's range: minmax (default: its "
+               "--calibrate gptq, awq,gptq or gptaq: each group's range: minmax (default: its "
                "min and max) or mse (the GPTQ reference's grid: the range times 1, 0.99, ..., "
                "0.21, keeping the least sum of |error|^2.4)",
                choices=CALIBRATION_RANGES, metavar="R", group=CALIBRATION),

@@ -21,6 +21,16 @@ For one linear ``y = x W^T`` (``W`` [N, K]) and its calibration inputs ``X`` [n,
    ``e = (w - q) / U[j, j]`` spread over the block's remaining columns (``-e U[j, j:]``), and
    after the block the whole block's errors over the rest of the matrix at once.
 
+GPTAQ (Li et al., ICML 2025, "GPTAQ: Efficient Finetuning-Free Quantization for Asymmetric
+Calibration", first "GPTQv2"; GPTQModel's ``v2=True``): the linear's output is matched to
+the *float* model's, ``|| W X_float - Q X ||``, where ``X_float`` are the inputs the float
+model gives the linear and ``X`` those the quantized layers before it give. Besides ``H``
+it takes ``dXX^T = 2/n (X_float - X)^T X`` (`AsymmetryAccumulator`; ``[:, dead] = 0``,
+permuted as ``H``) and ``P = alpha triu(dXX^T U^T, 1) U`` (`asymmetry_term`, alpha 0.25 as
+its reference code and GPTQModel), and each column's update gains ``+ w P[j, j:]``: within
+a block ``w`` is the column before rounding, across blocks the block's columns after it (as
+the reference code's lazy batches do: it holds the rounded values there).
+
 Precision: the dtype of the Hessian, float32 (as the reference code and AutoGPTQ, and what
 the calibration uses) or float64 (the exact check against a transcription of Algorithm 1).
 In float32 the Hessian, its permutation, damping and factor share one K x K matrix
@@ -106,6 +116,51 @@ class HessianAccumulator:
             raise CalibrationError("no calibration inputs reached this linear")
         self.sum.mul_(2.0 / self.rows)
         return self.sum.numpy()
+
+
+class AsymmetryAccumulator:
+    """GPTAQ's ``dXX^T = 2/n (X_float - X)^T X`` over pairs of rows added so far (module
+    doc): the float model's inputs of the linear and the quantized layers' inputs of it for
+    the same tokens, summed in float32 in place (one K x K matrix)."""
+
+    def __init__(self, in_features: int) -> None:
+        self.sum = torch.zeros(in_features, in_features, dtype=torch.float32)
+        self.rows = 0
+
+    def add(self, x_float: torch.Tensor, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+        d2 = x_float.detach().reshape(-1, x.shape[-1]).to(torch.float32) - x2
+        self.sum.addmm_(d2.T, x2)
+        self.rows += x2.shape[0]
+
+    def cross(self) -> np.ndarray:
+        """``dXX^T``, scaled in place (the accumulator is spent)."""
+        if self.rows == 0:
+            raise CalibrationError("no calibration inputs reached this linear")
+        self.sum.mul_(2.0 / self.rows)
+        return self.sum.numpy()
+
+
+#: GPTAQ's scale of its asymmetry term (its reference code's and GPTQModel's default)
+GPTAQ_ALPHA = 0.25
+
+
+def asymmetry_term(cross: np.ndarray, prepared: PreparedHessian, alpha: float = GPTAQ_ALPHA
+                   ) -> np.ndarray:
+    """GPTAQ's ``P = alpha triu(dXX^T U^T, 1) U`` in GPTQ's column order (module doc), from
+    ``dXX^T`` `cross` (`AsymmetryAccumulator.cross`, overwritten) and the prepared Hessian's
+    dead channels, order and factor ``U``, in U's dtype (one K x K result beside a K x K
+    temporary)."""
+    u = prepared.upper
+    d = cross if cross.dtype == u.dtype and cross.flags.writeable else cross.astype(u.dtype)
+    d[:, prepared.dead] = 0.0
+    if not np.array_equal(prepared.perm, np.arange(len(prepared.perm))):
+        permute_symmetric(d, prepared.perm)
+    a = np.triu(d @ u.T, 1)
+    del d
+    out = a @ u
+    out *= alpha
+    return out
 
 
 @dataclass
@@ -294,10 +349,11 @@ def prepare_hessian(hessian: np.ndarray, *, act_order: bool = False, percdamp: f
 
 def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: QuantScheme, *,
          act_order: bool = False, block_size: int = 128, percdamp: float = 0.01,
-         ranges: str = "minmax") -> GptqResult:
+         ranges: str = "minmax", asymmetry: np.ndarray | None = None) -> GptqResult:
     """GPTQ of `weight` [N, K] with the input Hessian `hessian` [K, K] (module doc), or its
     `prepare_hessian` (made with the same `act_order` and `percdamp`), in the Hessian's
-    dtype (float32 or float64); each group's grid by `ranges` (`grid.RANGE_SEARCHES`)."""
+    dtype (float32 or float64); each group's grid by `ranges` (`grid.RANGE_SEARCHES`);
+    with `asymmetry` (GPTAQ's P, `asymmetry_term` of the same prepared Hessian) GPTAQ."""
     prepared = hessian if isinstance(hessian, PreparedHessian) else prepare_hessian(
         hessian, act_order=act_order, percdamp=percdamp)
     upper = prepared.upper
@@ -334,6 +390,7 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
         w1 = w[:, i1:i2].copy()
         err = np.zeros((n, i2 - i1), dtype=dtype)
         u1 = upper[i1:i2, i1:i2]
+        p1 = None if asymmetry is None else asymmetry[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
             g = perm[j] // gs
@@ -345,12 +402,18 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
             dq = (qi - zeros[:, g]) * scales[:, g]
             e = (col - dq) / u1[i, i]
             loss += float(np.sum(e * e)) / 2
-            w1[:, i:] -= e.astype(dtype)[:, None] * u1[i, i:]
+            step = e.astype(dtype)[:, None] * u1[i, i:]
+            if p1 is not None:  # GPTAQ: the column before rounding
+                step -= col[:, None] * p1[i, i:]
+            w1[:, i:] -= step
             err[:, i] = e
             q[:, j] = qi
         for c1 in range(i2, k, UPDATE_COLUMNS):  # the block's errors over the rest, in parts
             c2 = min(c1 + UPDATE_COLUMNS, k)
-            w[:, c1:c2] -= err @ upper[i1:i2, c1:c2]
+            if asymmetry is None:
+                w[:, c1:c2] -= err @ upper[i1:i2, c1:c2]
+            else:  # GPTAQ: the block's columns as rounded
+                w[:, c1:c2] -= err @ upper[i1:i2, c1:c2] - w1 @ asymmetry[i1:i2, c1:c2]
     if act_order:
         q = q[:, np.argsort(perm)]
     qw = QuantizedWeights(q, scales.astype(scheme.numpy_scale_dtype), zeros.astype(np.uint8),

@@ -34,6 +34,7 @@ never read whole: the embedding rows of the calibration tokens only (a streamed 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import sys
@@ -79,9 +80,11 @@ from toptpu.weight_calibration.export import (
 from toptpu.weight_calibration.gptq import (
     DAMPING_STEPS,
     GPTQ_DTYPES,
+    AsymmetryAccumulator,
     HessianAccumulator,
     NotPositiveDefinite,
     PreparedHessian,
+    asymmetry_term,
     gptq,
     prepare_hessian,
 )
@@ -103,11 +106,13 @@ from toptpu.weight_calibration.layers import (
 )
 from toptpu.weight_calibration.signround import SignRoundOptions, tune_layer
 
-#: "awq,gptq": AWQ's scales searched and folded, then GPTQ on the scaled weights
-#: (`calibrate_layer`)
-METHODS = ("gptq", "awq", "signround", "rtn", "awq,gptq")
+#: "awq,gptq": AWQ's scales searched and folded, then GPTQ on the scaled weights; "gptaq":
+#: GPTQ matching the float model's outputs (`calibrate_layer`)
+METHODS = ("gptq", "awq", "signround", "rtn", "awq,gptq", "gptaq")
 #: the methods GPTQ quantizes with (and `CalibrationRequest.ranges` shapes)
-GPTQ_METHODS = ("gptq", "awq,gptq")
+GPTQ_METHODS = ("gptq", "awq,gptq", "gptaq")
+#: the methods that keep the float model's hidden states beside the quantized ones
+FLOAT_STATES = ("signround", "gptaq")
 
 
 @dataclass(frozen=True)
@@ -356,6 +361,10 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
         return gptq_layer(runner, plan, x, quantized, request, on_stage, experts_out)
     if request.method == "awq,gptq":
         return _awq_gptq_layer(runner, plan, x, quantized, request, on_stage)
+    if request.method == "gptaq":
+        if targets is None:
+            raise CalibrationError("GPTAQ needs the float model's inputs of the layer")
+        return _gptaq_layer(runner, plan, x, quantized, request, on_stage, targets)
     if request.method == "signround":
         return _signround_layer(runner, plan, x, quantized, request, on_stage, targets, index)
     details: dict[str, float] = {}
@@ -395,6 +404,74 @@ def _awq_gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
                        quantized)
     out, losses = gptq_layer(runner, plan, x, quantized, request, on_stage)
     return out, {**{f"ratio:{k}": v for k, v in report.ratios.items()}, **losses}
+
+
+def _float_twin(runner: LayerRunner) -> LayerRunner:
+    """A runner of a copy of `runner`'s layer as it is now (its float weights)."""
+    twin = copy.copy(runner)
+    twin.block = copy.deepcopy(runner.block)
+    twin.layer = twin.block.layer
+    return twin
+
+
+def _gptaq_stage(runner: LayerRunner, float_runner: LayerRunner, first: str, x: LayerInputs,
+                 xf: LayerInputs, request: CalibrationRequest
+                 ) -> tuple[PreparedHessian, np.ndarray]:
+    """A stage's prepared Hessian of the quantized inputs and GPTAQ's P (`gptq` module doc):
+    each batch's inputs of `first` taken twice, from the float layer on the float model's
+    hidden states `xf` and from the layer as quantized so far on `x`."""
+    k = _linear_weight(runner.layer, first).in_features
+    acc, cross = HessianAccumulator(k, request.gptq_dtype), AsymmetryAccumulator(k)
+
+    def inputs(run: LayerRunner, xb: torch.Tensor) -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        run.see_inputs(_linear_weight(run.layer, first), layer_inputs(xb),
+                       lambda _m, args: seen.append(args[0]))
+        return seen[0]
+
+    for b in runner.batches(x.shape[0]):
+        xq = inputs(runner, x.read(b))
+        acc.add(xq)
+        cross.add(inputs(float_runner, xf.read(b)), xq)
+    prepared = prepare_hessian(acc.hessian(), act_order=request.act_order,
+                               percdamp=request.percdamp)
+    return prepared, asymmetry_term(cross.cross(), prepared)
+
+
+@torch.no_grad()
+def _gptaq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+                 quantized: set[str], request: CalibrationRequest,
+                 on_stage: Callable[[str], None] | None, targets: torch.Tensor | LayerInputs
+                 ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
+    """GPTAQ (`gptq` module doc) stage by stage as `gptq_layer`: each stage's linears on
+    the inputs of the layer as quantized so far, matched to the float layer's on the float
+    model's hidden states `targets` (this layer's float inputs), which are then advanced
+    through the float layer (a copy of it made first: one more float32 layer in memory)."""
+    if plan.experts is not None and plan.experts in quantized:
+        raise CalibrationError("--calibrate gptaq does not calibrate a mixture-of-experts "
+                               "layer's routed experts; calibrate this model with gptq or awq")
+    x, xf = layer_inputs(x), layer_inputs(targets)
+    float_runner = _float_twin(runner)
+    out: dict[str, QuantizedWeights] = {}
+    losses: dict[str, float] = {}
+    for stage in plan.stages:
+        names = [n for n in stage if n in quantized]
+        if not names:
+            continue
+        if on_stage is not None:
+            on_stage(stage[0])
+        prepared, asymmetry = _gptaq_stage(runner, float_runner, stage[0], x, xf, request)
+        for name in names:
+            lin = _linear_weight(runner.layer, name)
+            res = gptq(lin.weight.detach().numpy(), prepared, request.scheme,
+                       act_order=request.act_order, block_size=request.block_size,
+                       ranges=request.ranges, asymmetry=asymmetry)
+            out[name] = res.weights
+            losses[name] = res.loss
+            lin.weight.data = torch.from_numpy(res.weights.dequantize())
+        del prepared, asymmetry
+    layer_outputs(float_runner, xf, "the float layer")
+    return out, losses
 
 
 def _signround_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
@@ -592,9 +669,9 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
     try:
         with contextlib.ExitStack() as scratch:
             x = scratch.enter_context(Activations(n, length, hidden, writer.directory))
-            # SignRound's targets: the float model's own hidden states (`signround`)
+            # SignRound's targets, GPTAQ's float inputs: the float model's own hidden states
             xf = scratch.enter_context(Activations(n, length, hidden, writer.directory)) \
-                if request.method == "signround" else None
+                if request.method in FLOAT_STATES else None
             step = max(1, request.batch_tokens // length)
             for s0 in range(0, n, step):
                 rows = slice(s0, min(s0 + step, n))
@@ -626,7 +703,7 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                             f"do not fit {scheme.bits}-bit groups of {scheme.group_size}; "
                             "choose a group size that divides the expert widths")
                     quantized.add(plan.experts)
-                if xf is not None:
+                if xf is not None and request.method == "signround":
                     bar.stage(i, "running the float layer")
                     layer_outputs(runner, xf, f"the float layer {i}")
                 bar.stage(i, "searching scales" if request.method.startswith("awq") else "")
