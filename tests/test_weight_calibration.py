@@ -61,10 +61,12 @@ def _reference_mse_grid(w: np.ndarray, bits: int, sym: bool, grid: int = 100,
     """The GPTQ reference code's `Quantizer.find_params` with ``mse=True`` (its defaults:
     grid 100, maxshrink 0.8, norm 2.4), row by row in plain Python: the min/max range
     shrunk by p = 1 - i / grid, the first p with the least sum |dequantized - w|^norm
-    kept; the scale rounded to float16 before the zero point (the grid's one change)."""
+    kept; the scale rounded to float16 before the zero point (the grid's one change); the
+    error in float32, as the reference's torch tensors are."""
     maxq = 2 ** bits - 1
     scales, zeros = [], []
     for row in np.asarray(w, dtype=np.float64):
+        row32 = row.astype(np.float32)
         xmin, xmax = min(row.min(), 0.0), max(row.max(), 0.0)
         if sym:
             xmax = max(abs(xmin), xmax)
@@ -78,8 +80,9 @@ def _reference_mse_grid(w: np.ndarray, bits: int, sym: bool, grid: int = 100,
             xmin1, xmax1 = p * xmin, p * xmax
             scale1 = float(np.float16((xmax1 - xmin1) / maxq))
             zero1 = (maxq + 1) / 2 if sym else float(np.rint(-xmin1 / scale1))
-            q = np.clip(np.rint(row / scale1) + zero1, 0, maxq)
-            err = float(np.sum(np.abs(scale1 * (q - zero1) - row) ** norm))
+            s32, z32 = np.float32(scale1), np.float32(zero1)
+            q = np.clip(np.rint(row32 / s32) + z32, 0, maxq)
+            err = float(np.sum(np.abs((q - z32) * s32 - row32) ** np.float32(norm)))
             if err < best:
                 best, chosen = err, (scale1, zero1)
         scales.append(chosen[0])
@@ -170,8 +173,9 @@ def test_mse_grid_equals_the_reference_rule(bits: int, sym: bool) -> None:
         assert (scale < minmax_scale).sum() >= 20
 
     def err(s: np.ndarray, z: np.ndarray) -> np.ndarray:
-        q = np.clip(np.rint(w / s[:, None]) + z[:, None], 0, scheme.maxq)
-        return np.sum(np.abs((q - z[:, None]) * s[:, None] - w) ** 2.4, axis=1)
+        w32, s32, z32 = w.astype(np.float32), s.astype(np.float32), z.astype(np.float32)
+        q = np.clip(np.rint(w32 / s32[:, None]) + z32[:, None], 0, scheme.maxq)
+        return np.sum(np.abs((q - z32[:, None]) * s32[:, None] - w32) ** np.float32(2.4), axis=1)
 
     assert np.all(err(scale, zero) <= err(minmax_scale, minmax_zero))
 

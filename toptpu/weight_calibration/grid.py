@@ -152,20 +152,23 @@ def mse_grid_params(w: np.ndarray, scheme: QuantScheme, grid: int = MSE_GRID,
     """`grid_params` of the range shrunk by the GPTQ reference's MSE grid (module doc): for
     ``i`` in ``0 .. int(max_shrink * grid) - 1`` the range times ``p = 1 - i / grid`` (the
     scale rounded to its storage dtype, as every grid here), each row keeping the grid of
-    the first ``p`` with the least ``sum |(q - zero) scale - w|^norm``."""
+    the first ``p`` with the least ``sum |(q - zero) scale - w|^norm``, that error in
+    float32 as the reference code's (3x faster than float64 on a CPU)."""
     w = np.asarray(w)
     scale = np.zeros(w.shape[0])
     zero = np.zeros(w.shape[0])
     rows = max(1, (1 << 21) // max(1, w.shape[1]))  # a block's temporaries: 16 MB each
     for r0 in range(0, w.shape[0], rows):
         part = np.asarray(w[r0:r0 + rows], dtype=np.float64)
+        part32 = part.astype(np.float32)
         lo, hi = _group_range(part, scheme)
         best = np.full(part.shape[0], np.inf)
         for i in range(int(max_shrink * grid)):
             p = 1 - i / grid
             s1, z1 = _grid_of_range(p * lo, p * hi, scheme)
-            q = quantize_column(part, s1[:, None], z1[:, None], scheme.maxq)
-            err = np.sum(np.abs((q - z1[:, None]) * s1[:, None] - part) ** norm, axis=1)
+            s32, z32 = s1.astype(np.float32)[:, None], z1.astype(np.float32)[:, None]
+            q = np.clip(np.rint(part32 / s32) + z32, 0, scheme.maxq)
+            err = np.sum(np.abs((q - z32) * s32 - part32) ** np.float32(norm), axis=1)
             better = err < best
             best[better] = err[better]
             scale[r0:r0 + rows][better] = s1[better]
