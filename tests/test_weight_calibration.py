@@ -699,7 +699,7 @@ def _consumer_weight(module: torch.nn.Module, k: int) -> np.ndarray:
     ("llama", "awq", "auto_round", False, "minmax"),
     ("llama", "gptq", "gptq", True, "minmax"),
     ("qwen2", "awq,gptq", "auto_round", False, "mse"),
-    ("llama", "awq,gptq", "gptq", False, "minmax"),
+    ("llama", "awq,gptq", "gptq", True, "minmax"),
     ("qwen2", "gptaq", "auto_round", False, "minmax"),
 ])
 def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, ranges: str,
