@@ -19,6 +19,11 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
   and compiled with `-q auto` (the activations its config names: f16) and with `-q
   w4bf16` (bf16 activations, as the other 4-bit rows);
 
+- calibrated by the other GPTQ methods (rows gptqmse64: `--calibration-ranges mse`,
+  GPTQ's MSE grid for the group ranges; awqgptq64 / awqgptqmse64: `--calibrate awq,gptq`,
+  AWQ's scales then GPTQ; gptaq64 / gptaqmse64: `--calibrate gptaq`, GPTQ matching the
+  float model's outputs);
+
 all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
 they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
 eval` (perplexity, top-1 agreement and mean KL against the f32 compile) on a held-back
@@ -27,6 +32,11 @@ runs in a child process of its own: its wall time, the calibration's share of it
 peak RSS (`ru_maxrss`) are reported. The calibration text and the held-back text default
 to two disjoint parts of Python's own documentation (`pydoc_data.topics`: every fourth
 topic held back).
+
+Settings are chosen on a validation text, not the held-back one: `--validation-only`
+evaluates the rows on the calibration text's last 60000 characters (which the calibration
+does not read: it takes the text's first sequences x length tokens) and not on the
+held-back text; `--validation` evaluates on both.
 
 Run: python bench/calibrated_quant.py [--work DIR] [--rows f32,rtn64,gptq64,...]
 Every step's output is kept in --work and reused by a later run (its measurements in
