@@ -133,6 +133,11 @@ class WeightCache:
         self._given_up: set[Hashable] = set()  # f32 forms given up for others' offsets
         self._reserved: dict[Hashable, int] = {}  # ... and the room kept for their offsets
         self._reserved_total = 0
+        #: the offsets' bytes of every quantized weight asked for so far (int8: one a weight)
+        self._quantized_seen: dict[Hashable, int] = {}
+        self.offsets_needed = 0
+        #: float weights' f32 forms kept by `f32_form`, with their bytes
+        self._float_forms: dict[Hashable, int] = {}
         #: whether `kernels.matmul_offsets` gives `matmul_dequantized`'s bits, by shape
         self.fused_ok: dict[tuple, bool] = {}
         self.streamed = 0  # decode products made from packed weights kept in no form
@@ -164,8 +169,13 @@ class WeightCache:
         hit = self._items.get(key)
         if hit is not None:
             return hit
-        if keep and self._free() + self._givable >= 4 * w.size:
-            return self.get(key, lambda: np.ascontiguousarray(K.f32(w)))
+        if keep and self._free() + self._givable >= 4 * w.size \
+                and self.budget - sum(self._float_forms.values()) - 4 * w.size \
+                >= self.offsets_needed:
+            form = self.get(key, lambda: np.ascontiguousarray(K.f32(w)))
+            if key in self._items:
+                self._float_forms[key] = form.nbytes
+            return form
         return None
 
     def f32_rows_product(self, x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
@@ -202,6 +212,7 @@ class WeightCache:
         """`kernels.dequantize(qweight, scales, zeros, bits, group_size, mins)` under `key`:
         its f32 form where kept, else made from its offsets where kept, else made and kept
         in the form the budget allows (see the module doc; `keep=False`: not kept)."""
+        self._seen(key, qweight, bits)
         hit = self._items.get(key)
         if hit is not None:
             return hit
@@ -233,6 +244,7 @@ class WeightCache:
         decode step's product with a weight kept in no form yet that `dequantized` would
         keep as offsets (its f32 form does not fit) keeps the offsets itself and is made
         from them the same way: its whole f32 form is not made for it."""
+        self._seen(key, qweight, bits)
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
         if off is None and rows <= FUSED_ROWS and key not in self._items:
@@ -261,6 +273,19 @@ class WeightCache:
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole
+
+    def _seen(self, key: Hashable, qweight: np.ndarray, bits: int) -> None:
+        """Count the offsets' bytes of the quantized weight under `key` (once): what
+        `offsets_needed` sums."""
+        if key in self._quantized_seen:
+            return
+        n = qweight.shape[0]
+        self._quantized_seen[key] = n * qweight.shape[-1] * (2 if bits == 4 else 1)
+        self.offsets_needed += self._quantized_seen[key]
+        if self.budget - sum(self._float_forms.values()) < self.offsets_needed:
+            for kept in self._float_forms:  # the quantized weights' offsets need the room
+                self.used -= self._items.pop(kept).nbytes
+            self._float_forms.clear()
 
     def _f32_fits(self, key: Hashable, qweight: np.ndarray, bits: int) -> bool:
         """Whether `dequantized` would keep the weight under `key` as its f32 form: not
