@@ -1258,7 +1258,8 @@ def _scale_block(b: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> 
 def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                   zeros: np.ndarray | None, group_size: int, bias: np.ndarray | None,
                   out_dtype: OutDType = None, block_rows: int = 64,
-                  mins: np.ndarray | None = None) -> np.ndarray | None:
+                  mins: np.ndarray | None = None, zeros_checked: bool = False
+                  ) -> np.ndarray | None:
     """`matmul_offsets(x, weight_offsets(qweight, zeros, 4, group_size, mins is not None),
     scales, group_size, bias, out_dtype, block_rows, mins)` for a 4-bit weight, each
     block's offsets made from its packed bytes while in cache instead of the weight's
@@ -1270,7 +1271,8 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     little-endian host) in contiguous passes, instead of two strided byte writes; the
     zero point subtracted in int8; widened to f32, scaled. None where the offsets of
     some zero point do not fit int8 (`weight_offsets` makes int16 ones) or on a
-    big-endian host: the caller uses `weight_offsets`."""
+    big-endian host: the caller uses `weight_offsets`. `zeros_checked`: the caller found
+    every zero point within [-112, 127] (`weight_cache.packed_int8`): not checked again."""
     if sys.byteorder != "little":
         return None
     fx = f32(x)
@@ -1281,7 +1283,7 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
         z: np.ndarray | int = 0 if mins is not None else 8
     else:
         zs = np.asarray(zeros)
-        if zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
+        if not zeros_checked and zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
             return None  # q - z outside int8 (weight_offsets: int16)
         z = (zs.view(np.int8) if zs.dtype == np.uint8 else zs.astype(np.int8))[:, :, None]
     sf = f32(scales)

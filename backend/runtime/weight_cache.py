@@ -138,6 +138,8 @@ class WeightCache:
         self.offsets_needed = 0
         #: float weights' f32 forms kept by `f32_form`, with their bytes
         self._float_forms: dict[Hashable, int] = {}
+        #: whether a 4-bit weight's zero points make int8 offsets (`packed_int8`), by key
+        self._zeros_int8: dict[Hashable, bool] = {}
         #: whether `kernels.matmul_offsets` gives `matmul_dequantized`'s bits, by shape
         self.fused_ok: dict[tuple, bool] = {}
         self.streamed = 0  # decode products made from packed weights kept in no form
@@ -250,7 +252,7 @@ class WeightCache:
         if off is None and rows <= FUSED_ROWS and key not in self._items:
             if not self._room_for_offsets(key, qweight, bits, keep):
                 return self.streamed_product(x, qweight, scales, zeros, bits, group_size,
-                                             bias, out_dtype, mins)
+                                             bias, out_dtype, mins, key)
             if not self._f32_fits(key, qweight, bits):
                 # kept as offsets (as `dequantized` would keep it), and this product made
                 # from them a block at a time: its whole f32 form is never made
@@ -312,17 +314,25 @@ class WeightCache:
     def streamed_product(self, x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                          zeros: np.ndarray | None, bits: int, group_size: int,
                          bias: np.ndarray | None, out_dtype: np.dtype | None,
-                         mins: np.ndarray | None = None) -> np.ndarray:
+                         mins: np.ndarray | None = None, key: Hashable | None = None
+                         ) -> np.ndarray:
         """`kernels.a16_matmul` of a few rows `x` without keeping anything of the weight:
         STREAM_ROWS rows' offsets (`kernels.weight_offsets`) at a time multiplied by
         `kernels.matmul_offsets`, whose blocks of rows are then those of the whole
         offsets' product, so its bits are `matmul_offsets`' (checked once per shape
         against the whole f32 weight's product, as `a16_product` checks; a shape whose
-        bits differ is computed whole)."""
+        bits differ is computed whole). `key`: the weight's (what the buffers hold), under
+        which whether its zero points make int8 offsets is kept (checked once, not at
+        every step)."""
         self.streamed += 1
         n = qweight.shape[0]
         first: np.ndarray | None = None
-        if bits == 4 and packed_int8(zeros):
+        narrow = bits == 4 and (self._zeros_int8.get(key) if key is not None else None)
+        if bits == 4 and narrow is None:
+            narrow = packed_int8(zeros)
+            if key is not None:
+                self._zeros_int8[key] = narrow
+        if narrow:
             k, dtype = 2 * qweight.shape[-1], np.dtype(np.int8)  # weight_offsets' too
         else:
             first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
@@ -337,24 +347,25 @@ class WeightCache:
                 out_dtype)
             if verdict is None:
                 fused = self._streamed(x, first, qweight, scales, zeros, bits, group_size,
-                                       bias, out_dtype, mins)
+                                       bias, out_dtype, mins, bool(narrow))
                 self.fused_ok[shape] = (fused.dtype == whole.dtype
                                         and fused.tobytes() == whole.tobytes())
             return whole
         return self._streamed(x, first, qweight, scales, zeros, bits, group_size, bias,
-                              out_dtype, mins)
+                              out_dtype, mins, bool(narrow))
 
     @staticmethod
     def _streamed(x: np.ndarray, first: np.ndarray | None, qweight: np.ndarray,
                   scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int,
                   bias: np.ndarray | None, out_dtype: np.dtype | None,
-                  mins: np.ndarray | None) -> np.ndarray:
+                  mins: np.ndarray | None, narrow: bool = False) -> np.ndarray:
         """`streamed_product`'s blocks: a 4-bit weight's from its packed bytes a block at a
         time (`kernels.matmul_packed`: `matmul_offsets`' blocks and bits) where `first` is
-        None; else STREAM_ROWS rows' offsets at a time, the first block's `first`."""
+        None; else STREAM_ROWS rows' offsets at a time, the first block's `first`.
+        `narrow`: the zero points were found to make int8 offsets (`packed_int8`)."""
         if first is None:
             got = K.matmul_packed(x, qweight, scales, zeros, group_size, bias, out_dtype,
-                                  mins=mins)
+                                  mins=mins, zeros_checked=narrow)
             if got is not None:
                 return got
             first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
