@@ -4,7 +4,9 @@ The Top interpreter, the Tpu interpreter, constant folding and the reference mac
 call these functions; no other module re-implements an op's math.
 
 Every product is `np.matmul` on the BLAS threads `blas_threads` chooses for its size (the
-same bits on any count).
+same bits on any count); the products made a block of a weight's rows at a time (a decode
+step's 4-bit and bf16 weights: `matmul_packed`, `matmul_offsets`, `matmul_weight_rows`)
+split their blocks over that many Python threads instead (`_row_blocks`: the same blocks).
 
 Conventions: inputs are numpy arrays (float32, float16, ml_dtypes.bfloat16, ints);
 floating-point math is done in float32 (f32 accumulation, as the chip does) and the
