@@ -29,7 +29,8 @@ budget holds it beside the offsets of every quantized weight seen (`offsets_need
 given up as soon as it does not: a byte of budget saves a decode step more as a 4-bit
 weight's offsets than as a bf16 weight's f32 form (a Qwen2.5-7B layer's products: ~150 ms
 CPU from the packed bytes, ~100 ms from 233 MB of offsets; the bf16 lm_head's 2.2 GB f32
-form saves it ~0.1 s a step, the same bytes as offsets ~0.45 s). A decode step's product with a weight kept as offsets
+form saves it ~0.04 s CPU a step (0.10 against 0.14 s a block of rows at a time), the
+same bytes as offsets ~0.45 s). A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
 form to memory (about 2x faster), once that was found bit-identical for the shape — from
 the product that first keeps the offsets on (that product makes no whole f32 form). A
