@@ -40,6 +40,7 @@ from toptpu.backend.target.cost import (
     nbytes,
     op_flops,
     run_bytes,
+    type_nbytes,
 )
 from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import (
@@ -285,10 +286,18 @@ def _lane_bytes_bound(p: Plan, chip: Chip) -> int:
 
 def _slice_cycles(v: SSAValue, ax: int | None, s: int, chip: Chip) -> float:
     """Cycles of one transfer of `v`'s slice (one of `s` along `ax`; None: whole)."""
-    shape = shape_of(v)
+    return _type_slice_cycles(v.type, ax, s, chip)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _type_slice_cycles(t: Attribute, ax: int | None, s: int, chip: Chip) -> float:
+    """`_slice_cycles` of a value of type `t`: the plan search asks for the same slice of
+    the same type many times (every span and slice count it costs)."""
+    shape = shape_of(t)
     part = [n // s if a == ax else n for a, n in enumerate(shape)]
-    return dma_cycles(chip, _slice_bytes(v, ax, s),
-                      run_bytes(shape, part, dtype_bytes(elem_of(v))))
+    whole = type_nbytes(t)
+    return dma_cycles(chip, whole // s if ax is not None else whole,
+                      run_bytes(shape, part, dtype_bytes(elem_of(t))))
 
 
 def _fetched_moved(p: Plan, chip: Chip) -> dict[SSAValue, float]:
