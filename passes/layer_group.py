@@ -229,14 +229,10 @@ def _candidates(ops: list[Operation], kind: SliceKind, chip: Chip, only: int | N
     else:
         rows = _row_count(ops)
         counts = [1] if rows is None else divisors(rows)
-    shared: dict[bool, Plan | None] = {}  # the slicing of the span, one and many slices
     for s in counts:
         if only is not None and s != only:
             continue
-        many = s > 1
-        if many not in shared:
-            shared[many] = _span_slicing(ops, kind, s, inside)
-        p = _with_slices(shared[many], s)
+        p = _make_plan(ops, kind, s, inside)
         if p is None:
             continue
         need = _lane_bytes_bound(p, chip)
@@ -264,14 +260,6 @@ def _row_count(ops: list[Operation]) -> int | None:
 
 def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operation]
                ) -> Plan | None:
-    return _with_slices(_span_slicing(ops, kind, s, inside), s)
-
-
-def _span_slicing(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operation]
-                  ) -> Plan | None:
-    """The axes a `kind` slicing of the span cuts in its inputs and results, the same for
-    every count of slices above one (`s` tells one from many): what `_with_slices` checks
-    and copies for each count (None: the span cannot be sliced so)."""
     p = Plan(ops, kind, s)
     produced: dict[SSAValue, int | None] = {}
     for op in ops:
@@ -315,22 +303,11 @@ def _span_slicing(ops: list[Operation], kind: SliceKind, s: int, inside: set[Ope
                 if s > 1 and p.result_axes[r] is None:
                     return None
                 p.outputs.append(r)
-    return p
-
-
-def _with_slices(slicing: Plan | None, s: int) -> Plan | None:
-    """The plan of `s` slices of a span's slicing (`_span_slicing`), a copy of its own;
-    None when `s` does not divide a sliced input's axis."""
-    if slicing is None:
-        return None
     if s > 1:
-        for v, ax in slicing.input_axes.items():
+        for v, ax in p.input_axes.items():
             if ax is not None and shape_of(v)[ax] % s:
                 return None
-    return Plan(slicing.ops, slicing.kind, s, inputs=list(slicing.inputs),
-                input_axes=dict(slicing.input_axes),
-                gather_tables=set(slicing.gather_tables),
-                result_axes=dict(slicing.result_axes), outputs=list(slicing.outputs))
+    return p
 
 
 def _slice_bytes(v: SSAValue, ax: int | None, s: int) -> int:
