@@ -301,6 +301,58 @@ class TunedWeight(torch.autograd.Function):
         return (None, *grads, None, None)
 
 
+class _SiluTimes(torch.autograd.Function):
+    """``silu(g) * u`` (a gated MLP's product) saving only `g` and `u`: ``silu(g)`` is made
+    again in the backward, and the product, which the down projection saves, is made again
+    when it is unpacked (`_RemadeWeights`). The backward is autograd's own for ``silu`` and
+    ``*`` (`aten.silu_backward`, the product rule): the same gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor,  # type: ignore[override]
+                remade: _RemadeWeights) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        out = torch.nn.functional.silu(g) * u
+        remade.register(out, lambda: torch.nn.functional.silu(g) * u)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        g, u = ctx.saved_tensors
+        grad_u = grad * torch.nn.functional.silu(g) if ctx.needs_input_grad[1] else None
+        grad_g = torch.ops.aten.silu_backward(grad * u, g) if ctx.needs_input_grad[0] \
+            else None
+        return grad_g, grad_u, None
+
+
+#: the activations whose gated MLP `_SiluTimes` computes (`torch.nn.SiLU`, transformers')
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def _lean_mlp(layer: torch.nn.Module, remade: _RemadeWeights) -> Callable[[], None] | None:
+    """Bounded memory: the layer's gated MLP (``down(silu(gate(x)) * up(x))``, as
+    transformers' Qwen/Llama MLPs) with its product through `_SiluTimes`; returns what puts
+    the MLP's own forward back (None: the layer has no such MLP)."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None or type(getattr(mlp, "act_fn", None)).__name__ not in _SILU or not all(
+            isinstance(getattr(mlp, n, None), torch.nn.Linear)
+            for n in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    if "forward" in vars(mlp) or type(mlp).__name__ not in ("Qwen2MLP", "Qwen3MLP",
+                                                            "Qwen3_5MLP", "LlamaMLP"):
+        return None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        g = mlp.gate_proj(x)
+        return mlp.down_proj(_SiluTimes.apply(g, mlp.up_proj(x), remade))
+
+    mlp.forward = forward
+
+    def restore() -> None:
+        del mlp.forward
+
+    return restore
+
+
 class TunedRounding(torch.nn.Module):
     """A linear's weight parametrized by SignRound's offset and range factors (module doc):
     `torch.nn.utils.parametrize` calls it with the float weight."""
@@ -425,6 +477,7 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
     layer.requires_grad_(False)
     tuned: dict[str, TunedRounding] = {}
     remade = _RemadeWeights() if options.bounded_memory else None
+    restore_mlp: Callable[[], None] | None = None
     try:
         for name in linears:
             lin = layer.get_submodule(name)
@@ -438,6 +491,8 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
             if remade is not None:
                 tuned[name].bound(remade)
                 _keep_bf16(lin.parametrizations.weight.original)  # type: ignore[union-attr]
+        if remade is not None:
+            restore_mlp = _lean_mlp(layer, remade)
         sampler = BatchSampler(x.shape[0], options.batch_size, options.seed + seed)
         best_loss, best_iteration, initial = float("inf"), 0, float("nan")
         best: dict[str, Any] = {name: t.state() for name, t in tuned.items()} \
@@ -474,6 +529,7 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
                 with torch.enable_grad():
                     loss.backward()
                 del loss
+                remade.made.clear()
             if on_iteration is not None:
                 on_iteration(i)
         out: dict[str, QuantizedWeights] = {}
@@ -492,6 +548,8 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
         tuned.clear()
         return SignRoundResult(out, initial, best_loss, best_iteration)
     finally:
+        if restore_mlp is not None:
+            restore_mlp()
         for name, t in tuned.items():  # an error: the float weights back
             t.unbind()
             lin = layer.get_submodule(name)
