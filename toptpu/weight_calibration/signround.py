@@ -301,26 +301,41 @@ class TunedWeight(torch.autograd.Function):
         return (None, *grads, None, None)
 
 
+def _silu_times(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u``, made in blocks of rows (elementwise: the same values, without a
+    whole ``silu(g)`` beside the product)."""
+    out = torch.empty_like(g)
+    g2, u2, o2 = (t.view(-1, t.shape[-1]) for t in (g, u, out))
+    for rows in row_blocks(*g2.shape):
+        o2[rows] = torch.nn.functional.silu(g2[rows]) * u2[rows]
+    return out
+
+
 class _SiluTimes(torch.autograd.Function):
     """``silu(g) * u`` (a gated MLP's product) saving only `g` and `u`: ``silu(g)`` is made
     again in the backward, and the product, which the down projection saves, is made again
     when it is unpacked (`_RemadeWeights`). The backward is autograd's own for ``silu`` and
-    ``*`` (`aten.silu_backward`, the product rule): the same gradients."""
+    ``*`` (`aten.silu_backward`, the product rule), in blocks of rows: the same
+    gradients."""
 
     @staticmethod
     def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor,  # type: ignore[override]
                 remade: _RemadeWeights) -> torch.Tensor:
+        g, u = g.contiguous(), u.contiguous()
         ctx.save_for_backward(g, u)
-        out = torch.nn.functional.silu(g) * u
-        remade.register(out, lambda: torch.nn.functional.silu(g) * u)
+        out = _silu_times(g, u)
+        remade.register(out, lambda: _silu_times(g, u))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         g, u = ctx.saved_tensors
-        grad_u = grad * torch.nn.functional.silu(g) if ctx.needs_input_grad[1] else None
-        grad_g = torch.ops.aten.silu_backward(grad * u, g) if ctx.needs_input_grad[0] \
-            else None
+        grad = grad.contiguous()
+        grad_g, grad_u = torch.empty_like(g), torch.empty_like(u)
+        g2, u2, d2, gg, gu = (t.view(-1, t.shape[-1]) for t in (g, u, grad, grad_g, grad_u))
+        for rows in row_blocks(*g2.shape):
+            gu[rows] = d2[rows] * torch.nn.functional.silu(g2[rows])
+            gg[rows] = torch.ops.aten.silu_backward(d2[rows] * u2[rows], g2[rows])
         return grad_g, grad_u, None
 
 
