@@ -269,7 +269,7 @@ class TunedWeight(torch.autograd.Function):
     gradients)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, offset: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, weight: torch.Tensor, offset: torch.Tensor,
                 max_factor: torch.Tensor, min_factor: torch.Tensor, scheme: QuantScheme,
                 remade: _RemadeWeights) -> torch.Tensor:
         ctx.scheme = scheme
@@ -280,7 +280,7 @@ class TunedWeight(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         weight, offset, max_factor, min_factor = ctx.saved_tensors
         need = ctx.needs_input_grad[1:4]
         params = (offset, max_factor, min_factor)
@@ -290,7 +290,7 @@ class TunedWeight(torch.autograd.Function):
             with torch.enable_grad():
                 parts = [p[rows].detach().requires_grad_(nd)
                          for p, nd in zip(params, need, strict=True)]
-                made = dequantized(weight[rows], *parts, ctx.scheme)
+                made = dequantized(weight[rows], parts[0], parts[1], parts[2], ctx.scheme)
                 wanted = [p for p, nd in zip(parts, need, strict=True) if nd]
                 got = iter(torch.autograd.grad(made, wanted, grad[rows], allow_unused=True))
             for g, nd in zip(grads, need, strict=True):
@@ -319,7 +319,7 @@ class _SiluTimes(torch.autograd.Function):
     gradients."""
 
     @staticmethod
-    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor,
                 remade: _RemadeWeights) -> torch.Tensor:
         g, u = g.contiguous(), u.contiguous()
         ctx.save_for_backward(g, u)
@@ -328,7 +328,7 @@ class _SiluTimes(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         g, u = ctx.saved_tensors
         grad = grad.contiguous()
         grad_g, grad_u = torch.empty_like(g), torch.empty_like(u)
@@ -505,7 +505,7 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
             parametrize.register_parametrization(lin, "weight", tuned[name], unsafe=True)
             if remade is not None:
                 tuned[name].bound(remade)
-                _keep_bf16(lin.parametrizations.weight.original)  # type: ignore[union-attr]
+                _keep_bf16(_original_parameter(lin))
         if remade is not None:
             restore_mlp = _lean_mlp(layer, remade)
         sampler = BatchSampler(x.shape[0], options.batch_size, options.seed + seed)
@@ -585,9 +585,15 @@ def _plain_step(runner: LayerRunner, x: torch.Tensor, y: torch.Tensor) -> float:
     return float(loss.detach())
 
 
+def _original_parameter(lin: torch.nn.Module) -> torch.nn.Parameter:
+    """The float weights of a linear under the tuned rounding (`parametrize`'s original)."""
+    original = lin.get_parameter("parametrizations.weight.original")
+    assert isinstance(original, torch.nn.Parameter)
+    return original
+
+
 def _original(lin: torch.nn.Module) -> torch.Tensor:
-    """The float weights of a linear under the tuned rounding."""
-    return lin.parametrizations.weight.original.detach()  # type: ignore[union-attr]
+    return _original_parameter(lin).detach()
 
 
 def _keep_bf16(weight: torch.nn.Parameter) -> None:
