@@ -96,7 +96,11 @@ from toptpu.weight_calibration.layers import (
     layer_plan,
     open_layers,
 )
-from toptpu.weight_calibration.signround import SignRoundOptions, tune_layer
+from toptpu.weight_calibration.signround import (
+    SignRoundOptions,
+    return_free_memory,
+    tune_layer,
+)
 
 METHODS = ("gptq", "awq", "signround", "rtn")
 
@@ -617,6 +621,7 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                 report.details.append(details)
                 source.release(i)
                 del layer, runner, results
+                return_free_memory()  # what the layer's work left free in the heap
                 report.layer_seconds.append(time.perf_counter() - t)
                 bar.layer_done(i, report.layer_seconds[-1])
         for name in shared:
