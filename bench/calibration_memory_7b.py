@@ -281,6 +281,11 @@ def run_compile(a: argparse.Namespace) -> None:
     cpu = usage.ru_utime + usage.ru_stime
     if os.path.exists(out):
         os.unlink(out)
+    # a child stopped at the cap leaves the compile's calibration directory behind
+    import glob
+
+    for left in glob.glob(os.path.join(a.work, f".{os.path.basename(out)}.calibrating-*")):
+        shutil.rmtree(left, ignore_errors=True)
     what = (f"{a.method}, {a.layers} layer(s) of Qwen2.5-7B (published config), {a.samples} x "
             f"{a.seq_length} tokens" + (f", {a.iterations} steps" if a.iterations else ""))
     if res.returncode:
