@@ -493,7 +493,10 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
     tuned: dict[str, TunedRounding] = {}
     remade = _RemadeWeights() if options.bounded_memory else None
     restore_mlp: Callable[[], None] | None = None
-    heap = _HeapReturned() if options.bounded_memory else None
+    # the heap's handling where row blocks are made (a linear above `BLOCK_ELEMENTS`)
+    heap = _HeapReturned() if options.bounded_memory and any(
+        layer.get_submodule(name).weight.numel() > BLOCK_ELEMENTS for name in linears) \
+        else None
     if heap is not None:
         heap.__enter__()
     try:
@@ -548,8 +551,8 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
                     loss.backward()
                 del loss
                 remade.made.clear()
-                assert heap is not None
-                heap.trim()
+                if heap is not None:
+                    heap.trim()
             if on_iteration is not None:
                 on_iteration(i)
         out: dict[str, QuantizedWeights] = {}
@@ -584,12 +587,13 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
 
 
 class _HeapReturned:
-    """While tuning (glibc only): blocks of 1 MiB and more are mapped and unmapped on their
-    own (``mallopt(M_MMAP_THRESHOLD)``) instead of coming from the heap, where the tuning's
-    many row-block temporaries (16 MiB) left it fragmented (about 0.3 GB resident beyond
-    what is in use at Qwen2.5-7B's widths); free heap pages are given back after each step
-    (``malloc_trim``). Afterwards the threshold is glibc's usual 32 MiB (where its dynamic
-    threshold settles once such a block was freed)."""
+    """While tuning a layer whose linears are made in row blocks (glibc only): blocks of
+    1 MiB and more are mapped and unmapped on their own (``mallopt(M_MMAP_THRESHOLD)``)
+    instead of coming from the heap, where the tuning's many row-block temporaries (16 MiB)
+    left it fragmented (about 0.3 GB resident beyond what is in use at Qwen2.5-7B's
+    widths); free heap pages are given back after each step (``malloc_trim``). Afterwards
+    the threshold is glibc's usual 32 MiB (where its dynamic threshold settles once such a
+    block was freed)."""
 
     M_MMAP_THRESHOLD = -3
 
