@@ -495,7 +495,7 @@ def tune_layer(runner: LayerRunner, inputs: torch.Tensor | LayerInputs,
     restore_mlp: Callable[[], None] | None = None
     # the heap's handling where row blocks are made (a linear above `BLOCK_ELEMENTS`)
     heap = _HeapReturned() if options.bounded_memory and any(
-        layer.get_submodule(name).weight.numel() > BLOCK_ELEMENTS for name in linears) \
+        layer.get_parameter(f"{name}.weight").numel() > BLOCK_ELEMENTS for name in linears) \
         else None
     if heap is not None:
         heap.__enter__()
