@@ -215,10 +215,11 @@ def runners(one: str, pp: str, ids: str, new: int, budget: str, before: str | No
 
 def phases(path: str, ids: list[int], new: int) -> None:
     """(In a child process) open `path`; the first token after `ids`; then, the
-    conversation reset, the same prompt with `new` more tokens decoded after the first:
-    each phase's wall and CPU seconds (process time: every thread) as one JSON line. The
-    decode phase is the second generation's own decode time (after its first token); its
-    CPU is the second generation's less the first's. (Continuing the first generation
+    conversation reset each time, the same first token again (warm) and the same prompt
+    with `new` more tokens decoded after the first: each phase's wall and CPU seconds
+    (process time: every thread) as one JSON line. The decode phase's wall time is the
+    last generation's own decode time (after its first token); its CPU is the last
+    generation's less the warm first token's. (Continuing the first generation
     instead would feed its pending token through the prefill net first: a prefill_kv chunk,
     not a decode step.)"""
     from toptpu.backend.runtime.runtime import Runtime
@@ -236,10 +237,12 @@ def phases(path: str, ids: list[int], new: int) -> None:
     mark("open")
     rt.generate(ids, 1, stop_on_eos=False)
     mark("first_token")
-    res = rt.generate(ids, 1 + new, stop_on_eos=False)  # keep_history False: a fresh start
-    mark("again")
+    rt.generate(ids, 1, stop_on_eos=False)  # keep_history False: a fresh start, warm
+    mark("first_token_again")
+    res = rt.generate(ids, 1 + new, stop_on_eos=False)
+    mark("with_decode")
     out["decode_wall_s"] = res.timings["decode_s"]
-    out["decode_cpu_s"] = out["again_cpu_s"] - out["first_token_cpu_s"]
+    out["decode_cpu_s"] = out["with_decode_cpu_s"] - out["first_token_again_cpu_s"]
     out["decode_steps"] = new
     print(json.dumps(out))
 

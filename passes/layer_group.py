@@ -40,6 +40,7 @@ from toptpu.backend.target.cost import (
     nbytes,
     op_flops,
     run_bytes,
+    type_nbytes,
 )
 from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import (
@@ -60,6 +61,7 @@ from toptpu.dialects.top import fetched_rows_needed
 from toptpu.errors import ToptpuError
 from toptpu.passes.lmem import LocalMemoryError, allocate_group, verify_group
 from toptpu.passes.slicing import (
+    RowRule,
     SliceKind,
     col_count,
     col_operand_axes,
@@ -118,6 +120,55 @@ class Plan:
 
 def nbytes_of_type(t: TensorType) -> int:
     return numel(t.get_shape()) * dtype_bytes(t.element_type)
+
+
+#: one layer-group run's answers about its values and ops, which the search asks again for
+#: every span and slice count it costs (cleared after each run, as `_TILE_PLANS`): a value's
+#: bytes and a slice's DMA cycles (kept with the value's type, asked again only while it is
+#: that type), an op's row rule, FLOPs and compute type (kept with its result's type)
+_VALUE_BYTES: dict[SSAValue, tuple[Attribute, int]] = {}
+_SLICE_CYCLES: dict[tuple[SSAValue, int | None, int, Chip], tuple[Attribute, float]] = {}
+_ROW_RULES: dict[Operation, tuple[Attribute | None, RowRule | None]] = {}
+_OP_WORK: dict[Operation, tuple[Attribute | None, int, str]] = {}
+
+
+def _clear_run_caches() -> None:
+    for cache in (_TILE_PLANS, _VALUE_BYTES, _SLICE_CYCLES, _ROW_RULES, _OP_WORK):
+        cache.clear()
+
+
+def _first_type(op: Operation) -> Attribute | None:
+    return op.results[0].type if op.results else None
+
+
+def _nbytes(v: SSAValue) -> int:
+    """`cost.nbytes` of `v`, once per run (`_VALUE_BYTES`)."""
+    hit = _VALUE_BYTES.get(v)
+    if hit is not None and hit[0] is v.type:
+        return hit[1]
+    n = nbytes(v)
+    _VALUE_BYTES[v] = (v.type, n)
+    return n
+
+
+def _row_rule(op: Operation) -> RowRule | None:
+    """`slicing.row_rule` of `op`, once per run (`_ROW_RULES`)."""
+    hit = _ROW_RULES.get(op)
+    if hit is not None and hit[0] is _first_type(op):
+        return hit[1]
+    rule = row_rule(op)
+    _ROW_RULES[op] = (_first_type(op), rule)
+    return rule
+
+
+def _op_work(op: Operation) -> tuple[int, str]:
+    """`op`'s FLOPs and compute type (`cost.op_flops`, `cost.cost_dtype`), once per run."""
+    hit = _OP_WORK.get(op)
+    if hit is not None and hit[0] is _first_type(op):
+        return hit[1], hit[2]
+    work = (op_flops(op), cost_dtype(op))
+    _OP_WORK[op] = (_first_type(op), *work)
+    return work
 
 
 def _external_uses(v: SSAValue, inside: set[Operation]) -> bool:
@@ -196,7 +247,7 @@ def _row_count(ops: list[Operation]) -> int | None:
     """The common row count of a span, or None when the span cannot be row-sliced."""
     rows = None
     for op in ops:
-        rule = row_rule(op)
+        rule = _row_rule(op)
         if rule is None or rule.result_axes[0] is None:
             return None
         n = shape_of(op.results[0])[rule.result_axes[0]]
@@ -222,7 +273,7 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
             in_axes = tuple(None for _ in op.operands)
             out_axes = tuple(None for _ in op.results)
         else:
-            rule = row_rule(op)
+            rule = _row_rule(op)
             if rule is None:
                 return None
             in_axes, out_axes = rule.operand_axes, rule.result_axes
@@ -260,7 +311,7 @@ def _make_plan(ops: list[Operation], kind: SliceKind, s: int, inside: set[Operat
 
 
 def _slice_bytes(v: SSAValue, ax: int | None, s: int) -> int:
-    return nbytes(v) // s if ax is not None else nbytes(v)
+    return _nbytes(v) // s if ax is not None else _nbytes(v)
 
 
 def _lane_bytes_bound(p: Plan, chip: Chip) -> int:
@@ -285,10 +336,24 @@ def _lane_bytes_bound(p: Plan, chip: Chip) -> int:
 
 def _slice_cycles(v: SSAValue, ax: int | None, s: int, chip: Chip) -> float:
     """Cycles of one transfer of `v`'s slice (one of `s` along `ax`; None: whole)."""
-    shape = shape_of(v)
+    key = (v, ax, s, chip)
+    hit = _SLICE_CYCLES.get(key)
+    if hit is not None and hit[0] is v.type:
+        return hit[1]
+    cycles = _type_slice_cycles(v.type, ax, s, chip)
+    _SLICE_CYCLES[key] = (v.type, cycles)
+    return cycles
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _type_slice_cycles(t: Attribute, ax: int | None, s: int, chip: Chip) -> float:
+    """`_slice_cycles` of a value of type `t`: the plan search asks for the same slice of
+    the same type many times (every span and slice count it costs)."""
+    shape = shape_of(t)
     part = [n // s if a == ax else n for a, n in enumerate(shape)]
-    return dma_cycles(chip, _slice_bytes(v, ax, s),
-                      run_bytes(shape, part, dtype_bytes(elem_of(v))))
+    whole = type_nbytes(t)
+    return dma_cycles(chip, whole // s if ax is not None else whole,
+                      run_bytes(shape, part, dtype_bytes(elem_of(t))))
 
 
 def _fetched_moved(p: Plan, chip: Chip) -> dict[SSAValue, float]:
@@ -327,7 +392,8 @@ def _pipeline_cost(p: Plan, chip: Chip) -> float:
             row = numel(shape_of(table)[1:]) * dtype_bytes(elem_of(table))
             gathers += dma_cycles(chip, nbytes(op.results[0]) // s, row)
     load += gathers
-    comp = sum(compute_cycles(chip, op_flops(op) // s, cost_dtype(op)) for op in p.ops)
+    comp = sum(compute_cycles(chip, flops // s, dtype)
+               for flops, dtype in map(_op_work, p.ops))
     store = sum(_slice_cycles(r, p.result_axes[r], s, chip) for r in p.outputs)
     if s == 1:
         return resident + load + comp + store
@@ -1118,7 +1184,7 @@ def layer_group_function(fn: func.FuncOp, chip: Chip, max_ops: int = 12, split: 
                 groups.append(group)
         return groups
     finally:
-        _TILE_PLANS.clear()
+        _clear_run_caches()
 
 
 @dataclass(frozen=True)

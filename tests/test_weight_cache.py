@@ -4,6 +4,8 @@ error."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -250,3 +252,76 @@ def test_weights_with_mins_are_cached_and_expanded_with_them() -> None:
         got = cache.a16_product("w", x, q, s, None, 4, 32, None, np.float32, mins=m)
         assert got.tobytes() == want.tobytes()
     assert cache.forms() == {"converted": 0, "offsets": 1}
+
+
+@pytest.mark.parametrize("policy", ["2", "3"])
+def test_blocked_decode_products_split_over_threads_keep_one_threads_bits(
+        policy: str, monkeypatch) -> None:  # noqa: ANN001
+    """A decode step's blocked products (`matmul_packed`, `matmul_offsets`,
+    `matmul_weight_rows`) split their blocks of rows over the threads the policy chooses
+    for the whole product (`blas_threads.workers`), at whole blocks: every block is
+    multiplied, on more than one thread, and the result has one thread's bytes."""
+    from toptpu.backend.reference import blas_threads
+
+    rng = np.random.default_rng(7)
+    (q, s, z), = _quantized(1, rows=200)  # 4 blocks of 64 rows, the last of 8
+    off = K.weight_offsets(q, z, 4, 32)
+    head = K.to_bf16(rng.standard_normal((300, 128)).astype(np.float32))
+    x = K.to_bf16(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    products = {
+        "packed": lambda: K.matmul_packed(x, q, s, z, 32, None),
+        "offsets": lambda: K.matmul_offsets(x, off, s, 32, None),
+        "weight rows": lambda: K.matmul_weight_rows(x, head, 64)}
+    real = K._block_product
+    threads: set[int] = set()
+    rows: list[int] = []
+
+    def recorded(fx, block, r, r0) -> None:  # noqa: ANN001
+        threads.add(threading.get_ident())
+        rows.append(r0)
+        real(fx, block, r, r0)
+
+    monkeypatch.setattr(K, "_block_product", recorded)
+    for name, product in products.items():
+        blas_threads.set_policy("1")
+        one = product()
+        blas_threads.set_policy(policy)
+        threads.clear()
+        rows.clear()
+        try:
+            split = product()
+        finally:
+            blas_threads.set_policy(None)
+        assert split.tobytes() == one.tobytes(), name
+        assert len(threads) > 1, name
+        n = head.shape[0] if name == "weight rows" else q.shape[0]
+        assert sorted(rows) == list(range(0, n, 64)), name  # every block once
+
+
+@pytest.mark.parametrize(("budget_kib", "head_kept"), [(48, False), (128, True)])
+def test_a_float_weights_f32_form_leaves_its_room_to_the_quantized_weights_offsets(
+        budget_kib: int, head_kept: bool) -> None:
+    """A bf16 lm_head's f32 form (32 KiB) is kept only where the budget holds it beside
+    the offsets of every quantized weight seen (8 x 8 KiB): kept first (one decode net is
+    run when the model opens, before the other layers' weights are seen), given up as
+    soon as the offsets need its room, then multiplied a block of rows at a time while
+    the budget keeps offsets only; kept where both fit. Every product has
+    `a16_matmul`'s bytes."""
+    weights = _quantized(8)
+    rng = np.random.default_rng(3)
+    head = K.to_bf16(rng.standard_normal((64, 128)).astype(np.float32))
+    x = K.to_bf16(rng.standard_normal((1, 1, 128)).astype(np.float32))
+    cache = WeightCache(budget=budget_kib << 10)
+    assert cache.f32_form("head", head) is not None  # no quantized weight seen yet
+    for _ in range(3):
+        for i, (q, s, z) in enumerate(weights):
+            got = cache.a16_product(("w", i), x, q, s, z, 4, 32, None, None)
+            assert got.tobytes() == K.a16_matmul(x, q, s, z, None, 4, 32).tobytes()
+            assert cache.used <= cache.budget
+        form = cache.f32_form("head", head)
+        assert (form is not None) == head_kept
+        if form is not None:
+            assert form.tobytes() == K.f32(head).tobytes()
+    assert cache.offsets_needed == 8 * 64 * 128
+    if not head_kept:
+        assert cache.forms() == {"converted": 0, "offsets": 6}  # 48 KiB of 8 KiB offsets

@@ -185,6 +185,18 @@ def threads_for(m: int, k: int, n: int) -> int:
     return 0 if m <= DEFAULT_THREADS_ROWS and m * k * n >= DEFAULT_THREADS_FROM else 1
 
 
+def workers(m: int, k: int, n: int) -> int:
+    """How many Python threads a product made a block of rows at a time (the 4-bit and
+    bf16 weights' decode products: `kernels.matmul_packed`, ...) splits its blocks over:
+    the count `threads_for` chooses for the whole [m, k] x [k, n] product (0: the BLAS's
+    own count), each block's own product then on one BLAS thread. The same blocks, so
+    the same bits, on any count."""
+    threads = threads_for(m, k, n)
+    if threads == 0:
+        threads = _the_blas().inherited or os.cpu_count() or 1
+    return max(1, threads)
+
+
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """`np.matmul(a, b)` on the threads `threads_for` chooses for one of its matrices
     (a stack of products: each product's size); the BLAS's count is restored after."""

@@ -4,7 +4,9 @@ The Top interpreter, the Tpu interpreter, constant folding and the reference mac
 call these functions; no other module re-implements an op's math.
 
 Every product is `np.matmul` on the BLAS threads `blas_threads` chooses for its size (the
-same bits on any count).
+same bits on any count); the products made a block of a weight's rows at a time (a decode
+step's 4-bit and bf16 weights: `matmul_packed`, `matmul_offsets`, `matmul_weight_rows`)
+split their blocks over that many Python threads instead (`_row_blocks`: the same blocks).
 
 Conventions: inputs are numpy arrays (float32, float16, ml_dtypes.bfloat16, ints);
 floating-point math is done in float32 (f32 accumulation, as the chip does) and the
@@ -16,7 +18,9 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -26,6 +30,7 @@ from numpy.typing import DTypeLike
 
 from toptpu.backend.reference.blas_threads import matmul as _matmul
 from toptpu.backend.reference.blas_threads import products as _products
+from toptpu.backend.reference.blas_threads import workers as _workers
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HALF_TYPES = (np.dtype(np.float16), BF16)
@@ -737,17 +742,57 @@ def matmul_weight_rows(a: np.ndarray, w: np.ndarray, block_rows: int) -> np.ndar
         rows = fit
     r = np.empty((*fa.shape[:-1], n), np.float32)
     bf16 = w.dtype == BF16
-    buf = np.empty((rows, k), np.uint32 if bf16 else np.float32)
     src = w.view(np.uint16) if bf16 else w
-    with _products(math.prod(fa.shape[:-1]), k, rows):
-        for r0 in range(0, n, rows):
-            m = min(rows, n - r0)
+
+    def blocks(start: int, end: int) -> None:
+        buf = np.empty((rows, k), np.uint32 if bf16 else np.float32)
+        for r0 in range(start, end, rows):
+            m = min(rows, end - r0)
             b = buf[:m]
             np.copyto(b, src[r0:r0 + m])
             if bf16:
                 np.left_shift(b, 16, out=b)
             _block_product(fa, b.view(np.float32), r, r0)
+
+    _row_blocks(blocks, math.prod(fa.shape[:-1]), k, n, rows)
     return r
+
+
+#: the threads that run blocks of a product's rows beside the calling one (`_row_blocks`)
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _row_blocks(blocks: Callable[[int, int], None], m: int, k: int, n: int,
+                rows: int) -> None:
+    """Run `blocks(start, end)` over the n rows of an [m, k] x [k, n] product made
+    `rows` rows at a time (each call allocates its own buffers and multiplies the blocks
+    r0 = start, start + rows, ... below `end`), split at whole blocks over the Python
+    threads `blas_threads.workers` chooses for the whole product, the calling thread one
+    of them (numpy and the BLAS release the GIL in their loops); each block's own
+    product on one BLAS thread, set once for all (`blas_threads.products`). The blocks are
+    those of one thread, so are the bits."""
+    global _pool, _pool_size
+    count = -(-n // rows)  # blocks
+    parts = min(_workers(m, k, n), count)
+    with _products(m, k, rows):
+        if parts <= 1:
+            blocks(0, n)
+            return
+        per = -(-count // parts) * rows  # whole blocks a part
+        with _pool_lock:
+            if _pool is None or _pool_size < parts - 1:
+                _pool, _pool_size = ThreadPoolExecutor(
+                    parts - 1, thread_name_prefix="toptpu-rows"), parts - 1
+            pool = _pool
+        done = [pool.submit(blocks, start, min(n, start + per))
+                for start in range(0, n - per, per)]
+        try:
+            blocks(len(done) * per, n)
+        finally:
+            for f in done:
+                f.result()
 
 
 def matmul_finish(acc: np.ndarray, bias: np.ndarray | None, out_dtype: OutDType, like: np.ndarray
@@ -1178,15 +1223,18 @@ def matmul_offsets(x: np.ndarray, offsets: np.ndarray, scales: np.ndarray, group
     sf = f32(scales)
     mf = None if mins is None else f32(mins)
     rows = max(1, min(block_rows, n))
-    block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    with _products(math.prod(fx.shape[:-1]), k, rows):
-        for r0 in range(0, n, rows):
-            m = min(rows, n - r0)
+
+    def blocks(start: int, end: int) -> None:
+        block = np.empty((rows, g, group_size), np.float32)
+        for r0 in range(start, end, rows):
+            m = min(rows, end - r0)
             b = block[:m]
             np.copyto(b, offsets[r0:r0 + m].reshape(m, g, group_size))  # exact: integers
             _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
             _block_product(fx, b.reshape(m, k), r, r0)
+
+    _row_blocks(blocks, math.prod(fx.shape[:-1]), k, n, rows)
     return _biased(r, bias, out_dtype, x)
 
 
@@ -1212,7 +1260,8 @@ def _scale_block(b: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> 
 def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                   zeros: np.ndarray | None, group_size: int, bias: np.ndarray | None,
                   out_dtype: OutDType = None, block_rows: int = 64,
-                  mins: np.ndarray | None = None) -> np.ndarray | None:
+                  mins: np.ndarray | None = None, zeros_checked: bool = False
+                  ) -> np.ndarray | None:
     """`matmul_offsets(x, weight_offsets(qweight, zeros, 4, group_size, mins is not None),
     scales, group_size, bias, out_dtype, block_rows, mins)` for a 4-bit weight, each
     block's offsets made from its packed bytes while in cache instead of the weight's
@@ -1224,7 +1273,8 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
     little-endian host) in contiguous passes, instead of two strided byte writes; the
     zero point subtracted in int8; widened to f32, scaled. None where the offsets of
     some zero point do not fit int8 (`weight_offsets` makes int16 ones) or on a
-    big-endian host: the caller uses `weight_offsets`."""
+    big-endian host: the caller uses `weight_offsets`. `zeros_checked`: the caller found
+    every zero point within [-112, 127] (`weight_cache.packed_int8`): not checked again."""
     if sys.byteorder != "little":
         return None
     fx = f32(x)
@@ -1235,19 +1285,20 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
         z: np.ndarray | int = 0 if mins is not None else 8
     else:
         zs = np.asarray(zeros)
-        if zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
+        if not zeros_checked and zs.size and (int(zs.min()) < -112 or int(zs.max()) > 127):
             return None  # q - z outside int8 (weight_offsets: int16)
         z = (zs.view(np.int8) if zs.dtype == np.uint8 else zs.astype(np.int8))[:, :, None]
     sf = f32(scales)
     mf = None if mins is None else f32(mins)
     rows = max(1, min(block_rows, n))
-    wide = np.empty((rows, half), np.uint16)
-    shifted = np.empty_like(wide)
-    block = np.empty((rows, g, group_size), np.float32)
     r = np.empty((*fx.shape[:-1], n), np.float32)
-    with _products(math.prod(fx.shape[:-1]), k, rows):
-        for r0 in range(0, n, rows):
-            m = min(rows, n - r0)
+
+    def blocks(start: int, end: int) -> None:
+        wide = np.empty((rows, half), np.uint16)
+        shifted = np.empty_like(wide)
+        block = np.empty((rows, g, group_size), np.float32)
+        for r0 in range(start, end, rows):
+            m = min(rows, end - r0)
             v = wide[:m]
             _spread_nibbles(v, qweight[r0:r0 + m], shifted[:m])
             d = v.view(np.int8).reshape(m, g, group_size)  # q of each weight, k in order
@@ -1259,6 +1310,8 @@ def matmul_packed(x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
             np.copyto(b, d)
             _scale_block(b, sf[r0:r0 + m], None if mf is None else mf[r0:r0 + m])
             _block_product(fx, b.reshape(m, k), r, r0)
+
+    _row_blocks(blocks, math.prod(fx.shape[:-1]), k, n, rows)
     return _biased(r, bias, out_dtype, x)
 
 

@@ -24,7 +24,13 @@ form does not fit keeps its offsets, and to make room gives up the f32 forms kep
 on). After two passes over the model every weight is kept in one form or the other while
 the offsets of all fit: f32 for the first weights, offsets for the rest. A conversion with
 no smaller form (the f32 form of a bf16 lm_head) may take the room of quantized weights'
-f32 forms the same way. A decode step's product with a weight kept as offsets
+f32 forms the same way, but a float weight's f32 form (`f32_form`) is kept only while the
+budget holds it beside the offsets of every quantized weight seen (`offsets_needed`), and
+given up as soon as it does not: a byte of budget saves a decode step more as a 4-bit
+weight's offsets than as a bf16 weight's f32 form (a Qwen2.5-7B layer's products: ~150 ms
+CPU from the packed bytes, ~100 ms from 233 MB of offsets; the bf16 lm_head's 2.2 GB f32
+form saves it ~0.04 s CPU a step (0.10 against 0.14 s a block of rows at a time), the
+same bytes as offsets ~0.45 s). A decode step's product with a weight kept as offsets
 (`WeightCache.a16_product`) expands it a block of rows at a time, never writing its f32
 form to memory (about 2x faster), once that was found bit-identical for the shape — from
 the product that first keeps the offsets on (that product makes no whole f32 form). A
@@ -133,6 +139,13 @@ class WeightCache:
         self._given_up: set[Hashable] = set()  # f32 forms given up for others' offsets
         self._reserved: dict[Hashable, int] = {}  # ... and the room kept for their offsets
         self._reserved_total = 0
+        #: the offsets' bytes of every quantized weight asked for so far (int8: one a weight)
+        self._quantized_seen: dict[Hashable, int] = {}
+        self.offsets_needed = 0
+        #: float weights' f32 forms kept by `f32_form`, with their bytes
+        self._float_forms: dict[Hashable, int] = {}
+        #: whether a 4-bit weight's zero points make int8 offsets (`packed_int8`), by key
+        self._zeros_int8: dict[Hashable, bool] = {}
         #: whether `kernels.matmul_offsets` gives `matmul_dequantized`'s bits, by shape
         self.fused_ok: dict[tuple, bool] = {}
         self.streamed = 0  # decode products made from packed weights kept in no form
@@ -164,8 +177,13 @@ class WeightCache:
         hit = self._items.get(key)
         if hit is not None:
             return hit
-        if keep and self._free() + self._givable >= 4 * w.size:
-            return self.get(key, lambda: np.ascontiguousarray(K.f32(w)))
+        if keep and self._free() + self._givable >= 4 * w.size \
+                and self.budget - sum(self._float_forms.values()) - 4 * w.size \
+                >= self.offsets_needed:
+            form = self.get(key, lambda: np.ascontiguousarray(K.f32(w)))
+            if key in self._items:
+                self._float_forms[key] = form.nbytes
+            return form
         return None
 
     def f32_rows_product(self, x: np.ndarray, w: np.ndarray) -> np.ndarray | None:
@@ -202,6 +220,7 @@ class WeightCache:
         """`kernels.dequantize(qweight, scales, zeros, bits, group_size, mins)` under `key`:
         its f32 form where kept, else made from its offsets where kept, else made and kept
         in the form the budget allows (see the module doc; `keep=False`: not kept)."""
+        self._seen(key, qweight, bits)
         hit = self._items.get(key)
         if hit is not None:
             return hit
@@ -233,12 +252,13 @@ class WeightCache:
         decode step's product with a weight kept in no form yet that `dequantized` would
         keep as offsets (its f32 form does not fit) keeps the offsets itself and is made
         from them the same way: its whole f32 form is not made for it."""
+        self._seen(key, qweight, bits)
         off = self._offsets.get(key)
         rows = math.prod(x.shape[:-1])
         if off is None and rows <= FUSED_ROWS and key not in self._items:
             if not self._room_for_offsets(key, qweight, bits, keep):
                 return self.streamed_product(x, qweight, scales, zeros, bits, group_size,
-                                             bias, out_dtype, mins)
+                                             bias, out_dtype, mins, key)
             if not self._f32_fits(key, qweight, bits):
                 # kept as offsets (as `dequantized` would keep it), and this product made
                 # from them a block at a time: its whole f32 form is never made
@@ -261,6 +281,19 @@ class WeightCache:
             self.fused_ok[shape] = (fused.dtype == whole.dtype
                                     and fused.tobytes() == whole.tobytes())
         return whole
+
+    def _seen(self, key: Hashable, qweight: np.ndarray, bits: int) -> None:
+        """Count the offsets' bytes of the quantized weight under `key` (once): what
+        `offsets_needed` sums."""
+        if key in self._quantized_seen:
+            return
+        n = qweight.shape[0]
+        self._quantized_seen[key] = n * qweight.shape[-1] * (2 if bits == 4 else 1)
+        self.offsets_needed += self._quantized_seen[key]
+        if self.budget - sum(self._float_forms.values()) < self.offsets_needed:
+            for kept in self._float_forms:  # the quantized weights' offsets need the room
+                self.used -= self._items.pop(kept).nbytes
+            self._float_forms.clear()
 
     def _f32_fits(self, key: Hashable, qweight: np.ndarray, bits: int) -> bool:
         """Whether `dequantized` would keep the weight under `key` as its f32 form: not
@@ -287,17 +320,25 @@ class WeightCache:
     def streamed_product(self, x: np.ndarray, qweight: np.ndarray, scales: np.ndarray,
                          zeros: np.ndarray | None, bits: int, group_size: int,
                          bias: np.ndarray | None, out_dtype: np.dtype | None,
-                         mins: np.ndarray | None = None) -> np.ndarray:
+                         mins: np.ndarray | None = None, key: Hashable | None = None
+                         ) -> np.ndarray:
         """`kernels.a16_matmul` of a few rows `x` without keeping anything of the weight:
         STREAM_ROWS rows' offsets (`kernels.weight_offsets`) at a time multiplied by
         `kernels.matmul_offsets`, whose blocks of rows are then those of the whole
         offsets' product, so its bits are `matmul_offsets`' (checked once per shape
         against the whole f32 weight's product, as `a16_product` checks; a shape whose
-        bits differ is computed whole)."""
+        bits differ is computed whole). `key`: the weight's (what the buffers hold), under
+        which whether its zero points make int8 offsets is kept (checked once, not at
+        every step)."""
         self.streamed += 1
         n = qweight.shape[0]
         first: np.ndarray | None = None
-        if bits == 4 and packed_int8(zeros):
+        narrow = bits == 4 and (self._zeros_int8.get(key) if key is not None else None)
+        if bits == 4 and narrow is None:
+            narrow = packed_int8(zeros)
+            if key is not None:
+                self._zeros_int8[key] = narrow
+        if narrow:
             k, dtype = 2 * qweight.shape[-1], np.dtype(np.int8)  # weight_offsets' too
         else:
             first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),
@@ -312,24 +353,25 @@ class WeightCache:
                 out_dtype)
             if verdict is None:
                 fused = self._streamed(x, first, qweight, scales, zeros, bits, group_size,
-                                       bias, out_dtype, mins)
+                                       bias, out_dtype, mins, bool(narrow))
                 self.fused_ok[shape] = (fused.dtype == whole.dtype
                                         and fused.tobytes() == whole.tobytes())
             return whole
         return self._streamed(x, first, qweight, scales, zeros, bits, group_size, bias,
-                              out_dtype, mins)
+                              out_dtype, mins, bool(narrow))
 
     @staticmethod
     def _streamed(x: np.ndarray, first: np.ndarray | None, qweight: np.ndarray,
                   scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int,
                   bias: np.ndarray | None, out_dtype: np.dtype | None,
-                  mins: np.ndarray | None) -> np.ndarray:
+                  mins: np.ndarray | None, narrow: bool = False) -> np.ndarray:
         """`streamed_product`'s blocks: a 4-bit weight's from its packed bytes a block at a
         time (`kernels.matmul_packed`: `matmul_offsets`' blocks and bits) where `first` is
-        None; else STREAM_ROWS rows' offsets at a time, the first block's `first`."""
+        None; else STREAM_ROWS rows' offsets at a time, the first block's `first`.
+        `narrow`: the zero points were found to make int8 offsets (`packed_int8`)."""
         if first is None:
             got = K.matmul_packed(x, qweight, scales, zeros, group_size, bias, out_dtype,
-                                  mins=mins)
+                                  mins=mins, zeros_checked=narrow)
             if got is not None:
                 return got
             first = K.weight_offsets(qweight[:STREAM_ROWS], _rows(zeros, 0, STREAM_ROWS),

@@ -21,12 +21,13 @@ with it without running them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from xdsl.ir import Operation, SSAValue
+from xdsl.ir import Attribute, Operation, SSAValue
 
 from toptpu.backend.target.chips import Chip
 from toptpu.backend.target.link import LinkWork, collective_seconds
@@ -35,7 +36,14 @@ from toptpu.dialects.common import ShapedOp, dtype_bytes, dtype_name, elem_of, n
 
 def nbytes(v: SSAValue) -> int:
     """Bytes of the tensor `v` in its storage type."""
-    return numel(shape_of(v)) * dtype_bytes(elem_of(v))
+    return type_nbytes(v.type)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def type_nbytes(t: Attribute) -> int:
+    """Bytes of a tensor of type `t` (a type's bytes are asked for again and again: the
+    layer group costs every candidate slicing of every span by them)."""
+    return numel(shape_of(t)) * dtype_bytes(elem_of(t))
 
 
 def cost_dtype(op: Operation) -> str:
