@@ -260,3 +260,42 @@ def test_linear_attention_ops_backpropagate_as_their_definitions() -> None:
         (y.square().sum() + 3 * state.sum()).backward()
         conv.append(x.grad)
     assert conv[0] is not None and torch.equal(conv[0], conv[1])
+
+
+@pytest.mark.parametrize("block_elements,bf16", [(1 << 22, False), (200, False), (200, True)])
+def test_bounded_memory_equals_the_whole_graph(monkeypatch: pytest.MonkeyPatch,
+                                               block_elements: int, bf16: bool) -> None:
+    """The default (bounded memory: best kept as integers, steps taken in the backward,
+    dequantized weights made again, their graphs in row blocks, bf16-exact weights kept in
+    bf16) gives the integers, losses and best step of the whole graph held, bit for bit: on
+    a real Qwen3 layer, whole linears, row blocks of a few rows, and weights that are bf16
+    values."""
+    from toptpu.weight_calibration import signround
+
+    monkeypatch.setattr(signround, "BLOCK_ELEMENTS", block_elements)
+    runner, layer, x = _qwen3_layer()
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    if bf16:
+        for name in plan.linears:
+            lin = layer.get_submodule(name)
+            lin.weight.data = lin.weight.data.to(torch.bfloat16).float()
+    y = runner.forward(x) * 1.01  # a target the float layer does not meet
+    scheme = QuantScheme(4, 32, False)
+    results, weights = [], []
+    for bounded in (False, True):
+        layer_copy = copy.deepcopy(layer)
+        run = LayerRunner(layer_copy, runner.block.rotary, FULL_ATTENTION, 32, 4096)
+        results.append(tune_layer(run, x, y, list(plan.linears), scheme,
+                                  SignRoundOptions(iterations=8, batch_size=4,
+                                                   bounded_memory=bounded), seed=2))
+        weights.append({n: p.detach().clone() for n, p in layer_copy.named_parameters()})
+    plain, bounded_res = results
+    assert (plain.initial_loss, plain.best_loss, plain.best_iteration) == \
+        (bounded_res.initial_loss, bounded_res.best_loss, bounded_res.best_iteration)
+    assert plain.best_iteration > 0
+    for name in plan.linears:
+        a, b = plain.weights[name], bounded_res.weights[name]
+        assert np.array_equal(a.qweight, b.qweight), name
+        assert np.array_equal(a.scales, b.scales) and np.array_equal(a.zeros, b.zeros), name
+    for n, p in weights[0].items():  # the layers compute the same, in float32
+        assert weights[1][n].dtype == torch.float32 and torch.equal(p, weights[1][n]), n

@@ -22,9 +22,10 @@ integers (`bench/calibration_memory_7b.py` measures it per phase). AWQ: the floa
 layer and the inputs of each of the layer's linears for the search tokens
 (`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes); a MoE layer's also a
 copy of every expert's gate/up while their shared scale is searched, and each expert's
-down inputs on its routed search tokens (`awq` module doc). SignRound: the float32 layer,
-three float32 copies of its quantized weights (offsets, their gradient, the best offsets)
-and one batch's activations with their gradients (`signround` module doc); its targets are
+down inputs on its routed search tokens (`awq` module doc). SignRound: the layer (its
+weights in bfloat16 where exact), the float32 offsets, the best step's integers, one
+linear's gradient and dequantized weights at a time, and one batch's activations with their
+gradients (`signround` module doc); its targets are
 the float model's own hidden states, kept in a second scratch file beside the quantized
 ones and run through each float layer before it is tuned. The calibration set's
 hidden states live in a scratch file (`activations`); the checkpoint outside the layer is
@@ -104,7 +105,11 @@ from toptpu.weight_calibration.layers import (
     layer_plan,
     open_layers,
 )
-from toptpu.weight_calibration.signround import SignRoundOptions, tune_layer
+from toptpu.weight_calibration.signround import (
+    SignRoundOptions,
+    return_free_memory,
+    tune_layer,
+)
 
 #: "awq,gptq": AWQ's scales searched and folded, then GPTQ on the scaled weights; "gptaq":
 #: GPTQ matching the float model's outputs (`calibrate_layer`)
@@ -733,6 +738,7 @@ def calibrate(model: Any, output: str, request: CalibrationRequest,
                 report.details.append(details)
                 source.release(i)
                 del layer, runner, results
+                return_free_memory()  # what the layer's work left free in the heap
                 report.layer_seconds.append(time.perf_counter() - t)
                 bar.layer_done(i, report.layer_seconds[-1])
         for name in shared:
