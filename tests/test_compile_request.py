@@ -142,7 +142,10 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "vision_mode": [({"vision_mode": "auto"},
                      "--vision-quantize: unknown quantization mode 'auto'")],
     "calibrate": [({"calibrate": "rtn", "mode": "w4bf16"},
-                   "--calibrate must be gptq or awq or signround, not 'rtn'"),
+                   "--calibrate must be gptq or awq or signround or awq,gptq or gptaq, not 'rtn'"),
+                  ({"calibrate": "gptq,awq", "mode": "w4bf16"}, "--calibrate gptq,awq: the one "
+                   "combination is awq,gptq (AWQ's scales folded, then GPTQ on the scaled "
+                   "weights)"),
                   ({"calibrate": "gptq", "mode": "bf16"}, "--calibrate gptq quantizes "
                    "weights: -q bf16 keeps the weights float; choose a w4 or w8 mode"),
                   ({"calibrate": "awq", "mode": "auto"}, "--calibrate awq quantizes weights: "
@@ -151,8 +154,8 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                    "--calibrate gptq with --parallel tp: the calibrated integers are not cut "
                    "over devices yet; use --parallel pp")],
     "calibration_data": [({"calibration_data": ["a.txt"]}, "--calibration-data shapes the "
-                          "calibration of --calibrate; give --calibrate gptq|awq|signround or drop "
-                          "--calibration-data"),
+                          "calibration of --calibrate; give --calibrate "
+                          "gptq|awq|signround|awq,gptq|gptaq or drop --calibration-data"),
                          ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": [3]},
                           "--calibration-data is text file paths, not [3]"),
                          ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": []},
@@ -176,6 +179,13 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                                 "signround; --calibrate gptq has none (drop it)"),
                                ({"calibration_iterations": 50}, "--calibration-iterations "
                                 "shapes the calibration of --calibrate")],
+    "calibration_ranges": [({"calibrate": "gptq", "mode": "w4bf16", "calibration_ranges": "max"},
+                            "--calibration-ranges must be minmax or mse, not 'max'"),
+                           ({"calibrate": "awq", "mode": "w4bf16", "calibration_ranges": "mse"},
+                            "--calibration-ranges mse: GPTQ's range search; --calibrate awq "
+                            "finds its ranges its own way"),
+                           ({"calibration_ranges": "mse"}, "--calibration-ranges shapes the "
+                            "calibration of --calibrate")],
     "top_pipeline": [({"top_pipeline": "shape-infer,fusee"}, "--top-pipeline "
                       "'shape-infer,fusee': unknown pass 'fusee' (did you mean 'fuse'?)"),
                      ({"top_pipeline": "fuse{max=2}"}, "--top-pipeline 'fuse{max=2}': pass "
@@ -257,6 +267,9 @@ BAD_ARGS: list[tuple[list[str], int, str]] = [
      "--save-calibrated '{model}/ck' is inside the input model directory"),
     (["--calibration-iterations", "0", "--calibrate", "signround", "-q", "w4bf16"], 2,
      "--calibration-iterations: must be an integer >= 1, got '0'"),
+    (["--calibration-ranges", "mse", "--calibrate", "awq", "-q", "w4bf16"], 1,
+     "--calibration-ranges mse: GPTQ's range search; --calibrate awq finds its ranges its "
+     "own way"),
     (["--top-pipeline", "shape-infer,,"], 1, "--top-pipeline 'shape-infer,,': expected "
      "pass name at column 13"),
     (["--tpu-pipeline", "expand-silu"], 1,

@@ -51,6 +51,7 @@ against.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -600,8 +601,6 @@ class _HeapReturned:
     def __init__(self) -> None:
         self.libc: Any = None
         try:
-            import ctypes
-
             libc = ctypes.CDLL(None)
             if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
                 self.libc = libc
