@@ -102,6 +102,16 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     maxq = scheme.maxq
     lo = g.amin(dim=1).clamp(max=0).double()
     hi = g.amax(dim=1).clamp(min=0).double()
+    scale, zero = _grid(lo, hi, scheme)
+    s32, z32 = scale.float()[:, None], zero.float()[:, None]
+    q = torch.round(g / s32).add_(z32).clamp_(0, maxq)
+    return q.sub_(z32).mul_(s32).reshape(n, k)
+
+
+def _grid(lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero point) in float64 of groups whose min and max are `lo`, `hi`."""
+    maxq = scheme.maxq
     if scheme.sym:
         hi = torch.maximum(-lo, hi)
         lo = torch.where(lo < 0, -hi, lo)
@@ -114,9 +124,7 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
         zero = torch.full_like(scale, (maxq + 1) / 2)
     else:
         zero = torch.round(-lo / scale).clamp(0, maxq)
-    s32, z32 = scale.float()[:, None], zero.float()[:, None]
-    q = torch.round(g / s32).add_(z32).clamp_(0, maxq)
-    return q.sub_(z32).mul_(s32).reshape(n, k)
+    return scale, zero
 
 
 def _smallest(scheme: QuantScheme) -> float:
@@ -249,11 +257,11 @@ def _batched(runner: LayerRunner, path: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _w_mean(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
-    w = torch.cat(weights, dim=0)
+    w = torch.cat(weights, dim=0)  # a copy: made |w| / max|w| in place (one weight's memory)
     gs = scheme.group_length(w.shape[1])
-    g = w.abs().reshape(-1, gs)
-    g = g / (g.amax(dim=1, keepdim=True) + 1e-6)
-    return g.reshape(w.shape).mean(dim=0)
+    g = w.abs_().reshape(-1, gs)
+    g.div_(g.amax(dim=1, keepdim=True) + 1e-6)
+    return w.mean(dim=0)
 
 
 def _folder(runner: LayerRunner, group: ScalingGroup, k: int
@@ -322,9 +330,26 @@ def _candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, options: AwqO
             for i in range(options.grid)]
 
 
-def _scaled_quantized(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Q(W * s) / s: the weights the search tries for scale s."""
-    return fake_quantize(w * s[None, :], scheme) / s[None, :]
+def _scaled_quantized(w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Q(W * s) / s: the weights the search tries for scale s; made in `out` (a contiguous
+    tensor of w's shape) when given, with no other temporary of w's size."""
+    if out is None:
+        return fake_quantize(w * s[None, :], scheme) / s[None, :]
+    torch.mul(w, s[None, :], out=out)
+    _fake_quantize_(out, scheme)
+    return out.div_(s[None, :])
+
+
+def _fake_quantize_(w: torch.Tensor, scheme: QuantScheme) -> None:
+    """`fake_quantize` in place: the same operations on the same values (the same bits)."""
+    n, k = w.shape
+    g = w.view(-1, scheme.group_length(k))
+    lo = g.amin(dim=1).clamp(max=0).double()
+    hi = g.amax(dim=1).clamp(min=0).double()
+    scale, zero = _grid(lo, hi, scheme)
+    s32, z32 = scale.float()[:, None], zero.float()[:, None]
+    g.div_(s32).round_().add_(z32).clamp_(0, scheme.maxq).sub_(z32).mul_(s32)
 
 
 def _first_least(losses: list[tuple[float, float, torch.Tensor]]
@@ -364,7 +389,10 @@ def search_scale_direct(runner: LayerRunner, group: ScalingGroup, inputs: StageI
     try:
         for ratio, s in _candidates(x_mean, w_mean, options):
             for weight, w in zip(weights, originals, strict=True):
-                weight.copy_(_scaled_quantized(w, s, scheme))
+                if weight.is_contiguous():  # made in the layer's own weight
+                    _scaled_quantized(w, s, scheme, out=weight)
+                else:
+                    weight.copy_(_scaled_quantized(w, s, scheme))
             out = _batched(runner, group.inspect, inspect_input)
             losses.append((float((out - reference).pow(2).mean(dtype=torch.float64)), ratio, s))
     finally:
@@ -381,22 +409,61 @@ def search_scale(runner: LayerRunner, group: ScalingGroup, inputs: StageInputs,
     (down_proj after up_proj; o_proj after v_proj), its output error on inputs X [T, K] is
     linear in the weight error D = W' - W [N, K]: mean((X D^T)^2) = sum((D X^T X) * D) /
     (T N) (a bias cancels). X^T X is formed once (float64) and a ratio costs N K^2 instead
-    of a forward's T N K. Other groups (the inspected module is not linear in the weights:
-    attention, the MLP) rerun the module per ratio, as by definition."""
+    of a forward's T N K. With fewer search tokens than input channels (T < K: Qwen2.5-7B's
+    down_proj, K = 18944, on 4096 tokens) the loss is sum((X D^T)^2) / (T N) instead, in
+    float64 over blocks of D's rows (`product_losses`): fewer operations (T N K a ratio
+    against N K^2) and no K x K matrix (2.9 GB at that down_proj); the losses are the same
+    sums in another order (equal to float64 rounding), the ratio chosen the same. Other
+    groups (the inspected module is not linear in the weights: attention, the MLP) rerun the
+    module per ratio, as by definition."""
     if len(group.linears) != 1 or group.inspect != group.linears[0]:
         return search_scale_direct(runner, group, inputs, inspect_input, scheme, options)
     w = _weight(runner, group.inspect)
     x = inspect_input.reshape(-1, inspect_input.shape[-1])
-    gram = _input_gram(x)
     x_mean = inputs.mean.to(torch.float32)
     w_mean = _w_mean([w], scheme) if options.duo_scaling else None
+    candidates = _candidates(x_mean, w_mean, options)
+    losses = (product_losses if x.shape[0] < x.shape[1] else gram_losses)(w, x, candidates,
+                                                                          scheme)
+    return _first_least([(loss, ratio, s)
+                         for loss, (ratio, s) in zip(losses, candidates, strict=True)])
+
+
+def gram_losses(w: torch.Tensor, x: torch.Tensor, candidates: list[tuple[float, torch.Tensor]],
+                scheme: QuantScheme) -> list[float]:
+    """Each candidate scale's loss mean((X D^T)^2) (`search_scale`) as sum((D X^T X) * D) /
+    (T N), X^T X formed once in float64 (K x K)."""
+    gram = _input_gram(x)
     w64 = w.double()
     denominator = x.shape[0] * w.shape[0]
     losses = []
-    for ratio, s in _candidates(x_mean, w_mean, options):
+    for _, s in candidates:
         d = _scaled_quantized(w, s, scheme).double().sub_(w64)
-        losses.append((float((d @ gram).mul_(d).sum()) / denominator, ratio, s))
-    return _first_least(losses)
+        losses.append(float((d @ gram).mul_(d).sum()) / denominator)
+    return losses
+
+
+def product_losses(w: torch.Tensor, x: torch.Tensor,
+                   candidates: list[tuple[float, torch.Tensor]], scheme: QuantScheme,
+                   block_bytes: int = 1 << 26) -> list[float]:
+    """`gram_losses` as sum((X D^T)^2) / (T N) in float64, D made `block_bytes` of rows at a
+    time (a row's groups are its own: a block's fake-quantized rows are the whole weight's):
+    memory X in float64 and one block, no K x K matrix."""
+    n, k = w.shape
+    x64 = x.double()
+    rows = max(1, block_bytes // (8 * k))
+    denominator = x.shape[0] * n
+    scratch = torch.empty(min(rows, n), k)
+    losses = []
+    for _, s in candidates:
+        total = 0.0
+        for r0 in range(0, n, rows):
+            wb = w[r0:r0 + rows]
+            d = _scaled_quantized(wb, s, scheme, out=scratch[:wb.shape[0]]).double()
+            d.sub_(wb.double())
+            total += float((x64 @ d.T).square_().sum())
+        losses.append(total / denominator)
+    return losses
 
 
 def _shrinks(org_max: torch.Tensor, options: AwqOptions) -> list[torch.Tensor]:
@@ -506,6 +573,8 @@ def _awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
     rows = search_rows(x.shape[0], x.shape[1], options.search_tokens)
     stages, layer_input, routing = collect_inputs(runner, plan, x, rows)
     search_inputs = {name: rec.stacked() for name, rec in stages.items() if rec.search}
+    for rec in stages.values():
+        rec.search = []  # held once: stacked
     names = _quantized_names(runner, plan, quantized)
     report = AwqLayerReport({}, [])
     if plan.experts is not None:
@@ -544,7 +613,7 @@ def _awq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
         for name in (*group.linears, *group.float_scaled):
             _weight(runner, name).mul_(s[None, :])
         fold(s)
-        search_inputs[key] = search_inputs[key] / s
+        search_inputs[key].div_(s)  # the same as x / s, without a second copy
         report.ratios[group.prev] = ratio
     if options.clip:
         reads = {name: group.inputs for group in plan.scaling if group.inputs
