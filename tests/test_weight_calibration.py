@@ -450,6 +450,98 @@ def test_awq_clip_equals_the_definition() -> None:
         assert not torch.equal(fast, w)
 
 
+def test_awq_product_losses_equal_the_gram_losses() -> None:
+    """With fewer search tokens than input channels the linear search's losses are
+    sum((X D^T)^2) over blocks of D's rows (no K x K Gram matrix): the Gram form's losses
+    to float64 rounding, the same least ratio; a block's fake-quantized rows made in a
+    buffer are the whole weight's bit for bit."""
+    from toptpu.weight_calibration.awq import (
+        _candidates,
+        _scaled_quantized,
+        _w_mean,
+        gram_losses,
+        product_losses,
+    )
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 256, generator=gen)
+    x = torch.randn(100, 256, generator=gen) * (1 + 10 * (torch.arange(256) % 13 == 0))
+    for scheme in (QuantScheme(4, 32, False), QuantScheme(4, 64, True),
+                   QuantScheme(4, -1, False)):
+        candidates = _candidates(x.abs().mean(dim=0), _w_mean([w], scheme), AwqOptions())
+        gram = gram_losses(w, x, candidates, scheme)
+        for block_bytes in (8 * 256 * 5, 1 << 26):  # 5 rows a block; one block
+            got = product_losses(w, x, candidates, scheme, block_bytes=block_bytes)
+            np.testing.assert_allclose(got, gram, rtol=1e-12)
+            assert int(np.argmin(got)) == int(np.argmin(gram))
+        assert len(set(gram)) == len(gram)  # the candidates are told apart
+        s = candidates[7][1]
+        buffer = torch.empty(5, 256)
+        for r0 in range(0, 48, 5):
+            part = _scaled_quantized(w[r0:r0 + 5], s, scheme, out=buffer[:len(w[r0:r0 + 5])])
+            assert torch.equal(part, _scaled_quantized(w, s, scheme)[r0:r0 + 5])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_awq_search_on_fewer_tokens_than_channels_equals_the_definition(
+        arch: str, tokenizer: Any, text_file: str) -> None:
+    """On 64 search tokens (fewer than the MLP's 128 intermediate channels: down_proj's
+    losses in the product form) AWQ chooses what the definitions choose."""
+    _, layer, runner, x = _first_layer_setup(arch, tokenizer, text_file)
+    x = x[:1]
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    assert layer.get_submodule("mlp.down_proj").in_features > x.shape[0] * x.shape[1]
+    results = []
+    for direct in (True, False):
+        copy_of = copy.deepcopy(layer)
+        run = LayerRunner(copy_of, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+        report = awq_layer(run, plan, x, QuantScheme(4, 32, False), AwqOptions(),
+                           set(plan.linears), direct)
+        results.append((report.ratios, dict(copy_of.named_parameters())))
+    (ratios_direct, direct_weights), (ratios, weights) = results
+    assert ratios == ratios_direct and "mlp.up_proj" in ratios
+    for name, p in weights.items():
+        torch.testing.assert_close(p, direct_weights[name], rtol=1e-6, atol=1e-7)
+
+
+def test_gptaq_asymmetry_term_in_row_blocks() -> None:
+    """P made in dXX^T's memory a block of rows at a time is the whole product's (to float64
+    rounding: the blocks' sums may round differently), with act-order and dead channels."""
+    from toptpu.weight_calibration.gptq import asymmetry_term, prepare_hessian
+
+    rng = np.random.default_rng(3)
+    k = 96
+    x = _structured_inputs(k, 400, 6)
+    x[:, 4] = 0
+    prepared = prepare_hessian(2 * x.T @ x / len(x), act_order=True)
+    cross = rng.standard_normal((k, k)) * 0.1
+    whole = asymmetry_term(cross.copy(), prepared)
+    blocked = cross.copy()
+    got = asymmetry_term(blocked, prepared, block_bytes=8 * k * 7)
+    assert got is blocked  # in dXX^T's own memory
+    np.testing.assert_allclose(got, whole, rtol=1e-12, atol=1e-14 * np.abs(whole).max())
+    assert np.all(np.tril(got) == 0) and np.abs(got).max() > 0
+
+
+def test_gptaq_float_twin_holds_bfloat16_weights() -> None:
+    """GPTAQ's float copy of a layer whose weights are bfloat16 values holds them as
+    bfloat16 between runs and computes the layer's outputs bit for bit."""
+    from toptpu.weight_calibration.sequential import _float_twin
+
+    model = _outlier_model("qwen2")
+    layer = copy.deepcopy(model.model.layers[0])
+    for p in layer.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    runner = LayerRunner(layer, model.model.rotary_emb, FULL_ATTENTION, 16, 4096)
+    x = torch.randn(2, 16, layer.hidden_size if hasattr(layer, "hidden_size")
+                    else model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    twin = _float_twin(runner)
+    down = twin.layer.get_submodule("mlp.down_proj")
+    assert down.weight.numel() == 0
+    assert torch.equal(twin.forward(x), runner.forward(x))
+    assert down.weight.numel() == 0
+
+
 def _layer_error(method: str, arch: str, tok: Any, text: str, group: int) -> float:
     """The first layer's output error (quantized vs float) on the calibration sequences."""
     model, layer, runner, x = _first_layer_setup(arch, tok, text)
