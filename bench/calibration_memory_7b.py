@@ -23,6 +23,10 @@ its resident set passes the cap (a measurement above a limit, without eating the
      python bench/calibration_memory_7b.py --compile --method signround --layers 1 \
          --samples 8 --iterations 3
      python bench/calibration_memory_7b.py --compile --method gptq --layers 2 --samples 8
+     python bench/calibration_memory_7b.py --compile --method awq --layers 1 --samples 8 \
+         --rss-cap 6
+     python bench/calibration_memory_7b.py --compile --method gptaq --layers 1 --samples 8 \
+         --rss-cap 6
 """
 
 from __future__ import annotations
@@ -156,6 +160,8 @@ def traced(trace: PhaseTrace) -> None:
     wrap("layer_outputs", "layer outputs")
     wrap("layer_tensors", "shard tensors")
     wrap("awq_layer", "awq search")
+    wrap("_gptaq_stage", lambda runner, twin, first, *a, **k: f"gptaq sums ({first})")
+    wrap("asymmetry_term", "gptaq P")
     tune = seq.tune_layer
 
     def tuning(*args: Any, on_iteration: Any = None, **kw: Any) -> Any:
