@@ -471,6 +471,19 @@ def test_layer_error_gptq_awq_below_rtn(group: int, tokenizer: Any, text_file: s
     assert err["awq"] < err["rtn"], err
 
 
+def _assert_awq_then(got: dict[str, QuantizedWeights], details: dict[str, float],
+                     expected: dict[str, QuantizedWeights], report: Any) -> None:
+    """An AWQ-first method's result: the layer's 7 linears' integers and grids exactly
+    `expected`'s (the second method's on the AWQ-scaled layer), the AWQ ratios `report`'s."""
+    assert sorted(got) == sorted(expected) and len(got) == 7
+    for name, q in got.items():
+        assert np.array_equal(q.qweight, expected[name].qweight), name
+        assert np.array_equal(q.scales, expected[name].scales), name
+        assert np.array_equal(q.zeros, expected[name].zeros), name
+    assert {k: v for k, v in details.items() if k.startswith("ratio:")} == \
+        {f"ratio:{k}": v for k, v in report.ratios.items()}
+
+
 def test_awq_gptq_is_gptq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str) -> None:
     """``awq,gptq``: AWQ's scales (no clipping) folded first leave the layer's float function
     as it was; the integers and grids are then GPTQ's on that scaled layer (its weights and
@@ -491,13 +504,7 @@ def test_awq_gptq_is_gptq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str
                              CalibrationRequest("gptq", scheme))
     got, details = calibrate_layer(runner, plan, x, set(plan.linears),
                                    CalibrationRequest("awq,gptq", scheme))
-    assert sorted(got) == sorted(expected) and len(got) == 7
-    for name, q in got.items():
-        assert np.array_equal(q.qweight, expected[name].qweight), name
-        assert np.array_equal(q.scales, expected[name].scales), name
-        assert np.array_equal(q.zeros, expected[name].zeros), name
-    assert {k: v for k, v in details.items() if k.startswith("ratio:")} == \
-        {f"ratio:{k}": v for k, v in report.ratios.items()}
+    _assert_awq_then(got, details, expected, report)
     for name, p in layer.named_parameters():
         torch.testing.assert_close(p, scaled.get_parameter(name), rtol=0, atol=0)
     rtn_error = _layer_error("rtn", "llama", tokenizer, text_file, 32)
@@ -589,13 +596,7 @@ def test_awq_gptaq_is_gptaq_on_the_awq_scaled_layer(tokenizer: Any, text_file: s
     targets = InMemory(xf.clone())
     got, details = calibrate_layer(runner, plan, x, set(plan.linears),
                                    CalibrationRequest("awq,gptaq", scheme), targets=targets)
-    assert sorted(got) == sorted(expected) and len(got) == 7
-    for name, q in got.items():
-        assert np.array_equal(q.qweight, expected[name].qweight), name
-        assert np.array_equal(q.scales, expected[name].scales), name
-        assert np.array_equal(q.zeros, expected[name].zeros), name
-    assert {k: v for k, v in details.items() if k.startswith("ratio:")} == \
-        {f"ratio:{k}": v for k, v in report.ratios.items()}
+    _assert_awq_then(got, details, expected, report)
     torch.testing.assert_close(targets.x, hand_targets.x, rtol=0, atol=0)
     torch.testing.assert_close(targets.x, float_out, rtol=1e-5, atol=1e-5)
     rtn_runner = LayerRunner(copy.deepcopy(float_runner.layer), runner.block.rotary,
