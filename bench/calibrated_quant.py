@@ -22,7 +22,8 @@ linear dequantized, as `bench/smollm2_quality.py` and the README table take it) 
 - calibrated by the other GPTQ methods (rows gptqmse64: `--calibration-ranges mse`,
   GPTQ's MSE grid for the group ranges; awqgptq64 / awqgptqmse64: `--calibrate awq,gptq`,
   AWQ's scales then GPTQ; gptaq64 / gptaqmse64: `--calibrate gptaq`, GPTQ matching the
-  float model's outputs);
+  float model's outputs; awqgptaq64 / awqgptaqmse64: `--calibrate awq,gptaq`, AWQ's scales
+  then GPTAQ);
 
 all asymmetric 4-bit at group size 64 (rows such as gptq128 take other group sizes where
 they divide the model's widths: 128 does not divide SmolLM2's 576), measured by `toptpu
@@ -76,11 +77,13 @@ def validation_text(work: str, cal: str) -> str:
 CALIBRATED = {"gptq": ("gptq", None), "gptqmse": ("gptq", "mse"), "awq": ("awq", None),
               "signround": ("signround", None), "awqgptq": ("awq,gptq", None),
               "awqgptqmse": ("awq,gptq", "mse"), "gptaq": ("gptaq", None),
-              "gptaqmse": ("gptaq", "mse")}
+              "gptaqmse": ("gptaq", "mse"), "awqgptaq": ("awq,gptaq", None),
+              "awqgptaqmse": ("awq,gptaq", "mse")}
 LABELS = {"gptq": "GPTQ", "gptqmse": "GPTQ, MSE ranges", "awq": "AWQ",
           "signround": "SignRound", "awqgptq": "AWQ then GPTQ",
           "awqgptqmse": "AWQ then GPTQ, MSE ranges", "gptaq": "GPTAQ",
-          "gptaqmse": "GPTAQ, MSE ranges"}
+          "gptaqmse": "GPTAQ, MSE ranges", "awqgptaq": "AWQ then GPTAQ",
+          "awqgptaqmse": "AWQ then GPTAQ, MSE ranges"}
 
 
 def texts(work: str) -> tuple[str, str]:

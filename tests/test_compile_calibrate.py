@@ -67,7 +67,8 @@ def _left(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "signround", "awq,gptq", "gptaq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "signround", "awq,gptq", "gptaq",
+                                    "awq,gptaq"])
 def test_calibrated_compile_equals_the_exported_checkpoints(
         method: str, float_model: str, text_file: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -319,8 +320,8 @@ def test_unknown_method_is_argparse_usage(float_model: str, capsys: pytest.Captu
 
 def test_other_method_combinations_refused(float_model: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """`--calibrate` combines only awq,gptq: another combination is argparse's one usage
-    line on the command line and one CompileError line naming the combination from Python;
+    """`--calibrate` combines only awq,gptq and awq,gptaq: another combination is argparse's
+    one usage line on the command line and one CompileError line naming the combination from Python;
     nothing is written."""
     out = tmp_path / "m.toptpu"
     code, err = _run(["compile", float_model, "-q", "w4bf16", "--calibrate", "gptq,awq", "-o",
@@ -329,9 +330,9 @@ def test_other_method_combinations_refused(float_model: str, tmp_path: Path,
     from toptpu.errors import CompileError
 
     for method in ("gptq,awq", "awq,signround", "awq,gptq,gptq"):
-        with pytest.raises(CompileError, match=rf"^--calibrate {method}: the one combination "
-                           r"is awq,gptq \(AWQ's scales folded, then GPTQ on the scaled "
-                           r"weights\)$"):
+        with pytest.raises(CompileError, match=rf"^--calibrate {method}: the combinations "
+                           r"are awq,gptq and awq,gptaq \(AWQ's scales folded, then GPTQ or "
+                           r"GPTAQ on the scaled weights\)$"):
             compile_model(float_model, str(out), mode="w4bf16", calibrate=method,
                           progress=None)
     assert _left(tmp_path) == []
@@ -537,7 +538,9 @@ def test_moe_awq_passes_the_checks_and_reaches_the_calibration(
 @pytest.mark.parametrize("method,what", [("signround", "SignRound does not tune routed experts"),
                                          ("awq,gptq", "awq,gptq does not calibrate routed "
                                                       "experts"),
-                                         ("gptaq", "gptaq does not calibrate routed experts")])
+                                         ("gptaq", "gptaq does not calibrate routed experts"),
+                                         ("awq,gptaq", "awq,gptaq does not calibrate routed "
+                                                       "experts")])
 def test_moe_refused_by_the_methods_without_experts(method: str, what: str, text_file: str,
                                                     tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

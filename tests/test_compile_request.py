@@ -142,10 +142,11 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "vision_mode": [({"vision_mode": "auto"},
                      "--vision-quantize: unknown quantization mode 'auto'")],
     "calibrate": [({"calibrate": "rtn", "mode": "w4bf16"},
-                   "--calibrate must be gptq or awq or signround or awq,gptq or gptaq, not 'rtn'"),
-                  ({"calibrate": "gptq,awq", "mode": "w4bf16"}, "--calibrate gptq,awq: the one "
-                   "combination is awq,gptq (AWQ's scales folded, then GPTQ on the scaled "
-                   "weights)"),
+                   "--calibrate must be gptq or awq or signround or awq,gptq or gptaq or "
+                   "awq,gptaq, not 'rtn'"),
+                  ({"calibrate": "gptq,awq", "mode": "w4bf16"}, "--calibrate gptq,awq: the "
+                   "combinations are awq,gptq and awq,gptaq (AWQ's scales folded, then GPTQ "
+                   "or GPTAQ on the scaled weights)"),
                   ({"calibrate": "gptq", "mode": "bf16"}, "--calibrate gptq quantizes "
                    "weights: -q bf16 keeps the weights float; choose a w4 or w8 mode"),
                   ({"calibrate": "awq", "mode": "auto"}, "--calibrate awq quantizes weights: "
@@ -155,7 +156,7 @@ BAD_KEYWORDS: dict[str, list[tuple[dict[str, Any], str]]] = {
                    "over devices yet; use --parallel pp")],
     "calibration_data": [({"calibration_data": ["a.txt"]}, "--calibration-data shapes the "
                           "calibration of --calibrate; give --calibrate "
-                          "gptq|awq|signround|awq,gptq|gptaq or drop --calibration-data"),
+                          "gptq|awq|signround|awq,gptq|gptaq|awq,gptaq or drop --calibration-data"),
                          ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": [3]},
                           "--calibration-data is text file paths, not [3]"),
                          ({"calibrate": "gptq", "mode": "w4bf16", "calibration_data": []},

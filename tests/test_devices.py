@@ -372,8 +372,10 @@ def test_a_gguf_of_scale_and_min_types_spreads_by_pipeline_stages_only(
     root = tmp_path_factory.mktemp("gguf-pp")
     d = exact_types_gguf(str(root / "src"), "llama2")
     one, pp = str(root / "one.toptpu"), str(root / "pp.toptpu")
-    compile_model(d, one, mode="w8f32", progress=None)
-    compile_model(d, pp, mode="w8f32", progress=None, devices=2, parallel="pp")
+    # the 20-token prompt and its 12 new tokens: prefill at 32, as at the default shapes
+    shapes = {"seq_length": 64, "max_input_length": 32}
+    compile_model(d, one, mode="w8f32", progress=None, **shapes)
+    compile_model(d, pp, mode="w8f32", progress=None, devices=2, parallel="pp", **shapes)
     rt1, rtn = Runtime.open(one), Runtime.open(pp)
     devices = rtn.meta.parallel.devices
     assert [dv.layers for dv in devices] == [range(0, 1), range(1, 2)]

@@ -19,8 +19,9 @@ from llm_fixtures import compiled, tiny_dir
 from toptpu import demo_dir
 from toptpu.backend.runtime.runtime import Runtime
 from toptpu.backend.runtime.sampler import Sampler
-from toptpu.cli import build_parser, main, tiny_demo_next
+from toptpu.cli import build_parser, main
 from toptpu.compare import CompareReport, TensorReport
+from toptpu.demo_cli import tiny_demo_next
 from toptpu.demo_dir import DemoDirError, check_demo_dir, next_commands, replaced_model_dir
 from toptpu.ir_dump import PASSES_FILE
 from toptpu.profile_cli import ir_file_net, png_file_name
@@ -277,7 +278,7 @@ def test_compare_takes_a_gguf_file_as_the_float_model_it_holds(tmp_path) -> None
     import torch
     from gguf_fixtures import write_gguf
 
-    from toptpu.cli import _load_causal_lm
+    from toptpu.compare_cli import _load_causal_lm
     from toptpu.frontends.tiny_models import tiny_model
 
     path = write_gguf(str(tmp_path / "m.gguf"), "llama2", "F32")

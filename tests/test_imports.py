@@ -90,6 +90,9 @@ LAZY_REGISTRIES: dict[str, tuple[str, str]] = {
     "toptpu.passes.registry": (
         "toptpu.passes", "every pass by name, its module imported when a pipeline names it: "
         "toptpu-opt loads only the passes it runs (start-up)"),
+    "toptpu.cli": (
+        "toptpu", "every subcommand by name, its module imported when the command line names "
+        "it: `toptpu <cmd>` loads only that command's modules (start-up)"),
 }
 
 #: the packages that run a model file

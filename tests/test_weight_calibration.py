@@ -563,6 +563,19 @@ def test_layer_error_gptq_awq_below_rtn(group: int, tokenizer: Any, text_file: s
     assert err["awq"] < err["rtn"], err
 
 
+def _assert_awq_then(got: dict[str, QuantizedWeights], details: dict[str, float],
+                     expected: dict[str, QuantizedWeights], report: Any) -> None:
+    """An AWQ-first method's result: the layer's 7 linears' integers and grids exactly
+    `expected`'s (the second method's on the AWQ-scaled layer), the AWQ ratios `report`'s."""
+    assert sorted(got) == sorted(expected) and len(got) == 7
+    for name, q in got.items():
+        assert np.array_equal(q.qweight, expected[name].qweight), name
+        assert np.array_equal(q.scales, expected[name].scales), name
+        assert np.array_equal(q.zeros, expected[name].zeros), name
+    assert {k: v for k, v in details.items() if k.startswith("ratio:")} == \
+        {f"ratio:{k}": v for k, v in report.ratios.items()}
+
+
 def test_awq_gptq_is_gptq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str) -> None:
     """``awq,gptq``: AWQ's scales (no clipping) folded first leave the layer's float function
     as it was; the integers and grids are then GPTQ's on that scaled layer (its weights and
@@ -583,13 +596,7 @@ def test_awq_gptq_is_gptq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str
                              CalibrationRequest("gptq", scheme))
     got, details = calibrate_layer(runner, plan, x, set(plan.linears),
                                    CalibrationRequest("awq,gptq", scheme))
-    assert sorted(got) == sorted(expected) and len(got) == 7
-    for name, q in got.items():
-        assert np.array_equal(q.qweight, expected[name].qweight), name
-        assert np.array_equal(q.scales, expected[name].scales), name
-        assert np.array_equal(q.zeros, expected[name].zeros), name
-    assert {k: v for k, v in details.items() if k.startswith("ratio:")} == \
-        {f"ratio:{k}": v for k, v in report.ratios.items()}
+    _assert_awq_then(got, details, expected, report)
     for name, p in layer.named_parameters():
         torch.testing.assert_close(p, scaled.get_parameter(name), rtol=0, atol=0)
     rtn_error = _layer_error("rtn", "llama", tokenizer, text_file, 32)
@@ -652,6 +659,46 @@ def test_gptaq_layer_is_gptaq_on_each_stages_two_inputs(tokenizer: Any, text_fil
         return float((run.forward(x) - float_out).pow(2).mean())
 
     assert error(runner) < error(gptq_runner)
+
+
+def test_awq_gptaq_is_gptaq_on_the_awq_scaled_layer(tokenizer: Any, text_file: str) -> None:
+    """``awq,gptaq``: AWQ's scales (no clipping), searched on the quantized model's inputs,
+    folded first leave the layer's float function as it was; the integers and grids are
+    then GPTAQ's on that scaled layer, linear for linear, matched to the (scaled) float
+    layer on the float model's hidden states, which it advances as GPTAQ does; the layer's
+    error against the float layer's outputs is below round-to-nearest's."""
+    from toptpu.weight_calibration.activations import InMemory
+    from toptpu.weight_calibration.sequential import calibrate_layer
+
+    _, layer, runner, x = _first_layer_setup("llama", tokenizer, text_file)
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    scheme = QuantScheme(4, 32, False)
+    xf = x * (1 + 0.05 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(0)))
+    float_runner = LayerRunner(copy.deepcopy(layer), runner.block.rotary, FULL_ATTENTION, 64,
+                               4096)
+    float_out = float_runner.forward(xf)
+    scaled = copy.deepcopy(layer)
+    by_hand = LayerRunner(scaled, runner.block.rotary, FULL_ATTENTION, 64, 4096)
+    report = awq_layer(by_hand, plan, x, scheme, AwqOptions(clip=False), set(plan.linears))
+    assert any(r > 0 for r in report.ratios.values())
+    torch.testing.assert_close(by_hand.forward(xf), float_out, rtol=1e-5, atol=1e-5)
+    hand_targets = InMemory(xf.clone())
+    expected, _ = calibrate_layer(by_hand, plan, x, set(plan.linears),
+                                  CalibrationRequest("gptaq", scheme), targets=hand_targets)
+    targets = InMemory(xf.clone())
+    got, details = calibrate_layer(runner, plan, x, set(plan.linears),
+                                   CalibrationRequest("awq,gptaq", scheme), targets=targets)
+    _assert_awq_then(got, details, expected, report)
+    torch.testing.assert_close(targets.x, hand_targets.x, rtol=0, atol=0)
+    torch.testing.assert_close(targets.x, float_out, rtol=1e-5, atol=1e-5)
+    rtn_runner = LayerRunner(copy.deepcopy(float_runner.layer), runner.block.rotary,
+                             FULL_ATTENTION, 64, 4096)
+    calibrate_layer(rtn_runner, plan, x, set(plan.linears), CalibrationRequest("rtn", scheme))
+
+    def error(run: LayerRunner) -> float:
+        return float((run.forward(x) - float_runner.forward(x)).pow(2).mean())
+
+    assert error(runner) < error(rtn_runner)
 
 
 def test_gptq_layer_holding_integers_gives_the_same_layer(tokenizer: Any, text_file: str,
@@ -793,6 +840,7 @@ def _consumer_weight(module: torch.nn.Module, k: int) -> np.ndarray:
     ("qwen2", "awq,gptq", "auto_round", False, "mse"),
     ("llama", "awq,gptq", "gptq", True, "minmax"),
     ("qwen2", "gptaq", "auto_round", False, "minmax"),
+    ("llama", "awq,gptaq", "auto_round", False, "mse"),
 ])
 def test_export_round_trip(arch: str, method: str, fmt: str, sym: bool, ranges: str,
                            tmp_path: Path, tokenizer: Any, text_file: str) -> None:

@@ -184,7 +184,7 @@ def _check_calibration(model: Any, request: CompileRequest,
             if cal.method == "signround":
                 raise CompileError(f"{flag}: {moe}; SignRound does not tune routed experts: "
                                    "calibrate it with gptq or awq")
-            if cal.method in ("awq,gptq", "gptaq"):
+            if cal.method in ("awq,gptq", "gptaq", "awq,gptaq"):
                 raise CompileError(f"{flag}: {moe}; {cal.method} does not calibrate routed "
                                    "experts: calibrate it with gptq or awq")
             if text_family_of(cfg.get("model_type")) not in CALIBRATED_MOE:

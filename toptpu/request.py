@@ -267,9 +267,9 @@ def _path(flag: str) -> Callable[[object], str | None]:
 # ----------------------------------------------------------------------------- calibration
 
 #: the methods `--calibrate` takes (`toptpu.weight_calibration`)
-CALIBRATION_METHODS = ("gptq", "awq", "signround", "awq,gptq", "gptaq")
+CALIBRATION_METHODS = ("gptq", "awq", "signround", "awq,gptq", "gptaq", "awq,gptaq")
 #: the methods `--calibration-ranges` shapes (GPTQ's grids)
-GPTQ_CALIBRATIONS = ("gptq", "awq,gptq", "gptaq")
+GPTQ_CALIBRATIONS = ("gptq", "awq,gptq", "gptaq", "awq,gptaq")
 #: `--calibration-ranges`: each group's range as min/max, or GPTQ's MSE grid (gptq methods)
 CALIBRATION_RANGES = ("minmax", "mse")
 #: the calibration set by default: samples x tokens (as AutoGPTQ and AutoAWQ use)
@@ -318,8 +318,9 @@ def _calibration(calibrate: Any, calibration_data: Any, calibration_samples: Any
                                f"{'|'.join(CALIBRATION_METHODS)} or drop {' and '.join(given)}")
         return None
     if isinstance(calibrate, str) and "," in calibrate and calibrate not in CALIBRATION_METHODS:
-        raise CompileError(f"--calibrate {calibrate}: the one combination is awq,gptq (AWQ's "
-                           "scales folded, then GPTQ on the scaled weights)")
+        raise CompileError(f"--calibrate {calibrate}: the combinations are awq,gptq and "
+                           "awq,gptaq (AWQ's scales folded, then GPTQ or GPTAQ on the scaled "
+                           "weights)")
     if calibrate not in CALIBRATION_METHODS:
         raise CompileError(f"--calibrate must be {' or '.join(CALIBRATION_METHODS)}, not "
                            f"{calibrate!r}")
@@ -483,11 +484,11 @@ class CompileRequest:
         Option("calibrate", ("--calibrate",), None,
                "quantize the weights of the w4/w8 mode by a calibrated method instead of "
                "rounding them to nearest: gptq, awq, signround (tuned rounding and "
-               "ranges), awq,gptq (AWQ's scales, then GPTQ) or gptaq (GPTQ matching the "
-               "float model's outputs), one layer at a time on the outputs of "
-               "the layers before it as quantized (a float model; --group-size and "
-               "--symmetric shape it)", choices=CALIBRATION_METHODS, metavar="METHOD",
-               group=CALIBRATION),
+               "ranges), awq,gptq (AWQ's scales, then GPTQ), gptaq (GPTQ matching the "
+               "float model's outputs) or awq,gptaq (AWQ's scales, then GPTAQ), one layer "
+               "at a time on the outputs of the layers before it as quantized (a float "
+               "model; --group-size and --symmetric shape it)", choices=CALIBRATION_METHODS,
+               metavar="METHOD", group=CALIBRATION),
         Option("calibration_data", ("--calibration-data",), None,
                "--calibrate: the plain UTF-8 text files to calibrate on, tokenized with the "
                "model's tokenizer in the order given (default: "
@@ -511,9 +512,9 @@ class CompileRequest:
                "the paper and auto-round)", type=int_at_least(1), metavar="N",
                group=CALIBRATION),
         Option("calibration_ranges", ("--calibration-ranges",), None,
-               "--calibrate gptq, awq,gptq or gptaq: each group's range: minmax (default: its "
-               "min and max) or mse (the GPTQ reference's grid: the range times 1, 0.99, ..., "
-               "0.21, keeping the least sum of |error|^2.4)",
+               "--calibrate gptq, awq,gptq, gptaq or awq,gptaq: each group's range: minmax "
+               "(default: its min and max) or mse (the GPTQ reference's grid: the range "
+               "times 1, 0.99, ..., 0.21, keeping the least sum of |error|^2.4)",
                choices=CALIBRATION_RANGES, metavar="R", group=CALIBRATION),
         parse=_calibration)
 

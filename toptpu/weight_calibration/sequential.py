@@ -112,18 +112,20 @@ from toptpu.weight_calibration.signround import (
 )
 
 #: "awq,gptq": AWQ's scales searched and folded, then GPTQ on the scaled weights; "gptaq":
-#: GPTQ matching the float model's outputs (`calibrate_layer`)
-METHODS = ("gptq", "awq", "signround", "rtn", "awq,gptq", "gptaq")
+#: GPTQ matching the float model's outputs; "awq,gptaq": AWQ's scales, then GPTAQ
+#: (`calibrate_layer`)
+METHODS = ("gptq", "awq", "signround", "rtn", "awq,gptq", "gptaq", "awq,gptaq")
 #: the methods GPTQ quantizes with (and `CalibrationRequest.ranges` shapes)
-GPTQ_METHODS = ("gptq", "awq,gptq", "gptaq")
+GPTQ_METHODS = ("gptq", "awq,gptq", "gptaq", "awq,gptaq")
 #: the methods that keep the float model's hidden states beside the quantized ones
-FLOAT_STATES = ("signround", "gptaq")
+FLOAT_STATES = ("signround", "gptaq", "awq,gptaq")
 
 
 @dataclass(frozen=True)
 class CalibrationRequest:
     """What to calibrate and how. `method`: gptq | awq | signround | rtn (the same grid and
-    export, round to nearest: the baseline) | awq,gptq (`calibrate_layer`). GPTQ:
+    export, round to nearest: the baseline) | awq,gptq | gptaq | awq,gptaq
+    (`calibrate_layer`). GPTQ:
     `act_order` (static groups), `percdamp`, `block_size`, `ranges` (each group's range:
     min/max or the MSE grid, `grid.RANGE_SEARCHES`); AWQ: `awq`; SignRound: `signround`.
     `export_format`: gptq | auto_round (`export`)."""
@@ -366,10 +368,12 @@ def calibrate_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
         return gptq_layer(runner, plan, x, quantized, request, on_stage, experts_out)
     if request.method == "awq,gptq":
         return _awq_gptq_layer(runner, plan, x, quantized, request, on_stage)
-    if request.method == "gptaq":
+    if request.method in ("gptaq", "awq,gptaq"):
         if targets is None:
             raise CalibrationError("GPTAQ needs the float model's inputs of the layer")
-        return _gptaq_layer(runner, plan, x, quantized, request, on_stage, targets)
+        if request.method == "gptaq":
+            return _gptaq_layer(runner, plan, x, quantized, request, on_stage, targets)
+        return _awq_gptaq_layer(runner, plan, x, quantized, request, on_stage, targets)
     if request.method == "signround":
         return _signround_layer(runner, plan, x, quantized, request, on_stage, targets, index)
     details: dict[str, float] = {}
@@ -408,6 +412,24 @@ def _awq_gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Laye
     report = awq_layer(runner, plan, x, request.scheme, replace(request.awq, clip=False),
                        quantized)
     out, losses = gptq_layer(runner, plan, x, quantized, request, on_stage)
+    return out, {**{f"ratio:{k}": v for k, v in report.ratios.items()}, **losses}
+
+
+def _awq_gptaq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
+                     quantized: set[str], request: CalibrationRequest,
+                     on_stage: Callable[[str], None] | None, targets: torch.Tensor | LayerInputs
+                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
+    """AWQ then GPTAQ: AWQ's scales searched on the layer's (quantized model's) inputs and
+    folded, its clipping left to GPTAQ, as `_awq_gptq_layer`; the folded layer computes the
+    same float function, so its float twin (`_gptaq_layer`) is the float layer; then GPTAQ
+    on the scaled weights, matched to that float layer on the float model's hidden states
+    `targets`."""
+    if plan.experts is not None and plan.experts in quantized:
+        raise CalibrationError("--calibrate awq,gptaq does not calibrate a mixture-of-experts "
+                               "layer's routed experts; calibrate this model with gptq or awq")
+    report = awq_layer(runner, plan, x, request.scheme, replace(request.awq, clip=False),
+                       quantized)
+    out, losses = _gptaq_layer(runner, plan, x, quantized, request, on_stage, targets)
     return out, {**{f"ratio:{k}": v for k, v in report.ratios.items()}, **losses}
 
 
