@@ -297,6 +297,36 @@ _NO_WEIGHTS = torch.empty(0)
 
 
 @torch.no_grad()
+def _quantize_stages(runner: LayerRunner, plan: LayerPlan, quantized: set[str],
+                     request: CalibrationRequest, on_stage: Callable[[str], None] | None,
+                     integers: IntegersUntilRun,
+                     prepare: Callable[[str], tuple[PreparedHessian, np.ndarray | None]]
+                     ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
+    """The layer's `quantized` linears stage by stage (module doc): each stage's prepared
+    Hessian (and GPTAQ's P, or None) from `prepare(first linear of the stage)`, its linears
+    by `gptq` and held as integers until they run (`integers`), so the next stage's inputs
+    are the layer's as quantized so far. `on_stage` is told each stage's first linear."""
+    out: dict[str, QuantizedWeights] = {}
+    losses: dict[str, float] = {}
+    for stage in plan.stages:
+        names = [n for n in stage if n in quantized]
+        if not names:
+            continue
+        if on_stage is not None:
+            on_stage(stage[0])
+        prepared, asymmetry = prepare(stage[0])
+        for name in names:
+            res = gptq(_linear_weight(runner.layer, name).weight.detach().numpy(), prepared,
+                       request.scheme, act_order=request.act_order,
+                       block_size=request.block_size, ranges=request.ranges,
+                       asymmetry=asymmetry)
+            out[name] = res.weights
+            losses[name] = res.loss
+            integers.hold(name, res.weights)
+        del prepared, asymmetry  # the stage's K x K matrices
+    return out, losses
+
+
 def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInputs,
                quantized: set[str], request: CalibrationRequest,
                on_stage: Callable[[str], None] | None = None,
@@ -308,25 +338,11 @@ def gptq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerInpu
     experts (`plan.experts`, when in `quantized`) come last, per expert
     (`experts.calibrate_experts`); their result is appended to `experts_out`."""
     x = layer_inputs(x)
-    out: dict[str, QuantizedWeights] = {}
-    losses: dict[str, float] = {}
     integers = IntegersUntilRun(runner.layer)
     try:
-        for stage in plan.stages:
-            names = [n for n in stage if n in quantized]
-            if not names:
-                continue
-            if on_stage is not None:
-                on_stage(stage[0])
-            prepared = _prepared_stage(runner, stage[0], x, request)
-            for name in names:
-                res = gptq(_linear_weight(runner.layer, name).weight.detach().numpy(),
-                           prepared, request.scheme, act_order=request.act_order,
-                           block_size=request.block_size, ranges=request.ranges)
-                out[name] = res.weights
-                losses[name] = res.loss
-                integers.hold(name, res.weights)
-            del prepared  # the stage's K x K matrix
+        out, losses = _quantize_stages(
+            runner, plan, quantized, request, on_stage, integers,
+            lambda first: (_prepared_stage(runner, first, x, request), None))
         if plan.experts is not None and plan.experts in quantized:
             if on_stage is not None:
                 on_stage(plan.experts)
@@ -526,26 +542,11 @@ def _gptaq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerIn
                                "layer's routed experts; calibrate this model with gptq or awq")
     x, xf = layer_inputs(x), layer_inputs(targets)
     float_runner = _float_twin(runner)
-    out: dict[str, QuantizedWeights] = {}
-    losses: dict[str, float] = {}
     integers = IntegersUntilRun(runner.layer)
     try:
-        for stage in plan.stages:
-            names = [n for n in stage if n in quantized]
-            if not names:
-                continue
-            if on_stage is not None:
-                on_stage(stage[0])
-            prepared, asymmetry = _gptaq_stage(runner, float_runner, stage[0], x, xf, request)
-            for name in names:
-                lin = _linear_weight(runner.layer, name)
-                res = gptq(lin.weight.detach().numpy(), prepared, request.scheme,
-                           act_order=request.act_order, block_size=request.block_size,
-                           ranges=request.ranges, asymmetry=asymmetry)
-                out[name] = res.weights
-                losses[name] = res.loss
-                integers.hold(name, res.weights)
-            del prepared, asymmetry
+        out, losses = _quantize_stages(
+            runner, plan, quantized, request, on_stage, integers,
+            lambda first: _gptaq_stage(runner, float_runner, first, x, xf, request))
         integers.restore()
     finally:
         integers.unhook()
