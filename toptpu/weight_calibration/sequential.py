@@ -92,8 +92,8 @@ from toptpu.weight_calibration.gptq import (
     PreparedHessian,
     asymmetry_rows,
     asymmetry_term,
-    permute_columns,
     gptq,
+    permute_columns,
     prepare_hessian,
 )
 from toptpu.weight_calibration.grid import (
