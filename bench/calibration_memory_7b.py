@@ -162,6 +162,8 @@ def traced(trace: PhaseTrace) -> None:
     wrap("awq_layer", "awq search")
     wrap("_gptaq_stage", lambda runner, twin, first, *a, **k: f"gptaq sums ({first})")
     wrap("asymmetry_term", "gptaq P")
+    wrap("_cross_rows", "gptaq dXX^T rows")
+    wrap("asymmetry_rows", "gptaq P rows")
     tune = seq.tune_layer
 
     def tuning(*args: Any, on_iteration: Any = None, **kw: Any) -> Any:

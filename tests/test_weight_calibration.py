@@ -523,6 +523,155 @@ def test_gptaq_asymmetry_term_in_row_blocks() -> None:
     assert np.all(np.tril(got) == 0) and np.abs(got).max() > 0
 
 
+def _permuted_cross(cross: np.ndarray, prepared: Any) -> np.ndarray:
+    """dXX^T as `asymmetry_term` takes it: dead columns zeroed, rows and columns permuted."""
+    d = cross.copy()
+    d[:, prepared.dead] = 0.0
+    return np.ascontiguousarray(d[prepared.perm][:, prepared.perm])
+
+
+@pytest.mark.parametrize("dtype,act_order", [(np.float64, True), (np.float64, False),
+                                             (np.float32, True)])
+def test_gptaq_asymmetry_rows_in_the_factor(dtype: type, act_order: bool) -> None:
+    """P made a run of rows at a time (uneven runs, each in blocks of rows) into the strict
+    lower triangle of the factor's own matrix: U above it is left as it was, and P^T below
+    is the whole `asymmetry_term`'s (to rounding: its sums start at the row's first
+    column past the diagonal), with act-order and a dead channel."""
+    from toptpu.weight_calibration.gptq import (
+        PreparedHessian,
+        asymmetry_rows,
+        asymmetry_term,
+        prepare_hessian,
+    )
+
+    rng = np.random.default_rng(5)
+    k = 96
+    x = _structured_inputs(k, 400, 6)
+    x[:, 4] = 0
+    prepared = prepare_hessian((2 * x.T @ x / len(x)).astype(dtype), act_order=act_order)
+    assert prepared.dead[4] and (act_order or np.array_equal(prepared.perm, np.arange(k)))
+    cross = (rng.standard_normal((k, k)) * 0.1).astype(dtype)
+    whole = asymmetry_term(cross.copy(), prepared)
+    packed = PreparedHessian(prepared.dead, prepared.perm, prepared.upper.copy(),
+                             prepared.percdamp)
+    d = _permuted_cross(cross, prepared)
+    for r0, r1 in ((0, 7), (7, 40), (40, 41), (41, 95), (95, 96)):
+        asymmetry_rows(d[r0:r1].copy(), r0, packed, block_bytes=d.itemsize * k * 5)
+    assert np.array_equal(np.triu(packed.upper), prepared.upper)
+    got = np.tril(packed.upper, -1).T
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    np.testing.assert_allclose(got, whole, rtol=tol, atol=tol * np.abs(whole).max())
+    assert np.all(np.tril(whole) == 0) and np.abs(got).max() > 0
+
+
+@pytest.mark.parametrize("act_order,group", [(True, 32), (False, 32), (False, -1)])
+def test_gptaq_with_p_in_the_factor_is_gptaq_with_p(act_order: bool, group: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPTQ given P in the strict lower triangle of the factor's matrix (`AsymmetryInFactor`)
+    gives exactly the integers, grids and loss it gives with the same P beside the factor,
+    the lazy update in several parts of columns."""
+    from toptpu.weight_calibration import gptq as gptq_module
+    from toptpu.weight_calibration.gptq import (
+        AsymmetryInFactor,
+        PreparedHessian,
+        asymmetry_term,
+        prepare_hessian,
+    )
+
+    monkeypatch.setattr(gptq_module, "UPDATE_COLUMNS", 96)
+    rng = np.random.default_rng(11)
+    k = 256
+    weight = (rng.standard_normal((40, k)) * 0.05).astype(np.float32)
+    x = _structured_inputs(k, 1024, 4).astype(np.float32)
+    x[:, 9] = 0
+    prepared = prepare_hessian(2 * x.T @ x / len(x), act_order=act_order)
+    p = asymmetry_term((rng.standard_normal((k, k)) * 0.01).astype(np.float32), prepared)
+    m = prepared.upper.copy()
+    lower = np.tri(k, k, -1, dtype=bool)
+    m[lower] = p.T[lower]
+    packed = PreparedHessian(prepared.dead, prepared.perm, m, prepared.percdamp)
+    scheme = QuantScheme(4, group, False)
+    want = gptq(weight, prepared, scheme, act_order=act_order, block_size=64, asymmetry=p)
+    got = gptq(weight, packed, scheme, act_order=act_order, block_size=64,
+               asymmetry=AsymmetryInFactor())
+    assert np.array_equal(got.weights.qweight, want.weights.qweight)
+    assert np.array_equal(got.weights.scales, want.weights.scales)
+    assert np.array_equal(got.weights.zeros, want.weights.zeros)
+    assert got.loss == want.loss
+    plain = gptq(weight, prepared, scheme, act_order=act_order, block_size=64)
+    assert not np.array_equal(plain.weights.qweight, got.weights.qweight)
+
+
+def test_gptaq_cross_rows_from_spills_are_the_accumulators() -> None:
+    """dXX^T's rows summed from spilled batches (`_cross_rows`) are exactly
+    `AsymmetryAccumulator`'s, permuted and with the dead columns zeroed."""
+    from toptpu.weight_calibration.activations import Spill
+    from toptpu.weight_calibration.gptq import AsymmetryAccumulator, prepare_hessian
+    from toptpu.weight_calibration.sequential import _cross_rows
+
+    rng = np.random.default_rng(2)
+    k = 80
+    batches = [rng.standard_normal((n, k)).astype(np.float32) for n in (64, 64, 30)]
+    for b in batches:
+        b[:, 6] = 0
+    floats = [b + 0.1 * rng.standard_normal(b.shape).astype(np.float32) for b in batches]
+    xall = np.concatenate(batches)
+    prepared = prepare_hessian(2 * xall.T @ xall / len(xall), act_order=True)
+    assert prepared.dead[6] and not np.array_equal(prepared.perm, np.arange(k))
+    acc = AsymmetryAccumulator(k)
+    with Spill(k, None) as xs, Spill(k, None) as ds:
+        for xb, fb in zip(batches, floats, strict=True):
+            acc.add(torch.from_numpy(fb), torch.from_numpy(xb))
+            xs.append(torch.from_numpy(xb))
+            ds.append(torch.from_numpy(fb) - torch.from_numpy(xb))
+        assert len(xs) == 3 and torch.equal(xs.read(2), torch.from_numpy(batches[2]))
+        want = _permuted_cross(acc.cross(), prepared)
+        got = np.concatenate([_cross_rows(xs, ds, prepared, r0, min(r0 + 33, k), acc.rows)
+                              for r0 in range(0, k, 33)])
+    assert np.array_equal(got, want)
+
+
+def test_gptaq_stage_in_one_matrix_is_gptaq(tokenizer: Any, text_file: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPTAQ layer calibrated holding one K x K matrix a stage (inputs spilled, P in the
+    factor's lower triangle, made a few rows at a time) gives the integers and grids of
+    the layer calibrated with the Hessian and dXX^T whole, and the same float outputs."""
+    from toptpu.weight_calibration import sequential
+    from toptpu.weight_calibration.activations import InMemory
+    from toptpu.weight_calibration.sequential import calibrate_layer
+
+    _, layer, runner, x = _first_layer_setup("llama", tokenizer, text_file)
+    plan = layer_plan(layer, FULL_ATTENTION, "layer 0")
+    scheme = QuantScheme(4, 32, False)
+    xf = x * (1 + 0.05 * torch.randn(x.shape[-1], generator=torch.Generator().manual_seed(0)))
+    results = []
+    in_one = sequential._gptaq_stage_in_one
+    stages: list[str] = []
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        stages.append(args[2])
+        return in_one(*args, **kw)
+
+    monkeypatch.setattr(sequential, "_gptaq_stage_in_one", counted)
+    for two_matrices in (1 << 40, 0):
+        monkeypatch.setattr(sequential, "GPTAQ_TWO_MATRICES_BYTES", two_matrices)
+        monkeypatch.setattr(sequential, "GPTAQ_CROSS_ROWS_BYTES", 4 * 1536 * 100)
+        run = LayerRunner(copy.deepcopy(layer), runner.block.rotary, FULL_ATTENTION, 64, 128)
+        assert run.batch == 2  # four batches of two sequences
+        targets = InMemory(xf.clone())
+        got, losses = calibrate_layer(run, plan, x, set(plan.linears),
+                                      CalibrationRequest("gptaq", scheme), targets=targets)
+        results.append((got, losses, targets.x))
+    (whole, whole_losses, whole_x), (one, one_losses, one_x) = results
+    assert len(stages) == len(plan.stages)  # the second run's stages, each in one matrix
+    assert set(whole) == set(one) == set(plan.linears)
+    for name in plan.linears:
+        assert np.array_equal(one[name].qweight, whole[name].qweight), name
+        assert np.array_equal(one[name].scales, whole[name].scales), name
+        assert one_losses[name] == pytest.approx(whole_losses[name], rel=1e-5), name
+    assert torch.equal(one_x, whole_x)
+
+
 def test_gptaq_float_twin_holds_bfloat16_weights() -> None:
     """GPTAQ's float copy of a layer whose weights are bfloat16 values holds them as
     bfloat16 between runs and computes the layer's outputs bit for bit."""

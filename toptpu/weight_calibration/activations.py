@@ -92,6 +92,68 @@ class Activations:
         self.close()
 
 
+class Spill:
+    """Float32 tensors ``[rows, width]`` appended to a scratch file (anonymous, as
+    `Activations`': in `directory`, or the system's temporary directory for None) and read
+    back by their index: what a pass over the calibration set made, read by later passes
+    without holding it in the process."""
+
+    def __init__(self, width: int, directory: str | None) -> None:
+        self.width = width
+        self.directory = directory or tempfile.gettempdir()
+        try:
+            self.file = tempfile.TemporaryFile(dir=self.directory, prefix=".calibration-")
+        except OSError as e:
+            raise CalibrationError(f"cannot create a calibration scratch file in "
+                                   f"'{self.directory}': {e.strerror or e}") from None
+        self.fd = self.file.fileno()
+        self.parts: list[tuple[int, int]] = []  # (offset, rows) of each tensor
+        self.end = 0
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def append(self, x: torch.Tensor) -> None:
+        data = np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
+        if data.ndim != 2 or data.shape[1] != self.width:
+            raise ValueError(f"a spilled tensor of shape {list(data.shape)}: [rows, "
+                             f"{self.width}]")
+        view = data.data.cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], self.end + done)
+        except OSError as e:
+            raise CalibrationError(
+                f"cannot write {self.end + len(view)} bytes of calibration inputs to a "
+                f"scratch file in '{self.directory}': {e.strerror or e}; free space there "
+                "or calibrate on fewer tokens") from None
+        self.parts.append((self.end, data.shape[0]))
+        self.end += len(view)
+
+    def read(self, i: int) -> torch.Tensor:
+        offset, rows = self.parts[i]
+        out = np.empty((rows, self.width), np.float32)
+        view = out.data.cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CalibrationError("a calibration scratch file ended early (was it "
+                                       "truncated?)")
+            done += got
+        return torch.from_numpy(out)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Spill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class InMemory:
     """Hidden states held in a tensor ``[n, length, hidden]``, with `Activations`' reads and
     writes (small sets, and tests that hand a layer its inputs)."""

@@ -36,7 +36,11 @@ the calibration uses) or float64 (the exact check against a transcription of Alg
 In float32 the Hessian, its permutation, damping and factor share one K x K matrix
 (`prepare_hessian` with ``overwrite``): 1.4 GB for Qwen2.5-7B's down_proj (K = 18944), where
 float64 and the copies of a plain factorization would take 2.9 GB each. The suite checks
-that float32 gives float64's integers but for a few near a rounding boundary.
+that float32 gives float64's integers but for a few near a rounding boundary. GPTAQ's P is
+strictly upper triangular and U upper: `asymmetry_rows` puts P, transposed, in the strict
+lower triangle of U's own matrix, a run of rows at a time from those rows of ``dXX^T``
+(`AsymmetryInFactor`), so a stage needs one K x K matrix where `asymmetry_term` needs two
+(the driver's choice, `sequential._gptaq_stage`).
 
 The integers, scales and zero points are exactly what the stored checkpoint holds (the grid
 of `grid`: scales rounded to their storage dtype first).
@@ -66,8 +70,11 @@ from toptpu.weight_calibration.grid import (
 DAMPING_STEPS = 4
 #: the dtypes GPTQ works in: float32 (the GPTQ reference code's and AutoGPTQ's) or float64
 GPTQ_DTYPES = ("float32", "float64")
-#: columns of the lazy batch update computed at a time (bounds its temporary)
+#: columns of the lazy batch update computed at a time (bounds its temporaries)...
 UPDATE_COLUMNS = 4096
+#: ... and fewer where the weight has so many rows that they would take more than this
+#: each (Qwen2.5-7B's gate/up: 18944 rows)
+UPDATE_BYTES = 1 << 25
 
 
 class NotPositiveDefinite(CalibrationError):
@@ -165,6 +172,54 @@ def asymmetry_term(cross: np.ndarray, prepared: PreparedHessian, alpha: float = 
         np.matmul(a, u, out=part)
         part *= alpha
     return d
+
+
+class AsymmetryInFactor:
+    """`gptq`'s `asymmetry` when GPTAQ's P is held in the prepared factor's own matrix: U on
+    and above the diagonal, P transposed in the strict lower triangle (P is strictly upper
+    triangular, U upper: together one K x K matrix; `asymmetry_rows` puts P there)."""
+
+
+def asymmetry_rows(rows: np.ndarray, r0: int, prepared: PreparedHessian,
+                   alpha: float = GPTAQ_ALPHA, block_bytes: int = 1 << 25) -> None:
+    """Rows ``r0 : r0 + len(rows)`` of GPTAQ's P (`asymmetry_term`) from those rows of
+    ``dXX^T`` in GPTQ's order (`rows`: rows and columns permuted, dead columns zeroed, in
+    U's dtype; overwritten), stored transposed in the strict lower triangle of the
+    prepared factor's matrix (`AsymmetryInFactor`). Row r of P needs row r of dXX^T and
+    U's rows and columns r + 1 onward alone (``triu(., 1)`` drops the rest), so the calls
+    go in ascending, disjoint runs of rows: the runs stored so far lie in columns before
+    ``r0``, never read again. `rows` is turned into P `block_bytes` of rows at a time (that
+    block's two temporaries). The sums start at column r0 + 1 where `asymmetry_term`'s run
+    over the whole row (its other terms exact zeros): the same values, which may round
+    differently in their last bits."""
+    m = prepared.upper
+    k = m.shape[0]
+    n = rows.shape[0]
+    if rows.shape[1] != k or rows.dtype != m.dtype or r0 < 0 or r0 + n > k:
+        raise CalibrationError(f"rows {r0}:{r0 + n} of dXX^T of {rows.dtype} "
+                               f"{list(rows.shape)} for a factor of {m.dtype} {list(m.shape)}")
+    c0 = r0 + 1
+    if c0 >= k:
+        return  # P's last row is zero
+    u = m[c0:, c0:]  # U's rows and columns from c0 on; below its diagonal still zeros
+    step = max(1, block_bytes // (rows.itemsize * k))
+    for s0 in range(0, n, step):
+        s1 = min(s0 + step, n)
+        part = rows[s0:s1, c0:]
+        a = np.triu(part @ u.T, s0)  # row r0 + s keeps columns after r0 + s
+        np.matmul(a, u, out=part)
+        part *= alpha
+        del a
+    # P[r, c] (c > r) to m[c, r]: the rows c past the run whole, the run's square below its
+    # diagonal
+    p_t = rows[:, c0:].T
+    target = m[c0:, r0:r0 + n]
+    top = min(n, k - c0)
+    for t0 in range(top, k - c0, max(1, step)):
+        target[t0:t0 + step] = p_t[t0:t0 + step]
+    below = np.tri(top, n, 0, dtype=bool)
+    square = target[:top]
+    square[below] = p_t[:top][below]
 
 
 @dataclass
@@ -277,6 +332,13 @@ def _inverse_cholesky_upper_torch(h: np.ndarray, percdamp: float) -> np.ndarray:
     return h
 
 
+def permute_columns(a: np.ndarray, perm: np.ndarray) -> None:
+    """``a <- a[:, perm]`` in place, a block of rows at a time (that block's temporary)."""
+    step = max(1, (1 << 24) // max(1, a.shape[1] * a.itemsize))
+    for r in range(0, a.shape[0], step):
+        a[r:r + step] = a[r:r + step][:, perm]
+
+
 def permute_symmetric(h: np.ndarray, perm: np.ndarray) -> None:
     """``h <- h[perm][:, perm]`` in place: each block of rows permuted along its columns (a
     block's temporary), then the rows moved along the permutation's cycles (a row's)."""
@@ -353,14 +415,19 @@ def prepare_hessian(hessian: np.ndarray, *, act_order: bool = False, percdamp: f
 
 def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: QuantScheme, *,
          act_order: bool = False, block_size: int = 128, percdamp: float = 0.01,
-         ranges: str = "minmax", asymmetry: np.ndarray | None = None) -> GptqResult:
+         ranges: str = "minmax", asymmetry: np.ndarray | AsymmetryInFactor | None = None
+         ) -> GptqResult:
     """GPTQ of `weight` [N, K] with the input Hessian `hessian` [K, K] (module doc), or its
     `prepare_hessian` (made with the same `act_order` and `percdamp`), in the Hessian's
     dtype (float32 or float64); each group's grid by `ranges` (`grid.RANGE_SEARCHES`);
-    with `asymmetry` (GPTAQ's P, `asymmetry_term` of the same prepared Hessian) GPTAQ."""
+    with `asymmetry` (GPTAQ's P, `asymmetry_term` of the same prepared Hessian, or
+    `AsymmetryInFactor`: P in the prepared factor's lower triangle) GPTAQ."""
     prepared = hessian if isinstance(hessian, PreparedHessian) else prepare_hessian(
         hessian, act_order=act_order, percdamp=percdamp)
     upper = prepared.upper
+    in_factor = isinstance(asymmetry, AsymmetryInFactor)
+    if in_factor and not isinstance(hessian, PreparedHessian):
+        raise CalibrationError("GPTAQ's P in the factor needs that prepared factor")
     dtype = upper.dtype
     n, k = weight.shape
     if upper.shape != (k, k):
@@ -387,6 +454,8 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
     w[:, dead[perm]] = 0.0
 
     block = block_size if gs == k else max(1, block_size // gs) * gs
+    columns = UPDATE_COLUMNS if n * dtype.itemsize * UPDATE_COLUMNS <= UPDATE_BYTES \
+        else max(1, UPDATE_BYTES // (n * dtype.itemsize))
     q = np.zeros((n, k), dtype=np.uint8)
     loss = 0.0
     for i1 in range(0, k, block):
@@ -394,7 +463,8 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
         w1 = w[:, i1:i2].copy()
         err = np.zeros((n, i2 - i1), dtype=dtype)
         u1 = upper[i1:i2, i1:i2]
-        p1 = None if asymmetry is None else asymmetry[i1:i2, i1:i2]
+        p1 = None if asymmetry is None else asymmetry[i1:i2, i1:i2] \
+            if isinstance(asymmetry, np.ndarray) else np.tril(upper[i1:i2, i1:i2], -1).T
         for i in range(i2 - i1):
             j = i1 + i
             g = perm[j] // gs
@@ -412,12 +482,14 @@ def gptq(weight: np.ndarray, hessian: np.ndarray | PreparedHessian, scheme: Quan
             w1[:, i:] -= step
             err[:, i] = e
             q[:, j] = qi
-        for c1 in range(i2, k, UPDATE_COLUMNS):  # the block's errors over the rest, in parts
-            c2 = min(c1 + UPDATE_COLUMNS, k)
+        for c1 in range(i2, k, columns):  # the block's errors over the rest, in parts
+            c2 = min(c1 + columns, k)
             if asymmetry is None:
                 w[:, c1:c2] -= err @ upper[i1:i2, c1:c2]
             else:  # GPTAQ: the block's columns as rounded
-                w[:, c1:c2] -= err @ upper[i1:i2, c1:c2] - w1 @ asymmetry[i1:i2, c1:c2]
+                p = asymmetry[i1:i2, c1:c2] if isinstance(asymmetry, np.ndarray) \
+                    else np.ascontiguousarray(upper[c1:c2, i1:i2].T)
+                w[:, c1:c2] -= err @ upper[i1:i2, c1:c2] - w1 @ p
     if act_order:
         q = q[:, np.argsort(perm)]
     qw = QuantizedWeights(q, scales.astype(scheme.numpy_scale_dtype), zeros.astype(np.uint8),

@@ -18,7 +18,10 @@ float32, K its input width) factored in its own memory (`gptq.inverse_cholesky_u
 with one working copy of the weights of the linear GPTQ is on. At Qwen2.5-7B's widths the
 peak is down_proj's stage: its 1.4 GB Hessian beside down_proj's own 0.27 GB of float32
 weights, one dequantized gate/up while the stage's inputs are taken, and the 0.2 GB of
-integers (`bench/calibration_memory_7b.py` measures it per phase). AWQ: the float32
+integers (`bench/calibration_memory_7b.py` measures it per phase). GPTAQ: the same, and
+the float layer (its weights in bfloat16); a stage whose Hessian and dXX^T would take more
+than `GPTAQ_TWO_MATRICES_BYTES` together (Qwen2.5-7B's down_proj) holds one K x K matrix,
+its inputs spilled to scratch files (`_gptaq_stage_in_one`). AWQ: the float32
 layer and the inputs of each of the layer's linears for the search tokens
 (`AwqOptions.search_tokens` x (3 hidden + intermediate) x 4 bytes); a MoE layer's also a
 copy of every expert's gate/up while their shared scale is searched, and each expert's
@@ -54,6 +57,7 @@ from toptpu.weight_calibration.activations import (
     Activations,
     InMemory,
     LayerInputs,
+    Spill,
     layer_inputs,
 )
 from toptpu.weight_calibration.awq import AwqOptions, awq_layer
@@ -82,11 +86,14 @@ from toptpu.weight_calibration.gptq import (
     DAMPING_STEPS,
     GPTQ_DTYPES,
     AsymmetryAccumulator,
+    AsymmetryInFactor,
     HessianAccumulator,
     NotPositiveDefinite,
     PreparedHessian,
+    asymmetry_rows,
     asymmetry_term,
     gptq,
+    permute_columns,
     prepare_hessian,
 )
 from toptpu.weight_calibration.grid import (
@@ -300,7 +307,8 @@ _NO_WEIGHTS = torch.empty(0)
 def _quantize_stages(runner: LayerRunner, plan: LayerPlan, quantized: set[str],
                      request: CalibrationRequest, on_stage: Callable[[str], None] | None,
                      integers: IntegersUntilRun,
-                     prepare: Callable[[str], tuple[PreparedHessian, np.ndarray | None]]
+                     prepare: Callable[[str], tuple[PreparedHessian,
+                                                    np.ndarray | AsymmetryInFactor | None]]
                      ) -> tuple[dict[str, QuantizedWeights], dict[str, float]]:
     """The layer's `quantized` linears stage by stage (module doc): each stage's prepared
     Hessian (and GPTAQ's P, or None) from `prepare(first linear of the stage)`, its linears
@@ -485,16 +493,29 @@ class HeldInBfloat16:
             module.register_forward_hook(dropped)
 
 
+#: a GPTAQ stage whose Hessian and dXX^T take more than this together (two K x K matrices in
+#: the Hessian's dtype) is calibrated holding one K x K matrix (`_gptaq_stage_in_one`)
+GPTAQ_TWO_MATRICES_BYTES = 1 << 29
+#: bytes of dXX^T's rows summed per pass over the stage's spilled inputs
+#: (`_gptaq_stage_in_one`)
+GPTAQ_CROSS_ROWS_BYTES = 1 << 26
+
+
 def _gptaq_stage(runner: LayerRunner, float_runner: LayerRunner, first: str, x: LayerInputs,
                  xf: LayerInputs, request: CalibrationRequest
-                 ) -> tuple[PreparedHessian, np.ndarray]:
+                 ) -> tuple[PreparedHessian, np.ndarray | AsymmetryInFactor]:
     """A stage's prepared Hessian of the quantized inputs and GPTAQ's P (`gptq` module doc):
     each batch's inputs of `first` taken twice, from the float layer on the float model's
     hidden states `xf` and from the layer as quantized so far on `x`. The Hessian is
     prepared in its own memory (as `_prepared_stage`: where the damping is too small it is
     made again, from the quantized inputs alone, and the damping raised tenfold) and P made
-    in dXX^T's (`gptq.asymmetry_term`): two K x K matrices at most."""
+    in dXX^T's (`gptq.asymmetry_term`): two K x K matrices at most. Where those two take
+    more than `GPTAQ_TWO_MATRICES_BYTES` (Qwen2.5-7B's down_proj: 2.7 GiB),
+    `_gptaq_stage_in_one`."""
     k = _linear_weight(runner.layer, first).in_features
+    itemsize = 8 if request.gptq_dtype == "float64" else 4
+    if k * k * (itemsize + 4) > GPTAQ_TWO_MATRICES_BYTES:
+        return _gptaq_stage_in_one(runner, float_runner, first, x, xf, request)
     acc, cross = HessianAccumulator(k, request.gptq_dtype), AsymmetryAccumulator(k)
 
     def inputs(run: LayerRunner, xb: torch.Tensor) -> torch.Tensor:
@@ -525,6 +546,86 @@ def _gptaq_stage(runner: LayerRunner, float_runner: LayerRunner, first: str, x: 
                                "this linear (more or more varied calibration text)")
     del acc
     return prepared, asymmetry_term(cross.cross(), prepared)
+
+
+def _cross_rows(xs: Spill, ds: Spill, prepared: PreparedHessian, r0: int, r1: int,
+                rows: int) -> np.ndarray:
+    """Rows r0:r1 of ``dXX^T`` in GPTQ's order (rows and columns permuted, dead columns
+    zeroed, in the factor's dtype), summed over the spilled batches of quantized inputs
+    `xs` and float-less-quantized differences `ds` as `AsymmetryAccumulator` sums them (the
+    same products of the same batches, its rows only), scaled by 2 / `rows`."""
+    k = prepared.upper.shape[0]
+    idx = torch.from_numpy(np.ascontiguousarray(prepared.perm[r0:r1]))
+    part = torch.zeros(r1 - r0, k, dtype=torch.float32)
+    for i in range(len(xs)):
+        d = ds.read(i)[:, idx]  # this batch's differences in these rows' channels alone
+        part.addmm_(d.T, xs.read(i))
+        del d
+    part.mul_(2.0 / rows)
+    out = part.numpy()
+    if out.dtype != prepared.upper.dtype:
+        out = out.astype(prepared.upper.dtype)
+    permute_columns(out, prepared.perm)
+    out[:, prepared.dead[prepared.perm]] = 0.0
+    return out
+
+
+def _gptaq_stage_in_one(runner: LayerRunner, float_runner: LayerRunner, first: str,
+                        x: LayerInputs, xf: LayerInputs, request: CalibrationRequest
+                        ) -> tuple[PreparedHessian, AsymmetryInFactor]:
+    """`_gptaq_stage` holding one K x K matrix: the stage's inputs spilled to scratch files
+    beside the calibration's hidden states (`activations.Spill`: the quantized inputs
+    ``X`` and the differences ``X_float - X``, batch by batch: 2 x tokens x K x 4 bytes of
+    disk, 0.6 GB for 8 x 512 tokens at Qwen2.5-7B's down_proj, 9.9 GB for 128 x 512), each
+    layer's forward run once; the Hessian summed from the spilled ``X`` (the same sums),
+    prepared in its own memory, then P made a run of rows at a time into the factor's lower
+    triangle (`gptq.asymmetry_rows`), each run's rows of ``dXX^T`` summed from the spilled
+    batches (`_cross_rows`: the same products; one read of the spills per run of
+    `GPTAQ_CROSS_ROWS_BYTES`)."""
+    linear = _linear_weight(runner.layer, first)
+    k = linear.in_features
+    directory = x.directory if isinstance(x, Activations) else None
+    with Spill(k, directory) as xs, Spill(k, directory) as ds:
+        runner.see_inputs(linear, x, lambda _m, args: xs.append(
+            args[0].detach().reshape(-1, k).to(torch.float32)))
+
+        def difference(_m: torch.nn.Module, args: tuple) -> None:
+            xq = xs.read(len(ds))
+            ds.append(args[0].detach().reshape(-1, k).to(torch.float32) - xq)
+
+        float_runner.see_inputs(_linear_weight(float_runner.layer, first), xf, difference)
+        if len(ds) != len(xs):
+            raise CalibrationError(f"{first}: the float layer ran {len(ds)} batches, the "
+                                   f"quantized one {len(xs)}")
+
+        def hessian() -> HessianAccumulator:
+            acc = HessianAccumulator(k, request.gptq_dtype)
+            for i in range(len(xs)):
+                acc.add(xs.read(i))
+            return acc
+
+        damp = request.percdamp
+        for _ in range(DAMPING_STEPS):
+            acc = hessian()
+            rows = acc.rows
+            try:
+                prepared = prepare_hessian(acc.hessian(), act_order=request.act_order,
+                                           percdamp=damp, overwrite=True)
+                break
+            except NotPositiveDefinite:
+                damp = min(damp * 10, 1.0)
+            finally:
+                del acc
+        else:
+            raise CalibrationError(f"the Hessian of {first}'s inputs stays singular with "
+                                   f"{damp:.0%} damping: the calibration inputs do not "
+                                   "determine this linear (more or more varied calibration "
+                                   "text)")
+        step = max(1, GPTAQ_CROSS_ROWS_BYTES // (k * prepared.upper.itemsize))
+        for r0 in range(0, k, step):
+            r1 = min(r0 + step, k)
+            asymmetry_rows(_cross_rows(xs, ds, prepared, r0, r1, rows), r0, prepared)
+    return prepared, AsymmetryInFactor()
 
 
 @torch.no_grad()
