@@ -672,23 +672,29 @@ def test_gptaq_stage_in_one_matrix_is_gptaq(tokenizer: Any, text_file: str,
     assert torch.equal(one_x, whole_x)
 
 
-def test_gptaq_float_twin_holds_bfloat16_weights() -> None:
-    """GPTAQ's float copy of a layer whose weights are bfloat16 values holds them as
-    bfloat16 between runs and computes the layer's outputs bit for bit."""
+@pytest.mark.parametrize("bfloat16_values", [True, False])
+def test_gptaq_float_twin_holds_no_float32_weights(bfloat16_values: bool, tmp_path: Path
+                                                   ) -> None:
+    """GPTAQ's float copy of a layer holds no float32 weights between runs: bfloat16 values
+    as bfloat16, others (AWQ's folded weights) in a scratch file in the directory given,
+    and computes the layer's outputs bit for bit."""
     from toptpu.weight_calibration.sequential import _float_twin
 
     model = _outlier_model("qwen2")
     layer = copy.deepcopy(model.model.layers[0])
     for p in layer.parameters():
         p.data = p.data.to(torch.bfloat16).float()
+        if not bfloat16_values:
+            p.data *= 1.0 + 2.0 ** -12  # no longer bfloat16 values
     runner = LayerRunner(layer, model.model.rotary_emb, FULL_ATTENTION, 16, 4096)
     x = torch.randn(2, 16, layer.hidden_size if hasattr(layer, "hidden_size")
                     else model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    twin = _float_twin(runner)
-    down = twin.layer.get_submodule("mlp.down_proj")
-    assert down.weight.numel() == 0
+    twin = _float_twin(runner, str(tmp_path))
+    linears = [m for m in twin.layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 and all(m.weight.numel() == 0 for m in linears)
     assert torch.equal(twin.forward(x), runner.forward(x))
-    assert down.weight.numel() == 0
+    assert all(m.weight.numel() == 0 for m in linears)
+    assert os.listdir(tmp_path) == []  # anonymous scratch files: nothing left on disk
 
 
 def _layer_error(method: str, arch: str, tok: Any, text: str, group: int) -> float:

@@ -457,38 +457,55 @@ def _awq_gptaq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | Lay
     return out, {**{f"ratio:{k}": v for k, v in report.ratios.items()}, **losses}
 
 
-def _float_twin(runner: LayerRunner) -> LayerRunner:
+def _float_twin(runner: LayerRunner, directory: str | None = None) -> LayerRunner:
     """A runner of a copy of `runner`'s layer as it is now (its float weights); its linears
-    whose float32 weights are bfloat16 values (a bf16 checkpoint's) held as bfloat16
-    (`HeldInBfloat16`)."""
+    whose float32 weights are bfloat16 values (a bf16 checkpoint's) held as bfloat16, the
+    others (AWQ's folded weights: awq,gptaq) in a scratch file in `directory`
+    (`HeldOutOfMemory`)."""
     twin = copy.copy(runner)
     twin.block = copy.deepcopy(runner.block)
     twin.layer = twin.block.layer
-    HeldInBfloat16(twin.layer)
+    HeldOutOfMemory(twin.layer, directory)
     return twin
 
 
-class HeldInBfloat16:
-    """The float32 weights of a layer's linears that are bfloat16 values held as bfloat16
-    (half the memory: 0.47 GB instead of 0.93 at Qwen2.5-7B's widths), each made float32
-    again (exactly: the same values) just before its linear runs and dropped after it ran.
-    The layer keeps the hooks for its life (GPTAQ's float twin, used and then dropped)."""
+class HeldOutOfMemory:
+    """The float32 weights of a layer's linears held outside the process between runs: those
+    that are bfloat16 values as bfloat16 (half the memory: 0.47 GB instead of 0.93 at
+    Qwen2.5-7B's widths), the others written to a scratch file (`activations.Spill`, one a
+    width: no memory; AWQ's folded weights are no bfloat16 values); each made float32 again
+    (exactly: the same values) just before its linear runs and dropped after it ran. The
+    layer keeps the hooks for its life (GPTAQ's float twin, used and then dropped, its
+    scratch files with it)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, directory: str | None = None) -> None:
+        self.spills: dict[int, Spill] = {}
         for module in layer.modules():
             if not isinstance(module, torch.nn.Linear) or module.weight.dtype != torch.float32:
                 continue
-            half = module.weight.data.to(torch.bfloat16)
-            if not torch.equal(half.float(), module.weight.data):
-                continue
+            weight = module.weight.data
+            half = weight.to(torch.bfloat16)
+            if torch.equal(half.float(), weight):
+                def made(m: torch.nn.Module, _args: tuple, half: torch.Tensor = half) -> None:
+                    m.weight.data = half.float()
+            else:
+                del half
+                width = weight.shape[1]
+                spill = self.spills.get(width)
+                if spill is None:
+                    spill = self.spills[width] = Spill(width, directory)
+                index = len(spill)
+                spill.append(weight)
 
-            def made(m: torch.nn.Module, _args: tuple, half: torch.Tensor = half) -> None:
-                m.weight.data = half.float()
+                def made(m: torch.nn.Module, _args: tuple, spill: Spill = spill,
+                         index: int = index) -> None:
+                    m.weight.data = spill.read(index)
 
             def dropped(m: torch.nn.Module, _args: tuple, _out: Any) -> None:
                 m.weight.data = _NO_WEIGHTS
 
             module.weight.data = _NO_WEIGHTS
+            del weight
             module.register_forward_pre_hook(made)
             module.register_forward_hook(dropped)
 
@@ -637,12 +654,12 @@ def _gptaq_layer(runner: LayerRunner, plan: LayerPlan, x: torch.Tensor | LayerIn
     the inputs of the layer as quantized so far (held as integers until they run, as
     `gptq_layer`'s), matched to the float layer's on the float model's hidden states
     `targets` (this layer's float inputs), which are then advanced through the float layer
-    (a copy of it made first, `_float_twin`: one more layer in memory)."""
+    (a copy of it made first, `_float_twin`: at most one more layer in memory, as bfloat16)."""
     if plan.experts is not None and plan.experts in quantized:
         raise CalibrationError("--calibrate gptaq does not calibrate a mixture-of-experts "
                                "layer's routed experts; calibrate this model with gptq or awq")
     x, xf = layer_inputs(x), layer_inputs(targets)
-    float_runner = _float_twin(runner)
+    float_runner = _float_twin(runner, x.directory if isinstance(x, Activations) else None)
     integers = IntegersUntilRun(runner.layer)
     try:
         out, losses = _quantize_stages(
