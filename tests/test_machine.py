@@ -404,3 +404,21 @@ def _loaded(prog, st, feeds, checked: bool = False):  # noqa: ANN202
     act = m.gmem.alloc("act", prog.regions.activations).base
     const = m.gmem.alloc("const", prog.regions.constants).base
     return m, LoadedNet(prog), Binding(io, w, act, const)
+
+
+def test_a_program_text_is_parsed_and_verified_once_and_a_bad_one_at_every_load() -> None:
+    """`program_module` (the model file's writer and the machine's loads): a text that parsed
+    and verified gives the module already made; one that does not verify is refused at every
+    load (nothing of it is kept), and a text that differs from a kept one is parsed anew."""
+    from toptpu.backend.formats.program import program_module
+    from toptpu.dialects.ir_text import IRVerifyError
+
+    head = "func.func @f(%x: tensor<2xf32>) -> tensor<2xf32> {\n"
+    good = head + "  func.return %x : tensor<2xf32>\n}\n"
+    bad = head + "  func.return\n}\n"
+    first = program_module(good, "stream:f")
+    assert program_module(good, "stream:g") is first
+    assert program_module(good.replace("%x", "%y"), "stream:f") is not first
+    for _ in range(2):
+        with pytest.raises(IRVerifyError):
+            program_module(bad, "stream:f")

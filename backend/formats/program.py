@@ -11,10 +11,13 @@ checks the records across fields — a stream is as untrusted as a header.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
+from xdsl.dialects.builtin import ModuleOp
 
 from toptpu.backend.contract import TensorSpec
 from toptpu.backend.formats.commands import (
@@ -40,7 +43,7 @@ from toptpu.backend.formats.header_schema import (
 from toptpu.backend.formats.llm_file import KNOWN_DTYPES, DType
 from toptpu.backend.formats.model_file import write_model_file
 from toptpu.backend.target.chips import Chip
-from toptpu.dialects import tpu
+from toptpu.dialects import plugin_ops, tpu
 from toptpu.dialects.common import constant_value
 from toptpu.dialects.ir_text import parse_ir
 from toptpu.dialects.weight_store import WeightStore
@@ -167,12 +170,42 @@ class Program:
         return "\n".join([*head, *lines])
 
 
+#: how many programs' parsed IR `program_module` keeps (the most recently parsed texts)
+PROGRAM_MODULES = 32
+_PROGRAM_MODULES: OrderedDict[tuple[str, tuple[plugin_ops.PluginOp, ...]], ModuleOp] = \
+    OrderedDict()
+_PROGRAM_MODULES_LOCK = threading.Lock()
+
+
+def program_module(ir: str, name: str) -> ModuleOp:
+    """A program's IR text parsed and verified (`parse_ir`; `name` names it in errors): the
+    module of the same text parsed and verified earlier in this process when there is one.
+    The model file's writer reads the constant pool from the text it writes and the machine
+    parses the same text when it loads the net; a model file opened again (another executor,
+    another device of a spread model) has the same texts: each is parsed and verified once,
+    not at every load. Keyed by the text and the plugin ops registered (they decide what
+    parses); a text that does not parse or verify is not kept (it raises at every load).
+    The modules are shared: their users only read them."""
+    key = (ir, plugin_ops.registered())
+    with _PROGRAM_MODULES_LOCK:
+        module = _PROGRAM_MODULES.get(key)
+        if module is not None:
+            _PROGRAM_MODULES.move_to_end(key)
+            return module
+    module = parse_ir(ir, name)
+    with _PROGRAM_MODULES_LOCK:
+        _PROGRAM_MODULES[key] = module
+        while len(_PROGRAM_MODULES) > PROGRAM_MODULES:
+            _PROGRAM_MODULES.popitem(last=False)
+    return module
+
+
 def constant_pool(program: Program) -> bytes:
     """The net's constants, at their address-assign offsets."""
     buf = bytearray(program.regions.constants)
     if not buf:
         return b""
-    module = parse_ir(program.ir, f"net:{program.name}")
+    module = program_module(program.ir, f"net:{program.name}")
     for op in module.walk():
         if isinstance(op, tpu.ConstantOp) and op.pool_offset is not None:
             off = op.pool_offset

@@ -67,7 +67,7 @@ from toptpu.backend.formats.commands import (
     Store,
     TableRef,
 )
-from toptpu.backend.formats.program import Program
+from toptpu.backend.formats.program import Program, program_module
 from toptpu.backend.reference.interpreter import (
     EvalContext,
     Evaluator,
@@ -101,7 +101,6 @@ from toptpu.backend.target.cost import CommandCost, compute_cycles, dma_cycles, 
 from toptpu.backend.target.link import LinkWork
 from toptpu.dialects import dev, tpu
 from toptpu.dialects.common import ShapedOp, elem_of, numpy_dtype
-from toptpu.dialects.ir_text import parse_ir
 
 
 def evaluator_of(op: Operation) -> Evaluator | None:
@@ -330,8 +329,9 @@ class LoadedNet:
         self.program = program
         self.name = name or program.name
         # verified: the stream is as untrusted as the header (an attribute out of range
-        # would crash a kernel); the verifiers run once per net, at load
-        module = parse_ir(program.ir, f"stream:{self.name}")
+        # would crash a kernel); the verifiers run once per text (`program_module`), and
+        # the net only reads the module
+        module = program_module(program.ir, f"stream:{self.name}")
         fns = [f for f in module.ops if isinstance(f, func.FuncOp)
                and f.sym_name.data == program.name]
         if not fns:
