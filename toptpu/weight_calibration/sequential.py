@@ -485,21 +485,21 @@ class HeldOutOfMemory:
                 continue
             weight = module.weight.data
             half = weight.to(torch.bfloat16)
+            load: Callable[[], torch.Tensor]
             if torch.equal(half.float(), weight):
-                def made(m: torch.nn.Module, _args: tuple, half: torch.Tensor = half) -> None:
-                    m.weight.data = half.float()
+                load = half.float
             else:
                 del half
                 width = weight.shape[1]
                 spill = self.spills.get(width)
                 if spill is None:
                     spill = self.spills[width] = Spill(width, directory)
-                index = len(spill)
+                load = functools.partial(spill.read, len(spill))
                 spill.append(weight)
 
-                def made(m: torch.nn.Module, _args: tuple, spill: Spill = spill,
-                         index: int = index) -> None:
-                    m.weight.data = spill.read(index)
+            def made(m: torch.nn.Module, _args: tuple,
+                     load: Callable[[], torch.Tensor] = load) -> None:
+                m.weight.data = load()
 
             def dropped(m: torch.nn.Module, _args: tuple, _out: Any) -> None:
                 m.weight.data = _NO_WEIGHTS
