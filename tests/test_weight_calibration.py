@@ -1320,3 +1320,32 @@ def test_expert_no_token_chose_is_rounded_to_nearest_and_named(tmp_path: Path,
                                   rtn(w.detach().numpy(), scheme).dequantize()), (name, proj)
     chosen = [e for e in range(8) if f"model.layers.0.mlp.experts.{e}" not in report.rtn_experts]
     assert chosen, "no expert of layer 0 was chosen"
+
+
+def test_a_stages_damping_is_raised_tenfold_on_sums_made_again() -> None:
+    """`sequential._damped` (GPTQ's and both GPTAQ stages'): a Hessian that is not positive
+    definite at the requested damping is summed again and damped ten times more, up to
+    100 %; one that stays singular is refused in one line naming the linear."""
+    from toptpu.weight_calibration import CalibrationError
+    from toptpu.weight_calibration.gptq import HessianAccumulator
+    from toptpu.weight_calibration.sequential import _damped
+
+    def sums(matrix: list[list[float]]) -> HessianAccumulator:
+        acc = HessianAccumulator(2)
+        acc.sum = torch.tensor(matrix, dtype=torch.float32)
+        acc.rows = 2  # hessian() scales by 2 / rows: the matrix itself
+        return acc
+
+    made: list[int] = []
+
+    def again() -> HessianAccumulator:
+        made.append(1)
+        return sums([[1.0, 1.2], [1.2, 1.0]])  # eigenvalues -0.2 and 2.2
+
+    request = CalibrationRequest("gptq", QuantScheme(4, 2, False))
+    prepared, rows = _damped("mlp.down_proj", request, again, sums([[1.0, 1.2], [1.2, 1.0]]))
+    assert prepared.percdamp == 1.0 and rows == 2 and len(made) == 2  # 0.01, 0.1 fail
+    prepared, _ = _damped("mlp.down_proj", request, again, sums([[1.0, 0.5], [0.5, 1.0]]))
+    assert prepared.percdamp == request.percdamp and len(made) == 2
+    with pytest.raises(CalibrationError, match="mlp.down_proj's inputs stays singular"):
+        _damped("mlp.down_proj", request, lambda: sums([[1.0, 3.0], [3.0, 1.0]]))

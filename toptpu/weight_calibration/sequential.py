@@ -238,25 +238,37 @@ def _stage_hessian(runner: LayerRunner, first: torch.nn.Linear, x: LayerInputs,
     return acc
 
 
-def _prepared_stage(runner: LayerRunner, first: str, x: LayerInputs,
-                    request: CalibrationRequest) -> PreparedHessian:
-    """The stage's Hessian prepared in its own memory (`gptq.prepare_hessian` with
-    overwrite); where the damping is too small, the Hessian is made again and the damping
-    raised tenfold (up to 100 %)."""
+def _damped(first: str, request: CalibrationRequest,
+            hessian: Callable[[], HessianAccumulator],
+            first_sums: HessianAccumulator | None = None) -> tuple[PreparedHessian, int]:
+    """A stage's Hessian prepared in its own memory (`gptq.prepare_hessian` with
+    overwrite) and the rows it was summed over: the sums `first_sums` (or `hessian()`'s)
+    first; where the damping is too small, the sums are made again (`hessian()`) and the
+    damping raised tenfold (up to 100 %)."""
     damp = request.percdamp
+    acc, first_sums = first_sums, None  # the sums dropped before any are made again
     for _ in range(DAMPING_STEPS):
-        acc = _stage_hessian(runner, _linear_weight(runner.layer, first), x,
-                             request.gptq_dtype)
+        if acc is None:
+            acc = hessian()
+        rows = acc.rows
         try:
             return prepare_hessian(acc.hessian(), act_order=request.act_order,
-                                   percdamp=damp, overwrite=True)
+                                   percdamp=damp, overwrite=True), rows
         except NotPositiveDefinite:
             damp = min(damp * 10, 1.0)
         finally:
-            del acc
+            acc = None
     raise CalibrationError(f"the Hessian of {first}'s inputs stays singular with {damp:.0%} "
                            "damping: the calibration inputs do not determine this linear "
                            "(more or more varied calibration text)")
+
+
+def _prepared_stage(runner: LayerRunner, first: str, x: LayerInputs,
+                    request: CalibrationRequest) -> PreparedHessian:
+    """The stage's Hessian prepared in its own memory, its damping raised where too small
+    (`_damped`)."""
+    return _damped(first, request, lambda: _stage_hessian(
+        runner, _linear_weight(runner.layer, first), x, request.gptq_dtype))[0]
 
 
 class IntegersUntilRun:
@@ -533,7 +545,7 @@ def _gptaq_stage(runner: LayerRunner, float_runner: LayerRunner, first: str, x: 
     itemsize = 8 if request.gptq_dtype == "float64" else 4
     if k * k * (itemsize + 4) > GPTAQ_TWO_MATRICES_BYTES:
         return _gptaq_stage_in_one(runner, float_runner, first, x, xf, request)
-    acc, cross = HessianAccumulator(k, request.gptq_dtype), AsymmetryAccumulator(k)
+    cross = AsymmetryAccumulator(k)
 
     def inputs(run: LayerRunner, xb: torch.Tensor) -> torch.Tensor:
         seen: list[torch.Tensor] = []
@@ -541,27 +553,17 @@ def _gptaq_stage(runner: LayerRunner, float_runner: LayerRunner, first: str, x: 
                        lambda _m, args: seen.append(args[0]))
         return seen[0]
 
-    for b in runner.batches(x.shape[0]):
-        xq = inputs(runner, x.read(b))
-        acc.add(xq)
-        cross.add(inputs(float_runner, xf.read(b)), xq)
-        del xq
-    damp = request.percdamp
-    for _ in range(DAMPING_STEPS):
-        try:
-            prepared = prepare_hessian(acc.hessian(), act_order=request.act_order,
-                                       percdamp=damp, overwrite=True)
-            break
-        except NotPositiveDefinite:
-            damp = min(damp * 10, 1.0)
-            del acc
-            acc = _stage_hessian(runner, _linear_weight(runner.layer, first), x,
-                                 request.gptq_dtype)
-    else:
-        raise CalibrationError(f"the Hessian of {first}'s inputs stays singular with "
-                               f"{damp:.0%} damping: the calibration inputs do not determine "
-                               "this linear (more or more varied calibration text)")
-    del acc
+    def summed() -> HessianAccumulator:  # H's and dXX^T's sums in one pass
+        acc = HessianAccumulator(k, request.gptq_dtype)
+        for b in runner.batches(x.shape[0]):
+            xq = inputs(runner, x.read(b))
+            acc.add(xq)
+            cross.add(inputs(float_runner, xf.read(b)), xq)
+            del xq
+        return acc
+
+    prepared, _ = _damped(first, request, lambda: _stage_hessian(
+        runner, _linear_weight(runner.layer, first), x, request.gptq_dtype), summed())
     return prepared, asymmetry_term(cross.cross(), prepared)
 
 
@@ -621,23 +623,7 @@ def _gptaq_stage_in_one(runner: LayerRunner, float_runner: LayerRunner, first: s
                 acc.add(xs.read(i))
             return acc
 
-        damp = request.percdamp
-        for _ in range(DAMPING_STEPS):
-            acc = hessian()
-            rows = acc.rows
-            try:
-                prepared = prepare_hessian(acc.hessian(), act_order=request.act_order,
-                                           percdamp=damp, overwrite=True)
-                break
-            except NotPositiveDefinite:
-                damp = min(damp * 10, 1.0)
-            finally:
-                del acc
-        else:
-            raise CalibrationError(f"the Hessian of {first}'s inputs stays singular with "
-                                   f"{damp:.0%} damping: the calibration inputs do not "
-                                   "determine this linear (more or more varied calibration "
-                                   "text)")
+        prepared, rows = _damped(first, request, hessian)
         step = max(1, GPTAQ_CROSS_ROWS_BYTES // (k * prepared.upper.itemsize))
         for r0 in range(0, k, step):
             r1 = min(r0 + step, k)
