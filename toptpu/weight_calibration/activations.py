@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 import torch
@@ -22,12 +23,11 @@ import torch
 from toptpu.weight_calibration.grid import CalibrationError
 
 
-class Activations:
-    """``[n, length, hidden]`` float32 hidden states in a scratch file (module doc)."""
+class ScratchFile:
+    """An anonymous scratch file in `directory` (module doc) read and written by offset:
+    what `Activations` and `Spill` share."""
 
-    def __init__(self, n: int, length: int, hidden: int, directory: str) -> None:
-        self.shape = (n, length, hidden)
-        self.row_bytes = length * hidden * 4
+    def __init__(self, directory: str) -> None:
         self.directory = directory
         try:
             self.file = tempfile.TemporaryFile(dir=directory, prefix=".calibration-")
@@ -35,6 +35,48 @@ class Activations:
             raise CalibrationError(f"cannot create the calibration's scratch file in "
                                    f"'{directory}': {e.strerror or e}") from None
         self.fd = self.file.fileno()
+
+    def _write(self, view: memoryview, offset: int, what: str) -> None:
+        """`view`'s bytes at `offset`; a failure is one line naming `what` was written."""
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], offset + done)
+        except OSError as e:
+            raise CalibrationError(
+                f"cannot write {what} to a scratch file in '{self.directory}': "
+                f"{e.strerror or e}; free space there or calibrate on fewer tokens") from None
+
+    def _read(self, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+        """A float32 tensor of `shape` read from `offset`."""
+        out = np.empty(shape, np.float32)
+        view = out.data.cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CalibrationError("the calibration's scratch file ended early (was it "
+                                       "truncated?)")
+            done += got
+        return torch.from_numpy(out)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Activations(ScratchFile):
+    """``[n, length, hidden]`` float32 hidden states in a scratch file (module doc)."""
+
+    def __init__(self, n: int, length: int, hidden: int, directory: str) -> None:
+        super().__init__(directory)
+        self.shape = (n, length, hidden)
+        self.row_bytes = length * hidden * 4
 
     @property
     def nbytes(self) -> int:
@@ -49,16 +91,7 @@ class Activations:
     def read(self, rows: slice) -> torch.Tensor:
         """The hidden states of the sequences `rows` (a contiguous run)."""
         start, stop = self._rows(rows)
-        out = np.empty((stop - start, *self.shape[1:]), np.float32)
-        view = out.data.cast("B")
-        offset, done = start * self.row_bytes, 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CalibrationError("the calibration's scratch file ended early (was it "
-                                       "truncated?)")
-            done += got
-        return torch.from_numpy(out)
+        return self._read((stop - start, *self.shape[1:]), start * self.row_bytes)
 
     def take(self, index: Sequence[int] | np.ndarray) -> torch.Tensor:
         """The hidden states of the sequences `index` (any order), stacked."""
@@ -71,42 +104,19 @@ class Activations:
         if data.shape != (stop - start, *self.shape[1:]):
             raise ValueError(f"hidden states of shape {list(data.shape)} for rows "
                              f"{start}:{stop} of {list(self.shape)}")
-        view = data.data.cast("B")
-        offset, done = start * self.row_bytes, 0
-        try:
-            while done < len(view):
-                done += os.pwrite(self.fd, view[done:], offset + done)
-        except OSError as e:
-            raise CalibrationError(
-                f"cannot write the calibration's hidden states ({self.nbytes / 1e9:.2f} GB "
-                f"in all) to a scratch file in '{self.directory}': {e.strerror or e}; free "
-                "space there or calibrate on fewer tokens") from None
-
-    def close(self) -> None:
-        self.file.close()
-
-    def __enter__(self) -> Activations:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._write(data.data.cast("B"), start * self.row_bytes,
+                    f"the calibration's hidden states ({self.nbytes / 1e9:.2f} GB in all)")
 
 
-class Spill:
+class Spill(ScratchFile):
     """Float32 tensors ``[rows, width]`` appended to a scratch file (anonymous, as
     `Activations`': in `directory`, or the system's temporary directory for None) and read
     back by their index: what a pass over the calibration set made, read by later passes
     without holding it in the process."""
 
     def __init__(self, width: int, directory: str | None) -> None:
+        super().__init__(directory or tempfile.gettempdir())
         self.width = width
-        self.directory = directory or tempfile.gettempdir()
-        try:
-            self.file = tempfile.TemporaryFile(dir=self.directory, prefix=".calibration-")
-        except OSError as e:
-            raise CalibrationError(f"cannot create a calibration scratch file in "
-                                   f"'{self.directory}': {e.strerror or e}") from None
-        self.fd = self.file.fileno()
         self.parts: list[tuple[int, int]] = []  # (offset, rows) of each tensor
         self.end = 0
 
@@ -119,39 +129,13 @@ class Spill:
             raise ValueError(f"a spilled tensor of shape {list(data.shape)}: [rows, "
                              f"{self.width}]")
         view = data.data.cast("B")
-        done = 0
-        try:
-            while done < len(view):
-                done += os.pwrite(self.fd, view[done:], self.end + done)
-        except OSError as e:
-            raise CalibrationError(
-                f"cannot write {self.end + len(view)} bytes of calibration inputs to a "
-                f"scratch file in '{self.directory}': {e.strerror or e}; free space there "
-                "or calibrate on fewer tokens") from None
+        self._write(view, self.end, f"{self.end + len(view)} bytes of calibration inputs")
         self.parts.append((self.end, data.shape[0]))
         self.end += len(view)
 
     def read(self, i: int) -> torch.Tensor:
         offset, rows = self.parts[i]
-        out = np.empty((rows, self.width), np.float32)
-        view = out.data.cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CalibrationError("a calibration scratch file ended early (was it "
-                                       "truncated?)")
-            done += got
-        return torch.from_numpy(out)
-
-    def close(self) -> None:
-        self.file.close()
-
-    def __enter__(self) -> Spill:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self._read((rows, self.width), offset)
 
 
 class InMemory:
