@@ -21,14 +21,19 @@ from toptpu.passes.pipelines import top_pipeline_passes, tpu_pipeline_passes
 pytestmark = pytest.mark.slow  # compiles model files up to 8 layers and runs the CLI in processes
 
 
-def test_compile_time_and_ir_stay_flat_from_2_to_8_layers(tmp_path_factory, tmp_path) -> None:
+def test_nets_compiled_and_ir_stay_flat_from_2_to_8_layers(tmp_path_factory, tmp_path) -> None:
+    """8 layers compile the same nets as 2 (one per layer variant, not one per layer) to the
+    same IR, and their weights grow by whole layer chunks. The compile times are printed
+    (bench/scale.py measures them), not asserted: a loaded host makes any bound flaky."""
     results = {}
     for layers in (2, 8):
         results[layers] = compile_model(tiny_dir(tmp_path_factory, "qwen2", layers),
                                         str(tmp_path / f"{layers}.toptpu"), mode="w4bf16",
                                         seq_length=64, max_input_length=16, progress=None)
     small, big = results[2], results[8]
-    # each net is compiled once: the IR (what codegen turns into commands) is identical
+    # each net is compiled once: the same nets, their IR (what codegen turns into
+    # commands) identical
+    assert sorted(big.nets) == sorted(small.nets)
     for name, net in small.nets.items():
         assert big.nets[name].ir_bytes == net.ir_bytes, name
     f2, f8 = LlmFile(small.path), LlmFile(big.path)
@@ -42,7 +47,6 @@ def test_compile_time_and_ir_stay_flat_from_2_to_8_layers(tmp_path_factory, tmp_
                 for n, r in results.items()}
     print(f"net compile time: 2 layers {net_time[2]:.2f}s, 8 layers {net_time[8]:.2f}s; "
           f"weights {small.timings['weights']:.3f}s vs {big.timings['weights']:.3f}s")
-    assert net_time[8] < 2.0 * net_time[2]
     f2.close()
     f8.close()
 

@@ -340,7 +340,10 @@ def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
     and `deepstack_add`; the last chunk's rows, at the prefill length 16, to f32 rounding).
     The vit's own rows are the interpreter's bits where its plan keeps
     every reduction whole; where a layer group sums a matmul's K in parts (the cost model's
-    choice on bm1684x) they agree within cos >= 0.99999 (docs/machine.md)."""
+    choice on bm1684x) they agree within cos >= 0.99999 (docs/machine.md). The caches too
+    agree to f32 rounding only where the host's BLAS gives a product's rows other bits
+    when the machine tiles them (`blas_threads.rows_keep_bits`)."""
+    from toptpu.backend.reference.blas_threads import rows_keep_bits
     from toptpu.backend.runtime.machine_executor import MachineExecutor
 
     path = qwen_file(tmp_path_factory, "qwen3_vl")
@@ -369,7 +372,7 @@ def test_machine_equals_interpreter_bit_for_bit(tmp_path_factory) -> None:
         # runs block_kv:16, whose rows agree to f32 rounding only on this host (docs/limits.md)
         want, at_l = i_caches[name], len(ids) - len(ids) % machine.L
         assert len(ids) % machine.L <= 16 < machine.L  # the last chunk runs at 16
-        assert np.array_equal(value[:, :at_l], want[:, :at_l]), name
+        assert np.array_equal(value[:, :at_l], want[:, :at_l]) or not rows_keep_bits(), name
         assert np.abs(value - want).max() <= 1e-5 * np.abs(want).max(), name
 
 

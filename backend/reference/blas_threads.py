@@ -12,9 +12,15 @@ won only a single row times a large weight (the lm_head of Qwen2.5-0.5B, a 7B mo
 1.3-1.4x, memory-bound: two cores read more bytes per second). So each product of the
 kernels (`kernels.py`: `np.matmul` through `matmul` here) runs on one thread, except a
 product of at most `DEFAULT_THREADS_ROWS` rows with at least `DEFAULT_THREADS_FROM`
-multiply-adds, which runs on the BLAS's own count. The bits are the same either way
-(OpenBLAS splits a product's outputs among its threads, never the sum of one output;
-`tests/test_blas_threads.py` checks it on this host's BLAS for products the models make).
+multiply-adds, which runs on the BLAS's own count. OpenBLAS splits a product's outputs among its
+threads, never the sum of one output, so the bits are the same either way on a BLAS whose
+row of a product has the same bits however many rows are multiplied at once
+(`rows_keep_bits`: OpenBLAS 0.3.31 on the hosts this was first measured on). Not every
+BLAS does: on an AMD EPYC with AVX-512 (OpenBLAS 0.3.31 choosing its Haswell kernels) a
+16-row product split over two threads, like a product tiled by rows on the machine,
+differs from the whole in the last bits of some outputs (f32 rounding, 1-2 ulp);
+`tests/test_blas_threads.py` checks the bits on a host that keeps them and the rounding
+on one that does not.
 
 The environment variable `TOPTPU_BLAS_THREADS` overrides the choice for the process:
 `auto` (the default: by size, as above), a thread count (`1`: every product on one thread;
@@ -174,6 +180,48 @@ def inherited_threads() -> int:
     return _the_blas().inherited
 
 
+#: the products `rows_keep_bits` compares with their rows taken a few at a time: (rows,
+#: k, n, rows at once), sizes the models make (a 1-row slice runs OpenBLAS's gemv)
+_ROW_PROBES = ((8, 16, 256, 2), (16, 896, 896, 8), (128, 576, 1536, 64), (12, 64, 96, 4))
+_rows_keep_bits: bool | None = None
+
+
+def rows_keep_bits() -> bool:
+    """Whether this host's BLAS gives every row of a product the same bits whether the
+    rows are multiplied all at once or a few at a time (probed once per process on a few
+    products of the models' sizes, on one thread). Where it does, a product tiled by rows
+    (the machine's layer groups) or split over threads keeps the whole product's bits;
+    where it does not, they agree to f32 rounding (DESIGN.md: machine against
+    interpreter cos >= 0.99999, bit-equal where tiling keeps order)."""
+    global _rows_keep_bits
+    if _rows_keep_bits is None:
+        rng = np.random.default_rng(0)
+        same = True
+        with _threads(1):
+            for m, k, n, step in _ROW_PROBES:
+                a = rng.standard_normal((m, k), np.float32)
+                b = rng.standard_normal((n, k), np.float32).T
+                whole = np.matmul(a, b)
+                parts = [np.matmul(np.array(a[i:i + step]), b) for i in range(0, m, step)]
+                same = same and whole.tobytes() == np.concatenate(parts).tobytes()
+        _rows_keep_bits = same
+    return _rows_keep_bits
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """Within: the BLAS on `count` threads where this process can set them."""
+    blas = _the_blas()
+    if blas._set is None or count == blas.inherited:
+        yield
+        return
+    blas.set(count)
+    try:
+        yield
+    finally:
+        blas.set(blas.inherited)
+
+
 def threads_for(m: int, k: int, n: int) -> int:
     """The threads an [m, k] x [k, n] product runs on (0: the BLAS's own count, as
     without us)."""
@@ -220,15 +268,11 @@ def products(m: int, k: int, n: int) -> Iterator[None]:
     BLAS's count restored after), set once for many products of that size (a tiled
     product's tiles: `matmul` sets and restores the count around each product)."""
     threads = threads_for(m, k, n)
-    blas = _the_blas()
-    if threads == 0 or blas._set is None or threads == blas.inherited:
+    if threads == 0:
         yield
         return
-    blas.set(threads)
-    try:
+    with _threads(threads):
         yield
-    finally:
-        blas.set(blas.inherited)
 
 
 def describe() -> str:
