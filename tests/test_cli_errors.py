@@ -48,9 +48,14 @@ def tree(root: str) -> dict[str, str]:
             out[os.path.relpath(os.path.join(d, name), root)] = "<dir>"
         for name in files:
             p = os.path.join(d, name)
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+            out[os.path.relpath(p, root)] = file_digest(p)
     return out
+
+
+def file_digest(path: str) -> str:
+    """The content digest of one file (`tree`'s entry for it)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -136,7 +141,7 @@ def test_profile_outputs_are_checked_before_any_net_runs(tmp_path, model_file, c
     (tmp_path / "file.txt").write_text("x")
     (tmp_path / "outdir").mkdir()
     before = tree(str(tmp_path))
-    digest = tree(os.path.dirname(model_file))[os.path.basename(model_file)]
+    digest = file_digest(model_file)  # the file alone: its directory is the shared one
 
     def run_nets(*args: Any) -> None:
         raise AssertionError("the nets ran before the outputs were checked")
@@ -153,7 +158,7 @@ def test_profile_outputs_are_checked_before_any_net_runs(tmp_path, model_file, c
     code, _, err = cli(["profile", model_file, "--nets", "embedding,bogus"], capsys)
     assert_one_error(code, err, "profile", "has no net bogus; it has block")
     assert tree(str(tmp_path)) == before
-    assert tree(os.path.dirname(model_file))[os.path.basename(model_file)] == digest
+    assert file_digest(model_file) == digest
 
 
 # --------------------------------------------------------------------------- values
