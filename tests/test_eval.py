@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from llm_fixtures import compiled, hf_model
 
 from toptpu.cli import main
-from toptpu.eval_cli import windows
+from toptpu.eval_cli import Totals, log_softmax, windows
 
 #: SEQ 48 in chunks of 16 with a history of 24: a window runs two prefill chunks (block,
 #: block_kv) and then the decode net token by token (positions 32..47): every path of
@@ -126,6 +126,7 @@ def test_model_file_against_itself(f32, text_file, capsys) -> None:  # noqa: ANN
     assert ref["kind"] == "model_file" and ref["path"] == f32.model_file
     assert ref["mean_kl"] == 0.0 and ref["top1_agreement"] == 1.0
     assert ref["perplexity"] == res["perplexity"]
+    assert ref["nll_difference"] == 0.0 and ref["nll_difference_stderr"] == 0.0
     usage = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     section = usage[usage.index("## `toptpu eval`"):usage.index("## The Python API")]
     for key in [*res, *ref, *ref["greedy"]]:  # every key is in the eval section's table
@@ -146,6 +147,9 @@ def test_w4bf16_against_f32_is_consistent(f32, w4, text_file, capsys) -> None:  
     assert res["mode"] == "w4bf16" and res["perplexity"] != ref["perplexity"]
     assert ref["mean_kl"] > 0
     assert 0.0 <= ref["top1_agreement"] <= 1.0
+    # the paired difference is the two nlls' difference, its error finite and positive
+    assert ref["nll_difference"] == pytest.approx(res["nll"] - ref["nll"], rel=1e-9)
+    assert 0 < ref["nll_difference_stderr"] < abs(ref["nll_difference"]) + 1
     # top-1 agreement counts whole positions of the predicted tokens
     assert ref["top1_agreement"] * res["predicted_tokens"] == pytest.approx(
         round(ref["top1_agreement"] * res["predicted_tokens"]), abs=1e-9)
@@ -158,12 +162,32 @@ def test_w4bf16_against_f32_is_consistent(f32, w4, text_file, capsys) -> None:  
         a == b for a, b in zip(g["model_ids"], g["reference_ids"], strict=True))
 
 
+def test_the_nll_difference_and_its_error_are_numpy_s_over_the_positions() -> None:
+    """Totals added in blocks give the mean and the standard error (ddof 1, over
+    positions) of the per-position nll differences as numpy computes them at once."""
+    rng = np.random.default_rng(3)
+    lp, ref_lp = (log_softmax(rng.standard_normal((50, 11)) * 3) for _ in range(2))
+    targets = rng.integers(0, 11, 50)
+    tot = Totals()
+    for r in (0, 7, 30):  # uneven blocks
+        end = {0: 7, 7: 30, 30: 50}[r]
+        tot.add(targets[r:end], lp[r:end], ref_lp[r:end])
+    d = ref_lp[np.arange(50), targets] - lp[np.arange(50), targets]  # model nll - ref's
+    mean, se = tot.nll_difference()
+    assert mean == pytest.approx(d.mean(), rel=1e-12)
+    assert se == pytest.approx(d.std(ddof=1) / math.sqrt(50), rel=1e-9)
+    one = Totals()
+    one.add(targets[:1], lp[:1], ref_lp[:1])
+    assert one.nll_difference() == (pytest.approx(d[0], rel=1e-12), None)
+
+
 def test_human_output_and_progress(f32, text_file, capsys) -> None:  # noqa: ANN001
     code, out, err = run_eval(capsys, f32.model_file, "--text", text_file, "--reference",
                               f32.model_file, "--max-tokens", "60")
     assert code == 0, err
     assert "perplexity" in out and "top-1 agreement 1.0000" in out
     assert "first disagreement never" in out
+    assert "ln(perplexity / reference's) +0.00000 ± 0.00000 (standard error" in out
     assert "window 1/2 (48 tokens)" in err and "window 2/2 (12 tokens)" in err
     assert "Traceback" not in err
 

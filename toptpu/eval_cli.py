@@ -291,17 +291,35 @@ class Totals:
     ref_nll: float = 0.0
     kl: float = 0.0
     agree: int = 0
+    #: the sum over positions of (the model's nll - the reference's nll)^2
+    diff_sq: float = 0.0
 
     def add(self, targets: np.ndarray, lp: np.ndarray, ref_lp: np.ndarray | None) -> None:
         rows = np.arange(len(targets))
         self.positions += len(targets)
-        self.nll -= float(lp[rows, targets].sum())
+        nll = -lp[rows, targets]
+        self.nll += float(nll.sum())
         if ref_lp is not None:
-            self.ref_nll -= float(ref_lp[rows, targets].sum())
+            ref_nll = -ref_lp[rows, targets]
+            self.ref_nll += float(ref_nll.sum())
+            self.diff_sq += float(np.square(nll - ref_nll).sum())
             p = np.exp(ref_lp)
             kl = (p * (ref_lp - lp)).sum(-1)
             self.kl += float(np.maximum(kl, 0.0).sum())  # >= 0; rounding can dip below
             self.agree += int((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
+
+    def nll_difference(self) -> tuple[float, float | None]:
+        """The mean over positions of the model's nll minus the reference's (= ln of the
+        perplexities' ratio) and its standard error over positions (None below two): the
+        paired comparison of two models on the same tokens, as llama.cpp's
+        `llama-perplexity --kl-divergence` reports ln(PPL(Q)/PPL(base)). Positions of one
+        text are not independent draws, so the error is a yardstick, not a test."""
+        n = self.positions
+        mean = (self.nll - self.ref_nll) / n
+        if n < 2:
+            return mean, None
+        var = max(0.0, self.diff_sq / n - mean * mean) * n / (n - 1)
+        return mean, math.sqrt(var / n)
 
 
 def non_finite(logits: np.ndarray, name: str, start: int, window: int) -> str | None:
@@ -395,12 +413,15 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         out["perplexity"] = None
         return out
     if ref is not None:
+        difference, stderr = tot.nll_difference()
         out["reference"] = {
             "kind": ref.kind, "path": ref.name,
             "nll": tot.ref_nll / tot.positions,
             "perplexity": _ppl(tot.ref_nll, tot.positions),
             "top1_agreement": tot.agree / tot.positions,
             "mean_kl": tot.kl / tot.positions,
+            "nll_difference": difference,
+            "nll_difference_stderr": stderr,
             "greedy": _greedy(model, ref, ids, args, progress),
         }
     return out
@@ -476,6 +497,9 @@ def summary(res: dict[str, Any]) -> str:
         lines.append(f"reference {ref['path']} ({ref['kind']}): perplexity "
                      f"{ref['perplexity']:.4f}; top-1 agreement {ref['top1_agreement']:.4f}, "
                      f"mean KL(reference || model) {ref['mean_kl']:.6g} nats")
+        se = ref["nll_difference_stderr"]
+        lines.append(f"ln(perplexity / reference's) {ref['nll_difference']:+.5f}"
+                     + ("" if se is None else f" ± {se:.5f} (standard error over tokens)"))
         lines.append(f"greedy after {g['prompt_tokens']} text tokens: "
                      f"{g['agreeing_tokens']}/{g['generated_tokens']} tokens agree, first "
                      f"disagreement {where}")
