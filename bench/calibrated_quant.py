@@ -39,6 +39,10 @@ evaluates the rows on the calibration text's last 60000 characters (which the ca
 does not read: it takes the text's first sequences x length tokens) and not on the
 held-back text; `--validation` evaluates on both.
 
+`--versus A,B` evaluates model file A against B on the held-back text: the paired
+difference of their negative log-likelihoods (ln of the perplexities' ratio) with its
+standard error over tokens (`toptpu eval`'s `nll_difference`).
+
 Run: python bench/calibrated_quant.py [--work DIR] [--rows f32,rtn64,gptq64,...]
 Every step's output is kept in --work and reused by a later run (its measurements in
 DIR/<file>.json).
@@ -206,6 +210,10 @@ def main() -> None:
                     help="the signround rows' --calibration-iterations (default 200)")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--versus", default=None, metavar="FILE_A,FILE_B",
+                    help="also evaluate the model file A against B (names in --work, e.g. "
+                    "awqgptaqmse64.toptpu,autoround64-w4bf16.toptpu) on the held-back text: "
+                    "ln(perplexity A / B) with its standard error over tokens")
     ap.add_argument("--validation", action="store_true",
                     help="also evaluate on the validation text (the calibration text's tail)")
     ap.add_argument("--validation-only", action="store_true",
@@ -286,6 +294,12 @@ def main() -> None:
                          "|---|---|---|---|", *val_lines]))
     if not a.validation_only:
         print("\n".join(lines))
+    if a.versus:
+        first, second = (os.path.join(a.work, n) for n in a.versus.split(","))
+        res = evaluated(first, held, second, a.max_tokens, False)["reference"]
+        print(f"{a.versus}: ln(perplexity ratio) {res['nll_difference']:+.5f} ± "
+              f"{res['nll_difference_stderr']:.5f} over {a.max_tokens} held-back tokens at "
+              f"most (top-1 agreement {100 * res['top1_agreement']:.1f} %)")
 
 
 def evaluated(out: str, text: str, ref: str, max_tokens: int, is_ref: bool
